@@ -1,0 +1,21 @@
+# plait: one command to set up and run the main job, one to set up and test.
+#   make demo   -- install everything, then plan (and run) the built-in default
+#   make test   -- install everything, then ruff + the whole test suite
+PY ?= python3
+PIP = $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: setup demo test lint bench
+
+setup:
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[test]"
+
+demo: setup
+	$(PY) -m plait.cli plan --run
+
+test: setup
+	$(PY) -m ruff check plait tests bench
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint:
+	$(PY) -m ruff check plait tests bench

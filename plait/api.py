@@ -1,0 +1,60 @@
+"""The Python API: each function mirrors a CLI subcommand and takes the same string forms.
+
+Imports are lazy so `import plait` stays fast and light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["inspect", "load_cluster", "load_model", "Plan", "simulate", "plan", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Plan":
+        from plait.plan.ir import Plan
+
+        return Plan
+    raise AttributeError(name)
+
+
+def load_cluster(spec: Any):
+    """A Cluster from a YAML path, a preset string (`a100-80g:nodes=8`) or a Cluster."""
+    from plait.cluster import load_cluster as _load
+
+    return _load(spec)
+
+
+def load_model(spec: Any):
+    """(nn.Module factory result, sample-input builder) from a zoo spec or `file.py:factory`."""
+    from plait.graph.zoo import load_model as _load
+
+    return _load(spec)
+
+
+def inspect(model: Any, batch: int = 1, **kwargs: Any):
+    """Capture `model` (zoo spec, `file.py:factory`, or nn.Module) and return its OpGraph."""
+    from plait.graph.inspect import inspect_model
+
+    return inspect_model(model, batch=batch, **kwargs)
+
+
+def simulate(model: Any, cluster: Any, plan: Any, **kwargs: Any):
+    """Predict one iteration: returns a SimResult (see plait.sim)."""
+    from plait.sim.api import simulate as _simulate
+
+    return _simulate(model, cluster, plan, **kwargs)
+
+
+def plan(model: Any = None, cluster: Any = None, global_batch: int | None = None, **kwargs: Any):
+    """Search for the fastest plan that fits (see plait.plan.search)."""
+    from plait.plan.search import plan as _plan
+
+    return _plan(model, cluster, global_batch=global_batch, **kwargs)
+
+
+def run(model: Any, cluster: Any, plan: Any, steps: int = 3, **kwargs: Any):
+    """Train `model` under `plan` with real torch.distributed workers (see plait.runtime)."""
+    from plait.runtime.api import run as _run
+
+    return _run(model, cluster, plan, steps=steps, **kwargs)

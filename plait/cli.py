@@ -1,0 +1,64 @@
+"""`plait` command line: one entry point, one subcommand per job.
+
+Each subcommand lives in its own module under `plait/commands/` and registers
+itself with `add_parser(subparsers)`; the module's `run(args)` returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommands in the order `plait --help` lists them: name -> module.
+COMMANDS = {
+    "inspect": "plait.commands.inspect_cmd",
+    "simulate": "plait.commands.simulate_cmd",
+    "plan": "plait.commands.plan_cmd",
+    "run": "plait.commands.run_cmd",
+    "profile": "plait.commands.profile_cmd",
+    "cluster": "plait.commands.cluster_cmd",
+}
+
+
+class UserError(Exception):
+    """An error caused by the user's input: printed as one line, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plait",
+        description="Plan, predict, run and watch distributed DNN training on heterogeneous clusters.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # subcommand not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from plait.errors import PlaitError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (PlaitError, UserError, FileNotFoundError) as exc:
+        print(f"plait {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

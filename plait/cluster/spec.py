@@ -1,0 +1,132 @@
+"""Cluster: GPU kinds, nodes, links and fabric of a real (heterogeneous) cluster.
+
+Units everywhere: bytes, bytes/second, seconds, FLOP/s. YAML files may write
+bandwidths with units ("600 GB/s", "200 Gb/s", "25 GB/s") and latencies
+("2 us", "1.5 ms"); see `plait.cluster.units`.
+
+Devices are numbered node-major: node 0's GPUs are 0..g0-1, node 1's follow, etc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plait.errors import PlaitError
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
+
+
+class ClusterError(PlaitError, ValueError):
+    """A malformed cluster description: the message names the file, the field and the reason."""
+
+
+@dataclass(frozen=True)
+class GPUKind:
+    name: str
+    peak_flops: dict[str, float]  # dtype -> dense FLOP/s (fp32, tf32, bf16, fp16)
+    memory_bytes: int
+    memory_bandwidth: float  # HBM/GDDR bytes/s
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for `dtype`; falls back to fp32 when the kind has no such unit."""
+        return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s, one direction
+    latency: float  # seconds
+    kind: str = "generic"  # nvlink | pcie | ethernet | infiniband | loopback | generic
+
+
+@dataclass
+class NodeSpec:
+    name: str
+    gpus: list[str]  # GPU kind name per local GPU
+    intra: Link  # GPU<->GPU inside the node (NVLink/NVSwitch or PCIe)
+    nic: Link  # the node's network: bandwidth per GPU-facing NIC share, latency
+    nics: int = 1  # NICs per node (bandwidth above is per NIC)
+    leaf: str | None = None  # leaf switch this node hangs off, when the fabric has switches
+
+
+@dataclass
+class SwitchSpec:
+    name: str
+    tier: str  # "leaf" | "spine"
+    uplink: Link | None = None  # leaf -> each spine
+
+
+@dataclass
+class PairOverride:
+    """A measured bandwidth/latency between two devices (e.g. from `plait profile`)."""
+
+    a: int
+    b: int
+    bandwidth: float | None = None
+    latency: float | None = None
+
+
+@dataclass
+class EmulationSpec:
+    """How to emulate this cluster on one machine for `plait run` (see runtime.emulate).
+
+    `slowdown` maps GPU kind -> compute slowdown factor relative to the fastest kind
+    (None: derived from peak FLOP/s); `namespaces` asks for Linux network namespaces
+    shaped with tc to the inter-node links (root only)."""
+
+    enabled: bool = True
+    slowdown: dict[str, float] | None = None
+    namespaces: bool = True
+    bandwidth_scale: float = 1.0  # scale link bandwidths down so a CPU run sees the same ratios
+
+
+@dataclass(frozen=True)
+class Device:
+    id: int
+    node: int  # index into Cluster.nodes
+    local: int  # index within the node
+    kind: GPUKind
+
+
+@dataclass
+class Cluster:
+    name: str
+    kinds: dict[str, GPUKind]
+    nodes: list[NodeSpec]
+    switches: list[SwitchSpec] = field(default_factory=list)
+    overrides: list[PairOverride] = field(default_factory=list)
+    emulation: EmulationSpec | None = None
+    source: str = "<memory>"  # file or preset it came from, for error messages
+
+    # The methods below are implemented in plait.cluster.topology; declared here so the
+    # type carries its API.
+    @property
+    def devices(self) -> list[Device]:
+        from plait.cluster.topology import devices_of
+
+        return devices_of(self)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(len(n.gpus) for n in self.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    def bandwidth_matrix(self) -> np.ndarray:
+        """(n, n) effective device-to-device bandwidth in bytes/s (diagonal: device memory bandwidth)."""
+        from plait.cluster.topology import bandwidth_matrix
+
+        return bandwidth_matrix(self)
+
+    def latency_matrix(self) -> np.ndarray:
+        """(n, n) device-to-device latency in seconds (diagonal 0)."""
+        from plait.cluster.topology import latency_matrix
+
+        return latency_matrix(self)

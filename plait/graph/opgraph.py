@@ -1,0 +1,145 @@
+"""OpGraph: a model as a DAG of ops grouped into layers, with costs per sample.
+
+Made by `plait.graph.capture.capture(module, sample_input)` on the meta device.
+All byte and FLOP figures are **per sample** (the capture batch divided out), so
+a consumer multiplies by its micro-batch size.
+
+Saved-for-backward bytes carry two refinements the memory estimator needs to
+reproduce Korthikanti et al. (2022) for Megatron transformers:
+
+* `saved_tp_bytes`   -- the part that Megatron tensor parallelism splits across
+  the t tensor ranks (tensors produced inside column-parallel linears and the
+  regions between a column- and a row-parallel linear); the rest is replicated
+  (or split by sequence parallelism).
+* `saved_selective_bytes` -- the part that selective recompute drops (tensors
+  both produced and saved inside an attention core; always tp-sharded).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import networkx as nx
+
+
+@dataclass
+class Op:
+    name: str  # unique, e.g. "layers.3.attn.qkv/aten.addmm#0"
+    target: str  # aten op, e.g. "aten.mm.default"
+    layer: str  # name of the Layer this op belongs to
+    module: str  # full module path that ran the op
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    param_bytes: int = 0  # parameters first used by this op
+    saved_bytes: float = 0.0
+    saved_tp_bytes: float = 0.0
+    saved_selective_bytes: float = 0.0
+    output_bytes: float = 0.0
+    inputs: list[str] = field(default_factory=list)  # names of producer ops
+
+
+@dataclass
+class Layer:
+    """A group of ops at one level of the module hierarchy (e.g. one transformer block).
+
+    `kind` is the module class name; `tp_style` says how Megatron tensor parallelism
+    splits it ("transformer", "embedding", "head", or "none" for replicated layers).
+    """
+
+    name: str
+    kind: str
+    ops: list[str] = field(default_factory=list)
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    param_count: int = 0
+    param_bytes: int = 0
+    saved_bytes: float = 0.0
+    saved_tp_bytes: float = 0.0
+    saved_selective_bytes: float = 0.0
+    input_bytes: float = 0.0  # bytes of the activations entering the layer (kept by full recompute)
+    output_bytes: float = 0.0  # bytes of the activations leaving the layer (pipeline messages)
+    tp_style: str = "none"
+
+
+@dataclass
+class OpGraph:
+    """The captured model. `layers` are in topological (execution) order."""
+
+    model: str
+    ops: dict[str, Op] = field(default_factory=dict)
+    layers: list[Layer] = field(default_factory=list)
+    layer_edges: list[tuple[str, str]] = field(default_factory=list)
+    param_dtype_bytes: int = 4
+    activation_dtype_bytes: int = 2
+    capture_batch: int = 1
+    # Architecture facts a consumer may use (hidden, heads, seq, vocab, ffn, layers, ...).
+    config: dict[str, Any] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- totals
+    @property
+    def param_count(self) -> int:
+        return sum(layer.param_count for layer in self.layers)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(layer.fwd_flops for layer in self.layers)
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(layer.bwd_flops for layer in self.layers)
+
+    @property
+    def saved_bytes(self) -> float:
+        return sum(layer.saved_bytes for layer in self.layers)
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no layer named {name!r} in {self.model}")
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    # ---------------------------------------------------------------- graphs
+    def op_dag(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        for op in self.ops.values():
+            g.add_node(op.name, op=op)
+            for src in op.inputs:
+                g.add_edge(src, op.name)
+        return g
+
+    def layer_dag(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        for layer in self.layers:
+            g.add_node(layer.name, layer=layer)
+        g.add_edges_from(self.layer_edges)
+        return g
+
+    def is_chain(self) -> bool:
+        """True when the layers form a single path (a linear pipeline can cut it anywhere)."""
+        names = self.layer_names
+        return set(self.layer_edges) <= {(a, b) for a, b in zip(names, names[1:])} or all(
+            names.index(b) == names.index(a) + 1 for a, b in self.layer_edges
+        )
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layer_edges"] = [list(e) for e in self.layer_edges]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OpGraph:
+        d = dict(d)
+        ops = {k: Op(**v) for k, v in d.pop("ops").items()}
+        layers = [Layer(**v) for v in d.pop("layers")]
+        edges = [tuple(e) for e in d.pop("layer_edges")]
+        return cls(ops=ops, layers=layers, layer_edges=edges, **d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())

@@ -1,0 +1,338 @@
+"""The Plan IR: how one training iteration is cut up and placed.
+
+A `Plan` is what every planner returns and what the simulator and the runtime
+consume. The common case, Megatron-style 3D parallelism, is expressed by the
+scalar fields (`dp`, `tp`, `pp`, `micro_batch`, ...) and has a short string form::
+
+    dp=2,tp=2,pp=2,micro_batch=4,global_batch=64,recompute=selective,zero=1,schedule=1f1b
+
+Everything the later planners need is an optional refinement on top:
+
+* `layer_split`   -- uneven number of layers per pipeline stage (mixed GPU kinds);
+* `dp_shares`     -- uneven share of each global batch per data-parallel replica
+                     (HAP / heterogeneous data parallel);
+* `tp_ratios`     -- uneven tensor-shard ratios per tensor-parallel rank (HAP);
+* `device_order`  -- placement: rank r runs on cluster device `device_order[r]`
+                     (Pipette's GPU-to-rank assignment); ranks are numbered in
+                     Megatron order (tp fastest, then dp, then pp);
+* `collectives`   -- collective algorithm per traffic class (HAP / NCCL choice);
+* `stages` + `stage_edges` -- an explicit DAG of stages (GraphPipe), each with its
+                     own ops, device group, micro-batch size and SPMD spec.
+
+When `stages` is empty the stage DAG is the chain implied by `pp` and
+`layer_split`; `Plan.stage_specs()` returns the explicit form in both cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved")
+ZERO_CHOICES = (0, 1, 2, 3)
+# Traffic classes whose collective algorithm a plan may pin (else chosen as NCCL would).
+COLLECTIVE_CLASSES = ("dp", "tp", "pp", "zero")
+COLLECTIVE_ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped")
+
+
+class PlanError(PlaitError, ValueError):
+    """A plan that is malformed or inconsistent; the message names the field."""
+
+
+@dataclass
+class StageSpec:
+    """One stage of a (possibly graph-shaped) pipeline.
+
+    `layers` are OpGraph layer names, in topological order. `devices` lists the
+    cluster device ids of the stage in rank order: replica-major, tp fastest
+    (i.e. devices[d * tp + t] is dp replica d, tensor rank t).
+    """
+
+    name: str
+    layers: list[str] = field(default_factory=list)
+    devices: list[int] = field(default_factory=list)
+    dp: int = 1
+    tp: int = 1
+    micro_batch: int | None = None  # None: the plan's micro_batch
+    dp_shares: list[float] | None = None
+    tp_ratios: list[float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Plan:
+    """A parallelisation plan for one training iteration (see module docstring)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    recompute: str = "none"
+    zero: int = 0
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # model chunks per device for interleaved 1F1B
+    sequence_parallel: bool = False
+    dtype: str = "bf16"  # training compute dtype (mixed precision when not fp32)
+    layer_split: list[int] | None = None
+    dp_shares: list[float] | None = None
+    tp_ratios: list[float] | None = None
+    device_order: list[int] | None = None
+    collectives: dict[str, str] = field(default_factory=dict)
+    stages: list[StageSpec] = field(default_factory=list)
+    stage_edges: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---------------------------------------------------------------- checks
+    def validate(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "global_batch", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"plan field '{name}': must be a positive integer, got {value!r}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise PlanError(f"plan field 'recompute': must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
+        if self.schedule not in SCHEDULE_CHOICES:
+            raise PlanError(f"plan field 'schedule': must be one of {SCHEDULE_CHOICES}, got {self.schedule!r}")
+        if self.zero not in ZERO_CHOICES:
+            raise PlanError(f"plan field 'zero': must be one of {ZERO_CHOICES}, got {self.zero!r}")
+        if self.dtype not in ("fp32", "tf32", "bf16", "fp16"):
+            raise PlanError(f"plan field 'dtype': must be fp32, tf32, bf16 or fp16, got {self.dtype!r}")
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            raise PlanError("plan field 'virtual_stages': only the interleaved schedule uses more than 1")
+        if not self.stages:
+            per_step = self.dp * self.micro_batch
+            if self.dp_shares is None and self.global_batch % per_step:
+                raise PlanError(
+                    f"plan field 'global_batch': {self.global_batch} is not a multiple of "
+                    f"dp*micro_batch = {per_step}"
+                )
+            if self.schedule == "interleaved" and self.num_micro_batches % self.pp:
+                raise PlanError("interleaved 1F1B needs the number of micro-batches to be a multiple of pp")
+        if self.layer_split is not None:
+            if len(self.layer_split) != self.pp * self.virtual_stages or min(self.layer_split) < 1:
+                raise PlanError(
+                    f"plan field 'layer_split': needs {self.pp * self.virtual_stages} positive counts, "
+                    f"got {self.layer_split}"
+                )
+        self._check_ratios("dp_shares", self.dp_shares, self.dp)
+        self._check_ratios("tp_ratios", self.tp_ratios, self.tp)
+        if self.device_order is not None:
+            if sorted(self.device_order) != sorted(set(self.device_order)) or len(self.device_order) != self.world_size:
+                raise PlanError(
+                    f"plan field 'device_order': needs {self.world_size} distinct device ids, "
+                    f"got {len(self.device_order)}"
+                )
+            if min(self.device_order) < 0:
+                raise PlanError("plan field 'device_order': device ids must be >= 0")
+        for cls, algo in self.collectives.items():
+            if cls not in COLLECTIVE_CLASSES:
+                raise PlanError(f"plan field 'collectives': unknown traffic class {cls!r}; use {COLLECTIVE_CLASSES}")
+            if algo not in COLLECTIVE_ALGORITHMS:
+                raise PlanError(f"plan field 'collectives.{cls}': unknown algorithm {algo!r}; use {COLLECTIVE_ALGORITHMS}")
+        n = len(self.stages)
+        for a, b in self.stage_edges:
+            if not (0 <= a < n and 0 <= b < n) or a == b:
+                raise PlanError(f"plan field 'stage_edges': edge ({a}, {b}) does not join two stages of {n}")
+
+    @staticmethod
+    def _check_ratios(name: str, ratios: list[float] | None, count: int) -> None:
+        if ratios is None:
+            return
+        if len(ratios) != count:
+            raise PlanError(f"plan field '{name}': needs {count} values, got {len(ratios)}")
+        if min(ratios) < 0 or abs(sum(ratios) - 1.0) > 1e-6:
+            raise PlanError(f"plan field '{name}': values must be >= 0 and sum to 1, got {ratios}")
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def world_size(self) -> int:
+        if self.stages:
+            return len({d for s in self.stages for d in s.devices})
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches each data-parallel replica runs per iteration (gradient accumulation)."""
+        return max(1, self.global_batch // (self.dp * self.micro_batch))
+
+    def rank(self, pp_index: int, dp_index: int, tp_index: int) -> int:
+        """Megatron's default rank order: tensor-parallel fastest, then data, then pipeline."""
+        return (pp_index * self.dp + dp_index) * self.tp + tp_index
+
+    def device_of(self, rank: int) -> int:
+        """Cluster device id that runs `rank` (identity unless `device_order` places it)."""
+        return self.device_order[rank] if self.device_order is not None else rank
+
+    def samples_per_replica(self) -> list[int]:
+        """Samples each data-parallel replica processes per iteration (integer, sums to global_batch).
+
+        Uneven shares are floored and the remainder handed to the largest deficits
+        (HAP §5's rounding)."""
+        shares = self.dp_shares or [1.0 / self.dp] * self.dp
+        exact = [s * self.global_batch for s in shares]
+        counts = [int(x) for x in exact]
+        for i in sorted(range(self.dp), key=lambda i: counts[i] - exact[i])[: self.global_batch - sum(counts)]:
+            counts[i] += 1
+        return counts
+
+    def layers_per_stage(self, num_layers: int) -> list[int]:
+        """Layers each pipeline (virtual) stage holds; even split with the remainder on early stages."""
+        chunks = self.pp * self.virtual_stages
+        if self.layer_split is not None:
+            if sum(self.layer_split) != num_layers:
+                raise PlanError(
+                    f"plan field 'layer_split': sums to {sum(self.layer_split)} but the model has {num_layers} layers"
+                )
+            return list(self.layer_split)
+        if num_layers < chunks:
+            raise PlanError(f"plan asks for {chunks} pipeline chunks but the model has only {num_layers} layers")
+        base, extra = divmod(num_layers, chunks)
+        return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+    def stage_specs(self, layer_names: list[str] | None = None) -> list[StageSpec]:
+        """The explicit stage list; derives a chain of `pp` stages when `stages` is empty.
+
+        `layer_names` are the model's layers in order (needed to fill a derived chain)."""
+        if self.stages:
+            return self.stages
+        counts = self.layers_per_stage(len(layer_names)) if layer_names is not None else None
+        specs, start = [], 0
+        for p in range(self.pp):
+            layers: list[str] = []
+            if counts is not None and layer_names is not None:
+                # With virtual stages, device stage p holds chunks p, p+pp, p+2pp, ...
+                bounds, s = [], 0
+                for c in counts:
+                    bounds.append((s, s + c))
+                    s += c
+                for v in range(self.virtual_stages):
+                    lo, hi = bounds[v * self.pp + p]
+                    layers.extend(layer_names[lo:hi])
+            devices = [self.device_of(self.rank(p, d, t)) for d in range(self.dp) for t in range(self.tp)]
+            specs.append(StageSpec(name=f"stage{p}", layers=layers, devices=devices, dp=self.dp, tp=self.tp,
+                                   micro_batch=self.micro_batch, dp_shares=self.dp_shares, tp_ratios=self.tp_ratios))
+            start += 1
+        return specs
+
+    def stage_graph_edges(self) -> list[tuple[int, int]]:
+        if self.stages:
+            return list(self.stage_edges)
+        return [(p, p + 1) for p in range(self.pp - 1)]
+
+    # ---------------------------------------------------------------- string form
+    _SHORT_FIELDS = ("dp", "tp", "pp", "micro_batch", "global_batch", "recompute", "zero", "schedule")
+
+    def __str__(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in self._SHORT_FIELDS]
+        if self.virtual_stages != 1:
+            parts.append(f"virtual_stages={self.virtual_stages}")
+        if self.sequence_parallel:
+            parts.append("sequence_parallel=true")
+        if self.dtype != "bf16":
+            parts.append(f"dtype={self.dtype}")
+        if self.layer_split is not None:
+            parts.append("layer_split=" + ":".join(map(str, self.layer_split)))
+        if self.dp_shares is not None:
+            parts.append("dp_shares=" + ":".join(f"{x:.6g}" for x in self.dp_shares))
+        if self.tp_ratios is not None:
+            parts.append("tp_ratios=" + ":".join(f"{x:.6g}" for x in self.tp_ratios))
+        if self.device_order is not None:
+            parts.append("device_order=" + ":".join(map(str, self.device_order)))
+        for cls, algo in sorted(self.collectives.items()):
+            parts.append(f"collective.{cls}={algo}")
+        if self.stages:
+            parts.append(f"stages={len(self.stages)}")
+        return ",".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """Parse the short form (`dp=2,tp=2,...`); unknown keys and bad values raise PlanError."""
+        kwargs: dict[str, Any] = {}
+        collectives: dict[str, str] = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            if "=" not in item:
+                raise PlanError(f"plan string: '{item}' is not key=value")
+            key, value = (s.strip() for s in item.split("=", 1))
+            key = key.replace("-", "_")
+            try:
+                if key in ("dp", "tp", "pp", "micro_batch", "global_batch", "zero", "virtual_stages"):
+                    kwargs[key] = int(value)
+                elif key in ("recompute", "schedule", "dtype"):
+                    kwargs[key] = value.lower()
+                elif key == "sequence_parallel":
+                    kwargs[key] = value.lower() in ("1", "true", "yes", "on")
+                elif key == "layer_split" or key == "device_order":
+                    kwargs[key] = [int(x) for x in value.split(":")]
+                elif key in ("dp_shares", "tp_ratios"):
+                    kwargs[key] = [float(x) for x in value.split(":")]
+                elif key.startswith("collective."):
+                    collectives[key.split(".", 1)[1]] = value
+                elif key == "stages":
+                    raise PlanError("plan string: a stage DAG cannot be given in short form; use a plan JSON file")
+                else:
+                    raise PlanError(f"plan string: unknown key '{key}'")
+            except ValueError as exc:
+                if isinstance(exc, PlanError):
+                    raise
+                raise PlanError(f"plan string: bad value for '{key}': {value!r}") from None
+        kwargs["collectives"] = collectives
+        return cls(**kwargs)
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stage_edges"] = [list(e) for e in self.stage_edges]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "plan") -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: a plan must be a JSON object")
+        data = dict(data.get("plan", data)) if "plan" in data and isinstance(data["plan"], dict) else dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"{source}: unknown plan field(s) {unknown}")
+        stages = [StageSpec(**s) for s in data.pop("stages", [])]
+        edges = [tuple(e) for e in data.pop("stage_edges", [])]
+        try:
+            return cls(**data, stages=stages, stage_edges=edges)
+        except TypeError as exc:
+            raise PlanError(f"{source}: {exc}") from None
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{source}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, source)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, spec: str | Path | Plan) -> Plan:
+        """Accept a Plan, a path to a plan JSON file, or the short string form."""
+        if isinstance(spec, Plan):
+            return spec
+        text = str(spec)
+        path = Path(text)
+        if text.endswith(".json") or (path.suffix and path.exists()):
+            if not path.exists():
+                raise PlanError(f"{text}: plan file not found")
+            return cls.from_json(path.read_text(), source=text)
+        return cls.parse(text)
