@@ -7,15 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from plait.plan.ir import Plan
+
 __all__ = ["inspect", "load_cluster", "load_model", "Plan", "simulate", "plan", "run"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "Plan":
-        from plait.plan.ir import Plan
-
-        return Plan
-    raise AttributeError(name)
 
 
 def load_cluster(spec: Any):

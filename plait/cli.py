@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan, predict, run and watch distributed DNN training on heterogeneous clusters.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in COMMANDS.items():
+    for module_name in COMMANDS.values():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

@@ -1,0 +1,126 @@
+"""Timeline: what ran where and when, for one or more iterations.
+
+The simulator predicts one and the runtime measures one, in the same schema, so
+accuracy is a row-by-row diff. Exported as Chrome / Perfetto trace-event JSON
+("X" complete events, microsecond timestamps; one process per device or link).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Event categories, shared by simulator and runtime.
+CATEGORIES = ("forward", "backward", "recompute", "optimizer", "data", "h2d",
+              "comm_tp", "comm_pp", "comm_dp", "comm_zero", "comm", "idle")
+
+
+@dataclass
+class TimelineEvent:
+    name: str  # e.g. "fwd stage0 mb3", "allreduce dp bucket2"
+    category: str  # one of CATEGORIES
+    resource: str  # "dev3/compute", "dev3/comm", "link 0-8", ...
+    start: float  # seconds from the iteration's start
+    end: float
+    device: int | None = None  # cluster device id, when the event belongs to one
+    stage: int | None = None
+    micro_batch: int | None = None
+    args: dict[str, Any] = field(default_factory=dict)  # bytes, flops, algorithm, ...
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    events: list[TimelineEvent] = field(default_factory=list)
+    source: str = "simulated"  # "simulated" | "measured"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, event: TimelineEvent) -> None:
+        self.events.append(event)
+
+    @property
+    def span(self) -> float:
+        """Wall time from the first start to the last end."""
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    def busy_time(self, resource: str) -> float:
+        """Union length of the intervals on `resource` (overlapping events count once)."""
+        spans = sorted((e.start, e.end) for e in self.events if e.resource == resource)
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            total += cur_e - cur_s
+        return total
+
+    def busy_fraction(self) -> dict[str, float]:
+        span = self.span or 1.0
+        return {r: self.busy_time(r) / span for r in sorted({e.resource for e in self.events})}
+
+    def by_category(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for e in self.events:
+            out[e.category] += e.duration
+        return dict(out)
+
+    # ---------------------------------------------------------------- export
+    def to_chrome_trace(self) -> dict[str, Any]:
+        """Trace-event format (the JSON Perfetto and chrome://tracing open)."""
+        resources = sorted({e.resource for e in self.events}, key=_resource_sort_key)
+        pids: dict[str, int] = {}
+        tids: dict[str, int] = {}
+        trace: list[dict[str, Any]] = []
+        for r in resources:
+            proc, _, thread = r.partition("/")
+            if proc not in pids:
+                pids[proc] = len(pids)
+                trace.append({"ph": "M", "name": "process_name", "pid": pids[proc], "tid": 0,
+                              "args": {"name": proc}})
+                trace.append({"ph": "M", "name": "process_sort_index", "pid": pids[proc], "tid": 0,
+                              "args": {"sort_index": pids[proc]}})
+            if r not in tids:
+                tids[r] = len(tids) + 1
+                trace.append({"ph": "M", "name": "thread_name", "pid": pids[proc], "tid": tids[r],
+                              "args": {"name": thread or proc}})
+        t0 = min((e.start for e in self.events), default=0.0)
+        for e in self.events:
+            proc = e.resource.partition("/")[0]
+            args = {k: v for k, v in e.args.items() if isinstance(v, (int, float, str, bool))}
+            for key in ("device", "stage", "micro_batch"):
+                if getattr(e, key) is not None:
+                    args[key] = getattr(e, key)
+            trace.append({"ph": "X", "name": e.name, "cat": e.category, "pid": pids[proc],
+                          "tid": tids[e.resource], "ts": (e.start - t0) * 1e6,
+                          "dur": max(e.duration, 0.0) * 1e6, "args": args})
+        return {"traceEvents": trace, "displayTimeUnit": "ms",
+                "otherData": {"source": self.source, **{k: str(v) for k, v in self.meta.items()}}}
+
+    def save_chrome_trace(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_chrome_trace()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "meta": self.meta, "events": [asdict(e) for e in self.events]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Timeline:
+        return cls(events=[TimelineEvent(**e) for e in d["events"]], source=d.get("source", "simulated"),
+                   meta=d.get("meta", {}))
+
+
+def _resource_sort_key(resource: str) -> tuple:
+    proc, _, thread = resource.partition("/")
+    digits = "".join(c for c in proc if c.isdigit())
+    return (not proc.startswith("dev"), int(digits) if digits else 0, proc, thread)
