@@ -1,0 +1,356 @@
+"""GPU-to-rank placement on uneven links: Pipette's simulated annealing (SYSTEMS.md §2).
+
+A 3D plan numbers its ranks in Megatron order (tensor fastest, then data, then
+pipeline), so rank r = (p*dp + d)*tp + t. A placement `order` says which cluster
+device runs each rank (`Plan.device_order`); Megatron's default is the identity.
+
+Objective -- Pipette's path-based latency model with the measured (or modelled)
+device-to-device bandwidth matrix BW, per iteration:
+
+* tensor parallel: every TP group all-reduces `tp_count` times a message of
+  `tp_bytes`; a ring costs ``2(t-1)/t * msg * max_link 1/BW + 2(t-1) * max_link alpha``
+  and the slowest group sets the pace;
+* pipeline: each pipeline (data-parallel replica d) sends activations forward and
+  gradients backward between adjacent stages, ``path_d = sum_p 2*msg/BW[p][p+1]``
+  (the slowest tensor rank of each hop counts), paid ``pp_count`` times
+  (Pipette: ``gas // pp`` in the 1F1B formula); the slowest pipeline sets the pace;
+* data parallel: every DP group (same stage, same tensor rank) all-reduces its
+  gradients, ``2(d-1)/d * msg * max_link 1/BW``; the slowest ring sets the pace.
+
+Search space: permutations that keep each rank on the same GPU kind as in the
+starting order (the kind layout is chosen by `plait.plan.hetero`; placement only
+chooses among GPUs of equal kind). Moves (Pipette): swap, insert, 2-opt (reverse a
+segment) and reversed insert (move a reversed segment), applied either to GPUs of
+one kind or to whole nodes with the same GPU kinds. Annealing is deterministic for
+a given seed and never returns a placement worse than its start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
+    from plait.graph.opgraph import OpGraph
+    from plait.plan.ir import Plan
+
+MOVES = ("swap", "insert", "2opt", "reversed_insert")
+
+
+class PlacementError(PlaitError, ValueError):
+    """A placement request that cannot be satisfied (the message says which field)."""
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Per-iteration traffic of one 3D plan, in the units of Pipette's path model."""
+
+    tp_bytes: float = 0.0  # bytes of one tensor-parallel all-reduce, per rank
+    tp_count: float = 0.0  # tensor-parallel all-reduces per iteration on the critical path
+    pp_bytes: float = 0.0  # bytes one rank sends to the next stage per micro-batch
+    pp_count: float = 0.0  # weight of the pipeline path (Pipette: gas // pp)
+    dp_bytes: float = 0.0  # gradient bytes each rank all-reduces per iteration
+
+
+def traffic_of(graph: OpGraph, plan: Plan) -> Traffic:
+    """Traffic of a plan from the captured model (Megatron's communication pattern).
+
+    TP: each transformer layer all-reduces its output twice in forward and twice in
+    backward (Megatron-LM §3: after attention and after the MLP, `f`/`g` operators).
+    PP: the activation leaving a stage (the largest layer output, per micro-batch).
+    DP: gradients of one stage's parameters, split over tp, in the compute dtype.
+    """
+    mb = plan.micro_batch
+    tp_layers = [layer for layer in graph.layers if layer.tp_style == "transformer"]
+    counts = plan.layers_per_stage(len(graph.layers)) if len(graph.layers) >= plan.pp * plan.virtual_stages else [1]
+    bounds = np.cumsum([0] + counts)
+    # the busiest stage: most transformer layers (TP traffic) and most parameters (DP traffic)
+    per_stage = [graph.layers[bounds[i]:bounds[i + 1]] for i in range(len(counts))]
+    tp_per_stage = max(sum(1 for x in st if x.tp_style == "transformer") for st in per_stage) * plan.virtual_stages
+    params = max(sum(x.param_count for x in st) for st in per_stage) * plan.virtual_stages
+    out = max((layer.output_bytes for layer in tp_layers or graph.layers), default=0.0)
+    gas = plan.num_micro_batches
+    grad_bytes = 2 if plan.dtype in ("bf16", "fp16") else 4
+    return Traffic(
+        tp_bytes=out * mb,
+        tp_count=4.0 * tp_per_stage * gas if plan.tp > 1 else 0.0,
+        pp_bytes=out * mb,
+        pp_count=float(max(1, gas // plan.pp)) if plan.pp > 1 else 0.0,
+        dp_bytes=params / plan.tp * grad_bytes if plan.dp > 1 else 0.0,
+    )
+
+
+class PathModel:
+    """Pipette's path-based communication latency of a rank-to-device order (module docstring)."""
+
+    def __init__(self, bandwidth: np.ndarray, traffic: Traffic, *, dp: int, tp: int, pp: int,
+                 latency: np.ndarray | None = None) -> None:
+        bw = np.asarray(bandwidth, dtype=float)
+        if bw.ndim != 2 or bw.shape[0] != bw.shape[1]:
+            raise PlacementError(f"bandwidth matrix must be square, got shape {bw.shape}")
+        self.n = bw.shape[0]
+        self.world = dp * tp * pp
+        if self.world > self.n:
+            raise PlacementError(f"plan needs {self.world} devices but the cluster has {self.n}")
+        with np.errstate(divide="ignore"):
+            inv = np.where(bw > 0, 1.0 / np.where(bw > 0, bw, 1.0), np.inf)
+        np.fill_diagonal(inv, 0.0)
+        self.inv_bw = inv
+        self.lat = np.zeros_like(inv) if latency is None else np.asarray(latency, dtype=float)
+        self.traffic = traffic
+        self.dp, self.tp, self.pp = dp, tp, pp
+
+    # Each term takes orders of shape (..., n) and returns seconds of shape (...).
+    def _grid(self, orders: np.ndarray) -> np.ndarray:
+        o = np.asarray(orders)[..., : self.world]
+        return o.reshape(o.shape[:-1] + (self.pp, self.dp, self.tp))
+
+    def _ring(self, groups: np.ndarray, msg: float) -> np.ndarray:
+        """Ring all-reduce of `msg` bytes over the last axis of (..., a, b, k) groups; the
+        slowest of the a*b groups sets the pace."""
+        k = groups.shape[-1]
+        batch = groups.shape[:-3]
+        if k == 1 or msg == 0:
+            return np.zeros(batch)
+        nxt = np.roll(groups, -1, axis=-1)
+        inv = self.inv_bw[groups, nxt].max(axis=-1)
+        lat = self.lat[groups, nxt].max(axis=-1)
+        per_group = 2.0 * (k - 1) / k * msg * inv + 2.0 * (k - 1) * lat
+        return per_group.max(axis=(-1, -2))
+
+    def _terms(self, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        g = self._grid(orders)  # (..., pp, dp, tp)
+        batch = g.shape[:-3]
+        # tensor parallel: ring over the tensor ranks of each (stage, replica)
+        tp = self.traffic.tp_count * self._ring(g, self.traffic.tp_bytes) if self.tp > 1 else np.zeros(batch)
+        if self.pp == 1 or self.traffic.pp_bytes == 0:
+            pp = np.zeros(batch)
+        else:
+            a, b = g[..., :-1, :, :], g[..., 1:, :, :]
+            # forward activation + backward gradient per hop; the slowest tensor rank of a hop counts
+            hop = (2.0 * self.traffic.pp_bytes * self.inv_bw[a, b] + 2.0 * self.lat[a, b]).max(axis=-1)
+            pp = self.traffic.pp_count * hop.sum(axis=-2).max(axis=-1)
+        # data parallel: ring over the replicas of each (stage, tensor rank)
+        dp = self._ring(np.swapaxes(g, -1, -2), self.traffic.dp_bytes) if self.dp > 1 else np.zeros(batch)
+        return tp, pp, dp
+
+    def cost(self, orders: np.ndarray) -> np.ndarray:
+        tp, pp, dp = self._terms(orders)
+        return tp + pp + dp
+
+    def breakdown(self, order: np.ndarray | list[int]) -> dict[str, float]:
+        tp, pp, dp = self._terms(np.asarray(order))
+        parts = {"tp": float(tp), "pp": float(pp), "dp": float(dp)}
+        parts["total"] = parts["tp"] + parts["pp"] + parts["dp"]
+        return parts
+
+
+@dataclass
+class PlacementResult:
+    order: list[int]  # rank -> device id (first `world` entries are used by the plan)
+    cost: float  # Pipette path-model seconds per iteration for `order`
+    default_cost: float  # the same for Megatron's default order (the starting order)
+    breakdown: dict[str, float] = field(default_factory=dict)
+    default_breakdown: dict[str, float] = field(default_factory=dict)
+    iterations: int = 0
+    accepted: int = 0
+
+    @property
+    def gain(self) -> float:
+        """default_cost / cost (>= 1: how much less communication time placement buys)."""
+        return self.default_cost / self.cost if self.cost > 0 else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"order": self.order, "cost_s": self.cost, "default_cost_s": self.default_cost,
+                "breakdown": self.breakdown, "default_breakdown": self.default_breakdown,
+                "iterations": self.iterations, "accepted": self.accepted}
+
+
+# ---------------------------------------------------------------- moves
+def apply_move(seq: np.ndarray, move: str, i: int, j: int, k: int = 0) -> np.ndarray:
+    """Pipette's permutation moves on a 1-D sequence (returns a new array), i < j.
+
+    swap: exchange seq[i] and seq[j]; insert: move seq[i] to position j;
+    2opt: reverse seq[i..j]; reversed_insert: cut seq[i..j], reverse it and insert it
+    at position k of what is left."""
+    s = list(seq)
+    if move == "swap":
+        s[i], s[j] = s[j], s[i]
+    elif move == "insert":
+        x = s.pop(i)
+        s.insert(j, x)
+    elif move == "2opt":
+        s[i : j + 1] = s[i : j + 1][::-1]
+    elif move == "reversed_insert":
+        seg = s[i : j + 1][::-1]
+        rest = s[:i] + s[j + 1 :]
+        k = min(k, len(rest))
+        s = rest[:k] + seg + rest[k:]
+    else:
+        raise PlacementError(f"unknown move {move!r}; use {MOVES}")
+    return np.asarray(s, dtype=seq.dtype)
+
+
+class _Space:
+    """Kind-preserving permutations: GPU moves inside a kind class, node moves among twin nodes."""
+
+    def __init__(self, start: np.ndarray, kinds: list[str], nodes: list[int]) -> None:
+        self.start = start
+        n = len(start)
+        kind_of_pos = [kinds[d] for d in start]
+        cls: dict[str, list[int]] = defaultdict(list)
+        for pos in range(n):
+            cls[kind_of_pos[pos]].append(pos)
+        self.classes = [np.asarray(v) for v in cls.values() if len(v) >= 2]
+        # nodes with identical GPU-kind lists can trade all their GPUs at once
+        members: dict[int, list[int]] = defaultdict(list)
+        for d in range(n):
+            members[nodes[d]].append(d)
+        sig: dict[tuple[str, ...], list[int]] = defaultdict(list)
+        for node, devs in sorted(members.items()):
+            sig[tuple(kinds[d] for d in sorted(devs))].append(node)
+        # per twin-node group: (nodes, their devices as a nodes x gpus array in local order)
+        self.node_groups = [(np.asarray(v), np.asarray([sorted(members[x]) for x in v]))
+                            for v in sig.values() if len(v) >= 2]
+        self.nodes = np.asarray(nodes)
+
+    @property
+    def trivial(self) -> bool:
+        return not self.classes and not self.node_groups
+
+    @staticmethod
+    def _pick(m: int, rng: np.random.Generator) -> tuple[int, int, int]:
+        """Two distinct indices i < j of m, and an insertion point k for reversed insert."""
+        i = int(rng.integers(m))
+        j = int(rng.integers(m - 1))
+        j += j >= i
+        i, j = min(i, j), max(i, j)
+        rest = m - (j - i + 1)
+        return i, j, int(rng.integers(rest + 1))
+
+    def shuffle(self, order: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """A random kind-preserving permutation of `order` (a restart point)."""
+        out = order.copy()
+        for pos in self.classes:
+            out[pos] = rng.permutation(order[pos])
+        return out
+
+    def propose(self, order: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        use_nodes = self.node_groups and (not self.classes or rng.random() < 0.5)
+        move = MOVES[int(rng.integers(len(MOVES)))]
+        if use_nodes:
+            _, devs = self.node_groups[int(rng.integers(len(self.node_groups)))]
+            m = len(devs)
+            i, j, k = self._pick(m, rng)
+            perm = apply_move(np.arange(m), move, i, j, k)
+            relabel = np.arange(len(order))
+            relabel[devs] = devs[perm]  # node slot a now holds node perm[a]'s GPUs
+            return relabel[order]
+        pos = self.classes[int(rng.integers(len(self.classes)))]
+        i, j, k = self._pick(len(pos), rng)
+        out = order.copy()
+        out[pos] = apply_move(order[pos], move, i, j, k)
+        return out
+
+
+def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[int] | None = None,
+           seed: int = 0, iterations: int | None = None, restarts: int = 3) -> PlacementResult:
+    """Simulated annealing over kind-preserving GPU/node permutations (Pipette §IV).
+
+    `kinds[d]` and `nodes[d]` describe device d. Metropolis acceptance with a geometric
+    temperature schedule from T0 (mean uphill step of random moves / ln 2, so early on
+    half of the uphill moves pass) down to T0/1000. The first run starts from `start`,
+    later runs from random kind-preserving shuffles; the best order seen is polished by
+    steepest descent over all pair swaps (small clusters) and returned."""
+    n = model.n
+    order0 = np.arange(n) if start is None else np.asarray(start, dtype=int)
+    if sorted(order0.tolist()) != list(range(n)):
+        raise PlacementError(f"start order must be a permutation of the {n} device ids")
+    space = _Space(order0, kinds, nodes)
+    c0 = float(model.cost(order0))
+    result = PlacementResult(order=order0.tolist(), cost=c0, default_cost=c0,
+                             breakdown=model.breakdown(order0), default_breakdown=model.breakdown(order0))
+    if space.trivial or c0 == 0.0:
+        return result
+    iters = iterations if iterations is not None else int(min(8000, max(2000, 20 * n)))
+    rng = np.random.default_rng(seed)
+    # temperature from the typical uphill step of random moves
+    probes = [float(model.cost(space.propose(order0, rng))) - c0 for _ in range(32)]
+    ups = [x for x in probes if x > 0]
+    t0 = (sum(ups) / len(ups) if ups else c0 * 0.05) / math.log(2)
+    alpha = 1e-3 ** (1.0 / max(1, iters - 1))
+    best, best_cost = order0, c0
+    accepted = 0
+    for r in range(max(1, restarts)):
+        cur = order0 if r == 0 else space.shuffle(order0, rng)
+        cur_cost = float(model.cost(cur))
+        if cur_cost < best_cost:
+            best, best_cost = cur, cur_cost
+        temp = t0
+        for _ in range(iters):
+            cand = space.propose(cur, rng)
+            c = float(model.cost(cand))
+            if c <= cur_cost or rng.random() < math.exp(-(c - cur_cost) / temp):
+                cur, cur_cost = cand, c
+                accepted += 1
+                if c < best_cost:
+                    best, best_cost = cand, c
+            temp *= alpha
+    best, best_cost = _polish(model, space, best, best_cost)
+    result.order = best.tolist()
+    result.cost = best_cost
+    result.breakdown = model.breakdown(best)
+    result.iterations = iters * max(1, restarts)
+    result.accepted = accepted
+    return result
+
+
+def _polish(model: PathModel, space: _Space, order: np.ndarray, cost: float,
+            max_devices: int = 128) -> tuple[np.ndarray, float]:
+    """Steepest descent over every same-kind pair swap, all swaps evaluated in one batch."""
+    if model.n > max_devices:
+        return order, cost
+    pairs = np.asarray([(int(a), int(b)) for pos in space.classes
+                        for a, b in itertools.combinations(pos.tolist(), 2)], dtype=int)
+    if len(pairs) == 0:
+        return order, cost
+    rows = np.arange(len(pairs))
+    for _ in range(4 * model.n):
+        cands = np.repeat(order[None, :], len(pairs), axis=0)
+        cands[rows, pairs[:, 0]] = order[pairs[:, 1]]
+        cands[rows, pairs[:, 1]] = order[pairs[:, 0]]
+        costs = model.cost(cands)
+        i = int(np.argmin(costs))
+        if costs[i] >= cost * (1 - 1e-12):
+            break
+        order, cost = cands[i], float(costs[i])
+    return order, cost
+
+
+def brute_force(model: PathModel) -> tuple[list[int], float]:
+    """Exhaustive minimum over all permutations of the devices (tests; n <= 8)."""
+    if model.n > 8:
+        raise PlacementError(f"brute force over {model.n}! orders is too many; use anneal")
+    perms = np.asarray(list(itertools.permutations(range(model.n))), dtype=int)
+    costs = np.concatenate([model.cost(chunk) for chunk in np.array_split(perms, max(1, len(perms) // 5040))])
+    i = int(np.argmin(costs))
+    return perms[i].tolist(), float(costs[i])
+
+
+def place(cluster: Cluster, plan: Plan, traffic: Traffic, *, start: list[int] | None = None,
+          seed: int = 0, iterations: int | None = None) -> PlacementResult:
+    """Best rank-to-device order for `plan` on `cluster`, compared with `start` (default identity)."""
+    devices = cluster.devices
+    model = PathModel(cluster.bandwidth_matrix(), traffic, dp=plan.dp, tp=plan.tp, pp=plan.pp,
+                      latency=cluster.latency_matrix())
+    kinds = [d.kind.name for d in devices]
+    nodes = [d.node for d in devices]
+    return anneal(model, kinds, nodes, start=start, seed=seed, iterations=iterations)
