@@ -1,0 +1,546 @@
+"""`plait profile`: measure a live cluster (or N local workers) and write a cluster YAML.
+
+The workers are ordinary `torch.distributed` processes launched by torchrun
+(`torch.distributed.run`; gloo on CPU, NCCL on GPU). Every rank measures, at the
+same time as the others (as in training, where all ranks compute at once):
+
+* **point-to-point** bandwidth and latency for every pair of ranks, in parallel
+  rounds. The rounds come from the round-robin tournament ("circle method": fix
+  rank 0, rotate the others), so each round is a perfect matching and n-1 rounds
+  (n even) cover all n(n-1)/2 pairs. Pairs of a round that would share a node's NIC
+  (two cross-node pairs touching the same node) are deferred to a sub-round, so each
+  figure is one link's, uncontended -- the number a cluster file's link describes.
+  Latency is half the median round trip of a 4-byte ping-pong; bandwidth is
+  `k*S / (t - latency)` for k back-to-back sends of S bytes closed by a 4-byte ack.
+* **collectives**: all-reduce and all-gather from 1 KiB to 256 MiB (powers of two;
+  `--max-size` for quick runs) with nccl-tests' conventions (PERFORMANCE.md of
+  NVIDIA/nccl-tests): `size` is the full buffer (for all-gather the gathered
+  output), `algbw = size / t`, `busbw = algbw * 2(n-1)/n` for all-reduce and
+  `algbw * (n-1)/n` for all-gather; `t` is the slowest rank's mean time per call.
+* **matmul** throughput per rank and dtype (n x n @ n x n = 2n^3 FLOP; the best of a
+  few n is the kind's achieved peak) and copy memory bandwidth (2 x bytes per copy).
+
+When an emulated compute slowdown applies (see `plait.runtime.emulate`), every
+matmul span is stretched by sleeping, exactly as the runtime does, so the profile
+measures the emulated device. The launcher takes, per node, an object with
+`command(argv)`, `env()` and `ip` (a `plait.runtime.netns.NodeNet`), so the workers
+of an emulated node run inside its network namespace and measure the shaped links.
+
+On a real multi-host cluster, run the worker under your own torchrun on every host
+(`torchrun --nnodes ... -m plait.cluster.profile --worker --result R.json`, with
+PLAIT_NODE set to the host's node index) and turn the result into YAML with
+`plait profile --from-result R.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from plait.cluster.spec import ClusterError
+from plait.errors import PlaitError
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+class ProfileError(PlaitError, RuntimeError):
+    """The profiling run failed or was given impossible options."""
+
+
+# ---------------------------------------------------------------- schedules
+
+
+def round_robin_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Rounds of the round-robin tournament on n players; each round is a perfect matching.
+
+    Circle method: fix player 0 and rotate the others one seat per round; round r pairs
+    seat i with seat n-1-i. With n odd a dummy player is added and its partner rests.
+    Every unordered pair appears exactly once; pairs are (low, high)."""
+    if n < 2:
+        return []
+    players = list(range(n)) + ([None] if n % 2 else [])
+    m = len(players)
+    rounds = []
+    for _ in range(m - 1):
+        pairs = []
+        for i in range(m // 2):
+            a, b = players[i], players[m - 1 - i]
+            if a is not None and b is not None:
+                pairs.append((min(a, b), max(a, b)))
+        rounds.append(sorted(pairs))
+        players = [players[0], players[-1], *players[1:-1]]
+    return rounds
+
+
+def split_by_nic(pairs: Sequence[tuple[int, int]], node_of: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Split one round so that each node takes part in at most one cross-node pair per sub-round.
+
+    Intra-node pairs never share a NIC and stay in the first sub-round. Greedy first-fit:
+    a matching's cross-node pairs form a multigraph on nodes and this is its edge colouring."""
+    subrounds: list[list[tuple[int, int]]] = [[]]
+    busy: list[set[int]] = [set()]
+    for a, b in pairs:
+        na, nb = node_of[a], node_of[b]
+        if na == nb:
+            subrounds[0].append((a, b))
+            continue
+        for k, used in enumerate(busy):
+            if na not in used and nb not in used:
+                subrounds[k].append((a, b))
+                used.update((na, nb))
+                break
+        else:
+            subrounds.append([(a, b)])
+            busy.append({na, nb})
+    return [s for s in subrounds if s]
+
+
+def default_sizes(max_size: int = 256 * MiB, min_size: int = KiB) -> list[int]:
+    """Powers of two from `min_size` to `max_size` bytes (nccl-tests' -b/-e/-f 2 sweep)."""
+    if max_size < min_size:
+        raise ProfileError(f"--max-size {max_size} is below the smallest size {min_size}")
+    out, s = [], min_size
+    while s <= max_size:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def parse_size(text: str) -> int:
+    """'1K', '256M', '1G', '4096' -> bytes (binary multiples, like nccl-tests)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": KiB, "M": MiB, "G": 1024 * MiB}
+    try:
+        if t and t[-1] in mult:
+            return int(float(t[:-1]) * mult[t[-1]])
+        return int(t)
+    except ValueError:
+        raise ProfileError(f"size {text!r}: expected a byte count like 4096, 64K, 256M or 1G") from None
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """nccl-tests' busbw/algbw factor: all-reduce 2(n-1)/n, all-gather/reduce-scatter (n-1)/n."""
+    if n <= 1:
+        return 1.0
+    if collective == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class ProfileConfig:
+    sizes: list[int] = field(default_factory=lambda: default_sizes())
+    p2p_bytes: int = 4 * MiB
+    p2p_iters: int = 3
+    latency_iters: int = 20
+    matmul_sizes: list[int] | None = None  # None: 256/512/1024 on CPU, 2048/4096/8192 on GPU
+    dtypes: list[str] | None = None  # None: fp32,bf16 on CPU; fp32,tf32,bf16,fp16 on GPU
+    min_time: float = 0.05  # seconds each collective size / matmul measurement runs for, at least
+    max_iters: int = 20
+    slowdowns: list[float] | None = None  # per global rank; None: no emulated slowdown
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 300.0
+
+
+@dataclass
+class ProfileResult:
+    world: int
+    backend: str
+    device_type: str  # "cpu" or the CUDA device name
+    node_of: list[int]  # rank -> node index
+    p2p: dict[str, dict[str, float]]  # "a-b" (a -> b) -> {"bandwidth": B/s, "latency": s}
+    collectives: dict[str, list[dict[str, float]]]  # name -> rows {bytes, time_s, algbw, busbw}
+    matmul: list[dict[str, Any]]  # per rank: {dtype: best FLOP/s, "by_size": {dtype: {n: FLOP/s}}}
+    memory_bandwidth: list[float]  # per rank, bytes/s (copy)
+    memory_bytes: list[int]  # per rank
+    slowdowns: list[float]
+    rounds: list[list[list[tuple[int, int]]]]  # round -> sub-round -> pairs
+    seconds: float = 0.0
+
+    def pair(self, a: int, b: int) -> dict[str, float]:
+        return self.p2p[f"{a}-{b}"]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "profile result") -> ProfileResult:
+        try:
+            data = json.loads(text)
+            data["rounds"] = [[[tuple(p) for p in sub] for sub in rnd] for rnd in data["rounds"]]
+            return cls(**data)
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise ProfileError(f"{source}: not a plait profile result ({exc})") from None
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None:
+    import torch
+    import torch.distributed as dist
+
+    from plait.runtime.emulate import SlowdownTimer  # stdlib-only module; no runtime machinery
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and cfg.backend != "gloo"
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        sync = torch.cuda.synchronize
+    else:
+        device = torch.device("cpu")
+
+        def sync() -> None:
+            return None
+
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
+                            **({"device_id": device} if cuda else {}))
+    t_start = time.perf_counter()
+    node = int(os.environ.get("PLAIT_NODE", "0"))
+    nodes: list[Any] = [None] * world
+    dist.all_gather_object(nodes, node)
+    node_of = [int(x) for x in nodes]
+    slow = (cfg.slowdowns or [1.0] * world)[rank]
+
+    def barrier() -> None:
+        sync()
+        dist.barrier()
+
+    # ---- point-to-point, parallel rounds
+    small = torch.zeros(1, dtype=torch.float32, device=device)
+    big = torch.zeros(max(1, cfg.p2p_bytes // 4), dtype=torch.float32, device=device)
+    p2p: dict[str, dict[str, float]] = {}
+
+    def one_way(src: int, dst: int, lat: float) -> float:
+        """Bandwidth src -> dst; both ranks call it, only src's figure is meaningful."""
+        if rank == src:
+            dist.send(big, dst)  # warm-up: connection set-up and buffer registration
+            dist.recv(small, dst)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(cfg.p2p_iters):
+                dist.send(big, dst)
+            dist.recv(small, dst)
+            sync()
+            t = time.perf_counter() - t0
+            return cfg.p2p_iters * big.numel() * 4 / max(t - lat, 1e-9)
+        for _ in range(1 + cfg.p2p_iters):
+            dist.recv(big, src)
+            if _ == 0:
+                dist.send(small, src)
+        dist.send(small, src)
+        return 0.0
+
+    rounds = [split_by_nic(r, node_of) for r in round_robin_rounds(world)]
+    for rnd in rounds:
+        for sub in rnd:
+            for a, b in sub:
+                if rank not in (a, b):
+                    continue
+                peer = b if rank == a else a
+                rtts = []
+                for i in range(3 + cfg.latency_iters):
+                    sync()
+                    t0 = time.perf_counter()
+                    if rank == a:
+                        dist.send(small, peer)
+                        dist.recv(small, peer)
+                    else:
+                        dist.recv(small, peer)
+                        dist.send(small, peer)
+                    sync()
+                    if i >= 3:
+                        rtts.append(time.perf_counter() - t0)
+                lat = statistics.median(rtts) / 2
+                bw_ab = one_way(a, b, lat)
+                bw_ba = one_way(b, a, lat)
+                if rank == a:
+                    p2p[f"{a}-{b}"] = {"bandwidth": bw_ab, "latency": lat}
+                else:
+                    p2p[f"{b}-{a}"] = {"bandwidth": bw_ba, "latency": lat}
+            barrier()
+    del big
+
+    # ---- collectives
+    def timed(op: Any) -> float:
+        """Mean seconds per call of `op`, slowest rank; iterations sized from a warm-up call."""
+        barrier()
+        t0 = time.perf_counter()
+        op()
+        sync()
+        t_warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(t_warm, op=dist.ReduceOp.MAX)
+        iters = int(min(cfg.max_iters, max(1, math.ceil(cfg.min_time / max(float(t_warm), 1e-6)))))
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            op()
+        sync()
+        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    collectives: dict[str, list[dict[str, float]]] = {"all_reduce": [], "all_gather": []}
+    for size in cfg.sizes:
+        buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
+        t = timed(lambda: dist.all_reduce(buf))
+        nbytes = buf.numel() * 4
+        collectives["all_reduce"].append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t,
+                                          "busbw": nbytes / t * bus_factor("all_reduce", world)})
+        del buf
+        per = max(1, size // 4 // world)
+        part = torch.ones(per, dtype=torch.float32, device=device)
+        out = torch.empty(per * world, dtype=torch.float32, device=device)
+        t = timed(lambda: dist.all_gather_into_tensor(out, part))
+        nbytes = out.numel() * 4
+        collectives["all_gather"].append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t,
+                                          "busbw": nbytes / t * bus_factor("all_gather", world)})
+        del part, out
+
+    # ---- matmul and memory bandwidth (all ranks at once, like training)
+    dtypes = cfg.dtypes or (["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"])
+    ns = cfg.matmul_sizes or ([2048, 4096, 8192] if cuda else [256, 512, 1024])
+    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    matmul: dict[str, Any] = {"by_size": {}}
+    for dt in dtypes:
+        if dt not in torch_dtype:
+            raise ProfileError(f"--dtypes: unknown dtype {dt!r}; use fp32, tf32, bf16, fp16")
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"
+        best, by_size = 0.0, {}
+        for n in ns:
+            gen = torch.Generator(device=device).manual_seed(rank)
+            x = torch.randn(n, n, generator=gen, device=device).to(torch_dtype[dt])
+            y = torch.randn(n, n, generator=gen, device=device).to(torch_dtype[dt])
+            x @ y  # warm-up (kernel selection, page faults)
+            barrier()
+            reps, total = 0, 0.0
+            while total < cfg.min_time or reps < 2:
+                with SlowdownTimer(slow, sync if cuda else None) as st:
+                    x @ y
+                    sync()
+                total += st.elapsed + st.slept
+                reps += 1
+            flops = 2.0 * n**3 * reps / total
+            by_size[str(n)] = flops
+            best = max(best, flops)
+        matmul[dt] = best
+        matmul["by_size"][dt] = by_size
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    copy_bytes = (256 if cuda else 32) * MiB
+    src = torch.ones(copy_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    barrier()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < cfg.min_time or reps < 2:
+        dst.copy_(src)
+        sync()
+        reps += 1
+    mem_bw = 2.0 * copy_bytes * reps / (time.perf_counter() - t0)
+    del src, dst
+    if cuda:
+        mem_bytes = int(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        mem_bytes = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world))
+
+    # ---- gather on every rank (cheap), rank 0 writes
+    mine = {"p2p": p2p, "matmul": matmul, "mem_bw": mem_bw, "mem_bytes": mem_bytes}
+    everything: list[Any] = [None] * world
+    dist.all_gather_object(everything, mine)
+    result = None
+    if rank == 0:
+        merged: dict[str, dict[str, float]] = {}
+        for r in everything:
+            merged.update(r["p2p"])
+        result = ProfileResult(
+            world=world, backend=backend,
+            device_type=torch.cuda.get_device_name(device) if cuda else "cpu",
+            node_of=node_of, p2p=merged, collectives=collectives,
+            matmul=[r["matmul"] for r in everything],
+            memory_bandwidth=[r["mem_bw"] for r in everything],
+            memory_bytes=[r["mem_bytes"] for r in everything],
+            slowdowns=list(cfg.slowdowns or [1.0] * world), rounds=rounds,
+            seconds=time.perf_counter() - t_start)
+        if result_path:
+            tmp = result_path + ".tmp"
+            Path(tmp).write_text(result.to_json())
+            os.replace(tmp, result_path)
+    barrier()
+    dist.destroy_process_group()
+    return result
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+@dataclass(frozen=True)
+class LocalNode:
+    """A node whose workers run in this machine's own network namespace (loopback)."""
+
+    node_index: int = 0
+    ip: str = "127.0.0.1"
+    namespace: None = None
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        return list(argv)
+
+    def env(self) -> dict[str, str]:
+        return {"GLOO_SOCKET_IFNAME": "lo"}  # keep gloo off the machine's outside interface
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_args(cfg: ProfileConfig, result_path: str) -> list[str]:
+    args = ["--worker", "--result", result_path,
+            "--sizes", ",".join(map(str, cfg.sizes)),
+            "--p2p-bytes", str(cfg.p2p_bytes), "--p2p-iters", str(cfg.p2p_iters),
+            "--latency-iters", str(cfg.latency_iters), "--min-time", str(cfg.min_time),
+            "--max-iters", str(cfg.max_iters), "--backend", cfg.backend, "--timeout", str(cfg.timeout_s)]
+    if cfg.matmul_sizes:
+        args += ["--matmul-sizes", ",".join(map(str, cfg.matmul_sizes))]
+    if cfg.dtypes:
+        args += ["--dtypes", ",".join(cfg.dtypes)]
+    if cfg.slowdowns:
+        args += ["--slowdowns", ",".join(f"{x:.9g}" for x in cfg.slowdowns)]
+    return args
+
+
+def launch(nprocs_per_node: Sequence[int], cfg: ProfileConfig, nets: Sequence[Any] | None = None, *,
+           workdir: str | None = None) -> ProfileResult:
+    """Run the profile with one torchrun agent per node; returns rank 0's result.
+
+    `nets[i]` (a NodeNet or LocalNode) wraps node i's agent command (namespace) and sets
+    its environment; node i's workers get ranks after those of nodes 0..i-1."""
+    if not nprocs_per_node or min(nprocs_per_node) < 1:
+        raise ProfileError(f"need at least one worker per node, got {list(nprocs_per_node)}")
+    nets = list(nets) if nets is not None else [LocalNode(i) for i in range(len(nprocs_per_node))]
+    if len(nets) != len(nprocs_per_node):
+        raise ProfileError(f"{len(nets)} node networks for {len(nprocs_per_node)} nodes")
+    world = sum(nprocs_per_node)
+    if cfg.slowdowns is not None and len(cfg.slowdowns) != world:
+        raise ProfileError(f"{len(cfg.slowdowns)} slowdown factors for {world} ranks")
+    isolated = any(getattr(n, "namespace", None) for n in nets)
+    master = nets[0].ip
+    port = 29517 if isolated else _free_port()  # node 0's namespace is fresh: any fixed port is free
+    tmp = tempfile.TemporaryDirectory(prefix="plait-profile-") if workdir is None else None
+    wd = Path(workdir or tmp.name)
+    wd.mkdir(parents=True, exist_ok=True)
+    result_path = str(wd / "profile_result.json")
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for i, (net, nproc) in enumerate(zip(nets, nprocs_per_node, strict=True)):
+            argv = [sys.executable, "-m", "torch.distributed.run",
+                    f"--nnodes={len(nets)}", f"--node_rank={i}", f"--nproc_per_node={nproc}",
+                    f"--master_addr={master}", f"--master_port={port}", "--max_restarts=0",
+                    "-m", "plait.cluster.profile", *_worker_args(cfg, result_path)]
+            env = dict(os.environ)
+            env.update(net.env())
+            env["PLAIT_NODE"] = str(getattr(net, "node_index", i))
+            env.setdefault("OMP_NUM_THREADS", "1")
+            log_path = wd / f"node{i}.log"
+            logs.append(log_path)
+            fh = open(log_path, "w")  # noqa: SIM115 -- closed after the process ends
+            procs.append(subprocess.Popen(net.command(argv), env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+            fh.close()
+        deadline = time.monotonic() + cfg.timeout_s + 60
+        while any(p.poll() is None for p in procs):
+            failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        codes = [p.poll() for p in procs]
+        if any(c != 0 for c in codes):
+            tail = "".join(_tail(path) for path in logs)
+            why = "timed out" if any(c is None for c in codes) else f"exit codes {codes}"
+            raise ProfileError(f"profiling workers failed ({why}); last log lines:\n{tail}")
+        if not Path(result_path).exists():
+            raise ProfileError(f"profiling workers ended without writing {result_path}")
+        return ProfileResult.from_json(Path(result_path).read_text(), result_path)
+    finally:
+        for p in procs:  # only the process groups this call started
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    p.wait(timeout=5)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return f"--- {path.name}\n" + "\n".join(text[-lines:]) + "\n"
+
+
+# ---------------------------------------------------------------- entry point for the workers
+
+
+def _csv(kind: Any) -> Any:
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m plait.cluster.profile")
+    p.add_argument("--worker", action="store_true", required=True)
+    p.add_argument("--result", default=None)
+    p.add_argument("--sizes", type=_csv(parse_size), default=None)
+    p.add_argument("--p2p-bytes", type=parse_size, default=4 * MiB)
+    p.add_argument("--p2p-iters", type=int, default=3)
+    p.add_argument("--latency-iters", type=int, default=20)
+    p.add_argument("--min-time", type=float, default=0.05)
+    p.add_argument("--max-iters", type=int, default=20)
+    p.add_argument("--matmul-sizes", type=_csv(int), default=None)
+    p.add_argument("--dtypes", type=_csv(str), default=None)
+    p.add_argument("--slowdowns", type=_csv(float), default=None)
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--timeout", type=float, default=300.0)
+    a = p.parse_args(argv)
+    cfg = ProfileConfig(sizes=a.sizes or default_sizes(), p2p_bytes=a.p2p_bytes, p2p_iters=a.p2p_iters,
+                        latency_iters=a.latency_iters, matmul_sizes=a.matmul_sizes, dtypes=a.dtypes,
+                        min_time=a.min_time, max_iters=a.max_iters, slowdowns=a.slowdowns,
+                        backend=a.backend, timeout_s=a.timeout)
+    _worker(cfg, a.result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
+
