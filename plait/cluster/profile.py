@@ -51,7 +51,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from plait.cluster.spec import ClusterError
 from plait.errors import PlaitError
 
 KiB, MiB = 1024, 1024 * 1024
@@ -281,7 +280,6 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
                 else:
                     p2p[f"{b}-{a}"] = {"bandwidth": bw_ba, "latency": lat}
             barrier()
-    del big
 
     # ---- collectives
     def timed(op: Any) -> float:
@@ -305,19 +303,17 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
     collectives: dict[str, list[dict[str, float]]] = {"all_reduce": [], "all_gather": []}
     for size in cfg.sizes:
         buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-        t = timed(lambda: dist.all_reduce(buf))
+        t = timed(lambda b=buf: dist.all_reduce(b))
         nbytes = buf.numel() * 4
         collectives["all_reduce"].append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t,
                                           "busbw": nbytes / t * bus_factor("all_reduce", world)})
-        del buf
         per = max(1, size // 4 // world)
         part = torch.ones(per, dtype=torch.float32, device=device)
         out = torch.empty(per * world, dtype=torch.float32, device=device)
-        t = timed(lambda: dist.all_gather_into_tensor(out, part))
+        t = timed(lambda o=out, i=part: dist.all_gather_into_tensor(o, i))
         nbytes = out.numel() * 4
         collectives["all_gather"].append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t,
                                           "busbw": nbytes / t * bus_factor("all_gather", world)})
-        del part, out
 
     # ---- matmul and memory bandwidth (all ranks at once, like training)
     dtypes = cfg.dtypes or (["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"])
@@ -361,7 +357,6 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
         sync()
         reps += 1
     mem_bw = 2.0 * copy_bytes * reps / (time.perf_counter() - t0)
-    del src, dst
     if cuda:
         mem_bytes = int(torch.cuda.get_device_properties(device).total_memory)
     else:

@@ -1,0 +1,68 @@
+"""Honest compute slowdown of emulated GPU kinds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from plait.cluster.spec import Device, EmulationSpec, GPUKind
+from plait.runtime.emulate import (
+    EmulationError,
+    SlowdownTimer,
+    apply_slowdown,
+    compute_slowdown,
+    extra_time,
+    slowdowns,
+)
+
+# Datasheet dense peaks (NVIDIA A100 and V100 datasheets): V100 has no bf16 unit.
+A100 = GPUKind("a100-80g", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}, 80 * 2**30, 2.0e12)
+V100 = GPUKind("v100-32g", {"fp32": 15.7e12, "fp16": 125e12}, 32 * 2**30, 0.9e12)
+
+
+class KindsCluster:
+    def __init__(self, kinds: list[GPUKind], emulation: EmulationSpec | None = None) -> None:
+        self.name, self.source = "mixed", "<test>"
+        self.devices = [Device(i, i // 2, i % 2, k) for i, k in enumerate(kinds)]
+        self.emulation = emulation
+
+
+def test_datasheet_ratio_default_bf16() -> None:
+    c = KindsCluster([A100, A100, V100, V100])
+    assert compute_slowdown(c, 0) == 1.0
+    # bf16 on a V100 runs at its fp32 rate (no bf16 unit): 312 / 15.7.
+    assert compute_slowdown(c, 2) == pytest.approx(312e12 / 15.7e12)
+    assert compute_slowdown(c, 3, "fp16") == pytest.approx(312 / 125)
+    assert compute_slowdown(c, 3, "fp32") == pytest.approx(19.5 / 15.7)
+    assert slowdowns(c, "fp16") == pytest.approx([1, 1, 2.496, 2.496])
+
+
+def test_homogeneous_is_one_and_explicit_factors_win() -> None:
+    assert slowdowns(KindsCluster([V100, V100])) == [1.0, 1.0]
+    c = KindsCluster([A100, V100], EmulationSpec(slowdown={"v100-32g": 3.0}))
+    assert compute_slowdown(c, 1) == 3.0 and compute_slowdown(c, 0) == 1.0
+    off = KindsCluster([A100, V100], EmulationSpec(enabled=False))
+    assert compute_slowdown(off, 1) == 1.0
+
+
+def test_bad_inputs_name_the_field() -> None:
+    c = KindsCluster([A100, V100], EmulationSpec(slowdown={"v100-32g": 0.5}))
+    with pytest.raises(EmulationError, match="emulation.slowdown.v100-32g"):
+        compute_slowdown(c, 1)
+    with pytest.raises(EmulationError, match="no device 7"):
+        compute_slowdown(c, 7)
+    with pytest.raises(EmulationError):
+        extra_time(1.0, 0.9)
+
+
+def test_apply_slowdown_stretches_the_span() -> None:
+    assert extra_time(0.01, 3.0) == pytest.approx(0.02)
+    assert apply_slowdown(0.01, 1.0) == 0.0
+    slept = apply_slowdown(0.02, 2.0)
+    assert slept >= 0.02  # sleep never returns early; overshoot is OS timer slack
+    with SlowdownTimer(4.0) as st:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.01:
+            pass
+    assert st.elapsed >= 0.01 and st.slept >= 3 * st.elapsed - 1e-9
