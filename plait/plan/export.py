@@ -1,0 +1,219 @@
+"""Export a homogeneous 3D plan as launch arguments or config of the usual frameworks.
+
+* ``megatron``   -- a `torchrun ... pretrain_gpt.py` command line for Megatron-LM
+  (`--tensor-model-parallel-size`, `--pipeline-model-parallel-size`, ...);
+* ``deepspeed``  -- a DeepSpeed JSON config (`train_batch_size`, `zero_optimization`, ...)
+  and the Megatron-DeepSpeed command that uses it;
+* ``torchtitan`` -- the `[parallelism]`, `[training]` and `[activation_checkpoint]`
+  sections of a torchtitan TOML job config.
+
+These frameworks split layers evenly, give every data-parallel rank the same batch
+and number ranks node-major, so a plan with uneven layers or batch shares, uneven
+tensor shards, a stage DAG, or mixed GPU kinds is refused with the reason. A
+placement (`device_order`) is exported as per-node `NODE_RANK` and
+`CUDA_VISIBLE_DEVICES` when every node's block of ranks lands on one node.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
+    from plait.plan.ir import Plan
+
+FORMATS = ("megatron", "deepspeed", "torchtitan")
+
+
+class ExportError(PlaitError, ValueError):
+    """A plan that the chosen framework cannot express (the message says which field)."""
+
+
+def heterogeneous_reasons(plan: Plan, cluster: Cluster | None = None) -> list[str]:
+    """Why `plan` is not a plain Megatron-style plan (empty list: it is)."""
+    reasons = []
+    if plan.stages:
+        reasons.append(f"it has an explicit stage DAG ({len(plan.stages)} stages)")
+    if plan.layer_split is not None and len(set(plan.layer_split)) > 1:
+        reasons.append(f"layer_split {plan.layer_split} is uneven")
+    if plan.dp_shares is not None and max(plan.dp_shares) - min(plan.dp_shares) > 1e-9:
+        reasons.append("dp_shares give data-parallel replicas uneven batches")
+    if plan.tp_ratios is not None and max(plan.tp_ratios) - min(plan.tp_ratios) > 1e-9:
+        reasons.append("tp_ratios shard tensors unevenly")
+    if cluster is not None:
+        kinds = sorted({cluster.devices[plan.device_of(r)].kind.name for r in range(plan.world_size)})
+        if len(kinds) > 1:
+            reasons.append(f"it runs on mixed GPU kinds ({', '.join(kinds)})")
+    return reasons
+
+
+def _model_args(config: dict[str, Any]) -> dict[str, int]:
+    def need(*names: str) -> int:
+        for name in names:
+            if config.get(name) is not None:
+                return int(config[name])
+        raise ExportError(f"export: the model config has no '{names[0]}' (a transformer LM is needed); got {sorted(config)}")
+
+    out = {"layers": need("layers", "num_layers", "n_layer"), "hidden": need("hidden", "hidden_size", "d_model"),
+           "heads": need("heads", "num_heads", "n_head"), "seq": need("seq", "seq_len", "block_size"),
+           "vocab": need("vocab", "vocab_size")}
+    ffn = config.get("ffn") or config.get("ffn_hidden_size")
+    if ffn:
+        out["ffn"] = int(ffn)
+    return out
+
+
+def _placement(plan: Plan, cluster: Cluster | None) -> tuple[int, int, list[str]]:
+    """(nodes, GPUs per node, shell lines placing ranks) for torchrun's node-major numbering."""
+    world = plan.world_size
+    if cluster is None:
+        if plan.device_order is not None and plan.device_order != list(range(world)):
+            raise ExportError("export: device_order needs the cluster to map ranks to nodes")
+        return 1, world, []
+    per_node = {len(n.gpus) for n in cluster.nodes}
+    if len(per_node) != 1:
+        raise ExportError("export: nodes with different GPU counts cannot be launched with one --nproc-per-node")
+    g = per_node.pop()
+    nodes = max(1, -(-world // g))
+    if world % g and nodes > 1:
+        raise ExportError(f"export: {world} ranks do not fill whole nodes of {g} GPUs")
+    g = min(g, world)
+    order = [plan.device_of(r) for r in range(world)]
+    if order == list(range(world)):
+        return nodes, g, []
+    devices = cluster.devices
+    lines = []
+    for block in range(nodes):
+        devs = order[block * g:(block + 1) * g]
+        hosts = {devices[d].node for d in devs}
+        if len(hosts) != 1:
+            raise ExportError(f"export: device_order puts ranks {block * g}..{block * g + g - 1} on several nodes "
+                              f"({sorted(hosts)}); torchrun numbers ranks node by node")
+        host = hosts.pop()
+        local = ",".join(str(devices[d].local) for d in devs)
+        lines.append(f"# on node {cluster.nodes[host].name}: NODE_RANK={block} CUDA_VISIBLE_DEVICES={local}")
+    return nodes, g, lines
+
+
+def _check(plan: Plan, cluster: Cluster | None, fmt: str) -> None:
+    reasons = heterogeneous_reasons(plan, cluster)
+    if reasons:
+        raise ExportError(f"export {fmt}: the plan is heterogeneous ({'; '.join(reasons)}); "
+                          f"{fmt} splits layers and batches evenly -- run it with `plait run` instead")
+
+
+def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None) -> str:
+    m = _model_args(config)
+    _check(plan, cluster, "megatron")
+    if plan.schedule == "gpipe":
+        raise ExportError("export megatron: plan field 'schedule': Megatron-LM has no GPipe schedule (use 1f1b or interleaved)")
+    nodes, g, place = _placement(plan, cluster)
+    args = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}",
+            f"--num-layers {m['layers']}", f"--hidden-size {m['hidden']}",
+            f"--num-attention-heads {m['heads']}", f"--seq-length {m['seq']}",
+            f"--max-position-embeddings {m['seq']}"]
+    if "ffn" in m:
+        args.append(f"--ffn-hidden-size {m['ffn']}")
+    args += [f"--micro-batch-size {plan.micro_batch}", f"--global-batch-size {plan.global_batch}",
+             f"--tokenizer-type NullTokenizer --vocab-size {m['vocab']} --mock-data"]
+    if plan.schedule == "interleaved":
+        if m["layers"] % (plan.pp * plan.virtual_stages):
+            raise ExportError(f"export megatron: {m['layers']} layers do not split into pp*virtual_stages chunks")
+        args.append(f"--num-layers-per-virtual-pipeline-stage {m['layers'] // (plan.pp * plan.virtual_stages)}")
+    if plan.recompute == "selective":
+        args.append("--recompute-activations")  # = --recompute-granularity selective
+    elif plan.recompute == "full":
+        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if plan.sequence_parallel:
+        args.append("--sequence-parallel")
+    if plan.zero in (1, 2):
+        args.append("--use-distributed-optimizer")  # shards optimizer state (and grads) over dp: ZeRO-1/2
+    elif plan.zero == 3:
+        args.append("--use-torch-fsdp2")  # parameters sharded too: ZeRO-3
+    args.append({"bf16": "--bf16", "fp16": "--fp16"}.get(plan.dtype, ""))
+    launch = (f"torchrun --nnodes {nodes} --nproc-per-node {g} --node-rank $NODE_RANK "
+              f"--master-addr $MASTER_ADDR --master-port 6000 pretrain_gpt.py")
+    lines = [f"# plait plan: {plan}", *place, launch + " \\"]
+    flat = [a for a in args if a]
+    lines += [f"    {a} \\" for a in flat[:-1]] + [f"    {flat[-1]}"]
+    return "\n".join(lines) + "\n"
+
+
+def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None) -> str:
+    m = _model_args(config)
+    _check(plan, cluster, "deepspeed")
+    if plan.schedule != "1f1b":
+        raise ExportError(f"export deepspeed: plan field 'schedule': DeepSpeed's pipeline engine runs 1F1B only, not {plan.schedule}")
+    if plan.pp > 1 and plan.zero >= 2:
+        raise ExportError(f"export deepspeed: plan field 'zero': ZeRO-{plan.zero} is incompatible with DeepSpeed pipeline parallelism")
+    nodes, g, place = _placement(plan, cluster)
+    ds: dict[str, Any] = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.num_micro_batches,
+        "zero_optimization": {"stage": plan.zero},
+        "gradient_clipping": 1.0,
+    }
+    if plan.dtype in ("bf16", "fp16"):
+        ds[plan.dtype] = {"enabled": True}
+    if plan.recompute != "none":
+        ds["activation_checkpointing"] = {"partition_activations": plan.tp > 1, "contiguous_memory_optimization": False,
+                                          "cpu_checkpointing": False}
+    args = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}",
+            f"--num-layers {m['layers']}", f"--hidden-size {m['hidden']}", f"--num-attention-heads {m['heads']}",
+            f"--seq-length {m['seq']}", f"--max-position-embeddings {m['seq']}",
+            f"--micro-batch-size {plan.micro_batch}", f"--global-batch-size {plan.global_batch}",
+            "--deepspeed --deepspeed_config ds_config.json", f"--zero-stage {plan.zero}"]
+    if plan.pp == 1:
+        args.append("--no-pipeline-parallel")
+    if plan.recompute == "selective":
+        args.append("--recompute-granularity selective")
+    elif plan.recompute == "full":
+        args.append("--deepspeed-activation-checkpointing --checkpoint-activations")
+    if plan.dtype in ("bf16", "fp16"):
+        args.append(f"--{plan.dtype}")
+    lines = [f"# plait plan: {plan}", "# ds_config.json", json.dumps(ds, indent=2), *place,
+             f"deepspeed --num_nodes {nodes} --num_gpus {g} pretrain_gpt.py \\"]
+    lines += [f"    {a} \\" for a in args[:-1]] + [f"    {args[-1]}"]
+    return "\n".join(lines) + "\n"
+
+
+def torchtitan(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None) -> str:
+    m = _model_args(config)
+    _check(plan, cluster, "torchtitan")
+    nodes, g, place = _placement(plan, cluster)
+    schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}[plan.schedule]
+    # FSDP2 shards over dp for ZeRO >= 1; "never" keeps parameters gathered after forward (ZeRO-2-like),
+    # "always" frees them (ZeRO-3). torchtitan has no optimizer-only sharding, so ZeRO-1 exports as ZeRO-2.
+    replicate, shard = (plan.dp, 1) if plan.zero == 0 else (1, plan.dp)
+    local_batch = plan.global_batch // plan.dp if plan.pp > 1 else plan.micro_batch
+    lines = [f"# plait plan: {plan}", *place,
+             f"# launch: torchrun --nnodes {nodes} --nproc-per-node {g} -m torchtitan.train --job.config_file plait.toml",
+             "", "[training]", f"local_batch_size = {local_batch}", f"global_batch_size = {plan.global_batch}",
+             f"seq_len = {m['seq']}"]
+    if plan.dtype in ("bf16", "fp16"):
+        torch_dtype = {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
+        lines.append(f'mixed_precision_param = "{torch_dtype}"')
+    lines += ["", "[parallelism]", f"data_parallel_replicate_degree = {replicate}",
+              f"data_parallel_shard_degree = {shard}", f"tensor_parallel_degree = {plan.tp}",
+              f"pipeline_parallel_degree = {plan.pp}"]
+    if plan.zero:
+        lines.append(f'fsdp_reshard_after_forward = "{"always" if plan.zero == 3 else "never"}"')
+    if plan.pp > 1:
+        lines += [f'pipeline_parallel_schedule = "{schedule}"',
+                  f"pipeline_parallel_microbatch_size = {plan.micro_batch}"]
+        if plan.schedule == "interleaved":
+            lines.append(f"pipeline_parallel_layers_per_stage = {m['layers'] // (plan.pp * plan.virtual_stages)}")
+    lines += ["", "[activation_checkpoint]", f'mode = "{plan.recompute}"']
+    return "\n".join(lines) + "\n"
+
+
+def export(plan: Plan, fmt: str, config: dict[str, Any], cluster: Cluster | None = None) -> str:
+    """The plan as `fmt` launch arguments/config; `config` holds the model's layers, hidden, heads, seq, vocab."""
+    fns = {"megatron": megatron, "deepspeed": deepspeed, "torchtitan": torchtitan}
+    if fmt not in fns:
+        raise ExportError(f"export: unknown format {fmt!r}; use one of {FORMATS}")
+    return fns[fmt](plan, config, cluster)
