@@ -1,0 +1,129 @@
+"""Placement: Pipette's path model by hand, annealing vs brute force, determinism, never worse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from plait.plan.placement import (
+    MOVES,
+    PathModel,
+    PlacementError,
+    Traffic,
+    anneal,
+    apply_move,
+    brute_force,
+)
+
+GB = 1e9
+
+
+def test_moves_are_permutations_and_do_what_they_say():
+    seq = np.arange(6)
+    assert apply_move(seq, "swap", 1, 4).tolist() == [0, 4, 2, 3, 1, 5]
+    assert apply_move(seq, "insert", 1, 4).tolist() == [0, 2, 3, 4, 1, 5]
+    assert apply_move(seq, "2opt", 1, 4).tolist() == [0, 4, 3, 2, 1, 5]
+    # cut [1..2] = (1, 2), reverse -> (2, 1), insert at position 2 of [0, 3, 4, 5]
+    assert apply_move(seq, "reversed_insert", 1, 2, 2).tolist() == [0, 3, 2, 1, 4, 5]
+    rng = np.random.default_rng(0)
+    for move in MOVES:
+        for _ in range(20):
+            i, j = sorted(rng.choice(6, 2, replace=False).tolist())
+            out = apply_move(seq, move, i, j, int(rng.integers(0, 6 - (j - i))))
+            assert sorted(out.tolist()) == list(range(6))
+    with pytest.raises(PlacementError):
+        apply_move(seq, "shuffle", 0, 1)
+
+
+def test_path_model_matches_the_formulas_by_hand():
+    # 4 devices: 0-1 fast (100 GB/s), everything else 10 GB/s, 2-3 at 1 GB/s
+    bw = np.full((4, 4), 10 * GB)
+    bw[0, 1] = bw[1, 0] = 100 * GB
+    bw[2, 3] = bw[3, 2] = 1 * GB
+    traffic = Traffic(tp_bytes=1e6, tp_count=3, pp_bytes=2e6, pp_count=5, dp_bytes=4e6)
+    # dp=2, tp=2, pp=1: tp groups (0,1) and (2,3); dp rings (0,2) and (1,3)
+    m = PathModel(bw, traffic, dp=2, tp=2, pp=1)
+    parts = m.breakdown([0, 1, 2, 3])
+    ring2 = 2 * (2 - 1) / 2
+    assert parts["tp"] == pytest.approx(3 * ring2 * 1e6 / (1 * GB))  # slowest group: 2-3
+    assert parts["dp"] == pytest.approx(ring2 * 4e6 / (10 * GB))
+    assert parts["pp"] == 0
+    # dp=1, tp=1, pp=4: one pipeline 0->1->2->3, sum of 2*msg/BW per hop
+    m = PathModel(bw, traffic, dp=1, tp=1, pp=4)
+    expect = 5 * (2 * 2e6 / (100 * GB) + 2 * 2e6 / (10 * GB) + 2 * 2e6 / (1 * GB))
+    assert m.breakdown([0, 1, 2, 3])["pp"] == pytest.approx(expect)
+    # dp=4 ring: 2(d-1)/d * msg * max 1/BW over the ring's links
+    m = PathModel(bw, traffic, dp=4, tp=1, pp=1)
+    assert m.breakdown([0, 1, 2, 3])["dp"] == pytest.approx(2 * 3 / 4 * 4e6 / (1 * GB))
+    # latency adds 2(k-1) alpha per ring and 2 alpha per pipeline hop
+    lat = np.full((4, 4), 1e-5)
+    m = PathModel(bw, Traffic(dp_bytes=4e6), dp=4, tp=1, pp=1, latency=lat)
+    assert m.breakdown([0, 1, 2, 3])["dp"] == pytest.approx(2 * 3 / 4 * 4e6 / GB + 6e-5)
+
+
+def _random_bw(n: int, rng: np.random.Generator) -> np.ndarray:
+    bw = rng.uniform(1 * GB, 100 * GB, (n, n))
+    return (bw + bw.T) / 2
+
+
+@pytest.mark.parametrize("n,shape", [(6, (3, 1, 2)), (6, (1, 2, 3)), (6, (2, 3, 1)),
+                                     (8, (2, 2, 2)), (8, (2, 1, 4))])
+def test_annealing_finds_the_brute_force_optimum(n, shape):
+    rng = np.random.default_rng(n * 100 + sum(shape))
+    dp, tp, pp = shape
+    traffic = Traffic(tp_bytes=1e6, tp_count=8, pp_bytes=2e6, pp_count=4, dp_bytes=5e7)
+    for trial in range(2):
+        m = PathModel(_random_bw(n, rng), traffic, dp=dp, tp=tp, pp=pp)
+        _, best = brute_force(m)
+        res = anneal(m, ["A100"] * n, list(range(n)), seed=trial)
+        assert res.cost == pytest.approx(best, rel=1e-9)
+        assert float(m.cost(np.asarray(res.order))) == pytest.approx(res.cost)
+        assert res.cost <= res.default_cost
+
+
+def test_annealing_is_deterministic_and_keeps_kinds():
+    rng = np.random.default_rng(3)
+    n = 8
+    bw = _random_bw(n, rng)
+    m = PathModel(bw, Traffic(tp_bytes=1e6, tp_count=8, pp_bytes=2e6, pp_count=4, dp_bytes=5e7), dp=2, tp=2, pp=2)
+    kinds = ["A100"] * 4 + ["V100"] * 4
+    nodes = [0, 0, 1, 1, 2, 2, 3, 3]
+    a = anneal(m, kinds, nodes, seed=7, iterations=500)
+    b = anneal(m, kinds, nodes, seed=7, iterations=500)
+    assert a.order == b.order and a.cost == b.cost
+    # every rank keeps the GPU kind it had in the start order
+    assert [kinds[d] for d in a.order] == kinds
+    assert a.cost <= a.default_cost
+
+
+def test_node_level_moves_fix_a_slow_pair_of_nodes():
+    # 4 nodes x 2 GPUs; nodes 0-1 and 2-3 are joined by slow links, 0-2 and 1-3 fast.
+    # pp=2 over nodes: Megatron order puts stage 0 on nodes 0,1 and stage 1 on nodes 2,3.
+    nodes = [0, 0, 1, 1, 2, 2, 3, 3]
+    bw = np.empty((8, 8))
+    for a in range(8):
+        for b in range(8):
+            na, nb = nodes[a], nodes[b]
+            if na == nb:
+                bw[a, b] = 300 * GB
+            elif {na, nb} in ({0, 1}, {2, 3}):
+                bw[a, b] = 2.5 * GB
+            else:
+                bw[a, b] = 25 * GB
+    m = PathModel(bw, Traffic(tp_bytes=1e6, tp_count=128, pp_bytes=4e6, pp_count=8, dp_bytes=2e7), dp=2, tp=2, pp=2)
+    res = anneal(m, ["A100"] * 8, nodes, seed=0)
+    _, best = brute_force(m)
+    assert res.cost == pytest.approx(best)
+    assert res.gain > 1.5
+    # tensor groups stay inside a node
+    assert all(nodes[res.order[2 * g]] == nodes[res.order[2 * g + 1]] for g in range(4))
+
+
+def test_bad_inputs_raise_placement_errors():
+    with pytest.raises(PlacementError, match="square"):
+        PathModel(np.ones((2, 3)), Traffic(), dp=1, tp=1, pp=1)
+    with pytest.raises(PlacementError, match="needs 8 devices"):
+        PathModel(np.ones((4, 4)), Traffic(), dp=2, tp=2, pp=2)
+    m = PathModel(np.ones((4, 4)), Traffic(dp_bytes=1.0), dp=4, tp=1, pp=1)
+    with pytest.raises(PlacementError, match="permutation"):
+        anneal(m, ["a"] * 4, [0, 0, 1, 1], start=[0, 0, 1, 2])
