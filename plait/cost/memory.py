@@ -1,0 +1,692 @@
+"""Per-device peak memory of one training iteration: (OpGraph, Plan, Cluster) -> MemoryEstimate.
+
+The planners call this for thousands of candidate plans, so everything that depends
+only on the model is reduced once per `OpGraph` to numpy arrays over layers
+(`_layer_arrays`), and a plan costs a few vector operations per pipeline stage.
+
+What lives on a device at its peak (all bytes):
+
+* **Model states** (Rajbhandari et al. 2020, "ZeRO", §3.1 and Fig. 1). With Ψ
+  parameters on the device and N data-parallel replicas, mixed precision
+  (bf16/fp16) Adam keeps 2Ψ weights + 2Ψ gradients + 12Ψ optimizer state (fp32
+  master weights, m, v) = 16Ψ; fp32 training keeps 4Ψ + 4Ψ + 8Ψ. ZeRO-1
+  partitions the optimizer state (4Ψ + 12Ψ/N), ZeRO-2 also the gradients
+  (2Ψ + 14Ψ/N), ZeRO-3 also the weights (16Ψ/N).
+  Ψ itself is what Megatron tensor parallelism leaves on a tensor rank: the
+  weights of matmuls in transformer and head layers, and the word-embedding table
+  (vocab-parallel), are split by the rank's tensor share; layer norms, biases of
+  non-matmul ops and position embeddings are replicated (Shoeybi et al. 2019, §3).
+* **Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models", §4). Per layer and sample the capture records the
+  bytes autograd saves (`saved_bytes`), the part tensor parallelism splits
+  (`saved_tp_bytes`) and the part selective recompute drops
+  (`saved_selective_bytes`). On a tensor rank holding share r (1/t when even):
+  ``replicated * (r if sequence_parallel else 1) + tp_part * r``; selective
+  recompute subtracts ``selective * r``; full recompute keeps only the layer input
+  (`input_bytes`, split by r under sequence parallelism) and, while a layer is
+  being recomputed in backward, that layer's full activations. For a GPT layer
+  this reproduces sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)),
+  sbh(34/t + 5as/(ht)), selective sbh(34/t) / sbh(10 + 24/t), and full 2sbh.
+  A stage keeps several micro-batches in flight: 1F1B ``min(pp - i, m)``
+  (Narayanan et al. 2021, §2.2), GPipe all m, interleaved 1F1B
+  ``min(2(pp - i - 1) + (v - 1)pp + 1, m v)`` model chunks (Megatron-LM's warm-up
+  count + 1; on stage 0 that is L(1 + (p-1)/(pv)) layers' worth, Korthikanti
+  §4.2.3), and a stage of a graph pipeline 1 + its longest path to a sink stage
+  (GraphPipe's generalised 1F1B).
+* **Loss working set.** The sink layers' outputs (GPT: the logits, s·b·vocab)
+  converted to fp32 for the loss. PyTorch's eager ``cross_entropy`` holds four
+  such tensors at the start of backward -- the logits the caller keeps, the saved
+  log-softmax output, and the gradients of both -- which we measured with
+  ``MemTracker`` (bench/memory_error.py); Megatron's fused vocab-parallel cross
+  entropy needs about one (pass ``loss_copies=1``).
+* **Backward transients**: while layer i runs backward, the gradients of its input
+  and output (one micro-batch, s·b·h each for a transformer layer).
+* **Gradients over time.** Megatron's contiguous gradient buffer, DDP's buckets,
+  ZeRO partitions and gradient accumulation (m > 1) keep every gradient allocated
+  for the whole iteration. A plain eager fp32 loop with one micro-batch and
+  ``zero_grad(set_to_none=True)`` (PyTorch's default) has none during forward and
+  gradients only of the layers backward has passed; we model that case exactly
+  (prefix sums over layers), because there it decides the peak.
+* **Optimizer step working set**: ``adam`` is a fused kernel (Megatron/Apex
+  FusedAdam, ``torch.optim.Adam(fused=True)``) with no full-size temporaries;
+  ``adam-foreach`` (PyTorch's default on CUDA) makes one fp32 copy of the whole
+  state partition (``_foreach_sqrt(exp_avg_sq)``); ``adam-loop`` (PyTorch's
+  default on CPU) makes two temporaries the size of the largest parameter tensor.
+  The step runs after backward, so the peak is the larger of the two phases.
+* **Communication buffers**: one in-flight data-parallel gradient bucket
+  (``DP_BUCKET_BYTES`` = 25 MiB, DDP's ``bucket_cap_mb`` default, with gradients
+  as bucket views as in Megatron), the ZeRO-3 parameter all-gather buffer (the two
+  largest layers: the one running and the one prefetched), and pipeline send/recv
+  buffers of one micro-batch of each activation crossing a stage boundary.
+* **Framework overhead**: ``FRAMEWORK_OVERHEAD_BYTES`` = 1 GiB per GPU: the CUDA
+  context with PyTorch's kernels (about 0.5-0.8 GiB on recent GPUs), cuBLAS
+  workspaces and NCCL communicator buffers (NCCL_BUFFSIZE 4 MiB per channel and
+  peer). Pass ``overhead_bytes=0`` when comparing with a CPU measurement, which
+  has none of these.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from plait.cluster.spec import Cluster
+from plait.errors import PlaitError
+from plait.graph.opgraph import OpGraph
+from plait.plan.ir import Plan, StageSpec
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+FRAMEWORK_OVERHEAD_BYTES = 1 * GiB
+DP_BUCKET_BYTES = 25 * MiB
+LOSS_COPIES = 4.0
+
+_DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+
+# name -> (optimizer-state bytes per parameter in fp32 / mixed precision, step working set kind).
+# Mixed precision keeps the fp32 master weights (4 bytes) inside the optimizer state.
+_OPTIMIZERS: dict[str, tuple[int, int, str]] = {
+    "adam": (8, 12, "fused"),
+    "adamw": (8, 12, "fused"),
+    "adam-foreach": (8, 12, "foreach"),
+    "adamw-foreach": (8, 12, "foreach"),
+    "adam-loop": (8, 12, "loop"),
+    "adamw-loop": (8, 12, "loop"),
+    "sgd": (0, 4, "fused"),
+    "sgd-momentum": (4, 8, "fused"),
+}
+OPTIMIZERS = tuple(_OPTIMIZERS)
+
+CATEGORIES = ("weights", "grads", "optimizer", "activations", "logits", "comm_buffers", "other")
+_W, _G, _O, _A, _L, _C, _X = range(len(CATEGORIES))
+_MATMUL_HINTS = ("mm", "linear", "matmul", "conv")
+
+
+class MemoryEstimateError(PlaitError, ValueError):
+    """A (graph, plan, cluster) the memory estimator cannot evaluate; the message names the field."""
+
+
+# ============================================================================ result types
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes live on one device at its peak, by category (they sum to `total`).
+
+    `phase` says when the peak happens: ``"backward"`` (activations, loss and
+    backward temporaries) or ``"optimizer step"`` (all gradients plus the step's
+    temporaries, activations freed)."""
+
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    logits: int = 0  # loss working set on the stage holding the model's outputs
+    comm_buffers: int = 0
+    other: int = 0  # framework overhead, backward/recompute/optimizer-step temporaries
+    phase: str = "backward"
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.comm_buffers + self.other)
+
+    def as_dict(self) -> dict[str, int | str]:
+        d: dict[str, int | str] = {c: getattr(self, c) for c in CATEGORIES}
+        d["total"] = self.total
+        d["phase"] = self.phase
+        return d
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-device peak memory of a plan on a cluster.
+
+    `peak_bytes` and `capacity_bytes` are indexed by cluster device id (0 for devices
+    the plan does not use). `devices` lists the ids the plan uses."""
+
+    model: str
+    cluster: str
+    devices: list[int]
+    peak_bytes: list[int]
+    capacity_bytes: list[int]
+    kinds: list[str]  # GPU kind name per cluster device
+    nodes: list[int]  # node index per cluster device
+    _matrix: np.ndarray = field(repr=False)  # (num_devices, len(CATEGORIES)) bytes at the peak
+    _phase_step: np.ndarray = field(repr=False)  # bool per device: peak in the optimizer step
+
+    @property
+    def fits(self) -> bool:
+        return not self.over_devices
+
+    @property
+    def over_devices(self) -> list[int]:
+        peak = np.asarray(self.peak_bytes)
+        cap = np.asarray(self.capacity_bytes)
+        return [int(d) for d in np.flatnonzero(peak > cap)]
+
+    @property
+    def headroom_bytes(self) -> list[int]:
+        """Capacity minus peak per device id (negative where it does not fit)."""
+        return [c - p for c, p in zip(self.capacity_bytes, self.peak_bytes)]
+
+    @property
+    def max_peak_bytes(self) -> int:
+        return max(self.peak_bytes) if self.peak_bytes else 0
+
+    @property
+    def violations(self) -> list[str]:
+        """One human sentence per device that runs out of memory."""
+        out = []
+        for d in self.over_devices:
+            need, has = self.peak_bytes[d], self.capacity_bytes[d]
+            out.append(
+                f"does not fit on GPU {d} ({self.kinds[d]}, node {self.nodes[d]}): needs "
+                f"{need / GiB:.1f} GiB, has {has / GiB:.1f} GiB — over by {(need - has) / GiB:.1f} GiB"
+            )
+        return out
+
+    def breakdown(self, device: int) -> MemoryBreakdown:
+        row = self._matrix[device]
+        return MemoryBreakdown(*(int(round(x)) for x in row),
+                               phase="optimizer step" if self._phase_step[device] else "backward")
+
+    @property
+    def breakdowns(self) -> dict[int, MemoryBreakdown]:
+        return {d: self.breakdown(d) for d in self.devices}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "cluster": self.cluster,
+            "fits": self.fits,
+            "peak_bytes": list(self.peak_bytes),
+            "capacity_bytes": list(self.capacity_bytes),
+            "breakdown": {str(d): b.as_dict() for d, b in self.breakdowns.items()},
+            "violations": self.violations,
+        }
+
+    def table(self, title: str | None = None) -> Any:
+        """A rich Table: one row per group of devices with the same kind and breakdown."""
+        from rich.table import Table
+
+        table = Table(title=title or f"memory per GPU: {self.model} on {self.cluster}")
+        table.add_column("GPUs")
+        table.add_column("kind")
+        for c in CATEGORIES:
+            table.add_column(c.replace("_", " "), justify="right")
+        table.add_column("peak", justify="right")
+        table.add_column("capacity", justify="right")
+        table.add_column("headroom", justify="right")
+        groups: dict[tuple, list[int]] = {}
+        for d in self.devices:
+            b = self.breakdown(d)
+            groups.setdefault((self.kinds[d], b), []).append(d)
+        for (kind, b), ids in groups.items():
+            room = self.capacity_bytes[ids[0]] - b.total
+            style = "red" if room < 0 else ""
+            table.add_row(
+                _ranges(ids), kind, *(_gib(getattr(b, c)) for c in CATEGORIES), _gib(b.total),
+                _gib(self.capacity_bytes[ids[0]]), _gib(room), style=style,
+            )
+        return table
+
+    def __str__(self) -> str:
+        status = "fits" if self.fits else f"does NOT fit ({len(self.over_devices)} GPUs over)"
+        return f"MemoryEstimate({self.model} on {self.cluster}: max peak {self.max_peak_bytes / GiB:.2f} GiB, {status})"
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f} GiB" if abs(x) >= 0.1 * GiB else f"{x / MiB:.1f} MiB"
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2,5,7-8'."""
+    parts, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b is None or b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(parts)
+
+
+# ============================================================================ per-graph cache
+
+
+@dataclass
+class _LayerArrays:
+    """Everything the estimator needs from an OpGraph, as float arrays over layers (per sample)."""
+
+    index: dict[str, int]
+    count_rep: np.ndarray  # parameters replicated across tensor ranks
+    count_tp: np.ndarray  # parameters split across tensor ranks
+    max_tensor: np.ndarray  # largest single parameter tensor (elements) per layer
+    saved: np.ndarray
+    saved_tp: np.ndarray
+    saved_sel: np.ndarray
+    inp: np.ndarray
+    out: np.ndarray
+    recomputable: np.ndarray  # bool: full recompute checkpoints this layer
+    head_tp: np.ndarray  # bool: the layer's output is vocab-parallel (split by tensor share)
+    sink: np.ndarray  # bool: the layer's output feeds the loss
+    edges: np.ndarray  # (E, 2) int layer-index pairs
+    act_dtype_bytes: int
+    n_layers: int
+
+
+_CACHE: dict[int, tuple[int, _LayerArrays]] = {}
+
+
+def _layer_arrays(graph: OpGraph) -> _LayerArrays:
+    """Reduce `graph` to arrays once; cached per graph object (invalidated if its layers change)."""
+    key = id(graph)
+    stamp = hash((len(graph.layers), len(graph.ops), len(graph.layer_edges),
+                  sum(layer.param_count for layer in graph.layers[:4])))
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    arrays = _build_arrays(graph)
+    if hit is None:
+        try:
+            weakref.finalize(graph, _CACHE.pop, key, None)
+        except TypeError:  # pragma: no cover - OpGraph supports weak references
+            pass
+    _CACHE[key] = (stamp, arrays)
+    return arrays
+
+
+def _tp_param_fraction(graph: OpGraph, layer_index: int) -> float:
+    """Fraction of a layer's parameter bytes that Megatron tensor parallelism splits.
+
+    Transformer and head layers split the weights of their matmuls (column/row
+    parallel linears) and keep norms replicated; an embedding layer splits its word
+    table (vocab-parallel), the largest embedding, and replicates position tables.
+    Without op detail the whole layer counts as split."""
+    layer = graph.layers[layer_index]
+    if layer.tp_style not in ("transformer", "head", "embedding") or layer.param_bytes <= 0:
+        return 0.0
+    ops = [graph.ops[name] for name in layer.ops if name in graph.ops and graph.ops[name].param_bytes > 0]
+    if not ops:
+        return 1.0
+    total = sum(op.param_bytes for op in ops)
+    if layer.tp_style == "embedding":
+        tables = [op.param_bytes for op in ops if "embedding" in op.target]
+        split = max(tables) if tables else max(op.param_bytes for op in ops)
+    else:
+        split = sum(op.param_bytes for op in ops if any(h in op.target.lower() for h in _MATMUL_HINTS))
+    return split / total
+
+
+def _build_arrays(graph: OpGraph) -> _LayerArrays:
+    layers = graph.layers
+    n = len(layers)
+    if n == 0:
+        raise MemoryEstimateError(f"model {graph.model!r}: the OpGraph has no layers")
+    index = {layer.name: i for i, layer in enumerate(layers)}
+    count = np.array([layer.param_count for layer in layers], dtype=np.float64)
+    # A graph may carry bytes but no counts (hand-built); derive counts from the dtype.
+    by_bytes = np.array([layer.param_bytes for layer in layers], dtype=np.float64) / max(graph.param_dtype_bytes, 1)
+    count = np.where(count > 0, count, by_bytes)
+    frac = np.array([_tp_param_fraction(graph, i) for i in range(n)])
+    max_tensor = np.zeros(n)
+    for i, layer in enumerate(layers):
+        sizes = [graph.ops[o].param_bytes for o in layer.ops if o in graph.ops]
+        biggest = max(sizes, default=0) or layer.param_bytes
+        max_tensor[i] = biggest / max(graph.param_dtype_bytes, 1)
+
+    def arr(attr: str) -> np.ndarray:
+        return np.array([float(getattr(layer, attr)) for layer in layers], dtype=np.float64)
+
+    edges = np.array([(index[a], index[b]) for a, b in graph.layer_edges if a in index and b in index],
+                     dtype=np.int64).reshape(-1, 2)
+    if len(edges) == 0 and n > 1:  # no edges recorded: the layers form a chain
+        edges = np.stack([np.arange(n - 1), np.arange(1, n)], axis=1)
+    sink = np.ones(n, dtype=bool)
+    sink[edges[:, 0]] = False
+    styles = [layer.tp_style for layer in layers]
+    return _LayerArrays(
+        index=index,
+        count_rep=count * (1.0 - frac),
+        count_tp=count * frac,
+        max_tensor=max_tensor,
+        saved=arr("saved_bytes"),
+        saved_tp=arr("saved_tp_bytes"),
+        saved_sel=arr("saved_selective_bytes"),
+        inp=arr("input_bytes"),
+        out=arr("output_bytes"),
+        # Megatron checkpoints transformer layers; embedding and output head stay stored.
+        recomputable=np.array([s not in ("embedding", "head") for s in styles]),
+        head_tp=np.array([s == "head" for s in styles]),
+        sink=sink,
+        edges=edges,
+        act_dtype_bytes=graph.activation_dtype_bytes or 2,
+        n_layers=n,
+    )
+
+
+# ============================================================================ cluster facts
+
+
+def _cluster_devices(cluster: Cluster) -> tuple[list[str], list[int], np.ndarray]:
+    """(kind name, node index, capacity bytes) per device id, node-major as in Cluster.devices."""
+    kinds, nodes, caps = [], [], []
+    for n, node in enumerate(cluster.nodes):
+        for kind_name in node.gpus:
+            kind = cluster.kinds.get(kind_name)
+            if kind is None:
+                raise MemoryEstimateError(
+                    f"{cluster.source}: node '{node.name}' names GPU kind {kind_name!r}, which the cluster does not define"
+                )
+            kinds.append(kind.name)
+            nodes.append(n)
+            caps.append(kind.memory_bytes)
+    return kinds, nodes, np.asarray(caps, dtype=np.int64)
+
+
+# ============================================================================ the estimator
+
+
+def estimate_memory(
+    graph: OpGraph,
+    plan: Plan,
+    cluster: Cluster,
+    *,
+    optimizer: str = "adam",
+    overhead_bytes: int | None = None,
+    dp_bucket_bytes: int = DP_BUCKET_BYTES,
+    loss_copies: float = LOSS_COPIES,
+    persistent_grads: bool | None = None,
+) -> MemoryEstimate:
+    """Per-device peak bytes of one training iteration of `graph` under `plan` on `cluster`.
+
+    `optimizer`: one of OPTIMIZERS (see the module docstring for the step's working set).
+    `overhead_bytes`: per-GPU framework constant (default FRAMEWORK_OVERHEAD_BYTES; 0 for CPU).
+    `persistent_grads`: force gradients to live all iteration (True) or only from their
+    backward to the step (False); default decides from the plan (see module docstring).
+    """
+    if optimizer not in _OPTIMIZERS:
+        raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+    if loss_copies < 0 or dp_bucket_bytes < 0 or (overhead_bytes is not None and overhead_bytes < 0):
+        raise MemoryEstimateError("estimate_memory: loss_copies, dp_bucket_bytes and overhead_bytes must be >= 0")
+    la = _layer_arrays(graph)
+    kinds, nodes, caps = _cluster_devices(cluster)
+    n_dev = len(kinds)
+    overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
+
+    mixed = plan.dtype in ("bf16", "fp16")
+    plan_bytes = _DTYPE_BYTES[plan.dtype]
+    w_b, g_b = (2, 2) if mixed else (4, 4)
+    opt_fp32, opt_mixed, step_kind = _OPTIMIZERS[optimizer]
+    k_b = opt_mixed if mixed else opt_fp32
+    act_scale = plan_bytes / la.act_dtype_bytes  # capture dtype -> plan dtype
+    loss_scale = 4.0 / la.act_dtype_bytes  # the loss runs in fp32
+
+    stages = plan.stage_specs(graph.layer_names)
+    stage_of_layer = np.full(la.n_layers, -1, dtype=np.int64)
+    stage_layers: list[np.ndarray] = []
+    for s, st in enumerate(stages):
+        idx = []
+        for name in st.layers:
+            i = la.index.get(name)
+            if i is None:
+                raise MemoryEstimateError(
+                    f"plan stage '{st.name}': layer {name!r} is not a layer of model {graph.model!r}"
+                )
+            idx.append(i)
+        if not idx:
+            raise MemoryEstimateError(f"plan stage '{st.name}': holds no layers")
+        ids = np.asarray(idx, dtype=np.int64)
+        stage_of_layer[ids] = s
+        stage_layers.append(ids)
+        bad = [d for d in st.devices if not 0 <= d < n_dev]
+        if bad:
+            raise MemoryEstimateError(
+                f"plan stage '{st.name}': device {bad[0]} is not in cluster {cluster.name!r} "
+                f"({n_dev} devices)"
+            )
+        if len(st.devices) != st.dp * st.tp:
+            raise MemoryEstimateError(
+                f"plan stage '{st.name}': has {len(st.devices)} devices but dp*tp = {st.dp * st.tp}"
+            )
+
+    in_flight = _in_flight(plan, stages)
+    p2p_send, p2p_recv = _p2p_per_sample(la, stage_of_layer, len(stages))
+
+    matrix = np.zeros((n_dev, len(CATEGORIES)))
+    step_phase = np.zeros(n_dev, dtype=bool)
+    used: set[int] = set()
+    for s, st in enumerate(stages):
+        ids = stage_layers[s]
+        mb = st.micro_batch or plan.micro_batch
+        m = max(1, plan.global_batch // (st.dp * mb)) if plan.stages else plan.num_micro_batches
+        batches = _replica_micro_batches(plan, st, mb, m)
+        ratios = st.tp_ratios or [1.0 / st.tp] * st.tp
+        persistent = persistent_grads
+        if persistent is None:
+            persistent = mixed or m > 1 or st.dp > 1 or plan.zero > 0
+        n_flight = in_flight[s]
+        cache: dict[tuple[float, int], np.ndarray] = {}
+        for d_i in range(st.dp):
+            for t_i in range(st.tp):
+                key = (ratios[t_i] * st.tp if st.tp > 1 else 1.0, batches[d_i])
+                row = cache.get(key)
+                if row is None:
+                    r = ratios[t_i] if st.tp > 1 else 1.0
+                    row = _device_row(
+                        la, ids, r=r, b=batches[d_i], n_flight=n_flight, dp=st.dp, plan=plan,
+                        w_b=w_b, g_b=g_b, k_b=k_b, step_kind=step_kind, act_scale=act_scale,
+                        loss_scale=loss_scale, loss_copies=loss_copies, persistent=persistent,
+                        dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]),
+                        plan_bytes=plan_bytes,
+                    )
+                    cache[key] = row
+                dev = st.devices[d_i * st.tp + t_i]
+                matrix[dev] += row[:-1]  # a device in two stages holds both
+                if dev not in used:
+                    matrix[dev, _X] += overhead
+                step_phase[dev] |= bool(row[-1])
+                used.add(dev)
+
+    peak = np.ceil(matrix.sum(axis=1)).astype(np.int64)
+    return MemoryEstimate(
+        model=graph.model,
+        cluster=cluster.name,
+        devices=sorted(used),
+        peak_bytes=peak.tolist(),
+        capacity_bytes=caps.tolist(),
+        kinds=kinds,
+        nodes=nodes,
+        _matrix=matrix,
+        _phase_step=step_phase,
+    )
+
+
+def _device_row(
+    la: _LayerArrays,
+    ids: np.ndarray,
+    *,
+    r: float,
+    b: int,
+    n_flight: float,
+    dp: int,
+    plan: Plan,
+    w_b: int,
+    g_b: int,
+    k_b: int,
+    step_kind: str,
+    act_scale: float,
+    loss_scale: float,
+    loss_copies: float,
+    persistent: bool,
+    dp_bucket: int,
+    p2p: float,
+    plan_bytes: int,
+) -> np.ndarray:
+    """Bytes per category at the peak of one device of a stage, plus a final 1.0 if the
+    peak is in the optimizer step (layout: CATEGORIES..., step_flag; overhead added by caller)."""
+    zero = plan.zero
+    sp = r if plan.sequence_parallel else 1.0  # share of the replicated activations this rank keeps
+
+    # ---- model states (Rajbhandari et al. §3.1), Ψ = parameters on this tensor rank
+    psi_layers = la.count_rep[ids] + r * la.count_tp[ids]
+    psi = float(psi_layers.sum())
+    weights = w_b * psi / (dp if zero >= 3 else 1)
+    grads_full = g_b * psi / (dp if zero >= 2 else 1)
+    opt = k_b * psi / (dp if zero >= 1 else 1)
+
+    a_kept, work = _layer_activations(la, ids, r=r, sp=sp, act_scale=act_scale, recompute=plan.recompute)
+    # gradients w.r.t. the layer's output and input while its backward runs
+    transient = act_scale * (la.inp[ids] + la.out[ids]) * sp
+    a_mb = b * float(a_kept.sum())
+    cum = b * np.cumsum(a_kept)  # activations of layers 0..i of the current micro-batch
+
+    loss_vec = loss_scale * la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]
+    loss_ws = b * loss_copies * float(loss_vec.sum())
+
+    # ---- gradients alive during backward: all (persistent) or those of layers i..end
+    if persistent:
+        g_at = np.full(len(ids), grads_full)
+    else:
+        suffix = np.cumsum((g_b * psi_layers)[::-1])[::-1]
+        g_at = suffix / (dp if zero >= 2 else 1)
+    others = max(n_flight - 1.0, 0.0) * a_mb  # earlier micro-batches still waiting for backward
+    per_layer = others + cum + b * (work + transient) + g_at
+    i_max = int(np.argmax(per_layer))
+    at_loss = others + a_mb + loss_ws + (grads_full if persistent else 0.0)
+    if loss_ws > 0 and at_loss >= per_layer[i_max]:
+        act, logits, tmp, g_now = others + a_mb, loss_ws, 0.0, (grads_full if persistent else 0.0)
+    else:
+        act, logits = others + float(cum[i_max]), 0.0
+        tmp, g_now = b * float(work[i_max] + transient[i_max]), float(g_at[i_max])
+    backward_total = act + logits + tmp + g_now
+
+    # ---- optimizer step: all gradients plus the step's temporaries
+    if step_kind == "foreach":
+        step_tmp = 4.0 * psi / (dp if zero >= 1 else 1)
+    elif step_kind == "loop":
+        step_tmp = 2 * 4.0 * float(la.max_tensor[ids].max()) * (r if la.count_tp[ids].any() else 1.0)
+    else:
+        step_tmp = 0.0
+    step_total = grads_full + step_tmp
+
+    # ---- communication buffers
+    comm = p2p * b * act_scale * sp  # one micro-batch in each direction across stage boundaries
+    if dp > 1:
+        comm += min(float(dp_bucket), grads_full)
+        if zero >= 3:  # all-gathered full parameters of the running and the prefetched layer
+            comm += w_b * float(np.sort(psi_layers)[-2:].sum())
+
+    row = np.zeros(len(CATEGORIES) + 1)
+    row[_W], row[_O], row[_C] = weights, opt, comm
+    if step_total > backward_total:
+        row[_G], row[_X], row[-1] = grads_full, step_tmp, 1.0
+    else:
+        row[_G], row[_A], row[_L], row[_X] = g_now, act, logits, tmp
+    return row
+
+
+def _layer_activations(
+    la: _LayerArrays, ids: np.ndarray, *, r: float, sp: float, act_scale: float, recompute: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, recompute working set) bytes per sample for layers `ids` (Korthikanti §4).
+
+    `r`: this tensor rank's share of the split tensors; `sp`: its share of the
+    replicated ones (r under sequence parallelism, else 1)."""
+    saved, tp_part, sel = la.saved[ids], la.saved_tp[ids], la.saved_sel[ids]
+    a_none = act_scale * ((saved - tp_part) * sp + tp_part * r)
+    if recompute == "selective":
+        work = act_scale * sel * r  # the attention core, recomputed in backward
+        return a_none - work, work
+    if recompute == "full":
+        ckpt = la.recomputable[ids]
+        kept = np.where(ckpt, act_scale * la.inp[ids] * sp, a_none)
+        return kept, np.where(ckpt, a_none, 0.0)  # a layer's activations rebuilt for its backward
+    return a_none, np.zeros_like(a_none)
+
+
+def activation_bytes_per_layer(
+    graph: OpGraph, plan: Plan, *, micro_batch: int | None = None, tp_rank: int = 0
+) -> dict[str, float]:
+    """Bytes of activations one micro-batch leaves stored in each layer on tensor rank `tp_rank`.
+
+    The per-layer quantity of Korthikanti et al. (2022) Table 2 (before multiplying by
+    the micro-batches in flight), in the plan's dtype, honouring tp / tp_ratios,
+    sequence_parallel and recompute."""
+    la = _layer_arrays(graph)
+    if not 0 <= tp_rank < plan.tp:
+        raise MemoryEstimateError(f"tp_rank: {tp_rank} is not a tensor rank of a plan with tp={plan.tp}")
+    r = (plan.tp_ratios[tp_rank] if plan.tp_ratios else 1.0 / plan.tp) if plan.tp > 1 else 1.0
+    sp = r if plan.sequence_parallel else 1.0
+    ids = np.arange(la.n_layers)
+    kept, _ = _layer_activations(la, ids, r=r, sp=sp, act_scale=_DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes,
+                                 recompute=plan.recompute)
+    b = plan.micro_batch if micro_batch is None else micro_batch
+    return {name: float(b * kept[i]) for name, i in la.index.items()}
+
+
+def _replica_micro_batches(plan: Plan, st: StageSpec, mb: int, m: int) -> list[int]:
+    """Micro-batch size of each data-parallel replica of a stage (uneven with dp_shares)."""
+    if not st.dp_shares:
+        return [mb] * st.dp
+    if not plan.stages and st.dp_shares == plan.dp_shares:
+        samples = plan.samples_per_replica()
+    else:
+        exact = [s * plan.global_batch for s in st.dp_shares]
+        samples = [int(x) for x in exact]
+        for i in sorted(range(st.dp), key=lambda i: samples[i] - exact[i])[: plan.global_batch - sum(samples)]:
+            samples[i] += 1
+    return [max(1, math.ceil(n / m)) if n > 0 else 0 for n in samples]
+
+
+def _in_flight(plan: Plan, stages: list[StageSpec]) -> list[float]:
+    """Micro-batches of activations each stage holds at once (in whole-stage units)."""
+    m = plan.num_micro_batches
+    if plan.schedule == "gpipe":
+        if plan.stages:
+            return [float(max(1, plan.global_batch // (s.dp * (s.micro_batch or plan.micro_batch))))
+                    for s in stages]
+        return [float(m)] * len(stages)
+    if plan.stages:
+        # GraphPipe's 1F1B: a stage runs one warm-up forward per stage on its longest path to a sink.
+        import networkx as nx
+
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(stages)))
+        g.add_edges_from(plan.stage_edges)
+        if not nx.is_directed_acyclic_graph(g):
+            raise MemoryEstimateError("plan field 'stage_edges': the stage graph has a cycle")
+        depth = [0] * len(stages)
+        for node in reversed(list(nx.topological_sort(g))):
+            depth[node] = max((depth[c] + 1 for c in g.successors(node)), default=0)
+        out = []
+        for s, st in enumerate(stages):
+            ms = max(1, plan.global_batch // (st.dp * (st.micro_batch or plan.micro_batch)))
+            out.append(float(min(depth[s] + 1, ms)))
+        return out
+    pp, v = plan.pp, plan.virtual_stages
+    if plan.schedule == "interleaved" and v > 1:
+        # Megatron-LM interleaved warm-up: 2(pp - i - 1) + (v - 1) pp chunk-forwards, +1 running.
+        return [min(2 * (pp - i - 1) + (v - 1) * pp + 1, m * v) / v for i in range(pp)]
+    return [float(min(pp - i, m)) for i in range(pp)]
+
+
+def _p2p_per_sample(la: _LayerArrays, stage_of_layer: np.ndarray, n_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample bytes each stage sends and receives across stage boundaries (capture dtype)."""
+    send = np.zeros(n_stages)
+    recv = np.zeros(n_stages)
+    if len(la.edges) == 0 or n_stages == 1:
+        return send, recv
+    src, dst = la.edges[:, 0], la.edges[:, 1]
+    s_src, s_dst = stage_of_layer[src], stage_of_layer[dst]
+    cross = (s_src != s_dst) & (s_src >= 0) & (s_dst >= 0)
+    if not cross.any():
+        return send, recv
+    # one message per (producer layer, consumer stage)
+    pairs = np.unique(np.stack([src[cross], s_dst[cross]], axis=1), axis=0)
+    bytes_ = la.out[pairs[:, 0]]
+    np.add.at(send, stage_of_layer[pairs[:, 0]], bytes_)
+    np.add.at(recv, pairs[:, 1], bytes_)
+    return send, recv
