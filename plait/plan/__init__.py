@@ -1,0 +1,28 @@
+"""Planners: the Plan IR and the Pipette-style 3D configurator.
+
+`plait.plan.ir.Plan` is the plan every planner returns. The 3D search lives in
+`plait.plan.search` (`plan(model, cluster, global_batch=...) -> PlanResult`), rank
+placement in `plait.plan.placement`, uneven splits for mixed GPU kinds in
+`plait.plan.hetero`, and framework export in `plait.plan.export`. Those are imported
+lazily so `import plait` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.plan.ir import Plan, PlanError, StageSpec
+
+__all__ = ["Plan", "PlanError", "StageSpec", "plan", "PlanResult", "SearchSpace", "export"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("plan", "PlanResult", "SearchSpace", "Candidate"):
+        from plait.plan import search
+
+        return getattr(search, name)
+    if name == "export":
+        from plait.plan.export import export
+
+        return export
+    raise AttributeError(f"module 'plait.plan' has no attribute {name!r}")

@@ -1,0 +1,173 @@
+"""`plait plan`: find the fastest 3D plan that fits, place it, and optionally run it.
+
+    plait plan                                   # built-in small GPT on the emulated mixed cluster
+    plait plan --model gpt:size=1.3b --cluster a100-80g:nodes=4 --global-batch 512 --top 5
+    plait plan ... --out plan.json               # then: plait simulate/run --plan plan.json
+    plait plan ... --export megatron             # equivalent Megatron-LM launch arguments
+    plait plan --run                             # train the chosen plan a few steps, predicted vs measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from plait.plan.export import FORMATS
+from plait.plan.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
+
+GiB = 2**30
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="search data x tensor x pipeline plans that fit, rank them by the simulator",
+        description="Pipette-style 3D configurator: enumerate dp x tp x pp, micro-batch, recompute, "
+        "ZeRO and schedule; prune what does not fit in memory; rank by the simulator; place ranks "
+        "on uneven links; split layers and batches unevenly over mixed GPU kinds.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"zoo spec or file.py:factory (default: {DEFAULT_MODEL})")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster YAML or preset (default: {DEFAULT_CLUSTER})")
+    p.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
+                   help=f"samples per iteration (default: {DEFAULT_GLOBAL_BATCH})")
+    p.add_argument("--top", type=int, default=5, help="how many plans to print (default 5)")
+    p.add_argument("--finalists", type=int, default=12,
+                   help="analytically best candidates to place and simulate (default 12; 0 = all)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", metavar="FILE", help="write the best plan as JSON (for plait simulate/run --plan)")
+    p.add_argument("--export", choices=FORMATS, help="print the best plan as launch args/config of this framework")
+    p.add_argument("--run", action="store_true", help="train the best plan a few steps and compare with the prediction")
+    p.add_argument("--steps", type=int, default=3, help="steps for --run (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the placement annealing (default 0)")
+    p.add_argument("--no-placement", action="store_true", help="keep Megatron's rank order")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from plait.errors import PlaitError
+    from plait.plan.export import export
+    from plait.plan.search import plan
+
+    if args.top < 1:
+        raise PlaitError(f"--top: must be >= 1, got {args.top}")
+    if args.steps < 1:
+        raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
+    result = plan(args.model, args.cluster, global_batch=args.global_batch, top=args.top,
+                  finalists=None if args.finalists == 0 else args.finalists, seed=args.seed,
+                  placement=not args.no_placement, progress=not args.no_progress and not args.json)
+    best = result.best
+    exported = None
+    if args.export:
+        from plait.cluster import load_cluster
+
+        exported = export(best.plan, args.export, _model_config(args.model), load_cluster(args.cluster))
+    if args.out:
+        best.plan.save(args.out)
+    measured = None
+    if args.run:
+        measured = _run(args, best.plan)
+
+    if args.json:
+        out = result.to_dict()
+        if exported is not None:
+            out["export"] = {"format": args.export, "text": exported}
+        if measured is not None:
+            out["run"] = measured
+        if args.out:
+            out["out"] = args.out
+        print(json.dumps(out, indent=2))
+        return 0
+
+    from rich.console import Console
+
+    console = Console()
+    print_result(result, console)
+    if args.out:
+        console.print(f"best plan written to [bold]{args.out}[/] "
+                      f"(plait simulate --plan {args.out} / plait run --plan {args.out})")
+    if exported is not None:
+        console.print(f"\n[bold]{args.export}[/] equivalent:")
+        sys.stdout.write(exported)
+    if measured is not None:
+        _print_run(measured, best, console)
+    return 0
+
+
+def _model_config(model: str) -> dict[str, Any]:
+    from plait.graph.zoo import load_model
+
+    return dict(load_model(model).config)
+
+
+def _run(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
+    from plait.runtime.api import run as runtime_run
+
+    res = runtime_run(args.model, args.cluster, plan, steps=args.steps)
+    d = res.to_dict() if hasattr(res, "to_dict") else dict(vars(res)) if hasattr(res, "__dict__") else dict(res)
+    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, list)) or v is None}
+
+
+def _print_run(measured: dict[str, Any], best: Any, console: Any) -> None:
+    meas = measured.get("iteration_time_s")
+    pred = best.iteration_time_s
+    console.print("\n[bold]predicted vs measured[/] (plait run)")
+    if meas is None:
+        console.print(f"  run finished: {measured}")
+        return
+    err = (pred - meas) / meas * 100 if pred else float("nan")
+    console.print(f"  iteration time: predicted {pred * 1e3:.1f} ms, measured {meas * 1e3:.1f} ms ({err:+.1f}%)")
+
+
+def _fmt_plan(c: Any) -> str:
+    p = c.plan
+    parts = [f"dp{p.dp} tp{p.tp} pp{p.pp}", f"mb{p.micro_batch}", p.recompute, f"zero{p.zero}",
+             p.schedule + (f"x{p.virtual_stages}" if p.virtual_stages > 1 else "")]
+    if p.sequence_parallel:
+        parts.append("sp")
+    if p.layer_split is not None:
+        parts.append("layers " + ":".join(map(str, p.layer_split)))
+    if p.dp_shares is not None:
+        parts.append("shares " + ":".join(f"{s:.2f}" for s in p.dp_shares))
+    return " ".join(parts)
+
+
+def print_result(result: Any, console: Any) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]plait plan[/]: {result.model} on {result.cluster} "
+                  f"({result.world_size} GPUs), global batch {result.global_batch}")
+    pruned = ", ".join(f"{n} {r}" for r, n in sorted(result.pruned_reasons.items(), key=lambda x: -x[1])) or "none"
+    console.print(f"candidates: {result.enumerated} enumerated, {result.pruned} pruned ({pruned}), "
+                  f"{result.ranked_analytic} fit, {result.simulated} simulated "
+                  f"in {result.search_time_s:.1f} s (ranked by the {result.ranker})")
+    kinds = sorted({k for c in result.top for k in c.headroom_by_kind})
+    table = Table(title=f"top {len(result.top)} plans")
+    table.add_column("#", justify="right")
+    table.add_column("plan")
+    table.add_column("layout")
+    table.add_column("iteration", justify="right")
+    table.add_column("TFLOP/s/GPU", justify="right")
+    table.add_column("samples/s", justify="right")
+    for k in kinds:
+        table.add_column(f"free {k}", justify="right")
+    for i, c in enumerate(result.top, 1):
+        row = [str(i), _fmt_plan(c), c.layout, f"{c.time_s * 1e3:.2f} ms",
+               f"{c.tflops_per_gpu:.2f}" if c.tflops_per_gpu is not None else "-",
+               f"{c.throughput:.1f}" if c.throughput is not None else "-"]
+        row += [f"{c.headroom_by_kind[k] / GiB:.1f} GiB" if k in c.headroom_by_kind else "-" for k in kinds]
+        table.add_row(*row)
+    console.print(table)
+    best = result.best
+    if best.placement is not None:
+        pl = best.placement
+        line = (f"placement (Pipette annealing): path-model communication {pl.cost * 1e3:.2f} ms vs "
+                f"{pl.default_cost * 1e3:.2f} ms in the default rank order ({pl.gain:.2f}x)")
+        if best.default_order_time_s and best.iteration_time_s:
+            line += (f"; simulated iteration {best.iteration_time_s * 1e3:.2f} ms vs "
+                     f"{best.default_order_time_s * 1e3:.2f} ms "
+                     f"({best.default_order_time_s / best.iteration_time_s:.2f}x)")
+        console.print(line)
+    console.print(f"best: [bold]{best.plan}[/]")

@@ -1,0 +1,564 @@
+"""`plait plan`: the Pipette-style 3D configurator (SYSTEMS.md §2).
+
+Given a model, a cluster and a global batch, find the fastest data x tensor x
+pipeline configuration that fits in every GPU's memory and place its ranks on the
+GPUs:
+
+1. **Enumerate** dp x tp x pp = GPUs (tensor parallel inside a node and dividing the
+   attention heads, at most one pipeline stage per layer), micro-batch size (dividing
+   the per-replica batch), recompute (none / selective / full), ZeRO stage (0-3;
+   ZeRO-2/3 only without pipeline parallelism, as DeepSpeed requires), schedule
+   (1F1B, GPipe, interleaved 1F1B with 2 chunks), sequence parallelism with tp > 1,
+   and on a mixed cluster the kind layout (`plait.plan.hetero.layouts`), whose
+   stages or replicas then get uneven layers or batch shares (`hetero.balance`).
+2. **Prune** every candidate the memory estimator (`plait.cost.memory`) says does not
+   fit on some GPU; the reasons are counted per GPU kind. Peak memory grows with the
+   micro-batch, so once a micro-batch size overflows, the larger ones of the same
+   configuration are pruned for the same reason without asking again.
+3. **Rank** the survivors with a cheap analytic model (Pipette's 1F1B formula
+   ``(M-1)*max_p t_p + sum_p t_p`` over per-layer compute times, plus the path-model
+   communication of `plait.plan.placement`), keep the best `finalists`, place each
+   finalist's ranks with simulated annealing, and rank those by the simulator
+   (`plait.sim.api.simulate`) -- the number plait reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plait.errors import PlaitError
+from plait.plan import hetero
+from plait.plan.ir import RECOMPUTE_CHOICES, Plan
+from plait.plan.placement import PathModel, PlacementResult, anneal, traffic_of
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
+    from plait.graph.opgraph import OpGraph
+
+DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=1024"
+DEFAULT_CLUSTER = "emulated-mixed"
+DEFAULT_GLOBAL_BATCH = 16
+GiB = 2**30
+
+
+class SearchError(PlaitError, ValueError):
+    """A search request that cannot be answered (bad argument, or nothing fits)."""
+
+
+# ============================================================================ search space
+
+
+@dataclass
+class SearchSpace:
+    """What to enumerate; None means every valid value."""
+
+    tp: list[int] | None = None
+    pp: list[int] | None = None
+    micro_batch: list[int] | None = None
+    recompute: tuple[str, ...] = RECOMPUTE_CHOICES
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    layouts: bool = True  # on mixed clusters: try kinds along pp and along dp
+    dtype: str = "bf16"
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    layout: str = "default"
+    analytic_s: float = math.inf  # cheap model, seconds per iteration
+    iteration_time_s: float | None = None  # simulator
+    tflops_per_gpu: float | None = None
+    throughput: float | None = None  # samples/s
+    peak_bytes: list[int] = field(default_factory=list)  # per device id
+    headroom_by_kind: dict[str, int] = field(default_factory=dict)  # min bytes free per GPU kind
+    placement: PlacementResult | None = None
+    default_order_time_s: float | None = None  # simulated with the layout's start order
+    sim: dict[str, Any] | None = None
+
+    @property
+    def time_s(self) -> float:
+        return self.iteration_time_s if self.iteration_time_s is not None else self.analytic_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_dict(),
+            "plan_str": str(self.plan),
+            "layout": self.layout,
+            "iteration_time_s": self.iteration_time_s,
+            "analytic_time_s": self.analytic_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "throughput_samples_per_s": self.throughput,
+            "memory_peak_bytes": self.peak_bytes,
+            "memory_headroom_bytes_by_kind": self.headroom_by_kind,
+            "placement": self.placement.to_dict() if self.placement else None,
+            "default_order_time_s": self.default_order_time_s,
+        }
+
+
+@dataclass
+class PlanResult:
+    model: str
+    cluster: str
+    global_batch: int
+    world_size: int
+    top: list[Candidate]
+    enumerated: int = 0
+    pruned: int = 0
+    pruned_reasons: dict[str, int] = field(default_factory=dict)
+    pruned_examples: dict[str, str] = field(default_factory=dict)
+    memory_checked: int = 0
+    ranked_analytic: int = 0
+    simulated: int = 0
+    search_time_s: float = 0.0
+    ranker: str = "simulator"
+
+    @property
+    def best(self) -> Candidate:
+        return self.top[0]
+
+    @property
+    def plan(self) -> Plan:
+        return self.top[0].plan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "cluster": self.cluster, "global_batch": self.global_batch,
+            "world_size": self.world_size, "ranker": self.ranker,
+            "candidates": {"enumerated": self.enumerated, "pruned_memory": self.pruned,
+                           "memory_checked": self.memory_checked, "ranked_analytic": self.ranked_analytic,
+                           "simulated": self.simulated},
+            "pruned_reasons": self.pruned_reasons, "pruned_examples": self.pruned_examples,
+            "search_time_s": self.search_time_s,
+            "top": [c.to_dict() for c in self.top],
+        }
+
+
+# ============================================================================ model / cluster
+
+
+_GRAPHS: dict[str, tuple[Any, OpGraph]] = {}
+
+
+def load_graph(model: Any) -> tuple[Any, OpGraph]:
+    """(ModelSpec or None, OpGraph) for a zoo spec string, a ModelSpec, or an OpGraph (cached)."""
+    from plait.graph.opgraph import OpGraph
+
+    if isinstance(model, OpGraph):
+        return None, model
+    from plait.graph.capture import capture
+    from plait.graph.zoo import load_model
+
+    spec = load_model(model) if isinstance(model, str) else model
+    key = getattr(spec, "spec", "") or getattr(spec, "name", "")
+    if key and key in _GRAPHS:
+        return _GRAPHS[key]
+    module = spec.build("meta")
+    inputs, target = spec.sample_batch(1, device="meta")
+    graph = capture(module, inputs, name=spec.name, config=dict(spec.config),
+                    loss_fn=lambda out: spec.loss(out, target))
+    if key:
+        _GRAPHS[key] = (spec, graph)
+    return spec, graph
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ============================================================================ enumeration
+
+
+@dataclass
+class _Group:
+    """Candidates that differ only in micro-batch size (ascending): memory grows along it."""
+
+    key: tuple
+    plans: list[Plan]
+    layout: str
+    order: list[int]
+
+
+def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
+                     space: SearchSpace | None = None) -> Iterator[_Group]:
+    """Every valid configuration, grouped by everything but the micro-batch size."""
+    space = space or SearchSpace()
+    world = cluster.num_devices
+    per_node = min(len(n.gpus) for n in cluster.nodes)
+    heads = int(graph.config.get("heads") or graph.config.get("num_heads") or 0)
+    kv_heads = int(graph.config.get("kv_heads") or heads or 0)
+    n_layers = len(graph.layers)
+    has_tp = any(layer.tp_style == "transformer" for layer in graph.layers)
+    tps = [t for t in _divisors(per_node) if world % t == 0
+           and (t == 1 or (has_tp and heads and heads % t == 0 and kv_heads % t == 0))]
+    if space.tp is not None:
+        tps = [t for t in tps if t in space.tp]
+    for tp in tps:
+        for pp in _divisors(world // tp):
+            if pp > n_layers or (space.pp is not None and pp not in space.pp):
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            mbs = _divisors(global_batch // dp)
+            if space.micro_batch is not None:
+                mbs = [m for m in mbs if m in space.micro_batch]
+            if not mbs:
+                continue
+            schedules = ["1f1b"] if pp == 1 else [s for s in space.schedules]
+            # ZeRO-2/3 shard gradients/parameters that gradient accumulation across pipeline
+            # micro-batches keeps whole (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism).
+            zeros = [z for z in space.zero if (dp > 1 or z == 0) and (pp == 1 or z <= 1)]
+            sps = [s for s in space.sequence_parallel if tp > 1 or not s]
+            for schedule in schedules:
+                v = 2 if schedule == "interleaved" else 1
+                if pp * v > n_layers:
+                    continue
+                for sp in sps:
+                    for zero in zeros:
+                        for recompute in space.recompute:
+                            plans = []
+                            for mb in mbs:
+                                m = global_batch // (dp * mb)
+                                if schedule == "interleaved" and m % pp:
+                                    continue
+                                plans.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch,
+                                                  recompute=recompute, zero=zero, schedule=schedule,
+                                                  virtual_stages=v, sequence_parallel=sp, dtype=space.dtype))
+                            if not plans:
+                                continue
+                            lays = hetero.layouts(cluster, plans[0]) if space.layouts else {"default": list(range(world))}
+                            for name, order in lays.items():
+                                key = (dp, tp, pp, schedule, sp, zero, recompute, name)
+                                yield _Group(key, plans, name, order)
+
+
+# ============================================================================ cheap ranker
+
+
+class AnalyticModel:
+    """Pipette's latency model with per-layer compute times: a fast first-pass ranker.
+
+    Compute: each (stage, replica) tensor group's forward+backward time per micro-batch
+    (`layer_time`, per GPU kind), 1F1B/GPipe ``(M-1) * max_p t_p + sum_p t_p``, with
+    interleaving dividing the fill/drain part by the chunks. Communication: the
+    path-model costs of the placement (tensor, pipeline and data-parallel rings on the
+    bandwidth matrix), plus ZeRO-3's parameter all-gathers per micro-batch. The
+    simulator, not this model, decides the final ranking."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster,
+                 layer_time: hetero.LayerTimeFn | None = None) -> None:
+        self.graph, self.cluster = graph, cluster
+        self.layer_time = layer_time or _default_layer_time
+        self.bw = cluster.bandwidth_matrix()
+        self.lat = cluster.latency_matrix()
+        self.devices = cluster.devices
+        self.flops_per_sample = graph.fwd_flops + graph.bwd_flops
+        self._times: dict[tuple, np.ndarray] = {}
+
+    def layer_times(self, plan: Plan, kind_name: str) -> np.ndarray:
+        key = (kind_name, plan.micro_batch, plan.tp, plan.recompute, plan.dtype, plan.sequence_parallel)
+        t = self._times.get(key)
+        if t is None:
+            kind = next(d.kind for d in self.devices if d.kind.name == kind_name)
+            t = np.asarray([self.layer_time(layer, kind, plan) for layer in self.graph.layers])
+            self._times[key] = t
+        return t
+
+    def path_model(self, plan: Plan) -> PathModel:
+        return PathModel(self.bw, traffic_of(self.graph, plan), dp=plan.dp, tp=plan.tp, pp=plan.pp, latency=self.lat)
+
+    def estimate(self, plan: Plan, path: PathModel | None = None) -> float:
+        grid = hetero.kind_grid(self.cluster, plan)
+        split = plan.layers_per_stage(len(self.graph.layers))
+        v = plan.virtual_stages
+        bounds = np.concatenate([[0], np.cumsum(split)])
+        counts = _replica_micro_batches(plan)
+        worst = 0.0
+        for d in range(plan.dp):
+            st = np.zeros(plan.pp)
+            for c in range(plan.pp * v):
+                p = c % plan.pp
+                st[p] += self.layer_times(plan, grid[p][d])[bounds[c]:bounds[c + 1]].sum()
+            m = counts[d]
+            b, s = float(st.max()), float(st.sum())
+            worst = max(worst, m * b + (s - b) / v if m else 0.0)
+        path = path or self.path_model(plan)
+        order = np.asarray([plan.device_of(r) for r in range(plan.world_size)])
+        comm = float(path.cost(order))
+        if plan.zero >= 3 and plan.dp > 1:
+            # ZeRO-3 all-gathers the parameters in forward and backward of every micro-batch
+            params = self.graph.param_count / plan.pp / plan.tp * 2
+            inv = float(path.inv_bw[order[:-1], order[1:]].max()) if plan.world_size > 1 else 0.0
+            comm += 2 * max(counts) * (plan.dp - 1) / plan.dp * params * inv
+        return worst + comm
+
+
+def _default_layer_time(layer: Any, kind: Any, plan: Plan) -> float:
+    """Per-layer forward+backward(+recompute) seconds for one micro-batch on one GPU kind.
+
+    Uses plait.cost's compute model when it is there, else FLOPs / peak FLOP/s."""
+    try:
+        from plait.cost.compute import layer_time  # type: ignore[attr-defined]
+    except ImportError:
+        return hetero.flops_layer_time(layer, kind, plan)
+    return float(layer_time(layer, kind, plan))
+
+
+def _replica_micro_batches(plan: Plan) -> list[int]:
+    if plan.dp_shares is None:
+        return [plan.num_micro_batches] * plan.dp
+    return [max(1, round(n / plan.micro_batch)) for n in plan.samples_per_replica()]
+
+
+# ============================================================================ simulator
+
+
+def _simulate(model: Any, graph: OpGraph, cluster: Cluster, plan: Plan) -> dict[str, Any]:
+    from plait.sim.api import simulate
+
+    res = simulate(graph, cluster, plan)
+    if hasattr(res, "to_dict"):
+        d = res.to_dict()
+    elif dataclasses.is_dataclass(res):
+        d = dataclasses.asdict(res)
+    else:
+        d = dict(res)
+    return d
+
+
+def _headroom(peaks: list[int], cluster: Cluster, plan: Plan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    devices = cluster.devices
+    for r in range(plan.world_size):
+        dev = devices[plan.device_of(r)]
+        room = dev.kind.memory_bytes - peaks[dev.id]
+        out[dev.kind.name] = min(out.get(dev.kind.name, room), room)
+    return out
+
+
+# ============================================================================ the search
+
+
+def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
+         finalists: int | None = 12, space: SearchSpace | None = None, placement: bool = True,
+         simulate: bool = True, seed: int = 0, progress: bool = False,
+         placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
+         layer_time: hetero.LayerTimeFn | None = None,
+         on_progress: Callable[[str, int, int], None] | None = None) -> PlanResult:
+    """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
+
+    `finalists`: how many of the analytically best candidates get placed and simulated
+    (None: all of them -- exhaustive). `simulate=False` ranks by the analytic model only.
+    `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``)."""
+    from plait.cluster import load_cluster
+    from plait.cost.memory import estimate_memory
+
+    t_start = time.perf_counter()
+    if top < 1:
+        raise SearchError(f"plan: top must be >= 1, got {top}")
+    if finalists is not None and finalists < 1:
+        raise SearchError(f"plan: finalists must be >= 1 or None, got {finalists}")
+    model = DEFAULT_MODEL if model is None else model
+    cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
+    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
+    if gb < 1:
+        raise SearchError(f"plan: global batch must be >= 1, got {gb}")
+    spec, graph = load_graph(model)
+    mem_kw = dict(memory_kwargs or {})
+    devices = cluster_obj.devices
+    mixed = hetero.is_mixed(cluster_obj)
+    analytic = AnalyticModel(graph, cluster_obj, layer_time)
+
+    bar = _Progress(progress, on_progress)
+    groups = list(enumerate_groups(graph, cluster_obj, gb, space))
+    total = sum(len(g.plans) for g in groups)
+    if total == 0:
+        raise SearchError(f"plan: no dp x tp x pp configuration of {cluster_obj.num_devices} GPUs divides "
+                          f"global batch {gb} for model {graph.model}")
+
+    reasons: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    kept: list[Candidate] = []
+    checked = 0
+    bar.start("memory", total)
+
+    def prune(reason: str, example: str, n: int = 1) -> None:
+        reasons[reason] += n
+        examples.setdefault(reason, example)
+
+    peak_cache: dict[str, np.ndarray] = {}
+
+    def peaks_of(p: Plan) -> np.ndarray:
+        key = str(p) if p.device_order is None else str(dataclasses.replace(p, device_order=None))
+        hit = peak_cache.get(key)
+        if hit is None:
+            # peak bytes per rank do not depend on where the ranks are placed
+            est = estimate_memory(graph, dataclasses.replace(p, device_order=None), cluster_obj, **mem_kw)
+            peaks = np.asarray(est.peak_bytes)
+            hit = peaks[: p.world_size]
+            peak_cache[key] = hit
+        out = np.zeros(len(devices), dtype=np.int64)
+        out[[p.device_of(r) for r in range(p.world_size)]] = hit
+        return out
+
+    for g in groups:
+        for i, base in enumerate(g.plans):
+            p = base if g.order == list(range(base.world_size)) else dataclasses.replace(base, device_order=g.order)
+            checked += 1
+            if mixed:
+                bal = hetero.balance(graph, p, cluster_obj, layer_time=analytic.layer_time,
+                                     peak_bytes=lambda q: peaks_of(q))
+                if bal is None:
+                    left = len(g.plans) - i
+                    prune("no uneven layer/batch split fits in memory", str(p), left)
+                    bar.advance(left)
+                    break
+                p = bal.plan
+            peaks = peaks_of(p)
+            over = [d for d in (p.device_of(r) for r in range(p.world_size)) if peaks[d] > devices[d].kind.memory_bytes]
+            if over:
+                worst = max(over, key=lambda d: peaks[d] - devices[d].kind.memory_bytes)
+                kind = devices[worst].kind
+                reason = f"out of memory on {kind.name} ({kind.memory_bytes / GiB:.0f} GiB)"
+                left = len(g.plans) - i  # larger micro-batches need more memory still
+                prune(reason, f"{p}: GPU {worst} needs {peaks[worst] / GiB:.2f} GiB", left)
+                bar.advance(left)
+                break
+            kept.append(Candidate(plan=p, layout=g.layout, peak_bytes=peaks.tolist(),
+                                  headroom_by_kind=_headroom(peaks.tolist(), cluster_obj, p)))
+            bar.advance(1)
+    bar.stop()
+
+    if not kept:
+        worst = ", ".join(f"{n} x {r}" for r, n in reasons.most_common(3))
+        raise SearchError(f"plan: none of the {total} configurations of {graph.model} fits in memory on "
+                          f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
+
+    # ---- analytic first pass
+    for c in kept:
+        c.analytic_s = analytic.estimate(c.plan)
+    kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
+    chosen = kept if finalists is None else kept[:finalists]
+
+    # ---- place and simulate the finalists
+    placements: dict[tuple, PlacementResult] = {}
+    bar.start("simulate", len(chosen))
+    for c in chosen:
+        if placement and c.plan.world_size > 1:
+            key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout, c.plan.micro_batch, c.plan.schedule,
+                   c.plan.virtual_stages)
+            res = placements.get(key)
+            if res is None:
+                res = _place(analytic.path_model(c.plan), cluster_obj, c.plan, seed, placement_iterations)
+                placements[key] = res
+            c.placement = res
+            if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
+                c.plan = dataclasses.replace(c.plan, device_order=res.order[: c.plan.world_size])
+                if c.plan.device_order == list(range(c.plan.world_size)):
+                    c.plan = dataclasses.replace(c.plan, device_order=None)
+                c.analytic_s = analytic.estimate(c.plan)
+        if simulate:
+            sim = _simulate(spec, graph, cluster_obj, c.plan)
+            c.sim = sim
+            c.iteration_time_s = float(sim["iteration_time_s"])
+            c.tflops_per_gpu = sim.get("tflops_per_gpu")
+            c.throughput = sim.get("throughput_samples_per_s")
+        else:
+            c.tflops_per_gpu = analytic.flops_per_sample * gb / c.analytic_s / c.plan.world_size / 1e12
+            c.throughput = gb / c.analytic_s
+        bar.advance(1)
+    bar.stop()
+    chosen.sort(key=lambda c: (c.time_s, str(c.plan)))
+    best = chosen[:top]
+
+    # ---- placement vs the layout's start order (Megatron's default order on one kind)
+    if simulate and best and best[0].placement is not None and best[0].plan.device_order is not None:
+        c = best[0]
+        start = _start_order(groups, c)
+        base = dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
+        c.default_order_time_s = float(_simulate(spec, graph, cluster_obj, base)["iteration_time_s"])
+    elif best:
+        best[0].default_order_time_s = best[0].iteration_time_s
+
+    return PlanResult(model=getattr(spec, "spec", None) or graph.model, cluster=cluster_obj.name,
+                      global_batch=gb, world_size=cluster_obj.num_devices, top=best, enumerated=total,
+                      pruned=sum(reasons.values()), pruned_reasons=dict(reasons), pruned_examples=examples,
+                      memory_checked=len(peak_cache), ranked_analytic=len(kept),
+                      simulated=len(chosen) if simulate else 0,
+                      search_time_s=time.perf_counter() - t_start,
+                      ranker="simulator" if simulate else "analytic")
+
+
+def _start_order(groups: list[_Group], c: Candidate) -> list[int]:
+    p = c.plan
+    key = (p.dp, p.tp, p.pp, p.schedule, p.sequence_parallel, p.zero, p.recompute, c.layout)
+    for g in groups:
+        if g.key == key:
+            return g.order
+    return list(range(p.world_size))
+
+
+def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations: int | None) -> PlacementResult:
+    """Pipette placement, starting from (and never worse than) the plan's current order."""
+    devices = cluster.devices
+    start = [plan.device_of(r) for r in range(plan.world_size)]
+    start += [d for d in range(len(devices)) if d not in set(start)]
+    off = ~np.eye(len(start), dtype=bool)
+    inv, lat = path.inv_bw[off], path.lat[off]
+    if len(inv) == 0 or (np.allclose(inv, inv[0]) and np.allclose(lat, lat[0])):
+        # every link alike: every order costs the same, keep Megatron's
+        c = float(path.cost(np.asarray(start)))
+        return PlacementResult(order=start, cost=c, default_cost=c, breakdown=path.breakdown(start),
+                               default_breakdown=path.breakdown(start))
+    return anneal(path, [d.kind.name for d in devices], [d.node for d in devices], start=start, seed=seed,
+                  iterations=iterations)
+
+
+class _Progress:
+    """A rich progress bar on stderr (or a callback), silent when disabled."""
+
+    def __init__(self, enabled: bool, callback: Callable[[str, int, int], None] | None) -> None:
+        self.enabled, self.callback = enabled, callback
+        self._bar: Any = None
+        self._task: Any = None
+        self.phase, self.done, self.total = "", 0, 0
+
+    def start(self, phase: str, total: int) -> None:
+        self.phase, self.done, self.total = phase, 0, total
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            label = {"memory": "checking memory", "simulate": "placing + simulating"}.get(phase, phase)
+            self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(phase, total=total)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+        if self.callback is not None:
+            self.callback(self.phase, self.done, self.total)
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

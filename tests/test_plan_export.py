@@ -1,0 +1,101 @@
+"""Export of homogeneous plans to Megatron-LM, DeepSpeed and torchtitan; refusal of heterogeneous ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.plan.export import ExportError, export, heterogeneous_reasons
+from plait.plan.ir import Plan
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+CFG = {"layers": 8, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024, "ffn": 1024}
+
+
+def _args(text: str) -> dict[str, str]:
+    """Flag -> value (or '' for switches) from a printed command line."""
+    tokens = text.replace("\\\n", " ").split()
+    out: dict[str, str] = {}
+    for i, tok in enumerate(tokens):
+        if tok.startswith("--"):
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+            out[tok] = "" if nxt.startswith("--") or nxt.startswith("#") else nxt
+    return out
+
+
+def test_megatron_arguments_carry_every_field():
+    plan = Plan.parse("dp=2,tp=2,pp=2,micro_batch=2,global_batch=32,recompute=full,zero=1,schedule=1f1b,"
+                      "sequence_parallel=true")
+    a = _args(export(plan, "megatron", CFG))
+    assert a["--tensor-model-parallel-size"] == "2" and a["--pipeline-model-parallel-size"] == "2"
+    assert a["--micro-batch-size"] == "2" and a["--global-batch-size"] == "32"
+    assert a["--num-layers"] == "8" and a["--hidden-size"] == "256" and a["--num-attention-heads"] == "8"
+    assert a["--seq-length"] == "128" and a["--ffn-hidden-size"] == "1024" and a["--vocab-size"] == "1024"
+    assert a["--recompute-granularity"] == "full" and "--sequence-parallel" in a
+    assert "--use-distributed-optimizer" in a and "--bf16" in a
+    assert a["--nproc-per-node"] == "8"
+    sel = _args(export(Plan.parse("dp=8,micro_batch=1,global_batch=8,recompute=selective,zero=3"), "megatron", CFG))
+    assert "--recompute-activations" in sel and "--use-torch-fsdp2" in sel and "--sequence-parallel" not in sel
+    inter = _args(export(Plan.parse("pp=2,dp=4,micro_batch=1,global_batch=8,schedule=interleaved,virtual_stages=2"),
+                         "megatron", CFG))
+    assert inter["--num-layers-per-virtual-pipeline-stage"] == "2"
+
+
+def test_deepspeed_config_is_valid_json_with_consistent_batches():
+    plan = Plan.parse("dp=4,tp=2,pp=1,micro_batch=2,global_batch=64,recompute=selective,zero=2")
+    text = export(plan, "deepspeed", CFG)
+    start = text.index("{")
+    depth, end = 0, start
+    for i, ch in enumerate(text[start:], start):
+        depth += ch == "{"
+        depth -= ch == "}"
+        if depth == 0:
+            end = i + 1
+            break
+    cfg = json.loads(text[start:end])
+    assert cfg["train_batch_size"] == 64
+    assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * plan.dp == 64
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"]["enabled"] is True
+    a = _args(text)
+    assert a["--zero-stage"] == "2" and a["--tensor-model-parallel-size"] == "2"
+    with pytest.raises(ExportError, match="ZeRO-2 is incompatible"):
+        export(Plan.parse("dp=2,pp=2,micro_batch=1,global_batch=4,zero=2"), "deepspeed", CFG)
+    with pytest.raises(ExportError, match="1F1B only"):
+        export(Plan.parse("dp=1,pp=2,micro_batch=1,global_batch=4,schedule=gpipe"), "deepspeed", CFG)
+
+
+def test_torchtitan_sections_parse_as_toml():
+    plan = Plan.parse("dp=2,tp=2,pp=2,micro_batch=2,global_batch=32,recompute=full,zero=3,schedule=gpipe")
+    doc = tomllib.loads(export(plan, "torchtitan", CFG))
+    par = doc["parallelism"]
+    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"]) == (2, 2)
+    assert par["data_parallel_shard_degree"] == 2 and par["data_parallel_replicate_degree"] == 1
+    assert par["pipeline_parallel_schedule"] == "GPipe" and par["pipeline_parallel_microbatch_size"] == 2
+    assert par["fsdp_reshard_after_forward"] == "always"
+    assert doc["training"]["global_batch_size"] == 32 and doc["training"]["local_batch_size"] == 16
+    assert doc["activation_checkpoint"]["mode"] == "full"
+    ddp = tomllib.loads(export(Plan.parse("dp=4,micro_batch=2,global_batch=16"), "torchtitan", CFG))
+    assert ddp["parallelism"]["data_parallel_replicate_degree"] == 4
+    assert ddp["training"]["local_batch_size"] == 2
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "deepspeed", "torchtitan"])
+def test_heterogeneous_plans_are_refused_with_the_reason(fmt):
+    uneven_layers = Plan.parse("dp=1,pp=2,micro_batch=1,global_batch=4,layer_split=7:3")
+    with pytest.raises(ExportError, match="layer_split"):
+        export(uneven_layers, fmt, CFG)
+    shares = Plan(dp=2, micro_batch=1, global_batch=4, dp_shares=[0.75, 0.25])
+    with pytest.raises(ExportError, match="dp_shares"):
+        export(shares, fmt, CFG)
+    assert heterogeneous_reasons(Plan.parse("dp=2,micro_batch=1,global_batch=4")) == []
+    assert heterogeneous_reasons(Plan.parse("pp=2,micro_batch=1,global_batch=2,layer_split=5:5")) == []
+
+
+def test_bad_format_and_incomplete_model_config():
+    plan = Plan.parse("dp=2,micro_batch=1,global_batch=4")
+    with pytest.raises(ExportError, match="unknown format"):
+        export(plan, "alpa", CFG)
+    with pytest.raises(ExportError, match="'heads'"):
+        export(plan, "megatron", {"layers": 2, "hidden": 64, "seq": 8, "vocab": 10})
