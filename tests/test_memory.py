@@ -371,3 +371,58 @@ def test_repeat_calls_reuse_layer_cache_and_agree():
     by_tp = {p.tp: max(e) for p, e in zip(plans, first) if p.dp == 1 and p.pp == 1 and p.zero == 0}
     assert by_tp[1] > by_tp[2] > by_tp[4]
     assert np.all(np.asarray(first[0]) >= 0) and math.isfinite(max(first[0]))
+
+
+# ----------------------------------------------------------------------------- with the real capture
+
+
+def _captured_gpt(s: int, h: int, a: int, layers: int = 1, vocab: int = 128, dtype: str = "bf16") -> OpGraph:
+    torch = pytest.importorskip("torch")
+    capture = pytest.importorskip("plait.graph.capture").capture
+    zoo = pytest.importorskip("plait.graph.zoo")
+    spec = zoo.load_model(f"gpt:layers={layers},hidden={h},heads={a},seq={s},vocab={vocab}")
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    inputs, _ = spec.sample_batch(2, device="meta")
+    return capture(spec.build("meta", dtype=tdtype), inputs, name="gpt", config=spec.config)
+
+
+@pytest.mark.parametrize("s,b,h,a,t", KORTHIKANTI_CASES)
+def test_korthikanti_per_layer_captured_gpt(s, b, h, a, t):
+    """(a) capture + estimator against Korthikanti et al. Table 2, within 5%."""
+    g = _captured_gpt(s, h, a)
+    for sp in (False, True):
+        for recompute in ("none", "selective", "full"):
+            plan = Plan(tp=t, micro_batch=b, global_batch=b, sequence_parallel=sp, recompute=recompute)
+            got = activation_bytes_per_layer(g, plan)["layers.0"]
+            want = korthikanti(s, b, h, a, t, sp, recompute) / (t if recompute == "full" and sp else 1)
+            assert got == pytest.approx(want, rel=0.05), (sp, recompute)
+
+
+def test_tied_embedding_copied_to_last_pipeline_stage():
+    g = _captured_gpt(128, 256, 4, layers=2, vocab=4096)
+    one = estimate_memory(g, Plan(), cluster(), overhead_bytes=0).breakdown(0)
+    two = estimate_memory(g, Plan(pp=2, global_batch=2), cluster(), overhead_bytes=0)
+    # with the head on its own stage, the word table (V h) exists on both stages (Megatron)
+    total = two.breakdown(0).weights + two.breakdown(1).weights
+    assert total == pytest.approx(one.weights + 2 * 4096 * 256)
+
+
+@pytest.mark.parametrize("spec_text,batch", [
+    ("gpt:layers=2,hidden=64,heads=4,seq=64,vocab=3000", 2),
+])
+def test_measured_cpu_step_within_10_percent(spec_text, batch):
+    """(b) estimator vs MemTracker on a real fp32 CPU step (Adam, loop implementation)."""
+    torch = pytest.importorskip("torch")
+    capture = pytest.importorskip("plait.graph.capture").capture
+    zoo = pytest.importorskip("plait.graph.zoo")
+    from plait.cost.memory import measure_step_peak
+
+    spec = zoo.load_model(spec_text)
+    torch.manual_seed(0)
+    inputs, target = spec.sample_batch(batch)
+    measured = measure_step_peak(spec.build("cpu"), inputs, target, spec.loss, optimizer="adam-loop")
+    g = capture(spec.build("meta"), spec.sample_batch(batch, device="meta")[0], name=spec.name,
+                config=spec.config)
+    est = estimate_memory(g, Plan(dtype="fp32", micro_batch=batch, global_batch=batch), cluster(),
+                          optimizer="adam-loop", overhead_bytes=0)
+    assert est.peak_bytes[0] == pytest.approx(measured.peak_bytes, rel=0.10)

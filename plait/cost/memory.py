@@ -103,6 +103,8 @@ OPTIMIZERS = tuple(_OPTIMIZERS)
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "logits", "comm_buffers", "other")
 _W, _G, _O, _A, _L, _C, _X = range(len(CATEGORIES))
 _MATMUL_HINTS = ("mm", "linear", "matmul", "conv")
+_LOSS_OPS = ("log_softmax", "nll_loss", "cross_entropy", "mse_loss", "binary_cross_entropy", "l1_loss",
+             "smooth_l1_loss", "huber_loss", "kl_div")
 
 
 class MemoryEstimateError(PlaitError, ValueError):
@@ -273,6 +275,8 @@ class _LayerArrays:
     head_tp: np.ndarray  # bool: the layer's output is vocab-parallel (split by tensor share)
     sink: np.ndarray  # bool: the layer's output feeds the loss
     edges: np.ndarray  # (E, 2) int layer-index pairs
+    loss_saved: np.ndarray  # bytes the captured loss itself saved (already inside `saved`)
+    tied: tuple[int, int, float] | None  # (embedding layer, head layer, tied parameters)
     act_dtype_bytes: int
     n_layers: int
 
@@ -347,6 +351,21 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
     sink = np.ones(n, dtype=bool)
     sink[edges[:, 0]] = False
     styles = [layer.tp_style for layer in layers]
+    # A capture may include the training loss (its ops land in the layer feeding it, with
+    # module ""): what the loss saved is then already in that layer's saved bytes.
+    loss_saved = np.zeros(n)
+    for i, layer in enumerate(layers):
+        for o in layer.ops:
+            op = graph.ops.get(o)
+            if op is not None and not op.module and any(k in op.target for k in _LOSS_OPS):
+                loss_saved[i] += op.saved_bytes
+    # Tied word embeddings (GPT): Megatron keeps a second copy of the table on the last
+    # pipeline stage when the head is not on the embedding's stage (Shoeybi et al. 2019, §3).
+    tied = None
+    cfg = graph.config
+    if cfg.get("tie") and cfg.get("vocab") and cfg.get("hidden") and "embedding" in styles and "head" in styles:
+        tied = (styles.index("embedding"), len(styles) - 1 - styles[::-1].index("head"),
+                float(cfg["vocab"]) * float(cfg["hidden"]))
     return _LayerArrays(
         index=index,
         count_rep=count * (1.0 - frac),
@@ -362,6 +381,8 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
         head_tp=np.array([s == "head" for s in styles]),
         sink=sink,
         edges=edges,
+        loss_saved=loss_saved,
+        tied=tied,
         act_dtype_bytes=graph.activation_dtype_bytes or 2,
         n_layers=n,
     )
@@ -468,6 +489,9 @@ def estimate_memory(
         if persistent is None:
             persistent = mixed or m > 1 or st.dp > 1 or plan.zero > 0
         n_flight = in_flight[s]
+        tied_extra = np.zeros(len(ids))
+        if la.tied is not None and la.tied[1] in ids and la.tied[0] not in ids:
+            tied_extra[int(np.flatnonzero(ids == la.tied[1])[0])] = la.tied[2]
         cache: dict[tuple[float, int], np.ndarray] = {}
         for d_i in range(st.dp):
             for t_i in range(st.tp):
@@ -480,7 +504,7 @@ def estimate_memory(
                         w_b=w_b, g_b=g_b, k_b=k_b, step_kind=step_kind, act_scale=act_scale,
                         loss_scale=loss_scale, loss_copies=loss_copies, persistent=persistent,
                         dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]),
-                        plan_bytes=plan_bytes,
+                        tied_extra=tied_extra,
                     )
                     cache[key] = row
                 dev = st.devices[d_i * st.tp + t_i]
@@ -523,7 +547,7 @@ def _device_row(
     persistent: bool,
     dp_bucket: int,
     p2p: float,
-    plan_bytes: int,
+    tied_extra: np.ndarray,
 ) -> np.ndarray:
     """Bytes per category at the peak of one device of a stage, plus a final 1.0 if the
     peak is in the optimizer step (layout: CATEGORIES..., step_flag; overhead added by caller)."""
@@ -531,7 +555,7 @@ def _device_row(
     sp = r if plan.sequence_parallel else 1.0  # share of the replicated activations this rank keeps
 
     # ---- model states (Rajbhandari et al. §3.1), Ψ = parameters on this tensor rank
-    psi_layers = la.count_rep[ids] + r * la.count_tp[ids]
+    psi_layers = la.count_rep[ids] + r * (la.count_tp[ids] + tied_extra)
     psi = float(psi_layers.sum())
     weights = w_b * psi / (dp if zero >= 3 else 1)
     grads_full = g_b * psi / (dp if zero >= 2 else 1)
@@ -544,7 +568,8 @@ def _device_row(
     cum = b * np.cumsum(a_kept)  # activations of layers 0..i of the current micro-batch
 
     loss_vec = loss_scale * la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]
-    loss_ws = b * loss_copies * float(loss_vec.sum())
+    # what a captured loss saved is already counted among the activations
+    loss_ws = b * max(0.0, loss_copies * float(loss_vec.sum()) - act_scale * float(la.loss_saved[ids].sum()))
 
     # ---- gradients alive during backward: all (persistent) or those of layers i..end
     if persistent:
@@ -690,3 +715,63 @@ def _p2p_per_sample(la: _LayerArrays, stage_of_layer: np.ndarray, n_stages: int)
     np.add.at(send, stage_of_layer[pairs[:, 0]], bytes_)
     np.add.at(recv, pairs[:, 1], bytes_)
     return send, recv
+
+
+# ============================================================================ measurement
+
+
+@dataclass
+class MeasuredPeak:
+    """Peak of a real training step measured by PyTorch's MemTracker, by MemTracker's categories."""
+
+    peak_bytes: int
+    by_category: dict[str, int]
+
+
+def measure_step_peak(
+    module: Any,
+    inputs: tuple,
+    target: Any,
+    loss_fn: Any,
+    *,
+    optimizer: str = "adam",
+    warmup_steps: int = 1,
+) -> MeasuredPeak:
+    """Peak bytes of one steady-state training step (forward, loss, backward, optimizer step,
+    ``zero_grad(set_to_none=True)``) of `module` on its (CPU) device.
+
+    Uses ``torch.distributed._tools.mem_tracker.MemTracker``, a TorchDispatchMode that
+    follows every storage an op creates and frees (weak references), so the peak is
+    exact on CPU, where there is no caching allocator. The warm-up step(s) run outside
+    the tracker so Adam's lazily created state exists, as in every step after the first;
+    the module, optimizer and batch are registered with ``track_external``.
+    """
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    base = optimizer.split("-")[0]
+    if base in ("adam", "adamw"):
+        cls = torch.optim.AdamW if base == "adamw" else torch.optim.Adam
+        opt = cls(module.parameters(), lr=1e-4)
+    elif base == "sgd":
+        opt = torch.optim.SGD(module.parameters(), lr=1e-4, momentum=0.9 if "momentum" in optimizer else 0.0)
+    else:
+        raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+
+    def step() -> None:
+        out = module(*inputs)
+        loss = loss_fn(out, target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    module.train()
+    for _ in range(warmup_steps):
+        step()
+    tracker = MemTracker()
+    tracker.track_external(module, opt, *[t for t in inputs if isinstance(t, torch.Tensor)], target)
+    with tracker:
+        step()
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    cats = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+    return MeasuredPeak(peak_bytes=int(snap["Total"]), by_category=cats)
