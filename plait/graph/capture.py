@@ -1,0 +1,798 @@
+"""Capture an `nn.Module` as an `OpGraph` on the meta device.
+
+One forward and one backward pass run on meta tensors (shapes only, no data, no
+real memory). Four PyTorch mechanisms do the observing:
+
+* a `TorchDispatchMode` sees every aten op of the forward, the loss and the backward;
+  its FLOPs come from `torch.utils.flop_counter.flop_registry` (the same formulas
+  `FlopCounterMode` uses: 2·m·n·k per matmul, convolutions, attention kernels);
+* global module forward pre/post hooks keep a stack of the modules running, so each
+  forward op knows its module path and its `Layer`;
+* autograd sequence numbers tie each backward op to the forward op that made it:
+  every autograd node takes the next number of a per-thread counter when the forward
+  op is recorded (`torch._C._autograd._get_sequence_nr()` peeks at the counter), and
+  during backward `torch._C._current_autograd_node()._sequence_nr()` names the node
+  that is running;
+* `torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd keeps for
+  backward; the pack hook runs while the saving node is the newest node, so
+  `counter - 1` is the saver. Saved bytes are deduplicated by storage
+  (`untyped_storage()._cdata`, stable while the storage lives; the pack hook keeps
+  every saved storage alive), so a tensor saved by two ops, or two views of one
+  storage, count once, at the op that saved it first.
+
+Dropout: on CPU and meta, `F.dropout` saves a mask in the activation dtype, while
+CUDA's fused `native_dropout` keeps a 1-byte bool mask. plait predicts GPU training,
+so capture routes `F.dropout` to `torch.native_dropout` (Korthikanti et al. 2022
+count the masks as 1 byte per element).
+
+All figures are divided by the capture batch: an `OpGraph` is per sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from plait.errors import PlaitError
+from plait.graph.opgraph import Layer, Op, OpGraph
+
+__all__ = ["CaptureError", "capture", "layer_assignment"]
+
+
+class CaptureError(PlaitError):
+    """An op or module could not run on the meta device (data-dependent, or no meta kernel)."""
+
+
+_peek_seq = torch._C._autograd._get_sequence_nr
+_current_node = torch._C._current_autograd_node
+
+# Metadata queries: not ops of the model.
+_IGNORED = {
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_numel.default,
+    torch.ops.aten.sym_storage_offset.default,
+    torch.ops.aten.size.default,
+    torch.ops.aten.stride.default,
+    torch.ops.aten.numel.default,
+    torch.ops.aten.dim.default,
+    torch.ops.aten.storage_offset.default,
+    torch.ops.aten.is_contiguous.default,
+    torch.ops.aten.is_contiguous.memory_format,
+    torch.ops.aten.is_strides_like_format.default,
+    torch.ops.aten.is_non_overlapping_and_dense.default,
+    torch.ops.prim.layout.default,
+    torch.ops.prim.device.default,
+}
+
+_FORWARD, _BACKWARD, _OFF = 0, 1, 2
+
+
+def _sid(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (views share it). Valid while the storage lives."""
+    return t.untyped_storage()._cdata
+
+
+def _tensors(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> Iterator[torch.Tensor]:
+    """The tensors among aten op arguments (flat, or one level of list: cat, stack, ...)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+    if kwargs:
+        yield from _tensors(tuple(kwargs.values()))
+
+
+# ---------------------------------------------------------------------------- layers
+@dataclass
+class _ModuleInfo:
+    path: str
+    layer: str | None  # the Layer this module belongs to; None for containers above layers
+    tp: bool  # inside a Megatron column-parallel linear or sharded region
+    selective: bool  # marked plait_selective
+
+
+def _marked(m: nn.Module) -> bool:
+    return getattr(m, "plait_layer", None) is not None
+
+
+def layer_assignment(root: nn.Module, root_name: str = "model") -> dict[str, tuple[str, str]]:
+    """{module path: (layer name, tp_style)} for every module that heads a Layer.
+
+    A module marked `plait_layer` is a Layer; an unmarked module with no marked
+    descendant is a Layer of style "none" when it is a child of a container that
+    holds marked modules (or of the root); containers in between are not layers.
+    A root with no children is one Layer named `root_name`.
+    """
+    has_marked: dict[int, bool] = {}
+
+    def any_marked(m: nn.Module) -> bool:
+        key = id(m)
+        if key not in has_marked:
+            has_marked[key] = _marked(m) or any(any_marked(c) for c in m.children())
+        return has_marked[key]
+
+    heads: dict[str, tuple[str, str]] = {}
+    seen: set[int] = set()
+
+    def walk(m: nn.Module, path: str) -> None:
+        if id(m) in seen:  # a module reachable twice belongs to its first path
+            return
+        seen.add(id(m))
+        for name, child in m.named_children():
+            cpath = f"{path}.{name}" if path else name
+            if _marked(child):
+                heads[cpath] = (cpath, str(child.plait_layer))
+                _mark_seen(child)
+            elif any_marked(child):
+                walk(child, cpath)
+            elif id(child) not in seen:
+                heads[cpath] = (cpath, "none")
+                _mark_seen(child)
+
+    def _mark_seen(m: nn.Module) -> None:
+        for sub in m.modules():
+            seen.add(id(sub))
+
+    if _marked(root):
+        return {"": (root_name, str(root.plait_layer))}
+    if not any(True for _ in root.children()):
+        return {"": (root_name, "none")}
+    walk(root, "")
+    return heads
+
+
+def _module_infos(root: nn.Module, root_name: str) -> dict[int, _ModuleInfo]:
+    heads = layer_assignment(root, root_name)
+    infos: dict[int, _ModuleInfo] = {}
+
+    def walk(m: nn.Module, path: str, layer: str | None, tp: bool) -> None:
+        if id(m) in infos:
+            return
+        if path in heads:
+            layer = heads[path][0]
+        style = getattr(m, "plait_tp", None)
+        if style is not None:  # the nearest marker decides (a row linear ends a sharded region)
+            tp = style in ("column", "sharded")
+        infos[id(m)] = _ModuleInfo(path, layer, tp, bool(getattr(m, "plait_selective", False)))
+        for name, child in m.named_children():
+            walk(child, f"{path}.{name}" if path else name, layer, tp)
+
+    walk(root, "", None, False)
+    return infos
+
+
+# ---------------------------------------------------------------------------- records
+class _Rec:
+    """One forward op, compact (a 175B GPT has tens of thousands)."""
+
+    __slots__ = (
+        "target", "module", "layer", "frame_sel", "tp", "fwd_flops", "bwd_flops",
+        "param_bytes", "param_count", "saved", "saved_tp", "saved_sel", "out_bytes",
+        "ins", "act", "first_seq",
+    )  # fmt: skip
+
+    def __init__(self, target: str, module: str, layer: str | None, frame_sel: int, tp: bool):
+        self.target = target
+        self.module = module
+        self.layer = layer
+        self.frame_sel = frame_sel
+        self.tp = tp
+        self.fwd_flops = 0.0
+        self.bwd_flops = 0.0
+        self.param_bytes = 0
+        self.param_count = 0
+        self.saved = 0.0
+        self.saved_tp = 0.0
+        self.saved_sel = 0.0
+        self.out_bytes = 0
+        # (producer rec index, storage id, tensor bytes) of each activation input
+        self.ins: list[tuple[int, int, int]] = []
+        self.act = False  # depends on the model's inputs (else a constant: masks, positions)
+        self.first_seq = -1
+
+
+@dataclass
+class _Frame:
+    info: _ModuleInfo
+    sel: int  # invocation id of the enclosing plait_selective module, -1 outside
+
+
+@dataclass
+class _State:
+    infos: dict[int, _ModuleInfo]
+    frames: list[_Frame] = field(default_factory=list)
+    recs: list[_Rec] = field(default_factory=list)
+    # storage id -> (producer rec index or -1, last writer rec index or -1, is activation)
+    storages: dict[int, list[int]] = field(default_factory=dict)
+    params: dict[int, tuple[int, int, str]] = field(
+        default_factory=dict
+    )  # sid -> numel, bytes, path
+    used_params: set[int] = field(default_factory=set)
+    buffers: set[int] = field(default_factory=set)
+    seq2rec: dict[int, int] = field(default_factory=dict)
+    seq_keys: list[int] = field(default_factory=list)
+    last_seq: int = 0
+    # saved storage id -> [saver node seq, bytes, selective frame of first saver, all savers in it]
+    saved: dict[int, list[int]] = field(default_factory=dict)
+    sel_inputs: dict[int, list[tuple[int, int]]] = field(
+        default_factory=dict
+    )  # frame -> (sid, bytes)
+    sel_first_rec: dict[int, int] = field(default_factory=dict)
+    n_sel: int = 0
+    phase: int = _OFF
+    bwd_last_rec: int = -1
+    unattributed_bwd_flops: float = 0.0
+    counters: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def frame(self) -> _Frame | None:
+        return self.frames[-1] if self.frames else None
+
+    def where(self) -> str:
+        f = self.frame()
+        return f"module {f.info.path or '<root>'!r}" if f else "the loss (outside the model)"
+
+
+# ---------------------------------------------------------------------------- modes
+class _DropoutAsCuda(TorchFunctionMode):
+    """Route dropout to the fused kernel CUDA uses, whose mask is 1 byte per element."""
+
+    _targets = {F.dropout, torch.dropout, torch.nn.functional.dropout}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._targets:
+            x = args[0]
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+            if train and 0.0 < p < 1.0 and isinstance(x, torch.Tensor) and x.is_floating_point():
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, state: _State, flops: dict[Any, Callable[..., int]]):
+        super().__init__()
+        self.s = state
+        self.flops = flops
+        self._composite: dict[Any, bool] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet not in self.flops and self._is_composite(func):
+            # Same as FlopCounterMode: decompose ops that have no formula of their own.
+            r = func.decompose(*args, **kwargs)
+            if r is not NotImplemented:
+                return r
+        s = self.s
+        if s.phase == _BACKWARD:
+            return self._backward(func, packet, args, kwargs)
+        seq = _peek_seq()
+        new_nodes = seq != s.last_seq
+        first_seq = s.last_seq
+        s.last_seq = seq
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            raise CaptureError(
+                f"cannot capture op {func} in {s.where()} on the meta device: {exc}"
+            ) from exc
+        if s.phase != _FORWARD:
+            return out
+        self._record(func, packet, args, kwargs, out, first_seq if new_nodes else -1, seq)
+        return out
+
+    def _is_composite(self, func) -> bool:
+        c = self._composite.get(func)
+        if c is None:
+            c = torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd"
+            )
+            self._composite[func] = c
+        return c
+
+    # ------------------------------------------------------------------ forward
+    def _record(self, func, packet, args, kwargs, out, first_seq: int, seq: int) -> None:
+        s = self.s
+        storages = s.storages
+        in_sids: dict[int, int] = {}  # sid -> tensor bytes (max over views)
+        act = False
+        new_params: list[int] = []
+        for t in _tensors(args, kwargs):
+            sid = _sid(t)
+            nb = t.numel() * t.element_size()
+            if nb > in_sids.get(sid, -1):
+                in_sids[sid] = nb
+            if sid in s.params and sid not in s.used_params:
+                new_params.append(sid)
+            st = storages.get(sid)
+            if st is not None and st[2]:
+                act = True
+        outs = [t for t in _tensors(out if isinstance(out, (tuple, list)) else (out,))]
+        mutable = func._schema.is_mutable
+        fresh = [t for t in outs if _sid(t) not in in_sids]
+        if not fresh and not mutable and packet not in self.flops:
+            # A view or alias (view, t, expand, detach, ...): no work, no new memory,
+            # and a parameter seen through it counts at the op that computes with it.
+            # Its autograd node (if any) belongs to the op that wrote the base storage.
+            if first_seq >= 0 and outs:
+                st = storages.get(_sid(outs[0]))
+                owner = st[1] if st is not None else -1
+                for n in range(first_seq, seq):
+                    s.seq2rec[n] = owner if owner >= 0 else len(s.recs) - 1
+            return
+        f = s.frame()
+        if f is None:
+            info = None
+            rec = _Rec(str(func), "", None, -1, False)
+        else:
+            info = f.info
+            rec = _Rec(str(func), info.path, info.layer, f.sel, info.tp)
+        idx = len(s.recs)
+        s.recs.append(rec)
+        if f is not None and f.sel >= 0 and f.sel not in s.sel_first_rec:
+            s.sel_first_rec[f.sel] = idx
+        rec.fwd_flops = self._count(packet, args, kwargs, out)
+        for sid in new_params:
+            numel, nbytes, _ = s.params[sid]
+            s.used_params.add(sid)
+            rec.param_bytes += nbytes
+            rec.param_count += numel
+        for sid, nb in in_sids.items():
+            st = storages.get(sid)
+            if st is not None and st[2]:
+                rec.ins.append((st[1], sid, nb))
+        rec.act = act
+        for t in fresh:
+            sid = _sid(t)
+            storages[sid] = [idx, idx, act]
+            rec.out_bytes += t.untyped_storage().nbytes()
+        if mutable:  # in-place: this op is now the last writer of its outputs' storage
+            for t in outs:
+                st = storages.get(_sid(t))
+                if st is not None:
+                    st[1] = idx
+                    st[2] = st[2] or act
+        if first_seq >= 0:
+            rec.first_seq = first_seq
+            for n in range(first_seq, seq):
+                s.seq2rec[n] = idx
+
+    def _count(self, packet, args, kwargs, out) -> float:
+        fn = self.flops.get(packet)
+        if fn is None:
+            return 0.0
+        return float(fn(*args, **kwargs, out_val=out))
+
+    # ------------------------------------------------------------------ backward
+    def _backward(self, func, packet, args, kwargs):
+        s = self.s
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            node = _current_node()
+            raise CaptureError(
+                f"cannot capture backward op {func} (autograd node "
+                f"{node.name() if node is not None else '?'}) on the meta device: {exc}"
+            ) from exc
+        flops = self._count(packet, args, kwargs, out)
+        if flops:
+            idx = self._backward_owner()
+            if idx >= 0:
+                s.recs[idx].bwd_flops += flops
+            else:
+                s.unattributed_bwd_flops += flops
+        return out
+
+    def _backward_owner(self) -> int:
+        """The forward op whose autograd node is running now."""
+        s = self.s
+        node = _current_node()
+        if node is None:
+            return s.bwd_last_rec
+        seq = node._sequence_nr()
+        idx = s.seq2rec.get(seq)
+        if idx is None:
+            # A node we did not see created (e.g. made outside any dispatched op):
+            # nodes are numbered in creation order, so take the op just before it.
+            if len(s.seq_keys) != len(s.seq2rec):
+                s.seq_keys = sorted(s.seq2rec)
+            keys = s.seq_keys
+            i = bisect.bisect_right(keys, seq) - 1
+            idx = s.seq2rec[keys[i]] if i >= 0 else -1
+        s.bwd_last_rec = idx
+        return idx
+
+
+# ---------------------------------------------------------------------------- capture
+def _to_meta_inputs(sample_inputs: Any) -> Any:
+    def conv(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device.type != "meta":
+            return x.detach().to("meta")
+        return x
+
+    return tree_map(conv, sample_inputs)
+
+
+def _infer_batch(inputs: Any) -> int:
+    for leaf in tree_flatten(inputs)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise CaptureError("capture: cannot infer the batch size (no tensor input); pass batch=")
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    leaves = [
+        t
+        for t in tree_flatten(output)[0]
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not leaves:
+        raise CaptureError("capture: the model's output has no tensor that requires grad")
+    loss = leaves[0].sum()
+    for t in leaves[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def capture(
+    module: nn.Module,
+    sample_inputs: Any,
+    *,
+    name: str,
+    config: dict[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    batch: int | None = None,
+    cuda_dropout: bool = True,
+) -> OpGraph:
+    """Run one training step of `module` on the meta device and describe it as an OpGraph.
+
+    `sample_inputs` is a tuple of positional arguments (or one tensor); tensors not on
+    meta are copied to meta (shapes only). A module whose parameters are not on meta is
+    run through `torch.func.functional_call` with meta stand-ins, so it is neither
+    moved nor copied. `loss_fn(output) -> scalar` is the training loss (default: the sum
+    of the floating outputs); its ops count in the layer that feeds it. `batch` is the
+    number of samples in `sample_inputs` (default: dim 0 of the first tensor); every
+    figure is divided by it.
+    """
+    if not isinstance(sample_inputs, tuple):
+        sample_inputs = (sample_inputs,)
+    inputs = _to_meta_inputs(sample_inputs)
+    batch = _infer_batch(inputs) if batch is None else int(batch)
+    if batch < 1:
+        raise CaptureError(f"capture: batch must be >= 1, got {batch}")
+
+    state = _State(infos=_module_infos(module, name))
+    named_params = list(module.named_parameters(remove_duplicate=False))
+    named_buffers = list(module.named_buffers(remove_duplicate=False))
+    on_meta = all(t.device.type == "meta" for _, t in named_params + named_buffers)
+    substitutes: dict[str, torch.Tensor] = {}
+    owner_path: dict[int, str] = {}
+    if on_meta:
+        for pname, p in named_params:
+            owner_path.setdefault(id(p), pname.rpartition(".")[0])
+        params_by_id = {id(p): p for _, p in named_params}
+        buffers = [b for _, b in named_buffers]
+    else:
+        made: dict[int, torch.Tensor] = {}
+        for pname, p in named_params:
+            if id(p) not in made:
+                made[id(p)] = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+                owner_path[id(made[id(p)])] = pname.rpartition(".")[0]
+            substitutes[pname] = made[id(p)]
+        params_by_id = {id(m): m for m in made.values()}
+        buf_made: dict[int, torch.Tensor] = {}
+        for bname, b in named_buffers:
+            if id(b) not in buf_made:
+                buf_made[id(b)] = torch.empty_like(b, device="meta")
+            substitutes[bname] = buf_made[id(b)]
+        buffers = list(buf_made.values())
+    for p in params_by_id.values():
+        state.params[_sid(p)] = (p.numel(), p.numel() * p.element_size(), owner_path[id(p)])
+    state.buffers = {_sid(b) for b in buffers}
+    for leaf in tree_flatten(inputs)[0]:
+        if isinstance(leaf, torch.Tensor):
+            state.storages[_sid(leaf)] = [-1, -1, 1]
+
+    flops = dict(flop_registry)
+    recorder = _Recorder(state, flops)
+
+    def pre_hook(mod: nn.Module, args: Any) -> None:
+        info = state.infos.get(id(mod))
+        parent = state.frame()
+        if info is None:  # a module outside the captured tree, e.g. made inside forward
+            info = parent.info if parent else _ModuleInfo("", None, False, False)
+        sel = parent.sel if parent else -1
+        if info.selective:
+            sel = state.n_sel
+            state.n_sel += 1
+            ins: list[tuple[int, int]] = []
+            for t in tree_flatten(args)[0]:
+                if isinstance(t, torch.Tensor) and _sid(t) not in state.params:
+                    ins.append((_sid(t), t.untyped_storage().nbytes()))
+            state.sel_inputs[sel] = ins
+        state.frames.append(_Frame(info, sel))
+
+    def post_hook(mod: nn.Module, args: Any, out: Any) -> None:
+        if state.frames:
+            state.frames.pop()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if state.phase != _FORWARD:
+            return t
+        sid = _sid(t)
+        if sid in state.params or sid in state.buffers:
+            return t  # weights are counted as parameters, not activations
+        f = state.frame()
+        sel = f.sel if f else -1
+        entry = state.saved.get(sid)
+        if entry is None:
+            state.saved[sid] = [_peek_seq() - 1, t.untyped_storage().nbytes(), sel, 1]
+        elif entry[2] != sel:
+            entry[3] = 0
+        return t  # keeps the storage alive, so its id stays unique
+
+    was_training = module.training
+    module.train()
+    h_pre = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    h_post = nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            state.last_seq = _peek_seq()
+            state.phase = _FORWARD
+            with recorder, _DropoutAsCuda() if cuda_dropout else _nullcontext():
+                try:
+                    if substitutes:
+                        output = torch.func.functional_call(module, substitutes, inputs)
+                    else:
+                        output = module(*inputs)
+                    state.frames.clear()
+                    loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+                except CaptureError:
+                    raise
+                except Exception as exc:
+                    raise CaptureError(
+                        f"cannot capture {name}: {type(exc).__name__} in {state.where()}: {exc}"
+                    ) from exc
+                if (
+                    not isinstance(loss, torch.Tensor)
+                    or loss.numel() != 1
+                    or not loss.requires_grad
+                ):
+                    raise CaptureError(
+                        f"cannot capture {name}: the loss must be a scalar tensor that requires grad"
+                    )
+                state.phase = _BACKWARD
+                loss.backward()
+    finally:
+        state.phase = _OFF
+        state.frames.clear()
+        h_pre.remove()
+        h_post.remove()
+        module.train(was_training)
+
+    out_leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    return _build_graph(state, name, batch, out_leaves, module, config)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------- assembly
+def _attribute_saved(state: _State) -> None:
+    recs = state.recs
+    keys = sorted(state.seq2rec)
+    for sid, (seq, nbytes, sel, same_frame) in state.saved.items():
+        idx = state.seq2rec.get(seq)
+        if idx is None or idx < 0:
+            i = bisect.bisect_right(keys, seq) - 1
+            idx = state.seq2rec[keys[i]] if i >= 0 else len(recs) - 1
+            idx = max(idx, 0)
+        rec = recs[idx]
+        rec.saved += nbytes
+        st = state.storages.get(sid)
+        producer = recs[st[0]] if st is not None and st[0] >= 0 else None
+        if producer is not None and producer.tp:
+            rec.saved_tp += nbytes
+        # Selective recompute (Korthikanti et al. §4.2) drops what the attention core
+        # both makes and alone keeps.
+        if producer is not None and sel >= 0 and producer.frame_sel == sel and same_frame:
+            rec.saved_sel += nbytes
+    # ...and must keep the core's inputs instead, where nothing else keeps them.
+    kept: set[int] = set()
+    for frame, ins in state.sel_inputs.items():
+        first = state.sel_first_rec.get(frame)
+        if first is None:
+            continue
+        for sid, nbytes in ins:
+            if sid in state.saved or sid in kept or sid in state.buffers:
+                continue
+            kept.add(sid)
+            recs[first].saved_sel -= nbytes
+
+
+def _assign_glue(state: _State, layer_order: dict[str, int]) -> None:
+    """Give ops that ran outside every layer (top-level glue, the loss) a layer.
+
+    An op goes to the layer of its first consumer (e.g. a concat feeding the head);
+    an op nobody consumes (the loss) goes to the layer of its latest producer.
+    """
+    recs = state.recs
+    consumers: dict[int, list[int]] = {}
+    for i, r in enumerate(recs):
+        for p, _, _ in r.ins:
+            if p >= 0:
+                consumers.setdefault(p, []).append(i)
+    for i in range(len(recs) - 1, -1, -1):
+        if recs[i].layer is None:
+            for c in consumers.get(i, ()):
+                if recs[c].layer is not None:
+                    recs[i].layer = recs[c].layer
+                    break
+    for i, r in enumerate(recs):
+        if r.layer is None:
+            prods = [recs[p].layer for p, _, _ in r.ins if p >= 0 and recs[p].layer is not None]
+            if prods:
+                r.layer = max(prods, key=lambda n: layer_order.get(n, -1))
+            else:
+                r.layer = next((q.layer for q in reversed(recs[:i]) if q.layer), None)
+    if recs and any(r.layer is None for r in recs):
+        first = next((r.layer for r in recs if r.layer is not None), None)
+        for r in recs:
+            if r.layer is None:
+                r.layer = first
+
+
+def _build_graph(
+    state: _State,
+    name: str,
+    batch: int,
+    out_leaves: list[torch.Tensor],
+    module: nn.Module,
+    config: dict[str, Any] | None,
+) -> OpGraph:
+    recs = state.recs
+    if not recs:
+        raise CaptureError(f"cannot capture {name}: the forward pass ran no ops")
+    _attribute_saved(state)
+
+    heads = layer_assignment(module, name)
+    style = dict(heads.values())
+    kinds: dict[str, str] = {}
+    for path, (lname, _) in heads.items():
+        kinds[lname] = type(module.get_submodule(path)).__name__ if path else type(module).__name__
+
+    first_seen: dict[str, int] = {}
+    for i, r in enumerate(recs):
+        if r.layer is not None and r.layer not in first_seen:
+            first_seen[r.layer] = i
+    _assign_glue(state, first_seen)
+    for i, r in enumerate(recs):
+        if r.layer not in first_seen:
+            first_seen[r.layer] = i
+    order = sorted(first_seen, key=first_seen.__getitem__)
+
+    # Parameters no op read (unused modules) still take memory: count them in the
+    # layer that owns them, so the totals equal sum(p.numel()) over unique parameters.
+    unused = [(sid, v) for sid, v in state.params.items() if sid not in state.used_params]
+
+    b = float(batch)
+    layers: dict[str, Layer] = {
+        n: Layer(name=n, kind=kinds.get(n, "Module"), tp_style=style.get(n, "none")) for n in order
+    }
+    for _, (numel, nbytes, path) in unused:
+        owner = next(
+            (
+                n
+                for p, (n, _) in heads.items()
+                if n in layers and (p == "" or path == p or path.startswith(p + "."))
+            ),
+            None,
+        )
+        if owner is not None:
+            layers[owner].param_count += numel
+            layers[owner].param_bytes += nbytes
+
+    names: list[str] = []
+    ops: dict[str, Op] = {}
+    for r in recs:
+        key = (r.module, r.target)
+        k = state.counters.get(key, 0)
+        state.counters[key] = k + 1
+        names.append(f"{r.module or '<root>'}/{r.target.rsplit('.', 1)[0]}#{k}")
+    edges: set[tuple[str, str]] = set()
+    in_flow: dict[tuple[str, int], int] = {}
+    out_flow: dict[tuple[str, int], int] = {}
+    for i, r in enumerate(recs):
+        lname = r.layer
+        layer = layers[lname]
+        layer.ops.append(names[i])
+        layer.fwd_flops += r.fwd_flops / b
+        layer.bwd_flops += r.bwd_flops / b
+        layer.param_count += r.param_count
+        layer.param_bytes += r.param_bytes
+        layer.saved_bytes += r.saved / b
+        layer.saved_tp_bytes += r.saved_tp / b
+        layer.saved_selective_bytes += r.saved_sel / b
+        producers = []
+        for p, sid, nb in r.ins:
+            src = recs[p].layer if p >= 0 else None
+            if p >= 0:
+                producers.append(names[p])
+            if src != lname:
+                in_flow[(lname, sid)] = max(in_flow.get((lname, sid), 0), nb)
+                if src is not None:
+                    out_flow[(src, sid)] = max(out_flow.get((src, sid), 0), nb)
+                    edges.add((src, lname))
+        ops[names[i]] = Op(
+            name=names[i],
+            target=r.target,
+            layer=lname,
+            module=r.module,
+            fwd_flops=r.fwd_flops / b,
+            bwd_flops=r.bwd_flops / b,
+            param_bytes=r.param_bytes,
+            saved_bytes=r.saved / b,
+            saved_tp_bytes=r.saved_tp / b,
+            saved_selective_bytes=r.saved_sel / b,
+            output_bytes=r.out_bytes / b,
+            inputs=list(dict.fromkeys(producers)),
+        )
+    # The model's outputs leave the layer that made them.
+    for t in out_leaves:
+        st = state.storages.get(_sid(t))
+        if st is not None and st[1] >= 0:
+            src = recs[st[1]].layer
+            out_flow[(src, _sid(t))] = max(
+                out_flow.get((src, _sid(t)), 0), t.numel() * t.element_size()
+            )
+    for (lname, _), nb in in_flow.items():
+        layers[lname].input_bytes += nb / b
+    for (lname, _), nb in out_flow.items():
+        layers[lname].output_bytes += nb / b
+
+    position = {n: i for i, n in enumerate(order)}
+    back = sorted((a, c) for a, c in edges if position[a] > position[c])
+    if back:
+        a, c = back[0]
+        raise CaptureError(
+            f"cannot capture {name}: layers {a!r} and {c!r} pass data both ways (a module "
+            "called more than once?); mark a module that encloses both with plait_layer"
+        )
+
+    param_dtype = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
+    act_dtype = next((t.element_size() for t in out_leaves if t.is_floating_point()), param_dtype)
+    cfg = dict(config or {})
+    if state.unattributed_bwd_flops:
+        cfg["unattributed_bwd_flops"] = state.unattributed_bwd_flops / b
+    return OpGraph(
+        model=name,
+        ops=ops,
+        layers=[layers[n] for n in order],
+        layer_edges=sorted(edges, key=lambda e: (position[e[0]], position[e[1]])),
+        param_dtype_bytes=param_dtype,
+        activation_dtype_bytes=act_dtype,
+        capture_batch=batch,
+        config=cfg,
+    )
