@@ -391,8 +391,27 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
 # ============================================================================ cluster facts
 
 
+_CLUSTER_CACHE: dict[int, tuple[tuple, tuple[list[str], list[int], np.ndarray]]] = {}
+
+
 def _cluster_devices(cluster: Cluster) -> tuple[list[str], list[int], np.ndarray]:
-    """(kind name, node index, capacity bytes) per device id, node-major as in Cluster.devices."""
+    """(kind name, node index, capacity bytes) per device id, node-major as in Cluster.devices.
+
+    Cached per cluster object; the key includes every node's GPU list and the kinds'
+    capacities, so an edited cluster is re-read."""
+    stamp = (tuple(tuple(n.gpus) for n in cluster.nodes),
+             tuple((k, v.name, v.memory_bytes) for k, v in cluster.kinds.items()))
+    hit = _CLUSTER_CACHE.get(id(cluster))
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    facts = _read_cluster_devices(cluster)
+    if hit is None:
+        weakref.finalize(cluster, _CLUSTER_CACHE.pop, id(cluster), None)
+    _CLUSTER_CACHE[id(cluster)] = (stamp, facts)
+    return facts
+
+
+def _read_cluster_devices(cluster: Cluster) -> tuple[list[str], list[int], np.ndarray]:
     kinds, nodes, caps = [], [], []
     for n, node in enumerate(cluster.nodes):
         for kind_name in node.gpus:
@@ -478,47 +497,49 @@ def estimate_memory(
 
     matrix = np.zeros((n_dev, len(CATEGORIES)))
     step_phase = np.zeros(n_dev, dtype=bool)
-    used: set[int] = set()
+    used = np.zeros(n_dev, dtype=bool)
     for s, st in enumerate(stages):
         ids = stage_layers[s]
         mb = st.micro_batch or plan.micro_batch
         m = max(1, plan.global_batch // (st.dp * mb)) if plan.stages else plan.num_micro_batches
         batches = _replica_micro_batches(plan, st, mb, m)
-        ratios = st.tp_ratios or [1.0 / st.tp] * st.tp
+        ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
         persistent = persistent_grads
         if persistent is None:
             persistent = mixed or m > 1 or st.dp > 1 or plan.zero > 0
-        n_flight = in_flight[s]
         tied_extra = np.zeros(len(ids))
         if la.tied is not None and la.tied[1] in ids and la.tied[0] not in ids:
             tied_extra[int(np.flatnonzero(ids == la.tied[1])[0])] = la.tied[2]
-        cache: dict[tuple[float, int], np.ndarray] = {}
-        for d_i in range(st.dp):
-            for t_i in range(st.tp):
-                key = (ratios[t_i] * st.tp if st.tp > 1 else 1.0, batches[d_i])
-                row = cache.get(key)
-                if row is None:
-                    r = ratios[t_i] if st.tp > 1 else 1.0
-                    row = _device_row(
-                        la, ids, r=r, b=batches[d_i], n_flight=n_flight, dp=st.dp, plan=plan,
-                        w_b=w_b, g_b=g_b, k_b=k_b, step_kind=step_kind, act_scale=act_scale,
-                        loss_scale=loss_scale, loss_copies=loss_copies, persistent=persistent,
-                        dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]),
-                        tied_extra=tied_extra,
-                    )
-                    cache[key] = row
-                dev = st.devices[d_i * st.tp + t_i]
-                matrix[dev] += row[:-1]  # a device in two stages holds both
-                if dev not in used:
-                    matrix[dev, _X] += overhead
-                step_phase[dev] |= bool(row[-1])
-                used.add(dev)
+        # Devices of a stage differ only by tensor share and replica micro-batch: one row per
+        # distinct pair (a single row for even plans), scattered to the devices with numpy.
+        devs = np.asarray(st.devices, dtype=np.int64)
+        if len(set(batches)) == 1 and len(set(ratios)) == 1:
+            uniq = np.array([[batches[0], ratios[0] if st.tp > 1 else 1.0]])
+            which = np.zeros(len(devs), dtype=np.int64)
+        else:
+            shares = np.asarray(ratios if st.tp > 1 else [1.0] * st.tp, dtype=np.float64)
+            keys = np.stack([np.repeat(np.asarray(batches, dtype=np.float64), st.tp),
+                             np.tile(shares, st.dp)], axis=1)
+            uniq, which = np.unique(keys, axis=0, return_inverse=True)
+        for k, (b_k, r_k) in enumerate(uniq):
+            row = _device_row(
+                la, ids, r=float(r_k), b=int(b_k), n_flight=in_flight[s], dp=st.dp, plan=plan,
+                w_b=w_b, g_b=g_b, k_b=k_b, step_kind=step_kind, act_scale=act_scale,
+                loss_scale=loss_scale, loss_copies=loss_copies, persistent=persistent,
+                dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tied_extra=tied_extra,
+            )
+            sel = devs if len(uniq) == 1 else devs[which.reshape(-1) == k]
+            np.add.at(matrix, sel, row[:-1])  # a device in two stages holds both
+            if row[-1]:
+                step_phase[sel] = True
+        used[devs] = True
+    matrix[used, _X] += overhead
 
     peak = np.ceil(matrix.sum(axis=1)).astype(np.int64)
     return MemoryEstimate(
         model=graph.model,
         cluster=cluster.name,
-        devices=sorted(used),
+        devices=np.flatnonzero(used).tolist(),
         peak_bytes=peak.tolist(),
         capacity_bytes=caps.tolist(),
         kinds=kinds,
