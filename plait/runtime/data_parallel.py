@@ -1,0 +1,184 @@
+"""Gradient reduction and the optimizer step across data-parallel replicas.
+
+Every replica's loss is already scaled by its share of the global batch (see
+`plait.runtime.pipeline`), so a SUM all-reduce of gradients gives the full-batch
+mean gradient even when replicas hold uneven numbers of samples (HAP §4).
+
+* ZeRO-0: gradients are all-reduced in flat buckets (DDP's 25 MB buckets), and every
+  replica runs the full optimizer.
+* ZeRO-1 (Rajbhandari et al. 2020, P_os): parameters of the rank are flattened and cut
+  into dp equal shards; gradients are reduce-scattered so rank d gets the summed
+  gradient of shard d, it keeps optimizer state for that shard only, updates it, and
+  the shards are all-gathered back into the parameters. Same bytes on the wire as an
+  all-reduce, optimizer memory / dp. zero >= 2 runs the same step and frees the full
+  gradients right after the reduce-scatter (so they do not live across steps); the
+  parameters themselves are not sharded (no ZeRO-3 / FSDP parameter gathering).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.runtime.recorder import Recorder
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def make_optimizer(params: list[torch.Tensor], cfg: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer named in `cfg` ({"name": "adamw"|"adam"|"sgd", "lr", "weight_decay", ...})."""
+    name = cfg.get("name", "adamw").lower()
+    lr = float(cfg.get("lr", 1e-3))
+    wd = float(cfg.get("weight_decay", 0.0))
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, betas=tuple(cfg.get("betas", (0.9, 0.999))),
+                                 eps=float(cfg.get("eps", 1e-8)), foreach=False)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd, foreach=False)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=wd, momentum=float(cfg.get("momentum", 0.0)),
+                               foreach=False)
+    raise ValueError(f"optimizer: unknown name {name!r}; use adamw, adam or sgd")
+
+
+def _flat_grads(params: list[nn.Parameter], pad_to: int | None = None) -> torch.Tensor:
+    parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+             for p in params]
+    flat = torch.cat(parts) if parts else torch.zeros(0)
+    if pad_to is not None and pad_to > flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(pad_to - flat.numel())])
+    return flat
+
+
+def _scatter_back(flat: torch.Tensor, params: list[nn.Parameter], attr: str) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        chunk = flat[offset:offset + n].view_as(p)
+        if attr == "grad":
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
+        else:
+            p.data.copy_(chunk)
+        offset += n
+
+
+def sync_tied_grads(tied: list[tuple[list[nn.Parameter], Any]], rec: Recorder) -> None:
+    """Sum the gradients of parameters shared by several pipeline stages (tied embeddings):
+    each stage holds a copy and they must take the same step (Megatron's embedding group)."""
+    for params, group in tied:
+        flat = _flat_grads(params)
+        rec.comm_call("allreduce tied", "comm_dp", lambda f=flat, g=group: dist.all_reduce(f, group=g),
+                      bytes=flat.numel() * flat.element_size())
+        _scatter_back(flat, params, "grad")
+
+
+class DataParallelStep:
+    """Gradient all-reduce (ZeRO-0) + the full optimizer on every replica."""
+
+    def __init__(self, params: list[nn.Parameter], make_opt: Callable[[list[Any]], torch.optim.Optimizer],
+                 group: Any, size: int, rec: Recorder, bucket_bytes: int = 25 << 20) -> None:
+        self.params = params
+        self.group = group
+        self.size = size
+        self.rec = rec
+        self.optimizer = make_opt(params)
+        self.buckets: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
+        size_bytes = 0
+        for p in reversed(params):  # backward produces the last layers' gradients first
+            current.append(p)
+            size_bytes += p.numel() * p.element_size()
+            if size_bytes >= bucket_bytes:
+                self.buckets.append(current)
+                current, size_bytes = [], 0
+        if current:
+            self.buckets.append(current)
+
+    def reduce(self) -> None:
+        if self.size == 1:
+            return
+        for i, bucket in enumerate(self.buckets):
+            flat = _flat_grads(bucket)
+            self.rec.comm_call(f"allreduce dp bucket{i}", "comm_dp",
+                               lambda f=flat: dist.all_reduce(f, group=self.group),
+                               bytes=flat.numel() * flat.element_size())
+            _scatter_back(flat, bucket, "grad")
+
+    def step(self) -> None:
+        self.reduce()
+        with self.rec.compute("optimizer", "optimizer"):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class Zero1Step:
+    """ZeRO-1: reduce-scatter gradients, optimizer on this rank's shard, all-gather parameters."""
+
+    def __init__(self, params: list[nn.Parameter], make_opt: Callable[[list[Any]], torch.optim.Optimizer],
+                 group: Any, size: int, rank: int, rec: Recorder, free_grads: bool = False) -> None:
+        self.params = params
+        self.group = group
+        self.size = size
+        self.rank = rank
+        self.rec = rec
+        self.free_grads = free_grads
+        total = sum(p.numel() for p in params)
+        self.shard = -(-total // size) if total else 0
+        self.padded = self.shard * size
+        device = params[0].device if params else torch.device("cpu")
+        dtype = params[0].dtype if params else torch.float32
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
+            flat = torch.cat([flat, flat.new_zeros(self.padded - total)]).to(device=device, dtype=dtype)
+        self.master = nn.Parameter(flat[rank * self.shard:(rank + 1) * self.shard].clone())
+        self.optimizer = make_opt([self.master])
+
+    def step(self) -> None:
+        flat = _flat_grads(self.params, self.padded)
+        grad_shard = flat.new_empty(self.shard)
+        if self.size > 1:
+            self.rec.comm_call("reducescatter dp grads", "comm_dp",
+                               lambda: _reduce_scatter(grad_shard, flat, group=self.group),
+                               bytes=flat.numel() * flat.element_size())
+        else:
+            grad_shard.copy_(flat)
+        if self.free_grads:
+            for p in self.params:
+                p.grad = None
+        self.master.grad = grad_shard
+        with self.rec.compute("optimizer", "optimizer", shard=self.shard):
+            self.optimizer.step()
+        self.master.grad = None
+        full = flat.new_empty(self.padded)
+        if self.size > 1:
+            self.rec.comm_call("allgather zero params", "comm_zero",
+                               lambda: _all_gather(full, self.master.detach(), group=self.group),
+                               bytes=full.numel() * full.element_size())
+        else:
+            full.copy_(self.master.detach())
+        with torch.no_grad():
+            _scatter_back(full, self.params, "data")
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "master": self.master.detach().clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.master.copy_(state["master"])
+        self.optimizer.load_state_dict(state["optimizer"])

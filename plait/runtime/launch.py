@@ -1,0 +1,300 @@
+"""Start torchrun agents for a run and watch them until they finish, fail or hang.
+
+One agent per (emulated) node: inside the node's network namespace when the cluster is
+emulated with namespaces (`ip netns exec NS python -m torch.distributed.run --nnodes=N
+--node-rank=k ...`), otherwise a single agent on loopback (or one per `nprocs_per_node`
+ranks, which exercises the same multi-node rendezvous without root).
+
+The launcher never waits blindly:
+
+* an agent that exits non-zero means a worker failed; the others are stopped and the
+  cause is named from torchrun's failure records (signal / exit code) and the workers'
+  own status files (a Python error, or "my peer went away");
+* a worker that makes no progress for `timeout` seconds while *not* blocked in a
+  collective is hung; ranks blocked in collectives are only waiting for it. All workers
+  are then killed (each worker is its own process group, torchrun starts them with a new
+  session) together with the agents;
+* collectives themselves time out after the process group's timeout (slightly longer
+  than `timeout`), a backstop should the launcher itself be gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+
+STARTUP_PHASES = ("start", "init", "build", "resume", "checkpoint")
+
+
+class RunFailure(PlaitError, RuntimeError):
+    """A run that stopped because a rank died, failed or hung. `rank` and `host` name it."""
+
+    def __init__(self, message: str, rank: int | None = None, host: str | None = None, kind: str = "failed",
+                 run_dir: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.kind = kind
+        self.run_dir = run_dir
+
+
+@dataclass
+class AgentSpec:
+    """One torchrun agent: the plan ranks it starts (its local ranks, in order) and where."""
+
+    node: int
+    host: str
+    ranks: list[int]
+    namespace: str | None = None
+    ip: str = "127.0.0.1"
+
+
+@dataclass
+class _Agent:
+    spec: AgentSpec
+    proc: subprocess.Popen[bytes]
+    log: Path
+    failures: Path
+    exit_code: int | None = None
+
+
+@dataclass
+class Launcher:
+    config_path: Path
+    run_dir: Path
+    agents: list[AgentSpec]
+    rank_info: list[dict[str, Any]]
+    timeout: float
+    startup_timeout: float
+    env: dict[str, str] = field(default_factory=dict)
+    poll: float = 0.1
+    _running: list[_Agent] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ start
+    def _torchrun_args(self, k: int, port: int) -> list[str]:
+        spec = self.agents[k]
+        return [f"--nnodes={len(self.agents)}", f"--node-rank={k}", f"--nproc-per-node={len(spec.ranks)}",
+                "--rdzv-backend=static", f"--master-addr={self.agents[0].ip}", f"--master-port={port}",
+                "--max-restarts=0", "--monitor-interval=0.1",
+                "-m", "plait.runtime.worker", str(self.config_path)]
+
+    def start(self) -> None:
+        port = free_port() if self.agents[0].namespace is None else 29400 + os.getpid() % 1000
+        env = {**os.environ, **self.env}
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        for k, spec in enumerate(self.agents):
+            log = self.run_dir / f"agent{k}.log"
+            failures = self.run_dir / f"agent{k}.failures.json"
+            cmd = [sys.executable, "-m", "plait.runtime.agent", str(failures), *self._torchrun_args(k, port)]
+            if spec.namespace is not None:
+                cmd = ["ip", "netns", "exec", spec.namespace, *cmd]
+            with open(log, "wb") as fh:
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+                                        start_new_session=True)
+            self._running.append(_Agent(spec, proc, log, failures))
+
+    # ------------------------------------------------------------------ watch
+    def wait(self) -> None:
+        """Return when every agent exited 0; raise RunFailure (after stopping everything) otherwise."""
+        started = time.time()
+        try:
+            while True:
+                codes = [a.proc.poll() for a in self._running]
+                for a, c in zip(self._running, codes):
+                    a.exit_code = c
+                if all(c == 0 for c in codes):
+                    return
+                if any(c not in (None, 0) for c in codes):
+                    self._drain(grace=5.0)
+                    raise self._diagnose_exit()
+                hung = self._find_hang(started)
+                if hung is not None:
+                    self.stop()
+                    raise hung
+                time.sleep(self.poll)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+
+    def _drain(self, grace: float) -> None:
+        """After one agent failed: let torchrun stop its workers, then kill what is left."""
+        deadline = time.time() + grace
+        while time.time() < deadline and any(a.proc.poll() is None for a in self._running):
+            time.sleep(self.poll)
+        self.stop()
+
+    def stop(self) -> None:
+        """Kill every worker (its own process group) and every agent of this run."""
+        for info in self._heartbeats().values():
+            pid = info.get("pid")
+            if pid:
+                _killpg(int(pid), signal.SIGKILL)
+        for a in self._running:
+            if a.proc.poll() is None:
+                _killpg(a.proc.pid, signal.SIGTERM)
+        deadline = time.time() + 3.0
+        while time.time() < deadline and any(a.proc.poll() is None for a in self._running):
+            time.sleep(0.05)
+        for a in self._running:
+            if a.proc.poll() is None:
+                _killpg(a.proc.pid, signal.SIGKILL)
+                a.proc.wait()
+            a.exit_code = a.proc.returncode
+        for info in self._heartbeats().values():  # workers started after the first sweep
+            pid = info.get("pid")
+            if pid:
+                _killpg(int(pid), signal.SIGKILL)
+
+    # ------------------------------------------------------------------ state files
+    def _heartbeats(self) -> dict[int, dict[str, Any]]:
+        return _read_dir(self.run_dir / "hb")
+
+    def _statuses(self) -> dict[int, dict[str, Any]]:
+        return _read_dir(self.run_dir / "status")
+
+    def _failures(self) -> dict[int, dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = {}
+        for a in self._running:
+            if a.failures.exists():
+                try:
+                    records = json.loads(a.failures.read_text())["failures"]
+                except (OSError, ValueError, KeyError):
+                    continue
+                for rec in records.values():
+                    local = int(rec["local_rank"])
+                    if 0 <= local < len(a.spec.ranks):
+                        out[a.spec.ranks[local]] = rec
+        return out
+
+    def _where(self, rank: int) -> str:
+        info = self.rank_info[rank]
+        return f"rank {rank} (host {info['host']}, device {info['device']})"
+
+    # ------------------------------------------------------------------ diagnosis
+    def _find_hang(self, started: float) -> RunFailure | None:
+        now = time.time()
+        hbs = self._heartbeats()
+        statuses = self._statuses()
+        world = len(self.rank_info)
+        missing = [r for r in range(world) if r not in hbs]
+        if missing and now - started > self.startup_timeout:
+            r = missing[0]
+            return RunFailure(f"{self._where(r)} did not start within {self.startup_timeout:.0f} s "
+                              f"(no heartbeat; log: {self._log_of(r)}); stopped all ranks",
+                              rank=r, host=self.rank_info[r]["host"], kind="hang", run_dir=str(self.run_dir))
+        active = {r: h for r, h in hbs.items() if h.get("phase") not in ("done", "error") and r not in statuses}
+        if not active:
+            return None
+        stale = {r: now - float(h.get("progress", now)) for r, h in active.items()}
+
+        def limit(h: dict[str, Any]) -> float:
+            return self.startup_timeout if h.get("phase") in STARTUP_PHASES else self.timeout
+
+        culprits = [r for r, h in active.items() if not h.get("waiting") and stale[r] > limit(h)]
+        if not culprits and len(active) == world and all(h.get("waiting") for h in active.values()) \
+                and min(stale.values()) > self.timeout:
+            # Everyone waits on a collective and nobody moves: a mismatched collective or a lost message.
+            names = ", ".join(f"{r} on '{h['waiting']}'" for r, h in sorted(active.items()))
+            return RunFailure(f"all ranks waited in collectives for more than {self.timeout:.0f} s without "
+                              f"progress (ranks {names}); stopped all ranks", kind="hang",
+                              run_dir=str(self.run_dir))
+        if not culprits:
+            return None
+        culprits.sort(key=lambda r: stale[r], reverse=True)
+        r = culprits[0]
+        h = active[r]
+        waiting = sorted(q for q, hq in active.items() if hq.get("waiting"))
+        others = (f"; ranks {', '.join(map(str, waiting))} were waiting for it in collectives"
+                  if waiting else "")
+        more = f" (also stalled: ranks {', '.join(map(str, culprits[1:]))})" if len(culprits) > 1 else ""
+        return RunFailure(f"{self._where(r)} hung at step {h.get('step')} ({h.get('phase')}): no progress for "
+                          f"{stale[r]:.1f} s{others}{more}; stopped all ranks",
+                          rank=r, host=self.rank_info[r]["host"], kind="hang", run_dir=str(self.run_dir))
+
+    def _log_of(self, rank: int) -> str:
+        for a in self._running:
+            if rank in a.spec.ranks:
+                return str(a.log)
+        return str(self.run_dir)
+
+    def _diagnose_exit(self) -> RunFailure:
+        hbs, statuses, failures = self._heartbeats(), self._statuses(), self._failures()
+        candidates: list[tuple[int, float, int, str, str]] = []  # (priority, time, rank, kind, text)
+        for r in range(len(self.rank_info)):
+            st, fail, hb = statuses.get(r), failures.get(r), hbs.get(r, {})
+            step = (st or {}).get("step", hb.get("step"))
+            at = f" at step {step}" if step is not None and step >= 0 else f" during {hb.get('phase', 'startup')}"
+            if st is not None and st.get("state") == "ok":
+                continue
+            if st is not None and st.get("state") == "error":
+                peer = bool(st.get("peer_error"))
+                candidates.append((3 if peer else 1, float(st.get("time", 0)), r, "failed",
+                                   f"failed{at}: {st.get('error', '?')}"))
+            elif st is not None and st.get("state") == "terminated":
+                candidates.append((4, float(st.get("time", 0)), r, "terminated", f"was stopped{at}"))
+            elif fail is not None:
+                code = int(fail.get("exitcode", 1))
+                how = f"killed by {fail.get('signal')}" if code < 0 else f"exited with code {code}"
+                candidates.append((0, float(fail.get("timestamp", 0)), r, "died", f"died{at} ({how})"))
+            elif hb and not _alive(hb.get("pid")):
+                candidates.append((2, float(hb.get("progress", 0)), r, "died", f"died{at} (process gone)"))
+        if not candidates:
+            codes = [a.exit_code for a in self._running]
+            return RunFailure(f"torchrun exited with codes {codes} before the workers reported; "
+                              f"see {self._running[0].log}", kind="failed", run_dir=str(self.run_dir))
+        candidates.sort()
+        _, _, r, kind, text = candidates[0]
+        others = sorted({c[2] for c in candidates[1:]})
+        tail = f"; stopped the other ranks ({', '.join(map(str, others))})" if others else ""
+        return RunFailure(f"{self._where(r)} {text}{tail}; log: {self._log_of(r)}", rank=r,
+                          host=self.rank_info[r]["host"], kind=kind, run_dir=str(self.run_dir))
+
+
+# ---------------------------------------------------------------------------------- helpers
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _read_dir(path: Path) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    if not path.exists():
+        return out
+    for f in path.glob("rank*.json"):
+        try:
+            out[int(f.stem[4:])] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _alive(pid: Any) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,223 @@
+"""Measured timeline and liveness of one worker.
+
+`Recorder` times compute and communication spans of one rank into `TimelineEvent`s
+(the simulator's schema): `time.perf_counter` on CPU, CUDA events on GPU (resolved
+at the end of each step, relative to an event recorded right after the step's clock
+origin). Times are seconds from the rank's clock origin, taken just after a barrier
+that all ranks leave together, so merging ranks needs no further alignment beyond
+the barrier's exit skew (tens of microseconds on loopback gloo).
+
+On an emulated cluster a compute span of a slower GPU kind is stretched on CPU by
+sleeping (slowdown - 1) x its own compute time (communication nested inside it, e.g.
+a tensor-parallel all-reduce, is not stretched).
+
+`Heartbeat` publishes the rank's progress to a small JSON file that the launcher
+watches: a rank that stops making progress while *not* waiting on a collective is
+the one that hangs; ranks blocked in collectives only wait for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.sim.timeline import TimelineEvent
+
+
+class Heartbeat:
+    """Progress of one rank, written to `path` every `interval` s by a daemon thread."""
+
+    def __init__(self, path: Path, rank: int, interval: float = 0.2) -> None:
+        self.path = path
+        self.state: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "phase": "start", "step": -1,
+                                      "waiting": None, "progress": time.time(), "beats": 0}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._interval = interval
+        self._write()
+        self._thread = threading.Thread(target=self._loop, name="plait-heartbeat", daemon=True)
+        self._thread.start()
+
+    def progress(self, phase: str | None = None, step: int | None = None) -> None:
+        with self._lock:
+            if phase is not None:
+                self.state["phase"] = phase
+            if step is not None:
+                self.state["step"] = step
+            self.state["progress"] = time.time()
+
+    def waiting(self, what: str | None) -> None:
+        """Mark the rank as blocked on a collective (`what`) or running again (None)."""
+        with self._lock:
+            self.state["waiting"] = what
+            self.state["progress"] = time.time()
+
+    def _write(self) -> None:
+        with self._lock:
+            self.state["beats"] += 1
+            data = json.dumps(self.state)
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(data)
+        os.replace(tmp, self.path)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._write()
+            except OSError:
+                pass
+
+    def close(self, phase: str = "done") -> None:
+        self.progress(phase)
+        self._stop.set()
+        self._thread.join(timeout=2)
+        try:
+            self._write()
+        except OSError:
+            pass
+
+
+class Recorder:
+    """Spans of one rank. `device` is the cluster device id (the timeline resource `dev{device}`)."""
+
+    def __init__(self, device: int, stage: int, rank: int, cuda: bool = False, slowdown: float = 1.0,
+                 heartbeat: Heartbeat | None = None) -> None:
+        self.device = device
+        self.stage = stage
+        self.rank = rank
+        self.cuda = cuda
+        self.slowdown = slowdown if not cuda else 1.0  # stretching by sleep only emulates CPU ranks
+        self.heartbeat = heartbeat
+        self.events: list[TimelineEvent] = []
+        self.origin = time.perf_counter()
+        self.step: int | None = None
+        self._pending: list[tuple[TimelineEvent, Any, Any]] = []  # CUDA events awaiting resolution
+        self._base_event: Any = None
+        self._base_time = 0.0
+        self._comm_inside: list[float] = []  # stack: comm seconds nested in open compute spans
+        self.enabled = True
+
+    # -------------------------------------------------------------- clock
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def set_origin(self) -> None:
+        """Clock origin: call right after a barrier all ranks leave together."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.origin = time.perf_counter()
+
+    def begin_step(self, step: int) -> float:
+        self.step = step
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._base_event = torch.cuda.Event(enable_timing=True)
+            self._base_event.record()
+            self._base_time = self.now()
+        return self.now()
+
+    def end_step(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            for ev, start, end in self._pending:
+                ev.start = self._base_time + self._base_event.elapsed_time(start) / 1e3
+                ev.end = self._base_time + self._base_event.elapsed_time(end) / 1e3
+            self._pending.clear()
+        return self.now()
+
+    # -------------------------------------------------------------- spans
+    def _event(self, name: str, category: str, kind: str, micro_batch: int | None, args: dict[str, Any]
+               ) -> TimelineEvent:
+        args = dict(args)
+        args.setdefault("rank", self.rank)
+        if self.step is not None:
+            args.setdefault("step", self.step)
+        return TimelineEvent(name=name, category=category, resource=f"dev{self.device}/{kind}", start=0.0,
+                             end=0.0, device=self.device, stage=self.stage, micro_batch=micro_batch, args=args)
+
+    @contextmanager
+    def compute(self, name: str, category: str, micro_batch: int | None = None, **args: Any) -> Iterator[None]:
+        if self.heartbeat is not None:
+            self.heartbeat.progress()
+        self._comm_inside.append(0.0)
+        ev = self._event(name, category, "compute", micro_batch, args)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._comm_inside.pop()
+                self._pending.append((ev, start, end))
+                self.events.append(ev)
+            return
+        t0 = self.now()
+        try:
+            yield
+        finally:
+            comm = self._comm_inside.pop()
+            t1 = self.now()
+            if self.slowdown > 1.0:
+                # Emulated slower GPU kind: the same work takes `slowdown` times longer.
+                time.sleep((self.slowdown - 1.0) * max(0.0, t1 - t0 - comm))
+                t1 = self.now()
+            ev.start, ev.end = t0, t1
+            if comm:
+                ev.args["comm_inside"] = comm
+            self.events.append(ev)
+            if self.heartbeat is not None:
+                self.heartbeat.progress()
+
+    @contextmanager
+    def comm(self, name: str, category: str, micro_batch: int | None = None, **args: Any) -> Iterator[None]:
+        """A blocking communication: the rank waits on its peers inside it."""
+        if self.heartbeat is not None:
+            self.heartbeat.waiting(name)
+        ev = self._event(name, category, "comm", micro_batch, args)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._pending.append((ev, start, end))
+                self.events.append(ev)
+                if self.heartbeat is not None:
+                    self.heartbeat.waiting(None)
+            return
+        t0 = self.now()
+        try:
+            yield
+        finally:
+            t1 = self.now()
+            ev.start, ev.end = t0, t1
+            if self._comm_inside:
+                self._comm_inside[-1] += t1 - t0
+            self.events.append(ev)
+            if self.heartbeat is not None:
+                self.heartbeat.waiting(None)
+
+    def comm_call(self, name: str, category: str, fn: Callable[[], Any], **args: Any) -> Any:
+        with self.comm(name, category, **args):
+            return fn()
+
+    @contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """Blocking synchronisation that is not part of the measured iteration (barriers)."""
+        if self.heartbeat is not None:
+            self.heartbeat.waiting(what)
+        try:
+            yield
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.waiting(None)

@@ -1,0 +1,249 @@
+"""Megatron-style tensor parallelism for transformer layers (Shoeybi et al. 2019, §3).
+
+Inside a layer marked with `plait_tp` submodules:
+
+* a `"column"` linear keeps a slice of its output features; its input passes through
+  **f** (identity forward, all-reduce of the gradient backward);
+* a `"row"` linear keeps the matching slice of its input features; its partial output
+  passes through **g** (all-reduce forward, identity backward) and the bias is added
+  once, after the reduction;
+* `"sharded"` modules (attention core, MLP activation) run on the local slice; an
+  attribute that counts heads (`n_head`, `num_heads`, ...) is set to the local count.
+
+Attention linears are cut in whole heads; Megatron (and the zoo) order fused QKV
+features (head, {q,k,v}, head_dim), so a contiguous slice holds q, k and v of its heads
+(a model with a [q | k | v] layout sets `plait_tp_chunks = 3` on the linear). Slices follow
+`plan.tp_ratios` when given (HAP-style uneven shards). Embeddings and the LM head stay
+replicated (every tensor rank computes them): vocabulary-parallel embedding and
+cross-entropy are not implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from plait.runtime.partition import RuntimeSetupError
+
+HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "heads", "num_attention_heads")
+KV_HEAD_ATTRS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "kv_heads", "num_key_value_heads")
+
+# Set by the worker: wraps a collective call in a timeline span (name, category, fn).
+CommHook = Callable[[str, str, Callable[[], Any]], Any]
+
+
+def _plain_comm(name: str, category: str, fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+@dataclass
+class TPContext:
+    group: Any
+    size: int
+    rank: int
+    comm: CommHook = _plain_comm
+
+    def all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        t = t.contiguous()
+        self.comm(name, "comm_tp", lambda: dist.all_reduce(t, group=self.group))
+        return t
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce the input gradient backward (Megatron eq. 3)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.all_reduce(grad.clone(), "allreduce tp f-bwd"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        return tp.all_reduce(x.clone(), "allreduce tp g-fwd")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_CopyToTP.apply(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+def split_sizes(total: int, parts: int, ratios: list[float] | None) -> list[int]:
+    """Integer sizes summing to `total`: equal, or proportional to `ratios` (largest remainder)."""
+    if ratios is None:
+        if total % parts:
+            raise RuntimeSetupError(f"tensor parallel: {total} does not divide into tp={parts} equal parts")
+        return [total // parts] * parts
+    exact = [r * total for r in ratios]
+    sizes = [int(x) for x in exact]
+    for i in sorted(range(parts), key=lambda i: sizes[i] - exact[i])[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How a full parameter is cut across tensor ranks: along `dim`, in `chunks` fused blocks,
+    block b of rank t being [b*block + start_t, b*block + start_t + size_t)."""
+
+    dim: int
+    chunks: int
+    sizes: tuple[int, ...]  # per tensor rank, within one block
+
+    def ranges(self, t: int) -> list[tuple[int, int]]:
+        block = sum(self.sizes)
+        start = sum(self.sizes[:t])
+        return [(b * block + start, b * block + start + self.sizes[t]) for b in range(self.chunks)]
+
+    def take(self, full: torch.Tensor, t: int) -> torch.Tensor:
+        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.ranges(t)], dim=self.dim).clone()
+
+    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of `take`: the full tensor from every rank's shard."""
+        blocks = []
+        for b in range(self.chunks):
+            for t, s in enumerate(shards):
+                blocks.append(s.narrow(self.dim, b * self.sizes[t], self.sizes[t]))
+        return torch.cat(blocks, dim=self.dim)
+
+
+def _find_int_attr(modules: list[nn.Module], names: tuple[str, ...]) -> tuple[nn.Module, str, int] | None:
+    for m in modules:
+        for a in names:
+            v = getattr(m, a, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return m, a, v
+    return None
+
+
+def is_tensor_parallel_layer(layer: nn.Module) -> bool:
+    """A layer with both column- and row-parallel linears (a transformer block).
+
+    A lone column linear (the LM head's vocabulary projection) stays replicated: splitting it
+    would need a vocabulary-parallel cross-entropy, which is not implemented."""
+    styles = {getattr(m, "plait_tp", None) for m in layer.modules()}
+    return "column" in styles and "row" in styles
+
+
+def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] | None,
+                          prefix: str = "") -> dict[str, ShardInfo]:
+    """Shard one transformer layer in place; returns {param name: ShardInfo} for its cut params.
+
+    Modules are grouped by their parent (`attn`, `mlp`). In a group whose sharded module has a
+    `head_dim` (or a head count), every linear is cut in whole heads: H = row input / head_dim
+    heads are dealt to the ranks (evenly or by `ratios`) and a column linear's output is cut
+    contiguously in proportion -- Megatron orders fused QKV features (head, {q,k,v}, head_dim),
+    so such a slice holds q, k and v of its heads. Other groups (the MLP) are cut in features.
+    A column linear with `plait_tp_chunks = c` has c fused blocks [block0 | block1 | ...] and
+    is cut block by block instead."""
+    marked = {n: m for n, m in layer.named_modules() if getattr(m, "plait_tp", None) in ("column", "row", "sharded")}
+    groups: dict[str, dict[str, nn.Module]] = {}
+    for name, m in marked.items():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        groups.setdefault(parent, {})[name] = m
+    infos: dict[str, ShardInfo] = {}
+    for parent, members in groups.items():
+        parent_mod = layer.get_submodule(parent) if parent else layer
+        where = f"{prefix}{parent}" or "layer"
+        sharded = [m for m in members.values() if m.plait_tp == "sharded"]
+        rows = [m for m in members.values() if m.plait_tp == "row"]
+        head_dim = _find_int_attr(sharded + [parent_mod], ("head_dim",))
+        head_attr = _find_int_attr(sharded + [parent_mod], HEAD_ATTRS)
+        heads: int | None = None
+        if head_dim is not None and rows and isinstance(rows[0], nn.Linear):
+            heads = rows[0].in_features // head_dim[2]
+        elif head_attr is not None:
+            heads = head_attr[2]
+        head_sizes = None
+        if heads is not None:
+            if ratios is None and heads % tp.size:
+                raise RuntimeSetupError(f"tensor parallel: {where} has {heads} heads, not divisible by tp={tp.size}")
+            head_sizes = split_sizes(heads, tp.size, ratios)
+            if min(head_sizes) < 1:
+                raise RuntimeSetupError(f"tensor parallel: {where}: tp_ratios {ratios} leave a rank without heads")
+        for name, m in members.items():
+            if m.plait_tp == "sharded":
+                continue
+            if not isinstance(m, nn.Linear):
+                raise RuntimeSetupError(f"tensor parallel: {prefix}{name} is marked {m.plait_tp!r} but is a "
+                                        f"{type(m).__name__}, not nn.Linear")
+            width = m.out_features if m.plait_tp == "column" else m.in_features
+            chunks = int(getattr(m, "plait_tp_chunks", 1)) if m.plait_tp == "column" else 1
+            per_block = width // chunks
+            if head_sizes is not None:
+                assert heads is not None
+                if per_block % heads:
+                    raise RuntimeSetupError(f"tensor parallel: {prefix}{name} has {per_block} features, not a "
+                                            f"multiple of the {heads} heads of {where}")
+                sizes = [h * (per_block // heads) for h in head_sizes]
+                if name.rsplit(".", 1)[-1] == "kv" and head_dim is not None and any(s % (2 * head_dim[2]) for s in sizes):
+                    raise RuntimeSetupError(f"tensor parallel: {prefix}{name}: the key/value heads do not divide "
+                                            f"over tp={tp.size} (grouped-query attention needs kv_heads % tp == 0)")
+            else:
+                sizes = split_sizes(per_block, tp.size, ratios)
+            if m.plait_tp == "column":
+                info = ShardInfo(0, chunks, tuple(sizes))
+                w = info.take(m.weight.data, tp.rank)
+                b = info.take(m.bias.data, tp.rank) if m.bias is not None else None
+                new: nn.Module = ColumnParallelLinear(w, b, tp)
+                if b is not None:
+                    infos[f"{prefix}{name}.bias"] = info
+            else:
+                info = ShardInfo(1, 1, tuple(sizes))
+                w = info.take(m.weight.data, tp.rank)
+                new = RowParallelLinear(w, m.bias.data.clone() if m.bias is not None else None, tp)
+            infos[f"{prefix}{name}.weight"] = info
+            for attr in ("plait_tp", "plait_selective", "plait_tp_chunks"):
+                if hasattr(m, attr):
+                    setattr(new, attr, getattr(m, attr))
+            _set_submodule(layer, name, new)
+        # Cores that store their head counts (rather than infer them from the width) get the local ones.
+        if heads is not None and head_sizes is not None:
+            for m in sharded + [parent_mod]:
+                for a in HEAD_ATTRS:
+                    if getattr(m, a, None) == heads:
+                        setattr(m, a, head_sizes[tp.rank])
+                kv = _find_int_attr([m], KV_HEAD_ATTRS)
+                if kv is not None and kv[2] % tp.size == 0 and ratios is None:
+                    setattr(m, kv[1], kv[2] // tp.size)
+    return infos
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)

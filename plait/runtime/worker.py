@@ -1,0 +1,468 @@
+"""One training worker = one plan rank. Started by torchrun (`python -m plait.runtime.worker CONFIG`).
+
+The path of one batch, in order:
+
+1. every rank builds the full model from the same seed (so it equals the single-process
+   reference), cuts out its pipeline stage (`partition.split_into_stages`), shards the
+   stage's transformer layers over its tensor group (`tensor_parallel`), and moves the
+   stage to its device;
+2. each step, the rank's data-parallel replica takes its slice of the global batch
+   (`partition.replica_micro_batches`; samples seeded by global index), and the stage runs
+   the plan's pipeline schedule over the micro-batches (`pipeline.StageRunner`);
+3. gradients of stage-shared (tied) parameters are summed across stages, then reduced
+   across data-parallel replicas, and the optimizer steps (`data_parallel`: plain, or ZeRO-1);
+4. every K steps each rank writes its checkpoint file (`checkpoint`);
+5. at the end rank 0 gathers losses, measured spans and (optionally) the full parameters
+   into `result.json` / `params.pt` in the run directory, which the launcher reads.
+
+Rank numbering is Megatron's (tp fastest, then dp, then pp), so the process group rank
+is the plan rank whatever rank torchrun gave the process; the config maps
+(torchrun agent, local rank) to the plan rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import resource
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.plan.ir import Plan
+from plait.runtime import checkpoint as ckpt
+from plait.runtime.data_parallel import DataParallelStep, Zero1Step, make_optimizer, sync_tied_grads
+from plait.runtime.partition import (
+    MicroBatch,
+    layer_modules,
+    load_model_spec,
+    make_samples,
+    replica_micro_batches,
+    split_into_stages,
+)
+from plait.runtime.pipeline import StageRunner
+from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.tensor_parallel import (
+    ShardInfo,
+    TPContext,
+    apply_tensor_parallel,
+    is_tensor_parallel_layer,
+)
+
+FAULT_ENV = "PLAIT_FAULT"
+
+
+# ---------------------------------------------------------------------------------- faults
+@dataclass(frozen=True)
+class Fault:
+    """Hidden fault injection for tests: `rank=1,step=2,kind=hang|die|error[,at=step|checkpoint]`."""
+
+    rank: int
+    step: int
+    kind: str
+    at: str = "step"
+
+    @classmethod
+    def parse(cls, text: str | None) -> Fault | None:
+        if not text:
+            return None
+        fields = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+        fault = cls(int(fields["rank"]), int(fields["step"]), fields.get("kind", "die"), fields.get("at", "step"))
+        if fault.kind not in ("hang", "die", "error") or fault.at not in ("step", "checkpoint"):
+            raise ValueError(f"{FAULT_ENV}: bad fault {text!r}")
+        return fault
+
+    def maybe_fire(self, rank: int, step: int, at: str) -> None:
+        if rank != self.rank or step != self.step or at != self.at:
+            return
+        if self.kind == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hang":
+            while True:  # never reports progress again, not waiting on any collective
+                time.sleep(3600)
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+
+
+def _is_peer_error(exc: BaseException) -> bool:
+    """True when the exception says a *peer* failed (closed connection, collective timeout)."""
+    if isinstance(exc, getattr(dist, "DistError", ())) or type(exc).__name__.startswith("Dist"):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("connection closed", "connection reset", "timed out", "timeout", "gloo",
+                                   "broken pipe", "nccl", "peer"))
+
+
+# ---------------------------------------------------------------------------------- worker
+class Worker:
+    def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.hb = heartbeat
+        self.plan = Plan.from_dict(cfg["plan"])
+        plan = self.plan
+        self.world = plan.world_size
+        self.t = rank % plan.tp
+        self.d = (rank // plan.tp) % plan.dp
+        self.p = rank // (plan.tp * plan.dp)
+        self.info = cfg["ranks"][rank]
+        self.run_dir = Path(cfg["run_dir"])
+        self.fault = Fault.parse(os.environ.get(FAULT_ENV) or cfg.get("fault"))
+        self.cuda = cfg["device"] == "cuda"
+
+    # ------------------------------------------------------------------ setup
+    def _init_dist(self) -> None:
+        self.hb.progress("init")
+        if self.cuda:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        timeout = datetime.timedelta(seconds=float(self.cfg["collective_timeout"]))
+        dist.init_process_group(self.cfg["backend"], rank=self.rank, world_size=self.world, timeout=timeout)
+        plan = self.plan
+        self.dp_group = self.tp_group = None
+        # Every rank creates every group in the same order (new_group is collective).
+        for p in range(plan.pp):
+            for t in range(plan.tp):
+                ranks = [plan.rank(p, d, t) for d in range(plan.dp)]
+                g = dist.new_group(ranks) if plan.dp > 1 else None
+                if self.rank in ranks:
+                    self.dp_group = g
+        for p in range(plan.pp):
+            for d in range(plan.dp):
+                ranks = [plan.rank(p, d, t) for t in range(plan.tp)]
+                g = dist.new_group(ranks) if plan.tp > 1 else None
+                if self.rank in ranks:
+                    self.tp_group = g
+
+    def _build(self) -> None:
+        self.hb.progress("build")
+        cfg, plan = self.cfg, self.plan
+        self.spec = load_model_spec(cfg["model"])
+        seed = int(cfg["seed"])
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:  # the zoo's build draws weights from its own seed; others use the global RNG seeded above
+            model = self.spec.build(device="cpu", dtype=torch.float32, seed=seed)
+        except TypeError:
+            model = self.spec.build(device="cpu", dtype=torch.float32)
+        model.train()
+        stages = split_into_stages(model, plan.layers_per_stage if plan.pp > 1 else [0])
+        stage = stages[self.p]
+        self.stage_module: nn.Module = stage.module
+        self.stage_layers = stage.layers
+        # Parameters used by several stages (tied embeddings) -> one all-reduce group per owner set.
+        owners: dict[int, list[int]] = {}
+        for s in stages:
+            for prm in s.module.parameters():
+                owners.setdefault(id(prm), []).append(s.index)
+        tied_sets = sorted({tuple(v) for v in owners.values() if len(v) > 1})
+        self.tied: list[tuple[list[nn.Parameter], Any]] = []
+        mine = list(self.stage_module.parameters())
+        for owner_set in tied_sets:
+            for d in range(plan.dp):
+                for t in range(plan.tp):
+                    ranks = [plan.rank(s, d, t) for s in owner_set]
+                    g = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self.tied.append(([prm for prm in mine if tuple(owners[id(prm)]) == owner_set], g))
+        # Megatron tensor parallelism on this stage's transformer layers.
+        self.shard_infos: dict[str, ShardInfo] = {}
+        layers = dict(layer_modules(self.stage_module if plan.pp > 1 else model))
+        tp_ctx = TPContext(self.tp_group, plan.tp, self.t, comm=self._comm_hook)
+        if plan.tp > 1:
+            for name, layer in layers.items():
+                if is_tensor_parallel_layer(layer):
+                    self.shard_infos.update(apply_tensor_parallel(layer, tp_ctx, plan.tp_ratios, prefix=name + "."))
+        self._apply_recompute(layers)
+        self.stage_module.to(self.device)
+        self.params = [prm for prm in self.stage_module.parameters() if prm.requires_grad]
+        self.param_count = sum(prm.numel() for prm in self.params)
+        del model, stages
+        # Dropout streams: the same on the tensor ranks of a replica (replicated regions must agree).
+        stream_seed = seed + 1 + 1000 * self.p + self.d
+        torch.manual_seed(stream_seed)
+        random.seed(stream_seed)
+        np.random.seed(stream_seed % (2**32))
+
+    def _apply_recompute(self, layers: dict[str, nn.Module]) -> None:
+        from torch.utils.checkpoint import checkpoint
+
+        mode = self.plan.recompute
+        if mode == "none":
+            return
+        targets: list[nn.Module] = []
+        if mode == "full":
+            targets = list(layers.values())
+        else:  # selective: only the attention core (Korthikanti et al. 2022, §4)
+            targets = [m for layer in layers.values() for m in layer.modules() if getattr(m, "plait_selective", False)]
+        for m in targets:
+            m.forward = partial(checkpoint, m.forward, use_reentrant=False)
+
+    def _comm_hook(self, name: str, category: str, fn: Any) -> Any:
+        return self.rec.comm_call(name, category, fn)
+
+    def _autocast(self) -> Any:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg["dtype"])
+        if dtype is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        # The recorder exists before the model so that tensor-parallel collectives can report to it.
+        self.rec = Recorder(self.info["device"], self.p, self.rank, cuda=self.cuda,
+                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb)
+        self._init_dist()
+        self._build()
+        if self.cuda and cfg["dtype"] == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        opt_cfg = cfg["optimizer"]
+        make_opt = partial(make_optimizer, cfg=opt_cfg)
+        if plan.zero >= 1:
+            self.opt = Zero1Step(self.params, make_opt, self.dp_group, plan.dp, self.d, self.rec,
+                                 free_grads=plan.zero >= 2)
+        else:
+            self.opt = DataParallelStep(self.params, make_opt, self.dp_group, plan.dp, self.rec)
+        prev_rank = plan.rank(self.p - 1, self.d, self.t) if self.p > 0 else None
+        next_rank = plan.rank(self.p + 1, self.d, self.t) if self.p < plan.pp - 1 else None
+        runner = StageRunner(self.stage_module, self.p, plan.pp, prev_rank, next_rank, self.spec.loss,
+                             plan.global_batch, self.device, self.rec, autocast=self._autocast)
+        start = self._maybe_resume()
+        steps = int(cfg["steps"])
+        ck = cfg.get("checkpoint") or {}
+        every = int(ck.get("every") or 0)
+        with self.rec.waiting("startup barrier"):
+            dist.barrier()
+        self.rec.set_origin()
+        origin_info = self._common_origin()
+        losses: list[torch.Tensor] = []
+        step_bounds: list[tuple[int, float, float]] = []
+        schedule = plan.schedule
+        for step in range(start, steps):
+            self.hb.progress("step", step)
+            mbs = replica_micro_batches(plan, step, self.d)
+            data = self._step_data(mbs) if (runner.first or runner.last) else {}
+            if self.fault:
+                self.fault.maybe_fire(self.rank, step, "step")
+            if cfg.get("step_barrier", True):
+                with self.rec.waiting("step barrier"):
+                    dist.barrier()
+            t0 = self.rec.begin_step(step)
+            runner.loss_sum = torch.zeros((), device=self.device)
+            runner.run(schedule, mbs, lambda mb, data=data: data[mb.index])
+            if self.tied:
+                sync_tied_grads(self.tied, self.rec)
+            self.opt.step()
+            t1 = self.rec.end_step()
+            step_bounds.append((step, t0, t1))
+            losses.append(runner.loss_sum.detach().clone())
+            self.hb.progress("step", step + 1)
+            if every and (step + 1) % every == 0:
+                self._save_checkpoint(step + 1, Path(ck["dir"]))
+        self._finish(losses, step_bounds, start, steps, origin_info)
+
+    def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
+        seed = int(self.cfg["data_seed"])
+        return {mb.index: make_samples(self.spec, mb.first, mb.size, seed, self.device) for mb in mbs}
+
+    def _common_origin(self) -> dict[str, Any]:
+        """Ranks on the same host share CLOCK_MONOTONIC: use one origin for all of them (exact).
+        Across hosts the barrier exit is the alignment (skew = the barrier's release skew)."""
+        mine = {"boot": _boot_id(), "origin": self.rec.origin}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        if len({e["boot"] for e in everyone}) == 1:
+            common = min(e["origin"] for e in everyone)
+            shift = self.rec.origin - common
+            self.rec.origin = common
+            return {"alignment": "shared monotonic clock", "shift": shift}
+        return {"alignment": "barrier exit", "shift": 0.0}
+
+    def _meta(self) -> dict[str, Any]:
+        return {"model": self.cfg["model"], "plan": str(self.plan), "world_size": self.world,
+                "optimizer": self.cfg["optimizer"], "seed": self.cfg["seed"], "data_seed": self.cfg["data_seed"]}
+
+    def _maybe_resume(self) -> int:
+        ck = self.cfg.get("checkpoint") or {}
+        if not ck.get("resume"):
+            return 0
+        root = Path(ck["dir"])
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            found = ckpt.latest_checkpoint(root)
+            if found is not None:
+                ckpt.check_compatible(found[1], self._meta())
+                choice[0] = str(found[1])
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return 0
+        self.hb.progress("resume")
+        state = ckpt.load_rank(Path(choice[0]), self.rank, self.device)
+        self.stage_module.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optim"])
+        ckpt.set_rng_state(state["rng"])
+        return int(state["step"])
+
+    def _save_checkpoint(self, step: int, root: Path) -> None:
+        self.hb.progress("checkpoint")
+        state = {"step": step, "rank": self.rank, "model": self.stage_module.state_dict(),
+                 "optim": self.opt.state_dict(), "rng": ckpt.rng_state()}
+        hook = None
+        if self.fault and self.fault.at == "checkpoint":
+            hook = partial(self.fault.maybe_fire, self.rank, step - 1, "checkpoint")
+        ckpt.save_rank(root, step, self.rank, state, before_rename=hook)
+        with self.rec.waiting("checkpoint barrier"):
+            dist.barrier()
+        if self.rank == 0:
+            ckpt.mark_complete(root, step, self._meta(), keep=self.cfg["checkpoint"].get("keep"))
+        self.hb.progress("step")
+
+    # ------------------------------------------------------------------ results
+    def _finish(self, losses: list[torch.Tensor], bounds: list[tuple[int, float, float]], start: int,
+                steps: int, origin: dict[str, Any]) -> None:
+        plan = self.plan
+        self.hb.progress("gather")
+        loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
+        if self.p == plan.pp - 1 and plan.dp > 1 and loss_vec.numel():
+            dist.all_reduce(loss_vec, group=self.dp_group)
+        params = None
+        if self.cfg.get("return_params") and self.d == 0:
+            params = {n: prm.detach().cpu().clone() for n, prm in self.stage_module.named_parameters()}
+        if self.cuda:
+            peak = int(torch.cuda.max_memory_allocated())
+            mem_kind = "cuda_max_allocated"
+        else:
+            peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+            mem_kind = "max_rss"
+        mine = {
+            "rank": self.rank, "pp": self.p, "dp": self.d, "tp": self.t, "device": self.info["device"],
+            "host": self.info["host"], "node": self.info["node"], "kind": self.info.get("kind"),
+            "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
+            "layers": self.stage_layers, "params": self.param_count, "peak_memory_bytes": peak,
+            "memory_kind": mem_kind, "samples_per_step": plan.samples_per_replica()[self.d],
+            "events": [asdict(e) for e in self.rec.events],
+            "step_bounds": bounds,
+            "losses": loss_vec.cpu().tolist() if self.p == plan.pp - 1 else None,
+            "params_state": params, "shard_infos": {k: asdict(v) for k, v in self.shard_infos.items()},
+            "clock": origin,
+        }
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        with self.rec.waiting("gather results"):
+            dist.gather_object(mine, gathered, dst=0)
+        if self.rank == 0:
+            assert gathered is not None
+            _write_result(self.run_dir, plan, gathered, start, steps, self.cfg)
+        with self.rec.waiting("final barrier"):
+            dist.barrier()
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "@" + socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: int, steps: int,
+                  cfg: dict[str, Any]) -> None:
+    last = plan.rank(plan.pp - 1, 0, 0)
+    losses = ranks[last]["losses"] or []
+    step_ids = list(range(start, steps))
+    iteration_times = []
+    for i, _ in enumerate(step_ids):
+        t0 = min(r["step_bounds"][i][1] for r in ranks)
+        t1 = max(r["step_bounds"][i][2] for r in ranks)
+        iteration_times.append(t1 - t0)
+    params = None
+    if cfg.get("return_params"):
+        params = {}
+        for p in range(plan.pp):
+            base = ranks[plan.rank(p, 0, 0)]
+            for name, tensor in base["params_state"].items():
+                info = base["shard_infos"].get(name)
+                if info is None or plan.tp == 1:
+                    params[name] = tensor
+                else:
+                    si = ShardInfo(info["dim"], info["chunks"], tuple(info["sizes"]))
+                    shards = [ranks[plan.rank(p, 0, t)]["params_state"][name] for t in range(plan.tp)]
+                    params[name] = si.assemble(shards)
+        torch.save(params, run_dir / "params.pt")
+    out = {
+        "steps": step_ids, "losses": losses, "iteration_times": iteration_times,
+        "ranks": [{k: v for k, v in r.items() if k not in ("params_state", "shard_infos")} for r in ranks],
+        "params_file": "params.pt" if params is not None else None,
+    }
+    tmp = run_dir / "result.json.tmp"
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, run_dir / "result.json")
+
+
+# ---------------------------------------------------------------------------------- entry point
+def _plan_rank(cfg: dict[str, Any]) -> int:
+    agent = int(os.environ.get("GROUP_RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return int(cfg["agents"][agent]["ranks"][local])
+
+
+def _write_status(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = json.loads(Path(argv[0]).read_text())
+    rank = _plan_rank(cfg)
+    run_dir = Path(cfg["run_dir"])
+    status = run_dir / "status" / f"rank{rank}.json"
+    hb = Heartbeat(run_dir / "hb" / f"rank{rank}.json", rank)
+
+    def on_term(signum: int, frame: Any) -> None:
+        # torchrun stops the surviving workers with SIGTERM after one fails: say so, so the
+        # launcher does not mistake them for the cause.
+        _write_status(status, {"state": "terminated", "signal": signum, "time": time.time(),
+                               "step": hb.state["step"], "phase": hb.state["phase"]})
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    worker = Worker(cfg, rank, hb)
+    try:
+        worker.run()
+    except BaseException as exc:  # report, then exit non-zero so torchrun stops the job
+        _write_status(status, {"state": "error", "time": time.time(), "step": hb.state["step"],
+                               "phase": hb.state["phase"], "error": f"{type(exc).__name__}: {exc}"[:2000],
+                               "peer_error": _is_peer_error(exc), "traceback": traceback.format_exc()[-8000:]})
+        hb.close("error")
+        sys.stderr.write(f"[plait rank {rank}] {type(exc).__name__}: {exc}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    _write_status(status, {"state": "ok", "time": time.time()})
+    hb.close("done")
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
