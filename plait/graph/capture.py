@@ -424,7 +424,8 @@ class _Recorder(TorchDispatchMode):
 def _to_meta_inputs(sample_inputs: Any) -> Any:
     def conv(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device.type != "meta":
-            return x.detach().to("meta")
+            # requires_grad survives: an input that needs its gradient costs backward FLOPs
+            return x.detach().to("meta").requires_grad_(x.requires_grad)
         return x
 
     return tree_map(conv, sample_inputs)
@@ -693,26 +694,28 @@ def _build_graph(
             first_seen[r.layer] = i
     order = sorted(first_seen, key=first_seen.__getitem__)
 
-    # Parameters no op read (unused modules) still take memory: count them in the
-    # layer that owns them, so the totals equal sum(p.numel()) over unique parameters.
-    unused = [(sid, v) for sid, v in state.params.items() if sid not in state.used_params]
-
     b = float(batch)
     layers: dict[str, Layer] = {
         n: Layer(name=n, kind=kinds.get(n, "Module"), tp_style=style.get(n, "none")) for n in order
     }
-    for _, (numel, nbytes, path) in unused:
+    # Parameters no op read (modules that never ran) still take memory: count them in
+    # the layer that owns them, or else in the last layer, so the totals equal
+    # sum(p.numel()) over unique parameters; config["unused_params"] names them.
+    unused_paths: list[str] = []
+    for sid, (numel, nbytes, path) in state.params.items():
+        if sid in state.used_params:
+            continue
         owner = next(
             (
                 n
                 for p, (n, _) in heads.items()
                 if n in layers and (p == "" or path == p or path.startswith(p + "."))
             ),
-            None,
+            order[-1],
         )
-        if owner is not None:
-            layers[owner].param_count += numel
-            layers[owner].param_bytes += nbytes
+        layers[owner].param_count += numel
+        layers[owner].param_bytes += nbytes
+        unused_paths.append(path or "<root>")
 
     names: list[str] = []
     ops: dict[str, Op] = {}
@@ -784,6 +787,8 @@ def _build_graph(
     param_dtype = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
     act_dtype = next((t.element_size() for t in out_leaves if t.is_floating_point()), param_dtype)
     cfg = dict(config or {})
+    if unused_paths:
+        cfg["unused_params"] = sorted(set(unused_paths))
     if state.unattributed_bwd_flops:
         cfg["unattributed_bwd_flops"] = state.unattributed_bwd_flops / b
     return OpGraph(
