@@ -9,13 +9,14 @@ for the module markers the capture and the runtime read.
 from __future__ import annotations
 
 # Importing a model module registers it.
-from plait.graph.zoo import gpt  # noqa: F401
+from plait.graph.zoo import bert, candle_uno, cnn, dlrm, gpt, llama, mmt  # noqa: F401
 from plait.graph.zoo.registry import (
     ModelEntry,
     ModelSpec,
     ModelSpecError,
     Param,
     count_params,
+    layer_graph,
     list_models,
     load_model,
     model_entry,
@@ -30,6 +31,7 @@ __all__ = [
     "ModelSpecError",
     "Param",
     "count_params",
+    "layer_graph",
     "list_models",
     "load_model",
     "model_entry",

@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from plait.graph.zoo.layers import Dropout, TransformerBlock, init_transformer, mark, transformer_block_params
+from plait.graph.zoo.layers import (
+    Dropout,
+    TransformerBlock,
+    init_transformer,
+    mark,
+    transformer_block_params,
+)
 from plait.graph.zoo.registry import ModelEntry, ModelSpec, ModelSpecError, Param, register
 
 

@@ -280,3 +280,44 @@ def init_transformer(model: nn.Module, std: float, layers: int) -> None:
                 module.bias.zero_()
         elif isinstance(module, nn.Embedding | nn.EmbeddingBag):
             module.weight.normal_(0.0, std)
+
+
+# ----------------------------------------------------------------------------- feed-forward layers
+
+
+class FeedForward(nn.Module):
+    """One fully connected layer + ReLU; ``*xs`` are concatenated first (the merge of branches)."""
+
+    plait_layer = "none"
+
+    def __init__(self, in_features: int, out_features: int, relu: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(in_features, out_features)
+        self.relu = relu
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=-1)
+        x = self.fc(x)
+        return F.relu(x) if self.relu else x
+
+
+class Scalar(nn.Module):
+    """Final Linear(h, 1) producing one value per sample (``[b]``)."""
+
+    plait_layer = "none"
+
+    def __init__(self, in_features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(in_features, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x).squeeze(-1)
+
+
+def mlp_stack(in_features: int, hidden: int, layers: int) -> nn.ModuleList:
+    """``layers`` FeedForward layers: in -> hidden -> ... -> hidden (each one OpGraph layer)."""
+    return nn.ModuleList(FeedForward(in_features if i == 0 else hidden, hidden) for i in range(layers))
+
+
+def mlp_stack_params(in_features: int, hidden: int, layers: int) -> int:
+    return (in_features + 1) * hidden + (layers - 1) * (hidden + 1) * hidden

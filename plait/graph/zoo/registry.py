@@ -219,6 +219,24 @@ def tied_parameters(module: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
+class _LayerTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return hasattr(m, "plait_layer") or super().is_leaf_module(m, module_qualified_name)
+
+
+def layer_graph(module: nn.Module) -> torch.fx.GraphModule:
+    """The model's data flow between its OpGraph layers, as a torch.fx graph.
+
+    Modules marked ``plait_layer`` are kept as leaves (``call_module`` nodes), so the
+    graph says which layer's output feeds which argument of which layer -- what a
+    graph-pipeline executor needs to wire stages. Every zoo model traces this way;
+    their top-level ``forward`` holds no computation outside layers besides indexing.
+    """
+    tracer = _LayerTracer()
+    graph = tracer.trace(module)
+    return torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
 def _accepted_kwargs(fn: Callable[..., Any]) -> set[str]:
     try:
         params = inspect.signature(fn).parameters.values()
