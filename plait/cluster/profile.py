@@ -505,6 +505,109 @@ def _tail(path: Path, lines: int = 15) -> str:
     return f"--- {path.name}\n" + "\n".join(text[-lines:]) + "\n"
 
 
+# ---------------------------------------------------------------- result -> cluster
+
+
+def _slug(text: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split()) or "device"
+
+
+def _median(values: Sequence[float], default: float) -> float:
+    return float(statistics.median(values)) if values else default
+
+
+def _pair_means(result: ProfileResult) -> dict[tuple[int, int], tuple[float, float]]:
+    """(a, b) with a < b -> (mean bandwidth of both directions, mean latency)."""
+    out = {}
+    for a in range(result.world):
+        for b in range(a + 1, result.world):
+            ab, ba = result.p2p.get(f"{a}-{b}"), result.p2p.get(f"{b}-{a}")
+            got = [x for x in (ab, ba) if x]
+            if got:
+                out[(a, b)] = (sum(x["bandwidth"] for x in got) / len(got), sum(x["latency"] for x in got) / len(got))
+    return out
+
+
+def result_to_cluster(result: ProfileResult, base: Any = None, name: str | None = None) -> Any:
+    """The measured cluster: one `measured-<kind>` GPU kind per original kind (mean of its
+    ranks' achieved FLOP/s per dtype, copy bandwidth, smallest memory), node links from the
+    medians of the measured pairs, and every measured pair as a device override.
+
+    With `base` (the cluster profiled, ranks = its devices) the node layout, NIC counts and
+    switches are kept and the emulation section is rewritten for the measured figures:
+    `bandwidth_scale` 1 (the links were measured already scaled) and the slowdown per
+    measured kind set to the factor the profile ran with, so `plait run` on the measured
+    file emulates the same machine."""
+    import dataclasses
+
+    from plait.cluster.spec import Cluster, EmulationSpec, GPUKind, Link, NodeSpec, PairOverride
+
+    n = result.world
+    if base is not None and base.num_devices != n:
+        raise ProfileError(f"cluster '{base.name}' has {base.num_devices} devices but the profile ran {n} ranks")
+    if base is not None:
+        orig = [d.kind.name for d in base.devices]
+        node_of = [d.node for d in base.devices]
+    else:
+        orig = [_slug(result.device_type)] * n
+        node_of = list(result.node_of)
+    kind_of = [f"measured-{k}" for k in orig]
+    kinds: dict[str, GPUKind] = {}
+    for k in dict.fromkeys(kind_of):
+        ranks = [r for r in range(n) if kind_of[r] == k]
+        dtypes = [d for d in ("fp32", "tf32", "bf16", "fp16") if all(d in result.matmul[r] for r in ranks)]
+        if "fp32" not in dtypes:
+            raise ProfileError("the profile has no fp32 matmul figure; a GPU kind needs one")
+        kinds[k] = GPUKind(name=k, peak_flops={d: statistics.fmean(result.matmul[r][d] for r in ranks) for d in dtypes},
+                           memory_bytes=min(result.memory_bytes[r] for r in ranks),
+                           memory_bandwidth=statistics.fmean(result.memory_bandwidth[r] for r in ranks))
+    pairs = _pair_means(result)
+    intra_all = [v for (a, b), v in pairs.items() if node_of[a] == node_of[b]]
+    n_nodes = max(node_of) + 1
+    link_kind = "loopback" if result.device_type == "cpu" else "generic"
+    default_intra = Link(_median([v[0] for v in intra_all], statistics.fmean(result.memory_bandwidth) / 2),
+                         _median([v[1] for v in intra_all], 0.0), link_kind)
+    nodes = []
+    for i in range(n_nodes):
+        members = [r for r in range(n) if node_of[r] == i]
+        intra = [v for (a, b), v in pairs.items() if node_of[a] == i and node_of[b] == i]
+        cross = [v for (a, b), v in pairs.items() if (node_of[a] == i) != (node_of[b] == i)]
+        intra_link = Link(_median([v[0] for v in intra], default_intra.bandwidth),
+                          _median([v[1] for v in intra], default_intra.latency), link_kind) if intra else default_intra
+        nic_kind = "ethernet" if base is not None and n_nodes > 1 else link_kind
+        nic = Link(_median([v[0] for v in cross], intra_link.bandwidth), _median([v[1] for v in cross],
+                   intra_link.latency), nic_kind)
+        src = base.nodes[i] if base is not None else None
+        nodes.append(NodeSpec(name=src.name if src else f"node{i}", gpus=[kind_of[r] for r in members],
+                              intra=intra_link, nic=nic, nics=src.nics if src else 1,
+                              leaf=src.leaf if src else None))
+    overrides = [PairOverride(a=a, b=b, bandwidth=bw, latency=lat) for (a, b), (bw, lat) in sorted(pairs.items())]
+    switches, emulation = [], None
+    if base is not None:
+        emu = base.emulation
+        scale = emu.bandwidth_scale if emu is not None and emu.enabled else 1.0
+        switches = [dataclasses.replace(s, uplink=dataclasses.replace(s.uplink, bandwidth=s.uplink.bandwidth * scale))
+                    if s.uplink else s for s in base.switches]
+        if emu is not None and emu.enabled:
+            factor = {kind_of[r]: float(result.slowdowns[r]) for r in range(n)}
+            emulation = EmulationSpec(enabled=True, namespaces=emu.namespaces, bandwidth_scale=1.0, slowdown=factor)
+    return Cluster(name=name or (f"{base.name}-measured" if base is not None else f"local-{n}"), kinds=kinds,
+                   nodes=nodes, switches=switches, overrides=overrides, emulation=emulation,
+                   source="plait profile")
+
+
+def result_to_yaml(result: ProfileResult, base: Any = None, name: str | None = None) -> dict[str, Any]:
+    """The measured cluster as YAML data (`load_cluster` reads it), with a summary in `description`."""
+    from plait.cluster.loader import cluster_to_dict
+
+    data = cluster_to_dict(result_to_cluster(result, base, name))
+    best = {c: max((row["busbw"] for row in rows), default=0.0) for c, rows in result.collectives.items()}
+    summary = (f"measured by plait profile: {result.world} ranks, {result.backend} on {result.device_type}; "
+               f"peak busbw all_reduce {best.get('all_reduce', 0) / 1e6:.1f} MB/s, "
+               f"all_gather {best.get('all_gather', 0) / 1e6:.1f} MB/s")
+    return {"name": data.pop("name"), "description": summary, **data}
+
+
 # ---------------------------------------------------------------- entry point for the workers
 
 

@@ -1,0 +1,176 @@
+"""`plait profile`: measure N local workers or an (emulated) cluster and write a cluster YAML.
+
+    plait profile --nprocs 4 --out local.yaml
+    plait profile --cluster examples/emulated.yaml --out measured.yaml --max-size 16M
+
+With `--cluster` whose file asks for emulation, the workers of each node run inside
+that node's network namespace (shaped with tc) and each rank's matmuls are stretched
+by its GPU kind's slowdown, so the YAML describes the emulated cluster as it really
+behaves -- the figures the simulator should be given to predict runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from plait.cluster.profile import (
+    KiB,
+    LocalNode,
+    MiB,
+    ProfileConfig,
+    ProfileError,
+    ProfileResult,
+    default_sizes,
+    launch,
+    parse_size,
+    result_to_yaml,
+)
+
+log = logging.getLogger("plait.profile")
+
+
+def profile(cluster: Any = None, nprocs: int | None = None, *, sizes: list[int] | None = None,
+            max_size: int = 256 * MiB, p2p_bytes: int = 4 * MiB, matmul_sizes: list[int] | None = None,
+            dtypes: list[str] | None = None, slowdown_dtype: str | None = None, min_time: float = 0.05,
+            backend: str = "auto", timeout_s: float = 300.0, out: str | Path | None = None,
+            name: str | None = None, prefix: str = "plait") -> tuple[ProfileResult, dict[str, Any]]:
+    """Profile and return (raw result, cluster YAML data); writes the YAML to `out` when given.
+
+    `cluster`: a Cluster, YAML path or preset string; one worker per device, laid out by
+    node. Without it, `nprocs` local workers on one node."""
+    cfg = ProfileConfig(sizes=sizes or default_sizes(max_size), p2p_bytes=p2p_bytes, matmul_sizes=matmul_sizes,
+                        dtypes=dtypes, min_time=min_time, backend=backend, timeout_s=timeout_s)
+    if cluster is None:
+        if not nprocs or nprocs < 1:
+            raise ProfileError("plait profile: give --nprocs N (N >= 1) or --cluster CLUSTER")
+        result = launch([nprocs], cfg)
+        data = result_to_yaml(result, None, name=name or f"local-{nprocs}")
+    else:
+        from plait.cluster import load_cluster
+        from plait.runtime.emulate import slowdowns
+        from plait.runtime.netns import emulated_network
+
+        cl = load_cluster(cluster)
+        per_node = [len(n.gpus) for n in cl.nodes]
+        emu = cl.emulation
+        if emu is not None and emu.enabled:
+            cfg.slowdowns = slowdowns(cl, slowdown_dtype)
+            with emulated_network(cl, cl.num_devices, prefix=prefix) as net:
+                nets = [n if n.namespace else LocalNode(n.node_index) for n in net]
+                if net.reason:
+                    log.warning("plait profile: %s", net.reason)
+                result = launch(per_node, cfg, nets)
+        else:
+            log.warning("plait profile: cluster '%s' has no emulation section; measuring %d local workers "
+                        "laid out as its nodes (loopback links)", cl.name, cl.num_devices)
+            result = launch(per_node, cfg)
+        data = result_to_yaml(result, cl, name=name or f"{cl.name}-measured")
+    if out is not None:
+        import yaml
+
+        Path(out).write_text(yaml.safe_dump(data, sort_keys=False))
+    return result, data
+
+
+def _sizes(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",") if x.strip()]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "profile", help="measure links, collectives and matmul speed; write a cluster YAML",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--nprocs", type=int, help="profile N local workers (one node)")
+    who.add_argument("--cluster", help="cluster YAML or preset; emulated when its file says so")
+    p.add_argument("--result", help="also save the raw measurements (JSON) here")
+    p.add_argument("--from-result", metavar="JSON",
+                   help="do not measure: turn a saved result (e.g. from workers you launched with your own "
+                        "torchrun) into a cluster YAML; --cluster then gives the node layout")
+    p.add_argument("--out", help="write the measured cluster YAML here (default: print it)")
+    p.add_argument("--name", help="name of the measured cluster")
+    p.add_argument("--sizes", type=_sizes, help="collective sizes, e.g. 1K,64K,4M (default 1K..--max-size, x2)")
+    p.add_argument("--max-size", type=parse_size, default=256 * MiB, help="largest collective size (default 256M)")
+    p.add_argument("--p2p-size", type=parse_size, default=4 * MiB, help="bytes per send/recv message (default 4M)")
+    p.add_argument("--matmul-sizes", type=lambda t: [int(x) for x in t.split(",")],
+                   help="square matmul sizes n (default 256,512,1024 on CPU; 2048,4096,8192 on GPU)")
+    p.add_argument("--dtypes", type=lambda t: t.split(","), help="matmul dtypes (default fp32,bf16 / all on GPU)")
+    p.add_argument("--slowdown-dtype", default=None,
+                   help="dtype whose datasheet peaks set the emulated slowdown (default bf16)")
+    p.add_argument("--min-time", type=float, default=0.05, help="seconds per measurement, at least")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the workers are stopped")
+    p.add_argument("--json", action="store_true", help="print the raw measurements as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.from_result:
+        result = ProfileResult.from_json(Path(args.from_result).read_text(), args.from_result)
+        base = None
+        if args.cluster:
+            from plait.cluster import load_cluster
+
+            base = load_cluster(args.cluster)
+        data = result_to_yaml(result, base, name=args.name)
+        if args.out:
+            Path(args.out).write_text(yaml.safe_dump(data, sort_keys=False))
+            print(f"wrote {args.out}")
+        else:
+            sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
+        return 0
+    if not args.nprocs and not args.cluster:
+        raise ProfileError("plait profile: give --nprocs N, --cluster CLUSTER or --from-result JSON")
+    result, data = profile(args.cluster, args.nprocs, sizes=args.sizes, max_size=args.max_size,
+                           p2p_bytes=args.p2p_size, matmul_sizes=args.matmul_sizes, dtypes=args.dtypes,
+                           slowdown_dtype=args.slowdown_dtype, min_time=args.min_time, backend=args.backend,
+                           timeout_s=args.timeout, out=args.out, name=args.name)
+    if args.result:
+        Path(args.result).write_text(result.to_json())
+    if args.json:
+        print(json.dumps(json.loads(result.to_json()), indent=1))
+        return 0
+    _print_summary(result)
+    if args.out:
+        print(f"wrote {args.out}")
+    else:
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
+    return 0
+
+
+def _print_summary(result: ProfileResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    t = Table(title=f"plait profile: {result.world} ranks, {result.backend}, {result.device_type}")
+    for col in ("rank", "node", "fp32 GFLOP/s", "bf16 GFLOP/s", "slowdown", "copy GB/s"):
+        t.add_column(col, justify="right")
+    for r, m in enumerate(result.matmul):
+        t.add_row(str(r), str(result.node_of[r]), f"{m.get('fp32', 0) / 1e9:.1f}", f"{m.get('bf16', 0) / 1e9:.1f}",
+                  f"{result.slowdowns[r]:.2f}", f"{result.memory_bandwidth[r] / 1e9:.1f}")
+    console.print(t)
+    if result.p2p:
+        t = Table(title="point-to-point (a -> b)")
+        for col in ("pair", "MB/s", "latency us"):
+            t.add_column(col, justify="right")
+        for key, v in sorted(result.p2p.items(), key=lambda kv: tuple(map(int, kv[0].split("-")))):
+            t.add_row(key, f"{v['bandwidth'] / 1e6:.1f}", f"{v['latency'] * 1e6:.0f}")
+        console.print(t)
+    t = Table(title="collectives (nccl-tests conventions)")
+    for col in ("bytes", "all_reduce algbw MB/s", "busbw MB/s", "all_gather algbw MB/s", "busbw MB/s"):
+        t.add_column(col, justify="right")
+    for ar, ag in zip(result.collectives["all_reduce"], result.collectives["all_gather"], strict=True):
+        size = ar["bytes"]
+        label = f"{size // MiB}M" if size >= MiB else f"{size // KiB}K" if size >= KiB else str(size)
+        t.add_row(label, f"{ar['algbw'] / 1e6:.1f}", f"{ar['busbw'] / 1e6:.1f}",
+                  f"{ag['algbw'] / 1e6:.1f}", f"{ag['busbw'] / 1e6:.1f}")
+    console.print(t)
