@@ -148,6 +148,8 @@ def test_build_and_batches_are_deterministic():
     # float inputs follow the requested dtype
     (img,), _ = load_model(TINY["vgg16"]).sample_batch(2, dtype=torch.float16)
     assert img.dtype == torch.float16
+    with pytest.raises(ModelSpecError, match="batch must be >= 1"):
+        spec.sample_batch(0)
 
 
 def test_build_dtype_and_tied_weights():

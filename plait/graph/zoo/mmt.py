@@ -115,7 +115,14 @@ def make_mmt(cfg: dict[str, Any]) -> ModelSpec:
     cfg["ffn"] = cfg["ffn"] or 4 * cfg["hidden"]
     cfg["in_dim"] = cfg["in_dim"] or cfg["hidden"]
     check_transformer(cfg, ("layers", "hidden", "heads", "seq", "branches", "in_dim", "classes"))
-    cfg.update(family="mmt", causal=False, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"])
+    # "layers" counts one branch's blocks; "transformer_layers" all of them.
+    cfg.update(
+        family="mmt",
+        causal=False,
+        kv_heads=cfg["heads"],
+        head_dim=cfg["hidden"] // cfg["heads"],
+        transformer_layers=cfg["branches"] * cfg["layers"],
+    )
     B, s, d, classes = cfg["branches"], cfg["seq"], cfg["in_dim"], cfg["classes"]
 
     def make_batch(batch: int, gen: torch.Generator, dtype: torch.dtype) -> tuple[tuple[Tensor, ...], Tensor]:
