@@ -63,12 +63,17 @@ class SwitchSpec:
 
 @dataclass
 class PairOverride:
-    """A measured bandwidth/latency between two devices (e.g. from `plait profile`)."""
+    """A measured bandwidth/latency between two devices (e.g. from `plait profile`).
+
+    `scope="node"`: `a` and `b` are node indices and the figures hold for every device
+    pair across the two nodes (a == b: the node's intra-node pairs). Overrides replace
+    the figures derived from links, node ones first, then device ones, in list order."""
 
     a: int
     b: int
     bandwidth: float | None = None
     latency: float | None = None
+    scope: str = "device"  # "device" | "node"
 
 
 @dataclass
@@ -101,7 +106,9 @@ class Cluster:
     switches: list[SwitchSpec] = field(default_factory=list)
     overrides: list[PairOverride] = field(default_factory=list)
     emulation: EmulationSpec | None = None
-    source: str = "<memory>"  # file or preset it came from, for error messages
+    # file or preset it came from, for error messages; not part of equality, so a
+    # cluster saved to YAML and loaded back compares equal
+    source: str = field(default="<memory>", compare=False)
 
     # The methods below are implemented in plait.cluster.topology; declared here so the
     # type carries its API.
@@ -130,3 +137,9 @@ class Cluster:
         from plait.cluster.topology import latency_matrix
 
         return latency_matrix(self)
+
+    def to_yaml(self) -> str:
+        """This cluster in the YAML format `load_cluster` reads (see plait.cluster.loader)."""
+        from plait.cluster.loader import dump_cluster
+
+        return dump_cluster(self)

@@ -1,0 +1,189 @@
+"""Built-in GPU kinds with datasheet figures, and the node each kind usually lives in.
+
+Peak FLOP/s are NVIDIA's *dense* figures (datasheets print tensor-core numbers "with
+sparsity", i.e. doubled; we halve those). Keys per kind:
+
+* ``fp32`` -- the non-tensor-core FP32 rate (CUDA cores);
+* ``tf32`` -- TF32 tensor cores (Ampere and later) -- what PyTorch uses for fp32 matmuls
+  when ``torch.backends.cuda.matmul.allow_tf32`` is on;
+* ``bf16``/``fp16`` -- tensor cores with FP32 accumulate (what PyTorch autocast uses).
+
+A key is *absent* where the hardware has no such unit (V100 and T4 have no TF32 or
+BF16 tensor cores): `GPUKind.flops` then falls back to fp32, which is what such a GPU
+does with a TF32 request, and an upper bound for BF16, which it emulates.
+
+Memory capacity: datasheets say "80 GB" for stacks of binary size; `nvidia-smi` shows
+81920 MiB for an A100-80GB, so capacities are taken as GiB. Memory and link
+bandwidths are decimal (GB/s = 1e9 B/s). Link figures are *per direction*: NVIDIA
+quotes NVLink as bidirectional totals (A100 "600 GB/s" = 300 GB/s each way).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from plait.cluster.spec import ClusterError, GPUKind, Link
+from plait.cluster.units import parse_bandwidth, parse_duration, parse_flops
+
+
+# Figures go through the unit parser so they are the floats nearest to the datasheet
+# decimals (15.7 * 1e12 is not 15.7e12), identical to what a YAML file with the same
+# text gives.
+def _kind(name: str, memory_gib: int, bandwidth: str, **tflops: float) -> GPUKind:
+    return GPUKind(
+        name=name,
+        peak_flops={dtype: parse_flops(f"{value} TFLOPS") for dtype, value in tflops.items()},
+        memory_bytes=memory_gib * 2**30,
+        memory_bandwidth=parse_bandwidth(bandwidth),
+    )
+
+
+GPU_KINDS: dict[str, GPUKind] = {
+    # NVIDIA Tesla V100 datasheet (V100 SXM2): FP32 15.7 TFLOPS, Tensor Performance
+    # 125 TFLOPS (FP16 in, FP32 accumulate), HBM2 16/32 GB at 900 GB/s. Volta has no
+    # TF32 or BF16 tensor cores.
+    "v100-16gb": _kind("v100-16gb", 16, "900 GB/s", fp32=15.7, fp16=125),
+    "v100-32gb": _kind("v100-32gb", 32, "900 GB/s", fp32=15.7, fp16=125),
+    # NVIDIA T4 datasheet: single precision 8.1 TFLOPS, mixed precision (FP16/FP32)
+    # 65 TFLOPS, 16 GB GDDR6 at 320 GB/s. Turing: no TF32/BF16 units.
+    "t4": _kind("t4", 16, "320 GB/s", fp32=8.1, fp16=65),
+    # NVIDIA A10 datasheet: FP32 31.2 TF, TF32 62.5 TF (125 sparse), BF16 and FP16
+    # 125 TF (250 sparse), 24 GB GDDR6 at 600 GB/s.
+    "a10": _kind("a10", 24, "600 GB/s", fp32=31.2, tf32=62.5, bf16=125, fp16=125),
+    # NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183 TF (366 sparse), BF16/FP16
+    # 362.05 TF (733 sparse), 48 GB GDDR6 at 864 GB/s.
+    "l40s": _kind("l40s", 48, "864 GB/s", fp32=91.6, tf32=183, bf16=362.05, fp16=362.05),
+    # NVIDIA Ampere GA102 architecture whitepaper, GeForce RTX 3090 column: peak FP32
+    # 35.6 TF, TF32 tensor 35.6 TF, BF16 and FP16 tensor with FP32 accumulate 71 TF
+    # (GeForce runs FP32-accumulate at half rate; FP16 accumulate is 142), 24 GB
+    # GDDR6X at 936 GB/s.
+    "rtx-3090": _kind("rtx-3090", 24, "936 GB/s", fp32=35.6, tf32=35.6, bf16=71, fp16=71),
+    # NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 column: peak FP32
+    # 82.6 TF, TF32 tensor 82.6 TF, BF16 and FP16 tensor with FP32 accumulate 165.2 TF,
+    # 24 GB GDDR6X at 1008 GB/s.
+    "rtx-4090": _kind("rtx-4090", 24, "1008 GB/s", fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2),
+    # NVIDIA A100 Tensor Core GPU datasheet, SXM columns: FP32 19.5 TF, TF32 156 TF
+    # (312 sparse), BF16/FP16 312 TF (624 sparse); 40 GB HBM2 at 1,555 GB/s and
+    # 80 GB HBM2e at 2,039 GB/s.
+    "a100-40gb": _kind("a100-40gb", 40, "1555 GB/s", fp32=19.5, tf32=156, bf16=312, fp16=312),
+    "a100-80gb": _kind("a100-80gb", 80, "2039 GB/s", fp32=19.5, tf32=156, bf16=312, fp16=312),
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP32 67 TF, TF32 989 TF,
+    # BF16/FP16 1,979 TF -- the tensor figures are "with sparsity", so dense is half
+    # (the H100 whitepaper lists 494.7 and 989.4 dense); 80 GB HBM3 at 3.35 TB/s.
+    "h100-80gb": _kind("h100-80gb", 80, "3350 GB/s", fp32=67, tf32=494.7, bf16=989.4, fp16=989.4),
+    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: same compute as H100 SXM
+    # (FP32 67, TF32 989 / BF16 1,979 with sparsity); 141 GB HBM3e at 4.8 TB/s.
+    "h200": _kind("h200", 141, "4800 GB/s", fp32=67, tf32=494.7, bf16=989.4, fp16=989.4),
+}
+
+
+# Short names people write. Anything else is matched after dropping case, spaces,
+# '-' and '_' and a trailing "b" of the memory size ("a100-80g" == "A100_80GB").
+_ALIASES = {
+    "v100": "v100-32gb",  # the DGX-1V / DGX-2 era part most clusters still run
+    "v100-sxm2": "v100-32gb",
+    "a100": "a100-80gb",
+    "a100-sxm": "a100-80gb",
+    "h100": "h100-80gb",
+    "h100-sxm": "h100-80gb",
+    "h100-sxm5": "h100-80gb",
+    "h200-141gb": "h200",
+    "h200-sxm": "h200",
+    "a10g": "a10",
+    "3090": "rtx-3090",
+    "4090": "rtx-4090",
+    "geforce-rtx-3090": "rtx-3090",
+    "geforce-rtx-4090": "rtx-4090",
+}
+
+
+def _squash(name: str) -> str:
+    s = re.sub(r"[\s_\-]", "", name.lower())
+    return s[:-1] if re.search(r"\dgb$", s) else s  # 80gb -> 80g
+
+
+_LOOKUP: dict[str, str] = {_squash(k): k for k in GPU_KINDS}
+_LOOKUP.update({_squash(alias): target for alias, target in _ALIASES.items()})
+
+
+def resolve_kind_name(name: str) -> str | None:
+    """Canonical catalog name of `name` (alias- and case-insensitive), or None if unknown."""
+    if not isinstance(name, str):
+        return None
+    return _LOOKUP.get(_squash(name))
+
+
+def get_kind(name: str) -> GPUKind:
+    """The catalog GPUKind called `name`; ClusterError listing the known kinds otherwise."""
+    canonical = resolve_kind_name(name)
+    if canonical is None:
+        raise ClusterError(f"unknown GPU kind {name!r}; known: {', '.join(GPU_KINDS)}")
+    return GPU_KINDS[canonical]
+
+
+# --- the node a kind usually comes in ------------------------------------------------
+
+# Default link latencies by link type: orders of magnitude of nccl-tests small-message
+# times on such links (alpha of the alpha-beta model); replace with `plait profile`
+# measurements where it matters.
+DEFAULT_LATENCY = {
+    "nvlink": parse_duration("2 us"),
+    "pcie": parse_duration("4 us"),
+    "infiniband": parse_duration("5 us"),
+    "ethernet": parse_duration("10 us"),
+    "loopback": parse_duration("20 us"),
+    "generic": parse_duration("5 us"),
+}
+
+
+@dataclass(frozen=True)
+class NodeTemplate:
+    """The server a GPU kind is typically sold in: GPUs, intra-node link, NICs."""
+
+    gpus_per_node: int
+    intra: Link
+    nic: Link  # per NIC
+    nics: int
+    source: str  # where the figures come from
+
+
+def _link(kind: str, bandwidth: str) -> Link:
+    return Link(bandwidth=parse_bandwidth(bandwidth), latency=DEFAULT_LATENCY[kind], kind=kind)
+
+
+# Interconnect figures: NVLink per direction (half the bidirectional datasheet total),
+# PCIe x16 per direction (Gen3 15.75 GB/s, Gen4 31.5 GB/s after 128b/130b encoding).
+_PCIE3, _PCIE4 = "15.75 GB/s", "31.5 GB/s"
+NODE_TEMPLATES: dict[str, NodeTemplate] = {
+    # DGX-1V: 8x V100 SXM2, NVLink 2.0 300 GB/s per GPU (hybrid cube-mesh; modelled as
+    # all-to-all 150 GB/s each way, as on DGX-2's NVSwitch), 4x 100 Gb/s EDR InfiniBand.
+    "v100-16gb": NodeTemplate(8, _link("nvlink", "150 GB/s"), _link("infiniband", "100 Gb/s"), 4,
+                              "NVIDIA DGX-1 (V100) datasheet"),
+    "v100-32gb": NodeTemplate(8, _link("nvlink", "150 GB/s"), _link("infiniband", "100 Gb/s"), 4,
+                              "NVIDIA DGX-1 (V100) datasheet"),
+    # AWS g4dn.metal: 8x T4 on PCIe Gen3, 100 Gb/s networking.
+    "t4": NodeTemplate(8, _link("pcie", _PCIE3), _link("ethernet", "100 Gb/s"), 1,
+                       "AWS g4dn.metal"),
+    # AWS g5.48xlarge: 8x A10G on PCIe Gen4, 100 Gb/s networking.
+    "a10": NodeTemplate(8, _link("pcie", _PCIE4), _link("ethernet", "100 Gb/s"), 1,
+                        "AWS g5.48xlarge"),
+    # AWS g6e.48xlarge: 8x L40S on PCIe Gen4, 400 Gb/s networking.
+    "l40s": NodeTemplate(8, _link("pcie", _PCIE4), _link("ethernet", "400 Gb/s"), 1,
+                         "AWS g6e.48xlarge"),
+    # Self-built GeForce servers: PCIe Gen4 x16 (no NVSwitch), 25 GbE (an assumption).
+    "rtx-3090": NodeTemplate(8, _link("pcie", _PCIE4), _link("ethernet", "25 Gb/s"), 1,
+                             "assumed PCIe Gen4 server, 25 GbE"),
+    "rtx-4090": NodeTemplate(8, _link("pcie", _PCIE4), _link("ethernet", "25 Gb/s"), 1,
+                             "assumed PCIe Gen4 server, 25 GbE"),
+    # DGX A100: NVSwitch, NVLink 3.0 600 GB/s per GPU, 8x 200 Gb/s HDR InfiniBand (compute).
+    "a100-40gb": NodeTemplate(8, _link("nvlink", "300 GB/s"), _link("infiniband", "200 Gb/s"), 8,
+                              "NVIDIA DGX A100 datasheet"),
+    "a100-80gb": NodeTemplate(8, _link("nvlink", "300 GB/s"), _link("infiniband", "200 Gb/s"), 8,
+                              "NVIDIA DGX A100 datasheet"),
+    # DGX H100 / H200: NVLink 4.0 900 GB/s per GPU, 8x 400 Gb/s NDR (ConnectX-7).
+    "h100-80gb": NodeTemplate(8, _link("nvlink", "450 GB/s"), _link("infiniband", "400 Gb/s"), 8,
+                              "NVIDIA DGX H100 datasheet"),
+    "h200": NodeTemplate(8, _link("nvlink", "450 GB/s"), _link("infiniband", "400 Gb/s"), 8,
+                         "NVIDIA DGX H200 datasheet"),
+}

@@ -1,0 +1,271 @@
+"""`plait cluster show SPEC [--json|--yaml] [--matrix]` and `plait cluster presets`.
+
+SPEC is a cluster YAML file or a preset string (``a100-80g:nodes=8``); without it,
+the default cluster of `plait plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+_SUMMARY_MATRIX_NODES = 16  # print the node-to-node matrix up to this many nodes
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "cluster", help="show a cluster (YAML file or preset), list presets",
+        description="Show a cluster's GPU kinds, nodes and effective bandwidths, or list presets.",
+    )
+    actions = parser.add_subparsers(dest="cluster_action", metavar="ACTION")
+    show = actions.add_parser("show", help="GPU kinds, nodes, links and a bandwidth summary")
+    show.add_argument("spec", nargs="?", default=None,
+                      help="cluster YAML or preset, e.g. a100-80g:nodes=8 (default: emulated-mixed)")
+    fmt = show.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable JSON (SI units)")
+    fmt.add_argument("--yaml", action="store_true", help="the cluster as a YAML file that loads back")
+    show.add_argument("--matrix", action="store_true",
+                      help="also the device-to-device bandwidth (GB/s) and latency (us) matrices")
+    presets = actions.add_parser("presets", help="list the built-in presets and GPU kinds")
+    presets.add_argument("--json", action="store_true", help="machine-readable JSON")
+    parser.set_defaults(func=run, _cluster_parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cluster_action == "show":
+        return _show(args)
+    if args.cluster_action == "presets":
+        return _presets(args)
+    args._cluster_parser.print_help()
+    return 2
+
+
+# --- summaries -------------------------------------------------------------------------
+
+def _stats(values: np.ndarray) -> dict[str, float] | None:
+    if values.size == 0:
+        return None
+    return {"min": float(values.min()), "median": float(np.median(values)),
+            "max": float(values.max()), "pairs": int(values.size)}
+
+
+def bandwidth_summary(cluster: Any) -> dict[str, Any]:
+    """Bandwidth/latency statistics over intra-node and inter-node device pairs (i < j)."""
+    from plait.cluster.topology import node_of_device
+
+    bw, lat = cluster.bandwidth_matrix(), cluster.latency_matrix()
+    node_of = node_of_device(cluster)
+    i, j = np.triu_indices(len(node_of), k=1)
+    same = node_of[i] == node_of[j]
+    return {
+        "intra_node": {"bandwidth": _stats(bw[i[same], j[same]]),
+                       "latency": _stats(lat[i[same], j[same]])},
+        "inter_node": {"bandwidth": _stats(bw[i[~same], j[~same]]),
+                       "latency": _stats(lat[i[~same], j[~same]])},
+        "overrides": {"node_pairs": sum(o.scope == "node" for o in cluster.overrides),
+                      "device_pairs": sum(o.scope == "device" for o in cluster.overrides)},
+    }
+
+
+def _node_groups(cluster: Any) -> list[tuple[int, int]]:
+    """[first, last] node index runs whose nodes differ only in name (and leaf)."""
+    runs: list[tuple[int, int]] = []
+    for n, node in enumerate(cluster.nodes):
+        if runs:
+            prev = cluster.nodes[runs[-1][1]]
+            if (prev.gpus, prev.intra, prev.nic, prev.nics) == (node.gpus, node.intra, node.nic, node.nics):
+                runs[-1] = (runs[-1][0], n)
+                continue
+        runs.append((n, n))
+    return runs
+
+
+def _gpus_text(gpus: list[str]) -> str:
+    parts: list[list[Any]] = []
+    for k in gpus:
+        if parts and parts[-1][1] == k:
+            parts[-1][0] += 1
+        else:
+            parts.append([1, k])
+    return " + ".join(f"{c}x {k}" for c, k in parts)
+
+
+def show_json(cluster: Any, matrix: bool = False) -> dict[str, Any]:
+    from plait.cluster.loader import cluster_to_dict
+    from plait.cluster.topology import node_bandwidth_matrix
+
+    out: dict[str, Any] = {
+        "source": cluster.source,
+        "num_nodes": cluster.num_nodes,
+        "num_devices": cluster.num_devices,
+        "cluster": cluster_to_dict(cluster, human=False),
+        "devices": [{"id": d.id, "node": d.node, "local": d.local, "kind": d.kind.name}
+                    for d in cluster.devices],
+        "summary": bandwidth_summary(cluster),
+        "node_bandwidth_matrix": node_bandwidth_matrix(cluster).tolist(),
+    }
+    if matrix:
+        out["bandwidth_matrix"] = cluster.bandwidth_matrix().tolist()
+        out["latency_matrix"] = cluster.latency_matrix().tolist()
+    return out
+
+
+def _show(args: argparse.Namespace) -> int:
+    from plait.cluster import load_cluster
+    from plait.cluster.loader import dump_cluster
+
+    cluster = load_cluster(args.spec)
+    if args.json:
+        json.dump(show_json(cluster, args.matrix), sys.stdout, indent=1)
+        print()
+        return 0
+    if args.yaml:
+        sys.stdout.write(dump_cluster(cluster))
+        return 0
+    _print_rich(cluster, args.matrix)
+    return 0
+
+
+def _print_rich(cluster: Any, matrix: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.cluster.spec import DTYPES
+    from plait.cluster.topology import node_bandwidth_matrix
+    from plait.cluster.units import format_bandwidth, format_bytes, format_duration
+
+    console = Console()
+    console.print(f"[bold]{cluster.name}[/bold]  ({cluster.source}): {cluster.num_nodes} nodes, "
+                  f"{cluster.num_devices} GPUs")
+
+    counts: dict[str, int] = {}
+    for node in cluster.nodes:
+        for k in node.gpus:
+            counts[k] = counts.get(k, 0) + 1
+    kinds = Table(title="GPU kinds (dense peak TFLOP/s; '-' = no such unit, fp32 used)")
+    for col in ("kind", "GPUs", *DTYPES, "memory", "memory BW"):
+        kinds.add_column(col, justify="left" if col == "kind" else "right")
+    for name, kind in cluster.kinds.items():
+        flops = [f"{kind.peak_flops[d] / 1e12:.4g}" if d in kind.peak_flops else "-" for d in DTYPES]
+        kinds.add_row(name, str(counts.get(name, 0)), *flops, format_bytes(kind.memory_bytes),
+                      format_bandwidth(kind.memory_bandwidth))
+    console.print(kinds)
+
+    nodes = Table(title="Nodes (link figures per direction)")
+    for col in ("nodes", "GPU ids", "GPUs", "intra-node link", "NICs", "leaf"):
+        nodes.add_column(col)
+    starts = np.concatenate([[0], np.cumsum([len(n.gpus) for n in cluster.nodes])])
+    for first, last in _node_groups(cluster):
+        a, b = cluster.nodes[first], cluster.nodes[last]
+        names = a.name if first == last else f"{a.name} .. {b.name} ({last - first + 1})"
+        leaves = sorted({cluster.nodes[n].leaf for n in range(first, last + 1)} - {None})
+        nodes.add_row(
+            names, f"{starts[first]}-{starts[last + 1] - 1}", _gpus_text(a.gpus),
+            f"{a.intra.kind} {format_bandwidth(a.intra.bandwidth)}, {format_duration(a.intra.latency)}",
+            f"{a.nics}x {a.nic.kind} {format_bandwidth(a.nic.bandwidth * 8).replace('B/s', 'b/s')}, "
+            f"{format_duration(a.nic.latency)}",
+            ", ".join(leaves) if len(leaves) <= 3 else f"{leaves[0]} .. {leaves[-1]}",
+        )
+    console.print(nodes)
+
+    leaves = [s for s in cluster.switches if s.tier == "leaf"]
+    spines = [s for s in cluster.switches if s.tier == "spine"]
+    if leaves:
+        uplinks = sorted({format_bandwidth(s.uplink.bandwidth) for s in leaves if s.uplink})
+        console.print(f"Fabric: {len(leaves)} leaf and {len(spines)} spine switches; "
+                      f"leaf-spine uplinks {', '.join(uplinks) or 'unconstrained'}")
+    else:
+        console.print("Fabric: one non-blocking switch (no leaf/spine given)")
+
+    summary = bandwidth_summary(cluster)
+    table = Table(title="Effective device-pair figures (min / median / max)")
+    for col in ("pairs", "count", "bandwidth", "latency"):
+        table.add_column(col)
+    for label, key in (("intra-node", "intra_node"), ("inter-node", "inter_node")):
+        bw, lat = summary[key]["bandwidth"], summary[key]["latency"]
+        if bw is None:
+            continue
+        table.add_row(label, str(bw["pairs"]),
+                      " / ".join(format_bandwidth(bw[s]) for s in ("min", "median", "max")),
+                      " / ".join(format_duration(lat[s]) for s in ("min", "median", "max")))
+    console.print(table)
+    ov = summary["overrides"]
+    if ov["node_pairs"] or ov["device_pairs"]:
+        console.print(f"Measured overrides: {ov['node_pairs']} node pairs, {ov['device_pairs']} device pairs")
+    if cluster.emulation is not None:
+        e = cluster.emulation
+        console.print(f"Emulation: {'on' if e.enabled else 'off'}, namespaces={e.namespaces}, "
+                      f"bandwidth_scale={e.bandwidth_scale:g}, slowdown={e.slowdown or 'from peak FLOP/s'}")
+
+    if cluster.num_nodes <= _SUMMARY_MATRIX_NODES:
+        nb = node_bandwidth_matrix(cluster)
+        m = Table(title="Node-to-node bandwidth, GB/s (slowest device pair; diagonal: intra-node)")
+        m.add_column("")
+        for node in cluster.nodes:
+            m.add_column(node.name, justify="right")
+        for r, node in enumerate(cluster.nodes):
+            m.add_row(node.name, *[f"{v / 1e9:.4g}" for v in nb[r]])
+        console.print(m)
+    if matrix:
+        np.set_printoptions(linewidth=200, threshold=sys.maxsize)
+        console.print("Device bandwidth matrix (GB/s):")
+        console.print(np.array2string(cluster.bandwidth_matrix() / 1e9, precision=4), markup=False)
+        console.print("Device latency matrix (us):")
+        console.print(np.array2string(cluster.latency_matrix() * 1e6, precision=4), markup=False)
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from plait.cluster import DEFAULT_CLUSTER
+    from plait.cluster.catalog import GPU_KINDS, NODE_TEMPLATES
+    from plait.cluster.presets import _KIND_PARAMS, PRESETS
+
+    if args.json:
+        out = {
+            "default": DEFAULT_CLUSTER,
+            "presets": {name: {"summary": p.summary,
+                               "params": {q.name: {"type": q.type, "default": q.default, "help": q.help}
+                                          for q in p.params}}
+                        for name, p in PRESETS.items()},
+            "gpu_kind_preset": {"params": {q.name: {"type": q.type, "default": q.default,
+                                                    "help": q.help} for q in _KIND_PARAMS},
+                                "kinds": list(GPU_KINDS)},
+        }
+        json.dump(out, sys.stdout, indent=1)
+        print()
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="Cluster presets: NAME[:key=value,...]")
+    table.add_column("preset")
+    table.add_column("parameters (default)")
+    table.add_column("what")
+    for name, p in PRESETS.items():
+        params = ", ".join(f"{q.name}={_fmt_default(q)}" for q in p.params)
+        label = f"{name} (default)" if name == DEFAULT_CLUSTER else name
+        table.add_row(label, params, p.summary)
+    table.add_row("<gpu-kind>", ", ".join(q.name for q in _KIND_PARAMS),
+                  "any catalog kind in its usual server, e.g. a100-80g:nodes=8")
+    console.print(table)
+    kinds = Table(title="GPU kinds (for <gpu-kind> and YAML `gpus`)")
+    for col in ("kind", "usual server"):
+        kinds.add_column(col)
+    for name in GPU_KINDS:
+        kinds.add_row(name, NODE_TEMPLATES[name].source)
+    console.print(kinds)
+    return 0
+
+
+def _fmt_default(q: Any) -> str:
+    if q.type == "bandwidth" and q.default is not None:
+        from plait.cluster.units import format_bandwidth
+
+        return format_bandwidth(q.default).replace(" ", "")
+    if isinstance(q.default, float):
+        return f"{q.default:g}"
+    return str(q.default).lower() if isinstance(q.default, bool) else str(q.default)
