@@ -45,7 +45,11 @@ def test_first_layer_skips_input_grad():
 def test_flops_total_match_flop_counter_mode():
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 10),
     )
     x = torch.randn(2, 3, 8, 8)
     g = capture(model, (x,), name="cnn")
@@ -101,7 +105,11 @@ def test_views_of_one_storage_count_once():
 
 def test_dropout_mask_is_one_byte_like_cuda():
     h = 10
-    g = capture(nn.Sequential(nn.Linear(h, h), nn.Dropout(0.1), nn.Linear(h, h)), (torch.randn(2, h),), name="d")
+    g = capture(
+        nn.Sequential(nn.Linear(h, h), nn.Dropout(0.1), nn.Linear(h, h)),
+        (torch.randn(2, h),),
+        name="d",
+    )
     assert _per_sample(g, "saved_bytes")["1"] == h  # bool mask
     g_cpu = capture(
         nn.Sequential(nn.Linear(h, h), nn.Dropout(0.1), nn.Linear(h, h)),
@@ -126,7 +134,14 @@ def test_figures_are_per_sample(batch):
     g = capture(model, (torch.randn(batch, 6),), name="mlp")
     ref = capture(model, (torch.randn(7, 6),), name="mlp")
     for got, want in zip(g.layers, ref.layers):
-        for attr in ("fwd_flops", "bwd_flops", "saved_bytes", "input_bytes", "output_bytes", "param_count"):
+        for attr in (
+            "fwd_flops",
+            "bwd_flops",
+            "saved_bytes",
+            "input_bytes",
+            "output_bytes",
+            "param_count",
+        ):
             assert getattr(got, attr) == pytest.approx(getattr(want, attr)), (got.name, attr)
     assert g.capture_batch == batch
 
@@ -276,7 +291,8 @@ class _Core(nn.Module):
         h = three_h // 3
         d = h // self.heads
         q, k, v = (
-            t.reshape(b, s, self.heads, d).transpose(1, 2).contiguous() for t in qkv.split(h, dim=-1)
+            t.reshape(b, s, self.heads, d).transpose(1, 2).contiguous()
+            for t in qkv.split(h, dim=-1)
         )
         p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), dim=-1)
         return (p @ v).transpose(1, 2).reshape(b, s, h)
@@ -337,7 +353,13 @@ def test_capture_every_zoo_model(spec_str):
     spec = load_model(spec_str)
     module = spec.build(device="meta")
     inputs, target = spec.sample_batch(2, device="meta")
-    g = capture(module, inputs, name=spec.name, config=spec.config, loss_fn=lambda out: spec.loss(out, target))
+    g = capture(
+        module,
+        inputs,
+        name=spec.name,
+        config=spec.config,
+        loss_fn=lambda out: spec.loss(out, target),
+    )
     assert g.param_count == sum(p.numel() for p in module.parameters())
     assert g.param_count == spec.param_count_formula()
     assert g.fwd_flops > 0 and g.bwd_flops > g.fwd_flops
@@ -450,3 +472,57 @@ def test_functional_dropout_is_routed():
 
     g = capture(M(), (torch.randn(2, 5),), name="fd")
     assert g.saved_bytes == 5 * F32 + 5  # Linear input, bool mask
+
+
+# ---------------------------------------------------------------------------- replication
+@pytest.mark.parametrize(
+    "spec_str,template",
+    [
+        ("gpt:layers=5,hidden=32,heads=2,seq=16,vocab=64", {"layers.1": ["layers.2", "layers.4"]}),
+        # the first layer of each branch reads the model input (no input grad): the run
+        # starts one later
+        (
+            "candle_uno:branches=2,branch_layers=4,hidden=16,top_layers=2",
+            {
+                "branches.0.2": ["branches.0.3", "branches.0.3"],
+                "branches.1.2": ["branches.1.3", "branches.1.3"],
+            },
+        ),
+    ],
+    ids=["gpt", "candle_uno"],
+)
+def test_replicated_layers_equal_full_trace(spec_str, template):
+    from plait.graph.zoo import load_model
+
+    spec = load_model(spec_str)
+    module = spec.build(device="meta")
+    inputs, target = spec.sample_batch(2, device="meta")
+
+    def loss(out):
+        return spec.loss(out, target)
+
+    fast = capture(module, inputs, name=spec.name, loss_fn=loss)
+    full = capture(module, inputs, name=spec.name, loss_fn=loss, replicate=False)
+    assert fast.config.pop("capture_replicated") == template
+    assert "capture_replicated" not in full.config
+    assert fast.to_dict() == full.to_dict()
+    assert len(module.layers if spec.name == "gpt" else module.branches[0]) >= 4  # restored
+
+
+def _stack(n: int = 4, d: int = 4) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.Dropout(0.1)) for _ in range(n)])
+
+
+def test_only_identical_private_layers_are_replicated():
+    from plait.graph.capture import _find_runs
+
+    assert [r.paths for r in _find_runs(_stack())] == [["0", "1", "2", "3"]]
+    different = _stack()
+    different[2][1].p = 0.2  # a plain attribute differs: layer 2 breaks the run
+    assert _find_runs(different) == []
+    shared = _stack()
+    shared[3][0].weight = shared[1][0].weight  # tied weights: first use would differ
+    assert _find_runs(shared) == []
+    hooked = _stack(5)
+    hooked[1].register_forward_hook(lambda *a: None)
+    assert [r.paths for r in _find_runs(hooked)] == [["2", "3", "4"]]

@@ -232,6 +232,7 @@ class _State:
         default_factory=dict
     )  # frame -> (sid, bytes)
     sel_first_rec: dict[int, int] = field(default_factory=dict)
+    keep_alive: list[torch.Tensor] = field(default_factory=list)
     n_sel: int = 0
     phase: int = _OFF
     bwd_last_rec: int = -1
@@ -461,6 +462,7 @@ def capture(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     batch: int | None = None,
     cuda_dropout: bool = True,
+    replicate: bool = True,
 ) -> OpGraph:
     """Run one training step of `module` on the meta device and describe it as an OpGraph.
 
@@ -471,6 +473,13 @@ def capture(
     of the floating outputs); its ops count in the layer that feeds it. `batch` is the
     number of samples in `sample_inputs` (default: dim 0 of the first tensor); every
     figure is divided by it.
+
+    `replicate`: a run of three or more structurally identical layers in one
+    `nn.ModuleList`/`nn.Sequential` (same classes, parameter and buffer shapes, dtypes,
+    plain attributes, no hooks, no shared parameters) is traced with its first two
+    layers only; the second, once checked op-for-op against the first, stands for the
+    rest. A 96-layer GPT then traces 2 blocks, not 96. If the check fails the model is
+    traced in full.
     """
     if not isinstance(sample_inputs, tuple):
         sample_inputs = (sample_inputs,)
@@ -478,7 +487,31 @@ def capture(
     batch = _infer_batch(inputs) if batch is None else int(batch)
     if batch < 1:
         raise CaptureError(f"capture: batch must be >= 1, got {batch}")
+    runs = _find_runs(module) if replicate else []
+    while runs:
+        with _truncated(runs):
+            state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_dropout)
+        try:
+            return _build_graph(state, name, batch, out_leaves, module, config, runs)
+        except _NotReplicable as exc:
+            # Often the first layer of a run differs (its input needs no gradient, so its
+            # backward is shorter): retry the run without it, or trace it in full.
+            bad = exc.args[0]
+            runs = [r for r in runs if r is not bad]
+            if len(bad.keys) > 3:
+                runs.append(_Run(bad.container, bad.keys[1:], bad.paths[1:]))
+    state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_dropout)
+    return _build_graph(state, name, batch, out_leaves, module, config, [])
 
+
+def _trace(
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    name: str,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    cuda_dropout: bool,
+) -> tuple[_State, list[torch.Tensor]]:
+    """One forward, loss and backward on meta under the recorder; returns the raw records."""
     state = _State(infos=_module_infos(module, name))
     named_params = list(module.named_parameters(remove_duplicate=False))
     named_buffers = list(module.named_buffers(remove_duplicate=False))
@@ -527,6 +560,8 @@ def capture(
             for t in tree_flatten(args)[0]:
                 if isinstance(t, torch.Tensor) and _sid(t) not in state.params:
                     ins.append((_sid(t), t.untyped_storage().nbytes()))
+                    # held so that no later storage takes its id (meta: costs nothing)
+                    state.keep_alive.append(t)
             state.sel_inputs[sel] = ins
         state.frames.append(_Frame(info, sel))
 
@@ -589,7 +624,7 @@ def capture(
         module.train(was_training)
 
     out_leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-    return _build_graph(state, name, batch, out_leaves, module, config)
+    return state, out_leaves
 
 
 class _nullcontext:
@@ -598,6 +633,207 @@ class _nullcontext:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+# ---------------------------------------------------------------------------- replication
+class _NotReplicable(Exception):
+    """The two traced copies of a run of layers differ: trace the model in full."""
+
+
+@dataclass
+class _Run:
+    container: nn.Module  # the nn.ModuleList / nn.Sequential holding the run
+    keys: list[str]  # child names in the container, in order
+    paths: list[str]  # full module paths (= layer names)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _signature(m: nn.Module) -> tuple[Any, ...]:
+    """What a module's forward can depend on, besides its inputs: classes, parameter and
+    buffer shapes/dtypes, plain attributes (dropout p, eps, flags), hooks, patched forwards."""
+    sig: list[Any] = []
+    for path, sub in m.named_modules(remove_duplicate=False):
+        attrs = []
+        for k, v in sorted(vars(sub).items(), key=lambda kv: kv[0]):
+            if k.startswith("_") or k == "training":
+                continue
+            if isinstance(v, _PLAIN) or (
+                isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)
+            ):
+                attrs.append((k, v))
+            else:
+                attrs.append((k, type(v).__qualname__))
+        sig.append(
+            (
+                path,
+                type(sub),
+                tuple(attrs),
+                tuple(
+                    (n, tuple(p.shape), p.dtype, p.requires_grad)
+                    for n, p in sub._parameters.items()
+                    if p is not None
+                ),
+                tuple(
+                    (n, tuple(b.shape), b.dtype) for n, b in sub._buffers.items() if b is not None
+                ),
+                bool(
+                    sub._forward_hooks
+                    or sub._forward_pre_hooks
+                    or sub._backward_hooks
+                    or sub._backward_pre_hooks
+                ),
+                "forward" in vars(sub),
+            )
+        )
+    return tuple(sig)
+
+
+def _find_runs(root: nn.Module) -> list[_Run]:
+    """Runs of >= 3 consecutive, structurally identical layers in a ModuleList/Sequential."""
+    heads = layer_assignment(root)
+    uses: dict[int, int] = {}
+    for _, p in root.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    runs: list[_Run] = []
+    for cpath, container in root.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        items = [(k, c) for k, c in container._modules.items() if c is not None]
+        i = 0
+        while i < len(items):
+            path = f"{cpath}.{items[i][0]}" if cpath else items[i][0]
+            if path not in heads or heads[path][0] != path:
+                i += 1
+                continue
+            sig = _signature(items[i][1])
+            j = i + 1
+            while j < len(items):
+                p2 = f"{cpath}.{items[j][0]}" if cpath else items[j][0]
+                if p2 not in heads or _signature(items[j][1]) != sig:
+                    break
+                j += 1
+            run = items[i:j]
+            # shared weights make the copies differ (first use counts them)
+            private = all(uses[id(p)] == 1 for _, c in run for p in c.parameters())
+            if len(run) >= 3 and private:
+                runs.append(
+                    _Run(
+                        container,
+                        [k for k, _ in run],
+                        [f"{cpath}.{k}" if cpath else k for k, _ in run],
+                    )
+                )
+            i = max(j, i + 1)
+    return runs
+
+
+class _truncated:
+    """Temporarily drop all but the first two layers of each run from their containers."""
+
+    def __init__(self, runs: list[_Run]):
+        self.runs = runs
+        self.saved: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self) -> None:
+        for run in self.runs:
+            original = run.container._modules
+            drop = set(run.keys[2:])
+            kept = type(original)((k, v) for k, v in original.items() if k not in drop)
+            object.__setattr__(run.container, "_modules", kept)
+            self.saved.append((run.container, original))
+
+    def __exit__(self, *exc: Any) -> None:
+        for container, original in reversed(self.saved):
+            object.__setattr__(container, "_modules", original)
+        self.saved.clear()
+
+
+_SAME = ("target", "fwd_flops", "bwd_flops", "param_bytes", "param_count", "saved", "saved_tp",
+         "saved_sel", "out_bytes", "act")  # fmt: skip
+
+
+def _block(recs: list[_Rec], layer: str, run: _Run) -> range:
+    idx = [i for i, r in enumerate(recs) if r.layer == layer]
+    if not idx or idx != list(range(idx[0], idx[-1] + 1)):
+        raise _NotReplicable(run)
+    return range(idx[0], idx[-1] + 1)
+
+
+def _after(p: int, start: int, insert_at: int, last: int, shift: int) -> int:
+    if p >= insert_at:
+        return p + shift
+    if start <= p < insert_at:
+        return last + (p - start)
+    return p
+
+
+def _expand_runs(state: _State, runs: list[_Run], out_recs: list[int]) -> dict[str, list[str]]:
+    """Put copies of each run's second traced layer in place of the layers not traced.
+
+    Checked first, else `_NotReplicable`: the two traced layers ran back to back, op for
+    op with the same costs, and nothing outside them reads the first one's tensors
+    except the second.
+    """
+    recs = state.recs
+    blocks = []
+    for run in runs:
+        b0, b1 = _block(recs, run.paths[0], run), _block(recs, run.paths[1], run)
+        if b1.start != b0.stop or len(b0) != len(b1):
+            raise _NotReplicable(run)
+        for u, v in zip(b0, b1):
+            if any(getattr(recs[u], f) != getattr(recs[v], f) for f in _SAME):
+                raise _NotReplicable(run)
+        for i, r in enumerate(recs):
+            if i not in b0 and i not in b1 and any(p in b0 for p, _, _ in r.ins):
+                raise _NotReplicable(run)
+        for sid, (_, _, path) in state.params.items():
+            if sid not in state.used_params and any(
+                path == q or path.startswith(q + ".") for q in run.paths[:2]
+            ):
+                raise _NotReplicable(run)
+        blocks.append((b1.start, len(b1), run))
+    replicated: dict[str, list[str]] = {}
+    for start, n, run in sorted(blocks, key=lambda b: -b[0]):
+        first, template = start - n, run.paths[1]
+        copies = len(run.paths) - 2
+        insert_at = start + n
+        new: list[_Rec] = []
+        prev = start  # the block the next copy reads from
+        for j in range(copies):
+            base = insert_at + j * n
+            path = run.paths[2 + j]
+            for u in range(n):
+                src = recs[start + u]
+                c = _Rec(
+                    src.target, path + src.module[len(template) :], path, src.frame_sel, src.tp
+                )
+                for f in ("fwd_flops", "bwd_flops", "param_bytes", "param_count", "saved",
+                          "saved_tp", "saved_sel", "out_bytes", "act"):  # fmt: skip
+                    setattr(c, f, getattr(src, f))
+                c.ins = [
+                    (
+                        base + (p - start)
+                        if start <= p < insert_at
+                        else prev + (p - first)
+                        if first <= p < start
+                        else p,
+                        sid,
+                        nb,
+                    )
+                    for p, sid, nb in src.ins
+                ]
+                new.append(c)
+            prev = base
+        # Ops after the run now follow the copies, and read the last copy, not the template.
+        last, shift = insert_at + (copies - 1) * n, copies * n
+        for r in recs[insert_at:]:
+            r.ins = [(_after(p, start, insert_at, last, shift), sid, nb) for p, sid, nb in r.ins]
+        out_recs[:] = [_after(p, start, insert_at, last, shift) for p in out_recs]
+        recs[insert_at:insert_at] = new
+        replicated[template] = [run.paths[2], run.paths[-1]]
+    return replicated
 
 
 # ---------------------------------------------------------------------------- assembly
@@ -672,11 +908,18 @@ def _build_graph(
     out_leaves: list[torch.Tensor],
     module: nn.Module,
     config: dict[str, Any] | None,
+    runs: list[_Run],
 ) -> OpGraph:
     recs = state.recs
     if not recs:
         raise CaptureError(f"cannot capture {name}: the forward pass ran no ops")
     _attribute_saved(state)
+    outs = []  # (last writer rec, storage id, bytes) of each model output
+    for t in out_leaves:
+        st = state.storages.get(_sid(t))
+        outs.append((st[1] if st is not None else -1, _sid(t), t.numel() * t.element_size()))
+    out_recs = [o[0] for o in outs]
+    replicated = _expand_runs(state, runs, out_recs) if runs else {}
 
     heads = layer_assignment(module, name)
     style = dict(heads.values())
@@ -763,13 +1006,10 @@ def _build_graph(
             inputs=list(dict.fromkeys(producers)),
         )
     # The model's outputs leave the layer that made them.
-    for t in out_leaves:
-        st = state.storages.get(_sid(t))
-        if st is not None and st[1] >= 0:
-            src = recs[st[1]].layer
-            out_flow[(src, _sid(t))] = max(
-                out_flow.get((src, _sid(t)), 0), t.numel() * t.element_size()
-            )
+    for idx, (_, sid, nb) in zip(out_recs, outs):
+        if idx >= 0:
+            src = recs[idx].layer
+            out_flow[(src, sid)] = max(out_flow.get((src, sid), 0), nb)
     for (lname, _), nb in in_flow.items():
         layers[lname].input_bytes += nb / b
     for (lname, _), nb in out_flow.items():
@@ -789,6 +1029,8 @@ def _build_graph(
     cfg = dict(config or {})
     if unused_paths:
         cfg["unused_params"] = sorted(set(unused_paths))
+    if replicated:
+        cfg["capture_replicated"] = replicated
     if state.unattributed_bwd_flops:
         cfg["unattributed_bwd_flops"] = state.unattributed_bwd_flops / b
     return OpGraph(
