@@ -219,7 +219,9 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
     nodes: list[Any] = [None] * world
     dist.all_gather_object(nodes, node)
     node_of = [int(x) for x in nodes]
-    slow = (cfg.slowdowns or [1.0] * world)[rank]
+    # Like the runtime's recorder, stretch compute only on CPU ranks: a GPU rank already is
+    # its kind.
+    slow = 1.0 if cuda else (cfg.slowdowns or [1.0] * world)[rank]
 
     def barrier() -> None:
         sync()
@@ -382,7 +384,7 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
             matmul=[r["matmul"] for r in everything],
             memory_bandwidth=[r["mem_bw"] for r in everything],
             memory_bytes=[r["mem_bytes"] for r in everything],
-            slowdowns=list(cfg.slowdowns or [1.0] * world), rounds=rounds,
+            slowdowns=[1.0] * world if cuda else list(cfg.slowdowns or [1.0] * world), rounds=rounds,
             seconds=time.perf_counter() - t_start)
         if result_path:
             tmp = result_path + ".tmp"
