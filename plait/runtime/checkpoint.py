@@ -78,6 +78,8 @@ def save_rank(root: Path, step: int, rank: int, state: dict[str, Any],
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"rank{rank}.pt"
+    for stale in d.glob(f".{path.name}.tmp-*"):  # left by a process killed while writing
+        stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         torch.save(state, f)

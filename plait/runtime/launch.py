@@ -33,6 +33,8 @@ from typing import Any
 
 from plait.errors import PlaitError
 
+# Phases before training (imports, rendezvous, model build) and checkpoint writes may legitimately
+# take longer than one step: they get the startup allowance instead of `timeout`.
 STARTUP_PHASES = ("start", "init", "build", "resume", "checkpoint")
 
 
@@ -216,10 +218,13 @@ class Launcher:
         r = culprits[0]
         h = active[r]
         waiting = sorted(q for q, hq in active.items() if hq.get("waiting"))
-        others = (f"; ranks {', '.join(map(str, waiting))} were waiting for it in collectives"
-                  if waiting else "")
+        others = ""
+        if waiting:
+            who = f"rank {waiting[0]} was" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))} were"
+            others = f"; {who} waiting for it in collectives"
         more = f" (also stalled: ranks {', '.join(map(str, culprits[1:]))})" if len(culprits) > 1 else ""
-        return RunFailure(f"{self._where(r)} hung at step {h.get('step')} ({h.get('phase')}): no progress for "
+        where = f"at step {h.get('step')}" if h.get("phase") in ("train", "checkpoint") else f"during {h.get('phase')}"
+        return RunFailure(f"{self._where(r)} hung {where}: no progress for "
                           f"{stale[r]:.1f} s{others}{more}; stopped all ranks",
                           rank=r, host=self.rank_info[r]["host"], kind="hang", run_dir=str(self.run_dir))
 
@@ -235,7 +240,10 @@ class Launcher:
         for r in range(len(self.rank_info)):
             st, fail, hb = statuses.get(r), failures.get(r), hbs.get(r, {})
             step = (st or {}).get("step", hb.get("step"))
-            at = f" at step {step}" if step is not None and step >= 0 else f" during {hb.get('phase', 'startup')}"
+            phase = (st or {}).get("phase", hb.get("phase", "start"))
+            at = f" at step {step}" if step is not None and step >= 0 else f" during {phase}"
+            if phase == "checkpoint":
+                at += " while writing a checkpoint"
             if st is not None and st.get("state") == "ok":
                 continue
             if st is not None and st.get("state") == "error":

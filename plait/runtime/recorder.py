@@ -48,11 +48,18 @@ class Heartbeat:
 
     def progress(self, phase: str | None = None, step: int | None = None) -> None:
         with self._lock:
+            changed = (phase is not None and phase != self.state["phase"]) or \
+                      (step is not None and step != self.state["step"])
             if phase is not None:
                 self.state["phase"] = phase
             if step is not None:
                 self.state["step"] = step
             self.state["progress"] = time.time()
+        if changed:  # the launcher names the step and phase of a rank that dies: publish them now
+            try:
+                self._write()
+            except OSError:
+                pass
 
     def waiting(self, what: str | None) -> None:
         """Mark the rank as blocked on a collective (`what`) or running again (None)."""
@@ -168,8 +175,10 @@ class Recorder:
             t1 = self.now()
             if self.slowdown > 1.0:
                 # Emulated slower GPU kind: the same work takes `slowdown` times longer.
-                time.sleep((self.slowdown - 1.0) * max(0.0, t1 - t0 - comm))
+                work = max(0.0, t1 - t0 - comm)
+                time.sleep((self.slowdown - 1.0) * work)
                 t1 = self.now()
+                ev.args["compute_s"] = work  # measured before the stretch
             ev.start, ev.end = t0, t1
             if comm:
                 ev.args["comm_inside"] = comm

@@ -257,7 +257,7 @@ class Worker:
         step_bounds: list[tuple[int, float, float]] = []
         schedule = plan.schedule
         for step in range(start, steps):
-            self.hb.progress("step", step)
+            self.hb.progress("train", step)
             mbs = replica_micro_batches(plan, step, self.d)
             data = self._step_data(mbs) if (runner.first or runner.last) else {}
             if self.fault:
@@ -274,7 +274,6 @@ class Worker:
             t1 = self.rec.end_step()
             step_bounds.append((step, t0, t1))
             losses.append(runner.loss_sum.detach().clone())
-            self.hb.progress("step", step + 1)
             if every and (step + 1) % every == 0:
                 self._save_checkpoint(step + 1, Path(ck["dir"]))
         self._finish(losses, step_bounds, start, steps, origin_info)
@@ -333,7 +332,7 @@ class Worker:
             dist.barrier()
         if self.rank == 0:
             ckpt.mark_complete(root, step, self._meta(), keep=self.cfg["checkpoint"].get("keep"))
-        self.hb.progress("step")
+        self.hb.progress("train")
 
     # ------------------------------------------------------------------ results
     def _finish(self, losses: list[torch.Tensor], bounds: list[tuple[int, float, float]], start: int,

@@ -1,0 +1,361 @@
+"""Runtime pieces that need no worker processes: stage cutting, TP sharding math (two threads
+standing in for two tensor ranks), data split, checkpoints, fault strings, failure diagnosis."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from plait.graph.zoo import load_model
+from plait.plan.ir import Plan
+from plait.runtime import checkpoint as ckpt
+from plait.runtime.api import RunResult, _check_plan, rank_layout, run
+from plait.runtime.launch import AgentSpec, Launcher, _Agent
+from plait.runtime.partition import (
+    RuntimeSetupError,
+    layer_modules,
+    make_samples,
+    replica_micro_batches,
+    split_into_stages,
+)
+from plait.runtime.pipeline import _decode_header, _encode_header
+from plait.runtime.tensor_parallel import (
+    ShardInfo,
+    TPContext,
+    apply_tensor_parallel,
+    is_tensor_parallel_layer,
+    split_sizes,
+)
+from plait.runtime.worker import Fault
+from plait.sim.timeline import Timeline, TimelineEvent
+
+TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+
+
+# ---------------------------------------------------------------------------------- stages
+def test_layers_follow_markers() -> None:
+    model = load_model(TINY).build()
+    assert [n for n, _ in layer_modules(model)] == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+
+
+@pytest.mark.parametrize("counts", [[1, 5], [2, 2, 2], [3, 1, 1, 1]])
+def test_stages_compose_to_the_model(counts: list[int]) -> None:
+    spec = load_model(TINY)
+    model = spec.build(seed=1)
+    inputs, _ = make_samples(spec, 0, 3, data_seed=0)
+    stages = split_into_stages(model, counts)
+    assert [len(s.layers) for s in stages] == counts
+    values = stages[0].module(*inputs)
+    for s in stages[1:]:
+        values = s.module(*values)
+    torch.testing.assert_close(values, model(*inputs), rtol=0, atol=0)
+    # GPT ties its LM head to the word embedding: the same Parameter lives in the first and last stage.
+    assert stages[-1].module.get_parameter("head.lm.weight") is stages[0].module.get_parameter("embed.tok.weight")
+
+
+class _SkipModel(nn.Module):
+    """Glue outside layers: a root parameter (get_attr), and a value used three layers later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
+        self.d = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h0 = self.a(x) * self.scale
+        h = self.c(self.b(h0))
+        return self.d(h + h0) + y
+
+
+def test_live_values_cross_several_cuts() -> None:
+    model = _SkipModel()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    stages = split_into_stages(model, [1, 1, 1, 1])
+    # y (used at the end) and h0 are relayed; the glue add h + h0 runs as soon as h exists (stage 2).
+    assert [s.output_names for s in stages[:3]] == [["y", "mul"], ["y", "mul", "b"], ["y", "add"]]
+    v = stages[0].module(x, y)
+    for s in stages[1:]:
+        v = s.module(*v)
+    torch.testing.assert_close(v, model(x, y))
+    with pytest.raises(RuntimeSetupError, match="plan splits 5 layers but the model runs 4"):
+        split_into_stages(model, [2, 3])
+
+
+def test_untraceable_model_is_reported() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)) if x.sum() > 0 else self.a(x)
+
+    with pytest.raises(RuntimeSetupError, match="torch.fx tracing failed"):
+        split_into_stages(Branchy(), [1, 1])
+
+
+# ---------------------------------------------------------------------------------- data
+@settings(max_examples=60, deadline=None)
+@given(dp=st.integers(1, 4), mb=st.integers(1, 4), mult=st.integers(1, 4), step=st.integers(0, 3),
+       raw=st.lists(st.floats(0.05, 1.0), min_size=4, max_size=4), uneven=st.booleans())
+def test_replicas_cover_the_global_batch_once(dp: int, mb: int, mult: int, step: int, raw: list[float],
+                                              uneven: bool) -> None:
+    shares = [r / sum(raw[:dp]) for r in raw[:dp]] if uneven else None
+    plan = Plan(dp=dp, micro_batch=mb, global_batch=dp * mb * mult, dp_shares=shares)
+    seen: list[int] = []
+    for d in range(dp):
+        mbs = replica_micro_batches(plan, step, d)
+        assert sum(m.size for m in mbs) == plan.samples_per_replica()[d]
+        assert all(1 <= m.size <= mb for m in mbs)
+        seen += [m.first + i for m in mbs for i in range(m.size)]
+        if not uneven:
+            assert [m.size for m in mbs] == [mb] * plan.num_micro_batches
+    g = plan.global_batch
+    assert sorted(seen) == list(range(step * g, (step + 1) * g))
+
+
+def test_samples_do_not_depend_on_the_split() -> None:
+    spec = load_model(TINY)
+    whole = make_samples(spec, 5, 6, data_seed=3)
+    a, b = make_samples(spec, 5, 2, data_seed=3), make_samples(spec, 7, 4, data_seed=3)
+    torch.testing.assert_close(whole[0][0], torch.cat([a[0][0], b[0][0]]))
+    torch.testing.assert_close(whole[1], torch.cat([a[1], b[1]]))
+    assert not torch.equal(whole[1], make_samples(spec, 5, 6, data_seed=4)[1])
+
+
+# ---------------------------------------------------------------------------------- tensor parallel
+@given(total=st.integers(1, 200), raw=st.lists(st.floats(0.01, 1.0), min_size=1, max_size=5))
+def test_split_sizes_proportional(total: int, raw: list[float]) -> None:
+    ratios = [r / sum(raw) for r in raw]
+    sizes = split_sizes(total, len(ratios), ratios)
+    assert sum(sizes) == total
+    assert all(abs(s - r * total) < 1 for s, r in zip(sizes, ratios))
+
+
+def test_shard_info_roundtrip() -> None:
+    full = torch.arange(2 * 12 * 3, dtype=torch.float32).view(24, 3)
+    info = ShardInfo(0, 2, (5, 7))  # two fused blocks of 12 rows, cut 5 | 7
+    shards = [info.take(full, t) for t in range(2)]
+    assert [s.shape[0] for s in shards] == [10, 14]
+    torch.testing.assert_close(shards[0][:5], full[:5])
+    torch.testing.assert_close(shards[0][5:], full[12:17])
+    torch.testing.assert_close(info.assemble(shards), full)
+
+
+class _ThreadTP(TPContext):
+    """Stands in for a tensor-parallel group: ranks are threads, all-reduce sums through a barrier."""
+
+    def __init__(self, size: int, rank: int, shared: dict) -> None:
+        super().__init__(group=None, size=size, rank=rank)
+        self.shared = shared
+
+    def all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        box, barrier = self.shared["box"], self.shared["barrier"]
+        box[self.rank] = t.detach().clone()
+        barrier.wait()
+        total = sum(box[r] for r in range(self.size))
+        barrier.wait()
+        return total
+
+
+@pytest.mark.parametrize("ratios", [None, [0.75, 0.25]])
+def test_tensor_parallel_block_equals_full_block(ratios: list[float] | None) -> None:
+    """Megatron f/g conjugates: sharded forward and backward of a zoo transformer block equal the full one."""
+    spec = load_model("gpt:layers=1,hidden=16,heads=4,seq=5,vocab=11,dropout=0,attn_dropout=0")
+    full = spec.build(seed=2).layers[0]
+    assert is_tensor_parallel_layer(full) and not is_tensor_parallel_layer(spec.build().head)
+    x = torch.randn(5, 3, 16)
+    xf = x.clone().requires_grad_(True)
+    out_full = full(xf)
+    out_full.square().sum().backward()
+    shared = {"box": {}, "barrier": threading.Barrier(2)}
+    results: dict[int, tuple] = {}
+    blocks = [spec.build(seed=2).layers[0] for _ in range(2)]  # build seeds the global RNG: not in threads
+
+    def rank_main(t: int) -> None:
+        block = blocks[t]
+        infos = apply_tensor_parallel(block, _ThreadTP(2, t, shared), ratios, prefix="")
+        xs = x.clone().requires_grad_(True)
+        out = block(xs)
+        out.square().sum().backward()
+        results[t] = (out.detach(), xs.grad, dict(block.named_parameters()), infos)
+
+    threads = [threading.Thread(target=rank_main, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    expected_heads = [2, 2] if ratios is None else [3, 1]
+    assert results[0][3]["attn.qkv.weight"].sizes == tuple(h * 12 for h in expected_heads)
+    for t in range(2):
+        torch.testing.assert_close(results[t][0], out_full.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(results[t][1], xf.grad, rtol=1e-5, atol=1e-6)
+    for name, p in full.named_parameters():
+        info = results[0][3].get(name)
+        if info is None:  # replicated: identical gradient on both ranks
+            grad = results[0][2][name].grad
+            torch.testing.assert_close(results[1][2][name].grad, grad)
+        else:
+            grad = info.assemble([results[t][2][name].grad for t in range(2)])
+        torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_rejects_indivisible_heads() -> None:
+    block = load_model("gpt:layers=1,hidden=12,heads=3,seq=4,vocab=8").build().layers[0]
+    with pytest.raises(RuntimeSetupError, match="3 heads, not divisible by tp=2"):
+        apply_tensor_parallel(block, TPContext(None, 2, 0), None)
+
+
+# ---------------------------------------------------------------------------------- pipeline header
+def test_pipeline_header_roundtrip() -> None:
+    meta = [("t", (8, 2, 16), torch.float32, True), ("c", (2, 8), None, False), ("t", (2,), torch.int64, False)]
+    assert _decode_header(_encode_header(meta, torch.device("cpu"))) == meta
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def test_checkpoint_completes_only_with_marker(tmp_path: Path) -> None:
+    meta = {"model": "m", "plan": "dp=2", "world_size": 2, "optimizer": {"name": "adamw"}, "seed": 0, "data_seed": 0}
+    for step in (2, 4):
+        for r in range(2):
+            ckpt.save_rank(tmp_path, step, r, {"step": step, "rank": r})
+        ckpt.mark_complete(tmp_path, step, meta, keep=None)
+    ckpt.save_rank(tmp_path, 6, 0, {"step": 6})  # rank 1 died before writing step 6
+    with pytest.raises(ckpt.CheckpointError, match=r"ranks \[1\] did not write"):
+        ckpt.mark_complete(tmp_path, 6, meta)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 4]
+    step, path = ckpt.latest_checkpoint(tmp_path)
+    assert step == 4 and ckpt.load_rank(path, 1)["rank"] == 1
+    assert not list(tmp_path.rglob(".*tmp*"))
+    with pytest.raises(ckpt.CheckpointError, match="field 'plan' is 'dp=2' but this run has 'dp=1'"):
+        ckpt.check_compatible(path, {**meta, "plan": "dp=1"})
+    for r in range(2):
+        ckpt.save_rank(tmp_path, 8, r, {"step": 8})
+    ckpt.mark_complete(tmp_path, 8, meta, keep=2)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 8]
+    assert not ckpt.step_dir(tmp_path, 6).exists()  # the half-written one is pruned too
+
+
+def test_interrupted_write_keeps_previous_file(tmp_path: Path) -> None:
+    ckpt.save_rank(tmp_path, 1, 0, {"v": 1})
+
+    def crash() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_rank(tmp_path, 1, 0, {"v": 2}, before_rename=crash)
+    assert ckpt.load_rank(ckpt.step_dir(tmp_path, 1), 0) == {"v": 1}
+
+
+# ---------------------------------------------------------------------------------- faults, diagnosis
+def test_fault_strings() -> None:
+    assert Fault.parse("rank=1,step=2,kind=hang") == Fault(1, 2, "hang", "step")
+    assert Fault.parse("rank=0,step=3,kind=die,at=checkpoint") == Fault(0, 3, "die", "checkpoint")
+    assert Fault.parse("") is None
+    with pytest.raises(ValueError):
+        Fault.parse("rank=0,step=1,kind=explode")
+    with pytest.raises(RuntimeError, match="injected fault on rank 2 at step 5"):
+        Fault(2, 5, "error").maybe_fire(2, 5, "step")
+    Fault(2, 5, "error").maybe_fire(1, 5, "step")  # other ranks are untouched
+
+
+def _launcher(tmp_path: Path, world: int = 2) -> Launcher:
+    for sub in ("hb", "status"):
+        (tmp_path / sub).mkdir()
+    layout = [{"rank": r, "device": r, "node": r, "host": f"node{r}"} for r in range(world)]
+    launcher = Launcher(tmp_path / "config.json", tmp_path, [AgentSpec(0, "node0", list(range(world)))], layout,
+                        timeout=5.0, startup_timeout=60.0)
+    launcher._running.append(_Agent(launcher.agents[0], None, tmp_path / "agent0.log",  # type: ignore[arg-type]
+                                    tmp_path / "agent0.failures.json"))
+    return launcher
+
+
+def _put(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data))
+
+
+def test_diagnosis_blames_the_killed_rank_not_its_peers(tmp_path: Path) -> None:
+    launcher = _launcher(tmp_path)
+    now = time.time()
+    _put(tmp_path / "hb/rank0.json", {"pid": 1, "phase": "error", "step": 3, "progress": now})
+    _put(tmp_path / "hb/rank1.json", {"pid": 2, "phase": "train", "step": 3, "progress": now - 1})
+    _put(tmp_path / "status/rank0.json", {"state": "error", "time": now, "step": 3, "phase": "train",
+                                          "error": "DistBackendError: Connection closed by peer", "peer_error": True})
+    _put(tmp_path / "agent0.failures.json", {"failures": {
+        "1": {"local_rank": 1, "pid": 2, "exitcode": -9, "timestamp": now, "signal": "SIGKILL"},
+        "0": {"local_rank": 0, "pid": 1, "exitcode": 1, "timestamp": now - 0.5, "signal": None}}})
+    failure = launcher._diagnose_exit()
+    assert failure.rank == 1 and failure.host == "node1" and failure.kind == "died"
+    assert "rank 1 (host node1, device 1) died at step 3 (killed by SIGKILL)" in str(failure)
+
+
+def test_diagnosis_names_the_rank_that_stopped_making_progress(tmp_path: Path) -> None:
+    launcher = _launcher(tmp_path, world=3)
+    now = time.time()
+    _put(tmp_path / "hb/rank0.json", {"pid": 1, "phase": "train", "step": 2, "progress": now - 9,
+                                      "waiting": "allreduce dp bucket0"})
+    _put(tmp_path / "hb/rank1.json", {"pid": 2, "phase": "train", "step": 2, "progress": now - 9.5, "waiting": None})
+    _put(tmp_path / "hb/rank2.json", {"pid": 3, "phase": "train", "step": 2, "progress": now - 9,
+                                      "waiting": "recv fwd"})
+    failure = launcher._find_hang(started=now - 100)
+    assert failure is not None and failure.rank == 1 and failure.kind == "hang"
+    assert "rank 1 (host node1, device 1) hung at step 2" in str(failure)
+    assert "ranks 0, 2 were waiting for it" in str(failure)
+    _put(tmp_path / "hb/rank1.json", {"pid": 2, "phase": "train", "step": 2, "progress": now - 1, "waiting": None})
+    assert launcher._find_hang(started=now - 100) is None  # a slow step within the timeout is fine
+
+
+# ---------------------------------------------------------------------------------- layout, API checks
+def test_rank_layout_places_ranks_and_slowdowns(tmp_path: Path) -> None:
+    from plait.cluster import load_cluster
+
+    path = tmp_path / "c.yaml"
+    path.write_text(EMU_YAML.format(namespaces="false"))
+    cluster = load_cluster(str(path))
+    plan = Plan(dp=2, global_batch=2, device_order=[1, 0], dtype="fp32")
+    layout = rank_layout(cluster, plan)
+    assert [(i["device"], i["host"], i["kind"], i["slowdown"]) for i in layout] == [
+        (1, "slownode", "slow", 3.0), (0, "fastnode", "fast", 1.0)]
+    with pytest.raises(RuntimeSetupError, match="needs 4 devices but the cluster has 2"):
+        rank_layout(cluster, Plan(dp=4, global_batch=4))
+
+
+def test_run_rejects_what_it_cannot_run() -> None:
+    with pytest.raises(RuntimeSetupError, match="interleaved"):
+        _check_plan(Plan(pp=2, schedule="interleaved", global_batch=2))
+    with pytest.raises(RuntimeSetupError, match="checkpoint directory"):
+        run(TINY, None, "dp=1", steps=1, resume=True)
+    with pytest.raises(RuntimeSetupError, match="steps must be >= 1"):
+        run(TINY, None, "dp=1", steps=0)
+
+
+def test_step_timeline_rebases_one_iteration() -> None:
+    ev = [TimelineEvent("fwd", "forward", "dev0/compute", 1.0 + s, 1.2 + s, 0, 0, 0, {"step": s}) for s in range(2)]
+    result = RunResult("m", "c", "p", "gloo", "cpu", [0, 1], [1.0, 0.9], [0.5, 0.5], Timeline(ev, "measured"), [],
+                       step_bounds=[(1.0, 1.5), (2.0, 2.5)])
+    one = result.step_timeline(1)
+    assert [(e.start, e.end) for e in one.events] == [(0.0, pytest.approx(0.2))]
+    assert one.meta["iteration_time"] == 0.5
+
+
+EMU_YAML = """
+name: emu2
+gpu_kinds:
+  fast: {{flops: {{fp32: 20 TFLOPS}}, memory: 16 GiB, memory_bandwidth: 700 GB/s}}
+  slow: {{flops: {{fp32: 10 TFLOPS}}, memory: 16 GiB, memory_bandwidth: 300 GB/s}}
+nodes:
+  - {{name: fastnode, gpus: {{kind: fast, count: 1}}, intra: {{type: pcie, bandwidth: 16 GB/s}}}}
+  - {{name: slownode, gpus: {{kind: slow, count: 1}}, intra: {{type: pcie, bandwidth: 16 GB/s}}}}
+fabric: {{type: ethernet, bandwidth: 10 Gb/s, latency: 50 us}}
+emulation: {{enabled: true, namespaces: {namespaces}, bandwidth_scale: 0.1, slowdown: {{slow: 3.0}}}}
+"""
