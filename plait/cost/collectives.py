@@ -1,0 +1,258 @@
+"""Alpha-beta costs of collectives and point-to-point transfers, and NCCL-like algorithm choice.
+
+Conventions follow nccl-tests (``doc/PERFORMANCE.md``): ``S`` is the message size in
+bytes *per rank* as the API sees it (the full buffer of an all-reduce; the full output
+of an all-gather / full input of a reduce-scatter), ``n`` the number of ranks,
+``algbw = S / t`` and ``busbw = algbw * factor`` with
+
+==================  =====================
+operation           bus factor
+==================  =====================
+all_reduce          2 (n - 1) / n
+reduce_scatter      (n - 1) / n
+all_gather          (n - 1) / n
+all_to_all          (n - 1) / n
+broadcast, send     1
+==================  =====================
+
+so that ``busbw`` of a bandwidth-bound collective is the link bandwidth it runs at.
+
+Costs (``a`` the per-step latency alpha of the slowest link, ``B`` its bandwidth,
+``g`` an optional reduction cost per byte, Shi et al. 2018's gamma):
+
+* ring all-reduce (SYSTEMS.md §1): ``2(n-1) a + 2(n-1)/n S/B + (n-1)/n S g``;
+* ring reduce-scatter / all-gather: ``(n-1) a + (n-1)/n S/B`` (+ ``(n-1)/n S g`` for RS);
+* tree all-reduce (NCCL's pipelined double binary tree): ``2 ceil(log2 n) a + 2 S/B`` --
+  the reduce and the broadcast each move the whole buffer once, so the bandwidth term
+  does not shrink with ``n`` but the latency grows only logarithmically;
+* hierarchical all-reduce (SYSTEMS.md reference numbers): intra-node reduce-scatter,
+  inter-node all-reduce of each ``S/g`` shard, intra-node all-gather;
+* all-to-all: ``(n-1) a + (n-1)/n S/B`` (each rank sends ``S/n`` to every other rank);
+* send/recv: ``a + S/B``; broadcast (pipelined ring): ``(n-1) a + S/B``.
+
+A collective runs at the pace of its slowest link: ``B`` is the smallest and ``a`` the
+largest over the links its ring/tree uses (Pipette: ``max(1/BW)`` over the ring).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from plait.errors import PlaitError
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send_recv")
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped")
+
+
+class CollectiveError(PlaitError, ValueError):
+    """A collective asked for with impossible arguments."""
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw factor for `op` on `n` ranks."""
+    if n <= 1:
+        return 1.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "send_recv"):
+        return 1.0
+    raise CollectiveError(f"unknown collective {op!r}; use one of {OPS}")
+
+
+def busbw(op: str, nbytes: float, n: int, seconds: float) -> float:
+    """Bus bandwidth (bytes/s) of a measured or predicted collective (nccl-tests convention)."""
+    return nbytes / seconds * bus_factor(op, n) if seconds > 0 else float("inf")
+
+
+# ---------------------------------------------------------------- alpha-beta formulas
+def ring_all_reduce_time(nbytes: float, n: int, bandwidth: float, alpha: float,
+                         gamma: float = 0.0) -> float:
+    """Ring all-reduce: ``2(n-1) a + 2(n-1)/n S/B + (n-1)/n S g`` (Shi et al. 2018, SYSTEMS.md §1)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bandwidth + (n - 1) / n * nbytes * gamma
+
+
+def tree_all_reduce_time(nbytes: float, n: int, bandwidth: float, alpha: float,
+                         gamma: float = 0.0) -> float:
+    """Pipelined (double binary) tree all-reduce: ``2 ceil(log2 n) a + 2 S/B + S g``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bandwidth + nbytes * gamma
+
+
+def ring_reduce_scatter_time(nbytes: float, n: int, bandwidth: float, alpha: float,
+                             gamma: float = 0.0) -> float:
+    """Ring reduce-scatter of an `nbytes` input: ``(n-1) a + (n-1)/n S/B (+ (n-1)/n S g)``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth + (n - 1) / n * nbytes * gamma
+
+
+def ring_all_gather_time(nbytes: float, n: int, bandwidth: float, alpha: float) -> float:
+    """Ring all-gather of an `nbytes` output: ``(n-1) a + (n-1)/n S/B``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
+
+
+def all_to_all_time(nbytes: float, n: int, bandwidth: float, alpha: float) -> float:
+    """All-to-all of `nbytes` per rank: ``(n-1) a + (n-1)/n S/B``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
+
+
+def send_recv_time(nbytes: float, bandwidth: float, alpha: float) -> float:
+    """Point-to-point: ``a + S/B``."""
+    if nbytes <= 0:
+        return 0.0
+    return alpha + nbytes / bandwidth
+
+
+def broadcast_time(nbytes: float, n: int, bandwidth: float, alpha: float) -> float:
+    """Pipelined ring broadcast: ``(n-1) a + S/B``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * alpha + nbytes / bandwidth
+
+
+def hierarchical_all_reduce_time(nbytes: float, nodes: int, per_node: int, intra_bw: float,
+                                 intra_alpha: float, inter_bw: float, inter_alpha: float,
+                                 gamma: float = 0.0) -> float:
+    """Intra-node reduce-scatter + inter-node ring all-reduce of each 1/g shard + intra all-gather.
+
+    With ``g`` GPUs per node each GPU drives its own inter-node ring on ``S/g`` bytes
+    (NCCL's per-rail rings), so the inter-node phase costs ``ring(S/g, nodes)``."""
+    if nodes * per_node <= 1 or nbytes <= 0:
+        return 0.0
+    t = ring_reduce_scatter_time(nbytes, per_node, intra_bw, intra_alpha, gamma)
+    t += ring_all_reduce_time(nbytes / per_node, nodes, inter_bw, inter_alpha, gamma)
+    t += ring_all_gather_time(nbytes, per_node, intra_bw, intra_alpha)
+    return t
+
+
+# ---------------------------------------------------------------- groups on a cluster
+@dataclass(frozen=True)
+class GroupLinks:
+    """What the alpha-beta model needs to know about a group of devices.
+
+    `ring_bandwidth` / `ring_latency` are the slowest link (smallest bandwidth, largest
+    latency) of the ring through the devices in the given order; `intra_*` and `inter_*`
+    the slowest intra-node and inter-node pairs (for hierarchical all-reduce); `nodes`
+    the number of distinct nodes and `per_node` the largest number of group members on
+    one node."""
+
+    n: int
+    ring_bandwidth: float
+    ring_latency: float
+    nodes: int
+    per_node: int
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+
+
+def group_links(devices: Sequence[int], bandwidth: np.ndarray, latency: np.ndarray,
+                node_of: Sequence[int]) -> GroupLinks:
+    """Slowest-link summary of the ring ``devices[0] -> devices[1] -> ... -> devices[0]``."""
+    devs = list(devices)
+    n = len(devs)
+    if n <= 1:
+        return GroupLinks(n, float("inf"), 0.0, 1, 1, float("inf"), 0.0, float("inf"), 0.0)
+    src = np.array(devs)
+    dst = np.roll(src, -1)
+    bw = np.asarray(bandwidth)[src, dst]
+    lat = np.asarray(latency)[src, dst]
+    nodes = np.asarray(node_of)[src]
+    same = nodes[:, None] == nodes[None, :]
+    np.fill_diagonal(same, False)
+    cross = nodes[:, None] != nodes[None, :]
+    sub_bw = np.asarray(bandwidth)[np.ix_(src, src)]
+    sub_lat = np.asarray(latency)[np.ix_(src, src)]
+    intra_bw = float(sub_bw[same].min()) if same.any() else float("inf")
+    intra_lat = float(sub_lat[same].max()) if same.any() else 0.0
+    inter_bw = float(sub_bw[cross].min()) if cross.any() else float("inf")
+    inter_lat = float(sub_lat[cross].max()) if cross.any() else 0.0
+    _, counts = np.unique(nodes, return_counts=True)
+    return GroupLinks(n, float(bw.min()), float(lat.max()), len(counts), int(counts.max()),
+                      intra_bw, intra_lat, inter_bw, inter_lat)
+
+
+def collective_time(op: str, nbytes: float, links: GroupLinks, algorithm: str = "ring",
+                    gamma: float = 0.0) -> float:
+    """Time of `op` on a group summarised by `links` with a *concrete* algorithm."""
+    n = links.n
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    B, a = links.ring_bandwidth, links.ring_latency
+    if op == "all_reduce":
+        if algorithm == "tree":
+            return tree_all_reduce_time(nbytes, n, B, a, gamma)
+        if algorithm == "hierarchical" and links.nodes > 1 and links.per_node > 1:
+            return hierarchical_all_reduce_time(
+                nbytes, links.nodes, links.per_node, links.intra_bandwidth, links.intra_latency,
+                links.inter_bandwidth, links.inter_latency, gamma)
+        return ring_all_reduce_time(nbytes, n, B, a, gamma)
+    if op == "reduce_scatter":
+        return ring_reduce_scatter_time(nbytes, n, B, a, gamma)
+    if op == "all_gather":
+        return ring_all_gather_time(nbytes, n, B, a)
+    if op == "all_to_all":
+        return all_to_all_time(nbytes, n, B, a)
+    if op == "broadcast":
+        return broadcast_time(nbytes, n, B, a)
+    if op == "send_recv":
+        return send_recv_time(nbytes, B, a)
+    raise CollectiveError(f"unknown collective {op!r}; use one of {OPS}")
+
+
+def choose_algorithm(op: str, nbytes: float, links: GroupLinks, pinned: str | None = None) -> str:
+    """The algorithm NCCL would pick for `op`, or `pinned` when the plan names one.
+
+    NCCL's tuner estimates every algorithm with an alpha-beta model and keeps the fastest
+    (``src/graph/tuning.cc``); in effect tree for latency-bound all-reduces across nodes
+    and ring once the message is large enough for bandwidth to dominate. Only all-reduce
+    has a choice here; "padded"/"grouped" (HAP's uneven-shard collectives) cost as ring
+    at the padded size, which the caller supplies."""
+    if pinned not in (None, "auto"):
+        if pinned not in ALGORITHMS:
+            raise CollectiveError(f"unknown collective algorithm {pinned!r}; use one of {ALGORITHMS}")
+        return "ring" if pinned in ("padded", "grouped") else pinned
+    if op != "all_reduce" or links.n <= 2:
+        return "ring"
+    candidates = ["ring", "tree"] + (["hierarchical"] if links.nodes > 1 and links.per_node > 1 else [])
+    # NCCL only uses tree across nodes; inside one NVSwitch node ring always wins.
+    if links.nodes == 1:
+        return "ring"
+    return min(candidates, key=lambda algo: collective_time(op, nbytes, links, algo))
+
+
+def flow_bytes_per_link(op: str, nbytes: float, n: int, algorithm: str = "ring") -> float:
+    """Bytes each link of the ring carries for `op` (used to share link bandwidth in the engine).
+
+    For a ring every link carries ``bus_factor * S`` bytes, which is why the collective's
+    time is ``latency + bus_factor * S / B_slowest``; a tree's busiest links carry ``2S``."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce" and algorithm == "tree":
+        return 2.0 * nbytes
+    return bus_factor(op, n) * nbytes
+
+
+def latency_steps(op: str, n: int, algorithm: str = "ring") -> int:
+    """Number of alpha terms in the formula of `op` (ring steps or tree levels)."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * math.ceil(math.log2(n)) if algorithm == "tree" else 2 * (n - 1)
+    if op in ("reduce_scatter", "all_gather", "all_to_all", "broadcast"):
+        return n - 1
+    return 1

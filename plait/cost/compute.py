@@ -1,0 +1,652 @@
+"""Time of a layer's forward and backward on one GPU kind: roofline kernels plus host dispatch.
+
+Every layer pass is a list of GPU kernels (and the tensor-parallel collectives between
+them). Each kernel costs
+
+* a **GEMM**: ``max(t_compute, t_memory) + t_kernel`` with
+  ``t_compute = 2 m n k / (peak(dtype) * e_gemm * u_wave)`` -- ``u_wave`` is the wave
+  quantisation of 128x128 output tiles over the GPU's SMs (``tiles / (waves * SMs)``),
+  so small or oddly shaped GEMMs lose efficiency exactly as tiles leave SMs idle -- and
+  ``t_memory = bytes(A, B, C) / (HBM bandwidth * e_mem)``. When a GEMM dimension is not
+  a multiple of 16 bytes (8 fp16 elements) cuBLAS cannot use its aligned tensor-core
+  kernels (NVIDIA's "Matrix Multiplication Background" guide): ``t_compute`` is
+  multiplied by ``unaligned_penalty``. GPT-2's vocabulary (50257) is the classic case;
+* a **memory-bound** kernel (norms, softmax, dropout, GELU, casts, adds):
+  ``bytes / (HBM bandwidth * e_mem) + t_kernel`` (roofline: these have arithmetic
+  intensity far below the ridge point);
+* **host dispatch**: the CPU must launch every kernel (Python, the dispatcher, autograd
+  in backward, the CUDA launch): ``host_fwd_s`` / ``host_bwd_s`` per kernel and
+  ``host_comm_s`` per collective call.
+
+The host runs ahead of the GPU asynchronously, so a *segment* of kernels between two
+collectives takes ``max(sum GPU time, sum host time)``; collectives (costed by
+`plait.cost.collectives` on the group's links) separate segments. Small layers are
+host-bound, large ones GPU-bound, and the transition follows from the physics rather
+than from a fitted curve.
+
+Efficiencies depend only on physical quantities (matrix shape through the tile/wave
+model, alignment, bytes moved). The defaults in `ComputeModel()` were fitted on the
+even-numbered rows of ``shared/data/a100_single_node_megatron.csv`` (Megatron-DeepSpeed,
+A100, fp16) by ``bench/validate_a100.py --fit`` and are reported against the odd rows;
+see that script's docstring for the split and the fitted values.
+
+Transformer layers, embeddings and LM heads are costed with Megatron-LM's kernel
+sequence (`transformer_layer_cost`, `embedding_cost`, `head_cost`) when the OpGraph's
+config names their shape (hidden, heads, seq, vocab, ffn); any other layer is costed op
+by op from its captured FLOPs and bytes (`generic_layer_cost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from plait.cluster.spec import GPUKind
+from plait.errors import PlaitError
+from plait.graph.opgraph import Layer, Op, OpGraph
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+
+# Streaming multiprocessors per GPU (NVIDIA architecture whitepapers); the wave model
+# needs them. Unknown kinds fall back to 108 (A100), which only affects wave quantisation.
+_SM_COUNT = {
+    "a100": 108, "h100": 132, "h200": 132, "v100": 80, "t4": 40, "a10": 72,
+    "l40s": 142, "rtx-3090": 82, "rtx-4090": 128,
+}
+
+
+class ComputeError(PlaitError, ValueError):
+    """A layer that cannot be costed (missing shape facts, bad dtype)."""
+
+
+def sm_count(kind: GPUKind) -> int:
+    name = kind.name.lower()
+    for prefix, sms in _SM_COUNT.items():
+        if name.startswith(prefix):
+            return sms
+    return 108
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ComputeError(f"dtype: must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Physical parameters of the compute model (see module docstring).
+
+    Defaults: fitted on the even rows of the A100 Megatron-DeepSpeed data set (fp16);
+    `bench/validate_a100.py --fit` reproduces them."""
+
+    gemm_efficiency: float = 0.80  # achieved fraction of tensor-core peak in a GEMM main loop
+    unaligned_penalty: float = 2.2  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
+    memory_efficiency: float = 0.70  # achieved fraction of HBM bandwidth by streaming kernels
+    kernel_gpu_s: float = 3e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
+    host_fwd_s: float = 60e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
+    host_bwd_s: float = 60e-6  # host time per backward kernel (autograd engine)
+    host_comm_s: float = 60e-6  # host time per collective call
+    p2p_host_s: float = 100e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
+    loss_host_s: float = 1.5e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
+    batch_host_s: float = 0.2e-3  # host work per micro-batch to fetch and place a batch (get_batch)
+    step_host_s: float = 1.0e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
+    optimizer_bytes_per_param: float = 34.0  # fused Adam r/w p,g,m,v fp32 (28) + fp16 param copy (6)
+    grad_accum_bytes_per_param: float = 4.0  # .grad += w-grad per micro-batch (fp16 read+write)
+    embedding_grad_bytes_per_param: float = 2.0  # dense embedding backward zero-fills a [V, h] grad
+    ce_bytes_fwd: float = 38.0  # Megatron vocab-parallel CE in fp32 (cast 6, max 4, sub 8, exp 8, sum 4, div 8)
+    ce_bytes_bwd: float = 14.0  # (softmax - onehot) * grad (8) + cast back to fp16 (6)
+    tile: int = 128  # output tile edge of the GEMM wave model
+
+    def replace(self, **changes: float) -> ComputeModel:
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_MODEL = ComputeModel()
+
+
+# ---------------------------------------------------------------- kernels
+def gemm_time(m: float, n: float, k: float, kind: GPUKind, dtype: str = "bf16",
+              model: ComputeModel = DEFAULT_MODEL, batch: float = 1) -> float:
+    """GPU time of ``batch`` independent (m x k) @ (k x n) products (see module docstring)."""
+    if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+        return 0.0
+    size = dtype_bytes(dtype)
+    peak = kind.flops(dtype)
+    sms = sm_count(kind)
+    tiles = math.ceil(m / model.tile) * math.ceil(n / model.tile) * math.ceil(batch)
+    waves = math.ceil(tiles / sms)
+    wave_util = tiles / (waves * sms)
+    t_compute = 2.0 * m * n * k * batch / (peak * model.gemm_efficiency * wave_util)
+    align = 16 // size
+    if any(abs(x - round(x)) > 1e-9 or round(x) % align for x in (m, n, k)):
+        t_compute *= model.unaligned_penalty
+    t_memory = (m * k + k * n + m * n) * batch * size / (kind.memory_bandwidth * model.memory_efficiency)
+    return max(t_compute, t_memory) + model.kernel_gpu_s
+
+
+def memory_time(nbytes: float, kind: GPUKind, model: ComputeModel = DEFAULT_MODEL) -> float:
+    """GPU time of a memory-bound kernel moving `nbytes` (roofline: bytes / bandwidth)."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / (kind.memory_bandwidth * model.memory_efficiency) + model.kernel_gpu_s
+
+
+def flops_time(flops: float, kind: GPUKind, dtype: str, model: ComputeModel = DEFAULT_MODEL,
+               efficiency: float | None = None) -> float:
+    """GPU time of a compute-bound kernel whose shape is unknown (peak * efficiency)."""
+    if flops <= 0:
+        return 0.0
+    eff = model.gemm_efficiency if efficiency is None else efficiency
+    return flops / (kind.flops(dtype) * eff) + model.kernel_gpu_s
+
+
+# ---------------------------------------------------------------- passes
+@dataclass
+class Segment:
+    """Kernels between two collectives: GPU and host time run concurrently (host runs ahead)."""
+
+    gpu_s: float = 0.0
+    host_s: float = 0.0
+    kernels: int = 0
+    flops: float = 0.0
+
+    @property
+    def time(self) -> float:
+        return max(self.gpu_s, self.host_s)
+
+
+@dataclass
+class Collective:
+    """A collective inside a pass, over the layer's tensor-parallel group (costed by the lowering)."""
+
+    op: str  # all_reduce | reduce_scatter | all_gather
+    nbytes: float
+    group: str = "tp"
+
+
+@dataclass
+class PassCost:
+    """One forward or backward pass of a layer on one device: segments and collectives in order."""
+
+    items: list[Segment | Collective] = field(default_factory=list)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(i.time for i in self.items if isinstance(i, Segment))
+
+    @property
+    def gpu_s(self) -> float:
+        return sum(i.gpu_s for i in self.items if isinstance(i, Segment))
+
+    @property
+    def host_s(self) -> float:
+        return sum(i.host_s for i in self.items if isinstance(i, Segment))
+
+    @property
+    def flops(self) -> float:
+        return sum(i.flops for i in self.items if isinstance(i, Segment))
+
+    @property
+    def collectives(self) -> list[Collective]:
+        return [i for i in self.items if isinstance(i, Collective)]
+
+    def extend(self, other: PassCost) -> None:
+        self.items.extend(other.items)
+
+
+@dataclass
+class LayerCost:
+    """Cost of one layer for one micro-batch on one device (one tensor-parallel rank).
+
+    `recompute` is the forward work redone before the backward under activation
+    recompute (the whole forward for "full", the attention core for "selective")."""
+
+    name: str
+    fwd: PassCost
+    bwd: PassCost
+    recompute_full: PassCost
+    recompute_selective: PassCost
+    params: float  # parameters held by this rank
+    grad_params: float  # parameters whose gradient this rank reduces (same as params unless tied copies)
+
+    def recompute(self, mode: str) -> PassCost:
+        if mode == "full":
+            return self.recompute_full
+        if mode == "selective":
+            return self.recompute_selective
+        return PassCost()
+
+
+class _Builder:
+    """Accumulates kernels of one pass into segments split at collectives."""
+
+    def __init__(self, kind: GPUKind, dtype: str, model: ComputeModel, backward: bool) -> None:
+        self.kind, self.dtype, self.model = kind, dtype, model
+        self.host = model.host_bwd_s if backward else model.host_fwd_s
+        self.cost = PassCost()
+        self.seg = Segment()
+
+    def _kernel(self, gpu: float, flops: float = 0.0, host: float | None = None) -> None:
+        self.seg.gpu_s += gpu
+        self.seg.host_s += self.host if host is None else host
+        self.seg.kernels += 1
+        self.seg.flops += flops
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1) -> None:
+        if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+            return
+        self._kernel(gemm_time(m, n, k, self.kind, self.dtype, self.model, batch), 2.0 * m * n * k * batch)
+
+    def mem(self, nbytes: float) -> None:
+        if nbytes > 0:
+            self._kernel(memory_time(nbytes, self.kind, self.model))
+
+    def compute(self, flops: float, efficiency: float | None = None) -> None:
+        if flops > 0:
+            self._kernel(flops_time(flops, self.kind, self.dtype, self.model, efficiency), flops)
+
+    def host_only(self, seconds: float) -> None:
+        self.seg.host_s += seconds
+
+    def collective(self, op: str, nbytes: float, ranks: int) -> None:
+        if ranks <= 1 or nbytes <= 0:
+            return
+        self.seg.host_s += self.model.host_comm_s  # the host launches the NCCL call
+        self._flush()
+        self.cost.items.append(Collective(op, nbytes))
+
+    def _flush(self) -> None:
+        if self.seg.kernels or self.seg.host_s:
+            self.cost.items.append(self.seg)
+        self.seg = Segment()
+
+    def done(self) -> PassCost:
+        self._flush()
+        return self.cost
+
+
+# ---------------------------------------------------------------- Megatron layers
+@dataclass(frozen=True)
+class TransformerShape:
+    hidden: int
+    heads: int
+    seq: int
+    ffn: int
+    kv_heads: int
+    head_dim: int
+    gated: bool = False  # SwiGLU MLP (gate, up, down) as in LLaMA
+    flash: bool = False  # fused (flash / SDPA) attention instead of explicit bmm-softmax-bmm
+    causal: bool = True
+
+    @classmethod
+    def from_config(cls, config: dict) -> TransformerShape | None:
+        try:
+            h, a, s = int(config["hidden"]), int(config["heads"]), int(config["seq"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        ffn = int(config.get("ffn") or 4 * h)
+        family = str(config.get("family", "")).lower()
+        gated = family in ("llama", "mistral") or str(config.get("activation", "")).lower() in ("swiglu", "silu")
+        return cls(hidden=h, heads=a, seq=s, ffn=ffn, kv_heads=int(config.get("kv_heads") or a),
+                   head_dim=int(config.get("head_dim") or h // a), gated=gated,
+                   flash=bool(config.get("sdpa") or config.get("flash")),
+                   causal=bool(config.get("causal", True)))
+
+
+def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
+                           tp: int = 1, share: float | None = None, sequence_parallel: bool = False,
+                           model: ComputeModel = DEFAULT_MODEL, name: str = "transformer") -> LayerCost:
+    """One Megatron-LM transformer layer (pre-LN, fused softmax, bias-dropout-add, bias-GELU).
+
+    `share` is this rank's fraction of the tensor-split dimensions (``1/tp`` unless the
+    plan has uneven `tp_ratios`). Forward: LN, QKV GEMM (+bias), QK^T batched GEMM,
+    scale-mask-softmax, dropout, PV batched GEMM, head merge copy, projection GEMM,
+    **all-reduce** (reduce-scatter with sequence parallelism), bias-dropout-add, LN,
+    fc1 GEMM, bias-GELU, fc2 GEMM, **all-reduce**, bias-dropout-add. Backward mirrors it
+    with a data-gradient and a weight-gradient GEMM per linear and the two all-reduces at
+    the column-parallel inputs (Shoeybi et al. 2019, fig. 3). Bytes per element: ``a`` =
+    activation size, dropout masks 1 byte."""
+    r = (1.0 / tp) if share is None else share
+    b, s, h = micro_batch, shape.seq, shape.hidden
+    a = dtype_bytes(dtype)
+    d = shape.head_dim
+    bs = b * s
+    E = bs * h  # hidden activation elements
+    Er = E * r
+    Ln = E / tp if sequence_parallel else E  # elements LN / dropout-add see per rank
+    heads_r = shape.heads * r
+    kv_r = shape.kv_heads * r
+    qkv_n = (shape.heads + 2 * shape.kv_heads) * d * r
+    F = shape.ffn * r
+    mlp_in_n = 2 * F if shape.gated else F
+    Sa = b * heads_r * s * s  # attention score elements per rank
+    coll_in = "all_gather" if sequence_parallel else None
+    coll_out = "reduce_scatter" if sequence_parallel else "all_reduce"
+    nbytes = E * a
+    params = (h * qkv_n + qkv_n + heads_r * d * h + h + h * mlp_in_n + mlp_in_n + F * h + h + 4 * h)
+
+    def attention_fwd(x: _Builder) -> None:
+        if shape.flash:
+            flops = 4.0 * b * heads_r * s * s * d * (0.5 if shape.causal else 1.0)
+            x.compute(flops, model.gemm_efficiency * 0.75)  # FlashAttention-2 reaches ~70-75% of GEMM speed
+            return
+        x.gemm(s, s, d, batch=b * heads_r)  # Q K^T (baddbmm)
+        x.mem(2 * a * Sa)  # fused scale-mask-softmax
+        x.mem(2 * a * Sa + Sa)  # attention dropout (+ 1-byte mask)
+        x.gemm(s, d, s, batch=b * heads_r)  # probs V
+        x.mem(2 * a * Er)  # [b*a, s, d] -> [s, b, h] head merge copy
+
+    def forward(x: _Builder) -> None:
+        if coll_in:
+            x.collective(coll_in, nbytes, tp)
+        x.mem(2 * a * Ln)  # input LayerNorm
+        x.gemm(bs, qkv_n, h)
+        x.mem(a * bs * qkv_n)  # bias add
+        attention_fwd(x)
+        x.gemm(bs, h, heads_r * d)  # output projection (row-parallel, bias skipped)
+        x.collective(coll_out, nbytes, tp)
+        x.mem(3 * a * Ln + Ln)  # bias-dropout-add
+        x.mem(2 * a * Ln)  # post-attention LayerNorm
+        if coll_in:
+            x.collective(coll_in, nbytes, tp)
+        x.gemm(bs, mlp_in_n, h)  # fc1 (gate+up when gated)
+        x.mem((3 if shape.gated else 2) * a * bs * F)  # bias-GELU (or SiLU(gate)*up)
+        x.gemm(bs, h, F)  # fc2
+        x.collective(coll_out, nbytes, tp)
+        x.mem(3 * a * Ln + Ln)  # bias-dropout-add
+
+    def backward(x: _Builder) -> None:
+        if coll_in:
+            x.collective(coll_in, nbytes, tp)  # SP: gather the MLP output grad
+        x.mem(2 * a * Ln + Ln)  # bias-dropout-add backward
+        x.mem(a * Ln)  # bias grad reduction
+        x.gemm(bs, F, h)  # fc2 dgrad
+        x.gemm(F, h, bs)  # fc2 wgrad
+        x.mem((4 if shape.gated else 3) * a * bs * F)  # activation backward
+        x.mem(a * bs * mlp_in_n)  # bias grad reduction
+        x.gemm(bs, h, mlp_in_n)  # fc1 dgrad
+        x.gemm(h, mlp_in_n, bs)  # fc1 wgrad
+        x.collective(coll_out, nbytes, tp)  # column-parallel input grad
+        x.mem(3 * a * Ln)  # LayerNorm backward
+        x.mem(3 * a * Ln)  # residual gradient add
+        if coll_in:
+            x.collective(coll_in, nbytes, tp)
+        x.mem(2 * a * Ln + Ln)  # bias-dropout-add backward
+        x.mem(a * Ln)  # bias grad reduction
+        x.gemm(bs, heads_r * d, h)  # proj dgrad
+        x.gemm(heads_r * d, h, bs)  # proj wgrad
+        if shape.flash:
+            flops = 2.5 * 4.0 * b * heads_r * s * s * d * (0.5 if shape.causal else 1.0)
+            x.compute(flops, model.gemm_efficiency * 0.6)
+        else:
+            x.mem(2 * a * Er)  # head split copy
+            x.gemm(s, s, d, batch=b * heads_r)  # dP = dO V^T
+            x.gemm(s, d, s, batch=b * heads_r)  # dV = P^T dO
+            x.mem(2 * a * Sa + Sa)  # dropout backward
+            x.mem(3 * a * Sa)  # softmax backward
+            x.gemm(s, d, s, batch=b * heads_r)  # dQ = dS K
+            x.gemm(s, d, s, batch=b * heads_r)  # dK = dS^T Q
+        x.gemm(bs, h, qkv_n)  # qkv dgrad
+        x.gemm(qkv_n, h, bs)  # qkv wgrad
+        x.mem(a * bs * qkv_n)  # bias grad reduction
+        x.collective(coll_out, nbytes, tp)
+        x.mem(3 * a * Ln)  # LayerNorm backward
+        x.mem(3 * a * Ln)  # residual gradient add
+        x.mem(model.grad_accum_bytes_per_param * params)  # accumulate weight grads
+
+    f, bw = _Builder(kind, dtype, model, False), _Builder(kind, dtype, model, True)
+    forward(f)
+    backward(bw)
+    rf = _Builder(kind, dtype, model, False)
+    forward(rf)
+    rs = _Builder(kind, dtype, model, False)
+    attention_fwd(rs)
+    del kv_r
+    return LayerCost(name, f.done(), bw.done(), rf.done(), rs.done(), params, params)
+
+
+def embedding_cost(vocab: int, hidden: int, seq: int, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
+                   tp: int = 1, share: float | None = None, positions: bool = True,
+                   model: ComputeModel = DEFAULT_MODEL, name: str = "embedding") -> LayerCost:
+    """Megatron VocabParallelEmbedding (+ learned positions) and embedding dropout.
+
+    Forward: gathers, add, dropout; under tensor parallelism out-of-shard ids are masked
+    and the partial embeddings all-reduced. Backward: dropout backward and the dense
+    embedding backward that fills a ``[V/t, h]`` gradient."""
+    r = (1.0 / tp) if share is None else share
+    a = dtype_bytes(dtype)
+    E = micro_batch * seq * hidden
+    f = _Builder(kind, dtype, model, False)
+    f.host_only(model.batch_host_s)
+    f.mem(2 * a * E)  # word-embedding gather
+    if positions:
+        f.mem(2 * a * E)  # position-embedding gather
+        f.mem(3 * a * E)  # add
+    f.collective("all_reduce", E * a, tp)
+    f.mem(2 * a * E + E)  # dropout
+    b = _Builder(kind, dtype, model, True)
+    b.mem(2 * a * E + E)  # dropout backward
+    b.mem(model.embedding_grad_bytes_per_param * vocab * hidden * r + 2 * a * E)  # dense embedding backward
+    if positions:
+        b.mem(2 * a * E)
+    params = vocab * hidden * r + (seq * hidden if positions else 0)
+    empty = PassCost()
+    return LayerCost(name, f.done(), b.done(), empty, empty, params, params)
+
+
+def head_cost(vocab: int, hidden: int, seq: int, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
+              tp: int = 1, share: float | None = None, tied: bool = True,
+              model: ComputeModel = DEFAULT_MODEL, name: str = "head") -> LayerCost:
+    """Final LayerNorm, vocab-parallel LM head GEMM and Megatron's vocab-parallel cross-entropy.
+
+    The cross-entropy runs on fp32 logits (Megatron's default): a cast and max, subtract,
+    exp, sum, divide passes over ``b s V/t`` elements (two tiny all-reduces of per-token
+    maxima and sums under TP); backward scales the saved softmax and casts back. The
+    head's input gradient is all-reduced across tensor ranks (``copy_to_tensor_model_
+    parallel_region``'s backward)."""
+    r = (1.0 / tp) if share is None else share
+    a = dtype_bytes(dtype)
+    bs = micro_batch * seq
+    E = bs * hidden
+    vr = vocab * r
+    logits = bs * vr
+    f = _Builder(kind, dtype, model, False)
+    f.mem(2 * a * E)  # final LayerNorm
+    f.gemm(bs, vr, hidden)  # logits
+    f.host_only(model.loss_host_s)
+    for share_bytes in (6, 4):  # cast to fp32, max
+        f.mem(share_bytes * logits)
+    f.collective("all_reduce", 4 * bs, tp)  # global max
+    for share_bytes in (8, 8, 4):  # subtract, exp, sum
+        f.mem(share_bytes * logits * model.ce_bytes_fwd / 38.0)
+    f.collective("all_reduce", 4 * bs, tp)  # global sum
+    f.mem(8 * logits * model.ce_bytes_fwd / 38.0)  # divide (softmax kept for backward)
+    b = _Builder(kind, dtype, model, True)
+    b.mem(8 * logits * model.ce_bytes_bwd / 14.0)  # (softmax - onehot) * grad
+    b.mem(6 * logits * model.ce_bytes_bwd / 14.0)  # cast back to the activation dtype
+    b.gemm(bs, hidden, vr)  # dgrad
+    b.gemm(vr, hidden, bs)  # wgrad
+    b.collective("all_reduce", E * a, tp)
+    b.mem(3 * a * E)  # final LayerNorm backward
+    params = 2 * hidden + (0 if tied else vocab * hidden * r)
+    empty = PassCost()
+    return LayerCost(name, f.done(), b.done(), empty, empty, params, params + (vocab * hidden * r if tied else 0))
+
+
+# ---------------------------------------------------------------- generic ops
+_GEMM_TARGETS = re.compile(r"aten\.(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|addbmm)\b")
+_ATTENTION_TARGETS = re.compile(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention")
+_CONV_TARGETS = re.compile(r"aten\.(convolution|conv\d?d|cudnn_convolution|_convolution)")
+_FREE_TARGETS = re.compile(r"aten\.(view|_unsafe_view|reshape|expand|permute|transpose|t|slice|select|"
+                           r"split|split_with_sizes|unsqueeze|squeeze|as_strided|alias|detach|"
+                           r"_reshape_alias|unbind|chunk|lift_fresh|empty|empty_like|arange|"
+                           r"scalar_tensor|zeros|full)\b")
+
+
+def infer_gemm_shape(op: Op, graph: OpGraph) -> tuple[float, float, float, float] | None:
+    """(m, n, k, batch) per sample of a matmul-like op, from FLOPs and tensor sizes.
+
+    For ``out = A @ B`` with ``|A| = m k``, ``|out| = m n`` and ``flops = 2 m n k``:
+    a linear's weight ``k n`` comes from its parameter bytes, a batched product's first
+    operand from its producer's output bytes. Returns None when the facts are missing."""
+    if op.fwd_flops <= 0 or op.output_bytes <= 0:
+        return None
+    act = graph.activation_dtype_bytes or 2
+    out = op.output_bytes / act
+    mnk = op.fwd_flops / 2.0
+    k = mnk / out
+    if op.param_bytes > 0:
+        weights = op.param_bytes / (graph.param_dtype_bytes or 4)
+        n = max(1.0, round(weights / k)) if k >= 1 else 1.0
+        m = out / n
+        return m, n, k, 1.0
+    if op.inputs and op.inputs[0] in graph.ops:
+        a_elems = graph.ops[op.inputs[0]].output_bytes / act
+        # |A| = B m k and |out| = B m n -> n / k = |out| / |A|; B m = |out| / n.
+        if a_elems > 0:
+            ratio = out / a_elems
+            n = k * ratio
+            if n >= 1:
+                return out / n, n, k, 1.0
+    side = math.sqrt(out)
+    return side, side, k, 1.0
+
+
+def _op_bytes(op: Op, graph: OpGraph) -> float:
+    """Bytes a memory-bound op moves per sample: its output plus the outputs it reads."""
+    read = sum(graph.ops[i].output_bytes for i in op.inputs if i in graph.ops)
+    return op.output_bytes + (read if read > 0 else op.output_bytes)
+
+
+def _tp_split(module: str) -> str | None:
+    """Megatron TP role of a module inside a transformer layer, from the zoo's naming contract."""
+    leaf = module.rsplit(".", 2)
+    tail = ".".join(leaf[-2:]) if len(leaf) >= 2 else module
+    if tail in ("attn.qkv", "attn.q", "attn.kv", "mlp.fc1", "mlp.gate", "mlp.up") or module.endswith(".lm"):
+        return "column"
+    if tail in ("attn.proj", "mlp.fc2", "mlp.down"):
+        return "row"
+    if ".attn.core" in module or module.endswith("mlp.act"):
+        return "sharded"
+    return None
+
+
+def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
+                       tp: int = 1, share: float | None = None, model: ComputeModel = DEFAULT_MODEL) -> LayerCost:
+    """A layer costed op by op from its captured per-sample FLOPs and bytes.
+
+    Matmuls and convolutions use the GEMM model with the shape inferred by
+    `infer_gemm_shape` (convolutions as their implicit GEMM at the ops' FLOPs); other ops
+    are memory-bound. Backward: two GEMMs per matmul (data and weight gradient), one
+    memory-bound kernel reading the output gradient and saved tensors per other op.
+    Under tensor parallelism a "transformer" layer splits its column/row/sharded ops by
+    `share` and all-reduces after row-parallel ops (and at the layer input in backward);
+    other layers are replicated on every tensor rank."""
+    r = (1.0 / tp) if share is None else share
+    split_layer = layer.tp_style in ("transformer", "head", "embedding") and tp > 1
+    a = graph.activation_dtype_bytes or dtype_bytes(dtype)
+    b = micro_batch
+    f = _Builder(kind, dtype, model, False)
+    bw = _Builder(kind, dtype, model, True)
+    bwd_ops: list[tuple[str, tuple]] = []
+    params = 0.0
+    for name in layer.ops:
+        op = graph.ops.get(name)
+        if op is None or _FREE_TARGETS.match(op.target):
+            continue
+        role = _tp_split(op.module) if split_layer else None
+        frac = r if role else 1.0
+        params += op.param_bytes / (graph.param_dtype_bytes or 4) * frac
+        if _GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target):
+            shape = infer_gemm_shape(op, graph)
+            if shape is None:
+                f.compute(op.fwd_flops * b * frac)
+                bwd_ops.append(("flops", (op.bwd_flops * b * frac,)))
+            else:
+                m, n, k, _ = shape
+                m *= b
+                if role == "column" or role == "sharded":
+                    n *= frac
+                elif role == "row":
+                    k *= frac
+                f.gemm(m, n, k)
+                bwd_ops.append(("gemm", (m, k, n)))
+                if op.param_bytes > 0 or op.bwd_flops > op.fwd_flops * 1.5:
+                    bwd_ops.append(("gemm", (k, n, m)))
+            if role == "row":
+                f.collective("all_reduce", op.output_bytes * b, tp)
+            continue
+        if _ATTENTION_TARGETS.search(op.target):
+            f.compute(op.fwd_flops * b * frac, model.gemm_efficiency * 0.75)
+            bwd_ops.append(("flops", (op.bwd_flops * b * frac,)))
+            continue
+        nbytes = _op_bytes(op, graph) * b * frac
+        if op.fwd_flops > 0 and op.fwd_flops * b > nbytes * kind.flops(dtype) / kind.memory_bandwidth:
+            f.compute(op.fwd_flops * b * frac)
+        else:
+            f.mem(nbytes)
+        if op.bwd_flops > 0 or op.saved_bytes > 0 or op.inputs:
+            bwd_ops.append(("mem", (op.output_bytes * b * frac + op.saved_bytes * b * frac
+                                    + sum(graph.ops[i].output_bytes for i in op.inputs if i in graph.ops) * b * frac,)))
+    for kind_, args in reversed(bwd_ops):
+        if kind_ == "gemm":
+            bw.gemm(*args)
+        elif kind_ == "flops":
+            bw.compute(*args)
+        else:
+            bw.mem(*args)
+    if split_layer and layer.tp_style == "transformer":
+        bw.collective("all_reduce", layer.input_bytes * b or layer.output_bytes * b, tp)
+    bw.mem(model.grad_accum_bytes_per_param * params)
+    del a
+    fwd = f.done()
+    rec = _Builder(kind, dtype, model, False)
+    for item in fwd.items:
+        if isinstance(item, Segment):
+            rec.seg.gpu_s += item.gpu_s
+            rec.seg.host_s += item.host_s
+            rec.seg.kernels += item.kernels
+            rec.seg.flops += item.flops
+        else:
+            rec._flush()
+            rec.cost.items.append(item)
+    return LayerCost(layer.name, fwd, bw.done(), rec.done(), PassCost(), params, params)
+
+
+# ---------------------------------------------------------------- dispatch
+def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
+               tp: int = 1, share: float | None = None, sequence_parallel: bool = False,
+               model: ComputeModel = DEFAULT_MODEL) -> LayerCost:
+    """Cost of `layer` for one micro-batch on one tensor rank of `kind` (see module docstring)."""
+    cfg = graph.config or {}
+    shape = TransformerShape.from_config(cfg)
+    vocab = cfg.get("vocab")
+    if layer.tp_style == "transformer" and shape is not None:
+        return transformer_layer_cost(shape, micro_batch, kind, dtype, tp, share, sequence_parallel,
+                                      model, layer.name)
+    if layer.tp_style == "embedding" and shape is not None and vocab:
+        positions = any(".pos" in graph.ops[o].module for o in layer.ops if o in graph.ops) \
+            if layer.ops else True
+        return embedding_cost(int(vocab), shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share,
+                              positions, model, layer.name)
+    if layer.tp_style == "head" and shape is not None and vocab:
+        tied = bool(cfg.get("tie", layer.param_count < int(vocab) * shape.hidden))
+        return head_cost(int(vocab), shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share, tied,
+                         model, layer.name)
+    return generic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, model)
+
+
+def optimizer_time(params: float, kind: GPUKind, model: ComputeModel = DEFAULT_MODEL) -> float:
+    """Mixed-precision Adam step over `params` parameters: memory-bound multi-tensor kernels."""
+    if params <= 0:
+        return 0.0
+    return params * model.optimizer_bytes_per_param / (kind.memory_bandwidth * model.memory_efficiency)
+
+
+def total_flops(passes: Iterable[PassCost]) -> float:
+    return sum(p.flops for p in passes)

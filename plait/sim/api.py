@@ -1,0 +1,248 @@
+"""`simulate(model, cluster, plan)`: predict one training iteration.
+
+Model: an `OpGraph`, a zoo spec string (``gpt:layers=24,hidden=1024``), a path to an
+OpGraph JSON file, a `ModelSpec`, or an `nn.Module` with ``inputs=``. Cluster: a
+`Cluster`, a preset string or YAML path (`plait.cluster.load_cluster`), or a
+`ClusterView`. Plan: a `Plan`, its short string form, or a plan JSON path.
+
+The result carries the fields of ``plait simulate --json``: iteration time,
+throughput, model TFLOP/s per GPU (the captured forward + backward FLOPs, recompute
+excluded, as Megatron-LM's MFU counts them), exposed communication (communication on
+the critical path, including tensor-parallel collectives that block the compute
+stream), per-device memory peak and fit (`plait.cost.memory`), the critical path,
+per-resource busy fraction and the `Timeline`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.graph.opgraph import OpGraph
+from plait.plan.ir import Plan
+from plait.sim.engine import Schedule
+from plait.sim.engine import simulate as run_engine
+from plait.sim.lower import Lowered, SimOptions, lower
+from plait.sim.timeline import Timeline, TimelineEvent
+from plait.sim.topology import ClusterView
+
+
+class SimulateError(PlaitError, ValueError):
+    """Bad input to `simulate` (model, cluster or plan that cannot be resolved)."""
+
+
+@dataclass
+class SimResult:
+    iteration_time_s: float
+    throughput_samples_per_s: float
+    tflops_per_gpu: float
+    exposed_comm_s: float
+    memory_peak_bytes: list[int] | None
+    fits_memory: bool | None
+    critical_path: list[dict[str, Any]]
+    busy_fraction: dict[str, float]
+    timeline: Timeline
+    world_size: int
+    num_tasks: int
+    symmetry: str
+    granularity: str
+    sim_wall_s: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+    memory: Any = None  # the full MemoryEstimate when available
+    plan: str = ""
+    model: str = ""
+    cluster: str = ""
+
+    def to_dict(self, timeline: bool = False) -> dict[str, Any]:
+        d = {
+            "model": self.model,
+            "cluster": self.cluster,
+            "plan": self.plan,
+            "iteration_time_s": self.iteration_time_s,
+            "throughput_samples_per_s": self.throughput_samples_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "exposed_comm_s": self.exposed_comm_s,
+            "memory_peak_bytes": self.memory_peak_bytes,
+            "fits_memory": self.fits_memory,
+            "critical_path": self.critical_path,
+            "busy_fraction": self.busy_fraction,
+            "breakdown_s": self.breakdown,
+            "world_size": self.world_size,
+            "num_tasks": self.num_tasks,
+            "symmetry": self.symmetry,
+            "granularity": self.granularity,
+            "sim_wall_s": self.sim_wall_s,
+        }
+        if self.memory is not None and hasattr(self.memory, "violations"):
+            d["memory_violations"] = list(self.memory.violations)
+        if timeline:
+            d["timeline"] = self.timeline.to_dict()
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save_chrome_trace(self, path: str | Path) -> None:
+        self.timeline.save_chrome_trace(path)
+
+    def save_gantt(self, path: str | Path, title: str | None = None) -> Path:
+        from plait.sim.gantt import save_gantt
+
+        return save_gantt(self.timeline, path, title or f"{self.model} | {self.plan}")
+
+
+# ---------------------------------------------------------------- resolution
+def resolve_plan(plan: Any) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(str(plan))
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    raise SimulateError(f"plan: expected a Plan, a short string or a JSON path, got {type(plan).__name__}")
+
+
+def resolve_cluster(cluster: Any) -> ClusterView:
+    if isinstance(cluster, ClusterView):
+        return cluster
+    from plait.cluster.spec import Cluster
+
+    if isinstance(cluster, Cluster):
+        return ClusterView.from_cluster(cluster)
+    if isinstance(cluster, (str, Path)):
+        try:
+            from plait.cluster import load_cluster
+        except ImportError:
+            raise SimulateError(f"cluster {cluster!r}: plait.cluster.load_cluster is not available") from None
+        return ClusterView.from_cluster(load_cluster(str(cluster)))
+    raise SimulateError(f"cluster: expected a Cluster, preset string or YAML path, got {type(cluster).__name__}")
+
+
+def resolve_model(model: Any, plan: Plan, inputs: Any = None, analytic: bool | None = None) -> OpGraph:
+    """OpGraph of `model`. GPT zoo specs use the closed-form graph (`plait.sim.gpt`) when
+    `analytic` is True, or when it is None and the capture would be slow (> 24 layers)."""
+    if isinstance(model, OpGraph):
+        return model
+    if isinstance(model, (str, Path)):
+        text = str(model)
+        if text.endswith(".json"):
+            path = Path(text)
+            if not path.exists():
+                raise SimulateError(f"{text}: OpGraph file not found")
+            try:
+                return OpGraph.from_dict(json.loads(path.read_text()))
+            except (KeyError, TypeError, json.JSONDecodeError) as exc:
+                raise SimulateError(f"{text}: not an OpGraph JSON ({exc})") from None
+        if text.split(":", 1)[0].strip().lower() == "gpt" and analytic is not False:
+            from plait.sim.gpt import gpt_config, gpt_opgraph
+
+            cfg = gpt_config(text)
+            if analytic or (cfg.get("layers", 0) > 24 and not cfg.get("sdpa")):
+                return gpt_opgraph(cfg, dtype=plan.dtype)
+    from plait.graph.inspect import inspect_model
+
+    dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
+    try:
+        import torch.nn as nn
+
+        if isinstance(model, nn.Module):
+            if inputs is None:
+                raise SimulateError("model: an nn.Module needs inputs=(sample forward arguments)")
+            return inspect_model(model, batch=plan.micro_batch, dtype=dtype, sample_inputs=inputs)
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return inspect_model(model, batch=plan.micro_batch, dtype=dtype)
+
+
+# ---------------------------------------------------------------- simulate
+def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options: SimOptions | None = None,
+             analytic: bool | None = None, memory: bool = True, **option_overrides: Any) -> SimResult:
+    """Predict one training iteration (see module docstring). Keyword overrides go to `SimOptions`
+    (``granularity=``, ``symmetry=``, ``bucket_bytes=``, ``compute=``, ...)."""
+    plan_obj = resolve_plan(plan)
+    view = resolve_cluster(cluster)
+    graph = resolve_model(model, plan_obj, inputs, analytic)
+    opts = options or SimOptions()
+    if option_overrides:
+        unknown = [k for k in option_overrides if not hasattr(opts, k)]
+        if unknown:
+            raise SimulateError(f"simulate: unknown option(s) {unknown}")
+        opts = SimOptions(**{**opts.__dict__, **option_overrides})
+    t0 = time.perf_counter()
+    lowered = lower(graph, plan_obj, view, opts)
+    schedule = run_engine(lowered.graph)
+    result = _result(graph, plan_obj, view, lowered, schedule, time.perf_counter() - t0)
+    if memory and view.cluster is not None:
+        _attach_memory(result, graph, plan_obj, view)
+    return result
+
+
+def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterView) -> None:
+    try:
+        from plait.cost.memory import estimate_memory
+    except ImportError:
+        return
+    est = estimate_memory(graph, plan, view.cluster)
+    result.memory = est
+    result.memory_peak_bytes = [int(x) for x in est.peak_bytes]
+    result.fits_memory = bool(est.fits)
+
+
+def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sched: Schedule,
+            wall: float) -> SimResult:
+    tg = lowered.graph
+    T = sched.makespan
+    events = []
+    for i in range(len(tg)):
+        args = dict(tg.args[i]) if tg.args[i] else {}
+        events.append(TimelineEvent(name=tg.name[i], category=tg.category[i], resource=tg.resource[i],
+                                    start=sched.start[i], end=sched.end[i], device=tg.device[i],
+                                    stage=tg.stage[i], micro_batch=tg.micro_batch[i], args=args))
+    timeline = Timeline(events=events, source="simulated",
+                        meta={"plan": str(plan), "model": graph.model, "cluster": view.name,
+                              "symmetry": lowered.symmetry_note, "granularity": lowered.granularity})
+    path = sched.critical_path()
+    critical, exposed = [], 0.0
+    for t in path:
+        dur = sched.end[t] - sched.start[t]
+        cat = tg.category[t]
+        if cat.startswith("comm"):
+            exposed += dur
+        else:
+            exposed += lowered.tp_comm_s.get(t, 0.0)
+        critical.append({"name": tg.name[t], "category": cat, "resource": tg.resource[t],
+                         "start_s": sched.start[t], "end_s": sched.end[t]})
+    busy = {}
+    for r, frac in timeline.busy_fraction().items():
+        if r.endswith("/compute"):
+            busy[r] = frac
+    by_cat: dict[str, float] = {}
+    for e in events:
+        by_cat[e.category] = by_cat.get(e.category, 0.0) + e.duration
+    flops = (graph.fwd_flops + graph.bwd_flops) * plan.global_batch
+    world = lowered.world_size
+    return SimResult(
+        iteration_time_s=T,
+        throughput_samples_per_s=plan.global_batch / T if T > 0 else 0.0,
+        tflops_per_gpu=flops / T / world / 1e12 if T > 0 and world else 0.0,
+        exposed_comm_s=exposed,
+        memory_peak_bytes=None,
+        fits_memory=None,
+        critical_path=critical,
+        busy_fraction=busy,
+        timeline=timeline,
+        world_size=world,
+        num_tasks=len(tg),
+        symmetry=lowered.symmetry_note,
+        granularity=lowered.granularity,
+        sim_wall_s=wall,
+        breakdown=by_cat,
+        plan=str(plan),
+        model=graph.model if not graph.config else f"{graph.model}:" + ",".join(
+            f"{k}={graph.config[k]}" for k in ("layers", "hidden", "heads", "seq") if k in graph.config),
+        cluster=view.name,
+    )

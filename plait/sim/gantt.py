@@ -1,0 +1,54 @@
+"""PNG Gantt chart of a Timeline: one row per stream (compute, comm, p2p link), coloured by category."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plait.sim.timeline import Timeline, _resource_sort_key
+
+COLORS = {
+    "forward": "#4C9BE8", "backward": "#3BAA5C", "recompute": "#A6D96A", "optimizer": "#D7301F",
+    "data": "#BDBDBD", "h2d": "#969696", "comm_tp": "#F4A442", "comm_pp": "#9E6EBD", "comm_dp": "#E7298A",
+    "comm_zero": "#FF7F00", "comm": "#8C6D31", "idle": "#FFFFFF",
+}
+
+
+def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None, max_rows: int = 64) -> Path:
+    """Write a Gantt chart of `timeline` to `path` (PNG); returns the path.
+
+    Rows are the timeline's resources (``devN/compute``, ``devN/comm``, ``link a->b``,
+    ...), stages top to bottom; at most `max_rows` rows are drawn (the first ones)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    resources = sorted({e.resource for e in timeline.events}, key=_resource_sort_key)[:max_rows]
+    row = {r: i for i, r in enumerate(resources)}
+    bars: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    t0 = min((e.start for e in timeline.events), default=0.0)
+    for e in timeline.events:
+        if e.resource not in row or e.end <= e.start:
+            continue
+        bars.setdefault(e.category, {}).setdefault(row[e.resource], []).append(((e.start - t0) * 1e3,
+                                                                                 (e.end - e.start) * 1e3))
+    height = max(2.5, 0.32 * len(resources) + 1.2)
+    fig, ax = plt.subplots(figsize=(12, height))
+    for cat, rows in bars.items():
+        for r, spans in rows.items():
+            ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=COLORS.get(cat, "#777777"), linewidth=0)
+    ax.set_yticks(range(len(resources)))
+    ax.set_yticklabels(resources, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or f"{timeline.source} timeline ({timeline.span * 1e3:.2f} ms)")
+    used = [c for c in COLORS if c in bars]
+    ax.legend(handles=[Patch(color=COLORS[c], label=c) for c in used], fontsize=7, loc="upper right",
+              ncol=min(4, max(1, len(used))))
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,153 @@
+"""An OpGraph for the zoo's GPT written down from its shapes, without running the capture.
+
+`plait.graph.capture` builds the OpGraph of any module by running it on the meta
+device; that takes seconds per layer on a small CPU, too slow to simulate GPT-3 175B
+(96 layers) in a benchmark loop. A GPT layer's per-sample costs follow from
+(s, h, a, f, V) in closed form, so this module writes the same graph the capture
+produces for ``plait.graph.zoo`` GPT -- the same layers (``embed``, ``layers.i``,
+``head``), op names, targets, FLOPs, parameter bytes, saved bytes (Korthikanti et al.
+2022: ``sbh(34 + 5as/h)`` per layer in 16-bit), output bytes and config -- op for op.
+``tests/test_sim_gpt.py`` checks it against a real capture.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.graph.opgraph import Layer, Op, OpGraph
+
+_DTYPE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+
+
+def gpt_config(spec: str | dict[str, Any]) -> dict[str, Any]:
+    """The zoo's GPT config for a spec string (``gpt:layers=24,hidden=1024``) or a dict."""
+    if isinstance(spec, dict):
+        cfg = dict(spec)
+        cfg.setdefault("family", "gpt")
+        cfg.setdefault("ffn", None)
+        cfg["ffn"] = cfg["ffn"] or 4 * cfg["hidden"]
+        cfg.setdefault("tie", True)
+        cfg.setdefault("sdpa", False)
+        cfg.setdefault("causal", True)
+        cfg.setdefault("kv_heads", cfg["heads"])
+        cfg.setdefault("head_dim", cfg["hidden"] // cfg["heads"])
+        cfg.setdefault("vocab", 50257)
+        return cfg
+    from plait.graph.zoo import load_model
+
+    model = load_model(spec)
+    if model.config.get("family") != "gpt":
+        raise ValueError(f"{spec!r} is not a GPT (family {model.config.get('family')!r})")
+    return dict(model.config)
+
+
+def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
+    """OpGraph of the zoo GPT `spec` (per sample), as `plait.graph.capture` would record it."""
+    cfg = gpt_config(spec)
+    if cfg.get("sdpa"):
+        raise ValueError("gpt_opgraph: sdpa=True graphs are only available through the capture")
+    L, h, a, s, V = cfg["layers"], cfg["hidden"], cfg["heads"], cfg["seq"], cfg["vocab"]
+    f = cfg["ffn"]
+    ab = _DTYPE[dtype]  # activation bytes
+    pb = ab  # parameters in the model dtype, as the capture sees them
+    ops: dict[str, Op] = {}
+    layers: list[Layer] = []
+    sh = s * h * ab
+    stats = 8 * s  # LayerNorm mean and rstd, fp32
+
+    def add(layer: str, module: str, target: str, idx: int = 0, inputs: tuple[str, ...] = (), **kw: float) -> str:
+        name = f"{module or '<root>'}/{target.split('.')[0]}.{target.split('.')[1]}#{idx}"
+        ops[name] = Op(name=name, target=target, layer=layer, module=module, inputs=list(inputs), **kw)
+        return name
+
+    # ---- embedding
+    lay = "embed"
+    add(lay, "embed", "aten.arange.default", output_bytes=4.0 * s)
+    tok = add(lay, "embed.tok", "aten.embedding.default", param_bytes=V * h * pb, saved_bytes=8.0 * s,
+              output_bytes=sh)
+    add(lay, "embed.pos", "aten.embedding.default", param_bytes=s * h * pb, saved_bytes=4.0 * s,
+        output_bytes=sh / 2)
+    x = add(lay, "embed", "aten.add.Tensor", inputs=(tok,), output_bytes=sh)
+    x = add(lay, "embed", "aten.clone.default", inputs=(x,), output_bytes=sh)
+    x = add(lay, "embed.drop", "aten.native_dropout.default", inputs=(x,), saved_bytes=s * h,
+            output_bytes=sh + s * h)
+    emb_ops = [n for n in ops]
+    layers.append(Layer(name=lay, kind="GPTEmbedding", ops=emb_ops, param_count=(V + s) * h,
+                        param_bytes=(V + s) * h * pb, saved_bytes=8.0 * s + 4.0 * s + s * h,
+                        input_bytes=8.0 * s, output_bytes=sh, tp_style="embedding"))
+    resid = x
+
+    # ---- transformer layers
+    for i in range(L):
+        lay = f"layers.{i}"
+        start = len(ops)
+        p = f"layers.{i}"
+        ln1 = add(lay, f"{p}.ln1", "aten.native_layer_norm.default", inputs=(resid,), param_bytes=2 * h * pb,
+                  saved_bytes=sh + stats, output_bytes=sh + stats)
+        qkv = add(lay, f"{p}.attn.qkv", "aten.addmm.default", inputs=(ln1,), fwd_flops=2.0 * s * h * 3 * h,
+                  bwd_flops=4.0 * s * h * 3 * h, param_bytes=(3 * h * h + 3 * h) * pb, saved_bytes=sh,
+                  output_bytes=3 * sh)
+        core = f"{p}.attn.core"
+        sc = add(lay, core, "aten.bmm.default", inputs=(qkv,), fwd_flops=2.0 * s * s * h, bwd_flops=4.0 * s * s * h,
+                 saved_bytes=3 * sh, saved_tp_bytes=3 * sh, output_bytes=a * s * s * ab)
+        sc = add(lay, core, "aten.mul.Tensor", inputs=(sc,), output_bytes=a * s * s * ab)
+        add(lay, core, "aten.full.default", output_bytes=s * s * ab / 2)
+        add(lay, core, "aten.triu.default", output_bytes=s * s * ab / 2)
+        sc = add(lay, core, "aten.add.Tensor", inputs=(sc,), output_bytes=a * s * s * ab)
+        sm = add(lay, core, "aten._softmax.default", inputs=(sc,), saved_bytes=a * s * s * ab,
+                 saved_tp_bytes=a * s * s * ab, saved_selective_bytes=a * s * s * ab, output_bytes=a * s * s * ab)
+        dr = add(lay, f"{core}.drop", "aten.native_dropout.default", inputs=(sm,), saved_bytes=a * s * s,
+                 saved_tp_bytes=a * s * s, saved_selective_bytes=a * s * s, output_bytes=a * s * s * (ab + 1))
+        ctx = add(lay, core, "aten.bmm.default", 1, inputs=(dr, qkv), fwd_flops=2.0 * s * s * h,
+                  bwd_flops=4.0 * s * s * h, saved_bytes=a * s * s * ab, saved_tp_bytes=a * s * s * ab,
+                  saved_selective_bytes=a * s * s * ab, output_bytes=sh)
+        ctx = add(lay, core, "aten.clone.default", inputs=(ctx,), output_bytes=sh)
+        pr = add(lay, f"{p}.attn.proj", "aten.addmm.default", inputs=(ctx,), fwd_flops=2.0 * s * h * h,
+                 bwd_flops=4.0 * s * h * h, param_bytes=(h * h + h) * pb, saved_bytes=sh, saved_tp_bytes=sh,
+                 output_bytes=sh)
+        pr = add(lay, f"{p}.attn.drop", "aten.native_dropout.default", inputs=(pr,), saved_bytes=s * h,
+                 output_bytes=sh + s * h)
+        r1 = add(lay, p, "aten.add.Tensor", inputs=(resid, pr), output_bytes=sh)
+        ln2 = add(lay, f"{p}.ln2", "aten.native_layer_norm.default", inputs=(r1,), param_bytes=2 * h * pb,
+                  saved_bytes=sh + stats, output_bytes=sh + stats)
+        fc1 = add(lay, f"{p}.mlp.fc1", "aten.addmm.default", inputs=(ln2,), fwd_flops=2.0 * s * h * f,
+                  bwd_flops=4.0 * s * h * f, param_bytes=(h * f + f) * pb, saved_bytes=sh, output_bytes=s * f * ab)
+        act = add(lay, f"{p}.mlp.act", "aten.gelu.default", inputs=(fc1,), saved_bytes=s * f * ab,
+                  saved_tp_bytes=s * f * ab, output_bytes=s * f * ab)
+        fc2 = add(lay, f"{p}.mlp.fc2", "aten.addmm.default", inputs=(act,), fwd_flops=2.0 * s * f * h,
+                  bwd_flops=4.0 * s * f * h, param_bytes=(f * h + h) * pb, saved_bytes=s * f * ab,
+                  saved_tp_bytes=s * f * ab, output_bytes=sh)
+        d2 = add(lay, f"{p}.mlp.drop", "aten.native_dropout.default", inputs=(fc2,), saved_bytes=s * h,
+                 output_bytes=sh + s * h)
+        resid = add(lay, p, "aten.add.Tensor", 1, inputs=(r1, d2), output_bytes=sh)
+        names = list(ops)[start:]
+        lops = [ops[n] for n in names]
+        layers.append(Layer(
+            name=lay, kind="TransformerBlock", ops=names,
+            fwd_flops=sum(o.fwd_flops for o in lops), bwd_flops=sum(o.bwd_flops for o in lops),
+            param_count=int(sum(o.param_bytes for o in lops) // pb), param_bytes=int(sum(o.param_bytes for o in lops)),
+            saved_bytes=sum(o.saved_bytes for o in lops), saved_tp_bytes=sum(o.saved_tp_bytes for o in lops),
+            saved_selective_bytes=sum(o.saved_selective_bytes for o in lops),
+            input_bytes=sh, output_bytes=sh, tp_style="transformer"))
+
+    # ---- head (tied: the LM weight was first used by the embedding)
+    lay = "head"
+    start = len(ops)
+    x = add(lay, "head", "aten.clone.default", inputs=(resid,), output_bytes=sh)
+    ln = add(lay, "head.ln", "aten.native_layer_norm.default", inputs=(x,), param_bytes=2 * h * pb,
+             saved_bytes=sh + stats, output_bytes=sh + stats)
+    tied = bool(cfg.get("tie", True))
+    lm = add(lay, "head.lm", "aten.mm.default", inputs=(ln,), fwd_flops=2.0 * s * h * V, bwd_flops=4.0 * s * h * V,
+             param_bytes=0 if tied else V * h * pb, saved_bytes=sh, output_bytes=s * V * ab)
+    ls = add(lay, "", "aten._log_softmax.default", inputs=(lm,), saved_bytes=s * V * ab, output_bytes=s * V * ab)
+    add(lay, "", "aten.nll_loss_forward.default", inputs=(ls,), saved_bytes=8.0 * s + 1, output_bytes=ab)
+    names = list(ops)[start:]
+    hops = [ops[n] for n in names]
+    head_params = 2 * h + (0 if tied else V * h)
+    layers.append(Layer(name=lay, kind="LMHead", ops=names, fwd_flops=sum(o.fwd_flops for o in hops),
+                        bwd_flops=sum(o.bwd_flops for o in hops), param_count=head_params,
+                        param_bytes=head_params * pb, saved_bytes=sum(o.saved_bytes for o in hops),
+                        input_bytes=sh, output_bytes=s * V * ab, tp_style="head"))
+    edges = [(a_.name, b_.name) for a_, b_ in zip(layers, layers[1:])]
+    return OpGraph(model="gpt", ops=ops, layers=layers, layer_edges=edges, param_dtype_bytes=pb,
+                   activation_dtype_bytes=ab, capture_batch=1, config=cfg)

@@ -1,0 +1,890 @@
+"""Lowering: (OpGraph, Plan, ClusterView) -> TaskGraph of one training iteration.
+
+Units of simulation
+-------------------
+A **worker** is one data-parallel replica of one pipeline stage: the tensor-parallel
+group that runs it. Tensor ranks synchronise at every tensor-parallel collective, so a
+worker advances at the pace of its slowest rank: each segment of kernels between two
+collectives costs the maximum over the group's ranks (each rank with its own GPU kind
+and share of the split dimensions), and each collective costs the alpha-beta time of
+the group's ring (`plait.cost.collectives`). Pipeline *chunks* are consecutive runs of
+layers; a chain pipeline with ``v`` virtual stages puts chunks ``p, p+pp, ...`` on
+stage ``p`` (Megatron's interleaved layout); a plan with an explicit stage DAG
+(GraphPipe) has one chunk per stage.
+
+Symmetry: when every replica of every stage has the same GPU kinds, the same share of
+the batch and equivalent links, replica 0's pipeline stands for all of them and only it
+is simulated (its data-parallel collectives still run over every replica's links, and
+a flow of replica 0 counts once per tensor rank on links the ranks share). Otherwise
+every replica is simulated.
+
+Tasks of one worker, in program order on its compute stream
+-----------------------------------------------------------
+* data loading and host-to-device copy of each micro-batch (first chunk only, prefetched
+  on their own streams);
+* per micro-batch and chunk: forward, [recompute forward], backward -- one task per
+  chunk ("stage" granularity) or one per layer segment with every tensor-parallel
+  collective as its own flow task ("layer" granularity). Orders: GPipe (all forwards,
+  then all backwards), 1F1B (Megatron's warm-up of ``pp-p-1`` forwards, then
+  one-forward-one-backward, then cool-down) and interleaved 1F1B (Megatron's
+  ``get_model_chunk_id`` order with ``(pp-p-1)*2 + (v-1)*pp`` warm-up units);
+* pipeline sends: activations after a forward and gradients after a backward, to the
+  replicas of the next chunk that need those samples. A transfer starts when the sender
+  has produced the tensor and the receiver has reached its receive (rendezvous); with
+  Megatron's blocking p2p (1F1B, GPipe) the sender also waits for it to complete;
+* gradient synchronisation per bucket on the worker's communication stream: bucket
+  ``i`` (layers in backward order, up to `bucket_bytes`) starts at
+  ``max(comm_end_{i-1}, bwd_end_i)`` (Shi et al. 2018's WFBP); without buckets one
+  reduction after the last backward (Megatron's default). All-reduce, or
+  reduce-scatter under ZeRO; ZeRO-3 also all-gathers each chunk's parameters before
+  every forward and backward and reduce-scatters its gradients after every backward;
+* tied-embedding gradient all-reduce between the first and last stage;
+* a global barrier (gradient-norm all-reduce), the optimizer step, and under ZeRO-1/2
+  the parameter all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from plait.cluster.spec import GPUKind
+from plait.cost.collectives import (
+    GroupLinks,
+    choose_algorithm,
+    collective_time,
+    latency_steps,
+)
+from plait.cost.compute import (
+    DEFAULT_MODEL,
+    Collective,
+    ComputeModel,
+    LayerCost,
+    PassCost,
+    Segment,
+    dtype_bytes,
+    layer_cost,
+    optimizer_time,
+)
+from plait.errors import PlaitError
+from plait.graph.opgraph import Layer, OpGraph
+from plait.plan.ir import Plan, StageSpec
+from plait.sim.engine import TaskGraph
+from plait.sim.topology import ClusterView
+
+
+class LoweringError(PlaitError, ValueError):
+    """A plan that cannot be lowered onto this model and cluster."""
+
+
+@dataclass
+class SimOptions:
+    """Knobs of the lowering that are not part of the plan."""
+
+    granularity: str = "auto"  # "layer" | "stage" | "auto"
+    symmetry: bool = True  # simulate one representative of equivalent replicas
+    bucket_bytes: float | None = None  # WFBP gradient buckets; None = one reduction after backward
+    grad_bytes: int | None = None  # bytes per reduced gradient element; None: 2 for fp16, 4 otherwise
+    compute: ComputeModel = DEFAULT_MODEL
+    h2d_bandwidth: float = 24e9  # host-to-device copy (PCIe 4.0 x16, achievable)
+    data_loader_s: float = 0.0  # data-loader time per micro-batch (overlapped by prefetch)
+    max_layer_tasks: int = 60_000  # "auto" uses layer granularity below this many tasks
+    cost_cache: dict | None = field(default=None, repr=False)  # share layer costs across runs (fitting)
+    # Measured or hand-given per-layer (forward s, backward s) for one micro-batch on one rank;
+    # these layers skip the compute model (no tensor-parallel collectives are added for them).
+    layer_times: dict[str, tuple[float, float]] | None = None
+
+
+@dataclass
+class Chunk:
+    cid: int
+    stage: int  # device stage that runs it
+    layers: list[Layer]
+
+
+@dataclass
+class Worker:
+    wid: int
+    stage: int
+    replica: int
+    devices: list[int]  # tensor-parallel group, rank order
+    kinds: list[GPUKind]
+    shares: list[float]
+    chunks: list[int]
+    units: list[tuple[int, int]] = field(default_factory=list)  # micro-batches: (first sample, size)
+    links: GroupLinks | None = None
+
+    @property
+    def rep(self) -> int:
+        return self.devices[0]
+
+
+@dataclass
+class Lowered:
+    graph: TaskGraph
+    workers: list[Worker]
+    chunks: list[Chunk]
+    symmetric: bool
+    symmetry_note: str
+    granularity: str
+    world_size: int
+    tp_comm_s: dict[int, float] = field(default_factory=dict)  # task id -> folded TP comm seconds
+
+
+# ---------------------------------------------------------------- helpers
+def _sample_ranges(total: int, shares: list[float] | None, dp: int) -> list[tuple[int, int]]:
+    """(first sample, count) of each replica; floors with the remainder to the largest deficits."""
+    shares = shares or [1.0 / dp] * dp
+    exact = [s * total for s in shares]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(dp), key=lambda i: counts[i] - exact[i])[: total - sum(counts)]:
+        counts[i] += 1
+    out, first = [], 0
+    for c in counts:
+        out.append((first, c))
+        first += c
+    return out
+
+
+def _units(first: int, count: int, micro_batch: int) -> list[tuple[int, int]]:
+    units, s = [], first
+    while s < first + count:
+        size = min(micro_batch, first + count - s)
+        units.append((s, size))
+        s += size
+    return units
+
+
+def _order_1f1b(pp: int, p: int, m: int) -> list[tuple[str, int, int]]:
+    warm = min(pp - p - 1, m)
+    order = [("F", 0, i) for i in range(warm)]
+    for i in range(m - warm):
+        order.append(("F", 0, warm + i))
+        order.append(("B", 0, i))
+    order += [("B", 0, i) for i in range(m - warm, m)]
+    return order
+
+
+def _order_gpipe(m: int) -> list[tuple[str, int, int]]:
+    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in reversed(range(m))]
+
+
+def _order_interleaved(pp: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """Megatron-LM's interleaved 1F1B (forward_backward_pipelining_with_interleaving)."""
+    total = m * v
+    if m == pp:
+        warm = total
+    else:
+        warm = min((pp - p - 1) * 2 + (v - 1) * pp, total)
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        group = k // (pp * v)
+        chunk = (k % (pp * v)) // pp
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk, group * pp + k % pp
+
+    order = [("F", *unit(k, True)) for k in range(warm)]
+    for k in range(total - warm):
+        order.append(("F", *unit(warm + k, True)))
+        order.append(("B", *unit(k, False)))
+    order += [("B", *unit(k, False)) for k in range(total - warm, total)]
+    return order
+
+
+# ---------------------------------------------------------------- combined layer costs
+@dataclass
+class _Item:
+    kind: str  # "c" compute segment | "tp" collective
+    seconds: float
+    op: str = ""
+    nbytes: float = 0.0
+
+
+@dataclass
+class _Combined:
+    fwd: list[_Item]
+    bwd: list[_Item]
+    rec: list[_Item]
+    params: float
+    grad_params: float
+    flops_fwd: float
+    flops_bwd: float
+
+    @staticmethod
+    def total(items: list[_Item]) -> tuple[float, float]:
+        """(seconds, of which TP collective seconds)."""
+        t = c = 0.0
+        for it in items:
+            t += it.seconds
+            if it.kind == "tp":
+                c += it.seconds
+        return t, c
+
+
+def _combine(costs: list[PassCost], links: GroupLinks | None, pinned: str | None) -> list[_Item]:
+    """Item-wise max over tensor ranks (they synchronise at each collective)."""
+    if not costs:
+        return []
+    out: list[_Item] = []
+    for group in zip(*(c.items for c in costs)):
+        head = group[0]
+        if isinstance(head, Segment):
+            out.append(_Item("c", max(g.time for g in group if isinstance(g, Segment))))
+        else:
+            assert isinstance(head, Collective)
+            secs = 0.0
+            if links is not None and links.n > 1:
+                algo = choose_algorithm(head.op, head.nbytes, links, pinned)
+                secs = collective_time(head.op, head.nbytes, links, algo)
+            out.append(_Item("tp", secs, head.op, head.nbytes))
+    return out
+
+
+# ---------------------------------------------------------------- the lowering
+class _Lowerer:
+    def __init__(self, graph: OpGraph, plan: Plan, view: ClusterView, options: SimOptions) -> None:
+        self.graph, self.plan, self.view, self.opt = graph, plan, view, options
+        self.model = options.compute
+        self.tg = TaskGraph()
+        self.dtype = plan.dtype
+        grad_bytes = options.grad_bytes
+        if grad_bytes is None:
+            grad_bytes = 2 if plan.dtype == "fp16" else 4  # Megatron: bf16 reduces grads in fp32
+        self.grad_bytes = grad_bytes
+        self.param_bytes = dtype_bytes(plan.dtype)
+        self.cost_cache: dict[tuple, _Combined] = {} if options.cost_cache is None else options.cost_cache
+        self.cache_salt = (id(graph), self.model, plan.dtype, plan.sequence_parallel, plan.recompute,
+                           plan.collectives.get("tp"), tuple(sorted((options.layer_times or {}).items())))
+        self.chunk_cache: dict[tuple, list[tuple[Layer, _Combined]]] = {}
+        self.tp_comm: dict[int, float] = {}
+        self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
+
+    # ------------------------------------------------------------ structure
+    def build_structure(self) -> tuple[list[StageSpec], list[Chunk], list[tuple[int, int]]]:
+        plan, graph = self.plan, self.graph
+        names = graph.layer_names
+        if not names:
+            raise LoweringError(f"model {graph.model!r} has no layers to simulate")
+        stages = plan.stage_specs(names)
+        by_name = {layer.name: layer for layer in graph.layers}
+        chunks: list[Chunk] = []
+        if plan.stages:
+            for s, spec in enumerate(stages):
+                missing = [n for n in spec.layers if n not in by_name]
+                if missing:
+                    raise LoweringError(f"plan field 'stages[{s}].layers': unknown layers {missing[:3]}")
+                chunks.append(Chunk(s, s, [by_name[n] for n in spec.layers]))
+            edges = list(plan.stage_graph_edges())
+            covered = {n for spec in stages for n in spec.layers}
+            if covered != set(names):
+                lost = [n for n in names if n not in covered][:3]
+                raise LoweringError(f"plan field 'stages': layers {lost} are in no stage")
+        else:
+            counts = plan.layers_per_stage(len(names))
+            start = 0
+            for c, count in enumerate(counts):
+                chunks.append(Chunk(c, c % plan.pp, [by_name[n] for n in names[start:start + count]]))
+                start += count
+            edges = [(c, c + 1) for c in range(len(chunks) - 1)]
+        for spec in stages:
+            if len(spec.devices) != spec.dp * spec.tp:
+                raise LoweringError(
+                    f"plan stage {spec.name!r}: needs dp*tp = {spec.dp * spec.tp} devices, got {len(spec.devices)}")
+            bad = [d for d in spec.devices if not 0 <= d < self.view.num_devices]
+            if bad:
+                raise LoweringError(
+                    f"plan stage {spec.name!r}: device ids {bad[:3]} are not in cluster "
+                    f"{self.view.name!r} ({self.view.num_devices} devices)")
+        return stages, chunks, edges
+
+    def build_workers(self, stages: list[StageSpec], chunks: list[Chunk]) -> tuple[list[Worker], bool, str]:
+        plan = self.plan
+        chunks_of: dict[int, list[int]] = defaultdict(list)
+        for ch in chunks:
+            chunks_of[ch.stage].append(ch.cid)
+        all_workers: list[list[Worker]] = []
+        for s, spec in enumerate(stages):
+            mb = spec.micro_batch or plan.micro_batch
+            ranges = _sample_ranges(plan.global_batch, spec.dp_shares, spec.dp)
+            ratios = spec.tp_ratios or [1.0 / spec.tp] * spec.tp
+            row = []
+            for r in range(spec.dp):
+                devs = list(spec.devices[r * spec.tp:(r + 1) * spec.tp])
+                w = Worker(wid=-1, stage=s, replica=r, devices=devs, kinds=[self.view.kinds[d] for d in devs],
+                           shares=list(ratios), chunks=list(chunks_of[s]),
+                           units=_units(ranges[r][0], ranges[r][1], mb))
+                w.links = self.view.group(devs)
+                row.append(w)
+            all_workers.append(row)
+        symmetric, note = self._check_symmetry(stages, all_workers)
+        workers: list[Worker] = []
+        for row in all_workers:
+            for w in (row[:1] if symmetric else row):
+                w.wid = len(workers)
+                workers.append(w)
+        self.all_workers = all_workers
+        return workers, symmetric, note
+
+    def _check_symmetry(self, stages: list[StageSpec], rows: list[list[Worker]]) -> tuple[bool, str]:
+        world = sum(len(s.devices) for s in stages)
+        if not self.opt.symmetry:
+            return False, f"symmetry off: simulating all {world} devices' workers"
+        dps = {s.dp for s in stages}
+        mbs = {s.micro_batch or self.plan.micro_batch for s in stages}
+        reason = None
+        if len(dps) != 1 or len(mbs) != 1:
+            reason = "stages differ in data-parallel degree or micro-batch"
+        for row in rows:
+            if reason:
+                break
+            w0 = row[0]
+            for w in row[1:]:
+                if [k.name for k in w.kinds] != [k.name for k in w0.kinds]:
+                    reason = f"stage {w.stage} replicas have different GPU kinds"
+                elif w.units != [(s - w0.units[0][0] + w.units[0][0], n) for s, n in w0.units] and \
+                        [n for _, n in w.units] != [n for _, n in w0.units]:
+                    reason = f"stage {w.stage} replicas have different shares of the batch"
+                elif (w.links.ring_bandwidth, w.links.ring_latency) != (w0.links.ring_bandwidth, w0.links.ring_latency):
+                    reason = f"stage {w.stage} replicas' tensor-parallel links differ"
+                if reason:
+                    break
+        if not reason:
+            for a, b in zip(rows, rows[1:]):
+                p0 = self.view.pair(a[0].rep, b[0].rep)
+                if any(self.view.pair(x.rep, y.rep) != p0 for x, y in zip(a, b)):
+                    reason = "pipeline links differ between replicas"
+                    break
+        dp = next(iter(dps))
+        tp_max = max(s.tp for s in stages)
+        if reason:
+            return False, f"simulating every replica ({reason})"
+        if dp == 1 and tp_max == 1:
+            return True, "every device simulated (no replicas to collapse)"
+        return True, (f"symmetric: simulated 1 of {dp} data-parallel replicas per stage and one "
+                      f"representative per tensor-parallel group of {tp_max} (all equivalent: same GPU "
+                      f"kinds, shares and links)")
+
+    # ------------------------------------------------------------ costs
+    def _worker_sig(self, w: Worker) -> tuple:
+        sig = getattr(w, "_sig", None)
+        if sig is None:
+            sig = (tuple(k.name for k in w.kinds), tuple(round(s, 9) for s in w.shares),
+                   (w.links.ring_bandwidth, w.links.ring_latency, w.links.n) if w.links else None)
+            w._sig = sig  # type: ignore[attr-defined]
+        return sig
+
+    def chunk_costs(self, w: Worker, c: int, mb: int) -> list[tuple[Layer, _Combined]]:
+        key = (self._worker_sig(w), c, mb)
+        hit = self.chunk_cache.get(key)
+        if hit is None:
+            hit = self.chunk_cache[key] = [(layer, self.combined(w, layer, mb)) for layer in self.chunks[c].layers]
+        return hit
+
+    def combined(self, w: Worker, layer: Layer, mb: int) -> _Combined:
+        sig = (layer.name if layer.tp_style not in ("transformer",) else
+               ("T", layer.kind, layer.fwd_flops, layer.param_count))
+        key = (sig, self._worker_sig(w), mb, self.cache_salt)
+        hit = self.cost_cache.get(key)
+        if hit is not None:
+            return hit
+        tp = len(w.devices)
+        given = (self.opt.layer_times or {}).get(layer.name)
+        if given is not None:
+            fwd_s, bwd_s = given
+            params = layer.param_count / (tp if layer.tp_style in ("transformer", "head", "embedding") else 1)
+            out = _Combined([_Item("c", fwd_s)], [_Item("c", bwd_s)],
+                            [_Item("c", fwd_s)] if self.plan.recompute == "full" else [],
+                            params, params, layer.fwd_flops * mb, layer.bwd_flops * mb)
+            self.cost_cache[key] = out
+            return out
+        distinct: dict[tuple, LayerCost] = {}
+        per_rank: list[LayerCost] = []
+        for kind, share in zip(w.kinds, w.shares):
+            k2 = (kind.name, round(share, 9))
+            if k2 not in distinct:
+                distinct[k2] = layer_cost(layer, self.graph, mb, kind, self.dtype, tp=tp,
+                                          share=share if tp > 1 else None,
+                                          sequence_parallel=self.plan.sequence_parallel, model=self.model)
+            per_rank.append(distinct[k2])
+        ranks = list(distinct.values())
+        pinned = self.plan.collectives.get("tp")
+        rec_mode = self.plan.recompute
+        out = _Combined(
+            fwd=_combine([c.fwd for c in ranks], w.links, pinned),
+            bwd=_combine([c.bwd for c in ranks], w.links, pinned),
+            rec=_combine([c.recompute(rec_mode) for c in ranks], w.links, pinned) if rec_mode != "none" else [],
+            params=per_rank[0].params,
+            grad_params=per_rank[0].grad_params,
+            flops_fwd=max(c.fwd.flops for c in ranks),
+            flops_bwd=max(c.bwd.flops for c in ranks),
+        )
+        self.cost_cache[key] = out
+        return out
+
+    # ------------------------------------------------------------ task emission
+    def lower(self) -> Lowered:
+        stages, chunks, edges = self.build_structure()
+        self.chunks = chunks
+        workers, symmetric, note = self.build_workers(stages, chunks)
+        self.workers = workers
+        plan, opt = self.plan, self.opt
+        world = plan.world_size if not plan.stages else len({d for s in stages for d in s.devices})
+        granularity = opt.granularity
+        if granularity == "auto":
+            est = 0
+            for w in workers:
+                for c in w.chunks:
+                    est += len(w.units) * len(chunks[c].layers) * (6 if len(w.devices) > 1 else 3)
+            granularity = "layer" if est <= opt.max_layer_tasks else "stage"
+        if granularity not in ("layer", "stage"):
+            raise LoweringError(f"granularity: must be 'layer', 'stage' or 'auto', got {granularity!r}")
+        self.granularity = granularity
+        self.programs = {w.wid: self._program(w, stages) for w in workers}
+        self.item_first: dict[int, list[int]] = {}
+        self.item_last: dict[int, list[int]] = {}
+        self.layer_bwd_end: dict[int, dict[str, int]] = {}
+        self.pred_chunks = defaultdict(list)
+        self.succ_chunks = defaultdict(list)
+        for a, b in edges:
+            self.succ_chunks[a].append(b)
+            self.pred_chunks[b].append(a)
+        for w in workers:
+            self._emit_worker(w)
+        self._emit_transfers(workers, edges)
+        self._emit_data(workers)
+        ends = self._emit_grad_sync(workers)
+        self._emit_step(workers, ends)
+        return Lowered(self.tg, workers, chunks, symmetric, note, granularity, world, self.tp_comm)
+
+    def _program(self, w: Worker, stages: list[StageSpec]) -> list[tuple[str, int, int]]:
+        plan = self.plan
+        m = len(w.units)
+        if plan.stages:
+            depth = self._depth()[w.stage]
+            order = _order_gpipe(m) if plan.schedule == "gpipe" else _order_1f1b(depth + 1, 0, m)
+            return [(k, w.chunks[0], i) for k, _, i in order]
+        pp, v = plan.pp, plan.virtual_stages
+        if plan.schedule == "gpipe":
+            order = _order_gpipe(m)
+            out = []
+            for k, _, i in order:
+                chunk_ids = w.chunks if k == "F" else list(reversed(w.chunks))
+                out += [(k, c, i) for c in chunk_ids]
+            return out
+        if plan.schedule == "interleaved" and v > 1:
+            if m % pp:
+                raise LoweringError(
+                    f"interleaved 1F1B: replica {w.replica} runs {m} micro-batches, not a multiple of pp={pp}")
+            return [(k, w.chunks[c], i) for k, c, i in _order_interleaved(pp, w.stage, m, v)]
+        return [(k, w.chunks[0], i) for k, _, i in _order_1f1b(pp, w.stage, m)]
+
+    def _depth(self) -> dict[int, int]:
+        """Stages on the longest path from each stage to a sink, minus one (GraphPipe warm-up)."""
+        if hasattr(self, "_depth_cache"):
+            return self._depth_cache
+        n = len(self.plan.stages)
+        succ = defaultdict(list)
+        for a, b in self.plan.stage_graph_edges():
+            succ[a].append(b)
+        memo: dict[int, int] = {}
+
+        def depth(s: int) -> int:
+            if s not in memo:
+                memo[s] = max((depth(t) + 1 for t in succ[s]), default=0)
+            return memo[s]
+
+        self._depth_cache = {s: depth(s) for s in range(n)}
+        return self._depth_cache
+
+    def _label(self, w: Worker, stream: str) -> str:
+        return f"dev{w.rep}/{stream}"
+
+    def _emit_items(self, w: Worker, items_per_layer: list[tuple[Layer, list[_Item]]], name: str,
+                    category: str, mb: int, deps: list[int], per_layer: bool,
+                    record_layers: dict[str, int] | None = None) -> tuple[int, int]:
+        """Emit a pass; returns (first task, last task)."""
+        tg = self.tg
+        label = self._label(w, "compute")
+        if not per_layer:
+            total = comm = 0.0
+            for _layer, items in items_per_layer:
+                t, c = _Combined.total(items)
+                total += t
+                comm += c
+            tid = tg.add(name, category, label, total, deps, device=w.rep, stage=w.stage, micro_batch=mb,
+                         args={"tp_comm_s": comm} if comm else None)
+            if comm:
+                self.tp_comm[tid] = comm
+            if record_layers is not None:
+                for layer, _ in items_per_layer:
+                    record_layers[layer.name] = tid
+            return tid, tid
+        first = last = -1
+        prev = list(deps)
+        links = w.links
+        for layer, items in items_per_layer:
+            acc = 0.0
+            for it in items:
+                if it.kind == "c":
+                    acc += it.seconds
+                    continue
+                if acc > 0 or last < 0:
+                    tid = tg.add(f"{name} {layer.name}", category, label, acc, prev, device=w.rep,
+                                 stage=w.stage, micro_batch=mb)
+                    first = tid if first < 0 else first
+                    prev, last, acc = [tid], tid, 0.0
+                tid = self._tp_flow(w, it, links, prev, f"{it.op} tp {layer.name}", mb)
+                first = tid if first < 0 else first
+                prev, last = [tid], tid
+            if acc > 0 or last < 0:
+                tid = tg.add(f"{name} {layer.name}", category, label, acc, prev, device=w.rep,
+                             stage=w.stage, micro_batch=mb)
+                first = tid if first < 0 else first
+                prev, last = [tid], tid
+            if record_layers is not None:
+                record_layers[layer.name] = last
+        return first, last
+
+    def _tp_flow(self, w: Worker, it: _Item, links: GroupLinks | None, deps: list[int], name: str, mb: int) -> int:
+        """A tensor-parallel collective as a flow over the group's ring (layer granularity)."""
+        n = len(w.devices)
+        algo = choose_algorithm(it.op, it.nbytes, links, self.plan.collectives.get("tp")) if links else "ring"
+        lat = latency_steps(it.op, n, algo) * (links.ring_latency if links else 0.0)
+        flow = self._ring_flow(w.devices, max(0.0, it.seconds - lat), None)
+        tid = self.tg.add(name, "comm_tp", self._label(w, "compute"), lat, deps, flow=flow, device=w.rep,
+                          stage=w.stage, micro_batch=mb, args={"bytes": it.nbytes, "algorithm": algo})
+        return tid
+
+    def _ring_flow(self, devices: list[int], bandwidth_seconds: float,
+                   twins: list[list[int]] | None) -> list[tuple[int, float, float]] | None:
+        """Flow over the ring through `devices` whose uncontended bandwidth phase takes `bandwidth_seconds`.
+
+        Each hop carries ``bandwidth_seconds * B_slowest`` bytes, so alone the flow ends
+        exactly at the alpha-beta time; `twins` are the rings of the other tensor ranks it
+        stands for (they count as copies on resources they share)."""
+        if len(devices) < 2 or bandwidth_seconds <= 0:
+            return None
+        hops = list(zip(devices, devices[1:] + devices[:1]))
+        paths = [self.view.path(a, b) for a, b in hops]
+        slowest = min(cap for p in paths for _, cap in p[:1])
+        nbytes = bandwidth_seconds * slowest
+        copies: dict[tuple, int] = defaultdict(int)
+        for ring in (twins or []):
+            for a, b in zip(ring, ring[1:] + ring[:1]):
+                for key, _cap in self.view.path(a, b):
+                    copies[key] += 1
+        flow: dict[int, tuple[int, float, float]] = {}
+        for p in paths:
+            for key, cap in p:
+                r = self.tg.add_resource(key, cap)
+                if r in flow:
+                    _, b0, c0 = flow[r]
+                    flow[r] = (r, b0 + nbytes, c0)
+                else:
+                    flow[r] = (r, nbytes, float(max(1, copies.get(key, 1))))
+        return list(flow.values())
+
+    def _emit_worker(self, w: Worker) -> None:
+        plan = self.plan
+        program = self.programs[w.wid]
+        per_layer = self.granularity == "layer"
+        wfbp = self.opt.bucket_bytes is not None
+        firsts, lasts = [], []
+        last_b_item: dict[int, int] = {}
+        for idx, (k, c, _i) in enumerate(program):
+            if k == "B":
+                last_b_item[c] = idx
+        self.layer_bwd_end[w.wid] = {}
+        prev: list[int] = []
+        for idx, (k, c, i) in enumerate(program):
+            mb_size = w.units[i][1]
+            costs = self.chunk_costs(w, c, mb_size)
+            zero3_dep = self._zero3_gather(w, c, i, k, prev) if plan.zero == 3 and w.links else None
+            deps = prev + ([zero3_dep] if zero3_dep is not None else [])
+            if k == "F":
+                first, last = self._emit_items(w, [(lay, cc.fwd) for lay, cc in costs], f"fwd c{c} mb{i}",
+                                               "forward", i, deps, per_layer)
+            else:
+                first = -1
+                if plan.recompute != "none" and any(cc.rec for _, cc in costs):
+                    first, rlast = self._emit_items(w, [(lay, cc.rec) for lay, cc in costs],
+                                                    f"recompute c{c} mb{i}", "recompute", i, deps, per_layer)
+                    deps = [rlast]
+                fine = per_layer or (wfbp and idx == last_b_item.get(c))
+                record = self.layer_bwd_end[w.wid] if idx == last_b_item.get(c) else None
+                bfirst, last = self._emit_items(w, [(lay, cc.bwd) for lay, cc in reversed(costs)],
+                                                f"bwd c{c} mb{i}", "backward", i, deps, fine, record)
+                first = bfirst if first < 0 else first
+                if plan.zero == 3 and w.links and w.links.n >= 1:
+                    self._zero3_scatter(w, c, i, last)
+            firsts.append(first)
+            lasts.append(last)
+            prev = [last]
+        self.item_first[w.wid] = firsts
+        self.item_last[w.wid] = lasts
+
+    # ------------------------------------------------------------ ZeRO-3
+    def _dp_group(self, w: Worker) -> tuple[list[int], list[list[int]]]:
+        """Devices of w's data-parallel ring (tensor rank 0 of each replica) and the other ranks' rings."""
+        row = self.all_workers[w.stage]
+        ring = [x.devices[0] for x in row]
+        twins = [[x.devices[t] for x in row] for t in range(len(w.devices))]
+        return ring, twins
+
+    def _collective_task(self, name: str, category: str, op: str, nbytes: float, ring: list[int],
+                         twins: list[list[int]], deps: list[int], w: Worker, pinned_class: str,
+                         mb: int | None = None) -> int:
+        links = self.view.group(ring)
+        algo = choose_algorithm(op, nbytes, links, self.plan.collectives.get(pinned_class))
+        total = collective_time(op, nbytes, links, algo)
+        lat = latency_steps(op, links.n, algo) * links.ring_latency
+        if algo == "hierarchical":
+            lat = min(lat, total)
+        flow = self._ring_flow(ring, max(0.0, total - lat), twins)
+        return self.tg.add(name, category, self._label(w, "comm"), lat + self.model.host_comm_s, deps,
+                           flow=flow, device=w.rep, stage=w.stage, micro_batch=mb,
+                           args={"bytes": nbytes, "algorithm": algo, "ranks": links.n})
+
+    def _zero3_gather(self, w: Worker, c: int, i: int, k: str, prev: list[int]) -> int | None:
+        row = self.all_workers[w.stage]
+        if len(row) < 2:
+            return None
+        params = sum(self.combined(w, layer, w.units[i][1]).params for layer in self.chunks[c].layers)
+        ring, twins = self._dp_group(w)
+        chain = getattr(self, "_zero_chain", {}).get(w.wid)
+        deps = [chain] if chain is not None else []
+        tid = self._collective_task(f"allgather params c{c} mb{i} {k}", "comm_zero", "all_gather",
+                                    params * self.param_bytes, ring, twins, deps, w, "zero", i)
+        self._zero_chain = getattr(self, "_zero_chain", {})
+        self._zero_chain[w.wid] = tid
+        return tid
+
+    def _zero3_scatter(self, w: Worker, c: int, i: int, after: int) -> None:
+        row = self.all_workers[w.stage]
+        if len(row) < 2:
+            return
+        params = sum(self.combined(w, layer, w.units[i][1]).params for layer in self.chunks[c].layers)
+        ring, twins = self._dp_group(w)
+        chain = self._zero_chain.get(w.wid)
+        tid = self._collective_task(f"reducescatter grads c{c} mb{i}", "comm_zero", "reduce_scatter",
+                                    params * self.grad_bytes, ring, twins, [after] + ([chain] if chain else []),
+                                    w, "zero", i)
+        self._zero_chain[w.wid] = tid
+        self._zero3_last = getattr(self, "_zero3_last", {})
+        self._zero3_last[w.wid] = tid
+
+    # ------------------------------------------------------------ pipeline transfers
+    def _emit_transfers(self, workers: list[Worker], edges: list[tuple[int, int]]) -> None:
+        plan = self.plan
+        blocking = not plan.stages and plan.schedule in ("1f1b", "gpipe") and plan.virtual_stages == 1
+        # index: (wid, kind, chunk, unit) -> program position
+        position: dict[tuple[int, str, int, int], int] = {}
+        for w in workers:
+            for idx, (k, c, i) in enumerate(self.programs[w.wid]):
+                position[(w.wid, k, c, i)] = idx
+        holders: dict[int, list[Worker]] = defaultdict(list)
+        for w in workers:
+            for c in w.chunks:
+                holders[c].append(w)
+        for a, b in edges:
+            last_layer = self.chunks[a].layers[-1]
+            per_sample = last_layer.output_bytes or (self.graph.layers[0].output_bytes if self.graph.layers else 0)
+            for q in holders[b]:
+                for ui, (qs, qn) in enumerate(q.units):
+                    for p in holders[a]:
+                        for uj, (ps, pn) in enumerate(p.units):
+                            lo, hi = max(qs, ps), min(qs + qn, ps + pn)
+                            if hi <= lo:
+                                continue
+                            tp = len(p.devices)
+                            # Megatron scatter-gather: each tensor rank sends 1/t of the activation.
+                            nbytes = per_sample * (hi - lo) / max(1, tp)
+                            self._transfer(p, q, a, b, uj, ui, nbytes, position, blocking, forward=True)
+                            self._transfer(q, p, b, a, ui, uj, nbytes, position, blocking, forward=False)
+
+    def _transfer(self, src: Worker, dst: Worker, c_src: int, c_dst: int, u_src: int, u_dst: int,
+                  nbytes: float, position: dict, blocking: bool, forward: bool) -> None:
+        k = "F" if forward else "B"
+        ks = position.get((src.wid, k, c_src, u_src))
+        kd = position.get((dst.wid, k, c_dst, u_dst))
+        if ks is None or kd is None:
+            return
+        deps = [self.item_last[src.wid][ks]]
+        if kd > 0:
+            deps.append(self.item_last[dst.wid][kd - 1])  # receiver has posted its receive
+        if src.wid == dst.wid:
+            self.tg.add_dep(deps[0], self.item_first[dst.wid][kd])
+            return
+        bw, lat = self.view.pair(src.rep, dst.rep)
+        flow = None
+        if nbytes > 0 and src.rep != dst.rep:
+            flow = [(self.tg.add_resource(key, cap), nbytes, float(max(1, self._twin_copies(src, dst, key))))
+                    for key, cap in self.view.path(src.rep, dst.rep)]
+        kind = "act" if forward else "grad"
+        tid = self.tg.add(f"send {kind} c{c_src}->c{c_dst} mb{u_src}", "comm_pp",
+                          f"link {src.rep}->{dst.rep}", lat + self.model.p2p_host_s, deps, flow=flow,
+                          device=src.rep, stage=src.stage, micro_batch=u_src,
+                          args={"bytes": nbytes, "src": src.rep, "dst": dst.rep})
+        self.tg.add_dep(tid, self.item_first[dst.wid][kd])
+        if blocking and ks + 1 < len(self.item_first[src.wid]):
+            self.tg.add_dep(tid, self.item_first[src.wid][ks + 1])
+
+    def _twin_copies(self, src: Worker, dst: Worker, key: tuple) -> int:
+        """How many tensor ranks' transfers (src rank t -> dst rank t) cross resource `key`."""
+        cache = getattr(self, "_twin_cache", None)
+        if cache is None:
+            cache = self._twin_cache = {}
+        ck = (src.wid, dst.wid)
+        if ck not in cache:
+            counts: dict[tuple, int] = defaultdict(int)
+            for a, b in zip(src.devices, dst.devices):
+                for kk, _ in self.view.path(a, b):
+                    counts[kk] += 1
+            cache[ck] = counts
+        return cache[ck].get(key, 1)
+
+    # ------------------------------------------------------------ data loading
+    def _emit_data(self, workers: list[Worker]) -> None:
+        sources = {c.cid for c in self.chunks if not self.pred_chunks[c.cid]}
+        in_bytes = self.graph.layers[0].input_bytes if self.graph.layers else 0.0
+        for w in workers:
+            prev_data = -1
+            for idx, (k, c, i) in enumerate(self.programs[w.wid]):
+                if k != "F" or c not in sources:
+                    continue
+                size = w.units[i][1]
+                d = self.tg.add(f"data mb{i}", "data", self._label(w, "data"), self.opt.data_loader_s,
+                                [prev_data] if prev_data >= 0 else [], device=w.rep, stage=w.stage, micro_batch=i)
+                prev_data = d
+                nbytes = in_bytes * size
+                h = self.tg.add(f"h2d mb{i}", "h2d", self._label(w, "h2d"),
+                                nbytes / self.opt.h2d_bandwidth if nbytes else 0.0, [d], device=w.rep,
+                                stage=w.stage, micro_batch=i, args={"bytes": nbytes})
+                self.tg.add_dep(h, self.item_first[w.wid][idx])
+
+    # ------------------------------------------------------------ gradients and step
+    def _worker_params(self, w: Worker) -> tuple[float, list[tuple[Layer, float]]]:
+        """(parameters per tensor rank, [(layer, gradient params)] in backward order)."""
+        mb = w.units[0][1] if w.units else 1
+        layers = [layer for c in w.chunks for layer in self.chunks[c].layers]
+        total, grads = 0.0, []
+        names = {layer.name for layer in layers}
+        has_embedding = any(layer.tp_style == "embedding" for layer in layers)
+        for layer in layers:
+            cost = self.combined(w, layer, mb)
+            p = cost.params
+            if layer.tp_style == "head" and cost.grad_params > cost.params and not has_embedding:
+                p = cost.grad_params  # Megatron keeps a copy of the tied embedding on the last stage
+            total += p
+            grads.append((layer, p))
+        grads.sort(key=lambda lg: -self.layer_index.get(lg[0].name, 0))
+        del names
+        return total, grads
+
+    def _emit_grad_sync(self, workers: list[Worker]) -> dict[int, int]:
+        """Per worker: the task after which its gradients are final (reduced)."""
+        plan = self.plan
+        ends: dict[int, int] = {}
+        shared: dict[tuple, int] = {}
+        self.worker_params: dict[int, float] = {}
+        for w in workers:
+            total, grads = self._worker_params(w)
+            self.worker_params[w.wid] = total
+            last = self.item_last[w.wid][-1] if self.item_last[w.wid] else -1
+            if getattr(self, "_zero3_last", {}).get(w.wid) is not None:
+                last = self._zero3_last[w.wid]
+            row = self.all_workers[w.stage]
+            if len(row) < 2 or plan.zero == 3:
+                ends[w.wid] = last
+                continue
+            op = "reduce_scatter" if plan.zero >= 1 else "all_reduce"
+            buckets: list[tuple[float, str]] = []
+            if self.opt.bucket_bytes is None:
+                buckets.append((total, ""))
+            else:
+                acc, lastname = 0.0, ""
+                for layer, p in grads:
+                    acc += p * self.grad_bytes
+                    lastname = layer.name
+                    if acc >= self.opt.bucket_bytes:
+                        buckets.append((acc / self.grad_bytes, lastname))
+                        acc = 0.0
+                if acc > 0:
+                    buckets.append((acc / self.grad_bytes, lastname))
+            ring, twins = self._dp_group(w)
+            prev = -1
+            for bi, (params, lname) in enumerate(buckets):
+                ready = self.layer_bwd_end[w.wid].get(lname, last) if lname else last
+                deps = [ready] + ([prev] if prev >= 0 else [])
+                key = (w.stage, bi)
+                if key in shared:  # full simulation: one collective for the replicas of a stage
+                    tid = shared[key]
+                    self.tg.add_dep(ready, tid)
+                else:
+                    tid = self._collective_task(f"{op.replace('_', '')} dp bucket{bi}", "comm_dp", op,
+                                                params * self.grad_bytes, ring, twins, deps, w, "dp")
+                    shared[key] = tid
+                prev = tid
+            ends[w.wid] = prev
+        # Tied embeddings on different stages: all-reduce the two copies' gradients.
+        tied = self._tied_pairs(workers)
+        for we, wh, nbytes in tied:
+            twins = [[a, b] for a, b in zip(we.devices, wh.devices)]
+            tid = self._collective_task("allreduce tied embedding", "comm_dp", "all_reduce", nbytes,
+                                        [we.rep, wh.rep], twins, [ends[we.wid], ends[wh.wid]], we, "dp")
+            ends[we.wid] = tid
+            ends[wh.wid] = tid
+        return ends
+
+    def _tied_pairs(self, workers: list[Worker]) -> list[tuple[Worker, Worker, float]]:
+        cfg = self.graph.config or {}
+        vocab, hidden = cfg.get("vocab"), cfg.get("hidden")
+        if not vocab or not hidden:
+            return []
+        emb = [w for w in workers if any(layer.tp_style == "embedding" for c in w.chunks
+                                         for layer in self.chunks[c].layers)]
+        head = [w for w in workers if any(layer.tp_style == "head" for c in w.chunks
+                                          for layer in self.chunks[c].layers)]
+        tied = bool(cfg.get("tie", True))
+        out = []
+        for we in emb:
+            for wh in head:
+                if we.wid != wh.wid and we.replica == wh.replica and tied:
+                    out.append((we, wh, vocab * hidden / len(we.devices) * self.grad_bytes))
+        return out
+
+    def _emit_step(self, workers: list[Worker], ends: dict[int, int]) -> None:
+        plan, model = self.plan, self.model
+        world = max(2, sum(len(s) for s in self.all_workers))
+        alpha = float(self.view.latency.max()) if self.view.num_devices > 1 else 0.0
+        barrier = self.tg.add("grad-norm allreduce", "comm", "global/sync",
+                              2 * math.ceil(math.log2(world)) * alpha + model.host_comm_s,
+                              [ends[w.wid] for w in workers if ends[w.wid] >= 0]
+                              + [self.item_last[w.wid][-1] for w in workers if self.item_last[w.wid]])
+        for w in workers:
+            params = self.worker_params[w.wid]
+            dp = len(self.all_workers[w.stage])
+            shard = params / dp if plan.zero >= 1 else params
+            kind = max(w.kinds, key=lambda k: -k.memory_bandwidth)  # slowest memory paces the group
+            t = optimizer_time(shard, kind, model) + model.step_host_s
+            opt_task = self.tg.add("optimizer step", "optimizer", self._label(w, "compute"), t, [barrier],
+                                   device=w.rep, stage=w.stage, args={"params": shard})
+            if plan.zero in (1, 2) and dp > 1:
+                ring, twins = self._dp_group(w)
+                self._collective_task("allgather params", "comm_zero", "all_gather", params * self.param_bytes,
+                                      ring, twins, [opt_task], w, "zero")
+
+
+def lower(graph: OpGraph, plan: Plan, view: ClusterView, options: SimOptions | None = None) -> Lowered:
+    """Lower one training iteration of `graph` under `plan` on `view` to a task graph."""
+    options = options or SimOptions()
+    if not plan.stages and plan.world_size > view.num_devices:
+        raise LoweringError(
+            f"plan needs {plan.world_size} devices (dp*tp*pp) but cluster {view.name!r} has {view.num_devices}")
+    if plan.device_order is not None and max(plan.device_order) >= view.num_devices:
+        raise LoweringError(
+            f"plan field 'device_order': device {max(plan.device_order)} is not in cluster "
+            f"{view.name!r} ({view.num_devices} devices)")
+    return _Lowerer(graph, plan, view, options).lower()

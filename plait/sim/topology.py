@@ -1,0 +1,120 @@
+"""The simulator's view of a cluster: device kinds, pair bandwidths and latencies, link resources.
+
+A transfer from device ``i`` to ``j`` crosses *resources* whose bandwidth concurrent
+transfers share (`plait.sim.engine`):
+
+* the pair path ``i->j`` at the effective pair bandwidth ``B[i, j]`` (what
+  `Cluster.bandwidth_matrix` reports: NVLink/NVSwitch port, PCIe, or the slower NIC);
+* inside a node, the sender's egress port and the receiver's ingress port (an NVSwitch
+  port carries every flow of its GPU: two transfers out of one GPU to different peers
+  share it);
+* across nodes, the sender's and receiver's NIC (one NIC per GPU, rail-affine as NCCL
+  uses them) and the nodes' aggregate NIC capacity (``nics * nic bandwidth``), which the
+  GPUs of a node share.
+
+Resources are created lazily, so a 4096-GPU cluster costs nothing until a flow uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plait.cluster.spec import Cluster, GPUKind
+from plait.cost.collectives import GroupLinks, group_links
+
+
+@dataclass
+class ClusterView:
+    """Per-device facts the lowering and the engine need (built from a `Cluster` or by hand)."""
+
+    kinds: list[GPUKind]
+    node_of: np.ndarray
+    bandwidth: np.ndarray
+    latency: np.ndarray
+    node_nic_bandwidth: list[float] | None = None  # aggregate NIC egress per node (bytes/s)
+    name: str = "cluster"
+    cluster: Cluster | None = None
+    _port: np.ndarray | None = field(default=None, repr=False)
+    _nic: np.ndarray | None = field(default=None, repr=False)
+    _groups: dict = field(default_factory=dict, repr=False)
+    _paths: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_cluster(cls, cluster: Cluster) -> ClusterView:
+        devices = cluster.devices
+        nic = [n.nic.bandwidth * max(1, n.nics) for n in cluster.nodes]
+        return cls(kinds=[d.kind for d in devices],
+                   node_of=np.array([d.node for d in devices], dtype=np.int64),
+                   bandwidth=np.asarray(cluster.bandwidth_matrix(), dtype=float),
+                   latency=np.asarray(cluster.latency_matrix(), dtype=float),
+                   node_nic_bandwidth=nic, name=cluster.name, cluster=cluster)
+
+    @classmethod
+    def uniform(cls, num_devices: int, kind: GPUKind, gpus_per_node: int, intra_bandwidth: float,
+                intra_latency: float, inter_bandwidth: float = 25e9, inter_latency: float = 5e-6,
+                nics_per_node: int | None = None, name: str = "uniform") -> ClusterView:
+        """A homogeneous cluster without a `Cluster` object (tests, benchmarks)."""
+        node_of = np.arange(num_devices) // gpus_per_node
+        same = node_of[:, None] == node_of[None, :]
+        bw = np.where(same, intra_bandwidth, inter_bandwidth).astype(float)
+        lat = np.where(same, intra_latency, inter_latency).astype(float)
+        np.fill_diagonal(bw, kind.memory_bandwidth)
+        np.fill_diagonal(lat, 0.0)
+        nodes = int(node_of.max()) + 1
+        nics = gpus_per_node if nics_per_node is None else nics_per_node
+        return cls(kinds=[kind] * num_devices, node_of=node_of, bandwidth=bw, latency=lat,
+                   node_nic_bandwidth=[inter_bandwidth * nics] * nodes, name=name)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.kinds)
+
+    # ---------------------------------------------------------------- capacities
+    def _ports(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._port is None:
+            bw = self.bandwidth.copy()
+            np.fill_diagonal(bw, 0.0)
+            same = self.node_of[:, None] == self.node_of[None, :]
+            self._port = np.where(same, bw, 0.0).max(axis=1)
+            self._nic = np.where(~same, bw, 0.0).max(axis=1)
+        return self._port, self._nic  # type: ignore[return-value]
+
+    def path(self, src: int, dst: int) -> list[tuple[tuple, float]]:
+        """Resources (key, capacity in bytes/s) a transfer src -> dst crosses."""
+        if src == dst:
+            return []
+        hit = self._paths.get((src, dst))
+        if hit is not None:
+            return hit
+        out = self._path(src, dst)
+        self._paths[(src, dst)] = out
+        return out
+
+    def _path(self, src: int, dst: int) -> list[tuple[tuple, float]]:
+        port, nic = self._ports()
+        out: list[tuple[tuple, float]] = [(("pair", src, dst), float(self.bandwidth[src, dst]))]
+        ns, nd = int(self.node_of[src]), int(self.node_of[dst])
+        if ns == nd:
+            out.append((("out", src), float(port[src]) or float(self.bandwidth[src, dst])))
+            out.append((("in", dst), float(port[dst]) or float(self.bandwidth[src, dst])))
+        else:
+            out.append((("nic_out", src), float(nic[src])))
+            out.append((("nic_in", dst), float(nic[dst])))
+            if self.node_nic_bandwidth is not None:
+                out.append((("node_out", ns), float(self.node_nic_bandwidth[ns])))
+                out.append((("node_in", nd), float(self.node_nic_bandwidth[nd])))
+        return out
+
+    def group(self, devices: Sequence[int]) -> GroupLinks:
+        key = tuple(devices)
+        hit = self._groups.get(key)
+        if hit is None:
+            hit = self._groups[key] = group_links(key, self.bandwidth, self.latency, self.node_of)
+        return hit
+
+    def pair(self, src: int, dst: int) -> tuple[float, float]:
+        """(bandwidth, latency) of the pair."""
+        return float(self.bandwidth[src, dst]), float(self.latency[src, dst])

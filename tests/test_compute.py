@@ -1,0 +1,103 @@
+"""Compute cost model: roofline kernels, wave quantisation, alignment, Megatron layer structure."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.cluster.catalog import GPU_KINDS
+from plait.cost.compute import (
+    DEFAULT_MODEL,
+    Collective,
+    ComputeModel,
+    TransformerShape,
+    gemm_time,
+    generic_layer_cost,
+    head_cost,
+    layer_cost,
+    memory_time,
+    optimizer_time,
+    transformer_layer_cost,
+)
+from plait.sim.gpt import gpt_opgraph
+
+A100 = GPU_KINDS["a100-80gb"]
+V100 = GPU_KINDS["v100-32gb"]
+M = ComputeModel(gemm_efficiency=0.8, memory_efficiency=0.8, kernel_gpu_s=0.0, unaligned_penalty=3.0)
+
+
+def test_large_gemm_runs_at_efficiency_times_peak() -> None:
+    m = n = k = 108 * 128  # tiles fill every A100 SM exactly
+    t = gemm_time(m, n, k, A100, "bf16", M)
+    assert t == pytest.approx(2 * m * n * k / (312e12 * 0.8))
+
+
+def test_wave_quantisation_and_alignment() -> None:
+    full = gemm_time(128 * 54, 256, 8192, A100, "bf16", M)  # 108 tiles: one full wave
+    plus = gemm_time(128 * 55, 256, 8192, A100, "bf16", M)  # 110 tiles spill into a second wave
+    assert plus == pytest.approx(2 * full * 55 / 54 * 108 / 110, rel=1e-9)
+    aligned = gemm_time(4096, 50304, 1024, A100, "fp16", M)
+    unaligned = gemm_time(4096, 50257, 1024, A100, "fp16", M)
+    assert unaligned > 2.5 * aligned  # GPT-2's vocabulary is not a multiple of 8
+
+
+def test_memory_bound_kernels() -> None:
+    assert memory_time(2.039e12 * 0.8, A100, M) == pytest.approx(1.0)
+    # A batched product with k = 64 (attention scores) is memory-bound on an A100.
+    s, d, batch = 1024, 64, 16
+    t = gemm_time(s, s, d, A100, "fp16", M, batch=batch)
+    assert t == pytest.approx((s * d * 2 + s * s) * batch * 2 / (2.039e12 * 0.8))
+    assert optimizer_time(1e9, A100, M) == pytest.approx(1e9 * M.optimizer_bytes_per_param / (2.039e12 * 0.8))
+
+
+def test_transformer_flops_and_collectives() -> None:
+    shape = TransformerShape(hidden=1024, heads=16, seq=1024, ffn=4096, kv_heads=16, head_dim=64)
+    b, s, h = 2, 1024, 1024
+    for tp in (1, 2, 4):
+        cost = transformer_layer_cost(shape, b, A100, "fp16", tp=tp, model=M)
+        fwd = (24 * b * s * h * h + 4 * b * s * s * h) / tp  # Narayanan et al. 2021
+        assert cost.fwd.flops == pytest.approx(fwd)
+        assert cost.bwd.flops == pytest.approx(2 * fwd)
+        colls = [c.op for c in cost.fwd.collectives], [c.op for c in cost.bwd.collectives]
+        assert colls == ((["all_reduce"] * 2, ["all_reduce"] * 2) if tp > 1 else ([], []))
+        assert cost.params == pytest.approx((12 * h * h + 7 * h) / tp + 6 * h, rel=1e-9)
+    sp = transformer_layer_cost(shape, b, A100, "fp16", tp=4, sequence_parallel=True, model=M)
+    assert sorted(c.op for c in sp.fwd.collectives) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+    assert all(isinstance(c, Collective) and c.nbytes == b * s * h * 2 for c in sp.fwd.collectives)
+    full = transformer_layer_cost(shape, b, A100, "fp16", model=M)
+    assert full.recompute("full").flops == pytest.approx(full.fwd.flops)
+    assert 0 < full.recompute("selective").flops < full.fwd.flops
+    assert full.recompute("none").flops == 0
+
+
+def test_host_bound_small_layers_gpu_bound_large() -> None:
+    model = DEFAULT_MODEL.replace(host_fwd_s=50e-6)
+    shape = TransformerShape(hidden=256, heads=4, seq=128, ffn=1024, kv_heads=4, head_dim=64)
+    small = transformer_layer_cost(shape, 1, A100, "fp16", model=model)
+    assert small.fwd.compute_s == pytest.approx(small.fwd.host_s)  # the host cannot keep up
+    big = TransformerShape(hidden=8192, heads=64, seq=2048, ffn=32768, kv_heads=64, head_dim=128)
+    large = transformer_layer_cost(big, 4, A100, "fp16", model=model)
+    assert large.fwd.compute_s == pytest.approx(large.fwd.gpu_s)
+    # Each device kind at its own speed: a V100 is slower on the same layer.
+    assert transformer_layer_cost(big, 4, V100, "fp16", model=model).fwd.compute_s > 2 * large.fwd.compute_s
+
+
+def test_head_and_uneven_tp_share() -> None:
+    slow = head_cost(50257, 1024, 1024, 1, A100, "fp16", tp=1, model=M)
+    fast = head_cost(50304, 1024, 1024, 1, A100, "fp16", tp=1, model=M)
+    assert slow.fwd.compute_s > fast.fwd.compute_s
+    shape = TransformerShape(hidden=2048, heads=16, seq=1024, ffn=8192, kv_heads=16, head_dim=128)
+    big = transformer_layer_cost(shape, 4, A100, "fp16", tp=2, share=0.75, model=M)
+    small = transformer_layer_cost(shape, 4, A100, "fp16", tp=2, share=0.25, model=M)
+    assert big.fwd.flops > 2.5 * small.fwd.flops
+
+
+def test_generic_path_matches_captured_flops() -> None:
+    graph = gpt_opgraph({"layers": 2, "hidden": 256, "heads": 4, "seq": 128, "vocab": 1000}, "bf16")
+    layer = graph.layers[1]
+    generic = generic_layer_cost(layer, graph, 2, A100, "bf16", model=M)
+    assert generic.fwd.flops == pytest.approx(2 * layer.fwd_flops)
+    assert generic.bwd.flops == pytest.approx(2 * layer.bwd_flops)
+    megatron = layer_cost(layer, graph, 2, A100, "bf16", model=M)
+    assert megatron.fwd.flops == pytest.approx(2 * layer.fwd_flops)
+    # Same physics, different kernel lists: within a factor of two of each other.
+    assert 0.5 < generic.fwd.compute_s / megatron.fwd.compute_s < 2.0
