@@ -254,8 +254,8 @@ def test_logits_dominate_small_gpt_with_large_vocab():
     bd = est.breakdown(0)
     assert bd.logits == pytest.approx(4 * 4 * s * b * V)  # four fp32 logits-sized tensors
     one = estimate_memory(g, Plan(micro_batch=b, global_batch=b, dtype="fp32"), cluster(), overhead_bytes=0,
-                          loss_copies=1).breakdown(0)
-    # with a single fp32 copy (Megatron's fused loss) the peak moves to the head's backward, where
+                          loss="fused").breakdown(0)
+    # with a single fp32 copy and no held logits (Megatron's fused loss) the peak moves to the head's backward, where
     # the gradients of its output (logits-sized) and input are the temporaries
     assert one.logits == 0 and one.phase == "backward"
     assert one.other == pytest.approx(4 * b * (s * V + s * h))

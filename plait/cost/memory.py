@@ -33,12 +33,14 @@ What lives on a device at its peak (all bytes):
   count + 1; on stage 0 that is L(1 + (p-1)/(pv)) layers' worth, Korthikanti
   §4.2.3), and a stage of a graph pipeline 1 + its longest path to a sink stage
   (GraphPipe's generalised 1F1B).
-* **Loss working set.** The sink layers' outputs (GPT: the logits, s·b·vocab)
-  converted to fp32 for the loss. PyTorch's eager ``cross_entropy`` holds four
-  such tensors at the start of backward -- the logits the caller keeps, the saved
-  log-softmax output, and the gradients of both -- which we measured with
-  ``MemTracker`` (bench/memory_error.py); Megatron's fused vocab-parallel cross
-  entropy needs about one (pass ``loss_copies=1``).
+* **Loss working set** (``loss="eager"``). The sink layers' outputs (GPT: the
+  logits, s·b·vocab) converted to fp32 for the loss. PyTorch's eager
+  ``cross_entropy`` holds four such tensors at the start of backward -- the logits
+  the caller keeps, the saved log-softmax output, and the gradients of both -- as
+  measured with ``MemTracker`` (bench/memory_error.py); the training loop then keeps
+  the outputs (one copy) through the rest of backward and the optimizer step.
+  Megatron's fused vocab-parallel cross entropy (``loss="fused"``) keeps one fp32
+  copy at the loss and frees the logits afterwards.
 * **Backward transients**: while layer i runs backward, the gradients of its input
   and output (one micro-batch, s·b·h each for a transformer layer).
 * **Gradients over time.** Megatron's contiguous gradient buffer, DDP's buckets,
@@ -82,7 +84,9 @@ from plait.plan.ir import Plan, StageSpec
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 FRAMEWORK_OVERHEAD_BYTES = 1 * GiB
 DP_BUCKET_BYTES = 25 * MiB
-LOSS_COPIES = 4.0
+# loss implementation -> (fp32 copies of the model outputs at the loss, copies of the outputs
+# (plan dtype) the training loop holds through backward and the step)
+LOSS_MODELS = {"eager": (4.0, 1.0), "fused": (1.0, 0.0)}
 
 _DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
@@ -437,20 +441,24 @@ def estimate_memory(
     optimizer: str = "adam",
     overhead_bytes: int | None = None,
     dp_bucket_bytes: int = DP_BUCKET_BYTES,
-    loss_copies: float = LOSS_COPIES,
+    loss: str = "eager",
     persistent_grads: bool | None = None,
 ) -> MemoryEstimate:
     """Per-device peak bytes of one training iteration of `graph` under `plan` on `cluster`.
 
     `optimizer`: one of OPTIMIZERS (see the module docstring for the step's working set).
     `overhead_bytes`: per-GPU framework constant (default FRAMEWORK_OVERHEAD_BYTES; 0 for CPU).
+    `loss`: "eager" (PyTorch cross_entropy on the outputs) or "fused" (Megatron's).
     `persistent_grads`: force gradients to live all iteration (True) or only from their
     backward to the step (False); default decides from the plan (see module docstring).
     """
     if optimizer not in _OPTIMIZERS:
         raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
-    if loss_copies < 0 or dp_bucket_bytes < 0 or (overhead_bytes is not None and overhead_bytes < 0):
-        raise MemoryEstimateError("estimate_memory: loss_copies, dp_bucket_bytes and overhead_bytes must be >= 0")
+    if loss not in LOSS_MODELS:
+        raise MemoryEstimateError(f"loss: unknown {loss!r}; use one of {tuple(LOSS_MODELS)}")
+    loss_copies, held_copies = LOSS_MODELS[loss]
+    if dp_bucket_bytes < 0 or (overhead_bytes is not None and overhead_bytes < 0):
+        raise MemoryEstimateError("estimate_memory: dp_bucket_bytes and overhead_bytes must be >= 0")
     la = _layer_arrays(graph)
     kinds, nodes, caps = _cluster_devices(cluster)
     n_dev = len(kinds)
@@ -525,7 +533,8 @@ def estimate_memory(
             row = _device_row(
                 la, ids, r=float(r_k), b=int(b_k), n_flight=in_flight[s], dp=st.dp, plan=plan,
                 w_b=w_b, g_b=g_b, k_b=k_b, step_kind=step_kind, act_scale=act_scale,
-                loss_scale=loss_scale, loss_copies=loss_copies, persistent=persistent,
+                loss_scale=loss_scale, loss_copies=loss_copies, held_copies=held_copies,
+                persistent=persistent,
                 dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tied_extra=tied_extra,
             )
             sel = devs if len(uniq) == 1 else devs[which.reshape(-1) == k]
@@ -565,6 +574,7 @@ def _device_row(
     act_scale: float,
     loss_scale: float,
     loss_copies: float,
+    held_copies: float,
     persistent: bool,
     dp_bucket: int,
     p2p: float,
@@ -588,9 +598,12 @@ def _device_row(
     a_mb = b * float(a_kept.sum())
     cum = b * np.cumsum(a_kept)  # activations of layers 0..i of the current micro-batch
 
-    loss_vec = loss_scale * la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]
-    # what a captured loss saved is already counted among the activations
-    loss_ws = b * max(0.0, loss_copies * float(loss_vec.sum()) - act_scale * float(la.loss_saved[ids].sum()))
+    out_vec = la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]  # model outputs, per sample
+    # at the loss: `loss_copies` fp32 copies of the outputs (what a captured loss saved is
+    # already counted among the activations); afterwards the loop still holds the outputs
+    loss_ws = b * max(0.0, loss_copies * loss_scale * float(out_vec.sum())
+                      - act_scale * float(la.loss_saved[ids].sum()))
+    held = b * held_copies * act_scale * float(out_vec.sum())
 
     # ---- gradients alive during backward: all (persistent) or those of layers i..end
     if persistent:
@@ -599,13 +612,13 @@ def _device_row(
         suffix = np.cumsum((g_b * psi_layers)[::-1])[::-1]
         g_at = suffix / (dp if zero >= 2 else 1)
     others = max(n_flight - 1.0, 0.0) * a_mb  # earlier micro-batches still waiting for backward
-    per_layer = others + cum + b * (work + transient) + g_at
+    per_layer = others + cum + b * (work + transient) + g_at + held
     i_max = int(np.argmax(per_layer))
     at_loss = others + a_mb + loss_ws + (grads_full if persistent else 0.0)
     if loss_ws > 0 and at_loss >= per_layer[i_max]:
         act, logits, tmp, g_now = others + a_mb, loss_ws, 0.0, (grads_full if persistent else 0.0)
     else:
-        act, logits = others + float(cum[i_max]), 0.0
+        act, logits = others + float(cum[i_max]), held
         tmp, g_now = b * float(work[i_max] + transient[i_max]), float(g_at[i_max])
     backward_total = act + logits + tmp + g_now
 
@@ -616,7 +629,7 @@ def _device_row(
         step_tmp = 2 * 4.0 * float(la.max_tensor[ids].max()) * (r if la.count_tp[ids].any() else 1.0)
     else:
         step_tmp = 0.0
-    step_total = grads_full + step_tmp
+    step_total = grads_full + step_tmp + held
 
     # ---- communication buffers
     comm = p2p * b * act_scale * sp  # one micro-batch in each direction across stage boundaries
@@ -628,7 +641,7 @@ def _device_row(
     row = np.zeros(len(CATEGORIES) + 1)
     row[_W], row[_O], row[_C] = weights, opt, comm
     if step_total > backward_total:
-        row[_G], row[_X], row[-1] = grads_full, step_tmp, 1.0
+        row[_G], row[_L], row[_X], row[-1] = grads_full, held, step_tmp, 1.0
     else:
         row[_G], row[_A], row[_L], row[_X] = g_now, act, logits, tmp
     return row
@@ -756,43 +769,89 @@ def measure_step_peak(
     loss_fn: Any,
     *,
     optimizer: str = "adam",
+    micro_batches: int = 1,
+    checkpoint: list[Any] | None = None,
     warmup_steps: int = 1,
 ) -> MeasuredPeak:
-    """Peak bytes of one steady-state training step (forward, loss, backward, optimizer step,
-    ``zero_grad(set_to_none=True)``) of `module` on its (CPU) device.
+    """Peak bytes of one steady-state training step of `module` on its (CPU) device:
+    `micro_batches` forward/loss/backward passes on equal slices of the batch (gradient
+    accumulation), the optimizer step and ``zero_grad(set_to_none=True)``.
+
+    `checkpoint` lists submodules whose forward runs under
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (full recompute).
 
     Uses ``torch.distributed._tools.mem_tracker.MemTracker``, a TorchDispatchMode that
     follows every storage an op creates and frees (weak references), so the peak is
     exact on CPU, where there is no caching allocator. The warm-up step(s) run outside
     the tracker so Adam's lazily created state exists, as in every step after the first;
-    the module, optimizer and batch are registered with ``track_external``.
+    the module and optimizer are registered with ``track_external``; each micro-batch is
+    copied in when its turn comes, as a data loader would hand it over.
     """
+    import functools
+
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     base = optimizer.split("-")[0]
     if base in ("adam", "adamw"):
         cls = torch.optim.AdamW if base == "adamw" else torch.optim.Adam
-        opt = cls(module.parameters(), lr=1e-4)
+        kwargs = {"foreach": True} if optimizer.endswith("foreach") else {}
+        opt = cls(module.parameters(), lr=1e-4, **kwargs)
     elif base == "sgd":
         opt = torch.optim.SGD(module.parameters(), lr=1e-4, momentum=0.9 if "momentum" in optimizer else 0.0)
     else:
         raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+    batch = int(target.shape[0])
+    if micro_batches < 1 or batch % micro_batches:
+        raise MemoryEstimateError(f"micro_batches: {micro_batches} does not divide the batch of {batch}")
+    mb = batch // micro_batches
 
-    def step() -> None:
-        out = module(*inputs)
-        loss = loss_fn(out, target)
-        loss.backward()
+    def piece(x: Any, i: int) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return x[i * mb:(i + 1) * mb]
+        return x
+
+    # Slice outside the tracker: a view made under MemTracker would make it count the
+    # whole batch's storage. Inside, each micro-batch is copied in when its turn comes,
+    # as a data loader hands it over, so only the micro-batch in use is resident.
+    pieces = [(tuple(piece(x, i) for x in inputs), piece(target, i)) for i in range(micro_batches)]
+
+    def load(x: Any) -> Any:
+        return x.clone() if isinstance(x, torch.Tensor) else x
+
+    def step(tracker: Any = None) -> None:
+        # The usual loop: `out` and `loss` stay referenced until reassigned, so the outputs
+        # of the last micro-batch are alive through the optimizer step.
+        for i in range(micro_batches):
+            if tracker is not None and i:
+                tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
+            x = tuple(load(t) for t in pieces[i][0])
+            y = load(pieces[i][1])
+            out = module(*x)
+            loss = loss_fn(out, y) / micro_batches
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    module.train()
-    for _ in range(warmup_steps):
-        step()
-    tracker = MemTracker()
-    tracker.track_external(module, opt, *[t for t in inputs if isinstance(t, torch.Tensor)], target)
-    with tracker:
-        step()
+    saved_forwards = []
+    for sub in checkpoint or []:
+        saved_forwards.append((sub, sub.__dict__.get("forward")))
+        sub.forward = functools.partial(torch_checkpoint, sub.forward, use_reentrant=False)
+    try:
+        module.train()
+        for _ in range(warmup_steps):
+            step()
+        tracker = MemTracker()
+        tracker.track_external(module, opt)
+        with tracker:
+            step(tracker)
+    finally:
+        for sub, fwd in saved_forwards:
+            if fwd is None:
+                del sub.forward
+            else:
+                sub.forward = fwd
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
     cats = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
     return MeasuredPeak(peak_bytes=int(snap["Total"]), by_category=cats)
