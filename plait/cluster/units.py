@@ -24,6 +24,7 @@ expected; the YAML loader adds the file and the field path.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from decimal import Decimal
@@ -195,44 +196,56 @@ def format_flops(x: float, digits: int = 4) -> str:
 
 
 def _exact(x: float, scales: list[tuple[float, str]], parse) -> str | float:
-    """The shortest unit string that parses back to exactly `x`, else `x` (for YAML dumps)."""
+    """The shortest unit string that parses back to exactly `x`, else `x` (for YAML dumps).
+
+    repr(x) is the shortest decimal that rounds to x; moving its decimal point for a
+    power-of-ten unit (or dividing by a power-of-two unit, exact in binary) keeps that
+    property because parsing is exact, so one candidate per unit suffices; the chosen
+    one is still checked by parsing it back."""
     if x == 0 or not math.isfinite(x):
         return x
-    best: tuple[tuple[bool, int], str] | None = None
+    digits = Decimal(repr(float(x))).normalize()
+    candidates = []
     for scale, name in scales:
-        for digits in range(1, 18):  # fewest significant digits that parse back exactly
-            number = f"{x / scale:.{digits}g}"
-            if "e" in number and abs(x / scale) < 1e21:  # "2e+02" -> "200"
-                number = format(Decimal(number), "f")
-            text = f"{number} {name}"
-            try:
-                ok = parse(text) == x
-            except UnitError:
-                ok = False
-            if ok:
-                key = (abs(x) < scale, len(text))  # prefer "300 GB/s" to "0.3 TB/s"
-                if best is None or key < best[0]:
-                    best = (key, text)
-                break
-    return best[1] if best is not None else x
+        exponent = math.log10(scale)
+        if exponent == int(exponent):
+            number = format(digits.scaleb(-int(exponent)), "f")
+        else:
+            number = repr(x / scale)
+        if number.endswith(".0"):
+            number = number[:-2]
+        if len(number) <= 20:  # "0.000...1 ns": the plain number reads better
+            # prefer "300 GB/s" to "0.3 TB/s", then the shortest
+            candidates.append(((abs(x) < scale, len(number)), f"{number} {name}"))
+    for _, text in sorted(candidates):
+        try:
+            if parse(text) == x:
+                return text
+        except UnitError:
+            pass
+    return x
 
 
+@functools.lru_cache(maxsize=4096)  # dumps repeat the same link figures on every node
 def exact_bandwidth(x: float, bits: bool = False) -> str | float:
     """`x` bytes/s as a unit string that parses back exactly; `bits`: in Gb/s as NICs are sold."""
-    if bits and x > 0 and math.isfinite(x):
+    if bits and x * 8 >= 1e9 and math.isfinite(x):
         text = _exact(x * 8, [(1e9, "Gb/s")], lambda t: parse_bandwidth(t) * 8)
         if isinstance(text, str):
             return text
     return _exact(x, _BW_SCALES, parse_bandwidth)
 
 
+@functools.lru_cache(maxsize=4096)
 def exact_duration(x: float) -> str | float:
     return _exact(x, _TIME_SCALES, parse_duration)
 
 
+@functools.lru_cache(maxsize=4096)
 def exact_bytes(x: float) -> str | float:
     return _exact(x, _SIZE_SCALES + [(1e12, "TB"), (1e9, "GB"), (1e6, "MB")], parse_bytes)
 
 
+@functools.lru_cache(maxsize=4096)
 def exact_flops(x: float) -> str | float:
     return _exact(x, _FLOP_SCALES, parse_flops)
