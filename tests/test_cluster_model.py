@@ -11,7 +11,16 @@ from hypothesis import strategies as st
 from plait.cluster import dump_cluster, fabric_graph, parse_yaml_text
 from plait.cluster.catalog import GPU_KINDS
 from plait.cluster.loader import LINK_TYPES
-from plait.cluster.spec import DTYPES, Cluster, EmulationSpec, GPUKind, Link, NodeSpec, PairOverride, SwitchSpec
+from plait.cluster.spec import (
+    DTYPES,
+    Cluster,
+    EmulationSpec,
+    GPUKind,
+    Link,
+    NodeSpec,
+    PairOverride,
+    SwitchSpec,
+)
 
 SETTINGS = settings(max_examples=30, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
