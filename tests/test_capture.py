@@ -115,7 +115,7 @@ def test_dropout_mask_is_one_byte_like_cuda():
         nn.Sequential(nn.Linear(h, h), nn.Dropout(0.1), nn.Linear(h, h)),
         (torch.randn(2, h),),
         name="d",
-        cuda_dropout=False,
+        cuda_kernels=False,
     )
     assert _per_sample(g_cpu, "saved_bytes")["1"] == h * F32  # CPU's float mask
 
@@ -384,6 +384,30 @@ def test_gpt_saved_bytes_match_korthikanti(s, h, a):
         assert layer.saved_tp_bytes == pytest.approx(s * h * (24 + 5 * a * s / h), rel=0.05)
         assert layer.saved_selective_bytes == pytest.approx(5 * a * s * s, rel=0.05)
         assert layer.input_bytes == layer.output_bytes == 2 * s * h
+
+
+def test_sdpa_traced_as_flash_attention():
+    """F.scaled_dot_product_attention keeps O(s) per head (flash on GPU), not the s x s
+    probabilities of the CPU math path: Korthikanti's 5as/h term disappears."""
+    from plait.graph.zoo import load_model
+
+    s, h, a = 64, 96, 3
+    spec = load_model(f"gpt:layers=2,hidden={h},heads={a},seq={s},vocab=128,sdpa=true")
+    inputs, target = spec.sample_batch(2, device="meta")
+    kwargs = dict(name="gpt", loss_fn=lambda out: spec.loss(out, target))
+    flash = capture(spec.build("meta", dtype=torch.float16), inputs, **kwargs).layer("layers.1")
+    math_path = capture(
+        spec.build("meta", dtype=torch.float16), inputs, cuda_kernels=False, **kwargs
+    ).layer("layers.1")
+    assert flash.saved_bytes == pytest.approx(34 * s * h, rel=0.02)
+    assert flash.saved_selective_bytes < 0.01 * flash.saved_bytes
+    assert math_path.saved_bytes > 34 * s * h + 4 * a * s * s  # keeps s x s tensors
+    ops = {
+        op.target
+        for op in capture(spec.build("meta", dtype=torch.float16), inputs, **kwargs).ops.values()
+    }
+    assert "aten._scaled_dot_product_flash_attention.default" in ops
+    assert flash.fwd_flops == math_path.fwd_flops  # 4·s²·h either way
 
 
 # ---------------------------------------------------------------------------- errors

@@ -20,10 +20,12 @@ real memory). Four PyTorch mechanisms do the observing:
   every saved storage alive), so a tensor saved by two ops, or two views of one
   storage, count once, at the op that saved it first.
 
-Dropout: on CPU and meta, `F.dropout` saves a mask in the activation dtype, while
-CUDA's fused `native_dropout` keeps a 1-byte bool mask. plait predicts GPU training,
-so capture routes `F.dropout` to `torch.native_dropout` (Korthikanti et al. 2022
-count the masks as 1 byte per element).
+CUDA kernels: plait predicts GPU training, but on CPU and meta `F.dropout` keeps a
+mask in the activation dtype (CUDA's fused `native_dropout`: 1 byte, as Korthikanti
+et al. 2022 count it) and `F.scaled_dot_product_attention` takes the math path that
+keeps the s x s probabilities (CUDA: flash / memory-efficient attention, O(s)). So
+capture routes both to the CUDA kernels, whose meta implementations exist
+(`cuda_kernels=False` keeps the CPU behaviour).
 
 All figures are divided by the capture batch: an `OpGraph` is per sample.
 """
@@ -248,20 +250,63 @@ class _State:
 
 
 # ---------------------------------------------------------------------------- modes
-class _DropoutAsCuda(TorchFunctionMode):
-    """Route dropout to the fused kernel CUDA uses, whose mask is 1 byte per element."""
+class _CudaKernels(TorchFunctionMode):
+    """Run dropout and attention through the fused kernels CUDA training uses.
 
-    _targets = {F.dropout, torch.dropout, torch.nn.functional.dropout}
+    * dropout: `native_dropout` keeps a 1-byte bool mask (CPU/meta `F.dropout` keeps
+      a mask in the activation dtype);
+    * `F.scaled_dot_product_attention` without a mask: flash attention (fp16/bf16) or
+      memory-efficient attention (fp32), which keep Q, K, V, the output and the
+      log-sum-exp, O(s) per head, where the CPU/meta math path keeps the s x s
+      probabilities. FLOPs then follow `flop_registry`'s formulas for those kernels.
+    """
+
+    _dropout = {F.dropout, torch.dropout}
+    _sdpa_args = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                  "enable_gqa")  # fmt: skip
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self._targets:
+        if func in self._dropout:
             x = args[0]
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
             if train and 0.0 < p < 1.0 and isinstance(x, torch.Tensor) and x.is_floating_point():
                 return torch.native_dropout(x, p, True)[0]
+        elif func is F.scaled_dot_product_attention:
+            out = self._fused_attention(dict(zip(self._sdpa_args, args), **kwargs))
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _fused_attention(a: dict[str, Any]) -> torch.Tensor | None:
+        q, k, v = a["query"], a["key"], a["value"]
+        if (
+            a.get("attn_mask") is not None
+            or not all(isinstance(t, torch.Tensor) for t in (q, k, v))
+            or not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4))
+            or q.shape[:-2] != k.shape[:-2]  # GQA with fewer KV heads: keep the math path
+            or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+        ):
+            return None
+        three = q.dim() == 3
+        if three:  # [B, s, d]: one head per batch row
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        p, causal, scale = (
+            float(a.get("dropout_p", 0.0)),
+            bool(a.get("is_causal", False)),
+            a.get("scale"),
+        )
+        if q.dtype == torch.float32:
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, p, causal, scale=scale
+            )[0]
+        else:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, p, causal, False, scale=scale
+            )[0]
+        return out.squeeze(0) if three else out
 
 
 class _Recorder(TorchDispatchMode):
@@ -461,7 +506,7 @@ def capture(
     config: dict[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     batch: int | None = None,
-    cuda_dropout: bool = True,
+    cuda_kernels: bool = True,
     replicate: bool = True,
 ) -> OpGraph:
     """Run one training step of `module` on the meta device and describe it as an OpGraph.
@@ -474,6 +519,7 @@ def capture(
     number of samples in `sample_inputs` (default: dim 0 of the first tensor); every
     figure is divided by it.
 
+    `cuda_kernels`: trace dropout and attention as CUDA runs them (see the module doc).
     `replicate`: a run of three or more structurally identical layers in one
     `nn.ModuleList`/`nn.Sequential` (same classes, parameter and buffer shapes, dtypes,
     plain attributes, no hooks, no shared parameters) is traced with its first two
@@ -490,7 +536,7 @@ def capture(
     runs = _find_runs(module) if replicate else []
     while runs:
         with _truncated(runs):
-            state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_dropout)
+            state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_kernels)
         try:
             return _build_graph(state, name, batch, out_leaves, module, config, runs)
         except _NotReplicable as exc:
@@ -500,7 +546,7 @@ def capture(
             runs = [r for r in runs if r is not bad]
             if len(bad.keys) > 3:
                 runs.append(_Run(bad.container, bad.keys[1:], bad.paths[1:]))
-    state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_dropout)
+    state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_kernels)
     return _build_graph(state, name, batch, out_leaves, module, config, [])
 
 
@@ -509,7 +555,7 @@ def _trace(
     inputs: tuple[Any, ...],
     name: str,
     loss_fn: Callable[[Any], torch.Tensor] | None,
-    cuda_dropout: bool,
+    cuda_kernels: bool,
 ) -> tuple[_State, list[torch.Tensor]]:
     """One forward, loss and backward on meta under the recorder; returns the raw records."""
     state = _State(infos=_module_infos(module, name))
@@ -592,7 +638,7 @@ def _trace(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             state.last_seq = _peek_seq()
             state.phase = _FORWARD
-            with recorder, _DropoutAsCuda() if cuda_dropout else _nullcontext():
+            with recorder, _CudaKernels() if cuda_kernels else _nullcontext():
                 try:
                     if substitutes:
                         output = torch.func.functional_call(module, substitutes, inputs)
