@@ -395,17 +395,15 @@ def test_sdpa_traced_as_flash_attention():
     spec = load_model(f"gpt:layers=2,hidden={h},heads={a},seq={s},vocab=128,sdpa=true")
     inputs, target = spec.sample_batch(2, device="meta")
     kwargs = dict(name="gpt", loss_fn=lambda out: spec.loss(out, target))
-    flash = capture(spec.build("meta", dtype=torch.float16), inputs, **kwargs).layer("layers.1")
+    graph = capture(spec.build("meta", dtype=torch.float16), inputs, **kwargs)
+    flash = graph.layer("layers.1")
     math_path = capture(
         spec.build("meta", dtype=torch.float16), inputs, cuda_kernels=False, **kwargs
     ).layer("layers.1")
     assert flash.saved_bytes == pytest.approx(34 * s * h, rel=0.02)
     assert flash.saved_selective_bytes < 0.01 * flash.saved_bytes
     assert math_path.saved_bytes > 34 * s * h + 4 * a * s * s  # keeps s x s tensors
-    ops = {
-        op.target
-        for op in capture(spec.build("meta", dtype=torch.float16), inputs, **kwargs).ops.values()
-    }
+    ops = {op.target for op in graph.ops.values()}
     assert "aten._scaled_dot_product_flash_attention.default" in ops
     assert flash.fwd_flops == math_path.fwd_flops  # 4·s²·h either way
 
