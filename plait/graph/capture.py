@@ -33,6 +33,7 @@ All figures are divided by the capture batch: an `OpGraph` is per sample.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,7 +185,7 @@ class _Rec:
     __slots__ = (
         "target", "module", "layer", "frame_sel", "tp", "fwd_flops", "bwd_flops",
         "param_bytes", "param_count", "saved", "saved_tp", "saved_sel", "out_bytes",
-        "ins", "act", "first_seq",
+        "ins", "act",
     )  # fmt: skip
 
     def __init__(self, target: str, module: str, layer: str | None, frame_sel: int, tp: bool):
@@ -204,7 +205,6 @@ class _Rec:
         # (producer rec index, storage id, tensor bytes) of each activation input
         self.ins: list[tuple[int, int, int]] = []
         self.act = False  # depends on the model's inputs (else a constant: masks, positions)
-        self.first_seq = -1
 
 
 @dataclass
@@ -416,7 +416,6 @@ class _Recorder(TorchDispatchMode):
                     st[1] = idx
                     st[2] = st[2] or act
         if first_seq >= 0:
-            rec.first_seq = first_seq
             for n in range(first_seq, seq):
                 s.seq2rec[n] = idx
 
@@ -433,9 +432,12 @@ class _Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except Exception as exc:
             node = _current_node()
+            idx = self._backward_owner()
+            module = s.recs[idx].module or "<root>" if idx >= 0 else "?"
             raise CaptureError(
                 f"cannot capture backward op {func} (autograd node "
-                f"{node.name() if node is not None else '?'}) on the meta device: {exc}"
+                f"{node.name() if node is not None else '?'}, forward in module {module!r}) "
+                f"on the meta device: {exc}"
             ) from exc
         flops = self._count(packet, args, kwargs, out)
         if flops:
@@ -630,15 +632,15 @@ def _trace(
             entry[3] = 0
         return t  # keeps the storage alive, so its id stays unique
 
-    was_training = module.training
-    module.train()
+    modes = [(m, m.training) for m in module.modules()]
+    module.train()  # a training step: dropout on, batch norm on batch statistics
     h_pre = nn.modules.module.register_module_forward_pre_hook(pre_hook)
     h_post = nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             state.last_seq = _peek_seq()
             state.phase = _FORWARD
-            with recorder, _CudaKernels() if cuda_kernels else _nullcontext():
+            with recorder, _CudaKernels() if cuda_kernels else contextlib.nullcontext():
                 try:
                     if substitutes:
                         output = torch.func.functional_call(module, substitutes, inputs)
@@ -661,24 +663,24 @@ def _trace(
                         f"cannot capture {name}: the loss must be a scalar tensor that requires grad"
                     )
                 state.phase = _BACKWARD
-                loss.backward()
+                try:
+                    loss.backward()
+                except CaptureError:
+                    raise
+                except Exception as exc:
+                    raise CaptureError(
+                        f"cannot capture {name}: backward failed on the meta device: {exc}"
+                    ) from exc
     finally:
         state.phase = _OFF
         state.frames.clear()
         h_pre.remove()
         h_post.remove()
-        module.train(was_training)
+        for m, training in modes:
+            m.training = training
 
     out_leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
     return state, out_leaves
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # ---------------------------------------------------------------------------- replication
