@@ -181,6 +181,20 @@ def test_layer_dag_of_two_branch_model():
     assert g.layer("a").input_bytes == d * F32  # the model input
 
 
+def test_backward_flops_go_to_the_branch_that_made_them():
+    """Backward ops are tied to their forward op by autograd sequence numbers. (torch's
+    ModuleTracker, which FlopCounterMode uses, credits part of branch a's backward to b
+    here: it reports 1920 FLOPs for b and 3120 in all for a 2736-FLOP step.)"""
+    b, d = 3, 8
+    g = capture(_TwoBranch(d), (torch.randn(b, d),), name="two")
+    # a, b: input needs no grad -> dW only; head: dW and dX
+    assert {n: (x.fwd_flops, x.bwd_flops) for n, x in zip(g.layer_names, g.layers)} == {
+        "a": (2 * d * d, 2 * d * d),
+        "b": (2 * d * 2 * d, 2 * d * 2 * d),
+        "head": (2 * 3 * d, 4 * 3 * d),
+    }
+
+
 def test_op_dag_is_consistent():
     g = capture(_TwoBranch(), (torch.randn(2, 8),), name="two")
     dag = g.op_dag()
