@@ -123,6 +123,7 @@ def test_profile_two_local_workers_writes_loadable_yaml(tmp_path) -> None:
     for rows in result.collectives.values():
         for row in rows:
             assert row["time_s"] > 0 and row["algbw"] == pytest.approx(row["bytes"] / row["time_s"])
+    assert len(result.op_overhead) == 2 and all(f > 0 and b > 0 for f, b in result.op_overhead)
     ar = result.collectives["all_reduce"][-1]
     assert ar["busbw"] == pytest.approx(ar["algbw"] * 2 * (2 - 1) / 2)
     c = load_cluster(str(out))

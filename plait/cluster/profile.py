@@ -18,7 +18,9 @@ same time as the others (as in training, where all ranks compute at once):
   output), `algbw = size / t`, `busbw = algbw * 2(n-1)/n` for all-reduce and
   `algbw * (n-1)/n` for all-gather; `t` is the slowest rank's mean time per call.
 * **matmul** throughput per rank and dtype (n x n @ n x n = 2n^3 FLOP; the best of a
-  few n is the kind's achieved peak) and copy memory bandwidth (2 x bytes per copy).
+  few n is the kind's achieved peak), copy memory bandwidth (2 x bytes per copy), the
+  rate of a transformer layer's elementwise kernels (`_stream_rate`) and the fixed cost
+  of one tiny op in forward and backward (eager dispatch, autograd; `_op_overheads`).
 
 When an emulated compute slowdown applies (see `plait.runtime.emulate`), every
 matmul span is stretched by sleeping, exactly as the runtime does, so the profile
@@ -174,6 +176,11 @@ class ProfileResult:
     slowdowns: list[float]
     rounds: list[list[list[tuple[int, int]]]]  # round -> sub-round -> pairs
     seconds: float = 0.0
+    # per rank (forward, backward) seconds per tiny op: eager dispatch (+ autograd) cost,
+    # stretched by the slowdown like any compute -- the per-kernel overhead on a CPU rank
+    op_overhead: list[list[float]] = field(default_factory=list)
+    # per rank, bytes/s of activation-sized elementwise kernels (see `_stream_rate`)
+    stream_bandwidth: list[float] = field(default_factory=list)
 
     def pair(self, a: int, b: int) -> dict[str, float]:
         return self.p2p[f"{a}-{b}"]
@@ -351,6 +358,8 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
         matmul["by_size"][dt] = by_size
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
+    op_fwd, op_bwd = _op_overheads(torch, device, sync, slow, barrier)
+    stream_bw = _stream_rate(torch, device, sync, slow, barrier, cfg.min_time, cuda)
     copy_bytes = (256 if cuda else 32) * MiB
     src = torch.ones(copy_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -369,7 +378,8 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
         mem_bytes = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world))
 
     # ---- gather on every rank (cheap), rank 0 writes
-    mine = {"p2p": p2p, "matmul": matmul, "mem_bw": mem_bw, "mem_bytes": mem_bytes}
+    mine = {"p2p": p2p, "matmul": matmul, "mem_bw": mem_bw, "mem_bytes": mem_bytes, "op": (op_fwd, op_bwd),
+            "stream": stream_bw}
     everything: list[Any] = [None] * world
     dist.all_gather_object(everything, mine)
     result = None
@@ -384,6 +394,8 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
             matmul=[r["matmul"] for r in everything],
             memory_bandwidth=[r["mem_bw"] for r in everything],
             memory_bytes=[r["mem_bytes"] for r in everything],
+            op_overhead=[list(r["op"]) for r in everything],
+            stream_bandwidth=[r["stream"] for r in everything],
             slowdowns=[1.0] * world if cuda else list(cfg.slowdowns or [1.0] * world), rounds=rounds,
             seconds=time.perf_counter() - t_start)
         if result_path:
@@ -393,6 +405,71 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
     barrier()
     dist.destroy_process_group()
     return result
+
+
+def _op_overheads(torch: Any, device: Any, sync: Any, slow: float, barrier: Any, ops: int = 200) -> tuple[float, float]:
+    """Seconds per tiny elementwise op in forward and in backward (all ranks at once).
+
+    On a CPU rank every op pays PyTorch's eager dispatch (and in backward the autograd
+    engine's per-node work) serially with its arithmetic; with 8-element tensors the
+    arithmetic is nil, so this is that fixed cost per op."""
+    x = torch.ones(8, device=device, requires_grad=True)
+    fwd, bwd = [], []
+    barrier()
+    for _ in range(5):  # median of 5, measured under the same contention as training
+        t0 = time.perf_counter()
+        y = x
+        for _i in range(ops):
+            y = y * 1.0001
+        sync()
+        t1 = time.perf_counter()
+        y.sum().backward()
+        sync()
+        t2 = time.perf_counter()
+        if slow > 1.0:
+            time.sleep((slow - 1.0) * (t2 - t0))
+        fwd.append((t1 - t0) * slow / ops)
+        bwd.append((t2 - t1) * slow / ops)
+        x.grad = None
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _stream_rate(torch: Any, device: Any, sync: Any, slow: float, barrier: Any, min_time: float,
+                 cuda: bool) -> float:
+    """Bytes/s of the elementwise kernels of a transformer layer, counted as a roofline does.
+
+    LayerNorm, GELU, softmax (2 x 4 B per element: read + write), dropout (+ a 1-byte
+    mask) and a residual add (3 x 4 B), on activation-sized fp32 tensors. On a GPU these
+    kernels are bound by HBM and run near the copy rate; on a CPU core they are bound by
+    arithmetic (erf, exp, the RNG) and run several times below it -- this is the rate a
+    simulator's memory-bound kernels see on that device."""
+    import torch.nn.functional as F
+
+    n = 1 << (24 if cuda else 17)
+    x = torch.randn(n // 512, 512, device=device)
+    y = torch.randn_like(x)
+    w = torch.ones(512, device=device)
+    kernels = [
+        (lambda: F.layer_norm(x, (512,), w, w), 8),
+        (lambda: F.gelu(x), 8),
+        (lambda: F.softmax(x, dim=-1), 8),
+        (lambda: F.dropout(x, 0.1, training=True), 9),
+        (lambda: x + y, 12),
+    ]
+    for fn, _ in kernels:  # warm-up
+        fn()
+    barrier()
+    moved, total = 0.0, 0.0
+    while total < min_time or moved == 0.0:
+        for fn, per_elem in kernels:
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if slow > 1.0:
+                time.sleep((slow - 1.0) * (time.perf_counter() - t0))
+            total += time.perf_counter() - t0
+            moved += per_elem * n
+    return moved / total
 
 
 # ---------------------------------------------------------------- the launcher
@@ -533,9 +610,18 @@ def _pair_means(result: ProfileResult) -> dict[tuple[int, int], tuple[float, flo
     return out
 
 
+def _mem_bw(result: ProfileResult, rank: int) -> float:
+    """The kind's `memory_bandwidth`: the copy rate on a GPU (HBM-bound kernels, the
+    simulator applies its own efficiency); on a CPU the elementwise-kernel rate, which is
+    what memory-bound kernels achieve there (they are bound by arithmetic, not DRAM)."""
+    if result.device_type == "cpu" and result.stream_bandwidth:
+        return result.stream_bandwidth[rank]
+    return result.memory_bandwidth[rank]
+
+
 def result_to_cluster(result: ProfileResult, base: Any = None, name: str | None = None) -> Any:
     """The measured cluster: one `measured-<kind>` GPU kind per original kind (mean of its
-    ranks' achieved FLOP/s per dtype, copy bandwidth, smallest memory), node links from the
+    ranks' achieved FLOP/s per dtype and memory-kernel rate (`_mem_bw`), smallest memory), node links from the
     medians of the measured pairs, and every measured pair as a device override.
 
     With `base` (the cluster profiled, ranks = its devices) the node layout, NIC counts and
@@ -565,7 +651,7 @@ def result_to_cluster(result: ProfileResult, base: Any = None, name: str | None 
             raise ProfileError("the profile has no fp32 matmul figure; a GPU kind needs one")
         kinds[k] = GPUKind(name=k, peak_flops={d: statistics.fmean(result.matmul[r][d] for r in ranks) for d in dtypes},
                            memory_bytes=min(result.memory_bytes[r] for r in ranks),
-                           memory_bandwidth=statistics.fmean(result.memory_bandwidth[r] for r in ranks))
+                           memory_bandwidth=statistics.fmean(_mem_bw(result, r) for r in ranks))
     pairs = _pair_means(result)
     intra_all = [v for (a, b), v in pairs.items() if node_of[a] == node_of[b]]
     n_nodes = max(node_of) + 1
