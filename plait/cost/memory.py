@@ -41,8 +41,10 @@ What lives on a device at its peak (all bytes):
   the outputs (one copy) through the rest of backward and the optimizer step.
   Megatron's fused vocab-parallel cross entropy (``loss="fused"``) keeps one fp32
   copy at the loss and frees the logits afterwards.
-* **Backward transients**: while layer i runs backward, the gradients of its input
-  and output (one micro-batch, s·b·h each for a transformer layer).
+* **Backward transients**: while layer i runs backward, the gradient of its output
+  plus the larger of the gradient of its input and the gradients around the op
+  running (its output and inputs: e.g. the attention scores, or the MLP's 4h-wide
+  hidden state), for one micro-batch.
 * **Gradients over time.** Megatron's contiguous gradient buffer, DDP's buckets,
   ZeRO partitions and gradient accumulation (m > 1) keep every gradient allocated
   for the whole iteration. A plain eager fp32 loop with one micro-batch and
@@ -270,6 +272,17 @@ class _LayerArrays:
     count_rep: np.ndarray  # parameters replicated across tensor ranks
     count_tp: np.ndarray  # parameters split across tensor ranks
     max_tensor: np.ndarray  # largest single parameter tensor (elements) per layer
+    tp_sharded: np.ndarray  # bool: the layer's big intermediate tensors are split by tensor rank
+    # Ops of all layers, concatenated in layer order (execution order inside a layer), for
+    # the backward peak inside a layer; layers without ops use the layer totals.
+    op_start: np.ndarray  # index of each layer's first op
+    op_count: np.ndarray
+    op_saved: np.ndarray
+    op_tp: np.ndarray
+    op_sel: np.ndarray
+    op_grads: np.ndarray  # gradients alive while the op runs backward: its output + its inputs
+    op_after_sel: np.ndarray  # bool: the op runs after the layer's last selective-recompute op
+    op_covers: np.ndarray  # bool per layer: its ops carry its saved bytes (a captured graph)
     saved: np.ndarray
     saved_tp: np.ndarray
     saved_sel: np.ndarray
@@ -283,6 +296,7 @@ class _LayerArrays:
     tied: tuple[int, int, float] | None  # (embedding layer, head layer, tied parameters)
     act_dtype_bytes: int
     n_layers: int
+    terms: dict = field(default_factory=dict)  # _stage_terms cache
 
 
 _CACHE: dict[int, tuple[int, _LayerArrays]] = {}
@@ -340,10 +354,20 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
     count = np.where(count > 0, count, by_bytes)
     frac = np.array([_tp_param_fraction(graph, i) for i in range(n)])
     max_tensor = np.zeros(n)
+    op_start, op_count = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    op_rows: list[tuple[float, float, float, float, bool]] = []
     for i, layer in enumerate(layers):
-        sizes = [graph.ops[o].param_bytes for o in layer.ops if o in graph.ops]
-        biggest = max(sizes, default=0) or layer.param_bytes
+        ops = [graph.ops[o] for o in layer.ops if o in graph.ops]
+        biggest = max((op.param_bytes for op in ops), default=0) or layer.param_bytes
         max_tensor[i] = biggest / max(graph.param_dtype_bytes, 1)
+        op_start[i], op_count[i] = len(op_rows), len(ops)
+        last_sel = max((k for k, op in enumerate(ops) if op.saved_selective_bytes > 0), default=-1)
+        for k, op in enumerate(ops):
+            # backward of one op holds the gradients of its output and of its inputs
+            grads = op.output_bytes + sum(graph.ops[q].output_bytes for q in op.inputs if q in graph.ops)
+            op_rows.append((op.saved_bytes, op.saved_tp_bytes, op.saved_selective_bytes, grads,
+                            last_sel >= 0 and k > last_sel))
+    op_arr = np.array(op_rows, dtype=np.float64).reshape(-1, 5)
 
     def arr(attr: str) -> np.ndarray:
         return np.array([float(getattr(layer, attr)) for layer in layers], dtype=np.float64)
@@ -375,6 +399,18 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
         count_rep=count * (1.0 - frac),
         count_tp=count * frac,
         max_tensor=max_tensor,
+        tp_sharded=np.array([s == "transformer" for s in styles]),
+        op_start=op_start,
+        op_count=op_count,
+        op_saved=op_arr[:, 0],
+        op_tp=op_arr[:, 1],
+        op_sel=op_arr[:, 2],
+        op_grads=op_arr[:, 3],
+        op_after_sel=op_arr[:, 4].astype(bool),
+        op_covers=np.array([
+            cnt > 0 and abs(op_arr[st:st + cnt, 0].sum() - layer.saved_bytes) <= 0.01 * layer.saved_bytes + 1.0
+            for st, cnt, layer in zip(op_start, op_count, layers)
+        ]),
         saved=arr("saved_bytes"),
         saved_tp=arr("saved_tp_bytes"),
         saved_sel=arr("saved_selective_bytes"),
@@ -558,6 +594,54 @@ def estimate_memory(
     )
 
 
+@dataclass
+class _StageTerms:
+    """Per-sample quantities of one stage on one tensor share, reused across plans."""
+
+    psi_layers: np.ndarray  # parameters per layer on this tensor rank
+    psi: float
+    psi_top2: float  # the two largest layers' parameters (ZeRO-3 gather buffer)
+    step_tensor: float  # largest parameter tensor (elements) on this rank
+    a_sum: float  # activations one micro-batch keeps
+    cum: np.ndarray  # kept activations of layers 0..i
+    extra: np.ndarray  # layer i's backward peak beyond what it keeps
+    i_max: int  # argmax of cum + extra
+    out_sum: float  # model outputs made on this stage
+    loss_saved: float  # bytes a captured loss saved on this stage
+
+
+def _stage_terms(la: _LayerArrays, ids: np.ndarray, *, r: float, sp: float, act_scale: float,
+                 recompute: str, tied_extra: np.ndarray) -> _StageTerms:
+    contiguous = len(ids) and int(ids[-1]) - int(ids[0]) + 1 == len(ids)
+    key = ((int(ids[0]), len(ids)) if contiguous else ids.tobytes(), r, sp, act_scale, recompute,
+           float(tied_extra.sum()))
+    hit = la.terms.get(key)
+    if hit is not None:
+        return hit
+    psi_layers = la.count_rep[ids] + r * (la.count_tp[ids] + tied_extra)
+    a_kept, work = _layer_activations(la, ids, r=r, sp=sp, act_scale=act_scale, recompute=recompute)
+    inner = _backward_inner(la, ids, r=r, sp=sp, act_scale=act_scale, recompute=recompute,
+                            a_kept=a_kept, work=work)
+    cum = np.cumsum(a_kept)
+    extra = inner - a_kept
+    terms = _StageTerms(
+        psi_layers=psi_layers,
+        psi=float(psi_layers.sum()),
+        psi_top2=float(np.sort(psi_layers)[-2:].sum()),
+        step_tensor=float(la.max_tensor[ids].max()) * (r if la.count_tp[ids].any() else 1.0),
+        a_sum=float(cum[-1]),
+        cum=cum,
+        extra=extra,
+        i_max=int(np.argmax(cum + extra)),
+        out_sum=float((la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]).sum()),
+        loss_saved=float(la.loss_saved[ids].sum()),
+    )
+    if len(la.terms) > 4096:  # bounded: planners sweep many splits
+        la.terms.clear()
+    la.terms[key] = terms
+    return terms
+
+
 def _device_row(
     la: _LayerArrays,
     ids: np.ndarray,
@@ -584,49 +668,41 @@ def _device_row(
     peak is in the optimizer step (layout: CATEGORIES..., step_flag; overhead added by caller)."""
     zero = plan.zero
     sp = r if plan.sequence_parallel else 1.0  # share of the replicated activations this rank keeps
+    t = _stage_terms(la, ids, r=r, sp=sp, act_scale=act_scale, recompute=plan.recompute, tied_extra=tied_extra)
 
     # ---- model states (Rajbhandari et al. §3.1), Ψ = parameters on this tensor rank
-    psi_layers = la.count_rep[ids] + r * (la.count_tp[ids] + tied_extra)
-    psi = float(psi_layers.sum())
-    weights = w_b * psi / (dp if zero >= 3 else 1)
-    grads_full = g_b * psi / (dp if zero >= 2 else 1)
-    opt = k_b * psi / (dp if zero >= 1 else 1)
+    weights = w_b * t.psi / (dp if zero >= 3 else 1)
+    grads_full = g_b * t.psi / (dp if zero >= 2 else 1)
+    opt = k_b * t.psi / (dp if zero >= 1 else 1)
 
-    a_kept, work = _layer_activations(la, ids, r=r, sp=sp, act_scale=act_scale, recompute=plan.recompute)
-    # gradients w.r.t. the layer's output and input while its backward runs
-    transient = act_scale * (la.inp[ids] + la.out[ids]) * sp
-    a_mb = b * float(a_kept.sum())
-    cum = b * np.cumsum(a_kept)  # activations of layers 0..i of the current micro-batch
-
-    out_vec = la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]  # model outputs, per sample
+    # ---- activations (one micro-batch: b * per-sample), loss working set, held outputs
+    a_mb = b * t.a_sum
     # at the loss: `loss_copies` fp32 copies of the outputs (what a captured loss saved is
     # already counted among the activations); afterwards the loop still holds the outputs
-    loss_ws = b * max(0.0, loss_copies * loss_scale * float(out_vec.sum())
-                      - act_scale * float(la.loss_saved[ids].sum()))
-    held = b * held_copies * act_scale * float(out_vec.sum())
-
-    # ---- gradients alive during backward: all (persistent) or those of layers i..end
-    if persistent:
-        g_at = np.full(len(ids), grads_full)
-    else:
-        suffix = np.cumsum((g_b * psi_layers)[::-1])[::-1]
-        g_at = suffix / (dp if zero >= 2 else 1)
+    loss_ws = b * max(0.0, loss_copies * loss_scale * t.out_sum - act_scale * t.loss_saved)
+    held = b * held_copies * act_scale * t.out_sum
     others = max(n_flight - 1.0, 0.0) * a_mb  # earlier micro-batches still waiting for backward
-    per_layer = others + cum + b * (work + transient) + g_at + held
-    i_max = int(np.argmax(per_layer))
+
+    # ---- peak during backward of layer i: all gradients (persistent) or those of layers i..end
+    if persistent:
+        i_max, g_now = t.i_max, grads_full
+    else:
+        g_at = np.cumsum((g_b * t.psi_layers)[::-1])[::-1] / (dp if zero >= 2 else 1)
+        i_max = int(np.argmax(b * (t.cum + t.extra) + g_at))
+        g_now = float(g_at[i_max])
+    at_layer = others + b * float(t.cum[i_max] + t.extra[i_max]) + g_now + held
     at_loss = others + a_mb + loss_ws + (grads_full if persistent else 0.0)
-    if loss_ws > 0 and at_loss >= per_layer[i_max]:
+    if loss_ws > 0 and at_loss >= at_layer:
         act, logits, tmp, g_now = others + a_mb, loss_ws, 0.0, (grads_full if persistent else 0.0)
     else:
-        act, logits = others + float(cum[i_max]), held
-        tmp, g_now = b * float(work[i_max] + transient[i_max]), float(g_at[i_max])
+        act, logits, tmp = others + b * float(t.cum[i_max]), held, b * max(0.0, float(t.extra[i_max]))
     backward_total = act + logits + tmp + g_now
 
     # ---- optimizer step: all gradients plus the step's temporaries
     if step_kind == "foreach":
-        step_tmp = 4.0 * psi / (dp if zero >= 1 else 1)
+        step_tmp = 4.0 * t.psi / (dp if zero >= 1 else 1)
     elif step_kind == "loop":
-        step_tmp = 2 * 4.0 * float(la.max_tensor[ids].max()) * (r if la.count_tp[ids].any() else 1.0)
+        step_tmp = 2 * 4.0 * t.step_tensor
     else:
         step_tmp = 0.0
     step_total = grads_full + step_tmp + held
@@ -636,7 +712,7 @@ def _device_row(
     if dp > 1:
         comm += min(float(dp_bucket), grads_full)
         if zero >= 3:  # all-gathered full parameters of the running and the prefetched layer
-            comm += w_b * float(np.sort(psi_layers)[-2:].sum())
+            comm += w_b * t.psi_top2
 
     row = np.zeros(len(CATEGORIES) + 1)
     row[_W], row[_O], row[_C] = weights, opt, comm
@@ -645,6 +721,53 @@ def _device_row(
     else:
         row[_G], row[_A], row[_L], row[_X] = g_now, act, logits, tmp
     return row
+
+
+def _backward_inner(
+    la: _LayerArrays,
+    ids: np.ndarray,
+    *,
+    r: float,
+    sp: float,
+    act_scale: float,
+    recompute: str,
+    a_kept: np.ndarray,
+    work: np.ndarray,
+) -> np.ndarray:
+    """Per layer (per sample): the most its backward holds on top of the layers before it.
+
+    Backward walks the layer's ops in reverse; at op k the saved tensors of ops 0..k are
+    still alive (all of them rebuilt under full recompute; the attention core's only once
+    backward reaches it under selective recompute) plus the gradients of op k's output and
+    inputs and of the layer's output (the residual stream): max_k (saved[0..k] + grads_k).
+    Layers captured without ops fall back to kept + recompute working set + the gradients
+    of the layer's input and output."""
+    share = np.where(la.tp_sharded[ids], r, sp)
+    layer_grad = act_scale * la.out[ids] * sp
+    inner = a_kept + work + act_scale * la.inp[ids] * sp + layer_grad
+    has = la.op_covers[ids]
+    if not has.any():
+        return inner
+    lids = ids[has]
+    counts = la.op_count[lids]
+    idx = np.concatenate([np.arange(la.op_start[i], la.op_start[i] + la.op_count[i]) for i in lids]) \
+        if len(lids) > 1 else np.arange(la.op_start[lids[0]], la.op_start[lids[0]] + counts[0])
+    seg = np.repeat(np.arange(len(lids)), counts)
+    tp = la.op_tp[idx]
+    saved = act_scale * ((la.op_saved[idx] - tp) * sp + tp * r)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+
+    def seg_cumsum(x: np.ndarray) -> np.ndarray:
+        c = np.cumsum(x)
+        return c - np.repeat(c[starts] - x[starts], counts)
+
+    alive = seg_cumsum(saved)
+    if recompute == "selective":
+        alive = alive - la.op_after_sel[idx] * seg_cumsum(act_scale * la.op_sel[idx] * r)
+    grads = act_scale * la.op_grads[idx] * share[has][seg] + layer_grad[has][seg]
+    inner = inner.copy()
+    inner[has] = np.maximum.reduceat(alive + grads, starts)
+    return inner
 
 
 def _layer_activations(
