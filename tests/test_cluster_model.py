@@ -126,7 +126,7 @@ def _widest(tree: nx.Graph, a: str, b: str) -> float:
     return min(tree.edges[u, v]["bandwidth"] for u, v in zip(path, path[1:]))
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=20)
 @given(clusters(overrides=False))
 def test_fabric_graph_agrees_with_matrices(c: Cluster) -> None:
     g = fabric_graph(c)

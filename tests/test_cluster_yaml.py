@@ -386,7 +386,7 @@ def _all_paths(data: Any, path: tuple = ()) -> list[tuple]:
     return out
 
 
-@budget(60)
+@budget(40)
 @given(st.sampled_from(_all_paths(BASE)), json_values)
 def test_any_replacement_is_valid_or_cluster_error(path: tuple, value: Any) -> None:
     """Never another exception: replace any part of a valid file with arbitrary data."""
@@ -398,7 +398,7 @@ def test_any_replacement_is_valid_or_cluster_error(path: tuple, value: Any) -> N
         assert "bad cluster.yaml: " in str(exc)
 
 
-@budget(50)
+@budget(40)
 @given(st.dictionaries(st.sampled_from(["name", "nodes", "node_groups", "gpu_kinds", "fabric",
                                         "overrides", "emulation", "extra"]), json_values, max_size=5))
 def test_random_documents_are_valid_or_cluster_error(data: dict) -> None:

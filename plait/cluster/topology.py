@@ -25,12 +25,14 @@ milliseconds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 
 from plait.cluster.spec import Cluster, ClusterError, Device, PairOverride
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 _CACHE_ATTR = "_plait_topology_cache"
 
@@ -253,6 +255,8 @@ def fabric_graph(cluster: Cluster) -> nx.Graph:
     lowest-latency path its latency, before overrides (measured pair figures have no
     place in a physical graph).
     """
+    import networkx as nx  # here, not at module import: `import plait.cluster` stays light
+
     cache = _cache(cluster)
     if "graph" in cache:
         return cache["graph"]
