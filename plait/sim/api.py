@@ -45,7 +45,6 @@ class SimResult:
     fits_memory: bool | None
     critical_path: list[dict[str, Any]]
     busy_fraction: dict[str, float]
-    timeline: Timeline
     world_size: int
     num_tasks: int
     symmetry: str
@@ -56,6 +55,16 @@ class SimResult:
     plan: str = ""
     model: str = ""
     cluster: str = ""
+    _timeline: Timeline | None = field(default=None, repr=False)
+    _build: Any = field(default=None, repr=False)  # deferred timeline construction
+
+    @property
+    def timeline(self) -> Timeline:
+        """The simulated `Timeline` (built on first use: 10^5 events take a second)."""
+        if self._timeline is None and self._build is not None:
+            self._timeline = self._build()
+            self._build = None
+        return self._timeline  # type: ignore[return-value]
 
     def to_dict(self, timeline: bool = False) -> dict[str, Any]:
         d = {
@@ -192,37 +201,85 @@ def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterV
     result.fits_memory = bool(est.fits)
 
 
+_COMPUTE = ("forward", "backward", "recompute", "optimizer")
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _exposed_comm(tg: Any, sched: Schedule, folded: dict[int, float]) -> float:
+    """Communication not overlapped by computation, on the device where it is largest.
+
+    Per device: the time some communication of the device is in flight while its compute
+    stream runs nothing (|union(comm) - union(compute)|), plus the tensor-parallel
+    collectives folded into compute tasks, which block the stream (Megatron runs them on it)."""
+    comp: dict[int, list[tuple[float, float]]] = {}
+    comm: dict[int, list[tuple[float, float]]] = {}
+    blocked: dict[int, float] = {}
+    for i in range(len(tg)):
+        dev = tg.device[i]
+        if dev is None:
+            continue
+        cat = tg.category[i]
+        if cat in _COMPUTE:
+            comp.setdefault(dev, []).append((sched.start[i], sched.end[i]))
+            if i in folded:
+                blocked[dev] = blocked.get(dev, 0.0) + folded[i]
+        elif cat.startswith("comm"):
+            comm.setdefault(dev, []).append((sched.start[i], sched.end[i]))
+    worst = 0.0
+    for dev in set(comp) | set(comm) | set(blocked):
+        busy = _union(comp.get(dev, []))
+        total, j = 0.0, 0
+        for a, b in _union(comm.get(dev, [])):
+            length = b - a
+            while j < len(busy) and busy[j][1] <= a:
+                j += 1
+            k = j
+            while k < len(busy) and busy[k][0] < b:
+                length -= min(b, busy[k][1]) - max(a, busy[k][0])
+                k += 1
+            total += max(0.0, length)
+        worst = max(worst, total + blocked.get(dev, 0.0))
+    return worst
+
+
 def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sched: Schedule,
             wall: float) -> SimResult:
     tg = lowered.graph
     T = sched.makespan
-    events = []
-    for i in range(len(tg)):
-        args = dict(tg.args[i]) if tg.args[i] else {}
-        events.append(TimelineEvent(name=tg.name[i], category=tg.category[i], resource=tg.resource[i],
-                                    start=sched.start[i], end=sched.end[i], device=tg.device[i],
-                                    stage=tg.stage[i], micro_batch=tg.micro_batch[i], args=args))
-    timeline = Timeline(events=events, source="simulated",
+
+    def build_timeline() -> Timeline:
+        events = [TimelineEvent(name=tg.name[i], category=tg.category[i], resource=tg.resource[i],
+                                start=sched.start[i], end=sched.end[i], device=tg.device[i],
+                                stage=tg.stage[i], micro_batch=tg.micro_batch[i],
+                                args=dict(tg.args[i]) if tg.args[i] else {})
+                  for i in range(len(tg))]
+        return Timeline(events=events, source="simulated",
                         meta={"plan": str(plan), "model": graph.model, "cluster": view.name,
                               "symmetry": lowered.symmetry_note, "granularity": lowered.granularity})
+
     path = sched.critical_path()
-    critical, exposed = [], 0.0
-    for t in path:
-        dur = sched.end[t] - sched.start[t]
-        cat = tg.category[t]
-        if cat.startswith("comm"):
-            exposed += dur
-        else:
-            exposed += lowered.tp_comm_s.get(t, 0.0)
-        critical.append({"name": tg.name[t], "category": cat, "resource": tg.resource[t],
-                         "start_s": sched.start[t], "end_s": sched.end[t]})
-    busy = {}
-    for r, frac in timeline.busy_fraction().items():
-        if r.endswith("/compute"):
-            busy[r] = frac
+    critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
+                 "start_s": sched.start[t], "end_s": sched.end[t]} for t in path]
+    exposed = _exposed_comm(tg, sched, lowered.tp_comm_s)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for i in range(len(tg)):
+        if tg.resource[i].endswith("/compute"):
+            spans.setdefault(tg.resource[i], []).append((sched.start[i], sched.end[i]))
+    busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
     by_cat: dict[str, float] = {}
-    for e in events:
-        by_cat[e.category] = by_cat.get(e.category, 0.0) + e.duration
+    for i in range(len(tg)):
+        by_cat[tg.category[i]] = by_cat.get(tg.category[i], 0.0) + sched.end[i] - sched.start[i]
     flops = (graph.fwd_flops + graph.bwd_flops) * plan.global_batch
     world = lowered.world_size
     return SimResult(
@@ -234,7 +291,6 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
         fits_memory=None,
         critical_path=critical,
         busy_fraction=busy,
-        timeline=timeline,
         world_size=world,
         num_tasks=len(tg),
         symmetry=lowered.symmetry_note,
@@ -245,4 +301,5 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
         model=graph.model if not graph.config else f"{graph.model}:" + ",".join(
             f"{k}={graph.config[k]}" for k in ("layers", "hidden", "heads", "seq") if k in graph.config),
         cluster=view.name,
+        _build=build_timeline,
     )

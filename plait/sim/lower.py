@@ -258,6 +258,9 @@ class _Lowerer:
         self.cache_salt = (id(graph), self.model, plan.dtype, plan.sequence_parallel, plan.recompute,
                            plan.collectives.get("tp"), tuple(sorted((options.layer_times or {}).items())))
         self.chunk_cache: dict[tuple, list[tuple[Layer, _Combined]]] = {}
+        self.shared_colls: dict[tuple, int] = {}
+        self.ring_cache: dict[tuple, tuple[float, list[tuple[int, int, float]]]] = {}
+        self.tp_algo_cache: dict[tuple, tuple[str, float]] = {}
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
 
@@ -282,7 +285,7 @@ class _Lowerer:
                 lost = [n for n in names if n not in covered][:3]
                 raise LoweringError(f"plan field 'stages': layers {lost} are in no stage")
         else:
-            counts = plan.layers_per_stage(len(names))
+            counts = self._default_split(graph) if plan.layer_split is None else plan.layers_per_stage(len(names))
             start = 0
             for c, count in enumerate(counts):
                 chunks.append(Chunk(c, c % plan.pp, [by_name[n] for n in names[start:start + count]]))
@@ -298,6 +301,23 @@ class _Lowerer:
                     f"plan stage {spec.name!r}: device ids {bad[:3]} are not in cluster "
                     f"{self.view.name!r} ({self.view.num_devices} devices)")
         return stages, chunks, edges
+
+    def _default_split(self, graph: OpGraph) -> list[int]:
+        """Layers per chunk without a `layer_split`: Megatron-LM's convention.
+
+        Megatron divides the transformer layers evenly over the pipeline chunks and puts
+        the embedding on the first and the LM head on the last chunk on top of them; any
+        other graph (or too few transformer layers) is split evenly by layer count."""
+        chunks = self.plan.pp * self.plan.virtual_stages
+        styles = [layer.tp_style for layer in graph.layers]
+        body = [i for i, st in enumerate(styles) if st == "transformer"]
+        if not body or len(body) < chunks or body != list(range(body[0], body[-1] + 1)):
+            return self.plan.layers_per_stage(len(styles))
+        base, extra = divmod(len(body), chunks)
+        counts = [base + (1 if c < extra else 0) for c in range(chunks)]
+        counts[0] += body[0]
+        counts[-1] += len(styles) - 1 - body[-1]
+        return counts
 
     def build_workers(self, stages: list[StageSpec], chunks: list[Chunk]) -> tuple[list[Worker], bool, str]:
         plan = self.plan
@@ -343,8 +363,7 @@ class _Lowerer:
             for w in row[1:]:
                 if [k.name for k in w.kinds] != [k.name for k in w0.kinds]:
                     reason = f"stage {w.stage} replicas have different GPU kinds"
-                elif w.units != [(s - w0.units[0][0] + w.units[0][0], n) for s, n in w0.units] and \
-                        [n for _, n in w.units] != [n for _, n in w0.units]:
+                elif [n for _, n in w.units] != [n for _, n in w0.units]:
                     reason = f"stage {w.stage} replicas have different shares of the batch"
                 elif (w.links.ring_bandwidth, w.links.ring_latency) != (w0.links.ring_bandwidth, w0.links.ring_latency):
                     reason = f"stage {w.stage} replicas' tensor-parallel links differ"
@@ -550,8 +569,12 @@ class _Lowerer:
     def _tp_flow(self, w: Worker, it: _Item, links: GroupLinks | None, deps: list[int], name: str, mb: int) -> int:
         """A tensor-parallel collective as a flow over the group's ring (layer granularity)."""
         n = len(w.devices)
-        algo = choose_algorithm(it.op, it.nbytes, links, self.plan.collectives.get("tp")) if links else "ring"
-        lat = latency_steps(it.op, n, algo) * (links.ring_latency if links else 0.0)
+        ck = (it.op, it.nbytes, links)
+        hit = self.tp_algo_cache.get(ck)
+        if hit is None:
+            algo = choose_algorithm(it.op, it.nbytes, links, self.plan.collectives.get("tp")) if links else "ring"
+            hit = self.tp_algo_cache[ck] = (algo, latency_steps(it.op, n, algo) * (links.ring_latency if links else 0.0))
+        algo, lat = hit
         flow = self._ring_flow(w.devices, max(0.0, it.seconds - lat), None)
         tid = self.tg.add(name, "comm_tp", self._label(w, "compute"), lat, deps, flow=flow, device=w.rep,
                           stage=w.stage, micro_batch=mb, args={"bytes": it.nbytes, "algorithm": algo})
@@ -566,25 +589,34 @@ class _Lowerer:
         stands for (they count as copies on resources they share)."""
         if len(devices) < 2 or bandwidth_seconds <= 0:
             return None
+        key = (tuple(devices), tuple(tuple(r) for r in twins) if twins else None)
+        shape = self.ring_cache.get(key)
+        if shape is None:
+            shape = self.ring_cache[key] = self._ring_shape(devices, twins)
+        slowest, parts = shape
+        nbytes = bandwidth_seconds * slowest
+        return [(r, nbytes * hops, copies) for r, hops, copies in parts]
+
+    def _ring_shape(self, devices: list[int], twins: list[list[int]] | None
+                    ) -> tuple[float, list[tuple[int, int, float]]]:
+        """(slowest hop bandwidth, [(resource, hops crossing it, copies)]) of a ring."""
         hops = list(zip(devices, devices[1:] + devices[:1]))
         paths = [self.view.path(a, b) for a, b in hops]
-        slowest = min(cap for p in paths for _, cap in p[:1])
-        nbytes = bandwidth_seconds * slowest
+        slowest = min(self.view.pair(a, b)[0] for a, b in hops)
         copies: dict[tuple, int] = defaultdict(int)
         for ring in (twins or []):
             for a, b in zip(ring, ring[1:] + ring[:1]):
-                for key, _cap in self.view.path(a, b):
-                    copies[key] += 1
-        flow: dict[int, tuple[int, float, float]] = {}
+                for k, _cap in self.view.path(a, b):
+                    copies[k] += 1
+        count: dict[int, list] = {}
         for p in paths:
-            for key, cap in p:
-                r = self.tg.add_resource(key, cap)
-                if r in flow:
-                    _, b0, c0 = flow[r]
-                    flow[r] = (r, b0 + nbytes, c0)
+            for k, cap in p:
+                r = self.tg.add_resource(k, cap)
+                if r in count:
+                    count[r][1] += 1
                 else:
-                    flow[r] = (r, nbytes, float(max(1, copies.get(key, 1))))
-        return list(flow.values())
+                    count[r] = [r, 1, float(max(1, copies.get(k, 1)))]
+        return slowest, [tuple(v) for v in count.values()]  # type: ignore[misc]
 
     def _emit_worker(self, w: Worker) -> None:
         plan = self.plan
@@ -601,7 +633,9 @@ class _Lowerer:
         for idx, (k, c, i) in enumerate(program):
             mb_size = w.units[i][1]
             costs = self.chunk_costs(w, c, mb_size)
-            zero3_dep = self._zero3_gather(w, c, i, k, prev) if plan.zero == 3 and w.links else None
+            # ZeRO-3 prefetch: the gather for item k may start once item k-2 has finished (one ahead).
+            ahead = [lasts[-2]] if len(lasts) >= 2 else []
+            zero3_dep = self._zero3_gather(w, c, i, k, ahead) if plan.zero == 3 and w.links else None
             deps = prev + ([zero3_dep] if zero3_dep is not None else [])
             if k == "F":
                 first, last = self._emit_items(w, [(lay, cc.fwd) for lay, cc in costs], f"fwd c{c} mb{i}",
@@ -635,7 +669,23 @@ class _Lowerer:
 
     def _collective_task(self, name: str, category: str, op: str, nbytes: float, ring: list[int],
                          twins: list[list[int]], deps: list[int], w: Worker, pinned_class: str,
-                         mb: int | None = None) -> int:
+                         mb: int | None = None, share: tuple | None = None) -> int:
+        """One collective over `ring`; with `share`, the replicas simulated separately reuse one task."""
+        if share is not None:
+            hit = self.shared_colls.get(share)
+            if hit is not None:
+                for d in deps:
+                    if d is not None and d >= 0:
+                        self.tg.add_dep(d, hit)
+                return hit
+        tid = self._new_collective(name, category, op, nbytes, ring, twins, deps, w, pinned_class, mb)
+        if share is not None:
+            self.shared_colls[share] = tid
+        return tid
+
+    def _new_collective(self, name: str, category: str, op: str, nbytes: float, ring: list[int],
+                        twins: list[list[int]], deps: list[int], w: Worker, pinned_class: str,
+                        mb: int | None = None) -> int:
         links = self.view.group(ring)
         algo = choose_algorithm(op, nbytes, links, self.plan.collectives.get(pinned_class))
         total = collective_time(op, nbytes, links, algo)
@@ -656,7 +706,8 @@ class _Lowerer:
         chain = getattr(self, "_zero_chain", {}).get(w.wid)
         deps = [chain] if chain is not None else []
         tid = self._collective_task(f"allgather params c{c} mb{i} {k}", "comm_zero", "all_gather",
-                                    params * self.param_bytes, ring, twins, deps, w, "zero", i)
+                                    params * self.param_bytes, ring, twins, deps + prev, w, "zero", i,
+                                    share=("z3ag", w.stage, c, i, k))
         self._zero_chain = getattr(self, "_zero_chain", {})
         self._zero_chain[w.wid] = tid
         return tid
@@ -670,7 +721,7 @@ class _Lowerer:
         chain = self._zero_chain.get(w.wid)
         tid = self._collective_task(f"reducescatter grads c{c} mb{i}", "comm_zero", "reduce_scatter",
                                     params * self.grad_bytes, ring, twins, [after] + ([chain] if chain else []),
-                                    w, "zero", i)
+                                    w, "zero", i, share=("z3rs", w.stage, c, i))
         self._zero_chain[w.wid] = tid
         self._zero3_last = getattr(self, "_zero3_last", {})
         self._zero3_last[w.wid] = tid
@@ -787,7 +838,6 @@ class _Lowerer:
         """Per worker: the task after which its gradients are final (reduced)."""
         plan = self.plan
         ends: dict[int, int] = {}
-        shared: dict[tuple, int] = {}
         self.worker_params: dict[int, float] = {}
         for w in workers:
             total, grads = self._worker_params(w)
@@ -818,14 +868,10 @@ class _Lowerer:
             for bi, (params, lname) in enumerate(buckets):
                 ready = self.layer_bwd_end[w.wid].get(lname, last) if lname else last
                 deps = [ready] + ([prev] if prev >= 0 else [])
-                key = (w.stage, bi)
-                if key in shared:  # full simulation: one collective for the replicas of a stage
-                    tid = shared[key]
-                    self.tg.add_dep(ready, tid)
-                else:
-                    tid = self._collective_task(f"{op.replace('_', '')} dp bucket{bi}", "comm_dp", op,
-                                                params * self.grad_bytes, ring, twins, deps, w, "dp")
-                    shared[key] = tid
+                # When every replica is simulated they all join the same collective task.
+                tid = self._collective_task(f"{op.replace('_', '')} dp bucket{bi}", "comm_dp", op,
+                                            params * self.grad_bytes, ring, twins, deps, w, "dp",
+                                            share=("dp", w.stage, bi))
                 prev = tid
             ends[w.wid] = prev
         # Tied embeddings on different stages: all-reduce the two copies' gradients.
@@ -874,7 +920,7 @@ class _Lowerer:
             if plan.zero in (1, 2) and dp > 1:
                 ring, twins = self._dp_group(w)
                 self._collective_task("allgather params", "comm_zero", "all_gather", params * self.param_bytes,
-                                      ring, twins, [opt_task], w, "zero")
+                                      ring, twins, [opt_task], w, "zero", share=("ag-step", w.stage))
 
 
 def lower(graph: OpGraph, plan: Plan, view: ClusterView, options: SimOptions | None = None) -> Lowered:

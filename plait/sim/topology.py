@@ -5,6 +5,7 @@ transfers share (`plait.sim.engine`):
 
 * the pair path ``i->j`` at the effective pair bandwidth ``B[i, j]`` (what
   `Cluster.bandwidth_matrix` reports: NVLink/NVSwitch port, PCIe, or the slower NIC);
+  inside a node it is only a separate resource when narrower than the ports;
 * inside a node, the sender's egress port and the receiver's ingress port (an NVSwitch
   port carries every flow of its GPU: two transfers out of one GPU to different peers
   share it);
@@ -95,17 +96,23 @@ class ClusterView:
 
     def _path(self, src: int, dst: int) -> list[tuple[tuple, float]]:
         port, nic = self._ports()
-        out: list[tuple[tuple, float]] = [(("pair", src, dst), float(self.bandwidth[src, dst]))]
+        pair = float(self.bandwidth[src, dst])
+        out: list[tuple[tuple, float]] = []
         ns, nd = int(self.node_of[src]), int(self.node_of[dst])
         if ns == nd:
-            out.append((("out", src), float(port[src]) or float(self.bandwidth[src, dst])))
-            out.append((("in", dst), float(port[dst]) or float(self.bandwidth[src, dst])))
-        else:
-            out.append((("nic_out", src), float(nic[src])))
-            out.append((("nic_in", dst), float(nic[dst])))
-            if self.node_nic_bandwidth is not None:
-                out.append((("node_out", ns), float(self.node_nic_bandwidth[ns])))
-                out.append((("node_in", nd), float(self.node_nic_bandwidth[nd])))
+            out.append((("out", src), float(port[src]) or pair))
+            out.append((("in", dst), float(port[dst]) or pair))
+            # Behind a switch (NVSwitch) the pair path is as wide as the ports, which already
+            # bound it; only a narrower pair path (PCIe, measured override) is its own resource.
+            if pair < min(out[0][1], out[1][1]):
+                out.insert(0, (("pair", src, dst), pair))
+            return out
+        out.append((("pair", src, dst), pair))
+        out.append((("nic_out", src), float(nic[src])))
+        out.append((("nic_in", dst), float(nic[dst])))
+        if self.node_nic_bandwidth is not None:
+            out.append((("node_out", ns), float(self.node_nic_bandwidth[ns])))
+            out.append((("node_in", nd), float(self.node_nic_bandwidth[nd])))
         return out
 
     def group(self, devices: Sequence[int]) -> GroupLinks:

@@ -1,0 +1,39 @@
+"""The closed-form GPT OpGraph equals the capture of the zoo's GPT, layer by layer and op by op."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.sim.gpt import gpt_opgraph
+
+SPEC = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=100"
+FIELDS = ("fwd_flops", "bwd_flops", "param_count", "param_bytes", "saved_bytes", "saved_tp_bytes",
+          "saved_selective_bytes", "input_bytes", "output_bytes", "tp_style", "kind")
+
+
+@pytest.mark.parametrize("dtype", ["bf16"])
+def test_matches_capture(dtype: str) -> None:
+    from plait.graph.inspect import inspect_model
+
+    captured = inspect_model(SPEC, batch=1, dtype=dtype)
+    closed = gpt_opgraph(SPEC, dtype)
+    assert closed.layer_names == captured.layer_names
+    assert closed.layer_edges == captured.layer_edges
+    for a, b in zip(closed.layers, captured.layers):
+        for f in FIELDS:
+            assert getattr(a, f) == pytest.approx(getattr(b, f)), (a.name, f)
+        assert a.ops == b.ops
+    for name, op in captured.ops.items():
+        mine = closed.ops[name]
+        for f in ("target", "module", "layer", "fwd_flops", "bwd_flops", "param_bytes", "saved_bytes",
+                  "output_bytes"):
+            assert getattr(mine, f) == pytest.approx(getattr(op, f)), (name, f)
+    assert closed.config["ffn"] == captured.config["ffn"] and closed.param_count == captured.param_count
+
+
+def test_gpt3_175b_shape() -> None:
+    g = gpt_opgraph({"layers": 96, "hidden": 12288, "heads": 96, "seq": 2048, "vocab": 50257}, "bf16")
+    assert g.param_count == pytest.approx(174.6e9, rel=2e-3)  # GPT-3 175B (Brown et al. 2020)
+    # Forward FLOPs per sample: 24 s L h^2 (1 + s/6h) + 2 s h V (Narayanan et al. 2021, eq. 3 / 3).
+    s, h, L, V = 2048, 12288, 96, 50257
+    assert g.fwd_flops == pytest.approx(24 * s * L * h * h * (1 + s / (6 * h)) + 2 * s * h * V)
