@@ -1,9 +1,16 @@
 """One torchrun agent: `python -m plait.runtime.agent FAILURES_JSON TORCHRUN_ARGS...`.
 
-Runs `torch.distributed.run.main` (torchrun) in this process and, when a worker fails,
-writes torchrun's per-worker failure records (exit code or signal, pid, time) to
-FAILURES_JSON, so the launcher can tell a worker killed by a signal from one that merely
-lost its peer.
+Parses TORCHRUN_ARGS with torchrun's own parser (`torch.distributed.run`) and runs its
+elastic agent (`torch.distributed.launcher.elastic_launch`) in this process. With
+`--start-method=fork` (the CPU default) the workers are started from the Python entry
+point `plait.runtime.worker.entrypoint`, forked from this agent, so they inherit the
+already-imported torch instead of importing it again (an import of torch costs about
+as much CPU as a short test run); otherwise the worker module is started as a fresh
+interpreter, exactly as `torchrun -m plait.runtime.worker CONFIG` would.
+
+When a worker fails it writes torchrun's per-worker failure records (exit code or
+signal, pid, time) to FAILURES_JSON, so the launcher can tell a worker killed by a
+signal from one that merely lost its peer.
 """
 
 from __future__ import annotations
@@ -18,9 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     failures_path, torchrun_args = argv[0], argv[1:]
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
 
+    args = torchrun.parse_args(torchrun_args)
+    config, cmd, cmd_args = torchrun.config_from_args(args)
     try:
-        torchrun.main(torchrun_args)
+        if args.start_method in ("fork", "forkserver") and args.module and \
+                args.training_script == "plait.runtime.worker":
+            import plait.runtime.worker as worker  # imported once here, inherited by every worker
+
+            elastic_launch(config, worker.entrypoint)(*args.training_script_args)
+        else:
+            elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as exc:
         records = {}
         for rank, failure in exc.failures.items():

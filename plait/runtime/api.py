@@ -14,6 +14,7 @@ to the file's links (`plait.runtime.netns`); otherwise all ranks share loopback.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import tempfile
@@ -189,10 +190,12 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         dtype: str | None = None, optimizer: str | dict[str, Any] = "adamw", lr: float = 1e-3,
         weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
         return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
-        env: dict[str, str] | None = None, emulate: bool = True) -> RunResult:
+        env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
+    `start_method` is torchrun's: "fork" (CPU default: workers inherit the agent's imports)
+    or "spawn" (GPU default: CUDA must not be initialised before a fork);
     `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
@@ -211,6 +214,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     if cluster_obj is not None and not emulate:
         cluster_obj.emulation = None
     layout = rank_layout(cluster_obj, plan_obj, dtype)
+    world = len(layout)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()
                                     and torch.cuda.device_count() >= 1)
     if device not in ("auto", "cpu", "cuda"):
@@ -231,7 +235,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     owns_dir = run_dir is None
     rdir = Path(tempfile.mkdtemp(prefix="plait-run-")) if run_dir is None else Path(run_dir)
     rdir.mkdir(parents=True, exist_ok=True)
-    for sub in ("hb", "status"):
+    for sub in ("hb", "status", "exit"):
         shutil.rmtree(rdir / sub, ignore_errors=True)
         (rdir / sub).mkdir()
     for stale in ("result.json", "params.pt"):
@@ -265,11 +269,18 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         config_path = rdir / "config.json"
         config_path.write_text(json.dumps(cfg, indent=1))
         extra_env = dict(env or {})
+        # All ranks share this machine's cores. torchrun sets OMP_NUM_THREADS=1 only for agents with
+        # several workers; fixing it here makes the numerics independent of how ranks map to agents.
+        if "OMP_NUM_THREADS" not in extra_env and "OMP_NUM_THREADS" not in os.environ:
+            extra_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
         if nets is not None and getattr(nets, "isolated", False):
             # All node namespaces use the same interface name, so one setting serves every agent.
             extra_env.update(nets[0].env())
+        method = start_method or ("spawn" if use_cuda else "fork")
+        if method not in ("fork", "spawn", "forkserver"):
+            raise RuntimeSetupError(f"start_method: must be fork, spawn or forkserver, got {method!r}")
         launcher = Launcher(config_path, rdir, agents, layout, timeout=timeout, startup_timeout=startup,
-                            env=extra_env)
+                            env=extra_env, start_method=method)
         launcher.start()
         launcher.wait()
     result = _read_result(rdir, cfg, plan_obj, cluster, backend, network, notes)

@@ -79,6 +79,7 @@ class Launcher:
     timeout: float
     startup_timeout: float
     env: dict[str, str] = field(default_factory=dict)
+    start_method: str = "fork"  # torchrun --start-method: fork workers from the agent (no re-import)
     poll: float = 0.1
     _running: list[_Agent] = field(default_factory=list)
 
@@ -87,7 +88,7 @@ class Launcher:
         spec = self.agents[k]
         return [f"--nnodes={len(self.agents)}", f"--node-rank={k}", f"--nproc-per-node={len(spec.ranks)}",
                 "--rdzv-backend=static", f"--master-addr={self.agents[0].ip}", f"--master-port={port}",
-                "--max-restarts=0", "--monitor-interval=0.1",
+                "--max-restarts=0", "--monitor-interval=0.1", f"--start-method={self.start_method}",
                 "-m", "plait.runtime.worker", str(self.config_path)]
 
     def start(self) -> None:
@@ -142,7 +143,7 @@ class Launcher:
         for info in self._heartbeats().values():
             pid = info.get("pid")
             if pid:
-                _killpg(int(pid), signal.SIGKILL)
+                _kill(int(pid), signal.SIGKILL)
         for a in self._running:
             if a.proc.poll() is None:
                 _killpg(a.proc.pid, signal.SIGTERM)
@@ -157,7 +158,7 @@ class Launcher:
         for info in self._heartbeats().values():  # workers started after the first sweep
             pid = info.get("pid")
             if pid:
-                _killpg(int(pid), signal.SIGKILL)
+                _kill(int(pid), signal.SIGKILL)
 
     # ------------------------------------------------------------------ state files
     def _heartbeats(self) -> dict[int, dict[str, Any]]:
@@ -167,6 +168,8 @@ class Launcher:
         return _read_dir(self.run_dir / "status")
 
     def _failures(self) -> dict[int, dict[str, Any]]:
+        """How workers ended: torchrun's failure records, overridden by the exit records the forked
+        entry point writes (torchrun's multiprocessing context reports only one failure)."""
         out: dict[int, dict[str, Any]] = {}
         for a in self._running:
             if a.failures.exists():
@@ -178,6 +181,9 @@ class Launcher:
                     local = int(rec["local_rank"])
                     if 0 <= local < len(a.spec.ranks):
                         out[a.spec.ranks[local]] = rec
+        for r, rec in _read_dir(self.run_dir / "exit").items():
+            if rec.get("exitcode"):
+                out[r] = {**rec, "timestamp": rec.get("time", 0)}
         return out
 
     def _where(self, rank: int) -> str:
@@ -252,7 +258,7 @@ class Launcher:
                                    f"failed{at}: {st.get('error', '?')}"))
             elif st is not None and st.get("state") == "terminated":
                 candidates.append((4, float(st.get("time", 0)), r, "terminated", f"was stopped{at}"))
-            elif fail is not None:
+            elif fail is not None and int(fail.get("exitcode", 1)) != 0:
                 code = int(fail.get("exitcode", 1))
                 how = f"killed by {fail.get('signal')}" if code < 0 else f"exited with code {code}"
                 candidates.append((0, float(fail.get("timestamp", 0)), r, "died", f"died{at} ({how})"))
@@ -299,6 +305,16 @@ def _alive(pid: Any) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _kill(pid: int, sig: int) -> None:
+    """Signal a worker: its process group when it leads one (spawned by torchrun with a new
+    session), else the process itself (forked from the agent, in the agent's group)."""
+    _killpg(pid, sig)
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _killpg(pid: int, sig: int) -> None:

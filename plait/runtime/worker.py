@@ -430,6 +430,10 @@ def _write_status(path: Path, data: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = json.loads(Path(argv[0]).read_text())
+    # torchrun sets OMP_NUM_THREADS for its workers; a worker forked from the agent imported torch
+    # before that, so apply it explicitly (oversubscribed OpenMP spin-waits are very slow).
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     rank = _plan_rank(cfg)
     run_dir = Path(cfg["run_dir"])
     status = run_dir / "status" / f"rank{rank}.json"
@@ -460,6 +464,47 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     except Exception:
         pass
+    return 0
+
+
+def entrypoint(config_path: str) -> int:
+    """Python entry point for torchrun's function launch (workers forked from the agent).
+
+    torch's multiprocessing context reports only the first failed worker it polls (often a
+    peer that lost its connection), so the worker runs in a forked child of this process,
+    which records how it ended (exit code or signal) in `RUN_DIR/exit/rankN.json` and then
+    ends the same way."""
+    cfg = json.loads(Path(config_path).read_text())
+    rank = _plan_rank(cfg)
+    exit_dir = Path(cfg["run_dir"]) / "exit"
+    exit_dir.mkdir(exist_ok=True)
+    pid = os.fork()
+    if pid == 0:  # the worker; never returns into torch's multiprocessing wrapper
+        code = 1
+        try:
+            code = main([config_path])
+        finally:
+            os._exit(code)
+
+    def forward(signum: int, frame: Any) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        _write_status(exit_dir / f"rank{rank}.json", {"pid": pid, "exitcode": -sig, "time": time.time(),
+                                                      "signal": signal.Signals(sig).name})
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    code = os.WEXITSTATUS(status)
+    _write_status(exit_dir / f"rank{rank}.json", {"pid": pid, "exitcode": code, "time": time.time(), "signal": None})
+    if code:
+        os._exit(code)
     return 0
 
 

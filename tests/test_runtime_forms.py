@@ -1,0 +1,145 @@
+"""Every parallel form equals the single-process reference (losses and parameters after 3 steps).
+
+Each test launches real torchrun workers (gloo, CPU) on a tiny GPT from the zoo (tied LM
+head, so pipeline runs also check the tied-embedding gradient sum). The reference trains the
+unsplit model on the whole global batch in one process with the same seed, samples and AdamW.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from plait.plan.ir import Plan
+from plait.runtime.api import RunResult, reference_run, run
+from plait.runtime.partition import replica_micro_batches
+
+pytestmark = pytest.mark.distributed
+
+TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+STEPS = 3
+FP32 = "global_batch=8,dtype=fp32"
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, params = reference_run(TINY, "dp=1,micro_batch=8," + FP32, STEPS)
+    initial = reference_run(TINY, "dp=1,micro_batch=8," + FP32, 0)[1]
+    assert all(not torch.equal(params[n], initial[n]) for n in params)  # training moved every weight
+    return losses, params
+
+
+def _check_equal(result: RunResult, reference: tuple[list[float], dict[str, torch.Tensor]]) -> None:
+    ref_losses, ref_params = reference
+    assert result.steps == list(range(STEPS))
+    assert result.losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert result.params is not None
+    # Every parameter is compared; the LM head is tied to embed.tok, listed once unless pipelining cut them apart.
+    assert set(ref_params) - set(result.params) <= {"head.lm.weight"}
+    for name, value in result.params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=2e-6, msg=name)
+
+
+def _check_timeline(result: RunResult, tmp_path) -> None:
+    """Measured spans: per device compute never overlaps, every micro-batch has a forward and a
+    backward on every rank of its replica, each step has an optimizer span, trace exports."""
+    tl = result.timeline
+    assert len(result.iteration_times) == STEPS and all(t > 0 for t in result.iteration_times)
+    by_dev = defaultdict(list)
+    for e in tl.events:
+        assert e.end >= e.start
+        assert e.resource in (f"dev{e.device}/compute", f"dev{e.device}/comm")
+        if e.resource.endswith("compute"):
+            by_dev[e.device].append((e.start, e.end))
+    for spans in by_dev.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+    for r in result.ranks:
+        for step in result.steps:
+            mine = [e for e in tl.events if e.device == r.device and e.args.get("step") == step]
+            fwd = sorted(e.micro_batch for e in mine if e.category == "forward")
+            bwd = sorted(e.micro_batch for e in mine if e.category == "backward")
+            n_mb = len(replica_micro_batches(Plan.parse(result.plan), step, r.dp))
+            assert fwd == bwd == list(range(n_mb)) and n_mb > 0
+            assert sum(e.category == "optimizer" for e in mine) == 1
+    path = tmp_path / "trace.json"
+    tl.save_chrome_trace(path)
+    trace = json.loads(path.read_text())["traceEvents"]
+    assert sum(ev["ph"] == "X" for ev in trace) == len(tl.events)
+
+
+def _run(plan: str) -> RunResult:
+    return run(TINY, None, plan, steps=STEPS, return_params=True, timeout=120)
+
+
+def test_data_parallel_zero1(reference, tmp_path) -> None:
+    result = _run("dp=2,micro_batch=2,zero=1," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    cats = {e.category for e in result.timeline.events}
+    assert {"comm_dp", "comm_zero"} <= cats  # reduce-scatter of gradients, all-gather of parameters
+    assert [r.samples_per_step for r in result.ranks] == [4, 4]
+
+
+def test_data_parallel_uneven_shares(reference, tmp_path) -> None:
+    result = _run("dp=2,micro_batch=2,dp_shares=0.75:0.25," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    assert [r.samples_per_step for r in result.ranks] == [6, 2]
+
+
+def test_tensor_parallel(reference, tmp_path) -> None:
+    result = _run("tp=2,micro_batch=4," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    tp_comm = [e for e in result.timeline.events if e.category == "comm_tp"]
+    # Per layer and micro-batch: g after attn.proj and mlp.fc2 forward, f before qkv and fc1 backward.
+    assert len(tp_comm) == 2 * 4 * 4 * 2 * STEPS  # ranks x layers x (2 fwd + 2 bwd) x micro-batches x steps
+    assert result.ranks[0].params == result.ranks[1].params < sum(v.numel() for v in reference[1].values())
+
+
+def _compute_order(result: RunResult, stage: int, step: int) -> list[str]:
+    return [e.name.split()[0][0].upper() + str(e.micro_batch) for e in result.timeline.events
+            if e.stage == stage and e.args.get("step") == step and e.category in ("forward", "backward")]
+
+
+def test_pipeline_gpipe(reference, tmp_path) -> None:
+    result = _run("pp=2,micro_batch=2,schedule=gpipe," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    assert _compute_order(result, 0, 1) == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    assert [r.layers for r in result.ranks] == [["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]
+
+
+def test_pipeline_1f1b(reference, tmp_path) -> None:
+    result = _run("pp=2,micro_batch=2,schedule=1f1b," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    # PipeDream-Flush: stage 0 warms up with pp - 1 = 1 forward, then alternates; the last stage alternates.
+    assert _compute_order(result, 0, 1) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert _compute_order(result, 1, 1) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert any(e.name == "allreduce tied" for e in result.timeline.events)
+
+
+def test_data_and_tensor_parallel(reference, tmp_path) -> None:
+    result = _run("dp=2,tp=2,micro_batch=2," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    assert [(r.dp, r.tp) for r in result.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_data_and_pipeline_parallel_zero1(reference, tmp_path) -> None:
+    result = _run("dp=2,pp=2,micro_batch=2,schedule=1f1b,zero=1," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    assert [(r.pp, r.dp) for r in result.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_tensor_and_pipeline_parallel(reference, tmp_path) -> None:
+    result = _run("tp=2,pp=2,micro_batch=2,schedule=gpipe," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    assert {e.category for e in result.timeline.events} >= {"comm_tp", "comm_pp"}
