@@ -13,7 +13,8 @@ sbh(34/t + 5as/(ht)) [TP+SP], selective sbh(10 + 24/t) / sbh(34/t), full 2sbh
 (b) runs one steady-state fp32 training step (M micro-batches of forward, loss,
 backward -- gradient accumulation -- then torch.optim.Adam.step and zero_grad) of small
 zoo models on the CPU under PyTorch's MemTracker (torch.distributed._tools.mem_tracker),
-optionally with torch.utils.checkpoint around every layer (full recompute), and compares
+optionally with torch.utils.checkpoint around every layer (full recompute) or around the
+attention cores (selective recompute), and compares
 its peak with `estimate_memory` for the matching single-device plan with the framework
 overhead off (no CUDA context on a CPU). "adam-loop" is PyTorch's default Adam on CPU,
 "adam-foreach" its default on CUDA (forced here with foreach=True).
@@ -52,9 +53,12 @@ MODELS = [  # (zoo spec, batch, micro-batches, recompute, optimizer)
     ("gpt:layers=2,hidden=128,heads=4,seq=128,vocab=50257", 4, 1, "none", "adam-loop"),
     ("gpt:layers=4,hidden=256,heads=8,seq=256,vocab=2000", 2, 1, "none", "adam-loop"),
     ("gpt:layers=4,hidden=256,heads=8,seq=256,vocab=2000", 4, 2, "none", "adam-loop"),
+    ("gpt:layers=4,hidden=256,heads=8,seq=256,vocab=2000", 2, 1, "selective", "adam-loop"),
+    ("gpt:layers=4,hidden=256,heads=8,seq=256,vocab=2000", 4, 2, "selective", "adam-loop"),
     ("gpt:layers=4,hidden=256,heads=8,seq=256,vocab=2000", 2, 1, "full", "adam-loop"),
     ("gpt:layers=4,hidden=256,heads=8,seq=256,vocab=2000", 2, 1, "none", "adam-foreach"),
     ("llama:layers=2,hidden=128,heads=4,kv_heads=2,seq=128,vocab=1000", 4, 1, "none", "adam-loop"),
+    ("llama:layers=2,hidden=128,heads=4,kv_heads=2,seq=128,vocab=1000", 4, 1, "selective", "adam-loop"),
     ("llama:layers=2,hidden=128,heads=4,kv_heads=2,seq=128,vocab=1000", 4, 1, "full", "adam-loop"),
     ("bert:layers=2,hidden=128,heads=4,seq=128,vocab=1000", 4, 1, "none", "adam-loop"),
     ("resnet50:blocks=1-1-1-1,width=16,image=64,classes=100", 4, 1, "none", "adam-loop"),
@@ -68,7 +72,7 @@ MODELS = [  # (zoo spec, batch, micro-batches, recompute, optimizer)
     ("dlrm:dense_branches=2,dense_layers=2,hidden=256,sparse_branches=2,rows=1000,emb_dim=16,bag=10,top_layers=2",
      64, 1, "none", "adam-loop"),
 ]
-QUICK_MODELS = [MODELS[0], MODELS[4], MODELS[11], MODELS[15]]
+QUICK_MODELS = [MODELS[0], MODELS[4], MODELS[6], MODELS[14], MODELS[18]]
 
 
 def korthikanti(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str) -> float:
@@ -84,6 +88,18 @@ def one_gpu_cluster() -> Cluster:
     kind = GPUKind("CPU", {"fp32": 1e12}, memory_bytes=64 * 2**30, memory_bandwidth=1e11)
     link = Link(bandwidth=1e10, latency=1e-6)
     return Cluster(name="cpu", kinds={"CPU": kind}, nodes=[NodeSpec("cpu", ["CPU"], intra=link, nic=link)])
+
+
+def checkpointed_modules(module: torch.nn.Module, recompute: str) -> list[torch.nn.Module] | None:
+    """Modules to run under torch.utils.checkpoint: every layer but the embedding and head for
+    full recompute (what Megatron and the estimator checkpoint), the attention cores (marked
+    plait_selective) for selective recompute."""
+    if recompute == "full":
+        return [module.get_submodule(path) for path, (_, style) in layer_assignment(module).items()
+                if path and style not in ("embedding", "head")]
+    if recompute == "selective":
+        return [m for m in module.modules() if getattr(m, "plait_selective", False)]
+    return None
 
 
 def table_a(console: Console, quick: bool) -> list[float]:
@@ -122,7 +138,8 @@ def table_b(console: Console, quick: bool) -> list[float]:
     for col in ("model", "batch", "M", "recompute", "optimizer", "measured", "estimated", "error", "phase",
                 "largest estimated parts"):
         table.add_column(col, justify="left" if col in ("model", "largest estimated parts") else "right",
-                         no_wrap=col == "model")
+                         overflow="fold", no_wrap=col == "largest estimated parts",
+                         max_width=56 if col == "model" else None)
     cluster = one_gpu_cluster()
     errors = []
     for text, batch, m, recompute, optimizer in QUICK_MODELS if quick else MODELS:
@@ -130,10 +147,7 @@ def table_b(console: Console, quick: bool) -> list[float]:
         torch.manual_seed(0)
         inputs, target = spec.sample_batch(batch)
         module = spec.build("cpu")
-        # full recompute: torch.utils.checkpoint around every layer but the embedding and head,
-        # which is what Megatron (and the estimator) checkpoint
-        ckpt = ([module.get_submodule(path) for path, (_, style) in layer_assignment(module).items()
-                 if path and style not in ("embedding", "head")] if recompute == "full" else None)
+        ckpt = checkpointed_modules(module, recompute)
         t0 = time.perf_counter()
         measured = measure_step_peak(module, inputs, target, spec.loss, optimizer=optimizer, micro_batches=m,
                                      checkpoint=ckpt)

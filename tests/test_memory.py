@@ -407,22 +407,35 @@ def test_tied_embedding_copied_to_last_pipeline_stage():
     assert total == pytest.approx(one.weights + 2 * 4096 * 256)
 
 
-@pytest.mark.parametrize("spec_text,batch", [
-    ("gpt:layers=2,hidden=64,heads=4,seq=64,vocab=3000", 2),
+@pytest.mark.parametrize("spec_text,batch,micro_batches,recompute,optimizer", [
+    ("gpt:layers=2,hidden=64,heads=4,seq=64,vocab=3000", 2, 1, "none", "adam-loop"),
+    ("gpt:layers=2,hidden=64,heads=4,seq=64,vocab=500", 4, 2, "full", "adam-loop"),
+    ("llama:layers=1,hidden=64,heads=4,kv_heads=2,seq=64,vocab=500", 2, 1, "selective", "adam-loop"),
+    ("candle_uno:branches=3,branch_layers=2,hidden=128,top_layers=2", 256, 1, "none", "adam-foreach"),
 ])
-def test_measured_cpu_step_within_10_percent(spec_text, batch):
-    """(b) estimator vs MemTracker on a real fp32 CPU step (Adam, loop implementation)."""
+def test_measured_cpu_step_within_10_percent(spec_text, batch, micro_batches, recompute, optimizer):
+    """(b) estimator vs MemTracker on a real fp32 CPU step (accumulation, recompute, Adam variants)."""
     torch = pytest.importorskip("torch")
-    capture = pytest.importorskip("plait.graph.capture").capture
+    capture_mod = pytest.importorskip("plait.graph.capture")
     zoo = pytest.importorskip("plait.graph.zoo")
     from plait.cost.memory import measure_step_peak
 
     spec = zoo.load_model(spec_text)
+    module = spec.build("cpu")
+    if recompute == "full":
+        ckpt = [module.get_submodule(p) for p, (_, style) in capture_mod.layer_assignment(module).items()
+                if p and style not in ("embedding", "head")]
+    elif recompute == "selective":
+        ckpt = [m for m in module.modules() if getattr(m, "plait_selective", False)]
+    else:
+        ckpt = None
     torch.manual_seed(0)
     inputs, target = spec.sample_batch(batch)
-    measured = measure_step_peak(spec.build("cpu"), inputs, target, spec.loss, optimizer="adam-loop")
-    g = capture(spec.build("meta"), spec.sample_batch(batch, device="meta")[0], name=spec.name,
-                config=spec.config)
-    est = estimate_memory(g, Plan(dtype="fp32", micro_batch=batch, global_batch=batch), cluster(),
-                          optimizer="adam-loop", overhead_bytes=0)
+    measured = measure_step_peak(module, inputs, target, spec.loss, optimizer=optimizer,
+                                 micro_batches=micro_batches, checkpoint=ckpt)
+    mb = batch // micro_batches
+    g = capture_mod.capture(spec.build("meta"), spec.sample_batch(mb, device="meta")[0], name=spec.name,
+                            config=spec.config)
+    plan = Plan(dtype="fp32", micro_batch=mb, global_batch=batch, recompute=recompute)
+    est = estimate_memory(g, plan, cluster(), optimizer=optimizer, overhead_bytes=0)
     assert est.peak_bytes[0] == pytest.approx(measured.peak_bytes, rel=0.10)
