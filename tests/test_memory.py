@@ -439,3 +439,22 @@ def test_measured_cpu_step_within_10_percent(spec_text, batch, micro_batches, re
     plan = Plan(dtype="fp32", micro_batch=mb, global_batch=batch, recompute=recompute)
     est = estimate_memory(g, plan, cluster(), optimizer=optimizer, overhead_bytes=0)
     assert est.peak_bytes[0] == pytest.approx(measured.peak_bytes, rel=0.10)
+
+
+def test_with_loaded_mixed_cluster_uneven_layer_split_fits():
+    load_cluster = pytest.importorskip("plait.cluster").load_cluster
+    c = load_cluster("mixed-a100-v100:a100_nodes=1,v100_nodes=1")
+    devs = c.devices
+    v100s = [d.id for d in devs if "v100" in d.kind.name.lower()]
+    a100s = [d.id for d in devs if "a100" in d.kind.name.lower()]
+    g = gpt_graph(2048, 5120, 40, layers=48, vocab=50000)  # ~15B parameters
+    # pp=2, tp=8 inside a node; the first stage (2 micro-batches in flight) on the 32 GB V100s
+    kw = dict(tp=8, pp=2, micro_batch=2, global_batch=16, device_order=v100s + a100s)
+    est = estimate_memory(g, Plan(**kw), c)
+    assert not est.fits
+    assert est.over_devices == v100s
+    assert all(f"node {devs[v100s[0]].node}" in v and "v100" in v.lower() for v in est.violations)
+    # fewer layers on the V100 stage (layer_split counts the embedding and the head as layers)
+    est2 = estimate_memory(g, Plan(**kw, layer_split=[14, 36]), c)
+    assert est2.fits, est2.violations
+    assert est2.peak_bytes[v100s[0]] < est.peak_bytes[v100s[0]]
