@@ -458,3 +458,34 @@ def test_with_loaded_mixed_cluster_uneven_layer_split_fits():
     est2 = estimate_memory(g, Plan(**kw, layer_split=[14, 36]), c)
     assert est2.fits, est2.violations
     assert est2.peak_bytes[v100s[0]] < est.peak_bytes[v100s[0]]
+
+
+# ----------------------------------------------------------------------------- properties
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_PROP_GRAPH = gpt_graph(256, 256, 8, layers=8, vocab=2000)
+_PROP_CLUSTER = cluster(nodes=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dp=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]),
+       mb=st.sampled_from([1, 2, 4]), m=st.sampled_from([1, 2, 8]),
+       recompute=st.sampled_from(["none", "selective", "full"]), zero=st.sampled_from([0, 1, 2, 3]),
+       sp=st.booleans(), schedule=st.sampled_from(["1f1b", "gpipe"]))
+def test_monotone_in_micro_batch_and_zero(dp, tp, pp, mb, m, recompute, zero, sp, schedule):
+    kw = dict(dp=dp, tp=tp, pp=pp, recompute=recompute, sequence_parallel=sp, schedule=schedule)
+    small = estimate_memory(_PROP_GRAPH, Plan(micro_batch=mb, global_batch=dp * mb * m, zero=zero, **kw),
+                            _PROP_CLUSTER)
+    bigger = estimate_memory(_PROP_GRAPH, Plan(micro_batch=2 * mb, global_batch=2 * dp * mb * m, zero=zero, **kw),
+                             _PROP_CLUSTER)
+    assert all(b >= a for a, b in zip(small.peak_bytes, bigger.peak_bytes))
+    if zero < 2:  # ZeRO-3 adds all-gather buffers of two layers, which can outweigh 2Ψ/N on small stages
+        more = estimate_memory(_PROP_GRAPH, Plan(micro_batch=mb, global_batch=dp * mb * m, zero=zero + 1, **kw),
+                               _PROP_CLUSTER)
+        assert all(b <= a + 1 for a, b in zip(small.peak_bytes, more.peak_bytes))
+    for d in small.devices:  # the breakdown adds up and nothing is negative
+        bd = small.breakdown(d)
+        assert bd.total == pytest.approx(small.peak_bytes[d], abs=8)
+        assert min(bd.weights, bd.grads, bd.optimizer, bd.activations, bd.logits, bd.comm_buffers, bd.other) >= 0

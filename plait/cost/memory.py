@@ -531,6 +531,11 @@ def estimate_memory(
                 f"plan stage '{st.name}': device {bad[0]} is not in cluster {cluster.name!r} "
                 f"({n_dev} devices)"
             )
+        for fname, vals, count in (("tp_ratios", st.tp_ratios, st.tp), ("dp_shares", st.dp_shares, st.dp)):
+            if vals is not None and (len(vals) != count or min(vals) < 0):
+                raise MemoryEstimateError(
+                    f"plan stage '{st.name}': {fname} needs {count} non-negative values, got {vals}"
+                )
         if len(st.devices) != st.dp * st.tp:
             raise MemoryEstimateError(
                 f"plan stage '{st.name}': has {len(st.devices)} devices but dp*tp = {st.dp * st.tp}"
