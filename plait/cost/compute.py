@@ -84,17 +84,17 @@ class ComputeModel:
     Defaults: fitted on the even rows of the A100 Megatron-DeepSpeed data set (fp16);
     `bench/validate_a100.py --fit` reproduces them."""
 
-    gemm_efficiency: float = 0.80  # achieved fraction of tensor-core peak in a GEMM main loop
-    unaligned_penalty: float = 2.78  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
-    memory_efficiency: float = 0.72  # achieved fraction of HBM bandwidth by streaming kernels
-    kernel_gpu_s: float = 18e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
-    host_fwd_s: float = 63e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
-    host_bwd_s: float = 72e-6  # host time per backward kernel (autograd engine)
-    host_comm_s: float = 7e-6  # host time per collective call
-    p2p_host_s: float = 710e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
-    loss_host_s: float = 0.75e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
-    batch_host_s: float = 0.42e-3  # host work per micro-batch to fetch and place a batch (get_batch)
-    step_host_s: float = 0.08e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
+    gemm_efficiency: float = 0.814  # achieved fraction of tensor-core peak in a GEMM main loop
+    unaligned_penalty: float = 2.28  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
+    memory_efficiency: float = 0.643  # achieved fraction of HBM bandwidth by streaming kernels
+    kernel_gpu_s: float = 20.6e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
+    host_fwd_s: float = 69.5e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
+    host_bwd_s: float = 72.8e-6  # host time per backward kernel (autograd engine)
+    host_comm_s: float = 13.8e-6  # host time per collective call
+    p2p_host_s: float = 137e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
+    loss_host_s: float = 0.469e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
+    batch_host_s: float = 0.310e-3  # host work per micro-batch to fetch and place a batch (get_batch)
+    step_host_s: float = 0.016e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
     optimizer_bytes_per_param: float = 34.0  # fused Adam r/w p,g,m,v fp32 (28) + fp16 param copy (6)
     grad_accum_bytes_per_param: float = 4.0  # .grad += w-grad per micro-batch (fp16 read+write)
     embedding_grad_bytes_per_param: float = 2.0  # dense embedding backward zero-fills a [V, h] grad
