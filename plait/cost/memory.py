@@ -16,6 +16,8 @@ What lives on a device at its peak (all bytes):
   weights of matmuls in transformer and head layers, and the word-embedding table
   (vocab-parallel), are split by the rank's tensor share; layer norms, biases of
   non-matmul ops and position embeddings are replicated (Shoeybi et al. 2019, §3).
+  A tied word embedding (GPT, ``config["tie"]``) gets a second copy on the stage
+  holding the head when that is not the embedding's stage, as Megatron does.
 * **Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in
   Large Transformer Models", §4). Per layer and sample the capture records the
   bytes autograd saves (`saved_bytes`), the part tensor parallelism splits
@@ -41,10 +43,12 @@ What lives on a device at its peak (all bytes):
   the outputs (one copy) through the rest of backward and the optimizer step.
   Megatron's fused vocab-parallel cross entropy (``loss="fused"``) keeps one fp32
   copy at the loss and frees the logits afterwards.
-* **Backward transients**: while layer i runs backward, the gradient of its output
-  plus the larger of the gradient of its input and the gradients around the op
-  running (its output and inputs: e.g. the attention scores, or the MLP's 4h-wide
-  hidden state), for one micro-batch.
+* **Backward of a layer**: walking its ops in reverse, at op k the saved tensors of
+  ops 0..k are still alive (under full recompute all of them rebuilt; under
+  selective recompute the attention core's once backward reaches it) plus the
+  gradients of op k's output and inputs (e.g. the attention scores, the MLP's
+  4h-wide hidden state) and of the layer's output: max_k of that, on top of what
+  the earlier layers keep. Graphs without op detail use the layer totals.
 * **Gradients over time.** Megatron's contiguous gradient buffer, DDP's buckets,
   ZeRO partitions and gradient accumulation (m > 1) keep every gradient allocated
   for the whole iteration. A plain eager fp32 loop with one micro-batch and
@@ -67,6 +71,10 @@ What lives on a device at its peak (all bytes):
   workspaces and NCCL communicator buffers (NCCL_BUFFSIZE 4 MiB per channel and
   peer). Pass ``overhead_bytes=0`` when comparing with a CPU measurement, which
   has none of these.
+
+`measure_step_peak` measures the same quantity on a real CPU training step with
+PyTorch's MemTracker; bench/memory_error.py compares the two, and the per-layer
+activations with Korthikanti's formulas.
 """
 
 from __future__ import annotations
