@@ -16,7 +16,7 @@ What it does, end to end:
 3. for each plan (DP, TP, PP, mixed; uneven DP shares and layer splits on `hetero`)
    **predicts** the iteration time with `plait.sim.api.simulate` on the *measured*
    cluster and **measures** it with `plait.runtime.api.run` on the *emulated* cluster
-   (mean of the steps after the first), and prints both with the error, per-cluster
+   (median of the steps after the first two), and prints both with the error, per-cluster
    Spearman rank correlation and whether the ranking is the same.
 
 Plans run in fp32 (the dtype of the emulated slowdown and of the profile's matmul figure)
@@ -150,16 +150,20 @@ def measure(model: str, cluster: str, plan: str, steps: int) -> tuple[float, flo
     from plait.runtime.api import run
 
     res = run(model, cluster, plan, steps=steps, dtype="fp32")
-    times = res.iteration_times[1:] if len(res.iteration_times) > 1 else res.iteration_times
-    mean = statistics.fmean(times)
+    # Median of the steps after the first two (warm-up: allocator, gloo connections): robust
+    # to the spikes other processes on this shared machine put into single steps.
+    skip = 2 if len(res.iteration_times) > 3 else 0
+    times = res.iteration_times[skip:]
+    med = statistics.median(times)
     sd = statistics.stdev(times) if len(times) > 1 else 0.0
-    return mean, sd, _per_device(res.step_timeline(-1)), res
+    k = min(range(skip, len(res.iteration_times)), key=lambda i: abs(res.iteration_times[i] - med))
+    return med, sd, _per_device(res.step_timeline(k)), res
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 plans per cluster, 3 steps")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per plan (default 5; quick 3)")
+    ap.add_argument("--quick", action="store_true", help="2 plans per cluster, 4 steps")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per plan (default 8; quick 4)")
     ap.add_argument("--keep", help="directory for cluster files, profiles and traces (default: a temp dir)")
     ap.add_argument("--max-size", default="16M", help="largest collective size profiled (default 16M)")
     ap.add_argument("--model", default=MODEL)
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.cluster.profile import parse_size
 
     console = Console(width=170)
-    steps = args.steps or (3 if args.quick else 5)
+    steps = args.steps or (4 if args.quick else 8)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="plait-sim-vs-real-"))
     work.mkdir(parents=True, exist_ok=True)
     plans = [p for p in PLANS if not args.quick or p[1] in QUICK]
@@ -200,18 +204,19 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]simulate failed[/] for {cname} {label}: {type(exc).__name__}: {exc}")
         try:
             real_t, real_sd, real_cat, res = measure(args.model, str(emulated[cname]), plan, steps)
+            all_steps = [round(t, 4) for t in res.iteration_times]
             res.timeline.save_chrome_trace(work / f"{cname}-{label.replace(' ', '_')}.trace.json")
         except Exception as exc:  # noqa: BLE001
-            real_t, real_sd, real_cat = float("nan"), 0.0, {}
+            real_t, real_sd, real_cat, all_steps = float("nan"), 0.0, {}, []
             console.print(f"[red]run failed[/] for {cname} {label}: {type(exc).__name__}: {exc}")
         err = (sim_t - real_t) / real_t if real_t == real_t and real_t > 0 else float("nan")
         rows.append({"cluster": cname, "plan": label, "spec": plan, "predicted_s": sim_t, "measured_s": real_t,
-                     "measured_sd_s": real_sd, "error": err,
+                     "measured_sd_s": real_sd, "steps_s": all_steps, "error": err,
                      "baseline_s": base_t, "baseline_error": (base_t - real_t) / real_t if real_t > 0 else float("nan"), "sim": sim_cat, "real": real_cat})
         console.print(f"  {cname:6s} {label:18s} predicted {sim_t:.3f} s  measured {real_t:.3f} ± {real_sd:.3f} s"
                       f"  error {err * 100:+.1f} %")
 
-    table = Table(title=f"sim vs real: {args.model}, {steps} steps (mean of steps 2..{steps}), 4 CPU ranks")
+    table = Table(title=f"sim vs real: {args.model}, {steps} steps (median of steps 3..{steps}), 4 CPU ranks")
     for col in ("cluster", "plan", "predicted s", "measured s", "error", "sim fwd/bwd+opt/comm s", "real fwd/bwd+opt/comm s",
                 "baseline s (GPU model)", "baseline error"):
         table.add_column(col, justify="right" if col not in ("cluster", "plan") else "left")
