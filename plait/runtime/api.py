@@ -13,6 +13,7 @@ to the file's links (`plait.runtime.netns`); otherwise all ranks share loopback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -212,13 +213,17 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     if dtype not in ("fp32", "tf32", "bf16", "fp16"):
         raise RuntimeSetupError(f"dtype: must be fp32, tf32, bf16 or fp16, got {dtype!r}")
     if cluster_obj is not None and not emulate:
-        cluster_obj.emulation = None
+        cluster_obj = dataclasses.replace(cluster_obj, emulation=None)
     layout = rank_layout(cluster_obj, plan_obj, dtype)
     world = len(layout)
+    # auto: NCCL on GPUs when there is one per rank, else gloo on CPU.
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()
-                                    and torch.cuda.device_count() >= 1)
+                                    and torch.cuda.device_count() >= world)
     if device not in ("auto", "cpu", "cuda"):
         raise RuntimeSetupError(f"device: must be auto, cpu or cuda, got {device!r}")
+    if use_cuda and torch.cuda.device_count() < len(layout):
+        raise RuntimeSetupError(f"device cuda: the plan has {len(layout)} ranks but this machine has "
+                                f"{torch.cuda.device_count()} GPUs (NCCL needs one GPU per rank); use --device cpu")
     backend = "nccl" if use_cuda else "gloo"
     notes: list[str] = []
     if plan_obj.sequence_parallel:

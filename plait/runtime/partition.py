@@ -3,9 +3,9 @@
 * `load_model_spec(spec)` returns an object with `build`, `sample_batch` and `loss`
   (the zoo's `ModelSpec` contract).
 * `layer_modules(model)` lists the model's layers the way the capture does: a module
-  marked `plait_layer` is one layer; an unmarked top-level child is one layer unless it
-  holds marked modules (e.g. a `ModuleList` of transformer blocks), in which case its
-  marked descendants are the layers.
+  marked `plait_layer` is one layer; an unmarked module without marked descendants is
+  one layer when its parent holds marked modules (or is the root); containers of marked
+  modules (e.g. a `ModuleList` of transformer blocks) are not layers.
 * `global_batch_slice(...)` builds samples from a seed per *global sample index*, so any
   split of the global batch over replicas and micro-batches sees the same samples.
 * `split_into_stages(model, counts)` cuts the model into a linear pipeline with
@@ -60,28 +60,13 @@ def model_spec_string(spec: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------- layers
-def _has_marked_descendant(module: nn.Module) -> bool:
-    return any(hasattr(m, "plait_layer") for m in module.modules())
-
-
 def layer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's layers as (qualified name, module), in registration order."""
-    out: list[tuple[str, nn.Module]] = []
+    """The model's layers as (qualified name, module), in registration order: exactly the
+    OpGraph's layers (`plait.graph.capture.layer_assignment`), so a plan's `layer_split`
+    counts the same units here as in the planner and the simulator."""
+    from plait.graph.capture import layer_assignment
 
-    def visit(prefix: str, module: nn.Module, top: bool) -> None:
-        for name, child in module.named_children():
-            qual = f"{prefix}{name}"
-            if hasattr(child, "plait_layer"):
-                out.append((qual, child))
-            elif _has_marked_descendant(child):
-                visit(qual + ".", child, False)
-            elif top:
-                out.append((qual, child))
-
-    if hasattr(model, "plait_layer"):
-        return [("", model)]
-    visit("", model, True)
-    return out
+    return [(path, model.get_submodule(path) if path else model) for path in layer_assignment(model)]
 
 
 # ---------------------------------------------------------------------------------- data

@@ -133,7 +133,12 @@ class Recorder:
 
     def end_step(self) -> float:
         if self.cuda:
+            # Kernels (and NCCL collectives) run asynchronously: a rank blocks here when a peer hangs.
+            if self.heartbeat is not None:
+                self.heartbeat.waiting("cuda synchronize (end of step)")
             torch.cuda.synchronize()
+            if self.heartbeat is not None:
+                self.heartbeat.waiting(None)
             for ev, start, end in self._pending:
                 ev.start = self._base_time + self._base_event.elapsed_time(start) / 1e3
                 ev.end = self._base_time + self._base_event.elapsed_time(end) / 1e3

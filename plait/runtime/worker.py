@@ -126,8 +126,9 @@ class Worker:
     def _init_dist(self) -> None:
         self.hb.progress("init")
         if self.cuda:
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local % torch.cuda.device_count())
+            # Every agent of a run lives on this machine (emulated nodes share it), so the plan rank,
+            # not torchrun's per-agent LOCAL_RANK, picks a distinct GPU (NCCL needs one GPU per rank).
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
