@@ -1,8 +1,9 @@
 """Memory-estimator error: (a) against Korthikanti et al.'s per-layer formulas, (b) against
 the measured peak of real CPU training steps.
 
-    python bench/memory_error.py            # both tables
+    python bench/memory_error.py            # all tables
     python bench/memory_error.py --quick    # fewer models / cases
+    python bench/memory_error.py --only c   # one table (a, b or c)
 
 (a) captures a one-layer GPT on the meta device in bf16 for each (s, h, a), and compares
 the estimator's per-layer activation bytes (`activation_bytes_per_layer`) for several
@@ -18,6 +19,9 @@ attention cores (selective recompute), and compares
 its peak with `estimate_memory` for the matching single-device plan with the framework
 overhead off (no CUDA context on a CPU). "adam-loop" is PyTorch's default Adam on CPU,
 "adam-foreach" its default on CUDA (forced here with foreach=True).
+
+(c) times the estimator on a planner-style sweep (GPT-3 175B, 1024 GPUs): cold, with
+every cache cleared before each plan (the baseline), and warm, as a planner calls it.
 """
 
 from __future__ import annotations
@@ -175,10 +179,50 @@ def table_b(console: Console, quick: bool) -> list[float]:
     return errors
 
 
+def table_c(console: Console, quick: bool) -> None:
+    """Speed: a planner-style sweep over 3D plans of GPT-3 175B on 1024 A100s."""
+    from plait.cluster import load_cluster
+    from plait.cost import memory as mem
+
+    spec = load_model("gpt:size=175b")
+    t0 = time.perf_counter()
+    inputs, _ = spec.sample_batch(1, device="meta")
+    g = capture(spec.build("meta", dtype=torch.bfloat16), inputs, name="gpt-175b", config=spec.config)
+    t_cap = time.perf_counter() - t0
+    cluster = load_cluster("a100-80g:nodes=128")
+    plans = []
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8, 16, 32):
+            dp = cluster.num_devices // (tp * pp)
+            for mb in ((1, 2) if quick else (1, 2, 4)):
+                for recompute in ("none", "selective", "full"):
+                    for zero in (0, 1):
+                        gb = dp * mb * max(1, 2048 // (dp * mb))  # about 2048 sequences
+                        plans.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=gb,
+                                          recompute=recompute, zero=zero, sequence_parallel=tp > 1))
+    table = Table(title=f"(c) estimate_memory speed: GPT-3 175B ({len(g.ops)} ops, captured in {t_cap:.1f} s) "
+                        f"on {cluster.num_devices} GPUs, {len(plans)} plans")
+    for col in ("cache", "plans", "total", "per plan", "plans that fit"):
+        table.add_column(col, justify="right")
+    for label, cold in (("cold (baseline: no reuse between plans)", True), ("warm (planner sweep)", False)):
+        mem._CACHE.clear()
+        mem._CLUSTER_CACHE.clear()
+        fits = 0
+        t0 = time.perf_counter()
+        for p in plans:
+            if cold:
+                mem._CACHE.clear()
+                mem._CLUSTER_CACHE.clear()
+            fits += estimate_memory(g, p, cluster).fits
+        dt = time.perf_counter() - t0
+        table.add_row(label, str(len(plans)), f"{dt:.2f} s", f"{dt / len(plans) * 1e3:.2f} ms", str(fits))
+    console.print(table)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and models")
-    parser.add_argument("--only", choices=("a", "b"), help="print one table")
+    parser.add_argument("--only", choices=("a", "b", "c"), help="print one table")
     args = parser.parse_args()
     console = Console(width=240)
     ok = True
@@ -186,6 +230,8 @@ def main() -> int:
         ok &= max(table_a(console, args.quick)) <= 0.05
     if args.only in (None, "b"):
         ok &= max(table_b(console, args.quick)) <= 0.10
+    if args.only in (None, "c"):
+        table_c(console, args.quick)
     console.print("targets (a) <= 5%, (b) <= 10%:", "[green]met[/green]" if ok else "[red]missed[/red]")
     return 0 if ok else 1
 

@@ -89,7 +89,7 @@ import numpy as np
 from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
 from plait.graph.opgraph import OpGraph
-from plait.plan.ir import Plan, StageSpec
+from plait.plan.ir import Plan
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 FRAMEWORK_OVERHEAD_BYTES = 1 * GiB
@@ -445,9 +445,9 @@ _CLUSTER_CACHE: dict[int, tuple[tuple, tuple[list[str], list[int], np.ndarray]]]
 def _cluster_devices(cluster: Cluster) -> tuple[list[str], list[int], np.ndarray]:
     """(kind name, node index, capacity bytes) per device id, node-major as in Cluster.devices.
 
-    Cached per cluster object; the key includes every node's GPU list and the kinds'
-    capacities, so an edited cluster is re-read."""
-    stamp = (tuple(tuple(n.gpus) for n in cluster.nodes),
+    Cached per cluster object; a change in the node or GPU count or in the kinds'
+    capacities re-reads it (a cluster is otherwise taken as unchanged)."""
+    stamp = (len(cluster.nodes), sum(len(n.gpus) for n in cluster.nodes),
              tuple((k, v.name, v.memory_bytes) for k, v in cluster.kinds.items()))
     hit = _CLUSTER_CACHE.get(id(cluster))
     if hit is not None and hit[0] == stamp:
@@ -516,37 +516,14 @@ def estimate_memory(
     act_scale = plan_bytes / la.act_dtype_bytes  # capture dtype -> plan dtype
     loss_scale = 4.0 / la.act_dtype_bytes  # the loss runs in fp32
 
-    stages = plan.stage_specs(graph.layer_names)
+    stages = _plan_stages(la, plan, graph)
     stage_of_layer = np.full(la.n_layers, -1, dtype=np.int64)
-    stage_layers: list[np.ndarray] = []
     for s, st in enumerate(stages):
-        idx = []
-        for name in st.layers:
-            i = la.index.get(name)
-            if i is None:
-                raise MemoryEstimateError(
-                    f"plan stage '{st.name}': layer {name!r} is not a layer of model {graph.model!r}"
-                )
-            idx.append(i)
-        if not idx:
-            raise MemoryEstimateError(f"plan stage '{st.name}': holds no layers")
-        ids = np.asarray(idx, dtype=np.int64)
-        stage_of_layer[ids] = s
-        stage_layers.append(ids)
-        bad = [d for d in st.devices if not 0 <= d < n_dev]
-        if bad:
+        stage_of_layer[st.ids] = s
+        if len(st.devices) and (st.devices.min() < 0 or st.devices.max() >= n_dev):
+            bad = int(st.devices[(st.devices < 0) | (st.devices >= n_dev)][0])
             raise MemoryEstimateError(
-                f"plan stage '{st.name}': device {bad[0]} is not in cluster {cluster.name!r} "
-                f"({n_dev} devices)"
-            )
-        for fname, vals, count in (("tp_ratios", st.tp_ratios, st.tp), ("dp_shares", st.dp_shares, st.dp)):
-            if vals is not None and (len(vals) != count or min(vals) < 0):
-                raise MemoryEstimateError(
-                    f"plan stage '{st.name}': {fname} needs {count} non-negative values, got {vals}"
-                )
-        if len(st.devices) != st.dp * st.tp:
-            raise MemoryEstimateError(
-                f"plan stage '{st.name}': has {len(st.devices)} devices but dp*tp = {st.dp * st.tp}"
+                f"plan stage '{st.name}': device {bad} is not in cluster {cluster.name!r} ({n_dev} devices)"
             )
 
     in_flight = _in_flight(plan, stages)
@@ -556,7 +533,7 @@ def estimate_memory(
     step_phase = np.zeros(n_dev, dtype=bool)
     used = np.zeros(n_dev, dtype=bool)
     for s, st in enumerate(stages):
-        ids = stage_layers[s]
+        ids = st.ids
         mb = st.micro_batch or plan.micro_batch
         m = max(1, plan.global_batch // (st.dp * mb)) if plan.stages else plan.num_micro_batches
         batches = _replica_micro_batches(plan, st, mb, m)
@@ -569,7 +546,7 @@ def estimate_memory(
             tied_extra[int(np.flatnonzero(ids == la.tied[1])[0])] = la.tied[2]
         # Devices of a stage differ only by tensor share and replica micro-batch: one row per
         # distinct pair (a single row for even plans), scattered to the devices with numpy.
-        devs = np.asarray(st.devices, dtype=np.int64)
+        devs = st.devices
         if len(set(batches)) == 1 and len(set(ratios)) == 1:
             uniq = np.array([[batches[0], ratios[0] if st.tp > 1 else 1.0]])
             which = np.zeros(len(devs), dtype=np.int64)
@@ -822,7 +799,67 @@ def activation_bytes_per_layer(
     return {name: float(b * kept[i]) for name, i in la.index.items()}
 
 
-def _replica_micro_batches(plan: Plan, st: StageSpec, mb: int, m: int) -> list[int]:
+@dataclass
+class _Stage:
+    """A pipeline stage as the estimator needs it: layer indices and device ids as arrays."""
+
+    name: str
+    ids: np.ndarray
+    devices: np.ndarray
+    dp: int
+    tp: int
+    micro_batch: int | None
+    dp_shares: list[float] | None
+    tp_ratios: list[float] | None
+
+
+def _plan_stages(la: _LayerArrays, plan: Plan, graph: OpGraph) -> list[_Stage]:
+    """The plan's stages (Plan.stage_specs), built with numpy for the common chain of `pp`
+    stages -- planners ask for thousands of 1024-GPU plans -- and from the explicit stage
+    list otherwise. tests/test_memory.py checks both give the same stages."""
+    if plan.stages:
+        out = []
+        for st in plan.stage_specs(graph.layer_names):
+            idx = []
+            for name in st.layers:
+                i = la.index.get(name)
+                if i is None:
+                    raise MemoryEstimateError(
+                        f"plan stage '{st.name}': layer {name!r} is not a layer of model {graph.model!r}"
+                    )
+                idx.append(i)
+            if not idx:
+                raise MemoryEstimateError(f"plan stage '{st.name}': holds no layers")
+            for fname, vals, count in (("tp_ratios", st.tp_ratios, st.tp), ("dp_shares", st.dp_shares, st.dp)):
+                if vals is not None and (len(vals) != count or min(vals) < 0):
+                    raise MemoryEstimateError(
+                        f"plan stage '{st.name}': {fname} needs {count} non-negative values, got {vals}"
+                    )
+            if len(st.devices) != st.dp * st.tp:
+                raise MemoryEstimateError(
+                    f"plan stage '{st.name}': has {len(st.devices)} devices but dp*tp = {st.dp * st.tp}"
+                )
+            out.append(_Stage(st.name, np.asarray(idx, dtype=np.int64), np.asarray(st.devices, dtype=np.int64),
+                              st.dp, st.tp, st.micro_batch, st.dp_shares, st.tp_ratios))
+        return out
+    # Megatron order (Plan.rank): rank = (p * dp + d) * tp + t; device stage p holds chunks
+    # p, p + pp, p + 2pp, ... of the layer split (Plan.stage_specs).
+    counts = plan.layers_per_stage(la.n_layers)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    per_stage = plan.dp * plan.tp
+    ranks = np.arange(plan.pp * per_stage, dtype=np.int64).reshape(plan.pp, per_stage)
+    if plan.device_order is not None:
+        ranks = np.asarray(plan.device_order, dtype=np.int64)[ranks]
+    out = []
+    for p in range(plan.pp):
+        chunks = [np.arange(bounds[v * plan.pp + p], bounds[v * plan.pp + p + 1]) for v in range(plan.virtual_stages)]
+        ids = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        out.append(_Stage(f"stage{p}", ids, ranks[p], plan.dp, plan.tp, plan.micro_batch, plan.dp_shares,
+                          plan.tp_ratios))
+    return out
+
+
+def _replica_micro_batches(plan: Plan, st: _Stage, mb: int, m: int) -> list[int]:
     """Micro-batch size of each data-parallel replica of a stage (uneven with dp_shares)."""
     if not st.dp_shares:
         return [mb] * st.dp
@@ -836,7 +873,7 @@ def _replica_micro_batches(plan: Plan, st: StageSpec, mb: int, m: int) -> list[i
     return [max(1, math.ceil(n / m)) if n > 0 else 0 for n in samples]
 
 
-def _in_flight(plan: Plan, stages: list[StageSpec]) -> list[float]:
+def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     """Micro-batches of activations each stage holds at once (in whole-stage units)."""
     m = plan.num_micro_batches
     if plan.schedule == "gpipe":
