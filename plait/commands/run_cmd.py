@@ -65,7 +65,8 @@ def _print(result: Any, args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    width = Console().width
+    console = Console(width=max(width, 110))  # the rank table needs ~110 columns; wrap rather than elide
     console.print(f"[bold]plait run[/bold]  model {result.model}  plan {result.plan}")
     console.print(f"backend {result.backend} on {result.device}, network {result.network.get('mode')}"
                   + (f", resumed after step {result.resumed_from}" if result.resumed_from else ""))
@@ -76,9 +77,9 @@ def _print(result: Any, args: argparse.Namespace) -> None:
     for s, loss, t in zip(result.steps, result.losses, result.iteration_times):
         steps.add_row(str(s), f"{loss:.6f}", f"{t * 1e3:.2f}")
     console.print(steps)
-    ranks = Table(title="ranks")
-    for col in ("rank", "pp/dp/tp", "device", "host", "kind", "slowdown", "layers", "params", "samples/step",
-                "compute busy", "comm busy"):
+    ranks = Table(title="ranks (samples per step; busy fraction of the measured steps)")
+    for col in ("rank", "pp/dp/tp", "dev", "host", "kind", "slowdown", "layers", "params", "samples",
+                "compute", "comm"):
         ranks.add_column(col, justify="right" if col not in ("host", "kind", "layers") else "left")
     span = sum(result.iteration_times) or 1.0
     for r in result.ranks:
