@@ -6,8 +6,9 @@
   marked `plait_layer` is one layer; an unmarked module without marked descendants is
   one layer when its parent holds marked modules (or is the root); containers of marked
   modules (e.g. a `ModuleList` of transformer blocks) are not layers.
-* `global_batch_slice(...)` builds samples from a seed per *global sample index*, so any
-  split of the global batch over replicas and micro-batches sees the same samples.
+* `make_samples(...)` builds samples from a seed per *global sample index*, so any split of
+  the global batch over replicas and micro-batches (`replica_micro_batches`) sees the same
+  samples as the single-process reference.
 * `split_into_stages(model, counts)` cuts the model into a linear pipeline with
   `torch.fx`: layers are traced as leaves, every other node (glue such as a residual
   add or positional-embedding sum) goes to the earliest stage that has all of its inputs,
@@ -50,12 +51,9 @@ def model_spec_string(spec: Any) -> str:
     """The string a worker process can load `spec` from (workers cannot receive Python objects)."""
     if isinstance(spec, str):
         return spec
-    source = getattr(spec, "spec", None) or getattr(spec, "source", None)
-    if isinstance(source, str):
+    source = getattr(spec, "spec", None)  # the zoo records the string a ModelSpec came from
+    if isinstance(source, str) and source:
         return source
-    name, config = getattr(spec, "name", None), getattr(spec, "config", None)
-    if isinstance(name, str) and isinstance(config, dict):
-        return name + (":" + ",".join(f"{k}={v}" for k, v in config.items()) if config else "")
     raise RuntimeSetupError("model: pass a zoo spec string or 'file.py:factory' so worker processes can load it")
 
 
