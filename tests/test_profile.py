@@ -153,10 +153,9 @@ def test_profile_inside_emulated_namespaces_measures_the_shaped_link(tmp_path) -
           - {name: b, gpus: {kind: t4, count: 1}, nic: {bandwidth: 100 Gb/s}}
         emulation: {bandwidth_scale: 0.002}
     """))  # 12.5 GB/s * 0.002 = 25 MB/s between the nodes
-    before = set(list_namespaces())
     result, data = profile(str(base), sizes=[4096, 65536], p2p_bytes=2 * MiB, matmul_sizes=[128], min_time=0.005,
                            slowdown_dtype="fp32", timeout_s=120, prefix="plaittestprof")
-    assert set(list_namespaces()) == before  # removed afterwards
+    assert not [ns for ns in list_namespaces() if ns.startswith("plaittestprof-")]  # removed afterwards
     for key in ("0-1", "1-0"):
         assert result.p2p[key]["bandwidth"] == pytest.approx(25e6, rel=0.25)
     assert result.slowdowns == pytest.approx([1.0, 19.5 / 8.1])
