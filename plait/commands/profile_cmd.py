@@ -1,7 +1,7 @@
 """`plait profile`: measure N local workers or an (emulated) cluster and write a cluster YAML.
 
     plait profile --nprocs 4 --out local.yaml
-    plait profile --cluster examples/emulated.yaml --out measured.yaml --max-size 16M
+    plait profile --cluster my-emulated-cluster.yaml --out measured.yaml --max-size 16M
 
 With `--cluster` whose file asks for emulation, the workers of each node run inside
 that node's network namespace (shaped with tc) and each rank's matmuls are stretched
