@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-gpus", type=int, default=4096)
     ap.add_argument("--no-baseline", action="store_true", help="skip the symmetry-off baseline")
     args = ap.parse_args(argv)
-    console = Console()
+    console = Console(width=160)
     t0 = time.perf_counter()
     graph = gpt_opgraph(GPT3, "bf16")
     console.print(f"GPT-3 175B OpGraph (closed form): {len(graph.layers)} layers, {len(graph.ops)} ops, "
@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             node = a100.pop() if d % 2 == 0 else v100.pop()
             order += [8 * node + t for t in range(8)]
     fast, slow = 1.6 / (4 * 2.6), 1.0 / (4 * 2.6)
+    # fp16: V100s have no bf16 tensor cores (the catalog falls back to their FP32 rate).
     het = Plan(dp=8, tp=8, pp=16, micro_batch=1, global_batch=8 * MICRO_BATCHES, recompute="full",
-               device_order=order, dp_shares=[fast, slow] * 4)
+               device_order=order, dp_shares=[fast, slow] * 4, dtype="fp16")
     row(1024, "A100+V100 64+64", mixed, het)
     console.print(table)
     return 0

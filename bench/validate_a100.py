@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit-bandwidth", action="store_true",
                     help="also fit the achieved NVLink bandwidth (the README's 150 GB/s otherwise)")
     args = ap.parse_args(argv)
-    console = Console()
+    console = Console(width=140)
     rows = load_rows()
     if args.rows:
         rows = rows[: args.rows]

@@ -320,7 +320,6 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
     Er = E * r
     Ln = E / tp if sequence_parallel else E  # elements LN / dropout-add see per rank
     heads_r = shape.heads * r
-    kv_r = shape.kv_heads * r
     qkv_n = (shape.heads + 2 * shape.kv_heads) * d * r
     F = shape.ffn * r
     mlp_in_n = 2 * F if shape.gated else F
@@ -406,7 +405,6 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
     forward(rf)
     rs = _Builder(kind, dtype, model, False)
     attention_fwd(rs)
-    del kv_r
     return LayerCost(name, f.done(), bw.done(), rf.done(), rs.done(), params, params)
 
 
@@ -549,7 +547,6 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
     other layers are replicated on every tensor rank."""
     r = (1.0 / tp) if share is None else share
     split_layer = layer.tp_style in ("transformer", "head", "embedding") and tp > 1
-    a = graph.activation_dtype_bytes or dtype_bytes(dtype)
     b = micro_batch
     f = _Builder(kind, dtype, model, False)
     bw = _Builder(kind, dtype, model, True)
@@ -603,7 +600,6 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
     if split_layer and layer.tp_style == "transformer":
         bw.collective("all_reduce", layer.input_bytes * b or layer.output_bytes * b, tp)
     bw.mem(model.grad_accum_bytes_per_param * params)
-    del a
     fwd = f.done()
     rec = _Builder(kind, dtype, model, False)
     for item in fwd.items:

@@ -45,6 +45,7 @@ Tasks of one worker, in program order on its compute stream
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -261,6 +262,7 @@ class _Lowerer:
         self.shared_colls: dict[tuple, int] = {}
         self.ring_cache: dict[tuple, tuple[float, list[tuple[int, int, float]]]] = {}
         self.tp_algo_cache: dict[tuple, tuple[str, float]] = {}
+        self.total_cache: dict[tuple, tuple] = {}
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
 
@@ -452,10 +454,13 @@ class _Lowerer:
         world = plan.world_size if not plan.stages else len({d for s in stages for d in s.devices})
         granularity = opt.granularity
         if granularity == "auto":
+            # Tasks per layer and micro-batch at layer granularity: a pass is one task, or three
+            # segments and two collectives under tensor parallelism; forward, backward, recompute.
+            passes = 3 if plan.recompute != "none" else 2
             est = 0
             for w in workers:
-                for c in w.chunks:
-                    est += len(w.units) * len(chunks[c].layers) * (6 if len(w.devices) > 1 else 3)
+                per_pass = 5 if len(w.devices) > 1 else 1
+                est += len(w.units) * sum(len(chunks[c].layers) for c in w.chunks) * per_pass * passes
             granularity = "layer" if est <= opt.max_layer_tasks else "stage"
         if granularity not in ("layer", "stage"):
             raise LoweringError(f"granularity: must be 'layer', 'stage' or 'auto', got {granularity!r}")
@@ -527,11 +532,16 @@ class _Lowerer:
         tg = self.tg
         label = self._label(w, "compute")
         if not per_layer:
-            total = comm = 0.0
-            for _layer, items in items_per_layer:
-                t, c = _Combined.total(items)
-                total += t
-                comm += c
+            key = tuple(id(items) for _, items in items_per_layer)  # the cached per-layer lists
+            hit = self.total_cache.get(key)
+            if hit is None:
+                total = comm = 0.0
+                for _layer, items in items_per_layer:
+                    t, c = _Combined.total(items)
+                    total += t
+                    comm += c
+                hit = self.total_cache[key] = (total, comm, items_per_layer)  # keep the lists alive
+            total, comm = hit[0], hit[1]
             tid = tg.add(name, category, label, total, deps, device=w.rep, stage=w.stage, micro_batch=mb,
                          args={"tp_comm_s": comm} if comm else None)
             if comm:
@@ -739,13 +749,21 @@ class _Lowerer:
         for w in workers:
             for c in w.chunks:
                 holders[c].append(w)
+        starts = {w.wid: [s for s, _ in w.units] for w in workers}
         for a, b in edges:
             last_layer = self.chunks[a].layers[-1]
             per_sample = last_layer.output_bytes or (self.graph.layers[0].output_bytes if self.graph.layers else 0)
             for q in holders[b]:
                 for ui, (qs, qn) in enumerate(q.units):
                     for p in holders[a]:
-                        for uj, (ps, pn) in enumerate(p.units):
+                        if not p.units or p.units[0][0] >= qs + qn or p.units[-1][0] + p.units[-1][1] <= qs:
+                            continue
+                        # Producer micro-batches overlapping [qs, qs+qn): bisect on their starts.
+                        first = max(0, bisect.bisect_right(starts[p.wid], qs) - 1)
+                        for uj in range(first, len(p.units)):
+                            ps, pn = p.units[uj]
+                            if ps >= qs + qn:
+                                break
                             lo, hi = max(qs, ps), min(qs + qn, ps + pn)
                             if hi <= lo:
                                 continue
@@ -821,7 +839,6 @@ class _Lowerer:
         mb = w.units[0][1] if w.units else 1
         layers = [layer for c in w.chunks for layer in self.chunks[c].layers]
         total, grads = 0.0, []
-        names = {layer.name for layer in layers}
         has_embedding = any(layer.tp_style == "embedding" for layer in layers)
         for layer in layers:
             cost = self.combined(w, layer, mb)
@@ -831,7 +848,6 @@ class _Lowerer:
             total += p
             grads.append((layer, p))
         grads.sort(key=lambda lg: -self.layer_index.get(lg[0].name, 0))
-        del names
         return total, grads
 
     def _emit_grad_sync(self, workers: list[Worker]) -> dict[int, int]:
@@ -913,7 +929,7 @@ class _Lowerer:
             params = self.worker_params[w.wid]
             dp = len(self.all_workers[w.stage])
             shard = params / dp if plan.zero >= 1 else params
-            kind = max(w.kinds, key=lambda k: -k.memory_bandwidth)  # slowest memory paces the group
+            kind = min(w.kinds, key=lambda k: k.memory_bandwidth)  # the slowest memory paces the group
             t = optimizer_time(shard, kind, model) + model.step_host_s
             opt_task = self.tg.add("optimizer step", "optimizer", self._label(w, "compute"), t, [barrier],
                                    device=w.rep, stage=w.stage, args={"params": shard})
