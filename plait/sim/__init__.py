@@ -1,0 +1,25 @@
+"""The simulator: lower (model, plan, cluster) to a task DAG and run it with link contention.
+
+``plait.sim.simulate(model, cluster, plan) -> SimResult`` (see `plait.sim.api`); the pieces
+are `plait.sim.lower` (task graph), `plait.sim.engine` (discrete events), `plait.sim.topology`
+(links), `plait.sim.gpt` (closed-form GPT OpGraph) and `plait.sim.timeline` (shared schema).
+Imported lazily so that `plait.sim.timeline` stays cheap for the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SimOptions", "SimResult", "simulate"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("simulate", "SimResult"):
+        from plait.sim import api
+
+        return getattr(api, name)
+    if name == "SimOptions":
+        from plait.sim.lower import SimOptions
+
+        return SimOptions
+    raise AttributeError(f"module 'plait.sim' has no attribute {name!r}")
