@@ -56,24 +56,44 @@ def flops_layer_time(layer: Layer, kind: GPUKind, plan: Plan) -> float:
 
 
 # ---------------------------------------------------------------- kind layout
-def kind_grid(cluster: Cluster, plan: Plan) -> list[list[str]]:
+_DEVICE_FACTS: dict[tuple[int, str], tuple[list, list[str], np.ndarray]] = {}
+
+
+def _facts(devices: list, dtype: str) -> tuple[list[str], np.ndarray]:
+    """Kind names and peak FLOP/s per device, memoised per device list (the search asks often)."""
+    key = (id(devices), dtype)
+    hit = _DEVICE_FACTS.get(key)
+    if hit is None or hit[0] is not devices:
+        hit = (devices, [d.kind.name for d in devices], np.asarray([d.kind.flops(dtype) for d in devices]))
+        if len(_DEVICE_FACTS) > 64:
+            _DEVICE_FACTS.clear()
+        _DEVICE_FACTS[key] = hit
+    return hit[1], hit[2]
+
+
+def rank_order(plan: Plan) -> np.ndarray:
+    """Device id of every rank (the identity without a placement)."""
+    if plan.device_order is not None:
+        return np.asarray(plan.device_order)
+    return np.arange(plan.world_size)
+
+
+def kind_grid(cluster: Cluster, plan: Plan, devices: list | None = None) -> list[list[str]]:
     """Kind of each (stage p, replica d) tensor group: its slowest GPU (by peak FLOP/s)."""
-    devices = cluster.devices
-    grid = []
-    for p in range(plan.pp):
-        row = []
-        for d in range(plan.dp):
-            kinds = [devices[plan.device_of(plan.rank(p, d, t))].kind for t in range(plan.tp)]
-            row.append(min(kinds, key=lambda k: k.flops(plan.dtype)).name)
-        grid.append(row)
-    return grid
+    devices = devices if devices is not None else cluster.devices
+    names, speed = _facts(devices, plan.dtype)
+    if len(set(names)) == 1:
+        return [[names[0]] * plan.dp for _ in range(plan.pp)]
+    order = rank_order(plan).reshape(plan.pp, plan.dp, plan.tp)
+    slowest = np.take_along_axis(order, speed[order].argmin(axis=-1)[..., None], axis=-1)[..., 0]
+    return [[names[dev] for dev in row] for row in slowest.tolist()]
 
 
 def is_mixed(cluster: Cluster) -> bool:
     return len({d.kind.name for d in cluster.devices}) > 1
 
 
-def layouts(cluster: Cluster, plan: Plan) -> dict[str, list[int]]:
+def layouts(cluster: Cluster, plan: Plan, devices: list | None = None) -> dict[str, list[int]]:
     """Candidate rank-to-device starting orders that keep each tensor group on one kind.
 
     "default": Megatron's order (identity). On a mixed cluster also "pp": GPUs sorted
@@ -82,9 +102,10 @@ def layouts(cluster: Cluster, plan: Plan) -> dict[str, list[int]]:
     put two kinds in one tensor group, or that repeat another layout, are dropped."""
     n = plan.world_size
     out: dict[str, list[int]] = {"default": list(range(n))}
-    if not is_mixed(cluster):
+    all_devices = devices if devices is not None else cluster.devices
+    if len({d.kind.name for d in all_devices}) == 1:
         return out
-    devices = cluster.devices[:n]
+    devices = all_devices[:n]
     by_speed = [d.id for d in sorted(devices, key=lambda d: (-d.kind.flops(plan.dtype), d.kind.name, d.node, d.local))]
     ranks_pp = [plan.rank(p, d, t) for p in range(plan.pp) for d in range(plan.dp) for t in range(plan.tp)]
     ranks_dp = [plan.rank(p, d, t) for d in range(plan.dp) for p in range(plan.pp) for t in range(plan.tp)]
@@ -94,7 +115,7 @@ def layouts(cluster: Cluster, plan: Plan) -> dict[str, list[int]]:
             order[r] = dev
         if order not in out.values():
             out[name] = order
-    kinds = [d.kind.name for d in cluster.devices]
+    kinds = [d.kind.name for d in all_devices]
     return {name: order for name, order in out.items()
             if all(len({kinds[order[plan.rank(p, d, t)]] for t in range(plan.tp)}) == 1
                    for p in range(plan.pp) for d in range(plan.dp))}
@@ -117,9 +138,14 @@ def split_layers(times: np.ndarray, caps: list[int] | None = None) -> list[int] 
     idx = np.arange(n + 1)
     span = idx[None, :] - idx[:, None]  # span[i, j] = j - i layers in a stage [i, j)
 
+    memo: dict[tuple[bytes, int], np.ndarray] = {}
+
     def stage_cost(p: int) -> np.ndarray:
-        cost = prefix[p][None, :] - prefix[p][:, None]  # cost[i, j] of layers [i, j)
-        return np.where((span >= 1) & (span <= caps[p]), cost, np.inf)
+        key = (times[p].tobytes(), caps[p])  # stages of one kind share their cost matrix
+        if key not in memo:
+            cost = prefix[p][None, :] - prefix[p][:, None]  # cost[i, j] of layers [i, j)
+            memo[key] = np.where((span >= 1) & (span <= caps[p]), cost, np.inf)
+        return memo[key]
 
     costs = [stage_cost(p) for p in range(pp)]
     inf = np.full(n + 1, np.inf)
@@ -150,15 +176,28 @@ def split_layers(times: np.ndarray, caps: list[int] | None = None) -> list[int] 
 def split_micro_batches(bottleneck: list[float], total: list[float], micro_batches: int) -> list[int]:
     """Micro-batches per replica minimising max_d (M_d - 1)*b_d + s_d, every M_d >= 1.
 
-    Greedy: each next micro-batch goes to the replica that would finish it earliest;
-    exact because every replica's finish time grows linearly in its own M_d."""
+    Replica d's k-th micro-batch finishes at (k-1)*b_d + s_d, an increasing sequence, so
+    the optimum takes the M smallest finish times of all replicas (each replica's first
+    one is forced). Start from the continuous optimum T* (sum_d ((T*-s_d)/b_d + 1) = M),
+    whose floors are all among those M, and hand out the rest from a heap."""
+    import heapq
+
     dp = len(bottleneck)
     if micro_batches < dp:
         raise HeteroError(f"{micro_batches} micro-batches cannot give each of {dp} replicas one")
-    counts = [1] * dp
-    for _ in range(micro_batches - dp):
-        d = min(range(dp), key=lambda d: (counts[d] * bottleneck[d] + total[d], d))
+    b = [max(x, 1e-30) for x in bottleneck]
+    inv = sum(1.0 / x for x in b)
+    t_star = (micro_batches - sum(1.0 - s_ / x for s_, x in zip(total, b))) / inv
+    counts = [max(1, int(np.floor((t_star - s_) / x + 1.0 + 1e-9))) for s_, x in zip(total, b)]
+    while sum(counts) > micro_batches:  # float slack: drop the latest finishers
+        d = max((i for i in range(dp) if counts[i] > 1), key=lambda i: ((counts[i] - 1) * b[i] + total[i], -i))
+        counts[d] -= 1
+    heap = [(counts[d] * b[d] + total[d], d) for d in range(dp)]
+    heapq.heapify(heap)
+    for _ in range(micro_batches - sum(counts)):
+        _, d = heapq.heappop(heap)
         counts[d] += 1
+        heapq.heappush(heap, (counts[d] * b[d] + total[d], d))
     return counts
 
 
@@ -170,6 +209,7 @@ class HeteroResult:
     predicted: float  # (M_d-1)*b_d + s_d of the slowest replica (compute only)
     even_predicted: float  # the same for Megatron's even split
     memory_rounds: int = 0
+    caps: list[int] | None = None  # layer limits per stage the memory check left (warm start)
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer_split": self.plan.layer_split, "dp_shares": self.plan.dp_shares,
@@ -189,40 +229,53 @@ def _pipeline_time(times: np.ndarray, counts: list[int], split: list[int]) -> tu
 
 
 def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTimeFn | None = None,
-            peak_bytes: PeakFn | None = None, max_rounds: int | None = None) -> HeteroResult | None:
+            peak_bytes: PeakFn | None = None, caps: list[int] | None = None,
+            max_rounds: int | None = None,
+            kind_times: Callable[[str, Plan], np.ndarray] | None = None,
+            devices: list | None = None) -> HeteroResult | None:
     """Uneven layers per stage and batch per replica for the kinds `plan` places its ranks on.
 
     Leaves a single-kind plan as it is (Megatron's even split). `peak_bytes(plan)` (the
-    memory estimator) is consulted after each split: a stage whose GPUs overflow gets
-    one layer fewer allowed, and the split is solved again. Returns None when no split
-    fits in memory."""
+    memory estimator, per device id) is consulted after each split: an overflowing
+    stage p may then hold at most ``floor(n_p * capacity / peak)`` (and fewer than n_p)
+    layers -- never below the true limit when memory is an affine, non-negative
+    function of the layer count -- and the split is solved again. `caps` warm-starts
+    those limits (e.g. from a smaller micro-batch). `kind_times(kind, plan)` may supply
+    the per-layer times of a kind at once (cached by the caller). Returns None when
+    nothing fits."""
     layer_time = layer_time or flops_layer_time
-    devices = cluster.devices
-    grid = kind_grid(cluster, plan)
+    devices = devices if devices is not None else cluster.devices
+    grid = kind_grid(cluster, plan, devices)
     kinds = {d.kind.name: d.kind for d in devices}
     layers = graph.layers
     n_layers = len(layers)
-    chunks = plan.pp * plan.virtual_stages
-    if n_layers < chunks:
+    if n_layers < plan.pp * plan.virtual_stages:
         return None
     # times[p, d, i]: layer i on the kind of tensor group (p, d)
-    per_kind = {k: np.asarray([layer_time(layer, kinds[k], plan) for layer in layers]) for k in {x for row in grid for x in row}}
+    used = {x for row in grid for x in row}
+    if kind_times is not None:
+        per_kind = {k: np.asarray(kind_times(k, plan)) for k in used}
+    else:
+        per_kind = {k: np.asarray([layer_time(layer, kinds[k], plan) for layer in layers]) for k in used}
     times = np.stack([np.stack([per_kind[grid[p][d]] for d in range(plan.dp)]) for p in range(plan.pp)])
     # kinds differ along the pipeline (some replica's stages differ) / along the replicas
     mixed_pp = any(grid[p][d] != grid[0][d] for p in range(plan.pp) for d in range(plan.dp))
     mixed_dp = any(len(set(row)) > 1 for row in grid)
     total_mb = plan.global_batch // plan.micro_batch
-    even = plan.layers_per_stage(n_layers) if plan.virtual_stages == 1 else None
     even_counts = [plan.num_micro_batches] * plan.dp
-    if even is None or not (mixed_pp or mixed_dp):
-        # interleaved chunks keep Megatron's split; one kind needs no balancing
-        if even is None and (mixed_pp or mixed_dp):
-            return None
-        st, pred, _, _ = _pipeline_time(times, even_counts, even) if even else (np.zeros((plan.pp, plan.dp)), 0.0, [], [])
-        return HeteroResult(plan=plan, stage_times=st.tolist(), micro_batches=even_counts,
-                            predicted=pred, even_predicted=pred)
+    if plan.virtual_stages != 1:
+        if mixed_pp or mixed_dp:
+            return None  # interleaved chunks keep Megatron's split
+        return HeteroResult(plan=plan, stage_times=[], micro_batches=even_counts, predicted=0.0, even_predicted=0.0)
+    even = plan.layers_per_stage(n_layers)
     _, even_pred, _, _ = _pipeline_time(times, even_counts, even)
-    caps = [n_layers] * plan.pp
+    if not (mixed_pp or mixed_dp):
+        st, _, _, _ = _pipeline_time(times, even_counts, even)
+        return HeteroResult(plan=plan, stage_times=st.tolist(), micro_batches=even_counts,
+                            predicted=even_pred, even_predicted=even_pred, caps=list(even))
+    caps = [n_layers] * plan.pp if caps is None else list(caps)
+    order = rank_order(plan).reshape(plan.pp, -1)
+    capacity = np.asarray([d.kind.memory_bytes for d in devices])
     rounds = 0
     limit = max_rounds if max_rounds is not None else n_layers * plan.pp
     while True:
@@ -243,19 +296,18 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
         if peak_bytes is None:
             break
         peaks = np.asarray(peak_bytes(new))
-        over_stages = set()
-        for p, spec in enumerate(new.stage_specs()):
-            if any(peaks[dev] > devices[dev].kind.memory_bytes for dev in spec.devices):
-                over_stages.add(p)
-        if not over_stages:
+        # per stage: the tightest ratio of capacity to peak over its GPUs
+        ratio = (capacity[order] / np.maximum(peaks[order], 1)).min(axis=1)
+        over = np.flatnonzero(ratio < 1.0)
+        if len(over) == 0:
             break
         rounds += 1
         if not mixed_pp or rounds > limit:
             return None
-        for p in over_stages:
-            caps[p] = split[p] - 1
-        if min(caps) < 1:
+        for p in over.tolist():
+            caps[p] = min(split[p] - 1, int(np.floor(split[p] * ratio[p])))
+        if min(caps) < 1 or sum(caps) < n_layers:
             return None
     st, pred, _, _ = _pipeline_time(times, counts, split)
     return HeteroResult(plan=new, stage_times=st.tolist(), micro_batches=counts, predicted=pred,
-                        even_predicted=even_pred, memory_rounds=rounds)
+                        even_predicted=even_pred, memory_rounds=rounds, caps=caps)

@@ -108,6 +108,15 @@ class PathModel:
         self.traffic = traffic
         self.dp, self.tp, self.pp = dp, tp, pp
 
+    def with_plan(self, traffic: Traffic, *, dp: int, tp: int, pp: int) -> PathModel:
+        """The same links with another plan shape and traffic (no matrix recomputed)."""
+        if dp * tp * pp > self.n:
+            raise PlacementError(f"plan needs {dp * tp * pp} devices but the cluster has {self.n}")
+        other = object.__new__(PathModel)
+        other.__dict__.update(self.__dict__)
+        other.traffic, other.dp, other.tp, other.pp, other.world = traffic, dp, tp, pp, dp * tp * pp
+        return other
+
     # Each term takes orders of shape (..., n) and returns seconds of shape (...).
     def _grid(self, orders: np.ndarray) -> np.ndarray:
         o = np.asarray(orders)[..., : self.world]

@@ -68,7 +68,9 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
     sequence_parallel: tuple[bool, ...] = (False, True)
     layouts: bool = True  # on mixed clusters: try kinds along pp and along dp
-    dtype: str = "bf16"
+    hetero: bool = True  # on mixed clusters: uneven layers/batch shares (False: treat GPUs as equal)
+    dtype: str | None = None  # None: bf16, or fp16 when some GPU kind has no bf16 unit (V100, T4)
+    allow: Callable[[Plan], bool] | None = None  # extra filter on candidates (e.g. a fixed list)
 
 
 @dataclass
@@ -171,6 +173,12 @@ def load_graph(model: Any) -> tuple[Any, OpGraph]:
     return spec, graph
 
 
+def auto_dtype(cluster: Cluster) -> str:
+    """bf16 where every GPU kind has bf16 units, else fp16 (V100/T4 train mixed precision in fp16)."""
+    kinds = {d.kind.name: d.kind for d in cluster.devices}.values()
+    return "bf16" if all(k.peak_flops.get("bf16") for k in kinds) else "fp16"
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -192,12 +200,15 @@ def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
                      space: SearchSpace | None = None) -> Iterator[_Group]:
     """Every valid configuration, grouped by everything but the micro-batch size."""
     space = space or SearchSpace()
-    world = cluster.num_devices
+    dtype = space.dtype or auto_dtype(cluster)
+    devices = cluster.devices
+    world = len(devices)
     per_node = min(len(n.gpus) for n in cluster.nodes)
     heads = int(graph.config.get("heads") or graph.config.get("num_heads") or 0)
     kv_heads = int(graph.config.get("kv_heads") or heads or 0)
     n_layers = len(graph.layers)
     has_tp = any(layer.tp_style == "transformer" for layer in graph.layers)
+    layout_cache: dict[tuple[int, int, int], dict[str, list[int]]] = {}
     tps = [t for t in _divisors(per_node) if world % t == 0
            and (t == 1 or (has_tp and heads and heads % t == 0 and kv_heads % t == 0))]
     if space.tp is not None:
@@ -233,10 +244,18 @@ def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
                                     continue
                                 plans.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch,
                                                   recompute=recompute, zero=zero, schedule=schedule,
-                                                  virtual_stages=v, sequence_parallel=sp, dtype=space.dtype))
+                                                  virtual_stages=v, sequence_parallel=sp, dtype=dtype))
+                            if space.allow is not None:
+                                plans = [q for q in plans if space.allow(q)]
                             if not plans:
                                 continue
-                            lays = hetero.layouts(cluster, plans[0]) if space.layouts else {"default": list(range(world))}
+                            if not (space.layouts and space.hetero):
+                                lays = {"default": list(range(world))}
+                            else:  # depends on the shape only
+                                lays = layout_cache.get((dp, tp, pp))
+                                if lays is None:
+                                    lays = hetero.layouts(cluster, plans[0], devices)
+                                    layout_cache[(dp, tp, pp)] = lays
                             for name, order in lays.items():
                                 key = (dp, tp, pp, schedule, sp, zero, recompute, name)
                                 yield _Group(key, plans, name, order)
@@ -259,11 +278,13 @@ class AnalyticModel:
                  layer_time: hetero.LayerTimeFn | None = None) -> None:
         self.graph, self.cluster = graph, cluster
         self.layer_time = layer_time or _default_layer_time
-        self.bw = cluster.bandwidth_matrix()
-        self.lat = cluster.latency_matrix()
         self.devices = cluster.devices
         self.flops_per_sample = graph.fwd_flops + graph.bwd_flops
         self._times: dict[tuple, np.ndarray] = {}
+        self._paths: dict[tuple, PathModel] = {}
+        n = len(self.devices)
+        self._links = PathModel(cluster.bandwidth_matrix(), traffic_of(graph, Plan()), dp=1, tp=1, pp=1,
+                                latency=cluster.latency_matrix()) if n else None
 
     def layer_times(self, plan: Plan, kind_name: str) -> np.ndarray:
         key = (kind_name, plan.micro_batch, plan.tp, plan.recompute, plan.dtype, plan.sequence_parallel)
@@ -275,10 +296,16 @@ class AnalyticModel:
         return t
 
     def path_model(self, plan: Plan) -> PathModel:
-        return PathModel(self.bw, traffic_of(self.graph, plan), dp=plan.dp, tp=plan.tp, pp=plan.pp, latency=self.lat)
+        traffic = traffic_of(self.graph, plan)
+        key = (traffic, plan.dp, plan.tp, plan.pp)
+        path = self._paths.get(key)
+        if path is None:
+            path = self._links.with_plan(traffic, dp=plan.dp, tp=plan.tp, pp=plan.pp)
+            self._paths[key] = path
+        return path
 
     def estimate(self, plan: Plan, path: PathModel | None = None) -> float:
-        grid = hetero.kind_grid(self.cluster, plan)
+        grid = hetero.kind_grid(self.cluster, plan, self.devices)
         split = plan.layers_per_stage(len(self.graph.layers))
         v = plan.virtual_stages
         bounds = np.concatenate([[0], np.cumsum(split)])
@@ -293,7 +320,7 @@ class AnalyticModel:
             b, s = float(st.max()), float(st.sum())
             worst = max(worst, m * b + (s - b) / v if m else 0.0)
         path = path or self.path_model(plan)
-        order = np.asarray([plan.device_of(r) for r in range(plan.world_size)])
+        order = hetero.rank_order(plan)
         comm = float(path.cost(order))
         if plan.zero >= 3 and plan.dp > 1:
             # ZeRO-3 all-gathers the parameters in forward and backward of every micro-batch
@@ -336,9 +363,8 @@ def _simulate(model: Any, graph: OpGraph, cluster: Cluster, plan: Plan) -> dict[
     return d
 
 
-def _headroom(peaks: list[int], cluster: Cluster, plan: Plan) -> dict[str, int]:
+def _headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
     out: dict[str, int] = {}
-    devices = cluster.devices
     for r in range(plan.world_size):
         dev = devices[plan.device_of(r)]
         room = dev.kind.memory_bytes - peaks[dev.id]
@@ -377,6 +403,7 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     mem_kw = dict(memory_kwargs or {})
     devices = cluster_obj.devices
     mixed = hetero.is_mixed(cluster_obj)
+    space_hetero = space.hetero if space is not None else True
     analytic = AnalyticModel(graph, cluster_obj, layer_time)
 
     bar = _Progress(progress, on_progress)
@@ -389,7 +416,6 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     reasons: Counter[str] = Counter()
     examples: dict[str, str] = {}
     kept: list[Candidate] = []
-    checked = 0
     bar.start("memory", total)
 
     def prune(reason: str, example: str, n: int = 1) -> None:
@@ -397,45 +423,79 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
         examples.setdefault(reason, example)
 
     peak_cache: dict[str, np.ndarray] = {}
+    capacity = np.asarray([d.kind.memory_bytes for d in devices], dtype=np.int64)
 
-    def peaks_of(p: Plan) -> np.ndarray:
-        key = str(p) if p.device_order is None else str(dataclasses.replace(p, device_order=None))
+    def rank_peaks(p: Plan) -> np.ndarray:
+        """Peak bytes per rank; they do not depend on where the ranks are placed."""
+        unplaced = p if p.device_order is None else dataclasses.replace(p, device_order=None)
+        key = str(unplaced)
         hit = peak_cache.get(key)
         if hit is None:
-            # peak bytes per rank do not depend on where the ranks are placed
-            est = estimate_memory(graph, dataclasses.replace(p, device_order=None), cluster_obj, **mem_kw)
-            peaks = np.asarray(est.peak_bytes)
-            hit = peaks[: p.world_size]
+            est = estimate_memory(graph, unplaced, cluster_obj, **mem_kw)
+            hit = np.asarray(est.peak_bytes[: p.world_size], dtype=np.int64)
             peak_cache[key] = hit
+        return hit
+
+    def device_peaks(p: Plan) -> np.ndarray:
         out = np.zeros(len(devices), dtype=np.int64)
-        out[[p.device_of(r) for r in range(p.world_size)]] = hit
+        out[_order(p)] = rank_peaks(p)
         return out
 
+    def oom_reason(p: Plan, peaks: np.ndarray, suffix: str = "") -> tuple[str, str] | None:
+        order = _order(p)
+        over = peaks[order] - capacity[order]
+        worst = int(np.argmax(over))
+        if over[worst] <= 0:
+            return None
+        dev = devices[order[worst]]
+        return (f"out of memory on {dev.kind.name} ({dev.kind.memory_bytes / GiB:.0f} GiB){suffix}",
+                f"{p}: GPU {dev.id} needs {peaks[order[worst]] / GiB:.2f} GiB")
+
+    # Sharding can only lower memory: with sequence parallelism, or a higher ZeRO stage up
+    # to 2, every term of a device's peak is at most what it is without. So once a
+    # configuration overflows at micro-batch m, the ones it dominates overflow at m too;
+    # dominators are checked first and their first failing micro-batch is remembered.
+    def family(g: _Group) -> tuple:
+        dp, tp, pp, schedule, sp, zero, recompute, layout = g.key
+        return (dp, tp, pp, schedule, recompute, layout)
+
+    groups.sort(key=lambda g: (family(g), not g.key[4], -g.key[5] if g.key[5] <= 2 else 9))
+    fails: dict[tuple, tuple[int, str, str]] = {}
     for g in groups:
+        fam, sp, zero = family(g), g.key[4], g.key[5]
+        bound: tuple[int, str, str] | None = None
+        if zero <= 2:
+            for sp_x in ((True, False) if not sp else (True,)):
+                for zero_x in range(zero, 3):
+                    hit = fails.get((fam, sp_x, zero_x))
+                    if hit is not None and (sp_x, zero_x) != (sp, zero) and (bound is None or hit[0] < bound[0]):
+                        bound = hit
+        caps = None  # layer limits found for a smaller micro-batch still hold for larger ones
         for i, base in enumerate(g.plans):
-            p = base if g.order == list(range(base.world_size)) else dataclasses.replace(base, device_order=g.order)
-            checked += 1
-            if mixed:
-                bal = hetero.balance(graph, p, cluster_obj, layer_time=analytic.layer_time,
-                                     peak_bytes=lambda q: peaks_of(q))
-                if bal is None:
-                    left = len(g.plans) - i
-                    prune("no uneven layer/batch split fits in memory", str(p), left)
-                    bar.advance(left)
-                    break
-                p = bal.plan
-            peaks = peaks_of(p)
-            over = [d for d in (p.device_of(r) for r in range(p.world_size)) if peaks[d] > devices[d].kind.memory_bytes]
-            if over:
-                worst = max(over, key=lambda d: peaks[d] - devices[d].kind.memory_bytes)
-                kind = devices[worst].kind
-                reason = f"out of memory on {kind.name} ({kind.memory_bytes / GiB:.0f} GiB)"
-                left = len(g.plans) - i  # larger micro-batches need more memory still
-                prune(reason, f"{p}: GPU {worst} needs {peaks[worst] / GiB:.2f} GiB", left)
+            left = len(g.plans) - i  # larger micro-batches need more memory still
+            if bound is not None and base.micro_batch >= bound[0]:
+                prune(bound[1], bound[2] + " (implied for less sharded variants)", left)
                 bar.advance(left)
                 break
-            kept.append(Candidate(plan=p, layout=g.layout, peak_bytes=peaks.tolist(),
-                                  headroom_by_kind=_headroom(peaks.tolist(), cluster_obj, p)))
+            p = base if g.order == list(range(base.world_size)) else dataclasses.replace(base, device_order=g.order)
+            why = None
+            if mixed and space_hetero:
+                bal = hetero.balance(graph, p, cluster_obj, layer_time=analytic.layer_time,
+                                     peak_bytes=device_peaks, caps=caps, devices=devices,
+                                     kind_times=lambda k, q: analytic.layer_times(q, k))
+                if bal is None:
+                    why = oom_reason(p, device_peaks(p), " with any uneven split") or (
+                        "no uneven split of layers/batch fits", str(p))
+                else:
+                    p, caps = bal.plan, bal.caps
+            if why is None:
+                why = oom_reason(p, device_peaks(p))
+            if why is not None:
+                fails[(fam, sp, zero)] = (base.micro_batch, *why)
+                prune(*why, left)
+                bar.advance(left)
+                break
+            kept.append(Candidate(plan=p, layout=g.layout))
             bar.advance(1)
     bar.stop()
 
@@ -467,6 +527,9 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
                 if c.plan.device_order == list(range(c.plan.world_size)):
                     c.plan = dataclasses.replace(c.plan, device_order=None)
                 c.analytic_s = analytic.estimate(c.plan)
+        peaks = device_peaks(c.plan)
+        c.peak_bytes = peaks.tolist()
+        c.headroom_by_kind = _headroom(c.peak_bytes, devices, c.plan)
         if simulate:
             sim = _simulate(spec, graph, cluster_obj, c.plan)
             c.sim = sim
@@ -497,6 +560,10 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
                       simulated=len(chosen) if simulate else 0,
                       search_time_s=time.perf_counter() - t_start,
                       ranker="simulator" if simulate else "analytic")
+
+
+def _order(p: Plan) -> np.ndarray:
+    return hetero.rank_order(p)
 
 
 def _start_order(groups: list[_Group], c: Candidate) -> list[int]:
