@@ -168,7 +168,7 @@ def _agents(layout: list[dict[str, Any]], nets: Any, nprocs_per_node: int | None
         for node in sorted(by_node):
             net = nets.node(node)
             agents.append(AgentSpec(node=node, host=layout[by_node[node][0]]["host"], ranks=by_node[node],
-                                    namespace=net.namespace, ip=net.ip))
+                                    namespace=net.namespace, ip=net.ip, env=net.env()))
         # The master (agent 0) must be reachable: node-sorted agents put it on the lowest node.
         return agents, {"mode": "namespaces", "shaped": getattr(nets, "shaped", False),
                         "latency_emulated": getattr(nets, "latency_emulated", False),
@@ -278,9 +278,6 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         # several workers; fixing it here makes the numerics independent of how ranks map to agents.
         if "OMP_NUM_THREADS" not in extra_env and "OMP_NUM_THREADS" not in os.environ:
             extra_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-        if nets is not None and getattr(nets, "isolated", False):
-            # All node namespaces use the same interface name, so one setting serves every agent.
-            extra_env.update(nets[0].env())
         method = start_method or ("spawn" if use_cuda else "fork")
         if method not in ("fork", "spawn", "forkserver"):
             raise RuntimeSetupError(f"start_method: must be fork, spawn or forkserver, got {method!r}")

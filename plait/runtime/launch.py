@@ -59,6 +59,7 @@ class AgentSpec:
     ranks: list[int]
     namespace: str | None = None
     ip: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)  # per-node settings, e.g. NCCL_HOSTID of its namespace
 
 
 @dataclass
@@ -104,7 +105,8 @@ class Launcher:
             if spec.namespace is not None:
                 cmd = ["ip", "netns", "exec", spec.namespace, *cmd]
             with open(log, "wb") as fh:
-                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**env, **spec.env},
+                                        cwd=os.getcwd(),
                                         start_new_session=True)
             self._running.append(_Agent(spec, proc, log, failures))
 
