@@ -130,3 +130,16 @@ def test_garbage_strings_raise_plan_error_only(text):
         Plan.parse(text)
     except PlanError:
         pass
+
+
+def test_megatron_split_puts_embedding_and_head_beside_the_blocks():
+    styles = ["embedding"] + ["transformer"] * 24 + ["head"]
+    plan = Plan(pp=4, micro_batch=1, global_batch=4)
+    assert plan.layers_per_stage(26, styles) == [7, 6, 6, 7]
+    assert plan.layers_per_stage(26) == [7, 7, 6, 6]  # without styles: even by count
+    names = [f"l{i}" for i in range(26)]
+    stages = plan.stage_specs(names, styles)
+    assert stages[0].layers[:2] == ["l0", "l1"] and stages[-1].layers[-1] == "l25"
+    # Explicit splits win; models without a transformer body fall back to even counts.
+    assert Plan(pp=2, micro_batch=1, global_batch=2, layer_split=[20, 6]).layers_per_stage(26, styles) == [20, 6]
+    assert plan.layers_per_stage(8, ["none"] * 8) == [2, 2, 2, 2]

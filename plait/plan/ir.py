@@ -185,8 +185,15 @@ class Plan:
             counts[i] += 1
         return counts
 
-    def layers_per_stage(self, num_layers: int) -> list[int]:
-        """Layers each pipeline (virtual) stage holds; even split with the remainder on early stages."""
+    def layers_per_stage(self, num_layers: int, styles: list[str] | None = None) -> list[int]:
+        """Layers each pipeline (virtual) stage holds, in model order.
+
+        With `layer_split` the counts are explicit (over all layers). Otherwise, when the
+        layers' `styles` (OpGraph `Layer.tp_style`) are given and contain a contiguous run of
+        "transformer" layers, Megatron-LM's convention applies: the transformer layers are
+        divided evenly over the chunks and the layers before them (embedding) join the first
+        chunk, the layers after them (final norm, LM head) the last. Any other model is split
+        evenly by layer count, the remainder on the early chunks."""
         chunks = self.pp * self.virtual_stages
         if self.layer_split is not None:
             if sum(self.layer_split) != num_layers:
@@ -196,16 +203,25 @@ class Plan:
             return list(self.layer_split)
         if num_layers < chunks:
             raise PlanError(f"plan asks for {chunks} pipeline chunks but the model has only {num_layers} layers")
-        base, extra = divmod(num_layers, chunks)
-        return [base + (1 if i < extra else 0) for i in range(chunks)]
+        if styles is not None:
+            if len(styles) != num_layers:
+                raise PlanError(f"layers_per_stage: {len(styles)} styles for {num_layers} layers")
+            body = [i for i, st in enumerate(styles) if st == "transformer"]
+            if body and len(body) >= chunks and body == list(range(body[0], body[-1] + 1)):
+                counts = _even_split(len(body), chunks)
+                counts[0] += body[0]
+                counts[-1] += num_layers - 1 - body[-1]
+                return counts
+        return _even_split(num_layers, chunks)
 
-    def stage_specs(self, layer_names: list[str] | None = None) -> list[StageSpec]:
+    def stage_specs(self, layer_names: list[str] | None = None, styles: list[str] | None = None) -> list[StageSpec]:
         """The explicit stage list; derives a chain of `pp` stages when `stages` is empty.
 
-        `layer_names` are the model's layers in order (needed to fill a derived chain)."""
+        `layer_names` are the model's layers in order (needed to fill a derived chain);
+        `styles` their OpGraph tp_style, for Megatron's split (see `layers_per_stage`)."""
         if self.stages:
             return self.stages
-        counts = self.layers_per_stage(len(layer_names)) if layer_names is not None else None
+        counts = self.layers_per_stage(len(layer_names), styles) if layer_names is not None else None
         specs, start = [], 0
         for p in range(self.pp):
             layers: list[str] = []
@@ -336,3 +352,8 @@ class Plan:
                 raise PlanError(f"{text}: plan file not found")
             return cls.from_json(path.read_text(), source=text)
         return cls.parse(text)
+
+
+def _even_split(count: int, parts: int) -> list[int]:
+    base, extra = divmod(count, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]

@@ -67,6 +67,12 @@ def layer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, model.get_submodule(path) if path else model) for path in layer_assignment(model)]
 
 
+def _layer_style(module: nn.Module) -> str:
+    """The OpGraph Layer.tp_style of a layer module (its `plait_layer` marker, else "none")."""
+    style = getattr(module, "plait_layer", None)
+    return style if isinstance(style, str) else "none"
+
+
 # ---------------------------------------------------------------------------------- data
 def sample_seed(data_seed: int, global_index: int) -> int:
     """Seed of one sample: depends only on the run's data seed and the sample's global index."""
@@ -145,11 +151,13 @@ class Stage:
     output_names: list[str]
 
 
-def split_into_stages(model: nn.Module, counts: Sequence[int] | Callable[[int], list[int]]) -> list[Stage]:
+def split_into_stages(model: nn.Module,
+                      counts: Sequence[int] | Callable[[int, list[str]], list[int]]) -> list[Stage]:
     """Cut `model` into stages holding counts[i] consecutive layers each (in execution order).
 
-    `counts` may be a function of the number of layers the forward runs (e.g.
-    `plan.layers_per_stage`). A single stage is the model itself, untraced."""
+    `counts` may be a function of the number of layers the forward runs and their styles
+    (e.g. `plan.layers_per_stage`, which applies Megatron's split to transformers). A single
+    stage is the model itself, untraced."""
     layers = layer_modules(model)
     names = [n for n, _ in layers]
     if not callable(counts) and len(counts) == 1:
@@ -166,7 +174,9 @@ def split_into_stages(model: nn.Module, counts: Sequence[int] | Callable[[int], 
         if n.target not in order:
             order.append(n.target)
     if callable(counts):
-        counts = counts(len(order))
+        modules = dict(layers)
+        styles = [_layer_style(modules[name]) for name in order]
+        counts = counts(len(order), styles)
     if len(counts) == 1:
         return [Stage(0, model, order, [], [])]
     if sum(counts) != len(order):

@@ -272,7 +272,8 @@ class _Lowerer:
         names = graph.layer_names
         if not names:
             raise LoweringError(f"model {graph.model!r} has no layers to simulate")
-        stages = plan.stage_specs(names)
+        styles = [layer.tp_style for layer in graph.layers]
+        stages = plan.stage_specs(names, styles)
         by_name = {layer.name: layer for layer in graph.layers}
         chunks: list[Chunk] = []
         if plan.stages:
@@ -287,7 +288,7 @@ class _Lowerer:
                 lost = [n for n in names if n not in covered][:3]
                 raise LoweringError(f"plan field 'stages': layers {lost} are in no stage")
         else:
-            counts = self._default_split(graph) if plan.layer_split is None else plan.layers_per_stage(len(names))
+            counts = plan.layers_per_stage(len(names), styles)
             start = 0
             for c, count in enumerate(counts):
                 chunks.append(Chunk(c, c % plan.pp, [by_name[n] for n in names[start:start + count]]))
@@ -303,23 +304,6 @@ class _Lowerer:
                     f"plan stage {spec.name!r}: device ids {bad[:3]} are not in cluster "
                     f"{self.view.name!r} ({self.view.num_devices} devices)")
         return stages, chunks, edges
-
-    def _default_split(self, graph: OpGraph) -> list[int]:
-        """Layers per chunk without a `layer_split`: Megatron-LM's convention.
-
-        Megatron divides the transformer layers evenly over the pipeline chunks and puts
-        the embedding on the first and the LM head on the last chunk on top of them; any
-        other graph (or too few transformer layers) is split evenly by layer count."""
-        chunks = self.plan.pp * self.plan.virtual_stages
-        styles = [layer.tp_style for layer in graph.layers]
-        body = [i for i, st in enumerate(styles) if st == "transformer"]
-        if not body or len(body) < chunks or body != list(range(body[0], body[-1] + 1)):
-            return self.plan.layers_per_stage(len(styles))
-        base, extra = divmod(len(body), chunks)
-        counts = [base + (1 if c < extra else 0) for c in range(chunks)]
-        counts[0] += body[0]
-        counts[-1] += len(styles) - 1 - body[-1]
-        return counts
 
     def build_workers(self, stages: list[StageSpec], chunks: list[Chunk]) -> tuple[list[Worker], bool, str]:
         plan = self.plan
