@@ -360,7 +360,7 @@ def test_fast_stage_layout_matches_plan_stage_specs(plan):
 
     g = gpt_graph(128, 64, 4, layers=8, vocab=100)
     fast = _plan_stages(_layer_arrays(g), plan, g)
-    ref = plan.stage_specs(g.layer_names)
+    ref = plan.stage_specs(g.layer_names, [layer.tp_style for layer in g.layers])
     assert [[g.layer_names[i] for i in st.ids] for st in fast] == [st.layers for st in ref]
     assert [st.devices.tolist() for st in fast] == [st.devices for st in ref]
     assert [(st.dp, st.tp, st.micro_batch) for st in fast] == [(st.dp, st.tp, st.micro_batch) for st in ref]

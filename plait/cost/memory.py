@@ -819,7 +819,7 @@ def _plan_stages(la: _LayerArrays, plan: Plan, graph: OpGraph) -> list[_Stage]:
     list otherwise. tests/test_memory.py checks both give the same stages."""
     if plan.stages:
         out = []
-        for st in plan.stage_specs(graph.layer_names):
+        for st in plan.stage_specs(graph.layer_names, [layer.tp_style for layer in graph.layers]):
             idx = []
             for name in st.layers:
                 i = la.index.get(name)
@@ -844,7 +844,7 @@ def _plan_stages(la: _LayerArrays, plan: Plan, graph: OpGraph) -> list[_Stage]:
         return out
     # Megatron order (Plan.rank): rank = (p * dp + d) * tp + t; device stage p holds chunks
     # p, p + pp, p + 2pp, ... of the layer split (Plan.stage_specs).
-    counts = plan.layers_per_stage(la.n_layers)
+    counts = plan.layers_per_stage(la.n_layers, [layer.tp_style for layer in graph.layers])
     bounds = np.concatenate([[0], np.cumsum(counts)])
     per_stage = plan.dp * plan.tp
     ranks = np.arange(plan.pp * per_stage, dtype=np.int64).reshape(plan.pp, per_stage)
