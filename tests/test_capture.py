@@ -562,3 +562,15 @@ def test_only_identical_private_layers_are_replicated():
     hooked = _stack(5)
     hooked[1].register_forward_hook(lambda *a: None)
     assert [r.paths for r in _find_runs(hooked)] == [["2", "3", "4"]]
+
+
+def test_parallel_branches_of_identical_layers_are_traced_in_full() -> None:
+    """DLRM's seven embedding bags sit in one ModuleList but run side by side, not as a
+    chain: replication must not drop them (their outputs are concatenated)."""
+    from plait.graph.inspect import inspect_model
+    from plait.graph.zoo import load_model
+
+    spec = load_model("dlrm:rows=1000,hidden=64,sparse_branches=4,dense_branches=3")
+    graph = inspect_model("dlrm:rows=1000,hidden=64,sparse_branches=4,dense_branches=3", batch=2)
+    assert graph.param_count == spec.param_count_formula()
+    assert sum(1 for layer in graph.layers if layer.name.startswith("sparse.")) == 4

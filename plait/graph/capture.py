@@ -537,8 +537,14 @@ def capture(
         raise CaptureError(f"capture: batch must be >= 1, got {batch}")
     runs = _find_runs(module) if replicate else []
     while runs:
-        with _truncated(runs):
-            state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_kernels)
+        try:
+            with _truncated(runs):
+                state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_kernels)
+        except CaptureError:
+            # A container whose layers run side by side (parallel branches, e.g. DLRM's
+            # embedding bags) is no chain: dropping its copies changes shapes downstream.
+            # Replication is only a shortcut, so trace the whole model instead.
+            break
         try:
             return _build_graph(state, name, batch, out_leaves, module, config, runs)
         except _NotReplicable as exc:
