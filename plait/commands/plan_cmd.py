@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     print_result(result, console)
     if args.out:
         console.print(f"best plan written to [bold]{args.out}[/] "
@@ -121,17 +121,22 @@ def _print_run(measured: dict[str, Any], best: Any, console: Any) -> None:
     console.print(f"  iteration time: predicted {pred * 1e3:.1f} ms, measured {meas * 1e3:.1f} ms ({err:+.1f}%)")
 
 
-def _fmt_plan(c: Any) -> str:
+def _uneven(c: Any) -> str:
     p = c.plan
-    parts = [f"dp{p.dp} tp{p.tp} pp{p.pp}", f"mb{p.micro_batch}", p.recompute, f"zero{p.zero}",
-             p.schedule + (f"x{p.virtual_stages}" if p.virtual_stages > 1 else "")]
-    if p.sequence_parallel:
-        parts.append("sp")
+    parts = []
     if p.layer_split is not None:
         parts.append("layers " + ":".join(map(str, p.layer_split)))
     if p.dp_shares is not None:
-        parts.append("shares " + ":".join(f"{s:.2f}" for s in p.dp_shares))
-    return " ".join(parts)
+        parts.append("batch " + ":".join(str(n) for n in p.samples_per_replica()))
+    if p.device_order is not None:
+        parts.append("placed")
+    return ", ".join(parts) or "-"
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.2f} s" if seconds >= 10 else f"{seconds * 1e3:.2f} ms"
 
 
 def print_result(result: Any, console: Any) -> None:
@@ -144,17 +149,21 @@ def print_result(result: Any, console: Any) -> None:
                   f"{result.ranked_analytic} fit, {result.simulated} simulated "
                   f"in {result.search_time_s:.1f} s (ranked by the {result.ranker})")
     kinds = sorted({k for c in result.top for k in c.headroom_by_kind})
-    table = Table(title=f"top {len(result.top)} plans")
-    table.add_column("#", justify="right")
-    table.add_column("plan")
-    table.add_column("layout")
+    table = Table(title=f"top {len(result.top)} plans (predicted by the {result.ranker})")
+    for name in ("#", "dp", "tp", "pp", "mb"):
+        table.add_column(name, justify="right")
+    for name in ("recompute", "zero", "schedule", "sp", "kinds", "uneven split"):
+        table.add_column(name)
     table.add_column("iteration", justify="right")
     table.add_column("TFLOP/s/GPU", justify="right")
     table.add_column("samples/s", justify="right")
     for k in kinds:
         table.add_column(f"free {k}", justify="right")
     for i, c in enumerate(result.top, 1):
-        row = [str(i), _fmt_plan(c), c.layout, f"{c.time_s * 1e3:.2f} ms",
+        p = c.plan
+        schedule = p.schedule + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")
+        row = [str(i), str(p.dp), str(p.tp), str(p.pp), str(p.micro_batch), p.recompute, str(p.zero), schedule,
+               "yes" if p.sequence_parallel else "-", c.layout, _uneven(c), _ms(c.time_s),
                f"{c.tflops_per_gpu:.2f}" if c.tflops_per_gpu is not None else "-",
                f"{c.throughput:.1f}" if c.throughput is not None else "-"]
         row += [f"{c.headroom_by_kind[k] / GiB:.1f} GiB" if k in c.headroom_by_kind else "-" for k in kinds]
@@ -163,11 +172,11 @@ def print_result(result: Any, console: Any) -> None:
     best = result.best
     if best.placement is not None:
         pl = best.placement
-        line = (f"placement (Pipette annealing): path-model communication {pl.cost * 1e3:.2f} ms vs "
-                f"{pl.default_cost * 1e3:.2f} ms in the default rank order ({pl.gain:.2f}x)")
+        line = (f"placement (Pipette annealing): path-model communication {_ms(pl.cost)} vs "
+                f"{_ms(pl.default_cost)} in the default rank order ({pl.gain:.2f}x)")
         if best.default_order_time_s and best.iteration_time_s:
-            line += (f"; simulated iteration {best.iteration_time_s * 1e3:.2f} ms vs "
-                     f"{best.default_order_time_s * 1e3:.2f} ms "
+            line += (f"; simulated iteration {_ms(best.iteration_time_s)} vs "
+                     f"{_ms(best.default_order_time_s)} "
                      f"({best.default_order_time_s / best.iteration_time_s:.2f}x)")
         console.print(line)
     console.print(f"best: [bold]{best.plan}[/]")

@@ -46,6 +46,19 @@ class HeteroError(PlaitError, ValueError):
     """A heterogeneous split that cannot be made (the message says why)."""
 
 
+def cost_layer_time(graph: OpGraph) -> LayerTimeFn:
+    """Layer time from plait's compute model (`plait.cost.compute.layer_cost`): forward +
+    backward + recompute kernels of one micro-batch on one tensor rank of `kind`."""
+    from plait.cost.compute import layer_cost
+
+    def time(layer: Layer, kind: GPUKind, plan: Plan) -> float:
+        c = layer_cost(layer, graph, plan.micro_batch, kind, plan.dtype, tp=plan.tp,
+                       sequence_parallel=plan.sequence_parallel)
+        return c.fwd.compute_s + c.bwd.compute_s + c.recompute(plan.recompute).compute_s
+
+    return time
+
+
 def flops_layer_time(layer: Layer, kind: GPUKind, plan: Plan) -> float:
     """Fallback layer time: FLOPs / peak FLOP/s of the kind (same efficiency on every kind).
 
@@ -218,13 +231,18 @@ class HeteroResult:
                 "memory_rounds": self.memory_rounds}
 
 
-def _pipeline_time(times: np.ndarray, counts: list[int], split: list[int]) -> tuple[np.ndarray, float, list[float], list[float]]:
-    """Stage times (pp, dp) for a split, and the compute-only iteration estimate."""
+def _pipeline_time(times: np.ndarray, counts: list[int], split: list[int],
+                   v: int = 1) -> tuple[np.ndarray, float, list[float], list[float]]:
+    """Stage times (pp, dp) for a split into pp*v chunks (chunk c on stage c % pp), and the
+    compute-only iteration estimate ``M_d b_d + (s_d - b_d)/v`` of the slowest replica."""
+    pp = times.shape[0]
     bounds = np.concatenate([[0], np.cumsum(split)])
-    st = np.stack([times[p, :, bounds[p]:bounds[p + 1]].sum(axis=-1) for p in range(len(split))])
+    st = np.zeros(times.shape[:2])
+    for c in range(len(split)):
+        st[c % pp] += times[c % pp, :, bounds[c]:bounds[c + 1]].sum(axis=-1)
     b = st.max(axis=0).tolist()
     s = st.sum(axis=0).tolist()
-    pred = max((m - 1) * bd + sd for m, bd, sd in zip(counts, b, s))
+    pred = max(m * bd + (sd - bd) / v for m, bd, sd in zip(counts, b, s))
     return st, pred, b, s
 
 
@@ -243,7 +261,7 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
     those limits (e.g. from a smaller micro-batch). `kind_times(kind, plan)` may supply
     the per-layer times of a kind at once (cached by the caller). Returns None when
     nothing fits."""
-    layer_time = layer_time or flops_layer_time
+    layer_time = layer_time or cost_layer_time(graph)
     devices = devices if devices is not None else cluster.devices
     grid = kind_grid(cluster, plan, devices)
     kinds = {d.kind.name: d.kind for d in devices}
@@ -263,14 +281,15 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
     mixed_dp = any(len(set(row)) > 1 for row in grid)
     total_mb = plan.global_batch // plan.micro_batch
     even_counts = [plan.num_micro_batches] * plan.dp
-    if plan.virtual_stages != 1:
-        if mixed_pp or mixed_dp:
-            return None  # interleaved chunks keep Megatron's split
-        return HeteroResult(plan=plan, stage_times=[], micro_batches=even_counts, predicted=0.0, even_predicted=0.0)
+    v = plan.virtual_stages
+    if v != 1:
+        # interleaved model chunks keep Megatron's even split (a stage's time sums chunks
+        # from all over the model, so the chain DP does not apply); replicas still re-balance
+        mixed_pp = False
     even = plan.layers_per_stage(n_layers)
-    _, even_pred, _, _ = _pipeline_time(times, even_counts, even)
+    _, even_pred, _, _ = _pipeline_time(times, even_counts, even, v)
     if not (mixed_pp or mixed_dp):
-        st, _, _, _ = _pipeline_time(times, even_counts, even)
+        st, _, _, _ = _pipeline_time(times, even_counts, even, v)
         return HeteroResult(plan=plan, stage_times=st.tolist(), micro_batches=even_counts,
                             predicted=even_pred, even_predicted=even_pred, caps=list(even))
     caps = [n_layers] * plan.pp if caps is None else list(caps)
@@ -286,12 +305,16 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
                 return None
         else:
             split = even
-        _, _, b, s = _pipeline_time(times, [1] * plan.dp, split)
-        counts = split_micro_batches(b, s, total_mb) if mixed_dp else even_counts
+        _, _, b, s = _pipeline_time(times, [1] * plan.dp, split, v)
+        # replica d finishes M_d micro-batches in M_d b_d + (s_d - b_d)/v
+        counts = split_micro_batches(b, [b_ + (s_ - b_) / v for b_, s_ in zip(b, s)], total_mb) \
+            if mixed_dp else even_counts
+        # an even outcome stays in Megatron's form (no layer_split / dp_shares)
         new = dataclasses.replace(
             plan,
-            layer_split=split if mixed_pp else plan.layer_split,
-            dp_shares=[c * plan.micro_batch / plan.global_batch for c in counts] if mixed_dp else plan.dp_shares,
+            layer_split=split if mixed_pp and split != even else plan.layer_split,
+            dp_shares=([c * plan.micro_batch / plan.global_batch for c in counts]
+                       if mixed_dp and counts != even_counts else plan.dp_shares),
         )
         if peak_bytes is None:
             break
@@ -308,6 +331,6 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
             caps[p] = min(split[p] - 1, int(np.floor(split[p] * ratio[p])))
         if min(caps) < 1 or sum(caps) < n_layers:
             return None
-    st, pred, _, _ = _pipeline_time(times, counts, split)
+    st, pred, _, _ = _pipeline_time(times, counts, split, v)
     return HeteroResult(plan=new, stage_times=st.tolist(), micro_batches=counts, predicted=pred,
                         even_predicted=even_pred, memory_rounds=rounds, caps=caps)

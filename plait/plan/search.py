@@ -148,27 +148,27 @@ class PlanResult:
 # ============================================================================ model / cluster
 
 
-_GRAPHS: dict[str, tuple[Any, OpGraph]] = {}
+_GRAPHS: dict[tuple[str, str], tuple[Any, OpGraph]] = {}
 
 
-def load_graph(model: Any) -> tuple[Any, OpGraph]:
-    """(ModelSpec or None, OpGraph) for a zoo spec string, a ModelSpec, or an OpGraph (cached)."""
+def load_graph(model: Any, dtype: str = "bf16") -> tuple[Any, OpGraph]:
+    """(ModelSpec or None, OpGraph) of a zoo spec string, a ModelSpec, or an OpGraph.
+
+    The graph is the one `plait.sim.api.simulate` would use (a capture on the meta
+    device; the closed-form GPT graph for deep zoo GPTs), cached per spec and dtype."""
     from plait.graph.opgraph import OpGraph
 
     if isinstance(model, OpGraph):
         return None, model
-    from plait.graph.capture import capture
     from plait.graph.zoo import load_model
+    from plait.sim.api import resolve_model
 
     spec = load_model(model) if isinstance(model, str) else model
-    key = getattr(spec, "spec", "") or getattr(spec, "name", "")
-    if key and key in _GRAPHS:
+    key = (getattr(spec, "spec", "") or getattr(spec, "name", ""), dtype)
+    if key[0] and key in _GRAPHS:
         return _GRAPHS[key]
-    module = spec.build("meta")
-    inputs, target = spec.sample_batch(1, device="meta")
-    graph = capture(module, inputs, name=spec.name, config=dict(spec.config),
-                    loss_fn=lambda out: spec.loss(out, target))
-    if key:
+    graph = resolve_model(getattr(spec, "spec", None) or spec, Plan(dtype=dtype))
+    if key[0]:
         _GRAPHS[key] = (spec, graph)
     return spec, graph
 
@@ -265,80 +265,157 @@ def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
 
 
 class AnalyticModel:
-    """Pipette's latency model with per-layer compute times: a fast first-pass ranker.
+    """Pipette's latency model on plait's cost functions: a fast first-pass ranker.
 
-    Compute: each (stage, replica) tensor group's forward+backward time per micro-batch
-    (`layer_time`, per GPU kind), 1F1B/GPipe ``(M-1) * max_p t_p + sum_p t_p``, with
-    interleaving dividing the fill/drain part by the chunks. Communication: the
-    path-model costs of the placement (tensor, pipeline and data-parallel rings on the
-    bandwidth matrix), plus ZeRO-3's parameter all-gathers per micro-batch. The
-    simulator, not this model, decides the final ranking."""
+    Compute: per-layer forward + backward (+ recompute) kernel time of one micro-batch on
+    each GPU kind from `plait.cost.compute.layer_cost` (Megatron's kernel sequence);
+    the pipeline of replica d takes ``M_d * b_d + (s_d - b_d) / v`` (Pipette's 1F1B
+    formula ``(M-1) max_p t_p + sum_p t_p``, the fill/drain part divided by the v
+    interleaved chunks). Communication, from `plait.cost.collectives` on the cluster's
+    links in the plan's placement: the tensor-parallel collectives of every layer pass
+    (slowest tensor group), the pipeline send/recv of activations forward and gradients
+    backward per micro-batch and hop (slowest pipeline, Pipette's path sum weighted by
+    ``M // pp``), the gradient all-reduce of the largest stage over the slowest
+    data-parallel ring (reduce-scatter + all-gather with ZeRO: the same volume),
+    ZeRO-3's parameter all-gathers per micro-batch, and the optimizer step. Nothing
+    overlaps, so it over-estimates communication-heavy plans; the simulator decides
+    the final ranking."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster,
                  layer_time: hetero.LayerTimeFn | None = None) -> None:
         self.graph, self.cluster = graph, cluster
-        self.layer_time = layer_time or _default_layer_time
         self.devices = cluster.devices
+        self.kinds = {d.kind.name: d.kind for d in self.devices}
         self.flops_per_sample = graph.fwd_flops + graph.bwd_flops
+        self.bw = cluster.bandwidth_matrix()
+        self.lat = cluster.latency_matrix()
+        self.node_of = [d.node for d in self.devices]
+        self._custom = layer_time
+        self._costs: dict[tuple, Any] = {}
         self._times: dict[tuple, np.ndarray] = {}
+        self._links: dict[tuple, Any] = {}
         self._paths: dict[tuple, PathModel] = {}
-        n = len(self.devices)
-        self._links = PathModel(cluster.bandwidth_matrix(), traffic_of(graph, Plan()), dp=1, tp=1, pp=1,
-                                latency=cluster.latency_matrix()) if n else None
+        self._base_path = PathModel(self.bw, traffic_of(graph, Plan()), dp=1, tp=1, pp=1, latency=self.lat)
+        # identical transformer blocks cost the same: cost one, reuse it
+        self._sig = [("t", layer.param_count, layer.fwd_flops) if layer.tp_style == "transformer"
+                     else ("l", i) for i, layer in enumerate(graph.layers)]
+        self._index = {id(layer): i for i, layer in enumerate(graph.layers)}
+
+    # ---------------------------------------------------------------- compute
+    def layer_cost(self, i: int, plan: Plan, kind_name: str) -> Any:
+        from plait.cost.compute import layer_cost
+
+        key = (self._sig[i], kind_name, plan.micro_batch, plan.tp, plan.dtype, plan.sequence_parallel)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = layer_cost(self.graph.layers[i], self.graph, plan.micro_batch, self.kinds[kind_name],
+                              plan.dtype, tp=plan.tp, sequence_parallel=plan.sequence_parallel)
+            self._costs[key] = cost
+        return cost
+
+    def layer_time(self, layer: Any, kind: Any, plan: Plan) -> float:
+        """A `hetero.LayerTimeFn`: compute seconds of one micro-batch of `layer` on `kind`."""
+        return float(self.layer_times(plan, kind.name)[self._index[id(layer)]])
 
     def layer_times(self, plan: Plan, kind_name: str) -> np.ndarray:
         key = (kind_name, plan.micro_batch, plan.tp, plan.recompute, plan.dtype, plan.sequence_parallel)
         t = self._times.get(key)
         if t is None:
-            kind = next(d.kind for d in self.devices if d.kind.name == kind_name)
-            t = np.asarray([self.layer_time(layer, kind, plan) for layer in self.graph.layers])
+            if self._custom is not None:
+                kind = self.kinds[kind_name]
+                t = np.asarray([self._custom(layer, kind, plan) for layer in self.graph.layers])
+            else:
+                costs = [self.layer_cost(i, plan, kind_name) for i in range(len(self.graph.layers))]
+                t = np.asarray([c.fwd.compute_s + c.bwd.compute_s + c.recompute(plan.recompute).compute_s
+                                for c in costs])
             self._times[key] = t
         return t
 
+    # ---------------------------------------------------------------- communication
     def path_model(self, plan: Plan) -> PathModel:
+        """Pipette's path model of the plan, for placement (`plait.plan.placement`)."""
         traffic = traffic_of(self.graph, plan)
         key = (traffic, plan.dp, plan.tp, plan.pp)
         path = self._paths.get(key)
         if path is None:
-            path = self._links.with_plan(traffic, dp=plan.dp, tp=plan.tp, pp=plan.pp)
+            path = self._base_path.with_plan(traffic, dp=plan.dp, tp=plan.tp, pp=plan.pp)
             self._paths[key] = path
         return path
 
-    def estimate(self, plan: Plan, path: PathModel | None = None) -> float:
+    def _slowest(self, groups: np.ndarray, op: str, nbytes: float) -> float:
+        """Time of `op` on the slowest of the device groups (rows of `groups`), as NCCL would run it."""
+        from plait.cost.collectives import choose_algorithm, collective_time, group_links
+
+        if groups.shape[-1] <= 1 or nbytes <= 0:
+            return 0.0
+        key = (groups.tobytes(), groups.shape)
+        links = self._links.get(key)
+        if links is None:
+            links = [group_links(row.tolist(), self.bw, self.lat, self.node_of) for row in groups]
+            self._links[key] = links
+        return max(collective_time(op, nbytes, gl, choose_algorithm(op, nbytes, gl)) for gl in links)
+
+    def estimate(self, plan: Plan) -> float:
+        from plait.cost.collectives import send_recv_time
+        from plait.cost.compute import optimizer_time
+
+        graph = self.graph
         grid = hetero.kind_grid(self.cluster, plan, self.devices)
-        split = plan.layers_per_stage(len(self.graph.layers))
         v = plan.virtual_stages
-        bounds = np.concatenate([[0], np.cumsum(split)])
+        bounds = np.concatenate([[0], np.cumsum(plan.layers_per_stage(len(graph.layers)))])
+        chunk_stage = [c % plan.pp for c in range(plan.pp * v)]
         counts = _replica_micro_batches(plan)
-        worst = 0.0
+        order = hetero.rank_order(plan).reshape(plan.pp, plan.dp, plan.tp)
+        # compute: the slowest replica's pipeline
+        compute_s = 0.0
         for d in range(plan.dp):
             st = np.zeros(plan.pp)
-            for c in range(plan.pp * v):
-                p = c % plan.pp
+            for c, p in enumerate(chunk_stage):
                 st[p] += self.layer_times(plan, grid[p][d])[bounds[c]:bounds[c + 1]].sum()
-            m = counts[d]
             b, s = float(st.max()), float(st.sum())
-            worst = max(worst, m * b + (s - b) / v if m else 0.0)
-        path = path or self.path_model(plan)
-        order = hetero.rank_order(plan)
-        comm = float(path.cost(order))
-        if plan.zero >= 3 and plan.dp > 1:
-            # ZeRO-3 all-gathers the parameters in forward and backward of every micro-batch
-            params = self.graph.param_count / plan.pp / plan.tp * 2
-            inv = float(path.inv_bw[order[:-1], order[1:]].max()) if plan.world_size > 1 else 0.0
-            comm += 2 * max(counts) * (plan.dp - 1) / plan.dp * params * inv
-        return worst + comm
-
-
-def _default_layer_time(layer: Any, kind: Any, plan: Plan) -> float:
-    """Per-layer forward+backward(+recompute) seconds for one micro-batch on one GPU kind.
-
-    Uses plait.cost's compute model when it is there, else FLOPs / peak FLOP/s."""
-    try:
-        from plait.cost.compute import layer_time  # type: ignore[attr-defined]
-    except ImportError:
-        return hetero.flops_layer_time(layer, kind, plan)
-    return float(layer_time(layer, kind, plan))
+            compute_s = max(compute_s, counts[d] * b + (s - b) / v)
+        m = max(counts)
+        kind0 = grid[0][0]
+        # tensor parallel: the collectives inside every pass of the busiest stage, per micro-batch
+        tp_s = 0.0
+        if plan.tp > 1:
+            groups = order.reshape(-1, plan.tp)
+            per_stage = np.zeros(plan.pp)
+            for c, p in enumerate(chunk_stage):
+                for i in range(bounds[c], bounds[c + 1]):
+                    cost = self.layer_cost(i, plan, kind0)
+                    for part in (cost.fwd, cost.bwd, cost.recompute(plan.recompute)):
+                        per_stage[p] += sum(self._slowest(groups, x.op, x.nbytes) for x in part.collectives)
+            tp_s = m * float(per_stage.max())
+        # pipeline: activations forward + gradients backward over every hop (Pipette's path)
+        pp_s = 0.0
+        if plan.pp > 1:
+            elem = 2 if plan.dtype in ("bf16", "fp16") else 4
+            act = max(graph.layers[bounds[c + 1] - 1].output_bytes for c in range(plan.pp * v - 1))
+            nbytes = act / max(1, graph.activation_dtype_bytes) * elem * plan.micro_batch
+            if plan.sequence_parallel:
+                nbytes /= plan.tp
+            hops = np.zeros((plan.pp - 1, plan.dp))
+            for p in range(plan.pp - 1):
+                for d in range(plan.dp):
+                    hops[p, d] = max(send_recv_time(nbytes, self.bw[x, y], self.lat[x, y])
+                                     for x, y in zip(order[p, d], order[p + 1, d]))
+            pp_s = 2.0 * float(hops.sum(axis=0).max()) * max(1, m // plan.pp) * v
+        # data parallel: the largest stage's gradients over the slowest ring, once per iteration
+        params = np.zeros(plan.pp)
+        for c, p in enumerate(chunk_stage):
+            params[p] += sum(self.layer_cost(i, plan, kind0).grad_params for i in range(bounds[c], bounds[c + 1]))
+        grad_bytes = 2 if plan.dtype in ("bf16", "fp16") else 4
+        dp_s = 0.0
+        if plan.dp > 1:
+            groups = np.swapaxes(order, 1, 2).reshape(-1, plan.dp)
+            dp_s = self._slowest(groups, "all_reduce", float(params.max()) * grad_bytes)
+            if plan.zero >= 3:  # parameters all-gathered for forward and again for backward
+                dp_s += 2 * m * self._slowest(groups, "all_gather", float(params.max()) * grad_bytes)
+        shard = plan.dp if plan.zero >= 1 else 1
+        opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]])
+                    for p in range(plan.pp) for d in range(plan.dp))
+        return compute_s + tp_s + pp_s + dp_s + opt_s
 
 
 def _replica_micro_batches(plan: Plan) -> list[int]:
@@ -350,17 +427,11 @@ def _replica_micro_batches(plan: Plan) -> list[int]:
 # ============================================================================ simulator
 
 
-def _simulate(model: Any, graph: OpGraph, cluster: Cluster, plan: Plan) -> dict[str, Any]:
+def _simulate(graph: OpGraph, cluster: Any, plan: Plan, cost_cache: dict | None = None) -> dict[str, Any]:
+    """`plait.sim.api.simulate` of one plan, without the memory estimate (the search has it)."""
     from plait.sim.api import simulate
 
-    res = simulate(graph, cluster, plan)
-    if hasattr(res, "to_dict"):
-        d = res.to_dict()
-    elif dataclasses.is_dataclass(res):
-        d = dataclasses.asdict(res)
-    else:
-        d = dict(res)
-    return d
+    return simulate(graph, cluster, plan, memory=False, cost_cache=cost_cache).to_dict()
 
 
 def _headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
@@ -399,7 +470,8 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
     if gb < 1:
         raise SearchError(f"plan: global batch must be >= 1, got {gb}")
-    spec, graph = load_graph(model)
+    dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
+    spec, graph = load_graph(model, dtype)
     mem_kw = dict(memory_kwargs or {})
     devices = cluster_obj.devices
     mixed = hetero.is_mixed(cluster_obj)
@@ -511,6 +583,12 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     chosen = kept if finalists is None else kept[:finalists]
 
     # ---- place and simulate the finalists
+    view = None
+    cost_cache: dict = {}  # layer costs shared by the simulations
+    if simulate:
+        from plait.sim.topology import ClusterView
+
+        view = ClusterView.from_cluster(cluster_obj)
     placements: dict[tuple, PlacementResult] = {}
     bar.start("simulate", len(chosen))
     for c in chosen:
@@ -531,7 +609,7 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
         c.peak_bytes = peaks.tolist()
         c.headroom_by_kind = _headroom(c.peak_bytes, devices, c.plan)
         if simulate:
-            sim = _simulate(spec, graph, cluster_obj, c.plan)
+            sim = _simulate(graph, view, c.plan, cost_cache)
             c.sim = sim
             c.iteration_time_s = float(sim["iteration_time_s"])
             c.tflops_per_gpu = sim.get("tflops_per_gpu")
@@ -549,7 +627,7 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
         c = best[0]
         start = _start_order(groups, c)
         base = dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
-        c.default_order_time_s = float(_simulate(spec, graph, cluster_obj, base)["iteration_time_s"])
+        c.default_order_time_s = float(_simulate(graph, view, base, cost_cache)["iteration_time_s"])
     elif best:
         best[0].default_order_time_s = best[0].iteration_time_s
 
