@@ -1,0 +1,299 @@
+"""Measured per-layer forward and backward times of a model on one device.
+
+Analytic compute models describe GPUs (fused kernels, backward ~ 2 x forward); on
+other devices -- a CPU core, an unusual GPU, an emulated slower kind -- per-layer costs
+differ from any roofline. Simulators that must match real runs therefore *profile*
+each layer on one device and simulate the parallel plan from those times: dPRO
+(Hu et al. 2022, §4 "profiler"), Echo and Pipette's profiler do exactly this. This
+module is that profiler for plait:
+
+    times = profile_layer_times("gpt:layers=4,hidden=128", micro_batch=4, dtype="fp32")
+    simulate(model, cluster, plan, layer_times=times)       # SimOptions.layer_times
+
+How one layer is timed (`profile_layers`):
+
+1. the whole model runs one forward on a real micro-batch; a forward pre-hook on every
+   layer module (the OpGraph's layers, `plait.graph.capture.layer_assignment`) keeps the
+   layer's inputs, so each layer later sees inputs of its real shapes and values;
+2. optionally each layer is transformed the way the plan's rank runs it (`shard`, e.g.
+   the runtime's Megatron tensor-parallel slicing with collectives replaced by no-ops:
+   the profile is then the compute of one tensor rank; the simulator adds the
+   collectives from the links);
+3. each layer runs forward and backward in isolation, `repeats` times after `warmup`,
+   layers interleaved round-robin so slow phases of a shared machine hit every layer
+   alike; the figure is the median. Inputs that carried gradients in the model carry
+   them here (so the backward computes the input gradient, as inside the model); the
+   backward starts from a fixed random output gradient. The layer that produces the
+   model output also runs the training loss (`ModelSpec.loss`) in its forward and the
+   loss gradient in its backward, as a training step does;
+4. the optimizer step (`torch.optim.AdamW`, per-tensor like the runtime's) is timed per
+   layer on that layer's parameters (a parameter shared by several layers -- tied
+   embeddings -- is counted at its first layer).
+
+The device runs with `threads` intra-op threads (default: 1, what a rank of
+`plait run` gets when ranks share the machine's cores) and the compute dtype of the
+runtime: fp32 weights, autocast for bf16 / fp16.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import PlaitError
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = ("fp32", "tf32", "bf16", "fp16")
+
+
+class LayerProfileError(PlaitError, ValueError):
+    """Bad arguments to the layer profiler, or a model whose layers cannot be timed alone."""
+
+
+@dataclass
+class LayerProfile:
+    """Result of `profile_layers`: per-layer medians (seconds) and their spread.
+
+    `times[name] = (forward_s, backward_s)` for one micro-batch is the format of
+    `plait.sim.lower.SimOptions.layer_times`. `spread[name]` is the interquartile range
+    of (forward, backward) over the repetitions; `optimizer[name]` the optimizer step
+    over the layer's own parameters and `params[name]` their count."""
+
+    model: str
+    micro_batch: int
+    dtype: str
+    tp: int
+    threads: int
+    repeats: int
+    times: dict[str, tuple[float, float]] = field(default_factory=dict)
+    spread: dict[str, tuple[float, float]] = field(default_factory=dict)
+    optimizer: dict[str, float] = field(default_factory=dict)
+    params: dict[str, int] = field(default_factory=dict)
+    loss_layer: str = ""
+
+    @property
+    def forward_s(self) -> float:
+        return sum(f for f, _ in self.times.values())
+
+    @property
+    def backward_s(self) -> float:
+        return sum(b for _, b in self.times.values())
+
+    @property
+    def optimizer_s(self) -> float:
+        return sum(self.optimizer.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "micro_batch": self.micro_batch, "dtype": self.dtype, "tp": self.tp,
+                "threads": self.threads, "repeats": self.repeats, "loss_layer": self.loss_layer,
+                "layers": {n: {"forward_s": f, "backward_s": b, "forward_iqr_s": self.spread[n][0],
+                               "backward_iqr_s": self.spread[n][1], "optimizer_s": self.optimizer.get(n, 0.0),
+                               "params": self.params.get(n, 0)} for n, (f, b) in self.times.items()}}
+
+
+def _load_spec(model_spec: Any) -> Any:
+    if all(callable(getattr(model_spec, a, None)) for a in ("build", "sample_batch", "loss")):
+        return model_spec
+    if isinstance(model_spec, str):
+        from plait.graph.zoo import load_model
+
+        return load_model(model_spec)
+    raise LayerProfileError(f"model_spec: expected a zoo spec string or a ModelSpec, got {type(model_spec).__name__}")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _fresh(value: Any) -> Any:
+    """A detached copy of a captured input; floating tensors keep their requires_grad flag."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().clone()
+        if value.requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
+
+
+def _iqr(xs: list[float]) -> float:
+    if len(xs) < 4:
+        return max(xs) - min(xs) if xs else 0.0
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]
+
+
+def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp: int = 1,
+                   shard: Callable[[str, nn.Module], Any] | None = None, threads: int | None = 1,
+                   repeats: int = 9, warmup: int = 2, device: str = "cpu", seed: int = 0,
+                   optimizer: bool = True, lr: float = 1e-3) -> LayerProfile:
+    """Time every layer of `model_spec` alone for one micro-batch (see module docstring).
+
+    `shard(layer_name, module)` transforms a layer in place before it is timed (tensor
+    parallelism: it is called for every layer and decides itself which to slice); `tp` is
+    only recorded. `threads=None` keeps torch's current intra-op thread count."""
+    if micro_batch < 1:
+        raise LayerProfileError(f"micro_batch: must be >= 1, got {micro_batch}")
+    if dtype not in _DTYPES:
+        raise LayerProfileError(f"dtype: must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if repeats < 1 or warmup < 0:
+        raise LayerProfileError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if threads is not None and threads < 1:
+        raise LayerProfileError(f"threads: must be >= 1, got {threads}")
+    if tp < 1:
+        raise LayerProfileError(f"tp: must be >= 1, got {tp}")
+    from plait.graph.capture import layer_assignment
+
+    spec = _load_spec(model_spec)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    sync: Callable[[], Any] = torch.cuda.synchronize if cuda else (lambda: None)
+    old_threads = torch.get_num_threads()
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32 if cuda else None
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    try:
+        with torch.random.fork_rng(devices=[dev] if cuda else []):
+            torch.manual_seed(seed)
+            model = spec.build(device=dev, dtype=torch.float32, seed=seed)
+            model.train()
+            heads = layer_assignment(model)
+            layers = [(name, model.get_submodule(path) if path else model) for path, (name, _) in heads.items()]
+            inputs, target = spec.sample_batch(micro_batch, device=dev, seed=seed)
+
+            def autocast() -> Any:
+                return torch.autocast(dev.type, dtype=_AUTOCAST[dtype]) if dtype in _AUTOCAST else nullcontext()
+
+            # 1. one forward of the whole model: every layer's real inputs, and who makes the output.
+            captured: dict[str, tuple[Any, Any]] = {}
+            out_owner: dict[int, str] = {}
+            handles = []
+            for name, mod in layers:
+                def pre(m: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+                    captured.setdefault(name, (_fresh(args), _fresh(kwargs)))
+
+                def post(m: nn.Module, args: Any, kwargs: Any, out: Any, name: str = name) -> None:
+                    for t in _tensors(out):
+                        out_owner[id(t)] = name
+
+                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(mod.register_forward_hook(post, with_kwargs=True))
+            with autocast():
+                output = model(*inputs)
+            for h in handles:
+                h.remove()
+            owners = [out_owner[id(t)] for t in _tensors(output) if id(t) in out_owner]
+            missing = [name for name, _ in layers if name not in captured]
+            if missing:
+                raise LayerProfileError(f"model {spec.name}: layers {missing} did not run in the forward; "
+                                        "they cannot be timed")
+            order = sorted(captured, key=list(captured).index)  # execution order of first calls
+            loss_layer = owners[0] if owners else order[-1]
+            del output
+            if shard is not None:
+                for name, mod in layers:
+                    shard(name, mod)
+            modules = dict(layers)
+            # A fixed output gradient per layer (its shapes from one forward of the layer).
+            grads: dict[str, list[torch.Tensor]] = {}
+            gen = torch.Generator(device=dev).manual_seed(seed + 1)
+            for name in order:
+                if name == loss_layer:
+                    continue
+                args, kwargs = captured[name]
+                with autocast():
+                    out = modules[name](*_fresh(args), **_fresh(kwargs))
+                outs = [t for t in _tensors(out) if t.requires_grad]
+                grads[name] = [torch.randn(t.shape, generator=gen, device=dev, dtype=t.dtype) for t in outs]
+
+            def run_once(name: str) -> tuple[float, float]:
+                mod = modules[name]
+                args, kwargs = captured[name]
+                args, kwargs = _fresh(args), _fresh(kwargs)
+                for p in mod.parameters():
+                    p.grad = None
+                sync()
+                t0 = time.perf_counter()
+                with autocast():
+                    out = mod(*args, **kwargs)
+                    loss = spec.loss(out, target) if name == loss_layer else None
+                sync()
+                t1 = time.perf_counter()
+                if loss is not None:
+                    loss.backward()
+                else:
+                    outs = [t for t in _tensors(out) if t.requires_grad]
+                    if outs:
+                        torch.autograd.backward(outs, grads[name])
+                sync()
+                t2 = time.perf_counter()
+                return t1 - t0, t2 - t1
+
+            # 2. every layer, round-robin: warm-up rounds, then measured rounds.
+            samples: dict[str, list[tuple[float, float]]] = {name: [] for name in order}
+            for r in range(warmup + repeats):
+                for name in order:
+                    fb = run_once(name)
+                    if r >= warmup:
+                        samples[name].append(fb)
+            prof = LayerProfile(model=getattr(spec, "spec", "") or spec.name, micro_batch=micro_batch, dtype=dtype,
+                                tp=tp, threads=torch.get_num_threads(), repeats=repeats, loss_layer=loss_layer)
+            for name in order:
+                fs = [f for f, _ in samples[name]]
+                bs = [b for _, b in samples[name]]
+                prof.times[name] = (statistics.median(fs), statistics.median(bs))
+                prof.spread[name] = (_iqr(fs), _iqr(bs))
+            # 3. the optimizer step over each layer's own parameters (gradients from the runs above).
+            seen: set[int] = set()
+            for name in order:
+                own = [p for p in modules[name].parameters() if p.requires_grad and id(p) not in seen]
+                seen.update(id(p) for p in own)
+                prof.params[name] = sum(p.numel() for p in own)
+                if not optimizer or not own:
+                    prof.optimizer[name] = 0.0
+                    continue
+                for p in own:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                opt = torch.optim.AdamW(own, lr=lr, foreach=False)
+                ts = []
+                for r in range(warmup + repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    opt.step()
+                    sync()
+                    if r >= warmup:
+                        ts.append(time.perf_counter() - t0)
+                prof.optimizer[name] = statistics.median(ts)
+            return prof
+    finally:
+        torch.set_num_threads(old_threads)
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = old_tf32
+
+
+def profile_layer_times(model_spec: Any, micro_batch: int, dtype: str = "fp32", **kwargs: Any
+                        ) -> dict[str, tuple[float, float]]:
+    """{layer name: (forward s, backward s)} for one micro-batch on this device: the format of
+    `SimOptions.layer_times`. Keyword arguments go to `profile_layers`."""
+    return profile_layers(model_spec, micro_batch, dtype, **kwargs).times
