@@ -92,9 +92,15 @@ class SimOptions:
     data_loader_s: float = 0.0  # data-loader time per micro-batch (overlapped by prefetch)
     max_layer_tasks: int = 60_000  # "auto" uses layer granularity below this many tasks
     cost_cache: dict | None = field(default=None, repr=False)  # share layer costs across runs (fitting)
-    # Measured or hand-given per-layer (forward s, backward s) for one micro-batch on one rank;
-    # these layers skip the compute model (no tensor-parallel collectives are added for them).
+    # Measured or hand-given per-layer (forward s, backward s) for one micro-batch on one rank of
+    # the plan (e.g. `plait.cost.layer_profile`): these layers skip the compute model. Under tensor
+    # parallelism the times are one tensor rank's compute; the layer's collectives still come from
+    # the compute model's kernel sequence (where they fall, their bytes) priced on the group's links.
     layer_times: dict[str, tuple[float, float]] | None = None
+    # Per GPU kind name: multiplier on `layer_times` for devices of that kind (its slowdown relative
+    # to the device the times were measured on). None: the times are the fastest kind's in the
+    # cluster and a kind takes peak_flops(fastest) / peak_flops(kind) longer at the plan's dtype.
+    layer_time_scale: dict[str, float] | None = None
 
 
 @dataclass
@@ -243,6 +249,16 @@ def _combine(costs: list[PassCost], links: GroupLinks | None, pinned: str | None
     return out
 
 
+def _retime(items: list[_Item], compute_s: float) -> list[_Item]:
+    """`items` with their compute segments rescaled to total `compute_s` (collectives kept)."""
+    segs = [it for it in items if it.kind == "c"]
+    if not segs:
+        return [_Item("c", compute_s), *items]
+    total = sum(it.seconds for it in segs)
+    return [_Item("c", compute_s * (it.seconds / total if total > 0 else 1.0 / len(segs)))
+            if it.kind == "c" else it for it in items]
+
+
 # ---------------------------------------------------------------- the lowering
 class _Lowerer:
     def __init__(self, graph: OpGraph, plan: Plan, view: ClusterView, options: SimOptions) -> None:
@@ -257,7 +273,8 @@ class _Lowerer:
         self.param_bytes = dtype_bytes(plan.dtype)
         self.cost_cache: dict[tuple, _Combined] = {} if options.cost_cache is None else options.cost_cache
         self.cache_salt = (id(graph), self.model, plan.dtype, plan.sequence_parallel, plan.recompute,
-                           plan.collectives.get("tp"), tuple(sorted((options.layer_times or {}).items())))
+                           plan.collectives.get("tp"), tuple(sorted((options.layer_times or {}).items())),
+                           tuple(sorted((options.layer_time_scale or {}).items())))
         self.chunk_cache: dict[tuple, list[tuple[Layer, _Combined]]] = {}
         self.shared_colls: dict[tuple, int] = {}
         self.ring_cache: dict[tuple, tuple[float, list[tuple[int, int, float]]]] = {}
@@ -388,20 +405,17 @@ class _Lowerer:
         return hit
 
     def combined(self, w: Worker, layer: Layer, mb: int) -> _Combined:
-        sig = (layer.name if layer.tp_style not in ("transformer",) else
+        given = (self.opt.layer_times or {}).get(layer.name)
+        # Equal transformer layers share one cost -- unless each has its own given (measured) time.
+        sig = (layer.name if layer.tp_style not in ("transformer",) or given is not None else
                ("T", layer.kind, layer.fwd_flops, layer.param_count))
         key = (sig, self._worker_sig(w), mb, self.cache_salt)
         hit = self.cost_cache.get(key)
         if hit is not None:
             return hit
         tp = len(w.devices)
-        given = (self.opt.layer_times or {}).get(layer.name)
         if given is not None:
-            fwd_s, bwd_s = given
-            params = layer.param_count / (tp if layer.tp_style in ("transformer", "head", "embedding") else 1)
-            out = _Combined([_Item("c", fwd_s)], [_Item("c", bwd_s)],
-                            [_Item("c", fwd_s)] if self.plan.recompute == "full" else [],
-                            params, params, layer.fwd_flops * mb, layer.bwd_flops * mb)
+            out = self._given_cost(w, layer, mb, given)
             self.cost_cache[key] = out
             return out
         distinct: dict[tuple, LayerCost] = {}
@@ -427,6 +441,42 @@ class _Lowerer:
         )
         self.cost_cache[key] = out
         return out
+
+    def _time_scale(self, kind: GPUKind) -> float:
+        """Multiplier on given layer times for a device of `kind` (`SimOptions.layer_time_scale`)."""
+        scales = self.opt.layer_time_scale
+        if scales is not None:
+            return float(scales.get(kind.name, 1.0))
+        fastest = getattr(self, "_fastest_flops", None)
+        if fastest is None:
+            fastest = self._fastest_flops = max(k.flops(self.dtype) for k in self.view.kinds)
+        own = kind.flops(self.dtype)
+        return fastest / own if own > 0 else 1.0
+
+    def _given_cost(self, w: Worker, layer: Layer, mb: int, given: tuple[float, float]) -> _Combined:
+        """A layer with given (measured) times: the worker's slowest rank's kind scales them; under
+        tensor parallelism the layer's collectives (Megatron's kernel sequence, `layer_cost`) are
+        kept at their places and the given compute is spread over the segments between them in
+        proportion to the compute model's segment times."""
+        tp = len(w.devices)
+        scale = max(self._time_scale(k) for k in w.kinds)
+        fwd_s, bwd_s = given[0] * scale, given[1] * scale
+        params = layer.param_count / (tp if layer.tp_style in ("transformer", "head", "embedding") else 1)
+        full = self.plan.recompute == "full"
+        if tp > 1 and w.links is not None and w.links.n > 1:
+            try:
+                cost = layer_cost(layer, self.graph, mb, w.kinds[0], self.dtype, tp=tp, share=w.shares[0],
+                                  sequence_parallel=self.plan.sequence_parallel, model=self.model)
+            except PlaitError:
+                cost = None
+            if cost is not None and (cost.fwd.collectives or cost.bwd.collectives):
+                pinned = self.plan.collectives.get("tp")
+                fwd = _retime(_combine([cost.fwd], w.links, pinned), fwd_s)
+                return _Combined(fwd, _retime(_combine([cost.bwd], w.links, pinned), bwd_s),
+                                 list(fwd) if full else [], params, params, layer.fwd_flops * mb,
+                                 layer.bwd_flops * mb)
+        return _Combined([_Item("c", fwd_s)], [_Item("c", bwd_s)], [_Item("c", fwd_s)] if full else [],
+                         params, params, layer.fwd_flops * mb, layer.bwd_flops * mb)
 
     # ------------------------------------------------------------ task emission
     def lower(self) -> Lowered:
