@@ -436,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     rank = _plan_rank(cfg)
+    # A fixed CPU share per rank when the launcher's caller made cgroups for it (plait.runtime.cpu_share).
+    from plait.runtime.cpu_share import join_from_env
+
+    join_from_env(rank)
     run_dir = Path(cfg["run_dir"])
     status = run_dir / "status" / f"rank{rank}.json"
     hb = Heartbeat(run_dir / "hb" / f"rank{rank}.json", rank)

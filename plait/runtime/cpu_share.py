@@ -1,0 +1,202 @@
+"""A fixed CPU share per rank on one machine: Linux cgroup v1 `cpu` controller.
+
+Ranks of an emulated cluster share this machine's cores. Without control the compute
+rate of a rank depends on what else runs: other ranks (a pipeline's idle stages free
+cores for the busy ones, so a per-device speed measured with every rank busy fits data
+parallelism but not pipelines) and other processes. A cgroup per rank fixes it:
+
+* `cpus` sets CFS bandwidth control, ``cpu.cfs_quota_us = cpus * cpu.cfs_period_us``: the
+  rank never runs faster than `cpus` cores, whatever is idle -- every emulated "GPU" of
+  the same kind then has the same compute rate in every plan;
+* `shares` sets ``cpu.shares`` (weight against other groups and processes, default 1024):
+  a high weight keeps unrelated work on the machine from taking the rank's cores.
+
+`RankCgroups` creates ``/sys/fs/cgroup/cpu/plait-<pid>-<n>/rank<r>`` (root only), hands
+the base directory to the workers in `PLAIT_CPU_CGROUP` (see `env()`), each worker joins
+its rank's group first thing (`join_from_env`, called by `plait.runtime.worker.main`),
+and everything is removed on exit. Without root or without the controller it does
+nothing and says why (`available()`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+
+log = logging.getLogger("plait.runtime.cpu_share")
+
+ENV = "PLAIT_CPU_CGROUP"
+ROOT = Path("/sys/fs/cgroup/cpu")
+_counter = itertools.count()
+
+
+class CpuShareError(PlaitError, RuntimeError):
+    """A CPU share that cannot be applied (bad value, cgroup write refused)."""
+
+
+def available(root: Path = ROOT) -> tuple[bool, str]:
+    """(True, "") when cgroup v1 cpu groups can be made here; else (False, why not)."""
+    if os.geteuid() != 0:
+        return False, "not running as root (cgroups need root)"
+    if not (root / "cpu.cfs_quota_us").exists() or not (root / "cpu.shares").exists():
+        return False, f"no cgroup v1 cpu controller at {root}"
+    if not os.access(root, os.W_OK):
+        return False, f"{root} is not writable"
+    return True, ""
+
+
+def _write(path: Path, value: Any) -> None:
+    try:
+        path.write_text(f"{value}\n")
+    except OSError as exc:
+        raise CpuShareError(f"{path}: cannot write {value!r} ({exc.strerror or exc})") from None
+
+
+def _remove(group: Path, root: Path) -> None:
+    """Move any task left in `group` to the root group, then remove it (children first)."""
+    if not group.exists():
+        return
+    for child in [p for p in group.iterdir() if p.is_dir()]:
+        _remove(child, root)
+    for _ in range(50):
+        try:
+            for pid in (group / "cgroup.procs").read_text().split():
+                try:
+                    _write(root / "cgroup.procs", pid)
+                except CpuShareError:
+                    pass  # the process ended meanwhile
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.02)
+    log.warning("could not remove cgroup %s", group)
+
+
+class RankCgroups:
+    """One cpu cgroup per rank under a base group of this process (a context manager).
+
+    `cpus`: CFS quota per rank in cores (None: no cap); `shares`: cpu.shares per rank
+    (None: the default 1024); `period_us`: the CFS period (short periods throttle in
+    small slices, so a capped rank's spans stretch smoothly rather than in 100 ms steps)."""
+
+    def __init__(self, world: int, cpus: float | None = None, shares: int | None = None, *,
+                 period_us: int = 10_000, root: Path = ROOT, prefix: str = "plait") -> None:
+        if world < 1:
+            raise CpuShareError(f"world: must be >= 1, got {world}")
+        if cpus is not None and not cpus > 0:
+            raise CpuShareError(f"cpus per rank: must be > 0, got {cpus}")
+        if shares is not None and not 2 <= shares <= 262144:
+            raise CpuShareError(f"cpu.shares: must be in 2..262144, got {shares}")
+        if not 1000 <= period_us <= 1_000_000:
+            raise CpuShareError(f"cfs period: must be 1000..1000000 us, got {period_us}")
+        self.world, self.cpus, self.shares, self.period_us = world, cpus, shares, period_us
+        self.root = root
+        self.base = root / f"{prefix}-{os.getpid()}-{next(_counter)}"
+        self.active = False
+        self.reason = ""
+
+    def __enter__(self) -> RankCgroups:
+        ok, why = available(self.root)
+        if not ok:
+            self.reason = why
+            log.info("CPU shares not applied: %s", why)
+            return self
+        try:
+            self.base.mkdir()
+            if self.shares is not None:
+                _write(self.base / "cpu.shares", self.shares * self.world)
+            for r in range(self.world):
+                g = self.base / f"rank{r}"
+                g.mkdir()
+                if self.shares is not None:
+                    _write(g / "cpu.shares", self.shares)
+                if self.cpus is not None:
+                    _write(g / "cpu.cfs_period_us", self.period_us)
+                    _write(g / "cpu.cfs_quota_us", max(1000, round(self.cpus * self.period_us)))
+        except (OSError, CpuShareError) as exc:
+            _remove(self.base, self.root)
+            self.reason = f"cannot create cgroups under {self.root}: {exc}"
+            log.warning("CPU shares not applied: %s", self.reason)
+            return self
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            _remove(self.base, self.root)
+            self.active = False
+
+    def env(self) -> dict[str, str]:
+        """Environment for the workers (empty when the groups could not be made)."""
+        return {ENV: str(self.base)} if self.active else {}
+
+    def describe(self) -> str:
+        if not self.active:
+            return f"no CPU shares ({self.reason})"
+        parts = [f"{self.cpus:g} CPU quota" if self.cpus is not None else "no CPU cap"]
+        if self.shares is not None:
+            parts.append(f"cpu.shares {self.shares}")
+        return f"one cgroup per rank ({', '.join(parts)}, period {self.period_us} us)"
+
+
+def join(group: Path, pid: int = 0) -> None:
+    """Move process `pid` (0: the caller) with all its threads into `group`."""
+    _write(group / "cgroup.procs", pid or os.getpid())
+
+
+def join_from_env(rank: int) -> bool:
+    """Called by a worker at start: join `$PLAIT_CPU_CGROUP/rank<rank>` when that is set.
+    Returns whether it joined; a group that is gone (the launcher ended) is ignored."""
+    base = os.environ.get(ENV)
+    if not base:
+        return False
+    group = Path(base) / f"rank{rank}"
+    if not group.is_dir():
+        return False
+    try:
+        join(group)
+    except CpuShareError as exc:
+        log.warning("rank %d: %s", rank, exc)
+        return False
+    return True
+
+
+class ProcessCgroup:
+    """This process (and the children it starts afterwards) in a cpu cgroup of its own, for
+    the duration of a `with` block; the process returns to the root group on exit.
+
+    Used to run measurements (a layer profile, a cluster profile) under the same CPU
+    share as the ranks they describe."""
+
+    def __init__(self, cpus: float | None = None, shares: int | None = None, *, period_us: int = 10_000,
+                 root: Path = ROOT, prefix: str = "plait") -> None:
+        self._groups = RankCgroups(1, cpus, shares, period_us=period_us, root=root, prefix=prefix)
+        self.active = False
+        self.reason = ""
+
+    def __enter__(self) -> ProcessCgroup:
+        self._groups.__enter__()
+        self.reason = self._groups.reason
+        if self._groups.active:
+            try:
+                join(self._groups.base / "rank0")
+                self.active = True
+            except CpuShareError as exc:
+                self.reason = str(exc)
+                self._groups.__exit__(None, None, None)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            try:
+                join(self._groups.root)
+            except CpuShareError:
+                pass
+            self.active = False
+        self._groups.__exit__(*exc)

@@ -1,0 +1,57 @@
+"""CPU shares per rank (`plait.runtime.cpu_share`): cgroup v1 cpu groups, root only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from plait.runtime import cpu_share
+from plait.runtime.cpu_share import CpuShareError, ProcessCgroup, RankCgroups
+
+OK, WHY = cpu_share.available()
+needs_cgroups = pytest.mark.skipif(not OK, reason=WHY or "cgroups available")
+
+
+@pytest.mark.parametrize("kwargs, text", [({"world": 0}, "world"), ({"world": 1, "cpus": 0}, "cpus"),
+                                          ({"world": 1, "shares": 1}, "shares"),
+                                          ({"world": 1, "period_us": 10}, "period")])
+def test_bad_values_are_refused(kwargs: dict, text: str) -> None:
+    with pytest.raises(CpuShareError, match=text):
+        RankCgroups(**kwargs)
+
+
+def test_missing_controller_is_a_clean_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with RankCgroups(2, cpus=1.0, root=tmp_path) as groups:
+        assert not groups.active and groups.env() == {}
+        assert "no cgroup v1 cpu controller" in groups.describe() or "root" in groups.describe()
+    monkeypatch.delenv(cpu_share.ENV, raising=False)
+    assert cpu_share.join_from_env(0) is False  # not asked for
+    monkeypatch.setenv(cpu_share.ENV, str(tmp_path / "gone"))
+    assert cpu_share.join_from_env(0) is False  # the launcher's groups are already removed
+
+
+@needs_cgroups
+def test_rank_groups_are_made_shaped_and_removed() -> None:
+    with RankCgroups(2, cpus=0.5, shares=2048, period_us=20_000) as groups:
+        assert groups.active
+        base = groups.base
+        assert base.name.startswith(f"plait-{os.getpid()}-")
+        assert (base / "rank1" / "cpu.cfs_quota_us").read_text().strip() == "10000"
+        assert (base / "rank1" / "cpu.cfs_period_us").read_text().strip() == "20000"
+        assert (base / "rank0" / "cpu.shares").read_text().strip() == "2048"
+        assert groups.env() == {cpu_share.ENV: str(base)}
+    assert not base.exists()
+
+
+@needs_cgroups
+def test_process_group_holds_this_process_and_lets_it_go() -> None:
+    def cpu_line() -> str:
+        return next(line for line in Path("/proc/self/cgroup").read_text().splitlines() if ":cpu:" in line)
+
+    before = cpu_line()
+    with ProcessCgroup(cpus=1.0) as pc:
+        assert pc.active
+        assert "plait-" in cpu_line()
+    assert cpu_line() == before
