@@ -174,19 +174,22 @@ def test_each_transformer_layer_keeps_its_own_given_time() -> None:
 
 def test_tensor_parallel_given_times_keep_the_collectives() -> None:
     """tp=2 with given times: the compute is the given one and Megatron's all-reduces are added,
-    priced on the group's link (4 per transformer layer per micro-batch)."""
+    priced on the group's link (4 per transformer layer per micro-batch), each with the host's
+    per-call cost (not part of a measured compute time)."""
     spec = "gpt:layers=1,hidden=64,heads=2,seq=16,vocab=64"
     plan = Plan(tp=2, micro_batch=1, global_batch=1, dtype="fp32", collectives={"tp": "ring"})
     graph = resolve_model(spec, plan)
     times = {"embed": (0.0, 0.0), "layers.0": (1e-3, 2e-3), "head": (0.0, 0.0)}
     bw, alpha = 1e9, 1e-4
     view = ClusterView.uniform(2, A100, 2, bw, alpha)
-    res = simulate(graph, view, plan, compute=ZERO, layer_times=times, memory=False, granularity="layer")
+    host = 3e-5
+    res = simulate(graph, view, plan, compute=ZERO.replace(host_comm_s=host), layer_times=times, memory=False,
+                   granularity="layer")
     tl = res.timeline
     tp_ops = [e for e in tl.events if e.category == "comm_tp" and "layers.0" in e.name]
     assert len(tp_ops) == 4
     nbytes = 16 * 64 * 4  # micro-batch x seq x hidden, fp32
-    per = 2 * alpha + nbytes / bw  # 2-rank ring all-reduce
+    per = 2 * alpha + nbytes / bw + host  # 2-rank ring all-reduce + the call
     compute = sum(e.duration for e in tl.events if e.category in ("forward", "backward") and e.device == 0
                   and "layers.0" in e.name)
     assert compute == pytest.approx(3e-3, rel=1e-9)

@@ -230,8 +230,10 @@ class _Combined:
         return t, c
 
 
-def _combine(costs: list[PassCost], links: GroupLinks | None, pinned: str | None) -> list[_Item]:
-    """Item-wise max over tensor ranks (they synchronise at each collective)."""
+def _combine(costs: list[PassCost], links: GroupLinks | None, pinned: str | None,
+             host_comm_s: float = 0.0) -> list[_Item]:
+    """Item-wise max over tensor ranks (they synchronise at each collective); `host_comm_s` is
+    added to each collective (callers whose segments do not already hold it)."""
     if not costs:
         return []
     out: list[_Item] = []
@@ -244,7 +246,7 @@ def _combine(costs: list[PassCost], links: GroupLinks | None, pinned: str | None
             secs = 0.0
             if links is not None and links.n > 1:
                 algo = choose_algorithm(head.op, head.nbytes, links, pinned)
-                secs = collective_time(head.op, head.nbytes, links, algo)
+                secs = collective_time(head.op, head.nbytes, links, algo) + host_comm_s
             out.append(_Item("tp", secs, head.op, head.nbytes))
     return out
 
@@ -470,9 +472,11 @@ class _Lowerer:
             except PlaitError:
                 cost = None
             if cost is not None and (cost.fwd.collectives or cost.bwd.collectives):
-                pinned = self.plan.collectives.get("tp")
-                fwd = _retime(_combine([cost.fwd], w.links, pinned), fwd_s)
-                return _Combined(fwd, _retime(_combine([cost.bwd], w.links, pinned), bwd_s),
+                # The measured compute holds no collective call: each pays its host cost serially,
+                # as data-parallel collectives do (`_new_collective`).
+                pinned, host = self.plan.collectives.get("tp"), self.model.host_comm_s
+                fwd = _retime(_combine([cost.fwd], w.links, pinned, host), fwd_s)
+                return _Combined(fwd, _retime(_combine([cost.bwd], w.links, pinned, host), bwd_s),
                                  list(fwd) if full else [], params, params, layer.fwd_flops * mb,
                                  layer.bwd_flops * mb)
         return _Combined([_Item("c", fwd_s)], [_Item("c", bwd_s)], [_Item("c", fwd_s)] if full else [],
