@@ -306,8 +306,11 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
         else:
             split = even
         _, _, b, s = _pipeline_time(times, [1] * plan.dp, split, v)
-        # replica d finishes M_d micro-batches in M_d b_d + (s_d - b_d)/v
-        counts = split_micro_batches(b, [b_ + (s_ - b_) / v for b_, s_ in zip(b, s)], total_mb) \
+        # replica d finishes M_d micro-batches in M_d b_d + (s_d - b_d)/v; interleaved 1F1B
+        # needs M_d to be a multiple of pp, so hand out micro-batches in units of u
+        u = plan.pp if v > 1 else 1
+        counts = [u * c for c in split_micro_batches(
+            [u * b_ for b_ in b], [u * b_ + (s_ - b_) / v for b_, s_ in zip(b, s)], total_mb // u)] \
             if mixed_dp else even_counts
         # an even outcome stays in Megatron's form (no layer_split / dp_shares)
         new = dataclasses.replace(

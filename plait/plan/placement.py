@@ -289,7 +289,8 @@ def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[
                              breakdown=model.breakdown(order0), default_breakdown=model.breakdown(order0))
     if space.trivial or c0 == 0.0:
         return result
-    iters = iterations if iterations is not None else int(min(8000, max(2000, 20 * n)))
+    # each step costs O(n): fewer steps on big clusters keep a placement to about a second
+    iters = iterations if iterations is not None else int(min(8000, max(400, 4e5 / n)))
     rng = np.random.default_rng(seed)
     # temperature from the typical uphill step of random moves
     probes = [float(model.cost(space.propose(order0, rng))) - c0 for _ in range(32)]

@@ -282,8 +282,11 @@ class AnalyticModel:
     the final ranking."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster,
-                 layer_time: hetero.LayerTimeFn | None = None) -> None:
+                 layer_time: hetero.LayerTimeFn | None = None, compute: Any = None) -> None:
+        from plait.cost.compute import DEFAULT_MODEL
+
         self.graph, self.cluster = graph, cluster
+        self.compute = compute if compute is not None else DEFAULT_MODEL
         self.devices = cluster.devices
         self.kinds = {d.kind.name: d.kind for d in self.devices}
         self.flops_per_sample = graph.fwd_flops + graph.bwd_flops
@@ -294,6 +297,8 @@ class AnalyticModel:
         self._costs: dict[tuple, Any] = {}
         self._times: dict[tuple, np.ndarray] = {}
         self._links: dict[tuple, Any] = {}
+        self._coll: dict[tuple, float] = {}
+        self._tp: dict[tuple, float] = {}
         self._paths: dict[tuple, PathModel] = {}
         self._base_path = PathModel(self.bw, traffic_of(graph, Plan()), dp=1, tp=1, pp=1, latency=self.lat)
         # identical transformer blocks cost the same: cost one, reuse it
@@ -309,7 +314,8 @@ class AnalyticModel:
         cost = self._costs.get(key)
         if cost is None:
             cost = layer_cost(self.graph.layers[i], self.graph, plan.micro_batch, self.kinds[kind_name],
-                              plan.dtype, tp=plan.tp, sequence_parallel=plan.sequence_parallel)
+                              plan.dtype, tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                              model=self.compute)
             self._costs[key] = cost
         return cost
 
@@ -351,9 +357,27 @@ class AnalyticModel:
         key = (groups.tobytes(), groups.shape)
         links = self._links.get(key)
         if links is None:
-            links = [group_links(row.tolist(), self.bw, self.lat, self.node_of) for row in groups]
+            # groups with the same slowest links cost the same: keep one of each
+            links = list({group_links(row.tolist(), self.bw, self.lat, self.node_of) for row in groups})
             self._links[key] = links
-        return max(collective_time(op, nbytes, gl, choose_algorithm(op, nbytes, gl)) for gl in links)
+        ckey = (key, op, nbytes)
+        t = self._coll.get(ckey)
+        if t is None:
+            t = max(collective_time(op, nbytes, gl, choose_algorithm(op, nbytes, gl)) for gl in links)
+            self._coll[ckey] = t
+        return t
+
+    def _layer_tp_s(self, i: int, plan: Plan, kind_name: str, groups: np.ndarray) -> float:
+        """Tensor-parallel collectives of layer i (forward, backward, recompute), one micro-batch."""
+        key = (self._sig[i], kind_name, plan.micro_batch, plan.tp, plan.dtype, plan.sequence_parallel,
+               plan.recompute, groups.tobytes())
+        t = self._tp.get(key)
+        if t is None:
+            cost = self.layer_cost(i, plan, kind_name)
+            t = sum(self._slowest(groups, x.op, x.nbytes)
+                    for part in (cost.fwd, cost.bwd, cost.recompute(plan.recompute)) for x in part.collectives)
+            self._tp[key] = t
+        return t
 
     def estimate(self, plan: Plan) -> float:
         from plait.cost.collectives import send_recv_time
@@ -382,10 +406,7 @@ class AnalyticModel:
             groups = order.reshape(-1, plan.tp)
             per_stage = np.zeros(plan.pp)
             for c, p in enumerate(chunk_stage):
-                for i in range(bounds[c], bounds[c + 1]):
-                    cost = self.layer_cost(i, plan, kind0)
-                    for part in (cost.fwd, cost.bwd, cost.recompute(plan.recompute)):
-                        per_stage[p] += sum(self._slowest(groups, x.op, x.nbytes) for x in part.collectives)
+                per_stage[p] += sum(self._layer_tp_s(i, plan, kind0, groups) for i in range(bounds[c], bounds[c + 1]))
             tp_s = m * float(per_stage.max())
         # pipeline: activations forward + gradients backward over every hop (Pipette's path)
         pp_s = 0.0
@@ -395,11 +416,8 @@ class AnalyticModel:
             nbytes = act / max(1, graph.activation_dtype_bytes) * elem * plan.micro_batch
             if plan.sequence_parallel:
                 nbytes /= plan.tp
-            hops = np.zeros((plan.pp - 1, plan.dp))
-            for p in range(plan.pp - 1):
-                for d in range(plan.dp):
-                    hops[p, d] = max(send_recv_time(nbytes, self.bw[x, y], self.lat[x, y])
-                                     for x, y in zip(order[p, d], order[p + 1, d]))
+            a, b_ = order[:-1], order[1:]  # (pp-1, dp, tp): each hop of each pipeline, per tensor rank
+            hops = send_recv_time(nbytes, self.bw[a, b_], self.lat[a, b_]).max(axis=-1)
             pp_s = 2.0 * float(hops.sum(axis=0).max()) * max(1, m // plan.pp) * v
         # data parallel: the largest stage's gradients over the slowest ring, once per iteration
         params = np.zeros(plan.pp)
@@ -413,7 +431,7 @@ class AnalyticModel:
             if plan.zero >= 3:  # parameters all-gathered for forward and again for backward
                 dp_s += 2 * m * self._slowest(groups, "all_gather", float(params.max()) * grad_bytes)
         shard = plan.dp if plan.zero >= 1 else 1
-        opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]])
+        opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]], self.compute)
                     for p in range(plan.pp) for d in range(plan.dp))
         return compute_s + tp_s + pp_s + dp_s + opt_s
 
@@ -427,11 +445,13 @@ def _replica_micro_batches(plan: Plan) -> list[int]:
 # ============================================================================ simulator
 
 
-def _simulate(graph: OpGraph, cluster: Any, plan: Plan, cost_cache: dict | None = None) -> dict[str, Any]:
+def _simulate(graph: OpGraph, cluster: Any, plan: Plan, cost_cache: dict | None = None,
+              compute: Any = None) -> dict[str, Any]:
     """`plait.sim.api.simulate` of one plan, without the memory estimate (the search has it)."""
     from plait.sim.api import simulate
 
-    return simulate(graph, cluster, plan, memory=False, cost_cache=cost_cache).to_dict()
+    extra = {"compute": compute} if compute is not None else {}
+    return simulate(graph, cluster, plan, memory=False, cost_cache=cost_cache, **extra).to_dict()
 
 
 def _headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
@@ -450,13 +470,14 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
          finalists: int | None = 12, space: SearchSpace | None = None, placement: bool = True,
          simulate: bool = True, seed: int = 0, progress: bool = False,
          placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
-         layer_time: hetero.LayerTimeFn | None = None,
+         layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
          on_progress: Callable[[str, int, int], None] | None = None) -> PlanResult:
     """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
 
     `finalists`: how many of the analytically best candidates get placed and simulated
     (None: all of them -- exhaustive). `simulate=False` ranks by the analytic model only.
-    `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``)."""
+    `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``); `compute` is the
+    `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one)."""
     from plait.cluster import load_cluster
     from plait.cost.memory import estimate_memory
 
@@ -476,7 +497,7 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     devices = cluster_obj.devices
     mixed = hetero.is_mixed(cluster_obj)
     space_hetero = space.hetero if space is not None else True
-    analytic = AnalyticModel(graph, cluster_obj, layer_time)
+    analytic = AnalyticModel(graph, cluster_obj, layer_time, compute)
 
     bar = _Progress(progress, on_progress)
     groups = list(enumerate_groups(graph, cluster_obj, gb, space))
@@ -593,8 +614,8 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     bar.start("simulate", len(chosen))
     for c in chosen:
         if placement and c.plan.world_size > 1:
-            key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout, c.plan.micro_batch, c.plan.schedule,
-                   c.plan.virtual_stages)
+            # one placement per shape and kind layout, for the traffic of its best finalist
+            key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
             res = placements.get(key)
             if res is None:
                 res = _place(analytic.path_model(c.plan), cluster_obj, c.plan, seed, placement_iterations)
@@ -609,7 +630,7 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
         c.peak_bytes = peaks.tolist()
         c.headroom_by_kind = _headroom(c.peak_bytes, devices, c.plan)
         if simulate:
-            sim = _simulate(graph, view, c.plan, cost_cache)
+            sim = _simulate(graph, view, c.plan, cost_cache, compute)
             c.sim = sim
             c.iteration_time_s = float(sim["iteration_time_s"])
             c.tflops_per_gpu = sim.get("tflops_per_gpu")
@@ -627,7 +648,7 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
         c = best[0]
         start = _start_order(groups, c)
         base = dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
-        c.default_order_time_s = float(_simulate(graph, view, base, cost_cache)["iteration_time_s"])
+        c.default_order_time_s = float(_simulate(graph, view, base, cost_cache, compute)["iteration_time_s"])
     elif best:
         best[0].default_order_time_s = best[0].iteration_time_s
 
