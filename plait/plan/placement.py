@@ -289,8 +289,9 @@ def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[
                              breakdown=model.breakdown(order0), default_breakdown=model.breakdown(order0))
     if space.trivial or c0 == 0.0:
         return result
-    # each step costs O(n): fewer steps on big clusters keep a placement to about a second
-    iters = iterations if iterations is not None else int(min(8000, max(400, 4e5 / n)))
+    # each step costs O(n): small spaces need few steps, big clusters get fewer so that a
+    # placement stays around a second
+    iters = iterations if iterations is not None else int(max(400, min(4e5 / n, 250 * n, 8000)))
     rng = np.random.default_rng(seed)
     # temperature from the typical uphill step of random moves
     probes = [float(model.cost(space.propose(order0, rng))) - c0 for _ in range(32)]
