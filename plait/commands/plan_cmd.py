@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         best.plan.save(args.out)
     measured = None
     if args.run:
-        measured = _run(args, best.plan)
+        measured = _run(args, result)
 
     if args.json:
         out = result.to_dict()
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"\n[bold]{args.export}[/] equivalent:")
         sys.stdout.write(exported)
     if measured is not None:
-        _print_run(measured, best, console)
+        _print_run(measured, console)
     return 0
 
 
@@ -102,23 +102,37 @@ def _model_config(model: str) -> dict[str, Any]:
     return dict(load_model(model).config)
 
 
-def _run(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
+def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
+    """Train the best plan the runtime can run for a few steps; predicted next to measured."""
+    from plait.errors import PlaitError
     from plait.runtime.api import run as runtime_run
 
-    res = runtime_run(args.model, args.cluster, plan, steps=args.steps)
-    d = res.to_dict() if hasattr(res, "to_dict") else dict(vars(res)) if hasattr(res, "__dict__") else dict(res)
-    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, list)) or v is None}
+    runnable = [c for c in result.top if c.plan.schedule != "interleaved" and not c.plan.stages]
+    if not runnable:
+        raise PlaitError("--run: the runtime runs 1f1b and gpipe pipelines; every plan in the top "
+                         f"{len(result.top)} is interleaved (raise --top)")
+    cand = runnable[0]
+    res = runtime_run(args.model, args.cluster, cand.plan, steps=args.steps)
+    return {"plan": str(cand.plan), "rank_in_top": result.top.index(cand) + 1,
+            "predicted_iteration_s": cand.iteration_time_s,
+            "measured_iteration_s": res.mean_iteration_time(skip=1),
+            "iteration_times_s": list(res.iteration_times), "losses": list(res.losses),
+            "backend": res.backend, "device": res.device, "notes": list(res.notes)}
 
 
-def _print_run(measured: dict[str, Any], best: Any, console: Any) -> None:
-    meas = measured.get("iteration_time_s")
-    pred = best.iteration_time_s
-    console.print("\n[bold]predicted vs measured[/] (plait run)")
-    if meas is None:
-        console.print(f"  run finished: {measured}")
-        return
-    err = (pred - meas) / meas * 100 if pred else float("nan")
-    console.print(f"  iteration time: predicted {pred * 1e3:.1f} ms, measured {meas * 1e3:.1f} ms ({err:+.1f}%)")
+def _print_run(run: dict[str, Any], console: Any) -> None:
+    pred, meas = run["predicted_iteration_s"], run["measured_iteration_s"]
+    console.print(f"\n[bold]plait run[/] of plan #{run['rank_in_top']} ({run['plan']}), "
+                  f"{len(run['iteration_times_s'])} steps on {run['backend']}/{run['device']}:")
+    console.print(f"  iteration time: predicted {_ms(pred)}, measured {_ms(meas)} "
+                  f"(mean after the first step; losses {', '.join(f'{x:.3f}' for x in run['losses'])})")
+    if run["device"] == "cpu":
+        console.print("  [dim]the prediction is for the GPUs the cluster describes; the measurement ran the "
+                      "ranks as CPU processes (slower kinds slowed down by their FLOP/s ratio), so the two "
+                      "differ by the CPU/GPU speed ratio. To predict this machine, plan on a profiled "
+                      "cluster: plait profile --cluster CLUSTER --out measured.yaml[/]")
+    for note in run["notes"]:
+        console.print(f"  note: {note}")
 
 
 def _uneven(c: Any) -> str:

@@ -1,0 +1,74 @@
+"""`plait plan` from the command line: JSON, plan file for simulate/run, export, errors, --run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.cli import main
+from plait.plan.ir import Plan
+
+MODEL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
+HOMO = "a100-80gb:nodes=1,gpus_per_node=4"
+
+
+def test_json_output_and_plan_file_accepted_by_simulate(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", MODEL, "--cluster", HOMO, "--global-batch", "8", "--top", "2", "--json",
+               "--out", str(out)])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["world_size"] == 4 and res["global_batch"] == 8 and len(res["top"]) == 2
+    cand = res["candidates"]
+    assert cand["enumerated"] == cand["pruned_memory"] + cand["ranked_analytic"]
+    assert 0 < cand["simulated"] <= cand["ranked_analytic"]
+    best = res["top"][0]
+    assert best["iteration_time_s"] <= res["top"][1]["iteration_time_s"]
+    assert set(best["memory_headroom_bytes_by_kind"]) == {"a100-80gb"}
+    plan = Plan.load(str(out))
+    assert str(plan) == best["plan_str"]
+    # the saved plan is what `plait simulate` predicts
+    assert main(["simulate", "--model", MODEL, "--cluster", HOMO, "--plan", str(out), "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["iteration_time_s"] == pytest.approx(best["iteration_time_s"], rel=1e-9)
+
+
+def test_table_output_and_megatron_export(capsys):
+    rc = main(["plan", "--model", MODEL, "--cluster", HOMO, "--global-batch", "8", "--top", "3",
+               "--export", "megatron", "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "top 3 plans" in text and "candidates:" in text and "best:" in text
+    assert "--tensor-model-parallel-size" in text and "--global-batch-size 8" in text
+
+
+def test_export_of_a_mixed_cluster_plan_is_refused(capsys):
+    rc = main(["plan", "--model", MODEL, "--cluster", "mixed-a100-v100:a100_nodes=1,v100_nodes=1,gpus_per_node=2",
+               "--global-batch", "8", "--top", "1", "--export", "deepspeed", "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "heterogeneous" in err and "mixed GPU kinds" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--top", "0"], "--top"),
+    (["--cluster", "no-such-preset"], "no-such-preset"),
+    (["--model", "gpt:layers=two"], "layers"),
+])
+def test_bad_arguments_give_one_line_errors(argv, needle, capsys):
+    rc = main(["plan", "--model", MODEL, "--cluster", HOMO, "--global-batch", "8", "--no-progress", *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plait plan: error:") and needle in err and err.count("\n") == 1
+
+
+def test_run_trains_the_chosen_plan_and_prints_predicted_vs_measured(capsys):
+    rc = main(["plan", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false", "--global-batch", "4",
+               "--top", "2", "--run", "--steps", "2", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    run = res["run"]
+    assert run["predicted_iteration_s"] > 0 and run["measured_iteration_s"] > 0
+    assert len(run["losses"]) == 2 and all(x == x for x in run["losses"])  # finite
+    assert Plan.parse(run["plan"]).world_size == 4
