@@ -41,8 +41,25 @@ def test_rank_groups_are_made_shaped_and_removed() -> None:
         assert (base / "rank1" / "cpu.cfs_quota_us").read_text().strip() == "10000"
         assert (base / "rank1" / "cpu.cfs_period_us").read_text().strip() == "20000"
         assert (base / "rank0" / "cpu.shares").read_text().strip() == "2048"
-        assert groups.env() == {cpu_share.ENV: str(base)}
+        assert groups.env() == {cpu_share.ENV: base.name}
     assert not base.exists()
+
+
+@needs_cgroups
+@pytest.mark.skipif(not (cpu_share.CPUSET_ROOT / "cpuset.cpus").exists(), reason="no cpuset controller")
+def test_cpuset_confines_a_joined_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    with RankCgroups(1, cpus=1.0, cpuset="0") as groups:
+        assert groups.active
+        assert (cpu_share.CPUSET_ROOT / groups.name / "rank0" / "cpuset.cpus").read_text().strip() == "0"
+        code = ("import os; from plait.runtime.cpu_share import join_from_env; "
+                "print(join_from_env(0), sorted(os.sched_getaffinity(0)))")
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **groups.env()}, capture_output=True,
+                             text=True, check=True).stdout.split()
+        assert out == ["True", "[0]"]
+    assert not (cpu_share.CPUSET_ROOT / groups.name).exists()
 
 
 @needs_cgroups

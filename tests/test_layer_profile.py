@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -11,7 +12,12 @@ from torch import nn
 
 from plait.cluster.catalog import GPU_KINDS
 from plait.cost.compute import ComputeModel
-from plait.cost.layer_profile import LayerProfileError, profile_layer_times, profile_layers
+from plait.cost.layer_profile import (
+    LayerProfile,
+    LayerProfileError,
+    profile_layer_times,
+    profile_layers,
+)
 from plait.graph.opgraph import Layer, OpGraph
 from plait.graph.zoo import ModelSpec
 from plait.plan.ir import Plan
@@ -92,6 +98,15 @@ def test_gpt_layers_match_the_opgraph_and_count_tied_weights_once() -> None:
     assert sum(prof.params.values()) == sum(p.numel() for p in model.parameters())
     assert prof.threads == 1
     assert prof.to_dict()["layers"]["head"]["params"] == prof.params["head"]
+    again = LayerProfile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert again.times == prof.times and again.params == prof.params and again.optimizer == prof.optimizer
+    with pytest.raises(LayerProfileError, match="layers"):
+        LayerProfile.from_dict({"model": "x"})
+
+
+def test_trimmed_mean_statistic() -> None:
+    prof = profile_layers(TINY, micro_batch=1, repeats=5, warmup=0, optimizer=False, statistic="mean")
+    assert prof.statistic == "mean" and all(f > 0 for f, _ in prof.times.values())
 
 
 def test_shard_hook_profiles_one_tensor_rank() -> None:
@@ -120,7 +135,8 @@ def test_shard_hook_profiles_one_tensor_rank() -> None:
 
 
 @pytest.mark.parametrize("kwargs, field", [({"micro_batch": 0}, "micro_batch"), ({"dtype": "int8"}, "dtype"),
-                                            ({"repeats": 0}, "repeats"), ({"threads": 0}, "threads")])
+                                            ({"repeats": 0}, "repeats"), ({"threads": 0}, "threads"),
+                                            ({"statistic": "mode"}, "statistic")])
 def test_bad_arguments_name_the_field(kwargs: dict, field: str) -> None:
     args = {"micro_batch": 1, **kwargs}
     with pytest.raises(LayerProfileError, match=field):

@@ -72,6 +72,7 @@ class LayerProfile:
     tp: int
     threads: int
     repeats: int
+    statistic: str = "median"
     times: dict[str, tuple[float, float]] = field(default_factory=dict)
     spread: dict[str, tuple[float, float]] = field(default_factory=dict)
     optimizer: dict[str, float] = field(default_factory=dict)
@@ -92,10 +93,26 @@ class LayerProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "micro_batch": self.micro_batch, "dtype": self.dtype, "tp": self.tp,
-                "threads": self.threads, "repeats": self.repeats, "loss_layer": self.loss_layer,
+                "threads": self.threads, "repeats": self.repeats, "statistic": self.statistic,
+                "loss_layer": self.loss_layer,
                 "layers": {n: {"forward_s": f, "backward_s": b, "forward_iqr_s": self.spread[n][0],
                                "backward_iqr_s": self.spread[n][1], "optimizer_s": self.optimizer.get(n, 0.0),
                                "params": self.params.get(n, 0)} for n, (f, b) in self.times.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerProfile:
+        """Inverse of `to_dict` (profiles travel between processes as JSON)."""
+        try:
+            layers = data["layers"]
+            return cls(model=data["model"], micro_batch=int(data["micro_batch"]), dtype=data["dtype"],
+                       tp=int(data["tp"]), threads=int(data["threads"]), repeats=int(data["repeats"]),
+                       statistic=data.get("statistic", "median"), loss_layer=data.get("loss_layer", ""),
+                       times={n: (v["forward_s"], v["backward_s"]) for n, v in layers.items()},
+                       spread={n: (v["forward_iqr_s"], v["backward_iqr_s"]) for n, v in layers.items()},
+                       optimizer={n: v["optimizer_s"] for n, v in layers.items()},
+                       params={n: int(v["params"]) for n, v in layers.items()})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LayerProfileError(f"layer profile: missing or bad field ({exc})") from None
 
 
 def _load_spec(model_spec: Any) -> Any:
@@ -134,6 +151,13 @@ def _fresh(value: Any) -> Any:
     return value
 
 
+def _trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
+    """Mean without the lowest and highest `cut` fraction (scipy.stats.trim_mean)."""
+    from scipy.stats import trim_mean
+
+    return float(trim_mean(xs, cut))
+
+
 def _iqr(xs: list[float]) -> float:
     if len(xs) < 4:
         return max(xs) - min(xs) if xs else 0.0
@@ -144,12 +168,15 @@ def _iqr(xs: list[float]) -> float:
 def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp: int = 1,
                    shard: Callable[[str, nn.Module], Any] | None = None, threads: int | None = 1,
                    repeats: int = 9, warmup: int = 2, device: str = "cpu", seed: int = 0,
-                   optimizer: bool = True, lr: float = 1e-3) -> LayerProfile:
+                   optimizer: bool = True, lr: float = 1e-3, statistic: str = "median") -> LayerProfile:
     """Time every layer of `model_spec` alone for one micro-batch (see module docstring).
 
     `shard(layer_name, module)` transforms a layer in place before it is timed (tensor
     parallelism: it is called for every layer and decides itself which to slice); `tp` is
-    only recorded. `threads=None` keeps torch's current intra-op thread count."""
+    only recorded. `threads=None` keeps torch's current intra-op thread count.
+    `statistic`: "median" of the repetitions (robust to interruptions), or "mean" (the
+    10 %-trimmed mean: the long-run rate, for a device whose speed comes in bursts, e.g. a
+    CPU share enforced by CFS bandwidth control)."""
     if micro_batch < 1:
         raise LayerProfileError(f"micro_batch: must be >= 1, got {micro_batch}")
     if dtype not in _DTYPES:
@@ -160,6 +187,9 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
         raise LayerProfileError(f"threads: must be >= 1, got {threads}")
     if tp < 1:
         raise LayerProfileError(f"tp: must be >= 1, got {tp}")
+    if statistic not in ("median", "mean"):
+        raise LayerProfileError(f"statistic: must be 'median' or 'mean', got {statistic!r}")
+    center = statistics.median if statistic == "median" else _trimmed_mean
     from plait.graph.capture import layer_assignment
 
     spec = _load_spec(model_spec)
@@ -257,11 +287,12 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
                     if r >= warmup:
                         samples[name].append(fb)
             prof = LayerProfile(model=getattr(spec, "spec", "") or spec.name, micro_batch=micro_batch, dtype=dtype,
-                                tp=tp, threads=torch.get_num_threads(), repeats=repeats, loss_layer=loss_layer)
+                                tp=tp, threads=torch.get_num_threads(), repeats=repeats, statistic=statistic,
+                                loss_layer=loss_layer)
             for name in order:
                 fs = [f for f, _ in samples[name]]
                 bs = [b for _, b in samples[name]]
-                prof.times[name] = (statistics.median(fs), statistics.median(bs))
+                prof.times[name] = (center(fs), center(bs))
                 prof.spread[name] = (_iqr(fs), _iqr(bs))
             # 3. the optimizer step over each layer's own parameters (gradients from the runs above).
             seen: set[int] = set()
@@ -284,7 +315,7 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
                     sync()
                     if r >= warmup:
                         ts.append(time.perf_counter() - t0)
-                prof.optimizer[name] = statistics.median(ts)
+                prof.optimizer[name] = center(ts)
             return prof
     finally:
         torch.set_num_threads(old_threads)

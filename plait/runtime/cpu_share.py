@@ -9,13 +9,17 @@ parallelism but not pipelines) and other processes. A cgroup per rank fixes it:
   rank never runs faster than `cpus` cores, whatever is idle -- every emulated "GPU" of
   the same kind then has the same compute rate in every plan;
 * `shares` sets ``cpu.shares`` (weight against other groups and processes, default 1024):
-  a high weight keeps unrelated work on the machine from taking the rank's cores.
+  a high weight keeps unrelated work on the machine from taking the rank's cores;
+* `cpuset` (the `cpuset` controller, e.g. "0") confines the ranks to those CPUs. With a
+  quota that sums to at most the set's CPUs, ranks on one CPU take turns instead of
+  running side by side on CPUs that share a physical core (or a VM's host core): a rank's
+  speed is then the same whether its peers compute or idle.
 
-`RankCgroups` creates ``/sys/fs/cgroup/cpu/plait-<pid>-<n>/rank<r>`` (root only), hands
-the base directory to the workers in `PLAIT_CPU_CGROUP` (see `env()`), each worker joins
-its rank's group first thing (`join_from_env`, called by `plait.runtime.worker.main`),
-and everything is removed on exit. Without root or without the controller it does
-nothing and says why (`available()`).
+`RankCgroups` creates ``plait-<pid>-<n>/rank<r>`` under ``/sys/fs/cgroup/cpu`` (and
+``/sys/fs/cgroup/cpuset``) (root only), hands the group name to the workers in
+`PLAIT_CPU_CGROUP` (see `env()`), each worker joins its rank's groups first thing
+(`join_from_env`, called by `plait.runtime.worker.main`), and everything is removed on
+exit. Without root or without the controller it does nothing and says why (`available()`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ log = logging.getLogger("plait.runtime.cpu_share")
 
 ENV = "PLAIT_CPU_CGROUP"
 ROOT = Path("/sys/fs/cgroup/cpu")
+CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
 _counter = itertools.count()
 
 
@@ -82,11 +87,13 @@ class RankCgroups:
     """One cpu cgroup per rank under a base group of this process (a context manager).
 
     `cpus`: CFS quota per rank in cores (None: no cap); `shares`: cpu.shares per rank
-    (None: the default 1024); `period_us`: the CFS period (short periods throttle in
-    small slices, so a capped rank's spans stretch smoothly rather than in 100 ms steps)."""
+    (None: the default 1024); `cpuset`: CPUs the ranks may run on ("0", "0-1"; None: any);
+    `period_us`: the CFS period (short periods throttle in small slices, so a capped rank's
+    spans stretch smoothly rather than in 100 ms steps)."""
 
     def __init__(self, world: int, cpus: float | None = None, shares: int | None = None, *,
-                 period_us: int = 10_000, root: Path = ROOT, prefix: str = "plait") -> None:
+                 cpuset: str | None = None, period_us: int = 10_000, root: Path = ROOT,
+                 cpuset_root: Path = CPUSET_ROOT, prefix: str = "plait") -> None:
         if world < 1:
             raise CpuShareError(f"world: must be >= 1, got {world}")
         if cpus is not None and not cpus > 0:
@@ -95,14 +102,22 @@ class RankCgroups:
             raise CpuShareError(f"cpu.shares: must be in 2..262144, got {shares}")
         if not 1000 <= period_us <= 1_000_000:
             raise CpuShareError(f"cfs period: must be 1000..1000000 us, got {period_us}")
-        self.world, self.cpus, self.shares, self.period_us = world, cpus, shares, period_us
-        self.root = root
-        self.base = root / f"{prefix}-{os.getpid()}-{next(_counter)}"
+        if cpuset is not None and not all(part.strip().replace("-", "").isdigit() for part in cpuset.split(",")):
+            raise CpuShareError(f"cpuset: expected CPU numbers like '0' or '0-1,3', got {cpuset!r}")
+        self.world, self.cpus, self.shares, self.cpuset, self.period_us = world, cpus, shares, cpuset, period_us
+        self.root, self.cpuset_root = root, cpuset_root
+        self.name = f"{prefix}-{os.getpid()}-{next(_counter)}"
+        self.base = root / self.name
         self.active = False
         self.reason = ""
 
+    def _roots(self) -> list[Path]:
+        return [self.root] + ([self.cpuset_root] if self.cpuset is not None else [])
+
     def __enter__(self) -> RankCgroups:
         ok, why = available(self.root)
+        if ok and self.cpuset is not None and not (self.cpuset_root / "cpuset.cpus").exists():
+            ok, why = False, f"no cgroup v1 cpuset controller at {self.cpuset_root}"
         if not ok:
             self.reason = why
             log.info("CPU shares not applied: %s", why)
@@ -111,6 +126,12 @@ class RankCgroups:
             self.base.mkdir()
             if self.shares is not None:
                 _write(self.base / "cpu.shares", self.shares * self.world)
+            if self.cpuset is not None:
+                cs = self.cpuset_root / self.name
+                cs.mkdir()
+                mems = (self.cpuset_root / "cpuset.mems").read_text().strip()
+                _write(cs / "cpuset.cpus", self.cpuset)
+                _write(cs / "cpuset.mems", mems)
             for r in range(self.world):
                 g = self.base / f"rank{r}"
                 g.mkdir()
@@ -119,8 +140,14 @@ class RankCgroups:
                 if self.cpus is not None:
                     _write(g / "cpu.cfs_period_us", self.period_us)
                     _write(g / "cpu.cfs_quota_us", max(1000, round(self.cpus * self.period_us)))
+                if self.cpuset is not None:
+                    c = self.cpuset_root / self.name / f"rank{r}"
+                    c.mkdir()
+                    _write(c / "cpuset.cpus", self.cpuset)
+                    _write(c / "cpuset.mems", mems)
         except (OSError, CpuShareError) as exc:
-            _remove(self.base, self.root)
+            for root in self._roots():
+                _remove(root / self.name, root)
             self.reason = f"cannot create cgroups under {self.root}: {exc}"
             log.warning("CPU shares not applied: %s", self.reason)
             return self
@@ -129,12 +156,18 @@ class RankCgroups:
 
     def __exit__(self, *exc: Any) -> None:
         if self.active:
-            _remove(self.base, self.root)
+            for root in self._roots():
+                _remove(root / self.name, root)
             self.active = False
+
+    def join(self, rank: int, pid: int = 0) -> None:
+        """Move process `pid` (0: the caller) into rank `rank`'s groups."""
+        for root in self._roots():
+            join(root / self.name / f"rank{rank}", pid)
 
     def env(self) -> dict[str, str]:
         """Environment for the workers (empty when the groups could not be made)."""
-        return {ENV: str(self.base)} if self.active else {}
+        return {ENV: self.name} if self.active else {}
 
     def describe(self) -> str:
         if not self.active:
@@ -142,6 +175,8 @@ class RankCgroups:
         parts = [f"{self.cpus:g} CPU quota" if self.cpus is not None else "no CPU cap"]
         if self.shares is not None:
             parts.append(f"cpu.shares {self.shares}")
+        if self.cpuset is not None:
+            parts.append(f"CPUs {self.cpuset}")
         return f"one cgroup per rank ({', '.join(parts)}, period {self.period_us} us)"
 
 
@@ -151,41 +186,49 @@ def join(group: Path, pid: int = 0) -> None:
 
 
 def join_from_env(rank: int) -> bool:
-    """Called by a worker at start: join `$PLAIT_CPU_CGROUP/rank<rank>` when that is set.
-    Returns whether it joined; a group that is gone (the launcher ended) is ignored."""
-    base = os.environ.get(ENV)
-    if not base:
+    """Called by a worker at start: join ``<controller>/$PLAIT_CPU_CGROUP/rank<rank>`` for the cpu
+    (and cpuset) controllers when that is set. Returns whether it joined; groups that are gone
+    (the launcher ended) are ignored."""
+    name = os.environ.get(ENV)
+    if not name:
         return False
-    group = Path(base) / f"rank{rank}"
-    if not group.is_dir():
-        return False
-    try:
-        join(group)
-    except CpuShareError as exc:
-        log.warning("rank %d: %s", rank, exc)
-        return False
-    return True
+    joined = False
+    for root in (ROOT, CPUSET_ROOT):
+        group = root / name / f"rank{rank}"
+        if not group.is_dir():
+            continue
+        try:
+            join(group)
+            joined = True
+        except CpuShareError as exc:
+            log.warning("rank %d: %s", rank, exc)
+    return joined
 
 
 class ProcessCgroup:
-    """This process (and the children it starts afterwards) in a cpu cgroup of its own, for
-    the duration of a `with` block; the process returns to the root group on exit.
+    """This process (and the children it starts afterwards) in cpu (and cpuset) cgroups of its
+    own for the duration of a `with` block; the process returns to the root groups on exit.
 
-    Used to run measurements (a layer profile, a cluster profile) under the same CPU
-    share as the ranks they describe."""
+    Used to run measurements (a layer profile, a cluster profile) under the same CPU share
+    as the ranks they describe."""
 
-    def __init__(self, cpus: float | None = None, shares: int | None = None, *, period_us: int = 10_000,
-                 root: Path = ROOT, prefix: str = "plait") -> None:
-        self._groups = RankCgroups(1, cpus, shares, period_us=period_us, root=root, prefix=prefix)
+    def __init__(self, cpus: float | None = None, shares: int | None = None, *, cpuset: str | None = None,
+                 period_us: int = 10_000, root: Path = ROOT, cpuset_root: Path = CPUSET_ROOT,
+                 prefix: str = "plait") -> None:
+        self._groups = RankCgroups(1, cpus, shares, cpuset=cpuset, period_us=period_us, root=root,
+                                   cpuset_root=cpuset_root, prefix=prefix)
         self.active = False
         self.reason = ""
+
+    def describe(self) -> str:
+        return self._groups.describe()
 
     def __enter__(self) -> ProcessCgroup:
         self._groups.__enter__()
         self.reason = self._groups.reason
         if self._groups.active:
             try:
-                join(self._groups.base / "rank0")
+                self._groups.join(0)
                 self.active = True
             except CpuShareError as exc:
                 self.reason = str(exc)
@@ -194,9 +237,10 @@ class ProcessCgroup:
 
     def __exit__(self, *exc: Any) -> None:
         if self.active:
-            try:
-                join(self._groups.root)
-            except CpuShareError:
-                pass
+            for root in self._groups._roots():
+                try:
+                    join(root)
+                except CpuShareError:
+                    pass
             self.active = False
         self._groups.__exit__(*exc)
