@@ -122,42 +122,60 @@ class PathModel:
         o = np.asarray(orders)[..., : self.world]
         return o.reshape(o.shape[:-1] + (self.pp, self.dp, self.tp))
 
-    def _ring(self, groups: np.ndarray, msg: float) -> np.ndarray:
-        """Ring all-reduce of `msg` bytes over the last axis of (..., a, b, k) groups; the
-        slowest of the a*b groups sets the pace."""
+    def _ring(self, groups: np.ndarray, msg: float) -> tuple[np.ndarray, np.ndarray]:
+        """Ring all-reduce of `msg` bytes over the last axis of (..., a, b, k) groups: the
+        slowest of the a*b groups (it sets the pace) and their mean."""
         k = groups.shape[-1]
         batch = groups.shape[:-3]
         if k == 1 or msg == 0:
-            return np.zeros(batch)
+            return np.zeros(batch), np.zeros(batch)
         nxt = np.roll(groups, -1, axis=-1)
-        inv = self.inv_bw[groups, nxt].max(axis=-1)
-        lat = self.lat[groups, nxt].max(axis=-1)
-        per_group = 2.0 * (k - 1) / k * msg * inv + 2.0 * (k - 1) * lat
-        return per_group.max(axis=(-1, -2))
+        inv_links = self.inv_bw[groups, nxt]
+        lat_links = self.lat[groups, nxt]
+        f = 2.0 * (k - 1) / k * msg
+        per_group = f * inv_links.max(axis=-1) + 2.0 * (k - 1) * lat_links.max(axis=-1)
+        # smooth companion: every link of every ring counts, not only the slowest
+        smooth = f * inv_links.mean(axis=-1) + 2.0 * (k - 1) * lat_links.mean(axis=-1)
+        return per_group.max(axis=(-1, -2)), smooth.mean(axis=(-1, -2))
 
-    def _terms(self, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _terms(self, orders: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """(slowest group, smooth mean over groups and links) for the tensor, pipeline and
+        data-parallel terms."""
         g = self._grid(orders)  # (..., pp, dp, tp)
         batch = g.shape[:-3]
+        zero = (np.zeros(batch), np.zeros(batch))
         # tensor parallel: ring over the tensor ranks of each (stage, replica)
-        tp = self.traffic.tp_count * self._ring(g, self.traffic.tp_bytes) if self.tp > 1 else np.zeros(batch)
-        if self.pp == 1 or self.traffic.pp_bytes == 0:
-            pp = np.zeros(batch)
-        else:
+        tp = zero
+        if self.tp > 1 and self.traffic.tp_count:
+            worst, mean = self._ring(g, self.traffic.tp_bytes)
+            tp = (self.traffic.tp_count * worst, self.traffic.tp_count * mean)
+        pp = zero
+        if self.pp > 1 and self.traffic.pp_bytes:
             a, b = g[..., :-1, :, :], g[..., 1:, :, :]
             # forward activation + backward gradient per hop; the slowest tensor rank of a hop counts
-            hop = (2.0 * self.traffic.pp_bytes * self.inv_bw[a, b] + 2.0 * self.lat[a, b]).max(axis=-1)
-            pp = self.traffic.pp_count * hop.sum(axis=-2).max(axis=-1)
+            links = 2.0 * self.traffic.pp_bytes * self.inv_bw[a, b] + 2.0 * self.lat[a, b]
+            path = self.traffic.pp_count * links.max(axis=-1).sum(axis=-2)  # per pipeline (replica)
+            smooth = self.traffic.pp_count * links.mean(axis=-1).sum(axis=-2)
+            pp = (path.max(axis=-1), smooth.mean(axis=-1))
         # data parallel: ring over the replicas of each (stage, tensor rank)
-        dp = self._ring(np.swapaxes(g, -1, -2), self.traffic.dp_bytes) if self.dp > 1 else np.zeros(batch)
+        dp = self._ring(np.swapaxes(g, -1, -2), self.traffic.dp_bytes) if self.dp > 1 else zero
         return tp, pp, dp
 
     def cost(self, orders: np.ndarray) -> np.ndarray:
+        """Pipette's latency: per traffic class, its slowest group (seconds per iteration)."""
         tp, pp, dp = self._terms(orders)
-        return tp + pp + dp
+        return tp[0] + pp[0] + dp[0]
+
+    def cost_and_mean(self, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The cost and the same sum averaged over all groups and all their links instead of
+        the slowest: it moves when a change speeds up some link but not yet the slowest one,
+        which the annealing needs on the plateaus of the max."""
+        tp, pp, dp = self._terms(orders)
+        return tp[0] + pp[0] + dp[0], tp[1] + pp[1] + dp[1]
 
     def breakdown(self, order: np.ndarray | list[int]) -> dict[str, float]:
         tp, pp, dp = self._terms(np.asarray(order))
-        parts = {"tp": float(tp), "pp": float(pp), "dp": float(dp)}
+        parts = {"tp": float(tp[0]), "pp": float(pp[0]), "dp": float(dp[0])}
         parts["total"] = parts["tp"] + parts["pp"] + parts["dp"]
         return parts
 
@@ -245,17 +263,29 @@ class _Space:
         rest = m - (j - i + 1)
         return i, j, int(rng.integers(rest + 1))
 
-    def shuffle(self, order: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """A random kind-preserving permutation of `order` (a restart point)."""
+    @property
+    def levels(self) -> list[str]:
+        """Move levels available: whole twin nodes first (coarse), then single GPUs."""
+        return (["nodes"] if self.node_groups else []) + (["gpus"] if self.classes else [])
+
+    def shuffle(self, order: np.ndarray, rng: np.random.Generator, level: str = "gpus") -> np.ndarray:
+        """A random kind-preserving permutation of `order` at `level` (a restart point)."""
+        if level == "nodes":
+            relabel = np.arange(len(order))
+            for _, devs in self.node_groups:
+                relabel[devs] = devs[rng.permutation(len(devs))]
+            return relabel[order]
         out = order.copy()
         for pos in self.classes:
             out[pos] = rng.permutation(order[pos])
         return out
 
-    def propose(self, order: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        use_nodes = self.node_groups and (not self.classes or rng.random() < 0.5)
+    def propose(self, order: np.ndarray, rng: np.random.Generator, level: str | None = None) -> np.ndarray:
+        """One Pipette move (swap, insert, 2-opt or reversed insert) at `level` (None: either)."""
+        if level is None:
+            level = "nodes" if self.node_groups and (not self.classes or rng.random() < 0.5) else "gpus"
         move = MOVES[int(rng.integers(len(MOVES)))]
-        if use_nodes:
+        if level == "nodes":
             _, devs = self.node_groups[int(rng.integers(len(self.node_groups)))]
             m = len(devs)
             i, j, k = self._pick(m, rng)
@@ -270,21 +300,31 @@ class _Space:
         return out
 
 
+# Weight of the mean term in the annealing energy: the cost is a sum of maxima, flat while
+# any slowest link stays slow; the mean over links rewards fixing them one at a time.
+MEAN_WEIGHT = 0.25
+
+
 def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[int] | None = None,
            seed: int = 0, iterations: int | None = None, restarts: int = 3) -> PlacementResult:
     """Simulated annealing over kind-preserving GPU/node permutations (Pipette §IV).
 
-    `kinds[d]` and `nodes[d]` describe device d. Metropolis acceptance with a geometric
-    temperature schedule from T0 (mean uphill step of random moves / ln 2, so early on
-    half of the uphill moves pass) down to T0/1000. The first run starts from `start`,
-    later runs from random kind-preserving shuffles; the best order seen is polished by
-    steepest descent over all pair swaps (small clusters) and returned."""
+    `kinds[d]` and `nodes[d]` describe device d. Each run anneals first with node moves
+    (whole nodes of identical GPU kinds trade places: which node pairs carry the pipeline
+    and data-parallel traffic) and then with GPU moves (which GPUs form tensor groups and
+    where each rank sits), each for `iterations` / 2 steps. The walk minimises the energy
+    ``cost + MEAN_WEIGHT * mean cost over groups and links`` with Metropolis acceptance and
+    a geometric temperature schedule from T0 (mean uphill step of that level's random
+    moves / ln 2: early on half of the uphill moves pass) down to T0/1000; the best order
+    is kept by (cost, mean). The first run starts from `start`, later runs from random
+    node shuffles; the best order is polished by steepest descent over all pair swaps
+    (small clusters) and returned. Deterministic for a given seed."""
     n = model.n
     order0 = np.arange(n) if start is None else np.asarray(start, dtype=int)
     if sorted(order0.tolist()) != list(range(n)):
         raise PlacementError(f"start order must be a permutation of the {n} device ids")
     space = _Space(order0, kinds, nodes)
-    c0 = float(model.cost(order0))
+    c0, m0 = (float(x) for x in model.cost_and_mean(order0))
     result = PlacementResult(order=order0.tolist(), cost=c0, default_cost=c0,
                              breakdown=model.breakdown(order0), default_breakdown=model.breakdown(order0))
     if space.trivial or c0 == 0.0:
@@ -292,58 +332,66 @@ def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[
     # each step costs O(n): small spaces need few steps, big clusters get fewer so that a
     # placement stays around a second
     iters = iterations if iterations is not None else int(max(400, min(4e5 / n, 250 * n, 8000)))
+    levels = space.levels
+    per_level = max(1, iters // len(levels))
     rng = np.random.default_rng(seed)
-    # temperature from the typical uphill step of random moves
-    probes = [float(model.cost(space.propose(order0, rng))) - c0 for _ in range(32)]
-    ups = [x for x in probes if x > 0]
-    t0 = (sum(ups) / len(ups) if ups else c0 * 0.05) / math.log(2)
-    alpha = 1e-3 ** (1.0 / max(1, iters - 1))
-    best, best_cost = order0, c0
+
+    def energy(order: np.ndarray) -> tuple[float, float, float]:
+        c, m = model.cost_and_mean(order)
+        return float(c) + MEAN_WEIGHT * float(m), float(c), float(m)
+
+    best, best_key = order0, (c0, m0)
     accepted = 0
     for r in range(max(1, restarts)):
-        cur = order0 if r == 0 else space.shuffle(order0, rng)
-        cur_cost = float(model.cost(cur))
-        if cur_cost < best_cost:
-            best, best_cost = cur, cur_cost
-        temp = t0
-        for _ in range(iters):
-            cand = space.propose(cur, rng)
-            c = float(model.cost(cand))
-            if c <= cur_cost or rng.random() < math.exp(-(c - cur_cost) / temp):
-                cur, cur_cost = cand, c
-                accepted += 1
-                if c < best_cost:
-                    best, best_cost = cand, c
-            temp *= alpha
-    best, best_cost = _polish(model, space, best, best_cost)
+        cur = order0 if r == 0 else space.shuffle(order0, rng, levels[0])
+        cur_e, c, m = energy(cur)
+        if (c, m) < best_key:
+            best, best_key = cur, (c, m)
+        for level in levels:
+            # temperature from the typical uphill step of this level's random moves
+            probes = [energy(space.propose(cur, rng, level))[0] - cur_e for _ in range(32)]
+            ups = [x for x in probes if x > 0]
+            temp = (sum(ups) / len(ups) if ups else max(cur_e, 1e-12) * 0.05) / math.log(2)
+            alpha = 1e-3 ** (1.0 / max(1, per_level - 1))
+            for _ in range(per_level):
+                cand = space.propose(cur, rng, level)
+                e, c, m = energy(cand)
+                if e <= cur_e or rng.random() < math.exp(-(e - cur_e) / temp):
+                    cur, cur_e = cand, e
+                    accepted += 1
+                    if (c, m) < best_key:
+                        best, best_key = cand, (c, m)
+                temp *= alpha
+    best, best_key = _polish(model, space, best, best_key)
     result.order = best.tolist()
-    result.cost = best_cost
+    result.cost = best_key[0]
     result.breakdown = model.breakdown(best)
-    result.iterations = iters * max(1, restarts)
+    result.iterations = per_level * len(levels) * max(1, restarts)
     result.accepted = accepted
     return result
 
 
-def _polish(model: PathModel, space: _Space, order: np.ndarray, cost: float,
-            max_devices: int = 128) -> tuple[np.ndarray, float]:
-    """Steepest descent over every same-kind pair swap, all swaps evaluated in one batch."""
+def _polish(model: PathModel, space: _Space, order: np.ndarray, key: tuple[float, float],
+            max_devices: int = 128) -> tuple[np.ndarray, tuple[float, float]]:
+    """Steepest descent by (cost, mean) over every same-kind pair swap, evaluated in one batch."""
     if model.n > max_devices:
-        return order, cost
+        return order, key
     pairs = np.asarray([(int(a), int(b)) for pos in space.classes
                         for a, b in itertools.combinations(pos.tolist(), 2)], dtype=int)
     if len(pairs) == 0:
-        return order, cost
+        return order, key
     rows = np.arange(len(pairs))
     for _ in range(4 * model.n):
         cands = np.repeat(order[None, :], len(pairs), axis=0)
         cands[rows, pairs[:, 0]] = order[pairs[:, 1]]
         cands[rows, pairs[:, 1]] = order[pairs[:, 0]]
-        costs = model.cost(cands)
-        i = int(np.argmin(costs))
-        if costs[i] >= cost * (1 - 1e-12):
+        costs, means = model.cost_and_mean(cands)
+        i = int(np.lexsort((means, costs))[0])
+        new = (float(costs[i]), float(means[i]))
+        if not (new[0] < key[0] * (1 - 1e-12) or (new[0] <= key[0] and new[1] < key[1] * (1 - 1e-12))):
             break
-        order, cost = cands[i], float(costs[i])
-    return order, cost
+        order, key = cands[i], new
+    return order, key
 
 
 def brute_force(model: PathModel) -> tuple[list[int], float]:
