@@ -201,10 +201,26 @@ def part_c(console: Console) -> dict[str, Any]:
 SMALL = "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512"
 
 
+def cpu_compute_model(result: Any) -> Any:
+    """The simulator's compute model with the physics of CPU ranks (as bench/sim_vs_real.py
+    first did): no SM waves (tile 1), the profiled FLOP/s of a kind is its achieved matmul
+    rate (efficiency 1), streaming at the profiled copy bandwidth, and each op's eager
+    dispatch paid serially with its work (per-kernel device time from the profile's
+    tiny-op measurement, backward weighted 2:1), no host time running ahead."""
+    from plait.cost.compute import ComputeModel
+
+    fastest = [r for r, s in enumerate(result.slowdowns) if s == min(result.slowdowns)]
+    fwd = statistics.median(result.op_overhead[r][0] for r in fastest)
+    bwd = statistics.median(result.op_overhead[r][1] for r in fastest)
+    return ComputeModel(gemm_efficiency=1.0, unaligned_penalty=1.0, memory_efficiency=1.0,
+                        kernel_gpu_s=(fwd + 2 * bwd) / 3, host_fwd_s=0.0, host_bwd_s=0.0, host_comm_s=0.0,
+                        p2p_host_s=0.0, loss_host_s=0.0, batch_host_s=0.0, step_host_s=0.0,
+                        optimizer_bytes_per_param=28.0, grad_accum_bytes_per_param=12.0,
+                        embedding_grad_bytes_per_param=4.0, tile=1)
+
+
 def part_c_measured(console: Console, steps: int = 6, global_batch: int = 16) -> dict[str, Any]:
     import tempfile
-
-    from sim_vs_real import cpu_compute_model
 
     from plait.cluster import load_cluster
     from plait.commands.profile_cmd import profile
