@@ -166,7 +166,7 @@ def print_result(result: Any, console: Any) -> None:
     table = Table(title=f"top {len(result.top)} plans (predicted by the {result.ranker})")
     for name in ("#", "dp", "tp", "pp", "mb"):
         table.add_column(name, justify="right")
-    for name in ("recompute", "zero", "schedule", "sp", "kinds", "uneven split"):
+    for name in ("recompute", "zero", "schedule", "sp", "layout", "uneven split"):
         table.add_column(name)
     table.add_column("iteration", justify="right")
     table.add_column("TFLOP/s/GPU", justify="right")
