@@ -1,7 +1,8 @@
 """Planners: the Plan IR and the Pipette-style 3D configurator.
 
 `plait.plan.ir.Plan` is the plan every planner returns. The 3D search lives in
-`plait.plan.search` (`plan(model, cluster, global_batch=...) -> PlanResult`), rank
+`plait.plan.search` (`plan(model, cluster, global_batch=...) -> PlanResult`, the 3D
+configurator itself in `plait.plan.threed`), rank
 placement in `plait.plan.placement`, uneven splits for mixed GPU kinds in
 `plait.plan.hetero`, and framework export in `plait.plan.export`. Those are imported
 lazily so `import plait` stays light.

@@ -1,0 +1,730 @@
+"""The Pipette-style 3D configurator (SYSTEMS.md §2), the planner behind `plait plan`.
+
+Given a model, a cluster and a global batch, find the fastest data x tensor x
+pipeline configuration that fits in every GPU's memory and place its ranks on the
+GPUs:
+
+1. **Enumerate** dp x tp x pp = GPUs (tensor parallel inside a node and dividing the
+   attention heads, at most one pipeline stage per layer), micro-batch size (dividing
+   the per-replica batch), recompute (none / selective / full), ZeRO stage (0-3;
+   ZeRO-2/3 only without pipeline parallelism, as DeepSpeed requires), schedule
+   (1F1B, GPipe, interleaved 1F1B with 2 chunks), sequence parallelism with tp > 1,
+   and on a mixed cluster the kind layout (`plait.plan.hetero.layouts`), whose
+   stages or replicas then get uneven layers or batch shares (`hetero.balance`).
+2. **Prune** every candidate the memory estimator (`plait.cost.memory`) says does not
+   fit on some GPU; the reasons are counted per GPU kind. Peak memory grows with the
+   micro-batch, so once a micro-batch size overflows, the larger ones of the same
+   configuration are pruned for the same reason without asking again.
+3. **Rank** the survivors with a cheap analytic model (Pipette's 1F1B formula
+   ``(M-1)*max_p t_p + sum_p t_p`` over per-layer compute times, plus the path-model
+   communication of `plait.plan.placement`), keep the best `finalists`, place each
+   finalist's ranks with simulated annealing, and rank those by the simulator
+   (`plait.sim.api.simulate`) -- the number plait reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plait.errors import PlaitError
+from plait.plan import hetero
+from plait.plan.ir import RECOMPUTE_CHOICES, Plan
+from plait.plan.placement import PathModel, PlacementResult, anneal, traffic_of
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
+    from plait.graph.opgraph import OpGraph
+
+DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=1024"
+DEFAULT_CLUSTER = "emulated-mixed"
+DEFAULT_GLOBAL_BATCH = 16
+GiB = 2**30
+
+
+class SearchError(PlaitError, ValueError):
+    """A search request that cannot be answered (bad argument, or nothing fits)."""
+
+
+# ============================================================================ search space
+
+
+@dataclass
+class SearchSpace:
+    """What to enumerate; None means every valid value."""
+
+    tp: list[int] | None = None
+    pp: list[int] | None = None
+    micro_batch: list[int] | None = None
+    recompute: tuple[str, ...] = RECOMPUTE_CHOICES
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    layouts: bool = True  # on mixed clusters: try kinds along pp and along dp
+    hetero: bool = True  # on mixed clusters: uneven layers/batch shares (False: treat GPUs as equal)
+    dtype: str | None = None  # None: bf16, or fp16 when some GPU kind has no bf16 unit (V100, T4)
+    allow: Callable[[Plan], bool] | None = None  # extra filter on candidates (e.g. a fixed list)
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    layout: str = "default"
+    analytic_s: float = math.inf  # cheap model, seconds per iteration
+    iteration_time_s: float | None = None  # simulator
+    tflops_per_gpu: float | None = None
+    throughput: float | None = None  # samples/s
+    peak_bytes: list[int] = field(default_factory=list)  # per device id
+    headroom_by_kind: dict[str, int] = field(default_factory=dict)  # min bytes free per GPU kind
+    placement: PlacementResult | None = None
+    default_order_time_s: float | None = None  # simulated with the layout's start order
+    sim: dict[str, Any] | None = None
+
+    @property
+    def time_s(self) -> float:
+        return self.iteration_time_s if self.iteration_time_s is not None else self.analytic_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_dict(),
+            "plan_str": str(self.plan),
+            "layout": self.layout,
+            "iteration_time_s": self.iteration_time_s,
+            "analytic_time_s": self.analytic_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "throughput_samples_per_s": self.throughput,
+            "memory_peak_bytes": self.peak_bytes,
+            "memory_headroom_bytes_by_kind": self.headroom_by_kind,
+            "placement": self.placement.to_dict() if self.placement else None,
+            "default_order_time_s": self.default_order_time_s,
+        }
+
+
+@dataclass
+class PlanResult:
+    model: str
+    cluster: str
+    global_batch: int
+    world_size: int
+    top: list[Candidate]
+    enumerated: int = 0
+    pruned: int = 0
+    pruned_reasons: dict[str, int] = field(default_factory=dict)
+    pruned_examples: dict[str, str] = field(default_factory=dict)
+    memory_checked: int = 0
+    ranked_analytic: int = 0
+    simulated: int = 0
+    search_time_s: float = 0.0
+    ranker: str = "simulator"
+
+    @property
+    def best(self) -> Candidate:
+        return self.top[0]
+
+    @property
+    def plan(self) -> Plan:
+        return self.top[0].plan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "cluster": self.cluster, "global_batch": self.global_batch,
+            "world_size": self.world_size, "ranker": self.ranker,
+            "candidates": {"enumerated": self.enumerated, "pruned_memory": self.pruned,
+                           "memory_checked": self.memory_checked, "ranked_analytic": self.ranked_analytic,
+                           "simulated": self.simulated},
+            "pruned_reasons": self.pruned_reasons, "pruned_examples": self.pruned_examples,
+            "search_time_s": self.search_time_s,
+            "top": [c.to_dict() for c in self.top],
+        }
+
+
+# ============================================================================ model / cluster
+
+
+_GRAPHS: dict[tuple[str, str], tuple[Any, OpGraph]] = {}
+
+
+def load_graph(model: Any, dtype: str = "bf16") -> tuple[Any, OpGraph]:
+    """(ModelSpec or None, OpGraph) of a zoo spec string, a ModelSpec, or an OpGraph.
+
+    The graph is the one `plait.sim.api.simulate` would use (a capture on the meta
+    device; the closed-form GPT graph for deep zoo GPTs), cached per spec and dtype."""
+    from plait.graph.opgraph import OpGraph
+
+    if isinstance(model, OpGraph):
+        return None, model
+    from plait.graph.zoo import load_model
+    from plait.sim.api import resolve_model
+
+    spec = load_model(model) if isinstance(model, str) else model
+    key = (getattr(spec, "spec", "") or getattr(spec, "name", ""), dtype)
+    if key[0] and key in _GRAPHS:
+        return _GRAPHS[key]
+    graph = resolve_model(getattr(spec, "spec", None) or spec, Plan(dtype=dtype))
+    if key[0]:
+        _GRAPHS[key] = (spec, graph)
+    return spec, graph
+
+
+def auto_dtype(cluster: Cluster) -> str:
+    """bf16 where every GPU kind has bf16 units, else fp16 (V100/T4 train mixed precision in fp16)."""
+    kinds = {d.kind.name: d.kind for d in cluster.devices}.values()
+    return "bf16" if all(k.peak_flops.get("bf16") for k in kinds) else "fp16"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ============================================================================ enumeration
+
+
+@dataclass
+class _Group:
+    """Candidates that differ only in micro-batch size (ascending): memory grows along it."""
+
+    key: tuple
+    plans: list[Plan]
+    layout: str
+    order: list[int]
+
+
+def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
+                     space: SearchSpace | None = None) -> Iterator[_Group]:
+    """Every valid configuration, grouped by everything but the micro-batch size."""
+    space = space or SearchSpace()
+    dtype = space.dtype or auto_dtype(cluster)
+    devices = cluster.devices
+    world = len(devices)
+    per_node = min(len(n.gpus) for n in cluster.nodes)
+    heads = int(graph.config.get("heads") or graph.config.get("num_heads") or 0)
+    kv_heads = int(graph.config.get("kv_heads") or heads or 0)
+    n_layers = len(graph.layers)
+    has_tp = any(layer.tp_style == "transformer" for layer in graph.layers)
+    layout_cache: dict[tuple[int, int, int], dict[str, list[int]]] = {}
+    tps = [t for t in _divisors(per_node) if world % t == 0
+           and (t == 1 or (has_tp and heads and heads % t == 0 and kv_heads % t == 0))]
+    if space.tp is not None:
+        tps = [t for t in tps if t in space.tp]
+    for tp in tps:
+        for pp in _divisors(world // tp):
+            if pp > n_layers or (space.pp is not None and pp not in space.pp):
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            mbs = _divisors(global_batch // dp)
+            if space.micro_batch is not None:
+                mbs = [m for m in mbs if m in space.micro_batch]
+            if not mbs:
+                continue
+            schedules = ["1f1b"] if pp == 1 else [s for s in space.schedules]
+            # ZeRO-2/3 shard gradients/parameters that gradient accumulation across pipeline
+            # micro-batches keeps whole (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism).
+            zeros = [z for z in space.zero if (dp > 1 or z == 0) and (pp == 1 or z <= 1)]
+            sps = [s for s in space.sequence_parallel if tp > 1 or not s]
+            for schedule in schedules:
+                v = 2 if schedule == "interleaved" else 1
+                if pp * v > n_layers:
+                    continue
+                for sp in sps:
+                    for zero in zeros:
+                        for recompute in space.recompute:
+                            plans = []
+                            for mb in mbs:
+                                m = global_batch // (dp * mb)
+                                if schedule == "interleaved" and m % pp:
+                                    continue
+                                plans.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch,
+                                                  recompute=recompute, zero=zero, schedule=schedule,
+                                                  virtual_stages=v, sequence_parallel=sp, dtype=dtype))
+                            if space.allow is not None:
+                                plans = [q for q in plans if space.allow(q)]
+                            if not plans:
+                                continue
+                            if not (space.layouts and space.hetero):
+                                lays = {"default": list(range(world))}
+                            else:  # depends on the shape only
+                                lays = layout_cache.get((dp, tp, pp))
+                                if lays is None:
+                                    lays = hetero.layouts(cluster, plans[0], devices)
+                                    layout_cache[(dp, tp, pp)] = lays
+                            for name, order in lays.items():
+                                key = (dp, tp, pp, schedule, sp, zero, recompute, name)
+                                yield _Group(key, plans, name, order)
+
+
+# ============================================================================ cheap ranker
+
+
+class AnalyticModel:
+    """Pipette's latency model on plait's cost functions: a fast first-pass ranker.
+
+    Compute: per-layer forward + backward (+ recompute) kernel time of one micro-batch on
+    each GPU kind from `plait.cost.compute.layer_cost` (Megatron's kernel sequence);
+    the pipeline of replica d takes ``M_d * b_d + (s_d - b_d) / v`` (Pipette's 1F1B
+    formula ``(M-1) max_p t_p + sum_p t_p``, the fill/drain part divided by the v
+    interleaved chunks). Communication, from `plait.cost.collectives` on the cluster's
+    links in the plan's placement: the tensor-parallel collectives of every layer pass
+    (slowest tensor group), the pipeline send/recv of activations forward and gradients
+    backward per micro-batch and hop (slowest pipeline, Pipette's path sum weighted by
+    ``M // pp``), the gradient all-reduce of the largest stage over the slowest
+    data-parallel ring (reduce-scatter + all-gather with ZeRO: the same volume),
+    ZeRO-3's parameter all-gathers per micro-batch, and the optimizer step. Nothing
+    overlaps, so it over-estimates communication-heavy plans; the simulator decides
+    the final ranking."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster,
+                 layer_time: hetero.LayerTimeFn | None = None, compute: Any = None) -> None:
+        from plait.cost.compute import DEFAULT_MODEL
+
+        self.graph, self.cluster = graph, cluster
+        self.compute = compute if compute is not None else DEFAULT_MODEL
+        self.devices = cluster.devices
+        self.kinds = {d.kind.name: d.kind for d in self.devices}
+        self.flops_per_sample = graph.fwd_flops + graph.bwd_flops
+        self.bw = cluster.bandwidth_matrix()
+        self.lat = cluster.latency_matrix()
+        self.node_of = [d.node for d in self.devices]
+        self._custom = layer_time
+        self._costs: dict[tuple, Any] = {}
+        self._times: dict[tuple, np.ndarray] = {}
+        self._links: dict[tuple, Any] = {}
+        self._coll: dict[tuple, float] = {}
+        self._tp: dict[tuple, float] = {}
+        self._paths: dict[tuple, PathModel] = {}
+        self._base_path = PathModel(self.bw, traffic_of(graph, Plan()), dp=1, tp=1, pp=1, latency=self.lat)
+        # identical transformer blocks cost the same: cost one, reuse it
+        self._sig = [("t", layer.param_count, layer.fwd_flops) if layer.tp_style == "transformer"
+                     else ("l", i) for i, layer in enumerate(graph.layers)]
+        self._index = {id(layer): i for i, layer in enumerate(graph.layers)}
+
+    # ---------------------------------------------------------------- compute
+    def layer_cost(self, i: int, plan: Plan, kind_name: str) -> Any:
+        from plait.cost.compute import layer_cost
+
+        key = (self._sig[i], kind_name, plan.micro_batch, plan.tp, plan.dtype, plan.sequence_parallel)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = layer_cost(self.graph.layers[i], self.graph, plan.micro_batch, self.kinds[kind_name],
+                              plan.dtype, tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                              model=self.compute)
+            self._costs[key] = cost
+        return cost
+
+    def layer_time(self, layer: Any, kind: Any, plan: Plan) -> float:
+        """A `hetero.LayerTimeFn`: compute seconds of one micro-batch of `layer` on `kind`."""
+        return float(self.layer_times(plan, kind.name)[self._index[id(layer)]])
+
+    def layer_times(self, plan: Plan, kind_name: str) -> np.ndarray:
+        key = (kind_name, plan.micro_batch, plan.tp, plan.recompute, plan.dtype, plan.sequence_parallel)
+        t = self._times.get(key)
+        if t is None:
+            if self._custom is not None:
+                kind = self.kinds[kind_name]
+                t = np.asarray([self._custom(layer, kind, plan) for layer in self.graph.layers])
+            else:
+                costs = [self.layer_cost(i, plan, kind_name) for i in range(len(self.graph.layers))]
+                t = np.asarray([c.fwd.compute_s + c.bwd.compute_s + c.recompute(plan.recompute).compute_s
+                                for c in costs])
+            self._times[key] = t
+        return t
+
+    # ---------------------------------------------------------------- communication
+    def path_model(self, plan: Plan) -> PathModel:
+        """Pipette's path model of the plan, for placement (`plait.plan.placement`)."""
+        traffic = traffic_of(self.graph, plan)
+        key = (traffic, plan.dp, plan.tp, plan.pp)
+        path = self._paths.get(key)
+        if path is None:
+            path = self._base_path.with_plan(traffic, dp=plan.dp, tp=plan.tp, pp=plan.pp)
+            self._paths[key] = path
+        return path
+
+    def _slowest(self, groups: np.ndarray, op: str, nbytes: float) -> float:
+        """Time of `op` on the slowest of the device groups (rows of `groups`), as NCCL would run it."""
+        from plait.cost.collectives import choose_algorithm, collective_time, group_links
+
+        if groups.shape[-1] <= 1 or nbytes <= 0:
+            return 0.0
+        key = (groups.tobytes(), groups.shape)
+        links = self._links.get(key)
+        if links is None:
+            # groups with the same slowest links cost the same: keep one of each
+            links = list({group_links(row.tolist(), self.bw, self.lat, self.node_of) for row in groups})
+            self._links[key] = links
+        ckey = (key, op, nbytes)
+        t = self._coll.get(ckey)
+        if t is None:
+            t = max(collective_time(op, nbytes, gl, choose_algorithm(op, nbytes, gl)) for gl in links)
+            self._coll[ckey] = t
+        return t
+
+    def _layer_tp_s(self, i: int, plan: Plan, kind_name: str, groups: np.ndarray) -> float:
+        """Tensor-parallel collectives of layer i (forward, backward, recompute), one micro-batch."""
+        key = (self._sig[i], kind_name, plan.micro_batch, plan.tp, plan.dtype, plan.sequence_parallel,
+               plan.recompute, groups.tobytes())
+        t = self._tp.get(key)
+        if t is None:
+            cost = self.layer_cost(i, plan, kind_name)
+            t = sum(self._slowest(groups, x.op, x.nbytes)
+                    for part in (cost.fwd, cost.bwd, cost.recompute(plan.recompute)) for x in part.collectives)
+            self._tp[key] = t
+        return t
+
+    def estimate(self, plan: Plan) -> float:
+        from plait.cost.collectives import send_recv_time
+        from plait.cost.compute import optimizer_time
+
+        graph = self.graph
+        grid = hetero.kind_grid(self.cluster, plan, self.devices)
+        v = plan.virtual_stages
+        bounds = np.concatenate([[0], np.cumsum(plan.layers_per_stage(len(graph.layers)))])
+        chunk_stage = [c % plan.pp for c in range(plan.pp * v)]
+        counts = _replica_micro_batches(plan)
+        order = hetero.rank_order(plan).reshape(plan.pp, plan.dp, plan.tp)
+        # compute: the slowest replica's pipeline
+        compute_s = 0.0
+        for d in range(plan.dp):
+            st = np.zeros(plan.pp)
+            for c, p in enumerate(chunk_stage):
+                st[p] += self.layer_times(plan, grid[p][d])[bounds[c]:bounds[c + 1]].sum()
+            b, s = float(st.max()), float(st.sum())
+            compute_s = max(compute_s, counts[d] * b + (s - b) / v)
+        m = max(counts)
+        kind0 = grid[0][0]
+        # tensor parallel: the collectives inside every pass of the busiest stage, per micro-batch
+        tp_s = 0.0
+        if plan.tp > 1:
+            groups = order.reshape(-1, plan.tp)
+            per_stage = np.zeros(plan.pp)
+            for c, p in enumerate(chunk_stage):
+                per_stage[p] += sum(self._layer_tp_s(i, plan, kind0, groups) for i in range(bounds[c], bounds[c + 1]))
+            tp_s = m * float(per_stage.max())
+        # pipeline: activations forward + gradients backward over every hop (Pipette's path)
+        pp_s = 0.0
+        if plan.pp > 1:
+            elem = 2 if plan.dtype in ("bf16", "fp16") else 4
+            act = max(graph.layers[bounds[c + 1] - 1].output_bytes for c in range(plan.pp * v - 1))
+            nbytes = act / max(1, graph.activation_dtype_bytes) * elem * plan.micro_batch
+            if plan.sequence_parallel:
+                nbytes /= plan.tp
+            a, b_ = order[:-1], order[1:]  # (pp-1, dp, tp): each hop of each pipeline, per tensor rank
+            hops = send_recv_time(nbytes, self.bw[a, b_], self.lat[a, b_]).max(axis=-1)
+            pp_s = 2.0 * float(hops.sum(axis=0).max()) * max(1, m // plan.pp) * v
+        # data parallel: the largest stage's gradients over the slowest ring, once per iteration
+        params = np.zeros(plan.pp)
+        for c, p in enumerate(chunk_stage):
+            params[p] += sum(self.layer_cost(i, plan, kind0).grad_params for i in range(bounds[c], bounds[c + 1]))
+        grad_bytes = 2 if plan.dtype in ("bf16", "fp16") else 4
+        dp_s = 0.0
+        if plan.dp > 1:
+            groups = np.swapaxes(order, 1, 2).reshape(-1, plan.dp)
+            dp_s = self._slowest(groups, "all_reduce", float(params.max()) * grad_bytes)
+            if plan.zero >= 3:  # parameters all-gathered for forward and again for backward
+                dp_s += 2 * m * self._slowest(groups, "all_gather", float(params.max()) * grad_bytes)
+        shard = plan.dp if plan.zero >= 1 else 1
+        opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]], self.compute)
+                    for p in range(plan.pp) for d in range(plan.dp))
+        return compute_s + tp_s + pp_s + dp_s + opt_s
+
+
+def _replica_micro_batches(plan: Plan) -> list[int]:
+    if plan.dp_shares is None:
+        return [plan.num_micro_batches] * plan.dp
+    return [max(1, round(n / plan.micro_batch)) for n in plan.samples_per_replica()]
+
+
+# ============================================================================ simulator
+
+
+def _simulate(graph: OpGraph, cluster: Any, plan: Plan, cost_cache: dict | None = None,
+              compute: Any = None) -> dict[str, Any]:
+    """`plait.sim.api.simulate` of one plan, without the memory estimate (the search has it)."""
+    from plait.sim.api import simulate
+
+    extra = {"compute": compute} if compute is not None else {}
+    return simulate(graph, cluster, plan, memory=False, cost_cache=cost_cache, **extra).to_dict()
+
+
+def _headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in range(plan.world_size):
+        dev = devices[plan.device_of(r)]
+        room = dev.kind.memory_bytes - peaks[dev.id]
+        out[dev.kind.name] = min(out.get(dev.kind.name, room), room)
+    return out
+
+
+# ============================================================================ the search
+
+
+def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
+         finalists: int | None = 12, space: SearchSpace | None = None, placement: bool = True,
+         simulate: bool = True, seed: int = 0, progress: bool = False,
+         placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
+         layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
+         on_progress: Callable[[str, int, int], None] | None = None) -> PlanResult:
+    """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
+
+    `finalists`: how many of the analytically best candidates get placed and simulated
+    (None: all of them -- exhaustive). `simulate=False` ranks by the analytic model only.
+    `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``); `compute` is the
+    `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one)."""
+    from plait.cluster import load_cluster
+    from plait.cost.memory import estimate_memory
+
+    t_start = time.perf_counter()
+    if top < 1:
+        raise SearchError(f"plan: top must be >= 1, got {top}")
+    if finalists is not None and finalists < 1:
+        raise SearchError(f"plan: finalists must be >= 1 or None, got {finalists}")
+    model = DEFAULT_MODEL if model is None else model
+    cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
+    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
+    if gb < 1:
+        raise SearchError(f"plan: global batch must be >= 1, got {gb}")
+    dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
+    spec, graph = load_graph(model, dtype)
+    mem_kw = dict(memory_kwargs or {})
+    devices = cluster_obj.devices
+    mixed = hetero.is_mixed(cluster_obj)
+    space_hetero = space.hetero if space is not None else True
+    analytic = AnalyticModel(graph, cluster_obj, layer_time, compute)
+
+    bar = _Progress(progress, on_progress)
+    groups = list(enumerate_groups(graph, cluster_obj, gb, space))
+    total = sum(len(g.plans) for g in groups)
+    if total == 0:
+        raise SearchError(f"plan: no dp x tp x pp configuration of {cluster_obj.num_devices} GPUs divides "
+                          f"global batch {gb} for model {graph.model}")
+
+    reasons: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    kept: list[Candidate] = []
+    bar.start("memory", total)
+
+    def prune(reason: str, example: str, n: int = 1) -> None:
+        reasons[reason] += n
+        examples.setdefault(reason, example)
+
+    peak_cache: dict[str, np.ndarray] = {}
+    capacity = np.asarray([d.kind.memory_bytes for d in devices], dtype=np.int64)
+
+    def rank_peaks(p: Plan) -> np.ndarray:
+        """Peak bytes per rank; they do not depend on where the ranks are placed."""
+        unplaced = p if p.device_order is None else dataclasses.replace(p, device_order=None)
+        key = str(unplaced)
+        hit = peak_cache.get(key)
+        if hit is None:
+            est = estimate_memory(graph, unplaced, cluster_obj, **mem_kw)
+            hit = np.asarray(est.peak_bytes[: p.world_size], dtype=np.int64)
+            peak_cache[key] = hit
+        return hit
+
+    def device_peaks(p: Plan) -> np.ndarray:
+        out = np.zeros(len(devices), dtype=np.int64)
+        out[_order(p)] = rank_peaks(p)
+        return out
+
+    def oom_reason(p: Plan, peaks: np.ndarray, suffix: str = "") -> tuple[str, str] | None:
+        order = _order(p)
+        over = peaks[order] - capacity[order]
+        worst = int(np.argmax(over))
+        if over[worst] <= 0:
+            return None
+        dev = devices[order[worst]]
+        return (f"out of memory on {dev.kind.name} ({dev.kind.memory_bytes / GiB:.0f} GiB){suffix}",
+                f"{p}: GPU {dev.id} needs {peaks[order[worst]] / GiB:.2f} GiB")
+
+    # Sharding can only lower memory: with sequence parallelism, or a higher ZeRO stage up
+    # to 2, every term of a device's peak is at most what it is without. So once a
+    # configuration overflows at micro-batch m, the ones it dominates overflow at m too;
+    # dominators are checked first and their first failing micro-batch is remembered.
+    def family(g: _Group) -> tuple:
+        dp, tp, pp, schedule, sp, zero, recompute, layout = g.key
+        return (dp, tp, pp, schedule, recompute, layout)
+
+    groups.sort(key=lambda g: (family(g), not g.key[4], -g.key[5] if g.key[5] <= 2 else 9))
+    fails: dict[tuple, tuple[int, str, str]] = {}
+    for g in groups:
+        fam, sp, zero = family(g), g.key[4], g.key[5]
+        bound: tuple[int, str, str] | None = None
+        if zero <= 2:
+            for sp_x in ((True, False) if not sp else (True,)):
+                for zero_x in range(zero, 3):
+                    hit = fails.get((fam, sp_x, zero_x))
+                    if hit is not None and (sp_x, zero_x) != (sp, zero) and (bound is None or hit[0] < bound[0]):
+                        bound = hit
+        caps = None  # layer limits found for a smaller micro-batch still hold for larger ones
+        for i, base in enumerate(g.plans):
+            left = len(g.plans) - i  # larger micro-batches need more memory still
+            if bound is not None and base.micro_batch >= bound[0]:
+                prune(bound[1], bound[2] + " (implied for less sharded variants)", left)
+                bar.advance(left)
+                break
+            p = base if g.order == list(range(base.world_size)) else dataclasses.replace(base, device_order=g.order)
+            why = None
+            if mixed and space_hetero:
+                bal = hetero.balance(graph, p, cluster_obj, layer_time=analytic.layer_time,
+                                     peak_bytes=device_peaks, caps=caps, devices=devices,
+                                     kind_times=lambda k, q: analytic.layer_times(q, k))
+                if bal is None:
+                    why = oom_reason(p, device_peaks(p), " with any uneven split") or (
+                        "no uneven split of layers/batch fits", str(p))
+                else:
+                    p, caps = bal.plan, bal.caps
+            if why is None:
+                why = oom_reason(p, device_peaks(p))
+            if why is not None:
+                fails[(fam, sp, zero)] = (base.micro_batch, *why)
+                prune(*why, left)
+                bar.advance(left)
+                break
+            kept.append(Candidate(plan=p, layout=g.layout))
+            bar.advance(1)
+    bar.stop()
+
+    if not kept:
+        worst = ", ".join(f"{n} x {r}" for r, n in reasons.most_common(3))
+        raise SearchError(f"plan: none of the {total} configurations of {graph.model} fits in memory on "
+                          f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
+
+    # ---- analytic first pass
+    for c in kept:
+        c.analytic_s = analytic.estimate(c.plan)
+    kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
+    chosen = kept if finalists is None else kept[:finalists]
+
+    # ---- place and simulate the finalists
+    view = None
+    cost_cache: dict = {}  # layer costs shared by the simulations
+    if simulate:
+        from plait.sim.topology import ClusterView
+
+        view = ClusterView.from_cluster(cluster_obj)
+    placements: dict[tuple, PlacementResult] = {}
+    bar.start("simulate", len(chosen))
+    for c in chosen:
+        if placement and c.plan.world_size > 1:
+            # one placement per shape and kind layout, for the traffic of its best finalist
+            key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
+            res = placements.get(key)
+            if res is None:
+                res = _place(analytic.path_model(c.plan), cluster_obj, c.plan, seed, placement_iterations)
+                placements[key] = res
+            c.placement = res
+            if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
+                c.plan = dataclasses.replace(c.plan, device_order=res.order[: c.plan.world_size])
+                if c.plan.device_order == list(range(c.plan.world_size)):
+                    c.plan = dataclasses.replace(c.plan, device_order=None)
+                c.analytic_s = analytic.estimate(c.plan)
+        peaks = device_peaks(c.plan)
+        c.peak_bytes = peaks.tolist()
+        c.headroom_by_kind = _headroom(c.peak_bytes, devices, c.plan)
+        if simulate:
+            sim = _simulate(graph, view, c.plan, cost_cache, compute)
+            c.sim = sim
+            c.iteration_time_s = float(sim["iteration_time_s"])
+            c.tflops_per_gpu = sim.get("tflops_per_gpu")
+            c.throughput = sim.get("throughput_samples_per_s")
+        else:
+            c.tflops_per_gpu = analytic.flops_per_sample * gb / c.analytic_s / c.plan.world_size / 1e12
+            c.throughput = gb / c.analytic_s
+        bar.advance(1)
+    bar.stop()
+    chosen.sort(key=lambda c: (c.time_s, str(c.plan)))
+    best = chosen[:top]
+
+    # ---- placement vs the layout's start order (Megatron's default order on one kind)
+    if simulate and best and best[0].placement is not None and best[0].plan.device_order is not None:
+        c = best[0]
+        start = _start_order(groups, c)
+        base = dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
+        c.default_order_time_s = float(_simulate(graph, view, base, cost_cache, compute)["iteration_time_s"])
+    elif best:
+        best[0].default_order_time_s = best[0].iteration_time_s
+
+    return PlanResult(model=getattr(spec, "spec", None) or graph.model, cluster=cluster_obj.name,
+                      global_batch=gb, world_size=cluster_obj.num_devices, top=best, enumerated=total,
+                      pruned=sum(reasons.values()), pruned_reasons=dict(reasons), pruned_examples=examples,
+                      memory_checked=len(peak_cache), ranked_analytic=len(kept),
+                      simulated=len(chosen) if simulate else 0,
+                      search_time_s=time.perf_counter() - t_start,
+                      ranker="simulator" if simulate else "analytic")
+
+
+def _order(p: Plan) -> np.ndarray:
+    return hetero.rank_order(p)
+
+
+def _start_order(groups: list[_Group], c: Candidate) -> list[int]:
+    p = c.plan
+    key = (p.dp, p.tp, p.pp, p.schedule, p.sequence_parallel, p.zero, p.recompute, c.layout)
+    for g in groups:
+        if g.key == key:
+            return g.order
+    return list(range(p.world_size))
+
+
+def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations: int | None) -> PlacementResult:
+    """Pipette placement, starting from (and never worse than) the plan's current order."""
+    devices = cluster.devices
+    start = [plan.device_of(r) for r in range(plan.world_size)]
+    start += [d for d in range(len(devices)) if d not in set(start)]
+    off = ~np.eye(len(start), dtype=bool)
+    inv, lat = path.inv_bw[off], path.lat[off]
+    if len(inv) == 0 or (np.allclose(inv, inv[0]) and np.allclose(lat, lat[0])):
+        # every link alike: every order costs the same, keep Megatron's
+        c = float(path.cost(np.asarray(start)))
+        return PlacementResult(order=start, cost=c, default_cost=c, breakdown=path.breakdown(start),
+                               default_breakdown=path.breakdown(start))
+    return anneal(path, [d.kind.name for d in devices], [d.node for d in devices], start=start, seed=seed,
+                  iterations=iterations)
+
+
+class _Progress:
+    """A rich progress bar on stderr (or a callback), silent when disabled."""
+
+    def __init__(self, enabled: bool, callback: Callable[[str, int, int], None] | None) -> None:
+        self.enabled, self.callback = enabled, callback
+        self._bar: Any = None
+        self._task: Any = None
+        self.phase, self.done, self.total = "", 0, 0
+
+    def start(self, phase: str, total: int) -> None:
+        self.phase, self.done, self.total = phase, 0, total
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            label = {"memory": "checking memory", "simulate": "placing + simulating"}.get(phase, phase)
+            self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(phase, total=total)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+        if self.callback is not None:
+            self.callback(self.phase, self.done, self.total)
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
