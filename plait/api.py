@@ -9,7 +9,9 @@ from typing import Any
 
 from plait.plan.ir import Plan
 
-__all__ = ["inspect", "load_cluster", "load_model", "Plan", "simulate", "plan", "run"]
+# `plan` is not re-exported: `plait.plan` is the (callable) package plait/plan, which calls
+# `plait.plan.search.plan`, so that `plait.plan(...)` and `import plait.plan.search` both work.
+__all__ = ["inspect", "load_cluster", "load_model", "Plan", "simulate", "run"]
 
 
 

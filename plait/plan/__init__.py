@@ -10,6 +10,8 @@ lazily so `import plait` stays light.
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 from plait.plan.ir import Plan, PlanError, StageSpec
@@ -27,3 +29,16 @@ def __getattr__(name: str) -> Any:
 
         return export
     raise AttributeError(f"module 'plait.plan' has no attribute {name!r}")
+
+
+class _CallablePackage(types.ModuleType):
+    """Lets `plait.plan(...)` search, as the CLI's `plait plan` does, while `plait.plan` stays
+    the package (`import plait.plan.search` keeps working)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from plait.plan.search import plan as _plan
+
+        return _plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
