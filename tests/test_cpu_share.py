@@ -47,19 +47,30 @@ def test_rank_groups_are_made_shaped_and_removed() -> None:
 
 @needs_cgroups
 @pytest.mark.skipif(not (cpu_share.CPUSET_ROOT / "cpuset.cpus").exists(), reason="no cpuset controller")
-def test_cpuset_confines_a_joined_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpuset_confines_a_joined_process() -> None:
     import subprocess
     import sys
 
-    with RankCgroups(1, cpus=1.0, cpuset="0") as groups:
+    last = str((os.cpu_count() or 1) - 1)
+    with RankCgroups(2, cpus=1.0, cpuset=["0", last]) as groups:
         assert groups.active
         assert (cpu_share.CPUSET_ROOT / groups.name / "rank0" / "cpuset.cpus").read_text().strip() == "0"
-        code = ("import os; from plait.runtime.cpu_share import join_from_env; "
-                "print(join_from_env(0), sorted(os.sched_getaffinity(0)))")
-        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **groups.env()}, capture_output=True,
-                             text=True, check=True).stdout.split()
-        assert out == ["True", "[0]"]
+        code = ("import os, sys; from plait.runtime.cpu_share import join_from_env; "
+                "print(join_from_env(int(sys.argv[1])), sorted(os.sched_getaffinity(0)))")
+        env = {**os.environ, **groups.env(), "PYTHONPATH": str(Path(cpu_share.__file__).resolve().parents[2])}
+        for rank, cpu in ((0, "0"), (1, last)):
+            out = subprocess.run([sys.executable, "-c", code, str(rank)], env=env, capture_output=True, text=True,
+                                 check=True).stdout.split()
+            assert out == ["True", f"[{cpu}]"]
     assert not (cpu_share.CPUSET_ROOT / groups.name).exists()
+
+
+def test_pinned_deals_cpus_round_robin() -> None:
+    assert cpu_share.pinned(3, cpus=2) == ["0", "1", "0"]
+    with pytest.raises(CpuShareError, match="2 CPU sets for 3 ranks"):
+        RankCgroups(3, cpuset=["0", "1"])
+    with pytest.raises(CpuShareError, match="cpuset"):
+        RankCgroups(1, cpuset="zero")
 
 
 @needs_cgroups

@@ -104,6 +104,15 @@ def test_gpt_layers_match_the_opgraph_and_count_tied_weights_once() -> None:
         LayerProfile.from_dict({"model": "x"})
 
 
+def test_reset_gradients_option_leaves_no_accumulated_gradient() -> None:
+    """With accumulate=False every repetition starts from fresh gradients; by default they pile up
+    over the repetitions, as over a step's micro-batches."""
+    spec = _sleepy_spec()
+    fresh = profile_layers(spec, micro_batch=2, repeats=1, warmup=0, optimizer=False, accumulate=False)
+    piled = profile_layers(spec, micro_batch=2, repeats=1, warmup=0, optimizer=False)
+    assert set(fresh.times) == set(piled.times) == {"0", "1", "2"}
+
+
 def test_trimmed_mean_statistic() -> None:
     prof = profile_layers(TINY, micro_batch=1, repeats=5, warmup=0, optimizer=False, statistic="mean")
     assert prof.statistic == "mean" and all(f > 0 for f, _ in prof.times.values())

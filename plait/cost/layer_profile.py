@@ -21,7 +21,8 @@ How one layer is timed (`profile_layers`):
    collectives from the links);
 3. each layer runs forward and backward in isolation, `repeats` times after `warmup`,
    layers interleaved round-robin so slow phases of a shared machine hit every layer
-   alike; the figure is the median. Inputs that carried gradients in the model carry
+   alike; the figure is the median. The backward accumulates into the parameters'
+   gradients as gradient accumulation over micro-batches does (`accumulate`). Inputs that carried gradients in the model carry
    them here (so the backward computes the input gradient, as inside the model); the
    backward starts from a fixed random output gradient. The layer that produces the
    model output also runs the training loss (`ModelSpec.loss`) in its forward and the
@@ -168,7 +169,8 @@ def _iqr(xs: list[float]) -> float:
 def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp: int = 1,
                    shard: Callable[[str, nn.Module], Any] | None = None, threads: int | None = 1,
                    repeats: int = 9, warmup: int = 2, device: str = "cpu", seed: int = 0,
-                   optimizer: bool = True, lr: float = 1e-3, statistic: str = "median") -> LayerProfile:
+                   optimizer: bool = True, lr: float = 1e-3, statistic: str = "median",
+                   accumulate: bool = True) -> LayerProfile:
     """Time every layer of `model_spec` alone for one micro-batch (see module docstring).
 
     `shard(layer_name, module)` transforms a layer in place before it is timed (tensor
@@ -176,7 +178,10 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
     only recorded. `threads=None` keeps torch's current intra-op thread count.
     `statistic`: "median" of the repetitions (robust to interruptions), or "mean" (the
     10 %-trimmed mean: the long-run rate, for a device whose speed comes in bursts, e.g. a
-    CPU share enforced by CFS bandwidth control)."""
+    CPU share enforced by CFS bandwidth control). `accumulate`: the backward adds into the
+    parameters' existing gradients, as every micro-batch after the first of a step does (one
+    read-modify-write of every gradient: measurable on a CPU); False resets them before each
+    repetition, as for a step's first micro-batch."""
     if micro_batch < 1:
         raise LayerProfileError(f"micro_batch: must be >= 1, got {micro_batch}")
     if dtype not in _DTYPES:
@@ -260,8 +265,9 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
                 mod = modules[name]
                 args, kwargs = captured[name]
                 args, kwargs = _fresh(args), _fresh(kwargs)
-                for p in mod.parameters():
-                    p.grad = None
+                if not accumulate:
+                    for p in mod.parameters():
+                        p.grad = None
                 sync()
                 t0 = time.perf_counter()
                 with autocast():

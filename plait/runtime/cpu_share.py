@@ -10,10 +10,11 @@ parallelism but not pipelines) and other processes. A cgroup per rank fixes it:
   the same kind then has the same compute rate in every plan;
 * `shares` sets ``cpu.shares`` (weight against other groups and processes, default 1024):
   a high weight keeps unrelated work on the machine from taking the rank's cores;
-* `cpuset` (the `cpuset` controller, e.g. "0") confines the ranks to those CPUs. With a
-  quota that sums to at most the set's CPUs, ranks on one CPU take turns instead of
-  running side by side on CPUs that share a physical core (or a VM's host core): a rank's
-  speed is then the same whether its peers compute or idle.
+* `cpuset` (the `cpuset` controller, e.g. "0", or one set per rank) confines the ranks to
+  those CPUs. One CPU per rank (`pinned`) keeps a rank's threads (gloo's receive loop
+  included) on its own CPU; ranks on one shared CPU with a quota that sums to at most one
+  take turns instead of running side by side on CPUs that share a physical core (or a VM's
+  host core).
 
 `RankCgroups` creates ``plait-<pid>-<n>/rank<r>`` under ``/sys/fs/cgroup/cpu`` (and
 ``/sys/fs/cgroup/cpuset``) (root only), hands the group name to the workers in
@@ -28,6 +29,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +89,13 @@ class RankCgroups:
     """One cpu cgroup per rank under a base group of this process (a context manager).
 
     `cpus`: CFS quota per rank in cores (None: no cap); `shares`: cpu.shares per rank
-    (None: the default 1024); `cpuset`: CPUs the ranks may run on ("0", "0-1"; None: any);
-    `period_us`: the CFS period (short periods throttle in small slices, so a capped rank's
-    spans stretch smoothly rather than in 100 ms steps)."""
+    (None: the default 1024); `cpuset`: CPUs the ranks may run on ("0", "0-1"; None: any),
+    or one such string per rank (e.g. `pinned(world)`: rank r on CPU r); `period_us`: the
+    CFS period (short periods throttle in small slices, so a capped rank's spans stretch
+    smoothly rather than in 100 ms steps)."""
 
     def __init__(self, world: int, cpus: float | None = None, shares: int | None = None, *,
-                 cpuset: str | None = None, period_us: int = 10_000, root: Path = ROOT,
+                 cpuset: str | Sequence[str] | None = None, period_us: int = 10_000, root: Path = ROOT,
                  cpuset_root: Path = CPUSET_ROOT, prefix: str = "plait") -> None:
         if world < 1:
             raise CpuShareError(f"world: must be >= 1, got {world}")
@@ -102,9 +105,13 @@ class RankCgroups:
             raise CpuShareError(f"cpu.shares: must be in 2..262144, got {shares}")
         if not 1000 <= period_us <= 1_000_000:
             raise CpuShareError(f"cfs period: must be 1000..1000000 us, got {period_us}")
-        if cpuset is not None and not all(part.strip().replace("-", "").isdigit() for part in cpuset.split(",")):
-            raise CpuShareError(f"cpuset: expected CPU numbers like '0' or '0-1,3', got {cpuset!r}")
-        self.world, self.cpus, self.shares, self.cpuset, self.period_us = world, cpus, shares, cpuset, period_us
+        sets = None if cpuset is None else [cpuset] * world if isinstance(cpuset, str) else list(cpuset)
+        if sets is not None and len(sets) != world:
+            raise CpuShareError(f"cpuset: {len(sets)} CPU sets for {world} ranks")
+        for cs in sets or []:
+            if not cs or not all(part.strip().replace("-", "").isdigit() for part in cs.split(",")):
+                raise CpuShareError(f"cpuset: expected CPU numbers like '0' or '0-1,3', got {cs!r}")
+        self.world, self.cpus, self.shares, self.cpuset, self.period_us = world, cpus, shares, sets, period_us
         self.root, self.cpuset_root = root, cpuset_root
         self.name = f"{prefix}-{os.getpid()}-{next(_counter)}"
         self.base = root / self.name
@@ -130,7 +137,7 @@ class RankCgroups:
                 cs = self.cpuset_root / self.name
                 cs.mkdir()
                 mems = (self.cpuset_root / "cpuset.mems").read_text().strip()
-                _write(cs / "cpuset.cpus", self.cpuset)
+                _write(cs / "cpuset.cpus", (self.cpuset_root / "cpuset.cpus").read_text().strip())
                 _write(cs / "cpuset.mems", mems)
             for r in range(self.world):
                 g = self.base / f"rank{r}"
@@ -143,7 +150,7 @@ class RankCgroups:
                 if self.cpuset is not None:
                     c = self.cpuset_root / self.name / f"rank{r}"
                     c.mkdir()
-                    _write(c / "cpuset.cpus", self.cpuset)
+                    _write(c / "cpuset.cpus", self.cpuset[r])
                     _write(c / "cpuset.mems", mems)
         except (OSError, CpuShareError) as exc:
             for root in self._roots():
@@ -176,8 +183,18 @@ class RankCgroups:
         if self.shares is not None:
             parts.append(f"cpu.shares {self.shares}")
         if self.cpuset is not None:
-            parts.append(f"CPUs {self.cpuset}")
+            same = len(set(self.cpuset)) == 1
+            parts.append(f"CPUs {self.cpuset[0]}" if same else
+                         "CPUs " + ", ".join(f"rank {r}: {c}" for r, c in enumerate(self.cpuset)))
         return f"one cgroup per rank ({', '.join(parts)}, period {self.period_us} us)"
+
+
+def pinned(world: int, cpus: int | None = None) -> list[str]:
+    """One CPU per rank, round robin (rank r on CPU r mod cpus): with gloo, a rank whose threads
+    float between CPUs can wait a whole scheduler slice for its receive thread when the other
+    CPUs compute, which pinning avoids."""
+    n = cpus or os.cpu_count() or 1
+    return [str(r % n) for r in range(world)]
 
 
 def join(group: Path, pid: int = 0) -> None:
