@@ -1,50 +1,53 @@
 """Simulator vs reality on this machine: predicted and measured iteration times of real plans.
 
-    python bench/sim_vs_real.py                 # 2 clusters x 4 plans, 10 steps each (~3-4 min)
-    python bench/sim_vs_real.py --quick         # 2 plans per cluster, 6 steps
+    python bench/sim_vs_real.py                 # 2 clusters x 4 plans, 3 rounds (~4-5 min)
+    python bench/sim_vs_real.py --quick         # 2 plans per cluster, 1 round (~1 min)
     python bench/sim_vs_real.py --keep DIR      # keep cluster files, profiles, traces and the JSON in DIR
 
 What it does, end to end:
 
 1. writes two **emulated clusters** of two "GPUs" each -- as many ranks as this machine has
-   cores (see "Why two ranks" below): `homo`, one node with two A100s (ranks talk over the
-   node's loopback, like NVLink), and `hetero`, an A100 node and a T4 node whose NICs are
-   shaped with tc to ``100 Gb/s x emulation.bandwidth_scale`` (namespaces need root; without
-   it the run falls back to loopback and says so). The T4's compute slowdown is the
-   datasheet fp32 ratio 19.5/8.1 = 2.41 (`plait.runtime.emulate`);
-2. **profiles each cluster** with `plait profile` inside its namespaces: per-pair p2p
-   bandwidth and latency, all-reduce / all-gather sweeps, the slowdown per kind, written as
-   a measured cluster YAML -- the cluster the simulator is given;
-3. **profiles the model's layers** on one rank of this machine (`plait.cost.layer_profile`:
-   each layer's forward and backward alone, median of repetitions, one thread, fp32 -- what
-   a rank runs), once per micro-batch size and tensor-parallel degree the plans use; under
-   tensor parallelism a layer is sliced exactly as the runtime slices it (its collectives
-   replaced by no-ops), so the figure is one tensor rank's compute. This is how profiling
-   simulators (dPRO, Echo, Pipette) feed a simulation: measured layer times, simulated plan;
-4. **calibrates the communication of gloo** from the cluster profile: a 2-rank ring
-   all-reduce costs ``2 a + S/B`` on a link of latency ``a`` and bandwidth ``B`` (the
-   p2p figures of the profile); the all-reduce sweep of the profile measures what gloo
-   adds on top per call (its own synchronisation and the CPU reduction), fitted as a fixed
-   cost per collective ``c`` and a per-byte cost ``g``: ``t = 2a + S/B + c + S g``. ``c``
-   is the simulator's `host_comm_s`; ``g`` enters as the link bandwidth of collectives
-   ``1/(1/B + g)`` -- applied only on links where it is significant (loopback; on a shaped
-   NIC the wire dominates). The optimizer step is calibrated from the layer profile
-   (`optimizer_bytes_per_param` on the fastest kind's measured memory bandwidth);
-5. for each plan (DP, TP, PP GPipe / 1F1B on `homo`; even and uneven DP shares and layer
-   splits on `hetero`) **predicts** the iteration time with `plait.sim.api.simulate`
-   on the measured cluster with those layer times (scaled per GPU kind by the profiled
-   slowdown) and **measures** it with `plait.runtime.api.run` on the emulated cluster
-   (median of the steps after two warm-up steps, with the interquartile range), and prints
-   both with the error, the per-cluster and overall ranking (Spearman and whether the
-   order is the same), and as a baseline the simulator's default GPU compute model on the
-   same measured cluster.
+   CPUs: `homo`, one node with two A100s (ranks talk over the node's loopback, like
+   NVLink), and `hetero`, an A100 node and a T4 node whose NICs are shaped with tc to
+   ``100 Gb/s x emulation.bandwidth_scale`` = 50 MB/s (namespaces need root; without it the
+   run falls back to loopback and says so). The T4's compute slowdown is the datasheet fp32
+   ratio 19.5/8.1 = 2.41 (`plait.runtime.emulate`);
+2. **profiles each cluster** with `plait profile` inside its namespaces (per-pair p2p
+   bandwidth and latency, all-reduce sweep, slowdown per kind) into the measured cluster YAML
+   the simulator is given, and fits what gloo adds to a 2-rank ring all-reduce beyond the
+   link (``t = 2a + S/B + c + S g``: ``c`` becomes the simulator's `host_comm_s`, ``g`` lowers
+   the loopback link's bandwidth where it matters);
+3. for each plan (DP, TP, PP GPipe / 1F1B on `homo`; even and uneven DP shares and layer
+   splits on `hetero`), `--rounds` times (odd rounds in reverse order):
+   **profiles the model's layers** on both emulated devices at once right before and right
+   after the run (`plait.cost.layer_profile`: each layer's forward and backward alone,
+   median of repetitions, one thread, fp32 -- what a rank runs; under tensor parallelism a
+   layer is sliced exactly as the runtime slices it, its collectives made no-ops, so the
+   figure is one tensor rank's compute). This is how profiling simulators (dPRO, Echo,
+   Pipette) feed a simulation: measured layer times, simulated plan. **Measures** the plan
+   with `plait.runtime.api.run` on the emulated cluster (median of the steps after two
+   warm-up steps) and **predicts** it with `plait.sim.api.simulate` on the measured cluster
+   from the mean of the two profiles, each device's layer times scaled by its kind's
+   slowdown and by its own measured speed (the devices of this machine differ at times);
+   the optimizer step, the runtime's gradient flatten/copy-back around the data-parallel
+   all-reduce, and gloo's per-call cost come from the same profilers;
+4. prints per plan the predicted and measured iteration time of the round with the median
+   error, the errors of every round, the per-cluster and overall ranking (Spearman and whether
+   the order is the same), the simulator's default GPU compute model on the same measured
+   cluster as a baseline, and a **replay** error: the same simulation at the compute speed
+   each device actually had during the run (its measured forward/backward seconds over the
+   simulated ones) -- what remains is the simulator's schedule, communication and
+   overheads, without the machine's drift between profile and run.
 
-Why two ranks: with more ranks than cores the ranks contend for CPU time in a way that
-depends on the plan (idle pipeline stages free a core for busy ones), so no per-device
-speed fits every plan. With ranks <= cores each emulated GPU is one core. Each rank (and
-every profiler) runs in a cgroup of its own with a high `cpu.shares` weight
-(`plait.runtime.cpu_share`, root only; skipped otherwise), which keeps other work on the
-machine from taking the ranks' cores during the measurement.
+This machine (2 vCPUs of a shared VM; other sessions run beside the bench) changes speed by
+tens of percent from one minute to the next, and its two vCPUs slow each other down when
+both compute. Hence: two ranks (one per CPU), each rank and its profiler pinned to its own
+CPU with a high `cpu.shares` weight (`plait.runtime.cpu_share`; root only, else skipped):
+unpinned, a gloo receive waits up to a scheduler slice (~4 ms measured) behind the other
+rank's compute; profiles taken on both CPUs at once (as the ranks compute at once),
+bracketing each run; several rounds. `--cpu-mode fixed` instead gives each rank a 0.5-CPU
+CFS quota on one shared CPU (no side-by-side contention, but ~2 ms extra gloo latency per
+message), `--cpu-mode shared` leaves ranks unpinned.
 
 The target (issue 5) is <= 10 % per plan and the same ranking.
 """
@@ -155,21 +158,25 @@ def tp_shard(tp: int) -> Any:
 
 def _layer_profile_worker(argv: list[str]) -> int:
     """`--layer-profile-worker RANK`: one emulated device's profiler, kept alive for the whole
-    bench (torch imported once). Reads one JSON request per line from stdin -- {"model", "mb",
-    "tp", "repeats", "statistic"} -- and answers with the profile as one JSON line."""
+    bench (torch imported once), in rank RANK's cgroup. Reads one JSON request per line from
+    stdin and answers with one JSON line: {"kind": "layers", "model", "mb", "tp", "repeats",
+    "statistic"} -> a `LayerProfile`; {"kind": "flatten", ...} -> `_flatten_cost`;
+    {"kind": "gloo", ...} -> `_gloo_sweep` (all profilers join one gloo group)."""
     from plait.cost.layer_profile import profile_layers
     from plait.runtime.cpu_share import join_from_env
 
-    join_from_env(int(argv[0]))
+    rank = int(argv[0])
+    join_from_env(rank)
     for line in sys.stdin:
         req = json.loads(line)
-        if req.get("kind") == "flatten":
-            sys.stdout.write(json.dumps(_flatten_cost(req["model"], req["repeats"])) + "\n")
-            sys.stdout.flush()
-            continue
-        prof = profile_layers(req["model"], req["mb"], "fp32", tp=req["tp"], shard=tp_shard(req["tp"]), threads=1,
-                              repeats=req["repeats"], warmup=3, statistic=req["statistic"])
-        sys.stdout.write(json.dumps(prof.to_dict()) + "\n")
+        if req["kind"] == "flatten":
+            out: Any = _flatten_cost(req["model"], req["repeats"])
+        elif req["kind"] == "gloo":
+            out = _gloo_sweep(rank, req)
+        else:
+            out = profile_layers(req["model"], req["mb"], "fp32", tp=req["tp"], shard=tp_shard(req["tp"]), threads=1,
+                                 repeats=req["repeats"], warmup=3, statistic=req["statistic"]).to_dict()
+        sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
     return 0
 
@@ -197,10 +204,37 @@ def _flatten_cost(model: str, repeats: int) -> dict[str, float]:
     return {"seconds": statistics.median(times), "bytes": float(nbytes)}
 
 
+def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
+    """gloo between the profilers, placed as the ranks are (own CPU each, loopback): per size,
+    the median time of a 2-rank all-reduce and of a pipeline exchange (send S and receive S
+    with `batch_isend_irecv`, as the runtime's 1F1B steady state), each call after a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{req['store']}", rank=rank, world_size=req["world"])
+    peer = (rank + 1) % req["world"]
+    out: dict[str, list[list[float]]] = {"all_reduce": [], "exchange": []}
+    for size in req["sizes"]:
+        x, y = torch.zeros(max(1, size // 4)), torch.zeros(max(1, size // 4))
+        for op, fn in (("all_reduce", lambda x=x: dist.all_reduce(x)),
+                       ("exchange", lambda x=x, y=y: [w.wait() for w in dist.batch_isend_irecv(
+                           [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)])])):
+            times = []
+            for i in range(3 + req["iters"]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
+            out[op].append([float(x.numel() * 4), statistics.median(times)])
+    return out
+
+
 class Profilers:
-    """One layer-profiler process per emulated device, each in its rank's cgroup (pinned and
-    weighted as that rank will run). A request goes to all of them at once, so the devices are
-    profiled side by side, as the ranks compute side by side."""
+    """One profiler process per emulated device, each in its rank's cgroup (pinned and weighted
+    as that rank will run). A request goes to all of them at once, so the devices are profiled
+    side by side, as the ranks compute side by side."""
 
     def __init__(self, world: int, env: dict[str, str]) -> None:
         import subprocess
@@ -209,36 +243,40 @@ class Profilers:
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                        env={**os.environ, **env}) for r in range(world)]
 
-    def __call__(self, model: str, micro_batch: int, tp: int, repeats: int, statistic: str) -> list[Any]:
-        from plait.cost.layer_profile import LayerProfile
-
-        req = json.dumps({"model": model, "mb": micro_batch, "tp": tp, "repeats": repeats,
-                          "statistic": statistic}) + "\n"
+    def request(self, req: dict[str, Any]) -> list[Any]:
+        line = json.dumps(req) + "\n"
         for proc in self.procs:
             assert proc.stdin is not None
-            proc.stdin.write(req)
+            proc.stdin.write(line)
             proc.stdin.flush()
         out = []
         for proc in self.procs:
             assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"layer profiler {proc.args[-1]} exited with {proc.wait()}")
-            out.append(LayerProfile.from_dict(json.loads(line)))
+            reply = proc.stdout.readline()
+            if not reply:
+                raise RuntimeError(f"profiler {proc.args[-1]} exited with {proc.wait()}")
+            out.append(json.loads(reply))
         return out
+
+    def __call__(self, model: str, micro_batch: int, tp: int, repeats: int, statistic: str) -> list[Any]:
+        from plait.cost.layer_profile import LayerProfile
+
+        return [LayerProfile.from_dict(d) for d in self.request(
+            {"kind": "layers", "model": model, "mb": micro_batch, "tp": tp, "repeats": repeats,
+             "statistic": statistic})]
 
     def flatten(self, model: str, repeats: int = 10) -> float:
         """Seconds per byte of the runtime's gradient flatten + copy-back, mean over the devices."""
-        req = json.dumps({"kind": "flatten", "model": model, "repeats": repeats}) + "\n"
-        for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write(req)
-            proc.stdin.flush()
-        res = []
-        for proc in self.procs:
-            assert proc.stdout is not None
-            res.append(json.loads(proc.stdout.readline()))
+        res = self.request({"kind": "flatten", "model": model, "repeats": repeats})
         return statistics.fmean(r["seconds"] / r["bytes"] for r in res)
+
+    def gloo(self, store: Path, sizes: list[int], iters: int = 15) -> dict[str, list[list[float]]]:
+        """`_gloo_sweep` on every profiler; per size the slowest rank's median."""
+        store.unlink(missing_ok=True)
+        res = self.request({"kind": "gloo", "store": str(store), "world": len(self.procs), "sizes": sizes,
+                            "iters": iters})
+        return {op: [[row[0], max(r[op][i][1] for r in res)] for i, row in enumerate(res[0][op])]
+                for op in res[0]}
 
     def close(self) -> None:
         for proc in self.procs:
@@ -293,62 +331,71 @@ def mean_profile(profs: list[Any]) -> Any:
         out.times[name] = tuple(statistics.fmean(p.times[name][i] for p in profs) for i in range(2))
         out.spread[name] = tuple(statistics.fmean(p.spread[name][i] for p in profs) for i in range(2))
         out.optimizer[name] = statistics.fmean(p.optimizer[name] for p in profs)
+    out.optimizer_total_s = statistics.fmean(p.optimizer_total_s for p in profs)
     return out
 
 
 @dataclasses.dataclass
 class CommFit:
-    """gloo's cost of a 2-rank all-reduce beyond the link: ``t = 2a + S/B + c + S g``."""
+    """gloo between two ranks placed as the runtime places them (loopback, own CPU each), from
+    `_gloo_sweep`: a pipeline exchange costs ``t = a + S/B_p2p`` and a 2-rank all-reduce
+    ``t = A + S/B_ar`` (least squares on relative residuals with a soft-L1 loss)."""
 
-    latency: float  # a, s (profile p2p)
-    bandwidth: float  # B, bytes/s (profile p2p)
-    per_call: float  # c, s
-    per_byte: float  # g, s/byte
-    rms_rel: float  # relative RMS residual of the fit
+    exchange_fixed: float  # a, s
+    exchange_bandwidth: float  # B_p2p, bytes/s
+    allreduce_fixed: float  # A, s
+    allreduce_bandwidth: float  # B_ar, bytes/s
+    rms_rel: float
 
     @property
-    def collective_bandwidth(self) -> float:
-        return 1.0 / (1.0 / self.bandwidth + self.per_byte)
+    def per_call(self) -> float:
+        """What an all-reduce call costs beyond the ring's two link latencies: the simulator's
+        `host_comm_s` (gloo's CPU-side work, whatever the link)."""
+        return max(0.0, self.allreduce_fixed - 2 * self.exchange_fixed)
 
 
-def fit_gloo(result: Any) -> CommFit:
-    """Fit ``t - 2a - S/B = c + S g`` (c, g >= 0) over the profile's 2-rank all-reduce sweep, on
-    relative residuals with a soft-L1 loss (scipy.optimize.least_squares): single sizes hit by
-    a scheduling delay of the shared machine must not drag the fit."""
+def _fit_line(rows: list[list[float]]) -> tuple[float, float, float]:
+    """(fixed s, bytes/s, relative rms) of ``t = fixed + S / rate`` over (S, t) rows."""
     import numpy as np
     from scipy.optimize import least_squares
 
-    pairs = list(result.p2p.values())
-    a = statistics.fmean(v["latency"] for v in pairs)
-    B = statistics.fmean(v["bandwidth"] for v in pairs)
-    rows = result.collectives["all_reduce"]
-    S = np.array([r["bytes"] for r in rows], dtype=float)
-    t = np.array([r["time_s"] for r in rows], dtype=float)
+    S = np.array([r[0] for r in rows], dtype=float)
+    t = np.array([r[1] for r in rows], dtype=float)
 
     def model(x: np.ndarray) -> np.ndarray:
-        return 2 * a + S / B + x[0] * 1e-6 + S * x[1] * 1e-9  # c in us, g in ns/B (well scaled)
+        return x[0] * 1e-6 + S * x[1] * 1e-9  # us and ns/B keep the problem well scaled
 
-    sol = least_squares(lambda x: (model(x) - t) / t, x0=[100.0, 0.1], bounds=([0.0, 0.0], [np.inf, np.inf]),
+    sol = least_squares(lambda x: (model(x) - t) / t, x0=[100.0, 1.0], bounds=([0.0, 1e-6], [np.inf, np.inf]),
                         loss="soft_l1", f_scale=0.2)
-    c, g = float(sol.x[0]) * 1e-6, float(sol.x[1]) * 1e-9
     rms = float(np.sqrt(np.mean(((model(sol.x) - t) / t) ** 2)))
-    return CommFit(a, B, c, g, rms)
+    return float(sol.x[0]) * 1e-6, 1e9 / float(sol.x[1]), rms
+
+
+def fit_gloo(sweep: dict[str, list[list[float]]]) -> CommFit:
+    a, bp, r1 = _fit_line(sweep["exchange"])
+    A, ba, r2 = _fit_line(sweep["all_reduce"])
+    return CommFit(a, bp, A, ba, max(r1, r2))
 
 
 def sim_cluster(measured: Path, fit: CommFit, out: Path) -> Path:
-    """The measured cluster with collective bandwidth 1/(1/B + g) where gloo's per-byte cost is
-    significant (> 5 % of the wire time): one bandwidth per link prices both collectives and
-    pipeline sends, and collectives dominate the traffic of these plans."""
+    """The measured cluster with the pairs inside a node (loopback here) at gloo's measured cost:
+    latency = the exchange's fixed cost, bandwidth = the all-reduce's rate (collectives are
+    most of these plans' intra-node traffic). Pairs across nodes keep the profile's figures
+    (the shaped NIC dominates there)."""
     import yaml
 
     data = yaml.safe_load(measured.read_text())
-    if fit.per_byte * fit.bandwidth > 0.05:
-        for ov in data.get("overrides", []):
-            ov["bandwidth"] = f"{fit.collective_bandwidth:.6g} B/s"
-        for node in data.get("nodes", []):
-            for key in ("intra", "nic"):
-                if key in node and node[key].get("type") == "loopback":
-                    node[key]["bandwidth"] = f"{fit.collective_bandwidth:.6g} B/s"
+    nodes = data.get("nodes", [])
+    node_of = [i for i, n in enumerate(nodes) for _ in range(int(n["gpus"]["count"]) if isinstance(n["gpus"], dict)
+                                                            else len(n["gpus"]))]
+    for ov in data.get("overrides", []):
+        a, b = ov["devices"]
+        if node_of[a] == node_of[b]:
+            ov["bandwidth"] = f"{fit.allreduce_bandwidth:.6g} B/s"
+            ov["latency"] = f"{fit.exchange_fixed * 1e6:.6g} us"
+    for node in nodes:
+        node["intra"]["bandwidth"] = f"{fit.allreduce_bandwidth:.6g} B/s"
+        node["intra"]["latency"] = f"{fit.exchange_fixed * 1e6:.6g} us"
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
 
@@ -356,14 +403,15 @@ def sim_cluster(measured: Path, fit: CommFit, out: Path) -> Path:
 def compute_model(fit: CommFit, prof: Any, cluster: Any, plan: Any, flatten_s_per_byte: float) -> Any:
     """The simulator's host/optimizer constants for gloo on CPU ranks with measured layer times:
     `host_comm_s` = gloo's per-call cost (`fit_gloo`); the optimizer from the layer profile's
-    AdamW step (`optimizer_bytes_per_param` on the fastest kind's measured memory bandwidth);
+    AdamW step over all parameters (`optimizer_bytes_per_param` on the fastest kind's measured
+    memory bandwidth);
     under data parallelism `step_host_s` = the runtime's gradient flatten + copy-back for one
     stage's gradients (pipeline stages hold about 1/pp of them)."""
     from plait.cost.compute import ComputeModel
 
     fastest = max(cluster.kinds.values(), key=lambda k: k.flops("fp32"))
     params = sum(prof.params.values())
-    opt_bytes = prof.optimizer_s * fastest.memory_bandwidth / params if params else 0.0
+    opt_bytes = prof.optimizer_total_s * fastest.memory_bandwidth / params if params else 0.0
     step = flatten_s_per_byte * 4 * params / (plan.tp * plan.pp) if plan.dp > 1 else 0.0
     return ComputeModel(host_comm_s=fit.per_call, p2p_host_s=0.0, step_host_s=step, loss_host_s=0.0,
                         batch_host_s=0.0, optimizer_bytes_per_param=opt_bytes, memory_efficiency=1.0,
@@ -443,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         return _layer_profile_worker(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 plans per cluster, 6 steps")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 10; quick 6)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 8; quick 6)")
     ap.add_argument("--repeats", type=int, default=12, help="layer-profile repetitions")
     ap.add_argument("--rounds", type=int, default=None, help="tries of every plan (default 3; quick 1)")
     ap.add_argument("--keep", help="directory for cluster files, profiles, traces and the JSON (default: a temp dir)")
@@ -463,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.sim.api import resolve_model
 
     console = Console(width=180)
-    steps = args.steps or (6 if args.quick else 10)
+    steps = args.steps or (6 if args.quick else 8)
     args.rounds = args.rounds or (1 if args.quick else 3)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="plait-sim-vs-real-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -486,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1-2. clusters and their profiles (the profile's ranks are children of this process: they share
     # one cgroup holding what the ranks will hold together).
-    emulated, measured, fits, slowdowns, clusters = {}, {}, {}, {}, {}
+    emulated, raw, measured, slowdowns, clusters = {}, {}, {}, {}, {}
     cluster_group = _null() if args.no_cgroups else ProcessCgroup(
         cpus=None if mode["cpus"] is None else mode["cpus"] * world, shares=SHARES * world,
         cpuset=None if mode["cpuset"] == "pinned" else mode["cpuset"])
@@ -497,20 +545,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             emulated[name] = work / f"{name}.yaml"
             emulated[name].write_text(textwrap.dedent(text))
-            raw = work / f"{name}-measured.yaml"
+            raw[name] = work / f"{name}-measured.yaml"
             t0 = time.time()
-            res = profile_cluster(emulated[name], raw, parse_size(args.max_size))
+            res = profile_cluster(emulated[name], raw[name], parse_size(args.max_size))
             (work / f"{name}-profile.json").write_text(res.to_json())
-            fits[name] = fit_gloo(res)
-            measured[name] = sim_cluster(raw, fits[name], work / f"{name}-sim.yaml")
-            clusters[name] = load_cluster(str(measured[name]))
-            emu = clusters[name].emulation
-            slowdowns[name] = dict(emu.slowdown) if emu is not None and emu.slowdown else {}
-            f = fits[name]
-            console.print(f"profiled [bold]{name}[/] in {time.time() - t0:.0f} s: p2p {f.bandwidth / 1e6:.0f} MB/s, "
-                          f"latency {f.latency * 1e6:.0f} us; gloo all-reduce + {f.per_call * 1e6:.0f} us per call, "
-                          f"+ {f.per_byte * 1e9:.3f} ns/B (fit rms {f.rms_rel * 100:.0f} %), collective bandwidth "
-                          f"{f.collective_bandwidth / 1e6:.0f} MB/s; slowdowns {slowdowns[name]}")
+            pairs = list(res.p2p.values())
+            console.print(f"profiled [bold]{name}[/] in {time.time() - t0:.0f} s: p2p "
+                          f"{statistics.fmean(v['bandwidth'] for v in pairs) / 1e6:.0f} MB/s, latency "
+                          f"{statistics.fmean(v['latency'] for v in pairs) * 1e6:.0f} us; slowdowns {res.slowdowns}")
 
     # 3-5. per plan: profile its layers (on both emulated devices at once, each in its rank's cgroup)
     # right before and right after the run, measure, predict from the mean of the two profiles.
@@ -520,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     graphs: dict[int, Any] = {}
     trials: list[dict[str, Any]] = []
     flatten_cost = [0.0]
+    fit: list[Any] = [None]
 
     def trial(cname: str, label: str, spec: str, rnd: int, profilers: Any, env: dict[str, str]) -> dict[str, Any]:
         p = Plan.load(spec)
@@ -553,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         if p.micro_batch not in graphs:
             graphs[p.micro_batch] = resolve_model(args.model, p)
         graph = graphs[p.micro_batch]
-        cm = compute_model(fits[cname], base_prof, clusters[cname], p, flatten_cost[0])
+        cm = compute_model(fit[0], base_prof, clusters[cname], p, flatten_cost[0])
         nan = float("nan")
         try:
             row["predicted_s"], row["sim"], sim_work = predict(graph, sim_cl, spec, layer_times=prof.times,
@@ -586,39 +629,58 @@ def main(argv: list[str] | None = None) -> int:
     with rank_groups() as groups:
         console.print(f"layer profiles and ranks: {groups.describe() if groups.active else 'no cgroups'}")
         profilers = Profilers(world, groups.env())
-        flatten_cost[0] = profilers.flatten(args.model)
-        console.print(f"runtime gradient flatten + copy-back: {flatten_cost[0] * 1e9:.2f} ns per byte")
         try:
+            flatten_cost[0] = profilers.flatten(args.model)
+            sweep = profilers.gloo(work / "gloo.store", [4**k * 1024 for k in range(8)])
+            fit[0] = fit_gloo(sweep)
+            f = fit[0]
+            console.print(f"runtime gradient flatten + copy-back: {flatten_cost[0] * 1e9:.2f} ns per byte; gloo, "
+                          f"placed as the ranks: exchange {f.exchange_fixed * 1e6:.0f} us + S / "
+                          f"{f.exchange_bandwidth / 1e6:.0f} MB/s, all-reduce {f.allreduce_fixed * 1e6:.0f} us + S / "
+                          f"{f.allreduce_bandwidth / 1e6:.0f} MB/s (fit rms {f.rms_rel * 100:.0f} %) -> "
+                          f"{f.per_call * 1e6:.0f} us per collective call")
+            for name in raw:
+                measured[name] = sim_cluster(raw[name], f, work / f"{name}-sim.yaml")
+                clusters[name] = load_cluster(str(measured[name]))
+                emu = clusters[name].emulation
+                slowdowns[name] = dict(emu.slowdown) if emu is not None and emu.slowdown else {}
+
             for rnd in range(args.rounds):
                 for cname, label, spec in (plans if rnd % 2 == 0 else plans[::-1]):
                     trials.append(trial(cname, label, spec, rnd, profilers, groups.env()))
         finally:
             profilers.close()
 
-    # Per plan: mean over rounds of the predicted and of the measured iteration time.
+    # Per plan: the round with the median error (each round pairs a run with the profiles that
+    # bracket it; the median is robust to a round that a burst of other work on the machine spoiled).
     rows = []
     for cname, label, spec in plans:
         mine = [t for t in trials if t["plan"] == label and t["cluster"] == cname]
-        ok = [t for t in mine if t["measured_s"] == t["measured_s"] and t["predicted_s"] == t["predicted_s"]]
-        row = {"cluster": cname, "plan": label, "spec": spec, "rounds": len(ok)}
-        for key in ("predicted_s", "measured_s", "replay_s", "baseline_s"):
-            row[key] = statistics.fmean(t[key] for t in ok) if ok else float("nan")
-        for key in ("predicted", "replay", "baseline"):
-            row[f"{key}_error"] = (row[f"{key}_s"] - row["measured_s"]) / row["measured_s"] if ok else float("nan")
-        row["trial_errors"] = [t["predicted_error"] for t in ok]
-        row["measured_spread"] = (max(t["measured_s"] for t in ok) - min(t["measured_s"] for t in ok)) / row["measured_s"] if ok else float("nan")
-        row["sim"] = ok[-1]["sim"] if ok else {}
-        row["real"] = ok[-1]["real"] if ok else {}
+        ok = sorted((t for t in mine if t["measured_s"] == t["measured_s"] and t["predicted_s"] == t["predicted_s"]),
+                    key=lambda t: t["predicted_error"])
+        nan = float("nan")
+        mid = ok[(len(ok) - 1) // 2] if ok else {}
+        row = {"cluster": cname, "plan": label, "spec": spec, "rounds": len(ok), "round": mid.get("round")}
+        for key in ("predicted_s", "measured_s", "replay_s", "baseline_s", "predicted_error", "replay_error",
+                    "baseline_error", "iqr_s"):
+            row[key] = mid.get(key, nan)
+        row["trial_errors"] = [t["predicted_error"] for t in sorted(ok, key=lambda t: t["round"])]
+        row["trial_replay_errors"] = [t["replay_error"] for t in sorted(ok, key=lambda t: t["round"])]
+        row["measured_spread"] = ((max(t["measured_s"] for t in ok) - min(t["measured_s"] for t in ok))
+                                  / statistics.median(t["measured_s"] for t in ok)) if ok else nan
+        row["sim"], row["real"] = mid.get("sim", {}), mid.get("real", {})
         rows.append(row)
 
     table = Table(title=f"sim vs real: {args.model}, fp32, {world} CPU ranks ({args.cpu_mode}), {steps} steps per run "
-                        f"(median of steps 3..{steps}), mean of {args.rounds} rounds")
-    for col in ("cluster", "plan", "predicted ms", "measured ms", "error", "error per round", "measured spread",
-                "replay error", "sim fwd/bwd+opt/comm ms", "real fwd/bwd+opt/comm ms", "baseline (GPU model)"):
+                        f"(median of steps 3..{steps}); per plan the round with the median error of {args.rounds}")
+    for col in ("cluster", "plan", "predicted ms", "measured ms (IQR)", "error", "errors per round",
+                "measured spread", "replay error", "sim fwd/bwd+opt/comm ms", "real fwd/bwd+opt/comm ms",
+                "baseline (GPU model)"):
         table.add_column(col, justify="left" if col in ("cluster", "plan") else "right")
     for r in rows:
         ok = abs(r["predicted_error"]) <= 0.10
-        table.add_row(r["cluster"], r["plan"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
+        table.add_row(r["cluster"], r["plan"], f"{r['predicted_s'] * 1e3:.1f}",
+                      f"{r['measured_s'] * 1e3:.1f} ({r['iqr_s'] * 1e3:.1f})",
                       f"[{'green' if ok else 'red'}]{r['predicted_error'] * 100:+.1f} %[/]",
                       " ".join(f"{e * 100:+.0f}" for e in r["trial_errors"]),
                       f"{r['measured_spread'] * 100:.0f} %", f"{r['replay_error'] * 100:+.1f} %",
@@ -648,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"total {time.time() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f}; files in {work}")
     (work / "sim_vs_real.json").write_text(json.dumps(
         {"model": args.model, "steps": steps, "rounds": args.rounds, "cpu_mode": args.cpu_mode, "rows": rows,
-         "trials": trials, "summary": summary, "fits": {k: dataclasses.asdict(v) for k, v in fits.items()}},
+         "trials": trials, "summary": summary, "gloo": dataclasses.asdict(fit[0]) if fit[0] else None},
         indent=1, default=str))
     return 0
 

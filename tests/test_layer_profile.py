@@ -83,6 +83,7 @@ def test_times_land_on_the_layer_that_spends_them() -> None:
     assert b2 >= 0.03 and b0 < 0.03 and b1 < 0.03
     assert prof.params == {"0": 20, "1": 20, "2": 15}
     assert all(v > 0 for v in prof.optimizer.values())
+    assert prof.optimizer_total_s > 0
     assert set(prof.spread) == set(prof.times)
 
 
@@ -100,6 +101,7 @@ def test_gpt_layers_match_the_opgraph_and_count_tied_weights_once() -> None:
     assert prof.to_dict()["layers"]["head"]["params"] == prof.params["head"]
     again = LayerProfile.from_dict(json.loads(json.dumps(prof.to_dict())))
     assert again.times == prof.times and again.params == prof.params and again.optimizer == prof.optimizer
+    assert again.optimizer_total_s == prof.optimizer_total_s
     with pytest.raises(LayerProfileError, match="layers"):
         LayerProfile.from_dict({"model": "x"})
 

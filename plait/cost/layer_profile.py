@@ -29,7 +29,8 @@ How one layer is timed (`profile_layers`):
    loss gradient in its backward, as a training step does;
 4. the optimizer step (`torch.optim.AdamW`, per-tensor like the runtime's) is timed per
    layer on that layer's parameters (a parameter shared by several layers -- tied
-   embeddings -- is counted at its first layer).
+   embeddings -- is counted at its first layer), and once over all parameters together
+   (`optimizer_total_s`, the working set of a real step).
 
 The device runs with `threads` intra-op threads (default: 1, what a rank of
 `plait run` gets when ranks share the machine's cores) and the compute dtype of the
@@ -74,6 +75,7 @@ class LayerProfile:
     threads: int
     repeats: int
     statistic: str = "median"
+    optimizer_total_s: float = 0.0  # one optimizer step over every parameter of the model at once
     times: dict[str, tuple[float, float]] = field(default_factory=dict)
     spread: dict[str, tuple[float, float]] = field(default_factory=dict)
     optimizer: dict[str, float] = field(default_factory=dict)
@@ -95,7 +97,7 @@ class LayerProfile:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "micro_batch": self.micro_batch, "dtype": self.dtype, "tp": self.tp,
                 "threads": self.threads, "repeats": self.repeats, "statistic": self.statistic,
-                "loss_layer": self.loss_layer,
+                "loss_layer": self.loss_layer, "optimizer_total_s": self.optimizer_total_s,
                 "layers": {n: {"forward_s": f, "backward_s": b, "forward_iqr_s": self.spread[n][0],
                                "backward_iqr_s": self.spread[n][1], "optimizer_s": self.optimizer.get(n, 0.0),
                                "params": self.params.get(n, 0)} for n, (f, b) in self.times.items()}}
@@ -108,6 +110,7 @@ class LayerProfile:
             return cls(model=data["model"], micro_batch=int(data["micro_batch"]), dtype=data["dtype"],
                        tp=int(data["tp"]), threads=int(data["threads"]), repeats=int(data["repeats"]),
                        statistic=data.get("statistic", "median"), loss_layer=data.get("loss_layer", ""),
+                       optimizer_total_s=float(data.get("optimizer_total_s", 0.0)),
                        times={n: (v["forward_s"], v["backward_s"]) for n, v in layers.items()},
                        spread={n: (v["forward_iqr_s"], v["backward_iqr_s"]) for n, v in layers.items()},
                        optimizer={n: v["optimizer_s"] for n, v in layers.items()},
@@ -322,6 +325,24 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
                     if r >= warmup:
                         ts.append(time.perf_counter() - t0)
                 prof.optimizer[name] = center(ts)
+            # ... and over all of them at once, as a training step runs it (a working set of every
+            # parameter, gradient and optimizer state: larger than the caches a single layer fits).
+            every = [p for name in order for p in modules[name].parameters() if p.requires_grad]
+            every = list({id(p): p for p in every}.values())
+            if optimizer and every:
+                for p in every:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                opt = torch.optim.AdamW(every, lr=lr, foreach=False)
+                ts = []
+                for r in range(warmup + repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    opt.step()
+                    sync()
+                    if r >= warmup:
+                        ts.append(time.perf_counter() - t0)
+                prof.optimizer_total_s = center(ts)
             return prof
     finally:
         torch.set_num_threads(old_threads)
