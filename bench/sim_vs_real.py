@@ -21,7 +21,8 @@ What it does, end to end:
    splits on `hetero`), `--rounds` times (odd rounds in reverse order):
    **profiles the model's layers** on both emulated devices at once right before and right
    after the run (`plait.cost.layer_profile`: each layer's forward and backward alone,
-   median of repetitions, one thread, fp32 -- what a rank runs; under tensor parallelism a
+   mean of repetitions -- a step sums many spans, so the expected time is what it sees --
+   one thread, fp32 -- what a rank runs; under tensor parallelism a
    layer is sliced exactly as the runtime slices it, its collectives made no-ops, so the
    figure is one tensor rank's compute). This is how profiling simulators (dPRO, Echo,
    Pipette) feed a simulation: measured layer times, simulated plan. **Measures** the plan
@@ -206,8 +207,10 @@ def _flatten_cost(model: str, repeats: int) -> dict[str, float]:
 
 def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
     """gloo between the profilers, placed as the ranks are (own CPU each, loopback): per size,
-    the median time of a 2-rank all-reduce and of a pipeline exchange (send S and receive S
-    with `batch_isend_irecv`, as the runtime's 1F1B steady state), each call after a barrier."""
+    the mean time of a 2-rank all-reduce and of a pipeline exchange (send S and receive S
+    with `batch_isend_irecv`, as the runtime's 1F1B steady state), each call after a barrier.
+    The mean, not the median: a plan's time sums many calls, delays of a shared machine
+    included."""
     import torch
     import torch.distributed as dist
 
@@ -227,7 +230,7 @@ def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
                 fn()
                 if i >= 3:
                     times.append(time.perf_counter() - t0)
-            out[op].append([float(x.numel() * 4), statistics.median(times)])
+            out[op].append([float(x.numel() * 4), statistics.fmean(times)])
     return out
 
 
@@ -270,8 +273,8 @@ class Profilers:
         res = self.request({"kind": "flatten", "model": model, "repeats": repeats})
         return statistics.fmean(r["seconds"] / r["bytes"] for r in res)
 
-    def gloo(self, store: Path, sizes: list[int], iters: int = 15) -> dict[str, list[list[float]]]:
-        """`_gloo_sweep` on every profiler; per size the slowest rank's median."""
+    def gloo(self, store: Path, sizes: list[int], iters: int = 25) -> dict[str, list[list[float]]]:
+        """`_gloo_sweep` on every profiler; per size the slowest rank's mean."""
         store.unlink(missing_ok=True)
         res = self.request({"kind": "gloo", "store": str(store), "world": len(self.procs), "sizes": sizes,
                             "iters": iters})
@@ -476,9 +479,9 @@ CPU_MODES = {
     # rank r on CPU r, with a high weight against other work on the machine: a rank's threads (gloo's
     # receive loop too) stay on its own CPU; unpinned, a receive can wait a whole scheduler slice
     # (~4 ms measured) behind the other rank's compute
-    "pinned": {"cpus": None, "cpuset": "pinned", "statistic": "median"},
+    "pinned": {"cpus": None, "cpuset": "pinned", "statistic": "mean"},
     # ranks run anywhere, with a high weight against other work on the machine
-    "shared": {"cpus": None, "cpuset": None, "statistic": "median"},
+    "shared": {"cpus": None, "cpuset": None, "statistic": "mean"},
     # every rank gets 1/world of CPU 0 (CFS quota): ranks take turns on one CPU and never run
     # side by side, so a rank's speed does not depend on whether its peer computes
     "fixed": {"cpus": 0.5, "cpuset": "0", "statistic": "mean"},

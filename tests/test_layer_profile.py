@@ -115,7 +115,7 @@ def test_reset_gradients_option_leaves_no_accumulated_gradient() -> None:
     assert set(fresh.times) == set(piled.times) == {"0", "1", "2"}
 
 
-def test_trimmed_mean_statistic() -> None:
+def test_mean_statistic() -> None:
     prof = profile_layers(TINY, micro_batch=1, repeats=5, warmup=0, optimizer=False, statistic="mean")
     assert prof.statistic == "mean" and all(f > 0 for f, _ in prof.times.values())
 

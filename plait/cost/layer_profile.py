@@ -155,13 +155,6 @@ def _fresh(value: Any) -> Any:
     return value
 
 
-def _trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
-    """Mean without the lowest and highest `cut` fraction (scipy.stats.trim_mean)."""
-    from scipy.stats import trim_mean
-
-    return float(trim_mean(xs, cut))
-
-
 def _iqr(xs: list[float]) -> float:
     if len(xs) < 4:
         return max(xs) - min(xs) if xs else 0.0
@@ -180,8 +173,8 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
     parallelism: it is called for every layer and decides itself which to slice); `tp` is
     only recorded. `threads=None` keeps torch's current intra-op thread count.
     `statistic`: "median" of the repetitions (robust to interruptions), or "mean" (the
-    10 %-trimmed mean: the long-run rate, for a device whose speed comes in bursts, e.g. a
-    CPU share enforced by CFS bandwidth control). `accumulate`: the backward adds into the
+    expected time: what a run that sums many such spans sees on a device whose speed varies
+    -- a shared machine, or a CPU share enforced by CFS bandwidth control). `accumulate`: the backward adds into the
     parameters' existing gradients, as every micro-batch after the first of a step does (one
     read-modify-write of every gradient: measurable on a CPU); False resets them before each
     repetition, as for a step's first micro-batch."""
@@ -197,7 +190,7 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
         raise LayerProfileError(f"tp: must be >= 1, got {tp}")
     if statistic not in ("median", "mean"):
         raise LayerProfileError(f"statistic: must be 'median' or 'mean', got {statistic!r}")
-    center = statistics.median if statistic == "median" else _trimmed_mean
+    center = statistics.median if statistic == "median" else statistics.fmean
     from plait.graph.capture import layer_assignment
 
     spec = _load_spec(model_spec)
