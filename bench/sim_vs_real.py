@@ -207,10 +207,11 @@ def _flatten_cost(model: str, repeats: int) -> dict[str, float]:
 
 def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
     """gloo between the profilers, placed as the ranks are (own CPU each, loopback): per size,
-    the mean time of a 2-rank all-reduce and of a pipeline exchange (send S and receive S
+    the median time of a 2-rank all-reduce and of a pipeline exchange (send S and receive S
     with `batch_isend_irecv`, as the runtime's 1F1B steady state), each call after a barrier.
-    The mean, not the median: a plan's time sums many calls, delays of a shared machine
-    included."""
+    The median: under load from other work gloo's small all-reduces are bimodal on this
+    machine (~0.3 ms or ~3 ms per call, measured), and a mean over one short sweep says more
+    about that minute's load than about gloo."""
     import torch
     import torch.distributed as dist
 
@@ -230,7 +231,7 @@ def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
                 fn()
                 if i >= 3:
                     times.append(time.perf_counter() - t0)
-            out[op].append([float(x.numel() * 4), statistics.fmean(times)])
+            out[op].append([float(x.numel() * 4), statistics.median(times)])
     return out
 
 
@@ -274,7 +275,7 @@ class Profilers:
         return statistics.fmean(r["seconds"] / r["bytes"] for r in res)
 
     def gloo(self, store: Path, sizes: list[int], iters: int = 25) -> dict[str, list[list[float]]]:
-        """`_gloo_sweep` on every profiler; per size the slowest rank's mean."""
+        """`_gloo_sweep` on every profiler; per size the slowest rank's median."""
         store.unlink(missing_ok=True)
         res = self.request({"kind": "gloo", "store": str(store), "world": len(self.procs), "sizes": sizes,
                             "iters": iters})
