@@ -207,17 +207,25 @@ def _flatten_cost(model: str, repeats: int) -> dict[str, float]:
 
 def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
     """gloo between the profilers, placed as the ranks are (own CPU each, loopback): per size,
-    the median time of a 2-rank all-reduce and of a pipeline exchange (send S and receive S
-    with `batch_isend_irecv`, as the runtime's 1F1B steady state), each call after a barrier.
-    The median: under load from other work gloo's small all-reduces are bimodal on this
-    machine (~0.3 ms or ~3 ms per call, measured), and a mean over one short sweep says more
-    about that minute's load than about gloo."""
+    the mean time of a 2-rank all-reduce and of a pipeline exchange (send S and receive S with
+    `batch_isend_irecv`, as the runtime's 1F1B steady state), each call made as training makes
+    it -- right after a compute segment of ~2 ms (a tensor-parallel layer's segment here), both
+    ranks starting the segment together. A call then also pays for the ranks not finishing
+    their segments together (each rank's speed jitters on a shared machine) and for waking
+    gloo's threads after compute; the mean, because a step sums many calls."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{req['store']}", rank=rank, world_size=req["world"])
+    torch.set_num_threads(1)
     peer = (rank + 1) % req["world"]
+    w = torch.randn(256, 256)
+
+    def segment() -> None:
+        for _ in range(req.get("segment_matmuls", 6)):
+            w @ w
+
     out: dict[str, list[list[float]]] = {"all_reduce": [], "exchange": []}
     for size in req["sizes"]:
         x, y = torch.zeros(max(1, size // 4)), torch.zeros(max(1, size // 4))
@@ -227,11 +235,12 @@ def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
             times = []
             for i in range(3 + req["iters"]):
                 dist.barrier()
+                segment()
                 t0 = time.perf_counter()
                 fn()
                 if i >= 3:
                     times.append(time.perf_counter() - t0)
-            out[op].append([float(x.numel() * 4), statistics.median(times)])
+            out[op].append([float(x.numel() * 4), statistics.fmean(times)])
     return out
 
 
@@ -275,11 +284,11 @@ class Profilers:
         return statistics.fmean(r["seconds"] / r["bytes"] for r in res)
 
     def gloo(self, store: Path, sizes: list[int], iters: int = 25) -> dict[str, list[list[float]]]:
-        """`_gloo_sweep` on every profiler; per size the slowest rank's median."""
+        """`_gloo_sweep` on every profiler; per size the mean over the ranks."""
         store.unlink(missing_ok=True)
         res = self.request({"kind": "gloo", "store": str(store), "world": len(self.procs), "sizes": sizes,
                             "iters": iters})
-        return {op: [[row[0], max(r[op][i][1] for r in res)] for i, row in enumerate(res[0][op])]
+        return {op: [[row[0], statistics.fmean(r[op][i][1] for r in res)] for i, row in enumerate(res[0][op])]
                 for op in res[0]}
 
     def close(self) -> None:
