@@ -46,7 +46,10 @@ both compute. Hence: two ranks (one per CPU), each rank and its profiler pinned 
 CPU with a high `cpu.shares` weight (`plait.runtime.cpu_share`; root only, else skipped):
 unpinned, a gloo receive waits up to a scheduler slice (~4 ms measured) behind the other
 rank's compute; profiles taken on both CPUs at once (as the ranks compute at once),
-bracketing each run; several rounds. `--cpu-mode fixed` instead gives each rank a 0.5-CPU
+bracketing each run; several rounds; glibc malloc told to keep freed memory, as a GPU's
+caching allocator does (`MALLOC_ENV`: fresh memory costs page faults that are expensive
+in this VM and hit pipeline stages, which keep activations alive, far more than a layer
+timed alone). `--cpu-mode fixed` instead gives each rank a 0.5-CPU
 CFS quota on one shared CPU (no side-by-side contention, but ~2 ms extra gloo latency per
 message), `--cpu-mode shared` leaves ranks unpinned.
 
@@ -75,6 +78,13 @@ from rich.table import Table  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=512"
 SHARES = 8192  # cpu.shares of each rank's cgroup (8x a plain process)
+# glibc malloc keeps freed memory in the process (no mmap per large block, no trimming), as
+# PyTorch's CUDA caching allocator does on a GPU. With glibc's defaults every activation of a
+# block above 128 KiB is fresh mmap'd memory, and a page fault costs a lot in this VM: a
+# pipeline stage, which keeps several micro-batches' activations alive, ran its layers 30-50 %
+# slower than the same layers timed alone (measured: 8.4 vs 6.4 ms; 4.2 vs 4.2 ms with these).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+              "MALLOC_TOP_PAD_": str(512 << 20)}
 
 CLUSTERS = {
     # Ranks of one node talk over the namespace's loopback (NVLink-like, not shaped).
@@ -512,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-mode", choices=sorted(CPU_MODES), default="pinned",
                     help="how ranks (and profilers) share this machine's CPUs (see the docstring)")
     ap.add_argument("--no-cgroups", action="store_true", help="do not put ranks and profilers in cpu cgroups")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc malloc at its defaults for ranks and profilers (see MALLOC_ENV)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                     help="first wait up to SECONDS for this machine's 1-minute load average to fall below 0.5")
     ap.add_argument("--model", default=MODEL)
@@ -640,8 +652,10 @@ def main(argv: list[str] | None = None) -> int:
         return row
 
     with rank_groups() as groups:
-        console.print(f"layer profiles and ranks: {groups.describe() if groups.active else 'no cgroups'}")
-        profilers = Profilers(world, groups.env())
+        console.print(f"layer profiles and ranks: {groups.describe() if groups.active else 'no cgroups'}; "
+                      f"malloc keeps freed memory: {not args.default_malloc}")
+        env = {**groups.env(), **({} if args.default_malloc else MALLOC_ENV)}
+        profilers = Profilers(world, env)
         try:
             flatten_cost[0] = profilers.flatten(args.model)
             sweep = profilers.gloo(work / "gloo.store", [4**k * 1024 for k in range(8)])
@@ -660,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
 
             for rnd in range(args.rounds):
                 for cname, label, spec in (plans if rnd % 2 == 0 else plans[::-1]):
-                    trials.append(trial(cname, label, spec, rnd, profilers, groups.env()))
+                    trials.append(trial(cname, label, spec, rnd, profilers, env))
         finally:
             profilers.close()
 
