@@ -219,7 +219,7 @@ def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
     """gloo between the profilers, placed as the ranks are (own CPU each, loopback): per size,
     the mean time of a 2-rank all-reduce and of a pipeline exchange (send S and receive S with
     `batch_isend_irecv`, as the runtime's 1F1B steady state), each call made as training makes
-    it -- right after a compute segment of ~2 ms (a tensor-parallel layer's segment here), both
+    it -- right after a compute segment of ~1.5 ms (a tensor-parallel layer's segment here), both
     ranks starting the segment together. A call then also pays for the ranks not finishing
     their segments together (each rank's speed jitters on a shared machine) and for waking
     gloo's threads after compute; the mean, because a step sums many calls."""
@@ -233,7 +233,7 @@ def _gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
     w = torch.randn(256, 256)
 
     def segment() -> None:
-        for _ in range(req.get("segment_matmuls", 6)):
+        for _ in range(req.get("segment_matmuls", 3)):
             w @ w
 
     out: dict[str, list[list[float]]] = {"all_reduce": [], "exchange": []}
