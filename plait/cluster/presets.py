@@ -177,9 +177,10 @@ def _large_mixed(nodes: int, fast: str, slow: str, slow_share: float, gpus_per_n
     return out
 
 
-def _emulated_mixed(bandwidth_scale: float, namespaces: bool) -> dict[str, Any]:
+def _emulated_mixed(bandwidth_scale: float, namespaces: bool, gpus_per_node: int = 2) -> dict[str, Any]:
     """2 nodes x 2 GPUs: node 0 two A100-80GB (NVLink 3), node 1 two V100-32GB (NVLink 2),
-    joined by one 200 Gb/s HDR NIC per GPU.
+    joined by one 200 Gb/s HDR NIC per GPU. `gpus_per_node=1` gives one rank per CPU of a
+    2-core machine (what `plait.runtime.machine` predicts best).
 
     Emulation (issue 5's runtime): 4 gloo worker processes on CPU; V100 ranks are slowed
     by the A100:V100 peak FLOP/s ratio (slowdown None = derived); each node lives in a
@@ -194,8 +195,9 @@ def _emulated_mixed(bandwidth_scale: float, namespaces: bool) -> dict[str, Any]:
     """
     return {
         "name": "emulated-mixed",
-        "nodes": [_node("a100-80gb", "a100-node", gpus=2, nics=2),
-                  _node("v100-32gb", "v100-node", gpus=2, nic=units.parse_bandwidth("200 Gb/s"), nics=2)],
+        "nodes": [_node("a100-80gb", "a100-node", gpus=gpus_per_node, nics=gpus_per_node),
+                  _node("v100-32gb", "v100-node", gpus=gpus_per_node, nic=units.parse_bandwidth("200 Gb/s"),
+                        nics=gpus_per_node)],
         "emulation": {"enabled": True, "namespaces": namespaces, "bandwidth_scale": bandwidth_scale},
     }
 
@@ -237,7 +239,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("emulated-mixed", "2 nodes x 2 GPUs (A100 + V100) emulated on this machine; "
                              "the default of `plait plan`",
            (Param("bandwidth_scale", "float", 1 / 200, "link bandwidth scale for tc shaping"),
-            Param("namespaces", "bool", True, "emulate nodes with network namespaces")),
+            Param("namespaces", "bool", True, "emulate nodes with network namespaces"),
+            Param("gpus_per_node", "int", 2, "GPUs (CPU ranks) per node")),
            _emulated_mixed),
 ]}
 

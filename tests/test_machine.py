@@ -1,0 +1,99 @@
+"""plait.runtime.machine: the pieces that turn this machine's measurements into a simulation."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import yaml
+
+from plait.cluster import load_cluster
+from plait.cost.layer_profile import LayerProfile
+from plait.plan.ir import Plan
+from plait.runtime.machine import (
+    CommFit,
+    LocalMachine,
+    MachineError,
+    Profilers,
+    fit_line,
+    mean_profile,
+    per_device_cluster,
+    sim_cluster_yaml,
+)
+
+
+def test_fit_line_recovers_fixed_cost_and_rate():
+    rows = [[s, 300e-6 + s / 2e9] for s in (1e3, 1e4, 1e5, 1e6, 1e7)]
+    fixed, rate, rms = fit_line(rows)
+    assert fixed == pytest.approx(300e-6, rel=1e-3) and rate == pytest.approx(2e9, rel=1e-3) and rms < 1e-6
+
+
+@pytest.mark.parametrize("world,expected", [(2, 1000e-6 - 2 * 100e-6), (4, 1000e-6 - 6 * 100e-6), (8, 0.0)])
+def test_per_call_cost_is_what_the_ring_latencies_do_not_explain(world, expected):
+    fit = CommFit(exchange_fixed=100e-6, exchange_bandwidth=1e9, allreduce_fixed=1000e-6,
+                  allreduce_bandwidth=5e8, rms_rel=0.0, world=world)
+    assert fit.per_call == pytest.approx(expected)
+
+
+def _profile(scale: float) -> LayerProfile:
+    return LayerProfile(model="m", micro_batch=1, dtype="fp32", tp=1, threads=1, repeats=1,
+                        optimizer_total_s=scale, times={"a": (1 * scale, 2 * scale), "b": (3 * scale, 4 * scale)},
+                        spread={"a": (0, 0), "b": (0, 0)}, optimizer={"a": scale, "b": 0.0}, params={"a": 10, "b": 0})
+
+
+def test_mean_profile_averages_layer_by_layer():
+    m = mean_profile([_profile(1.0), _profile(3.0)])
+    assert m.times == {"a": (2.0, 4.0), "b": (6.0, 8.0)} and m.optimizer_total_s == 2.0
+
+
+def test_per_device_cluster_scales_each_device_by_kind_and_measured_speed():
+    cl = load_cluster("emulated-mixed:gpus_per_node=1,namespaces=false")
+    plan = Plan.parse("pp=2,micro_batch=1,global_batch=2,device_order=1:0")
+    # rank 0 runs on device 1 (the V100) and profiled 3x slower than rank 1
+    per_rank = [_profile(3.0), _profile(1.0)]
+    sim, scale, speed = per_device_cluster(cl, plan, per_rank, {"v100-32gb": 1.5})
+    assert speed == pytest.approx([0.5, 1.5])
+    kinds = [k for n in sim.nodes for k in n.gpus]
+    assert kinds == ["a100-80gb@dev0", "v100-32gb@dev1"]
+    assert scale == pytest.approx({"a100-80gb@dev0": 0.5, "v100-32gb@dev1": 1.5 * 1.5})
+    assert sim.kinds["v100-32gb@dev1"].memory_bytes == cl.kinds["v100-32gb"].memory_bytes
+
+
+def test_sim_cluster_gives_intra_node_pairs_gloos_measured_cost(tmp_path):
+    data = {"name": "m", "nodes": [
+        {"name": "n0", "gpus": {"kind": "a100-80gb", "count": 2},
+         "intra": {"bandwidth": "5 GB/s", "latency": "10 us"}, "nic": {"bandwidth": "1 Gb/s", "count": 1}},
+        {"name": "n1", "gpus": {"kind": "t4", "count": 1},
+         "intra": {"bandwidth": "5 GB/s", "latency": "10 us"}, "nic": {"bandwidth": "1 Gb/s", "count": 1}}],
+        "overrides": [{"devices": [0, 1], "bandwidth": "4 GB/s", "latency": "20 us"},
+                      {"devices": [0, 2], "bandwidth": "50 MB/s", "latency": "70 us"}]}
+    src = tmp_path / "measured.yaml"
+    src.write_text(yaml.safe_dump(data))
+    fit = CommFit(exchange_fixed=300e-6, exchange_bandwidth=1e9, allreduce_fixed=1e-3, allreduce_bandwidth=8e8,
+                  rms_rel=0.0)
+    out = yaml.safe_load(sim_cluster_yaml(src, fit, tmp_path / "sim.yaml").read_text())
+    same, across = out["overrides"]
+    assert same["bandwidth"] == "8e+08 B/s" and same["latency"] == "300 us"
+    assert across == data["overrides"][1]  # the shaped NIC keeps its measured figures
+    assert all(n["intra"]["latency"] == "300 us" for n in out["nodes"])
+    cl = load_cluster(str(tmp_path / "sim.yaml"))
+    assert cl.num_devices == 3
+
+
+def test_a_real_cluster_is_not_predicted_as_this_machine():
+    with pytest.raises(MachineError, match="emulated cluster"):
+        LocalMachine("a100-80gb:nodes=1", "gpt:layers=1,hidden=32,heads=2,seq=8,vocab=64")
+
+
+def test_profilers_answer_side_by_side_and_name_a_failing_rank():
+    profs = Profilers(2, {})
+    try:
+        layers = profs.layers("gpt:layers=2,hidden=32,heads=2,seq=8,vocab=64", micro_batch=2, tp=1, repeats=2)
+        assert len(layers) == 2 and all(p.micro_batch == 2 and len(p.times) >= 2 for p in layers)
+        assert all(f > 0 and b > 0 for p in layers for f, b in p.times.values())
+        assert statistics.fmean(p.optimizer_total_s for p in layers) > 0
+        with pytest.raises(MachineError, match="profiler of rank 0"):
+            profs.request({"kind": "no-such-request"})
+    finally:
+        profs.close()
+    assert all(p.poll() is not None for p in profs.procs)
