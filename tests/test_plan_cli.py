@@ -64,11 +64,27 @@ def test_bad_arguments_give_one_line_errors(argv, needle, capsys):
 
 
 def test_run_trains_the_chosen_plan_and_prints_predicted_vs_measured(capsys):
-    rc = main(["plan", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false", "--global-batch", "4",
-               "--top", "2", "--run", "--steps", "2", "--json"])
+    # one rank per node: the machine prediction calibrates this machine first (LocalMachine)
+    rc = main(["plan", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false,gpus_per_node=1",
+               "--global-batch", "4", "--top", "2", "--run", "--steps", "3", "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     run = res["run"]
     assert run["predicted_iteration_s"] > 0 and run["measured_iteration_s"] > 0
-    assert len(run["losses"]) == 2 and all(x == x for x in run["losses"])  # finite
-    assert Plan.parse(run["plan"]).world_size == 4
+    assert len(run["losses"]) == 3 and all(x == x for x in run["losses"])  # finite
+    assert Plan.parse(run["plan"]).world_size == 2
+    machine = run["machine"]
+    assert machine["dtype"] == "fp32" and machine["measured_iteration_s"] == run["measured_iteration_s"]
+    assert machine["predicted_iteration_s"] > 0 and machine["error"] == pytest.approx(
+        machine["predicted_iteration_s"] / machine["measured_iteration_s"] - 1)
+    assert len(machine["device_speed"]) == 2
+
+
+def test_run_without_machine_prediction(capsys):
+    rc = main(["plan", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false,gpus_per_node=1",
+               "--global-batch", "4", "--top", "1", "--run", "--steps", "2", "--no-machine-prediction",
+               "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "plait run of plan #1" in out and "iteration time: predicted" in out
+    assert "predicted for this machine" not in out

@@ -39,7 +39,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", metavar="FILE", help="write the best plan as JSON (for plait simulate/run --plan)")
     p.add_argument("--export", choices=FORMATS, help="print the best plan as launch args/config of this framework")
     p.add_argument("--run", action="store_true", help="train the best plan a few steps and compare with the prediction")
-    p.add_argument("--steps", type=int, default=3, help="steps for --run (default 3)")
+    p.add_argument("--steps", type=int, default=8, help="steps for --run (default 8; the first 2 are warm-up)")
+    p.add_argument("--no-machine-prediction", action="store_true",
+                   help="with --run on an emulated cluster: skip calibrating this machine (about 30 s) and "
+                        "the prediction for it")
     p.add_argument("--seed", type=int, default=0, help="seed of the placement annealing (default 0)")
     p.add_argument("--no-placement", action="store_true", help="keep Megatron's rank order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -103,7 +106,12 @@ def _model_config(model: str) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
-    """Train the best plan the runtime can run for a few steps; predicted next to measured."""
+    """Train the best plan the runtime can run for a few steps; predicted next to measured.
+
+    On an emulated cluster the prediction that can be checked is the one for this machine:
+    `plait.runtime.machine.LocalMachine` profiles the emulated links and the model's layers on
+    the ranks' CPUs, simulates the plan from them and runs it (in fp32, as CPU ranks train)."""
+    from plait.cluster import load_cluster
     from plait.errors import PlaitError
     from plait.runtime.api import run as runtime_run
 
@@ -112,25 +120,61 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
         raise PlaitError("--run: the runtime runs 1f1b and gpipe pipelines; every plan in the top "
                          f"{len(result.top)} is interleaved (raise --top)")
     cand = runnable[0]
-    res = runtime_run(args.model, args.cluster, cand.plan, steps=args.steps)
-    return {"plan": str(cand.plan), "rank_in_top": result.top.index(cand) + 1,
-            "predicted_iteration_s": cand.iteration_time_s,
-            "measured_iteration_s": res.mean_iteration_time(skip=1),
-            "iteration_times_s": list(res.iteration_times), "losses": list(res.losses),
-            "backend": res.backend, "device": res.device, "notes": list(res.notes)}
+    out: dict[str, Any] = {"plan": str(cand.plan), "rank_in_top": result.top.index(cand) + 1,
+                           "predicted_iteration_s": cand.iteration_time_s, "machine": None}
+    emu = load_cluster(args.cluster).emulation
+    if emu is not None and emu.enabled and not args.no_machine_prediction and not _has_cuda():
+        from plait.runtime.machine import LocalMachine
+
+        say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
+        if not args.json:
+            print("plait run on this machine: calibrating (emulated links, gloo, layer times)...", file=sys.stderr)
+        with LocalMachine(args.cluster, args.model, say=say) as machine:
+            mr = machine.measure_and_predict(cand.plan, steps=args.steps)
+        res = mr.run
+        out["machine"] = {"predicted_iteration_s": mr.predicted_s, "measured_iteration_s": mr.measured_s,
+                          "error": mr.error, "profile_drift": mr.drift, "warmup_steps": mr.warmup_steps,
+                          "device_speed": mr.prediction.device_speed, "notes": machine.notes,
+                          "dtype": "fp32"}
+        out["measured_iteration_s"] = mr.measured_s
+    else:
+        res = runtime_run(args.model, args.cluster, cand.plan, steps=args.steps)
+        skip = 2 if len(res.iteration_times) > 3 else 1
+        out["measured_iteration_s"] = res.mean_iteration_time(skip=skip)
+    out.update({"iteration_times_s": list(res.iteration_times), "losses": list(res.losses),
+                "backend": res.backend, "device": res.device, "notes": list(res.notes)})
+    return out
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _print_run(run: dict[str, Any], console: Any) -> None:
     pred, meas = run["predicted_iteration_s"], run["measured_iteration_s"]
     console.print(f"\n[bold]plait run[/] of plan #{run['rank_in_top']} ({run['plan']}), "
-                  f"{len(run['iteration_times_s'])} steps on {run['backend']}/{run['device']}:")
-    console.print(f"  iteration time: predicted {_ms(pred)}, measured {_ms(meas)} "
-                  f"(mean after the first step; losses {', '.join(f'{x:.3f}' for x in run['losses'])})")
-    if run["device"] == "cpu":
-        console.print("  [dim]the prediction is for the GPUs the cluster describes; the measurement ran the "
-                      "ranks as CPU processes (slower kinds slowed down by their FLOP/s ratio), so the two "
-                      "differ by the CPU/GPU speed ratio. To predict this machine, plan on a profiled "
-                      "cluster: plait profile --cluster CLUSTER --out measured.yaml[/]")
+                  f"{len(run['iteration_times_s'])} steps on {run['backend']}/{run['device']} "
+                  f"(losses {', '.join(f'{x:.3f}' for x in run['losses'])}):")
+    machine = run.get("machine")
+    if machine:
+        err = machine["error"]
+        console.print(f"  predicted for this machine {_ms(machine['predicted_iteration_s'])}, measured "
+                      f"{_ms(meas)} (median after {machine['warmup_steps']} warm-up steps): error "
+                      f"[{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/]")
+        console.print(f"  [dim]this machine: the ranks are CPU processes (fp32, slower kinds slowed by their "
+                      f"FLOP/s ratio, links shaped by tc); predicted from measured links and layer times "
+                      f"(profile drift {machine['profile_drift'] * 100:+.0f} % over the run). The table above "
+                      f"predicts the GPUs the cluster describes: {_ms(pred)} per iteration there.[/]")
+        for note in machine["notes"]:
+            console.print(f"  note: {note}")
+    else:
+        console.print(f"  iteration time: predicted {_ms(pred)}, measured {_ms(meas)}")
+        if run["device"] == "cpu":
+            console.print("  [dim]the prediction is for the GPUs the cluster describes, the measurement ran CPU "
+                          "processes: they differ by the CPU/GPU speed ratio (an emulated cluster gets a "
+                          "prediction for this machine unless --no-machine-prediction)[/]")
     for note in run["notes"]:
         console.print(f"  note: {note}")
 

@@ -8,7 +8,8 @@ Today the family is the Pipette-style 3D configurator (`plait.plan.threed`): dat
 x pipeline parallelism with micro-batching, recompute, ZeRO and schedule, memory-pruned,
 ranked by the simulator, placed on uneven links, split unevenly over mixed GPU kinds
 (`plait.plan.hetero`). With no arguments it plans `DEFAULT_MODEL` (a small GPT this
-machine can train) on `DEFAULT_CLUSTER` (`emulated-mixed`) at `DEFAULT_GLOBAL_BATCH`.
+machine can train) on `DEFAULT_CLUSTER` (`emulated-mixed`, one GPU per node on machines
+with fewer than 4 CPUs) at `DEFAULT_GLOBAL_BATCH`.
 """
 
 from __future__ import annotations
