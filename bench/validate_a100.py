@@ -41,7 +41,8 @@ shipped in `ComputeModel()` and here: GEMM efficiency 0.814, unaligned-GEMM pena
 0.31 ms, per step 16 us; NVLink 13.7 us per ring step and 216 GB/s.
 
 Usage: ``python bench/validate_a100.py [--fit [--fit-bandwidth]] [--recompute none|full]
-[--bandwidth B] [--rows N]``
+[--bandwidth B] [--rows N] [--cells]`` (``--cells``: measured vs predicted ms per layer and per
+micro-batch for every (hidden, tp, micro-batch) cell, from the pp = 1 rows).
 """
 
 from __future__ import annotations
@@ -254,6 +255,41 @@ def report(console: Console, rows: list[dict], pred: np.ndarray, base: np.ndarra
     return out
 
 
+def cell_table(console: Console, rows: list[dict], pred: np.ndarray) -> None:
+    """Per (hidden, tp, micro-batch) cell: per-layer and per-micro-batch time, measured vs predicted.
+
+    On the pp = 1 rows of one (h, tp, mb, dp) the data is exactly ``c0 + c1 g + c2 g L + c3 L``
+    (g micro-batches per replica, L layers), so least squares recovers the time of one layer
+    for one micro-batch (forward + backward, TP collectives included, ``c2``) and of the rest of
+    a micro-batch (embedding, LM head, loss, batch fetch, ``c1``) from the measurements and, the
+    same way, from the predictions. This is where the simulator's error sits, cell by cell."""
+    cells: dict[tuple, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        if r["pp"] == 1:
+            cells[(r["hidden"], r["tp"], r["micro_batch"])].append(i)
+    t = Table(title="per cell (pp = 1 rows): ms per layer per micro-batch and per micro-batch outside the layers")
+    for c in ("hidden", "tp", "mb", "rows", "layer measured", "layer plait", "ratio", "rest measured",
+              "rest plait", "ratio", "fit residual %"):
+        t.add_column(c, justify="right")
+    for (h, tp, mb), idx in sorted(cells.items()):
+        g = np.array([rows[i]["global_batch"] // (rows[i]["dp"] * mb) for i in idx], dtype=float)
+        L = np.array([rows[i]["layers"] for i in idx], dtype=float)
+        dp = np.array([rows[i]["dp"] for i in idx])
+        # one intercept and one L-slope per dp (gradient all-reduce and optimizer depend on it)
+        cols = [g, g * L] + [(dp == d).astype(float) for d in sorted(set(dp))] \
+            + [(dp == d) * L for d in sorted(set(dp))]
+        X = np.stack(cols, 1)
+        if np.linalg.matrix_rank(X) < X.shape[1] or len(idx) <= X.shape[1]:
+            continue
+        y = np.array([rows[i]["measured_s"] for i in idx])
+        cy, cp = np.linalg.lstsq(X, y, rcond=None)[0], np.linalg.lstsq(X, pred[idx], rcond=None)[0]
+        resid = float(np.abs(X @ cy / y - 1).max() * 100)
+        t.add_row(str(h), str(tp), str(mb), str(len(idx)), f"{cy[1] * 1e3:.2f}", f"{cp[1] * 1e3:.2f}",
+                  f"{cp[1] / cy[1]:.3f}", f"{cy[0] * 1e3:.2f}", f"{cp[0] * 1e3:.2f}", f"{cp[0] / cy[0]:.3f}",
+                  f"{resid:.3f}")
+    console.print(t)
+
+
 def main(argv: list[str] | None = None) -> int:
     global INTRA_BW
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -265,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"intra-node bandwidth in bytes/s (default: the fitted {INTRA_BW:.4g})")
     ap.add_argument("--fit-bandwidth", action="store_true",
                     help="also fit the achieved NVLink bandwidth (the README's 150 GB/s otherwise)")
+    ap.add_argument("--cells", action="store_true",
+                    help="also print measured vs predicted time per layer and per micro-batch for each "
+                         "(hidden, tp, micro-batch) cell (pp = 1 rows)")
     args = ap.parse_args(argv)
     console = Console(width=140)
     rows = load_rows()
@@ -285,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"A100 Megatron-DeepSpeed, {len(rows)} rows, recompute={args.recompute}, NVLink {bw / 1e9:.0f} GB/s, "
              f"{'fitted now' if args.fit else 'shipped defaults'} ({wall:.1f} s to simulate all rows)")
     report(console, rows, pred, base, train, test, title)
+    if args.cells:
+        cell_table(console, rows, pred)
     if args.recompute == "none":
         ev_full = Evaluator(rows, "full")
         pred_full = ev_full.predict(model, lat, list(range(len(rows))), bw)
