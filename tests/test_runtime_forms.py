@@ -8,7 +8,7 @@ unsplit model on the whole global batch in one process with the same seed, sampl
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -41,6 +41,7 @@ def _check_equal(result: RunResult, reference: tuple[list[float], dict[str, torc
     assert set(ref_params) - set(result.params) <= {"head.lm.weight"}
     for name, value in result.params.items():
         torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=2e-6, msg=name)
+    assert result.loss_scales == [] and result.final_loss_scale is None  # only fp16 scales the loss
 
 
 def _check_timeline(result: RunResult, tmp_path) -> None:
@@ -100,6 +101,43 @@ def test_tensor_parallel_selective_recompute(reference, tmp_path) -> None:
     # (recomputing the attention core repeats no collective).
     assert len(tp_comm) == 2 * 4 * 4 * 2 * STEPS  # ranks x layers x (2 fwd + 2 bwd) x micro-batches x steps
     assert result.ranks[0].params == result.ranks[1].params < sum(v.numel() for v in reference[1].values())
+
+
+def _sp_comm(result: RunResult, rank: int, step: int) -> Counter:
+    return Counter(e.name for e in result.timeline.events if e.category == "comm_tp" and e.args.get("step") == step
+                   and e.args.get("rank") == rank)
+
+
+def test_sequence_parallel_selective_recompute(reference, tmp_path) -> None:
+    result = _run("tp=2,sequence_parallel=true,micro_batch=4,recompute=selective," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    assert not any("sequence_parallel" in n for n in result.notes)
+    # Per layer and micro-batch, the two all-reduces forward and backward become an all-gather before each
+    # column linear (backward: reduce-scatter) and a reduce-scatter after each row linear (backward:
+    # all-gather); the region is entered once (split; backward all-gather) and left once (all-gather) per
+    # micro-batch; the LayerNorm / bias gradients are summed once per step. No all-reduce is left.
+    per = 4 * 2 * 2  # layers x micro-batches x (attention, MLP)
+    expected = {"allgather tp sp-fwd": per, "reducescatter tp sp-fwd": per, "reducescatter tp sp-bwd": per,
+                "allgather tp sp-bwd": per, "allgather tp sp-enter-bwd": 2, "allgather tp sp-leave-fwd": 2,
+                "allreduce tp sp-grads": 1}
+    for rank in (0, 1):
+        for step in result.steps:
+            assert _sp_comm(result, rank, step) == expected
+
+
+def test_sequence_parallel_with_pipeline(reference, tmp_path) -> None:
+    result = _run("tp=2,pp=2,sequence_parallel=true,micro_batch=2,schedule=1f1b," + FP32)
+    _check_equal(result, reference)
+    _check_timeline(result, tmp_path)
+    # The hidden state crosses the cut between layers.1 and layers.2 still cut along the sequence: stage 0
+    # enters the region and never leaves it, stage 1 never enters and leaves before the head.
+    for r in result.ranks:
+        names = _sp_comm(result, r.rank, 1)
+        assert (names["allgather tp sp-enter-bwd"], names["allgather tp sp-leave-fwd"]) == \
+            ((4, 0) if r.pp == 0 else (0, 4))
+    sends = [e for e in result.timeline.events if e.name.startswith("send fwd stage0") and e.args.get("step") == 1]
+    assert sends and all(e.args["bytes"] == (8 // 2) * 2 * 16 * 4 for e in sends)  # [s/tp, b, h] fp32
 
 
 def _compute_order(result: RunResult, stage: int, step: int) -> list[str]:

@@ -30,8 +30,10 @@ from plait.runtime.pipeline import _decode_header, _encode_header
 from plait.runtime.tensor_parallel import (
     ShardInfo,
     TPContext,
+    apply_sequence_parallel,
     apply_tensor_parallel,
     is_tensor_parallel_layer,
+    sequence_parallel_params,
     split_sizes,
 )
 from plait.runtime.worker import Fault
@@ -211,6 +213,86 @@ def test_tensor_parallel_block_equals_full_block(ratios: list[float] | None) -> 
         torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-6)
 
 
+class _ThreadSP(_ThreadTP):
+    """Thread tensor group with the sequence-parallel collectives (along dim 0, the zoo's [s, b, h])."""
+
+    def __init__(self, size: int, rank: int, shared: dict) -> None:
+        super().__init__(size, rank, shared)
+        self.sequence_parallel = True
+
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        box, barrier = self.shared["box"], self.shared["barrier"]
+        box[self.rank] = t.detach().clone()
+        barrier.wait()
+        parts = [box[r] for r in range(self.size)]
+        barrier.wait()
+        self.shared.setdefault("log", []).append(self.rank)
+        return parts
+
+    def all_gather(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.cat(self._exchange(t), dim=0)
+
+    def reduce_scatter(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return sum(self._exchange(t)).chunk(self.size, dim=0)[self.rank].contiguous()
+
+    def all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        raise AssertionError(f"sequence parallelism must not all-reduce activations ({name})")
+
+
+def test_sequence_parallel_block_equals_full_block() -> None:
+    """g-bar/g conjugates with the sequence cut (Korthikanti et al. 2022, §4.2.2): a zoo block entered
+    and left as its own region equals the full block; LayerNorm and row-bias gradients, summed over
+    the ranks, equal the full ones."""
+    spec = load_model("gpt:layers=1,hidden=16,heads=4,seq=6,vocab=11,dropout=0,attn_dropout=0")
+    full = spec.build(seed=3).layers[0]
+    x = torch.randn(6, 3, 16)
+    xf = x.clone().requires_grad_(True)
+    out_full = full(xf)
+    out_full.square().sum().backward()
+    shared = {"box": {}, "barrier": threading.Barrier(2)}
+    results: dict[int, tuple] = {}
+    blocks = [spec.build(seed=3).layers[0] for _ in range(2)]
+
+    def rank_main(t: int) -> None:
+        block = blocks[t]
+        tp = _ThreadSP(2, t, shared)
+        infos = apply_tensor_parallel(block, tp, None)
+        apply_sequence_parallel(block, tp, enter=True, leave=True)
+        sp_params = {id(p) for p in sequence_parallel_params(block, infos)}
+        xs = x.clone().requires_grad_(True)
+        out = block(xs)
+        out.square().sum().backward()
+        results[t] = (out.detach(), xs.grad, dict(block.named_parameters()), infos, sp_params)
+
+    threads = [threading.Thread(target=rank_main, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(results) == 2
+    replicated = {n for n, p in results[0][2].items() if id(p) in results[0][4]}
+    assert replicated == {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.proj.bias", "mlp.fc2.bias"}
+    for t in range(2):
+        torch.testing.assert_close(results[t][0], out_full.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(results[t][1], xf.grad, rtol=1e-5, atol=1e-6)
+    for name, p in full.named_parameters():
+        info = results[0][3].get(name)
+        grads = [results[t][2][name].grad for t in range(2)]
+        grad = sum(grads) if info is None else info.assemble(grads)
+        if info is None:  # each rank saw half the tokens: a partial sum, not a replica
+            assert not torch.allclose(grads[0], p.grad)
+        torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-6)
+    # Forward: 2 gathers, 2 reduce-scatters, the leave gather; backward: the same again and the enter gather.
+    assert shared["log"].count(0) == 10
+
+
+def test_sequence_parallel_needs_divisible_sequence() -> None:
+    with pytest.raises(RuntimeSetupError, match="sequence length 7 does not divide by tp=2"):
+        TPContext(None, 2, 0, sequence_parallel=True).split(torch.zeros(7, 1, 4))
+    with pytest.raises(RuntimeSetupError, match="'sequence_parallel': the sequence length 9 of gpt"):
+        run("gpt:layers=2,hidden=16,heads=4,seq=9,vocab=32", None, "tp=2,sequence_parallel=true", steps=1)
+
+
 def test_tensor_parallel_rejects_indivisible_heads() -> None:
     block = load_model("gpt:layers=1,hidden=12,heads=3,seq=4,vocab=8").build().layers[0]
     with pytest.raises(RuntimeSetupError, match="3 heads, not divisible by tp=2"):
@@ -267,6 +349,17 @@ def test_fault_strings() -> None:
     with pytest.raises(RuntimeError, match="injected fault on rank 2 at step 5"):
         Fault(2, 5, "error").maybe_fire(2, 5, "step")
     Fault(2, 5, "error").maybe_fire(1, 5, "step")  # other ranks are untouched
+    inf = Fault.parse("rank=1,step=0,kind=inf")
+    assert inf == Fault(1, 0, "inf", "grad")
+    with pytest.raises(ValueError):
+        Fault.parse("rank=0,step=1,kind=inf,at=step")
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
+    params[1].grad = torch.ones(3)
+    inf.maybe_poison(0, 0, params)  # another rank
+    assert torch.isfinite(params[1].grad).all()
+    inf.maybe_poison(1, 0, params)
+    assert params[1].grad.tolist() == [float("inf"), 1.0, 1.0]
+    inf.maybe_fire(1, 0, "step")  # an inf fault never raises
 
 
 def _launcher(tmp_path: Path, world: int = 2) -> Launcher:

@@ -71,6 +71,11 @@ class RunResult:
     params: dict[str, torch.Tensor] | None = None  # full (unsharded) parameters, if asked for
     resumed_from: int | None = None
     step_bounds: list[tuple[float, float]] = field(default_factory=list)
+    # fp16 dynamic loss scaling (plait.runtime.amp); empty / None for other dtypes.
+    loss_scales: list[float] = field(default_factory=list)  # the scale each step's backward used
+    skipped_steps: list[int] = field(default_factory=list)  # steps skipped for inf/nan gradients
+    final_loss_scale: float | None = None  # the scale the next step would use
+    skipped_by_rank: dict[int, list[int]] = field(default_factory=dict)  # the same on every rank
 
     def mean_iteration_time(self, skip: int = 1) -> float:
         """Mean over steps, skipping the first `skip` (warm-up) when there are more."""
@@ -95,6 +100,8 @@ class RunResult:
             "iteration_times": self.iteration_times, "mean_iteration_time": self.mean_iteration_time(),
             "busy_by_category": self.timeline.by_category(), "network": self.network, "notes": self.notes,
             "resumed_from": self.resumed_from, "run_dir": self.run_dir,
+            "loss_scales": self.loss_scales, "skipped_steps": self.skipped_steps,
+            "final_loss_scale": self.final_loss_scale,
             "ranks": [r.__dict__ for r in self.ranks],
         }
         if events:
@@ -197,7 +204,10 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
     `start_method` is torchrun's: "fork" (CPU default: workers inherit the agent's imports)
     or "spawn" (GPU default: CUDA must not be initialised before a fork);
-    `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`)."""
+    `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`).
+    fp16 runs scale the loss dynamically (`plait.runtime.amp`; its settings can be given as
+    `env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"}`); `sequence_parallel` plans run
+    Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
     if steps < 1:
@@ -207,7 +217,11 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     if (checkpoint_every or resume) and checkpoint_dir is None:
         raise RuntimeSetupError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir)")
     spec_string = model_spec_string(model)
-    load_model_spec(spec_string)  # a bad model spec fails here, not in every worker
+    spec = load_model_spec(spec_string)  # a bad model spec fails here, not in every worker
+    seq = (getattr(spec, "config", None) or {}).get("seq")
+    if plan_obj.sequence_parallel and plan_obj.tp > 1 and isinstance(seq, int) and seq % plan_obj.tp:
+        raise RuntimeSetupError(f"plan field 'sequence_parallel': the sequence length {seq} of {spec_string} does "
+                                f"not divide by tp={plan_obj.tp} (sequence parallelism cuts it into tp equal parts)")
     cluster_obj = _load_cluster(cluster)
     dtype = dtype or plan_obj.dtype
     if dtype not in ("fp32", "tf32", "bf16", "fp16"):
@@ -226,13 +240,11 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
                                 f"{torch.cuda.device_count()} GPUs (NCCL needs one GPU per rank); use --device cpu")
     backend = "nccl" if use_cuda else "gloo"
     notes: list[str] = []
-    if plan_obj.sequence_parallel:
-        notes.append("sequence_parallel is not implemented by the runtime: ran plain tensor parallelism")
+    if plan_obj.sequence_parallel and plan_obj.tp == 1:
+        notes.append("sequence_parallel has no effect with tp=1")
     if plan_obj.zero >= 3:
         notes.append("zero=3: parameters are not sharded by the runtime (ran ZeRO-2: optimizer state and "
                      "gradients sharded)")
-    if dtype == "fp16":
-        notes.append("fp16 runs under autocast without loss scaling")
     if use_cuda and any(info["slowdown"] > 1.0 for info in layout):
         notes.append("compute slowdown emulation is applied on CPU ranks only; GPU ranks run at full speed")
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
@@ -328,11 +340,15 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
     if data.get("params_file"):
         params = torch.load(rdir / data["params_file"], weights_only=True)
     steps = data["steps"]
+    amp = data.get("amp") or {}
     return RunResult(model=cfg["model"], cluster=cluster_name, plan=str(plan), backend=backend,
                      device=cfg["device"], steps=steps, losses=data["losses"],
                      iteration_times=data["iteration_times"], timeline=timeline, ranks=infos, network=network,
                      notes=notes, run_dir=str(rdir), params=params,
-                     resumed_from=steps[0] if steps and steps[0] > 0 else None, step_bounds=bounds)
+                     resumed_from=steps[0] if steps and steps[0] > 0 else None, step_bounds=bounds,
+                     loss_scales=amp.get("loss_scales", []), skipped_steps=amp.get("skipped_steps", []),
+                     final_loss_scale=amp.get("final_loss_scale"),
+                     skipped_by_rank={int(k): v for k, v in (amp.get("skipped_by_rank") or {}).items()})
 
 
 def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[str, Any] = "adamw",

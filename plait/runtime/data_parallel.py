@@ -13,6 +13,11 @@ mean gradient even when replicas hold uneven numbers of samples (HAP §4).
   all-reduce, optimizer memory / dp. zero >= 2 runs the same step and frees the full
   gradients right after the reduce-scatter (so they do not live across steps); the
   parameters themselves are not sharded (no ZeRO-3 / FSDP parameter gathering).
+
+With fp16 a `DynamicLossScaler` unscales the *reduced* gradients (under ZeRO: this rank's
+shard) and agrees on inf/nan with every rank of the job before the optimizer; on overflow
+the whole job skips the update (`step()` returns False) and, under ZeRO, the parameter
+all-gather too, since no shard changed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.runtime.amp import DynamicLossScaler
 from plait.runtime.recorder import Recorder
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -84,8 +90,10 @@ class DataParallelStep:
     """Gradient all-reduce (ZeRO-0) + the full optimizer on every replica."""
 
     def __init__(self, params: list[nn.Parameter], make_opt: Callable[[list[Any]], torch.optim.Optimizer],
-                 group: Any, size: int, rec: Recorder, bucket_bytes: int = 25 << 20) -> None:
+                 group: Any, size: int, rec: Recorder, bucket_bytes: int = 25 << 20,
+                 scaler: DynamicLossScaler | None = None) -> None:
         self.params = params
+        self.scaler = scaler
         self.group = group
         self.size = size
         self.rec = rec
@@ -112,11 +120,18 @@ class DataParallelStep:
                                bytes=flat.numel() * flat.element_size())
             _scatter_back(flat, bucket, "grad")
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """Reduce, (unscale and check,) update; False when the update was skipped for inf/nan."""
         self.reduce()
+        if self.scaler is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if self.scaler.unscale_and_check(grads, comm=self.rec.comm_call):
+                self.optimizer.zero_grad(set_to_none=True)
+                return False
         with self.rec.compute("optimizer", "optimizer"):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}
@@ -129,8 +144,10 @@ class Zero1Step:
     """ZeRO-1: reduce-scatter gradients, optimizer on this rank's shard, all-gather parameters."""
 
     def __init__(self, params: list[nn.Parameter], make_opt: Callable[[list[Any]], torch.optim.Optimizer],
-                 group: Any, size: int, rank: int, rec: Recorder, free_grads: bool = False) -> None:
+                 group: Any, size: int, rank: int, rec: Recorder, free_grads: bool = False,
+                 scaler: DynamicLossScaler | None = None) -> None:
         self.params = params
+        self.scaler = scaler
         self.group = group
         self.size = size
         self.rank = rank
@@ -147,7 +164,8 @@ class Zero1Step:
         self.master = nn.Parameter(flat[rank * self.shard:(rank + 1) * self.shard].clone())
         self.optimizer = make_opt([self.master])
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """Reduce-scatter, (unscale and check,) update the shard, all-gather; False when skipped."""
         flat = _flat_grads(self.params, self.padded)
         grad_shard = flat.new_empty(self.shard)
         if self.size > 1:
@@ -159,6 +177,10 @@ class Zero1Step:
         if self.free_grads:
             for p in self.params:
                 p.grad = None
+        if self.scaler is not None and self.scaler.unscale_and_check([grad_shard], comm=self.rec.comm_call):
+            for p in self.params:  # every rank skips: no shard changed, nothing to all-gather
+                p.grad = None
+            return False
         self.master.grad = grad_shard
         with self.rec.compute("optimizer", "optimizer", shard=self.shard):
             self.optimizer.step()
@@ -174,6 +196,7 @@ class Zero1Step:
             _scatter_back(full, self.params, "data")
         for p in self.params:
             p.grad = None
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "master": self.master.detach().clone()}

@@ -20,7 +20,9 @@ send only the tensors.
 
 Gradient accumulation: micro-batch j's loss is scaled by n_j / B (its share of the global
 batch B), so summing gradients over micro-batches and data-parallel replicas gives the
-gradient of the global-batch mean loss, for uneven replica shares too.
+gradient of the global-batch mean loss, for uneven replica shares too. Under fp16 the last
+stage back-propagates `loss * loss_scale` (`plait.runtime.amp`); the gradients that cross the
+cuts are then scaled too, and the optimizer step unscales them all.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class StageRunner:
         self.recv_meta: dict[int, Meta] = {}  # micro-batch size -> what crosses the previous cut
         self.saved: dict[int, tuple[list[torch.Tensor], Any, torch.Tensor | None]] = {}
         self.loss_sum: torch.Tensor = torch.zeros((), device=device)
+        self.loss_scale = 1.0  # set per step by the worker's fp16 loss scaler
         self._data: Callable[[MicroBatch], tuple[tuple[Any, ...], torch.Tensor]] | None = None
         self._mbs: list[MicroBatch] = []
 
@@ -193,7 +196,7 @@ class StageRunner:
                               samples=mb.size):
             if self.last:
                 assert loss is not None
-                loss.backward()
+                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             else:
                 outs = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
                 if outs:

@@ -16,6 +16,22 @@ features (head, {q,k,v}, head_dim), so a contiguous slice holds q, k and v of it
 `plan.tp_ratios` when given (HAP-style uneven shards). Embeddings and the LM head stay
 replicated (every tensor rank computes them): vocabulary-parallel embedding and
 cross-entropy are not implemented.
+
+**Sequence parallelism** (Korthikanti et al. 2022, §4.2.2), `TPContext.sequence_parallel`:
+between the tensor-parallel regions (LayerNorms, bias-dropout-add, residuals) each tensor
+rank holds 1/tp of the sequence instead of a replica. f becomes **g-bar**: all-gather along
+the sequence forward, reduce-scatter backward; g becomes **g**: reduce-scatter forward,
+all-gather backward -- the same bytes as the two all-reduces they replace. The row bias is
+added after the reduce-scatter, on the shard. A run of consecutive tensor-parallel layers is
+one sequence-parallel region (`apply_sequence_parallel`): the input of its first layer is split
+(backward: all-gather), the output of its last layer all-gathered (backward: split, since the
+replicated layer after it computes the same full gradient on every rank); inside the region,
+and across a pipeline cut between two such layers, hidden states stay sharded. Parameters of
+the region that tensor parallelism does not cut (LayerNorm weights, row biases) see only
+their rank's tokens, so their gradients are summed over the tensor group after backward
+(`sequence_parallel_params`; Megatron's `allreduce_sequence_parallel_grads`). Activations are
+sequence-first (`[s, b, h]`, the zoo's and Megatron's layout); a layer may set
+`plait_seq_dim` to name another dimension.
 """
 
 from __future__ import annotations
@@ -34,6 +50,9 @@ from plait.runtime.partition import RuntimeSetupError
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "heads", "num_attention_heads")
 KV_HEAD_ATTRS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "kv_heads", "num_key_value_heads")
 
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # Set by the worker: wraps a collective call in a timeline span (name, category, fn).
 CommHook = Callable[[str, str, Callable[[], Any]], Any]
 
@@ -48,11 +67,38 @@ class TPContext:
     size: int
     rank: int
     comm: CommHook = _plain_comm
+    sequence_parallel: bool = False
+    seq_dim: int = 0  # the sequence dimension of activations between layers ([s, b, h])
 
     def all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
         t = t.contiguous()
         self.comm(name, "comm_tp", lambda: dist.all_reduce(t, group=self.group))
         return t
+
+    # Sequence-parallel collectives concatenate / cut along `seq_dim`. They are recorded under
+    # "comm_tp", the category the simulator gives the same all-gathers and reduce-scatters.
+    def all_gather(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """[.., s/tp, ..] on every rank -> [.., s, ..] (rank order along the sequence)."""
+        x = t.movedim(self.seq_dim, 0).contiguous()
+        out = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
+        self.comm(name, "comm_tp", lambda: _all_gather(out, x, group=self.group))
+        return out.movedim(0, self.seq_dim)
+
+    def reduce_scatter(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """[.., s, ..] partial sums -> this rank's [.., s/tp, ..] slice of their sum."""
+        x = t.movedim(self.seq_dim, 0).contiguous()
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        self.comm(name, "comm_tp", lambda: _reduce_scatter(out, x, group=self.group))
+        return out.movedim(0, self.seq_dim)
+
+    def split(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous 1/tp of the sequence (no communication)."""
+        n = t.shape[self.seq_dim]
+        if n % self.size:
+            raise RuntimeSetupError(f"plan field 'sequence_parallel': the sequence length {n} does not divide "
+                                    f"by tp={self.size} (sequence parallelism cuts the sequence into tp equal parts)")
+        k = n // self.size
+        return t.narrow(self.seq_dim, self.rank * k, k).contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -80,6 +126,61 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _GatherSeqForLinear(torch.autograd.Function):
+    """g-bar of sequence parallelism (Korthikanti et al. 2022, fig. 5): all-gather the sequence
+    forward, reduce-scatter the (partial, per-rank) input gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.all_gather(x, "allgather tp sp-fwd")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.reduce_scatter(grad, "reducescatter tp sp-bwd"), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """g of sequence parallelism: reduce-scatter the partial outputs forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.reduce_scatter(x, "reducescatter tp sp-fwd")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.all_gather(grad, "allgather tp sp-bwd"), None
+
+
+class _EnterSeqRegion(torch.autograd.Function):
+    """Into a sequence-parallel region from a replicated one: keep this rank's slice forward;
+    backward all-gather the slices' gradients (Megatron's scatter_to_sequence_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.split(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.all_gather(grad, "allgather tp sp-enter-bwd"), None
+
+
+class _LeaveSeqRegion(torch.autograd.Function):
+    """Out of a sequence-parallel region into a replicated one: all-gather forward; every rank
+    then computes the same full gradient, so backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.all_gather(x, "allgather tp sp-leave-fwd")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.split(grad), None
+
+
 class ColumnParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
         super().__init__()
@@ -88,6 +189,8 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sequence_parallel:
+            return F.linear(_GatherSeqForLinear.apply(x, self.tp), self.weight, self.bias)
         return F.linear(_CopyToTP.apply(x, self.tp), self.weight, self.bias)
 
 
@@ -99,7 +202,8 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
+        reduce = _ReduceScatterSeq if self.tp.sequence_parallel else _ReduceFromTP
+        y = reduce.apply(F.linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
 
@@ -242,6 +346,46 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
                 if kv is not None and kv[2] % tp.size == 0 and ratios is None:
                     setattr(m, kv[1], kv[2] // tp.size)
     return infos
+
+
+def _first_tensor(values: tuple[Any, ...]) -> int | None:
+    return next((i for i, v in enumerate(values) if isinstance(v, torch.Tensor)), None)
+
+
+def apply_sequence_parallel(layer: nn.Module, tp: TPContext, enter: bool, leave: bool) -> list[Any]:
+    """Make an already tensor-parallel layer part of a sequence-parallel region.
+
+    `enter`: the layer before it is replicated, so split its hidden-state input (its first
+    tensor argument); `leave`: the layer after it is replicated, so all-gather its output (the
+    first tensor of a tuple). Between two tensor-parallel layers (also across a pipeline cut)
+    the hidden state stays sharded. Returns the hook handles."""
+    if not tp.sequence_parallel:
+        raise ValueError("apply_sequence_parallel needs a TPContext with sequence_parallel=True")
+    handles: list[Any] = []
+    if enter:
+        def pre(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            i = _first_tensor(args)
+            if i is None:
+                return None
+            return (*args[:i], _EnterSeqRegion.apply(args[i], tp), *args[i + 1:])
+
+        handles.append(layer.register_forward_pre_hook(pre))
+    if leave:
+        def post(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+            if isinstance(out, torch.Tensor):
+                return _LeaveSeqRegion.apply(out, tp)
+            if isinstance(out, tuple) and (i := _first_tensor(out)) is not None:
+                return (*out[:i], _LeaveSeqRegion.apply(out[i], tp), *out[i + 1:])
+            return None
+
+        handles.append(layer.register_forward_hook(post))
+    return handles
+
+
+def sequence_parallel_params(layer: nn.Module, infos: dict[str, ShardInfo], prefix: str = "") -> list[nn.Parameter]:
+    """Parameters of a sequence-parallel layer that tensor parallelism left whole (LayerNorms,
+    row biases): each rank's gradient covers only its tokens, so they are summed over the group."""
+    return [p for n, p in layer.named_parameters() if p.requires_grad and f"{prefix}{n}" not in infos]
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:

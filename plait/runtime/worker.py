@@ -9,8 +9,11 @@ The path of one batch, in order:
 2. each step, the rank's data-parallel replica takes its slice of the global batch
    (`partition.replica_micro_batches`; samples seeded by global index), and the stage runs
    the plan's pipeline schedule over the micro-batches (`pipeline.StageRunner`);
-3. gradients of stage-shared (tied) parameters are summed across stages, then reduced
+3. gradients of stage-shared (tied) parameters are summed across stages, gradients of the
+   sequence-parallel LayerNorms and biases across the tensor group, then all are reduced
    across data-parallel replicas, and the optimizer steps (`data_parallel`: plain, or ZeRO-1);
+   under fp16 the loss was scaled and the step unscales, or skips it job-wide on inf/nan
+   (`amp`);
 4. every K steps each rank writes its checkpoint file (`checkpoint`);
 5. at the end rank 0 gathers losses, measured spans and (optionally) the full parameters
    into `result.json` / `params.pt` in the run directory, which the launcher reads.
@@ -44,7 +47,15 @@ from torch import nn
 
 from plait.plan.ir import Plan
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.data_parallel import DataParallelStep, Zero1Step, make_optimizer, sync_tied_grads
+from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
+from plait.runtime.data_parallel import (
+    DataParallelStep,
+    Zero1Step,
+    _flat_grads,
+    _scatter_back,
+    make_optimizer,
+    sync_tied_grads,
+)
 from plait.runtime.partition import (
     MicroBatch,
     layer_modules,
@@ -58,8 +69,10 @@ from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.tensor_parallel import (
     ShardInfo,
     TPContext,
+    apply_sequence_parallel,
     apply_tensor_parallel,
     is_tensor_parallel_layer,
+    sequence_parallel_params,
 )
 
 FAULT_ENV = "PLAIT_FAULT"
@@ -68,7 +81,8 @@ FAULT_ENV = "PLAIT_FAULT"
 # ---------------------------------------------------------------------------------- faults
 @dataclass(frozen=True)
 class Fault:
-    """Hidden fault injection for tests: `rank=1,step=2,kind=hang|die|error[,at=step|checkpoint]`."""
+    """Hidden fault injection for tests: `rank=1,step=2,kind=hang|die|error[,at=step|checkpoint]`,
+    or `kind=inf` (at=grad): one gradient element of that rank becomes inf after the backward."""
 
     rank: int
     step: int
@@ -80,13 +94,24 @@ class Fault:
         if not text:
             return None
         fields = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
-        fault = cls(int(fields["rank"]), int(fields["step"]), fields.get("kind", "die"), fields.get("at", "step"))
-        if fault.kind not in ("hang", "die", "error") or fault.at not in ("step", "checkpoint"):
+        kind = fields.get("kind", "die")
+        fault = cls(int(fields["rank"]), int(fields["step"]), kind, fields.get("at", "grad" if kind == "inf" else "step"))
+        if fault.kind not in ("hang", "die", "error", "inf") or fault.at not in ("step", "checkpoint", "grad") \
+                or (fault.kind == "inf") != (fault.at == "grad"):
             raise ValueError(f"{FAULT_ENV}: bad fault {text!r}")
         return fault
 
+    def maybe_poison(self, rank: int, step: int, params: list[nn.Parameter]) -> None:
+        """kind=inf: set the first element of this rank's first gradient to +inf (an fp16 overflow)."""
+        if self.kind != "inf" or rank != self.rank or step != self.step:
+            return
+        for prm in params:
+            if prm.grad is not None and prm.grad.numel():
+                prm.grad.view(-1)[0] = float("inf")
+                return
+
     def maybe_fire(self, rank: int, step: int, at: str) -> None:
-        if rank != self.rank or step != self.step or at != self.at:
+        if self.kind == "inf" or rank != self.rank or step != self.step or at != self.at:
             return
         if self.kind == "die":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -163,6 +188,9 @@ class Worker:
         except TypeError:
             model = self.spec.build(device="cpu", dtype=torch.float32)
         model.train()
+        # Which layers are tensor parallel, in execution order over the whole model: a sequence-parallel
+        # region spans consecutive ones, across pipeline cuts too.
+        order = [(n, is_tensor_parallel_layer(m)) for n, m in layer_modules(model)]
         stages = split_into_stages(model, plan.layers_per_stage if plan.pp > 1 else [0])
         stage = stages[self.p]
         self.stage_module: nn.Module = stage.module
@@ -185,11 +213,21 @@ class Worker:
         # Megatron tensor parallelism on this stage's transformer layers.
         self.shard_infos: dict[str, ShardInfo] = {}
         layers = dict(layer_modules(self.stage_module if plan.pp > 1 else model))
-        tp_ctx = TPContext(self.tp_group, plan.tp, self.t, comm=self._comm_hook)
+        self.sp = bool(plan.sequence_parallel) and plan.tp > 1
+        tp_layers = {n: m for n, m in layers.items() if is_tensor_parallel_layer(m)}
+        seq_dim = next((int(getattr(m, "plait_seq_dim", 0)) for m in tp_layers.values()), 0)
+        tp_ctx = TPContext(self.tp_group, plan.tp, self.t, comm=self._comm_hook, sequence_parallel=self.sp,
+                           seq_dim=seq_dim)
+        self.sp_params: list[nn.Parameter] = []
         if plan.tp > 1:
-            for name, layer in layers.items():
-                if is_tensor_parallel_layer(layer):
-                    self.shard_infos.update(apply_tensor_parallel(layer, tp_ctx, plan.tp_ratios, prefix=name + "."))
+            for name, layer in tp_layers.items():
+                infos = apply_tensor_parallel(layer, tp_ctx, plan.tp_ratios, prefix=name + ".")
+                self.shard_infos.update(infos)
+                if self.sp:
+                    i = [n for n, _ in order].index(name)
+                    apply_sequence_parallel(layer, tp_ctx, enter=not (i > 0 and order[i - 1][1]),
+                                            leave=not (i + 1 < len(order) and order[i + 1][1]))
+                    self.sp_params += sequence_parallel_params(layer, infos, prefix=name + ".")
         self._apply_recompute(layers)
         self.stage_module.to(self.device)
         self.params = [prm for prm in self.stage_module.parameters() if prm.requires_grad]
@@ -200,6 +238,14 @@ class Worker:
         torch.manual_seed(stream_seed)
         random.seed(stream_seed)
         np.random.seed(stream_seed % (2**32))
+        # Sequence-parallel layers hold different tokens on each tensor rank: their dropout draws from
+        # a stream of their own per rank (Megatron forks its model-parallel RNG around such blocks).
+        self.sp_rng: _RngStream | None = None
+        if self.sp:
+            self.sp_rng = _RngStream(stream_seed + 7919 * (self.t + 1), self.cuda)
+            for layer in tp_layers.values():
+                layer.register_forward_pre_hook(self.sp_rng.enter)
+                layer.register_forward_hook(self.sp_rng.leave)
 
     def _apply_recompute(self, layers: dict[str, nn.Module]) -> None:
         from torch.utils.checkpoint import checkpoint
@@ -237,11 +283,14 @@ class Worker:
             torch.backends.cudnn.allow_tf32 = True
         opt_cfg = cfg["optimizer"]
         make_opt = partial(make_optimizer, cfg=opt_cfg)
+        # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
+        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV) or cfg.get("loss_scale")) \
+            if cfg["dtype"] == "fp16" else None
         if plan.zero >= 1:
             self.opt = Zero1Step(self.params, make_opt, self.dp_group, plan.dp, self.d, self.rec,
-                                 free_grads=plan.zero >= 2)
+                                 free_grads=plan.zero >= 2, scaler=self.scaler)
         else:
-            self.opt = DataParallelStep(self.params, make_opt, self.dp_group, plan.dp, self.rec)
+            self.opt = DataParallelStep(self.params, make_opt, self.dp_group, plan.dp, self.rec, scaler=self.scaler)
         prev_rank = plan.rank(self.p - 1, self.d, self.t) if self.p > 0 else None
         next_rank = plan.rank(self.p + 1, self.d, self.t) if self.p < plan.pp - 1 else None
         runner = StageRunner(self.stage_module, self.p, plan.pp, prev_rank, next_rank, self.spec.loss,
@@ -256,6 +305,7 @@ class Worker:
         origin_info = self._common_origin()
         losses: list[torch.Tensor] = []
         step_bounds: list[tuple[int, float, float]] = []
+        self.scales: list[float] = []  # the loss scale each step's backward used
         schedule = plan.schedule
         for step in range(start, steps):
             self.hb.progress("train", step)
@@ -268,16 +318,34 @@ class Worker:
                     dist.barrier()
             t0 = self.rec.begin_step(step)
             runner.loss_sum = torch.zeros((), device=self.device)
+            if self.scaler is not None:
+                runner.loss_scale = self.scaler.scale
+                self.scales.append(self.scaler.scale)
             runner.run(schedule, mbs, lambda mb, data=data: data[mb.index])
+            if self.fault:
+                self.fault.maybe_poison(self.rank, step, self.params)
             if self.tied:
                 sync_tied_grads(self.tied, self.rec)
+            if self.sp_params:
+                self._sync_sp_grads()
             self.opt.step()
+            if self.scaler is not None:
+                self.scaler.update(step)
             t1 = self.rec.end_step()
             step_bounds.append((step, t0, t1))
             losses.append(runner.loss_sum.detach().clone())
             if every and (step + 1) % every == 0:
                 self._save_checkpoint(step + 1, Path(ck["dir"]))
         self._finish(losses, step_bounds, start, steps, origin_info)
+
+    def _sync_sp_grads(self) -> None:
+        """Sum the gradients of sequence-parallel LayerNorms and biases over the tensor group: each
+        rank computed them on its 1/tp of the tokens (Korthikanti et al. 2022, §4.2.2)."""
+        flat = _flat_grads(self.sp_params)
+        self.rec.comm_call("allreduce tp sp-grads", "comm_tp",
+                           lambda: dist.all_reduce(flat, group=self.tp_group),
+                           bytes=flat.numel() * flat.element_size())
+        _scatter_back(flat, self.sp_params, "grad")
 
     def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
         seed = int(self.cfg["data_seed"])
@@ -319,12 +387,18 @@ class Worker:
         self.stage_module.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optim"])
         ckpt.set_rng_state(state["rng"])
+        if self.scaler is not None and state.get("amp") is not None:
+            self.scaler.load_state_dict(state["amp"])
+        if self.sp_rng is not None and state.get("sp_rng") is not None:
+            self.sp_rng.load_state_dict(state["sp_rng"])
         return int(state["step"])
 
     def _save_checkpoint(self, step: int, root: Path) -> None:
         self.hb.progress("checkpoint")
         state = {"step": step, "rank": self.rank, "model": self.stage_module.state_dict(),
-                 "optim": self.opt.state_dict(), "rng": ckpt.rng_state()}
+                 "optim": self.opt.state_dict(), "rng": ckpt.rng_state(),
+                 "amp": self.scaler.state_dict() if self.scaler is not None else None,
+                 "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None}
         hook = None
         if self.fault and self.fault.at == "checkpoint":
             hook = partial(self.fault.maybe_fire, self.rank, step - 1, "checkpoint")
@@ -363,6 +437,8 @@ class Worker:
             "losses": loss_vec.cpu().tolist() if self.p == plan.pp - 1 else None,
             "params_state": params, "shard_infos": {k: asdict(v) for k, v in self.shard_infos.items()},
             "clock": origin,
+            "amp": {"scales": self.scales, "skipped": [s for s in self.scaler.skipped if s >= start],
+                    "final_scale": self.scaler.scale} if self.scaler is not None else None,
         }
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
         with self.rec.waiting("gather results"):
@@ -372,6 +448,43 @@ class Worker:
             _write_result(self.run_dir, plan, gathered, start, steps, self.cfg)
         with self.rec.waiting("final barrier"):
             dist.barrier()
+
+
+class _RngStream:
+    """A private RNG state swapped in around a module's forward (hooks) and out after it."""
+
+    def __init__(self, seed: int, cuda: bool) -> None:
+        self.cuda = cuda
+        saved = self._get()
+        torch.manual_seed(seed)
+        self.state = self._get()
+        self._set(saved)
+        self._outer: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def _get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.get_rng_state(), torch.cuda.get_rng_state() if self.cuda else None
+
+    def _set(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+
+    def enter(self, *_: Any) -> None:
+        self._outer = self._get()
+        self._set(self.state)
+
+    def leave(self, *_: Any) -> None:
+        assert self._outer is not None
+        self.state = self._get()
+        self._set(self._outer)
+        self._outer = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cpu": self.state[0], "cuda": self.state[1]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        cuda = state.get("cuda")
+        self.state = (state["cpu"].cpu(), cuda.cpu() if cuda is not None and self.cuda else None)
 
 
 def _boot_id() -> str:
@@ -405,9 +518,15 @@ def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start:
                     shards = [ranks[plan.rank(p, 0, t)]["params_state"][name] for t in range(plan.tp)]
                     params[name] = si.assemble(shards)
         torch.save(params, run_dir / "params.pt")
+    amp = None
+    if ranks[0].get("amp") is not None:
+        # Every rank took the same skip decisions (the found-inf flag is all-reduced over the job).
+        skipped_by_rank = {r["rank"]: r["amp"]["skipped"] for r in ranks}
+        amp = {"loss_scales": ranks[0]["amp"]["scales"], "skipped_steps": ranks[0]["amp"]["skipped"],
+               "final_loss_scale": ranks[0]["amp"]["final_scale"], "skipped_by_rank": skipped_by_rank}
     out = {
-        "steps": step_ids, "losses": losses, "iteration_times": iteration_times,
-        "ranks": [{k: v for k, v in r.items() if k not in ("params_state", "shard_infos")} for r in ranks],
+        "steps": step_ids, "losses": losses, "iteration_times": iteration_times, "amp": amp,
+        "ranks": [{k: v for k, v in r.items() if k not in ("params_state", "shard_infos", "amp")} for r in ranks],
         "params_file": "params.pt" if params is not None else None,
     }
     tmp = run_dir / "result.json.tmp"
