@@ -36,7 +36,7 @@ from plait.runtime.tensor_parallel import (
     sequence_parallel_params,
     split_sizes,
 )
-from plait.runtime.worker import Fault
+from plait.runtime.worker import Fault, _RngStream
 from plait.sim.timeline import Timeline, TimelineEvent
 
 TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
@@ -291,6 +291,33 @@ def test_sequence_parallel_needs_divisible_sequence() -> None:
         TPContext(None, 2, 0, sequence_parallel=True).split(torch.zeros(7, 1, 4))
     with pytest.raises(RuntimeSetupError, match="'sequence_parallel': the sequence length 9 of gpt"):
         run("gpt:layers=2,hidden=16,heads=4,seq=9,vocab=32", None, "tp=2,sequence_parallel=true", steps=1)
+
+
+def test_private_rng_stream_leaves_the_outer_stream_alone() -> None:
+    torch.manual_seed(5)
+    expected_outer = torch.rand(4)
+    torch.manual_seed(5)
+    inner = _RngStream(99, cuda=False)
+    torch.manual_seed(99)
+    expected_inner = torch.rand(4)
+    torch.manual_seed(5)
+    got_outer, got_inner = [], []
+    for _ in range(2):  # draws alternate between the streams; each continues where it stopped
+        got_outer.append(torch.rand(2))
+        inner.enter()
+        got_inner.append(torch.rand(2))
+        inner.leave()
+    assert torch.equal(torch.cat(got_inner), expected_inner)
+    torch.manual_seed(5)
+    assert torch.equal(torch.cat(got_outer), expected_outer)
+    copy = _RngStream(0, cuda=False)
+    copy.load_state_dict(inner.state_dict())
+    copy.enter()
+    a = torch.rand(3)
+    copy.leave()
+    inner.enter()
+    assert torch.equal(torch.rand(3), a)
+    inner.leave()
 
 
 def test_tensor_parallel_rejects_indivisible_heads() -> None:

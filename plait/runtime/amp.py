@@ -67,7 +67,13 @@ class DynamicLossScaler:
         Every rank must call it once per step (it is a collective over `group`, default: the
         whole job, when torch.distributed is initialised). `comm(name, category, fn)` records
         the all-reduce as a span."""
-        device = grads[0].device if grads else torch.device("cpu")
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        if grads:
+            device = grads[0].device
+        elif distributed and dist.get_backend(group) == "nccl":  # a rank without gradients still joins
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
         found = torch.zeros(1, device=device)
         if grads:
             inv = torch.full((1,), 1.0 / self.scale, device=device)
@@ -79,7 +85,7 @@ class DynamicLossScaler:
                 f = torch.zeros(1, device=dev)
                 torch._amp_foreach_non_finite_check_and_unscale_(gs, f, inv.to(dev))
                 found = torch.maximum(found, f.to(device))
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if distributed:
             def reduce() -> None:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
 
