@@ -39,6 +39,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--data-seed", type=int, default=0, help="synthetic-data seed")
     p.add_argument("--run-dir", default=None, help="keep workers' logs and state files here")
     p.add_argument("--no-emulate", action="store_true", help="ignore the cluster's emulation section")
+    p.add_argument("--predict", action="store_true",
+                   help="emulated cluster: calibrate this machine first (about 30 s), pin one rank per CPU, and "
+                        "print the simulator's prediction for this machine next to the measurement (runs fp32)")
     p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # tests: rank=1,step=2,kind=hang|die|error
     p.set_defaults(func=run)
     return p
@@ -47,18 +50,63 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from plait.runtime.api import run as run_training
 
-    result = run_training(
-        args.model, args.cluster, args.plan, steps=args.steps, trace=args.trace,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        keep_checkpoints=args.keep_checkpoints, timeout=args.timeout, nprocs_per_node=args.nprocs_per_node,
-        device=args.device, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-        data_seed=args.data_seed, run_dir=args.run_dir, fault=args.fault, emulate=not args.no_emulate,
-    )
+    common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                  resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
+                  optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
+                  run_dir=args.run_dir, fault=args.fault)
+    machine = None
+    if args.predict:
+        result, machine = _run_predicted(args, common)
+    else:
+        result = run_training(args.model, args.cluster, args.plan, steps=args.steps,
+                              nprocs_per_node=args.nprocs_per_node, device=args.device, dtype=args.dtype,
+                              emulate=not args.no_emulate, **common)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=1, default=str))
+        out = result.to_dict()
+        if machine is not None:
+            out["machine"] = machine
+        print(json.dumps(out, indent=1, default=str))
         return 0
     _print(result, args)
+    if machine is not None:
+        _print_machine(machine)
     return 0
+
+
+def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """`--predict`: `plait.runtime.machine.LocalMachine` calibrates this machine, runs the plan with
+    the ranks pinned as its profilers and predicts it from the layer profiles that bracket the run."""
+    import sys
+
+    from plait.errors import PlaitError
+    from plait.runtime.machine import LocalMachine
+
+    if args.cluster is None or args.no_emulate:
+        raise PlaitError("--predict: give an emulated cluster (--cluster with an 'emulation:' section, "
+                         "e.g. emulated-mixed) and no --no-emulate")
+    if args.dtype not in (None, "fp32") or args.device == "cuda" or args.nprocs_per_node:
+        raise PlaitError("--predict: predicts CPU ranks in fp32 (no --dtype other than fp32, no --device cuda, "
+                         "no --nprocs-per-node)")
+    say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
+    with LocalMachine(args.cluster, args.model, say=say) as m:
+        mr = m.measure_and_predict(args.plan, steps=args.steps, **common)
+        notes = list(m.notes)
+    return mr.run, {"predicted_iteration_s": mr.predicted_s, "measured_iteration_s": mr.measured_s,
+                    "error": mr.error, "warmup_steps": mr.warmup_steps, "profile_drift": mr.drift,
+                    "device_speed": mr.prediction.device_speed, "notes": notes}
+
+
+def _print_machine(machine: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    err = machine["error"]
+    console = Console()
+    console.print(f"predicted for this machine {machine['predicted_iteration_s'] * 1e3:.2f} ms, measured "
+                  f"{machine['measured_iteration_s'] * 1e3:.2f} ms (median after {machine['warmup_steps']} "
+                  f"warm-up steps): error [{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/] "
+                  f"(layer profile drift over the run {machine['profile_drift'] * 100:+.0f} %)")
+    for note in machine["notes"]:
+        console.print(f"note: {note}")
 
 
 def _print(result: Any, args: argparse.Namespace) -> None:
