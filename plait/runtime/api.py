@@ -158,6 +158,10 @@ def _check_plan(plan: Plan) -> None:
     if plan.stages:
         raise RuntimeSetupError("plan field 'stages': the runtime runs linear pipelines (pp stages of "
                                 "dp x tp ranks); an explicit stage DAG (graph pipeline) is not supported yet")
+    if plan.zero >= 3 and plan.pp > 1:
+        # As DeepSpeed: per-layer parameter gathers per micro-batch do not mix with pipeline schedules.
+        raise RuntimeSetupError(f"plan field 'zero': zero={plan.zero} (parameters sharded) runs with pp=1 only, "
+                                f"the plan has pp={plan.pp}; use zero=1 or zero=2 with pipeline parallelism")
     if plan.schedule == "interleaved":
         raise RuntimeSetupError("plan field 'schedule': the runtime runs 'gpipe' and '1f1b'; "
                                 "interleaved 1F1B is not supported yet")
@@ -242,9 +246,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     notes: list[str] = []
     if plan_obj.sequence_parallel and plan_obj.tp == 1:
         notes.append("sequence_parallel has no effect with tp=1")
-    if plan_obj.zero >= 3:
-        notes.append("zero=3: parameters are not sharded by the runtime (ran ZeRO-2: optimizer state and "
-                     "gradients sharded)")
+    if plan_obj.zero >= 3 and plan_obj.dp == 1:
+        notes.append("zero=3 with dp=1: nothing to shard (ran plain data parallel)")
     if use_cuda and any(info["slowdown"] > 1.0 for info in layout):
         notes.append("compute slowdown emulation is applied on CPU ranks only; GPU ranks run at full speed")
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \

@@ -74,6 +74,7 @@ from plait.runtime.tensor_parallel import (
     is_tensor_parallel_layer,
     sequence_parallel_params,
 )
+from plait.runtime.zero3 import Zero3Step
 
 FAULT_ENV = "PLAIT_FAULT"
 
@@ -286,7 +287,14 @@ class Worker:
         # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
         self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV) or cfg.get("loss_scale")) \
             if cfg["dtype"] == "fp16" else None
-        if plan.zero >= 1:
+        self.zero3: Zero3Step | None = None
+        if plan.zero >= 3 and plan.dp > 1:
+            # Parameters sharded too (api refuses pp > 1 with zero=3): per-layer gather / reduce-scatter.
+            self.zero3 = Zero3Step(self.stage_module, layer_modules(self.stage_module), make_opt, self.dp_group,
+                                   plan.dp, self.d, self.rec, scaler=self.scaler, tp_group=self.tp_group,
+                                   sp_params=self.sp_params)
+            self.opt = self.zero3
+        elif plan.zero >= 1:
             self.opt = Zero1Step(self.params, make_opt, self.dp_group, plan.dp, self.d, self.rec,
                                  free_grads=plan.zero >= 2, scaler=self.scaler)
         else:
@@ -306,7 +314,9 @@ class Worker:
         losses: list[torch.Tensor] = []
         step_bounds: list[tuple[int, float, float]] = []
         self.scales: list[float] = []  # the loss scale each step's backward used
-        schedule = plan.schedule
+        # One stage under ZeRO-3: forward and backward of each micro-batch in turn (1F1B with pp=1, the
+        # same arithmetic as GPipe), so a layer's gathered parameters live for one micro-batch only.
+        schedule = "1f1b" if self.zero3 is not None else plan.schedule
         for step in range(start, steps):
             self.hb.progress("train", step)
             mbs = replica_micro_batches(plan, step, self.d)
@@ -321,12 +331,17 @@ class Worker:
             if self.scaler is not None:
                 runner.loss_scale = self.scaler.scale
                 self.scales.append(self.scaler.scale)
+            if self.zero3 is not None:
+                self.zero3.begin_step()
             runner.run(schedule, mbs, lambda mb, data=data: data[mb.index])
+            if self.zero3 is not None:  # join the collectives of replicas with more micro-batches
+                most = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
+                self.zero3.ghost_rounds(most - len(mbs), len(mbs))
             if self.fault:
                 self.fault.maybe_poison(self.rank, step, self.params)
             if self.tied:
                 sync_tied_grads(self.tied, self.rec)
-            if self.sp_params:
+            if self.sp_params and self.zero3 is None:  # ZeRO-3 sums them per layer before reducing
                 self._sync_sp_grads()
             self.opt.step()
             if self.scaler is not None:
@@ -384,7 +399,8 @@ class Worker:
             return 0
         self.hb.progress("resume")
         state = ckpt.load_rank(Path(choice[0]), self.rank, self.device)
-        self.stage_module.load_state_dict(state["model"])
+        if self.zero3 is None:  # under ZeRO-3 the shards in the optimizer state are the parameters
+            self.stage_module.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optim"])
         ckpt.set_rng_state(state["rng"])
         if self.scaler is not None and state.get("amp") is not None:
@@ -395,7 +411,8 @@ class Worker:
 
     def _save_checkpoint(self, step: int, root: Path) -> None:
         self.hb.progress("checkpoint")
-        state = {"step": step, "rank": self.rank, "model": self.stage_module.state_dict(),
+        state = {"step": step, "rank": self.rank,
+                 "model": self.stage_module.state_dict() if self.zero3 is None else None,
                  "optim": self.opt.state_dict(), "rng": ckpt.rng_state(),
                  "amp": self.scaler.state_dict() if self.scaler is not None else None,
                  "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None}
@@ -417,7 +434,12 @@ class Worker:
         loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
         if self.p == plan.pp - 1 and plan.dp > 1 and loss_vec.numel():
             dist.all_reduce(loss_vec, group=self.dp_group)
+        # Parameter bytes held between steps: the whole stage, or under ZeRO-3 the shards (~1/dp).
+        param_bytes = self.zero3.resident_param_bytes() if self.zero3 is not None else \
+            sum(prm.numel() * prm.element_size() for prm in self.params)
         params = None
+        if self.zero3 is not None and self.cfg.get("return_params"):
+            self.zero3.gather_all()  # collective over the replicas
         if self.cfg.get("return_params") and self.d == 0:
             params = {n: prm.detach().cpu().clone() for n, prm in self.stage_module.named_parameters()}
         if self.cuda:
@@ -430,7 +452,8 @@ class Worker:
             "rank": self.rank, "pp": self.p, "dp": self.d, "tp": self.t, "device": self.info["device"],
             "host": self.info["host"], "node": self.info["node"], "kind": self.info.get("kind"),
             "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
-            "layers": self.stage_layers, "params": self.param_count, "peak_memory_bytes": peak,
+            "layers": self.stage_layers, "params": self.param_count, "param_bytes": param_bytes,
+            "peak_memory_bytes": peak,
             "memory_kind": mem_kind, "samples_per_step": plan.samples_per_replica()[self.d],
             "events": [asdict(e) for e in self.rec.events],
             "step_bounds": bounds,
