@@ -349,6 +349,7 @@ class LocalMachine:
                 res, _ = profile(self.cluster_arg, max_size=self.max_size, p2p_bytes=2 * MiB,
                                  matmul_sizes=[128, 256, 512], dtypes=["fp32"], slowdown_dtype="fp32",
                                  min_time=0.05, out=raw)
+            self.profile_result = res
             (self.workdir / "profile.json").write_text(res.to_json())
             pairs = list(res.p2p.values())
             if pairs:
