@@ -6,7 +6,8 @@ directory fsync'ed, so a file either exists whole or not at all; the marker is w
 (the same way) by rank 0 only after a barrier, so a checkpoint is either complete or
 ignored. A worker killed with SIGKILL at any moment therefore never damages a checkpoint
 that was already complete, and `latest_checkpoint` skips a half-written one.
-Each rank file holds its model shard, optimizer (shard) state, the step, all RNG states
+Each rank file holds its model shard (under ZeRO-3 `model` is None: the rank's flat parameter
+shards, which are the parameters, are in `optim["shards"]`), optimizer (shard) state, the step, all RNG states
 (with the per-rank dropout stream of sequence-parallel layers, `sp_rng`) and, under fp16,
 the dynamic loss scaler's scale and growth counter (`amp`), so `--resume` continues bit for
 bit -- a resumed fp16 run uses the scale the interrupted run would have used.

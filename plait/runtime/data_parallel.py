@@ -11,8 +11,8 @@ mean gradient even when replicas hold uneven numbers of samples (HAP §4).
   gradient of shard d, it keeps optimizer state for that shard only, updates it, and
   the shards are all-gathered back into the parameters. Same bytes on the wire as an
   all-reduce, optimizer memory / dp. zero >= 2 runs the same step and frees the full
-  gradients right after the reduce-scatter (so they do not live across steps); the
-  parameters themselves are not sharded (no ZeRO-3 / FSDP parameter gathering).
+  gradients right after the reduce-scatter (so they do not live across steps).
+* ZeRO-3 (parameters sharded too, gathered per layer) is `plait.runtime.zero3.Zero3Step`.
 
 With fp16 a `DynamicLossScaler` unscales the *reduced* gradients (under ZeRO: this rank's
 shard) and agrees on inf/nan with every rank of the job before the optimizer; on overflow

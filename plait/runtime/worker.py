@@ -11,7 +11,8 @@ The path of one batch, in order:
    the plan's pipeline schedule over the micro-batches (`pipeline.StageRunner`);
 3. gradients of stage-shared (tied) parameters are summed across stages, gradients of the
    sequence-parallel LayerNorms and biases across the tensor group, then all are reduced
-   across data-parallel replicas, and the optimizer steps (`data_parallel`: plain, or ZeRO-1);
+   across data-parallel replicas, and the optimizer steps (`data_parallel`: plain, or ZeRO-1/2;
+   `zero3`: parameters sharded too, gathered per layer by hooks, gradients reduce-scattered per layer);
    under fp16 the loss was scaled and the step unscales, or skips it job-wide on inf/nan
    (`amp`);
 4. every K steps each rank writes its checkpoint file (`checkpoint`);
