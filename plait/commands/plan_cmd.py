@@ -129,13 +129,15 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
         say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
         if not args.json:
             print("plait run on this machine: calibrating (emulated links, gloo, layer times)...", file=sys.stderr)
-        with LocalMachine(args.cluster, args.model, say=say) as machine:
+        # slower kinds are slowed by the plan's dtype ratio (the GPUs it was planned for), while
+        # the CPU ranks compute fp32
+        with LocalMachine(args.cluster, args.model, emulate_dtype=cand.plan.dtype, say=say) as machine:
             mr = machine.measure_and_predict(cand.plan, steps=args.steps)
         res = mr.run
         out["machine"] = {"predicted_iteration_s": mr.predicted_s, "measured_iteration_s": mr.measured_s,
                           "error": mr.error, "profile_drift": mr.drift, "warmup_steps": mr.warmup_steps,
                           "device_speed": mr.prediction.device_speed, "notes": machine.notes,
-                          "dtype": "fp32"}
+                          "dtype": "fp32", "emulated_dtype": cand.plan.dtype}
         out["measured_iteration_s"] = mr.measured_s
     else:
         res = runtime_run(args.model, args.cluster, cand.plan, steps=args.steps)
@@ -164,7 +166,8 @@ def _print_run(run: dict[str, Any], console: Any) -> None:
                       f"{_ms(meas)} (median after {machine['warmup_steps']} warm-up steps): error "
                       f"[{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/]")
         console.print(f"  [dim]this machine: the ranks are CPU processes (fp32, slower kinds slowed by their "
-                      f"FLOP/s ratio, links shaped by tc); predicted from measured links and layer times "
+                      f"{machine['emulated_dtype']} FLOP/s ratio, links shaped by tc); predicted from measured links "
+                      f"and layer times "
                       f"(profile drift {machine['profile_drift'] * 100:+.0f} % over the run). The table above "
                       f"predicts the GPUs the cluster describes: {_ms(pred)} per iteration there.[/]")
         for note in machine["notes"]:

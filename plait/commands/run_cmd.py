@@ -88,7 +88,10 @@ def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[An
         raise PlaitError("--predict: predicts CPU ranks in fp32 (no --dtype other than fp32, no --device cuda, "
                          "no --nprocs-per-node)")
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
-    with LocalMachine(args.cluster, args.model, say=say) as m:
+    from plait.plan.ir import Plan
+
+    # slower kinds are slowed by the plan's dtype ratio; the CPU ranks compute fp32
+    with LocalMachine(args.cluster, args.model, emulate_dtype=Plan.load(args.plan).dtype, say=say) as m:
         mr = m.measure_and_predict(args.plan, steps=args.steps, **common)
         notes = list(m.notes)
     return mr.run, {"predicted_iteration_s": mr.predicted_s, "measured_iteration_s": mr.measured_s,

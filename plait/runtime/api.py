@@ -202,10 +202,13 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         dtype: str | None = None, optimizer: str | dict[str, Any] = "adamw", lr: float = 1e-3,
         weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
         return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
-        env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None) -> RunResult:
+        env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
+        emulate_dtype: str | None = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
+    `emulate_dtype` is the dtype whose peak FLOP/s ratios set the emulated slowdown of slower
+    kinds (default: the training dtype), e.g. the plan's fp16 while the CPU ranks compute fp32;
     `start_method` is torchrun's: "fork" (CPU default: workers inherit the agent's imports)
     or "spawn" (GPU default: CUDA must not be initialised before a fork);
     `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`).
@@ -232,7 +235,9 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         raise RuntimeSetupError(f"dtype: must be fp32, tf32, bf16 or fp16, got {dtype!r}")
     if cluster_obj is not None and not emulate:
         cluster_obj = dataclasses.replace(cluster_obj, emulation=None)
-    layout = rank_layout(cluster_obj, plan_obj, dtype)
+    if emulate_dtype is not None and emulate_dtype not in ("fp32", "tf32", "bf16", "fp16"):
+        raise RuntimeSetupError(f"emulate_dtype: must be fp32, tf32, bf16 or fp16, got {emulate_dtype!r}")
+    layout = rank_layout(cluster_obj, plan_obj, emulate_dtype or dtype)
     world = len(layout)
     # auto: NCCL on GPUs when there is one per rank, else gloo on CPU.
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()

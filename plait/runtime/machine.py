@@ -303,13 +303,17 @@ class LocalMachine:
 
     `pin` puts rank r on CPU r mod CPUs with `cpu.shares` `shares` (root and cgroup v1 only;
     otherwise the ranks run unpinned and `notes` says why); `keep_freed_memory` sets
-    `MALLOC_ENV` for ranks and profilers; `repeats` are the layer profile's repetitions;
+    `MALLOC_ENV` for ranks and profilers; `emulate_dtype` is the dtype whose datasheet FLOP/s
+    ratios slow the slower kinds down (the ranks compute fp32 either way: emulating an fp16
+    plan on A100 + V100 takes the fp16 ratio, 2.5, not the fp32 one, 1.24); `repeats` are the
+    layer profile's repetitions;
     `max_size` the largest collective the cluster profile times; `say` receives progress lines.
     """
 
     def __init__(self, cluster: Any, model: str, *, workdir: str | Path | None = None, repeats: int = 12,
                  max_size: int = 16 * MiB, pin: bool = True, shares: int = SHARES, cgroups: bool = True,
-                 keep_freed_memory: bool = True, say: Callable[[str], None] | None = None) -> None:
+                 keep_freed_memory: bool = True, emulate_dtype: str = "fp32",
+                 say: Callable[[str], None] | None = None) -> None:
         from plait.cluster import load_cluster
 
         self.cluster_arg = str(cluster) if isinstance(cluster, Path) else cluster
@@ -321,6 +325,9 @@ class LocalMachine:
         self.world = self.cluster.num_devices
         self.repeats, self.max_size, self.pin, self.shares = repeats, max_size, pin, shares
         self.cgroups, self.keep_freed_memory = cgroups, keep_freed_memory
+        if emulate_dtype not in ("fp32", "tf32", "bf16", "fp16"):
+            raise MachineError(f"emulate_dtype: must be fp32, tf32, bf16 or fp16, got {emulate_dtype!r}")
+        self.emulate_dtype = emulate_dtype
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="plait-machine-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.say = say or (lambda text: log.info("%s", text))
@@ -347,7 +354,7 @@ class LocalMachine:
             group = ProcessCgroup(shares=self.shares * self.world) if self.cgroups else None
             with group if group is not None else ExitStack():
                 res, _ = profile(self.cluster_arg, max_size=self.max_size, p2p_bytes=2 * MiB,
-                                 matmul_sizes=[128, 256, 512], dtypes=["fp32"], slowdown_dtype="fp32",
+                                 matmul_sizes=[128, 256, 512], dtypes=["fp32"], slowdown_dtype=self.emulate_dtype,
                                  min_time=0.05, out=raw)
             self.profile_result = res
             (self.workdir / "profile.json").write_text(res.to_json())
@@ -433,6 +440,7 @@ class LocalMachine:
 
         self._require()
         return run(self.model, self.cluster_arg, self._fp32(plan), steps=steps, dtype="fp32",
+                   emulate_dtype=self.emulate_dtype,
                    env={**self.env, **kwargs.pop("env", {})}, **kwargs)
 
     def measure_and_predict(self, plan: Any, steps: int = 8, warmup: int = 2, **run_kwargs: Any) -> MachineRun:
