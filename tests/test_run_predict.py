@@ -27,9 +27,9 @@ def test_predict_prints_machine_prediction_next_to_measurement(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--plan", "dp=2"], "emulated cluster"),
-    (["--cluster", CLUSTER, "--plan", "dp=2", "--dtype", "bf16"], "fp32"),
-    (["--cluster", "a100-80gb:nodes=1", "--plan", "dp=2"], "emulated cluster"),
+    (["--plan", "dp=2,micro_batch=1,global_batch=2"], "emulated cluster"),
+    (["--cluster", CLUSTER, "--plan", "dp=2,micro_batch=1,global_batch=2", "--dtype", "bf16"], "fp32"),
+    (["--cluster", "a100-80gb:nodes=1", "--plan", "dp=2,micro_batch=1,global_batch=2"], "emulated cluster"),
 ])
 def test_predict_refuses_what_it_cannot_predict(argv, needle, capsys):
     rc = main(["run", "--model", MODEL, *argv, "--predict"])
