@@ -151,8 +151,10 @@ def test_emulated_cluster_in_network_namespaces(straight: dict, tmp_path: Path) 
         pytest.skip("network namespaces need root and iproute2")
     from plait.runtime.netns import list_namespaces
 
-    before = set(list_namespaces())
+    # only this process's namespaces (`plait-<pid>-...`): other jobs on the machine may add their own
+    mine = f"plait-{os.getpid()}-"
+    before = {n for n in list_namespaces() if n.startswith(mine)}
     result = _emulated(tmp_path, namespaces=True)
     _check_slowdown(result, straight)
     assert result.network["mode"] == "namespaces"
-    assert set(list_namespaces()) == before  # the run's namespaces are gone
+    assert {n for n in list_namespaces() if n.startswith(mine)} == before  # the run's namespaces are gone
