@@ -111,7 +111,7 @@ class Profilers:
         res = self.request({"kind": "flatten", "model": model, "repeats": repeats})
         return statistics.fmean(r["seconds"] / r["bytes"] for r in res)
 
-    def gloo(self, store: Path, sizes: list[int], iters: int = 25) -> dict[str, list[list[float]]]:
+    def gloo(self, store: Path, sizes: list[int], iters: int = 80) -> dict[str, list[list[float]]]:
         """`machine_profiler.gloo_sweep` on every profiler; per size the mean over the ranks."""
         store.unlink(missing_ok=True)
         res = self.request({"kind": "gloo", "store": str(store), "world": len(self.procs), "sizes": sizes,

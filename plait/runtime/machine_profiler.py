@@ -75,7 +75,7 @@ def gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
     makes it: right after a compute segment of ~1.5 ms (a tensor-parallel layer of a small
     model), all ranks starting the segment together. A call then also pays for the ranks not
     finishing their segments together (each rank's speed jitters on a shared machine) and for
-    waking gloo's threads after compute; the mean, because a step sums many calls."""
+    waking gloo's threads after compute; a trimmed mean, because a step sums many calls."""
     import torch
     import torch.distributed as dist
 
@@ -107,8 +107,16 @@ def gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
                 fn()
                 if i >= 3:
                     times.append(time.perf_counter() - t0)
-            out[op].append([float(x.numel() * 4), statistics.fmean(times)])
+            # trimmed mean: a step sums many calls (so not the median), but a 25-90-call sample
+            # must not follow the odd scheduler hiccup of a shared VM
+            out[op].append([float(x.numel() * 4), _trimmed_mean(times, 0.1)])
     return out
+
+
+def _trimmed_mean(xs: list[float], cut: float) -> float:
+    ys = sorted(xs)
+    k = int(len(ys) * cut)
+    return statistics.fmean(ys[k:len(ys) - k] if len(ys) > 2 * k else ys)
 
 
 def handle(rank: int, req: dict[str, Any]) -> Any:
