@@ -144,6 +144,21 @@ def _compute_work(timeline: Any, steps: list[int] | None = None) -> dict[int, fl
     return {d: v / n for d, v in out.items()}
 
 
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs from /proc/stat ((0, 0) elsewhere): the share of time the
+    hypervisor gave this VM's vCPUs to others -- the noise this bench cannot control."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else float("nan")
+
+
 def replay(pred: Any, real_work: dict[int, float]) -> float:
     """The prediction's simulation at the compute speed each device had during the run (its
     measured forward/backward seconds over the simulated ones)."""
@@ -204,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         tag = f"{cname}-{label.replace(' ', '_')}-r{rnd}"
         row: dict[str, Any] = {"cluster": cname, "plan": label, "spec": spec, "round": rnd}
         nan = float("nan")
+        cpu0 = cpu_times()
         try:
             mr = machine.measure_and_predict(spec, steps=steps)
         except Exception as exc:  # noqa: BLE001 -- a bench reports what failed and goes on
@@ -213,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update({"iqr_s": 0.0, "steps_s": [], "real": {}, "sim": {}, "device_speed": []})
             return row
         res, pred = mr.run, mr.prediction
+        row["steal"] = steal_share(cpu0, cpu_times())
         res.timeline.save_chrome_trace(work / f"{tag}.trace.json")
         times = res.iteration_times[mr.warmup_steps:]
         med = mr.measured_s
@@ -233,10 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{med * 1e3:6.1f} ms (IQR {row['iqr_s'] * 1e3:4.1f}): {row['predicted_error'] * 100:+5.1f} %; "
                       f"replay {row['replay_error'] * 100:+5.1f} %; profile {pred.profile.forward_s * 1e3:.1f}+"
                       f"{pred.profile.backward_s * 1e3:.1f} ms/mb, drift {mr.drift * 100:+.0f} %, devices "
-                      f"{'/'.join(f'{x:.2f}' for x in pred.device_speed)}")
+                      f"{'/'.join(f'{x:.2f}' for x in pred.device_speed)}, steal {row['steal'] * 100:.0f} %")
         return row
 
     trials: list[dict[str, Any]] = []
+    cpu_start = cpu_times()
     with ExitStack() as stack:
         machines: dict[str, Any] = {}
         for name, text in CLUSTERS.items():
@@ -310,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                       + ("" if s["same_ranking"] else f" (measured {s['measured_order']}, predicted {s['predicted_order']})"))
     all_ok = bool(rows) and all(abs(r["predicted_error"]) <= 0.10 for r in rows) and \
         all(s["same_ranking"] for s in summary.values())
+    per_run = ", ".join(f"{t.get('steal', float('nan')) * 100:.0f}" for t in trials)
+    console.print(f"CPU time stolen by the hypervisor during the bench: "
+                  f"{steal_share(cpu_start, cpu_times()) * 100:.1f} % (per run: {per_run} %)")
     console.print(f"target (<= 10 % per plan, same ranking): {'met' if all_ok else 'NOT met'}; "
                   f"total {time.time() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f}; files in {work}")
     (work / "sim_vs_real.json").write_text(json.dumps(
