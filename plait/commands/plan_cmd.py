@@ -134,10 +134,8 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
         with LocalMachine(args.cluster, args.model, emulate_dtype=cand.plan.dtype, say=say) as machine:
             mr = machine.measure_and_predict(cand.plan, steps=args.steps)
         res = mr.run
-        out["machine"] = {"predicted_iteration_s": mr.predicted_s, "measured_iteration_s": mr.measured_s,
-                          "error": mr.error, "profile_drift": mr.drift, "warmup_steps": mr.warmup_steps,
-                          "device_speed": mr.prediction.device_speed, "notes": machine.notes,
-                          "dtype": "fp32", "emulated_dtype": cand.plan.dtype}
+        out["machine"] = {**mr.summary(), "notes": machine.notes, "dtype": "fp32",
+                          "emulated_dtype": cand.plan.dtype}
         out["measured_iteration_s"] = mr.measured_s
     else:
         res = runtime_run(args.model, args.cluster, cand.plan, steps=args.steps)

@@ -94,9 +94,7 @@ def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[An
     with LocalMachine(args.cluster, args.model, emulate_dtype=Plan.load(args.plan).dtype, say=say) as m:
         mr = m.measure_and_predict(args.plan, steps=args.steps, **common)
         notes = list(m.notes)
-    return mr.run, {"predicted_iteration_s": mr.predicted_s, "measured_iteration_s": mr.measured_s,
-                    "error": mr.error, "warmup_steps": mr.warmup_steps, "profile_drift": mr.drift,
-                    "device_speed": mr.prediction.device_speed, "notes": notes}
+    return mr.run, {**mr.summary(), "notes": notes}
 
 
 def _print_machine(machine: dict[str, Any]) -> None:

@@ -296,6 +296,22 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
                 bs = [b for _, b in samples[name]]
                 prof.times[name] = (center(fs), center(bs))
                 prof.spread[name] = (_iqr(fs), _iqr(bs))
+            def time_adamw(params: list[torch.Tensor]) -> list[float]:
+                """Seconds of each timed AdamW step (per-tensor, as the runtime's) over `params`."""
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                opt = torch.optim.AdamW(params, lr=lr, foreach=False)
+                ts = []
+                for r in range(warmup + repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    opt.step()
+                    sync()
+                    if r >= warmup:
+                        ts.append(time.perf_counter() - t0)
+                return ts
+
             # 3. the optimizer step over each layer's own parameters (gradients from the runs above).
             seen: set[int] = set()
             for name in order:
@@ -305,37 +321,13 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
                 if not optimizer or not own:
                     prof.optimizer[name] = 0.0
                     continue
-                for p in own:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                opt = torch.optim.AdamW(own, lr=lr, foreach=False)
-                ts = []
-                for r in range(warmup + repeats):
-                    sync()
-                    t0 = time.perf_counter()
-                    opt.step()
-                    sync()
-                    if r >= warmup:
-                        ts.append(time.perf_counter() - t0)
-                prof.optimizer[name] = center(ts)
+                prof.optimizer[name] = center(time_adamw(own))
             # ... and over all of them at once, as a training step runs it (a working set of every
             # parameter, gradient and optimizer state: larger than the caches a single layer fits).
             every = [p for name in order for p in modules[name].parameters() if p.requires_grad]
             every = list({id(p): p for p in every}.values())
             if optimizer and every:
-                for p in every:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                opt = torch.optim.AdamW(every, lr=lr, foreach=False)
-                ts = []
-                for r in range(warmup + repeats):
-                    sync()
-                    t0 = time.perf_counter()
-                    opt.step()
-                    sync()
-                    if r >= warmup:
-                        ts.append(time.perf_counter() - t0)
-                prof.optimizer_total_s = center(ts)
+                prof.optimizer_total_s = center(time_adamw(every))
             return prof
     finally:
         torch.set_num_threads(old_threads)

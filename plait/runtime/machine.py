@@ -291,6 +291,12 @@ class MachineRun:
     def error(self) -> float:
         return (self.predicted_s - self.measured_s) / self.measured_s
 
+    def summary(self) -> dict[str, Any]:
+        """The figures the CLI prints and puts in its JSON."""
+        return {"predicted_iteration_s": self.predicted_s, "measured_iteration_s": self.measured_s,
+                "error": self.error, "warmup_steps": self.warmup_steps, "profile_drift": self.drift,
+                "device_speed": self.prediction.device_speed}
+
 
 # ---------------------------------------------------------------- the machine
 class LocalMachine:
