@@ -42,11 +42,11 @@ from plait.cost.memory import (  # noqa: E402
     MiB,
     activation_bytes_per_layer,
     estimate_memory,
-    measure_step_peak,
 )
 from plait.graph.capture import capture, layer_assignment  # noqa: E402
 from plait.graph.zoo import load_model  # noqa: E402
-from plait.plan.ir import Plan  # noqa: E402
+from plait.ir.plan import Plan  # noqa: E402
+from plait.measure.step_memory import measure_step_peak  # noqa: E402
 
 # (s, h, a) shapes captured once each; (b, t) varied on top (per-sample graph).
 SHAPES = [(2048, 12288, 96), (2048, 4096, 32), (1024, 1024, 16), (512, 2048, 16), (4096, 8192, 64)]

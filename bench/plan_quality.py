@@ -28,7 +28,7 @@
     all GPUs as equal (even splits, Megatron's order), both simulated on the mixed cluster.
     Measured: the same comparison for a small GPT on `emulated-mixed:gpus_per_node=1` (an
     "A100" and a "V100" CPU rank, one per CPU of this machine, the V100 slowed by the fp16
-    FLOP/s ratio of the predicted plans, 2.5): `plait.runtime.machine.LocalMachine` profiles the cluster, both searches
+    FLOP/s ratio of the predicted plans, 2.5): `plait.measure.machine.LocalMachine` profiles the cluster, both searches
     plan on the measured cluster with a CPU compute model (`cpu_compute_model`), and both
     plans are trained with `plait run`, each run bracketed by layer profiles that give the
     prediction for this machine.
@@ -51,8 +51,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from plait.plan.ir import Plan  # noqa: E402
-from plait.plan.search import SearchSpace, plan  # noqa: E402
+from plait.ir.plan import Plan  # noqa: E402
+from plait.search import SearchSpace, plan  # noqa: E402
 
 
 # ============================================================================ (a)
@@ -60,7 +60,7 @@ def part_a(console: Console) -> dict[str, Any]:
     import validate_a100 as va
 
     from plait.cluster.spec import Cluster, Link, NodeSpec
-    from plait.sim.gpt import gpt_opgraph
+    from plait.graph.gpt_closed_form import gpt_opgraph
 
     rows = va.load_rows()
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -163,7 +163,7 @@ UNEVEN_SHAPES = [(8, 8, 1), (4, 8, 2), (2, 8, 4), (4, 4, 4), (8, 4, 2), (16, 2, 
 
 
 def part_b(console: Console, seeds: tuple[int, ...] = (0, 1, 2), global_batch: int = 256) -> dict[str, Any]:
-    from plait.plan.search import load_graph
+    from plait.search import load_graph
 
     _, graph = load_graph(UNEVEN_MODEL, "bf16")
     table = Table(title=f"(b) placement on uneven links: {UNEVEN_MODEL} (6.7B), global batch {global_batch}, "
@@ -215,7 +215,7 @@ MIXED_CLUSTER = "mixed-a100-v100:a100_nodes=2,v100_nodes=2"
 
 
 def part_c(console: Console) -> dict[str, Any]:
-    from plait.plan.search import load_graph
+    from plait.search import load_graph
 
     table = Table(title=f"(c) mixed kinds: {MIXED_CLUSTER} (16 A100 + 16 V100), predicted")
     for col in ("model", "plait's plan", "iteration", "plan treating GPUs as equal", "iteration", "speedup"):
@@ -261,12 +261,12 @@ MEASURED_CLUSTER = "emulated-mixed:gpus_per_node=1"  # an A100 node and a V100 n
 
 
 def part_c_measured(console: Console, steps: int = 6, global_batch: int = 64, rounds: int = 2) -> dict[str, Any]:
-    """Both searches plan on this machine's measured cluster (`plait.runtime.machine.LocalMachine`:
+    """Both searches plan on this machine's measured cluster (`plait.measure.machine.LocalMachine`:
     links and gloo profiled, ranks pinned one per CPU) with the CPU compute model; both plans
     are trained with `plait run` `rounds` times, each run bracketed by layer profiles that give
     the simulator's prediction for this machine. Global batch 64: at 16 the best plans use
     two micro-batches of 8, which leaves no room for uneven batch shares between two ranks."""
-    from plait.runtime.machine import LocalMachine
+    from plait.measure.machine import LocalMachine
 
     t0 = time.perf_counter()
     rows = []

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from plait.cluster import load_cluster
-    from plait.plan.search import auto_dtype, load_graph, plan
+    from plait.search import auto_dtype, load_graph, plan
 
     console = Console(width=160)
     phases: dict[str, float] = {}

@@ -14,7 +14,7 @@ represented by their group. The "simulated" column says how many workers (stage 
 replica pipelines) were simulated. The baseline is the same simulation with symmetry
 off (every replica simulated), measured in the same run.
 
-The OpGraph is `plait.sim.gpt.gpt_opgraph` (closed form, identical to the capture for
+The OpGraph is `plait.graph.gpt_closed_form.gpt_opgraph` (closed form, identical to the capture for
 the zoo's GPT; see tests/test_sim_gpt.py); its construction time is shown apart.
 
 Usage: ``python bench/sim_speed.py [--max-gpus 4096] [--no-baseline]``
@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from plait.cluster import load_cluster  # noqa: E402
-from plait.plan.ir import Plan  # noqa: E402
+from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
+from plait.ir.plan import Plan  # noqa: E402
 from plait.sim.api import simulate  # noqa: E402
-from plait.sim.gpt import gpt_opgraph  # noqa: E402
 from plait.sim.topology import ClusterView  # noqa: E402
 
 GPT3 = {"layers": 96, "hidden": 12288, "heads": 96, "seq": 2048, "vocab": 50257}

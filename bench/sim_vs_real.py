@@ -12,7 +12,7 @@ What it does, end to end:
    ``100 Gb/s x emulation.bandwidth_scale`` = 50 MB/s (namespaces need root; without it the
    run falls back to loopback and says so). The T4's compute slowdown is the datasheet fp32
    ratio 19.5/8.1 = 2.41 (`plait.runtime.emulate`);
-2. calibrates **this machine** for each cluster with `plait.runtime.machine.LocalMachine`, the
+2. calibrates **this machine** for each cluster with `plait.measure.machine.LocalMachine`, the
    library path `plait plan --run` uses: `plait profile` of the emulated links, gloo's
    per-call cost and the runtime's gradient flatten timed by profiler processes pinned as the
    ranks (see that module);
@@ -35,7 +35,7 @@ both compute. Hence two ranks (one per CPU), each rank and its profiler pinned t
 CPU with a high `cpu.shares` weight (root only, else skipped; `--no-pin` leaves them
 unpinned: a gloo receive then waits up to a scheduler slice, ~4 ms measured, behind the
 other rank's compute), profiles bracketing each run, several rounds, and glibc malloc
-keeping freed memory (`plait.runtime.machine.MALLOC_ENV`).
+keeping freed memory (`plait.measure.machine.MALLOC_ENV`).
 
 The target (issue 5) is <= 10 % per plan and the same ranking.
 """
@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=MODEL)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from plait.cluster.profile import parse_size
-    from plait.runtime.machine import LocalMachine
+    from plait.measure.cluster_profile import parse_size
+    from plait.measure.machine import LocalMachine
     from plait.sim.api import simulate
 
     console = Console(width=180)

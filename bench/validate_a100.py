@@ -67,9 +67,9 @@ sys.path.insert(0, str(ROOT))
 from plait.cluster.catalog import GPU_KINDS  # noqa: E402
 from plait.cluster.spec import Cluster, Link, NodeSpec  # noqa: E402
 from plait.cost.compute import DEFAULT_MODEL, ComputeModel  # noqa: E402
-from plait.plan.ir import Plan  # noqa: E402
+from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
+from plait.ir.plan import Plan  # noqa: E402
 from plait.sim.engine import simulate as run_engine  # noqa: E402
-from plait.sim.gpt import gpt_opgraph  # noqa: E402
 from plait.sim.lower import SimOptions, lower  # noqa: E402
 from plait.sim.topology import ClusterView  # noqa: E402
 

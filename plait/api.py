@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.plan.ir import Plan
+from plait.ir.plan import Plan
 
 # `plan` is not re-exported: `plait.plan` is the (callable) package plait/plan, which calls
-# `plait.plan.search.plan`, so that `plait.plan(...)` and `import plait.plan.search` both work.
+# `plait.search.plan`, so that `plait.plan(...)` and `import plait.search` both work.
 __all__ = ["inspect", "load_cluster", "load_model", "Plan", "simulate", "run"]
 
 
@@ -42,13 +42,6 @@ def simulate(model: Any, cluster: Any, plan: Any, **kwargs: Any):
     from plait.sim.api import simulate as _simulate
 
     return _simulate(model, cluster, plan, **kwargs)
-
-
-def plan(model: Any = None, cluster: Any = None, global_batch: int | None = None, **kwargs: Any):
-    """Search for the fastest plan that fits (see plait.plan.search)."""
-    from plait.plan.search import plan as _plan
-
-    return _plan(model, cluster, global_batch=global_batch, **kwargs)
 
 
 def run(model: Any, cluster: Any, plan: Any, steps: int = 3, **kwargs: Any):

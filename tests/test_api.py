@@ -9,7 +9,7 @@ CLUSTER = "a100-80g:nodes=1,gpus_per_node=2"
 
 
 def test_plan_is_callable_and_its_submodules_import():
-    import plait.plan.search as search
+    import plait.search as search
 
     assert callable(plait.plan)
     result = plait.plan(MODEL, CLUSTER, global_batch=4, top=2)

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from plait.errors import PlaitError
 from plait.graph.capture import CaptureError, capture, layer_assignment
-from plait.graph.opgraph import OpGraph
+from plait.ir.opgraph import OpGraph
 
 F32 = 4
 

@@ -21,6 +21,7 @@ from plait.cluster.spec import (
     PairOverride,
     SwitchSpec,
 )
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
 
 SETTINGS = settings(max_examples=30, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -112,9 +113,9 @@ def test_yaml_round_trip_is_exact_and_matrices_match_reference(c: Cluster) -> No
     assert back == c
     assert dump_cluster(back) == text
     bw, la = reference(c)
-    np.testing.assert_allclose(c.bandwidth_matrix(), bw, rtol=1e-12)
-    np.testing.assert_allclose(c.latency_matrix(), la, rtol=1e-12, atol=1e-300)
-    assert (c.bandwidth_matrix() == c.bandwidth_matrix().T).all()
+    np.testing.assert_allclose(bandwidth_matrix(c), bw, rtol=1e-12)
+    np.testing.assert_allclose(latency_matrix(c), la, rtol=1e-12, atol=1e-300)
+    assert (bandwidth_matrix(c) == bandwidth_matrix(c).T).all()
     dev = c.devices
     assert [d.id for d in dev] == list(range(c.num_devices))
     assert [(d.node, d.local) for d in dev] == [(n, k) for n, node in enumerate(c.nodes)
@@ -130,7 +131,7 @@ def _widest(tree: nx.Graph, a: str, b: str) -> float:
 @given(clusters(overrides=False))
 def test_fabric_graph_agrees_with_matrices(c: Cluster) -> None:
     g = fabric_graph(c)
-    bw, la = c.bandwidth_matrix(), c.latency_matrix()
+    bw, la = bandwidth_matrix(c), latency_matrix(c)
     # the widest path is the path in a maximum spanning tree (bottleneck property)
     tree = nx.maximum_spanning_tree(g, weight="bandwidth")
     node_of = [d.node for d in c.devices]

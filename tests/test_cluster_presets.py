@@ -8,7 +8,7 @@ import pytest
 from plait.cluster import DEFAULT_CLUSTER, PRESETS, dump_cluster, load_cluster, parse_yaml_text
 from plait.cluster.catalog import GPU_KINDS, NODE_TEMPLATES
 from plait.cluster.spec import Cluster, ClusterError
-from plait.cluster.topology import node_bandwidth_matrix, node_of_device
+from plait.cluster.topology import bandwidth_matrix, node_bandwidth_matrix, node_of_device
 
 
 @pytest.mark.parametrize("kind", list(GPU_KINDS))
@@ -16,7 +16,7 @@ def test_every_catalog_kind_is_a_preset(kind: str) -> None:
     c = load_cluster(f"{kind}:nodes=2,gpus_per_node=4")
     assert c.num_nodes == 2 and c.num_devices == 8 and list(c.kinds) == [kind]
     assert c.nodes[0].intra == NODE_TEMPLATES[kind].intra
-    assert c.bandwidth_matrix()[0, 4] == NODE_TEMPLATES[kind].nic.bandwidth
+    assert bandwidth_matrix(c)[0, 4] == NODE_TEMPLATES[kind].nic.bandwidth
 
 
 def test_kind_preset_defaults_and_overrides() -> None:
@@ -54,7 +54,7 @@ def test_uneven_is_deterministic_and_has_the_asked_fraction() -> None:
     assert not (node_bandwidth_matrix(other) == nb).all()
     # every device pair across a slow node pair is slow
     node_of = node_of_device(c)
-    bw = c.bandwidth_matrix()
+    bw = bandwidth_matrix(c)
     a, b = np.argwhere(nb == 25e9 / 4)[0]
     assert (bw[np.ix_(node_of == a, node_of == b)] == 25e9 / 4).all()
 
@@ -76,7 +76,7 @@ def test_emulated_mixed_default() -> None:
     e = c.emulation
     assert e.enabled and e.namespaces and e.slowdown is None
     # scaled inter-node link ~1 Gb/s; scaled intra links faster than it
-    inter = c.bandwidth_matrix()[0, 2] * e.bandwidth_scale
+    inter = bandwidth_matrix(c)[0, 2] * e.bandwidth_scale
     assert inter * 8 == pytest.approx(1e9)
     assert min(n.intra.bandwidth for n in c.nodes) * e.bandwidth_scale > 5 * inter
     assert load_cluster("emulated-mixed:namespaces=false").emulation.namespaces is False

@@ -19,7 +19,7 @@ from plait.cluster import (
     without_nodes,
 )
 from plait.cluster.spec import ClusterError, Link, PairOverride
-from plait.cluster.topology import nic_of_gpu, node_of_device
+from plait.cluster.topology import bandwidth_matrix, latency_matrix, nic_of_gpu, node_of_device
 
 LEAF_SPINE = textwrap.dedent("""
     name: ls
@@ -50,7 +50,7 @@ def ls():
 
 
 def test_leaf_spine_bandwidth_and_latency(ls) -> None:
-    bw, lat = ls.bandwidth_matrix(), ls.latency_matrix()
+    bw, lat = bandwidth_matrix(ls), latency_matrix(ls)
     G = 1e9
     # same node: intra link; diagonal: memory bandwidth and zero latency
     assert bw[0, 1] == 300 * G and lat[0, 1] == 2e-6
@@ -115,15 +115,15 @@ def test_nic_affinity(gpus, nics, expected) -> None:
 
 
 def test_matrices_are_cached_read_only_and_follow_edits(ls) -> None:
-    bw = ls.bandwidth_matrix()
-    assert ls.bandwidth_matrix() is bw
+    bw = bandwidth_matrix(ls)
+    assert bandwidth_matrix(ls) is bw
     with pytest.raises(ValueError):
         bw[0, 1] = 0
     # a copy that is then edited is recomputed, not served stale
     edited = copy.deepcopy(ls)
     edited.nodes[0].intra = Link(bandwidth=1e9, latency=1e-6, kind="pcie")
     edited.overrides.append(PairOverride(a=4, b=5, bandwidth=3e9))
-    b2 = edited.bandwidth_matrix()
+    b2 = bandwidth_matrix(edited)
     assert b2[0, 1] == 1e9 and b2[4, 5] == 3e9 and bw[0, 1] == 300e9
     assert edited != ls and copy.deepcopy(ls) == ls
 
@@ -132,11 +132,11 @@ def test_code_built_cluster_is_checked(ls) -> None:
     bad = copy.deepcopy(ls)
     bad.nodes[0].gpus = ["nope"]
     with pytest.raises(ClusterError, match=r"nodes\[0\].gpus: kind 'nope'"):
-        bad.bandwidth_matrix()
+        bandwidth_matrix(bad)
     bad = copy.deepcopy(ls)
     bad.overrides.append(PairOverride(a=0, b=99))
     with pytest.raises(ClusterError, match=r"overrides\[3\]: device 99 is out of range"):
-        bad.latency_matrix()
+        latency_matrix(bad)
 
 
 def test_without_nodes(ls) -> None:
@@ -144,11 +144,11 @@ def test_without_nodes(ls) -> None:
     assert [n.name for n in rest.nodes] == ["a", "c"] and rest.num_devices == 4
     # device overrides touching node b are dropped; node override (b, c) too
     assert rest.overrides == []
-    assert rest.bandwidth_matrix()[0, 2] == 12.5e9
+    assert bandwidth_matrix(rest)[0, 2] == 12.5e9
     rest2 = without_nodes(ls, [0])
     assert rest2.overrides == [dataclasses.replace(ls.overrides[0], a=0, b=1),
                                dataclasses.replace(ls.overrides[2], a=1, b=0)]
-    assert rest2.bandwidth_matrix()[0, 1] == 2e9
+    assert bandwidth_matrix(rest2)[0, 1] == 2e9
     assert set(rest2.kinds) == {"a100-80gb", "v100-32gb"}
     with pytest.raises(ClusterError, match="cannot remove every node"):
         without_nodes(ls, [0, 1, 2])
@@ -157,7 +157,7 @@ def test_without_nodes(ls) -> None:
 def test_1024_devices() -> None:
     c = load_cluster("large-mixed:nodes=128")
     assert c.num_devices == 1024 and len(c.devices) == 1024
-    bw = c.bandwidth_matrix()
+    bw = bandwidth_matrix(c)
     node_of = node_of_device(c)
     assert bw.shape == (1024, 1024)
     inter = bw[node_of[:, None] != node_of[None, :]]

@@ -20,6 +20,7 @@ from plait.cluster import load_cluster, parse_yaml_text
 from plait.cluster.catalog import DEFAULT_LATENCY, GPU_KINDS, NODE_TEMPLATES
 from plait.cluster.loader import MAX_DEVICES
 from plait.cluster.spec import Cluster, ClusterError
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples" / "clusters").glob("*.yaml"))
 
@@ -226,13 +227,13 @@ def test_base_file_is_valid() -> None:
 def test_examples_load(path: Path) -> None:
     c = load_cluster(str(path))
     assert c.num_devices > 0 and c.source == str(path)
-    bw = c.bandwidth_matrix()
+    bw = bandwidth_matrix(c)
     assert bw.shape == (c.num_devices, c.num_devices) and (bw > 0).all()
 
 
 def test_example_mixed_overrides() -> None:
     c = load_cluster(str(Path(EXAMPLES[0].parent / "mixed-a100-v100.yaml")))
-    bw, lat = c.bandwidth_matrix(), c.latency_matrix()
+    bw, lat = bandwidth_matrix(c), latency_matrix(c)
     assert bw[8, 16] == 5e9 and bw[0, 16] == 12.5e9       # node override a100-1 <-> v100-0
     assert bw[24, 27] == 25e9 and lat[27, 24] == 9e-6      # "v100-1:0" <-> "v100-1:3"
 

@@ -1,4 +1,4 @@
-"""Per-layer profiler (`plait.cost.layer_profile`) and the simulator's use of measured layer times."""
+"""Per-layer profiler (`plait.measure.layer_profile`) and the simulator's use of measured layer times."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ from torch import nn
 
 from plait.cluster.catalog import GPU_KINDS
 from plait.cost.compute import ComputeModel
-from plait.cost.layer_profile import (
+from plait.graph.resolve import resolve_model
+from plait.graph.zoo import ModelSpec
+from plait.ir.opgraph import Layer, OpGraph
+from plait.ir.plan import Plan
+from plait.measure.layer_profile import (
     LayerProfile,
     LayerProfileError,
     profile_layer_times,
     profile_layers,
 )
-from plait.graph.opgraph import Layer, OpGraph
-from plait.graph.zoo import ModelSpec
-from plait.plan.ir import Plan
-from plait.sim.api import resolve_model, simulate
+from plait.sim.api import simulate
 from plait.sim.topology import ClusterView
 
 TINY = "gpt:layers=2,hidden=32,heads=2,seq=8,vocab=64"

@@ -1,4 +1,4 @@
-"""plait.runtime.machine: the pieces that turn this machine's measurements into a simulation."""
+"""plait.measure.machine: the pieces that turn this machine's measurements into a simulation."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from plait.cluster import load_cluster
-from plait.cost.layer_profile import LayerProfile
-from plait.plan.ir import Plan
-from plait.runtime.machine import (
+from plait.ir.plan import Plan
+from plait.measure.layer_profile import LayerProfile
+from plait.measure.machine import (
     CommFit,
     LocalMachine,
     MachineError,

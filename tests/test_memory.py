@@ -20,8 +20,8 @@ from plait.cost.memory import (
     activation_bytes_per_layer,
     estimate_memory,
 )
-from plait.graph.opgraph import Layer, Op, OpGraph
-from plait.plan.ir import Plan, StageSpec
+from plait.ir.opgraph import Layer, Op, OpGraph
+from plait.ir.plan import Plan, StageSpec
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -435,7 +435,7 @@ def test_measured_cpu_step_within_10_percent(spec_text, batch, micro_batches, re
     torch = pytest.importorskip("torch")
     capture_mod = pytest.importorskip("plait.graph.capture")
     zoo = pytest.importorskip("plait.graph.zoo")
-    from plait.cost.memory import measure_step_peak
+    from plait.measure.step_memory import measure_step_peak
 
     spec = zoo.load_model(spec_text)
     module = spec.build("cpu")

@@ -10,10 +10,9 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
-from plait.cluster.spec import Device, EmulationSpec, GPUKind, Link, NodeSpec
+from plait.cluster.spec import Cluster, EmulationSpec, GPUKind, Link, NodeSpec, PairOverride
 from plait.runtime import netns
 from plait.runtime.netns import NodeNet, cleanup_stale, emulated_network, list_namespaces
 
@@ -21,30 +20,16 @@ KIND = GPUKind("test-gpu", {"fp32": 1e12}, 16 * 2**30, 1e11)
 MB = 1e6
 
 
-class TinyCluster:
-    """A cluster with the contract's API (devices, nodes, matrices, emulation); one GPU per node.
-
-    `bw[a][b]` is the node-to-node bandwidth; kept independent of the cluster loader so
-    these tests check only the network emulation."""
-
-    def __init__(self, bw: list[list[float]], uplink: float, latency: float = 0.0, scale: float = 1.0,
-                 namespaces: bool = True) -> None:
-        n = len(bw)
-        self.name = "tiny"
-        self.source = "<test>"
-        self.nodes = [NodeSpec(f"n{i}", ["test-gpu"], Link(1e10, 1e-6), Link(uplink, latency)) for i in range(n)]
-        self.devices = [Device(i, i, 0, KIND) for i in range(n)]
-        self.num_devices = n
-        self._bw = np.array(bw, dtype=float)
-        self._lat = np.full((n, n), latency)
-        np.fill_diagonal(self._lat, 0.0)
-        self.emulation = EmulationSpec(bandwidth_scale=scale, namespaces=namespaces)
-
-    def bandwidth_matrix(self) -> np.ndarray:
-        return self._bw
-
-    def latency_matrix(self) -> np.ndarray:
-        return self._lat
+def TinyCluster(bw: list[list[float]], uplink: float, latency: float = 0.0, scale: float = 1.0,  # noqa: N802
+                namespaces: bool = True) -> Cluster:
+    """A real Cluster, one GPU per node, whose node-to-node bandwidths are `bw[a][b]` (measured
+    pair overrides), so these tests check only the network emulation."""
+    n = len(bw)
+    nodes = [NodeSpec(f"n{i}", ["test-gpu"], Link(1e10, 1e-6), Link(uplink, latency)) for i in range(n)]
+    overrides = [PairOverride(a, b, bandwidth=float(bw[a][b]), latency=latency)
+                 for a in range(n) for b in range(a + 1, n)]
+    return Cluster("tiny", {"test-gpu": KIND}, nodes, overrides=overrides,
+                   emulation=EmulationSpec(bandwidth_scale=scale, namespaces=namespaces), source="<test>")
 
 
 def _can_make_namespaces() -> bool:
@@ -196,9 +181,12 @@ def test_off_single_node_and_bad_world() -> None:
 
 
 def test_node_links_take_slowest_device_pair() -> None:
-    c = TinyCluster([[0, 5.0, 7.0], [5.0, 0, 3.0], [7.0, 3.0, 0]], uplink=10.0, latency=2e-6)
     # Two devices on node 0: the slower of its links to node 1 wins.
-    c.devices = [Device(0, 0, 0, KIND), Device(1, 0, 1, KIND), Device(2, 1, 0, KIND)]
+    nodes = [NodeSpec("n0", ["test-gpu"] * 2, Link(1e10, 1e-6), Link(10.0, 2e-6)),
+             NodeSpec("n1", ["test-gpu"], Link(1e10, 1e-6), Link(10.0, 2e-6))]
+    c = Cluster("tiny", {"test-gpu": KIND}, nodes, source="<test>",
+                overrides=[PairOverride(0, 1, 5.0, 2e-6), PairOverride(0, 2, 7.0, 2e-6),
+                           PairOverride(1, 2, 3.0, 2e-6)])
     up, links = netns.node_links(c, [0, 1])
     assert links[(0, 1)] == (3.0, 2e-6) and up == {0: 10.0, 1: 10.0}
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from plait.cli import main
-from plait.plan.ir import Plan
+from plait.ir.plan import Plan
 
 MODEL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
 HOMO = "a100-80gb:nodes=1,gpus_per_node=4"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from plait.ir.plan import Plan
 from plait.plan.export import ExportError, export, heterogeneous_reasons
-from plait.plan.ir import Plan
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 

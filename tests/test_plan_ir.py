@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.plan.ir import Plan, PlanError, StageSpec
+from plait.ir.plan import Plan, PlanError, StageSpec
 
 EXAMPLE = "dp=2,tp=2,pp=2,micro_batch=4,global_batch=64,recompute=selective,zero=1,schedule=1f1b"
 

@@ -9,11 +9,11 @@ import pytest
 
 from plait.cluster import load_cluster, parse_yaml_text
 from plait.cost.memory import estimate_memory
+from plait.graph.gpt_closed_form import gpt_config, gpt_opgraph
+from plait.ir.plan import Plan
 from plait.plan import hetero
-from plait.plan.ir import Plan
-from plait.plan.search import SearchError, SearchSpace, auto_dtype, plan
+from plait.search import SearchError, SearchSpace, auto_dtype, plan
 from plait.sim.api import simulate
-from plait.sim.gpt import gpt_config, gpt_opgraph
 
 TINY = gpt_opgraph(gpt_config("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"))
 SMALL = gpt_opgraph(gpt_config("gpt:layers=4,hidden=512,heads=8,seq=256,vocab=1024"))

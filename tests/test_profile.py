@@ -10,7 +10,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plait.cluster.profile import (
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
+from plait.measure.cluster_profile import (
     KiB,
     MiB,
     ProfileError,
@@ -78,7 +79,7 @@ def _fake_result(world: int, node_of: list[int], slowdowns: list[float]) -> Prof
 
 def test_result_to_cluster_keeps_layout_and_rewrites_emulation(tmp_path) -> None:
     from plait.cluster import load_cluster
-    from plait.cluster.profile import result_to_yaml
+    from plait.measure.cluster_profile import result_to_yaml
 
     base_file = tmp_path / "emu.yaml"
     base_file.write_text(textwrap.dedent("""
@@ -101,7 +102,7 @@ def test_result_to_cluster_keeps_layout_and_rewrites_emulation(tmp_path) -> None
     assert c.kinds["measured-a100-80gb"].flops("bf16") == pytest.approx(4e10)
     assert c.emulation.bandwidth_scale == 1.0
     assert c.emulation.slowdown == {"measured-a100-80gb": 1.0, "measured-t4": 2.5}
-    bw, lat = c.bandwidth_matrix(), c.latency_matrix()
+    bw, lat = bandwidth_matrix(c), latency_matrix(c)
     assert bw[0, 3] == pytest.approx(2e7 + 3e6) and bw[3, 0] == bw[0, 3]  # mean of both directions
     assert bw[0, 1] == pytest.approx(1e9) and lat[1, 2] == pytest.approx(8e-5)
     assert c.nodes[0].nic.bandwidth == pytest.approx(2.3e7)  # median of node 0's cross pairs
@@ -131,11 +132,11 @@ def test_profile_two_local_workers_writes_loadable_yaml(tmp_path) -> None:
     assert c.kinds["measured-cpu"].flops("fp32") == pytest.approx(
         (result.matmul[0]["fp32"] + result.matmul[1]["fp32"]) / 2)
     mean_bw = (result.p2p["0-1"]["bandwidth"] + result.p2p["1-0"]["bandwidth"]) / 2
-    assert c.bandwidth_matrix()[0, 1] == pytest.approx(mean_bw)
+    assert bandwidth_matrix(c)[0, 1] == pytest.approx(mean_bw)
     # The saved result converts again without measuring.
     again = tmp_path / "again.yaml"
     assert main(["profile", "--from-result", str(raw), "--out", str(again)]) == 0
-    assert load_cluster(str(again)).bandwidth_matrix()[0, 1] == pytest.approx(mean_bw)
+    assert bandwidth_matrix(load_cluster(str(again)))[0, 1] == pytest.approx(mean_bw)
 
 
 def test_profile_inside_emulated_namespaces_measures_the_shaped_link(tmp_path) -> None:

@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from plait.plan.ir import Plan
+from plait.ir.plan import Plan
 from plait.runtime.api import RunResult, reference_run, run
 from plait.runtime.partition import replica_micro_batches
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from plait.graph.zoo import load_model
-from plait.plan.ir import Plan
+from plait.ir.plan import Plan
+from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import RunResult, _check_plan, rank_layout, run
 from plait.runtime.launch import AgentSpec, Launcher, _Agent
@@ -37,7 +38,6 @@ from plait.runtime.tensor_parallel import (
     split_sizes,
 )
 from plait.runtime.worker import Fault, _RngStream
-from plait.sim.timeline import Timeline, TimelineEvent
 
 TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
 

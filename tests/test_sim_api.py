@@ -55,7 +55,7 @@ def test_gantt_png_shows_stages_and_comm(result: SimResult, tmp_path) -> None:
 
 
 def test_model_forms() -> None:
-    from plait.sim.gpt import gpt_opgraph
+    from plait.graph.gpt_closed_form import gpt_opgraph
     from plait.sim.topology import ClusterView
 
     graph = gpt_opgraph(SPEC, "bf16")
@@ -73,7 +73,7 @@ def test_cli_json_trace_and_gantt(tmp_path, capsys, monkeypatch) -> None:
     import plait.sim.api as api
 
     monkeypatch.setattr(api, "resolve_model", lambda model, plan, inputs=None, analytic=None:
-                        __import__("plait.sim.gpt", fromlist=["x"]).gpt_opgraph(model, plan.dtype))
+                        __import__("plait.graph.gpt_closed_form", fromlist=["x"]).gpt_opgraph(model, plan.dtype))
     trace, gantt = tmp_path / "t.json", tmp_path / "g.png"
     code = main(["simulate", "--model", SPEC, "--cluster", "a100-80g:nodes=1", "--plan", PLAN, "--json",
                  "--trace", str(trace), "--gantt", str(gantt)])

@@ -12,8 +12,8 @@ import pytest
 
 from plait.cluster.catalog import GPU_KINDS
 from plait.cost.compute import ComputeModel
-from plait.graph.opgraph import Layer, OpGraph
-from plait.plan.ir import Plan
+from plait.ir.opgraph import Layer, OpGraph
+from plait.ir.plan import Plan
 from plait.sim.api import simulate
 from plait.sim.topology import ClusterView
 
@@ -94,7 +94,7 @@ def test_gpipe_two_stages_no_comm() -> None:
 def test_graph_pipeline_branches_run_concurrently() -> None:
     """GraphPipe stage DAG a -> (b, c) -> d on four GPUs, one micro-batch, no communication cost:
     the branches overlap, so T = t(a) + max(t(b), t(c)) + t(d) for forward and backward."""
-    from plait.plan.ir import StageSpec
+    from plait.ir.plan import StageSpec
 
     view = ClusterView.uniform(4, GPU_KINDS["a100-80gb"], 4, B, 0.0)
     layers = [Layer(name=n, kind="Linear", param_count=10) for n in "abcd"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.sim.gpt import gpt_opgraph
+from plait.graph.gpt_closed_form import gpt_opgraph
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=100"
 FIELDS = ("fwd_flops", "bwd_flops", "param_count", "param_bytes", "saved_bytes", "saved_tp_bytes",

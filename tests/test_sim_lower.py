@@ -7,9 +7,9 @@ import pytest
 
 from plait.cluster.catalog import GPU_KINDS
 from plait.errors import PlaitError
-from plait.plan.ir import Plan
+from plait.graph.gpt_closed_form import gpt_opgraph
+from plait.ir.plan import Plan
 from plait.sim.api import simulate
-from plait.sim.gpt import gpt_opgraph
 from plait.sim.lower import lower
 from plait.sim.topology import ClusterView
 

@@ -2,7 +2,7 @@
 
     from plait.cluster import load_cluster
     c = load_cluster("mixed-a100-v100:a100_nodes=2,v100_nodes=2")   # or a YAML path
-    c.devices, c.bandwidth_matrix(), c.latency_matrix()
+    c.devices, bandwidth_matrix(c), latency_matrix(c)
 
 See `plait.cluster.loader` for the YAML format and `plait.cluster.presets` for presets.
 """

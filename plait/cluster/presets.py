@@ -180,7 +180,7 @@ def _large_mixed(nodes: int, fast: str, slow: str, slow_share: float, gpus_per_n
 def _emulated_mixed(bandwidth_scale: float, namespaces: bool, gpus_per_node: int = 2) -> dict[str, Any]:
     """2 nodes x 2 GPUs: node 0 two A100-80GB (NVLink 3), node 1 two V100-32GB (NVLink 2),
     joined by one 200 Gb/s HDR NIC per GPU. `gpus_per_node=1` gives one rank per CPU of a
-    2-core machine (what `plait.runtime.machine` predicts best).
+    2-core machine (what `plait.measure.machine` predicts best).
 
     Emulation (issue 5's runtime): 4 gloo worker processes on CPU; V100 ranks are slowed
     by the A100:V100 peak FLOP/s ratio (slowdown None = derived); each node lives in a

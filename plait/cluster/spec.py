@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from plait.errors import PlaitError
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -110,13 +108,28 @@ class Cluster:
     # cluster saved to YAML and loaded back compares equal
     source: str = field(default="<memory>", compare=False)
 
-    # The methods below are implemented in plait.cluster.topology; declared here so the
-    # type carries its API.
     @property
     def devices(self) -> list[Device]:
-        from plait.cluster.topology import devices_of
+        """Devices numbered node-major: node 0's GPUs first, then node 1's, ... (cached on the
+        object, keyed by the nodes' GPU lists and the kinds, so an edited copy is recomputed).
 
-        return devices_of(self)
+        The derived views (bandwidth and latency matrices, fabric graph) are functions in
+        `plait.cluster.topology`; YAML output is `plait.cluster.loader.dump_cluster`. This type
+        imports neither: spec is the bottom of the cluster package."""
+        key = (tuple(tuple(n.gpus) for n in self.nodes), tuple(self.kinds.items()))
+        hit = self.__dict__.get("_plait_devices")
+        if hit is None or hit[0] != key:
+            devices, ident = [], 0
+            for n, node in enumerate(self.nodes):
+                for local, kind in enumerate(node.gpus):
+                    if kind not in self.kinds:
+                        raise ClusterError(f"{self.source}: nodes[{n}].gpus: kind {kind!r} is not in the "
+                                           f"cluster's kinds ({', '.join(self.kinds)})")
+                    devices.append(Device(id=ident, node=n, local=local, kind=self.kinds[kind]))
+                    ident += 1
+            hit = (key, tuple(devices))
+            self.__dict__["_plait_devices"] = hit
+        return list(hit[1])
 
     @property
     def num_devices(self) -> int:
@@ -125,21 +138,3 @@ class Cluster:
     @property
     def num_nodes(self) -> int:
         return len(self.nodes)
-
-    def bandwidth_matrix(self) -> np.ndarray:
-        """(n, n) effective device-to-device bandwidth in bytes/s (diagonal: device memory bandwidth)."""
-        from plait.cluster.topology import bandwidth_matrix
-
-        return bandwidth_matrix(self)
-
-    def latency_matrix(self) -> np.ndarray:
-        """(n, n) device-to-device latency in seconds (diagonal 0)."""
-        from plait.cluster.topology import latency_matrix
-
-        return latency_matrix(self)
-
-    def to_yaml(self) -> str:
-        """This cluster in the YAML format `load_cluster` reads (see plait.cluster.loader)."""
-        from plait.cluster.loader import dump_cluster
-
-        return dump_cluster(self)

@@ -111,16 +111,9 @@ def check_cluster(cluster: Cluster) -> None:
 
 
 def devices_of(cluster: Cluster) -> list[Device]:
-    """Devices numbered node-major: node 0's GPUs first, then node 1's, ..."""
-    cache = _cache(cluster)
-    if "devices" not in cache:
-        devices, ident = [], 0
-        for n, node in enumerate(cluster.nodes):
-            for local, kind in enumerate(node.gpus):
-                devices.append(Device(id=ident, node=n, local=local, kind=cluster.kinds[kind]))
-                ident += 1
-        cache["devices"] = tuple(devices)
-    return list(cache["devices"])
+    """Devices numbered node-major (`Cluster.devices`), after the consistency checks."""
+    _cache(cluster)
+    return cluster.devices
 
 
 def node_of_device(cluster: Cluster) -> np.ndarray:

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
+
 _SUMMARY_MATRIX_NODES = 16  # print the node-to-node matrix up to this many nodes
 
 
@@ -57,7 +59,7 @@ def bandwidth_summary(cluster: Any) -> dict[str, Any]:
     """Bandwidth/latency statistics over intra-node and inter-node device pairs (i < j)."""
     from plait.cluster.topology import node_of_device
 
-    bw, lat = cluster.bandwidth_matrix(), cluster.latency_matrix()
+    bw, lat = bandwidth_matrix(cluster), latency_matrix(cluster)
     node_of = node_of_device(cluster)
     i, j = np.triu_indices(len(node_of), k=1)
     same = node_of[i] == node_of[j]
@@ -109,8 +111,8 @@ def show_json(cluster: Any, matrix: bool = False) -> dict[str, Any]:
         "node_bandwidth_matrix": node_bandwidth_matrix(cluster).tolist(),
     }
     if matrix:
-        out["bandwidth_matrix"] = cluster.bandwidth_matrix().tolist()
-        out["latency_matrix"] = cluster.latency_matrix().tolist()
+        out["bandwidth_matrix"] = bandwidth_matrix(cluster).tolist()
+        out["latency_matrix"] = latency_matrix(cluster).tolist()
     return out
 
 
@@ -213,9 +215,9 @@ def _print_rich(cluster: Any, matrix: bool) -> None:
     if matrix:
         np.set_printoptions(linewidth=200, threshold=sys.maxsize)
         console.print("Device bandwidth matrix (GB/s):")
-        console.print(np.array2string(cluster.bandwidth_matrix() / 1e9, precision=4), markup=False)
+        console.print(np.array2string(bandwidth_matrix(cluster) / 1e9, precision=4), markup=False)
         console.print("Device latency matrix (us):")
-        console.print(np.array2string(cluster.latency_matrix() * 1e6, precision=4), markup=False)
+        console.print(np.array2string(latency_matrix(cluster) * 1e6, precision=4), markup=False)
 
 
 def _presets(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from plait.plan.export import FORMATS
-from plait.plan.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
+from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
 
 GiB = 2**30
 
@@ -52,7 +52,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from plait.errors import PlaitError
     from plait.plan.export import export
-    from plait.plan.search import plan
+    from plait.search import plan
 
     if args.top < 1:
         raise PlaitError(f"--top: must be >= 1, got {args.top}")
@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
     """Train the best plan the runtime can run for a few steps; predicted next to measured.
 
     On an emulated cluster the prediction that can be checked is the one for this machine:
-    `plait.runtime.machine.LocalMachine` profiles the emulated links and the model's layers on
+    `plait.measure.machine.LocalMachine` profiles the emulated links and the model's layers on
     the ranks' CPUs, simulates the plan from them and runs it (in fp32, as CPU ranks train)."""
     from plait.cluster import load_cluster
     from plait.errors import PlaitError
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
                            "predicted_iteration_s": cand.iteration_time_s, "machine": None}
     emu = load_cluster(args.cluster).emulation
     if emu is not None and emu.enabled and not args.no_machine_prediction and not _has_cuda():
-        from plait.runtime.machine import LocalMachine
+        from plait.measure.machine import LocalMachine
 
         say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
         if not args.json:

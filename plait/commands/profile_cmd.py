@@ -18,63 +18,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plait.cluster.profile import (
+from plait.measure.cluster_profile import (
     KiB,
-    LocalNode,
     MiB,
-    ProfileConfig,
     ProfileError,
     ProfileResult,
-    default_sizes,
-    launch,
     parse_size,
+    profile,
     result_to_yaml,
 )
 
 log = logging.getLogger("plait.profile")
-
-
-def profile(cluster: Any = None, nprocs: int | None = None, *, sizes: list[int] | None = None,
-            max_size: int = 256 * MiB, p2p_bytes: int = 4 * MiB, matmul_sizes: list[int] | None = None,
-            dtypes: list[str] | None = None, slowdown_dtype: str | None = None, min_time: float = 0.05,
-            backend: str = "auto", timeout_s: float = 300.0, out: str | Path | None = None,
-            name: str | None = None, prefix: str = "plait") -> tuple[ProfileResult, dict[str, Any]]:
-    """Profile and return (raw result, cluster YAML data); writes the YAML to `out` when given.
-
-    `cluster`: a Cluster, YAML path or preset string; one worker per device, laid out by
-    node. Without it, `nprocs` local workers on one node."""
-    cfg = ProfileConfig(sizes=sizes or default_sizes(max_size), p2p_bytes=p2p_bytes, matmul_sizes=matmul_sizes,
-                        dtypes=dtypes, min_time=min_time, backend=backend, timeout_s=timeout_s)
-    if cluster is None:
-        if not nprocs or nprocs < 1:
-            raise ProfileError("plait profile: give --nprocs N (N >= 1) or --cluster CLUSTER")
-        result = launch([nprocs], cfg)
-        data = result_to_yaml(result, None, name=name or f"local-{nprocs}")
-    else:
-        from plait.cluster import load_cluster
-        from plait.runtime.emulate import slowdowns
-        from plait.runtime.netns import emulated_network
-
-        cl = load_cluster(cluster)
-        per_node = [len(n.gpus) for n in cl.nodes]
-        emu = cl.emulation
-        if emu is not None and emu.enabled:
-            cfg.slowdowns = slowdowns(cl, slowdown_dtype)
-            with emulated_network(cl, cl.num_devices, prefix=prefix) as net:
-                nets = [n if n.namespace else LocalNode(n.node_index) for n in net]
-                if net.reason:
-                    log.warning("plait profile: %s", net.reason)
-                result = launch(per_node, cfg, nets)
-        else:
-            log.warning("plait profile: cluster '%s' has no emulation section; measuring %d local workers "
-                        "laid out as its nodes (loopback links)", cl.name, cl.num_devices)
-            result = launch(per_node, cfg)
-        data = result_to_yaml(result, cl, name=name or f"{cl.name}-measured")
-    if out is not None:
-        import yaml
-
-        Path(out).write_text(yaml.safe_dump(data, sort_keys=False))
-    return result, data
 
 
 def _sizes(text: str) -> list[int]:

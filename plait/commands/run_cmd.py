@@ -74,12 +74,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """`--predict`: `plait.runtime.machine.LocalMachine` calibrates this machine, runs the plan with
+    """`--predict`: `plait.measure.machine.LocalMachine` calibrates this machine, runs the plan with
     the ranks pinned as its profilers and predicts it from the layer profiles that bracket the run."""
     import sys
 
     from plait.errors import PlaitError
-    from plait.runtime.machine import LocalMachine
+    from plait.measure.machine import LocalMachine
 
     if args.cluster is None or args.no_emulate:
         raise PlaitError("--predict: give an emulated cluster (--cluster with an 'emulation:' section, "
@@ -88,7 +88,7 @@ def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[An
         raise PlaitError("--predict: predicts CPU ranks in fp32 (no --dtype other than fp32, no --device cuda, "
                          "no --nprocs-per-node)")
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
-    from plait.plan.ir import Plan
+    from plait.ir.plan import Plan
 
     # slower kinds are slowed by the plan's dtype ratio; the CPU ranks compute fp32
     with LocalMachine(args.cluster, args.model, emulate_dtype=Plan.load(args.plan).dtype, say=say) as m:

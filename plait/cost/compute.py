@@ -41,12 +41,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from plait.cluster.spec import GPUKind
 from plait.errors import PlaitError
-from plait.graph.opgraph import Layer, Op, OpGraph
+from plait.ir.opgraph import Layer, Op, OpGraph
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
@@ -642,36 +641,3 @@ def optimizer_time(params: float, kind: GPUKind, model: ComputeModel = DEFAULT_M
     if params <= 0:
         return 0.0
     return params * model.optimizer_bytes_per_param / (kind.memory_bandwidth * model.memory_efficiency)
-
-
-def total_flops(passes: Iterable[PassCost]) -> float:
-    return sum(p.flops for p in passes)
-
-
-def layer_time(layer: Layer, kind: GPUKind, plan: object, graph: OpGraph | None = None,
-               model: ComputeModel = DEFAULT_MODEL) -> float:
-    """Forward + backward (+ recompute) seconds of `layer` for one micro-batch of `plan` on one
-    tensor rank of `kind`, tensor-parallel collectives excluded (they depend on the links).
-
-    With `graph` this is exactly the simulator's cost (`layer_cost`); without it, a layer-level
-    roofline from the layer's totals: FLOPs at the GEMM efficiency, saved + boundary bytes
-    through memory (twice in backward), and one host dispatch per op, host and GPU overlapping."""
-    tp = int(getattr(plan, "tp", 1))
-    mb = int(getattr(plan, "micro_batch", 1))
-    dtype = str(getattr(plan, "dtype", "bf16"))
-    recompute = str(getattr(plan, "recompute", "none"))
-    if graph is not None:
-        cost = layer_cost(layer, graph, mb, kind, dtype, tp=tp,
-                          sequence_parallel=bool(getattr(plan, "sequence_parallel", False)), model=model)
-        return cost.fwd.compute_s + cost.bwd.compute_s + cost.recompute(recompute).compute_s
-    share = 1.0 / tp if layer.tp_style in ("transformer", "head", "embedding") else 1.0
-    ops = max(1, len(layer.ops))
-    peak = kind.flops(dtype) * model.gemm_efficiency
-    bw = kind.memory_bandwidth * model.memory_efficiency
-    moved = (layer.saved_bytes + layer.input_bytes + layer.output_bytes) * mb * share
-    gpu_f = layer.fwd_flops * mb * share / peak + moved / bw + ops * model.kernel_gpu_s
-    gpu_b = layer.bwd_flops * mb * share / peak + 2 * moved / bw + 2 * ops * model.kernel_gpu_s
-    fwd = max(gpu_f, ops * model.host_fwd_s)
-    bwd = max(gpu_b, 2 * ops * model.host_bwd_s)
-    rec = fwd if recompute == "full" else 0.0
-    return fwd + bwd + rec

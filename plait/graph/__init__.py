@@ -1,6 +1,6 @@
 """The model room: capture an nn.Module as an OpGraph, inspect it, and the model zoo.
 
-Lazy exports so that `import plait.graph.opgraph` (used by the planners and the
+Lazy exports so that `import plait.ir.opgraph` (used by the planners and the
 simulator) does not import torch.
 """
 
@@ -13,7 +13,7 @@ __all__ = ["Layer", "Op", "OpGraph", "capture", "inspect_model", "summarize"]
 
 def __getattr__(name: str) -> Any:
     if name in ("Layer", "Op", "OpGraph"):
-        from plait.graph import opgraph
+        from plait.ir import opgraph
 
         return getattr(opgraph, name)
     if name == "capture":

@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from plait.errors import PlaitError
-from plait.graph.opgraph import Layer, Op, OpGraph
+from plait.ir.opgraph import Layer, Op, OpGraph
 
 __all__ = ["CaptureError", "capture", "layer_assignment"]
 

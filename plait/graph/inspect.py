@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from plait.errors import PlaitError
 from plait.graph.capture import capture
-from plait.graph.opgraph import OpGraph
+from plait.ir.opgraph import OpGraph
 
 __all__ = ["DTYPES", "InspectError", "inspect_model", "parse_dtype", "render_table", "summarize"]
 

@@ -1,44 +1,17 @@
-"""Planners: the Plan IR and the Pipette-style 3D configurator.
+"""Planners: the families that turn (model, cluster, batch) into Plans.
 
-`plait.plan.ir.Plan` is the plan every planner returns. The 3D search lives in
-`plait.plan.search` (`plan(model, cluster, global_batch=...) -> PlanResult`, the 3D
-configurator itself in `plait.plan.threed`), rank
-placement in `plait.plan.placement`, uneven splits for mixed GPU kinds in
-`plait.plan.hetero`, and framework export in `plait.plan.export`. Those are imported
-lazily so `import plait` stays light.
+The 3D configurator (Pipette) is `plait.plan.threed`; rank placement `plait.plan.placement`;
+uneven splits for mixed GPU kinds `plait.plan.hetero`; framework export `plait.plan.export`.
+The `Plan` type itself lives in the neutral IR (`plait.ir.plan`), re-exported here. Planners
+never import the simulator or the runtime: the search driver (`plait.search`) sits above them
+and hands them the simulator to rank with.
+
+`plait.plan(...)` (the package called like a function) is the search; the top-level
+`plait/__init__.py` makes it so, because the driver sits above this package.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
+from plait.ir.plan import Plan, PlanError, StageSpec
 
-from plait.plan.ir import Plan, PlanError, StageSpec
-
-__all__ = ["Plan", "PlanError", "StageSpec", "plan", "PlanResult", "SearchSpace", "export"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("plan", "PlanResult", "SearchSpace", "Candidate"):
-        from plait.plan import search
-
-        return getattr(search, name)
-    if name == "export":
-        from plait.plan.export import export
-
-        return export
-    raise AttributeError(f"module 'plait.plan' has no attribute {name!r}")
-
-
-class _CallablePackage(types.ModuleType):
-    """Lets `plait.plan(...)` search, as the CLI's `plait plan` does, while `plait.plan` stays
-    the package (`import plait.plan.search` keeps working)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from plait.plan.search import plan as _plan
-
-        return _plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
+__all__ = ["Plan", "PlanError", "StageSpec"]

@@ -23,7 +23,7 @@ from plait.errors import PlaitError
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
-    from plait.plan.ir import Plan
+    from plait.ir.plan import Plan
 
 FORMATS = ("megatron", "deepspeed", "torchtitan")
 

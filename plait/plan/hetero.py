@@ -33,8 +33,8 @@ from plait.errors import PlaitError
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster, GPUKind
-    from plait.graph.opgraph import Layer, OpGraph
-    from plait.plan.ir import Plan
+    from plait.ir.opgraph import Layer, OpGraph
+    from plait.ir.plan import Plan
 
 # (layer, kind, plan) -> seconds for one micro-batch's forward + backward (+ recompute)
 LayerTimeFn = Callable[["Layer", "GPUKind", "Plan"], float]
@@ -57,15 +57,6 @@ def cost_layer_time(graph: OpGraph) -> LayerTimeFn:
         return c.fwd.compute_s + c.bwd.compute_s + c.recompute(plan.recompute).compute_s
 
     return time
-
-
-def flops_layer_time(layer: Layer, kind: GPUKind, plan: Plan) -> float:
-    """Fallback layer time: FLOPs / peak FLOP/s of the kind (same efficiency on every kind).
-
-    Full recompute runs the forward twice; tensor parallelism divides the work."""
-    flops = layer.fwd_flops * (2 if plan.recompute == "full" else 1) + layer.bwd_flops
-    div = plan.tp if layer.tp_style != "none" else 1
-    return flops * plan.micro_batch / div / kind.flops(plan.dtype)
 
 
 # ---------------------------------------------------------------- kind layout

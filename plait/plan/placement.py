@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.errors import PlaitError
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
-    from plait.graph.opgraph import OpGraph
-    from plait.plan.ir import Plan
+    from plait.ir.opgraph import OpGraph
+    from plait.ir.plan import Plan
 
 MOVES = ("swap", "insert", "2opt", "reversed_insert")
 
@@ -408,8 +409,8 @@ def place(cluster: Cluster, plan: Plan, traffic: Traffic, *, start: list[int] | 
           seed: int = 0, iterations: int | None = None) -> PlacementResult:
     """Best rank-to-device order for `plan` on `cluster`, compared with `start` (default identity)."""
     devices = cluster.devices
-    model = PathModel(cluster.bandwidth_matrix(), traffic, dp=plan.dp, tp=plan.tp, pp=plan.pp,
-                      latency=cluster.latency_matrix())
+    model = PathModel(bandwidth_matrix(cluster), traffic, dp=plan.dp, tp=plan.tp, pp=plan.pp,
+                      latency=latency_matrix(cluster))
     kinds = [d.kind.name for d in devices]
     nodes = [d.node for d in devices]
     return anneal(model, kinds, nodes, start=start, seed=seed, iterations=iterations)

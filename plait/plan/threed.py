@@ -18,8 +18,9 @@ GPUs:
 3. **Rank** the survivors with a cheap analytic model (Pipette's 1F1B formula
    ``(M-1)*max_p t_p + sum_p t_p`` over per-layer compute times, plus the path-model
    communication of `plait.plan.placement`), keep the best `finalists`, place each
-   finalist's ranks with simulated annealing, and rank those by the simulator
-   (`plait.sim.api.simulate`) -- the number plait reports.
+   finalist's ranks with simulated annealing, and rank those by the `evaluate` function the
+   search driver hands in (`plait.search`: the simulator) -- the number plait reports. This
+   module never imports the simulator: planners sit below it (docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -35,21 +36,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.errors import PlaitError
+from plait.ir.plan import RECOMPUTE_CHOICES, Plan
 from plait.plan import hetero
-from plait.plan.ir import RECOMPUTE_CHOICES, Plan
 from plait.plan.placement import PathModel, PlacementResult, anneal, traffic_of
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
-    from plait.graph.opgraph import OpGraph
+    from plait.ir.opgraph import OpGraph
+
+# Ranks a placed finalist: (graph, plan) -> {"iteration_time_s", "tflops_per_gpu", ...}.
+Evaluate = Callable[["OpGraph", Plan], dict[str, Any]]
 
 DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=1024"
 
 
 def _default_cluster() -> str:
     """The mixed cluster this machine can emulate with one CPU per rank, which `plait plan --run`
-    needs to predict this machine (`plait.runtime.machine`): 2 nodes x 2 GPUs from 4 CPUs on,
+    needs to predict this machine (`plait.measure.machine`): 2 nodes x 2 GPUs from 4 CPUs on,
     else 2 nodes x 1 GPU (with 4 ranks on 2 CPUs the ranks time-share CPUs and the machine
     prediction was 18-23 % low, measured)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -166,14 +171,14 @@ _GRAPHS: dict[tuple[str, str], tuple[Any, OpGraph]] = {}
 def load_graph(model: Any, dtype: str = "bf16") -> tuple[Any, OpGraph]:
     """(ModelSpec or None, OpGraph) of a zoo spec string, a ModelSpec, or an OpGraph.
 
-    The graph is the one `plait.sim.api.simulate` would use (a capture on the meta
-    device; the closed-form GPT graph for deep zoo GPTs), cached per spec and dtype."""
-    from plait.graph.opgraph import OpGraph
+    The graph is the one the simulator uses (`plait.graph.resolve.resolve_model`: a capture
+    on the meta device; the closed-form GPT graph for deep zoo GPTs), cached per spec and dtype."""
+    from plait.ir.opgraph import OpGraph
 
     if isinstance(model, OpGraph):
         return None, model
+    from plait.graph.resolve import resolve_model
     from plait.graph.zoo import load_model
-    from plait.sim.api import resolve_model
 
     spec = load_model(model) if isinstance(model, str) else model
     key = (getattr(spec, "spec", "") or getattr(spec, "name", ""), dtype)
@@ -302,8 +307,8 @@ class AnalyticModel:
         self.devices = cluster.devices
         self.kinds = {d.kind.name: d.kind for d in self.devices}
         self.flops_per_sample = graph.fwd_flops + graph.bwd_flops
-        self.bw = cluster.bandwidth_matrix()
-        self.lat = cluster.latency_matrix()
+        self.bw = bandwidth_matrix(cluster)
+        self.lat = latency_matrix(cluster)
         self.node_of = [d.node for d in self.devices]
         self._custom = layer_time
         self._costs: dict[tuple, Any] = {}
@@ -457,15 +462,6 @@ def _replica_micro_batches(plan: Plan) -> list[int]:
 # ============================================================================ simulator
 
 
-def _simulate(graph: OpGraph, cluster: Any, plan: Plan, cost_cache: dict | None = None,
-              compute: Any = None) -> dict[str, Any]:
-    """`plait.sim.api.simulate` of one plan, without the memory estimate (the search has it)."""
-    from plait.sim.api import simulate
-
-    extra = {"compute": compute} if compute is not None else {}
-    return simulate(graph, cluster, plan, memory=False, cost_cache=cost_cache, **extra).to_dict()
-
-
 def _headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in range(plan.world_size):
@@ -480,20 +476,24 @@ def _headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
 
 def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
          finalists: int | None = 12, space: SearchSpace | None = None, placement: bool = True,
-         simulate: bool = True, seed: int = 0, progress: bool = False,
+         evaluate: Evaluate | None = None, seed: int = 0, progress: bool = False,
          placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
          layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
          on_progress: Callable[[str, int, int], None] | None = None) -> PlanResult:
     """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
 
     `finalists`: how many of the analytically best candidates get placed and simulated
-    (None: all of them -- exhaustive). `simulate=False` ranks by the analytic model only.
+    (None: all of them -- exhaustive). `evaluate(graph, plan) -> dict` ranks the placed
+    finalists (the search driver, `plait.search`, hands in the simulator; the keys read are
+    ``iteration_time_s``, ``tflops_per_gpu``, ``throughput_samples_per_s``); without it the
+    analytic model ranks alone.
     `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``); `compute` is the
     `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one)."""
     from plait.cluster import load_cluster
     from plait.cost.memory import estimate_memory
 
     t_start = time.perf_counter()
+    simulate = evaluate is not None
     if top < 1:
         raise SearchError(f"plan: top must be >= 1, got {top}")
     if finalists is not None and finalists < 1:
@@ -616,12 +616,6 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     chosen = kept if finalists is None else kept[:finalists]
 
     # ---- place and simulate the finalists
-    view = None
-    cost_cache: dict = {}  # layer costs shared by the simulations
-    if simulate:
-        from plait.sim.topology import ClusterView
-
-        view = ClusterView.from_cluster(cluster_obj)
     placements: dict[tuple, PlacementResult] = {}
     bar.start("simulate", len(chosen))
     for c in chosen:
@@ -642,7 +636,7 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
         c.peak_bytes = peaks.tolist()
         c.headroom_by_kind = _headroom(c.peak_bytes, devices, c.plan)
         if simulate:
-            sim = _simulate(graph, view, c.plan, cost_cache, compute)
+            sim = evaluate(graph, c.plan)
             c.sim = sim
             c.iteration_time_s = float(sim["iteration_time_s"])
             c.tflops_per_gpu = sim.get("tflops_per_gpu")
@@ -663,7 +657,7 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
         c = best[0]
         start = _start_order(groups, c)
         base = dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
-        c.default_order_time_s = float(_simulate(graph, view, base, cost_cache, compute)["iteration_time_s"])
+        c.default_order_time_s = float(evaluate(graph, base)["iteration_time_s"])
     elif best:
         best[0].default_order_time_s = best[0].iteration_time_s
 

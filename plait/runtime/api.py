@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from plait.plan.ir import Plan
+from plait.ir.plan import Plan
+from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
-from plait.sim.timeline import Timeline, TimelineEvent
 
 __all__ = ["RankInfo", "RunFailure", "RunResult", "run", "rank_layout"]
 

@@ -21,7 +21,6 @@ the other ranks, as a slower GPU would leave the host free.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from plait.errors import PlaitError
@@ -67,43 +66,3 @@ def extra_time(elapsed_s: float, factor: float) -> float:
     if factor < 1.0:
         raise EmulationError(f"slowdown factor must be >= 1, got {factor}")
     return max(0.0, elapsed_s) * (factor - 1.0)
-
-
-def apply_slowdown(elapsed_s: float, factor: float) -> float:
-    """Sleep so that a compute span measured at `elapsed_s` lasts `factor` times as long.
-
-    Returns the seconds actually slept (the sleep may overshoot by the OS timer slack,
-    typically 50-100 us; callers that time the span end after this call see it)."""
-    extra = extra_time(elapsed_s, factor)
-    if extra <= 0.0:
-        return 0.0
-    t0 = time.perf_counter()
-    time.sleep(extra)
-    return time.perf_counter() - t0
-
-
-class SlowdownTimer:
-    """Context manager for one compute span: `with SlowdownTimer(f): work()` lasts f times as long.
-
-    On GPU pass `sync=torch.cuda.synchronize` so the span covers the kernels, not just their launch."""
-
-    def __init__(self, factor: float, sync: Any = None) -> None:
-        if factor < 1.0:
-            raise EmulationError(f"slowdown factor must be >= 1, got {factor}")
-        self.factor = factor
-        self.sync = sync
-        self.elapsed = 0.0  # the real compute time
-        self.slept = 0.0
-
-    def __enter__(self) -> SlowdownTimer:
-        if self.sync is not None and self.factor > 1.0:
-            self.sync()
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.factor > 1.0 and self.sync is not None:
-            self.sync()
-        self.elapsed = time.perf_counter() - self._t0
-        if exc[0] is None:
-            self.slept = apply_slowdown(self.elapsed, self.factor)

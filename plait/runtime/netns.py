@@ -17,7 +17,7 @@ like a real NIC)::
     peer on the bridge (towards node a) htb rate = downlink(a) = uplink(a)
 
 `link(a, b)` is the slowest device-to-device bandwidth between the two nodes in
-`Cluster.bandwidth_matrix()` (which holds the file's per-pair overrides and any
+`bandwidth_matrix(Cluster)` (which holds the file's per-pair overrides and any
 switch oversubscription), `latency(a, b)` the largest latency; `scale` is
 `cluster.emulation.bandwidth_scale` (a CPU run sees the same *ratios* as the GPUs).
 Child rates are the parent's rate divided evenly (ceil = the link) so HTB keeps the
@@ -48,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.errors import PlaitError
 
 log = logging.getLogger("plait.runtime.netns")
@@ -189,8 +190,8 @@ def node_links(cluster: Any, nodes: Sequence[int]) -> tuple[dict[int, float], di
     effective matrices (a ring crossing them runs at its slowest link; Pipette §3)."""
     import numpy as np
 
-    bw = np.asarray(cluster.bandwidth_matrix(), dtype=float)
-    lat = np.asarray(cluster.latency_matrix(), dtype=float)
+    bw = np.asarray(bandwidth_matrix(cluster), dtype=float)
+    lat = np.asarray(latency_matrix(cluster), dtype=float)
     members: dict[int, list[int]] = {}
     for d in cluster.devices:
         members.setdefault(d.node, []).append(d.id)

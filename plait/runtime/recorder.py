@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from plait.sim.timeline import TimelineEvent
+from plait.ir.timeline import TimelineEvent
+from plait.runtime.emulate import extra_time
 
 
 class Heartbeat:
@@ -181,7 +182,7 @@ class Recorder:
             if self.slowdown > 1.0:
                 # Emulated slower GPU kind: the same work takes `slowdown` times longer.
                 work = max(0.0, t1 - t0 - comm)
-                time.sleep((self.slowdown - 1.0) * work)
+                time.sleep(extra_time(work, self.slowdown))
                 t1 = self.now()
                 ev.args["compute_s"] = work  # measured before the stretch
             ev.start, ev.end = t0, t1

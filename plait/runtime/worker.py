@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.plan.ir import Plan
+from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
 from plait.runtime.data_parallel import (

@@ -2,8 +2,8 @@
 
 ``plait.sim.simulate(model, cluster, plan) -> SimResult`` (see `plait.sim.api`); the pieces
 are `plait.sim.lower` (task graph), `plait.sim.engine` (discrete events), `plait.sim.topology`
-(links), `plait.sim.gpt` (closed-form GPT OpGraph) and `plait.sim.timeline` (shared schema).
-Imported lazily so that `plait.sim.timeline` stays cheap for the runtime.
+(links), `plait.graph.gpt_closed_form` (closed-form GPT OpGraph) and `plait.ir.timeline` (shared schema).
+Imported lazily so that `plait.ir.timeline` stays cheap for the runtime.
 """
 
 from __future__ import annotations

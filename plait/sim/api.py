@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.graph.opgraph import OpGraph
-from plait.plan.ir import Plan
+from plait.graph.resolve import resolve_model
+from plait.ir.opgraph import OpGraph
+from plait.ir.plan import Plan
+from plait.ir.timeline import Timeline, TimelineEvent
 from plait.sim.engine import Schedule
 from plait.sim.engine import simulate as run_engine
 from plait.sim.lower import Lowered, SimOptions, lower
-from plait.sim.timeline import Timeline, TimelineEvent
 from plait.sim.topology import ClusterView
 
 
@@ -129,42 +130,6 @@ def resolve_cluster(cluster: Any) -> ClusterView:
             raise SimulateError(f"cluster {cluster!r}: plait.cluster.load_cluster is not available") from None
         return ClusterView.from_cluster(load_cluster(str(cluster)))
     raise SimulateError(f"cluster: expected a Cluster, preset string or YAML path, got {type(cluster).__name__}")
-
-
-def resolve_model(model: Any, plan: Plan, inputs: Any = None, analytic: bool | None = None) -> OpGraph:
-    """OpGraph of `model`. GPT zoo specs use the closed-form graph (`plait.sim.gpt`) when
-    `analytic` is True, or when it is None and the capture would be slow (> 24 layers)."""
-    if isinstance(model, OpGraph):
-        return model
-    if isinstance(model, (str, Path)):
-        text = str(model)
-        if text.endswith(".json"):
-            path = Path(text)
-            if not path.exists():
-                raise SimulateError(f"{text}: OpGraph file not found")
-            try:
-                return OpGraph.from_dict(json.loads(path.read_text()))
-            except (KeyError, TypeError, json.JSONDecodeError) as exc:
-                raise SimulateError(f"{text}: not an OpGraph JSON ({exc})") from None
-        if text.split(":", 1)[0].strip().lower() == "gpt" and analytic is not False:
-            from plait.sim.gpt import gpt_config, gpt_opgraph
-
-            cfg = gpt_config(text)
-            if analytic or (cfg.get("layers", 0) > 24 and not cfg.get("sdpa")):
-                return gpt_opgraph(cfg, dtype=plan.dtype)
-    from plait.graph.inspect import inspect_model
-
-    dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
-    try:
-        import torch.nn as nn
-
-        if isinstance(model, nn.Module):
-            if inputs is None:
-                raise SimulateError("model: an nn.Module needs inputs=(sample forward arguments)")
-            return inspect_model(model, batch=plan.micro_batch, dtype=dtype, sample_inputs=inputs)
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return inspect_model(model, batch=plan.micro_batch, dtype=dtype)
 
 
 # ---------------------------------------------------------------- simulate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plait.sim.timeline import Timeline, _resource_sort_key
+from plait.ir.timeline import Timeline, _resource_sort_key
 
 COLORS = {
     "forward": "#4C9BE8", "backward": "#3BAA5C", "recompute": "#A6D96A", "optimizer": "#D7301F",

@@ -69,8 +69,8 @@ from plait.cost.compute import (
     optimizer_time,
 )
 from plait.errors import PlaitError
-from plait.graph.opgraph import Layer, OpGraph
-from plait.plan.ir import Plan, StageSpec
+from plait.ir.opgraph import Layer, OpGraph
+from plait.ir.plan import Plan, StageSpec
 from plait.sim.engine import TaskGraph
 from plait.sim.topology import ClusterView
 
@@ -93,7 +93,7 @@ class SimOptions:
     max_layer_tasks: int = 60_000  # "auto" uses layer granularity below this many tasks
     cost_cache: dict | None = field(default=None, repr=False)  # share layer costs across runs (fitting)
     # Measured or hand-given per-layer (forward s, backward s) for one micro-batch on one rank of
-    # the plan (e.g. `plait.cost.layer_profile`): these layers skip the compute model. Under tensor
+    # the plan (e.g. `plait.measure.layer_profile`): these layers skip the compute model. Under tensor
     # parallelism the times are one tensor rank's compute; the layer's collectives still come from
     # the compute model's kernel sequence (where they fall, their bytes) priced on the group's links.
     layer_times: dict[str, tuple[float, float]] | None = None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.cluster.spec import Cluster, GPUKind
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import GroupLinks, group_links
 
 
@@ -49,8 +50,8 @@ class ClusterView:
         nic = [n.nic.bandwidth * max(1, n.nics) for n in cluster.nodes]
         return cls(kinds=[d.kind for d in devices],
                    node_of=np.array([d.node for d in devices], dtype=np.int64),
-                   bandwidth=np.asarray(cluster.bandwidth_matrix(), dtype=float),
-                   latency=np.asarray(cluster.latency_matrix(), dtype=float),
+                   bandwidth=np.asarray(bandwidth_matrix(cluster), dtype=float),
+                   latency=np.asarray(latency_matrix(cluster), dtype=float),
                    node_nic_bandwidth=nic, name=cluster.name, cluster=cluster)
 
     @classmethod

@@ -31,7 +31,7 @@ measures the emulated device. The launcher takes, per node, an object with
 of an emulated node run inside its network namespace and measure the shaped links.
 
 On a real multi-host cluster, run the worker under your own torchrun on every host
-(`torchrun --nnodes ... -m plait.cluster.profile --worker --result R.json`, with
+(`torchrun --nnodes ... -m plait.measure.cluster_profile --worker --result R.json`, with
 PLAIT_NODE set to the host's node index) and turn the result into YAML with
 `plait profile --from-result R.json`.
 """
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -55,6 +56,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from plait.cost.collectives import bus_factor
 from plait.errors import PlaitError
 
 KiB, MiB = 1024, 1024 * 1024
@@ -133,17 +135,6 @@ def parse_size(text: str) -> int:
         return int(t)
     except ValueError:
         raise ProfileError(f"size {text!r}: expected a byte count like 4096, 64K, 256M or 1G") from None
-
-
-def bus_factor(collective: str, n: int) -> float:
-    """nccl-tests' busbw/algbw factor: all-reduce 2(n-1)/n, all-gather/reduce-scatter (n-1)/n."""
-    if n <= 1:
-        return 1.0
-    if collective == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    return 1.0
 
 
 # ---------------------------------------------------------------- results
@@ -547,7 +538,7 @@ def launch(nprocs_per_node: Sequence[int], cfg: ProfileConfig, nets: Sequence[An
             argv = [sys.executable, "-m", "torch.distributed.run",
                     f"--nnodes={len(nets)}", f"--node_rank={i}", f"--nproc_per_node={nproc}",
                     f"--master_addr={master}", f"--master_port={port}", "--max_restarts=0",
-                    "-m", "plait.cluster.profile", *_worker_args(cfg, result_path)]
+                    "-m", "plait.measure.cluster_profile", *_worker_args(cfg, result_path)]
             env = dict(os.environ)
             env.update(net.env())
             env["PLAIT_NODE"] = str(getattr(net, "node_index", i))
@@ -715,7 +706,7 @@ def _csv(kind: Any) -> Any:
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m plait.cluster.profile")
+    p = argparse.ArgumentParser(prog="python -m plait.measure.cluster_profile")
     p.add_argument("--worker", action="store_true", required=True)
     p.add_argument("--result", default=None)
     p.add_argument("--sizes", type=_csv(parse_size), default=None)
@@ -741,3 +732,48 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(worker_main())
 
+
+_log = logging.getLogger("plait.profile")
+
+
+def profile(cluster: Any = None, nprocs: int | None = None, *, sizes: list[int] | None = None,
+            max_size: int = 256 * MiB, p2p_bytes: int = 4 * MiB, matmul_sizes: list[int] | None = None,
+            dtypes: list[str] | None = None, slowdown_dtype: str | None = None, min_time: float = 0.05,
+            backend: str = "auto", timeout_s: float = 300.0, out: str | Path | None = None,
+            name: str | None = None, prefix: str = "plait") -> tuple[ProfileResult, dict[str, Any]]:
+    """Profile and return (raw result, cluster YAML data); writes the YAML to `out` when given.
+
+    `cluster`: a Cluster, YAML path or preset string; one worker per device, laid out by
+    node. Without it, `nprocs` local workers on one node."""
+    cfg = ProfileConfig(sizes=sizes or default_sizes(max_size), p2p_bytes=p2p_bytes, matmul_sizes=matmul_sizes,
+                        dtypes=dtypes, min_time=min_time, backend=backend, timeout_s=timeout_s)
+    if cluster is None:
+        if not nprocs or nprocs < 1:
+            raise ProfileError("plait profile: give --nprocs N (N >= 1) or --cluster CLUSTER")
+        result = launch([nprocs], cfg)
+        data = result_to_yaml(result, None, name=name or f"local-{nprocs}")
+    else:
+        from plait.cluster import load_cluster
+        from plait.runtime.emulate import slowdowns
+        from plait.runtime.netns import emulated_network
+
+        cl = load_cluster(cluster)
+        per_node = [len(n.gpus) for n in cl.nodes]
+        emu = cl.emulation
+        if emu is not None and emu.enabled:
+            cfg.slowdowns = slowdowns(cl, slowdown_dtype)
+            with emulated_network(cl, cl.num_devices, prefix=prefix) as net:
+                nets = [n if n.namespace else LocalNode(n.node_index) for n in net]
+                if net.reason:
+                    _log.warning("plait profile: %s", net.reason)
+                result = launch(per_node, cfg, nets)
+        else:
+            _log.warning("plait profile: cluster '%s' has no emulation section; measuring %d local workers "
+                        "laid out as its nodes (loopback links)", cl.name, cl.num_devices)
+            result = launch(per_node, cfg)
+        data = result_to_yaml(result, cl, name=name or f"{cl.name}-measured")
+    if out is not None:
+        import yaml
+
+        Path(out).write_text(yaml.safe_dump(data, sort_keys=False))
+    return result, data

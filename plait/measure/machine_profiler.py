@@ -1,13 +1,13 @@
-"""One emulated device's profiler process, for `plait.runtime.machine`.
+"""One emulated device's profiler process, for `plait.measure.machine`.
 
-    python -m plait.runtime.machine_profiler RANK
+    python -m plait.measure.machine_profiler RANK
 
 A persistent process (torch is imported once) that joins rank RANK's cpu cgroups
 (`plait.runtime.cpu_share.join_from_env`), so it runs where and how that rank will run, and
 answers JSON requests, one per line on stdin, with one JSON line on stdout:
 
 * ``{"kind": "layers", "model", "mb", "tp", "repeats", "statistic"}`` -> a
-  `plait.cost.layer_profile.LayerProfile` as a dict: each layer's forward and backward alone,
+  `plait.measure.layer_profile.LayerProfile` as a dict: each layer's forward and backward alone,
   one thread, fp32 -- what a rank of `plait run` computes; under tensor parallelism the layer
   is sliced exactly as the runtime slices it with its collectives made no-ops (`tp_shard`),
   so the figure is one tensor rank's compute;
@@ -28,7 +28,7 @@ from typing import Any
 
 def tp_shard(tp: int) -> Any:
     """The runtime's Megatron slicing of tensor rank 0 with no-op collectives, as a `shard`
-    callback of `plait.cost.layer_profile.profile_layers` (None when tp == 1)."""
+    callback of `plait.measure.layer_profile.profile_layers` (None when tp == 1)."""
     from plait.runtime.tensor_parallel import (
         TPContext,
         apply_tensor_parallel,
@@ -120,7 +120,7 @@ def _trimmed_mean(xs: list[float], cut: float) -> float:
 
 
 def handle(rank: int, req: dict[str, Any]) -> Any:
-    from plait.cost.layer_profile import profile_layers
+    from plait.measure.layer_profile import profile_layers
 
     kind = req.get("kind")
     if kind == "flatten":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.graph.opgraph import Layer, Op, OpGraph
+from plait.ir.opgraph import Layer, Op, OpGraph
 
 _DTYPE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 

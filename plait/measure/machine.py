@@ -16,7 +16,7 @@ Pipette's profiler) -- measured layer times and measured links, simulated plan:
    becomes the simulator's per-call `host_comm_s`; the runtime's gradient flatten/copy-back
    around the data-parallel all-reduce is timed too (`step_host_s`);
 3. **layers**: per plan, the same profilers time every layer's forward and backward at the
-   plan's micro-batch size and tensor-parallel slicing (`plait.cost.layer_profile`), side
+   plan's micro-batch size and tensor-parallel slicing (`plait.measure.layer_profile`), side
    by side as the ranks compute side by side;
 4. **simulate**: `plait.sim.api.simulate` on the measured cluster with those layer times,
    each device's scaled by its kind's emulated slowdown and by its own measured speed (two
@@ -53,7 +53,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 
-log = logging.getLogger("plait.runtime.machine")
+log = logging.getLogger("plait.measure.machine")
 
 MiB = 2**20
 SHARES = 8192  # cpu.shares of each rank's cgroup (8x a plain process)
@@ -67,13 +67,13 @@ class MachineError(PlaitError, RuntimeError):
 
 # ---------------------------------------------------------------- profilers
 class Profilers:
-    """One `plait.runtime.machine_profiler` process per rank, each joining its rank's cgroups
+    """One `plait.measure.machine_profiler` process per rank, each joining its rank's cgroups
     (through `env`). A request goes to all of them at once, so the devices are profiled side by
     side, as the ranks compute side by side."""
 
     def __init__(self, world: int, env: dict[str, str], timeout_s: float = 600.0) -> None:
         self.timeout_s = timeout_s
-        self.procs = [subprocess.Popen([sys.executable, "-m", "plait.runtime.machine_profiler", str(r)],
+        self.procs = [subprocess.Popen([sys.executable, "-m", "plait.measure.machine_profiler", str(r)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                        env={**os.environ, **env}) for r in range(world)]
 
@@ -100,7 +100,7 @@ class Profilers:
         return out
 
     def layers(self, model: str, micro_batch: int, tp: int, repeats: int, statistic: str = "mean") -> list[Any]:
-        from plait.cost.layer_profile import LayerProfile
+        from plait.measure.layer_profile import LayerProfile
 
         return [LayerProfile.from_dict(d) for d in self.request(
             {"kind": "layers", "model": model, "mb": micro_batch, "tp": tp, "repeats": repeats,
@@ -348,7 +348,7 @@ class LocalMachine:
     # ---- calibration
     def __enter__(self) -> LocalMachine:
         from plait.cluster import load_cluster
-        from plait.commands.profile_cmd import profile
+        from plait.measure.cluster_profile import profile
         from plait.runtime.cpu_share import ProcessCgroup, RankCgroups, pinned
 
         self._stack = ExitStack()
@@ -408,7 +408,7 @@ class LocalMachine:
     # ---- predict and measure
     @staticmethod
     def _fp32(plan: Any) -> Any:
-        from plait.plan.ir import Plan
+        from plait.ir.plan import Plan
 
         p = Plan.load(plan)
         return p if p.dtype == "fp32" else dataclasses.replace(p, dtype="fp32")
@@ -422,7 +422,8 @@ class LocalMachine:
     def predict(self, plan: Any, profiles: list[Any] | None = None) -> MachinePrediction:
         """Simulate `plan` (in fp32, as CPU ranks run it) from per-rank layer profiles (taken now
         when not given)."""
-        from plait.sim.api import resolve_model, simulate
+        from plait.graph.resolve import resolve_model
+        from plait.sim.api import simulate
 
         self._require()
         p = self._fp32(plan)

@@ -1,0 +1,58 @@
+"""One answer to "which OpGraph is this model?", shared by the planners, the simulator and
+the machine predictor, so all of them rank and predict the same graph.
+
+A model may be an `OpGraph`, a path to an OpGraph JSON file, a zoo spec string
+(``gpt:layers=24,hidden=1024``), a `ModelSpec`, or an `nn.Module` with sample inputs. Deep
+zoo GPTs use the closed-form graph (`plait.graph.gpt_closed_form`, checked op for op against
+a capture in tests/test_sim_gpt.py) because capturing 96 layers takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from plait.errors import PlaitError
+from plait.ir.opgraph import OpGraph
+from plait.ir.plan import Plan
+
+# A capture of a GPT deeper than this takes seconds; the closed form is exact for the zoo's GPT.
+CLOSED_FORM_MIN_LAYERS = 24
+
+
+class ModelResolveError(PlaitError, ValueError):
+    """A model argument that names no model plait can build (the message says which and why)."""
+
+
+def resolve_model(model: Any, plan: Plan, inputs: Any = None, analytic: bool | None = None) -> OpGraph:
+    """OpGraph of `model` at `plan`'s micro-batch and dtype. GPT zoo specs use the closed-form
+    graph when `analytic` is True, or when it is None and the capture would be slow."""
+    if isinstance(model, OpGraph):
+        return model
+    if isinstance(model, (str, Path)):
+        text = str(model)
+        if text.endswith(".json"):
+            path = Path(text)
+            if not path.exists():
+                raise ModelResolveError(f"{text}: OpGraph file not found")
+            try:
+                return OpGraph.from_dict(json.loads(path.read_text()))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ModelResolveError(f"{text}: not an OpGraph JSON ({exc})") from None
+        if text.split(":", 1)[0].strip().lower() == "gpt" and analytic is not False:
+            from plait.graph.gpt_closed_form import gpt_config, gpt_opgraph
+
+            cfg = gpt_config(text)
+            if analytic or (cfg.get("layers", 0) > CLOSED_FORM_MIN_LAYERS and not cfg.get("sdpa")):
+                return gpt_opgraph(cfg, dtype=plan.dtype)
+    from plait.graph.inspect import inspect_model
+
+    dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
+    import torch.nn as nn
+
+    if isinstance(model, nn.Module):
+        if inputs is None:
+            raise ModelResolveError("model: an nn.Module needs inputs=(sample forward arguments)")
+        return inspect_model(model, batch=plan.micro_batch, dtype=dtype, sample_inputs=inputs)
+    return inspect_model(model, batch=plan.micro_batch, dtype=dtype)

@@ -1,0 +1,112 @@
+"""Peak memory of a real training step, measured: the figure `plait.cost.memory` is checked
+against (tests/test_memory.py, bench/memory_error.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from plait.cost.memory import OPTIMIZERS, MemoryEstimateError
+
+
+@dataclass
+class MeasuredPeak:
+    """Peak of a real training step measured by PyTorch's MemTracker, by MemTracker's categories."""
+
+    peak_bytes: int
+    by_category: dict[str, int]
+
+
+def measure_step_peak(
+    module: Any,
+    inputs: tuple,
+    target: Any,
+    loss_fn: Any,
+    *,
+    optimizer: str = "adam",
+    micro_batches: int = 1,
+    checkpoint: list[Any] | None = None,
+    warmup_steps: int = 1,
+) -> MeasuredPeak:
+    """Peak bytes of one steady-state training step of `module` on its (CPU) device:
+    `micro_batches` forward/loss/backward passes on equal slices of the batch (gradient
+    accumulation), the optimizer step and ``zero_grad(set_to_none=True)``.
+
+    `checkpoint` lists submodules whose forward runs under
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (full recompute).
+
+    Uses ``torch.distributed._tools.mem_tracker.MemTracker``, a TorchDispatchMode that
+    follows every storage an op creates and frees (weak references), so the peak is
+    exact on CPU, where there is no caching allocator. The warm-up step(s) run outside
+    the tracker so Adam's lazily created state exists, as in every step after the first;
+    the module and optimizer are registered with ``track_external``; each micro-batch is
+    copied in when its turn comes, as a data loader would hand it over.
+    """
+    import functools
+
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    base = optimizer.split("-")[0]
+    if base in ("adam", "adamw"):
+        cls = torch.optim.AdamW if base == "adamw" else torch.optim.Adam
+        kwargs = {"foreach": True} if optimizer.endswith("foreach") else {}
+        opt = cls(module.parameters(), lr=1e-4, **kwargs)
+    elif base == "sgd":
+        opt = torch.optim.SGD(module.parameters(), lr=1e-4, momentum=0.9 if "momentum" in optimizer else 0.0)
+    else:
+        raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+    batch = int(target.shape[0])
+    if micro_batches < 1 or batch % micro_batches:
+        raise MemoryEstimateError(f"micro_batches: {micro_batches} does not divide the batch of {batch}")
+    mb = batch // micro_batches
+
+    def piece(x: Any, i: int) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return x[i * mb:(i + 1) * mb]
+        return x
+
+    # Slice outside the tracker: a view made under MemTracker would make it count the
+    # whole batch's storage. Inside, each micro-batch is copied in when its turn comes,
+    # as a data loader hands it over, so only the micro-batch in use is resident.
+    pieces = [(tuple(piece(x, i) for x in inputs), piece(target, i)) for i in range(micro_batches)]
+
+    def load(x: Any) -> Any:
+        return x.clone() if isinstance(x, torch.Tensor) else x
+
+    def step(tracker: Any = None) -> None:
+        # The usual loop: `out` and `loss` stay referenced until reassigned, so the outputs
+        # of the last micro-batch are alive through the optimizer step.
+        for i in range(micro_batches):
+            if tracker is not None and i:
+                tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
+            x = tuple(load(t) for t in pieces[i][0])
+            y = load(pieces[i][1])
+            out = module(*x)
+            loss = loss_fn(out, y) / micro_batches
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    saved_forwards = []
+    for sub in checkpoint or []:
+        saved_forwards.append((sub, sub.__dict__.get("forward")))
+        sub.forward = functools.partial(torch_checkpoint, sub.forward, use_reentrant=False)
+    try:
+        module.train()
+        for _ in range(warmup_steps):
+            step()
+        tracker = MemTracker()
+        tracker.track_external(module, opt)
+        with tracker:
+            step(tracker)
+    finally:
+        for sub, fwd in saved_forwards:
+            if fwd is None:
+                del sub.forward
+            else:
+                sub.forward = fwd
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    cats = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+    return MeasuredPeak(peak_bytes=int(snap["Total"]), by_category=cats)

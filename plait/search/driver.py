@@ -1,0 +1,39 @@
+"""The search driver: runs a planner family and ranks its finalists with the simulator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.cluster import load_cluster
+from plait.cluster.spec import Cluster
+from plait.ir.opgraph import OpGraph
+from plait.ir.plan import Plan
+from plait.plan.threed import DEFAULT_CLUSTER, Evaluate, PlanResult, search_3d
+
+
+def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
+    """`evaluate(graph, plan) -> dict` for the planners: `plait.sim.api.simulate` without the
+    memory estimate (the search has it), on one ClusterView and one layer-cost cache shared
+    by every finalist of the search."""
+    from plait.sim.api import simulate
+    from plait.sim.topology import ClusterView
+
+    view = ClusterView.from_cluster(cluster)
+    cost_cache: dict = {}
+    extra = {"compute": compute} if compute is not None else {}
+
+    def evaluate(graph: OpGraph, plan: Plan) -> dict[str, Any]:
+        return simulate(graph, view, plan, memory=False, cost_cache=cost_cache, **extra).to_dict()
+
+    return evaluate
+
+
+def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
+         simulate: bool = True, compute: Any = None, **kwargs: Any) -> PlanResult:
+    """The fastest plans of `model` on `cluster` for `global_batch`, ranked by the simulator
+    (`simulate=False`: by the analytic model alone). Other keyword arguments go to
+    `plait.plan.threed.search_3d` (finalists, space, placement, seed, progress, ...)."""
+    cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
+    evaluate = simulator_evaluate(cluster_obj, compute) if simulate else None
+    return search_3d(model, cluster_obj, global_batch=global_batch, top=top, evaluate=evaluate,
+                     compute=compute, **kwargs)
