@@ -69,12 +69,13 @@ from plait.cluster.spec import (
     PairOverride,
     SwitchSpec,
 )
+from plait.ir.formats import FORMAT_VERSIONS, check_version
 
 LINK_TYPES = tuple(DEFAULT_LATENCY)
 MAX_DEVICES = 65536  # a guard against `count: 10**12` exhausting memory
 
-_TOP_KEYS = ("name", "description", "gpu_kinds", "nodes", "node_groups", "fabric", "overrides",
-             "emulation")
+_TOP_KEYS = ("format_version", "name", "description", "gpu_kinds", "nodes", "node_groups", "fabric",
+             "overrides", "emulation")
 
 
 class _Ctx:
@@ -542,7 +543,7 @@ def _parse_emulation(ctx: _Ctx, raw: Any, kinds: dict[str, GPUKind]) -> Emulatio
 def parse_cluster(data: Any, source: str = "<memory>", default_name: str = "cluster") -> Cluster:
     """A Cluster from parsed YAML (dicts/lists/scalars); errors name `source` and the field."""
     ctx = _Ctx(source)
-    data = ctx.mapping(data, "", _TOP_KEYS)
+    data = check_version("cluster", ctx.mapping(data, "", _TOP_KEYS), source, ClusterError)
     name = ctx.string(data["name"], "name") if data.get("name") is not None else default_name
     custom = _parse_kinds(ctx, data.get("gpu_kinds"))
     fabric = _parse_fabric(ctx, data.get("fabric"))
@@ -646,7 +647,7 @@ def cluster_to_dict(cluster: Cluster, human: bool = True) -> dict[str, Any]:
     parse back exactly; else plain SI numbers (for JSON)."""
     flops, size, bw, dur = ((units.exact_flops, units.exact_bytes, units.exact_bandwidth,
                              units.exact_duration) if human else (_identity,) * 4)
-    out: dict[str, Any] = {"name": cluster.name}
+    out: dict[str, Any] = {"format_version": FORMAT_VERSIONS["cluster"], "name": cluster.name}
     out["gpu_kinds"] = {
         name: {
             "flops": {d: flops(v) for d, v in kind.peak_flops.items()},

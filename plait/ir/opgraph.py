@@ -23,6 +23,8 @@ from typing import Any
 
 import networkx as nx
 
+from plait.ir.formats import check_version, stamp
+
 
 @dataclass
 class Op:
@@ -131,11 +133,11 @@ class OpGraph:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layer_edges"] = [list(e) for e in self.layer_edges]
-        return d
+        return stamp("opgraph", d)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> OpGraph:
-        d = dict(d)
+    def from_dict(cls, d: dict[str, Any], source: str = "opgraph") -> OpGraph:
+        d = check_version("opgraph", d, source)
         ops = {k: Op(**v) for k, v in d.pop("ops").items()}
         layers = [Layer(**v) for v in d.pop("layers")]
         edges = [tuple(e) for e in d.pop("layer_edges")]

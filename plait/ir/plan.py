@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.ir.formats import check_version, stamp
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved")
@@ -308,13 +309,14 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stage_edges"] = [list(e) for e in self.stage_edges]
-        return d
+        return stamp("plan", d)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "plan") -> Plan:
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan must be a JSON object")
         data = dict(data.get("plan", data)) if "plan" in data and isinstance(data["plan"], dict) else dict(data)
+        data = check_version("plan", data, source, PlanError)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

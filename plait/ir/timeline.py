@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait.ir.formats import check_version, stamp
+
 # Event categories, shared by simulator and runtime.
 CATEGORIES = ("forward", "backward", "recompute", "optimizer", "data", "h2d",
               "comm_tp", "comm_pp", "comm_dp", "comm_zero", "comm", "idle")
@@ -112,10 +114,12 @@ class Timeline:
         Path(path).write_text(json.dumps(self.to_chrome_trace()))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "meta": self.meta, "events": [asdict(e) for e in self.events]}
+        return stamp("timeline", {"source": self.source, "meta": self.meta,
+                                  "events": [asdict(e) for e in self.events]})
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Timeline:
+    def from_dict(cls, d: dict[str, Any], source: str = "timeline") -> Timeline:
+        d = check_version("timeline", d, source)
         return cls(events=[TimelineEvent(**e) for e in d["events"]], source=d.get("source", "simulated"),
                    meta=d.get("meta", {}))
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from plait.ir.formats import check_version
 from plait.ir.plan import Plan
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
@@ -321,7 +322,7 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
     if not path.exists():
         raise RunFailure(f"the workers finished without writing {path}; see the logs in {rdir}",
                          run_dir=str(rdir))
-    data = json.loads(path.read_text())
+    data = check_version("run", json.loads(path.read_text()), str(path), RunFailure)
     ranks = data["ranks"]
     events: list[TimelineEvent] = []
     for r in ranks:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.ir.formats import stamp
 from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
@@ -554,7 +555,7 @@ def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start:
         "params_file": "params.pt" if params is not None else None,
     }
     tmp = run_dir / "result.json.tmp"
-    tmp.write_text(json.dumps(out))
+    tmp.write_text(json.dumps(stamp("run", out)))
     os.replace(tmp, run_dir / "result.json")
 
 
