@@ -129,7 +129,8 @@ def hierarchical_all_reduce_time(nbytes: float, nodes: int, per_node: int, intra
     """Intra-node reduce-scatter + inter-node ring all-reduce of each 1/g shard + intra all-gather.
 
     With ``g`` GPUs per node each GPU drives its own inter-node ring on ``S/g`` bytes
-    (NCCL's per-rail rings), so the inter-node phase costs ``ring(S/g, nodes)``."""
+    (NCCL's per-rail rings), so the inter-node phase costs ``ring(S/g, nodes)`` at
+    `inter_bw`, the bandwidth one shard's ring gets (the node's NICs shared by g rings)."""
     if nodes * per_node <= 1 or nbytes <= 0:
         return 0.0
     t = ring_reduce_scatter_time(nbytes, per_node, intra_bw, intra_alpha, gamma)
@@ -147,7 +148,11 @@ class GroupLinks:
     latency) of the ring through the devices in the given order; `intra_*` and `inter_*`
     the slowest intra-node and inter-node pairs (for hierarchical all-reduce); `nodes`
     the number of distinct nodes and `per_node` the largest number of group members on
-    one node."""
+    one node. `inter_channels` is how many NICs of each node the group drives at once
+    (``min over its nodes of min(members there, NICs there)``): NCCL runs one ring or tree
+    channel per NIC, rail-affine, so a group crossing nodes moves ``inter_channels`` times the
+    bandwidth of one inter-node pair. That is why one 800 Gb/s NIC and eight 100 Gb/s NICs per
+    node give the same collective time (each pair figure is one NIC's)."""
 
     n: int
     ring_bandwidth: float
@@ -158,11 +163,15 @@ class GroupLinks:
     intra_latency: float
     inter_bandwidth: float
     inter_latency: float
+    inter_channels: int = 1
 
 
 def group_links(devices: Sequence[int], bandwidth: np.ndarray, latency: np.ndarray,
-                node_of: Sequence[int]) -> GroupLinks:
-    """Slowest-link summary of the ring ``devices[0] -> devices[1] -> ... -> devices[0]``."""
+                node_of: Sequence[int], nics_of_node: Sequence[int] | None = None) -> GroupLinks:
+    """Slowest-link summary of the ring ``devices[0] -> devices[1] -> ... -> devices[0]``.
+
+    `nics_of_node[k]`: NICs of node k (default one each); the inter-node hops of the ring run
+    on `inter_channels` NICs at once (see `GroupLinks`)."""
     devs = list(devices)
     n = len(devs)
     if n <= 1:
@@ -181,9 +190,15 @@ def group_links(devices: Sequence[int], bandwidth: np.ndarray, latency: np.ndarr
     intra_lat = float(sub_lat[same].max()) if same.any() else 0.0
     inter_bw = float(sub_bw[cross].min()) if cross.any() else float("inf")
     inter_lat = float(sub_lat[cross].max()) if cross.any() else 0.0
-    _, counts = np.unique(nodes, return_counts=True)
+    members, counts = np.unique(nodes, return_counts=True)
+    channels = 1
+    if len(members) > 1:
+        nics = [1 if nics_of_node is None else max(1, int(nics_of_node[k])) for k in members]
+        channels = int(min(min(c, k) for c, k in zip(counts, nics)))
+        hop_cross = nodes != np.roll(nodes, -1)
+        bw = np.where(hop_cross, bw * channels, bw)
     return GroupLinks(n, float(bw.min()), float(lat.max()), len(counts), int(counts.max()),
-                      intra_bw, intra_lat, inter_bw, inter_lat)
+                      intra_bw, intra_lat, inter_bw, inter_lat, channels)
 
 
 def collective_time(op: str, nbytes: float, links: GroupLinks, algorithm: str = "ring",
@@ -197,9 +212,11 @@ def collective_time(op: str, nbytes: float, links: GroupLinks, algorithm: str = 
         if algorithm == "tree":
             return tree_all_reduce_time(nbytes, n, B, a, gamma)
         if algorithm == "hierarchical" and links.nodes > 1 and links.per_node > 1:
+            # The per_node shard rings cross the nodes at once, sharing the node's channels.
+            shard_bw = links.inter_bandwidth * links.inter_channels / links.per_node
             return hierarchical_all_reduce_time(
                 nbytes, links.nodes, links.per_node, links.intra_bandwidth, links.intra_latency,
-                links.inter_bandwidth, links.inter_latency, gamma)
+                shard_bw, links.inter_latency, gamma)
         return ring_all_reduce_time(nbytes, n, B, a, gamma)
     if op == "reduce_scatter":
         return ring_reduce_scatter_time(nbytes, n, B, a, gamma)

@@ -310,6 +310,7 @@ class AnalyticModel:
         self.bw = bandwidth_matrix(cluster)
         self.lat = latency_matrix(cluster)
         self.node_of = [d.node for d in self.devices]
+        self.node_nics = [max(1, n.nics) for n in cluster.nodes]
         self._custom = layer_time
         self._costs: dict[tuple, Any] = {}
         self._times: dict[tuple, np.ndarray] = {}
@@ -375,7 +376,7 @@ class AnalyticModel:
         links = self._links.get(key)
         if links is None:
             # groups with the same slowest links cost the same: keep one of each
-            links = list({group_links(row.tolist(), self.bw, self.lat, self.node_of) for row in groups})
+            links = list({group_links(row.tolist(), self.bw, self.lat, self.node_of, self.node_nics) for row in groups})
             self._links[key] = links
         ckey = (key, op, nbytes)
         t = self._coll.get(ckey)

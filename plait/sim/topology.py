@@ -37,6 +37,7 @@ class ClusterView:
     bandwidth: np.ndarray
     latency: np.ndarray
     node_nic_bandwidth: list[float] | None = None  # aggregate NIC egress per node (bytes/s)
+    node_nics: list[int] | None = None  # NICs per node (collective channels across nodes)
     name: str = "cluster"
     cluster: Cluster | None = None
     _port: np.ndarray | None = field(default=None, repr=False)
@@ -52,7 +53,8 @@ class ClusterView:
                    node_of=np.array([d.node for d in devices], dtype=np.int64),
                    bandwidth=np.asarray(bandwidth_matrix(cluster), dtype=float),
                    latency=np.asarray(latency_matrix(cluster), dtype=float),
-                   node_nic_bandwidth=nic, name=cluster.name, cluster=cluster)
+                   node_nic_bandwidth=nic, node_nics=[max(1, n.nics) for n in cluster.nodes],
+                   name=cluster.name, cluster=cluster)
 
     @classmethod
     def uniform(cls, num_devices: int, kind: GPUKind, gpus_per_node: int, intra_bandwidth: float,
@@ -68,7 +70,7 @@ class ClusterView:
         nodes = int(node_of.max()) + 1
         nics = gpus_per_node if nics_per_node is None else nics_per_node
         return cls(kinds=[kind] * num_devices, node_of=node_of, bandwidth=bw, latency=lat,
-                   node_nic_bandwidth=[inter_bandwidth * nics] * nodes, name=name)
+                   node_nic_bandwidth=[inter_bandwidth * nics] * nodes, node_nics=[nics] * nodes, name=name)
 
     @property
     def num_devices(self) -> int:
@@ -120,7 +122,8 @@ class ClusterView:
         key = tuple(devices)
         hit = self._groups.get(key)
         if hit is None:
-            hit = self._groups[key] = group_links(key, self.bandwidth, self.latency, self.node_of)
+            hit = self._groups[key] = group_links(key, self.bandwidth, self.latency, self.node_of,
+                                                       self.node_nics)
         return hit
 
     def pair(self, src: int, dst: int) -> tuple[float, float]:

@@ -1,0 +1,71 @@
+"""A node's NIC total means the same on every cost path: one 800 Gb/s NIC and eight 100 Gb/s
+NICs per node give the same collective times in the planner's analytic model and in the
+simulator (issue 12: "the NIC count x per-NIC bandwidth must mean the same")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from plait.cluster import load_cluster
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
+from plait.cost.collectives import collective_time, group_links, ring_all_reduce_time
+from plait.ir.plan import Plan
+from plait.plan.threed import AnalyticModel
+from plait.sim.api import simulate
+from plait.sim.topology import ClusterView
+
+ONE_BIG = "a100-80g:nodes=2,nics=1,nic=800 Gb/s"
+EIGHT_SMALL = "a100-80g:nodes=2,nics=8,nic=100 Gb/s"
+MODEL = "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512"
+
+
+def _links(spec: str, devices: list[int]):
+    c = load_cluster(spec)
+    return group_links(devices, bandwidth_matrix(c), latency_matrix(c), [d.node for d in c.devices],
+                       [n.nics for n in c.nodes])
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "tree"])
+def test_one_800g_nic_equals_eight_100g_nics(algorithm: str) -> None:
+    devices = list(range(16))
+    big, small = _links(ONE_BIG, devices), _links(EIGHT_SMALL, devices)
+    assert (big.inter_channels, small.inter_channels) == (1, 8)
+    for nbytes in (1e6, 256e6, 4e9):
+        t_big = collective_time("all_reduce", nbytes, big, algorithm)
+        t_small = collective_time("all_reduce", nbytes, small, algorithm)
+        assert t_small == pytest.approx(t_big, rel=1e-9)
+
+
+def test_ring_across_nodes_runs_on_the_node_nic_total_hand_computed() -> None:
+    # 2 nodes x 8 GPUs, ring 0..15: two hops cross nodes, each node has 8 x 12.5 GB/s NICs.
+    links = _links(EIGHT_SMALL, list(range(16)))
+    nic_total = 8 * 12.5e9
+    assert links.ring_bandwidth == pytest.approx(min(nic_total, links.intra_bandwidth))
+    expected = ring_all_reduce_time(1e9, 16, links.ring_bandwidth, links.ring_latency)
+    assert collective_time("all_reduce", 1e9, links, "ring") == pytest.approx(expected)
+    # Two GPUs per node drive only two of the NICs.
+    two = _links(EIGHT_SMALL, [0, 1, 8, 9])
+    assert two.inter_channels == 2 and two.ring_bandwidth == pytest.approx(2 * 12.5e9)
+
+
+def test_planner_and_simulator_agree_for_both_nic_layouts() -> None:
+    """Data parallelism over 16 GPUs of 2 nodes: the planner's gradient all-reduce estimate and the
+    simulator's lowered all-reduce take the same time for both NIC layouts."""
+    plan = Plan(dp=16, micro_batch=1, global_batch=16, dtype="bf16")
+    sims, analytic = [], []
+    for spec in (ONE_BIG, EIGHT_SMALL):
+        c = load_cluster(spec)
+        res = simulate(MODEL, ClusterView.from_cluster(c), plan, memory=False)
+        sims.append(res.iteration_time_s)
+        model = AnalyticModel(res_graph(plan), c)
+        groups = np.arange(16).reshape(1, 16)
+        analytic.append(model._slowest(groups, "all_reduce", 512e6))
+    assert sims[1] == pytest.approx(sims[0], rel=1e-6)
+    assert analytic[1] == pytest.approx(analytic[0], rel=1e-9)
+
+
+def res_graph(plan: Plan):
+    from plait.graph.resolve import resolve_model
+
+    return resolve_model(MODEL, plan)
