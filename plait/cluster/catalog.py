@@ -126,7 +126,9 @@ def get_kind(name: str) -> GPUKind:
 
 # Default link latencies by link type: orders of magnitude of nccl-tests small-message
 # times on such links (alpha of the alpha-beta model); replace with `plait profile`
-# measurements where it matters.
+# measurements where it matters. They are not datasheet figures (vendors publish none).
+LATENCY_SOURCE = ("per-link-type alpha (nvlink 2 us, pcie 4 us, infiniband 5 us, ethernet 10 us): orders "
+                  "of magnitude of nccl-tests small-message times, not datasheet figures")
 DEFAULT_LATENCY = {
     "nvlink": parse_duration("2 us"),
     "pcie": parse_duration("4 us"),
@@ -155,6 +157,8 @@ def _link(kind: str, bandwidth: str) -> Link:
 # Interconnect figures: NVLink per direction (half the bidirectional datasheet total),
 # PCIe x16 per direction (Gen3 15.75 GB/s, Gen4 31.5 GB/s after 128b/130b encoding).
 _PCIE3, _PCIE4 = "15.75 GB/s", "31.5 GB/s"
+_A100_SOURCE = ("NVIDIA DGX A100 datasheet (peak NVLink; achieved all-reduce busbw is lower: 216 GB/s "
+                "fitted in bench/validate_a100.py)")
 NODE_TEMPLATES: dict[str, NodeTemplate] = {
     # DGX-1V: 8x V100 SXM2, NVLink 2.0 300 GB/s per GPU (hybrid cube-mesh; modelled as
     # all-to-all 150 GB/s each way, as on DGX-2's NVSwitch), 4x 100 Gb/s EDR InfiniBand.
@@ -177,10 +181,14 @@ NODE_TEMPLATES: dict[str, NodeTemplate] = {
     "rtx-4090": NodeTemplate(8, _link("pcie", _PCIE4), _link("ethernet", "25 Gb/s"), 1,
                              "assumed PCIe Gen4 server, 25 GbE"),
     # DGX A100: NVSwitch, NVLink 3.0 600 GB/s per GPU, 8x 200 Gb/s HDR InfiniBand (compute).
+    # These are the datasheet's peak link figures. What collectives achieve on such a node is
+    # lower: the calibration on measured Megatron runs (bench/validate_a100.py) fits 216 GB/s
+    # and 13.7 us per ring step for its all-reduces; measured figures belong in the cluster's
+    # `collectives:` (plait cluster add-nccl-tests, plait profile), not in the preset.
     "a100-40gb": NodeTemplate(8, _link("nvlink", "300 GB/s"), _link("infiniband", "200 Gb/s"), 8,
-                              "NVIDIA DGX A100 datasheet"),
+                              _A100_SOURCE),
     "a100-80gb": NodeTemplate(8, _link("nvlink", "300 GB/s"), _link("infiniband", "200 Gb/s"), 8,
-                              "NVIDIA DGX A100 datasheet"),
+                              _A100_SOURCE),
     # DGX H100 / H200: NVLink 4.0 900 GB/s per GPU, 8x 400 Gb/s NDR (ConnectX-7).
     "h100-80gb": NodeTemplate(8, _link("nvlink", "450 GB/s"), _link("infiniband", "400 Gb/s"), 8,
                               "NVIDIA DGX H100 datasheet"),

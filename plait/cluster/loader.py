@@ -59,12 +59,14 @@ import yaml
 from plait.cluster import units
 from plait.cluster.catalog import DEFAULT_LATENCY, GPU_KINDS, NODE_TEMPLATES, resolve_kind_name
 from plait.cluster.spec import (
+    COLLECTIVE_OPS,
     DTYPES,
     Cluster,
     ClusterError,
     EmulationSpec,
     GPUKind,
     Link,
+    MeasuredCollective,
     NodeSpec,
     PairOverride,
     SwitchSpec,
@@ -75,7 +77,7 @@ LINK_TYPES = tuple(DEFAULT_LATENCY)
 MAX_DEVICES = 65536  # a guard against `count: 10**12` exhausting memory
 
 _TOP_KEYS = ("format_version", "name", "description", "gpu_kinds", "nodes", "node_groups", "fabric",
-             "overrides", "emulation")
+             "overrides", "emulation", "collectives")
 
 
 class _Ctx:
@@ -489,6 +491,41 @@ def _parse_overrides(ctx: _Ctx, raw: Any, nodes: list[NodeSpec]) -> list[PairOve
     return out
 
 
+def _parse_collectives(ctx: _Ctx, raw: Any, n_nodes: int) -> list[MeasuredCollective]:
+    """`collectives:` -- measured bus bandwidth per message size, e.g.
+
+        collectives:
+          - {op: all_reduce, nodes: 1, ranks: 8, source: "nccl-tests 2.13, dgx-a100",
+             busbw: {1 MiB: 40 GB/s, 64 MiB: 180 GB/s, 1 GiB: 225 GB/s}}
+    """
+    if raw is None:
+        return []
+    out = []
+    for i, item in enumerate(ctx.seq(raw, "collectives", "measured collectives")):
+        path = f"collectives[{i}]"
+        spec = ctx.mapping(item, path, ("op", "nodes", "ranks", "busbw", "source"),
+                           required=("op", "ranks", "busbw"))
+        op = ctx.string(spec["op"], _join(path, "op"))
+        if op not in COLLECTIVE_OPS:
+            ctx.fail(_join(path, "op"), f"unknown collective {op!r}; use one of {', '.join(COLLECTIVE_OPS)}")
+        nodes = ctx.integer(spec.get("nodes", 1), _join(path, "nodes"), 1, max(1, n_nodes))
+        ranks = ctx.integer(spec["ranks"], _join(path, "ranks"), 2, MAX_DEVICES)
+        if ranks < nodes:
+            ctx.fail(_join(path, "ranks"), f"{ranks} ranks cannot span {nodes} nodes")
+        table = spec["busbw"]
+        bpath = _join(path, "busbw")
+        if not isinstance(table, dict) or not table:
+            ctx.fail(bpath, f"expected a mapping message size -> bus bandwidth, got {_describe(table)}")
+        points = sorted((ctx.quantity(k, _join(bpath, str(k)), units.parse_bytes),
+                         ctx.quantity(v, _join(bpath, str(k)), units.parse_bandwidth)) for k, v in table.items())
+        if len({size for size, _ in points}) != len(points):
+            ctx.fail(bpath, "two entries give the same message size")
+        source = ctx.string(spec["source"], _join(path, "source")) if spec.get("source") is not None else ""
+        out.append(MeasuredCollective(op=op, nodes=nodes, ranks=ranks, sizes=tuple(p[0] for p in points),
+                                      busbw=tuple(p[1] for p in points), source=source))
+    return out
+
+
 def _node_ref(ctx: _Ctx, ref: Any, path: str, names: dict[str, int], n: int) -> int:
     if isinstance(ref, str) and ref in names:
         return names[ref]
@@ -556,8 +593,9 @@ def parse_cluster(data: Any, source: str = "<memory>", default_name: str = "clus
                 kinds[k] = GPU_KINDS[k]
     overrides = _parse_overrides(ctx, data.get("overrides"), nodes)
     emulation = _parse_emulation(ctx, data.get("emulation"), kinds)
+    collectives = _parse_collectives(ctx, data.get("collectives"), len(nodes))
     return Cluster(name=name, kinds=kinds, nodes=nodes, switches=fabric.leaves + fabric.spines,
-                   overrides=overrides, emulation=emulation, source=source)
+                   overrides=overrides, emulation=emulation, collectives=collectives, source=source)
 
 
 _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser is ~10x faster
@@ -681,6 +719,12 @@ def cluster_to_dict(cluster: Cluster, human: bool = True) -> dict[str, Any]:
              **({"bandwidth": bw(o.bandwidth)} if o.bandwidth is not None else {}),
              **({"latency": dur(o.latency)} if o.latency is not None else {})}
             for o in cluster.overrides
+        ]
+    if cluster.collectives:
+        out["collectives"] = [
+            {"op": m.op, "nodes": m.nodes, "ranks": m.ranks, **({"source": m.source} if m.source else {}),
+             "busbw": {size(x): bw(b) for x, b in zip(m.sizes, m.busbw)}}
+            for m in cluster.collectives
         ]
     if cluster.emulation is not None:
         e = cluster.emulation

@@ -88,6 +88,24 @@ class EmulationSpec:
     bandwidth_scale: float = 1.0  # scale link bandwidths down so a CPU run sees the same ratios
 
 
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send_recv")
+
+
+@dataclass(frozen=True)
+class MeasuredCollective:
+    """One collective measured on a group of devices, in nccl-tests' vocabulary: the bus
+    bandwidth (``busbw = S / t * bus factor``) at each message size ``S`` (bytes per rank as
+    the API sees it). nccl-tests' `*_perf` tables or `plait profile` fill it; the cost model
+    reads the time of a collective off it for groups spanning the same number of nodes."""
+
+    op: str  # one of COLLECTIVE_OPS
+    nodes: int  # nodes the measured group spanned
+    ranks: int  # ranks in the measured group
+    sizes: tuple[float, ...]  # bytes, ascending
+    busbw: tuple[float, ...]  # bytes/s at each size
+    source: str = ""  # where the figures come from (tool, machine, date)
+
+
 @dataclass(frozen=True)
 class Device:
     id: int
@@ -104,6 +122,9 @@ class Cluster:
     switches: list[SwitchSpec] = field(default_factory=list)
     overrides: list[PairOverride] = field(default_factory=list)
     emulation: EmulationSpec | None = None
+    # measured collective bus bandwidths (nccl-tests / plait profile); used on clusters described
+    # without a switched fabric (see plait.cost.collectives.measured_time)
+    collectives: list[MeasuredCollective] = field(default_factory=list)
     # file or preset it came from, for error messages; not part of equality, so a
     # cluster saved to YAML and loaded back compares equal
     source: str = field(default="<memory>", compare=False)

@@ -1,4 +1,5 @@
-"""`plait cluster show SPEC [--json|--yaml] [--matrix]` and `plait cluster presets`.
+"""`plait cluster show SPEC [--json|--yaml] [--matrix]`, `plait cluster presets` and
+`plait cluster add-nccl-tests SPEC FILE... --out OUT.yaml`.
 
 SPEC is a cluster YAML file or a preset string (``a100-80g:nodes=8``); without it,
 the default cluster of `plait plan`.
@@ -34,6 +35,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="also the device-to-device bandwidth (GB/s) and latency (us) matrices")
     presets = actions.add_parser("presets", help="list the built-in presets and GPU kinds")
     presets.add_argument("--json", action="store_true", help="machine-readable JSON")
+    nccl = actions.add_parser(
+        "add-nccl-tests", help="add measured collective bus bandwidths (nccl-tests output) to a cluster",
+        description="Read the output of nccl-tests (all_reduce_perf, all_gather_perf, ...) and write the "
+                    "cluster with the measured busbw per message size; the simulator and the planner then "
+                    "take collective times from it (clusters without a switched fabric).")
+    nccl.add_argument("spec", help="cluster YAML or preset the measurements were taken on")
+    nccl.add_argument("files", nargs="+", help="nccl-tests output files (one run each)")
+    nccl.add_argument("--op", choices=("all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                                       "broadcast", "send_recv"),
+                      help="the collective (default: read from the output's 'Collective test starting' line)")
+    nccl.add_argument("--out", required=True, help="write the cluster YAML here")
     parser.set_defaults(func=run, _cluster_parser=parser)
 
 
@@ -42,8 +54,45 @@ def run(args: argparse.Namespace) -> int:
         return _show(args)
     if args.cluster_action == "presets":
         return _presets(args)
+    if args.cluster_action == "add-nccl-tests":
+        return _add_nccl_tests(args)
     args._cluster_parser.print_help()
     return 2
+
+
+def _add_nccl_tests(args: argparse.Namespace) -> int:
+    """Every input is read and checked before the output is written."""
+    import dataclasses
+    from pathlib import Path
+
+    from plait.cluster import load_cluster
+    from plait.cluster.loader import save_cluster
+    from plait.cluster.nccl_tests import parse_nccl_tests
+    from plait.cluster.spec import ClusterError
+
+    out = Path(args.out)
+    if not out.parent.exists():
+        raise ClusterError(f"--out {out}: folder {out.parent} does not exist")
+    cluster = load_cluster(args.spec)
+    tables = []
+    for name in args.files:
+        path = Path(name)
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise ClusterError(f"{name}: cannot read ({exc.strerror})") from None
+        table = parse_nccl_tests(text, source=name, op=args.op)
+        if table.nodes > cluster.num_nodes or table.ranks > cluster.num_devices:
+            raise ClusterError(f"{name}: measured on {table.ranks} ranks over {table.nodes} nodes, more than "
+                               f"{cluster.name} has ({cluster.num_devices} GPUs, {cluster.num_nodes} nodes)")
+        tables.append(table)
+    merged = dataclasses.replace(cluster, collectives=[*cluster.collectives, *tables])
+    save_cluster(merged, out)
+    for t in tables:
+        print(f"{t.op} on {t.ranks} ranks / {t.nodes} node(s): {len(t.sizes)} sizes, "
+              f"busbw {min(t.busbw) / 1e9:.1f}-{max(t.busbw) / 1e9:.1f} GB/s")
+    print(f"wrote {out}")
+    return 0
 
 
 # --- summaries -------------------------------------------------------------------------
@@ -222,7 +271,7 @@ def _print_rich(cluster: Any, matrix: bool) -> None:
 
 def _presets(args: argparse.Namespace) -> int:
     from plait.cluster import DEFAULT_CLUSTER
-    from plait.cluster.catalog import GPU_KINDS, NODE_TEMPLATES
+    from plait.cluster.catalog import GPU_KINDS, LATENCY_SOURCE, NODE_TEMPLATES
     from plait.cluster.presets import _KIND_PARAMS, PRESETS
 
     if args.json:
@@ -234,7 +283,8 @@ def _presets(args: argparse.Namespace) -> int:
                         for name, p in PRESETS.items()},
             "gpu_kind_preset": {"params": {q.name: {"type": q.type, "default": q.default,
                                                     "help": q.help} for q in _KIND_PARAMS},
-                                "kinds": list(GPU_KINDS)},
+                                "kinds": {k: {"server": NODE_TEMPLATES[k].source} for k in GPU_KINDS}},
+            "latency_source": LATENCY_SOURCE,
         }
         json.dump(out, sys.stdout, indent=1)
         print()
@@ -254,12 +304,16 @@ def _presets(args: argparse.Namespace) -> int:
     table.add_row("<gpu-kind>", ", ".join(q.name for q in _KIND_PARAMS),
                   "any catalog kind in its usual server, e.g. a100-80g:nodes=8")
     console.print(table)
-    kinds = Table(title="GPU kinds (for <gpu-kind> and YAML `gpus`)")
-    for col in ("kind", "usual server"):
+    kinds = Table(title="GPU kinds (for <gpu-kind> and YAML `gpus`): datasheet figures, with their source")
+    for col in ("kind", "intra link (per direction)", "NICs", "usual server: source"):
         kinds.add_column(col)
     for name in GPU_KINDS:
-        kinds.add_row(name, NODE_TEMPLATES[name].source)
+        t = NODE_TEMPLATES[name]
+        kinds.add_row(name, f"{t.intra.kind} {t.intra.bandwidth / 1e9:g} GB/s",
+                      f"{t.nics} x {t.nic.bandwidth * 8 / 1e9:g} Gb/s", t.source)
     console.print(kinds)
+    console.print(f"Latencies: {LATENCY_SOURCE}. Measured collective bandwidths: `plait cluster "
+                  f"add-nccl-tests` or `plait profile`.")
     return 0
 
 

@@ -42,10 +42,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plait.cluster.spec import Cluster, MeasuredCollective
 from plait.errors import PlaitError
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send_recv")
-ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped")
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped", "measured")
 
 
 class CollectiveError(PlaitError, ValueError):
@@ -164,14 +165,18 @@ class GroupLinks:
     inter_bandwidth: float
     inter_latency: float
     inter_channels: int = 1
+    # measured busbw tables of the cluster for groups of this span (see `measured_tables`)
+    measured: tuple[MeasuredCollective, ...] = ()
 
 
 def group_links(devices: Sequence[int], bandwidth: np.ndarray, latency: np.ndarray,
-                node_of: Sequence[int], nics_of_node: Sequence[int] | None = None) -> GroupLinks:
+                node_of: Sequence[int], nics_of_node: Sequence[int] | None = None,
+                measured: Sequence[MeasuredCollective] = ()) -> GroupLinks:
     """Slowest-link summary of the ring ``devices[0] -> devices[1] -> ... -> devices[0]``.
 
     `nics_of_node[k]`: NICs of node k (default one each); the inter-node hops of the ring run
-    on `inter_channels` NICs at once (see `GroupLinks`)."""
+    on `inter_channels` NICs at once (see `GroupLinks`). `measured`: the cluster's measured
+    collectives (`measured_tables`); those of the group's span are kept."""
     devs = list(devices)
     n = len(devs)
     if n <= 1:
@@ -197,16 +202,24 @@ def group_links(devices: Sequence[int], bandwidth: np.ndarray, latency: np.ndarr
         channels = int(min(min(c, k) for c, k in zip(counts, nics)))
         hop_cross = nodes != np.roll(nodes, -1)
         bw = np.where(hop_cross, bw * channels, bw)
-    return GroupLinks(n, float(bw.min()), float(lat.max()), len(counts), int(counts.max()),
-                      intra_bw, intra_lat, inter_bw, inter_lat, channels)
+    span = len(counts)
+    tables = tuple(m for m in measured if (m.nodes == 1) == (span == 1))
+    return GroupLinks(n, float(bw.min()), float(lat.max()), span, int(counts.max()),
+                      intra_bw, intra_lat, inter_bw, inter_lat, channels, tables)
 
 
 def collective_time(op: str, nbytes: float, links: GroupLinks, algorithm: str = "ring",
                     gamma: float = 0.0) -> float:
-    """Time of `op` on a group summarised by `links` with a *concrete* algorithm."""
+    """Time of `op` on a group summarised by `links` with a *concrete* algorithm
+    ("measured": read off the cluster's measured busbw table, see `measured_time`)."""
     n = links.n
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if algorithm == "measured":
+        table = pick_measured(links, op)
+        if table is None:
+            raise CollectiveError(f"no measured {op} table for a group of {n} ranks on {links.nodes} node(s)")
+        return measured_time(table, op, nbytes, n)
     B, a = links.ring_bandwidth, links.ring_latency
     if op == "all_reduce":
         if algorithm == "tree":
@@ -243,6 +256,8 @@ def choose_algorithm(op: str, nbytes: float, links: GroupLinks, pinned: str | No
         if pinned not in ALGORITHMS:
             raise CollectiveError(f"unknown collective algorithm {pinned!r}; use one of {ALGORITHMS}")
         return "ring" if pinned in ("padded", "grouped") else pinned
+    if links.n > 1 and pick_measured(links, op) is not None:
+        return "measured"  # the measurement already carries NCCL's own choice
     if op != "all_reduce" or links.n <= 2:
         return "ring"
     candidates = ["ring", "tree"] + (["hierarchical"] if links.nodes > 1 and links.per_node > 1 else [])
@@ -273,3 +288,41 @@ def latency_steps(op: str, n: int, algorithm: str = "ring") -> int:
     if op in ("reduce_scatter", "all_gather", "all_to_all", "broadcast"):
         return n - 1
     return 1
+
+
+# ---------------------------------------------------------------- measured bus bandwidth
+def measured_tables(cluster: Cluster) -> tuple[MeasuredCollective, ...]:
+    """The measured collectives the cost model uses on `cluster`: all of them on a cluster
+    described without a switched fabric; none where leaf/spine switches are described, because
+    there flows on paths decide and measurements may only calibrate per-link efficiency --
+    never both at once (issue 12 item 3)."""
+    if any(s.tier in ("leaf", "spine") for s in cluster.switches):
+        return ()
+    return tuple(cluster.collectives)
+
+
+def pick_measured(links: GroupLinks, op: str) -> MeasuredCollective | None:
+    """The table of `op` measured on the group most like this one: same span (one node or
+    several, `group_links` keeps only those), then the closest node count, then the closest
+    rank count (busbw is by construction about independent of the rank count)."""
+    tables = [m for m in links.measured if m.op == op]
+    if not tables:
+        return None
+    return min(tables, key=lambda m: (abs(m.nodes - links.nodes), abs(m.ranks - links.n)))
+
+
+def measured_busbw(table: MeasuredCollective, nbytes: float) -> float:
+    """Bus bandwidth at `nbytes`: linear in log(size) between measured sizes, the end values
+    outside them."""
+    sizes = np.log(np.asarray(table.sizes, dtype=float))
+    return float(np.interp(math.log(max(nbytes, 1.0)), sizes, np.asarray(table.busbw, dtype=float)))
+
+
+def measured_time(table: MeasuredCollective, op: str, nbytes: float, n: int) -> float:
+    """``t = S * busfactor(op, n) / busbw(S)`` (nccl-tests' definition read backwards). Below the
+    smallest measured size the time of the smallest size is kept: small collectives are
+    latency-bound, so their time does not shrink with the size."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    size = max(float(nbytes), float(table.sizes[0]))
+    return size * bus_factor(op, n) / measured_busbw(table, size)

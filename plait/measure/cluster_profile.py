@@ -683,7 +683,23 @@ def result_to_cluster(result: ProfileResult, base: Any = None, name: str | None 
             emulation = EmulationSpec(enabled=True, namespaces=emu.namespaces, bandwidth_scale=1.0, slowdown=factor)
     return Cluster(name=name or (f"{base.name}-measured" if base is not None else f"local-{n}"), kinds=kinds,
                    nodes=nodes, switches=switches, overrides=overrides, emulation=emulation,
-                   source="plait profile")
+                   collectives=measured_collectives(result, n_nodes), source="plait profile")
+
+
+def measured_collectives(result: ProfileResult, nodes: int) -> list[Any]:
+    """The profile's collective sweeps as busbw tables (nccl-tests' vocabulary), one per op."""
+    from plait.cluster.spec import COLLECTIVE_OPS, MeasuredCollective
+
+    out = []
+    for op, rows in result.collectives.items():
+        points = sorted({float(r["bytes"]): float(r["busbw"]) for r in rows
+                         if r.get("bytes", 0) > 0 and r.get("busbw", 0) > 0}.items())
+        if op in COLLECTIVE_OPS and points and result.world > 1:
+            out.append(MeasuredCollective(
+                op=op, nodes=nodes, ranks=result.world, sizes=tuple(p[0] for p in points),
+                busbw=tuple(p[1] for p in points),
+                source=f"plait profile: {result.world} ranks, {result.backend} on {result.device_type}"))
+    return out
 
 
 def result_to_yaml(result: ProfileResult, base: Any = None, name: str | None = None) -> dict[str, Any]:

@@ -193,10 +193,13 @@ def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
     """The measured cluster with the pairs inside a node (loopback here) at gloo's measured cost:
     latency = the exchange's fixed cost, bandwidth = the all-reduce's rate (collectives are
     most intra-node traffic of these plans). Pairs across nodes keep the profile's figures (the
-    shaped NIC dominates there)."""
+    shaped NIC dominates there). The profile's busbw tables are dropped: they were measured in a
+    tight loop, and this calibration (calls after a compute segment, as training makes them)
+    replaces them -- one source for collective times, never both."""
     import yaml
 
     data = yaml.safe_load(measured.read_text())
+    data.pop("collectives", None)
     nodes = data.get("nodes", [])
     node_of = [i for i, n in enumerate(nodes) for _ in range(int(n["gpus"]["count"]) if isinstance(n["gpus"], dict)
                                                             else len(n["gpus"]))]

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
+from plait.cost.collectives import measured_tables
 from plait.errors import PlaitError
 from plait.ir.plan import RECOMPUTE_CHOICES, Plan
 from plait.plan import hetero
@@ -311,6 +312,7 @@ class AnalyticModel:
         self.lat = latency_matrix(cluster)
         self.node_of = [d.node for d in self.devices]
         self.node_nics = [max(1, n.nics) for n in cluster.nodes]
+        self.measured = measured_tables(cluster)
         self._custom = layer_time
         self._costs: dict[tuple, Any] = {}
         self._times: dict[tuple, np.ndarray] = {}
@@ -368,7 +370,11 @@ class AnalyticModel:
 
     def _slowest(self, groups: np.ndarray, op: str, nbytes: float) -> float:
         """Time of `op` on the slowest of the device groups (rows of `groups`), as NCCL would run it."""
-        from plait.cost.collectives import choose_algorithm, collective_time, group_links
+        from plait.cost.collectives import (
+            choose_algorithm,
+            collective_time,
+            group_links,
+        )
 
         if groups.shape[-1] <= 1 or nbytes <= 0:
             return 0.0
@@ -376,7 +382,8 @@ class AnalyticModel:
         links = self._links.get(key)
         if links is None:
             # groups with the same slowest links cost the same: keep one of each
-            links = list({group_links(row.tolist(), self.bw, self.lat, self.node_of, self.node_nics) for row in groups})
+            links = list({group_links(row.tolist(), self.bw, self.lat, self.node_of, self.node_nics,
+                                      self.measured) for row in groups})
             self._links[key] = links
         ckey = (key, op, nbytes)
         t = self._coll.get(ckey)

@@ -738,7 +738,7 @@ class _Lowerer:
         algo = choose_algorithm(op, nbytes, links, self.plan.collectives.get(pinned_class))
         total = collective_time(op, nbytes, links, algo)
         lat = latency_steps(op, links.n, algo) * links.ring_latency
-        if algo == "hierarchical":
+        if algo in ("hierarchical", "measured"):
             lat = min(lat, total)
         flow = self._ring_flow(ring, max(0.0, total - lat), twins)
         return self.tg.add(name, category, self._label(w, "comm"), lat + self.model.host_comm_s, deps,

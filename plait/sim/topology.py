@@ -25,7 +25,7 @@ import numpy as np
 
 from plait.cluster.spec import Cluster, GPUKind
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
-from plait.cost.collectives import GroupLinks, group_links
+from plait.cost.collectives import GroupLinks, group_links, measured_tables
 
 
 @dataclass
@@ -38,6 +38,7 @@ class ClusterView:
     latency: np.ndarray
     node_nic_bandwidth: list[float] | None = None  # aggregate NIC egress per node (bytes/s)
     node_nics: list[int] | None = None  # NICs per node (collective channels across nodes)
+    measured: tuple = ()  # measured collective busbw tables in force (cost.collectives.measured_tables)
     name: str = "cluster"
     cluster: Cluster | None = None
     _port: np.ndarray | None = field(default=None, repr=False)
@@ -54,6 +55,7 @@ class ClusterView:
                    bandwidth=np.asarray(bandwidth_matrix(cluster), dtype=float),
                    latency=np.asarray(latency_matrix(cluster), dtype=float),
                    node_nic_bandwidth=nic, node_nics=[max(1, n.nics) for n in cluster.nodes],
+                   measured=measured_tables(cluster),
                    name=cluster.name, cluster=cluster)
 
     @classmethod
@@ -123,7 +125,7 @@ class ClusterView:
         hit = self._groups.get(key)
         if hit is None:
             hit = self._groups[key] = group_links(key, self.bandwidth, self.latency, self.node_of,
-                                                       self.node_nics)
+                                                       self.node_nics, self.measured)
         return hit
 
     def pair(self, src: int, dst: int) -> tuple[float, float]:
