@@ -82,3 +82,40 @@ def test_plan_directory_is_an_error(tmp_path) -> None:
     d.mkdir()
     with pytest.raises(PlanError, match="is a directory"):
         Plan.load(str(d))
+
+
+def test_simulate_rejects_tp_that_does_not_divide_the_heads_as_run_does(capsys) -> None:
+    plan = "tp=3,micro_batch=1,global_batch=1"
+    _fails(["simulate", "--model", MODEL, "--cluster", CLUSTER, "--plan", plan], capsys,
+           "plan field 'tp'", "tp=3 does not divide the 4 attention heads")
+    # `plait run` rejects it with the same message, before any worker starts
+    _fails(["run", "--model", MODEL, "--plan", plan], capsys, "tp=3 does not divide the 4 attention heads")
+
+
+def test_sequence_parallel_needs_seq_divisible_by_tp(capsys) -> None:
+    model = "gpt:layers=2,hidden=64,heads=4,seq=30,vocab=128"
+    for cmd in ("simulate", "run"):
+        _fails([cmd, "--model", model, "--cluster", CLUSTER, "--plan",
+                "tp=4,sequence_parallel=true,micro_batch=1,global_batch=1"], capsys,
+               "plan field 'sequence_parallel'", "sequence length 30")
+
+
+def test_gqa_kv_heads_checked() -> None:
+    from plait.plan.ir import check_plan_for_model
+
+    cfg = {"heads": 8, "kv_heads": 2, "ffn": 256, "seq": 32}
+    check_plan_for_model(Plan(tp=2), cfg)
+    with pytest.raises(PlanError, match="2 key/value heads"):
+        check_plan_for_model(Plan(tp=4), cfg)
+    check_plan_for_model(Plan(tp=3, tp_ratios=[0.5, 0.25, 0.25]), {"heads": 4})  # uneven heads: allowed
+    with pytest.raises(PlanError, match="tp_ratios"):
+        check_plan_for_model(Plan(tp=8, tp_ratios=[0.125] * 8), {"heads": 4})
+
+
+def test_simulated_plan_that_runs_out_of_memory_exits_nonzero(capsys) -> None:
+    rc = main(["simulate", "--model", "gpt:size=13b", "--cluster", CLUSTER, "--plan",
+               "dp=1,micro_batch=1,global_batch=1", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert '"fits_memory": false' in captured.out  # the prediction is still printed
+    assert "does not fit on GPU 0 (a100-80g" in captured.err and "over by" in captured.err

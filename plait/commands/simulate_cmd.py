@@ -47,9 +47,19 @@ def run(args: argparse.Namespace) -> int:
         res.save_gantt(args.gantt)
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
+    else:
+        _print_table(res)
+    return _memory_verdict(res)
+
+
+def _memory_verdict(res: Any) -> int:
+    """Exit code 1, with one line per GPU that runs out of memory (which GPU, by how much), when
+    the plan does not fit: a prediction of a plan that cannot run must not look like a success."""
+    if res.memory is None or res.fits_memory:
         return 0
-    _print_table(res)
-    return 0
+    for v in res.memory.violations:
+        print(f"plait simulate: error: plan {v}", file=sys.stderr)
+    return 1
 
 
 def _print_table(res: Any) -> None:
@@ -81,6 +91,3 @@ def _print_table(res: Any) -> None:
         if v > 0:
             cats.add_row(k, f"{v * 1e3:.2f}")
     console.print(cats)
-    if res.memory is not None and getattr(res.memory, "violations", None):
-        for v in res.memory.violations:
-            console.print(f"[red]memory: {v}[/red]")

@@ -379,6 +379,36 @@ class Plan:
         return cls.parse(text)
 
 
+def check_plan_for_model(plan: Plan, config: dict[str, Any], model: str = "model") -> None:
+    """Raise PlanError when `plan` cannot run on the model whose zoo `config` is given.
+
+    The one model-aware check that `plait simulate` and `plait run` share (so a plan the runtime
+    rejects is never simulated): Megatron's tensor parallelism cuts attention in whole heads and the
+    MLP in equal feature slices (Shoeybi et al. 2019, sec. 3), so tp must divide the head count, the
+    key/value head count (GQA) and the MLP width unless `tp_ratios` deals them unevenly (then every
+    rank needs at least one head); sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2) cuts
+    the sequence into tp equal parts. Models without such a config (captured modules) pass."""
+    tp = plan.tp
+    if tp > 1:
+        for key, what in (("heads", "attention heads"), ("kv_heads", "key/value heads")):
+            n = config.get(key)
+            if not isinstance(n, int):
+                continue
+            if plan.tp_ratios is None and n % tp:
+                raise PlanError(f"plan field 'tp': tp={tp} does not divide the {n} {what} of {model} "
+                                f"(tensor parallelism cuts attention in whole heads)")
+            if plan.tp_ratios is not None and n < tp:
+                raise PlanError(f"plan field 'tp_ratios': {n} {what} of {model} cannot give each of tp={tp} "
+                                "ranks a head")
+        ffn = config.get("ffn")
+        if isinstance(ffn, int) and plan.tp_ratios is None and ffn % tp:
+            raise PlanError(f"plan field 'tp': tp={tp} does not divide the MLP width ffn={ffn} of {model}")
+    seq = config.get("seq")
+    if plan.sequence_parallel and tp > 1 and isinstance(seq, int) and seq % tp:
+        raise PlanError(f"plan field 'sequence_parallel': the sequence length {seq} of {model} does not divide "
+                        f"by tp={tp} (sequence parallelism cuts it into tp equal parts)")
+
+
 def parse_bool(value: str, what: str) -> bool:
     """Strict boolean: true/false, 1/0, yes/no, on/off (any case); anything else is an error
     (so `sequence_parallel=maybe` is not silently false)."""

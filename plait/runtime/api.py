@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from plait.plan.ir import Plan
+from plait.plan.ir import Plan, PlanError, check_plan_for_model
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
 from plait.sim.timeline import Timeline, TimelineEvent
@@ -225,10 +225,10 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         raise RuntimeSetupError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir)")
     spec_string = model_spec_string(model)
     spec = load_model_spec(spec_string)  # a bad model spec fails here, not in every worker
-    seq = (getattr(spec, "config", None) or {}).get("seq")
-    if plan_obj.sequence_parallel and plan_obj.tp > 1 and isinstance(seq, int) and seq % plan_obj.tp:
-        raise RuntimeSetupError(f"plan field 'sequence_parallel': the sequence length {seq} of {spec_string} does "
-                                f"not divide by tp={plan_obj.tp} (sequence parallelism cuts it into tp equal parts)")
+    try:  # the same check as `plait simulate`
+        check_plan_for_model(plan_obj, getattr(spec, "config", None) or {}, spec_string)
+    except PlanError as exc:
+        raise RuntimeSetupError(str(exc)) from None
     cluster_obj = _load_cluster(cluster)
     dtype = dtype or plan_obj.dtype
     if dtype not in ("fp32", "tf32", "bf16", "fp16"):
