@@ -119,3 +119,94 @@ def test_simulated_plan_that_runs_out_of_memory_exits_nonzero(capsys) -> None:
     assert rc == 1
     assert '"fits_memory": false' in captured.out  # the prediction is still printed
     assert "does not fit on GPU 0 (a100-80g" in captured.err and "over by" in captured.err
+
+
+# ---------------------------------------------------------------------------------- plait run arguments
+TINY = "gpt:layers=1,hidden=16,heads=2,seq=8,vocab=32"
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys) -> None:
+    _fails(["run", "--model", TINY, "--plan", "dp=1", "--resume", "--checkpoint-dir", str(tmp_path)], capsys,
+           "--resume: no complete checkpoint in", str(tmp_path))
+    (tmp_path / "step-00000002").mkdir()  # half-written: no completion marker
+    _fails(["run", "--model", TINY, "--plan", "dp=1", "--resume", "--checkpoint-dir", str(tmp_path)], capsys,
+           "no complete checkpoint")
+    _fails(["run", "--model", TINY, "--plan", "dp=1", "--resume", "--checkpoint-dir", str(tmp_path / "nope")],
+           capsys, "does not exist")
+
+
+def test_checkpoint_every_needs_a_directory(capsys) -> None:
+    _fails(["run", "--model", TINY, "--plan", "dp=1", "--checkpoint-every", "2"], capsys,
+           "--checkpoint-every: needs --checkpoint-dir")
+    _fails(["run", "--model", TINY, "--plan", "dp=1", "--checkpoint-every", "0", "--checkpoint-dir", "x"], capsys,
+           "--checkpoint-every: must be >= 1")
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_timeout_must_be_positive(value: str, capsys) -> None:
+    _fails(["run", "--model", TINY, "--plan", "dp=1", "--timeout", value], capsys, "--timeout: must be > 0 seconds")
+
+
+def test_runtime_api_rejects_a_zero_timeout() -> None:
+    from plait.runtime.api import run
+    from plait.runtime.partition import RuntimeSetupError
+
+    with pytest.raises(RuntimeSetupError, match="timeout: must be > 0"):
+        run(TINY, None, "dp=1", steps=1, timeout=0)
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--model", MODEL, "--cluster", CLUSTER, "--plan", "dp=1", "--trace", "{missing}/t.json"],
+    ["simulate", "--model", MODEL, "--cluster", CLUSTER, "--plan", "dp=1", "--gantt", "{missing}/g.png"],
+    ["run", "--model", TINY, "--plan", "dp=1", "--trace", "{missing}/t.json"],
+    ["plan", "--model", MODEL, "--cluster", CLUSTER, "--out", "{missing}/plan.json"],
+    ["profile", "--nprocs", "2", "--out", "{missing}/c.yaml"],
+    ["profile", "--nprocs", "2", "--result", "{missing}/r.json"],
+])
+def test_output_paths_are_checked_before_the_work(argv: list[str], tmp_path, capsys) -> None:
+    import time
+
+    missing = tmp_path / "no" / "such"
+    argv = [a.replace("{missing}", str(missing)) for a in argv]
+    t0 = time.perf_counter()
+    _fails(argv, capsys, f"folder {missing} does not exist")
+    assert time.perf_counter() - t0 < 5  # nothing was planned, simulated, profiled or trained
+
+
+def test_output_path_that_is_a_folder(tmp_path, capsys) -> None:
+    _fails(["simulate", "--model", MODEL, "--cluster", CLUSTER, "--plan", "dp=1", "--trace", str(tmp_path)], capsys,
+           "--trace", "is a folder; give a file name")
+
+
+def test_more_ranks_than_cpus_warns_before_starting(monkeypatch, capsys) -> None:
+    import argparse
+
+    from plait.commands import run_cmd
+
+    monkeypatch.setattr(run_cmd.os, "cpu_count", lambda: 2)
+    parser = argparse.ArgumentParser()
+    run_cmd.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["run", "--model", TINY, "--plan", "dp=64,global_batch=64"])
+    run_cmd._check_args(args)
+    err = capsys.readouterr().err
+    assert "warning: the plan has 64 ranks and this machine 2 CPUs" in err
+
+
+def test_checkpoint_dir_alone_checkpoints_the_last_step_and_temp_folders_go(tmp_path, monkeypatch, capsys) -> None:
+    """One real (1-rank, 2-step) run: the stated default is printed and honoured, and the run's
+    temporary folder is removed at the end."""
+    import tempfile
+
+    from plait.runtime.checkpoint import latest_checkpoint
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    ck = tmp_path / "ck"
+    assert main(["run", "--model", TINY, "--plan", "dp=1,dtype=fp32", "--steps", "2", "--checkpoint-dir", str(ck),
+                 "--timeout", "120", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "--checkpoint-dir without --checkpoint-every: one checkpoint after the last step" in err
+    found = latest_checkpoint(ck)
+    assert found is not None and found[0] == 2
+    assert list(scratch.iterdir()) == []  # no plait-run-* left behind

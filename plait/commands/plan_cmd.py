@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from plait.errors import PlaitError
+    from plait.errors import PlaitError, check_output_path
     from plait.plan.export import export
     from plait.plan.search import plan
 
@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlaitError(f"--top: must be >= 1, got {args.top}")
     if args.steps < 1:
         raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
+    check_output_path(args.out, "--out")
     result = plan(args.model, args.cluster, global_batch=args.global_batch, top=args.top,
                   finalists=None if args.finalists == 0 else args.finalists, seed=args.seed,
                   placement=not args.no_placement, progress=not args.no_progress and not args.json)

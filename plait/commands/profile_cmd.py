@@ -30,6 +30,7 @@ from plait.cluster.profile import (
     parse_size,
     result_to_yaml,
 )
+from plait.errors import check_output_path
 
 log = logging.getLogger("plait.profile")
 
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    check_output_path(args.out, "--out")
+    check_output_path(args.result, "--result")
     if args.from_result:
         result = ProfileResult.from_json(Path(args.from_result).read_text(), args.from_result)
         base = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from typing import Any
 
 
@@ -23,7 +25,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="write the measured timeline as Chrome/Perfetto trace JSON")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--checkpoint-dir", metavar="D", help="directory for checkpoints")
-    p.add_argument("--checkpoint-every", metavar="K", type=int, default=0, help="checkpoint every K steps")
+    p.add_argument("--checkpoint-every", metavar="K", type=int, default=None,
+                   help="checkpoint every K steps (with --checkpoint-dir alone: once, after the last step)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (default 2)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     p.add_argument("--timeout", metavar="S", type=float, default=300.0,
@@ -50,6 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from plait.runtime.api import run as run_training
 
+    _check_args(args)
     common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
                   optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
@@ -73,11 +77,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Every argument check that does not need the model: before anything is started."""
+    from plait.errors import PlaitError, check_output_path
+    from plait.plan.ir import Plan
+
+    if args.steps < 1:
+        raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
+    if not args.timeout > 0:
+        raise PlaitError(f"--timeout: must be > 0 seconds (how long a rank may make no progress before the run "
+                         f"is stopped), got {args.timeout:g}")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise PlaitError(f"--checkpoint-every: must be >= 1 step, got {args.checkpoint_every}")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise PlaitError("--checkpoint-every: needs --checkpoint-dir (where the checkpoints go)")
+    if args.checkpoint_dir is not None and args.checkpoint_every is None:
+        # The stated default: one checkpoint, after the last step (enough to --resume a longer run).
+        args.checkpoint_every = args.steps
+        print(f"plait run: --checkpoint-dir without --checkpoint-every: one checkpoint after the last step "
+              f"(--checkpoint-every {args.steps}) in {args.checkpoint_dir}", file=sys.stderr)
+    args.checkpoint_every = args.checkpoint_every or 0
+    check_output_path(args.trace, "--trace")
+    world = Plan.load(args.plan).world_size
+    cpus = os.cpu_count() or 1
+    if world > cpus:
+        print(f"plait run: warning: the plan has {world} ranks and this machine {cpus} CPUs: ranks time-share the "
+              f"CPUs, so the run is slow and its timings are not those of {world} devices", file=sys.stderr)
+
+
 def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """`--predict`: `plait.runtime.machine.LocalMachine` calibrates this machine, runs the plan with
     the ranks pinned as its profilers and predicts it from the layer profiles that bracket the run."""
-    import sys
-
     from plait.errors import PlaitError
     from plait.runtime.machine import LocalMachine
 

@@ -35,8 +35,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from plait.errors import check_output_path
     from plait.sim.api import simulate
 
+    check_output_path(args.trace, "--trace")
+    check_output_path(args.gantt, "--gantt")
     res = simulate(args.model, args.cluster, args.plan, granularity=args.granularity,
                    symmetry=not args.no_symmetry,
                    bucket_bytes=args.bucket_mb * 2**20 if args.bucket_mb else None,
