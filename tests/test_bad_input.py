@@ -210,3 +210,38 @@ def test_checkpoint_dir_alone_checkpoints_the_last_step_and_temp_folders_go(tmp_
     found = latest_checkpoint(ck)
     assert found is not None and found[0] == 2
     assert list(scratch.iterdir()) == []  # no plait-run-* left behind
+
+
+# ---------------------------------------------------------------------------------- user-model contract
+def test_readme_custom_model_example_runs_as_written(capsys) -> None:
+    import re
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    cmd = re.search(r"`(plait simulate --model examples/models/tiny_mlp\.py:make_model[^`]*)`", readme)
+    assert cmd is not None
+    argv = shlex.split(cmd.group(1))[1:]
+    argv[2] = str(root / argv[2])  # the README runs from the repository root
+    assert main(argv) == 0
+    assert "iteration time" in capsys.readouterr().out
+
+
+def test_sample_batch_given_as_a_batch_names_the_contract(tmp_path) -> None:
+    from plait.graph.zoo import load_model
+    from plait.graph.zoo.registry import ModelSpecError
+
+    path = tmp_path / "m.py"
+    path.write_text("import torch\nfrom torch import nn\n\n"
+                    "def make():\n    return nn.Linear(4, 2), (torch.zeros(3, 4),), torch.zeros(3, 2)\n\n"
+                    "def make2():\n    return nn.Linear(4, 2), torch.zeros(3, 4)\n\n"
+                    "def make3():\n    return nn.Linear(4, 2), lambda b: ((torch.zeros(b, 4),), torch.zeros(b, 2)), 5\n")
+    for factory, word in (("make", "must be a function, not a sample batch (got tuple)"),
+                          ("make2", "must be a function, not a sample batch (got Tensor)"),
+                          ("make3", "third item must be a loss function")):
+        with pytest.raises(ModelSpecError) as exc:
+            load_model(f"{path}:{factory}")
+        assert word in str(exc.value), str(exc.value)
+    with pytest.raises(ModelSpecError, match=r"sample_batch\(batch, device='cpu', seed=0\)"):
+        load_model(f"{path}:make2")
