@@ -245,3 +245,25 @@ def test_sample_batch_given_as_a_batch_names_the_contract(tmp_path) -> None:
         assert word in str(exc.value), str(exc.value)
     with pytest.raises(ModelSpecError, match=r"sample_batch\(batch, device='cpu', seed=0\)"):
         load_model(f"{path}:make2")
+
+
+# ---------------------------------------------------------------------------------- plait profile output
+def test_profile_prints_the_memory_bandwidth_its_yaml_holds(capsys) -> None:
+    """The CPU profile measured a 13.0 GB/s copy rate and a 2.27 GB/s elementwise-kernel rate; the YAML
+    holds the latter as the kind's memory_bandwidth, so that is the figure the summary must show."""
+    from plait.cluster.loader import parse_cluster
+    from plait.cluster.profile import ProfileResult, result_to_yaml
+    from plait.commands.profile_cmd import _print_summary
+
+    result = ProfileResult(
+        world=2, backend="gloo", device_type="cpu", node_of=[0, 0],
+        p2p={"0-1": {"bandwidth": 1e9, "latency": 5e-5}, "1-0": {"bandwidth": 1e9, "latency": 5e-5}},
+        collectives={"all_reduce": [{"bytes": 1024, "time_s": 1e-3, "algbw": 1.024e6, "busbw": 1.024e6}],
+                     "all_gather": [{"bytes": 1024, "time_s": 1e-3, "algbw": 1.024e6, "busbw": 0.5e6}]},
+        matmul=[{"fp32": 1e10, "by_size": {}}] * 2, memory_bandwidth=[13.0e9] * 2, memory_bytes=[2**33] * 2,
+        slowdowns=[1.0, 1.0], rounds=[[[(0, 1)]]], stream_bandwidth=[2.27e9, 2.27e9])
+    _print_summary(result)
+    err = capsys.readouterr().err
+    kind = parse_cluster(result_to_yaml(result)).kinds["measured-cpu"]
+    assert kind.memory_bandwidth == pytest.approx(2.27e9)
+    assert f"{kind.memory_bandwidth / 1e9:.2f}" in err and "memory BW" in err
