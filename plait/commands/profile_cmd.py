@@ -64,8 +64,7 @@ def profile(cluster: Any = None, nprocs: int | None = None, *, sizes: list[int] 
             cfg.slowdowns = slowdowns(cl, slowdown_dtype)
             with emulated_network(cl, cl.num_devices, prefix=prefix) as net:
                 nets = [n if n.namespace else LocalNode(n.node_index) for n in net]
-                if net.reason:
-                    log.warning("plait profile: %s", net.reason)
+                # net.reason (no netem, loopback fallback) was logged once by plait.runtime.netns.warn_once
                 result = launch(per_node, cfg, nets)
         else:
             log.warning("plait profile: cluster '%s' has no emulation section; measuring %d local workers "

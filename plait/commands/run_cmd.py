@@ -71,9 +71,7 @@ def run(args: argparse.Namespace) -> int:
             out["machine"] = machine
         print(json.dumps(out, indent=1, default=str))
         return 0
-    _print(result, args)
-    if machine is not None:
-        _print_machine(machine)
+    _print(result, args, machine)
     return 0
 
 
@@ -127,27 +125,48 @@ def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[An
     return mr.run, {**mr.summary(), "notes": notes}
 
 
-def _print_machine(machine: dict[str, Any]) -> None:
-    from rich.console import Console
-
+def _print_machine(machine: dict[str, Any], console: Any) -> None:
+    """The one measured figure of a --predict run (the median of the steps after the warm-up, which
+    is what the prediction is compared with) next to the prediction."""
     err = machine["error"]
-    console = Console()
-    console.print(f"predicted for this machine {machine['predicted_iteration_s'] * 1e3:.2f} ms, measured "
-                  f"{machine['measured_iteration_s'] * 1e3:.2f} ms (median after {machine['warmup_steps']} "
-                  f"warm-up steps): error [{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/] "
+    console.print(f"measured iteration time (median after {machine['warmup_steps']} warm-up steps) "
+                  f"{machine['measured_iteration_s'] * 1e3:.2f} ms; predicted for this machine "
+                  f"{machine['predicted_iteration_s'] * 1e3:.2f} ms: error "
+                  f"[{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/] "
                   f"(layer profile drift over the run {machine['profile_drift'] * 100:+.0f} %)")
-    for note in machine["notes"]:
-        console.print(f"note: {note}")
 
 
-def _print(result: Any, args: argparse.Namespace) -> None:
+def print_notes(console: Any, *groups: list[str], indent: str = "") -> None:
+    """Each note once, in order; network notes that plait.runtime.netns already logged are not repeated."""
+    from plait.runtime.netns import already_reported
+
+    seen: set[str] = set()
+    for note in (n for g in groups for n in g):
+        if note in seen or already_reported(note):
+            continue
+        seen.add(note)
+        console.print(f"{indent}note: {note}")
+
+
+def trained_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """(dtype the ranks computed in, the plan's dtype): --predict runs fp32, --dtype overrides the plan."""
+    from plait.plan.ir import Plan
+
+    planned = Plan.load(args.plan).dtype
+    return ("fp32" if args.predict else args.dtype or planned), planned
+
+
+def _print(result: Any, args: argparse.Namespace, machine: dict[str, Any] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     width = Console().width
     console = Console(width=max(width, 110))  # the rank table needs ~110 columns; wrap rather than elide
     console.print(f"[bold]plait run[/bold]  model {result.model}  plan {result.plan}")
-    console.print(f"backend {result.backend} on {result.device}, network {result.network.get('mode')}"
+    dtype, planned = trained_dtype(args)
+    why = "--predict runs CPU ranks in fp32" if args.predict else "overridden by --dtype"
+    console.print(f"dtype {dtype}" + (f" (the plan's {planned}, {why})" if dtype != planned else "")
+                  + f", backend {result.backend} on {result.device}, network {result.network.get('mode')}"
                   + (f", resumed after step {result.resumed_from}" if result.resumed_from else ""))
     steps = Table(title="steps")
     steps.add_column("step", justify="right")
@@ -169,9 +188,11 @@ def _print(result: Any, args: argparse.Namespace) -> None:
                       f"{r.slowdown:.2f}", layers, f"{r.params:,}", str(r.samples_per_step),
                       f"{busy_c:.0%}", f"{busy_m:.0%}")
     console.print(ranks)
-    console.print(f"mean iteration time {result.mean_iteration_time() * 1e3:.2f} ms "
-                  f"(steps after the first)")
-    for note in result.notes:
-        console.print(f"note: {note}")
+    if machine is not None:
+        _print_machine(machine, console)
+    else:
+        console.print(f"measured iteration time (mean of the steps after the first) "
+                      f"{result.mean_iteration_time() * 1e3:.2f} ms")
+    print_notes(console, result.notes, machine["notes"] if machine is not None else [])
     if args.trace:
         console.print(f"trace written to {args.trace}")
