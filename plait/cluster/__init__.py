@@ -77,6 +77,15 @@ def load_cluster(spec: Any = None) -> Cluster:
     text = spec.strip()
     if not text:
         raise ClusterError("empty cluster spec; presets: " + ", ".join(preset_names()))
-    if text.lower().endswith((".yaml", ".yml")) or Path(text).is_file():
+    if text.lower().endswith((".yaml", ".yml")) or _is_file(text):
         return load_cluster_file(text)
     return build_preset(text)
+
+
+def _is_file(text: str) -> bool:
+    """Whether `text` names an existing file; a string the OS cannot take as a path (too long
+    for a file name, NUL bytes) is a preset string, not an OSError."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False

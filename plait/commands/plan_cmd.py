@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from typing import Any
 
@@ -18,6 +19,9 @@ from plait.plan.export import FORMATS
 from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
 
 GiB = 2**30
+# Plans whose predicted times differ by less than this, and only in options, share a table row.
+FOLD_TOLERANCE = 0.01
+FOLD_EXTRA = 4  # plans asked of the search per table row, so that folded rows leave enough distinct ones
 
 
 def add_parser(subparsers: Any) -> None:
@@ -36,6 +40,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--finalists", type=int, default=12,
                    help="analytically best candidates to place and simulate (default 12; 0 = all)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--wide", action="store_true",
+                   help="every column of the plan table, whatever the terminal width (default: fit the terminal)")
     p.add_argument("--out", metavar="FILE", help="write the best plan as JSON (for plait simulate/run --plan)")
     p.add_argument("--export", choices=FORMATS, help="print the best plan as launch args/config of this framework")
     p.add_argument("--run", action="store_true", help="train the best plan a few steps and compare with the prediction")
@@ -50,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from plait.errors import PlaitError
+    from plait.errors import PlaitError, check_output_path
     from plait.plan.export import export
     from plait.search import plan
 
@@ -58,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
         raise PlaitError(f"--top: must be >= 1, got {args.top}")
     if args.steps < 1:
         raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
-    result = plan(args.model, args.cluster, global_batch=args.global_batch, top=args.top,
+    check_output_path(args.out, "--out")
+    # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
+    result = plan(args.model, args.cluster, global_batch=args.global_batch,
+                  top=args.top if args.json else args.top * FOLD_EXTRA,
                   finalists=None if args.finalists == 0 else args.finalists, seed=args.seed,
                   placement=not args.no_placement, progress=not args.no_progress and not args.json)
     best = result.best
@@ -86,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    console = Console(width=max(Console().width, 150))
-    print_result(result, console)
+    columns = shutil.get_terminal_size().columns
+    console = Console(width=max(columns, 1000) if args.wide else columns)
+    print_result(result, console, wide=args.wide, top=args.top)
     if args.out:
         console.print(f"best plan written to [bold]{args.out}[/] "
                       f"(plait simulate --plan {args.out} / plait run --plan {args.out})")
@@ -168,16 +178,15 @@ def _print_run(run: dict[str, Any], console: Any) -> None:
                       f"and layer times "
                       f"(profile drift {machine['profile_drift'] * 100:+.0f} % over the run). The table above "
                       f"predicts the GPUs the cluster describes: {_ms(pred)} per iteration there.[/]")
-        for note in machine["notes"]:
-            console.print(f"  note: {note}")
     else:
         console.print(f"  iteration time: predicted {_ms(pred)}, measured {_ms(meas)}")
         if run["device"] == "cpu":
             console.print("  [dim]the prediction is for the GPUs the cluster describes, the measurement ran CPU "
                           "processes: they differ by the CPU/GPU speed ratio (an emulated cluster gets a "
                           "prediction for this machine unless --no-machine-prediction)[/]")
-    for note in run["notes"]:
-        console.print(f"  note: {note}")
+    from plait.commands.run_cmd import print_notes
+
+    print_notes(console, machine["notes"] if machine else [], run["notes"], indent="  ")
 
 
 def _uneven(c: Any) -> str:
@@ -187,6 +196,8 @@ def _uneven(c: Any) -> str:
         parts.append("layers " + ":".join(map(str, p.layer_split)))
     if p.dp_shares is not None:
         parts.append("batch " + ":".join(str(n) for n in p.samples_per_replica()))
+    if p.tp_ratios is not None:
+        parts.append("tensor " + ":".join(f"{x:.2g}" for x in p.tp_ratios))
     if p.device_order is not None:
         parts.append("placed")
     return ", ".join(parts) or "-"
@@ -198,36 +209,123 @@ def _ms(seconds: float | None) -> str:
     return f"{seconds:.2f} s" if seconds >= 10 else f"{seconds * 1e3:.2f} ms"
 
 
-def print_result(result: Any, console: Any) -> None:
+def fold_plans(cands: list[Any], tolerance: float = FOLD_TOLERANCE) -> list[list[Any]]:
+    """Ranked candidates grouped into rows: a plan joins an earlier row when it has the same shape
+    (dp, tp, pp, micro-batch, splits, placement, dtype, sequence parallelism) and differs only in
+    options -- ZeRO level, recompute, schedule -- and its predicted time is within `tolerance`
+    (relative) of that row's best. Such plans tie within the simulator's error; the row lists them
+    as variants, each with its memory margin, instead of filling the table with near-duplicates."""
+    groups: list[list[Any]] = []
+    for c in cands:
+        for g in groups:
+            if _shape(g[0]) == _shape(c) and abs(c.time_s - g[0].time_s) <= tolerance * g[0].time_s:
+                g.append(c)
+                break
+        else:
+            groups.append([c])
+    return groups
+
+
+_OPTIONS = ("zero", "recompute", "schedule", "virtual_stages")
+
+
+def _shape(c: Any) -> tuple[Any, ...]:
+    p = c.plan
+    split = p.layer_split if p.virtual_stages == 1 else None  # interleaving re-cuts the layers
+    return (p.dp, p.tp, p.pp, p.micro_batch, p.sequence_parallel, p.dtype, split, p.dp_shares, p.tp_ratios,
+            p.device_order, str(p.stages), c.layout)
+
+
+def _variants(group: list[Any]) -> str:
+    """'zero=0 79.0G, zero=1 79.1G, ...': the options that differ inside a folded row, with each
+    variant's memory margin (the least free memory over its GPUs)."""
+    if len(group) == 1:
+        return ""
+    varying = [o for o in _OPTIONS if len({getattr(c.plan, o) for c in group}) > 1]
+    by_margin: dict[str, list[str]] = {}  # variants with the same margin share one entry
+    for c in group:
+        label = " ".join(f"{o}={getattr(c.plan, o)}" for o in varying)
+        by_margin.setdefault(f"{_margin(c) / GiB:.1f}G", []).append(label)
+    if len(varying) == 1:
+        prefix = _SHORT[varying[0]]
+        return ", ".join(prefix + "|".join(lab.split("=", 1)[1] for lab in labels) + f" {m}"
+                         for m, labels in by_margin.items())
+    return ", ".join(" | ".join(labels) + f" {m}" for m, labels in by_margin.items())
+
+
+_SHORT = {"zero": "zero ", "recompute": "rc ", "schedule": "", "virtual_stages": "x"}
+
+
+def _margin(c: Any) -> float:
+    return min(c.headroom_by_kind.values()) if c.headroom_by_kind else float("nan")
+
+
+# Plan-table columns: (header, right-aligned, priority). Narrow terminals drop the lowest priority
+# first; --wide shows them all.
+_COLUMNS = [("#", True, 100), ("dp", True, 99), ("tp", True, 99), ("pp", True, 99), ("mb", True, 98),
+            ("iteration", True, 97), ("options", False, 90), ("uneven split", False, 85), ("variants", False, 80),
+            ("min free", True, 75), ("samples/s", True, 60), ("layout", False, 50), ("TFLOP/s/GPU", True, 40)]
+
+
+def _cells(c: Any, group: list[Any], index: int, kinds: list[str]) -> dict[str, str]:
+    p = c.plan
+    schedule = p.schedule + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")
+    opts = schedule + (f" zero{p.zero}" if p.zero else "") + (f" rc={p.recompute}" if p.recompute != "none" else "") + (
+        " sp" if p.sequence_parallel else "")
+    cells = {"#": str(index), "dp": str(p.dp), "tp": str(p.tp), "pp": str(p.pp), "mb": str(p.micro_batch),
+             "iteration": _ms(c.time_s), "options": opts, "uneven split": _uneven(c),
+             "variants": _variants(group), "min free": f"{_margin(c) / GiB:.1f} GiB",
+             "samples/s": f"{c.throughput:.1f}" if c.throughput is not None else "-", "layout": c.layout,
+             "TFLOP/s/GPU": f"{c.tflops_per_gpu:.2f}" if c.tflops_per_gpu is not None else "-"}
+    for k in kinds:
+        cells[f"free {k}"] = f"{c.headroom_by_kind[k] / GiB:.1f} GiB" if k in c.headroom_by_kind else "-"
+    return cells
+
+
+def plan_table(result: Any, width: int | None, top: int | None = None) -> tuple[Any, list[str]]:
+    """The top plans as a rich Table that fits `width` columns (None: every column), with
+    near-duplicates folded (`fold_plans`); returns (table, names of the columns left out)."""
     from rich.table import Table
 
+    groups = fold_plans(result.top)[:top]
+    kinds = sorted({k for c in result.top for k in c.headroom_by_kind})
+    rows = [_cells(g[0], g, i, kinds) for i, g in enumerate(groups, 1)]
+    columns = [c for c in _COLUMNS if any(r[c[0]] not in ("", "-") for r in rows) or c[2] >= 97]
+    if len(kinds) > 1:  # per-kind margins: in wide tables
+        columns += [(f"free {k}", True, 30) for k in kinds]
+    hidden: list[str] = []
+    if width is not None:
+        def natural(col: tuple[str, bool, int]) -> int:  # cell text + rich's padding and rule
+            return max(len(col[0]), *(min(len(r[col[0]]), 40) for r in rows)) + 3
+
+        while sum(natural(c) for c in columns) + 1 > width and len(columns) > 6:
+            drop = min(columns, key=lambda c: c[2])
+            columns.remove(drop)
+            hidden.append(drop[0])
+    folded = sum(len(g) for g in groups) - len(groups)
+    title = f"top {len(groups)} plans (predicted by the {result.ranker})"
+    if folded:
+        title += f"; {folded} near-duplicates folded (< {FOLD_TOLERANCE:.0%} apart, options only)"
+    table = Table(title=title, caption="variants: options within 1 % of the row's time, each with its least free "
+                  "GPU memory" if any(len(g) > 1 for g in groups) and any(c[0] == "variants" for c in columns) else None)
+    for name, right, _ in columns:
+        table.add_column(name, justify="right" if right else "left", overflow="fold")
+    for r in rows:
+        table.add_row(*(r[name] for name, _, _ in columns))
+    return table, hidden
+
+
+def print_result(result: Any, console: Any, wide: bool = False, top: int | None = None) -> None:
     console.print(f"[bold]plait plan[/]: {result.model} on {result.cluster} "
                   f"({result.world_size} GPUs), global batch {result.global_batch}")
     pruned = ", ".join(f"{n} {r}" for r, n in sorted(result.pruned_reasons.items(), key=lambda x: -x[1])) or "none"
     console.print(f"candidates: {result.enumerated} enumerated, {result.pruned} pruned ({pruned}), "
                   f"{result.ranked_analytic} fit, {result.simulated} simulated "
                   f"in {result.search_time_s:.1f} s (ranked by the {result.ranker})")
-    kinds = sorted({k for c in result.top for k in c.headroom_by_kind})
-    table = Table(title=f"top {len(result.top)} plans (predicted by the {result.ranker})")
-    for name in ("#", "dp", "tp", "pp", "mb"):
-        table.add_column(name, justify="right")
-    for name in ("recompute", "zero", "schedule", "sp", "layout", "uneven split"):
-        table.add_column(name)
-    table.add_column("iteration", justify="right")
-    table.add_column("TFLOP/s/GPU", justify="right")
-    table.add_column("samples/s", justify="right")
-    for k in kinds:
-        table.add_column(f"free {k}", justify="right")
-    for i, c in enumerate(result.top, 1):
-        p = c.plan
-        schedule = p.schedule + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")
-        row = [str(i), str(p.dp), str(p.tp), str(p.pp), str(p.micro_batch), p.recompute, str(p.zero), schedule,
-               "yes" if p.sequence_parallel else "-", c.layout, _uneven(c), _ms(c.time_s),
-               f"{c.tflops_per_gpu:.2f}" if c.tflops_per_gpu is not None else "-",
-               f"{c.throughput:.1f}" if c.throughput is not None else "-"]
-        row += [f"{c.headroom_by_kind[k] / GiB:.1f} GiB" if k in c.headroom_by_kind else "-" for k in kinds]
-        table.add_row(*row)
+    table, hidden = plan_table(result, None if wide else console.width, top)
     console.print(table)
+    if hidden:
+        console.print(f"[dim]{', '.join(hidden)} left out to fit {console.width} columns (--wide shows them)[/]")
     best = result.best
     if best.placement is not None:
         pl = best.placement
@@ -238,4 +336,4 @@ def print_result(result: Any, console: Any) -> None:
                      f"{_ms(best.default_order_time_s)} "
                      f"({best.default_order_time_s / best.iteration_time_s:.2f}x)")
         console.print(line)
-    console.print(f"best: [bold]{best.plan}[/]")
+    console.print(f"best: [bold]{best.plan}[/]", soft_wrap=True)

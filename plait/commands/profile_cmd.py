@@ -18,11 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait.errors import check_output_path
 from plait.measure.cluster_profile import (
     KiB,
     MiB,
     ProfileError,
     ProfileResult,
+    kind_memory_bandwidth,
     parse_size,
     profile,
     result_to_yaml,
@@ -67,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    check_output_path(args.out, "--out")
+    check_output_path(args.result, "--result")
     if args.from_result:
         result = ProfileResult.from_json(Path(args.from_result).read_text(), args.from_result)
         base = None
@@ -106,12 +110,18 @@ def _print_summary(result: ProfileResult) -> None:
 
     console = Console(stderr=True)
     t = Table(title=f"plait profile: {result.world} ranks, {result.backend}, {result.device_type}")
-    for col in ("rank", "node", "fp32 GFLOP/s", "bf16 GFLOP/s", "slowdown", "copy GB/s"):
+    for col in ("rank", "node", "fp32 GFLOP/s", "bf16 GFLOP/s", "slowdown", "memory BW GB/s", "copy GB/s"):
         t.add_column(col, justify="right")
     for r, m in enumerate(result.matmul):
         t.add_row(str(r), str(result.node_of[r]), f"{m.get('fp32', 0) / 1e9:.1f}", f"{m.get('bf16', 0) / 1e9:.1f}",
-                  f"{result.slowdowns[r]:.2f}", f"{result.memory_bandwidth[r] / 1e9:.1f}")
+                  f"{result.slowdowns[r]:.2f}", f"{kind_memory_bandwidth(result, r) / 1e9:.2f}",
+                  f"{result.memory_bandwidth[r] / 1e9:.1f}")
     console.print(t)
+    # The YAML's `memory_bandwidth` is the "memory BW" column (plait.measure.cluster_profile.kind_memory_bandwidth): on a CPU
+    # the elementwise-kernel rate, which is what memory-bound kernels achieve there, not the copy rate.
+    console.print("memory BW: the rate memory-bound kernels achieve, written to the YAML as the kind's "
+                  "memory_bandwidth" + (" (on CPU: elementwise kernels, below the copy rate)"
+                                         if result.device_type == "cpu" and result.stream_bandwidth else ""))
     if result.p2p:
         t = Table(title="point-to-point (a -> b)")
         for col in ("pair", "MB/s", "latency us"):

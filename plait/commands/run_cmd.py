@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from typing import Any
 
 
@@ -23,7 +25,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="write the measured timeline as Chrome/Perfetto trace JSON")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--checkpoint-dir", metavar="D", help="directory for checkpoints")
-    p.add_argument("--checkpoint-every", metavar="K", type=int, default=0, help="checkpoint every K steps")
+    p.add_argument("--checkpoint-every", metavar="K", type=int, default=None,
+                   help="checkpoint every K steps (with --checkpoint-dir alone: once, after the last step)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (default 2)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     p.add_argument("--timeout", metavar="S", type=float, default=300.0,
@@ -50,6 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from plait.runtime.api import run as run_training
 
+    _check_args(args)
     common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
                   optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
@@ -67,17 +71,41 @@ def run(args: argparse.Namespace) -> int:
             out["machine"] = machine
         print(json.dumps(out, indent=1, default=str))
         return 0
-    _print(result, args)
-    if machine is not None:
-        _print_machine(machine)
+    _print(result, args, machine)
     return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every argument check that does not need the model: before anything is started."""
+    from plait.errors import PlaitError, check_output_path
+    from plait.ir.plan import Plan
+
+    if args.steps < 1:
+        raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
+    if not args.timeout > 0:
+        raise PlaitError(f"--timeout: must be > 0 seconds (how long a rank may make no progress before the run "
+                         f"is stopped), got {args.timeout:g}")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise PlaitError(f"--checkpoint-every: must be >= 1 step, got {args.checkpoint_every}")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise PlaitError("--checkpoint-every: needs --checkpoint-dir (where the checkpoints go)")
+    if args.checkpoint_dir is not None and args.checkpoint_every is None:
+        # The stated default: one checkpoint, after the last step (enough to --resume a longer run).
+        args.checkpoint_every = args.steps
+        print(f"plait run: --checkpoint-dir without --checkpoint-every: one checkpoint after the last step "
+              f"(--checkpoint-every {args.steps}) in {args.checkpoint_dir}", file=sys.stderr)
+    args.checkpoint_every = args.checkpoint_every or 0
+    check_output_path(args.trace, "--trace")
+    world = Plan.load(args.plan).world_size
+    cpus = os.cpu_count() or 1
+    if world > cpus:
+        print(f"plait run: warning: the plan has {world} ranks and this machine {cpus} CPUs: ranks time-share the "
+              f"CPUs, so the run is slow and its timings are not those of {world} devices", file=sys.stderr)
 
 
 def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """`--predict`: `plait.measure.machine.LocalMachine` calibrates this machine, runs the plan with
     the ranks pinned as its profilers and predicts it from the layer profiles that bracket the run."""
-    import sys
-
     from plait.errors import PlaitError
     from plait.measure.machine import LocalMachine
 
@@ -97,27 +125,48 @@ def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[An
     return mr.run, {**mr.summary(), "notes": notes}
 
 
-def _print_machine(machine: dict[str, Any]) -> None:
-    from rich.console import Console
-
+def _print_machine(machine: dict[str, Any], console: Any) -> None:
+    """The one measured figure of a --predict run (the median of the steps after the warm-up, which
+    is what the prediction is compared with) next to the prediction."""
     err = machine["error"]
-    console = Console()
-    console.print(f"predicted for this machine {machine['predicted_iteration_s'] * 1e3:.2f} ms, measured "
-                  f"{machine['measured_iteration_s'] * 1e3:.2f} ms (median after {machine['warmup_steps']} "
-                  f"warm-up steps): error [{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/] "
+    console.print(f"measured iteration time (median after {machine['warmup_steps']} warm-up steps) "
+                  f"{machine['measured_iteration_s'] * 1e3:.2f} ms; predicted for this machine "
+                  f"{machine['predicted_iteration_s'] * 1e3:.2f} ms: error "
+                  f"[{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/] "
                   f"(layer profile drift over the run {machine['profile_drift'] * 100:+.0f} %)")
-    for note in machine["notes"]:
-        console.print(f"note: {note}")
 
 
-def _print(result: Any, args: argparse.Namespace) -> None:
+def print_notes(console: Any, *groups: list[str], indent: str = "") -> None:
+    """Each note once, in order; network notes that plait.runtime.netns already logged are not repeated."""
+    from plait.runtime.netns import already_reported
+
+    seen: set[str] = set()
+    for note in (n for g in groups for n in g):
+        if note in seen or already_reported(note):
+            continue
+        seen.add(note)
+        console.print(f"{indent}note: {note}")
+
+
+def trained_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """(dtype the ranks computed in, the plan's dtype): --predict runs fp32, --dtype overrides the plan."""
+    from plait.ir.plan import Plan
+
+    planned = Plan.load(args.plan).dtype
+    return ("fp32" if args.predict else args.dtype or planned), planned
+
+
+def _print(result: Any, args: argparse.Namespace, machine: dict[str, Any] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     width = Console().width
     console = Console(width=max(width, 110))  # the rank table needs ~110 columns; wrap rather than elide
     console.print(f"[bold]plait run[/bold]  model {result.model}  plan {result.plan}")
-    console.print(f"backend {result.backend} on {result.device}, network {result.network.get('mode')}"
+    dtype, planned = trained_dtype(args)
+    why = "--predict runs CPU ranks in fp32" if args.predict else "overridden by --dtype"
+    console.print(f"dtype {dtype}" + (f" (the plan's {planned}, {why})" if dtype != planned else "")
+                  + f", backend {result.backend} on {result.device}, network {result.network.get('mode')}"
                   + (f", resumed after step {result.resumed_from}" if result.resumed_from else ""))
     steps = Table(title="steps")
     steps.add_column("step", justify="right")
@@ -139,9 +188,11 @@ def _print(result: Any, args: argparse.Namespace) -> None:
                       f"{r.slowdown:.2f}", layers, f"{r.params:,}", str(r.samples_per_step),
                       f"{busy_c:.0%}", f"{busy_m:.0%}")
     console.print(ranks)
-    console.print(f"mean iteration time {result.mean_iteration_time() * 1e3:.2f} ms "
-                  f"(steps after the first)")
-    for note in result.notes:
-        console.print(f"note: {note}")
+    if machine is not None:
+        _print_machine(machine, console)
+    else:
+        console.print(f"measured iteration time (mean of the steps after the first) "
+                      f"{result.mean_iteration_time() * 1e3:.2f} ms")
+    print_notes(console, result.notes, machine["notes"] if machine is not None else [])
     if args.trace:
         console.print(f"trace written to {args.trace}")

@@ -35,24 +35,84 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from plait.errors import check_output_path
+    from plait.ir.plan import Plan
     from plait.sim.api import simulate
 
+    check_output_path(args.trace, "--trace")
+    check_output_path(args.gantt, "--gantt")
     res = simulate(args.model, args.cluster, args.plan, granularity=args.granularity,
                    symmetry=not args.no_symmetry,
                    bucket_bytes=args.bucket_mb * 2**20 if args.bucket_mb else None,
                    analytic=False if args.capture else None)
+    written = []
     if args.trace:
         res.save_chrome_trace(args.trace)
+        written.append(f"trace written to {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if args.gantt:
         res.save_gantt(args.gantt)
+        written.append(f"Gantt chart written to {args.gantt}")
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
+    else:
+        _print_table(res, Plan.load(args.plan).dtype)
+        _print_critical_path(res.critical_path, res.iteration_time_s)
+    for line in written:  # stderr under --json, so that stdout stays one JSON document
+        print(line, file=sys.stderr if args.json else sys.stdout)
+    return _memory_verdict(res)
+
+
+def critical_path_segments(path: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The critical path with consecutive tasks on the same resource and category merged:
+    [{resource, category, tasks, start_s, end_s, first, last}] in time order."""
+    segs: list[dict[str, Any]] = []
+    for t in path:
+        if segs and segs[-1]["resource"] == t["resource"] and segs[-1]["category"] == t["category"]:
+            segs[-1].update(tasks=segs[-1]["tasks"] + 1, end_s=t["end_s"], last=t["name"])
+        else:
+            segs.append({"resource": t["resource"], "category": t["category"], "tasks": 1, "start_s": t["start_s"],
+                         "end_s": t["end_s"], "first": t["name"], "last": t["name"]})
+    return segs
+
+
+def _print_critical_path(path: list[dict[str, Any]], total_s: float, max_rows: int = 12) -> None:
+    """The chain of tasks that sets the iteration time (Shi et al.'s DAG model): merged per
+    resource and category, the longest segments kept when there are more than `max_rows`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not path:
+        return
+    segs = critical_path_segments(path)
+    by_cat: dict[str, float] = {}
+    for s in segs:
+        by_cat[s["category"]] = by_cat.get(s["category"], 0.0) + s["end_s"] - s["start_s"]
+    shown = sorted(sorted(segs, key=lambda s: s["start_s"] - s["end_s"])[:max_rows], key=lambda s: s["start_s"])
+    t = Table(title=f"critical path: {len(path)} tasks in {len(segs)} segments over {total_s * 1e3:.2f} ms ("
+              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])
+                         if v * 1e3 >= 0.005) + ")")
+    for col in ("start ms", "ms", "resource", "category", "tasks"):
+        t.add_column(col, justify="right" if col in ("start ms", "ms") else "left")
+    for s in shown:
+        first, last = s["first"], s["last"]
+        t.add_row(f"{s['start_s'] * 1e3:.2f}", f"{(s['end_s'] - s['start_s']) * 1e3:.2f}", s["resource"],
+                  s["category"], f"{s['tasks']}" + (f" ({first} .. {last})" if first != last else f" ({first})"))
+    if len(shown) < len(segs):
+        t.caption = f"{len(segs) - len(shown)} shorter segments not shown (--json lists every task)"
+    Console(file=sys.stdout).print(t)
+
+
+def _memory_verdict(res: Any) -> int:
+    """Exit code 1, with one line per GPU that runs out of memory (which GPU, by how much), when
+    the plan does not fit: a prediction of a plan that cannot run must not look like a success."""
+    if res.memory is None or res.fits_memory:
         return 0
-    _print_table(res)
-    return 0
+    for v in res.memory.violations:
+        print(f"plait simulate: error: plan {v}", file=sys.stderr)
+    return 1
 
 
-def _print_table(res: Any) -> None:
+def _print_table(res: Any, dtype: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -61,6 +121,7 @@ def _print_table(res: Any) -> None:
     t.add_column("quantity")
     t.add_column("value", justify="right")
     t.add_row("iteration time", f"{res.iteration_time_s * 1e3:.2f} ms")
+    t.add_row("training dtype", dtype)
     t.add_row("throughput", f"{res.throughput_samples_per_s:.2f} samples/s")
     t.add_row("model TFLOP/s per GPU", f"{res.tflops_per_gpu:.1f}")
     t.add_row("exposed communication", f"{res.exposed_comm_s * 1e3:.2f} ms")
@@ -81,6 +142,3 @@ def _print_table(res: Any) -> None:
         if v > 0:
             cats.add_row(k, f"{v * 1e3:.2f}")
     console.print(cats)
-    if res.memory is not None and getattr(res.memory, "violations", None):
-        for v in res.memory.violations:
-            console.print(f"[red]memory: {v}[/red]")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ class Plan:
             if self.schedule == "interleaved" and self.num_micro_batches % self.pp:
                 raise PlanError("interleaved 1F1B needs the number of micro-batches to be a multiple of pp")
         if self.layer_split is not None:
-            if len(self.layer_split) != self.pp * self.virtual_stages or min(self.layer_split) < 1:
+            if len(self.layer_split) != self.pp * self.virtual_stages or min(self.layer_split, default=0) < 1:
                 raise PlanError(
                     f"plan field 'layer_split': needs {self.pp * self.virtual_stages} positive counts, "
                     f"got {self.layer_split}"
@@ -133,7 +134,7 @@ class Plan:
                     f"plan field 'device_order': needs {self.world_size} distinct device ids, "
                     f"got {len(self.device_order)}"
                 )
-            if min(self.device_order) < 0:
+            if min(self.device_order, default=0) < 0:
                 raise PlanError("plan field 'device_order': device ids must be >= 0")
         for cls, algo in self.collectives.items():
             if cls not in COLLECTIVE_CLASSES:
@@ -151,7 +152,7 @@ class Plan:
             return
         if len(ratios) != count:
             raise PlanError(f"plan field '{name}': needs {count} values, got {len(ratios)}")
-        if min(ratios) < 0 or abs(sum(ratios) - 1.0) > 1e-6:
+        if not all(math.isfinite(x) for x in ratios) or min(ratios, default=0) < 0 or abs(sum(ratios) - 1.0) > 1e-6:
             raise PlanError(f"plan field '{name}': values must be >= 0 and sum to 1, got {ratios}")
 
     # ---------------------------------------------------------------- derived
@@ -276,18 +277,26 @@ class Plan:
         """Parse the short form (`dp=2,tp=2,...`); unknown keys and bad values raise PlanError."""
         kwargs: dict[str, Any] = {}
         collectives: dict[str, str] = {}
-        for item in filter(None, (p.strip() for p in text.split(","))):
+        items = [p.strip() for p in text.split(",") if p.strip()]
+        if not items:
+            # An empty --plan would otherwise silently mean "all defaults" (dp=1, micro_batch=1, ...).
+            raise PlanError("plan string: empty; give key=value fields, e.g. dp=2,micro_batch=1,global_batch=8")
+        seen: set[str] = set()
+        for item in items:
             if "=" not in item:
                 raise PlanError(f"plan string: '{item}' is not key=value")
             key, value = (s.strip() for s in item.split("=", 1))
             key = key.replace("-", "_")
+            if key in seen:
+                raise PlanError(f"plan string: '{key}' is given twice")
+            seen.add(key)
             try:
                 if key in ("dp", "tp", "pp", "micro_batch", "global_batch", "zero", "virtual_stages"):
                     kwargs[key] = int(value)
                 elif key in ("recompute", "schedule", "dtype"):
                     kwargs[key] = value.lower()
                 elif key == "sequence_parallel":
-                    kwargs[key] = value.lower() in ("1", "true", "yes", "on")
+                    kwargs[key] = parse_bool(value, "plan string: 'sequence_parallel'")
                 elif key == "layer_split" or key == "device_order":
                     kwargs[key] = [int(x) for x in value.split(":")]
                 elif key in ("dp_shares", "tp_ratios"):
@@ -314,19 +323,29 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "plan") -> Plan:
         if not isinstance(data, dict):
-            raise PlanError(f"{source}: a plan must be a JSON object")
-        data = dict(data.get("plan", data)) if "plan" in data and isinstance(data["plan"], dict) else dict(data)
+            raise PlanError(f"{source}: a plan must be a JSON object, got {_json_type(data)}")
+        data = dict(data["plan"]) if isinstance(data.get("plan"), dict) else dict(data)
         data = check_version("plan", data, source, PlanError)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(f"{source}: unknown plan field(s) {unknown}")
-        stages = [StageSpec(**s) for s in data.pop("stages", [])]
+        _check_json_types(data, _PLAN_TYPES, source, "")
+        stages = []
+        for i, s in enumerate(data.pop("stages", [])):
+            if not isinstance(s, dict):
+                raise PlanError(f"{source}: plan field 'stages[{i}]': must be an object, got {_json_type(s)}")
+            bad = sorted(set(s) - set(_STAGE_TYPES))
+            if bad or "name" not in s:
+                raise PlanError(f"{source}: plan field 'stages[{i}]': "
+                                + (f"unknown field(s) {bad}" if bad else "needs a 'name'"))
+            _check_json_types(s, _STAGE_TYPES, source, f"stages[{i}].")
+            stages.append(StageSpec(**s))
         edges = [tuple(e) for e in data.pop("stage_edges", [])]
         try:
             return cls(**data, stages=stages, stage_edges=edges)
-        except TypeError as exc:
-            raise PlanError(f"{source}: {exc}") from None
+        except PlanError as exc:  # name the file as well as the field
+            raise PlanError(f"{source}: {exc}" if source != "plan" else str(exc)) from None
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -337,6 +356,10 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanError(f"{source}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise PlanError(f"{source}: JSON nested too deeply") from None
+        except ValueError as exc:  # e.g. an integer beyond Python's 4300-digit conversion limit
+            raise PlanError(f"{source}: not a readable plan JSON ({exc})") from None
         return cls.from_dict(data, source)
 
     def save(self, path: str | Path) -> None:
@@ -344,16 +367,142 @@ class Plan:
 
     @classmethod
     def load(cls, spec: str | Path | Plan) -> Plan:
-        """Accept a Plan, a path to a plan JSON file, or the short string form."""
+        """Accept a Plan, a path to a plan JSON file, or the short string form.
+
+        A string is a file when it ends in `.json` or names an existing file; anything else is
+        the short form (a long short form is never handed to the OS as a path: `_is_file`)."""
         if isinstance(spec, Plan):
             return spec
+        if not isinstance(spec, str | Path):
+            raise PlanError(f"plan: expected a Plan, a plan string or a JSON file path, got {type(spec).__name__}")
         text = str(spec)
-        path = Path(text)
-        if text.endswith(".json") or (path.suffix and path.exists()):
-            if not path.exists():
-                raise PlanError(f"{text}: plan file not found")
-            return cls.from_json(path.read_text(), source=text)
+        if isinstance(spec, Path) or text.strip().lower().endswith(".json") or _is_file(text):
+            return cls.from_json(_read_plan_file(text), source=text)
         return cls.parse(text)
+
+
+def check_plan_for_model(plan: Plan, config: dict[str, Any], model: str = "model") -> None:
+    """Raise PlanError when `plan` cannot run on the model whose zoo `config` is given.
+
+    The one model-aware check that `plait simulate` and `plait run` share (so a plan the runtime
+    rejects is never simulated): Megatron's tensor parallelism cuts attention in whole heads and the
+    MLP in equal feature slices (Shoeybi et al. 2019, sec. 3), so tp must divide the head count, the
+    key/value head count (GQA) and the MLP width unless `tp_ratios` deals them unevenly (then every
+    rank needs at least one head); sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2) cuts
+    the sequence into tp equal parts. Models without such a config (captured modules) pass."""
+    tp = plan.tp
+    if tp > 1:
+        for key, what in (("heads", "attention heads"), ("kv_heads", "key/value heads")):
+            n = config.get(key)
+            if not isinstance(n, int):
+                continue
+            if plan.tp_ratios is None and n % tp:
+                raise PlanError(f"plan field 'tp': tp={tp} does not divide the {n} {what} of {model} "
+                                f"(tensor parallelism cuts attention in whole heads)")
+            if plan.tp_ratios is not None and n < tp:
+                raise PlanError(f"plan field 'tp_ratios': {n} {what} of {model} cannot give each of tp={tp} "
+                                "ranks a head")
+        ffn = config.get("ffn")
+        if isinstance(ffn, int) and plan.tp_ratios is None and ffn % tp:
+            raise PlanError(f"plan field 'tp': tp={tp} does not divide the MLP width ffn={ffn} of {model}")
+    seq = config.get("seq")
+    if plan.sequence_parallel and tp > 1 and isinstance(seq, int) and seq % tp:
+        raise PlanError(f"plan field 'sequence_parallel': the sequence length {seq} of {model} does not divide "
+                        f"by tp={tp} (sequence parallelism cuts it into tp equal parts)")
+
+
+def parse_bool(value: str, what: str) -> bool:
+    """Strict boolean: true/false, 1/0, yes/no, on/off (any case); anything else is an error
+    (so `sequence_parallel=maybe` is not silently false)."""
+    low = value.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise PlanError(f"{what}: {value!r} is not a boolean; use true/false, 1/0 or yes/no")
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _is_file(text: str) -> bool:
+    """Whether `text` names an existing file; a string the OS cannot take as a path (too long,
+    NUL bytes) is not one."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _read_plan_file(path: str) -> str:
+    """The text of a plan file, or a PlanError naming the file and why it cannot be read."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise PlanError(f"{path}: plan file not found") from None
+    except IsADirectoryError:
+        raise PlanError(f"{path}: is a directory, not a plan file") from None
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{path}: cannot read the plan file ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a plan file is JSON "
+                        "as written by `plait plan --out`") from None
+
+
+# JSON types of the plan fields, checked before the dataclass sees them so that a hand-edited
+# file gets "field: must be ..." rather than a TypeError from deep inside validate().
+_INT, _STR, _BOOL, _INTS, _NUMS, _NUMS_OR_NONE = "int", "str", "bool", "ints", "nums", "nums?"
+_PLAN_TYPES: dict[str, str] = {
+    "dp": _INT, "tp": _INT, "pp": _INT, "micro_batch": _INT, "global_batch": _INT, "zero": _INT,
+    "virtual_stages": _INT, "recompute": _STR, "schedule": _STR, "dtype": _STR, "sequence_parallel": _BOOL,
+    "layer_split": "ints?", "device_order": "ints?", "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,
+    "collectives": "str->str", "stages": "list", "stage_edges": "pairs",
+}
+_STAGE_TYPES: dict[str, str] = {
+    "name": _STR, "layers": "strs", "devices": _INTS, "dp": _INT, "tp": _INT, "micro_batch": "int?",
+    "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,
+}
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "int": (_is_int, "an integer"),
+    "int?": (lambda x: x is None or _is_int(x), "an integer or null"),
+    "str": (lambda x: isinstance(x, str), "a string"),
+    "bool": (lambda x: isinstance(x, bool), "true or false"),
+    "ints": (lambda x: isinstance(x, list) and all(map(_is_int, x)), "a list of integers"),
+    "ints?": (lambda x: x is None or (isinstance(x, list) and all(map(_is_int, x))), "a list of integers or null"),
+    "strs": (lambda x: isinstance(x, list) and all(isinstance(v, str) for v in x), "a list of strings"),
+    "nums?": (lambda x: x is None or (isinstance(x, list) and all(map(_is_num, x))), "a list of numbers or null"),
+    "str->str": (lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values()),
+                 "an object of strings (traffic class -> algorithm)"),
+    "list": (lambda x: isinstance(x, list), "a list"),
+    "pairs": (lambda x: isinstance(x, list) and all(isinstance(e, list) and len(e) == 2 and all(map(_is_int, e))
+                                                   for e in x), "a list of [from, to] stage index pairs"),
+}
+
+
+def _check_json_types(data: dict[str, Any], types: dict[str, str], source: str, prefix: str) -> None:
+    for name, value in data.items():
+        ok, want = _CHECKS[types[name]]
+        if not ok(value):
+            shown = repr(value) if len(repr(value)) <= 60 else _json_type(value)
+            raise PlanError(f"{source}: plan field '{prefix}{name}': must be {want}, got {shown}")
 
 
 def _even_split(count: int, parts: int) -> list[int]:

@@ -609,7 +609,7 @@ def _pair_means(result: ProfileResult) -> dict[tuple[int, int], tuple[float, flo
     return out
 
 
-def _mem_bw(result: ProfileResult, rank: int) -> float:
+def kind_memory_bandwidth(result: ProfileResult, rank: int) -> float:
     """The kind's `memory_bandwidth`: the copy rate on a GPU (HBM-bound kernels, the
     simulator applies its own efficiency); on a CPU the elementwise-kernel rate, which is
     what memory-bound kernels achieve there (they are bound by arithmetic, not DRAM)."""
@@ -620,7 +620,7 @@ def _mem_bw(result: ProfileResult, rank: int) -> float:
 
 def result_to_cluster(result: ProfileResult, base: Any = None, name: str | None = None) -> Any:
     """The measured cluster: one `measured-<kind>` GPU kind per original kind (mean of its
-    ranks' achieved FLOP/s per dtype and memory-kernel rate (`_mem_bw`), smallest memory), node links from the
+    ranks' achieved FLOP/s per dtype and memory-kernel rate (`kind_memory_bandwidth`), smallest memory), node links from the
     medians of the measured pairs, and every measured pair as a device override.
 
     With `base` (the cluster profiled, ranks = its devices) the node layout, NIC counts and
@@ -650,7 +650,7 @@ def result_to_cluster(result: ProfileResult, base: Any = None, name: str | None 
             raise ProfileError("the profile has no fp32 matmul figure; a GPU kind needs one")
         kinds[k] = GPUKind(name=k, peak_flops={d: statistics.fmean(result.matmul[r][d] for r in ranks) for d in dtypes},
                            memory_bytes=min(result.memory_bytes[r] for r in ranks),
-                           memory_bandwidth=statistics.fmean(_mem_bw(result, r) for r in ranks))
+                           memory_bandwidth=statistics.fmean(kind_memory_bandwidth(result, r) for r in ranks))
     pairs = _pair_means(result)
     intra_all = [v for (a, b), v in pairs.items() if node_of[a] == node_of[b]]
     n_nodes = max(node_of) + 1
@@ -780,8 +780,7 @@ def profile(cluster: Any = None, nprocs: int | None = None, *, sizes: list[int] 
             cfg.slowdowns = slowdowns(cl, slowdown_dtype)
             with emulated_network(cl, cl.num_devices, prefix=prefix) as net:
                 nets = [n if n.namespace else LocalNode(n.node_index) for n in net]
-                if net.reason:
-                    _log.warning("plait profile: %s", net.reason)
+                # net.reason (no netem, loopback fallback) was logged once by plait.runtime.netns.warn_once
                 result = launch(per_node, cfg, nets)
         else:
             _log.warning("plait profile: cluster '%s' has no emulation section; measuring %d local workers "

@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -338,6 +339,7 @@ class LocalMachine:
             raise MachineError(f"emulate_dtype: must be fp32, tf32, bf16 or fp16, got {emulate_dtype!r}")
         self.emulate_dtype = emulate_dtype
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="plait-machine-"))
+        self._own_workdir = not workdir  # a temporary folder: removed on a clean exit
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.say = say or (lambda text: log.info("%s", text))
         self.notes: list[str] = []
@@ -403,6 +405,8 @@ class LocalMachine:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+        if self._own_workdir and exc[0] is None:  # kept after a failure: its calibration files are evidence
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _require(self) -> None:
         if self._stack is None:

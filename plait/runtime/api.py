@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from plait.errors import check_output_path
 from plait.ir.formats import check_version
-from plait.ir.plan import Plan
+from plait.ir.plan import Plan, PlanError, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
@@ -168,6 +169,28 @@ def _check_plan(plan: Plan) -> None:
                                 "interleaved 1F1B is not supported yet")
 
 
+def _check_resumable(root: Path) -> None:
+    """--resume with nothing to resume from is an error, not a silent restart from step 0."""
+    from plait.runtime.checkpoint import latest_checkpoint
+
+    if not root.is_dir():
+        raise RuntimeSetupError(f"--resume: checkpoint directory {root} does not exist")
+    if latest_checkpoint(root) is None:
+        raise RuntimeSetupError(f"--resume: no complete checkpoint in {root} (nothing to resume from); "
+                                "run without --resume to start at step 0")
+
+
+def _wait_naming_logs(launcher: Launcher, rdir: Path, owns_dir: bool) -> None:
+    """Wait for the workers; a failed run keeps its temporary folder (the workers' logs) and says where."""
+    try:
+        launcher.wait()
+    except RunFailure as exc:
+        if owns_dir and str(rdir) not in str(exc):
+            raise RunFailure(f"{exc} (logs kept in {rdir})", rank=exc.rank, host=exc.host, kind=exc.kind,
+                             run_dir=str(rdir)) from None
+        raise
+
+
 def _agents(layout: list[dict[str, Any]], nets: Any, nprocs_per_node: int | None) -> tuple[list[AgentSpec], dict[str, Any]]:
     """Torchrun agents: one per node inside its namespace, else loopback (optionally split every
     `nprocs_per_node` ranks, which runs the multi-agent rendezvous without namespaces)."""
@@ -224,12 +247,18 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         raise RuntimeSetupError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     if (checkpoint_every or resume) and checkpoint_dir is None:
         raise RuntimeSetupError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir)")
+    if not timeout > 0:  # also rejects NaN
+        raise RuntimeSetupError(f"timeout: must be > 0 seconds (how long a rank may make no progress before "
+                                f"the run is stopped), got {timeout}")
+    if resume and checkpoint_dir is not None:
+        _check_resumable(Path(checkpoint_dir))
+    check_output_path(trace, "trace")
     spec_string = model_spec_string(model)
     spec = load_model_spec(spec_string)  # a bad model spec fails here, not in every worker
-    seq = (getattr(spec, "config", None) or {}).get("seq")
-    if plan_obj.sequence_parallel and plan_obj.tp > 1 and isinstance(seq, int) and seq % plan_obj.tp:
-        raise RuntimeSetupError(f"plan field 'sequence_parallel': the sequence length {seq} of {spec_string} does "
-                                f"not divide by tp={plan_obj.tp} (sequence parallelism cuts it into tp equal parts)")
+    try:  # the same check as `plait simulate`
+        check_plan_for_model(plan_obj, getattr(spec, "config", None) or {}, spec_string)
+    except PlanError as exc:
+        raise RuntimeSetupError(str(exc)) from None
     cluster_obj = _load_cluster(cluster)
     dtype = dtype or plan_obj.dtype
     if dtype not in ("fp32", "tf32", "bf16", "fp16"):
@@ -305,7 +334,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         launcher = Launcher(config_path, rdir, agents, layout, timeout=timeout, startup_timeout=startup,
                             env=extra_env, start_method=method)
         launcher.start()
-        launcher.wait()
+        _wait_naming_logs(launcher, rdir, owns_dir)
     result = _read_result(rdir, cfg, plan_obj, cluster, backend, network, notes)
     result.network["wall_seconds"] = time.time() - t_start
     if trace is not None:

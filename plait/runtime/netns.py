@@ -298,6 +298,26 @@ def _shape(builder: _Builder, br_ns: str, nets: list[NodeNet], uplinks: dict[int
     return netem
 
 
+_WARNED: set[str] = set()
+
+
+def warn_once(reason: str) -> None:
+    """Log an emulation shortfall the first time this process meets it: one `plait plan --run`
+    builds the emulated network several times (calibration, profiling, the run) and a note
+    printed at each would say the same thing four times."""
+    if reason in _WARNED:
+        log.debug("emulated network: %s", reason)
+        return
+    _WARNED.add(reason)
+    log.warning("emulated network: %s", reason)
+
+
+def already_reported(note: str) -> bool:
+    """Whether `note` (a run note "network: <reason>") was already logged by `warn_once`."""
+    text = note.removeprefix("network:").strip()
+    return bool(text) and any(w.endswith(text) for w in _WARNED)
+
+
 def _build(builder: _Builder, cluster: Any, nodes: list[int], scale: float) -> EmulatedNetwork:
     br_ns = builder.ns("br")
     builder.add_ns(br_ns)
@@ -323,13 +343,13 @@ def _build(builder: _Builder, cluster: Any, nodes: list[int], scale: float) -> E
     netem = _shape(builder, br_ns, nets, uplinks, links)
     reason = "" if netem else "kernel has no sch_netem: link latency is not emulated (bandwidth is)"
     if reason:
-        log.warning("emulated network: %s", reason)
+        warn_once(reason)
     return EmulatedNetwork(nets, isolated=True, shaped=True, latency_emulated=netem, reason=reason,
                            links=links, uplinks=uplinks)
 
 
 def _loopback(nodes: list[int], reason: str) -> EmulatedNetwork:
-    log.warning("emulated network: falling back to loopback (127.0.0.1) for all nodes: %s", reason)
+    warn_once(f"falling back to loopback (127.0.0.1) for all nodes: {reason}")
     return EmulatedNetwork([NodeNet(node_index=a, namespace=None, ip=LOOPBACK) for a in nodes], reason=reason)
 
 

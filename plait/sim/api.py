@@ -24,7 +24,7 @@ from typing import Any
 from plait.errors import PlaitError
 from plait.graph.resolve import resolve_model
 from plait.ir.opgraph import OpGraph
-from plait.ir.plan import Plan
+from plait.ir.plan import Plan, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.sim.engine import Schedule
 from plait.sim.engine import simulate as run_engine
@@ -140,6 +140,7 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     plan_obj = resolve_plan(plan)
     view = resolve_cluster(cluster)
     graph = resolve_model(model, plan_obj, inputs, analytic)
+    check_plan_for_model(plan_obj, graph.config, graph.model)  # as strict as `plait run`
     opts = options or SimOptions()
     if option_overrides:
         unknown = [k for k in option_overrides if not hasattr(opts, k)]

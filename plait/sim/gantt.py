@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from plait.ir.timeline import Timeline, _resource_sort_key
@@ -11,6 +12,29 @@ COLORS = {
     "data": "#BDBDBD", "h2d": "#969696", "comm_tp": "#F4A442", "comm_pp": "#9E6EBD", "comm_dp": "#E7298A",
     "comm_zero": "#FF7F00", "comm": "#8C6D31", "idle": "#FFFFFF",
 }
+
+
+TITLE_POINTS = 10.0
+
+
+def wrap_title(text: str, width_in: float, points: float) -> str:
+    """`text` broken into lines that fit a `width_in`-inch figure at `points`-point type (a plan
+    string has no spaces, so lines break after commas, spaces and '|'); matplotlib would cut it.
+    DejaVu Sans averages about 0.6 em per character; 72 points per inch."""
+    per_line = max(20, int(0.92 * width_in * 72 / (0.6 * points)))
+    pieces = re.findall(r"[^,| ]*[,| ]?", text)
+    lines, line = [], ""
+    for piece in filter(None, pieces):
+        if line and len(line) + len(piece) > per_line:
+            lines.append(line.rstrip())
+            line = ""
+        while len(piece) > per_line:  # one piece longer than a line: hard break
+            lines.append(piece[:per_line])
+            piece = piece[per_line:]
+        line += piece
+    if line.strip():
+        lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None, max_rows: int = 64) -> Path:
@@ -42,7 +66,8 @@ def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None, m
     ax.set_yticklabels(resources, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"{timeline.source} timeline ({timeline.span * 1e3:.2f} ms)")
+    ax.set_title(wrap_title(title or f"{timeline.source} timeline ({timeline.span * 1e3:.2f} ms)", 12.0,
+                            TITLE_POINTS), fontsize=TITLE_POINTS)
     used = [c for c in COLORS if c in bars]
     ax.legend(handles=[Patch(color=COLORS[c], label=c) for c in used], fontsize=7, loc="upper right",
               ncol=min(4, max(1, len(used))))

@@ -143,7 +143,8 @@ class ModelSpec:
             out = sample_batch(batch, **kwargs)
             if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Tensor)):
                 raise ModelSpecError(
-                    f"model {name}: sample_batch must return (inputs: tuple, target: Tensor)"
+                    f"model {name}: sample_batch({batch}) returned {type(out).__name__}; it must return "
+                    "(inputs: tuple, target: Tensor)"
                 )
             inputs = out[0] if isinstance(out[0], tuple) else (out[0],)
             return tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs), out[1]
@@ -451,12 +452,22 @@ def _load_file(path_text: str, factory_name: str, spec: str) -> ModelSpec:
     if isinstance(result, ModelSpec):
         result.spec = canonical
         return result
-    if isinstance(result, tuple) and len(result) in (2, 3) and callable(result[1]):
+    if isinstance(result, tuple) and len(result) in (2, 3):
+        where = f"{path}: {factory_name}()"
         if not (isinstance(result[0], nn.Module) or callable(result[0])):
-            raise ModelSpecError(f"{path}: {factory_name}() must return a module first, got {type(result[0]).__name__}")
+            raise ModelSpecError(f"{where}: the first item must be an nn.Module (or a function returning one), "
+                                 f"got {type(result[0]).__name__}; {USER_CONTRACT}")
+        if not callable(result[1]):
+            raise ModelSpecError(f"{where}: the second item must be a function, not a sample batch "
+                                 f"(got {type(result[1]).__name__}); {USER_CONTRACT}")
+        if len(result) == 3 and not callable(result[2]):
+            raise ModelSpecError(f"{where}: the third item must be a loss function loss(output, target), "
+                                 f"got {type(result[2]).__name__}")
         loss = result[2] if len(result) == 3 else None
         return ModelSpec.from_module(result[0], result[1], loss, name=factory_name, spec=canonical)
-    raise ModelSpecError(
-        f"{path}: {factory_name}() returned {type(result).__name__}; expected a ModelSpec or "
-        "(module, sample_batch[, loss])"
-    )
+    raise ModelSpecError(f"{path}: {factory_name}() returned {type(result).__name__}; {USER_CONTRACT}")
+
+
+# The user-model contract, stated the same way in the README and in every error about it.
+USER_CONTRACT = ("expected a ModelSpec or a tuple (module, sample_batch[, loss]) where sample_batch is a "
+                 "function sample_batch(batch, device='cpu', seed=0) -> (inputs: tuple, target: Tensor)")
