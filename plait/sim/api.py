@@ -143,8 +143,8 @@ def resolve_model(model: Any, plan: Plan, inputs: Any = None, analytic: bool | N
             if not path.exists():
                 raise SimulateError(f"{text}: OpGraph file not found")
             try:
-                return OpGraph.from_dict(json.loads(path.read_text()))
-            except (KeyError, TypeError, json.JSONDecodeError) as exc:
+                return OpGraph.from_dict(json.loads(path.read_bytes().decode("utf-8")))
+            except (KeyError, TypeError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or UTF-8
                 raise SimulateError(f"{text}: not an OpGraph JSON ({exc})") from None
         if text.split(":", 1)[0].strip().lower() == "gpt" and analytic is not False:
             from plait.sim.gpt import gpt_config, gpt_opgraph
