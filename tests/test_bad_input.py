@@ -31,6 +31,16 @@ def test_plan_file_that_is_not_utf8(command: str, tmp_path, capsys) -> None:
            str(bad), "not UTF-8")
 
 
+@pytest.mark.parametrize("argv", [
+    ["profile", "--from-result", "{bad}"],
+    ["simulate", "--model", "{bad}", "--cluster", CLUSTER, "--plan", "dp=1"],  # an OpGraph JSON
+])
+def test_other_input_files_that_are_not_utf8(argv: list[str], tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe{}")
+    _fails([a.replace("{bad}", str(bad)) for a in argv], capsys, str(bad))
+
+
 def test_plan_string_longer_than_a_file_name_is_a_plan_string() -> None:
     n = 32
     text = f"dp={n},global_batch={n},dp_shares=" + ":".join(["0.03125"] * n)

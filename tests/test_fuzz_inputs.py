@@ -19,7 +19,7 @@ from plait.cluster.loader import parse_yaml_text
 from plait.errors import PlaitError
 from plait.ir.plan import Plan
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 PLAN_KEYS = ["dp", "tp", "pp", "micro_batch", "global_batch", "recompute", "zero", "schedule", "virtual_stages",
              "sequence_parallel", "dtype", "layer_split", "dp_shares", "tp_ratios", "device_order",

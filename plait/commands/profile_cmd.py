@@ -65,6 +65,16 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _read_text(path: str, flag: str) -> str:
+    """A UTF-8 input file's text, or a ProfileError naming the option, the file and why."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{flag} {path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise ProfileError(f"{flag} {path}: cannot read ({exc.strerror or exc})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import yaml
 
@@ -72,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.out, "--out")
     check_output_path(args.result, "--result")
     if args.from_result:
-        result = ProfileResult.from_json(Path(args.from_result).read_text(), args.from_result)
+        result = ProfileResult.from_json(_read_text(args.from_result, "--from-result"), args.from_result)
         base = None
         if args.cluster:
             from plait.cluster import load_cluster

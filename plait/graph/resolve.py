@@ -37,8 +37,8 @@ def resolve_model(model: Any, plan: Plan, inputs: Any = None, analytic: bool | N
             if not path.exists():
                 raise ModelResolveError(f"{text}: OpGraph file not found")
             try:
-                return OpGraph.from_dict(json.loads(path.read_text()))
-            except (KeyError, TypeError, ValueError) as exc:
+                return OpGraph.from_dict(json.loads(path.read_bytes().decode("utf-8")), source=text)
+            except (KeyError, TypeError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or UTF-8
                 raise ModelResolveError(f"{text}: not an OpGraph JSON ({exc})") from None
         if text.split(":", 1)[0].strip().lower() == "gpt" and analytic is not False:
             from plait.graph.gpt_closed_form import gpt_config, gpt_opgraph
