@@ -79,7 +79,6 @@ activations with Korthikanti's formulas.
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,8 +86,10 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
+from plait.cost.traffic import pp_message_bytes
 from plait.errors import PlaitError
 from plait.graph.opgraph import OpGraph
+from plait.ir.stage_graph import chunk_graph, micro_batch_sizes, replica_samples
 from plait.plan.ir import Plan
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -527,7 +528,7 @@ def estimate_memory(
             )
 
     in_flight = _in_flight(plan, stages)
-    p2p_send, p2p_recv = _p2p_per_sample(la, stage_of_layer, len(stages))
+    p2p_send, p2p_recv = _p2p_per_sample(plan, graph, len(stages))
 
     matrix = np.zeros((n_dev, len(CATEGORIES)))
     step_phase = np.zeros(n_dev, dtype=bool)
@@ -536,7 +537,7 @@ def estimate_memory(
         ids = st.ids
         mb = st.micro_batch or plan.micro_batch
         m = max(1, plan.global_batch // (st.dp * mb)) if plan.stages else plan.num_micro_batches
-        batches = _replica_micro_batches(plan, st, mb, m)
+        batches = _replica_micro_batches(plan, st, mb)
         ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
         persistent = persistent_grads
         if persistent is None:
@@ -561,7 +562,7 @@ def estimate_memory(
                 w_b=w_b, g_b=g_b, k_b=k_b, step_kind=step_kind, act_scale=act_scale,
                 loss_scale=loss_scale, loss_copies=loss_copies, held_copies=held_copies,
                 persistent=persistent,
-                dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tied_extra=tied_extra,
+                dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tp=st.tp, tied_extra=tied_extra,
             )
             sel = devs if len(uniq) == 1 else devs[which.reshape(-1) == k]
             np.add.at(matrix, sel, row[:-1])  # a device in two stages holds both
@@ -652,6 +653,7 @@ def _device_row(
     persistent: bool,
     dp_bucket: int,
     p2p: float,
+    tp: int,
     tied_extra: np.ndarray,
 ) -> np.ndarray:
     """Bytes per category at the peak of one device of a stage, plus a final 1.0 if the
@@ -698,7 +700,8 @@ def _device_row(
     step_total = grads_full + step_tmp + held
 
     # ---- communication buffers
-    comm = p2p * b * act_scale * sp  # one micro-batch in each direction across stage boundaries
+    # one micro-batch in each direction across stage boundaries, as each tensor rank sends it
+    comm = float(pp_message_bytes(p2p, b, act_scale, tp))
     if dp > 1:
         comm += min(float(dp_bucket), grads_full)
         if zero >= 3:  # all-gathered full parameters of the running and the prefetched layer
@@ -859,18 +862,11 @@ def _plan_stages(la: _LayerArrays, plan: Plan, graph: OpGraph) -> list[_Stage]:
     return out
 
 
-def _replica_micro_batches(plan: Plan, st: _Stage, mb: int, m: int) -> list[int]:
-    """Micro-batch size of each data-parallel replica of a stage (uneven with dp_shares)."""
-    if not st.dp_shares:
-        return [mb] * st.dp
-    if not plan.stages and st.dp_shares == plan.dp_shares:
-        samples = plan.samples_per_replica()
-    else:
-        exact = [s * plan.global_batch for s in st.dp_shares]
-        samples = [int(x) for x in exact]
-        for i in sorted(range(st.dp), key=lambda i: samples[i] - exact[i])[: plan.global_batch - sum(samples)]:
-            samples[i] += 1
-    return [max(1, math.ceil(n / m)) if n > 0 else 0 for n in samples]
+def _replica_micro_batches(plan: Plan, st: _Stage, mb: int) -> list[int]:
+    """Largest micro-batch of each data-parallel replica of a stage: the stage graph's rounding
+    rule (`plait.ir.stage_graph`: 10 samples at micro-batch 4 run as [4, 3, 3])."""
+    return [(micro_batch_sizes(n, mb) or [0])[0]
+            for n in replica_samples(plan.global_batch, st.dp_shares, st.dp)]
 
 
 def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
@@ -905,22 +901,22 @@ def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     return [float(min(pp - i, m)) for i in range(pp)]
 
 
-def _p2p_per_sample(la: _LayerArrays, stage_of_layer: np.ndarray, n_stages: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample bytes each stage sends and receives across stage boundaries (capture dtype)."""
+def _p2p_per_sample(plan: Plan, graph: OpGraph, n_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample bytes each stage sends and receives over the stage graph's edges (capture
+    dtype): what crosses each cut (`plait.ir.stage_graph`)."""
     send = np.zeros(n_stages)
     recv = np.zeros(n_stages)
-    if len(la.edges) == 0 or n_stages == 1:
+    if n_stages == 1:
         return send, recv
-    src, dst = la.edges[:, 0], la.edges[:, 1]
-    s_src, s_dst = stage_of_layer[src], stage_of_layer[dst]
-    cross = (s_src != s_dst) & (s_src >= 0) & (s_dst >= 0)
-    if not cross.any():
-        return send, recv
-    # one message per (producer layer, consumer stage)
-    pairs = np.unique(np.stack([src[cross], s_dst[cross]], axis=1), axis=0)
-    bytes_ = la.out[pairs[:, 0]]
-    np.add.at(send, stage_of_layer[pairs[:, 0]], bytes_)
-    np.add.at(recv, pairs[:, 1], bytes_)
+    try:
+        _, chunks, edges = chunk_graph(plan, graph)
+    except PlaitError as exc:
+        raise MemoryEstimateError(str(exc)) from None
+    for e in edges:
+        a, b = chunks[e.src].stage, chunks[e.dst].stage
+        if a != b:
+            send[a] += e.bytes_per_sample
+            recv[b] += e.bytes_per_sample
     return send, recv
 
 

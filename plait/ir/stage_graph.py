@@ -156,6 +156,14 @@ def replica_micro_batches(first: int, samples: int, micro_batch: int) -> list[Mi
 # ---------------------------------------------------------------- derivation
 def stage_graph(plan: Plan, graph: OpGraph) -> StageGraph:
     """The stage graph of `plan` on `graph` (module docstring); raises StageGraphError naming the field."""
+    specs, chunks, edges = chunk_graph(plan, graph)
+    stages = [_stage(plan, s, spec, chunks) for s, spec in enumerate(specs)]
+    return StageGraph(stages, chunks, edges, plan.global_batch, graph.activation_dtype_bytes)
+
+
+def chunk_graph(plan: Plan, graph: OpGraph) -> tuple[list[StageSpec], list[Chunk], list[Edge]]:
+    """Stage specs, chunks and edges with their tensors, validated -- without the replicas'
+    micro-batches (what a caller that asks for thousands of plans, the memory estimator, needs)."""
     names = graph.layer_names
     if not names:
         raise StageGraphError(f"model {graph.model!r} has no layers to place")
@@ -172,9 +180,8 @@ def stage_graph(plan: Plan, graph: OpGraph) -> StageGraph:
             start += count
         chunk_edges = [(c, c + 1) for c in range(len(chunks) - 1)]
     validate_stages(plan, graph, specs, chunks, chunk_edges)
-    stages = [_stage(plan, s, spec, chunks) for s, spec in enumerate(specs)]
     edges = [Edge(a, b, _edge_tensors(graph, chunks, a, b, chain=not plan.stages)) for a, b in chunk_edges]
-    return StageGraph(stages, chunks, edges, plan.global_batch, graph.activation_dtype_bytes)
+    return specs, chunks, edges
 
 
 def _stage(plan: Plan, s: int, spec: StageSpec, chunks: list[Chunk]) -> Stage:
