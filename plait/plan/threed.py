@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plait.errors import PlaitError
-from plait.ir.stage_graph import micro_batch_sizes, stage_graph
+from plait.ir.stage_graph import stage_graph
 from plait.plan import hetero
 from plait.plan.ir import RECOMPUTE_CHOICES, Plan
 from plait.plan.placement import PathModel, PlacementResult, anneal, traffic_of
@@ -412,7 +412,7 @@ class AnalyticModel:
         v = plan.virtual_stages
         bounds = np.concatenate([[0], np.cumsum(plan.layers_per_stage(len(graph.layers)))])
         chunk_stage = [c % plan.pp for c in range(plan.pp * v)]
-        counts = _replica_micro_batches(plan)
+        counts = hetero.replica_micro_batch_counts(plan)
         # compute: the slowest replica's pipeline
         compute_s = 0.0
         for d in range(plan.dp):
@@ -430,11 +430,6 @@ class AnalyticModel:
         opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]], self.compute)
                     for p in range(plan.pp) for d in range(plan.dp))
         return compute_s + comm["tp"] + comm["pp"] + comm["dp"] + opt_s
-
-
-def _replica_micro_batches(plan: Plan) -> list[int]:
-    """Micro-batches each replica runs: the stage graph's rounding rule (`plait.ir.stage_graph`)."""
-    return [len(micro_batch_sizes(n, plan.micro_batch)) for n in plan.samples_per_replica()]
 
 
 # ============================================================================ simulator
