@@ -155,14 +155,15 @@ def test_uneven_tp_ratios_split_activations_by_share():
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_zero_model_state_formulas(zero, dtype):
-    """Rajbhandari et al.: mixed 2+2+12 (ZeRO-1 4Ψ+12Ψ/N, -2 2Ψ+14Ψ/N, -3 16Ψ/N); fp32 4+4+8."""
+@pytest.mark.parametrize("dtype, grads", [("bf16", "bf16"), ("bf16", None), ("fp32", None)])
+def test_zero_model_state_formulas(zero, dtype, grads):
+    """Rajbhandari et al.: mixed 2+2+12 (ZeRO-1 4Ψ+12Ψ/N, -2 2Ψ+14Ψ/N, -3 16Ψ/N) with bf16
+    gradients; Megatron's bf16 default keeps fp32 main grads, 2+4+12; fp32 4+4+8."""
     psi, n = 4_000_000, 4
     g = chain_graph(4, params=psi // 4)
-    plan = Plan(dp=n, micro_batch=1, global_batch=n, zero=zero, dtype=dtype)
+    plan = Plan(dp=n, micro_batch=1, global_batch=n, zero=zero, dtype=dtype, grad_reduce_dtype=grads)
     b = estimate_memory(g, plan, cluster(gpus=4), overhead_bytes=0).breakdown(0)
-    w, gr, k = (2, 2, 12) if dtype == "bf16" else (4, 4, 8)
+    w, gr, k = {"bf16": (2, 2, 12), None: (2, 4, 12)}[grads] if dtype == "bf16" else (4, 4, 8)
     want = {0: w + gr + k, 1: w + gr + k / n, 2: w + (gr + k) / n, 3: (w + gr + k) / n}[zero]
     assert b.weights + b.grads + b.optimizer == pytest.approx(want * psi)
     assert b.optimizer == pytest.approx(k * psi / (n if zero >= 1 else 1))

@@ -119,3 +119,16 @@ def test_grad_reduce_dtype_is_a_validated_plan_field():
     assert Plan.parse(str(p)) == p and Plan.from_json(p.to_json()) == p
     with pytest.raises(PlanError, match="grad_reduce_dtype"):
         Plan.parse("grad_reduce_dtype=int8")
+
+
+def test_chain_cut_sums_match_the_edge_tensors():
+    from plait.ir.stage_graph import chain_cut_bytes
+
+    g = _graph([("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("b", "e"), ("d", "e")], list("abcde"))
+    cut = chain_cut_bytes(g)
+    for split in ([1, 4], [2, 3], [3, 2], [4, 1], [1, 1, 1, 2], [2, 1, 2]):
+        plan = Plan(pp=len(split), micro_batch=1, global_batch=1, layer_split=split)
+        sg = stage_graph(plan, g)
+        bounds = [sum(split[:i + 1]) for i in range(len(split) - 1)]
+        assert [e.bytes_per_sample for e in sg.edges] == [cut[k] for k in bounds]
+    assert cut[0] == 0.0 and cut[-1] == 0.0

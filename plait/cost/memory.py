@@ -86,10 +86,10 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
-from plait.cost.traffic import pp_message_bytes
+from plait.cost.traffic import grad_elem_bytes, pp_message_bytes
 from plait.errors import PlaitError
 from plait.graph.opgraph import OpGraph
-from plait.ir.stage_graph import chunk_graph, micro_batch_sizes, replica_samples
+from plait.ir.stage_graph import chain_cut_bytes, chunk_graph, micro_batch_sizes, replica_samples
 from plait.plan.ir import Plan
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -301,6 +301,7 @@ class _LayerArrays:
     head_tp: np.ndarray  # bool: the layer's output is vocab-parallel (split by tensor share)
     sink: np.ndarray  # bool: the layer's output feeds the loss
     edges: np.ndarray  # (E, 2) int layer-index pairs
+    cut: np.ndarray  # bytes per sample crossing a chain cut before layer k (stage graph's rule), k = 0..n
     loss_saved: np.ndarray  # bytes the captured loss itself saved (already inside `saved`)
     tied: tuple[int, int, float] | None  # (embedding layer, head layer, tied parameters)
     act_dtype_bytes: int
@@ -430,6 +431,7 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
         head_tp=np.array([s == "head" for s in styles]),
         sink=sink,
         edges=edges,
+        cut=np.asarray(chain_cut_bytes(graph), dtype=np.float64),
         loss_saved=loss_saved,
         tied=tied,
         act_dtype_bytes=graph.activation_dtype_bytes or 2,
@@ -511,7 +513,10 @@ def estimate_memory(
 
     mixed = plan.dtype in ("bf16", "fp16")
     plan_bytes = _DTYPE_BYTES[plan.dtype]
-    w_b, g_b = (2, 2) if mixed else (4, 4)
+    # gradients live in the dtype they are reduced in (Plan.grad_dtype, the one truth the traffic
+    # module sends): Megatron's bf16 keeps fp32 main grads -- 2 + 4 + 12 = 18 bytes per parameter
+    # with Adam (Korthikanti et al. 2022 count the same) -- fp16 keeps fp16 grads unless told
+    w_b, g_b = (2, grad_elem_bytes(plan)) if mixed else (4, 4)
     opt_fp32, opt_mixed, step_kind = _OPTIMIZERS[optimizer]
     k_b = opt_mixed if mixed else opt_fp32
     act_scale = plan_bytes / la.act_dtype_bytes  # capture dtype -> plan dtype
@@ -528,7 +533,7 @@ def estimate_memory(
             )
 
     in_flight = _in_flight(plan, stages)
-    p2p_send, p2p_recv = _p2p_per_sample(plan, graph, len(stages))
+    p2p_send, p2p_recv = _p2p_per_sample(plan, graph, la, len(stages))
 
     matrix = np.zeros((n_dev, len(CATEGORIES)))
     step_phase = np.zeros(n_dev, dtype=bool)
@@ -901,12 +906,19 @@ def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     return [float(min(pp - i, m)) for i in range(pp)]
 
 
-def _p2p_per_sample(plan: Plan, graph: OpGraph, n_stages: int) -> tuple[np.ndarray, np.ndarray]:
+def _p2p_per_sample(plan: Plan, graph: OpGraph, la: _LayerArrays, n_stages: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-sample bytes each stage sends and receives over the stage graph's edges (capture
-    dtype): what crosses each cut (`plait.ir.stage_graph`)."""
+    dtype): what crosses each cut (`plait.ir.stage_graph`; for a chain, its per-cut sums)."""
     send = np.zeros(n_stages)
     recv = np.zeros(n_stages)
     if n_stages == 1:
+        return send, recv
+    if not plan.stages:
+        counts = plan.layers_per_stage(la.n_layers, [layer.tp_style for layer in graph.layers])
+        bounds = np.cumsum(counts)
+        for c in range(len(counts) - 1):  # chunk c -> c + 1, chunk c on stage c % pp
+            send[c % plan.pp] += la.cut[bounds[c]]
+            recv[(c + 1) % plan.pp] += la.cut[bounds[c]]
         return send, recv
     try:
         _, chunks, edges = chunk_graph(plan, graph)

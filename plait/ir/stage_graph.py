@@ -219,6 +219,34 @@ def _edge_tensors(graph: OpGraph, chunks: list[Chunk], a: int, b: int, chain: bo
     return [EdgeTensor(p, float(out[p])) for p in producers]
 
 
+def chain_cut_bytes(graph: OpGraph) -> list[float]:
+    """Bytes per sample crossing a chain cut before layer k, for k = 0..n: the producers
+    `_edge_tensors` lists for a chain edge (index < k, a consumer at index >= k), summed --
+    one number per cut, for callers that ask about thousands of splits (the memory estimator)."""
+    names = graph.layer_names
+    pos = {n: i for i, n in enumerate(names)}
+    out = [float(layer.output_bytes) for layer in graph.layers]
+    cut = [0.0] * (len(names) + 1)
+    if not graph.layer_edges:
+        for k in range(1, len(names)):
+            cut[k] = out[k - 1]
+        return cut
+    last: dict[int, int] = {}
+    for src, dst in graph.layer_edges:
+        if src in pos and dst in pos:
+            last[pos[src]] = max(last.get(pos[src], -1), pos[dst])
+    diff = [0.0] * (len(names) + 2)
+    for i, j in last.items():
+        if j > i:
+            diff[i + 1] += out[i]
+            diff[j + 1] -= out[i]
+    acc = 0.0
+    for k in range(len(names) + 1):
+        acc += diff[k]
+        cut[k] = acc
+    return cut
+
+
 # ---------------------------------------------------------------- validation
 def validate_stages(plan: Plan, graph: OpGraph, specs: list[StageSpec], chunks: list[Chunk],
                     edges: list[tuple[int, int]]) -> None:
