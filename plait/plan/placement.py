@@ -17,6 +17,9 @@ device-to-device bandwidth matrix BW, per iteration:
 * data parallel: every DP group (same stage, same tensor rank) all-reduces its
   gradients, ``2(d-1)/d * msg * max_link 1/BW``; the slowest ring sets the pace.
 
+Message sizes come from `plait.cost.traffic` (`traffic_of`); ring and send/recv times are
+`plait.cost.collectives`' formulas evaluated at the slowest link, vectorised over orders.
+
 Search space: permutations that keep each rank on the same GPU kind as in the
 starting order (the kind layout is chosen by `plait.plan.hetero`; placement only
 chooses among GPUs of equal kind). Moves (Pipette): swap, insert, 2-opt (reverse a
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plait.cost.collectives import ring_all_reduce_time, send_recv_time
 from plait.errors import PlaitError
 
 if TYPE_CHECKING:
@@ -133,10 +137,11 @@ class PathModel:
         nxt = np.roll(groups, -1, axis=-1)
         inv_links = self.inv_bw[groups, nxt]
         lat_links = self.lat[groups, nxt]
-        f = 2.0 * (k - 1) / k * msg
-        per_group = f * inv_links.max(axis=-1) + 2.0 * (k - 1) * lat_links.max(axis=-1)
-        # smooth companion: every link of every ring counts, not only the slowest
-        smooth = f * inv_links.mean(axis=-1) + 2.0 * (k - 1) * lat_links.mean(axis=-1)
+        # plait.cost.collectives' ring all-reduce at the slowest link (vectorised over orders)
+        with np.errstate(divide="ignore"):
+            per_group = ring_all_reduce_time(msg, k, 1.0 / inv_links.max(axis=-1), lat_links.max(axis=-1))
+            # smooth companion: every link of every ring counts, not only the slowest
+            smooth = ring_all_reduce_time(msg, k, 1.0 / inv_links.mean(axis=-1), lat_links.mean(axis=-1))
         return per_group.max(axis=(-1, -2)), smooth.mean(axis=(-1, -2))
 
     def _terms(self, orders: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
@@ -154,7 +159,8 @@ class PathModel:
         if self.pp > 1 and self.traffic.pp_bytes:
             a, b = g[..., :-1, :, :], g[..., 1:, :, :]
             # forward activation + backward gradient per hop; the slowest tensor rank of a hop counts
-            links = 2.0 * self.traffic.pp_bytes * self.inv_bw[a, b] + 2.0 * self.lat[a, b]
+            with np.errstate(divide="ignore"):
+                links = 2.0 * send_recv_time(self.traffic.pp_bytes, 1.0 / self.inv_bw[a, b], self.lat[a, b])
             path = self.traffic.pp_count * links.max(axis=-1).sum(axis=-2)  # per pipeline (replica)
             smooth = self.traffic.pp_count * links.mean(axis=-1).sum(axis=-2)
             pp = (path.max(axis=-1), smooth.mean(axis=-1))
