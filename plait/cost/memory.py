@@ -541,7 +541,7 @@ def estimate_memory(
     for s, st in enumerate(stages):
         ids = st.ids
         mb = st.micro_batch or plan.micro_batch
-        m = max(1, plan.global_batch // (st.dp * mb)) if plan.stages else plan.num_micro_batches
+        m = _stage_micro_batches(plan, st)
         batches = _replica_micro_batches(plan, st, mb)
         ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
         persistent = persistent_grads
@@ -874,14 +874,18 @@ def _replica_micro_batches(plan: Plan, st: _Stage, mb: int) -> list[int]:
             for n in replica_samples(plan.global_batch, st.dp_shares, st.dp)]
 
 
+def _stage_micro_batches(plan: Plan, st: _Stage) -> int:
+    """Micro-batches the busiest replica of a stage runs (the stage graph's rounding rule)."""
+    mb = st.micro_batch or plan.micro_batch
+    return max(1, max(len(micro_batch_sizes(n, mb)) for n in replica_samples(plan.global_batch, st.dp_shares, st.dp)))
+
+
 def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     """Micro-batches of activations each stage holds at once (in whole-stage units)."""
-    m = plan.num_micro_batches
+    ms = [_stage_micro_batches(plan, st) for st in stages]
+    m = max(ms, default=1)
     if plan.schedule == "gpipe":
-        if plan.stages:
-            return [float(max(1, plan.global_batch // (s.dp * (s.micro_batch or plan.micro_batch))))
-                    for s in stages]
-        return [float(m)] * len(stages)
+        return [float(x) for x in ms]
     if plan.stages:
         # GraphPipe's 1F1B: a stage runs one warm-up forward per stage on its longest path to a sink.
         import networkx as nx
@@ -894,11 +898,7 @@ def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
         depth = [0] * len(stages)
         for node in reversed(list(nx.topological_sort(g))):
             depth[node] = max((depth[c] + 1 for c in g.successors(node)), default=0)
-        out = []
-        for s, st in enumerate(stages):
-            ms = max(1, plan.global_batch // (st.dp * (st.micro_batch or plan.micro_batch)))
-            out.append(float(min(depth[s] + 1, ms)))
-        return out
+        return [float(min(depth[s] + 1, ms[s])) for s in range(len(stages))]
     pp, v = plan.pp, plan.virtual_stages
     if plan.schedule == "interleaved" and v > 1:
         # Megatron-LM interleaved warm-up: 2(pp - i - 1) + (v - 1) pp chunk-forwards, +1 running.
