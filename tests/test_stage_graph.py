@@ -132,3 +132,14 @@ def test_chain_cut_sums_match_the_edge_tensors():
         bounds = [sum(split[:i + 1]) for i in range(len(split) - 1)]
         assert [e.bytes_per_sample for e in sg.edges] == [cut[k] for k in bounds]
     assert cut[0] == 0.0 and cut[-1] == 0.0
+
+
+def test_count_and_largest_follow_the_sizes():
+    from plait.ir.stage_graph import largest_micro_batch, micro_batch_count
+
+    for n in range(0, 40):
+        for b in range(1, 9):
+            sizes = micro_batch_sizes(n, b)
+            assert micro_batch_count(n, b) == len(sizes)
+            assert largest_micro_batch(n, b) == (sizes[0] if sizes else 0)
+            assert sum(sizes) == n and (not sizes or max(sizes) - min(sizes) <= 1 and max(sizes) <= b)

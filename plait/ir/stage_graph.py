@@ -134,13 +134,24 @@ def replica_samples(global_batch: int, shares: list[float] | None, dp: int) -> l
     return share_samples(global_batch, shares, dp)
 
 
-def micro_batch_sizes(samples: int, micro_batch: int) -> list[int]:
-    """`samples` cut into ceil(samples / micro_batch) near-equal micro-batches, larger first."""
+def micro_batch_count(samples: int, micro_batch: int) -> int:
+    """How many micro-batches `samples` make at micro-batch size `micro_batch`: ceil(samples / b)."""
     if micro_batch < 1:
         raise PlanError(f"plan field 'micro_batch': must be a positive integer, got {micro_batch!r}")
-    if samples <= 0:
+    return -(-samples // micro_batch) if samples > 0 else 0
+
+
+def largest_micro_batch(samples: int, micro_batch: int) -> int:
+    """Size of the largest of `micro_batch_sizes(samples, micro_batch)` without building the list."""
+    m = micro_batch_count(samples, micro_batch)
+    return -(-samples // m) if m else 0
+
+
+def micro_batch_sizes(samples: int, micro_batch: int) -> list[int]:
+    """`samples` cut into ceil(samples / micro_batch) near-equal micro-batches, larger first."""
+    m = micro_batch_count(samples, micro_batch)
+    if m == 0:
         return []
-    m = -(-samples // micro_batch)
     base, extra = divmod(samples, m)
     return [base + (1 if i < extra else 0) for i in range(m)]
 

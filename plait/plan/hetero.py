@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plait.errors import PlaitError
-from plait.ir.stage_graph import micro_batch_sizes
+from plait.ir.stage_graph import micro_batch_count
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster, GPUKind
@@ -234,7 +234,7 @@ class HeteroResult:
 
 def replica_micro_batch_counts(plan: Plan) -> list[int]:
     """Micro-batches each replica runs under the stage graph's rounding rule (`plait.ir.stage_graph`)."""
-    return [len(micro_batch_sizes(n, plan.micro_batch)) for n in plan.samples_per_replica()]
+    return [micro_batch_count(n, plan.micro_batch) for n in plan.samples_per_replica()]
 
 
 def _pipeline_time(times: np.ndarray, counts: list[int], split: list[int],
