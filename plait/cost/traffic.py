@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from plait.cost.collectives import choose_algorithm, collective_time, group_links
+from plait.cost.collectives import GroupLinks, choose_algorithm, collective_time, group_links
 from plait.cost.compute import DEFAULT_MODEL, ComputeModel, LayerCost, dtype_bytes, layer_cost
 from plait.errors import PlaitError
-from plait.ir.stage_graph import Edge, Stage, StageGraph, stage_graph
+from plait.ir.stage_graph import Edge, Stage, StageGraph, largest_micro_batch, stage_graph
 
 if TYPE_CHECKING:
     from plait.cluster.spec import GPUKind
@@ -279,7 +279,7 @@ def iteration_traffic(graph: OpGraph, plan: Plan, sg: StageGraph | None = None, 
     for st in sg.stages:
         share0 = st.tp_ratios[0] if st.tp > 1 else None
         layers = [by_name[n] for c in st.chunks for n in sg.chunks[c].layers]
-        mb0 = st.replicas[0].micro_batches[0].size if st.replicas and st.replicas[0].micro_batches else 1
+        mb0 = max(1, largest_micro_batch(st.replicas[0].samples, st.micro_batch)) if st.replicas else 1
         costs = [cost(layer, mb0, st.tp, share0) for layer in layers]
         _tp_messages(acc, sg, st, by_name, cost, plan)
         _dp_messages(acc, st, replica_grad_params(layers, costs), plan)
@@ -290,11 +290,12 @@ def iteration_traffic(graph: OpGraph, plan: Plan, sg: StageGraph | None = None, 
     return IterationTraffic(acc.messages(), sg)
 
 
-def _replica_groups(st: Stage) -> dict[tuple[int, ...], list[int]]:
-    """Replicas of a stage with the same micro-batch sizes (their TP traffic is the same)."""
-    out: dict[tuple[int, ...], list[int]] = defaultdict(list)
+def _replica_groups(st: Stage) -> dict[int, list[int]]:
+    """Replicas of a stage with the same number of samples (the same micro-batches, so the
+    same tensor-parallel traffic), by sample count."""
+    out: dict[int, list[int]] = defaultdict(list)
     for r in st.replicas:
-        out[tuple(m.size for m in r.micro_batches)].append(r.index)
+        out[r.samples].append(r.index)
     return out
 
 
@@ -303,14 +304,17 @@ def _tp_messages(acc: _Acc, sg: StageGraph, st: Stage, by_name: dict, cost: Laye
         return
     share0 = st.tp_ratios[0]
     layers = [by_name[n] for c in st.chunks for n in sg.chunks[c].layers]
-    for sizes, reps in _replica_groups(st).items():
+    for _, reps in _replica_groups(st).items():
         groups = [tuple(st.replicas[r].devices) for r in reps]
-        for size, units in Counter(sizes).items():
+        calls: Counter = Counter()  # (pass, op, bytes) -> calls per replica
+        for size, units in st.replicas[reps[0]].size_counts().items():
             for layer in layers:
                 lc = cost(layer, size, st.tp, share0)
                 for pname, part in (("fwd", lc.fwd), ("bwd", lc.bwd), ("rec", lc.recompute(plan.recompute))):
                     for c in part.collectives:
-                        acc.add(f"tp {pname}", "tp", c.op, whole_bytes(c.nbytes), groups, units, st.index, reps[0])
+                        calls[(pname, c.op, whole_bytes(c.nbytes))] += units
+        for (pname, op, nbytes), k in calls.items():
+            acc.add(f"tp {pname}", "tp", op, nbytes, groups, k, st.index, reps[0])
 
 
 def _dp_messages(acc: _Acc, st: Stage, params: float, plan: Plan) -> None:
@@ -328,7 +332,7 @@ def _zero_messages(acc: _Acc, sg: StageGraph, st: Stage, by_name: dict, cost: La
     if plan.zero != 3 or st.dp < 2:
         return
     rings = [tuple(r.devices[t] for r in st.replicas) for t in range(st.tp)]
-    units = max(len(r.micro_batches) for r in st.replicas)
+    units = max(r.count for r in st.replicas)
     for c in st.chunks:
         params = sum(cost(by_name[n], mb0, st.tp, share0).params for n in sg.chunks[c].layers)
         # before every forward and every backward of every micro-batch, and after every backward
@@ -341,20 +345,40 @@ def _zero_messages(acc: _Acc, sg: StageGraph, st: Stage, by_name: dict, cost: La
 def _pp_messages(acc: _Acc, sg: StageGraph, e: Edge, scale: float) -> None:
     """Activations forward and gradients backward over edge `e`, per overlapping micro-batch pair."""
     src, dst = sg.stage_of_chunk(e.src), sg.stage_of_chunk(e.dst)
+    aligned = (src.micro_batch == dst.micro_batch and len(src.replicas) == len(dst.replicas)
+               and all((p.first, p.samples) == (q.first, q.samples) for p, q in zip(src.replicas, dst.replicas)))
+    if aligned:  # every chain: replica r's micro-batches meet replica r's, one to one
+        for _, reps in _replica_groups(src).items():
+            pairs = [pair for r in reps if src.replicas[r].devices != dst.replicas[r].devices
+                     for pair in _rank_pairs(src.replicas[r].devices, dst.replicas[r].devices)]
+            if not pairs:
+                continue  # two chunks of one device group: no transfer
+            for size, units in src.replicas[reps[0]].size_counts().items():
+                _pp_add(acc, e, src, dst, reps[0], reps[0], pairs, e.bytes_per_sample, size, scale, units)
+        return
     for q in dst.replicas:
         for p in src.replicas:
-            if p.devices == q.devices:
-                continue  # two chunks of one device group: no transfer
+            if p.devices == q.devices or p.first >= q.first + q.samples or q.first >= p.first + p.samples:
+                continue
             for qm in q.micro_batches:
                 for pm in p.micro_batches:
                     lo, hi = max(qm.first, pm.first), min(qm.first + qm.size, pm.first + pm.size)
-                    if hi <= lo:
-                        continue
-                    nbytes = pp_message_bytes(e.bytes_per_sample, hi - lo, scale, len(p.devices))
-                    pairs = [(a, b) for a, b in zip(p.devices, q.devices * len(p.devices))]
-                    acc.add(f"send act c{e.src}->c{e.dst}", "pp", "send_recv", nbytes, pairs, 1, src.index, p.index)
-                    acc.add(f"send grad c{e.dst}->c{e.src}", "pp", "send_recv", nbytes,
-                            [(b, a) for a, b in pairs], 1, dst.index, q.index)
+                    if hi > lo:
+                        _pp_add(acc, e, src, dst, p.index, q.index, _rank_pairs(p.devices, q.devices),
+                                e.bytes_per_sample, hi - lo, scale, 1)
+
+
+def _rank_pairs(src: list[int], dst: list[int]) -> list[tuple[int, int]]:
+    """Tensor rank t of the producer sends its 1/t to rank t (mod the consumer's tp) of the consumer."""
+    return [(a, dst[t % len(dst)]) for t, a in enumerate(src)]
+
+
+def _pp_add(acc: _Acc, e: Edge, src: Stage, dst: Stage, p: int, q: int, pairs: list[tuple[int, int]],
+            per_sample: float, samples: int, scale: float, count: int) -> None:
+    nbytes = pp_message_bytes(per_sample, samples, scale, len(src.replicas[p].devices))
+    acc.add(f"send act c{e.src}->c{e.dst}", "pp", "send_recv", nbytes, pairs, count, src.index, p)
+    acc.add(f"send grad c{e.dst}->c{e.src}", "pp", "send_recv", nbytes, [(b, a) for a, b in pairs], count,
+            dst.index, q)
 
 
 def _tied_messages(acc: _Acc, sg: StageGraph, graph: OpGraph, by_name: dict, plan: Plan) -> None:
@@ -377,16 +401,20 @@ def _tied_messages(acc: _Acc, sg: StageGraph, graph: OpGraph, by_name: dict, pla
 
 # ---------------------------------------------------------------- time on a cluster
 def message_time(msg: Message, bandwidth: np.ndarray, latency: np.ndarray, node_of: Sequence[int],
-                 pinned: str | None = None) -> float:
-    """Seconds of one call of `msg` on its slowest group (alpha-beta, `plait.cost.collectives`)."""
+                 pinned: str | None = None,
+                 links_of: Callable[[tuple[int, ...]], GroupLinks] | None = None) -> float:
+    """Seconds of one call of `msg` on its slowest group (alpha-beta, `plait.cost.collectives`).
+    `links_of` may supply (cached) group summaries; groups with the same one cost the same."""
     if msg.nbytes <= 0 or not msg.groups:
         return 0.0
     if msg.op == "send_recv":
         return max(float(latency[a, b]) + msg.nbytes / float(bandwidth[a, b]) if a != b else 0.0
                    for a, b in msg.groups)
+    if links_of is None:
+        def links_of(g: tuple[int, ...]) -> GroupLinks:
+            return group_links(list(g), bandwidth, latency, node_of)
     worst = 0.0
-    for g in msg.groups:
-        links = group_links(list(g), bandwidth, latency, node_of)
+    for links in {links_of(g) for g in msg.groups}:
         algo = choose_algorithm(msg.op, msg.nbytes, links, pinned)
         worst = max(worst, collective_time(msg.op, msg.nbytes, links, algo))
     return worst

@@ -56,13 +56,35 @@ class MicroBatch:
 
 @dataclass
 class Replica:
-    """One data-parallel replica of a stage: its tensor-parallel device group and its samples."""
+    """One data-parallel replica of a stage: its tensor-parallel device group and its samples,
+    run as micro-batches of at most `micro_batch` by the rounding rule (built on first use:
+    planners ask about thousands of 1024-GPU plans and mostly need only the counts)."""
 
     index: int
     devices: list[int]
     first: int  # first global sample of its share
     samples: int
-    micro_batches: list[MicroBatch] = field(default_factory=list)
+    micro_batch: int  # the stage's micro-batch size limit
+    _units: list[MicroBatch] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        if self._units is None:
+            self._units = replica_micro_batches(self.first, self.samples, self.micro_batch)
+        return self._units
+
+    @property
+    def count(self) -> int:
+        """How many micro-batches the replica runs."""
+        return micro_batch_count(self.samples, self.micro_batch)
+
+    def size_counts(self) -> dict[int, int]:
+        """{micro-batch size: how many}, without building the list (sizes differ by at most 1)."""
+        m = self.count
+        if m == 0:
+            return {}
+        base, extra = divmod(self.samples, m)
+        return {k: v for k, v in ((base + 1, extra), (base, m - extra)) if v}
 
 
 @dataclass
@@ -201,7 +223,7 @@ def _stage(plan: Plan, s: int, spec: StageSpec, chunks: list[Chunk]) -> Stage:
     replicas, first = [], 0
     for r, n in enumerate(samples):
         devs = list(spec.devices[r * spec.tp:(r + 1) * spec.tp])
-        replicas.append(Replica(r, devs, first, n, replica_micro_batches(first, n, mb)))
+        replicas.append(Replica(r, devs, first, n, mb))
         first += n
     ratios = list(spec.tp_ratios) if spec.tp_ratios else [1.0 / spec.tp] * spec.tp
     return Stage(s, spec.name, list(spec.layers) or [n for c in chunks if c.stage == s for n in c.layers],

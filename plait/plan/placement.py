@@ -83,7 +83,7 @@ def traffic_of(graph: OpGraph, plan: Plan, messages: IterationTraffic | None = N
         volume[(m.stage, m.replica)] += m.count * m.nbytes
     pp_bytes = float(max((m.nbytes for m in tr.of_class("pp")), default=0))
     dp_bytes = float(max((m.nbytes for m in tr.of_class("dp")), default=0))
-    gas = max((len(r.micro_batches) for st in tr.stage_graph.stages for r in st.replicas), default=1)
+    gas = max((r.count for st in tr.stage_graph.stages for r in st.replicas), default=1)
     return Traffic(
         tp_bytes=tp_bytes,
         tp_count=max(volume.values(), default=0.0) / tp_bytes if plan.tp > 1 and tp_bytes else 0.0,

@@ -307,6 +307,7 @@ class AnalyticModel:
         self._costs: dict[tuple, Any] = {}
         self._times: dict[tuple, np.ndarray] = {}
         self._coll: dict[tuple, float] = {}
+        self._links: dict[tuple, Any] = {}
         self._traffic: dict[str, IterationTraffic] = {}
         self._cost_fns: dict[tuple, Any] = {}
         self._paths: dict[tuple, PathModel] = {}
@@ -380,8 +381,17 @@ class AnalyticModel:
         key = (msg.op, msg.nbytes, msg.groups, plan.collectives.get(msg.cls if msg.cls != "tied" else "dp"))
         t = self._coll.get(key)
         if t is None:
-            t = self._coll[key] = message_time(msg, self.bw, self.lat, self.node_of, key[-1])
+            t = self._coll[key] = message_time(msg, self.bw, self.lat, self.node_of, key[-1], self._group_links)
         return t
+
+    def _group_links(self, group: tuple[int, ...]) -> Any:
+        """`plait.cost.collectives.group_links` of a device group, cached (planners ask again and again)."""
+        hit = self._links.get(group)
+        if hit is None:
+            from plait.cost.collectives import group_links
+
+            hit = self._links[group] = group_links(list(group), self.bw, self.lat, self.node_of)
+        return hit
 
     def comm_times(self, plan: Plan) -> dict[str, float]:
         """Seconds of communication per traffic class on the critical path, nothing overlapped:
@@ -390,7 +400,7 @@ class AnalyticModel:
         rank), Pipette's path weighted by ``max(1, M // pp)``; dp -- the busiest stage's
         gradient reduction, ZeRO gathers/scatters and tied-embedding all-reduce."""
         tr = self.traffic(plan)
-        m = max((len(r.micro_batches) for st in tr.stage_graph.stages for r in st.replicas), default=1)
+        m = max((r.count for st in tr.stage_graph.stages for r in st.replicas), default=1)
         busy: dict[tuple, float] = defaultdict(float)
         hops: dict[str, float] = defaultdict(float)
         for msg in tr.messages:
