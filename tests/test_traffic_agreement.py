@@ -79,3 +79,25 @@ def test_ten_samples_at_micro_batch_four_split_the_same_everywhere(cluster):
     even3 = estimate_memory(graph, Plan(dp=2, micro_batch=3, global_batch=12), c, overhead_bytes=0)
     assert est.breakdown(0).activations == even4.breakdown(0).activations
     assert est.breakdown(1).activations == even3.breakdown(1).activations
+
+
+def test_stage_dag_with_different_micro_batches_agrees():
+    """A GraphPipe-style diamond whose stages differ in dp, micro-batch and shares: messages
+    cover every overlapping pair of producer and consumer micro-batches in both rooms."""
+    from plait.cluster.catalog import GPU_KINDS
+    from plait.graph.opgraph import Layer, OpGraph
+    from plait.plan.ir import StageSpec
+
+    layers = [Layer(name=n, kind="Linear", output_bytes=100.0 * (i + 1)) for i, n in enumerate("abcd")]
+    g = OpGraph(model="diamond", layers=layers, layer_edges=[("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    stages = [StageSpec("s0", ["a"], [0, 1], dp=2, micro_batch=2), StageSpec("s1", ["b"], [2], micro_batch=4),
+              StageSpec("s2", ["c"], [3], micro_batch=1),
+              StageSpec("s3", ["d"], [4, 5], dp=2, dp_shares=[0.75, 0.25])]
+    plan = Plan(stages=stages, stage_edges=[(0, 1), (0, 2), (1, 3), (2, 3)], micro_batch=2, global_batch=8)
+    view = ClusterView.uniform(8, GPU_KINDS["a100-80gb"], 8, 100e9, 5e-6)
+    expected = traffic.iteration_traffic(g, plan).totals()
+    # a's output (100 B/sample) to b and c, b's (200) and c's (300) to d; 8 samples, both directions, bf16
+    assert expected["pp"] == 2 * 8 * (100 + 100 + 200 + 300)
+    for symmetry in (True, False):
+        lw = lower(g, plan, view, SimOptions(granularity="layer", symmetry=symmetry))
+        assert traffic.task_class_bytes(lw.graph.args) == expected
