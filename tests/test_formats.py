@@ -70,3 +70,15 @@ def test_migrations_run_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(PlaitError, match="can no longer be read"):
         check_version("plan", {"format_version": 1, "a": 1}, "f")
     assert stamp("plan", {"a": 1}) == {"format_version": 3, "a": 1}
+
+
+def test_every_plan_field_has_a_json_type_check() -> None:
+    """A Plan field the JSON reader does not know would make every saved plan unreadable."""
+    import dataclasses
+
+    from plait.ir.plan import _PLAN_TYPES, _STAGE_TYPES, StageSpec
+
+    assert {f.name for f in dataclasses.fields(Plan)} == set(_PLAN_TYPES)
+    assert {f.name for f in dataclasses.fields(StageSpec)} == set(_STAGE_TYPES)
+    plan = Plan(dp=2, micro_batch=1, global_batch=2, grad_reduce_dtype="fp32")
+    assert Plan.from_json(plan.to_json()) == plan

@@ -7,7 +7,6 @@ import math
 import re
 import textwrap
 
-import numpy as np
 import pytest
 
 from plait.cluster import load_cluster
@@ -22,6 +21,7 @@ from plait.cost.collectives import (
     measured_tables,
     measured_time,
 )
+from plait.cost.traffic import Message
 
 NODE = "{name: n%d, gpus: {kind: a100-80gb, count: 4}}"
 YAML = textwrap.dedent("""
@@ -118,7 +118,8 @@ def test_planner_and_simulator_take_collective_times_from_the_table() -> None:
     expected = 2**24 * 1.5 / 80e9
     assert collective_time("all_reduce", 2**24, links, "measured") == pytest.approx(expected)
     model = AnalyticModel(_graph(), c)
-    assert model._slowest(np.arange(4).reshape(1, 4), "all_reduce", 2**24) == pytest.approx(expected)
+    msg = Message("grads", "dp", "all_reduce", 2**24, ((0, 1, 2, 3),), 1, 0)
+    assert model._message_s(msg, Plan()) == pytest.approx(expected)
 
     plan = Plan(dp=4, micro_batch=1, global_batch=4, dtype="bf16")
     sim = simulate("gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", ClusterView.from_cluster(c), plan,

@@ -4,12 +4,12 @@ simulator (issue 12: "the NIC count x per-NIC bandwidth must mean the same")."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from plait.cluster import load_cluster
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import collective_time, group_links, ring_all_reduce_time
+from plait.cost.traffic import Message
 from plait.ir.plan import Plan
 from plait.plan.threed import AnalyticModel
 from plait.sim.api import simulate
@@ -59,8 +59,8 @@ def test_planner_and_simulator_agree_for_both_nic_layouts() -> None:
         res = simulate(MODEL, ClusterView.from_cluster(c), plan, memory=False)
         sims.append(res.iteration_time_s)
         model = AnalyticModel(res_graph(plan), c)
-        groups = np.arange(16).reshape(1, 16)
-        analytic.append(model._slowest(groups, "all_reduce", 512e6))
+        msg = Message("grads", "dp", "all_reduce", 512 * 2**20, (tuple(range(16)),), 1, 0)
+        analytic.append(model._message_s(msg, plan))
     assert sims[1] == pytest.approx(sims[0], rel=1e-6)
     assert analytic[1] == pytest.approx(analytic[0], rel=1e-9)
 

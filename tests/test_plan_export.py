@@ -99,3 +99,15 @@ def test_bad_format_and_incomplete_model_config():
         export(plan, "alpa", CFG)
     with pytest.raises(ExportError, match="'heads'"):
         export(plan, "megatron", {"layers": 2, "hidden": 64, "seq": 8, "vocab": 10})
+
+
+def test_gradient_reduction_dtype_is_exported():
+    fp16_fp32 = Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp16", grad_reduce_dtype="fp32")
+    assert "--accumulate-allreduce-grads-in-fp32" in export(fp16_fp32, "megatron", CFG)
+    bf16 = Plan(dp=2, micro_batch=1, global_batch=2)  # Megatron's default: fp32 grads, no flag
+    assert "grads-in-fp32" not in export(bf16, "megatron", CFG)
+    assert "--grad-reduce-in-bf16" in export(Plan(dp=2, micro_batch=1, global_batch=2, grad_reduce_dtype="bf16"),
+                                             "megatron", CFG)
+    assert '"communication_data_type": "fp32"' in export(bf16, "deepspeed", CFG)
+    assert 'mixed_precision_reduce = "float16"' in export(Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp16"),
+                                                          "torchtitan", CFG)

@@ -31,7 +31,8 @@ def two_gpus(gpus_per_node: int = 2) -> ClusterView:
 def chain(params: list[int], out_bytes: float = 0.0) -> OpGraph:
     layers = [Layer(name=f"l{i}", kind="Linear", param_count=p, param_bytes=4 * p, output_bytes=out_bytes)
               for i, p in enumerate(params)]
-    return OpGraph(model="chain", layers=layers,
+    # output bytes are given in fp32, the plans' dtype (pipeline messages scale by plan/capture dtype)
+    return OpGraph(model="chain", layers=layers, activation_dtype_bytes=4,
                    layer_edges=[(a.name, b.name) for a, b in zip(layers, layers[1:])])
 
 
@@ -45,7 +46,7 @@ def test_two_layers_wfbp_overlap(tb1: float) -> None:
     graph = chain([p1, p2])
     times = {"l0": (tf1, tb1), "l1": (tf2, tb2)}
     res = simulate(graph, two_gpus(), Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp32"),
-                   compute=ZERO, layer_times=times, bucket_bytes=1.0, grad_bytes=4, granularity="layer")
+                   compute=ZERO, layer_times=times, bucket_bytes=1.0, granularity="layer")
 
     def ring(nbytes: float) -> float:  # 2-rank ring all-reduce: 2(n-1)a + 2(n-1)/n M/B
         return 2 * ALPHA + nbytes / B
@@ -58,7 +59,7 @@ def test_two_layers_wfbp_overlap(tb1: float) -> None:
     assert res.iteration_time_s == pytest.approx(comm_end_1 + barrier, rel=1e-12)
     # The overlap is real: without buckets the reduction starts after the whole backward.
     whole = simulate(graph, two_gpus(), Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp32"),
-                     compute=ZERO, layer_times=times, grad_bytes=4)
+                     compute=ZERO, layer_times=times)
     assert whole.iteration_time_s == pytest.approx(bwd_end_1 + ring(4 * (p1 + p2)) + barrier, rel=1e-12)
     assert res.iteration_time_s < whole.iteration_time_s
 

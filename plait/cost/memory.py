@@ -79,7 +79,6 @@ activations with Korthikanti's formulas.
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,9 +86,17 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
+from plait.cost.traffic import grad_elem_bytes, pp_message_bytes
 from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
+from plait.ir.stage_graph import (
+    chain_cut_bytes,
+    chunk_graph,
+    largest_micro_batch,
+    micro_batch_count,
+    replica_samples,
+)
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 FRAMEWORK_OVERHEAD_BYTES = 1 * GiB
@@ -300,6 +307,7 @@ class _LayerArrays:
     head_tp: np.ndarray  # bool: the layer's output is vocab-parallel (split by tensor share)
     sink: np.ndarray  # bool: the layer's output feeds the loss
     edges: np.ndarray  # (E, 2) int layer-index pairs
+    cut: np.ndarray  # bytes per sample crossing a chain cut before layer k (stage graph's rule), k = 0..n
     loss_saved: np.ndarray  # bytes the captured loss itself saved (already inside `saved`)
     tied: tuple[int, int, float] | None  # (embedding layer, head layer, tied parameters)
     act_dtype_bytes: int
@@ -429,6 +437,7 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
         head_tp=np.array([s == "head" for s in styles]),
         sink=sink,
         edges=edges,
+        cut=np.asarray(chain_cut_bytes(graph), dtype=np.float64),
         loss_saved=loss_saved,
         tied=tied,
         act_dtype_bytes=graph.activation_dtype_bytes or 2,
@@ -510,7 +519,10 @@ def estimate_memory(
 
     mixed = plan.dtype in ("bf16", "fp16")
     plan_bytes = _DTYPE_BYTES[plan.dtype]
-    w_b, g_b = (2, 2) if mixed else (4, 4)
+    # gradients live in the dtype they are reduced in (Plan.grad_dtype, the one truth the traffic
+    # module sends): Megatron's bf16 keeps fp32 main grads -- 2 + 4 + 12 = 18 bytes per parameter
+    # with Adam (Korthikanti et al. 2022 count the same) -- fp16 keeps fp16 grads unless told
+    w_b, g_b = (2, grad_elem_bytes(plan)) if mixed else (4, 4)
     opt_fp32, opt_mixed, step_kind = _OPTIMIZERS[optimizer]
     k_b = opt_mixed if mixed else opt_fp32
     act_scale = plan_bytes / la.act_dtype_bytes  # capture dtype -> plan dtype
@@ -527,7 +539,7 @@ def estimate_memory(
             )
 
     in_flight = _in_flight(plan, stages)
-    p2p_send, p2p_recv = _p2p_per_sample(la, stage_of_layer, len(stages))
+    p2p_send, p2p_recv = _p2p_per_sample(plan, graph, la, len(stages))
 
     matrix = np.zeros((n_dev, len(CATEGORIES)))
     step_phase = np.zeros(n_dev, dtype=bool)
@@ -535,8 +547,8 @@ def estimate_memory(
     for s, st in enumerate(stages):
         ids = st.ids
         mb = st.micro_batch or plan.micro_batch
-        m = max(1, plan.global_batch // (st.dp * mb)) if plan.stages else plan.num_micro_batches
-        batches = _replica_micro_batches(plan, st, mb, m)
+        m = _stage_micro_batches(plan, st)
+        batches = _replica_micro_batches(plan, st, mb)
         ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
         persistent = persistent_grads
         if persistent is None:
@@ -561,7 +573,7 @@ def estimate_memory(
                 w_b=w_b, g_b=g_b, k_b=k_b, step_kind=step_kind, act_scale=act_scale,
                 loss_scale=loss_scale, loss_copies=loss_copies, held_copies=held_copies,
                 persistent=persistent,
-                dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tied_extra=tied_extra,
+                dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tp=st.tp, tied_extra=tied_extra,
             )
             sel = devs if len(uniq) == 1 else devs[which.reshape(-1) == k]
             np.add.at(matrix, sel, row[:-1])  # a device in two stages holds both
@@ -652,6 +664,7 @@ def _device_row(
     persistent: bool,
     dp_bucket: int,
     p2p: float,
+    tp: int,
     tied_extra: np.ndarray,
 ) -> np.ndarray:
     """Bytes per category at the peak of one device of a stage, plus a final 1.0 if the
@@ -698,7 +711,8 @@ def _device_row(
     step_total = grads_full + step_tmp + held
 
     # ---- communication buffers
-    comm = p2p * b * act_scale * sp  # one micro-batch in each direction across stage boundaries
+    # one micro-batch in each direction across stage boundaries, as each tensor rank sends it
+    comm = float(pp_message_bytes(p2p, b, act_scale, tp))
     if dp > 1:
         comm += min(float(dp_bucket), grads_full)
         if zero >= 3:  # all-gathered full parameters of the running and the prefetched layer
@@ -859,28 +873,24 @@ def _plan_stages(la: _LayerArrays, plan: Plan, graph: OpGraph) -> list[_Stage]:
     return out
 
 
-def _replica_micro_batches(plan: Plan, st: _Stage, mb: int, m: int) -> list[int]:
-    """Micro-batch size of each data-parallel replica of a stage (uneven with dp_shares)."""
-    if not st.dp_shares:
-        return [mb] * st.dp
-    if not plan.stages and st.dp_shares == plan.dp_shares:
-        samples = plan.samples_per_replica()
-    else:
-        exact = [s * plan.global_batch for s in st.dp_shares]
-        samples = [int(x) for x in exact]
-        for i in sorted(range(st.dp), key=lambda i: samples[i] - exact[i])[: plan.global_batch - sum(samples)]:
-            samples[i] += 1
-    return [max(1, math.ceil(n / m)) if n > 0 else 0 for n in samples]
+def _replica_micro_batches(plan: Plan, st: _Stage, mb: int) -> list[int]:
+    """Largest micro-batch of each data-parallel replica of a stage: the stage graph's rounding
+    rule (`plait.ir.stage_graph`: 10 samples at micro-batch 4 run as [4, 3, 3])."""
+    return [largest_micro_batch(n, mb) for n in replica_samples(plan.global_batch, st.dp_shares, st.dp)]
+
+
+def _stage_micro_batches(plan: Plan, st: _Stage) -> int:
+    """Micro-batches the busiest replica of a stage runs (the stage graph's rounding rule)."""
+    mb = st.micro_batch or plan.micro_batch
+    return max(1, max(micro_batch_count(n, mb) for n in replica_samples(plan.global_batch, st.dp_shares, st.dp)))
 
 
 def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     """Micro-batches of activations each stage holds at once (in whole-stage units)."""
-    m = plan.num_micro_batches
+    ms = [_stage_micro_batches(plan, st) for st in stages]
+    m = max(ms, default=1)
     if plan.schedule == "gpipe":
-        if plan.stages:
-            return [float(max(1, plan.global_batch // (s.dp * (s.micro_batch or plan.micro_batch))))
-                    for s in stages]
-        return [float(m)] * len(stages)
+        return [float(x) for x in ms]
     if plan.stages:
         # GraphPipe's 1F1B: a stage runs one warm-up forward per stage on its longest path to a sink.
         import networkx as nx
@@ -893,11 +903,7 @@ def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
         depth = [0] * len(stages)
         for node in reversed(list(nx.topological_sort(g))):
             depth[node] = max((depth[c] + 1 for c in g.successors(node)), default=0)
-        out = []
-        for s, st in enumerate(stages):
-            ms = max(1, plan.global_batch // (st.dp * (st.micro_batch or plan.micro_batch)))
-            out.append(float(min(depth[s] + 1, ms)))
-        return out
+        return [float(min(depth[s] + 1, ms[s])) for s in range(len(stages))]
     pp, v = plan.pp, plan.virtual_stages
     if plan.schedule == "interleaved" and v > 1:
         # Megatron-LM interleaved warm-up: 2(pp - i - 1) + (v - 1) pp chunk-forwards, +1 running.
@@ -905,20 +911,27 @@ def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     return [float(min(pp - i, m)) for i in range(pp)]
 
 
-def _p2p_per_sample(la: _LayerArrays, stage_of_layer: np.ndarray, n_stages: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample bytes each stage sends and receives across stage boundaries (capture dtype)."""
+def _p2p_per_sample(plan: Plan, graph: OpGraph, la: _LayerArrays, n_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample bytes each stage sends and receives over the stage graph's edges (capture
+    dtype): what crosses each cut (`plait.ir.stage_graph`; for a chain, its per-cut sums)."""
     send = np.zeros(n_stages)
     recv = np.zeros(n_stages)
-    if len(la.edges) == 0 or n_stages == 1:
+    if n_stages == 1:
         return send, recv
-    src, dst = la.edges[:, 0], la.edges[:, 1]
-    s_src, s_dst = stage_of_layer[src], stage_of_layer[dst]
-    cross = (s_src != s_dst) & (s_src >= 0) & (s_dst >= 0)
-    if not cross.any():
+    if not plan.stages:
+        counts = plan.layers_per_stage(la.n_layers, [layer.tp_style for layer in graph.layers])
+        bounds = np.cumsum(counts)
+        for c in range(len(counts) - 1):  # chunk c -> c + 1, chunk c on stage c % pp
+            send[c % plan.pp] += la.cut[bounds[c]]
+            recv[(c + 1) % plan.pp] += la.cut[bounds[c]]
         return send, recv
-    # one message per (producer layer, consumer stage)
-    pairs = np.unique(np.stack([src[cross], s_dst[cross]], axis=1), axis=0)
-    bytes_ = la.out[pairs[:, 0]]
-    np.add.at(send, stage_of_layer[pairs[:, 0]], bytes_)
-    np.add.at(recv, pairs[:, 1], bytes_)
+    try:
+        _, chunks, edges = chunk_graph(plan, graph)
+    except PlaitError as exc:
+        raise MemoryEstimateError(str(exc)) from None
+    for e in edges:
+        a, b = chunks[e.src].stage, chunks[e.dst].stage
+        if a != b:
+            send[a] += e.bytes_per_sample
+            recv[b] += e.bytes_per_sample
     return send, recv

@@ -2,6 +2,9 @@
 
 * `plait.ir.opgraph`  -- the model as a DAG of ops grouped into layers (`OpGraph`, `Layer`, `Op`);
 * `plait.ir.plan`     -- `Plan` (how one iteration is cut up and placed) and `StageSpec`;
+* `plait.ir.stage_graph` -- the one stage graph derived from a Plan and an OpGraph: stages, device
+                        groups, per-replica batch shares (one rounding rule), per-edge tensors;
+* `plait.ir.formats`  -- `format_version` of every file plait writes, and the rule for reading it;
 * `plait.ir.timeline` -- `Timeline` / `TimelineEvent`, written by the simulator *and* the runtime.
 
 This package sits at the bottom of the import order (see docs/DESIGN.md): it imports only

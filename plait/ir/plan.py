@@ -40,6 +40,7 @@ SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved")
 ZERO_CHOICES = (0, 1, 2, 3)
 # Traffic classes whose collective algorithm a plan may pin (else chosen as NCCL would).
 COLLECTIVE_CLASSES = ("dp", "tp", "pp", "zero")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 COLLECTIVE_ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped")
 
 
@@ -84,6 +85,9 @@ class Plan:
     virtual_stages: int = 1  # model chunks per device for interleaved 1F1B
     sequence_parallel: bool = False
     dtype: str = "bf16"  # training compute dtype (mixed precision when not fp32)
+    # dtype gradients are reduced in across data-parallel replicas; None: the framework's default
+    # for `dtype` (`Plan.grad_dtype`)
+    grad_reduce_dtype: str | None = None
     layer_split: list[int] | None = None
     dp_shares: list[float] | None = None
     tp_ratios: list[float] | None = None
@@ -109,6 +113,9 @@ class Plan:
             raise PlanError(f"plan field 'zero': must be one of {ZERO_CHOICES}, got {self.zero!r}")
         if self.dtype not in ("fp32", "tf32", "bf16", "fp16"):
             raise PlanError(f"plan field 'dtype': must be fp32, tf32, bf16 or fp16, got {self.dtype!r}")
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise PlanError(f"plan field 'grad_reduce_dtype': must be one of {GRAD_REDUCE_DTYPES}, "
+                            f"got {self.grad_reduce_dtype!r}")
         if self.schedule != "interleaved" and self.virtual_stages != 1:
             raise PlanError("plan field 'virtual_stages': only the interleaved schedule uses more than 1")
         if not self.stages:
@@ -145,6 +152,45 @@ class Plan:
         for a, b in self.stage_edges:
             if not (0 <= a < n and 0 <= b < n) or a == b:
                 raise PlanError(f"plan field 'stage_edges': edge ({a}, {b}) does not join two stages of {n}")
+        self._check_stage_dag()
+
+    def _check_stage_dag(self) -> None:
+        """An explicit stage DAG: acyclic, each layer in one stage, device groups disjoint."""
+        owner: dict[str, int] = {}
+        for s, st in enumerate(self.stages):
+            for name in st.layers:
+                if name in owner:
+                    raise PlanError(f"plan field 'stages[{s}].layers': layer {name!r} is also in stage {owner[name]}")
+                owner[name] = s
+        holder: dict[int, int] = {}
+        for s, st in enumerate(self.stages):
+            if len(set(st.devices)) != len(st.devices):
+                raise PlanError(f"plan field 'stages[{s}].devices': a device appears twice in {st.devices}")
+            for d in st.devices:
+                if d in holder:
+                    raise PlanError(f"plan field 'stages[{s}].devices': device {d} is also in stage {holder[d]}'s "
+                                    "group (device groups must not overlap)")
+                holder[d] = s
+        succ: dict[int, list[int]] = {}
+        for a, b in self.stage_edges:
+            succ.setdefault(a, []).append(b)
+        state: dict[int, int] = {}  # 1: on the current path, 2: done (iterative DFS for cycles)
+        for root in range(len(self.stages)):
+            if state.get(root):
+                continue
+            stack = [(root, iter(succ.get(root, [])))]
+            state[root] = 1
+            while stack:
+                node, it = stack[-1]
+                nxt = next(it, None)
+                if nxt is None:
+                    state[node] = 2
+                    stack.pop()
+                elif state.get(nxt) == 1:
+                    raise PlanError(f"plan field 'stage_edges': the stage graph has a cycle through stage {nxt}")
+                elif not state.get(nxt):
+                    state[nxt] = 1
+                    stack.append((nxt, iter(succ.get(nxt, []))))
 
     @staticmethod
     def _check_ratios(name: str, ratios: list[float] | None, count: int) -> None:
@@ -161,6 +207,16 @@ class Plan:
         if self.stages:
             return len({d for s in self.stages for d in s.devices})
         return self.dp * self.tp * self.pp
+
+    @property
+    def grad_dtype(self) -> str:
+        """The dtype gradients are reduced in: `grad_reduce_dtype`, else Megatron-LM's default
+        for the compute dtype -- bf16 accumulates and all-reduces fp32 main grads (arguments.py
+        forces ``accumulate_allreduce_grads_in_fp32`` for bf16), fp16 reduces in fp16 unless
+        that flag is given, fp32/tf32 in fp32."""
+        if self.grad_reduce_dtype is not None:
+            return self.grad_reduce_dtype
+        return {"bf16": "fp32", "fp16": "fp16"}.get(self.dtype, "fp32")
 
     @property
     def num_micro_batches(self) -> int:
@@ -180,12 +236,7 @@ class Plan:
 
         Uneven shares are floored and the remainder handed to the largest deficits
         (HAP §5's rounding)."""
-        shares = self.dp_shares or [1.0 / self.dp] * self.dp
-        exact = [s * self.global_batch for s in shares]
-        counts = [int(x) for x in exact]
-        for i in sorted(range(self.dp), key=lambda i: counts[i] - exact[i])[: self.global_batch - sum(counts)]:
-            counts[i] += 1
-        return counts
+        return share_samples(self.global_batch, self.dp_shares, self.dp)
 
     def layers_per_stage(self, num_layers: int, styles: list[str] | None = None) -> list[int]:
         """Layers each pipeline (virtual) stage holds, in model order.
@@ -258,6 +309,8 @@ class Plan:
             parts.append("sequence_parallel=true")
         if self.dtype != "bf16":
             parts.append(f"dtype={self.dtype}")
+        if self.grad_reduce_dtype is not None:
+            parts.append(f"grad_reduce_dtype={self.grad_reduce_dtype}")
         if self.layer_split is not None:
             parts.append("layer_split=" + ":".join(map(str, self.layer_split)))
         if self.dp_shares is not None:
@@ -293,7 +346,7 @@ class Plan:
             try:
                 if key in ("dp", "tp", "pp", "micro_batch", "global_batch", "zero", "virtual_stages"):
                     kwargs[key] = int(value)
-                elif key in ("recompute", "schedule", "dtype"):
+                elif key in ("recompute", "schedule", "dtype", "grad_reduce_dtype"):
                     kwargs[key] = value.lower()
                 elif key == "sequence_parallel":
                     kwargs[key] = parse_bool(value, "plan string: 'sequence_parallel'")
@@ -459,7 +512,7 @@ _PLAN_TYPES: dict[str, str] = {
     "dp": _INT, "tp": _INT, "pp": _INT, "micro_batch": _INT, "global_batch": _INT, "zero": _INT,
     "virtual_stages": _INT, "recompute": _STR, "schedule": _STR, "dtype": _STR, "sequence_parallel": _BOOL,
     "layer_split": "ints?", "device_order": "ints?", "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,
-    "collectives": "str->str", "stages": "list", "stage_edges": "pairs",
+    "collectives": "str->str", "stages": "list", "stage_edges": "pairs", "grad_reduce_dtype": "str?",
 }
 _STAGE_TYPES: dict[str, str] = {
     "name": _STR, "layers": "strs", "devices": _INTS, "dp": _INT, "tp": _INT, "micro_batch": "int?",
@@ -484,6 +537,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "int": (_is_int, "an integer"),
     "int?": (lambda x: x is None or _is_int(x), "an integer or null"),
     "str": (lambda x: isinstance(x, str), "a string"),
+    "str?": (lambda x: x is None or isinstance(x, str), "a string or null"),
     "bool": (lambda x: isinstance(x, bool), "true or false"),
     "ints": (lambda x: isinstance(x, list) and all(map(_is_int, x)), "a list of integers"),
     "ints?": (lambda x: x is None or (isinstance(x, list) and all(map(_is_int, x))), "a list of integers or null"),
@@ -503,6 +557,17 @@ def _check_json_types(data: dict[str, Any], types: dict[str, str], source: str, 
         if not ok(value):
             shown = repr(value) if len(repr(value)) <= 60 else _json_type(value)
             raise PlanError(f"{source}: plan field '{prefix}{name}': must be {want}, got {shown}")
+
+
+def share_samples(total: int, shares: list[float] | None, dp: int) -> list[int]:
+    """`total` samples over `dp` replicas by `shares` (even when None): each gets the floor of
+    its exact share, the remainder goes one by one to the largest deficits (HAP §5)."""
+    shares = shares or [1.0 / dp] * dp
+    exact = [s * total for s in shares]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(dp), key=lambda i: counts[i] - exact[i])[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 def _even_split(count: int, parts: int) -> list[int]:

@@ -133,6 +133,11 @@ def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None)
         args.append("--use-distributed-optimizer")  # shards optimizer state (and grads) over dp: ZeRO-1/2
     elif plan.zero == 3:
         args.append("--use-torch-fsdp2")  # parameters sharded too: ZeRO-3
+    # gradient-reduction dtype where it is not Megatron's default for the compute dtype (Plan.grad_dtype)
+    if plan.dtype == "fp16" and plan.grad_dtype == "fp32":
+        args.append("--accumulate-allreduce-grads-in-fp32")
+    elif plan.dtype == "bf16" and plan.grad_dtype == "bf16":
+        args.append("--grad-reduce-in-bf16")
     args.append({"bf16": "--bf16", "fp16": "--fp16"}.get(plan.dtype, ""))
     launch = (f"torchrun --nnodes {nodes} --nproc-per-node {g} --node-rank $NODE_RANK "
               f"--master-addr $MASTER_ADDR --master-port 6000 pretrain_gpt.py")
@@ -159,6 +164,7 @@ def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None
     }
     if plan.dtype in ("bf16", "fp16"):
         ds[plan.dtype] = {"enabled": True}
+        ds["communication_data_type"] = plan.grad_dtype  # gradient all-reduce dtype (Plan.grad_dtype)
     if plan.recompute != "none":
         ds["activation_checkpointing"] = {"partition_activations": plan.tp > 1, "contiguous_memory_optimization": False,
                                           "cpu_checkpointing": False}
@@ -197,6 +203,8 @@ def torchtitan(plan: Plan, config: dict[str, Any], cluster: Cluster | None = Non
     if plan.dtype in ("bf16", "fp16"):
         torch_dtype = {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
         lines.append(f'mixed_precision_param = "{torch_dtype}"')
+        reduce = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[plan.grad_dtype]
+        lines.append(f'mixed_precision_reduce = "{reduce}"')
     lines += ["", "[parallelism]", f"data_parallel_replicate_degree = {replicate}",
               f"data_parallel_shard_degree = {shard}", f"tensor_parallel_degree = {plan.tp}",
               f"pipeline_parallel_degree = {plan.pp}"]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plait.errors import PlaitError
+from plait.ir.stage_graph import micro_batch_count
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster, GPUKind
@@ -222,6 +223,11 @@ class HeteroResult:
                 "memory_rounds": self.memory_rounds}
 
 
+def replica_micro_batch_counts(plan: Plan) -> list[int]:
+    """Micro-batches each replica runs under the stage graph's rounding rule (`plait.ir.stage_graph`)."""
+    return [micro_batch_count(n, plan.micro_batch) for n in plan.samples_per_replica()]
+
+
 def _pipeline_time(times: np.ndarray, counts: list[int], split: list[int],
                    v: int = 1) -> tuple[np.ndarray, float, list[float], list[float]]:
     """Stage times (pp, dp) for a split into pp*v chunks (chunk c on stage c % pp), and the
@@ -271,7 +277,7 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
     mixed_pp = any(grid[p][d] != grid[0][d] for p in range(plan.pp) for d in range(plan.dp))
     mixed_dp = any(len(set(row)) > 1 for row in grid)
     total_mb = plan.global_batch // plan.micro_batch
-    even_counts = [plan.num_micro_batches] * plan.dp
+    even_counts = replica_micro_batch_counts(plan)
     v = plan.virtual_stages
     if v != 1:
         # interleaved model chunks keep Megatron's even split (a stage's time sums chunks
@@ -325,6 +331,9 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
             caps[p] = min(split[p] - 1, int(np.floor(split[p] * ratio[p])))
         if min(caps) < 1 or sum(caps) < n_layers:
             return None
+    # the split as every room runs it: the stage graph's rounding of the new shares (whole
+    # micro-batches per replica, so it gives `counts` back)
+    counts = replica_micro_batch_counts(new)
     st, pred, _, _ = _pipeline_time(times, counts, split, v)
     return HeteroResult(plan=new, stage_times=st.tolist(), micro_batches=counts, predicted=pred,
                         even_predicted=even_pred, memory_rounds=rounds, caps=caps)

@@ -17,6 +17,9 @@ device-to-device bandwidth matrix BW, per iteration:
 * data parallel: every DP group (same stage, same tensor rank) all-reduces its
   gradients, ``2(d-1)/d * msg * max_link 1/BW``; the slowest ring sets the pace.
 
+Message sizes come from `plait.cost.traffic` (`traffic_of`); ring and send/recv times are
+`plait.cost.collectives`' formulas evaluated at the slowest link, vectorised over orders.
+
 Search space: permutations that keep each rank on the same GPU kind as in the
 starting order (the kind layout is chosen by `plait.plan.hetero`; placement only
 chooses among GPUs of equal kind). Moves (Pipette): swap, insert, 2-opt (reverse a
@@ -36,10 +39,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
+from plait.cost.collectives import ring_all_reduce_time, send_recv_time
 from plait.errors import PlaitError
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
+    from plait.cost.traffic import IterationTraffic
     from plait.ir.opgraph import OpGraph
     from plait.ir.plan import Plan
 
@@ -61,31 +66,31 @@ class Traffic:
     dp_bytes: float = 0.0  # gradient bytes each rank all-reduces per iteration
 
 
-def traffic_of(graph: OpGraph, plan: Plan) -> Traffic:
-    """Traffic of a plan from the captured model (Megatron's communication pattern).
+def traffic_of(graph: OpGraph, plan: Plan, messages: IterationTraffic | None = None) -> Traffic:
+    """The path model's summary of a plan's messages (`plait.cost.traffic`, computed unless given).
 
-    TP: each transformer layer all-reduces its output twice in forward and twice in
-    backward (Megatron-LM §3: after attention and after the MLP, `f`/`g` operators).
-    PP: the activation leaving a stage (the largest layer output, per micro-batch).
-    DP: gradients of one stage's parameters, split over tp, in the compute dtype.
-    """
-    mb = plan.micro_batch
-    tp_layers = [layer for layer in graph.layers if layer.tp_style == "transformer"]
-    counts = plan.layers_per_stage(len(graph.layers)) if len(graph.layers) >= plan.pp * plan.virtual_stages else [1]
-    bounds = np.cumsum([0] + counts)
-    # the busiest stage: most transformer layers (TP traffic) and most parameters (DP traffic)
-    per_stage = [graph.layers[bounds[i]:bounds[i + 1]] for i in range(len(counts))]
-    tp_per_stage = max(sum(1 for x in st if x.tp_style == "transformer") for st in per_stage) * plan.virtual_stages
-    params = max(sum(x.param_count for x in st) for st in per_stage) * plan.virtual_stages
-    out = max((layer.output_bytes for layer in tp_layers or graph.layers), default=0.0)
-    gas = plan.num_micro_batches
-    grad_bytes = 2 if plan.dtype in ("bf16", "fp16") else 4
+    TP: the busiest tensor group's collectives (Megatron: 2 all-reduces forward and 2
+    backward per transformer layer and micro-batch), as a count of its largest message.
+    PP: the largest message one tensor rank sends over a stage edge, weighted by
+    Pipette's ``gas // pp``. DP: the largest gradient reduction of one tensor rank, in
+    the plan's gradient dtype."""
+    from plait.cost.traffic import iteration_traffic
+
+    tr = messages if messages is not None else iteration_traffic(graph, plan)
+    tp_msgs = tr.of_class("tp")
+    tp_bytes = float(max((m.nbytes for m in tp_msgs), default=0))
+    volume: dict[tuple[int, int], float] = defaultdict(float)
+    for m in tp_msgs:
+        volume[(m.stage, m.replica)] += m.count * m.nbytes
+    pp_bytes = float(max((m.nbytes for m in tr.of_class("pp")), default=0))
+    dp_bytes = float(max((m.nbytes for m in tr.of_class("dp")), default=0))
+    gas = max((r.count for st in tr.stage_graph.stages for r in st.replicas), default=1)
     return Traffic(
-        tp_bytes=out * mb,
-        tp_count=4.0 * tp_per_stage * gas if plan.tp > 1 else 0.0,
-        pp_bytes=out * mb,
+        tp_bytes=tp_bytes,
+        tp_count=max(volume.values(), default=0.0) / tp_bytes if plan.tp > 1 and tp_bytes else 0.0,
+        pp_bytes=pp_bytes,
         pp_count=float(max(1, gas // plan.pp)) if plan.pp > 1 else 0.0,
-        dp_bytes=params / plan.tp * grad_bytes if plan.dp > 1 else 0.0,
+        dp_bytes=dp_bytes if plan.dp > 1 else 0.0,
     )
 
 
@@ -133,10 +138,11 @@ class PathModel:
         nxt = np.roll(groups, -1, axis=-1)
         inv_links = self.inv_bw[groups, nxt]
         lat_links = self.lat[groups, nxt]
-        f = 2.0 * (k - 1) / k * msg
-        per_group = f * inv_links.max(axis=-1) + 2.0 * (k - 1) * lat_links.max(axis=-1)
-        # smooth companion: every link of every ring counts, not only the slowest
-        smooth = f * inv_links.mean(axis=-1) + 2.0 * (k - 1) * lat_links.mean(axis=-1)
+        # plait.cost.collectives' ring all-reduce at the slowest link (vectorised over orders)
+        with np.errstate(divide="ignore"):
+            per_group = ring_all_reduce_time(msg, k, 1.0 / inv_links.max(axis=-1), lat_links.max(axis=-1))
+            # smooth companion: every link of every ring counts, not only the slowest
+            smooth = ring_all_reduce_time(msg, k, 1.0 / inv_links.mean(axis=-1), lat_links.mean(axis=-1))
         return per_group.max(axis=(-1, -2)), smooth.mean(axis=(-1, -2))
 
     def _terms(self, orders: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
@@ -154,7 +160,8 @@ class PathModel:
         if self.pp > 1 and self.traffic.pp_bytes:
             a, b = g[..., :-1, :, :], g[..., 1:, :, :]
             # forward activation + backward gradient per hop; the slowest tensor rank of a hop counts
-            links = 2.0 * self.traffic.pp_bytes * self.inv_bw[a, b] + 2.0 * self.lat[a, b]
+            with np.errstate(divide="ignore"):
+                links = 2.0 * send_recv_time(self.traffic.pp_bytes, 1.0 / self.inv_bw[a, b], self.lat[a, b])
             path = self.traffic.pp_count * links.max(axis=-1).sum(axis=-2)  # per pipeline (replica)
             smooth = self.traffic.pp_count * links.mean(axis=-1).sum(axis=-2)
             pp = (path.max(axis=-1), smooth.mean(axis=-1))

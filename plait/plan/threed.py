@@ -29,7 +29,7 @@ import dataclasses
 import math
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,11 +40,13 @@ from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import measured_tables
 from plait.errors import PlaitError
 from plait.ir.plan import RECOMPUTE_CHOICES, Plan
+from plait.ir.stage_graph import stage_graph
 from plait.plan import hetero
 from plait.plan.placement import PathModel, PlacementResult, anneal, traffic_of
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
+    from plait.cost.traffic import IterationTraffic, Message
     from plait.ir.opgraph import OpGraph
 
 # Ranks a placed finalist: (graph, plan) -> {"iteration_time_s", "tflops_per_gpu", ...}.
@@ -289,15 +291,11 @@ class AnalyticModel:
     each GPU kind from `plait.cost.compute.layer_cost` (Megatron's kernel sequence);
     the pipeline of replica d takes ``M_d * b_d + (s_d - b_d) / v`` (Pipette's 1F1B
     formula ``(M-1) max_p t_p + sum_p t_p``, the fill/drain part divided by the v
-    interleaved chunks). Communication, from `plait.cost.collectives` on the cluster's
-    links in the plan's placement: the tensor-parallel collectives of every layer pass
-    (slowest tensor group), the pipeline send/recv of activations forward and gradients
-    backward per micro-batch and hop (slowest pipeline, Pipette's path sum weighted by
-    ``M // pp``), the gradient all-reduce of the largest stage over the slowest
-    data-parallel ring (reduce-scatter + all-gather with ZeRO: the same volume),
-    ZeRO-3's parameter all-gathers per micro-batch, and the optimizer step. Nothing
-    overlaps, so it over-estimates communication-heavy plans; the simulator decides
-    the final ranking."""
+    interleaved chunks). Communication: every message of the iteration from
+    `plait.cost.traffic` (the same messages the simulator lowers), each timed by
+    `plait.cost.collectives` on its slowest group in the plan's placement (`comm_times`),
+    plus the optimizer step. Nothing overlaps, so it over-estimates communication-heavy
+    plans; the simulator decides the final ranking."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster,
                  layer_time: hetero.LayerTimeFn | None = None, compute: Any = None) -> None:
@@ -316,9 +314,10 @@ class AnalyticModel:
         self._custom = layer_time
         self._costs: dict[tuple, Any] = {}
         self._times: dict[tuple, np.ndarray] = {}
-        self._links: dict[tuple, Any] = {}
         self._coll: dict[tuple, float] = {}
-        self._tp: dict[tuple, float] = {}
+        self._links: dict[tuple, Any] = {}
+        self._traffic: dict[str, IterationTraffic] = {}
+        self._cost_fns: dict[tuple, Any] = {}
         self._paths: dict[tuple, PathModel] = {}
         self._base_path = PathModel(self.bw, traffic_of(graph, Plan()), dp=1, tp=1, pp=1, latency=self.lat)
         # identical transformer blocks cost the same: cost one, reuse it
@@ -360,7 +359,7 @@ class AnalyticModel:
     # ---------------------------------------------------------------- communication
     def path_model(self, plan: Plan) -> PathModel:
         """Pipette's path model of the plan, for placement (`plait.plan.placement`)."""
-        traffic = traffic_of(self.graph, plan)
+        traffic = traffic_of(self.graph, plan, self.traffic(plan))
         key = (traffic, plan.dp, plan.tp, plan.pp)
         path = self._paths.get(key)
         if path is None:
@@ -368,44 +367,63 @@ class AnalyticModel:
             self._paths[key] = path
         return path
 
-    def _slowest(self, groups: np.ndarray, op: str, nbytes: float) -> float:
-        """Time of `op` on the slowest of the device groups (rows of `groups`), as NCCL would run it."""
-        from plait.cost.collectives import (
-            choose_algorithm,
-            collective_time,
-            group_links,
-        )
+    def traffic(self, plan: Plan) -> IterationTraffic:
+        """Every message of one iteration of `plan` (`plait.cost.traffic`): what `estimate` times."""
+        from plait.cost.traffic import iteration_traffic, layer_cost_fn
 
-        if groups.shape[-1] <= 1 or nbytes <= 0:
-            return 0.0
-        key = (groups.tobytes(), groups.shape)
-        links = self._links.get(key)
-        if links is None:
-            # groups with the same slowest links cost the same: keep one of each
-            links = list({group_links(row.tolist(), self.bw, self.lat, self.node_of, self.node_nics,
-                                      self.measured) for row in groups})
-            self._links[key] = links
-        ckey = (key, op, nbytes)
-        t = self._coll.get(ckey)
+        key = str(plan)
+        hit = self._traffic.get(key)
+        if hit is None:
+            grid = hetero.kind_grid(self.cluster, plan, self.devices)
+            ckey = (plan.dtype, plan.sequence_parallel, grid[0][0])
+            cost = self._cost_fns.get(ckey)
+            if cost is None:
+                cost = self._cost_fns[ckey] = layer_cost_fn(self.graph, plan, self.kinds[grid[0][0]], self.compute)
+            hit = self._traffic[key] = iteration_traffic(self.graph, plan, stage_graph(plan, self.graph), cost=cost)
+        return hit
+
+    def _message_s(self, msg: Message, plan: Plan) -> float:
+        """Seconds of one call of `msg` on its slowest group, as NCCL would run it."""
+        from plait.cost.traffic import message_time
+
+        key = (msg.op, msg.nbytes, msg.groups, plan.collectives.get(msg.cls if msg.cls != "tied" else "dp"))
+        t = self._coll.get(key)
         if t is None:
-            t = max(collective_time(op, nbytes, gl, choose_algorithm(op, nbytes, gl)) for gl in links)
-            self._coll[ckey] = t
+            t = self._coll[key] = message_time(msg, self.bw, self.lat, self.node_of, key[-1], self._group_links)
         return t
 
-    def _layer_tp_s(self, i: int, plan: Plan, kind_name: str, groups: np.ndarray) -> float:
-        """Tensor-parallel collectives of layer i (forward, backward, recompute), one micro-batch."""
-        key = (self._sig[i], kind_name, plan.micro_batch, plan.tp, plan.dtype, plan.sequence_parallel,
-               plan.recompute, groups.tobytes())
-        t = self._tp.get(key)
-        if t is None:
-            cost = self.layer_cost(i, plan, kind_name)
-            t = sum(self._slowest(groups, x.op, x.nbytes)
-                    for part in (cost.fwd, cost.bwd, cost.recompute(plan.recompute)) for x in part.collectives)
-            self._tp[key] = t
-        return t
+    def _group_links(self, group: tuple[int, ...]) -> Any:
+        """`plait.cost.collectives.group_links` of a device group, cached (planners ask again and again)."""
+        hit = self._links.get(group)
+        if hit is None:
+            from plait.cost.collectives import group_links
+
+            hit = self._links[group] = group_links(list(group), self.bw, self.lat, self.node_of,
+                                                   self.node_nics, self.measured)
+        return hit
+
+    def comm_times(self, plan: Plan) -> dict[str, float]:
+        """Seconds of communication per traffic class on the critical path, nothing overlapped:
+        tp -- the busiest replica's tensor-parallel collectives (every pass of every micro-batch);
+        pp -- every stage edge's activation and gradient (largest micro-batch, slowest tensor
+        rank), Pipette's path weighted by ``max(1, M // pp)``; dp -- the busiest stage's
+        gradient reduction, ZeRO gathers/scatters and tied-embedding all-reduce."""
+        tr = self.traffic(plan)
+        m = max((r.count for st in tr.stage_graph.stages for r in st.replicas), default=1)
+        busy: dict[tuple, float] = defaultdict(float)
+        hops: dict[str, float] = defaultdict(float)
+        for msg in tr.messages:
+            if msg.cls == "tp":
+                busy[("tp", msg.stage, msg.replica)] += msg.count * self._message_s(msg, plan)
+            elif msg.cls == "pp":
+                hops[msg.name] = max(hops[msg.name], self._message_s(msg, plan))
+            else:
+                busy[("dp", msg.stage)] += msg.count * self._message_s(msg, plan)
+        return {"tp": max((t for k, t in busy.items() if k[0] == "tp"), default=0.0),
+                "pp": sum(hops.values()) * max(1, m // plan.pp),
+                "dp": max((t for k, t in busy.items() if k[0] == "dp"), default=0.0)}
 
     def estimate(self, plan: Plan) -> float:
-        from plait.cost.collectives import send_recv_time
         from plait.cost.compute import optimizer_time
 
         graph = self.graph
@@ -413,8 +431,7 @@ class AnalyticModel:
         v = plan.virtual_stages
         bounds = np.concatenate([[0], np.cumsum(plan.layers_per_stage(len(graph.layers)))])
         chunk_stage = [c % plan.pp for c in range(plan.pp * v)]
-        counts = _replica_micro_batches(plan)
-        order = hetero.rank_order(plan).reshape(plan.pp, plan.dp, plan.tp)
+        counts = hetero.replica_micro_batch_counts(plan)
         # compute: the slowest replica's pipeline
         compute_s = 0.0
         for d in range(plan.dp):
@@ -423,48 +440,15 @@ class AnalyticModel:
                 st[p] += self.layer_times(plan, grid[p][d])[bounds[c]:bounds[c + 1]].sum()
             b, s = float(st.max()), float(st.sum())
             compute_s = max(compute_s, counts[d] * b + (s - b) / v)
-        m = max(counts)
         kind0 = grid[0][0]
-        # tensor parallel: the collectives inside every pass of the busiest stage, per micro-batch
-        tp_s = 0.0
-        if plan.tp > 1:
-            groups = order.reshape(-1, plan.tp)
-            per_stage = np.zeros(plan.pp)
-            for c, p in enumerate(chunk_stage):
-                per_stage[p] += sum(self._layer_tp_s(i, plan, kind0, groups) for i in range(bounds[c], bounds[c + 1]))
-            tp_s = m * float(per_stage.max())
-        # pipeline: activations forward + gradients backward over every hop (Pipette's path)
-        pp_s = 0.0
-        if plan.pp > 1:
-            elem = 2 if plan.dtype in ("bf16", "fp16") else 4
-            act = max(graph.layers[bounds[c + 1] - 1].output_bytes for c in range(plan.pp * v - 1))
-            nbytes = act / max(1, graph.activation_dtype_bytes) * elem * plan.micro_batch
-            if plan.sequence_parallel:
-                nbytes /= plan.tp
-            a, b_ = order[:-1], order[1:]  # (pp-1, dp, tp): each hop of each pipeline, per tensor rank
-            hops = send_recv_time(nbytes, self.bw[a, b_], self.lat[a, b_]).max(axis=-1)
-            pp_s = 2.0 * float(hops.sum(axis=0).max()) * max(1, m // plan.pp) * v
-        # data parallel: the largest stage's gradients over the slowest ring, once per iteration
+        comm = self.comm_times(plan)
         params = np.zeros(plan.pp)
         for c, p in enumerate(chunk_stage):
             params[p] += sum(self.layer_cost(i, plan, kind0).grad_params for i in range(bounds[c], bounds[c + 1]))
-        grad_bytes = 2 if plan.dtype in ("bf16", "fp16") else 4
-        dp_s = 0.0
-        if plan.dp > 1:
-            groups = np.swapaxes(order, 1, 2).reshape(-1, plan.dp)
-            dp_s = self._slowest(groups, "all_reduce", float(params.max()) * grad_bytes)
-            if plan.zero >= 3:  # parameters all-gathered for forward and again for backward
-                dp_s += 2 * m * self._slowest(groups, "all_gather", float(params.max()) * grad_bytes)
         shard = plan.dp if plan.zero >= 1 else 1
         opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]], self.compute)
                     for p in range(plan.pp) for d in range(plan.dp))
-        return compute_s + tp_s + pp_s + dp_s + opt_s
-
-
-def _replica_micro_batches(plan: Plan) -> list[int]:
-    if plan.dp_shares is None:
-        return [plan.num_micro_batches] * plan.dp
-    return [max(1, round(n / plan.micro_batch)) for n in plan.samples_per_replica()]
+        return compute_s + comm["tp"] + comm["pp"] + comm["dp"] + opt_s
 
 
 # ============================================================================ simulator

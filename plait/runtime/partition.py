@@ -116,17 +116,15 @@ def replica_micro_batches(plan: Any, step: int, dp_index: int) -> list[MicroBatc
     `plan.samples_per_replica()`), cut into ceil(n / micro_batch) near-equal micro-batches,
     so even shares give exactly `plan.num_micro_batches` of size `plan.micro_batch` and an
     uneven (HAP-style) share runs more or fewer micro-batches."""
-    counts = plan.samples_per_replica()
+    from plait.ir.stage_graph import replica_micro_batches as stage_graph_micro_batches
+    from plait.ir.stage_graph import replica_samples
+
+    # The stage graph's rounding rule (plait.ir.stage_graph): the same split the planner,
+    # the memory estimator and the simulator use.
+    counts = replica_samples(plan.global_batch, plan.dp_shares, plan.dp)
     offset = step * plan.global_batch + sum(counts[:dp_index])
-    n = counts[dp_index]
-    if n == 0:
-        return []
-    m = -(-n // plan.micro_batch)
-    out, start = [], offset
-    for i, size in enumerate(split_counts(n, m)):
-        out.append(MicroBatch(i, start, size))
-        start += size
-    return out
+    return [MicroBatch(u.index, u.first, u.size)
+            for u in stage_graph_micro_batches(offset, counts[dp_index], plan.micro_batch)]
 
 
 # ---------------------------------------------------------------------------------- stages

@@ -51,6 +51,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from plait.cluster.spec import GPUKind
+from plait.cost import traffic
 from plait.cost.collectives import (
     GroupLinks,
     choose_algorithm,
@@ -64,13 +65,13 @@ from plait.cost.compute import (
     LayerCost,
     PassCost,
     Segment,
-    dtype_bytes,
     layer_cost,
     optimizer_time,
 )
 from plait.errors import PlaitError
 from plait.ir.opgraph import Layer, OpGraph
 from plait.ir.plan import Plan, StageSpec
+from plait.ir.stage_graph import StageGraph, stage_graph
 from plait.sim.engine import TaskGraph
 from plait.sim.topology import ClusterView
 
@@ -86,7 +87,6 @@ class SimOptions:
     granularity: str = "auto"  # "layer" | "stage" | "auto"
     symmetry: bool = True  # simulate one representative of equivalent replicas
     bucket_bytes: float | None = None  # WFBP gradient buckets; None = one reduction after backward
-    grad_bytes: int | None = None  # bytes per reduced gradient element; None: 2 for fp16, 4 otherwise
     compute: ComputeModel = DEFAULT_MODEL
     h2d_bandwidth: float = 24e9  # host-to-device copy (PCIe 4.0 x16, achievable)
     data_loader_s: float = 0.0  # data-loader time per micro-batch (overlapped by prefetch)
@@ -140,29 +140,6 @@ class Lowered:
 
 
 # ---------------------------------------------------------------- helpers
-def _sample_ranges(total: int, shares: list[float] | None, dp: int) -> list[tuple[int, int]]:
-    """(first sample, count) of each replica; floors with the remainder to the largest deficits."""
-    shares = shares or [1.0 / dp] * dp
-    exact = [s * total for s in shares]
-    counts = [int(x) for x in exact]
-    for i in sorted(range(dp), key=lambda i: counts[i] - exact[i])[: total - sum(counts)]:
-        counts[i] += 1
-    out, first = [], 0
-    for c in counts:
-        out.append((first, c))
-        first += c
-    return out
-
-
-def _units(first: int, count: int, micro_batch: int) -> list[tuple[int, int]]:
-    units, s = [], first
-    while s < first + count:
-        size = min(micro_batch, first + count - s)
-        units.append((s, size))
-        s += size
-    return units
-
-
 def _order_1f1b(pp: int, p: int, m: int) -> list[tuple[str, int, int]]:
     warm = min(pp - p - 1, m)
     order = [("F", 0, i) for i in range(warm)]
@@ -268,11 +245,8 @@ class _Lowerer:
         self.model = options.compute
         self.tg = TaskGraph()
         self.dtype = plan.dtype
-        grad_bytes = options.grad_bytes
-        if grad_bytes is None:
-            grad_bytes = 2 if plan.dtype == "fp16" else 4  # Megatron: bf16 reduces grads in fp32
-        self.grad_bytes = grad_bytes
-        self.param_bytes = dtype_bytes(plan.dtype)
+        # Message sizes come from plait.cost.traffic (one truth with the planner and memory).
+        self.grad_bytes = traffic.grad_elem_bytes(plan)
         self.cost_cache: dict[tuple, _Combined] = {} if options.cost_cache is None else options.cost_cache
         self.cache_salt = (id(graph), self.model, plan.dtype, plan.sequence_parallel, plan.recompute,
                            plan.collectives.get("tp"), tuple(sorted((options.layer_times or {}).items())),
@@ -288,35 +262,18 @@ class _Lowerer:
     # ------------------------------------------------------------ structure
     def build_structure(self) -> tuple[list[StageSpec], list[Chunk], list[tuple[int, int]]]:
         plan, graph = self.plan, self.graph
-        names = graph.layer_names
-        if not names:
+        if not graph.layer_names:
             raise LoweringError(f"model {graph.model!r} has no layers to simulate")
-        styles = [layer.tp_style for layer in graph.layers]
-        stages = plan.stage_specs(names, styles)
+        # The one derivation of stages, chunks, replicas and edge tensors (plait.ir.stage_graph).
+        try:
+            self.sg: StageGraph = stage_graph(plan, graph)
+        except PlaitError as exc:
+            raise LoweringError(str(exc)) from None
         by_name = {layer.name: layer for layer in graph.layers}
-        chunks: list[Chunk] = []
-        if plan.stages:
-            for s, spec in enumerate(stages):
-                missing = [n for n in spec.layers if n not in by_name]
-                if missing:
-                    raise LoweringError(f"plan field 'stages[{s}].layers': unknown layers {missing[:3]}")
-                chunks.append(Chunk(s, s, [by_name[n] for n in spec.layers]))
-            edges = list(plan.stage_graph_edges())
-            covered = {n for spec in stages for n in spec.layers}
-            if covered != set(names):
-                lost = [n for n in names if n not in covered][:3]
-                raise LoweringError(f"plan field 'stages': layers {lost} are in no stage")
-        else:
-            counts = plan.layers_per_stage(len(names), styles)
-            start = 0
-            for c, count in enumerate(counts):
-                chunks.append(Chunk(c, c % plan.pp, [by_name[n] for n in names[start:start + count]]))
-                start += count
-            edges = [(c, c + 1) for c in range(len(chunks) - 1)]
+        stages = plan.stage_specs(graph.layer_names, [layer.tp_style for layer in graph.layers])
+        chunks = [Chunk(c.index, c.stage, [by_name[n] for n in c.layers]) for c in self.sg.chunks]
+        edges = [(e.src, e.dst) for e in self.sg.edges]
         for spec in stages:
-            if len(spec.devices) != spec.dp * spec.tp:
-                raise LoweringError(
-                    f"plan stage {spec.name!r}: needs dp*tp = {spec.dp * spec.tp} devices, got {len(spec.devices)}")
             bad = [d for d in spec.devices if not 0 <= d < self.view.num_devices]
             if bad:
                 raise LoweringError(
@@ -325,21 +282,19 @@ class _Lowerer:
         return stages, chunks, edges
 
     def build_workers(self, stages: list[StageSpec], chunks: list[Chunk]) -> tuple[list[Worker], bool, str]:
-        plan = self.plan
         chunks_of: dict[int, list[int]] = defaultdict(list)
         for ch in chunks:
             chunks_of[ch.stage].append(ch.cid)
         all_workers: list[list[Worker]] = []
         for s, spec in enumerate(stages):
-            mb = spec.micro_batch or plan.micro_batch
-            ranges = _sample_ranges(plan.global_batch, spec.dp_shares, spec.dp)
+            replicas = self.sg.stages[s].replicas
             ratios = spec.tp_ratios or [1.0 / spec.tp] * spec.tp
             row = []
             for r in range(spec.dp):
                 devs = list(spec.devices[r * spec.tp:(r + 1) * spec.tp])
                 w = Worker(wid=-1, stage=s, replica=r, devices=devs, kinds=[self.view.kinds[d] for d in devs],
                            shares=list(ratios), chunks=list(chunks_of[s]),
-                           units=_units(ranges[r][0], ranges[r][1], mb))
+                           units=[(m.first, m.size) for m in replicas[r].micro_batches])
                 w.links = self.view.group(devs)
                 row.append(w)
             all_workers.append(row)
@@ -350,6 +305,7 @@ class _Lowerer:
                 w.wid = len(workers)
                 workers.append(w)
         self.all_workers = all_workers
+        self.symmetric = symmetric
         return workers, symmetric, note
 
     def _check_symmetry(self, stages: list[StageSpec], rows: list[list[Worker]]) -> tuple[bool, str]:
@@ -625,7 +581,9 @@ class _Lowerer:
         algo, lat = hit
         flow = self._ring_flow(w.devices, max(0.0, it.seconds - lat), None)
         tid = self.tg.add(name, "comm_tp", self._label(w, "compute"), lat, deps, flow=flow, device=w.rep,
-                          stage=w.stage, micro_batch=mb, args={"bytes": it.nbytes, "algorithm": algo})
+                          stage=w.stage, micro_batch=mb,
+                          args={"bytes": traffic.whole_bytes(it.nbytes), "algorithm": algo, "cls": "tp",
+                                "op": it.op, "ranks": n, "copies": self._replicas_of(w)})
         return tid
 
     def _ring_flow(self, devices: list[int], bandwidth_seconds: float,
@@ -715,9 +673,10 @@ class _Lowerer:
         twins = [[x.devices[t] for x in row] for t in range(len(w.devices))]
         return ring, twins
 
-    def _collective_task(self, name: str, category: str, op: str, nbytes: float, ring: list[int],
+    def _collective_task(self, name: str, category: str, op: str, nbytes: int, ring: list[int],
                          twins: list[list[int]], deps: list[int], w: Worker, pinned_class: str,
-                         mb: int | None = None, share: tuple | None = None) -> int:
+                         mb: int | None = None, share: tuple | None = None, cls: str | None = None,
+                         copies: int | None = None) -> int:
         """One collective over `ring`; with `share`, the replicas simulated separately reuse one task."""
         if share is not None:
             hit = self.shared_colls.get(share)
@@ -726,14 +685,15 @@ class _Lowerer:
                     if d is not None and d >= 0:
                         self.tg.add_dep(d, hit)
                 return hit
-        tid = self._new_collective(name, category, op, nbytes, ring, twins, deps, w, pinned_class, mb)
+        tid = self._new_collective(name, category, op, nbytes, ring, twins, deps, w, pinned_class, mb, cls,
+                                   len(twins) if copies is None else copies)
         if share is not None:
             self.shared_colls[share] = tid
         return tid
 
-    def _new_collective(self, name: str, category: str, op: str, nbytes: float, ring: list[int],
+    def _new_collective(self, name: str, category: str, op: str, nbytes: int, ring: list[int],
                         twins: list[list[int]], deps: list[int], w: Worker, pinned_class: str,
-                        mb: int | None = None) -> int:
+                        mb: int | None = None, cls: str | None = None, copies: int = 1) -> int:
         links = self.view.group(ring)
         algo = choose_algorithm(op, nbytes, links, self.plan.collectives.get(pinned_class))
         total = collective_time(op, nbytes, links, algo)
@@ -743,7 +703,8 @@ class _Lowerer:
         flow = self._ring_flow(ring, max(0.0, total - lat), twins)
         return self.tg.add(name, category, self._label(w, "comm"), lat + self.model.host_comm_s, deps,
                            flow=flow, device=w.rep, stage=w.stage, micro_batch=mb,
-                           args={"bytes": nbytes, "algorithm": algo, "ranks": links.n})
+                           args={"bytes": nbytes, "algorithm": algo, "ranks": links.n, "op": op,
+                                 "cls": cls or pinned_class, "copies": copies})
 
     def _zero3_gather(self, w: Worker, c: int, i: int, k: str, prev: list[int]) -> int | None:
         row = self.all_workers[w.stage]
@@ -754,7 +715,8 @@ class _Lowerer:
         chain = getattr(self, "_zero_chain", {}).get(w.wid)
         deps = [chain] if chain is not None else []
         tid = self._collective_task(f"allgather params c{c} mb{i} {k}", "comm_zero", "all_gather",
-                                    params * self.param_bytes, ring, twins, deps + prev, w, "zero", i,
+                                    traffic.param_gather_bytes(params, self.plan), ring, twins, deps + prev, w,
+                                    "zero", i,
                                     share=("z3ag", w.stage, c, i, k))
         self._zero_chain = getattr(self, "_zero_chain", {})
         self._zero_chain[w.wid] = tid
@@ -768,7 +730,8 @@ class _Lowerer:
         ring, twins = self._dp_group(w)
         chain = self._zero_chain.get(w.wid)
         tid = self._collective_task(f"reducescatter grads c{c} mb{i}", "comm_zero", "reduce_scatter",
-                                    params * self.grad_bytes, ring, twins, [after] + ([chain] if chain else []),
+                                    traffic.grad_scatter_bytes(params, self.plan), ring, twins,
+                                    [after] + ([chain] if chain else []),
                                     w, "zero", i, share=("z3rs", w.stage, c, i))
         self._zero_chain[w.wid] = tid
         self._zero3_last = getattr(self, "_zero3_last", {})
@@ -788,9 +751,11 @@ class _Lowerer:
             for c in w.chunks:
                 holders[c].append(w)
         starts = {w.wid: [s for s, _ in w.units] for w in workers}
+        # What crosses each edge: the stage graph's boundary tensors (plait.ir.stage_graph).
+        edge_bytes = {(e.src, e.dst): e.bytes_per_sample for e in self.sg.edges}
+        scale = traffic.activation_scale(self.graph, plan)
         for a, b in edges:
-            last_layer = self.chunks[a].layers[-1]
-            per_sample = last_layer.output_bytes or (self.graph.layers[0].output_bytes if self.graph.layers else 0)
+            per_sample = edge_bytes[(a, b)]
             for q in holders[b]:
                 for ui, (qs, qn) in enumerate(q.units):
                     for p in holders[a]:
@@ -805,9 +770,7 @@ class _Lowerer:
                             lo, hi = max(qs, ps), min(qs + qn, ps + pn)
                             if hi <= lo:
                                 continue
-                            tp = len(p.devices)
-                            # Megatron scatter-gather: each tensor rank sends 1/t of the activation.
-                            nbytes = per_sample * (hi - lo) / max(1, tp)
+                            nbytes = traffic.pp_message_bytes(per_sample, hi - lo, scale, len(p.devices))
                             self._transfer(p, q, a, b, uj, ui, nbytes, position, blocking, forward=True)
                             self._transfer(q, p, b, a, ui, uj, nbytes, position, blocking, forward=False)
 
@@ -833,10 +796,15 @@ class _Lowerer:
         tid = self.tg.add(f"send {kind} c{c_src}->c{c_dst} mb{u_src}", "comm_pp",
                           f"link {src.rep}->{dst.rep}", lat + self.model.p2p_host_s, deps, flow=flow,
                           device=src.rep, stage=src.stage, micro_batch=u_src,
-                          args={"bytes": nbytes, "src": src.rep, "dst": dst.rep})
+                          args={"bytes": nbytes, "src": src.rep, "dst": dst.rep, "cls": "pp", "op": "send_recv",
+                                "ranks": 2, "copies": len(src.devices) * self._replicas_of(src)})
         self.tg.add_dep(tid, self.item_first[dst.wid][kd])
         if blocking and ks + 1 < len(self.item_first[src.wid]):
             self.tg.add_dep(tid, self.item_first[src.wid][ks + 1])
+
+    def _replicas_of(self, w: Worker) -> int:
+        """Replicas a simulated worker stands for (all of its stage's under symmetry, else itself)."""
+        return len(self.all_workers[w.stage]) if self.symmetric else 1
 
     def _twin_copies(self, src: Worker, dst: Worker, key: tuple) -> int:
         """How many tensor ranks' transfers (src rank t -> dst rank t) cross resource `key`."""
@@ -876,15 +844,10 @@ class _Lowerer:
         """(parameters per tensor rank, [(layer, gradient params)] in backward order)."""
         mb = w.units[0][1] if w.units else 1
         layers = [layer for c in w.chunks for layer in self.chunks[c].layers]
-        total, grads = 0.0, []
         has_embedding = any(layer.tp_style == "embedding" for layer in layers)
-        for layer in layers:
-            cost = self.combined(w, layer, mb)
-            p = cost.params
-            if layer.tp_style == "head" and cost.grad_params > cost.params and not has_embedding:
-                p = cost.grad_params  # Megatron keeps a copy of the tied embedding on the last stage
-            total += p
-            grads.append((layer, p))
+        grads = [(layer, traffic.layer_grad_params(layer, self.combined(w, layer, mb), has_embedding))
+                 for layer in layers]
+        total = float(sum(p for _, p in grads))
         grads.sort(key=lambda lg: -self.layer_index.get(lg[0].name, 0))
         return total, grads
 
@@ -903,7 +866,7 @@ class _Lowerer:
             if len(row) < 2 or plan.zero == 3:
                 ends[w.wid] = last
                 continue
-            op = "reduce_scatter" if plan.zero >= 1 else "all_reduce"
+            op = traffic.dp_grad_op(plan)
             buckets: list[tuple[float, str]] = []
             if self.opt.bucket_bytes is None:
                 buckets.append((total, ""))
@@ -924,7 +887,7 @@ class _Lowerer:
                 deps = [ready] + ([prev] if prev >= 0 else [])
                 # When every replica is simulated they all join the same collective task.
                 tid = self._collective_task(f"{op.replace('_', '')} dp bucket{bi}", "comm_dp", op,
-                                            params * self.grad_bytes, ring, twins, deps, w, "dp",
+                                            traffic.dp_grad_bytes(params, plan), ring, twins, deps, w, "dp",
                                             share=("dp", w.stage, bi))
                 prev = tid
             ends[w.wid] = prev
@@ -933,26 +896,26 @@ class _Lowerer:
         for we, wh, nbytes in tied:
             twins = [[a, b] for a, b in zip(we.devices, wh.devices)]
             tid = self._collective_task("allreduce tied embedding", "comm_dp", "all_reduce", nbytes,
-                                        [we.rep, wh.rep], twins, [ends[we.wid], ends[wh.wid]], we, "dp")
+                                        [we.rep, wh.rep], twins, [ends[we.wid], ends[wh.wid]], we, "dp",
+                                        cls="tied", copies=len(twins) * self._replicas_of(we))
             ends[we.wid] = tid
             ends[wh.wid] = tid
         return ends
 
-    def _tied_pairs(self, workers: list[Worker]) -> list[tuple[Worker, Worker, float]]:
-        cfg = self.graph.config or {}
-        vocab, hidden = cfg.get("vocab"), cfg.get("hidden")
-        if not vocab or not hidden:
+    def _tied_pairs(self, workers: list[Worker]) -> list[tuple[Worker, Worker, int]]:
+        tied = traffic.tied_embedding(self.graph)
+        if tied is None:
             return []
+        vocab, hidden = tied
         emb = [w for w in workers if any(layer.tp_style == "embedding" for c in w.chunks
                                          for layer in self.chunks[c].layers)]
         head = [w for w in workers if any(layer.tp_style == "head" for c in w.chunks
                                           for layer in self.chunks[c].layers)]
-        tied = bool(cfg.get("tie", True))
         out = []
         for we in emb:
             for wh in head:
-                if we.wid != wh.wid and we.replica == wh.replica and tied:
-                    out.append((we, wh, vocab * hidden / len(we.devices) * self.grad_bytes))
+                if we.wid != wh.wid and we.replica == wh.replica:
+                    out.append((we, wh, traffic.tied_grad_bytes(vocab, hidden, len(we.devices), self.plan)))
         return out
 
     def _emit_step(self, workers: list[Worker], ends: dict[int, int]) -> None:
@@ -973,7 +936,8 @@ class _Lowerer:
                                    device=w.rep, stage=w.stage, args={"params": shard})
             if plan.zero in (1, 2) and dp > 1:
                 ring, twins = self._dp_group(w)
-                self._collective_task("allgather params", "comm_zero", "all_gather", params * self.param_bytes,
+                self._collective_task("allgather params", "comm_zero", "all_gather",
+                                      traffic.param_gather_bytes(params, plan),
                                       ring, twins, [opt_task], w, "zero", share=("ag-step", w.stage))
 
 

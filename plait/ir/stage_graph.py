@@ -1,0 +1,315 @@
+"""The stage graph: one derivation, from a Plan and an OpGraph, of what runs where.
+
+Every room that needs the pipeline's shape reads it from here -- the planner's analytic
+model, the memory estimator, the simulator's lowering, the traffic module and the
+runtime's micro-batching -- so that a plan means the same thing to all of them:
+
+* **stages** (device stage = pipeline rank): layers, device group (replica-major, tensor
+  rank fastest, as `StageSpec.devices`), dp / tp, tensor ratios, micro-batch size;
+* **chunks**: consecutive runs of layers; a chain with ``v`` virtual stages puts chunks
+  ``p, p+pp, ...`` on stage ``p`` (Megatron's interleaved layout), an explicit stage DAG
+  (GraphPipe) has one chunk per stage;
+* **replicas**: the samples each data-parallel replica of a stage owns per iteration and
+  its micro-batches (first global sample, size), under ONE rounding rule (below);
+* **edges** between chunks, each with the tensors that cross it: for a chain, every value
+  alive across the cut (a producer before it with a consumer after it -- what
+  `plait.runtime.partition.split_into_stages` sends); for a DAG, the outputs of the
+  producer stage's layers that a layer of the consumer stage reads. Bytes are the op
+  graph's per-sample `Layer.output_bytes` in the capture dtype (`OpGraph.
+  activation_dtype_bytes`); `plait.cost.traffic` scales them to the plan's dtype.
+
+The rounding rule
+-----------------
+Samples per replica: ``Plan.samples_per_replica`` (HAP §5: floor of ``share *
+global_batch``, the remainder to the largest deficits). A replica with ``n`` samples at
+micro-batch ``b`` runs ``m = ceil(n / b)`` micro-batches of near-equal sizes, larger
+first: 10 samples at b = 4 give [4, 3, 3], not [4, 4, 2]. This is what the runtime has
+run since uneven shares exist (`plait.runtime.partition.replica_micro_batches`); it
+keeps the fewest micro-batches that respect the size limit (so pipeline depth and
+gradient-accumulation count are the same as [4, 4, 2]) while the largest micro-batch --
+which sets activation memory and the slowest pipeline slot -- is as small as it can be
+(ceil(n / m) <= b). Even shares give exactly ``num_micro_batches`` of size ``b``.
+
+This module uses only plain data types (Plan, OpGraph) and `plait.errors`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.ir.opgraph import OpGraph
+from plait.ir.plan import Plan, PlanError, StageSpec, share_samples
+
+
+class StageGraphError(PlanError):
+    """A plan whose stages contradict the model's op graph; the message names the field."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of one replica: its first global sample index (within the step) and size."""
+
+    index: int
+    first: int
+    size: int
+
+
+@dataclass
+class Replica:
+    """One data-parallel replica of a stage: its tensor-parallel device group and its samples,
+    run as micro-batches of at most `micro_batch` by the rounding rule (built on first use:
+    planners ask about thousands of 1024-GPU plans and mostly need only the counts)."""
+
+    index: int
+    devices: list[int]
+    first: int  # first global sample of its share
+    samples: int
+    micro_batch: int  # the stage's micro-batch size limit
+    _units: list[MicroBatch] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        if self._units is None:
+            self._units = replica_micro_batches(self.first, self.samples, self.micro_batch)
+        return self._units
+
+    @property
+    def count(self) -> int:
+        """How many micro-batches the replica runs."""
+        return micro_batch_count(self.samples, self.micro_batch)
+
+    def size_counts(self) -> dict[int, int]:
+        """{micro-batch size: how many}, without building the list (sizes differ by at most 1)."""
+        m = self.count
+        if m == 0:
+            return {}
+        base, extra = divmod(self.samples, m)
+        return {k: v for k, v in ((base + 1, extra), (base, m - extra)) if v}
+
+
+@dataclass
+class Stage:
+    index: int
+    name: str
+    layers: list[str]
+    devices: list[int]
+    dp: int
+    tp: int
+    micro_batch: int
+    tp_ratios: list[float]
+    chunks: list[int]
+    replicas: list[Replica]
+
+
+@dataclass
+class Chunk:
+    index: int
+    stage: int
+    layers: list[str]
+
+
+@dataclass(frozen=True)
+class EdgeTensor:
+    """A value crossing a stage edge: the layer that produced it and its bytes per sample."""
+
+    producer: str
+    bytes_per_sample: float
+
+
+@dataclass
+class Edge:
+    src: int  # chunk ids
+    dst: int
+    tensors: list[EdgeTensor]
+
+    @property
+    def bytes_per_sample(self) -> float:
+        """Bytes per sample crossing the edge, capture dtype (`OpGraph.activation_dtype_bytes`)."""
+        return float(sum(t.bytes_per_sample for t in self.tensors))
+
+
+@dataclass
+class StageGraph:
+    stages: list[Stage]
+    chunks: list[Chunk]
+    edges: list[Edge]
+    global_batch: int
+    activation_dtype_bytes: int
+
+    @property
+    def world_size(self) -> int:
+        return len({d for s in self.stages for d in s.devices})
+
+    def stage_of_chunk(self, chunk: int) -> Stage:
+        return self.stages[self.chunks[chunk].stage]
+
+    def predecessors(self, chunk: int) -> list[int]:
+        return [e.src for e in self.edges if e.dst == chunk]
+
+    def successors(self, chunk: int) -> list[int]:
+        return [e.dst for e in self.edges if e.src == chunk]
+
+
+# ---------------------------------------------------------------- the rounding rule
+def replica_samples(global_batch: int, shares: list[float] | None, dp: int) -> list[int]:
+    """Samples per replica (integers summing to `global_batch`): floor, remainder to the largest deficits."""
+    return share_samples(global_batch, shares, dp)
+
+
+def micro_batch_count(samples: int, micro_batch: int) -> int:
+    """How many micro-batches `samples` make at micro-batch size `micro_batch`: ceil(samples / b)."""
+    if micro_batch < 1:
+        raise PlanError(f"plan field 'micro_batch': must be a positive integer, got {micro_batch!r}")
+    return -(-samples // micro_batch) if samples > 0 else 0
+
+
+def largest_micro_batch(samples: int, micro_batch: int) -> int:
+    """Size of the largest of `micro_batch_sizes(samples, micro_batch)` without building the list."""
+    m = micro_batch_count(samples, micro_batch)
+    return -(-samples // m) if m else 0
+
+
+def micro_batch_sizes(samples: int, micro_batch: int) -> list[int]:
+    """`samples` cut into ceil(samples / micro_batch) near-equal micro-batches, larger first."""
+    m = micro_batch_count(samples, micro_batch)
+    if m == 0:
+        return []
+    base, extra = divmod(samples, m)
+    return [base + (1 if i < extra else 0) for i in range(m)]
+
+
+def replica_micro_batches(first: int, samples: int, micro_batch: int) -> list[MicroBatch]:
+    out, start = [], first
+    for i, size in enumerate(micro_batch_sizes(samples, micro_batch)):
+        out.append(MicroBatch(i, start, size))
+        start += size
+    return out
+
+
+# ---------------------------------------------------------------- derivation
+def stage_graph(plan: Plan, graph: OpGraph) -> StageGraph:
+    """The stage graph of `plan` on `graph` (module docstring); raises StageGraphError naming the field."""
+    specs, chunks, edges = chunk_graph(plan, graph)
+    stages = [_stage(plan, s, spec, chunks) for s, spec in enumerate(specs)]
+    return StageGraph(stages, chunks, edges, plan.global_batch, graph.activation_dtype_bytes)
+
+
+def chunk_graph(plan: Plan, graph: OpGraph) -> tuple[list[StageSpec], list[Chunk], list[Edge]]:
+    """Stage specs, chunks and edges with their tensors, validated -- without the replicas'
+    micro-batches (what a caller that asks for thousands of plans, the memory estimator, needs)."""
+    names = graph.layer_names
+    if not names:
+        raise StageGraphError(f"model {graph.model!r} has no layers to place")
+    styles = [layer.tp_style for layer in graph.layers]
+    specs = plan.stage_specs(names, styles)
+    if plan.stages:
+        chunks = [Chunk(s, s, list(spec.layers)) for s, spec in enumerate(specs)]
+        chunk_edges = list(plan.stage_graph_edges())
+    else:
+        counts = plan.layers_per_stage(len(names), styles)
+        chunks, start = [], 0
+        for c, count in enumerate(counts):
+            chunks.append(Chunk(c, c % plan.pp, names[start:start + count]))
+            start += count
+        chunk_edges = [(c, c + 1) for c in range(len(chunks) - 1)]
+    validate_stages(plan, graph, specs, chunks, chunk_edges)
+    edges = [Edge(a, b, _edge_tensors(graph, chunks, a, b, chain=not plan.stages)) for a, b in chunk_edges]
+    return specs, chunks, edges
+
+
+def _stage(plan: Plan, s: int, spec: StageSpec, chunks: list[Chunk]) -> Stage:
+    mb = spec.micro_batch or plan.micro_batch
+    samples = replica_samples(plan.global_batch, spec.dp_shares, spec.dp)
+    replicas, first = [], 0
+    for r, n in enumerate(samples):
+        devs = list(spec.devices[r * spec.tp:(r + 1) * spec.tp])
+        replicas.append(Replica(r, devs, first, n, mb))
+        first += n
+    ratios = list(spec.tp_ratios) if spec.tp_ratios else [1.0 / spec.tp] * spec.tp
+    return Stage(s, spec.name, list(spec.layers) or [n for c in chunks if c.stage == s for n in c.layers],
+                 list(spec.devices), spec.dp, spec.tp, mb, ratios,
+                 [c.index for c in chunks if c.stage == s], replicas)
+
+
+def _edge_tensors(graph: OpGraph, chunks: list[Chunk], a: int, b: int, chain: bool) -> list[EdgeTensor]:
+    """Values crossing chunk edge (a, b): alive across the cut (chain) or read by b from a (DAG).
+
+    Without recorded layer edges (a graph built by hand), the producer chunk's last
+    layer's output crosses."""
+    chunk_of = {n: c.index for c in chunks for n in c.layers}
+    producers: list[str] = []
+    if graph.layer_edges:
+        for src, dst in graph.layer_edges:
+            cs, cd = chunk_of.get(src), chunk_of.get(dst)
+            if cs is None or cd is None:
+                continue
+            crosses = (cs <= a and cd >= b) if chain else (cs == a and cd == b)
+            if crosses and src not in producers:
+                producers.append(src)
+    elif chunks[a].layers:
+        producers = [chunks[a].layers[-1]]
+    out = {layer.name: layer.output_bytes for layer in graph.layers}
+    return [EdgeTensor(p, float(out[p])) for p in producers]
+
+
+def chain_cut_bytes(graph: OpGraph) -> list[float]:
+    """Bytes per sample crossing a chain cut before layer k, for k = 0..n: the producers
+    `_edge_tensors` lists for a chain edge (index < k, a consumer at index >= k), summed --
+    one number per cut, for callers that ask about thousands of splits (the memory estimator)."""
+    names = graph.layer_names
+    pos = {n: i for i, n in enumerate(names)}
+    out = [float(layer.output_bytes) for layer in graph.layers]
+    cut = [0.0] * (len(names) + 1)
+    if not graph.layer_edges:
+        for k in range(1, len(names)):
+            cut[k] = out[k - 1]
+        return cut
+    last: dict[int, int] = {}
+    for src, dst in graph.layer_edges:
+        if src in pos and dst in pos:
+            last[pos[src]] = max(last.get(pos[src], -1), pos[dst])
+    diff = [0.0] * (len(names) + 2)
+    for i, j in last.items():
+        if j > i:
+            diff[i + 1] += out[i]
+            diff[j + 1] -= out[i]
+    acc = 0.0
+    for k in range(len(names) + 1):
+        acc += diff[k]
+        cut[k] = acc
+    return cut
+
+
+# ---------------------------------------------------------------- validation
+def validate_stages(plan: Plan, graph: OpGraph, specs: list[StageSpec], chunks: list[Chunk],
+                    edges: list[tuple[int, int]]) -> None:
+    """Reject stages that contradict the op graph: an unknown layer, a layer in no stage,
+    a layer dependency with no stage edge to carry it, or a stage edge running against
+    the layers' dependencies (the plan-only checks -- cycles, a layer in two stages,
+    overlapping device groups -- are `Plan.validate`'s)."""
+    names = set(graph.layer_names)
+    for s, spec in enumerate(specs):
+        unknown = [n for n in spec.layers if n not in names]
+        if unknown:
+            raise StageGraphError(f"plan field 'stages[{s}].layers': {unknown[:3]} are not layers of "
+                                  f"model {graph.model!r}")
+        if len(spec.devices) != spec.dp * spec.tp:
+            raise StageGraphError(f"plan field 'stages[{s}].devices': stage {spec.name!r} needs dp*tp = "
+                                  f"{spec.dp * spec.tp} devices, got {len(spec.devices)}")
+    if not plan.stages:
+        return
+    stage_of = {n: c.stage for c in chunks for n in c.layers}
+    lost = [n for n in graph.layer_names if n not in stage_of]
+    if lost:
+        raise StageGraphError(f"plan field 'stages': layers {lost[:3]} are in no stage")
+    edge_set = set(edges)
+    for src, dst in graph.layer_edges:
+        a, b = stage_of[src], stage_of[dst]
+        if a == b:
+            continue
+        if (b, a) in edge_set and (a, b) not in edge_set:
+            raise StageGraphError(f"plan field 'stage_edges': edge ({b}, {a}) runs against the model: layer "
+                                  f"{src!r} (stage {a}) feeds layer {dst!r} (stage {b})")
+        if (a, b) not in edge_set:
+            raise StageGraphError(f"plan field 'stage_edges': layer {src!r} (stage {a}) feeds layer {dst!r} "
+                                  f"(stage {b}) but there is no edge ({a}, {b}) to carry it")
