@@ -636,6 +636,36 @@ def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dt
     return generic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, model)
 
 
+def recompute_flops(layer: Layer, graph: OpGraph, mode: str) -> float:
+    """Forward FLOPs per sample that activation recompute re-runs for `layer`.
+
+    The extra term of *hardware* FLOPs (Narayanan et al., SC'21, eq. (3): with full recompute
+    a transformer layer costs ``4 x`` its forward FLOPs, not ``3 x``). It follows what
+    `layer_cost` costs as recompute and the simulator runs: ``"full"`` re-runs the whole forward
+    of every checkpointed layer -- Megatron checkpoints the transformer layers only, so a
+    Megatron-shaped embedding or LM head (costed by `embedding_cost` / `head_cost`) is not
+    recomputed, while a layer costed op by op (`generic_layer_cost`) is; ``"selective"`` re-runs
+    the attention core of transformer layers (Korthikanti et al. 2022, sec. 4.2: QK^T, softmax,
+    dropout, PV), whose FLOPs are the two batched products of the ``.attn.core`` ops."""
+    if mode == "none":
+        return 0.0
+    cfg = graph.config or {}
+    shape = TransformerShape.from_config(cfg)
+    megatron = shape is not None and bool(cfg.get("vocab"))
+    if mode == "full":
+        if megatron and layer.tp_style in ("embedding", "head"):
+            return 0.0
+        return layer.fwd_flops
+    if mode == "selective":
+        if layer.tp_style != "transformer" or shape is None:
+            return 0.0
+        core = sum(graph.ops[o].fwd_flops for o in layer.ops if o in graph.ops and ".attn.core" in graph.ops[o].module)
+        if core > 0:
+            return core
+        return 4.0 * shape.seq * shape.seq * shape.heads * shape.head_dim  # QK^T and PV, 2 s^2 d each per head
+    raise ComputeError(f"recompute: must be 'none', 'selective' or 'full', got {mode!r}")
+
+
 def optimizer_time(params: float, kind: GPUKind, model: ComputeModel = DEFAULT_MODEL) -> float:
     """Mixed-precision Adam step over `params` parameters: memory-bound multi-tensor kernels."""
     if params <= 0:
