@@ -87,3 +87,46 @@ def test_cli_json_trace_and_gantt(tmp_path, capsys, monkeypatch) -> None:
     # Bad input: one line naming the problem, exit code 2.
     assert main(["simulate", "--model", SPEC, "--cluster", "a100-80g:nodes=1", "--plan", "dp=3,tp=3"]) == 2
     assert "global_batch" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- FLOP conventions
+def _transformer_fwd_flops(layers: int, hidden: int, seq: int) -> float:
+    """Forward FLOPs per sample of GPT transformer layers, by hand: QKV 6 s h^2, QK^T and PV
+    2 s^2 h each, projection 2 s h^2, MLP 16 s h^2 (Narayanan et al. SC'21, sec. 5.1)."""
+    return layers * (24 * seq * hidden**2 + 4 * seq**2 * hidden)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_model_and_hardware_flops_conventions(recompute: str) -> None:
+    L, h, s, V, gb = 4, 256, 128, 1000, 16
+    res = simulate(f"gpt:layers={L},hidden={h},heads=4,seq={s},vocab={V}", "a100-80g:nodes=1",
+                   f"dp=2,tp=2,pp=2,micro_batch=2,global_batch={gb},recompute={recompute}", analytic=True)
+    layers_fwd = _transformer_fwd_flops(L, h, s)
+    head_fwd = 2 * s * h * V  # logits GEMM; the embedding is a gather (no FLOPs)
+    model_flops = 3 * (layers_fwd + head_fwd) * gb  # backward = 2 x forward
+    per_s = 1.0 / (res.iteration_time_s * res.world_size * 1e12)
+    assert res.model_tflops_per_gpu == pytest.approx(model_flops * per_s, rel=1e-9)
+    assert res.tflops_per_gpu == res.model_tflops_per_gpu  # the old name stays an alias
+    extra = res.hardware_tflops_per_gpu / per_s - model_flops
+    layers_model = 3 * layers_fwd * gb
+    if recompute == "full":
+        # Megatron recomputes the transformer layers' forward, not the embedding or the head:
+        # their share is (3 + 1) / 3 of the model FLOPs.
+        assert (layers_model + extra) / layers_model == pytest.approx(4 / 3, rel=1e-9)
+    elif recompute == "selective":
+        assert extra == pytest.approx(L * 4 * s**2 * h * gb, rel=1e-9)  # QK^T and PV again
+    else:
+        assert extra == pytest.approx(0.0, abs=1e-3)
+        assert res.hardware_tflops_per_gpu == pytest.approx(res.model_tflops_per_gpu, rel=1e-12)
+    d = res.to_dict()
+    assert d["model_tflops_per_gpu"] == res.model_tflops_per_gpu
+    assert d["hardware_tflops_per_gpu"] == res.hardware_tflops_per_gpu
+
+
+def test_cli_prints_both_flop_conventions(capsys) -> None:
+    rc = main(["simulate", "--model", SPEC, "--cluster", "a100-80g:nodes=1",
+               "--plan", "dp=2,tp=2,pp=2,micro_batch=2,global_batch=16,recompute=full"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "model TFLOP/s/GPU (no recompute)" in out
+    assert "hardware TFLOP/s/GPU (with recompute)" in out

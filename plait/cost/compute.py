@@ -27,8 +27,11 @@ than from a fitted curve.
 Efficiencies depend only on physical quantities (matrix shape through the tile/wave
 model, alignment, bytes moved). The defaults in `ComputeModel()` were fitted on the
 even-numbered rows of ``shared/data/a100_single_node_megatron.csv`` (Megatron-DeepSpeed,
-A100, fp16) by ``bench/validate_a100.py --fit`` and are reported against the odd rows;
-see that script's docstring for the split and the fitted values.
+A100, fp16, simulated with full activation recompute as the runs were measured) by
+``bench/validate_a100.py --fit --fit-bandwidth``, within physical ceilings (GEMM efficiency at
+most the A100's maximum achievable matmul rate, 0.859 of peak; streaming kernels at most 0.9 of
+HBM), and are reported against the odd rows; see that script's docstring for the split, the
+fitted values and what changed from the previous (recompute-none) calibration.
 
 Transformer layers, embeddings and LM heads are costed with Megatron-LM's kernel
 sequence (`transformer_layer_cost`, `embedding_cost`, `head_cost`) when the OpGraph's
@@ -80,20 +83,20 @@ def dtype_bytes(dtype: str) -> int:
 class ComputeModel:
     """Physical parameters of the compute model (see module docstring).
 
-    Defaults: fitted on the even rows of the A100 Megatron-DeepSpeed data set (fp16);
-    `bench/validate_a100.py --fit` reproduces them."""
+    Defaults: fitted on the even rows of the A100 Megatron-DeepSpeed data set (fp16, full
+    recompute as measured); `bench/validate_a100.py --fit --fit-bandwidth` reproduces them."""
 
-    gemm_efficiency: float = 0.814  # achieved fraction of tensor-core peak in a GEMM main loop
-    unaligned_penalty: float = 2.28  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
-    memory_efficiency: float = 0.643  # achieved fraction of HBM bandwidth by streaming kernels
-    kernel_gpu_s: float = 20.6e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
-    host_fwd_s: float = 69.5e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
-    host_bwd_s: float = 72.8e-6  # host time per backward kernel (autograd engine)
-    host_comm_s: float = 13.8e-6  # host time per collective call
-    p2p_host_s: float = 137e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
-    loss_host_s: float = 0.469e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
-    batch_host_s: float = 0.310e-3  # host work per micro-batch to fetch and place a batch (get_batch)
-    step_host_s: float = 0.016e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
+    gemm_efficiency: float = 0.856  # achieved fraction of tensor-core peak in a GEMM main loop
+    unaligned_penalty: float = 1.89  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
+    memory_efficiency: float = 0.873  # achieved fraction of HBM bandwidth by streaming kernels
+    kernel_gpu_s: float = 11.0e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
+    host_fwd_s: float = 46.5e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
+    host_bwd_s: float = 63.0e-6  # host time per backward kernel (autograd engine)
+    host_comm_s: float = 20.6e-6  # host time per collective call
+    p2p_host_s: float = 705e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
+    loss_host_s: float = 0.319e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
+    batch_host_s: float = 0.565e-3  # host work per micro-batch to fetch and place a batch (get_batch)
+    step_host_s: float = 0.046e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
     optimizer_bytes_per_param: float = 34.0  # fused Adam r/w p,g,m,v fp32 (28) + fp16 param copy (6)
     grad_accum_bytes_per_param: float = 4.0  # .grad += w-grad per micro-batch (fp16 read+write)
     embedding_grad_bytes_per_param: float = 2.0  # dense embedding backward zero-fills a [V, h] grad
@@ -634,6 +637,36 @@ def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dt
         return head_cost(int(vocab), shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share, tied,
                          model, layer.name)
     return generic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, model)
+
+
+def recompute_flops(layer: Layer, graph: OpGraph, mode: str) -> float:
+    """Forward FLOPs per sample that activation recompute re-runs for `layer`.
+
+    The extra term of *hardware* FLOPs (Narayanan et al., SC'21, eq. (3): with full recompute
+    a transformer layer costs ``4 x`` its forward FLOPs, not ``3 x``). It follows what
+    `layer_cost` costs as recompute and the simulator runs: ``"full"`` re-runs the whole forward
+    of every checkpointed layer -- Megatron checkpoints the transformer layers only, so a
+    Megatron-shaped embedding or LM head (costed by `embedding_cost` / `head_cost`) is not
+    recomputed, while a layer costed op by op (`generic_layer_cost`) is; ``"selective"`` re-runs
+    the attention core of transformer layers (Korthikanti et al. 2022, sec. 4.2: QK^T, softmax,
+    dropout, PV), whose FLOPs are the two batched products of the ``.attn.core`` ops."""
+    if mode == "none":
+        return 0.0
+    cfg = graph.config or {}
+    shape = TransformerShape.from_config(cfg)
+    megatron = shape is not None and bool(cfg.get("vocab"))
+    if mode == "full":
+        if megatron and layer.tp_style in ("embedding", "head"):
+            return 0.0
+        return layer.fwd_flops
+    if mode == "selective":
+        if layer.tp_style != "transformer" or shape is None:
+            return 0.0
+        core = sum(graph.ops[o].fwd_flops for o in layer.ops if o in graph.ops and ".attn.core" in graph.ops[o].module)
+        if core > 0:
+            return core
+        return 4.0 * shape.seq * shape.seq * shape.heads * shape.head_dim  # QK^T and PV, 2 s^2 d each per head
+    raise ComputeError(f"recompute: must be 'none', 'selective' or 'full', got {mode!r}")
 
 
 def optimizer_time(params: float, kind: GPUKind, model: ComputeModel = DEFAULT_MODEL) -> float:
