@@ -147,10 +147,15 @@ def load_rows(path: Path = DATA) -> list[dict]:
     return rows
 
 
+NCCL_TESTS = ROOT / "bench" / "data" / "vtrain_a100_allreduce.yaml"
+MEASURED: list = []  # the node's measured all-reduce busbw tables (--nccl-tests), empty: alpha-beta ring
+
+
 def make_view(latency: float, bandwidth: float = INTRA_BW) -> ClusterView:
     node = NodeSpec(name="dgx-a100", gpus=[KIND.name] * 8, intra=Link(bandwidth, latency, "nvlink"),
                     nic=Link(800e9 / 8 / 8, 5e-6, "infiniband"), nics=8)
-    cluster = Cluster(name="a100-150GBps", kinds={KIND.name: KIND}, nodes=[node], source="validate_a100")
+    cluster = Cluster(name="a100-150GBps", kinds={KIND.name: KIND}, nodes=[node], collectives=list(MEASURED),
+                      source="validate_a100")
     return ClusterView.from_cluster(cluster)
 
 
@@ -363,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"intra-node bandwidth in bytes/s (default: the fitted {INTRA_BW:.4g})")
     ap.add_argument("--fit-bandwidth", action="store_true",
                     help="also fit the achieved NVLink bandwidth (the README's 150 GB/s otherwise)")
+    ap.add_argument("--nccl-tests", metavar="YAML", nargs="?", const=str(NCCL_TESTS), default=None,
+                    help="take all-reduce times from the node's measured nccl-tests busbw tables (default file: "
+                         "bench/data/vtrain_a100_allreduce.yaml, measured on the data's own machine) instead of "
+                         "the alpha-beta ring")
     ap.add_argument("--cells", action="store_true",
                     help="also print measured vs predicted time per layer and per micro-batch for each "
                          "(hidden, tp, micro-batch) cell (pp = 1 rows)")
@@ -373,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = rows[: args.rows]
     train = [i for i, r in enumerate(rows) if r["index"] % 2 == 0]
     test = [i for i, r in enumerate(rows) if r["index"] % 2 == 1]
+    if args.nccl_tests:
+        from plait.cluster import load_cluster
+
+        MEASURED[:] = load_cluster(args.nccl_tests).collectives
+        console.print(f"all-reduce times from {args.nccl_tests}: {len(MEASURED)} measured tables "
+                      f"({', '.join(str(m.ranks) for m in MEASURED)} ranks)")
     ev = Evaluator(rows, args.recompute)
     if args.bandwidth:
         INTRA_BW = args.bandwidth
