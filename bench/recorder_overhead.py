@@ -1,16 +1,21 @@
 """What the runtime's communication recording costs, and plait's step against plain torch DDP.
 
-    python bench/recorder_overhead.py            # 20 pairs per comparison, 10 steps per run (~10 min)
-    python bench/recorder_overhead.py --quick    # 10 pairs, 5 steps (~4 min)
+    python bench/recorder_overhead.py            # 20 pairs per comparison, 10 steps per run (~20 min)
+    python bench/recorder_overhead.py --quick    # 10 pairs, 5 steps (~8 min on a busy 2-CPU machine)
     python bench/recorder_overhead.py --json     # one JSON object: {"rows": [...], "summary": {...}}
 
-Two comparisons, each as **interleaved pairs** of runs (the order inside a pair alternates, so a
+Each comparison is a set of **interleaved on/off pairs** (the order inside a pair alternates, so a
 machine that drifts faster or slower over the bench biases neither side):
 
-1. **recording on vs off** -- the same 4-rank plan (tiny GPT, dp=2 x tp=2, gloo on CPU) with
-   `plait.runtime.comm`'s per-call JSON Lines records streamed (`comm_records=True`, the default)
-   and not (`comm_records=False`; the Timeline spans stay in both). Goal: <= 2 % of the step.
-2. **plait run vs torch DDP** -- dp=2 on the same tiny GPT, the same global batch and samples
+1. **recording on vs off, adjacent steps** -- one 4-rank run (tiny GPT, dp=2 x tp=2, gloo on CPU)
+   with `comm_records="alternate"`: `plait.runtime.comm` streams its per-call JSON Lines records
+   in one step of each pair and not in the other (the Timeline spans stay in both). The two
+   steps of a pair are milliseconds apart, so the machine's drift between them is small.
+   Goal: <= 2 % of the step.
+2. **recording on vs off, whole runs** -- the same plan run with `comm_records=True` (the
+   default) and `False`, a run per side: also counts what recording costs outside the steps
+   (opening the files), but each pair is seconds apart. Same goal.
+3. **plait run vs torch DDP** -- dp=2 on the same tiny GPT, the same global batch and samples
    (`plait.runtime.partition`), AdamW, gloo: `plait.runtime.api.run` (recording on) against a
    plain `DistributedDataParallel` loop started by torchrun. Both time a step the same way:
    after a barrier, from the first rank's start to the last rank's end. Goal: <= 5 %.
@@ -80,6 +85,20 @@ def verdict(low: float, high: float, goal: float) -> str:
 
 
 # ---------------------------------------------------------------------------------- runs
+def alternating_pairs(plan: str, steps: int, warmup: int, model: str) -> list[tuple[float, float]]:
+    """(records on, records off) step times of adjacent steps of one run (`comm_records="alternate"`:
+    step s records when (s // 2 + s) is even: pairs (on, off), (off, on), ...)."""
+    from plait.runtime.api import run
+
+    times = run(model, None, plan, steps=steps, timeout=300, comm_records="alternate", device="cpu").iteration_times
+    first = warmup + warmup % 2  # pairs start on an even step
+    pairs = []
+    for s in range(first, steps - 1, 2):
+        on = s if (s // 2 + s) % 2 == 0 else s + 1
+        pairs.append((times[on], times[2 * s + 1 - on]))
+    return pairs
+
+
 def plait_step(plan: str, steps: int, warmup: int, comm_records: bool, model: str) -> float:
     from plait.runtime.api import run
 
@@ -159,25 +178,31 @@ def ddp_worker(plan_text: str, model: str, steps: int, out: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- comparisons
+def summarise(name: str, goal: float, a_label: str, b_label: str, pairs: list[tuple[float, float]]
+              ) -> dict[str, Any]:
+    """The median relative difference (a - b) / b over `pairs` with its CI and verdict."""
+    rel = [(a - b) / b for a, b in pairs]
+    low, high, coverage = median_ci(rel)
+    a_times, b_times = [a for a, _ in pairs], [b for _, b in pairs]
+    return {"name": name, "a": a_label, "b": b_label, "pairs": len(pairs), "goal": goal,
+            "a_median_s": statistics.median(a_times), "b_median_s": statistics.median(b_times),
+            "median_rel_diff": statistics.median(rel), "ci_low": low, "ci_high": high, "ci_coverage": coverage,
+            "verdict": verdict(low, high, goal), "a_step_s": a_times, "b_step_s": b_times, "rel_diffs": rel}
+
+
 def compare(name: str, goal: float, pairs: int, run_a: Any, run_b: Any, a_label: str, b_label: str,
             say: Any) -> dict[str, Any]:
     """`pairs` interleaved (a, b) runs; the median relative difference (a - b) / b with its CI."""
-    rel, a_times, b_times = [], [], []
+    done: list[tuple[float, float]] = []
     for i in range(pairs):
         order = [("a", run_a), ("b", run_b)] if i % 2 == 0 else [("b", run_b), ("a", run_a)]
         got: dict[str, float] = {}
         for tag, fn in order:
             got[tag] = fn()
-        a_times.append(got["a"])
-        b_times.append(got["b"])
-        rel.append((got["a"] - got["b"]) / got["b"])
+        done.append((got["a"], got["b"]))
         say(f"{name}: pair {i + 1}/{pairs}: {a_label} {got['a'] * 1e3:.2f} ms, {b_label} {got['b'] * 1e3:.2f} ms "
-            f"({rel[-1] * 100:+.1f} %)")
-    low, high, coverage = median_ci(rel)
-    return {"name": name, "a": a_label, "b": b_label, "pairs": pairs, "goal": goal,
-            "a_median_s": statistics.median(a_times), "b_median_s": statistics.median(b_times),
-            "median_rel_diff": statistics.median(rel), "ci_low": low, "ci_high": high, "ci_coverage": coverage,
-            "verdict": verdict(low, high, goal), "a_step_s": a_times, "b_step_s": b_times, "rel_diffs": rel}
+            f"({(got['a'] - got['b']) / got['b'] * 100:+.1f} %)")
+    return summarise(name, goal, a_label, b_label, done)
 
 
 def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -206,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=None, help="pairs per comparison (default 20; quick 10)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 10; quick 5)")
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of each run's median (default 2)")
+    ap.add_argument("--alt-steps", type=int, default=26,
+                    help="steps of each alternating-records run (default 26: 12 pairs after 2 warm-up steps)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--recording-plan", default=RECORDING_PLAN)
@@ -228,8 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {text}", file=sys.stderr, flush=True)
 
     t0 = time.time()
+    adjacent: list[tuple[float, float]] = []
+    per_run = max(1, args.alt_steps - args.warmup - args.warmup % 2) // 2
+    while len(adjacent) < pairs:
+        adjacent += alternating_pairs(args.recording_plan, args.alt_steps, args.warmup, args.model)
+        say(f"recording, adjacent steps: {len(adjacent)}/{pairs} pairs ({per_run} per run)")
     rows = [
-        compare("recording", RECORDING_GOAL, pairs,
+        summarise("recording, adjacent steps", RECORDING_GOAL, f"records on ({args.recording_plan})", "records off",
+                  adjacent),
+        compare("recording, whole runs", RECORDING_GOAL, pairs,
                 lambda: plait_step(args.recording_plan, steps, args.warmup, True, args.model),
                 lambda: plait_step(args.recording_plan, steps, args.warmup, False, args.model),
                 f"records on ({args.recording_plan})", "records off", say),
@@ -250,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "verdicts": {r["name"]: r["verdict"] for r in rows},
         "recording_overhead": rows[0]["median_rel_diff"], "recording_ci": [rows[0]["ci_low"], rows[0]["ci_high"]],
-        "plait_vs_ddp": rows[1]["median_rel_diff"], "plait_vs_ddp_ci": [rows[1]["ci_low"], rows[1]["ci_high"]],
+        "recording_overhead_whole_runs": rows[1]["median_rel_diff"],
+        "recording_whole_runs_ci": [rows[1]["ci_low"], rows[1]["ci_high"]],
+        "plait_vs_ddp": rows[2]["median_rel_diff"], "plait_vs_ddp_ci": [rows[2]["ci_low"], rows[2]["ci_high"]],
         "loss_check": {"plait": plait_loss, "ddp": ddp_losses[0]},
         "steps": steps, "warmup": args.warmup, "model": args.model, "wall_s": time.time() - t0,
         "loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),

@@ -115,16 +115,17 @@ def test_each_call_leaves_one_record_and_one_span(one_rank) -> None:  # type: ig
         ("allreduce test", "comm_dp", 40), ("allgather test", "comm_zero", 40)]
 
 
-def test_a_slowed_link_delays_and_stretches_its_calls(tmp_path: Path) -> None:
-    """One rank, a fault on the link (0, 1): a p2p to itself is outside it; a group {0, 1} is inside
-    (checked through the facade's hook, the only place that applies faults)."""
-    comm = Comm(0, 2, faults=(LinkFault(0, 1, delay_s=0.05, factor=3.0),))
+def test_a_slowed_link_delays_and_stretches_its_calls() -> None:
+    """The facade's one fault hook: a group or a point-to-point batch over the slowed pair (0, 1)
+    waits `delay_s` and is stretched to `factor` x its own time; other pairs are untouched."""
+    comm = Comm(0, 3, faults=(LinkFault(0, 1, delay_s=0.05, factor=3.0),))
+    on = comm._faults_on([frozenset({0, 1, 2})])
+    assert on == comm.faults and comm._faults_on([frozenset({0, 2})]) == ()
+    assert comm._faults_on([frozenset({0, 2}), frozenset({0, 1})]) == comm.faults  # a batch to ranks 2 and 1
     t0 = time.perf_counter()
-    start, slept = comm._delay(frozenset({0, 1}))
+    start, slept = comm._delay(on)
     assert slept == 0.05 and start - t0 >= 0.05
     time.sleep(0.02)
-    end, injected = comm._stretch(frozenset({0, 1}), start, slept)
+    end, injected = comm._stretch(on, start, slept)
     assert injected >= 0.05 + 2 * 0.02 and end - start >= 3 * 0.02
-    assert comm._delay(frozenset({0, 2}))[1] == 0.0
-    assert comm._stretch(frozenset({0, 2}), time.perf_counter(), 0.0)[1] == 0.0
-
+    assert comm._delay(())[1] == 0.0 and comm._stretch((), time.perf_counter(), 0.0)[1] == 0.0

@@ -207,7 +207,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
         return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
         env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
-        emulate_dtype: str | None = None, comm_records: bool = True, comm_faults: Any = None) -> RunResult:
+        emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -217,13 +217,16 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     or "spawn" (GPU default: CUDA must not be initialised before a fork);
     `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`);
     `comm_records` streams every collective and point-to-point call of each rank to
-    `RUN_DIR/comm/rankN.jsonl` (`RunResult.comm_dir`); `comm_faults` slows links between ranks
+    `RUN_DIR/comm/rankN.jsonl` (`RunResult.comm_dir`; "alternate": on and off in alternate steps,
+    for `bench/recorder_overhead.py`); `comm_faults` slows links between ranks
     on purpose (`plait.runtime.comm.LinkFault`: {"slow_link": [a, b], "delay_s": x, "factor": f}).
     fp16 runs scale the loss dynamically (`plait.runtime.amp`; its settings can be given as
     `env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"}`); `sequence_parallel` plans run
     Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
+    if comm_records not in (True, False, "alternate"):
+        raise RuntimeSetupError(f"comm_records: must be True, False or 'alternate', got {comm_records!r}")
     faults = parse_link_faults(comm_faults, "comm_faults")  # a bad fault fails here, not in every worker
     for f in faults:
         if max(f.a, f.b) >= plan_obj.world_size:

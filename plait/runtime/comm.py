@@ -222,6 +222,8 @@ class Comm:
         self.groups: dict[str, Group] = {}
         self._seq: dict[str, int] = {}
         self.mesh: Any = None
+        # False: calls are not written (the overhead bench's "recording off" steps; the file stays open).
+        self.recording = log is not None
 
     # ------------------------------------------------------------------ setup
     def init_process_group(self, backend: str, timeout_s: float | None = None, init_method: str | None = None
@@ -322,14 +324,14 @@ class Comm:
         if not ops:
             return
         t_enq = time.perf_counter()
-        peers = frozenset(o.peer for o in ops) | {self.rank}
+        faults = self._faults_on([frozenset((self.rank, o.peer)) for o in ops])  # the links the batch uses
         with self._span(name, category, micro_batch, sum(_nbytes(o.tensor) for o in ops), wait_only=False):
-            t_start, injected = self._delay(peers)
+            t_start, injected = self._delay(faults)
             batch = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer) for o in ops]
             for work in dist.batch_isend_irecv(batch):
                 work.wait()
-            t_end, injected = self._stretch(peers, t_start, injected)
-        if self.log is None:
+            t_end, injected = self._stretch(faults, t_start, injected)
+        if self.log is None or not self.recording:
             return
         step = self.rec.step if self.rec is not None else None
         for o in ops:
@@ -342,14 +344,15 @@ class Comm:
     # ------------------------------------------------------------------ the one call path
     def _call(self, group: Group, op: str, nbytes: int, name: str, category: str, fn: Callable[[], Any],
               key: str | None = None, span: bool = True, wait_only: bool = False) -> None:
-        seq = self._next_seq(group.name) if self.log is not None else 0
+        seq = self._next_seq(group.name) if self.recording else 0
         t_enq = time.perf_counter()
         ctx = self._span(name, category, None, nbytes, wait_only) if span else nullcontext()
+        faults = self._faults_on([group.members])
         with ctx:
-            t_start, injected = self._delay(group.members)
+            t_start, injected = self._delay(faults)
             fn()
-            t_end, injected = self._stretch(group.members, t_start, injected)
-        if self.log is not None:
+            t_end, injected = self._stretch(faults, t_start, injected)
+        if self.recording and self.log is not None:
             self.log.write(CommRecord(rank=self.rank, group=group.name, op=op, bytes=nbytes, seq=seq,
                                       t_enqueue=t_enq, t_start=t_start, t_end=t_end,
                                       key=key or f"{op} {group.name}", name=name,
@@ -369,21 +372,28 @@ class Comm:
         return seq
 
     # ------------------------------------------------------------------ link faults
-    def _delay(self, members: frozenset[int]) -> tuple[float, float]:
-        """Sleep the delay of every slowed link inside `members`; returns (start time, seconds slept)."""
-        delay = sum(f.delay_s for f in self.faults if f.applies(members)) if self.faults else 0.0
+    def _faults_on(self, member_sets: list[frozenset[int]]) -> tuple[LinkFault, ...]:
+        """The slowed links inside any of `member_sets` (a group's ranks, or each {rank, peer} pair)."""
+        if not self.faults:
+            return ()
+        return tuple(f for f in self.faults if any(f.applies(m) for m in member_sets))
+
+    @staticmethod
+    def _delay(faults: tuple[LinkFault, ...]) -> tuple[float, float]:
+        """Sleep the delays of `faults`; returns (start time, seconds slept)."""
+        delay = sum(f.delay_s for f in faults)
         if delay > 0:
             time.sleep(delay)
         return time.perf_counter(), delay
 
-    def _stretch(self, members: frozenset[int], t_start: float, injected: float) -> tuple[float, float]:
-        """Stretch the finished call to `factor` x its duration (the slowest slowed link inside `members`)."""
+    @staticmethod
+    def _stretch(faults: tuple[LinkFault, ...], t_start: float, injected: float) -> tuple[float, float]:
+        """Stretch the finished call to `factor` x its duration (the slowest of `faults`)."""
         t_end = time.perf_counter()
-        if self.faults:
-            factor = max((f.factor for f in self.faults if f.applies(members)), default=1.0)
-            if factor > 1.0:
-                extra = (factor - 1.0) * (t_end - t_start)
-                time.sleep(extra)
-                t_end = time.perf_counter()
-                injected += extra
+        factor = max((f.factor for f in faults), default=1.0)
+        if factor > 1.0:
+            extra = (factor - 1.0) * (t_end - t_start)
+            time.sleep(extra)
+            t_end = time.perf_counter()
+            injected += extra
         return t_end, injected

@@ -320,6 +320,10 @@ class Worker:
             data = self._step_data(mbs) if (runner.first or runner.last) else {}
             if self.fault:
                 self.fault.maybe_fire(self.rank, step, "step")
+            if cfg.get("comm_records") == "alternate":
+                # bench/recorder_overhead.py: records on and off in adjacent steps, the order alternating
+                # pair by pair (on/off, off/on, ...) so a drifting machine biases neither side.
+                self.comm.recording = (step // 2 + step) % 2 == 0
             if cfg.get("step_barrier", True):
                 self.comm.barrier("step barrier")
             t0 = self.rec.begin_step(step)
