@@ -177,6 +177,31 @@ def ddp_worker(plan_text: str, model: str, steps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def record_cost(plan: str, model: str, warmup: int) -> dict[str, float]:
+    """A bound beside the measurement: seconds to build and write one record (timed in this process)
+    x records per rank and step (counted in a real run's files) / the run's step time."""
+    from plait.ir.comm import CommRecord, read_run_comm_records
+    from plait.runtime.api import run
+    from plait.runtime.comm import CommLog
+
+    with tempfile.TemporaryDirectory(prefix="plait-rec-") as tmp:
+        log = CommLog(Path(tmp) / "probe.jsonl", 0, 4)
+        costs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(2000):
+                log.write(CommRecord(rank=0, group="tp", op="all_reduce", bytes=4096, seq=i, t_enqueue=1.0,
+                                     t_start=1.1, t_end=1.2, key="all_reduce tp", name="allreduce tp g-fwd", step=3))
+            costs.append((time.perf_counter() - t0) / 2000)
+        log.close()
+        result = run(model, None, plan, steps=warmup + 3, timeout=300, device="cpu", run_dir=Path(tmp) / "run")
+        files = read_run_comm_records(Path(tmp) / "run" / "comm")
+    per_step = statistics.fmean(sum(1 for r in f.records if r.step == result.steps[-1]) for f in files.values())
+    step = statistics.median(result.iteration_times[warmup:])
+    cost = statistics.median(costs)
+    return {"record_s": cost, "records_per_rank_step": per_step, "step_s": step, "bound": cost * per_step / step}
+
+
 # ---------------------------------------------------------------------------------- comparisons
 def summarise(name: str, goal: float, a_label: str, b_label: str, pairs: list[tuple[float, float]]
               ) -> dict[str, Any]:
@@ -222,6 +247,10 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     console.print(table)
     console.print(f"first-step loss: plait {summary['loss_check']['plait']:.6f}, DDP "
                   f"{summary['loss_check']['ddp']:.6f} (same model, samples and optimizer)")
+    b = summary["record_cost"]
+    console.print(f"one record costs {b['record_s'] * 1e6:.1f} us to build and write; {b['records_per_rank_step']:.0f} "
+                  f"records per rank and step at {b['step_s'] * 1e3:.1f} ms per step: at most "
+                  f"{b['bound'] * 100:.2f} % of a rank's step (a bound from the parts, not the protocol)")
     console.print(f"wall time {summary['wall_s']:.0f} s; load average at the end {summary['loadavg']}")
 
 
@@ -281,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.runtime.api import run
 
     plait_loss = run(args.model, None, args.ddp_plan, steps=1, timeout=300, device="cpu").losses[0]
+    bound = record_cost(args.recording_plan, args.model, args.warmup)
     summary = {
         "verdicts": {r["name"]: r["verdict"] for r in rows},
         "recording_overhead": rows[0]["median_rel_diff"], "recording_ci": [rows[0]["ci_low"], rows[0]["ci_high"]],
@@ -288,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "recording_whole_runs_ci": [rows[1]["ci_low"], rows[1]["ci_high"]],
         "plait_vs_ddp": rows[2]["median_rel_diff"], "plait_vs_ddp_ci": [rows[2]["ci_low"], rows[2]["ci_high"]],
         "loss_check": {"plait": plait_loss, "ddp": ddp_losses[0]},
+        "record_cost": bound,
         "steps": steps, "warmup": args.warmup, "model": args.model, "wall_s": time.time() - t0,
         "loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
     }

@@ -331,20 +331,22 @@ class Comm:
             for work in dist.batch_isend_irecv(batch):
                 work.wait()
             t_end, injected = self._stretch(faults, t_start, injected)
-        if self.log is None or not self.recording:
+        if self.log is None:
             return
         step = self.rec.step if self.rec is not None else None
         for o in ops:
             src, dst = (self.rank, o.peer) if o.kind == "send" else (o.peer, self.rank)
             link = f"p2p {src}->{dst}"
-            self.log.write(CommRecord(rank=self.rank, group=link, op=o.kind, bytes=_nbytes(o.tensor),
-                                      seq=self._next_seq(link), t_enqueue=t_enq, t_start=t_start, t_end=t_end,
-                                      key=o.key, name=name, peer=o.peer, step=step, injected_s=injected))
+            seq = self._next_seq(link)
+            if self.recording:
+                self.log.write(CommRecord(rank=self.rank, group=link, op=o.kind, bytes=_nbytes(o.tensor), seq=seq,
+                                          t_enqueue=t_enq, t_start=t_start, t_end=t_end, key=o.key, name=name,
+                                          peer=o.peer, step=step, injected_s=injected))
 
     # ------------------------------------------------------------------ the one call path
     def _call(self, group: Group, op: str, nbytes: int, name: str, category: str, fn: Callable[[], Any],
               key: str | None = None, span: bool = True, wait_only: bool = False) -> None:
-        seq = self._next_seq(group.name) if self.recording else 0
+        seq = self._next_seq(group.name)  # counted when not written too: the n-th call stays seq n
         t_enq = time.perf_counter()
         ctx = self._span(name, category, None, nbytes, wait_only) if span else nullcontext()
         faults = self._faults_on([group.members])
