@@ -243,7 +243,7 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
                       f"{r['b_median_s'] * 1e3:.2f} ms", f"{r['median_rel_diff'] * 100:+.2f} %",
                       f"[{r['ci_low'] * 100:+.2f}, {r['ci_high'] * 100:+.2f}] % ({r['ci_coverage'] * 100:.1f} %)",
                       f"<= {r['goal'] * 100:.0f} %", f"[{colour}]{r['verdict']}[/]")
-    console = Console()
+    console = Console(width=max(170, Console().width))  # one line per row, piped output too
     console.print(table)
     console.print(f"first-step loss: plait {summary['loss_check']['plait']:.6f}, DDP "
                   f"{summary['loss_check']['ddp']:.6f} (same model, samples and optimizer)")
