@@ -74,8 +74,8 @@ def test_data_parallel_records(dp_run: RunResult) -> None:
         # One 25 MB bucket holds every gradient: fp32 bytes of all the rank's parameters, once per step.
         assert [(r.group, r.op, r.bytes, r.step) for r in grads] == \
             [("dp", "all_reduce", 4 * dp_run.ranks[rank].params, s) for s in (0, 1)]
-        assert [r.name for r in f.records if r.op == "barrier"] == \
-            ["startup barrier", "step barrier", "step barrier", "final barrier"]
+        assert [(r.name, r.step) for r in f.records if r.op == "barrier"] == \
+            [("startup barrier", None), ("step barrier", 0), ("step barrier", 1), ("final barrier", 1)]
     _assert_sequences_agree(files)
     _assert_spans_have_records(dp_run, files)
 

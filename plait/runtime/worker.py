@@ -318,6 +318,7 @@ class Worker:
             self.hb.progress("train", step)
             mbs = replica_micro_batches(plan, step, self.d)
             data = self._step_data(mbs) if (runner.first or runner.last) else {}
+            self.rec.step = step  # the step barrier's comm record belongs to this step, not the last one
             if self.fault:
                 self.fault.maybe_fire(self.rank, step, "step")
             if cfg.get("comm_records") == "alternate":
