@@ -124,6 +124,7 @@ def test_mean_statistic() -> None:
 def test_shard_hook_profiles_one_tensor_rank() -> None:
     """With the runtime's Megatron slicing (collectives replaced by no-ops) a transformer layer holds
     half its matrices, and every layer is handed to the hook."""
+    from plait.runtime.comm import NullGroup
     from plait.runtime.tensor_parallel import (
         TPContext,
         apply_tensor_parallel,
@@ -131,7 +132,7 @@ def test_shard_hook_profiles_one_tensor_rank() -> None:
     )
 
     seen: list[str] = []
-    ctx = TPContext(group=None, size=2, rank=0, comm=lambda name, category, fn: None)
+    ctx = TPContext(group=NullGroup(2), size=2, rank=0)
 
     def shard(name: str, module: nn.Module) -> None:
         seen.append(name)

@@ -45,6 +45,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--predict", action="store_true",
                    help="emulated cluster: calibrate this machine first (about 30 s), pin one rank per CPU, and "
                         "print the simulator's prediction for this machine next to the measurement (runs fp32)")
+    p.add_argument("--no-comm-records", action="store_true",
+                   help="do not stream each rank's collective / point-to-point records to RUN_DIR/comm/rankN.jsonl")
+    p.add_argument("--comm-faults", metavar="JSON", default=None,
+                   help='slow a link on purpose: {"slow_link": [a, b], "delay_s": x, "factor": f} (or a list); '
+                        "every call whose group holds ranks a and b is delayed / stretched")
     p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # tests: rank=1,step=2,kind=hang|die|error
     p.set_defaults(func=run)
     return p
@@ -57,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
                   optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
-                  run_dir=args.run_dir, fault=args.fault)
+                  run_dir=args.run_dir, fault=args.fault, comm_records=not args.no_comm_records,
+                  comm_faults=args.comm_faults)
     machine = None
     if args.predict:
         result, machine = _run_predicted(args, common)

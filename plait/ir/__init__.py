@@ -5,7 +5,8 @@
 * `plait.ir.stage_graph` -- the one stage graph derived from a Plan and an OpGraph: stages, device
                         groups, per-replica batch shares (one rounding rule), per-edge tensors;
 * `plait.ir.formats`  -- `format_version` of every file plait writes, and the rule for reading it;
-* `plait.ir.timeline` -- `Timeline` / `TimelineEvent`, written by the simulator *and* the runtime.
+* `plait.ir.timeline` -- `Timeline` / `TimelineEvent`, written by the simulator *and* the runtime;
+* `plait.ir.comm`     -- `CommRecord`, one line per collective or p2p call of a rank (JSON Lines).
 
 This package sits at the bottom of the import order (see docs/DESIGN.md): it imports only
 `plait.errors`, the standard library, numpy and networkx -- never a planner, the simulator or

@@ -29,6 +29,7 @@ from typing import Any
 def tp_shard(tp: int) -> Any:
     """The runtime's Megatron slicing of tensor rank 0 with no-op collectives, as a `shard`
     callback of `plait.measure.layer_profile.profile_layers` (None when tp == 1)."""
+    from plait.runtime.comm import NullGroup
     from plait.runtime.tensor_parallel import (
         TPContext,
         apply_tensor_parallel,
@@ -37,7 +38,7 @@ def tp_shard(tp: int) -> Any:
 
     if tp == 1:
         return None
-    ctx = TPContext(group=None, size=tp, rank=0, comm=lambda name, category, fn: None)
+    ctx = TPContext(group=NullGroup(tp), size=tp, rank=0)
 
     def shard(name: str, module: Any) -> None:
         if is_tensor_parallel_layer(module):
@@ -77,11 +78,13 @@ def gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
     finishing their segments together (each rank's speed jitters on a shared machine) and for
     waking gloo's threads after compute; a trimmed mean, because a step sums many calls."""
     import torch
-    import torch.distributed as dist
+
+    from plait.runtime.comm import P2P, Comm
 
     world = int(req["world"])
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{req['store']}", rank=rank, world_size=world)
+    # Through the runtime's facade (records off), so the calibration pays what training pays per call.
+    comm = Comm(rank, world)
+    group = comm.init_process_group("gloo", init_method=f"file://{req['store']}")
     torch.set_num_threads(1)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
     w = torch.randn(256, 256)
@@ -94,14 +97,13 @@ def gloo_sweep(rank: int, req: dict[str, Any]) -> dict[str, list[list[float]]]:
     for size in req["sizes"]:
         x, y = torch.zeros(max(1, size // 4)), torch.zeros(max(1, size // 4))
         calls = {
-            "all_reduce": lambda x=x: dist.all_reduce(x),
-            "exchange": lambda x=x, y=y: [h.wait() for h in dist.batch_isend_irecv(
-                [dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, y, prev)])],
+            "all_reduce": lambda x=x: group.all_reduce(x, "all_reduce"),
+            "exchange": lambda x=x, y=y: comm.p2p([P2P("send", x, nxt), P2P("recv", y, prev)], "exchange"),
         }
         for op, fn in calls.items():
             times = []
             for i in range(3 + int(req["iters"])):
-                dist.barrier()
+                group.barrier("sweep")
                 segment()
                 t0 = time.perf_counter()
                 fn()

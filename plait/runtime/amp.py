@@ -16,12 +16,14 @@ parameters and scales would diverge. Only fp16 scales; bf16 has fp32's exponent 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from plait.runtime.partition import RuntimeSetupError
+
+if TYPE_CHECKING:
+    from plait.runtime.comm import Group
 
 SCALE_ENV = "PLAIT_LOSS_SCALE"  # e.g. "init=1024,growth_interval=100" (run(env=...) passes it to the workers)
 
@@ -37,6 +39,9 @@ class DynamicLossScaler:
         self.good_steps = 0  # finite steps since the last change of scale
         self.skipped: list[int] = []  # steps whose update was skipped
         self.found_inf = False  # the agreed flag of the current step
+        # The ranks that must agree on skipping (the worker sets the job's "world" group); None: this
+        # rank decides alone.
+        self.group: Group | None = None
 
     @classmethod
     def from_string(cls, text: str | None) -> DynamicLossScaler:
@@ -61,17 +66,16 @@ class DynamicLossScaler:
                                     f"0 < backoff_factor < 1, got {text!r}")
         return scaler
 
-    def unscale_and_check(self, grads: list[torch.Tensor], comm: Any = None, group: Any = None) -> bool:
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         """Multiply `grads` by 1/scale in place and return the job-wide found-inf flag.
 
-        Every rank must call it once per step (it is a collective over `group`, default: the
-        whole job, when torch.distributed is initialised). `comm(name, category, fn)` records
-        the all-reduce as a span."""
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        Every rank of `self.group` must call it once per step: the flag is all-reduced (MAX)
+        over the group, recorded as the span "allreduce amp found-inf"."""
+        distributed = self.group is not None and self.group.size > 1
         if grads:
             device = grads[0].device
-        elif distributed and dist.get_backend(group) == "nccl":  # a rank without gradients still joins
-            device = torch.device("cuda", torch.cuda.current_device())
+        elif self.group is not None and distributed and self.group.comm.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())  # a rank without gradients still joins
         else:
             device = torch.device("cpu")
         found = torch.zeros(1, device=device)
@@ -86,13 +90,8 @@ class DynamicLossScaler:
                 torch._amp_foreach_non_finite_check_and_unscale_(gs, f, inv.to(dev))
                 found = torch.maximum(found, f.to(device))
         if distributed:
-            def reduce() -> None:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-
-            if comm is not None:
-                comm("allreduce amp found-inf", "comm", reduce)
-            else:
-                reduce()
+            assert self.group is not None
+            self.group.all_reduce(found, "allreduce amp found-inf", "comm", op="max")
         self.found_inf = bool(found.item() > 0)
         return self.found_inf
 

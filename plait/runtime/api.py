@@ -30,6 +30,7 @@ from plait.errors import check_output_path
 from plait.ir.formats import check_version
 from plait.ir.plan import Plan, PlanError, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
+from plait.runtime.comm import parse_link_faults
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
 
@@ -78,6 +79,9 @@ class RunResult:
     skipped_steps: list[int] = field(default_factory=list)  # steps skipped for inf/nan gradients
     final_loss_scale: float | None = None  # the scale the next step would use
     skipped_by_rank: dict[int, list[int]] = field(default_factory=dict)  # the same on every rank
+    # Per-rank communication records streamed during the run (`comm/rankN.jsonl`, read with
+    # `plait.ir.comm.read_comm_records`); None when recording was off or the run folder was temporary.
+    comm_dir: str | None = None
 
     def mean_iteration_time(self, skip: int = 1) -> float:
         """Mean over steps, skipping the first `skip` (warm-up) when there are more."""
@@ -103,7 +107,7 @@ class RunResult:
             "busy_by_category": self.timeline.by_category(), "network": self.network, "notes": self.notes,
             "resumed_from": self.resumed_from, "run_dir": self.run_dir,
             "loss_scales": self.loss_scales, "skipped_steps": self.skipped_steps,
-            "final_loss_scale": self.final_loss_scale,
+            "final_loss_scale": self.final_loss_scale, "comm_dir": self.comm_dir,
             "ranks": [r.__dict__ for r in self.ranks],
         }
         if events:
@@ -227,7 +231,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
         return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
         env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
-        emulate_dtype: str | None = None) -> RunResult:
+        emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -235,12 +239,23 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     kinds (default: the training dtype), e.g. the plan's fp16 while the CPU ranks compute fp32;
     `start_method` is torchrun's: "fork" (CPU default: workers inherit the agent's imports)
     or "spawn" (GPU default: CUDA must not be initialised before a fork);
-    `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`).
+    `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`);
+    `comm_records` streams every collective and point-to-point call of each rank to
+    `RUN_DIR/comm/rankN.jsonl` (`RunResult.comm_dir`; "alternate": on and off in alternate steps,
+    for `bench/recorder_overhead.py`); `comm_faults` slows links between ranks
+    on purpose (`plait.runtime.comm.LinkFault`: {"slow_link": [a, b], "delay_s": x, "factor": f}).
     fp16 runs scale the loss dynamically (`plait.runtime.amp`; its settings can be given as
     `env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"}`); `sequence_parallel` plans run
     Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
+    if comm_records not in (True, False, "alternate"):
+        raise RuntimeSetupError(f"comm_records: must be True, False or 'alternate', got {comm_records!r}")
+    faults = parse_link_faults(comm_faults, "comm_faults")  # a bad fault fails here, not in every worker
+    for f in faults:
+        if max(f.a, f.b) >= plan_obj.world_size:
+            raise RuntimeSetupError(f"comm_faults: field 'slow_link' {[f.a, f.b]} names a rank outside the plan's "
+                                    f"{plan_obj.world_size} ranks")
     if steps < 1:
         raise RuntimeSetupError(f"steps must be >= 1, got {steps}")
     if checkpoint_every < 0:
@@ -290,7 +305,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     owns_dir = run_dir is None
     rdir = Path(tempfile.mkdtemp(prefix="plait-run-")) if run_dir is None else Path(run_dir)
     rdir.mkdir(parents=True, exist_ok=True)
-    for sub in ("hb", "status", "exit"):
+    for sub in ("hb", "status", "exit", "comm"):
         shutil.rmtree(rdir / sub, ignore_errors=True)
         (rdir / sub).mkdir()
     for stale in ("result.json", "params.pt"):
@@ -320,6 +335,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "checkpoint": {"dir": str(Path(checkpoint_dir).resolve()), "every": checkpoint_every,
                            "resume": resume, "keep": keep_checkpoints} if checkpoint_dir is not None else None,
             "return_params": return_params, "step_barrier": step_barrier, "fault": fault,
+            "comm_records": comm_records, "comm_faults": [f.to_dict() for f in faults] or None,
         }
         config_path = rdir / "config.json"
         config_path.write_text(json.dumps(cfg, indent=1))
@@ -339,9 +355,10 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     result.network["wall_seconds"] = time.time() - t_start
     if trace is not None:
         result.timeline.save_chrome_trace(trace)
+    result.comm_dir = str(rdir / "comm") if comm_records else None
     if owns_dir:
         shutil.rmtree(rdir, ignore_errors=True)
-        result.run_dir = None
+        result.run_dir = result.comm_dir = None
     return result
 
 

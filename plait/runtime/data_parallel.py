@@ -26,14 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait.runtime.amp import DynamicLossScaler
+from plait.runtime.comm import Group
 from plait.runtime.recorder import Recorder
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict[str, Any]) -> torch.optim.Optimizer:
@@ -76,13 +73,12 @@ def _scatter_back(flat: torch.Tensor, params: list[nn.Parameter], attr: str) -> 
         offset += n
 
 
-def sync_tied_grads(tied: list[tuple[list[nn.Parameter], Any]], rec: Recorder) -> None:
+def sync_tied_grads(tied: list[tuple[list[nn.Parameter], Group]]) -> None:
     """Sum the gradients of parameters shared by several pipeline stages (tied embeddings):
     each stage holds a copy and they must take the same step (Megatron's embedding group)."""
     for params, group in tied:
         flat = _flat_grads(params)
-        rec.comm_call("allreduce tied", "comm_dp", lambda f=flat, g=group: dist.all_reduce(f, group=g),
-                      bytes=flat.numel() * flat.element_size())
+        group.all_reduce(flat, "allreduce tied", "comm_dp")
         _scatter_back(flat, params, "grad")
 
 
@@ -90,7 +86,7 @@ class DataParallelStep:
     """Gradient all-reduce (ZeRO-0) + the full optimizer on every replica."""
 
     def __init__(self, params: list[nn.Parameter], make_opt: Callable[[list[Any]], torch.optim.Optimizer],
-                 group: Any, size: int, rec: Recorder, bucket_bytes: int = 25 << 20,
+                 group: Group | None, size: int, rec: Recorder, bucket_bytes: int = 25 << 20,
                  scaler: DynamicLossScaler | None = None) -> None:
         self.params = params
         self.scaler = scaler
@@ -113,11 +109,10 @@ class DataParallelStep:
     def reduce(self) -> None:
         if self.size == 1:
             return
+        assert self.group is not None
         for i, bucket in enumerate(self.buckets):
             flat = _flat_grads(bucket)
-            self.rec.comm_call(f"allreduce dp bucket{i}", "comm_dp",
-                               lambda f=flat: dist.all_reduce(f, group=self.group),
-                               bytes=flat.numel() * flat.element_size())
+            self.group.all_reduce(flat, f"allreduce dp bucket{i}", "comm_dp")
             _scatter_back(flat, bucket, "grad")
 
     def step(self) -> bool:
@@ -125,7 +120,7 @@ class DataParallelStep:
         self.reduce()
         if self.scaler is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
-            if self.scaler.unscale_and_check(grads, comm=self.rec.comm_call):
+            if self.scaler.unscale_and_check(grads):
                 self.optimizer.zero_grad(set_to_none=True)
                 return False
         with self.rec.compute("optimizer", "optimizer"):
@@ -144,7 +139,7 @@ class Zero1Step:
     """ZeRO-1: reduce-scatter gradients, optimizer on this rank's shard, all-gather parameters."""
 
     def __init__(self, params: list[nn.Parameter], make_opt: Callable[[list[Any]], torch.optim.Optimizer],
-                 group: Any, size: int, rank: int, rec: Recorder, free_grads: bool = False,
+                 group: Group | None, size: int, rank: int, rec: Recorder, free_grads: bool = False,
                  scaler: DynamicLossScaler | None = None) -> None:
         self.params = params
         self.scaler = scaler
@@ -169,15 +164,14 @@ class Zero1Step:
         flat = _flat_grads(self.params, self.padded)
         grad_shard = flat.new_empty(self.shard)
         if self.size > 1:
-            self.rec.comm_call("reducescatter dp grads", "comm_dp",
-                               lambda: _reduce_scatter(grad_shard, flat, group=self.group),
-                               bytes=flat.numel() * flat.element_size())
+            assert self.group is not None
+            self.group.reduce_scatter(grad_shard, flat, "reducescatter dp grads", "comm_dp")
         else:
             grad_shard.copy_(flat)
         if self.free_grads:
             for p in self.params:
                 p.grad = None
-        if self.scaler is not None and self.scaler.unscale_and_check([grad_shard], comm=self.rec.comm_call):
+        if self.scaler is not None and self.scaler.unscale_and_check([grad_shard]):
             for p in self.params:  # every rank skips: no shard changed, nothing to all-gather
                 p.grad = None
             return False
@@ -187,9 +181,8 @@ class Zero1Step:
         self.master.grad = None
         full = flat.new_empty(self.padded)
         if self.size > 1:
-            self.rec.comm_call("allgather zero params", "comm_zero",
-                               lambda: _all_gather(full, self.master.detach(), group=self.group),
-                               bytes=full.numel() * full.element_size())
+            assert self.group is not None
+            self.group.all_gather_into(full, self.master.detach(), "allgather zero params", "comm_zero")
         else:
             full.copy_(self.master.detach())
         with torch.no_grad():

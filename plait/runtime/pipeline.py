@@ -33,9 +33,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from plait.runtime.comm import P2P, Comm
 from plait.runtime.partition import MicroBatch
 from plait.runtime.recorder import Recorder
 
@@ -66,8 +66,10 @@ class StageRunner:
     def __init__(self, module: nn.Module, stage: int, num_stages: int, prev_rank: int | None,
                  next_rank: int | None, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                  global_batch: int, device: torch.device, recorder: Recorder,
-                 autocast: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+                 autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+                 comm: Comm | None = None) -> None:
         self.module = module
+        self.comm = comm  # point-to-point messages go through the facade (records, link faults)
         self.stage = stage
         self.num_stages = num_stages
         self.prev_rank = prev_rank
@@ -94,16 +96,20 @@ class StageRunner:
         return self.stage == self.num_stages - 1
 
     # ------------------------------------------------------------------ p2p
+    def _key(self, kind: str, peer: int, mb: int | None) -> str:
+        """The shared event key: a message to / from the next stage is forward, else backward."""
+        direction = "fwd" if (peer == self.next_rank) == (kind == "send") else "bwd"
+        return f"{kind}_{direction} s{self.stage} c0 mb{mb}"
+
     def _p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-             name: str, mb: int | None) -> None:
+             name: str, mb: int | None, recv_mb: int | None = None) -> None:
         if not sends and not recvs:
             return
-        ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-        nbytes = sum(t.numel() * t.element_size() for t, _ in sends + recvs)
-        with self.rec.comm(name, "comm_pp", micro_batch=mb, bytes=nbytes):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        assert self.comm is not None, "a pipeline stage needs the communication facade"
+        recv_mb = mb if recv_mb is None else recv_mb
+        ops = [P2P("send", t, peer, self._key("send", peer, mb)) for t, peer in sends]
+        ops += [P2P("recv", t, peer, self._key("recv", peer, recv_mb)) for t, peer in recvs]
+        self.comm.p2p(ops, name, "comm_pp", micro_batch=mb)
 
     def _fwd_send_list(self, mb: MicroBatch, outs: tuple[Any, ...]) -> list[tuple[torch.Tensor, int]]:
         assert self.next_rank is not None
@@ -145,6 +151,8 @@ class StageRunner:
                   recv_bwd: MicroBatch | None, name: str, mb: int | None) -> tuple[list[Any] | None, list[torch.Tensor] | None]:
         """Post `sends` with the receive of a forward input and/or a backward gradient; wait all."""
         recvs: list[tuple[torch.Tensor, int]] = []
+        recv_from = recv_bwd if recv_bwd is not None else recv_fwd
+        recv_mb = recv_from.index if recv_from is not None else None  # the received message's micro-batch
         grads = None
         if recv_bwd is not None:
             assert self.next_rank is not None
@@ -156,15 +164,15 @@ class StageRunner:
             meta = self.recv_meta.get(recv_fwd.size)
             if meta is None:  # first micro-batch of this size: learn what crosses the cut
                 header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-                self._p2p(sends, recvs + [(header, self.prev_rank)], name, mb)
+                self._p2p(sends, recvs + [(header, self.prev_rank)], name, mb, recv_mb)
                 sends, recvs = [], []
                 meta = self.recv_meta[recv_fwd.size] = _decode_header(header)
             bufs = self._fwd_recv_buffers(meta)
             recvs += [(b, self.prev_rank) for b in bufs]
-            self._p2p(sends, recvs, name, mb)
+            self._p2p(sends, recvs, name, mb, recv_mb)
             inputs = self._assemble_inputs(meta, bufs)
         else:
-            self._p2p(sends, recvs, name, mb)
+            self._p2p(sends, recvs, name, mb, recv_mb)
         return inputs, grads
 
     # ------------------------------------------------------------------ compute

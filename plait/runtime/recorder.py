@@ -22,7 +22,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -194,7 +194,8 @@ class Recorder:
 
     @contextmanager
     def comm(self, name: str, category: str, micro_batch: int | None = None, **args: Any) -> Iterator[None]:
-        """A blocking communication: the rank waits on its peers inside it."""
+        """A blocking communication: the rank waits on its peers inside it (opened by the facade,
+        `plait.runtime.comm`, around each call)."""
         if self.heartbeat is not None:
             self.heartbeat.waiting(name)
         ev = self._event(name, category, "comm", micro_batch, args)
@@ -221,10 +222,6 @@ class Recorder:
             self.events.append(ev)
             if self.heartbeat is not None:
                 self.heartbeat.waiting(None)
-
-    def comm_call(self, name: str, category: str, fn: Callable[[], Any], **args: Any) -> Any:
-        with self.comm(name, category, **args):
-            return fn()
 
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:

@@ -36,43 +36,35 @@ sequence-first (`[s, b, h]`, the zoo's and Megatron's layout); a layer may set
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from plait.runtime.comm import Group, NullGroup
 from plait.runtime.partition import RuntimeSetupError
 
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "heads", "num_attention_heads")
 KV_HEAD_ATTRS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "kv_heads", "num_key_value_heads")
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-# Set by the worker: wraps a collective call in a timeline span (name, category, fn).
-CommHook = Callable[[str, str, Callable[[], Any]], Any]
-
-
-def _plain_comm(name: str, category: str, fn: Callable[[], Any]) -> Any:
-    return fn()
-
 
 @dataclass
 class TPContext:
-    group: Any
+    """The tensor group of a layer (the facade's "tp" group: its calls are spans and records;
+    a `NullGroup` to time one tensor rank's compute alone)."""
+
+    group: Group | NullGroup | None
     size: int
     rank: int
-    comm: CommHook = _plain_comm
     sequence_parallel: bool = False
     seq_dim: int = 0  # the sequence dimension of activations between layers ([s, b, h])
 
     def all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
         t = t.contiguous()
-        self.comm(name, "comm_tp", lambda: dist.all_reduce(t, group=self.group))
+        assert self.group is not None
+        self.group.all_reduce(t, name, "comm_tp")
         return t
 
     # Sequence-parallel collectives concatenate / cut along `seq_dim`. They are recorded under
@@ -81,14 +73,16 @@ class TPContext:
         """[.., s/tp, ..] on every rank -> [.., s, ..] (rank order along the sequence)."""
         x = t.movedim(self.seq_dim, 0).contiguous()
         out = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
-        self.comm(name, "comm_tp", lambda: _all_gather(out, x, group=self.group))
+        assert self.group is not None
+        self.group.all_gather_into(out, x, name, "comm_tp")
         return out.movedim(0, self.seq_dim)
 
     def reduce_scatter(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """[.., s, ..] partial sums -> this rank's [.., s/tp, ..] slice of their sum."""
         x = t.movedim(self.seq_dim, 0).contiguous()
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        self.comm(name, "comm_tp", lambda: _reduce_scatter(out, x, group=self.group))
+        assert self.group is not None
+        self.group.reduce_scatter(out, x, name, "comm_tp")
         return out.movedim(0, self.seq_dim)
 
     def split(self, t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,6 @@ is the plan rank whatever rank torchrun gave the process; the config maps
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
@@ -50,6 +49,7 @@ from plait.ir.formats import stamp
 from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
+from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, Group, parse_link_faults
 from plait.runtime.data_parallel import (
     DataParallelStep,
     Zero1Step,
@@ -79,6 +79,11 @@ from plait.runtime.tensor_parallel import (
 from plait.runtime.zero3 import Zero3Step
 
 FAULT_ENV = "PLAIT_FAULT"
+
+
+def comm_records_path(run_dir: Path, rank: int) -> Path:
+    """Where rank `rank` streams its communication records (`plait.ir.comm`)."""
+    return run_dir / "comm" / f"rank{rank}.jsonl"
 
 
 # ---------------------------------------------------------------------------------- faults
@@ -160,23 +165,18 @@ class Worker:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
-        timeout = datetime.timedelta(seconds=float(self.cfg["collective_timeout"]))
-        dist.init_process_group(self.cfg["backend"], rank=self.rank, world_size=self.world, timeout=timeout)
+        # Every call of this rank goes through one facade: Timeline spans, the streamed records file
+        # (RUN_DIR/comm/rankN.jsonl) and the link faults of tests.
+        log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
+            if self.cfg.get("comm_records", True) else None
+        faults = parse_link_faults(os.environ.get(FAULTS_ENV) or self.cfg.get("comm_faults"))
+        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults)
+        self.comm.init_process_group(self.cfg["backend"], timeout_s=float(self.cfg["collective_timeout"]))
         plan = self.plan
-        self.dp_group = self.tp_group = None
-        # Every rank creates every group in the same order (new_group is collective).
-        for p in range(plan.pp):
-            for t in range(plan.tp):
-                ranks = [plan.rank(p, d, t) for d in range(plan.dp)]
-                g = dist.new_group(ranks) if plan.dp > 1 else None
-                if self.rank in ranks:
-                    self.dp_group = g
-        for p in range(plan.pp):
-            for d in range(plan.dp):
-                ranks = [plan.rank(p, d, t) for t in range(plan.tp)]
-                g = dist.new_group(ranks) if plan.tp > 1 else None
-                if self.rank in ranks:
-                    self.tp_group = g
+        # The plan's ranks are a regular pp x dp x tp grid (Megatron's order, as `Plan.rank`): one mesh.
+        self.comm.build_mesh(self.device.type, {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp})
+        self.dp_group: Group = self.comm.group("dp")
+        self.tp_group: Group = self.comm.group("tp")
 
     def _build(self) -> None:
         self.hb.progress("build")
@@ -204,23 +204,21 @@ class Worker:
             for prm in s.module.parameters():
                 owners.setdefault(id(prm), []).append(s.index)
         tied_sets = sorted({tuple(v) for v in owners.values() if len(v) > 1})
-        self.tied: list[tuple[list[nn.Parameter], Any]] = []
+        self.tied: list[tuple[list[nn.Parameter], Group]] = []
         mine = list(self.stage_module.parameters())
         for owner_set in tied_sets:
-            for d in range(plan.dp):
-                for t in range(plan.tp):
-                    ranks = [plan.rank(s, d, t) for s in owner_set]
-                    g = dist.new_group(ranks)
-                    if self.rank in ranks:
-                        self.tied.append(([prm for prm in mine if tuple(owners[id(prm)]) == owner_set], g))
+            # Off the grid (stages 0 and pp-1, say): explicit groups, one per (replica, tensor rank).
+            sets = [[plan.rank(s, d, t) for s in owner_set] for d in range(plan.dp) for t in range(plan.tp)]
+            g = self.comm.new_groups("tied s" + "-".join(map(str, owner_set)), sets)
+            if g is not None:
+                self.tied.append(([prm for prm in mine if tuple(owners[id(prm)]) == owner_set], g))
         # Megatron tensor parallelism on this stage's transformer layers.
         self.shard_infos: dict[str, ShardInfo] = {}
         layers = dict(layer_modules(self.stage_module if plan.pp > 1 else model))
         self.sp = bool(plan.sequence_parallel) and plan.tp > 1
         tp_layers = {n: m for n, m in layers.items() if is_tensor_parallel_layer(m)}
         seq_dim = next((int(getattr(m, "plait_seq_dim", 0)) for m in tp_layers.values()), 0)
-        tp_ctx = TPContext(self.tp_group, plan.tp, self.t, comm=self._comm_hook, sequence_parallel=self.sp,
-                           seq_dim=seq_dim)
+        tp_ctx = TPContext(self.tp_group, plan.tp, self.t, sequence_parallel=self.sp, seq_dim=seq_dim)
         self.sp_params: list[nn.Parameter] = []
         if plan.tp > 1:
             for name, layer in tp_layers.items():
@@ -264,9 +262,6 @@ class Worker:
         for m in targets:
             m.forward = partial(checkpoint, m.forward, use_reentrant=False)
 
-    def _comm_hook(self, name: str, category: str, fn: Any) -> Any:
-        return self.rec.comm_call(name, category, fn)
-
     def _autocast(self) -> Any:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg["dtype"])
         if dtype is None:
@@ -289,6 +284,8 @@ class Worker:
         # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
         self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV) or cfg.get("loss_scale")) \
             if cfg["dtype"] == "fp16" else None
+        if self.scaler is not None:  # every rank of the job skips or steps together
+            self.scaler.group = self.comm.world_group
         self.zero3: Zero3Step | None = None
         if plan.zero >= 3 and plan.dp > 1:
             # Parameters sharded too (api refuses pp > 1 with zero=3): per-layer gather / reduce-scatter.
@@ -304,13 +301,12 @@ class Worker:
         prev_rank = plan.rank(self.p - 1, self.d, self.t) if self.p > 0 else None
         next_rank = plan.rank(self.p + 1, self.d, self.t) if self.p < plan.pp - 1 else None
         runner = StageRunner(self.stage_module, self.p, plan.pp, prev_rank, next_rank, self.spec.loss,
-                             plan.global_batch, self.device, self.rec, autocast=self._autocast)
+                             plan.global_batch, self.device, self.rec, autocast=self._autocast, comm=self.comm)
         start = self._maybe_resume()
         steps = int(cfg["steps"])
         ck = cfg.get("checkpoint") or {}
         every = int(ck.get("every") or 0)
-        with self.rec.waiting("startup barrier"):
-            dist.barrier()
+        self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin_info = self._common_origin()
         losses: list[torch.Tensor] = []
@@ -323,11 +319,15 @@ class Worker:
             self.hb.progress("train", step)
             mbs = replica_micro_batches(plan, step, self.d)
             data = self._step_data(mbs) if (runner.first or runner.last) else {}
+            self.rec.step = step  # the step barrier's comm record belongs to this step, not the last one
             if self.fault:
                 self.fault.maybe_fire(self.rank, step, "step")
+            if cfg.get("comm_records") == "alternate":
+                # bench/recorder_overhead.py: records on and off in adjacent steps, the order alternating
+                # pair by pair (on/off, off/on, ...) so a drifting machine biases neither side.
+                self.comm.recording = (step // 2 + step) % 2 == 0
             if cfg.get("step_barrier", True):
-                with self.rec.waiting("step barrier"):
-                    dist.barrier()
+                self.comm.barrier("step barrier")
             t0 = self.rec.begin_step(step)
             runner.loss_sum = torch.zeros((), device=self.device)
             if self.scaler is not None:
@@ -342,7 +342,7 @@ class Worker:
             if self.fault:
                 self.fault.maybe_poison(self.rank, step, self.params)
             if self.tied:
-                sync_tied_grads(self.tied, self.rec)
+                sync_tied_grads(self.tied)
             if self.sp_params and self.zero3 is None:  # ZeRO-3 sums them per layer before reducing
                 self._sync_sp_grads()
             self.opt.step()
@@ -359,9 +359,7 @@ class Worker:
         """Sum the gradients of sequence-parallel LayerNorms and biases over the tensor group: each
         rank computed them on its 1/tp of the tokens (Korthikanti et al. 2022, §4.2.2)."""
         flat = _flat_grads(self.sp_params)
-        self.rec.comm_call("allreduce tp sp-grads", "comm_tp",
-                           lambda: dist.all_reduce(flat, group=self.tp_group),
-                           bytes=flat.numel() * flat.element_size())
+        self.tp_group.all_reduce(flat, "allreduce tp sp-grads", "comm_tp")
         _scatter_back(flat, self.sp_params, "grad")
 
     def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
@@ -372,8 +370,7 @@ class Worker:
         """Ranks on the same host share CLOCK_MONOTONIC: use one origin for all of them (exact).
         Across hosts the barrier exit is the alignment (skew = the barrier's release skew)."""
         mine = {"boot": _boot_id(), "origin": self.rec.origin}
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine)
+        everyone = self.comm.all_gather_object(mine, "clock origins")
         if len({e["boot"] for e in everyone}) == 1:
             common = min(e["origin"] for e in everyone)
             shift = self.rec.origin - common
@@ -390,17 +387,17 @@ class Worker:
         if not ck.get("resume"):
             return 0
         root = Path(ck["dir"])
-        choice: list[Any] = [None]
+        choice: str | None = None
         if self.rank == 0:
             found = ckpt.latest_checkpoint(root)
             if found is not None:
                 ckpt.check_compatible(found[1], self._meta())
-                choice[0] = str(found[1])
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
+                choice = str(found[1])
+        choice = self.comm.broadcast_object(choice, src=0, name="checkpoint choice")
+        if choice is None:
             return 0
         self.hb.progress("resume")
-        state = ckpt.load_rank(Path(choice[0]), self.rank, self.device)
+        state = ckpt.load_rank(Path(choice), self.rank, self.device)
         if self.zero3 is None:  # under ZeRO-3 the shards in the optimizer state are the parameters
             self.stage_module.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optim"])
@@ -422,8 +419,7 @@ class Worker:
         if self.fault and self.fault.at == "checkpoint":
             hook = partial(self.fault.maybe_fire, self.rank, step - 1, "checkpoint")
         ckpt.save_rank(root, step, self.rank, state, before_rename=hook)
-        with self.rec.waiting("checkpoint barrier"):
-            dist.barrier()
+        self.comm.barrier("checkpoint barrier")
         if self.rank == 0:
             ckpt.mark_complete(root, step, self._meta(), keep=self.cfg["checkpoint"].get("keep"))
         self.hb.progress("train")
@@ -435,7 +431,7 @@ class Worker:
         self.hb.progress("gather")
         loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
         if self.p == plan.pp - 1 and plan.dp > 1 and loss_vec.numel():
-            dist.all_reduce(loss_vec, group=self.dp_group)
+            self.dp_group.all_reduce(loss_vec, "allreduce dp losses", "comm_dp", span=False)
         # Parameter bytes held between steps: the whole stage, or under ZeRO-3 the shards (~1/dp).
         param_bytes = self.zero3.resident_param_bytes() if self.zero3 is not None else \
             sum(prm.numel() * prm.element_size() for prm in self.params)
@@ -465,14 +461,12 @@ class Worker:
             "amp": {"scales": self.scales, "skipped": [s for s in self.scaler.skipped if s >= start],
                     "final_scale": self.scaler.scale} if self.scaler is not None else None,
         }
-        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        with self.rec.waiting("gather results"):
-            dist.gather_object(mine, gathered, dst=0)
+        gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
             _write_result(self.run_dir, plan, gathered, start, steps, self.cfg)
-        with self.rec.waiting("final barrier"):
-            dist.barrier()
+        self.comm.barrier("final barrier")
+        self.comm.close()
 
 
 class _RngStream:
@@ -610,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     _write_status(status, {"state": "ok", "time": time.time()})
     hb.close("done")
     try:
-        dist.destroy_process_group()
+        Comm.destroy()
     except Exception:
         pass
     return 0

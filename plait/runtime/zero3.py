@@ -33,11 +33,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait.runtime.amp import DynamicLossScaler
-from plait.runtime.data_parallel import _all_gather, _flat_grads, _reduce_scatter, _scatter_back
+from plait.runtime.comm import Group
+from plait.runtime.data_parallel import _flat_grads, _scatter_back
 from plait.runtime.recorder import Recorder
 
 
@@ -98,8 +98,8 @@ class Zero3Step:
     micro-batches when this replica ran n fewer than the largest one, then `step()`."""
 
     def __init__(self, module: nn.Module, layers: list[tuple[str, nn.Module]],
-                 make_opt: Callable[[list[Any]], torch.optim.Optimizer], group: Any, size: int, rank: int,
-                 rec: Recorder, scaler: DynamicLossScaler | None = None, tp_group: Any = None,
+                 make_opt: Callable[[list[Any]], torch.optim.Optimizer], group: Group | None, size: int, rank: int,
+                 rec: Recorder, scaler: DynamicLossScaler | None = None, tp_group: Group | None = None,
                  sp_params: list[nn.Parameter] | None = None) -> None:
         self.group, self.size, self.rank, self.rec, self.scaler = group, size, rank, rec, scaler
         self.tp_group = tp_group
@@ -140,12 +140,10 @@ class Zero3Step:
     def _gather(self, u: _Unit, record: bool = True, span: bool = True) -> None:
         u.full.untyped_storage().resize_(u.nbytes)
         with torch.no_grad():
-            if self.size > 1 and not span:  # outside the measured steps
-                _all_gather(u.full, u.shard_param.detach(), group=self.group)
-            elif self.size > 1:
-                self.rec.comm_call(f"allgather zero params {u.name}", "comm_zero",
-                                   lambda: _all_gather(u.full, u.shard_param.detach(), group=self.group),
-                                   bytes=u.nbytes)
+            if self.size > 1:  # span=False: outside the measured steps (recorded, no Timeline span)
+                assert self.group is not None
+                self.group.all_gather_into(u.full, u.shard_param.detach(), f"allgather zero params {u.name}",
+                                           "comm_zero", span=span)
             else:
                 u.full.copy_(u.shard_param.detach())
         u.gathered = True
@@ -160,16 +158,13 @@ class Zero3Step:
                     # Sequence-parallel LayerNorms/biases saw 1/tp of the tokens: sum over the tensor group
                     # first (Korthikanti et al. 2022, §4.2.2), per layer since the gradient leaves now.
                     sp = _flat_grads(u.sp_params)
-                    self.rec.comm_call(f"allreduce tp sp-grads {u.name}", "comm_tp",
-                                       lambda: dist.all_reduce(sp, group=self.tp_group),
-                                       bytes=sp.numel() * sp.element_size())
+                    self.tp_group.all_reduce(sp, f"allreduce tp sp-grads {u.name}", "comm_tp")
                     _scatter_back(sp, u.sp_params, "grad")
                 flat = _flat_grads(u.params, u.padded)
             out = flat.new_empty(u.shard)
             if self.size > 1:
-                self.rec.comm_call(f"reducescatter zero grads {u.name}", "comm_zero",
-                                   lambda: _reduce_scatter(out, flat, group=self.group),
-                                   bytes=flat.numel() * flat.element_size())
+                assert self.group is not None
+                self.group.reduce_scatter(out, flat, f"reducescatter zero grads {u.name}", "comm_zero")
             else:
                 out.copy_(flat)
             g = u.shard_param.grad
@@ -256,7 +251,7 @@ class Zero3Step:
             self._reduce_scatter(self.root, record=False)
         shards = [u.shard_param for u in self.all_units]
         grads = [p.grad for p in shards if p.grad is not None]
-        if self.scaler is not None and self.scaler.unscale_and_check(grads, comm=self.rec.comm_call):
+        if self.scaler is not None and self.scaler.unscale_and_check(grads):
             self.optimizer.zero_grad(set_to_none=True)
             return False
         with self.rec.compute("optimizer", "optimizer", shard=sum(p.numel() for p in shards)):

@@ -1,0 +1,401 @@
+"""The runtime's one communication facade: named process groups, every collective and
+point-to-point call, its record, and the one place where a link is slowed on purpose.
+
+Groups (torchtitan's way, Liang et al. 2024): where the plan's ranks form a regular grid
+(pp x dp x tp, Megatron's order: tp fastest, then dp, then pp) they come from one
+`init_device_mesh` with named dimensions, and a rank's "pp", "dp" and "tp" groups are that
+mesh's slices through it. Groups that do not follow the grid (stages sharing a tied
+embedding, later uneven shares or stage DAGs) are made with `new_groups(name, rank_sets)`,
+which every rank calls with the same sets (group creation is collective). "world" is the
+default group.
+
+Every call goes through `Comm._call`, which
+
+1. opens the Timeline span of the call on the rank's `Recorder` (or marks the rank as
+   waiting, for barriers outside the measured iteration), so the measured timeline is
+   unchanged from before the facade;
+2. applies link faults (`LinkFault`): a call whose group holds both ranks of a slowed link
+   waits `delay_s` before it starts and is stretched to `factor` x its own duration --
+   fault injection that also works where `tc` cannot (no root, no network namespaces);
+3. appends one `plait.ir.comm.CommRecord` per call (per tensor for point-to-point) to the
+   rank's JSON Lines file, line-buffered, so the records of a rank that hangs or is killed
+   stay on disk up to its last finished call.
+
+`bytes` of a record is what the call moves for this rank: the tensor of an all-reduce or
+broadcast, the full (gathered) buffer of an all-gather, the full input of a reduce-scatter,
+each tensor of a point-to-point batch, the pickled object of an object collective.
+
+Times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: shared by the ranks of one host).
+On CUDA they are host times: `t_end` is when the call returned to Python.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import socket
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import PlaitError
+from plait.ir.comm import CommRecord, group_line, header_line
+from plait.runtime.recorder import Recorder
+
+FAULTS_ENV = "PLAIT_COMM_FAULTS"  # JSON: {"slow_link": [a, b], "delay_s": x, "factor": f} or a list of them
+
+# torch 2.x names of the single-tensor gather / scatter (older releases: *_single).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------------- faults
+@dataclass(frozen=True)
+class LinkFault:
+    """A slow link between ranks `a` and `b`: every call whose group holds both waits `delay_s`
+    before it starts and then takes `factor` times its own duration."""
+
+    a: int
+    b: int
+    delay_s: float = 0.0
+    factor: float = 1.0
+
+    def applies(self, ranks: frozenset[int]) -> bool:
+        return self.a in ranks and self.b in ranks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"slow_link": [self.a, self.b], "delay_s": self.delay_s, "factor": self.factor}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = FAULTS_ENV) -> LinkFault:
+        if not isinstance(data, dict):
+            raise PlaitError(f"{where}: a link fault must be an object like "
+                             f'{{"slow_link": [0, 1], "delay_s": 0.01, "factor": 2}}, got {data!r}')
+        unknown = set(data) - {"slow_link", "delay_s", "factor"}
+        if unknown:
+            raise PlaitError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
+                             "use slow_link, delay_s, factor")
+        link = data.get("slow_link")
+        if not (isinstance(link, list | tuple) and len(link) == 2 and all(isinstance(r, int) and r >= 0 for r in link)
+                and link[0] != link[1]):
+            raise PlaitError(f"{where}: field 'slow_link' must be two different ranks [a, b], got {link!r}")
+        delay, factor = data.get("delay_s", 0.0), data.get("factor", 1.0)
+        if not isinstance(delay, int | float) or delay < 0:
+            raise PlaitError(f"{where}: field 'delay_s' must be a number of seconds >= 0, got {delay!r}")
+        if not isinstance(factor, int | float) or factor < 1:
+            raise PlaitError(f"{where}: field 'factor' must be a number >= 1 (a slower link), got {factor!r}")
+        return cls(int(link[0]), int(link[1]), float(delay), float(factor))
+
+
+def parse_link_faults(spec: Any, where: str = FAULTS_ENV) -> tuple[LinkFault, ...]:
+    """Link faults from JSON text, a dict, or a list of dicts (None / "" -> none)."""
+    if spec is None or spec == "":
+        return ()
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise PlaitError(f"{where}: not JSON ({exc.msg} at character {exc.pos})") from None
+    items = spec if isinstance(spec, list) else [spec]
+    return tuple(LinkFault.from_dict(item, where) for item in items)
+
+
+# ---------------------------------------------------------------------------------- records
+class CommLog:
+    """The rank's records file: a header line, group lines, then one line per call (line-buffered)."""
+
+    def __init__(self, path: Path, rank: int, world: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._f: IO[str] | None = open(path, "w", buffering=1)  # noqa: SIM115 -- open for the whole run
+        self._f.write(header_line(rank, world=world, pid=os.getpid(), host=socket.gethostname(),
+                                  clock="perf_counter", perf_at_open=time.perf_counter(),
+                                  wall_at_open=time.time()) + "\n")
+
+    def group(self, name: str, ranks: list[int]) -> None:
+        if self._f is not None:
+            self._f.write(group_line(name, ranks) + "\n")
+
+    def write(self, rec: CommRecord) -> None:
+        if self._f is not None:
+            self._f.write(rec.to_line() + "\n")  # one write per line: a kill cuts at most the last one
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+# ---------------------------------------------------------------------------------- groups
+@dataclass(frozen=True)
+class P2P:
+    """One tensor of a point-to-point batch: `kind` "send" or "recv" with `peer` (a global rank)."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    key: str | None = None
+
+
+class Group:
+    """This rank's view of one named process group of a `Comm`: its collectives."""
+
+    def __init__(self, comm: Comm, name: str, ranks: list[int], pg: Any) -> None:
+        self.comm = comm
+        self.name = name
+        self.ranks = list(ranks)
+        self.members = frozenset(ranks)
+        self.pg = pg  # torch's ProcessGroup (None: the default group)
+        self.size = len(ranks)
+        self.rank = self.ranks.index(comm.rank)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={self.ranks})"
+
+    def all_reduce(self, t: torch.Tensor, name: str, category: str = "comm", *, op: str = "sum",
+                   key: str | None = None, span: bool = True) -> None:
+        """In-place reduction of `t` over the group (`op`: sum or max)."""
+        self.comm._call(self, "all_reduce", _nbytes(t), name, category,
+                        lambda: dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.pg), key=key, span=span)
+
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor, name: str, category: str = "comm", *,
+                        key: str | None = None, span: bool = True) -> None:
+        """`out` (size x `x`) = every rank's `x` in group-rank order."""
+        self.comm._call(self, "all_gather", _nbytes(out), name, category,
+                        lambda: _all_gather(out, x, group=self.pg), key=key, span=span)
+
+    def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, name: str, category: str = "comm", *,
+                       key: str | None = None, span: bool = True) -> None:
+        """`out` = this rank's 1/size slice of the sum of every rank's `x`."""
+        self.comm._call(self, "reduce_scatter", _nbytes(x), name, category,
+                        lambda: _reduce_scatter(out, x, group=self.pg), key=key, span=span)
+
+    def barrier(self, what: str) -> None:
+        """Synchronise the group outside the measured iteration (no Timeline span)."""
+        self.comm._call(self, "barrier", 0, what, "", lambda: dist.barrier(group=self.pg), wait_only=True)
+
+
+class NullGroup:
+    """A group whose collectives do nothing: a stand-in to time one tensor rank's compute alone
+    (layer profiling), never for training."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self.name, self.size, self.rank = "null", size, rank
+
+    def all_reduce(self, t: torch.Tensor, name: str, category: str = "comm", **_: Any) -> None:
+        return None
+
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor, name: str, category: str = "comm",
+                        **_: Any) -> None:
+        return None
+
+    def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, name: str, category: str = "comm",
+                       **_: Any) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------------- facade
+class Comm:
+    """One rank's communication: its named groups, calls, records and link faults."""
+
+    def __init__(self, rank: int, world: int, rec: Recorder | None = None, log: CommLog | None = None,
+                 faults: tuple[LinkFault, ...] = ()) -> None:
+        self.rank = rank
+        self.world = world
+        self.rec = rec
+        self.log = log
+        self.faults = faults
+        self.groups: dict[str, Group] = {}
+        self._seq: dict[str, int] = {}
+        self.mesh: Any = None
+        # False: calls are not written (the overhead bench's "recording off" steps; the file stays open).
+        self.recording = log is not None
+
+    # ------------------------------------------------------------------ setup
+    def init_process_group(self, backend: str, timeout_s: float | None = None, init_method: str | None = None
+                           ) -> Group:
+        """Join the job (torchrun's environment, or `init_method`); returns the "world" group."""
+        if not dist.is_initialized():
+            kwargs: dict[str, Any] = {"rank": self.rank, "world_size": self.world}
+            if timeout_s is not None:
+                kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+            if init_method is not None:
+                kwargs["init_method"] = init_method
+            dist.init_process_group(backend, **kwargs)
+        return self._register("world", list(range(self.world)), None)
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend()) if dist.is_initialized() else "none"
+
+    def build_mesh(self, device_type: str, dims: dict[str, int]) -> None:
+        """Named groups from one DeviceMesh over the grid `dims` (outermost first, e.g.
+        {"pp": 2, "dp": 2, "tp": 2}: rank = (p * dp + d) * tp + t)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = tuple(dims)
+        self.mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=names)
+        for name in names:
+            ranks = [int(r) for r in self.mesh[name].mesh.reshape(-1).tolist()]
+            self._register(name, ranks, self.mesh.get_group(name))
+
+    def new_groups(self, name: str, rank_sets: list[list[int]]) -> Group | None:
+        """Explicit groups for sets of ranks off the grid; every rank calls it with the same sets in
+        the same order. Returns this rank's group named `name` (None when it is in no set)."""
+        mine = None
+        for ranks in rank_sets:
+            pg = dist.new_group(ranks)
+            if self.rank in ranks:
+                if mine is not None:
+                    raise PlaitError(f"process group {name!r}: rank {self.rank} is in two of its sets {rank_sets}")
+                mine = self._register(name, list(ranks), pg)
+        return mine
+
+    def _register(self, name: str, ranks: list[int], pg: Any) -> Group:
+        g = Group(self, name, ranks, pg)
+        self.groups[name] = g
+        if self.log is not None:
+            self.log.group(name, ranks)
+        return g
+
+    def group(self, name: str) -> Group:
+        try:
+            return self.groups[name]
+        except KeyError:
+            raise PlaitError(f"no process group {name!r} on rank {self.rank}; have {sorted(self.groups)}") from None
+
+    @property
+    def world_group(self) -> Group:
+        return self.group("world")
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+    @staticmethod
+    def destroy() -> None:
+        """Leave the job (end of the worker)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ whole-job helpers
+    def barrier(self, what: str) -> None:
+        self.world_group.barrier(what)
+
+    def all_gather_object(self, obj: Any, name: str = "all_gather_object") -> list[Any]:
+        out: list[Any] = [None] * self.world
+        self._call(self.world_group, "all_gather_object", self._pickled(obj), name, "",
+                   lambda: dist.all_gather_object(out, obj), wait_only=True)
+        return out
+
+    def gather_object(self, obj: Any, dst: int, name: str = "gather_object") -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world if self.rank == dst else None
+        self._call(self.world_group, "gather_object", self._pickled(obj), name, "",
+                   lambda: dist.gather_object(obj, out, dst=dst), wait_only=True)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int, name: str = "broadcast_object") -> Any:
+        box = [obj]
+        self._call(self.world_group, "broadcast_object", self._pickled(obj), name, "",
+                   lambda: dist.broadcast_object_list(box, src=src), wait_only=True)
+        return box[0]
+
+    def _pickled(self, obj: Any) -> int:
+        return len(pickle.dumps(obj)) if self.log is not None else 0
+
+    # ------------------------------------------------------------------ point to point
+    def p2p(self, ops: list[P2P], name: str, category: str = "comm_pp", micro_batch: int | None = None) -> None:
+        """Post every send and receive of `ops` together (`batch_isend_irecv`) and wait for all:
+        deadlock-free when the peers post the matching batch (Megatron's pipeline exchange)."""
+        if not ops:
+            return
+        t_enq = time.perf_counter()
+        faults = self._faults_on([frozenset((self.rank, o.peer)) for o in ops])  # the links the batch uses
+        with self._span(name, category, micro_batch, sum(_nbytes(o.tensor) for o in ops), wait_only=False):
+            t_start, injected = self._delay(faults)
+            batch = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer) for o in ops]
+            for work in dist.batch_isend_irecv(batch):
+                work.wait()
+            t_end, injected = self._stretch(faults, t_start, injected)
+        if self.log is None:
+            return
+        step = self.rec.step if self.rec is not None else None
+        for o in ops:
+            src, dst = (self.rank, o.peer) if o.kind == "send" else (o.peer, self.rank)
+            link = f"p2p {src}->{dst}"
+            seq = self._next_seq(link)
+            if self.recording:
+                self.log.write(CommRecord(rank=self.rank, group=link, op=o.kind, bytes=_nbytes(o.tensor), seq=seq,
+                                          t_enqueue=t_enq, t_start=t_start, t_end=t_end, key=o.key, name=name,
+                                          peer=o.peer, step=step, injected_s=injected))
+
+    # ------------------------------------------------------------------ the one call path
+    def _call(self, group: Group, op: str, nbytes: int, name: str, category: str, fn: Callable[[], Any],
+              key: str | None = None, span: bool = True, wait_only: bool = False) -> None:
+        seq = self._next_seq(group.name)  # counted when not written too: the n-th call stays seq n
+        t_enq = time.perf_counter()
+        ctx = self._span(name, category, None, nbytes, wait_only) if span else nullcontext()
+        faults = self._faults_on([group.members])
+        with ctx:
+            t_start, injected = self._delay(faults)
+            fn()
+            t_end, injected = self._stretch(faults, t_start, injected)
+        if self.recording and self.log is not None:
+            self.log.write(CommRecord(rank=self.rank, group=group.name, op=op, bytes=nbytes, seq=seq,
+                                      t_enqueue=t_enq, t_start=t_start, t_end=t_end,
+                                      key=key or f"{op} {group.name}", name=name,
+                                      step=self.rec.step if self.rec is not None else None, injected_s=injected))
+
+    def _span(self, name: str, category: str, micro_batch: int | None, nbytes: int, wait_only: bool
+              ) -> AbstractContextManager[None]:
+        if self.rec is None:
+            return nullcontext()
+        if wait_only:
+            return self.rec.waiting(name)
+        return self.rec.comm(name, category, micro_batch=micro_batch, bytes=nbytes)
+
+    def _next_seq(self, group: str) -> int:
+        seq = self._seq.get(group, 0)
+        self._seq[group] = seq + 1
+        return seq
+
+    # ------------------------------------------------------------------ link faults
+    def _faults_on(self, member_sets: list[frozenset[int]]) -> tuple[LinkFault, ...]:
+        """The slowed links inside any of `member_sets` (a group's ranks, or each {rank, peer} pair)."""
+        if not self.faults:
+            return ()
+        return tuple(f for f in self.faults if any(f.applies(m) for m in member_sets))
+
+    @staticmethod
+    def _delay(faults: tuple[LinkFault, ...]) -> tuple[float, float]:
+        """Sleep the delays of `faults`; returns (start time, seconds slept)."""
+        delay = sum(f.delay_s for f in faults)
+        if delay > 0:
+            time.sleep(delay)
+        return time.perf_counter(), delay
+
+    @staticmethod
+    def _stretch(faults: tuple[LinkFault, ...], t_start: float, injected: float) -> tuple[float, float]:
+        """Stretch the finished call to `factor` x its duration (the slowest of `faults`)."""
+        t_end = time.perf_counter()
+        factor = max((f.factor for f in faults), default=1.0)
+        if factor > 1.0:
+            extra = (factor - 1.0) * (t_end - t_start)
+            time.sleep(extra)
+            t_end = time.perf_counter()
+            injected += extra
+        return t_end, injected
