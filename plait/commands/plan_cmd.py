@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from plait.plan.export import FORMATS
@@ -72,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
         if args.export == "slurm" and not args.out:
             raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
         exported = export(best.plan, args.export, _model_config(args.model), load_cluster(args.cluster), launch)
+        if args.export == "slurm":  # beside the plan file it runs: submit with `sbatch PLAN.sbatch`
+            script = Path(args.out).with_suffix(".sbatch")
+            script.write_text(exported)
     if args.out:
         best.plan.save(args.out)
     measured = None
@@ -96,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         console.print(f"best plan written to [bold]{args.out}[/] "
                       f"(plait simulate --plan {args.out} / plait run --plan {args.out})")
+    if args.export == "slurm":
+        console.print(f"sbatch script written to [bold]{Path(args.out).with_suffix('.sbatch')}[/] "
+                      f"(submit: sbatch {Path(args.out).with_suffix('.sbatch')})")
     if exported is not None:
         console.print(f"\n[bold]{args.export}[/] equivalent:")
         sys.stdout.write(exported)
