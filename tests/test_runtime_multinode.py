@@ -115,7 +115,7 @@ def test_host_that_does_not_match_the_cluster_file_is_named(cluster: str, tmp_pa
     assert "GPU count" in message and "cluster node 'alpha'" in message and "started 1 worker" in message
     assert "host " in message and ("node name 'x1'" in message or "node name 'x2'" in message)
     assert x2["code"] == 2 and message in str(x2["stderr"])
-    assert not list((tmp_path / "x1" / "hb").glob("rank*.json"))  # no worker got as far as training
+    assert not list((tmp_path / "x1" / "x1" / "hb").glob("rank*.json"))  # no worker got as far as training
 
 
 def test_dead_rank_on_the_other_host_is_named_with_its_host(cluster: str, tmp_path: Path) -> None:

@@ -257,7 +257,7 @@ def slurm(plan: Plan, cluster: Cluster | None, *, model: str, cluster_file: str,
               "export MASTER_PORT=${MASTER_PORT:-29400}",
               "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
               f"    plait run --model {_quote(model)} --cluster {_quote(cluster_file)} --plan {_quote(plan_file)} \\",
-              f"    --steps {steps}"]
+              f"    --steps {steps} --run-dir runs/$SLURM_JOB_ID  # each node writes runs/JOB/NODE_NAME/"]
     return "\n".join(lines) + "\n"
 
 

@@ -268,6 +268,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
     owns_dir = run_dir is None
     rdir = Path(tempfile.mkdtemp(prefix="plait-run-")) if run_dir is None else Path(run_dir)
+    if rendezvous is not None and run_dir is not None:
+        rdir = rdir / rendezvous.node_name  # one folder per node: a run folder on a shared filesystem works too
     rdir.mkdir(parents=True, exist_ok=True)
     for sub in ("hb", "status", "exit"):
         shutil.rmtree(rdir / sub, ignore_errors=True)

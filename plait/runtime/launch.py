@@ -125,6 +125,8 @@ class Launcher:
             if spec.namespace is not None:
                 cmd = ["ip", "netns", "exec", spec.namespace, *cmd]
             with open(log, "wb") as fh:
+                fh.write(("# " + " ".join(cmd) + "\n").encode())  # the torchrun command line, for reruns by hand
+                fh.flush()
                 proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**env, **spec.env},
                                         cwd=os.getcwd(),
                                         start_new_session=True)
