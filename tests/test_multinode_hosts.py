@@ -122,3 +122,17 @@ def test_gpu_kind_names(kind: str, name: str, same: bool) -> None:
     from plait.runtime.multinode import _kind_matches
 
     assert _kind_matches(kind, name) is same
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--node-name", "x"], "--node-name: needs --nnodes N"),
+    (["--nnodes", "2"], "--nnodes: needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "--nnodes: a multi-node run needs --cluster"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--predict"], "--predict: runs on one machine"),
+])
+def test_run_flags_for_real_hosts_are_checked(args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+                                              ) -> None:
+    from plait.cli import main
+
+    assert main(["run", "--model", "gpt:layers=2,hidden=16,heads=4,seq=8,vocab=32", "--plan", "dp=2,global_batch=2", *args]) == 2
+    assert message in capsys.readouterr().err

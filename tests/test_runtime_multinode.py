@@ -130,3 +130,11 @@ def test_dead_rank_on_the_other_host_is_named_with_its_host(cluster: str, tmp_pa
     assert beta["code"] == 2
     assert "rank 2 (host beta, device 2) died at step 1 (killed by SIGKILL)" in str(beta["stderr"])
     assert info.value.host == "alpha" and info.value.kind == "failed"  # alpha's ranks lost their peer
+
+
+def test_a_node_that_never_joins_ends_the_rendezvous_with_its_cause(cluster: str, tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    with pytest.raises(RunFailure) as info:
+        run(TINY, cluster, "pp=3,micro_batch=2,global_batch=8,dtype=fp32", steps=STEPS, timeout=60, startup_timeout=2,
+            run_dir=tmp_path, rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t5", node_name="alpha"))
+    assert f"host alpha: the rendezvous of 2 nodes at {endpoint} (id t5) timed out before training" in str(info.value)

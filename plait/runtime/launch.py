@@ -282,7 +282,8 @@ class Launcher:
         if local is not None:
             hbs = {r: h for r, h in hbs.items() if r in local}
         if len(hbs) < expected:
-            if now - started > self.startup_timeout:
+            # After the agent's own rendezvous timeout (join_timeout = startup_timeout), which names the cause.
+            if now - started > max(2 * self.startup_timeout, self.startup_timeout + 60.0):
                 return RunFailure(f"host {self.rdzv.node_name}: {len(hbs)} of {expected} workers started within "
                                   f"{self.startup_timeout:.0f} s (rendezvous at {self.rdzv.endpoint} with "
                                   f"{self.rdzv.nnodes} nodes; log: {self._running[0].log}); stopped this node",
@@ -353,6 +354,16 @@ class Launcher:
                 candidates.append((0, float(fail.get("timestamp", 0)), r, "died", f"died{at} ({how})"))
             elif hb and not _alive(hb.get("pid")):
                 candidates.append((2, float(hb.get("progress", 0)), r, "died", f"died{at} (process gone)"))
+        if not candidates and self.rdzv is not None:
+            text = _tail(self._running[0].log)
+            for name, what in (("RendezvousTimeoutError", "timed out"), ("RendezvousConnectionError", "lost its store"),
+                               ("RendezvousClosedError", "was closed")):
+                if name in text:
+                    return RunFailure(f"host {self.rdzv.node_name}: the rendezvous of {self.rdzv.nnodes} nodes at "
+                                      f"{self.rdzv.endpoint} (id {self.rdzv.run_id}) {what} before training: check "
+                                      f"that every node runs the same command and reaches the endpoint; log: "
+                                      f"{self._running[0].log}", host=self.rdzv.node_name, kind="failed",
+                                      run_dir=str(self.run_dir))
         if not candidates:
             codes = [a.exit_code for a in self._running]
             return RunFailure(f"torchrun exited with codes {codes} before the workers reported; "
@@ -370,6 +381,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _tail(path: Path, size: int = 20000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - size))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _read_dir(path: Path) -> dict[int, dict[str, Any]]:

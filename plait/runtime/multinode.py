@@ -122,16 +122,16 @@ def cluster_nodes(cluster: Any, layout: list[dict[str, Any]]) -> list[dict[str, 
 
 def local_workers(nodes: list[dict[str, Any]], rdzv: Rendezvous) -> tuple[int, dict[str, Any] | None]:
     """Before the rendezvous: how many workers this node starts, and its cluster node when named."""
+    if len(nodes) != rdzv.nnodes:
+        names = ", ".join(str(n["name"]) for n in nodes)
+        raise PlaitError(f"--nnodes: the plan runs on {len(nodes)} node(s) of the cluster file ({names}), "
+                         f"got --nnodes {rdzv.nnodes}")
     named = next((n for n in nodes if n["name"] == rdzv.node_name), None)
     if named is not None:
         if rdzv.nproc is not None and rdzv.nproc != len(named["ranks"]):
             raise HostMismatch(f"host {rdzv.node_name}: GPU count: --nproc-per-node {rdzv.nproc}, but the cluster "
                                f"file's node '{rdzv.node_name}' runs {len(named['ranks'])} plan ranks")
         return len(named["ranks"]), named
-    if len(nodes) != rdzv.nnodes:
-        names = ", ".join(str(n["name"]) for n in nodes)
-        raise PlaitError(f"--nnodes: the plan runs on {len(nodes)} node(s) of the cluster file ({names}), "
-                         f"got --nnodes {rdzv.nnodes}")
     if rdzv.nproc is not None:
         return rdzv.nproc, None
     counts = {len(n["ranks"]) for n in nodes}
