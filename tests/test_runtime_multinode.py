@@ -129,7 +129,10 @@ def test_dead_rank_on_the_other_host_is_named_with_its_host(cluster: str, tmp_pa
                 rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t4", node_name="alpha"))
     assert beta["code"] == 2
     assert "rank 2 (host beta, device 2) died at step 1 (killed by SIGKILL)" in str(beta["stderr"])
-    assert info.value.host == "alpha" and info.value.kind == "failed"  # alpha's ranks lost their peer
+    # alpha's ranks only lost their peer: alpha says so and points at the other node
+    assert info.value.host == "alpha" and info.value.kind == "peer"
+    assert "host alpha: its ranks lost a peer on another node (" in str(info.value)
+    assert "'beta' with ranks [2]), whose `plait run` names the failed rank" in str(info.value)
 
 
 def test_a_node_that_never_joins_ends_the_rendezvous_with_its_cause(cluster: str, tmp_path: Path) -> None:

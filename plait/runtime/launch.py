@@ -49,7 +49,8 @@ STARTUP_PHASES = ("start", "init", "build", "resume", "checkpoint")
 
 
 class RunFailure(PlaitError, RuntimeError):
-    """A run that stopped because a rank died, failed or hung. `rank` and `host` name it."""
+    """A run that stopped because a rank died, failed or hung. `rank` and `host` name it; `kind` is
+    died | failed | hang | terminated, or peer (multi-node: this node's ranks lost a rank elsewhere)."""
 
     def __init__(self, message: str, rank: int | None = None, host: str | None = None, kind: str = "failed",
                  run_dir: str | None = None) -> None:
@@ -272,6 +273,16 @@ class Launcher:
         except (OSError, ValueError, KeyError):
             return None
 
+    def _other_hosts(self) -> str:
+        """The other nodes of a multi-node run and their plan ranks, from this node's mapping record."""
+        try:
+            hosts = json.loads((self.run_dir / NODE_FILE).read_text())["hosts"]
+        except (OSError, ValueError, KeyError):
+            return "unknown hosts"
+        assert self.rdzv is not None
+        return ", ".join(f"{h['hostname']} '{h['name']}' with ranks {h['ranks']}" for h in hosts
+                         if h["name"] != self.rdzv.node_name) or "none"
+
     def _find_node_hang(self, started: float, now: float) -> RunFailure | None:
         """Real hosts: watch the ranks of this node; a stuck rank of another node shows as every
         local rank waiting in collectives."""
@@ -369,9 +380,14 @@ class Launcher:
             return RunFailure(f"torchrun exited with codes {codes} before the workers reported; "
                               f"see {self._running[0].log}", kind="failed", run_dir=str(self.run_dir))
         candidates.sort()
-        _, _, r, kind, text = candidates[0]
+        prio, _, r, kind, text = candidates[0]
         others = sorted({c[2] for c in candidates[1:]})
         tail = f"; stopped the other ranks ({', '.join(map(str, others))})" if others else ""
+        if self.rdzv is not None and prio == 3:  # every local rank only lost its peer: the cause is elsewhere
+            return RunFailure(f"host {self.rdzv.node_name}: its ranks lost a peer on another node "
+                              f"({self._other_hosts()}), whose `plait run` names the failed rank; here "
+                              f"{self._where(r)} {text}{tail}; log: {self._log_of(r)}", rank=r,
+                              host=self.rdzv.node_name, kind="peer", run_dir=str(self.run_dir))
         return RunFailure(f"{self._where(r)} {text}{tail}; log: {self._log_of(r)}", rank=r,
                           host=self.rank_info[r]["host"], kind=kind, run_dir=str(self.run_dir))
 

@@ -285,7 +285,7 @@ def rank_after_rendezvous(cfg: dict[str, Any]) -> int:
         _write_json(run_dir / NODE_FILE, {"host": joined[group]["hostname"], "node_name": mn["node_name"],
                                           "cluster_node": node["name"], "ranks": node["ranks"],
                                           "hosts": [{"hostname": h["hostname"], "name": h["name"],
-                                                     "cluster_node": nodes[i]["name"]}
+                                                     "cluster_node": nodes[i]["name"], "ranks": nodes[i]["ranks"]}
                                                     for h, i in zip(joined, assignment)]})
     os.environ[RANK_ENV] = str(rank)
     return rank
