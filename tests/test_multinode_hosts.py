@@ -59,6 +59,9 @@ def test_slurm_variables_give_the_rendezvous() -> None:
     assert from_slurm({"HOME": "/root"}) is None
     with pytest.raises(PlaitError, match="one launcher per node"):
         from_slurm({**env, "SLURM_NTASKS": "8"})
+    batch = {k: v for k, v in env.items() if k != "SLURM_STEP_ID"}  # the batch script, not an srun step
+    with pytest.raises(PlaitError, match="not a job step; start `plait run` with `srun --ntasks-per-node=1`"):
+        from_slurm(batch)
 
 
 def test_rendezvous_options_are_checked() -> None:

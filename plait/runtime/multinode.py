@@ -87,6 +87,11 @@ def from_slurm(env: Mapping[str, str], port: int | None = None) -> Rendezvous | 
     if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env and "SLURM_STEP_NUM_NODES" not in env:
         return None
     nnodes = int(env.get("SLURM_STEP_NUM_NODES") or env["SLURM_NNODES"])
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or ""
+    if nnodes > 1 and not step:
+        # The batch script itself runs on the first node only: started there, every rank would land on it.
+        raise PlaitError(f"Slurm: the job has {nnodes} nodes but this is not a job step; start `plait run` with "
+                         f"`srun --ntasks-per-node=1` (see `plait plan --export slurm`), or give --nnodes")
     tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
     if tasks is not None and int(tasks) != nnodes:
         raise PlaitError(f"Slurm: the step runs {tasks} tasks on {nnodes} nodes; `plait run` is one launcher per "
@@ -96,7 +101,6 @@ def from_slurm(env: Mapping[str, str], port: int | None = None) -> Rendezvous | 
         raise PlaitError("Slurm: SLURM_JOB_NODELIST is not set; give --rdzv-endpoint HOST:PORT")
     if port is None:
         port = int(env.get("MASTER_PORT") or 29400)
-    step = env.get("SLURM_STEP_ID", "")
     return Rendezvous(nnodes=nnodes, endpoint=f"{first_host(nodelist)}:{port}",
                       run_id=f"slurm-{env['SLURM_JOB_ID']}" + (f".{step}" if step else ""),
                       node_name=env.get("SLURMD_NODENAME") or socket.gethostname(), source="slurm")
