@@ -121,14 +121,14 @@ def test_host_that_does_not_match_the_cluster_file_is_named(cluster: str, tmp_pa
 def test_dead_rank_on_the_other_host_is_named_with_its_host(cluster: str, tmp_path: Path) -> None:
     plan = "pp=3,micro_batch=2,global_batch=8,dtype=fp32"
     endpoint = f"127.0.0.1:{free_port()}"
-    fault = "rank=2,step=1,kind=die"
+    fault = "rank=2,step=0,kind=die"
     with other_node(_node_args(cluster, plan, endpoint, "t4", tmp_path / "beta", "--node-name", "beta",
                                "--fault", fault)) as beta:
         with pytest.raises(RunFailure) as info:
             run(TINY, cluster, plan, steps=STEPS, timeout=60, run_dir=tmp_path / "alpha", fault=fault,
                 rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t4", node_name="alpha"))
     assert beta["code"] == 2
-    assert "rank 2 (host beta, device 2) died at step 1 (killed by SIGKILL)" in str(beta["stderr"])
+    assert "rank 2 (host beta, device 2) died at step 0 (killed by SIGKILL)" in str(beta["stderr"])
     # alpha's ranks only lost their peer: alpha says so and points at the other node
     assert info.value.host == "alpha" and info.value.kind == "peer"
     assert "host alpha: its ranks lost a peer on another node (" in str(info.value)

@@ -8,7 +8,9 @@ One worker per plan rank (world size = plan.world_size), launched through torchr
 (`torch.distributed.run`); gloo on CPU, NCCL (with CUDA-event timing) when CUDA devices
 are available. On a cluster file with `emulation`, each rank's GPU kind sets a compute
 slowdown (`plait.runtime.emulate`) and, as root, nodes live in network namespaces shaped
-to the file's links (`plait.runtime.netns`); otherwise all ranks share loopback.
+to the file's links (`plait.runtime.netns`); otherwise all ranks share loopback. On real
+hosts each node calls `run(..., rendezvous=Rendezvous(...))` and runs its own ranks, which meet
+the other nodes' through torchrun's c10d rendezvous (`plait.runtime.multinode`).
 """
 
 from __future__ import annotations
