@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -118,17 +119,21 @@ def test_host_that_does_not_match_the_cluster_file_is_named(cluster: str, tmp_pa
     assert not list((tmp_path / "x1" / "x1" / "hb").glob("rank*.json"))  # no worker got as far as training
 
 
-def test_dead_rank_on_the_other_host_is_named_with_its_host(cluster: str, tmp_path: Path) -> None:
+def test_hung_rank_is_named_with_its_host_within_the_timeout(cluster: str, tmp_path: Path) -> None:
     plan = "pp=3,micro_batch=2,global_batch=8,dtype=fp32"
     endpoint = f"127.0.0.1:{free_port()}"
-    fault = "rank=2,step=0,kind=die"
-    with other_node(_node_args(cluster, plan, endpoint, "t4", tmp_path / "beta", "--node-name", "beta",
-                               "--fault", fault)) as beta:
+    fault, timeout = "rank=2,step=0,kind=hang", 4.0
+    args = _node_args(cluster, plan, endpoint, "t4", tmp_path / "beta", "--node-name", "beta", "--fault", fault)
+    args[args.index("--timeout") + 1] = str(timeout)
+    with other_node(args) as beta:
         with pytest.raises(RunFailure) as info:
-            run(TINY, cluster, plan, steps=STEPS, timeout=60, run_dir=tmp_path / "alpha", fault=fault,
+            run(TINY, cluster, plan, steps=STEPS, timeout=timeout, run_dir=tmp_path / "alpha", fault=fault,
                 rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t4", node_name="alpha"))
+    # beta watches its own rank: it names it, with its host, once it made no progress for `timeout`
     assert beta["code"] == 2
-    assert "rank 2 (host beta, device 2) died at step 0 (killed by SIGKILL)" in str(beta["stderr"])
+    found = re.search(r"rank 2 \(host beta, device 2\) hung at step 0: no progress for ([0-9.]+) s", str(beta["stderr"]))
+    assert found is not None, beta["stderr"]
+    assert timeout <= float(found.group(1)) < timeout + 5.0
     # alpha's ranks only lost their peer: alpha says so and points at the other node
     assert info.value.host == "alpha" and info.value.kind == "peer"
     assert "host alpha: its ranks lost a peer on another node (" in str(info.value)
