@@ -88,3 +88,16 @@ def test_run_without_machine_prediction(capsys):
     out = capsys.readouterr().out
     assert "plait run of plan #1" in out and "iteration time: predicted" in out
     assert "predicted for this machine" not in out
+
+
+def test_slurm_export_writes_the_sbatch_script_beside_the_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", MODEL, "--cluster", HOMO, "--global-batch", "8", "--top", "1",
+                 "--out", str(out), "--export", "slurm", "--no-progress"]) == 0
+    script = (tmp_path / "plan.sbatch").read_text()
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert f"--cluster '{HOMO}'" in script and f"--plan {out}" in script
+    assert "sbatch script written to" in capsys.readouterr().out
+    assert main(["plan", "--model", MODEL, "--cluster", HOMO, "--global-batch", "8", "--top", "1",
+                 "--export", "slurm", "--no-progress"]) == 2  # the script needs the plan file
+    assert "--out PLAN.json" in capsys.readouterr().err

@@ -111,3 +111,26 @@ def test_gradient_reduction_dtype_is_exported():
     assert '"communication_data_type": "fp32"' in export(bf16, "deepspeed", CFG)
     assert 'mixed_precision_reduce = "float16"' in export(Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp16"),
                                                           "torchtitan", CFG)
+
+
+def test_slurm_script_runs_the_plan_with_plait_run_one_task_per_node():
+    from plait.cluster.loader import parse_yaml_text
+
+    cluster = parse_yaml_text("name: m\nnodes:\n  - {name: gpu01, gpus: {kind: a100-80gb, count: 8}}\n"
+                              "  - {name: gpu02, gpus: {kind: v100-32gb, count: 2}}\n"
+                              "  - {name: gpu03, gpus: {kind: v100-32gb, count: 2}}\n", source="m.yaml")
+    plan = Plan.parse("dp=1,pp=2,micro_batch=1,global_batch=8,layer_split=6:2,device_order=0:8")  # gpu01, gpu02
+    launch = {"model": "gpt:layers=8,hidden=64", "cluster_file": "m.yaml", "plan_file": "plan.json"}
+    text = export(plan, "slurm", CFG, cluster, launch)
+    directives = [line.split()[1] for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert directives == ["--job-name=plait", "--nodes=2", "--ntasks-per-node=1", "--time=01:00:00",
+                          "--exclusive", "--nodelist=gpu01,gpu02"]  # uneven GPU counts: whole nodes by name
+    srun = text[text.index("srun"):].replace("\\\n", " ").split()
+    assert srun[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert srun[3:11] == ["plait", "run", "--model", "'gpt:layers=8,hidden=64'", "--cluster", "m.yaml",
+                          "--plan", "plan.json"]
+    assert "--nnodes" not in srun  # inside srun, plait run reads SLURM_* itself
+    even = export(Plan.parse("dp=4,micro_batch=1,global_batch=8,device_order=8:9:10:11"), "slurm", CFG, cluster, launch)
+    assert "#SBATCH --gpus-per-node=2" in even and "#SBATCH --nodes=2" in even and "--exclusive" not in even
+    with pytest.raises(ExportError, match="--out PLAN.json"):
+        export(plan, "slurm", CFG, cluster, {"model": "gpt", "cluster_file": "m.yaml", "plan_file": None})

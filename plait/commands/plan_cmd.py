@@ -4,6 +4,7 @@
     plait plan --model gpt:size=1.3b --cluster a100-80g:nodes=4 --global-batch 512 --top 5
     plait plan ... --out plan.json               # then: plait simulate/run --plan plan.json
     plait plan ... --export megatron             # equivalent Megatron-LM launch arguments
+    plait plan ... --out plan.json --export slurm  # an sbatch script running the plan with plait run
     plait plan --run                             # train the chosen plan a few steps, predicted vs measured
 """
 
@@ -13,6 +14,7 @@ import argparse
 import json
 import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 from plait.plan.export import FORMATS
@@ -75,7 +77,14 @@ def run(args: argparse.Namespace) -> int:
     if args.export:
         from plait.cluster import load_cluster
 
-        exported = export(best.plan, args.export, _model_config(args.model), load_cluster(args.cluster))
+        launch = {"model": args.model, "cluster_file": args.cluster, "plan_file": args.out} \
+            if args.export == "slurm" else None
+        if args.export == "slurm" and not args.out:
+            raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
+        exported = export(best.plan, args.export, _model_config(args.model), load_cluster(args.cluster), launch)
+        if args.export == "slurm":  # beside the plan file it runs: submit with `sbatch PLAN.sbatch`
+            script = Path(args.out).with_suffix(".sbatch")
+            script.write_text(exported)
     if args.out:
         best.plan.save(args.out)
     measured = None
@@ -101,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         console.print(f"best plan written to [bold]{args.out}[/] "
                       f"(plait simulate --plan {args.out} / plait run --plan {args.out})")
+    if args.export == "slurm":
+        console.print(f"sbatch script written to [bold]{Path(args.out).with_suffix('.sbatch')}[/] "
+                      f"(submit: sbatch {Path(args.out).with_suffix('.sbatch')})")
     if exported is not None:
         console.print(f"\n[bold]{args.export}[/] equivalent:")
         sys.stdout.write(exported)

@@ -31,8 +31,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     p.add_argument("--timeout", metavar="S", type=float, default=300.0,
                    help="stop the run when a rank makes no progress for S seconds (default 300)")
-    p.add_argument("--nprocs-per-node", metavar="K", type=int, default=None,
-                   help="without network namespaces: start one torchrun agent per K ranks on loopback")
+    p.add_argument("--nprocs-per-node", "--nproc-per-node", metavar="K", type=int, default=None,
+                   help="without network namespaces: start one torchrun agent per K ranks on loopback; with "
+                        "--nnodes: the workers of a node whose --node-name is not in the cluster file")
+    hosts = p.add_argument_group("real hosts (one `plait run` per node; under Slurm's srun none of these is needed)")
+    hosts.add_argument("--nnodes", type=int, default=None,
+                       help="nodes that join the run (torchrun's c10d rendezvous); the same plan and cluster "
+                            "files on every node")
+    hosts.add_argument("--rdzv-endpoint", metavar="HOST:PORT", default=None,
+                       help="the rendezvous store, on one of the nodes (torchrun's --rdzv-endpoint)")
+    hosts.add_argument("--rdzv-id", metavar="ID", default=None,
+                       help="run id shared by the nodes (default: derived from model and plan)")
+    hosts.add_argument("--node-name", metavar="NAME", default=None,
+                       help="this node's name in the cluster file (default: the hostname); a name not in the "
+                            "file takes a node in rendezvous order")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
                    help="override the plan's training dtype (fp32 is fastest on CPU)")
@@ -64,12 +76,16 @@ def run(args: argparse.Namespace) -> int:
                   optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
                   run_dir=args.run_dir, fault=args.fault, comm_records=not args.no_comm_records,
                   comm_faults=args.comm_faults)
+    rendezvous = _rendezvous(args)
+    if rendezvous is not None:
+        common["rendezvous"] = rendezvous
     machine = None
     if args.predict:
         result, machine = _run_predicted(args, common)
     else:
         result = run_training(args.model, args.cluster, args.plan, steps=args.steps,
-                              nprocs_per_node=args.nprocs_per_node, device=args.device, dtype=args.dtype,
+                              nprocs_per_node=None if rendezvous else args.nprocs_per_node, device=args.device,
+                              dtype=args.dtype,
                               emulate=not args.no_emulate, **common)
     if args.json:
         out = result.to_dict()
@@ -107,6 +123,38 @@ def _check_args(args: argparse.Namespace) -> None:
     if world > cpus:
         print(f"plait run: warning: the plan has {world} ranks and this machine {cpus} CPUs: ranks time-share the "
               f"CPUs, so the run is slow and its timings are not those of {world} devices", file=sys.stderr)
+
+
+def _rendezvous(args: argparse.Namespace) -> Any:
+    """Multi-node options from the flags, else from a Slurm step (srun, one task per node), else None."""
+    import dataclasses
+    import hashlib
+    import os
+    import socket
+
+    from plait.errors import PlaitError
+    from plait.runtime.multinode import Rendezvous, from_slurm
+
+    flags = {"--rdzv-endpoint": args.rdzv_endpoint, "--rdzv-id": args.rdzv_id, "--node-name": args.node_name}
+    if args.nnodes is None:
+        slurm = from_slurm(os.environ)
+        if slurm is not None and slurm.nnodes > 1:
+            if args.predict:
+                raise PlaitError("--predict: runs on one machine; not inside a multi-node Slurm step")
+            over = {k: v for k, v in (("endpoint", args.rdzv_endpoint), ("run_id", args.rdzv_id),
+                                      ("node_name", args.node_name)) if v}
+            return dataclasses.replace(slurm, **over, nproc=args.nprocs_per_node)
+        given = [k for k, v in flags.items() if v]
+        if given:
+            raise PlaitError(f"{given[0]}: needs --nnodes N (a multi-node run)")
+        return None
+    if args.rdzv_endpoint is None:
+        raise PlaitError("--nnodes: needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    if args.predict:
+        raise PlaitError("--predict: runs on one machine; not with --nnodes")
+    run_id = args.rdzv_id or "plait-" + hashlib.sha1(f"{args.model}|{args.plan}".encode()).hexdigest()[:10]
+    return Rendezvous(nnodes=args.nnodes, endpoint=args.rdzv_endpoint, run_id=run_id,
+                      node_name=args.node_name or socket.gethostname(), nproc=args.nprocs_per_node)
 
 
 def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -174,6 +222,10 @@ def _print(result: Any, args: argparse.Namespace, machine: dict[str, Any] | None
     console.print(f"dtype {dtype}" + (f" (the plan's {planned}, {why})" if dtype != planned else "")
                   + f", backend {result.backend} on {result.device}, network {result.network.get('mode')}"
                   + (f", resumed after step {result.resumed_from}" if result.resumed_from else ""))
+    if not result.steps:  # a node of a multi-node run without plan rank 0: that node reports the run
+        for note in result.notes:
+            console.print(f"note: {note}")
+        return
     steps = Table(title="steps")
     steps.add_column("step", justify="right")
     steps.add_column("loss", justify="right")

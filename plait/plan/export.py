@@ -5,7 +5,9 @@
 * ``deepspeed``  -- a DeepSpeed JSON config (`train_batch_size`, `zero_optimization`, ...)
   and the Megatron-DeepSpeed command that uses it;
 * ``torchtitan`` -- the `[parallelism]`, `[training]` and `[activation_checkpoint]`
-  sections of a torchtitan TOML job config.
+  sections of a torchtitan TOML job config;
+* ``slurm``      -- an sbatch script that runs the plan itself with `plait run` on the
+  cluster's nodes (any plan the runtime runs, heterogeneous ones included).
 
 These frameworks split layers evenly, give every data-parallel rank the same batch
 and number ranks node-major, so a plan with uneven layers or batch shares, uneven
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
     from plait.ir.plan import Plan
 
-FORMATS = ("megatron", "deepspeed", "torchtitan")
+FORMATS = ("megatron", "deepspeed", "torchtitan", "slurm")
 
 
 class ExportError(PlaitError, ValueError):
@@ -219,8 +221,62 @@ def torchtitan(plan: Plan, config: dict[str, Any], cluster: Cluster | None = Non
     return "\n".join(lines) + "\n"
 
 
-def export(plan: Plan, fmt: str, config: dict[str, Any], cluster: Cluster | None = None) -> str:
-    """The plan as `fmt` launch arguments/config; `config` holds the model's layers, hidden, heads, seq, vocab."""
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'" if any(c in text for c in " ,;&|$()<>*?'\"[]{}=:") else text
+
+
+def slurm(plan: Plan, cluster: Cluster | None, *, model: str, cluster_file: str, plan_file: str,
+          steps: int = 100, job_name: str = "plait", time_limit: str = "01:00:00") -> str:
+    """An sbatch script for `plan`: one task (one `plait run`) per node that holds plan ranks; each
+    starts as many workers as the cluster file puts plan ranks on its node, and inside `srun`
+    `plait run` takes the rendezvous from SLURM_* (first host of the node list, the job id) and
+    its node name from SLURMD_NODENAME, matched against the cluster file's node names."""
+    if cluster is None:
+        raise ExportError("export slurm: needs the cluster file (its nodes are the job's nodes)")
+    devices = cluster.devices
+    world = plan.world_size
+    if world > len(devices):
+        raise ExportError(f"export slurm: the plan needs {world} devices but {cluster.name} has {len(devices)}")
+    per_node: dict[int, int] = {}
+    for r in range(world):
+        per_node[devices[plan.device_of(r)].node] = per_node.get(devices[plan.device_of(r)].node, 0) + 1
+    used = [cluster.nodes[i] for i in sorted(per_node)]
+    gpus = {len(n.gpus) for n in used}
+    lines = ["#!/bin/bash", f"# plait plan: {plan}", "# written by `plait plan --export slurm`; submit with: sbatch THIS_FILE",
+             "# nodes of the cluster file that run plan ranks (Slurm hostname = node name in the cluster file):"]
+    lines += [f"#   {n.name}: {per_node[i]} plan rank(s) on {len(n.gpus)} x {', '.join(sorted(set(n.gpus)))}"
+              for i, n in zip(sorted(per_node), used)]
+    # one `plait run` per node (one task): it starts that node's workers itself
+    lines += [f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={len(used)}", "#SBATCH --ntasks-per-node=1",
+              f"#SBATCH --time={time_limit}"]
+    nodelist = ",".join(n.name for n in used)
+    if len(gpus) == 1:
+        lines += [f"#SBATCH --gpus-per-node={gpus.pop()}",
+                  "# optional: nodes are matched by name when their hostnames are in the cluster file, else in",
+                  "# the order they join the rendezvous",
+                  f"##SBATCH --nodelist={nodelist}"]
+    else:
+        # Different GPU counts per node: whole nodes (all their GPUs), by name, so that each host finds
+        # its node in the cluster file.
+        lines += ["# the nodes differ in GPU count: whole nodes, chosen by name", "#SBATCH --exclusive",
+                  f"#SBATCH --nodelist={nodelist}"]
+    lines += ["", "set -euo pipefail",
+              "# the rendezvous store listens on the first node of the job, on this port",
+              "export MASTER_PORT=${MASTER_PORT:-29400}",
+              "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
+              f"    plait run --model {_quote(model)} --cluster {_quote(cluster_file)} --plan {_quote(plan_file)} \\",
+              f"    --steps {steps} --run-dir runs/$SLURM_JOB_ID  # each node writes runs/JOB/NODE_NAME/"]
+    return "\n".join(lines) + "\n"
+
+
+def export(plan: Plan, fmt: str, config: dict[str, Any], cluster: Cluster | None = None,
+           launch: dict[str, Any] | None = None) -> str:
+    """The plan as `fmt` launch arguments/config; `config` holds the model's layers, hidden, heads, seq, vocab.
+    `launch` (slurm only): the model spec, cluster file and plan file the script passes to `plait run`."""
+    if fmt == "slurm":
+        if not launch or not all(launch.get(k) for k in ("model", "cluster_file", "plan_file")):
+            raise ExportError("export slurm: needs the model, the cluster file and the plan file (--out PLAN.json)")
+        return slurm(plan, cluster, **launch)
     fns = {"megatron": megatron, "deepspeed": deepspeed, "torchtitan": torchtitan}
     if fmt not in fns:
         raise ExportError(f"export: unknown format {fmt!r}; use one of {FORMATS}")

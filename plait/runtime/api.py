@@ -8,7 +8,9 @@ One worker per plan rank (world size = plan.world_size), launched through torchr
 (`torch.distributed.run`); gloo on CPU, NCCL (with CUDA-event timing) when CUDA devices
 are available. On a cluster file with `emulation`, each rank's GPU kind sets a compute
 slowdown (`plait.runtime.emulate`) and, as root, nodes live in network namespaces shaped
-to the file's links (`plait.runtime.netns`); otherwise all ranks share loopback.
+to the file's links (`plait.runtime.netns`); otherwise all ranks share loopback. On real
+hosts each node calls `run(..., rendezvous=Rendezvous(...))` and runs its own ranks, which meet
+the other nodes' through torchrun's c10d rendezvous (`plait.runtime.multinode`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from plait.ir.plan import Plan, PlanError, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime.comm import parse_link_faults
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
+from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
 
 __all__ = ["RankInfo", "RunFailure", "RunResult", "run", "rank_layout"]
@@ -231,7 +234,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
         return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
         env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
-        emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None) -> RunResult:
+        emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None,
+        rendezvous: Rendezvous | None = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -244,6 +248,9 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     `RUN_DIR/comm/rankN.jsonl` (`RunResult.comm_dir`; "alternate": on and off in alternate steps,
     for `bench/recorder_overhead.py`); `comm_faults` slows links between ranks
     on purpose (`plait.runtime.comm.LinkFault`: {"slow_link": [a, b], "delay_s": x, "factor": f}).
+    `rendezvous` runs this node's share of a multi-node run on real hosts: every node calls
+    `run` with the same plan and cluster (`plait.runtime.multinode`); the node that holds plan
+    rank 0 returns the losses and timeline, the others a result naming their ranks.
     fp16 runs scale the loss dynamically (`plait.runtime.amp`; its settings can be given as
     `env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"}`); `sequence_parallel` plans run
     Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`)."""
@@ -284,16 +291,21 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         raise RuntimeSetupError(f"emulate_dtype: must be fp32, tf32, bf16 or fp16, got {emulate_dtype!r}")
     layout = rank_layout(cluster_obj, plan_obj, emulate_dtype or dtype)
     world = len(layout)
+    notes: list[str] = []
+    host_plan = _host_plan(rendezvous, cluster_obj, layout, notes, return_params) if rendezvous is not None else None
+    here = host_plan["nproc"] if host_plan is not None else world  # ranks this machine runs
     # auto: NCCL on GPUs when there is one per rank, else gloo on CPU.
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()
-                                    and torch.cuda.device_count() >= world)
+                                    and torch.cuda.device_count() >= here)
     if device not in ("auto", "cpu", "cuda"):
         raise RuntimeSetupError(f"device: must be auto, cpu or cuda, got {device!r}")
-    if use_cuda and torch.cuda.device_count() < len(layout):
-        raise RuntimeSetupError(f"device cuda: the plan has {len(layout)} ranks but this machine has "
+    if use_cuda and torch.cuda.device_count() < here:
+        raise RuntimeSetupError(f"device cuda: the plan has {here} ranks on this machine but it has "
                                 f"{torch.cuda.device_count()} GPUs (NCCL needs one GPU per rank); use --device cpu")
     backend = "nccl" if use_cuda else "gloo"
-    notes: list[str] = []
+    if host_plan is not None and not use_cuda and not host_plan["emulated"]:
+        notes.append("hosts: CPU workers: checked each host's worker count against the cluster file, not GPU "
+                     "kind or memory")
     if plan_obj.sequence_parallel and plan_obj.tp == 1:
         notes.append("sequence_parallel has no effect with tp=1")
     if plan_obj.zero >= 3 and plan_obj.dp == 1:
@@ -304,6 +316,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
     owns_dir = run_dir is None
     rdir = Path(tempfile.mkdtemp(prefix="plait-run-")) if run_dir is None else Path(run_dir)
+    if rendezvous is not None and run_dir is not None:
+        rdir = rdir / rendezvous.node_name  # one folder per node: a run folder on a shared filesystem works too
     rdir.mkdir(parents=True, exist_ok=True)
     for sub in ("hb", "status", "exit", "comm"):
         shutil.rmtree(rdir / sub, ignore_errors=True)
@@ -318,13 +332,16 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
 
     net_ctx: Any = nullcontext(None)
     emu = getattr(cluster_obj, "emulation", None) if cluster_obj is not None else None
-    if emu is not None and emu.enabled and emu.namespaces:
+    if emu is not None and emu.enabled and emu.namespaces and rendezvous is None:
         from plait.runtime.netns import emulated_network
 
         net_ctx = emulated_network(cluster_obj, plan_obj)
     t_start = time.time()
     with net_ctx as nets:
-        agents, network = _agents(layout, nets, nprocs_per_node)
+        if host_plan is not None:
+            agents, network = host_plan["agents"], host_plan["network"]
+        else:
+            agents, network = _agents(layout, nets, nprocs_per_node)
         if network.get("reason"):
             notes.append(f"network: {network['reason']}")
         cfg = {
@@ -337,21 +354,27 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "return_params": return_params, "step_barrier": step_barrier, "fault": fault,
             "comm_records": comm_records, "comm_faults": [f.to_dict() for f in faults] or None,
         }
+        if host_plan is not None:
+            cfg["multinode"] = {"node_name": host_plan["node_name"], "nodes": host_plan["nodes"],
+                                "emulated": host_plan["emulated"], "timeout": startup}
         config_path = rdir / "config.json"
         config_path.write_text(json.dumps(cfg, indent=1))
         extra_env = dict(env or {})
         # All ranks share this machine's cores. torchrun sets OMP_NUM_THREADS=1 only for agents with
         # several workers; fixing it here makes the numerics independent of how ranks map to agents.
         if "OMP_NUM_THREADS" not in extra_env and "OMP_NUM_THREADS" not in os.environ:
-            extra_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+            extra_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // here))
         method = start_method or ("spawn" if use_cuda else "fork")
         if method not in ("fork", "spawn", "forkserver"):
             raise RuntimeSetupError(f"start_method: must be fork, spawn or forkserver, got {method!r}")
         launcher = Launcher(config_path, rdir, agents, layout, timeout=timeout, startup_timeout=startup,
-                            env=extra_env, start_method=method)
+                            env=extra_env, start_method=method, rdzv=rendezvous)
         launcher.start()
         _wait_naming_logs(launcher, rdir, owns_dir)
-    result = _read_result(rdir, cfg, plan_obj, cluster, backend, network, notes)
+    if host_plan is not None and not (rdir / "result.json").exists():
+        result = _node_result(rdir, cfg, plan_obj, cluster, backend, network, notes)
+    else:
+        result = _read_result(rdir, cfg, plan_obj, cluster, backend, network, notes)
     result.network["wall_seconds"] = time.time() - t_start
     if trace is not None:
         result.timeline.save_chrome_trace(trace)
@@ -360,6 +383,47 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         shutil.rmtree(rdir, ignore_errors=True)
         result.run_dir = result.comm_dir = None
     return result
+
+
+def _host_plan(rdzv: Rendezvous, cluster: Any, layout: list[dict[str, Any]], notes: list[str],
+               return_params: bool = False) -> dict[str, Any]:
+    """Real hosts: this node's agent (its workers, its plan ranks when its name is in the cluster
+    file) and what the workers will check after the rendezvous (`plait.runtime.multinode`)."""
+    nodes = cluster_nodes(cluster, layout)
+    if return_params:
+        raise RuntimeSetupError("return_params: not in a multi-node run (each node has its own run directory)")
+    nproc, named = local_workers(nodes, rdzv)
+    for node in nodes:  # the GPU of each rank on its host: the cluster file's local index
+        for r, local in zip(node["ranks"], node["local"]):
+            layout[r]["local_device"] = local
+    emu = getattr(cluster, "emulation", None)
+    emulated = emu is not None and emu.enabled
+    if emulated:
+        notes.append("hosts: the cluster file is emulated: GPU count, kind and memory of the hosts are not checked "
+                     "(only each host's worker count)")
+    ranks = named["ranks"] if named is not None else list(range(nproc))  # unnamed: known after the rendezvous
+    agent = AgentSpec(node=0, host=rdzv.node_name, ranks=ranks)
+    network = {"mode": "hosts", "nnodes": rdzv.nnodes, "endpoint": rdzv.endpoint, "run_id": rdzv.run_id,
+               "node_name": rdzv.node_name, "launch": rdzv.source,
+               "matched_by": "node name" if named is not None else "rendezvous order"}
+    return {"nproc": nproc, "nodes": nodes, "emulated": emulated, "node_name": rdzv.node_name,
+            "agents": [agent], "network": network}
+
+
+def _node_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, backend: str,
+                 network: dict[str, Any], notes: list[str]) -> RunResult:
+    """Real hosts, a node without plan rank 0: its ranks trained; rank 0's node reports the run."""
+    node = json.loads((rdir / "node.json").read_text()) if (rdir / "node.json").exists() else {}
+    network = {**network, "ranks": node.get("ranks"), "cluster_node": node.get("cluster_node")}
+    owner = next((h for h in node.get("hosts", []) if h["cluster_node"] == cfg["ranks"][0]["host"]), None)
+    where = f"host {owner['hostname']} (node name '{owner['name']}')" if owner else \
+        f"cluster node '{cfg['ranks'][0]['host']}'"
+    notes = [*notes, f"this node ran plan ranks {node.get('ranks')}; {where} holds plan rank 0 and reports the "
+                     f"losses and the timeline"]
+    cluster_name = str(cluster) if isinstance(cluster, str | Path) else getattr(cluster, "name", "local")
+    return RunResult(model=cfg["model"], cluster=cluster_name, plan=str(plan), backend=backend, device=cfg["device"],
+                     steps=[], losses=[], iteration_times=[], timeline=Timeline(events=[], source="measured"),
+                     ranks=[], network=network, notes=notes, run_dir=str(rdir))
 
 
 def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, backend: str,

@@ -16,6 +16,15 @@ The launcher never waits blindly:
   session) together with the agents;
 * collectives themselves time out after the process group's timeout (slightly longer
   than `timeout`), a backstop should the launcher itself be gone.
+
+On real hosts (`rdzv`: one `plait run` per node, c10d rendezvous, `plait.runtime.multinode`)
+each node's launcher runs one agent and watches the ranks that agent started, through the
+node's own run folder (heartbeats, status and exit records are local files): a dead or hung
+rank is named, with its host, by the launcher of its node within `timeout`; it then stops
+its workers, and the ranks on the other nodes lose their peer at once (gloo/NCCL connection
+closed) and their launchers report that. Should a whole node vanish, the ranks elsewhere
+wait in collectives; their launcher stops them after `timeout` plus a grace period and says
+that a rank on another node stopped answering.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.runtime.multinode import HOSTS_ERROR, NODE_FILE, HostMismatch, Rendezvous
 
 # Phases before training (imports, rendezvous, model build) and checkpoint writes may legitimately
 # take longer than one step: they get the startup allowance instead of `timeout`.
@@ -39,7 +49,8 @@ STARTUP_PHASES = ("start", "init", "build", "resume", "checkpoint")
 
 
 class RunFailure(PlaitError, RuntimeError):
-    """A run that stopped because a rank died, failed or hung. `rank` and `host` name it."""
+    """A run that stopped because a rank died, failed or hung. `rank` and `host` name it; `kind` is
+    died | failed | hang | terminated, or peer (multi-node: this node's ranks lost a rank elsewhere)."""
 
     def __init__(self, message: str, rank: int | None = None, host: str | None = None, kind: str = "failed",
                  run_dir: str | None = None) -> None:
@@ -82,18 +93,28 @@ class Launcher:
     env: dict[str, str] = field(default_factory=dict)
     start_method: str = "fork"  # torchrun --start-method: fork workers from the agent (no re-import)
     poll: float = 0.1
+    rdzv: Rendezvous | None = None  # real hosts: this node's one agent joins a c10d rendezvous
     _running: list[_Agent] = field(default_factory=list)
 
     # ------------------------------------------------------------------ start
     def _torchrun_args(self, k: int, port: int) -> list[str]:
         spec = self.agents[k]
+        if self.rdzv is not None:
+            # torchrun's own c10d rendezvous: nodes are numbered as they join, so no --node-rank; the
+            # agents' local world sizes may differ (torchrun assigns RANK by their cumulative sum).
+            return [f"--nnodes={self.rdzv.nnodes}", f"--nproc-per-node={len(spec.ranks)}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={self.rdzv.endpoint}", f"--rdzv-id={self.rdzv.run_id}",
+                    f"--rdzv-conf=join_timeout={int(self.startup_timeout)}",
+                    "--max-restarts=0", "--monitor-interval=0.1", f"--start-method={self.start_method}",
+                    "-m", "plait.runtime.worker", str(self.config_path)]
         return [f"--nnodes={len(self.agents)}", f"--node-rank={k}", f"--nproc-per-node={len(spec.ranks)}",
                 "--rdzv-backend=static", f"--master-addr={self.agents[0].ip}", f"--master-port={port}",
                 "--max-restarts=0", "--monitor-interval=0.1", f"--start-method={self.start_method}",
                 "-m", "plait.runtime.worker", str(self.config_path)]
 
     def start(self) -> None:
-        port = free_port() if self.agents[0].namespace is None else 29400 + os.getpid() % 1000
+        port = 0 if self.rdzv is not None else \
+            free_port() if self.agents[0].namespace is None else 29400 + os.getpid() % 1000
         env = {**os.environ, **self.env}
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -105,6 +126,8 @@ class Launcher:
             if spec.namespace is not None:
                 cmd = ["ip", "netns", "exec", spec.namespace, *cmd]
             with open(log, "wb") as fh:
+                fh.write(("# " + " ".join(cmd) + "\n").encode())  # the torchrun command line, for reruns by hand
+                fh.flush()
                 proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**env, **spec.env},
                                         cwd=os.getcwd(),
                                         start_new_session=True)
@@ -179,10 +202,11 @@ class Launcher:
                     records = json.loads(a.failures.read_text())["failures"]
                 except (OSError, ValueError, KeyError):
                     continue
+                ranks = (self._local_ranks() or []) if self.rdzv is not None else a.spec.ranks
                 for rec in records.values():
                     local = int(rec["local_rank"])
-                    if 0 <= local < len(a.spec.ranks):
-                        out[a.spec.ranks[local]] = rec
+                    if 0 <= local < len(ranks):
+                        out[ranks[local]] = rec
         for r, rec in _read_dir(self.run_dir / "exit").items():
             if rec.get("exitcode"):
                 out[r] = {**rec, "timestamp": rec.get("time", 0)}
@@ -190,11 +214,17 @@ class Launcher:
 
     def _where(self, rank: int) -> str:
         info = self.rank_info[rank]
+        if self.rdzv is not None and rank in (self._local_ranks() or []):
+            node = info["host"] if info["host"] == self.rdzv.node_name else \
+                f"{self.rdzv.node_name} as cluster node '{info['host']}'"
+            return f"rank {rank} (host {node}, device {info['device']})"
         return f"rank {rank} (host {info['host']}, device {info['device']})"
 
     # ------------------------------------------------------------------ diagnosis
     def _find_hang(self, started: float) -> RunFailure | None:
         now = time.time()
+        if self.rdzv is not None:
+            return self._find_node_hang(started, now)
         hbs = self._heartbeats()
         statuses = self._statuses()
         world = len(self.rank_info)
@@ -236,13 +266,82 @@ class Launcher:
                           f"{stale[r]:.1f} s{others}{more}; stopped all ranks",
                           rank=r, host=self.rank_info[r]["host"], kind="hang", run_dir=str(self.run_dir))
 
+    def _local_ranks(self) -> list[int] | None:
+        """Real hosts: the plan ranks this node runs, once its workers mapped them (None before)."""
+        try:
+            return [int(r) for r in json.loads((self.run_dir / NODE_FILE).read_text())["ranks"]]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _other_hosts(self) -> str:
+        """The other nodes of a multi-node run and their plan ranks, from this node's mapping record."""
+        try:
+            hosts = json.loads((self.run_dir / NODE_FILE).read_text())["hosts"]
+        except (OSError, ValueError, KeyError):
+            return "unknown hosts"
+        assert self.rdzv is not None
+        return ", ".join(f"{h['hostname']} '{h['name']}' with ranks {h['ranks']}" for h in hosts
+                         if h["name"] != self.rdzv.node_name) or "none"
+
+    def _find_node_hang(self, started: float, now: float) -> RunFailure | None:
+        """Real hosts: watch the ranks of this node; a stuck rank of another node shows as every
+        local rank waiting in collectives."""
+        assert self.rdzv is not None
+        local = self._local_ranks()
+        expected = len(self.agents[0].ranks)
+        hbs = self._heartbeats()
+        if local is not None:
+            hbs = {r: h for r, h in hbs.items() if r in local}
+        if len(hbs) < expected:
+            # After the agent's own rendezvous timeout (join_timeout = startup_timeout), which names the cause.
+            if now - started > max(2 * self.startup_timeout, self.startup_timeout + 60.0):
+                return RunFailure(f"host {self.rdzv.node_name}: {len(hbs)} of {expected} workers started within "
+                                  f"{self.startup_timeout:.0f} s (rendezvous at {self.rdzv.endpoint} with "
+                                  f"{self.rdzv.nnodes} nodes; log: {self._running[0].log}); stopped this node",
+                                  host=self.rdzv.node_name, kind="hang", run_dir=str(self.run_dir))
+            return None
+        statuses = self._statuses()
+        active = {r: h for r, h in hbs.items() if h.get("phase") not in ("done", "error") and r not in statuses}
+        if not active:
+            return None
+        stale = {r: now - float(h.get("progress", now)) for r, h in active.items()}
+        limit = {r: self.startup_timeout if h.get("phase") in STARTUP_PHASES else self.timeout
+                 for r, h in active.items()}
+        culprits = sorted((r for r, h in active.items() if not h.get("waiting") and stale[r] > limit[r]),
+                          key=lambda r: stale[r], reverse=True)
+        if culprits:
+            r, h = culprits[0], active[culprits[0]]
+            where = f"at step {h.get('step')}" if h.get("phase") in ("train", "checkpoint") else \
+                f"during {h.get('phase')}"
+            return RunFailure(f"{self._where(r)} hung {where}: no progress for {stale[r]:.1f} s; stopped the ranks "
+                              f"of this node", rank=r, host=self.rdzv.node_name, kind="hang",
+                              run_dir=str(self.run_dir))
+        # The launcher of the node holding a hung rank stops it after `timeout`; its peers here then
+        # fail at once. Waiting past that (plus a grace) means that node or its launcher is gone.
+        grace = self.timeout + min(30.0, self.timeout)
+        if len(active) == expected and all(h.get("waiting") for h in active.values()) and min(stale.values()) > grace:
+            names = ", ".join(f"{r} on '{h['waiting']}'" for r, h in sorted(active.items()))
+            return RunFailure(f"host {self.rdzv.node_name}: every rank of this node waited in collectives for more "
+                              f"than {grace:.0f} s (ranks {names}): a rank on another node stopped answering; "
+                              f"see that node's output; stopped the ranks of this node", kind="hang",
+                              host=self.rdzv.node_name, run_dir=str(self.run_dir))
+        return None
+
     def _log_of(self, rank: int) -> str:
+        if self.rdzv is not None:
+            return str(self._running[0].log)
         for a in self._running:
             if rank in a.spec.ranks:
                 return str(a.log)
         return str(self.run_dir)
 
-    def _diagnose_exit(self) -> RunFailure:
+    def _diagnose_exit(self) -> PlaitError:
+        hosts = self.run_dir / HOSTS_ERROR
+        if hosts.exists():  # the hosts that joined do not match the cluster file (multinode.check_hosts)
+            try:
+                return HostMismatch(json.loads(hosts.read_text())["error"])
+            except (OSError, ValueError, KeyError):
+                pass
         hbs, statuses, failures = self._heartbeats(), self._statuses(), self._failures()
         candidates: list[tuple[int, float, int, str, str]] = []  # (priority, time, rank, kind, text)
         for r in range(len(self.rank_info)):
@@ -266,14 +365,29 @@ class Launcher:
                 candidates.append((0, float(fail.get("timestamp", 0)), r, "died", f"died{at} ({how})"))
             elif hb and not _alive(hb.get("pid")):
                 candidates.append((2, float(hb.get("progress", 0)), r, "died", f"died{at} (process gone)"))
+        if not candidates and self.rdzv is not None:
+            text = _tail(self._running[0].log)
+            for name, what in (("RendezvousTimeoutError", "timed out"), ("RendezvousConnectionError", "lost its store"),
+                               ("RendezvousClosedError", "was closed")):
+                if name in text:
+                    return RunFailure(f"host {self.rdzv.node_name}: the rendezvous of {self.rdzv.nnodes} nodes at "
+                                      f"{self.rdzv.endpoint} (id {self.rdzv.run_id}) {what} before training: check "
+                                      f"that every node runs the same command and reaches the endpoint; log: "
+                                      f"{self._running[0].log}", host=self.rdzv.node_name, kind="failed",
+                                      run_dir=str(self.run_dir))
         if not candidates:
             codes = [a.exit_code for a in self._running]
             return RunFailure(f"torchrun exited with codes {codes} before the workers reported; "
                               f"see {self._running[0].log}", kind="failed", run_dir=str(self.run_dir))
         candidates.sort()
-        _, _, r, kind, text = candidates[0]
+        prio, _, r, kind, text = candidates[0]
         others = sorted({c[2] for c in candidates[1:]})
         tail = f"; stopped the other ranks ({', '.join(map(str, others))})" if others else ""
+        if self.rdzv is not None and prio == 3:  # every local rank only lost its peer: the cause is elsewhere
+            return RunFailure(f"host {self.rdzv.node_name}: its ranks lost a peer on another node "
+                              f"({self._other_hosts()}), whose `plait run` names the failed rank; here "
+                              f"{self._where(r)} {text}{tail}; log: {self._log_of(r)}", rank=r,
+                              host=self.rdzv.node_name, kind="peer", run_dir=str(self.run_dir))
         return RunFailure(f"{self._where(r)} {text}{tail}; log: {self._log_of(r)}", rank=r,
                           host=self.rank_info[r]["host"], kind=kind, run_dir=str(self.run_dir))
 
@@ -283,6 +397,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _tail(path: Path, size: int = 20000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - size))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _read_dir(path: Path) -> dict[int, dict[str, Any]]:

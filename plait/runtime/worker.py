@@ -161,7 +161,8 @@ class Worker:
         if self.cuda:
             # Every agent of a run lives on this machine (emulated nodes share it), so the plan rank,
             # not torchrun's per-agent LOCAL_RANK, picks a distinct GPU (NCCL needs one GPU per rank).
-            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+            # On real multi-node hosts the cluster file's local GPU index of the rank (`local_device`).
+            torch.cuda.set_device(int(self.info.get("local_device", self.rank)) % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
@@ -555,6 +556,10 @@ def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start:
 
 # ---------------------------------------------------------------------------------- entry point
 def _plan_rank(cfg: dict[str, Any]) -> int:
+    if cfg.get("multinode"):  # c10d rendezvous on real hosts: mapped after it (plait.runtime.multinode)
+        from plait.runtime.multinode import rank_after_rendezvous
+
+        return rank_after_rendezvous(cfg)
     agent = int(os.environ.get("GROUP_RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     return int(cfg["agents"][agent]["ranks"][local])
