@@ -257,6 +257,17 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         notes.append("compute slowdown emulation is applied on CPU ranks only; GPU ranks run at full speed")
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
+    resume_from: str | None = None
+    if resume:
+        assert checkpoint_dir is not None
+        from plait.runtime import checkpoint as ckpt
+
+        # Chosen here, before any worker starts: a damaged newest checkpoint is named in a warning and
+        # the previous good one used; an old-format or incompatible one is a clear error, not a traceback.
+        found, ck_notes = ckpt.choose_resume(Path(checkpoint_dir).resolve(), {
+            "model": spec_string, "optimizer": opt_cfg, "seed": seed, "data_seed": data_seed})
+        resume_from = str(found) if found is not None else None
+        notes += ck_notes
     owns_dir = run_dir is None
     rdir = Path(tempfile.mkdtemp(prefix="plait-run-")) if run_dir is None else Path(run_dir)
     rdir.mkdir(parents=True, exist_ok=True)
@@ -288,7 +299,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "ranks": layout, "agents": [{"node": a.node, "ranks": a.ranks} for a in agents],
             "run_dir": str(rdir), "collective_timeout": max(timeout * 1.5, timeout + 30.0),
             "checkpoint": {"dir": str(Path(checkpoint_dir).resolve()), "every": checkpoint_every,
-                           "resume": resume, "keep": keep_checkpoints} if checkpoint_dir is not None else None,
+                           "resume": resume, "resume_from": resume_from,
+                           "keep": keep_checkpoints} if checkpoint_dir is not None else None,
             "return_params": return_params, "step_barrier": step_barrier, "fault": fault,
         }
         config_path = rdir / "config.json"

@@ -67,6 +67,7 @@ from plait.runtime.partition import (
 )
 from plait.runtime.pipeline import StageRunner
 from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.sharded_state import RankLayout, aliases_of
 from plait.runtime.tensor_parallel import (
     ShardInfo,
     TPContext,
@@ -203,6 +204,11 @@ class Worker:
             for prm in s.module.parameters():
                 owners.setdefault(id(prm), []).append(s.index)
         tied_sets = sorted({tuple(v) for v in owners.values() if len(v) > 1})
+        # Checkpoints name parameters as the single-process model does (a tied group by its first
+        # name) and write a tied parameter from its first stage only (`sharded_state`).
+        self.param_aliases = aliases_of(model)
+        self.from_earlier_stage = {n for n, prm in self.stage_module.named_parameters()
+                                   if min(owners.get(id(prm), [self.p])) < self.p}
         self.tied: list[tuple[list[nn.Parameter], Any]] = []
         mine = list(self.stage_module.parameters())
         for owner_set in tied_sets:
@@ -384,47 +390,89 @@ class Worker:
         return {"model": self.cfg["model"], "plan": str(self.plan), "world_size": self.world,
                 "optimizer": self.cfg["optimizer"], "seed": self.cfg["seed"], "data_seed": self.cfg["data_seed"]}
 
+    def _ckpt_layout(self) -> RankLayout:
+        return RankLayout(self.stage_module, self.opt, self.shard_infos, self.t, self.param_aliases,
+                          self.from_earlier_stage)
+
+    def _resume_path(self, ck: dict[str, Any]) -> Path | None:
+        """The checkpoint the launcher chose (`resume_from`); a config without one (another launcher)
+        has rank 0 choose and tell the others."""
+        if "resume_from" in ck:
+            return Path(ck["resume_from"]) if ck["resume_from"] else None
+        choice = None
+        if self.rank == 0:
+            found, _ = ckpt.choose_resume(Path(ck["dir"]), self._meta())
+            choice = str(found) if found is not None else None
+        choice = ckpt.broadcast_from_zero(choice)
+        return Path(choice) if choice else None
+
     def _maybe_resume(self) -> int:
+        """Load the chosen checkpoint, written under this plan or any other: parameters and optimizer
+        state resharded by DCP; the step and loss scale; RNG streams when the rank layout is the same
+        (else fresh streams from seed, step and rank coordinates: `checkpoint.reseed_streams`)."""
         ck = self.cfg.get("checkpoint") or {}
         if not ck.get("resume"):
             return 0
-        root = Path(ck["dir"])
-        choice: list[Any] = [None]
-        if self.rank == 0:
-            found = ckpt.latest_checkpoint(root)
-            if found is not None:
-                ckpt.check_compatible(found[1], self._meta())
-                choice[0] = str(found[1])
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
+        path = self._resume_path(ck)
+        if path is None:
             return 0
         self.hb.progress("resume")
-        state = ckpt.load_rank(Path(choice[0]), self.rank, self.device)
-        if self.zero3 is None:  # under ZeRO-3 the shards in the optimizer state are the parameters
-            self.stage_module.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optim"])
-        ckpt.set_rng_state(state["rng"])
-        if self.scaler is not None and state.get("amp") is not None:
-            self.scaler.load_state_dict(state["amp"])
-        if self.sp_rng is not None and state.get("sp_rng") is not None:
-            self.sp_rng.load_state_dict(state["sp_rng"])
-        return int(state["step"])
+        entries = ckpt.stored_entries(path)
+        names: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        for key, md in entries.items():
+            if key[0] == "optim" and len(key) == 3 and hasattr(md, "properties"):
+                names.setdefault(key[1], {})[key[2]] = (md.size, md.properties.dtype)
+        layout = self._ckpt_layout()
+        optim, scalars = layout.optim_state(writing=False, names=names)
+        state: dict[str, Any] = {"model": layout.model_state(writing=False), "optim": optim, "train": {},
+                                 "rank_state": {}}
+        for key in entries:
+            if key[0] == "train":
+                _set_nested(state, key, None)
+        mine = ("rank_state", str(self.rank))
+        if mine in entries:
+            state["rank_state"][str(self.rank)] = None
+        ckpt.load(path, state)
+        for opt_state, name, copies in scalars:
+            opt_state[name] = copies[0]
+        if isinstance(self.opt, Zero1Step):
+            self.opt.sync_master_from_params()
+        train = state["train"]
+        step = int(train["step"])
+        if self.scaler is not None and train.get("amp"):
+            self.scaler.load_state_dict(json.loads(train["amp"]))
+        blob = state["rank_state"].get(str(self.rank))
+        if blob is not None and train.get("plan") == str(self.plan) and train.get("world_size") == self.world:
+            rank_state = ckpt.decode_object(blob)
+            ckpt.set_rng_state(rank_state["rng"])
+            if self.sp_rng is not None and rank_state.get("sp_rng") is not None:
+                self.sp_rng.load_state_dict(rank_state["sp_rng"])
+        else:
+            s = ckpt.reseed_streams(int(self.cfg["seed"]), step, (self.p, self.d, self.t))
+            if self.sp_rng is not None:
+                self.sp_rng.load_state_dict(_RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
+        return step
 
     def _save_checkpoint(self, step: int, root: Path) -> None:
+        """Collective: this rank's slices of every parameter and optimizer state, named as in the
+        single-process model, plus step, loss scaler and RNG states, as one DCP checkpoint."""
         self.hb.progress("checkpoint")
-        state = {"step": step, "rank": self.rank,
-                 "model": self.stage_module.state_dict() if self.zero3 is None else None,
-                 "optim": self.opt.state_dict(), "rng": ckpt.rng_state(),
-                 "amp": self.scaler.state_dict() if self.scaler is not None else None,
-                 "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None}
+        layout = self._ckpt_layout()
+        optim, _ = layout.optim_state(writing=True)
+        train = {"step": step, "plan": str(self.plan), "world_size": self.world,
+                 "format_version": ckpt.FORMAT_VERSION,
+                 "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None,
+                 "tied": {a: c for a, c in self.param_aliases.items() if a != c}}
+        mine = {"rng": ckpt.rng_state(), "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None,
+                "coords": [self.p, self.d, self.t]}
+        state = {"model": layout.model_state(writing=True), "optim": optim, "train": train,
+                 "rank_state": {str(self.rank): ckpt.encode_object(mine)}}
         hook = None
         if self.fault and self.fault.at == "checkpoint":
             hook = partial(self.fault.maybe_fire, self.rank, step - 1, "checkpoint")
-        ckpt.save_rank(root, step, self.rank, state, before_rename=hook)
-        with self.rec.waiting("checkpoint barrier"):
-            dist.barrier()
-        if self.rank == 0:
-            ckpt.mark_complete(root, step, self._meta(), keep=self.cfg["checkpoint"].get("keep"))
+        with self.rec.waiting("checkpoint"):
+            ckpt.save(root, step, state, self._meta(), self.rank, self.world,
+                      keep=self.cfg["checkpoint"].get("keep"), before_publish=hook)
         self.hb.progress("train")
 
     # ------------------------------------------------------------------ results
@@ -509,6 +557,12 @@ class _RngStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         cuda = state.get("cuda")
         self.state = (state["cpu"].cpu(), cuda.cpu() if cuda is not None and self.cuda else None)
+
+
+def _set_nested(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
 
 
 def _boot_id() -> str:
