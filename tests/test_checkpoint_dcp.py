@@ -151,3 +151,19 @@ def test_prune_keeps_the_newest_and_drops_dead_writers(tmp_path: Path) -> None:
     _save_single(tmp_path, 6, 1.0, keep=2)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 6]
     assert not ckpt.tmp_dir(tmp_path, 3).exists()
+
+
+def test_cli_resume_from_an_old_format_checkpoint_is_one_error_line(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.cli import main as cli_main
+
+    old = ckpt.step_dir(tmp_path, 2)
+    old.mkdir()
+    for r in range(2):
+        torch.save({"model": {}}, old / f"rank{r}.pt")
+    (old / ckpt.MARKER).write_text(json.dumps({"model": "gpt", "step": 2, "world_size": 2}))
+    code = cli_main(["run", "--model", "gpt:layers=1,hidden=8,heads=2,seq=4,vocab=16", "--plan", "dp=2,global_batch=4",
+                     "--steps", "3", "--checkpoint-dir", str(tmp_path), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0]
+    assert "old per-rank format" in err[0] and str(old) in err[0]
