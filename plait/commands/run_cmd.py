@@ -37,7 +37,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
     p.add_argument("--data-seed", type=int, default=0, help="synthetic-data seed")
-    p.add_argument("--run-dir", default=None, help="keep workers' logs and state files here")
+    p.add_argument("--data", metavar="FILE.py:FACTORY", default=None,
+                   help="your dataset: FACTORY() returns a map-style Dataset of (inputs_tuple, target) samples "
+                        "(or (dataset, collate_fn)); default: the model's synthetic samples")
+    p.add_argument("--data-workers", type=int, default=1, help="DataLoader worker processes per rank (default 1)")
+    p.add_argument("--run-dir", default=None, help="keep workers' logs, state files and losses.csv here")
     p.add_argument("--no-emulate", action="store_true", help="ignore the cluster's emulation section")
     p.add_argument("--predict", action="store_true",
                    help="emulated cluster: calibrate this machine first (about 30 s), pin one rank per CPU, and "
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
                   optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
-                  run_dir=args.run_dir, fault=args.fault)
+                  run_dir=args.run_dir, fault=args.fault, data=args.data, data_workers=args.data_workers)
     machine = None
     if args.predict:
         result, machine = _run_predicted(args, common)

@@ -203,7 +203,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
         return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
         env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
-        emulate_dtype: str | None = None) -> RunResult:
+        emulate_dtype: str | None = None, data: str | None = None, data_workers: int = 1) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -214,7 +214,10 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`).
     fp16 runs scale the loss dynamically (`plait.runtime.amp`; its settings can be given as
     `env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"}`); `sequence_parallel` plans run
-    Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`)."""
+    Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`).
+    `data` is the user's dataset, `file.py:factory` (`plait.runtime.data`; default: the model's
+    seeded synthetic samples), fetched by `data_workers` DataLoader processes per rank. The loss
+    per step is written to `losses.csv` in the run directory."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
     if steps < 1:
@@ -257,6 +260,16 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         notes.append("compute slowdown emulation is applied on CPU ranks only; GPU ranks run at full speed")
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
+    data_cfg: dict[str, Any] | None = None
+    if data is not None:
+        from plait.runtime.data import DataSpecError, load_data
+
+        if data_workers < 0:
+            raise DataSpecError(f"data_workers must be >= 0, got {data_workers}")
+        path, sep, name = str(data).rpartition(":")
+        spec_text = f"{Path(path).expanduser().resolve()}:{name}" if sep and path else str(data)
+        load_data(spec_text)  # a bad file or factory fails here, once, not in every worker
+        data_cfg = {"spec": spec_text, "workers": data_workers}
     resume_from: str | None = None
     if resume:
         assert checkpoint_dir is not None
@@ -301,7 +314,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "checkpoint": {"dir": str(Path(checkpoint_dir).resolve()), "every": checkpoint_every,
                            "resume": resume, "resume_from": resume_from,
                            "keep": keep_checkpoints} if checkpoint_dir is not None else None,
-            "return_params": return_params, "step_barrier": step_barrier, "fault": fault,
+            "return_params": return_params, "step_barrier": step_barrier, "fault": fault, "data": data_cfg,
         }
         config_path = rdir / "config.json"
         config_path.write_text(json.dumps(cfg, indent=1))
@@ -319,12 +332,19 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         launcher.wait()
     result = _read_result(rdir, cfg, plan_obj, cluster, backend, network, notes)
     result.network["wall_seconds"] = time.time() - t_start
+    write_loss_csv(rdir / "losses.csv", result.steps, result.losses)
     if trace is not None:
         result.timeline.save_chrome_trace(trace)
     if owns_dir:
         shutil.rmtree(rdir, ignore_errors=True)
         result.run_dir = None
     return result
+
+
+def write_loss_csv(path: Path, steps: list[int], losses: list[float]) -> None:
+    """The global-batch loss of each step, as `step,loss` lines (beside the run's records)."""
+    lines = ["step,loss"] + [f"{s},{loss!r}" for s, loss in zip(steps, losses, strict=True)]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, backend: str,
@@ -372,10 +392,11 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
 
 
 def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[str, Any] = "adamw",
-                  lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0
-                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0,
+                  data: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference: the whole global batch in one forward/backward per step,
-    the same initial weights, samples and optimizer. Returns (losses, parameters by name)."""
+    the same initial weights, samples (synthetic, or the stream of `data`) and optimizer.
+    Returns (losses, parameters by name)."""
     from plait.runtime.data_parallel import make_optimizer
     from plait.runtime.partition import make_samples
 
@@ -391,9 +412,18 @@ def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[st
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
     opt = make_optimizer([p for p in module.parameters() if p.requires_grad], opt_cfg)
+    if data is not None:
+        from plait.runtime import data as user_data
+
+        dataset, collate = user_data.load_data(data)
+        order = user_data.SampleOrder(len(dataset), data_seed)
     losses = []
     for step in range(steps):
-        inputs, target = make_samples(spec, step * plan_obj.global_batch, plan_obj.global_batch, data_seed)
+        if data is not None:
+            inputs, target = user_data.samples(dataset, collate, order, step * plan_obj.global_batch,
+                                               plan_obj.global_batch)
+        else:
+            inputs, target = make_samples(spec, step * plan_obj.global_batch, plan_obj.global_batch, data_seed)
         loss = spec.loss(module(*inputs), target)
         loss.backward()
         opt.step()

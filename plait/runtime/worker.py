@@ -370,8 +370,33 @@ class Worker:
         _scatter_back(flat, self.sp_params, "grad")
 
     def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
+        """This replica's micro-batches: stream positions shifted by `sample_base` (a resume continues
+        with the sample after the checkpoint's last, whatever the plans' global batches)."""
         seed = int(self.cfg["data_seed"])
-        return {mb.index: make_samples(self.spec, mb.first, mb.size, seed, self.device) for mb in mbs}
+        base = getattr(self, "sample_base", 0)
+        if not self.cfg.get("data"):
+            return {mb.index: make_samples(self.spec, base + mb.first, mb.size, seed, self.device) for mb in mbs}
+        if getattr(self, "_data_iter", None) is None:
+            self._data_iter = self._open_data(base, seed)
+        out = {}
+        for mb in mbs:
+            inputs, target = next(self._data_iter)
+            out[mb.index] = (tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs),
+                             target.to(self.device))
+        return out
+
+    def _open_data(self, base: int, seed: int) -> Any:
+        """A DataLoader over every micro-batch this replica takes from now to the last step, its
+        workers fetching ahead (`plait.runtime.data`)."""
+        from plait.runtime import data as user_data
+
+        data_cfg = self.cfg["data"]
+        dataset, collate = user_data.load_data(data_cfg["spec"])
+        order = user_data.SampleOrder(len(dataset), seed)
+        start = getattr(self, "start_step", 0)
+        ranges = [(base + mb.first, mb.size) for step in range(start, int(self.cfg["steps"]))
+                  for mb in replica_micro_batches(self.plan, step, self.d)]
+        return user_data.batches(dataset, collate, order, ranges, int(data_cfg.get("workers", 1)))
 
     def _common_origin(self) -> dict[str, Any]:
         """Ranks on the same host share CLOCK_MONOTONIC: use one origin for all of them (exact).
@@ -410,6 +435,7 @@ class Worker:
         """Load the chosen checkpoint, written under this plan or any other: parameters and optimizer
         state resharded by DCP; the step and loss scale; RNG streams when the rank layout is the same
         (else fresh streams from seed, step and rank coordinates: `checkpoint.reseed_streams`)."""
+        self.start_step, self.sample_base = 0, 0
         ck = self.cfg.get("checkpoint") or {}
         if not ck.get("resume"):
             return 0
@@ -439,6 +465,9 @@ class Worker:
             self.opt.sync_master_from_params()
         train = state["train"]
         step = int(train["step"])
+        # The position in the sample stream: the next step starts at the checkpoint's samples_seen.
+        self.start_step = step
+        self.sample_base = int(train.get("samples_seen", step * self.plan.global_batch)) - step * self.plan.global_batch
         if self.scaler is not None and train.get("amp"):
             self.scaler.load_state_dict(json.loads(train["amp"]))
         blob = state["rank_state"].get(str(self.rank))
@@ -459,7 +488,8 @@ class Worker:
         self.hb.progress("checkpoint")
         layout = self._ckpt_layout()
         optim, _ = layout.optim_state(writing=True)
-        train = {"step": step, "plan": str(self.plan), "world_size": self.world,
+        samples_seen = getattr(self, "sample_base", 0) + step * self.plan.global_batch
+        train = {"step": step, "samples_seen": samples_seen, "plan": str(self.plan), "world_size": self.world,
                  "format_version": ckpt.FORMAT_VERSION,
                  "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None,
                  "tied": {a: c for a, c in self.param_aliases.items() if a != c}}
