@@ -34,7 +34,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
                    help="override the plan's training dtype (fp32 is fastest on CPU)")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay (Megatron-LM)")
+    p.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up from 0 over these steps")
+    p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
+    p.add_argument("--lr-decay-iters", type=int, default=None, help="steps of the decay (default: --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW)")
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
     p.add_argument("--data-seed", type=int, default=0, help="synthetic-data seed")
     p.add_argument("--data", metavar="FILE.py:FACTORY", default=None,
@@ -56,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
     common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
-                  optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
+                  optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, min_lr=args.min_lr,
+                  lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
+                  lr_decay_iters=args.lr_decay_iters, seed=args.seed, data_seed=args.data_seed,
                   run_dir=args.run_dir, fault=args.fault, data=args.data, data_workers=args.data_workers)
     machine = None
     if args.predict:

@@ -203,7 +203,9 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
         return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
         env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
-        emulate_dtype: str | None = None, data: str | None = None, data_workers: int = 1) -> RunResult:
+        emulate_dtype: str | None = None, data: str | None = None, data_workers: int = 1,
+        min_lr: float = 0.0, lr_warmup_iters: int = 0, lr_decay_style: str = "constant",
+        lr_decay_iters: int | None = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -217,7 +219,9 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`).
     `data` is the user's dataset, `file.py:factory` (`plait.runtime.data`; default: the model's
     seeded synthetic samples), fetched by `data_workers` DataLoader processes per rank. The loss
-    per step is written to `losses.csv` in the run directory."""
+    per step is written to `losses.csv` in the run directory. `lr`, `min_lr`, `lr_warmup_iters`,
+    `lr_decay_style` (constant, linear, cosine) and `lr_decay_iters` (default: `steps`) are
+    Megatron-LM's learning-rate schedule (`plait.runtime.lr`)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
     if steps < 1:
@@ -260,6 +264,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         notes.append("compute slowdown emulation is applied on CPU ranks only; GPU ranks run at full speed")
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
+    schedule = _lr_schedule(lr, min_lr, lr_warmup_iters, lr_decay_style, lr_decay_iters)
     data_cfg: dict[str, Any] | None = None
     if data is not None:
         from plait.runtime.data import DataSpecError, load_data
@@ -315,6 +320,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
                            "resume": resume, "resume_from": resume_from,
                            "keep": keep_checkpoints} if checkpoint_dir is not None else None,
             "return_params": return_params, "step_barrier": step_barrier, "fault": fault, "data": data_cfg,
+            "lr_schedule": schedule.to_dict() if schedule is not None else None,
         }
         config_path = rdir / "config.json"
         config_path.write_text(json.dumps(cfg, indent=1))
@@ -339,6 +345,14 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         shutil.rmtree(rdir, ignore_errors=True)
         result.run_dir = None
     return result
+
+
+def _lr_schedule(lr: float, min_lr: float, warmup: int, style: str, decay_iters: int | None) -> Any:
+    """The Megatron-style schedule, or None for a constant rate (the optimizer's own)."""
+    from plait.runtime.lr import LRSchedule
+
+    sched = LRSchedule(lr=lr, min_lr=min_lr, warmup=warmup, decay_style=style, decay_iters=decay_iters)
+    return None if (warmup == 0 and style == "constant") else sched
 
 
 def write_loss_csv(path: Path, steps: list[int], losses: list[float]) -> None:
@@ -393,7 +407,9 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
 
 def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[str, Any] = "adamw",
                   lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0,
-                  data: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  data: str | None = None, min_lr: float = 0.0, lr_warmup_iters: int = 0,
+                  lr_decay_style: str = "constant", lr_decay_iters: int | None = None
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference: the whole global batch in one forward/backward per step,
     the same initial weights, samples (synthetic, or the stream of `data`) and optimizer.
     Returns (losses, parameters by name)."""
@@ -412,6 +428,7 @@ def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[st
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
     opt = make_optimizer([p for p in module.parameters() if p.requires_grad], opt_cfg)
+    schedule = _lr_schedule(lr, min_lr, lr_warmup_iters, lr_decay_style, lr_decay_iters)
     if data is not None:
         from plait.runtime import data as user_data
 
@@ -426,6 +443,9 @@ def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[st
             inputs, target = make_samples(spec, step * plan_obj.global_batch, plan_obj.global_batch, data_seed)
         loss = spec.loss(module(*inputs), target)
         loss.backward()
+        if schedule is not None:
+            for group in opt.param_groups:
+                group["lr"] = schedule.at(step, steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

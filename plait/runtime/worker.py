@@ -57,6 +57,7 @@ from plait.runtime.data_parallel import (
     make_optimizer,
     sync_tied_grads,
 )
+from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import (
     MicroBatch,
     layer_modules,
@@ -350,6 +351,7 @@ class Worker:
                 sync_tied_grads(self.tied, self.rec)
             if self.sp_params and self.zero3 is None:  # ZeRO-3 sums them per layer before reducing
                 self._sync_sp_grads()
+            self._set_lr(step)
             self.opt.step()
             if self.scaler is not None:
                 self.scaler.update(step)
@@ -368,6 +370,15 @@ class Worker:
                            lambda: dist.all_reduce(flat, group=self.tp_group),
                            bytes=flat.numel() * flat.element_size())
         _scatter_back(flat, self.sp_params, "grad")
+
+    def _set_lr(self, step: int) -> None:
+        """The schedule's learning rate for this step's update (`plait.runtime.lr`, Megatron's flags)."""
+        sched = self.cfg.get("lr_schedule")
+        if not sched:
+            return
+        lr = LRSchedule.from_dict(sched, float(self.cfg["optimizer"].get("lr", 1e-3))).at(step, int(self.cfg["steps"]))
+        for group in self.opt.optimizer.param_groups:
+            group["lr"] = lr
 
     def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
         """This replica's micro-batches: stream positions shifted by `sample_base` (a resume continues
@@ -492,7 +503,8 @@ class Worker:
         train = {"step": step, "samples_seen": samples_seen, "plan": str(self.plan), "world_size": self.world,
                  "format_version": ckpt.FORMAT_VERSION,
                  "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None,
-                 "tied": {a: c for a, c in self.param_aliases.items() if a != c}}
+                 "tied": {a: c for a, c in self.param_aliases.items() if a != c},
+                 "lr_schedule": json.dumps(self.cfg.get("lr_schedule"))}
         mine = {"rng": ckpt.rng_state(), "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None,
                 "coords": [self.p, self.d, self.t]}
         state = {"model": layout.model_state(writing=True), "optim": optim, "train": train,
