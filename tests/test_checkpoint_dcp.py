@@ -167,3 +167,59 @@ def test_cli_resume_from_an_old_format_checkpoint_is_one_error_line(tmp_path: Pa
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0]
     assert "old per-rank format" in err[0] and str(old) in err[0]
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 4)
+        self.frozen = torch.nn.Linear(4, 2)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("count", torch.zeros(2))
+
+
+def _adam(params: list) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.1, foreach=False)
+
+
+def test_rank_state_round_trips_from_plain_to_flat_zero_layout(tmp_path: Path) -> None:
+    """Saved from per-parameter AdamW (ZeRO-0), loaded into a flat ZeRO-1 master: parameters (the
+    frozen ones and buffers too), Adam's moments and step land in the right places."""
+    from plait.runtime.data_parallel import DataParallelStep, Zero1Step
+    from plait.runtime.sharded_state import RankLayout
+
+    torch.manual_seed(0)
+    src = _Net()
+    src.count += 3
+    trained = [p for p in src.parameters() if p.requires_grad]
+    plain = DataParallelStep(trained, _adam, None, 1, None)  # type: ignore[arg-type]
+    for _ in range(2):
+        for p in trained:
+            p.grad = torch.randn_like(p)
+        plain.optimizer.step()
+    layout = RankLayout(src, plain, {}, 0, {}, set())
+    optim, _ = layout.optim_state(writing=True)
+    dcp.save({"model": layout.model_state(writing=True), "optim": optim},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+
+    torch.manual_seed(1)
+    dst = _Net()
+    flat = Zero1Step([p for p in dst.parameters() if p.requires_grad], _adam, None, 1, 0, None)  # type: ignore[arg-type]
+    names: dict = {}
+    for key, md in ckpt.stored_entries(tmp_path).items():
+        if key[0] == "optim":
+            names.setdefault(key[1], {})[key[2]] = (md.size, md.properties.dtype)
+    into = RankLayout(dst, flat, {}, 0, {}, set())
+    optim, scalars = into.optim_state(writing=False, names=names)
+    ckpt.load(tmp_path, {"model": into.model_state(writing=False), "optim": optim})
+    for opt_state, name, copies in scalars:
+        opt_state[name] = copies[0]
+    flat.sync_master_from_params()
+    for (n, want), got in zip(src.state_dict().items(), dst.state_dict().values(), strict=True):
+        assert torch.equal(got, want), n
+    state = flat.optimizer.state[flat.master]
+    for key in ("exp_avg", "exp_avg_sq"):
+        want = torch.cat([plain.optimizer.state[p][key].reshape(-1) for p in trained])
+        assert torch.equal(state[key], want), key
+    assert float(state["step"]) == 2.0
+    assert torch.equal(flat.master.detach(), torch.cat([p.detach().reshape(-1) for p in trained]))

@@ -227,7 +227,11 @@ class RankLayout:
 
     def model_state(self, writing: bool) -> dict[str, torch.Tensor]:
         shapes = self._globals()
-        chunks = self._chunks(self.opt.param_segments(), lambda s: s.tensor, writing)
+        segments = self.opt.param_segments()
+        covered = {id(p) for seg in segments for p in seg.params}
+        # Parameters the optimizer does not hold (frozen ones) are saved whole, like a plain replica.
+        segments += [Segment(p, [p], 0) for _, p in self.module.named_parameters() if id(p) not in covered]
+        chunks = self._chunks(segments, lambda s: s.tensor, writing)
         state: dict[str, torch.Tensor] = {k: ChunkedTensor(shapes[k], c) for k, c in chunks.items()}
         for name, buf in self.module.state_dict(keep_vars=True).items():  # persistent buffers, replicated
             if name not in self.param_names and isinstance(buf, torch.Tensor):
