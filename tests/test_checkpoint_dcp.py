@@ -197,23 +197,14 @@ def test_rank_state_round_trips_from_plain_to_flat_zero_layout(tmp_path: Path) -
         for p in trained:
             p.grad = torch.randn_like(p)
         plain.optimizer.step()
-    layout = RankLayout(src, plain, {}, 0, {}, set())
-    optim, _ = layout.optim_state(writing=True)
-    dcp.save({"model": layout.model_state(writing=True), "optim": optim},
+    dcp.save(ckpt.rank_snapshot(RankLayout(src, plain, {}, 0, {}, set()), {"step": 2}, 0, {"rng": None}),
              storage_writer=dcp.FileSystemWriter(str(tmp_path)))
 
     torch.manual_seed(1)
     dst = _Net()
     flat = Zero1Step([p for p in dst.parameters() if p.requires_grad], _adam, None, 1, 0, None)  # type: ignore[arg-type]
-    names: dict = {}
-    for key, md in ckpt.stored_entries(tmp_path).items():
-        if key[0] == "optim":
-            names.setdefault(key[1], {})[key[2]] = (md.size, md.properties.dtype)
-    into = RankLayout(dst, flat, {}, 0, {}, set())
-    optim, scalars = into.optim_state(writing=False, names=names)
-    ckpt.load(tmp_path, {"model": into.model_state(writing=False), "optim": optim})
-    for opt_state, name, copies in scalars:
-        opt_state[name] = copies[0]
+    train, rank_state = ckpt.load_into(tmp_path, RankLayout(dst, flat, {}, 0, {}, set()), 0)
+    assert train == {"step": 2} and rank_state == {"rng": None}
     flat.sync_master_from_params()
     for (n, want), got in zip(src.state_dict().items(), dst.state_dict().values(), strict=True):
         assert torch.equal(got, want), n

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from plait.errors import PlaitError
+from plait.runtime.sharded_state import RankLayout
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -344,6 +345,44 @@ def load(path: Path, state: dict[str, Any]) -> None:
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise CheckpointError(f"checkpoint {path}: torch.distributed.checkpoint could not load it "
                               f"({type(exc).__name__}: {first[:300]})") from None
+
+
+def rank_snapshot(layout: RankLayout, train: dict[str, Any], rank: int, rank_state: Any) -> dict[str, Any]:
+    """The state dict a rank hands to `save`: its slices of the model and optimizer state (written
+    once across replicas), the run-wide `train` record and its own `rank_state` (as a blob)."""
+    optim, _ = layout.optim_state(writing=True)
+    return {"model": layout.model_state(writing=True), "optim": optim, "train": train,
+            "rank_state": {str(rank): encode_object(rank_state)}}
+
+
+def load_into(path: Path, layout: RankLayout, rank: int) -> tuple[dict[str, Any], Any]:
+    """Collective: load checkpoint `path` (written under any plan) into this rank's live parameters
+    and optimizer state (optimizer state is created for the entries the checkpoint has). Returns
+    the `train` record and this rank's `rank_state` (None when the checkpoint has no such rank)."""
+    entries = stored_entries(path)
+    names: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+    for key, md in entries.items():
+        if key[0] == "optim" and len(key) == 3 and hasattr(md, "properties"):
+            names.setdefault(key[1], {})[key[2]] = (md.size, md.properties.dtype)
+    optim, scalars = layout.optim_state(writing=False, names=names)
+    state: dict[str, Any] = {"model": layout.model_state(writing=False), "optim": optim, "train": {},
+                             "rank_state": {}}
+    for key in entries:
+        if key[0] == "train":
+            _set_nested(state, key, None)
+    if ("rank_state", str(rank)) in entries:
+        state["rank_state"][str(rank)] = None
+    load(path, state)
+    for opt_state, name, copies in scalars:  # Adam's step count: one per segment
+        opt_state[name] = copies[0]
+    blob = state["rank_state"].get(str(rank))
+    return state["train"], decode_object(blob) if blob is not None else None
+
+
+def _set_nested(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
 
 
 def load_consolidated(path: Path) -> dict[str, Any]:

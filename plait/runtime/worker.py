@@ -454,36 +454,16 @@ class Worker:
         if path is None:
             return 0
         self.hb.progress("resume")
-        entries = ckpt.stored_entries(path)
-        names: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
-        for key, md in entries.items():
-            if key[0] == "optim" and len(key) == 3 and hasattr(md, "properties"):
-                names.setdefault(key[1], {})[key[2]] = (md.size, md.properties.dtype)
-        layout = self._ckpt_layout()
-        optim, scalars = layout.optim_state(writing=False, names=names)
-        state: dict[str, Any] = {"model": layout.model_state(writing=False), "optim": optim, "train": {},
-                                 "rank_state": {}}
-        for key in entries:
-            if key[0] == "train":
-                _set_nested(state, key, None)
-        mine = ("rank_state", str(self.rank))
-        if mine in entries:
-            state["rank_state"][str(self.rank)] = None
-        ckpt.load(path, state)
-        for opt_state, name, copies in scalars:
-            opt_state[name] = copies[0]
+        train, rank_state = ckpt.load_into(path, self._ckpt_layout(), self.rank)
         if isinstance(self.opt, Zero1Step):
             self.opt.sync_master_from_params()
-        train = state["train"]
         step = int(train["step"])
         # The position in the sample stream: the next step starts at the checkpoint's samples_seen.
         self.start_step = step
         self.sample_base = int(train.get("samples_seen", step * self.plan.global_batch)) - step * self.plan.global_batch
         if self.scaler is not None and train.get("amp"):
             self.scaler.load_state_dict(json.loads(train["amp"]))
-        blob = state["rank_state"].get(str(self.rank))
-        if blob is not None and train.get("plan") == str(self.plan) and train.get("world_size") == self.world:
-            rank_state = ckpt.decode_object(blob)
+        if rank_state is not None and train.get("plan") == str(self.plan) and train.get("world_size") == self.world:
             ckpt.set_rng_state(rank_state["rng"])
             if self.sp_rng is not None and rank_state.get("sp_rng") is not None:
                 self.sp_rng.load_state_dict(rank_state["sp_rng"])
@@ -497,8 +477,6 @@ class Worker:
         """Collective: this rank's slices of every parameter and optimizer state, named as in the
         single-process model, plus step, loss scaler and RNG states, as one DCP checkpoint."""
         self.hb.progress("checkpoint")
-        layout = self._ckpt_layout()
-        optim, _ = layout.optim_state(writing=True)
         samples_seen = getattr(self, "sample_base", 0) + step * self.plan.global_batch
         train = {"step": step, "samples_seen": samples_seen, "plan": str(self.plan), "world_size": self.world,
                  "format_version": ckpt.FORMAT_VERSION,
@@ -507,8 +485,7 @@ class Worker:
                  "lr_schedule": json.dumps(self.cfg.get("lr_schedule"))}
         mine = {"rng": ckpt.rng_state(), "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None,
                 "coords": [self.p, self.d, self.t]}
-        state = {"model": layout.model_state(writing=True), "optim": optim, "train": train,
-                 "rank_state": {str(self.rank): ckpt.encode_object(mine)}}
+        state = ckpt.rank_snapshot(self._ckpt_layout(), train, self.rank, mine)
         hook = None
         if self.fault and self.fault.at == "checkpoint":
             hook = partial(self.fault.maybe_fire, self.rank, step - 1, "checkpoint")
@@ -599,12 +576,6 @@ class _RngStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         cuda = state.get("cuda")
         self.state = (state["cpu"].cpu(), cuda.cpu() if cuda is not None and self.cuda else None)
-
-
-def _set_nested(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
 
 
 def _boot_id() -> str:
