@@ -12,7 +12,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "run",
         help="train under a plan with torchrun workers (gloo on CPU, NCCL on GPU) and measure it",
         description="Launch one worker per plan rank through torch.distributed.run, train on deterministic "
-                    "synthetic data and report per-step losses, measured iteration times and a timeline.",
+                    "synthetic data or your dataset (--data) and report per-step losses, measured iteration "
+                    "times and a timeline.",
     )
     p.add_argument("--model", required=True, help="zoo spec (gpt:layers=4,hidden=64,...) or file.py:factory")
     p.add_argument("--cluster", default=None,
@@ -41,7 +42,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr-decay-iters", type=int, default=None, help="steps of the decay (default: --steps)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW)")
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
-    p.add_argument("--data-seed", type=int, default=0, help="synthetic-data seed")
+    p.add_argument("--data-seed", type=int, default=0, help="data seed: synthetic samples, or the per-epoch sample order of --data")
     p.add_argument("--data", metavar="FILE.py:FACTORY", default=None,
                    help="your dataset: FACTORY() returns a map-style Dataset of (inputs_tuple, target) samples "
                         "(or (dataset, collate_fn)); default: the model's synthetic samples")
