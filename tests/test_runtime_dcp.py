@@ -1,9 +1,9 @@
 """A checkpoint written under one plan loads under another (real torchrun workers).
 
 Saved at dp=2, tp=2 (uneven tensor shards 3:1, ZeRO-1: fused-QKV slices and flat optimizer shards),
-it holds the single-process model's parameters and AdamW state; it loads at pp=2 (parameters bit
-for bit) and at dp=3 with uneven shares under ZeRO-3, and training continues equal to the
-uninterrupted single-process reference. torch's own `dcp_to_torch_save` turns it into a plain
+it holds the single-process model's parameters and AdamW state; it loads at pp=2 and at dp=3 with
+uneven shares under ZeRO-3, and training continues equal to the uninterrupted single-process
+reference (bit-exact loading is checked in-process in tests/test_checkpoint_dcp.py). torch's own `dcp_to_torch_save` turns it into a plain
 state dict that a plain model loads.
 """
 
@@ -89,20 +89,16 @@ def test_checkpoint_holds_the_single_process_state(saved: Path, reference: list[
     assert ckpt.decode_object(state["rank_state"]["3"])["coords"] == [0, 1, 1]
 
 
-def test_loads_at_pp2_bit_for_bit_and_continues_like_one_process(saved: Path, reference: list[Any],
-                                                                 tmp_path: Path) -> None:
+def test_loads_at_pp2_and_continues_like_one_process(saved: Path, reference: list[Any], tmp_path: Path) -> None:
     root = tmp_path / "ck"
     shutil.copytree(saved, root)
-    stored = ckpt.load_consolidated(ckpt.step_dir(root, 2))["model"]
     plan = "pp=2,micro_batch=2," + FP32
-    loaded = run(TINY, None, plan, steps=2, checkpoint_dir=root, resume=True, return_params=True, timeout=120)
-    assert loaded.steps == [] and loaded.params is not None
-    for name, value in stored.items():  # nothing trained: exactly what was saved
-        assert torch.equal(loaded.params[name], value), name
     resumed = run(TINY, None, plan, steps=STEPS, checkpoint_dir=root, checkpoint_every=1, resume=True, timeout=120)
     assert resumed.steps == [2, 3] and resumed.resumed_from == 2
     for got, (want, _, _) in zip(resumed.losses, reference[2:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
+    # Parameters and AdamW state after one step under pp=2 (the tied embedding on both stages).
+    _assert_state(ckpt.load_consolidated(ckpt.step_dir(root, 3)), reference[2][1], reference[2][2])
     _assert_state(ckpt.load_consolidated(ckpt.step_dir(root, STEPS)), reference[-1][1], reference[-1][2])
 
 
