@@ -333,37 +333,17 @@ def test_pipeline_header_roundtrip() -> None:
 
 
 # ---------------------------------------------------------------------------------- checkpoints
-def test_checkpoint_completes_only_with_marker(tmp_path: Path) -> None:
-    meta = {"model": "m", "plan": "dp=2", "world_size": 2, "optimizer": {"name": "adamw"}, "seed": 0, "data_seed": 0}
-    for step in (2, 4):
-        for r in range(2):
-            ckpt.save_rank(tmp_path, step, r, {"step": step, "rank": r})
-        ckpt.mark_complete(tmp_path, step, meta, keep=None)
-    ckpt.save_rank(tmp_path, 6, 0, {"step": 6})  # rank 1 died before writing step 6
-    with pytest.raises(ckpt.CheckpointError, match=r"ranks \[1\] did not write"):
-        ckpt.mark_complete(tmp_path, 6, meta)
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 4]
-    step, path = ckpt.latest_checkpoint(tmp_path)
-    assert step == 4 and ckpt.load_rank(path, 1)["rank"] == 1
-    assert not list(tmp_path.rglob(".*tmp*"))
-    with pytest.raises(ckpt.CheckpointError, match="field 'plan' is 'dp=2' but this run has 'dp=1'"):
-        ckpt.check_compatible(path, {**meta, "plan": "dp=1"})
-    for r in range(2):
-        ckpt.save_rank(tmp_path, 8, r, {"step": 8})
-    ckpt.mark_complete(tmp_path, 8, meta, keep=2)
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 8]
-    assert not ckpt.step_dir(tmp_path, 6).exists()  # the half-written one is pruned too
-
-
+# Checkpoint directories (DCP, manifest, fallback, old format): tests/test_checkpoint_dcp.py.
 def test_interrupted_write_keeps_previous_file(tmp_path: Path) -> None:
-    ckpt.save_rank(tmp_path, 1, 0, {"v": 1})
+    path = tmp_path / "f.json"
+    ckpt.atomic_write_bytes(path, lambda f: f.write(b"1"))
 
-    def crash() -> None:
+    def crash(f: object) -> None:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        ckpt.save_rank(tmp_path, 1, 0, {"v": 2}, before_rename=crash)
-    assert ckpt.load_rank(ckpt.step_dir(tmp_path, 1), 0) == {"v": 1}
+        ckpt.atomic_write_bytes(path, crash)
+    assert path.read_bytes() == b"1"
 
 
 # ---------------------------------------------------------------------------------- faults, diagnosis

@@ -14,7 +14,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "run",
         help="train under a plan with torchrun workers (gloo on CPU, NCCL on GPU) and measure it",
         description="Launch one worker per plan rank through torch.distributed.run, train on deterministic "
-                    "synthetic data and report per-step losses, measured iteration times and a timeline.",
+                    "synthetic data or your dataset (--data) and report per-step losses, measured iteration "
+                    "times and a timeline.",
     )
     p.add_argument("--model", required=True, help="zoo spec (gpt:layers=4,hidden=64,...) or file.py:factory")
     p.add_argument("--cluster", default=None,
@@ -49,10 +50,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
                    help="override the plan's training dtype (fp32 is fastest on CPU)")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay (Megatron-LM)")
+    p.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up from 0 over these steps")
+    p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
+    p.add_argument("--lr-decay-iters", type=int, default=None, help="steps of the decay (default: --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW)")
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
-    p.add_argument("--data-seed", type=int, default=0, help="synthetic-data seed")
-    p.add_argument("--run-dir", default=None, help="keep workers' logs and state files here")
+    p.add_argument("--data-seed", type=int, default=0, help="data seed: synthetic samples, or the per-epoch sample order of --data")
+    p.add_argument("--data", metavar="FILE.py:FACTORY", default=None,
+                   help="your dataset: FACTORY() returns a map-style Dataset of (inputs_tuple, target) samples "
+                        "(or (dataset, collate_fn)); default: the model's synthetic samples")
+    p.add_argument("--data-workers", type=int, default=1, help="DataLoader worker processes per rank (default 1)")
+    p.add_argument("--run-dir", default=None, help="keep workers' logs, state files and losses.csv here")
     p.add_argument("--no-emulate", action="store_true", help="ignore the cluster's emulation section")
     p.add_argument("--predict", action="store_true",
                    help="emulated cluster: calibrate this machine first (about 30 s), pin one rank per CPU, and "
@@ -73,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
-                  optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
-                  run_dir=args.run_dir, fault=args.fault, comm_records=not args.no_comm_records,
-                  comm_faults=args.comm_faults)
+                  optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, min_lr=args.min_lr,
+                  lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
+                  lr_decay_iters=args.lr_decay_iters, seed=args.seed, data_seed=args.data_seed,
+                  run_dir=args.run_dir, fault=args.fault, data=args.data, data_workers=args.data_workers,
+                  comm_records=not args.no_comm_records, comm_faults=args.comm_faults)
     rendezvous = _rendezvous(args)
     if rendezvous is not None:
         common["rendezvous"] = rendezvous

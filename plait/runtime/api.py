@@ -235,7 +235,9 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
         env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
         emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None,
-        rendezvous: Rendezvous | None = None) -> RunResult:
+        rendezvous: Rendezvous | None = None, data: str | None = None, data_workers: int = 1,
+        min_lr: float = 0.0, lr_warmup_iters: int = 0, lr_decay_style: str = "constant",
+        lr_decay_iters: int | None = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -253,7 +255,12 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     rank 0 returns the losses and timeline, the others a result naming their ranks.
     fp16 runs scale the loss dynamically (`plait.runtime.amp`; its settings can be given as
     `env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"}`); `sequence_parallel` plans run
-    Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`)."""
+    Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`).
+    `data` is the user's dataset, `file.py:factory` (`plait.runtime.data`; default: the model's
+    seeded synthetic samples), fetched by `data_workers` DataLoader processes per rank. The loss
+    per step is written to `losses.csv` in the run directory. `lr`, `min_lr`, `lr_warmup_iters`,
+    `lr_decay_style` (constant, linear, cosine) and `lr_decay_iters` (default: `steps`) are
+    Megatron-LM's learning-rate schedule (`plait.runtime.lr`)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
     if comm_records not in (True, False, "alternate"):
@@ -314,6 +321,28 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         notes.append("compute slowdown emulation is applied on CPU ranks only; GPU ranks run at full speed")
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
+    schedule = _lr_schedule(lr, min_lr, lr_warmup_iters, lr_decay_style, lr_decay_iters)
+    data_cfg: dict[str, Any] | None = None
+    if data is not None:
+        from plait.runtime.data import DataSpecError, load_data
+
+        if data_workers < 0:
+            raise DataSpecError(f"data_workers must be >= 0, got {data_workers}")
+        path, sep, name = str(data).rpartition(":")
+        spec_text = f"{Path(path).expanduser().resolve()}:{name}" if sep and path else str(data)
+        load_data(spec_text)  # a bad file or factory fails here, once, not in every worker
+        data_cfg = {"spec": spec_text, "workers": data_workers}
+    resume_from: str | None = None
+    if resume:
+        assert checkpoint_dir is not None
+        from plait.runtime import checkpoint as ckpt
+
+        # Chosen here, before any worker starts: a damaged newest checkpoint is named in a warning and
+        # the previous good one used; an old-format or incompatible one is a clear error, not a traceback.
+        found, ck_notes = ckpt.choose_resume(Path(checkpoint_dir).resolve(), {
+            "model": spec_string, "optimizer": opt_cfg, "seed": seed, "data_seed": data_seed})
+        resume_from = str(found) if found is not None else None
+        notes += ck_notes
     owns_dir = run_dir is None
     rdir = Path(tempfile.mkdtemp(prefix="plait-run-")) if run_dir is None else Path(run_dir)
     if rendezvous is not None and run_dir is not None:
@@ -350,8 +379,10 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "ranks": layout, "agents": [{"node": a.node, "ranks": a.ranks} for a in agents],
             "run_dir": str(rdir), "collective_timeout": max(timeout * 1.5, timeout + 30.0),
             "checkpoint": {"dir": str(Path(checkpoint_dir).resolve()), "every": checkpoint_every,
-                           "resume": resume, "keep": keep_checkpoints} if checkpoint_dir is not None else None,
-            "return_params": return_params, "step_barrier": step_barrier, "fault": fault,
+                           "resume": resume, "resume_from": resume_from,
+                           "keep": keep_checkpoints} if checkpoint_dir is not None else None,
+            "return_params": return_params, "step_barrier": step_barrier, "fault": fault, "data": data_cfg,
+            "lr_schedule": schedule.to_dict() if schedule is not None else None,
             "comm_records": comm_records, "comm_faults": [f.to_dict() for f in faults] or None,
         }
         if host_plan is not None:
@@ -376,6 +407,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     else:
         result = _read_result(rdir, cfg, plan_obj, cluster, backend, network, notes)
     result.network["wall_seconds"] = time.time() - t_start
+    write_loss_csv(rdir / "losses.csv", result.steps, result.losses)
     if trace is not None:
         result.timeline.save_chrome_trace(trace)
     result.comm_dir = str(rdir / "comm") if comm_records else None
@@ -426,6 +458,20 @@ def _node_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
                      ranks=[], network=network, notes=notes, run_dir=str(rdir))
 
 
+def _lr_schedule(lr: float, min_lr: float, warmup: int, style: str, decay_iters: int | None) -> Any:
+    """The Megatron-style schedule, or None for a constant rate (the optimizer's own)."""
+    from plait.runtime.lr import LRSchedule
+
+    sched = LRSchedule(lr=lr, min_lr=min_lr, warmup=warmup, decay_style=style, decay_iters=decay_iters)
+    return None if (warmup == 0 and style == "constant") else sched
+
+
+def write_loss_csv(path: Path, steps: list[int], losses: list[float]) -> None:
+    """The global-batch loss of each step, as `step,loss` lines (beside the run's records)."""
+    lines = ["step,loss"] + [f"{s},{loss!r}" for s, loss in zip(steps, losses, strict=True)]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, backend: str,
                  network: dict[str, Any], notes: list[str]) -> RunResult:
     path = rdir / "result.json"
@@ -471,10 +517,13 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
 
 
 def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[str, Any] = "adamw",
-                  lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0
+                  lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0,
+                  data: str | None = None, min_lr: float = 0.0, lr_warmup_iters: int = 0,
+                  lr_decay_style: str = "constant", lr_decay_iters: int | None = None
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference: the whole global batch in one forward/backward per step,
-    the same initial weights, samples and optimizer. Returns (losses, parameters by name)."""
+    the same initial weights, samples (synthetic, or the stream of `data`) and optimizer.
+    Returns (losses, parameters by name)."""
     from plait.runtime.data_parallel import make_optimizer
     from plait.runtime.partition import make_samples
 
@@ -490,11 +539,24 @@ def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[st
     opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
         else {"lr": lr, "weight_decay": weight_decay, **optimizer}
     opt = make_optimizer([p for p in module.parameters() if p.requires_grad], opt_cfg)
+    schedule = _lr_schedule(lr, min_lr, lr_warmup_iters, lr_decay_style, lr_decay_iters)
+    if data is not None:
+        from plait.runtime import data as user_data
+
+        dataset, collate = user_data.load_data(data)
+        order = user_data.SampleOrder(len(dataset), data_seed)
     losses = []
     for step in range(steps):
-        inputs, target = make_samples(spec, step * plan_obj.global_batch, plan_obj.global_batch, data_seed)
+        if data is not None:
+            inputs, target = user_data.samples(dataset, collate, order, step * plan_obj.global_batch,
+                                               plan_obj.global_batch)
+        else:
+            inputs, target = make_samples(spec, step * plan_obj.global_batch, plan_obj.global_batch, data_seed)
         loss = spec.loss(module(*inputs), target)
         loss.backward()
+        if schedule is not None:
+            for group in opt.param_groups:
+                group["lr"] = schedule.at(step, steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

@@ -31,6 +31,7 @@ from torch import nn
 from plait.runtime.amp import DynamicLossScaler
 from plait.runtime.comm import Group
 from plait.runtime.recorder import Recorder
+from plait.runtime.sharded_state import Segment
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict[str, Any]) -> torch.optim.Optimizer:
@@ -128,11 +129,13 @@ class DataParallelStep:
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict()}
+    def param_segments(self) -> list[Segment]:
+        """Where the parameters live (for checkpoints): each one whole."""
+        return [Segment(p, [p], 0) for p in self.params]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+    def optimizer_segments(self) -> list[Segment]:
+        """The tensors the optimizer steps, as parameter ranges: the parameters themselves."""
+        return self.param_segments()
 
 
 class Zero1Step:
@@ -191,10 +194,19 @@ class Zero1Step:
             p.grad = None
         return True
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "master": self.master.detach().clone()}
+    def param_segments(self) -> list[Segment]:
+        """Where the parameters live (for checkpoints): each one whole, on every replica."""
+        return [Segment(p, [p], 0) for p in self.params]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def optimizer_segments(self) -> list[Segment]:
+        """The optimizer steps this rank's slice [rank*shard, (rank+1)*shard) of the flat parameters."""
+        return [Segment(self.master, self.params, self.rank * self.shard)]
+
+    def sync_master_from_params(self) -> None:
+        """After the parameters were loaded: the master shard is this rank's slice of them (after
+        every step it equals it bit for bit: the parameters are the all-gather of the masters)."""
         with torch.no_grad():
-            self.master.copy_(state["master"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params]) if self.params else self.master.new_zeros(0)
+            piece = flat[self.rank * self.shard:(self.rank + 1) * self.shard]
+            self.master.zero_()
+            self.master[:piece.numel()].copy_(piece)

@@ -58,6 +58,7 @@ from plait.runtime.data_parallel import (
     make_optimizer,
     sync_tied_grads,
 )
+from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import (
     MicroBatch,
     layer_modules,
@@ -68,6 +69,7 @@ from plait.runtime.partition import (
 )
 from plait.runtime.pipeline import StageRunner
 from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.sharded_state import RankLayout, aliases_of
 from plait.runtime.tensor_parallel import (
     ShardInfo,
     TPContext,
@@ -205,6 +207,11 @@ class Worker:
             for prm in s.module.parameters():
                 owners.setdefault(id(prm), []).append(s.index)
         tied_sets = sorted({tuple(v) for v in owners.values() if len(v) > 1})
+        # Checkpoints name parameters as the single-process model does (a tied group by its first
+        # name) and write a tied parameter from its first stage only (`sharded_state`).
+        self.param_aliases = aliases_of(model)
+        self.from_earlier_stage = {n for n, prm in self.stage_module.named_parameters()
+                                   if min(owners.get(id(prm), [self.p])) < self.p}
         self.tied: list[tuple[list[nn.Parameter], Group]] = []
         mine = list(self.stage_module.parameters())
         for owner_set in tied_sets:
@@ -346,6 +353,7 @@ class Worker:
                 sync_tied_grads(self.tied)
             if self.sp_params and self.zero3 is None:  # ZeRO-3 sums them per layer before reducing
                 self._sync_sp_grads()
+            self._set_lr(step)
             self.opt.step()
             if self.scaler is not None:
                 self.scaler.update(step)
@@ -363,9 +371,43 @@ class Worker:
         self.tp_group.all_reduce(flat, "allreduce tp sp-grads", "comm_tp")
         _scatter_back(flat, self.sp_params, "grad")
 
+    def _set_lr(self, step: int) -> None:
+        """The schedule's learning rate for this step's update (`plait.runtime.lr`, Megatron's flags)."""
+        sched = self.cfg.get("lr_schedule")
+        if not sched:
+            return
+        lr = LRSchedule.from_dict(sched, float(self.cfg["optimizer"].get("lr", 1e-3))).at(step, int(self.cfg["steps"]))
+        for group in self.opt.optimizer.param_groups:
+            group["lr"] = lr
+
     def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
+        """This replica's micro-batches: stream positions shifted by `sample_base` (a resume continues
+        with the sample after the checkpoint's last, whatever the plans' global batches)."""
         seed = int(self.cfg["data_seed"])
-        return {mb.index: make_samples(self.spec, mb.first, mb.size, seed, self.device) for mb in mbs}
+        base = getattr(self, "sample_base", 0)
+        if not self.cfg.get("data"):
+            return {mb.index: make_samples(self.spec, base + mb.first, mb.size, seed, self.device) for mb in mbs}
+        if getattr(self, "_data_iter", None) is None:
+            self._data_iter = self._open_data(base, seed)
+        out = {}
+        for mb in mbs:
+            inputs, target = next(self._data_iter)
+            out[mb.index] = (tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs),
+                             target.to(self.device))
+        return out
+
+    def _open_data(self, base: int, seed: int) -> Any:
+        """A DataLoader over every micro-batch this replica takes from now to the last step, its
+        workers fetching ahead (`plait.runtime.data`)."""
+        from plait.runtime import data as user_data
+
+        data_cfg = self.cfg["data"]
+        dataset, collate = user_data.load_data(data_cfg["spec"])
+        order = user_data.SampleOrder(len(dataset), seed)
+        start = getattr(self, "start_step", 0)
+        ranges = [(base + mb.first, mb.size) for step in range(start, int(self.cfg["steps"]))
+                  for mb in replica_micro_batches(self.plan, step, self.d)]
+        return user_data.batches(dataset, collate, order, ranges, int(data_cfg.get("workers", 1)))
 
     def _common_origin(self) -> dict[str, Any]:
         """Ranks on the same host share CLOCK_MONOTONIC: use one origin for all of them (exact).
@@ -383,46 +425,72 @@ class Worker:
         return {"model": self.cfg["model"], "plan": str(self.plan), "world_size": self.world,
                 "optimizer": self.cfg["optimizer"], "seed": self.cfg["seed"], "data_seed": self.cfg["data_seed"]}
 
+    def _ckpt_layout(self) -> RankLayout:
+        return RankLayout(self.stage_module, self.opt, self.shard_infos, self.t, self.param_aliases,
+                          self.from_earlier_stage)
+
+    def _resume_path(self, ck: dict[str, Any]) -> Path | None:
+        """The checkpoint the launcher chose (`resume_from`); a config without one (another launcher)
+        has rank 0 choose and tell the others."""
+        if "resume_from" in ck:
+            return Path(ck["resume_from"]) if ck["resume_from"] else None
+        choice = None
+        if self.rank == 0:
+            found, _ = ckpt.choose_resume(Path(ck["dir"]), self._meta())
+            choice = str(found) if found is not None else None
+        choice = ckpt.broadcast_from_zero(choice, self.comm)
+        return Path(choice) if choice else None
+
     def _maybe_resume(self) -> int:
+        """Load the chosen checkpoint, written under this plan or any other: parameters and optimizer
+        state resharded by DCP; the step and loss scale; RNG streams when the rank layout is the same
+        (else fresh streams from seed, step and rank coordinates: `checkpoint.reseed_streams`)."""
+        self.start_step, self.sample_base = 0, 0
         ck = self.cfg.get("checkpoint") or {}
         if not ck.get("resume"):
             return 0
-        root = Path(ck["dir"])
-        choice: str | None = None
-        if self.rank == 0:
-            found = ckpt.latest_checkpoint(root)
-            if found is not None:
-                ckpt.check_compatible(found[1], self._meta())
-                choice = str(found[1])
-        choice = self.comm.broadcast_object(choice, src=0, name="checkpoint choice")
-        if choice is None:
+        path = self._resume_path(ck)
+        if path is None:
             return 0
         self.hb.progress("resume")
-        state = ckpt.load_rank(Path(choice), self.rank, self.device)
-        if self.zero3 is None:  # under ZeRO-3 the shards in the optimizer state are the parameters
-            self.stage_module.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optim"])
-        ckpt.set_rng_state(state["rng"])
-        if self.scaler is not None and state.get("amp") is not None:
-            self.scaler.load_state_dict(state["amp"])
-        if self.sp_rng is not None and state.get("sp_rng") is not None:
-            self.sp_rng.load_state_dict(state["sp_rng"])
-        return int(state["step"])
+        train, rank_state = ckpt.load_into(path, self._ckpt_layout(), self.rank)
+        if isinstance(self.opt, Zero1Step):
+            self.opt.sync_master_from_params()
+        step = int(train["step"])
+        # The position in the sample stream: the next step starts at the checkpoint's samples_seen.
+        self.start_step = step
+        self.sample_base = int(train.get("samples_seen", step * self.plan.global_batch)) - step * self.plan.global_batch
+        if self.scaler is not None and train.get("amp"):
+            self.scaler.load_state_dict(json.loads(train["amp"]))
+        if rank_state is not None and train.get("plan") == str(self.plan) and train.get("world_size") == self.world:
+            ckpt.set_rng_state(rank_state["rng"])
+            if self.sp_rng is not None and rank_state.get("sp_rng") is not None:
+                self.sp_rng.load_state_dict(rank_state["sp_rng"])
+        else:
+            s = ckpt.reseed_streams(int(self.cfg["seed"]), step, (self.p, self.d, self.t))
+            if self.sp_rng is not None:
+                self.sp_rng.load_state_dict(_RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
+        return step
 
     def _save_checkpoint(self, step: int, root: Path) -> None:
+        """Collective: this rank's slices of every parameter and optimizer state, named as in the
+        single-process model, plus step, loss scaler and RNG states, as one DCP checkpoint."""
         self.hb.progress("checkpoint")
-        state = {"step": step, "rank": self.rank,
-                 "model": self.stage_module.state_dict() if self.zero3 is None else None,
-                 "optim": self.opt.state_dict(), "rng": ckpt.rng_state(),
-                 "amp": self.scaler.state_dict() if self.scaler is not None else None,
-                 "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None}
+        samples_seen = getattr(self, "sample_base", 0) + step * self.plan.global_batch
+        train = {"step": step, "samples_seen": samples_seen, "plan": str(self.plan), "world_size": self.world,
+                 "format_version": ckpt.FORMAT_VERSION,
+                 "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None,
+                 "tied": {a: c for a, c in self.param_aliases.items() if a != c},
+                 "lr_schedule": json.dumps(self.cfg.get("lr_schedule"))}
+        mine = {"rng": ckpt.rng_state(), "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None,
+                "coords": [self.p, self.d, self.t]}
+        state = ckpt.rank_snapshot(self._ckpt_layout(), train, self.rank, mine)
         hook = None
         if self.fault and self.fault.at == "checkpoint":
             hook = partial(self.fault.maybe_fire, self.rank, step - 1, "checkpoint")
-        ckpt.save_rank(root, step, self.rank, state, before_rename=hook)
-        self.comm.barrier("checkpoint barrier")
-        if self.rank == 0:
-            ckpt.mark_complete(root, step, self._meta(), keep=self.cfg["checkpoint"].get("keep"))
+        with self.rec.waiting("checkpoint"):
+            ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm,
+                      keep=self.cfg["checkpoint"].get("keep"), before_publish=hook)
         self.hb.progress("train")
 
     # ------------------------------------------------------------------ results

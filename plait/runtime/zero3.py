@@ -39,6 +39,7 @@ from plait.runtime.amp import DynamicLossScaler
 from plait.runtime.comm import Group
 from plait.runtime.data_parallel import _flat_grads, _scatter_back
 from plait.runtime.recorder import Recorder
+from plait.runtime.sharded_state import Segment
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -270,16 +271,10 @@ class Zero3Step:
         return sum(u.shard_param.numel() * u.shard_param.element_size()
                    + u.full.untyped_storage().nbytes() for u in self.all_units)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(),
-                "shards": {u.name: u.shard_param.detach().clone() for u in self.all_units},
-                "layout": {u.name: [u.numel, u.padded] for u in self.all_units}}
+    def param_segments(self) -> list[Segment]:
+        """Where the parameters live (for checkpoints): rank d's slice of each unit's flat buffer."""
+        return [Segment(u.shard_param, u.params, self.rank * u.shard) for u in self.all_units]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        layout = {u.name: [u.numel, u.padded] for u in self.all_units}
-        if state.get("layout") != layout:
-            raise RuntimeError(f"ZeRO-3 checkpoint: shard layout {state.get('layout')} does not match {layout}")
-        with torch.no_grad():
-            for u in self.all_units:
-                u.shard_param.copy_(state["shards"][u.name])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def optimizer_segments(self) -> list[Segment]:
+        """The optimizer steps the same shards."""
+        return self.param_segments()

@@ -1,0 +1,123 @@
+"""A checkpoint written under one plan loads under another (real torchrun workers).
+
+Saved at dp=2, tp=2 (uneven tensor shards 3:1, ZeRO-1: fused-QKV slices and flat optimizer shards),
+it holds the single-process model's parameters and AdamW state; it loads at pp=2 and at dp=3 with
+uneven shares under ZeRO-3, and training continues equal to the uninterrupted single-process
+reference (bit-exact loading is checked in-process in tests/test_checkpoint_dcp.py). torch's own `dcp_to_torch_save` turns it into a plain
+state dict that a plain model loads.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from plait.runtime import checkpoint as ckpt
+from plait.runtime.api import run
+from plait.runtime.data_parallel import make_optimizer
+from plait.runtime.partition import load_model_spec, make_samples
+
+pytestmark = pytest.mark.distributed
+
+TINY = "gpt:layers=2,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+FP32 = "global_batch=8,dtype=fp32"
+SOURCE = "dp=2,tp=2,tp_ratios=0.75:0.25,zero=1,micro_batch=2," + FP32
+STEPS = 4
+
+
+def _reference(steps: int) -> list[tuple[float, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]]:
+    """Single process, whole global batch: (loss, parameters, AdamW state by name) after each step."""
+    spec = load_model_spec(TINY)
+    torch.manual_seed(0)
+    module = spec.build(device="cpu", dtype=torch.float32, seed=0)
+    module.train()
+    named = list(module.named_parameters())
+    opt = make_optimizer([p for _, p in named], {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0})
+    out = []
+    for step in range(steps):
+        inputs, target = make_samples(spec, step * 8, 8, 0)
+        loss = spec.loss(module(*inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        params = {n: p.detach().clone() for n, p in named}
+        state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in named}
+        out.append((float(loss.detach()), params, state))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[Any]:
+    return _reference(STEPS)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dcp") / "ck"
+    run(TINY, None, SOURCE, steps=2, checkpoint_dir=root, checkpoint_every=2, timeout=120)
+    return root
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal up to the plans' different summation orders. Adam's step m/sqrt(v) amplifies them on
+    elements whose gradient is ~0, so the bound is relative to the tensor's largest value: a slice
+    put in the wrong place is off by O(1) of it."""
+    assert got.shape == want.shape, what
+    assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max()) + 1e-12, what
+
+
+def _assert_state(state: dict[str, Any], params: dict[str, torch.Tensor],
+                  optim: dict[str, dict[str, torch.Tensor]]) -> None:
+    assert set(state["model"]) == set(params)
+    for name, value in params.items():
+        _close(state["model"][name], value, name)
+        assert set(state["optim"][name]) == {"step", "exp_avg", "exp_avg_sq"}, name
+        for key, want in optim[name].items():
+            _close(state["optim"][name][key], want, f"{name} {key}")
+
+
+def test_checkpoint_holds_the_single_process_state(saved: Path, reference: list[Any]) -> None:
+    state = ckpt.load_consolidated(ckpt.step_dir(saved, 2))
+    _assert_state(state, reference[1][1], reference[1][2])
+    assert state["train"]["step"] == 2 and state["train"]["plan"].startswith("dp=2,tp=2")
+    assert state["train"]["tied"] == {"head.lm.weight": "embed.tok.weight"}
+    assert sorted(state["rank_state"]) == ["0", "1", "2", "3"]
+    assert ckpt.decode_object(state["rank_state"]["3"])["coords"] == [0, 1, 1]
+
+
+def test_loads_at_pp2_and_continues_like_one_process(saved: Path, reference: list[Any], tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    shutil.copytree(saved, root)
+    plan = "pp=2,micro_batch=2," + FP32
+    resumed = run(TINY, None, plan, steps=STEPS, checkpoint_dir=root, checkpoint_every=1, resume=True, timeout=120)
+    assert resumed.steps == [2, 3] and resumed.resumed_from == 2
+    for got, (want, _, _) in zip(resumed.losses, reference[2:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    # Parameters and AdamW state after one step under pp=2 (the tied embedding on both stages).
+    _assert_state(ckpt.load_consolidated(ckpt.step_dir(root, 3)), reference[2][1], reference[2][2])
+    _assert_state(ckpt.load_consolidated(ckpt.step_dir(root, STEPS)), reference[-1][1], reference[-1][2])
+
+
+def test_loads_at_dp3_uneven_zero3_and_converts_to_a_plain_state_dict(saved: Path, reference: list[Any],
+                                                                      tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    shutil.copytree(saved, root)
+    plan = "dp=3,dp_shares=0.5:0.25:0.25,zero=3,micro_batch=2," + FP32
+    resumed = run(TINY, None, plan, steps=3, checkpoint_dir=root, checkpoint_every=1, resume=True, timeout=120)
+    assert resumed.steps == [2] and [r.samples_per_step for r in resumed.ranks] == [4, 2, 2]
+    assert abs(resumed.losses[0] - reference[2][0]) <= 1e-5 * abs(reference[2][0])
+    # The README's recipe: torch's own converter, then a plain model.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    plain = tmp_path / "plain.pt"
+    dcp_to_torch_save(str(ckpt.step_dir(root, 3)), str(plain))
+    state = torch.load(plain, weights_only=True)
+    _assert_state(state, reference[2][1], reference[2][2])
+    model = load_model_spec(TINY).build(device="cpu", dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    assert missing == ["head.lm.weight"] and unexpected == []  # tied to embed.tok.weight, stored once
+    assert model.head.lm.weight is model.embed.tok.weight
