@@ -163,7 +163,7 @@ def test_cli_resume_from_an_old_format_checkpoint_is_one_error_line(tmp_path: Pa
         torch.save({"model": {}}, old / f"rank{r}.pt")
     (old / ckpt.MARKER).write_text(json.dumps({"model": "gpt", "step": 2, "world_size": 2}))
     code = cli_main(["run", "--model", "gpt:layers=1,hidden=8,heads=2,seq=4,vocab=16", "--plan", "dp=2,global_batch=4",
-                     "--steps", "3", "--checkpoint-dir", str(tmp_path), "--resume"])
+                     "--steps", "3", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1", "--resume"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0]
     assert "old per-rank format" in err[0] and str(old) in err[0]
