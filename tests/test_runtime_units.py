@@ -18,6 +18,7 @@ from plait.graph.zoo import load_model
 from plait.plan.ir import Plan
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import RunResult, _check_plan, rank_layout, run
+from plait.runtime.executor import _decode_header, _encode_header
 from plait.runtime.launch import AgentSpec, Launcher, _Agent
 from plait.runtime.partition import (
     RuntimeSetupError,
@@ -26,7 +27,6 @@ from plait.runtime.partition import (
     replica_micro_batches,
     split_into_stages,
 )
-from plait.runtime.pipeline import _decode_header, _encode_header
 from plait.runtime.tensor_parallel import (
     ShardInfo,
     TPContext,
@@ -451,8 +451,9 @@ def test_rank_layout_places_ranks_and_slowdowns(tmp_path: Path) -> None:
 
 
 def test_run_rejects_what_it_cannot_run() -> None:
-    with pytest.raises(RuntimeSetupError, match="interleaved"):
-        _check_plan(Plan(pp=2, schedule="interleaved", global_batch=2))
+    _check_plan(Plan(pp=2, schedule="interleaved", virtual_stages=2, global_batch=2))  # runs since issue 11
+    with pytest.raises(RuntimeSetupError, match="zero=3"):
+        _check_plan(Plan(pp=2, zero=3, global_batch=2))
     with pytest.raises(RuntimeSetupError, match="checkpoint directory"):
         run(TINY, None, "dp=1", steps=1, resume=True)
     with pytest.raises(RuntimeSetupError, match="steps must be >= 1"):
@@ -514,3 +515,39 @@ def test_zero3_hooks_free_gather_and_reduce_in_layer_order() -> None:
     z3.gather_all()
     for (name, a), b in zip(plain.named_parameters(), sharded.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------------- stage graphs
+class _Diamond(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.d(self.b(h) * self.c(h * 0.5) + h) + y
+
+
+def test_stage_graph_cut_routes_values_along_edges() -> None:
+    from plait.runtime.partition import split_into_graph
+
+    model = _Diamond()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    stages = split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)])
+    # The skip edge a -> d carries h and the model input y; the branch merge b * c runs in d.
+    assert stages[0].send == {1: ["tanh"], 2: ["mul"], 3: ["y", "tanh"]}
+    assert stages[3].recv == {0: ["y", "tanh"], 1: ["b"], 2: ["c"]} and stages[3].data_inputs == []
+    out0 = dict(zip(stages[0].output_names, stages[0].module(x, y)))
+    vals = {0: out0}
+    for k in (1, 2):
+        (v,) = stages[k].module(*[out0[n] for n in stages[k].recv[0]])
+        vals[k] = {stages[k].output_names[0]: v}
+    args = [vals[p][n] for p in sorted(stages[3].recv) for n in stages[3].recv[p]]
+    torch.testing.assert_close(stages[3].module(*args), model(x, y))
+    # Without the skip edge, h and y are relayed through b (the first path of the DAG).
+    relayed = split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (0, 2), (1, 3), (2, 3)])
+    assert relayed[1].send == {3: ["y", "tanh", "b"]}
+    with pytest.raises(RuntimeSetupError, match="one sink"):
+        split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (0, 2), (0, 3)])
+    with pytest.raises(RuntimeSetupError, match="does not reach"):
+        split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (1, 3), (2, 3), (0, 2)][:3] + [(2, 0)])

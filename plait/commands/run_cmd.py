@@ -35,6 +35,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="override the plan's training dtype (fp32 is fastest on CPU)")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip-grad", metavar="N", type=float, default=None,
+                   help="clip the global gradient norm (over every shard of the plan) to N (Megatron's --clip-grad)")
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
     p.add_argument("--data-seed", type=int, default=0, help="synthetic-data seed")
     p.add_argument("--run-dir", default=None, help="keep workers' logs and state files here")
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
                   optimizer=args.optimizer, lr=args.lr, seed=args.seed, data_seed=args.data_seed,
-                  run_dir=args.run_dir, fault=args.fault)
+                  run_dir=args.run_dir, fault=args.fault, clip_grad=args.clip_grad)
     machine = None
     if args.predict:
         result, machine = _run_predicted(args, common)

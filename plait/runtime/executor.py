@@ -1,0 +1,301 @@
+"""The runtime's one pipeline executor: runs a rank's `plait.schedule` action list.
+
+A rank holds one or more *nodes* of the stage DAG (`partition.Stage`: a stage, or one
+chunk of an interleaved rank) and executes its actions in order:
+
+* ``fwd``: the node's module on one micro-batch. Its inputs are the model inputs it reads
+  itself and, per incoming edge, the values received for the micro-batch's samples; when
+  the producer's micro-batches are cut differently the pieces are concatenated along the
+  batch dimension. The sink node computes the loss, scaled by n_j / B (micro-batch j's
+  share of the global batch B), so summed gradients are those of the global mean loss.
+* ``bwd``: back-propagates the gradients received for the node's outputs (summed over the
+  edges that carry the same value; concatenated over pieces) or, on the sink, the loss
+  (times the fp16 loss scale).
+* ``send_*`` / ``recv_*``: one message each (the piece of samples the action names),
+  to or from *any* peer stage: fan-out, fan-in, skip edges and several chunks per rank are
+  all just peers. Tensors are cut along dim 0 when a piece is part of a micro-batch.
+  Transfers between two nodes on the same rank have no action: the values are handed
+  over in memory right after the producing compute.
+
+Every message of the executor goes through one function, `p2p` (sends are posted and
+waited at the end of the step, receives waited at once: the semantics
+`plait.schedule.check.execute` proves deadlock-free and FIFO-consistent per pair of
+ranks). The first time a piece of a given size crosses an edge, the sender first sends a
+fixed-size header describing the values (shapes, dtypes, requires_grad, Python
+constants); both sides cache it.
+
+Event names follow the shared key scheme (`plait.schedule.event_key`): "fwd s1 c0 mb3".
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.runtime.partition import MicroBatch, RuntimeSetupError, Stage
+from plait.runtime.recorder import Recorder
+from plait.schedule import Action, Schedule
+
+HEADER_BYTES = 1 << 14
+
+Meta = list[tuple[str, Any, Any, bool]]  # ("t", shape, dtype, requires_grad) | ("c", value, None, False)
+Piece = tuple[int, list[Any]]  # (first sample, values)
+
+
+def _encode_header(meta: Meta, device: torch.device) -> torch.Tensor:
+    payload = pickle.dumps(meta)
+    if len(payload) + 8 > HEADER_BYTES:
+        raise RuntimeError(f"pipeline header of {len(payload)} bytes exceeds {HEADER_BYTES}")
+    buf = bytearray(HEADER_BYTES)
+    buf[:8] = len(payload).to_bytes(8, "little")
+    buf[8:8 + len(payload)] = payload
+    return torch.frombuffer(buf, dtype=torch.uint8).clone().to(device)
+
+
+def _decode_header(buf: torch.Tensor) -> Meta:
+    raw = bytes(buf.cpu().numpy().tobytes())
+    n = int.from_bytes(raw[:8], "little")
+    return pickle.loads(raw[8:8 + n])
+
+
+def _meta_of(values: list[Any]) -> Meta:
+    return [("t", tuple(v.shape), v.dtype, bool(v.requires_grad)) if isinstance(v, torch.Tensor)
+            else ("c", v, None, False) for v in values]
+
+
+def p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], rec: Recorder,
+        name: str, chunk: int, micro_batch: int, peer: str) -> list[Any]:
+    """THE point-to-point call of the pipeline: post `sends` (returned, to wait later) and
+    receive `recvs` (waited here), recorded as one comm_pp span."""
+    nbytes = sum(t.numel() * t.element_size() for t, _ in sends + recvs)
+    with rec.comm(name, "comm_pp", micro_batch=micro_batch, chunk=chunk, bytes=nbytes, peer=peer):
+        pending = [dist.isend(t, dst) for t, dst in sends]
+        for work in [dist.irecv(t, src) for t, src in recvs]:
+            work.wait()
+    return pending
+
+
+class PipelineExecutor:
+    """Runs the nodes of one pipeline rank (`chunks`: local chunk index -> Stage) by a schedule.
+
+    `peer_rank(stage, chunk)` is the process rank that runs that node for this rank's
+    replica and tensor index; `node_of(stage, chunk)` its node id (for the edges of
+    `Stage.recv` / `Stage.send`); `sink` is the (stage, chunk) that computes the loss."""
+
+    def __init__(self, chunks: dict[int, Stage], stage: int, node_of: Callable[[int, int], int],
+                 peer_rank: Callable[[int, int], int], sink: tuple[int, int],
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], global_batch: int, device: torch.device,
+                 recorder: Recorder, autocast: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+        self.chunks = chunks
+        self.stage = stage
+        self.node_of = node_of
+        self.peer_rank = peer_rank
+        self.sink = sink
+        self.loss_fn = loss_fn
+        self.global_batch = global_batch
+        self.device = device
+        self.rec = recorder
+        self.autocast = autocast or nullcontext
+        self.loss_sum: torch.Tensor = torch.zeros((), device=device)
+        self.loss_scale = 1.0  # set per step by the worker's fp16 loss scaler
+        self.send_meta: dict[tuple[int, int, int], Meta] = {}  # (node, succ node, samples) -> values
+        self.recv_meta: dict[tuple[int, int, int], Meta] = {}  # (pred node, node, samples) -> values
+        self.local: dict[int, int] = {self.node_of(stage, c): c for c in chunks}
+
+    # ------------------------------------------------------------------ run
+    def run(self, schedule: Schedule, micro_batches: dict[int, list[MicroBatch]],
+            data: Callable[[int, MicroBatch], tuple[tuple[Any, ...], torch.Tensor]]) -> None:
+        """Forward and backward of every micro-batch of one step (gradients accumulated)."""
+        self.mbs = micro_batches
+        self.data = data
+        self.origin = {c: mbs[0].first if mbs else 0 for c, mbs in micro_batches.items()}
+        self.inbox: dict[tuple[int, int, int], list[Piece]] = {}  # (chunk, mb, pred node) -> pieces
+        self.grad_inbox: dict[tuple[int, int, int], list[Piece]] = {}  # (chunk, mb, succ node) -> pieces
+        self.saved: dict[tuple[int, int], tuple[dict[int, list[Piece]], Any, Any]] = {}
+        self.grads_out: dict[tuple[int, int], dict[int, list[Piece]]] = {}
+        self.pending: list[Any] = []
+        for action in schedule.of(self.stage):
+            getattr(self, "_" + action.op)(action)
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+        assert not self.saved, "every forward has its backward"
+
+    def _mb(self, chunk: int, index: int) -> MicroBatch:
+        return self.mbs[chunk][index]
+
+    def _range(self, chunk: int, index: int) -> tuple[int, int]:
+        """Samples of a micro-batch relative to the replica's first sample (the schedule's numbering)."""
+        mb = self._mb(chunk, index)
+        lo = mb.first - self.origin[chunk]
+        return lo, lo + mb.size
+
+    # ------------------------------------------------------------------ compute
+    def _fwd(self, a: Action) -> None:
+        c, i = a.chunk, a.micro_batch
+        st, mb = self.chunks[c], self._mb(c, i)
+        me = self.node_of(self.stage, c)
+        with self.rec.compute(a.key, "forward", micro_batch=i, chunk=c, samples=mb.size):
+            is_sink = (self.stage, c) == self.sink
+            args: list[Any] = []
+            if st.data_inputs is None or st.data_inputs or is_sink:
+                inputs, target = self.data(c, mb)
+                args += list(inputs) if st.data_inputs is None else [inputs[k] for k in st.data_inputs]
+            leaves: dict[int, list[Piece]] = {}
+            for pred in sorted(st.recv):
+                pieces = sorted(self.inbox.pop((c, i, pred), []), key=lambda p: p[0])
+                if not pieces:
+                    raise RuntimeSetupError(f"pipeline: {a.key} has no input from node {pred}")
+                leaves[pred] = pieces
+                args += self._concat([vals for _, vals in pieces])
+            with self.autocast():
+                out = st.module(*args)
+                loss = self.loss_fn(out, target) * (mb.size / self.global_batch) if is_sink else None
+            if loss is not None:
+                self.loss_sum += loss.detach().float()
+            outs = list(out) if not is_sink else []
+            self.saved[(c, i)] = (leaves, outs, loss)
+            lo, hi = self._range(c, i)
+            for succ in st.send:  # same-rank successors: hand over in memory
+                if succ in self.local:
+                    self._hand_over(c, i, outs, me, succ, lo, hi)
+
+    def _hand_over(self, c: int, i: int, outs: list[Any], me: int, succ: int, lo: int, hi: int) -> None:
+        sc = self.local[succ]
+        for k, _ in enumerate(self.mbs[sc]):
+            qlo, qhi = self._range(sc, k)
+            plo, phi = max(lo, qlo), min(hi, qhi)
+            if plo < phi:
+                vals = [v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+                        for v in self._edge_values(c, outs, succ, plo - lo, phi - lo, hi - lo)]
+                self.inbox.setdefault((sc, k, me), []).append((plo, vals))
+
+    def _bwd(self, a: Action) -> None:
+        c, i = a.chunk, a.micro_batch
+        st, mb = self.chunks[c], self._mb(c, i)
+        me = self.node_of(self.stage, c)
+        leaves, outs, loss = self.saved.pop((c, i))
+        with self.rec.compute(a.key, "backward", micro_batch=i, chunk=c, samples=mb.size):
+            if loss is not None:
+                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+            else:
+                tensors, grads = self._output_grads(c, i, st, outs)
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+            result: dict[int, list[Piece]] = {}
+            for pred, pieces in leaves.items():
+                result[pred] = [(first, [x.grad if x.grad is not None else torch.zeros_like(x)
+                                         for x in vals if isinstance(x, torch.Tensor) and x.requires_grad])
+                                for first, vals in pieces]
+            self.grads_out[(c, i)] = result
+        for pred, pieces in result.items():  # same-rank predecessors: hand over in memory
+            if pred in self.local:
+                pc = self.local[pred]
+                for first, grads in pieces:
+                    k = next(k for k in range(len(self.mbs[pc])) if self._range(pc, k)[0] <= first
+                             < self._range(pc, k)[1])
+                    self.grad_inbox.setdefault((pc, k, me), []).append((first, grads))
+
+    def _output_grads(self, c: int, i: int, st: Stage, outs: list[Any]) -> tuple[list[torch.Tensor], list[Any]]:
+        """Per output value that needs a gradient: the sum over the edges that carried it."""
+        index = {name: k for k, name in enumerate(st.output_names)}
+        total: dict[int, torch.Tensor] = {}
+        for succ, names in st.send.items():
+            pieces = sorted(self.grad_inbox.pop((c, i, succ), []), key=lambda p: p[0])
+            if not pieces:
+                continue
+            carried = [index[n] for n in names if isinstance(outs[index[n]], torch.Tensor)
+                       and outs[index[n]].requires_grad]
+            cat = self._concat([g for _, g in pieces]) if len(pieces) > 1 else pieces[0][1]
+            for k, g in zip(carried, cat):
+                total[k] = g if k not in total else total[k] + g
+        ks = sorted(total)
+        return [outs[k] for k in ks], [total[k] for k in ks]
+
+    # ------------------------------------------------------------------ values on edges
+    @staticmethod
+    def _concat(parts: list[list[Any]]) -> list[Any]:
+        if len(parts) == 1:
+            return parts[0]
+        out = []
+        for vals in zip(*parts):
+            out.append(torch.cat(list(vals), dim=0) if isinstance(vals[0], torch.Tensor) else vals[0])
+        return out
+
+    def _edge_values(self, c: int, outs: list[Any], succ: int, lo: int, hi: int, size: int) -> list[Any]:
+        """The values of edge (this node -> succ), rows [lo, hi) of the micro-batch (all when whole)."""
+        st = self.chunks[c]
+        index = {name: k for k, name in enumerate(st.output_names)}
+        vals = [outs[index[n]] for n in st.send[succ]]
+        if (lo, hi) == (0, size):
+            return vals
+        for v in vals:
+            if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != size):
+                raise RuntimeSetupError(f"pipeline: a value crossing to node {succ} has no batch dimension "
+                                        f"(shape {tuple(v.shape)}); stages with different micro-batch sizes "
+                                        f"need batch-first tensors")
+        return [v[lo:hi] if isinstance(v, torch.Tensor) else v for v in vals]
+
+    # ------------------------------------------------------------------ communication
+    def _peer(self, a: Action) -> tuple[int, int]:
+        assert a.peer is not None
+        return self.node_of(a.peer[0], a.peer[1]), self.peer_rank(a.peer[0], a.peer[1])
+
+    def _send_fwd(self, a: Action) -> None:
+        assert a.samples is not None
+        c, i = a.chunk, a.micro_batch
+        succ, dst = self._peer(a)
+        me = self.node_of(self.stage, c)
+        lo, hi = self._range(c, i)
+        vals = self._edge_values(c, self.saved[(c, i)][1], succ, a.samples[0] - lo, a.samples[1] - lo, hi - lo)
+        key = (me, succ, a.samples[1] - a.samples[0])
+        sends = []
+        if key not in self.send_meta:
+            self.send_meta[key] = _meta_of(vals)
+            sends.append((_encode_header(self.send_meta[key], self.device), dst))
+        sends += [(v.detach().contiguous(), dst) for v in vals if isinstance(v, torch.Tensor)]
+        self.pending += p2p(sends, [], self.rec, a.key, c, i, str(a.peer))
+
+    def _recv_fwd(self, a: Action) -> None:
+        assert a.samples is not None
+        c, i = a.chunk, a.micro_batch
+        pred, src = self._peer(a)
+        key = (pred, self.node_of(self.stage, c), a.samples[1] - a.samples[0])
+        meta = self.recv_meta.get(key)
+        if meta is None:  # first piece of this size on this edge: learn what crosses it
+            header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            p2p([], [(header, src)], self.rec, a.key + " header", c, i, str(a.peer))
+            meta = self.recv_meta[key] = _decode_header(header)
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for kind, shape, dtype, _ in meta if kind == "t"]
+        p2p([], [(b, src) for b in bufs], self.rec, a.key, c, i, str(a.peer))
+        it = iter(bufs)
+        vals: list[Any] = []
+        for kind, value, _, rg in meta:
+            if kind == "t":
+                t = next(it)
+                vals.append(t.requires_grad_(True) if rg else t)
+            else:
+                vals.append(value)
+        self.inbox.setdefault((c, i, pred), []).append((a.samples[0], vals))
+
+    def _send_bwd(self, a: Action) -> None:
+        assert a.samples is not None
+        c, i = a.chunk, a.micro_batch
+        pred, dst = self._peer(a)
+        grads = next(g for first, g in self.grads_out[(c, i)][pred] if first == a.samples[0])
+        self.pending += p2p([(g.contiguous(), dst) for g in grads], [], self.rec, a.key, c, i, str(a.peer))
+
+    def _recv_bwd(self, a: Action) -> None:
+        assert a.samples is not None
+        c, i = a.chunk, a.micro_batch
+        succ, src = self._peer(a)
+        meta = self.send_meta[(self.node_of(self.stage, c), succ, a.samples[1] - a.samples[0])]
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for kind, shape, dtype, rg in meta
+                if kind == "t" and rg]
+        p2p([], [(b, src) for b in bufs], self.rec, a.key, c, i, str(a.peer))
+        self.grad_inbox.setdefault((c, i, succ), []).append((a.samples[0], bufs))
