@@ -125,10 +125,11 @@ def test_interleaved_pp2_two_chunks_per_rank_with_data_parallel_equals_one_proce
         assert measured == [(a.key, a.chunk) for a in sched.compute(r.pp)]
 
 
-def test_clip_grad_over_tensor_shards_zero1_and_uneven_replicas() -> None:
-    # Tensor shards sum, tensor-replicated parameters count once, ZeRO-1 shards are disjoint, and the
-    # replicas' shares of the batch differ (5 and 3 samples).
-    plan = "dp=2,tp=2,zero=1,micro_batch=2,global_batch=8,dp_shares=0.625:0.375,dtype=fp32"
+def test_clip_grad_over_tensor_shards_zero3_and_uneven_replicas() -> None:
+    # Tensor shards sum, tensor-replicated parameters count once, ZeRO shards are disjoint, and the
+    # replicas' shares of the batch differ (5 and 3 samples). ZeRO-1/2 clip their flat shards with the
+    # same GradClipper.clip_flat (tests/test_runtime_units.py checks it in one process).
+    plan = "dp=2,tp=2,zero=3,micro_batch=2,global_batch=8,dp_shares=0.625:0.375,dtype=fp32"
     ref_losses, ref_params = _reference(TINY, plan)
     _check(_run(TINY, plan), ref_losses, ref_params)
 

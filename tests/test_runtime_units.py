@@ -551,3 +551,36 @@ def test_stage_graph_cut_routes_values_along_edges() -> None:
         split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (0, 2), (0, 3)])
     with pytest.raises(RuntimeSetupError, match="does not reach"):
         split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (1, 3), (2, 3), (0, 2)][:3] + [(2, 0)])
+
+
+# ---------------------------------------------------------------------------------- clip-grad
+@pytest.mark.parametrize("zero", [0, 1])
+def test_clip_grad_step_equals_clip_grad_norm(zero: int) -> None:
+    """One process: the optimizer steps clip exactly like torch.nn.utils.clip_grad_norm_, and a
+    parameter with copy weight 1/2 (held by two ranks) counts half in the norm."""
+    from plait.runtime.clip import GradClipper, clip_coefficient
+    from plait.runtime.data_parallel import DataParallelStep, Zero1Step, make_optimizer
+    from plait.runtime.recorder import Recorder
+
+    torch.manual_seed(0)
+    ref, mine = nn.Linear(5, 3), nn.Linear(5, 3)
+    mine.load_state_dict(ref.state_dict())
+    for m in (ref, mine):
+        m.weight.grad = torch.full_like(m.weight, 2.0)
+        m.bias.grad = torch.full_like(m.bias, -1.0)
+    sgd = {"name": "sgd", "lr": 0.5}
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+    make_optimizer(list(ref.parameters()), sgd).step()
+    params = list(mine.parameters())
+    rec = Recorder(0, 0, 0)
+    step = DataParallelStep(params, lambda p: make_optimizer(p, sgd), None, 1, rec) if zero == 0 else \
+        Zero1Step(params, lambda p: make_optimizer(p, sgd), None, 1, 0, rec)
+    step.clip = GradClipper(0.3, {id(p): 1.0 for p in params})
+    assert step.step()
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7)
+    assert step.clip.norms == [pytest.approx((15 * 4 + 3) ** 0.5)]
+    half = GradClipper(100.0, {id(params[0]): 0.5})
+    params[0].grad, params[1].grad = torch.ones_like(params[0]), torch.ones_like(params[1])
+    assert half.clip_params(params, replicas=1) == pytest.approx((15 * 0.5 + 3) ** 0.5)
+    assert clip_coefficient(10.0, 1.0) == pytest.approx(1.0 / (10.0 + 1e-6)) and clip_coefficient(0.5, 1.0) == 1.0
