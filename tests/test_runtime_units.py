@@ -584,3 +584,25 @@ def test_clip_grad_step_equals_clip_grad_norm(zero: int) -> None:
     params[0].grad, params[1].grad = torch.ones_like(params[0]), torch.ones_like(params[1])
     assert half.clip_params(params, replicas=1) == pytest.approx((15 * 0.5 + 3) ** 0.5)
     assert clip_coefficient(10.0, 1.0) == pytest.approx(1.0 / (10.0 + 1e-6)) and clip_coefficient(0.5, 1.0) == 1.0
+
+
+def test_zoo_multi_branch_model_cuts_into_a_stage_graph() -> None:
+    """MMT (one branch per input, a merging head) as branch stages -> head: each branch stage reads
+    the model inputs itself (no stage reaches both branches), and the head gets one tensor per edge."""
+    from plait.runtime.executor import _data_args
+    from plait.runtime.partition import split_into_graph
+
+    spec = load_model("mmt:branches=2,layers=2,hidden=16,heads=2,seq=4,in_dim=8,dropout=0")
+    model = spec.build(seed=0).eval()
+    inputs, _ = make_samples(spec, 0, 3, data_seed=0)
+    names = [n for n, _ in layer_modules(model)]
+    branches = [[n for n in names if n.startswith(f"branches.{i}.")] for i in range(2)]
+    stages = split_into_graph(model, branches + [["head"]], [(0, 2), (1, 2)])
+    assert [s.data_inputs for s in stages] == [[0], [0], []] and stages[0].varargs
+    outs = {k: dict(zip(stages[k].output_names, stages[k].module(*_data_args(stages[k], inputs)))) for k in (0, 1)}
+    args = [outs[p][n] for p in sorted(stages[2].recv) for n in stages[2].recv[p]]
+    torch.testing.assert_close(stages[2].module(*args), model(*inputs), rtol=0, atol=0)
+    # As a chain, the second branch's input is indexed out on stage 0 and relayed (not the tuple).
+    chain = split_into_stages(model, [3, 4])
+    assert chain[1].input_names == ["branches_0_layers_1", "getitem_1"]
+    torch.testing.assert_close(chain[1].module(*chain[0].module(*_data_args(chain[0], inputs))), model(*inputs))

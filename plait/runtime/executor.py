@@ -68,6 +68,15 @@ def _meta_of(values: list[Any]) -> Meta:
             else ("c", v, None, False) for v in values]
 
 
+def _data_args(st: Stage, inputs: tuple[Any, ...]) -> list[Any]:
+    """The model inputs a node reads itself, in its argument order (a *args placeholder takes the rest)."""
+    if st.data_inputs is None:
+        return list(inputs)
+    if st.varargs:
+        return [inputs[k] for k in st.data_inputs[:-1]] + list(inputs[st.data_inputs[-1]:])
+    return [inputs[k] for k in st.data_inputs]
+
+
 def p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], rec: Recorder,
         name: str, chunk: int, micro_batch: int, peer: str) -> list[Any]:
     """THE point-to-point call of the pipeline: post `sends` (returned, to wait later) and
@@ -145,7 +154,7 @@ class PipelineExecutor:
             args: list[Any] = []
             if st.data_inputs is None or st.data_inputs or is_sink:
                 inputs, target = self.data(c, mb)
-                args += list(inputs) if st.data_inputs is None else [inputs[k] for k in st.data_inputs]
+                args += _data_args(st, inputs)
             leaves: dict[int, list[Piece]] = {}
             for pred in sorted(st.recv):
                 pieces = sorted(self.inbox.pop((c, i, pred), []), key=lambda p: p[0])

@@ -157,6 +157,7 @@ class Stage:
     input_names: list[str]
     output_names: list[str]
     data_inputs: list[int] | None = None  # None: every model input (an untraced whole model)
+    varargs: bool = False  # the last of data_inputs is a *args placeholder: it takes every input from there on
     recv: dict[int, list[str]] = field(default_factory=dict)
     send: dict[int, list[str]] = field(default_factory=dict)
 
@@ -279,14 +280,19 @@ def _layer_order(graph: fx.Graph, names: list[str]) -> list[str]:
     return order
 
 
+REPLICATED = -1  # a model input that several stages read from the data themselves
+
+
 def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], dag: _Dag,
             sink: int) -> dict[fx.Node, int]:
     """The DAG node of every fx node: layers as given; glue at the earliest node that has all
     its inputs (the one input node every other input node reaches), else -- where branches
     merge, or for parameters and constants -- the latest node between its inputs and users;
-    model inputs at the earliest node that reaches all their users."""
+    model inputs (and glue on them alone) at the earliest node that reaches all their users, or,
+    when no node reaches them all, read by every stage that uses them."""
     where: dict[fx.Node, int | None] = {}
     merged: set[fx.Node] = set()  # glue placed after its users are known (branches merge in it or before)
+    from_data: set[fx.Node] = set()  # model inputs and glue computed from them alone (indexing, reshapes)
     for n in nodes:
         if n.op == "call_module" and n.target in layer_node:
             where[n] = layer_node[n.target]
@@ -294,8 +300,11 @@ def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], 
             where[n] = sink
         elif n.op == "placeholder":
             where[n] = None
+            from_data.add(n)
         else:
             fixed = {where[a] for a in n.all_input_nodes if where[a] is not None}
+            if not fixed and from_data.intersection(n.all_input_nodes):
+                from_data.add(n)
             top = [a for a in fixed if all(a in dag.reach[b] for b in fixed)]
             if len(top) == 1 and not merged.intersection(n.all_input_nodes):
                 where[n] = top[0]
@@ -309,7 +318,12 @@ def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], 
             users = {where[u] for u in n.users if where[u] is not None}
             # Model inputs enter at the first stage that reaches all their users (stage 0 of a
             # chain, relayed from there); glue runs as late as it can.
-            placed = dag.place(fixed, users, earliest=n.op == "placeholder")  # type: ignore[arg-type]
+            placed = dag.place(fixed, users, earliest=n in from_data)  # type: ignore[arg-type]
+            if placed is None and n.op == "placeholder":
+                # No stage reaches every user (parallel sources, e.g. one branch per input): every
+                # stage that uses it reads the model input itself (samples are seeded per index).
+                where[n] = REPLICATED
+                continue
             if placed is None:
                 raise RuntimeSetupError(
                     f"model {type(model).__name__}: {n.name} takes inputs from stages {sorted(fixed)} "
@@ -317,6 +331,8 @@ def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], 
             where[n] = placed
     for n in nodes:
         for a in n.all_input_nodes:
+            if where[a] == REPLICATED:
+                continue
             if where[n] not in dag.reach[where[a]]:  # type: ignore[index]
                 raise RuntimeSetupError(
                     f"model {type(model).__name__}: layer order is not a chain of the stage graph "
@@ -336,7 +352,7 @@ def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict
     # Each value travels from its producer along the BFS tree to every node that uses it.
     carried: dict[tuple[int, int], list[fx.Node]] = {e: [] for e in edges}
     for n in nodes:
-        if n.op == "output":
+        if n.op == "output" or where[n] == REPLICATED:
             continue
         users = {where[u] for u in n.users} - {where[n]}
         if not users:
@@ -357,7 +373,8 @@ def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict
     for k in range(count):
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        data = [i for i, n in enumerate(placeholders) if where[n] == k]
+        data = [i for i, n in enumerate(placeholders)
+                if where[n] == k or (where[n] == REPLICATED and any(where[u] == k for u in n.users))]
         for i in data:
             env[placeholders[i]] = g.node_copy(placeholders[i])
         recv = {a: sorted(carried[(a, b)], key=position.__getitem__) for a, b in edges if b == k}
@@ -381,6 +398,7 @@ def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict
         stages.append(Stage(k, module, [n for n in order if layer_node[n] == k],
                             [placeholders[i].name for i in data] + [n.name for n in received],
                             [n.name for n in outs], data,
+                            bool(data) and str(placeholders[data[-1]].target).startswith("*"),
                             {a: [n.name for n in v] for a, v in recv.items()},
                             {b: [n.name for n in v] for b, v in send.items()}))
     return stages
