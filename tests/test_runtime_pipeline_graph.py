@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.graph.zoo import load_model
 from plait.plan.ir import Plan, StageSpec
 from plait.runtime import supports
 from plait.runtime.api import reference_run, run
-from plait.runtime.partition import RuntimeSetupError
+from plait.runtime.partition import RuntimeSetupError, layer_modules
 from plait.schedule import PipelineGraph, graph_1f1b, interleaved_1f1b
 
 pytestmark = pytest.mark.distributed
@@ -150,3 +151,20 @@ def test_supports_states_what_the_runtime_refuses() -> None:
     ok, reason = supports(uneven)
     assert not ok and "replica 0 runs 5 micro-batches" in reason
     assert supports("pp=2,virtual_stages=2,schedule=interleaved,micro_batch=1,global_batch=4") == (True, "")
+
+
+def test_zoo_multi_branch_model_as_a_stage_graph_with_a_coarser_head() -> None:
+    # MMT: two transformer branches (one per input, each stage reads its input itself) merged by a head
+    # stage that runs micro-batches of 4 while the branches run 2: the head joins two branch pieces along
+    # their batch dimension, which for these [seq, batch, hidden] tensors is dim 1 (found by ShapeProp).
+    model = "mmt:branches=2,layers=2,hidden=16,heads=2,seq=4,in_dim=8,dropout=0,attn_dropout=0"
+    names = [n for n, _ in layer_modules(load_model(model).build())]
+    branches = [[n for n in names if n.startswith(f"branches.{i}.")] for i in range(2)]
+    stages = [StageSpec(name=f"branch{i}", layers=branches[i], devices=[i]) for i in range(2)]
+    stages.append(StageSpec(name="head", layers=["head"], devices=[2], micro_batch=4))
+    plan = Plan(stages=stages, stage_edges=[(0, 2), (1, 2)], micro_batch=2, global_batch=8, dtype="fp32")
+    ref_losses, ref_params = _reference(model, plan)
+    result = _run(model, plan)
+    _check(result, ref_losses, ref_params)
+    recv = [e for e in result.timeline.events if e.name == "recv_fwd s2 c0 mb0" and e.args.get("step") == 0]
+    assert sorted(e.args["peer"] for e in recv) == ["(0, 0, 0)", "(0, 0, 1)", "(1, 0, 0)", "(1, 0, 1)"]

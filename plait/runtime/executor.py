@@ -161,7 +161,7 @@ class PipelineExecutor:
                 if not pieces:
                     raise RuntimeSetupError(f"pipeline: {a.key} has no input from node {pred}")
                 leaves[pred] = pieces
-                args += self._concat([vals for _, vals in pieces])
+                args += self._concat([vals for _, vals in pieces], [st.batch_dims.get(n, 0) for n in st.recv[pred]])
             with self.autocast():
                 out = st.module(*args)
                 loss = self.loss_fn(out, target) * (mb.size / self.global_batch) if is_sink else None
@@ -220,7 +220,9 @@ class PipelineExecutor:
                 continue
             carried = [index[n] for n in names if isinstance(outs[index[n]], torch.Tensor)
                        and outs[index[n]].requires_grad]
-            cat = self._concat([g for _, g in pieces]) if len(pieces) > 1 else pieces[0][1]
+            dims = [st.batch_dims.get(n, 0) for n in names if isinstance(outs[index[n]], torch.Tensor)
+                    and outs[index[n]].requires_grad]
+            cat = self._concat([g for _, g in pieces], dims)
             for k, g in zip(carried, cat):
                 total[k] = g if k not in total else total[k] + g
         ks = sorted(total)
@@ -228,12 +230,13 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ values on edges
     @staticmethod
-    def _concat(parts: list[list[Any]]) -> list[Any]:
+    def _concat(parts: list[list[Any]], dims: list[int]) -> list[Any]:
+        """Values of consecutive sample pieces joined along their batch dimension."""
         if len(parts) == 1:
             return parts[0]
         out = []
-        for vals in zip(*parts):
-            out.append(torch.cat(list(vals), dim=0) if isinstance(vals[0], torch.Tensor) else vals[0])
+        for vals, d in zip(zip(*parts), dims):
+            out.append(torch.cat(list(vals), dim=d) if isinstance(vals[0], torch.Tensor) else vals[0])
         return out
 
     def _edge_values(self, c: int, outs: list[Any], succ: int, lo: int, hi: int, size: int) -> list[Any]:
@@ -243,12 +246,15 @@ class PipelineExecutor:
         vals = [outs[index[n]] for n in st.send[succ]]
         if (lo, hi) == (0, size):
             return vals
-        for v in vals:
-            if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != size):
-                raise RuntimeSetupError(f"pipeline: a value crossing to node {succ} has no batch dimension "
-                                        f"(shape {tuple(v.shape)}); stages with different micro-batch sizes "
-                                        f"need batch-first tensors")
-        return [v[lo:hi] if isinstance(v, torch.Tensor) else v for v in vals]
+        out = []
+        for name, v in zip(st.send[succ], vals):
+            d = st.batch_dims.get(name, 0)
+            if isinstance(v, torch.Tensor) and (v.dim() <= d or v.shape[d] != size):
+                raise RuntimeSetupError(f"pipeline: value {name!r} crossing to node {succ} has no batch dimension "
+                                        f"of size {size} (shape {tuple(v.shape)}); stages with different "
+                                        f"micro-batch sizes cut and join tensors along the batch")
+            out.append(v.narrow(d, lo, hi - lo) if isinstance(v, torch.Tensor) else v)
+        return out
 
     # ------------------------------------------------------------------ communication
     def _peer(self, a: Action) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from plait.plan.ir import Plan
 from plait.runtime.partition import (
     MicroBatch,
     Stage,
+    make_samples,
     replica_micro_batches,
     split_into_graph,
     split_into_stages,
@@ -81,14 +82,19 @@ def step_schedule(plan: Plan, layout: PipelineLayout, mbs: dict[int, list[MicroB
     return build(name, graph)
 
 
-def split_model(model: nn.Module, plan: Plan, layout: PipelineLayout) -> list[Stage]:
-    """The model cut into the layout's nodes (index = node id)."""
+def split_model(model: nn.Module, plan: Plan, layout: PipelineLayout, spec: Any = None) -> list[Stage]:
+    """The model cut into the layout's nodes (index = node id). Where a graph plan's stages cut
+    the batch differently, the model spec's samples at two batch sizes find each boundary
+    value's batch dimension."""
     if layout.graph_plan:
         from plait.graph.capture import layer_assignment
 
         path_of = {name: path for path, (name, _) in layer_assignment(model).items()}
-        node_layers = [[path_of.get(n, n) for n in spec.layers] for spec in plan.stages]
-        return split_into_graph(model, node_layers, layout.edges)
+        node_layers = [[path_of.get(n, n) for n in s.layers] for s in plan.stages]
+        probe = None
+        if spec is not None and len({s.micro_batch or plan.micro_batch for s in plan.stages}) > 1:
+            probe = [make_samples(spec, 0, n, 0)[0] for n in (1, 2)]
+        return split_into_graph(model, node_layers, layout.edges, probe)
     if layout.num_nodes == 1:
         return split_into_stages(model, [0])
     return split_into_stages(model, plan.layers_per_stage)

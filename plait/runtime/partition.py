@@ -158,6 +158,7 @@ class Stage:
     output_names: list[str]
     data_inputs: list[int] | None = None  # None: every model input (an untraced whole model)
     varargs: bool = False  # the last of data_inputs is a *args placeholder: it takes every input from there on
+    batch_dims: dict[str, int] = field(default_factory=dict)  # value name -> its batch dimension (default 0)
     recv: dict[int, list[str]] = field(default_factory=dict)
     send: dict[int, list[str]] = field(default_factory=dict)
 
@@ -195,11 +196,12 @@ def split_into_stages(model: nn.Module,
 
 
 def split_into_graph(model: nn.Module, node_layers: Sequence[Sequence[str]],
-                     edges: Sequence[tuple[int, int]]) -> list[Stage]:
+                     edges: Sequence[tuple[int, int]], probe: Sequence[tuple[Any, ...]] | None = None) -> list[Stage]:
     """Cut `model` into the nodes of a stage DAG: node i runs the layers `node_layers[i]`;
     values flow along `edges` (a value used by a node that is not a direct successor of its
     producer is relayed along the shortest path of the DAG). The sink (the one node without
-    successors) returns the model output."""
+    successors) returns the model output. `probe`: the model's inputs at two batch sizes, to find
+    each boundary value's batch dimension (needed where stages cut the batch differently)."""
     names = [n for n, _ in layer_modules(model)]
     layer_node: dict[str, int] = {}
     for i, layers in enumerate(node_layers):
@@ -215,7 +217,36 @@ def split_into_graph(model: nn.Module, node_layers: Sequence[Sequence[str]],
     if missing:
         raise RuntimeSetupError(f"plan field 'stages': layers {missing[:3]} are in no stage")
     graph = _trace(model, names)
-    return _split(model, graph, _layer_order(graph, names), layer_node, len(node_layers), list(edges))
+    dims = _batch_dims(model, graph, probe) if probe else {}
+    return _split(model, graph, _layer_order(graph, names), layer_node, len(node_layers), list(edges), dims)
+
+
+def _batch_dims(model: nn.Module, graph: fx.Graph, probe: Sequence[tuple[Any, ...]]) -> dict[str, int]:
+    """Per fx value, the dimension whose size follows the batch: shapes at two batch sizes
+    (torch.fx ShapeProp, eval mode and no grad, so no statistics or RNG state move)."""
+    from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+    gm = fx.GraphModule(model, graph)
+    was_training = model.training
+    model.eval()
+    gm.eval()
+    shapes: list[dict[str, tuple[int, ...]]] = []
+    try:
+        with torch.no_grad():
+            for inputs in probe:
+                ShapeProp(gm).propagate(*inputs)
+                shapes.append({n.name: tuple(n.meta["tensor_meta"].shape) for n in graph.nodes
+                               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)})
+    finally:
+        model.train(was_training)
+    out: dict[str, int] = {}
+    for name, a in shapes[0].items():
+        b = shapes[1].get(name)
+        if b is not None and len(a) == len(b):
+            diff = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
+            if diff:
+                out[name] = diff[0]
+    return out
 
 
 class _Dag:
@@ -341,7 +372,7 @@ def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], 
 
 
 def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict[str, int], count: int,
-           edges: list[tuple[int, int]]) -> list[Stage]:
+           edges: list[tuple[int, int]], batch_dims: dict[str, int] | None = None) -> list[Stage]:
     dag = _Dag(count, edges)
     sinks = [i for i in range(count) if not dag.succ[i]]
     if len(sinks) != 1:
@@ -399,6 +430,7 @@ def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict
                             [placeholders[i].name for i in data] + [n.name for n in received],
                             [n.name for n in outs], data,
                             bool(data) and str(placeholders[data[-1]].target).startswith("*"),
+                            {n.name: batch_dims[n.name] for n in received + outs if n.name in (batch_dims or {})},
                             {a: [n.name for n in v] for a, v in recv.items()},
                             {b: [n.name for n in v] for b, v in send.items()}))
     return stages

@@ -204,7 +204,7 @@ class Worker:
         # region spans consecutive ones, across pipeline cuts too.
         order = [(n, is_tensor_parallel_layer(m)) for n, m in layer_modules(model)]
         lay = self.layout
-        stages = split_model(model, plan, lay)
+        stages = split_model(model, plan, lay, self.spec)
         self.chunks = {c: stages[lay.node_of(self.p, c)] for c in range(lay.chunks)}
         self.stage_layers = [name for st in self.chunks.values() for name in st.layers]
         # Parameters used by several pipeline ranks (tied embeddings) -> one all-reduce group per owner set.
