@@ -138,7 +138,7 @@ def test_sequence_parallel_with_pipeline(reference, tmp_path) -> None:
         assert (names["allgather tp sp-enter-bwd"], names["allgather tp sp-leave-fwd"]) == \
             ((4, 0) if r.pp == 0 else (0, 4))
     sends = [e for e in result.timeline.events if e.name.startswith("send_fwd s0 c0") and e.args.get("step") == 1]
-    assert sends and all(e.args["bytes"] == (8 // 2) * 2 * 16 * 4 for e in sends)  # [s/tp, b, h] fp32
+    assert sends and all(e.args["sent"] == (8 // 2) * 2 * 16 * 4 for e in sends)  # [s/tp, b, h] fp32
 
 
 def test_sequence_parallel_dropout_resume_is_bit_exact(tmp_path) -> None:

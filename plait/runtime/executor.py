@@ -17,10 +17,12 @@ chunk of an interleaved rank) and executes its actions in order:
   Transfers between two nodes on the same rank have no action: the values are handed
   over in memory right after the producing compute.
 
-Every message of the executor goes through one function, `p2p` (sends are posted and
-waited at the end of the step, receives waited at once: the semantics
-`plait.schedule.check.execute` proves deadlock-free and FIFO-consistent per pair of
-ranks). The first time a piece of a given size crosses an edge, the sender first sends a
+Every message of the executor goes through one function, `p2p`. A run of consecutive
+send/recv actions is posted together (`batch_isend_irecv`) and its receives waited; its
+sends are waited at the end of the step, or -- `blocking`, for linear 1F1B and GPipe as
+Megatron does and as the simulator models -- at the end of the run. Both are the
+semantics `plait.schedule.check.execute` proves deadlock-free and FIFO-consistent per pair
+of ranks (buffered, and rendezvous for those schedules). The first time a piece of a given size crosses an edge, the sender first sends a
 fixed-size header describing the values (shapes, dtypes, requires_grad, Python
 constants); both sides cache it.
 
@@ -78,15 +80,20 @@ def _data_args(st: Stage, inputs: tuple[Any, ...]) -> list[Any]:
 
 
 def p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], rec: Recorder,
-        name: str, chunk: int, micro_batch: int, peer: str) -> list[Any]:
-    """THE point-to-point call of the pipeline: post `sends` (returned, to wait later) and
-    receive `recvs` (waited here), recorded as one comm_pp span."""
+        name: str, chunk: int, micro_batch: int, peer: str, **args: Any) -> list[Any]:
+    """THE point-to-point call of the pipeline: post `sends` and `recvs` together
+    (`batch_isend_irecv`, so NCCL groups them), wait the receives, return the sends' works
+    (to wait later); recorded as one comm_pp span named by the first action's key."""
+    if not sends and not recvs:
+        return []
     nbytes = sum(t.numel() * t.element_size() for t, _ in sends + recvs)
-    with rec.comm(name, "comm_pp", micro_batch=micro_batch, chunk=chunk, bytes=nbytes, peer=peer):
-        pending = [dist.isend(t, dst) for t, dst in sends]
-        for work in [dist.irecv(t, src) for t, src in recvs]:
+    args["sent"] = sum(t.numel() * t.element_size() for t, _ in sends)
+    ops = [dist.P2POp(dist.isend, t, dst) for t, dst in sends] + [dist.P2POp(dist.irecv, t, src) for t, src in recvs]
+    with rec.comm(name, "comm_pp", micro_batch=micro_batch, chunk=chunk, bytes=nbytes, peer=peer, **args):
+        works = dist.batch_isend_irecv(ops)
+        for work in works[len(sends):]:
             work.wait()
-    return pending
+    return works[:len(sends)]
 
 
 class PipelineExecutor:
@@ -99,7 +106,8 @@ class PipelineExecutor:
     def __init__(self, chunks: dict[int, Stage], stage: int, node_of: Callable[[int, int], int],
                  peer_rank: Callable[[int, int], int], sink: tuple[int, int],
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], global_batch: int, device: torch.device,
-                 recorder: Recorder, autocast: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+                 recorder: Recorder, autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+                 blocking: bool = False) -> None:
         self.chunks = chunks
         self.stage = stage
         self.node_of = node_of
@@ -110,6 +118,7 @@ class PipelineExecutor:
         self.device = device
         self.rec = recorder
         self.autocast = autocast or nullcontext
+        self.blocking = blocking  # wait each group's sends at once (Megatron's blocking p2p, 1F1B/GPipe)
         self.loss_sum: torch.Tensor = torch.zeros((), device=device)
         self.loss_scale = 1.0  # set per step by the worker's fp16 loss scaler
         self.send_meta: dict[tuple[int, int, int], Meta] = {}  # (node, succ node, samples) -> values
@@ -128,8 +137,18 @@ class PipelineExecutor:
         self.saved: dict[tuple[int, int], tuple[dict[int, list[Piece]], Any, Any]] = {}
         self.grads_out: dict[tuple[int, int], dict[int, list[Piece]]] = {}
         self.pending: list[Any] = []
-        for action in schedule.of(self.stage):
-            getattr(self, "_" + action.op)(action)
+        acts = schedule.of(self.stage)
+        k = 0
+        while k < len(acts):
+            if acts[k].is_compute:
+                getattr(self, "_" + acts[k].op)(acts[k])
+                k += 1
+                continue
+            j = k
+            while j < len(acts) and not acts[j].is_compute:
+                j += 1
+            self._exchange(list(acts[k:j]))
+            k = j
         for work in self.pending:
             work.wait()
         self.pending = []
@@ -261,33 +280,94 @@ class PipelineExecutor:
         assert a.peer is not None
         return self.node_of(a.peer[0], a.peer[1]), self.peer_rank(a.peer[0], a.peer[1])
 
-    def _send_fwd(self, a: Action) -> None:
+    def _exchange(self, group: list[Action]) -> None:
+        """One run of consecutive send/recv actions, posted together (Megatron's batch_isend_irecv).
+
+        Sends are all posted in the first round. A receive whose piece size is new on its edge
+        first receives the header; later receives from the same peer wait for the next round so
+        that messages of one peer are matched in their order (FIFO). With `blocking` the sends are
+        also waited at the end of the group, as Megatron's blocking p2p for 1F1B and GPipe."""
+        sends: list[tuple[torch.Tensor, int]] = []
+        for a in group:
+            if a.op == "send_fwd":
+                sends += self._send_fwd_tensors(a)
+            elif a.op == "send_bwd":
+                sends += self._send_bwd_tensors(a)
+        pending = [a for a in group if a.op.startswith("recv")]
+        first = True
+        while first or pending:
+            recvs: list[tuple[torch.Tensor, int]] = []
+            done: list[tuple[Action, list[torch.Tensor] | None, torch.Tensor | None]] = []
+            blocked: set[int] = set()
+            for a in list(pending):
+                src = self._peer(a)[1]
+                if src in blocked:
+                    continue
+                meta = self._recv_meta(a)
+                if meta is None:  # first piece of this size on this edge: learn what crosses it
+                    header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+                    recvs.append((header, src))
+                    done.append((a, None, header))
+                    blocked.add(src)
+                    continue
+                bufs = [torch.empty(shape, dtype=dtype, device=self.device) for kind, shape, dtype, rg in meta
+                        if kind == "t" and (rg or a.op == "recv_fwd")]
+                recvs += [(b, src) for b in bufs]
+                done.append((a, bufs, None))
+                pending.remove(a)
+            lead = group[0] if first else done[0][0]
+            self.pending += p2p(sends if first else [], recvs, self.rec, lead.key, lead.chunk, lead.micro_batch,
+                                str(lead.peer), batch=[str(x) for x in group] if first else [str(x) for x, _, _ in done])
+            first = False
+            for a, bufs, header in done:
+                if header is not None:
+                    self.recv_meta[self._edge_key(a)] = _decode_header(header)
+                else:
+                    self._deliver(a, bufs or [])
+        if self.blocking:
+            for work in self.pending:
+                work.wait()
+            self.pending = []
+
+    def _edge_key(self, a: Action) -> tuple[int, int, int]:
+        """(producer node, consumer node, piece size) of the edge a send/recv action uses."""
+        assert a.samples is not None
+        me, peer = self.node_of(self.stage, a.chunk), self._peer(a)[0]
+        forward_producer = a.op in ("send_fwd", "recv_bwd")
+        return (me, peer, a.samples[1] - a.samples[0]) if forward_producer else (peer, me, a.samples[1] - a.samples[0])
+
+    def _recv_meta(self, a: Action) -> Meta | None:
+        if a.op == "recv_fwd":
+            return self.recv_meta.get(self._edge_key(a))
+        return self.send_meta[self._edge_key(a)]  # gradients of what this node sent
+
+    def _send_fwd_tensors(self, a: Action) -> list[tuple[torch.Tensor, int]]:
         assert a.samples is not None
         c, i = a.chunk, a.micro_batch
         succ, dst = self._peer(a)
-        me = self.node_of(self.stage, c)
         lo, hi = self._range(c, i)
         vals = self._edge_values(c, self.saved[(c, i)][1], succ, a.samples[0] - lo, a.samples[1] - lo, hi - lo)
-        key = (me, succ, a.samples[1] - a.samples[0])
+        key = self._edge_key(a)
         sends = []
         if key not in self.send_meta:
             self.send_meta[key] = _meta_of(vals)
             sends.append((_encode_header(self.send_meta[key], self.device), dst))
-        sends += [(v.detach().contiguous(), dst) for v in vals if isinstance(v, torch.Tensor)]
-        self.pending += p2p(sends, [], self.rec, a.key, c, i, str(a.peer))
+        return sends + [(v.detach().contiguous(), dst) for v in vals if isinstance(v, torch.Tensor)]
 
-    def _recv_fwd(self, a: Action) -> None:
+    def _send_bwd_tensors(self, a: Action) -> list[tuple[torch.Tensor, int]]:
         assert a.samples is not None
-        c, i = a.chunk, a.micro_batch
-        pred, src = self._peer(a)
-        key = (pred, self.node_of(self.stage, c), a.samples[1] - a.samples[0])
-        meta = self.recv_meta.get(key)
-        if meta is None:  # first piece of this size on this edge: learn what crosses it
-            header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-            p2p([], [(header, src)], self.rec, a.key + " header", c, i, str(a.peer))
-            meta = self.recv_meta[key] = _decode_header(header)
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for kind, shape, dtype, _ in meta if kind == "t"]
-        p2p([], [(b, src) for b in bufs], self.rec, a.key, c, i, str(a.peer))
+        pred, dst = self._peer(a)
+        grads = next(g for first, g in self.grads_out[(a.chunk, a.micro_batch)][pred] if first == a.samples[0])
+        return [(g.contiguous(), dst) for g in grads]
+
+    def _deliver(self, a: Action, bufs: list[torch.Tensor]) -> None:
+        """File received tensors: activations (with constants) for a forward, or gradients."""
+        assert a.samples is not None
+        peer = self._peer(a)[0]
+        if a.op == "recv_bwd":
+            self.grad_inbox.setdefault((a.chunk, a.micro_batch, peer), []).append((a.samples[0], bufs))
+            return
+        meta = self.recv_meta[self._edge_key(a)]
         it = iter(bufs)
         vals: list[Any] = []
         for kind, value, _, rg in meta:
@@ -296,21 +376,4 @@ class PipelineExecutor:
                 vals.append(t.requires_grad_(True) if rg else t)
             else:
                 vals.append(value)
-        self.inbox.setdefault((c, i, pred), []).append((a.samples[0], vals))
-
-    def _send_bwd(self, a: Action) -> None:
-        assert a.samples is not None
-        c, i = a.chunk, a.micro_batch
-        pred, dst = self._peer(a)
-        grads = next(g for first, g in self.grads_out[(c, i)][pred] if first == a.samples[0])
-        self.pending += p2p([(g.contiguous(), dst) for g in grads], [], self.rec, a.key, c, i, str(a.peer))
-
-    def _recv_bwd(self, a: Action) -> None:
-        assert a.samples is not None
-        c, i = a.chunk, a.micro_batch
-        succ, src = self._peer(a)
-        meta = self.send_meta[(self.node_of(self.stage, c), succ, a.samples[1] - a.samples[0])]
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for kind, shape, dtype, rg in meta
-                if kind == "t" and rg]
-        p2p([], [(b, src) for b in bufs], self.rec, a.key, c, i, str(a.peer))
-        self.grad_inbox.setdefault((c, i, succ), []).append((a.samples[0], bufs))
+        self.inbox.setdefault((a.chunk, a.micro_batch, peer), []).append((a.samples[0], vals))

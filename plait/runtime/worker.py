@@ -322,7 +322,10 @@ class Worker:
         lay = self.layout
         runner = PipelineExecutor(self.chunks, self.p, lay.node_of, lambda s, c: plan.rank(s, self.d, self.t),
                                   lay.sink, self.spec.loss, plan.global_batch, self.device, self.rec,
-                                  autocast=self._autocast)
+                                  autocast=self._autocast,
+                                  # Megatron's blocking p2p where the simulator models it (sim/lower.py).
+                                  blocking=not plan.stages and plan.schedule in ("1f1b", "gpipe")
+                                  and plan.virtual_stages == 1)
         start = self._maybe_resume()
         steps = int(cfg["steps"])
         ck = cfg.get("checkpoint") or {}
