@@ -144,6 +144,9 @@ def test_supports_states_what_the_runtime_refuses() -> None:
     assert not ok and "stages[0]" in reason
     with pytest.raises(RuntimeSetupError, match=r"stages\[0\]"):
         _check_plan(bad)
+    cyclic = Plan(stages=[StageSpec(name=n, layers=[n], devices=[i]) for i, n in enumerate("abc")],
+                  stage_edges=[(0, 1), (1, 2), (2, 1)], global_batch=4)
+    assert supports(cyclic) == (False, "plan field 'stage_edges': the stage graph has a cycle")
     ok, reason = supports("pp=2,zero=3,global_batch=4")
     assert not ok and "'zero'" in reason
     uneven = "dp=2,pp=2,virtual_stages=2,schedule=interleaved,micro_batch=1,global_batch=8,dp_shares=0.625:0.375"

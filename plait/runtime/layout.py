@@ -28,7 +28,7 @@ from plait.runtime.partition import (
     split_into_graph,
     split_into_stages,
 )
-from plait.schedule import Node, PipelineGraph, Schedule, build
+from plait.schedule import Node, PipelineGraph, Schedule, ScheduleError, build
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,10 @@ def supports(plan: Any) -> tuple[bool, str]:
             return False, "plan field 'stages': two stages share a device; the runtime runs one stage per rank"
         if plan.schedule == "interleaved":
             return False, "plan field 'schedule': a stage graph runs 'gpipe' or '1f1b' (graph 1F1B), not interleaved"
+        try:
+            PipelineGraph.dag([[1]] * len(plan.stages), list(plan.stage_edges))
+        except ScheduleError as exc:
+            return False, str(exc).replace("pipeline graph field 'edges'", "plan field 'stage_edges'")
         sources = {a for a, _ in plan.stage_edges}
         sinks = [s for s in range(len(plan.stages)) if s not in sources]
         if len(sinks) != 1:
