@@ -19,6 +19,7 @@ from plait.ir.plan import Plan
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import RunResult, _check_plan, rank_layout, run
+from plait.runtime.executor import _decode_header, _encode_header
 from plait.runtime.launch import AgentSpec, Launcher, _Agent
 from plait.runtime.partition import (
     RuntimeSetupError,
@@ -27,7 +28,6 @@ from plait.runtime.partition import (
     replica_micro_batches,
     split_into_stages,
 )
-from plait.runtime.pipeline import _decode_header, _encode_header
 from plait.runtime.tensor_parallel import (
     ShardInfo,
     TPContext,
@@ -431,8 +431,9 @@ def test_rank_layout_places_ranks_and_slowdowns(tmp_path: Path) -> None:
 
 
 def test_run_rejects_what_it_cannot_run() -> None:
-    with pytest.raises(RuntimeSetupError, match="interleaved"):
-        _check_plan(Plan(pp=2, schedule="interleaved", global_batch=2))
+    _check_plan(Plan(pp=2, schedule="interleaved", virtual_stages=2, global_batch=2))  # runs since issue 11
+    with pytest.raises(RuntimeSetupError, match="zero=3"):
+        _check_plan(Plan(pp=2, zero=3, global_batch=2))
     with pytest.raises(RuntimeSetupError, match="checkpoint directory"):
         run(TINY, None, "dp=1", steps=1, resume=True)
     with pytest.raises(RuntimeSetupError, match="steps must be >= 1"):
@@ -494,3 +495,94 @@ def test_zero3_hooks_free_gather_and_reduce_in_layer_order() -> None:
     z3.gather_all()
     for (name, a), b in zip(plain.named_parameters(), sharded.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------------- stage graphs
+class _Diamond(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.d(self.b(h) * self.c(h * 0.5) + h) + y
+
+
+def test_stage_graph_cut_routes_values_along_edges() -> None:
+    from plait.runtime.partition import split_into_graph
+
+    model = _Diamond()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    stages = split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)])
+    # The skip edge a -> d carries h and the model input y; the branch merge b * c runs in d.
+    assert stages[0].send == {1: ["tanh"], 2: ["mul"], 3: ["y", "tanh"]}
+    assert stages[3].recv == {0: ["y", "tanh"], 1: ["b"], 2: ["c"]} and stages[3].data_inputs == []
+    out0 = dict(zip(stages[0].output_names, stages[0].module(x, y)))
+    vals = {0: out0}
+    for k in (1, 2):
+        (v,) = stages[k].module(*[out0[n] for n in stages[k].recv[0]])
+        vals[k] = {stages[k].output_names[0]: v}
+    args = [vals[p][n] for p in sorted(stages[3].recv) for n in stages[3].recv[p]]
+    torch.testing.assert_close(stages[3].module(*args), model(x, y))
+    # Without the skip edge, h and y are relayed through b (the first path of the DAG).
+    relayed = split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (0, 2), (1, 3), (2, 3)])
+    assert relayed[1].send == {3: ["y", "tanh", "b"]}
+    with pytest.raises(RuntimeSetupError, match="one sink"):
+        split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (0, 2), (0, 3)])
+    with pytest.raises(RuntimeSetupError, match="does not reach"):
+        split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (1, 3), (2, 3), (0, 2)][:3] + [(2, 0)])
+
+
+# ---------------------------------------------------------------------------------- clip-grad
+@pytest.mark.parametrize("zero", [0, 1])
+def test_clip_grad_step_equals_clip_grad_norm(zero: int) -> None:
+    """One process: the optimizer steps clip exactly like torch.nn.utils.clip_grad_norm_, and a
+    parameter with copy weight 1/2 (held by two ranks) counts half in the norm."""
+    from plait.runtime.clip import GradClipper, clip_coefficient
+    from plait.runtime.data_parallel import DataParallelStep, Zero1Step, make_optimizer
+    from plait.runtime.recorder import Recorder
+
+    torch.manual_seed(0)
+    ref, mine = nn.Linear(5, 3), nn.Linear(5, 3)
+    mine.load_state_dict(ref.state_dict())
+    for m in (ref, mine):
+        m.weight.grad = torch.full_like(m.weight, 2.0)
+        m.bias.grad = torch.full_like(m.bias, -1.0)
+    sgd = {"name": "sgd", "lr": 0.5}
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+    make_optimizer(list(ref.parameters()), sgd).step()
+    params = list(mine.parameters())
+    rec = Recorder(0, 0, 0)
+    step = DataParallelStep(params, lambda p: make_optimizer(p, sgd), None, 1, rec) if zero == 0 else \
+        Zero1Step(params, lambda p: make_optimizer(p, sgd), None, 1, 0, rec)
+    step.clip = GradClipper(0.3, {id(p): 1.0 for p in params})
+    assert step.step()
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7)
+    assert step.clip.norms == [pytest.approx((15 * 4 + 3) ** 0.5)]
+    half = GradClipper(100.0, {id(params[0]): 0.5})
+    params[0].grad, params[1].grad = torch.ones_like(params[0]), torch.ones_like(params[1])
+    assert half.clip_params(params, replicas=1) == pytest.approx((15 * 0.5 + 3) ** 0.5)
+    assert clip_coefficient(10.0, 1.0) == pytest.approx(1.0 / (10.0 + 1e-6)) and clip_coefficient(0.5, 1.0) == 1.0
+
+
+def test_zoo_multi_branch_model_cuts_into_a_stage_graph() -> None:
+    """MMT (one branch per input, a merging head) as branch stages -> head: each branch stage reads
+    the model inputs itself (no stage reaches both branches), and the head gets one tensor per edge."""
+    from plait.runtime.executor import _data_args
+    from plait.runtime.partition import split_into_graph
+
+    spec = load_model("mmt:branches=2,layers=2,hidden=16,heads=2,seq=4,in_dim=8,dropout=0")
+    model = spec.build(seed=0).eval()
+    inputs, _ = make_samples(spec, 0, 3, data_seed=0)
+    names = [n for n, _ in layer_modules(model)]
+    branches = [[n for n in names if n.startswith(f"branches.{i}.")] for i in range(2)]
+    stages = split_into_graph(model, branches + [["head"]], [(0, 2), (1, 2)])
+    assert [s.data_inputs for s in stages] == [[0], [0], []] and stages[0].varargs
+    outs = {k: dict(zip(stages[k].output_names, stages[k].module(*_data_args(stages[k], inputs)))) for k in (0, 1)}
+    args = [outs[p][n] for p in sorted(stages[2].recv) for n in stages[2].recv[p]]
+    torch.testing.assert_close(stages[2].module(*args), model(*inputs), rtol=0, atol=0)
+    # As a chain, the second branch's input is indexed out on stage 0 and relayed (not the tuple).
+    chain = split_into_stages(model, [3, 4])
+    assert chain[1].input_names == ["branches_0_layers_1", "getitem_1"]
+    torch.testing.assert_close(chain[1].module(*chain[0].module(*_data_args(chain[0], inputs))), model(*inputs))

@@ -56,7 +56,9 @@ def test_schedules_and_interleaving() -> None:
              (("1f1b", one), ("interleaved", inter))}
     assert sends == {"1f1b": 2 * 3 * 8, "interleaved": 2 * 7 * 8}
     fwd = [e for e in inter.timeline.events if e.category == "forward" and e.device == 0]
-    assert {e.name.split()[1] for e in fwd} == {"c0", "c4"}  # stage 0 holds chunks 0 and pp
+    # Stage 0 holds chunks 0 and pp (its local chunks 0 and 1); names follow plait.schedule.event_key.
+    assert {e.name.split()[2] for e in fwd} == {"c0", "c1"} and {e.chunk for e in fwd} == {0, 1}
+    assert {e.name.split()[1] for e in fwd} == {"s0"}
     assert big_one.iteration_time_s > 0
 
 
@@ -123,7 +125,7 @@ def test_link_sharing_between_pipeline_transfers() -> None:
     cluster = ClusterView.uniform(4, A100, 2, 300e9, 2e-6, inter_bandwidth=1e9, inter_latency=5e-6,
                                   nics_per_node=1)
     res = sim(plan, cluster, granularity="stage")
-    sends = [e for e in res.timeline.events if e.category == "comm_pp" and "act" in e.name]
+    sends = [e for e in res.timeline.events if e.category == "comm_pp" and e.name.startswith("send_fwd")]
     assert sends
     nbytes = sends[0].args["bytes"]
     # 2 tensor ranks share one 1 GB/s NIC: each transfer takes twice bytes/B.
@@ -166,3 +168,16 @@ def test_default_split_is_megatrons() -> None:
     assert [len(c.layers) for c in inter.chunks] == [3, 2, 2, 3] and [c.stage for c in inter.chunks] == [0, 1, 0, 1]
     given = lower(GRAPH, Plan.parse("pp=2,micro_batch=1,global_batch=4,layer_split=4:6"), view())
     assert [len(c.layers) for c in given.chunks] == [4, 6]
+
+
+def test_lowering_runs_the_schedule_modules_compute_order():
+    """The simulator's program per stage is exactly plait.schedule's compute actions, by event key."""
+    from plait.schedule import PipelineGraph, interleaved_1f1b
+
+    res = simulate(BIG, view(), "dp=1,tp=1,pp=2,micro_batch=1,global_batch=4,schedule=interleaved,virtual_stages=2",
+                   granularity="stage")
+    sched = interleaved_1f1b(PipelineGraph.chain(2, 4, virtual_stages=2))
+    for stage in range(2):
+        events = sorted((e for e in res.timeline.events if e.stage == stage and e.category in ("forward", "backward")),
+                        key=lambda e: e.start)
+        assert [e.name for e in events] == [a.key for a in sched.compute(stage)]

@@ -56,6 +56,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
     p.add_argument("--lr-decay-iters", type=int, default=None, help="steps of the decay (default: --steps)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW)")
+    p.add_argument("--clip-grad", metavar="N", type=float, default=None,
+                   help="clip the global gradient norm (over every shard of the plan) to N (Megatron's --clip-grad)")
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
     p.add_argument("--data-seed", type=int, default=0, help="data seed: synthetic samples, or the per-epoch sample order of --data")
     p.add_argument("--data", metavar="FILE.py:FACTORY", default=None,
@@ -87,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                   lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
                   lr_decay_iters=args.lr_decay_iters, seed=args.seed, data_seed=args.data_seed,
                   run_dir=args.run_dir, fault=args.fault, data=args.data, data_workers=args.data_workers,
-                  comm_records=not args.no_comm_records, comm_faults=args.comm_faults)
+                  comm_records=not args.no_comm_records, comm_faults=args.comm_faults,
+                  clip_grad=args.clip_grad)
     rendezvous = _rendezvous(args)
     if rendezvous is not None:
         common["rendezvous"] = rendezvous

@@ -22,7 +22,7 @@ CATEGORIES = ("forward", "backward", "recompute", "optimizer", "data", "h2d",
 
 @dataclass
 class TimelineEvent:
-    name: str  # e.g. "fwd stage0 mb3", "allreduce dp bucket2"
+    name: str  # e.g. "fwd s0 c0 mb3" (plait.schedule.event_key), "allreduce dp bucket2"
     category: str  # one of CATEGORIES
     resource: str  # "dev3/compute", "dev3/comm", "link 0-8", ...
     start: float  # seconds from the iteration's start
@@ -31,6 +31,7 @@ class TimelineEvent:
     stage: int | None = None
     micro_batch: int | None = None
     args: dict[str, Any] = field(default_factory=dict)  # bytes, flops, algorithm, ...
+    chunk: int | None = None  # model chunk on its stage (interleaved 1F1B); after args for positional callers
 
     @property
     def duration(self) -> float:

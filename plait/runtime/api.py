@@ -34,6 +34,7 @@ from plait.ir.plan import Plan, PlanError, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime.comm import parse_link_faults
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
+from plait.runtime.layout import device_of, supports
 from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
 
@@ -97,7 +98,7 @@ class RunResult:
         step = self.steps[index]
         t0, t1 = self.step_bounds[index]
         events = [TimelineEvent(e.name, e.category, e.resource, e.start - t0, e.end - t0, e.device, e.stage,
-                                e.micro_batch, dict(e.args))
+                                e.micro_batch, dict(e.args), e.chunk)
                   for e in self.timeline.events if e.args.get("step") == step]
         return Timeline(events=events, source="measured",
                         meta={**self.timeline.meta, "step": step, "iteration_time": t1 - t0})
@@ -136,7 +137,7 @@ def rank_layout(cluster: Any, plan: Plan, dtype: str | None = None) -> list[dict
     world = plan.world_size
     if cluster is None:
         host = socket.gethostname()
-        return [{"rank": r, "device": plan.device_of(r), "node": 0, "host": host, "kind": None, "slowdown": 1.0}
+        return [{"rank": r, "device": device_of(plan, r), "node": 0, "host": host, "kind": None, "slowdown": 1.0}
                 for r in range(world)]
     devices: list[tuple[int, str]] = []  # node-major: (node index, kind name)
     for i, node in enumerate(cluster.nodes):
@@ -149,11 +150,11 @@ def rank_layout(cluster: Any, plan: Plan, dtype: str | None = None) -> list[dict
     if emu is not None and emu.enabled:
         from plait.runtime.emulate import compute_slowdown
 
-        slow = {plan.device_of(r): compute_slowdown(cluster, plan.device_of(r), dtype or plan.dtype)
+        slow = {device_of(plan, r): compute_slowdown(cluster, device_of(plan, r), dtype or plan.dtype)
                 for r in range(world)}
     out = []
     for r in range(world):
-        dev = plan.device_of(r)
+        dev = device_of(plan, r)
         if dev >= len(devices):
             raise RuntimeSetupError(f"plan field 'device_order': device {dev} is not in {source} "
                                     f"({len(devices)} devices)")
@@ -164,16 +165,10 @@ def rank_layout(cluster: Any, plan: Plan, dtype: str | None = None) -> list[dict
 
 
 def _check_plan(plan: Plan) -> None:
-    if plan.stages:
-        raise RuntimeSetupError("plan field 'stages': the runtime runs linear pipelines (pp stages of "
-                                "dp x tp ranks); an explicit stage DAG (graph pipeline) is not supported yet")
-    if plan.zero >= 3 and plan.pp > 1:
-        # As DeepSpeed: per-layer parameter gathers per micro-batch do not mix with pipeline schedules.
-        raise RuntimeSetupError(f"plan field 'zero': zero={plan.zero} (parameters sharded) runs with pp=1 only, "
-                                f"the plan has pp={plan.pp}; use zero=1 or zero=2 with pipeline parallelism")
-    if plan.schedule == "interleaved":
-        raise RuntimeSetupError("plan field 'schedule': the runtime runs 'gpipe' and '1f1b'; "
-                                "interleaved 1F1B is not supported yet")
+    """Refuse what the runtime cannot run: exactly `plait.runtime.supports`' verdict and reason."""
+    ok, reason = supports(plan)
+    if not ok:
+        raise RuntimeSetupError(reason)
 
 
 def _check_resumable(root: Path) -> None:
@@ -237,7 +232,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None,
         rendezvous: Rendezvous | None = None, data: str | None = None, data_workers: int = 1,
         min_lr: float = 0.0, lr_warmup_iters: int = 0, lr_decay_style: str = "constant",
-        lr_decay_iters: int | None = None) -> RunResult:
+        lr_decay_iters: int | None = None, clip_grad: float | None = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -253,6 +248,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     `rendezvous` runs this node's share of a multi-node run on real hosts: every node calls
     `run` with the same plan and cluster (`plait.runtime.multinode`); the node that holds plan
     rank 0 returns the losses and timeline, the others a result naming their ranks.
+    `clip_grad` clips the global gradient norm (over every shard of every form) to that value
+    (`plait.runtime.clip`, Megatron's --clip-grad).
     fp16 runs scale the loss dynamically (`plait.runtime.amp`; its settings can be given as
     `env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"}`); `sequence_parallel` plans run
     Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`).
@@ -272,6 +269,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
                                     f"{plan_obj.world_size} ranks")
     if steps < 1:
         raise RuntimeSetupError(f"steps must be >= 1, got {steps}")
+    if clip_grad is not None and not clip_grad > 0:
+        raise RuntimeSetupError(f"clip_grad: must be > 0, got {clip_grad}")
     if checkpoint_every < 0:
         raise RuntimeSetupError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     if (checkpoint_every or resume) and checkpoint_dir is None:
@@ -384,6 +383,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "return_params": return_params, "step_barrier": step_barrier, "fault": fault, "data": data_cfg,
             "lr_schedule": schedule.to_dict() if schedule is not None else None,
             "comm_records": comm_records, "comm_faults": [f.to_dict() for f in faults] or None,
+            "clip_grad": clip_grad,
         }
         if host_plan is not None:
             cfg["multinode"] = {"node_name": host_plan["node_name"], "nodes": host_plan["nodes"],
@@ -519,7 +519,8 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
 def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[str, Any] = "adamw",
                   lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0,
                   data: str | None = None, min_lr: float = 0.0, lr_warmup_iters: int = 0,
-                  lr_decay_style: str = "constant", lr_decay_iters: int | None = None
+                  lr_decay_style: str = "constant", lr_decay_iters: int | None = None,
+                  clip_grad: float | None = None
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference: the whole global batch in one forward/backward per step,
     the same initial weights, samples (synthetic, or the stream of `data`) and optimizer.
@@ -554,6 +555,8 @@ def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[st
             inputs, target = make_samples(spec, step * plan_obj.global_batch, plan_obj.global_batch, data_seed)
         loss = spec.loss(module(*inputs), target)
         loss.backward()
+        if clip_grad is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad)
         if schedule is not None:
             for group in opt.param_groups:
                 group["lr"] = schedule.at(step, steps)

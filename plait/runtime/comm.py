@@ -318,21 +318,32 @@ class Comm:
         return len(pickle.dumps(obj)) if self.log is not None else 0
 
     # ------------------------------------------------------------------ point to point
-    def p2p(self, ops: list[P2P], name: str, category: str = "comm_pp", micro_batch: int | None = None) -> None:
-        """Post every send and receive of `ops` together (`batch_isend_irecv`) and wait for all:
-        deadlock-free when the peers post the matching batch (Megatron's pipeline exchange)."""
+    def p2p(self, ops: list[P2P], name: str, category: str = "comm_pp", micro_batch: int | None = None, *,
+            chunk: int | None = None, wait_sends: bool = True, **span_args: Any) -> list[Any]:
+        """Post every send and receive of `ops` together (`batch_isend_irecv`) and wait for the
+        receives -- and the sends too unless `wait_sends` is False: then the sends' works are
+        returned for the caller to wait later (the executor's interleaved and graph schedules,
+        whose sends must not block; `plait.schedule.check` proves both semantics deadlock-free).
+        Deadlock-free when the peers post the matching batch (Megatron's pipeline exchange).
+        A deferred send's record ends when its batch returned, not when the peer received it."""
         if not ops:
-            return
+            return []
         t_enq = time.perf_counter()
         faults = self._faults_on([frozenset((self.rank, o.peer)) for o in ops])  # the links the batch uses
-        with self._span(name, category, micro_batch, sum(_nbytes(o.tensor) for o in ops), wait_only=False):
+        pending: list[Any] = []
+        nbytes = sum(_nbytes(o.tensor) for o in ops)
+        with self._span(name, category, micro_batch, nbytes, wait_only=False, chunk=chunk, **span_args):
             t_start, injected = self._delay(faults)
             batch = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer) for o in ops]
-            for work in dist.batch_isend_irecv(batch):
-                work.wait()
+            works = dist.batch_isend_irecv(batch)
+            for o, work in zip(ops, works):
+                if o.kind == "send" and not wait_sends:
+                    pending.append(work)
+                else:
+                    work.wait()
             t_end, injected = self._stretch(faults, t_start, injected)
         if self.log is None:
-            return
+            return pending
         step = self.rec.step if self.rec is not None else None
         for o in ops:
             src, dst = (self.rank, o.peer) if o.kind == "send" else (o.peer, self.rank)
@@ -342,6 +353,7 @@ class Comm:
                 self.log.write(CommRecord(rank=self.rank, group=link, op=o.kind, bytes=_nbytes(o.tensor), seq=seq,
                                           t_enqueue=t_enq, t_start=t_start, t_end=t_end, key=o.key, name=name,
                                           peer=o.peer, step=step, injected_s=injected))
+        return pending
 
     # ------------------------------------------------------------------ the one call path
     def _call(self, group: Group, op: str, nbytes: int, name: str, category: str, fn: Callable[[], Any],
@@ -360,13 +372,13 @@ class Comm:
                                       key=key or f"{op} {group.name}", name=name,
                                       step=self.rec.step if self.rec is not None else None, injected_s=injected))
 
-    def _span(self, name: str, category: str, micro_batch: int | None, nbytes: int, wait_only: bool
-              ) -> AbstractContextManager[None]:
+    def _span(self, name: str, category: str, micro_batch: int | None, nbytes: int, wait_only: bool,
+              **span_args: Any) -> AbstractContextManager[None]:
         if self.rec is None:
             return nullcontext()
         if wait_only:
             return self.rec.waiting(name)
-        return self.rec.comm(name, category, micro_batch=micro_batch, bytes=nbytes)
+        return self.rec.comm(name, category, micro_batch=micro_batch, bytes=nbytes, **span_args)
 
     def _next_seq(self, group: str) -> int:
         seq = self._seq.get(group, 0)

@@ -1,7 +1,7 @@
 """Gradient reduction and the optimizer step across data-parallel replicas.
 
 Every replica's loss is already scaled by its share of the global batch (see
-`plait.runtime.pipeline`), so a SUM all-reduce of gradients gives the full-batch
+`plait.runtime.executor`), so a SUM all-reduce of gradients gives the full-batch
 mean gradient even when replicas hold uneven numbers of samples (HAP §4).
 
 * ZeRO-0: gradients are all-reduced in flat buckets (DDP's 25 MB buckets), and every
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from plait.runtime.amp import DynamicLossScaler
+from plait.runtime.clip import GradClipper
 from plait.runtime.comm import Group
 from plait.runtime.recorder import Recorder
 from plait.runtime.sharded_state import Segment
@@ -95,6 +96,7 @@ class DataParallelStep:
         self.size = size
         self.rec = rec
         self.optimizer = make_opt(params)
+        self.clip: GradClipper | None = None  # global gradient-norm clipping (plait.runtime.clip)
         self.buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         size_bytes = 0
@@ -124,6 +126,8 @@ class DataParallelStep:
             if self.scaler.unscale_and_check(grads):
                 self.optimizer.zero_grad(set_to_none=True)
                 return False
+        if self.clip is not None:  # replicas hold identical reduced gradients: each counts 1/dp
+            self.clip.clip_params(self.params, self.size)
         with self.rec.compute("optimizer", "optimizer"):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -161,6 +165,7 @@ class Zero1Step:
             flat = torch.cat([flat, flat.new_zeros(self.padded - total)]).to(device=device, dtype=dtype)
         self.master = nn.Parameter(flat[rank * self.shard:(rank + 1) * self.shard].clone())
         self.optimizer = make_opt([self.master])
+        self.clip: GradClipper | None = None  # global gradient-norm clipping (plait.runtime.clip)
 
     def step(self) -> bool:
         """Reduce-scatter, (unscale and check,) update the shard, all-gather; False when skipped."""
@@ -178,6 +183,9 @@ class Zero1Step:
             for p in self.params:  # every rank skips: no shard changed, nothing to all-gather
                 p.grad = None
             return False
+        if self.clip is not None:  # disjoint shards
+            lo = self.rank * self.shard
+            self.clip.clip_flat([(grad_shard, self.clip.flat_weights(self.params, self.padded, lo, lo + self.shard))])
         self.master.grad = grad_shard
         with self.rec.compute("optimizer", "optimizer", shard=self.shard):
             self.optimizer.step()

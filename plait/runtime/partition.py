@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -109,13 +109,14 @@ class MicroBatch:
     size: int
 
 
-def replica_micro_batches(plan: Any, step: int, dp_index: int) -> list[MicroBatch]:
+def replica_micro_batches(plan: Any, step: int, dp_index: int, micro_batch: int | None = None) -> list[MicroBatch]:
     """Micro-batches replica `dp_index` runs at `step`.
 
     The replica owns a contiguous range of the step's global batch (its share from
     `plan.samples_per_replica()`), cut into ceil(n / micro_batch) near-equal micro-batches,
     so even shares give exactly `plan.num_micro_batches` of size `plan.micro_batch` and an
-    uneven (HAP-style) share runs more or fewer micro-batches."""
+    uneven (HAP-style) share runs more or fewer micro-batches. `micro_batch` overrides the
+    plan's (a graph pipeline's stage with its own micro-batch size)."""
     from plait.ir.stage_graph import replica_micro_batches as stage_graph_micro_batches
     from plait.ir.stage_graph import replica_samples
 
@@ -124,7 +125,7 @@ def replica_micro_batches(plan: Any, step: int, dp_index: int) -> list[MicroBatc
     counts = replica_samples(plan.global_batch, plan.dp_shares, plan.dp)
     offset = step * plan.global_batch + sum(counts[:dp_index])
     return [MicroBatch(u.index, u.first, u.size)
-            for u in stage_graph_micro_batches(offset, counts[dp_index], plan.micro_batch)]
+            for u in stage_graph_micro_batches(offset, counts[dp_index], micro_batch or plan.micro_batch)]
 
 
 # ---------------------------------------------------------------------------------- stages
@@ -139,19 +140,31 @@ class _LayerTracer(fx.Tracer):
 
 @dataclass
 class Stage:
-    """One pipeline stage: `module(*inputs)` returns the tuple of values alive after the cut
-    (the model output, unwrapped, for the last stage)."""
+    """One piece of the model that one pipeline node runs (a stage, or one chunk of an
+    interleaved rank): ``module(*inputs)`` returns the tuple of values it passes on (the model
+    output, unwrapped, for the sink).
+
+    ``inputs`` are the model inputs it reads itself (positions `data_inputs` of the sample
+    tuple) followed by the values it receives, edge by edge (`recv`: predecessor node ->
+    names, in argument order); `send` lists, per successor node, which of `output_names`
+    go to it."""
 
     index: int
     module: nn.Module
     layers: list[str]
     input_names: list[str]
     output_names: list[str]
+    data_inputs: list[int] | None = None  # None: every model input (an untraced whole model)
+    varargs: bool = False  # the last of data_inputs is a *args placeholder: it takes every input from there on
+    batch_dims: dict[str, int] = field(default_factory=dict)  # value name -> its batch dimension (default 0)
+    recv: dict[int, list[str]] = field(default_factory=dict)
+    send: dict[int, list[str]] = field(default_factory=dict)
 
 
 def split_into_stages(model: nn.Module,
                       counts: Sequence[int] | Callable[[int, list[str]], list[int]]) -> list[Stage]:
-    """Cut `model` into stages holding counts[i] consecutive layers each (in execution order).
+    """Cut `model` into a linear pipeline of stages holding counts[i] consecutive layers each
+    (in execution order); values used further down are relayed through the stages between.
 
     `counts` may be a function of the number of layers the forward runs and their styles
     (e.g. `plan.layers_per_stage`, which applies Megatron's split to transformers). A single
@@ -160,17 +173,8 @@ def split_into_stages(model: nn.Module,
     names = [n for n, _ in layers]
     if not callable(counts) and len(counts) == 1:
         return [Stage(0, model, names, [], [])]
-    try:
-        graph = _LayerTracer(set(names)).trace(model)
-    except Exception as exc:  # fx cannot trace data-dependent control flow
-        raise RuntimeSetupError(
-            f"model {type(model).__name__}: cannot be cut into pipeline stages, torch.fx tracing "
-            f"failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
-    calls = [n for n in graph.nodes if n.op == "call_module" and n.target in set(names)]
-    order: list[str] = []
-    for n in calls:
-        if n.target not in order:
-            order.append(n.target)
+    graph = _trace(model, names)
+    order = _layer_order(graph, names)
     if callable(counts):
         modules = dict(layers)
         styles = [_layer_style(modules[name]) for name in order]
@@ -180,65 +184,251 @@ def split_into_stages(model: nn.Module,
     if sum(counts) != len(order):
         raise RuntimeSetupError(
             f"model {type(model).__name__}: plan splits {sum(counts)} layers but the model runs {len(order)}")
-    layer_stage: dict[str, int] = {}
+    layer_node: dict[str, int] = {}
     i = 0
     for s, c in enumerate(counts):
         for name in order[i:i + c]:
-            layer_stage[name] = s
+            layer_node[name] = s
         i += c
-    last = len(counts) - 1
-    stage_of: dict[fx.Node, int | None] = {}
-    nodes = list(graph.nodes)
+    return _split(model, graph, order, layer_node, len(counts), [(k, k + 1) for k in range(len(counts) - 1)])
+
+
+def split_into_graph(model: nn.Module, node_layers: Sequence[Sequence[str]],
+                     edges: Sequence[tuple[int, int]], probe: Sequence[tuple[Any, ...]] | None = None) -> list[Stage]:
+    """Cut `model` into the nodes of a stage DAG: node i runs the layers `node_layers[i]`;
+    values flow along `edges` (a value used by a node that is not a direct successor of its
+    producer is relayed along the shortest path of the DAG). The sink (the one node without
+    successors) returns the model output. `probe`: the model's inputs at two batch sizes, to find
+    each boundary value's batch dimension (needed where stages cut the batch differently)."""
+    names = [n for n, _ in layer_modules(model)]
+    layer_node: dict[str, int] = {}
+    for i, layers in enumerate(node_layers):
+        for name in layers:
+            if name not in names:
+                raise RuntimeSetupError(f"plan field 'stages[{i}].layers': {name!r} is not a layer of "
+                                        f"{type(model).__name__}")
+            if name in layer_node:
+                raise RuntimeSetupError(f"plan field 'stages[{i}].layers': {name!r} is also in stage "
+                                        f"{layer_node[name]}")
+            layer_node[name] = i
+    missing = [n for n in names if n not in layer_node]
+    if missing:
+        raise RuntimeSetupError(f"plan field 'stages': layers {missing[:3]} are in no stage")
+    graph = _trace(model, names)
+    dims = _batch_dims(model, graph, probe) if probe else {}
+    return _split(model, graph, _layer_order(graph, names), layer_node, len(node_layers), list(edges), dims)
+
+
+def _batch_dims(model: nn.Module, graph: fx.Graph, probe: Sequence[tuple[Any, ...]]) -> dict[str, int]:
+    """Per fx value, the dimension whose size follows the batch: shapes at two batch sizes
+    (torch.fx ShapeProp, eval mode and no grad, so no statistics or RNG state move)."""
+    from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+    gm = fx.GraphModule(model, graph)
+    was_training = model.training
+    model.eval()
+    gm.eval()
+    shapes: list[dict[str, tuple[int, ...]]] = []
+    try:
+        with torch.no_grad():
+            for inputs in probe:
+                ShapeProp(gm).propagate(*inputs)
+                shapes.append({n.name: tuple(n.meta["tensor_meta"].shape) for n in graph.nodes
+                               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)})
+    finally:
+        model.train(was_training)
+    out: dict[str, int] = {}
+    for name, a in shapes[0].items():
+        b = shapes[1].get(name)
+        if b is not None and len(a) == len(b):
+            diff = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
+            if diff:
+                out[name] = diff[0]
+    return out
+
+
+class _Dag:
+    """Reachability and shortest paths of a stage DAG."""
+
+    def __init__(self, n: int, edges: Sequence[tuple[int, int]]) -> None:
+        self.n = n
+        self.succ: dict[int, list[int]] = {i: sorted(b for a, b in edges if a == i) for i in range(n)}
+        indeg = {i: 0 for i in range(n)}
+        for _, b in edges:
+            indeg[b] += 1
+        ready, self.topo = sorted(i for i in range(n) if indeg[i] == 0), []
+        while ready:
+            i = ready.pop(0)
+            self.topo.append(i)
+            for b in self.succ[i]:
+                indeg[b] -= 1
+                if indeg[b] == 0:
+                    ready.append(b)
+            ready.sort()
+        if len(self.topo) != n:
+            raise RuntimeSetupError("plan field 'stage_edges': the stage graph has a cycle")
+        self.reach: dict[int, set[int]] = {}
+        for i in reversed(self.topo):
+            self.reach[i] = {i}.union(*(self.reach[b] for b in self.succ[i]))
+
+    def parents(self, src: int) -> dict[int, int]:
+        """BFS tree from `src`: node -> the node it is reached from (ties by id)."""
+        parent, frontier = {src: src}, [src]
+        while frontier:
+            nxt = []
+            for a in frontier:
+                for b in self.succ[a]:
+                    if b not in parent:
+                        parent[b] = a
+                        nxt.append(b)
+            frontier = nxt
+        return parent
+
+    def place(self, inputs: set[int], users: set[int], earliest: bool = False) -> int | None:
+        """The latest (or earliest) node in topological order reachable from all `inputs` that
+        reaches all `users`."""
+        ok = [i for i in self.topo if all(i in self.reach[a] for a in inputs)
+              and all(u in self.reach[i] for u in users)]
+        return (ok[0] if earliest else ok[-1]) if ok else None
+
+
+def _trace(model: nn.Module, names: list[str]) -> fx.Graph:
+    try:
+        return _LayerTracer(set(names)).trace(model)
+    except Exception as exc:  # fx cannot trace data-dependent control flow
+        raise RuntimeSetupError(
+            f"model {type(model).__name__}: cannot be cut into pipeline stages, torch.fx tracing "
+            f"failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+
+
+def _layer_order(graph: fx.Graph, names: list[str]) -> list[str]:
+    order: list[str] = []
+    for n in graph.nodes:
+        if n.op == "call_module" and n.target in set(names) and n.target not in order:
+            order.append(n.target)
+    return order
+
+
+REPLICATED = -1  # a model input that several stages read from the data themselves
+
+
+def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], dag: _Dag,
+            sink: int) -> dict[fx.Node, int]:
+    """The DAG node of every fx node: layers as given; glue at the earliest node that has all
+    its inputs (the one input node every other input node reaches), else -- where branches
+    merge, or for parameters and constants -- the latest node between its inputs and users;
+    model inputs (and glue on them alone) at the earliest node that reaches all their users, or,
+    when no node reaches them all, read by every stage that uses them."""
+    where: dict[fx.Node, int | None] = {}
+    merged: set[fx.Node] = set()  # glue placed after its users are known (branches merge in it or before)
+    from_data: set[fx.Node] = set()  # model inputs and glue computed from them alone (indexing, reshapes)
     for n in nodes:
-        if n.op == "placeholder":
-            stage_of[n] = 0
-        elif n.op == "call_module" and n.target in layer_stage:
-            stage_of[n] = layer_stage[n.target]
+        if n.op == "call_module" and n.target in layer_node:
+            where[n] = layer_node[n.target]
         elif n.op == "output":
-            stage_of[n] = last
+            where[n] = sink
+        elif n.op == "placeholder":
+            where[n] = None
+            from_data.add(n)
         else:
-            fixed = [stage_of[a] for a in n.all_input_nodes if stage_of[a] is not None]
-            stage_of[n] = max(fixed) if fixed else None  # None: floats (get_attr, constants)
-    for n in reversed(nodes):  # floating nodes go to their first consumer's stage
-        if stage_of[n] is None:
-            users = [stage_of[u] for u in n.users if stage_of[u] is not None]
-            stage_of[n] = min(users) if users else last
+            fixed = {where[a] for a in n.all_input_nodes if where[a] is not None}
+            if not fixed and from_data.intersection(n.all_input_nodes):
+                from_data.add(n)
+            top = [a for a in fixed if all(a in dag.reach[b] for b in fixed)]
+            if len(top) == 1 and not merged.intersection(n.all_input_nodes):
+                where[n] = top[0]
+            else:
+                where[n] = None
+                if fixed:
+                    merged.add(n)
+    for n in reversed(nodes):
+        if where[n] is None:
+            fixed = {where[a] for a in n.all_input_nodes if where[a] is not None}
+            users = {where[u] for u in n.users if where[u] is not None}
+            # Model inputs enter at the first stage that reaches all their users (stage 0 of a
+            # chain, relayed from there); glue runs as late as it can.
+            placed = dag.place(fixed, users, earliest=n in from_data)  # type: ignore[arg-type]
+            if placed is None and n.op == "placeholder":
+                # No stage reaches every user (parallel sources, e.g. one branch per input): every
+                # stage that uses it reads the model input itself (samples are seeded per index).
+                where[n] = REPLICATED
+                continue
+            if placed is None:
+                raise RuntimeSetupError(
+                    f"model {type(model).__name__}: {n.name} takes inputs from stages {sorted(fixed)} "
+                    f"and feeds stages {sorted(users)}; no stage of the stage graph lies between them")
+            where[n] = placed
     for n in nodes:
         for a in n.all_input_nodes:
-            if stage_of[a] > stage_of[n]:  # type: ignore[operator]
+            if where[a] == REPLICATED:
+                continue
+            if where[n] not in dag.reach[where[a]]:  # type: ignore[index]
                 raise RuntimeSetupError(
-                    f"model {type(model).__name__}: layer order is not a chain ({a.name} in stage "
-                    f"{stage_of[a]} feeds {n.name} in stage {stage_of[n]})")
-    # Values alive across cut k: produced at stage <= k, used at a stage > k.
-    live: list[list[fx.Node]] = []
-    for k in range(last):
-        live.append([n for n in nodes if n.op != "output" and stage_of[n] <= k  # type: ignore[operator]
-                     and any(stage_of[u] > k for u in n.users)])  # type: ignore[operator]
+                    f"model {type(model).__name__}: layer order is not a chain of the stage graph "
+                    f"({a.name} in stage {where[a]} feeds {n.name} in stage {where[n]}, which it does not reach)")
+    return where  # type: ignore[return-value]
+
+
+def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict[str, int], count: int,
+           edges: list[tuple[int, int]], batch_dims: dict[str, int] | None = None) -> list[Stage]:
+    dag = _Dag(count, edges)
+    sinks = [i for i in range(count) if not dag.succ[i]]
+    if len(sinks) != 1:
+        raise RuntimeSetupError(f"plan field 'stage_edges': the stage graph needs exactly one sink (the stage "
+                                f"that computes the loss), it has {len(sinks)}: {sinks}")
+    nodes = list(graph.nodes)
+    where = _assign(model, nodes, layer_node, dag, sinks[0])
+    # Each value travels from its producer along the BFS tree to every node that uses it.
+    carried: dict[tuple[int, int], list[fx.Node]] = {e: [] for e in edges}
+    for n in nodes:
+        if n.op == "output" or where[n] == REPLICATED:
+            continue
+        users = {where[u] for u in n.users} - {where[n]}
+        if not users:
+            continue
+        parent = dag.parents(where[n])
+        hops: set[tuple[int, int]] = set()
+        for u in users:
+            x = u
+            while x != where[n]:
+                hops.add((parent[x], x))
+                x = parent[x]
+        for e in hops:
+            carried[e].append(n)
+    position = {n: i for i, n in enumerate(nodes)}
     output_node = next(n for n in nodes if n.op == "output")
+    placeholders = [n for n in nodes if n.op == "placeholder"]
     stages = []
-    for k in range(len(counts)):
+    for k in range(count):
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        lookup = env.__getitem__
-        if k == 0:
-            inputs = [n for n in nodes if n.op == "placeholder"]
-            for n in inputs:
-                env[n] = g.node_copy(n)
-        else:
-            inputs = live[k - 1]
-            for n in inputs:
-                env[n] = g.placeholder(n.name)
+        data = [i for i, n in enumerate(placeholders)
+                if where[n] == k or (where[n] == REPLICATED and any(where[u] == k for u in n.users))]
+        for i in data:
+            env[placeholders[i]] = g.node_copy(placeholders[i])
+        recv = {a: sorted(carried[(a, b)], key=position.__getitem__) for a, b in edges if b == k}
+        received: list[fx.Node] = []
+        for a in sorted(recv):
+            for n in recv[a]:
+                if n not in env:
+                    env[n] = g.placeholder(n.name)
+                    received.append(n)
         for n in nodes:
-            if stage_of[n] == k and n.op not in ("placeholder", "output") and n not in env:
-                env[n] = g.node_copy(n, lookup)
-        if k == last:
-            g.output(fx.node.map_arg(output_node.args[0], lookup))
-            outs: list[fx.Node] = []
+            if where[n] == k and n.op not in ("placeholder", "output") and n not in env:
+                env[n] = g.node_copy(n, env.__getitem__)
+        send = {b: sorted(carried[(a, b)], key=position.__getitem__) for a, b in edges if a == k}
+        outs = sorted({n for vals in send.values() for n in vals}, key=position.__getitem__)
+        if k == sinks[0]:
+            g.output(fx.node.map_arg(output_node.args[0], env.__getitem__))
         else:
-            outs = live[k]
             g.output(tuple(env[n] for n in outs))
         g.lint()
         module = fx.GraphModule(model, g, class_name=f"Stage{k}")
-        stages.append(Stage(k, module, [n for n in order if layer_stage[n] == k],
-                            [n.name for n in inputs], [n.name for n in outs]))
+        stages.append(Stage(k, module, [n for n in order if layer_node[n] == k],
+                            [placeholders[i].name for i in data] + [n.name for n in received],
+                            [n.name for n in outs], data,
+                            bool(data) and str(placeholders[data[-1]].target).startswith("*"),
+                            {n.name: batch_dims[n.name] for n in received + outs if n.name in (batch_dims or {})},
+                            {a: [n.name for n in v] for a, v in recv.items()},
+                            {b: [n.name for n in v] for b, v in send.items()}))
     return stages

@@ -147,21 +147,23 @@ class Recorder:
         return self.now()
 
     # -------------------------------------------------------------- spans
-    def _event(self, name: str, category: str, kind: str, micro_batch: int | None, args: dict[str, Any]
-               ) -> TimelineEvent:
+    def _event(self, name: str, category: str, kind: str, micro_batch: int | None, args: dict[str, Any],
+               chunk: int | None = None) -> TimelineEvent:
         args = dict(args)
         args.setdefault("rank", self.rank)
         if self.step is not None:
             args.setdefault("step", self.step)
         return TimelineEvent(name=name, category=category, resource=f"dev{self.device}/{kind}", start=0.0,
-                             end=0.0, device=self.device, stage=self.stage, micro_batch=micro_batch, args=args)
+                             end=0.0, device=self.device, stage=self.stage, micro_batch=micro_batch, args=args,
+                             chunk=chunk)
 
     @contextmanager
-    def compute(self, name: str, category: str, micro_batch: int | None = None, **args: Any) -> Iterator[None]:
+    def compute(self, name: str, category: str, micro_batch: int | None = None, chunk: int | None = None,
+                **args: Any) -> Iterator[None]:
         if self.heartbeat is not None:
             self.heartbeat.progress()
         self._comm_inside.append(0.0)
-        ev = self._event(name, category, "compute", micro_batch, args)
+        ev = self._event(name, category, "compute", micro_batch, args, chunk)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -193,12 +195,13 @@ class Recorder:
                 self.heartbeat.progress()
 
     @contextmanager
-    def comm(self, name: str, category: str, micro_batch: int | None = None, **args: Any) -> Iterator[None]:
+    def comm(self, name: str, category: str, micro_batch: int | None = None, chunk: int | None = None,
+             **args: Any) -> Iterator[None]:
         """A blocking communication: the rank waits on its peers inside it (opened by the facade,
         `plait.runtime.comm`, around each call)."""
         if self.heartbeat is not None:
             self.heartbeat.waiting(name)
-        ev = self._event(name, category, "comm", micro_batch, args)
+        ev = self._event(name, category, "comm", micro_batch, args, chunk)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -3,12 +3,14 @@
 The path of one batch, in order:
 
 1. every rank builds the full model from the same seed (so it equals the single-process
-   reference), cuts out its pipeline stage (`partition.split_into_stages`), shards the
+   reference), cuts out its pipeline nodes (`layout.split_model`: a stage, the chunks of an
+   interleaved rank, or a stage of a stage graph), shards the
    stage's transformer layers over its tensor group (`tensor_parallel`), and moves the
    stage to its device;
 2. each step, the rank's data-parallel replica takes its slice of the global batch
    (`partition.replica_micro_batches`; samples seeded by global index), and the stage runs
-   the plan's pipeline schedule over the micro-batches (`pipeline.StageRunner`);
+   the plan's schedule (`plait.schedule` action lists) over the micro-batches
+   (`executor.PipelineExecutor`, which sends to and receives from any peer stage);
 3. gradients of stage-shared (tied) parameters are summed across stages, gradients of the
    sequence-parallel LayerNorms and biases across the tensor group, then all are reduced
    across data-parallel replicas, and the optimizer steps (`data_parallel`: plain, or ZeRO-1/2;
@@ -49,6 +51,7 @@ from plait.ir.formats import stamp
 from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
+from plait.runtime.clip import GradClipper
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, Group, parse_link_faults
 from plait.runtime.data_parallel import (
     DataParallelStep,
@@ -58,6 +61,14 @@ from plait.runtime.data_parallel import (
     make_optimizer,
     sync_tied_grads,
 )
+from plait.runtime.executor import PipelineExecutor
+from plait.runtime.layout import (
+    merge_modules,
+    node_micro_batches,
+    pipeline_layout,
+    split_model,
+    step_schedule,
+)
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import (
     MicroBatch,
@@ -65,9 +76,7 @@ from plait.runtime.partition import (
     load_model_spec,
     make_samples,
     replica_micro_batches,
-    split_into_stages,
 )
-from plait.runtime.pipeline import StageRunner
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.sharded_state import RankLayout, aliases_of
 from plait.runtime.tensor_parallel import (
@@ -152,6 +161,7 @@ class Worker:
         self.t = rank % plan.tp
         self.d = (rank // plan.tp) % plan.dp
         self.p = rank // (plan.tp * plan.dp)
+        self.layout = pipeline_layout(plan)
         self.info = cfg["ranks"][rank]
         self.run_dir = Path(cfg["run_dir"])
         self.fault = Fault.parse(os.environ.get(FAULT_ENV) or cfg.get("fault"))
@@ -177,7 +187,8 @@ class Worker:
         self.comm.init_process_group(self.cfg["backend"], timeout_s=float(self.cfg["collective_timeout"]))
         plan = self.plan
         # The plan's ranks are a regular pp x dp x tp grid (Megatron's order, as `Plan.rank`): one mesh.
-        self.comm.build_mesh(self.device.type, {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp})
+        # A graph pipeline's stages are the "pp" dimension (one device each, `supports`).
+        self.comm.build_mesh(self.device.type, {"pp": self.layout.num_stages, "dp": plan.dp, "tp": plan.tp})
         self.dp_group: Group = self.comm.group("dp")
         self.tp_group: Group = self.comm.group("tp")
 
@@ -197,32 +208,35 @@ class Worker:
         # Which layers are tensor parallel, in execution order over the whole model: a sequence-parallel
         # region spans consecutive ones, across pipeline cuts too.
         order = [(n, is_tensor_parallel_layer(m)) for n, m in layer_modules(model)]
-        stages = split_into_stages(model, plan.layers_per_stage if plan.pp > 1 else [0])
-        stage = stages[self.p]
-        self.stage_module: nn.Module = stage.module
-        self.stage_layers = stage.layers
-        # Parameters used by several stages (tied embeddings) -> one all-reduce group per owner set.
+        lay = self.layout
+        stages = split_model(model, plan, lay, self.spec)
+        self.chunks = {c: stages[lay.node_of(self.p, c)] for c in range(lay.chunks)}
+        self.stage_layers = [name for st in self.chunks.values() for name in st.layers]
+        # Parameters used by several pipeline ranks (tied embeddings) -> one all-reduce group per owner set.
         owners: dict[int, list[int]] = {}
         for s in stages:
             for prm in s.module.parameters():
-                owners.setdefault(id(prm), []).append(s.index)
-        tied_sets = sorted({tuple(v) for v in owners.values() if len(v) > 1})
+                rank_stage = lay.place(s.index)[0]
+                if rank_stage not in owners.setdefault(id(prm), []):
+                    owners[id(prm)].append(rank_stage)
+        tied_sets = sorted({tuple(sorted(v)) for v in owners.values() if len(v) > 1})
+        self.copies = {k: len(v) for k, v in owners.items()}  # pipeline ranks holding each parameter
         # Checkpoints name parameters as the single-process model does (a tied group by its first
-        # name) and write a tied parameter from its first stage only (`sharded_state`).
+        # name) and write a tied parameter from its first pipeline rank only (`sharded_state`).
         self.param_aliases = aliases_of(model)
-        self.from_earlier_stage = {n for n, prm in self.stage_module.named_parameters()
-                                   if min(owners.get(id(prm), [self.p])) < self.p}
+        self._owners = owners
         self.tied: list[tuple[list[nn.Parameter], Group]] = []
-        mine = list(self.stage_module.parameters())
+        mine = list(dict.fromkeys(prm for st in self.chunks.values() for prm in st.module.parameters()))
         for owner_set in tied_sets:
             # Off the grid (stages 0 and pp-1, say): explicit groups, one per (replica, tensor rank).
             sets = [[plan.rank(s, d, t) for s in owner_set] for d in range(plan.dp) for t in range(plan.tp)]
             g = self.comm.new_groups("tied s" + "-".join(map(str, owner_set)), sets)
             if g is not None:
-                self.tied.append(([prm for prm in mine if tuple(owners[id(prm)]) == owner_set], g))
+                self.tied.append(([prm for prm in mine if tuple(sorted(owners[id(prm)])) == owner_set], g))
         # Megatron tensor parallelism on this stage's transformer layers.
         self.shard_infos: dict[str, ShardInfo] = {}
-        layers = dict(layer_modules(self.stage_module if plan.pp > 1 else model))
+        layers = {n: m for st in self.chunks.values()
+                  for n, m in layer_modules(st.module if lay.num_nodes > 1 else model)}
         self.sp = bool(plan.sequence_parallel) and plan.tp > 1
         tp_layers = {n: m for n, m in layers.items() if is_tensor_parallel_layer(m)}
         seq_dim = next((int(getattr(m, "plait_seq_dim", 0)) for m in tp_layers.values()), 0)
@@ -238,7 +252,12 @@ class Worker:
                                             leave=not (i + 1 < len(order) and order[i + 1][1]))
                     self.sp_params += sequence_parallel_params(layer, infos, prefix=name + ".")
         self._apply_recompute(layers)
-        self.stage_module.to(self.device)
+        for st in self.chunks.values():
+            st.module.to(self.device)
+        # One module over this rank's chunks (after tensor parallelism replaced their parameters).
+        self.stage_module: nn.Module = merge_modules([st.module for st in self.chunks.values()])
+        self.from_earlier_stage = {n for n, prm in self.stage_module.named_parameters()
+                                   if min(self._owners.get(id(prm), [self.p])) < self.p}
         self.params = [prm for prm in self.stage_module.parameters() if prm.requires_grad]
         self.param_count = sum(prm.numel() for prm in self.params)
         del model, stages
@@ -306,10 +325,15 @@ class Worker:
                                  free_grads=plan.zero >= 2, scaler=self.scaler)
         else:
             self.opt = DataParallelStep(self.params, make_opt, self.dp_group, plan.dp, self.rec, scaler=self.scaler)
-        prev_rank = plan.rank(self.p - 1, self.d, self.t) if self.p > 0 else None
-        next_rank = plan.rank(self.p + 1, self.d, self.t) if self.p < plan.pp - 1 else None
-        runner = StageRunner(self.stage_module, self.p, plan.pp, prev_rank, next_rank, self.spec.loss,
-                             plan.global_batch, self.device, self.rec, autocast=self._autocast, comm=self.comm)
+        if cfg.get("clip_grad"):
+            self.opt.clip = GradClipper(float(cfg["clip_grad"]), self._copy_weights(), group=self.comm.world_group)
+        lay = self.layout
+        runner = PipelineExecutor(self.chunks, self.p, lay.node_of, lambda s, c: plan.rank(s, self.d, self.t),
+                                  lay.sink, self.spec.loss, plan.global_batch, self.device, self.rec, self.comm,
+                                  autocast=self._autocast,
+                                  # Megatron's blocking p2p where the simulator models it (sim/lower.py).
+                                  blocking=not plan.stages and plan.schedule in ("1f1b", "gpipe")
+                                  and plan.virtual_stages == 1)
         start = self._maybe_resume()
         steps = int(cfg["steps"])
         ck = cfg.get("checkpoint") or {}
@@ -325,8 +349,11 @@ class Worker:
         schedule = "1f1b" if self.zero3 is not None else plan.schedule
         for step in range(start, steps):
             self.hb.progress("train", step)
-            mbs = replica_micro_batches(plan, step, self.d)
-            data = self._step_data(mbs) if (runner.first or runner.last) else {}
+            node_mbs = node_micro_batches(plan, lay, step, self.d)
+            mbs = node_mbs[lay.node_of(self.p, 0)]
+            chunk_mbs = {c: node_mbs[lay.node_of(self.p, c)] for c in self.chunks}
+            data = self._step_data(chunk_mbs)
+            sched = step_schedule(plan, lay, node_mbs, schedule)
             self.rec.step = step  # the step barrier's comm record belongs to this step, not the last one
             if self.fault:
                 self.fault.maybe_fire(self.rank, step, "step")
@@ -343,7 +370,7 @@ class Worker:
                 self.scales.append(self.scaler.scale)
             if self.zero3 is not None:
                 self.zero3.begin_step()
-            runner.run(schedule, mbs, lambda mb, data=data: data[mb.index])
+            runner.run(sched, chunk_mbs, lambda c, mb, data=data: data[(c, mb.index)])
             if self.zero3 is not None:  # join the collectives of replicas with more micro-batches
                 most = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
                 self.zero3.ghost_rounds(most - len(mbs), len(mbs))
@@ -364,6 +391,18 @@ class Worker:
                 self._save_checkpoint(step + 1, Path(ck["dir"]))
         self._finish(losses, step_bounds, start, steps, origin_info)
 
+    def _copy_weights(self) -> dict[int, float]:
+        """Per parameter, 1 / the number of model-parallel ranks holding a copy of it (for the global
+        gradient norm, `plait.runtime.clip`): tied parameters live on several pipeline ranks,
+        parameters not sharded by tensor parallelism on every tensor rank."""
+        out: dict[int, float] = {}
+        for name, prm in self.stage_module.named_parameters():
+            w = 1.0 / self.copies.get(id(prm), 1)
+            if self.plan.tp > 1 and name not in self.shard_infos:
+                w /= self.plan.tp
+            out[id(prm)] = w
+        return out
+
     def _sync_sp_grads(self) -> None:
         """Sum the gradients of sequence-parallel LayerNorms and biases over the tensor group: each
         rank computed them on its 1/tp of the tokens (Korthikanti et al. 2022, §4.2.2)."""
@@ -380,33 +419,49 @@ class Worker:
         for group in self.opt.optimizer.param_groups:
             group["lr"] = lr
 
-    def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
-        """This replica's micro-batches: stream positions shifted by `sample_base` (a resume continues
-        with the sample after the checkpoint's last, whatever the plans' global batches)."""
+    def _needed(self, chunk_mbs: dict[int, list[MicroBatch]]) -> list[tuple[int, MicroBatch]]:
+        """(chunk, micro-batch) pairs whose samples this rank reads: chunks that read model inputs
+        or compute the loss, in one fixed order (the user-data loader fetches in this order)."""
+        sink = self.layout.sink
+        return [(c, mb) for c, mbs in sorted(chunk_mbs.items())
+                if self.chunks[c].data_inputs is None or self.chunks[c].data_inputs or (self.p, c) == sink
+                for mb in mbs]
+
+    def _step_data(self, chunk_mbs: dict[int, list[MicroBatch]]
+                   ) -> dict[tuple[int, int], tuple[tuple[Any, ...], torch.Tensor]]:
+        """Samples of the micro-batches of the chunks that read model inputs or compute the loss:
+        stream positions shifted by `sample_base` (a resume continues with the sample after the
+        checkpoint's last, whatever the plans' global batches)."""
         seed = int(self.cfg["data_seed"])
         base = getattr(self, "sample_base", 0)
+        needed = self._needed(chunk_mbs)
         if not self.cfg.get("data"):
-            return {mb.index: make_samples(self.spec, base + mb.first, mb.size, seed, self.device) for mb in mbs}
+            return {(c, mb.index): make_samples(self.spec, base + mb.first, mb.size, seed, self.device)
+                    for c, mb in needed}
         if getattr(self, "_data_iter", None) is None:
             self._data_iter = self._open_data(base, seed)
         out = {}
-        for mb in mbs:
+        for c, mb in needed:
             inputs, target = next(self._data_iter)
-            out[mb.index] = (tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs),
-                             target.to(self.device))
+            out[(c, mb.index)] = (tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs),
+                                  target.to(self.device))
         return out
 
     def _open_data(self, base: int, seed: int) -> Any:
-        """A DataLoader over every micro-batch this replica takes from now to the last step, its
-        workers fetching ahead (`plait.runtime.data`)."""
+        """A DataLoader over every micro-batch this rank reads from now to the last step, in the
+        order `_step_data` asks for them, its workers fetching ahead (`plait.runtime.data`)."""
         from plait.runtime import data as user_data
 
         data_cfg = self.cfg["data"]
         dataset, collate = user_data.load_data(data_cfg["spec"])
         order = user_data.SampleOrder(len(dataset), seed)
         start = getattr(self, "start_step", 0)
-        ranges = [(base + mb.first, mb.size) for step in range(start, int(self.cfg["steps"]))
-                  for mb in replica_micro_batches(self.plan, step, self.d)]
+        lay = self.layout
+        ranges = []
+        for step in range(start, int(self.cfg["steps"])):
+            node_mbs = node_micro_batches(self.plan, lay, step, self.d)
+            chunk_mbs = {c: node_mbs[lay.node_of(self.p, c)] for c in self.chunks}
+            ranges += [(base + mb.first, mb.size) for _, mb in self._needed(chunk_mbs)]
         return user_data.batches(dataset, collate, order, ranges, int(data_cfg.get("workers", 1)))
 
     def _common_origin(self) -> dict[str, Any]:
@@ -499,7 +554,7 @@ class Worker:
         plan = self.plan
         self.hb.progress("gather")
         loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
-        if self.p == plan.pp - 1 and plan.dp > 1 and loss_vec.numel():
+        if self.p == self.layout.sink[0] and plan.dp > 1 and loss_vec.numel():
             self.dp_group.all_reduce(loss_vec, "allreduce dp losses", "comm_dp", span=False)
         # Parameter bytes held between steps: the whole stage, or under ZeRO-3 the shards (~1/dp).
         param_bytes = self.zero3.resident_param_bytes() if self.zero3 is not None else \
@@ -524,7 +579,7 @@ class Worker:
             "memory_kind": mem_kind, "samples_per_step": plan.samples_per_replica()[self.d],
             "events": [asdict(e) for e in self.rec.events],
             "step_bounds": bounds,
-            "losses": loss_vec.cpu().tolist() if self.p == plan.pp - 1 else None,
+            "losses": loss_vec.cpu().tolist() if self.p == self.layout.sink[0] else None,
             "params_state": params, "shard_infos": {k: asdict(v) for k, v in self.shard_infos.items()},
             "clock": origin,
             "amp": {"scales": self.scales, "skipped": [s for s in self.scaler.skipped if s >= start],
@@ -584,7 +639,8 @@ def _boot_id() -> str:
 
 def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: int, steps: int,
                   cfg: dict[str, Any]) -> None:
-    last = plan.rank(plan.pp - 1, 0, 0)
+    layout = pipeline_layout(plan)
+    last = plan.rank(layout.sink[0], 0, 0)
     losses = ranks[last]["losses"] or []
     step_ids = list(range(start, steps))
     iteration_times = []
@@ -595,7 +651,7 @@ def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start:
     params = None
     if cfg.get("return_params"):
         params = {}
-        for p in range(plan.pp):
+        for p in range(layout.num_stages):
             base = ranks[plan.rank(p, 0, 0)]
             for name, tensor in base["params_state"].items():
                 info = base["shard_infos"].get(name)

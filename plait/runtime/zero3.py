@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from plait.runtime.amp import DynamicLossScaler
+from plait.runtime.clip import GradClipper
 from plait.runtime.comm import Group
 from plait.runtime.data_parallel import _flat_grads, _scatter_back
 from plait.runtime.recorder import Recorder
@@ -128,6 +129,7 @@ class Zero3Step:
         for u in self.all_units:
             u.free()
         self.optimizer = make_opt([u.shard_param for u in self.all_units])
+        self.clip: GradClipper | None = None  # global gradient-norm clipping (plait.runtime.clip)
         self._callback_queued = False
         self.sequence: list[tuple[str, int]] = []  # the per-micro-batch collectives of this step
         self.expected_round = [("ag", u.index) for u in self.units] + \
@@ -255,6 +257,10 @@ class Zero3Step:
         if self.scaler is not None and self.scaler.unscale_and_check(grads):
             self.optimizer.zero_grad(set_to_none=True)
             return False
+        if self.clip is not None:  # disjoint shards of every unit
+            self.clip.clip_flat([(u.shard_param.grad, self.clip.flat_weights(
+                u.params, u.padded, self.rank * u.shard, (self.rank + 1) * u.shard))
+                for u in self.all_units if u.shard_param.grad is not None])
         with self.rec.compute("optimizer", "optimizer", shard=sum(p.numel() for p in shards)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -252,7 +252,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
         events = [TimelineEvent(name=tg.name[i], category=tg.category[i], resource=tg.resource[i],
                                 start=sched.start[i], end=sched.end[i], device=tg.device[i],
                                 stage=tg.stage[i], micro_batch=tg.micro_batch[i],
-                                args=dict(tg.args[i]) if tg.args[i] else {})
+                                args=dict(tg.args[i]) if tg.args[i] else {}, chunk=tg.chunk[i])
                   for i in range(len(tg))]
         return Timeline(events=events, source="simulated",
                         meta={"plan": str(plan), "model": graph.model, "cluster": view.name,

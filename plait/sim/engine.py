@@ -40,6 +40,7 @@ class TaskGraph:
     device: list[int | None] = field(default_factory=list)
     stage: list[int | None] = field(default_factory=list)
     micro_batch: list[int | None] = field(default_factory=list)
+    chunk: list[int | None] = field(default_factory=list)  # model chunk on its stage (interleaved 1F1B)
     args: list[dict[str, Any] | None] = field(default_factory=list)
     capacity: list[float] = field(default_factory=list)  # per resource, bytes/s
     resource_key: list[tuple] = field(default_factory=list)
@@ -60,7 +61,7 @@ class TaskGraph:
     def add(self, name: str, category: str, resource: str, duration: float = 0.0,
             deps: list[int] | tuple[int, ...] = (), flow: list[tuple[int, float, float]] | None = None,
             device: int | None = None, stage: int | None = None, micro_batch: int | None = None,
-            args: dict[str, Any] | None = None) -> int:
+            args: dict[str, Any] | None = None, chunk: int | None = None) -> int:
         """Add a task; `deps` are ids of tasks it waits for; `flow` makes it a transfer."""
         tid = len(self.name)
         self.name.append(name)
@@ -79,6 +80,7 @@ class TaskGraph:
         self.device.append(device)
         self.stage.append(stage)
         self.micro_batch.append(micro_batch)
+        self.chunk.append(chunk)
         self.args.append(args)
         return tid
 

@@ -24,10 +24,10 @@ Tasks of one worker, in program order on its compute stream
   on their own streams);
 * per micro-batch and chunk: forward, [recompute forward], backward -- one task per
   chunk ("stage" granularity) or one per layer segment with every tensor-parallel
-  collective as its own flow task ("layer" granularity). Orders: GPipe (all forwards,
-  then all backwards), 1F1B (Megatron's warm-up of ``pp-p-1`` forwards, then
-  one-forward-one-backward, then cool-down) and interleaved 1F1B (Megatron's
-  ``get_model_chunk_id`` order with ``(pp-p-1)*2 + (v-1)*pp`` warm-up units);
+  collective as its own flow task ("layer" granularity). The order is the compute
+  actions of the plan's schedule from `plait.schedule` (GPipe, 1F1B, interleaved 1F1B,
+  graph 1F1B), the same action lists the runtime executes; tasks are named with the
+  shared key ``"fwd s{stage} c{chunk} mb{micro_batch}"`` (chunk: local on the stage);
 * pipeline sends: activations after a forward and gradients after a backward, to the
   replicas of the next chunk that need those samples. A transfer starts when the sender
   has produced the tensor and the receiver has reached its receive (rendezvous); with
@@ -50,6 +50,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from plait import schedule as schedules
 from plait.cluster.spec import GPUKind
 from plait.cost import traffic
 from plait.cost.collectives import (
@@ -72,6 +73,7 @@ from plait.errors import PlaitError
 from plait.ir.opgraph import Layer, OpGraph
 from plait.ir.plan import Plan, StageSpec
 from plait.ir.stage_graph import StageGraph, stage_graph
+from plait.schedule import Node, PipelineGraph, Schedule, ScheduleError, event_key
 from plait.sim.engine import TaskGraph
 from plait.sim.topology import ClusterView
 
@@ -140,41 +142,6 @@ class Lowered:
 
 
 # ---------------------------------------------------------------- helpers
-def _order_1f1b(pp: int, p: int, m: int) -> list[tuple[str, int, int]]:
-    warm = min(pp - p - 1, m)
-    order = [("F", 0, i) for i in range(warm)]
-    for i in range(m - warm):
-        order.append(("F", 0, warm + i))
-        order.append(("B", 0, i))
-    order += [("B", 0, i) for i in range(m - warm, m)]
-    return order
-
-
-def _order_gpipe(m: int) -> list[tuple[str, int, int]]:
-    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in reversed(range(m))]
-
-
-def _order_interleaved(pp: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
-    """Megatron-LM's interleaved 1F1B (forward_backward_pipelining_with_interleaving)."""
-    total = m * v
-    if m == pp:
-        warm = total
-    else:
-        warm = min((pp - p - 1) * 2 + (v - 1) * pp, total)
-
-    def unit(k: int, forward: bool) -> tuple[int, int]:
-        group = k // (pp * v)
-        chunk = (k % (pp * v)) // pp
-        if not forward:
-            chunk = v - 1 - chunk
-        return chunk, group * pp + k % pp
-
-    order = [("F", *unit(k, True)) for k in range(warm)]
-    for k in range(total - warm):
-        order.append(("F", *unit(warm + k, True)))
-        order.append(("B", *unit(k, False)))
-    order += [("B", *unit(k, False)) for k in range(total - warm, total)]
-    return order
 
 
 # ---------------------------------------------------------------- combined layer costs
@@ -460,6 +427,7 @@ class _Lowerer:
             raise LoweringError(f"granularity: must be 'layer', 'stage' or 'auto', got {granularity!r}")
         self.granularity = granularity
         self.programs = {w.wid: self._program(w, stages) for w in workers}
+        self.local_chunk = {c.cid: c.cid // plan.pp if not plan.stages else 0 for c in chunks}
         self.item_first: dict[int, list[int]] = {}
         self.item_last: dict[int, list[int]] = {}
         self.layer_bwd_end: dict[int, dict[str, int]] = {}
@@ -477,51 +445,43 @@ class _Lowerer:
         return Lowered(self.tg, workers, chunks, symmetric, note, granularity, world, self.tp_comm)
 
     def _program(self, w: Worker, stages: list[StageSpec]) -> list[tuple[str, int, int]]:
+        """The worker's compute order, read from `plait.schedule` (schedules as data):
+        [("F" | "B", chunk id, micro-batch)]."""
+        schedule = self._schedule(w)
+        return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch)
+                for a in schedule.compute(w.stage)]
+
+    def _schedule(self, w: Worker) -> Schedule:
         plan = self.plan
-        m = len(w.units)
-        if plan.stages:
-            depth = self._depth()[w.stage]
-            order = _order_gpipe(m) if plan.schedule == "gpipe" else _order_1f1b(depth + 1, 0, m)
-            return [(k, w.chunks[0], i) for k, _, i in order]
-        pp, v = plan.pp, plan.virtual_stages
-        if plan.schedule == "gpipe":
-            order = _order_gpipe(m)
-            out = []
-            for k, _, i in order:
-                chunk_ids = w.chunks if k == "F" else list(reversed(w.chunks))
-                out += [(k, c, i) for c in chunk_ids]
-            return out
-        if plan.schedule == "interleaved" and v > 1:
-            if m % pp:
-                raise LoweringError(
-                    f"interleaved 1F1B: replica {w.replica} runs {m} micro-batches, not a multiple of pp={pp}")
-            return [(k, w.chunks[c], i) for k, c, i in _order_interleaved(pp, w.stage, m, v)]
-        return [(k, w.chunks[0], i) for k, _, i in _order_1f1b(pp, w.stage, m)]
+        sizes = tuple(n for _, n in w.units)
+        try:
+            if plan.stages:
+                # Graph pipeline: every stage's own micro-batches where its replicas line up with
+                # this worker's samples, else this worker's (the transfers carry the sample overlaps).
+                total = sum(sizes)
+                node_sizes = []
+                for row in self.all_workers:
+                    other = tuple(n for _, n in row[min(w.replica, len(row) - 1)].units)
+                    node_sizes.append(other if sum(other) == total and other else sizes)
+                graph = PipelineGraph.dag(node_sizes, self.plan.stage_graph_edges())
+                return schedules.build("gpipe" if plan.schedule == "gpipe" else "graph_1f1b", graph)
+            v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+            graph = PipelineGraph(tuple(Node(k % plan.pp, k // plan.pp, sizes) for k in range(plan.pp * v)),
+                                  tuple((k, k + 1) for k in range(plan.pp * v - 1)))
+            return schedules.build(plan.schedule, graph)
+        except ScheduleError as exc:
+            raise LoweringError(f"replica {w.replica} of stage {w.stage}: {exc}") from None
 
-    def _depth(self) -> dict[int, int]:
-        """Stages on the longest path from each stage to a sink, minus one (GraphPipe warm-up)."""
-        if hasattr(self, "_depth_cache"):
-            return self._depth_cache
-        n = len(self.plan.stages)
-        succ = defaultdict(list)
-        for a, b in self.plan.stage_graph_edges():
-            succ[a].append(b)
-        memo: dict[int, int] = {}
-
-        def depth(s: int) -> int:
-            if s not in memo:
-                memo[s] = max((depth(t) + 1 for t in succ[s]), default=0)
-            return memo[s]
-
-        self._depth_cache = {s: depth(s) for s in range(n)}
-        return self._depth_cache
+    def _key(self, op: str, w: Worker, c: int, i: int) -> str:
+        """The shared event name (`plait.schedule.event_key`) of chunk id `c` on worker `w`."""
+        return event_key(op, w.stage, self.local_chunk[c], i)
 
     def _label(self, w: Worker, stream: str) -> str:
         return f"dev{w.rep}/{stream}"
 
     def _emit_items(self, w: Worker, items_per_layer: list[tuple[Layer, list[_Item]]], name: str,
                     category: str, mb: int, deps: list[int], per_layer: bool,
-                    record_layers: dict[str, int] | None = None) -> tuple[int, int]:
+                    record_layers: dict[str, int] | None = None, chunk: int | None = None) -> tuple[int, int]:
         """Emit a pass; returns (first task, last task)."""
         tg = self.tg
         label = self._label(w, "compute")
@@ -537,7 +497,7 @@ class _Lowerer:
                 hit = self.total_cache[key] = (total, comm, items_per_layer)  # keep the lists alive
             total, comm = hit[0], hit[1]
             tid = tg.add(name, category, label, total, deps, device=w.rep, stage=w.stage, micro_batch=mb,
-                         args={"tp_comm_s": comm} if comm else None)
+                         args={"tp_comm_s": comm} if comm else None, chunk=chunk)
             if comm:
                 self.tp_comm[tid] = comm
             if record_layers is not None:
@@ -555,7 +515,7 @@ class _Lowerer:
                     continue
                 if acc > 0 or last < 0:
                     tid = tg.add(f"{name} {layer.name}", category, label, acc, prev, device=w.rep,
-                                 stage=w.stage, micro_batch=mb)
+                                 stage=w.stage, micro_batch=mb, chunk=chunk)
                     first = tid if first < 0 else first
                     prev, last, acc = [tid], tid, 0.0
                 tid = self._tp_flow(w, it, links, prev, f"{it.op} tp {layer.name}", mb)
@@ -563,7 +523,7 @@ class _Lowerer:
                 prev, last = [tid], tid
             if acc > 0 or last < 0:
                 tid = tg.add(f"{name} {layer.name}", category, label, acc, prev, device=w.rep,
-                             stage=w.stage, micro_batch=mb)
+                             stage=w.stage, micro_batch=mb, chunk=chunk)
                 first = tid if first < 0 else first
                 prev, last = [tid], tid
             if record_layers is not None:
@@ -644,18 +604,20 @@ class _Lowerer:
             zero3_dep = self._zero3_gather(w, c, i, k, ahead) if plan.zero == 3 and w.links else None
             deps = prev + ([zero3_dep] if zero3_dep is not None else [])
             if k == "F":
-                first, last = self._emit_items(w, [(lay, cc.fwd) for lay, cc in costs], f"fwd c{c} mb{i}",
-                                               "forward", i, deps, per_layer)
+                first, last = self._emit_items(w, [(lay, cc.fwd) for lay, cc in costs], self._key("fwd", w, c, i),
+                                               "forward", i, deps, per_layer, chunk=self.local_chunk[c])
             else:
                 first = -1
                 if plan.recompute != "none" and any(cc.rec for _, cc in costs):
                     first, rlast = self._emit_items(w, [(lay, cc.rec) for lay, cc in costs],
-                                                    f"recompute c{c} mb{i}", "recompute", i, deps, per_layer)
+                                                    self._key("recompute", w, c, i), "recompute", i, deps, per_layer,
+                                                    chunk=self.local_chunk[c])
                     deps = [rlast]
                 fine = per_layer or (wfbp and idx == last_b_item.get(c))
                 record = self.layer_bwd_end[w.wid] if idx == last_b_item.get(c) else None
                 bfirst, last = self._emit_items(w, [(lay, cc.bwd) for lay, cc in reversed(costs)],
-                                                f"bwd c{c} mb{i}", "backward", i, deps, fine, record)
+                                                self._key("bwd", w, c, i), "backward", i, deps, fine, record,
+                                                chunk=self.local_chunk[c])
                 first = bfirst if first < 0 else first
                 if plan.zero == 3 and w.links and w.links.n >= 1:
                     self._zero3_scatter(w, c, i, last)
@@ -792,12 +754,13 @@ class _Lowerer:
         if nbytes > 0 and src.rep != dst.rep:
             flow = [(self.tg.add_resource(key, cap), nbytes, float(max(1, self._twin_copies(src, dst, key))))
                     for key, cap in self.view.path(src.rep, dst.rep)]
-        kind = "act" if forward else "grad"
-        tid = self.tg.add(f"send {kind} c{c_src}->c{c_dst} mb{u_src}", "comm_pp",
+        tid = self.tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
                           f"link {src.rep}->{dst.rep}", lat + self.model.p2p_host_s, deps, flow=flow,
                           device=src.rep, stage=src.stage, micro_batch=u_src,
                           args={"bytes": nbytes, "src": src.rep, "dst": dst.rep, "cls": "pp", "op": "send_recv",
-                                "ranks": 2, "copies": len(src.devices) * self._replicas_of(src)})
+                                "ranks": 2, "copies": len(src.devices) * self._replicas_of(src),
+                                "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
+                          chunk=self.local_chunk[c_src])
         self.tg.add_dep(tid, self.item_first[dst.wid][kd])
         if blocking and ks + 1 < len(self.item_first[src.wid]):
             self.tg.add_dep(tid, self.item_first[src.wid][ks + 1])

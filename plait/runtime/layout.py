@@ -1,0 +1,170 @@
+"""How a plan's pipeline maps onto the runtime's ranks, and what the runtime can run.
+
+A pipeline is a DAG of *nodes* (`plait.schedule.Node`):
+
+* a chain plan (``pp`` stages, ``virtual_stages`` = v chunks each) has ``pp * v`` nodes in
+  a line; node ``k`` runs on pipeline rank ``k % pp`` as its chunk ``k // pp`` (Megatron's
+  interleaved layout); ranks are Megatron's grid (tp fastest, then dp, then pp);
+* a graph plan (`Plan.stages` + `Plan.stage_edges`) has one node per stage on its own
+  rank (rank = stage index), each with its own micro-batch size.
+
+`supports(plan)` is the runtime's own statement of what it runs; `api.run` refuses
+exactly what it refuses, with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from plait.ir.plan import Plan
+from plait.runtime.partition import (
+    MicroBatch,
+    Stage,
+    make_samples,
+    replica_micro_batches,
+    split_into_graph,
+    split_into_stages,
+)
+from plait.schedule import Node, PipelineGraph, Schedule, ScheduleError, build
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    num_stages: int  # pipeline ranks of one replica
+    chunks: int  # nodes per pipeline rank
+    edges: tuple[tuple[int, int], ...]  # between node ids
+    graph_plan: bool  # stages come from Plan.stages
+
+    def node_of(self, stage: int, chunk: int) -> int:
+        return chunk * self.num_stages + stage
+
+    def place(self, node: int) -> tuple[int, int]:
+        """(pipeline rank, chunk) of a node."""
+        return node % self.num_stages, node // self.num_stages
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_stages * self.chunks
+
+    @property
+    def sink(self) -> tuple[int, int]:
+        """The node that computes the loss: the one without successors."""
+        sources = {a for a, _ in self.edges}
+        sinks = [n for n in range(self.num_nodes) if n not in sources]
+        return self.place(sinks[-1])
+
+
+def pipeline_layout(plan: Plan) -> PipelineLayout:
+    if plan.stages:
+        return PipelineLayout(len(plan.stages), 1, tuple(tuple(e) for e in plan.stage_edges), True)  # type: ignore[misc]
+    v = plan.virtual_stages
+    n = plan.pp * v
+    return PipelineLayout(plan.pp, v, tuple((k, k + 1) for k in range(n - 1)), False)
+
+
+def node_micro_batches(plan: Plan, layout: PipelineLayout, step: int, dp_index: int) -> dict[int, list[MicroBatch]]:
+    """Micro-batches of every node of replica `dp_index` at `step` (node id -> list)."""
+    if layout.graph_plan:
+        return {s: replica_micro_batches(plan, step, 0, spec.micro_batch) for s, spec in enumerate(plan.stages)}
+    mbs = replica_micro_batches(plan, step, dp_index)
+    return {n: mbs for n in range(layout.num_nodes)}
+
+
+def step_schedule(plan: Plan, layout: PipelineLayout, mbs: dict[int, list[MicroBatch]], name: str) -> Schedule:
+    """The plan's schedule (`plait.schedule`) over the nodes' micro-batches of one step."""
+    nodes = tuple(Node(*layout.place(n), tuple(mb.size for mb in mbs[n])) for n in range(layout.num_nodes))
+    graph = PipelineGraph(nodes, layout.edges)
+    if layout.graph_plan:
+        name = "gpipe" if name == "gpipe" else "graph_1f1b"
+    return build(name, graph)
+
+
+def split_model(model: nn.Module, plan: Plan, layout: PipelineLayout, spec: Any = None) -> list[Stage]:
+    """The model cut into the layout's nodes (index = node id). Where a graph plan's stages cut
+    the batch differently, the model spec's samples at two batch sizes find each boundary
+    value's batch dimension."""
+    if layout.graph_plan:
+        from plait.graph.capture import layer_assignment
+
+        path_of = {name: path for path, (name, _) in layer_assignment(model).items()}
+        node_layers = [[path_of.get(n, n) for n in s.layers] for s in plan.stages]
+        probe = None
+        if spec is not None and len({s.micro_batch or plan.micro_batch for s in plan.stages}) > 1:
+            probe = [make_samples(spec, 0, n, 0)[0] for n in (1, 2)]
+        return split_into_graph(model, node_layers, layout.edges, probe)
+    if layout.num_nodes == 1:
+        return split_into_stages(model, [0])
+    return split_into_stages(model, plan.layers_per_stage)
+
+
+def merge_modules(modules: list[nn.Module]) -> nn.Module:
+    """One module that holds the parameters and buffers of several chunk modules under their
+    original names (the same objects): for the optimizer, checkpoints and returned parameters."""
+    if len(modules) == 1:
+        return modules[0]
+    root = nn.Module()
+    for m in modules:
+        _merge(root, m)
+    return root
+
+
+def _merge(dst: nn.Module, src: nn.Module) -> None:
+    for name, prm in src._parameters.items():
+        if prm is not None and name not in dst._parameters:
+            dst.register_parameter(name, prm)
+    for name, buf in src._buffers.items():
+        if buf is not None and name not in dst._buffers:
+            dst.register_buffer(name, buf)
+    for name, child in src._modules.items():
+        if child is None:
+            continue
+        if name not in dst._modules:
+            dst._modules[name] = nn.Module()  # a fresh container: the chunks' own stay untouched
+        _merge(dst._modules[name], child)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------- supports
+def supports(plan: Any) -> tuple[bool, str]:
+    """(True, "") when the runtime can run `plan`, else (False, the reason naming the field)."""
+    plan = Plan.load(plan)
+    if plan.stages:
+        for i, spec in enumerate(plan.stages):
+            if spec.dp != 1 or spec.tp != 1 or len(spec.devices) != 1:
+                return False, (f"plan field 'stages[{i}]': the runtime runs a stage graph with one device per "
+                               f"stage (dp=1, tp=1), stage {spec.name!r} has dp={spec.dp}, tp={spec.tp}, "
+                               f"{len(spec.devices)} devices")
+        devices = [spec.devices[0] for spec in plan.stages]
+        if len(set(devices)) != len(devices):
+            return False, "plan field 'stages': two stages share a device; the runtime runs one stage per rank"
+        if plan.schedule == "interleaved":
+            return False, "plan field 'schedule': a stage graph runs 'gpipe' or '1f1b' (graph 1F1B), not interleaved"
+        try:
+            PipelineGraph.dag([[1]] * len(plan.stages), list(plan.stage_edges))
+        except ScheduleError as exc:
+            return False, str(exc).replace("pipeline graph field 'edges'", "plan field 'stage_edges'")
+        sources = {a for a, _ in plan.stage_edges}
+        sinks = [s for s in range(len(plan.stages)) if s not in sources]
+        if len(sinks) != 1:
+            return False, (f"plan field 'stage_edges': the runtime needs one sink stage (it computes the loss), "
+                           f"the graph has {len(sinks)}")
+    if plan.zero >= 3 and (plan.pp > 1 or plan.stages):
+        # As DeepSpeed: per-layer parameter gathers per micro-batch do not mix with pipeline schedules.
+        return False, (f"plan field 'zero': zero={plan.zero} (parameters sharded) runs with pp=1 only, "
+                       f"the plan has pp={plan.pp}; use zero=1 or zero=2 with pipeline parallelism")
+    if plan.schedule == "interleaved" and plan.virtual_stages > 1:
+        for d, n in enumerate(plan.samples_per_replica()):
+            m = -(-n // plan.micro_batch) if n else 0
+            if m % plan.pp:
+                return False, (f"plan field 'dp_shares': replica {d} runs {m} micro-batches, not a multiple of "
+                               f"pp={plan.pp} (interleaved 1F1B runs them in groups of pp)")
+    return True, ""
+
+
+def device_of(plan: Plan, rank: int) -> int:
+    """Cluster device of a plan rank (a graph plan's rank is its stage)."""
+    if plan.stages:
+        return plan.stages[rank].devices[0]
+    return plan.device_of(rank)

@@ -1,0 +1,173 @@
+"""The one pipeline executor runs stage DAGs and interleaved 1F1B, equal to a single process,
+with global gradient-norm clipping (--clip-grad) on.
+
+Each run trains 2 steps with SGD (lr 0.5) so the parameters after each step differ from the
+reference's by exactly the difference of the gradients (times lr): parameters within 1e-6
+mean gradients within 2e-6, and the second step's loss checks the first step's update. The
+clip norm is below the gradients' norm, so every step is clipped (checked on the reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.graph.zoo import load_model
+from plait.ir.plan import Plan, StageSpec
+from plait.runtime import supports
+from plait.runtime.api import reference_run, run
+from plait.runtime.partition import RuntimeSetupError, layer_modules
+from plait.schedule import PipelineGraph, graph_1f1b, interleaved_1f1b
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 2
+SGD = {"name": "sgd"}
+CLIP = 0.05
+TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+
+DIAMOND = '''
+import torch
+from torch import nn
+
+
+class Diamond(nn.Module):
+    """a -> b, a -> c, b -> d, c -> d, and a skip a -> d (h and the input y reach d directly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.d = nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.a(x))
+        hb = torch.tanh(self.b(h))
+        hc = torch.tanh(self.c(h * 0.5))
+        return self.d(hb * hc + h) + y
+
+
+def sample_batch(batch, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y, t = (torch.randn(batch, n, generator=g) for n in (6, 3, 3))
+    return (x.to(device), y.to(device)), t.to(device)
+
+
+def make():
+    return Diamond, sample_batch, torch.nn.functional.mse_loss
+'''
+
+
+def _diamond_plan(mb_b: int = 1) -> Plan:
+    # Stage b cuts the batch finer than its neighbours: its inputs are split, its outputs concatenated.
+    stages = [StageSpec(name=n, layers=[n], devices=[i], micro_batch=mb_b if n == "b" else None)
+              for i, n in enumerate("abcd")]
+    return Plan(stages=stages, stage_edges=[(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)], micro_batch=2,
+                global_batch=8, dtype="fp32")
+
+
+def _reference(model: str, plan) -> tuple[list[float], dict[str, torch.Tensor]]:
+    ref_losses, ref_params = reference_run(model, plan, STEPS, optimizer=SGD, lr=0.5, clip_grad=CLIP)
+    unclipped = reference_run(model, plan, STEPS, optimizer=SGD, lr=0.5)[1]
+    initial = reference_run(model, plan, 0)[1]
+    moved = [n for n in ref_params if not torch.equal(unclipped[n], initial[n])]
+    assert moved and all(not torch.allclose(ref_params[n], unclipped[n], rtol=0, atol=1e-5)
+                         for n in moved)  # clipping was active
+    return ref_losses, ref_params
+
+
+def _run(model: str, plan) -> object:
+    return run(model, None, plan, steps=STEPS, optimizer=SGD, lr=0.5, clip_grad=CLIP, return_params=True,
+               timeout=120)
+
+
+def _check(result, ref_losses, ref_params) -> None:
+    assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
+    assert result.params is not None
+    assert set(ref_params) - set(result.params) <= {"head.lm.weight"}
+    for name, value in result.params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_diamond_with_skip_edge_on_4_ranks_equals_one_process(tmp_path) -> None:
+    path = tmp_path / "diamond.py"
+    path.write_text(DIAMOND)
+    model, plan = f"{path}:make", _diamond_plan()
+    assert supports(plan) == (True, "")
+    ref_losses, ref_params = _reference(model, plan)
+    result = _run(model, plan)
+    _check(result, ref_losses, ref_params)
+    assert [r.layers for r in result.ranks] == [["a"], ["b"], ["c"], ["d"]]
+    # Graph 1F1B: stage a's warm-up counts its longest path to the sink (a -> b -> d), and stage b runs
+    # twice as many (half-size) micro-batches; the measured compute order is the schedule's.
+    sizes = [[2] * 4, [1] * 8, [2] * 4, [2] * 4]
+    sched = graph_1f1b(PipelineGraph.dag(sizes, [(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)]))
+    for stage in range(4):
+        measured = [e.name for e in sorted(result.timeline.events, key=lambda e: e.start)
+                    if e.stage == stage and e.args.get("step") == 1 and e.category in ("forward", "backward")]
+        assert measured == [a.key for a in sched.compute(stage)]
+    # The skip edge carries messages a -> d directly.
+    assert any("recv_fwd s3 c0 mb0 <- s0 c0 mb0" in e.args.get("batch", []) for e in result.timeline.events)
+
+
+def test_interleaved_pp2_two_chunks_per_rank_with_data_parallel_equals_one_process() -> None:
+    # dp=2 (ZeRO-0: replicas hold equal reduced gradients) x pp=2 x 2 chunks; GPT's tied embedding
+    # lives in chunk 0 of rank 0 and chunk 1 of rank 1.
+    plan = "dp=2,pp=2,virtual_stages=2,schedule=interleaved,micro_batch=1,global_batch=8,dtype=fp32"
+    ref_losses, ref_params = _reference(TINY, plan)
+    result = _run(TINY, plan)
+    _check(result, ref_losses, ref_params)
+    # Megatron's layout: rank 0 holds chunks 0 and 2 (embed+layer0, layer2), rank 1 chunks 1 and 3.
+    firsts = [r for r in result.ranks if r.dp == 0]
+    assert [r.layers for r in firsts] == [["embed", "layers.0", "layers.2"], ["layers.1", "layers.3", "head"]]
+    sched = interleaved_1f1b(PipelineGraph.chain(2, 4, virtual_stages=2))
+    for r in firsts:
+        measured = [(e.name, e.chunk) for e in sorted(result.timeline.events, key=lambda e: e.start)
+                    if e.device == r.device and e.args.get("step") == 1 and e.category in ("forward", "backward")]
+        assert measured == [(a.key, a.chunk) for a in sched.compute(r.pp)]
+
+
+def test_clip_grad_over_tensor_shards_zero3_and_uneven_replicas() -> None:
+    # Tensor shards sum, tensor-replicated parameters count once, ZeRO shards are disjoint, and the
+    # replicas' shares of the batch differ (5 and 3 samples). ZeRO-1/2 clip their flat shards with the
+    # same GradClipper.clip_flat (tests/test_runtime_units.py checks it in one process).
+    plan = "dp=2,tp=2,zero=3,micro_batch=2,global_batch=8,dp_shares=0.625:0.375,dtype=fp32"
+    ref_losses, ref_params = _reference(TINY, plan)
+    _check(_run(TINY, plan), ref_losses, ref_params)
+
+
+def test_supports_states_what_the_runtime_refuses() -> None:
+    from plait.runtime.api import _check_plan
+
+    bad = Plan(stages=[StageSpec(name="a", layers=["a"], devices=[0, 1], dp=2), StageSpec(name="b", layers=["b"],
+                                                                                     devices=[2])],
+               stage_edges=[(0, 1)], global_batch=4)
+    ok, reason = supports(bad)
+    assert not ok and "stages[0]" in reason
+    with pytest.raises(RuntimeSetupError, match=r"stages\[0\]"):
+        _check_plan(bad)
+    cyclic = Plan(stages=[StageSpec(name=n, layers=[n], devices=[i]) for i, n in enumerate("abc")],
+                  stage_edges=[(0, 1), (1, 2), (2, 1)], global_batch=4)
+    assert supports(cyclic) == (False, "plan field 'stage_edges': the stage graph has a cycle")
+    ok, reason = supports("pp=2,zero=3,global_batch=4")
+    assert not ok and "'zero'" in reason
+    uneven = "dp=2,pp=2,virtual_stages=2,schedule=interleaved,micro_batch=1,global_batch=8,dp_shares=0.625:0.375"
+    ok, reason = supports(uneven)
+    assert not ok and "replica 0 runs 5 micro-batches" in reason
+    assert supports("pp=2,virtual_stages=2,schedule=interleaved,micro_batch=1,global_batch=4") == (True, "")
+
+
+def test_zoo_multi_branch_model_as_a_stage_graph_with_a_coarser_head() -> None:
+    # MMT: two transformer branches (one per input, each stage reads its input itself) merged by a head
+    # stage that runs micro-batches of 4 while the branches run 2: the head joins two branch pieces along
+    # their batch dimension, which for these [seq, batch, hidden] tensors is dim 1 (found by ShapeProp).
+    model = "mmt:branches=2,layers=2,hidden=16,heads=2,seq=4,in_dim=8,dropout=0,attn_dropout=0"
+    names = [n for n, _ in layer_modules(load_model(model).build())]
+    branches = [[n for n in names if n.startswith(f"branches.{i}.")] for i in range(2)]
+    stages = [StageSpec(name=f"branch{i}", layers=branches[i], devices=[i]) for i in range(2)]
+    stages.append(StageSpec(name="head", layers=["head"], devices=[2], micro_batch=4))
+    plan = Plan(stages=stages, stage_edges=[(0, 2), (1, 2)], micro_batch=2, global_batch=8, dtype="fp32")
+    ref_losses, ref_params = _reference(model, plan)
+    result = _run(model, plan)
+    _check(result, ref_losses, ref_params)
+    recv = [x for e in result.timeline.events if e.category == "comm_pp" and e.args.get("step") == 0
+            for x in e.args["batch"] if x.startswith("recv_fwd s2 c0 mb0")]
+    assert sorted(set(recv)) == [f"recv_fwd s2 c0 mb0 <- s{s} c0 mb{j}" for s in (0, 1) for j in (0, 1)]
