@@ -135,3 +135,22 @@ def test_placement_beats_megatron_order_on_uneven_links_and_is_deterministic():
     assert pl is not None and pl.cost <= pl.default_cost
     assert a.best.plan.device_order == b.best.plan.device_order
     assert a.best.iteration_time_s <= a.best.default_order_time_s * (1 + 1e-9)
+
+
+def test_search_never_offers_a_plan_the_runtime_refuses() -> None:
+    """The driver hands the planner `plait.runtime.supports`: every plan it returns the runtime
+    accepts, and a refusal is counted among the pruned with its reason."""
+    from plait.runtime import supports
+    from plait.search import SearchSpace
+    from plait.search import plan as search
+
+    space = SearchSpace(tp=[1], pp=[1, 2], schedules=("interleaved", "1f1b"), zero=(0, 3))
+    res = search(TINY, HOMO, global_batch=4, top=50, simulate=False, space=space)
+    assert res.top and all(supports(c.plan)[0] for c in res.top)
+
+    def refuse_pp(p):
+        return (p.pp == 1, "plan field 'pp': refused by this test")
+
+    res2 = search(TINY, HOMO, global_batch=4, top=50, simulate=False, space=space, supports=refuse_pp)
+    assert all(c.plan.pp == 1 for c in res2.top)
+    assert any("runtime cannot run it (plan field 'pp')" in r for r in res2.pruned_reasons)

@@ -468,7 +468,8 @@ def _headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
 
 def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
          finalists: int | None = 12, space: SearchSpace | None = None, placement: bool = True,
-         evaluate: Evaluate | None = None, seed: int = 0, progress: bool = False,
+         evaluate: Evaluate | None = None, supports: Callable[[Plan], tuple[bool, str]] | None = None,
+         seed: int = 0, progress: bool = False,
          placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
          layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
          on_progress: Callable[[str, int, int], None] | None = None) -> PlanResult:
@@ -478,7 +479,8 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     (None: all of them -- exhaustive). `evaluate(graph, plan) -> dict` ranks the placed
     finalists (the search driver, `plait.search`, hands in the simulator; the keys read are
     ``iteration_time_s``, ``tflops_per_gpu``, ``throughput_samples_per_s``); without it the
-    analytic model ranks alone.
+    analytic model ranks alone. `supports(plan) -> (ok, reason)` drops what the runtime would
+    refuse (counted among the pruned, with its reason).
     `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``); `compute` is the
     `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one)."""
     from plait.cluster import load_cluster
@@ -595,6 +597,15 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
             kept.append(Candidate(plan=p, layout=g.layout))
             bar.advance(1)
     bar.stop()
+    if supports is not None:  # what the runtime would refuse is never offered
+        runnable = []
+        for c in kept:
+            ok, why = supports(c.plan)
+            if ok:
+                runnable.append(c)
+            else:
+                prune(f"the runtime cannot run it ({why.split(': ', 1)[0]})", f"{c.plan}: {why}")
+        kept = runnable
 
     if not kept:
         worst = ", ".join(f"{n} x {r}" for r, n in reasons.most_common(3))

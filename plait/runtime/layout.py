@@ -160,6 +160,10 @@ def supports(plan: Any) -> tuple[bool, str]:
             if m % plan.pp:
                 return False, (f"plan field 'dp_shares': replica {d} runs {m} micro-batches, not a multiple of "
                                f"pp={plan.pp} (interleaved 1F1B runs them in groups of pp)")
+    if plan.grad_reduce_dtype not in (None, "fp32"):
+        # The ranks keep fp32 parameters under autocast, so their gradients are fp32 and are reduced so.
+        return False, (f"plan field 'grad_reduce_dtype': the runtime reduces gradients in fp32 (its master "
+                       f"dtype), not {plan.grad_reduce_dtype}")
     return True, ""
 
 

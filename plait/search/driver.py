@@ -33,7 +33,10 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     """The fastest plans of `model` on `cluster` for `global_batch`, ranked by the simulator
     (`simulate=False`: by the analytic model alone). Other keyword arguments go to
     `plait.plan.threed.search_3d` (finalists, space, placement, seed, progress, ...)."""
+    from plait.runtime import supports
+
     cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
     evaluate = simulator_evaluate(cluster_obj, compute) if simulate else None
+    kwargs.setdefault("supports", supports)  # never offer a plan the runtime would refuse
     return search_3d(model, cluster_obj, global_batch=global_batch, top=top, evaluate=evaluate,
                      compute=compute, **kwargs)
