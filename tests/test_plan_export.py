@@ -134,3 +134,27 @@ def test_slurm_script_runs_the_plan_with_plait_run_one_task_per_node():
     assert "#SBATCH --gpus-per-node=2" in even and "#SBATCH --nodes=2" in even and "--exclusive" not in even
     with pytest.raises(ExportError, match="--out PLAN.json"):
         export(plan, "slurm", CFG, cluster, {"model": "gpt", "cluster_file": "m.yaml", "plan_file": None})
+
+
+def test_training_settings_reach_every_export():
+    """A plait run and its exported run train alike: lr schedule, weight decay, clipping, steps."""
+    from plait.plan.export import Training, run_training_flags
+
+    t = Training(lr=3e-4, min_lr=3e-5, warmup_iters=10, decay_style="cosine", decay_iters=90, weight_decay=0.1,
+                 clip_grad=1.0, steps=100)
+    plan = Plan(dp=2, micro_batch=1, global_batch=2)
+    mega = export(plan, "megatron", CFG, training=t)
+    for flag in ("--train-iters 100", "--lr 0.0003", "--min-lr 3e-05", "--lr-warmup-iters 10",
+                 "--lr-decay-style cosine", "--lr-decay-iters 90", "--weight-decay 0.1", "--clip-grad 1"):
+        assert flag in mega, flag
+    ds = export(plan, "deepspeed", CFG, training=t)
+    assert '"gradient_clipping": 1.0' in ds and "--lr-decay-style cosine" in ds
+    titan = export(plan, "torchtitan", CFG, training=t)
+    for line in ("lr = 0.0003", "weight_decay = 0.1", "warmup_steps = 10", 'decay_type = "cosine"',
+                 "min_lr_factor = 0.1", "max_norm = 1", "steps = 100", "decay_ratio = 0.9"):
+        assert line in titan, line
+    # no clipping in plait (the default) is no clipping in Megatron and DeepSpeed, not their 1.0 default
+    assert "--clip-grad 0" in export(plan, "megatron", CFG) and '"gradient_clipping": 0.0' in export(plan, "deepspeed", CFG)
+    assert run_training_flags(t)[:2] == ["--steps 100", "--lr 0.0003"] and "--clip-grad 1" in run_training_flags(t)
+    with pytest.raises(ExportError, match="decay style"):
+        Training(decay_style="step")

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait.commands.training_args import add_training_args, training_of
 from plait.plan.export import FORMATS
 from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
 
@@ -47,7 +48,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", metavar="FILE", help="write the best plan as JSON (for plait simulate/run --plan)")
     p.add_argument("--export", choices=FORMATS, help="print the best plan as launch args/config of this framework")
     p.add_argument("--run", action="store_true", help="train the best plan a few steps and compare with the prediction")
-    p.add_argument("--steps", type=int, default=8, help="steps for --run (default 8; the first 2 are warm-up)")
+    p.add_argument("--steps", type=int, default=8, help="steps for --run and the exported launch (default 8; the "
+                                                        "first 2 are warm-up)")
+    add_training_args(p)
     p.add_argument("--no-machine-prediction", action="store_true",
                    help="with --run on an emulated cluster: skip calibrating this machine (about 30 s) and "
                         "the prediction for it")
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             if args.export == "slurm" else None
         if args.export == "slurm" and not args.out:
             raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
-        exported = export(best.plan, args.export, _model_config(args.model), load_cluster(args.cluster), launch)
+        exported = export(best.plan, args.export, _model_config(args.model), load_cluster(args.cluster), launch,
+                          training_of(args))
         if args.export == "slurm":  # beside the plan file it runs: submit with `sbatch PLAN.sbatch`
             script = Path(args.out).with_suffix(".sbatch")
             script.write_text(exported)

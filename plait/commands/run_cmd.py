@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from plait.commands.training_args import add_training_args
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -50,14 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
                    help="override the plan's training dtype (fp32 is fastest on CPU)")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    p.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay (Megatron-LM)")
-    p.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up from 0 over these steps")
-    p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
-    p.add_argument("--lr-decay-iters", type=int, default=None, help="steps of the decay (default: --steps)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW)")
-    p.add_argument("--clip-grad", metavar="N", type=float, default=None,
-                   help="clip the global gradient norm (over every shard of the plan) to N (Megatron's --clip-grad)")
+    add_training_args(p)
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
     p.add_argument("--data-seed", type=int, default=0, help="data seed: synthetic samples, or the per-epoch sample order of --data")
     p.add_argument("--data", metavar="FILE.py:FACTORY", default=None,

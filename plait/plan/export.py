@@ -19,6 +19,7 @@ placement (`device_order`) is exported as per-node `NODE_RANK` and
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from plait.errors import PlaitError
@@ -28,6 +29,41 @@ if TYPE_CHECKING:
     from plait.ir.plan import Plan
 
 FORMATS = ("megatron", "deepspeed", "torchtitan", "slurm")
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the model trains, as `plait run` does it and Megatron-LM names it, written into every
+    export so that a plait run and its exported run train alike (AdamW, Megatron's `get_lr`)."""
+
+    lr: float = 1e-3  # peak learning rate (--lr)
+    min_lr: float = 0.0  # learning rate at the end of the decay (--min-lr)
+    warmup_iters: int = 0  # linear warm-up from 0 over these steps (--lr-warmup-iters)
+    decay_style: str = "constant"  # constant | linear | cosine (--lr-decay-style)
+    decay_iters: int | None = None  # steps of the decay; None: all `steps` (--lr-decay-iters)
+    weight_decay: float = 0.0  # decoupled weight decay (--weight-decay)
+    clip_grad: float | None = None  # global gradient-norm clip; None: none (--clip-grad 0 in Megatron)
+    steps: int = 100  # training steps (--train-iters)
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in DECAY_STYLES:
+            raise ExportError(f"training: lr decay style {self.decay_style!r}; use one of {DECAY_STYLES}")
+        if not self.lr > 0 or self.min_lr < 0 or self.weight_decay < 0 or self.warmup_iters < 0 or self.steps < 1:
+            raise ExportError(f"training: lr > 0, min_lr, weight_decay, warmup >= 0 and steps >= 1 needed, got {self}")
+
+    @property
+    def decay_steps(self) -> int:
+        return self.decay_iters or self.steps
+
+
+def _megatron_training(t: Training) -> list[str]:
+    """Megatron-LM's optimizer/schedule flags (megatron/training/arguments.py); Megatron-DeepSpeed's
+    pretrain_gpt.py reads the same ones."""
+    return [f"--train-iters {t.steps}", "--optimizer adam", f"--lr {t.lr:g}", f"--min-lr {t.min_lr:g}",
+            f"--lr-warmup-iters {t.warmup_iters}", f"--lr-decay-style {t.decay_style}",
+            f"--lr-decay-iters {t.decay_steps}", f"--weight-decay {t.weight_decay:g}",
+            f"--clip-grad {t.clip_grad if t.clip_grad is not None else 0.0:g}"]
 
 
 class ExportError(PlaitError, ValueError):
@@ -107,8 +143,10 @@ def _check(plan: Plan, cluster: Cluster | None, fmt: str) -> None:
                           f"{fmt} splits layers and batches evenly -- run it with `plait run` instead")
 
 
-def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None) -> str:
+def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None,
+             training: Training | None = None) -> str:
     m = _model_args(config)
+    training = training or Training()
     _check(plan, cluster, "megatron")
     if plan.schedule == "gpipe":
         raise ExportError("export megatron: plan field 'schedule': Megatron-LM has no GPipe schedule (use 1f1b or interleaved)")
@@ -140,6 +178,7 @@ def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None)
         args.append("--accumulate-allreduce-grads-in-fp32")
     elif plan.dtype == "bf16" and plan.grad_dtype == "bf16":
         args.append("--grad-reduce-in-bf16")
+    args += _megatron_training(training)
     args.append({"bf16": "--bf16", "fp16": "--fp16"}.get(plan.dtype, ""))
     launch = (f"torchrun --nnodes {nodes} --nproc-per-node {g} --node-rank $NODE_RANK "
               f"--master-addr $MASTER_ADDR --master-port 6000 pretrain_gpt.py")
@@ -149,8 +188,10 @@ def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None)
     return "\n".join(lines) + "\n"
 
 
-def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None) -> str:
+def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None,
+              training: Training | None = None) -> str:
     m = _model_args(config)
+    training = training or Training()
     _check(plan, cluster, "deepspeed")
     if plan.schedule != "1f1b":
         raise ExportError(f"export deepspeed: plan field 'schedule': DeepSpeed's pipeline engine runs 1F1B only, not {plan.schedule}")
@@ -162,7 +203,7 @@ def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.num_micro_batches,
         "zero_optimization": {"stage": plan.zero},
-        "gradient_clipping": 1.0,
+        "gradient_clipping": training.clip_grad if training.clip_grad is not None else 0.0,
     }
     if plan.dtype in ("bf16", "fp16"):
         ds[plan.dtype] = {"enabled": True}
@@ -174,7 +215,8 @@ def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None
             f"--num-layers {m['layers']}", f"--hidden-size {m['hidden']}", f"--num-attention-heads {m['heads']}",
             f"--seq-length {m['seq']}", f"--max-position-embeddings {m['seq']}",
             f"--micro-batch-size {plan.micro_batch}", f"--global-batch-size {plan.global_batch}",
-            "--deepspeed --deepspeed_config ds_config.json", f"--zero-stage {plan.zero}"]
+            "--deepspeed --deepspeed_config ds_config.json", f"--zero-stage {plan.zero}",
+            *_megatron_training(training)]
     if plan.pp == 1:
         args.append("--no-pipeline-parallel")
     if plan.recompute == "selective":
@@ -189,8 +231,10 @@ def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None
     return "\n".join(lines) + "\n"
 
 
-def torchtitan(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None) -> str:
+def torchtitan(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None,
+               training: Training | None = None) -> str:
     m = _model_args(config)
+    training = training or Training()
     _check(plan, cluster, "torchtitan")
     nodes, g, place = _placement(plan, cluster)
     schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}[plan.schedule]
@@ -201,7 +245,9 @@ def torchtitan(plan: Plan, config: dict[str, Any], cluster: Cluster | None = Non
     lines = [f"# plait plan: {plan}", *place,
              f"# launch: torchrun --nnodes {nodes} --nproc-per-node {g} -m torchtitan.train --job.config_file plait.toml",
              "", "[training]", f"local_batch_size = {local_batch}", f"global_batch_size = {plan.global_batch}",
-             f"seq_len = {m['seq']}"]
+             f"seq_len = {m['seq']}", f"steps = {training.steps}"]
+    if training.clip_grad is not None:
+        lines.append(f"max_norm = {training.clip_grad:g}")
     if plan.dtype in ("bf16", "fp16"):
         torch_dtype = {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
         lines.append(f'mixed_precision_param = "{torch_dtype}"')
@@ -218,6 +264,12 @@ def torchtitan(plan: Plan, config: dict[str, Any], cluster: Cluster | None = Non
         if plan.schedule == "interleaved":
             lines.append(f"pipeline_parallel_layers_per_stage = {m['layers'] // (plan.pp * plan.virtual_stages)}")
     lines += ["", "[activation_checkpoint]", f'mode = "{plan.recompute}"']
+    lines += ["", "[optimizer]", 'name = "AdamW"', f"lr = {training.lr:g}", f"weight_decay = {training.weight_decay:g}",
+              "", "[lr_scheduler]", f"warmup_steps = {training.warmup_iters}",
+              # torchtitan decays over decay_ratio of the steps after warm-up; constant: no decay
+              f"decay_ratio = {0.0 if training.decay_style == 'constant' else min(1.0, training.decay_steps / training.steps):g}",
+              f'decay_type = "{"linear" if training.decay_style == "constant" else training.decay_style}"',
+              f"min_lr_factor = {training.min_lr / training.lr:g}"]
     return "\n".join(lines) + "\n"
 
 
@@ -225,8 +277,20 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'" if any(c in text for c in " ,;&|$()<>*?'\"[]{}=:") else text
 
 
+def run_training_flags(t: Training | None) -> list[str]:
+    """`plait run`'s flags for `t` (the same names as Megatron-LM's)."""
+    t = t or Training()
+    out = [f"--steps {t.steps}", f"--lr {t.lr:g}", f"--min-lr {t.min_lr:g}", f"--lr-warmup-iters {t.warmup_iters}",
+           f"--lr-decay-style {t.decay_style}", f"--weight-decay {t.weight_decay:g}"]
+    if t.decay_iters is not None:
+        out.append(f"--lr-decay-iters {t.decay_iters}")
+    if t.clip_grad is not None:
+        out.append(f"--clip-grad {t.clip_grad:g}")
+    return out
+
+
 def slurm(plan: Plan, cluster: Cluster | None, *, model: str, cluster_file: str, plan_file: str,
-          steps: int = 100, job_name: str = "plait", time_limit: str = "01:00:00") -> str:
+          training: Training | None = None, job_name: str = "plait", time_limit: str = "01:00:00") -> str:
     """An sbatch script for `plan`: one task (one `plait run`) per node that holds plan ranks; each
     starts as many workers as the cluster file puts plan ranks on its node, and inside `srun`
     `plait run` takes the rendezvous from SLURM_* (first host of the node list, the job id) and
@@ -265,19 +329,20 @@ def slurm(plan: Plan, cluster: Cluster | None, *, model: str, cluster_file: str,
               "export MASTER_PORT=${MASTER_PORT:-29400}",
               "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
               f"    plait run --model {_quote(model)} --cluster {_quote(cluster_file)} --plan {_quote(plan_file)} \\",
-              f"    --steps {steps} --run-dir runs/$SLURM_JOB_ID  # each node writes runs/JOB/NODE_NAME/"]
+              f"    {' '.join(run_training_flags(training))} \\",
+              "    --run-dir runs/$SLURM_JOB_ID  # each node writes runs/JOB/NODE_NAME/"]
     return "\n".join(lines) + "\n"
 
 
 def export(plan: Plan, fmt: str, config: dict[str, Any], cluster: Cluster | None = None,
-           launch: dict[str, Any] | None = None) -> str:
+           launch: dict[str, Any] | None = None, training: Training | None = None) -> str:
     """The plan as `fmt` launch arguments/config; `config` holds the model's layers, hidden, heads, seq, vocab.
     `launch` (slurm only): the model spec, cluster file and plan file the script passes to `plait run`."""
     if fmt == "slurm":
         if not launch or not all(launch.get(k) for k in ("model", "cluster_file", "plan_file")):
             raise ExportError("export slurm: needs the model, the cluster file and the plan file (--out PLAN.json)")
-        return slurm(plan, cluster, **launch)
+        return slurm(plan, cluster, training=training, **launch)
     fns = {"megatron": megatron, "deepspeed": deepspeed, "torchtitan": torchtitan}
     if fmt not in fns:
         raise ExportError(f"export: unknown format {fmt!r}; use one of {FORMATS}")
-    return fns[fmt](plan, config, cluster)
+    return fns[fmt](plan, config, cluster, training)

@@ -1,0 +1,27 @@
+"""The training flags `plait run` trains with and `plait plan --export` writes into the exported
+launch (Megatron-LM's names), defined once for both commands."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay (Megatron-LM)")
+    p.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up from 0 over these steps")
+    p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
+    p.add_argument("--lr-decay-iters", type=int, default=None, help="steps of the decay (default: --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW)")
+    p.add_argument("--clip-grad", metavar="N", type=float, default=None,
+                   help="clip the global gradient norm (over every shard of the plan) to N (Megatron's --clip-grad)")
+
+
+def training_of(args: argparse.Namespace) -> Any:
+    """The `plait.plan.export.Training` the flags describe (steps: --steps)."""
+    from plait.plan.export import Training
+
+    return Training(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+                    decay_style=args.lr_decay_style, decay_iters=args.lr_decay_iters,
+                    weight_decay=args.weight_decay, clip_grad=args.clip_grad, steps=args.steps)
