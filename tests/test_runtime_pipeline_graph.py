@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plait.graph.zoo import load_model
-from plait.ir.plan import Plan, StageSpec
+from plait.ir.plan import Plan, PlanError, StageSpec
 from plait.runtime import supports
 from plait.runtime.api import reference_run, run
 from plait.runtime.partition import RuntimeSetupError, layer_modules
@@ -144,9 +144,10 @@ def test_supports_states_what_the_runtime_refuses() -> None:
     assert not ok and "stages[0]" in reason
     with pytest.raises(RuntimeSetupError, match=r"stages\[0\]"):
         _check_plan(bad)
-    cyclic = Plan(stages=[StageSpec(name=n, layers=[n], devices=[i]) for i, n in enumerate("abc")],
-                  stage_edges=[(0, 1), (1, 2), (2, 1)], global_batch=4)
-    assert supports(cyclic) == (False, "plan field 'stage_edges': the stage graph has a cycle")
+    # A cyclic stage graph is not even a Plan (Plan.validate names the field), so it never reaches the runtime.
+    with pytest.raises(PlanError, match=r"plan field 'stage_edges': the stage graph has a cycle"):
+        Plan(stages=[StageSpec(name=n, layers=[n], devices=[i]) for i, n in enumerate("abc")],
+             stage_edges=[(0, 1), (1, 2), (2, 1)], global_batch=4)
     ok, reason = supports("pp=2,zero=3,global_batch=4")
     assert not ok and "'zero'" in reason
     uneven = "dp=2,pp=2,virtual_stages=2,schedule=interleaved,micro_batch=1,global_batch=8,dp_shares=0.625:0.375"

@@ -349,10 +349,13 @@ class Comm:
             src, dst = (self.rank, o.peer) if o.kind == "send" else (o.peer, self.rank)
             link = f"p2p {src}->{dst}"
             seq = self._next_seq(link)
+            # The batch is posted at once, so a slowed link delays all of it; the injected time is
+            # attributed to the ops on the slowed link only (the others merely waited with it).
+            mine = injected if self._faults_on([frozenset((self.rank, o.peer))]) else 0.0
             if self.recording:
                 self.log.write(CommRecord(rank=self.rank, group=link, op=o.kind, bytes=_nbytes(o.tensor), seq=seq,
                                           t_enqueue=t_enq, t_start=t_start, t_end=t_end, key=o.key, name=name,
-                                          peer=o.peer, step=step, injected_s=injected))
+                                          peer=o.peer, step=step, injected_s=mine))
         return pending
 
     # ------------------------------------------------------------------ the one call path
