@@ -508,3 +508,28 @@ def test_monotone_in_micro_batch_and_zero(dp, tp, pp, mb, m, recompute, zero, sp
         bd = small.breakdown(d)
         assert bd.total == pytest.approx(small.peak_bytes[d], abs=8)
         assert min(bd.weights, bd.grads, bd.optimizer, bd.activations, bd.logits, bd.comm_buffers, bd.other) >= 0
+
+
+@pytest.mark.parametrize("model", ["22B", "175B"])
+def test_megatron_gpts_within_5_percent_of_megatrons_own_accounting(model: str) -> None:
+    """Issue 12: the first GPU of Korthikanti et al.'s GPTs (SP + selective recompute, bf16 with fp32
+    main gradients) against Megatron-LM's theoretical_memory_usage.py (bench/memory_error.py (d))."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "memory_error.py"
+    spec = importlib.util.spec_from_file_location("memory_error_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    from plait.cluster import load_cluster
+    from plait.graph.gpt_closed_form import gpt_opgraph
+
+    name, L, h, a, t, p, gb = next(row for row in bench.KORTHIKANTI_GPTS if row[0] == model)
+    w_meg, a_meg = bench.megatron_theoretical(L, h, a, t, p, gb)
+    graph = gpt_opgraph({"layers": L, "hidden": h, "heads": a, "seq": bench.SEQ, "vocab": bench.VOCAB}, "bf16")
+    plan = Plan(tp=t, pp=p, micro_batch=1, global_batch=gb, recompute="selective", sequence_parallel=True,
+                dtype="bf16")
+    est = estimate_memory(graph, plan, load_cluster(f"a100-80g:nodes={t * p // 8}"), overhead_bytes=0, loss="fused")
+    b = est.breakdown(0)
+    assert b.weights + b.grads + b.optimizer == pytest.approx(w_meg, rel=0.03)  # 18 bytes per parameter
+    assert est.peak_bytes[0] == pytest.approx(w_meg + a_meg, rel=0.05)
