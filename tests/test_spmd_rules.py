@@ -1,0 +1,171 @@
+"""Sharding rules, checked numerically: every strategy of every op of captured models (ViT,
+BERT-MoE, VGG-19 and a module using the remaining op kinds), run shard by shard on real values with
+uneven ratios, gathers to the unsharded op's result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.graph.aten_capture import capture_aten_values
+from plait.graph.zoo import load_model
+from plait.ir.aten_graph import AtenGraph, AtenOp
+from plait.spmd.placement import PARTIAL, REPLICATED, ShardingError, shard_dim, shard_sizes
+from plait.spmd.rules import Strategy, local_call, strategies
+
+RATIOS = (0.5, 0.3, 0.2)  # uneven, three devices
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops gain nothing from intra-op threads; on a busy machine they cost a lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Misc(nn.Module):
+    """Op kinds the zoo models do not use: addmm, mm, matmul, sdpa, sum/mean, cat, permute, conv
+    without groups but with bias, adaptive pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 5))
+        self.b = nn.Parameter(torch.randn(5))
+        self.conv = nn.Conv2d(4, 6, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, img: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a = torch.addmm(self.b, x, self.w)  # [6, 5]
+        m = torch.mm(x, self.w)
+        q = torch.stack([a, m, a * m]).reshape(3, 2, 3, 5).permute(1, 0, 2, 3)  # [2, 3, 3, 5]
+        att = F.scaled_dot_product_attention(q, q * 0.5, q + 1.0)
+        s = att.sum(dim=(2,)) + att.mean(dim=-1, keepdim=True).sum(-2)
+        c = torch.cat([s, s * 2.0], dim=1)
+        mm = torch.matmul(c, c.transpose(-1, -2))
+        im = F.adaptive_avg_pool2d(self.conv(img), 2).flatten(1)
+        return mm, im
+
+
+def _models() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]]:
+    out = {}
+    for spec in ("vit:layers=1,hidden=24,heads=4,patch=8,image=24,classes=6",
+                 "bert_moe:layers=2,hidden=24,heads=4,seq=8,vocab=40,experts=4,dropout=0,attn_dropout=0",
+                 "vgg19:width=8,fc=16,image=32,pool=1,classes=6,dropout=0"):
+        m = load_model(spec)
+        out[m.name] = (m.build(), m.sample_batch(6)[0])
+    torch.manual_seed(0)
+    out["misc"] = (Misc(), (torch.randn(6, 6), torch.randn(6, 4, 5, 5)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured() -> dict[str, tuple[AtenGraph, dict[str, torch.Tensor]]]:
+    torch.manual_seed(0)
+    return {name: capture_aten_values(model, inputs, name=name) for name, (model, inputs) in _models().items()}
+
+
+def _split(value: torch.Tensor, placement: str, gen: torch.Generator) -> tuple[list[torch.Tensor], list[int]]:
+    """Each device's part of `value` and its offset along the sharded dimension."""
+    n = len(RATIOS)
+    d = shard_dim(placement)
+    if placement == REPLICATED:
+        return [value.clone() for _ in range(n)], [0] * n
+    if placement == PARTIAL:  # random summands
+        parts = [torch.randn(value.shape, generator=gen, dtype=value.dtype) for _ in range(n - 1)]
+        return [value - sum(parts), *parts], [0] * n
+    sizes = shard_sizes(value.shape[d], RATIOS)
+    offsets = [sum(sizes[:i]) for i in range(n)]
+    return list(torch.split(value, sizes, dim=d)), offsets
+
+
+def _gather(parts: list[torch.Tensor], placement: str) -> torch.Tensor:
+    if placement == PARTIAL:
+        return sum(parts[1:], parts[0])
+    d = shard_dim(placement)
+    if d is None:
+        for p in parts[1:]:
+            torch.testing.assert_close(p, parts[0])
+        return parts[0]
+    return torch.cat(parts, dim=d)
+
+
+def _check(op: AtenOp, strategy: Strategy, graph: AtenGraph, values: dict[str, torch.Tensor]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    local: list[list[torch.Tensor]] = [[] for _ in RATIOS]
+    first_row = [0] * len(RATIOS)
+    for i, (t, placement) in enumerate(zip(op.inputs, strategy.inputs)):
+        parts, offsets = _split(values[t], placement, gen)
+        for dev in range(len(RATIOS)):
+            local[dev].append(parts[dev])
+        if i == 0:
+            first_row = offsets
+    outs_per_device = []
+    for dev in range(len(RATIOS)):
+        out_shape = None
+        if not op.inputs and op.outputs:  # creation: this device's shard of the output
+            full = list(graph.tensors[op.outputs[0]].shape)
+            d = shard_dim(strategy.outputs[0])
+            if d is not None:
+                full[d] = shard_sizes(full[d], RATIOS)[dev]
+            out_shape = full
+        outs_per_device.append(local_call(op, strategy, local[dev], graph, out_shape, first_row[dev]))
+    for k, (t, placement) in enumerate(zip(op.outputs, strategy.outputs)):
+        got = _gather([o[k] for o in outs_per_device], placement)
+        want = values[t]
+        if got.dtype == torch.bool or not got.is_floating_point():
+            assert torch.equal(got, want), f"{op.name} {strategy}"
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{op.name} {strategy}: {m}")
+
+
+@pytest.mark.parametrize("name", ["vit", "bert_moe", "vgg19", "misc"])
+def test_every_strategy_of_every_op_gathers_to_the_unsharded_result(captured, name) -> None:
+    graph, values = captured[name]
+    kinds, checked = set(), 0
+    for op in graph.ops:
+        for strategy in strategies(op, graph, devices=len(RATIOS)):
+            _check(op, strategy, graph, values)
+            checked += 1
+            if strategy.sharded:
+                kinds.add(op.kind)
+    assert checked > len(graph.ops)
+    expected = {"vit": {"linear", "layer_norm", "softmax", "bmm", "conv2d", "gelu", "cat", "expand", "select"},
+                "bert_moe": {"embedding", "einsum", "topk", "cumsum", "scatter", "linear", "softmax"},
+                "vgg19": {"conv2d", "max_pool2d", "relu", "linear", "adaptive_avg_pool2d"},
+                "misc": {"addmm", "mm", "matmul", "scaled_dot_product_attention", "sum", "mean",
+                         "permute", "cat"}}[name]
+    assert expected <= kinds, expected - kinds
+
+
+def test_strategies_name_what_each_op_offers(captured) -> None:
+    graph, _ = captured["bert_moe"]
+    qkv = next(op for op in graph.ops if op.module.endswith("attn.qkv"))
+    found = {(s.inputs, s.outputs) for s in strategies(qkv, graph, devices=2)}
+    assert (("S0", "R", "R"), ("S0",)) in found  # data parallel over the sequence
+    assert (("R", "S0", "S0"), ("S2",)) in found  # Megatron column parallel
+    assert (("S2", "S1", "P"), ("P",)) in found  # row parallel: partial sum, bias on one device
+    vocab = next(op for op in graph.ops if op.kind == "embedding" and "tok" in op.module)
+    assert (("S0", "R"), ("P",)) in {(s.inputs, s.outputs) for s in strategies(vocab, graph)}
+    topk = next(op for op in graph.ops if op.kind == "topk")
+    assert all(shard_dim(s.inputs[0]) != 1 for s in strategies(topk, graph))  # never along experts
+
+
+def test_op_without_rule_is_named() -> None:
+    graph = AtenGraph("m", 1)
+    op = AtenOp("fft_0", "aten.fft_fft.default", "layer0", "block.fft")
+    with pytest.raises(ShardingError, match=r"op fft_0 \(aten.fft_fft.default, in block.fft\): no sharding rule"):
+        strategies(op, graph)
+
+
+def test_shard_sizes_round_like_hap_and_refuse_empty_devices() -> None:
+    assert shard_sizes(10, (0.5, 0.3, 0.2)) == [5, 3, 2]
+    assert shard_sizes(7, (0.5, 0.3, 0.2)) == [4, 2, 1]  # floor 3,2,1; the largest deficit gets 1
+    assert shard_sizes(12, (0.5, 0.5), unit=4) == [8, 4]
+    assert sum(shard_sizes(1000, (0.37, 0.21, 0.42))) == 1000
+    with pytest.raises(ShardingError, match="layers.0.attn.qkv.*leave gpu 2 \\(p100\\) with zero rows"):
+        shard_sizes(8, (0.6, 0.38, 0.02), what="layers.0.attn.qkv", devices=["gpu 0", "gpu 1", "gpu 2 (p100)"])
+    with pytest.raises(ShardingError, match="multiple of the shard unit"):
+        shard_sizes(10, (0.5, 0.5), unit=4)
