@@ -255,6 +255,20 @@ class MemoryEstimate:
         return f"MemoryEstimate({self.model} on {self.cluster}: max peak {self.max_peak_bytes / GiB:.2f} GiB, {status})"
 
 
+def state_bytes_per_param(dtype: str, optimizer: str = "adam") -> tuple[int, int, int]:
+    """(weight, gradient, optimizer-state) bytes per parameter (Rajbhandari et al. 2020, §3.1).
+
+    Mixed precision (bf16/fp16) keeps 2-byte weights and gradients and the fp32 master copy in
+    the optimizer state (Adam: 4 + 4 + 4 = 12 bytes); fp32 keeps 4 + 4 and Adam's 8."""
+    if optimizer not in _OPTIMIZERS:
+        raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+    if dtype not in _DTYPE_BYTES:
+        raise MemoryEstimateError(f"dtype: unknown {dtype!r}; use one of {tuple(_DTYPE_BYTES)}")
+    mixed = dtype in ("bf16", "fp16")
+    opt_fp32, opt_mixed, _ = _OPTIMIZERS[optimizer]
+    return (2, 2, opt_mixed) if mixed else (4, 4, opt_fp32)
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:.2f} GiB" if abs(x) >= 0.1 * GiB else f"{x / MiB:.1f} MiB"
 
@@ -508,11 +522,9 @@ def estimate_memory(
     n_dev = len(kinds)
     overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
 
-    mixed = plan.dtype in ("bf16", "fp16")
     plan_bytes = _DTYPE_BYTES[plan.dtype]
-    w_b, g_b = (2, 2) if mixed else (4, 4)
-    opt_fp32, opt_mixed, step_kind = _OPTIMIZERS[optimizer]
-    k_b = opt_mixed if mixed else opt_fp32
+    w_b, g_b, k_b = state_bytes_per_param(plan.dtype, optimizer)
+    step_kind = _OPTIMIZERS[optimizer][2]
     act_scale = plan_bytes / la.act_dtype_bytes  # capture dtype -> plan dtype
     loss_scale = 4.0 / la.act_dtype_bytes  # the loss runs in fp32
 
@@ -540,7 +552,7 @@ def estimate_memory(
         ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
         persistent = persistent_grads
         if persistent is None:
-            persistent = mixed or m > 1 or st.dp > 1 or plan.zero > 0
+            persistent = plan.dtype in ("bf16", "fp16") or m > 1 or st.dp > 1 or plan.zero > 0
         tied_extra = np.zeros(len(ids))
         if la.tied is not None and la.tied[1] in ids and la.tied[0] not in ids:
             tied_extra[int(np.flatnonzero(ids == la.tied[1])[0])] = la.tied[2]

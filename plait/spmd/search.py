@@ -1,0 +1,248 @@
+"""Program search: the cheapest SPMD program by best-first search over tensor placements.
+
+HAP (Zhang et al. EuroSys'24, section 4.2) searches, op by op in program order, over the set of
+properties it holds ("tensor t is available as placement q"), for the cheapest sequence of
+compute and communication instructions that computes the single-device program. Its public code
+keys the heap on ``cost + 0``: uniform-cost search. Here the heap is keyed on ``g + h`` with
+``h(k) = sum over the ops not yet placed of their perfect-balance time`` (`cost.balanced_time`):
+no strategy of an op takes less, and communication is never negative, so ``h`` is admissible
+and consistent (it drops by exactly the lower bound of the op just placed); A* with a closed set
+then returns an optimal program, expanding no more states than uniform-cost search (Hart,
+Nilsson & Raphael 1968). `search(..., heuristic=False)` is the uniform-cost baseline.
+
+A state after the first ``k`` ops: for every live tensor (read again later), the placement it was
+made in and the (placement, compute kind) pairs already provided to readers. A reader that needs a
+placement pays the forward conversion once (a second reader of an all-gathered tensor reuses it),
+and the gradient conversion once per (placement, kind) -- gradients of readers that need the
+same thing are summed before one collective. Gradients (`placement.grad_placement`): a reader's
+gradient must reach the placement the tensor was made in (parameters: where they are stored,
+so a replicated parameter read by a sharded op pays the data-parallel all-reduce).
+
+`evaluate` replays one assignment with the same step function, so the search, the exhaustive
+enumeration of the tests and the ratio LP all count the same costs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plait.ir.aten_graph import AtenGraph
+from plait.spmd.cost import Devices, balanced_time, comm_time, compute_time, op_work
+from plait.spmd.placement import (
+    PARTIAL,
+    REPLICATED,
+    Comm,
+    ShardingError,
+    conversion,
+    grad_placement,
+    shard_dim,
+)
+from plait.spmd.rules import Strategy, strategies
+
+# live tensor: (placement it was made in, frozenset of (placement provided, reader computes a shard))
+Live = tuple[str, frozenset[tuple[str, bool]]]
+
+
+@dataclass
+class Problem:
+    """A graph, its devices and every op's strategies and work, computed once."""
+
+    graph: AtenGraph
+    devices: Devices
+    options: list[list[Strategy]]
+    work: list[np.ndarray]
+    remaining_reads: list[dict[str, int]]  # after op k: tensor -> reads still to come
+    needs_grad: dict[str, bool]
+    lower: list[float]  # lower[k] = sum of balanced times of ops k..end
+
+    @classmethod
+    def build(cls, graph: AtenGraph, devices: Devices) -> Problem:
+        options = [strategies(op, graph, devices.n) for op in graph.ops]
+        work = [op_work(op, graph, devices) for op in graph.ops]
+        reads: dict[str, int] = {}
+        for op in graph.ops:
+            for t in set(op.inputs):
+                reads[t] = reads.get(t, 0) + 1
+        for t in graph.outputs:
+            reads[t] = reads.get(t, 0) + 1  # the loss reads the outputs
+        remaining = []
+        for op in graph.ops:
+            for t in set(op.inputs):
+                reads[t] -= 1
+            remaining.append(dict(reads))
+        needs_grad = {name: t.dtype.startswith(("float", "bfloat")) and t.role in ("activation", "param")
+                      for name, t in graph.tensors.items()}
+        bounds = [balanced_time(w) for w in work]
+        lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
+        return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower])
+
+
+@dataclass
+class Program:
+    """The result: one strategy per op, the collectives, the cost and how the search went."""
+
+    strategies: dict[str, Strategy]
+    comms: list[tuple[str, Comm]] = field(default_factory=list)  # (op that needs it, collective)
+    cost: float = 0.0
+    compute: float = 0.0
+    communication: float = 0.0
+    expanded: int = 0  # states taken off the heap
+    generated: int = 0  # states pushed
+
+
+def _grad_home(origin: str) -> str:
+    """Where a tensor's gradient must arrive: a sharded tensor's in its shards, a partial one's
+    and a replicated one's on every device (redundant producers and stored parameters)."""
+    return REPLICATED if origin == PARTIAL else origin
+
+
+def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
+         ratios: np.ndarray) -> tuple[float, float, list[Comm], dict[str, Live]] | None:
+    """Place op `k` with `strategy`: (compute, communication, collectives, new live set), or None
+    when some input cannot be converted to the placement the strategy needs."""
+    graph, devices = problem.graph, problem.devices
+    op = graph.ops[k]
+    new = dict(live)
+    comms: list[Comm] = []
+    for t, q in dict.fromkeys(zip(op.inputs, strategy.inputs)):
+        meta = graph.tensors[t]
+        if t in new:
+            origin, given = new[t]
+        else:  # a parameter or input, first read: stored as this reader wants it (sliced for free)
+            origin, given = (REPLICATED if q == PARTIAL else q), frozenset()
+        if q != origin and all(p != q for p, _ in given):
+            conv = conversion(origin, q, t, meta.nbytes)
+            if conv is None:
+                return None
+            comms.extend(conv)
+        if problem.needs_grad[t] and (q, strategy.sharded) not in given:
+            back = conversion(grad_placement(q, strategy.sharded), _grad_home(origin), t, meta.nbytes, "bwd")
+            if back is None:
+                return None
+            comms.extend(back)
+        new[t] = (origin, given | {(q, strategy.sharded)})
+    for t, p in zip(op.outputs, strategy.outputs):
+        new[t] = (p, frozenset())
+    left = problem.remaining_reads[k]
+    for t in list(new):
+        if left.get(t, 0) == 0:
+            del new[t]
+    if k == len(graph.ops) - 1:  # the loss reads every output whole: partial sums are reduced
+        for t in graph.outputs:
+            if t in new and new[t][0] == PARTIAL:
+                comms.append(Comm("all_reduce", t, graph.tensors[t].nbytes))
+    compute = compute_time(problem.work[k], strategy.sharded, ratios)
+    communication = sum(comm_time(c, devices, ratios) for c in comms)
+    return compute, communication, comms, new
+
+
+def _key(k: int, live: dict[str, Live]) -> tuple:
+    return k, tuple(sorted(live.items()))
+
+
+def search(problem: Problem, ratios: Sequence[float], *, heuristic: bool = True,
+           max_states: int = 2_000_000) -> Program:
+    """The cheapest program at these `ratios`: A* (`heuristic`) or uniform-cost search."""
+    r = _check_ratios(ratios, problem.devices)
+    n = len(problem.graph.ops)
+    lower = problem.lower if heuristic else [0.0] * (n + 1)
+    counter = itertools.count()
+    start: dict[str, Live] = {}
+    heap = [(lower[0], next(counter), 0.0, 0, start, None)]
+    best = {_key(0, start): 0.0}
+    expanded = generated = 0
+    while heap:
+        f, _, g, k, live, path = heapq.heappop(heap)
+        if best.get(_key(k, live), float("inf")) < g:
+            continue  # a cheaper way here was found after this one was pushed
+        expanded += 1
+        if k == n:
+            return _finish(problem, path, r, expanded, generated)
+        if expanded > max_states:
+            raise ShardingError(f"{problem.graph.model}: search stopped after {max_states} states")
+        for index, strategy in enumerate(problem.options[k]):
+            done = step(problem, k, live, strategy, r)
+            if done is None:
+                continue
+            compute, communication, _, new = done
+            g2 = g + compute + communication
+            key = _key(k + 1, new)
+            if g2 < best.get(key, float("inf")) - 1e-18:
+                best[key] = g2
+                generated += 1
+                heapq.heappush(heap, (g2 + lower[k + 1], next(counter), g2, k + 1, new, (index, path)))
+    raise ShardingError(f"{problem.graph.model}: no program computes the model (every path needs a "
+                        "conversion that does not exist)")
+
+
+def _finish(problem: Problem, path: tuple | None, r: np.ndarray, expanded: int, generated: int) -> Program:
+    choice: list[int] = []
+    while path is not None:
+        choice.append(path[0])
+        path = path[1]
+    program = evaluate(problem, choice[::-1], r)
+    program.expanded, program.generated = expanded, generated
+    return program
+
+
+def evaluate(problem: Problem, choice: Sequence[int], ratios: Sequence[float]) -> Program:
+    """Replay one strategy index per op; ShardingError naming the op when one cannot follow."""
+    r = _check_ratios(ratios, problem.devices)
+    live: dict[str, Live] = {}
+    program = Program(strategies={})
+    for k, index in enumerate(choice):
+        op = problem.graph.ops[k]
+        strategy = problem.options[k][index]
+        done = step(problem, k, live, strategy, r)
+        if done is None:
+            raise ShardingError(f"op {op.name}: strategy {strategy} needs a conversion that does not exist")
+        compute, communication, comms, live = done
+        program.strategies[op.name] = strategy
+        program.comms.extend((op.name, c) for c in comms)
+        program.compute += compute
+        program.communication += communication
+    program.cost = program.compute + program.communication
+    return program
+
+
+def exhaustive(problem: Problem, ratios: Sequence[float]) -> Program:
+    """The cheapest program by trying every combination (small graphs only: the tests' oracle)."""
+    best: Program | None = None
+    for choice in itertools.product(*(range(len(o)) for o in problem.options)):
+        try:
+            program = evaluate(problem, choice, ratios)
+        except ShardingError:
+            continue
+        if best is None or program.cost < best.cost - 1e-15:
+            best = program
+    if best is None:
+        raise ShardingError(f"{problem.graph.model}: no program computes the model")
+    return best
+
+
+def _check_ratios(ratios: Sequence[float], devices: Devices) -> np.ndarray:
+    r = np.asarray(ratios, dtype=float)
+    if r.shape != (devices.n,):
+        raise ShardingError(f"ratios: expected one per device ({devices.n}), got {len(r)}")
+    if np.any(r < 0) or not np.isclose(r.sum(), 1.0):
+        raise ShardingError(f"ratios: must be non-negative and sum to 1, got {list(ratios)}")
+    return r
+
+
+def sharded_dims(program: Program, problem: Problem) -> dict[str, tuple[str, int]]:
+    """tensor -> (placement, size of its sharded dimension) for every tensor a strategy shards."""
+    out: dict[str, tuple[str, int]] = {}
+    for op in problem.graph.ops:
+        s = program.strategies.get(op.name)
+        if s is None:
+            continue
+        for t, p in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs)):
+            d = shard_dim(p)
+            if d is not None:
+                out.setdefault(t, (p, problem.graph.tensors[t].shape[d]))
+    return out
