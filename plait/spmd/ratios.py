@@ -1,0 +1,290 @@
+"""Per-device sharding ratios by linear programming, with each device's memory as a constraint,
+alternated with the program search until the cost stops falling (HAP section 5).
+
+For a fixed program (one strategy per op) the iteration time is piecewise linear in the ratios
+``r`` (one per device, summing to 1):
+
+    sum over sharded ops j of  max_i r_i w_ij           (t_j >= r_i w_ij for every device i)
+  + sum over redundant ops of  max_i w_ij               (a constant)
+  + sum over collectives c of  a_c + b_c max_i r_i       (m >= r_i; padded shards)
+
+so ``min sum_j t_j + (sum_c b_c) m`` is an LP (scipy's HiGHS). HAP's LP stops there; here every
+device also gets a memory row, linear in its ratio:
+
+    R + r_i S  <=  capacity_i - framework overhead
+
+with ``R`` the bytes every device keeps whole (replicated parameters with their gradients and
+optimizer state, replicated saved activations) and ``S`` the bytes split by the ratio (sharded
+parameters and activations). Bytes per parameter are `plait.cost.memory.state_bytes_per_param`
+(the same rule as the memory estimator), the overhead is its `FRAMEWORK_OVERHEAD_BYTES`.
+Activations: every floating tensor an op reads and autograd may keep, at the placement the op
+reads it in (an upper bound of what the op saves; in-place and view savings are ignored).
+
+`synthesize` alternates search and LP. When the searched program does not fit at any ratio, it
+searches again with the largest replicated parameters forced to shards (their redundant and
+data-parallel strategies removed), and gives up -- naming the device -- only when even fully
+sharded parameters do not fit. `round_shards` turns the ratios into integer shard sizes that keep
+every shape valid: dimensions linked through ops (a view merging ``b`` with the heads, an
+elementwise op) are split together, in proportion, from their greatest common divisor.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import linprog
+
+from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, state_bytes_per_param
+from plait.spmd.cost import comm_affine
+from plait.spmd.placement import PARTIAL, REPLICATED, ShardingError, shard_dim, shard_sizes
+from plait.spmd.search import Problem, Program, search
+
+
+@dataclass
+class MemoryModel:
+    """Bytes a program keeps on device i: ``replicated + ratio_i * sharded``."""
+
+    replicated: float
+    sharded: float
+    overhead: float
+
+    def on(self, ratios: np.ndarray) -> np.ndarray:
+        return self.overhead + self.replicated + np.asarray(ratios) * self.sharded
+
+
+def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimizer: str = "adam",
+                 overhead: float = FRAMEWORK_OVERHEAD_BYTES) -> MemoryModel:
+    w_b, g_b, k_b = state_bytes_per_param(dtype, optimizer)
+    per_param = w_b + g_b + k_b
+    act_bytes = 2 if dtype in ("bf16", "fp16") else 4
+    graph = problem.graph
+    replicated = sharded = 0.0
+    stored: dict[str, str] = {}
+    kept: set[tuple[str, str]] = set()
+    for op in graph.ops:
+        strategy = program.strategies[op.name]
+        for t, q in zip(op.inputs, strategy.inputs):
+            meta = graph.tensors[t]
+            if meta.role == "param":
+                stored.setdefault(t, REPLICATED if q == PARTIAL else q)
+            elif problem.needs_grad.get(t) and (t, q) not in kept:
+                kept.add((t, q))
+                nbytes = meta.numel * act_bytes
+                if shard_dim(q) is None:
+                    replicated += nbytes
+                else:
+                    sharded += nbytes
+    for t, q in stored.items():
+        nbytes = graph.tensors[t].numel * per_param
+        if shard_dim(q) is None:
+            replicated += nbytes
+        else:
+            sharded += nbytes
+    return MemoryModel(replicated, sharded, float(overhead))
+
+
+@dataclass
+class RatioSolution:
+    ratios: np.ndarray
+    cost: float  # predicted iteration time of the program at these ratios (LP objective + constants)
+    memory: np.ndarray  # bytes per device
+
+
+def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None = None,
+                 min_ratio: float = 0.0) -> RatioSolution | None:
+    """The ratios minimising `program`'s time, within each device's memory; None if it cannot fit.
+
+    Variables ``[r_1..r_n, t_1..t_J, m]``; HiGHS through `scipy.optimize.linprog`."""
+    devices = problem.devices
+    n = devices.n
+    sharded_ops = [k for k, op in enumerate(problem.graph.ops) if program.strategies[op.name].sharded]
+    constant = sum(float(np.max(problem.work[k])) for k, op in enumerate(problem.graph.ops)
+                   if not program.strategies[op.name].sharded)
+    slope = 0.0
+    for _, comm in program.comms:
+        a, b = comm_affine(comm, devices)
+        constant += a
+        slope += b
+    n_t = len(sharded_ops)
+    n_var = n + n_t + 1
+    c = np.zeros(n_var)
+    c[n:n + n_t] = 1.0
+    c[-1] = slope
+    rows, rhs = [], []
+    for j, k in enumerate(sharded_ops):  # r_i w_ik - t_j <= 0
+        for i in range(n):
+            row = np.zeros(n_var)
+            row[i], row[n + j] = problem.work[k][i], -1.0
+            rows.append(row)
+            rhs.append(0.0)
+    for i in range(n):  # r_i - m <= 0
+        row = np.zeros(n_var)
+        row[i], row[-1] = 1.0, -1.0
+        rows.append(row)
+        rhs.append(0.0)
+    if memory is not None:  # r_i S <= capacity_i - overhead - R
+        for i in range(n):
+            row = np.zeros(n_var)
+            row[i] = memory.sharded
+            rows.append(row)
+            rhs.append(devices.memory[i] - memory.overhead - memory.replicated)
+    eq = np.zeros((1, n_var))
+    eq[0, :n] = 1.0
+    bounds = [(min_ratio, 1.0)] * n + [(0.0, None)] * (n_t + 1)
+    result = linprog(c, A_ub=np.array(rows) if rows else None, b_ub=np.array(rhs) if rows else None,
+                     A_eq=eq, b_eq=[1.0], bounds=bounds, method="highs")
+    if result.status != 0:
+        return None
+    r = np.clip(result.x[:n], 0.0, None)
+    r = r / r.sum()
+    mem = memory.on(r) if memory is not None else np.zeros(n)
+    return RatioSolution(r, float(result.fun) + constant, mem)
+
+
+@dataclass
+class Synthesis:
+    program: Program
+    ratios: np.ndarray
+    cost: float
+    memory: np.ndarray
+    rounds: list[float] = field(default_factory=list)  # cost after each search + LP round
+    expanded: int = 0
+    seconds: float = 0.0
+
+
+def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam", memory: bool = True,
+               heuristic: bool = True, max_rounds: int = 8, overhead: float = FRAMEWORK_OVERHEAD_BYTES) -> Synthesis:
+    """Search and LP in turn, from ratios proportional to FLOP/s, until the cost stops falling."""
+    start = time.perf_counter()
+    devices = problem.devices
+    r = devices.flops / devices.flops.sum()
+    best: Synthesis | None = None
+    expanded = 0
+    rounds: list[float] = []
+    for _ in range(max_rounds):
+        program, solution, n_exp = _fitting_program(problem, r, dtype, optimizer, memory, heuristic, overhead)
+        expanded += n_exp
+        rounds.append(solution.cost)
+        if best is not None and solution.cost >= best.cost * (1 - 1e-9):
+            break
+        best = Synthesis(program, solution.ratios, solution.cost, solution.memory)
+        r = solution.ratios
+    assert best is not None
+    best.rounds, best.expanded, best.seconds = rounds, expanded, time.perf_counter() - start
+    return best
+
+
+def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str, memory: bool,
+                     heuristic: bool, overhead: float) -> tuple[Program, RatioSolution, int]:
+    """The searched program at `r` and its best ratios; if it cannot fit, search again with more
+    parameters forced to shards, largest first."""
+    forced: set[str] = set()
+    params = sorted(_shardable_params(problem), key=lambda t: -problem.graph.tensors[t].numel)
+    expanded = 0
+    while True:
+        restricted = _forbid_replicated(problem, forced) if forced else problem
+        program = search(restricted, r / r.sum(), heuristic=heuristic)
+        expanded += program.expanded
+        model = memory_model(restricted, program, dtype, optimizer, overhead) if memory else None
+        solution = solve_ratios(restricted, program, model)
+        if solution is not None:
+            return program, solution, expanded
+        left = [t for t in params if t not in forced]
+        if not left:
+            raise _too_big(problem, model)
+        forced.update(left[:max(1, len(forced) or 1)])  # double the forced set each time
+
+
+def _shardable_params(problem: Problem) -> list[str]:
+    """Parameters that every op reading them can read sharded (layer-norm weights cannot)."""
+    ok = {t: True for t in problem.graph.params}
+    for op, opts in zip(problem.graph.ops, problem.options):
+        for t in set(op.inputs) & ok.keys():
+            ok[t] = ok[t] and any(shard_dim(q) is not None for s in opts
+                                  for u, q in zip(op.inputs, s.inputs) if u == t)
+    return [t for t, can in ok.items() if can]
+
+
+def _forbid_replicated(problem: Problem, params: set[str]) -> Problem:
+    """A copy of `problem` whose strategies never keep one of `params` whole."""
+    options = []
+    for op, opts in zip(problem.graph.ops, problem.options):
+        keep = [s for s in opts if not any(t in params and shard_dim(q) is None
+                                           for t, q in zip(op.inputs, s.inputs))]
+        if not keep:
+            raise ShardingError(f"op {op.name} ({op.target}): no strategy shards its parameters "
+                                f"{sorted(set(op.inputs) & params)}; the model cannot be made to fit")
+        options.append(keep)
+    return Problem(problem.graph, problem.devices, options, problem.work, problem.remaining_reads,
+                   problem.needs_grad, problem.lower)
+
+
+def _bytes(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:.1f} MiB"
+
+
+def _too_big(problem: Problem, model: MemoryModel | None) -> ShardingError:
+    devices = problem.devices
+    if model is None:
+        return ShardingError(f"{problem.graph.model}: no program fits")
+    room = devices.memory - model.overhead - model.replicated
+    worst = int(np.argmin(room))
+    if room[worst] < 0:
+        return ShardingError(
+            f"model {problem.graph.model} does not fit: {devices.names[worst]} has "
+            f"{_bytes(devices.memory[worst])} but needs {_bytes(model.overhead + model.replicated)} "
+            f"for what every device keeps whole, before its share of {_bytes(model.sharded)} of sharded state")
+    return ShardingError(
+        f"model {problem.graph.model} does not fit: its sharded state ({_bytes(model.sharded)}) "
+        f"exceeds the room left on all devices together ({_bytes(room.clip(0).sum())}; the fullest is "
+        f"{devices.names[worst]} with {_bytes(room[worst])} free)")
+
+
+# ----------------------------------------------------------------------------- rounding
+
+
+def round_shards(problem: Problem, program: Program, ratios: Sequence[float]) -> dict[tuple[str, int], list[int]]:
+    """Integer shard sizes per device for every sharded (tensor, dimension) of `program`.
+
+    Sharded dimensions that an op links (an input's sharded dimension and the output's, in a
+    sharded strategy) are one group; every member's size is a multiple of the group's greatest
+    common divisor G, so `shard_sizes(G, ratios)` scaled by ``size / G`` splits them all
+    consistently (a view that merges b with the heads gets ``a`` times the rows of b).
+    ShardingError naming the tensor, op and device when a device would get zero rows."""
+    graph = problem.graph
+    parent: dict[tuple[str, int], tuple[str, int]] = {}
+    where: dict[tuple[str, int], str] = {}
+
+    def find(x: tuple[str, int]) -> tuple[str, int]:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for op in graph.ops:
+        s = program.strategies[op.name]
+        if not s.sharded:
+            continue
+        members = [(t, shard_dim(p)) for t, p in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
+                   if shard_dim(p) is not None]
+        for m in members:
+            where.setdefault(m, op.name)
+            parent[find(m)] = find(members[0])
+    groups: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for m in parent:
+        groups.setdefault(find(m), []).append(m)
+    out: dict[tuple[str, int], list[int]] = {}
+    for members in groups.values():
+        sizes = [graph.tensors[t].shape[d] for t, d in members]
+        g = math.gcd(*sizes)
+        first = min(members, key=lambda m: sizes[members.index(m)])
+        base = shard_sizes(g, ratios, what=f"tensor {first[0]} dim {first[1]} (op {where.get(first, '?')})",
+                           devices=list(problem.devices.names))
+        for (t, d), size in zip(members, sizes):
+            out[(t, d)] = [b * (size // g) for b in base]
+    return out
