@@ -41,7 +41,7 @@ from scipy.optimize import linprog
 from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, state_bytes_per_param
 from plait.spmd.cost import comm_affine
 from plait.spmd.placement import PARTIAL, REPLICATED, ShardingError, shard_dim, shard_sizes
-from plait.spmd.search import Problem, Program, search
+from plait.spmd.search import Problem, Program, _future_needs, search
 
 
 @dataclass
@@ -220,7 +220,7 @@ def _forbid_replicated(problem: Problem, params: set[str]) -> Problem:
                                 f"{sorted(set(op.inputs) & params)}; the model cannot be made to fit")
         options.append(keep)
     return Problem(problem.graph, problem.devices, options, problem.work, problem.remaining_reads,
-                   problem.needs_grad, problem.lower)
+                   problem.needs_grad, problem.lower, _future_needs(problem.graph, options))
 
 
 def _bytes(x: float) -> str:

@@ -59,6 +59,8 @@ class Problem:
     remaining_reads: list[dict[str, int]]  # after op k: tensor -> reads still to come
     needs_grad: dict[str, bool]
     lower: list[float]  # lower[k] = sum of balanced times of ops k..end
+    # after op k: tensor -> placements some later reader may ask for (what a state must remember)
+    future_needs: list[dict[str, frozenset[str]]] = field(default_factory=list)
 
     @classmethod
     def build(cls, graph: AtenGraph, devices: Devices) -> Problem:
@@ -79,7 +81,8 @@ class Problem:
                       for name, t in graph.tensors.items()}
         bounds = [balanced_time(w) for w in work]
         lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
-        return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower])
+        return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
+                   _future_needs(graph, options))
 
 
 @dataclass
@@ -93,6 +96,21 @@ class Program:
     communication: float = 0.0
     expanded: int = 0  # states taken off the heap
     generated: int = 0  # states pushed
+
+
+def _future_needs(graph: AtenGraph, options: list[list[Strategy]]) -> list[dict[str, frozenset[str]]]:
+    """For each k, the placements the readers after op k may require of each tensor: a state
+    forgets what was provided that no one will ask for again (states that differ only there
+    are the same state -- the search's main saving)."""
+    needs: dict[str, set[str]] = {}
+    out: list[dict[str, frozenset[str]]] = [{} for _ in graph.ops]
+    for k in range(len(graph.ops) - 1, -1, -1):
+        out[k] = {t: frozenset(q) for t, q in needs.items()}
+        op = graph.ops[k]
+        for s in options[k]:
+            for t, q in zip(op.inputs, s.inputs):
+                needs.setdefault(t, set()).add(q)
+    return out
 
 
 def _grad_home(origin: str) -> str:
@@ -129,9 +147,13 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
     for t, p in zip(op.outputs, strategy.outputs):
         new[t] = (p, frozenset())
     left = problem.remaining_reads[k]
+    wanted = problem.future_needs[k] if problem.future_needs else {}
     for t in list(new):
         if left.get(t, 0) == 0:
             del new[t]
+        elif wanted:
+            origin, given = new[t]
+            new[t] = (origin, frozenset(g for g in given if g[0] in wanted.get(t, ())))
     if k == len(graph.ops) - 1:  # the loss reads every output whole: partial sums are reduced
         for t in graph.outputs:
             if t in new and new[t][0] == PARTIAL:
