@@ -104,6 +104,10 @@ def test_synthesis_alternates_until_the_cost_stops_falling() -> None:
     assert result.cost <= even.cost  # never worse than even sharding
     assert result.ratios[0] > 1 / 3  # the V100 takes more than its even share
     assert np.all(result.memory <= problem.devices.memory)
+    assert result.program.optimal
+    # past its state budget the exact search hands over to the beam search
+    quick = synthesize(problem, max_states=3)
+    assert not quick.program.optimal and quick.cost >= result.cost * (1 - 1e-9)
 
 
 def test_memory_forces_parameters_to_shards() -> None:

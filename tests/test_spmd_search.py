@@ -16,7 +16,15 @@ from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
 from plait.spmd.cost import Devices, balanced_time, compute_time
 from plait.spmd.placement import ShardingError
-from plait.spmd.search import Problem, evaluate, exhaustive, search
+from plait.spmd.search import (
+    Problem,
+    SearchBudgetExceeded,
+    _lower_bounds,
+    beam_search,
+    evaluate,
+    exhaustive,
+    search,
+)
 
 
 def mixed_cluster(inter: str = "100 Gb/s"):
@@ -81,11 +89,14 @@ def test_heuristic_is_a_lower_bound_of_every_strategy() -> None:
         for k, options in enumerate(p.options):
             bound = balanced_time(p.work[k])
             assert all(compute_time(p.work[k], s.sharded, r) >= bound * (1 - 1e-12) for s in options)
-    # so every complete program costs at least h(0)
+    # the search's h (cheapest strategy of each op at the ratios) is between the perfect-balance
+    # bound and the cost of every complete program
     r = flops_ratios(p)
+    h = _lower_bounds(p, r)
+    assert h[0] >= p.lower[0] * (1 - 1e-12)
     for choice in itertools.islice(itertools.product(*(range(len(o)) for o in p.options)), 200):
         try:
-            assert evaluate(p, choice, r).cost >= p.lower[0] * (1 - 1e-12)
+            assert evaluate(p, choice, r).cost >= h[0] * (1 - 1e-12)
         except ShardingError:
             pass
 
@@ -99,6 +110,11 @@ def test_astar_expands_fewer_states_than_ucs_on_a_transformer() -> None:
     assert astar.cost == pytest.approx(ucs.cost, rel=1e-12)
     assert astar.expanded < ucs.expanded
     print(f"vit 1 layer, {len(graph.ops)} ops: A* expanded {astar.expanded}, uniform-cost {ucs.expanded}")
+    beam = beam_search(p, r, width=16)
+    assert not beam.optimal and beam.cost >= astar.cost * (1 - 1e-12)
+    assert beam.cost == pytest.approx(astar.cost, rel=1e-9)  # here the beam finds the optimum too
+    with pytest.raises(SearchBudgetExceeded, match="stopped after 10 states"):
+        search(p, r, max_states=10)
 
 
 def test_bad_ratios_are_refused() -> None:

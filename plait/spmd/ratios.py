@@ -41,7 +41,14 @@ from scipy.optimize import linprog
 from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, state_bytes_per_param
 from plait.spmd.cost import comm_affine
 from plait.spmd.placement import PARTIAL, REPLICATED, ShardingError, shard_dim, shard_sizes
-from plait.spmd.search import Problem, Program, _future_needs, search
+from plait.spmd.search import (
+    Problem,
+    Program,
+    SearchBudgetExceeded,
+    _future_needs,
+    beam_search,
+    search,
+)
 
 
 @dataclass
@@ -157,7 +164,8 @@ class Synthesis:
 
 
 def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam", memory: bool = True,
-               heuristic: bool = True, max_rounds: int = 8, overhead: float = FRAMEWORK_OVERHEAD_BYTES) -> Synthesis:
+               heuristic: bool = True, max_rounds: int = 8, overhead: float = FRAMEWORK_OVERHEAD_BYTES,
+               max_states: int = 200_000) -> Synthesis:
     """Search and LP in turn, from ratios proportional to FLOP/s, until the cost stops falling."""
     start = time.perf_counter()
     devices = problem.devices
@@ -166,7 +174,8 @@ def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam"
     expanded = 0
     rounds: list[float] = []
     for _ in range(max_rounds):
-        program, solution, n_exp = _fitting_program(problem, r, dtype, optimizer, memory, heuristic, overhead)
+        program, solution, n_exp = _fitting_program(problem, r, dtype, optimizer, memory, heuristic, overhead,
+                                                    max_states)
         expanded += n_exp
         rounds.append(solution.cost)
         if best is not None and solution.cost >= best.cost * (1 - 1e-9):
@@ -179,7 +188,7 @@ def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam"
 
 
 def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str, memory: bool,
-                     heuristic: bool, overhead: float) -> tuple[Program, RatioSolution, int]:
+                     heuristic: bool, overhead: float, max_states: int) -> tuple[Program, RatioSolution, int]:
     """The searched program at `r` and its best ratios; if it cannot fit, search again with more
     parameters forced to shards, largest first."""
     forced: set[str] = set()
@@ -187,7 +196,7 @@ def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str
     expanded = 0
     while True:
         restricted = _forbid_replicated(problem, forced) if forced else problem
-        program = search(restricted, r / r.sum(), heuristic=heuristic)
+        program = _search(restricted, r / r.sum(), heuristic, max_states)
         expanded += program.expanded
         model = memory_model(restricted, program, dtype, optimizer, overhead) if memory else None
         solution = solve_ratios(restricted, program, model)
@@ -197,6 +206,14 @@ def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str
         if not left:
             raise _too_big(problem, model)
         forced.update(left[:max(1, len(forced) or 1)])  # double the forced set each time
+
+
+def _search(problem: Problem, r: np.ndarray, heuristic: bool, max_states: int) -> Program:
+    """The exact search within `max_states`; past it, the beam search (not optimal, says so)."""
+    try:
+        return search(problem, r, heuristic=heuristic, max_states=max_states)
+    except SearchBudgetExceeded:
+        return beam_search(problem, r)
 
 
 def _shardable_params(problem: Problem) -> list[str]:
