@@ -102,10 +102,12 @@ class RatioSolution:
 
 
 def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None = None,
-                 min_ratio: float = 0.0) -> RatioSolution | None:
+                 min_ratio: float = 0.0, start: np.ndarray | None = None) -> RatioSolution | None:
     """The ratios minimising `program`'s time, within each device's memory; None if it cannot fit.
 
-    Variables ``[r_1..r_n, t_1..t_J, m]``; HiGHS through `scipy.optimize.linprog`."""
+    Variables ``[r_1..r_n, t_1..t_J, m]``; HiGHS through `scipy.optimize.linprog`. When the
+    time does not depend on the ratios (nothing sharded) and `start` fits, `start` is kept
+    rather than an arbitrary vertex of the LP."""
     devices = problem.devices
     n = devices.n
     sharded_ops = [k for k, op in enumerate(problem.graph.ops) if program.strategies[op.name].sharded]
@@ -117,6 +119,10 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
         constant += a
         slope += b
     n_t = len(sharded_ops)
+    if start is not None and n_t == 0 and slope == 0.0:
+        mem = memory.on(start) if memory is not None else np.zeros(n)
+        if memory is None or np.all(mem <= devices.memory):
+            return RatioSolution(np.asarray(start, dtype=float), constant, mem)
     n_var = n + n_t + 1
     c = np.zeros(n_var)
     c[n:n + n_t] = 1.0
@@ -199,7 +205,9 @@ def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str
         program = _search(restricted, r / r.sum(), heuristic, max_states)
         expanded += program.expanded
         model = memory_model(restricted, program, dtype, optimizer, overhead) if memory else None
-        solution = solve_ratios(restricted, program, model)
+        # every device keeps a share (1% of even) so that every shard has rows; leaving a device
+        # out altogether is a different program (a smaller group), not a ratio
+        solution = solve_ratios(restricted, program, model, min_ratio=0.01 / len(r), start=r)
         if solution is not None:
             return program, solution, expanded
         left = [t for t in params if t not in forced]
