@@ -169,3 +169,10 @@ def test_shard_sizes_round_like_hap_and_refuse_empty_devices() -> None:
         shard_sizes(8, (0.6, 0.38, 0.02), what="layers.0.attn.qkv", devices=["gpu 0", "gpu 1", "gpu 2 (p100)"])
     with pytest.raises(ShardingError, match="multiple of the shard unit"):
         shard_sizes(10, (0.5, 0.5), unit=4)
+
+
+def test_only_sharded_tensors_split_the_work() -> None:
+    """``P + P`` differs per device but each adds full-size tensors: no ratio saving."""
+    assert not Strategy(("P", "P"), ("P",), True).splits_work
+    assert not Strategy(("R", "R"), ("R",), False).splits_work
+    assert Strategy(("S2", "S1", "P"), ("P",), True).splits_work

@@ -88,7 +88,7 @@ def test_heuristic_is_a_lower_bound_of_every_strategy() -> None:
         r = rng.dirichlet(np.ones(3))
         for k, options in enumerate(p.options):
             bound = balanced_time(p.work[k])
-            assert all(compute_time(p.work[k], s.sharded, r) >= bound * (1 - 1e-12) for s in options)
+            assert all(compute_time(p.work[k], s.splits_work, r) >= bound * (1 - 1e-12) for s in options)
     # the search's h (cheapest strategy of each op at the ratios) is between the perfect-balance
     # bound and the cost of every complete program
     r = flops_ratios(p)

@@ -74,8 +74,9 @@ def op_work(op: AtenOp, graph: AtenGraph, devices: Devices) -> np.ndarray:
     return BACKWARD_FACTOR * (op.flops / devices.flops + out_bytes / devices.mem_bw)
 
 
-def compute_time(work: np.ndarray, sharded: bool, ratios: np.ndarray) -> float:
-    return float(np.max(ratios * work)) if sharded else float(np.max(work))
+def compute_time(work: np.ndarray, splits: bool, ratios: np.ndarray) -> float:
+    """``max_i r_i w_i`` when the strategy splits the work (`Strategy.splits_work`), else ``max_i w_i``."""
+    return float(np.max(ratios * work)) if splits else float(np.max(work))
 
 
 def balanced_time(work: np.ndarray) -> float:

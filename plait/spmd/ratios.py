@@ -110,9 +110,9 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     rather than an arbitrary vertex of the LP."""
     devices = problem.devices
     n = devices.n
-    sharded_ops = [k for k, op in enumerate(problem.graph.ops) if program.strategies[op.name].sharded]
+    sharded_ops = [k for k, op in enumerate(problem.graph.ops) if program.strategies[op.name].splits_work]
     constant = sum(float(np.max(problem.work[k])) for k, op in enumerate(problem.graph.ops)
-                   if not program.strategies[op.name].sharded)
+                   if not program.strategies[op.name].splits_work)
     slope = 0.0
     for _, comm in program.comms:
         a, b = comm_affine(comm, devices)

@@ -48,7 +48,13 @@ class Strategy:
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    sharded: bool  # the op's work is split by the devices' ratios (else every device does it all)
+    sharded: bool  # devices compute different parts (a replicated input's gradient is partial)
+
+    @property
+    def splits_work(self) -> bool:
+        """Whether each device does only its ratio of the work: some tensor is sharded. An op on
+        partial sums alone (``P + P``, ``P * R``) is different on each device but full-size."""
+        return any(p.startswith("S") for p in (*self.inputs, *self.outputs))
 
 
 Shapes = list[list[int]]

@@ -164,7 +164,7 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
         for t in graph.outputs:
             if t in new and new[t][0] == PARTIAL:
                 comms.append(Comm("all_reduce", t, graph.tensors[t].nbytes))
-    compute = compute_time(problem.work[k], strategy.sharded, ratios)
+    compute = compute_time(problem.work[k], strategy.splits_work, ratios)
     communication = sum(comm_time(c, devices, ratios) for c in comms)
     return compute, communication, comms, new
 
@@ -246,7 +246,7 @@ def _lower_bounds(problem: Problem, r: np.ndarray) -> list[float]:
     At least the perfect-balance bound `Problem.lower` (a sharded op at ratios r takes
     ``max_i r_i w_i >= 1 / sum_i 1/w_i``), and still admissible: every program runs each op with
     one of its strategies and pays communication on top."""
-    least = [min(compute_time(w, s.sharded, r) for s in opts) for w, opts in zip(problem.work, problem.options)]
+    least = [min(compute_time(w, s.splits_work, r) for s in opts) for w, opts in zip(problem.work, problem.options)]
     return [float(x) for x in np.cumsum(least[::-1])[::-1]] + [0.0]
 
 
