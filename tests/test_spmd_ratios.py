@@ -16,7 +16,14 @@ from plait.cluster.loader import parse_cluster
 from plait.graph.aten_capture import capture_aten
 from plait.spmd.cost import Devices
 from plait.spmd.placement import ShardingError
-from plait.spmd.ratios import memory_model, round_shards, solve_ratios, synthesize
+from plait.spmd.ratios import (
+    memory_model,
+    round_shards,
+    segmented_cost,
+    segments,
+    solve_ratios,
+    synthesize,
+)
 from plait.spmd.search import Problem, evaluate, search
 
 GIB = 2.0**30
@@ -99,7 +106,8 @@ def test_lp_with_memory_matches_brute_force_and_respects_capacity() -> None:
 def test_synthesis_alternates_until_the_cost_stops_falling() -> None:
     problem = Problem.build(graph(8192), devices(3))
     result = synthesize(problem)
-    assert all(b <= a * (1 + 1e-9) for a, b in zip(result.rounds, result.rounds[1:]))
+    assert result.cost == min(result.rounds)
+    assert all(b < a for a, b in zip(result.rounds[:-2], result.rounds[1:-1]))  # fell until the last
     even = search(problem, np.full(3, 1 / 3))
     assert result.cost <= even.cost  # never worse than even sharding
     assert result.ratios[0] > 1 / 3  # the V100 takes more than its even share
@@ -108,6 +116,39 @@ def test_synthesis_alternates_until_the_cost_stops_falling() -> None:
     # past its state budget the exact search hands over to the beam search
     quick = synthesize(problem, max_states=3)
     assert not quick.program.optimal and quick.cost >= result.cost * (1 - 1e-9)
+
+
+def two_segment_program(problem: Problem):
+    """fc1 and relu data parallel (segment A), fc2 and the residual add redundant (an all-gather
+    between), the layer norm sharded again from a free slice (segment B)."""
+    want = {"linear": (("S0", "R", "R"), ("S0",)), "relu": (("S0",), ("S0",)),
+            "linear_1": (("R", "R", "R"), ("R",)), "add": (("R", "R"), ("R",)),
+            "layer_norm": (("S0", "R", "R"), ("S0",))}
+    choice = [next(i for i, s in enumerate(opts) if (s.inputs, s.outputs) == want[op.name])
+              for op, opts in zip(problem.graph.ops, problem.options)]
+    return choice, evaluate(problem, choice, problem.devices.flops / problem.devices.flops.sum())
+
+
+@pytest.mark.parametrize("n, step", [(2, 0.01), (3, 0.1)])
+def test_segmented_lp_matches_brute_force(n, step) -> None:
+    """HAP's LP: one ratio vector per segment, against a grid over every segment's simplex."""
+    problem = Problem.build(graph(8192), devices(n))
+    choice, program = two_segment_program(problem)
+    segs = segments(problem, program)
+    assert segs.count == 2 and segs.of_op["linear"] != segs.of_op["layer_norm"]
+    r = problem.devices.flops / problem.devices.flops.sum()
+    # with every segment at r, the segmented cost is the search's cost of the program
+    assert segmented_cost(problem, program, segs, np.tile(r, (2, 1))) == pytest.approx(
+        evaluate(problem, choice, r).cost, rel=1e-12)
+    lp = solve_ratios(problem, program, segs=segs)
+    assert lp.by_segment.shape == (2, n)
+    assert lp.cost == pytest.approx(segmented_cost(problem, program, segs, lp.by_segment), rel=1e-9)
+    grid = min(segmented_cost(problem, program, segs, np.array([a, b]))
+               for a in simplex(n, step) for b in simplex(n, step))
+    assert lp.cost <= grid * (1 + 1e-9) and grid <= lp.cost * (1 + 5 * step)
+    assert lp.cost <= solve_ratios(problem, program).cost * (1 + 1e-12)  # never worse than one vector
+    sizes = round_shards(problem, program, lp.by_segment, segs)
+    assert sum(sizes[("relu", 0)]) == 8192 and sum(sizes[("layer_norm", 0)]) == 8192
 
 
 def test_memory_forces_parameters_to_shards() -> None:
