@@ -29,6 +29,7 @@ R -> P       free (one device keeps it, the others hold zeros)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,6 +78,7 @@ class Comm:
     group: str = "world"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def conversion(src: str, dst: str, tensor: str, nbytes: int, phase: str = "fwd") -> tuple[Comm, ...] | None:
     """The collectives turning placement `src` into `dst` (empty when free); None when impossible."""
     if src == dst:

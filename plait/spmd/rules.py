@@ -31,6 +31,7 @@ redundant one's is all of it (`plait.spmd.cost`). `local_call` runs an op on one
 
 from __future__ import annotations
 
+import functools
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class Strategy:
     outputs: tuple[str, ...]
     sharded: bool  # devices compute different parts (a replicated input's gradient is partial)
 
-    @property
+    @functools.cached_property
     def splits_work(self) -> bool:
         """Whether each device does only its ratio of the work: some tensor is sharded. An op on
         partial sums alone (``P + P``, ``P * R``) is different on each device but full-size."""

@@ -25,6 +25,7 @@ enumeration of the tests and the ratio LP all count the same costs.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -62,6 +63,10 @@ class Problem:
     lower: list[float]  # lower[k] = sum of balanced times of ops k..end
     # after op k: tensor -> placements some later reader may ask for (what a state must remember)
     future_needs: list[dict[str, frozenset[str]]] = field(default_factory=list)
+
+    @functools.cached_property
+    def nbytes(self) -> dict[str, int]:
+        return {name: t.nbytes for name, t in self.graph.tensors.items()}
 
     @classmethod
     def build(cls, graph: AtenGraph, devices: Devices) -> Problem:
@@ -125,47 +130,75 @@ def _grad_home(origin: str) -> str:
     return REPLICATED if origin == PARTIAL else origin
 
 
+class _Times:
+    """Per-search caches at fixed ratios: compute of (op, strategy), time of (collective, bytes)."""
+
+    def __init__(self, problem: Problem, ratios: np.ndarray) -> None:
+        self.problem, self.ratios = problem, ratios
+        self.compute: dict[tuple[int, bool], float] = {}
+        self.comm: dict[tuple[str, int], float] = {}
+
+    def of_compute(self, k: int, splits: bool) -> float:
+        key = (k, splits)
+        t = self.compute.get(key)
+        if t is None:
+            t = self.compute[key] = compute_time(self.problem.work[k], splits, self.ratios)
+        return t
+
+    def of_comm(self, c: Comm) -> float:
+        key = (c.op, c.nbytes)
+        t = self.comm.get(key)
+        if t is None:
+            t = self.comm[key] = comm_time(c, self.problem.devices, self.ratios)
+        return t
+
+
 def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
-         ratios: np.ndarray) -> tuple[float, float, list[Comm], dict[str, Live]] | None:
+         ratios: np.ndarray, times: _Times | None = None) -> tuple[float, float, list[Comm], dict[str, Live]] | None:
     """Place op `k` with `strategy`: (compute, communication, collectives, new live set), or None
     when some input cannot be converted to the placement the strategy needs."""
-    graph, devices = problem.graph, problem.devices
+    graph = problem.graph
+    times = times or _Times(problem, ratios)
     op = graph.ops[k]
     new = dict(live)
     comms: list[Comm] = []
+    left = problem.remaining_reads[k]
+    wanted = problem.future_needs[k] if problem.future_needs else None
+    nbytes = problem.nbytes
     for t, q in dict.fromkeys(zip(op.inputs, strategy.inputs)):
-        meta = graph.tensors[t]
         if t in new:
             origin, given = new[t]
         else:  # a parameter or input, first read: stored as this reader wants it (sliced for free)
             origin, given = (REPLICATED if q == PARTIAL else q), frozenset()
         if q != origin and all(p != q for p, _ in given):
-            conv = conversion(origin, q, t, meta.nbytes)
+            conv = conversion(origin, q, t, nbytes[t])
             if conv is None:
                 return None
             comms.extend(conv)
         if problem.needs_grad[t] and (q, strategy.sharded) not in given:
-            back = conversion(grad_placement(q, strategy.sharded), _grad_home(origin), t, meta.nbytes, "bwd")
+            back = conversion(grad_placement(q, strategy.sharded), _grad_home(origin), t, nbytes[t], "bwd")
             if back is None:
                 return None
             comms.extend(back)
-        new[t] = (origin, given | {(q, strategy.sharded)})
-    for t, p in zip(op.outputs, strategy.outputs):
-        new[t] = (p, frozenset())
-    left = problem.remaining_reads[k]
-    wanted = problem.future_needs[k] if problem.future_needs else {}
-    for t in list(new):
         if left.get(t, 0) == 0:
-            del new[t]
-        elif wanted:
-            origin, given = new[t]
-            new[t] = (origin, frozenset(g for g in given if g[0] in wanted.get(t, ())))
+            new.pop(t, None)
+            continue
+        given = given | {(q, strategy.sharded)}
+        if wanted is not None:  # forget what no later reader can ask for
+            need = wanted.get(t, ())
+            given = frozenset(g for g in given if g[0] in need)
+        new[t] = (origin, given)
+    for t, p in zip(op.outputs, strategy.outputs):
+        if left.get(t, 0) > 0:
+            new[t] = (p, frozenset())
     if k == len(graph.ops) - 1:  # the loss reads every output whole: partial sums are reduced
+        for t, p in zip(op.outputs, strategy.outputs):
+            new.setdefault(t, (p, frozenset()))
         for t in graph.outputs:
             if t in new and new[t][0] == PARTIAL:
                 comms.append(Comm("all_reduce", t, graph.tensors[t].nbytes))
-    compute = compute_time(problem.work[k], strategy.splits_work, ratios)
-    communication = sum(comm_time(c, devices, ratios) for c in comms)
+    compute = times.of_compute(k, strategy.splits_work)
+    communication = sum(times.of_comm(c) for c in comms)
     return compute, communication, comms, new
 
 
@@ -180,6 +213,7 @@ def search(problem: Problem, ratios: Sequence[float], *, heuristic: bool = True,
     n = len(problem.graph.ops)
     lower = _lower_bounds(problem, r) if heuristic else [0.0] * (n + 1)
     counter = itertools.count()
+    times = _Times(problem, r)
     start: dict[str, Live] = {}
     # ties on f go to the deeper state (-k): on the plateaus of equal-cost choices (cheap ops whose
     # strategies cost the same) this finishes one path instead of widening all of them
@@ -197,7 +231,7 @@ def search(problem: Problem, ratios: Sequence[float], *, heuristic: bool = True,
             raise SearchBudgetExceeded(f"{problem.graph.model}: search stopped after {max_states} states "
                                        "(beam_search finds a program in linear time, not always the best)")
         for index, strategy in enumerate(problem.options[k]):
-            done = step(problem, k, live, strategy, r)
+            done = step(problem, k, live, strategy, r, times)
             if done is None:
                 continue
             compute, communication, _, new = done
@@ -218,13 +252,14 @@ def beam_search(problem: Problem, ratios: Sequence[float], width: int = 64) -> P
     r = _check_ratios(ratios, problem.devices)
     lower = _lower_bounds(problem, r)
     level: list[tuple[float, dict[str, Live], tuple | None]] = [(0.0, {}, None)]
+    times = _Times(problem, r)
     expanded = generated = 0
     for k in range(len(problem.graph.ops)):
         seen: dict[tuple, tuple[float, dict[str, Live], tuple | None]] = {}
         for g, live, path in level:
             expanded += 1
             for index, strategy in enumerate(problem.options[k]):
-                done = step(problem, k, live, strategy, r)
+                done = step(problem, k, live, strategy, r, times)
                 if done is None:
                     continue
                 g2 = g + done[0] + done[1]
@@ -264,11 +299,12 @@ def evaluate(problem: Problem, choice: Sequence[int], ratios: Sequence[float]) -
     """Replay one strategy index per op; ShardingError naming the op when one cannot follow."""
     r = _check_ratios(ratios, problem.devices)
     live: dict[str, Live] = {}
+    times = _Times(problem, r)
     program = Program(strategies={})
     for k, index in enumerate(choice):
         op = problem.graph.ops[k]
         strategy = problem.options[k][index]
-        done = step(problem, k, live, strategy, r)
+        done = step(problem, k, live, strategy, r, times)
         if done is None:
             raise ShardingError(f"op {op.name}: strategy {strategy} needs a conversion that does not exist")
         compute, communication, comms, live = done
