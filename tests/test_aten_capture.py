@@ -83,3 +83,15 @@ def test_capture_of_image_models_on_meta_allocates_nothing() -> None:
     conv = next(op for op in g.ops if op.kind == "conv2d")
     assert g.tensors[conv.outputs[0]].shape == [2, 768, 14, 14]
     assert g.tensors[g.outputs[0]].shape == [2, 1000]
+
+
+def test_capture_of_a_real_module_leaves_it_where_it_is() -> None:
+    import torch
+
+    spec = load_model("vgg19:width=8,fc=16,image=32,pool=1,classes=6,dropout=0")
+    model = spec.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = capture_aten(model, spec.sample_batch(2)[0], name="vgg19")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert g.tensors[g.outputs[0]].shape == [2, 6] and len([op for op in g.ops if op.kind == "conv2d"]) == 16

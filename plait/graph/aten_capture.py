@@ -34,9 +34,14 @@ __all__ = ["capture_aten"]
 
 
 def capture_aten(module: nn.Module, sample_inputs: Sequence[Any], *, name: str = "model") -> AtenGraph:
-    """The forward pass of `module` on `sample_inputs` as an AtenGraph (on the meta device)."""
-    module = module.to("meta")
-    inputs = tuple(tree_map(_to_meta, tuple(sample_inputs)))
+    """The forward pass of `module` on `sample_inputs` as an AtenGraph.
+
+    A module on the meta device is exported with meta inputs (shapes only: a 175B model takes no
+    memory). A module elsewhere is exported as it is -- torch.export runs it on fake tensors, so
+    nothing is computed and the module is neither moved nor changed."""
+    tensors = [*module.parameters(), *module.buffers()]
+    on_meta = all(t.device.type == "meta" for t in tensors)
+    inputs = tuple(tree_map(_to_meta, tuple(sample_inputs))) if on_meta else tuple(sample_inputs)
     return _graph(_export(module, inputs, name), inputs, module, name)
 
 
