@@ -67,8 +67,10 @@ def captured() -> dict[str, tuple[AtenGraph, dict[str, torch.Tensor]]]:
     return {name: capture_aten_values(model, inputs, name=name) for name, (model, inputs) in _models().items()}
 
 
-def _split(value: torch.Tensor, placement: str, gen: torch.Generator) -> tuple[list[torch.Tensor], list[int]]:
-    """Each device's part of `value` and its offset along the sharded dimension."""
+def _split(value: torch.Tensor, placement: str, gen: torch.Generator, unit: int = 1
+           ) -> tuple[list[torch.Tensor], list[int]]:
+    """Each device's part of `value` and its offset along the sharded dimension (shards in
+    multiples of `unit`)."""
     n = len(RATIOS)
     d = shard_dim(placement)
     if placement == REPLICATED:
@@ -76,7 +78,7 @@ def _split(value: torch.Tensor, placement: str, gen: torch.Generator) -> tuple[l
     if placement == PARTIAL:  # random summands
         parts = [torch.randn(value.shape, generator=gen, dtype=value.dtype) for _ in range(n - 1)]
         return [value - sum(parts), *parts], [0] * n
-    sizes = shard_sizes(value.shape[d], RATIOS)
+    sizes = shard_sizes(value.shape[d], RATIOS, unit)
     offsets = [sum(sizes[:i]) for i in range(n)]
     return list(torch.split(value, sizes, dim=d)), offsets
 
@@ -92,12 +94,25 @@ def _gather(parts: list[torch.Tensor], placement: str) -> torch.Tensor:
     return torch.cat(parts, dim=d)
 
 
+def _unit(op: AtenOp, strategy: Strategy, graph: AtenGraph) -> int:
+    """A view that turns rows of b*a into rows of b needs shards of b*a in multiples of a (the
+    rounding of `round_shards` gives them that)."""
+    d_in, d_out = shard_dim(strategy.inputs[0]) if strategy.inputs else None, \
+        shard_dim(strategy.outputs[0]) if strategy.outputs else None
+    if d_in is None or d_out is None:
+        return 1
+    a = graph.tensors[op.inputs[0]].shape[d_in]
+    b = graph.tensors[op.outputs[0]].shape[d_out]
+    return a // b if a > b else 1
+
+
 def _check(op: AtenOp, strategy: Strategy, graph: AtenGraph, values: dict[str, torch.Tensor]) -> None:
     gen = torch.Generator().manual_seed(1)
     local: list[list[torch.Tensor]] = [[] for _ in RATIOS]
     first_row = [0] * len(RATIOS)
+    unit = _unit(op, strategy, graph)
     for i, (t, placement) in enumerate(zip(op.inputs, strategy.inputs)):
-        parts, offsets = _split(values[t], placement, gen)
+        parts, offsets = _split(values[t], placement, gen, unit if i == 0 else 1)
         for dev in range(len(RATIOS)):
             local[dev].append(parts[dev])
         if i == 0:
@@ -149,6 +164,12 @@ def test_strategies_name_what_each_op_offers(captured) -> None:
     assert (("S2", "S1", "P"), ("P",)) in found  # row parallel: partial sum, bias on one device
     vocab = next(op for op in graph.ops if op.kind == "embedding" and "tok" in op.module)
     assert (("S0", "R"), ("P",)) in {(s.inputs, s.outputs) for s in strategies(vocab, graph)}
+    # the attention core's output [s, b*a, d] -> [s, b, h]: rows of b*a, a at a time, are rows of b,
+    # so data parallelism flows through attention without a gather
+    merge = next(op for op in graph.ops if op.kind in ("reshape", "view") and
+                 len(graph.tensors[op.inputs[0]].shape) == 3 and
+                 graph.tensors[op.inputs[0]].shape[1] == 4 * graph.tensors[op.outputs[0]].shape[1])
+    assert (("S1",), ("S1",)) in {(s.inputs, s.outputs) for s in strategies(merge, graph)}
     topk = next(op for op in graph.ops if op.kind == "topk")
     assert all(shard_dim(s.inputs[0]) != 1 for s in strategies(topk, graph))  # never along experts
 
@@ -201,8 +222,9 @@ def _grad_check(op: AtenOp, strategy: Strategy, graph: AtenGraph, values: dict[s
     n = len(RATIOS)
     local_in: list[list[torch.Tensor]] = [[] for _ in range(n)]
     first_row = [0] * n
+    unit = _unit(op, strategy, graph)
     for i, (t, placement) in enumerate(zip(op.inputs, strategy.inputs)):
-        parts, offsets = _split(values[t], placement, gen)
+        parts, offsets = _split(values[t], placement, gen, unit if i == 0 else 1)
         for dev in range(n):
             local_in[dev].append(parts[dev].detach().clone().requires_grad_(i in floats))
         if i == 0:

@@ -403,12 +403,13 @@ def _dim_map(src: list[int], dst: list[int]) -> dict[int, int]:
                     return mapping
                 gj.append(j)
                 b *= dst[j]
-        # sharding the outermost dimension of a group keeps every shard contiguous, when the
-        # group's outermost output dimension is a multiple of it
+        # sharding the outermost dimension of a group keeps every shard contiguous when one of
+        # the two outermost dimensions is a multiple of the other: rows of b become rows of b*a
+        # (a per row), and rows of b*a, taken a at a time, become rows of b (the rounding of
+        # `plait.spmd.ratios.round_shards` keeps linked dimensions in proportion)
         lead = next((k for k in gi if src[k] > 1), None)
         out = next((k for k in gj if dst[k] > 1), None)
-        if lead is not None and out is not None and all(src[k] == 1 for k in gi if k < lead) \
-                and dst[out] % src[lead] == 0:
+        if lead is not None and out is not None and (dst[out] % src[lead] == 0 or src[lead] % dst[out] == 0):
             mapping[lead] = out
         i, j = i + 1, j + 1
     return mapping
