@@ -45,8 +45,8 @@ from plait.spmd.search import (
     Problem,
     Program,
     SearchBudgetExceeded,
-    _future_needs,
     beam_search,
+    future_needs_of,
     search,
 )
 
@@ -346,7 +346,7 @@ def _forbid_replicated(problem: Problem, params: set[str]) -> Problem:
                                 f"{sorted(set(op.inputs) & params)}; the model cannot be made to fit")
         options.append(keep)
     return Problem(problem.graph, problem.devices, options, problem.work, problem.remaining_reads,
-                   problem.needs_grad, problem.lower, _future_needs(problem.graph, options))
+                   problem.needs_grad, problem.lower, future_needs_of(problem.graph, options))
 
 
 def _bytes(x: float) -> str:

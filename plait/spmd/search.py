@@ -88,7 +88,7 @@ class Problem:
         bounds = [balanced_time(w) for w in work]
         lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
         return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
-                   _future_needs(graph, options))
+                   future_needs_of(graph, options))
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Program:
     optimal: bool = True  # False when found by the beam search (`beam_search`)
 
 
-def _future_needs(graph: AtenGraph, options: list[list[Strategy]]) -> list[dict[str, frozenset[str]]]:
+def future_needs_of(graph: AtenGraph, options: list[list[Strategy]]) -> list[dict[str, frozenset[str]]]:
     """For each k, the placements the readers after op k may require of each tensor: a state
     forgets what was provided that no one will ask for again (states that differ only there
     are the same state -- the search's main saving)."""
