@@ -9,8 +9,9 @@ Cluster: one V100 (16 GB) node and one node of two P100 SXM2 (DGX-1 NVLink betwe
 `--inter` between the nodes (HAP's setting: 10.4 Gb/s). fp32: V100 vs P100 differ 1.48x.
 Columns: ops of the captured forward graph; states A* and uniform-cost search expanded at
 ratios proportional to FLOP/s (the same optimum, checked); the cost (predicted iteration time)
-of the best program at even ratios, and after `synthesize` (search + LP with memory, alternated);
-the ratios it chose; synthesis seconds. Graphs whose exact search exceeds `--max-states` use the
+of the best program at even ratios; HAP's own method (uniform-cost search, LP without memory)
+and whether its program fits; plait's `synthesize` (A*, LP with memory, segments, alternated);
+the ratios it chose (work-weighted mean of the segments'); synthesis seconds. Graphs whose exact search exceeds `--max-states` use the
 beam search (marked "beam").
 """
 
@@ -60,6 +61,8 @@ def run(spec_text: str, batch: int, devices: Devices, max_states: int) -> str:
     except SearchBudgetExceeded:
         states = f"{'beam':>8} {'beam':>8}"
         even = beam_search(problem, np.full(devices.n, 1 / devices.n)).cost
+    hap = synthesize(problem, memory=False, heuristic=False, max_states=max_states)
+    hap_text = f"{hap.cost * 1e3:9.3f} {'yes' if hap.fits else 'NO':>4}"
     start = time.perf_counter()
     try:
         result = synthesize(problem, max_states=max_states)
@@ -67,7 +70,7 @@ def run(spec_text: str, batch: int, devices: Devices, max_states: int) -> str:
     except ShardingError as exc:
         ours, ratios = "  no fit", str(exc)[:40]
     took = time.perf_counter() - start
-    return (f"{spec.name:<9} {batch:>5} {len(graph.ops):>5} {states} {even * 1e3:9.3f} {ours} "
+    return (f"{spec.name:<9} {batch:>5} {len(graph.ops):>5} {states} {even * 1e3:9.3f} {hap_text} {ours} "
             f"{ratios:<20} {took:6.2f}")
 
 
@@ -80,8 +83,8 @@ def main() -> None:
     args = parser.parse_args()
     devices = Devices.from_cluster(cluster(args.inter))
     print(f"cluster: {', '.join(devices.names)}; {args.inter} between nodes; fp32")
-    print(f"{'model':<9} {'batch':>5} {'ops':>5} {'A* exp':>8} {'UCS exp':>8} {'even ms':>9} {'ours ms':>9} "
-          f"{'ratios':<20} {'synth s':>6}")
+    print(f"{'model':<9} {'batch':>5} {'ops':>5} {'A* exp':>8} {'UCS exp':>8} {'even ms':>9} {'HAP ms':>9} "
+          f"{'fits':>4} {'ours ms':>9} {'ratios':<20} {'synth s':>6}")
     for spec_text, batch in (FULL if args.full else CASES)[:args.cases]:
         print(run(spec_text, batch, devices, args.max_states), flush=True)
 

@@ -167,6 +167,16 @@ def test_memory_forces_parameters_to_shards() -> None:
     assert "p_fc1_weight" in stored
 
 
+def test_without_the_memory_row_hap_proposes_programs_that_do_not_fit() -> None:
+    """HAP's LP has no memory constraint: the same setting gives a program that overflows."""
+    problem = Problem.build(graph(64), devices(3, inter="10.4 Gb/s"))
+    free = synthesize(problem, overhead=0.0)
+    small = Problem.build(graph(64), devices(3, tuple([free.memory.max() * 0.6 / GIB] * 3), inter="10.4 Gb/s"))
+    hap = synthesize(small, overhead=0.0, memory=False, heuristic=False)
+    ours = synthesize(small, overhead=0.0)
+    assert not hap.fits and ours.fits and hap.memory.max() > small.devices.memory.max()
+
+
 def test_model_larger_than_the_cluster_names_the_device() -> None:
     problem = Problem.build(graph(8192), devices(3, (16.0, 16.0, 0.5)))
     with pytest.raises(ShardingError, match=r"does not fit: gpu 2 \(p100-16gb, node 1\) has 512.0 MiB but needs"):

@@ -262,6 +262,12 @@ class Synthesis:
     seconds: float = 0.0
     segment_ratios: np.ndarray | None = None  # (segments, devices)
     segments: Segments | None = None
+    capacity: np.ndarray | None = None  # bytes per device
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device holds what the program keeps (always, unless memory=False)."""
+        return self.capacity is None or bool(np.all(self.memory <= self.capacity * (1 + 1e-9)))
 
 
 def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam", memory: bool = True,
@@ -289,6 +295,7 @@ def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam"
         r = solution.ratios
     assert best is not None
     best.rounds, best.expanded, best.seconds = rounds, expanded, time.perf_counter() - start
+    best.capacity = devices.memory
     return best
 
 
@@ -305,11 +312,15 @@ def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str
         program = _search(restricted, r / r.sum(), heuristic, max_states)
         expanded += program.expanded
         segs = segments(restricted, program) if segmented else Segments.single(restricted, program)
-        model = memory_model(restricted, program, dtype, optimizer, overhead, segs) if memory else None
+        model = memory_model(restricted, program, dtype, optimizer, overhead, segs)
         # every device keeps a share (1% of even) so that every shard has rows; leaving a device
         # out altogether is a different program (a smaller group), not a ratio
-        solution = solve_ratios(restricted, program, model, min_ratio=0.01 / len(r), start=r, segs=segs)
+        solution = solve_ratios(restricted, program, model if memory else None, min_ratio=0.01 / len(r),
+                                start=r, segs=segs)
         if solution is not None:
+            if not memory:  # HAP's LP ignores memory: say what the program would need anyway
+                by_seg = solution.by_segment
+                solution.memory = model.on(by_seg if by_seg is not None and by_seg.shape[0] > 1 else solution.ratios)
             return program, solution, expanded
         left = [t for t in params if t not in forced]
         if not left:
