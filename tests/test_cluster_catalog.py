@@ -79,3 +79,26 @@ def test_node_templates_are_per_direction_figures() -> None:
     assert NODE_TEMPLATES["v100-32gb"].intra.bandwidth == 150e9  # NVLink 2
     assert NODE_TEMPLATES["h100-80gb"].intra.bandwidth == 450e9  # NVLink 4
     assert NODE_TEMPLATES["t4"].intra.kind == "pcie"
+
+
+@pytest.mark.parametrize("name, fp32, fp16, mem_gib, mem_bw", [
+    # NVIDIA Tesla P100 datasheet: SXM2 and PCIe parts; no tensor cores, fp16 = 2x fp32
+    ("p100-16gb", 10.6e12, 21.2e12, 16, 732e9),
+    ("p100-pcie-16gb", 9.3e12, 18.7e12, 16, 732e9),
+    ("p100-pcie-12gb", 9.3e12, 18.7e12, 12, 549e9),
+])
+def test_p100_datasheet(name, fp32, fp16, mem_gib, mem_bw) -> None:
+    kind = GPU_KINDS[name]
+    assert kind.peak_flops == {"fp32": fp32, "fp16": fp16}
+    assert kind.flops("bf16") == kind.flops("tf32") == fp32
+    assert kind.memory_bytes == mem_gib * 2**30 and kind.memory_bandwidth == mem_bw
+    assert name in NODE_TEMPLATES
+
+
+def test_p100_aliases_and_dgx1_template() -> None:
+    assert resolve_kind_name("P100") == resolve_kind_name("p100-sxm2") == "p100-16gb"
+    assert resolve_kind_name("P100-PCIe") == "p100-pcie-16gb"
+    assert resolve_kind_name("p100-pcie-12gb") == "p100-pcie-12gb"
+    dgx1 = NODE_TEMPLATES["p100-16gb"]
+    assert dgx1.intra.bandwidth == 80e9 and dgx1.intra.kind == "nvlink"  # NVLink 1: 4 x 20 GB/s
+    assert dgx1.nics == 4 and "DGX-1 (P100)" in dgx1.source

@@ -31,6 +31,11 @@ TINY = {
     "bert": "bert:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0,attn_dropout=0",
     "resnet50": "resnet50:blocks=1-1-1-1,width=8,image=32,classes=10",
     "vgg16": "vgg16:width=8,fc=32,image=32,pool=1,classes=10,dropout=0",
+    "vgg19": "vgg19:width=16,fc=64,image=32,pool=1,classes=10,dropout=0",
+    "vit": "vit:layers=2,hidden=32,heads=4,patch=8,image=32,classes=10",
+    "bert_moe": (
+        "bert_moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,experts=4,moe_every=2,dropout=0,attn_dropout=0"
+    ),
     "mmt": "mmt:branches=2,layers=2,seq=8,hidden=32,heads=4,in_dim=12,classes=5,dropout=0,attn_dropout=0",
     "dlrm": (
         "dlrm:dense_branches=2,dense_layers=2,hidden=32,dense_in=12,sparse_branches=2,"
@@ -46,6 +51,8 @@ KNOWN_COUNTS = {
     "llama": 6_738_415_616,  # LLaMA-2-7B
     "resnet50": 25_557_032,  # torchvision resnet50
     "vgg16": 138_357_544,  # torchvision vgg16
+    "vgg19": 143_667_240,  # torchvision vgg19
+    "vit": 86_567_656,  # torchvision vit_b_16
 }
 
 
@@ -514,3 +521,43 @@ def test_user_file_that_does_not_exist_or_import(tmp_path):
     bad.write_text("import not_a_real_module_xyz\n")
     with pytest.raises(ModelSpecError, match="bad.py: importing failed: ModuleNotFoundError"):
         load_model(f"{bad}:make")
+
+
+# ----------------------------------------------------------------------------- HAP's models
+
+
+def test_hap_models_forward_shapes():
+    vit = load_model(TINY["vit"])
+    (img,), target = vit.sample_batch(3)
+    assert vit.build()(img).shape == (3, 10) and target.shape == (3,)
+    assert vit.config["seq"] == (32 // 8) ** 2 + 1
+    vgg = load_model(TINY["vgg19"])
+    assert vgg.build()(vgg.sample_batch(2)[0][0]).shape == (2, 10)
+    assert sum(len(b.convs) for b in vgg.build("meta").blocks) == 16  # VGG-19: 16 convs + 3 fc
+    moe = load_model(TINY["bert_moe"])
+    (ids, types), _ = moe.sample_batch(2)
+    model = moe.build()
+    assert model(ids, types).shape == (2, 16, 64)
+    styles = _marked(model, "plait_layer")
+    assert styles["layers.0"] == "transformer" and styles["layers.1"] == "none"  # every 2nd is MoE
+
+
+def test_moe_routing_follows_gshard():
+    """Each token reaches at most top_k experts, no expert holds more than its capacity, the
+    combine weights of a token are its renormalised top-k gates (sum 1 unless dropped)."""
+    from plait.graph.zoo.moe import MixtureOfExperts
+
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(8, 16, experts=4, top_k=2, capacity=1.0, dropout=0.0)
+    tokens = torch.randn(12, 8)
+    dispatch, combine = moe.route(tokens)
+    c = moe.slots(12)
+    assert dispatch.shape == (12, 4, c) == combine.shape and c == 6
+    assert dispatch.sum(dim=(1, 2)).max() <= 2
+    assert dispatch.sum(dim=(0, 2)).max() <= c  # capacity per expert
+    assert dispatch.sum(dim=0).max() <= 1  # one token per slot
+    full = dispatch.sum(dim=(1, 2)) == 2
+    assert torch.allclose(combine.sum(dim=(1, 2))[full], torch.ones(int(full.sum())))
+    # with capacity for everyone, every token keeps both choices
+    roomy = MixtureOfExperts(8, 16, experts=4, top_k=2, capacity=4.0, dropout=0.0)
+    assert roomy.route(tokens)[0].sum() == 24

@@ -44,6 +44,13 @@ GPU_KINDS: dict[str, GPUKind] = {
     # 125 TFLOPS (FP16 in, FP32 accumulate), HBM2 16/32 GB at 900 GB/s. Volta has no
     # TF32 or BF16 tensor cores.
     "v100-16gb": _kind("v100-16gb", 16, "900 GB/s", fp32=15.7, fp16=125),
+    # NVIDIA Tesla P100 datasheet: SXM2 (NVLink) part: double 5.3, single 10.6, half 21.2
+    # TFLOPS, 16 GB CoWoS HBM2 at 732 GB/s; PCIe parts: double 4.7, single 9.3, half 18.7
+    # TFLOPS, 16 GB at 732 GB/s or 12 GB at 549 GB/s. Pascal has no tensor cores: its fp16 is
+    # the CUDA cores' paired half2 rate, 2x fp32 -- no TF32 or BF16 units either.
+    "p100-16gb": _kind("p100-16gb", 16, "732 GB/s", fp32=10.6, fp16=21.2),
+    "p100-pcie-16gb": _kind("p100-pcie-16gb", 16, "732 GB/s", fp32=9.3, fp16=18.7),
+    "p100-pcie-12gb": _kind("p100-pcie-12gb", 12, "549 GB/s", fp32=9.3, fp16=18.7),
     "v100-32gb": _kind("v100-32gb", 32, "900 GB/s", fp32=15.7, fp16=125),
     # NVIDIA T4 datasheet: single precision 8.1 TFLOPS, mixed precision (FP16/FP32)
     # 65 TFLOPS, 16 GB GDDR6 at 320 GB/s. Turing: no TF32/BF16 units.
@@ -83,6 +90,10 @@ GPU_KINDS: dict[str, GPUKind] = {
 _ALIASES = {
     "v100": "v100-32gb",  # the DGX-1V / DGX-2 era part most clusters still run
     "v100-sxm2": "v100-32gb",
+    "p100": "p100-16gb",  # the SXM2 part of DGX-1 (P100), HAP's P100 machines
+    "p100-sxm2": "p100-16gb",
+    "p100-sxm2-16gb": "p100-16gb",
+    "p100-pcie": "p100-pcie-16gb",
     "a100": "a100-80gb",
     "a100-sxm": "a100-80gb",
     "h100": "h100-80gb",
@@ -166,6 +177,17 @@ NODE_TEMPLATES: dict[str, NodeTemplate] = {
                               "NVIDIA DGX-1 (V100) datasheet"),
     "v100-32gb": NodeTemplate(8, _link("nvlink", "150 GB/s"), _link("infiniband", "100 Gb/s"), 4,
                               "NVIDIA DGX-1 (V100) datasheet"),
+    # DGX-1 (P100): 8x P100 SXM2, NVLink 1.0, four 20 GB/s-per-direction links per GPU (160 GB/s
+    # bidirectional; hybrid cube-mesh, modelled as all-to-all 80 GB/s each way), 4x 100 Gb/s EDR
+    # InfiniBand.
+    "p100-16gb": NodeTemplate(8, _link("nvlink", "80 GB/s"), _link("infiniband", "100 Gb/s"), 4,
+                              "NVIDIA DGX-1 (P100) datasheet"),
+    # P100 PCIe servers: PCIe Gen3 x16 (32 GB/s bidirectional per the P100 PCIe datasheet),
+    # 100 Gb/s networking (an assumption; such servers vary).
+    "p100-pcie-16gb": NodeTemplate(8, _link("pcie", _PCIE3), _link("ethernet", "100 Gb/s"), 1,
+                                   "NVIDIA Tesla P100 PCIe datasheet (PCIe Gen3 x16); 100 GbE assumed"),
+    "p100-pcie-12gb": NodeTemplate(8, _link("pcie", _PCIE3), _link("ethernet", "100 Gb/s"), 1,
+                                   "NVIDIA Tesla P100 PCIe datasheet (PCIe Gen3 x16); 100 GbE assumed"),
     # AWS g4dn.metal: 8x T4 on PCIe Gen3, 100 Gb/s networking.
     "t4": NodeTemplate(8, _link("pcie", _PCIE3), _link("ethernet", "100 Gb/s"), 1,
                        "AWS g4dn.metal"),

@@ -86,10 +86,10 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
-from plait.cost.traffic import grad_elem_bytes, pp_message_bytes
+from plait.cost.traffic import pp_message_bytes
 from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
-from plait.ir.plan import Plan
+from plait.ir.plan import Plan, default_grad_dtype
 from plait.ir.stage_graph import (
     chain_cut_bytes,
     chunk_graph,
@@ -260,6 +260,24 @@ class MemoryEstimate:
     def __str__(self) -> str:
         status = "fits" if self.fits else f"does NOT fit ({len(self.over_devices)} GPUs over)"
         return f"MemoryEstimate({self.model} on {self.cluster}: max peak {self.max_peak_bytes / GiB:.2f} GiB, {status})"
+
+
+def state_bytes_per_param(dtype: str, optimizer: str = "adam", grad_dtype: str | None = None
+                          ) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer-state) bytes per parameter (Rajbhandari et al. 2020, §3.1).
+
+    Mixed precision (bf16/fp16) keeps 2-byte weights and the fp32 master copy in the optimizer
+    state (Adam: 4 + 4 + 4 = 12 bytes); fp32 keeps 4-byte weights and Adam's 8. Gradients are
+    held in `grad_dtype`, default Megatron-LM's for the compute dtype (`default_grad_dtype`:
+    fp32 main grads for bf16, so 2 + 4 + 12 = 18 bytes with Adam)."""
+    if optimizer not in _OPTIMIZERS:
+        raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+    if dtype not in _DTYPE_BYTES:
+        raise MemoryEstimateError(f"dtype: unknown {dtype!r}; use one of {tuple(_DTYPE_BYTES)}")
+    mixed = dtype in ("bf16", "fp16")
+    opt_fp32, opt_mixed, _ = _OPTIMIZERS[optimizer]
+    g_b = _DTYPE_BYTES[grad_dtype or default_grad_dtype(dtype)]
+    return (2, g_b, opt_mixed) if mixed else (4, g_b, opt_fp32)
 
 
 def _gib(x: float) -> str:
@@ -517,14 +535,12 @@ def estimate_memory(
     n_dev = len(kinds)
     overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
 
-    mixed = plan.dtype in ("bf16", "fp16")
     plan_bytes = _DTYPE_BYTES[plan.dtype]
     # gradients live in the dtype they are reduced in (Plan.grad_dtype, the one truth the traffic
     # module sends): Megatron's bf16 keeps fp32 main grads -- 2 + 4 + 12 = 18 bytes per parameter
     # with Adam (Korthikanti et al. 2022 count the same) -- fp16 keeps fp16 grads unless told
-    w_b, g_b = (2, grad_elem_bytes(plan)) if mixed else (4, 4)
-    opt_fp32, opt_mixed, step_kind = _OPTIMIZERS[optimizer]
-    k_b = opt_mixed if mixed else opt_fp32
+    w_b, g_b, k_b = state_bytes_per_param(plan.dtype, optimizer, plan.grad_dtype)
+    step_kind = _OPTIMIZERS[optimizer][2]
     act_scale = plan_bytes / la.act_dtype_bytes  # capture dtype -> plan dtype
     loss_scale = 4.0 / la.act_dtype_bytes  # the loss runs in fp32
 
@@ -552,7 +568,7 @@ def estimate_memory(
         ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
         persistent = persistent_grads
         if persistent is None:
-            persistent = mixed or m > 1 or st.dp > 1 or plan.zero > 0
+            persistent = plan.dtype in ("bf16", "fp16") or m > 1 or st.dp > 1 or plan.zero > 0
         tied_extra = np.zeros(len(ids))
         if la.tied is not None and la.tied[1] in ids and la.tied[0] not in ids:
             tied_extra[int(np.flatnonzero(ids == la.tied[1])[0])] = la.tied[2]

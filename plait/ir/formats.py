@@ -23,6 +23,7 @@ FORMAT_VERSIONS: dict[str, int] = {
     "plan": 1,        # plan JSON (plait plan --out, plait simulate/run --plan FILE)
     "cluster": 1,     # cluster YAML (plait profile --out, examples/clusters/)
     "opgraph": 1,     # OpGraph JSON (plait inspect --json)
+    "atengraph": 1,   # AtenGraph JSON (the op-level capture, plait.graph.aten_capture)
     "timeline": 1,    # Timeline JSON (simulated or measured events)
     "run": 1,         # a run folder's result.json
 }

@@ -44,6 +44,13 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 COLLECTIVE_ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped")
 
 
+def default_grad_dtype(dtype: str) -> str:
+    """Megatron-LM's gradient dtype for a compute dtype: bf16 accumulates and all-reduces fp32 main
+    grads (arguments.py forces ``accumulate_allreduce_grads_in_fp32`` for bf16), fp16 keeps fp16
+    gradients unless told, fp32/tf32 use fp32."""
+    return {"bf16": "fp32", "fp16": "fp16"}.get(dtype, "fp32")
+
+
 class PlanError(PlaitError, ValueError):
     """A plan that is malformed or inconsistent; the message names the field."""
 
@@ -216,7 +223,7 @@ class Plan:
         that flag is given, fp32/tf32 in fp32."""
         if self.grad_reduce_dtype is not None:
             return self.grad_reduce_dtype
-        return {"bf16": "fp32", "fp16": "fp16"}.get(self.dtype, "fp32")
+        return default_grad_dtype(self.dtype)
 
     @property
     def num_micro_batches(self) -> int:

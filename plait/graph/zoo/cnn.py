@@ -1,15 +1,17 @@
-"""Convolutional nets: ResNet-50 (He et al. 2016, v1.5 as torchvision) and VGG-16 (Simonyan & Zisserman 2015).
+"""Convolutional nets: ResNet-50 (He et al. 2016, v1.5 as torchvision), VGG-16 and VGG-19 (Simonyan & Zisserman 2015).
 
 Each OpGraph layer is a module marked ``plait_layer = "none"`` (replicated under tensor
 parallelism, which these nets do not use):
 
 * resnet50: ``stem`` (7x7 conv, BN, ReLU, max-pool), ``layers.0 .. layers.15`` (one per
   bottleneck block, [3, 4, 6, 3] per stage), ``head`` (global average pool + fc).
-* vgg16: ``blocks.0 .. blocks.4`` (one per conv block: 2, 2, 3, 3, 3 convs + max-pool),
-  ``fc6`` (adaptive average pool to ``pool`` x ``pool``, fc, ReLU, dropout), ``fc7``, ``fc8``.
+* vgg16 / vgg19: ``blocks.0 .. blocks.4`` (one per conv block: 2, 2, 3, 3, 3 convs + max-pool for
+  VGG-16, configuration D; 2, 2, 4, 4, 4 for VGG-19, configuration E), ``fc6`` (adaptive average
+  pool to ``pool`` x ``pool``, fc, ReLU, dropout), ``fc7``, ``fc8``.
 
 ``width`` scales every channel count (64 = the paper), ``image`` the input side, so tests can
-train a tiny version of the same graph. Parameter counts: 25,557,032 and 138,357,544.
+train a tiny version of the same graph. Parameter counts: 25,557,032, 138,357,544 and 143,667,240
+(torchvision's resnet50, vgg16 and vgg19).
 """
 
 from __future__ import annotations
@@ -189,7 +191,9 @@ register(
 
 # ----------------------------------------------------------------------------- VGG
 
-VGG16_BLOCKS = ((2, 64), (2, 128), (3, 256), (3, 512), (3, 512))
+VGG16_BLOCKS = ((2, 64), (2, 128), (3, 256), (3, 512), (3, 512))  # configuration D
+VGG19_BLOCKS = ((2, 64), (2, 128), (4, 256), (4, 512), (4, 512))  # configuration E
+VGG_BLOCKS = {"vgg16": VGG16_BLOCKS, "vgg19": VGG19_BLOCKS}
 
 
 class ConvBlock(nn.Module):
@@ -231,7 +235,7 @@ class VGG(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         scale, blocks, in_ch = cfg["width"] / 64, [], 3
-        for convs, ch in VGG16_BLOCKS:
+        for convs, ch in VGG_BLOCKS[cfg["variant"]]:
             out_ch = max(1, round(ch * scale))
             blocks.append(ConvBlock(in_ch, out_ch, convs))
             in_ch = out_ch
@@ -249,7 +253,7 @@ class VGG(nn.Module):
 
 def vgg_param_count(cfg: dict[str, Any]) -> int:
     scale, in_ch, total = cfg["width"] / 64, 3, 0
-    for convs, ch in VGG16_BLOCKS:
+    for convs, ch in VGG_BLOCKS[cfg["variant"]]:
         out_ch = max(1, round(ch * scale))
         total += 9 * in_ch * out_ch + out_ch + (convs - 1) * (9 * out_ch * out_ch + out_ch)
         in_ch = out_ch
@@ -257,7 +261,7 @@ def vgg_param_count(cfg: dict[str, Any]) -> int:
     return total + (in_ch * cfg["pool"] ** 2 + 1) * fc + (fc + 1) * fc + (fc + 1) * classes
 
 
-def make_vgg(cfg: dict[str, Any]) -> ModelSpec:
+def make_vgg(cfg: dict[str, Any], variant: str = "vgg16") -> ModelSpec:
     cfg = dict(cfg)
     _check_image(cfg, 32)
     for key in ("fc", "pool"):
@@ -265,30 +269,43 @@ def make_vgg(cfg: dict[str, Any]) -> ModelSpec:
             raise ModelSpecError(f"{key} must be >= 1, got {cfg[key]}")
     if not 0.0 <= cfg["dropout"] < 1.0:
         raise ModelSpecError(f"dropout must be in [0, 1), got {cfg['dropout']}")
-    cfg.update(family="cnn", layers=len(VGG16_BLOCKS) + 3)
+    cfg.update(family="cnn", layers=len(VGG_BLOCKS[variant]) + 3)
     return ModelSpec(
-        name="vgg16",
+        name=variant,
         config=cfg,
-        construct=lambda: VGG(cfg),
+        construct=lambda: VGG({**cfg, "variant": variant}),
         make_batch=image_batch(cfg["image"], cfg["classes"]),
         loss_fn=F.cross_entropy,
-        param_formula=lambda: vgg_param_count(cfg),
-        description="VGG-16, one layer per conv block and per fully connected layer",
+        param_formula=lambda: vgg_param_count({**cfg, "variant": variant}),
+        description=f"{variant.upper()}, one layer per conv block and per fully connected layer",
     )
+
+
+def _vgg_params() -> dict[str, Param]:
+    return {
+        "width": Param(int, 64, "channels of the first conv block (64 = paper; others scale)"),
+        "fc": Param(int, 4096, "width of fc6 and fc7"),
+        "image": Param(int, 224, "input image side in pixels"),
+        "pool": Param(int, 7, "adaptive average pool side before fc6"),
+        "classes": Param(int, 1000, "output classes"),
+        "dropout": Param(float, 0.5, "classifier dropout"),
+    }
 
 
 register(
     ModelEntry(
         name="vgg16",
         description="VGG-16 (224x224, 1000 classes); width/fc/image/pool configurable",
-        params={
-            "width": Param(int, 64, "channels of the first conv block (64 = paper; others scale)"),
-            "fc": Param(int, 4096, "width of fc6 and fc7"),
-            "image": Param(int, 224, "input image side in pixels"),
-            "pool": Param(int, 7, "adaptive average pool side before fc6"),
-            "classes": Param(int, 1000, "output classes"),
-            "dropout": Param(float, 0.5, "classifier dropout"),
-        },
+        params=_vgg_params(),
         make=make_vgg,
+    )
+)
+
+register(
+    ModelEntry(
+        name="vgg19",
+        description="VGG-19 (configuration E: 16 convs + 3 fc; 224x224, 1000 classes), as HAP evaluates",
+        params=_vgg_params(),
+        make=lambda cfg: make_vgg(cfg, "vgg19"),
     )
 )

@@ -1,0 +1,129 @@
+"""How one tensor lives on the devices of an SPMD program, and what moving between two ways costs.
+
+A placement (HAP's "property" of a tensor, Zhang et al. EuroSys'24 section 3) is a string:
+
+* ``"R"``  -- replicated: every device holds the whole tensor;
+* ``"S<d>"`` -- sharded along dimension ``d``: device ``i`` holds a contiguous slice of about
+  ``r_i`` of it (uneven per-device ratios ``r``, summing to 1);
+* ``"P"``  -- partial: every device holds a tensor of the full shape and the value is their sum.
+
+Conversions (HAP's communication instructions) and their gradients. The backward pass is the
+transposed program, so a forward placement has a gradient placement: ``S<d>`` -> ``S<d>``,
+``P`` -> ``R``, and ``R`` -> ``R`` when the op that reads it computes redundantly on every device,
+``P`` when it computes a shard (each device's part of the gradient is a partial sum: this is
+Megatron's "f" all-reduce and data parallelism's gradient all-reduce, one rule for both).
+
+===========  ======================  =================================
+from -> to   forward                 (as a gradient, same table)
+===========  ======================  =================================
+S<d> -> R    all_gather(d)
+P -> R       all_reduce
+P -> S<d>    reduce_scatter(d)
+S<d> -> S<e> all_to_all(d -> e)
+R -> S<d>    free (each device slices its part: HAP's dynamic_slice)
+R -> P       free (one device keeps it, the others hold zeros)
+===========  ======================  =================================
+
+``S -> P`` is not offered (it would need the zero-padded full tensor on every device).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from plait.errors import PlaitError
+
+REPLICATED, PARTIAL = "R", "P"
+
+
+class ShardingError(PlaitError, ValueError):
+    """An SPMD sharding that cannot be made; the message names the op, tensor or device."""
+
+
+def shard(dim: int) -> str:
+    return f"S{dim}"
+
+
+def shard_dim(placement: str) -> int | None:
+    """The sharded dimension of ``"S<d>"``, None for ``"R"`` and ``"P"``."""
+    return int(placement[1:]) if placement.startswith("S") else None
+
+
+def grad_placement(placement: str, sharded_compute: bool) -> str:
+    """Placement of the gradient of a tensor read in `placement` by an op that computes a shard
+    (`sharded_compute`) or redundantly."""
+    if placement == PARTIAL:
+        return REPLICATED
+    if placement == REPLICATED:
+        return PARTIAL if sharded_compute else REPLICATED
+    return placement
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective of the program, as a description; times come from `plait.spmd.cost`.
+
+    `nbytes` is the full (unsharded) tensor's size; `group` the devices it spans ("world": all of
+    the program's devices); `phase` "fwd" or "bwd" (a gradient's collective)."""
+
+    op: str  # all_gather, all_reduce, reduce_scatter, all_to_all
+    tensor: str
+    nbytes: int
+    phase: str = "fwd"
+    dim: int | None = None
+    group: str = "world"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def conversion(src: str, dst: str, tensor: str, nbytes: int, phase: str = "fwd") -> tuple[Comm, ...] | None:
+    """The collectives turning placement `src` into `dst` (empty when free); None when impossible."""
+    if src == dst:
+        return ()
+    d_src, d_dst = shard_dim(src), shard_dim(dst)
+    if src == REPLICATED:  # slicing, or keeping the value on one device only
+        return ()
+    if src == PARTIAL:
+        if dst == REPLICATED:
+            return (Comm("all_reduce", tensor, nbytes, phase),)
+        return (Comm("reduce_scatter", tensor, nbytes, phase, d_dst),)
+    if dst == REPLICATED:
+        return (Comm("all_gather", tensor, nbytes, phase, d_src),)
+    if d_dst is not None:
+        return (Comm("all_to_all", tensor, nbytes, phase, d_dst),)
+    return None  # S -> P
+
+
+def shard_sizes(size: int, ratios: Sequence[float], unit: int = 1, *, what: str = "tensor",
+                devices: Sequence[str] | None = None) -> list[int]:
+    """Integer sizes of the shards of a dimension of `size` elements, in multiples of `unit`.
+
+    HAP's rounding (section 5.2): floor ``r_i * blocks``, then one more block to the devices
+    with the largest deficits until all blocks are placed. Every device must get at least one
+    block (a device with zero rows would run ops on empty tensors, and some -- layer norm,
+    softmax over them -- are not defined there): raises ShardingError naming `what` and the
+    device otherwise.
+    """
+    r = np.asarray(ratios, dtype=float)
+    names = list(devices) if devices is not None else [f"device {i}" for i in range(len(r))]
+    if len(r) == 0 or np.any(r < 0) or not np.isfinite(r).all() or r.sum() <= 0:
+        raise ShardingError(f"{what}: ratios must be non-negative and sum to 1, got {list(ratios)}")
+    if size % unit:
+        raise ShardingError(f"{what}: size {size} is not a multiple of the shard unit {unit}")
+    blocks = size // unit
+    r = r / r.sum()
+    want = r * blocks
+    sizes = np.floor(want + 1e-9).astype(int)
+    rest = blocks - int(sizes.sum())
+    for i in np.argsort(-(want - sizes), kind="stable")[:rest]:
+        sizes[i] += 1
+    empty = [names[i] for i in range(len(r)) if sizes[i] == 0]
+    if empty:
+        raise ShardingError(
+            f"{what}: ratios {[round(float(x), 4) for x in r]} leave {', '.join(empty)} with zero rows "
+            f"of a dimension of {size} (in units of {unit}); give every device a ratio of at least "
+            f"{unit / size:.3g} or shard another dimension")
+    return [int(s) * unit for s in sizes]

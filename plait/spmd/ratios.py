@@ -1,0 +1,418 @@
+"""Per-device sharding ratios by linear programming, with each device's memory as a constraint,
+alternated with the program search until the cost stops falling (HAP section 5).
+
+For a fixed program (one strategy per op) the iteration time is piecewise linear in the ratios
+``r`` (one per device, summing to 1):
+
+    sum over sharded ops j of  max_i r_i w_ij           (t_j >= r_i w_ij for every device i)
+  + sum over redundant ops of  max_i w_ij               (a constant)
+  + sum over collectives c of  a_c + b_c max_i r_i       (m >= r_i; padded shards)
+
+so ``min sum_j t_j + (sum_c b_c) m`` is an LP (scipy's HiGHS). HAP's LP stops there; here every
+device also gets a memory row, linear in its ratio:
+
+    R + r_i S  <=  capacity_i - framework overhead
+
+with ``R`` the bytes every device keeps whole (replicated parameters with their gradients and
+optimizer state, replicated saved activations) and ``S`` the bytes split by the ratio (sharded
+parameters and activations). Bytes per parameter are `plait.cost.memory.state_bytes_per_param`
+(the same rule as the memory estimator), the overhead is its `FRAMEWORK_OVERHEAD_BYTES`.
+Activations: every floating tensor an op reads and autograd may keep, at the placement the op
+reads it in (an upper bound of what the op saves; in-place and view savings are ignored).
+
+`synthesize` alternates search and LP. When the searched program does not fit at any ratio, it
+searches again with the largest replicated parameters forced to shards (their redundant and
+data-parallel strategies removed), and gives up -- naming the device -- only when even fully
+sharded parameters do not fit. `round_shards` turns the ratios into integer shard sizes that keep
+every shape valid: dimensions linked through ops (a view merging ``b`` with the heads, an
+elementwise op) are split together, in proportion, from their greatest common divisor.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import linprog
+
+from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, state_bytes_per_param
+from plait.spmd.cost import PADDED, comm_affine, compute_time
+from plait.spmd.placement import PARTIAL, REPLICATED, Comm, ShardingError, shard_dim, shard_sizes
+from plait.spmd.search import (
+    Problem,
+    Program,
+    SearchBudgetExceeded,
+    beam_search,
+    future_needs_of,
+    search,
+)
+
+
+@dataclass
+class Segments:
+    """Groups of sharded dimensions split together (HAP's segments): an op links the sharded
+    dimensions of its inputs and outputs; a collective or a free slice starts a new group. Each
+    group can have its own ratios."""
+
+    of_dim: dict[tuple[str, int], int]  # (tensor, dimension) -> segment
+    of_op: dict[str, int]  # op that splits its work -> segment
+    count: int
+
+    @classmethod
+    def single(cls, problem: Problem, program: Program) -> Segments:
+        """Everything in one segment: one ratio vector for the whole program."""
+        found = segments(problem, program)
+        return cls({k: 0 for k in found.of_dim}, {k: 0 for k in found.of_op}, 1)
+
+
+def segments(problem: Problem, program: Program) -> Segments:
+    parent: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def find(x: tuple[str, int]) -> tuple[str, int]:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    first: dict[str, tuple[str, int]] = {}
+    for op in problem.graph.ops:
+        s = program.strategies[op.name]
+        members = [(t, d) for t, p in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
+                   if (d := shard_dim(p)) is not None]
+        if members:
+            first[op.name] = members[0]
+        for m in members:
+            parent[find(m)] = find(members[0])
+    roots: dict[tuple[str, int], int] = {}
+    of_dim = {m: roots.setdefault(find(m), len(roots)) for m in list(parent)}
+    return Segments(of_dim, {name: of_dim[m] for name, m in first.items()}, max(1, len(roots)))
+
+
+@dataclass
+class MemoryModel:
+    """Bytes a program keeps on device i: ``replicated + sum_g ratio_gi * sharded_g``."""
+
+    replicated: float
+    sharded: float  # all segments together
+    overhead: float
+    by_segment: dict[int, float] = field(default_factory=dict)
+
+    def on(self, ratios: np.ndarray) -> np.ndarray:
+        """Bytes per device at `ratios`: one vector (n,) for all, or one row per segment (G, n)."""
+        r = np.asarray(ratios, dtype=float)
+        if r.ndim == 1:
+            return self.overhead + self.replicated + r * self.sharded
+        return self.overhead + self.replicated + sum(r[g] * b for g, b in self.by_segment.items())
+
+
+def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimizer: str = "adam",
+                 overhead: float = FRAMEWORK_OVERHEAD_BYTES, segs: Segments | None = None) -> MemoryModel:
+    w_b, g_b, k_b = state_bytes_per_param(dtype, optimizer)
+    per_param = w_b + g_b + k_b
+    act_bytes = 2 if dtype in ("bf16", "fp16") else 4
+    graph = problem.graph
+    segs = segs or segments(problem, program)
+    model = MemoryModel(0.0, 0.0, float(overhead))
+
+    def add(t: str, q: str, nbytes: float) -> None:
+        d = shard_dim(q)
+        if d is None:
+            model.replicated += nbytes
+        else:
+            g = segs.of_dim.get((t, d), 0)
+            model.sharded += nbytes
+            model.by_segment[g] = model.by_segment.get(g, 0.0) + nbytes
+
+    stored: dict[str, str] = {}
+    kept: set[tuple[str, str]] = set()
+    for op in graph.ops:
+        strategy = program.strategies[op.name]
+        for t, q in zip(op.inputs, strategy.inputs):
+            meta = graph.tensors[t]
+            if meta.role == "param":
+                stored.setdefault(t, REPLICATED if q == PARTIAL else q)
+            elif problem.needs_grad.get(t) and (t, q) not in kept:
+                kept.add((t, q))
+                add(t, q, meta.numel * act_bytes)
+    for t, q in stored.items():
+        add(t, q, graph.tensors[t].numel * per_param)
+    return model
+
+
+@dataclass
+class RatioSolution:
+    ratios: np.ndarray  # one vector: the work-weighted mean over segments (what the next search uses)
+    cost: float  # predicted iteration time of the program at these ratios (LP objective + constants)
+    memory: np.ndarray  # bytes per device
+    by_segment: np.ndarray | None = None  # (segments, devices)
+    segments: Segments | None = None
+
+
+def _comm_segment(comm: Comm, segs: Segments) -> int | None:
+    """The segment whose largest ratio pads this collective (None: all-reduce, not padded)."""
+    if comm.op not in PADDED:
+        return None
+    return segs.of_dim.get((comm.tensor, comm.dim), 0) if comm.dim is not None else 0
+
+
+def segmented_cost(problem: Problem, program: Program, segs: Segments, by_segment: np.ndarray) -> float:
+    """The program's time with each segment at its own ratios (the LP's objective, evaluated)."""
+    r = np.asarray(by_segment, dtype=float)
+    total = 0.0
+    for k, op in enumerate(problem.graph.ops):
+        s = program.strategies[op.name]
+        total += compute_time(problem.work[k], s.splits_work, r[segs.of_op.get(op.name, 0)])
+    for _, comm in program.comms:
+        a, b = comm_affine(comm, problem.devices)
+        g = _comm_segment(comm, segs)
+        total += a + (b * float(np.max(r[g])) if g is not None else 0.0)
+    return total
+
+
+def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None = None,
+                 min_ratio: float = 0.0, start: np.ndarray | None = None,
+                 segs: Segments | None = None) -> RatioSolution | None:
+    """The ratios minimising `program`'s time, within each device's memory; None if it cannot fit.
+
+    One ratio vector per segment (`segs`; default: one for the whole program). Variables
+    ``[r_gi (g-major), t_j, m_g]``; HiGHS through `scipy.optimize.linprog`. When the time does not
+    depend on the ratios (nothing sharded) and `start` fits, `start` is kept rather than an
+    arbitrary vertex of the LP."""
+    devices = problem.devices
+    n = devices.n
+    segs = segs or Segments.single(problem, program)
+    G = segs.count
+    ops = problem.graph.ops
+    split = [k for k, op in enumerate(ops) if program.strategies[op.name].splits_work]
+    constant = sum(float(np.max(problem.work[k])) for k, op in enumerate(ops)
+                   if not program.strategies[op.name].splits_work)
+    slope = np.zeros(G)
+    for _, comm in program.comms:
+        a, b = comm_affine(comm, devices)
+        constant += a
+        g = _comm_segment(comm, segs)
+        if g is not None:
+            slope[g] += b
+    n_t = len(split)
+    if start is not None and n_t == 0 and not slope.any():
+        mem = memory.on(start) if memory is not None else np.zeros(n)
+        if memory is None or np.all(mem <= devices.memory):
+            return RatioSolution(np.asarray(start, dtype=float), constant, mem, np.tile(start, (G, 1)), segs)
+    n_r = G * n
+    n_var = n_r + n_t + G
+    c = np.zeros(n_var)
+    c[n_r:n_r + n_t] = 1.0
+    c[n_r + n_t:] = slope
+    rows, rhs = [], []
+
+    def row() -> np.ndarray:
+        return np.zeros(n_var)
+
+    for j, k in enumerate(split):  # r_gi w_ik - t_j <= 0, g the op's segment
+        g = segs.of_op.get(ops[k].name, 0)
+        for i in range(n):
+            x = row()
+            x[g * n + i], x[n_r + j] = problem.work[k][i], -1.0
+            rows.append(x)
+            rhs.append(0.0)
+    for g in range(G):  # r_gi - m_g <= 0
+        for i in range(n):
+            x = row()
+            x[g * n + i], x[n_r + n_t + g] = 1.0, -1.0
+            rows.append(x)
+            rhs.append(0.0)
+    if memory is not None:  # sum_g r_gi S_g <= capacity_i - overhead - R
+        per_seg = memory.by_segment if G > 1 else {0: memory.sharded}
+        for i in range(n):
+            x = row()
+            for g, nbytes in per_seg.items():
+                x[g * n + i] += nbytes
+            rows.append(x)
+            rhs.append(devices.memory[i] - memory.overhead - memory.replicated)
+    eq = np.zeros((G, n_var))
+    for g in range(G):
+        eq[g, g * n:(g + 1) * n] = 1.0
+    bounds = [(min_ratio, 1.0)] * n_r + [(0.0, None)] * (n_t + G)
+    result = linprog(c, A_ub=np.array(rows) if rows else None, b_ub=np.array(rhs) if rows else None,
+                     A_eq=eq, b_eq=np.ones(G), bounds=bounds, method="highs")
+    if result.status != 0:
+        return None
+    by_segment = np.clip(result.x[:n_r].reshape(G, n), 0.0, None)
+    by_segment /= by_segment.sum(axis=1, keepdims=True)
+    weight = np.zeros(G)
+    for k in split:
+        weight[segs.of_op.get(ops[k].name, 0)] += float(np.max(problem.work[k]))
+    mean = (weight @ by_segment) / weight.sum() if weight.sum() > 0 else by_segment.mean(axis=0)
+    mem = (memory.on(by_segment) if G > 1 else memory.on(by_segment[0])) if memory is not None else np.zeros(n)
+    return RatioSolution(mean, float(result.fun) + constant, mem, by_segment, segs)
+
+
+@dataclass
+class Synthesis:
+    program: Program
+    ratios: np.ndarray
+    cost: float
+    memory: np.ndarray
+    rounds: list[float] = field(default_factory=list)  # cost after each search + LP round
+    expanded: int = 0
+    seconds: float = 0.0
+    segment_ratios: np.ndarray | None = None  # (segments, devices)
+    segments: Segments | None = None
+    capacity: np.ndarray | None = None  # bytes per device
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device holds what the program keeps (always, unless memory=False)."""
+        return self.capacity is None or bool(np.all(self.memory <= self.capacity * (1 + 1e-9)))
+
+
+def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam", memory: bool = True,
+               heuristic: bool = True, max_rounds: int = 8, overhead: float = FRAMEWORK_OVERHEAD_BYTES,
+               max_states: int = 200_000, segmented: bool = True) -> Synthesis:
+    """Search and LP in turn, from ratios proportional to FLOP/s, until the cost stops falling.
+
+    `segmented`: one ratio vector per segment (HAP), else one for the whole program. The search
+    runs at one vector, the work-weighted mean of the segments' (the segments are the program's)."""
+    start = time.perf_counter()
+    devices = problem.devices
+    r = devices.flops / devices.flops.sum()
+    best: Synthesis | None = None
+    expanded = 0
+    rounds: list[float] = []
+    for _ in range(max_rounds):
+        program, solution, n_exp = _fitting_program(problem, r, dtype, optimizer, memory, heuristic, overhead,
+                                                    max_states, segmented)
+        expanded += n_exp
+        rounds.append(solution.cost)
+        if best is not None and solution.cost >= best.cost * (1 - 1e-9):
+            break
+        best = Synthesis(program, solution.ratios, solution.cost, solution.memory,
+                         segment_ratios=solution.by_segment, segments=solution.segments)
+        r = solution.ratios
+    assert best is not None
+    best.rounds, best.expanded, best.seconds = rounds, expanded, time.perf_counter() - start
+    best.capacity = devices.memory
+    return best
+
+
+def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str, memory: bool,
+                     heuristic: bool, overhead: float, max_states: int,
+                     segmented: bool) -> tuple[Program, RatioSolution, int]:
+    """The searched program at `r` and its best ratios; if it cannot fit, search again with more
+    parameters forced to shards, largest first."""
+    forced: set[str] = set()
+    params = sorted(_shardable_params(problem), key=lambda t: -problem.graph.tensors[t].numel)
+    expanded = 0
+    while True:
+        restricted = _forbid_replicated(problem, forced) if forced else problem
+        program = _search(restricted, r / r.sum(), heuristic, max_states)
+        expanded += program.expanded
+        segs = segments(restricted, program) if segmented else Segments.single(restricted, program)
+        model = memory_model(restricted, program, dtype, optimizer, overhead, segs)
+        # every device keeps a share (1% of even) so that every shard has rows; leaving a device
+        # out altogether is a different program (a smaller group), not a ratio
+        solution = solve_ratios(restricted, program, model if memory else None, min_ratio=0.01 / len(r),
+                                start=r, segs=segs)
+        if solution is not None:
+            if not memory:  # HAP's LP ignores memory: say what the program would need anyway
+                by_seg = solution.by_segment
+                solution.memory = model.on(by_seg if by_seg is not None and by_seg.shape[0] > 1 else solution.ratios)
+            return program, solution, expanded
+        left = [t for t in params if t not in forced]
+        if not left:
+            raise _too_big(problem, model)
+        forced.update(left[:max(1, len(forced) or 1)])  # double the forced set each time
+
+
+def _search(problem: Problem, r: np.ndarray, heuristic: bool, max_states: int) -> Program:
+    """The exact search within `max_states`; past it, the beam search (not optimal, says so)."""
+    try:
+        return search(problem, r, heuristic=heuristic, max_states=max_states)
+    except SearchBudgetExceeded:
+        return beam_search(problem, r)
+
+
+def _shardable_params(problem: Problem) -> list[str]:
+    """Parameters that every op reading them can read sharded (layer-norm weights cannot)."""
+    ok = {t: True for t in problem.graph.params}
+    for op, opts in zip(problem.graph.ops, problem.options):
+        for t in set(op.inputs) & ok.keys():
+            ok[t] = ok[t] and any(shard_dim(q) is not None for s in opts
+                                  for u, q in zip(op.inputs, s.inputs) if u == t)
+    return [t for t, can in ok.items() if can]
+
+
+def _forbid_replicated(problem: Problem, params: set[str]) -> Problem:
+    """A copy of `problem` whose strategies never keep one of `params` whole."""
+    options = []
+    for op, opts in zip(problem.graph.ops, problem.options):
+        keep = [s for s in opts if not any(t in params and shard_dim(q) is None
+                                           for t, q in zip(op.inputs, s.inputs))]
+        if not keep:
+            raise ShardingError(f"op {op.name} ({op.target}): no strategy shards its parameters "
+                                f"{sorted(set(op.inputs) & params)}; the model cannot be made to fit")
+        options.append(keep)
+    return Problem(problem.graph, problem.devices, options, problem.work, problem.remaining_reads,
+                   problem.needs_grad, problem.lower, future_needs_of(problem.graph, options))
+
+
+def _bytes(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:.1f} MiB"
+
+
+def _too_big(problem: Problem, model: MemoryModel | None) -> ShardingError:
+    devices = problem.devices
+    if model is None:
+        return ShardingError(f"{problem.graph.model}: no program fits")
+    room = devices.memory - model.overhead - model.replicated
+    worst = int(np.argmin(room))
+    if room[worst] < 0:
+        return ShardingError(
+            f"model {problem.graph.model} does not fit: {devices.names[worst]} has "
+            f"{_bytes(devices.memory[worst])} but needs {_bytes(model.overhead + model.replicated)} "
+            f"for what every device keeps whole, before its share of {_bytes(model.sharded)} of sharded state")
+    return ShardingError(
+        f"model {problem.graph.model} does not fit: its sharded state ({_bytes(model.sharded)}) "
+        f"exceeds the room left on all devices together ({_bytes(room.clip(0).sum())}; the fullest is "
+        f"{devices.names[worst]} with {_bytes(room[worst])} free)")
+
+
+# ----------------------------------------------------------------------------- rounding
+
+
+def round_shards(problem: Problem, program: Program, ratios: Sequence[float] | np.ndarray,
+                 segs: Segments | None = None) -> dict[tuple[str, int], list[int]]:
+    """Integer shard sizes per device for every sharded (tensor, dimension) of `program`.
+
+    `ratios`: one vector for every segment, or one row per segment of `segs`. Dimensions of one
+    segment are split together: every member's size is a multiple of the segment's greatest
+    common divisor G, so `shard_sizes(G, ratios)` scaled by ``size / G`` splits them all
+    consistently (a view that merges b with the heads gets ``a`` times the rows of b).
+    ShardingError naming the tensor, op and device when a device would get zero rows."""
+    graph = problem.graph
+    segs = segs or segments(problem, program)
+    r = np.asarray(ratios, dtype=float)
+    where: dict[tuple[str, int], str] = {}
+    for op in graph.ops:
+        s = program.strategies[op.name]
+        for t, p in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs)):
+            if (d := shard_dim(p)) is not None:
+                where.setdefault((t, d), op.name)
+    groups: dict[int, list[tuple[str, int]]] = {}
+    for m, g in segs.of_dim.items():
+        groups.setdefault(g, []).append(m)
+    out: dict[tuple[str, int], list[int]] = {}
+    for g, members in groups.items():
+        sizes = [graph.tensors[t].shape[d] for t, d in members]
+        gcd = math.gcd(*sizes)
+        first = members[int(np.argmin(sizes))]
+        base = shard_sizes(gcd, r if r.ndim == 1 else r[g],
+                           what=f"tensor {first[0]} dim {first[1]} (op {where.get(first, '?')})",
+                           devices=list(problem.devices.names))
+        for (t, d), size in zip(members, sizes):
+            out[(t, d)] = [b * (size // gcd) for b in base]
+    return out

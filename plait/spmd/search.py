@@ -1,0 +1,354 @@
+"""Program search: the cheapest SPMD program by best-first search over tensor placements.
+
+HAP (Zhang et al. EuroSys'24, section 4.2) searches, op by op in program order, over the set of
+properties it holds ("tensor t is available as placement q"), for the cheapest sequence of
+compute and communication instructions that computes the single-device program. Its public code
+keys the heap on ``cost + 0``: uniform-cost search. Here the heap is keyed on ``g + h`` with
+``h(k) = sum over the ops not yet placed of the compute of their cheapest strategy at the
+ratios`` -- at least their perfect-balance time (`cost.balanced_time`, `Problem.lower`): no
+strategy of an op takes less, and communication is never negative, so ``h`` is admissible
+and consistent (it drops by exactly the bound of the op just placed); A* with a closed set
+then returns an optimal program, expanding no more states than uniform-cost search (Hart,
+Nilsson & Raphael 1968). `search(..., heuristic=False)` is the uniform-cost baseline.
+
+A state after the first ``k`` ops: for every live tensor (read again later), the placement it was
+made in and the (placement, compute kind) pairs already provided to readers. A reader that needs a
+placement pays the forward conversion once (a second reader of an all-gathered tensor reuses it),
+and the gradient conversion once per (placement, kind) -- gradients of readers that need the
+same thing are summed before one collective. Gradients (`placement.grad_placement`): a reader's
+gradient must reach the placement the tensor was made in (parameters: where they are stored,
+so a replicated parameter read by a sharded op pays the data-parallel all-reduce).
+
+`evaluate` replays one assignment with the same step function, so the search, the exhaustive
+enumeration of the tests and the ratio LP all count the same costs.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plait.ir.aten_graph import AtenGraph
+from plait.spmd.cost import Devices, balanced_time, comm_time, compute_time, op_work
+from plait.spmd.placement import (
+    PARTIAL,
+    REPLICATED,
+    Comm,
+    ShardingError,
+    conversion,
+    grad_placement,
+    shard_dim,
+)
+from plait.spmd.rules import Strategy, strategies
+
+# live tensor: (placement it was made in, frozenset of (placement provided, reader computes a shard))
+Live = tuple[str, frozenset[tuple[str, bool]]]
+
+
+@dataclass
+class Problem:
+    """A graph, its devices and every op's strategies and work, computed once."""
+
+    graph: AtenGraph
+    devices: Devices
+    options: list[list[Strategy]]
+    work: list[np.ndarray]
+    remaining_reads: list[dict[str, int]]  # after op k: tensor -> reads still to come
+    needs_grad: dict[str, bool]
+    lower: list[float]  # lower[k] = sum of balanced times of ops k..end
+    # after op k: tensor -> placements some later reader may ask for (what a state must remember)
+    future_needs: list[dict[str, frozenset[str]]] = field(default_factory=list)
+
+    @functools.cached_property
+    def nbytes(self) -> dict[str, int]:
+        return {name: t.nbytes for name, t in self.graph.tensors.items()}
+
+    @classmethod
+    def build(cls, graph: AtenGraph, devices: Devices) -> Problem:
+        options = [strategies(op, graph, devices.n) for op in graph.ops]
+        work = [op_work(op, graph, devices) for op in graph.ops]
+        reads: dict[str, int] = {}
+        for op in graph.ops:
+            for t in set(op.inputs):
+                reads[t] = reads.get(t, 0) + 1
+        for t in graph.outputs:
+            reads[t] = reads.get(t, 0) + 1  # the loss reads the outputs
+        remaining = []
+        for op in graph.ops:
+            for t in set(op.inputs):
+                reads[t] -= 1
+            remaining.append(dict(reads))
+        needs_grad = {name: t.dtype.startswith(("float", "bfloat")) and t.role in ("activation", "param")
+                      for name, t in graph.tensors.items()}
+        bounds = [balanced_time(w) for w in work]
+        lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
+        return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
+                   future_needs_of(graph, options))
+
+
+@dataclass
+class Program:
+    """The result: one strategy per op, the collectives, the cost and how the search went."""
+
+    strategies: dict[str, Strategy]
+    comms: list[tuple[str, Comm]] = field(default_factory=list)  # (op that needs it, collective)
+    cost: float = 0.0
+    compute: float = 0.0
+    communication: float = 0.0
+    expanded: int = 0  # states taken off the heap
+    generated: int = 0  # states pushed
+    optimal: bool = True  # False when found by the beam search (`beam_search`)
+
+
+def future_needs_of(graph: AtenGraph, options: list[list[Strategy]]) -> list[dict[str, frozenset[str]]]:
+    """For each k, the placements the readers after op k may require of each tensor: a state
+    forgets what was provided that no one will ask for again (states that differ only there
+    are the same state -- the search's main saving)."""
+    needs: dict[str, set[str]] = {}
+    out: list[dict[str, frozenset[str]]] = [{} for _ in graph.ops]
+    for k in range(len(graph.ops) - 1, -1, -1):
+        out[k] = {t: frozenset(q) for t, q in needs.items()}
+        op = graph.ops[k]
+        for s in options[k]:
+            for t, q in zip(op.inputs, s.inputs):
+                needs.setdefault(t, set()).add(q)
+    return out
+
+
+class SearchBudgetExceeded(ShardingError):
+    """The exact search expanded more states than it was allowed."""
+
+
+def _grad_home(origin: str) -> str:
+    """Where a tensor's gradient must arrive: a sharded tensor's in its shards, a partial one's
+    and a replicated one's on every device (redundant producers and stored parameters)."""
+    return REPLICATED if origin == PARTIAL else origin
+
+
+class _Times:
+    """Per-search caches at fixed ratios: compute of (op, strategy), time of (collective, bytes)."""
+
+    def __init__(self, problem: Problem, ratios: np.ndarray) -> None:
+        self.problem, self.ratios = problem, ratios
+        self.compute: dict[tuple[int, bool], float] = {}
+        self.comm: dict[tuple[str, int], float] = {}
+
+    def of_compute(self, k: int, splits: bool) -> float:
+        key = (k, splits)
+        t = self.compute.get(key)
+        if t is None:
+            t = self.compute[key] = compute_time(self.problem.work[k], splits, self.ratios)
+        return t
+
+    def of_comm(self, c: Comm) -> float:
+        key = (c.op, c.nbytes)
+        t = self.comm.get(key)
+        if t is None:
+            t = self.comm[key] = comm_time(c, self.problem.devices, self.ratios)
+        return t
+
+
+def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
+         ratios: np.ndarray, times: _Times | None = None) -> tuple[float, float, list[Comm], dict[str, Live]] | None:
+    """Place op `k` with `strategy`: (compute, communication, collectives, new live set), or None
+    when some input cannot be converted to the placement the strategy needs."""
+    graph = problem.graph
+    times = times or _Times(problem, ratios)
+    op = graph.ops[k]
+    new = dict(live)
+    comms: list[Comm] = []
+    left = problem.remaining_reads[k]
+    wanted = problem.future_needs[k] if problem.future_needs else None
+    nbytes = problem.nbytes
+    for t, q in dict.fromkeys(zip(op.inputs, strategy.inputs)):
+        if t in new:
+            origin, given = new[t]
+        else:  # a parameter or input, first read: stored as this reader wants it (sliced for free)
+            origin, given = (REPLICATED if q == PARTIAL else q), frozenset()
+        if q != origin and all(p != q for p, _ in given):
+            conv = conversion(origin, q, t, nbytes[t])
+            if conv is None:
+                return None
+            comms.extend(conv)
+        if problem.needs_grad[t] and (q, strategy.sharded) not in given:
+            back = conversion(grad_placement(q, strategy.sharded), _grad_home(origin), t, nbytes[t], "bwd")
+            if back is None:
+                return None
+            comms.extend(back)
+        if left.get(t, 0) == 0:
+            new.pop(t, None)
+            continue
+        given = given | {(q, strategy.sharded)}
+        if wanted is not None:  # forget what no later reader can ask for
+            need = wanted.get(t, ())
+            given = frozenset(g for g in given if g[0] in need)
+        new[t] = (origin, given)
+    for t, p in zip(op.outputs, strategy.outputs):
+        if left.get(t, 0) > 0:
+            new[t] = (p, frozenset())
+    if k == len(graph.ops) - 1:  # the loss reads every output whole: partial sums are reduced
+        for t, p in zip(op.outputs, strategy.outputs):
+            new.setdefault(t, (p, frozenset()))
+        for t in graph.outputs:
+            if t in new and new[t][0] == PARTIAL:
+                comms.append(Comm("all_reduce", t, graph.tensors[t].nbytes))
+    compute = times.of_compute(k, strategy.splits_work)
+    communication = sum(times.of_comm(c) for c in comms)
+    return compute, communication, comms, new
+
+
+def _key(k: int, live: dict[str, Live]) -> tuple:
+    return k, tuple(sorted(live.items()))
+
+
+def search(problem: Problem, ratios: Sequence[float], *, heuristic: bool = True,
+           max_states: int = 2_000_000) -> Program:
+    """The cheapest program at these `ratios`: A* (`heuristic`) or uniform-cost search."""
+    r = _check_ratios(ratios, problem.devices)
+    n = len(problem.graph.ops)
+    lower = _lower_bounds(problem, r) if heuristic else [0.0] * (n + 1)
+    counter = itertools.count()
+    times = _Times(problem, r)
+    start: dict[str, Live] = {}
+    # ties on f go to the deeper state (-k): on the plateaus of equal-cost choices (cheap ops whose
+    # strategies cost the same) this finishes one path instead of widening all of them
+    heap = [(lower[0], 0, next(counter), 0.0, 0, start, None)]
+    best = {_key(0, start): 0.0}
+    expanded = generated = 0
+    while heap:
+        f, _, _, g, k, live, path = heapq.heappop(heap)
+        if best.get(_key(k, live), float("inf")) < g:
+            continue  # a cheaper way here was found after this one was pushed
+        expanded += 1
+        if k == n:
+            return _finish(problem, path, r, expanded, generated)
+        if expanded > max_states:
+            raise SearchBudgetExceeded(f"{problem.graph.model}: search stopped after {max_states} states "
+                                       "(beam_search finds a program in linear time, not always the best)")
+        for index, strategy in enumerate(problem.options[k]):
+            done = step(problem, k, live, strategy, r, times)
+            if done is None:
+                continue
+            compute, communication, _, new = done
+            g2 = g + compute + communication
+            key = _key(k + 1, new)
+            if g2 < best.get(key, float("inf")) - 1e-18:
+                best[key] = g2
+                generated += 1
+                heapq.heappush(heap, (g2 + lower[k + 1], -(k + 1), next(counter), g2, k + 1, new, (index, path)))
+    raise ShardingError(f"{problem.graph.model}: no program computes the model (every path needs a "
+                        "conversion that does not exist)")
+
+
+def beam_search(problem: Problem, ratios: Sequence[float], width: int = 64) -> Program:
+    """A program found by keeping, after each op, the `width` states of least ``g + h``: not
+    optimal in general (`Program.optimal` is False), but linear in the graph's size, for graphs
+    whose exact search exceeds its state budget."""
+    r = _check_ratios(ratios, problem.devices)
+    lower = _lower_bounds(problem, r)
+    level: list[tuple[float, dict[str, Live], tuple | None]] = [(0.0, {}, None)]
+    times = _Times(problem, r)
+    expanded = generated = 0
+    for k in range(len(problem.graph.ops)):
+        seen: dict[tuple, tuple[float, dict[str, Live], tuple | None]] = {}
+        for g, live, path in level:
+            expanded += 1
+            for index, strategy in enumerate(problem.options[k]):
+                done = step(problem, k, live, strategy, r, times)
+                if done is None:
+                    continue
+                g2 = g + done[0] + done[1]
+                key = _key(k + 1, done[3])
+                if key not in seen or g2 < seen[key][0]:
+                    seen[key] = (g2, done[3], (index, path))
+                    generated += 1
+        if not seen:
+            raise ShardingError(f"{problem.graph.model}: no program computes the model")
+        level = sorted(seen.values(), key=lambda x: x[0] + lower[k + 1])[:width]
+    program = _finish(problem, level[0][2], r, expanded, generated)
+    program.optimal = False
+    return program
+
+
+def _lower_bounds(problem: Problem, r: np.ndarray) -> list[float]:
+    """h(k): the least compute of ops k.. at these ratios, each op's cheapest strategy alone.
+
+    At least the perfect-balance bound `Problem.lower` (a sharded op at ratios r takes
+    ``max_i r_i w_i >= 1 / sum_i 1/w_i``), and still admissible: every program runs each op with
+    one of its strategies and pays communication on top."""
+    least = [min(compute_time(w, s.splits_work, r) for s in opts) for w, opts in zip(problem.work, problem.options)]
+    return [float(x) for x in np.cumsum(least[::-1])[::-1]] + [0.0]
+
+
+def _finish(problem: Problem, path: tuple | None, r: np.ndarray, expanded: int, generated: int) -> Program:
+    choice: list[int] = []
+    while path is not None:
+        choice.append(path[0])
+        path = path[1]
+    program = evaluate(problem, choice[::-1], r)
+    program.expanded, program.generated = expanded, generated
+    return program
+
+
+def evaluate(problem: Problem, choice: Sequence[int], ratios: Sequence[float]) -> Program:
+    """Replay one strategy index per op; ShardingError naming the op when one cannot follow."""
+    r = _check_ratios(ratios, problem.devices)
+    live: dict[str, Live] = {}
+    times = _Times(problem, r)
+    program = Program(strategies={})
+    for k, index in enumerate(choice):
+        op = problem.graph.ops[k]
+        strategy = problem.options[k][index]
+        done = step(problem, k, live, strategy, r, times)
+        if done is None:
+            raise ShardingError(f"op {op.name}: strategy {strategy} needs a conversion that does not exist")
+        compute, communication, comms, live = done
+        program.strategies[op.name] = strategy
+        program.comms.extend((op.name, c) for c in comms)
+        program.compute += compute
+        program.communication += communication
+    program.cost = program.compute + program.communication
+    return program
+
+
+def exhaustive(problem: Problem, ratios: Sequence[float]) -> Program:
+    """The cheapest program by trying every combination (small graphs only: the tests' oracle)."""
+    best: Program | None = None
+    for choice in itertools.product(*(range(len(o)) for o in problem.options)):
+        try:
+            program = evaluate(problem, choice, ratios)
+        except ShardingError:
+            continue
+        if best is None or program.cost < best.cost - 1e-15:
+            best = program
+    if best is None:
+        raise ShardingError(f"{problem.graph.model}: no program computes the model")
+    return best
+
+
+def _check_ratios(ratios: Sequence[float], devices: Devices) -> np.ndarray:
+    r = np.asarray(ratios, dtype=float)
+    if r.shape != (devices.n,):
+        raise ShardingError(f"ratios: expected one per device ({devices.n}), got {len(r)}")
+    if np.any(r < 0) or not np.isclose(r.sum(), 1.0):
+        raise ShardingError(f"ratios: must be non-negative and sum to 1, got {list(ratios)}")
+    return r
+
+
+def sharded_dims(program: Program, problem: Problem) -> dict[str, tuple[str, int]]:
+    """tensor -> (placement, size of its sharded dimension) for every tensor a strategy shards."""
+    out: dict[str, tuple[str, int]] = {}
+    for op in problem.graph.ops:
+        s = program.strategies.get(op.name)
+        if s is None:
+            continue
+        for t, p in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs)):
+            d = shard_dim(p)
+            if d is not None:
+                out.setdefault(t, (p, problem.graph.tensors[t].shape[d]))
+    return out
