@@ -7,6 +7,9 @@ simulator's lowered graph sum to the same wire bytes per class (integers: exact)
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from plait.cluster import load_cluster
@@ -19,27 +22,12 @@ from plait.runtime.partition import replica_micro_batches
 from plait.sim.lower import SimOptions, lower
 from plait.sim.topology import ClusterView
 
-CLUSTER = "mixed-a100-v100:a100_nodes=1,v100_nodes=1,gpus_per_node=4"
-MODELS = {
-    "gpt": "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128",
-    "llama": "llama:layers=4,hidden=64,heads=4,seq=32,vocab=128",
-    "bert": "bert:layers=4,hidden=64,heads=4,seq=32,vocab=128",
-    "resnet50": "resnet50",
-    "vgg16": "vgg16",
-    "mmt": "mmt",
-    "dlrm": "dlrm",
-    "candle_uno": "candle_uno",
-}
-
-
-def plans_for(n_layers: int) -> dict[str, Plan]:
-    front = n_layers // 2 + 1  # uneven: the A100 stage takes more layers
-    return {
-        "3d": Plan(dp=2, tp=2, pp=2, micro_batch=2, global_batch=8),
-        "hetero": Plan(dp=2, tp=2, pp=2, micro_batch=4, global_batch=16, dp_shares=[10 / 16, 6 / 16],
-                       layer_split=[front, n_layers - front]),
-        "zero3": Plan(dp=4, tp=2, micro_batch=2, global_batch=16, zero=3),
-    }
+# The cases are the bench's (bench/traffic_agreement.py prints them as a table): one list of them.
+_BENCH = Path(__file__).resolve().parents[1] / "bench" / "traffic_agreement.py"
+_spec = importlib.util.spec_from_file_location("traffic_agreement_bench", _BENCH)
+_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bench)  # type: ignore[union-attr]
+CLUSTER, MODELS, plans_for = _bench.CLUSTER, _bench.MODELS, _bench.plans_for
 
 
 @pytest.fixture(scope="module")
