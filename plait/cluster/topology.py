@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plait.cluster.spec import Cluster, ClusterError, Device, PairOverride
+from plait.cluster.spec import (
+    ECMP_HASHES,
+    SWITCH_TIERS,
+    Cluster,
+    ClusterError,
+    Device,
+    PairOverride,
+)
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -40,12 +47,16 @@ _CACHE_ATTR = "_plait_topology_cache"
 def _fingerprint(cluster: Cluster) -> tuple:
     """Everything the derived views depend on, as a hashable value (cheap: O(nodes + overrides))."""
     return (
-        tuple((n.name, tuple(n.gpus), n.intra, n.nic, n.nics, n.leaf) for n in cluster.nodes),
+        tuple((n.name, tuple(n.gpus), n.intra, n.nic, n.nics, n.leaf, tuple(n.leaves or ()))
+              for n in cluster.nodes),
         tuple(
             (name, k.memory_bandwidth, k.memory_bytes, tuple(sorted(k.peak_flops.items())))
             for name, k in cluster.kinds.items()
         ),
-        tuple((s.name, s.tier, s.uplink) for s in cluster.switches),
+        tuple((s.name, s.tier, s.uplink, s.links, s.pod, s.rail) for s in cluster.switches),
+        None if cluster.fabric is None else (cluster.fabric.ports, cluster.fabric.channels,
+                                             cluster.fabric.ecmp_seed, cluster.fabric.ecmp_hash,
+                                             tuple(cluster.fabric.failed)),
         tuple((o.a, o.b, o.bandwidth, o.latency, o.scope) for o in cluster.overrides),
     )
 
@@ -98,6 +109,7 @@ def check_cluster(cluster: Cluster) -> None:
     for s in cluster.switches:
         if s.tier == "leaf" and len(leaves) > 1 and s.uplink is None:
             raise ClusterError(f"{where}: fabric.switches.leaves: leaf {s.name!r} needs an uplink")
+    _check_fabric(cluster)
     n_dev, n_node = cluster.num_devices, cluster.num_nodes
     for i, o in enumerate(cluster.overrides):
         limit = n_node if o.scope == "node" else n_dev
@@ -108,6 +120,38 @@ def check_cluster(cluster: Cluster) -> None:
                 raise ClusterError(
                     f"{where}: overrides[{i}]: {o.scope} {v!r} is out of range 0..{limit - 1}"
                 )
+
+
+def _check_fabric(cluster: Cluster) -> None:
+    """The multi-path parts: tiers, pods, rails, ports, channels, hash mode (failed links are
+    checked against the link graph by `plait.net.fabric`)."""
+    where = cluster.source
+    names = {s.name: s for s in cluster.switches}
+    for s in cluster.switches:
+        if s.tier not in SWITCH_TIERS:
+            raise ClusterError(f"{where}: fabric.switches: switch {s.name!r}: tier must be one of "
+                               f"{', '.join(SWITCH_TIERS)}, got {s.tier!r}")
+        if s.links < 1:
+            raise ClusterError(f"{where}: fabric.switches: switch {s.name!r}: links must be >= 1")
+    cores = [s for s in cluster.switches if s.tier == "core"]
+    if cores and any(s.uplink is None for s in cluster.switches if s.tier == "spine"):
+        raise ClusterError(f"{where}: fabric.switches.spines: a fabric with cores needs the spines' uplink")
+    for i, node in enumerate(cluster.nodes):
+        for r, leaf in enumerate(node.leaves or ()):
+            if leaf not in names or names[leaf].tier != "leaf":
+                raise ClusterError(f"{where}: nodes[{i}].leaf[{r}]: {leaf!r} is not a leaf switch")
+        if node.leaves and len(node.leaves) != node.nics:
+            raise ClusterError(f"{where}: nodes[{i}].leaf: {len(node.leaves)} leaves for {node.nics} NICs "
+                               "(a rail-optimised node names one leaf per NIC)")
+    fab = cluster.fabric
+    if fab is not None:
+        if not 1 <= fab.ports <= 2:
+            raise ClusterError(f"{where}: fabric.ports: a NIC has 1 or 2 (bonded) ports, got {fab.ports}")
+        if fab.channels < 1:
+            raise ClusterError(f"{where}: fabric.channels: must be >= 1, got {fab.channels}")
+        if fab.ecmp_hash not in ECMP_HASHES:
+            raise ClusterError(f"{where}: fabric.ecmp.hash: must be one of {', '.join(ECMP_HASHES)}, "
+                               f"got {fab.ecmp_hash!r}")
 
 
 def devices_of(cluster: Cluster) -> list[Device]:
@@ -135,7 +179,11 @@ def _node_level(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     leaves = [s for s in cluster.switches if s.tier == "leaf"]
     if leaves:
         index = {s.name: i for i, s in enumerate(leaves)}
-        up_bw = np.array([s.uplink.bandwidth if s.uplink else np.inf for s in leaves])
+        # A hop's channels (distinct 5-tuples) can take distinct cables, so uncontended a hop
+        # gets up to channels x one cable (plait.net models which cables they really take).
+        spread = 1 if cluster.fabric is None else cluster.fabric.channels
+        up_bw = np.array([s.uplink.bandwidth * min(spread, s.links * max(1, len(cluster.switches)))
+                          if s.uplink else np.inf for s in leaves])
         up_lat = np.array([s.uplink.latency if s.uplink else 0.0 for s in leaves])
         leaf = np.array([index[n.leaf] for n in nodes])
         cross = leaf[:, None] != leaf[None, :]
