@@ -168,7 +168,7 @@ def simulate(graph: TaskGraph) -> Schedule:
                 if u in found:
                     continue
                 found[u] = None
-                for r2, _a in coef[u]:  # type: ignore[union-attr]
+                for r2, _a in coefficients(u):
                     if r2 not in seen_r:
                         seen_r.add(r2)
                         stack.append(r2)
@@ -219,17 +219,19 @@ def simulate(graph: TaskGraph) -> Schedule:
         if ver == -2:
             # Bandwidth phase begins.
             touched: set[int] = set()
-            for r, _a in coefficients(t):
-                users[r].add(t)
-                touched.add(r)
+            alone = _INF  # fraction/s if no other flow shares a resource: its tightest resource
+            for r, b, c in flows[t]:  # type: ignore[union-attr]
+                if b > 0:
+                    users[r].add(t)
+                    touched.add(r)
+                    if alone > 0.0:
+                        alone = 0.0 if len(users[r]) > 1 else min(alone, capacity[r] / (b * c))
             active_flow[t] = True
             rem[t] = 1.0
             last[t] = now
             rate[t] = 0.0
-            if not touched:
-                reschedule(t, now, _INF)
-            elif all(len(users[r]) == 1 for r in touched):  # alone on its resources
-                reschedule(t, now, min(capacity[r] / a for r, a in coef[t]) / scale[t])  # type: ignore[union-attr]
+            if alone > 0.0:  # alone on its resources (or on none): no fair sharing to compute
+                reschedule(t, now, alone)
             else:
                 refresh(touched, now)
             continue
@@ -238,10 +240,11 @@ def simulate(graph: TaskGraph) -> Schedule:
                 continue  # stale completion of a flow whose rate changed
             active_flow[t] = False
             touched = set()
-            for r, _a in coef[t]:  # type: ignore[union-attr]
-                users[r].discard(t)
-                if users[r]:
-                    touched.add(r)
+            for r, b, _c in flows[t]:  # type: ignore[union-attr]
+                if b > 0:
+                    users[r].discard(t)
+                    if users[r]:
+                        touched.add(r)
             if touched:
                 refresh(touched, now)
         end[t] = now
