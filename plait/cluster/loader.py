@@ -18,7 +18,8 @@ strings, see `plait.cluster.units`; examples in ``examples/clusters/``)::
         gpus: {kind: a100-80g, count: 8}          # or a list: [a100, a100, {kind: v100, count: 2}]
         intra: {type: nvlink, bandwidth: 300 GB/s, latency: 2 us}   # per direction
         nic: {type: infiniband, bandwidth: 200 Gb/s, latency: 5 us, count: 8}  # per NIC
-        leaf: leaf0                    # with switches; default: nodes spread evenly
+        leaf: leaf0                    # with switches; default: nodes spread evenly; a list
+                                       #   (one leaf per NIC) on a rail-optimised fabric
     node_groups:                       # after `nodes`: `count` copies named <name>-<j>
       - {name: v100, count: 2, gpus: {kind: v100-32gb, count: 8}}
     fabric:                            # defaults for the nodes' `nic` fields
@@ -26,9 +27,20 @@ strings, see `plait.cluster.units`; examples in ``examples/clusters/``)::
       bandwidth: 200 Gb/s
       latency: 5 us
       nics: 8
-      switches:                        # optional two-tier leaf/spine fabric
-        leaves: {count: 2, uplink: {bandwidth: 400 Gb/s, latency: 1 us}}  # or a list
-        spines: 4                      # or a list of names
+      ports: 2                         # ports per NIC (2: bonded; nic bandwidth is the total)
+      channels: 2                      # flows (queue pairs) per ring neighbour; default: ports
+      ecmp: {seed: 0, hash: per_tier}  # switches' hash seed; `same`: one hash at every tier
+      failed_links: [[leaf0, spine1], [leaf0, spine1, 2], [n0, leaf0, 1]]  # cable down (index:
+                                       #   which parallel cable, or the node's NIC port)
+      switches:                        # optional leaf/spine(/core) fabric (plait.net)
+        leaves: {count: 2, uplink: {bandwidth: 400 Gb/s, latency: 1 us, links: 1}}  # or a list
+                                       # `oversubscription: 2` instead of `bandwidth` derives it;
+                                       # `links`: parallel cables to each spine
+        spines: 4                      # or a list of names; {count, uplink} with cores
+        cores: 2                       # optional third tier; with `pods: P` leaves and spines
+        pods: 2                        #   split into P pods joined by the cores
+        rails: true                    # rail-optimised: `leaves.count` leaf groups x fabric.nics
+                                       #   rails, NIC r of a node on its group's rail-r leaf
     overrides:                         # measured figures replace derived ones
       - {devices: [0, 9], bandwidth: 10 GB/s, latency: 9 us}   # ids or "node:local"
       - {nodes: [n0, 1], bandwidth: 50 Gb/s}                   # names or indices

@@ -290,7 +290,9 @@ def fabric_graph(cluster: Cluster) -> nx.Graph:
     * gpu -- node switch: intra link, half its latency (so gpu-gpu is the intra latency);
     * gpu -- nic: PCIe/GPUDirect, NIC bandwidth, no latency;
     * nic -- leaf (or core): the NIC, half its latency;
-    * leaf -- each spine: the leaf's uplink.
+    * leaf -- each spine (of its pod), spine -- each core: the lower switch's uplink times its
+      parallel cables (attribute ``cables``); a rail-optimised node's NIC k hangs off its
+      k-th leaf. `plait.net.fabric` keeps each cable and direction apart for flows.
 
     So the widest path between two GPUs is the `bandwidth_matrix` figure and the
     lowest-latency path its latency, before overrides (measured pair figures have no
@@ -310,18 +312,24 @@ def fabric_graph(cluster: Cluster) -> nx.Graph:
         g.add_node(f"leaf:{s.name}", type="leaf")
     for s in spines:
         g.add_node(f"spine:{s.name}", type="spine")
-    for leaf in leaves:
-        if leaf.uplink is None:
+    cores = [s for s in cluster.switches if s.tier == "core"]
+    for s in cores:
+        g.add_node(f"core:{s.name}", type="core")
+    # leaf -- each spine of its pod, spine -- each core; `cables` parallel cables, whose
+    # aggregate the edge's bandwidth is (plait.net.fabric keeps them apart, one link each)
+    for lo, his, tier in [(leaf, [t for t in spines if leaf.pod is None or t.pod == leaf.pod], "spine")
+                          for leaf in leaves] + [(spine, cores, "core") for spine in spines]:
+        if lo.uplink is None:
             continue
-        for spine in spines:
-            g.add_edge(f"leaf:{leaf.name}", f"spine:{spine.name}", bandwidth=leaf.uplink.bandwidth,
-                       latency=leaf.uplink.latency, kind=leaf.uplink.kind)
+        for hi in his:
+            g.add_edge(f"{lo.tier}:{lo.name}", f"{tier}:{hi.name}", bandwidth=lo.uplink.bandwidth * lo.links,
+                       latency=lo.uplink.latency, kind=lo.uplink.kind, cables=lo.links)
     dev = 0
     for n, node in enumerate(cluster.nodes):
         sw = f"node{n}"
         g.add_node(sw, type="node_switch", node=n)
-        up = f"leaf:{node.leaf}" if leaves else "core"
         for k in range(node.nics):
+            up = (f"leaf:{node.leaves[k]}" if node.leaves else f"leaf:{node.leaf}") if leaves else "core"
             nic = f"nic{n}.{k}"
             g.add_node(nic, type="nic", node=n)
             g.add_edge(nic, up, bandwidth=node.nic.bandwidth, latency=node.nic.latency / 2,
