@@ -20,7 +20,11 @@ capacity) of ECMP, of the planner and the LP lower bound ("ideal"); with one spi
 failed, ECMP re-hashed versus the planner re-planning the affected flows; the planner's
 time and the simulator's time per iteration. The ECMP baseline is measured in the same run.
 
-Usage: ``python bench/traffic.py [--seeds 100] [--quick] [--json]``
+Where root can make network namespaces, two flows over two emulated parallel links (tc-shaped
+veth pairs) show the planned placement against a hashed one that collides, beside the flow
+model's prediction (`plait.net.twolink`).
+
+Usage: ``python bench/traffic.py [--seeds 100] [--quick] [--json] [--no-emulate]``
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from plait.cluster import load_cluster  # noqa: E402
 from plait.cluster.loader import load_cluster_file, parse_yaml_text  # noqa: E402
 from plait.cluster.spec import Cluster  # noqa: E402
 from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
@@ -94,6 +99,9 @@ def iteration(graph, cluster: Cluster, plan: Plan) -> tuple[float, float]:
 
 
 def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: Console) -> dict[str, Any]:
+    # The same plan on the same nodes without a switched fabric (non-blocking network): what the
+    # simulator costs before any flow follows a fabric path.
+    _it, wall_flat = iteration(graph, load_cluster("h100:nodes=64"), plan)
     fabric = Fabric(base)
     flows = flows_of(plan, base, fabric, graph.param_count)
     best = planner.plan_paths(fabric, flows)
@@ -138,10 +146,24 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
                     "ecmp_kept_network_median": float(np.median(ecmp_kept_t)),
                     "ecmp_kept_iteration_median": float(np.median(ecmp_kept_it))},
         "sim_s_per_iteration_mean": float(np.mean(walls)), "sim_s_per_iteration_max": float(np.max(walls)),
+        "sim_s_per_iteration_without_fabric": wall_flat,
     }
     console.print(f"  {name}: {len(flows)} flows, ECMP median {med:.3f} s / p99 {p99:.3f} s, planned "
                   f"{it_plan:.3f} s; T ideal {t_ideal * 1e3:.1f} ms, planned {t_plan * 1e3:.1f} ms")
     return row
+
+
+def emulate(skip: bool) -> dict[str, Any] | str:
+    """Planned vs hashed flows on two emulated links (root only; plait.net.twolink)."""
+    from plait.net import twolink
+
+    if skip:
+        return "--no-emulate"
+    ok, why = twolink.available()
+    if not ok:
+        return why
+    res = twolink.measure(rate=4e6, nbytes=2_000_000)
+    return {k: dataclasses.asdict(v) for k, v in res.items()}
 
 
 def oversubscribed(base_text: str) -> Cluster:
@@ -156,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=100, help="ECMP hash seeds (default 100)")
     ap.add_argument("--quick", action="store_true", help="10 seeds (a smoke run)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON with a 'summary'")
+    ap.add_argument("--no-emulate", action="store_true", help="skip the network-namespace two-link measurement")
     args = ap.parse_args(argv)
     seeds = 10 if args.quick else args.seeds
     console = Console(width=200, stderr=args.json)
@@ -179,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"ECMP over {seeds} seeds vs planned paths")
     for c in ("plan", "flows", "ECMP iter median s", "ECMP iter p99 s", "planned iter s", "faster (median)",
               "faster (p99)", "T ideal ms", "T planned ms", "T ECMP med ms", "achieved/ideal planned",
-              "achieved/ideal ECMP", "planner s", "sim s/iter"):
+              "achieved/ideal ECMP", "planner s", "sim s/iter", "sim s/iter no fabric"):
         table.add_column(c, justify="right")
     for r in rows:
         table.add_row(f"{r['plan']} ({r['plan_str']})", str(r["flows"]), f"{r['ecmp_iter_median_s']:.3f}",
@@ -187,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['faster_p99']:+.0%}", f"{r['T_ideal_s'] * 1e3:.1f}", f"{r['T_planned_s'] * 1e3:.1f}",
                       f"{r['T_ecmp_median_s'] * 1e3:.1f}", f"{r['achieved_over_ideal_planned']:.3f}",
                       f"{r['achieved_over_ideal_ecmp_median']:.3f}", f"{r['planner_s']:.2f}",
-                      f"{r['sim_s_per_iteration_mean']:.2f}")
+                      f"{r['sim_s_per_iteration_mean']:.2f}", f"{r['sim_s_per_iteration_without_fabric']:.2f}")
     table.add_row("dp, 2:1 oversubscribed", str(len(flows)), "", "", "", "", "",
                   f"{over_row['T_ideal_s'] * 1e3:.1f}", f"{over_row['T_planned_s'] * 1e3:.1f}",
                   f"{over_row['T_ecmp_median_s'] * 1e3:.1f}", f"{over_row['achieved_over_ideal_planned']:.3f}",
-                  f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "")
+                  f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "", "")
     fail = Table(title=f"one spine cable failed ({FAILED[0]} <-> {FAILED[1]} #{FAILED[2]}): throughput kept")
     for c in ("plan", "re-plan s", "flows moved", "planned: network kept", "planned: iteration kept",
               "ideal after / before", "ECMP: network kept (median)", "ECMP: iteration kept (median)"):
@@ -201,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         fail.add_row(r["plan"], f"{f['replan_s']:.3f}", str(f["flows_moved"]), f"{f['kept_network']:.1%}",
                      f"{f['kept_iteration']:.1%}", f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}",
                      f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}")
+    emulated = emulate(args.no_emulate)
     total = time.perf_counter() - t_all
     comm_bound = rows[0]
     summary = {
@@ -225,10 +249,22 @@ def main(argv: list[str] | None = None) -> int:
         "bench_lt_15min": total < 900,
     }
     if args.json:
-        print(json.dumps({"plans": rows, "oversubscribed_2to1": over_row, "summary": summary}, indent=2))
+        print(json.dumps({"plans": rows, "oversubscribed_2to1": over_row, "emulated_two_links": emulated,
+                          "summary": summary}, indent=2))
     else:
         console.print(table)
         console.print(fail)
+        if isinstance(emulated, dict) and "planned" in emulated:
+            em = Table(title="emulated: 2 flows over 2 parallel 32 Mb/s links (network namespaces, tc tbf)")
+            for c in ("case", "links of the flows", "measured s", "flow model s", "step bandwidth MB/s"):
+                em.add_column(c, justify="right")
+            for case in ("planned", "hashed"):
+                e = emulated[case]
+                em.add_row(case, str(e["links"]), f"{e['seconds']:.3f}", f"{e['predicted']:.3f}",
+                           f"{e['bandwidth'] / 1e6:.2f}")
+            console.print(em)
+        else:
+            console.print(f"emulated two-link measurement skipped: {emulated}")
         console.print(f"bench {total:.0f} s; goals: " + ", ".join(f"{k}={v}" for k, v in summary["goals"].items()))
     return 0
 
