@@ -35,6 +35,7 @@ from plait.cluster.spec import (
     Cluster,
     ClusterError,
     Device,
+    FabricSpec,
     PairOverride,
 )
 
@@ -378,5 +379,14 @@ def without_nodes(cluster: Cluster, drop: list[int] | set[int]) -> Cluster:
         switches=list(cluster.switches),
         overrides=overrides,
         emulation=cluster.emulation,
+        fabric=_fabric_without(cluster, {cluster.nodes[i].name for i in drop}),
         source=cluster.source,
     )
+
+
+def _fabric_without(cluster: Cluster, dropped: set[str]) -> FabricSpec | None:
+    """The multi-path settings minus failed cables of dropped nodes."""
+    fab = cluster.fabric
+    if fab is None:
+        return None
+    return dataclasses.replace(fab, failed=[f for f in fab.failed if f.a not in dropped and f.b not in dropped])
