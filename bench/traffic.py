@@ -153,6 +153,23 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
     return row
 
 
+def ecmp_arithmetic(trials: int) -> list[dict[str, float]]:
+    """E[flows on the busiest link]: exact (occupancy counting) vs Monte Carlo of the flow model
+    (flows hashed with `ecmp.choose`, max-min fair rates on unit links: busiest = 1 / slowest rate)."""
+    from plait.net.ecmp import FiveTuple, choose, expected_max_load, source_port
+    from plait.net.maxmin import max_min_rates
+
+    out = []
+    for n, k in ((8, 8), (4, 8), (16, 16)):
+        acc = 0.0
+        for seed in range(trials):
+            links = [choose(FiveTuple(1, 2, source_port(f)), k, seed, "leaf") for f in range(n)]
+            acc += 1 / min(max_min_rates([1.0] * k, [[(link, 1.0)] for link in links]))
+        out.append({"flows": n, "links": k, "exact": expected_max_load(n, k), "monte_carlo": acc / trials,
+                    "trials": trials})
+    return out
+
+
 def emulate(skip: bool) -> dict[str, Any] | str:
     """Planned vs hashed flows on two emulated links (root only; plait.net.twolink)."""
     from plait.net import twolink
@@ -225,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{f['kept_iteration']:.1%}", f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}",
                      f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}")
     emulated = emulate(args.no_emulate)
+    arithmetic = ecmp_arithmetic(2000 if args.quick else 20000)
     total = time.perf_counter() - t_all
     comm_bound = rows[0]
     summary = {
@@ -250,10 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.json:
         print(json.dumps({"plans": rows, "oversubscribed_2to1": over_row, "emulated_two_links": emulated,
+                          "ecmp_expected_max_load": arithmetic,
                           "summary": summary}, indent=2))
     else:
         console.print(table)
         console.print(fail)
+        ar = Table(title="ECMP arithmetic: expected flows on the busiest link")
+        for c in ("flows", "links", "exact (occupancy counting)", "flow model, Monte Carlo", "trials"):
+            ar.add_column(c, justify="right")
+        for a in arithmetic:
+            ar.add_row(str(a["flows"]), str(a["links"]), f"{a['exact']:.3f}", f"{a['monte_carlo']:.3f}",
+                       str(a["trials"]))
+        console.print(ar)
         if isinstance(emulated, dict) and "planned" in emulated:
             em = Table(title="emulated: 2 flows over 2 parallel 32 Mb/s links (network namespaces, tc tbf)")
             for c in ("case", "links of the flows", "measured s", "flow model s", "step bandwidth MB/s"):

@@ -208,3 +208,19 @@ def test_plan_field_round_trip_and_simulator_honours_paths() -> None:
     with pytest.raises(PlanError, match="no-such-link"):
         from_plan_field(f, bad)
     assert device_flow(f, 0, 8, 1) != device_flow(f, 0, 8, 0)
+
+
+def test_three_tiers_planner_and_lp_cross_pods() -> None:
+    c = parse_yaml_text(THREE_TIER.replace("HASH", "per_tier"), "t.yaml")
+    f = Fabric(c)
+    # nodes 0..3 in pod 0 (leaves 0, 1), 4..7 in pod 1; each pod-0 node sends 2 flows to pod 1
+    flows = [Flow(FlowKey(n, 0, 4 + (n + j) % 4, 0, 10 * n + j), n, 4 + n, j, 1.0, "dp")
+             for n in range(4) for j in range(2)]
+    paths = f.all_switch_paths("leaf0", "leaf2")
+    assert len(paths) == 2 * 2 * 2 and all(len(p) == 4 for p in paths)  # spine, core, spine
+    a = planner.plan_paths(f, flows)
+    lp = planner.ideal(f, flows)
+    t, _ = a.bottleneck(f)
+    assert t == pytest.approx(lp, rel=1e-6)
+    ecmp = planner.assign(f, flows, planner.ecmp_routes(f, flows)).bottleneck(f)[0]
+    assert ecmp >= t

@@ -238,7 +238,8 @@ def ideal(fabric: Fabric, flows: Sequence[Flow]) -> float:
     where = {link: i for i, link in enumerate(links)}
     ub_rows = [where[link] for link in arc_link] + list(range(len(links)))
     ub_cols = list(range(len(arc_link))) + [n - 1] * len(links)
-    ub_vals = [1.0] * len(arc_link) + [-cap[link] / scale for link in links]
+    unit = float(max(cap[link] for link in links))  # T is solved in units of scale / unit: order 1
+    ub_vals = [1.0] * len(arc_link) + [-cap[link] / unit for link in links]
     a_ub = coo_matrix((ub_vals, (ub_rows, ub_cols)), shape=(len(links), n)).tocsr()
     c = np.zeros(n)
     c[-1] = 1.0
@@ -246,4 +247,4 @@ def ideal(fabric: Fabric, flows: Sequence[Flow]) -> float:
                   bounds=[(0, None)] * n, method="highs")
     if res.status != 0:
         raise FabricError(f"traffic LP failed: {res.message}")
-    return max(port_t, float(res.x[-1]))
+    return max(port_t, float(res.x[-1]) * scale / unit)
