@@ -224,3 +224,19 @@ def test_three_tiers_planner_and_lp_cross_pods() -> None:
     assert t == pytest.approx(lp, rel=1e-6)
     ecmp = planner.assign(f, flows, planner.ecmp_routes(f, flows)).bottleneck(f)[0]
     assert ecmp >= t
+
+
+def test_plan_traffic_in_one_call() -> None:
+    from plait.graph.gpt_closed_form import gpt_opgraph
+    from plait.net.api import plan_traffic
+
+    c = small()
+    _f, plan, _flows = _ring_flows(c)
+    graph = gpt_opgraph({"layers": 2, "hidden": 512, "heads": 8, "seq": 128, "vocab": 1000}, "bf16")
+    planned, report = plan_traffic(plan, c, graph)
+    assert planned.flow_paths is not None and report is not None
+    assert report.flows == len(planned.flow_paths["paths"]) == 32
+    assert report.ideal_s <= report.planned_s * (1 + 1e-9) <= report.ecmp_s * (1 + 1e-9)
+    assert report.achieved_over_ideal == pytest.approx(1.0)
+    flat = parse_yaml_text("nodes: [{gpus: {kind: h100, count: 2}}, {gpus: {kind: h100, count: 2}}]", "f.yaml")
+    assert plan_traffic(Plan(dp=2, tp=2, global_batch=2), flat, graph) == (Plan(dp=2, tp=2, global_batch=2), None)

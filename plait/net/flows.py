@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plait.cluster.spec import Cluster
+from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
 from plait.net.fabric import Fabric, FlowKey
 
@@ -83,3 +84,22 @@ def plan_flows(plan: Plan, cluster: Cluster, fabric: Fabric, grad_bytes: Sequenc
         for c in range(ch):
             out.append(Flow(device_flow(fabric, a, b, c), a, b, c, float(nbytes) / ch, str(traffic)))
     return out
+
+
+def stage_traffic(plan: Plan, graph: OpGraph, grad_bytes_per_param: int = 2) -> tuple[list[float], float]:
+    """(gradient bytes of one tensor rank per pipeline stage, activation bytes a tensor rank sends
+    to the next stage per micro-batch) of `plan` on `graph`: the inputs of `plan_flows`.
+
+    Interleaved stages (virtual chunks) are summed per device stage. The activation message is
+    the first stage's last layer's output, as the simulator's pipeline sends carry it, split
+    over the tensor ranks."""
+    counts = plan.layers_per_stage(len(graph.layers), [layer.tp_style for layer in graph.layers])
+    grads = [0.0] * plan.pp
+    start = 0
+    for chunk, count in enumerate(counts):
+        layers = graph.layers[start:start + count]
+        grads[chunk % plan.pp] += sum(layer.param_count for layer in layers) * grad_bytes_per_param / plan.tp
+        start += count
+    boundary = graph.layers[counts[0] - 1] if counts and counts[0] > 0 else None
+    per_sample = boundary.output_bytes if boundary is not None else 0.0
+    return grads, per_sample * plan.micro_batch / plan.tp
