@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench_lt_15min": total < 900,
     }
     if args.json:
+        summary["goals"] = {k: bool(v) for k, v in summary["goals"].items()}
         print(json.dumps({"plans": rows, "oversubscribed_2to1": over_row, "emulated_two_links": emulated,
                           "ecmp_expected_max_load": arithmetic,
                           "summary": summary}, indent=2))
