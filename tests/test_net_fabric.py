@@ -69,6 +69,12 @@ def test_yaml_round_trip_and_derived_figures() -> None:
     assert next(s for s in c2.switches if s.name == "leaf0-r0").uplink.bandwidth == pytest.approx(100e9 / 8)
     # two channels on distinct 100 Gb/s cables: a cross-leaf pair gets 2 cables' worth
     assert bandwidth_matrix(c2)[0, 8] == pytest.approx(200e9 / 8)
+    broken = parse_yaml_text(SMALL.replace("ecmp: {seed: 3}", "failed_links: [[leaf0-r0, spine0, 1], [n-0, leaf0-r1]]"),
+                             "f.yaml")
+    assert parse_yaml_text(dump_cluster(broken), "f2.yaml") == broken
+    dead = [n for n, ok in zip(Fabric(broken).names, Fabric(broken).alive) if not ok]
+    assert sorted(dead) == sorted(["leaf0-r0>spine0#1", "spine0>leaf0-r0#1", "n-0.nic1.p0>leaf0-r1",
+                                   "n-0.nic1.p1>leaf0-r1", "leaf0-r1>n-0.nic1.p0", "leaf0-r1>n-0.nic1.p1"])
     three = parse_yaml_text(THREE_TIER.replace("HASH", "same"), "t.yaml")
     assert parse_yaml_text(dump_cluster(three), "t2.yaml") == three
 
@@ -79,6 +85,8 @@ def test_yaml_round_trip_and_derived_figures() -> None:
     (("ecmp: {seed: 3}", "failed_links: [[leaf0-r0, leaf1-r0]]"), "fabric.failed_links[0]"),
     (("ecmp: {seed: 3}", "failed_links: [[leaf0-r0, spine9]]"), "fabric.failed_links[0]"),
     (("ecmp: {seed: 3}", "failed_links: [[leaf0-r0, spine0, 5]]"), "fabric.failed_links[0][2]"),
+    (("ecmp: {seed: 3}", "failed_links: [[n-0, leaf0-r0, 2]]"), "fabric.failed_links[0][2]"),
+    (("ecmp: {seed: 3}", "failed_links: [[n-0, leaf1-r0]]"), "fabric.failed_links[0]"),
     (("oversubscription: 1, links: 2", "oversubscription: 1, bandwidth: 1 Gb/s"), "leaves.uplink"),
     (("    rails: true\n", "    rails: true\n    pods: 2\n"), "fabric.switches.pods"),
 ])

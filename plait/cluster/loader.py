@@ -745,6 +745,8 @@ def _check_failed_links(ctx: _Ctx, cluster: Cluster) -> None:
             node = nodes[a]
             if b not in (node.leaves or [node.leaf]):
                 ctx.fail(path, f"node {a!r} is not cabled to leaf {b!r}")
+            if f.index is not None and f.index >= cluster.fabric.ports:
+                ctx.fail(_join(path, 2), f"NIC port {f.index} of {cluster.fabric.ports}")
             continue
         for name in (f.a, f.b):
             if name not in switches:
