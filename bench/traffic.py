@@ -142,6 +142,8 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
         "planner_s": best.seconds,
         "failure": {"replan_s": again.seconds, "flows_moved": again.moved,
                     "kept_network": t_plan / t_after, "kept_iteration": it_plan / it_after,
+                    "planned_iter_after_s": it_after,
+                    "ecmp_iter_after_median_s": float(np.median([ecmp_it[s] / k for s, k in enumerate(ecmp_kept_it)])),
                     "T_ideal_after_s": planner.ideal(fb, flows),
                     "ecmp_kept_network_median": float(np.median(ecmp_kept_t)),
                     "ecmp_kept_iteration_median": float(np.median(ecmp_kept_it))},
@@ -234,13 +236,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "", "")
     fail = Table(title=f"one spine cable failed ({FAILED[0]} <-> {FAILED[1]} #{FAILED[2]}): throughput kept")
     for c in ("plan", "re-plan s", "flows moved", "planned: network kept", "planned: iteration kept",
-              "ideal after / before", "ECMP: network kept (median)", "ECMP: iteration kept (median)"):
+              "ideal after / before", "ECMP: network kept (median)", "ECMP: iteration kept (median)",
+              "iter after: planned s", "iter after: ECMP median s"):
         fail.add_column(c, justify="right")
     for r in rows:
         f = r["failure"]
         fail.add_row(r["plan"], f"{f['replan_s']:.3f}", str(f["flows_moved"]), f"{f['kept_network']:.1%}",
                      f"{f['kept_iteration']:.1%}", f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}",
-                     f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}")
+                     f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}",
+                     f"{f['planned_iter_after_s']:.3f}", f"{f['ecmp_iter_after_median_s']:.3f}")
     emulated = emulate(args.no_emulate)
     arithmetic = ecmp_arithmetic(2000 if args.quick else 20000)
     total = time.perf_counter() - t_all
