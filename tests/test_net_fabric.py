@@ -144,6 +144,11 @@ def test_failures_reroute_and_a_cut_fabric_names_the_link() -> None:
     f.fail("leaf0-r0", "spine1")
     with pytest.raises(FabricError, match=r"leaf0-r0>spine1#0"):
         f.route_ecmp(FlowKey(0, 0, 5, 0, 1))
+    g = Fabric(small())
+    g.fail("spine0", "leaf1-r0")
+    g.fail("spine1", "leaf1-r0")  # the destination leaf is cut off: the error names its cables
+    with pytest.raises(FabricError, match=r"spine0>leaf1-r0#0.*spine1>leaf1-r0#1"):
+        g.route_ecmp(FlowKey(0, 0, 5, 0, 1))
     f.fail("n-0", "leaf0-r0")
     with pytest.raises(FabricError, match=r"n-0\.nic0\.p0>leaf0-r0"):
         f.route_ecmp(FlowKey(0, 0, 1, 0, 1))

@@ -188,6 +188,21 @@ class Fabric:
         named = ", ".join(self.names[i] for i in dead) or "none"
         return FabricError(f"{self.cluster.source}: fabric: no path left {what}; failed links: {named}")
 
+    def _dead_between(self, at: str, dst: str, phase: str) -> list[int]:
+        """Failed links on the equal-cost routes from `at` to `dst` (the ones that cut them)."""
+        dead: list[int] = []
+        seen = {(at, phase)}
+        stack = [(at, phase)]
+        while stack:
+            node, ph = stack.pop()
+            for link, nxt, nph in self.next_hops(node, dst, ph):
+                if not self.alive[link]:
+                    dead.append(link)
+                elif nph != "end" and (nxt, nph) not in seen:
+                    seen.add((nxt, nph))
+                    stack.append((nxt, nph))
+        return sorted(set(dead))
+
     def route_ecmp(self, flow: FlowKey) -> Route:
         """The path ECMP and the bonds give `flow` (deterministic in the fabric's seed and mode)."""
         five = flow.five_tuple()
@@ -214,8 +229,7 @@ class Fabric:
         while phase != "end":
             opts = self.choices(at, dst_leaf, phase)
             if not opts:
-                dead = [link for link, _n, _p in self.next_hops(at, dst_leaf, phase) if not self.alive[link]]
-                raise self._no_path(f"from {at} towards {dst_leaf}", dead)
+                raise self._no_path(f"from {at} towards {dst_leaf}", self._dead_between(at, dst_leaf, phase))
             link, at, phase = opts[pick(opts, self.switch[at].tier)]
             links.append(link)
         return links
