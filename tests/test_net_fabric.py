@@ -253,3 +253,15 @@ def test_plan_traffic_in_one_call() -> None:
     assert report.achieved_over_ideal == pytest.approx(1.0)
     flat = parse_yaml_text("nodes: [{gpus: {kind: h100, count: 2}}, {gpus: {kind: h100, count: 2}}]", "f.yaml")
     assert plan_traffic(Plan(dp=2, tp=2, global_batch=2), flat, graph) == (Plan(dp=2, tp=2, global_batch=2), None)
+
+
+def test_exact_milp_fixes_a_greedy_local_optimum() -> None:
+    # Five flows 3, 3, 2, 2, 2 out of one bonded NIC (two ports): largest-first gives one port
+    # 3 + 2 + 2 = 7 and no single move helps; the optimum is {3, 3} and {2, 2, 2}: 6.
+    f = Fabric(small())
+    cap = f.capacity[f.port_up[0][0][0]]
+    flows = [Flow(FlowKey(0, 0, 1, 0, t), 0, 2, t, float(b), "dp") for t, b in enumerate((3, 3, 2, 2, 2))]
+    greedy = planner.plan_paths(f, flows, exact=False).bottleneck(f)[0]
+    best = planner.plan_paths(f, flows).bottleneck(f)[0]
+    assert greedy == pytest.approx(7 / cap) and best == pytest.approx(6 / cap)
+    assert planner.ideal(f, flows) == pytest.approx(6 / cap)

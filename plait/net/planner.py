@@ -7,7 +7,10 @@ time is ``T = max over links of (bytes on the link / capacity)``. The planner
    receiving port that minimise ``(max, sum)`` of the utilisations along it after adding it
    (a bottleneck-shortest path over the fabric's equal-cost next hops, `Fabric.choices`);
    a bonded NIC's ports are balanced because each port is a link like any other;
-2. improves: while moving one flow off the busiest link lowers ``T``, moves it.
+2. improves: while moving one flow off the busiest link lowers ``T``, moves it;
+3. on small instances (a few thousand flow-path pairs) solves the integral problem exactly
+   as a MILP (HiGHS, 1 s limit) and keeps it when better: the greedy reaches the integral
+   optimum on most shapes, not all (unequal flows can need swaps).
 
 `ideal` is the fractional lower bound: the LP ``min T`` s.t. every link carries at most
 ``T x capacity`` when every flow may be split over all its paths (scipy's HiGHS). Ports
@@ -135,8 +138,13 @@ class _Placer:
                 return
 
 
-def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True) -> Assignment:
-    """Paths for every flow (see module doc); deterministic."""
+EXACT_COLUMNS = 4000  # (flow, path) pairs up to which a MILP looks for a better assignment
+EXACT_SECONDS = 1.0  # its time limit
+
+
+def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True, exact: bool = True) -> Assignment:
+    """Paths for every flow (see module doc); deterministic. With `exact`, small instances
+    (at most EXACT_COLUMNS flow-path pairs) are also solved as a MILP, kept when better."""
     t0 = time.perf_counter()
     a = Assignment([Route(())] * len(flows), np.zeros(len(fabric.names)),
                    on_link=[set() for _ in fabric.names])
@@ -145,8 +153,75 @@ def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True) -> A
         placer.put(i, placer.best_route(i))
     if improve:
         placer.improve()
+    if exact:
+        better = _exact(fabric, flows, a.bottleneck(fabric)[0])
+        if better is not None:
+            a = assign(fabric, flows, better)
     a.seconds = time.perf_counter() - t0
     return a
+
+
+def _columns(fabric: Fabric, flows: Sequence[Flow]) -> list[tuple[int, tuple[int, ...]]] | None:
+    """Every (flow, full path) pair, or None when there are more than EXACT_COLUMNS."""
+    cols: list[tuple[int, tuple[int, ...]]] = []
+    mids: dict[tuple[str, str], list[tuple[int, ...]]] = {}
+    for i, f in enumerate(flows):
+        k = f.key
+        sps = [p for p in fabric.port_up[k.src][k.src_nic] if fabric.alive[p]]
+        dps = [p for p in fabric.port_down[k.dst][k.dst_nic] if fabric.alive[p]]
+        pair = (fabric.nic_leaf[k.src][k.src_nic], fabric.nic_leaf[k.dst][k.dst_nic])
+        if pair not in mids:
+            mids[pair] = fabric.all_switch_paths(*pair)
+        if len(cols) + len(sps) * len(dps) * len(mids[pair]) > EXACT_COLUMNS:
+            return None
+        cols += [(i, (sp,) + mid + (dp,)) for sp in sps for mid in mids[pair] for dp in dps]
+    return cols
+
+
+def _exact(fabric: Fabric, flows: Sequence[Flow], incumbent: float) -> list[Route] | None:
+    """Routes of an integral min-max assignment (scipy's HiGHS MILP) when it beats `incumbent`."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    cols = _columns(fabric, flows) if flows else None
+    if not cols:
+        return None
+    links = sorted({link for _i, path in cols for link in path})
+    row = {link: j for j, link in enumerate(links)}
+    cap = np.asarray(fabric.capacity)
+    scale, unit = max(f.bytes for f in flows), float(max(cap[link] for link in links))
+    r, c, v = [], [], []
+    for j, (i, path) in enumerate(cols):
+        for link in path:
+            r.append(row[link])
+            c.append(j)
+            v.append(flows[i].bytes / scale)
+        r.append(len(links) + i)  # each flow takes exactly one path
+        c.append(j)
+        v.append(1.0)
+    n = len(cols) + 1
+    r += list(range(len(links)))
+    c += [n - 1] * len(links)
+    v += [-cap[link] / unit for link in links]
+    a = coo_matrix((v, (r, c)), shape=(len(links) + len(flows), n)).tocsr()
+    lo = [-np.inf] * len(links) + [1.0] * len(flows)
+    hi = [0.0] * len(links) + [1.0] * len(flows)
+    cost = np.zeros(n)
+    cost[-1] = 1.0
+    integrality = np.ones(n)
+    integrality[-1] = 0
+    res = milp(cost, constraints=LinearConstraint(a, lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(n), np.r_[np.ones(n - 1), np.inf]),
+               options={"time_limit": EXACT_SECONDS})
+    if res.x is None or res.x[-1] * scale / unit >= incumbent * (1 - 1e-9):
+        return None
+    routes: list[Route | None] = [None] * len(flows)
+    for j, (i, path) in enumerate(cols):
+        if res.x[j] > 0.5:
+            routes[i] = Route(path)
+    if any(x is None for x in routes):
+        return None
+    return routes  # type: ignore[return-value]
 
 
 def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: bool = True) -> Assignment:
