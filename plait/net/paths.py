@@ -1,10 +1,12 @@
 """Per-flow paths as a Plan stores them (`Plan.flow_paths`) and back to link ids.
 
 Stored by link *name* (``h-3.nic0.p1>leaf0-r0``, ``leaf0-r0>spine2#1``, ...) so that a plan
-file reads on any load of the same cluster description. A user applies them by pinning
-each queue pair's UDP source port to one that the switches hash onto the planned cable
-(RoCE: ``NCCL_IB_SL``/per-QP source port selection as C4P does) or with policy routes
-per (source, destination) address; the bond's port with ``xmit_hash_policy`` likewise.
+file reads on any load of the same cluster description. Applying them on a real fabric:
+RoCEv2 switches hash the UDP source port of each queue pair, so a planner that knows the
+switches' hash picks, per queue pair, a source port that hashes onto the planned cable
+(C4P's approach); alternatively policy routes per (source, destination) address pair on
+hosts and switches. A bonded NIC's port follows its transmit hash the same way, or the
+flow is sent from the port's own address.
 """
 
 from __future__ import annotations
