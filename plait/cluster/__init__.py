@@ -29,6 +29,8 @@ from plait.cluster.spec import (
     ClusterError,
     Device,
     EmulationSpec,
+    FabricSpec,
+    FailedLink,
     GPUKind,
     Link,
     NodeSpec,
@@ -50,7 +52,7 @@ DEFAULT_CLUSTER = "emulated-mixed"
 
 __all__ = [
     "DEFAULT_CLUSTER", "DTYPES", "GPU_KINDS", "PRESETS", "Cluster", "ClusterError", "Device",
-    "EmulationSpec", "GPUKind", "Link", "NodeSpec", "PairOverride", "SwitchSpec",
+    "EmulationSpec", "FabricSpec", "FailedLink", "GPUKind", "Link", "NodeSpec", "PairOverride", "SwitchSpec",
     "bandwidth_matrix", "build_preset", "cluster_to_dict", "devices_of", "dump_cluster",
     "fabric_graph", "get_kind", "latency_matrix", "load_cluster", "load_cluster_file",
     "node_bandwidth_matrix", "node_latency_matrix", "parse_cluster", "parse_yaml_text",

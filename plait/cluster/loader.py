@@ -18,7 +18,8 @@ strings, see `plait.cluster.units`; examples in ``examples/clusters/``)::
         gpus: {kind: a100-80g, count: 8}          # or a list: [a100, a100, {kind: v100, count: 2}]
         intra: {type: nvlink, bandwidth: 300 GB/s, latency: 2 us}   # per direction
         nic: {type: infiniband, bandwidth: 200 Gb/s, latency: 5 us, count: 8}  # per NIC
-        leaf: leaf0                    # with switches; default: nodes spread evenly
+        leaf: leaf0                    # with switches; default: nodes spread evenly; a list
+                                       #   (one leaf per NIC) on a rail-optimised fabric
     node_groups:                       # after `nodes`: `count` copies named <name>-<j>
       - {name: v100, count: 2, gpus: {kind: v100-32gb, count: 8}}
     fabric:                            # defaults for the nodes' `nic` fields
@@ -26,9 +27,20 @@ strings, see `plait.cluster.units`; examples in ``examples/clusters/``)::
       bandwidth: 200 Gb/s
       latency: 5 us
       nics: 8
-      switches:                        # optional two-tier leaf/spine fabric
-        leaves: {count: 2, uplink: {bandwidth: 400 Gb/s, latency: 1 us}}  # or a list
-        spines: 4                      # or a list of names
+      ports: 2                         # ports per NIC (2: bonded; nic bandwidth is the total)
+      channels: 2                      # flows (queue pairs) per ring neighbour; default: ports
+      ecmp: {seed: 0, hash: per_tier}  # switches' hash seed; `same`: one hash at every tier
+      failed_links: [[leaf0, spine1], [leaf0, spine1, 2], [n0, leaf0, 1]]  # cable down (index:
+                                       #   which parallel cable, or the node's NIC port)
+      switches:                        # optional leaf/spine(/core) fabric (plait.net)
+        leaves: {count: 2, uplink: {bandwidth: 400 Gb/s, latency: 1 us, links: 1}}  # or a list
+                                       # `oversubscription: 2` instead of `bandwidth` derives it;
+                                       # `links`: parallel cables to each spine
+        spines: 4                      # or a list of names; {count, uplink} with cores
+        cores: 2                       # optional third tier; with `pods: P` leaves and spines
+        pods: 2                        #   split into P pods joined by the cores
+        rails: true                    # rail-optimised: `leaves.count` leaf groups x fabric.nics
+                                       #   rails, NIC r of a node on its group's rail-r leaf
     overrides:                         # measured figures replace derived ones
       - {devices: [0, 9], bandwidth: 10 GB/s, latency: 9 us}   # ids or "node:local"
       - {nodes: [n0, 1], bandwidth: 50 Gb/s}                   # names or indices
@@ -48,6 +60,7 @@ Any problem raises `ClusterError` "FILE: FIELD.PATH: reason", e.g.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -61,9 +74,13 @@ from plait.cluster.catalog import DEFAULT_LATENCY, GPU_KINDS, NODE_TEMPLATES, re
 from plait.cluster.spec import (
     COLLECTIVE_OPS,
     DTYPES,
+    ECMP_HASHES,
+    SWITCH_TIERS,
     Cluster,
     ClusterError,
     EmulationSpec,
+    FabricSpec,
+    FailedLink,
     GPUKind,
     Link,
     MeasuredCollective,
@@ -273,56 +290,120 @@ def _resolve_link(ctx: _Ctx, layers: list[dict[str, Any]], template: Link | None
 
 class _Fabric:
     def __init__(self, nic: dict[str, Any], nics: int | None, leaves: list[SwitchSpec],
-                 spines: list[SwitchSpec]) -> None:
+                 spines: list[SwitchSpec], cores: list[SwitchSpec] | None = None,
+                 spec: FabricSpec | None = None, rails: bool = False,
+                 oversubscription: float | None = None) -> None:
         self.nic, self.nics, self.leaves, self.spines = nic, nics, leaves, spines
+        self.cores = cores or []
+        self.spec, self.rails, self.oversubscription = spec, rails, oversubscription
+
+    @property
+    def switches(self) -> list[SwitchSpec]:
+        return self.leaves + self.spines + self.cores
 
 
 # Latency of one switch hop (leaf <-> spine) when an uplink gives none: cut-through
 # InfiniBand/Ethernet switches forward in well under a microsecond.
 UPLINK_LATENCY = 1e-6
 
+_FABRIC_KEYS = ("type", "bandwidth", "latency", "nics", "ports", "channels", "ecmp", "failed_links",
+                "switches")
+
 
 def _parse_fabric(ctx: _Ctx, raw: Any) -> _Fabric:
     if raw is None:
         return _Fabric({}, None, [], [])
-    spec = ctx.mapping(raw, "fabric", ("type", "bandwidth", "latency", "nics", "switches"))
+    spec = ctx.mapping(raw, "fabric", _FABRIC_KEYS)
     nic = _partial_link(ctx, spec, "fabric")
     nics = ctx.integer(spec["nics"], "fabric.nics", 1, 1024) if "nics" in spec else None
-    leaves: list[SwitchSpec] = []
-    spines: list[SwitchSpec] = []
-    if spec.get("switches") is not None:
-        path = "fabric.switches"
-        sw = ctx.mapping(spec["switches"], path, ("leaves", "spines"), required=("leaves",))
-        kind = nic.get("kind")
-        leaves = _parse_switch_list(ctx, sw["leaves"], f"{path}.leaves", "leaf", kind)
-        spines = (_parse_switch_list(ctx, sw["spines"], f"{path}.spines", "spine", kind)
-                  if sw.get("spines") is not None else [])
-        if len(leaves) > 1 and not spines:
-            ctx.fail(f"{path}.spines", f"{len(leaves)} leaves need at least one spine to connect them")
-        names = [s.name for s in leaves + spines]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            ctx.fail(path, f"switch names must be unique: {', '.join(dup)}")
-    return _Fabric(nic, nics, leaves, spines)
+    multipath = _parse_multipath(ctx, spec)
+    if spec.get("switches") is None:
+        if multipath is not None and multipath.failed:
+            ctx.fail("fabric.failed_links", "a fabric without switches has no links to fail")
+        return _Fabric(nic, nics, [], [], spec=multipath)
+    path = "fabric.switches"
+    sw = ctx.mapping(spec["switches"], path, ("leaves", "spines", "cores", "pods", "rails"),
+                     required=("leaves",))
+    kind = nic.get("kind")
+    rails = ctx.boolean(sw["rails"], f"{path}.rails") if "rails" in sw else False
+    pods = ctx.integer(sw["pods"], f"{path}.pods", 1, 4096) if "pods" in sw else None
+    leaves, oversub = _parse_switch_list(ctx, sw["leaves"], f"{path}.leaves", "leaf", kind)
+    spines = (_parse_switch_list(ctx, sw["spines"], f"{path}.spines", "spine", kind)[0]
+              if sw.get("spines") is not None else [])
+    cores = (_parse_switch_list(ctx, sw["cores"], f"{path}.cores", "core", kind)[0]
+             if sw.get("cores") is not None else [])
+    if len(leaves) > 1 and not spines:
+        ctx.fail(f"{path}.spines", f"{len(leaves)} leaves need at least one spine to connect them")
+    if cores and any(s.uplink is None for s in spines):
+        ctx.fail(f"{path}.spines.uplink", "required with cores: the spines' uplink to each core")
+    if pods is not None:
+        if pods > 1 and not cores:
+            ctx.fail(f"{path}.pods", f"{pods} pods need cores to connect them")
+        for tier, group in (("leaves", leaves), ("spines", spines)):
+            if len(group) % pods:
+                ctx.fail(f"{path}.pods", f"{len(group)} {tier} do not split evenly into {pods} pods")
+            for i, s in enumerate(group):
+                if s.pod is None:
+                    s.pod = i * pods // len(group)
+    if rails:
+        if nics is None:
+            ctx.fail("fabric.nics", "required with switches.rails: the number of rails (NICs per node)")
+        leaves = [dataclasses.replace(s, name=f"{s.name}-r{r}", rail=r) for s in leaves for r in range(nics)]
+    names = [s.name for s in leaves + spines + cores]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        ctx.fail(path, f"switch names must be unique: {', '.join(dup)}")
+    return _Fabric(nic, nics, leaves, spines, cores, multipath, rails, oversub)
+
+
+def _parse_multipath(ctx: _Ctx, spec: dict[str, Any]) -> FabricSpec | None:
+    """ports / channels / ecmp / failed_links of `fabric:` (None when none is given)."""
+    if not any(k in spec for k in ("ports", "channels", "ecmp", "failed_links")):
+        return None
+    out = FabricSpec()
+    if "ports" in spec:
+        out.ports = ctx.integer(spec["ports"], "fabric.ports", 1, 2)
+    out.channels = ctx.integer(spec["channels"], "fabric.channels", 1, 64) if "channels" in spec else out.ports
+    if spec.get("ecmp") is not None:
+        e = ctx.mapping(spec["ecmp"], "fabric.ecmp", ("seed", "hash"))
+        if "seed" in e:
+            out.ecmp_seed = ctx.integer(e["seed"], "fabric.ecmp.seed", 0, 2**32 - 1)
+        if "hash" in e:
+            mode = ctx.string(e["hash"], "fabric.ecmp.hash")
+            if mode not in ECMP_HASHES:
+                ctx.fail("fabric.ecmp.hash", f"must be one of {', '.join(ECMP_HASHES)} ('same': one hash at "
+                                             f"every tier, which polarises), got {mode!r}")
+            out.ecmp_hash = mode
+    for i, item in enumerate(ctx.seq(spec.get("failed_links") or [], "fabric.failed_links", "links")):
+        ipath = f"fabric.failed_links[{i}]"
+        if not isinstance(item, list) or len(item) not in (2, 3):
+            ctx.fail(ipath, f"expected [a, b] or [a, b, cable index], got {_describe(item)}")
+        a, b = ctx.string(item[0], _join(ipath, 0)), ctx.string(item[1], _join(ipath, 1))
+        index = ctx.integer(item[2], _join(ipath, 2), 0, 4096) if len(item) == 3 else None
+        out.failed.append(FailedLink(a, b, index))
+    return out
 
 
 def _parse_switch_list(ctx: _Ctx, raw: Any, path: str, tier: str,
-                       kind: str | None) -> list[SwitchSpec]:
-    keys = ("name", "uplink") if tier == "leaf" else ("name",)
+                       kind: str | None) -> tuple[list[SwitchSpec], float | None]:
+    """Switches of one tier, and the leaves' oversubscription when given instead of a bandwidth."""
+    keys = {"leaf": ("name", "uplink", "pod", "rail"), "spine": ("name", "uplink", "pod")}.get(tier, ("name",))
+    needs_uplink = tier == "leaf"
     if isinstance(raw, bool):
         ctx.fail(path, f"expected a count, a list or {{count: N}}, got {_describe(raw)}")
     if isinstance(raw, int):
         count = ctx.integer(raw, path, 1, 4096)
-        if tier == "leaf":
+        if needs_uplink:
             ctx.fail(_join(path, "uplink"), "required: give leaves as {count: N, uplink: {...}}")
-        return [SwitchSpec(name=f"{tier}{i}", tier=tier) for i in range(count)]
+        return [SwitchSpec(name=f"{tier}{i}", tier=tier) for i in range(count)], None
     if isinstance(raw, dict):
-        spec = ctx.mapping(raw, path, ("count",) + keys[1:], required=("count",))
+        spec = ctx.mapping(raw, path, ("count",) + tuple(k for k in keys if k == "uplink"), required=("count",))
         count = ctx.integer(spec["count"], _join(path, "count"), 1, 4096)
-        uplink = None
-        if tier == "leaf":
-            uplink = _parse_uplink(ctx, spec.get("uplink"), _join(path, "uplink"), kind)
-        return [SwitchSpec(name=f"{tier}{i}", tier=tier, uplink=uplink) for i in range(count)]
+        uplink, links, oversub = None, 1, None
+        if needs_uplink or spec.get("uplink") is not None:
+            uplink, links, oversub = _parse_uplink(ctx, spec.get("uplink"), _join(path, "uplink"), kind)
+        return [SwitchSpec(name=f"{tier}{i}", tier=tier, uplink=uplink, links=links)
+                for i in range(count)], oversub
     items = ctx.seq(raw, path, f"{tier} switches")
     if not items:
         ctx.fail(path, f"expected at least one {tier}")
@@ -335,19 +416,49 @@ def _parse_switch_list(ctx: _Ctx, raw: Any, path: str, tier: str,
             item = {"name": item}
         spec = ctx.mapping(item, ipath, keys, required=("name",))
         name = ctx.string(spec["name"], _join(ipath, "name"))
-        uplink = None
-        if tier == "leaf":
-            uplink = _parse_uplink(ctx, spec.get("uplink"), _join(ipath, "uplink"), kind)
-        out.append(SwitchSpec(name=name, tier=tier, uplink=uplink))
-    return out
+        uplink, links = None, 1
+        if needs_uplink or spec.get("uplink") is not None:
+            uplink, links, oversub = _parse_uplink(ctx, spec.get("uplink"), _join(ipath, "uplink"), kind)
+            if oversub is not None:
+                ctx.fail(_join(ipath, "uplink.oversubscription"), "give it on {count: N, uplink: ...} leaves")
+        pod = ctx.integer(spec["pod"], _join(ipath, "pod"), 0, 4095) if "pod" in spec else None
+        rail = ctx.integer(spec["rail"], _join(ipath, "rail"), 0, 1023) if "rail" in spec else None
+        out.append(SwitchSpec(name=name, tier=tier, uplink=uplink, links=links, pod=pod, rail=rail))
+    return out, None
 
 
-def _parse_uplink(ctx: _Ctx, raw: Any, path: str, kind: str | None) -> Link:
+def _parse_uplink(ctx: _Ctx, raw: Any, path: str, kind: str | None) -> tuple[Link, int, float | None]:
+    """(cable, parallel cables per upper switch, oversubscription to derive the bandwidth from)."""
     if raw is None:
-        ctx.fail(path, "required: the leaf's uplink to each spine {bandwidth, latency}")
-    spec = ctx.mapping(raw, path, ("type", "bandwidth", "latency"), required=("bandwidth",))
+        ctx.fail(path, "required: the switch's uplink to each upper switch {bandwidth, latency}")
+    spec = ctx.mapping(raw, path, ("type", "bandwidth", "latency", "links", "oversubscription"))
+    links = ctx.integer(spec["links"], _join(path, "links"), 1, 4096) if "links" in spec else 1
+    oversub = None
+    if ("bandwidth" in spec) == ("oversubscription" in spec):
+        ctx.fail(path, "give exactly one of `bandwidth` (per cable) or `oversubscription` (downlink "
+                       "capacity / uplink capacity, e.g. 1 or 2)")
+    if "oversubscription" in spec:
+        oversub = ctx.number(spec["oversubscription"], _join(path, "oversubscription"))
+        spec = {**spec, "bandwidth": 1.0}  # placeholder, derived once the nodes are known
     layers = [_partial_link(ctx, spec, path), {"kind": kind} if kind else {}]
-    return _resolve_link(ctx, layers, None, path, default_latency=UPLINK_LATENCY)
+    return _resolve_link(ctx, layers, None, path, default_latency=UPLINK_LATENCY), links, oversub
+
+
+def _apply_oversubscription(fabric: _Fabric, nodes: list[NodeSpec]) -> None:
+    """Leaf uplink cable bandwidth = (NIC capacity below the leaf / oversubscription) spread over
+    the leaf's cables to its spines."""
+    if fabric.oversubscription is None:
+        return
+    down: dict[str, float] = {s.name: 0.0 for s in fabric.leaves}
+    for node in nodes:
+        for leaf in node.leaves or [node.leaf] * node.nics:
+            down[leaf] += node.nic.bandwidth
+    for s in fabric.leaves:
+        spines = [t for t in fabric.spines if s.pod is None or t.pod == s.pod]
+        cables = max(1, len(spines)) * s.links
+        bw = down[s.name] / fabric.oversubscription / cables
+        if bw > 0 and s.uplink is not None:
+            s.uplink = dataclasses.replace(s.uplink, bandwidth=bw)
 
 
 # --- nodes ------------------------------------------------------------------------------
@@ -401,14 +512,24 @@ def _parse_node(ctx: _Ctx, raw: dict[str, Any], path: str, name: str, custom: di
         nics = ctx.integer(nic_spec["count"], _join(nic_path, "count"), 1, 1024)
     else:
         nics = fabric.nics or (tpl.nics if tpl else 1)
-    leaf = None
+    leaf, leaves = None, None
     if raw.get("leaf") is not None:
-        leaf = ctx.string(raw["leaf"], _join(path, "leaf"))
         names = [s.name for s in fabric.leaves]
-        if leaf not in names:
-            ctx.fail(_join(path, "leaf"), f"unknown leaf {leaf!r}; fabric.switches.leaves: "
-                                          f"{', '.join(names) or 'none'}")
-    return NodeSpec(name=name, gpus=gpus, intra=intra, nic=nic, nics=nics, leaf=leaf)
+        given = raw["leaf"] if isinstance(raw["leaf"], list) else [raw["leaf"]]
+        refs = [ctx.string(x, _join(path, "leaf") + (f"[{r}]" if isinstance(raw["leaf"], list) else ""))
+                for r, x in enumerate(given)]
+        for ref in refs:
+            if ref not in names:
+                ctx.fail(_join(path, "leaf"), f"unknown leaf {ref!r}; fabric.switches.leaves: "
+                                              f"{', '.join(names) or 'none'}")
+        if isinstance(raw["leaf"], list):
+            if len(refs) != nics:
+                ctx.fail(_join(path, "leaf"), f"{len(refs)} leaves for {nics} NICs: a rail-optimised node "
+                                              "names one leaf per NIC")
+            leaf, leaves = refs[0], refs
+        else:
+            leaf = refs[0]
+    return NodeSpec(name=name, gpus=gpus, intra=intra, nic=nic, nics=nics, leaf=leaf, leaves=leaves)
 
 
 def _parse_nodes(ctx: _Ctx, data: dict[str, Any], custom: dict[str, GPUKind],
@@ -435,7 +556,8 @@ def _parse_nodes(ctx: _Ctx, data: dict[str, Any], custom: dict[str, GPUKind],
         devices += count * len(node.gpus)
         for j in range(count):
             nodes.append(NodeSpec(name=f"{prefix}-{j}", gpus=list(node.gpus), intra=node.intra,
-                                  nic=node.nic, nics=node.nics, leaf=node.leaf))
+                                  nic=node.nic, nics=node.nics, leaf=node.leaf,
+                                  leaves=list(node.leaves) if node.leaves else None))
     if not nodes:
         ctx.fail("nodes", "a cluster needs at least one node")
     seen: dict[str, int] = {}
@@ -443,10 +565,20 @@ def _parse_nodes(ctx: _Ctx, data: dict[str, Any], custom: dict[str, GPUKind],
         if node.name in seen:
             ctx.fail(f"nodes[{i}].name", f"duplicate node name {node.name!r} (also node {seen[node.name]})")
         seen[node.name] = i
-    if fabric.leaves:  # nodes without a leaf are spread evenly over the leaves, in order
+    if fabric.rails:  # nodes spread evenly over the leaf groups; NIC r on the group's rail-r leaf
+        groups = len(fabric.leaves) // max(1, fabric.nics or 1)
+        for i, node in enumerate(nodes):
+            if node.leaves is None:
+                if node.nics != fabric.nics:
+                    ctx.fail(f"nodes[{i}].nic.count", f"{node.nics} NICs on a fabric of {fabric.nics} rails")
+                g = i * groups // len(nodes)
+                node.leaves = [fabric.leaves[g * node.nics + r].name for r in range(node.nics)]
+                node.leaf = node.leaves[0]
+    elif fabric.leaves:  # nodes without a leaf are spread evenly over the leaves, in order
         for i, node in enumerate(nodes):
             if node.leaf is None:
                 node.leaf = fabric.leaves[i * len(fabric.leaves) // len(nodes)].name
+    _apply_oversubscription(fabric, nodes)
     return nodes
 
 
@@ -594,8 +726,38 @@ def parse_cluster(data: Any, source: str = "<memory>", default_name: str = "clus
     overrides = _parse_overrides(ctx, data.get("overrides"), nodes)
     emulation = _parse_emulation(ctx, data.get("emulation"), kinds)
     collectives = _parse_collectives(ctx, data.get("collectives"), len(nodes))
-    return Cluster(name=name, kinds=kinds, nodes=nodes, switches=fabric.leaves + fabric.spines,
-                   overrides=overrides, emulation=emulation, collectives=collectives, source=source)
+    cluster = Cluster(name=name, kinds=kinds, nodes=nodes, switches=fabric.switches, overrides=overrides,
+                      emulation=emulation, collectives=collectives, fabric=fabric.spec, source=source)
+    _check_failed_links(ctx, cluster)
+    return cluster
+
+
+def _check_failed_links(ctx: _Ctx, cluster: Cluster) -> None:
+    """Every failed link joins two adjacent things of the fabric (see plait.net.fabric)."""
+    if cluster.fabric is None or not cluster.fabric.failed:
+        return
+    switches = {s.name: s for s in cluster.switches}
+    nodes = {n.name: n for n in cluster.nodes}
+    for i, f in enumerate(cluster.fabric.failed):
+        path = f"fabric.failed_links[{i}]"
+        a, b = (f.a, f.b) if f.a in nodes or f.a not in switches else (f.b, f.a)
+        if a in nodes:
+            node = nodes[a]
+            if b not in (node.leaves or [node.leaf]):
+                ctx.fail(path, f"node {a!r} is not cabled to leaf {b!r}")
+            if f.index is not None and f.index >= cluster.fabric.ports:
+                ctx.fail(_join(path, 2), f"NIC port {f.index} of {cluster.fabric.ports}")
+            continue
+        for name in (f.a, f.b):
+            if name not in switches:
+                ctx.fail(path, f"{name!r} is neither a switch nor a node of this cluster")
+        lo, hi = sorted((switches[f.a], switches[f.b]), key=lambda s: SWITCH_TIERS.index(s.tier))
+        adjacent = (SWITCH_TIERS.index(hi.tier) == SWITCH_TIERS.index(lo.tier) + 1
+                    and (lo.pod is None or hi.tier == "core" or hi.pod is None or lo.pod == hi.pod))
+        if not adjacent:
+            ctx.fail(path, f"no cable joins {f.a!r} and {f.b!r}")
+        if f.index is not None and f.index >= lo.links:
+            ctx.fail(_join(path, 2), f"cable {f.index} of {lo.links} between {f.a!r} and {f.b!r}")
 
 
 _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser is ~10x faster
@@ -700,19 +862,15 @@ def cluster_to_dict(cluster: Cluster, human: bool = True) -> dict[str, Any]:
                                  "intra": _link_dict(node.intra, human=human),
                                  "nic": {**_link_dict(node.nic, bits=True, human=human),
                                          "count": node.nics}}
-        if node.leaf is not None:
+        if node.leaves:
+            entry["leaf"] = list(node.leaves)
+        elif node.leaf is not None:
             entry["leaf"] = node.leaf
         nodes.append(entry)
     out["nodes"] = nodes
-    leaves = [s for s in cluster.switches if s.tier == "leaf"]
-    spines = [s for s in cluster.switches if s.tier == "spine"]
-    if leaves:
-        out["fabric"] = {"switches": {
-            "leaves": [{"name": s.name,
-                        **({"uplink": _link_dict(s.uplink, bits=True, human=human)} if s.uplink else {})}
-                       for s in leaves],
-            **({"spines": [s.name for s in spines]} if spines else {}),
-        }}
+    fabric = _fabric_dict(cluster, human)
+    if fabric:
+        out["fabric"] = fabric
     if cluster.overrides:
         out["overrides"] = [
             {("nodes" if o.scope == "node" else "devices"): [int(o.a), int(o.b)],
@@ -732,6 +890,37 @@ def cluster_to_dict(cluster: Cluster, human: bool = True) -> dict[str, Any]:
                             "bandwidth_scale": e.bandwidth_scale}
         if e.slowdown is not None:
             out["emulation"]["slowdown"] = dict(e.slowdown)
+    return out
+
+
+def _switch_dict(s: SwitchSpec, human: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": s.name}
+    if s.uplink is not None:
+        out["uplink"] = _link_dict(s.uplink, bits=True, human=human)
+        if s.links != 1:
+            out["uplink"]["links"] = s.links
+    if s.pod is not None:
+        out["pod"] = s.pod
+    if s.rail is not None:
+        out["rail"] = s.rail
+    return out
+
+
+def _fabric_dict(cluster: Cluster, human: bool) -> dict[str, Any]:
+    """`fabric:` -- switches listed one by one (rails, pods and derived uplinks written out)."""
+    out: dict[str, Any] = {}
+    fab = cluster.fabric
+    if fab is not None:
+        out.update({"ports": fab.ports, "channels": fab.channels,
+                    "ecmp": {"seed": fab.ecmp_seed, "hash": fab.ecmp_hash}})
+        if fab.failed:
+            out["failed_links"] = [[f.a, f.b] + ([f.index] if f.index is not None else []) for f in fab.failed]
+    tiers = {t: [s for s in cluster.switches if s.tier == t] for t in SWITCH_TIERS}
+    if tiers["leaf"]:
+        out["switches"] = {"leaves": [_switch_dict(s, human) for s in tiers["leaf"]]}
+        for key, tier in (("spines", "spine"), ("cores", "core")):
+            if tiers[tier]:
+                out["switches"][key] = [_switch_dict(s, human) for s in tiers[tier]]
     return out
 
 

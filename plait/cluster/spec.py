@@ -50,13 +50,53 @@ class NodeSpec:
     nic: Link  # the node's network: bandwidth per GPU-facing NIC share, latency
     nics: int = 1  # NICs per node (bandwidth above is per NIC)
     leaf: str | None = None  # leaf switch this node hangs off, when the fabric has switches
+    # rail-optimised fabric: the leaf of each NIC (NIC r on rail r's leaf); leaf is leaves[0]
+    leaves: list[str] | None = None
+
+
+SWITCH_TIERS = ("leaf", "spine", "core")
+ECMP_HASHES = ("per_tier", "same")
 
 
 @dataclass
 class SwitchSpec:
+    """A switch of a leaf/spine(/core) fabric. A leaf's uplinks go to every spine (of its pod,
+    when the fabric has pods); a spine's go to every core. `links` parallel cables of
+    `uplink`'s bandwidth join the switch to each upper switch (ECMP spreads over all)."""
+
     name: str
-    tier: str  # "leaf" | "spine"
-    uplink: Link | None = None  # leaf -> each spine
+    tier: str  # "leaf" | "spine" | "core"
+    uplink: Link | None = None  # leaf -> each spine, spine -> each core (per cable)
+    links: int = 1  # parallel uplink cables to each upper-tier switch
+    pod: int | None = None  # three tiers: leaves and spines of a pod are fully connected
+    rail: int | None = None  # rail-optimised fabric: the rail (NIC index) this leaf serves
+
+
+@dataclass(frozen=True)
+class FailedLink:
+    """A failed cable (both directions): between switches `a` and `b` (`index`: which of their
+    parallel cables, None: all), or between node `a` and leaf `b` (`index`: NIC port)."""
+
+    a: str
+    b: str
+    index: int | None = None
+
+
+@dataclass
+class FabricSpec:
+    """Multi-path behaviour of a switched fabric (issue 16; C4P).
+
+    `ports`: ports per NIC (2: a bonded NIC; the node's `nic.bandwidth` is the NIC's total,
+    each port carries an equal part); `channels`: flows (queue pairs, each its own 5-tuple)
+    a collective opens between two neighbouring NICs, as NCCL's channels; `ecmp_hash`:
+    "per_tier" (independent hash per tier) or "same" (one hash at every tier: polarisation);
+    `ecmp_seed`: the switches' hash seed; `failed`: cables that are down."""
+
+    ports: int = 1
+    channels: int = 1
+    ecmp_seed: int = 0
+    ecmp_hash: str = "per_tier"
+    failed: list[FailedLink] = field(default_factory=list)
 
 
 @dataclass
@@ -125,6 +165,7 @@ class Cluster:
     # measured collective bus bandwidths (nccl-tests / plait profile); used on clusters described
     # without a switched fabric (see plait.cost.collectives.measured_time)
     collectives: list[MeasuredCollective] = field(default_factory=list)
+    fabric: FabricSpec | None = None  # multi-path behaviour of the switched fabric (plait.net)
     # file or preset it came from, for error messages; not part of equality, so a
     # cluster saved to YAML and loaded back compares equal
     source: str = field(default="<memory>", compare=False)

@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plait.cluster.spec import Cluster, ClusterError, Device, PairOverride
+from plait.cluster.spec import (
+    ECMP_HASHES,
+    SWITCH_TIERS,
+    Cluster,
+    ClusterError,
+    Device,
+    FabricSpec,
+    PairOverride,
+)
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -40,12 +48,16 @@ _CACHE_ATTR = "_plait_topology_cache"
 def _fingerprint(cluster: Cluster) -> tuple:
     """Everything the derived views depend on, as a hashable value (cheap: O(nodes + overrides))."""
     return (
-        tuple((n.name, tuple(n.gpus), n.intra, n.nic, n.nics, n.leaf) for n in cluster.nodes),
+        tuple((n.name, tuple(n.gpus), n.intra, n.nic, n.nics, n.leaf, tuple(n.leaves or ()))
+              for n in cluster.nodes),
         tuple(
             (name, k.memory_bandwidth, k.memory_bytes, tuple(sorted(k.peak_flops.items())))
             for name, k in cluster.kinds.items()
         ),
-        tuple((s.name, s.tier, s.uplink) for s in cluster.switches),
+        tuple((s.name, s.tier, s.uplink, s.links, s.pod, s.rail) for s in cluster.switches),
+        None if cluster.fabric is None else (cluster.fabric.ports, cluster.fabric.channels,
+                                             cluster.fabric.ecmp_seed, cluster.fabric.ecmp_hash,
+                                             tuple(cluster.fabric.failed)),
         tuple((o.a, o.b, o.bandwidth, o.latency, o.scope) for o in cluster.overrides),
     )
 
@@ -98,6 +110,7 @@ def check_cluster(cluster: Cluster) -> None:
     for s in cluster.switches:
         if s.tier == "leaf" and len(leaves) > 1 and s.uplink is None:
             raise ClusterError(f"{where}: fabric.switches.leaves: leaf {s.name!r} needs an uplink")
+    _check_fabric(cluster)
     n_dev, n_node = cluster.num_devices, cluster.num_nodes
     for i, o in enumerate(cluster.overrides):
         limit = n_node if o.scope == "node" else n_dev
@@ -108,6 +121,38 @@ def check_cluster(cluster: Cluster) -> None:
                 raise ClusterError(
                     f"{where}: overrides[{i}]: {o.scope} {v!r} is out of range 0..{limit - 1}"
                 )
+
+
+def _check_fabric(cluster: Cluster) -> None:
+    """The multi-path parts: tiers, pods, rails, ports, channels, hash mode (failed links are
+    checked against the link graph by `plait.net.fabric`)."""
+    where = cluster.source
+    names = {s.name: s for s in cluster.switches}
+    for s in cluster.switches:
+        if s.tier not in SWITCH_TIERS:
+            raise ClusterError(f"{where}: fabric.switches: switch {s.name!r}: tier must be one of "
+                               f"{', '.join(SWITCH_TIERS)}, got {s.tier!r}")
+        if s.links < 1:
+            raise ClusterError(f"{where}: fabric.switches: switch {s.name!r}: links must be >= 1")
+    cores = [s for s in cluster.switches if s.tier == "core"]
+    if cores and any(s.uplink is None for s in cluster.switches if s.tier == "spine"):
+        raise ClusterError(f"{where}: fabric.switches.spines: a fabric with cores needs the spines' uplink")
+    for i, node in enumerate(cluster.nodes):
+        for r, leaf in enumerate(node.leaves or ()):
+            if leaf not in names or names[leaf].tier != "leaf":
+                raise ClusterError(f"{where}: nodes[{i}].leaf[{r}]: {leaf!r} is not a leaf switch")
+        if node.leaves and len(node.leaves) != node.nics:
+            raise ClusterError(f"{where}: nodes[{i}].leaf: {len(node.leaves)} leaves for {node.nics} NICs "
+                               "(a rail-optimised node names one leaf per NIC)")
+    fab = cluster.fabric
+    if fab is not None:
+        if not 1 <= fab.ports <= 2:
+            raise ClusterError(f"{where}: fabric.ports: a NIC has 1 or 2 (bonded) ports, got {fab.ports}")
+        if fab.channels < 1:
+            raise ClusterError(f"{where}: fabric.channels: must be >= 1, got {fab.channels}")
+        if fab.ecmp_hash not in ECMP_HASHES:
+            raise ClusterError(f"{where}: fabric.ecmp.hash: must be one of {', '.join(ECMP_HASHES)}, "
+                               f"got {fab.ecmp_hash!r}")
 
 
 def devices_of(cluster: Cluster) -> list[Device]:
@@ -135,7 +180,11 @@ def _node_level(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     leaves = [s for s in cluster.switches if s.tier == "leaf"]
     if leaves:
         index = {s.name: i for i, s in enumerate(leaves)}
-        up_bw = np.array([s.uplink.bandwidth if s.uplink else np.inf for s in leaves])
+        # A hop's channels (distinct 5-tuples) can take distinct cables, so uncontended a hop
+        # gets up to channels x one cable (plait.net models which cables they really take).
+        spread = 1 if cluster.fabric is None else cluster.fabric.channels
+        up_bw = np.array([s.uplink.bandwidth * min(spread, s.links * max(1, len(cluster.switches)))
+                          if s.uplink else np.inf for s in leaves])
         up_lat = np.array([s.uplink.latency if s.uplink else 0.0 for s in leaves])
         leaf = np.array([index[n.leaf] for n in nodes])
         cross = leaf[:, None] != leaf[None, :]
@@ -242,7 +291,9 @@ def fabric_graph(cluster: Cluster) -> nx.Graph:
     * gpu -- node switch: intra link, half its latency (so gpu-gpu is the intra latency);
     * gpu -- nic: PCIe/GPUDirect, NIC bandwidth, no latency;
     * nic -- leaf (or core): the NIC, half its latency;
-    * leaf -- each spine: the leaf's uplink.
+    * leaf -- each spine (of its pod), spine -- each core: the lower switch's uplink times its
+      parallel cables (attribute ``cables``); a rail-optimised node's NIC k hangs off its
+      k-th leaf. `plait.net.fabric` keeps each cable and direction apart for flows.
 
     So the widest path between two GPUs is the `bandwidth_matrix` figure and the
     lowest-latency path its latency, before overrides (measured pair figures have no
@@ -262,18 +313,24 @@ def fabric_graph(cluster: Cluster) -> nx.Graph:
         g.add_node(f"leaf:{s.name}", type="leaf")
     for s in spines:
         g.add_node(f"spine:{s.name}", type="spine")
-    for leaf in leaves:
-        if leaf.uplink is None:
+    cores = [s for s in cluster.switches if s.tier == "core"]
+    for s in cores:
+        g.add_node(f"core:{s.name}", type="core")
+    # leaf -- each spine of its pod, spine -- each core; `cables` parallel cables, whose
+    # aggregate the edge's bandwidth is (plait.net.fabric keeps them apart, one link each)
+    for lo, his, tier in [(leaf, [t for t in spines if leaf.pod is None or t.pod == leaf.pod], "spine")
+                          for leaf in leaves] + [(spine, cores, "core") for spine in spines]:
+        if lo.uplink is None:
             continue
-        for spine in spines:
-            g.add_edge(f"leaf:{leaf.name}", f"spine:{spine.name}", bandwidth=leaf.uplink.bandwidth,
-                       latency=leaf.uplink.latency, kind=leaf.uplink.kind)
+        for hi in his:
+            g.add_edge(f"{lo.tier}:{lo.name}", f"{tier}:{hi.name}", bandwidth=lo.uplink.bandwidth * lo.links,
+                       latency=lo.uplink.latency, kind=lo.uplink.kind, cables=lo.links)
     dev = 0
     for n, node in enumerate(cluster.nodes):
         sw = f"node{n}"
         g.add_node(sw, type="node_switch", node=n)
-        up = f"leaf:{node.leaf}" if leaves else "core"
         for k in range(node.nics):
+            up = (f"leaf:{node.leaves[k]}" if node.leaves else f"leaf:{node.leaf}") if leaves else "core"
             nic = f"nic{n}.{k}"
             g.add_node(nic, type="nic", node=n)
             g.add_edge(nic, up, bandwidth=node.nic.bandwidth, latency=node.nic.latency / 2,
@@ -322,5 +379,14 @@ def without_nodes(cluster: Cluster, drop: list[int] | set[int]) -> Cluster:
         switches=list(cluster.switches),
         overrides=overrides,
         emulation=cluster.emulation,
+        fabric=_fabric_without(cluster, {cluster.nodes[i].name for i in drop}),
         source=cluster.source,
     )
+
+
+def _fabric_without(cluster: Cluster, dropped: set[str]) -> FabricSpec | None:
+    """The multi-path settings minus failed cables of dropped nodes."""
+    fab = cluster.fabric
+    if fab is None:
+        return None
+    return dataclasses.replace(fab, failed=[f for f in fab.failed if f.a not in dropped and f.b not in dropped])

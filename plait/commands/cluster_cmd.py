@@ -227,8 +227,16 @@ def _print_rich(cluster: Any, matrix: bool) -> None:
     spines = [s for s in cluster.switches if s.tier == "spine"]
     if leaves:
         uplinks = sorted({format_bandwidth(s.uplink.bandwidth) for s in leaves if s.uplink})
-        console.print(f"Fabric: {len(leaves)} leaf and {len(spines)} spine switches; "
-                      f"leaf-spine uplinks {', '.join(uplinks) or 'unconstrained'}")
+        cores = [s for s in cluster.switches if s.tier == "core"]
+        console.print(f"Fabric: {len(leaves)} leaf and {len(spines)} spine switches"
+                      + (f", {len(cores)} cores" if cores else "")
+                      + f"; leaf-spine uplinks {', '.join(uplinks) or 'unconstrained'}"
+                      + (f" x {leaves[0].links} cables" if leaves[0].links > 1 else ""))
+        if cluster.fabric is not None:
+            fab = cluster.fabric
+            console.print(f"  NIC ports {fab.ports}{' (bonded)' if fab.ports > 1 else ''}, {fab.channels} "
+                          f"channel(s) per neighbour, ECMP hash {fab.ecmp_hash} seed {fab.ecmp_seed}"
+                          + (f", {len(fab.failed)} failed link(s)" if fab.failed else ""))
     else:
         console.print("Fabric: one non-blocking switch (no leaf/spine given)")
 

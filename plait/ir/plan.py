@@ -102,6 +102,10 @@ class Plan:
     collectives: dict[str, str] = field(default_factory=dict)
     stages: list[StageSpec] = field(default_factory=list)
     stage_edges: list[tuple[int, int]] = field(default_factory=list)
+    # Planned paths of inter-node flows on a switched fabric (plait.net.planner), versioned on
+    # their own: {"version": 1, "paths": [[src device, dst device, channel, [link, ...]], ...]}
+    # with links named as plait.net.fabric names them. None: ECMP decides.
+    flow_paths: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -142,6 +146,7 @@ class Plan:
                 )
         self._check_ratios("dp_shares", self.dp_shares, self.dp)
         self._check_ratios("tp_ratios", self.tp_ratios, self.tp)
+        _check_flow_paths(self.flow_paths)
         if self.device_order is not None:
             if sorted(self.device_order) != sorted(set(self.device_order)) or len(self.device_order) != self.world_size:
                 raise PlanError(
@@ -330,6 +335,8 @@ class Plan:
             parts.append(f"collective.{cls}={algo}")
         if self.stages:
             parts.append(f"stages={len(self.stages)}")
+        if self.flow_paths is not None:
+            parts.append(f"flow_paths={len(self.flow_paths['paths'])}")
         return ",".join(parts)
 
     @classmethod
@@ -378,6 +385,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stage_edges"] = [list(e) for e in self.stage_edges]
+        if d["flow_paths"] is None:
+            del d["flow_paths"]  # plans without planned paths are written as before
         return stamp("plan", d)
 
     @classmethod
@@ -520,7 +529,32 @@ _PLAN_TYPES: dict[str, str] = {
     "virtual_stages": _INT, "recompute": _STR, "schedule": _STR, "dtype": _STR, "sequence_parallel": _BOOL,
     "layer_split": "ints?", "device_order": "ints?", "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,
     "collectives": "str->str", "stages": "list", "stage_edges": "pairs", "grad_reduce_dtype": "str?",
+    "flow_paths": "obj?",
 }
+FLOW_PATHS_VERSION = 1  # version of Plan.flow_paths' layout
+
+
+def _check_flow_paths(value: Any) -> None:
+    """`flow_paths`: None, or {"version": 1, "paths": [[src, dst, channel, [link names]], ...]}."""
+    if value is None:
+        return
+    where = "plan field 'flow_paths'"
+    if not isinstance(value, dict) or set(value) != {"version", "paths"}:
+        raise PlanError(f"{where}: must be an object with 'version' and 'paths'")
+    version = value["version"]
+    if not _is_int(version) or version < 1:
+        raise PlanError(f"{where}.version: must be a positive integer, got {version!r}")
+    if version > FLOW_PATHS_VERSION:
+        raise PlanError(f"{where}.version: {version} is newer than this plait reads ({FLOW_PATHS_VERSION}); "
+                        "upgrade plait")
+    if not isinstance(value["paths"], list):
+        raise PlanError(f"{where}.paths: must be a list")
+    for i, item in enumerate(value["paths"]):
+        ok = (isinstance(item, list) and len(item) == 4 and all(_is_int(x) and x >= 0 for x in item[:3])
+              and isinstance(item[3], list) and all(isinstance(x, str) for x in item[3]))
+        if not ok:
+            raise PlanError(f"{where}.paths[{i}]: must be [src device, dst device, channel, [link names]], "
+                            f"got {item!r:.80}")
 _STAGE_TYPES: dict[str, str] = {
     "name": _STR, "layers": "strs", "devices": _INTS, "dp": _INT, "tp": _INT, "micro_batch": "int?",
     "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,
@@ -553,6 +587,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "str->str": (lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values()),
                  "an object of strings (traffic class -> algorithm)"),
     "list": (lambda x: isinstance(x, list), "a list"),
+    "obj?": (lambda x: x is None or isinstance(x, dict), "an object or null"),
     "pairs": (lambda x: isinstance(x, list) and all(isinstance(e, list) and len(e) == 2 and all(map(_is_int, e))
                                                    for e in x), "a list of [from, to] stage index pairs"),
 }

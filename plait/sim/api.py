@@ -30,6 +30,7 @@ from plait.graph.resolve import resolve_model
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
+from plait.net.paths import from_plan_field
 from plait.sim.engine import Schedule
 from plait.sim.engine import simulate as run_engine
 from plait.sim.lower import Lowered, SimOptions, lower
@@ -159,6 +160,8 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
         if unknown:
             raise SimulateError(f"simulate: unknown option(s) {unknown}")
         opts = SimOptions(**{**opts.__dict__, **option_overrides})
+    if plan_obj.flow_paths is not None and view.fabric is not None:
+        view = view.with_flow_paths(from_plan_field(view.fabric, plan_obj.flow_paths))
     t0 = time.perf_counter()
     lowered = lower(graph, plan_obj, view, opts)
     schedule = run_engine(lowered.graph)

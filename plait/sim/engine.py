@@ -5,15 +5,18 @@ A `TaskGraph` holds tasks in flat lists (fast to build and walk for 10^5 tasks):
 * a **compute** task has a fixed duration (its device's stream order is encoded as
   dependencies by the lowering, so a stream runs one task at a time, in program order);
 * a **flow** task (a transfer or a collective) first waits its latency, then moves a
-  given number of bytes across each of its resources. Every resource (a link, a port,
-  a NIC) has a bandwidth shared equally by the flows crossing it at that moment (a flow
-  standing for `copies` identical flows counts that many times), and a flow progresses
-  at the pace of its most constrained resource. So two equal transfers on one link take
-  twice as long as one, and a ring collective runs at the pace of its slowest link.
+  given number of bytes across each of its resources (a link, a port, a NIC). The
+  flows active at a moment share the resources' bandwidth *max-min fairly* (progressive
+  filling, `plait.net.maxmin`): a flow standing for `copies` identical flows weighs that
+  many times, and a flow's level is its bandwidth on the resource where it moves the
+  most bytes. So two equal transfers on one link take twice as long as one, a ring
+  collective runs at the pace of its slowest link, and bandwidth a flow bottlenecked
+  elsewhere leaves unused goes to the others.
 
 A task starts when its last dependency ends. Rates change only when a flow starts or
 ends, so the simulation jumps from event to event (a heap of times) and recomputes the
-rates of the flows that share a resource with the one that changed.
+rates of the active flows connected to the one that changed through shared resources
+(the only ones whose max-min rates can change).
 
 The *critical path* is read backwards from the last task through, at each step, the
 dependency that ended last (the one that made the task wait).
@@ -24,6 +27,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from typing import Any
+
+from plait.net.maxmin import max_min_rates
 
 _INF = float("inf")
 
@@ -134,29 +139,63 @@ def simulate(graph: TaskGraph) -> Schedule:
     rate = [0.0] * n  # fraction per second
     last = [0.0] * n
     users: list[set[int]] = [set() for _ in capacity]
-    load = [0.0] * len(capacity)  # sum of copies of the active flows per resource
     active_flow = [False] * n
     done = 0
     events = 0
 
-    def flow_rate(t: int) -> float:
-        best = _INF
-        for r, nbytes, _copies in flows[t]:  # type: ignore[union-attr]
-            if nbytes <= 0:
-                continue
-            share = capacity[r] / load[r]
-            v = share / nbytes
-            if v < best:
-                best = v
-        return best
+    # Max-min coefficients per flow: copies x bytes on the resource / the flow's largest bytes.
+    coef: list[list[tuple[int, float]] | None] = [None] * n
+    scale = [1.0] * n
 
-    def reschedule(t: int, now: float) -> None:
+    def coefficients(t: int) -> list[tuple[int, float]]:
+        out = coef[t]
+        if out is None:
+            fl = flows[t]
+            m = 0.0
+            for _r, b, _c in fl:  # type: ignore[union-attr]
+                if b > m:
+                    m = b
+            scale[t] = m or 1.0
+            out = coef[t] = [(r, c * b / m) for r, b, c in fl if b > 0]  # type: ignore[union-attr]
+        return out
+
+    def component(seeds: set[int]) -> list[int]:
+        """Active flows connected to `seeds` (resources) through shared resources."""
+        seen_r = set(seeds)
+        stack = list(seeds)
+        found: dict[int, None] = {}
+        while stack:
+            r = stack.pop()
+            for u in users[r]:
+                if u in found:
+                    continue
+                found[u] = None
+                for r2, _a in coefficients(u):
+                    if r2 not in seen_r:
+                        seen_r.add(r2)
+                        stack.append(r2)
+        return list(found)
+
+    def refresh(resources: set[int], now: float) -> None:
+        comp = component(resources)
+        if not comp:
+            return
+        if len(comp) == 1:  # alone: the level its tightest resource allows
+            levels = [min((capacity[r] / a for r, a in coef[comp[0]]), default=_INF)]  # type: ignore[union-attr]
+        else:
+            levels = max_min_rates(capacity, [coef[u] for u in comp])  # type: ignore[misc]
+        for u, g in zip(comp, levels):
+            new = g / scale[u] if g < _INF else _INF
+            if new != rate[u] and not (new < _INF and abs(new - rate[u]) <= 1e-12 * new):
+                reschedule(u, now, new)
+
+    def reschedule(t: int, now: float, new_rate: float) -> None:
         nonlocal seq
-        rem[t] -= rate[t] * (now - last[t])
+        rem[t] -= rate[t] * (now - last[t]) if rate[t] < _INF else rem[t]
         if rem[t] < 0.0:
             rem[t] = 0.0
         last[t] = now
-        rate[t] = flow_rate(t)
+        rate[t] = new_rate
         version[t] += 1
         finish = now + (rem[t] / rate[t] if rate[t] < _INF else 0.0)
         seq += 1
@@ -181,32 +220,35 @@ def simulate(graph: TaskGraph) -> Schedule:
         events += 1
         if ver == -2:
             # Bandwidth phase begins.
-            fl = flows[t]
             touched: set[int] = set()
-            for r, _nbytes, copies in fl:  # type: ignore[union-attr]
-                users[r].add(t)
-                load[r] += copies
-                touched.update(users[r])
+            alone = _INF  # fraction/s if no other flow shares a resource: its tightest resource
+            for r, b, c in flows[t]:  # type: ignore[union-attr]
+                if b > 0:
+                    users[r].add(t)
+                    touched.add(r)
+                    if alone > 0.0:
+                        alone = 0.0 if len(users[r]) > 1 else min(alone, capacity[r] / (b * c))
             active_flow[t] = True
             rem[t] = 1.0
             last[t] = now
             rate[t] = 0.0
-            for u in touched:
-                reschedule(u, now)
+            if alone > 0.0:  # alone on its resources (or on none): no fair sharing to compute
+                reschedule(t, now, alone)
+            else:
+                refresh(touched, now)
             continue
         if ver >= 0:
             if ver != version[t] or not active_flow[t]:
                 continue  # stale completion of a flow whose rate changed
             active_flow[t] = False
             touched = set()
-            for r, _nbytes, copies in flows[t]:  # type: ignore[union-attr]
-                users[r].discard(t)
-                load[r] -= copies
-                if load[r] < 1e-12:
-                    load[r] = 0.0
-                touched.update(users[r])
-            for u in touched:
-                reschedule(u, now)
+            for r, b, _c in flows[t]:  # type: ignore[union-attr]
+                if b > 0:
+                    users[r].discard(t)
+                    if users[r]:
+                        touched.add(r)
+            if touched:
+                refresh(touched, now)
         end[t] = now
         done += 1
         for s in succ[t]:

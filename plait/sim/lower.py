@@ -567,8 +567,11 @@ class _Lowerer:
                     ) -> tuple[float, list[tuple[int, int, float]]]:
         """(slowest hop bandwidth, [(resource, hops crossing it, copies)]) of a ring."""
         hops = list(zip(devices, devices[1:] + devices[:1]))
-        paths = [self.view.path(a, b) for a, b in hops]
         slowest = min(self.view.pair(a, b)[0] for a, b in hops)
+        if self.view.fabric is not None:
+            return slowest, self._fabric_ring_shape([hops] + [list(zip(r, r[1:] + r[:1])) for r in twins or []
+                                                             if r != devices])
+        paths = [self.view.path(a, b) for a, b in hops]
         copies: dict[tuple, int] = defaultdict(int)
         for ring in (twins or []):
             for a, b in zip(ring, ring[1:] + ring[:1]):
@@ -583,6 +586,17 @@ class _Lowerer:
                 else:
                     count[r] = [r, 1, float(max(1, copies.get(k, 1)))]
         return slowest, [tuple(v) for v in count.values()]  # type: ignore[misc]
+
+    def _fabric_ring_shape(self, rings: list[list[tuple[int, int]]]) -> list[tuple[int, float, float]]:
+        """On a switched fabric the rings of a collective hash differently, so the one flow
+        standing for them all carries every ring's bytes on every link it crosses (plait.net):
+        it runs at the pace of the busiest link of any ring."""
+        load: dict[int, float] = defaultdict(float)
+        for hops in rings:
+            for a, b in hops:
+                for k, cap, share in self.view.route(a, b):
+                    load[self.tg.add_resource(k, cap)] += share
+        return [(r, x, 1.0) for r, x in load.items()]
 
     def _emit_worker(self, w: Worker) -> None:
         plan = self.plan
@@ -752,8 +766,8 @@ class _Lowerer:
         bw, lat = self.view.pair(src.rep, dst.rep)
         flow = None
         if nbytes > 0 and src.rep != dst.rep:
-            flow = [(self.tg.add_resource(key, cap), nbytes, float(max(1, self._twin_copies(src, dst, key))))
-                    for key, cap in self.view.path(src.rep, dst.rep)]
+            flow = [(self.tg.add_resource(key, cap), nbytes * share, float(max(1, self._twin_copies(src, dst, key))))
+                    for key, cap, share in self.view.route(src.rep, dst.rep)]
         tid = self.tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
                           f"link {src.rep}->{dst.rep}", lat + self.model.p2p_host_s, deps, flow=flow,
                           device=src.rep, stage=src.stage, micro_batch=u_src,
@@ -778,8 +792,8 @@ class _Lowerer:
         if ck not in cache:
             counts: dict[tuple, int] = defaultdict(int)
             for a, b in zip(src.devices, dst.devices):
-                for kk, _ in self.view.path(a, b):
-                    counts[kk] += 1
+                for kk, _, share in self.view.route(a, b):
+                    counts[kk] += share
             cache[ck] = counts
         return cache[ck].get(key, 1)
 

@@ -13,11 +13,18 @@ transfers share (`plait.sim.engine`):
   uses them) and the nodes' aggregate NIC capacity (``nics * nic bandwidth``), which the
   GPUs of a node share.
 
+On a cluster that describes a switched fabric (leaves, spines, cores; `plait.net.fabric`) a
+transfer between nodes instead crosses the fabric's directed links: its channels (one
+5-tuple each) take the sending NIC port the bond hashes them to, the cables ECMP hashes
+them to at every switch (or the paths a traffic plan gives, `Plan.flow_paths`), and the
+receiving port; `route` gives each link with the share of the transfer's bytes it carries.
+
 Resources are created lazily, so a 4096-GPU cluster costs nothing until a flow uses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +33,8 @@ import numpy as np
 from plait.cluster.spec import Cluster, GPUKind
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import GroupLinks, group_links, measured_tables
+from plait.net.fabric import Fabric, fabric_of
+from plait.net.flows import device_flow
 
 
 @dataclass
@@ -41,6 +50,9 @@ class ClusterView:
     measured: tuple = ()  # measured collective busbw tables in force (cost.collectives.measured_tables)
     name: str = "cluster"
     cluster: Cluster | None = None
+    fabric: Fabric | None = None  # switched fabric: inter-node transfers follow its paths
+    flow_paths: dict[tuple[int, int, int], tuple[int, ...]] | None = None  # planned (src, dst, channel)
+    _routes: dict = field(default_factory=dict, repr=False)
     _port: np.ndarray | None = field(default=None, repr=False)
     _nic: np.ndarray | None = field(default=None, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
@@ -56,7 +68,13 @@ class ClusterView:
                    latency=np.asarray(latency_matrix(cluster), dtype=float),
                    node_nic_bandwidth=nic, node_nics=[max(1, n.nics) for n in cluster.nodes],
                    measured=measured_tables(cluster),
-                   name=cluster.name, cluster=cluster)
+                   name=cluster.name, cluster=cluster, fabric=fabric_of(cluster))
+
+    def with_flow_paths(self, paths: dict[tuple[int, int, int], tuple[int, ...]] | None) -> ClusterView:
+        """This view with planned flow paths (link ids per (src device, dst device, channel))."""
+        if paths == self.flow_paths:
+            return self
+        return dataclasses.replace(self, flow_paths=paths, _routes={}, _paths={}, _groups={})
 
     @classmethod
     def uniform(cls, num_devices: int, kind: GPUKind, gpus_per_node: int, intra_bandwidth: float,
@@ -97,6 +115,26 @@ class ClusterView:
             return hit
         out = self._path(src, dst)
         self._paths[(src, dst)] = out
+        return out
+
+    def route(self, src: int, dst: int) -> list[tuple[tuple, float, float]]:
+        """Resources (key, capacity, share of the transfer's bytes) a transfer src -> dst crosses;
+        without a fabric every share is 1 (`path`)."""
+        hit = self._routes.get((src, dst))
+        if hit is not None:
+            return hit
+        fab = self.fabric
+        if fab is None or src == dst or int(self.node_of[src]) == int(self.node_of[dst]):
+            out = [(k, cap, 1.0) for k, cap in self.path(src, dst)]
+        else:
+            share: dict[int, float] = {}
+            for c in range(fab.channels):
+                planned = self.flow_paths.get((src, dst, c)) if self.flow_paths else None
+                links = planned if planned is not None else fab.route_ecmp(device_flow(fab, src, dst, c)).links
+                for link in links:
+                    share[link] = share.get(link, 0.0) + 1.0 / fab.channels
+            out = [(("link", link), fab.capacity[link], x) for link, x in share.items()]
+        self._routes[(src, dst)] = out
         return out
 
     def _path(self, src: int, dst: int) -> list[tuple[tuple, float]]:

@@ -1,0 +1,304 @@
+"""Traffic planning on a multi-path fabric (issue 16; C4P, HPCA'25): ECMP against planned paths.
+
+Cluster: 64 nodes x 8 H100 (512 GPUs), rail-optimised leaf/spine RoCE fabric, bonded
+2 x 200 Gb/s NICs, 8 leaf groups x 8 rails, 4 spines, 4 cables per leaf-spine pair
+(`examples/clusters/rail-bonded-512.yaml`; 1:1, and a 2:1 oversubscribed copy). The job's
+nodes are spread over the leaf groups (a scheduler gives a job the nodes that are free;
+here consecutive replicas sit on different leaves, so every data-parallel ring hop crosses
+the spines -- the case C4P measures).
+
+Plans of a 22B GPT (48 layers, hidden 6144, seq 2048, bf16, full recomputation):
+* ``dp``: tensor-parallel 8 in a node, data-parallel 64 (the DP all-reduce over the fabric;
+  one micro-batch per replica: communication-bound);
+* ``3d``: tp 8, pp 4, dp 16, 8 micro-batches per replica;
+* ``light``: tp 8, pp 8, dp 8, 64 micro-batches per replica (communication-light).
+
+For each: the iteration time (`plait.sim.simulate`, flows on fabric paths, max-min fair
+sharing) under ECMP for every hash seed (median, p99) and with the planner's paths stored in
+the plan (`Plan.flow_paths`); the network bottleneck time T (bytes on the busiest link /
+capacity) of ECMP, of the planner and the LP lower bound ("ideal"); with one spine cable
+failed, ECMP re-hashed versus the planner re-planning the affected flows; the planner's
+time and the simulator's time per iteration. The ECMP baseline is measured in the same run.
+
+Where root can make network namespaces, two flows over two emulated parallel links (tc-shaped
+veth pairs) show the planned placement against a hashed one that collides, beside the flow
+model's prediction (`plait.net.twolink`).
+
+Usage: ``python bench/traffic.py [--seeds 100] [--quick] [--json] [--no-emulate]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from plait.cluster import load_cluster  # noqa: E402
+from plait.cluster.loader import load_cluster_file, parse_yaml_text  # noqa: E402
+from plait.cluster.spec import Cluster  # noqa: E402
+from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
+from plait.ir.plan import Plan  # noqa: E402
+from plait.net import planner  # noqa: E402
+from plait.net.fabric import Fabric  # noqa: E402
+from plait.net.flows import plan_flows  # noqa: E402
+from plait.net.paths import to_plan_field  # noqa: E402
+from plait.sim.api import simulate  # noqa: E402
+from plait.sim.topology import ClusterView  # noqa: E402
+
+GPT22B = {"layers": 48, "hidden": 6144, "heads": 48, "seq": 2048, "vocab": 50257}
+CLUSTER = ROOT / "examples" / "clusters" / "rail-bonded-512.yaml"
+FAILED = ("leaf0-r0", "spine0", 0)  # one spine cable of a leaf the job uses
+
+
+def spread_order(nodes: int = 64, groups: int = 8, gpus: int = 8) -> list[int]:
+    """Logical node i on physical node (i mod groups) * (nodes/groups) + i div groups."""
+    per = nodes // groups
+    return [gpus * ((i % groups) * per + i // groups) + t for i in range(nodes) for t in range(gpus)]
+
+
+def plans() -> dict[str, Plan]:
+    order = spread_order()
+    common = dict(tp=8, micro_batch=1, zero=1, recompute="full", device_order=order)
+    return {"dp": Plan(dp=64, pp=1, global_batch=64, **common),
+            "3d": Plan(dp=16, pp=4, global_batch=16 * 8, **common),
+            "light": Plan(dp=8, pp=8, global_batch=8 * 64, **common)}
+
+
+def with_seed(cluster: Cluster, seed: int) -> Cluster:
+    return dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, ecmp_seed=seed))
+
+
+def with_failure(cluster: Cluster) -> Cluster:
+    from plait.cluster.spec import FailedLink
+
+    return dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, failed=[FailedLink(*FAILED)]))
+
+
+def flows_of(plan: Plan, cluster: Cluster, fabric: Fabric, params: float) -> list:
+    grads = [params * 2 / plan.tp / plan.pp] * plan.pp  # bf16 gradients of one tensor rank
+    act = GPT22B["seq"] * GPT22B["hidden"] * 2 * plan.micro_batch / plan.tp  # per micro-batch
+    return plan_flows(plan, cluster, fabric, grads, act)
+
+
+def iteration(graph, cluster: Cluster, plan: Plan) -> tuple[float, float]:
+    """(iteration time, simulator wall time) for one cluster (one ECMP seed)."""
+    t0 = time.perf_counter()
+    res = simulate(graph, ClusterView.from_cluster(cluster), plan, memory=False)
+    return res.iteration_time_s, time.perf_counter() - t0
+
+
+def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: Console) -> dict[str, Any]:
+    # The same plan on the same nodes without a switched fabric (non-blocking network): what the
+    # simulator costs before any flow follows a fabric path.
+    _it, wall_flat = iteration(graph, load_cluster("h100:nodes=64"), plan)
+    fabric = Fabric(base)
+    flows = flows_of(plan, base, fabric, graph.param_count)
+    best = planner.plan_paths(fabric, flows)
+    t_plan, _ = best.bottleneck(fabric)
+    t_ideal = planner.ideal(fabric, flows)
+    planned = dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.routes))
+    it_plan, _ = iteration(graph, base, planned)
+    ecmp_it, ecmp_t, walls = [], [], []
+    for s in range(seeds):
+        c = with_seed(base, s)
+        f = Fabric(c)
+        ecmp_t.append(planner.assign(f, flows, planner.ecmp_routes(f, flows)).bottleneck(f)[0])
+        it, wall = iteration(graph, c, plan)
+        ecmp_it.append(it)
+        walls.append(wall)
+    # One spine cable fails: ECMP re-hashes over what is left; the planner re-plans the hit flows.
+    broken = with_failure(base)
+    fb = Fabric(broken)
+    again = planner.replan(fb, flows, best)
+    t_after, _ = again.bottleneck(fb)
+    replanned = dataclasses.replace(plan, flow_paths=to_plan_field(fb, flows, again.routes))
+    it_after, _ = iteration(graph, broken, replanned)
+    ecmp_kept_t, ecmp_kept_it = [], []
+    for s in range(min(seeds, 20)):
+        c = with_failure(with_seed(base, s))
+        f = Fabric(c)
+        t_fail = planner.assign(f, flows, planner.ecmp_routes(f, flows)).bottleneck(f)[0]
+        ecmp_kept_t.append(ecmp_t[s] / t_fail)
+        ecmp_kept_it.append(ecmp_it[s] / iteration(graph, c, plan)[0])
+    med, p99 = float(np.median(ecmp_it)), float(np.percentile(ecmp_it, 99))
+    row = {
+        "plan": name, "plan_str": f"tp{plan.tp} pp{plan.pp} dp{plan.dp}", "flows": len(flows), "seeds": seeds,
+        "ecmp_iter_median_s": med, "ecmp_iter_p99_s": p99, "planned_iter_s": it_plan,
+        "faster_median": med / it_plan - 1, "faster_p99": p99 / it_plan - 1,
+        "T_ideal_s": t_ideal, "T_planned_s": t_plan, "T_ecmp_median_s": float(np.median(ecmp_t)),
+        "achieved_over_ideal_planned": t_ideal / t_plan,
+        "achieved_over_ideal_ecmp_median": t_ideal / float(np.median(ecmp_t)),
+        "planner_s": best.seconds,
+        "failure": {"replan_s": again.seconds, "flows_moved": again.moved,
+                    "kept_network": t_plan / t_after, "kept_iteration": it_plan / it_after,
+                    "planned_iter_after_s": it_after,
+                    "ecmp_iter_after_median_s": float(np.median([ecmp_it[s] / k for s, k in enumerate(ecmp_kept_it)])),
+                    "T_ideal_after_s": planner.ideal(fb, flows),
+                    "ecmp_kept_network_median": float(np.median(ecmp_kept_t)),
+                    "ecmp_kept_iteration_median": float(np.median(ecmp_kept_it))},
+        "sim_s_per_iteration_mean": float(np.mean(walls)), "sim_s_per_iteration_max": float(np.max(walls)),
+        "sim_s_per_iteration_without_fabric": wall_flat,
+    }
+    console.print(f"  {name}: {len(flows)} flows, ECMP median {med:.3f} s / p99 {p99:.3f} s, planned "
+                  f"{it_plan:.3f} s; T ideal {t_ideal * 1e3:.1f} ms, planned {t_plan * 1e3:.1f} ms")
+    return row
+
+
+def ecmp_arithmetic(trials: int) -> list[dict[str, float]]:
+    """E[flows on the busiest link]: exact (occupancy counting) vs Monte Carlo of the flow model
+    (flows hashed with `ecmp.choose`, max-min fair rates on unit links: busiest = 1 / slowest rate)."""
+    from plait.net.ecmp import FiveTuple, choose, expected_max_load, source_port
+    from plait.net.maxmin import max_min_rates
+
+    out = []
+    for n, k in ((8, 8), (4, 8), (16, 16)):
+        acc = 0.0
+        for seed in range(trials):
+            links = [choose(FiveTuple(1, 2, source_port(f)), k, seed, "leaf") for f in range(n)]
+            acc += 1 / min(max_min_rates([1.0] * k, [[(link, 1.0)] for link in links]))
+        out.append({"flows": n, "links": k, "exact": expected_max_load(n, k), "monte_carlo": acc / trials,
+                    "trials": trials})
+    return out
+
+
+def emulate(skip: bool) -> dict[str, Any] | str:
+    """Planned vs hashed flows on two emulated links (root only; plait.net.twolink)."""
+    from plait.net import twolink
+
+    if skip:
+        return "--no-emulate"
+    ok, why = twolink.available()
+    if not ok:
+        return why
+    res = twolink.measure(rate=4e6, nbytes=2_000_000)
+    return {k: dataclasses.asdict(v) for k, v in res.items()}
+
+
+def oversubscribed(base_text: str) -> Cluster:
+    text = base_text.replace("uplink: {bandwidth: 200 Gb/s, latency: 1 us, links: 4}",
+                             "uplink: {oversubscription: 2, latency: 1 us, links: 4}")
+    assert text != base_text
+    return parse_yaml_text(text, "rail-bonded-512 (2:1 oversubscribed)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=100, help="ECMP hash seeds (default 100)")
+    ap.add_argument("--quick", action="store_true", help="10 seeds (a smoke run)")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON with a 'summary'")
+    ap.add_argument("--no-emulate", action="store_true", help="skip the network-namespace two-link measurement")
+    args = ap.parse_args(argv)
+    seeds = 10 if args.quick else args.seeds
+    console = Console(width=200, stderr=args.json)
+    t_all = time.perf_counter()
+    graph = gpt_opgraph(GPT22B, "bf16")
+    base = load_cluster_file(CLUSTER)
+    rows = [run_plan(name, plan, graph, base, seeds, console) for name, plan in plans().items()]
+    over = oversubscribed(CLUSTER.read_text())
+    fo = Fabric(over)
+    flows = flows_of(plans()["dp"], over, fo, graph.param_count)
+    best = planner.plan_paths(fo, flows)
+    over_row = {"T_ideal_s": planner.ideal(fo, flows), "T_planned_s": best.bottleneck(fo)[0],
+                "planner_s": best.seconds,
+                "T_ecmp_median_s": float(np.median([planner.assign(f, flows, planner.ecmp_routes(f, flows))
+                                                    .bottleneck(f)[0] for f in (Fabric(with_seed(over, s))
+                                                                                for s in range(seeds))]))}
+    over_row["achieved_over_ideal_planned"] = over_row["T_ideal_s"] / over_row["T_planned_s"]
+    over_row["achieved_over_ideal_ecmp_median"] = over_row["T_ideal_s"] / over_row["T_ecmp_median_s"]
+
+    table = Table(title=f"22B GPT on 512 GPUs (64 x 8 H100, rails, leaf/spine 4 spines, bonded 2x200 Gb/s), "
+                        f"ECMP over {seeds} seeds vs planned paths")
+    for c in ("plan", "flows", "ECMP iter median s", "ECMP iter p99 s", "planned iter s", "faster (median)",
+              "faster (p99)", "T ideal ms", "T planned ms", "T ECMP med ms", "achieved/ideal planned",
+              "achieved/ideal ECMP", "planner s", "sim s/iter", "sim s/iter no fabric"):
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(f"{r['plan']} ({r['plan_str']})", str(r["flows"]), f"{r['ecmp_iter_median_s']:.3f}",
+                      f"{r['ecmp_iter_p99_s']:.3f}", f"{r['planned_iter_s']:.3f}", f"{r['faster_median']:+.0%}",
+                      f"{r['faster_p99']:+.0%}", f"{r['T_ideal_s'] * 1e3:.1f}", f"{r['T_planned_s'] * 1e3:.1f}",
+                      f"{r['T_ecmp_median_s'] * 1e3:.1f}", f"{r['achieved_over_ideal_planned']:.3f}",
+                      f"{r['achieved_over_ideal_ecmp_median']:.3f}", f"{r['planner_s']:.2f}",
+                      f"{r['sim_s_per_iteration_mean']:.2f}", f"{r['sim_s_per_iteration_without_fabric']:.2f}")
+    table.add_row("dp, 2:1 oversubscribed", str(len(flows)), "", "", "", "", "",
+                  f"{over_row['T_ideal_s'] * 1e3:.1f}", f"{over_row['T_planned_s'] * 1e3:.1f}",
+                  f"{over_row['T_ecmp_median_s'] * 1e3:.1f}", f"{over_row['achieved_over_ideal_planned']:.3f}",
+                  f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "", "")
+    fail = Table(title=f"one spine cable failed ({FAILED[0]} <-> {FAILED[1]} #{FAILED[2]}): throughput kept")
+    for c in ("plan", "re-plan s", "flows moved", "planned: network kept", "planned: iteration kept",
+              "ideal after / before", "ECMP: network kept (median)", "ECMP: iteration kept (median)",
+              "iter after: planned s", "iter after: ECMP median s"):
+        fail.add_column(c, justify="right")
+    for r in rows:
+        f = r["failure"]
+        fail.add_row(r["plan"], f"{f['replan_s']:.3f}", str(f["flows_moved"]), f"{f['kept_network']:.1%}",
+                     f"{f['kept_iteration']:.1%}", f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}",
+                     f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}",
+                     f"{f['planned_iter_after_s']:.3f}", f"{f['ecmp_iter_after_median_s']:.3f}")
+    emulated = emulate(args.no_emulate)
+    arithmetic = ecmp_arithmetic(2000 if args.quick else 20000)
+    total = time.perf_counter() - t_all
+    comm_bound = rows[0]
+    summary = {
+        "seeds": seeds, "bench_s": total,
+        "comm_bound_faster_median": comm_bound["faster_median"], "comm_bound_faster_p99": comm_bound["faster_p99"],
+        "achieved_over_ideal_planned_1to1": min(r["achieved_over_ideal_planned"] for r in rows),
+        "achieved_over_ideal_planned_2to1": over_row["achieved_over_ideal_planned"],
+        "replan_s_max": max(r["failure"]["replan_s"] for r in rows),
+        "kept_network_min": min(r["failure"]["kept_network"] for r in rows),
+        "kept_iteration_min": min(r["failure"]["kept_iteration"] for r in rows),
+        "sim_s_per_iteration_max": max(r["sim_s_per_iteration_max"] for r in rows),
+    }
+    summary["goals"] = {
+        "faster_median_ge_15pct": summary["comm_bound_faster_median"] >= 0.15,
+        "faster_p99_ge_30pct": summary["comm_bound_faster_p99"] >= 0.30,
+        "achieved_over_ideal_ge_0.95_both_fabrics": min(summary["achieved_over_ideal_planned_1to1"],
+                                                        summary["achieved_over_ideal_planned_2to1"]) >= 0.95,
+        "replan_lt_1s": summary["replan_s_max"] < 1.0,
+        "kept_ge_90pct_network": summary["kept_network_min"] >= 0.90,
+        "kept_ge_90pct_iteration": summary["kept_iteration_min"] >= 0.90,
+        "sim_lt_1s_per_seed": summary["sim_s_per_iteration_max"] < 1.0,
+        "bench_lt_15min": total < 900,
+    }
+    if args.json:
+        summary["goals"] = {k: bool(v) for k, v in summary["goals"].items()}
+        print(json.dumps({"plans": rows, "oversubscribed_2to1": over_row, "emulated_two_links": emulated,
+                          "ecmp_expected_max_load": arithmetic,
+                          "summary": summary}, indent=2))
+    else:
+        console.print(table)
+        console.print(fail)
+        ar = Table(title="ECMP arithmetic: expected flows on the busiest link")
+        for c in ("flows", "links", "exact (occupancy counting)", "flow model, Monte Carlo", "trials"):
+            ar.add_column(c, justify="right")
+        for a in arithmetic:
+            ar.add_row(str(a["flows"]), str(a["links"]), f"{a['exact']:.3f}", f"{a['monte_carlo']:.3f}",
+                       str(a["trials"]))
+        console.print(ar)
+        if isinstance(emulated, dict) and "planned" in emulated:
+            em = Table(title="emulated: 2 flows over 2 parallel 32 Mb/s links (network namespaces, tc tbf)")
+            for c in ("case", "links of the flows", "measured s", "flow model s", "step bandwidth MB/s"):
+                em.add_column(c, justify="right")
+            for case in ("planned", "hashed"):
+                e = emulated[case]
+                em.add_row(case, str(e["links"]), f"{e['seconds']:.3f}", f"{e['predicted']:.3f}",
+                           f"{e['bandwidth'] / 1e6:.2f}")
+            console.print(em)
+        else:
+            console.print(f"emulated two-link measurement skipped: {emulated}")
+        console.print(f"bench {total:.0f} s; goals: " + ", ".join(f"{k}={v}" for k, v in summary["goals"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
