@@ -116,3 +116,11 @@ def test_exact_forms_round_trip(x: float, bits: bool) -> None:
                          (exact_flops, parse_flops)):
         text = exact(x)
         assert (parse(text) if isinstance(text, str) else text) == x
+
+
+def test_a_number_too_long_to_convert_is_a_unit_error() -> None:
+    """Found by the fuzz test: 5000 digits exceed Python's int conversion limit."""
+    from plait.cluster.units import UnitError, parse_bandwidth
+
+    with pytest.raises(UnitError, match="5000 digits"):
+        parse_bandwidth("9" * 5000 + " GB/s")

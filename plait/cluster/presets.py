@@ -279,7 +279,8 @@ def _bind(text: str, params: tuple[Param, ...], given: dict[str, str]) -> dict[s
         if key not in known:
             raise ClusterError(f"preset {text!r}: unknown parameter {key!r}; "
                                f"parameters: {', '.join(known) or 'none'}")
-    return {p.name: p.parse(given[p.name], f"preset {text!r}") if p.name in given else p.default
+    shown = text if len(text) <= 80 else text[:77] + "..."  # a pasted megabyte stays out of the message
+    return {p.name: p.parse(given[p.name], f"preset {shown!r}") if p.name in given else p.default
             for p in params}
 
 

@@ -69,7 +69,12 @@ def _split(value: object, quantity: str, example: str) -> tuple[Fraction, str]:
     match = _NUMBER.match(value)
     if not match:
         raise UnitError(f"expected a {quantity} such as {example!r}, got {value!r}")
-    return Fraction(match.group(1)), match.group(2)
+    try:
+        return Fraction(match.group(1)), match.group(2)
+    except ValueError:  # e.g. more digits than Python converts (sys.get_int_max_str_digits)
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        raise UnitError(f"expected a {quantity} such as {example!r}, got {shown!r} "
+                        f"({len(match.group(1))} digits)") from None
 
 
 def _to_float(number: Fraction, scale: Fraction | int, original: object, quantity: str) -> float:
