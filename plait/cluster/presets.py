@@ -46,7 +46,8 @@ class Param:
         """The typed value of `text`; ClusterError "preset ...: name: reason, got 'text'"."""
 
         def fail(reason: str) -> ClusterError:
-            return ClusterError(f"{where}: {self.name}: {reason}, got {text!r}")
+            shown = text if len(text) <= 60 else text[:57] + "..."
+            return ClusterError(f"{where}: {self.name}: {reason}, got {shown!r}")
 
         if self.type == "int":
             try:
