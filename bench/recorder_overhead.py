@@ -116,22 +116,15 @@ def ddp_step(plan: str, steps: int, warmup: int, model: str) -> tuple[float, flo
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                               os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-               str(_free_port()), __file__, "--ddp-worker", "--plan", plan, "--model", model, "--steps", str(steps),
-               "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        # --standalone: torchrun's own c10d store on a port it picks (a port chosen here could be taken
+        # before the workers bind it, and one run of this bench hung on that)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               __file__, "--ddp-worker", "--plan", plan, "--model", model, "--steps", str(steps), "--out", str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"DDP run failed:\n{proc.stderr[-3000:]}")
         data = json.loads(out.read_text())
     return statistics.median(data["iteration_times"][warmup:]), data["losses"][0]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ddp_worker(plan_text: str, model: str, steps: int, out: str) -> None:
