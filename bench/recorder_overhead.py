@@ -36,6 +36,7 @@ intervals, not the medians.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -106,8 +107,20 @@ def plait_step(plan: str, steps: int, warmup: int, comm_records: bool, model: st
     return statistics.median(result.iteration_times[warmup:])
 
 
-def ddp_step(plan: str, steps: int, warmup: int, model: str) -> tuple[float, float]:
-    """Median step time of plain DDP under torchrun, and its first-step global loss."""
+def ddp_step(plan: str, steps: int, warmup: int, model: str, tries: int = 2) -> tuple[float, float]:
+    """Median step time of plain DDP under torchrun, and its first-step global loss (a run that
+    fails or hangs is tried again, up to `tries` times, and said so)."""
+    for attempt in range(tries):
+        try:
+            return _ddp_once(plan, steps, warmup, model)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            if attempt + 1 == tries:
+                raise
+            print(f"  DDP baseline run failed ({str(exc).splitlines()[0][:120]}); trying again", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def _ddp_once(plan: str, steps: int, warmup: int, model: str) -> tuple[float, float]:
     from plait.ir.plan import Plan
 
     world = Plan.load(plan).dp
@@ -120,7 +133,7 @@ def ddp_step(plan: str, steps: int, warmup: int, model: str) -> tuple[float, flo
         # before the workers bind it, and one run of this bench hung on that)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                __file__, "--ddp-worker", "--plan", plan, "--model", model, "--steps", str(steps), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
             raise RuntimeError(f"DDP run failed:\n{proc.stderr[-3000:]}")
         data = json.loads(out.read_text())
@@ -139,7 +152,9 @@ def ddp_worker(plan_text: str, model: str, steps: int, out: str) -> None:
 
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    dist.init_process_group("gloo")
+    # A collective that waits longer than this raises instead of hanging the bench (two runs of this
+    # baseline hung with both workers idle; `ddp_step` retries the pair once).
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = Plan.load(plan_text)
     spec = load_model_spec(model)
