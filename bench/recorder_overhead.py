@@ -182,7 +182,11 @@ def ddp_worker(plan_text: str, model: str, steps: int, out: str) -> None:
                  for i in range(steps)]
         mean_losses = [statistics.fmean(e["losses"][i] for e in everyone) for i in range(steps)]
         Path(out).write_text(json.dumps({"iteration_times": times, "losses": mean_losses}))
-    dist.destroy_process_group()
+    dist.barrier()  # rank 0's file is written before anyone leaves
+    # Leave without tearing the gloo process group and DDP down: that teardown hung twice with both
+    # workers idle (py-spy: in `main`, after `ddp_worker` had returned), after the results were written.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def record_cost(plan: str, model: str, warmup: int) -> dict[str, float]:
