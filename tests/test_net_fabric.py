@@ -265,3 +265,23 @@ def test_exact_milp_fixes_a_greedy_local_optimum() -> None:
     best = planner.plan_paths(f, flows).bottleneck(f)[0]
     assert greedy == pytest.approx(7 / cap) and best == pytest.approx(6 / cap)
     assert planner.ideal(f, flows) == pytest.approx(6 / cap)
+
+
+def test_traffic_flows_carry_the_traffic_modules_inter_node_bytes() -> None:
+    """One source of bytes: the fabric's flows of a plan are `plait.cost.traffic`'s flows between
+    nodes (summed per device pair, split over the channels), in the plan's gradient dtype."""
+    from plait.cost.traffic import iteration_traffic
+    from plait.graph.gpt_closed_form import gpt_opgraph
+    from plait.net.flows import traffic_flows
+
+    c = small()
+    f, plan, _flows = _ring_flows(c)
+    graph = gpt_opgraph({"layers": 2, "hidden": 512, "heads": 8, "seq": 128, "vocab": 1000}, "bf16")
+    flows = traffic_flows(plan, c, f, graph)
+    node = c.devices
+    expected = sum(x.nbytes for x in iteration_traffic(graph, plan).flows()
+                   if x.src != x.dst and node[x.src].node != node[x.dst].node)
+    assert flows and sum(x.bytes for x in flows) == pytest.approx(expected)
+    assert all(node[x.src_device].node != node[x.dst_device].node for x in flows)
+    fp32 = traffic_flows(dataclasses.replace(plan, grad_reduce_dtype="bf16"), c, f, graph)
+    assert sum(x.bytes for x in fp32) == pytest.approx(expected / 2)  # bf16 plan: fp32 grads by default

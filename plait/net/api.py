@@ -12,7 +12,7 @@ from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
 from plait.net import planner
 from plait.net.fabric import fabric_of
-from plait.net.flows import plan_flows, stage_traffic
+from plait.net.flows import traffic_flows
 from plait.net.paths import to_plan_field
 
 
@@ -35,8 +35,7 @@ def plan_traffic(plan: Plan, cluster: Cluster, graph: OpGraph) -> tuple[Plan, Tr
     fabric = fabric_of(cluster)
     if fabric is None:
         return plan, None
-    grads, act = stage_traffic(plan, graph)
-    flows = plan_flows(plan, cluster, fabric, grads, act)
+    flows = traffic_flows(plan, cluster, fabric, graph)
     if not flows:
         return plan, None
     best = planner.plan_paths(fabric, flows)

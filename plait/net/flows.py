@@ -1,9 +1,9 @@
-"""The inter-node flows of a plan: every ring neighbour pair of its collectives and every
-pipeline send between nodes, split into the fabric's channels (one 5-tuple each).
+"""The inter-node flows of a plan, split into the fabric's channels (one 5-tuple each).
 
-TODO(plait.cost.traffic): the traffic module being written on branch ``traffic`` lists every
-message of a plan (source, destination, bytes, class); once it is on main this module's
-`plan_flows` should read its flows from there instead of deriving ring hops itself.
+`traffic_flows` takes them from the one traffic module (`plait.cost.traffic`: every message of a
+plan over the one stage graph, ring hops, pipeline edges, ZeRO and tied traffic, in the plan's
+gradient dtype); `plan_flows` builds the same ring and pipeline flows from given per-stage
+gradient and activation bytes, for a model given only by its sizes (bench/traffic.py's 22B GPT).
 """
 
 from __future__ import annotations
@@ -86,20 +86,18 @@ def plan_flows(plan: Plan, cluster: Cluster, fabric: Fabric, grad_bytes: Sequenc
     return out
 
 
-def stage_traffic(plan: Plan, graph: OpGraph, grad_bytes_per_param: int = 2) -> tuple[list[float], float]:
-    """(gradient bytes of one tensor rank per pipeline stage, activation bytes a tensor rank sends
-    to the next stage per micro-batch) of `plan` on `graph`: the inputs of `plan_flows`.
+def traffic_flows(plan: Plan, cluster: Cluster, fabric: Fabric, graph: OpGraph) -> list[Flow]:
+    """Inter-node flows of one iteration of `plan` on `graph`, from `plait.cost.traffic` (the bytes
+    the planner and the simulator carry), summed per device pair and split over the channels."""
+    from plait.cost.traffic import iteration_traffic
 
-    Interleaved stages (virtual chunks) are summed per device stage. The activation message is
-    the first stage's last layer's output, as the simulator's pipeline sends carry it, split
-    over the tensor ranks."""
-    counts = plan.layers_per_stage(len(graph.layers), [layer.tp_style for layer in graph.layers])
-    grads = [0.0] * plan.pp
-    start = 0
-    for chunk, count in enumerate(counts):
-        layers = graph.layers[start:start + count]
-        grads[chunk % plan.pp] += sum(layer.param_count for layer in layers) * grad_bytes_per_param / plan.tp
-        start += count
-    boundary = graph.layers[counts[0] - 1] if counts and counts[0] > 0 else None
-    per_sample = boundary.output_bytes if boundary is not None else 0.0
-    return grads, per_sample * plan.micro_batch / plan.tp
+    node = cluster.devices
+    per_pair: dict[tuple[int, int], list[float | str]] = {}
+    for f in iteration_traffic(graph, plan).flows():
+        if f.src == f.dst or node[f.src].node == node[f.dst].node or f.nbytes <= 0:
+            continue
+        entry = per_pair.setdefault((f.src, f.dst), [0.0, f.cls])
+        entry[0] = float(entry[0]) + f.nbytes
+    ch = fabric.channels
+    return [Flow(device_flow(fabric, a, b, c), a, b, c, float(nbytes) / ch, str(cls))
+            for (a, b), (nbytes, cls) in per_pair.items() for c in range(ch)]
