@@ -188,3 +188,20 @@ def test_network_notes_are_printed_once(caplog, capsys) -> None:
     print_notes(Console(), [f"network: {reason}", "other"], ["other"])
     out = capsys.readouterr().out
     assert "sch_netem" not in out and out.count("note: other") == 1
+
+
+def test_memory_options_reach_simulate(capsys) -> None:
+    """Issue 12: the optimizer kind and loss fusion of the memory estimate are CLI flags."""
+    import json
+
+    from plait.cli import main
+
+    def peak(*flags: str) -> int:
+        assert main(["simulate", "--model", "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=4096",
+                     "--cluster", "a100-80g:nodes=1,gpus_per_node=1", "--plan", "dp=1,micro_batch=4,global_batch=4",
+                     "--json", *flags]) == 0
+        return max(json.loads(capsys.readouterr().out)["memory_peak_bytes"])
+
+    eager, fused = peak(), peak("--loss", "fused")
+    assert fused < eager  # Megatron's fused loss keeps no fp32 copies of the logits
+    assert peak("--optimizer", "sgd") < eager  # no Adam moments

@@ -17,7 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plait.commands.training_args import add_training_args, training_of
+from plait.commands.training_args import (
+    add_memory_args,
+    add_training_args,
+    memory_kwargs_of,
+    training_of,
+)
 from plait.plan.export import FORMATS
 from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
 
@@ -51,6 +56,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, default=8, help="steps for --run and the exported launch (default 8; the "
                                                         "first 2 are warm-up)")
     add_training_args(p)
+    add_memory_args(p)
     p.add_argument("--no-machine-prediction", action="store_true",
                    help="with --run on an emulated cluster: skip calibrating this machine (about 30 s) and "
                         "the prediction for it")
@@ -74,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     result = plan(args.model, args.cluster, global_batch=args.global_batch,
                   top=args.top if args.json else args.top * FOLD_EXTRA,
                   finalists=None if args.finalists == 0 else args.finalists, seed=args.seed,
-                  placement=not args.no_placement, progress=not args.no_progress and not args.json)
+                  placement=not args.no_placement, progress=not args.no_progress and not args.json,
+                  memory_kwargs=memory_kwargs_of(args))
     best = result.best
     exported = None
     if args.export:

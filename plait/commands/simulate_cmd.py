@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from plait.commands.training_args import add_memory_args, memory_kwargs_of
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -25,6 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--granularity", choices=("auto", "layer", "stage"), default="auto",
                    help="task granularity: one task per layer segment, or per stage and micro-batch")
     p.add_argument("--no-symmetry", action="store_true", help="simulate every replica even when equivalent")
+    add_memory_args(p)
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="data-parallel gradient buckets (MiB) overlapping the backward (WFBP); "
                         "default: one reduction after the backward (Megatron)")
@@ -44,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     res = simulate(args.model, args.cluster, args.plan, granularity=args.granularity,
                    symmetry=not args.no_symmetry,
                    bucket_bytes=args.bucket_mb * 2**20 if args.bucket_mb else None,
-                   analytic=False if args.capture else None)
+                   analytic=False if args.capture else None, memory_options=memory_kwargs_of(args))
     written = []
     if args.trace:
         res.save_chrome_trace(args.trace)

@@ -25,3 +25,17 @@ def training_of(args: argparse.Namespace) -> Any:
     return Training(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                     decay_style=args.lr_decay_style, decay_iters=args.lr_decay_iters,
                     weight_decay=args.weight_decay, clip_grad=args.clip_grad, steps=args.steps)
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """The memory model's framework choices (`plait.cost.memory.estimate_memory`)."""
+    from plait.cost.memory import OPTIMIZERS
+
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer kind of the memory estimate: fused Adam (Megatron/Apex, "
+                                        "default), PyTorch's foreach or per-tensor Adam, SGD")
+    p.add_argument("--loss", choices=("eager", "fused"), default="eager",
+                   help="cross-entropy as PyTorch computes it (eager, default) or Megatron's fused loss")
+
+
+def memory_kwargs_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {"optimizer": args.optimizer, "loss": args.loss}

@@ -147,9 +147,12 @@ def resolve_cluster(cluster: Any) -> ClusterView:
 
 # ---------------------------------------------------------------- simulate
 def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options: SimOptions | None = None,
-             analytic: bool | None = None, memory: bool = True, **option_overrides: Any) -> SimResult:
+             analytic: bool | None = None, memory: bool = True, memory_options: dict[str, Any] | None = None,
+             **option_overrides: Any) -> SimResult:
     """Predict one training iteration (see module docstring). Keyword overrides go to `SimOptions`
-    (``granularity=``, ``symmetry=``, ``bucket_bytes=``, ``compute=``, ...)."""
+    (``granularity=``, ``symmetry=``, ``bucket_bytes=``, ``compute=``, ...); `memory_options` to
+    `plait.cost.memory.estimate_memory` (``optimizer=``, ``loss=``). The simulator's gradient
+    bucket size is the memory estimate's in-flight bucket too (one number)."""
     plan_obj = resolve_plan(plan)
     view = resolve_cluster(cluster)
     graph = resolve_model(model, plan_obj, inputs, analytic)
@@ -167,16 +170,18 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     schedule = run_engine(lowered.graph)
     result = _result(graph, plan_obj, view, lowered, schedule, time.perf_counter() - t0)
     if memory and view.cluster is not None:
-        _attach_memory(result, graph, plan_obj, view)
+        mem = dict(memory_options or {})
+        if opts.bucket_bytes is not None:
+            mem.setdefault("dp_bucket_bytes", int(opts.bucket_bytes))
+        _attach_memory(result, graph, plan_obj, view, mem)
     return result
 
 
-def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterView) -> None:
-    try:
-        from plait.cost.memory import estimate_memory
-    except ImportError:
-        return
-    est = estimate_memory(graph, plan, view.cluster)
+def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterView,
+                   memory_options: dict[str, Any]) -> None:
+    from plait.cost.memory import estimate_memory
+
+    est = estimate_memory(graph, plan, view.cluster, **memory_options)
     result.memory = est
     result.memory_peak_bytes = [int(x) for x in est.peak_bytes]
     result.fits_memory = bool(est.fits)
