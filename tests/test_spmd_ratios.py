@@ -10,7 +10,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from plait.cluster.loader import parse_cluster
 from plait.graph.aten_capture import capture_aten
@@ -25,17 +24,9 @@ from plait.spmd.ratios import (
     synthesize,
 )
 from plait.spmd.search import Problem, evaluate, search
+from tests.test_spmd_search import Block  # the one test block of the SPMD tests
 
 GIB = 2.0**30
-
-
-class Block(nn.Module):
-    def __init__(self, h: int = 256, f: int = 1024) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.ln = nn.Linear(h, f), nn.Linear(f, h), nn.LayerNorm(h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ln(x + self.fc2(torch.relu(self.fc1(x))))
 
 
 @functools.cache

@@ -149,13 +149,20 @@ def bert_param_count(cfg: dict[str, Any]) -> int:
     return cfg["layers"] * transformer_block_params(h, cfg["ffn"]) + embed + head
 
 
-def make_bert(cfg: dict[str, Any]) -> ModelSpec:
+def bert_config(cfg: dict[str, Any], family: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A checked BERT-shaped config (the MLP width defaults to 4 h; `extra`: more integer keys to
+    check), with the attention facts every BERT-family model sets."""
     cfg = dict(cfg)
     cfg["ffn"] = cfg["ffn"] or 4 * cfg["hidden"]
-    check_transformer(cfg, ("layers", "hidden", "heads", "seq", "vocab", "type_vocab"))
+    check_transformer(cfg, ("layers", "hidden", "heads", "seq", "vocab", "type_vocab", *extra))
     if not 0.0 < cfg["mask_prob"] <= 1.0:
         raise ModelSpecError(f"mask_prob must be in (0, 1], got {cfg['mask_prob']}")
-    cfg.update(family="bert", causal=False, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"])
+    cfg.update(family=family, causal=False, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"])
+    return cfg
+
+
+def make_bert(cfg: dict[str, Any]) -> ModelSpec:
+    cfg = bert_config(cfg, "bert")
     return ModelSpec(
         name="bert",
         config=cfg,

@@ -32,8 +32,14 @@ from torch import Tensor, nn
 
 from plait.graph.zoo.bert import PARAMS as BERT_PARAMS
 from plait.graph.zoo.bert import SIZES as BERT_SIZES
-from plait.graph.zoo.bert import BertEmbedding, MLMHead, bert_param_count, mlm_batch, mlm_loss
-from plait.graph.zoo.gpt import check_transformer
+from plait.graph.zoo.bert import (
+    BertEmbedding,
+    MLMHead,
+    bert_config,
+    bert_param_count,
+    mlm_batch,
+    mlm_loss,
+)
 from plait.graph.zoo.layers import Attention, Dropout, TransformerBlock, init_transformer
 from plait.graph.zoo.registry import ModelEntry, ModelSpec, ModelSpecError, Param, register
 
@@ -149,17 +155,11 @@ def bert_moe_param_count(cfg: dict[str, Any]) -> int:
 
 
 def make_bert_moe(cfg: dict[str, Any]) -> ModelSpec:
-    cfg = dict(cfg)
-    cfg["ffn"] = cfg["ffn"] or 4 * cfg["hidden"]
-    check_transformer(cfg, ("layers", "hidden", "heads", "seq", "vocab", "type_vocab", "experts",
-                            "moe_every"))
+    cfg = bert_config(cfg, "bert_moe", ("experts", "moe_every"))
     if not 1 <= cfg["top_k"] <= cfg["experts"]:
         raise ModelSpecError(f"top_k must be in [1, experts={cfg['experts']}], got {cfg['top_k']}")
     if cfg["capacity"] <= 0:
         raise ModelSpecError(f"capacity must be > 0, got {cfg['capacity']}")
-    if not 0.0 < cfg["mask_prob"] <= 1.0:
-        raise ModelSpecError(f"mask_prob must be in (0, 1], got {cfg['mask_prob']}")
-    cfg.update(family="bert_moe", causal=False, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"])
     return ModelSpec(
         name="bert_moe",
         config=cfg,
