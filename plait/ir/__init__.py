@@ -6,7 +6,8 @@
                         groups, per-replica batch shares (one rounding rule), per-edge tensors;
 * `plait.ir.formats`  -- `format_version` of every file plait writes, and the rule for reading it;
 * `plait.ir.timeline` -- `Timeline` / `TimelineEvent`, written by the simulator *and* the runtime;
-* `plait.ir.comm`     -- `CommRecord`, one line per collective or p2p call of a rank (JSON Lines).
+* `plait.ir.comm`     -- `CommRecord`, one line per collective or p2p call of a rank (JSON Lines);
+* `plait.ir.diagnosis` -- `Finding` / `Diagnosis`: what the doctor found in a run.
 
 This package sits at the bottom of the import order (see docs/DESIGN.md): it imports only
 `plait.errors`, the standard library, numpy and networkx -- never a planner, the simulator or

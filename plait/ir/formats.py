@@ -26,6 +26,7 @@ FORMAT_VERSIONS: dict[str, int] = {
     "atengraph": 1,   # AtenGraph JSON (the op-level capture, plait.graph.aten_capture)
     "timeline": 1,    # Timeline JSON (simulated or measured events)
     "run": 1,         # a run folder's result.json
+    "diagnosis": 1,   # plait doctor --json / a run folder's diagnosis.json
 }
 
 # (format, from_version) -> function turning a dict of that version into the next version.
