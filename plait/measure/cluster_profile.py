@@ -195,186 +195,59 @@ class ProfileResult:
 # ---------------------------------------------------------------- the worker
 
 
+@dataclass
+class _Rank:
+    """What every measurement of one profiling rank needs: who it is, its device, how to sync."""
+
+    cfg: ProfileConfig
+    rank: int
+    world: int
+    device: Any
+    cuda: bool
+    slow: float  # emulated slowdown of this rank's compute (1.0 on a GPU rank: it is its kind)
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        self.sync()
+        dist.barrier()
+
+
 def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None:
+    """One rank of `plait profile`: point-to-point per pair, collectives, matmul, memory
+    bandwidth and per-op overheads, gathered on rank 0, which writes `result_path`."""
     import torch
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and cfg.backend != "gloo"
-    backend = "nccl" if cuda else "gloo"
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        sync = torch.cuda.synchronize
-    else:
-        device = torch.device("cpu")
-
-        def sync() -> None:
-            return None
-
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
                             **({"device_id": device} if cuda else {}))
     t_start = time.perf_counter()
-    node = int(os.environ.get("PLAIT_NODE", "0"))
     nodes: list[Any] = [None] * world
-    dist.all_gather_object(nodes, node)
+    dist.all_gather_object(nodes, int(os.environ.get("PLAIT_NODE", "0")))
     node_of = [int(x) for x in nodes]
     # Like the runtime's recorder, stretch compute only on CPU ranks: a GPU rank already is
     # its kind.
-    slow = 1.0 if cuda else (cfg.slowdowns or [1.0] * world)[rank]
-
-    def barrier() -> None:
-        sync()
-        dist.barrier()
-
-    # ---- point-to-point, parallel rounds
-    small = torch.zeros(1, dtype=torch.float32, device=device)
-    big = torch.zeros(max(1, cfg.p2p_bytes // 4), dtype=torch.float32, device=device)
-    p2p: dict[str, dict[str, float]] = {}
-
-    def one_way(src: int, dst: int, lat: float) -> float:
-        """Bandwidth src -> dst; both ranks call it, only src's figure is meaningful."""
-        repeats = max(1, cfg.p2p_repeats)
-        if rank == src:
-            dist.send(big, dst)  # warm-up: connection set-up and buffer registration
-            dist.recv(small, dst)
-            best = 0.0
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(cfg.p2p_iters):
-                    dist.send(big, dst)
-                dist.recv(small, dst)
-                sync()
-                t = time.perf_counter() - t0
-                best = max(best, cfg.p2p_iters * big.numel() * 4 / max(t - lat, 1e-9))
-            return best
-        dist.recv(big, src)
-        dist.send(small, src)
-        for _ in range(repeats):
-            for _ in range(cfg.p2p_iters):
-                dist.recv(big, src)
-            dist.send(small, src)
-        return 0.0
+    me = _Rank(cfg, rank, world, device, cuda, 1.0 if cuda else (cfg.slowdowns or [1.0] * world)[rank])
 
     rounds = [split_by_nic(r, node_of) for r in round_robin_rounds(world)]
-    for rnd in rounds:
-        for sub in rnd:
-            for a, b in sub:
-                if rank not in (a, b):
-                    continue
-                peer = b if rank == a else a
-                rtts = []
-                for i in range(3 + cfg.latency_iters):
-                    sync()
-                    t0 = time.perf_counter()
-                    if rank == a:
-                        dist.send(small, peer)
-                        dist.recv(small, peer)
-                    else:
-                        dist.recv(small, peer)
-                        dist.send(small, peer)
-                    sync()
-                    if i >= 3:
-                        rtts.append(time.perf_counter() - t0)
-                lat = statistics.median(rtts) / 2
-                bw_ab = one_way(a, b, lat)
-                bw_ba = one_way(b, a, lat)
-                if rank == a:
-                    p2p[f"{a}-{b}"] = {"bandwidth": bw_ab, "latency": lat}
-                else:
-                    p2p[f"{b}-{a}"] = {"bandwidth": bw_ba, "latency": lat}
-            barrier()
-
-    # ---- collectives
-    def timed(op: Any) -> float:
-        """Mean seconds per call of `op`, slowest rank; iterations sized from a warm-up call."""
-        barrier()
-        t0 = time.perf_counter()
-        op()
-        sync()
-        t_warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        dist.all_reduce(t_warm, op=dist.ReduceOp.MAX)
-        iters = int(min(cfg.max_iters, max(1, math.ceil(cfg.min_time / max(float(t_warm), 1e-6)))))
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            op()
-        sync()
-        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
-    collectives: dict[str, list[dict[str, float]]] = {"all_reduce": [], "all_gather": []}
-    for size in cfg.sizes:
-        buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-        t = timed(lambda b=buf: dist.all_reduce(b))
-        nbytes = buf.numel() * 4
-        collectives["all_reduce"].append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t,
-                                          "busbw": nbytes / t * bus_factor("all_reduce", world)})
-        per = max(1, size // 4 // world)
-        part = torch.ones(per, dtype=torch.float32, device=device)
-        out = torch.empty(per * world, dtype=torch.float32, device=device)
-        t = timed(lambda o=out, i=part: dist.all_gather_into_tensor(o, i))
-        nbytes = out.numel() * 4
-        collectives["all_gather"].append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t,
-                                          "busbw": nbytes / t * bus_factor("all_gather", world)})
-
-    # ---- matmul and memory bandwidth (all ranks at once, like training)
-    dtypes = cfg.dtypes or (["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"])
-    ns = cfg.matmul_sizes or ([2048, 4096, 8192] if cuda else [256, 512, 1024])
-    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    matmul: dict[str, Any] = {"by_size": {}}
-    for dt in dtypes:
-        if dt not in torch_dtype:
-            raise ProfileError(f"--dtypes: unknown dtype {dt!r}; use fp32, tf32, bf16, fp16")
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"
-        best, by_size = 0.0, {}
-        for n in ns:
-            gen = torch.Generator(device=device).manual_seed(rank)
-            x = torch.randn(n, n, generator=gen, device=device).to(torch_dtype[dt])
-            y = torch.randn(n, n, generator=gen, device=device).to(torch_dtype[dt])
-            x @ y  # warm-up (kernel selection, page faults)
-            barrier()
-            reps, total = 0, 0.0
-            while total < cfg.min_time or reps < 2:
-                t0 = time.perf_counter()
-                x @ y
-                sync()
-                if slow > 1.0:
-                    # The emulated slower kind: stretch the span by sleeping, as the runtime
-                    # does (plait.runtime.emulate.apply_slowdown; not imported: cluster is
-                    # a room above runtime).
-                    time.sleep((slow - 1.0) * (time.perf_counter() - t0))
-                total += time.perf_counter() - t0
-                reps += 1
-            flops = 2.0 * n**3 * reps / total
-            by_size[str(n)] = flops
-            best = max(best, flops)
-        matmul[dt] = best
-        matmul["by_size"][dt] = by_size
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = False
-    op_fwd, op_bwd = _op_overheads(torch, device, sync, slow, barrier)
-    stream_bw = _stream_rate(torch, device, sync, slow, barrier, cfg.min_time, cuda)
-    copy_bytes = (256 if cuda else 32) * MiB
-    src = torch.ones(copy_bytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    barrier()
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < cfg.min_time or reps < 2:
-        dst.copy_(src)
-        sync()
-        reps += 1
-    mem_bw = 2.0 * copy_bytes * reps / (time.perf_counter() - t0)
-    if cuda:
-        mem_bytes = int(torch.cuda.get_device_properties(device).total_memory)
-    else:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        mem_bytes = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world))
+    p2p = _measure_p2p(me, rounds)
+    collectives = _measure_collectives(me)
+    matmul = _measure_matmul(me)
+    op_fwd, op_bwd = _op_overheads(torch, device, me.sync, me.slow, me.barrier)
+    stream_bw = _stream_rate(torch, device, me.sync, me.slow, me.barrier, cfg.min_time, cuda)
+    mem_bw, mem_bytes = _measure_memory(me)
 
     # ---- gather on every rank (cheap), rank 0 writes
     mine = {"p2p": p2p, "matmul": matmul, "mem_bw": mem_bw, "mem_bytes": mem_bytes, "op": (op_fwd, op_bwd),
@@ -387,7 +260,7 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
         for r in everything:
             merged.update(r["p2p"])
         result = ProfileResult(
-            world=world, backend=backend,
+            world=world, backend="nccl" if cuda else "gloo",
             device_type=torch.cuda.get_device_name(device) if cuda else "cpu",
             node_of=node_of, p2p=merged, collectives=collectives,
             matmul=[r["matmul"] for r in everything],
@@ -401,9 +274,184 @@ def _worker(cfg: ProfileConfig, result_path: str | None) -> ProfileResult | None
             tmp = result_path + ".tmp"
             Path(tmp).write_text(result.to_json())
             os.replace(tmp, result_path)
-    barrier()
+    me.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _measure_p2p(me: _Rank, rounds: list[list[list[tuple[int, int]]]]) -> dict[str, dict[str, float]]:
+    """Latency (half the median round trip) and one-way bandwidth of every pair, in parallel
+    rounds of disjoint pairs (`round_robin_rounds`, split so no NIC carries two pairs)."""
+    import torch
+    import torch.distributed as dist
+
+    cfg, rank = me.cfg, me.rank
+    small = torch.zeros(1, dtype=torch.float32, device=me.device)
+    big = torch.zeros(max(1, cfg.p2p_bytes // 4), dtype=torch.float32, device=me.device)
+    p2p: dict[str, dict[str, float]] = {}
+
+    def one_way(src: int, dst: int, lat: float) -> float:
+        """Bandwidth src -> dst; both ranks call it, only src's figure is meaningful."""
+        repeats = max(1, cfg.p2p_repeats)
+        if rank == src:
+            dist.send(big, dst)  # warm-up: connection set-up and buffer registration
+            dist.recv(small, dst)
+            best = 0.0
+            for _ in range(repeats):
+                me.sync()
+                t0 = time.perf_counter()
+                for _ in range(cfg.p2p_iters):
+                    dist.send(big, dst)
+                dist.recv(small, dst)
+                me.sync()
+                t = time.perf_counter() - t0
+                best = max(best, cfg.p2p_iters * big.numel() * 4 / max(t - lat, 1e-9))
+            return best
+        dist.recv(big, src)
+        dist.send(small, src)
+        for _ in range(repeats):
+            for _ in range(cfg.p2p_iters):
+                dist.recv(big, src)
+            dist.send(small, src)
+        return 0.0
+
+    for rnd in rounds:
+        for sub in rnd:
+            for a, b in sub:
+                if rank not in (a, b):
+                    continue
+                peer = b if rank == a else a
+                rtts = []
+                for i in range(3 + cfg.latency_iters):
+                    me.sync()
+                    t0 = time.perf_counter()
+                    if rank == a:
+                        dist.send(small, peer)
+                        dist.recv(small, peer)
+                    else:
+                        dist.recv(small, peer)
+                        dist.send(small, peer)
+                    me.sync()
+                    if i >= 3:
+                        rtts.append(time.perf_counter() - t0)
+                lat = statistics.median(rtts) / 2
+                bw_ab = one_way(a, b, lat)
+                bw_ba = one_way(b, a, lat)
+                if rank == a:
+                    p2p[f"{a}-{b}"] = {"bandwidth": bw_ab, "latency": lat}
+                else:
+                    p2p[f"{b}-{a}"] = {"bandwidth": bw_ba, "latency": lat}
+            me.barrier()
+    return p2p
+
+
+def _timed(me: _Rank, op: Any) -> float:
+    """Mean seconds per call of `op`, slowest rank; iterations sized from a warm-up call."""
+    import torch
+    import torch.distributed as dist
+
+    me.barrier()
+    t0 = time.perf_counter()
+    op()
+    me.sync()
+    t_warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=me.device)
+    dist.all_reduce(t_warm, op=dist.ReduceOp.MAX)
+    iters = int(min(me.cfg.max_iters, max(1, math.ceil(me.cfg.min_time / max(float(t_warm), 1e-6)))))
+    me.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        op()
+    me.sync()
+    t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=me.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _measure_collectives(me: _Rank) -> dict[str, list[dict[str, float]]]:
+    """nccl-tests' rows for all-reduce and all-gather at each size: time, algbw, busbw."""
+    import torch
+    import torch.distributed as dist
+
+    world, device = me.world, me.device
+    collectives: dict[str, list[dict[str, float]]] = {"all_reduce": [], "all_gather": []}
+    for size in me.cfg.sizes:
+        buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
+        t = _timed(me, lambda b=buf: dist.all_reduce(b))
+        nbytes = buf.numel() * 4
+        collectives["all_reduce"].append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t,
+                                          "busbw": nbytes / t * bus_factor("all_reduce", world)})
+        per = max(1, size // 4 // world)
+        part = torch.ones(per, dtype=torch.float32, device=device)
+        out = torch.empty(per * world, dtype=torch.float32, device=device)
+        t = _timed(me, lambda o=out, i=part: dist.all_gather_into_tensor(o, i))
+        nbytes = out.numel() * 4
+        collectives["all_gather"].append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t,
+                                          "busbw": nbytes / t * bus_factor("all_gather", world)})
+    return collectives
+
+
+def _measure_matmul(me: _Rank) -> dict[str, Any]:
+    """Best matmul FLOP/s per dtype, and by size (all ranks at once, like training)."""
+    import torch
+
+    cfg, device, cuda = me.cfg, me.device, me.cuda
+    dtypes = cfg.dtypes or (["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"])
+    ns = cfg.matmul_sizes or ([2048, 4096, 8192] if cuda else [256, 512, 1024])
+    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    matmul: dict[str, Any] = {"by_size": {}}
+    for dt in dtypes:
+        if dt not in torch_dtype:
+            raise ProfileError(f"--dtypes: unknown dtype {dt!r}; use fp32, tf32, bf16, fp16")
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"
+        best, by_size = 0.0, {}
+        for n in ns:
+            gen = torch.Generator(device=device).manual_seed(me.rank)
+            x = torch.randn(n, n, generator=gen, device=device).to(torch_dtype[dt])
+            y = torch.randn(n, n, generator=gen, device=device).to(torch_dtype[dt])
+            x @ y  # warm-up (kernel selection, page faults)
+            me.barrier()
+            reps, total = 0, 0.0
+            while total < cfg.min_time or reps < 2:
+                t0 = time.perf_counter()
+                x @ y
+                me.sync()
+                if me.slow > 1.0:
+                    # The emulated slower kind: stretch the span by sleeping, as the runtime
+                    # does (plait.runtime.emulate.apply_slowdown; not imported: measure keeps
+                    # this worker free of the runtime's imports).
+                    time.sleep((me.slow - 1.0) * (time.perf_counter() - t0))
+                total += time.perf_counter() - t0
+                reps += 1
+            flops = 2.0 * n**3 * reps / total
+            by_size[str(n)] = flops
+            best = max(best, flops)
+        matmul[dt] = best
+        matmul["by_size"][dt] = by_size
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return matmul
+
+
+def _measure_memory(me: _Rank) -> tuple[float, int]:
+    """Copy bandwidth (bytes/s, read + write) and the memory this rank may use (bytes)."""
+    import torch
+
+    copy_bytes = (256 if me.cuda else 32) * MiB
+    src = torch.ones(copy_bytes // 4, dtype=torch.float32, device=me.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    me.barrier()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < me.cfg.min_time or reps < 2:
+        dst.copy_(src)
+        me.sync()
+        reps += 1
+    mem_bw = 2.0 * copy_bytes * reps / (time.perf_counter() - t0)
+    if me.cuda:
+        return mem_bw, int(torch.cuda.get_device_properties(me.device).total_memory)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return mem_bw, int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world))
 
 
 def _op_overheads(torch: Any, device: Any, sync: Any, slow: float, barrier: Any, ops: int = 200) -> tuple[float, float]:
