@@ -484,10 +484,8 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``); `compute` is the
     `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one)."""
     from plait.cluster import load_cluster
-    from plait.cost.memory import estimate_memory
 
     t_start = time.perf_counter()
-    simulate = evaluate is not None
     if top < 1:
         raise SearchError(f"plan: top must be >= 1, got {top}")
     if finalists is not None and finalists < 1:
@@ -499,10 +497,6 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
         raise SearchError(f"plan: global batch must be >= 1, got {gb}")
     dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
     spec, graph = load_graph(model, dtype)
-    mem_kw = dict(memory_kwargs or {})
-    devices = cluster_obj.devices
-    mixed = hetero.is_mixed(cluster_obj)
-    space_hetero = space.hetero if space is not None else True
     analytic = AnalyticModel(graph, cluster_obj, layer_time, compute)
 
     bar = _Progress(progress, on_progress)
@@ -511,54 +505,103 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     if total == 0:
         raise SearchError(f"plan: no dp x tp x pp configuration of {cluster_obj.num_devices} GPUs divides "
                           f"global batch {gb} for model {graph.model}")
+    mem = _MemoryFilter(graph, cluster_obj, dict(memory_kwargs or {}))
+    kept = _fitting_candidates(groups, mem, analytic, space.hetero if space is not None else True,
+                               bar, total)
+    if supports is not None:  # what the runtime would refuse is never offered
+        kept = _runnable(kept, supports, mem)
+    if not kept:
+        worst = ", ".join(f"{n} x {r}" for r, n in mem.reasons.most_common(3))
+        raise SearchError(f"plan: none of the {total} configurations of {graph.model} fits in memory on "
+                          f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
 
-    reasons: Counter[str] = Counter()
-    examples: dict[str, str] = {}
-    kept: list[Candidate] = []
-    bar.start("memory", total)
+    # ---- analytic first pass, then place and simulate the finalists
+    for c in kept:
+        c.analytic_s = analytic.estimate(c.plan)
+    kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
+    chosen = kept if finalists is None else kept[:finalists]
+    _place_and_rank(chosen, graph, cluster_obj, analytic, mem, evaluate, gb, bar,
+                    placement, seed, placement_iterations)
+    # Near-ties go to the plan with fewer moving parts: each ZeRO stage or recompute level must
+    # buy 0.2 % to be preferred (a tiny model's ZeRO-3 "wins" by 0.07 % of optimizer time, far
+    # inside the simulator's error, at the price of a harder run).
+    chosen.sort(key=lambda c: (c.time_s * (1 + TIE_PENALTY * _complexity(c.plan)), str(c.plan)))
+    best = chosen[:top]
+    _default_order_baseline(best, groups, graph, evaluate)
 
-    def prune(reason: str, example: str, n: int = 1) -> None:
-        reasons[reason] += n
-        examples.setdefault(reason, example)
+    return PlanResult(model=getattr(spec, "spec", None) or graph.model, cluster=cluster_obj.name,
+                      global_batch=gb, world_size=cluster_obj.num_devices, top=best, enumerated=total,
+                      pruned=sum(mem.reasons.values()), pruned_reasons=dict(mem.reasons),
+                      pruned_examples=mem.examples, memory_checked=len(mem.peak_cache),
+                      ranked_analytic=len(kept), simulated=len(chosen) if evaluate is not None else 0,
+                      search_time_s=time.perf_counter() - t_start,
+                      ranker="simulator" if evaluate is not None else "analytic")
 
-    peak_cache: dict[str, np.ndarray] = {}
-    capacity = np.asarray([d.kind.memory_bytes for d in devices], dtype=np.int64)
 
-    def rank_peaks(p: Plan) -> np.ndarray:
+class _MemoryFilter:
+    """Per-device peaks of candidate plans (the one estimator, cached by unplaced plan) against
+    each GPU's capacity, and the tally of what was pruned and why."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, memory_kwargs: dict[str, Any]) -> None:
+        self.graph, self.cluster, self.memory_kwargs = graph, cluster, memory_kwargs
+        self.devices = cluster.devices
+        self.capacity = np.asarray([d.kind.memory_bytes for d in self.devices], dtype=np.int64)
+        self.peak_cache: dict[str, np.ndarray] = {}
+        self.reasons: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+
+    def prune(self, reason: str, example: str, n: int = 1) -> None:
+        self.reasons[reason] += n
+        self.examples.setdefault(reason, example)
+
+    def rank_peaks(self, p: Plan) -> np.ndarray:
         """Peak bytes per rank; they do not depend on where the ranks are placed."""
+        from plait.cost.memory import estimate_memory
+
         unplaced = p if p.device_order is None else dataclasses.replace(p, device_order=None)
         key = str(unplaced)
-        hit = peak_cache.get(key)
+        hit = self.peak_cache.get(key)
         if hit is None:
-            est = estimate_memory(graph, unplaced, cluster_obj, **mem_kw)
+            est = estimate_memory(self.graph, unplaced, self.cluster, **self.memory_kwargs)
             hit = np.asarray(est.peak_bytes[: p.world_size], dtype=np.int64)
-            peak_cache[key] = hit
+            self.peak_cache[key] = hit
         return hit
 
-    def device_peaks(p: Plan) -> np.ndarray:
-        out = np.zeros(len(devices), dtype=np.int64)
-        out[_order(p)] = rank_peaks(p)
+    def device_peaks(self, p: Plan) -> np.ndarray:
+        out = np.zeros(len(self.devices), dtype=np.int64)
+        out[_order(p)] = self.rank_peaks(p)
         return out
 
-    def oom_reason(p: Plan, peaks: np.ndarray, suffix: str = "") -> tuple[str, str] | None:
+    def oom_reason(self, p: Plan, peaks: np.ndarray, suffix: str = "") -> tuple[str, str] | None:
+        """(reason, example) naming the GPU that overflows most and by how much, or None."""
         order = _order(p)
-        over = peaks[order] - capacity[order]
+        over = peaks[order] - self.capacity[order]
         worst = int(np.argmax(over))
         if over[worst] <= 0:
             return None
-        dev = devices[order[worst]]
+        dev = self.devices[order[worst]]
         return (f"out of memory on {dev.kind.name} ({dev.kind.memory_bytes / GiB:.0f} GiB){suffix}",
                 f"{p}: GPU {dev.id} needs {peaks[order[worst]] / GiB:.2f} GiB")
 
-    # Sharding can only lower memory: with sequence parallelism, or a higher ZeRO stage up
-    # to 2, every term of a device's peak is at most what it is without. So once a
-    # configuration overflows at micro-batch m, the ones it dominates overflow at m too;
-    # dominators are checked first and their first failing micro-batch is remembered.
+
+def _fitting_candidates(groups: list[_Group], mem: _MemoryFilter, analytic: AnalyticModel,
+                        space_hetero: bool, bar: _Progress, total: int) -> list[Candidate]:
+    """Every enumerated plan that fits in memory (on a mixed cluster, after the uneven split).
+
+    Sharding can only lower memory: with sequence parallelism, or a higher ZeRO stage up to 2,
+    every term of a device's peak is at most what it is without. So once a configuration
+    overflows at micro-batch m, the ones it dominates overflow at m too; dominators are checked
+    first and their first failing micro-batch is remembered."""
+    graph, cluster, devices = mem.graph, mem.cluster, mem.devices
+    mixed = hetero.is_mixed(cluster)
+
     def family(g: _Group) -> tuple:
         dp, tp, pp, schedule, sp, zero, recompute, layout = g.key
         return (dp, tp, pp, schedule, recompute, layout)
 
     groups.sort(key=lambda g: (family(g), not g.key[4], -g.key[5] if g.key[5] <= 2 else 9))
+    kept: list[Candidate] = []
+    bar.start("memory", total)
     fails: dict[tuple, tuple[int, str, str]] = {}
     for g in groups:
         fam, sp, zero = family(g), g.key[4], g.key[5]
@@ -573,61 +616,59 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
         for i, base in enumerate(g.plans):
             left = len(g.plans) - i  # larger micro-batches need more memory still
             if bound is not None and base.micro_batch >= bound[0]:
-                prune(bound[1], bound[2] + " (implied for less sharded variants)", left)
+                mem.prune(bound[1], bound[2] + " (implied for less sharded variants)", left)
                 bar.advance(left)
                 break
             p = base if g.order == list(range(base.world_size)) else dataclasses.replace(base, device_order=g.order)
             why = None
             if mixed and space_hetero:
-                bal = hetero.balance(graph, p, cluster_obj, layer_time=analytic.layer_time,
-                                     peak_bytes=device_peaks, caps=caps, devices=devices,
+                bal = hetero.balance(graph, p, cluster, layer_time=analytic.layer_time,
+                                     peak_bytes=mem.device_peaks, caps=caps, devices=devices,
                                      kind_times=lambda k, q: analytic.layer_times(q, k))
                 if bal is None:
-                    why = oom_reason(p, device_peaks(p), " with any uneven split") or (
+                    why = mem.oom_reason(p, mem.device_peaks(p), " with any uneven split") or (
                         "no uneven split of layers/batch fits", str(p))
                 else:
                     p, caps = bal.plan, bal.caps
             if why is None:
-                why = oom_reason(p, device_peaks(p))
+                why = mem.oom_reason(p, mem.device_peaks(p))
             if why is not None:
                 fails[(fam, sp, zero)] = (base.micro_batch, *why)
-                prune(*why, left)
+                mem.prune(*why, left)
                 bar.advance(left)
                 break
             kept.append(Candidate(plan=p, layout=g.layout))
             bar.advance(1)
     bar.stop()
-    if supports is not None:  # what the runtime would refuse is never offered
-        runnable = []
-        for c in kept:
-            ok, why = supports(c.plan)
-            if ok:
-                runnable.append(c)
-            else:
-                prune(f"the runtime cannot run it ({why.split(': ', 1)[0]})", f"{c.plan}: {why}")
-        kept = runnable
+    return kept
 
-    if not kept:
-        worst = ", ".join(f"{n} x {r}" for r, n in reasons.most_common(3))
-        raise SearchError(f"plan: none of the {total} configurations of {graph.model} fits in memory on "
-                          f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
 
-    # ---- analytic first pass
+def _runnable(kept: list[Candidate], supports: Callable[[Plan], tuple[bool, str]],
+              mem: _MemoryFilter) -> list[Candidate]:
+    """The candidates the runtime can run; the others are counted among the pruned."""
+    runnable = []
     for c in kept:
-        c.analytic_s = analytic.estimate(c.plan)
-    kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
-    chosen = kept if finalists is None else kept[:finalists]
+        ok, why = supports(c.plan)
+        if ok:
+            runnable.append(c)
+        else:
+            mem.prune(f"the runtime cannot run it ({why.split(': ', 1)[0]})", f"{c.plan}: {why}")
+    return runnable
 
-    # ---- place and simulate the finalists
+
+def _place_and_rank(chosen: list[Candidate], graph: OpGraph, cluster: Cluster, analytic: AnalyticModel,
+                    mem: _MemoryFilter, evaluate: Evaluate | None, gb: int, bar: _Progress,
+                    placement: bool, seed: int, iterations: int | None) -> None:
+    """Place each finalist (one placement per shape and kind layout, for the traffic of its best
+    finalist), fill its memory figures and time it: by `evaluate` when given, else analytically."""
     placements: dict[tuple, PlacementResult] = {}
     bar.start("simulate", len(chosen))
     for c in chosen:
         if placement and c.plan.world_size > 1:
-            # one placement per shape and kind layout, for the traffic of its best finalist
             key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
             res = placements.get(key)
             if res is None:
-                res = _place(analytic.path_model(c.plan), cluster_obj, c.plan, seed, placement_iterations)
+                res = _place(analytic.path_model(c.plan), cluster, c.plan, seed, iterations)
                 placements[key] = res
             c.placement = res
             if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
@@ -635,10 +676,9 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                 if c.plan.device_order == list(range(c.plan.world_size)):
                     c.plan = dataclasses.replace(c.plan, device_order=None)
                 c.analytic_s = analytic.estimate(c.plan)
-        peaks = device_peaks(c.plan)
-        c.peak_bytes = peaks.tolist()
-        c.headroom_by_kind = _headroom(c.peak_bytes, devices, c.plan)
-        if simulate:
+        c.peak_bytes = mem.device_peaks(c.plan).tolist()
+        c.headroom_by_kind = _headroom(c.peak_bytes, mem.devices, c.plan)
+        if evaluate is not None:
             sim = evaluate(graph, c.plan)
             c.sim = sim
             c.iteration_time_s = float(sim["iteration_time_s"])
@@ -649,28 +689,21 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
             c.throughput = gb / c.analytic_s
         bar.advance(1)
     bar.stop()
-    # Near-ties go to the plan with fewer moving parts: each ZeRO stage or recompute level must
-    # buy 0.2 % to be preferred (a tiny model's ZeRO-3 "wins" by 0.07 % of optimizer time, far
-    # inside the simulator's error, at the price of a harder run).
-    chosen.sort(key=lambda c: (c.time_s * (1 + TIE_PENALTY * _complexity(c.plan)), str(c.plan)))
-    best = chosen[:top]
 
-    # ---- placement vs the layout's start order (Megatron's default order on one kind)
-    if simulate and best and best[0].placement is not None and best[0].plan.device_order is not None:
-        c = best[0]
+
+def _default_order_baseline(best: list[Candidate], groups: list[_Group], graph: OpGraph,
+                            evaluate: Evaluate | None) -> None:
+    """The best plan's time on its layout's start order (Megatron's default order on one kind),
+    so the gain of placement is measured, not assumed."""
+    if not best:
+        return
+    c = best[0]
+    if evaluate is not None and c.placement is not None and c.plan.device_order is not None:
         start = _start_order(groups, c)
         base = dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
         c.default_order_time_s = float(evaluate(graph, base)["iteration_time_s"])
-    elif best:
-        best[0].default_order_time_s = best[0].iteration_time_s
-
-    return PlanResult(model=getattr(spec, "spec", None) or graph.model, cluster=cluster_obj.name,
-                      global_batch=gb, world_size=cluster_obj.num_devices, top=best, enumerated=total,
-                      pruned=sum(reasons.values()), pruned_reasons=dict(reasons), pruned_examples=examples,
-                      memory_checked=len(peak_cache), ranked_analytic=len(kept),
-                      simulated=len(chosen) if simulate else 0,
-                      search_time_s=time.perf_counter() - t_start,
-                      ranker="simulator" if simulate else "analytic")
+    else:
+        c.default_order_time_s = c.iteration_time_s
 
 
 TIE_PENALTY = 0.002
