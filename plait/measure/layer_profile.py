@@ -162,6 +162,40 @@ def _iqr(xs: list[float]) -> float:
     return q[2] - q[0]
 
 
+@dataclass
+class _Bench:
+    """How one profile times things: device, synchronisation, autocast, repetitions."""
+
+    dev: torch.device
+    dtype: str
+    warmup: int
+    repeats: int
+    center: Callable[[list[float]], float]
+
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def autocast(self) -> Any:
+        return torch.autocast(self.dev.type, dtype=_AUTOCAST[self.dtype]) if self.dtype in _AUTOCAST else nullcontext()
+
+
+def _check_profile_args(micro_batch: int, dtype: str, repeats: int, warmup: int, threads: int | None,
+                        tp: int, statistic: str) -> None:
+    if micro_batch < 1:
+        raise LayerProfileError(f"micro_batch: must be >= 1, got {micro_batch}")
+    if dtype not in _DTYPES:
+        raise LayerProfileError(f"dtype: must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if repeats < 1 or warmup < 0:
+        raise LayerProfileError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if threads is not None and threads < 1:
+        raise LayerProfileError(f"threads: must be >= 1, got {threads}")
+    if tp < 1:
+        raise LayerProfileError(f"tp: must be >= 1, got {tp}")
+    if statistic not in ("median", "mean"):
+        raise LayerProfileError(f"statistic: must be 'median' or 'mean', got {statistic!r}")
+
+
 def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp: int = 1,
                    shard: Callable[[str, nn.Module], Any] | None = None, threads: int | None = 1,
                    repeats: int = 9, warmup: int = 2, device: str = "cpu", seed: int = 0,
@@ -178,25 +212,13 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
     parameters' existing gradients, as every micro-batch after the first of a step does (one
     read-modify-write of every gradient: measurable on a CPU); False resets them before each
     repetition, as for a step's first micro-batch."""
-    if micro_batch < 1:
-        raise LayerProfileError(f"micro_batch: must be >= 1, got {micro_batch}")
-    if dtype not in _DTYPES:
-        raise LayerProfileError(f"dtype: must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    if repeats < 1 or warmup < 0:
-        raise LayerProfileError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    if threads is not None and threads < 1:
-        raise LayerProfileError(f"threads: must be >= 1, got {threads}")
-    if tp < 1:
-        raise LayerProfileError(f"tp: must be >= 1, got {tp}")
-    if statistic not in ("median", "mean"):
-        raise LayerProfileError(f"statistic: must be 'median' or 'mean', got {statistic!r}")
-    center = statistics.median if statistic == "median" else statistics.fmean
+    _check_profile_args(micro_batch, dtype, repeats, warmup, threads, tp, statistic)
     from plait.graph.capture import layer_assignment
 
     spec = _load_spec(model_spec)
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    sync: Callable[[], Any] = torch.cuda.synchronize if cuda else (lambda: None)
+    bench = _Bench(dev, dtype, warmup, repeats, statistics.median if statistic == "median" else statistics.fmean)
     old_threads = torch.get_num_threads()
     old_tf32 = torch.backends.cuda.matmul.allow_tf32 if cuda else None
     if threads is not None:
@@ -211,128 +233,148 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
             heads = layer_assignment(model)
             layers = [(name, model.get_submodule(path) if path else model) for path, (name, _) in heads.items()]
             inputs, target = spec.sample_batch(micro_batch, device=dev, seed=seed)
-
-            def autocast() -> Any:
-                return torch.autocast(dev.type, dtype=_AUTOCAST[dtype]) if dtype in _AUTOCAST else nullcontext()
-
             # 1. one forward of the whole model: every layer's real inputs, and who makes the output.
-            captured: dict[str, tuple[Any, Any]] = {}
-            out_owner: dict[int, str] = {}
-            handles = []
-            for name, mod in layers:
-                def pre(m: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-                    captured.setdefault(name, (_fresh(args), _fresh(kwargs)))
-
-                def post(m: nn.Module, args: Any, kwargs: Any, out: Any, name: str = name) -> None:
-                    for t in _tensors(out):
-                        out_owner[id(t)] = name
-
-                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(mod.register_forward_hook(post, with_kwargs=True))
-            with autocast():
-                output = model(*inputs)
-            for h in handles:
-                h.remove()
-            owners = [out_owner[id(t)] for t in _tensors(output) if id(t) in out_owner]
-            missing = [name for name, _ in layers if name not in captured]
-            if missing:
-                raise LayerProfileError(f"model {spec.name}: layers {missing} did not run in the forward; "
-                                        "they cannot be timed")
-            order = sorted(captured, key=list(captured).index)  # execution order of first calls
-            loss_layer = owners[0] if owners else order[-1]
-            del output
+            captured, order, loss_layer = _capture_layer_inputs(spec, model, layers, inputs, bench)
             if shard is not None:
                 for name, mod in layers:
                     shard(name, mod)
             modules = dict(layers)
-            # A fixed output gradient per layer (its shapes from one forward of the layer).
-            grads: dict[str, list[torch.Tensor]] = {}
-            gen = torch.Generator(device=dev).manual_seed(seed + 1)
-            for name in order:
-                if name == loss_layer:
-                    continue
-                args, kwargs = captured[name]
-                with autocast():
-                    out = modules[name](*_fresh(args), **_fresh(kwargs))
-                outs = [t for t in _tensors(out) if t.requires_grad]
-                grads[name] = [torch.randn(t.shape, generator=gen, device=dev, dtype=t.dtype) for t in outs]
-
-            def run_once(name: str) -> tuple[float, float]:
-                mod = modules[name]
-                args, kwargs = captured[name]
-                args, kwargs = _fresh(args), _fresh(kwargs)
-                if not accumulate:
-                    for p in mod.parameters():
-                        p.grad = None
-                sync()
-                t0 = time.perf_counter()
-                with autocast():
-                    out = mod(*args, **kwargs)
-                    loss = spec.loss(out, target) if name == loss_layer else None
-                sync()
-                t1 = time.perf_counter()
-                if loss is not None:
-                    loss.backward()
-                else:
-                    outs = [t for t in _tensors(out) if t.requires_grad]
-                    if outs:
-                        torch.autograd.backward(outs, grads[name])
-                sync()
-                t2 = time.perf_counter()
-                return t1 - t0, t2 - t1
-
-            # 2. every layer, round-robin: warm-up rounds, then measured rounds.
-            samples: dict[str, list[tuple[float, float]]] = {name: [] for name in order}
-            for r in range(warmup + repeats):
-                for name in order:
-                    fb = run_once(name)
-                    if r >= warmup:
-                        samples[name].append(fb)
+            grads = _output_grads(modules, captured, order, loss_layer, bench, seed)
             prof = LayerProfile(model=getattr(spec, "spec", "") or spec.name, micro_batch=micro_batch, dtype=dtype,
                                 tp=tp, threads=torch.get_num_threads(), repeats=repeats, statistic=statistic,
                                 loss_layer=loss_layer)
-            for name in order:
-                fs = [f for f, _ in samples[name]]
-                bs = [b for _, b in samples[name]]
-                prof.times[name] = (center(fs), center(bs))
-                prof.spread[name] = (_iqr(fs), _iqr(bs))
-            def time_adamw(params: list[torch.Tensor]) -> list[float]:
-                """Seconds of each timed AdamW step (per-tensor, as the runtime's) over `params`."""
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                opt = torch.optim.AdamW(params, lr=lr, foreach=False)
-                ts = []
-                for r in range(warmup + repeats):
-                    sync()
-                    t0 = time.perf_counter()
-                    opt.step()
-                    sync()
-                    if r >= warmup:
-                        ts.append(time.perf_counter() - t0)
-                return ts
-
+            # 2. every layer, round-robin: warm-up rounds, then measured rounds.
+            _time_layers(prof, spec, modules, captured, grads, order, target, bench, accumulate)
             # 3. the optimizer step over each layer's own parameters (gradients from the runs above).
-            seen: set[int] = set()
-            for name in order:
-                own = [p for p in modules[name].parameters() if p.requires_grad and id(p) not in seen]
-                seen.update(id(p) for p in own)
-                prof.params[name] = sum(p.numel() for p in own)
-                if not optimizer or not own:
-                    prof.optimizer[name] = 0.0
-                    continue
-                prof.optimizer[name] = center(time_adamw(own))
-            # ... and over all of them at once, as a training step runs it (a working set of every
-            # parameter, gradient and optimizer state: larger than the caches a single layer fits).
-            every = [p for name in order for p in modules[name].parameters() if p.requires_grad]
-            every = list({id(p): p for p in every}.values())
-            if optimizer and every:
-                prof.optimizer_total_s = center(time_adamw(every))
+            _time_optimizer(prof, modules, order, bench, lr, optimizer)
             return prof
     finally:
         torch.set_num_threads(old_threads)
         if cuda:
             torch.backends.cuda.matmul.allow_tf32 = old_tf32
+
+
+def _capture_layer_inputs(spec: Any, model: nn.Module, layers: list[tuple[str, nn.Module]], inputs: Any,
+                          bench: _Bench) -> tuple[dict[str, tuple[Any, Any]], list[str], str]:
+    """One forward of the whole model with hooks: each layer's first (args, kwargs), the layers
+    in execution order of their first calls, and the layer whose output is the model's (the
+    one the loss is computed on)."""
+    captured: dict[str, tuple[Any, Any]] = {}
+    out_owner: dict[int, str] = {}
+    handles = []
+    for name, mod in layers:
+        def pre(m: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+            captured.setdefault(name, (_fresh(args), _fresh(kwargs)))
+
+        def post(m: nn.Module, args: Any, kwargs: Any, out: Any, name: str = name) -> None:
+            for t in _tensors(out):
+                out_owner[id(t)] = name
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    with bench.autocast():
+        output = model(*inputs)
+    for h in handles:
+        h.remove()
+    owners = [out_owner[id(t)] for t in _tensors(output) if id(t) in out_owner]
+    missing = [name for name, _ in layers if name not in captured]
+    if missing:
+        raise LayerProfileError(f"model {spec.name}: layers {missing} did not run in the forward; "
+                                "they cannot be timed")
+    order = sorted(captured, key=list(captured).index)
+    return captured, order, owners[0] if owners else order[-1]
+
+
+def _output_grads(modules: dict[str, nn.Module], captured: dict[str, tuple[Any, Any]], order: list[str],
+                  loss_layer: str, bench: _Bench, seed: int) -> dict[str, list[torch.Tensor]]:
+    """A fixed random output gradient per layer (its shapes from one forward of the layer)."""
+    grads: dict[str, list[torch.Tensor]] = {}
+    gen = torch.Generator(device=bench.dev).manual_seed(seed + 1)
+    for name in order:
+        if name == loss_layer:
+            continue
+        args, kwargs = captured[name]
+        with bench.autocast():
+            out = modules[name](*_fresh(args), **_fresh(kwargs))
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        grads[name] = [torch.randn(t.shape, generator=gen, device=bench.dev, dtype=t.dtype) for t in outs]
+    return grads
+
+
+def _time_layers(prof: LayerProfile, spec: Any, modules: dict[str, nn.Module],
+                 captured: dict[str, tuple[Any, Any]], grads: dict[str, list[torch.Tensor]],
+                 order: list[str], target: Any, bench: _Bench, accumulate: bool) -> None:
+    """Forward and backward seconds of every layer alone, round-robin over the layers so a
+    slow spell of the machine spreads over all of them; the center and IQR into `prof`."""
+
+    def run_once(name: str) -> tuple[float, float]:
+        mod = modules[name]
+        args, kwargs = captured[name]
+        args, kwargs = _fresh(args), _fresh(kwargs)
+        if not accumulate:
+            for p in mod.parameters():
+                p.grad = None
+        bench.sync()
+        t0 = time.perf_counter()
+        with bench.autocast():
+            out = mod(*args, **kwargs)
+            loss = spec.loss(out, target) if name == prof.loss_layer else None
+        bench.sync()
+        t1 = time.perf_counter()
+        if loss is not None:
+            loss.backward()
+        else:
+            outs = [t for t in _tensors(out) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, grads[name])
+        bench.sync()
+        return t1 - t0, time.perf_counter() - t1
+
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in order}
+    for r in range(bench.warmup + bench.repeats):
+        for name in order:
+            fb = run_once(name)
+            if r >= bench.warmup:
+                samples[name].append(fb)
+    for name in order:
+        fs = [f for f, _ in samples[name]]
+        bs = [b for _, b in samples[name]]
+        prof.times[name] = (bench.center(fs), bench.center(bs))
+        prof.spread[name] = (_iqr(fs), _iqr(bs))
+
+
+def _time_optimizer(prof: LayerProfile, modules: dict[str, nn.Module], order: list[str], bench: _Bench,
+                    lr: float, optimizer: bool) -> None:
+    """AdamW step seconds over each layer's own parameters, and over all of them at once as a
+    training step runs it (a working set of every parameter, gradient and optimizer state:
+    larger than the caches a single layer fits)."""
+
+    def time_adamw(params: list[torch.Tensor]) -> list[float]:
+        """Seconds of each timed AdamW step (per-tensor, as the runtime's) over `params`."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt = torch.optim.AdamW(params, lr=lr, foreach=False)
+        ts = []
+        for r in range(bench.warmup + bench.repeats):
+            bench.sync()
+            t0 = time.perf_counter()
+            opt.step()
+            bench.sync()
+            if r >= bench.warmup:
+                ts.append(time.perf_counter() - t0)
+        return ts
+
+    seen: set[int] = set()
+    for name in order:
+        own = [p for p in modules[name].parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        prof.params[name] = sum(p.numel() for p in own)
+        prof.optimizer[name] = bench.center(time_adamw(own)) if optimizer and own else 0.0
+    every = [p for name in order for p in modules[name].parameters() if p.requires_grad]
+    every = list({id(p): p for p in every}.values())
+    if optimizer and every:
+        prof.optimizer_total_s = bench.center(time_adamw(every))
 
 
 def profile_layer_times(model_spec: Any, micro_batch: int, dtype: str = "fp32", **kwargs: Any
