@@ -279,6 +279,13 @@ def test_comm_buffers_dp_bucket_and_pipeline_messages():
     assert est.breakdown(est.devices[-1]).comm_buffers == pytest.approx(DP_BUCKET_BYTES + 2 * 3000)
     single = estimate_memory(g, Plan(micro_batch=2, global_batch=2), cluster(), overhead_bytes=0)
     assert single.breakdown(0).comm_buffers == 0
+    # the bucket is the plan's (Plan.grad_bucket_mb); 0: reduced in place, nothing in flight
+    big = estimate_memory(g, Plan(dp=2, pp=2, micro_batch=2, global_batch=8, grad_bucket_mb=100),
+                          cluster(), overhead_bytes=0)
+    assert big.breakdown(0).comm_buffers == pytest.approx(100 * 2**20 + 2 * 3000)
+    flat = estimate_memory(g, Plan(dp=2, pp=2, micro_batch=2, global_batch=8, grad_bucket_mb=0),
+                           cluster(), overhead_bytes=0)
+    assert flat.breakdown(0).comm_buffers == pytest.approx(2 * 3000)
 
 
 def test_framework_overhead_default_and_zero_for_cpu():

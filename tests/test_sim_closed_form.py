@@ -45,8 +45,9 @@ def test_two_layers_wfbp_overlap(tb1: float) -> None:
     p1, p2 = 5_000_000, 3_000_000  # parameters; gradients reduced in fp32 (4 bytes)
     graph = chain([p1, p2])
     times = {"l0": (tf1, tb1), "l1": (tf2, tb2)}
-    res = simulate(graph, two_gpus(), Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp32"),
-                   compute=ZERO, layer_times=times, bucket_bytes=1.0, granularity="layer")
+    res = simulate(graph, two_gpus(), Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp32",
+                                               grad_bucket_mb=1e-6),
+                   compute=ZERO, layer_times=times, overlap_grad_reduce=True, granularity="layer")
 
     def ring(nbytes: float) -> float:  # 2-rank ring all-reduce: 2(n-1)a + 2(n-1)/n M/B
         return 2 * ALPHA + nbytes / B

@@ -113,10 +113,33 @@ def test_zero_and_dp_collectives() -> None:
 def test_wfbp_buckets_overlap_backward() -> None:
     plan = "dp=8,tp=1,pp=1,micro_batch=1,global_batch=8"
     slow = view(8, 1, inter=2e9)  # one GPU per node: gradients cross a slow network
-    one = sim(plan, slow)
-    buckets = sim(plan, slow, bucket_bytes=4 * 2**20)
+    one = sim(plan + ",grad_bucket_mb=0", slow)
+    after = sim(plan + ",grad_bucket_mb=4", slow)  # the runtime's way: buckets after the backward
+    buckets = sim(plan + ",grad_bucket_mb=4", slow, overlap_grad_reduce=True)
     assert buckets.iteration_time_s < one.iteration_time_s
     assert one.exposed_comm_s > buckets.exposed_comm_s
+    # without overlap the buckets only add their latencies to the one reduction
+    n = sum(1 for e in after.timeline.events if "dp bucket" in e.name and e.device == after.timeline.events[0].device)
+    assert n > 1 and after.iteration_time_s >= one.iteration_time_s
+
+
+def test_one_bucket_size_for_runtime_simulator_and_memory() -> None:
+    """Plan.grad_bucket_mb is the runtime's bucket, the simulator's and the memory estimate's."""
+    import torch
+
+    from plait.runtime.data_parallel import DataParallelStep
+
+    plan = "dp=8,tp=1,pp=1,micro_batch=1,global_batch=8"
+    small, big = sim(plan + ",grad_bucket_mb=1"), sim(plan + ",grad_bucket_mb=64")
+    names = lambda r: {e.name for e in r.timeline.events if "dp bucket" in e.name}  # noqa: E731
+    assert len(names(small)) > len(names(big)) >= 1
+    two = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))  # 4 MiB each
+    params = list(two.parameters())
+    step = DataParallelStep(params, lambda ps: torch.optim.SGD(ps, lr=0.1), None, 1, None,
+                            bucket_bytes=Plan.parse(plan + ",grad_bucket_mb=1").grad_bucket_bytes)
+    assert len(step.buckets) == 2  # in backward order: [bias2, weight2], [bias1, weight1]
+    one = DataParallelStep(params, lambda ps: torch.optim.SGD(ps, lr=0.1), None, 1, None, bucket_bytes=0)
+    assert len(one.buckets) == 1
 
 
 def test_link_sharing_between_pipeline_transfers() -> None:

@@ -28,9 +28,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="task granularity: one task per layer segment, or per stage and micro-batch")
     p.add_argument("--no-symmetry", action="store_true", help="simulate every replica even when equivalent")
     add_memory_args(p)
-    p.add_argument("--bucket-mb", type=float, default=None,
-                   help="data-parallel gradient buckets (MiB) overlapping the backward (WFBP); "
-                        "default: one reduction after the backward (Megatron)")
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="each gradient bucket (the plan's grad_bucket_mb) is all-reduced as soon as its "
+                        "layers' backward ends (WFBP; DDP, Megatron --overlap-grad-reduce); default: "
+                        "the buckets are reduced after the backward, as plait's runtime does")
     p.add_argument("--capture", action="store_true",
                    help="always capture the model (default: GPT zoo specs over 24 layers use the closed form)")
     p.set_defaults(func=run)
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.gantt, "--gantt")
     res = simulate(args.model, args.cluster, args.plan, granularity=args.granularity,
                    symmetry=not args.no_symmetry,
-                   bucket_bytes=args.bucket_mb * 2**20 if args.bucket_mb else None,
+                   overlap_grad_reduce=args.overlap_grad_reduce,
                    analytic=False if args.capture else None, memory_options=memory_kwargs_of(args))
     written = []
     if args.trace:

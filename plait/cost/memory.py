@@ -62,8 +62,8 @@ What lives on a device at its peak (all bytes):
   default on CPU) makes two temporaries the size of the largest parameter tensor.
   The step runs after backward, so the peak is the larger of the two phases.
 * **Communication buffers**: one in-flight data-parallel gradient bucket
-  (``DP_BUCKET_BYTES`` = 25 MiB, DDP's ``bucket_cap_mb`` default, with gradients
-  as bucket views as in Megatron), the ZeRO-3 parameter all-gather buffer (the two
+  (the plan's ``grad_bucket_mb``, 25 MiB by default as DDP's ``bucket_cap_mb``; 0 for
+  Megatron's contiguous buffer reduced in place), with gradients as bucket views, the ZeRO-3 parameter all-gather buffer (the two
   largest layers: the one running and the one prefetched), and pipeline send/recv
   buffers of one micro-batch of each activation crossing a stage boundary.
 * **Framework overhead**: ``FRAMEWORK_OVERHEAD_BYTES`` = 1 GiB per GPU: the CUDA
@@ -511,7 +511,7 @@ def estimate_memory(
     *,
     optimizer: str = "adam",
     overhead_bytes: int | None = None,
-    dp_bucket_bytes: int = DP_BUCKET_BYTES,
+    dp_bucket_bytes: int | None = None,
     loss: str = "eager",
     persistent_grads: bool | None = None,
 ) -> MemoryEstimate:
@@ -528,6 +528,8 @@ def estimate_memory(
     if loss not in LOSS_MODELS:
         raise MemoryEstimateError(f"loss: unknown {loss!r}; use one of {tuple(LOSS_MODELS)}")
     loss_copies, held_copies = LOSS_MODELS[loss]
+    if dp_bucket_bytes is None:  # the plan's bucket (Plan.grad_bucket_mb), as runtime and simulator use
+        dp_bucket_bytes = plan.grad_bucket_bytes
     if dp_bucket_bytes < 0 or (overhead_bytes is not None and overhead_bytes < 0):
         raise MemoryEstimateError("estimate_memory: dp_bucket_bytes and overhead_bytes must be >= 0")
     la = _layer_arrays(graph)

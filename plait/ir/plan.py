@@ -95,6 +95,11 @@ class Plan:
     # dtype gradients are reduced in across data-parallel replicas; None: the framework's default
     # for `dtype` (`Plan.grad_dtype`)
     grad_reduce_dtype: str | None = None
+    # data-parallel gradient bucket in MiB (DDP's bucket_cap_mb; Megatron's --ddp-bucket-size in
+    # parameters): the runtime all-reduces gradients bucket by bucket, the simulator does the same
+    # and the memory estimate holds one bucket in flight. 0: one bucket of every gradient, reduced
+    # in place (Megatron's contiguous gradient buffer)
+    grad_bucket_mb: float = 25.0
     layer_split: list[int] | None = None
     dp_shares: list[float] | None = None
     tp_ratios: list[float] | None = None
@@ -127,6 +132,10 @@ class Plan:
         if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise PlanError(f"plan field 'grad_reduce_dtype': must be one of {GRAD_REDUCE_DTYPES}, "
                             f"got {self.grad_reduce_dtype!r}")
+        if (isinstance(self.grad_bucket_mb, bool) or not isinstance(self.grad_bucket_mb, (int, float))
+                or not self.grad_bucket_mb >= 0 or self.grad_bucket_mb == float("inf")):
+            raise PlanError(f"plan field 'grad_bucket_mb': must be a finite number >= 0 (MiB), "
+                            f"got {self.grad_bucket_mb!r}")
         if self.schedule != "interleaved" and self.virtual_stages != 1:
             raise PlanError("plan field 'virtual_stages': only the interleaved schedule uses more than 1")
         if not self.stages:
@@ -219,6 +228,11 @@ class Plan:
         if self.stages:
             return len({d for s in self.stages for d in s.devices})
         return self.dp * self.tp * self.pp
+
+    @property
+    def grad_bucket_bytes(self) -> int:
+        """`grad_bucket_mb` in bytes; 0: one bucket of every gradient."""
+        return int(self.grad_bucket_mb * 2**20)
 
     @property
     def grad_dtype(self) -> str:
@@ -323,6 +337,8 @@ class Plan:
             parts.append(f"dtype={self.dtype}")
         if self.grad_reduce_dtype is not None:
             parts.append(f"grad_reduce_dtype={self.grad_reduce_dtype}")
+        if self.grad_bucket_mb != 25.0:
+            parts.append(f"grad_bucket_mb={self.grad_bucket_mb:g}")
         if self.layer_split is not None:
             parts.append("layer_split=" + ":".join(map(str, self.layer_split)))
         if self.dp_shares is not None:
@@ -362,6 +378,8 @@ class Plan:
                     kwargs[key] = int(value)
                 elif key in ("recompute", "schedule", "dtype", "grad_reduce_dtype"):
                     kwargs[key] = value.lower()
+                elif key == "grad_bucket_mb":
+                    kwargs[key] = float(value)
                 elif key == "sequence_parallel":
                     kwargs[key] = parse_bool(value, "plan string: 'sequence_parallel'")
                 elif key == "layer_split" or key == "device_order":
@@ -529,7 +547,7 @@ _PLAN_TYPES: dict[str, str] = {
     "virtual_stages": _INT, "recompute": _STR, "schedule": _STR, "dtype": _STR, "sequence_parallel": _BOOL,
     "layer_split": "ints?", "device_order": "ints?", "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,
     "collectives": "str->str", "stages": "list", "stage_edges": "pairs", "grad_reduce_dtype": "str?",
-    "flow_paths": "obj?",
+    "grad_bucket_mb": "num", "flow_paths": "obj?",
 }
 FLOW_PATHS_VERSION = 1  # version of Plan.flow_paths' layout
 
@@ -578,6 +596,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "int": (_is_int, "an integer"),
     "int?": (lambda x: x is None or _is_int(x), "an integer or null"),
     "str": (lambda x: isinstance(x, str), "a string"),
+    "num": (lambda x: _is_num(x), "a number"),
     "str?": (lambda x: x is None or isinstance(x, str), "a string or null"),
     "bool": (lambda x: isinstance(x, bool), "true or false"),
     "ints": (lambda x: isinstance(x, list) and all(map(_is_int, x)), "a list of integers"),

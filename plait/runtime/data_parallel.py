@@ -4,7 +4,8 @@ Every replica's loss is already scaled by its share of the global batch (see
 `plait.runtime.executor`), so a SUM all-reduce of gradients gives the full-batch
 mean gradient even when replicas hold uneven numbers of samples (HAP §4).
 
-* ZeRO-0: gradients are all-reduced in flat buckets (DDP's 25 MB buckets), and every
+* ZeRO-0: gradients are all-reduced after the backward in flat buckets of the plan's
+  `grad_bucket_mb` (25 MiB by default, DDP's; 0: one bucket), and every
   replica runs the full optimizer.
 * ZeRO-1 (Rajbhandari et al. 2020, P_os): parameters of the rank are flattened and cut
   into dp equal shards; gradients are reduce-scattered so rank d gets the summed
@@ -103,7 +104,7 @@ class DataParallelStep:
         for p in reversed(params):  # backward produces the last layers' gradients first
             current.append(p)
             size_bytes += p.numel() * p.element_size()
-            if size_bytes >= bucket_bytes:
+            if bucket_bytes and size_bytes >= bucket_bytes:  # 0: one bucket of everything
                 self.buckets.append(current)
                 current, size_bytes = [], 0
         if current:

@@ -324,7 +324,8 @@ class Worker:
             self.opt = Zero1Step(self.params, make_opt, self.dp_group, plan.dp, self.d, self.rec,
                                  free_grads=plan.zero >= 2, scaler=self.scaler)
         else:
-            self.opt = DataParallelStep(self.params, make_opt, self.dp_group, plan.dp, self.rec, scaler=self.scaler)
+            self.opt = DataParallelStep(self.params, make_opt, self.dp_group, plan.dp, self.rec,
+                                        bucket_bytes=plan.grad_bucket_bytes, scaler=self.scaler)
         if cfg.get("clip_grad"):
             self.opt.clip = GradClipper(float(cfg["clip_grad"]), self._copy_weights(), group=self.comm.world_group)
         lay = self.layout

@@ -150,9 +150,9 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
              analytic: bool | None = None, memory: bool = True, memory_options: dict[str, Any] | None = None,
              **option_overrides: Any) -> SimResult:
     """Predict one training iteration (see module docstring). Keyword overrides go to `SimOptions`
-    (``granularity=``, ``symmetry=``, ``bucket_bytes=``, ``compute=``, ...); `memory_options` to
-    `plait.cost.memory.estimate_memory` (``optimizer=``, ``loss=``). The simulator's gradient
-    bucket size is the memory estimate's in-flight bucket too (one number)."""
+    (``granularity=``, ``symmetry=``, ``overlap_grad_reduce=``, ``compute=``, ...); `memory_options`
+    to `plait.cost.memory.estimate_memory` (``optimizer=``, ``loss=``). The gradient bucket is the
+    plan's `grad_bucket_mb`: the runtime's, the simulator's and the memory estimate's."""
     plan_obj = resolve_plan(plan)
     view = resolve_cluster(cluster)
     graph = resolve_model(model, plan_obj, inputs, analytic)
@@ -171,8 +171,6 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     result = _result(graph, plan_obj, view, lowered, schedule, time.perf_counter() - t0)
     if memory and view.cluster is not None:
         mem = dict(memory_options or {})
-        if opts.bucket_bytes is not None:
-            mem.setdefault("dp_bucket_bytes", int(opts.bucket_bytes))
         _attach_memory(result, graph, plan_obj, view, mem)
     return result
 

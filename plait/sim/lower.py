@@ -88,7 +88,10 @@ class SimOptions:
 
     granularity: str = "auto"  # "layer" | "stage" | "auto"
     symmetry: bool = True  # simulate one representative of equivalent replicas
-    bucket_bytes: float | None = None  # WFBP gradient buckets; None = one reduction after backward
+    # WFBP (Shi et al. 2018; DDP, Megatron --overlap-grad-reduce): each gradient bucket's
+    # all-reduce starts when its layers' backward ends. False: the buckets (the plan's
+    # grad_bucket_mb) are reduced back to back after the backward, as plait's runtime does.
+    overlap_grad_reduce: bool = False
     compute: ComputeModel = DEFAULT_MODEL
     h2d_bandwidth: float = 24e9  # host-to-device copy (PCIe 4.0 x16, achievable)
     data_loader_s: float = 0.0  # data-loader time per micro-batch (overlapped by prefetch)
@@ -602,7 +605,7 @@ class _Lowerer:
         plan = self.plan
         program = self.programs[w.wid]
         per_layer = self.granularity == "layer"
-        wfbp = self.opt.bucket_bytes is not None
+        wfbp = self.opt.overlap_grad_reduce
         firsts, lasts = [], []
         last_b_item: dict[int, int] = {}
         for idx, (k, c, _i) in enumerate(program):
@@ -844,23 +847,11 @@ class _Lowerer:
                 ends[w.wid] = last
                 continue
             op = traffic.dp_grad_op(plan)
-            buckets: list[tuple[float, str]] = []
-            if self.opt.bucket_bytes is None:
-                buckets.append((total, ""))
-            else:
-                acc, lastname = 0.0, ""
-                for layer, p in grads:
-                    acc += p * self.grad_bytes
-                    lastname = layer.name
-                    if acc >= self.opt.bucket_bytes:
-                        buckets.append((acc / self.grad_bytes, lastname))
-                        acc = 0.0
-                if acc > 0:
-                    buckets.append((acc / self.grad_bytes, lastname))
+            buckets = self._grad_buckets(total, grads)
             ring, twins = self._dp_group(w)
             prev = -1
             for bi, (params, lname) in enumerate(buckets):
-                ready = self.layer_bwd_end[w.wid].get(lname, last) if lname else last
+                ready = self.layer_bwd_end[w.wid].get(lname, last) if (lname and self.opt.overlap_grad_reduce) else last
                 deps = [ready] + ([prev] if prev >= 0 else [])
                 # When every replica is simulated they all join the same collective task.
                 tid = self._collective_task(f"{op.replace('_', '')} dp bucket{bi}", "comm_dp", op,
@@ -878,6 +869,26 @@ class _Lowerer:
             ends[we.wid] = tid
             ends[wh.wid] = tid
         return ends
+
+    def _grad_buckets(self, total: float, grads: list) -> list[tuple[float, str]]:
+        """(parameters, last layer) of each data-parallel gradient bucket, in backward order: the
+        plan's `grad_bucket_mb` cut as the runtime cuts it (a bucket closes once it holds at
+        least that many bytes; 0: one bucket). Without overlap the last layer is not used: every
+        bucket waits for the end of the backward."""
+        size = self.plan.grad_bucket_bytes
+        if not size:
+            return [(total, "")]
+        buckets: list[tuple[float, str]] = []
+        acc, lastname = 0.0, ""
+        for layer, p in grads:
+            acc += p * self.grad_bytes
+            lastname = layer.name
+            if acc >= size:
+                buckets.append((acc / self.grad_bytes, lastname))
+                acc = 0.0
+        if acc > 0:
+            buckets.append((acc / self.grad_bytes, lastname))
+        return buckets or [(total, "")]
 
     def _tied_pairs(self, workers: list[Worker]) -> list[tuple[Worker, Worker, int]]:
         tied = traffic.tied_embedding(self.graph)
