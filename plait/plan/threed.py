@@ -106,6 +106,7 @@ class Candidate:
     placement: PlacementResult | None = None
     default_order_time_s: float | None = None  # simulated with the layout's start order
     sim: dict[str, Any] | None = None
+    family: str = "3d"  # the planner family that proposed it ("3d", "graph", "spmd", ...)
 
     @property
     def time_s(self) -> float:
@@ -115,6 +116,7 @@ class Candidate:
         return {
             "plan": self.plan.to_dict(),
             "plan_str": str(self.plan),
+            "family": self.family,
             "layout": self.layout,
             "iteration_time_s": self.iteration_time_s,
             "analytic_time_s": self.analytic_s,
@@ -143,6 +145,9 @@ class PlanResult:
     simulated: int = 0
     search_time_s: float = 0.0
     ranker: str = "simulator"
+    # the search of each family when several ran (plait.search.driver): name -> its own result,
+    # or the reason it proposed nothing (e.g. "no branches" for graph pipelines of a chain)
+    families: dict[str, PlanResult | str] = field(default_factory=dict)
 
     @property
     def best(self) -> Candidate:
@@ -162,7 +167,16 @@ class PlanResult:
             "pruned_reasons": self.pruned_reasons, "pruned_examples": self.pruned_examples,
             "search_time_s": self.search_time_s,
             "top": [c.to_dict() for c in self.top],
+            **({"families": {name: (r if isinstance(r, str) else r.family_summary())
+                             for name, r in self.families.items()}} if self.families else {}),
         }
+
+    def family_summary(self) -> dict[str, Any]:
+        """This result as one family's row: its best time, search time and candidate counts."""
+        return {"best_time_s": self.best.time_s if self.top else None,
+                "best_plan": str(self.best.plan) if self.top else None,
+                "search_time_s": self.search_time_s, "enumerated": self.enumerated,
+                "pruned_memory": self.pruned, "simulated": self.simulated}
 
 
 # ============================================================================ model / cluster

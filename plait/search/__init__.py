@@ -7,7 +7,9 @@
 The driver sits above the planners, the simulator and the runtime (docs/DESIGN.md): the
 planners enumerate, prune by memory and rank analytically without knowing the simulator; the
 driver hands them the simulator as their `evaluate` function, so every family is ranked by the
-same simulator. Today the family is the Pipette-style 3D configurator (`plait.plan.threed`).
+same simulator. Families register in `plait.search.driver.FAMILIES` ("3d": the Pipette-style
+configurator, `plait.plan.threed`); `plan(..., families="all")` searches them all and merges
+their finalists into one ranking.
 With no arguments it plans `DEFAULT_MODEL` on `DEFAULT_CLUSTER` at `DEFAULT_GLOBAL_BATCH`.
 """
 
@@ -26,10 +28,16 @@ from plait.plan.threed import (
     enumerate_groups,
     load_graph,
 )
-from plait.search.driver import plan, simulator_evaluate
+from plait.search.driver import (
+    FAMILIES,
+    plan,
+    register_family,
+    resolve_families,
+    simulator_evaluate,
+)
 
 __all__ = [
     "DEFAULT_CLUSTER", "DEFAULT_GLOBAL_BATCH", "DEFAULT_MODEL", "AnalyticModel", "Candidate", "PlanResult",
     "SearchError", "SearchSpace", "auto_dtype", "enumerate_groups", "load_graph", "plan",
-    "simulator_evaluate",
+    "simulator_evaluate", "FAMILIES", "register_family", "resolve_families",
 ]

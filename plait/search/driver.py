@@ -1,20 +1,58 @@
-"""The search driver: runs a planner family and ranks its finalists with the simulator."""
+"""The search driver: runs every planner family and ranks their finalists with one simulator.
+
+Each family is a function with the signature of `FamilySearch`: it enumerates its own plans,
+prunes them by the one memory estimator, ranks them analytically and has its finalists timed
+by the `evaluate` it is handed -- the simulator, the same for every family -- and returns a
+`PlanResult` whose candidates carry their `family`. The driver merges the families' finalists
+into one ranking by simulated iteration time (so a 3D plan, a graph pipeline and an SPMD
+program compete on one scale) and keeps each family's own result for the table "best per
+family". A family that proposes nothing for this model and cluster (a graph pipeline of a
+chain, say) says why instead of failing the search.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from plait.cluster import load_cluster
 from plait.cluster.spec import Cluster
+from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
-from plait.plan.threed import DEFAULT_CLUSTER, Evaluate, PlanResult, search_3d
+from plait.plan.threed import DEFAULT_CLUSTER, Evaluate, PlanResult, SearchError, search_3d
+
+
+class FamilySearch(Protocol):
+    """One planner family: `(model, cluster, *, global_batch, top, evaluate, supports, compute,
+    **options) -> PlanResult` (raises a PlaitError when it has nothing to propose)."""
+
+    def __call__(self, model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+                 evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+                 compute: Any, **options: Any) -> PlanResult: ...
+
+
+# name -> (search function, the keyword options it takes besides the common ones). Families
+# register themselves here (`register_family`); the order is the order of the table.
+FAMILIES: dict[str, tuple[FamilySearch, frozenset[str]]] = {}
+
+_3D_OPTIONS = frozenset({"finalists", "space", "placement", "seed", "progress", "placement_iterations",
+                         "memory_kwargs", "layer_time", "on_progress"})
+
+
+def register_family(name: str, search: FamilySearch, options: Sequence[str] = ()) -> None:
+    """Add (or replace) a planner family; `options` are the keyword arguments of `plan()` it takes."""
+    FAMILIES[name] = (search, frozenset(options))
+
+
+register_family("3d", search_3d, _3D_OPTIONS)
 
 
 def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
     """`evaluate(graph, plan) -> dict` for the planners: `plait.sim.api.simulate` without the
     memory estimate (the search has it), on one ClusterView and one layer-cost cache shared
-    by every finalist of the search."""
+    by every finalist of every family."""
     from plait.sim.api import simulate
     from plait.sim.topology import ClusterView
 
@@ -28,15 +66,78 @@ def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
     return evaluate
 
 
+def resolve_families(families: str | Sequence[str] | None) -> list[str]:
+    """The families to search: None or "all" -> every registered one; else the names given
+    (a comma-separated string or a list), each checked."""
+    if families is None or families == "all":
+        return list(FAMILIES)
+    names = [f.strip() for f in families.split(",")] if isinstance(families, str) else list(families)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown or not names:
+        raise SearchError(f"--family: unknown {unknown or names!r}; use one or more of {list(FAMILIES)} or 'all'")
+    return names
+
+
 def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
-         simulate: bool = True, compute: Any = None, **kwargs: Any) -> PlanResult:
-    """The fastest plans of `model` on `cluster` for `global_batch`, ranked by the simulator
-    (`simulate=False`: by the analytic model alone). Other keyword arguments go to
-    `plait.plan.threed.search_3d` (finalists, space, placement, seed, progress, ...)."""
+         simulate: bool = True, compute: Any = None, families: str | Sequence[str] | None = "3d",
+         **kwargs: Any) -> PlanResult:
+    """The fastest plans of `model` on `cluster` for `global_batch` over the planner `families`
+    ("all", a name or a list; see FAMILIES), ranked by the simulator (`simulate=False`: by each
+    family's analytic model alone). Other keyword arguments go to the families that take them
+    (e.g. finalists, space, placement, seed, progress for "3d").
+
+    One family: its own result. Several: one result whose `top` merges every family's
+    finalists by iteration time and whose `families` holds each family's result (or why it
+    proposed nothing); a search where no family proposes anything raises the first reason."""
     from plait.runtime import supports
 
+    t0 = time.perf_counter()
+    names = resolve_families(families)
     cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
     evaluate = simulator_evaluate(cluster_obj, compute) if simulate else None
     kwargs.setdefault("supports", supports)  # never offer a plan the runtime would refuse
-    return search_3d(model, cluster_obj, global_batch=global_batch, top=top, evaluate=evaluate,
-                     compute=compute, **kwargs)
+    common = {"global_batch": global_batch, "top": top, "evaluate": evaluate, "compute": compute,
+              "supports": kwargs.pop("supports")}
+    unknown = [k for k in kwargs if not any(k in FAMILIES[n][1] for n in names)]
+    if unknown:
+        raise SearchError(f"plan: option(s) {unknown} are not taken by the families {names}")
+    results: dict[str, PlanResult | str] = {}
+    errors: list[PlaitError] = []
+    for name in names:
+        search, options = FAMILIES[name]
+        own = {k: v for k, v in kwargs.items() if k in options}
+        try:
+            res = search(model, cluster_obj, **common, **own)
+        except PlaitError as exc:
+            if len(names) == 1:
+                raise
+            results[name], errors = f"{exc}", [*errors, exc]
+            continue
+        for c in res.top:
+            c.family = name
+        results[name] = res
+    if len(names) == 1:
+        return results[names[0]]  # type: ignore[return-value]
+    found = [r for r in results.values() if isinstance(r, PlanResult)]
+    if not found:
+        raise SearchError("plan: no family proposed a plan: " + "; ".join(
+            f"{n}: {r}" for n, r in results.items()))
+    merged = sorted((c for r in found for c in r.top), key=lambda c: (c.time_s, c.family, str(c.plan)))
+    first = found[0]
+    return PlanResult(model=first.model, cluster=first.cluster, global_batch=first.global_batch,
+                      world_size=first.world_size, top=merged[:top],
+                      enumerated=sum(r.enumerated for r in found), pruned=sum(r.pruned for r in found),
+                      pruned_reasons=_summed(r.pruned_reasons for r in found),
+                      pruned_examples={k: v for r in found for k, v in r.pruned_examples.items()},
+                      memory_checked=sum(r.memory_checked for r in found),
+                      ranked_analytic=sum(r.ranked_analytic for r in found),
+                      simulated=sum(r.simulated for r in found), search_time_s=time.perf_counter() - t0,
+                      ranker=first.ranker, families=results)
+
+
+def _summed(dicts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
