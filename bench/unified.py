@@ -1,0 +1,161 @@
+"""One search across every planner family: the best plan of each family and the unified pick.
+
+    python bench/unified.py                 # every case
+    python bench/unified.py --quick         # the small cases only, fewer finalists
+    python bench/unified.py --json
+
+For each case (model, cluster, global batch) the bench runs `plait.search.plan(..., families=
+"all")` -- every registered family (`plait.search.FAMILIES`: "3d" always; "graph" and "spmd"
+when those planners are present), each ranked by the same simulator -- and prints per family
+the best predicted iteration time (or why the family proposed nothing), the unified pick and
+its family, the gain of the pick over the best single family (1.00 when the pick *is* one
+family's best: a gain needs a plan no single family proposes), the search time of each family
+and of the whole search, and the pick's memory margin (the least free memory over its GPUs).
+
+On the small cases (<= 16 GPUs, <= 24 layers) the bench also runs each family exhaustively
+(every candidate simulated: ``finalists=None`` for the 3D family) and reports the unified
+pick's time over the best exhaustive plan (goal: within 5 %).
+
+Cases: GPT on homogeneous A100 nodes; BERT-Base on a V100 + P100 mix (HAP's kinds); a
+multimodal MMT on mixed A100 + V100 nodes; DLRM on identical GPUs; GPT-2 on AMP's two published
+clusters (bench/data/amp_*.yaml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+DATA = ROOT / "bench" / "data"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    cluster: str
+    global_batch: int
+    small: bool  # <= 16 GPUs and <= 24 layers: checked against exhaustive per-family search
+
+
+CASES = [
+    Case("gpt-a100", "gpt:layers=24,hidden=2048,heads=16,seq=2048", "dgx-a100:nodes=2", 64, True),
+    Case("bert-v100+p100", "bert:layers=12,hidden=768,heads=12,seq=512", str(DATA / "v100_p100_2node.yaml"), 128, True),
+    Case("mmt-a100+v100", "mmt", "mixed-a100-v100:a100_nodes=1,v100_nodes=1", 64, True),
+    Case("dlrm-a100", "dlrm", "dgx-a100:nodes=1", 512, True),
+    Case("gpt2-amp-homog", "gpt:layers=24,hidden=1024,heads=16,seq=1024,vocab=52256",
+         str(DATA / "amp_homogeneous.yaml"), 32, True),
+    Case("gpt2-amp-het", "gpt:layers=24,hidden=1024,heads=16,seq=1024,vocab=52256",
+         str(DATA / "amp_het_cluster.yaml"), 32, True),
+]
+
+
+def _cluster(text: str) -> Any:
+    from plait.cluster import load_cluster
+
+    return load_cluster(text)
+
+
+def run_case(case: Case, finalists: int | None, exhaustive: bool) -> dict[str, Any]:
+    from plait.errors import PlaitError
+    from plait.plan.threed import PlanResult
+    from plait.search import plan
+
+    cluster = _cluster(case.cluster)
+    t0 = time.perf_counter()
+    res = plan(case.model, cluster, global_batch=case.global_batch, top=3, families="all",
+               finalists=finalists, progress=False)
+    wall = time.perf_counter() - t0
+    families = res.families or {res.best.family: res}
+    per = {}
+    for name, r in families.items():
+        if isinstance(r, PlanResult):
+            per[name] = {"best_s": r.best.time_s, "plan": str(r.best.plan), "search_s": r.search_time_s}
+        else:
+            per[name] = {"best_s": None, "why": r}
+    singles = [v["best_s"] for v in per.values() if v["best_s"] is not None]
+    best = res.best
+    margin = min(best.headroom_by_kind.values()) if best.headroom_by_kind else None
+    out: dict[str, Any] = {
+        "case": case.name, "model": case.model, "cluster": cluster.name, "gpus": cluster.num_devices,
+        "global_batch": case.global_batch, "families": per, "pick_family": best.family,
+        "pick_plan": str(best.plan), "pick_s": best.time_s,
+        "gain_over_best_family": min(singles) / best.time_s if singles else None,
+        "search_s": wall, "memory_margin_bytes": margin,
+    }
+    if exhaustive and case.small:
+        try:
+            full = plan(case.model, cluster, global_batch=case.global_batch, top=1, families="all",
+                        finalists=None, progress=False)
+            out["exhaustive_best_s"] = full.best.time_s
+            out["pick_vs_exhaustive"] = best.time_s / full.best.time_s
+        except PlaitError as exc:
+            out["exhaustive_error"] = str(exc)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two cases, 4 finalists, no exhaustive check")
+    ap.add_argument("--case", action="append", choices=[c.name for c in CASES], help="only this case")
+    ap.add_argument("--finalists", type=int, default=12)
+    ap.add_argument("--no-exhaustive", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from plait.search import FAMILIES
+
+    cases = [c for c in CASES if not args.case or c.name in args.case]
+    if args.quick and not args.case:
+        cases = [CASES[0], CASES[4]]
+    finalists = 4 if args.quick else args.finalists
+    rows = [run_case(c, finalists, exhaustive=not (args.quick or args.no_exhaustive)) for c in cases]
+    names = list(FAMILIES)
+    summary = {
+        "families": names,
+        "cases": len(rows),
+        "cases_gain_ge_1_2": sum(1 for r in rows if (r["gain_over_best_family"] or 0) >= 1.2),
+        "worst_pick_vs_exhaustive": max((r["pick_vs_exhaustive"] for r in rows if "pick_vs_exhaustive" in r),
+                                        default=None),
+        "max_search_s": max(r["search_s"] for r in rows),
+    }
+    if args.json:
+        print(json.dumps({"summary": summary, "rows": rows}, indent=1))
+        return 0
+    console = Console(width=170)
+    t = Table(title="one search across families: best predicted iteration time per family and the unified pick")
+    t.add_column("case")
+    t.add_column("GPUs", justify="right")
+    for n in names:
+        t.add_column(n, justify="right")
+    for col in ("pick (family)", "gain vs best family", "pick vs exhaustive", "margin GiB", "search s"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        cells = []
+        for n in names:
+            f = r["families"].get(n)
+            cells.append("-" if f is None else (f"{f['best_s'] * 1e3:.1f} ms" if f["best_s"] is not None
+                                                 else "none: " + f["why"][:40]))
+        margin = r["memory_margin_bytes"]
+        t.add_row(r["case"], str(r["gpus"]), *cells, f"{r['pick_s'] * 1e3:.1f} ms ({r['pick_family']})",
+                  f"{r['gain_over_best_family']:.2f}x" if r["gain_over_best_family"] else "-",
+                  f"{r['pick_vs_exhaustive']:.3f}" if "pick_vs_exhaustive" in r else "-",
+                  "-" if margin is None else f"{margin / 2**30:.1f}", f"{r['search_s']:.1f}")
+    console.print(t)
+    console.print(f"summary: {summary}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
