@@ -47,7 +47,7 @@ from plait.ir.plan import Plan
 from plait.recover.detect import Detect, actionable, default_detect, launcher_diagnosis
 from plait.recover.isolate import Isolation, RecoveryError, nodes_to_isolate, remaining_cluster
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.api import RunFailure, rank_layout, read_step_records, run
+from plait.runtime.api import RunFailure, RunResult, rank_layout, read_step_records, run
 
 REJOIN_FILE = "rejoin"
 # run() arguments that inject faults: the first phase's hardware, isolated afterwards.
@@ -155,14 +155,18 @@ class _Watch:
     """The launcher's `watch` for one phase: live diagnosis and rejoin requests."""
 
     def __init__(self, phase_dir: Path, root: Path, ck_dir: Path, excluded: list[str], detect: Detect,
-                 config: RecoveryConfig) -> None:
+                 config: RecoveryConfig, start: int) -> None:
         self.phase_dir, self.root, self.ck_dir = phase_dir, root, ck_dir
         self.excluded, self.detect, self.config = excluded, detect, config
         self.diagnosis: Diagnosis | None = None
+        self.what = ""  # what the live diagnosis named
         self.rejoin: list[str] = []
         self.rejoin_after: int | None = None  # the newest checkpoint when the request was seen
         self.last_detect = time.time()
         self.notes: list[str] = []
+        self.start = start
+        if self._requests():  # declared back before this phase started: its first checkpoint grows it
+            self.rejoin_after = start
 
     def _step(self) -> int:
         steps = []
@@ -171,7 +175,7 @@ class _Watch:
                 steps.append(int(json.loads(f.read_text()).get("step") or 0))
             except (OSError, ValueError, TypeError):
                 continue
-        return min(steps, default=0)
+        return max(self.start, min(steps, default=0))
 
     def _requests(self) -> list[str]:
         step = self._step()
@@ -191,8 +195,8 @@ class _Watch:
             latest = ckpt.latest_checkpoint(self.ck_dir)
             newest = latest[0] if latest else 0
             if self.rejoin_after is None:
-                self.rejoin, self.rejoin_after = wanted, newest
-            elif newest > self.rejoin_after:
+                self.rejoin_after = newest
+            if newest > self.rejoin_after:
                 self.rejoin = wanted
                 return f"node {', '.join(wanted)} declared back: growing the job at checkpoint {newest}"
         if self.config.live and time.time() - self.last_detect >= self.config.detect_every:
@@ -204,8 +208,8 @@ class _Watch:
                 return None
             if actionable(found):
                 self.diagnosis = found
-                what = "; ".join(f"{f.kind} of ranks {list(f.ranks)}" for f in found.findings if f.ranks)
-                return f"diagnosed {what}"
+                self.what = "; ".join(f"{f.kind} of ranks {list(f.ranks)}" for f in found.findings if f.ranks)
+                return f"the live diagnosis names {self.what}"
         return None
 
 
@@ -293,17 +297,17 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         _write(result)
         say(f"phase {i}: {current} on {len(cl.devices)} devices ({', '.join(phase.nodes)}), from step {start}; "
             f"predicted {predicted * 1e3:.2f} ms/step")
-        watch = _Watch(phase_dir, root, ck_dir, excluded, detect, config)
+        watch = _Watch(phase_dir, root, ck_dir, excluded, detect, config, start)
         started = time.time()
         failure: RunFailure | None = None
         try:
-            run(model, cl, current, steps, run_dir=phase_dir, checkpoint_dir=ck_dir,
+            done = run(model, cl, current, steps, run_dir=phase_dir, checkpoint_dir=ck_dir,
                 checkpoint_every=config.checkpoint_every, resume=start > 0, watch=watch, step_records=True,
                 **run_kwargs, **(faults if i == 0 else {}))
             phase.ended = "finished"
         except RunFailure as exc:
             failure = exc
-        _collect(phase, current.world_size, pending, transitions)
+        _collect(phase, current.world_size, pending, transitions, done if failure is None else None)
         pending = None
         if failure is None:
             _write(result)
@@ -322,7 +326,7 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
             if not actionable(diagnosis):
                 diagnosis = launcher_diagnosis(failure, phase_dir, current.world_size, started,
                                                rank_layout(cl, current))
-            phase.ended = f"{'diagnosed' if watch.diagnosis else 'failed'}: {failure}"
+            phase.ended = f"diagnosed: {watch.what}" if watch.diagnosis else f"failed: {failure}"
             phase.diagnosis = diagnosis.to_dict()
             (phase_dir / "diagnosis.json").write_text(json.dumps(diagnosis.to_dict(), indent=1))
             if not actionable(diagnosis):
@@ -359,12 +363,17 @@ def _post_mortem(detect: Detect, phase_dir: Path, watch: _Watch) -> Diagnosis:
         return Diagnosis(run_dir=str(phase_dir))
 
 
-def _collect(phase: Phase, world: int, pending: dict[str, Any] | None, transitions: list[Transition]) -> None:
-    """The phase's streamed step records; closes the pending transition at its first step."""
+def _collect(phase: Phase, world: int, pending: dict[str, Any] | None, transitions: list[Transition],
+             done: RunResult | None) -> None:
+    """The phase's losses and step times: the run's own report when it finished (`done`), else its
+    streamed step records; closes the pending transition at the phase's first step."""
     recs = read_step_records(phase.run_dir, world)
     phase.losses = recs.losses
     phase.iteration_times = recs.iteration_times
-    times = [t for s, t in sorted(recs.iteration_times.items())][1:]  # the first step warms up
+    if done is not None:
+        phase.losses = dict(zip(done.steps, done.losses, strict=True))
+        phase.iteration_times = dict(zip(done.steps, done.iteration_times, strict=True))
+    times = [t for _, t in sorted(phase.iteration_times.items())][1:]  # the first step warms up
     phase.measured_step_s = statistics.median(times) if times else None
     if pending is not None and recs.started_wall:
         first = recs.started_wall[min(recs.started_wall)]

@@ -501,7 +501,12 @@ def read_step_records(run_dir: str | Path, world: int) -> StepRecords:
         if len(recs) < world:
             continue
         shares = {int(r["dp"]): float(r["loss_share"]) for r in recs.values() if "loss_share" in r}
-        out.losses[step] = sum(shares[d] for d in sorted(shares))
+        # Summed in fp32 as the replicas' all-reduce does (exact for 2 replicas; for more, the
+        # order of a ring's additions may differ in the last bit).
+        total = torch.zeros((), dtype=torch.float32)
+        for d in sorted(shares):
+            total += shares[d]
+        out.losses[step] = float(total)
         out.iteration_times[step] = max(r["t1"] for r in recs.values()) - min(r["t0"] for r in recs.values())
         out.started_wall[step] = min(r["wall"] - (r["t1"] - r["t0"]) for r in recs.values())
     return out
