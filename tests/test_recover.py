@@ -221,3 +221,37 @@ def test_cli_refuses_bad_recovery_flags(argv: list[str], message: str, capsys: p
     code = main(["run", "--model", TINY, "--plan", "dp=2,micro_batch=2,global_batch=8", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bench_core_on_a_tiny_case(tmp_path: Path) -> None:
+    """bench/recovery.py's `measure` without this machine's calibration: one recovery (4 -> 2
+    ranks), the baseline resume, the rows and the summary's headline figures."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "recovery.py"
+    spec = importlib.util.spec_from_file_location("recovery_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    out = bench.measure(TINY, EMU, "dp=4,micro_batch=2,global_batch=16,dtype=fp32", 5, 1, 3, 2, tmp_path,
+                        machine=False, rerun_steps=0)
+    rows = {r["row"]: r for r in out["rows"]}
+    assert rows["phase 0"]["ranks"] == 4 and rows["phase 1"]["ranks"] == 2 and rows["phase 1"]["from_step"] == 2
+    assert rows["recovery after phase 0"]["isolated"] == ["a100-node"]
+    assert rows["baseline: plain resume, same run"]["call_to_train_s"] > 0
+    s = out["summary"]
+    assert 0 < s["detect_to_train_s"] < 60 and s["detect_goal_met"] and list(s["losses"]) == [str(i) for i in range(5)]
+    bench.print_table(out)  # the table renders from the same object
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hung_rank_is_isolated_after_the_heartbeat_timeout(tmp_path: Path) -> None:
+    res = recover(TINY, EMU, "dp=4,micro_batch=2,global_batch=16,dtype=fp32", 6, run_dir=tmp_path,
+                  config=RecoveryConfig(checkpoint_every=2, live=False), fault="rank=2,step=3,kind=hang", timeout=5)
+    p0, p1 = res.phases
+    assert "rank 2 (host v100-node" in p0.ended and "hung at step 3" in p0.ended
+    assert p0.diagnosis["findings"][0]["kind"] == "noncomm_hang" and p0.isolation["nodes"] == ["v100-node"]
+    assert p1.nodes == ["a100-node"] and p1.start_step == 2 and p1.ended == "finished"
+    assert list(res.losses) == list(range(6)) and res.transitions[0].detect_to_train_s < 60

@@ -155,7 +155,7 @@ class _Watch:
     """The launcher's `watch` for one phase: live diagnosis and rejoin requests."""
 
     def __init__(self, phase_dir: Path, root: Path, ck_dir: Path, excluded: list[str], detect: Detect,
-                 config: RecoveryConfig, start: int) -> None:
+                 config: RecoveryConfig, start: int, rejoin_at: dict[str, int]) -> None:
         self.phase_dir, self.root, self.ck_dir = phase_dir, root, ck_dir
         self.excluded, self.detect, self.config = excluded, detect, config
         self.diagnosis: Diagnosis | None = None
@@ -165,6 +165,7 @@ class _Watch:
         self.last_detect = time.time()
         self.notes: list[str] = []
         self.start = start
+        self.rejoin_at = rejoin_at  # scripted repairs not yet acted on
         if self._requests():  # declared back before this phase started: its first checkpoint grows it
             self.rejoin_after = start
 
@@ -180,7 +181,7 @@ class _Watch:
     def _requests(self) -> list[str]:
         step = self._step()
         path = self.root / REJOIN_FILE
-        for node, at in self.config.rejoin_at.items():
+        for node, at in self.rejoin_at.items():
             if node in self.excluded and step >= at:
                 names = path.read_text().split() if path.exists() else []
                 if node not in names:
@@ -276,6 +277,7 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
     faults = {k: run_kwargs.pop(k) for k in FAULT_KWARGS if k in run_kwargs}
     resume = bool(run_kwargs.pop("resume", False))
     excluded: list[str] = []
+    rejoin_at = dict(config.rejoin_at)  # each scripted repair happens once
     phases: list[Phase] = []
     transitions: list[Transition] = []
     result = RecoveryResult(model=str(model), steps=steps, phases=phases, transitions=transitions,
@@ -297,7 +299,7 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         _write(result)
         say(f"phase {i}: {current} on {len(cl.devices)} devices ({', '.join(phase.nodes)}), from step {start}; "
             f"predicted {predicted * 1e3:.2f} ms/step")
-        watch = _Watch(phase_dir, root, ck_dir, excluded, detect, config, start)
+        watch = _Watch(phase_dir, root, ck_dir, excluded, detect, config, start, rejoin_at)
         started = time.time()
         failure: RunFailure | None = None
         try:
@@ -320,6 +322,8 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
             back = list(watch.rejoin)
             excluded = [n for n in excluded if n not in back]
             _consume(root, back)
+            for n in back:
+                rejoin_at.pop(n, None)
             reason, nodes = "rejoin", back
         else:
             diagnosis = watch.diagnosis or _post_mortem(detect, phase_dir, watch)
