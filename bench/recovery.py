@@ -26,6 +26,12 @@ Rows:
   same checkpoint, from the call to its first step: the restart cost any resume pays. Recovery's
   own overhead is the difference.
 
+By default every phase's ranks, the baseline's and LocalMachine's run the same way: rank r in a
+cpu cgroup on CPU r mod CPUs with a high `cpu.shares` (`plait.runtime.cpu_share`), freed memory
+kept (`plait.measure.machine.MALLOC_ENV`) -- the conditions the prediction for this machine
+assumes; `--no-pin` runs the phases as plain `plait run --recover` does (on a shared machine
+their steps then take what other processes leave).
+
 Goals (issue 15): detection to training again < 60 s; the new plan's measured step within 10 %
 of its prediction where the machine has a CPU per rank (here 2 CPUs: the phase after recovery,
 2 ranks; the 4-rank phase before it time-shares the CPUs and is reported, not judged).
@@ -76,7 +82,7 @@ def first_step_wall(run_dir: Path, world: int) -> float | None:
     return started[min(started)] if started else None
 
 
-def baseline_resume(res: Any, work: Path) -> dict[str, Any]:
+def baseline_resume(res: Any, work: Path, env: dict[str, str]) -> dict[str, Any]:
     """Plain resume of the recovered plan from a copy of the checkpoint it resumed from."""
     from plait.runtime import checkpoint as ckpt
     from plait.runtime.api import run
@@ -91,25 +97,56 @@ def baseline_resume(res: Any, work: Path) -> dict[str, Any]:
     t0 = time.time()
     out = run(res.model, str(Path(after.run_dir) / "cluster.yaml"), Path(after.run_dir) / "plan.json",
               steps=t.resumed_from + 2, checkpoint_dir=ck, resume=bool(t.resumed_from), run_dir=rdir,
-              step_records=True, dtype="fp32", timeout=120)
+              step_records=True, dtype="fp32", timeout=120, env=env)
     first = first_step_wall(rdir, after.world_size)
     return {"call_to_train_s": (first - t0) if first else None, "steps": out.steps}
 
 
 def measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, kill_step: int,
             checkpoint_every: int, work: Path, machine: bool, rerun_steps: int,
-            say: Any = lambda text: None) -> dict[str, Any]:
-    """The bench's core: one recovery, the baseline resume and (machine) this machine's predictions."""
-    from plait.recover import RecoveryConfig, recover
+            say: Any = lambda text: None, pin: bool = False) -> dict[str, Any]:
+    """The bench's core: one recovery, the baseline resume and (machine) this machine's predictions.
+    `pin`: every phase's ranks (and the baseline's) run as LocalMachine runs them -- rank r in a cpu
+    cgroup on CPU r mod CPUs with a high cpu.shares, freed memory kept -- so the measurement is
+    taken under the conditions the prediction for this machine assumes (root, cgroup v1)."""
+    from contextlib import ExitStack
 
+    from plait.measure.machine import MALLOC_ENV, SHARES
+    from plait.runtime.cpu_share import RankCgroups, pinned
+
+    with ExitStack() as stack:
+        env: dict[str, str] = {}
+        pinning = "off"
+        if pin:
+            world = 4 * (os.cpu_count() or 1)  # enough groups for any phase
+            groups = stack.enter_context(RankCgroups(world, shares=SHARES, cpuset=pinned(world)))
+            env = {**groups.env(), **MALLOC_ENV}
+            pinning = groups.describe() if groups.active else f"off: {groups.reason}"
+        out = _measure(model, cluster, plan, steps, kill_rank, kill_step, checkpoint_every, work, machine,
+                       rerun_steps, say, env)
+    out["summary"]["pinning"] = pinning
+    return out
+
+
+def _measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, kill_step: int,
+             checkpoint_every: int, work: Path, machine: bool, rerun_steps: int, say: Any,
+             env: dict[str, str]) -> dict[str, Any]:
+    import inspect
+
+    from plait.recover import RecoveryConfig, recover
+    from plait.runtime.api import run
+
+    # the public injection where this plait has it, else the hidden test fault
+    kill = {"inject": f"kill:rank={kill_rank},step={kill_step}"} if "inject" in inspect.signature(run).parameters \
+        else {"fault": f"rank={kill_rank},step={kill_step},kind=die"}
     t0 = time.time()
     res = recover(model, cluster, plan, steps, run_dir=work / "run", dtype="fp32", timeout=60,
-                  config=RecoveryConfig(checkpoint_every=checkpoint_every, live=False),
-                  fault=f"rank={kill_rank},step={kill_step},kind=die", keep_checkpoints=None, say=say)
+                  config=RecoveryConfig(checkpoint_every=checkpoint_every, live=False), keep_checkpoints=None,
+                  say=say, env=env, **kill)
     say(f"recovery run done in {time.time() - t0:.0f} s")
     if not res.transitions:
         raise SystemExit(f"no recovery happened (phases: {[p.ended for p in res.phases]})")
-    base = baseline_resume(res, work)
+    base = baseline_resume(res, work, env)
     say(f"baseline resume: {base['call_to_train_s']:.1f} s from call to first step")
     cpus = os.cpu_count() or 1
     rows: list[dict[str, Any]] = []
@@ -180,6 +217,7 @@ def print_table(out: dict[str, Any]) -> None:
             v = r["call_to_train_s"]
             print(f"{r['row']}: call -> first step {v:.1f} s" if v is not None else f"{r['row']}: no step ran")
     s = out["summary"]
+    print(f"ranks pinned: {s.get('pinning', 'off')}")
     print(f"detection to training again {s['detect_to_train_s']:.1f} s (goal < {s['detect_goal_s']:.0f} s: "
           f"{'met' if s['detect_goal_met'] else 'NOT met'})")
     if s["after_error"] is not None:
@@ -200,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-step", type=int, default=None, help="default: a third of the steps, off a checkpoint")
     ap.add_argument("--checkpoint-every", type=int, default=2)
     ap.add_argument("--no-machine", action="store_true", help="skip this machine's predictions (LocalMachine)")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="run the phases unpinned (default: pinned one rank per CPU, as LocalMachine runs them)")
     ap.add_argument("--workdir", default=None, help="keep the run folders here (default: a temporary folder)")
     args = ap.parse_args(argv)
     steps = args.steps or (10 if args.quick else 24)
@@ -214,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     out = measure(args.model, args.cluster, args.plan, steps, args.kill_rank, kill, args.checkpoint_every, work,
-                  not args.no_machine, 0 if args.quick else 10, say)
+                  not args.no_machine, 0 if args.quick else 10, say, pin=not args.no_pin)
     out["summary"]["bench_s"] = time.time() - t0
     out["config"] = {"model": args.model, "cluster": args.cluster, "plan": args.plan, "steps": steps,
                      "kill_rank": args.kill_rank, "kill_step": kill, "checkpoint_every": args.checkpoint_every,

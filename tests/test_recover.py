@@ -4,6 +4,7 @@ node joining back -- resuming from resharded checkpoints with the loss curve con
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -29,6 +30,14 @@ TINY = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0,attn_dropout=0"
 # 2 nodes x 2 GPUs (A100 node, V100 node) on loopback: no root needed.
 EMU = "emulated-mixed:namespaces=false"
 MIXED = "mixed-a100-v100:a100_nodes=2,v100_nodes=2,gpus_per_node=1"  # 4 nodes of one GPU each
+
+
+def _fault(kind: str, rank: int, step: int) -> dict[str, str]:
+    """A rank killed (kill) or hung (hang) at a step: `run(inject=...)` where this plait has the
+    public injection, else the hidden test fault."""
+    if "inject" in inspect.signature(run).parameters:
+        return {"inject": f"{kind}:rank={rank},step={step}"}
+    return {"fault": f"rank={rank},step={step},kind={'die' if kind == 'kill' else kind}"}
 
 
 def _diag(*findings: Finding) -> Diagnosis:
@@ -123,7 +132,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """4 ranks (dp=2 x tp=2) on 2 emulated nodes; rank 1 killed at step 5; checkpoints every 2."""
     d = tmp_path_factory.mktemp("killed")
     res = recover(TINY, EMU, "dp=2,tp=2,micro_batch=2,global_batch=16,dtype=fp32", 8, run_dir=d / "run",
-                  config=RecoveryConfig(checkpoint_every=2, live=False), fault="rank=1,step=5,kind=die",
+                  config=RecoveryConfig(checkpoint_every=2, live=False), **_fault("kill", 1, 5),
                   keep_checkpoints=None, timeout=60)
     return {"res": res, "dir": d}
 
@@ -249,7 +258,7 @@ def test_bench_core_on_a_tiny_case(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_hung_rank_is_isolated_after_the_heartbeat_timeout(tmp_path: Path) -> None:
     res = recover(TINY, EMU, "dp=4,micro_batch=2,global_batch=16,dtype=fp32", 6, run_dir=tmp_path,
-                  config=RecoveryConfig(checkpoint_every=2, live=False), fault="rank=2,step=3,kind=hang", timeout=5)
+                  config=RecoveryConfig(checkpoint_every=2, live=False), timeout=5, **_fault("hang", 2, 3))
     p0, p1 = res.phases
     assert "rank 2 (host v100-node" in p0.ended and "hung at step 3" in p0.ended
     assert p0.diagnosis["findings"][0]["kind"] == "noncomm_hang" and p0.isolation["nodes"] == ["v100-node"]

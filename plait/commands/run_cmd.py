@@ -147,7 +147,7 @@ def _run_recovering(args: argparse.Namespace, common: dict[str, Any]) -> int:
     every = args.checkpoint_every
     kwargs = {k: v for k, v in common.items() if k not in ("checkpoint_every", "run_dir", "trace")}
     for k in ("fault", "comm_faults", "inject"):  # fault injection: only given ones (the first phase's)
-        value = getattr(args, k, None) if k == "inject" else kwargs.pop(k, None)
+        value = kwargs.pop(k, None) or getattr(args, k, None)
         if value:
             kwargs[k] = value
     say = (lambda text: None) if args.json else (lambda text: print(f"plait run: {text}", file=sys.stderr))

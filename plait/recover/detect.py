@@ -12,6 +12,7 @@ recurs on any plan, so that failure is passed on to the user.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,17 +21,26 @@ from typing import Any
 from plait.ir.diagnosis import Diagnosis, Finding
 from plait.runtime.launch import RunFailure
 
-Detect = Callable[[str | Path], Diagnosis]
+Detect = Callable[..., Diagnosis]  # detect(run_dir[, live=bool]) -> Diagnosis
 
 
-def default_detect(run_dir: str | Path) -> Diagnosis:
+def default_detect(run_dir: str | Path, live: bool = False) -> Diagnosis:
     """The doctor's diagnosis of `run_dir` when `plait.doctor.diagnose` exists, else an empty one
-    (the launcher's failure then decides)."""
+    (the launcher's failure then decides). `live`: the run is still going."""
     try:
         from plait.doctor import diagnose  # type: ignore[attr-defined]
     except ImportError:
         return Diagnosis(run_dir=str(run_dir))
-    return diagnose(run_dir)
+    return diagnose(run_dir, live=live)
+
+
+def call_detect(detect: Detect, run_dir: str | Path, live: bool) -> Diagnosis:
+    """`detect(run_dir, live=live)` when it takes `live` (as the doctor's does), else `detect(run_dir)`."""
+    try:
+        takes_live = "live" in inspect.signature(detect).parameters
+    except (TypeError, ValueError):
+        takes_live = False
+    return detect(run_dir, live=live) if takes_live else detect(run_dir)  # type: ignore[call-arg]
 
 
 def launcher_diagnosis(failure: RunFailure, run_dir: str | Path, world: int, started: float,

@@ -44,7 +44,7 @@ from plait.cluster.spec import Cluster
 from plait.ir.diagnosis import Diagnosis
 from plait.ir.formats import stamp
 from plait.ir.plan import Plan
-from plait.recover.detect import Detect, actionable, default_detect, launcher_diagnosis
+from plait.recover.detect import Detect, actionable, call_detect, default_detect, launcher_diagnosis
 from plait.recover.isolate import Isolation, RecoveryError, nodes_to_isolate, remaining_cluster
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import RunFailure, RunResult, rank_layout, read_step_records, run
@@ -203,7 +203,7 @@ class _Watch:
         if self.config.live and time.time() - self.last_detect >= self.config.detect_every:
             self.last_detect = time.time()
             try:
-                found = self.detect(self.phase_dir)
+                found = call_detect(self.detect, self.phase_dir, live=True)
             except Exception as exc:  # a live diagnosis must never take the job down
                 self.notes.append(f"live diagnosis failed: {type(exc).__name__}: {exc}")
                 return None
@@ -361,7 +361,7 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
 
 def _post_mortem(detect: Detect, phase_dir: Path, watch: _Watch) -> Diagnosis:
     try:
-        return detect(phase_dir)
+        return call_detect(detect, phase_dir, live=False)
     except Exception as exc:  # the launcher's own findings still stand
         watch.notes.append(f"diagnosis failed: {type(exc).__name__}: {exc}")
         return Diagnosis(run_dir=str(phase_dir))
