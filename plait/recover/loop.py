@@ -50,6 +50,9 @@ from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import RunFailure, RunResult, rank_layout, read_step_records, run
 
 REJOIN_FILE = "rejoin"
+# Launcher failures passed on to the user: a Python error in a rank (a bug recurs on any plan) and a
+# run stopped from outside (a signal).
+PASSED_ON = ("failed", "terminated")
 # run() arguments that inject faults: the first phase's hardware, isolated afterwards.
 FAULT_KWARGS = ("fault", "comm_faults", "inject")
 
@@ -277,6 +280,7 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
     faults = {k: run_kwargs.pop(k) for k in FAULT_KWARGS if k in run_kwargs}
     resume = bool(run_kwargs.pop("resume", False))
     excluded: list[str] = []
+    isolations = 0
     rejoin_at = dict(config.rejoin_at)  # each scripted repair happens once
     phases: list[Phase] = []
     transitions: list[Transition] = []
@@ -302,21 +306,26 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         watch = _Watch(phase_dir, root, ck_dir, excluded, detect, config, start, rejoin_at)
         started = time.time()
         failure: RunFailure | None = None
+        done: RunResult | None = None
         try:
             done = run(model, cl, current, steps, run_dir=phase_dir, checkpoint_dir=ck_dir,
-                checkpoint_every=config.checkpoint_every, resume=start > 0, watch=watch, step_records=True,
-                **run_kwargs, **(faults if i == 0 else {}))
+                       checkpoint_every=config.checkpoint_every, resume=start > 0, watch=watch,
+                       step_records=True, **run_kwargs, **(faults if i == 0 else {}))
             phase.ended = "finished"
         except RunFailure as exc:
             failure = exc
-        _collect(phase, current.world_size, pending, transitions, done if failure is None else None)
+        stopped = time.time()
+        _collect(phase, current.world_size, pending, transitions, done)
         pending = None
         if failure is None:
             _write(result)
             say(f"phase {i}: finished step {steps - 1}")
             return result
-        stopped = time.time()
         detected = failure.detected_at or stopped
+        if failure.kind in PASSED_ON and watch.diagnosis is None:
+            phase.ended = f"failed: {failure}"
+            _write(result)
+            raise failure
         if watch.rejoin and failure.kind == "stopped" and watch.diagnosis is None:
             phase.ended = f"rejoin: {', '.join(watch.rejoin)}"
             back = list(watch.rejoin)
@@ -326,10 +335,10 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
                 rejoin_at.pop(n, None)
             reason, nodes = "rejoin", back
         else:
+            launcher = launcher_diagnosis(failure, phase_dir, current.world_size, started, rank_layout(cl, current))
             diagnosis = watch.diagnosis or _post_mortem(detect, phase_dir, watch)
-            if not actionable(diagnosis):
-                diagnosis = launcher_diagnosis(failure, phase_dir, current.world_size, started,
-                                               rank_layout(cl, current))
+            if not actionable(diagnosis) or (actionable(launcher) and _isolates_all(diagnosis, current, cl)):
+                diagnosis = launcher  # what the launcher saw itself, when the doctor names none (or everyone)
             phase.ended = f"diagnosed: {watch.what}" if watch.diagnosis else f"failed: {failure}"
             phase.diagnosis = diagnosis.to_dict()
             (phase_dir / "diagnosis.json").write_text(json.dumps(diagnosis.to_dict(), indent=1))
@@ -339,10 +348,11 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
                                     f"isolate: {failure}") from failure
             iso: Isolation = nodes_to_isolate(diagnosis, current, cl)
             phase.isolation = iso.to_dict()
-            if sum(t.reason == "isolate" for t in transitions) >= config.max_recoveries:
+            if isolations >= config.max_recoveries:
                 _write(result)
                 raise RecoveryError(f"phase {i}: {failure}; already recovered {config.max_recoveries} times "
                                     f"(max_recoveries), giving up") from failure
+            isolations += 1
             excluded = excluded + [n for n in iso.nodes if n not in excluded]
             reason, nodes = "isolate", iso.nodes
             say(f"phase {i} ended: {failure}; isolating {', '.join(f'{n} ({iso.reasons[n]})' for n in iso.nodes)}")
@@ -357,6 +367,13 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
                    "lost_steps": max(0, ran - resumed_from), "detected": detected, "stopped": stopped,
                    "plan_s": planned - t_plan}
         _write(result)
+
+
+def _isolates_all(diagnosis: Diagnosis, plan: Plan, cluster: Cluster) -> bool:
+    try:
+        return len(nodes_to_isolate(diagnosis, plan, cluster).nodes) >= len(cluster.nodes)
+    except RecoveryError:
+        return True
 
 
 def _post_mortem(detect: Detect, phase_dir: Path, watch: _Watch) -> Diagnosis:
