@@ -17,9 +17,9 @@ Rows:
   (`plait.measure.machine.LocalMachine` calibrated on the phase's cluster: measured links,
   gloo's cost, layer times profiled side by side, then the same simulator); and the median of
   the phase's measured steps after its first;
-* **new plan, pinned re-run** (not with --quick): the recovered plan run again by LocalMachine
-  itself, ranks pinned one per CPU, with the profiles bracketing the run -- the protocol of
-  `bench/sim_vs_real.py`;
+* **new plan, pinned re-run xN** (`--rounds`, default 3, none with --quick): the recovered plan
+  run again by LocalMachine itself, with the layer profiles bracketing each run -- the protocol
+  of `bench/sim_vs_real.py`; the round with the median error is shown;
 * **recovery**: detection (the launcher's) -> job stopped -> re-planned -> first step of the new
   phase started;
 * **baseline, same run**: a plain `plait run --resume` of the recovered plan from a copy of the
@@ -58,9 +58,9 @@ DETECT_GOAL_S = 60.0
 PREDICT_GOAL = 0.10
 
 
-def machine_prediction(cluster_yaml: Path, model: str, plan: str, rerun_steps: int) -> dict[str, Any]:
-    """LocalMachine on one phase's cluster: the prediction for this machine, and (rerun_steps > 0)
-    a pinned re-run of the plan with the profiles bracketing it."""
+def machine_prediction(cluster_yaml: Path, model: str, plan: str, rerun_steps: int, rounds: int) -> dict[str, Any]:
+    """LocalMachine on one phase's cluster: the prediction for this machine, and (rounds > 0) pinned
+    re-runs of the plan, each with the layer profiles bracketing it (the median round is kept)."""
     from plait.measure.machine import LocalMachine
 
     out: dict[str, Any] = {}
@@ -69,9 +69,11 @@ def machine_prediction(cluster_yaml: Path, model: str, plan: str, rerun_steps: i
         out["calibration_s"] = time.time() - t0
         out["predicted_s"] = m.predict(plan).iteration_s
         out["notes"] = list(m.notes)
-        if rerun_steps:
-            mr = m.measure_and_predict(plan, steps=rerun_steps)
-            out["rerun"] = mr.summary()
+        runs = [m.measure_and_predict(plan, steps=rerun_steps).summary() for _ in range(rounds)]
+        if runs:
+            runs.sort(key=lambda r: abs(r["error"]))
+            out["rerun"] = {**runs[len(runs) // 2], "rounds": len(runs),
+                            "errors": [r["error"] for r in runs]}
     return out
 
 
@@ -104,7 +106,7 @@ def baseline_resume(res: Any, work: Path, env: dict[str, str]) -> dict[str, Any]
 
 def measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, kill_step: int,
             checkpoint_every: int, work: Path, machine: bool, rerun_steps: int,
-            say: Any = lambda text: None, pin: bool = False) -> dict[str, Any]:
+            say: Any = lambda text: None, pin: bool = False, rounds: int = 0) -> dict[str, Any]:
     """The bench's core: one recovery, the baseline resume and (machine) this machine's predictions.
     `pin`: every phase's ranks (and the baseline's) run as LocalMachine runs them -- rank r in a cpu
     cgroup on CPU r mod CPUs with a high cpu.shares, freed memory kept -- so the measurement is
@@ -123,14 +125,14 @@ def measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, kil
             env = {**groups.env(), **MALLOC_ENV}
             pinning = groups.describe() if groups.active else f"off: {groups.reason}"
         out = _measure(model, cluster, plan, steps, kill_rank, kill_step, checkpoint_every, work, machine,
-                       rerun_steps, say, env)
+                       rerun_steps, say, env, rounds)
     out["summary"]["pinning"] = pinning
     return out
 
 
 def _measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, kill_step: int,
              checkpoint_every: int, work: Path, machine: bool, rerun_steps: int, say: Any,
-             env: dict[str, str]) -> dict[str, Any]:
+             env: dict[str, str], rounds: int) -> dict[str, Any]:
     import inspect
 
     from plait.recover import RecoveryConfig, recover
@@ -158,8 +160,8 @@ def _measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, ki
         if machine:
             say(f"phase {p.index}: calibrating this machine on its cluster ({p.world_size} ranks)")
             last = p.index == len(res.phases) - 1
-            mp = machine_prediction(Path(p.run_dir) / "cluster.yaml", model, p.plan,
-                                    rerun_steps if last and p.world_size <= cpus else 0)
+            mp = machine_prediction(Path(p.run_dir) / "cluster.yaml", model, p.plan, rerun_steps,
+                                    rounds if last and p.world_size <= cpus else 0)
             row["predicted_machine_s"] = mp["predicted_s"]
             row["calibration_s"] = mp["calibration_s"]
             if p.measured_step_s:
@@ -168,9 +170,10 @@ def _measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, ki
             if "rerun" in mp:
                 r = mp["rerun"]
                 rows.append(row)
-                row = {"row": "new plan, pinned re-run", "plan": p.plan, "nodes": p.nodes, "ranks": p.world_size,
-                       "predicted_machine_s": r["predicted_iteration_s"], "measured_s": r["measured_iteration_s"],
-                       "error": r["error"], "cpu_per_rank": p.world_size <= cpus, "profile_drift": r["profile_drift"]}
+                row = {"row": f"new plan, pinned re-run x{r['rounds']}", "plan": p.plan, "nodes": p.nodes,
+                       "ranks": p.world_size, "predicted_machine_s": r["predicted_iteration_s"],
+                       "measured_s": r["measured_iteration_s"], "error": r["error"], "round_errors": r["errors"],
+                       "cpu_per_rank": p.world_size <= cpus, "profile_drift": r["profile_drift"]}
         rows.append(row)
     for t in res.transitions:
         rows.append({"row": f"recovery after phase {t.after_phase}", "isolated": t.nodes,
@@ -180,6 +183,7 @@ def _measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, ki
     rows.append({"row": "baseline: plain resume, same run", **base})
     t = res.transitions[0]
     after = [r for r in rows if r["row"].startswith("phase") and r["row"] != "phase 0"][-1]
+    rerun = next((r for r in rows if r["row"].startswith("new plan")), None)
     summary = {
         "detect_to_train_s": t.detect_to_train_s, "detect_goal_s": DETECT_GOAL_S,
         "detect_goal_met": t.detect_to_train_s < DETECT_GOAL_S,
@@ -188,6 +192,7 @@ def _measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, ki
         "ranks_before": res.phases[0].world_size, "ranks_after": after["ranks"], "cpus": cpus,
         "after_error": after.get("error"), "predict_goal": PREDICT_GOAL,
         "predict_goal_met": abs(after["error"]) <= PREDICT_GOAL if after.get("error") is not None else None,
+        "rerun_error": rerun["error"] if rerun else None,
         "losses": {str(k): v for k, v in res.losses.items()},
     }
     return {"rows": rows, "summary": summary}
@@ -221,9 +226,13 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"detection to training again {s['detect_to_train_s']:.1f} s (goal < {s['detect_goal_s']:.0f} s: "
           f"{'met' if s['detect_goal_met'] else 'NOT met'})")
     if s["after_error"] is not None:
-        print(f"after recovery ({s['ranks_after']} ranks on {s['cpus']} CPUs): measured vs predicted for this "
-              f"machine {s['after_error'] * 100:+.1f}% (goal within {s['predict_goal'] * 100:.0f}%: "
-              f"{'met' if s['predict_goal_met'] else 'NOT met'})")
+        print(f"after recovery ({s['ranks_after']} ranks on {s['cpus']} CPUs): predicted for this machine vs "
+              f"measured {s['after_error'] * 100:+.1f}% (goal within {s['predict_goal'] * 100:.0f}%: "
+              f"{'met' if s['predict_goal_met'] else 'NOT met'})"
+              + (f"; pinned re-runs of the new plan, median round {s['rerun_error'] * 100:+.1f}%"
+                 if s.get("rerun_error") is not None else ""))
+    if "load_average" in s:
+        print(f"load average of this machine during the bench: {s['load_average']} on {s['cpus']} CPUs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--kill-step", type=int, default=None, help="default: a third of the steps, off a checkpoint")
     ap.add_argument("--checkpoint-every", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="pinned re-runs of the new plan with bracketing profiles (default 3; quick 0)")
     ap.add_argument("--no-machine", action="store_true", help="skip this machine's predictions (LocalMachine)")
     ap.add_argument("--no-pin", action="store_true",
                     help="run the phases unpinned (default: pinned one rank per CPU, as LocalMachine runs them)")
@@ -254,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     out = measure(args.model, args.cluster, args.plan, steps, args.kill_rank, kill, args.checkpoint_every, work,
-                  not args.no_machine, 0 if args.quick else 10, say, pin=not args.no_pin)
+                  not args.no_machine, 10, say, pin=not args.no_pin,
+                  rounds=args.rounds if args.rounds is not None else (0 if args.quick else 3))
     out["summary"]["bench_s"] = time.time() - t0
+    out["summary"]["load_average"] = [round(x, 1) for x in os.getloadavg()]  # other work on the machine
     out["config"] = {"model": args.model, "cluster": args.cluster, "plan": args.plan, "steps": steps,
                      "kill_rank": args.kill_rank, "kill_step": kill, "checkpoint_every": args.checkpoint_every,
                      "workdir": str(work)}
