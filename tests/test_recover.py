@@ -264,3 +264,19 @@ def test_hung_rank_is_isolated_after_the_heartbeat_timeout(tmp_path: Path) -> No
     assert p0.diagnosis["findings"][0]["kind"] == "noncomm_hang" and p0.isolation["nodes"] == ["v100-node"]
     assert p1.nodes == ["a100-node"] and p1.start_step == 2 and p1.ended == "finished"
     assert list(res.losses) == list(range(6)) and res.transitions[0].detect_to_train_s < 60
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cli_recover_heals_a_killed_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.cli import main
+
+    flag = _fault("kill", 3, 3)
+    inject = ["--inject", flag["inject"]] if "inject" in flag else ["--fault", flag["fault"]]
+    code = main(["run", "--model", TINY, "--cluster", EMU, "--plan", "dp=4,micro_batch=2,global_batch=16,dtype=fp32",
+                 "--steps", "5", "--checkpoint-every", "2", "--recover", "--run-dir", str(tmp_path), "--json",
+                 "--timeout", "60", *inject])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["format_version"] == 1 and list(out["losses"]) == ["0", "1", "2", "3", "4"]
+    assert [p["nodes"] for p in out["phases"]] == [["a100-node", "v100-node"], ["a100-node"]]
+    assert out["transitions"][0]["resumed_from"] == 2 and (tmp_path / "recovery.json").exists()
