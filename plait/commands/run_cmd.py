@@ -81,6 +81,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "a line NODE written to RUN_DIR/rejoin does the same")
     rec.add_argument("--max-recoveries", type=int, default=3, metavar="N",
                      help="with --recover: isolations allowed before giving up (default 3)")
+    rec.add_argument("--no-live-diagnosis", action="store_true",
+                     help="with --recover: act only when the launcher stops the job (a dead or hung rank), not on "
+                          "the doctor's diagnosis of the running job (slow ranks and links)")
     p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # tests: rank=1,step=2,kind=hang|die|error
     p.set_defaults(func=run)
     return p
@@ -154,7 +157,7 @@ def _run_recovering(args: argparse.Namespace, common: dict[str, Any]) -> int:
     say(f"recovering run in {run_dir} (checkpoint every {every} steps; declare a repaired node back with "
         f"`echo NODE >> {run_dir}/rejoin`)")
     config = RecoveryConfig(checkpoint_every=every, max_recoveries=args.max_recoveries,
-                            rejoin_at=_parse_rejoin(args.rejoin))
+                            rejoin_at=_parse_rejoin(args.rejoin), live=not args.no_live_diagnosis)
     result = recover(args.model, args.cluster, args.plan, args.steps, run_dir=run_dir, config=config,
                      say=say, device=args.device, dtype=args.dtype, emulate=not args.no_emulate, **kwargs)
     if args.json:
@@ -218,8 +221,8 @@ def _check_args(args: argparse.Namespace) -> None:
         _parse_rejoin(args.rejoin)
         if args.checkpoint_every is None:  # at most a tenth of the run is re-run after a fault
             args.checkpoint_every = max(1, args.steps // 10)
-    elif args.rejoin:
-        raise PlaitError("--rejoin: only with --recover")
+    elif args.rejoin or args.no_live_diagnosis:
+        raise PlaitError(f"{'--rejoin' if args.rejoin else '--no-live-diagnosis'}: only with --recover")
     if args.checkpoint_dir is not None and args.checkpoint_every is None:
         # The stated default: one checkpoint, after the last step (enough to --resume a longer run).
         args.checkpoint_every = args.steps
