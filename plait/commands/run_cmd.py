@@ -69,6 +69,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--comm-faults", metavar="JSON", default=None,
                    help='slow a link on purpose: {"slow_link": [a, b], "delay_s": x, "factor": f} (or a list); '
                         "every call whose group holds ranks a and b is delayed / stretched")
+    rec = p.add_argument_group("recovery (plait.recover; see README, 'Recovery')")
+    rec.add_argument("--recover", action="store_true",
+                     help="heal the job: when a rank dies or hangs (or the doctor names a slow rank or link), "
+                          "stop it, remove that node from the cluster, re-plan for the cluster left (same global "
+                          "batch), reshard the last checkpoint onto the new plan and train on; each phase is "
+                          "recorded under RUN_DIR (recovery.json, phase-N/)")
+    rec.add_argument("--rejoin", metavar="NODE[@STEP]", action="append", default=[],
+                     help="with --recover: declare an isolated node repaired from STEP on (default 0: as soon as "
+                          "it is isolated); the job grows back onto it at its next checkpoint. While the job runs, "
+                          "a line NODE written to RUN_DIR/rejoin does the same")
+    rec.add_argument("--max-recoveries", type=int, default=3, metavar="N",
+                     help="with --recover: isolations allowed before giving up (default 3)")
+    rec.add_argument("--no-live-diagnosis", action="store_true",
+                     help="with --recover: act only when the launcher stops the job (a dead or hung rank), not on "
+                          "the doctor's diagnosis of the running job (slow ranks and links)")
     p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # tests: rank=1,step=2,kind=hang|die|error
     p.set_defaults(func=run)
     return p
@@ -89,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     rendezvous = _rendezvous(args)
     if rendezvous is not None:
         common["rendezvous"] = rendezvous
+    if args.recover:
+        return _run_recovering(args, common)
     machine = None
     if args.predict:
         result, machine = _run_predicted(args, common)
@@ -107,6 +124,77 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_rejoin(items: list[str]) -> dict[str, int]:
+    from plait.errors import PlaitError
+
+    out: dict[str, int] = {}
+    for item in items:
+        node, sep, step = item.partition("@")
+        try:
+            at = int(step) if sep else 0
+        except ValueError:
+            raise PlaitError(f"--rejoin {item!r}: expected NODE or NODE@STEP (STEP an integer)") from None
+        if not node or at < 0:
+            raise PlaitError(f"--rejoin {item!r}: expected NODE or NODE@STEP with STEP >= 0")
+        out[node] = at
+    return out
+
+
+def _run_recovering(args: argparse.Namespace, common: dict[str, Any]) -> int:
+    """`--recover`: `plait.recover.recover` drives the run as phases (module doc there)."""
+    import tempfile
+
+    from plait.recover import RecoveryConfig, recover
+
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="plait-recover-")
+    every = args.checkpoint_every
+    kwargs = {k: v for k, v in common.items() if k not in ("checkpoint_every", "run_dir", "trace")}
+    for k in ("fault", "comm_faults", "inject"):  # fault injection: only given ones (the first phase's)
+        value = kwargs.pop(k, None) or getattr(args, k, None)
+        if value:
+            kwargs[k] = value
+    say = (lambda text: None) if args.json else (lambda text: print(f"plait run: {text}", file=sys.stderr))
+    say(f"recovering run in {run_dir} (checkpoint every {every} steps; declare a repaired node back with "
+        f"`echo NODE >> {run_dir}/rejoin`)")
+    config = RecoveryConfig(checkpoint_every=every, max_recoveries=args.max_recoveries,
+                            rejoin_at=_parse_rejoin(args.rejoin), live=not args.no_live_diagnosis)
+    result = recover(args.model, args.cluster, args.plan, args.steps, run_dir=run_dir, config=config,
+                     say=say, device=args.device, dtype=args.dtype, emulate=not args.no_emulate, **kwargs)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, default=str))
+        return 0
+    _print_recovery(result)
+    return 0
+
+
+def _print_recovery(result: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    phases = Table(title=f"phases of the run ({result.run_dir})")
+    for col in ("phase", "nodes", "plan", "from step", "predicted (ms)", "measured (ms)", "end"):
+        phases.add_column(col, justify="right" if col in ("phase", "from step") or "ms" in col else "left")
+    for p in result.phases:
+        measured = f"{p.measured_step_s * 1e3:.2f}" if p.measured_step_s is not None else "-"
+        phases.add_row(str(p.index), ", ".join(p.nodes), p.plan, str(p.start_step), f"{p.predicted_step_s * 1e3:.2f}",
+                       measured, p.ended.split(":")[0])
+    console.print(phases)
+    for p in result.phases:
+        if p.ended != "finished":
+            console.print(f"phase {p.index} ended: {p.ended}")
+    for t in result.transitions:
+        console.print(f"after phase {t.after_phase}: {t.reason} {', '.join(t.nodes)}; resumed from checkpoint "
+                      f"{t.resumed_from} ({t.lost_steps} steps re-run); detection to training again "
+                      f"{t.detect_to_train_s:.1f} s (stopping {t.detect_to_stopped_s:.1f} s, planning "
+                      f"{t.plan_s:.1f} s)")
+    losses = result.losses
+    if losses:
+        console.print("loss per step: " + " ".join(f"{s}:{v:.4f}" for s, v in losses.items()))
+    console.print("predicted: the simulator on each phase's cluster (the cluster file's GPUs); measured: this "
+                  "machine's ranks (median step after the first)")
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Every argument check that does not need the model: before anything is started."""
     from plait.errors import PlaitError, check_output_path
@@ -119,8 +207,22 @@ def _check_args(args: argparse.Namespace) -> None:
                          f"is stopped), got {args.timeout:g}")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise PlaitError(f"--checkpoint-every: must be >= 1 step, got {args.checkpoint_every}")
-    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+    if args.checkpoint_every is not None and args.checkpoint_dir is None and not args.recover:
         raise PlaitError("--checkpoint-every: needs --checkpoint-dir (where the checkpoints go)")
+    if args.recover:
+        for flag, given in (("--predict", args.predict), ("--nnodes", args.nnodes is not None),
+                            ("--trace", args.trace is not None)):
+            if given:
+                raise PlaitError(f"--recover: not with {flag} (a recovering run is several runs, one per phase)")
+        if args.cluster is None:
+            raise PlaitError("--recover: needs --cluster (the nodes it may isolate and re-plan over)")
+        if args.max_recoveries < 0:
+            raise PlaitError(f"--max-recoveries: must be >= 0, got {args.max_recoveries}")
+        _parse_rejoin(args.rejoin)
+        if args.checkpoint_every is None:  # at most a tenth of the run is re-run after a fault
+            args.checkpoint_every = max(1, args.steps // 10)
+    elif args.rejoin or args.no_live_diagnosis:
+        raise PlaitError(f"{'--rejoin' if args.rejoin else '--no-live-diagnosis'}: only with --recover")
     if args.checkpoint_dir is not None and args.checkpoint_every is None:
         # The stated default: one checkpoint, after the last step (enough to --resume a longer run).
         args.checkpoint_every = args.steps

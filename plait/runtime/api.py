@@ -22,6 +22,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,8 +189,10 @@ def _wait_naming_logs(launcher: Launcher, rdir: Path, owns_dir: bool) -> None:
         launcher.wait()
     except RunFailure as exc:
         if owns_dir and str(rdir) not in str(exc):
-            raise RunFailure(f"{exc} (logs kept in {rdir})", rank=exc.rank, host=exc.host, kind=exc.kind,
-                             run_dir=str(rdir)) from None
+            named = RunFailure(f"{exc} (logs kept in {rdir})", rank=exc.rank, host=exc.host, kind=exc.kind,
+                               run_dir=str(rdir))
+            named.detected_at = exc.detected_at
+            raise named from None
         raise
 
 
@@ -232,7 +235,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None,
         rendezvous: Rendezvous | None = None, data: str | None = None, data_workers: int = 1,
         min_lr: float = 0.0, lr_warmup_iters: int = 0, lr_decay_style: str = "constant",
-        lr_decay_iters: int | None = None, clip_grad: float | None = None) -> RunResult:
+        lr_decay_iters: int | None = None, clip_grad: float | None = None,
+        watch: Callable[[], str | None] | None = None, step_records: bool = False) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -257,7 +261,11 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     seeded synthetic samples), fetched by `data_workers` DataLoader processes per rank. The loss
     per step is written to `losses.csv` in the run directory. `lr`, `min_lr`, `lr_warmup_iters`,
     `lr_decay_style` (constant, linear, cosine) and `lr_decay_iters` (default: `steps`) are
-    Megatron-LM's learning-rate schedule (`plait.runtime.lr`)."""
+    Megatron-LM's learning-rate schedule (`plait.runtime.lr`).
+    `watch()` is called about every half second while the workers run; a message it returns stops
+    every rank and raises RunFailure (kind "stopped"): how the recovery driver (`plait.recover`)
+    stops a live job it has diagnosed. `step_records` streams each step's bounds and loss as it
+    ends (`RUN_DIR/steps/rankN.jsonl`, read by `read_step_records`), so a run that dies keeps them."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
     if comm_records not in (True, False, "alternate"):
@@ -347,7 +355,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     if rendezvous is not None and run_dir is not None:
         rdir = rdir / rendezvous.node_name  # one folder per node: a run folder on a shared filesystem works too
     rdir.mkdir(parents=True, exist_ok=True)
-    for sub in ("hb", "status", "exit", "comm"):
+    for sub in ("hb", "status", "exit", "comm", "steps"):
         shutil.rmtree(rdir / sub, ignore_errors=True)
         (rdir / sub).mkdir()
     for stale in ("result.json", "params.pt"):
@@ -383,7 +391,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "return_params": return_params, "step_barrier": step_barrier, "fault": fault, "data": data_cfg,
             "lr_schedule": schedule.to_dict() if schedule is not None else None,
             "comm_records": comm_records, "comm_faults": [f.to_dict() for f in faults] or None,
-            "clip_grad": clip_grad,
+            "clip_grad": clip_grad, "step_records": step_records,
         }
         if host_plan is not None:
             cfg["multinode"] = {"node_name": host_plan["node_name"], "nodes": host_plan["nodes"],
@@ -399,7 +407,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         if method not in ("fork", "spawn", "forkserver"):
             raise RuntimeSetupError(f"start_method: must be fork, spawn or forkserver, got {method!r}")
         launcher = Launcher(config_path, rdir, agents, layout, timeout=timeout, startup_timeout=startup,
-                            env=extra_env, start_method=method, rdzv=rendezvous)
+                            env=extra_env, start_method=method, rdzv=rendezvous, watch=watch)
         launcher.start()
         _wait_naming_logs(launcher, rdir, owns_dir)
     if host_plan is not None and not (rdir / "result.json").exists():
@@ -464,6 +472,44 @@ def _lr_schedule(lr: float, min_lr: float, warmup: int, style: str, decay_iters:
 
     sched = LRSchedule(lr=lr, min_lr=min_lr, warmup=warmup, decay_style=style, decay_iters=decay_iters)
     return None if (warmup == 0 and style == "constant") else sched
+
+
+@dataclass
+class StepRecords:
+    """What a run folder's streamed step records (`step_records=True`) say, for the steps every
+    rank finished: a run that died keeps its losses and step times up to its death."""
+
+    losses: dict[int, float]  # step -> global-batch loss (the data-parallel replicas' shares summed)
+    iteration_times: dict[int, float]  # step -> last rank's end - first rank's start (as RunResult's)
+    started_wall: dict[int, float]  # step -> wall time (time.time()) the first rank started it
+
+
+def read_step_records(run_dir: str | Path, world: int) -> StepRecords:
+    """Read `RUN_DIR/steps/rank*.jsonl` of a run of `world` ranks. A line cut short by a rank's
+    death is skipped."""
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    for f in sorted((Path(run_dir) / "steps").glob("rank*.jsonl")):
+        rank = int(f.stem[4:])
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                by_step.setdefault(int(rec["step"]), {})[rank] = rec
+            except (ValueError, KeyError, TypeError):
+                continue
+    out = StepRecords({}, {}, {})
+    for step, recs in sorted(by_step.items()):
+        if len(recs) < world:
+            continue
+        shares = {int(r["dp"]): float(r["loss_share"]) for r in recs.values() if "loss_share" in r}
+        # Summed in fp32 as the replicas' all-reduce does (exact for 2 replicas; for more, the
+        # order of a ring's additions may differ in the last bit).
+        total = torch.zeros((), dtype=torch.float32)
+        for d in sorted(shares):
+            total += shares[d]
+        out.losses[step] = float(total)
+        out.iteration_times[step] = max(r["t1"] for r in recs.values()) - min(r["t0"] for r in recs.values())
+        out.started_wall[step] = min(r["wall"] - (r["t1"] - r["t0"]) for r in recs.values())
+    return out
 
 
 def write_loss_csv(path: Path, steps: list[int], losses: list[float]) -> None:

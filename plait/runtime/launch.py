@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,8 @@ STARTUP_PHASES = ("start", "init", "build", "resume", "checkpoint")
 
 class RunFailure(PlaitError, RuntimeError):
     """A run that stopped because a rank died, failed or hung. `rank` and `host` name it; `kind` is
-    died | failed | hang | terminated, or peer (multi-node: this node's ranks lost a rank elsewhere)."""
+    died | failed | hang | terminated, peer (multi-node: this node's ranks lost a rank elsewhere), or
+    stopped (the launcher's `watch` asked it to stop)."""
 
     def __init__(self, message: str, rank: int | None = None, host: str | None = None, kind: str = "failed",
                  run_dir: str | None = None) -> None:
@@ -59,6 +61,7 @@ class RunFailure(PlaitError, RuntimeError):
         self.host = host
         self.kind = kind
         self.run_dir = run_dir
+        self.detected_at: float | None = None  # wall time the launcher (or its watch) first saw it
 
 
 @dataclass
@@ -94,6 +97,10 @@ class Launcher:
     start_method: str = "fork"  # torchrun --start-method: fork workers from the agent (no re-import)
     poll: float = 0.1
     rdzv: Rendezvous | None = None  # real hosts: this node's one agent joins a c10d rendezvous
+    # Called every `watch_every` s while the job runs: a message stops every rank and raises RunFailure
+    # (kind "stopped") with it -- how a driver above the runtime (plait.recover) stops a live job.
+    watch: Callable[[], str | None] | None = None
+    watch_every: float = 0.5
     _running: list[_Agent] = field(default_factory=list)
 
     # ------------------------------------------------------------------ start
@@ -137,6 +144,7 @@ class Launcher:
     def wait(self) -> None:
         """Return when every agent exited 0; raise RunFailure (after stopping everything) otherwise."""
         started = time.time()
+        watched = started
         try:
             while True:
                 codes = [a.proc.poll() for a in self._running]
@@ -145,12 +153,25 @@ class Launcher:
                 if all(c == 0 for c in codes):
                     return
                 if any(c not in (None, 0) for c in codes):
+                    seen = time.time()
                     self._drain(grace=5.0)
-                    raise self._diagnose_exit()
+                    failure = self._diagnose_exit()
+                    failure.detected_at = seen  # type: ignore[attr-defined]
+                    raise failure
                 hung = self._find_hang(started)
                 if hung is not None:
+                    hung.detected_at = time.time()
                     self.stop()
                     raise hung
+                if self.watch is not None and time.time() - watched >= self.watch_every:
+                    watched = time.time()
+                    reason = self.watch()
+                    if reason:
+                        self.stop()
+                        stopped = RunFailure(f"{reason}; stopped all ranks", kind="stopped",
+                                             run_dir=str(self.run_dir))
+                        stopped.detected_at = watched
+                        raise stopped
                 time.sleep(self.poll)
         except KeyboardInterrupt:
             self.stop()

@@ -388,9 +388,21 @@ class Worker:
             t1 = self.rec.end_step()
             step_bounds.append((step, t0, t1))
             losses.append(runner.loss_sum.detach().clone())
+            if self.cfg.get("step_records"):
+                self._record_step(step, t0, t1, runner.loss_sum if self.p == lay.sink[0] and self.t == 0 else None)
             if every and (step + 1) % every == 0:
                 self._save_checkpoint(step + 1, Path(ck["dir"]))
         self._finish(losses, step_bounds, start, steps, origin_info)
+
+    def _record_step(self, step: int, t0: float, t1: float, loss_sum: torch.Tensor | None) -> None:
+        """`RUN_DIR/steps/rankN.jsonl`, one line as each step ends (so a run that dies keeps them): the
+        step's bounds on the ranks' common clock, the wall time of its end and, on the loss-holding
+        rank of each replica, the replica's share of the global-batch loss (the shares sum to it)."""
+        rec: dict[str, Any] = {"step": step, "t0": t0, "t1": t1, "wall": time.time()}
+        if loss_sum is not None:
+            rec.update(dp=self.d, loss_share=float(loss_sum))
+        with open(Path(self.cfg["run_dir"]) / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
 
     def _copy_weights(self) -> dict[int, float]:
         """Per parameter, 1 / the number of model-parallel ranks holding a copy of it (for the global

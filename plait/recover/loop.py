@@ -1,0 +1,421 @@
+"""The recovery loop: isolate what the diagnosis names, re-plan for the cluster left, reshard the
+last checkpoint onto the new plan, train on (C4D, HPCA'25 §5, extended: C4 restarts the *same*
+plan on spare nodes; here the planner re-plans for the smaller, possibly uneven cluster).
+
+    result = recover("gpt:layers=4,hidden=64,heads=4,seq=32,vocab=256", "emulated-mixed",
+                     "dp=4,micro_batch=2,global_batch=16,dtype=fp32", steps=20, run_dir="runs/r1",
+                     config=RecoveryConfig(checkpoint_every=2), fault="rank=1,step=5,kind=die")
+    result.phases[-1].plan, result.transitions[0].detect_to_train_s
+
+One job is a sequence of *phases*, each one `plait.runtime.api.run` of one plan on one cluster
+(`RUN_DIR/phase-N/`). A phase ends when
+
+* the launcher stops it (a rank died, or hung past the heartbeat timeout), or the live
+  diagnosis (`detect`, polled through the launcher's `watch`) names a culprit: the loop maps the
+  culprit ranks to nodes (`plait.recover.isolate`), removes them from the cluster, asks the
+  search driver (`plait.search.plan`) for the fastest plan of the same model and global batch on
+  what is left, and starts the next phase from the last complete checkpoint
+  (`torch.distributed.checkpoint` reshards it onto the new plan: `plait.runtime.checkpoint`);
+* a node the loop isolated is declared repaired (a line with its name in `RUN_DIR/rejoin`, or
+  `RecoveryConfig.rejoin_at`): at the next complete checkpoint the loop stops the job and grows
+  it the same way (re-plan on the larger cluster, reshard, resume);
+* training reached `steps`.
+
+The data order is the run's global sample stream (`plait.runtime.data`: step s takes samples
+[s*B, (s+1)*B) whatever the plan), and the global batch B is kept, so the steps after the
+checkpoint see the same samples as an uninterrupted run: nothing beyond the last checkpoint is
+lost and the loss curve continues. Faults injected for the first phase (`fault`, `comm_faults`,
+`inject`) stand for the hardware that gets isolated; later phases run without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.cluster import load_cluster
+from plait.cluster.loader import save_cluster
+from plait.cluster.spec import Cluster
+from plait.ir.diagnosis import Diagnosis
+from plait.ir.formats import stamp
+from plait.ir.plan import Plan
+from plait.recover.detect import Detect, actionable, call_detect, default_detect, launcher_diagnosis
+from plait.recover.isolate import Isolation, RecoveryError, nodes_to_isolate, remaining_cluster
+from plait.runtime import checkpoint as ckpt
+from plait.runtime.api import RunFailure, RunResult, rank_layout, read_step_records, run
+
+REJOIN_FILE = "rejoin"
+# Launcher failures passed on to the user: a Python error in a rank (a bug recurs on any plan) and a
+# run stopped from outside (a signal).
+PASSED_ON = ("failed", "terminated")
+# run() arguments that inject faults: the first phase's hardware, isolated afterwards.
+FAULT_KWARGS = ("fault", "comm_faults", "inject")
+
+
+@dataclass
+class RecoveryConfig:
+    """How the recovery loop behaves."""
+
+    checkpoint_every: int = 2
+    """Steps between checkpoints: the most training a fault can cost."""
+    max_recoveries: int = 3
+    """Shrinks allowed before the loop gives up (a fault that follows the job is not hardware)."""
+    live: bool = True
+    """Ask `detect` during each phase too (slow ranks and links never stop a job by themselves)."""
+    detect_every: float = 2.0
+    """Seconds between live diagnoses."""
+    rejoin_at: dict[str, int] = field(default_factory=dict)
+    """Scripted repairs: node name -> the step from which it is declared back (as if a line with
+    its name were written to RUN_DIR/rejoin then)."""
+    top: int = 1
+    """Plans the search driver returns (the fastest is used)."""
+    search: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of `plait.search.plan` (finalists, placement, ...)."""
+
+
+@dataclass
+class Phase:
+    """One run of one plan on one cluster."""
+
+    index: int
+    plan: str
+    cluster: str
+    nodes: list[str]
+    excluded: list[str]
+    world_size: int
+    predicted_step_s: float
+    """The simulator's iteration time for this plan on this phase's cluster (the planner's figure)."""
+    run_dir: str
+    start_step: int = 0
+    measured_step_s: float | None = None
+    """Median measured iteration time of the phase's steps after its first."""
+    losses: dict[int, float] = field(default_factory=dict)
+    iteration_times: dict[int, float] = field(default_factory=dict)
+    ended: str = "running"
+    """finished | failed: <launcher's message> | diagnosed: <what> | rejoin: <node>."""
+    diagnosis: dict[str, Any] | None = None
+    isolation: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["losses"] = {str(k): v for k, v in self.losses.items()}
+        d["iteration_times"] = {str(k): v for k, v in self.iteration_times.items()}
+        return d
+
+
+@dataclass
+class Transition:
+    """From the end of one phase to training on the next: where the time went."""
+
+    after_phase: int
+    reason: str
+    """isolate | rejoin."""
+    nodes: list[str]
+    """Nodes removed (isolate) or added back (rejoin)."""
+    resumed_from: int
+    """Checkpoint step the next phase starts from (0: no checkpoint yet, from the start)."""
+    lost_steps: int
+    """Steps that had run past that checkpoint and are run again."""
+    detect_to_stopped_s: float
+    plan_s: float
+    stopped_to_train_s: float
+    detect_to_train_s: float
+    """From the moment the fault was detected to the first step of the next phase starting."""
+
+
+@dataclass
+class RecoveryResult:
+    model: str
+    steps: int
+    phases: list[Phase]
+    transitions: list[Transition]
+    run_dir: str
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """The loss curve: per step, the loss of the phase that last ran it (a step re-run after a
+        checkpoint is reported from its re-run)."""
+        out: dict[int, float] = {}
+        for p in self.phases:
+            out.update(p.losses)
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return stamp("recovery", {
+            "model": self.model, "steps": self.steps, "run_dir": self.run_dir,
+            "phases": [p.to_dict() for p in self.phases],
+            "transitions": [dataclasses.asdict(t) for t in self.transitions],
+            "losses": {str(k): v for k, v in self.losses.items()}})
+
+
+# ---------------------------------------------------------------------------------- the watch
+class _Watch:
+    """The launcher's `watch` for one phase: live diagnosis and rejoin requests."""
+
+    def __init__(self, phase_dir: Path, root: Path, ck_dir: Path, excluded: list[str], detect: Detect,
+                 config: RecoveryConfig, start: int, rejoin_at: dict[str, int]) -> None:
+        self.phase_dir, self.root, self.ck_dir = phase_dir, root, ck_dir
+        self.excluded, self.detect, self.config = excluded, detect, config
+        self.diagnosis: Diagnosis | None = None
+        self.what = ""  # what the live diagnosis named
+        self.rejoin: list[str] = []
+        self.rejoin_after: int | None = None  # the newest checkpoint when the request was seen
+        self.last_detect = time.time()
+        self.notes: list[str] = []
+        self.start = start
+        self.rejoin_at = rejoin_at  # scripted repairs not yet acted on
+        if self._requests():  # declared back before this phase started: its first checkpoint grows it
+            self.rejoin_after = start
+
+    def _step(self) -> int:
+        steps = []
+        for f in (self.phase_dir / "hb").glob("rank*.json"):
+            try:
+                steps.append(int(json.loads(f.read_text()).get("step") or 0))
+            except (OSError, ValueError, TypeError):
+                continue
+        return max(self.start, min(steps, default=0))
+
+    def _requests(self) -> list[str]:
+        step = self._step()
+        path = self.root / REJOIN_FILE
+        for node, at in self.rejoin_at.items():
+            if node in self.excluded and step >= at:
+                names = path.read_text().split() if path.exists() else []
+                if node not in names:
+                    with open(path, "a") as fh:
+                        fh.write(node + "\n")
+        names = path.read_text().split() if path.exists() else []
+        return [n for n in dict.fromkeys(names) if n in self.excluded]
+
+    def __call__(self) -> str | None:
+        wanted = self._requests()
+        if wanted:
+            latest = ckpt.latest_checkpoint(self.ck_dir)
+            newest = latest[0] if latest else 0
+            if self.rejoin_after is None:
+                self.rejoin_after = newest
+            if newest > self.rejoin_after:
+                self.rejoin = wanted
+                return f"node {', '.join(wanted)} declared back: growing the job at checkpoint {newest}"
+        if self.config.live and time.time() - self.last_detect >= self.config.detect_every:
+            self.last_detect = time.time()
+            try:
+                found = call_detect(self.detect, self.phase_dir, live=True)
+            except Exception as exc:  # a live diagnosis must never take the job down
+                self.notes.append(f"live diagnosis failed: {type(exc).__name__}: {exc}")
+                return None
+            if actionable(found):
+                self.diagnosis = found
+                self.what = "; ".join(f"{f.kind} of ranks {list(f.ranks)}" for f in found.findings if f.ranks)
+                return f"the live diagnosis names {self.what}"
+        return None
+
+
+# ---------------------------------------------------------------------------------- planning
+def predict_step(model: Any, cluster: Cluster, plan: Plan) -> float:
+    """The simulator's iteration time of `plan` on `cluster` (what the search driver ranks by)."""
+    from plait.search import load_graph, simulator_evaluate
+
+    _, graph = load_graph(model, plan.dtype)
+    return float(simulator_evaluate(cluster)(graph, plan)["iteration_time_s"])
+
+
+def replan(model: Any, cluster: Cluster, old: Plan, config: RecoveryConfig) -> tuple[Plan, float]:
+    """The fastest plan of `model` on `cluster` with `old`'s global batch and dtype, and its
+    predicted iteration time."""
+    from plait.plan.threed import SearchSpace
+    from plait.search import SearchError, plan
+
+    kwargs = dict(config.search)
+    kwargs.setdefault("space", SearchSpace(dtype=old.dtype))
+    try:
+        found = plan(model, cluster, global_batch=old.global_batch, top=config.top, **kwargs)
+    except SearchError as exc:
+        raise RecoveryError(f"re-planning for cluster '{cluster.name}' failed: {exc}") from None
+    if not found.top:
+        raise RecoveryError(f"no plan of global batch {old.global_batch} fits cluster '{cluster.name}' "
+                            f"({len(cluster.devices)} devices left): {found.pruned_reasons}")
+    best = found.best
+    t = best.iteration_time_s if best.iteration_time_s is not None else best.analytic_s
+    return best.plan, float(t)
+
+
+# ---------------------------------------------------------------------------------- the loop
+def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | Path,
+            checkpoint_dir: str | Path | None = None, config: RecoveryConfig | None = None,
+            detect: Detect | None = None, say: Any = None, **run_kwargs: Any) -> RecoveryResult:
+    """Train `model` for `steps` steps starting with `plan` on `cluster`, isolating faulty nodes
+    and re-planning as they appear (module doc). `run_kwargs` go to every phase's
+    `plait.runtime.api.run` (fault injection only to the first); `say(text)` gets progress lines."""
+    config = config or RecoveryConfig()
+    detect = detect or default_detect
+    say = say or (lambda text: None)
+    if config.checkpoint_every < 1:
+        raise RecoveryError(f"checkpoint_every: the recovery loop resumes from checkpoints; must be >= 1, "
+                            f"got {config.checkpoint_every}")
+    if config.max_recoveries < 0:
+        raise RecoveryError(f"max_recoveries: must be >= 0, got {config.max_recoveries}")
+    if cluster is None:
+        raise RecoveryError("recovery needs a cluster (--cluster): this machine alone has no node to isolate")
+    for bad in ("checkpoint_every", "return_params", "rendezvous", "watch", "step_records"):
+        if bad in run_kwargs:
+            raise RecoveryError(f"{bad}: set by the recovery loop, not by its caller")
+    original = load_cluster(cluster)
+    current = Plan.load(plan)
+    root = Path(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / REJOIN_FILE).unlink(missing_ok=True)
+    ck_dir = Path(checkpoint_dir) if checkpoint_dir is not None else root / "checkpoints"
+    unknown = sorted(set(config.rejoin_at) - {n.name for n in original.nodes})
+    if unknown:
+        raise RecoveryError(f"rejoin: no node named {', '.join(map(repr, unknown))} in cluster "
+                            f"'{original.name}' (its nodes: {', '.join(n.name for n in original.nodes)})")
+    emulate_dtype = run_kwargs.get("emulate_dtype") or run_kwargs.get("dtype") or current.dtype
+    faults = {k: run_kwargs.pop(k) for k in FAULT_KWARGS if k in run_kwargs}
+    resume = bool(run_kwargs.pop("resume", False))
+    excluded: list[str] = []
+    isolations = 0
+    rejoin_at = dict(config.rejoin_at)  # each scripted repair happens once
+    phases: list[Phase] = []
+    transitions: list[Transition] = []
+    result = RecoveryResult(model=str(model), steps=steps, phases=phases, transitions=transitions,
+                            run_dir=str(root))
+    cl = original
+    predicted = predict_step(model, cl, current)
+    pending: dict[str, Any] | None = None  # the transition being timed, until the next phase trains
+    while True:
+        i = len(phases)
+        phase_dir = root / f"phase-{i}"
+        phase_dir.mkdir(parents=True, exist_ok=True)
+        (phase_dir / "plan.json").write_text(json.dumps(current.to_dict(), indent=1))
+        save_cluster(cl, phase_dir / "cluster.yaml")
+        start = (ckpt.latest_checkpoint(ck_dir) or (0, None))[0] if (resume or i > 0) else 0
+        phase = Phase(index=i, plan=str(current), cluster=cl.name, nodes=[n.name for n in cl.nodes],
+                      excluded=list(excluded), world_size=current.world_size, predicted_step_s=predicted,
+                      run_dir=str(phase_dir), start_step=start)
+        phases.append(phase)
+        _write(result)
+        say(f"phase {i}: {current} on {len(cl.devices)} devices ({', '.join(phase.nodes)}), from step {start}; "
+            f"predicted {predicted * 1e3:.2f} ms/step")
+        watch = _Watch(phase_dir, root, ck_dir, excluded, detect, config, start, rejoin_at)
+        started = time.time()
+        failure: RunFailure | None = None
+        done: RunResult | None = None
+        try:
+            done = run(model, cl, current, steps, run_dir=phase_dir, checkpoint_dir=ck_dir,
+                       checkpoint_every=config.checkpoint_every, resume=start > 0, watch=watch,
+                       step_records=True, **run_kwargs, **(faults if i == 0 else {}))
+            phase.ended = "finished"
+        except RunFailure as exc:
+            failure = exc
+        stopped = time.time()
+        _collect(phase, current.world_size, pending, transitions, done)
+        pending = None
+        if failure is None:
+            _write(result)
+            say(f"phase {i}: finished step {steps - 1}")
+            return result
+        detected = failure.detected_at or stopped
+        if failure.kind in PASSED_ON and watch.diagnosis is None:
+            phase.ended = f"failed: {failure}"
+            _write(result)
+            raise failure
+        if watch.rejoin and failure.kind == "stopped" and watch.diagnosis is None:
+            phase.ended = f"rejoin: {', '.join(watch.rejoin)}"
+            back = list(watch.rejoin)
+            excluded = [n for n in excluded if n not in back]
+            _consume(root, back)
+            for n in back:
+                rejoin_at.pop(n, None)
+            reason, nodes = "rejoin", back
+        else:
+            launcher = launcher_diagnosis(failure, phase_dir, current.world_size, started, rank_layout(cl, current))
+            diagnosis = watch.diagnosis or _post_mortem(detect, phase_dir, watch)
+            if not actionable(diagnosis) or (actionable(launcher) and _isolates_all(diagnosis, current, cl)):
+                diagnosis = launcher  # what the launcher saw itself, when the doctor names none (or everyone)
+            phase.ended = f"diagnosed: {watch.what}" if watch.diagnosis else f"failed: {failure}"
+            phase.diagnosis = diagnosis.to_dict()
+            (phase_dir / "diagnosis.json").write_text(json.dumps(diagnosis.to_dict(), indent=1))
+            if not actionable(diagnosis):
+                _write(result)
+                raise RecoveryError(f"phase {i} stopped and no rank can be blamed, so there is nothing to "
+                                    f"isolate: {failure}") from failure
+            iso: Isolation = nodes_to_isolate(diagnosis, current, cl)
+            phase.isolation = iso.to_dict()
+            if isolations >= config.max_recoveries:
+                _write(result)
+                raise RecoveryError(f"phase {i}: {failure}; already recovered {config.max_recoveries} times "
+                                    f"(max_recoveries), giving up") from failure
+            isolations += 1
+            excluded = excluded + [n for n in iso.nodes if n not in excluded]
+            reason, nodes = "isolate", iso.nodes
+            say(f"phase {i} ended: {failure}; isolating {', '.join(f'{n} ({iso.reasons[n]})' for n in iso.nodes)}")
+        t_plan = time.time()
+        cl = remaining_cluster(original, excluded, emulate_dtype)
+        current, predicted = replan(model, cl, current, config)
+        planned = time.time()
+        latest = ckpt.latest_checkpoint(ck_dir)
+        ran = max(phase.losses, default=phase.start_step - 1) + 1
+        resumed_from = latest[0] if latest else 0
+        pending = {"after_phase": i, "reason": reason, "nodes": list(nodes), "resumed_from": resumed_from,
+                   "lost_steps": max(0, ran - resumed_from), "detected": detected, "stopped": stopped,
+                   "plan_s": planned - t_plan}
+        _write(result)
+
+
+def _isolates_all(diagnosis: Diagnosis, plan: Plan, cluster: Cluster) -> bool:
+    try:
+        return len(nodes_to_isolate(diagnosis, plan, cluster).nodes) >= len(cluster.nodes)
+    except RecoveryError:
+        return True
+
+
+def _post_mortem(detect: Detect, phase_dir: Path, watch: _Watch) -> Diagnosis:
+    try:
+        return call_detect(detect, phase_dir, live=False)
+    except Exception as exc:  # the launcher's own findings still stand
+        watch.notes.append(f"diagnosis failed: {type(exc).__name__}: {exc}")
+        return Diagnosis(run_dir=str(phase_dir))
+
+
+def _collect(phase: Phase, world: int, pending: dict[str, Any] | None, transitions: list[Transition],
+             done: RunResult | None) -> None:
+    """The phase's losses and step times: the run's own report when it finished (`done`), else its
+    streamed step records; closes the pending transition at the phase's first step."""
+    recs = read_step_records(phase.run_dir, world)
+    phase.losses = recs.losses
+    phase.iteration_times = recs.iteration_times
+    if done is not None:
+        phase.losses = dict(zip(done.steps, done.losses, strict=True))
+        phase.iteration_times = dict(zip(done.steps, done.iteration_times, strict=True))
+    times = [t for _, t in sorted(phase.iteration_times.items())][1:]  # the first step warms up
+    phase.measured_step_s = statistics.median(times) if times else None
+    if pending is not None and recs.started_wall:
+        first = recs.started_wall[min(recs.started_wall)]
+        p = pending
+        transitions.append(Transition(after_phase=p["after_phase"], reason=p["reason"], nodes=p["nodes"],
+                                      resumed_from=p["resumed_from"], lost_steps=p["lost_steps"],
+                                      detect_to_stopped_s=p["stopped"] - p["detected"], plan_s=p["plan_s"],
+                                      stopped_to_train_s=first - p["stopped"],
+                                      detect_to_train_s=first - p["detected"]))
+
+
+def _consume(root: Path, nodes: list[str]) -> None:
+    """Drop handled names from the rejoin file (a node isolated again later needs a new request)."""
+    path = root / REJOIN_FILE
+    if path.exists():
+        left = [n for n in path.read_text().split() if n not in nodes]
+        path.write_text("".join(n + "\n" for n in left))
+
+
+def _write(result: RecoveryResult) -> None:
+    path = Path(result.run_dir) / "recovery.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result.to_dict(), indent=1))
+    tmp.replace(path)
