@@ -143,6 +143,8 @@ class PlanResult:
     simulated: int = 0
     search_time_s: float = 0.0
     ranker: str = "simulator"
+    family: str = "3d"  # the planner family that made the plans ("3d", "graph")
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific facts (e.g. graph: depth, bound)
 
     @property
     def best(self) -> Candidate:
@@ -162,6 +164,7 @@ class PlanResult:
             "pruned_reasons": self.pruned_reasons, "pruned_examples": self.pruned_examples,
             "search_time_s": self.search_time_s,
             "top": [c.to_dict() for c in self.top],
+            **({"family": self.family, **self.extra} if self.family != "3d" else {}),
         }
 
 

@@ -8,7 +8,7 @@ from plait.cluster import load_cluster
 from plait.cluster.spec import Cluster
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
-from plait.plan.threed import DEFAULT_CLUSTER, Evaluate, PlanResult, search_3d
+from plait.plan.threed import DEFAULT_CLUSTER, Evaluate, PlanResult, SearchError, search_3d
 
 
 def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
@@ -29,14 +29,28 @@ def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
 
 
 def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
-         simulate: bool = True, compute: Any = None, **kwargs: Any) -> PlanResult:
+         simulate: bool = True, compute: Any = None, family: str = "3d", **kwargs: Any) -> PlanResult:
     """The fastest plans of `model` on `cluster` for `global_batch`, ranked by the simulator
-    (`simulate=False`: by the analytic model alone). Other keyword arguments go to
-    `plait.plan.threed.search_3d` (finalists, space, placement, seed, progress, ...)."""
+    (`simulate=False`: by the analytic model alone). `family`: "3d" (Pipette's data x tensor x
+    pipeline search; other keyword arguments go to `plait.plan.threed.search_3d`: finalists, space,
+    placement, seed, progress, ...) or "graph" (GraphPipe's stage DAGs,
+    `plait.plan.graph_search.search_graph`: max_dp, candidates, ...)."""
     from plait.runtime import supports
 
     cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
     evaluate = simulator_evaluate(cluster_obj, compute) if simulate else None
+    if family == "graph":
+        from plait.plan.graph_search import search_graph
+
+        # Only plans the runtime runs when asked for (`runnable=True`, as `plait plan --run` does):
+        # stages with data parallelism inside are planned and simulated but not yet run.
+        if kwargs.pop("runnable", False):
+            kwargs.setdefault("max_dp", 1)
+            kwargs.setdefault("supports", supports)
+        return search_graph(model, cluster_obj, global_batch=global_batch, top=top, evaluate=evaluate,
+                            compute=compute, **kwargs)
+    if family != "3d":
+        raise SearchError(f"plan: family must be '3d' or 'graph', got {family!r}")
     kwargs.setdefault("supports", supports)  # never offer a plan the runtime would refuse
     return search_3d(model, cluster_obj, global_batch=global_batch, top=top, evaluate=evaluate,
                      compute=compute, **kwargs)
