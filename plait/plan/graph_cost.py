@@ -12,9 +12,9 @@ runs ``m = ceil(ceil(B / dp) / b)`` micro-batches (the stage graph's rounding ru
     t(b)      = sum over its layers of forward + backward seconds of one micro-batch
                 (`plait.cost.compute.layer_cost`, the simulator's compute model)
 
-and a plan scores ``max_s W(s) + max over stage paths of sum t(b_s)``: the bottleneck stage's
-work plus one micro-batch's trip through the longest path (the pipeline's fill and drain;
-Pipette's ``(M - 1) max t + sum t`` generalised to a DAG). GraphPipe's objective, the time per
+and a plan scores ``W(s*) + max over stage paths of sum t(b_s) - t(b_s*)`` with s* the stage of most
+work: the bottleneck's work plus one micro-batch's trip through the rest of the longest path (the
+pipeline's fill and drain; Pipette's ``(M - 1) max t + sum t`` generalised to a DAG). GraphPipe's objective, the time per
 sample of the slowest stage, is ``max_s W(s) / B``. Memory: `plait.cost.memory.stage_peak_bytes`
 (the one estimator) with the in-flight micro-batches graph 1F1B keeps, ``1 + the stage's longest
 path to the sink``.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
-from plait.cost.collectives import collective_time, group_links
+from plait.cost.collectives import choose_algorithm, collective_time, group_links, measured_tables
 from plait.cost.compute import DEFAULT_MODEL, ComputeModel, layer_cost
 from plait.cost.memory import stage_peak_bytes, state_bytes_per_param
 from plait.cost.traffic import dp_grad_bytes
@@ -71,6 +71,8 @@ class StageCost:
     overhead_bytes: int | None = None  # per-GPU framework constant of the memory estimate
     max_micro_batch: int = 64
     max_dp: int | None = None  # most data-parallel replicas per stage (1: pure pipelines, as the runtime runs)
+    # every stage exactly this many replicas (the stage graph replicated); None: any
+    uniform_dp: int | None = None
     _t: dict = field(default_factory=dict, repr=False)
     _ar: dict = field(default_factory=dict, repr=False)
     _fit: dict = field(default_factory=dict, repr=False)
@@ -133,11 +135,13 @@ class StageCost:
         hit = self._ar.get(key)
         if hit is None:
             links = self._ar.get((kind, dp))
-            if links is None:
-                links = self._ar[(kind, dp)] = group_links(self.devices_of[kind][:dp], self.bw, self.lat,
-                                                           self.node_of)
+            if links is None:  # as the simulator's ClusterView.group: NICs per node, measured tables
+                links = self._ar[(kind, dp)] = group_links(
+                    self.devices_of[kind][:dp], self.bw, self.lat, self.node_of,
+                    [max(1, n.nics) for n in self.cluster.nodes], measured_tables(self.cluster))
             nbytes = dp_grad_bytes(params, self.plan_template)
-            hit = self._ar[key] = collective_time("all_reduce", nbytes, links, "ring")
+            algo = choose_algorithm("all_reduce", nbytes, links)
+            hit = self._ar[key] = collective_time("all_reduce", nbytes, links, algo) + self.compute.host_comm_s
         return hit
 
     def micro_batches(self, dp: int) -> list[int]:
@@ -157,7 +161,7 @@ class StageCost:
         key = (layers, kind)
         hit = self._table.get(key)
         if hit is None:
-            n = self.dp_cap(kind)
+            n = self.counts[self.kinds.index(kind)]
             hit = self._table[key] = [sorted(((w, b, t) for b in self.micro_batches(dp)
                                               for w, t in [self.work(layers, kind, dp, b)]),
                                              key=lambda x: (x[0] * (1 + 1e-9 * x[1]), x[1]))
@@ -166,7 +170,12 @@ class StageCost:
 
     def dp_cap(self, kind: str) -> int:
         n = self.counts[self.kinds.index(kind)]
+        if self.uniform_dp is not None:
+            return min(n, self.uniform_dp)
         return n if self.max_dp is None else min(n, self.max_dp)
+
+    def dp_allowed(self, dp: int) -> bool:
+        return self.uniform_dp is None or dp == self.uniform_dp
 
     def work(self, layers: tuple[str, ...], kind: str, dp: int, b: int) -> tuple[float, float]:
         """(busy seconds per iteration, one micro-batch's seconds) of a stage."""
@@ -223,7 +232,9 @@ class StageCost:
         lat: dict[int, float] = {}
         for s in nx.topological_sort(g):
             lat[s] = stages[s].t_mb + max((lat[p] for p in g.predecessors(s)), default=0.0)
-        return max(st.work for st in stages) + max(lat.values())
+        top = max(range(len(stages)), key=lambda s: stages[s].work)
+        # Pipette's (M - 1) max t + sum t: the bottleneck's own micro-batch is in its work already
+        return stages[top].work + max(0.0, max(lat.values()) - stages[top].t_mb)
 
     def depths(self, stages: list[StageChoice], chain: bool = False) -> list[int]:
         """Per stage, its longest path to a sink in stages (graph 1F1B warm-up)."""

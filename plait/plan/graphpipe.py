@@ -98,7 +98,7 @@ class _Solver:
         for i, kind in enumerate(self.cost.kinds):
             table = self.cost.table(layers, kind)
             for dp in range(1, self.cost.dp_cap(kind) + 1):
-                if table[dp - 1][0][0] > self.T:
+                if table[dp - 1][0][0] > self.T or not self.cost.dp_allowed(dp):
                     continue
                 ch = best_micro_batch(self.cost, layers, kind, dp, k + 1, self.T)
                 if ch is not None:
@@ -203,7 +203,7 @@ def _spread(cost: StageCost, stages: list[StageChoice]) -> list[StageChoice]:
     stuck: set[int] = set()
     while True:
         cand = [i for i, st in enumerate(stages) if spare[st.kind] > 0 and i not in stuck
-                and st.dp < cost.dp_cap(st.kind)]
+                and st.dp < cost.dp_cap(st.kind) and cost.uniform_dp is None]
         if not cand:
             return stages
         i = max(cand, key=lambda s: stages[s].work)
@@ -216,9 +216,26 @@ def _spread(cost: StageCost, stages: list[StageChoice]) -> list[StageChoice]:
         spare[st.kind] -= 1
 
 
-def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.01,
-              limit: int = 12) -> GraphPartition:
-    """GraphPipe's search (module docstring): candidate stage lists, best analytic score first."""
+def replica_counts(cost: StageCost) -> list[int | None]:
+    """Data-parallel degrees the search tries for every stage at once: powers of two up to the GPUs
+    of the most common kind, and that count itself."""
+    n = max(cost.counts)
+    out = sorted({d for d in (2**i for i in range(12)) if d <= n} | {n})
+    if cost.max_dp is not None:
+        out = [d for d in out if d <= cost.max_dp]
+    return out
+
+
+def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, limit: int = 12,
+              replicas: list[int | None] | None = None) -> GraphPartition:
+    """GraphPipe's search (module docstring): candidate stage lists, best analytic score first.
+
+    `replicas`: the data-parallel degrees to try, each for every stage at once (the stage graph
+    replicated d times; `StageCost.uniform_dp`), or ``[None]`` for any degree per stage (GraphPipe's
+    own space). Default: every stage the same degree, from `replica_counts`. Why: a stage's
+    replicas own consecutive samples of the batch (`plait.ir.stage_graph`'s one rounding rule),
+    so a stage whose degree differs from its neighbour's waits for the neighbour's replicas in
+    turn -- the simulator shows it losing the degree's speed-up."""
     t0 = time.perf_counter()
     graph = cost.graph
     if not graph.layers:
@@ -231,21 +248,41 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.01,
     for leaf in tree.collapsed_leaves():
         notes.append(f"layers {list(leaf.layers)[:4]}{'...' if len(leaf.layers) > 4 else ''} are not "
                      "series-parallel: kept together in one stage")
-    names = tuple(graph.layer_names)
+    found: dict[tuple, tuple[float, list[StageChoice]]] = {}
+    tried = 0
+    saved = cost.uniform_dp
+    try:
+        for d in (replicas if replicas is not None else replica_counts(cost)):
+            cost.uniform_dp = d
+            try:
+                tried += _search(cost, tree, found, tolerance, limit)
+            except GraphPlanError:
+                continue
+    finally:
+        cost.uniform_dp = saved
+    if not found:
+        raise GraphPlanError(f"graph plan: no partition of model {graph.model!r} fits the memory of "
+                             f"cluster {cost.cluster.name!r} (every stage over its GPUs' memory)")
+    ranked = sorted(found.values(), key=lambda x: x[0])[:candidates]
+    return GraphPartition([s for _, s in ranked], [sc for sc, _ in ranked], time.perf_counter() - t0, tried,
+                          tree, notes)
+
+
+def _search(cost: StageCost, tree: SPNode, found: dict, tolerance: float, limit: int) -> int:
+    """Bisection on the bottleneck target for the current `cost` (module docstring, step 2);
+    adds every stage list it meets to `found`; returns the targets tried."""
+    names = tuple(cost.graph.layer_names)
     fastest = cost.kinds[0]
     b_top = cost.micro_batches(1)[-1]
     per_sample = cost.seg_time(names, fastest, b_top) / b_top
     lo = per_sample * cost.global_batch / max(1, sum(cost.counts)) * 0.5
-    hi = per_sample * cost.global_batch * 2 + sum(cost.allreduce(cost.params(names), fastest, d)
-                                                   for d in (2,))
-    found: dict[tuple, tuple[float, list[StageChoice]]] = {}
+    hi = per_sample * cost.global_batch * 2 + cost.allreduce(cost.params(names), fastest, 2)
     tried = 0
 
     def attempt(target: float) -> bool:
         nonlocal tried
         tried += 1
-        solver = _Solver(cost, target, limit)
-        opts = solver.solve(tree, 0)
+        opts = _Solver(cost, target, limit).solve(tree, 0)
         for o in opts:
             st = _spread(cost, list(o.stages))
             key = tuple(sorted((s.layers, s.kind, s.dp, s.micro_batch) for s in st))
@@ -257,20 +294,17 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.01,
     while not attempt(hi):
         hi *= 4
         grow += 1
-        if grow > 8:
-            raise GraphPlanError(f"graph plan: no partition of model {graph.model!r} fits the memory of "
-                                 f"cluster {cost.cluster.name!r} (every stage over its GPUs' memory)")
+        if grow > 6:
+            raise GraphPlanError("no partition fits")
     while hi / lo > 1 + tolerance:
         mid = math.sqrt(hi * lo)
         if attempt(mid):
             hi = mid
         else:
             lo = mid
-    for f in (1.05, 1.15, 1.3, 1.6, 2.0):  # trade bottleneck for a shorter pipeline
+    for f in (1.1, 1.3, 1.6):  # trade bottleneck for a shorter pipeline
         attempt(hi * f)
-    ranked = sorted(found.values(), key=lambda x: x[0])[:candidates]
-    return GraphPartition([s for _, s in ranked], [sc for sc, _ in ranked], time.perf_counter() - t0, tried,
-                          tree, notes)
+    return tried
 
 
 def _walk(node: SPNode):

@@ -48,20 +48,30 @@ def _device_order(cost: StageCost) -> list[str]:
     return [k for k, n in zip(cost.kinds, cost.counts) for _ in range(n)]
 
 
-def pipedream(cost: StageCost) -> BaselineResult:
-    """PipeDream's planner on the linearised model (module docstring)."""
+def pipedream(cost: StageCost, replicas: list[int | None] | None = None) -> BaselineResult:
+    """PipeDream's planner on the linearised model (module docstring). `replicas`: as
+    `plait.plan.graphpipe.partition` (default: every stage the same data-parallel degree, each of
+    `replica_counts`; ``[None]``: PipeDream's own per-stage degrees)."""
+    from plait.plan.graphpipe import replica_counts
+
     t0 = time.perf_counter()
     names = cost.graph.layer_names
     n, D = len(names), sum(cost.counts)
     kind_at = _device_order(cost)
     best: tuple[float, list[StageChoice]] | None = None
-    for b in _powers(cost):
-        stages = _pipedream_dp(cost, names, n, D, kind_at, b)
-        if stages is None:
-            continue
-        score = cost.score(stages, chain=True)
-        if best is None or score < best[0]:
-            best = (score, stages)
+    saved = cost.uniform_dp
+    try:
+        for d in (replicas if replicas is not None else replica_counts(cost)):
+            cost.uniform_dp = d
+            for b in _powers(cost):
+                stages = _pipedream_dp(cost, names, n, D, kind_at, b)
+                if stages is None:
+                    continue
+                score = cost.score(stages, chain=True)
+                if best is None or score < best[0]:
+                    best = (score, stages)
+    finally:
+        cost.uniform_dp = saved
     dt = time.perf_counter() - t0
     if best is None:
         return BaselineResult("pipedream", None, math.inf, dt, "no chain partition fits memory")
@@ -83,9 +93,16 @@ def _pipedream_dp(cost: StageCost, names: list[str], n: int, D: int, kind_at: li
     for i in range(n - 1, -1, -1):
         for j in range(i + 1, n + 1):
             seg = tuple(names[i:j])
-            by_kind = {k: np.array([_work(cost, seg, k, dp, b) for dp in range(1, D + 1)])
-                       for k in set(kind_at)}
-            for rest in range(0, D):
+            dps = [cost.uniform_dp] if cost.uniform_dp else range(1, D + 1)
+            by_kind = {}
+            for k in set(kind_at):
+                vec = np.full(D, math.inf)
+                for dp in dps:
+                    if dp <= D:
+                        vec[dp - 1] = _work(cost, seg, k, dp, b)
+                by_kind[k] = vec
+            step = cost.uniform_dp or 1
+            for rest in range(0, D, step):
                 if not math.isfinite(A[j][rest]) or (j == n) != (rest == 0):
                     continue
                 kind = kind_at[D - rest - 1]  # the slowest GPU of any range ending there
@@ -114,7 +131,7 @@ def _pipedream_dp(cost: StageCost, names: list[str], n: int, D: int, kind_at: li
 
 def _work(cost: StageCost, seg: tuple[str, ...], kind: str, dp: int, b: int) -> float:
     n = -(-cost.global_batch // dp)
-    if b > n or dp > cost.dp_cap(kind):
+    if b > n or dp > cost.dp_cap(kind) or not cost.dp_allowed(dp):
         return math.inf
     return cost.work(seg, kind, dp, b)[0]
 
