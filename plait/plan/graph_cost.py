@@ -270,7 +270,10 @@ class StageCost:
             specs.append(StageSpec(name=f"stage{i}", layers=layers, devices=list(devs), dp=st.dp, tp=1,
                                    micro_batch=st.micro_batch))
         plan_edges = sorted((new[a], new[b]) for a, b in edges)
-        return Plan(global_batch=self.global_batch, dtype=self.dtype, schedule=schedule,
+        # ZeRO-1 (Megatron's distributed optimizer) where a stage has replicas: each updates 1/dp of
+        # the optimizer state, for a reduce-scatter + all-gather instead of an all-reduce.
+        zero = 1 if any(st.dp > 1 for st in stages) else 0
+        return Plan(global_batch=self.global_batch, dtype=self.dtype, schedule=schedule, zero=zero,
                     micro_batch=max(st.micro_batch for st in stages), stages=specs, stage_edges=plan_edges)
 
     def choices_of(self, plan: Plan) -> list[StageChoice]:

@@ -136,7 +136,7 @@ def _work(cost: StageCost, seg: tuple[str, ...], kind: str, dp: int, b: int) -> 
     return cost.work(seg, kind, dp, b)[0]
 
 
-def piper(cost: StageCost, *, cap: int = PIPER_IDEAL_CAP, pair_budget: int = 2_000_000) -> BaselineResult:
+def piper(cost: StageCost, *, cap: int = PIPER_IDEAL_CAP, pair_budget: int = 300_000) -> BaselineResult:
     """Piper's DP over ideals, or why it was not run (module docstring)."""
     t0 = time.perf_counter()
     n_ideals = count_ideals(cost.graph)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from plait.graph.zoo import (  # noqa: F401
     bert,
     candle_uno,
-    case_study,  # noqa: F401  (after mmt: it reuses its entry)
+    case_study,
     cnn,
     dlrm,
     gpt,
