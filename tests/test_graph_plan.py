@@ -231,3 +231,42 @@ def test_bad_stage_graphs_are_named():
                  stage_edges=[(0, 1), (1, 2)])
     with pytest.raises(Exception, match=r"device ids \[2\] are not in cluster"):
         simulate(g, load_cluster("a100-80g:nodes=1,gpus_per_node=2"), three, memory=False)
+
+
+# ---------------------------------------------------------------- front doors
+TINY_MMT = "mmt:branches=2,layers=2,hidden=64,heads=4,seq=16,in_dim=16,dropout=0,attn_dropout=0"
+
+
+def test_search_driver_graph_family_returns_a_plan_result_ranked_by_the_simulator():
+    from plait.search import plan
+
+    res = plan(TINY_MMT, CLUSTER4, global_batch=32, family="graph", top=2)
+    assert res.family == "graph" and res.ranker == "simulator" and res.best.iteration_time_s > 0
+    assert res.to_dict()["family"] == "graph" and res.extra["lower_bound_s"]["bound"] > 0
+    assert res.best.time_s >= res.extra["lower_bound_s"]["bound"]
+    with pytest.raises(Exception, match="family must be"):
+        plan(TINY_MMT, CLUSTER4, global_batch=32, family="nope")
+
+
+def test_cli_plan_family_graph_json(capsys):
+    import json
+
+    from plait.cli import main
+
+    assert main(["plan", "--family", "graph", "--model", TINY_MMT, "--cluster", CLUSTER4, "--global-batch", "32",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["family"] == "graph" and out["top"][0]["plan"]["stages"] and out["pipeline_depth"] >= 1
+
+
+def test_bench_core_runs_a_tiny_case():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "graph_pipeline.py"
+    spec = importlib.util.spec_from_file_location("graph_pipeline_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.run_case(TINY_MMT, CLUSTER4, 32, three_d=False)
+    assert row["graph_s"] > 0 and row["pipedream_s"] > 0 and row["speedup"] > 0
+    assert row["piper_ideals"] == 4 * 4 + 1 and row["gap"] >= 0
