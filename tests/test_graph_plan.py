@@ -270,3 +270,21 @@ def test_bench_core_runs_a_tiny_case():
     row = bench.run_case(TINY_MMT, CLUSTER4, 32, three_d=False)
     assert row["graph_s"] > 0 and row["pipedream_s"] > 0 and row["speedup"] > 0
     assert row["piper_ideals"] == 4 * 4 + 1 and row["gap"] >= 0
+
+
+def test_trace_has_a_flow_per_stage_edge_transfer_and_gantt_rows_name_stages(tmp_path):
+    from plait.sim.api import simulate
+    from plait.sim.gantt import _row_label
+
+    g = _graph([("a0", "a1"), ("a1", "h"), ("b0", "b1"), ("b1", "h")])
+    stages = [StageSpec("a", ["a0", "a1"], [0]), StageSpec("b", ["b0", "b1"], [1]), StageSpec("h", ["h"], [2])]
+    plan = Plan(global_batch=4, micro_batch=2, dtype="fp32", stages=stages, stage_edges=[(0, 2), (1, 2)])
+    res = simulate(g, load_cluster(CLUSTER4), plan, memory=False)
+    trace = res.timeline.to_chrome_trace()["traceEvents"]
+    starts = {e["id"]: e for e in trace if e["ph"] == "s"}
+    ends = {e["id"]: e for e in trace if e["ph"] == "f"}
+    # 2 edges x 2 micro-batches forward, and as many gradients back
+    assert len(starts) == len(ends) == 8 and set(starts) == set(ends)
+    assert all(ends[i]["ts"] >= starts[i]["ts"] and ends[i]["bp"] == "e" for i in starts)
+    labels = {_row_label(r, res.timeline) for r in {e.resource for e in res.timeline.events}}
+    assert {"stage 0  dev0/compute", "stage 1  dev1/compute", "stage 2  dev2/compute"} <= labels
