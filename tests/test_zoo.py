@@ -42,6 +42,7 @@ TINY = {
         "rows=100,emb_dim=8,bag=5,top_layers=2"
     ),
     "candle_uno": "candle_uno:branches=3,branch_layers=2,hidden=32,in_dim=12,top_layers=2",
+    "graphpipe_case": "graphpipe_case:seq=8,hidden=32,heads=4,in_dim=12,classes=5,dropout=0,attn_dropout=0",
 }
 
 # Published parameter counts of the paper-size defaults (HuggingFace / torchvision / Meta).

@@ -44,6 +44,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster YAML or preset (default: {DEFAULT_CLUSTER})")
     p.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
                    help=f"samples per iteration (default: {DEFAULT_GLOBAL_BATCH})")
+    p.add_argument("--family", choices=("3d", "graph"), default="3d",
+                   help="planner family: 3d (data x tensor x pipeline, default) or graph (GraphPipe: a DAG "
+                        "of pipeline stages for multi-branch models)")
     p.add_argument("--top", type=int, default=5, help="how many plans to print (default 5)")
     p.add_argument("--finalists", type=int, default=12,
                    help="analytically best candidates to place and simulate (default 12; 0 = all)")
@@ -76,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
     check_output_path(args.out, "--out")
+    if args.family == "graph":
+        return _run_graph(args)
     # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
     result = plan(args.model, args.cluster, global_batch=args.global_batch,
                   top=args.top if args.json else args.top * FOLD_EXTRA,
@@ -132,6 +137,76 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_graph(args: argparse.Namespace) -> int:
+    """`plait plan --family graph`: GraphPipe's stage DAGs, ranked by the simulator."""
+    from plait.errors import PlaitError
+    from plait.search import plan
+
+    if args.export:
+        raise PlaitError("--export: graph plans (a DAG of stages) have no Megatron/DeepSpeed equivalent")
+    result = plan(args.model, args.cluster, global_batch=args.global_batch, top=args.top, family="graph",
+                  runnable=args.run, memory_kwargs=memory_kwargs_of(args))
+    if args.out:
+        result.best.plan.save(args.out)
+    measured = _run(args, result) if args.run else None
+    if args.json:
+        out = result.to_dict()
+        if measured is not None:
+            out["run"] = measured
+        if args.out:
+            out["out"] = args.out
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(shutil.get_terminal_size().columns, 1000) if args.wide else None)
+    ex = result.extra
+    console.print(f"[bold]plait plan --family graph[/]: {result.model} on {result.cluster} "
+                  f"({result.world_size} GPUs), global batch {result.global_batch}")
+    for note in ex["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+    pruned = ", ".join(f"{n} {r}" for r, n in result.pruned_reasons.items()) or "none"
+    console.print(f"stage graphs: {result.enumerated} from the partitioner ({ex['targets_tried']} bottleneck "
+                  f"targets), pruned {pruned}, {result.simulated} simulated in {result.search_time_s:.1f} s "
+                  f"(ranked by the {result.ranker})")
+    table = Table(title="top graph plans")
+    for col in ("#", "stages", "depth", "GPUs", "iteration", "samples/s", "analytic"):
+        table.add_column(col, justify="right")
+    for i, c in enumerate(result.top, 1):
+        depth = _stage_depth(c.plan)
+        table.add_row(str(i), str(len(c.plan.stages)), str(depth), str(c.plan.world_size), _ms(c.time_s),
+                      f"{c.throughput:.1f}" if c.throughput is not None else "-", _ms(c.analytic_s))
+    console.print(table)
+    best = result.best.plan
+    st = Table(title="best plan's stages")
+    for col in ("stage", "layers", "devices", "dp", "micro-batch", "feeds"):
+        st.add_column(col)
+    for s, spec in enumerate(best.stages):
+        layers = spec.layers[0] + (f" .. {spec.layers[-1]} ({len(spec.layers)})" if len(spec.layers) > 1 else "")
+        feeds = ", ".join(best.stages[b].name for a, b in best.stage_edges if a == s) or "(loss)"
+        st.add_row(spec.name, layers, ",".join(map(str, spec.devices)), str(spec.dp),
+                   str(spec.micro_batch), feeds)
+    console.print(st)
+    bound = ex["lower_bound_s"]
+    console.print(f"pipeline depth {ex['pipeline_depth']}; lower bound {_ms(bound['bound'])} (work "
+                  f"{_ms(bound['work'])}, memory floor {_ms(bound['memory'])}, critical path "
+                  f"{_ms(bound['critical_path'])}); optimality gap {ex['optimality_gap'] * 100:.0f} %")
+    if args.out:
+        console.print(f"best plan written to [bold]{args.out}[/] (plait simulate --plan {args.out})")
+    if measured is not None:
+        _print_run(measured, console)
+    return 0
+
+
+def _stage_depth(plan: Any) -> int:
+    """Stages on the longest path of a plan's stage graph."""
+    depth = [1] * len(plan.stages)
+    for a, b in sorted(plan.stage_edges, key=lambda e: -e[0]):  # stages are in topological order
+        depth[a] = max(depth[a], depth[b] + 1)
+    return max(depth, default=0)
+
+
 def _model_config(model: str) -> dict[str, Any]:
     from plait.graph.zoo import load_model
 
@@ -146,9 +221,10 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
     the ranks' CPUs, simulates the plan from them and runs it (in fp32, as CPU ranks train)."""
     from plait.cluster import load_cluster
     from plait.errors import PlaitError
+    from plait.runtime import supports
     from plait.runtime.api import run as runtime_run
 
-    runnable = [c for c in result.top if c.plan.schedule != "interleaved" and not c.plan.stages]
+    runnable = [c for c in result.top if c.plan.schedule != "interleaved" and supports(c.plan)[0]]
     if not runnable:
         raise PlaitError("--run: the runtime runs 1f1b and gpipe pipelines; every plan in the top "
                          f"{len(result.top)} is interleaved (raise --top)")

@@ -614,6 +614,33 @@ def estimate_memory(
     )
 
 
+def stage_peak_bytes(graph: OpGraph, layers: list[str], plan: Plan, *, micro_batch: int, in_flight: float,
+                     dp: int = 1, p2p_bytes_per_sample: float = 0.0, optimizer: str = "adam",
+                     overhead_bytes: int | None = None, loss: str = "eager") -> int:
+    """Peak bytes of one device of a candidate stage (layers, data-parallel degree `dp`, micro-batch,
+    micro-batches in flight) before a plan exists: the same per-device row `estimate_memory` sums
+    (`_device_row`), for planners that size stages one at a time (the graph-pipeline DP). Uses
+    the plan's dtype, recompute, ZeRO stage and gradient dtype; tensor parallelism 1."""
+    la = _layer_arrays(graph)
+    try:
+        ids = np.asarray(sorted(la.index[n] for n in layers), dtype=np.int64)
+    except KeyError as exc:
+        raise MemoryEstimateError(f"stage_peak_bytes: {exc.args[0]!r} is not a layer of {graph.model!r}") from None
+    if not len(ids):
+        raise MemoryEstimateError("stage_peak_bytes: a stage needs at least one layer")
+    loss_copies, held_copies = LOSS_MODELS[loss]
+    w_b, g_b, k_b = state_bytes_per_param(plan.dtype, optimizer, plan.grad_dtype)
+    act_scale = _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes
+    persistent = plan.dtype in ("bf16", "fp16") or in_flight > 1 or dp > 1 or plan.zero > 0
+    row = _device_row(la, ids, r=1.0, b=int(micro_batch), n_flight=float(in_flight), dp=dp, plan=plan,
+                      w_b=w_b, g_b=g_b, k_b=k_b, step_kind=_OPTIMIZERS[optimizer][2], act_scale=act_scale,
+                      loss_scale=4.0 / la.act_dtype_bytes, loss_copies=loss_copies, held_copies=held_copies,
+                      persistent=persistent, dp_bucket=DP_BUCKET_BYTES, p2p=p2p_bytes_per_sample, tp=1,
+                      tied_extra=np.zeros(len(ids)))
+    overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
+    return int(np.ceil(row[:-1].sum() + overhead))
+
+
 @dataclass
 class _StageTerms:
     """Per-sample quantities of one stage on one tensor share, reused across plans."""

@@ -2,7 +2,8 @@
 
 The simulator predicts one and the runtime measures one, in the same schema, so
 accuracy is a row-by-row diff. Exported as Chrome / Perfetto trace-event JSON
-("X" complete events, microsecond timestamps; one process per device or link).
+("X" complete events, microsecond timestamps; one process per device or link; flow events
+"s"/"f" from each pipeline send to the compute that consumes it: the stage graph's edges).
 """
 
 from __future__ import annotations
@@ -108,8 +109,42 @@ class Timeline:
             trace.append({"ph": "X", "name": e.name, "cat": e.category, "pid": pids[proc],
                           "tid": tids[e.resource], "ts": (e.start - t0) * 1e6,
                           "dur": max(e.duration, 0.0) * 1e6, "args": args})
+        trace += self._flows(pids, tids, t0)
         return {"traceEvents": trace, "displayTimeUnit": "ms",
                 "otherData": {"source": self.source, **{k: str(v) for k, v in self.meta.items()}}}
+
+    def _flows(self, pids: dict[str, int], tids: dict[str, int], t0: float) -> list[dict[str, Any]]:
+        """Flow events ("ph": "s" -> "f") for pipeline transfers: from each send (a "comm_pp" event
+        naming its `peer` receive and `dst` device) to the compute on the receiving device that
+        consumes it -- the first forward (backward) of that stage and micro-batch starting after the
+        send ends -- so Perfetto draws the stage graph's edges as arrows."""
+        compute: dict[tuple, list[TimelineEvent]] = defaultdict(list)
+        for e in self.events:
+            if e.category in ("forward", "backward") and e.device is not None:
+                compute[(e.device, e.stage, e.micro_batch, e.category)].append(e)
+        for lst in compute.values():
+            lst.sort(key=lambda e: e.start)
+        out: list[dict[str, Any]] = []
+        for e in self.events:
+            peer, dst = e.args.get("peer"), e.args.get("dst")
+            if e.category != "comm_pp" or not isinstance(peer, str) or dst is None:
+                continue
+            parts = peer.split()  # "recv_fwd s3 c0 mb0"
+            if len(parts) != 4 or not parts[1][1:].isdigit() or not parts[3][2:].isdigit():
+                continue
+            cat = "forward" if parts[0].endswith("fwd") else "backward"
+            key = (int(dst), int(parts[1][1:]), int(parts[3][2:]), cat)
+            target = next((c for c in compute.get(key, ()) if c.start >= e.end - 1e-12), None)
+            if target is None:
+                continue
+            fid = len(out) // 2 + 1
+            out.append({"ph": "s", "id": fid, "name": "stage edge", "cat": "pp_flow",
+                        "pid": pids[e.resource.partition("/")[0]], "tid": tids[e.resource],
+                        "ts": (e.start - t0) * 1e6})
+            out.append({"ph": "f", "bp": "e", "id": fid, "name": "stage edge", "cat": "pp_flow",
+                        "pid": pids[target.resource.partition("/")[0]], "tid": tids[target.resource],
+                        "ts": (target.start - t0) * 1e6})
+        return out
 
     def save_chrome_trace(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_chrome_trace()))

@@ -148,6 +148,8 @@ class PlanResult:
     # the search of each family when several ran (plait.search.driver): name -> its own result,
     # or the reason it proposed nothing (e.g. "no branches" for graph pipelines of a chain)
     families: dict[str, PlanResult | str] = field(default_factory=dict)
+    family: str = "3d"  # the planner family that made the plans ("3d", "graph")
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific facts (e.g. graph: depth, bound)
 
     @property
     def best(self) -> Candidate:
@@ -169,6 +171,7 @@ class PlanResult:
             "top": [c.to_dict() for c in self.top],
             **({"families": {name: (r if isinstance(r, str) else r.family_summary())
                              for name, r in self.families.items()}} if self.families else {}),
+            **({"family": self.family, **self.extra} if self.family != "3d" else {}),
         }
 
     def family_summary(self) -> dict[str, Any]:

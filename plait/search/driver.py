@@ -49,6 +49,24 @@ def register_family(name: str, search: FamilySearch, options: Sequence[str] = ()
 register_family("3d", search_3d, _3D_OPTIONS)
 
 
+def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+                  evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+                  compute: Any, runnable: bool = False, **options: Any) -> PlanResult:
+    """The graph-pipeline family (`plait.plan.graph_search.search_graph`). Stages with data
+    parallelism inside are planned and simulated but not yet run by the runtime, so the runtime's
+    `supports` filter (and one GPU per stage) applies only with `runnable=True`, as `plait plan
+    --run` asks."""
+    from plait.plan.graph_search import search_graph
+
+    if runnable:
+        options.setdefault("max_dp", 1)
+    return search_graph(model, cluster, global_batch=global_batch, top=top, evaluate=evaluate,
+                        supports=supports if runnable else None, compute=compute, **options)
+
+
+register_family("graph", _search_graph, ("runnable", "max_dp", "candidates", "memory_kwargs", "dtype"))
+
+
 def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
     """`evaluate(graph, plan) -> dict` for the planners: `plait.sim.api.simulate` without the
     memory estimate (the search has it), on one ClusterView and one layer-cost cache shared
@@ -80,7 +98,7 @@ def resolve_families(families: str | Sequence[str] | None) -> list[str]:
 
 def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
          simulate: bool = True, compute: Any = None, families: str | Sequence[str] | None = "3d",
-         **kwargs: Any) -> PlanResult:
+         family: str | None = None, **kwargs: Any) -> PlanResult:
     """The fastest plans of `model` on `cluster` for `global_batch` over the planner `families`
     ("all", a name or a list; see FAMILIES), ranked by the simulator (`simulate=False`: by each
     family's analytic model alone). Other keyword arguments go to the families that take them
@@ -88,11 +106,12 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
 
     One family: its own result. Several: one result whose `top` merges every family's
     finalists by iteration time and whose `families` holds each family's result (or why it
-    proposed nothing); a search where no family proposes anything raises the first reason."""
+    proposed nothing); a search where no family proposes anything raises the first reason.
+    `family=` is the same as `families=` with one name."""
     from plait.runtime import supports
 
     t0 = time.perf_counter()
-    names = resolve_families(families)
+    names = resolve_families(family if family is not None else families)
     cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
     evaluate = simulator_evaluate(cluster_obj, compute) if simulate else None
     kwargs.setdefault("supports", supports)  # never offer a plan the runtime would refuse
@@ -132,7 +151,7 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
                       memory_checked=sum(r.memory_checked for r in found),
                       ranked_analytic=sum(r.ranked_analytic for r in found),
                       simulated=sum(r.simulated for r in found), search_time_s=time.perf_counter() - t0,
-                      ranker=first.ranker, families=results)
+                      ranker=first.ranker, families=results, family="+".join(names))
 
 
 def _summed(dicts: Any) -> dict[str, int]:

@@ -37,6 +37,17 @@ def wrap_title(text: str, width_in: float, points: float) -> str:
     return "\n".join(lines)
 
 
+def _row_label(resource: str, timeline: Timeline) -> str:
+    """A compute row's label names the pipeline stage(s) it runs ("stage 2  dev5/compute"): a graph
+    pipeline then reads one row per stage."""
+    if not resource.endswith("/compute"):
+        return resource
+    stages = sorted({e.stage for e in timeline.events if e.resource == resource and e.stage is not None})
+    if not stages:
+        return resource
+    return f"stage {','.join(map(str, stages[:3]))}{'...' if len(stages) > 3 else ''}  {resource}"
+
+
 def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None, max_rows: int = 64) -> Path:
     """Write a Gantt chart of `timeline` to `path` (PNG); returns the path.
 
@@ -63,7 +74,7 @@ def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None, m
         for r, spans in rows.items():
             ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=COLORS.get(cat, "#777777"), linewidth=0)
     ax.set_yticks(range(len(resources)))
-    ax.set_yticklabels(resources, fontsize=7)
+    ax.set_yticklabels([_row_label(r, timeline) for r in resources], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(wrap_title(title or f"{timeline.source} timeline ({timeline.span * 1e3:.2f} ms)", 12.0,

@@ -451,6 +451,13 @@ class _Lowerer:
         """The worker's compute order, read from `plait.schedule` (schedules as data):
         [("F" | "B", chunk id, micro-batch)]."""
         schedule = self._schedule(w)
+        if self.plan.stages:
+            # A graph stage's schedule runs over all its replicas' micro-batches in sample order
+            # (`_schedule`); this replica runs its own, in that order.
+            off = sum(len(x.units) for x in self.all_workers[w.stage][:w.replica])
+            end = off + len(w.units)
+            return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch - off)
+                    for a in schedule.compute(w.stage) if off <= a.micro_batch < end]
         return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch)
                 for a in schedule.compute(w.stage)]
 
@@ -459,13 +466,11 @@ class _Lowerer:
         sizes = tuple(n for _, n in w.units)
         try:
             if plan.stages:
-                # Graph pipeline: every stage's own micro-batches where its replicas line up with
-                # this worker's samples, else this worker's (the transfers carry the sample overlaps).
-                total = sum(sizes)
-                node_sizes = []
-                for row in self.all_workers:
-                    other = tuple(n for _, n in row[min(w.replica, len(row) - 1)].units)
-                    node_sizes.append(other if sum(other) == total and other else sizes)
+                # Graph pipeline: one node per stage running every replica's micro-batches in sample
+                # order (replicas own consecutive samples), so stages of different data-parallel
+                # degrees or micro-batch sizes meet on sample ranges; each replica keeps the order of
+                # its own (`_program`): a restriction of one deadlock-free order stays deadlock-free.
+                node_sizes = [tuple(n for x in row for _, n in x.units) for row in self.all_workers]
                 graph = PipelineGraph.dag(node_sizes, self.plan.stage_graph_edges())
                 return schedules.build("gpipe" if plan.schedule == "gpipe" else "graph_1f1b", graph)
             v = plan.virtual_stages if plan.schedule == "interleaved" else 1

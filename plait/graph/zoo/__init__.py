@@ -9,7 +9,18 @@ for the module markers the capture and the runtime read.
 from __future__ import annotations
 
 # Importing a model module registers it.
-from plait.graph.zoo import bert, candle_uno, cnn, dlrm, gpt, llama, mmt, moe, vit  # noqa: F401
+from plait.graph.zoo import (  # noqa: F401
+    bert,
+    candle_uno,
+    case_study,
+    cnn,
+    dlrm,
+    gpt,
+    llama,
+    mmt,
+    moe,
+    vit,
+)
 from plait.graph.zoo.registry import (
     ModelEntry,
     ModelSpec,
