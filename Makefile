@@ -1,5 +1,6 @@
 # plait: one command to set up and run the main job, one to set up and test.
-#   make demo   -- install everything, then plan (and run) the built-in default
+#   make demo   -- install everything, then plan (and run) the built-in default and write
+#                  demo/report.html, the report page of a recorded run of the chosen plan
 #   make test   -- install everything, then ruff + the import contract + the whole test suite
 #   make frameworks -- also install DeepSpeed and torchtitan (CPU): the export tests then check the
 #                  exported configs with their own config code (skipped without them)
@@ -14,8 +15,15 @@ setup:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[test]"
 
+# The demo's files: the chosen plan, a recorded run of it, and the report page of that run.
+DEMO ?= demo
+DEMO_DEFAULTS = $$($(PY) -c "from plait.search import DEFAULT_MODEL as m, DEFAULT_CLUSTER as c; print('--model', m, '--cluster', c)")
+
 demo: setup
-	$(PY) -m plait.cli plan --run
+	mkdir -p $(DEMO)
+	$(PY) -m plait.cli plan --run --out $(DEMO)/plan.json
+	$(PY) -m plait.cli run $(DEMO_DEFAULTS) --plan $(DEMO)/plan.json --dtype fp32 --steps 4 --run-dir $(DEMO)/run > $(DEMO)/run.log
+	$(PY) -m plait.cli report $(DEMO)/run -o $(DEMO)/report.html
 
 test: setup
 	$(PY) -m ruff check plait tests bench

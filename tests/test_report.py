@@ -171,3 +171,15 @@ def test_headless_chromium_renders_the_report(tmp_path):
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert (width, height) == (1280, 2400)
     assert len(png) > 50_000  # drawn, not a blank page (a blank 1280x2400 PNG is a few KiB)
+
+
+def test_large_clusters_keep_the_page_small(tmp_path):
+    """128 GPUs: the heat map is node x node, identical memory rows fold, the Gantt keeps its rows."""
+    path = tmp_path / "wide.json"
+    Plan.parse("dp=32,tp=4,micro_batch=1,global_batch=64,dtype=bf16").save(path)
+    data = load(path, "gpt:layers=4,hidden=256,heads=8,seq=64,vocab=512", "a100-80g:nodes=16")
+    html = render(data)
+    assert len(data.traffic.devices) == 128
+    assert html.count("per iteration</title>") == 16 * 16  # one cell per node pair
+    assert "GPUs 0-127 · a100-80gb (128)" in html  # one memory row for 128 identical GPUs
+    assert len(html) < 2_000_000

@@ -179,7 +179,8 @@ def _assemble(source: str, kind: str, model: str, cluster: Any, plan: Any,
 
         spec = load_model(model)
         config, params = dict(spec.config), int(spec.param_count_formula())
-    except Exception:  # a file model without a formula: the report goes on without the count
+    except (PlaitError, ValueError, TypeError, AttributeError, ImportError, OSError):
+        # a model file without a parameter formula: the report goes on without the count
         config = dict(graph.config or {})
     data = ReportData(source=source, kind=kind, model=model, model_config=config, cluster=cluster, plan=plan,
                       sim=sim, params=params, notes=list(notes or []))

@@ -211,19 +211,34 @@ def traffic_section(d: ReportData) -> str:
     tr = d.traffic
     if tr is None:
         return ""
-    labels = [f"GPU {x}" for x in tr.devices]
+    labels, matrix, unit = [f"GPU {x}" for x in tr.devices], tr.matrix, "GPU"
+    if len(tr.devices) > 64:  # a node x node matrix keeps the page small on large clusters
+        labels, matrix = _by_node(d, tr)
+        unit = "node"
     classes = "".join(f'<tr><td>{_t(k)}</td><td class="n">{_t(human_bytes(v))}</td></tr>'
                       for k, v in sorted(tr.by_class.items(), key=lambda kv: -kv[1]))
-    left = charts.heatmap(tr.matrix, labels)
+    left = charts.heatmap(matrix, labels)
     right = ("<h3>Bytes on the wire per iteration, by class</h3><table><tr><th>class</th><th>bytes</th></tr>"
              + (classes or "<tr><td colspan=2 class='muted'>none</td></tr>") + "</table>")
     body = f'<div class="two"><div>{left}</div><div>{right}</div></div>'
     if tr.links:
         body += (f"<h3>Busiest fabric cables ({_t(tr.routing)}): seconds of transfer per iteration</h3>"
                  + charts.link_bars(tr.links))
-    return _section("Traffic", "Every message of one iteration (plait.cost.traffic) as bytes each GPU sends "
-                    "each other GPU; on a switched fabric, the load each cable carries (plait.net).", body,
+    return _section("Traffic", f"Every message of one iteration (plait.cost.traffic) as bytes each {unit} sends "
+                    f"each other {unit}; on a switched fabric, the load each cable carries (plait.net).", body,
                     "traffic")
+
+
+def _by_node(d: ReportData, tr: Any) -> tuple[list[str], list[list[float]]]:
+    """The device matrix summed per node pair (traffic inside a node on the diagonal)."""
+    node_of = [d.cluster.devices[x].node for x in tr.devices]
+    nodes = sorted(set(node_of))
+    index = {n: i for i, n in enumerate(nodes)}
+    out = [[0.0] * len(nodes) for _ in nodes]
+    for i, row in enumerate(tr.matrix):
+        for j, v in enumerate(row):
+            out[index[node_of[i]]][index[node_of[j]]] += v
+    return [d.cluster.nodes[n].name for n in nodes], out
 
 
 def doctor_section(d: ReportData) -> str:
