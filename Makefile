@@ -15,14 +15,15 @@ setup:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[test]"
 
-# The demo's files: the chosen plan, a recorded run of it, and the report page of that run.
+# The demo's files: the chosen plan, a recorded run of it (with the prediction for this machine,
+# --predict), and the report page of that run.
 DEMO ?= demo
 DEMO_DEFAULTS = $$($(PY) -c "from plait.search import DEFAULT_MODEL as m, DEFAULT_CLUSTER as c; print('--model', m, '--cluster', c)")
 
 demo: setup
 	mkdir -p $(DEMO)
 	$(PY) -m plait.cli plan --run --out $(DEMO)/plan.json
-	$(PY) -m plait.cli run $(DEMO_DEFAULTS) --plan $(DEMO)/plan.json --dtype fp32 --steps 4 --run-dir $(DEMO)/run > $(DEMO)/run.log
+	$(PY) -m plait.cli run $(DEMO_DEFAULTS) --plan $(DEMO)/plan.json --predict --steps 8 --run-dir $(DEMO)/run > $(DEMO)/run.log
 	$(PY) -m plait.cli report $(DEMO)/run -o $(DEMO)/report.html
 
 test: setup

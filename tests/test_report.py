@@ -183,3 +183,31 @@ def test_large_clusters_keep_the_page_small(tmp_path):
     assert html.count("per iteration</title>") == 16 * 16  # one cell per node pair
     assert "GPUs 0-127 · a100-80gb (128)" in html  # one memory row for 128 identical GPUs
     assert len(html) < 2_000_000
+
+
+def test_prediction_for_this_machine_is_shown_and_compared(tmp_path):
+    """`plait run --predict --run-dir` keeps its prediction in prediction.json; the report draws it
+    beside the measured step and takes the error against it (not against the GPUs' prediction)."""
+    from types import SimpleNamespace
+
+    from plait.commands.run_cmd import write_prediction
+    from plait.sim.api import simulate
+
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    cfg = json.loads((RUN / "config.json").read_text())
+    sim = simulate(cfg["model"], str(RUN / "cluster.yaml"), Plan.from_dict(cfg["plan"]))
+    measured = 0.03
+    mr = SimpleNamespace(prediction=SimpleNamespace(result=sim), summary=lambda: {
+        "predicted_iteration_s": sim.iteration_time_s * 2, "measured_iteration_s": measured})
+    assert write_prediction(run, mr, ["a note"]).name == "prediction.json"
+    data = load(run)
+    assert data.machine is not None and data.predicted_s == pytest.approx(sim.iteration_time_s * 2)
+    assert data.measured_s == measured  # the figure --predict compared with, not the report's own mean
+    assert data.error == pytest.approx((data.predicted_s - data.measured_s) / data.measured_s)
+    assert len(data.machine.timeline.events) == len(sim.timeline.events)
+    html = render(data)
+    assert "Predicted for this machine" in html and "machine Gantt chart" in html
+    assert "this machine&#x27;s prediction" in html and "not comparable" not in html
+    (run / "prediction.json").write_text(json.dumps({"format_version": 99}))
+    assert load(run).machine is None  # a newer file: said in the notes, the page still written

@@ -27,6 +27,7 @@ FORMAT_VERSIONS: dict[str, int] = {
     "timeline": 1,    # Timeline JSON (simulated or measured events)
     "run": 1,         # a run folder's result.json
     "diagnosis": 1,   # plait doctor --json / a run folder's diagnosis.json
+    "prediction": 1,  # a run folder's prediction.json (plait run --predict: predicted for this machine)
 }
 
 # (format, from_version) -> function turning a dict of that version into the next version.

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else (source / "report.html" if source.is_dir() else source.with_suffix(".html"))
     check_output_path(str(out), "--out")
     data = write_report(source, out, model=args.model, cluster=args.cluster)
-    line = f"report written to {out}: predicted step {data.predicted_s * 1e3:.2f} ms"
+    line = (f"report written to {out}: predicted step {data.predicted_s * 1e3:.2f} ms"
+            + (" (this machine)" if data.machine is not None else ""))
     if data.measured_s is not None:
         line += f", measured {data.measured_s * 1e3:.2f} ms"
     margin = data.memory_margin

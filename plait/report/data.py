@@ -50,6 +50,17 @@ class Traffic:
 
 
 @dataclass
+class MachinePrediction:
+    """RUN_DIR/prediction.json: the simulator fed with this machine's measured links and layer
+    times (`plait run --predict`), comparable with the measured run where the GPU one is not."""
+
+    iteration_s: float
+    timeline: Any  # plait.ir.timeline.Timeline
+    critical_path: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+
+@dataclass
 class ReportData:
     source: str  # the plan file or run folder
     kind: str  # "plan" | "run"
@@ -63,14 +74,17 @@ class ReportData:
     measured_step: Any = None  # the measured Timeline of one representative step
     measured_step_index: int | None = None
     measured_s: float | None = None  # mean iteration time after the warm-up step
+    measured_how: str = ""  # how measured_s was taken from the steps
     traffic: Traffic | None = None
     roles: dict[int, dict[str, Any]] = field(default_factory=dict)  # device -> rank, stage, replica, tp, layers
     diagnosis: Any = None  # plait.ir.diagnosis.Diagnosis
+    machine: MachinePrediction | None = None  # `plait run --predict`'s prediction for this machine
     notes: list[str] = field(default_factory=list)
 
     @property
     def predicted_s(self) -> float:
-        return float(self.sim.iteration_time_s)
+        """The prediction the measurement compares with: this machine's when the run has one."""
+        return self.machine.iteration_s if self.machine is not None else float(self.sim.iteration_time_s)
 
     @property
     def error(self) -> float | None:
@@ -142,6 +156,7 @@ def _from_run(rdir: Path, model: str | None, cluster: Any) -> ReportData:
         times = run.iteration_times
         after = list(range(1, len(times))) if len(times) > 1 else [0]  # the first step warms up
         data.measured_s = sum(times[i] for i in after) / len(after)
+        data.measured_how = f"mean of the {len(after)} steps after the first"
         median = statistics.median_low([times[i] for i in after])
         data.measured_step_index = next(i for i in after if times[i] == median)
         data.measured_step = run.step_timeline(data.measured_step_index)
@@ -149,7 +164,33 @@ def _from_run(rdir: Path, model: str | None, cluster: Any) -> ReportData:
             notes.append("measured on CPU processes (gloo): the prediction is for the GPUs the cluster "
                          "describes, so the two differ by the CPU/GPU speed ratio -- compare their shapes")
     data.diagnosis = _diagnosis(rdir, notes)
+    data.machine = _machine(rdir, notes)
+    if data.machine is not None and data.machine.summary.get("measured_iteration_s"):
+        # the figure `plait run --predict` compared its prediction with (median after its warm-up)
+        data.measured_s = float(data.machine.summary["measured_iteration_s"])
+        data.measured_how = f"median after {data.machine.summary.get('warmup_steps', '?')} warm-up steps"
+    if data.machine is not None and data.run is not None and data.run.device == "cpu":
+        notes.remove(next(n for n in notes if n.startswith("measured on CPU processes")))
+        notes.append("measured on CPU processes: the error compares the run with the simulator's prediction "
+                     "for this machine (plait run --predict); the GPU prediction is shown for the cluster's GPUs")
     return data
+
+
+def _machine(rdir: Path, notes: list[str]) -> MachinePrediction | None:
+    from plait.ir.formats import check_version
+    from plait.ir.timeline import Timeline
+
+    path = rdir / "prediction.json"
+    if not path.is_file():
+        return None
+    try:
+        d = check_version("prediction", json.loads(path.read_text()), str(path), ReportError)
+        return MachinePrediction(iteration_s=float(d["summary"]["predicted_iteration_s"]),
+                                 timeline=Timeline.from_dict(d["timeline"], str(path)),
+                                 critical_path=list(d["critical_path"]), summary=dict(d["summary"]))
+    except (ValueError, KeyError, TypeError, PlaitError) as exc:
+        notes.append(f"{path}: unreadable ({exc}); the prediction for this machine is left out")
+        return None
 
 
 def _diagnosis(rdir: Path, notes: list[str]) -> Any:

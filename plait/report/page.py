@@ -95,18 +95,22 @@ def summary_cards(d: ReportData) -> str:
              _card("plan", f"dp{p.dp} · tp{p.tp} · pp{p.pp}",
                    f"micro-batch {p.micro_batch} · batch {p.global_batch} · {p.schedule} · {p.dtype}"
                    + (f" · ZeRO-{p.zero}" if p.zero else "") + (f" · rc={p.recompute}" if p.recompute != "none" else "")),
-             _card("predicted step", ms(d.predicted_s),
-                   f"{d.sim.throughput_samples_per_s:.1f} samples/s · {d.sim.model_tflops_per_gpu:.1f} TFLOP/s/GPU")]
+             _card("predicted step", ms(d.sim.iteration_time_s),
+                   f"{d.sim.throughput_samples_per_s:.1f} samples/s · {d.sim.model_tflops_per_gpu:.1f} TFLOP/s/GPU"
+                   " on the cluster's GPUs")]
+    if d.machine is not None:
+        cards.append(_card("predicted, this machine", ms(d.machine.iteration_s),
+                           "the simulator fed with this machine's measured links and layer times"))
     if d.measured_s is not None:
         err = d.error or 0.0
         cls = "good" if abs(err) <= 0.10 else "warn" if abs(err) <= 0.30 else "bad"
-        cards.append(_card("measured step", ms(d.measured_s),
-                           f"mean of {max(1, len(d.run.iteration_times) - 1)} steps on {d.run.backend}/{d.run.device}"))
-        if d.run.device == "cpu":  # CPU processes against the GPUs of the cluster file: not an error
+        cards.append(_card("measured step", ms(d.measured_s), f"{d.measured_how} on {d.run.backend}/{d.run.device}"))
+        if d.run.device == "cpu" and d.machine is None:  # CPU processes vs the cluster's GPUs: no error
             cards.append(_card("prediction error", f"{err * 100:+.1f} %", "measured on CPU processes, predicted "
                                "for the cluster's GPUs: not comparable", "muted"))
         else:
-            cards.append(_card("prediction error", f"{err * 100:+.1f} %", "(predicted − measured) / measured", cls))
+            what = "this machine's prediction" if d.machine is not None else "predicted"
+            cards.append(_card("prediction error", f"{err * 100:+.1f} %", f"({what} − measured) / measured", cls))
     else:
         cards.append(_card("measured step", "—", "a run folder shows the measured step"))
     margin = d.memory_margin
@@ -148,9 +152,16 @@ def timeline_section(d: ReportData) -> str:
     sim = d.sim
     crit = {(t["name"], t["resource"]) for t in sim.critical_path}
     pred = sim.timeline
-    body = ["<h3>Predicted (simulator) — " + _t(ms(sim.iteration_time_s)) + "</h3>",
+    body = ["<h3>Predicted (simulator, the cluster's GPUs) — " + _t(ms(sim.iteration_time_s)) + "</h3>",
             charts.gantt(pred, critical=crit, label="predicted Gantt chart"),
             charts.critical_breakdown(sim.critical_path, sim.iteration_time_s)]
+    if d.machine is not None:
+        m = d.machine
+        body += ["<h3>Predicted for this machine — " + _t(ms(m.iteration_s)) + "</h3>",
+                 charts.gantt(m.timeline, critical={(t["name"], t["resource"]) for t in m.critical_path},
+                              label="machine Gantt chart"),
+                 charts.critical_breakdown(m.critical_path, m.iteration_s)]
+        pred = m.timeline  # the busy-time table compares like with like
     if d.measured_step is not None:
         step = d.run.steps[d.measured_step_index]
         body += [f"<h3>Measured (step {step}, the median step after warm-up) — "
