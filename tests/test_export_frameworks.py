@@ -244,3 +244,54 @@ def test_torchtitan_model_table_is_torchtitans(titan_config_manager):
         assert (attn.qk_norm is not None) == t.qk_norm and attn.qkv_linear.head_dim == t.head_dim, t
         checked += 1
     assert checked >= 6
+
+
+MEGATRON_CASES = [
+    ("llama:size=70b", "dp=1,tp=8,pp=4,micro_batch=1,global_batch=64,dtype=bf16,sequence_parallel=true"),
+    ("llama:layers=16,hidden=2048,heads=32,kv_heads=8,ffn=8192", "dp=2,tp=2,pp=2,micro_batch=1,global_batch=16,zero=1"),
+    ("gpt:size=1.3b", "dp=16,micro_batch=1,global_batch=64,dtype=bf16"),
+    ("gpt:size=13b", "dp=2,tp=4,micro_batch=1,global_batch=64,dtype=bf16,sequence_parallel=true,zero=1"),
+    ("gpt:size=175b", "dp=1,tp=8,pp=4,micro_batch=1,global_batch=64,dtype=bf16,schedule=interleaved,"
+                      "virtual_stages=2,recompute=selective"),
+]
+
+
+@pytest.mark.parametrize("spec,plan_text", MEGATRON_CASES)
+def test_megatron_parse_args_accepts_the_export(spec, plan_text, monkeypatch):
+    """Megatron-LM's own `parse_args` + `validate_args` on the exported arguments, where a
+    Megatron-LM checkout is named by PLAIT_MEGATRON_LM (it is no pip package); the model it would
+    build is the planned one."""
+    import os
+    import shlex
+    import sys
+    import typing
+
+    root = os.environ.get("PLAIT_MEGATRON_LM")
+    if not root:
+        pytest.skip("set PLAIT_MEGATRON_LM to a Megatron-LM checkout to check against its parse_args")
+    if not hasattr(typing, "override"):  # Megatron needs Python 3.12's typing.override
+        typing_extensions = pytest.importorskip("typing_extensions")
+        monkeypatch.setattr(typing, "override", typing_extensions.override, raising=False)
+    monkeypatch.syspath_prepend(root)
+    arguments = pytest.importorskip("megatron.training.arguments")
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)  # no CUDA device to ask
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    plan = Plan.parse(plan_text)
+    config = load_model(spec).config
+    text = export(plan, "megatron", config)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py",
+                                      *shlex.split(text.split("pretrain_gpt.py", 1)[1].replace("\\\n", " "))])
+    args = arguments.parse_args()
+    args.world_size, args.rank = plan.world_size, 0
+    arguments.validate_args(args, {})
+    arch = architecture(config, "megatron")
+    assert args.swiglu == (arch.activation == "swiglu")
+    assert args.normalization == ("RMSNorm" if arch.norm == "rmsnorm" else "LayerNorm")
+    assert args.position_embedding_type == ("rope" if arch.position == "rope" else "learned_absolute")
+    assert args.group_query_attention == (arch.kv_heads < arch.heads)
+    assert not args.group_query_attention or args.num_query_groups == arch.kv_heads
+    assert args.untie_embeddings_and_output_weights == (not arch.tie)
+    assert args.add_bias_linear == arch.bias
+    assert args.ffn_hidden_size == config["ffn"] and args.num_layers == config["layers"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (plan.tp, plan.pp)
+    assert args.data_parallel_size == plan.dp and args.global_batch_size == plan.global_batch
