@@ -113,6 +113,10 @@ def test_run_folder_report_shows_measured_step_and_doctor(tmp_path):
     (run / "diagnosis.json").write_text("{not json")  # unreadable: said, and the page still written
     data = load(run)
     assert data.diagnosis is None and any("unreadable" in n for n in data.notes)
+    (run / "result.json").unlink()  # a run that did not finish: the prediction, and the note why
+    data = load(run)
+    assert data.run is None and data.measured_s is None and any("did not finish" in n for n in data.notes)
+    assert "Measured (step" not in render(data)
 
 
 def test_bad_sources_are_clear_errors(tmp_path, plan_file, capsys):
