@@ -18,6 +18,7 @@ COMMANDS = {
     "run": "plait.commands.run_cmd",
     "profile": "plait.commands.profile_cmd",
     "cluster": "plait.commands.cluster_cmd",
+    "report": "plait.report.command",  # beside plait.commands on the contract's top row
 }
 
 

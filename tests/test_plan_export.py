@@ -9,9 +9,13 @@ import pytest
 from plait.ir.plan import Plan
 from plait.plan.export import ExportError, export, heterogeneous_reasons
 
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-
-CFG = {"layers": 8, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024, "ffn": 1024}
+GPT_ARCH = {"norm": "layernorm", "activation": "gelu", "position": "learned", "norm_position": "pre", "bias": True,
+            "tie": True, "causal": True}
+CFG = {"layers": 8, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024, "ffn": 1024, **GPT_ARCH}
+# torchtitan's llama3_debugmodel shape (torchtitan builds registry models only)
+TITAN_CFG = {"layers": 6, "hidden": 256, "heads": 16, "kv_heads": 16, "seq": 128, "vocab": 2048, "ffn": 768,
+             "norm": "rmsnorm", "activation": "swiglu", "position": "rope", "norm_position": "pre", "bias": False,
+             "tie": False, "causal": True}
 
 
 def _args(text: str) -> dict[str, str]:
@@ -66,29 +70,34 @@ def test_deepspeed_config_is_valid_json_with_consistent_batches():
         export(Plan.parse("dp=1,pp=2,micro_batch=1,global_batch=4,schedule=gpipe"), "deepspeed", CFG)
 
 
-def test_torchtitan_sections_parse_as_toml():
+def test_torchtitan_command_line_carries_the_plan():
     plan = Plan.parse("dp=2,tp=2,pp=2,micro_batch=2,global_batch=32,recompute=full,zero=3,schedule=gpipe")
-    doc = tomllib.loads(export(plan, "torchtitan", CFG))
-    par = doc["parallelism"]
-    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"]) == (2, 2)
-    assert par["data_parallel_shard_degree"] == 2 and par["data_parallel_replicate_degree"] == 1
-    assert par["pipeline_parallel_schedule"] == "GPipe" and par["pipeline_parallel_microbatch_size"] == 2
-    assert par["fsdp_reshard_after_forward"] == "always"
-    assert doc["training"]["global_batch_size"] == 32 and doc["training"]["local_batch_size"] == 16
-    assert doc["activation_checkpoint"]["mode"] == "full"
-    ddp = tomllib.loads(export(Plan.parse("dp=4,micro_batch=2,global_batch=16"), "torchtitan", CFG))
-    assert ddp["parallelism"]["data_parallel_replicate_degree"] == 4
-    assert ddp["training"]["local_batch_size"] == 2
+    text = export(plan, "torchtitan", TITAN_CFG)
+    a = _args(text)
+    assert a["--module"] == "llama3" and a["--config"] == "llama3_debugmodel" and "--job.config_file" not in a
+    assert (a["--parallelism.tensor-parallel-degree"], a["--parallelism.pipeline-parallel-degree"]) == ("2", "2")
+    assert a["--parallelism.data-parallel-shard-degree"] == "2"
+    assert a["--parallelism.data-parallel-replicate-degree"] == "1"
+    assert a["--parallelism.pipeline-parallel-schedule"] == "GPipe"
+    assert a["--parallelism.pipeline-parallel-microbatch-size"] == "2"
+    assert a["--parallelism.pipeline-parallel-layers-per-stage"] == "3"
+    assert a["--parallelism.fsdp-reshard-after-forward"] == "always"
+    assert a["--training.global-batch-size"] == "32" and a["--training.local-batch-size"] == "16"
+    assert text.rstrip().endswith("activation-checkpoint:full")
+    ddp = _args(export(Plan.parse("dp=4,micro_batch=2,global_batch=16"), "torchtitan", TITAN_CFG))
+    assert ddp["--parallelism.data-parallel-replicate-degree"] == "4"
+    assert ddp["--training.local-batch-size"] == "2"
 
 
 @pytest.mark.parametrize("fmt", ["megatron", "deepspeed", "torchtitan"])
 def test_heterogeneous_plans_are_refused_with_the_reason(fmt):
-    uneven_layers = Plan.parse("dp=1,pp=2,micro_batch=1,global_batch=4,layer_split=7:3")
+    cfg = TITAN_CFG if fmt == "torchtitan" else CFG
+    uneven_layers = Plan.parse("dp=1,pp=2,micro_batch=1,global_batch=4,layer_split=4:2")
     with pytest.raises(ExportError, match="layer_split"):
-        export(uneven_layers, fmt, CFG)
+        export(uneven_layers, fmt, cfg)
     shares = Plan(dp=2, micro_batch=1, global_batch=4, dp_shares=[0.75, 0.25])
     with pytest.raises(ExportError, match="dp_shares"):
-        export(shares, fmt, CFG)
+        export(shares, fmt, cfg)
     assert heterogeneous_reasons(Plan.parse("dp=2,micro_batch=1,global_batch=4")) == []
     assert heterogeneous_reasons(Plan.parse("pp=2,micro_batch=1,global_batch=2,layer_split=5:5")) == []
 
@@ -109,8 +118,12 @@ def test_gradient_reduction_dtype_is_exported():
     assert "--grad-reduce-in-bf16" in export(Plan(dp=2, micro_batch=1, global_batch=2, grad_reduce_dtype="bf16"),
                                              "megatron", CFG)
     assert '"communication_data_type": "fp32"' in export(bf16, "deepspeed", CFG)
-    assert 'mixed_precision_reduce = "float16"' in export(Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp16"),
-                                                          "torchtitan", CFG)
+    # torchtitan 0.3 reduces in float32 and computes in bfloat16 or float32 only: the rest is refused
+    assert "--training.mixed-precision-reduce float32" in export(bf16, "torchtitan", TITAN_CFG)
+    with pytest.raises(ExportError, match="'dtype'.*fp16"):
+        export(Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp16"), "torchtitan", TITAN_CFG)
+    with pytest.raises(ExportError, match="grad_reduce_dtype"):
+        export(Plan(dp=2, micro_batch=1, global_batch=2, grad_reduce_dtype="bf16"), "torchtitan", TITAN_CFG)
 
 
 def test_slurm_script_runs_the_plan_with_plait_run_one_task_per_node():
@@ -149,10 +162,12 @@ def test_training_settings_reach_every_export():
         assert flag in mega, flag
     ds = export(plan, "deepspeed", CFG, training=t)
     assert '"gradient_clipping": 1.0' in ds and "--lr-decay-style cosine" in ds
-    titan = export(plan, "torchtitan", CFG, training=t)
-    for line in ("lr = 0.0003", "weight_decay = 0.1", "warmup_steps = 10", 'decay_type = "cosine"',
-                 "min_lr_factor = 0.1", "max_norm = 1", "steps = 100", "decay_ratio = 0.9"):
-        assert line in titan, line
+    titan = export(plan, "torchtitan", TITAN_CFG, training=t)
+    for flag in ("--optimizer.param-groups.0.optimizer-kwargs.lr 0.0003",
+                 "--optimizer.param-groups.0.optimizer-kwargs.weight-decay 0.1", "--lr-scheduler.warmup-steps 10",
+                 "--lr-scheduler.decay-type cosine", "--lr-scheduler.min-lr-factor 0.1", "--training.max-norm 1",
+                 "--training.steps 100", "--lr-scheduler.decay-ratio 0.9"):
+        assert flag in titan, flag
     # no clipping in plait (the default) is no clipping in Megatron and DeepSpeed, not their 1.0 default
     assert "--clip-grad 0" in export(plan, "megatron", CFG) and '"gradient_clipping": 0.0' in export(plan, "deepspeed", CFG)
     assert run_training_flags(t)[:2] == ["--steps 100", "--lr 0.0003"] and "--clip-grad 1" in run_training_flags(t)

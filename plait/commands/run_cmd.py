@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from plait.commands.training_args import add_training_args
@@ -288,7 +289,23 @@ def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[An
     with LocalMachine(args.cluster, args.model, emulate_dtype=Plan.load(args.plan).dtype, say=say) as m:
         mr = m.measure_and_predict(args.plan, steps=args.steps, **common)
         notes = list(m.notes)
+    if args.run_dir and mr.run.run_dir:  # beside the measured run: `plait report RUN_DIR` shows both
+        write_prediction(Path(mr.run.run_dir), mr, notes)
     return mr.run, {**mr.summary(), "notes": notes}
+
+
+def write_prediction(run_dir: Path, mr: Any, notes: list[str]) -> Path:
+    """RUN_DIR/prediction.json: the simulator's prediction of this run for this machine (its
+    iteration time, critical path and timeline), with how it compares with the measurement."""
+    from plait.ir.formats import stamp
+
+    sim = mr.prediction.result
+    data = stamp("prediction", {"for": "this machine (measured links and layer times)",
+                                "summary": mr.summary(), "critical_path": sim.critical_path,
+                                "timeline": sim.timeline.to_dict(), "notes": notes})
+    path = run_dir / "prediction.json"
+    path.write_text(json.dumps(data, default=str))
+    return path
 
 
 def _print_machine(machine: dict[str, Any], console: Any) -> None:

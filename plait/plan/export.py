@@ -4,10 +4,20 @@
   (`--tensor-model-parallel-size`, `--pipeline-model-parallel-size`, ...);
 * ``deepspeed``  -- a DeepSpeed JSON config (`train_batch_size`, `zero_optimization`, ...)
   and the Megatron-DeepSpeed command that uses it;
-* ``torchtitan`` -- the `[parallelism]`, `[training]` and `[activation_checkpoint]`
-  sections of a torchtitan TOML job config;
+* ``torchtitan`` -- a `torchrun -m torchtitan.train --module M --config F --section.key V ...`
+  command line for torchtitan >= 0.3 (no TOML job file), for the plans of models that torchtitan
+  has (`TORCHTITAN_MODELS`: its llama3 and qwen3 configs, matched shape for shape);
 * ``slurm``      -- an sbatch script that runs the plan itself with `plait run` on the
   cluster's nodes (any plan the runtime runs, heterogeneous ones included).
+
+The model side of each export comes from the architecture fields of the model's config
+(`plait.graph.zoo.layers.ARCHITECTURE_FIELDS`: norm, activation, position embedding, pre/post
+norm, biases; with `tie` and `kv_heads`), never from its name: a LLaMA-shaped plan carries
+Megatron-LM's `--swiglu --normalization RMSNorm --position-embedding-type rope
+--group-query-attention --num-query-groups N --untie-embeddings-and-output-weights
+--disable-bias-linear`, so Megatron builds the model that was planned. A model a framework
+cannot build (an encoder in a decoder-only script, post-norm, a torchtitan model that does not
+exist) is refused with the field that differs.
 
 These frameworks split layers evenly, give every data-parallel rank the same batch
 and number ranks node-major, so a plan with uneven layers or batch shares, uneven
@@ -101,7 +111,134 @@ def _model_args(config: dict[str, Any]) -> dict[str, int]:
     ffn = config.get("ffn") or config.get("ffn_hidden_size")
     if ffn:
         out["ffn"] = int(ffn)
+    out["kv_heads"] = int(config.get("kv_heads") or out["heads"])
+    out["head_dim"] = int(config.get("head_dim") or out["hidden"] // out["heads"])
     return out
+
+
+# The architecture fields an export reads (plait.graph.zoo.layers.ARCHITECTURE_FIELDS, plus the
+# zoo's `tie` and `causal`), with the values each may take.
+ARCH_FIELDS = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"), "position": ("learned", "rope"),
+               "norm_position": ("pre", "post"), "bias": (True, False), "tie": (True, False),
+               "causal": (True, False)}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What kind of transformer the model is, read from its config (not from its name)."""
+
+    norm: str  # layernorm | rmsnorm
+    activation: str  # gelu (fc1-GELU-fc2) | swiglu (gate, up, down)
+    position: str  # learned (absolute embeddings) | rope (rotary)
+    norm_position: str  # pre (x + f(norm x)) | post (norm(x + f x))
+    bias: bool  # the transformer's linears carry biases
+    tie: bool  # the LM head shares the word embeddings
+    causal: bool  # decoder (causal attention) or encoder
+    kv_heads: int  # key/value heads (< heads: grouped-query attention)
+    heads: int
+    head_dim: int
+    qk_norm: bool = False  # normalised queries and keys (Qwen3)
+    eps: float | None = None  # normalisation epsilon
+    rope_base: float | None = None  # rotary base (theta)
+    dropout: float | None = None  # hidden (residual) dropout
+    attn_dropout: float | None = None  # attention-probability dropout
+
+
+def architecture(config: dict[str, Any], fmt: str) -> Architecture:
+    """The `Architecture` of a model config; ExportError naming the fields it lacks."""
+    missing = [k for k in ARCH_FIELDS if k not in config]
+    if missing:
+        raise ExportError(f"export {fmt}: the model config does not say its architecture field(s) "
+                          f"{', '.join(missing)} ({'; '.join(f'{k}: {ARCH_FIELDS[k]}' for k in missing)}); "
+                          "a file model sets them in its ModelSpec config")
+    for key, allowed in ARCH_FIELDS.items():
+        if config[key] not in allowed:
+            raise ExportError(f"export {fmt}: model config field '{key}' is {config[key]!r}; use one of {allowed}")
+    m = _model_args(config)
+
+    def num(key: str) -> float | None:
+        return float(config[key]) if config.get(key) is not None else None
+
+    dropout = num("dropout")
+    return Architecture(norm=config["norm"], activation=config["activation"], position=config["position"],
+                        norm_position=config["norm_position"], bias=bool(config["bias"]), tie=bool(config["tie"]),
+                        causal=bool(config["causal"]), kv_heads=m["kv_heads"], heads=m["heads"],
+                        head_dim=m["head_dim"], qk_norm=bool(config.get("qk_norm", False)), eps=num("eps"),
+                        rope_base=num("rope_base"), dropout=dropout,
+                        attn_dropout=num("attn_dropout") if config.get("attn_dropout") is not None else dropout)
+
+
+def _decoder_only(arch: Architecture, fmt: str, script: str) -> None:
+    """Refuse what a GPT-style pretraining script cannot build, naming the field."""
+    if not arch.causal:
+        raise ExportError(f"export {fmt}: model config field 'causal' is False (an encoder); {script} trains "
+                          "decoder-only language models")
+    if arch.norm_position == "post":
+        raise ExportError(f"export {fmt}: model config field 'norm_position' is 'post' (norm after the residual "
+                          f"add); {script}'s transformer layers are pre-norm")
+    if arch.qk_norm:
+        raise ExportError(f"export {fmt}: model config field 'qk_norm' is True; {script} is exported without "
+                          "query/key norms")
+
+
+def megatron_model_flags(arch: Architecture, m: dict[str, int]) -> list[str]:
+    """Megatron-LM's model flags for `arch` (megatron/training/arguments.py and TransformerConfig's
+    argparse names at the 2026-08 main): the defaults are GPT's (LayerNorm, GELU, learned absolute
+    positions, biases, tied head, multi-head attention, dropout 0.1), the rest is said."""
+    flags = []
+    if arch.norm == "rmsnorm":
+        flags.append("--normalization RMSNorm")
+    if arch.eps is not None and arch.eps != 1e-5:
+        flags.append(f"--norm-epsilon {arch.eps:g}")
+    if arch.activation == "swiglu":
+        flags.append("--swiglu")
+    if arch.position == "rope":
+        flags.append("--position-embedding-type rope")
+        if arch.rope_base is not None and arch.rope_base != 10000:
+            flags.append(f"--rotary-base {int(arch.rope_base)}")
+    if arch.kv_heads != arch.heads:
+        flags.append(f"--group-query-attention --num-query-groups {arch.kv_heads}")
+    if arch.head_dim * arch.heads != m["hidden"]:
+        flags.append(f"--kv-channels {arch.head_dim}")
+    if not arch.tie:
+        flags.append("--untie-embeddings-and-output-weights")
+    if not arch.bias:
+        flags.append("--disable-bias-linear")
+    if arch.dropout is not None and arch.dropout != 0.1:
+        flags.append(f"--hidden-dropout {arch.dropout:g}")
+    if arch.attn_dropout is not None and arch.attn_dropout != 0.1:
+        flags.append(f"--attention-dropout {arch.attn_dropout:g}")
+    return flags
+
+
+def megatron_deepspeed_model_flags(arch: Architecture, m: dict[str, int]) -> list[str]:
+    """The same model in Megatron-DeepSpeed's names (megatron/arguments.py of deepspeedai's fork:
+    `--normalization rmsnorm`, `--use-rotary-position-embeddings` with `--no-position-embedding`,
+    `--num-key-value-heads`, `--layernorm-epsilon`, `--rotary-position-embeddings-theta`)."""
+    flags = []
+    if arch.norm == "rmsnorm":
+        flags.append("--normalization rmsnorm")
+    if arch.eps is not None and arch.eps != 1e-5:
+        flags.append(f"--layernorm-epsilon {arch.eps:g}")
+    if arch.activation == "swiglu":
+        flags.append("--swiglu")
+    if arch.position == "rope":
+        flags.append("--use-rotary-position-embeddings --no-position-embedding")
+        if arch.rope_base is not None and arch.rope_base != 10000:
+            flags.append(f"--rotary-position-embeddings-theta {int(arch.rope_base)}")
+    if arch.kv_heads != arch.heads:
+        flags.append(f"--num-key-value-heads {arch.kv_heads}")
+    if arch.head_dim * arch.heads != m["hidden"]:
+        flags.append(f"--kv-channels {arch.head_dim}")
+    if not arch.tie:
+        flags.append("--untie-embeddings-and-output-weights")
+    if not arch.bias:
+        flags.append("--disable-bias-linear")
+    if arch.dropout is not None and arch.dropout != 0.1:
+        flags.append(f"--hidden-dropout {arch.dropout:g}")
+    if arch.attn_dropout is not None and arch.attn_dropout != 0.1:
+        flags.append(f"--attention-dropout {arch.attn_dropout:g}")
+    return flags
 
 
 def _placement(plan: Plan, cluster: Cluster | None) -> tuple[int, int, list[str]]:
@@ -146,6 +283,8 @@ def _check(plan: Plan, cluster: Cluster | None, fmt: str) -> None:
 def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None,
              training: Training | None = None) -> str:
     m = _model_args(config)
+    arch = architecture(config, "megatron")
+    _decoder_only(arch, "megatron", "Megatron-LM's pretrain_gpt.py")
     training = training or Training()
     _check(plan, cluster, "megatron")
     if plan.schedule == "gpipe":
@@ -157,6 +296,7 @@ def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None,
             f"--max-position-embeddings {m['seq']}"]
     if "ffn" in m:
         args.append(f"--ffn-hidden-size {m['ffn']}")
+    args += megatron_model_flags(arch, m)
     args += [f"--micro-batch-size {plan.micro_batch}", f"--global-batch-size {plan.global_batch}",
              f"--tokenizer-type NullTokenizer --vocab-size {m['vocab']} --mock-data"]
     if plan.schedule == "interleaved":
@@ -191,6 +331,8 @@ def megatron(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None,
 def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None,
               training: Training | None = None) -> str:
     m = _model_args(config)
+    arch = architecture(config, "deepspeed")
+    _decoder_only(arch, "deepspeed", "Megatron-DeepSpeed's pretrain_gpt.py")
     training = training or Training()
     _check(plan, cluster, "deepspeed")
     if plan.schedule != "1f1b":
@@ -214,6 +356,7 @@ def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None
     args = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}",
             f"--num-layers {m['layers']}", f"--hidden-size {m['hidden']}", f"--num-attention-heads {m['heads']}",
             f"--seq-length {m['seq']}", f"--max-position-embeddings {m['seq']}",
+            *([f"--ffn-hidden-size {m['ffn']}"] if "ffn" in m else []), *megatron_deepspeed_model_flags(arch, m),
             f"--micro-batch-size {plan.micro_batch}", f"--global-batch-size {plan.global_batch}",
             "--deepspeed --deepspeed_config ds_config.json", f"--zero-stage {plan.zero}",
             *_megatron_training(training)]
@@ -231,46 +374,146 @@ def deepspeed(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class TitanModel:
+    """One model of torchtitan 0.3's registry: `--module` and its `--config` function, with the shape
+    that function builds (torchtitan/models/<module>/__init__.py; tests check it against torchtitan
+    when it is installed). All are pre-norm RMSNorm / SwiGLU / rotary decoders without biases."""
+
+    module: str
+    config: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tie: bool
+    head_dim: int
+    qk_norm: bool
+
+    def shape(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _TITAN_SHAPE}
+
+
+_TITAN_SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tie", "head_dim", "qk_norm")
+TORCHTITAN_MODELS = (
+    TitanModel("llama3", "llama3_debugmodel", 6, 256, 16, 16, 768, 2048, False, 16, False),
+    TitanModel("llama3", "llama3_8b", 32, 4096, 32, 8, 14336, 128256, False, 128, False),
+    TitanModel("llama3", "llama3_70b", 80, 8192, 64, 8, 28672, 128256, False, 128, False),
+    TitanModel("llama3", "llama3_405b", 126, 16384, 128, 8, 53248, 128256, False, 128, False),
+    TitanModel("qwen3", "qwen3_debugmodel", 8, 256, 16, 8, 3072, 2048, True, 128, True),
+    TitanModel("qwen3", "qwen3_0_6b", 28, 1024, 16, 8, 3072, 151936, True, 128, True),
+    TitanModel("qwen3", "qwen3_1_7b", 28, 2048, 16, 8, 6144, 151936, True, 128, True),
+    TitanModel("qwen3", "qwen3_14b", 40, 5120, 40, 8, 17408, 151936, False, 128, True),
+    TitanModel("qwen3", "qwen3_32b", 64, 5120, 64, 8, 25600, 151936, False, 128, True),
+)
+# Mixture-of-experts and multi-head latent attention models (deepseek_v3, gpt_oss, qwen3 MoE, ...)
+# have no counterpart in plait's zoo yet.
+
+
+def torchtitan_model(config: dict[str, Any]) -> TitanModel:
+    """The torchtitan model whose architecture and shape are the planned model's; ExportError with
+    the reason (and the nearest model, with the fields that differ) otherwise."""
+    arch = architecture(config, "torchtitan")
+    kind = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "norm_position": "pre", "bias": False,
+            "causal": True}
+    wrong = [f"{k}={getattr(arch, k)!r}" for k, v in kind.items() if getattr(arch, k) != v]
+    if wrong:
+        raise ExportError(f"export torchtitan: torchtitan has no model with {', '.join(wrong)}: its models "
+                          f"({', '.join(sorted({t.module for t in TORCHTITAN_MODELS}))}, deepseek_v3, ...) are "
+                          "pre-norm RMSNorm/SwiGLU/rotary decoders without biases (a GPT or BERT plan: export "
+                          "megatron or deepspeed)")
+    m = _model_args(config)
+    want = {**{k: m.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim")},
+            "tie": arch.tie, "qk_norm": arch.qk_norm}
+    for t in TORCHTITAN_MODELS:
+        if t.shape() == want:
+            return t
+    near = max(TORCHTITAN_MODELS, key=lambda t: sum(t.shape()[k] == want[k] for k in _TITAN_SHAPE))
+    diff = ", ".join(f"{k}={want[k]} (torchtitan: {near.shape()[k]})" for k in _TITAN_SHAPE
+                     if near.shape()[k] != want[k])
+    raise ExportError(f"export torchtitan: no torchtitan model has this shape; the nearest, --module {near.module} "
+                      f"--config {near.config}, differs in {diff}. torchtitan builds its models from registry "
+                      "functions, not from flags: plan that shape (e.g. --model llama:" +
+                      ",".join(f"{k}={near.shape()[k]}" for k in ("layers", "hidden", "heads", "kv_heads", "ffn",
+                                                                  "vocab")) + ") to export it")
+
+
 def torchtitan(plan: Plan, config: dict[str, Any], cluster: Cluster | None = None,
                training: Training | None = None) -> str:
+    """A torchtitan >= 0.3 launch: `--module`/`--config` pick the registry model (`torchtitan_model`),
+    `--section.key` overrides carry the plan (torchtitan/config/manager.py parses them with tyro;
+    activation checkpointing is the trailing `activation-checkpoint:<mode>` subcommand)."""
+    titan = torchtitan_model(config)
     m = _model_args(config)
     training = training or Training()
     _check(plan, cluster, "torchtitan")
+    if plan.dtype == "fp16":
+        raise ExportError("export torchtitan: plan field 'dtype': torchtitan trains in bfloat16 or float32, not fp16")
+    if plan.grad_dtype != "fp32":
+        raise ExportError(f"export torchtitan: plan field 'grad_reduce_dtype': torchtitan reduces gradients in "
+                          f"float32 only, the plan reduces them in {plan.grad_dtype}")
     nodes, g, place = _placement(plan, cluster)
     schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}[plan.schedule]
     # FSDP2 shards over dp for ZeRO >= 1; "never" keeps parameters gathered after forward (ZeRO-2-like),
     # "always" frees them (ZeRO-3). torchtitan has no optimizer-only sharding, so ZeRO-1 exports as ZeRO-2.
     replicate, shard = (plan.dp, 1) if plan.zero == 0 else (1, plan.dp)
     local_batch = plan.global_batch // plan.dp if plan.pp > 1 else plan.micro_batch
-    lines = [f"# plait plan: {plan}", *place,
-             f"# launch: torchrun --nnodes {nodes} --nproc-per-node {g} -m torchtitan.train --job.config_file plait.toml",
-             "", "[training]", f"local_batch_size = {local_batch}", f"global_batch_size = {plan.global_batch}",
-             f"seq_len = {m['seq']}", f"steps = {training.steps}"]
+    args = [f"--module {titan.module}", f"--config {titan.config}",
+            f"--training.local-batch-size {local_batch}", f"--training.global-batch-size {plan.global_batch}",
+            f"--training.seq-len {m['seq']}", f"--training.steps {training.steps}",
+            f"--training.mixed-precision-param {'bfloat16' if plan.dtype == 'bf16' else 'float32'}",
+            "--training.mixed-precision-reduce float32",
+            f"--parallelism.data-parallel-replicate-degree {replicate}",
+            f"--parallelism.data-parallel-shard-degree {shard}",
+            f"--parallelism.tensor-parallel-degree {plan.tp}",
+            "--parallelism.enable-sequence-parallel" if plan.sequence_parallel
+            else "--parallelism.no-enable-sequence-parallel",
+            f"--parallelism.pipeline-parallel-degree {plan.pp}"]
     if training.clip_grad is not None:
-        lines.append(f"max_norm = {training.clip_grad:g}")
-    if plan.dtype in ("bf16", "fp16"):
-        torch_dtype = {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
-        lines.append(f'mixed_precision_param = "{torch_dtype}"')
-        reduce = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[plan.grad_dtype]
-        lines.append(f'mixed_precision_reduce = "{reduce}"')
-    lines += ["", "[parallelism]", f"data_parallel_replicate_degree = {replicate}",
-              f"data_parallel_shard_degree = {shard}", f"tensor_parallel_degree = {plan.tp}",
-              f"pipeline_parallel_degree = {plan.pp}"]
+        args.append(f"--training.max-norm {training.clip_grad:g}")
     if plan.zero:
-        lines.append(f'fsdp_reshard_after_forward = "{"always" if plan.zero == 3 else "never"}"')
+        args.append(f"--parallelism.fsdp-reshard-after-forward {'always' if plan.zero == 3 else 'never'}")
     if plan.pp > 1:
-        lines += [f'pipeline_parallel_schedule = "{schedule}"',
-                  f"pipeline_parallel_microbatch_size = {plan.micro_batch}"]
-        if plan.schedule == "interleaved":
-            lines.append(f"pipeline_parallel_layers_per_stage = {m['layers'] // (plan.pp * plan.virtual_stages)}")
-    lines += ["", "[activation_checkpoint]", f'mode = "{plan.recompute}"']
-    lines += ["", "[optimizer]", 'name = "AdamW"', f"lr = {training.lr:g}", f"weight_decay = {training.weight_decay:g}",
-              "", "[lr_scheduler]", f"warmup_steps = {training.warmup_iters}",
-              # torchtitan decays over decay_ratio of the steps after warm-up; constant: no decay
-              f"decay_ratio = {0.0 if training.decay_style == 'constant' else min(1.0, training.decay_steps / training.steps):g}",
-              f'decay_type = "{"linear" if training.decay_style == "constant" else training.decay_style}"',
-              f"min_lr_factor = {training.min_lr / training.lr:g}"]
+        # Megatron's split, as planned: transformer layers evenly over the (virtual) stages, the
+        # embedding with the first and the head with the last (torchtitan would otherwise give
+        # those stages one layer less each)
+        args += ["--training.disable-cuda-graphs",  # torchtitan 0.3 refuses CUDA graphs under pipelining
+                 f"--parallelism.pipeline-parallel-schedule {schedule}",
+                 f"--parallelism.pipeline-parallel-microbatch-size {plan.micro_batch}",
+                 "--parallelism.pipeline-parallel-first-stage-less-layers 0",
+                 "--parallelism.pipeline-parallel-last-stage-less-layers 0",
+                 f"--parallelism.pipeline-parallel-layers-per-stage {m['layers'] // (plan.pp * plan.virtual_stages)}"]
+    decay = 0.0 if training.decay_style == "constant" else min(1.0, training.decay_steps / training.steps)
+    args += [f"--optimizer.param-groups.0.optimizer-kwargs.lr {training.lr:g}",
+             f"--optimizer.param-groups.0.optimizer-kwargs.weight-decay {training.weight_decay:g}",
+             "--optimizer.param-groups.0.optimizer-kwargs.betas 0.9 0.999",  # plait's AdamW (torch's defaults)
+             f"--lr-scheduler.warmup-steps {training.warmup_iters}",
+             # torchtitan decays over decay_ratio of the steps after warm-up; constant: no decay
+             f"--lr-scheduler.decay-ratio {decay:g}",
+             f"--lr-scheduler.decay-type {'linear' if training.decay_style == 'constant' else training.decay_style}",
+             f"--lr-scheduler.min-lr-factor {training.min_lr / training.lr:g}",
+             f"activation-checkpoint:{plan.recompute}"]
+    notes = [f"# plait plan: {plan}", *place,
+             f"# torchtitan >= 0.3: model {titan.module}/{titan.config} ({titan.layers} layers, hidden "
+             f"{titan.hidden}, {titan.heads} heads, {titan.kv_heads} KV heads, vocab {titan.vocab})"]
+    if plan.zero == 1:
+        notes.append("# ZeRO-1 runs as FSDP with parameters kept after forward (torchtitan has no "
+                     "optimizer-only sharding): gradients are sharded too")
+    if training.clip_grad is None:
+        notes.append("# plait trains without gradient clipping; torchtitan clips at --training.max-norm (1.0)")
+    lines = notes + [f"torchrun --nnodes {nodes} --nproc-per-node {g} --node-rank $NODE_RANK "
+                     "--master-addr $MASTER_ADDR --master-port 29500 -m torchtitan.train \\"]
+    lines += [f"    {a} \\" for a in args[:-1]] + [f"    {args[-1]}"]
     return "\n".join(lines) + "\n"
+
+
+def torchtitan_argv(text: str) -> list[str]:
+    """The arguments after `-m torchtitan.train` in an exported launch (what torchtitan's
+    `ConfigManager.parse_args` receives)."""
+    body = text.split("-m torchtitan.train", 1)[1].replace("\\\n", " ")
+    return body.split()
 
 
 def _quote(text: str) -> str:

@@ -1,0 +1,28 @@
+"""`plait report`: one self-contained HTML page for a plan file or a run folder.
+
+    from plait.report import write_report
+    write_report("runs/demo", "report.html")                     # a run folder: predicted + measured
+    write_report("plan.json", "report.html", model="gpt:size=1.3b", cluster="a100-80g:nodes=4")
+
+The page shows the plan and its placement on the cluster's nodes, the simulator's Gantt chart
+with the critical path (and, after a run, the measured step beside it), memory per GPU against its
+capacity, per-iteration traffic as a GPU x GPU heat map (and cable loads on a switched fabric),
+and the doctor's findings when the run folder has a diagnosis.json. Inline CSS and SVG only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from plait.report.data import ReportData, ReportError, load
+from plait.report.page import render
+
+__all__ = ["ReportData", "ReportError", "load", "render", "write_report"]
+
+
+def write_report(source: str | Path, out: str | Path, model: str | None = None, cluster: Any = None) -> ReportData:
+    """Gather the data of `source` (plan file or run folder), write the page to `out`, return the data."""
+    data = load(source, model, cluster)
+    Path(out).write_text(render(data), encoding="utf-8")
+    return data

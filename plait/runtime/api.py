@@ -39,7 +39,7 @@ from plait.runtime.layout import device_of, supports
 from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
 
-__all__ = ["RankInfo", "RunFailure", "RunResult", "run", "rank_layout"]
+__all__ = ["RankInfo", "RunFailure", "RunResult", "load_run", "run", "rank_layout"]
 
 
 @dataclass
@@ -398,6 +398,14 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
                                 "emulated": host_plan["emulated"], "timeout": startup}
         config_path = rdir / "config.json"
         config_path.write_text(json.dumps(cfg, indent=1))
+        if cluster_obj is not None:  # beside the records: `plait report RUN_DIR` predicts the run from it
+            from plait.cluster.loader import save_cluster
+            from plait.errors import PlaitError
+
+            try:
+                save_cluster(cluster_obj, rdir / "cluster.yaml")
+            except (PlaitError, OSError, ValueError) as exc:  # the run goes on; the report will ask for it
+                notes.append(f"run folder: cluster.yaml not written ({exc}); plait report will need --cluster")
         extra_env = dict(env or {})
         # All ranks share this machine's cores. torchrun sets OMP_NUM_THREADS=1 only for agents with
         # several workers; fixing it here makes the numerics independent of how ranks map to agents.
@@ -560,6 +568,24 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
                      loss_scales=amp.get("loss_scales", []), skipped_steps=amp.get("skipped_steps", []),
                      final_loss_scale=amp.get("final_loss_scale"),
                      skipped_by_rank={int(k): v for k, v in (amp.get("skipped_by_rank") or {}).items()})
+
+
+def load_run(run_dir: str | Path) -> RunResult:
+    """The `RunResult` of a finished run folder (its config.json and result.json), as `run` returned
+    it: losses, iteration times, the measured timeline and each rank's facts. RunFailure naming the
+    file when the folder holds no finished run."""
+    rdir = Path(run_dir)
+    config = rdir / "config.json"
+    if not config.is_file():
+        raise RunFailure(f"{config}: no such file (not a plait run folder)", run_dir=str(rdir))
+    try:
+        cfg = json.loads(config.read_text())
+        plan = Plan.from_dict(cfg["plan"], str(config))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RunFailure(f"{config}: not a plait run configuration ({exc})", run_dir=str(rdir)) from None
+    cluster = rdir / "cluster.yaml"
+    return _read_result(rdir, cfg, plan, str(cluster) if cluster.is_file() else "local", cfg.get("backend", "gloo"),
+                        {}, [])
 
 
 def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[str, Any] = "adamw",

@@ -21,6 +21,7 @@ from plait.graph.zoo.gpt import check_transformer
 from plait.graph.zoo.layers import (
     Dropout,
     TransformerBlock,
+    architecture,
     init_transformer,
     mark,
     transformer_block_params,
@@ -157,7 +158,8 @@ def bert_config(cfg: dict[str, Any], family: str, extra: tuple[str, ...] = ()) -
     check_transformer(cfg, ("layers", "hidden", "heads", "seq", "vocab", "type_vocab", *extra))
     if not 0.0 < cfg["mask_prob"] <= 1.0:
         raise ModelSpecError(f"mask_prob must be in (0, 1], got {cfg['mask_prob']}")
-    cfg.update(family=family, causal=False, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"])
+    cfg.update(family=family, causal=False, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"], tie=True,
+               **architecture("layernorm", "gelu", "learned", "post", bias=True))
     return cfg
 
 

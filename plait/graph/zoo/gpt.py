@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from plait.graph.zoo.layers import (
     Dropout,
     TransformerBlock,
+    architecture,
     init_transformer,
     mark,
     transformer_block_params,
@@ -152,7 +153,8 @@ def make_gpt(cfg: dict[str, Any]) -> ModelSpec:
     cfg = dict(cfg)
     cfg["ffn"] = cfg["ffn"] or 4 * cfg["hidden"]
     check_transformer(cfg)
-    cfg.update(family="gpt", causal=True, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"])
+    cfg.update(family="gpt", causal=True, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"],
+               **architecture("layernorm", "gelu", "learned", "pre", bias=True))
     return ModelSpec(
         name="gpt",
         config=cfg,

@@ -50,6 +50,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# ------------------------------------------------------------------------ architecture
+# The architecture facts every transformer in the zoo states in its config (and the exports to
+# other frameworks read: Megatron-LM's --normalization, --swiglu, --position-embedding-type, ...).
+ARCHITECTURE_FIELDS = {
+    "norm": ("layernorm", "rmsnorm"),  # the normalisation layers
+    "activation": ("gelu", "swiglu"),  # the MLP: fc1-GELU-fc2, or SwiGLU's gate/up/down
+    "position": ("learned", "rope"),  # learned absolute position embeddings, or rotary
+    "norm_position": ("pre", "post"),  # x + f(norm(x)) (GPT, LLaMA), or norm(x + f(x)) (BERT)
+    "bias": (True, False),  # the transformer's linears carry biases
+}
+
+
+def architecture(norm: str, activation: str, position: str, norm_position: str, bias: bool) -> dict[str, object]:
+    """The architecture fields of a zoo config (`ARCHITECTURE_FIELDS`), checked."""
+    out: dict[str, object] = {"norm": norm, "activation": activation, "position": position,
+                              "norm_position": norm_position, "bias": bias}
+    for key, value in out.items():
+        if value not in ARCHITECTURE_FIELDS[key]:
+            raise ValueError(f"architecture field {key}={value!r}: use one of {ARCHITECTURE_FIELDS[key]}")
+    return out
+
+
 # ----------------------------------------------------------------------------- markers
 
 

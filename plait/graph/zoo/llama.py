@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from plait.graph.zoo.gpt import LMHead, check_transformer, lm_loss, token_batch
 from plait.graph.zoo.layers import (
     GQAttentionCore,
+    architecture,
     column_linear,
     init_transformer,
     row_linear,
@@ -150,7 +151,8 @@ def make_llama(cfg: dict[str, Any]) -> ModelSpec:
         raise ModelSpecError(f"heads={cfg['heads']} is not a multiple of kv_heads={cfg['kv_heads']}")
     if (cfg["hidden"] // cfg["heads"]) % 2:
         raise ModelSpecError(f"head size hidden/heads={cfg['hidden'] // cfg['heads']} must be even for rotary embeddings")
-    cfg.update(family="llama", causal=True, head_dim=cfg["hidden"] // cfg["heads"], dropout=0.0)
+    cfg.update(family="llama", causal=True, head_dim=cfg["hidden"] // cfg["heads"], dropout=0.0,
+               **architecture("rmsnorm", "swiglu", "rope", "pre", bias=False))
     return ModelSpec(
         name="llama",
         config=cfg,

@@ -24,6 +24,7 @@ from plait.graph.zoo.gpt import check_transformer
 from plait.graph.zoo.layers import (
     Dropout,
     TransformerBlock,
+    architecture,
     init_transformer,
     transformer_block_params,
 )
@@ -122,6 +123,7 @@ def make_mmt(cfg: dict[str, Any]) -> ModelSpec:
         kv_heads=cfg["heads"],
         head_dim=cfg["hidden"] // cfg["heads"],
         transformer_layers=cfg["branches"] * cfg["layers"],
+        **architecture("layernorm", "gelu", "learned", "pre", bias=True),
     )
     B, s, d, classes = cfg["branches"], cfg["seq"], cfg["in_dim"], cfg["classes"]
 

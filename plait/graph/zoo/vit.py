@@ -23,6 +23,7 @@ from plait.graph.zoo.gpt import check_transformer
 from plait.graph.zoo.layers import (
     Dropout,
     TransformerBlock,
+    architecture,
     init_transformer,
     transformer_block_params,
 )
@@ -115,7 +116,7 @@ def make_vit(cfg: dict[str, Any]) -> ModelSpec:
         raise ModelSpecError(f"image={cfg['image']} must be a multiple of patch={cfg['patch']}")
     seq = (cfg["image"] // cfg["patch"]) ** 2 + 1
     cfg.update(family="vit", causal=False, seq=seq, kv_heads=cfg["heads"],
-               head_dim=cfg["hidden"] // cfg["heads"])
+               head_dim=cfg["hidden"] // cfg["heads"], **architecture("layernorm", "gelu", "learned", "pre", bias=True))
     return ModelSpec(
         name="vit",
         config=cfg,
