@@ -153,8 +153,9 @@ class RatioSolution:
 
 
 def _comm_segment(comm: Comm, segs: Segments) -> int | None:
-    """The segment whose largest ratio pads this collective (None: all-reduce, not padded)."""
-    if comm.op not in PADDED:
+    """The segment whose largest ratio pads this collective (None: not padded -- an all-reduce, a
+    grouped collective)."""
+    if comm.op not in PADDED or comm.algorithm not in (None, "padded"):
         return None
     return segs.of_dim.get((comm.tensor, comm.dim), 0) if comm.dim is not None else 0
 
@@ -357,7 +358,8 @@ def _forbid_replicated(problem: Problem, params: set[str]) -> Problem:
                                 f"{sorted(set(op.inputs) & params)}; the model cannot be made to fit")
         options.append(keep)
     return Problem(problem.graph, problem.devices, options, problem.work, problem.remaining_reads,
-                   problem.needs_grad, problem.lower, future_needs_of(problem.graph, options))
+                   problem.needs_grad, problem.lower, future_needs_of(problem.graph, options),
+                   problem.collectives)
 
 
 def _bytes(x: float) -> str:
