@@ -1,0 +1,279 @@
+"""HAP's setting (issue 14): even data parallelism, data parallelism proportional to FLOP/s, HAP's own
+method re-implemented, and plait's SPMD synthesis, all predicted by the one simulator.
+
+    python bench/hap.py              # HAP's testbed and a 4 A100 + 4 T4 node, four models
+    python bench/hap.py --quick      # small models on small clusters (smoke)
+    python bench/hap.py --json
+
+Clusters: `bench/data/hap_v100_p100.yaml` (2 x 8 V100 + 6 x 8 P100, 10.4 Gb/s between machines;
+what the paper leaves open is stated in the file) and `bench/data/a100_t4_node.yaml`.
+Models (plait's zoo at the paper's sizes): VGG19 (224 px), ViT-B/16, BERT-Base (seq 128),
+BERT-MoE (BERT-Base with an MoE MLP every other layer, 8 experts, top-2). Every column is one
+iteration of the same global batch predicted by `plait.sim.api.simulate_spmd` (the same compute
+model, links and engine for all):
+
+* even -- DDP: batch split evenly, parameters replicated, gradients all-reduced in 25 MB buckets
+  overlapped with backward (NCCL's algorithm per bucket); one micro-batch per step (no gradient
+  accumulation: every case fits at one, so that is the best micro-batch);
+* prop -- the same with batch shares proportional to FLOP/s (integer samples);
+* HAP -- HAP's method as its public code has it: uniform-cost search, LP without a memory row,
+  one global collective choice (padded or grouped, the better of the two runs), its cluster model
+  (one bandwidth per collective: ring all-reduce); its program is simulated on the real links;
+* plait -- `plait.spmd.ratios.synthesize`: A*, LP with per-device memory, segments, collectives
+  chosen per message on the real links;
+* bound -- perfect compute balance with communication fully hidden: every op at
+  ``1 / sum_i 1 / w_i`` and the optimizer over all parameters at perfect balance.
+
+Columns: the predicted iteration times (ms), speedups over even and over HAP, plait's share of
+the bound (bound / plait), states expanded (HAP's UCS and plait's A*; "b" when the exact search
+hit its budget and the beam search finished), synthesis seconds, and fit (memory per device within
+capacity, by `plait.spmd.ratios.memory_model`). dtype per case: fp32 on HAP's testbed (P100s have
+no tensor cores; HAP ran fp32), fp16 on the A100/T4 node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plait.cluster import load_cluster
+from plait.cost.compute import optimizer_time
+from plait.graph.aten_capture import capture_aten
+from plait.graph.zoo import load_model
+from plait.sim.api import simulate_spmd
+from plait.spmd.cost import Devices, balanced_time
+from plait.spmd.placement import PARTIAL, ShardingError, shard_sizes
+from plait.spmd.ratios import Synthesis, memory_model, synthesize
+from plait.spmd.search import Problem, future_needs_of, search
+
+DATA = Path(__file__).resolve().parent / "data"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+MODELS = [
+    ("VGG19", "vgg19:dropout=0", 256),
+    ("ViT-B/16", "vit", 256),
+    ("BERT-Base", "bert:seq=128,dropout=0,attn_dropout=0", 256),
+    ("BERT-MoE", "bert_moe:seq=128,dropout=0,attn_dropout=0", 256),
+]
+CLUSTERS = [("hap_v100_p100.yaml", "fp32"), ("a100_t4_node.yaml", "fp16")]
+QUICK_MODELS = [
+    ("VGG-tiny", "vgg19:width=8,fc=128,image=32,pool=1,classes=10,dropout=0", 64),
+    ("ViT-tiny", "vit:layers=2,hidden=128,heads=4,patch=8,image=32,classes=10", 64),
+    ("BERT-tiny", "bert:layers=2,hidden=128,heads=4,seq=32,vocab=1000,dropout=0,attn_dropout=0", 32),
+    ("MoE-tiny", "bert_moe:layers=2,hidden=128,heads=4,seq=32,vocab=1000,experts=4,dropout=0,attn_dropout=0", 32),
+]
+
+
+def quick_clusters() -> list[tuple[object, str]]:
+    """Two tiny mixes: a V100 node and a P100 node at 10.4 Gb/s; an A100 + T4 node."""
+    from plait.cluster.loader import parse_cluster
+
+    hap = parse_cluster({"name": "v100x2+p100x2", "nodes": [
+        {"name": "v", "gpus": {"kind": "v100-16gb", "count": 2}, "intra": {"type": "nvlink", "bandwidth": "150 GB/s"},
+         "nic": {"type": "ethernet", "bandwidth": "10.4 Gb/s", "latency": "25 us"}},
+        {"name": "p", "gpus": {"kind": "p100-pcie-16gb", "count": 2}, "intra": {"type": "pcie", "bandwidth": "12 GB/s"},
+         "nic": {"type": "ethernet", "bandwidth": "10.4 Gb/s", "latency": "25 us"}}]})
+    small = parse_cluster({"name": "a100+t4", "nodes": [
+        {"name": "m", "gpus": [{"kind": "a100-40gb", "count": 1}, {"kind": "t4", "count": 1}],
+         "intra": {"type": "pcie", "bandwidth": "12 GB/s"}}]})
+    return [(hap, "fp32"), (small, "fp16")]
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def batched_tensors(problem: Problem, batch: int) -> set[str]:
+    """Tensors that carry the batch in dimension 0: made from the model's inputs, batch-long."""
+    graph = problem.graph
+    data = {t for t, m in graph.tensors.items() if m.role == "input"}
+    for op in graph.ops:
+        if any(t in data for t in op.inputs):
+            data.update(op.outputs)
+    return {t for t in data if graph.tensors[t].shape and graph.tensors[t].shape[0] == batch}
+
+
+def data_parallel_problem(problem: Problem, batch: int) -> Problem:
+    """`problem` restricted to data parallelism: parameters replicated, no partial sums, every
+    batch-carrying tensor split along its batch dimension (other tensors whole)."""
+    graph = problem.graph
+    batched = batched_tensors(problem, batch)
+    options = []
+    for op, opts in zip(graph.ops, problem.options):
+        def ok(s, strict: bool) -> bool:
+            pairs = (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
+            if any(q == PARTIAL or (graph.tensors[t].role == "param" and q != "R") for t, q in pairs):
+                return False
+            return not strict or all((q == "S0") == (t in batched) for t, q in zip(op.outputs, s.outputs))
+        keep = [s for s in opts if ok(s, True)] or [s for s in opts if ok(s, False)]
+        options.append(keep)
+    return Problem(graph, problem.devices, options, problem.work, problem.remaining_reads, problem.needs_grad,
+                   problem.lower, future_needs_of(graph, options), problem.collectives)
+
+
+def batch_ratios(batch: int, weights: np.ndarray) -> np.ndarray:
+    """Integer samples per device in proportion to `weights` (HAP's rounding), as ratios."""
+    return np.array(shard_sizes(batch, weights / weights.sum(), what="batch"), dtype=float) / batch
+
+
+def data_parallel(problem: Problem, batch: int, ratios: np.ndarray, dtype: str) -> Synthesis:
+    dp = data_parallel_problem(problem, batch)
+    program = search(dp, ratios, max_states=50_000)
+    memory = memory_model(dp, program, dtype).on(ratios)
+    return Synthesis(program, ratios, program.cost, memory, capacity=problem.devices.memory)
+
+
+def bound(problem: Problem) -> float:
+    """Perfect compute balance, communication hidden; the optimizer over every parameter once,
+    at perfect balance too."""
+    compute = sum(balanced_time(w) for w in problem.work)
+    params = sum(problem.graph.tensors[t].numel for t in problem.graph.params)
+    steps = np.array([optimizer_time(params, k) for k in problem.devices.kinds])
+    return compute + balanced_time(steps)
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+@dataclass
+class Case:
+    cluster: str
+    model: str
+    dtype: str
+    batch: int
+    ops: int
+    even_ms: float
+    prop_ms: float
+    hap_ms: float
+    plait_ms: float
+    bound_ms: float
+    hap_flag: str
+    hap_states: int
+    plait_states: int
+    hap_exact: bool
+    plait_exact: bool
+    hap_s: float
+    plait_s: float
+    fits: dict
+
+    @property
+    def row(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(speedup_even=self.even_ms / self.plait_ms, speedup_hap=self.hap_ms / self.plait_ms,
+                 of_bound=self.bound_ms / self.plait_ms, bound_speedup=self.even_ms / self.bound_ms)
+        return d
+
+
+def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int, dtype: str,
+             max_states: int = 20_000) -> Case:
+    spec = load_model(spec_text)
+    tdtype = DTYPES[dtype]
+    graph = capture_aten(spec.build("meta", dtype=tdtype), spec.sample_batch(batch, device="meta", dtype=tdtype)[0],
+                         name=spec.name)
+    devices = Devices.from_cluster(cluster, dtype)
+    problem = Problem.build(graph, devices)
+    sims = {}
+    fits = {}
+    even = data_parallel(problem, batch, batch_ratios(batch, np.ones(devices.n)), dtype)
+    prop = data_parallel(problem, batch, batch_ratios(batch, devices.flops), dtype)
+    for key, syn in (("even", even), ("prop", prop)):
+        sims[key] = simulate_spmd(problem, syn, cluster, batch=batch, name=key).iteration_time_s
+        fits[key] = syn.fits
+    # HAP: its cluster model, uniform-cost search, LP without memory, one global collective flag
+    best = None
+    for flag in ("padded", "grouped"):
+        hap_problem = Problem.build(graph, devices.hap_model(), flag)
+        syn = synthesize(hap_problem, dtype=dtype, memory=False, heuristic=False, max_states=max_states)
+        t = simulate_spmd(hap_problem, syn, cluster, batch=batch, name=f"hap-{flag}").iteration_time_s
+        if best is None or t < best[0]:
+            best = (t, flag, syn)
+    assert best is not None
+    sims["hap"], hap_flag, hap = best
+    fits["hap"] = hap.fits
+    plait_syn = synthesize(problem, dtype=dtype, max_states=max_states)
+    sims["plait"] = simulate_spmd(problem, plait_syn, cluster, batch=batch, name="plait").iteration_time_s
+    fits["plait"] = plait_syn.fits
+    return Case(cluster_name, label, dtype, batch, len(graph.ops), sims["even"] * 1e3, sims["prop"] * 1e3,
+                sims["hap"] * 1e3, sims["plait"] * 1e3, bound(problem) * 1e3, hap_flag, hap.expanded,
+                plait_syn.expanded, hap.program.optimal, plait_syn.program.optimal, hap.seconds,
+                plait_syn.seconds, fits)
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'cluster':<18} {'model':<10} {'dt':<4} {'batch':>5} {'even':>8} {'prop':>8} {'HAP':>8} "
+            f"{'plait':>8} {'bound':>8} {'x even':>6} {'x HAP':>6} {'%bound':>6} {'HAP st':>7} "
+            f"{'ours st':>7} {'HAP s':>6} {'ours s':>6}  fits e/p/H/o")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        f = r["fits"]
+        mark = lambda ok: "y" if ok else "N"  # noqa: E731
+        lines.append(
+            f"{r['cluster']:<18} {r['model']:<10} {r['dtype']:<4} {r['batch']:>5} {r['even_ms']:8.1f} "
+            f"{r['prop_ms']:8.1f} {r['hap_ms']:8.1f} {r['plait_ms']:8.1f} {r['bound_ms']:8.1f} "
+            f"{r['speedup_even']:6.2f} {r['speedup_hap']:6.2f} {100 * r['of_bound']:5.0f}% "
+            f"{r['hap_states']:>6}{'' if r['hap_exact'] else 'b'} {r['plait_states']:>6}"
+            f"{'' if r['plait_exact'] else 'b'} {r['hap_s']:6.2f} {r['plait_s']:6.2f}  "
+            f"{mark(f['even'])}/{mark(f['prop'])}/{mark(f['hap'])}/{mark(f['plait'])}  (HAP: {r['hap_flag']})")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> dict:
+    if not rows:
+        return {}
+    hap_over = [r for r in rows if not r["fits"]["hap"]]
+    return {
+        "best_speedup_over_even": max(r["speedup_even"] for r in rows),
+        "mean_speedup_over_hap": float(np.mean([r["speedup_hap"] for r in rows])),
+        "geomean_speedup_over_hap": float(np.exp(np.mean(np.log([r["speedup_hap"] for r in rows])))),
+        "min_share_of_bound": min(r["of_bound"] for r in rows),
+        "hap_plans_over_memory": len(hap_over),
+        "plait_plans_over_memory": sum(1 for r in rows if not r["fits"]["plait"]),
+        "max_plait_synthesis_s": max(r["plait_s"] for r in rows),
+        "cases": len(rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models on tiny clusters (smoke)")
+    parser.add_argument("--json", action="store_true", help="one JSON object: rows and summary")
+    parser.add_argument("--models", type=int, default=4, help="only the first N models")
+    parser.add_argument("--max-states", type=int, default=20_000, help="exact search budget per round")
+    args = parser.parse_args()
+    if args.quick:
+        clusters = quick_clusters()
+        models = QUICK_MODELS
+    else:
+        clusters = [(load_cluster(str(DATA / f)), dt) for f, dt in CLUSTERS]
+        models = MODELS
+    rows = []
+    start = time.perf_counter()
+    for cluster, dtype in clusters:
+        for label, spec_text, batch in models[:args.models]:
+            try:
+                case = run_case(cluster, cluster.name, label, spec_text, batch, dtype, args.max_states)
+            except ShardingError as exc:
+                print(f"{cluster.name} {label}: {exc}", flush=True)
+                continue
+            rows.append(case.row)
+            if not args.json:
+                print(table([case.row]).splitlines()[-1], flush=True)
+    out = {"rows": rows, "summary": summary(rows), "wall_s": time.perf_counter() - start}
+    if args.json:
+        print(json.dumps(out, indent=1, default=float))
+    else:
+        print()
+        print(table(rows))
+        print(json.dumps(out["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
