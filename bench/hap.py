@@ -26,7 +26,8 @@ model, links and engine for all):
 
 Columns: the predicted iteration times (ms), speedups over even and over HAP, plait's share of
 the bound (bound / plait), states expanded (HAP's UCS and plait's A*; "b" when the exact search
-hit its budget and the beam search finished), synthesis seconds, and fit (memory per device within
+hit its budget and the beam search finished), synthesis CPU seconds (single-threaded; wall time
+on a shared machine would count the neighbours), and fit (memory per device within
 capacity, by `plait.spmd.ratios.memory_model`). dtype per case: fp32 on HAP's testbed (P100s have
 no tensor cores; HAP ran fp32), fp16 on the A100/T4 node.
 """
@@ -48,7 +49,7 @@ from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
 from plait.sim.api import simulate_spmd
 from plait.spmd.cost import Devices, balanced_time
-from plait.spmd.placement import PARTIAL, ShardingError, shard_sizes
+from plait.spmd.placement import PARTIAL, ShardingError, shard_dim, shard_sizes
 from plait.spmd.ratios import Synthesis, memory_model, synthesize
 from plait.spmd.search import Problem, future_needs_of, search
 
@@ -89,27 +90,35 @@ def quick_clusters() -> list[tuple[object, str]]:
 
 
 def batched_tensors(problem: Problem, batch: int) -> set[str]:
-    """Tensors that carry the batch in dimension 0: made from the model's inputs, batch-long."""
+    """Tensors that carry the batch: made from the model's inputs, with a dimension that is a
+    multiple of `batch` (a view may merge the batch with the heads)."""
     graph = problem.graph
     data = {t for t, m in graph.tensors.items() if m.role == "input"}
     for op in graph.ops:
         if any(t in data for t in op.inputs):
             data.update(op.outputs)
-    return {t for t in data if graph.tensors[t].shape and graph.tensors[t].shape[0] == batch}
+    return {t for t in data if any(d % batch == 0 for d in graph.tensors[t].shape)}
 
 
 def data_parallel_problem(problem: Problem, batch: int) -> Problem:
     """`problem` restricted to data parallelism: parameters replicated, no partial sums, every
-    batch-carrying tensor split along its batch dimension (other tensors whole)."""
+    batch-carrying tensor split along its batch dimension (wherever a layout puts it), other
+    tensors whole."""
     graph = problem.graph
     batched = batched_tensors(problem, batch)
+
+    def along_batch(t: str, q: str) -> bool:
+        d = shard_dim(q)
+        return d is not None and graph.tensors[t].shape[d] % batch == 0
+
     options = []
     for op, opts in zip(graph.ops, problem.options):
         def ok(s, strict: bool) -> bool:
             pairs = (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
             if any(q == PARTIAL or (graph.tensors[t].role == "param" and q != "R") for t, q in pairs):
                 return False
-            return not strict or all((q == "S0") == (t in batched) for t, q in zip(op.outputs, s.outputs))
+            return not strict or all(along_batch(t, q) == (t in batched) and (t in batched or q == "R")
+                                     for t, q in zip(op.outputs, s.outputs))
         keep = [s for s in opts if ok(s, True)] or [s for s in opts if ok(s, False)]
         options.append(keep)
     return Problem(graph, problem.devices, options, problem.work, problem.remaining_reads, problem.needs_grad,
@@ -188,14 +197,18 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
     best = None
     for flag in ("padded", "grouped"):
         hap_problem = Problem.build(graph, devices.hap_model(), flag)
+        cpu = time.process_time()
         syn = synthesize(hap_problem, dtype=dtype, memory=False, heuristic=False, max_states=max_states)
+        syn.seconds = time.process_time() - cpu  # CPU seconds: the machine may be shared
         t = simulate_spmd(hap_problem, syn, cluster, batch=batch, name=f"hap-{flag}").iteration_time_s
         if best is None or t < best[0]:
             best = (t, flag, syn)
     assert best is not None
     sims["hap"], hap_flag, hap = best
     fits["hap"] = hap.fits
+    cpu = time.process_time()
     plait_syn = synthesize(problem, dtype=dtype, max_states=max_states)
+    plait_syn.seconds = time.process_time() - cpu
     sims["plait"] = simulate_spmd(problem, plait_syn, cluster, batch=batch, name="plait").iteration_time_s
     fits["plait"] = plait_syn.fits
     return Case(cluster_name, label, dtype, batch, len(graph.ops), sims["even"] * 1e3, sims["prop"] * 1e3,
@@ -246,6 +259,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models on tiny clusters (smoke)")
     parser.add_argument("--json", action="store_true", help="one JSON object: rows and summary")
     parser.add_argument("--models", type=int, default=4, help="only the first N models")
+    parser.add_argument("--only", default=None, help="only models whose label contains this")
     parser.add_argument("--max-states", type=int, default=20_000, help="exact search budget per round")
     args = parser.parse_args()
     if args.quick:
@@ -258,6 +272,8 @@ def main() -> None:
     start = time.perf_counter()
     for cluster, dtype in clusters:
         for label, spec_text, batch in models[:args.models]:
+            if args.only and args.only.lower() not in label.lower():
+                continue
             try:
                 case = run_case(cluster, cluster.name, label, spec_text, batch, dtype, args.max_states)
             except ShardingError as exc:
