@@ -111,15 +111,16 @@ def data_parallel_problem(problem: Problem, batch: int) -> Problem:
         d = shard_dim(q)
         return d is not None and graph.tensors[t].shape[d] % batch == 0
 
+    def ok(op, s, strict: bool) -> bool:
+        pairs = (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
+        if any(q == PARTIAL or (graph.tensors[t].role == "param" and q != "R") for t, q in pairs):
+            return False
+        return not strict or all(along_batch(t, q) == (t in batched) and (t in batched or q == "R")
+                                 for t, q in zip(op.outputs, s.outputs))
+
     options = []
     for op, opts in zip(graph.ops, problem.options):
-        def ok(s, strict: bool) -> bool:
-            pairs = (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
-            if any(q == PARTIAL or (graph.tensors[t].role == "param" and q != "R") for t, q in pairs):
-                return False
-            return not strict or all(along_batch(t, q) == (t in batched) and (t in batched or q == "R")
-                                     for t, q in zip(op.outputs, s.outputs))
-        keep = [s for s in opts if ok(s, True)] or [s for s in opts if ok(s, False)]
+        keep = [s for s in opts if ok(op, s, True)] or [s for s in opts if ok(op, s, False)]
         options.append(keep)
     return Problem(graph, problem.devices, options, problem.work, problem.remaining_reads, problem.needs_grad,
                    problem.lower, future_needs_of(graph, options), problem.collectives)
