@@ -22,7 +22,8 @@ def hap():
 
 def test_one_tiny_case(hap) -> None:
     cluster, dtype = hap.quick_clusters()[1]  # one A100 and one T4 in a node
-    label, spec_text, batch = hap.QUICK_MODELS[0]  # a small VGG
+    label, spec_text, per_gpu = hap.QUICK_MODELS[0]  # a small VGG
+    batch = per_gpu * len(cluster.devices)
     case = hap.run_case(cluster, cluster.name, label, spec_text, batch, dtype, max_states=2000)
     row = case.row
     for key in ("even_ms", "prop_ms", "hap_ms", "plait_ms", "bound_ms"):

@@ -88,3 +88,23 @@ def test_gradient_all_reduces_overlap_backward_and_buckets_pack_them() -> None:
     assert n_ar(bucketed) < n_ar(per_grad) == 8  # 4 weights + 4 biases, packed into fewer buckets
     # equal ranks of one kind are simulated once
     assert "2 of 4" in per_grad.symmetry
+
+
+def test_overlap_aware_synthesis_keeps_what_the_simulator_ranks_first() -> None:
+    from plait.spmd.placement import Comm
+    from plait.spmd.ratios import synthesize_overlapped
+
+    cluster = two_nodes(2, inter="10.4 Gb/s")
+    graph = capture_aten(Mlp(layers=3, h=512), (torch.randn(1024, 512),), name="mlp")
+    problem = Problem.build(graph, Devices.from_cluster(cluster))
+    scores: dict[float, float] = {}
+
+    def evaluate(p: Problem, syn: Synthesis) -> float:
+        assert p is problem  # candidates are ranked on the problem as given
+        return scores.setdefault(syn.overlap, simulate_spmd(p, syn, cluster).iteration_time_s)
+
+    best = synthesize_overlapped(problem, evaluate, (1.0, 0.0), max_states=5000)
+    assert set(scores) == {1.0, 0.0} and scores[best.overlap] == min(scores.values())
+    hidden = Problem.build(graph, Devices.from_cluster(cluster), overlap=0.0)
+    assert hidden.weight(Comm("all_reduce", "p_fcs_0_weight", 4, "bwd")) == 0.0
+    assert hidden.weight(Comm("all_reduce", "relu", 4, "bwd")) == 1.0  # an activation's gradient blocks

@@ -66,15 +66,27 @@ class Problem:
     # uneven all-gather / reduce-scatter: "auto" (padded or grouped, per message) or one global
     # choice for the whole program, "padded" | "grouped" (HAP's flag)
     collectives: str = "auto"
+    # weight of parameter-gradient collectives in the objective: 1 counts them in full (HAP's
+    # sum of every instruction's time); below 1 they are expected to run behind the backward of
+    # earlier ops, as data parallelism overlaps them (`plait.spmd.ratios.synthesize_overlapped`)
+    overlap: float = 1.0
+
+    def weight(self, comm: Comm) -> float:
+        """The objective's weight of `comm` (`overlap` for a parameter's gradient collective)."""
+        if self.overlap != 1.0 and comm.phase == "bwd" and self.graph.tensors[comm.tensor].role == "param":
+            return self.overlap
+        return 1.0
 
     @functools.cached_property
     def nbytes(self) -> dict[str, int]:
         return {name: t.nbytes for name, t in self.graph.tensors.items()}
 
     @classmethod
-    def build(cls, graph: AtenGraph, devices: Devices, collectives: str = "auto") -> Problem:
+    def build(cls, graph: AtenGraph, devices: Devices, collectives: str = "auto", overlap: float = 1.0) -> Problem:
         if collectives not in ("auto", "padded", "grouped"):
             raise ShardingError(f"collectives: must be 'auto', 'padded' or 'grouped', got {collectives!r}")
+        if not 0.0 <= overlap <= 1.0:
+            raise ShardingError(f"overlap: the weight of gradient collectives must be in [0, 1], got {overlap}")
         options = [strategies(op, graph, devices.n) for op in graph.ops]
         work = [op_work(op, graph, devices) for op in graph.ops]
         reads: dict[str, int] = {}
@@ -93,7 +105,7 @@ class Problem:
         bounds = [balanced_time(w) for w in work]
         lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
         return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
-                   future_needs_of(graph, options), collectives)
+                   future_needs_of(graph, options), collectives, overlap)
 
 
 @dataclass
@@ -206,7 +218,7 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
     communication = 0.0
     for i, c in enumerate(comms):
         comms[i], t = times.of_comm(c)
-        communication += t
+        communication += t * problem.weight(c)
     return compute, communication, comms, new
 
 
