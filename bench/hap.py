@@ -12,9 +12,10 @@ BERT-MoE (BERT-Base with an MoE MLP every other layer, 8 experts, top-2). Every 
 iteration of the same global batch predicted by `plait.sim.api.simulate_spmd` (the same compute
 model, links and engine for all):
 
-* even -- DDP: batch split evenly, parameters replicated, gradients all-reduced in 25 MB buckets
-  overlapped with backward (NCCL's algorithm per bucket); one micro-batch per step (no gradient
-  accumulation: every case fits at one, so that is the best micro-batch);
+* even -- DDP (`ddp`): every device runs the whole model on its part of the batch (MoE capacity
+  per device, as DDP), parameters replicated, gradients all-reduced in 25 MB buckets overlapped
+  with backward (NCCL's algorithm per bucket); one micro-batch per step (no gradient
+  accumulation: it fits at one, and more micro-batches only add passes), so that is the best;
 * prop -- the same with batch shares proportional to FLOP/s (integer samples);
 * HAP -- HAP's method as its public code has it: uniform-cost search, LP without a memory row,
   one global collective choice (padded or grouped, the better of the two runs), its cluster model
@@ -47,13 +48,14 @@ import torch
 
 from plait.cluster import load_cluster
 from plait.cost.compute import optimizer_time
+from plait.cost.memory import state_bytes_per_param
 from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
 from plait.sim.api import simulate_spmd
 from plait.spmd.cost import Devices, balanced_time
-from plait.spmd.placement import PARTIAL, ShardingError, shard_dim, shard_sizes
+from plait.spmd.placement import Comm, ShardingError, shard_sizes
 from plait.spmd.ratios import Synthesis, memory_model, synthesize, synthesize_overlapped
-from plait.spmd.search import Problem, future_needs_of, search
+from plait.spmd.search import Problem, Program
 
 DATA = Path(__file__).resolve().parent / "data"
 OVERLAP_WEIGHTS = (1.0, 0.0)  # plait: gradient collectives counted in full / as hidden; the simulator picks
@@ -63,7 +65,7 @@ MODELS = [  # (label, zoo spec, samples per GPU: the global batch is this times 
     ("VGG19", "vgg19:dropout=0", 16),
     ("ViT-B/16", "vit", 16),
     ("BERT-Base", "bert:seq=128,dropout=0,attn_dropout=0", 16),
-    ("BERT-MoE", "bert_moe:seq=128,dropout=0,attn_dropout=0", 16),
+    ("BERT-MoE", "bert_moe:seq=128,dropout=0,attn_dropout=0", 2),  # GShard dispatch is O(tokens^2)
 ]
 CLUSTERS = [("hap_v100_p100.yaml", "fp32"), ("a100_t4_node.yaml", "fp16")]
 QUICK_MODELS = [
@@ -92,53 +94,34 @@ def quick_clusters() -> list[tuple[object, str]]:
 # ----------------------------------------------------------------------------- baselines
 
 
-def batched_tensors(problem: Problem, batch: int) -> set[str]:
-    """Tensors that carry the batch: made from the model's inputs, with a dimension that is a
-    multiple of `batch` (a view may merge the batch with the heads)."""
-    graph = problem.graph
-    data = {t for t, m in graph.tensors.items() if m.role == "input"}
+def ddp(spec, batch: int, devices: Devices, weights: np.ndarray, dtype: str) -> tuple[Problem, Synthesis, np.ndarray]:
+    """PyTorch DDP as an SPMD program: the graph of one device's batch (captured at ``batch / n``)
+    run whole on every device, device ``i`` on its integer share of the batch in proportion to
+    `weights` (`device_scale` of the lowering), and every parameter's gradient all-reduced after
+    the backward of its first reader (the simulator packs them into DDP's buckets and overlaps them
+    with the rest of backward). MoE layers route each device's tokens with their own capacity, as
+    DDP does. Memory: parameters, gradients and optimizer state whole, activations at the share."""
+    n = devices.n
+    local = batch // n
+    tdtype = DTYPES[dtype]
+    graph = capture_aten(spec.build("meta", dtype=tdtype), spec.sample_batch(local, device="meta", dtype=tdtype)[0],
+                         name=spec.name)
+    problem = Problem.build(graph, devices)
+    strategies = {op.name: opts[0] for op, opts in zip(graph.ops, problem.options)}  # all redundant
+    first_reader: dict[str, str] = {}
     for op in graph.ops:
-        if any(t in data for t in op.inputs):
-            data.update(op.outputs)
-    return {t for t in data if any(d % batch == 0 for d in graph.tensors[t].shape)}
-
-
-def data_parallel_problem(problem: Problem, batch: int) -> Problem:
-    """`problem` restricted to data parallelism: parameters replicated, no partial sums, every
-    batch-carrying tensor split along its batch dimension (wherever a layout puts it), other
-    tensors whole."""
-    graph = problem.graph
-    batched = batched_tensors(problem, batch)
-
-    def along_batch(t: str, q: str) -> bool:
-        d = shard_dim(q)
-        return d is not None and graph.tensors[t].shape[d] % batch == 0
-
-    def ok(op, s, strict: bool) -> bool:
-        pairs = (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
-        if any(q == PARTIAL or (graph.tensors[t].role == "param" and q != "R") for t, q in pairs):
-            return False
-        return not strict or all(along_batch(t, q) == (t in batched) and (t in batched or q == "R")
-                                 for t, q in zip(op.outputs, s.outputs))
-
-    options = []
-    for op, opts in zip(graph.ops, problem.options):
-        keep = [s for s in opts if ok(op, s, True)] or [s for s in opts if ok(op, s, False)]
-        options.append(keep)
-    return Problem(graph, problem.devices, options, problem.work, problem.remaining_reads, problem.needs_grad,
-                   problem.lower, future_needs_of(graph, options), problem.collectives)
-
-
-def batch_ratios(batch: int, weights: np.ndarray) -> np.ndarray:
-    """Integer samples per device in proportion to `weights` (HAP's rounding), as ratios."""
-    return np.array(shard_sizes(batch, weights / weights.sum(), what="batch"), dtype=float) / batch
-
-
-def data_parallel(problem: Problem, batch: int, ratios: np.ndarray, dtype: str) -> Synthesis:
-    dp = data_parallel_problem(problem, batch)
-    program = search(dp, ratios, max_states=50_000)
-    memory = memory_model(dp, program, dtype).on(ratios)
-    return Synthesis(program, ratios, program.cost, memory, capacity=problem.devices.memory)
+        for t in op.inputs:
+            if graph.tensors[t].role == "param":
+                first_reader.setdefault(t, op.name)
+    comms = [(name, Comm("all_reduce", t, graph.tensors[t].nbytes, "bwd")) for t, name in first_reader.items()]
+    program = Program(strategies, comms)
+    scale = np.array(shard_sizes(batch, weights / weights.sum(), what="batch"), dtype=float) / local
+    model = memory_model(problem, program, dtype)
+    w_b, g_b, k_b = state_bytes_per_param(dtype)
+    state = sum(graph.tensors[t].numel for t in first_reader) * (w_b + g_b + k_b)
+    memory = model.overhead + state + (model.replicated - state) * scale
+    ratios = np.full(n, 1.0 / n)
+    return problem, Synthesis(program, ratios, 0.0, memory, capacity=devices.memory), scale
 
 
 def bound(problem: Problem) -> float:
@@ -193,10 +176,9 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
     problem = Problem.build(graph, devices)
     sims = {}
     fits = {}
-    even = data_parallel(problem, batch, batch_ratios(batch, np.ones(devices.n)), dtype)
-    prop = data_parallel(problem, batch, batch_ratios(batch, devices.flops), dtype)
-    for key, syn in (("even", even), ("prop", prop)):
-        sims[key] = simulate_spmd(problem, syn, cluster, batch=batch, name=key).iteration_time_s
+    for key, weights in (("even", np.ones(devices.n)), ("prop", devices.flops)):
+        local, syn, scale = ddp(spec, batch, devices, weights, dtype)
+        sims[key] = simulate_spmd(local, syn, cluster, batch=batch, name=key, device_scale=scale).iteration_time_s
         fits[key] = syn.fits
     # HAP: its cluster model, uniform-cost search, LP without memory, one global collective flag
     best = None

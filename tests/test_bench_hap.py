@@ -40,20 +40,20 @@ def test_one_tiny_case(hap) -> None:
     assert s["cases"] == 1 and s["hap_plans_over_memory"] in (0, 1)
 
 
-def test_data_parallel_baseline_is_data_parallel(hap) -> None:
-    """Even DDP: every batch-carrying tensor split along the batch, parameters replicated, and the
-    only collectives the parameters' gradient all-reduces."""
+def test_ddp_baseline_is_ddp(hap) -> None:
+    """DDP: every device runs the whole graph of its own samples (integer shares), and the only
+    collectives are the parameters' gradient all-reduces."""
     import numpy as np
 
-    from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.spmd.cost import Devices
-    from plait.spmd.search import Problem
 
     cluster, dtype = hap.quick_clusters()[1]
     spec = load_model(hap.QUICK_MODELS[0][1])
-    graph = capture_aten(spec.build("meta"), spec.sample_batch(16, device="meta")[0], name=spec.name)
-    problem = Problem.build(graph, Devices.from_cluster(cluster))
-    syn = hap.data_parallel(problem, 16, hap.batch_ratios(16, np.ones(2)), dtype)
+    devices = Devices.from_cluster(cluster, dtype)
+    problem, syn, scale = hap.ddp(spec, 30, devices, np.array([2.0, 1.0]), dtype)
+    assert list(scale * 15) == [20, 10]  # 30 samples 2:1, the graph captured at 15
     assert {(c.op, c.phase) for _, c in syn.program.comms} == {("all_reduce", "bwd")}
-    assert {c.tensor for _, c in syn.program.comms} == set(graph.params)
+    assert {c.tensor for _, c in syn.program.comms} == set(problem.graph.params)
+    assert not any(s.splits_work for s in syn.program.strategies.values())
+    assert syn.memory[0] > syn.memory[1]  # more samples, more activations

@@ -104,12 +104,14 @@ def params_held(problem: Problem, program: Program, ratios: np.ndarray,
 def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: ClusterView, *,
                devices: Devices | None = None, of_op: dict[str, int] | None = None,
                of_dim: dict[tuple[str, int], int] | None = None, bucket_bytes: float | None = None,
-               host_comm_s: float = 0.0) -> SpmdLowered:
+               host_comm_s: float = 0.0, device_scale: np.ndarray | None = None) -> SpmdLowered:
     """The task graph of one training iteration of `program` at `ratios` (one vector, or one row
     per segment with `of_op` / `of_dim` from `plait.spmd.ratios.Segments`) on `view`.
 
     `devices`: the program's devices as priced for the run (default `problem.devices`; a program
-    searched under HAP's flat model is simulated on the real links)."""
+    searched under HAP's flat model is simulated on the real links). `device_scale`: a multiplier
+    of every op's work per device -- data parallelism written as the graph of one device's batch
+    run whole on every device, device ``i`` holding ``device_scale[i]`` times that batch."""
     devices = devices or problem.devices
     graph, n = problem.graph, devices.n
     ids = list(devices.ids) if devices.ids else list(range(n))
@@ -121,6 +123,8 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
     if missing:
         raise SpmdLoweringError(f"program has no strategy for op {missing[0]} ({len(missing)} ops missing)")
     share = op_ratios(problem, program, ratios, of_op)  # (ops, n)
+    if device_scale is not None:
+        share = share * np.asarray(device_scale, dtype=float)[None, :]
     fwd = np.stack(problem.work) * share / BACKWARD_FACTOR  # (ops, n) seconds
     bwd = fwd * (BACKWARD_FACTOR - 1.0)
     # ranks that compute identically: same kind, same share of every op
