@@ -28,7 +28,16 @@ Costs (``a`` the per-step latency alpha of the slowest link, ``B`` its bandwidth
 * hierarchical all-reduce (SYSTEMS.md reference numbers): intra-node reduce-scatter,
   inter-node all-reduce of each ``S/g`` shard, intra-node all-gather;
 * all-to-all: ``(n-1) a + (n-1)/n S/B`` (each rank sends ``S/n`` to every other rank);
-* send/recv: ``a + S/B``; broadcast (pipelined ring): ``(n-1) a + S/B``.
+* send/recv: ``a + S/B``; broadcast (pipelined ring): ``(n-1) a + S/B``; reduce (pipelined
+  ring to one root): ``(n-1) a + S/B + S g``.
+
+Uneven shards (HAP, Zhang et al. EuroSys'24 section 5.3), `uneven_collective_time`: device ``i``
+holds ``s_i`` of an ``S``-byte tensor (``sum s_i = 1``). NCCL's all-gather and reduce-scatter need
+equal shards, so either every shard is *padded* to the largest -- the ring collective on
+``n max_i s_i S`` bytes -- or the collective is *grouped*: one broadcast (all-gather) or reduce
+(reduce-scatter) per owner of ``s_i S`` bytes, issued back to back, ``sum_i [(n-1) a + s_i S/B]
+= n (n-1) a + S/B``. Padded wins on even shards and many devices (latency), grouped on skewed
+shards (bandwidth); `choose_uneven` takes the cheaper per message.
 
 A collective runs at the pace of its slowest link: ``B`` is the smallest and ``a`` the
 largest over the links its ring/tree uses (Pipette: ``max(1/BW)`` over the ring).
@@ -45,7 +54,8 @@ import numpy as np
 from plait.cluster.spec import Cluster, MeasuredCollective
 from plait.errors import PlaitError
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send_recv")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "send_recv")
+UNEVEN_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # collectives whose shards may be uneven
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped", "measured")
 
 
@@ -61,7 +71,7 @@ def bus_factor(op: str, n: int) -> float:
         return 2.0 * (n - 1) / n
     if op in ("reduce_scatter", "all_gather", "all_to_all"):
         return (n - 1) / n
-    if op in ("broadcast", "send_recv"):
+    if op in ("broadcast", "reduce", "send_recv"):
         return 1.0
     raise CollectiveError(f"unknown collective {op!r}; use one of {OPS}")
 
@@ -122,6 +132,13 @@ def broadcast_time(nbytes: float, n: int, bandwidth: float, alpha: float) -> flo
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (n - 1) * alpha + nbytes / bandwidth
+
+
+def reduce_time(nbytes: float, n: int, bandwidth: float, alpha: float, gamma: float = 0.0) -> float:
+    """Pipelined ring reduce to one root: ``(n-1) a + S/B + S g``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * alpha + nbytes / bandwidth + nbytes * gamma
 
 
 def hierarchical_all_reduce_time(nbytes: float, nodes: int, per_node: int, intra_bw: float,
@@ -239,6 +256,8 @@ def collective_time(op: str, nbytes: float, links: GroupLinks, algorithm: str = 
         return all_to_all_time(nbytes, n, B, a)
     if op == "broadcast":
         return broadcast_time(nbytes, n, B, a)
+    if op == "reduce":
+        return reduce_time(nbytes, n, B, a, gamma)
     if op == "send_recv":
         return send_recv_time(nbytes, B, a)
     raise CollectiveError(f"unknown collective {op!r}; use one of {OPS}")
@@ -285,9 +304,46 @@ def latency_steps(op: str, n: int, algorithm: str = "ring") -> int:
         return 0
     if op == "all_reduce":
         return 2 * math.ceil(math.log2(n)) if algorithm == "tree" else 2 * (n - 1)
-    if op in ("reduce_scatter", "all_gather", "all_to_all", "broadcast"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"):
         return n - 1
     return 1
+
+
+# ---------------------------------------------------------------- uneven shards (HAP)
+def uneven_collective_time(op: str, nbytes: float, shares: Sequence[float] | np.ndarray, links: GroupLinks,
+                           algorithm: str = "padded", gamma: float = 0.0) -> float:
+    """Time of `op` (all-gather, reduce-scatter, all-to-all) of an `nbytes` tensor whose device
+    ``i`` holds ``shares[i]`` of it (module docstring): "padded" -- the ring collective on every
+    shard padded to the largest; "grouped" -- one broadcast (all-gather) or reduce
+    (reduce-scatter) per shard owner, back to back. All-to-all has no grouped form here."""
+    if op not in UNEVEN_OPS:
+        raise CollectiveError(f"uneven shards: {op!r} is not one of {UNEVEN_OPS}")
+    s = np.asarray(shares, dtype=float)
+    if len(s) != links.n:
+        raise CollectiveError(f"uneven {op}: {len(s)} shares for a group of {links.n} ranks")
+    if links.n <= 1 or nbytes <= 0:
+        return 0.0
+    if algorithm == "padded":
+        return collective_time(op, links.n * float(s.max()) * nbytes, links, "ring", gamma)
+    if algorithm == "grouped" and op != "all_to_all":
+        root_op = "broadcast" if op == "all_gather" else "reduce"
+        return sum(collective_time(root_op, float(x) * nbytes, links, "ring", gamma) for x in s)
+    allowed = "'padded'" if op == "all_to_all" else "'padded' or 'grouped'"
+    raise CollectiveError(f"uneven {op}: algorithm must be {allowed}, got {algorithm!r}")
+
+
+def choose_uneven(op: str, nbytes: float, shares: Sequence[float] | np.ndarray, links: GroupLinks,
+                  pinned: str | None = None) -> tuple[str, float]:
+    """(algorithm, seconds): the cheaper of padded and grouped for this message, or `pinned`
+    ("padded" / "grouped": one global choice, as HAP's code has it) where it applies."""
+    algos = ["padded"] if op == "all_to_all" else ["padded", "grouped"]
+    if pinned not in (None, "auto"):
+        if pinned not in ("padded", "grouped"):
+            raise CollectiveError(f"uneven {op}: pinned algorithm must be 'padded' or 'grouped', got {pinned!r}")
+        algos = [pinned] if pinned in algos else ["padded"]
+    times = {a: uneven_collective_time(op, nbytes, shares, links, a) for a in algos}
+    best = min(algos, key=times.__getitem__)
+    return best, times[best]
 
 
 # ---------------------------------------------------------------- measured bus bandwidth

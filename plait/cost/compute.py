@@ -147,6 +147,16 @@ def flops_time(flops: float, kind: GPUKind, dtype: str, model: ComputeModel = DE
     return flops / (kind.flops(dtype) * eff) + model.kernel_gpu_s
 
 
+def op_time(flops: float, nbytes: float, kind: GPUKind, dtype: str, model: ComputeModel = DEFAULT_MODEL) -> float:
+    """Roofline time of one op's work, ``max(flops / (peak * e_gemm), bytes / (HBM * e_mem))``,
+    without the fixed per-kernel time: linear in the work, so a device doing a share ``r`` of
+    the op takes ``r`` of it (what HAP's per-device ratios and their LP need)."""
+    if flops <= 0 and nbytes <= 0:
+        return 0.0
+    t_compute = flops / (kind.flops(dtype) * model.gemm_efficiency) if flops > 0 else 0.0
+    return max(t_compute, nbytes / (kind.memory_bandwidth * model.memory_efficiency))
+
+
 # ---------------------------------------------------------------- passes
 @dataclass
 class Segment:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from plait.cost.compute import recompute_flops
 from plait.errors import PlaitError
 from plait.graph.resolve import resolve_model
@@ -297,6 +299,85 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
         plan=str(plan),
         model=graph.model if not graph.config else f"{graph.model}:" + ",".join(
             f"{k}={graph.config[k]}" for k in ("layers", "hidden", "heads", "seq") if k in graph.config),
+        cluster=view.name,
+        _build=build_timeline,
+    )
+
+
+# ---------------------------------------------------------------- SPMD programs (HAP)
+def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: float | None = 25e6,
+                  batch: int | None = None, name: str = "spmd", device_scale: Any = None) -> SimResult:
+    """Predict one iteration of a synthesized SPMD program (`plait.spmd.ratios.Synthesis`:
+    program, ratios, per-segment ratios, memory) of `problem` (`plait.spmd.search.Problem`) on
+    `cluster`, lowered by `plait.sim.spmd_lower` and run by the same engine as `simulate`.
+
+    The program's devices are priced on the cluster's real links whatever model searched it
+    (HAP's flat one included). `bucket_bytes`: parameter-gradient all-reduces packed into DDP
+    buckets (None: one collective per gradient). `batch` (samples per iteration) gives the
+    throughput. Memory per device is the synthesis's (`plait.spmd.ratios.memory_model`).
+    `device_scale`: see `plait.sim.spmd_lower.lower_spmd` (data parallelism with uneven batches)."""
+    from plait.cost.compute import DEFAULT_MODEL
+    from plait.sim.spmd_lower import lower_spmd
+    from plait.spmd.cost import Devices
+
+    view = resolve_cluster(cluster)
+    devices = problem.devices
+    if view.cluster is not None:
+        devices = Devices.from_cluster(view.cluster, devices.dtype, devices.ids or None)
+    segs = synthesis.segments
+    ratios = synthesis.segment_ratios if segs is not None and synthesis.segment_ratios is not None \
+        else synthesis.ratios
+    t0 = time.perf_counter()
+    lowered = lower_spmd(problem, synthesis.program, np.asarray(ratios, dtype=float), view, devices=devices,
+                         of_op=segs.of_op if segs is not None else None,
+                         of_dim=segs.of_dim if segs is not None else None, bucket_bytes=bucket_bytes,
+                         host_comm_s=DEFAULT_MODEL.host_comm_s, device_scale=device_scale)
+    tg = lowered.graph
+    sched = run_engine(tg)
+    wall = time.perf_counter() - t0
+    T = sched.makespan
+    graph = problem.graph
+
+    def build_timeline() -> Timeline:
+        events = [TimelineEvent(name=tg.name[i], category=tg.category[i], resource=tg.resource[i],
+                                start=sched.start[i], end=sched.end[i], device=tg.device[i],
+                                args=dict(tg.args[i]) if tg.args[i] else {}) for i in range(len(tg))]
+        return Timeline(events=events, source="simulated", meta={"plan": name, "model": graph.model,
+                                                                 "cluster": view.name, "granularity": "op"})
+
+    critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
+                 "start_s": sched.start[t], "end_s": sched.end[t]} for t in sched.critical_path()]
+    spans: dict[str, list[tuple[float, float]]] = {}
+    by_cat: dict[str, float] = {}
+    for i in range(len(tg)):
+        if tg.resource[i].endswith("/compute"):
+            spans.setdefault(tg.resource[i], []).append((sched.start[i], sched.end[i]))
+        by_cat[tg.category[i]] = by_cat.get(tg.category[i], 0.0) + sched.end[i] - sched.start[i]
+    busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
+    n = devices.n
+    flops = 3.0 * sum(op.flops for op in graph.ops)  # forward + backward (~2x forward)
+    memory = np.asarray(synthesis.memory, dtype=float) if synthesis.memory is not None else None
+    fits = bool(np.all(memory <= devices.memory * (1 + 1e-9))) if memory is not None and memory.size == n else None
+    classes = len(lowered.reps)
+    return SimResult(
+        iteration_time_s=T,
+        throughput_samples_per_s=(batch / T) if batch and T > 0 else 0.0,
+        tflops_per_gpu=flops / T / n / 1e12 if T > 0 and n else 0.0,
+        hardware_tflops_per_gpu=flops / T / n / 1e12 if T > 0 and n else 0.0,
+        exposed_comm_s=_exposed_comm(tg, sched, {}),
+        memory_peak_bytes=[int(x) for x in memory] if memory is not None and memory.size == n else None,
+        fits_memory=fits,
+        critical_path=critical,
+        busy_fraction=busy,
+        world_size=n,
+        num_tasks=len(tg),
+        symmetry=(f"one rank simulated per class of equal kind and ratios: {classes} of {n}"
+                  if classes < n else "every rank simulated"),
+        granularity="op",
+        sim_wall_s=wall,
+        breakdown=by_cat,
+        plan=name,
+        model=graph.model,
         cluster=view.name,
         _build=build_timeline,
     )

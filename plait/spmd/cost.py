@@ -1,48 +1,79 @@
 """What a strategy costs on a heterogeneous cluster: compute at the devices' ratios, collectives.
 
-Compute (HAP section 5.1, extended by a memory-bound term): an op's work on device ``i`` is
-``w_i = 3 F / f_i + 3 B / m_i`` -- forward plus backward FLOPs (backward ~ 2x forward: the
-gradients of both operands of every product) at the device's effective FLOP/s ``f_i`` (peak x
-`plait.cost.compute`'s GEMM efficiency), plus the output bytes written in forward and read and
-written in backward at its memory bandwidth ``m_i``. A sharded strategy takes
-``max_i r_i w_i`` (the slowest device finishes last), a redundant one ``max_i w_i``. Both are
-at least the perfect-balance time ``1 / sum_i (1 / w_i)`` -- the search's admissible heuristic.
+Every number comes from the one cost package; this module only arranges them for the search and
+the ratio LP.
 
-Communication: every collective through `plait.cost.collectives` on the group of all devices
-(the ring's slowest link, the cluster's measured tables where it has them). Uneven shards run as
-HAP's *padded* collectives: all-gather, reduce-scatter and all-to-all move every shard padded to
-the largest, i.e. ``n max_i r_i`` of the tensor; all-reduce moves the whole tensor. Time is
-affine in the bytes, so in ``max_i r_i`` -- what the ratio LP needs. (Per-tensor choice between
-padded and grouped collectives, and per-link costs, are HAP items 5; they will replace
-`comm_time` through the one traffic module.)
+Compute (HAP section 5.1): an op's work on device ``i`` is ``w_i = 3 t_i`` with ``t_i`` the
+roofline time of its forward (`plait.cost.compute.op_time`: FLOPs at the kind's effective FLOP/s,
+or its output bytes at the memory bandwidth, whichever is longer; views launch no kernel and
+cost nothing) -- backward ~ 2x forward (the gradients of both operands of every product). A
+sharded strategy takes ``max_i r_i w_i`` (the slowest device finishes last), a redundant one
+``max_i w_i``. Both are at least the perfect-balance time ``1 / sum_i (1 / w_i)`` -- the
+search's admissible heuristic.
+
+Communication (issue 14 item 5): every collective is priced by `plait.cost.collectives` on the
+program's actual device group (`GroupLinks` of the cluster: the ring's slowest link, intra- and
+inter-node figures, NICs per node, the cluster's measured busbw tables), and its algorithm is
+chosen per message (`choose`), not once for the program:
+
+* uneven all-gather / reduce-scatter: padded (ring on every shard padded to the largest) or
+  grouped (one broadcast / reduce per shard owner), whichever `choose_uneven` finds cheaper at
+  the ratios -- or one global choice (`pinned`, HAP's flag);
+* all-reduce: the algorithm NCCL's tuner would take on this group (`choose_algorithm`: ring,
+  tree, or hierarchical across nodes), or ring only (`Devices.nccl=False`: HAP's cost model,
+  one bandwidth per collective).
+
+The LP needs times affine in the largest ratio ``m``: a padded collective is
+``a + b m`` (`comm_affine` reads ``a`` and ``b`` off the cost module at two points; it is exact
+for the alpha-beta model), a grouped one and an all-reduce do not depend on the ratios.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from plait.cluster.spec import Cluster
+from plait.cluster.spec import Cluster, GPUKind
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
-from plait.cost.collectives import GroupLinks, collective_time, group_links
-from plait.cost.compute import DEFAULT_MODEL
+from plait.cost.collectives import (
+    UNEVEN_OPS,
+    GroupLinks,
+    choose_algorithm,
+    choose_uneven,
+    collective_time,
+    group_links,
+    measured_tables,
+    uneven_collective_time,
+)
+from plait.cost.compute import DEFAULT_MODEL, op_time
 from plait.ir.aten_graph import AtenGraph, AtenOp
 from plait.spmd.placement import Comm, ShardingError
 
 BACKWARD_FACTOR = 3.0  # forward + backward work, as multiples of the forward
+PADDED = UNEVEN_OPS  # collectives whose time may depend on the largest ratio
+# aten views: a new header over the same storage, no kernel
+VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze", "unflatten",
+                   "transpose", "permute", "t", "expand", "select", "slice", "split", "split_with_sizes",
+                   "chunk", "narrow", "alias", "detach", "lift_fresh_copy"})
 
 
 @dataclass(frozen=True)
 class Devices:
-    """The devices of one SPMD program: effective FLOP/s, memory bandwidth, capacity, links."""
+    """The devices of one SPMD program: kinds, effective FLOP/s, memory bandwidth, capacity and
+    the links of their group in the cluster."""
 
     names: tuple[str, ...]
-    flops: np.ndarray  # effective FLOP/s
+    flops: np.ndarray  # effective FLOP/s (peak x the compute model's GEMM efficiency)
     mem_bw: np.ndarray  # bytes/s
     memory: np.ndarray  # bytes
-    links: GroupLinks
+    links: GroupLinks  # the group of all of them, ring in the given order
+    kinds: tuple[GPUKind, ...] = ()
+    dtype: str = "fp32"
+    ids: tuple[int, ...] = ()  # device ids in the cluster
+    nccl: bool = True  # all-reduce algorithm as NCCL picks it (False: ring only, HAP's model)
 
     @property
     def n(self) -> int:
@@ -55,23 +86,39 @@ class Devices:
         for i in ids:
             if not 0 <= i < len(every):
                 raise ShardingError(f"device {i} is not in cluster {cluster.name!r} ({len(every)} devices)")
+        if len(set(ids)) != len(ids):
+            raise ShardingError(f"devices: {ids} names a device twice")
         picked = [every[i] for i in ids]
         eff = DEFAULT_MODEL.gemm_efficiency
         links = group_links(ids, bandwidth_matrix(cluster), latency_matrix(cluster), [d.node for d in every],
-                            [max(1, n.nics) for n in cluster.nodes])
+                            [max(1, n.nics) for n in cluster.nodes], measured_tables(cluster))
         return cls(
             names=tuple(f"gpu {d.id} ({d.kind.name}, node {d.node})" for d in picked),
             flops=np.array([d.kind.flops(dtype) * eff for d in picked]),
             mem_bw=np.array([d.kind.memory_bandwidth * DEFAULT_MODEL.memory_efficiency for d in picked]),
             memory=np.array([float(d.kind.memory_bytes) for d in picked]),
             links=links,
+            kinds=tuple(d.kind for d in picked),
+            dtype=dtype,
+            ids=tuple(ids),
         )
+
+    def hap_model(self) -> Devices:
+        """HAP's cluster model (its public code): one bandwidth per collective -- the ring's
+        slowest link, no tree or hierarchical all-reduce, no measured tables."""
+        return dataclasses.replace(self, nccl=False, links=dataclasses.replace(self.links, measured=()))
 
 
 def op_work(op: AtenOp, graph: AtenGraph, devices: Devices) -> np.ndarray:
     """Seconds of forward + backward work of the whole op on each device (``w_i``)."""
+    if op.kind in VIEWS:
+        return np.zeros(devices.n)
     out_bytes = sum(graph.tensors[t].nbytes for t in op.outputs)
-    return BACKWARD_FACTOR * (op.flops / devices.flops + out_bytes / devices.mem_bw)
+    if devices.kinds:
+        fwd = np.array([op_time(op.flops, out_bytes, k, devices.dtype) for k in devices.kinds])
+    else:  # devices given by their figures only (tests)
+        fwd = np.maximum(op.flops / devices.flops, out_bytes / devices.mem_bw)
+    return BACKWARD_FACTOR * fwd
 
 
 def compute_time(work: np.ndarray, splits: bool, ratios: np.ndarray) -> float:
@@ -83,24 +130,50 @@ def balanced_time(work: np.ndarray) -> float:
     """The least time any strategy can take: perfect balance, ``1 / sum_i 1 / w_i``."""
     if not np.any(work > 0):
         return 0.0
-    return float(1.0 / np.sum(1.0 / work))
+    return float(1.0 / np.sum(1.0 / np.where(work > 0, work, np.inf)))
 
 
-PADDED = ("all_gather", "reduce_scatter", "all_to_all")
+def choose(comm: Comm, devices: Devices, ratios: np.ndarray, pinned: str | None = None) -> tuple[Comm, float]:
+    """`comm` with its algorithm chosen for this message at these ratios, and its seconds.
+
+    `pinned`: "padded" or "grouped" for every uneven collective (HAP's one global flag); None or
+    "auto": the cheaper per message. A comm whose algorithm is already set keeps it."""
+    if comm.algorithm is not None:
+        return comm, comm_seconds(comm, devices, ratios)
+    links = devices.links
+    if comm.op in UNEVEN_OPS:
+        algo, t = choose_uneven(comm.op, comm.nbytes, ratios, links, pinned)
+    else:
+        algo = choose_algorithm(comm.op, comm.nbytes, links) if devices.nccl else "ring"
+        t = collective_time(comm.op, comm.nbytes, links, algo)
+    return dataclasses.replace(comm, algorithm=algo), t
+
+
+def comm_seconds(comm: Comm, devices: Devices, ratios: np.ndarray) -> float:
+    """Seconds of `comm` (its algorithm chosen, `choose`) at these ratios."""
+    if comm.algorithm is None:
+        return choose(comm, devices, ratios)[1]
+    if comm.op in UNEVEN_OPS:
+        return uneven_collective_time(comm.op, comm.nbytes, ratios, devices.links, comm.algorithm)
+    return collective_time(comm.op, comm.nbytes, devices.links, comm.algorithm)
 
 
 def comm_affine(comm: Comm, devices: Devices) -> tuple[float, float]:
-    """``(a, b)``: the collective takes ``a + b max_i r_i`` seconds (padded shards)."""
-    if comm.op not in PADDED:
-        return collective_time(comm.op, comm.nbytes, devices.links), 0.0
+    """``(a, b)``: the collective takes ``a + b max_i r_i`` seconds with its chosen algorithm
+    (read off the cost module at ``max r = 1/n`` and ``max r = 1``)."""
     n = devices.n
-    # padded size n * m * nbytes at m = 1/n (even) and m = 1: the time is affine in the bytes
-    t_even = collective_time(comm.op, comm.nbytes, devices.links)
-    t_full = collective_time(comm.op, n * comm.nbytes, devices.links)
-    slope = (t_full - t_even) / (1.0 - 1.0 / n) if n > 1 else 0.0
+    even = np.full(n, 1.0 / n)
+    if comm.algorithm is None:
+        comm = choose(comm, devices, even)[0]
+    if comm.op not in UNEVEN_OPS or comm.algorithm != "padded" or n <= 1:
+        return comm_seconds(comm, devices, even), 0.0
+    one = np.zeros(n)
+    one[0] = 1.0
+    t_even, t_full = comm_seconds(comm, devices, even), comm_seconds(comm, devices, one)
+    slope = (t_full - t_even) / (1.0 - 1.0 / n)
     return t_even - slope / n, slope
 
 
 def comm_time(comm: Comm, devices: Devices, ratios: np.ndarray) -> float:
-    a, b = comm_affine(comm, devices)
-    return a + b * float(np.max(ratios))
+    """Seconds of `comm` at `ratios` (its algorithm chosen there when not set)."""
+    return comm_seconds(comm, devices, ratios)

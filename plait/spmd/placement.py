@@ -68,7 +68,10 @@ class Comm:
     """One collective of the program, as a description; times come from `plait.spmd.cost`.
 
     `nbytes` is the full (unsharded) tensor's size; `group` the devices it spans ("world": all of
-    the program's devices); `phase` "fwd" or "bwd" (a gradient's collective)."""
+    the program's devices); `phase` "fwd" or "bwd" (a gradient's collective); `algorithm` how it
+    runs, chosen per message by the search (`plait.spmd.cost.choose`): "padded" or "grouped"
+    for uneven all-gathers and reduce-scatters, NCCL's ring / tree / hierarchical for
+    all-reduces; None until chosen."""
 
     op: str  # all_gather, all_reduce, reduce_scatter, all_to_all
     tensor: str
@@ -76,6 +79,7 @@ class Comm:
     phase: str = "fwd"
     dim: int | None = None
     group: str = "world"
+    algorithm: str | None = None
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -30,10 +30,12 @@ elementwise op) are split together, in proportion, from their greatest common di
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from scipy.optimize import linprog
@@ -153,8 +155,9 @@ class RatioSolution:
 
 
 def _comm_segment(comm: Comm, segs: Segments) -> int | None:
-    """The segment whose largest ratio pads this collective (None: all-reduce, not padded)."""
-    if comm.op not in PADDED:
+    """The segment whose largest ratio pads this collective (None: not padded -- an all-reduce, a
+    grouped collective)."""
+    if comm.op not in PADDED or comm.algorithm not in (None, "padded"):
         return None
     return segs.of_dim.get((comm.tensor, comm.dim), 0) if comm.dim is not None else 0
 
@@ -169,7 +172,7 @@ def segmented_cost(problem: Problem, program: Program, segs: Segments, by_segmen
     for _, comm in program.comms:
         a, b = comm_affine(comm, problem.devices)
         g = _comm_segment(comm, segs)
-        total += a + (b * float(np.max(r[g])) if g is not None else 0.0)
+        total += (a + (b * float(np.max(r[g])) if g is not None else 0.0)) * problem.weight(comm)
     return total
 
 
@@ -193,10 +196,11 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     slope = np.zeros(G)
     for _, comm in program.comms:
         a, b = comm_affine(comm, devices)
-        constant += a
+        w = problem.weight(comm)
+        constant += a * w
         g = _comm_segment(comm, segs)
         if g is not None:
-            slope[g] += b
+            slope[g] += b * w
     n_t = len(split)
     if start is not None and n_t == 0 and not slope.any():
         mem = memory.on(start) if memory is not None else np.zeros(n)
@@ -263,6 +267,7 @@ class Synthesis:
     segment_ratios: np.ndarray | None = None  # (segments, devices)
     segments: Segments | None = None
     capacity: np.ndarray | None = None  # bytes per device
+    overlap: float = 1.0  # weight of parameter-gradient collectives it was searched with
 
     @property
     def fits(self) -> bool:
@@ -297,6 +302,33 @@ def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam"
     best.rounds, best.expanded, best.seconds = rounds, expanded, time.perf_counter() - start
     best.capacity = devices.memory
     return best
+
+
+def synthesize_overlapped(problem: Problem, evaluate: Callable[[Problem, Synthesis], float],
+                          weights: Sequence[float] = (1.0, 0.5, 0.0), **options: Any) -> Synthesis:
+    """`synthesize` at a few weights of the parameter-gradient collectives (`Problem.overlap`),
+    keeping the program `evaluate` ranks first -- the planners' contract: the search driver hands
+    them the simulator, which overlaps those collectives with backward where dependencies allow.
+
+    The search's objective is a sum (every instruction's time, HAP's cost), so it cannot see that
+    a data-parallel gradient all-reduce runs behind the backward of earlier layers; weight 1 is
+    that sum, 0 treats them as fully hidden, values between trade the two. `expanded` and
+    `seconds` of the result count every candidate's synthesis; `overlap` says which won."""
+    best: tuple[float, Synthesis] | None = None
+    expanded, seconds = 0, 0.0
+    for w in weights:
+        candidate = synthesize(dataclasses.replace(problem, overlap=float(w)), **options)
+        expanded += candidate.expanded
+        seconds += candidate.seconds
+        candidate.overlap = float(w)
+        score = evaluate(problem, candidate)
+        if best is None or score < best[0] * (1 - 1e-9):
+            best = (score, candidate)
+    if best is None:
+        raise ShardingError("synthesize_overlapped: no weights given")
+    result = best[1]
+    result.expanded, result.seconds = expanded, seconds
+    return result
 
 
 def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str, memory: bool,
@@ -357,7 +389,8 @@ def _forbid_replicated(problem: Problem, params: set[str]) -> Problem:
                                 f"{sorted(set(op.inputs) & params)}; the model cannot be made to fit")
         options.append(keep)
     return Problem(problem.graph, problem.devices, options, problem.work, problem.remaining_reads,
-                   problem.needs_grad, problem.lower, future_needs_of(problem.graph, options))
+                   problem.needs_grad, problem.lower, future_needs_of(problem.graph, options),
+                   problem.collectives, problem.overlap)
 
 
 def _bytes(x: float) -> str:

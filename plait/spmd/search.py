@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.ir.aten_graph import AtenGraph
-from plait.spmd.cost import Devices, balanced_time, comm_time, compute_time, op_work
+from plait.spmd.cost import Devices, balanced_time, choose, compute_time, op_work
 from plait.spmd.placement import (
     PARTIAL,
     REPLICATED,
@@ -63,13 +63,30 @@ class Problem:
     lower: list[float]  # lower[k] = sum of balanced times of ops k..end
     # after op k: tensor -> placements some later reader may ask for (what a state must remember)
     future_needs: list[dict[str, frozenset[str]]] = field(default_factory=list)
+    # uneven all-gather / reduce-scatter: "auto" (padded or grouped, per message) or one global
+    # choice for the whole program, "padded" | "grouped" (HAP's flag)
+    collectives: str = "auto"
+    # weight of parameter-gradient collectives in the objective: 1 counts them in full (HAP's
+    # sum of every instruction's time); below 1 they are expected to run behind the backward of
+    # earlier ops, as data parallelism overlaps them (`plait.spmd.ratios.synthesize_overlapped`)
+    overlap: float = 1.0
+
+    def weight(self, comm: Comm) -> float:
+        """The objective's weight of `comm` (`overlap` for a parameter's gradient collective)."""
+        if self.overlap != 1.0 and comm.phase == "bwd" and self.graph.tensors[comm.tensor].role == "param":
+            return self.overlap
+        return 1.0
 
     @functools.cached_property
     def nbytes(self) -> dict[str, int]:
         return {name: t.nbytes for name, t in self.graph.tensors.items()}
 
     @classmethod
-    def build(cls, graph: AtenGraph, devices: Devices) -> Problem:
+    def build(cls, graph: AtenGraph, devices: Devices, collectives: str = "auto", overlap: float = 1.0) -> Problem:
+        if collectives not in ("auto", "padded", "grouped"):
+            raise ShardingError(f"collectives: must be 'auto', 'padded' or 'grouped', got {collectives!r}")
+        if not 0.0 <= overlap <= 1.0:
+            raise ShardingError(f"overlap: the weight of gradient collectives must be in [0, 1], got {overlap}")
         options = [strategies(op, graph, devices.n) for op in graph.ops]
         work = [op_work(op, graph, devices) for op in graph.ops]
         reads: dict[str, int] = {}
@@ -88,7 +105,7 @@ class Problem:
         bounds = [balanced_time(w) for w in work]
         lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
         return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
-                   future_needs_of(graph, options))
+                   future_needs_of(graph, options), collectives, overlap)
 
 
 @dataclass
@@ -131,12 +148,13 @@ def _grad_home(origin: str) -> str:
 
 
 class _Times:
-    """Per-search caches at fixed ratios: compute of (op, strategy), time of (collective, bytes)."""
+    """Per-search caches at fixed ratios: compute of (op, strategy); each collective's algorithm
+    (chosen per message, `plait.spmd.cost.choose`) and time."""
 
     def __init__(self, problem: Problem, ratios: np.ndarray) -> None:
         self.problem, self.ratios = problem, ratios
         self.compute: dict[tuple[int, bool], float] = {}
-        self.comm: dict[tuple[str, int], float] = {}
+        self.comm: dict[Comm, tuple[Comm, float]] = {}
 
     def of_compute(self, k: int, splits: bool) -> float:
         key = (k, splits)
@@ -145,12 +163,11 @@ class _Times:
             t = self.compute[key] = compute_time(self.problem.work[k], splits, self.ratios)
         return t
 
-    def of_comm(self, c: Comm) -> float:
-        key = (c.op, c.nbytes)
-        t = self.comm.get(key)
-        if t is None:
-            t = self.comm[key] = comm_time(c, self.problem.devices, self.ratios)
-        return t
+    def of_comm(self, c: Comm) -> tuple[Comm, float]:
+        hit = self.comm.get(c)
+        if hit is None:
+            hit = self.comm[c] = choose(c, self.problem.devices, self.ratios, self.problem.collectives)
+        return hit
 
 
 def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
@@ -198,7 +215,10 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
             if t in new and new[t][0] == PARTIAL:
                 comms.append(Comm("all_reduce", t, graph.tensors[t].nbytes))
     compute = times.of_compute(k, strategy.splits_work)
-    communication = sum(times.of_comm(c) for c in comms)
+    communication = 0.0
+    for i, c in enumerate(comms):
+        comms[i], t = times.of_comm(c)
+        communication += t * problem.weight(c)
     return compute, communication, comms, new
 
 

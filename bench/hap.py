@@ -1,0 +1,306 @@
+"""HAP's setting (issue 14): even data parallelism, data parallelism proportional to FLOP/s, HAP's own
+method re-implemented, and plait's SPMD synthesis, all predicted by the one simulator.
+
+    python bench/hap.py              # HAP's testbed and a 4 A100 + 4 T4 node, four models
+    python bench/hap.py --quick      # small models on small clusters (smoke)
+    python bench/hap.py --json
+
+Clusters: `bench/data/hap_v100_p100.yaml` (2 x 8 V100 + 6 x 8 P100, 10.4 Gb/s between machines;
+what the paper leaves open is stated in the file) and `bench/data/a100_t4_node.yaml`.
+Models (plait's zoo at the paper's sizes): VGG19 (224 px), ViT-B/16, BERT-Base (seq 128),
+BERT-MoE (BERT-Base with an MoE MLP every other layer, 8 experts, top-2). Every column is one
+iteration of the same global batch predicted by `plait.sim.api.simulate_spmd` (the same compute
+model, links and engine for all):
+
+* even -- DDP (`ddp`): every device runs the whole model on its part of the batch (MoE capacity
+  per device, as DDP), parameters replicated, gradients all-reduced in 25 MB buckets overlapped
+  with backward (NCCL's algorithm per bucket); one micro-batch per step (no gradient
+  accumulation: it fits at one, and more micro-batches only add passes), so that is the best;
+* prop -- the same with batch shares proportional to FLOP/s (integer samples);
+* HAP -- HAP's method as its public code has it: uniform-cost search, LP without a memory row,
+  one global collective choice (padded or grouped, the better of the two runs), its cluster model
+  (one bandwidth per collective: ring all-reduce); its program is simulated on the real links;
+* plait -- `plait.spmd.ratios.synthesize_overlapped`: A*, LP with per-device memory, segments,
+  collectives chosen per message on the real links, searched with the parameter-gradient
+  collectives counted in full (HAP's sum) and as hidden behind backward, the simulator keeping the
+  faster (its synthesis seconds include both searches and simulations);
+* bound -- perfect compute balance with communication fully hidden: every op at
+  ``1 / sum_i 1 / w_i`` and the optimizer over all parameters at perfect balance.
+
+Columns: the predicted iteration times (ms) -- "SPMD" is plait's synthesized program, "plait"
+its pick across families on the simulator's one scale (that program or FLOP-proportional DDP,
+whichever is faster and fits) --, speedups of the pick over even and over HAP, its share of
+the bound (bound / plait), states expanded (HAP's UCS and plait's A*; "b" when the exact search
+hit its budget and the beam search finished), synthesis CPU seconds (single-threaded; wall time
+on a shared machine would count the neighbours), and fit (memory per device within
+capacity, by `plait.spmd.ratios.memory_model`). dtype per case: fp32 on HAP's testbed (P100s have
+no tensor cores; HAP ran fp32), fp16 on the A100/T4 node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plait.cluster import load_cluster
+from plait.cost.compute import optimizer_time
+from plait.cost.memory import state_bytes_per_param
+from plait.graph.aten_capture import capture_aten
+from plait.graph.zoo import load_model
+from plait.sim.api import simulate_spmd
+from plait.spmd.cost import Devices, balanced_time
+from plait.spmd.placement import Comm, ShardingError, shard_sizes
+from plait.spmd.ratios import Synthesis, memory_model, synthesize, synthesize_overlapped
+from plait.spmd.search import Problem, Program
+
+DATA = Path(__file__).resolve().parent / "data"
+OVERLAP_WEIGHTS = (1.0, 0.0)  # plait: gradient collectives counted in full / as hidden; the simulator picks
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+MODELS = [  # (label, zoo spec, samples per GPU on each cluster: the global batch is this times the GPUs)
+    ("VGG19", "vgg19:dropout=0", (16, 16)),
+    ("ViT-B/16", "vit", (16, 16)),
+    ("BERT-Base", "bert:seq=128,dropout=0,attn_dropout=0", (16, 16)),
+    # GShard's dispatch tensors are O(tokens^2) with one capacity for the whole batch: 1 sample per
+    # GPU on 64 GPUs; 2 on the 8-GPU node (at 1, FLOP-proportional DDP leaves a T4 no sample)
+    ("BERT-MoE", "bert_moe:seq=128,dropout=0,attn_dropout=0", (1, 2)),
+]
+CLUSTERS = [("hap_v100_p100.yaml", "fp32"), ("a100_t4_node.yaml", "fp16")]
+QUICK_MODELS = [
+    ("VGG-tiny", "vgg19:width=8,fc=128,image=32,pool=1,classes=10,dropout=0", (16, 16)),
+    ("ViT-tiny", "vit:layers=2,hidden=128,heads=4,patch=8,image=32,classes=10", (16, 16)),
+    ("BERT-tiny", "bert:layers=2,hidden=128,heads=4,seq=32,vocab=1000,dropout=0,attn_dropout=0", (8, 8)),
+    ("MoE-tiny", "bert_moe:layers=2,hidden=128,heads=4,seq=32,vocab=1000,experts=4,dropout=0,attn_dropout=0",
+     (8, 8)),
+]
+
+
+def quick_clusters() -> list[tuple[object, str]]:
+    """Two tiny mixes: a V100 node and a P100 node at 10.4 Gb/s; an A100 + T4 node."""
+    from plait.cluster.loader import parse_cluster
+
+    hap = parse_cluster({"name": "v100x2+p100x2", "nodes": [
+        {"name": "v", "gpus": {"kind": "v100-16gb", "count": 2}, "intra": {"type": "nvlink", "bandwidth": "150 GB/s"},
+         "nic": {"type": "ethernet", "bandwidth": "10.4 Gb/s", "latency": "25 us"}},
+        {"name": "p", "gpus": {"kind": "p100-pcie-16gb", "count": 2}, "intra": {"type": "pcie", "bandwidth": "12 GB/s"},
+         "nic": {"type": "ethernet", "bandwidth": "10.4 Gb/s", "latency": "25 us"}}]})
+    small = parse_cluster({"name": "a100+t4", "nodes": [
+        {"name": "m", "gpus": [{"kind": "a100-40gb", "count": 1}, {"kind": "t4", "count": 1}],
+         "intra": {"type": "pcie", "bandwidth": "12 GB/s"}}]})
+    return [(hap, "fp32"), (small, "fp16")]
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def ddp(spec, batch: int, devices: Devices, weights: np.ndarray, dtype: str) -> tuple[Problem, Synthesis, np.ndarray]:
+    """PyTorch DDP as an SPMD program: the graph of one device's batch (captured at ``batch / n``)
+    run whole on every device, device ``i`` on its integer share of the batch in proportion to
+    `weights` (`device_scale` of the lowering), and every parameter's gradient all-reduced after
+    the backward of its first reader (the simulator packs them into DDP's buckets and overlaps them
+    with the rest of backward). MoE layers route each device's tokens with their own capacity, as
+    DDP does. Memory: parameters, gradients and optimizer state whole, activations at the share."""
+    n = devices.n
+    local = batch // n
+    tdtype = DTYPES[dtype]
+    graph = capture_aten(spec.build("meta", dtype=tdtype), spec.sample_batch(local, device="meta", dtype=tdtype)[0],
+                         name=spec.name)
+    problem = Problem.build(graph, devices)
+    strategies = {op.name: opts[0] for op, opts in zip(graph.ops, problem.options)}  # all redundant
+    first_reader: dict[str, str] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            if graph.tensors[t].role == "param":
+                first_reader.setdefault(t, op.name)
+    comms = [(name, Comm("all_reduce", t, graph.tensors[t].nbytes, "bwd")) for t, name in first_reader.items()]
+    program = Program(strategies, comms)
+    scale = np.array(shard_sizes(batch, weights / weights.sum(), what="batch"), dtype=float) / local
+    model = memory_model(problem, program, dtype)
+    w_b, g_b, k_b = state_bytes_per_param(dtype)
+    state = sum(graph.tensors[t].numel for t in first_reader) * (w_b + g_b + k_b)
+    memory = model.overhead + state + (model.replicated - state) * scale
+    ratios = np.full(n, 1.0 / n)
+    return problem, Synthesis(program, ratios, 0.0, memory, capacity=devices.memory), scale
+
+
+def bound(problem: Problem) -> float:
+    """Perfect compute balance, communication hidden; the optimizer over every parameter once,
+    at perfect balance too."""
+    compute = sum(balanced_time(w) for w in problem.work)
+    params = sum(problem.graph.tensors[t].numel for t in problem.graph.params)
+    steps = np.array([optimizer_time(params, k) for k in problem.devices.kinds])
+    return compute + balanced_time(steps)
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+@dataclass
+class Case:
+    cluster: str
+    model: str
+    dtype: str
+    batch: int
+    ops: int
+    even_ms: float
+    prop_ms: float
+    hap_ms: float
+    plait_ms: float
+    bound_ms: float
+    hap_flag: str
+    hap_states: int
+    plait_states: int
+    hap_exact: bool
+    plait_exact: bool
+    hap_s: float
+    plait_s: float
+    fits: dict
+    plait_overlap: float = 1.0
+
+    @property
+    def best_ms(self) -> float:
+        """plait's pick across families on the simulator's one scale: its SPMD program or
+        FLOP-proportional DDP (what `plait.search` does with every family's finalists)."""
+        options = [self.plait_ms] + ([self.prop_ms] if self.fits["prop"] else [])
+        return min(options)
+
+    @property
+    def row(self) -> dict:
+        d = dict(self.__dict__)
+        best = self.best_ms
+        d.update(best_ms=best, speedup_even=self.even_ms / best, speedup_hap=self.hap_ms / best,
+                 spmd_speedup_even=self.even_ms / self.plait_ms, spmd_speedup_hap=self.hap_ms / self.plait_ms,
+                 of_bound=self.bound_ms / best, bound_speedup=self.even_ms / self.bound_ms)
+        return d
+
+
+def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int, dtype: str,
+             max_states: int = 20_000) -> Case:
+    spec = load_model(spec_text)
+    tdtype = DTYPES[dtype]
+    graph = capture_aten(spec.build("meta", dtype=tdtype), spec.sample_batch(batch, device="meta", dtype=tdtype)[0],
+                         name=spec.name)
+    devices = Devices.from_cluster(cluster, dtype)
+    problem = Problem.build(graph, devices)
+    sims = {}
+    fits = {}
+    for key, weights in (("even", np.ones(devices.n)), ("prop", devices.flops)):
+        local, syn, scale = ddp(spec, batch, devices, weights, dtype)
+        sims[key] = simulate_spmd(local, syn, cluster, batch=batch, name=key, device_scale=scale).iteration_time_s
+        fits[key] = syn.fits
+    # HAP: its cluster model, uniform-cost search, LP without memory, one global collective flag
+    best = None
+    for flag in ("padded", "grouped"):
+        hap_problem = Problem.build(graph, devices.hap_model(), flag)
+        cpu = time.process_time()
+        syn = synthesize(hap_problem, dtype=dtype, memory=False, heuristic=False, max_states=max_states)
+        syn.seconds = time.process_time() - cpu  # CPU seconds: the machine may be shared
+        t = simulate_spmd(hap_problem, syn, cluster, batch=batch, name=f"hap-{flag}").iteration_time_s
+        if best is None or t < best[0]:
+            best = (t, flag, syn)
+    assert best is not None
+    sims["hap"], hap_flag, hap = best
+    fits["hap"] = hap.fits
+    cpu = time.process_time()
+
+    def evaluate(p: Problem, syn: Synthesis) -> float:
+        return simulate_spmd(p, syn, cluster, batch=batch).iteration_time_s if syn.fits else float("inf")
+
+    plait_syn = synthesize_overlapped(problem, evaluate, OVERLAP_WEIGHTS, dtype=dtype, max_states=max_states)
+    plait_syn.seconds = time.process_time() - cpu  # every candidate's synthesis and simulation
+    sims["plait"] = simulate_spmd(problem, plait_syn, cluster, batch=batch, name="plait").iteration_time_s
+    fits["plait"] = plait_syn.fits
+    return Case(cluster_name, label, dtype, batch, len(graph.ops), sims["even"] * 1e3, sims["prop"] * 1e3,
+                sims["hap"] * 1e3, sims["plait"] * 1e3, bound(problem) * 1e3, hap_flag, hap.expanded,
+                plait_syn.expanded, hap.program.optimal, plait_syn.program.optimal, hap.seconds,
+                plait_syn.seconds, fits, plait_syn.overlap)
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'cluster':<18} {'model':<10} {'dt':<4} {'batch':>5} {'even':>8} {'prop':>8} {'HAP':>8} "
+            f"{'SPMD':>8} {'plait':>8} {'bound':>8} {'x even':>6} {'x HAP':>6} {'%bound':>6} {'HAP st':>7} "
+            f"{'ours st':>7} {'HAP s':>6} {'ours s':>6}  fits e/p/H/o")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        f = r["fits"]
+        mark = lambda ok: "y" if ok else "N"  # noqa: E731
+        lines.append(
+            f"{r['cluster']:<18} {r['model']:<10} {r['dtype']:<4} {r['batch']:>5} {r['even_ms']:8.1f} "
+            f"{r['prop_ms']:8.1f} {r['hap_ms']:8.1f} {r['plait_ms']:8.1f} {r['best_ms']:8.1f} {r['bound_ms']:8.1f} "
+            f"{r['speedup_even']:6.2f} {r['speedup_hap']:6.2f} {100 * r['of_bound']:5.0f}% "
+            f"{r['hap_states']:>6}{'' if r['hap_exact'] else 'b'} {r['plait_states']:>6}"
+            f"{'' if r['plait_exact'] else 'b'} {r['hap_s']:6.2f} {r['plait_s']:6.2f}  "
+            f"{mark(f['even'])}/{mark(f['prop'])}/{mark(f['hap'])}/{mark(f['plait'])}  (HAP: {r['hap_flag']})")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> dict:
+    if not rows:
+        return {}
+    hap_over = [r for r in rows if not r["fits"]["hap"]]
+    return {
+        "best_speedup_over_even": max(r["speedup_even"] for r in rows),
+        "spmd_only_mean_speedup_over_hap": float(np.mean([r["spmd_speedup_hap"] for r in rows])),
+        "mean_speedup_over_hap": float(np.mean([r["speedup_hap"] for r in rows])),
+        "geomean_speedup_over_hap": float(np.exp(np.mean(np.log([r["speedup_hap"] for r in rows])))),
+        "min_share_of_bound": min(r["of_bound"] for r in rows),
+        "hap_plans_over_memory": len(hap_over),
+        "plait_plans_over_memory": sum(1 for r in rows if not r["fits"]["plait"]),
+        "max_plait_synthesis_s": max(r["plait_s"] for r in rows),
+        "plait_overlap_weights_chosen": [r["plait_overlap"] for r in rows],
+        "cases": len(rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models on tiny clusters (smoke)")
+    parser.add_argument("--json", action="store_true", help="one JSON object: rows and summary")
+    parser.add_argument("--out", default=None, help="also write the JSON object to this file")
+    parser.add_argument("--models", type=int, default=4, help="only the first N models")
+    parser.add_argument("--only", default=None, help="only models whose label contains this")
+    parser.add_argument("--max-states", type=int, default=10_000, help="exact search budget per round")
+    args = parser.parse_args()
+    if args.quick:
+        clusters = quick_clusters()
+        models = QUICK_MODELS
+    else:
+        clusters = [(load_cluster(str(DATA / f)), dt) for f, dt in CLUSTERS]
+        models = MODELS
+    rows = []
+    start = time.perf_counter()
+    for ci, (cluster, dtype) in enumerate(clusters):
+        for label, spec_text, per_gpu in models[:args.models]:
+            if args.only and args.only.lower() not in label.lower():
+                continue
+            batch = per_gpu[ci] * len(cluster.devices)
+            try:
+                case = run_case(cluster, cluster.name, label, spec_text, batch, dtype, args.max_states)
+            except ShardingError as exc:
+                print(f"{cluster.name} {label}: {exc}", flush=True)
+                continue
+            rows.append(case.row)
+            if not args.json:
+                print(table([case.row]).splitlines()[-1], flush=True)
+    out = {"rows": rows, "summary": summary(rows), "wall_s": time.perf_counter() - start}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1, default=float))
+    if args.json:
+        print(json.dumps(out, indent=1, default=float))
+    else:
+        print()
+        print(table(rows))
+        print(json.dumps(out["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
