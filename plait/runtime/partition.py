@@ -2,10 +2,10 @@
 
 * `load_model_spec(spec)` returns an object with `build`, `sample_batch` and `loss`
   (the zoo's `ModelSpec` contract).
-* `layer_modules(model)` lists the model's layers the way the capture does: a module
-  marked `plait_layer` is one layer; an unmarked module without marked descendants is
-  one layer when its parent holds marked modules (or is the root); containers of marked
-  modules (e.g. a `ModuleList` of transformer blocks) are not layers.
+* `layer_modules(model)` lists the model's layers the way the capture does
+  (`plait.graph.layer_cut`): modules marked `plait_layer` in the zoo; in a user's model, its
+  modules refined through `ModuleList`/`Sequential` containers down to blocks, so a layer
+  may be a nested path such as `towers.0.blocks.1` (torch.fx keeps it a leaf like any other).
 * `make_samples(...)` builds samples from a seed per *global sample index*, so any split of
   the global batch over replicas and micro-batches (`replica_micro_batches`) sees the same
   samples as the single-process reference.
