@@ -50,22 +50,24 @@ class Tower(nn.Module):
 
 
 class Towers(nn.Module):
-    """A shared stem, three towers (a projection and a ModuleList of blocks each), a head."""
+    """A stem, three towers (a projection and a ModuleList of blocks each), a head."""
 
-    def __init__(self, d=6, h=8, n=4, towers=3, classes=5):
+    def __init__(self, d=8, h=8, n=4, towers=3, classes=5):
         super().__init__()
         self.stem = nn.Linear(d, h)
         self.towers = nn.ModuleList(Tower(h, n) for _ in range(towers))
         self.head = nn.Linear(towers * h, classes)
 
     def forward(self, x):
-        s = torch.tanh(self.stem(x))  # read by every tower
-        return self.head(torch.cat([t(s) for t in self.towers], dim=-1))
+        x = x * 0.5  # glue on the input alone, read by the stem and by the last tower
+        s = torch.tanh(self.stem(x))  # read by towers 0 and 1
+        outs = [t(s) for t in self.towers[:-1]] + [self.towers[-1](x)]
+        return self.head(torch.cat(outs, dim=-1))
 
 
 def sample_batch(batch, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, 6, generator=g)
+    x = torch.randn(batch, 8, generator=g)
     return (x.to(device),), torch.randint(0, 5, (batch,), generator=g).to(device)
 
 
@@ -125,7 +127,8 @@ def _tower_layers(t: int, n: int = 4) -> list[str]:
 
 def _tower_edges(t: int, n: int = 4) -> list[tuple[str, str]]:
     chain = _tower_layers(t, n)
-    return ([("stem", chain[0])] + list(zip(chain, chain[1:])) + [(chain[0], chain[3]), (chain[-1], "head")])
+    stem = [("stem", chain[0])] if t < 2 else []  # tower 2 reads the (scaled) model input
+    return stem + list(zip(chain, chain[1:])) + [(chain[0], chain[3]), (chain[-1], "head")]
 
 
 EXPECTED_LAYERS = ["stem"] + [n for t in range(3) for n in _tower_layers(t)] + ["head"]
@@ -150,14 +153,14 @@ def test_inspect_shows_each_towers_blocks_as_a_chain_joined_at_the_head(towers_f
     assert main(["inspect", towers_file, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [row["name"] for row in out["layers"]] == EXPECTED_LAYERS
-    # exact: the shared stem feeds each tower (not tower 0 alone), the skip connection proj -> blocks.2
-    # is an edge, and the towers meet only in the head
+    # exact: the stem's output feeds towers 0 and 1 (not tower 0 alone), the scaled input ties
+    # nothing, the skip connection proj -> blocks.2 is an edge, the towers meet only in the head
     assert sorted(tuple(e) for e in out["layer_edges"]) == EXPECTED_EDGES
     assert ("towers.1.proj", "towers.1.blocks.2") in {tuple(e) for e in out["layer_edges"]}
     assert not out["is_chain"] and "capture_notes" not in out["config"]
     assert main(["inspect", towers_file]) == 0
     table = capsys.readouterr().out
-    assert "towers.2.blocks.3" in table and "layer graph branches (21 edges)" in table
+    assert "towers.2.blocks.3" in table and "layer graph branches (20 edges)" in table
     assert "towers.0.proj, towers.0.blocks.1" in table  # inputs from: the skip connection
 
 
@@ -169,7 +172,7 @@ def test_the_cut_changes_no_cost_only_where_it_falls(towers_file) -> None:
     coarse_model.plait_granularity = 1  # split only what nothing calls (the towers ModuleList)
     coarse = capture(coarse_model, inputs, name="towers", loss_fn=lambda o: spec.loss(o, target))
     assert coarse.layer_names == ["stem", "towers.0", "towers.1", "towers.2", "head"]
-    assert sorted(coarse.layer_edges) == sorted([("stem", f"towers.{t}") for t in range(3)]
+    assert sorted(coarse.layer_edges) == sorted([("stem", f"towers.{t}") for t in range(2)]
                                                 + [(f"towers.{t}", "head") for t in range(3)])
     for key in ("param_count", "fwd_flops", "bwd_flops", "saved_bytes"):
         assert sum(getattr(x, key) for x in fine.layers) == pytest.approx(sum(getattr(x, key) for x in coarse.layers))
@@ -292,16 +295,16 @@ def test_stages_hold_nested_layers_and_part_of_a_module_list(towers_file) -> Non
     spec = load_model(towers_file)
     model = spec.build()
     t0 = _tower_layers(0)
-    stages = split_into_graph(model, [["stem"] + t0[:3], t0[3:], _tower_layers(1) + _tower_layers(2), ["head"]],
-                              [(0, 1), (0, 2), (1, 3), (2, 3)])
+    groups = [["stem", *t0[:2], *_tower_layers(1)], t0[2:], _tower_layers(2), ["head"]]
+    stages = split_into_graph(model, groups, [(0, 1), (0, 3), (1, 3), (2, 3)])
+    # the skip connection crosses the cut inside tower 0: proj's output travels with blocks.0's
+    assert stages[1].recv == {0: ["towers_0_proj", "towers_0_blocks_0"]}
+    # the scaled input is computed by both source stages; neither sends it
+    assert stages[0].input_names == ["x"] and stages[2].input_names == ["x"]
     (x,), _ = spec.sample_batch(3)
-    out0 = stages[0].module(x)
-    assert stages[1].recv == {0: stages[0].send[1]} and "towers.0.blocks.3" in stages[1].layers
-    vals = dict(zip(stages[0].output_names, out0))
-    out1 = stages[1].module(*(vals[n] for n in stages[1].input_names))
-    out2 = stages[2].module(*(vals[n] for n in stages[2].input_names))
-    vals.update(zip(stages[1].output_names, out1))
-    vals.update(zip(stages[2].output_names, out2))
+    vals: dict[str, torch.Tensor] = {"x": x}
+    for st in stages[:3]:
+        vals.update(zip(st.output_names, st.module(*(vals[n] for n in st.input_names))))
     y = stages[3].module(*(vals[n] for n in stages[3].input_names))
     torch.testing.assert_close(y, model(x), rtol=0, atol=0)
 
@@ -325,10 +328,12 @@ def _equal_to_one_process(model: str, plan) -> object:
 
 @pytest.mark.distributed
 def test_tower_model_with_a_pipeline_cut_inside_a_tower_equals_one_process(towers_file) -> None:
+    # Stage 1 holds blocks 1-3 of tower 0 (the skip connection from proj crosses the cut); stage 2,
+    # tower 2, is a source beside stage 0: both compute the scaled input themselves.
     t0 = _tower_layers(0)
-    groups = [["stem"] + t0[:3], t0[3:], _tower_layers(1) + _tower_layers(2), ["head"]]
+    groups = [["stem", *t0[:2], *_tower_layers(1)], t0[2:], _tower_layers(2), ["head"]]
     plan = Plan(stages=[StageSpec(name=f"s{i}", layers=g, devices=[i]) for i, g in enumerate(groups)],
-                stage_edges=[(0, 1), (0, 2), (1, 3), (2, 3)], micro_batch=2, global_batch=8, dtype="fp32")
+                stage_edges=[(0, 1), (0, 3), (1, 3), (2, 3)], micro_batch=2, global_batch=8, dtype="fp32")
     result = _equal_to_one_process(towers_file, plan)
     assert [r.layers for r in result.ranks] == groups
 

@@ -143,7 +143,7 @@ class _Rec:
     __slots__ = (
         "target", "module", "layer", "frame_sel", "tp", "fwd_flops", "bwd_flops",
         "param_bytes", "param_count", "saved", "saved_tp", "saved_sel", "out_bytes",
-        "ins", "act",
+        "ins", "act", "weights",
     )  # fmt: skip
 
     def __init__(self, target: str, module: str, layer: str | None, frame_sel: int, tp: bool):
@@ -163,6 +163,7 @@ class _Rec:
         # (producer rec index, storage id, tensor bytes) of each activation input
         self.ins: list[tuple[int, int, int]] = []
         self.act = False  # depends on the model's inputs or parameters (else a constant: masks, positions)
+        self.weights = False  # reads a parameter
 
 
 @dataclass
@@ -316,7 +317,7 @@ class _Recorder(TorchDispatchMode):
         s = self.s
         storages = s.storages
         in_sids: dict[int, int] = {}  # sid -> tensor bytes (max over views)
-        act = False
+        act = weights = False
         new_params: list[int] = []
         for t in _tensors(args, kwargs):
             sid = _sid(t)
@@ -328,6 +329,7 @@ class _Recorder(TorchDispatchMode):
             st = storages.get(sid)
             if (st is not None and st[2]) or sid in s.params:
                 act = True  # a trainable value: its gradient flows back through every reader
+            weights = weights or sid in s.params
         outs = [t for t in _tensors(out if isinstance(out, (tuple, list)) else (out,))]
         mutable = func._schema.is_mutable
         fresh = [t for t in outs if _sid(t) not in in_sids]
@@ -363,6 +365,7 @@ class _Recorder(TorchDispatchMode):
             if st is not None and st[2]:
                 rec.ins.append((st[1], sid, nb))
         rec.act = act
+        rec.weights = weights
         for t in fresh:
             sid = _sid(t)
             storages[sid] = [idx, idx, act]
@@ -892,7 +895,7 @@ def _attribute_saved(state: _State) -> None:
             recs[first].saved_sel -= nbytes
 
 
-def _assign_glue(state: _State, layer_order: dict[str, int]) -> None:
+def _assign_glue(state: _State, layer_order: dict[str, int]) -> set[int]:
     """Give ops that ran outside every layer (top-level glue, the loss) a layer.
 
     An op goes to the layer of its first consumer (e.g. a concat feeding the head), except
@@ -900,10 +903,15 @@ def _assign_glue(state: _State, layer_order: dict[str, int]) -> None:
     activation feeding parallel branches) stays with that producer, so the layer edges say
     that the branches depend on the producer and not on each other; an op nobody consumes
     (the loss) goes to the layer of its latest producer.
+
+    Returns the glue computed from the model's inputs alone, reading no parameter (a reshape
+    or scaling of an input): like the inputs themselves it ties no layer to another (each
+    reader can compute it; the runtime does so where the readers run in parallel stages).
     """
     recs = state.recs
     consumers: dict[int, list[int]] = {}
     sources: list[frozenset[str]] = []  # the layers each op's activations come from
+    data: set[int] = set()
     for i, r in enumerate(recs):
         src: set[str] = set()
         for p, _, _ in r.ins:
@@ -911,6 +919,8 @@ def _assign_glue(state: _State, layer_order: dict[str, int]) -> None:
                 consumers.setdefault(p, []).append(i)
                 src |= {recs[p].layer} if recs[p].layer is not None else sources[p]
         sources.append(frozenset(src))
+        if r.layer is None and not r.weights and all(p < 0 or p in data for p, _, _ in r.ins):
+            data.add(i)
     for i in range(len(recs) - 1, -1, -1):
         if recs[i].layer is None:
             readers = list(dict.fromkeys(recs[c].layer for c in consumers.get(i, ())
@@ -931,6 +941,7 @@ def _assign_glue(state: _State, layer_order: dict[str, int]) -> None:
         for r in recs:
             if r.layer is None:
                 r.layer = first
+    return data
 
 
 def _build_graph(
@@ -963,7 +974,7 @@ def _build_graph(
     for i, r in enumerate(recs):
         if r.layer is not None and r.layer not in first_seen:
             first_seen[r.layer] = i
-    _assign_glue(state, first_seen)
+    data_glue = _assign_glue(state, first_seen)
     for i, r in enumerate(recs):
         if r.layer not in first_seen:
             first_seen[r.layer] = i
@@ -1020,7 +1031,7 @@ def _build_graph(
                 producers.append(names[p])
             if src != lname:
                 in_flow[(lname, sid)] = max(in_flow.get((lname, sid), 0), nb)
-                if src is not None:
+                if src is not None and p not in data_glue:
                     out_flow[(src, sid)] = max(out_flow.get((src, sid), 0), nb)
                     edges.add((src, lname))
         ops[names[i]] = Op(
