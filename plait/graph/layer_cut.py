@@ -25,16 +25,21 @@ cut only costs search time and glue between layers.
 
 from __future__ import annotations
 
+import dis
+import inspect
+import linecache
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from plait.errors import PlaitError
 
-__all__ = ["DEFAULT_GRANULARITY", "LayerCut", "LayerCutError", "is_marked", "layer_cut", "pure_chains"]
+__all__ = ["DEFAULT_GRANULARITY", "LayerCut", "LayerCutError", "LayerTracer", "is_marked", "layer_cut", "pure_chains"]
 
 # Pipelines of up to 8 stages balance over a cut where no splittable layer holds more than
 # 1/8 of the parameters; GraphPipe's cases (4 branches x 8 blocks, 2 x 4 on 8 devices) need it.
@@ -136,7 +141,14 @@ def _children(root: nn.Module, path: str, seen: set[int]) -> list[str]:
     return out
 
 
-class _Tracer(fx.Tracer):
+class LayerTracer(fx.Tracer):
+    """torch.fx with the given module paths as leaves (the runtime cuts stages with it too).
+
+    An ``assert`` on a traced value (``assert t <= self.block_size``, nanoGPT's) is recorded as
+    ``torch._assert`` and tracing goes on: torch.fx does so itself only where ``trace_asserts``
+    recognises the bytecode, which Python 3.11 changed (``POP_JUMP_FORWARD_IF_TRUE``). Any other
+    branch on a traced value still fails (it is data- or shape-dependent control flow)."""
+
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
         self.leaves = leaves
@@ -144,10 +156,29 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         return qualified_name in self.leaves or super().is_leaf_module(m, qualified_name)
 
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        if caller is not None and _asserts(caller):
+            where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+            line = linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()
+            self.create_proxy("call_function", torch._assert, (obj, f"{line} ({where})"), {})
+            return True
+        return super().to_bool(obj)
+
+
+def _asserts(frame: Any) -> bool:
+    """Whether `frame` is converting a value to bool for an ``assert`` (a conditional jump
+    past ``LOAD_ASSERTION_ERROR``)."""
+    insts = list(dis.get_instructions(frame.f_code))
+    at = next((i for i, inst in enumerate(insts) if inst.offset == frame.f_lasti), None)
+    return (at is not None and at + 1 < len(insts) and "IF_TRUE" in insts[at].opname
+            and insts[at + 1].opname == "LOAD_ASSERTION_ERROR")
+
 
 def _calls(root: nn.Module, leaves: Iterable[str]) -> dict[str, int]:
     """How often the forward calls each module (torch.fx, `leaves` not traced into)."""
-    graph = _Tracer(set(leaves)).trace(root)
+    graph = LayerTracer(set(leaves)).trace(root)
     calls: dict[str, int] = {}
     for n in graph.nodes:
         if n.op == "call_module":
@@ -160,12 +191,18 @@ def _why(exc: Exception) -> str:
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
+def _strays(calls: dict[str, int], layers: Iterable[str]) -> set[str]:
+    """Modules under a layer that the forward calls from outside it."""
+    layers = list(layers)
+    return {t for t in calls if any(t.startswith(q + ".") for q in layers)}
+
+
 def _refine(root: nn.Module, layers: list[str], g: int) -> tuple[list[str], list[str]]:
     total = _params(root)
     blocked: set[str] = set()
     notes: list[str] = []
     try:
-        _calls(root, layers)
+        before = _strays(_calls(root, layers), layers)
     except Exception as exc:  # data-dependent control flow, untraceable ops: keep the coarse cut
         return layers, [f"layers are the model's top-level children: torch.fx cannot trace its "
                         f"forward ({_why(exc)})"]
@@ -187,14 +224,18 @@ def _refine(root: nn.Module, layers: list[str], g: int) -> tuple[list[str], list
             if p not in candidates:
                 seen.update(id(sub) for sub in root.get_submodule(p).modules())
         split = {p: _children(root, p, seen) for p in candidates}
-        accepted, why = _check(root, layers, split)
-        if accepted is None:  # the trace failed: try each candidate alone, keep those that trace
+        accepted, why = _check(root, layers, split, before)
+        if accepted is None:  # the trace failed (or is ambiguous): try each candidate alone
             accepted, why = {}, {}
             for p in candidates:
-                one, one_why = _check(root, layers, {p: split[p]})
+                one, one_why = _check(root, layers, {p: split[p]}, before)
                 accepted.update(one or {})
                 why.update(one_why)
-            if accepted and _check(root, layers, {p: split[p] for p in accepted})[0] != accepted:
+        if accepted:  # the accepted splits together (rejecting one may strand another's callers)
+            together, _ = _check(root, layers, {p: split[p] for p in accepted}, before)
+            if together != accepted:
+                why.update({p: "its children and its neighbours' cannot all be layers at once"
+                            for p in accepted})
                 accepted = {}
         for p in candidates:
             if p not in accepted:
@@ -203,37 +244,54 @@ def _refine(root: nn.Module, layers: list[str], g: int) -> tuple[list[str], list
                 if reason:
                     notes.append(f"module {p!r} is one layer: {reason}")
         layers = [q for p in layers for q in (accepted[p] if p in accepted else [p])]
+        if accepted:
+            before = _strays(_calls(root, layers), layers)
 
 
 def _owns_state(m: nn.Module) -> bool:
     return any(True for _ in m.parameters()) or any(True for _ in m.buffers())
 
 
-def _check(root: nn.Module, layers: list[str], split: dict[str, list[str]]
+def _check(root: nn.Module, layers: list[str], split: dict[str, list[str]], before: set[str]
            ) -> tuple[dict[str, list[str]] | None, dict[str, str]]:
     """The splits of `split` that hold, with the reason for each that does not; None when the
-    trace fails. A new layer must run exactly once, and nothing under it may be called from
-    outside it; a child without parameters or buffers (an activation, dropout, pooling) is
-    glue, not a layer: its ops count in the layer that reads its output."""
-    new = [q for p in layers for q in split.get(p, [p])]
+    trace fails or, splitting several, a failure cannot be pinned on one. A new layer must run exactly once, and nothing under a layer may be called
+    from outside it (beyond what `before` already was); a child without parameters or buffers
+    (an activation, dropout, pooling) is glue, not a layer: its ops count in the layer that
+    reads its output."""
+    kept = {p: [c for c in children if _owns_state(root.get_submodule(c))] for p, children in split.items()}
+    new = [q for p in layers for q in kept.get(p, [p])]
     try:
         calls = _calls(root, new)
     except Exception as exc:
         return None, {p: f"torch.fx cannot trace its forward ({_why(exc)})" for p in split}
+    strays = _strays(calls, new) - before
+    owners: dict[int, list[str]] = {}  # a module held by two layers (reused) ties them together
+    for q in new:
+        for sub in root.get_submodule(q).modules():
+            owners.setdefault(id(sub), []).append(q)
+    shared = {q: next(o for o in qs if o != q) for qs in owners.values() if len(qs) > 1 for q in qs}
+    if len(split) > 1 and any(not any(t.startswith(c + ".") for cs in kept.values() for c in cs)
+                              for t in strays):
+        return None, {}  # a module under a layer that stayed whole is called from a split one: try one by one
     ok: dict[str, list[str]] = {}
     why: dict[str, str] = {}
-    for p, children in split.items():
-        kept = [c for c in children if _owns_state(root.get_submodule(c))]
-        bad = [c for c in kept if calls.get(c, 0) != 1]
-        stray = [t for t in calls if any(t.startswith(c + ".") for c in kept)]
+    for p, children in kept.items():
+        bad = [c for c in children if calls.get(c, 0) != 1]
+        mine = sorted(t for t in strays if any(t.startswith(c + ".") for c in children))
+        tied = [c for c in children if c in shared]
         if bad:
             why[p] = f"its child {bad[0]!r} runs {calls.get(bad[0], 0)} times (a layer runs exactly once)"
-        elif stray:
-            why[p] = f"{stray[0]!r} is called from outside the layer that holds it"
-        elif len(kept) < 2 and not (kept and root.get_submodule(kept[0])._modules):
+        elif tied:
+            why[p] = f"its child {tied[0]!r} holds a module that {shared[tied[0]]!r} holds too"
+        elif mine:
+            why[p] = f"{mine[0]!r} is called from outside the layer that holds it"
+        elif strays:
+            why[p] = f"{sorted(strays)[0]!r} is then called from outside the layer that holds it"
+        elif len(children) < 2 and not (children and root.get_submodule(children[0])._modules):
             why[p] = ""  # nothing to gain: one layer (or none) with nothing below it
         else:
-            ok[p] = kept
+            ok[p] = children
     return ok, why
 
 
@@ -268,7 +326,7 @@ def pure_chains(root: nn.Module, layers: Iterable[str], runs: list[list[str]]) -
     no glue between, no second argument): then two traced copies stand for all. All False
     when torch.fx cannot trace the forward."""
     try:
-        graph = _Tracer(set(layers)).trace(root)
+        graph = LayerTracer(set(layers)).trace(root)
     except Exception:
         return [False] * len(runs)
     nodes: dict[str, list[fx.Node]] = {}

@@ -129,15 +129,6 @@ def replica_micro_batches(plan: Any, step: int, dp_index: int, micro_batch: int 
 
 
 # ---------------------------------------------------------------------------------- stages
-class _LayerTracer(fx.Tracer):
-    def __init__(self, leaves: set[str]) -> None:
-        super().__init__()
-        self.leaves = leaves
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
-
-
 @dataclass
 class Stage:
     """One piece of the model that one pipeline node runs (a stage, or one chunk of an
@@ -294,7 +285,9 @@ class _Dag:
 
 def _trace(model: nn.Module, names: list[str]) -> fx.Graph:
     try:
-        return _LayerTracer(set(names)).trace(model)
+        from plait.graph.layer_cut import LayerTracer
+
+        return LayerTracer(set(names)).trace(model)
     except Exception as exc:  # fx cannot trace data-dependent control flow
         raise RuntimeSetupError(
             f"model {type(model).__name__}: cannot be cut into pipeline stages, torch.fx tracing "
