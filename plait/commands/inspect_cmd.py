@@ -69,4 +69,6 @@ def run(args: argparse.Namespace) -> int:
         f"({len(summary['layer_edges'])} edges); figures for {args.batch} sample(s), "
         f"captured at {summary['capture_batch']} on the meta device"
     )
+    for note in summary["config"].get("capture_notes", []):
+        console.print(f"note: {note}", highlight=False)
     return 0

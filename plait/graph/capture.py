@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from plait.errors import PlaitError
+from plait.graph.layer_cut import is_marked, layer_cut, pure_chains
 from plait.ir.opgraph import Layer, Op, OpGraph
 
 __all__ = ["CaptureError", "capture", "layer_assignment"]
@@ -108,58 +109,15 @@ class _ModuleInfo:
     selective: bool  # marked plait_selective
 
 
-def _marked(m: nn.Module) -> bool:
-    return getattr(m, "plait_layer", None) is not None
-
-
 def layer_assignment(root: nn.Module, root_name: str = "model") -> dict[str, tuple[str, str]]:
-    """{module path: (layer name, tp_style)} for every module that heads a Layer.
-
-    A module marked `plait_layer` is a Layer; an unmarked module with no marked
-    descendant is a Layer of style "none" when it is a child of a container that
-    holds marked modules (or of the root); containers in between are not layers.
-    A root with no children is one Layer named `root_name`.
-    """
-    has_marked: dict[int, bool] = {}
-
-    def any_marked(m: nn.Module) -> bool:
-        key = id(m)
-        if key not in has_marked:
-            has_marked[key] = _marked(m) or any(any_marked(c) for c in m.children())
-        return has_marked[key]
-
-    heads: dict[str, tuple[str, str]] = {}
-    seen: set[int] = set()
-
-    def walk(m: nn.Module, path: str) -> None:
-        if id(m) in seen:  # a module reachable twice belongs to its first path
-            return
-        seen.add(id(m))
-        for name, child in m.named_children():
-            cpath = f"{path}.{name}" if path else name
-            if _marked(child):
-                heads[cpath] = (cpath, str(child.plait_layer))
-                _mark_seen(child)
-            elif any_marked(child):
-                walk(child, cpath)
-            elif id(child) not in seen:
-                heads[cpath] = (cpath, "none")
-                _mark_seen(child)
-
-    def _mark_seen(m: nn.Module) -> None:
-        for sub in m.modules():
-            seen.add(id(sub))
-
-    if _marked(root):
-        return {"": (root_name, str(root.plait_layer))}
-    if not any(True for _ in root.children()):
-        return {"": (root_name, "none")}
-    walk(root, "")
-    return heads
+    """{module path: (layer name, tp_style)} for every module that heads a Layer: the cut of
+    `plait.graph.layer_cut.layer_cut` (marked modules; a user model's modules refined until
+    a pipeline of its granularity can balance). A root with no children is one Layer named
+    `root_name`."""
+    return layer_cut(root, root_name).heads
 
 
-def _module_infos(root: nn.Module, root_name: str) -> dict[int, _ModuleInfo]:
-    heads = layer_assignment(root, root_name)
+def _module_infos(root: nn.Module, heads: dict[str, tuple[str, str]]) -> dict[int, _ModuleInfo]:
     infos: dict[int, _ModuleInfo] = {}
 
     def walk(m: nn.Module, path: str, layer: str | None, tp: bool) -> None:
@@ -185,7 +143,7 @@ class _Rec:
     __slots__ = (
         "target", "module", "layer", "frame_sel", "tp", "fwd_flops", "bwd_flops",
         "param_bytes", "param_count", "saved", "saved_tp", "saved_sel", "out_bytes",
-        "ins", "act",
+        "ins", "act", "weights",
     )  # fmt: skip
 
     def __init__(self, target: str, module: str, layer: str | None, frame_sel: int, tp: bool):
@@ -204,7 +162,8 @@ class _Rec:
         self.out_bytes = 0
         # (producer rec index, storage id, tensor bytes) of each activation input
         self.ins: list[tuple[int, int, int]] = []
-        self.act = False  # depends on the model's inputs (else a constant: masks, positions)
+        self.act = False  # depends on the model's inputs or parameters (else a constant: masks, positions)
+        self.weights = False  # reads a parameter
 
 
 @dataclass
@@ -358,7 +317,7 @@ class _Recorder(TorchDispatchMode):
         s = self.s
         storages = s.storages
         in_sids: dict[int, int] = {}  # sid -> tensor bytes (max over views)
-        act = False
+        act = weights = False
         new_params: list[int] = []
         for t in _tensors(args, kwargs):
             sid = _sid(t)
@@ -368,8 +327,9 @@ class _Recorder(TorchDispatchMode):
             if sid in s.params and sid not in s.used_params:
                 new_params.append(sid)
             st = storages.get(sid)
-            if st is not None and st[2]:
-                act = True
+            if (st is not None and st[2]) or sid in s.params:
+                act = True  # a trainable value: its gradient flows back through every reader
+            weights = weights or sid in s.params
         outs = [t for t in _tensors(out if isinstance(out, (tuple, list)) else (out,))]
         mutable = func._schema.is_mutable
         fresh = [t for t in outs if _sid(t) not in in_sids]
@@ -405,6 +365,7 @@ class _Recorder(TorchDispatchMode):
             if st is not None and st[2]:
                 rec.ins.append((st[1], sid, nb))
         rec.act = act
+        rec.weights = weights
         for t in fresh:
             sid = _sid(t)
             storages[sid] = [idx, idx, act]
@@ -535,18 +496,28 @@ def capture(
     batch = _infer_batch(inputs) if batch is None else int(batch)
     if batch < 1:
         raise CaptureError(f"capture: batch must be >= 1, got {batch}")
-    runs = _find_runs(module) if replicate else []
+    # The cut is made once, on the whole model (replication below truncates its containers).
+    cut = layer_cut(module, name)
+    heads = cut.heads
+    if cut.notes:
+        config = {**(config or {}), "capture_notes": list(cut.notes)}
+    runs = _find_runs(module, heads) if replicate else []
+    if runs and not is_marked(module):
+        # A user's loop over its blocks may do more than chain them (a skip connection after
+        # block 1, a second argument): replicate only runs torch.fx shows to be plain chains.
+        chained = pure_chains(module, heads, [r.paths for r in runs])
+        runs = [r for r, ok in zip(runs, chained) if ok]
     while runs:
         try:
             with _truncated(runs):
-                state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_kernels)
+                state, out_leaves = _trace(module, heads, inputs, name, loss_fn, cuda_kernels)
         except CaptureError:
             # A container whose layers run side by side (parallel branches, e.g. DLRM's
             # embedding bags) is no chain: dropping its copies changes shapes downstream.
             # Replication is only a shortcut, so trace the whole model instead.
             break
         try:
-            return _build_graph(state, name, batch, out_leaves, module, config, runs)
+            return _build_graph(state, name, batch, out_leaves, module, heads, config, runs)
         except _NotReplicable as exc:
             # Often the first layer of a run differs (its input needs no gradient, so its
             # backward is shorter): retry the run without it, or trace it in full.
@@ -554,19 +525,20 @@ def capture(
             runs = [r for r in runs if r is not bad]
             if len(bad.keys) > 3:
                 runs.append(_Run(bad.container, bad.keys[1:], bad.paths[1:]))
-    state, out_leaves = _trace(module, inputs, name, loss_fn, cuda_kernels)
-    return _build_graph(state, name, batch, out_leaves, module, config, [])
+    state, out_leaves = _trace(module, heads, inputs, name, loss_fn, cuda_kernels)
+    return _build_graph(state, name, batch, out_leaves, module, heads, config, [])
 
 
 def _trace(
     module: nn.Module,
+    heads: dict[str, tuple[str, str]],
     inputs: tuple[Any, ...],
     name: str,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     cuda_kernels: bool,
 ) -> tuple[_State, list[torch.Tensor]]:
     """One forward, loss and backward on meta under the recorder; returns the raw records."""
-    state = _State(infos=_module_infos(module, name))
+    state = _State(infos=_module_infos(module, heads))
     named_params = list(module.named_parameters(remove_duplicate=False))
     named_buffers = list(module.named_buffers(remove_duplicate=False))
     on_meta = all(t.device.type == "meta" for _, t in named_params + named_buffers)
@@ -744,9 +716,9 @@ def _signature(m: nn.Module) -> tuple[Any, ...]:
     return tuple(sig)
 
 
-def _find_runs(root: nn.Module) -> list[_Run]:
+def _find_runs(root: nn.Module, heads: dict[str, tuple[str, str]] | None = None) -> list[_Run]:
     """Runs of >= 3 consecutive, structurally identical layers in a ModuleList/Sequential."""
-    heads = layer_assignment(root)
+    heads = layer_assignment(root) if heads is None else heads
     uses: dict[int, int] = {}
     for _, p in root.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
@@ -923,24 +895,40 @@ def _attribute_saved(state: _State) -> None:
             recs[first].saved_sel -= nbytes
 
 
-def _assign_glue(state: _State, layer_order: dict[str, int]) -> None:
+def _assign_glue(state: _State, layer_order: dict[str, int]) -> set[int]:
     """Give ops that ran outside every layer (top-level glue, the loss) a layer.
 
-    An op goes to the layer of its first consumer (e.g. a concat feeding the head);
-    an op nobody consumes (the loss) goes to the layer of its latest producer.
+    An op goes to the layer of its first consumer (e.g. a concat feeding the head), except
+    that an op computed from one layer's outputs alone and read by several layers (a shared
+    activation feeding parallel branches) stays with that producer, so the layer edges say
+    that the branches depend on the producer and not on each other; an op nobody consumes
+    (the loss) goes to the layer of its latest producer.
+
+    Returns the glue computed from the model's inputs alone, reading no parameter (a reshape
+    or scaling of an input): like the inputs themselves it ties no layer to another (each
+    reader can compute it; the runtime does so where the readers run in parallel stages).
     """
     recs = state.recs
     consumers: dict[int, list[int]] = {}
+    sources: list[frozenset[str]] = []  # the layers each op's activations come from
+    data: set[int] = set()
     for i, r in enumerate(recs):
+        src: set[str] = set()
         for p, _, _ in r.ins:
             if p >= 0:
                 consumers.setdefault(p, []).append(i)
+                src |= {recs[p].layer} if recs[p].layer is not None else sources[p]
+        sources.append(frozenset(src))
+        if r.layer is None and not r.weights and all(p < 0 or p in data for p, _, _ in r.ins):
+            data.add(i)
     for i in range(len(recs) - 1, -1, -1):
         if recs[i].layer is None:
-            for c in consumers.get(i, ()):
-                if recs[c].layer is not None:
-                    recs[i].layer = recs[c].layer
-                    break
+            readers = list(dict.fromkeys(recs[c].layer for c in consumers.get(i, ())
+                                         if recs[c].layer is not None))
+            if len(readers) > 1 and len(sources[i]) == 1:
+                recs[i].layer = next(iter(sources[i]))
+            elif readers:
+                recs[i].layer = readers[0]
     for i, r in enumerate(recs):
         if r.layer is None:
             prods = [recs[p].layer for p, _, _ in r.ins if p >= 0 and recs[p].layer is not None]
@@ -953,6 +941,7 @@ def _assign_glue(state: _State, layer_order: dict[str, int]) -> None:
         for r in recs:
             if r.layer is None:
                 r.layer = first
+    return data
 
 
 def _build_graph(
@@ -961,6 +950,7 @@ def _build_graph(
     batch: int,
     out_leaves: list[torch.Tensor],
     module: nn.Module,
+    heads: dict[str, tuple[str, str]],
     config: dict[str, Any] | None,
     runs: list[_Run],
 ) -> OpGraph:
@@ -975,7 +965,6 @@ def _build_graph(
     out_recs = [o[0] for o in outs]
     replicated = _expand_runs(state, runs, out_recs) if runs else {}
 
-    heads = layer_assignment(module, name)
     style = dict(heads.values())
     kinds: dict[str, str] = {}
     for path, (lname, _) in heads.items():
@@ -985,7 +974,7 @@ def _build_graph(
     for i, r in enumerate(recs):
         if r.layer is not None and r.layer not in first_seen:
             first_seen[r.layer] = i
-    _assign_glue(state, first_seen)
+    data_glue = _assign_glue(state, first_seen)
     for i, r in enumerate(recs):
         if r.layer not in first_seen:
             first_seen[r.layer] = i
@@ -1042,7 +1031,7 @@ def _build_graph(
                 producers.append(names[p])
             if src != lname:
                 in_flow[(lname, sid)] = max(in_flow.get((lname, sid), 0), nb)
-                if src is not None:
+                if src is not None and p not in data_glue:
                     out_flow[(src, sid)] = max(out_flow.get((src, sid), 0), nb)
                     edges.add((src, lname))
         ops[names[i]] = Op(

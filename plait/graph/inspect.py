@@ -200,11 +200,24 @@ def render_table(summary: dict[str, Any], dtype: str | None = None) -> Any:
         ("saved act.", "right", _bytes(tot["saved_bytes"])),
         ("output", "right", ""),
     ]
+    # A layer graph that branches shows where each layer's inputs come from.
+    preds: dict[str, list[str]] | None = None
+    if not summary["is_chain"]:
+        preds = {row["name"]: [] for row in summary["layers"]}
+        for a, b in summary["layer_edges"]:
+            preds[b].append(a)
+        columns.insert(1, ("inputs from", "left", ""))
+    longest = max((len(row["name"]) for row in summary["layers"]), default=5)
     for header, justify, footer in columns:
-        table.add_column(header, justify=justify, footer=footer, no_wrap=True)  # type: ignore[arg-type]
+        if header == "inputs from":  # may wrap: the other columns keep their figures whole
+            table.add_column(header, justify="left", ratio=1, overflow="fold")
+        else:
+            table.add_column(header, justify=justify, footer=footer, no_wrap=True,  # type: ignore[arg-type]
+                             min_width=longest if header == "layer" else None)
     for row in summary["layers"]:
         table.add_row(
             row["name"],
+            *([", ".join(preds[row["name"]]) or "(model inputs)"] if preds is not None else []),
             row["kind"],
             row["tp_style"],
             _count(row["params"]),

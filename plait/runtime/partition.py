@@ -2,10 +2,10 @@
 
 * `load_model_spec(spec)` returns an object with `build`, `sample_batch` and `loss`
   (the zoo's `ModelSpec` contract).
-* `layer_modules(model)` lists the model's layers the way the capture does: a module
-  marked `plait_layer` is one layer; an unmarked module without marked descendants is
-  one layer when its parent holds marked modules (or is the root); containers of marked
-  modules (e.g. a `ModuleList` of transformer blocks) are not layers.
+* `layer_modules(model)` lists the model's layers the way the capture does
+  (`plait.graph.layer_cut`): modules marked `plait_layer` in the zoo; in a user's model, its
+  modules refined through `ModuleList`/`Sequential` containers down to blocks, so a layer
+  may be a nested path such as `towers.0.blocks.1` (torch.fx keeps it a leaf like any other).
 * `make_samples(...)` builds samples from a seed per *global sample index*, so any split of
   the global batch over replicas and micro-batches (`replica_micro_batches`) sees the same
   samples as the single-process reference.
@@ -129,15 +129,6 @@ def replica_micro_batches(plan: Any, step: int, dp_index: int, micro_batch: int 
 
 
 # ---------------------------------------------------------------------------------- stages
-class _LayerTracer(fx.Tracer):
-    def __init__(self, leaves: set[str]) -> None:
-        super().__init__()
-        self.leaves = leaves
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
-
-
 @dataclass
 class Stage:
     """One piece of the model that one pipeline node runs (a stage, or one chunk of an
@@ -294,7 +285,9 @@ class _Dag:
 
 def _trace(model: nn.Module, names: list[str]) -> fx.Graph:
     try:
-        return _LayerTracer(set(names)).trace(model)
+        from plait.graph.layer_cut import LayerTracer
+
+        return LayerTracer(set(names)).trace(model)
     except Exception as exc:  # fx cannot trace data-dependent control flow
         raise RuntimeSetupError(
             f"model {type(model).__name__}: cannot be cut into pipeline stages, torch.fx tracing "
@@ -309,11 +302,11 @@ def _layer_order(graph: fx.Graph, names: list[str]) -> list[str]:
     return order
 
 
-REPLICATED = -1  # a model input that several stages read from the data themselves
+REPLICATED = -1  # a model input (or glue on inputs alone) that several stages read or compute themselves
 
 
 def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], dag: _Dag,
-            sink: int) -> dict[fx.Node, int]:
+            sink: int) -> tuple[dict[fx.Node, int], dict[fx.Node, set[int]]]:
     """The DAG node of every fx node: layers as given; glue at the earliest node that has all
     its inputs (the one input node every other input node reaches), else -- where branches
     merge, or for parameters and constants -- the latest node between its inputs and users;
@@ -322,6 +315,12 @@ def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], 
     where: dict[fx.Node, int | None] = {}
     merged: set[fx.Node] = set()  # glue placed after its users are known (branches merge in it or before)
     from_data: set[fx.Node] = set()  # model inputs and glue computed from them alone (indexing, reshapes)
+    # Glue on model inputs alone, reading no parameter (a reshape, a scaling): where no stage
+    # reaches all its users (parallel branches), each stage that needs it computes it itself.
+    pure: set[fx.Node] = {n for n in nodes if n.op == "placeholder"}
+    for n in nodes:
+        if n.op in ("call_function", "call_method") and n.all_input_nodes and pure.issuperset(n.all_input_nodes):
+            pure.add(n)
     for n in nodes:
         if n.op == "call_module" and n.target in layer_node:
             where[n] = layer_node[n.target]
@@ -341,17 +340,24 @@ def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], 
                 where[n] = None
                 if fixed:
                     merged.add(n)
+    need: dict[fx.Node, set[int]] = {}  # the stages that compute (or read) a replicated value
+
+    def stages_of(u: fx.Node) -> set[int]:
+        return need[u] if where[u] == REPLICATED else {where[u]} if where[u] is not None else set()
+
     for n in reversed(nodes):
         if where[n] is None:
             fixed = {where[a] for a in n.all_input_nodes if where[a] is not None}
-            users = {where[u] for u in n.users if where[u] is not None}
+            users = set().union(*(stages_of(u) for u in n.users))
             # Model inputs enter at the first stage that reaches all their users (stage 0 of a
             # chain, relayed from there); glue runs as late as it can.
             placed = dag.place(fixed, users, earliest=n in from_data)  # type: ignore[arg-type]
-            if placed is None and n.op == "placeholder":
+            if placed is None and n in pure:
                 # No stage reaches every user (parallel sources, e.g. one branch per input): every
-                # stage that uses it reads the model input itself (samples are seeded per index).
+                # stage that uses it reads the model input itself (samples are seeded per index),
+                # and computes the glue on it.
                 where[n] = REPLICATED
+                need[n] = users
                 continue
             if placed is None:
                 raise RuntimeSetupError(
@@ -366,7 +372,7 @@ def _assign(model: nn.Module, nodes: list[fx.Node], layer_node: dict[str, int], 
                 raise RuntimeSetupError(
                     f"model {type(model).__name__}: layer order is not a chain of the stage graph "
                     f"({a.name} in stage {where[a]} feeds {n.name} in stage {where[n]}, which it does not reach)")
-    return where  # type: ignore[return-value]
+    return where, need  # type: ignore[return-value]
 
 
 def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict[str, int], count: int,
@@ -377,7 +383,7 @@ def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict
         raise RuntimeSetupError(f"plan field 'stage_edges': the stage graph needs exactly one sink (the stage "
                                 f"that computes the loss), it has {len(sinks)}: {sinks}")
     nodes = list(graph.nodes)
-    where = _assign(model, nodes, layer_node, dag, sinks[0])
+    where, need = _assign(model, nodes, layer_node, dag, sinks[0])
     # Each value travels from its producer along the BFS tree to every node that uses it.
     carried: dict[tuple[int, int], list[fx.Node]] = {e: [] for e in edges}
     for n in nodes:
@@ -403,7 +409,7 @@ def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         data = [i for i, n in enumerate(placeholders)
-                if where[n] == k or (where[n] == REPLICATED and any(where[u] == k for u in n.users))]
+                if where[n] == k or (where[n] == REPLICATED and k in need[n])]
         for i in data:
             env[placeholders[i]] = g.node_copy(placeholders[i])
         recv = {a: sorted(carried[(a, b)], key=position.__getitem__) for a, b in edges if b == k}
@@ -414,7 +420,8 @@ def _split(model: nn.Module, graph: fx.Graph, order: list[str], layer_node: dict
                     env[n] = g.placeholder(n.name)
                     received.append(n)
         for n in nodes:
-            if where[n] == k and n.op not in ("placeholder", "output") and n not in env:
+            here = where[n] == k or (where[n] == REPLICATED and k in need[n])
+            if here and n.op not in ("placeholder", "output") and n not in env:
                 env[n] = g.node_copy(n, env.__getitem__)
         send = {b: sorted(carried[(a, b)], key=position.__getitem__) for a, b in edges if a == k}
         outs = sorted({n for vals in send.values() for n in vals}, key=position.__getitem__)
