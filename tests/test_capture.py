@@ -574,3 +574,38 @@ def test_parallel_branches_of_identical_layers_are_traced_in_full() -> None:
     graph = inspect_model("dlrm:rows=1000,hidden=64,sparse_branches=4,dense_branches=3", batch=2)
     assert graph.param_count == spec.param_count_formula()
     assert sum(1 for layer in graph.layers if layer.name.startswith("sparse.")) == 4
+
+
+def test_tied_parameters_are_found_between_any_two_layers():
+    """A parameter tensor held by two layers' modules (here a shared projection, not a GPT
+    embedding) is a TiedParams of the graph: owner = the layer that uses it first."""
+    import torch
+    from torch import nn
+
+    from plait.graph.capture import capture
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.mid = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+            self.b.weight = self.a.weight  # tied, like an embedding and its LM head
+
+        def forward(self, x):
+            return self.b(torch.relu(self.mid(self.a(x))))
+
+    g = capture(Shared(), torch.randn(4, 8), name="shared")
+    assert [(t.owner, t.user, t.params, t.tp_sharded) for t in g.tied] == [("a", "b", 64, False)]
+    from plait.ir.opgraph import OpGraph
+
+    assert OpGraph.from_dict(g.to_dict()).tied == g.tied
+    # a pipeline that separates the two users all-reduces the copies' gradients (fp32: 4 B each)
+    from plait.cost.traffic import iteration_traffic
+    from plait.ir.plan import Plan
+
+    msgs = iteration_traffic(g, Plan(pp=2, layer_split=[1, 2], micro_batch=4, global_batch=4)).messages
+    tied = [m for m in msgs if m.cls == "tied"]
+    assert len(tied) == 1 and tied[0].nbytes == 64 * 4
+    one_stage = iteration_traffic(g, Plan(micro_batch=4, global_batch=4)).messages
+    assert not [m for m in one_stage if m.cls == "tied"]

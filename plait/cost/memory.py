@@ -16,7 +16,7 @@ What lives on a device at its peak (all bytes):
   weights of matmuls in transformer and head layers, and the word-embedding table
   (vocab-parallel), are split by the rank's tensor share; layer norms, biases of
   non-matmul ops and position embeddings are replicated (Shoeybi et al. 2019, §3).
-  A tied word embedding (GPT, ``config["tie"]``) gets a second copy on the stage
+  Parameters two layers share (`OpGraph.tied`: a tied word embedding) get a second copy on the stage
   holding the head when that is not the embedding's stage, as Megatron does.
 * **Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in
   Large Transformer Models", §4). Per layer and sample the capture records the
@@ -327,7 +327,7 @@ class _LayerArrays:
     edges: np.ndarray  # (E, 2) int layer-index pairs
     cut: np.ndarray  # bytes per sample crossing a chain cut before layer k (stage graph's rule), k = 0..n
     loss_saved: np.ndarray  # bytes the captured loss itself saved (already inside `saved`)
-    tied: tuple[int, int, float] | None  # (embedding layer, head layer, tied parameters)
+    tied: list[tuple[int, int, float, bool]]  # (owner layer, user layer, parameters, tp-sharded)
     act_dtype_bytes: int
     n_layers: int
     terms: dict = field(default_factory=dict)  # _stage_terms cache
@@ -421,13 +421,10 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
             op = graph.ops.get(o)
             if op is not None and not op.module and any(k in op.target for k in _LOSS_OPS):
                 loss_saved[i] += op.saved_bytes
-    # Tied word embeddings (GPT): Megatron keeps a second copy of the table on the last
-    # pipeline stage when the head is not on the embedding's stage (Shoeybi et al. 2019, §3).
-    tied = None
-    cfg = graph.config
-    if cfg.get("tie") and cfg.get("vocab") and cfg.get("hidden") and "embedding" in styles and "head" in styles:
-        tied = (styles.index("embedding"), len(styles) - 1 - styles[::-1].index("head"),
-                float(cfg["vocab"]) * float(cfg["hidden"]))
+    # Parameters two layers share (a tied word embedding and LM head): a stage holding the user
+    # but not the owner keeps a second copy (Megatron's embedding group, Shoeybi et al. 2019, §3).
+    tied = [(index[t.owner], index[t.user], float(t.params), t.tp_sharded) for t in graph.tied
+            if t.owner in index and t.user in index]
     return _LayerArrays(
         index=index,
         count_rep=count * (1.0 - frac),
@@ -571,9 +568,7 @@ def estimate_memory(
         persistent = persistent_grads
         if persistent is None:
             persistent = plan.dtype in ("bf16", "fp16") or m > 1 or st.dp > 1 or plan.zero > 0
-        tied_extra = np.zeros(len(ids))
-        if la.tied is not None and la.tied[1] in ids and la.tied[0] not in ids:
-            tied_extra[int(np.flatnonzero(ids == la.tied[1])[0])] = la.tied[2]
+        tied_extra = _tied_copies(la, ids, ratios)
         # Devices of a stage differ only by tensor share and replica micro-batch: one row per
         # distinct pair (a single row for even plans), scattered to the devices with numpy.
         devs = st.devices
@@ -639,6 +634,18 @@ def stage_peak_bytes(graph: OpGraph, layers: list[str], plan: Plan, *, micro_bat
                       tied_extra=np.zeros(len(ids)))
     overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
     return int(np.ceil(row[:-1].sum() + overhead))
+
+
+def _tied_copies(la: _LayerArrays, ids: np.ndarray, ratios: list[float]) -> np.ndarray:
+    """Per layer of a stage, the tensor-sharded parameter count of shared parameters the stage
+    keeps a copy of (it holds the user, not the owner). `_stage_terms` multiplies this by the
+    rank's tensor share, so an unsharded copy enters divided by the smallest share: every tensor
+    rank then holds it whole (within the rounding of uneven shares)."""
+    extra = np.zeros(len(ids))
+    for owner, user, params, sharded in la.tied:
+        if user in ids and owner not in ids:
+            extra[int(np.flatnonzero(ids == user)[0])] += params if sharded else params / min(ratios)
+    return extra
 
 
 @dataclass

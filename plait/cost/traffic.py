@@ -55,7 +55,7 @@ from plait.ir.stage_graph import Edge, Stage, StageGraph, largest_micro_batch, s
 
 if TYPE_CHECKING:
     from plait.cluster.spec import GPUKind
-    from plait.ir.opgraph import Layer, OpGraph
+    from plait.ir.opgraph import Layer, OpGraph, TiedParams
     from plait.ir.plan import Plan
 
 CLASSES = ("dp", "tp", "pp", "zero", "tied")
@@ -120,17 +120,11 @@ def grad_scatter_bytes(params: float, plan: Plan) -> int:
     return whole_bytes(params * grad_elem_bytes(plan))
 
 
-def tied_embedding(graph: OpGraph) -> tuple[int, int] | None:
-    """(vocab, hidden) of a tied input embedding / LM head, or None."""
-    cfg = graph.config or {}
-    vocab, hidden = cfg.get("vocab"), cfg.get("hidden")
-    if not vocab or not hidden or not bool(cfg.get("tie", True)):
-        return None
-    return int(vocab), int(hidden)
-
-
-def tied_grad_bytes(vocab: int, hidden: int, tp: int, plan: Plan) -> int:
-    return whole_bytes(vocab * hidden / max(1, tp) * grad_elem_bytes(plan))
+def tied_grad_bytes(tied: TiedParams, tp: int, plan: Plan) -> int:
+    """Bytes of one tensor rank's gradient of parameters two stages share (`OpGraph.tied`),
+    summed between the stages' copies every step: the gradient dtype; vocabulary-parallel
+    tensors are split over the tensor ranks."""
+    return whole_bytes(tied.params / (max(1, tp) if tied.tp_sharded else 1) * grad_elem_bytes(plan))
 
 
 def layer_grad_params(layer: Layer, cost: LayerCost, stage_has_embedding: bool) -> float:
@@ -382,21 +376,20 @@ def _pp_add(acc: _Acc, e: Edge, src: Stage, dst: Stage, p: int, q: int, pairs: l
 
 
 def _tied_messages(acc: _Acc, sg: StageGraph, graph: OpGraph, by_name: dict, plan: Plan) -> None:
-    tied = tied_embedding(graph)
-    if tied is None:
-        return
+    """The all-reduce of shared parameters' gradients between a stage holding their owner layer
+    and one holding a later user of them (Megatron's embedding group), per replica."""
+    def holds(st: Stage, layer: str) -> bool:
+        return any(layer in sg.chunks[c].layers for c in st.chunks)
 
-    def holds(st: Stage, style: str) -> bool:
-        return any(by_name[n].tp_style == style for c in st.chunks for n in sg.chunks[c].layers)
-
-    for se in (s for s in sg.stages if holds(s, "embedding")):
-        for sh in (s for s in sg.stages if holds(s, "head")):
-            if se.index == sh.index:
-                continue
-            for re_, rh in zip(se.replicas, sh.replicas):
-                pairs = [(a, b) for a, b in zip(re_.devices, rh.devices)]
-                acc.add("allreduce tied embedding", "tied", "all_reduce",
-                        tied_grad_bytes(tied[0], tied[1], se.tp, plan), pairs, 1, se.index, re_.index)
+    for t in graph.tied:
+        for so in (s for s in sg.stages if holds(s, t.owner)):
+            for su in (s for s in sg.stages if holds(s, t.user)):
+                if so.index == su.index:
+                    continue
+                for ro, ru in zip(so.replicas, su.replicas):
+                    pairs = [(a, b) for a, b in zip(ro.devices, ru.devices)]
+                    acc.add("allreduce tied embedding", "tied", "all_reduce", tied_grad_bytes(t, so.tp, plan),
+                            pairs, 1, so.index, ro.index)
 
 
 # ---------------------------------------------------------------- time on a cluster

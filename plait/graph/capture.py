@@ -48,7 +48,7 @@ from torch.utils.flop_counter import flop_registry
 
 from plait.errors import PlaitError
 from plait.graph.layer_cut import is_marked, layer_cut, pure_chains
-from plait.ir.opgraph import Layer, Op, OpGraph
+from plait.ir.opgraph import Layer, Op, OpGraph, TiedParams
 
 __all__ = ["CaptureError", "capture", "layer_assignment"]
 
@@ -1085,4 +1085,34 @@ def _build_graph(
         activation_dtype_bytes=act_dtype,
         capture_batch=batch,
         config=cfg,
+        tied=tied_parameters_between_layers(module, heads, order),
     )
+
+
+def tied_parameters_between_layers(module: nn.Module, heads: dict[str, tuple[str, str]],
+                                   order: list[str]) -> list[TiedParams]:
+    """Each parameter tensor that sits in the modules of two or more layers (one tensor under
+    several names: a tied embedding and LM head, a shared projection): the layer that uses it
+    first owns it, each later one is a `TiedParams` user. Vocabulary-parallel pairs (an
+    "embedding" layer's tensor reused by a "head" layer) are split by tensor parallelism."""
+    position = {n: i for i, n in enumerate(order)}
+    style = {layer: tp for layer, tp in heads.values()}
+    paths = sorted(heads, key=len, reverse=True)  # the innermost layer head wins
+
+    def layer_of(param_name: str) -> str | None:
+        mod = param_name.rpartition(".")[0]
+        for path in paths:
+            if not path or mod == path or mod.startswith(path + "."):
+                return heads[path][0]
+        return None
+
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for pname, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), (p, []))[1].append(pname)
+    out: list[TiedParams] = []
+    for p, names in groups.values():
+        layers = sorted({x for x in map(layer_of, names) if x in position}, key=position.__getitem__)
+        for user in layers[1:]:
+            sharded = style.get(layers[0]) == "embedding" and style.get(user) == "head"
+            out.append(TiedParams(layers[0], user, int(p.numel()), tp_sharded=sharded))
+    return out

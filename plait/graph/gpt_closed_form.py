@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.ir.opgraph import Layer, Op, OpGraph
+from plait.ir.opgraph import Layer, Op, OpGraph, TiedParams
 
 _DTYPE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
@@ -150,4 +150,5 @@ def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
                         input_bytes=sh, output_bytes=s * V * ab, tp_style="head"))
     edges = [(a_.name, b_.name) for a_, b_ in zip(layers, layers[1:])]
     return OpGraph(model="gpt", ops=ops, layers=layers, layer_edges=edges, param_dtype_bytes=pb,
-                   activation_dtype_bytes=ab, capture_batch=1, config=cfg)
+                   activation_dtype_bytes=ab, capture_batch=1, config=cfg,
+                   tied=[TiedParams(layers[0].name, "head", V * h, tp_sharded=True)] if tied else [])

@@ -65,6 +65,23 @@ class Layer:
     tp_style: str = "none"
 
 
+@dataclass(frozen=True)
+class TiedParams:
+    """Parameters one layer shares with an earlier one (a tied word embedding and LM head, say).
+
+    They are counted once, in `owner` (the layer that uses them first). A pipeline stage that
+    holds `user` but not `owner` keeps its own copy, and the copies' gradients are summed every
+    step (Megatron's embedding group, Shoeybi et al. 2019 §3; plait's runtime does the same for
+    any parameter two stages share)."""
+
+    owner: str
+    user: str
+    params: int
+    # split over tensor-parallel ranks with the layers (a vocabulary-parallel embedding): each
+    # rank's copy, and its gradient all-reduce, holds params / tp
+    tp_sharded: bool = False
+
+
 @dataclass
 class OpGraph:
     """The captured model. `layers` are in topological (execution) order."""
@@ -78,6 +95,8 @@ class OpGraph:
     capture_batch: int = 1
     # Architecture facts a consumer may use (hidden, heads, seq, vocab, ffn, layers, ...).
     config: dict[str, Any] = field(default_factory=dict)
+    # parameters shared between layers (found by the capture: one tensor in two layers' modules)
+    tied: list[TiedParams] = field(default_factory=list)
 
     # ---------------------------------------------------------------- totals
     @property
@@ -141,7 +160,8 @@ class OpGraph:
         ops = {k: Op(**v) for k, v in d.pop("ops").items()}
         layers = [Layer(**v) for v in d.pop("layers")]
         edges = [tuple(e) for e in d.pop("layer_edges")]
-        return cls(ops=ops, layers=layers, layer_edges=edges, **d)
+        tied = [TiedParams(**t) for t in d.pop("tied", [])]
+        return cls(ops=ops, layers=layers, layer_edges=edges, tied=tied, **d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -896,19 +896,17 @@ class _Lowerer:
         return buckets or [(total, "")]
 
     def _tied_pairs(self, workers: list[Worker]) -> list[tuple[Worker, Worker, int]]:
-        tied = traffic.tied_embedding(self.graph)
-        if tied is None:
-            return []
-        vocab, hidden = tied
-        emb = [w for w in workers if any(layer.tp_style == "embedding" for c in w.chunks
-                                         for layer in self.chunks[c].layers)]
-        head = [w for w in workers if any(layer.tp_style == "head" for c in w.chunks
-                                          for layer in self.chunks[c].layers)]
+        """(owner's worker, user's worker, bytes) for parameters two stages of one replica share
+        (`OpGraph.tied`): their gradients are all-reduced between the copies every step."""
+        def holding(layer: str) -> list[Worker]:
+            return [w for w in workers if any(x.name == layer for c in w.chunks for x in self.chunks[c].layers)]
+
         out = []
-        for we in emb:
-            for wh in head:
-                if we.wid != wh.wid and we.replica == wh.replica:
-                    out.append((we, wh, traffic.tied_grad_bytes(vocab, hidden, len(we.devices), self.plan)))
+        for t in self.graph.tied:
+            for wo in holding(t.owner):
+                for wu in holding(t.user):
+                    if wo.wid != wu.wid and wo.replica == wu.replica:
+                        out.append((wo, wu, traffic.tied_grad_bytes(t, len(wo.devices), self.plan)))
         return out
 
     def _emit_step(self, workers: list[Worker], ends: dict[int, int]) -> None:
