@@ -6,6 +6,7 @@
     plait plan ... --export megatron             # equivalent Megatron-LM launch arguments
     plait plan ... --out plan.json --export slurm  # an sbatch script running the plan with plait run
     plait plan --run                             # train the chosen plan a few steps, predicted vs measured
+    plait plan --family spmd --global-batch 64 --run  # a HAP-style SPMD program (plait.commands.spmd_plan)
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def add_parser(subparsers: Any) -> None:
         "ZeRO and schedule; prune what does not fit in memory; rank by the simulator; place ranks "
         "on uneven links; split layers and batches unevenly over mixed GPU kinds.",
     )
+    p.add_argument("--family", choices=("3d", "spmd"), default="3d",
+                   help="3d: data x tensor x pipeline plans (default); spmd: an op-level SPMD program with uneven "
+                        "per-device ratios (HAP, plait.spmd)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"zoo spec or file.py:factory (default: {DEFAULT_MODEL})")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster YAML or preset (default: {DEFAULT_CLUSTER})")
     p.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
@@ -63,6 +67,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the placement annealing (default 0)")
     p.add_argument("--no-placement", action="store_true", help="keep Megatron's rank order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
+                   help="--family spmd: the dtype the program is synthesized (and slower kinds emulated) at; "
+                        "CPU ranks compute fp32 (default fp32)")
+    p.add_argument("--max-states", type=int, default=20_000,
+                   help="--family spmd: states of the exact program search before its beam search (default 20000)")
     p.set_defaults(func=run)
 
 
@@ -71,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     from plait.plan.export import export
     from plait.search import plan
 
+    if args.family == "spmd":
+        from plait.commands.spmd_plan import run as run_spmd
+
+        return run_spmd(args)
     if args.top < 1:
         raise PlaitError(f"--top: must be >= 1, got {args.top}")
     if args.steps < 1:
