@@ -56,7 +56,7 @@ def machine_devices_of(choice, one, slow, calibration):
 
 
 def test_uneven_ratios_are_predicted_faster_on_uneven_ranks_when_the_work_is_split(choice) -> None:
-    from plait.commands.spmd_plan import machine_prediction
+    from plait.commands.spmd_plan import OneRank, machine_prediction
 
     devices = machine_devices_of(choice, 0.5, [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
     syn = choice.synthesis
@@ -65,6 +65,10 @@ def test_uneven_ratios_are_predicted_faster_on_uneven_ranks_when_the_work_is_spl
     even = machine_prediction(choice, devices, np.full((segs, 2), 0.5))
     uneven = machine_prediction(choice, devices, np.tile([2 / 3, 1 / 3], (segs, 1)))
     assert (uneven < even) if split else (uneven == pytest.approx(even))
+    # what the runtime adds: the loss on the slowest rank, each rank's optimizer step on its elements
+    one = OneRank(program=0.5, loss=0.01, optimizer=0.02)
+    full = machine_prediction(choice, devices, np.full((segs, 2), 0.5), one, [1.0, 2.0])
+    assert full >= even + 0.01 * 2.0 + 0.02 * 2.0 * 0.5 - 1e-12
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -94,3 +98,19 @@ def test_run_trains_both_programs_and_compares(capsys) -> None:
     assert res["uneven"]["losses"] and res["even"]["losses"]
     np.testing.assert_allclose(res["uneven"]["losses"][0], res["even"]["losses"][0], rtol=1e-5)
     assert res["uneven"]["predicted_machine_s"] > 0 and res["measured_speedup_over_even"] > 0
+
+
+@pytest.mark.slow
+def test_bench_spmd_run_core_on_a_tiny_case() -> None:
+    """bench/spmd_run.py's `measure` on its --quick case (two launches: about a minute)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "spmd_run.py"
+    spec = importlib.util.spec_from_file_location("spmd_run_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, batch = bench.QUICK[0]
+    row = bench.measure(model, batch, bench.CLUSTER, 2)
+    assert row["ranks"] == 2 and row["uneven"]["measured_iteration_s"] > 0 and row["even"]["losses"]
+    assert row["uneven"]["predicted_machine_s"] > 0

@@ -16,6 +16,7 @@ prediction: the optimizer step and the loss on the gathered outputs (a few perce
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -94,12 +95,22 @@ def summary(choice: SpmdChoice) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- this machine
-def program_seconds(choice: SpmdChoice, repeats: int = 3) -> float:
-    """Median seconds of forward + backward of the whole program on one rank of this machine (one
-    thread, every op whole): what the cost model's work is calibrated to."""
+@dataclass
+class OneRank:
+    """Seconds of the whole program's parts on one rank of this machine (one thread, every op whole)."""
+
+    program: float  # forward + backward of the aten ops
+    loss: float  # the loss on the whole outputs, forward + backward
+    optimizer: float  # one optimizer step over every parameter
+
+
+def program_seconds(choice: SpmdChoice, repeats: int = 3, optimizer: str = "adam") -> OneRank:
+    """Median seconds of the program's parts on one rank of this machine: what the cost model's work
+    is calibrated to (the interpreter's own overhead included)."""
     import torch
 
     from plait.graph.zoo import load_model
+    from plait.runtime.data_parallel import make_optimizer
     from plait.runtime.partition import make_samples
     from plait.runtime.spmd_program import RankProgram, compile_program
     from plait.spmd.rules import strategies
@@ -109,20 +120,30 @@ def program_seconds(choice: SpmdChoice, repeats: int = 3) -> float:
     graph = choice.graph
     whole = {op.name: strategies(op, graph, 1)[0] for op in graph.ops}
     runner = RankProgram(compile_program(graph, whole, [1.0], 1), 0)
-    runner.load(module)
+    leaves = runner.load(module)
+    opt = make_optimizer(leaves, {"name": optimizer, "lr": 1e-6})
     inputs, target = make_samples(spec, 0, choice.plan.global_batch, 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    rows = []
     try:
-        times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             outs = runner.forward(inputs)
-            spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target).backward()
-            times.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            held = [o.detach().requires_grad_() for o in outs]
+            spec.loss(held[0] if len(held) == 1 else tuple(held), target).backward()
+            t2 = time.perf_counter()
+            torch.autograd.backward(outs, [h.grad for h in held])
+            t3 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t4 = time.perf_counter()
+            rows.append(((t1 - t0) + (t3 - t2), t2 - t1, t4 - t3))
     finally:
         torch.set_num_threads(threads)
-    return statistics.median(times[1:])
+    cols = list(zip(*rows[1:]))
+    return OneRank(*(statistics.median(c) for c in cols))
 
 
 def machine_devices(choice: SpmdChoice, one_rank_s: float, slowdowns: list[float],
@@ -151,46 +172,85 @@ def machine_devices(choice: SpmdChoice, one_rank_s: float, slowdowns: list[float
                    links)
 
 
-def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any) -> float:
+def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank | None = None,
+                       slowdowns: list[float] | None = None) -> float:
+    """The program's iteration on this machine's `devices`: `plait.spmd`'s cost (ops and their
+    collectives at the ratios) plus what the runtime adds around it -- the outputs' gather to
+    every rank, the loss computed on every rank (the slowest finishes last) and each rank's
+    optimizer step over its own parameter elements (`one`, `slowdowns`)."""
+    from plait.runtime.spmd_program import compile_program
+    from plait.spmd.cost import comm_time
+    from plait.spmd.placement import Comm, shard_dim
     from plait.spmd.ratios import Segments, segmented_cost
     from plait.spmd.search import Problem
 
     problem = Problem.build(choice.graph, devices)
     syn = choice.synthesis
     segs = syn.segments or Segments.single(problem, syn.program)
-    return segmented_cost(problem, syn.program, segs, np.atleast_2d(np.asarray(ratios, dtype=float)))
+    r = np.atleast_2d(np.asarray(ratios, dtype=float))
+    total = segmented_cost(problem, syn.program, segs, r)
+    if one is None:
+        return total
+    graph = choice.graph
+    made = {t: p for op in graph.ops for t, p in zip(op.outputs, syn.program.strategies[op.name].outputs)}
+    for t in graph.outputs:
+        d = shard_dim(made.get(t, "R"))
+        if d is not None:
+            g = segs.of_dim.get((t, d), 0) if r.shape[0] > 1 else 0
+            total += comm_time(Comm("all_gather", t, graph.tensors[t].nbytes, dim=d), devices, r[g])
+    slow = np.asarray(slowdowns if slowdowns is not None else np.ones(devices.n), dtype=float)
+    total += one.loss * float(slow.max())
+    compiled = compile_program(graph, syn.program.strategies, r if r.shape[0] > 1 else r[0], devices.n)
+    elements = np.zeros(devices.n)
+    for t, q in compiled.stored.items():
+        numel = graph.tensors[t].numel
+        d = shard_dim(q)
+        if d is None:
+            elements += numel
+        else:
+            sizes = np.asarray(compiled.sizes[(t, d)], dtype=float)
+            elements += numel * sizes / sizes.sum()
+    whole = sum(graph.tensors[t].numel for t in compiled.stored)
+    total += one.optimizer * float(np.max(slow * elements / max(whole, 1)))
+    return total
 
 
 def run_both(args: argparse.Namespace, choice: SpmdChoice) -> dict[str, Any]:
-    """Train the program and its even-ratio twin; predicted (this machine) next to measured."""
+    """Train the program and its even-ratio twin; predicted (this machine) next to measured.
+
+    This machine's speed drifts while other work runs: the one-rank timing is taken before,
+    between and after the two runs, and each run is predicted from the two timings around it."""
     from plait.runtime.api import rank_layout
     from plait.runtime.api import run as runtime_run
 
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
-    say("timing the program on one rank of this machine ...")
-    one = program_seconds(choice)
     cluster = choice.cluster
     slow = [r["slowdown"] for r in rank_layout(cluster, choice.plan, choice.dtype)]
     kwargs = {"steps": args.steps, "dtype": "fp32", "emulate_dtype": choice.dtype, "optimizer": "adam",
               "lr": args.lr, "spmd_calibrate": True}
-    out: dict[str, Any] = {"one_rank_s": one, "slowdowns": slow, "dtype": "fp32",
-                           "emulated_dtype": choice.dtype}
+    out: dict[str, Any] = {"slowdowns": slow, "dtype": "fp32", "emulated_dtype": choice.dtype}
+    say("timing the program on one rank of this machine ...")
+    timings = [program_seconds(choice)]
     results = {}
     for name, plan in (("uneven", choice.plan), ("even", choice.even_plan)):
         say(f"plait run: the {name} program ({args.steps} steps) ...")
         res = runtime_run(choice.model, cluster, plan, **kwargs)
+        timings.append(program_seconds(choice))
         times = res.iteration_times
         skip = min(2, max(0, len(times) - 1))
         results[name] = res
         out[name] = {"measured_iteration_s": statistics.median(times[skip:]), "iteration_times_s": list(times),
                      "losses": list(res.losses), "collectives": (res.spmd or {}).get("moves"),
                      "notes": list(res.notes), "network": res.network.get("mode")}
+    out["one_rank_s"] = [dataclasses.asdict(t) for t in timings]
     calibration = (results["uneven"].spmd or {}).get("calibration")
     if calibration:
-        devices = machine_devices(choice, one, slow, calibration)
-        out["links"] = {"alpha_s": devices.links.ring_latency, "bandwidth_Bps": devices.links.ring_bandwidth}
-        for name, plan in (("uneven", choice.plan), ("even", choice.even_plan)):
-            pred = machine_prediction(choice, devices, plan.spmd["ratios"])
+        for i, (name, plan) in enumerate((("uneven", choice.plan), ("even", choice.even_plan))):
+            around = OneRank(*(statistics.mean(x) for x in zip(dataclasses.astuple(timings[i]),
+                                                                dataclasses.astuple(timings[i + 1]))))
+            devices = machine_devices(choice, around.program, slow, calibration)
+            out["links"] = {"alpha_s": devices.links.ring_latency, "bandwidth_Bps": devices.links.ring_bandwidth}
+            pred = machine_prediction(choice, devices, plan.spmd["ratios"], around, slow)
             meas = out[name]["measured_iteration_s"]
             out[name].update({"predicted_machine_s": pred, "error": (meas - pred) / pred if pred > 0 else None})
     out["measured_speedup_over_even"] = out["even"]["measured_iteration_s"] / out["uneven"]["measured_iteration_s"]
@@ -200,9 +260,13 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice) -> dict[str, Any]:
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     out["ranks"], out["cpus"] = choice.plan.world_size, cpus
+    out["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if choice.plan.world_size > cpus:
         out["note"] = (f"{choice.plan.world_size} ranks on {cpus} CPUs: ranks time-share CPUs, so the machine "
                        "prediction (one CPU per rank) does not hold")
+    elif out["load_average"] is not None and out["load_average"] > cpus:
+        out["note"] = (f"load average {out['load_average']:.1f} on {cpus} CPUs: other work shares the ranks' CPUs, "
+                       "so measured times drift from the prediction")
     return out
 
 
