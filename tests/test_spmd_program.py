@@ -126,13 +126,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, name: str, program, out) -> None:
+def _rank_main(rank: int, port: int, name: str, program, out, log_dir=None) -> None:
     try:
-        from plait.runtime.comm import Comm
+        from pathlib import Path
+
+        from plait.runtime.comm import Comm, CommLog
         from plait.runtime.spmd_program import RankProgram
 
         torch.set_num_threads(1)
-        comm = Comm(rank, 2)
+        log = CommLog(Path(log_dir) / f"rank{rank}.jsonl", rank, 2) if log_dir else None
+        comm = Comm(rank, 2, log=log)
         group = comm.init_process_group("gloo", timeout_s=60, init_method=f"tcp://127.0.0.1:{port}")
         spec, model, inputs, target, _ = captured(name)
         runner = RankProgram(program, rank, group)
@@ -145,17 +148,18 @@ def _rank_main(rank: int, port: int, name: str, program, out) -> None:
                         is not None else None)
                  for path, leaf in runner.params.items()}
         ops = sorted(runner.moves)
+        comm.close()
         out.put((rank, float(loss), grads, ops, len(leaves)))
         Comm.destroy()
     except BaseException:
         out.put((rank, traceback.format_exc()))
 
 
-def run_two_ranks(name: str, program) -> list[tuple]:
+def run_two_ranks(name: str, program, log_dir=None) -> list[tuple]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, name, program, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, name, program, out, log_dir)) for r in range(2)]
     for p in procs:
         p.start()
     results = [out.get(timeout=120) for _ in procs]
@@ -198,15 +202,21 @@ MOVES: set[str] = set()
 
 @pytest.mark.parametrize("name,seed,mode", [("bert", 1, "padded"), ("vit", 2, "grouped"), ("vgg19", 3, "padded"),
                                             ("bert_moe", 4, "grouped")])
-def test_random_programs_equal_single_device(name, seed, mode) -> None:
+def test_random_programs_equal_single_device(name, seed, mode, tmp_path) -> None:
+    from plait.ir.comm import read_comm_records
+
     graph = captured(name)[4]
     program = compiled_random(graph, seed, mode)
     sharded_params = [t for t, q in program.stored.items() if q.startswith("S")]
     assert sharded_params and len(program.sizes) > 3
     assert any(sizes[0] != sizes[1] for sizes in program.sizes.values())  # uneven shards
-    results = run_two_ranks(name, program)
+    results = run_two_ranks(name, program, tmp_path)
     check_equal(name, results)
     MOVES.update(results[0][3])
+    # every collective is a record of the facade; grouped uneven shards are broadcasts and reduces
+    ops = {r.op for r in read_comm_records(tmp_path / "rank0.jsonl").records}
+    assert ops & ({"broadcast", "reduce"} if mode == "grouped" else {"all_gather", "reduce_scatter"})
+    assert not ops & ({"all_gather", "reduce_scatter"} if mode == "grouped" else {"broadcast", "reduce"})
 
 
 def test_the_random_programs_ran_every_collective_conversion() -> None:
