@@ -40,17 +40,18 @@ import torch
 from torch import nn
 
 from plait.ir.aten_graph import AtenGraph
-from plait.spmd.placement import PARTIAL, REPLICATED, ShardingError, grad_placement, shard_dim
+from plait.spmd.placement import (
+    PARTIAL,
+    REPLICATED,
+    ShardingError,
+    grad_home,
+    grad_placement,
+    shard_dim,
+)
 from plait.spmd.rules import Strategy, local_call, strategies
 
 COLLECTIVE_MODES = ("padded", "grouped")
 _RANDOM = {"native_dropout", "dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like"}
-
-
-def home(placement: str) -> str:
-    """Where a tensor's gradient arrives: in its own shards, or whole (partial sums' gradient is
-    the whole gradient on every rank)."""
-    return REPLICATED if placement == PARTIAL else placement
 
 
 @dataclass
@@ -368,7 +369,7 @@ class RankProgram:
             if done is None:
                 done = self._fwd[(t, q)] = self._move(value, origin, q, t, "fwd")
             return done
-        g_from, g_to = grad_placement(q, sharded), home(origin)
+        g_from, g_to = grad_placement(q, sharded), grad_home(origin)
         if q == origin and g_from == g_to:
             return value
         out = _Convert.apply(value, done, lambda x: self._move(x, origin, q, t, "fwd"),
