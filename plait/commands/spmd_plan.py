@@ -220,8 +220,10 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice) -> dict[str, Any]:
 
     This machine's speed drifts while other work runs: the one-rank timing is taken before,
     between and after the two runs, and each run is predicted from the two timings around it."""
+    from plait.measure.machine import SHARES
     from plait.runtime.api import rank_layout
     from plait.runtime.api import run as runtime_run
+    from plait.runtime.cpu_share import ProcessCgroup, RankCgroups, pinned
 
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
     cluster = choice.cluster
@@ -229,19 +231,29 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice) -> dict[str, Any]:
     kwargs = {"steps": args.steps, "dtype": "fp32", "emulate_dtype": choice.dtype, "optimizer": "adam",
               "lr": args.lr, "spmd_calibrate": True}
     out: dict[str, Any] = {"slowdowns": slow, "dtype": "fp32", "emulated_dtype": choice.dtype}
-    say("timing the program on one rank of this machine ...")
-    timings = [program_seconds(choice)]
-    results = {}
-    for name, plan in (("uneven", choice.plan), ("even", choice.even_plan)):
-        say(f"plait run: the {name} program ({args.steps} steps) ...")
-        res = runtime_run(choice.model, cluster, plan, **kwargs)
-        timings.append(program_seconds(choice))
-        times = res.iteration_times
-        skip = min(2, max(0, len(times) - 1))
-        results[name] = res
-        out[name] = {"measured_iteration_s": statistics.median(times[skip:]), "iteration_times_s": list(times),
-                     "losses": list(res.losses), "collectives": (res.spmd or {}).get("moves"),
-                     "notes": list(res.notes), "network": res.network.get("mode")}
+    # Each rank pinned to its own CPU with a high cpu.shares (as plait.measure.machine does), and the
+    # one-rank timing under the same share: other work on the machine then takes less from both.
+    world = choice.plan.world_size
+    with RankCgroups(world, shares=SHARES, cpuset=pinned(world)) as groups:
+        out["pinned"] = groups.active or groups.reason
+
+        def one_rank() -> OneRank:
+            with ProcessCgroup(shares=SHARES, cpuset="0"):
+                return program_seconds(choice)
+
+        say("timing the program on one rank of this machine ...")
+        timings = [one_rank()]
+        results = {}
+        for name, plan in (("uneven", choice.plan), ("even", choice.even_plan)):
+            say(f"plait run: the {name} program ({args.steps} steps) ...")
+            res = runtime_run(choice.model, cluster, plan, env=groups.env() if groups.active else None, **kwargs)
+            timings.append(one_rank())
+            times = res.iteration_times
+            skip = min(2, max(0, len(times) - 1))
+            results[name] = res
+            out[name] = {"measured_iteration_s": statistics.median(times[skip:]), "iteration_times_s": list(times),
+                         "losses": list(res.losses), "collectives": (res.spmd or {}).get("moves"),
+                         "notes": list(res.notes), "network": res.network.get("mode")}
     out["one_rank_s"] = [dataclasses.asdict(t) for t in timings]
     calibration = (results["uneven"].spmd or {}).get("calibration")
     if calibration:
