@@ -5,6 +5,7 @@ measured, and the speedup over the same program at even ratios (the baseline, ru
     python bench/spmd_run.py --dtype fp32    # the fp32 ratio (19.5 / 15.7: little to balance)
     python bench/spmd_run.py --quick         # one tiny BERT, 3 steps (a smoke run)
     python bench/spmd_run.py --json          # the same rows as one JSON object
+    python bench/spmd_run.py --pin           # ranks pinned to CPUs with high cpu.shares (root)
     python bench/spmd_run.py --cluster emulated-mixed   # 4 ranks (more ranks than a 2-CPU machine has)
 
 For each model: `plait plan --family spmd`'s program for the cluster (plait.spmd: A* search, ratio
@@ -36,11 +37,11 @@ QUICK = [("bert:layers=1,hidden=32,heads=4,seq=8,vocab=64,dropout=0,attn_dropout
 CLUSTER = "emulated-mixed:gpus_per_node=1"
 
 
-def measure(model: str, batch: int, cluster: str, steps: int, dtype: str = "fp16") -> dict:
+def measure(model: str, batch: int, cluster: str, steps: int, dtype: str = "fp16", pin: bool = False) -> dict:
     """One row: synthesize for `cluster`, run the program and its even twin, predicted vs measured."""
     choice = synthesize_plan(model, cluster, batch, dtype=dtype)
     args = argparse.Namespace(json=True, steps=steps, lr=1e-3)
-    run = run_both(args, choice)
+    run = run_both(args, choice, pin=pin)
     syn = choice.synthesis
     return {"model": model, "batch": batch, "ranks": choice.plan.world_size, "dtype": dtype,
             "sharded_ops": sum(1 for s in syn.program.strategies.values() if s.splits_work),
@@ -54,12 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     ap.add_argument("--cluster", default=CLUSTER, help=f"emulated cluster (default {CLUSTER}: 2 ranks)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 8; --quick 3)")
+    ap.add_argument("--pin", action="store_true",
+                    help="ranks pinned to CPUs with high cpu.shares, the one-rank timing too (root, cgroup v1)")
     ap.add_argument("--dtype", default="fp16", choices=("fp32", "tf32", "bf16", "fp16"),
                     help="dtype the programs are synthesized and the kinds emulated at (default fp16)")
     args = ap.parse_args(argv)
     cases = QUICK if args.quick else CASES
     steps = args.steps or (3 if args.quick else 8)
-    rows = [measure(m, b, args.cluster, steps, args.dtype) for m, b in cases]
+    rows = [measure(m, b, args.cluster, steps, args.dtype, args.pin) for m, b in cases]
     errors = [abs(r[k]["error"]) for r in rows for k in ("uneven", "even") if r[k].get("error") is not None]
     summary = {"cluster": args.cluster, "dtype": args.dtype, "cpus": len(os.sched_getaffinity(0)),
                "max_abs_error": max(errors) if errors else None,

@@ -16,6 +16,7 @@ prediction: the optimizer step and the loss on the gathered outputs (a few perce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -215,7 +216,7 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
     return total
 
 
-def run_both(args: argparse.Namespace, choice: SpmdChoice) -> dict[str, Any]:
+def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) -> dict[str, Any]:
     """Train the program and its even-ratio twin; predicted (this machine) next to measured.
 
     This machine's speed drifts while other work runs: the one-rank timing is taken before,
@@ -231,14 +232,16 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice) -> dict[str, Any]:
     kwargs = {"steps": args.steps, "dtype": "fp32", "emulate_dtype": choice.dtype, "optimizer": "adam",
               "lr": args.lr, "spmd_calibrate": True}
     out: dict[str, Any] = {"slowdowns": slow, "dtype": "fp32", "emulated_dtype": choice.dtype}
-    # Each rank pinned to its own CPU with a high cpu.shares (as plait.measure.machine does), and the
-    # one-rank timing under the same share: other work on the machine then takes less from both.
+    # `pin`: each rank on its own CPU with a high cpu.shares (as plait.measure.machine does) and the
+    # one-rank timing under the same share. Off by default: on this 2-CPU machine shared with other
+    # jobs (load ~20) the pinned ranks ran 3-4x slower than the pinned one-rank timing, unpinned
+    # within -9 % to -23 % in most runs (bench/spmd_run.py, measured).
     world = choice.plan.world_size
-    with RankCgroups(world, shares=SHARES, cpuset=pinned(world)) as groups:
-        out["pinned"] = groups.active or groups.reason
+    with RankCgroups(world, shares=SHARES, cpuset=pinned(world)) if pin else contextlib.nullcontext() as groups:
+        out["pinned"] = bool(groups is not None and groups.active)
 
         def one_rank() -> OneRank:
-            with ProcessCgroup(shares=SHARES, cpuset="0"):
+            with ProcessCgroup(shares=SHARES, cpuset="0") if pin else contextlib.nullcontext():
                 return program_seconds(choice)
 
         say("timing the program on one rank of this machine ...")
@@ -246,7 +249,8 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice) -> dict[str, Any]:
         results = {}
         for name, plan in (("uneven", choice.plan), ("even", choice.even_plan)):
             say(f"plait run: the {name} program ({args.steps} steps) ...")
-            res = runtime_run(choice.model, cluster, plan, env=groups.env() if groups.active else None, **kwargs)
+            env = groups.env() if groups is not None and groups.active else None
+            res = runtime_run(choice.model, cluster, plan, env=env, **kwargs)
             timings.append(one_rank())
             times = res.iteration_times
             skip = min(2, max(0, len(times) - 1))
