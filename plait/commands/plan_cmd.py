@@ -6,6 +6,7 @@
     plait plan ... --export megatron             # equivalent Megatron-LM launch arguments
     plait plan ... --out plan.json --export slurm  # an sbatch script running the plan with plait run
     plait plan --run                             # train the chosen plan a few steps, predicted vs measured
+    plait plan --family spmd --global-batch 64 --run  # a HAP-style SPMD program (plait.commands.spmd_plan)
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster YAML or preset (default: {DEFAULT_CLUSTER})")
     p.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
                    help=f"samples per iteration (default: {DEFAULT_GLOBAL_BATCH})")
-    p.add_argument("--family", choices=("3d", "graph"), default="3d",
-                   help="planner family: 3d (data x tensor x pipeline, default) or graph (GraphPipe: a DAG "
-                        "of pipeline stages for multi-branch models)")
+    p.add_argument("--family", choices=("3d", "graph", "spmd"), default="3d",
+                   help="planner family: 3d (data x tensor x pipeline, default), graph (GraphPipe: a DAG "
+                        "of pipeline stages for multi-branch models) or spmd (an op-level SPMD program with "
+                        "uneven per-device ratios: HAP, plait.spmd)")
     p.add_argument("--top", type=int, default=5, help="how many plans to print (default 5)")
     p.add_argument("--finalists", type=int, default=12,
                    help="analytically best candidates to place and simulate (default 12; 0 = all)")
@@ -66,6 +68,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the placement annealing (default 0)")
     p.add_argument("--no-placement", action="store_true", help="keep Megatron's rank order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
+                   help="--family spmd: the dtype the program is synthesized (and slower kinds emulated) at; "
+                        "CPU ranks compute fp32 (default fp32)")
+    p.add_argument("--max-states", type=int, default=20_000,
+                   help="--family spmd: states of the exact program search before its beam search (default 20000)")
     p.set_defaults(func=run)
 
 
@@ -74,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     from plait.plan.export import export
     from plait.search import plan
 
+    if args.family == "spmd":
+        from plait.commands.spmd_plan import run as run_spmd
+
+        return run_spmd(args)
     if args.top < 1:
         raise PlaitError(f"--top: must be >= 1, got {args.top}")
     if args.steps < 1:

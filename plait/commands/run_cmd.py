@@ -279,6 +279,10 @@ def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[An
     if args.cluster is None or args.no_emulate:
         raise PlaitError("--predict: give an emulated cluster (--cluster with an 'emulation:' section, "
                          "e.g. emulated-mixed) and no --no-emulate")
+    from plait.ir.plan import Plan
+
+    if Plan.load(args.plan).spmd is not None:
+        raise PlaitError("--predict: an SPMD plan is predicted for this machine by `plait plan --family spmd --run`")
     if args.dtype not in (None, "fp32") or args.device == "cuda" or args.nprocs_per_node:
         raise PlaitError("--predict: predicts CPU ranks in fp32 (no --dtype other than fp32, no --device cuda, "
                          "no --nprocs-per-node)")

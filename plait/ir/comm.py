@@ -42,7 +42,7 @@ class CommRecord:
 
     rank: int
     group: str  # "dp", "tp", "pp", "world", an explicit group's name, or "p2p a->b"
-    op: str  # all_reduce | all_gather | reduce_scatter | broadcast | barrier | gather | send | recv
+    op: str  # all_reduce | all_gather | reduce_scatter | broadcast | reduce | all_to_all | barrier | gather | send | recv
     bytes: int  # payload this rank hands to / receives from the call (tensor numel x element size)
     seq: int  # per-group sequence number on this rank (0, 1, ...)
     t_enqueue: float  # the caller asked for the call

@@ -17,7 +17,12 @@ Everything the later planners need is an optional refinement on top:
                      Megatron order (tp fastest, then dp, then pp);
 * `collectives`   -- collective algorithm per traffic class (HAP / NCCL choice);
 * `stages` + `stage_edges` -- an explicit DAG of stages (GraphPipe), each with its
-                     own ops, device group, micro-batch size and SPMD spec.
+                     own ops, device group, micro-batch size and SPMD spec;
+* `spmd`          -- a synthesized op-level SPMD program (HAP, `plait.spmd`): one strategy
+                     per aten op of the model's AtenGraph at `global_batch`, per-device
+                     ratios (one vector, or one per segment), versioned on its own (see
+                     `_check_spmd`). Such a plan has dp = tp = pp = 1 and one rank per ratio;
+                     `device_order` places the ranks.
 
 When `stages` is empty the stage DAG is the chain implied by `pp` and
 `layer_split`; `Plan.stage_specs()` returns the explicit form in both cases.
@@ -28,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +117,10 @@ class Plan:
     # their own: {"version": 1, "paths": [[src device, dst device, channel, [link, ...]], ...]}
     # with links named as plait.net.fabric names them. None: ECMP decides.
     flow_paths: dict[str, Any] | None = None
+    # A HAP-style SPMD program (plait.spmd), versioned on its own: {"version": 1, "ratios": [...] or
+    # [[...] per segment], "strategies": {op: [[input placements], [output placements], sharded]},
+    # optional "collectives": {tensor: "padded" | "grouped"}, "model", "predicted_s"}. None: no program.
+    spmd: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -156,6 +166,12 @@ class Plan:
         self._check_ratios("dp_shares", self.dp_shares, self.dp)
         self._check_ratios("tp_ratios", self.tp_ratios, self.tp)
         _check_flow_paths(self.flow_paths)
+        _check_spmd(self.spmd)
+        own = (self.dp, self.tp, self.pp, self.zero) != (1, 1, 1, 0) or bool(
+            self.stages or self.dp_shares or self.tp_ratios or self.layer_split)
+        if self.spmd is not None and own:
+            raise PlanError("plan field 'spmd': an SPMD program is the whole plan: it needs dp=tp=pp=1, zero=0 "
+                            "and no stages, shares, ratios or layer split of its own")
         if self.device_order is not None:
             if sorted(self.device_order) != sorted(set(self.device_order)) or len(self.device_order) != self.world_size:
                 raise PlanError(
@@ -225,6 +241,8 @@ class Plan:
     # ---------------------------------------------------------------- derived
     @property
     def world_size(self) -> int:
+        if self.spmd is not None:
+            return spmd_world(self.spmd)
         if self.stages:
             return len({d for s in self.stages for d in s.devices})
         return self.dp * self.tp * self.pp
@@ -353,6 +371,8 @@ class Plan:
             parts.append(f"stages={len(self.stages)}")
         if self.flow_paths is not None:
             parts.append(f"flow_paths={len(self.flow_paths['paths'])}")
+        if self.spmd is not None:
+            parts.append(f"spmd={len(self.spmd['strategies'])}ops/{self.world_size}ranks")
         return ",".join(parts)
 
     @classmethod
@@ -388,8 +408,8 @@ class Plan:
                     kwargs[key] = [float(x) for x in value.split(":")]
                 elif key.startswith("collective."):
                     collectives[key.split(".", 1)[1]] = value
-                elif key == "stages":
-                    raise PlanError("plan string: a stage DAG cannot be given in short form; use a plan JSON file")
+                elif key in ("stages", "spmd"):
+                    raise PlanError(f"plan string: '{key}' cannot be given in short form; use a plan JSON file")
                 else:
                     raise PlanError(f"plan string: unknown key '{key}'")
             except ValueError as exc:
@@ -405,6 +425,8 @@ class Plan:
         d["stage_edges"] = [list(e) for e in self.stage_edges]
         if d["flow_paths"] is None:
             del d["flow_paths"]  # plans without planned paths are written as before
+        if d["spmd"] is None:
+            del d["spmd"]
         return stamp("plan", d)
 
     @classmethod
@@ -547,7 +569,7 @@ _PLAN_TYPES: dict[str, str] = {
     "virtual_stages": _INT, "recompute": _STR, "schedule": _STR, "dtype": _STR, "sequence_parallel": _BOOL,
     "layer_split": "ints?", "device_order": "ints?", "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,
     "collectives": "str->str", "stages": "list", "stage_edges": "pairs", "grad_reduce_dtype": "str?",
-    "grad_bucket_mb": "num", "flow_paths": "obj?",
+    "grad_bucket_mb": "num", "flow_paths": "obj?", "spmd": "obj?",
 }
 FLOW_PATHS_VERSION = 1  # version of Plan.flow_paths' layout
 
@@ -573,6 +595,62 @@ def _check_flow_paths(value: Any) -> None:
         if not ok:
             raise PlanError(f"{where}.paths[{i}]: must be [src device, dst device, channel, [link names]], "
                             f"got {item!r:.80}")
+SPMD_VERSION = 1  # version of Plan.spmd's layout
+_SPMD_KEYS = ("version", "ratios", "strategies", "collectives", "model", "predicted_s")
+_PLACEMENT = re.compile(r"^(R|P|S\d+)$")
+
+
+def spmd_world(spmd: dict[str, Any]) -> int:
+    """Ranks of an SPMD program: the length of its ratio vector(s)."""
+    r = spmd["ratios"]
+    return len(r[0]) if r and isinstance(r[0], list) else len(r)
+
+
+def _check_spmd(value: Any) -> None:
+    """`spmd`: None, or a program as `plait plan --family spmd` writes it (see `Plan.spmd`)."""
+    if value is None:
+        return
+    where = "plan field 'spmd'"
+    if not isinstance(value, dict):
+        raise PlanError(f"{where}: must be an object")
+    unknown = sorted(set(value) - set(_SPMD_KEYS))
+    missing = [k for k in ("version", "ratios", "strategies") if k not in value]
+    if unknown or missing:
+        raise PlanError(f"{where}: " + (f"unknown field(s) {unknown}" if unknown else f"needs {missing}"))
+    version = value["version"]
+    if not _is_int(version) or version < 1:
+        raise PlanError(f"{where}.version: must be a positive integer, got {version!r}")
+    if version > SPMD_VERSION:
+        raise PlanError(f"{where}.version: {version} is newer than this plait reads ({SPMD_VERSION}); upgrade plait")
+    ratios = value["ratios"]
+    vectors = ratios if isinstance(ratios, list) and ratios and isinstance(ratios[0], list) else [ratios]
+    for i, vec in enumerate(vectors):
+        if not (isinstance(vec, list) and vec and all(map(_is_num, vec))):
+            raise PlanError(f"{where}.ratios: must be a list of numbers (one per rank) or one such list per "
+                            f"segment, got {vec!r:.80}")
+        if len(vec) != len(vectors[0]):
+            raise PlanError(f"{where}.ratios[{i}]: {len(vec)} values, the first vector has {len(vectors[0])}")
+        if not all(math.isfinite(x) and x >= 0 for x in vec) or abs(sum(vec) - 1.0) > 1e-6:
+            raise PlanError(f"{where}.ratios: values must be >= 0 and sum to 1, got {vec}")
+    strategies = value["strategies"]
+    if not isinstance(strategies, dict) or not strategies:
+        raise PlanError(f"{where}.strategies: must be a non-empty object (op name -> strategy)")
+    for op, s in strategies.items():
+        ok = (isinstance(s, list) and len(s) == 3 and isinstance(s[2], bool)
+              and all(isinstance(x, list) and all(isinstance(p, str) and _PLACEMENT.match(p) for p in x)
+                      for x in s[:2]))
+        if not ok:
+            raise PlanError(f"{where}.strategies.{op}: must be [[input placements], [output placements], sharded] "
+                            f"with placements R, P or S<dim>, got {s!r:.80}")
+    collectives = value.get("collectives", {})
+    if not isinstance(collectives, dict) or not all(v in ("padded", "grouped") for v in collectives.values()):
+        raise PlanError(f"{where}.collectives: must map tensor names to 'padded' or 'grouped'")
+    if "predicted_s" in value and not (_is_num(value["predicted_s"]) and value["predicted_s"] >= 0):
+        raise PlanError(f"{where}.predicted_s: must be a number of seconds >= 0")
+    if "model" in value and not isinstance(value["model"], str):
+        raise PlanError(f"{where}.model: must be a string (the model spec)")
+
+
 _STAGE_TYPES: dict[str, str] = {
     "name": _STR, "layers": "strs", "devices": _INTS, "dp": _INT, "tp": _INT, "micro_batch": "int?",
     "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,

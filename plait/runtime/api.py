@@ -87,6 +87,8 @@ class RunResult:
     # Per-rank communication records streamed during the run (`comm/rankN.jsonl`, read with
     # `plait.ir.comm.read_comm_records`); None when recording was off or the run folder was temporary.
     comm_dir: str | None = None
+    # SPMD plans: rank 0's collective conversions run and its link calibration (plait.runtime.spmd_worker)
+    spmd: dict[str, Any] | None = None
 
     def mean_iteration_time(self, skip: int = 1) -> float:
         """Mean over steps, skipping the first `skip` (warm-up) when there are more."""
@@ -236,7 +238,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         rendezvous: Rendezvous | None = None, data: str | None = None, data_workers: int = 1,
         min_lr: float = 0.0, lr_warmup_iters: int = 0, lr_decay_style: str = "constant",
         lr_decay_iters: int | None = None, clip_grad: float | None = None,
-        watch: Callable[[], str | None] | None = None, step_records: bool = False) -> RunResult:
+        watch: Callable[[], str | None] | None = None, step_records: bool = False,
+        spmd_calibrate: bool = False) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -265,7 +268,10 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     `watch()` is called about every half second while the workers run; a message it returns stops
     every rank and raises RunFailure (kind "stopped"): how the recovery driver (`plait.recover`)
     stops a live job it has diagnosed. `step_records` streams each step's bounds and loss as it
-    ends (`RUN_DIR/steps/rankN.jsonl`, read by `read_step_records`), so a run that dies keeps them."""
+    ends (`RUN_DIR/steps/rankN.jsonl`, read by `read_step_records`), so a run that dies keeps them.
+    A plan with an SPMD program (`Plan.spmd`) runs it op by op on every rank
+    (`plait.runtime.spmd_worker`); `spmd_calibrate` times the ranks' all-gathers first
+    (`RunResult.spmd["calibration"]`)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
     if comm_records not in (True, False, "alternate"):
@@ -288,6 +294,13 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
                                 f"the run is stopped), got {timeout}")
     if resume and checkpoint_dir is not None:
         _check_resumable(Path(checkpoint_dir))
+    if plan_obj.spmd is not None:  # plait.runtime.spmd_worker: fp32 programs, no checkpoints or clipping yet
+        if checkpoint_dir is not None or clip_grad is not None:
+            raise RuntimeSetupError("plan field 'spmd': an SPMD program runs without checkpoints and gradient "
+                                    "clipping (not implemented for per-op shards)")
+        if (dtype or "fp32") != "fp32" or plan_obj.dtype != "fp32" and dtype is None:
+            raise RuntimeSetupError(f"plan field 'spmd': an SPMD program runs in fp32, the plan asks for "
+                                    f"{dtype or plan_obj.dtype} (give dtype=fp32)")
     check_output_path(trace, "trace")
     spec_string = model_spec_string(model)
     spec = load_model_spec(spec_string)  # a bad model spec fails here, not in every worker
@@ -391,7 +404,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "return_params": return_params, "step_barrier": step_barrier, "fault": fault, "data": data_cfg,
             "lr_schedule": schedule.to_dict() if schedule is not None else None,
             "comm_records": comm_records, "comm_faults": [f.to_dict() for f in faults] or None,
-            "clip_grad": clip_grad, "step_records": step_records,
+            "clip_grad": clip_grad, "step_records": step_records, "spmd_calibrate": bool(spmd_calibrate),
         }
         if host_plan is not None:
             cfg["multinode"] = {"node_name": host_plan["node_name"], "nodes": host_plan["nodes"],
@@ -567,7 +580,8 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
                      resumed_from=steps[0] if steps and steps[0] > 0 else None, step_bounds=bounds,
                      loss_scales=amp.get("loss_scales", []), skipped_steps=amp.get("skipped_steps", []),
                      final_loss_scale=amp.get("final_loss_scale"),
-                     skipped_by_rank={int(k): v for k, v in (amp.get("skipped_by_rank") or {}).items()})
+                     skipped_by_rank={int(k): v for k, v in (amp.get("skipped_by_rank") or {}).items()},
+                     spmd=ranks[0].get("spmd"))
 
 
 def load_run(run_dir: str | Path) -> RunResult:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import pickle
 import socket
@@ -184,9 +185,104 @@ class Group:
         self.comm._call(self, "reduce_scatter", _nbytes(x), name, category,
                         lambda: _reduce_scatter(out, x, group=self.pg), key=key, span=span)
 
+    def broadcast(self, t: torch.Tensor, src: int, name: str, category: str = "comm", *,
+                  key: str | None = None, span: bool = True) -> None:
+        """In-place: every rank's `t` becomes group rank `src`'s."""
+        self.comm._call(self, "broadcast", _nbytes(t), name, category,
+                        lambda: dist.broadcast(t, self.ranks[src], group=self.pg), key=key, span=span)
+
+    def reduce(self, t: torch.Tensor, dst: int, name: str, category: str = "comm", *,
+               key: str | None = None, span: bool = True) -> None:
+        """In-place on group rank `dst`: the sum of every rank's `t` (others' `t` is left undefined)."""
+        self.comm._call(self, "reduce", _nbytes(t), name, category,
+                        lambda: dist.reduce(t, self.ranks[dst], group=self.pg), key=key, span=span)
+
+    # Uneven shards (HAP, Zhang et al. EuroSys'24 section 4.3): rank i holds sizes[i] rows of a
+    # dimension. "padded": one collective over shards padded to the largest (n * max rows move);
+    # "grouped": one broadcast (or reduce) per rank with its own size (sum of the rows move, in n
+    # calls). Every call is recorded, so a record says which of the two ran.
+    def all_gather_uneven(self, x: torch.Tensor, sizes: list[int], dim: int, name: str,
+                          category: str = "comm", *, mode: str = "padded") -> torch.Tensor:
+        """Every rank's `x` (``sizes[i]`` rows along `dim` on group rank i) concatenated along `dim`."""
+        _check_sizes(self, sizes, x, dim, name)
+        if mode == "grouped":
+            parts = []
+            for j, rows in enumerate(sizes):
+                shape = list(x.shape)
+                shape[dim] = rows
+                buf = x.contiguous() if j == self.rank else x.new_empty(shape)
+                self.broadcast(buf, j, name, category, key=f"broadcast {self.name} {name}")
+                parts.append(buf)
+            return torch.cat(parts, dim)
+        top = max(sizes)
+        local = _pad(x.movedim(dim, 0), top)
+        out = local.new_empty((self.size * top, *local.shape[1:]))
+        self.all_gather_into(out, local, name, category)
+        parts = [out[j * top:j * top + rows] for j, rows in enumerate(sizes)]
+        return torch.cat(parts, 0).movedim(0, dim).contiguous()
+
+    def reduce_scatter_uneven(self, x: torch.Tensor, sizes: list[int], dim: int, name: str,
+                              category: str = "comm", *, mode: str = "padded") -> torch.Tensor:
+        """This rank's ``sizes[rank]`` rows along `dim` of the sum over ranks of `x` (whole on every rank)."""
+        if len(sizes) != self.size or sum(sizes) != x.shape[dim]:
+            raise PlaitError(f"{name}: shard sizes {sizes} do not split dimension {dim} of {list(x.shape)} "
+                             f"over {self.size} ranks")
+        chunks = torch.split(x.movedim(dim, 0), sizes, 0)
+        if mode == "grouped":
+            mine = None
+            for j, chunk in enumerate(chunks):
+                buf = chunk.contiguous().clone()
+                self.reduce(buf, j, name, category, key=f"reduce {self.name} {name}")
+                if j == self.rank:
+                    mine = buf
+            assert mine is not None
+            return mine.movedim(0, dim).contiguous()
+        top = max(sizes)
+        stacked = torch.cat([_pad(c, top) for c in chunks], 0)
+        out = stacked.new_empty((top, *stacked.shape[1:]))
+        self.reduce_scatter(out, stacked, name, category)
+        return out[:sizes[self.rank]].movedim(0, dim).contiguous()
+
+    def all_to_all_uneven(self, x: torch.Tensor, src_sizes: list[int], src_dim: int, dst_sizes: list[int],
+                          dst_dim: int, name: str, category: str = "comm") -> torch.Tensor:
+        """Re-shard: `x` holds ``src_sizes[rank]`` rows of `src_dim` and all of `dst_dim`; the result
+        holds all of `src_dim` and ``dst_sizes[rank]`` rows of `dst_dim` (GShard's all-to-all)."""
+        _check_sizes(self, src_sizes, x, src_dim, name)
+        if len(dst_sizes) != self.size or sum(dst_sizes) != x.shape[dst_dim]:
+            raise PlaitError(f"{name}: shard sizes {dst_sizes} do not split dimension {dst_dim} of "
+                             f"{list(x.shape)} over {self.size} ranks")
+        sends = [b.contiguous().reshape(-1) for b in torch.split(x, dst_sizes, dst_dim)]
+        shapes = []
+        for rows in src_sizes:
+            shape = list(x.shape)
+            shape[src_dim], shape[dst_dim] = rows, dst_sizes[self.rank]
+            shapes.append(shape)
+        counts = [math.prod(s) for s in shapes]
+        flat_in = torch.cat(sends)
+        flat_out = flat_in.new_empty(sum(counts))
+        in_splits = [s.numel() for s in sends]
+        self.comm._call(self, "all_to_all", _nbytes(flat_in), name, category,
+                        lambda: dist.all_to_all_single(flat_out, flat_in, counts, in_splits, group=self.pg))
+        blocks = [b.reshape(s) for b, s in zip(torch.split(flat_out, counts), shapes)]
+        return torch.cat(blocks, src_dim)
+
     def barrier(self, what: str) -> None:
         """Synchronise the group outside the measured iteration (no Timeline span)."""
         self.comm._call(self, "barrier", 0, what, "", lambda: dist.barrier(group=self.pg), wait_only=True)
+
+
+def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` with zero rows appended along dimension 0 up to `rows` (contiguous)."""
+    if x.shape[0] == rows:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))], 0)
+
+
+def _check_sizes(group: Group, sizes: list[int], x: torch.Tensor, dim: int, name: str) -> None:
+    if len(sizes) != group.size or x.shape[dim] != sizes[group.rank]:
+        raise PlaitError(f"{name}: rank {group.comm.rank} holds {x.shape[dim]} rows of dimension {dim}, "
+                         f"the shard sizes {sizes} say {sizes[group.rank] if len(sizes) == group.size else '?'} "
+                         f"(group of {group.size})")
 
 
 class NullGroup:

@@ -732,7 +732,13 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    worker = Worker(cfg, rank, hb)
+    worker: Any
+    if cfg["plan"].get("spmd") is not None:  # an op-level SPMD program (plait.runtime.spmd_worker)
+        from plait.runtime.spmd_worker import SpmdWorker
+
+        worker = SpmdWorker(cfg, rank, hb)
+    else:
+        worker = Worker(cfg, rank, hb)
     try:
         worker.run()
     except BaseException as exc:  # report, then exit non-zero so torchrun stops the job

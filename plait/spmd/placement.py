@@ -63,6 +63,13 @@ def grad_placement(placement: str, sharded_compute: bool) -> str:
     return placement
 
 
+def grad_home(origin: str) -> str:
+    """Where the gradient of a tensor made in placement `origin` must arrive: a sharded tensor's in
+    its shards, a partial or replicated one's whole on every device (the gradient of a partial sum
+    is the whole gradient; redundant producers and stored parameters need it whole)."""
+    return REPLICATED if origin == PARTIAL else origin
+
+
 @dataclass(frozen=True)
 class Comm:
     """One collective of the program, as a description; times come from `plait.spmd.cost`.

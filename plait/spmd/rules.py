@@ -333,6 +333,12 @@ def pool2d(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     return found
 
 
+@rule("triu", "tril")
+def triangle(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
+    """A causal mask's triangle is over the last two dimensions; the leading ones shard."""
+    return [Strategy((shard(d),), (shard(d),), True) for d in range(len(ins[0]) - 2)]
+
+
 @rule("embedding")
 def embedding(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     """``out[..., h] = W[ids[...], h]``: by index position (data parallel); table by columns;

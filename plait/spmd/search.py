@@ -41,6 +41,7 @@ from plait.spmd.placement import (
     Comm,
     ShardingError,
     conversion,
+    grad_home,
     grad_placement,
     shard_dim,
 )
@@ -141,10 +142,7 @@ class SearchBudgetExceeded(ShardingError):
     """The exact search expanded more states than it was allowed."""
 
 
-def _grad_home(origin: str) -> str:
-    """Where a tensor's gradient must arrive: a sharded tensor's in its shards, a partial one's
-    and a replicated one's on every device (redundant producers and stored parameters)."""
-    return REPLICATED if origin == PARTIAL else origin
+_grad_home = grad_home  # one rule, shared with the runtime's per-rank programs
 
 
 class _Times:

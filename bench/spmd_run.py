@@ -1,0 +1,95 @@
+"""Synthesized SPMD programs trained on this machine's emulated mixed cluster: predicted next to
+measured, and the speedup over the same program at even ratios (the baseline, run in the same go).
+
+    python bench/spmd_run.py                 # GPT and BERT on 2 ranks (A100 + V100 at their fp16 ratio)
+    python bench/spmd_run.py --dtype fp32    # the fp32 ratio (19.5 / 15.7: little to balance)
+    python bench/spmd_run.py --quick         # one tiny BERT, 3 steps (a smoke run)
+    python bench/spmd_run.py --json          # the same rows as one JSON object
+    python bench/spmd_run.py --pin           # ranks pinned to CPUs with high cpu.shares (root)
+    python bench/spmd_run.py --cluster emulated-mixed   # 4 ranks (more ranks than a 2-CPU machine has)
+
+For each model: `plait plan --family spmd`'s program for the cluster (plait.spmd: A* search, ratio
+LP with memory), trained by `plait run` twice -- at its ratios and at even ratios -- with ranks slowed
+to their GPU kind's speed at `--dtype` (`plait.runtime.emulate`; the CPU ranks compute fp32). Predicted: plait.spmd's cost model on this
+machine's ranks (one-rank timing of the program before, between and after the runs; links fitted to
+the ranks' all-gathers) plus the outputs' gather, the loss and the optimizer step. Measured: the median
+step after 2 warm-up steps. The prediction assumes one CPU per rank and an otherwise idle machine;
+the load average is printed beside each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plait.commands.spmd_plan import run_both, synthesize_plan  # noqa: E402
+
+CASES = [
+    ("gpt:layers=2,hidden=128,heads=4,seq=64,vocab=256,dropout=0,attn_dropout=0", 64),
+    ("bert:layers=2,hidden=128,heads=4,seq=64,vocab=256,dropout=0,attn_dropout=0", 64),
+]
+QUICK = [("bert:layers=1,hidden=32,heads=4,seq=8,vocab=64,dropout=0,attn_dropout=0", 8)]
+CLUSTER = "emulated-mixed:gpus_per_node=1"
+
+
+def measure(model: str, batch: int, cluster: str, steps: int, dtype: str = "fp16", pin: bool = False) -> dict:
+    """One row: synthesize for `cluster`, run the program and its even twin, predicted vs measured."""
+    choice = synthesize_plan(model, cluster, batch, dtype=dtype)
+    args = argparse.Namespace(json=True, steps=steps, lr=1e-3)
+    run = run_both(args, choice, pin=pin)
+    syn = choice.synthesis
+    return {"model": model, "batch": batch, "ranks": choice.plan.world_size, "dtype": dtype,
+            "sharded_ops": sum(1 for s in syn.program.strategies.values() if s.splits_work),
+            "ops": len(choice.graph.ops), "ratios": [round(float(x), 3) for x in syn.ratios],
+            "gpu_predicted_s": syn.cost, "gpu_predicted_even_s": choice.even_cost, **run}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one tiny model, 3 steps")
+    ap.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+    ap.add_argument("--cluster", default=CLUSTER, help=f"emulated cluster (default {CLUSTER}: 2 ranks)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 8; --quick 3)")
+    ap.add_argument("--pin", action="store_true",
+                    help="ranks pinned to CPUs with high cpu.shares, the one-rank timing too (root, cgroup v1)")
+    ap.add_argument("--dtype", default="fp16", choices=("fp32", "tf32", "bf16", "fp16"),
+                    help="dtype the programs are synthesized and the kinds emulated at (default fp16)")
+    args = ap.parse_args(argv)
+    cases = QUICK if args.quick else CASES
+    steps = args.steps or (3 if args.quick else 8)
+    rows = [measure(m, b, args.cluster, steps, args.dtype, args.pin) for m, b in cases]
+    errors = [abs(r[k]["error"]) for r in rows for k in ("uneven", "even") if r[k].get("error") is not None]
+    summary = {"cluster": args.cluster, "dtype": args.dtype, "cpus": len(os.sched_getaffinity(0)),
+               "max_abs_error": max(errors) if errors else None,
+               "within_15pct": sum(e <= 0.15 for e in errors), "predictions": len(errors),
+               "mean_measured_speedup_over_even": sum(r["measured_speedup_over_even"] for r in rows) / len(rows)}
+    if args.json:
+        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        return 0
+    head = (f"{'model':<36} {'rk':>2} {'shard':>7} {'ratios':>13} {'program':>7} {'pred ms':>8} {'meas ms':>8} "
+            f"{'error':>7} {'speedup meas/pred':>18} {'load':>5}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        for k in ("uneven", "even"):
+            m = r[k]
+            speed = (f"{r['measured_speedup_over_even']:.2f}x/{r.get('predicted_speedup_over_even', float('nan')):.2f}x"
+                     if k == "uneven" else "(baseline)")
+            err = f"{m['error'] * 100:+.1f}%" if m.get("error") is not None else "-"
+            print(f"{r['model'].split(',dropout')[0][:36]:<36} {r['ranks']:>2} {r['sharded_ops']:>3}/{r['ops']:<3} "
+                  f"{':'.join(f'{x:.2f}' for x in r['ratios']):>13} {k:>7} "
+                  f"{(m.get('predicted_machine_s') or 0) * 1e3:>8.1f} {m['measured_iteration_s'] * 1e3:>8.1f} "
+                  f"{err:>7} {speed:>18} {r['load_average'] or 0:>5.1f}")
+    print(f"\n{summary['within_15pct']} of {summary['predictions']} predictions within 15 %; largest error "
+          f"{(summary['max_abs_error'] or 0) * 100:.1f} %; mean measured speedup over even ratios "
+          f"{summary['mean_measured_speedup_over_even']:.2f}x ({summary['cpus']} CPUs, {args.dtype} ratios)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""One rank of an SPMD plan (`Plan.spmd`): the program of `plait.runtime.spmd_program` trained step by step.
+
+Started by `plait.runtime.worker.main` (the same launcher, run folder, heartbeats, records and
+result file as the pipeline worker) when the plan holds an SPMD program. Each rank builds the
+model with the run's seed, captures its `AtenGraph` at the plan's global batch (the op names the
+plan's strategies refer to), checks the program against it, keeps its shards of the parameters,
+and per step runs the whole global batch through the program (every rank reads the same samples;
+inputs are sliced for free), computes the loss on the gathered outputs and steps its optimizer on
+its shards. Compute between two collectives is one `Recorder.compute` span, so an emulated slower
+GPU kind is slowed where its compute happens.
+
+Before training, ranks may time gloo's all-gather at a few sizes (`cfg["spmd_calibrate"]`): the
+alpha-beta figures of this machine's links that `plait plan --family spmd --run` predicts with.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from plait.graph.aten_capture import capture_aten
+from plait.ir.plan import Plan
+from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, parse_link_faults
+from plait.runtime.data_parallel import make_optimizer
+from plait.runtime.lr import LRSchedule
+from plait.runtime.partition import load_model_spec, make_samples
+from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
+from plait.spmd.program_plan import plan_ratios, plan_strategies
+
+CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
+
+
+class SpmdWorker:
+    def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.hb = heartbeat
+        self.plan = Plan.from_dict(cfg["plan"])
+        self.world = self.plan.world_size
+        self.info = cfg["ranks"][rank]
+        self.run_dir = Path(cfg["run_dir"])
+        # the fields of the pipeline worker that the shared result writer reads
+        self.p = self.d = self.t = 0
+
+    def run(self) -> None:
+        from plait.runtime.worker import Worker, _write_result, comm_records_path
+
+        cfg, plan = self.cfg, self.plan
+        self.rec = Recorder(self.info["device"], 0, self.rank, cuda=False,
+                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb)
+        self.hb.progress("init")
+        log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
+            if cfg.get("comm_records", True) else None
+        faults = parse_link_faults(os.environ.get(FAULTS_ENV) or cfg.get("comm_faults"))
+        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults)
+        group = self.comm.init_process_group(cfg["backend"], timeout_s=float(cfg["collective_timeout"]))
+
+        self.hb.progress("build")
+        spec = load_model_spec(cfg["model"])
+        seed = int(cfg["seed"])
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            model = spec.build(device="cpu", dtype=torch.float32, seed=seed)
+        except TypeError:
+            model = spec.build(device="cpu", dtype=torch.float32)
+        model.train()
+        batch = plan.global_batch
+        data_seed = int(cfg["data_seed"])
+        fetch = self._data(spec, batch, data_seed)
+        inputs, _ = fetch(0)
+        graph = capture_aten(model, inputs, name=getattr(spec, "name", "model"))
+        names = [f"gpu {r['device']} ({r.get('kind') or 'cpu'}, rank {r['rank']})" for r in cfg["ranks"]]
+        program = compile_program(graph, plan_strategies(plan), plan_ratios(plan), self.world, devices=names,
+                                  collective=(plan.spmd or {}).get("collectives"))
+        spans = Spans(self.rec)
+        runner = RankProgram(program, self.rank, group, spans, seed=seed)
+        leaves = runner.load(model)
+        del model
+        opt = make_optimizer(leaves, cfg["optimizer"])
+        schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
+            if cfg.get("lr_schedule") else None
+        calibration = self._calibrate(group) if cfg.get("spmd_calibrate") else None
+
+        steps = int(cfg["steps"])
+        self.comm.barrier("startup barrier")
+        self.rec.set_origin()
+        origin = Worker._common_origin(self)  # type: ignore[arg-type]  # uses .rec and .comm only
+        losses: list[torch.Tensor] = []
+        bounds: list[tuple[int, float, float]] = []
+        for step in range(steps):
+            self.hb.progress("train", step)
+            inputs, target = fetch(step)
+            self.rec.step = step
+            if cfg.get("step_barrier", True):
+                self.comm.barrier("step barrier")
+            t0 = self.rec.begin_step(step)
+            runner.step = step
+            spans.begin("forward")
+            outs = runner.forward(inputs)
+            loss = spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target)
+            spans.begin("backward")
+            loss.backward()
+            spans.end()
+            with self.rec.compute("optimizer", "optimizer"):
+                if schedule is not None:
+                    for g in opt.param_groups:
+                        g["lr"] = schedule.at(step, steps)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            t1 = self.rec.end_step()
+            bounds.append((step, t0, t1))
+            losses.append(loss.detach().clone())
+
+        self.hb.progress("gather")
+        params = None
+        if cfg.get("return_params"):
+            params = whole_parameters(runner, lambda x, sizes, d: group.all_gather_uneven(
+                x, sizes, d, "gather parameters", "comm_spmd"))
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        mine = {
+            "rank": self.rank, "pp": 0, "dp": 0, "tp": 0, "device": self.info["device"], "host": self.info["host"],
+            "node": self.info["node"], "kind": self.info.get("kind"), "slowdown": self.rec.slowdown,
+            "pid": os.getpid(), "hostname": socket.gethostname(), "layers": graph.layers,
+            "params": sum(p.numel() for p in leaves), "param_bytes": sum(p.numel() * p.element_size() for p in leaves),
+            "peak_memory_bytes": peak, "memory_kind": "max_rss", "samples_per_step": batch,
+            "events": [asdict(e) for e in self.rec.events], "step_bounds": bounds,
+            "losses": torch.stack(losses).tolist() if losses else [],
+            "params_state": params if self.rank == 0 else None, "shard_infos": {}, "clock": origin, "amp": None,
+            "spmd": {"moves": runner.moves, "calibration": calibration},
+        }
+        gathered = self.comm.gather_object(mine, dst=0, name="gather results")
+        if self.rank == 0:
+            assert gathered is not None
+            _write_result(self.run_dir, plan, gathered, 0, steps, cfg)
+        self.comm.barrier("final barrier")
+        self.comm.close()
+
+    def _data(self, spec: Any, batch: int, data_seed: int) -> Any:
+        """step -> (inputs, target) of the whole global batch: the model's samples, or the user's data."""
+        data_cfg = self.cfg.get("data")
+        if not data_cfg:
+            return lambda step: make_samples(spec, step * batch, batch, data_seed)
+        from plait.runtime import data as user_data
+
+        dataset, collate = user_data.load_data(data_cfg["spec"])
+        order = user_data.SampleOrder(len(dataset), data_seed)
+        return lambda step: user_data.samples(dataset, collate, order, step * batch, batch)
+
+    def _calibrate(self, group: Any, repeats: int = 5) -> dict[str, Any]:
+        """Median seconds of a padded all-gather of each of `CALIBRATION_SIZES` bytes per rank on
+        the world group (the ranks' links as gloo drives them), outside the measured steps."""
+        rows = []
+        recording, self.comm.recording = self.comm.recording, False
+        for nbytes in CALIBRATION_SIZES:
+            x = torch.zeros(nbytes // 4)
+            sizes = [x.shape[0]] * self.world
+            times = []
+            for _ in range(repeats):
+                self.comm.barrier("calibration barrier")
+                t0 = time.perf_counter()
+                group.all_gather_uneven(x, sizes, 0, "calibrate all_gather", "calibration")
+                times.append(time.perf_counter() - t0)
+            rows.append([nbytes * self.world, float(np.median(times))])
+        self.comm.recording = recording
+        self.rec.events.clear()  # not part of any step
+        return {"all_gather": rows}

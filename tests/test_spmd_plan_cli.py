@@ -1,0 +1,116 @@
+"""`plait plan --family spmd`: JSON and plan file, the machine prediction's calibration, errors, --run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from plait.cli import main
+from plait.ir.plan import Plan
+
+MODEL = "bert:layers=1,hidden=32,heads=4,seq=8,vocab=64,dropout=0,attn_dropout=0"
+CLUSTER = "emulated-mixed:gpus_per_node=1"
+
+
+@pytest.fixture(scope="module")
+def choice():
+    from plait.commands.spmd_plan import synthesize_plan
+
+    return synthesize_plan(MODEL, CLUSTER, 8)
+
+
+def test_json_and_a_plan_file_that_names_every_op(tmp_path, capsys) -> None:
+    out = tmp_path / "spmd.json"
+    assert main(["plan", "--family", "spmd", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", "8",
+                 "--json", "--out", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["family"] == "spmd" and res["global_batch"] == 8 and len(res["devices"]) == 2
+    assert abs(sum(res["ratios"]) - 1) < 1e-9 and res["fits"]
+    assert res["predicted_iteration_s"] <= res["predicted_even_s"] * (1 + 1e-9)
+    plan = Plan.load(str(out))
+    assert plan.spmd is not None and plan.world_size == 2 and len(plan.spmd["strategies"]) == res["ops"]
+    assert plan.spmd["model"] == res["model"]
+
+
+def test_the_machine_model_is_calibrated_to_what_was_measured(choice) -> None:
+    """The program's modelled work on a rank with no slowdown is the measured one-rank time; the
+    links reproduce the all-gathers they were fitted to."""
+    from plait.cost.collectives import collective_time
+    from plait.spmd.cost import op_work
+
+    alpha, bw = 2e-4, 5e8
+    rows = [[s, (2 - 1) * alpha + 0.5 * s / bw] for s in (8e3, 1.3e5, 2e6, 8e6)]
+    devices = machine_devices_of(choice, 0.5, [1.0, 1.6], {"all_gather": rows})
+    work = sum(op_work(op, choice.graph, devices) for op in choice.graph.ops)
+    assert work[0] == pytest.approx(0.5, rel=1e-9) and work[1] == pytest.approx(0.8, rel=1e-9)
+    for s, t in rows:
+        assert collective_time("all_gather", s, devices.links) == pytest.approx(t, rel=1e-6)
+
+
+def machine_devices_of(choice, one, slow, calibration):
+    from plait.commands.spmd_plan import machine_devices
+
+    return machine_devices(choice, one, slow, calibration)
+
+
+def test_uneven_ratios_are_predicted_faster_on_uneven_ranks_when_the_work_is_split(choice) -> None:
+    from plait.commands.spmd_plan import OneRank, machine_prediction
+
+    devices = machine_devices_of(choice, 0.5, [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
+    syn = choice.synthesis
+    split = [k for k, op in enumerate(choice.graph.ops) if syn.program.strategies[op.name].splits_work]
+    segs = syn.segments.count if syn.segments else 1
+    even = machine_prediction(choice, devices, np.full((segs, 2), 0.5))
+    uneven = machine_prediction(choice, devices, np.tile([2 / 3, 1 / 3], (segs, 1)))
+    assert (uneven < even) if split else (uneven == pytest.approx(even))
+    # what the runtime adds: the loss on the slowest rank, each rank's optimizer step on its elements
+    one = OneRank(program=0.5, loss=0.01, optimizer=0.02)
+    full = machine_prediction(choice, devices, np.full((segs, 2), 0.5), one, [1.0, 2.0])
+    assert full >= even + 0.01 * 2.0 + 0.02 * 2.0 * 0.5 - 1e-12
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--export", "megatron"], "no Megatron/DeepSpeed equivalent"),
+    (["--model", "bert:layers=two"], "layers"),
+])
+def test_bad_arguments_give_one_line_errors(argv, needle, capsys) -> None:
+    rc = main(["plan", "--family", "spmd", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", "8", *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_run_predict_refuses_an_spmd_plan(tmp_path, choice, capsys) -> None:
+    path = tmp_path / "p.json"
+    choice.plan.save(path)
+    assert main(["run", "--model", MODEL, "--cluster", CLUSTER, "--plan", str(path), "--predict"]) == 2
+    assert "plait plan --family spmd --run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_trains_both_programs_and_compares(capsys) -> None:
+    """--run end to end (two launches of two ranks: about a minute)."""
+    assert main(["plan", "--family", "spmd", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", "8",
+                 "--run", "--steps", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["run"]
+    assert res["uneven"]["losses"] and res["even"]["losses"]
+    np.testing.assert_allclose(res["uneven"]["losses"][0], res["even"]["losses"][0], rtol=1e-5)
+    assert res["uneven"]["predicted_machine_s"] > 0 and res["measured_speedup_over_even"] > 0
+
+
+@pytest.mark.slow
+def test_bench_spmd_run_core_on_a_tiny_case() -> None:
+    """bench/spmd_run.py's `measure` on its --quick case (two launches: about a minute)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "spmd_run.py"
+    spec = importlib.util.spec_from_file_location("spmd_run_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, batch = bench.QUICK[0]
+    row = bench.measure(model, batch, bench.CLUSTER, 2)
+    assert row["ranks"] == 2 and row["uneven"]["measured_iteration_s"] > 0 and row["even"]["losses"]
+    assert row["uneven"]["predicted_machine_s"] > 0
