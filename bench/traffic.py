@@ -107,7 +107,7 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
     best = planner.plan_paths(fabric, flows)
     t_plan, _ = best.bottleneck(fabric)
     t_ideal = planner.ideal(fabric, flows)
-    planned = dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.routes))
+    planned = dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.paths()))
     it_plan, _ = iteration(graph, base, planned)
     ecmp_it, ecmp_t, walls = [], [], []
     for s in range(seeds):
@@ -122,7 +122,7 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
     fb = Fabric(broken)
     again = planner.replan(fb, flows, best)
     t_after, _ = again.bottleneck(fb)
-    replanned = dataclasses.replace(plan, flow_paths=to_plan_field(fb, flows, again.routes))
+    replanned = dataclasses.replace(plan, flow_paths=to_plan_field(fb, flows, again.paths()))
     it_after, _ = iteration(graph, broken, replanned)
     ecmp_kept_t, ecmp_kept_it = [], []
     for s in range(min(seeds, 20)):

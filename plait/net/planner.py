@@ -10,7 +10,11 @@ time is ``T = max over links of (bytes on the link / capacity)``. The planner
 2. improves: while moving one flow off the busiest link lowers ``T``, moves it;
 3. on small instances (a few thousand flow-path pairs) solves the integral problem exactly
    as a MILP (HiGHS, 1 s limit) and keeps it when better: the greedy reaches the integral
-   optimum on most shapes, not all (unequal flows can need swaps).
+   optimum on most shapes, not all (unequal flows can need swaps);
+4. when whole flows stay above the LP bound (flows not a multiple of the cables, a failed
+   cable), splits the flows of the busiest links over a few paths each (`split`: an LP over
+   the fractions, rounded to at most `MAX_SPLIT` paths per flow): a connection's queue pairs
+   each take one path (C4P spreads a connection's traffic over its queue pairs).
 
 `ideal` is the fractional lower bound: the LP ``min T`` s.t. every link carries at most
 ``T x capacity`` when every flow may be split over all its paths (scipy's HiGHS). Ports
@@ -18,7 +22,8 @@ are independent of the switch path (all ports of a NIC reach the same leaf), so 
 works on leaf-pair aggregates with flow conservation at every switch, and the ports'
 bound (a NIC's bytes over its alive ports) is taken apart: both are exact.
 
-`replan` moves only the flows whose path crossed a failed link.
+`replan` moves only the flows whose path crossed a failed link (whole, or split when that
+keeps more of the throughput).
 """
 
 from __future__ import annotations
@@ -33,22 +38,36 @@ import numpy as np
 from plait.net.fabric import Fabric, FabricError, Route
 from plait.net.flows import Flow
 
+Pieces = list[tuple[float, Route]]  # a split flow: (share of its bytes, path), shares summing to 1
+
 
 @dataclass
 class Assignment:
     """Paths of flows and the bytes they put on each link."""
 
-    routes: list[Route]
+    routes: list[Route]  # each flow's path (a split flow: its largest piece's)
     load: np.ndarray  # bytes per link
     seconds: float = 0.0  # time the planner took
     moved: int = 0  # flows re-planned (replan)
     on_link: list[set[int]] = field(default_factory=list, repr=False)
+    pieces: dict[int, Pieces] = field(default_factory=dict)  # flows split over several paths
 
     def bottleneck(self, fabric: Fabric) -> tuple[float, int]:
         """(T in seconds, busiest link id)."""
         util = self.load / np.asarray(fabric.capacity)
         i = int(np.argmax(util))
         return float(util[i]), i
+
+    def paths_of(self, i: int) -> Pieces:
+        """Flow `i`'s paths with the share of its bytes each carries."""
+        return self.pieces.get(i) or [(1.0, self.routes[i])]
+
+    def paths(self) -> list[Pieces]:
+        return [self.paths_of(i) for i in range(len(self.routes))]
+
+    def copy(self) -> Assignment:
+        return Assignment(list(self.routes), self.load.copy(), self.seconds, self.moved,
+                          [set(s) for s in self.on_link], dict(self.pieces))
 
 
 def assign(fabric: Fabric, flows: Sequence[Flow], routes: Sequence[Route]) -> Assignment:
@@ -108,18 +127,24 @@ class _Placer:
         mid = best(src_leaf, "up")[2] if src_leaf != dst_leaf else ()
         return Route((src,) + mid + (dst,))
 
-    def put(self, i: int, r: Route) -> None:
-        self.a.routes[i] = r
-        for link in r.links:
-            self.a.load[link] += self.flows[i].bytes
-            self.a.on_link[link].add(i)
+    def put(self, i: int, r: Route | Pieces) -> None:
+        pieces = [(1.0, r)] if isinstance(r, Route) else r
+        self.a.routes[i] = max(pieces, key=lambda p: p[0])[1]
+        if len(pieces) > 1:
+            self.a.pieces[i] = pieces
+        for share, route in pieces:
+            for link in route.links:
+                self.a.load[link] += self.flows[i].bytes * share
+                self.a.on_link[link].add(i)
 
-    def take(self, i: int) -> Route:
-        r = self.a.routes[i]
-        for link in r.links:
-            self.a.load[link] -= self.flows[i].bytes
-            self.a.on_link[link].discard(i)
-        return r
+    def take(self, i: int) -> Pieces:
+        pieces = self.a.paths_of(i)
+        self.a.pieces.pop(i, None)
+        for share, route in pieces:
+            for link in route.links:
+                self.a.load[link] -= self.flows[i].bytes * share
+                self.a.on_link[link].discard(i)
+        return pieces
 
     def improve(self, rounds: int = 10000) -> None:
         """Move flows off the busiest link while that lowers the bottleneck."""
@@ -140,11 +165,16 @@ class _Placer:
 
 EXACT_COLUMNS = 4000  # (flow, path) pairs up to which a MILP looks for a better assignment
 EXACT_SECONDS = 1.0  # its time limit
+SPLIT_COLUMNS = 20000  # (flow, path) pairs up to which the split LP runs
+MAX_SPLIT = 16  # most paths one flow is split over (queue pairs of one connection)
 
 
-def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True, exact: bool = True) -> Assignment:
+def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True, exact: bool = True,
+               max_split: int = MAX_SPLIT) -> Assignment:
     """Paths for every flow (see module doc); deterministic. With `exact`, small instances
-    (at most EXACT_COLUMNS flow-path pairs) are also solved as a MILP, kept when better."""
+    (at most EXACT_COLUMNS flow-path pairs) are also solved as a MILP, kept when better. With
+    `max_split` > 1, when whole flows stay above the LP bound the flows of the busiest links
+    are split over up to `max_split` paths each (`split`)."""
     t0 = time.perf_counter()
     a = Assignment([Route(())] * len(flows), np.zeros(len(fabric.names)),
                    on_link=[set() for _ in fabric.names])
@@ -157,8 +187,128 @@ def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True, exac
         better = _exact(fabric, flows, a.bottleneck(fabric)[0])
         if better is not None:
             a = assign(fabric, flows, better)
+    if max_split > 1 and flows:
+        a = _split_hot(fabric, flows, a, ideal(fabric, flows), max_split)
     a.seconds = time.perf_counter() - t0
     return a
+
+
+def _split_hot(fabric: Fabric, flows: Sequence[Flow], a: Assignment, bound: float, max_split: int,
+               rounds: int = 4) -> Assignment:
+    """Split the flows of the busiest links while that lowers T towards `bound`: each round
+    takes the flows on links within 1%, 5%, 20%, ... of the bottleneck (as many as
+    SPLIT_COLUMNS allows) and re-places them with `split`."""
+    cap = np.asarray(fabric.capacity)
+    for near in (1e-9, 0.01, 0.05, 0.2)[:rounds]:
+        t, _ = a.bottleneck(fabric)
+        if t <= bound * (1 + 1e-6):
+            break
+        util = a.load / cap
+        hot = [link for link in np.argsort(-util) if util[link] >= t * (1 - near)]
+        subset: dict[int, None] = {}
+        for link in hot:
+            subset.update(dict.fromkeys(sorted(a.on_link[int(link)])))
+        b = split(fabric, flows, a, list(subset), max_split)
+        if b is not None and b.bottleneck(fabric)[0] < t * (1 - 1e-9):
+            a = b
+    return a
+
+
+def _flow_paths(fabric: Fabric, f: Flow, mids: dict[tuple[str, str], list[tuple[int, ...]]]
+                ) -> list[tuple[int, ...]]:
+    """Every alive path of flow `f` (sending port, switch path, receiving port)."""
+    k = f.key
+    sps = [p for p in fabric.port_up[k.src][k.src_nic] if fabric.alive[p]]
+    dps = [p for p in fabric.port_down[k.dst][k.dst_nic] if fabric.alive[p]]
+    pair = (fabric.nic_leaf[k.src][k.src_nic], fabric.nic_leaf[k.dst][k.dst_nic])
+    if pair not in mids:
+        mids[pair] = fabric.all_switch_paths(*pair)
+    return [(sp,) + mid + (dp,) for sp in sps for mid in mids[pair] for dp in dps]
+
+
+def split(fabric: Fabric, flows: Sequence[Flow], a: Assignment, subset: Sequence[int],
+          max_split: int = MAX_SPLIT) -> Assignment | None:
+    """`a` with the flows `subset` re-placed, each split over up to `max_split` paths.
+
+    The LP ``min T`` over the fractions ``x_fp`` of each flow on each of its paths, the other
+    flows' bytes fixed (scipy's HiGHS; a simplex vertex, so few fractions are non-zero), then
+    each flow keeps its `max_split` largest fractions and the LP is solved again on those.
+    A split flow is a connection whose queue pairs (one UDP source port, so one path, each)
+    carry their shares of its bytes -- C4P balances a connection's load over its queue
+    pairs. None when `subset` has more than SPLIT_COLUMNS flow-path pairs or is empty."""
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    subset = sorted(set(subset))
+    if not subset:
+        return None
+    mids: dict[tuple[str, str], list[tuple[int, ...]]] = {}
+    cols: list[tuple[int, tuple[int, ...]]] = []
+    for i in subset:
+        paths = _flow_paths(fabric, flows[i], mids)
+        if not paths:
+            return None
+        cols += [(i, p) for p in paths]
+        if len(cols) > SPLIT_COLUMNS:
+            return None
+    b = a.copy()
+    placer = _Placer(fabric, flows, b)
+    for i in subset:
+        placer.take(i)
+    cap = np.asarray(fabric.capacity)
+    scale = max(flows[i].bytes for i in subset) or 1.0
+    links = sorted({link for _i, p in cols for link in p})
+    unit = float(max(cap[link] for link in links))
+    row = {link: k for k, link in enumerate(links)}
+    slot = {i: k for k, i in enumerate(subset)}
+
+    def solve(use: list[int]) -> np.ndarray | None:
+        n = len(use) + 1
+        r, c, v = [], [], []
+        er, ec = [], []
+        for j, col in enumerate(use):
+            i, path = cols[col]
+            for link in path:
+                r.append(row[link])
+                c.append(j)
+                v.append(flows[i].bytes / scale)
+            er.append(slot[i])
+            ec.append(j)
+        r += list(range(len(links)))
+        c += [n - 1] * len(links)
+        v += [-cap[link] / unit for link in links]
+        a_ub = coo_matrix((v, (r, c)), shape=(len(links), n)).tocsr()
+        a_eq = coo_matrix(([1.0] * len(er), (er, ec)), shape=(len(subset), n)).tocsr()
+        cost = np.zeros(n)
+        cost[-1] = 1.0
+        res = linprog(cost, A_ub=a_ub, b_ub=-b.load[links] / scale, A_eq=a_eq, b_eq=np.ones(len(subset)),
+                      bounds=[(0, None)] * n, method="highs-ds")
+        return None if res.status != 0 else res.x[:-1]
+
+    use = list(range(len(cols)))
+    x = solve(use)
+    if x is None:
+        return None
+    by_flow: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for j, col in enumerate(use):
+        if x[j] > 1e-9:
+            by_flow[cols[col][0]].append((float(x[j]), col))
+    if any(len(v) > max_split for v in by_flow.values()):
+        use = [col for i in subset for _x, col in sorted(by_flow[i], reverse=True)[:max_split]]
+        x = solve(use)
+        if x is None:
+            return None
+        by_flow = defaultdict(list)
+        for j, col in enumerate(use):
+            if x[j] > 1e-9:
+                by_flow[cols[col][0]].append((float(x[j]), col))
+    for i in subset:
+        total = sum(share for share, _col in by_flow[i])
+        pieces = [(share / total, Route(cols[col][1])) for share, col in sorted(by_flow[i], reverse=True)
+                  if share / total > 1e-6]
+        norm = sum(share for share, _r in pieces)
+        placer.put(i, [(share / norm, route) for share, route in pieces])
+    return b
 
 
 def _columns(fabric: Fabric, flows: Sequence[Flow]) -> list[tuple[int, tuple[int, ...]]] | None:
@@ -224,11 +374,17 @@ def _exact(fabric: Fabric, flows: Sequence[Flow], incumbent: float) -> list[Rout
     return routes  # type: ignore[return-value]
 
 
-def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: bool = True) -> Assignment:
+def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: bool = True,
+           max_split: int = MAX_SPLIT) -> Assignment:
     """After links failed (`Fabric.fail`): re-plan the flows whose path crosses a dead link,
-    keep the others; raises FabricError when some flow has no path left."""
+    keep the others; raises FabricError when some flow has no path left. The hit flows are
+    placed whole (best path each, then `improve`) and, with `max_split` > 1, also split over
+    several paths (`split`, an LP): the better of the two is kept. Whole flows cannot use the
+    capacity a failure leaves as well as split ones: with one flow per cable and one cable
+    of ``k`` lost, some cable must carry two whole flows (half the throughput), while
+    splitting the hit flow over the ``k - 1`` others keeps ``(k - 1) / k``."""
     t0 = time.perf_counter()
-    a = Assignment(list(before.routes), before.load.copy(), on_link=[set(s) for s in before.on_link])
+    a = before.copy()
     placer = _Placer(fabric, flows, a)
     hit = sorted({i for link, ok in enumerate(fabric.alive) if not ok for i in a.on_link[link]},
                  key=lambda j: (-flows[j].bytes, j))
@@ -238,6 +394,10 @@ def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: b
         placer.put(i, placer.best_route(i))
     if improve:
         placer.improve()
+    if max_split > 1 and hit:
+        b = split(fabric, flows, a, hit, max_split)
+        if b is not None and b.bottleneck(fabric)[0] < a.bottleneck(fabric)[0] * (1 - 1e-9):
+            a = b
     a.moved = len(hit)
     a.seconds = time.perf_counter() - t0
     return a
