@@ -175,6 +175,8 @@ def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True, exac
     (at most EXACT_COLUMNS flow-path pairs) are also solved as a MILP, kept when better. With
     `max_split` > 1, when whole flows stay above the LP bound the flows of the busiest links
     are split over up to `max_split` paths each (`split`)."""
+    import scipy.optimize  # noqa: F401  (loaded before the clock starts: seconds on a first call)
+
     t0 = time.perf_counter()
     a = Assignment([Route(())] * len(flows), np.zeros(len(fabric.names)),
                    on_link=[set() for _ in fabric.names])
@@ -383,6 +385,8 @@ def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: b
     capacity a failure leaves as well as split ones: with one flow per cable and one cable
     of ``k`` lost, some cable must carry two whole flows (half the throughput), while
     splitting the hit flow over the ``k - 1`` others keeps ``(k - 1) / k``."""
+    import scipy.optimize  # noqa: F401  (loaded before the clock starts)
+
     t0 = time.perf_counter()
     a = before.copy()
     placer = _Placer(fabric, flows, a)
@@ -482,4 +486,4 @@ def ideal(fabric: Fabric, flows: Sequence[Flow]) -> float:
                   bounds=[(0, None)] * n, method="highs")
     if res.status != 0:
         raise FabricError(f"traffic LP failed: {res.message}")
-    return max(port_t, float(res.x[-1]) * scale / unit)
+    return float(max(port_t, float(res.x[-1]) * scale / unit))
