@@ -91,30 +91,32 @@ def flows_of(plan: Plan, cluster: Cluster, fabric: Fabric, params: float) -> lis
     return plan_flows(plan, cluster, fabric, grads, act)
 
 
-def iteration(graph, cluster: Cluster, plan: Plan) -> tuple[float, float]:
-    """(iteration time, simulator wall time) for one cluster (one ECMP seed)."""
-    t0 = time.perf_counter()
+def iteration(graph, cluster: Cluster, plan: Plan) -> tuple[float, float, float]:
+    """(iteration time, simulator wall time, its CPU time) for one cluster (one ECMP seed). The
+    CPU time is what the call costs on an idle core (the wall time counts other processes)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     res = simulate(graph, ClusterView.from_cluster(cluster), plan, memory=False)
-    return res.iteration_time_s, time.perf_counter() - t0
+    return res.iteration_time_s, time.perf_counter() - t0, time.process_time() - c0
 
 
 def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: Console) -> dict[str, Any]:
     # The same plan on the same nodes without a switched fabric (non-blocking network): what the
     # simulator costs before any flow follows a fabric path.
-    _it, wall_flat = iteration(graph, load_cluster("h100:nodes=64"), plan)
+    _it, wall_flat, _cpu = iteration(graph, load_cluster("h100:nodes=64"), plan)
     fabric = Fabric(base)
     flows = flows_of(plan, base, fabric, graph.param_count)
     best = planner.plan_paths(fabric, flows)
     t_plan, _ = best.bottleneck(fabric)
     t_ideal = planner.ideal(fabric, flows)
     planned = dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.paths()))
-    it_plan, _ = iteration(graph, base, planned)
-    ecmp_it, ecmp_t, walls = [], [], []
+    it_plan, _, _ = iteration(graph, base, planned)
+    ecmp_it, ecmp_t, walls, cpus = [], [], [], []
     for s in range(seeds):
         c = with_seed(base, s)
         f = Fabric(c)
         ecmp_t.append(planner.assign(f, flows, planner.ecmp_routes(f, flows)).bottleneck(f)[0])
-        it, wall = iteration(graph, c, plan)
+        it, wall, cpu = iteration(graph, c, plan)
+        cpus.append(cpu)
         ecmp_it.append(it)
         walls.append(wall)
     # One spine cable fails: ECMP re-hashes over what is left; the planner re-plans the hit flows.
@@ -123,7 +125,7 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
     again = planner.replan(fb, flows, best)
     t_after, _ = again.bottleneck(fb)
     replanned = dataclasses.replace(plan, flow_paths=to_plan_field(fb, flows, again.paths()))
-    it_after, _ = iteration(graph, broken, replanned)
+    it_after, _, _ = iteration(graph, broken, replanned)
     ecmp_kept_t, ecmp_kept_it = [], []
     for s in range(min(seeds, 20)):
         c = with_failure(with_seed(base, s))
@@ -148,6 +150,7 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
                     "ecmp_kept_network_median": float(np.median(ecmp_kept_t)),
                     "ecmp_kept_iteration_median": float(np.median(ecmp_kept_it))},
         "sim_s_per_iteration_mean": float(np.mean(walls)), "sim_s_per_iteration_max": float(np.max(walls)),
+        "sim_cpu_s_per_iteration_max": float(np.max(cpus)),
         "sim_s_per_iteration_without_fabric": wall_flat,
     }
     console.print(f"  {name}: {len(flows)} flows, ECMP median {med:.3f} s / p99 {p99:.3f} s, planned "
@@ -246,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"ECMP over {seeds} seeds vs planned paths")
     for c in ("plan", "flows", "ECMP iter median s", "ECMP iter p99 s", "planned iter s", "faster (median)",
               "faster (p99)", "T ideal ms", "T planned ms", "T ECMP med ms", "achieved/ideal planned",
-              "achieved/ideal ECMP", "planner s", "sim s/iter", "sim s/iter no fabric"):
+              "achieved/ideal ECMP", "planner s", "sim s/iter mean", "sim s/iter max (cpu)",
+              "sim s/iter no fabric"):
         table.add_column(c, justify="right")
     for r in rows:
         table.add_row(f"{r['plan']} ({r['plan_str']})", str(r["flows"]), f"{r['ecmp_iter_median_s']:.3f}",
@@ -254,20 +258,23 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['faster_p99']:+.0%}", f"{r['T_ideal_s'] * 1e3:.1f}", f"{r['T_planned_s'] * 1e3:.1f}",
                       f"{r['T_ecmp_median_s'] * 1e3:.1f}", f"{r['achieved_over_ideal_planned']:.3f}",
                       f"{r['achieved_over_ideal_ecmp_median']:.3f}", f"{r['planner_s']:.2f}",
-                      f"{r['sim_s_per_iteration_mean']:.2f}", f"{r['sim_s_per_iteration_without_fabric']:.2f}")
+                      f"{r['sim_s_per_iteration_mean']:.2f}",
+                      f"{r['sim_s_per_iteration_max']:.2f} ({r['sim_cpu_s_per_iteration_max']:.2f})",
+                      f"{r['sim_s_per_iteration_without_fabric']:.2f}")
     table.add_row("dp, 2:1 oversubscribed", str(len(flows)), "", "", "", "", "",
                   f"{over_row['T_ideal_s'] * 1e3:.1f}", f"{over_row['T_planned_s'] * 1e3:.1f}",
                   f"{over_row['T_ecmp_median_s'] * 1e3:.1f}", f"{over_row['achieved_over_ideal_planned']:.3f}",
-                  f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "", "")
+                  f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "", "", "")
     fail = Table(title=f"one spine cable failed ({FAILED[0]} <-> {FAILED[1]} #{FAILED[2]}): throughput kept")
     for c in ("plan", "re-plan s", "flows moved", "planned: network kept", "planned: iteration kept",
-              "ideal after / before", "ECMP: network kept (median)", "ECMP: iteration kept (median)",
+              "bound: ideal after / before", "planned kept / bound", "ECMP: network kept (median)", "ECMP: iteration kept (median)",
               "iter after: planned s", "iter after: ECMP median s"):
         fail.add_column(c, justify="right")
     for r in rows:
         f = r["failure"]
         fail.add_row(r["plan"], f"{f['replan_s']:.3f}", str(f["flows_moved"]), f"{f['kept_network']:.1%}",
                      f"{f['kept_iteration']:.1%}", f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}",
+                     f"{f['kept_network'] / (r['T_ideal_s'] / f['T_ideal_after_s']):.3f}",
                      f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}",
                      f"{f['planned_iter_after_s']:.3f}", f"{f['ecmp_iter_after_median_s']:.3f}")
     emulated = emulate(args.no_emulate)
@@ -283,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "kept_network_min": min(r["failure"]["kept_network"] for r in rows),
         "kept_iteration_min": min(r["failure"]["kept_iteration"] for r in rows),
         "sim_s_per_iteration_max": max(r["sim_s_per_iteration_max"] for r in rows),
+        "sim_cpu_s_per_iteration_max": max(r["sim_cpu_s_per_iteration_max"] for r in rows),
         "emulated_planned_over_hashed_busbw": (emulated["planned_over_hashed_busbw_measured"]
                                                if isinstance(emulated, dict) else None),
     }
@@ -294,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         "replan_lt_1s": summary["replan_s_max"] < 1.0,
         "kept_ge_90pct_network": summary["kept_network_min"] >= 0.90,
         "kept_ge_90pct_iteration": summary["kept_iteration_min"] >= 0.90,
-        "sim_lt_1s_per_seed": summary["sim_s_per_iteration_max"] < 1.0,
+        "sim_lt_1s_per_seed_wall": summary["sim_s_per_iteration_max"] < 1.0,
+        "sim_lt_1s_per_seed_cpu": summary["sim_cpu_s_per_iteration_max"] < 1.0,
         "bench_lt_15min": total < 900,
     }
     if args.json:
