@@ -325,3 +325,15 @@ def test_split_reaches_the_lp_bound_where_whole_flows_cannot() -> None:
     assert planner.plan_paths(f, flows, max_split=1).bottleneck(f)[0] == pytest.approx(2 / cap)
     a = planner.plan_paths(f, flows)
     assert a.bottleneck(f)[0] == pytest.approx(1.5 / cap) == pytest.approx(planner.ideal(f, flows))
+
+
+def test_replan_with_no_path_left_names_the_failed_links() -> None:
+    c = small()
+    f, _plan, flows = _ring_flows(c)
+    before = planner.plan_paths(f, flows)
+    f.fail("spine0", "leaf1-r0")
+    f.fail("spine1", "leaf1-r0")  # leaf1-r0 is cut off from the spines
+    with pytest.raises(FabricError, match=r"no path left.*spine0>leaf1-r0#0"):
+        planner.replan(f, flows, before)
+    with pytest.raises(FabricError, match=r"spine1>leaf1-r0"):
+        planner.ideal(f, flows)
