@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     seeds = 10 if args.quick else args.seeds
     console = Console(width=200, stderr=args.json)
-    t_all = time.perf_counter()
+    t_all, cpu_all = time.perf_counter(), time.process_time()
     graph = gpt_opgraph(GPT22B, "bf16")
     base = load_cluster_file(CLUSTER)
     rows = [run_plan(name, plan, graph, base, seeds, console) for name, plan in plans().items()]
@@ -279,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{f['planned_iter_after_s']:.3f}", f"{f['ecmp_iter_after_median_s']:.3f}")
     emulated = emulate(args.no_emulate)
     arithmetic = ecmp_arithmetic(2000 if args.quick else 20000)
-    total = time.perf_counter() - t_all
+    total, total_cpu = time.perf_counter() - t_all, time.process_time() - cpu_all
     comm_bound = rows[0]
     summary = {
-        "seeds": seeds, "bench_s": total,
+        "seeds": seeds, "bench_s": total, "bench_cpu_s": total_cpu,
         "comm_bound_faster_median": comm_bound["faster_median"], "comm_bound_faster_p99": comm_bound["faster_p99"],
         "achieved_over_ideal_planned_1to1": min(r["achieved_over_ideal_planned"] for r in rows),
         "achieved_over_ideal_planned_2to1": over_row["achieved_over_ideal_planned"],
@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         "kept_ge_90pct_iteration": summary["kept_iteration_min"] >= 0.90,
         "sim_lt_1s_per_seed_wall": summary["sim_s_per_iteration_max"] < 1.0,
         "sim_lt_1s_per_seed_cpu": summary["sim_cpu_s_per_iteration_max"] < 1.0,
-        "bench_lt_15min": total < 900,
+        "bench_lt_15min_wall": total < 900,
+        "bench_lt_15min_cpu": total_cpu < 900,
     }
     if args.json:
         summary["goals"] = {k: bool(v) for k, v in summary["goals"].items()}
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(em)
         else:
             console.print(f"emulated two-link measurement skipped: {emulated}")
-        console.print(f"bench {total:.0f} s; goals: " + ", ".join(f"{k}={v}" for k, v in summary["goals"].items()))
+        console.print(f"bench {total:.0f} s wall, {total_cpu:.0f} s CPU; goals: " + ", ".join(f"{k}={v}" for k, v in summary["goals"].items()))
     return 0
 
 
