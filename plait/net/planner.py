@@ -51,6 +51,7 @@ class Assignment:
     moved: int = 0  # flows re-planned (replan)
     on_link: list[set[int]] = field(default_factory=list, repr=False)
     pieces: dict[int, Pieces] = field(default_factory=dict)  # flows split over several paths
+    bound: float | None = None  # the LP bound `ideal` when the planner computed it
 
     def bottleneck(self, fabric: Fabric) -> tuple[float, int]:
         """(T in seconds, busiest link id)."""
@@ -67,7 +68,7 @@ class Assignment:
 
     def copy(self) -> Assignment:
         return Assignment(list(self.routes), self.load.copy(), self.seconds, self.moved,
-                          [set(s) for s in self.on_link], dict(self.pieces))
+                          [set(s) for s in self.on_link], dict(self.pieces), self.bound)
 
 
 def assign(fabric: Fabric, flows: Sequence[Flow], routes: Sequence[Route]) -> Assignment:
@@ -190,7 +191,9 @@ def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True, exac
         if better is not None:
             a = assign(fabric, flows, better)
     if max_split > 1 and flows:
-        a = _split_hot(fabric, flows, a, ideal(fabric, flows), max_split)
+        bound = ideal(fabric, flows)
+        a = _split_hot(fabric, flows, a, bound, max_split)
+        a.bound = bound
     a.seconds = time.perf_counter() - t0
     return a
 
