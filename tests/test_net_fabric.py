@@ -337,3 +337,17 @@ def test_replan_with_no_path_left_names_the_failed_links() -> None:
         planner.replan(f, flows, before)
     with pytest.raises(FabricError, match=r"spine1>leaf1-r0"):
         planner.ideal(f, flows)
+
+
+def test_split_reaches_the_bound_when_cables_do_not_divide_the_flows() -> None:
+    # 3 spines x 1 cable: each leaf sends 8 flows over 3 uplinks -- whole flows 3 on one cable,
+    # split 8/3 on each (the LP bound); every split flow's shares add up to 1.
+    c = parse_yaml_text(SMALL.replace("links: 2}}", "links: 1}}").replace("spines: 2", "spines: 3"), "s3.yaml")
+    f, _plan, flows = _ring_flows(c)
+    whole = planner.plan_paths(f, flows, max_split=1).bottleneck(f)[0]
+    a = planner.plan_paths(f, flows)
+    lp = planner.ideal(f, flows)
+    assert whole == pytest.approx(lp * 9 / 8)
+    assert a.bottleneck(f)[0] == pytest.approx(lp, rel=1e-6) and a.bound == pytest.approx(lp)
+    assert all(sum(s for s, _r in p) == pytest.approx(1.0) and len(p) <= planner.MAX_SPLIT
+               for p in a.pieces.values())

@@ -166,7 +166,6 @@ class _Placer:
 
 EXACT_COLUMNS = 4000  # (flow, path) pairs up to which a MILP looks for a better assignment
 EXACT_SECONDS = 1.0  # its time limit
-SPLIT_COLUMNS = 20000  # (flow, path) pairs up to which the split LP runs
 MAX_SPLIT = 16  # most paths one flow is split over (queue pairs of one connection)
 
 
@@ -201,8 +200,8 @@ def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True, exac
 def _split_hot(fabric: Fabric, flows: Sequence[Flow], a: Assignment, bound: float, max_split: int,
                rounds: int = 4) -> Assignment:
     """Split the flows of the busiest links while that lowers T towards `bound`: each round
-    takes the flows on links within 1%, 5%, 20%, ... of the bottleneck (as many as
-    SPLIT_COLUMNS allows) and re-places them with `split`."""
+    takes the flows on links within 1%, 5%, 20%, ... of the bottleneck and re-places them
+    with `split`."""
     cap = np.asarray(fabric.capacity)
     for near in (1e-9, 0.01, 0.05, 0.2)[:rounds]:
         t, _ = a.bottleneck(fabric)
@@ -219,101 +218,199 @@ def _split_hot(fabric: Fabric, flows: Sequence[Flow], a: Assignment, bound: floa
     return a
 
 
-def _flow_paths(fabric: Fabric, f: Flow, mids: dict[tuple[str, str], list[tuple[int, ...]]]
-                ) -> list[tuple[int, ...]]:
-    """Every alive path of flow `f` (sending port, switch path, receiving port)."""
+SPLIT_ARCS = 60000  # (flow, arc) variables up to which the split LP runs
+
+
+def _switch_arcs(fabric: Fabric, src: str, dst: str) -> list[tuple[tuple[str, str], tuple[str, str], int]]:
+    """Arcs (state, next state, link) of the equal-cost DAG from leaf `src` to leaf `dst`
+    (states are (switch, phase); the destination is (dst, "end")); FabricError when cut."""
+    arcs = []
+    seen = {(src, "up")}
+    stack = [(src, "up")]
+    while stack:
+        at, ph = stack.pop()
+        for link, nxt, nph in fabric.choices(at, dst, ph):
+            arcs.append(((at, ph), (nxt, nph), link))
+            if nph != "end" and (nxt, nph) not in seen:
+                seen.add((nxt, nph))
+                stack.append((nxt, nph))
+    if not arcs:
+        fabric.walk(src, dst, lambda o, t: 0)  # raises FabricError naming the dead links
+    return arcs
+
+
+def _flow_arcs(fabric: Fabric, f: Flow, memo: dict) -> list[tuple[object, object, int]]:
+    """Arcs of flow `f`'s DAG: "S" -> sending ports -> switch DAG -> receiving ports -> "D"."""
     k = f.key
     sps = [p for p in fabric.port_up[k.src][k.src_nic] if fabric.alive[p]]
     dps = [p for p in fabric.port_down[k.dst][k.dst_nic] if fabric.alive[p]]
-    pair = (fabric.nic_leaf[k.src][k.src_nic], fabric.nic_leaf[k.dst][k.dst_nic])
-    if pair not in mids:
-        mids[pair] = fabric.all_switch_paths(*pair)
-    return [(sp,) + mid + (dp,) for sp in sps for mid in mids[pair] for dp in dps]
+    if not sps or not dps:
+        fabric.route_ecmp(k)  # raises FabricError naming the dead ports
+    src, dst = fabric.nic_leaf[k.src][k.src_nic], fabric.nic_leaf[k.dst][k.dst_nic]
+    end = (dst, "end")
+    if src == dst:
+        mid: list = []
+        first = end
+    else:
+        if (src, dst) not in memo:
+            memo[(src, dst)] = _switch_arcs(fabric, src, dst)
+        mid, first = memo[(src, dst)], (src, "up")
+    return [("S", first, p) for p in sps] + list(mid) + [(end, "D", p) for p in dps]
+
+
+def _decompose(arcs: list[tuple[object, object, int]], x: np.ndarray) -> list[tuple[float, tuple[int, ...]]]:
+    """Paths S -> D with their shares from an arc flow `x` (flow decomposition: follow positive
+    arcs, take the smallest, subtract; at most one path per positive arc)."""
+    x = x.copy()
+    out: dict[tuple[int, ...], float] = {}
+    by_tail: dict[object, list[int]] = defaultdict(list)
+    for j, (u, _v, _l) in enumerate(arcs):
+        by_tail[u].append(j)
+    for _ in range(len(arcs)):
+        at, path = "S", []
+        while at != "D":
+            nxt = [j for j in by_tail[at] if x[j] > 1e-9]
+            if not nxt:
+                break
+            j = max(nxt, key=lambda q: x[q])
+            path.append(j)
+            at = arcs[j][1]
+        if at != "D" or not path:
+            break
+        amount = min(x[j] for j in path)
+        for j in path:
+            x[j] -= amount
+        key = tuple(arcs[j][2] for j in path)
+        out[key] = out.get(key, 0.0) + float(amount)
+    return [(share, links) for links, share in out.items()]
 
 
 def split(fabric: Fabric, flows: Sequence[Flow], a: Assignment, subset: Sequence[int],
           max_split: int = MAX_SPLIT) -> Assignment | None:
     """`a` with the flows `subset` re-placed, each split over up to `max_split` paths.
 
-    The LP ``min T`` over the fractions ``x_fp`` of each flow on each of its paths, the other
-    flows' bytes fixed (scipy's HiGHS; a simplex vertex, so few fractions are non-zero), then
-    each flow keeps its `max_split` largest fractions and the LP is solved again on those.
-    A split flow is a connection whose queue pairs (one UDP source port, so one path, each)
-    carry their shares of its bytes -- C4P balances a connection's load over its queue
-    pairs. None when `subset` has more than SPLIT_COLUMNS flow-path pairs or is empty."""
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
-
+    The LP ``min T`` over each flow's fractions on the arcs of its equal-cost DAG (ports,
+    cables; flow conservation), the other flows' bytes fixed (scipy's HiGHS), decomposed into
+    paths; a flow on more than `max_split` paths keeps its largest ones and the LP over those
+    paths is solved again. A split flow is a connection whose queue pairs (one UDP source
+    port, so one path, each) carry their shares of its bytes -- C4P balances a connection's
+    load over its queue pairs. None when `subset` is empty or has more than SPLIT_ARCS arcs."""
     subset = sorted(set(subset))
     if not subset:
         return None
-    mids: dict[tuple[str, str], list[tuple[int, ...]]] = {}
-    cols: list[tuple[int, tuple[int, ...]]] = []
-    for i in subset:
-        paths = _flow_paths(fabric, flows[i], mids)
-        if not paths:
-            return None
-        cols += [(i, p) for p in paths]
-        if len(cols) > SPLIT_COLUMNS:
-            return None
+    memo: dict = {}
+    arcs = {i: _flow_arcs(fabric, flows[i], memo) for i in subset}
+    if sum(map(len, arcs.values())) > SPLIT_ARCS:
+        return None
     b = a.copy()
     placer = _Placer(fabric, flows, b)
     for i in subset:
         placer.take(i)
-    cap = np.asarray(fabric.capacity)
-    scale = max(flows[i].bytes for i in subset) or 1.0
-    links = sorted({link for _i, p in cols for link in p})
-    unit = float(max(cap[link] for link in links))
-    row = {link: k for k, link in enumerate(links)}
-    slot = {i: k for k, i in enumerate(subset)}
+    x = _arc_lp(fabric, flows, b, arcs)
+    if x is None:
+        return None
+    pieces = {i: _decompose(arcs[i], x[i]) for i in subset}
+    many = [i for i in subset if len(pieces[i]) > max_split]
+    if many:
+        cols = {i: [links for _s, links in sorted(pieces[i], reverse=True)[:max_split]] for i in subset}
+        shares = _path_lp(fabric, flows, b, cols)
+        if shares is None:
+            return None
+        pieces = {i: [(float(w), links) for w, links in zip(shares[i], cols[i])] for i in subset}
+    for i in subset:
+        kept = [(w, links) for w, links in sorted(pieces[i], reverse=True) if w > 1e-6]
+        norm = sum(w for w, _l in kept)
+        placer.put(i, [(w / norm, Route(links)) for w, links in kept])
+    return b
 
-    def solve(use: list[int]) -> np.ndarray | None:
-        n = len(use) + 1
-        r, c, v = [], [], []
-        er, ec = [], []
-        for j, col in enumerate(use):
-            i, path = cols[col]
+
+def _lp_rows(fabric: Fabric, b: Assignment, links: list[int]) -> tuple[np.ndarray, float, dict[int, int]]:
+    cap = np.asarray(fabric.capacity)
+    return cap, float(max(cap[link] for link in links)), {link: k for k, link in enumerate(links)}
+
+
+def _arc_lp(fabric: Fabric, flows: Sequence[Flow], b: Assignment,
+            arcs: dict[int, list[tuple[object, object, int]]]) -> dict[int, np.ndarray] | None:
+    """Arc fractions of each flow minimising the busiest link's time over the links they use."""
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    links = sorted({link for v in arcs.values() for _u, _w, link in v})
+    cap, unit, row = _lp_rows(fabric, b, links)
+    scale = max(flows[i].bytes for i in arcs) or 1.0
+    ur, uc, uv = [], [], []
+    er, ec, ev = [], [], []
+    b_eq: list[float] = []
+    offset: dict[int, int] = {}
+    col = eq = 0
+    for i, fa in arcs.items():
+        offset[i] = col
+        states: dict[object, int] = {}
+        for u, v, _l in fa:
+            for st in (u, v):
+                if st != "D" and st not in states:
+                    states[st] = eq + len(states)
+        for st in states:
+            b_eq.append(1.0 if st == "S" else 0.0)
+        for j, (u, v, link) in enumerate(fa):
+            ur.append(row[link])
+            uc.append(col + j)
+            uv.append(flows[i].bytes / scale)
+            er.append(states[u])
+            ec.append(col + j)
+            ev.append(1.0)
+            if v != "D":
+                er.append(states[v])
+                ec.append(col + j)
+                ev.append(-1.0)
+        eq += len(states)
+        col += len(fa)
+    n = col + 1
+    ur += list(range(len(links)))
+    uc += [n - 1] * len(links)
+    uv += [-cap[link] / unit for link in links]
+    res = linprog(np.r_[np.zeros(col), 1.0],
+                  A_ub=coo_matrix((uv, (ur, uc)), shape=(len(links), n)).tocsr(), b_ub=-b.load[links] / scale,
+                  A_eq=coo_matrix((ev, (er, ec)), shape=(eq, n)).tocsr(), b_eq=np.array(b_eq),
+                  bounds=[(0, None)] * n, method="highs")
+    if res.status != 0:
+        return None
+    return {i: res.x[offset[i]:offset[i] + len(fa)] for i, fa in arcs.items()}
+
+
+def _path_lp(fabric: Fabric, flows: Sequence[Flow], b: Assignment,
+             cols: dict[int, list[tuple[int, ...]]]) -> dict[int, np.ndarray] | None:
+    """Shares of each flow over the given paths minimising the busiest link's time."""
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    links = sorted({link for v in cols.values() for path in v for link in path})
+    cap, unit, row = _lp_rows(fabric, b, links)
+    scale = max(flows[i].bytes for i in cols) or 1.0
+    r, c, v, er, ec = [], [], [], [], []
+    offset: dict[int, int] = {}
+    j = 0
+    for k, (i, paths) in enumerate(cols.items()):
+        offset[i] = j
+        for path in paths:
             for link in path:
                 r.append(row[link])
                 c.append(j)
                 v.append(flows[i].bytes / scale)
-            er.append(slot[i])
+            er.append(k)
             ec.append(j)
-        r += list(range(len(links)))
-        c += [n - 1] * len(links)
-        v += [-cap[link] / unit for link in links]
-        a_ub = coo_matrix((v, (r, c)), shape=(len(links), n)).tocsr()
-        a_eq = coo_matrix(([1.0] * len(er), (er, ec)), shape=(len(subset), n)).tocsr()
-        cost = np.zeros(n)
-        cost[-1] = 1.0
-        res = linprog(cost, A_ub=a_ub, b_ub=-b.load[links] / scale, A_eq=a_eq, b_eq=np.ones(len(subset)),
-                      bounds=[(0, None)] * n, method="highs-ds")
-        return None if res.status != 0 else res.x[:-1]
-
-    use = list(range(len(cols)))
-    x = solve(use)
-    if x is None:
+            j += 1
+    n = j + 1
+    r += list(range(len(links)))
+    c += [n - 1] * len(links)
+    v += [-cap[link] / unit for link in links]
+    res = linprog(np.r_[np.zeros(j), 1.0], A_ub=coo_matrix((v, (r, c)), shape=(len(links), n)).tocsr(),
+                  b_ub=-b.load[links] / scale,
+                  A_eq=coo_matrix(([1.0] * len(er), (er, ec)), shape=(len(cols), n)).tocsr(),
+                  b_eq=np.ones(len(cols)), bounds=[(0, None)] * n, method="highs")
+    if res.status != 0:
         return None
-    by_flow: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    for j, col in enumerate(use):
-        if x[j] > 1e-9:
-            by_flow[cols[col][0]].append((float(x[j]), col))
-    if any(len(v) > max_split for v in by_flow.values()):
-        use = [col for i in subset for _x, col in sorted(by_flow[i], reverse=True)[:max_split]]
-        x = solve(use)
-        if x is None:
-            return None
-        by_flow = defaultdict(list)
-        for j, col in enumerate(use):
-            if x[j] > 1e-9:
-                by_flow[cols[col][0]].append((float(x[j]), col))
-    for i in subset:
-        total = sum(share for share, _col in by_flow[i])
-        pieces = [(share / total, Route(cols[col][1])) for share, col in sorted(by_flow[i], reverse=True)
-                  if share / total > 1e-6]
-        norm = sum(share for share, _r in pieces)
-        placer.put(i, [(share / norm, route) for share, route in pieces])
-    return b
+    return {i: res.x[offset[i]:offset[i] + len(paths)] for i, paths in cols.items()}
 
 
 def _columns(fabric: Fabric, flows: Sequence[Flow]) -> list[tuple[int, tuple[int, ...]]] | None:
