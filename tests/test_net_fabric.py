@@ -351,3 +351,13 @@ def test_split_reaches_the_bound_when_cables_do_not_divide_the_flows() -> None:
     assert a.bottleneck(f)[0] == pytest.approx(lp, rel=1e-6) and a.bound == pytest.approx(lp)
     assert all(sum(s for s, _r in p) == pytest.approx(1.0) and len(p) <= planner.MAX_SPLIT
                for p in a.pieces.values())
+
+
+def test_replan_rebalances_to_the_bound_when_the_cables_left_were_full() -> None:
+    c = parse_yaml_text(SMALL.replace("links: 2}}", "links: 1}}").replace("spines: 2", "spines: 3"), "s3.yaml")
+    f, _plan, flows = _ring_flows(c)
+    before = planner.plan_paths(f, flows)
+    f.fail("leaf0-r0", "spine0")
+    after = planner.replan(f, flows, before)
+    assert after.bottleneck(f)[0] == pytest.approx(planner.ideal(f, flows), rel=1e-6)
+    assert all(f.alive[link] for p in after.paths() for _s, r in p for link in r.links)

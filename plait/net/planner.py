@@ -481,7 +481,9 @@ def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: b
     """After links failed (`Fabric.fail`): re-plan the flows whose path crosses a dead link,
     keep the others; raises FabricError when some flow has no path left. The hit flows are
     placed whole (best path each, then `improve`) and, with `max_split` > 1, also split over
-    several paths (`split`, an LP): the better of the two is kept. Whole flows cannot use the
+    several paths (`split`, an LP): the better of the two is kept; then, while the busiest
+    link is above the LP bound, the flows of the busiest links are split again (`_split_hot`:
+    other flows may move too). `moved` counts the flows whose paths changed. Whole flows cannot use the
     capacity a failure leaves as well as split ones: with one flow per cable and one cable
     of ``k`` lost, some cable must carry two whole flows (half the throughput), while
     splitting the hit flow over the ``k - 1`` others keeps ``(k - 1) / k``."""
@@ -502,7 +504,10 @@ def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: b
         b = split(fabric, flows, a, hit, max_split)
         if b is not None and b.bottleneck(fabric)[0] < a.bottleneck(fabric)[0] * (1 - 1e-9):
             a = b
-    a.moved = len(hit)
+        # Where the cables left were already full (whole flows did not divide them), moving the
+        # hit flows is not enough: re-balance the flows of the busiest links towards the bound.
+        a = _split_hot(fabric, flows, a, ideal(fabric, flows), max_split)
+    a.moved = sum(1 for i in range(len(flows)) if a.paths_of(i) != before.paths_of(i))
     a.seconds = time.perf_counter() - t0
     return a
 
