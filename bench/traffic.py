@@ -102,7 +102,8 @@ def iteration(graph, cluster: Cluster, plan: Plan) -> tuple[float, float, float]
 def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: Console) -> dict[str, Any]:
     # The same plan on the same nodes without a switched fabric (non-blocking network): what the
     # simulator costs before any flow follows a fabric path.
-    _it, wall_flat, _cpu = iteration(graph, load_cluster("h100:nodes=64"), plan)
+    flat = load_cluster(f"h100:nodes={len(base.nodes)},gpus_per_node={len(base.nodes[0].gpus)}")
+    _it, wall_flat, _cpu = iteration(graph, flat, plan)
     fabric = Fabric(base)
     flows = flows_of(plan, base, fabric, graph.param_count)
     best = planner.plan_paths(fabric, flows)
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=100, help="ECMP hash seeds (default 100)")
     ap.add_argument("--quick", action="store_true", help="10 seeds (a smoke run)")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON with a 'summary'")
+    ap.add_argument("--json", action="store_true",
+                    help="print the results as JSON with a 'summary' (the tables go to stderr)")
     ap.add_argument("--no-emulate", action="store_true", help="skip the network-namespace two-link measurement")
     args = ap.parse_args(argv)
     seeds = 10 if args.quick else args.seeds
@@ -312,33 +314,33 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"plans": rows, "oversubscribed_2to1": over_row, "emulated_two_links": emulated,
                           "ecmp_expected_max_load": arithmetic,
                           "summary": summary}, indent=2))
+    # the tables (on stderr with --json)
+    console.print(table)
+    console.print(fail)
+    ar = Table(title="ECMP arithmetic: expected flows on the busiest link")
+    for c in ("flows", "links", "exact (occupancy counting)", "flow model, Monte Carlo", "trials"):
+        ar.add_column(c, justify="right")
+    for a in arithmetic:
+        ar.add_row(str(a["flows"]), str(a["links"]), f"{a['exact']:.3f}", f"{a['monte_carlo']:.3f}",
+                   str(a["trials"]))
+    console.print(ar)
+    if isinstance(emulated, dict) and "planned" in emulated:
+        em = Table(title="emulated two-rank all-reduce: 2 channels each way over 2 parallel 32 Mb/s links "
+                         "(network namespaces, tc tbf), 4 MB per flow")
+        for c in ("case", "links A>B | B>A", "measured s", "simulator s", "busbw measured MB/s",
+                  "busbw simulator MB/s"):
+            em.add_column(c, justify="right")
+        for case in ("planned", "hashed"):
+            e = emulated[case]
+            half = len(e["links"]) // e["ways"]
+            em.add_row(case, f"{e['links'][:half]} | {e['links'][half:]}", f"{e['seconds']:.3f}",
+                       f"{e['simulated_s']:.3f}", f"{e['busbw'] / 1e6:.2f}", f"{e['simulated_busbw'] / 1e6:.2f}")
+        em.add_row("planned / hashed", "", "", "", f"{emulated['planned_over_hashed_busbw_measured']:.2f}x",
+                   f"{emulated['planned_over_hashed_busbw_simulated']:.2f}x")
+        console.print(em)
     else:
-        console.print(table)
-        console.print(fail)
-        ar = Table(title="ECMP arithmetic: expected flows on the busiest link")
-        for c in ("flows", "links", "exact (occupancy counting)", "flow model, Monte Carlo", "trials"):
-            ar.add_column(c, justify="right")
-        for a in arithmetic:
-            ar.add_row(str(a["flows"]), str(a["links"]), f"{a['exact']:.3f}", f"{a['monte_carlo']:.3f}",
-                       str(a["trials"]))
-        console.print(ar)
-        if isinstance(emulated, dict) and "planned" in emulated:
-            em = Table(title="emulated two-rank all-reduce: 2 channels each way over 2 parallel 32 Mb/s links "
-                             "(network namespaces, tc tbf), 4 MB per flow")
-            for c in ("case", "links A>B | B>A", "measured s", "simulator s", "busbw measured MB/s",
-                      "busbw simulator MB/s"):
-                em.add_column(c, justify="right")
-            for case in ("planned", "hashed"):
-                e = emulated[case]
-                half = len(e["links"]) // e["ways"]
-                em.add_row(case, f"{e['links'][:half]} | {e['links'][half:]}", f"{e['seconds']:.3f}",
-                           f"{e['simulated_s']:.3f}", f"{e['busbw'] / 1e6:.2f}", f"{e['simulated_busbw'] / 1e6:.2f}")
-            em.add_row("planned / hashed", "", "", "", f"{emulated['planned_over_hashed_busbw_measured']:.2f}x",
-                       f"{emulated['planned_over_hashed_busbw_simulated']:.2f}x")
-            console.print(em)
-        else:
-            console.print(f"emulated two-link measurement skipped: {emulated}")
-        console.print(f"bench {total:.0f} s wall, {total_cpu:.0f} s CPU; goals: " + ", ".join(f"{k}={v}" for k, v in summary["goals"].items()))
+        console.print(f"emulated two-link measurement skipped: {emulated}")
+    console.print(f"bench {total:.0f} s wall, {total_cpu:.0f} s CPU; goals: " + ", ".join(f"{k}={v}" for k, v in summary["goals"].items()))
     return 0
 
 
