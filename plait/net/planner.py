@@ -13,8 +13,8 @@ time is ``T = max over links of (bytes on the link / capacity)``. The planner
    optimum on most shapes, not all (unequal flows can need swaps);
 4. when whole flows stay above the LP bound (flows not a multiple of the cables, a failed
    cable), splits the flows of the busiest links over a few paths each (`split`: an LP over
-   the fractions, rounded to at most `MAX_SPLIT` paths per flow): a connection's queue pairs
-   each take one path (C4P spreads a connection's traffic over its queue pairs).
+   each flow's arcs, decomposed into paths, at most `MAX_SPLIT` per flow): a connection's
+   queue pairs each take one path (C4P spreads a connection's traffic over its queue pairs).
 
 `ideal` is the fractional lower bound: the LP ``min T`` s.t. every link carries at most
 ``T x capacity`` when every flow may be split over all its paths (scipy's HiGHS). Ports
@@ -22,8 +22,8 @@ are independent of the switch path (all ports of a NIC reach the same leaf), so 
 works on leaf-pair aggregates with flow conservation at every switch, and the ports'
 bound (a NIC's bytes over its alive ports) is taken apart: both are exact.
 
-`replan` moves only the flows whose path crossed a failed link (whole, or split when that
-keeps more of the throughput).
+`replan` moves the flows whose path crossed a failed link (whole, or split when that keeps
+more of the throughput), then re-balances the busiest links towards the LP bound.
 """
 
 from __future__ import annotations
