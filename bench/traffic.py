@@ -143,7 +143,7 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
         "achieved_over_ideal_planned": t_ideal / t_plan,
         "achieved_over_ideal_ecmp_median": t_ideal / float(np.median(ecmp_t)),
         "planner_s": best.seconds,
-        "failure": {"replan_s": again.seconds, "flows_moved": again.moved,
+        "failure": {"replan_s": again.seconds, "replan_cpu_s": again.cpu_seconds, "flows_moved": again.moved,
                     "kept_network": t_plan / t_after, "kept_iteration": it_plan / it_after,
                     "planned_iter_after_s": it_after,
                     "ecmp_iter_after_median_s": float(np.median([ecmp_it[s] / k for s, k in enumerate(ecmp_kept_it)])),
@@ -268,13 +268,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{over_row['T_ecmp_median_s'] * 1e3:.1f}", f"{over_row['achieved_over_ideal_planned']:.3f}",
                   f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "", "", "")
     fail = Table(title=f"one spine cable failed ({FAILED[0]} <-> {FAILED[1]} #{FAILED[2]}): throughput kept")
-    for c in ("plan", "re-plan s", "flows moved", "planned: network kept", "planned: iteration kept",
+    for c in ("plan", "re-plan s (cpu)", "flows moved", "planned: network kept", "planned: iteration kept",
               "bound: ideal after / before", "planned kept / bound", "ECMP: network kept (median)", "ECMP: iteration kept (median)",
               "iter after: planned s", "iter after: ECMP median s"):
         fail.add_column(c, justify="right")
     for r in rows:
         f = r["failure"]
-        fail.add_row(r["plan"], f"{f['replan_s']:.3f}", str(f["flows_moved"]), f"{f['kept_network']:.1%}",
+        fail.add_row(r["plan"], f"{f['replan_s']:.3f} ({f['replan_cpu_s']:.3f})", str(f["flows_moved"]), f"{f['kept_network']:.1%}",
                      f"{f['kept_iteration']:.1%}", f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}",
                      f"{f['kept_network'] / (r['T_ideal_s'] / f['T_ideal_after_s']):.3f}",
                      f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}",
@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "achieved_over_ideal_planned_1to1": min(r["achieved_over_ideal_planned"] for r in rows),
         "achieved_over_ideal_planned_2to1": over_row["achieved_over_ideal_planned"],
         "replan_s_max": max(r["failure"]["replan_s"] for r in rows),
+        "replan_cpu_s_max": max(r["failure"]["replan_cpu_s"] for r in rows),
         "kept_network_min": min(r["failure"]["kept_network"] for r in rows),
         "kept_iteration_min": min(r["failure"]["kept_iteration"] for r in rows),
         "sim_s_per_iteration_max": max(r["sim_s_per_iteration_max"] for r in rows),
@@ -301,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         "faster_p99_ge_30pct": summary["comm_bound_faster_p99"] >= 0.30,
         "achieved_over_ideal_ge_0.95_both_fabrics": min(summary["achieved_over_ideal_planned_1to1"],
                                                         summary["achieved_over_ideal_planned_2to1"]) >= 0.95,
-        "replan_lt_1s": summary["replan_s_max"] < 1.0,
+        "replan_lt_1s_wall": summary["replan_s_max"] < 1.0,
+        "replan_lt_1s_cpu": summary["replan_cpu_s_max"] < 1.0,
         "kept_ge_90pct_network": summary["kept_network_min"] >= 0.90,
         "kept_ge_90pct_iteration": summary["kept_iteration_min"] >= 0.90,
         "sim_lt_1s_per_seed_wall": summary["sim_s_per_iteration_max"] < 1.0,
