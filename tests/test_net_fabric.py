@@ -204,11 +204,11 @@ def test_plan_field_round_trip_and_simulator_honours_paths() -> None:
     grads = graph.param_count * 2 / plan.tp
     flows = plan_flows(plan, c, f, [grads])
     a = planner.plan_paths(f, flows)
-    field = to_plan_field(f, flows, a.routes)
+    field = to_plan_field(f, flows, a.paths())
     planned = dataclasses.replace(plan, flow_paths=field)
     again = Plan.from_json(planned.to_json())
     assert again.flow_paths == field and "flow_paths" not in plan.to_dict()
-    assert from_plan_field(f, field)[(flows[0].src_device, flows[0].dst_device, 0)] == a.routes[0].links
+    assert from_plan_field(f, field)[(flows[0].src_device, flows[0].dst_device, 0)] == [(1.0, a.routes[0].links)]
     view = ClusterView.from_cluster(c)
     assert view.route(0, 8)[0][0][0] == "link"
     t_plan = simulate(graph, view, planned, memory=False).iteration_time_s
@@ -255,14 +255,15 @@ def test_plan_traffic_in_one_call() -> None:
     assert plan_traffic(Plan(dp=2, tp=2, global_batch=2), flat, graph) == (Plan(dp=2, tp=2, global_batch=2), None)
 
 
-def test_exact_milp_fixes_a_greedy_local_optimum() -> None:
+def test_exact_milp_fixes_a_greedy_local_optimum(monkeypatch) -> None:
+    monkeypatch.setattr(planner, "EXACT_SECONDS", 60.0)  # HiGHS' limit is wall time: a loaded machine
     # Five flows 3, 3, 2, 2, 2 out of one bonded NIC (two ports): largest-first gives one port
     # 3 + 2 + 2 = 7 and no single move helps; the optimum is {3, 3} and {2, 2, 2}: 6.
     f = Fabric(small())
     cap = f.capacity[f.port_up[0][0][0]]
     flows = [Flow(FlowKey(0, 0, 1, 0, t), 0, 2, t, float(b), "dp") for t, b in enumerate((3, 3, 2, 2, 2))]
-    greedy = planner.plan_paths(f, flows, exact=False).bottleneck(f)[0]
-    best = planner.plan_paths(f, flows).bottleneck(f)[0]
+    greedy = planner.plan_paths(f, flows, exact=False, max_split=1).bottleneck(f)[0]
+    best = planner.plan_paths(f, flows, max_split=1).bottleneck(f)[0]
     assert greedy == pytest.approx(7 / cap) and best == pytest.approx(6 / cap)
     assert planner.ideal(f, flows) == pytest.approx(6 / cap)
 
@@ -285,3 +286,79 @@ def test_traffic_flows_carry_the_traffic_modules_inter_node_bytes() -> None:
     assert all(node[x.src_device].node != node[x.dst_device].node for x in flows)
     fp32 = traffic_flows(dataclasses.replace(plan, grad_reduce_dtype="bf16"), c, f, graph)
     assert sum(x.bytes for x in fp32) == pytest.approx(expected / 2)  # bf16 plan: fp32 grads by default
+
+
+def test_replan_splits_hit_flows_to_keep_what_the_failure_leaves() -> None:
+    # Each leaf sends 8 whole flows over its 4 uplink cables (2 each). One cable fails: whole flows
+    # put 3 on some cable (2/3 kept); split over the 3 others the bound (k-1)/k = 3/4 is reached.
+    c = small()
+    f, _plan, flows = _ring_flows(c)
+    before = planner.plan_paths(f, flows)
+    t0, _ = before.bottleneck(f)
+    f.fail("leaf0-r0", "spine0", 0)
+    whole = planner.replan(f, flows, before, max_split=1)
+    split = planner.replan(f, flows, before)
+    assert t0 / whole.bottleneck(f)[0] == pytest.approx(2 / 3)
+    assert t0 / split.bottleneck(f)[0] == pytest.approx(3 / 4)
+    assert split.bottleneck(f)[0] == pytest.approx(planner.ideal(f, flows), rel=1e-6)
+    assert split.pieces and all(len(p) <= planner.MAX_SPLIT for p in split.pieces.values())
+    for pieces in split.pieces.values():
+        assert sum(s for s, _r in pieces) == pytest.approx(1.0)
+        assert not any(not f.alive[link] for _s, r in pieces for link in r.links)
+    # The shares reach the plan file and the simulator's routes.
+    field = to_plan_field(f, flows, split.paths())
+    assert any(len(item) == 5 for item in field["paths"])
+    assert Plan.from_json(dataclasses.replace(_plan, flow_paths=field).to_json()).flow_paths == field
+    back = from_plan_field(f, field)
+    i = next(iter(split.pieces))
+    key = (flows[i].src_device, flows[i].dst_device, flows[i].channel)
+    assert sorted(back[key]) == sorted((s, r.links) for s, r in split.pieces[i])
+    bad = {"version": 2, "paths": [item[:4] + [0.5] for item in field["paths"][:1]]}
+    with pytest.raises(PlanError, match="add up to 0.5"):
+        from_plan_field(f, bad)
+
+
+def test_split_reaches_the_lp_bound_where_whole_flows_cannot() -> None:
+    # 3 flows of one NIC over its 2 bonded ports: whole flows load one port with 2; split, 1.5.
+    f = Fabric(small())
+    cap = f.capacity[f.port_up[0][0][0]]
+    flows = [Flow(FlowKey(0, 0, 2, 0, t), 0, 4, t, 1.0, "dp") for t in range(3)]
+    assert planner.plan_paths(f, flows, max_split=1).bottleneck(f)[0] == pytest.approx(2 / cap)
+    a = planner.plan_paths(f, flows)
+    assert a.bottleneck(f)[0] == pytest.approx(1.5 / cap) == pytest.approx(planner.ideal(f, flows))
+
+
+def test_replan_with_no_path_left_names_the_failed_links() -> None:
+    c = small()
+    f, _plan, flows = _ring_flows(c)
+    before = planner.plan_paths(f, flows)
+    f.fail("spine0", "leaf1-r0")
+    f.fail("spine1", "leaf1-r0")  # leaf1-r0 is cut off from the spines
+    with pytest.raises(FabricError, match=r"no path left.*spine0>leaf1-r0#0"):
+        planner.replan(f, flows, before)
+    with pytest.raises(FabricError, match=r"spine1>leaf1-r0"):
+        planner.ideal(f, flows)
+
+
+def test_split_reaches_the_bound_when_cables_do_not_divide_the_flows() -> None:
+    # 3 spines x 1 cable: each leaf sends 8 flows over 3 uplinks -- whole flows 3 on one cable,
+    # split 8/3 on each (the LP bound); every split flow's shares add up to 1.
+    c = parse_yaml_text(SMALL.replace("links: 2}}", "links: 1}}").replace("spines: 2", "spines: 3"), "s3.yaml")
+    f, _plan, flows = _ring_flows(c)
+    whole = planner.plan_paths(f, flows, max_split=1).bottleneck(f)[0]
+    a = planner.plan_paths(f, flows)
+    lp = planner.ideal(f, flows)
+    assert whole == pytest.approx(lp * 9 / 8)
+    assert a.bottleneck(f)[0] == pytest.approx(lp, rel=1e-6) and a.bound == pytest.approx(lp)
+    assert all(sum(s for s, _r in p) == pytest.approx(1.0) and len(p) <= planner.MAX_SPLIT
+               for p in a.pieces.values())
+
+
+def test_replan_rebalances_to_the_bound_when_the_cables_left_were_full() -> None:
+    c = parse_yaml_text(SMALL.replace("links: 2}}", "links: 1}}").replace("spines: 2", "spines: 3"), "s3.yaml")
+    f, _plan, flows = _ring_flows(c)
+    before = planner.plan_paths(f, flows)
+    f.fail("leaf0-r0", "spine0")
+    after = planner.replan(f, flows, before)
+    assert after.bottleneck(f)[0] == pytest.approx(planner.ideal(f, flows), rel=1e-6)
+    assert all(f.alive[link] for p in after.paths() for _s, r in p for link in r.links)

@@ -134,3 +134,15 @@ def test_monte_carlo_of_the_flow_model_agrees() -> None:
         rates = max_min_rates([1.0] * k, [[(link, 1.0)] for link in links])
         acc += 1 / min(rates)
     assert acc / trials == pytest.approx(expected_max_load(n, k), rel=0.03)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_numpy_filling_equals_the_dictionary_one(seed: int) -> None:
+    from plait.net.maxmin import _max_min_dict, max_min_rates_np
+
+    rng = random.Random(seed)
+    links = rng.randint(1, 30)
+    cap = [rng.choice([1.0, 2.0, 3.5, 1e10]) for _ in range(links)]
+    flows = [[(r, rng.choice([0.0, 0.5, 1.0, 2.0])) for r in rng.sample(range(links), rng.randint(0, min(5, links)))]
+             for _ in range(rng.randint(1, 80))]
+    assert max_min_rates_np(cap, flows) == pytest.approx(_max_min_dict(cap, flows), rel=1e-9)

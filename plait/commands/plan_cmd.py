@@ -7,6 +7,7 @@
     plait plan ... --out plan.json --export slurm  # an sbatch script running the plan with plait run
     plait plan --run                             # train the chosen plan a few steps, predicted vs measured
     plait plan --family spmd --global-batch 64 --run  # a HAP-style SPMD program (plait.commands.spmd_plan)
+    plait plan --cluster fabric.yaml --traffic-plan --out plan.json  # plan its flows' fabric paths (C4P)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait.commands.traffic_plan import add_traffic_args
 from plait.commands.training_args import (
     add_memory_args,
     add_training_args,
@@ -73,10 +75,12 @@ def add_parser(subparsers: Any) -> None:
                         "CPU ranks compute fp32 (default fp32)")
     p.add_argument("--max-states", type=int, default=20_000,
                    help="--family spmd: states of the exact program search before its beam search (default 20000)")
+    add_traffic_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from plait.commands.traffic_plan import check_traffic_cluster, print_traffic, traffic_plan
     from plait.errors import PlaitError, check_output_path
     from plait.plan.export import export
     from plait.search import plan
@@ -90,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
     check_output_path(args.out, "--out")
+    fabric_cluster = check_traffic_cluster(args.cluster) if args.traffic_plan else None
     if args.family == "graph":
         return _run_graph(args)
     # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
@@ -99,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
                   placement=not args.no_placement, progress=not args.no_progress and not args.json,
                   memory_kwargs=memory_kwargs_of(args))
     best = result.best
+    traffic = traffic_plan(args.model, fabric_cluster, best.plan) if fabric_cluster is not None else None
+    best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths
     exported = None
     if args.export:
         from plait.cluster import load_cluster
@@ -107,13 +114,13 @@ def run(args: argparse.Namespace) -> int:
             if args.export == "slurm" else None
         if args.export == "slurm" and not args.out:
             raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
-        exported = export(best.plan, args.export, _model_config(args.model), load_cluster(args.cluster), launch,
+        exported = export(best_plan, args.export, _model_config(args.model), load_cluster(args.cluster), launch,
                           training_of(args))
         if args.export == "slurm":  # beside the plan file it runs: submit with `sbatch PLAN.sbatch`
             script = Path(args.out).with_suffix(".sbatch")
             script.write_text(exported)
     if args.out:
-        best.plan.save(args.out)
+        best_plan.save(args.out)
     measured = None
     if args.run:
         measured = _run(args, result)
@@ -124,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
             out["export"] = {"format": args.export, "text": exported}
         if measured is not None:
             out["run"] = measured
+        if traffic is not None:
+            out["traffic_plan"] = traffic.to_dict()
         if args.out:
             out["out"] = args.out
         print(json.dumps(out, indent=2))
@@ -134,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     columns = shutil.get_terminal_size().columns
     console = Console(width=max(columns, 1000) if args.wide else columns)
     print_result(result, console, wide=args.wide, top=args.top)
+    if traffic is not None:
+        print_traffic(traffic, console)
     if args.out:
         console.print(f"best plan written to [bold]{args.out}[/] "
                       f"(plait simulate --plan {args.out} / plait run --plan {args.out})")

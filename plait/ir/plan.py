@@ -114,8 +114,9 @@ class Plan:
     stages: list[StageSpec] = field(default_factory=list)
     stage_edges: list[tuple[int, int]] = field(default_factory=list)
     # Planned paths of inter-node flows on a switched fabric (plait.net.planner), versioned on
-    # their own: {"version": 1, "paths": [[src device, dst device, channel, [link, ...]], ...]}
-    # with links named as plait.net.fabric names them. None: ECMP decides.
+    # their own: {"version": 2, "paths": [[src device, dst device, channel, [link, ...]], ...]}
+    # with links named as plait.net.fabric names them; a flow split over several paths has one
+    # entry per path with its share of the bytes fifth (version 2). None: ECMP decides.
     flow_paths: dict[str, Any] | None = None
     # A HAP-style SPMD program (plait.spmd), versioned on its own: {"version": 1, "ratios": [...] or
     # [[...] per segment], "strategies": {op: [[input placements], [output placements], sharded]},
@@ -571,11 +572,12 @@ _PLAN_TYPES: dict[str, str] = {
     "collectives": "str->str", "stages": "list", "stage_edges": "pairs", "grad_reduce_dtype": "str?",
     "grad_bucket_mb": "num", "flow_paths": "obj?", "spmd": "obj?",
 }
-FLOW_PATHS_VERSION = 1  # version of Plan.flow_paths' layout
+FLOW_PATHS_VERSION = 2  # version of Plan.flow_paths' layout (2: optional share per path)
 
 
 def _check_flow_paths(value: Any) -> None:
-    """`flow_paths`: None, or {"version": 1, "paths": [[src, dst, channel, [link names]], ...]}."""
+    """`flow_paths`: None, or {"version": 2, "paths": [[src, dst, channel, [link names], share?], ...]}
+    (version 1 has no shares)."""
     if value is None:
         return
     where = "plan field 'flow_paths'"
@@ -590,11 +592,15 @@ def _check_flow_paths(value: Any) -> None:
     if not isinstance(value["paths"], list):
         raise PlanError(f"{where}.paths: must be a list")
     for i, item in enumerate(value["paths"]):
-        ok = (isinstance(item, list) and len(item) == 4 and all(_is_int(x) and x >= 0 for x in item[:3])
-              and isinstance(item[3], list) and all(isinstance(x, str) for x in item[3]))
+        ok = (isinstance(item, list) and len(item) in ((4, 5) if version >= 2 else (4,))
+              and all(_is_int(x) and x >= 0 for x in item[:3])
+              and isinstance(item[3], list) and all(isinstance(x, str) for x in item[3])
+              and (len(item) == 4 or (_is_num(item[4]) and 0 < item[4] <= 1)))
         if not ok:
-            raise PlanError(f"{where}.paths[{i}]: must be [src device, dst device, channel, [link names]], "
-                            f"got {item!r:.80}")
+            raise PlanError(f"{where}.paths[{i}]: must be [src device, dst device, channel, [link names]] "
+                            f"(version 2: and an optional share in (0, 1]), got {item!r:.80}")
+
+
 SPMD_VERSION = 1  # version of Plan.spmd's layout
 _SPMD_KEYS = ("version", "ratios", "strategies", "collectives", "model", "predicted_s")
 _PLACEMENT = re.compile(r"^(R|P|S\d+)$")

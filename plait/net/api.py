@@ -41,5 +41,5 @@ def plan_traffic(plan: Plan, cluster: Cluster, graph: OpGraph) -> tuple[Plan, Tr
     best = planner.plan_paths(fabric, flows)
     ecmp = planner.assign(fabric, flows, planner.ecmp_routes(fabric, flows))
     report = TrafficReport(len(flows), ecmp.bottleneck(fabric)[0], best.bottleneck(fabric)[0],
-                           planner.ideal(fabric, flows), best.seconds)
-    return dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.routes)), report
+                           best.bound if best.bound is not None else planner.ideal(fabric, flows), best.seconds)
+    return dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.paths())), report

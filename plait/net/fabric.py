@@ -77,6 +77,7 @@ class Fabric:
         self.port_down: list[list[list[int]]] = []
         self.nic_leaf: list[list[str]] = []
         self._reach_memo: dict[tuple[str, str, str], bool] = {}
+        self._devices = cluster.devices  # a property that builds the list on every call
         self._build()
         self.alive = [True] * len(self.names)
         for f in (spec.failed if spec else []):
@@ -256,7 +257,7 @@ class Fabric:
 
     def endpoint(self, device: int) -> tuple[int, int]:
         """(node, NIC) of a device."""
-        dev = self.cluster.devices[device]
+        dev = self._devices[device]
         node = self.cluster.nodes[dev.node]
         return dev.node, self.nic_of(dev.local, len(node.gpus), node.nics)
 

@@ -14,14 +14,56 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 _INF = float("inf")
 _EPS = 1e-12
+VECTOR_ENTRIES = 200  # from this many (flow, link) entries the numpy form beats the dictionaries
 
 
 def max_min_rates(capacity: Sequence[float], flows: Sequence[Sequence[tuple[int, float]]]) -> list[float]:
     """Max-min fair level of each flow; ``flows[f]`` lists ``(link, coefficient)``.
 
     A flow with no link (or only zero coefficients) is unconstrained: ``inf``."""
+    if sum(map(len, flows)) >= VECTOR_ENTRIES:
+        return max_min_rates_np(capacity, flows)
+    return _max_min_dict(capacity, flows)
+
+
+def max_min_rates_np(capacity: Sequence[float], flows: Sequence[Sequence[tuple[int, float]]]) -> list[float]:
+    """`max_min_rates` on arrays: each round of the filling is a few passes over the
+    (flow, link, coefficient) entries (a sparse incidence matrix), not a loop over dicts."""
+    n = len(flows)
+    fi = np.fromiter((f for f, links in enumerate(flows) for _r, a in links if a > 0), dtype=np.int64)
+    li = np.fromiter((r for links in flows for r, a in links if a > 0), dtype=np.int64)
+    co = np.fromiter((a for links in flows for _r, a in links if a > 0), dtype=float)
+    rate = np.full(n, _INF)
+    if fi.size == 0:
+        return rate.tolist()
+    used, inv = np.unique(li, return_inverse=True)
+    cap = np.asarray(capacity, dtype=float)[used]
+    tol = _EPS * np.maximum(1.0, cap)
+    left = cap.copy()
+    live = np.ones(fi.size, dtype=bool)  # entries of flows not yet frozen
+    frozen = np.zeros(n, dtype=bool)
+    level = 0.0
+    while live.any():
+        weight = np.bincount(inv[live], weights=co[live], minlength=used.size)
+        on = weight > _EPS
+        if not on.any():
+            break
+        step = max(float(np.min(left[on] / weight[on])), 0.0)
+        level += step
+        left -= step * weight
+        full = on & (left <= tol)
+        hit = np.unique(fi[live & full[inv]])
+        rate[hit] = level
+        frozen[hit] = True
+        live &= ~frozen[fi]
+    return rate.tolist()
+
+
+def _max_min_dict(capacity: Sequence[float], flows: Sequence[Sequence[tuple[int, float]]]) -> list[float]:
     n = len(flows)
     rate = [_INF] * n
     weight: dict[int, float] = {}

@@ -71,6 +71,9 @@ _SENDER = textwrap.dedent("""
             left -= s.send(buf[: min(len(buf), left)])
         s.shutdown(socket.SHUT_WR)
     threads = [threading.Thread(target=send, args=(s,)) for s in socks]
+    go = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0  # a common start (one monotonic clock)
+    while time.monotonic() < go:
+        time.sleep(0.001)
     print(time.monotonic(), flush=True)
     for t in threads: t.start()
     for t in threads: t.join()
@@ -79,10 +82,17 @@ _SENDER = textwrap.dedent("""
 
 @dataclass
 class StepResult:
-    links: list[int]  # link of each flow
+    links: list[int]  # link of each flow (A -> B ones, then B -> A ones)
     seconds: float  # measured: first send to last byte received
     predicted: float  # flow model (max-min fair on the two links)
     bandwidth: float  # bytes/s of the whole step (all flows' bytes / seconds)
+    ways: int = 1  # 2: both nodes sent (a two-rank all-reduce)
+
+    @property
+    def busbw(self) -> float:
+        """Read as a two-rank ring all-reduce, each rank sends its buffer S once (2(n-1)/n S at
+        n = 2; S = the bytes of its flows, one channel's share each): busbw = algbw = S / t."""
+        return self.bandwidth / self.ways
 
 
 def available() -> tuple[bool, str]:
@@ -135,44 +145,78 @@ class TwoLinks:
         for ns in (self.a, self.b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
-    def step(self, links: Sequence[int], nbytes: int, sports: Sequence[int], port: int = 5201) -> StepResult:
-        """All flows at once, flow i over link ``links[i]``; measured and predicted step time."""
-        recv = subprocess.Popen(["ip", "netns", "exec", self.b, sys.executable, "-c", _RECEIVER,
-                                 "10.215.0.2,10.215.1.2", str(port), str(len(links))],
-                                stdout=subprocess.PIPE, text=True)
+    def step(self, links: Sequence[int], nbytes: int, sports: Sequence[int], port: int = 5201,
+             back: Sequence[int] | None = None) -> StepResult:
+        """All flows at once, flow i A -> B over link ``links[i]`` and, with `back`, flow i B -> A
+        over link ``back[i]`` (the other direction of a two-rank ring all-reduce: both ranks send
+        at once over full-duplex links); measured and predicted step time."""
+        ends = [(self.b, "10.215.{k}.2", list(links), list(sports))]
+        if back is not None:
+            ends.append((self.a, "10.215.{k}.1", list(back), [p + 500 for p in sports]))
+        recvs = []
         try:
-            assert recv.stdout is not None
-            recv.stdout.readline()  # "ready"
-            targets = ",".join(f"10.215.{k}.2:{port}" for k in links)
-            send = subprocess.run(["ip", "netns", "exec", self.a, sys.executable, "-c", _SENDER, targets,
-                                   str(nbytes), ",".join(map(str, sports))],
-                                  capture_output=True, text=True, timeout=120, check=True)
-            start = float(send.stdout.split()[0])
-            end, total = recv.stdout.readline().split()
-            recv.wait(timeout=30)
+            for ns, addr, ks, _sp in ends:
+                r = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", _RECEIVER,
+                                      ",".join(addr.format(k=k) for k in range(2)), str(port), str(len(ks))],
+                                     stdout=subprocess.PIPE, text=True)
+                recvs.append(r)
+                assert r.stdout is not None
+                r.stdout.readline()  # "ready"
+            go = time.monotonic() + 1.5  # both senders start together (python starts in under that)
+            sends = [subprocess.Popen(["ip", "netns", "exec", self.a if ns == self.b else self.b, sys.executable,
+                                       "-c", _SENDER, ",".join(f"{addr.format(k=k)}:{port}" for k in ks),
+                                       str(nbytes), ",".join(map(str, sp)), repr(go)],
+                                      stdout=subprocess.PIPE, text=True)
+                     for ns, addr, ks, sp in ends]
+            starts = []
+            for snd in sends:
+                out, _ = snd.communicate(timeout=120)
+                if snd.returncode:
+                    raise RuntimeError(f"two-link sender failed (exit {snd.returncode})")
+                starts.append(float(out.split()[0]))
+            finish, total = [], 0
+            for r in recvs:
+                assert r.stdout is not None
+                end, got = r.stdout.readline().split()
+                finish.append(float(end))
+                total += int(got)
+                r.wait(timeout=30)
         finally:
-            if recv.poll() is None:
-                recv.kill()
-                recv.wait()
-        seconds = float(end) - start
-        rates = max_min_rates([self.rate, self.rate], [[(k, 1.0)] for k in links])
-        return StepResult(list(links), seconds, nbytes / min(rates), int(total) / seconds)
+            for r in recvs:
+                if r.poll() is None:
+                    r.kill()
+                    r.wait()
+        seconds = max(finish) - min(starts)
+        # Flow model: each direction of each link is its own resource (full duplex).
+        res = [(k, 0) for k in links] + [(k, 1) for k in (back or [])]
+        index = {x: i for i, x in enumerate(sorted(set(res)))}
+        rates = max_min_rates([self.rate] * len(index), [[(index[x], 1.0)] for x in res])
+        return StepResult(list(links) + list(back or []), seconds, nbytes / min(rates), total / seconds,
+                          2 if back is not None else 1)
 
 
-def hashed_links(sports: Sequence[int], seed: int) -> list[int]:
-    """Link (0/1) ECMP gives each flow A -> B with these source ports."""
-    return [choose(FiveTuple(0x0AD70001, 0x0AD70002, sp, 5201, 6), 2, seed, "leaf") for sp in sports]
+def hashed_links(sports: Sequence[int], seed: int, reverse: bool = False) -> list[int]:
+    """Link (0/1) ECMP gives each flow A -> B (B -> A with `reverse`) with these source ports."""
+    a, b = 0x0AD70001, 0x0AD70002
+    src, dst = (b, a) if reverse else (a, b)
+    return [choose(FiveTuple(src, dst, sp, 5201, 6), 2, seed, "leaf") for sp in sports]
 
 
-def measure(rate: float = 4e6, nbytes: int = 2_000_000, flows: int = 2, seed: int | None = None
-            ) -> dict[str, StepResult]:
-    """Planned (flows spread evenly) vs hashed (a seed whose hash puts them on one link unless
-    `seed` is given) on two links of `rate` bytes/s each."""
+def measure(rate: float = 4e6, nbytes: int = 2_000_000, flows: int = 2, seed: int | None = None,
+            both_ways: bool = True) -> dict[str, StepResult]:
+    """Planned (flows spread evenly) vs hashed (a seed whose hash puts them on one link, in both
+    directions, unless `seed` is given) on two links of `rate` bytes/s each. `both_ways`: each
+    node sends `flows` flows to the other at once, as the two ranks of a ring all-reduce do
+    (each flow one channel's share of the buffer)."""
     sports = [40000 + 7 * i for i in range(flows)]
+    back_ports = [p + 1500 for p in sports]
     if seed is None:
-        seed = next(s for s in range(10000) if len(set(hashed_links(sports, s))) == 1)
+        seed = next(s for s in range(10000) if len(set(hashed_links(sports, s))) == 1
+                    and (not both_ways or len(set(hashed_links(back_ports, s, reverse=True))) == 1))
+    spread = [i % 2 for i in range(flows)]
     with TwoLinks(rate) as net:
-        planned = net.step([i % 2 for i in range(flows)], nbytes, sports)
+        planned = net.step(spread, nbytes, sports, back=spread if both_ways else None)
         time.sleep(0.2)
-        hashed = net.step(hashed_links(sports, seed), nbytes, [p + 1000 for p in sports])
+        hashed = net.step(hashed_links(sports, seed), nbytes, [p + 1000 for p in sports],
+                          back=hashed_links(back_ports, seed, reverse=True) if both_ways else None)
     return {"planned": planned, "hashed": hashed}

@@ -225,6 +225,8 @@ class _Lowerer:
         self.shared_colls: dict[tuple, int] = {}
         self.ring_cache: dict[tuple, tuple[float, list[tuple[int, int, float]]]] = {}
         self.tp_algo_cache: dict[tuple, tuple[str, float]] = {}
+        # Flows of equal rings and times are equal: one list each (the engine only reads them).
+        self.flow_cache: dict[tuple, list[tuple[int, float, float]]] = {}
         self.total_cache: dict[tuple, tuple] = {}
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
@@ -564,12 +566,16 @@ class _Lowerer:
         if len(devices) < 2 or bandwidth_seconds <= 0:
             return None
         key = (tuple(devices), tuple(tuple(r) for r in twins) if twins else None)
+        flow = self.flow_cache.get((key, bandwidth_seconds))
+        if flow is not None:
+            return flow
         shape = self.ring_cache.get(key)
         if shape is None:
             shape = self.ring_cache[key] = self._ring_shape(devices, twins)
         slowest, parts = shape
         nbytes = bandwidth_seconds * slowest
-        return [(r, nbytes * hops, copies) for r, hops, copies in parts]
+        flow = self.flow_cache[(key, bandwidth_seconds)] = [(r, nbytes * hops, copies) for r, hops, copies in parts]
+        return flow
 
     def _ring_shape(self, devices: list[int], twins: list[list[int]] | None
                     ) -> tuple[float, list[tuple[int, int, float]]]:

@@ -51,7 +51,8 @@ class ClusterView:
     name: str = "cluster"
     cluster: Cluster | None = None
     fabric: Fabric | None = None  # switched fabric: inter-node transfers follow its paths
-    flow_paths: dict[tuple[int, int, int], tuple[int, ...]] | None = None  # planned (src, dst, channel)
+    # planned paths per (src, dst, channel): (share of its bytes, link ids) each
+    flow_paths: dict[tuple[int, int, int], list[tuple[float, tuple[int, ...]]]] | None = None
     _routes: dict = field(default_factory=dict, repr=False)
     _port: np.ndarray | None = field(default=None, repr=False)
     _nic: np.ndarray | None = field(default=None, repr=False)
@@ -70,8 +71,9 @@ class ClusterView:
                    measured=measured_tables(cluster),
                    name=cluster.name, cluster=cluster, fabric=fabric_of(cluster))
 
-    def with_flow_paths(self, paths: dict[tuple[int, int, int], tuple[int, ...]] | None) -> ClusterView:
-        """This view with planned flow paths (link ids per (src device, dst device, channel))."""
+    def with_flow_paths(self, paths: dict[tuple[int, int, int], list[tuple[float, tuple[int, ...]]]] | None
+                        ) -> ClusterView:
+        """This view with planned flow paths ((share, link ids) per (src device, dst device, channel))."""
         if paths == self.flow_paths:
             return self
         return dataclasses.replace(self, flow_paths=paths, _routes={}, _paths={}, _groups={})
@@ -130,9 +132,11 @@ class ClusterView:
             share: dict[int, float] = {}
             for c in range(fab.channels):
                 planned = self.flow_paths.get((src, dst, c)) if self.flow_paths else None
-                links = planned if planned is not None else fab.route_ecmp(device_flow(fab, src, dst, c)).links
-                for link in links:
-                    share[link] = share.get(link, 0.0) + 1.0 / fab.channels
+                if planned is None:
+                    planned = [(1.0, fab.route_ecmp(device_flow(fab, src, dst, c)).links)]
+                for part, links in planned:  # a split flow: each path carries its part
+                    for link in links:
+                        share[link] = share.get(link, 0.0) + part / fab.channels
             out = [(("link", link), fab.capacity[link], x) for link, x in share.items()]
         self._routes[(src, dst)] = out
         return out
