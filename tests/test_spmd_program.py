@@ -113,7 +113,8 @@ def synthesized(graph):
         {"kind": "v100-16gb", "count": 1}, {"kind": "p100-16gb", "count": 1}],
         "intra": {"type": "nvlink", "bandwidth": "300 GB/s"}}]})
     devices = Devices.from_cluster(cluster)
-    devices = dataclasses.replace(devices, flops=devices.flops * 1e-6, mem_bw=devices.mem_bw * 1e-6)
+    devices = dataclasses.replace(devices, flops=devices.flops * 1e-6, mem_bw=devices.mem_bw * 1e-6,
+                                  kinds=())  # op work from these figures (op_work), not the kinds
     problem = Problem.build(graph, devices)
     program = beam_search(problem, RATIOS, width=16)
     return compile_program(graph, program.strategies, RATIOS, 2)
