@@ -39,7 +39,7 @@ def test_a_linear_layer_in_data_parallel_by_hand() -> None:
     problem = Problem.build(graph, devices)
     r = np.array([0.75, 0.25])
     syn = data_parallel(problem, r)
-    result = simulate_spmd(problem, syn, cluster, bucket_bytes=None, batch=256)
+    result = simulate_spmd(problem, syn, cluster, bucket_bytes=None, batch=256, fixed_costs=False)
     assert isinstance(result, SimResult)
     op = graph.ops[0]
     out = graph.tensors[op.outputs[0]].nbytes
@@ -75,8 +75,8 @@ def test_gradient_all_reduces_overlap_backward_and_buckets_pack_them() -> None:
     graph = capture_aten(Mlp(), (torch.randn(2048, 1024),), name="mlp")
     problem = Problem.build(graph, Devices.from_cluster(cluster))
     syn = data_parallel(problem, np.full(4, 0.25))
-    per_grad = simulate_spmd(problem, syn, cluster, bucket_bytes=None)
-    bucketed = simulate_spmd(problem, syn, cluster, bucket_bytes=8e6)
+    per_grad = simulate_spmd(problem, syn, cluster, bucket_bytes=None, fixed_costs=False)
+    bucketed = simulate_spmd(problem, syn, cluster, bucket_bytes=8e6, fixed_costs=False)
     tl = per_grad.timeline
     first_ar = min(e.start for e in tl.events if e.name.startswith("all_reduce"))
     last_bwd = max(e.end for e in tl.events if e.category == "backward")
@@ -108,3 +108,20 @@ def test_overlap_aware_synthesis_keeps_what_the_simulator_ranks_first() -> None:
     hidden = Problem.build(graph, Devices.from_cluster(cluster), overlap=0.0)
     assert hidden.weight(Comm("all_reduce", "p_fcs_0_weight", 4, "bwd")) == 0.0
     assert hidden.weight(Comm("all_reduce", "relu", 4, "bwd")) == 1.0  # an activation's gradient blocks
+
+
+def test_fixed_costs_are_the_compute_models_as_for_3d_plans() -> None:
+    """With the compute model's fixed costs each rank pays at least the host's dispatch of every
+    kernel, the batch fetch and the loss (plait.cost.compute), as the 3D lowering charges them."""
+    from plait.cost.compute import DEFAULT_MODEL
+
+    cluster = two_nodes(1)
+    graph = capture_aten(nn.Linear(64, 64), (torch.randn(8, 64),), name="tiny")
+    problem = Problem.build(graph, Devices.from_cluster(cluster))
+    syn = data_parallel(problem, np.array([0.5, 0.5]))
+    bare = simulate_spmd(problem, syn, cluster, bucket_bytes=None, fixed_costs=False).iteration_time_s
+    full = simulate_spmd(problem, syn, cluster, bucket_bytes=None).iteration_time_s
+    kernels = sum(1 for op in graph.ops if op.kind not in ("view", "t", "transpose"))
+    m = DEFAULT_MODEL
+    host_floor = kernels * (m.host_fwd_s + m.host_bwd_s) + m.batch_host_s + m.loss_host_s
+    assert full - bare >= host_floor * 0.99

@@ -22,6 +22,7 @@ from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
 from plait.plan.threed import DEFAULT_CLUSTER, Evaluate, PlanResult, SearchError, search_3d
+from plait.search.spmd_family import search_spmd
 
 
 class FamilySearch(Protocol):
@@ -65,6 +66,7 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
 
 
 register_family("graph", _search_graph, ("runnable", "max_dp", "candidates", "memory_kwargs", "dtype"))
+register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "runnable"))
 
 
 def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:

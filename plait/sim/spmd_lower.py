@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.cost.collectives import UNEVEN_OPS, choose_algorithm, collective_time
-from plait.cost.compute import optimizer_time
+from plait.cost.compute import ComputeModel, optimizer_time
 from plait.errors import PlaitError
 from plait.sim.engine import TaskGraph
 from plait.sim.topology import ClusterView
-from plait.spmd.cost import BACKWARD_FACTOR, Devices, comm_seconds
+from plait.spmd.cost import BACKWARD_FACTOR, VIEWS, Devices, comm_seconds
 from plait.spmd.placement import PARTIAL, REPLICATED, Comm, shard_dim
 from plait.spmd.search import Problem, Program
 
@@ -104,7 +104,8 @@ def params_held(problem: Problem, program: Program, ratios: np.ndarray,
 def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: ClusterView, *,
                devices: Devices | None = None, of_op: dict[str, int] | None = None,
                of_dim: dict[tuple[str, int], int] | None = None, bucket_bytes: float | None = None,
-               host_comm_s: float = 0.0, device_scale: np.ndarray | None = None) -> SpmdLowered:
+               host_comm_s: float = 0.0, device_scale: np.ndarray | None = None,
+               model: ComputeModel | None = None) -> SpmdLowered:
     """The task graph of one training iteration of `program` at `ratios` (one vector, or one row
     per segment with `of_op` / `of_dim` from `plait.spmd.ratios.Segments`) on `view`.
 
@@ -127,6 +128,16 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
         share = share * np.asarray(device_scale, dtype=float)[None, :]
     fwd = np.stack(problem.work) * share / BACKWARD_FACTOR  # (ops, n) seconds
     bwd = fwd * (BACKWARD_FACTOR - 1.0)
+    # The compute model's fixed costs, as the 3D lowering charges them (plait.cost.compute): each
+    # kernel's GPU time besides its work, and the host time to dispatch it -- one forward kernel
+    # per op that is not a view, two backward kernels for ops with FLOPs (input and weight
+    # gradients), one otherwise; the host runs ahead of the GPU on its own chain, and a kernel
+    # starts only once launched. Per iteration the host also fetches the batch and runs the loss.
+    kern_f = np.array([0.0 if op.kind in VIEWS else 1.0 for op in graph.ops])
+    kern_b = np.array([0.0 if op.kind in VIEWS else (2.0 if op.flops > 0 else 1.0) for op in graph.ops])
+    if model is not None:
+        fwd = fwd + model.kernel_gpu_s * kern_f[:, None]
+        bwd = bwd + model.kernel_gpu_s * kern_b[:, None]
     # ranks that compute identically: same kind, same share of every op
     classes: dict[tuple, list[int]] = defaultdict(list)
     for i in range(n):
@@ -172,12 +183,26 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
     comm_tasks: list[int] = []
     fwd_done_upto = -1
 
+    host_last: list[int] = [-1] * len(reps)
+
+    def launch(j: int, i: int, name: str, seconds: float) -> list[int]:
+        """The host task that dispatches a kernel of rank rep `j` (none without a compute model)."""
+        if model is None:
+            return []
+        deps = [host_last[j]] if host_last[j] >= 0 else []
+        host_last[j] = tg.add(f"launch {name}", "host", f"dev{ids[i]}/host", seconds, deps, device=ids[i])
+        return [host_last[j]]
+
     def emit_forward_until(k_stop: int) -> None:
         nonlocal fwd_done_upto
         for k in range(fwd_done_upto + 1, k_stop + 1):
             for j, i in enumerate(reps):
                 deps = [F[j][k - 1]] if k > 0 else []
                 deps += extra_f.get(k, [])
+                if model is not None:
+                    host = model.host_fwd_s * kern_f[k] + (model.batch_host_s if k == 0 else 0.0) \
+                        + (model.loss_host_s if k == n_ops - 1 else 0.0)
+                    deps += launch(j, i, f"fwd {graph.ops[k].name}", host)
                 F[j][k] = tg.add(f"fwd {graph.ops[k].name}", "forward", f"dev{ids[i]}/compute",
                                  float(fwd[k, i]), deps, device=ids[i])
         fwd_done_upto = max(fwd_done_upto, k_stop)
@@ -209,6 +234,8 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
         for j, i in enumerate(reps):
             deps = [B[j][k + 1]] if k + 1 < n_ops else [F[j][n_ops - 1]] + after_fwd
             deps += extra_b.get(k, [])
+            if model is not None:
+                deps += launch(j, i, f"bwd {graph.ops[k].name}", model.host_bwd_s * kern_b[k])
             B[j][k] = tg.add(f"bwd {graph.ops[k].name}", "backward", f"dev{ids[i]}/compute",
                              float(bwd[k, i]), deps, device=ids[i])
         done_b.add(k)
@@ -237,7 +264,9 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
     held = params_held(problem, program, ratios, of_dim)
     for j, i in enumerate(reps):
         kind = devices.kinds[i] if devices.kinds else view.kinds[ids[i]]
-        tg.add("optimizer step", "optimizer", f"dev{ids[i]}/compute", optimizer_time(float(held[i]), kind),
+        step_host = model.step_host_s if model is not None else 0.0
+        tg.add("optimizer step", "optimizer", f"dev{ids[i]}/compute",
+               optimizer_time(float(held[i]), kind) + step_host,
                [B[j][0]] + to_optimizer, device=ids[i], args={"params": float(held[i])})
     return SpmdLowered(tg, reps, groups, comm_tasks, held)
 

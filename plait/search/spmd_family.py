@@ -1,0 +1,91 @@
+"""The heterogeneous-SPMD family for the search driver: one HAP-style program over every device.
+
+`search_spmd` captures the model at the global batch (aten level, meta device), synthesizes a
+program with uneven per-device ratios (`plait.spmd.ratios.synthesize`: A* program search and the
+ratio LP with memory, alternated), and has it timed by the one simulator
+(`plait.sim.api.simulate_spmd`, the program lowered op by op onto the cluster's links), so its
+candidate competes with 3D and graph plans on the same scale. The result is the 3D family's
+`PlanResult`; its plan carries the program (`Plan.spmd`), which `plait run --plan` runs.
+
+Synthesis handles one flat device group: the family declines clusters larger than
+`max_devices` (64 by default, HAP's testbed) with the reason rather than search for minutes.
+It lives beside the driver because it needs both a planner (`plait.spmd`) and the simulator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from plait.cluster.spec import Cluster
+from plait.ir.plan import Plan
+from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
+
+
+def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+                evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+                compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
+                max_devices: int = 64, runnable: bool = False) -> PlanResult:
+    """The synthesized SPMD program of `model` on `cluster` as a one-candidate `PlanResult`.
+
+    `dtype`: the program's compute dtype (default: the cluster's, as the 3D family picks it;
+    `runnable=True` asks for fp32, the dtype plait's runtime runs SPMD programs in). `evaluate`
+    only says whether to simulate (the program is lowered by `simulate_spmd`, not by the 3D
+    lowering `evaluate` wraps); without it the synthesis's own cost ranks."""
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.zoo import load_model
+    from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
+    from plait.sim.api import simulate_spmd
+    from plait.spmd.cost import Devices
+    from plait.spmd.program_plan import program_plan
+    from plait.spmd.ratios import synthesize
+    from plait.spmd.search import Problem
+
+    t0 = time.perf_counter()
+    n = cluster.num_devices
+    if n > max_devices:
+        raise SearchError(f"spmd: one flat program over {n} devices is not searched (max_devices="
+                          f"{max_devices}); the SPMD family plans clusters of up to {max_devices} GPUs")
+    if not isinstance(model, str | None):
+        raise SearchError("spmd: the family captures a zoo spec or file.py:factory, not a prepared graph")
+    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
+    if gb < n:
+        raise SearchError(f"spmd: global batch {gb} is smaller than the {n} devices a program shards it over")
+    dtype = "fp32" if runnable else (dtype or auto_dtype(cluster))
+    spec = load_model(DEFAULT_MODEL if model is None else model)
+    inputs, _ = spec.sample_batch(gb)
+    graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+    problem = Problem.build(graph, Devices.from_cluster(cluster, dtype))
+    syn = synthesize(problem, dtype=dtype, max_states=max_states)
+    ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
+    plan = program_plan(syn.program.strategies, ratios, gb, model=spec.spec, predicted_s=syn.cost, dtype=dtype)
+    reasons: dict[str, int] = {}
+    if supports is not None and runnable:
+        ok, why = supports(plan)
+        if not ok:
+            raise SearchError(f"spmd: the runtime cannot run the synthesized program ({why})")
+    cand = Candidate(plan=plan, analytic_s=float(syn.cost), family="spmd")
+    if evaluate is not None:
+        sim = simulate_spmd(problem, syn, cluster, batch=gb, name=spec.spec)
+        cand.iteration_time_s = sim.iteration_time_s
+        cand.throughput = sim.throughput_samples_per_s
+        cand.tflops_per_gpu = sim.tflops_per_gpu
+        cand.sim = sim.to_dict()
+        if sim.memory_peak_bytes:
+            cand.peak_bytes = [int(x) for x in sim.memory_peak_bytes]
+    else:
+        cand.throughput = gb / float(syn.cost)
+    if not cand.peak_bytes:
+        cand.peak_bytes = [int(x) for x in syn.memory]
+    if cand.peak_bytes:
+        caps = [d.kind.memory_bytes for d in cluster.devices]
+        free: dict[str, int] = {}
+        for d, peak in zip(cluster.devices, cand.peak_bytes):
+            free[d.kind.name] = min(free.get(d.kind.name, caps[d.id]), caps[d.id] - peak)
+        cand.headroom_by_kind = free
+    return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=[cand][:top],
+                      enumerated=1, pruned=0, pruned_reasons=reasons, memory_checked=1, ranked_analytic=1,
+                      simulated=1 if evaluate is not None else 0, search_time_s=time.perf_counter() - t0,
+                      ranker="simulator" if evaluate is not None else "analytic", family="spmd",
+                      extra={"states_expanded": syn.expanded, "fits": syn.fits})
