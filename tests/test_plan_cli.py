@@ -26,6 +26,8 @@ def test_json_output_and_plan_file_accepted_by_simulate(tmp_path, capsys):
     best = res["top"][0]
     assert best["iteration_time_s"] <= res["top"][1]["iteration_time_s"]
     assert set(best["memory_headroom_bytes_by_kind"]) == {"a100-80gb"}
+    # every family searched (the default), each ranked by the same simulator
+    assert set(res["families"]) == {"3d", "graph", "spmd"} and best["family"] in res["families"]
     plan = Plan.load(str(out))
     assert str(plan) == best["plan_str"]
     # the saved plan is what `plait simulate` predicts
@@ -65,7 +67,7 @@ def test_bad_arguments_give_one_line_errors(argv, needle, capsys):
 
 def test_run_trains_the_chosen_plan_and_prints_predicted_vs_measured(capsys):
     # one rank per node: the machine prediction calibrates this machine first (LocalMachine)
-    rc = main(["plan", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false,gpus_per_node=1",
+    rc = main(["plan", "--family", "3d", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false,gpus_per_node=1",
                "--global-batch", "4", "--top", "2", "--run", "--steps", "3", "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
@@ -81,7 +83,7 @@ def test_run_trains_the_chosen_plan_and_prints_predicted_vs_measured(capsys):
 
 
 def test_run_without_machine_prediction(capsys):
-    rc = main(["plan", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false,gpus_per_node=1",
+    rc = main(["plan", "--family", "3d", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false,gpus_per_node=1",
                "--global-batch", "4", "--top", "1", "--run", "--steps", "2", "--no-machine-prediction",
                "--no-progress"])
     assert rc == 0

@@ -47,10 +47,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster YAML or preset (default: {DEFAULT_CLUSTER})")
     p.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
                    help=f"samples per iteration (default: {DEFAULT_GLOBAL_BATCH})")
-    p.add_argument("--family", choices=("3d", "graph", "spmd"), default="3d",
-                   help="planner family: 3d (data x tensor x pipeline, default), graph (GraphPipe: a DAG "
-                        "of pipeline stages for multi-branch models) or spmd (an op-level SPMD program with "
-                        "uneven per-device ratios: HAP, plait.spmd)")
+    p.add_argument("--family", choices=("all", "3d", "graph", "spmd"), default="all",
+                   help="planner family: all (default: every family, ranked together by the simulator), 3d "
+                        "(data x tensor x pipeline), graph (GraphPipe: a DAG of pipeline stages for "
+                        "multi-branch models) or spmd (an op-level SPMD program with uneven per-device "
+                        "ratios: HAP, plait.spmd)")
     p.add_argument("--top", type=int, default=5, help="how many plans to print (default 5)")
     p.add_argument("--finalists", type=int, default=12,
                    help="analytically best candidates to place and simulate (default 12; 0 = all)")
@@ -98,11 +99,16 @@ def run(args: argparse.Namespace) -> int:
     if args.family == "graph":
         return _run_graph(args)
     # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
+    # `all`: graph pipelines and SPMD programs compete with the 3D plans; with --run (or a plan to
+    # export or place on fabric paths) only what the runtime runs and the frameworks express.
+    families = {"families": "all", "runnable": True} if args.family == "all" else {"families": "3d"}
+    if args.family == "all" and (args.export or args.traffic_plan):
+        families = {"families": "3d"}
     result = plan(args.model, args.cluster, global_batch=args.global_batch,
                   top=args.top if args.json else args.top * FOLD_EXTRA,
                   finalists=None if args.finalists == 0 else args.finalists, seed=args.seed,
                   placement=not args.no_placement, progress=not args.no_progress and not args.json,
-                  memory_kwargs=memory_kwargs_of(args))
+                  memory_kwargs=memory_kwargs_of(args), **families)
     best = result.best
     traffic = traffic_plan(args.model, fabric_cluster, best.plan) if fabric_cluster is not None else None
     best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths
@@ -246,7 +252,9 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
     from plait.runtime import supports
     from plait.runtime.api import run as runtime_run
 
-    runnable = [c for c in result.top if c.plan.schedule != "interleaved" and supports(c.plan)[0]]
+    # SPMD programs run with their own prediction: `plait plan --family spmd --run`
+    runnable = [c for c in result.top if c.plan.schedule != "interleaved" and c.plan.spmd is None
+                and supports(c.plan)[0]]
     if not runnable:
         raise PlaitError("--run: the runtime runs 1f1b and gpipe pipelines; every plan in the top "
                          f"{len(result.top)} is interleaved (raise --top)")
@@ -354,7 +362,7 @@ def _shape(c: Any) -> tuple[Any, ...]:
     p = c.plan
     split = p.layer_split if p.virtual_stages == 1 else None  # interleaving re-cuts the layers
     return (p.dp, p.tp, p.pp, p.micro_batch, p.sequence_parallel, p.dtype, split, p.dp_shares, p.tp_ratios,
-            p.device_order, str(p.stages), c.layout)
+            p.device_order, str(p.stages), c.layout, getattr(c, "family", "3d"), str(p.spmd))
 
 
 def _variants(group: list[Any]) -> str:
@@ -383,7 +391,7 @@ def _margin(c: Any) -> float:
 
 # Plan-table columns: (header, right-aligned, priority). Narrow terminals drop the lowest priority
 # first; --wide shows them all.
-_COLUMNS = [("#", True, 100), ("dp", True, 99), ("tp", True, 99), ("pp", True, 99), ("mb", True, 98),
+_COLUMNS = [("#", True, 100), ("family", False, 98), ("dp", True, 99), ("tp", True, 99), ("pp", True, 99), ("mb", True, 98),
             ("iteration", True, 97), ("options", False, 90), ("uneven split", False, 85), ("variants", False, 80),
             ("min free", True, 75), ("samples/s", True, 60), ("layout", False, 50), ("TFLOP/s/GPU", True, 40)]
 
@@ -393,7 +401,14 @@ def _cells(c: Any, group: list[Any], index: int, kinds: list[str]) -> dict[str, 
     schedule = p.schedule + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")
     opts = schedule + (f" zero{p.zero}" if p.zero else "") + (f" rc={p.recompute}" if p.recompute != "none" else "") + (
         " sp" if p.sequence_parallel else "")
-    cells = {"#": str(index), "dp": str(p.dp), "tp": str(p.tp), "pp": str(p.pp), "mb": str(p.micro_batch),
+    family = getattr(c, "family", "3d")
+    if family == "graph":
+        opts = f"{len(p.stages)} stages, " + ", ".join(sorted({f"dp{s.dp}" for s in p.stages}))
+    elif family == "spmd" and p.spmd is not None:
+        r = p.spmd["ratios"]
+        vec = r[0] if r and isinstance(r[0], list) else r
+        opts = "SPMD program, ratios " + ":".join(f"{x:.2f}" for x in vec[:8]) + (" ..." if len(vec) > 8 else "")
+    cells = {"#": str(index), "family": family, "dp": str(p.dp), "tp": str(p.tp), "pp": str(p.pp), "mb": str(p.micro_batch),
              "iteration": _ms(c.time_s), "options": opts, "uneven split": _uneven(c),
              "variants": _variants(group), "min free": f"{_margin(c) / GiB:.1f} GiB",
              "samples/s": f"{c.throughput:.1f}" if c.throughput is not None else "-", "layout": c.layout,
@@ -411,7 +426,8 @@ def plan_table(result: Any, width: int | None, top: int | None = None) -> tuple[
     groups = fold_plans(result.top)[:top]
     kinds = sorted({k for c in result.top for k in c.headroom_by_kind})
     rows = [_cells(g[0], g, i, kinds) for i, g in enumerate(groups, 1)]
-    columns = [c for c in _COLUMNS if any(r[c[0]] not in ("", "-") for r in rows) or c[2] >= 97]
+    columns = [c for c in _COLUMNS if (any(r[c[0]] not in ("", "-") for r in rows) or c[2] >= 97)
+               and (c[0] != "family" or any(r["family"] != "3d" for r in rows))]
     if len(kinds) > 1:  # per-kind margins: in wide tables
         columns += [(f"free {k}", True, 30) for k in kinds]
     hidden: list[str] = []

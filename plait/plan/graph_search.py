@@ -27,6 +27,7 @@ from plait.plan.threed import (
     PlanResult,
     auto_dtype,
     load_graph,
+    memory_headroom,
 )
 
 
@@ -70,7 +71,8 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
                 reasons["runtime"] = reasons.get("runtime", 0) + 1
                 examples.setdefault("runtime", why)
                 continue
-        cand = Candidate(plan, layout="graph", analytic_s=score, peak_bytes=list(mem.peak_bytes))
+        cand = Candidate(plan, layout="graph", analytic_s=score, peak_bytes=list(mem.peak_bytes),
+                         headroom_by_kind=memory_headroom(list(mem.peak_bytes), cluster_obj.devices, plan))
         kept.append(cand)
     if not kept:
         why = "; ".join(f"{k}: {examples[k]}" for k in examples) or "no stage list"

@@ -471,10 +471,13 @@ class AnalyticModel:
 # ============================================================================ simulator
 
 
-def _headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
+def memory_headroom(peaks: list[int], devices: list, plan: Plan) -> dict[str, int]:
+    """Least free memory (bytes) per GPU kind over the devices `plan` uses: its memory margin."""
     out: dict[str, int] = {}
-    for r in range(plan.world_size):
-        dev = devices[plan.device_of(r)]
+    used = sorted({d for s in plan.stages for d in s.devices}) if plan.stages else \
+        [plan.device_of(r) for r in range(plan.world_size)]
+    for i in used:
+        dev = devices[i]
         room = dev.kind.memory_bytes - peaks[dev.id]
         out[dev.kind.name] = min(out.get(dev.kind.name, room), room)
     return out
@@ -694,7 +697,7 @@ def _place_and_rank(chosen: list[Candidate], graph: OpGraph, cluster: Cluster, a
                     c.plan = dataclasses.replace(c.plan, device_order=None)
                 c.analytic_s = analytic.estimate(c.plan)
         c.peak_bytes = mem.device_peaks(c.plan).tolist()
-        c.headroom_by_kind = _headroom(c.peak_bytes, mem.devices, c.plan)
+        c.headroom_by_kind = memory_headroom(c.peak_bytes, mem.devices, c.plan)
         if evaluate is not None:
             sim = evaluate(graph, c.plan)
             c.sim = sim

@@ -79,10 +79,9 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     if not cand.peak_bytes:
         cand.peak_bytes = [int(x) for x in syn.memory]
     if cand.peak_bytes:
-        caps = [d.kind.memory_bytes for d in cluster.devices]
         free: dict[str, int] = {}
-        for d, peak in zip(cluster.devices, cand.peak_bytes):
-            free[d.kind.name] = min(free.get(d.kind.name, caps[d.id]), caps[d.id] - peak)
+        for d, peak in zip(cluster.devices, cand.peak_bytes):  # a program uses every device
+            free[d.kind.name] = min(free.get(d.kind.name, d.kind.memory_bytes), d.kind.memory_bytes - peak)
         cand.headroom_by_kind = free
     return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=[cand][:top],
                       enumerated=1, pruned=0, pruned_reasons=reasons, memory_checked=1, ranked_analytic=1,
