@@ -100,7 +100,7 @@ def test_tensor_parallel_records(tmp_path: Path) -> None:
 def test_a_killed_rank_keeps_its_records(tmp_path: Path) -> None:
     with pytest.raises(RunFailure) as info:
         run(TINY, None, "dp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=6, timeout=60, run_dir=tmp_path,
-            fault="rank=1,step=3,kind=die")
+            inject="kill:rank=1,step=3")
     assert info.value.rank == 1 and info.value.kind == "died"
     files = read_run_comm_records(tmp_path / "comm")
     killed = files[1]

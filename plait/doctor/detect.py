@@ -37,6 +37,8 @@ from plait.ir.diagnosis import Finding
 # Ops whose payload legitimately differs between ranks (pickled objects, uneven gathers).
 _SIZE_FREE = ("all_gather_object", "gather_object", "broadcast_object", "barrier", "gather")
 PROBE_KEY = "probe"
+# Heartbeat phases that may legitimately take longer than steps (plait.runtime.launch.STARTUP_PHASES).
+_LONG_PHASES = ("start", "init", "build", "resume", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,15 @@ class Thresholds:
     """A probe's transfer time must be this many times the pair's reference to count as slow."""
     min_excess_of_step: float = 0.03
     """...and exceed the reference by this fraction of the run's median step time (slow rank)."""
-    min_hits: int = 2
-    """Slow steps (or probes) needed before a rank (or pair) is named."""
-    min_hit_fraction: float = 0.25
-    """Of the steps from the first slow one on, at least this fraction must be slow (intermittent ok)."""
-    link_min_hit_fraction: float = 0.5
-    """The same for a link's probes (a slow link stays slow)."""
+    min_hits: int = 3
+    """Slow steps needed before a rank is named (a slow rank stays slow, or slow every k-th step)."""
+    min_hit_fraction: float = 0.75
+    """Of the slow steps the pattern predicts from the first one on (every step, or every k-th where
+    k is the hits' median spacing), at least this fraction must be slow: noise is not periodic."""
+    link_min_hits: int = 3
+    """Slow probes needed before a link is named."""
+    link_min_hit_fraction: float = 0.75
+    """The same for a link's probes."""
     stall_steps: float = 4.0
     """No call ended for this many median step times: the job is stalled (a hang)."""
     stall_floor_s: float = 1.0
@@ -89,12 +94,8 @@ def _instances(run: RunRecords) -> dict[tuple[str, tuple[int, ...], int], dict[i
     out: dict[tuple[str, tuple[int, ...], int], dict[int, _Entry]] = defaultdict(dict)
     for r, rr in run.ranks.items():
         for e in rr.enters:
-            if e.key == PROBE_KEY:
-                continue
             out[(e.group, _members(run, r, e.group), e.seq)][r] = _Entry(e.op, e.bytes, e.t, None, e.step, e.key)
         for c in rr.records:
-            if c.key == PROBE_KEY:
-                continue
             k = (c.group, _members(run, r, c.group), c.seq)
             prev = out[k].get(r)
             out[k][r] = _Entry(c.op, c.bytes, prev.t if prev else c.t_enqueue, c.t_end, c.step, c.key)
@@ -132,10 +133,10 @@ def _past(run: RunRecords, rank: int, group: str, members: tuple[int, ...], seq:
     rr = run.ranks.get(rank)
     if rr is None:
         return None
-    times = [e.t for e in rr.enters if e.key != PROBE_KEY and (
+    times = [e.t for e in rr.enters if (
         (e.group == group and _members(run, rank, e.group) == members and e.seq > seq)
         or (step is not None and e.step is not None and e.step > step))]
-    times += [c.t_enqueue for c in rr.records if c.key != PROBE_KEY and (
+    times += [c.t_enqueue for c in rr.records if (
         (c.group == group and _members(run, rank, c.group) == members and c.seq > seq)
         or (step is not None and c.step is not None and c.step > step))]
     return min(times) if times else None
@@ -231,6 +232,8 @@ def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
     while some rank had not finished; None otherwise."""
     if all(rr.done for rr in run.ranks.values()) and len(run.ranks) >= run.world:
         return None
+    if any((rr.heartbeat or {}).get("phase") in _LONG_PHASES for rr in run.ranks.values() if not rr.done):
+        return None  # a rank is starting up or writing a checkpoint: silence there is not a step's
     end = _progress_end(run)
     limit = max(th.stall_floor_s, th.stall_steps * step_time(run))
     return (end, limit) if run.t_obs - end >= limit else None
@@ -255,7 +258,7 @@ def dead_ranks(run: RunRecords, th: Thresholds, live: bool = False) -> list[Find
 def _pending(run: RunRecords, r: int) -> list[Any]:
     rr = run.ranks[r]
     done = {(c.group, c.seq, c.op) for c in rr.records}
-    return [e for e in rr.enters if (e.group, e.seq, e.op) not in done and e.key != PROBE_KEY]
+    return [e for e in rr.enters if (e.group, e.seq, e.op) not in done]
 
 
 def hangs(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
@@ -265,7 +268,8 @@ def hangs(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
         return []
     end, limit = st
     detected = end + limit
-    dead = {r for r in run.ranks if _death(run, r, live) is not None}
+    deaths = {r: _death(run, r, live) for r in run.ranks}
+    dead = {r for r, t in deaths.items() if t is not None and t <= end + limit}  # later: the launcher's kill
     fresh = max((rr.hb_written for rr in run.ranks.values() if rr.hb_written is not None), default=None)
     stopped = {r for r, rr in run.ranks.items() if fresh is not None and rr.hb_written is not None
                and fresh - rr.hb_written > th.hb_stale_s and not rr.done}
@@ -333,35 +337,54 @@ def local_work(run: RunRecords) -> dict[int, dict[int, tuple[float, float, float
 
 
 def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], ratio: float, floor: float,
-           th: Thresholds, fraction: float) -> dict[Any, tuple[list[int], float]]:
-    """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps."""
-    own = {k: _steady({s: v for s, v in ser.items()}) for k, ser in series.items()}
+           min_hits: int, fraction: float) -> dict[Any, tuple[list[int], float]]:
+    """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
+
+    A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
+    median of its peers at that same step (a machine-wide hiccup slows the peers too); an item
+    slow from its first step on (its own level already `ratio` x its peers') is judged against
+    its peers alone. Without peers, its own history alone."""
+    own = {k: _steady(dict(ser)) for k, ser in series.items()}
     out = {}
     for k, ser in series.items():
-        refs = [own[k]] if own[k] is not None else []
-        peer_levels = [own[p] for p in peers.get(k, []) if own.get(p) is not None]
-        if peer_levels:
-            refs.append(statistics.median(peer_levels))
-        if not refs or min(refs) <= 0:
+        if own[k] is None or own[k] <= 0:
             continue
-        ref = min(refs)
-        hits = [s for s, v in sorted(ser.items()) if v >= ratio * ref and v - ref >= floor]
-        if len(hits) < th.min_hits:
+        ps = [p for p in peers.get(k, []) if own.get(p)]
+        peer_level = statistics.median(own[p] for p in ps) if ps else None
+        always_slow = peer_level is not None and own[k] >= ratio * peer_level
+        ref = peer_level if always_slow else own[k]
+        hits = []
+        for s, v in sorted(ser.items()):
+            now = [series[p][s] for p in ps if s in series[p]]
+            if ps and not now:
+                continue
+            peer_now = statistics.median(now) if now else None
+            slow_own = always_slow or (v >= ratio * own[k] and v - own[k] >= floor)
+            slow_peer = peer_now is None or (v >= ratio * peer_now and v - peer_now >= floor)
+            if slow_own and slow_peer:
+                hits.append(s)
+        # A leading hit further from the next than the hits are from each other is noise before
+        # the onset (a fault that began stays periodic: every step, or every k-th).
+        while len(hits) > min_hits and hits[1] - hits[0] > statistics.median(
+                b - a for a, b in zip(hits[1:], hits[2:])):
+            hits = hits[1:]
+        if len(hits) < min_hits:
             continue
-        span = [s for s in ser if s >= hits[0]]
-        if len(hits) / max(1, len(span)) >= fraction:
+        period = statistics.median(b - a for a, b in zip(hits, hits[1:]))
+        expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % max(1, round(period)) == 0)
+        if len(hits) >= fraction * expected:
             out[k] = (hits, ref)
     return out
 
 
 def slow_ranks(run: RunRecords, th: Thresholds) -> list[Finding]:
     work = local_work(run)
-    first_step = min((s for w in work.values() for s in w), default=0)
-    series = {r: {s: v[0] for s, v in w.items() if s > first_step} for r, w in work.items()}
+    # The first step warms up (the end of training's calls carry no step: the last step is whole).
+    series = {r: {s: v[0] for s, v in w.items() if s > min(w)} for r, w in work.items()}
     stage = {r: (rr.coords[0] if rr.coords else 0) for r, rr in run.ranks.items()}
     peers = {r: [p for p in series if p != r and stage[p] == stage[r]] for r in series}
     floor = th.min_excess_of_step * step_time(run)
-    flagged = _flags(series, peers, th.slow_rank_ratio, floor, th, th.min_hit_fraction)
+    flagged = _flags(series, peers, th.slow_rank_ratio, floor, th.min_hits, th.min_hit_fraction)
     out = []
     for r, (hits, ref) in flagged.items():
         ratios = [series[r][s] / ref for s in hits]
@@ -377,21 +400,26 @@ def slow_ranks(run: RunRecords, th: Thresholds) -> list[Finding]:
 
 
 def probe_times(run: RunRecords) -> dict[tuple[int, int], dict[int, tuple[float, float, float]]]:
-    """(a, b) -> step -> (transfer seconds from the later arrival, start, end) of the pair's probe."""
-    sides: dict[tuple[tuple[int, int], int], dict[int, tuple[float, float]]] = defaultdict(dict)
+    """(a, b) -> step -> (transfer seconds, start, end) of the pair's fastest probe exchange that
+    step; an exchange's transfer runs from the later of the two arrivals to the later end."""
+    sides: dict[tuple[tuple[int, int], int], dict[int, set[tuple[float, float]]]] = defaultdict(
+        lambda: defaultdict(set))
     for r, rr in run.ranks.items():
         for c in rr.records:
             if c.key == PROBE_KEY and c.peer is not None and c.step is not None:
-                pair = (min(r, c.peer), max(r, c.peer))
-                t = sides[(pair, c.step)].get(r)
-                sides[(pair, c.step)][r] = (c.t_enqueue, c.t_end) if t is None else (min(t[0], c.t_enqueue),
-                                                                                    max(t[1], c.t_end))
+                sides[((min(r, c.peer), max(r, c.peer)), c.step)][r].add((c.t_enqueue, c.t_end))
     out: dict[tuple[int, int], dict[int, tuple[float, float, float]]] = defaultdict(dict)
     for (pair, step), both in sides.items():
-        if len(both) == 2:
-            start = max(v[0] for v in both.values())
-            end = max(v[1] for v in both.values())
-            out[pair][step] = (max(0.0, end - start), start, end)
+        if len(both) != 2:
+            continue
+        a, b = (sorted(both[r]) for r in pair)  # the n-th exchange of a with b is b's n-th with a
+        best = None
+        for (sa, ea), (sb, eb) in zip(a, b):
+            start, end = max(sa, sb), max(ea, eb)
+            if best is None or end - start < best[0]:
+                best = (max(0.0, end - start), start, end)
+        if best is not None:
+            out[pair][step] = best
     return out
 
 
@@ -407,16 +435,17 @@ def link_matrix(run: RunRecords) -> list[list[float | None]]:
 
 def slow_links(run: RunRecords, th: Thresholds) -> list[Finding]:
     times = probe_times(run)
-    series = {p: {s: v[0] for s, v in ser.items()} for p, ser in times.items()}
+    # A pair's first probe also sets up its connection (gloo connects lazily): left out.
+    series = {p: {s: v[0] for s, v in ser.items() if s > min(ser)} for p, ser in times.items()}
 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
         return run.node_of(p[0]) == run.node_of(p[1])
     peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
-    flagged = _flags(series, peers, th.slow_link_ratio, 0.0, th, th.link_min_hit_fraction)
+    flagged = _flags(series, peers, th.slow_link_ratio, 0.0, th.link_min_hits, th.link_min_hit_fraction)
     out = []
     for p, (hits, ref) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
-        out.append(_finding("slow_link", p, times[p][hits[0]][1], times[p][hits[th.min_hits - 1]][2], run,
+        out.append(_finding("slow_link", p, times[p][hits[0]][1], times[p][hits[th.link_min_hits - 1]][2], run,
                             step=hits[0], collective="link probe", slow_steps=hits,
                             ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
                             transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
