@@ -40,9 +40,8 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
     found += mismatches(run)
     found += calls_not_joined(run)
     found += dead_ranks(run, th, live)
-    named = {r for f in found for r in f.ranks}
-    # A hang caused by a skipped call or a dead rank is already named: report the stall only when new.
-    found += [f for f in hangs(run, th, live) if not (set(f.ranks) & named) and not (not f.ranks and named)]
+    if not found:  # a stall after a mismatch, a skipped call or a dead rank is their consequence
+        found += hangs(run, th, live)
     stalled = any(f.kind in ("comm_hang", "noncomm_hang", "dead_rank", "mismatch") for f in found)
     if not stalled:  # steps of a stalled job are cut short: slowness is judged on running jobs only
         found += slow_ranks(run, th)

@@ -343,7 +343,8 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
     A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
     median of its peers at that same step (a machine-wide hiccup slows the peers too); an item
     slow from its first step on (its own level already `ratio` x its peers') is judged against
-    its peers alone. Without peers, its own history alone."""
+    its peers alone. Without peers, its own history alone, and a step must also exceed it by three
+    median absolute deviations of the series (a lone item cannot tell noise from its peers')."""
     own = {k: _steady(dict(ser)) for k, ser in series.items()}
     out = {}
     for k, ser in series.items():
@@ -353,13 +354,17 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
         peer_level = statistics.median(own[p] for p in ps) if ps else None
         always_slow = peer_level is not None and own[k] >= ratio * peer_level
         ref = peer_level if always_slow else own[k]
+        margin = floor
+        if not ps:  # its own history alone: a step must also stand out of the series' own scatter
+            mid = statistics.median(ser.values())
+            margin = max(floor, 3.0 * statistics.median(abs(v - mid) for v in ser.values()))
         hits = []
         for s, v in sorted(ser.items()):
             now = [series[p][s] for p in ps if s in series[p]]
             if ps and not now:
                 continue
             peer_now = statistics.median(now) if now else None
-            slow_own = always_slow or (v >= ratio * own[k] and v - own[k] >= floor)
+            slow_own = always_slow or (v >= ratio * own[k] and v - own[k] >= margin)
             slow_peer = peer_now is None or (v >= ratio * peer_now and v - peer_now >= floor)
             if slow_own and slow_peer:
                 hits.append(s)
