@@ -295,16 +295,17 @@ def hangs(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
     out = []
     for m in missing:
         where = pend.get(m) or []
-        if m in stopped or not where:
+        in_comm = bool((run.ranks[m].heartbeat or {}).get("waiting")) if m in run.ranks else False
+        if m in stopped or not (where or in_comm):
             why = "its heartbeat stopped (process stopped)" if m in stopped else \
                 f"it is outside any call ({(run.ranks[m].heartbeat or {}).get('phase', 'unknown phase')})"
             out.append(_finding("noncomm_hang", (m,), end, detected, run, step=e0.step, collective=coll,
                                 waited_s=waited, reason=f"rank {m} never entered {coll}: {why}"))
         else:
-            w = where[0]
+            inside = f"{where[0].op} {where[0].group} seq {where[0].seq}" if where else \
+                f"'{(run.ranks[m].heartbeat or {}).get('waiting')}'"
             out.append(_finding("comm_hang", (m,), end, detected, run, step=e0.step, collective=coll,
-                                waited_s=waited, reason=f"rank {m} never entered {coll}; it waits in "
-                                                        f"{w.op} {w.group} seq {w.seq}"))
+                                waited_s=waited, reason=f"rank {m} never entered {coll}; it waits in {inside}"))
     return out
 
 

@@ -399,6 +399,22 @@ class Comm:
                                           peer=o.peer, step=step, injected_s=mine))
         return pending
 
+    def wait(self, works: list[Any], name: str = "wait sends") -> None:
+        """Wait the deferred sends `works` of earlier `p2p` calls (the executor's non-blocking
+        schedules). The wait is on a peer, not local work: the rank is marked waiting and the
+        interval is recorded (op "wait", group "wait"), so the doctor does not count it as compute."""
+        if not works:
+            return
+        t0 = time.perf_counter()
+        with self.rec.waiting(name) if self.rec is not None else nullcontext():
+            for work in works:
+                work.wait()
+        t1 = time.perf_counter()
+        if self.recording and self.log is not None:
+            self.log.write(CommRecord(rank=self.rank, group="wait", op="wait", bytes=0, seq=self._next_seq("wait"),
+                                      t_enqueue=t0, t_start=t0, t_end=t1, key="wait", name=name,
+                                      step=self.rec.step if self.rec is not None else None))
+
     # ------------------------------------------------------------------ the one call path
     def _call(self, group: Group, op: str, nbytes: int, name: str, category: str, fn: Callable[[], Any],
               key: str | None = None, span: bool = True, wait_only: bool = False) -> None:
