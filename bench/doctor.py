@@ -155,7 +155,8 @@ def run_case(case: Case, root: Path, steps: int = STEPS) -> dict[str, Any]:
         cluster.write_text(CLUSTER)
     cmd = [sys.executable, "-m", "plait.cli", "run", "--model", MODEL, "--cluster", str(cluster),
            "--plan", case.plan, "--steps", str(steps), "--run-dir", str(d), "--compute-sleep", str(COMPUTE_SLEEP),
-           "--timeout", str(TIMEOUT), "--seed", str(case.seed % 1000), "--data-seed", str(case.seed), "--json"]
+           "--timeout", str(TIMEOUT), "--seed", str(case.seed % 1000), "--data-seed", str(case.seed), "--json",
+           "--probe-every", "1"]
     if case.spec:
         cmd += ["--inject", case.spec]
     if not case.recording:

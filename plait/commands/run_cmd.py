@@ -77,8 +77,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--compute-sleep", metavar="S", type=float, default=0.0,
                    help="pad every forward span to at least S seconds (backward 2 S) by sleeping: timings set by "
                         "sleep, not by how many ranks share a core (fault-injection experiments)")
-    p.add_argument("--probe-every", metavar="K", type=int, default=1,
-                   help="time every rank pair's link every K steps for `plait doctor` (0: never; default 1)")
+    p.add_argument("--probe-every", metavar="K", type=int, default=10,
+                   help="time every rank pair's link every K steps for `plait doctor`'s slow-link finding "
+                        "(0: never; default 10)")
     p.set_defaults(func=run)
     return p
 

@@ -233,7 +233,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         rendezvous: Rendezvous | None = None, data: str | None = None, data_workers: int = 1,
         min_lr: float = 0.0, lr_warmup_iters: int = 0, lr_decay_style: str = "constant",
         lr_decay_iters: int | None = None, clip_grad: float | None = None, compute_sleep: float = 0.0,
-        probe_every: int = 1, probe_bytes: int = 1 << 18) -> RunResult:
+        probe_every: int = 10, probe_bytes: int = 1 << 18) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
