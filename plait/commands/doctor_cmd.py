@@ -45,8 +45,16 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.matrix, "--matrix")
     deadline = time.time() + max(0.0, args.watch)
+    from plait.ir.diagnosis import DiagnosisError
+
     while True:
-        records = read_run(args.run_dir, live=args.live)
+        try:
+            records = read_run(args.run_dir, live=args.live)
+        except DiagnosisError:
+            if not args.live or time.time() >= deadline:
+                raise
+            time.sleep(max(0.1, args.interval))  # --live: the job has not written its records yet
+            continue
         diag = diagnose_records(records, live=args.live)
         ended = all(rr.done or rr.exit for rr in records.ranks.values())
         if not args.live or diag.findings or ended or time.time() >= deadline:
