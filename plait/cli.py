@@ -16,6 +16,7 @@ COMMANDS = {
     "simulate": "plait.commands.simulate_cmd",
     "plan": "plait.commands.plan_cmd",
     "run": "plait.commands.run_cmd",
+    "doctor": "plait.commands.doctor_cmd",
     "profile": "plait.commands.profile_cmd",
     "cluster": "plait.commands.cluster_cmd",
     "report": "plait.report.command",  # beside plait.commands on the contract's top row

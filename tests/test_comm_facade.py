@@ -126,6 +126,13 @@ def test_a_slowed_link_delays_and_stretches_its_calls() -> None:
     start, slept = comm._delay(on)
     assert slept == 0.05 and start - t0 >= 0.05
     time.sleep(0.02)
-    end, injected = comm._stretch(on, start, slept)
+    end, injected = comm._stretch(on, start, slept, "kind")
     assert injected >= 0.05 + 2 * 0.02 and end - start >= 3 * 0.02
-    assert comm._delay(())[1] == 0.0 and comm._stretch((), time.perf_counter(), 0.0)[1] == 0.0
+    first = (end - start) / 3  # the transfer time of that call, before its stretch
+    assert comm._delay(())[1] == 0.0 and comm._stretch((), time.perf_counter(), 0.0, "kind")[1] == 0.0
+    # A later call of the same kind that waited long for its peer: only ~2 x the fastest transfer
+    # is stretched, not the wait (stretched waits would feed back between the ranks).
+    start = time.perf_counter()
+    time.sleep(0.3)
+    _, injected = comm._stretch(on, start, 0.0, "kind")
+    assert 2 * 2 * 0.02 <= injected <= 2 * 2 * first + 0.01 < 2 * 0.3

@@ -51,8 +51,8 @@ def test_a_cut_last_line_is_dropped_and_flagged(tmp_path: Path) -> None:
 def test_unknown_format_version_is_refused_by_name(tmp_path: Path) -> None:
     head = json.loads(header_line(0))
     head["format_version"] = FORMAT_VERSION + 1
-    with pytest.raises(CommRecordError, match=r"'format_version' is 2; this plait reads comm records of "
-                                              r"format_version 1 only"):
+    with pytest.raises(CommRecordError, match=r"'format_version' is 3; this plait reads comm records of "
+                                              r"format_version 1, 2 \(written by a newer plait"):
         read_comm_records(_write(tmp_path / "r.jsonl", [json.dumps(head)]))
 
 
@@ -63,7 +63,7 @@ def test_unknown_format_version_is_refused_by_name(tmp_path: Path) -> None:
     (['{"format_version": 1, "kind": "other", "rank": 0}'], "", "line 1 is not a plait.comm_records header"),
     ([header_line(0).replace('"rank": 0', '"rank": "zero"')], "", "header field 'rank' must be an integer"),
     ([header_line(0), "{oops"], "", "line 2 is not JSON"),
-    ([header_line(0), '{"type": "span"}'], "", "line 2: field 'type' must be 'call' or 'group'"),
+    ([header_line(0), '{"type": "span"}'], "", "line 2: field 'type' must be 'call', 'enter' or 'group'"),
     ([header_line(0), '{"type": "call", "rank": 0, "group": "dp"}'], "", "line 2: comm record: missing field"),
 ])
 def test_bad_files_name_the_line_and_reason(tmp_path: Path, lines: list[str], tail: str, message: str) -> None:

@@ -75,7 +75,8 @@ def test_data_parallel_records(dp_run: RunResult) -> None:
         assert [(r.group, r.op, r.bytes, r.step) for r in grads] == \
             [("dp", "all_reduce", 4 * dp_run.ranks[rank].params, s) for s in (0, 1)]
         assert [(r.name, r.step) for r in f.records if r.op == "barrier"] == \
-            [("startup barrier", None), ("step barrier", 0), ("step barrier", 1), ("final barrier", 1)]
+            [("startup barrier", None), ("step barrier", 0), ("probe barrier", 0), ("step barrier", 1),
+             ("final barrier", None)]  # the doctor's link probes (every 10th step), between barriers
     _assert_sequences_agree(files)
     _assert_spans_have_records(dp_run, files)
 
@@ -100,7 +101,7 @@ def test_tensor_parallel_records(tmp_path: Path) -> None:
 def test_a_killed_rank_keeps_its_records(tmp_path: Path) -> None:
     with pytest.raises(RunFailure) as info:
         run(TINY, None, "dp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=6, timeout=60, run_dir=tmp_path,
-            fault="rank=1,step=3,kind=die")
+            inject="kill:rank=1,step=3")
     assert info.value.rank == 1 and info.value.kind == "died"
     files = read_run_comm_records(tmp_path / "comm")
     killed = files[1]

@@ -29,7 +29,7 @@ SCALE = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
 @pytest.fixture(scope="module")
 def overflow_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
     root = tmp_path_factory.mktemp("amp") / "ckpt"
-    result = run(TINY, None, PLAN, steps=4, return_params=True, timeout=120, fault="rank=1,step=1,kind=inf",
+    result = run(TINY, None, PLAN, steps=4, return_params=True, timeout=120, inject="inf:rank=1,step=1",
                  checkpoint_dir=root, checkpoint_every=1, keep_checkpoints=None, env=SCALE)
     return result, root
 

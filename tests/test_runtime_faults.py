@@ -75,7 +75,7 @@ def test_sigkill_keeps_checkpoints_and_resume_is_bit_exact(straight: dict, tmp_p
     ck = tmp_path / "ck"
     with pytest.raises(RunFailure) as info:
         run(TINY, None, PLAN, steps=4, checkpoint_dir=ck, checkpoint_every=2, timeout=60,
-            fault="rank=1,step=3,kind=die,at=checkpoint", run_dir=tmp_path / "run")
+            inject="kill:rank=1,step=3,at=checkpoint", run_dir=tmp_path / "run")
     failure = info.value
     assert failure.rank == 1 and failure.kind == "died"
     assert "rank 1 (host " in str(failure) and "died at step 3 while writing a checkpoint (killed by SIGKILL)" \
@@ -98,7 +98,7 @@ def test_sigkill_keeps_checkpoints_and_resume_is_bit_exact(straight: dict, tmp_p
 def test_hang_stops_within_timeout_naming_the_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     timeout = 4.0
     code = cli_main(["run", "--model", TINY, "--plan", PLAN, "--steps", "4", "--timeout", str(timeout),
-                     "--run-dir", str(tmp_path), "--fault", "rank=1,step=1,kind=hang"])
+                     "--run-dir", str(tmp_path), "--inject", "hang:rank=1,step=1"])
     stopped = time.time()
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1

@@ -122,12 +122,12 @@ def test_host_that_does_not_match_the_cluster_file_is_named(cluster: str, tmp_pa
 def test_hung_rank_is_named_with_its_host_within_the_timeout(cluster: str, tmp_path: Path) -> None:
     plan = "pp=3,micro_batch=2,global_batch=8,dtype=fp32"
     endpoint = f"127.0.0.1:{free_port()}"
-    fault, timeout = "rank=2,step=0,kind=hang", 4.0
-    args = _node_args(cluster, plan, endpoint, "t4", tmp_path / "beta", "--node-name", "beta", "--fault", fault)
+    fault, timeout = "hang:rank=2,step=0", 4.0
+    args = _node_args(cluster, plan, endpoint, "t4", tmp_path / "beta", "--node-name", "beta", "--inject", fault)
     args[args.index("--timeout") + 1] = str(timeout)
     with other_node(args) as beta:
         with pytest.raises(RunFailure) as info:
-            run(TINY, cluster, plan, steps=STEPS, timeout=timeout, run_dir=tmp_path / "alpha", fault=fault,
+            run(TINY, cluster, plan, steps=STEPS, timeout=timeout, run_dir=tmp_path / "alpha", inject=fault,
                 rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t4", node_name="alpha"))
     # beta watches its own rank: it names it, with its host, once it made no progress for `timeout`
     assert beta["code"] == 2

@@ -20,6 +20,7 @@ from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import RunResult, _check_plan, rank_layout, run
 from plait.runtime.executor import _decode_header, _encode_header
+from plait.runtime.inject import Fault, InjectError, Injection
 from plait.runtime.launch import AgentSpec, Launcher, _Agent
 from plait.runtime.partition import (
     RuntimeSetupError,
@@ -37,7 +38,7 @@ from plait.runtime.tensor_parallel import (
     sequence_parallel_params,
     split_sizes,
 )
-from plait.runtime.worker import Fault, _RngStream
+from plait.runtime.worker import _RngStream, fire, poison
 
 TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
 
@@ -348,25 +349,20 @@ def test_interrupted_write_keeps_previous_file(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------- faults, diagnosis
 def test_fault_strings() -> None:
-    assert Fault.parse("rank=1,step=2,kind=hang") == Fault(1, 2, "hang", "step")
-    assert Fault.parse("rank=0,step=3,kind=die,at=checkpoint") == Fault(0, 3, "die", "checkpoint")
-    assert Fault.parse("") is None
-    with pytest.raises(ValueError):
-        Fault.parse("rank=0,step=1,kind=explode")
+    """The process faults of --inject (the spec language itself: tests/test_inject.py)."""
+    inj = Injection.parse("hang:rank=1,step=2; kill:rank=0,step=3,at=checkpoint; inf:rank=1,step=0")
+    assert inj.at(1, 2, "step", ("hang",)) == Fault("hang", 1, 2)
+    assert inj.at(0, 3, "checkpoint", ("kill",)) == Fault("kill", 0, 3, at="checkpoint")
+    assert inj.at(0, 3, "step", ("kill",)) is None and not Injection.parse("")
+    with pytest.raises(InjectError):
+        Injection.parse("explode:rank=0,step=1")
     with pytest.raises(RuntimeError, match="injected fault on rank 2 at step 5"):
-        Fault(2, 5, "error").maybe_fire(2, 5, "step")
-    Fault(2, 5, "error").maybe_fire(1, 5, "step")  # other ranks are untouched
-    inf = Fault.parse("rank=1,step=0,kind=inf")
-    assert inf == Fault(1, 0, "inf", "grad")
-    with pytest.raises(ValueError):
-        Fault.parse("rank=0,step=1,kind=inf,at=step")
+        fire(Fault("error", 2, 5))
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
     params[1].grad = torch.ones(3)
-    inf.maybe_poison(0, 0, params)  # another rank
-    assert torch.isfinite(params[1].grad).all()
-    inf.maybe_poison(1, 0, params)
+    assert inj.at(0, 0, "step", ("inf",)) is None  # another rank
+    poison(params)
     assert params[1].grad.tolist() == [float("inf"), 1.0, 1.0]
-    inf.maybe_fire(1, 0, "step")  # an inf fault never raises
 
 
 def _launcher(tmp_path: Path, world: int = 2) -> Launcher:

@@ -121,7 +121,7 @@ def test_zero3_fp16_overflow_skips_on_both_ranks() -> None:
     # The inf lands in rank 1's tied-embedding gradient (root unit), reaching rank 0's shard only after
     # the reduce-scatter: both ranks skip because the found-inf flag is agreed over the job.
     result = run(TINY, None, "dp=2,micro_batch=2,zero=3,global_batch=8,dtype=fp16", steps=2, return_params=True,
-                 timeout=120, fault="rank=1,step=1,kind=inf", env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"})
+                 timeout=120, inject="inf:rank=1,step=1", env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"})
     assert result.loss_scales == [1024.0, 1024.0] and result.final_loss_scale == 512.0
     assert result.skipped_steps == [1] and result.skipped_by_rank == {0: [1], 1: [1]}
     assert result.params is not None and all(torch.isfinite(v).all() for v in result.params.values())

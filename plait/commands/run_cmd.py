@@ -85,7 +85,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     rec.add_argument("--no-live-diagnosis", action="store_true",
                      help="with --recover: act only when the launcher stops the job (a dead or hung rank), not on "
                           "the doctor's diagnosis of the running job (slow ranks and links)")
-    p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # tests: rank=1,step=2,kind=hang|die|error
+    p.add_argument("--inject", metavar="SPEC", default=None,
+                   help="inject faults (several, ';'-separated): kill:rank=R,step=S | stop:rank=R,step=S | "
+                        "hang:rank=R,step=S | error:rank=R,step=S | skip:rank=R,step=S | mismatch:rank=R,step=S | "
+                        "slow:rank=R,factor=F[,from=S][,every=K][,until=S] | "
+                        "link:ranks=A-B,factor=F|delay=5ms[,from=S]  (docs/doctor.md)")
+    p.add_argument("--compute-sleep", metavar="S", type=float, default=0.0,
+                   help="pad every forward span to at least S seconds (backward 2 S) by sleeping: timings set by "
+                        "sleep, not by how many ranks share a core (fault-injection experiments)")
+    p.add_argument("--probe-every", metavar="K", type=int, default=10,
+                   help="time every rank pair's link every K steps for `plait doctor`'s slow-link finding "
+                        "(0: never; default 10)")
     p.set_defaults(func=run)
     return p
 
@@ -99,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
                   optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, min_lr=args.min_lr,
                   lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
                   lr_decay_iters=args.lr_decay_iters, seed=args.seed, data_seed=args.data_seed,
-                  run_dir=args.run_dir, fault=args.fault, data=args.data, data_workers=args.data_workers,
+                  run_dir=args.run_dir, inject=args.inject, data=args.data, data_workers=args.data_workers,
                   comm_records=not args.no_comm_records, comm_faults=args.comm_faults,
-                  clip_grad=args.clip_grad)
+                  clip_grad=args.clip_grad, compute_sleep=args.compute_sleep, probe_every=args.probe_every)
     rendezvous = _rendezvous(args)
     if rendezvous is not None:
         common["rendezvous"] = rendezvous
@@ -232,6 +242,9 @@ def _check_args(args: argparse.Namespace) -> None:
     args.checkpoint_every = args.checkpoint_every or 0
     check_output_path(args.trace, "--trace")
     world = Plan.load(args.plan).world_size
+    from plait.runtime.inject import Injection
+
+    Injection.parse(args.inject).check_world(world)  # a bad spec names its clause before anything starts
     cpus = os.cpu_count() or 1
     if world > cpus:
         print(f"plait run: warning: the plan has {world} ranks and this machine {cpus} CPUs: ranks time-share the "

@@ -1,3 +1,58 @@
 """The doctor: reads a run's per-rank communication records and heartbeats (live or finished)
 and names what is wrong (`plait.ir.diagnosis`): hangs, slow ranks, slow links, mismatches.
-Sits beside `plait.measure`: it reads what the runtime wrote and never drives the runtime."""
+Sits beside `plait.measure`: it reads what the runtime wrote and never drives the runtime.
+
+    from plait.doctor import diagnose
+    d = diagnose("runs/job1")            # a finished (or killed) run's folder
+    d = diagnose("runs/job1", live=True)  # a running job: "now" is the end of the evidence
+    for f in d.findings: print(f.kind, f.ranks, f.first_seen_s, f.evidence)
+
+The detectors and their thresholds: `plait.doctor.detect`; the record format: docs/doctor.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plait.doctor.detect import (
+    Thresholds,
+    calls_not_joined,
+    dead_ranks,
+    hangs,
+    link_matrix,
+    mismatches,
+    slow_links,
+    slow_ranks,
+)
+from plait.doctor.folder import RunRecords, read_run
+from plait.ir.diagnosis import Diagnosis, Finding
+
+__all__ = ["Thresholds", "diagnose", "diagnose_records", "read_run", "link_matrix"]
+
+# Most severe first: a wrong or skipped call and a dead rank explain the hangs and errors after them.
+_ORDER = ("mismatch", "comm_hang", "dead_rank", "noncomm_hang", "slow_rank", "slow_link")
+
+
+def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresholds | None = None) -> Diagnosis:
+    """Every detector over already-read records (`read_run`)."""
+    th = thresholds or Thresholds()
+    found: list[Finding] = []
+    found += mismatches(run)
+    found += calls_not_joined(run)
+    found += dead_ranks(run, th, live)
+    if not found:  # a stall after a mismatch, a skipped call or a dead rank is their consequence
+        found += hangs(run, th, live)
+    stalled = any(f.kind in ("comm_hang", "noncomm_hang", "dead_rank", "mismatch") for f in found)
+    if not stalled:  # steps of a stalled job are cut short: slowness is judged on running jobs only
+        found += slow_ranks(run, th)
+        found += slow_links(run, th)
+    found.sort(key=lambda f: (_ORDER.index(f.kind), f.first_seen_s))
+    return Diagnosis(run_dir=run.run_dir, findings=found, world_size=run.world, warnings=list(run.warnings))
+
+
+def diagnose(run_dir: str | Path, *, live: bool = False, thresholds: Thresholds | None = None) -> Diagnosis:
+    """Read `run_dir` (a run folder with `comm/rankN.jsonl`, heartbeats, exit records) and name
+    what is wrong. `live`: the run is still going -- silence up to now counts (a hang shows
+    before the launcher's timeout) and a heartbeat whose process is gone is a dead rank.
+    A corrupt or cut record line is skipped and named in `Diagnosis.warnings`."""
+    return diagnose_records(read_run(run_dir, live=live), live=live, thresholds=thresholds)

@@ -7,8 +7,14 @@ rank that hangs or is killed stay on disk up to its last finished call. A file i
 * line 1, the header: ``{"format_version": 1, "kind": "plait.comm_records", "rank": r, ...}``
   (clock, host, process id; the times below are seconds of that clock);
 * ``{"type": "group", "group": name, "ranks": [...]}`` once per process group the rank is in;
+* ``{"type": "enter", ...}``: one `CommEnter` when the rank *enters* a call (C4D's enter
+  timestamp), written before the call is handed to torch.distributed: a call that never ends
+  (a hang) still shows who entered it and who did not (format_version 2; version 1 files have
+  no enter lines and are read as they are);
 * ``{"type": "call", ...}``: one `CommRecord` per collective, and per tensor of a point-to-point
   batch (group ``"p2p a->b"``: sender a, receiver b).
+
+The full field list, for writing a run folder by hand, is in docs/doctor.md.
 
 Sequence numbers count calls per group on each rank, so the n-th all-reduce of group "dp"
 carries the same `seq` on every rank of that group; for a point-to-point link they count the
@@ -28,7 +34,8 @@ from typing import Any
 
 from plait.errors import PlaitError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no enter lines (plait before the doctor); read as it is
 FILE_KIND = "plait.comm_records"
 
 
@@ -75,6 +82,33 @@ class CommRecord:
 _REQUIRED = ("rank", "group", "op", "bytes", "seq", "t_enqueue", "t_start", "t_end")
 
 
+@dataclass(frozen=True)
+class CommEnter:
+    """A rank entered a call (written before the call starts): the same `group`/`seq` numbering
+    as `CommRecord`, so an enter without its record is a call that had not ended."""
+
+    rank: int
+    group: str
+    op: str
+    bytes: int
+    seq: int
+    t: float  # the caller asked for the call (= the record's t_enqueue)
+    key: str | None = None
+    peer: int | None = None
+    step: int | None = None
+
+    def to_line(self) -> str:
+        return json.dumps({"type": "enter", **vars(self)}, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CommEnter:
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in ("rank", "group", "op", "bytes", "seq", "t") if n not in data]
+        if missing:
+            raise CommRecordError(f"comm enter: missing field(s) {', '.join(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
 @dataclass
 class CommRecordFile:
     """The contents of one rank's records file."""
@@ -84,6 +118,8 @@ class CommRecordFile:
     groups: dict[str, list[int]] = field(default_factory=dict)
     records: list[CommRecord] = field(default_factory=list)
     truncated: bool = False  # the last line was cut short (the rank died while writing it)
+    enters: list[CommEnter] = field(default_factory=list)  # format_version 2: calls as they were entered
+    warnings: list[str] = field(default_factory=list)  # lines skipped by a lenient read (file and line)
 
     @property
     def rank(self) -> int:
@@ -96,6 +132,7 @@ def header_line(rank: int, **extra: Any) -> str:
 
 
 def group_line(name: str, ranks: list[int]) -> str:
+    """A group line: `name`'s member ranks (global ranks, group order)."""
     return json.dumps({"type": "group", "group": name, "ranks": list(ranks)})
 
 
@@ -103,21 +140,26 @@ def _check_header(path: Path, header: Any) -> dict[str, Any]:
     if not isinstance(header, dict) or header.get("kind") != FILE_KIND:
         raise CommRecordError(f"{path}: line 1 is not a {FILE_KIND} header")
     version = header.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+        why = "written by a newer plait: upgrade plait to read it" if newer else \
+            "not a version any plait wrote"
         raise CommRecordError(f"{path}: field 'format_version' is {version!r}; this plait reads comm records "
-                              f"of format_version {FORMAT_VERSION} only (written by a different plait version)")
+                              f"of format_version {', '.join(map(str, READABLE_VERSIONS))} ({why})")
     if not isinstance(header.get("rank"), int):
         raise CommRecordError(f"{path}: header field 'rank' must be an integer, got {header.get('rank')!r}")
     return header
 
 
-def read_comm_records(path: str | Path) -> CommRecordFile:
+def read_comm_records(path: str | Path, *, lenient: bool = False) -> CommRecordFile:
     """Read one rank's records file. A last line without its newline (the rank was killed while
-    writing it) is dropped and flagged `truncated`; a corrupt line elsewhere, an unknown
-    `format_version` or a missing header raise `CommRecordError` naming the file and line."""
+    writing it) is dropped and flagged `truncated`; an unknown `format_version` or a missing
+    header raise `CommRecordError` naming the file. A corrupt line elsewhere raises too, unless
+    `lenient`: then it is skipped and named (file and line) in `warnings` (the doctor reads
+    what it can of a damaged run)."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(errors="replace")
     except OSError as exc:
         raise CommRecordError(f"{p}: cannot read comm records ({exc.strerror or exc})") from None
     lines = text.split("\n")
@@ -129,31 +171,48 @@ def read_comm_records(path: str | Path) -> CommRecordFile:
     except json.JSONDecodeError:
         raise CommRecordError(f"{p}: line 1 is not JSON (expected a {FILE_KIND} header)") from None
     out = CommRecordFile(path=str(p), header=_check_header(p, header), truncated=bool(tail))
+    version = header["format_version"]
     for i, line in enumerate(complete[1:], start=2):
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError:
-            raise CommRecordError(f"{p}: line {i} is not JSON") from None
-        kind = data.get("type") if isinstance(data, dict) else None
-        if kind == "group":
-            out.groups[str(data["group"])] = [int(r) for r in data["ranks"]]
-        elif kind == "call":
-            try:
-                out.records.append(CommRecord.from_dict(data))
-            except CommRecordError as exc:
-                raise CommRecordError(f"{p}: line {i}: {exc}") from None
-        else:
-            raise CommRecordError(f"{p}: line {i}: field 'type' must be 'call' or 'group', got {kind!r}")
+            _read_line(out, p, i, line, version)
+        except CommRecordError as exc:
+            if not lenient:
+                raise
+            out.warnings.append(f"{exc}; skipped")
+    if tail and lenient:
+        out.warnings.append(f"{p}: line {len(complete) + 1} was cut short (the rank ended while writing it); skipped")
     return out
 
 
-def read_run_comm_records(folder: str | Path) -> dict[int, CommRecordFile]:
+def _read_line(out: CommRecordFile, p: Path, i: int, line: str, version: int) -> None:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError:
+        raise CommRecordError(f"{p}: line {i} is not JSON") from None
+    kind = data.get("type") if isinstance(data, dict) else None
+    try:
+        if kind == "group":
+            out.groups[str(data["group"])] = [int(r) for r in data["ranks"]]
+        elif kind == "call":
+            out.records.append(CommRecord.from_dict(data))
+        elif kind == "enter" and version >= 2:
+            out.enters.append(CommEnter.from_dict(data))
+        else:
+            allowed = "'call', 'enter' or 'group'" if version >= 2 else "'call' or 'group'"
+            raise CommRecordError(f"field 'type' must be {allowed}, got {kind!r}")
+    except CommRecordError as exc:
+        raise CommRecordError(f"{p}: line {i}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CommRecordError(f"{p}: line {i}: bad {kind} line ({type(exc).__name__}: {exc})") from None
+
+
+def read_run_comm_records(folder: str | Path, *, lenient: bool = False) -> dict[int, CommRecordFile]:
     """Every rank's records file of a run folder's `comm/` directory, by rank."""
     files = sorted(Path(folder).glob("rank*.jsonl"))
     out = {}
     for f in files:
-        rf = read_comm_records(f)
+        rf = read_comm_records(f, lenient=lenient)
         out[rf.rank] = rf
     return out

@@ -44,6 +44,9 @@ class Finding:
     """What the doctor measured: waiting times, ratios to peers, the matrix cell, ..."""
     nodes: tuple[str, ...] = ()
     """Names of the nodes that host the culprit ranks, when the run folder says."""
+    detected_s: float | None = None
+    """Seconds from the run's start to when the records held enough evidence to name it (the
+    doctor watching live would have named it then); `first_seen_s` is when the fault began."""
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:

@@ -232,14 +232,15 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         startup_timeout: float | None = None, nprocs_per_node: int | None = None, device: str = "auto",
         dtype: str | None = None, optimizer: str | dict[str, Any] = "adamw", lr: float = 1e-3,
         weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
-        return_params: bool = False, step_barrier: bool = True, fault: str | None = None,
+        return_params: bool = False, step_barrier: bool = True, inject: str | None = None,
         env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
         emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None,
         rendezvous: Rendezvous | None = None, data: str | None = None, data_workers: int = 1,
         min_lr: float = 0.0, lr_warmup_iters: int = 0, lr_decay_style: str = "constant",
         lr_decay_iters: int | None = None, clip_grad: float | None = None,
         watch: Callable[[], str | None] | None = None, step_records: bool = False,
-        spmd_calibrate: bool = False) -> RunResult:
+        spmd_calibrate: bool = False, compute_sleep: float = 0.0,
+        probe_every: int = 10, probe_bytes: int = 1 << 18) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
     `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
@@ -247,7 +248,11 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     kinds (default: the training dtype), e.g. the plan's fp16 while the CPU ranks compute fp32;
     `start_method` is torchrun's: "fork" (CPU default: workers inherit the agent's imports)
     or "spawn" (GPU default: CUDA must not be initialised before a fork);
-    `fault` is the hidden fault-injection string of tests (see `plait.runtime.worker.Fault`);
+    `inject` injects faults (`plait.runtime.inject`: ``"kill:rank=2,step=3; slow:rank=1,factor=2,from=2"``);
+    `compute_sleep` pads each forward span to at least that many seconds (backward twice) by
+    sleeping, so ranks' timings do not depend on how many share a core (the doctor's suite);
+    `probe_every` times every rank pair's link every that many steps (0: never; the doctor's
+    rank x rank matrix, `probe_bytes` per exchange);
     `comm_records` streams every collective and point-to-point call of each rank to
     `RUN_DIR/comm/rankN.jsonl` (`RunResult.comm_dir`; "alternate": on and off in alternate steps,
     for `bench/recorder_overhead.py`); `comm_faults` slows links between ranks
@@ -277,6 +282,14 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     if comm_records not in (True, False, "alternate"):
         raise RuntimeSetupError(f"comm_records: must be True, False or 'alternate', got {comm_records!r}")
     faults = parse_link_faults(comm_faults, "comm_faults")  # a bad fault fails here, not in every worker
+    from plait.runtime.inject import Injection
+
+    injection = inject if isinstance(inject, Injection) else Injection.parse(inject)
+    injection.check_world(plan_obj.world_size)
+    if not compute_sleep >= 0:
+        raise RuntimeSetupError(f"compute_sleep: must be >= 0 seconds, got {compute_sleep}")
+    if probe_every < 0 or probe_bytes < 0:
+        raise RuntimeSetupError(f"probe_every and probe_bytes must be >= 0, got {probe_every}, {probe_bytes}")
     for f in faults:
         if max(f.a, f.b) >= plan_obj.world_size:
             raise RuntimeSetupError(f"comm_faults: field 'slow_link' {[f.a, f.b]} names a rank outside the plan's "
@@ -385,8 +398,21 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         from plait.runtime.netns import emulated_network
 
         net_ctx = emulated_network(cluster_obj, plan_obj)
+    link_notes = _link_fault_plan(injection, layout, emu, rendezvous)
+    if any(how == "tc" for how, _ in link_notes.values()):
+        from plait.runtime.netns import emulated_network
+
+        net_ctx = emulated_network(cluster_obj, plan_obj, slow_links=_tc_links(injection, layout))
     t_start = time.time()
     with net_ctx as nets:
+        shaped_by_tc = bool(getattr(nets, "isolated", False)) and bool(getattr(nets, "slow_links", None))
+        facade_links = [_facade_link(f) for f, (how, _) in zip(injection.links(), link_notes.values())
+                        if how != "tc" or not shaped_by_tc]
+        for f, (how, why) in zip(injection.links(), link_notes.values()):
+            done = "tc on the emulated link" if how == "tc" and shaped_by_tc else \
+                f"the communication facade ({why if how != 'tc' else 'namespaces could not be built'})"
+            notes.append(f"inject: {f.describe()}: shaped by {done}")
+        faults = faults + tuple(facade_links)
         if host_plan is not None:
             agents, network = host_plan["agents"], host_plan["network"]
         else:
@@ -401,7 +427,9 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
             "checkpoint": {"dir": str(Path(checkpoint_dir).resolve()), "every": checkpoint_every,
                            "resume": resume, "resume_from": resume_from,
                            "keep": keep_checkpoints} if checkpoint_dir is not None else None,
-            "return_params": return_params, "step_barrier": step_barrier, "fault": fault, "data": data_cfg,
+            "return_params": return_params, "step_barrier": step_barrier, "inject": injection.to_list() or None,
+            "compute_sleep": compute_sleep, "probe_every": probe_every if comm_records else 0,
+            "probe_bytes": probe_bytes, "data": data_cfg,
             "lr_schedule": schedule.to_dict() if schedule is not None else None,
             "comm_records": comm_records, "comm_faults": [f.to_dict() for f in faults] or None,
             "clip_grad": clip_grad, "step_records": step_records, "spmd_calibrate": bool(spmd_calibrate),
@@ -444,6 +472,45 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         shutil.rmtree(rdir, ignore_errors=True)
         result.run_dir = result.comm_dir = None
     return result
+
+
+def _link_fault_plan(injection: Any, layout: list[dict[str, Any]], emu: Any, rendezvous: Any
+                     ) -> dict[int, tuple[str, str]]:
+    """Per injected link fault: ("tc", "") where the emulated cluster's links can shape it (root,
+    network namespaces, the two ranks on different nodes, from step 0, a delay only with
+    sch_netem), else ("facade", why not)."""
+    from plait.runtime.netns import namespaces_possible
+
+    out: dict[int, tuple[str, str]] = {}
+    for i, f in enumerate(injection.links()):
+        if emu is None or not (emu.enabled and emu.namespaces) or rendezvous is not None:
+            out[i] = ("facade", "no emulated cluster with network namespaces")
+        elif layout[f.rank]["node"] == layout[f.peer]["node"]:
+            out[i] = ("facade", f"ranks {f.rank} and {f.peer} share node {layout[f.rank]['host']}")
+        elif f.step > 0:
+            out[i] = ("facade", "tc shapes a link for the whole run; the fault starts at a later step")
+        elif f.delay_s > 0:
+            out[i] = ("facade", "a delay needs sch_netem")
+        else:
+            ok, why = namespaces_possible()
+            out[i] = ("tc", "") if ok else ("facade", why)
+    return out
+
+
+def _tc_links(injection: Any, layout: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """(node a, node b) -> bandwidth divisor, for the link faults tc shapes."""
+    out: dict[tuple[int, int], float] = {}
+    for f in injection.links():
+        a, b = layout[f.rank]["node"], layout[f.peer]["node"]
+        if a != b and f.step == 0 and f.delay_s == 0:
+            out[(a, b)] = out[(b, a)] = max(out.get((a, b), 1.0), f.factor)
+    return out
+
+
+def _facade_link(f: Any) -> Any:
+    from plait.runtime.comm import LinkFault
+
+    return LinkFault(f.rank, f.peer, f.delay_s, f.factor, f.step)
 
 
 def _host_plan(rdzv: Rendezvous, cluster: Any, layout: list[dict[str, Any]], notes: list[str],

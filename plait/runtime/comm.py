@@ -17,13 +17,19 @@ Every call goes through `Comm._call`, which
 2. applies link faults (`LinkFault`): a call whose group holds both ranks of a slowed link
    waits `delay_s` before it starts and is stretched to `factor` x its own duration --
    fault injection that also works where `tc` cannot (no root, no network namespaces);
-3. appends one `plait.ir.comm.CommRecord` per call (per tensor for point-to-point) to the
+3. writes a `plait.ir.comm.CommEnter` line as the call is entered (C4D's enter timestamp: a call
+   that never ends still shows who entered it) and, when it ends,
+4. appends one `plait.ir.comm.CommRecord` per call (per tensor for point-to-point) to the
    rank's JSON Lines file, line-buffered, so the records of a rank that hangs or is killed
    stay on disk up to its last finished call.
 
 `bytes` of a record is what the call moves for this rank: the tensor of an all-reduce or
 broadcast, the full (gathered) buffer of an all-gather, the full input of a reduce-scatter,
 each tensor of a point-to-point batch, the pickled object of an object collective.
+
+It also runs the injected communication faults of `--inject` (`plait.runtime.inject`): a rank
+that passes by its first collective of a step (`skip`), or enters it with another size
+(`mismatch`), and the link probes the doctor reads (`probe_links`).
 
 Times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: shared by the ranks of one host).
 On CUDA they are host times: `t_end` is when the call returned to Python.
@@ -48,9 +54,11 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import PlaitError
-from plait.ir.comm import CommRecord, group_line, header_line
+from plait.ir.comm import CommEnter, CommRecord, group_line, header_line
+from plait.runtime.inject import Injection
 from plait.runtime.recorder import Recorder
 
+PROBE_REPEAT = 3  # exchanges per rank pair per probe round (plait.doctor keeps the fastest)
 FAULTS_ENV = "PLAIT_COMM_FAULTS"  # JSON: {"slow_link": [a, b], "delay_s": x, "factor": f} or a list of them
 
 # torch 2.x names of the single-tensor gather / scatter (older releases: *_single).
@@ -68,28 +76,38 @@ def _nbytes(t: torch.Tensor) -> int:
 @dataclass(frozen=True)
 class LinkFault:
     """A slow link between ranks `a` and `b`: every call whose group holds both waits `delay_s`
-    before it starts and then takes `factor` times its own duration."""
+    before it starts and then takes `factor` times its own transfer time (`Comm._stretch`)."""
 
     a: int
     b: int
     delay_s: float = 0.0
     factor: float = 1.0
+    from_step: int = 0  # the first training step it applies to (0: from the start, setup calls too)
 
     def applies(self, ranks: frozenset[int]) -> bool:
         return self.a in ranks and self.b in ranks
 
+    def active(self, step: int | None) -> bool:
+        return self.from_step == 0 if step is None else step >= self.from_step
+
     def to_dict(self) -> dict[str, Any]:
-        return {"slow_link": [self.a, self.b], "delay_s": self.delay_s, "factor": self.factor}
+        out: dict[str, Any] = {"slow_link": [self.a, self.b], "delay_s": self.delay_s, "factor": self.factor}
+        if self.from_step:
+            out["from_step"] = self.from_step
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str = FAULTS_ENV) -> LinkFault:
         if not isinstance(data, dict):
             raise PlaitError(f"{where}: a link fault must be an object like "
                              f'{{"slow_link": [0, 1], "delay_s": 0.01, "factor": 2}}, got {data!r}')
-        unknown = set(data) - {"slow_link", "delay_s", "factor"}
+        unknown = set(data) - {"slow_link", "delay_s", "factor", "from_step"}
         if unknown:
             raise PlaitError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
-                             "use slow_link, delay_s, factor")
+                             "use slow_link, delay_s, factor, from_step")
+        start = data.get("from_step", 0)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise PlaitError(f"{where}: field 'from_step' must be an integer >= 0, got {start!r}")
         link = data.get("slow_link")
         if not (isinstance(link, list | tuple) and len(link) == 2 and all(isinstance(r, int) and r >= 0 for r in link)
                 and link[0] != link[1]):
@@ -99,7 +117,7 @@ class LinkFault:
             raise PlaitError(f"{where}: field 'delay_s' must be a number of seconds >= 0, got {delay!r}")
         if not isinstance(factor, int | float) or factor < 1:
             raise PlaitError(f"{where}: field 'factor' must be a number >= 1 (a slower link), got {factor!r}")
-        return cls(int(link[0]), int(link[1]), float(delay), float(factor))
+        return cls(int(link[0]), int(link[1]), float(delay), float(factor), int(start))
 
 
 def parse_link_faults(spec: Any, where: str = FAULTS_ENV) -> tuple[LinkFault, ...]:
@@ -130,6 +148,10 @@ class CommLog:
     def group(self, name: str, ranks: list[int]) -> None:
         if self._f is not None:
             self._f.write(group_line(name, ranks) + "\n")
+
+    def enter(self, e: CommEnter) -> None:
+        if self._f is not None:
+            self._f.write(e.to_line() + "\n")
 
     def write(self, rec: CommRecord) -> None:
         if self._f is not None:
@@ -309,12 +331,19 @@ class Comm:
     """One rank's communication: its named groups, calls, records and link faults."""
 
     def __init__(self, rank: int, world: int, rec: Recorder | None = None, log: CommLog | None = None,
-                 faults: tuple[LinkFault, ...] = ()) -> None:
+                 faults: tuple[LinkFault, ...] = (), injection: Injection | None = None,
+                 probe_bytes: int = 1 << 18) -> None:
         self.rank = rank
         self.world = world
         self.rec = rec
         self.log = log
         self.faults = faults
+        # skip / mismatch faults of this rank, by step; each fires once, on the step's first collective
+        self._armed = {f.step: f.kind for f in (injection or Injection()).faults
+                       if f.rank == rank and f.kind in ("skip", "mismatch")}
+        self.probe_bytes = probe_bytes
+        self._fastest: dict[Any, float] = {}  # (group, bytes) -> fastest slowed call (LinkFault stretch)
+        self._probe_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.groups: dict[str, Group] = {}
         self._seq: dict[str, int] = {}
         self.mesh: Any = None
@@ -415,7 +444,8 @@ class Comm:
 
     # ------------------------------------------------------------------ point to point
     def p2p(self, ops: list[P2P], name: str, category: str = "comm_pp", micro_batch: int | None = None, *,
-            chunk: int | None = None, wait_sends: bool = True, **span_args: Any) -> list[Any]:
+            chunk: int | None = None, wait_sends: bool = True, timeline: bool = True,
+            **span_args: Any) -> list[Any]:
         """Post every send and receive of `ops` together (`batch_isend_irecv`) and wait for the
         receives -- and the sends too unless `wait_sends` is False: then the sends' works are
         returned for the caller to wait later (the executor's interleaved and graph schedules,
@@ -425,10 +455,25 @@ class Comm:
         if not ops:
             return []
         t_enq = time.perf_counter()
+        step = self.rec.step if self.rec is not None else None
+        fired = self._fire(step, probe=any(o.key == "probe" for o in ops))
+        if fired == "skip":  # injected: the rank passes the batch by (its sequence numbers still count it)
+            for o in ops:
+                self._next_seq(f"p2p {self.rank}->{o.peer}" if o.kind == "send" else f"p2p {o.peer}->{self.rank}")
+            return []
+        if fired == "mismatch":  # injected: each tensor one element longer than the peer expects
+            ops = [P2P(o.kind, torch.zeros(o.tensor.numel() + 1, dtype=o.tensor.dtype, device=o.tensor.device),
+                       o.peer, o.key) for o in ops]
         faults = self._faults_on([frozenset((self.rank, o.peer)) for o in ops])  # the links the batch uses
         pending: list[Any] = []
         nbytes = sum(_nbytes(o.tensor) for o in ops)
-        with self._span(name, category, micro_batch, nbytes, wait_only=False, chunk=chunk, **span_args):
+        links = [f"p2p {self.rank}->{o.peer}" if o.kind == "send" else f"p2p {o.peer}->{self.rank}" for o in ops]
+        seqs = [self._next_seq(link) for link in links]
+        if self.recording and self.log is not None:
+            for o, link, seq in zip(ops, links, seqs):
+                self.log.enter(CommEnter(rank=self.rank, group=link, op=o.kind, bytes=_nbytes(o.tensor), seq=seq,
+                                         t=t_enq, key=o.key, peer=o.peer, step=step))
+        with self._span(name, category, micro_batch, nbytes, wait_only=not timeline, chunk=chunk, **span_args):
             t_start, injected = self._delay(faults)
             batch = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer) for o in ops]
             works = dist.batch_isend_irecv(batch)
@@ -437,14 +482,10 @@ class Comm:
                     pending.append(work)
                 else:
                     work.wait()
-            t_end, injected = self._stretch(faults, t_start, injected)
+            t_end, injected = self._stretch(faults, t_start, injected, (tuple(links), nbytes))
         if self.log is None:
             return pending
-        step = self.rec.step if self.rec is not None else None
-        for o in ops:
-            src, dst = (self.rank, o.peer) if o.kind == "send" else (o.peer, self.rank)
-            link = f"p2p {src}->{dst}"
-            seq = self._next_seq(link)
+        for o, link, seq in zip(ops, links, seqs):
             # The batch is posted at once, so a slowed link delays all of it; the injected time is
             # attributed to the ops on the slowed link only (the others merely waited with it).
             mine = injected if self._faults_on([frozenset((self.rank, o.peer))]) else 0.0
@@ -454,22 +495,82 @@ class Comm:
                                           peer=o.peer, step=step, injected_s=mine))
         return pending
 
+    def wait(self, works: list[Any], name: str = "wait sends") -> None:
+        """Wait the deferred sends `works` of earlier `p2p` calls (the executor's non-blocking
+        schedules). The wait is on a peer, not local work: the rank is marked waiting and the
+        interval is recorded (op "wait", group "wait"), so the doctor does not count it as compute."""
+        if not works:
+            return
+        t0 = time.perf_counter()
+        with self.rec.waiting(name) if self.rec is not None else nullcontext():
+            for work in works:
+                work.wait()
+        t1 = time.perf_counter()
+        if self.recording and self.log is not None:
+            self.log.write(CommRecord(rank=self.rank, group="wait", op="wait", bytes=0, seq=self._next_seq("wait"),
+                                      t_enqueue=t0, t_start=t0, t_end=t1, key="wait", name=name,
+                                      step=self.rec.step if self.rec is not None else None))
+
     # ------------------------------------------------------------------ the one call path
     def _call(self, group: Group, op: str, nbytes: int, name: str, category: str, fn: Callable[[], Any],
               key: str | None = None, span: bool = True, wait_only: bool = False) -> None:
         seq = self._next_seq(group.name)  # counted when not written too: the n-th call stays seq n
         t_enq = time.perf_counter()
+        step = self.rec.step if self.rec is not None else None
+        fired = self._fire(step, probe=wait_only or group.size < 2)
+        if fired == "skip":  # injected: the rank passes this collective by; its peers wait in it
+            return
+        if fired == "mismatch":  # injected: another size at this sequence number (peers cannot agree)
+            wrong = torch.zeros(nbytes // 4 + 1, dtype=torch.float32,
+                                device="cuda" if self.backend == "nccl" else "cpu")
+            op, nbytes = "all_reduce", _nbytes(wrong)
+            fn = lambda: dist.all_reduce(wrong, group=group.pg)  # noqa: E731 -- the replaced call
+        if self.recording and self.log is not None:
+            self.log.enter(CommEnter(rank=self.rank, group=group.name, op=op, bytes=nbytes, seq=seq, t=t_enq,
+                                     key=key or f"{op} {group.name}", step=step))
         ctx = self._span(name, category, None, nbytes, wait_only) if span else nullcontext()
         faults = self._faults_on([group.members])
         with ctx:
             t_start, injected = self._delay(faults)
             fn()
-            t_end, injected = self._stretch(faults, t_start, injected)
+            t_end, injected = self._stretch(faults, t_start, injected, (group.name, nbytes))
         if self.recording and self.log is not None:
             self.log.write(CommRecord(rank=self.rank, group=group.name, op=op, bytes=nbytes, seq=seq,
                                       t_enqueue=t_enq, t_start=t_start, t_end=t_end,
-                                      key=key or f"{op} {group.name}", name=name,
-                                      step=self.rec.step if self.rec is not None else None, injected_s=injected))
+                                      key=key or f"{op} {group.name}", name=name, step=step, injected_s=injected))
+
+    def _fire(self, step: int | None, probe: bool) -> str | None:
+        """The skip / mismatch fault armed for this step, once, on its first real collective
+        (barriers, object collectives, one-rank groups and link probes do not count)."""
+        if not self._armed or step is None or probe or step not in self._armed:
+            return None
+        return self._armed.pop(step)
+
+    # ------------------------------------------------------------------ link probes
+    def probe_links(self) -> None:
+        """Time every rank pair's link once (the doctor's rank x rank matrix; C4D times each
+        connection): `world - 1` rounds of the circle method, each rank exchanging `probe_bytes`
+        with one partner per round, recorded as point-to-point calls with key "probe". Link
+        faults apply to them as to any call over the pair. Called by the worker right after the
+        step barrier, so both ends arrive together and compute skew does not enter."""
+        n = self.world
+        if n < 2 or self.log is None or not self.recording or self.probe_bytes <= 0:
+            return
+        if self._probe_bufs is None:
+            dev = "cuda" if self.backend == "nccl" else "cpu"
+            numel = max(1, self.probe_bytes // 4)
+            self._probe_bufs = (torch.zeros(numel, device=dev), torch.zeros(numel, device=dev))
+        send, recv = self._probe_bufs
+        m = n if n % 2 == 0 else n + 1  # odd world: a ghost player, its partner rests that round
+        for rnd in range(m - 1):
+            partner = _circle_partner(self.rank, rnd, m)
+            if partner >= n:
+                continue
+            # A few exchanges per pair: the doctor keeps the fastest, which a descheduled process
+            # (many ranks on few cores) cannot make faster, while a slow link makes every one slower.
+            for _ in range(PROBE_REPEAT):
+                self.p2p([P2P("send", send, partner, "probe"), P2P("recv", recv, partner, "probe")],
+                         "link probe", "probe", timeline=False)
 
     def _span(self, name: str, category: str, micro_batch: int | None, nbytes: int, wait_only: bool,
               **span_args: Any) -> AbstractContextManager[None]:
@@ -486,10 +587,12 @@ class Comm:
 
     # ------------------------------------------------------------------ link faults
     def _faults_on(self, member_sets: list[frozenset[int]]) -> tuple[LinkFault, ...]:
-        """The slowed links inside any of `member_sets` (a group's ranks, or each {rank, peer} pair)."""
+        """The slowed links inside any of `member_sets` (a group's ranks, or each {rank, peer} pair)
+        that are active at the current step."""
         if not self.faults:
             return ()
-        return tuple(f for f in self.faults if any(f.applies(m) for m in member_sets))
+        step = self.rec.step if self.rec is not None else None
+        return tuple(f for f in self.faults if f.active(step) and any(f.applies(m) for m in member_sets))
 
     @staticmethod
     def _delay(faults: tuple[LinkFault, ...]) -> tuple[float, float]:
@@ -499,14 +602,31 @@ class Comm:
             time.sleep(delay)
         return time.perf_counter(), delay
 
-    @staticmethod
-    def _stretch(faults: tuple[LinkFault, ...], t_start: float, injected: float) -> tuple[float, float]:
-        """Stretch the finished call to `factor` x its duration (the slowest of `faults`)."""
+    def _stretch(self, faults: tuple[LinkFault, ...], t_start: float, injected: float, kind: Any
+                 ) -> tuple[float, float]:
+        """Stretch the finished call by (`factor` - 1) x its transfer time (the slowest of `faults`).
+        A blocking call's duration also holds the wait for a late peer, which a slow link does not
+        lengthen: the transfer time is the call's duration capped at twice the fastest call of the
+        same kind (group, bytes) seen so far -- stretching the waits too would feed back (each
+        stretched wait makes the peers wait longer)."""
         t_end = time.perf_counter()
         factor = max((f.factor for f in faults), default=1.0)
         if factor > 1.0:
-            extra = (factor - 1.0) * (t_end - t_start)
+            took = t_end - t_start
+            fastest = min(self._fastest.get(kind, took), took)
+            self._fastest[kind] = fastest
+            extra = (factor - 1.0) * min(took, 2.0 * fastest)
             time.sleep(extra)
             t_end = time.perf_counter()
             injected += extra
         return t_end, injected
+
+
+def _circle_partner(rank: int, rnd: int, m: int) -> int:
+    """Round `rnd` of the circle method over `m` (even) players: player m-1 stays, the others
+    rotate; every pair meets exactly once in m-1 rounds."""
+    if rank == m - 1:
+        return rnd
+    if rank == rnd:
+        return m - 1
+    return (2 * rnd - rank) % (m - 1)

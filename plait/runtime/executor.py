@@ -150,8 +150,7 @@ class PipelineExecutor:
                 j += 1
             self._exchange(list(acts[k:j]))
             k = j
-        for work in self.pending:
-            work.wait()
+        self.comm.wait(self.pending)
         self.pending = []
         assert not self.saved, "every forward has its backward"
 
@@ -331,8 +330,7 @@ class PipelineExecutor:
                 else:
                     self._deliver(a, bufs or [])
         if self.blocking:
-            for work in self.pending:
-                work.wait()
+            self.comm.wait(self.pending)
             self.pending = []
 
     def _edge_key(self, a: Action) -> tuple[int, int, int]:

@@ -147,7 +147,7 @@ def local_workers(nodes: list[dict[str, Any]], rdzv: Rendezvous) -> tuple[int, d
 
 
 # ---------------------------------------------------------------------------------- host side
-SHARED_FIELDS = ("model", "plan", "steps", "seed", "data_seed", "optimizer", "dtype", "checkpoint", "fault")
+SHARED_FIELDS = ("model", "plan", "steps", "seed", "data_seed", "optimizer", "dtype", "checkpoint", "inject")
 
 
 def run_fields(cfg: dict[str, Any]) -> dict[str, Any]:

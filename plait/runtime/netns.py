@@ -107,6 +107,7 @@ class EmulatedNetwork(list):
         # (node a, node b) -> (bytes/s, seconds) as installed (after bandwidth_scale)
         self.links = dict(links or {})
         self.uplinks = dict(uplinks or {})  # node -> NIC total bytes/s as installed
+        self.slow_links: dict[tuple[int, int], float] = {}  # injected: node pair -> bandwidth divisor
 
     def node(self, node_index: int) -> NodeNet:
         for n in self:
@@ -318,7 +319,8 @@ def already_reported(note: str) -> bool:
     return bool(text) and any(w.endswith(text) for w in _WARNED)
 
 
-def _build(builder: _Builder, cluster: Any, nodes: list[int], scale: float) -> EmulatedNetwork:
+def _build(builder: _Builder, cluster: Any, nodes: list[int], scale: float,
+           slow_links: dict[tuple[int, int], float] | None = None) -> EmulatedNetwork:
     br_ns = builder.ns("br")
     builder.add_ns(br_ns)
     _run(["ip", "-n", br_ns, "link", "add", "br0", "type", "bridge"])
@@ -339,13 +341,16 @@ def _build(builder: _Builder, cluster: Any, nodes: list[int], scale: float) -> E
         nets.append(NodeNet(node_index=a, namespace=ns, ip=ip, ifname=IFNAME))
     uplinks, links = node_links(cluster, nodes)
     uplinks = {a: v * scale for a, v in uplinks.items()}
-    links = {p: (bw * scale, lat) for p, (bw, lat) in links.items()}
+    # Injected slow links (`plait run --inject link:...`): that node pair's class runs `factor` x slower.
+    links = {p: (bw * scale / (slow_links or {}).get(p, 1.0), lat) for p, (bw, lat) in links.items()}
     netem = _shape(builder, br_ns, nets, uplinks, links)
     reason = "" if netem else "kernel has no sch_netem: link latency is not emulated (bandwidth is)"
     if reason:
         warn_once(reason)
-    return EmulatedNetwork(nets, isolated=True, shaped=True, latency_emulated=netem, reason=reason,
-                           links=links, uplinks=uplinks)
+    out = EmulatedNetwork(nets, isolated=True, shaped=True, latency_emulated=netem, reason=reason,
+                          links=links, uplinks=uplinks)
+    out.slow_links = dict(slow_links or {})
+    return out
 
 
 def _loopback(nodes: list[int], reason: str) -> EmulatedNetwork:
@@ -388,7 +393,8 @@ def namespaces_possible() -> tuple[bool, str]:
 
 
 @contextlib.contextmanager
-def emulated_network(cluster: Any, plan_or_world: Any, *, prefix: str = "plait") -> Iterator[EmulatedNetwork]:
+def emulated_network(cluster: Any, plan_or_world: Any, *, prefix: str = "plait",
+                     slow_links: dict[tuple[int, int], float] | None = None) -> Iterator[EmulatedNetwork]:
     """One shaped network namespace per node the run uses; yields an `EmulatedNetwork` (a list of NodeNet).
 
     `plan_or_world` is a `Plan` (nodes of `plan.device_of(r)` for every rank) or a world
@@ -417,7 +423,7 @@ def emulated_network(cluster: Any, plan_or_world: Any, *, prefix: str = "plait")
     builder = _Builder(prefix)
     with _cleanup_guard(builder):
         try:
-            net = _build(builder, cluster, nodes, scale)
+            net = _build(builder, cluster, nodes, scale, slow_links)
         except NetnsError as exc:
             builder.remove()
             net = _loopback(nodes, f"could not build the namespaces ({exc})")

@@ -9,7 +9,11 @@ the barrier's exit skew (tens of microseconds on loopback gloo).
 
 On an emulated cluster a compute span of a slower GPU kind is stretched on CPU by
 sleeping (slowdown - 1) x its own compute time (communication nested inside it, e.g.
-a tensor-parallel all-reduce, is not stretched).
+a tensor-parallel all-reduce, is not stretched). An injected slow rank (`--inject slow:...`)
+multiplies that factor at the steps it applies to. With `compute_floor_s` (sleep-padded
+compute, `plait run --compute-sleep S`), a forward span lasts at least S and a backward 2 S
+before the factors apply: the rank's timing is then set by sleeping, not by how the CPUs are
+shared, so a slowed rank is not lost in CPU contention when many ranks share few cores.
 
 `Heartbeat` publishes the rank's progress to a small JSON file that the launcher
 watches: a rank that stops making progress while *not* waiting on a collective is
@@ -22,7 +26,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -93,11 +97,15 @@ class Heartbeat:
             pass
 
 
+_FLOOR_WEIGHT = {"forward": 1.0, "backward": 2.0}  # sleep-padded compute: backward ~ 2 x forward
+
+
 class Recorder:
     """Spans of one rank. `device` is the cluster device id (the timeline resource `dev{device}`)."""
 
     def __init__(self, device: int, stage: int, rank: int, cuda: bool = False, slowdown: float = 1.0,
-                 heartbeat: Heartbeat | None = None) -> None:
+                 heartbeat: Heartbeat | None = None, inject_factor: Callable[[int | None], float] | None = None,
+                 compute_floor_s: float = 0.0) -> None:
         self.device = device
         self.stage = stage
         self.rank = rank
@@ -112,6 +120,8 @@ class Recorder:
         self._base_time = 0.0
         self._comm_inside: list[float] = []  # stack: comm seconds nested in open compute spans
         self.enabled = True
+        self.inject_factor = inject_factor  # step -> injected compute slowdown (plait.runtime.inject)
+        self.compute_floor_s = compute_floor_s
 
     # -------------------------------------------------------------- clock
     def now(self) -> float:
@@ -181,10 +191,14 @@ class Recorder:
         finally:
             comm = self._comm_inside.pop()
             t1 = self.now()
-            if self.slowdown > 1.0:
-                # Emulated slower GPU kind: the same work takes `slowdown` times longer.
+            factor = self.slowdown * (self.inject_factor(self.step) if self.inject_factor is not None else 1.0)
+            floor = self.compute_floor_s * _FLOOR_WEIGHT.get(category, 0.0)
+            if factor > 1.0 or floor > 0.0:
+                # Emulated slower GPU kind (or injected slow rank): the same work takes `factor` times
+                # longer; sleep-padded compute first lifts the work to its floor.
                 work = max(0.0, t1 - t0 - comm)
-                time.sleep(extra_time(work, self.slowdown))
+                base = max(work, floor)
+                time.sleep(base - work + extra_time(base, factor))
                 t1 = self.now()
                 ev.args["compute_s"] = work  # measured before the stretch
             ev.start, ev.end = t0, t1

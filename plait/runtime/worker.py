@@ -37,7 +37,7 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from plait.runtime.data_parallel import (
     sync_tied_grads,
 )
 from plait.runtime.executor import PipelineExecutor
+from plait.runtime.inject import Fault, Injection
 from plait.runtime.layout import (
     merge_modules,
     node_micro_batches,
@@ -89,8 +90,6 @@ from plait.runtime.tensor_parallel import (
 )
 from plait.runtime.zero3 import Zero3Step
 
-FAULT_ENV = "PLAIT_FAULT"
-
 
 def comm_records_path(run_dir: Path, rank: int) -> Path:
     """Where rank `rank` streams its communication records (`plait.ir.comm`)."""
@@ -98,46 +97,28 @@ def comm_records_path(run_dir: Path, rank: int) -> Path:
 
 
 # ---------------------------------------------------------------------------------- faults
-@dataclass(frozen=True)
-class Fault:
-    """Hidden fault injection for tests: `rank=1,step=2,kind=hang|die|error[,at=step|checkpoint]`,
-    or `kind=inf` (at=grad): one gradient element of that rank becomes inf after the backward."""
+def fire(fault: Fault) -> None:
+    """Act out a process fault of `--inject` on this rank (`plait.runtime.inject`)."""
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "stop":  # the whole process freezes, heartbeat thread included (a stuck node)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # SIGCONT: the rank carries on
+    if fault.kind == "hang":
+        while True:  # never reports progress again, not waiting on any collective
+            time.sleep(3600)
+    raise RuntimeError(f"injected fault on rank {fault.rank} at step {fault.step}")
 
-    rank: int
-    step: int
-    kind: str
-    at: str = "step"
 
-    @classmethod
-    def parse(cls, text: str | None) -> Fault | None:
-        if not text:
-            return None
-        fields = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
-        kind = fields.get("kind", "die")
-        fault = cls(int(fields["rank"]), int(fields["step"]), kind, fields.get("at", "grad" if kind == "inf" else "step"))
-        if fault.kind not in ("hang", "die", "error", "inf") or fault.at not in ("step", "checkpoint", "grad") \
-                or (fault.kind == "inf") != (fault.at == "grad"):
-            raise ValueError(f"{FAULT_ENV}: bad fault {text!r}")
-        return fault
-
-    def maybe_poison(self, rank: int, step: int, params: list[nn.Parameter]) -> None:
-        """kind=inf: set the first element of this rank's first gradient to +inf (an fp16 overflow)."""
-        if self.kind != "inf" or rank != self.rank or step != self.step:
+def poison(params: list[nn.Parameter]) -> None:
+    """inf: set the first element of this rank's first gradient to +inf (an fp16 overflow)."""
+    for prm in params:
+        if prm.grad is not None and prm.grad.numel():
+            prm.grad.view(-1)[0] = float("inf")
             return
-        for prm in params:
-            if prm.grad is not None and prm.grad.numel():
-                prm.grad.view(-1)[0] = float("inf")
-                return
 
-    def maybe_fire(self, rank: int, step: int, at: str) -> None:
-        if self.kind == "inf" or rank != self.rank or step != self.step or at != self.at:
-            return
-        if self.kind == "die":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.kind == "hang":
-            while True:  # never reports progress again, not waiting on any collective
-                time.sleep(3600)
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+
+_PROCESS_FAULTS = ("kill", "stop", "hang", "error")
 
 
 def _is_peer_error(exc: BaseException) -> bool:
@@ -164,7 +145,7 @@ class Worker:
         self.layout = pipeline_layout(plan)
         self.info = cfg["ranks"][rank]
         self.run_dir = Path(cfg["run_dir"])
-        self.fault = Fault.parse(os.environ.get(FAULT_ENV) or cfg.get("fault"))
+        self.injection = Injection.from_list(cfg.get("inject"))
         self.cuda = cfg["device"] == "cuda"
 
     # ------------------------------------------------------------------ setup
@@ -183,7 +164,8 @@ class Worker:
         log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
             if self.cfg.get("comm_records", True) else None
         faults = parse_link_faults(os.environ.get(FAULTS_ENV) or self.cfg.get("comm_faults"))
-        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults)
+        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults, injection=self.injection,
+                         probe_bytes=int(self.cfg.get("probe_bytes", 1 << 18)))
         self.comm.init_process_group(self.cfg["backend"], timeout_s=float(self.cfg["collective_timeout"]))
         plan = self.plan
         # The plan's ranks are a regular pp x dp x tp grid (Megatron's order, as `Plan.rank`): one mesh.
@@ -299,8 +281,11 @@ class Worker:
     def run(self) -> None:
         cfg, plan = self.cfg, self.plan
         # The recorder exists before the model so that tensor-parallel collectives can report to it.
+        slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
         self.rec = Recorder(self.info["device"], self.p, self.rank, cuda=self.cuda,
-                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb)
+                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb,
+                            inject_factor=partial(self.injection.compute_factor, self.rank) if slow else None,
+                            compute_floor_s=float(cfg.get("compute_sleep") or 0.0))
         self._init_dist()
         self._build()
         if self.cuda and cfg["dtype"] == "tf32":
@@ -356,14 +341,21 @@ class Worker:
             data = self._step_data(chunk_mbs)
             sched = step_schedule(plan, lay, node_mbs, schedule)
             self.rec.step = step  # the step barrier's comm record belongs to this step, not the last one
-            if self.fault:
-                self.fault.maybe_fire(self.rank, step, "step")
+            fault = self.injection.at(self.rank, step, "step", _PROCESS_FAULTS)
+            if fault is not None:
+                fire(fault)
             if cfg.get("comm_records") == "alternate":
                 # bench/recorder_overhead.py: records on and off in adjacent steps, the order alternating
                 # pair by pair (on/off, off/on, ...) so a drifting machine biases neither side.
                 self.comm.recording = (step // 2 + step) % 2 == 0
             if cfg.get("step_barrier", True):
                 self.comm.barrier("step barrier")
+            probe_every = int(cfg.get("probe_every") or 0)
+            if probe_every and step % probe_every == 0:
+                # Each rank pair's link, timed (the doctor's matrix) while no rank computes, then a
+                # barrier: the ranks' different probe end times do not enter the measured iteration.
+                self.comm.probe_links()
+                self.comm.barrier("probe barrier")
             t0 = self.rec.begin_step(step)
             runner.loss_sum = torch.zeros((), device=self.device)
             if self.scaler is not None:
@@ -375,8 +367,8 @@ class Worker:
             if self.zero3 is not None:  # join the collectives of replicas with more micro-batches
                 most = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
                 self.zero3.ghost_rounds(most - len(mbs), len(mbs))
-            if self.fault:
-                self.fault.maybe_poison(self.rank, step, self.params)
+            if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
+                poison(self.params)
             if self.tied:
                 sync_tied_grads(self.tied)
             if self.sp_params and self.zero3 is None:  # ZeRO-3 sums them per layer before reducing
@@ -392,6 +384,7 @@ class Worker:
                 self._record_step(step, t0, t1, runner.loss_sum if self.p == lay.sink[0] and self.t == 0 else None)
             if every and (step + 1) % every == 0:
                 self._save_checkpoint(step + 1, Path(ck["dir"]))
+        self.rec.step = None  # the calls of the end (results, barriers) belong to no step
         self._finish(losses, step_bounds, start, steps, origin_info)
 
     def _record_step(self, step: int, t0: float, t1: float, loss_sum: torch.Tensor | None) -> None:
@@ -554,8 +547,9 @@ class Worker:
                 "coords": [self.p, self.d, self.t]}
         state = ckpt.rank_snapshot(self._ckpt_layout(), train, self.rank, mine)
         hook = None
-        if self.fault and self.fault.at == "checkpoint":
-            hook = partial(self.fault.maybe_fire, self.rank, step - 1, "checkpoint")
+        fault = self.injection.at(self.rank, step - 1, "checkpoint", _PROCESS_FAULTS)
+        if fault is not None:
+            hook = partial(fire, fault)
         with self.rec.waiting("checkpoint"):
             ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm,
                       keep=self.cfg["checkpoint"].get("keep"), before_publish=hook)

@@ -1,0 +1,458 @@
+"""The doctor's detectors: plain functions over one `RunRecords`, each returning `Finding`s.
+
+After C4D (Dong et al., HPCA'25, §4): collective communication is periodic and the same on
+every rank, so a fault shows as one rank or one rank pair that deviates from its peers and
+from its own history. Every threshold is a ratio (to the rank's own steps, to its peers, to
+the run's median step time), never seconds tuned to one machine.
+
+* `calls_not_joined` / `mismatches` -- Flight Recorder's matching, on enter lines: a call
+  (group, sequence number) that some members entered and one member passed by (it entered a
+  later call of that group, or a call of a later step) is a skipped collective (a
+  communication hang with a known culprit); members that entered it with a different op or
+  size are a mismatch.
+* `dead_ranks` -- a rank's process ended (exit record: signal or error of its own, not a
+  peer's) before the job stalled; live, a heartbeat whose process is gone.
+* `hangs` -- no call ended for `stall_steps` median steps: the earliest call still waited on
+  names the members that never entered it; one waiting elsewhere is a communication hang,
+  one outside any call (or whose heartbeat stopped: SIGSTOP) a non-communication hang.
+* `slow_ranks` -- per step, a rank's local work (time between its calls: compute, never
+  waiting) against min(its own steady level, its same-stage peers' level) -- C4D's
+  non-communication slow.
+* `slow_links` -- per step, each rank pair's link-probe transfer time (the facade's probes:
+  `plait.runtime.comm.Comm.probe_links`, one exchange per pair, timed from the later of the
+  two arrivals) against min(its own level, the level of pairs of its kind) -- one cell of the
+  rank x rank matrix (C4D's communication slow).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from plait.doctor.folder import RunRecords, pid_alive
+from plait.ir.diagnosis import Finding
+
+# Ops whose payload legitimately differs between ranks (pickled objects, uneven gathers).
+_SIZE_FREE = ("all_gather_object", "gather_object", "broadcast_object", "barrier", "gather")
+PROBE_KEY = "probe"
+# Heartbeat phases that may legitimately take longer than steps (plait.runtime.launch.STARTUP_PHASES).
+_LONG_PHASES = ("start", "init", "build", "resume", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Frozen before the injection suite's final run (bench/doctor.py); all relative."""
+
+    slow_rank_ratio: float = 1.3
+    """A step's local work must be this many times the rank's reference to count as slow."""
+    slow_link_ratio: float = 1.35
+    """A probe's transfer time must be this many times the pair's reference to count as slow."""
+    min_excess_of_step: float = 0.03
+    """...and exceed the reference by this fraction of the run's median step time (slow rank)."""
+    min_hits: int = 3
+    """Slow steps needed before a rank is named (a slow rank stays slow, or slow every k-th step)."""
+    min_hit_fraction: float = 0.75
+    """Of the slow steps the pattern predicts from the first one on (every step, or every k-th where
+    k is the hits' median spacing), at least this fraction must be slow: noise is not periodic."""
+    link_min_hits: int = 3
+    """Slow probes needed before a link is named."""
+    link_min_hit_fraction: float = 0.75
+    """The same for a link's probes."""
+    stall_steps: float = 4.0
+    """No call ended for this many median step times: the job is stalled (a hang)."""
+    stall_floor_s: float = 1.0
+    """...and for at least this long (the heartbeat period is 0.2 s)."""
+    hb_stale_s: float = 1.0
+    """A heartbeat this much older than the freshest one: the process stopped (SIGSTOP)."""
+
+
+@dataclass
+class _Entry:
+    op: str
+    bytes: int
+    t: float
+    t_end: float | None
+    step: int | None
+    key: str | None
+
+
+def _members(run: RunRecords, rank: int, group: str) -> tuple[int, ...]:
+    if group.startswith("p2p "):
+        a, _, b = group[4:].partition("->")
+        return tuple(sorted((int(a), int(b))))
+    ranks = run.ranks[rank].groups.get(group)
+    if ranks is None and group == "world":
+        ranks = list(range(run.world))
+    return tuple(sorted(ranks)) if ranks is not None else (rank,)
+
+
+def _instances(run: RunRecords) -> dict[tuple[str, tuple[int, ...], int], dict[int, _Entry]]:
+    """(group, members, seq) -> rank -> what the rank entered (and when it ended, if it did).
+    A point-to-point link's entries are keyed by op too (send at the source, recv at the sink)."""
+    out: dict[tuple[str, tuple[int, ...], int], dict[int, _Entry]] = defaultdict(dict)
+    for r, rr in run.ranks.items():
+        for e in rr.enters:
+            out[(e.group, _members(run, r, e.group), e.seq)][r] = _Entry(e.op, e.bytes, e.t, None, e.step, e.key)
+        for c in rr.records:
+            k = (c.group, _members(run, r, c.group), c.seq)
+            prev = out[k].get(r)
+            out[k][r] = _Entry(c.op, c.bytes, prev.t if prev else c.t_enqueue, c.t_end, c.step, c.key)
+    return out
+
+
+def step_time(run: RunRecords) -> float:
+    """The run's median step time: per step, first call entered to last call ended, over ranks."""
+    lo: dict[int, float] = {}
+    hi: dict[int, float] = {}
+    for rr in run.ranks.values():
+        for c in rr.records:
+            if c.step is not None:
+                lo[c.step] = min(lo.get(c.step, c.t_enqueue), c.t_enqueue)
+                hi[c.step] = max(hi.get(c.step, c.t_end), c.t_end)
+    spans = [hi[s] - lo[s] for s in sorted(lo) if s + 1 in lo]  # complete steps (the next one began)
+    if not spans:
+        spans = [hi[s] - lo[s] for s in lo]
+    return statistics.median(spans) if spans else 0.0
+
+
+def _finding(kind: str, ranks: tuple[int, ...], first: float, detected: float, run: RunRecords,
+             step: int | None = None, collective: str | None = None, **evidence: Any) -> Finding:
+    nodes = tuple(dict.fromkeys(str(run.ranks[r].info.get("host")) for r in ranks
+                                if r in run.ranks and run.ranks[r].info.get("host") is not None))
+    return Finding(kind=kind, ranks=tuple(sorted(ranks)), first_seen_s=round(first, 6), step=step,
+                   collective=collective, evidence=evidence, nodes=nodes, detected_s=round(detected, 6))
+
+
+# ---------------------------------------------------------------------------------- matching
+def _past(run: RunRecords, rank: int, group: str, members: tuple[int, ...], seq: int, step: int | None
+          ) -> float | None:
+    """When `rank` entered a call after (group, seq) in program order: a later seq of the same
+    group, or any call of a later step. None: it has not (it is behind, stuck or dead)."""
+    rr = run.ranks.get(rank)
+    if rr is None:
+        return None
+    times = [e.t for e in rr.enters if (
+        (e.group == group and _members(run, rank, e.group) == members and e.seq > seq)
+        or (step is not None and e.step is not None and e.step > step))]
+    times += [c.t_enqueue for c in rr.records if (
+        (c.group == group and _members(run, rank, c.group) == members and c.seq > seq)
+        or (step is not None and c.step is not None and c.step > step))]
+    return min(times) if times else None
+
+
+def calls_not_joined(run: RunRecords) -> list[Finding]:
+    """Members that passed by a call their peers entered: the skipped collective (comm hang)."""
+    out: dict[int, Finding] = {}
+    for (group, members, seq), entries in sorted(_instances(run).items(), key=lambda kv: min(
+            e.t for e in kv[1].values())):
+        if len(members) < 2:
+            continue
+        first = min(e.t for e in entries.values())
+        step = min((e.step for e in entries.values() if e.step is not None), default=None)
+        for m in members:
+            if m in entries or m in out or m not in run.ranks:
+                continue
+            t_past = _past(run, m, group, members, seq, step)
+            if t_past is None:
+                continue
+            waited = {r: round((e.t_end if e.t_end is not None else run.t_obs) - e.t, 6) for r, e in entries.items()}
+            out[m] = _finding("comm_hang", (m,), first, max(first, t_past), run, step=step,
+                              collective=f"{next(iter(entries.values())).op} {group} seq {seq}",
+                              reason=f"rank {m} never entered this call, which ranks {sorted(entries)} entered, "
+                                     f"and went on to later calls", entered=sorted(entries), waited_s=waited,
+                              ended=[r for r, e in entries.items() if e.t_end is not None])
+    return list(out.values())
+
+
+def mismatches(run: RunRecords) -> list[Finding]:
+    """Members that entered one call (group, seq) with a different op or size."""
+    out: list[Finding] = []
+    seen: set[int] = set()
+    history: dict[tuple[int, str], list[tuple[str, int]]] = defaultdict(list)
+    for (group, _, seq), entries in sorted(_instances(run).items(), key=lambda kv: kv[0][2]):
+        p2p = group.startswith("p2p ")
+        sig = {r: (("p2p" if p2p else e.op), -1 if e.op in _SIZE_FREE else e.bytes) for r, e in entries.items()}
+        if len(set(sig.values())) > 1:
+            counts: dict[tuple[str, int], int] = defaultdict(int)
+            for s in sig.values():
+                counts[s] += 1
+            top = max(counts.values())
+            odd = [r for r, s in sig.items() if counts[s] < top]
+            if not odd:  # a tie (two ranks): the one whose call is new to its own history of this group
+                odd = [r for r, s in sig.items() if s not in history[(r, group)]]
+                if len(odd) == len(sig):
+                    odd = []
+            culprits = tuple(r for r in odd if r not in seen)
+            if culprits or not odd:
+                first = min(e.t for e in entries.values())
+                step = min((e.step for e in entries.values() if e.step is not None), default=None)
+                out.append(_finding("mismatch", culprits, first, max(e.t for e in entries.values()), run, step=step,
+                                    collective=f"{group} seq {seq}",
+                                    entered={str(r): {"op": e.op, "bytes": e.bytes, "key": e.key}
+                                             for r, e in sorted(entries.items())}))
+                seen.update(culprits)
+                if not culprits:
+                    break
+        for r, s in sig.items():
+            history[(r, group)].append(s)
+    return out
+
+
+# ---------------------------------------------------------------------------------- death, hangs
+def _death(run: RunRecords, r: int, live: bool) -> float | None:
+    """When rank `r`'s process ended of its own fault (signal other than SIGTERM, or its own error)."""
+    rr = run.ranks[r]
+    status = rr.status or {}
+    if status.get("state") == "terminated" or status.get("peer_error"):
+        return None
+    ex = rr.exit or {}
+    t = ex.get("time")
+    own_error = status.get("state") == "error"
+    if ex and (ex.get("signal") not in (None, "SIGTERM") or (ex.get("exitcode") or 0) > 0 and own_error):
+        return t - run.t0_wall if isinstance(t, int | float) and run.wall_clock else \
+            max((c.t_end for c in rr.records), default=0.0)
+    if own_error:
+        t = status.get("time")
+        return t - run.t0_wall if isinstance(t, int | float) and run.wall_clock else \
+            max((c.t_end for c in rr.records), default=0.0)
+    hb = rr.heartbeat or {}
+    if live and not rr.done and hb.get("pid") and not pid_alive(hb["pid"]) and not ex:
+        return rr.hb_written if rr.hb_written is not None else run.t_obs
+    return None
+
+
+def _progress_end(run: RunRecords) -> float:
+    return max((c.t_end for rr in run.ranks.values() for c in rr.records), default=0.0)
+
+
+def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
+    """(last progress, stall threshold) when the job stalled: no call ended for the threshold
+    while some rank had not finished; None otherwise."""
+    if all(rr.done for rr in run.ranks.values()) and len(run.ranks) >= run.world:
+        return None
+    if any((rr.heartbeat or {}).get("phase") in _LONG_PHASES for rr in run.ranks.values() if not rr.done):
+        return None  # a rank is starting up or writing a checkpoint: silence there is not a step's
+    end = _progress_end(run)
+    limit = max(th.stall_floor_s, th.stall_steps * step_time(run))
+    return (end, limit) if run.t_obs - end >= limit else None
+
+
+def dead_ranks(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
+    st = stall(run, th)
+    out = []
+    for r in sorted(run.ranks):
+        t = _death(run, r, live)
+        if t is None or (st is not None and t > st[0] + st[1]):
+            continue  # ended after the job had stalled: the launcher stopped it, not a cause
+        rr = run.ranks[r]
+        last = rr.records[-1] if rr.records else None
+        how = (rr.exit or {}).get("signal") or (rr.status or {}).get("error") or "process gone"
+        out.append(_finding("dead_rank", (r,), t, t, run, step=(rr.heartbeat or {}).get("step", last.step if last else None),
+                            ended=how, last_call=(f"{last.op} {last.group} seq {last.seq}" if last else None),
+                            last_call_end_s=round(last.t_end, 6) if last else None))
+    return out
+
+
+def _pending(run: RunRecords, r: int) -> list[Any]:
+    rr = run.ranks[r]
+    done = {(c.group, c.seq, c.op) for c in rr.records}
+    return [e for e in rr.enters if (e.group, e.seq, e.op) not in done]
+
+
+def hangs(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
+    """A stalled job: who the earliest call still waited on is waiting for, and where that rank is."""
+    st = stall(run, th)
+    if st is None:
+        return []
+    end, limit = st
+    detected = end + limit
+    deaths = {r: _death(run, r, live) for r in run.ranks}
+    dead = {r for r, t in deaths.items() if t is not None and t <= end + limit}  # later: the launcher's kill
+    fresh = max((rr.hb_written for rr in run.ranks.values() if rr.hb_written is not None), default=None)
+    stopped = {r for r, rr in run.ranks.items() if fresh is not None and rr.hb_written is not None
+               and fresh - rr.hb_written > th.hb_stale_s and not rr.done}
+    pend = {r: _pending(run, r) for r in run.ranks}
+    waiting = [(e, r) for r, es in pend.items() for e in es]
+    if not waiting:  # nobody inside a call: the ranks outside are stuck (or the file has no enter lines)
+        culprits = tuple(r for r, rr in run.ranks.items() if not rr.done and r not in dead
+                         and not (rr.heartbeat or {}).get("waiting"))
+        return [_finding("noncomm_hang", culprits, end, detected, run, stalled_for_s=round(run.t_obs - end, 3),
+                         reason="no call ended and no rank is inside a call")] if culprits else []
+    e0, r0 = min(waiting, key=lambda er: er[0].t)
+    members = _members(run, r0, e0.group)
+    entered = {r for r, es in pend.items() for e in es if e.group == e0.group and e.seq == e0.seq
+               and _members(run, r, e.group) == members}
+    entered |= {r for r in members if r in run.ranks and any(c.group == e0.group and c.seq == e0.seq
+                                                             for c in run.ranks[r].records)}
+    missing = [m for m in members if m not in entered and m not in dead]
+    coll = f"{e0.op} {e0.group} seq {e0.seq}"
+    waited = {r: round(run.t_obs - min(e.t for e in es), 3) for r, es in pend.items() if es}
+    if not missing:
+        return [_finding("comm_hang", (), e0.t, detected, run, step=e0.step, collective=coll, waited_s=waited,
+                         reason="every member entered the call and none finished it (a link or NIC)")]
+    out = []
+    for m in missing:
+        where = pend.get(m) or []
+        in_comm = bool((run.ranks[m].heartbeat or {}).get("waiting")) if m in run.ranks else False
+        if m in stopped or not (where or in_comm):
+            why = "its heartbeat stopped (process stopped)" if m in stopped else \
+                f"it is outside any call ({(run.ranks[m].heartbeat or {}).get('phase', 'unknown phase')})"
+            out.append(_finding("noncomm_hang", (m,), end, detected, run, step=e0.step, collective=coll,
+                                waited_s=waited, reason=f"rank {m} never entered {coll}: {why}"))
+        else:
+            inside = f"{where[0].op} {where[0].group} seq {where[0].seq}" if where else \
+                f"'{(run.ranks[m].heartbeat or {}).get('waiting')}'"
+            out.append(_finding("comm_hang", (m,), end, detected, run, step=e0.step, collective=coll,
+                                waited_s=waited, reason=f"rank {m} never entered {coll}; it waits in {inside}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------- slowness
+def _steady(values: dict[int, float]) -> float | None:
+    """A series' steady level: the smallest mean of two consecutive steps (robust to one fast or
+    slow step; needs two clean steps in a row)."""
+    steps = sorted(values)
+    pairs = [(values[a] + values[b]) / 2 for a, b in zip(steps, steps[1:]) if b == a + 1]
+    if pairs:
+        return min(pairs)
+    return min(values.values()) if values else None
+
+
+def local_work(run: RunRecords) -> dict[int, dict[int, tuple[float, float, float]]]:
+    """rank -> step -> (seconds of local work, step start, time the step's last call was entered)."""
+    out: dict[int, dict[int, tuple[float, float, float]]] = {}
+    for r, rr in run.ranks.items():
+        calls = sorted({(c.t_enqueue, c.t_end, c.step) for c in rr.records}, key=lambda c: c[0])
+        per: dict[int, list[float]] = {}
+        prev_end = None
+        for t_enq, t_end, step in calls:
+            if step is not None and prev_end is not None:
+                w = per.setdefault(step, [0.0, t_enq, t_enq])
+                w[0] += max(0.0, t_enq - prev_end)
+                w[1], w[2] = min(w[1], t_enq), max(w[2], t_enq)
+            prev_end = t_end if prev_end is None else max(prev_end, t_end)
+        out[r] = {s: (v[0], v[1], v[2]) for s, v in per.items()}
+    return out
+
+
+def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], ratio: float, floor: float,
+           min_hits: int, fraction: float) -> dict[Any, tuple[list[int], float]]:
+    """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
+
+    A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
+    median of its peers at that same step (a machine-wide hiccup slows the peers too); an item
+    slow from its first step on (its own level already `ratio` x its peers') is judged against
+    its peers alone. Without peers, its own history alone, and a step must also exceed it by three
+    median absolute deviations of the series (a lone item cannot tell noise from its peers')."""
+    own = {k: _steady(dict(ser)) for k, ser in series.items()}
+    out = {}
+    for k, ser in series.items():
+        if own[k] is None or own[k] <= 0:
+            continue
+        ps = [p for p in peers.get(k, []) if own.get(p)]
+        peer_level = statistics.median(own[p] for p in ps) if ps else None
+        always_slow = peer_level is not None and own[k] >= ratio * peer_level
+        ref = peer_level if always_slow else own[k]
+        margin = floor
+        if not ps:  # its own history alone: a step must also stand out of the series' own scatter
+            mid = statistics.median(ser.values())
+            margin = max(floor, 3.0 * statistics.median(abs(v - mid) for v in ser.values()))
+        hits = []
+        for s, v in sorted(ser.items()):
+            now = [series[p][s] for p in ps if s in series[p]]
+            if ps and not now:
+                continue
+            peer_now = statistics.median(now) if now else None
+            slow_own = always_slow or (v >= ratio * own[k] and v - own[k] >= margin)
+            slow_peer = peer_now is None or (v >= ratio * peer_now and v - peer_now >= floor)
+            if slow_own and slow_peer:
+                hits.append(s)
+        # A leading hit further from the next than the hits are from each other is noise before
+        # the onset (a fault that began stays periodic: every step, or every k-th).
+        while len(hits) > min_hits and hits[1] - hits[0] > statistics.median(
+                b - a for a, b in zip(hits[1:], hits[2:])):
+            hits = hits[1:]
+        if len(hits) < min_hits:
+            continue
+        period = statistics.median(b - a for a, b in zip(hits, hits[1:]))
+        expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % max(1, round(period)) == 0)
+        if len(hits) >= fraction * expected:
+            out[k] = (hits, ref)
+    return out
+
+
+def slow_ranks(run: RunRecords, th: Thresholds) -> list[Finding]:
+    work = local_work(run)
+    # The first step warms up (the end of training's calls carry no step: the last step is whole).
+    series = {r: {s: v[0] for s, v in w.items() if s > min(w)} for r, w in work.items()}
+    stage = {r: (rr.coords[0] if rr.coords else 0) for r, rr in run.ranks.items()}
+    peers = {r: [p for p in series if p != r and stage[p] == stage[r]] for r in series}
+    floor = th.min_excess_of_step * step_time(run)
+    flagged = _flags(series, peers, th.slow_rank_ratio, floor, th.min_hits, th.min_hit_fraction)
+    out = []
+    for r, (hits, ref) in flagged.items():
+        ratios = [series[r][s] / ref for s in hits]
+        first = work[r][hits[0]][1]
+        detected = work[r][hits[th.min_hits - 1]][2]
+        out.append(_finding("slow_rank", (r,), first, detected, run, step=hits[0],
+                            slow_steps=hits, ratio=round(statistics.median(ratios), 3),
+                            local_work_s={str(s): round(series[r][s], 6) for s in sorted(series[r])},
+                            reference_s=round(ref, 6),
+                            peers_local_work_s={str(p): round(statistics.median(series[p].values()), 6)
+                                                for p in peers[r] if series[p]}))
+    return sorted(out, key=lambda f: -f.evidence["ratio"])
+
+
+def probe_times(run: RunRecords) -> dict[tuple[int, int], dict[int, tuple[float, float, float]]]:
+    """(a, b) -> step -> (transfer seconds, start, end) of the pair's fastest probe exchange that
+    step; an exchange's transfer runs from the later of the two arrivals to the later end."""
+    sides: dict[tuple[tuple[int, int], int], dict[int, set[tuple[float, float]]]] = defaultdict(
+        lambda: defaultdict(set))
+    for r, rr in run.ranks.items():
+        for c in rr.records:
+            if c.key == PROBE_KEY and c.peer is not None and c.step is not None:
+                sides[((min(r, c.peer), max(r, c.peer)), c.step)][r].add((c.t_enqueue, c.t_end))
+    out: dict[tuple[int, int], dict[int, tuple[float, float, float]]] = defaultdict(dict)
+    for (pair, step), both in sides.items():
+        if len(both) != 2:
+            continue
+        a, b = (sorted(both[r]) for r in pair)  # the n-th exchange of a with b is b's n-th with a
+        best = None
+        for (sa, ea), (sb, eb) in zip(a, b):
+            start, end = max(sa, sb), max(ea, eb)
+            if best is None or end - start < best[0]:
+                best = (max(0.0, end - start), start, end)
+        if best is not None:
+            out[pair][step] = best
+    return out
+
+
+def link_matrix(run: RunRecords) -> list[list[float | None]]:
+    """Median probe transfer time (seconds) per rank pair: the rank x rank matrix (symmetric)."""
+    n = run.world
+    m: list[list[float | None]] = [[None] * n for _ in range(n)]
+    for (a, b), ser in probe_times(run).items():
+        if a < n and b < n and ser:
+            m[a][b] = m[b][a] = statistics.median(v[0] for v in ser.values())
+    return m
+
+
+def slow_links(run: RunRecords, th: Thresholds) -> list[Finding]:
+    times = probe_times(run)
+    # A pair's first probe also sets up its connection (gloo connects lazily): left out.
+    series = {p: {s: v[0] for s, v in ser.items() if s > min(ser)} for p, ser in times.items()}
+
+    def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
+        return run.node_of(p[0]) == run.node_of(p[1])
+    peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
+    flagged = _flags(series, peers, th.slow_link_ratio, 0.0, th.link_min_hits, th.link_min_hit_fraction)
+    out = []
+    for p, (hits, ref) in flagged.items():
+        ratios = [series[p][s] / ref for s in hits]
+        out.append(_finding("slow_link", p, times[p][hits[0]][1], times[p][hits[th.link_min_hits - 1]][2], run,
+                            step=hits[0], collective="link probe", slow_steps=hits,
+                            ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
+                            transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
+    return sorted(out, key=lambda f: -f.evidence["ratio"])

@@ -1,0 +1,162 @@
+"""Read a run folder for the doctor: every rank's records, heartbeat, exit and status, on one clock.
+
+What is read (all optional but `comm/`; the record format is in docs/doctor.md):
+
+* `comm/rankN.jsonl` -- the streamed records (`plait.ir.comm`), read leniently: a corrupt or
+  cut line becomes a warning naming the file and line, and the rest is used;
+* `hb/rankN.json` -- the rank's last heartbeat (`plait.runtime.recorder.Heartbeat`); the file's
+  modification time is when it was last written (a stopped rank stops writing it);
+* `exit/rankN.json` and `status/rankN.json` -- how the rank's process ended, if it did;
+* `config.json` -- the run's plan and rank layout (host, node, pipeline/data/tensor coordinates).
+
+Times: a records header with `perf_at_open` and `wall_at_open` maps its `perf_counter` times to
+Unix time; without them the times are taken as they are (a hand-written folder: any clock the
+ranks share). Everything is then shifted to seconds from the run's first call (`t0`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from plait.ir.comm import CommEnter, CommRecord, CommRecordError, read_comm_records
+from plait.ir.diagnosis import DiagnosisError
+
+
+@dataclass
+class RankRun:
+    """One rank's view of the run, times in seconds from the run's `t0`."""
+
+    rank: int
+    records: list[CommRecord] = field(default_factory=list)
+    enters: list[CommEnter] = field(default_factory=list)
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    heartbeat: dict[str, Any] | None = None
+    hb_written: float | None = None  # when the heartbeat file was last written (run clock)
+    exit: dict[str, Any] | None = None
+    status: dict[str, Any] | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # config.json's rank entry (host, node, ...)
+    coords: tuple[int, int, int] | None = None  # (pp, dp, tp) from the plan, when known
+
+    @property
+    def done(self) -> bool:
+        """The rank ended normally (status ok, or its heartbeat says done)."""
+        return (self.status or {}).get("state") == "ok" or (self.heartbeat or {}).get("phase") == "done"
+
+
+@dataclass
+class RunRecords:
+    run_dir: str
+    world: int
+    ranks: dict[int, RankRun]
+    t0_wall: float  # Unix time (or the files' own clock) of the run's first call
+    t_obs: float  # end of what the folder shows (run clock): last record, heartbeat or exit
+    warnings: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    wall_clock: bool = False  # record times were mapped to Unix time (heartbeat and exit times compare)
+
+    def node_of(self, rank: int) -> Any:
+        return self.ranks[rank].info.get("node", self.ranks[rank].info.get("host")) if rank in self.ranks else None
+
+
+def _read_json(path: Path, warnings: list[str]) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        warnings.append(f"{path}: not readable JSON ({type(exc).__name__}); ignored")
+        return None
+    if not isinstance(data, dict):
+        warnings.append(f"{path}: expected a JSON object; ignored")
+        return None
+    return data
+
+
+def _coords(plan: dict[str, Any] | None, rank: int) -> tuple[int, int, int] | None:
+    if not plan:
+        return None
+    tp, dp = int(plan.get("tp", 1) or 1), int(plan.get("dp", 1) or 1)
+    return rank // (tp * dp), (rank // tp) % dp, rank % tp
+
+
+def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
+    """Everything the doctor reads from `run_dir` (a run folder, or a folder holding `rankN.jsonl`)."""
+    root = Path(run_dir)
+    comm = root / "comm" if (root / "comm").is_dir() else root
+    files = sorted(comm.glob("rank*.jsonl"))
+    if not root.is_dir():
+        raise DiagnosisError(f"{root}: no such run folder")
+    if not files:
+        raise DiagnosisError(f"{root}: no communication records (expected comm/rankN.jsonl; see docs/doctor.md)")
+    warnings: list[str] = []
+    config = _read_json(root / "config.json", warnings) or {}
+    plan = config.get("plan") if isinstance(config.get("plan"), dict) else None
+    layout = {int(r["rank"]): r for r in config.get("ranks", []) if isinstance(r, dict) and "rank" in r}
+    ranks: dict[int, RankRun] = {}
+    offsets: dict[int, float] = {}
+    world = 0
+    for f in files:
+        try:
+            rf = read_comm_records(f, lenient=True)
+        except CommRecordError as exc:  # no header, unknown version: this file is unusable, the rest is not
+            if "format_version" in str(exc):
+                raise DiagnosisError(str(exc)) from None
+            warnings.append(f"{exc}; file skipped")
+            continue
+        warnings += rf.warnings
+        h = rf.header
+        off = float(h["wall_at_open"]) - float(h["perf_at_open"]) \
+            if isinstance(h.get("wall_at_open"), int | float) and isinstance(h.get("perf_at_open"), int | float) else 0.0
+        offsets[rf.rank] = off
+        world = max(world, int(h.get("world", 0) or 0))
+        ranks[rf.rank] = RankRun(rank=rf.rank, records=rf.records, enters=rf.enters, groups=rf.groups,
+                                 info=layout.get(rf.rank, {}), coords=_coords(plan, rf.rank))
+    if not ranks:
+        raise DiagnosisError(f"{comm}: no readable records file")
+    world = max(world, len(config.get("ranks", [])), max(ranks) + 1)
+    starts = [offsets[r] + min([c.t_enqueue for c in rr.records] + [e.t for e in rr.enters])
+              for r, rr in ranks.items() if rr.records or rr.enters]
+    t0 = min(starts) if starts else 0.0
+    t_obs = 0.0
+    for r, rr in ranks.items():
+        shift = offsets[r] - t0
+        rr.records = sorted((replace(c, t_enqueue=c.t_enqueue + shift, t_start=c.t_start + shift,
+                                     t_end=c.t_end + shift) for c in rr.records), key=lambda c: c.t_enqueue)
+        rr.enters = sorted((replace(e, t=e.t + shift) for e in rr.enters), key=lambda e: e.t)
+        t_obs = max([t_obs] + [c.t_end for c in rr.records] + [e.t for e in rr.enters])
+    for r, rr in ranks.items():
+        hb_path = root / "hb" / f"rank{r}.json"
+        rr.heartbeat = _read_json(hb_path, warnings)
+        if rr.heartbeat is not None and offsets[r] != 0.0:
+            try:
+                rr.hb_written = os.stat(hb_path).st_mtime - t0
+            except OSError:
+                rr.hb_written = None
+        rr.exit = _read_json(root / "exit" / f"rank{r}.json", warnings)
+        rr.status = _read_json(root / "status" / f"rank{r}.json", warnings)
+        if offsets[r] != 0.0:  # wall-clock files are comparable only when the records are too
+            for t in ((rr.exit or {}).get("time"), (rr.status or {}).get("time")):
+                if isinstance(t, int | float):
+                    t_obs = max(t_obs, t - t0)
+            if rr.hb_written is not None:
+                t_obs = max(t_obs, rr.hb_written)
+    if live:
+        t_obs = max(t_obs, time.time() - t0)
+    return RunRecords(run_dir=str(root), world=world, ranks=ranks, t0_wall=t0, t_obs=t_obs,
+                      warnings=warnings, config=config, wall_clock=any(v != 0.0 for v in offsets.values()))
+
+
+def pid_alive(pid: Any) -> bool:
+    """Live mode: whether a rank's process still exists (this machine only)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    return True

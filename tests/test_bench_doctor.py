@@ -1,0 +1,50 @@
+"""Smoke test of bench/doctor.py's analysis (no runs): hand-written run folders with their case
+files -> per-class precision / recall / attribution, and the two baselines' views."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from tests.test_doctor import write_run
+
+_spec = importlib.util.spec_from_file_location("bench_doctor", Path(__file__).parents[1] / "bench" / "doctor.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_doctor"] = bench
+_spec.loader.exec_module(bench)
+
+
+def _case(root: Path, cid: str, cls: str, truth: list[int], onset: int, **faults: object) -> None:
+    d = write_run(root / cid, **faults)
+    case = bench.Case(cid, cls, "DP", "dp=4", "", truth, onset, 0)
+    (d / "case.json").write_text(json.dumps({"case": case.__dict__, "rc": 0, "wall_s": 1.0,
+                                             "iteration_times": [0.2] * 10, "run_wall_s": 2.0}))
+
+
+def test_bench_analysis_on_hand_written_runs(tmp_path: Path) -> None:
+    _case(tmp_path, "slow_rank-00", "slow_rank", [2], 4, slow=(2, 4, 2.5, 1))
+    _case(tmp_path, "slow_link-00", "slow_link", [0, 3], 3, link=(0, 3, 3, 2.0))
+    _case(tmp_path, "comm_hang-00", "comm_hang", [1], 5, skip=(1, 5))
+    _case(tmp_path, "mismatch-00", "mismatch", [3], 6, mismatch=(3, 6))
+    _case(tmp_path, "clean-00", "clean", [], 0)
+    rows = [bench.analyse_case(d, bench.Thresholds()) for d in sorted(tmp_path.iterdir())]
+    by = {r["id"]: r for r in rows}
+    s = bench.summarise(rows)["per_class"]
+    for cls in ("slow_rank", "slow_link", "comm_hang", "mismatch"):
+        assert (s[cls]["precision"], s[cls]["recall"], s[cls]["attribution"]) == (100.0, 100.0, 100.0), cls
+    assert by["clean-00"]["verdict"] == "healthy"
+    # Flight Recorder's matching: the skipped call as a hang naming the rank, the mismatch; no slowness.
+    assert (by["comm_hang-00"]["fr"], by["comm_hang-00"]["fr_culprit"]) == ("hang", [1])
+    assert by["mismatch-00"]["fr"] == "mismatch" and by["slow_rank-00"]["fr"] == "healthy"
+    # The straggler scores: the slow rank, never the link.
+    assert (by["slow_rank-00"]["sd"], by["slow_rank-00"]["sd_culprit"]) == ("slow_rank", [2])
+    assert by["slow_link-00"]["sd"] == "healthy"
+
+
+def test_cases_are_random_but_reproducible() -> None:
+    a, b = bench.make_cases(2, 1, seed=7), bench.make_cases(2, 1, seed=7)
+    assert a == b and len(a) == 6 * 2 + 2  # a clean case also runs with recording off
+    assert {c.cls for c in a} == {*bench.CLASSES, "clean"} and any(not c.recording for c in a)
+    assert all(1.5 <= float(c.spec.split("factor=")[1].split(",")[0]) <= 4.0 for c in a if "factor=" in c.spec)

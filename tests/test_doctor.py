@@ -1,0 +1,180 @@
+"""The doctor on run folders written by hand in the documented record format (docs/doctor.md):
+each class named with its culprit, a healthy run left alone, corrupt and cut lines named by file
+and line, old format_version read, newer refused. Real injected runs: tests/test_doctor_runs.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from plait.cli import main as cli_main
+from plait.doctor import Thresholds, diagnose, link_matrix, read_run
+from plait.ir.comm import CommEnter, CommRecord, group_line, header_line
+from plait.ir.diagnosis import Diagnosis, DiagnosisError
+
+
+def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, int, float, int] | None = None,
+              link: tuple[int, int, int, float] | None = None, skip: tuple[int, int] | None = None,
+              mismatch: tuple[int, int] | None = None, stop: tuple[int, int] | None = None,
+              version: int = 2, wall: float | None = None) -> Path:
+    """A data-parallel run as the facade writes it: per step a probe of every rank pair, local
+    work, one all-reduce over "world". `slow`: (rank, from step, factor, every k-th step); `link`: (a, b, from,
+    factor); `skip`/`mismatch`/`stop`: (rank, step)."""
+    comm = root / "comm"
+    comm.mkdir(parents=True, exist_ok=True)
+    extra = {"perf_at_open": 0.0, "wall_at_open": wall} if wall is not None else {}
+    lines = {r: [header_line(r, world=world, **extra).replace('"format_version": 2', f'"format_version": {version}'),
+                 group_line("world", list(range(world)))] for r in range(world)}
+    seq: dict[tuple[int, str], int] = {}
+    t = 0.0
+    gone: set[int] = set()
+
+    def nxt(r: int, g: str) -> int:
+        seq[(r, g)] = seq.get((r, g), -1) + 1
+        return seq[(r, g)]
+
+    for s in range(steps):
+        for a in range(world):
+            for b in range(a + 1, world):
+                d = 0.004 * (link[3] if link and (a, b) == link[:2] and s >= link[2] else 1.0)
+                for r, p in ((a, b), (b, a)):
+                    for kind, g in (("send", f"p2p {r}->{p}"), ("recv", f"p2p {p}->{r}")):
+                        q = nxt(r, g)
+                        if version >= 2:
+                            lines[r].append(CommEnter(r, g, kind, 4096, q, t, key="probe", peer=p, step=s).to_line())
+                        lines[r].append(CommRecord(r, g, kind, 4096, q, t, t, t + d, key="probe", peer=p,
+                                                   step=s).to_line())
+                t += d
+        slow_now = slow is not None and s >= slow[1] and (s - slow[1]) % slow[3] == 0
+        arrive = {r: t + 0.1 * (slow[2] if slow and slow_now and r == slow[0] else 1.0) for r in range(world)}
+        end = max(arrive.values()) + 0.005
+        for r in range(world):
+            if r in gone:
+                continue
+            if stop and (r, s) == stop or skip and (r, s) == skip:
+                gone.add(r)
+                if skip and (r, s) == skip:
+                    nxt(r, "world")  # the facade counts a skipped call: the n-th call stays seq n
+                continue
+            nbytes = 4 * (1 + 4096) if mismatch and (r, s) == mismatch else 4 * 4096
+            q = nxt(r, "world")
+            if version >= 2:
+                lines[r].append(CommEnter(r, "world", "all_reduce", nbytes, q, arrive[r], key="all_reduce world",
+                                          step=s).to_line())
+            if not gone and not (mismatch and s == mismatch[1]):
+                lines[r].append(CommRecord(r, "world", "all_reduce", nbytes, q, arrive[r], arrive[r], end,
+                                           key="all_reduce world", step=s).to_line())
+        if skip and s == skip[1]:  # the skipping rank goes on to the next step's probe... and waits there
+            r = skip[0]
+            lines[r].append(CommEnter(r, "world", "barrier", 0, nxt(r, "world"), end + 0.01, step=s + 1).to_line())
+        if gone or (mismatch and s == mismatch[1]):
+            break
+        t = end
+    for r in range(world):
+        (comm / f"rank{r}.jsonl").write_text("\n".join(lines[r]) + "\n")
+    return root
+
+
+def kinds(d: Diagnosis) -> list[tuple[str, tuple[int, ...]]]:
+    return [(f.kind, f.ranks) for f in d.findings]
+
+
+def test_healthy_run_has_no_finding(tmp_path: Path) -> None:
+    d = diagnose(write_run(tmp_path))
+    assert d.healthy and d.world_size == 4 and not d.warnings
+    m = link_matrix(read_run(tmp_path))
+    assert m[0][0] is None and m[1][2] == pytest.approx(0.004, rel=0.01)
+
+
+def test_slow_rank_is_named_with_its_ratio_and_onset(tmp_path: Path) -> None:
+    d = diagnose(write_run(tmp_path, slow=(2, 4, 2.0, 1)))
+    assert kinds(d) == [("slow_rank", (2,))]
+    f = d.findings[0]
+    assert f.step == 4 and f.evidence["ratio"] == pytest.approx(2.0, rel=0.1)
+    assert f.detected_s is not None and f.detected_s > f.first_seen_s
+
+
+def test_intermittent_slow_rank(tmp_path: Path) -> None:
+    d = diagnose(write_run(tmp_path, steps=12, slow=(1, 3, 3.0, 3)), thresholds=Thresholds())
+    assert kinds(d) == [("slow_rank", (1,))] and d.findings[0].evidence["slow_steps"] == [3, 6, 9]
+
+
+def test_slow_link_is_one_cell_of_the_matrix(tmp_path: Path) -> None:
+    d = diagnose(write_run(tmp_path, link=(1, 3, 3, 2.0)))
+    assert kinds(d) == [("slow_link", (1, 3))] and d.findings[0].step == 3
+    m = link_matrix(read_run(tmp_path))
+    assert m[1][3] == m[3][1] and m[1][3] > 1.4 * m[0][1]
+
+
+def test_skipped_collective_is_a_comm_hang_naming_the_skipper(tmp_path: Path) -> None:
+    d = diagnose(write_run(tmp_path, skip=(3, 5)))
+    assert kinds(d)[0] == ("comm_hang", (3,))
+    assert d.findings[0].collective == "all_reduce world seq 5" and d.findings[0].step == 5
+
+
+def test_mismatched_size_names_the_odd_rank(tmp_path: Path) -> None:
+    d = diagnose(write_run(tmp_path, mismatch=(1, 6)))
+    assert kinds(d)[0] == ("mismatch", (1,))
+    assert d.findings[0].evidence["entered"]["1"]["bytes"] != d.findings[0].evidence["entered"]["0"]["bytes"]
+
+
+def test_stopped_rank_with_heartbeats_is_a_noncomm_hang(tmp_path: Path) -> None:
+    import os
+    import time
+
+    now = time.time()
+    root = write_run(tmp_path, stop=(2, 5), wall=now - 30.0)  # records mapped to Unix time: 30 s ago
+    (root / "hb").mkdir()
+    for r in range(4):
+        p = root / "hb" / f"rank{r}.json"
+        p.write_text(json.dumps({"rank": r, "pid": 1, "phase": "train", "step": 5,
+                                 "waiting": None if r == 2 else "step barrier", "progress": now - 25}))
+        written = now - 26 if r == 2 else now  # the stopped rank's heartbeat froze
+        os.utime(p, (written, written))
+    d = diagnose(root)
+    assert kinds(d) == [("noncomm_hang", (2,))]
+    assert "heartbeat stopped" in d.findings[0].evidence["reason"]
+
+
+def test_corrupt_and_cut_lines_are_named_and_the_rest_is_read(tmp_path: Path) -> None:
+    root = write_run(tmp_path, slow=(0, 4, 2.5, 1))
+    path = root / "comm" / "rank3.jsonl"
+    lines = path.read_text().split("\n")
+    lines[5] = "{this is not json"
+    lines[9] = '{"type": "call", "rank": 3}'
+    path.write_text("\n".join(lines[:-1]) + '\n{"type": "call", "rank": 3, "gro')  # cut last line
+    d = diagnose(root)
+    assert kinds(d) == [("slow_rank", (0,))]
+    assert any(f"{path}: line 6 is not JSON" in w for w in d.warnings)
+    assert any(f"{path}: line 10: comm record: missing field" in w for w in d.warnings)
+    assert any("was cut short" in w for w in d.warnings)
+
+
+def test_version_1_is_read_and_a_newer_one_refused(tmp_path: Path) -> None:
+    old = diagnose(write_run(tmp_path / "v1", version=1, slow=(3, 4, 2.0, 1)))  # no enter lines
+    assert kinds(old) == [("slow_rank", (3,))]
+    write_run(tmp_path / "v9", version=9)
+    with pytest.raises(DiagnosisError, match=r"'format_version' is 9; this plait reads comm records of "
+                                             r"format_version 1, 2 \(written by a newer plait"):
+        diagnose(tmp_path / "v9")
+
+
+def test_empty_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DiagnosisError, match="no communication records"):
+        diagnose(tmp_path)
+
+
+def test_cli_prints_json_and_a_matrix_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = write_run(tmp_path / "run", link=(0, 2, 2, 3.0))
+    png = tmp_path / "m.png"
+    assert cli_main(["doctor", str(root), "--json", "--matrix", str(png)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    d = Diagnosis.from_dict(out)
+    assert kinds(d) == [("slow_link", (0, 2))] and png.stat().st_size > 1000
+    assert len(out["link_matrix_s"]) == 4
+    assert cli_main(["doctor", str(write_run(tmp_path / "ok"))]) == 0
+    assert "healthy" in capsys.readouterr().out
+    assert cli_main(["doctor", str(tmp_path / "missing")]) == 2
+    assert "no such run folder" in capsys.readouterr().err

@@ -1,0 +1,58 @@
+"""Each fault class injected into a real 2-rank run (`plait run --inject`, torchrun workers, gloo on
+loopback, sleep-padded compute) and named by the doctor with its culprit; a killed rank's records
+up to its death are read. The injection suite with every class x plan shape: bench/doctor.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from plait.doctor import diagnose
+from plait.ir.comm import read_run_comm_records
+from plait.runtime.api import RunFailure, run
+
+pytestmark = pytest.mark.distributed
+
+TINY = "gpt:layers=2,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+PLAN = "dp=2,micro_batch=1,global_batch=2,dtype=fp32"
+
+
+def _run(tmp_path: Path, spec: str, steps: int = 8, fails: bool = False) -> Path:
+    kwargs = dict(steps=steps, timeout=5.0, run_dir=tmp_path, inject=spec, compute_sleep=0.04, probe_bytes=1 << 16,
+                  probe_every=1)
+    if fails:
+        with pytest.raises(RunFailure):
+            run(TINY, None, PLAN, **kwargs)
+    else:
+        run(TINY, None, PLAN, **kwargs)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("spec", "fails", "kind", "ranks", "step"), [
+    ("slow:rank=1,factor=3,from=3", False, "slow_rank", (1,), 3),
+    ("link:ranks=0-1,delay=30ms,from=3", False, "slow_link", (0, 1), 3),
+    ("skip:rank=0,step=3", True, "comm_hang", (0,), 3),
+    ("stop:rank=1,step=3", True, "noncomm_hang", (1,), 3),
+    ("mismatch:rank=1,step=3", True, "mismatch", (1,), 3),
+])
+def test_injected_class_is_named(tmp_path: Path, spec: str, fails: bool, kind: str, ranks: tuple[int, ...],
+                                 step: int) -> None:
+    d = diagnose(_run(tmp_path, spec, fails=fails))
+    assert d.findings, spec
+    f = d.findings[0]
+    assert (f.kind, f.ranks, f.step) == (kind, ranks, step), d.findings
+    assert f.detected_s is not None and f.detected_s >= f.first_seen_s
+
+
+def test_killed_rank_records_survive_and_name_it(tmp_path: Path) -> None:
+    d = diagnose(_run(tmp_path, "kill:rank=1,step=3", fails=True))
+    assert [(f.kind, f.ranks) for f in d.findings][:1] == [("dead_rank", (1,))]
+    assert d.findings[0].evidence["ended"] == "SIGKILL"
+    killed = read_run_comm_records(tmp_path / "comm")[1]
+    # Killed before step 3's barrier: its calls of steps 0-2 were written as they ended, and read.
+    assert sorted({r.step for r in killed.records if r.step is not None}) == [0, 1, 2]
+
+
+def test_clean_run_is_healthy(tmp_path: Path) -> None:
+    assert diagnose(_run(tmp_path, "")).healthy
