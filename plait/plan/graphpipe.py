@@ -15,9 +15,13 @@
 
    * series node ``c_1; ...; c_n`` (solved from the back, so each part knows the depth after it):
      a run ``c_i..c_j`` as one stage, or ``c_i`` solved on its own; GPUs add, depths add;
-     a parallel ``c_i`` may also hand the run after it to one of its branches, whose last stage
-     then holds it (a join layer such as a small head shares a GPU with a branch instead of
-     taking one of its own);
+     a parallel ``c_p`` inside a run ``c_i..c_j`` may take the run before it into one branch's
+     first stage and the run after it into one branch's last stage (a stem or a small head
+     shares a GPU with a branch instead of taking one of its own). A handed-on run reaches the
+     stage that holds it however deep the branch nests (a branch that is itself a series ending
+     in a parallel part hands it on again), never both ends of one branch (other branches would
+     run both before and after that stage: a cycle); every stage list is checked to hold each
+     layer exactly once (`StageCost.owners`);
    * parallel node: its branches sorted by work, runs of them grouped into one stage or solved
      on their own; GPUs add, depth and latency are the maximum;
    * a stage's GPUs: the fewest data-parallel replicas of one kind, at the micro-batch of least
@@ -61,6 +65,10 @@ class GraphPartition:
     @property
     def best(self) -> list[StageChoice]:
         return self.stages[0]
+
+
+class _NoFit(GraphPlanError):
+    """No stage list meets any target at the current data-parallel degree."""
 
 
 def _prune(opts: list[_Opt], limit: int, caps: tuple[int, ...]) -> list[_Opt]:
@@ -118,24 +126,34 @@ class _Solver:
         return _Opt(tuple(x + y for x, y in zip(a.devs, b.devs)), max(a.depth, b.depth), max(a.lat, b.lat),
                     a.stages + b.stages)
 
-    def solve(self, node: SPNode, k: int, tail: tuple[str, ...] = (), tail_branch: int = -1) -> list[_Opt]:
-        """Options of `node` with `k` stages after it; `tail` layers join its sink stage (for a
-        parallel node: the sink stage of branch `tail_branch`)."""
-        key = (id(node), k, tail, tail_branch)
+    def solve(self, node: SPNode, k: int, tail: tuple[str, ...] = (), tail_branch: int = -1,
+              head: tuple[str, ...] = (), head_branch: int = -1) -> list[_Opt]:
+        """Options of `node` with `k` stages after it; `tail` layers join its sink stage and `head`
+        layers its source stage (for a parallel node: those of branch `tail_branch` / `head_branch`;
+        -1 tries each branch `_tail_branches` allows -- a tail must never be dropped, whatever the
+        nesting: a series whose last part is parallel hands its tail on to that part)."""
+        if node.kind == "parallel" and ((tail and tail_branch < 0) or (head and head_branch < 0)):
+            tbs = self._tail_branches(node) if tail and tail_branch < 0 else [tail_branch]
+            hbs = self._tail_branches(node) if head and head_branch < 0 else [head_branch]
+            # not both on one branch: other branches would both follow and precede its stage
+            out = [o for tb in tbs for hb in hbs if not (tail and head and tb == hb)
+                   for o in self.solve(node, k, tail, tb, head, hb)]
+            return _prune(out, self.limit, self.caps)
+        key = (id(node), k, tail, tail_branch, head, head_branch)
         hit = self.memo.get(key)
         if hit is not None:
             return hit
         if node.kind == "leaf":
-            out = self.stage(node.layers + tail, k)
+            out = self.stage(head + node.layers + tail, k)
         elif node.kind == "series":
-            out = self._series(node, k, tail)
+            out = self._series(node, k, tail, head)
         else:
-            out = self._parallel(node, k, tail, tail_branch)
+            out = self._parallel(node, k, tail, tail_branch, head, head_branch)
         out = _prune(out, self.limit, self.caps)
         self.memo[key] = out
         return out
 
-    def _series(self, node: SPNode, k: int, tail: tuple[str, ...]) -> list[_Opt]:
+    def _series(self, node: SPNode, k: int, tail: tuple[str, ...], head: tuple[str, ...] = ()) -> list[_Opt]:
         ch = node.children
         n = len(ch)
         after: list[list[_Opt]] = [[] for _ in range(n + 1)]
@@ -143,21 +161,25 @@ class _Solver:
         for i in range(n - 1, -1, -1):
             opts: list[_Opt] = []
             run: tuple[str, ...] = ()
+            start = head if i == 0 else ()  # the series' own head joins its first stage
             for j in range(i + 1, n + 1):
                 run = run + ch[j - 1].layers
                 end_tail = tail if j == n else ()
                 for o in after[j]:
-                    for s in self.stage(run + end_tail, k + o.depth):
+                    for s in self.stage(start + run + end_tail, k + o.depth):
                         opts.append(self.series(s, o))
                     if j == i + 1 and ch[i].kind != "leaf":
-                        for s in self.solve(ch[i], k + o.depth, end_tail):
+                        for s in self.solve(ch[i], k + o.depth, end_tail, head=start):
                             opts.append(self.series(s, o))
-                    if j > i + 1 and ch[i].kind == "parallel":
-                        # the run after the parallel part joins one branch's last stage
-                        joined = run[len(ch[i].layers):] + end_tail
-                        for b in self._tail_branches(ch[i]):
-                            for s in self.solve(ch[i], k + o.depth, joined, b):
-                                opts.append(self.series(s, o))
+                    for p in range(i, j) if j > i + 1 else ():
+                        if ch[p].kind != "parallel":
+                            continue
+                        # the run before the parallel part joins one branch's first stage, the run
+                        # after it one branch's last stage (a stem or a head sharing a branch's GPU)
+                        lead = start + tuple(x for c in ch[i:p] for x in c.layers)
+                        joined = tuple(x for c in ch[p + 1:j] for x in c.layers) + end_tail
+                        for s in self.solve(ch[p], k + o.depth, joined, head=lead):
+                            opts.append(self.series(s, o))
             after[i] = _prune(opts, self.limit, self.caps)
         return after[0]
 
@@ -168,7 +190,8 @@ class _Solver:
         work = [(self.cost.seg_time(c.layers, kind, 1), i) for i, c in enumerate(node.children)]
         return [i for _, i in sorted(work)[:2]]
 
-    def _parallel(self, node: SPNode, k: int, tail: tuple[str, ...], tail_branch: int) -> list[_Opt]:
+    def _parallel(self, node: SPNode, k: int, tail: tuple[str, ...], tail_branch: int,
+                  head: tuple[str, ...] = (), head_branch: int = -1) -> list[_Opt]:
         kind = self.cost.kinds[0]
         order = sorted(range(len(node.children)),
                        key=lambda i: -self.cost.seg_time(node.children[i].layers, kind, 1))
@@ -182,8 +205,11 @@ class _Solver:
                 members = order[i:j]
                 group = group + node.children[order[j - 1]].layers
                 t = tail if tail_branch in members else ()
-                layers = tuple(sorted(group, key=self.cost.pos.__getitem__)) + t
-                singles = (self.solve(node.children[members[0]], k, t) if j == i + 1 else
+                h = head if head_branch in members else ()
+                if h and t and j - i < n:
+                    continue  # head and tail in one stage that other branches run beside: a cycle
+                layers = h + tuple(sorted(group, key=self.cost.pos.__getitem__)) + t
+                singles = (self.solve(node.children[members[0]], k, t, head=h) if j == i + 1 else
                            self.stage(layers, k))
                 for o in rest[j]:
                     for s in singles:
@@ -256,7 +282,7 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, 
             cost.uniform_dp = d
             try:
                 tried += _search(cost, tree, found, tolerance, limit)
-            except GraphPlanError:
+            except _NoFit:  # this degree fits nowhere; any other error is a bug to surface
                 continue
     finally:
         cost.uniform_dp = saved
@@ -295,7 +321,7 @@ def _search(cost: StageCost, tree: SPNode, found: dict, tolerance: float, limit:
         hi *= 4
         grow += 1
         if grow > 6:
-            raise GraphPlanError("no partition fits")
+            raise _NoFit("no partition fits")
     while hi / lo > 1 + tolerance:
         mid = math.sqrt(hi * lo)
         if attempt(mid):
