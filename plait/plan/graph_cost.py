@@ -306,12 +306,15 @@ class StageCost:
 
 
 def best_micro_batch(cost: StageCost, layers: tuple[str, ...], kind: str, dp: int,
-                     in_flight: int, limit: float = math.inf) -> StageChoice | None:
-    """The micro-batch of least busy time (at most `limit`) that fits memory (ties: the smaller,
-    less fill); None if none does. Memory is asked only of the sizes that meet the time."""
+                     in_flight: int, limit: float = math.inf, max_b: int | None = None) -> StageChoice | None:
+    """The micro-batch (at most `max_b`) of least busy time (at most `limit`) that fits memory
+    (ties: the smaller, less fill); None if none does. Memory is asked only of the sizes that
+    meet the time."""
     for w, b, t in cost.table(layers, kind)[dp - 1]:
         if w > limit:
             return None
+        if max_b is not None and b > max_b:
+            continue
         if cost.fits(layers, kind, dp, b, in_flight):
             return StageChoice(layers, kind, dp, b, w, t)
     return None

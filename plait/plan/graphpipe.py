@@ -242,6 +242,23 @@ def _spread(cost: StageCost, stages: list[StageChoice]) -> list[StageChoice]:
         spare[st.kind] -= 1
 
 
+def _capped(cost: StageCost, stages: list[StageChoice]) -> list[list[StageChoice]]:
+    """The stage list, and the same stages with their micro-batches capped at each smaller power
+    of two: each stage's own choice minimises its busy time (the largest micro-batch that fits),
+    a cap trades that for less pipeline fill -- the score (`StageCost.score`) weighs the two."""
+    out = [stages]
+    depths = cost.depths(stages)
+    top = max(s.micro_batch for s in stages)
+    for cap in (b for b in cost.micro_batches(1) if b < top and b & (b - 1) == 0):
+        capped = []
+        for st, k in zip(stages, depths):
+            ch = best_micro_batch(cost, st.layers, st.kind, st.dp, k + 1, max_b=cap) \
+                if st.micro_batch > cap else st
+            capped.append(ch if ch is not None else st)
+        out.append(capped)
+    return out
+
+
 def replica_counts(cost: StageCost) -> list[int | None]:
     """Data-parallel degrees the search tries for every stage at once: powers of two up to the GPUs
     of the most common kind, and that count itself."""
@@ -256,12 +273,12 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, 
               replicas: list[int | None] | None = None) -> GraphPartition:
     """GraphPipe's search (module docstring): candidate stage lists, best analytic score first.
 
-    `replicas`: the data-parallel degrees to try, each for every stage at once (the stage graph
-    replicated d times; `StageCost.uniform_dp`), or ``[None]`` for any degree per stage (GraphPipe's
-    own space). Default: every stage the same degree, from `replica_counts`. Why: a stage's
-    replicas own consecutive samples of the batch (`plait.ir.stage_graph`'s one rounding rule),
-    so a stage whose degree differs from its neighbour's waits for the neighbour's replicas in
-    turn -- the simulator shows it losing the degree's speed-up."""
+    `replicas`: the data-parallel degrees to try: ``None`` for any degree per stage (GraphPipe's
+    own space: the stage graph deals each stage's micro-batches to its replicas in turn, so
+    stages of different degrees keep each other busy, `plait.ir.stage_graph`), an integer ``d``
+    for every stage at ``d`` (the stage graph replicated d times; `StageCost.uniform_dp`).
+    Default: ``None`` and each of `replica_counts` -- the uniform plans are a few more
+    candidates for the same score, cheap next to the per-stage search."""
     t0 = time.perf_counter()
     graph = cost.graph
     if not graph.layers:
@@ -274,11 +291,11 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, 
     for leaf in tree.collapsed_leaves():
         notes.append(f"layers {list(leaf.layers)[:4]}{'...' if len(leaf.layers) > 4 else ''} are not "
                      "series-parallel: kept together in one stage")
-    found: dict[tuple, tuple[float, list[StageChoice]]] = {}
+    found: dict[tuple, tuple[float, int, list[StageChoice]]] = {}
     tried = 0
     saved = cost.uniform_dp
     try:
-        for d in (replicas if replicas is not None else replica_counts(cost)):
+        for d in (replicas if replicas is not None else [None, *replica_counts(cost)]):
             cost.uniform_dp = d
             try:
                 tried += _search(cost, tree, found, tolerance, limit)
@@ -289,9 +306,10 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, 
     if not found:
         raise GraphPlanError(f"graph plan: no partition of model {graph.model!r} fits the memory of "
                              f"cluster {cost.cluster.name!r} (every stage over its GPUs' memory)")
-    ranked = sorted(found.values(), key=lambda x: x[0])[:candidates]
-    return GraphPartition([s for _, s in ranked], [sc for sc, _ in ranked], time.perf_counter() - t0, tried,
-                          tree, notes)
+    # equal scores: the shorter pipeline first (less fill than the score counts, fewer in flight)
+    ranked = sorted(found.values(), key=lambda x: (x[0] * (1 + 1e-9), x[1]))[:candidates]
+    return GraphPartition([s for _, _, s in ranked], [sc for sc, _, _ in ranked], time.perf_counter() - t0,
+                          tried, tree, notes)
 
 
 def _search(cost: StageCost, tree: SPNode, found: dict, tolerance: float, limit: int) -> int:
@@ -310,10 +328,11 @@ def _search(cost: StageCost, tree: SPNode, found: dict, tolerance: float, limit:
         tried += 1
         opts = _Solver(cost, target, limit).solve(tree, 0)
         for o in opts:
-            st = _spread(cost, list(o.stages))
-            key = tuple(sorted((s.layers, s.kind, s.dp, s.micro_batch) for s in st))
-            if key not in found:
-                found[key] = (cost.score(st), st)
+            spread = _spread(cost, list(o.stages))
+            for st in _capped(cost, spread):
+                key = tuple(sorted((s.layers, s.kind, s.dp, s.micro_batch) for s in st))
+                if key not in found:
+                    found[key] = (cost.score(st), cost.pipeline_depth(st), st)
         return bool(opts)
 
     grow = 0
