@@ -291,7 +291,7 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, 
     for leaf in tree.collapsed_leaves():
         notes.append(f"layers {list(leaf.layers)[:4]}{'...' if len(leaf.layers) > 4 else ''} are not "
                      "series-parallel: kept together in one stage")
-    found: dict[tuple, tuple[float, int, list[StageChoice]]] = {}
+    found: dict[tuple, tuple[float, int, list[StageChoice], bool]] = {}
     tried = 0
     saved = cost.uniform_dp
     try:
@@ -306,9 +306,16 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, 
     if not found:
         raise GraphPlanError(f"graph plan: no partition of model {graph.model!r} fits the memory of "
                              f"cluster {cost.cluster.name!r} (every stage over its GPUs' memory)")
-    # equal scores: the shorter pipeline first (less fill than the score counts, fewer in flight)
-    ranked = sorted(found.values(), key=lambda x: (x[0] * (1 + 1e-9), x[1]))[:candidates]
-    return GraphPartition([s for _, _, s in ranked], [sc for sc, _, _ in ranked], time.perf_counter() - t0,
+    # Equal scores: the shorter pipeline first (less fill than the score counts, fewer in flight).
+    # The analytic score only approximates the simulator that ranks the candidates, so the best of
+    # the plain space (every stage one degree, each stage's own micro-batch) are kept beside the
+    # best of the wider one (per-stage degrees, capped micro-batches) rather than crowded out.
+    order = sorted(found.values(), key=lambda x: (x[0] * (1 + 1e-9), x[1]))
+    ranked = order[:candidates]
+    ranked += [x for x in order if x[3] and not any(x is y for y in ranked)][:max(0, candidates - sum(
+        1 for x in ranked if x[3]))]
+    ranked.sort(key=lambda x: (x[0] * (1 + 1e-9), x[1]))
+    return GraphPartition([x[2] for x in ranked], [x[0] for x in ranked], time.perf_counter() - t0,
                           tried, tree, notes)
 
 
@@ -329,10 +336,11 @@ def _search(cost: StageCost, tree: SPNode, found: dict, tolerance: float, limit:
         opts = _Solver(cost, target, limit).solve(tree, 0)
         for o in opts:
             spread = _spread(cost, list(o.stages))
-            for st in _capped(cost, spread):
+            for i, st in enumerate(_capped(cost, spread)):
                 key = tuple(sorted((s.layers, s.kind, s.dp, s.micro_batch) for s in st))
-                if key not in found:
-                    found[key] = (cost.score(st), cost.pipeline_depth(st), st)
+                base = i == 0 and cost.uniform_dp is not None
+                if key not in found or (base and not found[key][3]):
+                    found[key] = (cost.score(st), cost.pipeline_depth(st), st, base)
         return bool(opts)
 
     grow = 0
