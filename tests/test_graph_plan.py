@@ -92,16 +92,19 @@ def _convex_partitions(g: OpGraph, max_blocks: int):
 
 
 def _brute_force(cost: StageCost, max_stages: int) -> float:
-    """The least analytic score over every convex partition, every data-parallel degree shared by
-    all stages (the partitioner's space) and every micro-batch per stage."""
+    """The least analytic score over every convex partition, every data-parallel degree of each
+    stage (the partitioner's space: stages of different degrees, `plait.ir.stage_graph` deals
+    their micro-batches in turn) and every micro-batch per stage."""
     D = sum(cost.counts)
     kind = cost.kinds[0]
     best = math.inf
     for part in _convex_partitions(cost.graph, min(max_stages, D)):
-        for d in range(1, D // len(part) + 1):
-            depths = cost.depths([StageChoice(b, kind, d, 1, 0.0, 0.0) for b in part])
+        depths = cost.depths([StageChoice(b, kind, 1, 1, 0.0, 0.0) for b in part])
+        for dps in itertools.product(range(1, D - len(part) + 2), repeat=len(part)):
+            if sum(dps) > D:
+                continue
             stages = []
-            for layers, k in zip(part, depths):
+            for layers, k, d in zip(part, depths, dps):
                 options = [StageChoice(layers, kind, d, b, *cost.work(layers, kind, d, b))
                            for b in cost.micro_batches(d) if cost.fits(layers, kind, d, b, k + 1)]
                 # keep the options no other beats on both busy time and micro-batch time

@@ -499,3 +499,15 @@ def test_user_gpt_planned_with_pp4_by_plait_plan_runs_equal_to_one_process(gpt_f
     layers = [name for r in result.ranks for name in r.layers]
     assert layers == ["tok", "pos"] + [f"body.{i}" for i in range(8)] + ["ln_f", "lm"]
     assert all(r.layers for r in result.ranks) and len(result.ranks) == 4
+
+
+def test_towers_plan_family_graph_places_every_layer_once(towers_file, capsys) -> None:
+    # Regression (issue 13): the towers branch one level deeper -- parallel(series(stem,
+    # parallel(tower0, tower1)), tower2) -> head -- and the head handed to the nested branch was lost
+    # (KeyError: 'head' in the partitioner).
+    assert main(["plan", "--family", "graph", "--model", towers_file, "--cluster",
+                 "a100-80gb:nodes=1,gpus_per_node=8", "--global-batch", "16", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    for row in res["top"]:
+        plan = Plan.from_dict(row["plan"])
+        assert sorted(n for s in plan.stages for n in s.layers) == sorted(EXPECTED_LAYERS)

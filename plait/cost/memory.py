@@ -93,9 +93,7 @@ from plait.ir.plan import Plan, default_grad_dtype
 from plait.ir.stage_graph import (
     chain_cut_bytes,
     chunk_graph,
-    largest_micro_batch,
-    micro_batch_count,
-    replica_samples,
+    replica_loads,
 )
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -928,13 +926,13 @@ def _plan_stages(la: _LayerArrays, plan: Plan, graph: OpGraph) -> list[_Stage]:
 def _replica_micro_batches(plan: Plan, st: _Stage, mb: int) -> list[int]:
     """Largest micro-batch of each data-parallel replica of a stage: the stage graph's rounding
     rule (`plait.ir.stage_graph`: 10 samples at micro-batch 4 run as [4, 3, 3])."""
-    return [largest_micro_batch(n, mb) for n in replica_samples(plan.global_batch, st.dp_shares, st.dp)]
+    return [largest for _, largest in replica_loads(plan, st.dp_shares, st.dp, mb)]
 
 
 def _stage_micro_batches(plan: Plan, st: _Stage) -> int:
     """Micro-batches the busiest replica of a stage runs (the stage graph's rounding rule)."""
     mb = st.micro_batch or plan.micro_batch
-    return max(1, max(micro_batch_count(n, mb) for n in replica_samples(plan.global_batch, st.dp_shares, st.dp)))
+    return max(1, max(count for count, _ in replica_loads(plan, st.dp_shares, st.dp, mb)))
 
 
 def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:

@@ -30,6 +30,20 @@ gradient-accumulation count are the same as [4, 4, 2]) while the largest micro-b
 which sets activation memory and the slowest pipeline slot -- is as small as it can be
 (ceil(n / m) <= b). Even shares give exactly ``num_micro_batches`` of size ``b``.
 
+That is the rule of a *chain* plan (no explicit ``stages``): a replica is a whole pipeline, the
+same samples at every stage (DDP-style data loading, HAP shares). A stage DAG (GraphPipe)
+lets each stage choose its own data-parallel degree, so a replica cannot own one consecutive
+range there: a stage of 2 replicas behind a stage of 1 would wait for the first half of the batch
+before its second replica starts. A DAG stage instead cuts the whole batch into
+``M = ceil(B / b)`` near-equal micro-batches (the same sizes as above) and **deals them to its
+replicas in turn** (round-robin, GraphPipe §6 and PipeDream's 1F1B-RR; weighted by
+``dp_shares`` when given: each micro-batch to the replica furthest below its share), so
+micro-batch ``i`` of a stage with ``dp`` replicas runs on replica ``i mod dp`` and a
+neighbour of any degree feeds all of them from its first micro-batches on. With ``dp = 1``
+both rules are the same ([4, 3, 3] for 10 samples at b = 4); the busiest replica runs
+``ceil(M / dp) = ceil(ceil(B / dp) / b)`` micro-batches either way. `replica_loads` gives the
+counts and largest sizes without building lists (the memory estimator's question).
+
 This module uses only plain data types (Plan, OpGraph) and `plait.errors`.
 """
 
@@ -76,10 +90,17 @@ class Replica:
     @property
     def count(self) -> int:
         """How many micro-batches the replica runs."""
+        if self._units is not None:
+            return len(self._units)
         return micro_batch_count(self.samples, self.micro_batch)
 
     def size_counts(self) -> dict[int, int]:
         """{micro-batch size: how many}, without building the list (sizes differ by at most 1)."""
+        if self._units is not None:
+            out: dict[int, int] = {}
+            for u in self._units:
+                out[u.size] = out.get(u.size, 0) + 1
+            return out
         m = self.count
         if m == 0:
             return {}
@@ -186,6 +207,51 @@ def replica_micro_batches(first: int, samples: int, micro_batch: int) -> list[Mi
     return out
 
 
+def deal_micro_batches(global_batch: int, micro_batch: int, shares: list[float] | None,
+                       dp: int) -> list[list[MicroBatch]]:
+    """A stage DAG's stage: the batch cut into ceil(B / b) near-equal micro-batches, dealt to the
+    `dp` replicas in turn (module docstring); per replica its micro-batches in sample order."""
+    out: list[list[MicroBatch]] = [[] for _ in range(dp)]
+    for i, r in enumerate(_deal_order(micro_batch_count(global_batch, micro_batch), shares, dp)):
+        out[r].append(i)  # type: ignore[arg-type]
+    units = replica_micro_batches(0, global_batch, micro_batch)
+    return [[MicroBatch(k, units[i].first, units[i].size) for k, i in enumerate(row)] for row in out]  # type: ignore[index]
+
+
+def _deal_order(m: int, shares: list[float] | None, dp: int) -> list[int]:
+    """The replica of each of `m` micro-batches: in turn (i mod dp), or each to the replica
+    furthest below its share of the micro-batches dealt so far (lowest index on ties)."""
+    if not shares or len(set(shares)) == 1:
+        return [i % dp for i in range(m)]
+    total = float(sum(shares))
+    given = [0] * dp
+    order = []
+    for i in range(m):
+        r = max(range(dp), key=lambda j: (shares[j] / total * (i + 1) - given[j], -j))
+        given[r] += 1
+        order.append(r)
+    return order
+
+
+def replica_loads(plan: Plan, shares: list[float] | None, dp: int, micro_batch: int) -> list[tuple[int, int]]:
+    """(micro-batches, largest micro-batch) of each replica of a stage of `plan` with `dp`
+    replicas at `micro_batch`, under the rule the plan's form takes (module docstring)."""
+    if plan.stages:
+        m = micro_batch_count(plan.global_batch, micro_batch)
+        if m == 0:
+            return [(0, 0)] * dp
+        base, extra = divmod(plan.global_batch, m)  # micro-batch i has base + (i < extra)
+        order = _deal_order(m, shares, dp)
+        first_of = {}
+        counts = [0] * dp
+        for i, r in enumerate(order):
+            counts[r] += 1
+            first_of.setdefault(r, i)
+        return [(counts[r], (base + (first_of[r] < extra)) if r in first_of else 0) for r in range(dp)]
+    return [(micro_batch_count(n, micro_batch), largest_micro_batch(n, micro_batch))
+            for n in replica_samples(plan.global_batch, shares, dp)]
+
+
 # ---------------------------------------------------------------- derivation
 def stage_graph(plan: Plan, graph: OpGraph) -> StageGraph:
     """The stage graph of `plan` on `graph` (module docstring); raises StageGraphError naming the field."""
@@ -219,12 +285,18 @@ def chunk_graph(plan: Plan, graph: OpGraph) -> tuple[list[StageSpec], list[Chunk
 
 def _stage(plan: Plan, s: int, spec: StageSpec, chunks: list[Chunk]) -> Stage:
     mb = spec.micro_batch or plan.micro_batch
-    samples = replica_samples(plan.global_batch, spec.dp_shares, spec.dp)
-    replicas, first = [], 0
-    for r, n in enumerate(samples):
-        devs = list(spec.devices[r * spec.tp:(r + 1) * spec.tp])
-        replicas.append(Replica(r, devs, first, n, mb))
-        first += n
+    replicas = []
+    if plan.stages:  # a stage DAG: micro-batches dealt to the replicas in turn
+        for r, units in enumerate(deal_micro_batches(plan.global_batch, mb, spec.dp_shares, spec.dp)):
+            devs = list(spec.devices[r * spec.tp:(r + 1) * spec.tp])
+            replicas.append(Replica(r, devs, units[0].first if units else 0, sum(u.size for u in units), mb,
+                                    _units=units))
+    else:  # a chain: each replica one consecutive share
+        first = 0
+        for r, n in enumerate(replica_samples(plan.global_batch, spec.dp_shares, spec.dp)):
+            devs = list(spec.devices[r * spec.tp:(r + 1) * spec.tp])
+            replicas.append(Replica(r, devs, first, n, mb))
+            first += n
     ratios = list(spec.tp_ratios) if spec.tp_ratios else [1.0 / spec.tp] * spec.tp
     return Stage(s, spec.name, list(spec.layers) or [n for c in chunks if c.stage == s for n in c.layers],
                  list(spec.devices), spec.dp, spec.tp, mb, ratios,

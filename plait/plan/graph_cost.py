@@ -209,10 +209,27 @@ class StageCost:
         return float((w + g + k) * self.params(layers))
 
     # ------------------------------------------------------------ plans
+    def owners(self, stages: list[StageChoice]) -> dict[str, int]:
+        """Each layer's stage; a GraphPlanError naming the layers if a stage list leaves one out or
+        puts one in two stages (a partition must cover the model exactly once)."""
+        owner: dict[str, int] = {}
+        twice = []
+        for s, st in enumerate(stages):
+            for n in st.layers:
+                if n in owner:
+                    twice.append(n)
+                owner[n] = s
+        missing = [n for n in self.graph.layer_names if n not in owner]
+        unknown = [n for n in owner if n not in self.by_name]
+        if missing or twice or unknown:
+            raise GraphPlanError(f"graph plan of {self.graph.model!r}: stages must hold every layer once; "
+                                 f"missing {missing[:4]}, in two stages {twice[:4]}, unknown {unknown[:4]}")
+        return owner
+
     def stage_edges(self, stages: list[StageChoice], chain: bool = False) -> list[tuple[int, int]]:
         """Edges between stages that the layers' edges cross; `chain`: a sequential pipeline, whose
         stages (in list order) also pass to the next one (PipeDream's and Piper's plans)."""
-        owner = {n: s for s, st in enumerate(stages) for n in st.layers}
+        owner = self.owners(stages)
         edges = {(owner[a], owner[b]) for a, b in self.graph.layer_edges if owner[a] != owner[b]}
         if chain:
             edges |= {(s, s + 1) for s in range(len(stages) - 1)}
@@ -289,12 +306,15 @@ class StageCost:
 
 
 def best_micro_batch(cost: StageCost, layers: tuple[str, ...], kind: str, dp: int,
-                     in_flight: int, limit: float = math.inf) -> StageChoice | None:
-    """The micro-batch of least busy time (at most `limit`) that fits memory (ties: the smaller,
-    less fill); None if none does. Memory is asked only of the sizes that meet the time."""
+                     in_flight: int, limit: float = math.inf, max_b: int | None = None) -> StageChoice | None:
+    """The micro-batch (at most `max_b`) of least busy time (at most `limit`) that fits memory
+    (ties: the smaller, less fill); None if none does. Memory is asked only of the sizes that
+    meet the time."""
     for w, b, t in cost.table(layers, kind)[dp - 1]:
         if w > limit:
             return None
+        if max_b is not None and b > max_b:
+            continue
         if cost.fits(layers, kind, dp, b, in_flight):
             return StageChoice(layers, kind, dp, b, w, t)
     return None

@@ -15,9 +15,13 @@
 
    * series node ``c_1; ...; c_n`` (solved from the back, so each part knows the depth after it):
      a run ``c_i..c_j`` as one stage, or ``c_i`` solved on its own; GPUs add, depths add;
-     a parallel ``c_i`` may also hand the run after it to one of its branches, whose last stage
-     then holds it (a join layer such as a small head shares a GPU with a branch instead of
-     taking one of its own);
+     a parallel ``c_p`` inside a run ``c_i..c_j`` may take the run before it into one branch's
+     first stage and the run after it into one branch's last stage (a stem or a small head
+     shares a GPU with a branch instead of taking one of its own). A handed-on run reaches the
+     stage that holds it however deep the branch nests (a branch that is itself a series ending
+     in a parallel part hands it on again), never both ends of one branch (other branches would
+     run both before and after that stage: a cycle); every stage list is checked to hold each
+     layer exactly once (`StageCost.owners`);
    * parallel node: its branches sorted by work, runs of them grouped into one stage or solved
      on their own; GPUs add, depth and latency are the maximum;
    * a stage's GPUs: the fewest data-parallel replicas of one kind, at the micro-batch of least
@@ -61,6 +65,10 @@ class GraphPartition:
     @property
     def best(self) -> list[StageChoice]:
         return self.stages[0]
+
+
+class _NoFit(GraphPlanError):
+    """No stage list meets any target at the current data-parallel degree."""
 
 
 def _prune(opts: list[_Opt], limit: int, caps: tuple[int, ...]) -> list[_Opt]:
@@ -118,24 +126,34 @@ class _Solver:
         return _Opt(tuple(x + y for x, y in zip(a.devs, b.devs)), max(a.depth, b.depth), max(a.lat, b.lat),
                     a.stages + b.stages)
 
-    def solve(self, node: SPNode, k: int, tail: tuple[str, ...] = (), tail_branch: int = -1) -> list[_Opt]:
-        """Options of `node` with `k` stages after it; `tail` layers join its sink stage (for a
-        parallel node: the sink stage of branch `tail_branch`)."""
-        key = (id(node), k, tail, tail_branch)
+    def solve(self, node: SPNode, k: int, tail: tuple[str, ...] = (), tail_branch: int = -1,
+              head: tuple[str, ...] = (), head_branch: int = -1) -> list[_Opt]:
+        """Options of `node` with `k` stages after it; `tail` layers join its sink stage and `head`
+        layers its source stage (for a parallel node: those of branch `tail_branch` / `head_branch`;
+        -1 tries each branch `_tail_branches` allows -- a tail must never be dropped, whatever the
+        nesting: a series whose last part is parallel hands its tail on to that part)."""
+        if node.kind == "parallel" and ((tail and tail_branch < 0) or (head and head_branch < 0)):
+            tbs = self._tail_branches(node) if tail and tail_branch < 0 else [tail_branch]
+            hbs = self._tail_branches(node) if head and head_branch < 0 else [head_branch]
+            # not both on one branch: other branches would both follow and precede its stage
+            out = [o for tb in tbs for hb in hbs if not (tail and head and tb == hb)
+                   for o in self.solve(node, k, tail, tb, head, hb)]
+            return _prune(out, self.limit, self.caps)
+        key = (id(node), k, tail, tail_branch, head, head_branch)
         hit = self.memo.get(key)
         if hit is not None:
             return hit
         if node.kind == "leaf":
-            out = self.stage(node.layers + tail, k)
+            out = self.stage(head + node.layers + tail, k)
         elif node.kind == "series":
-            out = self._series(node, k, tail)
+            out = self._series(node, k, tail, head)
         else:
-            out = self._parallel(node, k, tail, tail_branch)
+            out = self._parallel(node, k, tail, tail_branch, head, head_branch)
         out = _prune(out, self.limit, self.caps)
         self.memo[key] = out
         return out
 
-    def _series(self, node: SPNode, k: int, tail: tuple[str, ...]) -> list[_Opt]:
+    def _series(self, node: SPNode, k: int, tail: tuple[str, ...], head: tuple[str, ...] = ()) -> list[_Opt]:
         ch = node.children
         n = len(ch)
         after: list[list[_Opt]] = [[] for _ in range(n + 1)]
@@ -143,21 +161,25 @@ class _Solver:
         for i in range(n - 1, -1, -1):
             opts: list[_Opt] = []
             run: tuple[str, ...] = ()
+            start = head if i == 0 else ()  # the series' own head joins its first stage
             for j in range(i + 1, n + 1):
                 run = run + ch[j - 1].layers
                 end_tail = tail if j == n else ()
                 for o in after[j]:
-                    for s in self.stage(run + end_tail, k + o.depth):
+                    for s in self.stage(start + run + end_tail, k + o.depth):
                         opts.append(self.series(s, o))
                     if j == i + 1 and ch[i].kind != "leaf":
-                        for s in self.solve(ch[i], k + o.depth, end_tail):
+                        for s in self.solve(ch[i], k + o.depth, end_tail, head=start):
                             opts.append(self.series(s, o))
-                    if j > i + 1 and ch[i].kind == "parallel":
-                        # the run after the parallel part joins one branch's last stage
-                        joined = run[len(ch[i].layers):] + end_tail
-                        for b in self._tail_branches(ch[i]):
-                            for s in self.solve(ch[i], k + o.depth, joined, b):
-                                opts.append(self.series(s, o))
+                    for p in range(i, j) if j > i + 1 else ():
+                        if ch[p].kind != "parallel":
+                            continue
+                        # the run before the parallel part joins one branch's first stage, the run
+                        # after it one branch's last stage (a stem or a head sharing a branch's GPU)
+                        lead = start + tuple(x for c in ch[i:p] for x in c.layers)
+                        joined = tuple(x for c in ch[p + 1:j] for x in c.layers) + end_tail
+                        for s in self.solve(ch[p], k + o.depth, joined, head=lead):
+                            opts.append(self.series(s, o))
             after[i] = _prune(opts, self.limit, self.caps)
         return after[0]
 
@@ -168,7 +190,8 @@ class _Solver:
         work = [(self.cost.seg_time(c.layers, kind, 1), i) for i, c in enumerate(node.children)]
         return [i for _, i in sorted(work)[:2]]
 
-    def _parallel(self, node: SPNode, k: int, tail: tuple[str, ...], tail_branch: int) -> list[_Opt]:
+    def _parallel(self, node: SPNode, k: int, tail: tuple[str, ...], tail_branch: int,
+                  head: tuple[str, ...] = (), head_branch: int = -1) -> list[_Opt]:
         kind = self.cost.kinds[0]
         order = sorted(range(len(node.children)),
                        key=lambda i: -self.cost.seg_time(node.children[i].layers, kind, 1))
@@ -182,8 +205,11 @@ class _Solver:
                 members = order[i:j]
                 group = group + node.children[order[j - 1]].layers
                 t = tail if tail_branch in members else ()
-                layers = tuple(sorted(group, key=self.cost.pos.__getitem__)) + t
-                singles = (self.solve(node.children[members[0]], k, t) if j == i + 1 else
+                h = head if head_branch in members else ()
+                if h and t and j - i < n:
+                    continue  # head and tail in one stage that other branches run beside: a cycle
+                layers = h + tuple(sorted(group, key=self.cost.pos.__getitem__)) + t
+                singles = (self.solve(node.children[members[0]], k, t, head=h) if j == i + 1 else
                            self.stage(layers, k))
                 for o in rest[j]:
                     for s in singles:
@@ -216,6 +242,23 @@ def _spread(cost: StageCost, stages: list[StageChoice]) -> list[StageChoice]:
         spare[st.kind] -= 1
 
 
+def _capped(cost: StageCost, stages: list[StageChoice]) -> list[list[StageChoice]]:
+    """The stage list, and the same stages with their micro-batches capped at each smaller power
+    of two: each stage's own choice minimises its busy time (the largest micro-batch that fits),
+    a cap trades that for less pipeline fill -- the score (`StageCost.score`) weighs the two."""
+    out = [stages]
+    depths = cost.depths(stages)
+    top = max(s.micro_batch for s in stages)
+    for cap in (b for b in cost.micro_batches(1) if b < top and b & (b - 1) == 0):
+        capped = []
+        for st, k in zip(stages, depths):
+            ch = best_micro_batch(cost, st.layers, st.kind, st.dp, k + 1, max_b=cap) \
+                if st.micro_batch > cap else st
+            capped.append(ch if ch is not None else st)
+        out.append(capped)
+    return out
+
+
 def replica_counts(cost: StageCost) -> list[int | None]:
     """Data-parallel degrees the search tries for every stage at once: powers of two up to the GPUs
     of the most common kind, and that count itself."""
@@ -230,12 +273,12 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, 
               replicas: list[int | None] | None = None) -> GraphPartition:
     """GraphPipe's search (module docstring): candidate stage lists, best analytic score first.
 
-    `replicas`: the data-parallel degrees to try, each for every stage at once (the stage graph
-    replicated d times; `StageCost.uniform_dp`), or ``[None]`` for any degree per stage (GraphPipe's
-    own space). Default: every stage the same degree, from `replica_counts`. Why: a stage's
-    replicas own consecutive samples of the batch (`plait.ir.stage_graph`'s one rounding rule),
-    so a stage whose degree differs from its neighbour's waits for the neighbour's replicas in
-    turn -- the simulator shows it losing the degree's speed-up."""
+    `replicas`: the data-parallel degrees to try: ``None`` for any degree per stage (GraphPipe's
+    own space: the stage graph deals each stage's micro-batches to its replicas in turn, so
+    stages of different degrees keep each other busy, `plait.ir.stage_graph`), an integer ``d``
+    for every stage at ``d`` (the stage graph replicated d times; `StageCost.uniform_dp`).
+    Default: ``None`` and each of `replica_counts` -- the uniform plans are a few more
+    candidates for the same score, cheap next to the per-stage search."""
     t0 = time.perf_counter()
     graph = cost.graph
     if not graph.layers:
@@ -248,24 +291,32 @@ def partition(cost: StageCost, *, candidates: int = 4, tolerance: float = 0.03, 
     for leaf in tree.collapsed_leaves():
         notes.append(f"layers {list(leaf.layers)[:4]}{'...' if len(leaf.layers) > 4 else ''} are not "
                      "series-parallel: kept together in one stage")
-    found: dict[tuple, tuple[float, list[StageChoice]]] = {}
+    found: dict[tuple, tuple[float, int, list[StageChoice], bool]] = {}
     tried = 0
     saved = cost.uniform_dp
     try:
-        for d in (replicas if replicas is not None else replica_counts(cost)):
+        for d in (replicas if replicas is not None else [None, *replica_counts(cost)]):
             cost.uniform_dp = d
             try:
                 tried += _search(cost, tree, found, tolerance, limit)
-            except GraphPlanError:
+            except _NoFit:  # this degree fits nowhere; any other error is a bug to surface
                 continue
     finally:
         cost.uniform_dp = saved
     if not found:
         raise GraphPlanError(f"graph plan: no partition of model {graph.model!r} fits the memory of "
                              f"cluster {cost.cluster.name!r} (every stage over its GPUs' memory)")
-    ranked = sorted(found.values(), key=lambda x: x[0])[:candidates]
-    return GraphPartition([s for _, s in ranked], [sc for sc, _ in ranked], time.perf_counter() - t0, tried,
-                          tree, notes)
+    # Equal scores: the shorter pipeline first (less fill than the score counts, fewer in flight).
+    # The analytic score only approximates the simulator that ranks the candidates, so the best of
+    # the plain space (every stage one degree, each stage's own micro-batch) are kept beside the
+    # best of the wider one (per-stage degrees, capped micro-batches) rather than crowded out.
+    order = sorted(found.values(), key=lambda x: (x[0] * (1 + 1e-9), x[1]))
+    ranked = order[:candidates]
+    ranked += [x for x in order if x[3] and not any(x is y for y in ranked)][:max(0, candidates - sum(
+        1 for x in ranked if x[3]))]
+    ranked.sort(key=lambda x: (x[0] * (1 + 1e-9), x[1]))
+    return GraphPartition([x[2] for x in ranked], [x[0] for x in ranked], time.perf_counter() - t0,
+                          tried, tree, notes)
 
 
 def _search(cost: StageCost, tree: SPNode, found: dict, tolerance: float, limit: int) -> int:
@@ -284,10 +335,12 @@ def _search(cost: StageCost, tree: SPNode, found: dict, tolerance: float, limit:
         tried += 1
         opts = _Solver(cost, target, limit).solve(tree, 0)
         for o in opts:
-            st = _spread(cost, list(o.stages))
-            key = tuple(sorted((s.layers, s.kind, s.dp, s.micro_batch) for s in st))
-            if key not in found:
-                found[key] = (cost.score(st), st)
+            spread = _spread(cost, list(o.stages))
+            for i, st in enumerate(_capped(cost, spread)):
+                key = tuple(sorted((s.layers, s.kind, s.dp, s.micro_batch) for s in st))
+                base = i == 0 and cost.uniform_dp is not None
+                if key not in found or (base and not found[key][3]):
+                    found[key] = (cost.score(st), cost.pipeline_depth(st), st, base)
         return bool(opts)
 
     grow = 0
@@ -295,7 +348,7 @@ def _search(cost: StageCost, tree: SPNode, found: dict, tolerance: float, limit:
         hi *= 4
         grow += 1
         if grow > 6:
-            raise GraphPlanError("no partition fits")
+            raise _NoFit("no partition fits")
     while hi / lo > 1 + tolerance:
         mid = math.sqrt(hi * lo)
         if attempt(mid):

@@ -50,8 +50,8 @@ def _device_order(cost: StageCost) -> list[str]:
 
 def pipedream(cost: StageCost, replicas: list[int | None] | None = None) -> BaselineResult:
     """PipeDream's planner on the linearised model (module docstring). `replicas`: as
-    `plait.plan.graphpipe.partition` (default: every stage the same data-parallel degree, each of
-    `replica_counts`; ``[None]``: PipeDream's own per-stage degrees)."""
+    `plait.plan.graphpipe.partition` (default: PipeDream's own per-stage degrees, ``None``, and
+    every stage the same degree, each of `replica_counts`)."""
     from plait.plan.graphpipe import replica_counts
 
     t0 = time.perf_counter()
@@ -61,7 +61,7 @@ def pipedream(cost: StageCost, replicas: list[int | None] | None = None) -> Base
     best: tuple[float, list[StageChoice]] | None = None
     saved = cost.uniform_dp
     try:
-        for d in (replicas if replicas is not None else replica_counts(cost)):
+        for d in (replicas if replicas is not None else [None, *replica_counts(cost)]):
             cost.uniform_dp = d
             for b in _powers(cost):
                 stages = _pipedream_dp(cost, names, n, D, kind_at, b)

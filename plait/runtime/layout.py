@@ -27,6 +27,7 @@ from plait.runtime.partition import (
     replica_micro_batches,
     split_into_graph,
     split_into_stages,
+    stage_micro_batches,
 )
 from plait.schedule import Node, PipelineGraph, Schedule, ScheduleError, build
 
@@ -68,7 +69,8 @@ def pipeline_layout(plan: Plan) -> PipelineLayout:
 def node_micro_batches(plan: Plan, layout: PipelineLayout, step: int, dp_index: int) -> dict[int, list[MicroBatch]]:
     """Micro-batches of every node of replica `dp_index` at `step` (node id -> list)."""
     if layout.graph_plan:
-        return {s: replica_micro_batches(plan, step, 0, spec.micro_batch) for s, spec in enumerate(plan.stages)}
+        # one device per stage (`supports`): replica 0 of each stage holds all its micro-batches
+        return {s: stage_micro_batches(plan, step, s, 0) for s in range(len(plan.stages))}
     mbs = replica_micro_batches(plan, step, dp_index)
     return {n: mbs for n in range(layout.num_nodes)}
 

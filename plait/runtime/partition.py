@@ -109,6 +109,19 @@ class MicroBatch:
     size: int
 
 
+def stage_micro_batches(plan: Any, step: int, stage: int, replica: int = 0) -> list[MicroBatch]:
+    """Micro-batches replica `replica` of stage `stage` of a graph plan (`Plan.stages`) runs at
+    `step`: the stage graph's rule for a stage DAG (`plait.ir.stage_graph.deal_micro_batches`:
+    the batch cut at the stage's micro-batch size, dealt to its replicas in turn)."""
+    from plait.ir.stage_graph import deal_micro_batches
+
+    spec = plan.stages[stage]
+    units = deal_micro_batches(plan.global_batch, spec.micro_batch or plan.micro_batch, spec.dp_shares,
+                               spec.dp)[replica]
+    base = step * plan.global_batch
+    return [MicroBatch(u.index, base + u.first, u.size) for u in units]
+
+
 def replica_micro_batches(plan: Any, step: int, dp_index: int, micro_batch: int | None = None) -> list[MicroBatch]:
     """Micro-batches replica `dp_index` runs at `step`.
 

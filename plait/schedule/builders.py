@@ -154,7 +154,9 @@ def _forwards_before_backwards(graph: PipelineGraph) -> dict[int, list[int]]:
     """Per node, how many of its forwards must precede its backward of each micro-batch.
 
     GraphPipe's rule is the 1F1B warm-up with depth = longest path to a sink: before
-    backward ``i`` a stage has run ``depth + i + 1`` forwards. When stages' micro-batch
+    backward ``i`` a stage has run ``depth + i + 1`` forwards -- ``depth * d + i + 1`` on a
+    stage whose micro-batches are dealt to ``d`` replicas in turn, so that each replica keeps
+    its own ``depth + 1`` in flight (PipeDream's 1F1B-RR). When stages' micro-batch
     sizes differ that is not always enough: backward ``i`` waits for the successors'
     backwards of the micro-batches that overlap its samples, and those successors have
     by then run their own quota of forwards, which need this stage's forwards of every
@@ -186,7 +188,7 @@ def _forwards_before_backwards(graph: PipelineGraph) -> dict[int, list[int]]:
         m = graph.nodes[n].micro_batches
         q = []
         for i in range(m):
-            want = depth[n] + i + 1
+            want = depth[n] * graph.nodes[n].replicas + i + 1
             for b in graph.successors(n):
                 for j, k, _, _ in graph.overlaps(n, b):
                     if j == i:

@@ -60,6 +60,9 @@ class Node:
     stage: int  # pipeline rank that runs it
     chunk: int  # local model-chunk index on that rank (0 unless interleaved)
     sizes: tuple[int, ...]  # micro-batch sizes, in sample order
+    # data-parallel replicas the micro-batches are dealt to in turn (micro-batch i on replica
+    # i mod replicas; `plait.ir.stage_graph`): each replica keeps its own 1F1B warm-up in flight
+    replicas: int = 1
 
     @property
     def micro_batches(self) -> int:
@@ -102,9 +105,13 @@ class PipelineGraph:
         return cls(nodes, tuple((k, k + 1) for k in range(n - 1)))
 
     @classmethod
-    def dag(cls, sizes: list[list[int]] | list[tuple[int, ...]], edges: list[tuple[int, int]]) -> PipelineGraph:
-        """A graph pipeline: node ``s`` is stage ``s`` on rank ``s`` with micro-batch sizes ``sizes[s]``."""
-        return cls(tuple(Node(s, 0, tuple(sz)) for s, sz in enumerate(sizes)), tuple(tuple(e) for e in edges))
+    def dag(cls, sizes: list[list[int]] | list[tuple[int, ...]], edges: list[tuple[int, int]],
+            replicas: list[int] | None = None) -> PipelineGraph:
+        """A graph pipeline: node ``s`` is stage ``s`` on rank ``s`` with micro-batch sizes ``sizes[s]``
+        (all its replicas' micro-batches, in sample order; ``replicas[s]`` of them, default 1)."""
+        reps = replicas or [1] * len(sizes)
+        return cls(tuple(Node(s, 0, tuple(sz), int(reps[s])) for s, sz in enumerate(sizes)),
+                   tuple(tuple(e) for e in edges))
 
     # ------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -118,6 +125,9 @@ class PipelineGraph:
                 raise ScheduleError(f"pipeline graph field 'nodes[{i}]': stage {node.stage} chunk {node.chunk} "
                                     f"is used twice")
             seen.add((node.stage, node.chunk))
+            if not isinstance(node.replicas, int) or node.replicas < 1:
+                raise ScheduleError(f"pipeline graph field 'nodes[{i}].replicas': must be a positive integer, "
+                                    f"got {node.replicas!r}")
             if not node.sizes or min(node.sizes) < 1:
                 raise ScheduleError(f"pipeline graph field 'nodes[{i}].sizes': needs positive micro-batch sizes, "
                                     f"got {list(node.sizes)}")

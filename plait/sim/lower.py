@@ -455,13 +455,19 @@ class _Lowerer:
         schedule = self._schedule(w)
         if self.plan.stages:
             # A graph stage's schedule runs over all its replicas' micro-batches in sample order
-            # (`_schedule`); this replica runs its own, in that order.
-            off = sum(len(x.units) for x in self.all_workers[w.stage][:w.replica])
-            end = off + len(w.units)
-            return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch - off)
-                    for a in schedule.compute(w.stage) if off <= a.micro_batch < end]
+            # (`_schedule`; the stage graph deals them to the replicas in turn); this replica runs
+            # its own, in that order.
+            mine = {i: k for i, (r, k) in enumerate(self._stage_units(w.stage)) if r == w.replica}
+            return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], mine[a.micro_batch])
+                    for a in schedule.compute(w.stage) if a.micro_batch in mine]
         return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch)
                 for a in schedule.compute(w.stage)]
+
+    def _stage_units(self, stage: int) -> list[tuple[int, int]]:
+        """(replica, its micro-batch) of every micro-batch of a stage, in sample order."""
+        row = self.all_workers[stage]
+        return sorted(((r, k) for r, x in enumerate(row) for k in range(len(x.units))),
+                      key=lambda rk: row[rk[0]].units[rk[1]][0])
 
     def _schedule(self, w: Worker) -> Schedule:
         plan = self.plan
@@ -469,11 +475,13 @@ class _Lowerer:
         try:
             if plan.stages:
                 # Graph pipeline: one node per stage running every replica's micro-batches in sample
-                # order (replicas own consecutive samples), so stages of different data-parallel
+                # order (dealt to the replicas in turn), so stages of different data-parallel
                 # degrees or micro-batch sizes meet on sample ranges; each replica keeps the order of
                 # its own (`_program`): a restriction of one deadlock-free order stays deadlock-free.
-                node_sizes = [tuple(n for x in row for _, n in x.units) for row in self.all_workers]
-                graph = PipelineGraph.dag(node_sizes, self.plan.stage_graph_edges())
+                node_sizes = [tuple(row[r].units[k][1] for r, k in self._stage_units(s))
+                              for s, row in enumerate(self.all_workers)]
+                graph = PipelineGraph.dag(node_sizes, self.plan.stage_graph_edges(),
+                                          [len(row) for row in self.all_workers])
                 return schedules.build("gpipe" if plan.schedule == "gpipe" else "graph_1f1b", graph)
             v = plan.virtual_stages if plan.schedule == "interleaved" else 1
             graph = PipelineGraph(tuple(Node(k % plan.pp, k // plan.pp, sizes) for k in range(plan.pp * v)),
