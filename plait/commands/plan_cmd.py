@@ -459,6 +459,11 @@ def print_result(result: Any, console: Any, wide: bool = False, top: int | None 
     console.print(f"candidates: {result.enumerated} enumerated, {result.pruned} pruned ({pruned}), "
                   f"{result.ranked_analytic} fit, {result.simulated} simulated "
                   f"in {result.search_time_s:.1f} s (ranked by the {result.ranker})")
+    families = getattr(result, "families", {}) or {}
+    if families:
+        best_of = {n: (f"{_ms(r.best.time_s)} in {r.search_time_s:.1f} s" if not isinstance(r, str) else f"none ({r})")
+                   for n, r in families.items()}
+        console.print("families: " + "; ".join(f"{n} {v}" for n, v in best_of.items()), soft_wrap=True)
     table, hidden = plan_table(result, None if wide else console.width, top)
     console.print(table)
     if hidden:

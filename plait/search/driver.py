@@ -52,20 +52,31 @@ register_family("3d", search_3d, _3D_OPTIONS)
 
 def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                   evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
-                  compute: Any, runnable: bool = False, **options: Any) -> PlanResult:
+                  compute: Any, runnable: bool = False, chains: bool = True, **options: Any) -> PlanResult:
     """The graph-pipeline family (`plait.plan.graph_search.search_graph`). Stages with data
     parallelism inside are planned and simulated but not yet run by the runtime, so the runtime's
     `supports` filter (and one GPU per stage) applies only with `runnable=True`, as `plait plan
     --run` asks."""
     from plait.plan.graph_search import search_graph
+    from plait.plan.threed import load_graph
 
+    if not chains:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
+        graph = load_graph(model, options.get("dtype") or "bf16")[1]
+        outs: dict[str, int] = {}
+        ins: dict[str, int] = {}
+        for a, b in graph.layer_edges:
+            outs[a] = outs.get(a, 0) + 1
+            ins[b] = ins.get(b, 0) + 1
+        if max([*outs.values(), *ins.values(), 1]) < 2:
+            raise SearchError(f"graph: {graph.model} has no branches (its layer DAG is a chain); the 3D family "
+                              "plans chains")
     if runnable:
         options.setdefault("max_dp", 1)
     return search_graph(model, cluster, global_batch=global_batch, top=top, evaluate=evaluate,
                         supports=supports if runnable else None, compute=compute, **options)
 
 
-register_family("graph", _search_graph, ("runnable", "max_dp", "candidates", "memory_kwargs", "dtype"))
+register_family("graph", _search_graph, ("runnable", "chains", "max_dp", "candidates", "memory_kwargs", "dtype"))
 register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "runnable"))
 
 
@@ -127,6 +138,8 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     for name in names:
         search, options = FAMILIES[name]
         own = {k: v for k, v in kwargs.items() if k in options}
+        if name == "graph" and len(names) > 1 and "3d" in names:
+            own.setdefault("chains", False)
         try:
             res = search(model, cluster_obj, **common, **own)
         except PlaitError as exc:
