@@ -232,24 +232,29 @@ def world_form(problem: Problem, syn: Synthesis, cluster: Cluster, mesh: Mesh, n
 def synthesize_hierarchical(build: Callable[[int], AtenGraph], cluster: Cluster, batch: int, *,
                             dtype: str = "fp32", devices: Sequence[int] | None = None,
                             evaluate: Callable[[Hierarchical], float] | None = None,
-                            weights: Sequence[float] = (1.0,), **options: Any) -> Hierarchical:
+                            weights: Sequence[float] = (1.0,), every_kind: bool = False,
+                            **options: Any) -> Hierarchical:
     """The hierarchical program for a global `batch`: node batches by FLOP/s, the graph built at
-    the largest (`build(samples)`), the inner program synthesized on one node of every distinct
-    kind of node (its devices' kinds and links) and kept where `evaluate` (the simulator; default
-    the inner synthesis's own cost) ranks the world program first. `weights`: the overlap weights
-    of `synthesize_overlapped` (each candidate ranked by `evaluate` too)."""
+    the largest (`build(samples)`), the inner program synthesized on a node of the most common
+    kind of node (its devices' kinds and links: most nodes run at that node's pace) -- or, with
+    `every_kind`, on one node of every kind, keeping the program `evaluate` (the simulator;
+    default the inner synthesis's own cost) ranks first. `weights`: the overlap weights of
+    `synthesize_overlapped` (each candidate ranked by `evaluate` too)."""
     mesh = mesh_of(cluster, devices)
     node_batch = node_batches(cluster, mesh, batch, dtype)
     graph_batch = max(node_batch)
     graph = build(graph_batch)
-    classes: dict[tuple, int] = {}
+    classes: dict[tuple, list[int]] = {}
     for a, node in enumerate(mesh.nodes):
         key = tuple(cluster.devices[i].kind.name for i in node) + (cluster.nodes[cluster.devices[node[0]].node].intra,)
-        classes.setdefault(key, a)
+        classes.setdefault(key, []).append(a)
+    homes = [members[0] for members in classes.values()]
+    if not every_kind:
+        homes = [max(classes.values(), key=len)[0]]
     best: tuple[float, Hierarchical] | None = None
     seconds, expanded = 0.0, 0
     tried: list[tuple[int, float]] = []
-    for home in classes.values():
+    for home in homes:
         problem = Problem.build(graph, Devices.from_cluster(cluster, dtype, mesh.nodes[home]))
 
         def score(p: Problem, syn: Synthesis, home: int = home) -> float:
@@ -262,6 +267,9 @@ def synthesize_hierarchical(build: Callable[[int], AtenGraph], cluster: Cluster,
             syn = synthesize_overlapped(problem, score, weights, dtype=dtype, **options)
         else:
             syn = synthesize(problem, dtype=dtype, **options)
+        # the next kind of node searches the same graph: start from the parameters this one had
+        # to shard, and at the beam if the exact search overran here
+        options = {**options, "forced": syn.forced, **({} if syn.program.optimal else {"max_states": 0})}
         seconds += syn.seconds
         expanded += syn.expanded
         h = world_form(problem, syn, cluster, mesh, node_batch, graph_batch, home)
