@@ -24,6 +24,10 @@ model, links and engine for all):
   collectives chosen per message on the real links, searched with the parameter-gradient
   collectives counted in full (HAP's sum) and as hidden behind backward, the simulator keeping the
   faster (its synthesis seconds include both searches and simulations);
+* hier -- `plait.spmd.mesh.synthesize_hierarchical` (clusters of several nodes): the same
+  synthesis on one node's GPUs at the node's batch, data parallelism across nodes with the
+  gradients all-reduced on the rails, ranked by the same simulator; plait's SPMD column is the
+  faster of flat and hier that fits, and its synthesis seconds count both;
 * bound -- perfect compute balance with communication fully hidden: every op at
   ``1 / sum_i 1 / w_i`` and the optimizer over all parameters at perfect balance.
 
