@@ -135,3 +135,24 @@ def test_one_node_is_the_flat_program() -> None:
     assert mesh_of(cluster).outer == 1
     assert not [c for _, c in h.world_program.comms if c.group == RAIL]
     assert hier == pytest.approx(_flat(cluster, 64), rel=1e-6)
+
+
+def test_rail_collective_in_the_simulator_takes_its_priced_time() -> None:
+    """The simulated rail all-reduce of the weights' gradients (one DDP bucket: both weights)
+    lasts the host's call cost plus `rail_time` of its bytes -- it runs alone on the NICs."""
+    from plait.cost.compute import DEFAULT_MODEL
+
+    cluster = two_nodes_one_nic()
+    mesh = mesh_of(cluster)
+    h, _ = _hier(cluster, 2 * H)
+    result = simulate_spmd(h.world_problem, h, cluster, device_scale=h.device_scale, mesh=h.mesh)
+    events = [e for e in result.timeline.events if e.args.get("group") == RAIL]
+    assert len(events) == 1  # one bucket
+    nbytes = sum(h.problem.graph.tensors[t].nbytes for t in h.problem.graph.params)
+    sharded = {c.dim is not None for _, c in h.world_program.comms if c.group == RAIL}
+    assert len(sharded) == 1  # both weights stored alike inside the node: one bucket
+    shares = np.asarray(h.world_ratios, dtype=float).mean(axis=0)[:mesh.inner] if sharded == {True} else None
+    rails = rail_links(cluster, mesh)
+    nodes = [Devices.from_cluster(cluster, devices=n).links for n in mesh.nodes]
+    want = DEFAULT_MODEL.host_comm_s + rail_time(nbytes, shares, rails, nodes)
+    assert events[0].end - events[0].start == pytest.approx(want, rel=1e-6)
