@@ -173,6 +173,7 @@ class Case:
     flat_ms: float = 0.0  # plait's flat program (sharding over every device)
     hier_ms: float = float("inf")  # plait's hierarchical program (inf: one node, or none fits)
     spmd_form: str = "flat"  # which of the two the SPMD column is
+    flat_s: float = 0.0  # CPU seconds of the flat synthesis alone (plait_s: flat and hierarchical)
 
     @property
     def best_ms(self) -> float:
@@ -225,6 +226,7 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
 
     plait_syn = synthesize_overlapped(problem, evaluate, OVERLAP_WEIGHTS, dtype=dtype, max_states=max_states)
     sims["flat"] = simulate_spmd(problem, plait_syn, cluster, batch=batch, name="plait").iteration_time_s
+    flat_s = time.process_time() - cpu
     fits["flat"] = plait_syn.fits
     # the hierarchical program (`plait.spmd.mesh`: op-level sharding inside each node, data
     # parallelism across nodes), on clusters of more than one node
@@ -253,7 +255,7 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
                 sims["hap"] * 1e3, sims["plait"] * 1e3, bound(problem) * 1e3, hap_flag, hap.expanded,
                 plait_syn.expanded + (hier.expanded if hier is not None else 0), hap.program.optimal,
                 plait_syn.program.optimal, hap.seconds, plait_s, fits, plait_syn.overlap,
-                sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat")
+                sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat", flat_s)
 
 
 # ----------------------------------------------------------------------------- table
@@ -291,6 +293,8 @@ def summary(rows: list[dict]) -> dict:
         "plait_plans_over_memory": sum(1 for r in rows if not r["fits"]["plait"]),
         "max_plait_synthesis_s": max(r["plait_s"] for r in rows),
         "plait_overlap_weights_chosen": [r["plait_overlap"] for r in rows],
+        "plait_spmd_forms": [r["spmd_form"] for r in rows],
+        "max_flat_synthesis_s": max(r["flat_s"] for r in rows),
         "cases": len(rows),
     }
 
