@@ -24,10 +24,17 @@ model, links and engine for all):
   collectives chosen per message on the real links, searched with the parameter-gradient
   collectives counted in full (HAP's sum) and as hidden behind backward, the simulator keeping the
   faster (its synthesis seconds include both searches and simulations);
+* hier -- `plait.spmd.mesh.synthesize_hierarchical` (clusters of several nodes): the same
+  synthesis on one node's GPUs at the node's batch, data parallelism across nodes with the
+  gradients all-reduced on the rails, ranked by the same simulator; plait's SPMD column is the
+  faster of flat and hier that fits, and its synthesis seconds count both;
 * bound -- perfect compute balance with communication fully hidden: every op at
   ``1 / sum_i 1 / w_i`` and the optimizer over all parameters at perfect balance.
 
-Columns: the predicted iteration times (ms) -- "SPMD" is plait's synthesized program, "plait"
+Columns: the predicted iteration times (ms) -- "flat" is plait's program sharding over every
+device, "hier" its hierarchical program (`plait.spmd.mesh`: any op sharded inside each node,
+data parallelism across nodes, gradients all-reduced on the rails; "inf" on one node), "SPMD" the
+faster of the two that fits (plait's synthesized program), "plait"
 its pick across families on the simulator's one scale (that program or FLOP-proportional DDP,
 whichever is faster and fits) --, speedups of the pick over even and over HAP, its share of
 the bound (bound / plait), states expanded (HAP's UCS and plait's A*; "b" when the exact search
@@ -55,6 +62,7 @@ from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
 from plait.sim.api import simulate_spmd
 from plait.spmd.cost import Devices, balanced_time
+from plait.spmd.mesh import Hierarchical, synthesize_hierarchical
 from plait.spmd.placement import Comm, ShardingError, shard_sizes
 from plait.spmd.ratios import Synthesis, memory_model, synthesize, synthesize_overlapped
 from plait.spmd.search import Problem, Program
@@ -162,6 +170,10 @@ class Case:
     plait_s: float
     fits: dict
     plait_overlap: float = 1.0
+    flat_ms: float = 0.0  # plait's flat program (sharding over every device)
+    hier_ms: float = float("inf")  # plait's hierarchical program (inf: one node, or none fits)
+    spmd_form: str = "flat"  # which of the two the SPMD column is
+    flat_s: float = 0.0  # CPU seconds of the flat synthesis alone (plait_s: flat and hierarchical)
 
     @property
     def best_ms(self) -> float:
@@ -213,13 +225,37 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
         return simulate_spmd(p, syn, cluster, batch=batch).iteration_time_s if syn.fits else float("inf")
 
     plait_syn = synthesize_overlapped(problem, evaluate, OVERLAP_WEIGHTS, dtype=dtype, max_states=max_states)
-    plait_syn.seconds = time.process_time() - cpu  # every candidate's synthesis and simulation
-    sims["plait"] = simulate_spmd(problem, plait_syn, cluster, batch=batch, name="plait").iteration_time_s
-    fits["plait"] = plait_syn.fits
+    sims["flat"] = simulate_spmd(problem, plait_syn, cluster, batch=batch, name="plait").iteration_time_s
+    flat_s = time.process_time() - cpu
+    fits["flat"] = plait_syn.fits
+    # the hierarchical program (`plait.spmd.mesh`: op-level sharding inside each node, data
+    # parallelism across nodes), on clusters of more than one node
+    hier: Hierarchical | None = None
+    sims["hier"] = float("inf")
+    if len({d.node for d in cluster.devices}) > 1:
+        def build(samples: int):
+            return capture_aten(spec.build("meta", dtype=tdtype),
+                                spec.sample_batch(samples, device="meta", dtype=tdtype)[0], name=spec.name)
+
+        def evaluate_h(h: Hierarchical) -> float:
+            return simulate_spmd(h.world_problem, h, cluster, batch=batch, device_scale=h.device_scale,
+                                 mesh=h.mesh).iteration_time_s
+
+        try:
+            hier = synthesize_hierarchical(build, cluster, batch, dtype=dtype, evaluate=evaluate_h,
+                                           weights=OVERLAP_WEIGHTS, max_states=max_states)
+            sims["hier"] = evaluate_h(hier) if hier.fits else float("inf")
+        except ShardingError:
+            hier = None
+    plait_s = time.process_time() - cpu  # every candidate's synthesis and simulation, flat and hierarchical
+    use_hier = hier is not None and sims["hier"] < (sims["flat"] if plait_syn.fits else float("inf"))
+    sims["plait"] = sims["hier"] if use_hier else sims["flat"]
+    fits["plait"] = hier.fits if use_hier and hier is not None else plait_syn.fits
     return Case(cluster_name, label, dtype, batch, len(graph.ops), sims["even"] * 1e3, sims["prop"] * 1e3,
                 sims["hap"] * 1e3, sims["plait"] * 1e3, bound(problem) * 1e3, hap_flag, hap.expanded,
-                plait_syn.expanded, hap.program.optimal, plait_syn.program.optimal, hap.seconds,
-                plait_syn.seconds, fits, plait_syn.overlap)
+                plait_syn.expanded + (hier.expanded if hier is not None else 0), hap.program.optimal,
+                plait_syn.program.optimal, hap.seconds, plait_s, fits, plait_syn.overlap,
+                sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat", flat_s)
 
 
 # ----------------------------------------------------------------------------- table
@@ -227,7 +263,7 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
 
 def table(rows: list[dict]) -> str:
     head = (f"{'cluster':<18} {'model':<10} {'dt':<4} {'batch':>5} {'even':>8} {'prop':>8} {'HAP':>8} "
-            f"{'SPMD':>8} {'plait':>8} {'bound':>8} {'x even':>6} {'x HAP':>6} {'%bound':>6} {'HAP st':>7} "
+            f"{'flat':>8} {'hier':>8} {'SPMD':>8} {'plait':>8} {'bound':>8} {'x even':>6} {'x HAP':>6} {'%bound':>6} {'HAP st':>7} "
             f"{'ours st':>7} {'HAP s':>6} {'ours s':>6}  fits e/p/H/o")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -235,7 +271,7 @@ def table(rows: list[dict]) -> str:
         mark = lambda ok: "y" if ok else "N"  # noqa: E731
         lines.append(
             f"{r['cluster']:<18} {r['model']:<10} {r['dtype']:<4} {r['batch']:>5} {r['even_ms']:8.1f} "
-            f"{r['prop_ms']:8.1f} {r['hap_ms']:8.1f} {r['plait_ms']:8.1f} {r['best_ms']:8.1f} {r['bound_ms']:8.1f} "
+            f"{r['prop_ms']:8.1f} {r['hap_ms']:8.1f} {r['flat_ms']:8.1f} {r['hier_ms']:8.1f} {r['plait_ms']:8.1f} {r['best_ms']:8.1f} {r['bound_ms']:8.1f} "
             f"{r['speedup_even']:6.2f} {r['speedup_hap']:6.2f} {100 * r['of_bound']:5.0f}% "
             f"{r['hap_states']:>6}{'' if r['hap_exact'] else 'b'} {r['plait_states']:>6}"
             f"{'' if r['plait_exact'] else 'b'} {r['hap_s']:6.2f} {r['plait_s']:6.2f}  "
@@ -257,6 +293,8 @@ def summary(rows: list[dict]) -> dict:
         "plait_plans_over_memory": sum(1 for r in rows if not r["fits"]["plait"]),
         "max_plait_synthesis_s": max(r["plait_s"] for r in rows),
         "plait_overlap_weights_chosen": [r["plait_overlap"] for r in rows],
+        "plait_spmd_forms": [r["spmd_form"] for r in rows],
+        "max_flat_synthesis_s": max(r["flat_s"] for r in rows),
         "cases": len(rows),
     }
 

@@ -327,7 +327,16 @@ def uneven_collective_time(op: str, nbytes: float, shares: Sequence[float] | np.
         return collective_time(op, links.n * float(s.max()) * nbytes, links, "ring", gamma)
     if algorithm == "grouped" and op != "all_to_all":
         root_op = "broadcast" if op == "all_gather" else "reduce"
-        return sum(collective_time(root_op, float(x) * nbytes, links, "ring", gamma) for x in s)
+        # each owner's ring broadcast / reduce is affine in its bytes, f(x) = c + k x for x > 0
+        # (0 for an empty shard): the sum over m owners is f(X) + (m - 1) c, X their total,
+        # with c = 2 f(X) - f(2X) -- one evaluation per message instead of one per device
+        owners = s[s > 0]
+        if owners.size == 0:
+            return 0.0
+        total = float(owners.sum()) * nbytes
+        once = collective_time(root_op, total, links, "ring", gamma)
+        fixed = 2.0 * once - collective_time(root_op, 2.0 * total, links, "ring", gamma)
+        return once + (owners.size - 1) * fixed
     allowed = "'padded'" if op == "all_to_all" else "'padded' or 'grouped'"
     raise CollectiveError(f"uneven {op}: algorithm must be {allowed}, got {algorithm!r}")
 

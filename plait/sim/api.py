@@ -307,7 +307,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
 # ---------------------------------------------------------------- SPMD programs (HAP)
 def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: float | None = 25e6,
                   batch: int | None = None, name: str = "spmd", device_scale: Any = None,
-                  fixed_costs: bool = True) -> SimResult:
+                  fixed_costs: bool = True, mesh: Any = None) -> SimResult:
     """Predict one iteration of a synthesized SPMD program (`plait.spmd.ratios.Synthesis`:
     program, ratios, per-segment ratios, memory) of `problem` (`plait.spmd.search.Problem`) on
     `cluster`, lowered by `plait.sim.spmd_lower` and run by the same engine as `simulate`.
@@ -318,7 +318,9 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
     throughput. Memory per device is the synthesis's (`plait.spmd.ratios.memory_model`).
     `device_scale`: see `plait.sim.spmd_lower.lower_spmd` (data parallelism with uneven batches).
     `fixed_costs`: charge the compute model's per-kernel GPU and host times and per-iteration host
-    work, as `simulate` does for 3D plans (False: the work alone, for hand-computed checks)."""
+    work, as `simulate` does for 3D plans (False: the work alone, for hand-computed checks).
+    A hierarchical program (`plait.spmd.mesh.Hierarchical`) is simulated with
+    ``simulate_spmd(h.world_problem, h, cluster, device_scale=h.device_scale, mesh=h.mesh)``."""
     from plait.cost.compute import DEFAULT_MODEL
     from plait.sim.spmd_lower import lower_spmd
     from plait.spmd.cost import Devices
@@ -334,7 +336,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
     lowered = lower_spmd(problem, synthesis.program, np.asarray(ratios, dtype=float), view, devices=devices,
                          of_op=segs.of_op if segs is not None else None,
                          of_dim=segs.of_dim if segs is not None else None, bucket_bytes=bucket_bytes,
-                         host_comm_s=DEFAULT_MODEL.host_comm_s, device_scale=device_scale,
+                         host_comm_s=DEFAULT_MODEL.host_comm_s, device_scale=device_scale, mesh=mesh,
                          model=DEFAULT_MODEL if fixed_costs else None)
     tg = lowered.graph
     sched = run_engine(tg)

@@ -43,6 +43,7 @@ from plait.errors import PlaitError
 from plait.sim.engine import TaskGraph
 from plait.sim.topology import ClusterView
 from plait.spmd.cost import BACKWARD_FACTOR, VIEWS, Devices, comm_seconds
+from plait.spmd.mesh import NODE, RAIL, Mesh, rail_links, rail_time
 from plait.spmd.placement import PARTIAL, REPLICATED, Comm, shard_dim
 from plait.spmd.search import Problem, Program
 
@@ -105,14 +106,16 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
                devices: Devices | None = None, of_op: dict[str, int] | None = None,
                of_dim: dict[tuple[str, int], int] | None = None, bucket_bytes: float | None = None,
                host_comm_s: float = 0.0, device_scale: np.ndarray | None = None,
-               model: ComputeModel | None = None) -> SpmdLowered:
+               mesh: Mesh | None = None, model: ComputeModel | None = None) -> SpmdLowered:
     """The task graph of one training iteration of `program` at `ratios` (one vector, or one row
     per segment with `of_op` / `of_dim` from `plait.spmd.ratios.Segments`) on `view`.
 
     `devices`: the program's devices as priced for the run (default `problem.devices`; a program
     searched under HAP's flat model is simulated on the real links). `device_scale`: a multiplier
     of every op's work per device -- data parallelism written as the graph of one device's batch
-    run whole on every device, device ``i`` holding ``device_scale[i]`` times that batch."""
+    run whole on every device, device ``i`` holding ``device_scale[i]`` times that batch.
+    `mesh`: a hierarchical program's nodes x GPUs (`plait.spmd.mesh`): collectives of group
+    "node" run in every node at once, "rail" ones across nodes (`_GroupPricer`)."""
     devices = devices or problem.devices
     graph, n = problem.graph, devices.n
     ids = list(devices.ids) if devices.ids else list(range(n))
@@ -160,27 +163,29 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
     bwd_comms = sorted(((index[name], c) for name, c in program.comms if c.phase == "bwd"),
                        key=lambda kc: -kc[0])
     plan: list[tuple[str, list[tuple[int, Comm]]]] = [("fwd", [kc]) for kc in fwd_comms]
-    bucket: list[tuple[int, Comm]] = []
-    filled = 0.0
+    # one open bucket per kind of collective (group; rail ones: sharded or replicated inside)
+    buckets: dict[tuple, list[tuple[int, Comm]]] = {}
+    filled: dict[tuple, float] = defaultdict(float)
     for k, c in bwd_comms:
         is_param = graph.tensors[c.tensor].role == "param" and c.op == "all_reduce"
         if bucket_bytes is not None and is_param:
-            bucket.append((k, c))
-            filled += c.nbytes
-            if filled >= bucket_bytes:
-                plan.append(("bwd", bucket))
-                bucket, filled = [], 0.0
+            key = (c.group, c.dim is None)
+            buckets.setdefault(key, []).append((k, c))
+            filled[key] += c.nbytes
+            if filled[key] >= bucket_bytes:
+                plan.append(("bwd", buckets.pop(key)))
+                filled[key] = 0.0
             continue
         plan.append(("bwd", [(k, c)]))
-    if bucket:
-        plan.append(("bwd", bucket))
+    plan.extend(("bwd", b) for b in buckets.values())
 
     producer = {t: index[m.producer] for t, m in graph.tensors.items() if m.producer in index}
     # forward passes; a forward collective needs its tensor's producer (all ranks)
     fwd_plan = [p for p in plan if p[0] == "fwd"]
     bwd_plan = [p for p in plan if p[0] == "bwd"]
-    prev_comm = -1
+    prev_comm: dict[str, int] = {}  # the last collective issued on each group's stream
     comm_tasks: list[int] = []
+    pricer = _GroupPricer(problem, devices, view, ratios, of_dim, device_scale, mesh) if mesh is not None else None
     fwd_done_upto = -1
 
     host_last: list[int] = [-1] * len(reps)
@@ -217,9 +222,10 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
         else:
             emit_forward_until(k - 1)
             deps = [F[j][p] for j in range(len(reps))] if p is not None else []
-        tid = _comm_task(tg, c, "fwd", devices, ids, view, ratios, of_dim, deps + ([prev_comm] if prev_comm >= 0
-                                                                                   else []), host_comm_s)
-        prev_comm = tid
+        last = prev_comm.get(c.group, -1)
+        tid = _comm_task(tg, c, "fwd", devices, ids, view, ratios, of_dim, deps + ([last] if last >= 0 else []),
+                         host_comm_s, pricer)
+        prev_comm[c.group] = tid
         comm_tasks.append(tid)
         if p is not None and p >= k:
             after_fwd.append(tid)
@@ -248,9 +254,10 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
             if len(members) > 1:  # a bucket: one all-reduce of all its gradients
                 c = dataclasses.replace(c, tensor=f"bucket of {len(members)} gradients",
                                         nbytes=sum(m.nbytes for _, m in members), algorithm=None)
+            last = prev_comm.get(c.group, -1)
             tid = _comm_task(tg, c, "bwd", devices, ids, view, ratios, of_dim,
-                             deps + ([prev_comm] if prev_comm >= 0 else []), host_comm_s)
-            prev_comm = tid
+                             deps + ([last] if last >= 0 else []), host_comm_s, pricer)
+            prev_comm[c.group] = tid
             comm_tasks.append(tid)
             for _, m in members:
                 p = producer.get(m.tensor)
@@ -272,10 +279,20 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
 
 
 def _comm_task(tg: TaskGraph, comm: Comm, phase: str, devices: Devices, ids: list[int], view: ClusterView,
-               ratios: np.ndarray, of_dim: dict | None, deps: list[int], host_comm_s: float) -> int:
+               ratios: np.ndarray, of_dim: dict | None, deps: list[int], host_comm_s: float,
+               pricer: _GroupPricer | None = None) -> int:
     """One collective over every device: latency, then a flow over the ring's link resources that
-    alone takes exactly the bandwidth part of the cost module's time."""
+    alone takes exactly the bandwidth part of the cost module's time. A hierarchical program's
+    "node" and "rail" collectives are priced on their groups by `pricer`."""
     shares = _shares(comm, ratios, of_dim)
+    if pricer is not None and comm.group in (NODE, RAIL):
+        total, lat, rings = pricer.price(comm, shares)
+        flow = _rings_flow(tg, view, rings, total - lat)
+        cat = "comm_dp" if comm.group == RAIL else "comm_tp"
+        return tg.add(f"{comm.op} {comm.tensor} ({phase}, {comm.group})", cat, f"{comm.group}/comm",
+                      lat + host_comm_s, deps, flow=flow, device=ids[0],
+                      args={"bytes": comm.nbytes, "op": comm.op, "group": comm.group, "ranks": len(rings[0]),
+                            "cls": "spmd", "copies": 1, "seconds": total})
     if comm.op not in UNEVEN_OPS:  # NCCL picks the all-reduce algorithm at run time
         algo = choose_algorithm(comm.op, comm.nbytes, devices.links)
         comm = dataclasses.replace(comm, algorithm=algo)
@@ -308,3 +325,62 @@ def _ring_flow(tg: TaskGraph, view: ClusterView, ring: list[int], seconds: float
             load[tg.add_resource(key, cap)] += part
     nbytes = seconds * slowest
     return [(r, nbytes * x, 1.0) for r, x in load.items()]
+
+
+def _rings_flow(tg: TaskGraph, view: ClusterView, rings: list[list[int]], seconds: float) -> list | None:
+    """One flow over several rings that run at once (every node's, or every rail's) that alone
+    takes `seconds`: each link resource carries what one ring puts on it in that time. A resource
+    several rings cross (a node's NIC under every rail) is not charged once per ring: `seconds`
+    already prices their sharing (`plait.spmd.mesh.rail_links`)."""
+    if seconds <= 0:
+        return None
+    load: dict[int, float] = defaultdict(float)
+    for ring in rings:
+        for r, nbytes, _ in _ring_flow(tg, view, ring, seconds) or []:
+            load[r] = max(load[r], nbytes)
+    return [(r, b, 1.0) for r, b in load.items()] or None
+
+
+class _GroupPricer:
+    """Times of a hierarchical program's collectives (`plait.spmd.mesh`) on their real groups:
+    "node" -- the op's collective in every node at once, each at its inner ratios and bytes
+    (activations scale with the node's batch), the slowest node's time; "rail" -- a parameter
+    gradient's cross-node all-reduce (`plait.spmd.mesh.rail_time`)."""
+
+    def __init__(self, problem: Problem, devices: Devices, view: ClusterView, ratios: np.ndarray,
+                 of_dim: dict | None, device_scale: np.ndarray | None, mesh: Mesh) -> None:
+        cluster = view.cluster
+        if cluster is None:
+            raise SpmdLoweringError("a hierarchical program needs the cluster's nodes (a Cluster, not a view)")
+        self.problem, self.mesh = problem, mesh
+        self.nodes = [Devices.from_cluster(cluster, devices.dtype, node) for node in mesh.nodes]
+        self.node_links = [d.links for d in self.nodes]
+        self.rails = rail_links(cluster, mesh)
+        scale = np.ones(len(mesh.ids)) if device_scale is None else np.asarray(device_scale, dtype=float)
+        self.scale = [float(scale[a * mesh.inner]) for a in range(mesh.outer)]
+        self.zero = [dataclasses.replace(d, links=dataclasses.replace(
+            d.links, ring_latency=0.0, intra_latency=0.0, inter_latency=0.0)) for d in self.nodes]
+        self.zero_rails = [dataclasses.replace(x, ring_latency=0.0, intra_latency=0.0, inter_latency=0.0)
+                           for x in self.rails]
+        self.zero_node_links = [d.links for d in self.zero]
+
+    def price(self, comm: Comm, shares: np.ndarray) -> tuple[float, float, list[list[int]]]:
+        """(seconds, latency part, rings that carry it)."""
+        g = self.mesh.inner
+        if comm.group == RAIL:
+            local = shares[:g] if comm.dim is not None else None
+            total = rail_time(comm.nbytes, local, self.rails, self.node_links)
+            bw = rail_time(comm.nbytes, local, self.zero_rails, self.zero_node_links)
+            return total, max(0.0, total - bw), [list(r) for r in self.mesh.rails()]
+        meta = self.problem.graph.tensors.get(comm.tensor)
+        grows = meta is not None and meta.role != "param"  # activations scale with the node's batch
+        total = bw = 0.0
+        for a, node in enumerate(self.nodes):
+            c = dataclasses.replace(comm, nbytes=int(comm.nbytes * self.scale[a]) if grows else comm.nbytes,
+                                    algorithm=comm.algorithm if comm.op in UNEVEN_OPS else None)
+            local = shares[a * g:(a + 1) * g]
+            local = local / local.sum() if local.sum() > 0 else local
+            t = comm_seconds(c, node, local)
+            if t >= total:
+                total, bw = t, comm_seconds(c, self.zero[a], local)
+        return total, max(0.0, total - bw), [list(n) for n in self.mesh.nodes]

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from scipy import sparse
 from scipy.optimize import linprog
 
 from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, state_bytes_per_param
@@ -211,38 +212,37 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     c = np.zeros(n_var)
     c[n_r:n_r + n_t] = 1.0
     c[n_r + n_t:] = slope
-    rows, rhs = [], []
+    # the constraint matrix is sparse (two entries per row, G per memory row): built as COO for HiGHS
+    ri: list[int] = []
+    ci: list[int] = []
+    vals: list[float] = []
+    rhs: list[float] = []
 
-    def row() -> np.ndarray:
-        return np.zeros(n_var)
+    def add_row(entries: list[tuple[int, float]], bound: float) -> None:
+        r_ = len(rhs)
+        for col, v in entries:
+            ri.append(r_)
+            ci.append(col)
+            vals.append(v)
+        rhs.append(bound)
 
     for j, k in enumerate(split):  # r_gi w_ik - t_j <= 0, g the op's segment
         g = segs.of_op.get(ops[k].name, 0)
         for i in range(n):
-            x = row()
-            x[g * n + i], x[n_r + j] = problem.work[k][i], -1.0
-            rows.append(x)
-            rhs.append(0.0)
+            add_row([(g * n + i, float(problem.work[k][i])), (n_r + j, -1.0)], 0.0)
     for g in range(G):  # r_gi - m_g <= 0
         for i in range(n):
-            x = row()
-            x[g * n + i], x[n_r + n_t + g] = 1.0, -1.0
-            rows.append(x)
-            rhs.append(0.0)
+            add_row([(g * n + i, 1.0), (n_r + n_t + g, -1.0)], 0.0)
     if memory is not None:  # sum_g r_gi S_g <= capacity_i - overhead - R
         per_seg = memory.by_segment if G > 1 else {0: memory.sharded}
         for i in range(n):
-            x = row()
-            for g, nbytes in per_seg.items():
-                x[g * n + i] += nbytes
-            rows.append(x)
-            rhs.append(devices.memory[i] - memory.overhead - memory.replicated)
-    eq = np.zeros((G, n_var))
-    for g in range(G):
-        eq[g, g * n:(g + 1) * n] = 1.0
+            add_row([(g * n + i, float(nbytes)) for g, nbytes in per_seg.items()],
+                    float(devices.memory[i] - memory.overhead - memory.replicated))
+    A_ub = sparse.coo_matrix((vals, (ri, ci)), shape=(len(rhs), n_var)).tocsr()
+    eq = sparse.coo_matrix((np.ones(G * n), (np.repeat(np.arange(G), n), np.arange(G * n))), shape=(G, n_var))
     bounds = [(min_ratio, 1.0)] * n_r + [(0.0, None)] * (n_t + G)
-    result = linprog(c, A_ub=np.array(rows) if rows else None, b_ub=np.array(rhs) if rows else None,
-                     A_eq=eq, b_eq=np.ones(G), bounds=bounds, method="highs")
+    result = linprog(c, A_ub=A_ub, b_ub=np.array(rhs), A_eq=eq.tocsr(), b_eq=np.ones(G), bounds=bounds,
+                     method="highs")
     if result.status != 0:
         return None
     by_segment = np.clip(result.x[:n_r].reshape(G, n), 0.0, None)
@@ -268,6 +268,7 @@ class Synthesis:
     segments: Segments | None = None
     capacity: np.ndarray | None = None  # bytes per device
     overlap: float = 1.0  # weight of parameter-gradient collectives it was searched with
+    forced: tuple[str, ...] = ()  # parameters forced to shards for the program to fit
 
     @property
     def fits(self) -> bool:
@@ -277,26 +278,33 @@ class Synthesis:
 
 def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam", memory: bool = True,
                heuristic: bool = True, max_rounds: int = 8, overhead: float = FRAMEWORK_OVERHEAD_BYTES,
-               max_states: int = 200_000, segmented: bool = True) -> Synthesis:
+               max_states: int = 200_000, segmented: bool = True, forced: Sequence[str] = ()) -> Synthesis:
     """Search and LP in turn, from ratios proportional to FLOP/s, until the cost stops falling.
 
     `segmented`: one ratio vector per segment (HAP), else one for the whole program. The search
-    runs at one vector, the work-weighted mean of the segments' (the segments are the program's)."""
+    runs at one vector, the work-weighted mean of the segments' (the segments are the program's).
+    `forced`: parameters to try sharded first (a previous synthesis's `Synthesis.forced`): the set
+    that made a program fit carries over from round to round instead of being found again."""
     start = time.perf_counter()
     devices = problem.devices
     r = devices.flops / devices.flops.sum()
     best: Synthesis | None = None
     expanded = 0
     rounds: list[float] = []
+    budget = [max_states]  # set to 0 once the exact search overran it: later rounds go to the beam
+    carried = set(forced)  # parameters the last fitting program needed sharded
     for _ in range(max_rounds):
         program, solution, n_exp = _fitting_program(problem, r, dtype, optimizer, memory, heuristic, overhead,
-                                                    max_states, segmented)
+                                                    budget, segmented, carried)
         expanded += n_exp
         rounds.append(solution.cost)
         if best is not None and solution.cost >= best.cost * (1 - 1e-9):
             break
         best = Synthesis(program, solution.ratios, solution.cost, solution.memory,
-                         segment_ratios=solution.by_segment, segments=solution.segments)
+                         segment_ratios=solution.by_segment, segments=solution.segments,
+                         forced=tuple(sorted(carried)))
+        if np.allclose(solution.ratios, r, rtol=0.0, atol=1e-6):
+            break  # the LP kept the ratios the search ran at: searching again finds the same program
         r = solution.ratios
     assert best is not None
     best.rounds, best.expanded, best.seconds = rounds, expanded, time.perf_counter() - start
@@ -318,6 +326,9 @@ def synthesize_overlapped(problem: Problem, evaluate: Callable[[Problem, Synthes
     expanded, seconds = 0, 0.0
     for w in weights:
         candidate = synthesize(dataclasses.replace(problem, overlap=float(w)), **options)
+        options = {**options, "forced": candidate.forced}  # what made it fit, tried first by the next
+        if not candidate.program.optimal:  # the graph overran the exact search: the others go to the beam
+            options["max_states"] = 0
         expanded += candidate.expanded
         seconds += candidate.seconds
         candidate.overlap = float(w)
@@ -332,16 +343,25 @@ def synthesize_overlapped(problem: Problem, evaluate: Callable[[Problem, Synthes
 
 
 def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str, memory: bool,
-                     heuristic: bool, overhead: float, max_states: int,
-                     segmented: bool) -> tuple[Program, RatioSolution, int]:
-    """The searched program at `r` and its best ratios; if it cannot fit, search again with more
-    parameters forced to shards, largest first."""
-    forced: set[str] = set()
+                     heuristic: bool, overhead: float, budget: list[int],
+                     segmented: bool, carried: set[str]) -> tuple[Program, RatioSolution, int]:
+    """The searched program at `r` and its best ratios; if it cannot fit, search again with the
+    largest replicated parameters forced to shards: first as many as the memory model says are
+    needed (`_needed_forced`), then doubling that set until it fits. Starts from `carried` (the
+    set the previous round needed) and leaves the set it ended with there.
+
+    Where the graph has overrun the exact search, the searches that only find out whether a
+    forced set fits run the beam at width `PROBE_WIDTH`, and the set that fits is searched once
+    more at full width (the memory rows decide on the narrow beam's program, the cost on the
+    full one's)."""
     params = sorted(_shardable_params(problem), key=lambda t: -problem.graph.tensors[t].numel)
+    forced: set[str] = set(carried) & set(params)
     expanded = 0
+    w_b, g_b, k_b = state_bytes_per_param(dtype, optimizer)
+    probe = memory and budget[0] == 0
     while True:
         restricted = _forbid_replicated(problem, forced) if forced else problem
-        program = _search(restricted, r / r.sum(), heuristic, max_states)
+        program = _search(restricted, r / r.sum(), heuristic, budget, PROBE_WIDTH if probe else BEAM_WIDTH)
         expanded += program.expanded
         segs = segments(restricted, program) if segmented else Segments.single(restricted, program)
         model = memory_model(restricted, program, dtype, optimizer, overhead, segs)
@@ -349,7 +369,12 @@ def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str
         # out altogether is a different program (a smaller group), not a ratio
         solution = solve_ratios(restricted, program, model if memory else None, min_ratio=0.01 / len(r),
                                 start=r, segs=segs)
+        if solution is not None and probe:  # this set fits: the real search, at full width
+            probe = False
+            continue
         if solution is not None:
+            carried.clear()
+            carried.update(forced)
             if not memory:  # HAP's LP ignores memory: say what the program would need anyway
                 by_seg = solution.by_segment
                 solution.memory = model.on(by_seg if by_seg is not None and by_seg.shape[0] > 1 else solution.ratios)
@@ -357,15 +382,50 @@ def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str
         left = [t for t in params if t not in forced]
         if not left:
             raise _too_big(problem, model)
-        forced.update(left[:max(1, len(forced) or 1)])  # double the forced set each time
+        need = _needed_forced(restricted, program, model, left, w_b + g_b + k_b, 0.01 / len(r)) if memory else 0
+        forced.update(left[:max(1, need, len(forced))])  # at least double the forced set each time
+        probe = probe or (memory and budget[0] == 0)
 
 
-def _search(problem: Problem, r: np.ndarray, heuristic: bool, max_states: int) -> Program:
-    """The exact search within `max_states`; past it, the beam search (not optimal, says so)."""
-    try:
-        return search(problem, r, heuristic=heuristic, max_states=max_states)
-    except SearchBudgetExceeded:
-        return beam_search(problem, r)
+BEAM_WIDTH = 32  # states the beam keeps per op (64 costs twice the time; same BERT-MoE program)
+PROBE_WIDTH = 8  # ... when it only finds out whether a forced set fits
+
+
+def _search(problem: Problem, r: np.ndarray, heuristic: bool, budget: list[int], width: int = BEAM_WIDTH) -> Program:
+    """The exact search within ``budget[0]`` states; past it, the beam search (not optimal, says
+    so), and ``budget[0] = 0`` so that the synthesis's later searches of the same graph (the next
+    rounds, forced parameters) go straight to the beam instead of overrunning again."""
+    if budget[0] > 0:
+        try:
+            return search(problem, r, heuristic=heuristic, max_states=budget[0])
+        except SearchBudgetExceeded:
+            budget[0] = 0
+    return beam_search(problem, r, width)
+
+
+def _needed_forced(problem: Problem, program: Program, model: MemoryModel, left: list[str],
+                   per_param: float, min_ratio: float) -> int:
+    """How many of `left` (largest first) must move from replicated to sharded for the memory
+    rows of the LP to admit some ratios, the rest of the program unchanged: ratios exist iff
+    ``sum_i min(1, (capacity_i - overhead - R) / S) >= 1`` with every term at least `min_ratio`
+    (``R`` replicated, ``S`` sharded bytes; forcing a parameter moves its state from R to S).
+    A parameter the program already shards moves nothing; 0 when no count suffices."""
+    cap = problem.devices.memory
+    stored = {}
+    for op in problem.graph.ops:
+        s = program.strategies[op.name]
+        for t, q in zip(op.inputs, s.inputs):
+            if problem.graph.tensors[t].role == "param":
+                stored.setdefault(t, REPLICATED if q == PARTIAL else q)
+    R, S = model.replicated, model.sharded
+    for count, t in enumerate(left, start=1):
+        if shard_dim(stored.get(t, REPLICATED)) is None:
+            moved = problem.graph.tensors[t].numel * per_param
+            R, S = R - moved, S + moved
+        room = cap - model.overhead - R
+        if S > 0 and np.all(room >= min_ratio * S) and np.minimum(1.0, room / S).sum() >= 1.0:
+            return count
+    return 0
 
 
 def _shardable_params(problem: Problem) -> list[str]:

@@ -124,14 +124,14 @@ class Program:
 
 
 def future_needs_of(graph: AtenGraph, options: list[list[Strategy]]) -> list[dict[str, frozenset[str]]]:
-    """For each k, the placements the readers after op k may require of each tensor: a state
-    forgets what was provided that no one will ask for again (states that differ only there
-    are the same state -- the search's main saving)."""
+    """For each k, the placements the readers after op k may require of each tensor op k reads
+    (`step` asks only about those): a state forgets what was provided that no one will ask for
+    again (states that differ only there are the same state -- the search's main saving)."""
     needs: dict[str, set[str]] = {}
     out: list[dict[str, frozenset[str]]] = [{} for _ in graph.ops]
     for k in range(len(graph.ops) - 1, -1, -1):
-        out[k] = {t: frozenset(q) for t, q in needs.items()}
         op = graph.ops[k]
+        out[k] = {t: frozenset(needs[t]) for t in op.inputs if t in needs}
         for s in options[k]:
             for t, q in zip(op.inputs, s.inputs):
                 needs.setdefault(t, set()).add(q)
@@ -175,6 +175,7 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
     graph = problem.graph
     times = times or _Times(problem, ratios)
     op = graph.ops[k]
+    last = k == len(graph.ops) - 1
     new = dict(live)
     comms: list[Comm] = []
     left = problem.remaining_reads[k]
@@ -206,7 +207,7 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
     for t, p in zip(op.outputs, strategy.outputs):
         if left.get(t, 0) > 0:
             new[t] = (p, frozenset())
-    if k == len(graph.ops) - 1:  # the loss reads every output whole: partial sums are reduced
+    if last:  # the loss reads every output whole: partial sums are reduced
         for t, p in zip(op.outputs, strategy.outputs):
             new.setdefault(t, (p, frozenset()))
         for t in graph.outputs:
