@@ -264,8 +264,14 @@ def layer_cost_fn(graph: OpGraph, plan: Plan, kind: GPUKind | None = None,
 
 
 def iteration_traffic(graph: OpGraph, plan: Plan, sg: StageGraph | None = None, *,
-                      cost: LayerCostFn | None = None) -> IterationTraffic:
-    """Every message of one iteration of `plan` on `graph` (module docstring)."""
+                      cost: LayerCostFn | None = None, memo: dict | None = None) -> IterationTraffic:
+    """Every message of one iteration of `plan` on `graph` (module docstring).
+
+    `memo`: a dict kept by a caller that asks about many plans (the planner's analytic model):
+    the pipeline and tied-embedding messages of a stage graph (they depend on it and the dtype
+    alone, not on ZeRO or recompute) and each stage's tensor-parallel call counts are computed
+    once and replayed -- the same messages in the same order. Give it only with a `cost` that
+    is the same function for every plan asked (it is part of the key by identity)."""
     sg = sg if sg is not None else stage_graph(plan, graph)
     cost = cost if cost is not None else layer_cost_fn(graph, plan)
     by_name = {layer.name: layer for layer in graph.layers}
@@ -275,13 +281,33 @@ def iteration_traffic(graph: OpGraph, plan: Plan, sg: StageGraph | None = None, 
         layers = [by_name[n] for c in st.chunks for n in sg.chunks[c].layers]
         mb0 = max(1, largest_micro_batch(st.replicas[0].samples, st.micro_batch)) if st.replicas else 1
         costs = [cost(layer, mb0, st.tp, share0) for layer in layers]
-        _tp_messages(acc, sg, st, by_name, cost, plan)
+        _tp_messages(acc, sg, st, by_name, cost, plan, memo)
         _dp_messages(acc, st, replica_grad_params(layers, costs), plan)
         _zero_messages(acc, sg, st, by_name, cost, mb0, share0, plan)
-    for e in sg.edges:
-        _pp_messages(acc, sg, e, activation_scale(graph, plan))
-    _tied_messages(acc, sg, graph, by_name, plan)
+    key = ("pp", id(sg), plan.dtype, plan.grad_dtype)
+    calls = None if memo is None else memo.get(key)
+    if calls is None or calls[0] is not sg:  # (the stage graph is held so its id stays unique)
+        rec = _Recorder()
+        for e in sg.edges:
+            _pp_messages(rec, sg, e, activation_scale(graph, plan))
+        _tied_messages(rec, sg, graph, by_name, plan)
+        calls = (sg, rec.log)
+        if memo is not None:
+            memo[key] = calls
+    for args in calls[1]:
+        acc.add(*args)
     return IterationTraffic(acc.messages(), sg)
+
+
+class _Recorder(_Acc):
+    """An `_Acc` that only logs its `add` calls, to replay them into another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple] = []
+
+    def add(self, *args: object) -> None:  # type: ignore[override]
+        self.log.append(args)
 
 
 def _replica_groups(st: Stage) -> dict[int, list[int]]:
@@ -293,21 +319,29 @@ def _replica_groups(st: Stage) -> dict[int, list[int]]:
     return out
 
 
-def _tp_messages(acc: _Acc, sg: StageGraph, st: Stage, by_name: dict, cost: LayerCostFn, plan: Plan) -> None:
+def _tp_messages(acc: _Acc, sg: StageGraph, st: Stage, by_name: dict, cost: LayerCostFn, plan: Plan,
+                 memo: dict | None = None) -> None:
     if st.tp <= 1:
         return
     share0 = st.tp_ratios[0]
-    layers = [by_name[n] for c in st.chunks for n in sg.chunks[c].layers]
+    names = tuple(n for c in st.chunks for n in sg.chunks[c].layers)
     for _, reps in _replica_groups(st).items():
         groups = [tuple(st.replicas[r].devices) for r in reps]
-        calls: Counter = Counter()  # (pass, op, bytes) -> calls per replica
-        for size, units in st.replicas[reps[0]].size_counts().items():
-            for layer in layers:
-                lc = cost(layer, size, st.tp, share0)
-                for pname, part in (("fwd", lc.fwd), ("bwd", lc.bwd), ("rec", lc.recompute(plan.recompute))):
-                    for c in part.collectives:
-                        calls[(pname, c.op, whole_bytes(c.nbytes))] += units
-        for (pname, op, nbytes), k in calls.items():
+        sizes = tuple(st.replicas[reps[0]].size_counts().items())
+        key = ("tp", id(cost), names, sizes, st.tp, share0, plan.recompute)
+        calls = None if memo is None else memo.get(key)
+        if calls is None or calls[0] is not cost:
+            counts: Counter = Counter()  # (pass, op, bytes) -> calls per replica
+            for size, units in sizes:
+                for layer in (by_name[n] for n in names):
+                    lc = cost(layer, size, st.tp, share0)
+                    for pname, part in (("fwd", lc.fwd), ("bwd", lc.bwd), ("rec", lc.recompute(plan.recompute))):
+                        for c in part.collectives:
+                            counts[(pname, c.op, whole_bytes(c.nbytes))] += units
+            calls = (cost, counts)
+            if memo is not None:
+                memo[key] = calls
+        for (pname, op, nbytes), k in calls[1].items():
             acc.add(f"tp {pname}", "tp", op, nbytes, groups, k, st.index, reps[0])
 
 

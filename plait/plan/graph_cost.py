@@ -73,6 +73,11 @@ class StageCost:
     max_dp: int | None = None  # most data-parallel replicas per stage (1: pure pipelines, as the runtime runs)
     # every stage exactly this many replicas (the stage graph replicated); None: any
     uniform_dp: int | None = None
+    # build each (layers, kind, dp) row of `table` when first asked (False: every degree's row at
+    # once, as before; the same numbers, kept to measure the speed-up in bench/plan_search_time.py)
+    lazy: bool = True
+    _rows: dict = field(default_factory=dict, repr=False)
+    _obps: dict = field(default_factory=dict, repr=False)
     _t: dict = field(default_factory=dict, repr=False)
     _ar: dict = field(default_factory=dict, repr=False)
     _fit: dict = field(default_factory=dict, repr=False)
@@ -168,6 +173,19 @@ class StageCost:
                                       for dp in range(1, n + 1)]
         return hit
 
+    def row(self, layers: tuple[str, ...], kind: str, dp: int) -> list[tuple[float, int, float]]:
+        """`table(layers, kind)[dp - 1]`, built alone: a search with one data-parallel degree per
+        stage (`uniform_dp`) asks for one row of a kind's hundreds."""
+        if not self.lazy:
+            return self.table(layers, kind)[dp - 1]
+        key = (layers, kind, dp)
+        hit = self._rows.get(key)
+        if hit is None:
+            hit = self._rows[key] = sorted(((w, b, t) for b in self.micro_batches(dp)
+                                            for w, t in [self.work(layers, kind, dp, b)]),
+                                           key=lambda x: (x[0] * (1 + 1e-9 * x[1]), x[1]))
+        return hit
+
     def dp_cap(self, kind: str) -> int:
         n = self.counts[self.kinds.index(kind)]
         if self.uniform_dp is not None:
@@ -185,8 +203,11 @@ class StageCost:
         return m * t + self.allreduce(self.params(layers), kind, dp), t
 
     def out_bytes_per_sample(self, layers: tuple[str, ...]) -> float:
-        inside = set(layers)
-        return float(sum(self.out_bytes[n] for n in layers if any(s not in inside for s in self.succ.get(n, ()))))
+        hit = self._obps.get(layers) if self.lazy else None
+        if hit is None:
+            inside = set(layers)
+            hit = self._obps[layers] = float(sum(self.out_bytes[n] for n in layers if any(s not in inside for s in self.succ.get(n, ()))))
+        return hit
 
     def fits(self, layers: tuple[str, ...], kind: str, dp: int, b: int, in_flight: int) -> bool:
         if not self.memory:
@@ -310,7 +331,7 @@ def best_micro_batch(cost: StageCost, layers: tuple[str, ...], kind: str, dp: in
     """The micro-batch (at most `max_b`) of least busy time (at most `limit`) that fits memory
     (ties: the smaller, less fill); None if none does. Memory is asked only of the sizes that
     meet the time."""
-    for w, b, t in cost.table(layers, kind)[dp - 1]:
+    for w, b, t in cost.row(layers, kind, dp):
         if w > limit:
             return None
         if max_b is not None and b > max_b:

@@ -34,11 +34,14 @@ from plait.plan.threed import (
 def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
                  evaluate: Evaluate | None = None, supports: Callable[[Plan], tuple[bool, str]] | None = None,
                  max_dp: int | None = None, candidates: int = 6, compute: Any = None,
-                 memory_kwargs: dict[str, Any] | None = None, dtype: str | None = None) -> PlanResult:
+                 memory_kwargs: dict[str, Any] | None = None, dtype: str | None = None,
+                 fast: bool = True) -> PlanResult:
     """Graph-pipeline plans of `model` on `cluster`, fastest first (module docstring).
 
     `max_dp`: most data-parallel replicas per stage (1: pure pipelines, what the runtime runs).
-    `candidates`: stage lists of the partitioner that are turned into plans and ranked."""
+    `candidates`: stage lists of the partitioner that are turned into plans and ranked.
+    `fast=False`: the partitioner's cost tables built whole, as before they were built lazily
+    (the same plans; bench/plan_search_time.py measures the difference)."""
     from plait.cluster import load_cluster
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
 
@@ -53,7 +56,7 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
     _, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype)
     mem_kw = dict(memory_kwargs or {})
     cost = StageCost(graph, cluster_obj, gb, dtype=dtype, compute=compute or DEFAULT_COMPUTE, max_dp=max_dp,
-                     overhead_bytes=mem_kw.get("overhead_bytes"))
+                     overhead_bytes=mem_kw.get("overhead_bytes"), lazy=fast)
     part = partition(cost, candidates=candidates)
     reasons: dict[str, int] = {}
     examples: dict[str, str] = {}

@@ -104,9 +104,8 @@ class _Solver:
             return hit
         out = []
         for i, kind in enumerate(self.cost.kinds):
-            table = self.cost.table(layers, kind)
             for dp in range(1, self.cost.dp_cap(kind) + 1):
-                if table[dp - 1][0][0] > self.T or not self.cost.dp_allowed(dp):
+                if not self.cost.dp_allowed(dp) or self.cost.row(layers, kind, dp)[0][0] > self.T:
                     continue
                 ch = best_micro_batch(self.cost, layers, kind, dp, k + 1, self.T)
                 if ch is not None:

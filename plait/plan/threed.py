@@ -315,10 +315,12 @@ class AnalyticModel:
     plans; the simulator decides the final ranking."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster,
-                 layer_time: hetero.LayerTimeFn | None = None, compute: Any = None) -> None:
+                 layer_time: hetero.LayerTimeFn | None = None, compute: Any = None, fast: bool = True) -> None:
         from plait.cost.compute import DEFAULT_MODEL
 
-        self.graph, self.cluster = graph, cluster
+        self.graph, self.cluster, self.fast = graph, cluster, fast
+        self._stage_graphs: dict[str, Any] = {}
+        self._memo: dict[tuple, Any] = {}
         self.compute = compute if compute is not None else DEFAULT_MODEL
         self.devices = cluster.devices
         self.kinds = {d.kind.name: d.kind for d in self.devices}
@@ -396,7 +398,17 @@ class AnalyticModel:
             cost = self._cost_fns.get(ckey)
             if cost is None:
                 cost = self._cost_fns[ckey] = layer_cost_fn(self.graph, plan, self.kinds[grid[0][0]], self.compute)
-            hit = self._traffic[key] = iteration_traffic(self.graph, plan, stage_graph(plan, self.graph), cost=cost)
+            if not self.fast:
+                hit = self._traffic[key] = iteration_traffic(self.graph, plan, stage_graph(plan, self.graph),
+                                                             cost=cost)
+                return hit
+            # ZeRO and recompute change messages, not the stage graph: one per shape, and the
+            # messages that depend on it alone replayed (`iteration_traffic`'s memo)
+            skey = str(dataclasses.replace(plan, zero=0, recompute="none"))
+            sg = self._stage_graphs.get(skey)
+            if sg is None:
+                sg = self._stage_graphs[skey] = stage_graph(plan, self.graph)
+            hit = self._traffic[key] = iteration_traffic(self.graph, plan, sg, cost=cost, memo=self._memo)
         return hit
 
     def _message_s(self, msg: Message, plan: Plan) -> float:
@@ -492,7 +504,7 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
          seed: int = 0, progress: bool = False,
          placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
          layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
-         on_progress: Callable[[str, int, int], None] | None = None) -> PlanResult:
+         on_progress: Callable[[str, int, int], None] | None = None, fast: bool = True) -> PlanResult:
     """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
 
     `finalists`: how many of the analytically best candidates get placed and simulated
@@ -502,7 +514,9 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     analytic model ranks alone. `supports(plan) -> (ok, reason)` drops what the runtime would
     refuse (counted among the pruned, with its reason).
     `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``); `compute` is the
-    `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one)."""
+    `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one).
+    `fast=False` turns off the analytic model's reuse of stage graphs and messages across
+    candidates (the same numbers, slower: the baseline of bench/plan_search_time.py)."""
     from plait.cluster import load_cluster
 
     t_start = time.perf_counter()
@@ -517,9 +531,9 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
         raise SearchError(f"plan: global batch must be >= 1, got {gb}")
     dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
     spec, graph = load_graph(model, dtype)
-    analytic = AnalyticModel(graph, cluster_obj, layer_time, compute)
+    analytic = AnalyticModel(graph, cluster_obj, layer_time, compute, fast=fast)
 
-    bar = _Progress(progress, on_progress)
+    bar = Progress(progress, on_progress)
     groups = list(enumerate_groups(graph, cluster_obj, gb, space))
     total = sum(len(g.plans) for g in groups)
     if total == 0:
@@ -536,8 +550,11 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                           f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
 
     # ---- analytic first pass, then place and simulate the finalists
+    bar.start("analytic", len(kept))
     for c in kept:
         c.analytic_s = analytic.estimate(c.plan)
+        bar.advance(1)
+    bar.stop()
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
     _place_and_rank(chosen, graph, cluster_obj, analytic, mem, evaluate, gb, bar,
@@ -605,7 +622,7 @@ class _MemoryFilter:
 
 
 def _fitting_candidates(groups: list[_Group], mem: _MemoryFilter, analytic: AnalyticModel,
-                        space_hetero: bool, bar: _Progress, total: int) -> list[Candidate]:
+                        space_hetero: bool, bar: Progress, total: int) -> list[Candidate]:
     """Every enumerated plan that fits in memory (on a mixed cluster, after the uneven split).
 
     Sharding can only lower memory: with sequence parallelism, or a higher ZeRO stage up to 2,
@@ -677,7 +694,7 @@ def _runnable(kept: list[Candidate], supports: Callable[[Plan], tuple[bool, str]
 
 
 def _place_and_rank(chosen: list[Candidate], graph: OpGraph, cluster: Cluster, analytic: AnalyticModel,
-                    mem: _MemoryFilter, evaluate: Evaluate | None, gb: int, bar: _Progress,
+                    mem: _MemoryFilter, evaluate: Evaluate | None, gb: int, bar: Progress,
                     placement: bool, seed: int, iterations: int | None) -> None:
     """Place each finalist (one placement per shape and kind layout, for the traffic of its best
     finalist), fill its memory figures and time it: by `evaluate` when given, else analytically."""
@@ -763,11 +780,17 @@ def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations:
                   iterations=iterations)
 
 
-class _Progress:
-    """A rich progress bar on stderr (or a callback), silent when disabled."""
+PHASE_LABELS = {"memory": "checking memory", "analytic": "ranking analytically",
+                "simulate": "placing + simulating", "search": "searching"}
 
-    def __init__(self, enabled: bool, callback: Callable[[str, int, int], None] | None) -> None:
-        self.enabled, self.callback = enabled, callback
+
+class Progress:
+    """A rich progress bar on stderr (or a callback), silent when disabled; `prefix` (the
+    family, when the search driver runs several) leads the bar's label."""
+
+    def __init__(self, enabled: bool, callback: Callable[[str, int, int], None] | None,
+                 prefix: str = "") -> None:
+        self.enabled, self.callback, self.prefix = enabled, callback, prefix
         self._bar: Any = None
         self._task: Any = None
         self.phase, self.done, self.total = "", 0, 0
@@ -784,7 +807,7 @@ class _Progress:
                 TimeElapsedColumn,
             )
 
-            label = {"memory": "checking memory", "simulate": "placing + simulating"}.get(phase, phase)
+            label = self.prefix + PHASE_LABELS.get(phase, phase)
             self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=Console(stderr=True), transient=True)
             self._bar.start()

@@ -21,7 +21,14 @@ from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
-from plait.plan.threed import DEFAULT_CLUSTER, Evaluate, PlanResult, SearchError, search_3d
+from plait.plan.threed import (
+    DEFAULT_CLUSTER,
+    Evaluate,
+    PlanResult,
+    Progress,
+    SearchError,
+    search_3d,
+)
 from plait.search.spmd_family import search_spmd
 
 
@@ -39,7 +46,9 @@ class FamilySearch(Protocol):
 FAMILIES: dict[str, tuple[FamilySearch, frozenset[str]]] = {}
 
 _3D_OPTIONS = frozenset({"finalists", "space", "placement", "seed", "progress", "placement_iterations",
-                         "memory_kwargs", "layer_time", "on_progress"})
+                         "memory_kwargs", "layer_time", "on_progress", "fast"})
+# Options of the driver itself, handed to every family that takes them.
+_DRIVER_OPTIONS = frozenset({"progress", "on_progress"})
 
 
 def register_family(name: str, search: FamilySearch, options: Sequence[str] = ()) -> None:
@@ -76,7 +85,7 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
                         supports=supports if runnable else None, compute=compute, **options)
 
 
-register_family("graph", _search_graph, ("runnable", "chains", "max_dp", "candidates", "memory_kwargs", "dtype"))
+register_family("graph", _search_graph, ("runnable", "chains", "max_dp", "candidates", "memory_kwargs", "dtype", "fast"))
 register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "runnable"))
 
 
@@ -130,9 +139,10 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     kwargs.setdefault("supports", supports)  # never offer a plan the runtime would refuse
     common = {"global_batch": global_batch, "top": top, "evaluate": evaluate, "compute": compute,
               "supports": kwargs.pop("supports")}
-    unknown = [k for k in kwargs if not any(k in FAMILIES[n][1] for n in names)]
+    unknown = [k for k in kwargs if k not in _DRIVER_OPTIONS and not any(k in FAMILIES[n][1] for n in names)]
     if unknown:
         raise SearchError(f"plan: option(s) {unknown} are not taken by the families {names}")
+    show, callback = bool(kwargs.pop("progress", False)), kwargs.pop("on_progress", None)
     results: dict[str, PlanResult | str] = {}
     errors: list[PlaitError] = []
     for name in names:
@@ -140,6 +150,13 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
         own = {k: v for k, v in kwargs.items() if k in options}
         if name == "graph" and len(names) > 1 and "3d" in names:
             own.setdefault("chains", False)
+        phased = "on_progress" in options  # the family reports its phases; the driver draws them
+        bar = _FamilyProgress(name, show, callback, prefix=len(names) > 1)
+        if phased:
+            own["on_progress"] = bar.report
+            if "progress" in options:
+                own["progress"] = False
+        bar.begin(phased)
         try:
             res = search(model, cluster_obj, **common, **own)
         except PlaitError as exc:
@@ -147,6 +164,8 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
                 raise
             results[name], errors = f"{exc}", [*errors, exc]
             continue
+        finally:
+            bar.end()
         for c in res.top:
             c.family = name
         results[name] = res
@@ -167,6 +186,46 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
                       ranked_analytic=sum(r.ranked_analytic for r in found),
                       simulated=sum(r.simulated for r in found), search_time_s=time.perf_counter() - t0,
                       ranker=first.ranker, families=results, family="+".join(names))
+
+
+class _FamilyProgress:
+    """The progress of one family's search: a bar labelled with the family and its phase
+    (checking memory, ranking analytically, placing + simulating) and the caller's callback,
+    called as ``on_progress(f"{family} {phase}", done, total)``; a family that reports no
+    phases shows one "search" phase from start to end. The family itself is reported as
+    phase ``family`` (0 of 1 when it starts, 1 of 1 when it ends), so a caller can time it."""
+
+    def __init__(self, family: str, show: bool, callback: Callable[[str, int, int], None] | None,
+                 prefix: bool) -> None:
+        self.family, self.show, self.callback = family, show, callback
+        self.bar = Progress(show, None, prefix=f"{family}: " if prefix else "")
+        self.phase: str | None = None
+        self.reported = False
+
+    def begin(self, phased: bool) -> None:
+        if self.callback is not None:
+            self.callback(self.family, 0, 1)
+        if not phased:
+            self.bar.start("search", 1)
+
+    def report(self, phase: str, done: int, total: int) -> None:
+        self.reported = True
+        if phase != self.phase:
+            self.bar.stop()
+            self.phase = phase
+            self.bar.start(phase, total)
+        self.bar.advance(done - self.bar.done)
+        if self.callback is not None:
+            self.callback(f"{self.family} {phase}", done, total)
+
+    def end(self) -> None:
+        if not self.reported:
+            self.bar.advance(1)
+        self.bar.stop()
+        if self.callback is not None:
+            if not self.reported:
+                self.callback(f"{self.family} search", 1, 1)
+            self.callback(self.family, 1, 1)
 
 
 def _summed(dicts: Any) -> dict[str, int]:

@@ -1,0 +1,69 @@
+"""The search's speed-ups change no result, the driver reports each family's phases, and the
+search-time bench's core runs (bench/plan_search_time.py, issue 17 item 3)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from plait.ir.plan import Plan
+from plait.plan.threed import Candidate, PlanResult
+from plait.search import FAMILIES, plan, register_family
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import plan_search_time  # noqa: E402
+
+MODEL = "gpt:layers=4,hidden=64,heads=4,seq=16,vocab=128"
+MIXED = "large-mixed:nodes=2,gpus_per_node=4"
+
+
+@pytest.fixture
+def families():
+    saved = dict(FAMILIES)
+    yield
+    FAMILIES.clear()
+    FAMILIES.update(saved)
+
+
+def _rows(res: PlanResult) -> list[tuple]:
+    return [(c.family, str(c.plan), c.analytic_s, c.iteration_time_s) for c in res.top]
+
+
+def test_fast_and_baseline_searches_agree_exactly():
+    kw = dict(global_batch=16, top=6, finalists=4, families="all")
+    fast = plan(MODEL, MIXED, fast=True, **kw)
+    slow = plan(MODEL, MIXED, fast=False, **kw)
+    assert _rows(fast) == _rows(slow)
+    assert {n: (r if isinstance(r, str) else _rows(r)) for n, r in fast.families.items()} == \
+        {n: (r if isinstance(r, str) else _rows(r)) for n, r in slow.families.items()}
+    assert (fast.enumerated, fast.pruned, fast.ranked_analytic) == (slow.enumerated, slow.pruned, slow.ranked_analytic)
+
+
+def test_progress_names_each_family_and_phase(families):
+    def quiet(model, cluster, *, global_batch, top, evaluate, supports, compute, **_):
+        p = Plan(dp=cluster.num_devices, global_batch=global_batch)
+        return PlanResult(model="m", cluster=cluster.name, global_batch=global_batch,
+                          world_size=cluster.num_devices, top=[Candidate(plan=p, analytic_s=1.0)])
+
+    register_family("quiet", quiet)  # reports no phases of its own
+    seen: list[tuple[str, int, int]] = []
+    plan(MODEL, "a100-80gb:nodes=1,gpus_per_node=4", global_batch=8, simulate=False, families="3d,quiet",
+         finalists=2, progress=True, on_progress=lambda *a: seen.append(a))
+    phases = list(dict.fromkeys(p for p, _, _ in seen))
+    assert phases == ["3d", "3d memory", "3d analytic", "3d simulate", "quiet", "quiet search"]
+    assert ("3d", 0, 1) in seen and seen.index(("3d", 1, 1)) < seen.index(("quiet", 0, 1))
+    assert seen[-2:] == [("quiet search", 1, 1), ("quiet", 1, 1)]
+    done = {p: d == t for p, d, t in seen}  # every phase ends complete
+    assert all(done.values())
+
+
+def test_bench_core_times_each_family_and_phase():
+    run = plan_search_time.measure(MODEL, MIXED, global_batch=16, finalists=2, top=3, fast=True)
+    times = run["times"]
+    assert {"3d", "3d memory", "3d analytic", "3d simulate", "graph"} <= set(times)
+    assert all(t >= 0 for t in times.values())
+    phases = sum(t for k, t in times.items() if k.startswith("3d "))
+    assert 0 < phases <= times["3d"] + 1e-6  # (enumeration runs before the first phase)
+    assert times["3d"] + times["graph"] <= run["cpu_s"] + 1e-6
+    assert run["result"].best.iteration_time_s > 0
