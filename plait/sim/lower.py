@@ -228,6 +228,7 @@ class _Lowerer:
         # Flows of equal rings and times are equal: one list each (the engine only reads them).
         self.flow_cache: dict[tuple, list[tuple[int, float, float]]] = {}
         self.total_cache: dict[tuple, tuple] = {}
+        self.route_cache: dict[tuple[int, int], tuple[float, list[tuple[int, float, float]]]] = {}
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
 
@@ -785,11 +786,17 @@ class _Lowerer:
         if src.wid == dst.wid:
             self.tg.add_dep(deps[0], self.item_first[dst.wid][kd])
             return
-        bw, lat = self.view.pair(src.rep, dst.rep)
-        flow = None
-        if nbytes > 0 and src.rep != dst.rep:
-            flow = [(self.tg.add_resource(key, cap), nbytes * share, float(max(1, self._twin_copies(src, dst, key))))
-                    for key, cap, share in self.view.route(src.rep, dst.rep)]
+        # the pair's latency and resources (index, share of the bytes, tensor-rank copies), once
+        # per worker pair: a 1024-GPU pipeline sends tens of thousands of transfers over them
+        route = self.route_cache.get((src.wid, dst.wid))
+        if route is None:
+            _bw, lat = self.view.pair(src.rep, dst.rep)
+            res = [] if src.rep == dst.rep else [
+                (self.tg.add_resource(key, cap), share, float(max(1, self._twin_copies(src, dst, key))))
+                for key, cap, share in self.view.route(src.rep, dst.rep)]
+            route = self.route_cache[(src.wid, dst.wid)] = (lat, res)
+        lat, res = route
+        flow = [(r, nbytes * share, c) for r, share, c in res] if nbytes > 0 and res else None
         tid = self.tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
                           f"link {src.rep}->{dst.rep}", lat + self.model.p2p_host_s, deps, flow=flow,
                           device=src.rep, stage=src.stage, micro_batch=u_src,
