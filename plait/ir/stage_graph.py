@@ -279,7 +279,10 @@ def chunk_graph(plan: Plan, graph: OpGraph) -> tuple[list[StageSpec], list[Chunk
             start += count
         chunk_edges = [(c, c + 1) for c in range(len(chunks) - 1)]
     validate_stages(plan, graph, specs, chunks, chunk_edges)
-    edges = [Edge(a, b, _edge_tensors(graph, chunks, a, b, chain=not plan.stages)) for a, b in chunk_edges]
+    chunk_of = {n: c.index for c in chunks for n in c.layers}
+    out = {layer.name: layer.output_bytes for layer in graph.layers}
+    edges = [Edge(a, b, _edge_tensors(graph, chunks, a, b, chain=not plan.stages, chunk_of=chunk_of, out=out))
+             for a, b in chunk_edges]
     return specs, chunks, edges
 
 
@@ -303,12 +306,15 @@ def _stage(plan: Plan, s: int, spec: StageSpec, chunks: list[Chunk]) -> Stage:
                  [c.index for c in chunks if c.stage == s], replicas)
 
 
-def _edge_tensors(graph: OpGraph, chunks: list[Chunk], a: int, b: int, chain: bool) -> list[EdgeTensor]:
+def _edge_tensors(graph: OpGraph, chunks: list[Chunk], a: int, b: int, chain: bool,
+                  chunk_of: dict[str, int] | None = None, out: dict[str, float] | None = None) -> list[EdgeTensor]:
     """Values crossing chunk edge (a, b): alive across the cut (chain) or read by b from a (DAG).
 
     Without recorded layer edges (a graph built by hand), the producer chunk's last
-    layer's output crosses."""
-    chunk_of = {n: c.index for c in chunks for n in c.layers}
+    layer's output crosses. `chunk_of` (layer -> chunk) and `out` (layer -> output bytes) may
+    come from the caller, who asks for every edge of one plan."""
+    if chunk_of is None:
+        chunk_of = {n: c.index for c in chunks for n in c.layers}
     producers: list[str] = []
     if graph.layer_edges:
         for src, dst in graph.layer_edges:
@@ -320,7 +326,8 @@ def _edge_tensors(graph: OpGraph, chunks: list[Chunk], a: int, b: int, chain: bo
                 producers.append(src)
     elif chunks[a].layers:
         producers = [chunks[a].layers[-1]]
-    out = {layer.name: layer.output_bytes for layer in graph.layers}
+    if out is None:
+        out = {layer.name: layer.output_bytes for layer in graph.layers}
     return [EdgeTensor(p, float(out[p])) for p in producers]
 
 

@@ -104,7 +104,9 @@ class _Solver:
             return hit
         out = []
         for i, kind in enumerate(self.cost.kinds):
-            for dp in range(1, self.cost.dp_cap(kind) + 1):
+            cap, only = self.cost.dp_cap(kind), self.cost.uniform_dp
+            # one allowed degree (uniform_dp): try it alone rather than skip the hundreds below it
+            for dp in (range(1, cap + 1) if only is None else range(only, min(only, cap) + 1)):
                 if not self.cost.dp_allowed(dp) or self.cost.row(layers, kind, dp)[0][0] > self.T:
                     continue
                 ch = best_micro_batch(self.cost, layers, kind, dp, k + 1, self.T)
