@@ -19,7 +19,7 @@ PLAN = "dp=2,micro_batch=1,global_batch=2,dtype=fp32"
 
 
 def _run(tmp_path: Path, spec: str, steps: int = 8, fails: bool = False) -> Path:
-    kwargs = dict(steps=steps, timeout=5.0, run_dir=tmp_path, inject=spec, compute_sleep=0.04, probe_bytes=1 << 16,
+    kwargs = dict(steps=steps, timeout=5.0, run_dir=tmp_path, inject=spec, compute_sleep=0.04, probe_bytes=1 << 18,
                   probe_every=1)
     if fails:
         with pytest.raises(RunFailure):

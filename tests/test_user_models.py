@@ -487,7 +487,7 @@ def test_tower_model_with_a_pipeline_cut_inside_a_tower_equals_one_process(tower
 
 @pytest.mark.distributed
 def test_user_gpt_planned_with_pp4_by_plait_plan_runs_equal_to_one_process(gpt_file, capsys) -> None:
-    assert main(["plan", "--model", gpt_file, "--cluster", "a100-80gb:nodes=1,gpus_per_node=4",
+    assert main(["plan", "--family", "3d", "--model", gpt_file, "--cluster", "a100-80gb:nodes=1,gpus_per_node=4",
                  "--global-batch", "8", "--top", "100", "--finalists", "0", "--json", "--no-progress"]) == 0
     res = json.loads(capsys.readouterr().out)
     pp4 = [Plan.parse(row["plan_str"]) for row in res["top"]]
