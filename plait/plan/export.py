@@ -181,23 +181,22 @@ def _decoder_only(arch: Architecture, fmt: str, script: str) -> None:
                           "query/key norms")
 
 
-def megatron_model_flags(arch: Architecture, m: dict[str, int]) -> list[str]:
-    """Megatron-LM's model flags for `arch` (megatron/training/arguments.py and TransformerConfig's
-    argparse names at the 2026-08 main): the defaults are GPT's (LayerNorm, GELU, learned absolute
-    positions, biases, tied head, multi-head attention, dropout 0.1), the rest is said."""
+def _model_flags(arch: Architecture, m: dict[str, int], names: dict[str, str]) -> list[str]:
+    """The flags that say `arch` where it differs from GPT's defaults, spelled by `names`
+    (one table per framework: the same decisions, two argument parsers)."""
     flags = []
     if arch.norm == "rmsnorm":
-        flags.append("--normalization RMSNorm")
+        flags.append(names["rmsnorm"])
     if arch.eps is not None and arch.eps != 1e-5:
-        flags.append(f"--norm-epsilon {arch.eps:g}")
+        flags.append(f"{names['eps']} {arch.eps:g}")
     if arch.activation == "swiglu":
         flags.append("--swiglu")
     if arch.position == "rope":
-        flags.append("--position-embedding-type rope")
+        flags.append(names["rope"])
         if arch.rope_base is not None and arch.rope_base != 10000:
-            flags.append(f"--rotary-base {int(arch.rope_base)}")
+            flags.append(f"{names['rope_base']} {int(arch.rope_base)}")
     if arch.kv_heads != arch.heads:
-        flags.append(f"--group-query-attention --num-query-groups {arch.kv_heads}")
+        flags.append(f"{names['kv_heads']} {arch.kv_heads}")
     if arch.head_dim * arch.heads != m["hidden"]:
         flags.append(f"--kv-channels {arch.head_dim}")
     if not arch.tie:
@@ -209,36 +208,29 @@ def megatron_model_flags(arch: Architecture, m: dict[str, int]) -> list[str]:
     if arch.attn_dropout is not None and arch.attn_dropout != 0.1:
         flags.append(f"--attention-dropout {arch.attn_dropout:g}")
     return flags
+
+
+_MEGATRON_NAMES = {"rmsnorm": "--normalization RMSNorm", "eps": "--norm-epsilon",
+                   "rope": "--position-embedding-type rope", "rope_base": "--rotary-base",
+                   "kv_heads": "--group-query-attention --num-query-groups"}
+_MEGATRON_DEEPSPEED_NAMES = {"rmsnorm": "--normalization rmsnorm", "eps": "--layernorm-epsilon",
+                             "rope": "--use-rotary-position-embeddings --no-position-embedding",
+                             "rope_base": "--rotary-position-embeddings-theta",
+                             "kv_heads": "--num-key-value-heads"}
+
+
+def megatron_model_flags(arch: Architecture, m: dict[str, int]) -> list[str]:
+    """Megatron-LM's model flags for `arch` (megatron/training/arguments.py and TransformerConfig's
+    argparse names at the 2026-08 main): the defaults are GPT's (LayerNorm, GELU, learned absolute
+    positions, biases, tied head, multi-head attention, dropout 0.1), the rest is said."""
+    return _model_flags(arch, m, _MEGATRON_NAMES)
 
 
 def megatron_deepspeed_model_flags(arch: Architecture, m: dict[str, int]) -> list[str]:
     """The same model in Megatron-DeepSpeed's names (megatron/arguments.py of deepspeedai's fork:
     `--normalization rmsnorm`, `--use-rotary-position-embeddings` with `--no-position-embedding`,
     `--num-key-value-heads`, `--layernorm-epsilon`, `--rotary-position-embeddings-theta`)."""
-    flags = []
-    if arch.norm == "rmsnorm":
-        flags.append("--normalization rmsnorm")
-    if arch.eps is not None and arch.eps != 1e-5:
-        flags.append(f"--layernorm-epsilon {arch.eps:g}")
-    if arch.activation == "swiglu":
-        flags.append("--swiglu")
-    if arch.position == "rope":
-        flags.append("--use-rotary-position-embeddings --no-position-embedding")
-        if arch.rope_base is not None and arch.rope_base != 10000:
-            flags.append(f"--rotary-position-embeddings-theta {int(arch.rope_base)}")
-    if arch.kv_heads != arch.heads:
-        flags.append(f"--num-key-value-heads {arch.kv_heads}")
-    if arch.head_dim * arch.heads != m["hidden"]:
-        flags.append(f"--kv-channels {arch.head_dim}")
-    if not arch.tie:
-        flags.append("--untie-embeddings-and-output-weights")
-    if not arch.bias:
-        flags.append("--disable-bias-linear")
-    if arch.dropout is not None and arch.dropout != 0.1:
-        flags.append(f"--hidden-dropout {arch.dropout:g}")
-    if arch.attn_dropout is not None and arch.attn_dropout != 0.1:
-        flags.append(f"--attention-dropout {arch.attn_dropout:g}")
-    return flags
+    return _model_flags(arch, m, _MEGATRON_DEEPSPEED_NAMES)
 
 
 def _placement(plan: Plan, cluster: Cluster | None) -> tuple[int, int, list[str]]:
