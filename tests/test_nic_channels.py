@@ -69,3 +69,52 @@ def res_graph(plan: Plan):
     from plait.graph.resolve import resolve_model
 
     return resolve_model(MODEL, plan)
+
+
+def test_ring_hops_spread_a_node_crossing_over_the_rails_hand_computed() -> None:
+    from plait.cost.collectives import ring_hops
+
+    node_of = [0] * 4 + [1] * 4
+    hops = ring_hops(list(range(8)), node_of, [4, 4])
+    # Inside nodes: 0->1->2->3 and 4->5->6->7, all of a hop's bytes; each crossing (3->4, 7->0)
+    # runs on four rails, rail c from the c-th GPU of one node to the c-th of the other.
+    assert [(a, b) for a, b, s in hops if s == 1.0] == [(0, 1), (1, 2), (2, 3), (4, 5), (5, 6), (6, 7)]
+    rails = [(a, b) for a, b, s in hops if s == pytest.approx(0.25)]
+    assert rails == [(0, 4), (1, 5), (2, 6), (3, 7), (4, 0), (5, 1), (6, 2), (7, 3)]
+    # One NIC per node (or one member per node): the ring's own hops.
+    assert ring_hops(list(range(8)), node_of, [1, 1]) == [(i, (i + 1) % 8, 1.0) for i in range(8)]
+    assert ring_hops([0, 4], node_of, [4, 4]) == [(0, 4, 1.0), (4, 0, 1.0)]
+    # Two GPUs per node in the group drive two rails.
+    assert {(a, b) for a, b, s in ring_hops([0, 1, 4, 5], node_of, [4, 4]) if s == 0.5} == \
+        {(0, 4), (1, 5), (4, 0), (5, 1)}
+
+
+@pytest.mark.parametrize("spec", [EIGHT_SMALL, "a100-80g:nodes=3,nics=4,nic=100 Gb/s"])
+def test_traffic_flows_and_simulator_loads_put_the_same_bytes_on_every_pair(spec: str) -> None:
+    """One ring layout (issue 11's one-truth rule): the flows the traffic module lists for a
+    fabric planner and the loads the simulator's one ring flow puts on each device pair carry the
+    same bytes, a node crossing spread over the node's NICs in both."""
+    from collections import defaultdict
+
+    c = load_cluster(spec)
+    view = ClusterView.from_cluster(c)
+    ring = [d for d in range(len(c.devices)) if d % 8 in (0, 1, 2, 5, 6)]  # 5 GPUs a node
+    nbytes = 64e6
+    msg = Message("grads", "dp", "all_reduce", int(nbytes), (tuple(ring),), 1, 0)
+    listed: dict[tuple[int, int], float] = defaultdict(float)
+    for f in msg.flows([d.node for d in c.devices], [n.nics for n in c.nodes]):
+        listed[(f.src, f.dst)] += f.nbytes
+    # The simulator runs the ring as one flow of t x B bytes, t = per-hop bytes / ring bandwidth.
+    per_hop = 2 * (len(ring) - 1) / len(ring) * int(nbytes)
+    slowest, hops = view.ring_loads(ring)
+    flow_bytes = per_hop / view.group(ring).ring_bandwidth * slowest
+    loaded: dict[tuple[int, int], float] = defaultdict(float)
+    for a, b, x in hops:
+        loaded[(a, b)] += flow_bytes * x
+    assert loaded.keys() == listed.keys()
+    for pair, b in listed.items():
+        assert loaded[pair] == pytest.approx(b, rel=1e-9)
+    nodes = {d.node for d in c.devices}
+    cross = [p for p in listed if c.devices[p[0]].node != c.devices[p[1]].node]
+    rails = min(5, c.nodes[0].nics)  # 5 members a node drive min(5, NICs) rails
+    assert len({a for a, _ in cross}) == rails * len(nodes)

@@ -215,14 +215,53 @@ def group_links(devices: Sequence[int], bandwidth: np.ndarray, latency: np.ndarr
     members, counts = np.unique(nodes, return_counts=True)
     channels = 1
     if len(members) > 1:
-        nics = [1 if nics_of_node is None else max(1, int(nics_of_node[k])) for k in members]
-        channels = int(min(min(c, k) for c, k in zip(counts, nics)))
+        channels = _inter_channels(members, counts, nics_of_node)
         hop_cross = nodes != np.roll(nodes, -1)
         bw = np.where(hop_cross, bw * channels, bw)
     span = len(counts)
     tables = tuple(m for m in measured if (m.nodes == 1) == (span == 1))
     return GroupLinks(n, float(bw.min()), float(lat.max()), span, int(counts.max()),
                       intra_bw, intra_lat, inter_bw, inter_lat, channels, tables)
+
+
+def _inter_channels(members: Sequence[int], counts: Sequence[int], nics_of_node: Sequence[int] | None) -> int:
+    """NICs of each node a group spanning `members` (with `counts` devices on each) drives at
+    once: min over its nodes of min(members there, NICs there) (see `GroupLinks`)."""
+    nics = [1 if nics_of_node is None else max(1, int(nics_of_node[k])) for k in members]
+    return int(min(min(int(c), k) for c, k in zip(counts, nics)))
+
+
+def ring_hops(ring: Sequence[int], node_of: Sequence[int], nics_of_node: Sequence[int] | None = None
+              ) -> list[tuple[int, int, float]]:
+    """(src, dst, share) of every hop of the ring ``ring[0] -> ring[1] -> ... -> ring[0]``, `share`
+    being the part of one ring hop's bytes it carries.
+
+    A hop inside a node carries all of it. A hop between nodes runs on `inter_channels` rails at
+    once, as NCCL runs one ring channel per NIC, rail-affine: channel ``c`` leaves node X from
+    its ``c``-th group member (device order, i.e. the ``c``-th rail) and enters node Y at its
+    ``c``-th member, carrying ``1/channels``. The one ring layout the traffic module's flows
+    (`plait.cost.traffic`, which a fabric planner routes) and the simulator's link loads share."""
+    devs = [int(d) for d in ring]
+    if len(devs) < 2:
+        return []
+    nodes = [int(node_of[d]) for d in devs]
+    members: dict[int, list[int]] = {}
+    for d, k in zip(devs, nodes):
+        members.setdefault(k, []).append(d)
+    if len(members) == 1:
+        return [(a, b, 1.0) for a, b in zip(devs, devs[1:] + devs[:1])]
+    keys = list(members)
+    channels = _inter_channels(keys, [len(members[k]) for k in keys], nics_of_node)
+    local = {k: sorted(v) for k, v in members.items()}
+    out: list[tuple[int, int, float]] = []
+    for (a, b), (x, y) in zip(zip(devs, devs[1:] + devs[:1]), zip(nodes, nodes[1:] + nodes[:1])):
+        if x == y:
+            out.append((a, b, 1.0))
+        elif channels == 1:
+            out.append((a, b, 1.0))
+        else:
+            out += [(local[x][c], local[y][c], 1.0 / channels) for c in range(channels)]
+    return out
 
 
 def collective_time(op: str, nbytes: float, links: GroupLinks, algorithm: str = "ring",

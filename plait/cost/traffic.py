@@ -48,7 +48,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from plait.cost.collectives import GroupLinks, choose_algorithm, collective_time, group_links
+from plait.cost.collectives import (
+    GroupLinks,
+    choose_algorithm,
+    collective_time,
+    group_links,
+    ring_hops,
+)
 from plait.cost.compute import DEFAULT_MODEL, ComputeModel, LayerCost, dtype_bytes, layer_cost
 from plait.errors import PlaitError
 from plait.ir.stage_graph import Edge, Stage, StageGraph, largest_micro_batch, stage_graph
@@ -177,7 +183,12 @@ class Message:
     def wire_bytes(self) -> int:
         return wire_bytes(self.op, self.nbytes, self.ranks) * len(self.groups) * self.count
 
-    def flows(self) -> list[Flow]:
+    def flows(self, node_of: Sequence[int] | None = None, nics_of_node: Sequence[int] | None = None
+              ) -> list[Flow]:
+        """Device-to-device flows of its calls: send/recv as given; a ring collective as its
+        ring's hops. With the cluster's `node_of` (and NICs per node), a hop between nodes is
+        spread over the rails NCCL drives (`plait.cost.collectives.ring_hops`, the layout the
+        simulator loads the links with); without, each hop is one flow."""
         out = []
         for g in self.groups:
             n = len(g)
@@ -185,7 +196,9 @@ class Message:
                 out.append(Flow(g[0], g[1], float(self.nbytes * self.count), self.cls, self.op, self.name))
                 continue
             per_hop = wire_bytes(self.op, self.nbytes, n) / n * self.count
-            out += [Flow(g[i], g[(i + 1) % n], per_hop, self.cls, self.op, self.name) for i in range(n)]
+            hops = ring_hops(g, node_of, nics_of_node) if node_of is not None else \
+                [(g[i], g[(i + 1) % n], 1.0) for i in range(n)]
+            out += [Flow(a, b, per_hop * share, self.cls, self.op, self.name) for a, b, share in hops]
         return out
 
 
@@ -206,8 +219,10 @@ class IterationTraffic:
             out[m.cls] += m.wire_bytes
         return out
 
-    def flows(self) -> list[Flow]:
-        return [f for m in self.messages for f in m.flows()]
+    def flows(self, node_of: Sequence[int] | None = None, nics_of_node: Sequence[int] | None = None
+              ) -> list[Flow]:
+        """Every message's flows (`Message.flows`)."""
+        return [f for m in self.messages for f in m.flows(node_of, nics_of_node)]
 
 
 class _Acc:

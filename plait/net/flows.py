@@ -88,12 +88,15 @@ def plan_flows(plan: Plan, cluster: Cluster, fabric: Fabric, grad_bytes: Sequenc
 
 def traffic_flows(plan: Plan, cluster: Cluster, fabric: Fabric, graph: OpGraph) -> list[Flow]:
     """Inter-node flows of one iteration of `plan` on `graph`, from `plait.cost.traffic` (the bytes
-    the planner and the simulator carry), summed per device pair and split over the channels."""
+    the planner and the simulator carry; a ring hop between nodes spread over the rails NCCL
+    drives, `plait.cost.collectives.ring_hops`), summed per device pair and split over the
+    fabric's channels."""
     from plait.cost.traffic import iteration_traffic
 
     node = cluster.devices
+    node_of = [d.node for d in node]
     per_pair: dict[tuple[int, int], list[float | str]] = {}
-    for f in iteration_traffic(graph, plan).flows():
+    for f in iteration_traffic(graph, plan).flows(node_of, [max(1, n.nics) for n in cluster.nodes]):
         if f.src == f.dst or node[f.src].node == node[f.dst].node or f.nbytes <= 0:
             continue
         entry = per_pair.setdefault((f.src, f.dst), [0.0, f.cls])

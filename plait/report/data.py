@@ -257,7 +257,8 @@ def traffic(graph: Any, plan: Any, cluster: Any, notes: list[str]) -> Traffic:
     devices = sorted({plan.device_of(r) for r in range(plan.world_size)})
     index = {d: i for i, d in enumerate(devices)}
     matrix = [[0.0] * len(devices) for _ in devices]
-    for f in it.flows():
+    node_of = [d.node for d in cluster.devices]
+    for f in it.flows(node_of, [max(1, n.nics) for n in cluster.nodes]):
         if f.src != f.dst and f.src in index and f.dst in index:
             matrix[index[f.src]][index[f.dst]] += f.nbytes
     out = Traffic(devices=devices, matrix=matrix, by_class={k: float(v) for k, v in it.totals().items() if v})

@@ -58,6 +58,7 @@ from plait.cost.collectives import (
     choose_algorithm,
     collective_time,
     latency_steps,
+    ring_hops,
 )
 from plait.cost.compute import (
     DEFAULT_MODEL,
@@ -587,38 +588,37 @@ class _Lowerer:
         return flow
 
     def _ring_shape(self, devices: list[int], twins: list[list[int]] | None
-                    ) -> tuple[float, list[tuple[int, int, float]]]:
-        """(slowest hop bandwidth, [(resource, hops crossing it, copies)]) of a ring."""
-        hops = list(zip(devices, devices[1:] + devices[:1]))
-        slowest = min(self.view.pair(a, b)[0] for a, b in hops)
+                    ) -> tuple[float, list[tuple[int, float, float]]]:
+        """(slowest hop bandwidth, [(resource, load as a multiple of the flow's bytes, copies)]) of
+        a ring (`ClusterView.ring_loads`: NCCL's rails between nodes)."""
+        slowest, hops = self.view.ring_loads(devices)
         if self.view.fabric is not None:
-            return slowest, self._fabric_ring_shape([hops] + [list(zip(r, r[1:] + r[:1])) for r in twins or []
-                                                             if r != devices])
-        paths = [self.view.path(a, b) for a, b in hops]
-        copies: dict[tuple, int] = defaultdict(int)
+            others = [self.view.ring_loads(r)[1] for r in twins or [] if r != devices]
+            return slowest, self._fabric_ring_shape([hops] + others)
+        copies: dict[tuple, float] = defaultdict(float)
         for ring in (twins or []):
-            for a, b in zip(ring, ring[1:] + ring[:1]):
+            for a, b, share in ring_hops(ring, self.view.node_of, self.view.node_nics):
                 for k, _cap in self.view.path(a, b):
-                    copies[k] += 1
+                    copies[k] += share
         count: dict[int, list] = {}
-        for p in paths:
-            for k, cap in p:
+        for a, b, load in hops:
+            for k, cap in self.view.path(a, b):
                 r = self.tg.add_resource(k, cap)
                 if r in count:
-                    count[r][1] += 1
+                    count[r][1] += load
                 else:
-                    count[r] = [r, 1, float(max(1, copies.get(k, 1)))]
+                    count[r] = [r, load, float(max(1, round(copies.get(k, 1))))]
         return slowest, [tuple(v) for v in count.values()]  # type: ignore[misc]
 
-    def _fabric_ring_shape(self, rings: list[list[tuple[int, int]]]) -> list[tuple[int, float, float]]:
+    def _fabric_ring_shape(self, rings: list[list[tuple[int, int, float]]]) -> list[tuple[int, float, float]]:
         """On a switched fabric the rings of a collective hash differently, so the one flow
         standing for them all carries every ring's bytes on every link it crosses (plait.net):
         it runs at the pace of the busiest link of any ring."""
         load: dict[int, float] = defaultdict(float)
         for hops in rings:
-            for a, b in hops:
+            for a, b, x in hops:
                 for k, cap, share in self.view.route(a, b):
-                    load[self.tg.add_resource(k, cap)] += share
+                    load[self.tg.add_resource(k, cap)] += share * x
         return [(r, x, 1.0) for r, x in load.items()]
 
     def _emit_worker(self, w: Worker) -> None:

@@ -317,12 +317,11 @@ def _ring_flow(tg: TaskGraph, view: ClusterView, ring: list[int], seconds: float
     carries ``seconds x`` the slowest hop's bandwidth (as `plait.sim.lower` runs collectives)."""
     if len(ring) < 2 or seconds <= 0:
         return None
-    hops = list(zip(ring, ring[1:] + ring[:1]))
-    slowest = min(view.pair(a, b)[0] for a, b in hops)
+    slowest, hops = view.ring_loads(ring)
     load: dict[int, float] = defaultdict(float)
-    for a, b in hops:
+    for a, b, x in hops:
         for key, cap, part in view.route(a, b):
-            load[tg.add_resource(key, cap)] += part
+            load[tg.add_resource(key, cap)] += part * x
     nbytes = seconds * slowest
     return [(r, nbytes * x, 1.0) for r, x in load.items()]
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from plait.cluster.spec import Cluster, GPUKind
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
-from plait.cost.collectives import GroupLinks, group_links, measured_tables
+from plait.cost.collectives import GroupLinks, group_links, measured_tables, ring_hops
 from plait.net.fabric import Fabric, fabric_of
 from plait.net.flows import device_flow
 
@@ -169,6 +169,19 @@ class ClusterView:
             hit = self._groups[key] = group_links(key, self.bandwidth, self.latency, self.node_of,
                                                        self.node_nics, self.measured)
         return hit
+
+    def ring_loads(self, ring: Sequence[int]) -> tuple[float, list[tuple[int, int, float]]]:
+        """(slowest pair bandwidth B of the ring, [(src, dst, load)]) for a ring collective over
+        `ring` run as one flow of ``t x B`` bytes, `t` its bandwidth phase: the hops NCCL drives
+        (`plait.cost.collectives.ring_hops`: between nodes, one per rail) with the bytes each
+        carries as a multiple of the flow's. A ring hop carries ``t x`` the ring's bandwidth
+        (inter-node hops at all rails' bandwidth), a rail its share of that."""
+        devs = list(ring)
+        hops = list(zip(devs, devs[1:] + devs[:1]))
+        slowest = min(float(self.bandwidth[a, b]) for a, b in hops)
+        scale = self.group(devs).ring_bandwidth / slowest
+        return slowest, [(a, b, share * scale)
+                         for a, b, share in ring_hops(devs, self.node_of, self.node_nics)]
 
     def pair(self, src: int, dst: int) -> tuple[float, float]:
         """(bandwidth, latency) of the pair."""
