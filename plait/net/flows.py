@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plait.cluster.spec import Cluster
+from plait.cost.collectives import ring_hops
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
 from plait.net.fabric import Fabric, FlowKey
@@ -65,13 +66,15 @@ def plan_flows(plan: Plan, cluster: Cluster, fabric: Fabric, grad_bytes: Sequenc
         entry = per_pair.setdefault((a, b), [0.0, traffic])
         entry[0] = float(entry[0]) + nbytes
 
+    node_of = [d.node for d in node]
+    nics = [max(1, n.nics) for n in cluster.nodes]
     for s in range(plan.pp):
         for t in range(plan.tp):
             ring = [plan.device_of(plan.rank(s, d, t)) for d in range(plan.dp)]
             hop = ring_hop_bytes("all_reduce", grad_bytes[s], len(ring))
-            for a, b in zip(ring, ring[1:] + ring[:1]):
+            for a, b, share in ring_hops(ring, node_of, nics):  # a node crossing on NCCL's rails
                 if a != b:
-                    add(a, b, hop, "dp")
+                    add(a, b, hop * share, "dp")
     m = plan.num_micro_batches
     for s in range(plan.pp - 1):
         for d in range(plan.dp):
