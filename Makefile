@@ -24,7 +24,7 @@ demo: setup
 	mkdir -p $(DEMO)
 	$(PY) -m plait.cli plan --run --out $(DEMO)/plan.json
 	$(PY) -m plait.cli run $(DEMO_DEFAULTS) --plan $(DEMO)/plan.json --predict --steps 8 --run-dir $(DEMO)/run > $(DEMO)/run.log
-	$(PY) -m plait.cli report $(DEMO)/run -o $(DEMO)/report.html
+	$(PY) -m plait.cli report $(DEMO)/run --search $(DEMO)/plan.search.json -o $(DEMO)/report.html
 
 test: setup
 	$(PY) -m ruff check plait tests bench

@@ -215,3 +215,36 @@ def test_prediction_for_this_machine_is_shown_and_compared(tmp_path):
     assert "this machine&#x27;s prediction" in html and "not comparable" not in html
     (run / "prediction.json").write_text(json.dumps({"format_version": 99}))
     assert load(run).machine is None  # a newer file: said in the notes, the page still written
+
+
+def test_unified_search_file_gives_the_per_family_table(tmp_path, capsys):
+    """`plait plan --out` writes each family's best beside the plan; the report of that plan shows
+    it as the search section (picked family first in the text, declined families with their
+    reason), and a damaged search file is a note, not a failure."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", "16", "--top", "2",
+                 "--no-progress", "--out", str(out)]) == 0
+    search = tmp_path / "plan.search.json"
+    assert search.is_file() and "plan.search.json" in capsys.readouterr().out
+    saved = json.loads(search.read_text())
+    assert saved["format_version"] == 1
+    rows = {r["family"]: r for r in saved["families"]}
+    assert set(rows) >= {"3d", "graph", "spmd"}
+    assert sum(r["status"] == "picked" for r in rows.values()) == 1
+    picked = next(r for r in rows.values() if r["status"] == "picked")
+    assert picked["best_plan"] == str(Plan.load(out)) == saved["picked"]["plan"]
+    searched = [r for r in rows.values() if r["status"] != "declined"]
+    # the pick is the fastest family's best, as the one simulator ranked them
+    assert picked["iteration_time_s"] == min(r["iteration_time_s"] for r in searched)
+    assert all(r.get("reason") for r in rows.values() if r["status"] == "declined")
+    data = load(out, MODEL, CLUSTER)
+    html = render(data)
+    assert _sections(html) == ["plan", "search", "timeline", "memory", "traffic"]
+    for r in rows.values():
+        assert f"<td>{r['family']}</td>" in html
+    assert f"{picked['iteration_time_s'] * 1e3:.2f} ms" in html
+    search.write_text('{"format_version": 99}')
+    data = load(out, MODEL, CLUSTER)
+    assert data.search is None and any("newer than this plait reads" in n for n in data.notes)
+    with pytest.raises(Exception, match="newer than this plait reads"):
+        load(out, MODEL, CLUSTER, search=search)

@@ -127,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
             script.write_text(exported)
     if args.out:
         best_plan.save(args.out)
+        from plait.search.summary import search_path, write_summary
+
+        write_summary(result, search_path(args.out))  # `plait report` shows each family's best
     measured = None
     if args.run:
         measured = _run(args, result)
@@ -152,8 +155,11 @@ def run(args: argparse.Namespace) -> int:
     if traffic is not None:
         print_traffic(traffic, console)
     if args.out:
+        from plait.search.summary import search_path
+
         console.print(f"best plan written to [bold]{args.out}[/] "
-                      f"(plait simulate --plan {args.out} / plait run --plan {args.out})")
+                      f"(plait simulate --plan {args.out} / plait run --plan {args.out}); each family's "
+                      f"best to {search_path(args.out)} (plait report)")
     if args.export == "slurm":
         console.print(f"sbatch script written to [bold]{Path(args.out).with_suffix('.sbatch')}[/] "
                       f"(submit: sbatch {Path(args.out).with_suffix('.sbatch')})")

@@ -31,6 +31,9 @@ def add_parser(subparsers: Any) -> None:
                                                  "folder names its own)")
     p.add_argument("--cluster", default=None, help="cluster YAML or preset (needed for a plan file; a run folder "
                                                    "holds its cluster.yaml)")
+    p.add_argument("--search", metavar="FILE", default=None,
+                   help="the unified search's file for the per-family table (default: PLAN.search.json "
+                        "beside a plan file, search.json in a run folder; plait plan --out writes it)")
     p.set_defaults(func=run)
 
 
@@ -41,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.source)
     out = Path(args.out) if args.out else (source / "report.html" if source.is_dir() else source.with_suffix(".html"))
     check_output_path(str(out), "--out")
-    data = write_report(source, out, model=args.model, cluster=args.cluster)
+    data = write_report(source, out, model=args.model, cluster=args.cluster, search=args.search)
     line = (f"report written to {out}: predicted step {data.predicted_s * 1e3:.2f} ms"
             + (" (this machine)" if data.machine is not None else ""))
     if data.measured_s is not None:

@@ -79,6 +79,7 @@ class ReportData:
     roles: dict[int, dict[str, Any]] = field(default_factory=dict)  # device -> rank, stage, replica, tp, layers
     diagnosis: Any = None  # plait.ir.diagnosis.Diagnosis
     machine: MachinePrediction | None = None  # `plait run --predict`'s prediction for this machine
+    search: dict[str, Any] | None = None  # the unified search that chose the plan (plait.search.summary)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -103,10 +104,34 @@ class ReportData:
         return mem.capacity_bytes[d] - mem.peak_bytes[d], d
 
 
-def load(source: str | Path, model: str | None = None, cluster: Any = None) -> ReportData:
+def load(source: str | Path, model: str | None = None, cluster: Any = None,
+         search: str | Path | None = None) -> ReportData:
     """The report's data for a plan file or a run folder (module docstring). `model` and `cluster`
-    are needed for a plan file and override what a run folder says."""
+    are needed for a plan file and override what a run folder says. `search`: the unified
+    search's file (`plait.search.summary`; default: ``PLAN.search.json`` beside a plan file,
+    ``search.json`` in a run folder, when there)."""
     path = Path(source)
+    data = _load(path, model, cluster)
+    data.search = _search(path, search, data.notes)
+    return data
+
+
+def _search(path: Path, given: str | Path | None, notes: list[str]) -> dict[str, Any] | None:
+    from plait.search.summary import read_summary, search_path
+
+    if given is not None:
+        return read_summary(given)  # asked for by name: a bad file is an error
+    found = path / "search.json" if path.is_dir() else search_path(path)
+    if not found.is_file():
+        return None
+    try:
+        return read_summary(found)
+    except PlaitError as exc:
+        notes.append(f"{exc}; the search's per-family table is left out")
+        return None
+
+
+def _load(path: Path, model: str | None, cluster: Any) -> ReportData:
     if path.is_dir():
         return _from_run(path, model, cluster)
     if not path.is_file():

@@ -148,6 +148,38 @@ def plan_section(d: ReportData) -> str:
                     "its layers.", body, "plan")
 
 
+def search_section(d: ReportData) -> str:
+    """The unified search's per-family table (`plait.search.summary`), when the plan came with it."""
+    sr = d.search
+    if not sr:
+        return ""
+    rows = []
+    for r in sr["families"]:
+        fam = _t(r["family"])
+        if r["status"] == "declined":
+            rows.append(f"<tr><td>{fam}</td><td><span class='pill'>declined</span></td>"
+                        f"<td colspan='4' class='muted'>{_t(r.get('reason', ''))}</td></tr>")
+            continue
+        pill = "<span class='pill good'>picked</span>" if r["status"] == "picked" else "searched"
+        m = r.get("margin_bytes")
+        margin = "—" if m is None else f"{m / GiB:.1f} GiB"
+        mcls = " class='n bad'" if m is not None and m < 0 else " class='n'"
+        rows.append(f"<tr><td>{fam}</td><td>{pill}</td><td><code>{_t(r['best_plan'])}</code></td>"
+                    f"<td class='n'>{_t(ms(r['iteration_time_s']))}</td><td{mcls}>{margin}</td>"
+                    f"<td class='n'>{r.get('search_time_s', 0.0):.1f} s · {r.get('enumerated', 0)} enumerated, "
+                    f"{r.get('simulated', 0)} simulated</td></tr>")
+    body = ("<table><tr><th>family</th><th></th><th>its best plan</th><th>predicted step</th>"
+            "<th>memory margin</th><th>search</th></tr>" + "".join(rows) + "</table>")
+    picked = sr.get("picked")
+    if picked:
+        body = (f"<p>Picked: the <b>{_t(picked['family'])}</b> family's <code>{_t(picked['plan'])}</code>, "
+                f"{_t(ms(picked['iteration_time_s']))} per step, out of every family's finalists ranked "
+                f"by the one simulator ({sr.get('search_time_s', 0.0):.1f} s of search).</p>") + body
+    return _section("Search across families", "What each planner family (3D, graph pipeline, SPMD, ...) "
+                    "found for this model and cluster, ranked by the same simulator; a family that "
+                    "proposes nothing says why.", body, "search")
+
+
 def timeline_section(d: ReportData) -> str:
     sim = d.sim
     crit = {(t["name"], t["resource"]) for t in sim.critical_path}
@@ -287,7 +319,7 @@ def render(d: ReportData) -> str:
             f"<title>{_t(title)}</title><style>{CSS}</style></head><body>"
             f"<header><h1>{_t(title)}</h1><div class='sub'>{_t(d.kind)} · {_t(d.source)} · model "
             f"<code style='background:rgba(255,255,255,.15);color:#fff'>{_t(d.model)}</code></div></header>"
-            f"<main>{summary_cards(d)}{notes}{plan_section(d)}{timeline_section(d)}{memory_section(d)}"
+            f"<main>{summary_cards(d)}{notes}{plan_section(d)}{search_section(d)}{timeline_section(d)}{memory_section(d)}"
             f"{traffic_section(d)}{doctor_section(d)}"
             f"<footer>written by <b>plait report</b> on {when}; one self-contained page (no network)</footer>"
             "</main></body></html>")
