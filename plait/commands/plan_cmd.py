@@ -52,6 +52,9 @@ def add_parser(subparsers: Any) -> None:
                         "(data x tensor x pipeline), graph (GraphPipe: a DAG of pipeline stages for "
                         "multi-branch models) or spmd (an op-level SPMD program with uneven per-device "
                         "ratios: HAP, plait.spmd)")
+    p.add_argument("--space", metavar="SPEC", default=None,
+                   help="restrict the 3D search, e.g. \"tp=1,2 pp=1,2,4 mb=1,2 recompute=none zero=0,1 "
+                        "schedule=1f1b sp=off dp=8\" (plait.search.space; searches the 3D family only)")
     p.add_argument("--top", type=int, default=5, help="how many plans to print (default 5)")
     p.add_argument("--finalists", type=int, default=12,
                    help="analytically best candidates to place and simulate (default 12; 0 = all)")
@@ -86,6 +89,14 @@ def run(args: argparse.Namespace) -> int:
     from plait.plan.export import export
     from plait.search import plan
 
+    space = None
+    if args.space is not None:  # a bad spec fails before any work
+        from plait.search.space import parse_space
+
+        space = parse_space(args.space)
+        if args.family not in ("all", "3d"):
+            raise PlaitError(f"--space restricts the 3D family's degrees and options; --family {args.family} "
+                             "does not take it")
     if args.family == "spmd":
         from plait.commands.spmd_plan import run as run_spmd
 
@@ -101,9 +112,12 @@ def run(args: argparse.Namespace) -> int:
     # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
     # `all`: graph pipelines and SPMD programs compete with the 3D plans; with --run (or a plan to
     # export or place on fabric paths) only what the runtime runs and the frameworks express.
-    families = {"families": "all", "runnable": True} if args.family == "all" else {"families": "3d"}
-    if args.family == "all" and (args.export or args.traffic_plan):
+    families: dict[str, Any] = {"families": "all", "runnable": True} if args.family == "all" \
+        else {"families": "3d"}
+    if args.family == "all" and (args.export or args.traffic_plan or space is not None):
         families = {"families": "3d"}
+    if space is not None:  # graph pipelines and SPMD programs have no dp x tp x pp grid to restrict
+        families["space"] = space
     result = plan(args.model, args.cluster, global_batch=args.global_batch,
                   top=args.top if args.json else args.top * FOLD_EXTRA,
                   finalists=None if args.finalists == 0 else args.finalists, seed=args.seed,
@@ -152,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
     columns = shutil.get_terminal_size().columns
     console = Console(width=max(columns, 1000) if args.wide else columns)
     print_result(result, console, wide=args.wide, top=args.top)
+    if space is not None:
+        from plait.search.space import describe
+
+        console.print(f"--space: the 3D family only, restricted to {describe(space)}", soft_wrap=True)
     if traffic is not None:
         print_traffic(traffic, console)
     if args.out:
