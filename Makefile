@@ -29,7 +29,7 @@ demo: setup
 test: setup
 	$(PY) -m ruff check plait tests bench
 	$(PY) -c "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True))"
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 lint:
 	$(PY) -m ruff check plait tests bench
