@@ -125,6 +125,25 @@ def test_diamond_with_skip_edge_and_a_data_parallel_stage_on_5_ranks_equals_one_
     assert sends and all(e.device == 2 for e in sends)
 
 
+@pytest.mark.slow
+def test_tied_weight_across_stages_of_different_data_parallel_degrees_with_zero1(tmp_path) -> None:
+    # Stage d reuses stage a's weight; a runs 2 replicas, d one: the tied gradient is summed over all
+    # three ranks that hold it and carried by a's replica 0 alone into a's ZeRO-1 reduce-scatter.
+    path = tmp_path / "tied.py"
+    path.write_text(DIAMOND.replace("self.d = nn.Linear(6, 3)", "self.d = nn.Linear(6, 6)\n        "
+                                    "self.d.weight = self.a.weight")
+                    .replace("return self.d(hb * hc + h) + y", "return self.d(hb * hc + h)[:, :3] + y"))
+    mbs = {"b": 1, "c": 4}
+    devices = {"a": [0, 1], "b": [2], "c": [3], "d": [4]}
+    plan = Plan(stages=[StageSpec(name=n, layers=[n], devices=devices[n], dp=len(devices[n]),
+                                  micro_batch=mbs.get(n)) for n in "abcd"],
+                stage_edges=[(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)], micro_batch=2, global_batch=8, dtype="fp32",
+                zero=1)
+    model = f"{path}:make"
+    ref_losses, ref_params = _reference(model, plan)
+    _check(_run(model, plan), ref_losses, ref_params)
+
+
 def test_interleaved_pp2_two_chunks_per_rank_with_data_parallel_equals_one_process() -> None:
     # dp=2 (ZeRO-0: replicas hold equal reduced gradients) x pp=2 x 2 chunks; GPT's tied embedding
     # lives in chunk 0 of rank 0 and chunk 1 of rank 1.
