@@ -88,15 +88,20 @@ class PipelineLayout:
 
 def pipeline_layout(plan: Plan) -> PipelineLayout:
     if plan.stages:
-        ranks, first = [], 0
-        for spec in plan.stages:
-            ranks.append(tuple(range(first, first + spec.dp)))
-            first += spec.dp
         return PipelineLayout(len(plan.stages), 1, tuple(tuple(e) for e in plan.stage_edges), True,  # type: ignore[misc]
-                              tuple(ranks), tuple(_owners(plan, s) for s in range(len(plan.stages))))
+                              _stage_ranks(plan), tuple(_owners(plan, s) for s in range(len(plan.stages))))
     v = plan.virtual_stages
     n = plan.pp * v
     return PipelineLayout(plan.pp, v, tuple((k, k + 1) for k in range(n - 1)), False)
+
+
+def _stage_ranks(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """A graph plan's ranks per stage: its replicas', stage-major."""
+    ranks, first = [], 0
+    for spec in plan.stages:
+        ranks.append(tuple(range(first, first + spec.dp)))
+        first += spec.dp
+    return tuple(ranks)
 
 
 def _owners(plan: Plan, stage: int) -> tuple[int, ...]:
@@ -249,6 +254,6 @@ def supports(plan: Any) -> tuple[bool, str]:
 def device_of(plan: Plan, rank: int) -> int:
     """Cluster device of a plan rank (a graph plan's rank is a (stage, replica), `pipeline_layout`)."""
     if plan.stages:
-        stage, replica = pipeline_layout(plan).coords(rank)
+        stage, replica = PipelineLayout(len(plan.stages), 1, (), True, _stage_ranks(plan)).coords(rank)
         return plan.stages[stage].devices[replica]
     return plan.device_of(rank)
