@@ -29,9 +29,13 @@ def test_partitioner_plan_runs_equal_to_one_process(name: str) -> None:
     model = MODELS[name]
     res = search_graph(model, "a100-80g:nodes=1,gpus_per_node=4", global_batch=8, max_dp=1, dtype="fp32",
                        supports=supports)
-    plan = res.best.plan
-    assert len(plan.stages) >= 3 and any(sum(1 for a, b in plan.stage_edges if b == s) >= 2
-                                         for s in range(len(plan.stages)))  # a fan-in: a real stage DAG
+    # The best stage DAG among the partitioner's plans (a fan-in: a real one). For a model this small
+    # one GPU may beat any pipeline, each pipeline message costing its host time (the analytic score
+    # and the simulator agree on DLRM here), so the DAG need not be the best plan.
+    dags = [c.plan for c in res.top if len(c.plan.stages) >= 3 and any(
+        sum(1 for a, b in c.plan.stage_edges if b == s) >= 2 for s in range(len(c.plan.stages)))]
+    assert dags, [str(c.plan) for c in res.top]
+    plan = dags[0]
     assert supports(plan) == (True, "")
     ref_losses, ref_params = reference_run(model, plan, 2, optimizer=SGD, lr=0.5)
     result = run(model, None, plan, steps=2, optimizer=SGD, lr=0.5, return_params=True, timeout=120)
