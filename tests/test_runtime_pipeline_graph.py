@@ -15,6 +15,7 @@ from plait.graph.zoo import load_model
 from plait.ir.plan import Plan, PlanError, StageSpec
 from plait.runtime import supports
 from plait.runtime.api import reference_run, run
+from plait.runtime.layout import pipeline_layout, rank_actions
 from plait.runtime.partition import RuntimeSetupError, layer_modules
 from plait.schedule import PipelineGraph, graph_1f1b, interleaved_1f1b
 
@@ -56,10 +57,15 @@ def make():
 '''
 
 
-def _diamond_plan(mb_b: int = 1) -> Plan:
-    # Stage b cuts the batch finer than its neighbours: its inputs are split, its outputs concatenated.
-    stages = [StageSpec(name=n, layers=[n], devices=[i], micro_batch=mb_b if n == "b" else None)
-              for i, n in enumerate("abcd")]
+def _diamond_plan() -> Plan:
+    # Stage b cuts the batch finer than its neighbours (micro-batches of 1), stage c coarser (4): their
+    # inputs are split, their outputs concatenated. The sink d runs 2 data-parallel replicas (5 ranks):
+    # its micro-batches are dealt to them in turn, so every edge into d, the skip edge a -> d too, feeds
+    # both replicas, c's micro-batches are cut between them, and the replicas all-reduce d's gradients.
+    mbs, dps = {"b": 1, "c": 4}, {"d": 2}
+    devices = {"a": [0], "b": [1], "c": [2], "d": [3, 4]}
+    stages = [StageSpec(name=n, layers=[n], devices=devices[n], dp=dps.get(n, 1), micro_batch=mbs.get(n))
+              for n in "abcd"]
     return Plan(stages=stages, stage_edges=[(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)], micro_batch=2,
                 global_batch=8, dtype="fp32")
 
@@ -87,7 +93,7 @@ def _check(result, ref_losses, ref_params) -> None:
         torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_diamond_with_skip_edge_on_4_ranks_equals_one_process(tmp_path) -> None:
+def test_diamond_with_skip_edge_and_a_data_parallel_stage_on_5_ranks_equals_one_process(tmp_path) -> None:
     path = tmp_path / "diamond.py"
     path.write_text(DIAMOND)
     model, plan = f"{path}:make", _diamond_plan()
@@ -95,17 +101,47 @@ def test_diamond_with_skip_edge_on_4_ranks_equals_one_process(tmp_path) -> None:
     ref_losses, ref_params = _reference(model, plan)
     result = _run(model, plan)
     _check(result, ref_losses, ref_params)
-    assert [r.layers for r in result.ranks] == [["a"], ["b"], ["c"], ["d"]]
-    # Graph 1F1B: stage a's warm-up counts its longest path to the sink (a -> b -> d), and stage b runs
-    # twice as many (half-size) micro-batches; the measured compute order is the schedule's.
-    sizes = [[2] * 4, [1] * 8, [2] * 4, [2] * 4]
-    sched = graph_1f1b(PipelineGraph.dag(sizes, [(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)]))
-    for stage in range(4):
+    assert [(r.layers, r.pp, r.dp, r.device, r.samples_per_step) for r in result.ranks] == [
+        (["a"], 0, 0, 0, 8), (["b"], 1, 0, 1, 8), (["c"], 2, 0, 2, 8), (["d"], 3, 0, 3, 4), (["d"], 3, 1, 4, 4)]
+    # Graph 1F1B: stage a's warm-up counts its longest path to the sink (a -> b -> d), stage b runs
+    # twice as many (half-size) micro-batches, stage c half as many; d's replicas each run the
+    # stage's micro-batches dealt to them (0, 2 and 1, 3) in the stage's order, with their own warm-up.
+    sched = graph_1f1b(PipelineGraph.dag([[2] * 4, [1] * 8, [4] * 2, [2] * 4],
+                                         [(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)], [1, 1, 1, 2]))
+    layout = pipeline_layout(plan)
+    for r in result.ranks:
         measured = [e.name for e in sorted(result.timeline.events, key=lambda e: e.start)
-                    if e.stage == stage and e.args.get("step") == 1 and e.category in ("forward", "backward")]
-        assert measured == [a.key for a in sched.compute(stage)]
-    # The skip edge carries messages a -> d directly.
-    assert any("recv_fwd s3 c0 mb0 <- s0 c0 mb0" in e.args.get("batch", []) for e in result.timeline.events)
+                    if e.device == r.device and e.args.get("step") == 1 and e.category in ("forward", "backward")]
+        assert measured == [a.key for a in rank_actions(sched, layout, r.pp, r.dp) if a.is_compute]
+    assert [a.key for a in rank_actions(sched, layout, 3, 1) if a.is_compute] == [
+        "fwd s3 c0 mb1", "bwd s3 c0 mb1", "fwd s3 c0 mb3", "bwd s3 c0 mb3"]
+    batches = [x for e in result.timeline.events for x in e.args.get("batch", [])]
+    # The skip edge carries messages a -> d directly, to the replica that owns each micro-batch ...
+    assert "recv_fwd s3 c0 mb1 <- s0 c0 mb1" in batches and "send_fwd s0 c0 mb1 -> s3 c0 mb1" in batches
+    # ... and c's micro-batch 0 (samples 0-3) is cut between d's micro-batches 0 and 1 on two ranks.
+    assert {"send_fwd s2 c0 mb0 -> s3 c0 mb0", "send_fwd s2 c0 mb0 -> s3 c0 mb1"} <= set(batches)
+    sends = [e for e in result.timeline.events if e.category == "comm_pp" and "send_fwd s2 c0 mb0 -> s3 c0 mb1"
+             in e.args.get("batch", [])]
+    assert sends and all(e.device == 2 for e in sends)
+
+
+@pytest.mark.slow
+def test_tied_weight_across_stages_of_different_data_parallel_degrees_with_zero1(tmp_path) -> None:
+    # Stage d reuses stage a's weight; a runs 2 replicas, d one: the tied gradient is summed over all
+    # three ranks that hold it and carried by a's replica 0 alone into a's ZeRO-1 reduce-scatter.
+    path = tmp_path / "tied.py"
+    path.write_text(DIAMOND.replace("self.d = nn.Linear(6, 3)", "self.d = nn.Linear(6, 6)\n        "
+                                    "self.d.weight = self.a.weight")
+                    .replace("return self.d(hb * hc + h) + y", "return self.d(hb * hc + h)[:, :3] + y"))
+    mbs = {"b": 1, "c": 4}
+    devices = {"a": [0, 1], "b": [2], "c": [3], "d": [4]}
+    plan = Plan(stages=[StageSpec(name=n, layers=[n], devices=devices[n], dp=len(devices[n]),
+                                  micro_batch=mbs.get(n)) for n in "abcd"],
+                stage_edges=[(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)], micro_batch=2, global_batch=8, dtype="fp32",
+                zero=1)
+    model = f"{path}:make"
+    ref_losses, ref_params = _reference(model, plan)
+    _check(_run(model, plan), ref_losses, ref_params)
 
 
 def test_interleaved_pp2_two_chunks_per_rank_with_data_parallel_equals_one_process() -> None:
@@ -137,12 +173,17 @@ def test_clip_grad_over_tensor_shards_zero3_and_uneven_replicas() -> None:
 def test_supports_states_what_the_runtime_refuses() -> None:
     from plait.runtime.api import _check_plan
 
-    bad = Plan(stages=[StageSpec(name="a", layers=["a"], devices=[0, 1], dp=2), StageSpec(name="b", layers=["b"],
+    # Data-parallel stages of any degree run; a tensor-parallel stage does not (yet), and says so.
+    dp = Plan(stages=[StageSpec(name="a", layers=["a"], devices=[0, 1], dp=2), StageSpec(name="b", layers=["b"],
+                                                                                    devices=[2])],
+              stage_edges=[(0, 1)], global_batch=4)
+    assert supports(dp) == (True, "")
+    bad = Plan(stages=[StageSpec(name="a", layers=["a"], devices=[0, 1], tp=2), StageSpec(name="b", layers=["b"],
                                                                                      devices=[2])],
                stage_edges=[(0, 1)], global_batch=4)
     ok, reason = supports(bad)
-    assert not ok and "stages[0]" in reason
-    with pytest.raises(RuntimeSetupError, match=r"stages\[0\]"):
+    assert not ok and "stages[0].tp" in reason and "tp=2" in reason
+    with pytest.raises(RuntimeSetupError, match=r"stages\[0\]\.tp"):
         _check_plan(bad)
     # A cyclic stage graph is not even a Plan (Plan.validate names the field), so it never reaches the runtime.
     with pytest.raises(PlanError, match=r"plan field 'stage_edges': the stage graph has a cycle"):

@@ -582,3 +582,44 @@ def test_zoo_multi_branch_model_cuts_into_a_stage_graph() -> None:
     chain = split_into_stages(model, [3, 4])
     assert chain[1].input_names == ["branches_0_layers_1", "getitem_1"]
     torch.testing.assert_close(chain[1].module(*chain[0].module(*_data_args(chain[0], inputs))), model(*inputs))
+
+
+def test_graph_plan_ranks_owners_and_per_replica_actions() -> None:
+    # A stage graph whose stages have 1, 3 and 2 replicas (the last dealt 3:1 by dp_shares): ranks are
+    # (stage, replica) stage-major on the stages' devices; every action of a stage's graph 1F1B runs on
+    # exactly the replica that owns its micro-batch, and each send/recv names the owning peer replica.
+    from plait.ir.plan import StageSpec
+    from plait.ir.stage_graph import deal_micro_batches
+    from plait.runtime.layout import (
+        device_of,
+        node_micro_batches,
+        owned_micro_batches,
+        peer_rank,
+        pipeline_layout,
+        rank_actions,
+        step_schedule,
+    )
+
+    plan = Plan(stages=[StageSpec(name="a", layers=["a"], devices=[5]),
+                        StageSpec(name="b", layers=["b"], devices=[2, 3, 4], dp=3, micro_batch=1),
+                        StageSpec(name="c", layers=["c"], devices=[0, 1], dp=2, dp_shares=[0.75, 0.25])],
+                stage_edges=[(0, 1), (0, 2), (1, 2)], micro_batch=2, global_batch=8)
+    lay = pipeline_layout(plan)
+    assert lay.stage_ranks == ((0,), (1, 2, 3), (4, 5))
+    assert [lay.coords(r) for r in range(6)] == [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
+    assert [device_of(plan, r) for r in range(6)] == [5, 2, 3, 4, 0, 1]
+    assert lay.owners == ((0, 0, 0, 0), (0, 1, 2, 0, 1, 2, 0, 1), (0, 0, 1, 0))  # 3:1, ties to replica 0
+    mbs = node_micro_batches(plan, lay, 1, 0)
+    assert [(m.first, m.size) for m in mbs[2]] == [(8, 2), (10, 2), (12, 2), (14, 2)]
+    for r, units in enumerate(deal_micro_batches(8, 2, [0.75, 0.25], 2)):  # the stage graph's one deal
+        assert [m.first - 8 for m in owned_micro_batches(lay, 2, r, mbs[2])] == [u.first for u in units]
+    sched = step_schedule(plan, lay, mbs, "1f1b")
+    peer = peer_rank(plan, lay, 0, 0)
+    for s in range(3):
+        per_replica = [rank_actions(sched, lay, s, r) for r in range(lay.replicas(s))]
+        assert sorted(map(str, sched.of(s))) == sorted(str(a) for acts in per_replica for a in acts)
+        for r, acts in enumerate(per_replica):
+            assert all(lay.owners[s][a.micro_batch] == r for a in acts)
+            for a in acts:
+                if a.peer is not None:
+                    assert lay.coords(peer(*a.peer)) == (a.peer[0], lay.owners[a.peer[0]][a.peer[2]])

@@ -8,13 +8,19 @@ A stage holds a convex set of layers on ``dp`` devices of one GPU kind (data par
 the stage, GraphPipe §3) at micro-batch ``b``. Per iteration of global batch ``B`` each replica
 runs ``m = ceil(ceil(B / dp) / b)`` micro-batches (the stage graph's rounding rule), so
 
-    W(stage)  = m * t(b) + allreduce(gradients, dp)        busy seconds per iteration
+    W(stage)  = m * t(b) + allreduce(gradients, dp) + opt(dp)   busy seconds per iteration
     t(b)      = sum over its layers of forward + backward seconds of one micro-batch
                 (`plait.cost.compute.layer_cost`, the simulator's compute model)
+    opt(dp)   = the optimizer step over the stage's parameters, sharded over its dp replicas
+                (`to_plan` gives ZeRO-1 where a stage has replicas), plus the per-iteration host
+                work (`plait.cost.compute.optimizer_time` + ``step_host_s``, as the simulator)
 
-and a plan scores ``W(s*) + max over stage paths of sum t(b_s) - t(b_s*)`` with s* the stage of most
-work: the bottleneck's work plus one micro-batch's trip through the rest of the longest path (the
-pipeline's fill and drain; Pipette's ``(M - 1) max t + sum t`` generalised to a DAG). GraphPipe's objective, the time per
+and a plan scores ``W(s*) + max over stage paths of sum (t(b_s) + hop_s) - t(b_s*)`` with s* the
+stage of most work: the bottleneck's work plus one micro-batch's trip through the rest of the
+longest path (the pipeline's fill and drain; Pipette's ``(M - 1) max t + sum t`` generalised to a
+DAG), where a stage with inputs adds ``hop = 2 * p2p_host_s``, the host time of the forward
+send/recv step into it and of the backward one out of it (the compute model's, which the
+simulator charges per pipeline message). GraphPipe's objective, the time per
 sample of the slowest stage, is ``max_s W(s) / B``. Memory: `plait.cost.memory.stage_peak_bytes`
 (the one estimator) with the in-flight micro-batches graph 1F1B keeps, ``1 + the stage's longest
 path to the sink``.
@@ -30,7 +36,7 @@ import networkx as nx
 
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import choose_algorithm, collective_time, group_links, measured_tables
-from plait.cost.compute import DEFAULT_MODEL, ComputeModel, layer_cost
+from plait.cost.compute import DEFAULT_MODEL, ComputeModel, layer_cost, optimizer_time
 from plait.cost.memory import stage_peak_bytes, state_bytes_per_param
 from plait.cost.traffic import dp_grad_bytes
 from plait.errors import PlaitError
@@ -70,7 +76,7 @@ class StageCost:
     memory: bool = True  # check each stage against its GPU kind's memory
     overhead_bytes: int | None = None  # per-GPU framework constant of the memory estimate
     max_micro_batch: int = 64
-    max_dp: int | None = None  # most data-parallel replicas per stage (1: pure pipelines, as the runtime runs)
+    max_dp: int | None = None  # most data-parallel replicas per stage (1: pure pipelines)
     # every stage exactly this many replicas (the stage graph replicated); None: any
     uniform_dp: int | None = None
     # build each (layers, kind, dp) row of `table` when first asked (False: every degree's row at
@@ -200,7 +206,12 @@ class StageCost:
         n = -(-self.global_batch // dp)
         m = -(-n // b)
         t = self.seg_time(layers, kind, b)
-        return m * t + self.allreduce(self.params(layers), kind, dp), t
+        return m * t + self.allreduce(self.params(layers), kind, dp) + self.optimizer(layers, kind, dp), t
+
+    def optimizer(self, layers: tuple[str, ...], kind: str, dp: int) -> float:
+        """The optimizer step of a stage's replica: its 1/dp shard of the parameters (ZeRO-1 where a
+        stage has replicas, `to_plan`) plus the step's host work, as the simulator charges it."""
+        return optimizer_time(self.params(layers) / dp, self.kind_obj[kind], self.compute) + self.compute.step_host_s
 
     def out_bytes_per_sample(self, layers: tuple[str, ...]) -> float:
         hit = self._obps.get(layers) if self.lazy else None
@@ -268,8 +279,10 @@ class StageCost:
         if not nx.is_directed_acyclic_graph(g):
             return math.inf
         lat: dict[int, float] = {}
+        hop = 2 * self.compute.p2p_host_s
         for s in nx.topological_sort(g):
-            lat[s] = stages[s].t_mb + max((lat[p] for p in g.predecessors(s)), default=0.0)
+            preds = list(g.predecessors(s))
+            lat[s] = stages[s].t_mb + (hop + max(lat[p] for p in preds) if preds else 0.0)
         top = max(range(len(stages)), key=lambda s: stages[s].work)
         # Pipette's (M - 1) max t + sum t: the bottleneck's own micro-batch is in its work already
         return stages[top].work + max(0.0, max(lat.values()) - stages[top].t_mb)

@@ -38,7 +38,7 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
                  fast: bool = True) -> PlanResult:
     """Graph-pipeline plans of `model` on `cluster`, fastest first (module docstring).
 
-    `max_dp`: most data-parallel replicas per stage (1: pure pipelines, what the runtime runs).
+    `max_dp`: most data-parallel replicas per stage (1: pure pipelines; None: any).
     `candidates`: stage lists of the partitioner that are turned into plans and ranked.
     `fast=False`: the partitioner's cost tables built whole, as before they were built lazily
     (the same plans; bench/plan_search_time.py measures the difference)."""

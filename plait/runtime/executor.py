@@ -24,7 +24,7 @@ by the action). A run of consecutive send/recv actions is posted together
 sends are waited at the end of the step, or -- `blocking`, for linear 1F1B and GPipe as
 Megatron does and as the simulator models -- at the end of the run. Both are the
 semantics `plait.schedule.check.execute` proves deadlock-free and FIFO-consistent per pair
-of ranks (buffered, and rendezvous for those schedules). The first time a piece of a given size crosses an edge, the sender first sends a
+of ranks (buffered, and rendezvous for those schedules). The first time a piece of a given size crosses an edge between two ranks, the sender first sends a
 fixed-size header describing the values (shapes, dtypes, requires_grad, Python
 constants); both sides cache it.
 
@@ -34,7 +34,7 @@ Event names follow the shared key scheme (`plait.schedule.event_key`): "fwd s1 c
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -43,7 +43,7 @@ import torch
 from plait.runtime.comm import P2P, Comm
 from plait.runtime.partition import MicroBatch, RuntimeSetupError, Stage
 from plait.runtime.recorder import Recorder
-from plait.schedule import Action, Schedule
+from plait.schedule import Action
 
 HEADER_BYTES = 1 << 14
 
@@ -98,12 +98,14 @@ def p2p(comm: Comm, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tor
 class PipelineExecutor:
     """Runs the nodes of one pipeline rank (`chunks`: local chunk index -> Stage) by a schedule.
 
-    `peer_rank(stage, chunk)` is the process rank that runs that node for this rank's
-    replica and tensor index; `node_of(stage, chunk)` its node id (for the edges of
-    `Stage.recv` / `Stage.send`); `sink` is the (stage, chunk) that computes the loss."""
+    `peer_rank(stage, chunk, micro_batch)` is the process rank that runs that node's
+    micro-batch for this rank (`layout.peer_rank`: a chain's same replica and tensor index,
+    a graph stage's replica that owns the micro-batch); `node_of(stage, chunk)` its node id
+    (for the edges of `Stage.recv` / `Stage.send`); `sink` is the (stage, chunk) that
+    computes the loss."""
 
     def __init__(self, chunks: dict[int, Stage], stage: int, node_of: Callable[[int, int], int],
-                 peer_rank: Callable[[int, int], int], sink: tuple[int, int],
+                 peer_rank: Callable[[int, int, int], int], sink: tuple[int, int],
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], global_batch: int, device: torch.device,
                  recorder: Recorder, comm: Comm,
                  autocast: Callable[[], AbstractContextManager[Any]] | None = None,
@@ -122,14 +124,18 @@ class PipelineExecutor:
         self.blocking = blocking  # wait each group's sends at once (Megatron's blocking p2p, 1F1B/GPipe)
         self.loss_sum: torch.Tensor = torch.zeros((), device=device)
         self.loss_scale = 1.0  # set per step by the worker's fp16 loss scaler
-        self.send_meta: dict[tuple[int, int, int], Meta] = {}  # (node, succ node, samples) -> values
-        self.recv_meta: dict[tuple[int, int, int], Meta] = {}  # (pred node, node, samples) -> values
+        # (producer node, consumer node, samples, peer rank) -> values; per peer rank, as each pair of
+        # ranks exchanges its own headers (a graph stage's replicas meet several peers on one edge)
+        self.send_meta: dict[tuple[int, int, int, int], Meta] = {}
+        self.recv_meta: dict[tuple[int, int, int, int], Meta] = {}
         self.local: dict[int, int] = {self.node_of(stage, c): c for c in chunks}
 
     # ------------------------------------------------------------------ run
-    def run(self, schedule: Schedule, micro_batches: dict[int, list[MicroBatch]],
+    def run(self, actions: Sequence[Action], micro_batches: dict[int, list[MicroBatch]],
             data: Callable[[int, MicroBatch], tuple[tuple[Any, ...], torch.Tensor]]) -> None:
-        """Forward and backward of every micro-batch of one step (gradients accumulated)."""
+        """Forward and backward of one step's micro-batches (gradients accumulated): `actions` are
+        this rank's (`layout.rank_actions`), `micro_batches` each local chunk's list as the
+        schedule numbers them (a graph stage's: all its replicas', in sample order)."""
         self.mbs = micro_batches
         self.data = data
         self.origin = {c: mbs[0].first if mbs else 0 for c, mbs in micro_batches.items()}
@@ -138,7 +144,7 @@ class PipelineExecutor:
         self.saved: dict[tuple[int, int], tuple[dict[int, list[Piece]], Any, Any]] = {}
         self.grads_out: dict[tuple[int, int], dict[int, list[Piece]]] = {}
         self.pending: list[Any] = []
-        acts = schedule.of(self.stage)
+        acts = list(actions)
         k = 0
         while k < len(acts):
             if acts[k].is_compute:
@@ -278,7 +284,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ communication
     def _peer(self, a: Action) -> tuple[int, int]:
         assert a.peer is not None
-        return self.node_of(a.peer[0], a.peer[1]), self.peer_rank(a.peer[0], a.peer[1])
+        return self.node_of(a.peer[0], a.peer[1]), self.peer_rank(*a.peer)
 
     def _exchange(self, group: list[Action]) -> None:
         """One run of consecutive send/recv actions, posted together (Megatron's batch_isend_irecv).
@@ -333,12 +339,12 @@ class PipelineExecutor:
             self.comm.wait(self.pending)
             self.pending = []
 
-    def _edge_key(self, a: Action) -> tuple[int, int, int]:
-        """(producer node, consumer node, piece size) of the edge a send/recv action uses."""
+    def _edge_key(self, a: Action) -> tuple[int, int, int, int]:
+        """(producer node, consumer node, piece size, peer rank) of the edge a send/recv action uses."""
         assert a.samples is not None
-        me, peer = self.node_of(self.stage, a.chunk), self._peer(a)[0]
-        forward_producer = a.op in ("send_fwd", "recv_bwd")
-        return (me, peer, a.samples[1] - a.samples[0]) if forward_producer else (peer, me, a.samples[1] - a.samples[0])
+        me, (peer, rank) = self.node_of(self.stage, a.chunk), self._peer(a)
+        n = a.samples[1] - a.samples[0]
+        return (me, peer, n, rank) if a.op in ("send_fwd", "recv_bwd") else (peer, me, n, rank)
 
     def _recv_meta(self, a: Action) -> Meta | None:
         if a.op == "recv_fwd":

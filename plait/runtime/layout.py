@@ -5,8 +5,17 @@ A pipeline is a DAG of *nodes* (`plait.schedule.Node`):
 * a chain plan (``pp`` stages, ``virtual_stages`` = v chunks each) has ``pp * v`` nodes in
   a line; node ``k`` runs on pipeline rank ``k % pp`` as its chunk ``k // pp`` (Megatron's
   interleaved layout); ranks are Megatron's grid (tp fastest, then dp, then pp);
-* a graph plan (`Plan.stages` + `Plan.stage_edges`) has one node per stage on its own
-  rank (rank = stage index), each with its own micro-batch size.
+* a graph plan (`Plan.stages` + `Plan.stage_edges`) has one node per stage, each with its
+  own micro-batch size and data-parallel degree: its ranks are (stage, replica) pairs,
+  numbered stage-major (the ranks of stage 0's replicas first; rank = stage when every dp
+  is 1). A stage's micro-batches are cut from the whole batch and dealt to its replicas
+  by the stage graph's one rule (`plait.ir.stage_graph.deal_micro_batches`); the schedule
+  is built per stage over all of them (`Node.replicas`: each replica keeps its own
+  warm-up) and each replica runs the stage's action list restricted to the micro-batches
+  it owns (`rank_actions`) -- the simulator's lowering does the same (`sim/lower.py`): a
+  restriction of a deadlock-free order stays deadlock-free, and the messages between two
+  ranks keep their FIFO order. A send/recv goes to the replica of the peer stage that owns
+  the peer micro-batch (`PipelineLayout.rank_of`).
 
 `supports(plan)` is the runtime's own statement of what it runs; `api.run` refuses
 exactly what it refuses, with its reason.
@@ -14,6 +23,7 @@ exactly what it refuses, with its reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +39,7 @@ from plait.runtime.partition import (
     split_into_stages,
     stage_micro_batches,
 )
-from plait.schedule import Node, PipelineGraph, Schedule, ScheduleError, build
+from plait.schedule import Action, Node, PipelineGraph, Schedule, ScheduleError, build
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,24 @@ class PipelineLayout:
     chunks: int  # nodes per pipeline rank
     edges: tuple[tuple[int, int], ...]  # between node ids
     graph_plan: bool  # stages come from Plan.stages
+    # graph plan: the ranks of each stage's replicas (stage-major), and per stage the replica
+    # that owns each of its micro-batches (index = the stage's micro-batch in sample order)
+    stage_ranks: tuple[tuple[int, ...], ...] = ()
+    owners: tuple[tuple[int, ...], ...] = ()
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        """Process rank of a graph plan's (stage, replica)."""
+        return self.stage_ranks[stage][replica]
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of a graph plan's rank."""
+        for s, ranks in enumerate(self.stage_ranks):
+            if rank in ranks:
+                return s, ranks.index(rank)
+        raise ValueError(f"rank {rank} is not in the stage graph's {sum(map(len, self.stage_ranks))} ranks")
+
+    def replicas(self, stage: int) -> int:
+        return len(self.stage_ranks[stage]) if self.graph_plan else 1
 
     def node_of(self, stage: int, chunk: int) -> int:
         return chunk * self.num_stages + stage
@@ -60,28 +88,78 @@ class PipelineLayout:
 
 def pipeline_layout(plan: Plan) -> PipelineLayout:
     if plan.stages:
-        return PipelineLayout(len(plan.stages), 1, tuple(tuple(e) for e in plan.stage_edges), True)  # type: ignore[misc]
+        return PipelineLayout(len(plan.stages), 1, tuple(tuple(e) for e in plan.stage_edges), True,  # type: ignore[misc]
+                              _stage_ranks(plan), tuple(_owners(plan, s) for s in range(len(plan.stages))))
     v = plan.virtual_stages
     n = plan.pp * v
     return PipelineLayout(plan.pp, v, tuple((k, k + 1) for k in range(n - 1)), False)
 
 
+def _stage_ranks(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """A graph plan's ranks per stage: its replicas', stage-major."""
+    ranks, first = [], 0
+    for spec in plan.stages:
+        ranks.append(tuple(range(first, first + spec.dp)))
+        first += spec.dp
+    return tuple(ranks)
+
+
+def _owners(plan: Plan, stage: int) -> tuple[int, ...]:
+    """The replica of each of a graph stage's micro-batches, in sample order (the stage graph's deal)."""
+    by_first = {mb.first: r for r in range(plan.stages[stage].dp)
+                for mb in stage_micro_batches(plan, 0, stage, r)}
+    return tuple(by_first[k] for k in sorted(by_first))
+
+
 def node_micro_batches(plan: Plan, layout: PipelineLayout, step: int, dp_index: int) -> dict[int, list[MicroBatch]]:
-    """Micro-batches of every node of replica `dp_index` at `step` (node id -> list)."""
+    """Micro-batches of every node at `step` (node id -> list) as the schedule numbers them: a
+    chain's replica `dp_index` runs its own share; a graph stage's list holds every micro-batch
+    of the stage in sample order, all its replicas' (`owned_micro_batches` picks a replica's)."""
     if layout.graph_plan:
-        # one device per stage (`supports`): replica 0 of each stage holds all its micro-batches
-        return {s: stage_micro_batches(plan, step, s, 0) for s in range(len(plan.stages))}
+        out = {}
+        for s in range(len(plan.stages)):
+            units = sorted((mb for r in range(layout.replicas(s)) for mb in stage_micro_batches(plan, step, s, r)),
+                           key=lambda mb: mb.first)
+            out[s] = [MicroBatch(i, mb.first, mb.size) for i, mb in enumerate(units)]
+        return out
     mbs = replica_micro_batches(plan, step, dp_index)
     return {n: mbs for n in range(layout.num_nodes)}
 
 
+def owned_micro_batches(layout: PipelineLayout, node: int, replica: int, mbs: list[MicroBatch]) -> list[MicroBatch]:
+    """The micro-batches of a node's list (`node_micro_batches`) that `replica` runs."""
+    if not layout.graph_plan:
+        return mbs
+    return [mb for mb in mbs if layout.owners[node][mb.index] == replica]
+
+
 def step_schedule(plan: Plan, layout: PipelineLayout, mbs: dict[int, list[MicroBatch]], name: str) -> Schedule:
     """The plan's schedule (`plait.schedule`) over the nodes' micro-batches of one step."""
-    nodes = tuple(Node(*layout.place(n), tuple(mb.size for mb in mbs[n])) for n in range(layout.num_nodes))
+    nodes = tuple(Node(*layout.place(n), tuple(mb.size for mb in mbs[n]),
+                       layout.replicas(n) if layout.graph_plan else 1) for n in range(layout.num_nodes))
     graph = PipelineGraph(nodes, layout.edges)
     if layout.graph_plan:
         name = "gpipe" if name == "gpipe" else "graph_1f1b"
     return build(name, graph)
+
+
+def rank_actions(schedule: Schedule, layout: PipelineLayout, stage: int, replica: int) -> tuple[Action, ...]:
+    """The actions one rank runs: its pipeline rank's list, restricted on a graph plan to the
+    micro-batches its replica owns (module docstring)."""
+    acts = schedule.of(stage)
+    if not layout.graph_plan or layout.replicas(stage) == 1:
+        return acts
+    owner = layout.owners[stage]
+    return tuple(a for a in acts if owner[a.micro_batch] == replica)
+
+
+def peer_rank(plan: Plan, layout: PipelineLayout, replica: int, tensor: int) -> Callable[[int, int, int], int]:
+    """(peer stage, chunk, micro-batch) -> the process rank on the other side of a send/recv: a
+    chain's peer is the same replica and tensor rank of that stage; a graph stage's, the replica
+    that owns the micro-batch."""
+    if layout.graph_plan:
+        return lambda s, c, mb: layout.rank_of(s, layout.owners[s][mb])
+    return lambda s, c, mb: plan.rank(s, replica, tensor)
 
 
 def split_model(model: nn.Module, plan: Plan, layout: PipelineLayout, spec: Any = None) -> list[Stage]:
@@ -134,11 +212,15 @@ def supports(plan: Any) -> tuple[bool, str]:
     plan = Plan.load(plan)
     if plan.stages:
         for i, spec in enumerate(plan.stages):
-            if spec.dp != 1 or spec.tp != 1 or len(spec.devices) != 1:
-                return False, (f"plan field 'stages[{i}]': the runtime runs a stage graph with one device per "
-                               f"stage (dp=1, tp=1), stage {spec.name!r} has dp={spec.dp}, tp={spec.tp}, "
-                               f"{len(spec.devices)} devices")
-        devices = [spec.devices[0] for spec in plan.stages]
+            if spec.tp != 1:
+                # Tensor parallelism inside a graph stage would need per-stage tensor groups and the
+                # executor's sends per tensor rank; the graph planners give tp=1 stages.
+                return False, (f"plan field 'stages[{i}].tp': the runtime runs a stage graph's stages "
+                               f"data-parallel only (tp=1), stage {spec.name!r} has tp={spec.tp}")
+            if len(spec.devices) != spec.dp:
+                return False, (f"plan field 'stages[{i}].devices': stage {spec.name!r} has dp={spec.dp} "
+                               f"but {len(spec.devices)} devices (one per replica)")
+        devices = [d for spec in plan.stages for d in spec.devices]
         if len(set(devices)) != len(devices):
             return False, "plan field 'stages': two stages share a device; the runtime runs one stage per rank"
         if plan.schedule == "interleaved":
@@ -170,7 +252,8 @@ def supports(plan: Any) -> tuple[bool, str]:
 
 
 def device_of(plan: Plan, rank: int) -> int:
-    """Cluster device of a plan rank (a graph plan's rank is its stage)."""
+    """Cluster device of a plan rank (a graph plan's rank is a (stage, replica), `pipeline_layout`)."""
     if plan.stages:
-        return plan.stages[rank].devices[0]
+        stage, replica = PipelineLayout(len(plan.stages), 1, (), True, _stage_ranks(plan)).coords(rank)
+        return plan.stages[stage].devices[replica]
     return plan.device_of(rank)

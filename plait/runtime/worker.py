@@ -21,7 +21,9 @@ The path of one batch, in order:
 5. at the end rank 0 gathers losses, measured spans and (optionally) the full parameters
    into `result.json` / `params.pt` in the run directory, which the launcher reads.
 
-Rank numbering is Megatron's (tp fastest, then dp, then pp), so the process group rank
+Rank numbering is Megatron's (tp fastest, then dp, then pp) -- a stage graph's ranks are its
+(stage, replica) pairs, stage-major, each stage with its own data-parallel group
+(`layout.pipeline_layout`) -- so the process group rank
 is the plan rank whatever rank torchrun gave the process; the config maps
 (torchrun agent, local rank) to the plan rank.
 """
@@ -64,9 +66,13 @@ from plait.runtime.data_parallel import (
 from plait.runtime.executor import PipelineExecutor
 from plait.runtime.inject import Fault, Injection
 from plait.runtime.layout import (
+    PipelineLayout,
     merge_modules,
     node_micro_batches,
+    owned_micro_batches,
+    peer_rank,
     pipeline_layout,
+    rank_actions,
     split_model,
     step_schedule,
 )
@@ -77,6 +83,7 @@ from plait.runtime.partition import (
     load_model_spec,
     make_samples,
     replica_micro_batches,
+    stage_micro_batches,
 )
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.sharded_state import RankLayout, aliases_of
@@ -139,10 +146,16 @@ class Worker:
         self.plan = Plan.from_dict(cfg["plan"])
         plan = self.plan
         self.world = plan.world_size
-        self.t = rank % plan.tp
-        self.d = (rank // plan.tp) % plan.dp
-        self.p = rank // (plan.tp * plan.dp)
         self.layout = pipeline_layout(plan)
+        if self.layout.graph_plan:  # (stage, replica), each stage its own data-parallel degree
+            self.p, self.d = self.layout.coords(rank)
+            self.t = 0
+            self.dp_size = self.layout.replicas(self.p)
+        else:
+            self.t = rank % plan.tp
+            self.d = (rank // plan.tp) % plan.dp
+            self.p = rank // (plan.tp * plan.dp)
+            self.dp_size = plan.dp
         self.info = cfg["ranks"][rank]
         self.run_dir = Path(cfg["run_dir"])
         self.injection = Injection.from_list(cfg.get("inject"))
@@ -168,9 +181,14 @@ class Worker:
                          probe_bytes=int(self.cfg.get("probe_bytes", 1 << 18)))
         self.comm.init_process_group(self.cfg["backend"], timeout_s=float(self.cfg["collective_timeout"]))
         plan = self.plan
-        # The plan's ranks are a regular pp x dp x tp grid (Megatron's order, as `Plan.rank`): one mesh.
-        # A graph pipeline's stages are the "pp" dimension (one device each, `supports`).
-        self.comm.build_mesh(self.device.type, {"pp": self.layout.num_stages, "dp": plan.dp, "tp": plan.tp})
+        if self.layout.graph_plan:
+            # A stage graph's stages have their own data-parallel degrees: explicit groups, one per
+            # stage over its replicas ("dp"), and each rank its own tensor group (tp=1, `supports`).
+            self.comm.new_groups("dp", [list(r) for r in self.layout.stage_ranks])
+            self.comm.new_groups("tp", [[r] for r in range(self.world)])
+        else:
+            # The plan's ranks are a regular pp x dp x tp grid (Megatron's order, as `Plan.rank`): one mesh.
+            self.comm.build_mesh(self.device.type, {"pp": self.layout.num_stages, "dp": plan.dp, "tp": plan.tp})
         self.dp_group: Group = self.comm.group("dp")
         self.tp_group: Group = self.comm.group("tp")
 
@@ -210,9 +228,7 @@ class Worker:
         self.tied: list[tuple[list[nn.Parameter], Group]] = []
         mine = list(dict.fromkeys(prm for st in self.chunks.values() for prm in st.module.parameters()))
         for owner_set in tied_sets:
-            # Off the grid (stages 0 and pp-1, say): explicit groups, one per (replica, tensor rank).
-            sets = [[plan.rank(s, d, t) for s in owner_set] for d in range(plan.dp) for t in range(plan.tp)]
-            g = self.comm.new_groups("tied s" + "-".join(map(str, owner_set)), sets)
+            g = self.comm.new_groups("tied s" + "-".join(map(str, owner_set)), _tied_rank_sets(plan, lay, owner_set))
             if g is not None:
                 self.tied.append(([prm for prm in mine if tuple(sorted(owners[id(prm)])) == owner_set], g))
         # Megatron tensor parallelism on this stage's transformer layers.
@@ -299,22 +315,22 @@ class Worker:
         if self.scaler is not None:  # every rank of the job skips or steps together
             self.scaler.group = self.comm.world_group
         self.zero3: Zero3Step | None = None
-        if plan.zero >= 3 and plan.dp > 1:
+        if plan.zero >= 3 and self.dp_size > 1:
             # Parameters sharded too (api refuses pp > 1 with zero=3): per-layer gather / reduce-scatter.
             self.zero3 = Zero3Step(self.stage_module, layer_modules(self.stage_module), make_opt, self.dp_group,
-                                   plan.dp, self.d, self.rec, scaler=self.scaler, tp_group=self.tp_group,
+                                   self.dp_size, self.d, self.rec, scaler=self.scaler, tp_group=self.tp_group,
                                    sp_params=self.sp_params)
             self.opt = self.zero3
         elif plan.zero >= 1:
-            self.opt = Zero1Step(self.params, make_opt, self.dp_group, plan.dp, self.d, self.rec,
+            self.opt = Zero1Step(self.params, make_opt, self.dp_group, self.dp_size, self.d, self.rec,
                                  free_grads=plan.zero >= 2, scaler=self.scaler)
         else:
-            self.opt = DataParallelStep(self.params, make_opt, self.dp_group, plan.dp, self.rec,
+            self.opt = DataParallelStep(self.params, make_opt, self.dp_group, self.dp_size, self.rec,
                                         bucket_bytes=plan.grad_bucket_bytes, scaler=self.scaler)
         if cfg.get("clip_grad"):
             self.opt.clip = GradClipper(float(cfg["clip_grad"]), self._copy_weights(), group=self.comm.world_group)
         lay = self.layout
-        runner = PipelineExecutor(self.chunks, self.p, lay.node_of, lambda s, c: plan.rank(s, self.d, self.t),
+        runner = PipelineExecutor(self.chunks, self.p, lay.node_of, peer_rank(plan, lay, self.d, self.t),
                                   lay.sink, self.spec.loss, plan.global_batch, self.device, self.rec, self.comm,
                                   autocast=self._autocast,
                                   # Megatron's blocking p2p where the simulator models it (sim/lower.py).
@@ -336,9 +352,11 @@ class Worker:
         for step in range(start, steps):
             self.hb.progress("train", step)
             node_mbs = node_micro_batches(plan, lay, step, self.d)
-            mbs = node_mbs[lay.node_of(self.p, 0)]
             chunk_mbs = {c: node_mbs[lay.node_of(self.p, c)] for c in self.chunks}
-            data = self._step_data(chunk_mbs)
+            # a graph stage's lists hold all its replicas' micro-batches; this replica reads its own
+            mine = {c: owned_micro_batches(lay, lay.node_of(self.p, c), self.d, m) for c, m in chunk_mbs.items()}
+            mbs = mine[0]
+            data = self._step_data(mine)
             sched = step_schedule(plan, lay, node_mbs, schedule)
             self.rec.step = step  # the step barrier's comm record belongs to this step, not the last one
             fault = self.injection.at(self.rank, step, "step", _PROCESS_FAULTS)
@@ -363,7 +381,8 @@ class Worker:
                 self.scales.append(self.scaler.scale)
             if self.zero3 is not None:
                 self.zero3.begin_step()
-            runner.run(sched, chunk_mbs, lambda c, mb, data=data: data[(c, mb.index)])
+            runner.run(rank_actions(sched, lay, self.p, self.d), chunk_mbs,
+                       lambda c, mb, data=data: data[(c, mb.index)])
             if self.zero3 is not None:  # join the collectives of replicas with more micro-batches
                 most = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
                 self.zero3.ghost_rounds(most - len(mbs), len(mbs))
@@ -371,6 +390,11 @@ class Worker:
                 poison(self.params)
             if self.tied:
                 sync_tied_grads(self.tied)
+                if lay.graph_plan and self.d > 0:  # the owner stages' replicas summed in one group
+                    for prms, _ in self.tied:  # (`_tied_rank_sets`): replica 0 alone carries the sum
+                        for prm in prms:        # into the stage's data-parallel reduction
+                            if prm.grad is not None:
+                                prm.grad.zero_()
             if self.sp_params and self.zero3 is None:  # ZeRO-3 sums them per layer before reducing
                 self._sync_sp_grads()
             self._set_lr(step)
@@ -556,12 +580,18 @@ class Worker:
         self.hb.progress("train")
 
     # ------------------------------------------------------------------ results
+    def _samples_per_step(self) -> int:
+        """Samples this rank's replica runs per step (a graph stage's: the micro-batches dealt to it)."""
+        if self.layout.graph_plan:
+            return sum(mb.size for mb in stage_micro_batches(self.plan, 0, self.p, self.d))
+        return self.plan.samples_per_replica()[self.d]
+
     def _finish(self, losses: list[torch.Tensor], bounds: list[tuple[int, float, float]], start: int,
                 steps: int, origin: dict[str, Any]) -> None:
         plan = self.plan
         self.hb.progress("gather")
         loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
-        if self.p == self.layout.sink[0] and plan.dp > 1 and loss_vec.numel():
+        if self.p == self.layout.sink[0] and self.dp_size > 1 and loss_vec.numel():
             self.dp_group.all_reduce(loss_vec, "allreduce dp losses", "comm_dp", span=False)
         # Parameter bytes held between steps: the whole stage, or under ZeRO-3 the shards (~1/dp).
         param_bytes = self.zero3.resident_param_bytes() if self.zero3 is not None else \
@@ -583,7 +613,7 @@ class Worker:
             "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
             "layers": self.stage_layers, "params": self.param_count, "param_bytes": param_bytes,
             "peak_memory_bytes": peak,
-            "memory_kind": mem_kind, "samples_per_step": plan.samples_per_replica()[self.d],
+            "memory_kind": mem_kind, "samples_per_step": self._samples_per_step(),
             "events": [asdict(e) for e in self.rec.events],
             "step_bounds": bounds,
             "losses": loss_vec.cpu().tolist() if self.p == self.layout.sink[0] else None,
@@ -598,6 +628,23 @@ class Worker:
             _write_result(self.run_dir, plan, gathered, start, steps, self.cfg)
         self.comm.barrier("final barrier")
         self.comm.close()
+
+
+def _rank(plan: Plan, layout: PipelineLayout, stage: int, replica: int, tensor: int = 0) -> int:
+    """Process rank of (pipeline stage, replica, tensor rank): a graph plan's (stage, replica)
+    pairs (`PipelineLayout.rank_of`), else Megatron's grid (`Plan.rank`)."""
+    return layout.rank_of(stage, replica) if layout.graph_plan else plan.rank(stage, replica, tensor)
+
+
+def _tied_rank_sets(plan: Plan, layout: PipelineLayout, owner_set: tuple[int, ...]) -> list[list[int]]:
+    """Groups that sum a tied parameter's gradients over the pipeline ranks holding it. On the grid,
+    one per (replica, tensor rank) (Megatron's embedding group). In a stage graph the owner stages
+    may differ in data-parallel degree, so one group over all their replicas sums every partial
+    gradient; the worker then keeps the sum on replica 0 only, so each stage's data-parallel
+    reduction gives every replica the whole gradient once."""
+    if layout.graph_plan:
+        return [[layout.rank_of(s, r) for s in owner_set for r in range(layout.replicas(s))]]
+    return [[plan.rank(s, d, t) for s in owner_set] for d in range(plan.dp) for t in range(plan.tp)]
 
 
 class _RngStream:
@@ -647,7 +694,7 @@ def _boot_id() -> str:
 def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: int, steps: int,
                   cfg: dict[str, Any]) -> None:
     layout = pipeline_layout(plan)
-    last = plan.rank(layout.sink[0], 0, 0)
+    last = _rank(plan, layout, layout.sink[0], 0)
     losses = ranks[last]["losses"] or []
     step_ids = list(range(start, steps))
     iteration_times = []
@@ -659,7 +706,7 @@ def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start:
     if cfg.get("return_params"):
         params = {}
         for p in range(layout.num_stages):
-            base = ranks[plan.rank(p, 0, 0)]
+            base = ranks[_rank(plan, layout, p, 0)]
             for name, tensor in base["params_state"].items():
                 info = base["shard_infos"].get(name)
                 if info is None or plan.tp == 1:

@@ -62,10 +62,9 @@ register_family("3d", search_3d, _3D_OPTIONS)
 def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                   evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                   compute: Any, runnable: bool = False, chains: bool = True, **options: Any) -> PlanResult:
-    """The graph-pipeline family (`plait.plan.graph_search.search_graph`). Stages with data
-    parallelism inside are planned and simulated but not yet run by the runtime, so the runtime's
-    `supports` filter (and one GPU per stage) applies only with `runnable=True`, as `plait plan
-    --run` asks."""
+    """The graph-pipeline family (`plait.plan.graph_search.search_graph`). The runtime runs its
+    plans, data-parallel stages of any degree included; with `runnable=True` (`plait plan --run`)
+    the runtime's `supports` filter drops any it would refuse."""
     from plait.plan.graph_search import search_graph
     from plait.plan.threed import load_graph
 
@@ -79,8 +78,6 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
         if max([*outs.values(), *ins.values(), 1]) < 2:
             raise SearchError(f"graph: {graph.model} has no branches (its layer DAG is a chain); the 3D family "
                               "plans chains")
-    if runnable:
-        options.setdefault("max_dp", 1)
     return search_graph(model, cluster, global_batch=global_batch, top=top, evaluate=evaluate,
                         supports=supports if runnable else None, compute=compute, **options)
 
