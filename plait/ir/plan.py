@@ -273,7 +273,16 @@ class Plan:
         return (pp_index * self.dp + dp_index) * self.tp + tp_index
 
     def device_of(self, rank: int) -> int:
-        """Cluster device id that runs `rank` (identity unless `device_order` places it)."""
+        """Cluster device id that runs `rank`: identity unless `device_order` places it; a graph
+        plan numbers its ranks stage by stage, each stage's in the order of its `devices`
+        (the runtime's (stage, replica) ranks, `plait.runtime.layout`)."""
+        if self.stages:
+            left = rank
+            for spec in self.stages:
+                if left < len(spec.devices):
+                    return spec.devices[left]
+                left -= len(spec.devices)
+            raise PlanError(f"rank {rank}: the plan's stages hold {rank - left} ranks")
         return self.device_order[rank] if self.device_order is not None else rank
 
     def samples_per_replica(self) -> list[int]:

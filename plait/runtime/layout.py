@@ -253,7 +253,4 @@ def supports(plan: Any) -> tuple[bool, str]:
 
 def device_of(plan: Plan, rank: int) -> int:
     """Cluster device of a plan rank (a graph plan's rank is a (stage, replica), `pipeline_layout`)."""
-    if plan.stages:
-        stage, replica = PipelineLayout(len(plan.stages), 1, (), True, _stage_ranks(plan)).coords(rank)
-        return plan.stages[stage].devices[replica]
     return plan.device_of(rank)
