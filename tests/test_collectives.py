@@ -109,3 +109,23 @@ def test_flow_bytes_per_link() -> None:
     assert flow_bytes_per_link("all_reduce", 8e6, 4) == pytest.approx(1.5 * 8e6)
     assert flow_bytes_per_link("all_reduce", 8e6, 4, "tree") == pytest.approx(2 * 8e6)
     assert flow_bytes_per_link("all_gather", 8e6, 1) == 0.0
+
+
+def test_all_to_all_across_nodes_shares_the_nics_and_uneven_is_the_largest_shard() -> None:
+    """64 ranks on 8 nodes of 8, one NIC each: a node's 8 ranks send 8 * 56/64 S off the node
+    through the NIC (not (n-1)/n S as one ring hop would); one node is the ring formula. An uneven
+    all-to-all of a whole tensor of S bytes (device i holds s_i of it) moves each rank's own shard:
+    the largest one, ``max s_i S``, sets the time (not ``n max s_i S`` as a padded all-gather)."""
+    from plait.cost.collectives import uneven_collective_time
+
+    S, a = 16e6, 25e-6
+    nic, intra = 1.3e9, 12e9
+    links = GroupLinks(64, nic, a, 8, 8, intra, 5e-6, nic, a, 1)
+    assert collective_time("all_to_all", S, links) == pytest.approx(63 * a + 8 * 56 / 64 * S / nic)
+    one = GroupLinks(8, intra, 5e-6, 1, 8, intra, 5e-6, float("inf"), 0.0)
+    assert collective_time("all_to_all", S, one) == pytest.approx(all_to_all_time(S, 8, intra, 5e-6))
+    skew = np.array([0.25] + [0.75 / 63] * 63)
+    assert uneven_collective_time("all_to_all", S, skew, links) == pytest.approx(
+        collective_time("all_to_all", 0.25 * S, links))
+    even = np.full(64, 1 / 64)
+    assert uneven_collective_time("all_to_all", S, even, links) == pytest.approx(63 * a + 8 * 56 / 64 * S / 64 / nic)

@@ -125,3 +125,38 @@ def test_fixed_costs_are_the_compute_models_as_for_3d_plans() -> None:
     m = DEFAULT_MODEL
     host_floor = kernels * (m.host_fwd_s + m.host_bwd_s) + m.batch_host_s + m.loss_host_s
     assert full - bare >= host_floor * 0.99
+
+
+def test_plait_simulate_runs_an_spmd_plan_file(tmp_path, capsys) -> None:
+    """`plait simulate --plan FILE` with `Plan.spmd` replays the program on the model's aten ops and
+    lowers it like `simulate_spmd` (gradients one collective per tensor, as the runtime runs them);
+    the table and --json show the same iteration time and per-GPU memory; a plan of another model
+    is refused naming the op."""
+    import json
+
+    from plait.cli import main
+    from plait.cluster import load_cluster
+    from plait.graph.zoo import load_model
+    from plait.spmd.program_plan import program_plan
+    from plait.spmd.ratios import synthesize
+
+    model, batch = "bert:layers=1,hidden=32,heads=2,seq=8,vocab=64", 8
+    cluster = load_cluster("emulated-mixed")
+    spec = load_model(model)
+    graph = capture_aten(spec.build(device="meta"), spec.sample_batch(batch)[0], name=spec.name)
+    problem = Problem.build(graph, Devices.from_cluster(cluster), collectives="padded")
+    syn = synthesize(problem, max_states=2000)
+    ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
+    path = tmp_path / "spmd.json"
+    program_plan(syn.program.strategies, ratios, batch, model=model).save(path)
+    want = simulate_spmd(problem, syn, cluster, bucket_bytes=None, batch=batch)
+    assert main(["simulate", "--model", model, "--cluster", "emulated-mixed", "--plan", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["iteration_time_s"] == pytest.approx(want.iteration_time_s, rel=1e-9)
+    assert got["memory_peak_bytes"] == want.memory_peak_bytes and got["fits_memory"] is True
+    assert got["world_size"] == 4 and got["granularity"] == "op" and "spmd=" in got["plan"]
+    assert main(["simulate", "--model", model, "--cluster", "emulated-mixed", "--plan", str(path)]) == 0
+    assert f"{want.iteration_time_s * 1e3:.2f} ms" in capsys.readouterr().out
+    other = "bert:layers=2,hidden=32,heads=2,seq=8,vocab=64"  # ops the plan has no strategy for
+    assert main(["simulate", "--model", other, "--cluster", "emulated-mixed", "--plan", str(path)]) == 2
+    assert "plan field 'spmd': op " in capsys.readouterr().err

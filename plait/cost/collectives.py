@@ -27,7 +27,9 @@ Costs (``a`` the per-step latency alpha of the slowest link, ``B`` its bandwidth
   does not shrink with ``n`` but the latency grows only logarithmically;
 * hierarchical all-reduce (SYSTEMS.md reference numbers): intra-node reduce-scatter,
   inter-node all-reduce of each ``S/g`` shard, intra-node all-gather;
-* all-to-all: ``(n-1) a + (n-1)/n S/B`` (each rank sends ``S/n`` to every other rank);
+* all-to-all: ``(n-1) a + (n-1)/n S/B`` (each rank sends ``S/n`` to every other rank); across
+  nodes of ``g`` ranks each, ``(n-1) a + max(g (n-g)/n S / (B_inter c), (g-1)/n S / B_intra)``: a
+  node's ranks share its ``c`` NICs for what leaves the node;
 * send/recv: ``a + S/B``; broadcast (pipelined ring): ``(n-1) a + S/B``; reduce (pipelined
   ring to one root): ``(n-1) a + S/B + S g``.
 
@@ -292,6 +294,13 @@ def collective_time(op: str, nbytes: float, links: GroupLinks, algorithm: str = 
     if op == "all_gather":
         return ring_all_gather_time(nbytes, n, B, a)
     if op == "all_to_all":
+        if links.nodes > 1 and links.per_node > 1:
+            # Every rank sends S/n to each other rank: a node's g ranks put g (n - g)/n S through
+            # its inter_channels NICs at once, and (g - 1)/n S each over the intra-node links.
+            g = links.per_node
+            inter = g * (n - g) / n * nbytes / (links.inter_bandwidth * links.inter_channels)
+            intra = (g - 1) / n * nbytes / links.intra_bandwidth
+            return (n - 1) * a + max(inter, intra)
         return all_to_all_time(nbytes, n, B, a)
     if op == "broadcast":
         return broadcast_time(nbytes, n, B, a)
@@ -363,6 +372,8 @@ def uneven_collective_time(op: str, nbytes: float, shares: Sequence[float] | np.
     if links.n <= 1 or nbytes <= 0:
         return 0.0
     if algorithm == "padded":
+        if op == "all_to_all":  # each rank's buffer is its own shard (split over the others): the largest's
+            return collective_time(op, float(s.max()) * nbytes, links, "ring", gamma)
         return collective_time(op, links.n * float(s.max()) * nbytes, links, "ring", gamma)
     if algorithm == "grouped" and op != "all_to_all":
         root_op = "broadcast" if op == "all_gather" else "reduce"

@@ -307,10 +307,7 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
                                 f"the run is stopped), got {timeout}")
     if resume and checkpoint_dir is not None:
         _check_resumable(Path(checkpoint_dir))
-    if plan_obj.spmd is not None:  # plait.runtime.spmd_worker: fp32 programs, no checkpoints or clipping yet
-        if checkpoint_dir is not None or clip_grad is not None:
-            raise RuntimeSetupError("plan field 'spmd': an SPMD program runs without checkpoints and gradient "
-                                    "clipping (not implemented for per-op shards)")
+    if plan_obj.spmd is not None:  # plait.runtime.spmd_worker: fp32 programs
         if (dtype or "fp32") != "fp32" or plan_obj.dtype != "fp32" and dtype is None:
             raise RuntimeSetupError(f"plan field 'spmd': an SPMD program runs in fp32, the plan asks for "
                                     f"{dtype or plan_obj.dtype} (give dtype=fp32)")

@@ -9,12 +9,17 @@ inputs are sliced for free), computes the loss on the gathered outputs and steps
 its shards. Compute between two collectives is one `Recorder.compute` span, so an emulated slower
 GPU kind is slowed where its compute happens.
 
+With `clip_grad` the optimizer step clips the global gradient norm over every rank's shards, and
+checkpoints (`checkpoint.every`, `resume_from`) hold the logical parameters and optimizer state
+(`plait.runtime.spmd_state`): a resume may run the program at other ratios, or another plan.
+
 Before training, ranks may time gloo's all-gather at a few sizes (`cfg["spmd_calibrate"]`): the
 alpha-beta figures of this machine's links that `plait plan --family spmd --run` predicts with.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -29,12 +34,15 @@ import torch
 
 from plait.graph.aten_capture import capture_aten
 from plait.ir.plan import Plan
+from plait.runtime import checkpoint as ckpt
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import load_model_spec, make_samples
 from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
+from plait.runtime.spmd_state import SpmdStep, checkpoint_layout, make_clipper, persistent_buffers
 from plait.spmd.program_plan import plan_ratios, plan_strategies
 
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
@@ -49,6 +57,7 @@ class SpmdWorker:
         self.world = self.plan.world_size
         self.info = cfg["ranks"][rank]
         self.run_dir = Path(cfg["run_dir"])
+        self.sample_base = 0  # samples before step 0 of this run's stream (a resume's offset)
         # the fields of the pipeline worker that the shared result writer reads
         self.p = self.d = self.t = 0
 
@@ -87,8 +96,16 @@ class SpmdWorker:
         spans = Spans(self.rec)
         runner = RankProgram(program, self.rank, group, spans, seed=seed)
         leaves = runner.load(model)
+        aliases, buffers = aliases_of(model), persistent_buffers(model)
         del model
         opt = make_optimizer(leaves, cfg["optimizer"])
+        stepper = SpmdStep(leaves, opt)
+        if cfg.get("clip_grad"):
+            stepper.clip = make_clipper(runner, self.world, float(cfg["clip_grad"]), group)
+        self.layout = checkpoint_layout(runner, stepper, aliases, buffers, self.rank)
+        start = self._maybe_resume()
+        ck = cfg.get("checkpoint") or {}
+        every = int(ck.get("every") or 0)
         schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
             if cfg.get("lr_schedule") else None
         calibration = self._calibrate(group) if cfg.get("spmd_calibrate") else None
@@ -99,7 +116,7 @@ class SpmdWorker:
         origin = Worker._common_origin(self)  # type: ignore[arg-type]  # uses .rec and .comm only
         losses: list[torch.Tensor] = []
         bounds: list[tuple[int, float, float]] = []
-        for step in range(steps):
+        for step in range(start, steps):
             self.hb.progress("train", step)
             inputs, target = fetch(step)
             self.rec.step = step
@@ -117,11 +134,12 @@ class SpmdWorker:
                 if schedule is not None:
                     for g in opt.param_groups:
                         g["lr"] = schedule.at(step, steps)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                stepper.step()  # clipped first when the run asks (`plait.runtime.spmd_state`)
             t1 = self.rec.end_step()
             bounds.append((step, t0, t1))
             losses.append(loss.detach().clone())
+            if every and (step + 1) % every == 0:
+                self._save_checkpoint(step + 1, Path(ck["dir"]))
 
         self.hb.progress("gather")
         params = None
@@ -143,20 +161,59 @@ class SpmdWorker:
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            _write_result(self.run_dir, plan, gathered, 0, steps, cfg)
+            _write_result(self.run_dir, plan, gathered, start, steps, cfg)
         self.comm.barrier("final barrier")
         self.comm.close()
 
     def _data(self, spec: Any, batch: int, data_seed: int) -> Any:
         """step -> (inputs, target) of the whole global batch: the model's samples, or the user's data."""
         data_cfg = self.cfg.get("data")
+        # `sample_base`: a resume continues with the sample after the checkpoint's last
         if not data_cfg:
-            return lambda step: make_samples(spec, step * batch, batch, data_seed)
+            return lambda step: make_samples(spec, self.sample_base + step * batch, batch, data_seed)
         from plait.runtime import data as user_data
 
         dataset, collate = user_data.load_data(data_cfg["spec"])
         order = user_data.SampleOrder(len(dataset), data_seed)
-        return lambda step: user_data.samples(dataset, collate, order, step * batch, batch)
+        return lambda step: user_data.samples(dataset, collate, order, self.sample_base + step * batch, batch)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _meta(self) -> dict[str, Any]:
+        return {"model": self.cfg["model"], "plan": str(self.plan), "world_size": self.world,
+                "optimizer": self.cfg["optimizer"], "seed": self.cfg["seed"], "data_seed": self.cfg["data_seed"]}
+
+    def _maybe_resume(self) -> int:
+        """Load the launcher's chosen checkpoint (`resume_from`, written under any plan: DCP reshards
+        the logical parameters and optimizer state onto this program's shards); the step and the
+        sample position carry over. The program's random ops draw from (seed, step, op, rank)
+        streams (`spmd_program._op_seed`), so nothing else needs restoring."""
+        ck = self.cfg.get("checkpoint") or {}
+        if not ck.get("resume"):
+            return 0
+        found = ck.get("resume_from")
+        if found is None and "resume_from" not in ck:  # another launcher: rank 0 chooses
+            choice = ckpt.choose_resume(Path(ck["dir"]), self._meta())[0] if self.rank == 0 else None
+            found = ckpt.broadcast_from_zero(str(choice) if choice is not None else None, self.comm)
+        if not found:
+            return 0
+        self.hb.progress("resume")
+        train, _ = ckpt.load_into(Path(found), self.layout, self.rank)
+        step = int(train["step"])
+        self.sample_base = int(train.get("samples_seen", step * self.plan.global_batch)) - step * self.plan.global_batch
+        return step
+
+    def _save_checkpoint(self, step: int, root: Path) -> None:
+        """Collective: every rank's chunks of the logical parameters and optimizer state, with the
+        step and the samples seen, as one DCP checkpoint (`plait.runtime.checkpoint`)."""
+        self.hb.progress("checkpoint")
+        train = {"step": step, "samples_seen": self.sample_base + step * self.plan.global_batch,
+                 "plan": str(self.plan), "world_size": self.world, "format_version": ckpt.FORMAT_VERSION,
+                 "lr_schedule": json.dumps(self.cfg.get("lr_schedule"))}
+        state = ckpt.rank_snapshot(self.layout, train, self.rank, {"rng": ckpt.rng_state()})
+        with self.rec.waiting("checkpoint"):
+            ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm,
+                      keep=self.cfg["checkpoint"].get("keep"))
+        self.hb.progress("train")
 
     def _calibrate(self, group: Any, repeats: int = 5) -> dict[str, Any]:
         """Median seconds of a padded all-gather of each of `CALIBRATION_SIZES` bytes per rank on

@@ -18,6 +18,7 @@ per-resource busy fraction and the `Timeline`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -157,6 +158,8 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     plan's `grad_bucket_mb`: the runtime's, the simulator's and the memory estimate's."""
     plan_obj = resolve_plan(plan)
     view = resolve_cluster(cluster)
+    if plan_obj.spmd is not None:  # an op-level SPMD program: its own lowering (plait.sim.spmd_lower)
+        return simulate_spmd_plan(model, view, plan_obj, memory_options=memory_options)
     graph = resolve_model(model, plan_obj, inputs, analytic)
     check_plan_for_model(plan_obj, graph.config, graph.model)  # as strict as `plait run`
     opts = options or SimOptions()
@@ -387,3 +390,95 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
         cluster=view.name,
         _build=build_timeline,
     )
+
+
+@dataclass
+class SpmdMemory:
+    """Bytes an SPMD program keeps per device (`plait.spmd.ratios.memory_model`) against capacity."""
+
+    peak_bytes: list[float]
+    capacity_bytes: list[float]
+    names: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return all(m <= c * (1 + 1e-9) for m, c in zip(self.peak_bytes, self.capacity_bytes))
+
+    @property
+    def violations(self) -> list[str]:
+        return [f"{name}: needs {m / 2**30:.2f} GiB, has {c / 2**30:.2f} GiB"
+                for name, m, c in zip(self.names, self.peak_bytes, self.capacity_bytes) if m > c * (1 + 1e-9)]
+
+
+def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: str = "adam") -> tuple[Any, Any]:
+    """(Problem, Synthesis) of a plan with an SPMD program (`Plan.spmd`): the model captured at the
+    plan's global batch (op names as `plait plan --family spmd` and `plait run` capture them), the
+    program replayed op by op at its ratios on the plan's devices, each uneven collective padded or
+    grouped as the plan's `collectives` says (padded where it says nothing: what the runtime runs)."""
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.zoo import load_model
+    from plait.spmd.cost import UNEVEN_OPS, Devices
+    from plait.spmd.program_plan import plan_ratios, plan_strategies
+    from plait.spmd.ratios import Segments, Synthesis, memory_model, segments
+    from plait.spmd.search import Problem, evaluate
+
+    if view.cluster is None:
+        raise SimulateError(f"cluster {view.name!r}: an SPMD plan is simulated on a cluster file or preset")
+    spec = model if hasattr(model, "build") and hasattr(model, "sample_batch") else None
+    if spec is None:
+        if not isinstance(model, (str, Path)) or str(model).endswith(".json"):
+            raise SimulateError("model: an SPMD plan is simulated on the model's aten ops; give a zoo spec or "
+                                "file.py:factory, not an OpGraph")
+        spec = load_model(str(model))
+    world, every = plan.world_size, len(view.cluster.devices)
+    if plan.device_order is None and world > every:
+        raise SimulateError(f"plan field 'spmd': {world} ranks, cluster {view.name!r} has {every} devices")
+    ids = plan.device_order if plan.device_order is not None else list(range(world))
+    dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
+    inputs, _ = spec.sample_batch(plan.global_batch)
+    graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+    problem = Problem.build(graph, Devices.from_cluster(view.cluster, dtype, ids))
+    chosen = plan_strategies(plan)
+    unknown = sorted(set(chosen) - {op.name for op in graph.ops})
+    if unknown:
+        raise SimulateError(f"plan field 'spmd': strategies for ops not in model {graph.model}: {unknown[:5]} "
+                            "(was the plan made for another model or global batch?)")
+    choice = []
+    for op, offered in zip(graph.ops, problem.options):
+        s = chosen.get(op.name)
+        if s is None or s not in offered:
+            raise SimulateError(f"plan field 'spmd': op {op.name} ({op.target}): "
+                                + ("no strategy" if s is None else f"strategy {s} is not one its rule offers"))
+        choice.append(offered.index(s))
+    r = plan_ratios(plan)
+    program = evaluate(problem, choice, r.mean(axis=0) if r.ndim == 2 else r)
+    modes = (plan.spmd or {}).get("collectives") or {}
+    program.comms = [(op, dataclasses.replace(c, algorithm=modes.get(c.tensor, "padded")) if c.op in UNEVEN_OPS
+                      else c) for op, c in program.comms]
+    segs = segments(problem, program) if r.ndim == 2 else Segments.single(problem, program)
+    if r.ndim == 2 and r.shape[0] != segs.count:
+        raise SimulateError(f"plan field 'spmd.ratios': {r.shape[0]} ratio vectors, the program has "
+                            f"{segs.count} segment(s)")
+    held = memory_model(problem, program, dtype, optimizer, segs=segs).on(r)  # a scalar when nothing is sharded
+    memory = np.broadcast_to(np.asarray(held, dtype=float), (problem.devices.n,)).copy()
+    syn = Synthesis(program, r.mean(axis=0) if r.ndim == 2 else r, program.cost, memory,
+                    segment_ratios=r if r.ndim == 2 else None, segments=segs, capacity=problem.devices.memory)
+    return problem, syn
+
+
+def simulate_spmd_plan(model: Any, cluster: Any, plan: Any, *, memory_options: dict[str, Any] | None = None
+                       ) -> SimResult:
+    """`simulate` of a plan with an SPMD program (`plait simulate --plan FILE`): `spmd_plan_synthesis`
+    lowered by `simulate_spmd`, gradients all-reduced one tensor at a time as the runtime's per-rank
+    programs do (no DDP buckets); memory per device from the program's memory model
+    (`memory_options`: its ``optimizer``)."""
+    plan_obj = resolve_plan(plan)
+    view = resolve_cluster(cluster)
+    optimizer = (memory_options or {}).get("optimizer", "adam")
+    problem, syn = spmd_plan_synthesis(model, view, plan_obj, optimizer)
+    res = simulate_spmd(problem, syn, view, bucket_bytes=None, batch=plan_obj.global_batch, name=str(plan_obj))
+    if isinstance(model, str):
+        res.model = model
+    res.memory = SpmdMemory([float(x) for x in syn.memory], [float(x) for x in problem.devices.memory],
+                            list(problem.devices.names))
+    return res

@@ -1,0 +1,104 @@
+"""Gradient clipping and checkpoints of an SPMD program's rank (`plait.runtime.spmd_worker`).
+
+A rank of a per-rank SPMD program (`plait.runtime.spmd_program.RankProgram`) keeps one leaf per
+parameter: either its rows ``[first, first + n)`` along one dimension (``S<d>``, at the program's
+integer shard sizes) or the whole tensor (``R``; tied parameters too). After backward every leaf's
+gradient is complete: a sharded leaf's rows are this rank's alone, a replicated leaf's gradient is
+the same on every rank (redundant ops compute it whole, sharded readers all-reduce it).
+
+* Clipping (`clip_weights`, `plait.runtime.clip.GradClipper`): the global norm counts each
+  logical parameter once -- sharded rows with weight 1 (the shards tile the tensor, so their
+  squares sum to the whole), replicated leaves with weight 1/world (one all-reduce over the job
+  sums ``world`` identical copies) --, as `torch.nn.utils.clip_grad_norm_` on one device.
+* Checkpoints (`checkpoint_layout`): the leaves as rectangles of the *logical* (unsharded)
+  parameters, under the single-process model's parameter names, through the DCP checkpoint code
+  (`plait.runtime.checkpoint`, `plait.runtime.sharded_state`): a sharded leaf is one chunk along
+  its dimension (a `ShardInfo` with one block and the program's sizes), a replicated one is written
+  by rank 0. DCP reshards on load, so a resume at other ratios, another program or a pipeline plan
+  of the model reads the same parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.runtime.clip import GradClipper
+from plait.runtime.sharded_state import RankLayout, Segment
+from plait.runtime.tensor_parallel import ShardInfo
+from plait.spmd.placement import shard_dim
+
+
+class SpmdStep:
+    """One rank's optimizer over its leaves, each leaf one checkpoint segment (the interface of
+    `plait.runtime.data_parallel.DataParallelStep` that checkpoints and clipping read)."""
+
+    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        self.params = params
+        self.optimizer = optimizer
+        self.clip: GradClipper | None = None
+
+    def step(self) -> None:
+        """Clip (the global norm over every rank's shards) and step, then drop the gradients."""
+        if self.clip is not None:
+            self.clip.clip_params(self.params, 1)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def param_segments(self) -> list[Segment]:
+        return [Segment(p, [p], 0) for p in self.params]
+
+    def optimizer_segments(self) -> list[Segment]:
+        return self.param_segments()
+
+
+def clip_weights(runner: Any, world: int) -> dict[int, float]:
+    """id(leaf) -> the weight of its squared gradient elements in the global norm: 1 for a shard,
+    1/world for a leaf every rank holds whole (see module docstring)."""
+    return {id(leaf): 1.0 if shard_dim(runner.param_placement[path]) is not None else 1.0 / world
+            for path, leaf in runner.params.items()}
+
+
+def make_clipper(runner: Any, world: int, max_norm: float, group: Any) -> GradClipper:
+    return GradClipper(max_norm, clip_weights(runner, world), group=group)
+
+
+class _Leaves:
+    """What `RankLayout` reads of a module: the rank's leaves under their checkpoint names, and the
+    model's persistent buffers (whole on every rank)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], buffers: dict[str, torch.Tensor]) -> None:
+        self.named = named
+        self.buffers = buffers
+
+    def named_parameters(self, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self.named)
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        return dict(self.buffers)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by name (views of the live ones: a load writes into them)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {n: b.detach() for n, b in model.state_dict(keep_vars=True).items()
+            if n not in params and isinstance(b, torch.Tensor)}
+
+
+def checkpoint_layout(runner: Any, step: SpmdStep, aliases: dict[str, str], buffers: dict[str, torch.Tensor],
+                      rank: int) -> RankLayout:
+    """The rank's leaves and optimizer state as chunks of the logical parameters (module docstring);
+    `aliases`: `plait.runtime.sharded_state.aliases_of(model)` (a tied parameter under its first name)."""
+    tensors = runner.param_paths()
+    named: list[tuple[str, nn.Parameter]] = []
+    infos: dict[str, ShardInfo] = {}
+    for path, leaf in runner.params.items():
+        key = aliases.get(path, path)
+        named.append((key, leaf))
+        d = shard_dim(runner.param_placement[path])
+        if d is not None:
+            infos[key] = ShardInfo(d, 1, tuple(runner.program.sizes[(tensors[path], d)]))
+    return RankLayout(_Leaves(named, buffers), step, infos, rank, {}, set())  # type: ignore[arg-type]
