@@ -11,7 +11,7 @@ import torch
 
 from plait.plan.graph_search import search_graph
 from plait.runtime import supports
-from plait.runtime.api import reference_run, run
+from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # about 30 s each on 2 shared cores
 
@@ -32,8 +32,9 @@ def test_partitioner_plan_runs_equal_to_one_process(name: str) -> None:
     assert len(plan.stages) >= 3 and any(sum(1 for a, b in plan.stage_edges if b == s) >= 2
                                          for s in range(len(plan.stages)))  # a fan-in: a real stage DAG
     assert supports(plan) == (True, "")
-    ref_losses, ref_params = reference_run(model, plan, 2, optimizer=SGD, lr=0.5)
-    result = run(model, None, plan, steps=2, optimizer=SGD, lr=0.5, return_params=True, timeout=120)
+    ref_losses, ref_params = reference_run(model, plan, 2, training=TrainingConfig(optimizer=SGD, lr=0.5))
+    result = run(model, None, plan, steps=2, training=TrainingConfig(optimizer=SGD, lr=0.5),
+                 launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
     assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
     assert result.params is not None
     for key, value in result.params.items():
