@@ -129,6 +129,13 @@ def test_bad_recovery_arguments_fail_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(RecoveryError, match="rejoin: no node named 'nope'"):
         recover(TINY, EMU, "dp=2,micro_batch=2,global_batch=8", 4, run_dir=tmp_path,
                 config=RecoveryConfig(rejoin_at={"nope": 1}))
+    # what the loop sets itself: a runtime config that sets it is refused, naming the field
+    for field, given in (("checkpoint_every", {"checkpoint": CheckpointConfig(dir=tmp_path, every=2)}),
+                         ("return_params", {"records": RecordsConfig(return_params=True)}),
+                         ("step_records", {"records": RecordsConfig(step_records=True)}),
+                         ("run_dir", {"records": RecordsConfig(run_dir=tmp_path)})):
+        with pytest.raises(RecoveryError, match=f"{field}: set by the recovery loop, not by its caller"):
+            recover(TINY, EMU, "dp=2,micro_batch=2,global_batch=8", 4, run_dir=tmp_path, **given)
 
 
 # ---------------------------------------------------------------------------------- the loop, for real
