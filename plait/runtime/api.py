@@ -258,8 +258,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     plan_obj, spec_string = _check_inputs(model, plan, steps, training, checkpoint, faults)
     prep = _resolve(plan_obj, spec_string, cluster, training, checkpoint, launch, records)
     rdir, owns_dir = _prepare_run_dir(records.run_dir, launch.rendezvous)
-    t_start = time.time()
     net_ctx, link_notes = _network(prep, launch, faults)
+    t_start = time.time()
     with net_ctx as nets:
         agents, network, link_faults = _agents_and_links(prep, nets, launch, faults, link_notes)
         config_path = _write_config(prep, rdir, agents, steps, training, checkpoint, launch, records,
