@@ -32,8 +32,9 @@ def test_partitioner_plan_runs_equal_to_one_process(name: str) -> None:
     assert len(plan.stages) >= 3 and any(sum(1 for a, b in plan.stage_edges if b == s) >= 2
                                          for s in range(len(plan.stages)))  # a fan-in: a real stage DAG
     assert supports(plan) == (True, "")
-    ref_losses, ref_params = reference_run(model, plan, 2, training=TrainingConfig(optimizer=SGD, lr=0.5))
-    result = run(model, None, plan, steps=2, training=TrainingConfig(optimizer=SGD, lr=0.5),
+    training = TrainingConfig(optimizer=SGD, lr=0.5)
+    ref_losses, ref_params = reference_run(model, plan, 2, training=training)
+    result = run(model, None, plan, steps=2, training=training,
                  launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
     assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
     assert result.params is not None

@@ -8,6 +8,8 @@ clip norm is below the gradients' norm, so every step is clipped (checked on the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,10 +66,12 @@ def _diamond_plan(mb_b: int = 1) -> Plan:
                 global_batch=8, dtype="fp32")
 
 
+TRAINING = TrainingConfig(optimizer=SGD, lr=0.5, clip_grad=CLIP)  # the same for run and its reference
+
+
 def _reference(model: str, plan) -> tuple[list[float], dict[str, torch.Tensor]]:
-    ref_losses, ref_params = reference_run(model, plan, STEPS,
-                                           training=TrainingConfig(optimizer=SGD, lr=0.5, clip_grad=CLIP))
-    unclipped = reference_run(model, plan, STEPS, training=TrainingConfig(optimizer=SGD, lr=0.5))[1]
+    ref_losses, ref_params = reference_run(model, plan, STEPS, training=TRAINING)
+    unclipped = reference_run(model, plan, STEPS, training=dataclasses.replace(TRAINING, clip_grad=None))[1]
     initial = reference_run(model, plan, 0)[1]
     moved = [n for n in ref_params if not torch.equal(unclipped[n], initial[n])]
     assert moved and all(not torch.allclose(ref_params[n], unclipped[n], rtol=0, atol=1e-5)
@@ -76,7 +80,7 @@ def _reference(model: str, plan) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _run(model: str, plan) -> object:
-    return run(model, None, plan, steps=STEPS, training=TrainingConfig(optimizer=SGD, lr=0.5, clip_grad=CLIP),
+    return run(model, None, plan, steps=STEPS, training=TRAINING,
                launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
 
 

@@ -316,9 +316,9 @@ def test_a_plan_file_trains_like_one_device_through_the_launcher(tmp_path) -> No
     plan = program_plan(program.strategies, RATIOS, BATCH, model=MODELS["vit"])
     path = tmp_path / "spmd.json"
     plan.save(path)
-    res = run(MODELS["vit"], None, str(path), steps=3, training=TrainingConfig(optimizer="sgd", lr=0.1),
-              records=RecordsConfig(return_params=True))
-    losses, params = reference_run(MODELS["vit"], plan, 3, training=TrainingConfig(optimizer="sgd", lr=0.1))
+    training = TrainingConfig(optimizer="sgd", lr=0.1)
+    res = run(MODELS["vit"], None, str(path), steps=3, training=training, records=RecordsConfig(return_params=True))
+    losses, params = reference_run(MODELS["vit"], plan, 3, training=training)
     np.testing.assert_allclose(res.losses, losses, rtol=1e-5, atol=1e-6)
     assert set(res.params) <= set(params)
     for k, v in res.params.items():
