@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.cost.memory import estimate_memory
     from plait.graph.resolve import resolve_model
     from plait.ir.plan import Plan
-    from plait.runtime.api import run
+    from plait.runtime.api import LaunchConfig, TrainingConfig, run
     from plait.sim.api import simulate
 
     gpus = torch.cuda.device_count()
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         graph = resolve_model(args.model, plan)
         est = estimate_memory(graph, plan, cluster, overhead_bytes=0)
         predicted = simulate(graph, cluster, plan, memory=False).iteration_time_s
-        result = run(args.model, cluster, plan, steps=args.steps, device="cuda", dtype=args.dtype, emulate=False)
+        result = run(args.model, cluster, plan, steps=args.steps, training=TrainingConfig(dtype=args.dtype),
+                     launch=LaunchConfig(device="cuda", emulate=False))
         measured = statistics.median(result.iteration_times[1:] or result.iteration_times)
         peak_rank = max(result.ranks, key=lambda r: r.peak_memory_bytes)
         est_peak = est.peak_bytes[plan.device_of(peak_rank.rank)]

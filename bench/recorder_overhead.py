@@ -89,9 +89,10 @@ def verdict(low: float, high: float, goal: float) -> str:
 def alternating_pairs(plan: str, steps: int, warmup: int, model: str) -> list[tuple[float, float]]:
     """(records on, records off) step times of adjacent steps of one run (`comm_records="alternate"`:
     step s records when (s // 2 + s) is even: pairs (on, off), (off, on), ...)."""
-    from plait.runtime.api import run
+    from plait.runtime.api import LaunchConfig, RecordsConfig, run
 
-    times = run(model, None, plan, steps=steps, timeout=300, comm_records="alternate", device="cpu").iteration_times
+    times = run(model, None, plan, steps=steps, launch=LaunchConfig(timeout=300, device="cpu"),
+                records=RecordsConfig(comm_records="alternate")).iteration_times
     first = warmup + warmup % 2  # pairs start on an even step
     pairs = []
     for s in range(first, steps - 1, 2):
@@ -101,9 +102,10 @@ def alternating_pairs(plan: str, steps: int, warmup: int, model: str) -> list[tu
 
 
 def plait_step(plan: str, steps: int, warmup: int, comm_records: bool, model: str) -> float:
-    from plait.runtime.api import run
+    from plait.runtime.api import LaunchConfig, RecordsConfig, run
 
-    result = run(model, None, plan, steps=steps, timeout=300, comm_records=comm_records, device="cpu")
+    result = run(model, None, plan, steps=steps, launch=LaunchConfig(timeout=300, device="cpu"),
+                 records=RecordsConfig(comm_records=comm_records))
     return statistics.median(result.iteration_times[warmup:])
 
 
@@ -193,7 +195,7 @@ def record_cost(plan: str, model: str, warmup: int) -> dict[str, float]:
     """A bound beside the measurement: seconds to build and write one record (timed in this process)
     x records per rank and step (counted in a real run's files) / the run's step time."""
     from plait.ir.comm import CommRecord, read_run_comm_records
-    from plait.runtime.api import run
+    from plait.runtime.api import LaunchConfig, RecordsConfig, run
     from plait.runtime.comm import CommLog
 
     with tempfile.TemporaryDirectory(prefix="plait-rec-") as tmp:
@@ -206,7 +208,8 @@ def record_cost(plan: str, model: str, warmup: int) -> dict[str, float]:
                                      t_start=1.1, t_end=1.2, key="all_reduce tp", name="allreduce tp g-fwd", step=3))
             costs.append((time.perf_counter() - t0) / 2000)
         log.close()
-        result = run(model, None, plan, steps=warmup + 3, timeout=300, device="cpu", run_dir=Path(tmp) / "run")
+        result = run(model, None, plan, steps=warmup + 3, launch=LaunchConfig(timeout=300, device="cpu"),
+                     records=RecordsConfig(run_dir=Path(tmp) / "run"))
         files = read_run_comm_records(Path(tmp) / "run" / "comm")
     per_step = statistics.fmean(sum(1 for r in f.records if r.step == result.steps[-1]) for f in files.values())
     step = statistics.median(result.iteration_times[warmup:])
@@ -319,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(compare("plait vs DDP", DDP_GOAL, pairs,
                         lambda: plait_step(args.ddp_plan, steps, args.warmup, True, args.model), ddp,
                         f"plait run ({args.ddp_plan})", "torch DDP", say))
-    from plait.runtime.api import run
+    from plait.runtime.api import LaunchConfig, run
 
-    plait_loss = run(args.model, None, args.ddp_plan, steps=1, timeout=300, device="cpu").losses[0]
+    plait_loss = run(args.model, None, args.ddp_plan, steps=1, launch=LaunchConfig(timeout=300, device="cpu")).losses[0]
     bound = record_cost(args.recording_plan, args.model, args.warmup)
     summary = {
         "verdicts": {r["name"]: r["verdict"] for r in rows},

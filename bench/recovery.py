@@ -87,7 +87,7 @@ def first_step_wall(run_dir: Path, world: int) -> float | None:
 def baseline_resume(res: Any, work: Path, env: dict[str, str]) -> dict[str, Any]:
     """Plain resume of the recovered plan from a copy of the checkpoint it resumed from."""
     from plait.runtime import checkpoint as ckpt
-    from plait.runtime.api import run
+    from plait.runtime.api import CheckpointConfig, LaunchConfig, RecordsConfig, TrainingConfig, run
 
     t = res.transitions[0]
     after = res.phases[t.after_phase + 1]
@@ -98,8 +98,9 @@ def baseline_resume(res: Any, work: Path, env: dict[str, str]) -> dict[str, Any]
     rdir = work / "baseline"
     t0 = time.time()
     out = run(res.model, str(Path(after.run_dir) / "cluster.yaml"), Path(after.run_dir) / "plan.json",
-              steps=t.resumed_from + 2, checkpoint_dir=ck, resume=bool(t.resumed_from), run_dir=rdir,
-              step_records=True, dtype="fp32", timeout=120, env=env)
+              steps=t.resumed_from + 2, training=TrainingConfig(dtype="fp32"),
+              checkpoint=CheckpointConfig(dir=ck, resume=bool(t.resumed_from)),
+              launch=LaunchConfig(timeout=120, env=env), records=RecordsConfig(run_dir=rdir, step_records=True))
     first = first_step_wall(rdir, after.world_size)
     return {"call_to_train_s": (first - t0) if first else None, "steps": out.steps}
 
@@ -133,18 +134,14 @@ def measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, kil
 def _measure(model: str, cluster: str, plan: str, steps: int, kill_rank: int, kill_step: int,
              checkpoint_every: int, work: Path, machine: bool, rerun_steps: int, say: Any,
              env: dict[str, str], rounds: int) -> dict[str, Any]:
-    import inspect
-
     from plait.recover import RecoveryConfig, recover
-    from plait.runtime.api import run
+    from plait.runtime.api import CheckpointConfig, FaultsConfig, LaunchConfig, TrainingConfig
 
-    # the public injection where this plait has it, else the hidden test fault
-    kill = {"inject": f"kill:rank={kill_rank},step={kill_step}"} if "inject" in inspect.signature(run).parameters \
-        else {"fault": f"rank={kill_rank},step={kill_step},kind=die"}
     t0 = time.time()
-    res = recover(model, cluster, plan, steps, run_dir=work / "run", dtype="fp32", timeout=60,
-                  config=RecoveryConfig(checkpoint_every=checkpoint_every, live=False), keep_checkpoints=None,
-                  say=say, env=env, **kill)
+    res = recover(model, cluster, plan, steps, run_dir=work / "run", training=TrainingConfig(dtype="fp32"),
+                  launch=LaunchConfig(timeout=60, env=env), checkpoint=CheckpointConfig(keep=None),
+                  config=RecoveryConfig(checkpoint_every=checkpoint_every, live=False), say=say,
+                  faults=FaultsConfig(inject=f"kill:rank={kill_rank},step={kill_step}"))
     say(f"recovery run done in {time.time() - t0:.0f} s")
     if not res.transitions:
         raise SystemExit(f"no recovery happened (phases: {[p.ended for p in res.phases]})")

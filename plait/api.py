@@ -44,8 +44,10 @@ def simulate(model: Any, cluster: Any, plan: Any, **kwargs: Any):
     return _simulate(model, cluster, plan, **kwargs)
 
 
-def run(model: Any, cluster: Any, plan: Any, steps: int = 3, **kwargs: Any):
-    """Train `model` under `plan` with real torch.distributed workers (see plait.runtime)."""
+def run(model: Any, cluster: Any, plan: Any, steps: int = 3, **configs: Any):
+    """Train `model` under `plan` with real torch.distributed workers (see plait.runtime).
+    `configs`: `training`, `checkpoint`, `launch`, `records`, `faults` (the dataclasses of
+    `plait.runtime.config`) and `watch`, as `plait.runtime.api.run` takes them."""
     from plait.runtime.api import run as _run
 
-    return _run(model, cluster, plan, steps=steps, **kwargs)
+    return _run(model, cluster, plan, steps=steps, **configs)

@@ -158,11 +158,11 @@ def test_timeout_must_be_positive(value: str, capsys) -> None:
 
 
 def test_runtime_api_rejects_a_zero_timeout() -> None:
-    from plait.runtime.api import run
+    from plait.runtime.api import LaunchConfig, run
     from plait.runtime.partition import RuntimeSetupError
 
     with pytest.raises(RuntimeSetupError, match="timeout: must be > 0"):
-        run(TINY, None, "dp=1", steps=1, timeout=0)
+        run(TINY, None, "dp=1", steps=1, launch=LaunchConfig(timeout=0))
 
 
 @pytest.mark.parametrize("argv", [

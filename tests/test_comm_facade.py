@@ -68,11 +68,11 @@ def test_link_faults_parse_and_name_bad_fields() -> None:
 
 
 def test_run_refuses_a_fault_outside_the_plan() -> None:
-    from plait.runtime.api import run
+    from plait.runtime.api import FaultsConfig, run
 
     with pytest.raises(PlaitError, match="comm_faults: field 'slow_link' \\[0, 5\\] names a rank outside"):
         run("gpt:layers=2,hidden=16,heads=4,seq=8,vocab=32", None, "dp=2,micro_batch=1,global_batch=2", steps=1,
-            comm_faults={"slow_link": [0, 5], "delay_s": 1})
+            faults=FaultsConfig(comm_faults={"slow_link": [0, 5], "delay_s": 1}))
 
 
 # ---------------------------------------------------------------------------------- one-rank facade

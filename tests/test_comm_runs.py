@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from plait.ir.comm import CommRecord, CommRecordFile, read_run_comm_records
-from plait.runtime.api import RunFailure, RunResult, reference_run, run
+from plait.runtime.api import (
+    FaultsConfig,
+    LaunchConfig,
+    RecordsConfig,
+    RunFailure,
+    RunResult,
+    reference_run,
+    run,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -62,8 +70,8 @@ def _assert_spans_have_records(result: RunResult, files: dict[int, CommRecordFil
 
 @pytest.fixture(scope="module")
 def dp_run(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    return run(TINY, None, "dp=2,micro_batch=2,global_batch=8,dtype=fp32", steps=2, timeout=120,
-               run_dir=tmp_path_factory.mktemp("dp"))
+    return run(TINY, None, "dp=2,micro_batch=2,global_batch=8,dtype=fp32", steps=2, launch=LaunchConfig(timeout=120),
+               records=RecordsConfig(run_dir=tmp_path_factory.mktemp("dp")))
 
 
 def test_data_parallel_records(dp_run: RunResult) -> None:
@@ -82,7 +90,8 @@ def test_data_parallel_records(dp_run: RunResult) -> None:
 
 
 def test_tensor_parallel_records(tmp_path: Path) -> None:
-    result = run(TINY, None, "tp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=1, timeout=120, run_dir=tmp_path)
+    result = run(TINY, None, "tp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=1, launch=LaunchConfig(timeout=120),
+                 records=RecordsConfig(run_dir=tmp_path))
     files = _files(result)
     activation = 2 * SEQ * HIDDEN * 4  # one micro-batch's [s, b, h] fp32 activations
     for f in files.values():
@@ -100,8 +109,8 @@ def test_tensor_parallel_records(tmp_path: Path) -> None:
 
 def test_a_killed_rank_keeps_its_records(tmp_path: Path) -> None:
     with pytest.raises(RunFailure) as info:
-        run(TINY, None, "dp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=6, timeout=60, run_dir=tmp_path,
-            inject="kill:rank=1,step=3")
+        run(TINY, None, "dp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=6, launch=LaunchConfig(timeout=60),
+            records=RecordsConfig(run_dir=tmp_path), faults=FaultsConfig(inject="kill:rank=1,step=3"))
     assert info.value.rank == 1 and info.value.kind == "died"
     files = read_run_comm_records(tmp_path / "comm")
     killed = files[1]
@@ -119,8 +128,8 @@ def test_a_slowed_link_shows_in_its_records_only(tmp_path: Path) -> None:
     model = "gpt:layers=3,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
     plan = "pp=3,micro_batch=1,global_batch=2,dtype=fp32,schedule=1f1b"
     delay = 0.05
-    result = run(model, None, plan, steps=2, timeout=120, run_dir=tmp_path,
-                 comm_faults={"slow_link": [0, 1], "delay_s": delay})
+    result = run(model, None, plan, steps=2, launch=LaunchConfig(timeout=120), records=RecordsConfig(run_dir=tmp_path),
+                 faults=FaultsConfig(comm_faults={"slow_link": [0, 1], "delay_s": delay}))
     files = _files(result)
     slow, fast = ("p2p 0->1", "p2p 1->0"), ("p2p 1->2", "p2p 2->1")
     for rank, f in files.items():

@@ -10,7 +10,7 @@ import pytest
 
 from plait.doctor import diagnose
 from plait.ir.comm import read_run_comm_records
-from plait.runtime.api import RunFailure, run
+from plait.runtime.api import FaultsConfig, LaunchConfig, RecordsConfig, RunFailure, run
 
 pytestmark = pytest.mark.distributed
 
@@ -19,8 +19,9 @@ PLAN = "dp=2,micro_batch=1,global_batch=2,dtype=fp32"
 
 
 def _run(tmp_path: Path, spec: str, steps: int = 8, fails: bool = False) -> Path:
-    kwargs = dict(steps=steps, timeout=5.0, run_dir=tmp_path, inject=spec, compute_sleep=0.04, probe_bytes=1 << 18,
-                  probe_every=1)
+    kwargs = dict(steps=steps, launch=LaunchConfig(timeout=5.0),
+                  records=RecordsConfig(run_dir=tmp_path, probe_bytes=1 << 18, probe_every=1),
+                  faults=FaultsConfig(inject=spec, compute_sleep=0.04))
     if fails:
         with pytest.raises(RunFailure):
             run(TINY, None, PLAN, **kwargs)

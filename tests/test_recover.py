@@ -4,7 +4,6 @@ node joining back -- resuming from resharded checkpoints with the loss curve con
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 from pathlib import Path
@@ -24,7 +23,16 @@ from plait.recover import (
     remaining_cluster,
 )
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.api import RunFailure, read_step_records, reference_run, run
+from plait.runtime.api import (
+    CheckpointConfig,
+    FaultsConfig,
+    LaunchConfig,
+    RecordsConfig,
+    RunFailure,
+    read_step_records,
+    reference_run,
+    run,
+)
 
 TINY = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0,attn_dropout=0"
 # 2 nodes x 2 GPUs (A100 node, V100 node) on loopback: no root needed.
@@ -32,12 +40,9 @@ EMU = "emulated-mixed:namespaces=false"
 MIXED = "mixed-a100-v100:a100_nodes=2,v100_nodes=2,gpus_per_node=1"  # 4 nodes of one GPU each
 
 
-def _fault(kind: str, rank: int, step: int) -> dict[str, str]:
-    """A rank killed (kill) or hung (hang) at a step: `run(inject=...)` where this plait has the
-    public injection, else the hidden test fault."""
-    if "inject" in inspect.signature(run).parameters:
-        return {"inject": f"{kind}:rank={rank},step={step}"}
-    return {"fault": f"rank={rank},step={step},kind={'die' if kind == 'kill' else kind}"}
+def _fault(kind: str, rank: int, step: int) -> FaultsConfig:
+    """A rank killed (kill) or hung (hang) at a step (`plait.runtime.inject`)."""
+    return FaultsConfig(inject=f"{kind}:rank={rank},step={step}")
 
 
 def _diag(*findings: Finding) -> Diagnosis:
@@ -124,6 +129,13 @@ def test_bad_recovery_arguments_fail_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(RecoveryError, match="rejoin: no node named 'nope'"):
         recover(TINY, EMU, "dp=2,micro_batch=2,global_batch=8", 4, run_dir=tmp_path,
                 config=RecoveryConfig(rejoin_at={"nope": 1}))
+    # what the loop sets itself: a runtime config that sets it is refused, naming the field
+    for field, given in (("checkpoint_every", {"checkpoint": CheckpointConfig(dir=tmp_path, every=2)}),
+                         ("return_params", {"records": RecordsConfig(return_params=True)}),
+                         ("step_records", {"records": RecordsConfig(step_records=True)}),
+                         ("run_dir", {"records": RecordsConfig(run_dir=tmp_path)})):
+        with pytest.raises(RecoveryError, match=f"{field}: set by the recovery loop, not by its caller"):
+            recover(TINY, EMU, "dp=2,micro_batch=2,global_batch=8", 4, run_dir=tmp_path, **given)
 
 
 # ---------------------------------------------------------------------------------- the loop, for real
@@ -132,8 +144,8 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """4 ranks (dp=2 x tp=2) on 2 emulated nodes; rank 1 killed at step 5; checkpoints every 2."""
     d = tmp_path_factory.mktemp("killed")
     res = recover(TINY, EMU, "dp=2,tp=2,micro_batch=2,global_batch=16,dtype=fp32", 8, run_dir=d / "run",
-                  config=RecoveryConfig(checkpoint_every=2, live=False), **_fault("kill", 1, 5),
-                  keep_checkpoints=None, timeout=60)
+                  config=RecoveryConfig(checkpoint_every=2, live=False), faults=_fault("kill", 1, 5),
+                  checkpoint=CheckpointConfig(keep=None), launch=LaunchConfig(timeout=60))
     return {"res": res, "dir": d}
 
 
@@ -166,7 +178,7 @@ def test_resumed_losses_equal_a_clean_run_from_the_same_checkpoint(killed: dict,
     ck.mkdir()
     shutil.copytree(ckpt.step_dir(Path(res.run_dir) / "checkpoints", 4), ckpt.step_dir(ck, 4))
     clean = run(TINY, str(Path(second.run_dir) / "cluster.yaml"), Path(second.run_dir) / "plan.json", steps=8,
-                checkpoint_dir=ck, resume=True, timeout=60)
+                checkpoint=CheckpointConfig(dir=ck, resume=True), launch=LaunchConfig(timeout=60))
     assert clean.steps == [4, 5, 6, 7]
     assert clean.losses == [second.losses[s] for s in clean.steps]  # exactly
 
@@ -183,8 +195,9 @@ def test_resharding_onto_fewer_ranks_is_exact(killed: dict, plan: str, tmp_path:
     ck = tmp_path / "ck"
     ck.mkdir()
     shutil.copytree(ckpt.step_dir(Path(res.run_dir) / "checkpoints", 4), ckpt.step_dir(ck, 4))
-    loaded = run(TINY, str(Path(second.run_dir) / "cluster.yaml"), plan, steps=4, checkpoint_dir=ck, resume=True,
-                 return_params=True, timeout=60)
+    loaded = run(TINY, str(Path(second.run_dir) / "cluster.yaml"), plan, steps=4,
+                 checkpoint=CheckpointConfig(dir=ck, resume=True), launch=LaunchConfig(timeout=60),
+                 records=RecordsConfig(return_params=True))
     assert loaded.steps == [] and loaded.params
     state = ckpt.load_consolidated(ckpt.step_dir(ck, 4))
     want, tied = state["model"], state["train"]["tied"]  # a tied copy (the last stage's head) -> its name
@@ -207,7 +220,7 @@ def test_live_slow_link_diagnosis_isolates_an_end_and_the_node_rejoins(tmp_path:
 
     res = recover(TINY, EMU, "dp=4,micro_batch=2,global_batch=16,dtype=fp32", 80, run_dir=tmp_path,
                   config=RecoveryConfig(checkpoint_every=4, detect_every=0.2, rejoin_at={"v100-node": 0}),
-                  detect=detect, timeout=60)
+                  detect=detect, launch=LaunchConfig(timeout=60))
     p0, p1, p2 = res.phases
     assert p0.ended.startswith("diagnosed: slow_link of ranks [1, 2]")
     assert p0.isolation["nodes"] == ["v100-node"] and "less compute" in p0.isolation["reasons"]["v100-node"]
@@ -258,7 +271,8 @@ def test_bench_core_on_a_tiny_case(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_hung_rank_is_isolated_after_the_heartbeat_timeout(tmp_path: Path) -> None:
     res = recover(TINY, EMU, "dp=4,micro_batch=2,global_batch=16,dtype=fp32", 6, run_dir=tmp_path,
-                  config=RecoveryConfig(checkpoint_every=2, live=False), timeout=5, **_fault("hang", 2, 3))
+                  config=RecoveryConfig(checkpoint_every=2, live=False), launch=LaunchConfig(timeout=5),
+                  faults=_fault("hang", 2, 3))
     p0, p1 = res.phases
     assert "rank 2 (host v100-node" in p0.ended and "hung at step 3" in p0.ended
     assert p0.diagnosis["findings"][0]["kind"] == "noncomm_hang" and p0.isolation["nodes"] == ["v100-node"]
@@ -271,8 +285,7 @@ def test_hung_rank_is_isolated_after_the_heartbeat_timeout(tmp_path: Path) -> No
 def test_cli_recover_heals_a_killed_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from plait.cli import main
 
-    flag = _fault("kill", 3, 3)
-    inject = ["--inject", flag["inject"]] if "inject" in flag else ["--fault", flag["fault"]]
+    inject = ["--inject", _fault("kill", 3, 3).inject]
     code = main(["run", "--model", TINY, "--cluster", EMU, "--plan", "dp=4,micro_batch=2,global_batch=16,dtype=fp32",
                  "--steps", "5", "--checkpoint-every", "2", "--recover", "--run-dir", str(tmp_path), "--json",
                  "--timeout", "60", *inject])

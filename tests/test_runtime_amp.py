@@ -18,7 +18,14 @@ import torch
 
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.amp import DynamicLossScaler
-from plait.runtime.api import RunResult, run
+from plait.runtime.api import (
+    CheckpointConfig,
+    FaultsConfig,
+    LaunchConfig,
+    RecordsConfig,
+    RunResult,
+    run,
+)
 from plait.runtime.partition import RuntimeSetupError
 
 TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
@@ -29,8 +36,9 @@ SCALE = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
 @pytest.fixture(scope="module")
 def overflow_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
     root = tmp_path_factory.mktemp("amp") / "ckpt"
-    result = run(TINY, None, PLAN, steps=4, return_params=True, timeout=120, inject="inf:rank=1,step=1",
-                 checkpoint_dir=root, checkpoint_every=1, keep_checkpoints=None, env=SCALE)
+    result = run(TINY, None, PLAN, steps=4, checkpoint=CheckpointConfig(dir=root, every=1, keep=None),
+                 launch=LaunchConfig(timeout=120, env=SCALE), records=RecordsConfig(return_params=True),
+                 faults=FaultsConfig(inject="inf:rank=1,step=1"))
     return result, root
 
 
@@ -58,8 +66,8 @@ def test_scaler_state_survives_resume(overflow_run: tuple[RunResult, Path], tmp_
     shutil.copytree(root, copy)
     for k in (3, 4):  # resume from the checkpoint after step 2: scale 512, one good step to go
         shutil.rmtree(ckpt.step_dir(copy, k))
-    resumed = run(TINY, None, PLAN, steps=4, return_params=True, timeout=120, checkpoint_dir=copy,
-                  resume=True, env=SCALE)
+    resumed = run(TINY, None, PLAN, steps=4, checkpoint=CheckpointConfig(dir=copy, resume=True),
+                  launch=LaunchConfig(timeout=120, env=SCALE), records=RecordsConfig(return_params=True))
     assert resumed.steps == [2, 3] and resumed.resumed_from == 2
     assert resumed.loss_scales == straight.loss_scales[2:] == [512.0, 512.0]  # a fresh scaler would use 1024
     assert resumed.final_loss_scale == straight.final_loss_scale

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from plait.runtime import data as user_data
-from plait.runtime.api import reference_run, run
+from plait.runtime.api import (
+    CheckpointConfig,
+    LaunchConfig,
+    RecordsConfig,
+    TrainingConfig,
+    reference_run,
+    run,
+)
 from plait.runtime.lr import LRSchedule, LRScheduleError
 
 TINY = "gpt:layers=2,hidden=16,heads=4,seq=8,vocab=256,dropout=0,attn_dropout=0"
@@ -101,18 +108,20 @@ TRAIN = dict(lr=2e-3, min_lr=2e-4, lr_warmup_iters=1, lr_decay_style="cosine", l
 
 @pytest.mark.distributed
 def test_uneven_dp_sees_one_process_samples_and_resumes_under_another_plan(data_spec: str, tmp_path: Path) -> None:
-    ref, _ = reference_run(TINY, "dp=1,micro_batch=8,global_batch=8", 4, data=data_spec, **TRAIN)
+    train = TrainingConfig(data=data_spec, **TRAIN)
+    ref, _ = reference_run(TINY, "dp=1,micro_batch=8,global_batch=8", 4, training=train)
     root = tmp_path / "ck"
     first = run(TINY, None, "dp=2,dp_shares=0.75:0.25,micro_batch=2,global_batch=8,dtype=fp32", steps=2,
-                data=data_spec, checkpoint_dir=root, checkpoint_every=2, run_dir=tmp_path / "run",
-                timeout=120, **TRAIN)
+                training=train, checkpoint=CheckpointConfig(dir=root, every=2),
+                launch=LaunchConfig(timeout=120), records=RecordsConfig(run_dir=tmp_path / "run"))
     assert [r.samples_per_step for r in first.ranks] == [6, 2]
     for got, want in zip(first.losses, ref[:2], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
     lines = (tmp_path / "run" / "losses.csv").read_text().splitlines()
     assert lines[0] == "step,loss" and [float(x.split(",")[1]) for x in lines[1:]] == first.losses
-    resumed = run(TINY, None, "pp=2,micro_batch=2,global_batch=8,dtype=fp32", steps=4, data=data_spec,
-                  checkpoint_dir=root, resume=True, timeout=120, **TRAIN)
+    resumed = run(TINY, None, "pp=2,micro_batch=2,global_batch=8,dtype=fp32", steps=4,
+                  training=train, checkpoint=CheckpointConfig(dir=root, resume=True),
+                  launch=LaunchConfig(timeout=120))
     assert resumed.steps == [2, 3]
     for got, want in zip(resumed.losses, ref[2:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.api import run
+from plait.runtime.api import CheckpointConfig, LaunchConfig, run
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.partition import load_model_spec, make_samples
 
@@ -58,7 +58,7 @@ def reference() -> list[Any]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dcp") / "ck"
-    run(TINY, None, SOURCE, steps=2, checkpoint_dir=root, checkpoint_every=2, timeout=120)
+    run(TINY, None, SOURCE, steps=2, checkpoint=CheckpointConfig(dir=root, every=2), launch=LaunchConfig(timeout=120))
     return root
 
 
@@ -93,7 +93,8 @@ def test_loads_at_pp2_and_continues_like_one_process(saved: Path, reference: lis
     root = tmp_path / "ck"
     shutil.copytree(saved, root)
     plan = "pp=2,micro_batch=2," + FP32
-    resumed = run(TINY, None, plan, steps=STEPS, checkpoint_dir=root, checkpoint_every=1, resume=True, timeout=120)
+    resumed = run(TINY, None, plan, steps=STEPS, checkpoint=CheckpointConfig(dir=root, every=1, resume=True),
+                  launch=LaunchConfig(timeout=120))
     assert resumed.steps == [2, 3] and resumed.resumed_from == 2
     for got, (want, _, _) in zip(resumed.losses, reference[2:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
@@ -107,7 +108,8 @@ def test_loads_at_dp3_uneven_zero3_and_converts_to_a_plain_state_dict(saved: Pat
     root = tmp_path / "ck"
     shutil.copytree(saved, root)
     plan = "dp=3,dp_shares=0.5:0.25:0.25,zero=3,micro_batch=2," + FP32
-    resumed = run(TINY, None, plan, steps=3, checkpoint_dir=root, checkpoint_every=1, resume=True, timeout=120)
+    resumed = run(TINY, None, plan, steps=3, checkpoint=CheckpointConfig(dir=root, every=1, resume=True),
+                  launch=LaunchConfig(timeout=120))
     assert resumed.steps == [2] and [r.samples_per_step for r in resumed.ranks] == [4, 2, 2]
     assert abs(resumed.losses[0] - reference[2][0]) <= 1e-5 * abs(reference[2][0])
     # The README's recipe: torch's own converter, then a plain model.

@@ -25,7 +25,14 @@ import torch
 
 from plait.cli import main as cli_main
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.api import RunFailure, run
+from plait.runtime.api import (
+    CheckpointConfig,
+    FaultsConfig,
+    LaunchConfig,
+    RecordsConfig,
+    RunFailure,
+    run,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -74,8 +81,9 @@ def test_cli_run_reports_json_and_trace(straight: dict) -> None:
 def test_sigkill_keeps_checkpoints_and_resume_is_bit_exact(straight: dict, tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     with pytest.raises(RunFailure) as info:
-        run(TINY, None, PLAN, steps=4, checkpoint_dir=ck, checkpoint_every=2, timeout=60,
-            inject="kill:rank=1,step=3,at=checkpoint", run_dir=tmp_path / "run")
+        run(TINY, None, PLAN, steps=4, checkpoint=CheckpointConfig(dir=ck, every=2), launch=LaunchConfig(timeout=60),
+            records=RecordsConfig(run_dir=tmp_path / "run"),
+            faults=FaultsConfig(inject="kill:rank=1,step=3,at=checkpoint"))
     failure = info.value
     assert failure.rank == 1 and failure.kind == "died"
     assert "rank 1 (host " in str(failure) and "died at step 3 while writing a checkpoint (killed by SIGKILL)" \
@@ -84,8 +92,8 @@ def test_sigkill_keeps_checkpoints_and_resume_is_bit_exact(straight: dict, tmp_p
     # The half-written step-4 checkpoint is a temporary directory, never published.
     assert ckpt.tmp_dir(ck, 4).exists() and not ckpt.step_dir(ck, 4).exists()
 
-    resumed = run(TINY, None, PLAN, steps=4, checkpoint_dir=ck, checkpoint_every=2, resume=True,
-                  return_params=True, timeout=60)
+    resumed = run(TINY, None, PLAN, steps=4, checkpoint=CheckpointConfig(dir=ck, every=2, resume=True),
+                  launch=LaunchConfig(timeout=60), records=RecordsConfig(return_params=True))
     assert resumed.steps == [2, 3] and resumed.resumed_from == 2
     assert resumed.losses == straight["result"]["losses"][2:]  # bit for bit, not approximately
     final = ckpt.load_consolidated(ckpt.step_dir(straight["ck"], 4))["model"]
@@ -113,7 +121,7 @@ def test_hang_stops_within_timeout_naming_the_rank(tmp_path: Path, capsys: pytes
 def _emulated(tmp_path: Path, namespaces: bool) -> object:
     path = tmp_path / "cluster.yaml"
     path.write_text(EMU_YAML.format(namespaces="true" if namespaces else "false"))
-    return run(TINY, str(path), PLAN, steps=2, timeout=120)
+    return run(TINY, str(path), PLAN, steps=2, launch=LaunchConfig(timeout=120))
 
 
 def _check_slowdown(result, straight: dict) -> None:

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from plait.ir.plan import Plan
-from plait.runtime.api import RunResult, reference_run, run
+from plait.runtime.api import (
+    CheckpointConfig,
+    LaunchConfig,
+    RecordsConfig,
+    RunResult,
+    reference_run,
+    run,
+)
 from plait.runtime.partition import replica_micro_batches
 
 pytestmark = pytest.mark.distributed
@@ -74,7 +81,8 @@ def _check_timeline(result: RunResult, tmp_path) -> None:
 
 
 def _run(plan: str) -> RunResult:
-    return run(TINY, None, plan, steps=STEPS, return_params=True, timeout=120)
+    return run(TINY, None, plan, steps=STEPS, launch=LaunchConfig(timeout=120),
+               records=RecordsConfig(return_params=True))
 
 
 def test_data_parallel_zero1(reference, tmp_path) -> None:
@@ -146,10 +154,11 @@ def test_sequence_parallel_dropout_resume_is_bit_exact(tmp_path) -> None:
     tokens); that stream is checkpointed, so a resumed run continues bit for bit."""
     model = "gpt:layers=2,hidden=16,heads=4,seq=8,vocab=32,dropout=0.2,attn_dropout=0.2"
     plan = "tp=2,sequence_parallel=true,micro_batch=4," + FP32
-    straight = run(model, None, plan, steps=4, return_params=True, timeout=120, checkpoint_dir=tmp_path,
-                   checkpoint_every=2)
+    straight = run(model, None, plan, steps=4, checkpoint=CheckpointConfig(dir=tmp_path, every=2),
+                   launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
     shutil.rmtree(tmp_path / "step-00000004")
-    resumed = run(model, None, plan, steps=4, return_params=True, timeout=120, checkpoint_dir=tmp_path, resume=True)
+    resumed = run(model, None, plan, steps=4, checkpoint=CheckpointConfig(dir=tmp_path, resume=True),
+                  launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
     assert resumed.steps == [2, 3] and resumed.losses == straight.losses[2:]
     assert straight.params is not None and resumed.params is not None
     for name, value in straight.params.items():
@@ -243,7 +252,8 @@ def test_pipeline_of_a_model_with_glue_and_skips(tmp_path) -> None:
     model = f"{path}:make"
     plan = "pp=2,micro_batch=2,schedule=1f1b," + FP32
     ref_losses, ref_params = reference_run(model, plan, STEPS)
-    result = run(model, None, plan, steps=STEPS, return_params=True, timeout=120)
+    result = run(model, None, plan, steps=STEPS, launch=LaunchConfig(timeout=120),
+                 records=RecordsConfig(return_params=True))
     assert result.losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
     assert result.params is not None and set(result.params) == set(ref_params)
     for name, value in result.params.items():

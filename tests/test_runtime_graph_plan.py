@@ -12,7 +12,7 @@ import torch
 
 from plait.plan.graph_search import search_graph
 from plait.runtime import supports
-from plait.runtime.api import reference_run, run
+from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # about 30 s each on 2 shared cores
 
@@ -37,8 +37,10 @@ def test_partitioner_plan_runs_equal_to_one_process(name: str) -> None:
     assert dags, [str(c.plan) for c in res.top]
     plan = dags[0]
     assert supports(plan) == (True, "")
-    ref_losses, ref_params = reference_run(model, plan, 2, optimizer=SGD, lr=0.5)
-    result = run(model, None, plan, steps=2, optimizer=SGD, lr=0.5, return_params=True, timeout=120)
+    training = TrainingConfig(optimizer=SGD, lr=0.5)
+    ref_losses, ref_params = reference_run(model, plan, 2, training=training)
+    result = run(model, None, plan, steps=2, training=training,
+                 launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
     assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
     assert result.params is not None
     for key, value in result.params.items():
@@ -57,9 +59,10 @@ def test_partitioner_plan_with_data_parallel_stages_runs_equal_to_one_process() 
     plan = mixed[0]
     assert max(s.dp for s in plan.stages) > 1 and min(s.dp for s in plan.stages) == 1
     assert supports(plan) == (True, "")
-    ref_losses, ref_params = reference_run(model, plan, 2, optimizer=SGD, lr=0.5, clip_grad=0.05)
-    result = run(model, None, plan, steps=2, optimizer=SGD, lr=0.5, clip_grad=0.05, return_params=True,
-                 timeout=300)
+    training = TrainingConfig(optimizer=SGD, lr=0.5, clip_grad=0.05)
+    ref_losses, ref_params = reference_run(model, plan, 2, training=training)
+    result = run(model, None, plan, steps=2, training=training, launch=LaunchConfig(timeout=300),
+                 records=RecordsConfig(return_params=True))
     assert len(result.ranks) == sum(s.dp for s in plan.stages)
     assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
     assert result.params is not None

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from plait.cli import main as cli_main
-from plait.runtime.api import reference_run, run
+from plait.runtime.api import FaultsConfig, LaunchConfig, RecordsConfig, reference_run, run
 from plait.runtime.launch import RunFailure, free_port
 from plait.runtime.multinode import HostMismatch, Rendezvous
 
@@ -72,8 +72,9 @@ def test_two_hosts_2_and_1_workers_matched_by_node_name_train_like_one_process(c
     plan = "pp=3,micro_batch=2,global_batch=8,dtype=fp32"
     endpoint = f"127.0.0.1:{free_port()}"
     with other_node(_node_args(cluster, plan, endpoint, "t1", tmp_path / "beta", "--node-name", "beta")) as beta:
-        result = run(TINY, cluster, plan, steps=STEPS, timeout=60, run_dir=tmp_path / "alpha",
-                     rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t1", node_name="alpha"))
+        rdzv = Rendezvous(nnodes=2, endpoint=endpoint, run_id="t1", node_name="alpha")
+        result = run(TINY, cluster, plan, steps=STEPS, launch=LaunchConfig(timeout=60, rendezvous=rdzv),
+                     records=RecordsConfig(run_dir=tmp_path / "alpha"))
     assert beta["code"] == 0, beta["stderr"]
     assert "this node ran plan ranks [2]" in str(beta["stdout"])
     assert result.losses == pytest.approx(reference_run(TINY, plan, STEPS)[0], rel=1e-5)
@@ -110,8 +111,9 @@ def test_host_that_does_not_match_the_cluster_file_is_named(cluster: str, tmp_pa
     with other_node(_node_args(cluster, plan, endpoint, "t3", tmp_path / "x2", "--node-name", "x2",
                                "--nproc-per-node", "1")) as x2:
         with pytest.raises(HostMismatch) as info:
-            run(TINY, cluster, plan, steps=STEPS, timeout=60, run_dir=tmp_path / "x1",
-                rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t3", node_name="x1", nproc=1))
+            rdzv = Rendezvous(nnodes=2, endpoint=endpoint, run_id="t3", node_name="x1", nproc=1)
+            run(TINY, cluster, plan, steps=STEPS, launch=LaunchConfig(timeout=60, rendezvous=rdzv),
+                records=RecordsConfig(run_dir=tmp_path / "x1"))
     message = str(info.value)
     assert "GPU count" in message and "cluster node 'alpha'" in message and "started 1 worker" in message
     assert "host " in message and ("node name 'x1'" in message or "node name 'x2'" in message)
@@ -127,8 +129,9 @@ def test_hung_rank_is_named_with_its_host_within_the_timeout(cluster: str, tmp_p
     args[args.index("--timeout") + 1] = str(timeout)
     with other_node(args) as beta:
         with pytest.raises(RunFailure) as info:
-            run(TINY, cluster, plan, steps=STEPS, timeout=timeout, run_dir=tmp_path / "alpha", inject=fault,
-                rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t4", node_name="alpha"))
+            rdzv = Rendezvous(nnodes=2, endpoint=endpoint, run_id="t4", node_name="alpha")
+            run(TINY, cluster, plan, steps=STEPS, launch=LaunchConfig(timeout=timeout, rendezvous=rdzv),
+                records=RecordsConfig(run_dir=tmp_path / "alpha"), faults=FaultsConfig(inject=fault))
     # beta watches its own rank: it names it, with its host, once it made no progress for `timeout`
     assert beta["code"] == 2
     found = re.search(r"rank 2 \(host beta, device 2\) hung at step 0: no progress for ([0-9.]+) s", str(beta["stderr"]))
@@ -143,6 +146,7 @@ def test_hung_rank_is_named_with_its_host_within_the_timeout(cluster: str, tmp_p
 def test_a_node_that_never_joins_ends_the_rendezvous_with_its_cause(cluster: str, tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(RunFailure) as info:
-        run(TINY, cluster, "pp=3,micro_batch=2,global_batch=8,dtype=fp32", steps=STEPS, timeout=60, startup_timeout=2,
-            run_dir=tmp_path, rendezvous=Rendezvous(nnodes=2, endpoint=endpoint, run_id="t5", node_name="alpha"))
+        rdzv = Rendezvous(nnodes=2, endpoint=endpoint, run_id="t5", node_name="alpha")
+        run(TINY, cluster, "pp=3,micro_batch=2,global_batch=8,dtype=fp32", steps=STEPS,
+            launch=LaunchConfig(timeout=60, startup_timeout=2, rendezvous=rdzv), records=RecordsConfig(run_dir=tmp_path))
     assert f"host alpha: the rendezvous of 2 nodes at {endpoint} (id t5) timed out before training" in str(info.value)

@@ -8,13 +8,15 @@ clip norm is below the gradients' norm, so every step is clipped (checked on the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from plait.graph.zoo import load_model
 from plait.ir.plan import Plan, PlanError, StageSpec
 from plait.runtime import supports
-from plait.runtime.api import reference_run, run
+from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
 from plait.runtime.layout import pipeline_layout, rank_actions
 from plait.runtime.partition import RuntimeSetupError, layer_modules
 from plait.schedule import PipelineGraph, graph_1f1b, interleaved_1f1b
@@ -70,9 +72,12 @@ def _diamond_plan() -> Plan:
                 global_batch=8, dtype="fp32")
 
 
+TRAINING = TrainingConfig(optimizer=SGD, lr=0.5, clip_grad=CLIP)  # the same for run and its reference
+
+
 def _reference(model: str, plan) -> tuple[list[float], dict[str, torch.Tensor]]:
-    ref_losses, ref_params = reference_run(model, plan, STEPS, optimizer=SGD, lr=0.5, clip_grad=CLIP)
-    unclipped = reference_run(model, plan, STEPS, optimizer=SGD, lr=0.5)[1]
+    ref_losses, ref_params = reference_run(model, plan, STEPS, training=TRAINING)
+    unclipped = reference_run(model, plan, STEPS, training=dataclasses.replace(TRAINING, clip_grad=None))[1]
     initial = reference_run(model, plan, 0)[1]
     moved = [n for n in ref_params if not torch.equal(unclipped[n], initial[n])]
     assert moved and all(not torch.allclose(ref_params[n], unclipped[n], rtol=0, atol=1e-5)
@@ -81,8 +86,8 @@ def _reference(model: str, plan) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _run(model: str, plan) -> object:
-    return run(model, None, plan, steps=STEPS, optimizer=SGD, lr=0.5, clip_grad=CLIP, return_params=True,
-               timeout=120)
+    return run(model, None, plan, steps=STEPS, training=TRAINING,
+               launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
 
 
 def _check(result, ref_losses, ref_params) -> None:

@@ -18,7 +18,7 @@ from plait.graph.zoo import load_model
 from plait.ir.plan import Plan
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.api import RunResult, _check_plan, rank_layout, run
+from plait.runtime.api import CheckpointConfig, RunResult, _check_plan, rank_layout, run
 from plait.runtime.executor import _decode_header, _encode_header
 from plait.runtime.inject import Fault, InjectError, Injection
 from plait.runtime.launch import AgentSpec, Launcher, _Agent
@@ -431,7 +431,7 @@ def test_run_rejects_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeSetupError, match="zero=3"):
         _check_plan(Plan(pp=2, zero=3, global_batch=2))
     with pytest.raises(RuntimeSetupError, match="checkpoint directory"):
-        run(TINY, None, "dp=1", steps=1, resume=True)
+        run(TINY, None, "dp=1", steps=1, checkpoint=CheckpointConfig(resume=True))
     with pytest.raises(RuntimeSetupError, match="steps must be >= 1"):
         run(TINY, None, "dp=1", steps=0)
 

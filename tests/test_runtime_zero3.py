@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.api import RunResult, reference_run, run
+from plait.runtime.api import (
+    CheckpointConfig,
+    FaultsConfig,
+    LaunchConfig,
+    RecordsConfig,
+    RunResult,
+    reference_run,
+    run,
+)
 from plait.runtime.partition import RuntimeSetupError
 
 TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
@@ -49,8 +57,8 @@ def _zero_comm(result: RunResult, rank: int, step: int) -> Counter:
 
 @pytest.mark.distributed
 def test_zero3_even_shares_equals_reference_with_sharded_parameters(reference, tmp_path: Path) -> None:
-    result = run(TINY, None, "dp=2,micro_batch=2,zero=3," + FP32, steps=STEPS, return_params=True, timeout=120,
-                 run_dir=tmp_path)
+    result = run(TINY, None, "dp=2,micro_batch=2,zero=3," + FP32, steps=STEPS, launch=LaunchConfig(timeout=120),
+                 records=RecordsConfig(return_params=True, run_dir=tmp_path))
     _check_equal(result, reference)
     assert not any("zero=3" in n for n in result.notes)
     cats = {e.category for e in result.timeline.events}
@@ -88,8 +96,8 @@ def _model_elements_by_file(path: Path) -> dict[str, int]:
 def test_zero3_uneven_shares_checkpoint_and_bit_exact_resume(reference, tmp_path: Path) -> None:
     plan = "dp=2,micro_batch=2,zero=3,dp_shares=0.75:0.25," + FP32
     root = tmp_path / "ck"
-    straight = run(TINY, None, plan, steps=STEPS, return_params=True, timeout=120, checkpoint_dir=root,
-                   checkpoint_every=1, keep_checkpoints=None)
+    straight = run(TINY, None, plan, steps=STEPS, checkpoint=CheckpointConfig(dir=root, every=1, keep=None),
+                   launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
     _check_equal(straight, reference)
     assert [r.samples_per_step for r in straight.ranks] == [6, 2]
     # Rank 1 runs 1 micro-batch, rank 0 three: rank 1 joins the other two rounds' collectives (ghosts).
@@ -107,8 +115,8 @@ def test_zero3_uneven_shares_checkpoint_and_bit_exact_resume(reference, tmp_path
     copy = tmp_path / "copy"
     shutil.copytree(root, copy)
     shutil.rmtree(ckpt.step_dir(copy, 3))
-    resumed = run(TINY, None, plan, steps=STEPS, return_params=True, timeout=120, checkpoint_dir=copy,
-                  resume=True)
+    resumed = run(TINY, None, plan, steps=STEPS, checkpoint=CheckpointConfig(dir=copy, resume=True),
+                  launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
     assert resumed.steps == [2] and resumed.resumed_from == 2
     assert resumed.losses == straight.losses[2:]  # bit for bit
     assert resumed.params is not None and straight.params is not None
@@ -120,8 +128,9 @@ def test_zero3_uneven_shares_checkpoint_and_bit_exact_resume(reference, tmp_path
 def test_zero3_fp16_overflow_skips_on_both_ranks() -> None:
     # The inf lands in rank 1's tied-embedding gradient (root unit), reaching rank 0's shard only after
     # the reduce-scatter: both ranks skip because the found-inf flag is agreed over the job.
-    result = run(TINY, None, "dp=2,micro_batch=2,zero=3,global_batch=8,dtype=fp16", steps=2, return_params=True,
-                 timeout=120, inject="inf:rank=1,step=1", env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"})
+    result = run(TINY, None, "dp=2,micro_batch=2,zero=3,global_batch=8,dtype=fp16", steps=2,
+                 launch=LaunchConfig(timeout=120, env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}),
+                 records=RecordsConfig(return_params=True), faults=FaultsConfig(inject="inf:rank=1,step=1"))
     assert result.loss_scales == [1024.0, 1024.0] and result.final_loss_scale == 512.0
     assert result.skipped_steps == [1] and result.skipped_by_rank == {0: [1], 1: [1]}
     assert result.params is not None and all(torch.isfinite(v).all() for v in result.params.values())

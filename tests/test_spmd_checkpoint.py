@@ -167,7 +167,13 @@ def test_plait_run_clips_checkpoints_and_resumes_an_spmd_plan(tmp_path) -> None:
     program at other ratios): losses and final parameters equal the single-process clipped
     reference -- about a minute (three torchrun workers' captures)."""
     from plait.graph.aten_capture import capture_aten
-    from plait.runtime.api import reference_run, run
+    from plait.runtime.api import (
+        CheckpointConfig,
+        RecordsConfig,
+        TrainingConfig,
+        reference_run,
+        run,
+    )
     from plait.runtime.partition import make_samples
     from plait.spmd.program_plan import program_plan
 
@@ -179,10 +185,13 @@ def test_plait_run_clips_checkpoints_and_resumes_an_spmd_plan(tmp_path) -> None:
     for ratios in (RATIOS, [0.35, 0.65]):
         paths.append(tmp_path / f"spmd-{ratios[0]}.json")
         program_plan(program.strategies, ratios, BATCH, model=model_spec).save(paths[-1])
-    common = {"optimizer": "adam", "lr": 1e-2, "clip_grad": CLIP, "checkpoint_dir": str(tmp_path / "ck")}
-    first = run(model_spec, None, str(paths[0]), steps=SAVE_AT, checkpoint_every=SAVE_AT, **common)
-    second = run(model_spec, None, str(paths[1]), steps=STEPS, resume=True, return_params=True, **common)
-    losses, params = reference_run(model_spec, str(paths[0]), STEPS, optimizer="adam", lr=1e-2, clip_grad=CLIP)
+    training = TrainingConfig(optimizer="adam", lr=1e-2, clip_grad=CLIP)
+    ck = str(tmp_path / "ck")
+    first = run(model_spec, None, str(paths[0]), steps=SAVE_AT, training=training,
+                checkpoint=CheckpointConfig(dir=ck, every=SAVE_AT))
+    second = run(model_spec, None, str(paths[1]), steps=STEPS, training=training,
+                 checkpoint=CheckpointConfig(dir=ck, resume=True), records=RecordsConfig(return_params=True))
+    losses, params = reference_run(model_spec, str(paths[0]), STEPS, training=training)
     assert second.resumed_from == SAVE_AT and second.steps == list(range(SAVE_AT, STEPS))
     np.testing.assert_allclose(list(first.losses) + list(second.losses), losses, rtol=1e-5, atol=1e-6)
     assert second.params

@@ -306,7 +306,7 @@ def test_plan_round_trips_and_validates() -> None:
 def test_a_plan_file_trains_like_one_device_through_the_launcher(tmp_path) -> None:
     """`plait run --plan FILE` with an SPMD plan: losses and final parameters equal the
     single-process reference (SGD, 3 steps) -- about 30 s (two torchrun workers each capture)."""
-    from plait.runtime.api import reference_run, run
+    from plait.runtime.api import RecordsConfig, TrainingConfig, reference_run, run
     from plait.runtime.partition import make_samples
     from plait.spmd.program_plan import program_plan
 
@@ -316,8 +316,9 @@ def test_a_plan_file_trains_like_one_device_through_the_launcher(tmp_path) -> No
     plan = program_plan(program.strategies, RATIOS, BATCH, model=MODELS["vit"])
     path = tmp_path / "spmd.json"
     plan.save(path)
-    res = run(MODELS["vit"], None, str(path), steps=3, return_params=True, optimizer="sgd", lr=0.1)
-    losses, params = reference_run(MODELS["vit"], plan, 3, optimizer="sgd", lr=0.1)
+    training = TrainingConfig(optimizer="sgd", lr=0.1)
+    res = run(MODELS["vit"], None, str(path), steps=3, training=training, records=RecordsConfig(return_params=True))
+    losses, params = reference_run(MODELS["vit"], plan, 3, training=training)
     np.testing.assert_allclose(res.losses, losses, rtol=1e-5, atol=1e-6)
     assert set(res.params) <= set(params)
     for k, v in res.params.items():

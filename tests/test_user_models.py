@@ -462,10 +462,12 @@ SGD = {"name": "sgd"}
 
 
 def _equal_to_one_process(model: str, plan) -> object:
-    from plait.runtime.api import reference_run, run
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
 
-    ref_losses, ref_params = reference_run(model, plan, STEPS, optimizer=SGD, lr=0.5)
-    result = run(model, None, plan, steps=STEPS, optimizer=SGD, lr=0.5, return_params=True, timeout=120)
+    training = TrainingConfig(optimizer=SGD, lr=0.5)
+    ref_losses, ref_params = reference_run(model, plan, STEPS, training=training)
+    result = run(model, None, plan, steps=STEPS, training=training,
+                 launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
     assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
     assert result.params is not None and set(result.params) == set(ref_params)
     for name, value in result.params.items():

@@ -104,27 +104,14 @@ def run(args: argparse.Namespace) -> int:
     from plait.runtime.api import run as run_training
 
     _check_args(args)
-    common = dict(trace=args.trace, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                  resume=args.resume, keep_checkpoints=args.keep_checkpoints, timeout=args.timeout,
-                  optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, min_lr=args.min_lr,
-                  lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
-                  lr_decay_iters=args.lr_decay_iters, seed=args.seed, data_seed=args.data_seed,
-                  run_dir=args.run_dir, inject=args.inject, data=args.data, data_workers=args.data_workers,
-                  comm_records=not args.no_comm_records, comm_faults=args.comm_faults,
-                  clip_grad=args.clip_grad, compute_sleep=args.compute_sleep, probe_every=args.probe_every)
-    rendezvous = _rendezvous(args)
-    if rendezvous is not None:
-        common["rendezvous"] = rendezvous
+    configs = _configs(args, _rendezvous(args))
     if args.recover:
-        return _run_recovering(args, common)
+        return _run_recovering(args, configs)
     machine = None
     if args.predict:
-        result, machine = _run_predicted(args, common)
+        result, machine = _run_predicted(args, configs)
     else:
-        result = run_training(args.model, args.cluster, args.plan, steps=args.steps,
-                              nprocs_per_node=None if rendezvous else args.nprocs_per_node, device=args.device,
-                              dtype=args.dtype,
-                              emulate=not args.no_emulate, **common)
+        result = run_training(args.model, args.cluster, args.plan, steps=args.steps, **configs)
     if args.json:
         out = result.to_dict()
         if machine is not None:
@@ -133,6 +120,34 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(result, args, machine)
     return 0
+
+
+def _configs(args: argparse.Namespace, rendezvous: Any) -> dict[str, Any]:
+    """The runtime's configs (`plait.runtime.config`) from the flags: `run`'s keyword arguments."""
+    from plait.runtime.config import (
+        CheckpointConfig,
+        FaultsConfig,
+        LaunchConfig,
+        RecordsConfig,
+        TrainingConfig,
+    )
+
+    return {
+        "training": TrainingConfig(
+            dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+            min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
+            lr_decay_iters=args.lr_decay_iters, clip_grad=args.clip_grad, seed=args.seed,
+            data_seed=args.data_seed, data=args.data, data_workers=args.data_workers),
+        # --recover: the recovery loop sets the checkpoints (_run_recovering)
+        "checkpoint": None if args.recover else CheckpointConfig(
+            dir=args.checkpoint_dir, every=args.checkpoint_every, resume=args.resume, keep=args.keep_checkpoints),
+        "launch": LaunchConfig(timeout=args.timeout, device=args.device, emulate=not args.no_emulate,
+                               nprocs_per_node=None if rendezvous or args.recover else args.nprocs_per_node,
+                               rendezvous=rendezvous),
+        "records": RecordsConfig(run_dir=None if args.recover else args.run_dir, trace=args.trace,
+                                 comm_records=not args.no_comm_records, probe_every=args.probe_every),
+        "faults": FaultsConfig(inject=args.inject, comm_faults=args.comm_faults, compute_sleep=args.compute_sleep),
+    }
 
 
 def _parse_rejoin(items: list[str]) -> dict[str, int]:
@@ -151,26 +166,24 @@ def _parse_rejoin(items: list[str]) -> dict[str, int]:
     return out
 
 
-def _run_recovering(args: argparse.Namespace, common: dict[str, Any]) -> int:
+def _run_recovering(args: argparse.Namespace, configs: dict[str, Any]) -> int:
     """`--recover`: `plait.recover.recover` drives the run as phases (module doc there)."""
     import tempfile
 
     from plait.recover import RecoveryConfig, recover
+    from plait.runtime.config import CheckpointConfig
 
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="plait-recover-")
     every = args.checkpoint_every
-    kwargs = {k: v for k, v in common.items() if k not in ("checkpoint_every", "run_dir", "trace")}
-    for k in ("fault", "comm_faults", "inject"):  # fault injection: only given ones (the first phase's)
-        value = kwargs.pop(k, None) or getattr(args, k, None)
-        if value:
-            kwargs[k] = value
+    checkpoint = CheckpointConfig(dir=args.checkpoint_dir or Path(run_dir) / "checkpoints", resume=args.resume,
+                                  keep=args.keep_checkpoints)
     say = (lambda text: None) if args.json else (lambda text: print(f"plait run: {text}", file=sys.stderr))
     say(f"recovering run in {run_dir} (checkpoint every {every} steps; declare a repaired node back with "
         f"`echo NODE >> {run_dir}/rejoin`)")
     config = RecoveryConfig(checkpoint_every=every, max_recoveries=args.max_recoveries,
                             rejoin_at=_parse_rejoin(args.rejoin), live=not args.no_live_diagnosis)
     result = recover(args.model, args.cluster, args.plan, args.steps, run_dir=run_dir, config=config,
-                     say=say, device=args.device, dtype=args.dtype, emulate=not args.no_emulate, **kwargs)
+                     say=say, **{**configs, "checkpoint": checkpoint})
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=str))
         return 0
@@ -283,7 +296,7 @@ def _rendezvous(args: argparse.Namespace) -> Any:
                       node_name=args.node_name or socket.gethostname(), nproc=args.nprocs_per_node)
 
 
-def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _run_predicted(args: argparse.Namespace, configs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """`--predict`: `plait.measure.machine.LocalMachine` calibrates this machine, runs the plan with
     the ranks pinned as its profilers and predicts it from the layer profiles that bracket the run."""
     from plait.errors import PlaitError
@@ -304,7 +317,7 @@ def _run_predicted(args: argparse.Namespace, common: dict[str, Any]) -> tuple[An
 
     # slower kinds are slowed by the plan's dtype ratio; the CPU ranks compute fp32
     with LocalMachine(args.cluster, args.model, emulate_dtype=Plan.load(args.plan).dtype, say=say) as m:
-        mr = m.measure_and_predict(args.plan, steps=args.steps, **common)
+        mr = m.measure_and_predict(args.plan, steps=args.steps, **configs)
         notes = list(m.notes)
     if args.run_dir and mr.run.run_dir:  # beside the measured run: `plait report RUN_DIR` shows both
         write_prediction(Path(mr.run.run_dir), mr, notes)

@@ -224,13 +224,14 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) ->
     from plait.measure.machine import SHARES
     from plait.runtime.api import rank_layout
     from plait.runtime.api import run as runtime_run
+    from plait.runtime.config import LaunchConfig, RecordsConfig, TrainingConfig
     from plait.runtime.cpu_share import ProcessCgroup, RankCgroups, pinned
 
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
     cluster = choice.cluster
     slow = [r["slowdown"] for r in rank_layout(cluster, choice.plan, choice.dtype)]
-    kwargs = {"steps": args.steps, "dtype": "fp32", "emulate_dtype": choice.dtype, "optimizer": "adam",
-              "lr": args.lr, "spmd_calibrate": True}
+    training = TrainingConfig(dtype="fp32", optimizer="adam", lr=args.lr)
+    records = RecordsConfig(spmd_calibrate=True)
     out: dict[str, Any] = {"slowdowns": slow, "dtype": "fp32", "emulated_dtype": choice.dtype}
     # `pin`: each rank on its own CPU with a high cpu.shares (as plait.measure.machine does) and the
     # one-rank timing under the same share. Off by default: on this 2-CPU machine shared with other
@@ -250,7 +251,8 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) ->
         for name, plan in (("uneven", choice.plan), ("even", choice.even_plan)):
             say(f"plait run: the {name} program ({args.steps} steps) ...")
             env = groups.env() if groups is not None and groups.active else None
-            res = runtime_run(choice.model, cluster, plan, env=env, **kwargs)
+            res = runtime_run(choice.model, cluster, plan, steps=args.steps, training=training, records=records,
+                              launch=LaunchConfig(emulate_dtype=choice.dtype, env=env))
             timings.append(one_rank())
             times = res.iteration_times
             skip = min(2, max(0, len(times) - 1))

@@ -448,21 +448,26 @@ class LocalMachine:
         return MachinePrediction(p, float(res.iteration_time_s), res, prof, speed, scale, cm, cl,
                                  self._graphs[p.micro_batch])
 
-    def run(self, plan: Any, steps: int = 8, **kwargs: Any) -> Any:
-        """`plait.runtime.api.run` of `plan` in fp32 with the ranks placed as the profilers."""
+    def run(self, plan: Any, steps: int = 8, *, training: Any = None, launch: Any = None, **configs: Any) -> Any:
+        """`plait.runtime.api.run` of `plan` in fp32 with the ranks placed as the profilers: `training`
+        with dtype fp32, `launch` with this machine's emulated dtype and worker env added; the other
+        configs (`checkpoint`, `records`, `faults`) as given."""
         from plait.runtime.api import run
+        from plait.runtime.config import LaunchConfig, TrainingConfig
 
         self._require()
-        return run(self.model, self.cluster_arg, self._fp32(plan), steps=steps, dtype="fp32",
-                   emulate_dtype=self.emulate_dtype,
-                   env={**self.env, **kwargs.pop("env", {})}, **kwargs)
+        training = dataclasses.replace(training or TrainingConfig(), dtype="fp32")
+        launch = launch or LaunchConfig()
+        launch = dataclasses.replace(launch, emulate_dtype=self.emulate_dtype, env={**self.env, **(launch.env or {})})
+        return run(self.model, self.cluster_arg, self._fp32(plan), steps=steps, training=training, launch=launch,
+                   **configs)
 
-    def measure_and_predict(self, plan: Any, steps: int = 8, warmup: int = 2, **run_kwargs: Any) -> MachineRun:
-        """Profile the layers, run `plan`, profile again; predict from the mean of the two
-        profiles. The measurement is the median step after `warmup` steps (allocator, gloo
-        connections)."""
+    def measure_and_predict(self, plan: Any, steps: int = 8, warmup: int = 2, **configs: Any) -> MachineRun:
+        """Profile the layers, run `plan` (`configs`: `run`'s, as `LocalMachine.run` takes them),
+        profile again; predict from the mean of the two profiles. The measurement is the median
+        step after `warmup` steps (allocator, gloo connections)."""
         before = self.layer_profiles(plan)
-        res = self.run(plan, steps=steps, **run_kwargs)
+        res = self.run(plan, steps=steps, **configs)
         after = self.layer_profiles(plan)
         per_rank = [mean_profile([b, a]) for b, a in zip(before, after)]
         totals = [statistics.fmean(total(x) for x in before), statistics.fmean(total(x) for x in after)]

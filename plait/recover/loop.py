@@ -4,7 +4,7 @@ plan on spare nodes; here the planner re-plans for the smaller, possibly uneven 
 
     result = recover("gpt:layers=4,hidden=64,heads=4,seq=32,vocab=256", "emulated-mixed",
                      "dp=4,micro_batch=2,global_batch=16,dtype=fp32", steps=20, run_dir="runs/r1",
-                     config=RecoveryConfig(checkpoint_every=2), fault="rank=1,step=5,kind=die")
+                     config=RecoveryConfig(checkpoint_every=2), faults=FaultsConfig(inject="kill:rank=1,step=5"))
     result.phases[-1].plan, result.transitions[0].detect_to_train_s
 
 One job is a sequence of *phases*, each one `plait.runtime.api.run` of one plan on one cluster
@@ -24,8 +24,8 @@ One job is a sequence of *phases*, each one `plait.runtime.api.run` of one plan 
 The data order is the run's global sample stream (`plait.runtime.data`: step s takes samples
 [s*B, (s+1)*B) whatever the plan), and the global batch B is kept, so the steps after the
 checkpoint see the same samples as an uninterrupted run: nothing beyond the last checkpoint is
-lost and the loss curve continues. Faults injected for the first phase (`fault`, `comm_faults`,
-`inject`) stand for the hardware that gets isolated; later phases run without them.
+lost and the loss curve continues. Faults injected for the first phase (`FaultsConfig.inject` and
+`comm_faults`) stand for the hardware that gets isolated; later phases run without them.
 """
 
 from __future__ import annotations
@@ -48,13 +48,18 @@ from plait.recover.detect import Detect, actionable, call_detect, default_detect
 from plait.recover.isolate import Isolation, RecoveryError, nodes_to_isolate, remaining_cluster
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import RunFailure, RunResult, rank_layout, read_step_records, run
+from plait.runtime.config import (
+    CheckpointConfig,
+    FaultsConfig,
+    LaunchConfig,
+    RecordsConfig,
+    TrainingConfig,
+)
 
 REJOIN_FILE = "rejoin"
 # Launcher failures passed on to the user: a Python error in a rank (a bug recurs on any plan) and a
 # run stopped from outside (a signal).
 PASSED_ON = ("failed", "terminated")
-# run() arguments that inject faults: the first phase's hardware, isolated afterwards.
-FAULT_KWARGS = ("fault", "comm_faults", "inject")
 
 
 @dataclass
@@ -248,11 +253,15 @@ def replan(model: Any, cluster: Cluster, old: Plan, config: RecoveryConfig) -> t
 
 # ---------------------------------------------------------------------------------- the loop
 def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | Path,
-            checkpoint_dir: str | Path | None = None, config: RecoveryConfig | None = None,
-            detect: Detect | None = None, say: Any = None, **run_kwargs: Any) -> RecoveryResult:
+            config: RecoveryConfig | None = None, detect: Detect | None = None, say: Any = None,
+            training: TrainingConfig = TrainingConfig(), checkpoint: CheckpointConfig = CheckpointConfig(),
+            launch: LaunchConfig = LaunchConfig(), records: RecordsConfig = RecordsConfig(),
+            faults: FaultsConfig = FaultsConfig()) -> RecoveryResult:
     """Train `model` for `steps` steps starting with `plan` on `cluster`, isolating faulty nodes
-    and re-planning as they appear (module doc). `run_kwargs` go to every phase's
-    `plait.runtime.api.run` (fault injection only to the first); `say(text)` gets progress lines."""
+    and re-planning as they appear (module doc). The configs go to every phase's
+    `plait.runtime.api.run` (`faults.inject` and `faults.comm_faults` only to the first);
+    `checkpoint.dir` defaults to RUN_DIR/checkpoints and its `every` is `config.checkpoint_every`;
+    `say(text)` gets progress lines."""
     config = config or RecoveryConfig()
     detect = detect or default_detect
     say = say or (lambda text: None)
@@ -263,22 +272,24 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         raise RecoveryError(f"max_recoveries: must be >= 0, got {config.max_recoveries}")
     if cluster is None:
         raise RecoveryError("recovery needs a cluster (--cluster): this machine alone has no node to isolate")
-    for bad in ("checkpoint_every", "return_params", "rendezvous", "watch", "step_records"):
-        if bad in run_kwargs:
+    for bad, given in (("checkpoint_every", checkpoint.every), ("return_params", records.return_params),
+                       ("rendezvous", launch.rendezvous), ("step_records", records.step_records),
+                       ("run_dir", records.run_dir)):
+        if given:
             raise RecoveryError(f"{bad}: set by the recovery loop, not by its caller")
     original = load_cluster(cluster)
     current = Plan.load(plan)
     root = Path(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / REJOIN_FILE).unlink(missing_ok=True)
-    ck_dir = Path(checkpoint_dir) if checkpoint_dir is not None else root / "checkpoints"
+    ck_dir = Path(checkpoint.dir) if checkpoint.dir is not None else root / "checkpoints"
     unknown = sorted(set(config.rejoin_at) - {n.name for n in original.nodes})
     if unknown:
         raise RecoveryError(f"rejoin: no node named {', '.join(map(repr, unknown))} in cluster "
                             f"'{original.name}' (its nodes: {', '.join(n.name for n in original.nodes)})")
-    emulate_dtype = run_kwargs.get("emulate_dtype") or run_kwargs.get("dtype") or current.dtype
-    faults = {k: run_kwargs.pop(k) for k in FAULT_KWARGS if k in run_kwargs}
-    resume = bool(run_kwargs.pop("resume", False))
+    emulate_dtype = launch.emulate_dtype or training.dtype or current.dtype
+    resume = checkpoint.resume
+    later_faults = dataclasses.replace(faults, inject=None, comm_faults=None)  # the hardware left is sound
     excluded: list[str] = []
     isolations = 0
     rejoin_at = dict(config.rejoin_at)  # each scripted repair happens once
@@ -308,9 +319,11 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         failure: RunFailure | None = None
         done: RunResult | None = None
         try:
-            done = run(model, cl, current, steps, run_dir=phase_dir, checkpoint_dir=ck_dir,
-                       checkpoint_every=config.checkpoint_every, resume=start > 0, watch=watch,
-                       step_records=True, **run_kwargs, **(faults if i == 0 else {}))
+            done = run(model, cl, current, steps, training=training, launch=launch, watch=watch,
+                       checkpoint=dataclasses.replace(checkpoint, dir=ck_dir, every=config.checkpoint_every,
+                                                      resume=start > 0),
+                       records=dataclasses.replace(records, run_dir=phase_dir, step_records=True),
+                       faults=faults if i == 0 else later_faults)
             phase.ended = "finished"
         except RunFailure as exc:
             failure = exc

@@ -25,7 +25,7 @@ from plait.runtime.partition import RuntimeSetupError
 if TYPE_CHECKING:
     from plait.runtime.comm import Group
 
-SCALE_ENV = "PLAIT_LOSS_SCALE"  # e.g. "init=1024,growth_interval=100" (run(env=...) passes it to the workers)
+SCALE_ENV = "PLAIT_LOSS_SCALE"  # e.g. "init=1024,growth_interval=100" (run(launch=LaunchConfig(env=...)) passes it to the workers)
 
 
 class DynamicLossScaler:

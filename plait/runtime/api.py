@@ -9,7 +9,7 @@ One worker per plan rank (world size = plan.world_size), launched through torchr
 are available. On a cluster file with `emulation`, each rank's GPU kind sets a compute
 slowdown (`plait.runtime.emulate`) and, as root, nodes live in network namespaces shaped
 to the file's links (`plait.runtime.netns`); otherwise all ranks share loopback. On real
-hosts each node calls `run(..., rendezvous=Rendezvous(...))` and runs its own ranks, which meet
+hosts each node calls `run(..., launch=LaunchConfig(rendezvous=Rendezvous(...)))` and runs its own ranks, which meet
 the other nodes' through torchrun's c10d rendezvous (`plait.runtime.multinode`).
 """
 
@@ -29,17 +29,23 @@ from typing import Any
 
 import torch
 
-from plait.errors import check_output_path
 from plait.ir.formats import check_version
 from plait.ir.plan import Plan, PlanError, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
-from plait.runtime.comm import parse_link_faults
+from plait.runtime.config import (
+    CheckpointConfig,
+    FaultsConfig,
+    LaunchConfig,
+    RecordsConfig,
+    TrainingConfig,
+)
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
 from plait.runtime.layout import device_of, supports
 from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
 
-__all__ = ["RankInfo", "RunFailure", "RunResult", "load_run", "run", "rank_layout"]
+__all__ = ["CheckpointConfig", "FaultsConfig", "LaunchConfig", "RankInfo", "RecordsConfig", "RunFailure",
+           "RunResult", "TrainingConfig", "load_run", "run", "rank_layout"]
 
 
 @dataclass
@@ -217,9 +223,7 @@ def _agents(layout: list[dict[str, Any]], nets: Any, nprocs_per_node: int | None
                         "links": {f"{a}-{b}": list(v) for (a, b), v in getattr(nets, "links", {}).items()},
                         "reason": getattr(nets, "reason", "")}
     reason = getattr(nets, "reason", "") if nets is not None else ""
-    k = nprocs_per_node or world
-    if k < 1:
-        raise RuntimeSetupError(f"--nprocs-per-node must be >= 1, got {k}")
+    k = nprocs_per_node or world  # LaunchConfig refuses a negative one
     agents = [AgentSpec(node=i, host=layout[r]["host"], ranks=list(range(r, min(r + k, world))))
               for i, r in enumerate(range(0, world, k))]
     return agents, {"mode": "loopback", "agents": len(agents), "reason": reason}
@@ -227,119 +231,107 @@ def _agents(layout: list[dict[str, Any]], nets: Any, nprocs_per_node: int | None
 
 # ---------------------------------------------------------------------------------- run
 def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
-        trace: str | Path | None = None, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0,
-        resume: bool = False, keep_checkpoints: int | None = 2, timeout: float = 300.0,
-        startup_timeout: float | None = None, nprocs_per_node: int | None = None, device: str = "auto",
-        dtype: str | None = None, optimizer: str | dict[str, Any] = "adamw", lr: float = 1e-3,
-        weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, run_dir: str | Path | None = None,
-        return_params: bool = False, step_barrier: bool = True, inject: str | None = None,
-        env: dict[str, str] | None = None, emulate: bool = True, start_method: str | None = None,
-        emulate_dtype: str | None = None, comm_records: bool | str = True, comm_faults: Any = None,
-        rendezvous: Rendezvous | None = None, data: str | None = None, data_workers: int = 1,
-        min_lr: float = 0.0, lr_warmup_iters: int = 0, lr_decay_style: str = "constant",
-        lr_decay_iters: int | None = None, clip_grad: float | None = None,
-        watch: Callable[[], str | None] | None = None, step_records: bool = False,
-        spmd_calibrate: bool = False, compute_sleep: float = 0.0,
-        probe_every: int = 10, probe_bytes: int = 1 << 18) -> RunResult:
+        training: TrainingConfig = TrainingConfig(), checkpoint: CheckpointConfig = CheckpointConfig(),
+        launch: LaunchConfig = LaunchConfig(), records: RecordsConfig = RecordsConfig(),
+        faults: FaultsConfig = FaultsConfig(), watch: Callable[[], str | None] | None = None) -> RunResult:
     """Train `model` under `plan` on `cluster` for `steps` steps (the total, counting resumed ones).
 
-    `dtype` overrides `plan.dtype` (e.g. "fp32" on CPU, where bf16 autocast is slow);
-    `emulate_dtype` is the dtype whose peak FLOP/s ratios set the emulated slowdown of slower
-    kinds (default: the training dtype), e.g. the plan's fp16 while the CPU ranks compute fp32;
-    `start_method` is torchrun's: "fork" (CPU default: workers inherit the agent's imports)
-    or "spawn" (GPU default: CUDA must not be initialised before a fork);
-    `inject` injects faults (`plait.runtime.inject`: ``"kill:rank=2,step=3; slow:rank=1,factor=2,from=2"``);
-    `compute_sleep` pads each forward span to at least that many seconds (backward twice) by
-    sleeping, so ranks' timings do not depend on how many share a core (the doctor's suite);
-    `probe_every` times every rank pair's link every that many steps (0: never; the doctor's
-    rank x rank matrix, `probe_bytes` per exchange);
-    `comm_records` streams every collective and point-to-point call of each rank to
-    `RUN_DIR/comm/rankN.jsonl` (`RunResult.comm_dir`; "alternate": on and off in alternate steps,
-    for `bench/recorder_overhead.py`); `comm_faults` slows links between ranks
-    on purpose (`plait.runtime.comm.LinkFault`: {"slow_link": [a, b], "delay_s": x, "factor": f}).
-    `rendezvous` runs this node's share of a multi-node run on real hosts: every node calls
-    `run` with the same plan and cluster (`plait.runtime.multinode`); the node that holds plan
-    rank 0 returns the losses and timeline, the others a result naming their ranks.
-    `clip_grad` clips the global gradient norm (over every shard of every form) to that value
-    (`plait.runtime.clip`, Megatron's --clip-grad).
+    The settings come in five configs (`plait.runtime.config`, a docstring per field):
+    `training` (dtype, optimizer, Megatron-LM's learning-rate schedule, clipping, seeds, the
+    user's `data`), `checkpoint` (dir, every, resume, keep), `launch` (timeouts, device, torchrun's
+    start method, worker env, cluster emulation, `rendezvous` for real hosts), `records` (run
+    folder, Chrome trace, comm and step records, link probes, returned parameters) and `faults`
+    (injected faults, slowed links, compute padding). A bad value fails when its config is built;
+    what needs the plan or the model fails here, before any process starts.
+
     fp16 runs scale the loss dynamically (`plait.runtime.amp`; its settings can be given as
-    `env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"}`); `sequence_parallel` plans run
-    Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`).
-    `data` is the user's dataset, `file.py:factory` (`plait.runtime.data`; default: the model's
-    seeded synthetic samples), fetched by `data_workers` DataLoader processes per rank. The loss
-    per step is written to `losses.csv` in the run directory. `lr`, `min_lr`, `lr_warmup_iters`,
-    `lr_decay_style` (constant, linear, cosine) and `lr_decay_iters` (default: `steps`) are
-    Megatron-LM's learning-rate schedule (`plait.runtime.lr`).
+    `LaunchConfig(env={"PLAIT_LOSS_SCALE": "init=1024,growth_interval=100"})`); `sequence_parallel`
+    plans run Megatron sequence parallelism inside the tensor groups (`plait.runtime.tensor_parallel`).
+    With `launch.rendezvous` every node calls `run` with the same plan and cluster
+    (`plait.runtime.multinode`); the node that holds plan rank 0 returns the losses and timeline,
+    the others a result naming their ranks. The loss per step is written to `losses.csv` in the
+    run directory. A plan with an SPMD program (`Plan.spmd`) runs it op by op on every rank
+    (`plait.runtime.spmd_worker`).
     `watch()` is called about every half second while the workers run; a message it returns stops
     every rank and raises RunFailure (kind "stopped"): how the recovery driver (`plait.recover`)
-    stops a live job it has diagnosed. `step_records` streams each step's bounds and loss as it
-    ends (`RUN_DIR/steps/rankN.jsonl`, read by `read_step_records`), so a run that dies keeps them.
-    A plan with an SPMD program (`Plan.spmd`) runs it op by op on every rank
-    (`plait.runtime.spmd_worker`); `spmd_calibrate` times the ranks' all-gathers first
-    (`RunResult.spmd["calibration"]`)."""
+    stops a live job it has diagnosed."""
+    plan_obj, spec_string = _check_inputs(model, plan, steps, training, checkpoint, faults)
+    prep = _resolve(plan_obj, spec_string, cluster, training, checkpoint, launch, records)
+    rdir, owns_dir = _prepare_run_dir(records.run_dir, launch.rendezvous)
+    net_ctx, link_notes = _network(prep, launch, faults)
+    t_start = time.time()
+    with net_ctx as nets:
+        agents, network, link_faults = _agents_and_links(prep, nets, launch, faults, link_notes)
+        config_path = _write_config(prep, rdir, agents, steps, training, checkpoint, launch, records,
+                                    faults, link_faults)
+        _launch(config_path, rdir, agents, prep, launch, watch, owns_dir)
+    return _collect(rdir, owns_dir, prep, network, records, t_start)
+
+
+@dataclass
+class _Prepared:
+    """What `run` resolved before any process starts."""
+
+    plan: Plan
+    spec_string: str  # the model, as the workers load it
+    cluster_arg: Any  # as given: names the cluster in the result
+    cluster: Any  # the loaded Cluster (emulation dropped when not emulated), or None
+    dtype: str  # the training dtype
+    layout: list[dict[str, Any]]  # per plan rank (rank_layout)
+    host_plan: dict[str, Any] | None  # real hosts: this node's share (_host_plan)
+    here: int  # ranks this machine runs
+    use_cuda: bool
+    data: dict[str, Any] | None  # the workers' data settings
+    resume_from: str | None  # the checkpoint chosen to resume from
+    notes: list[str]
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.use_cuda else "gloo"
+
+
+def _check_inputs(model: Any, plan: Any, steps: int, training: TrainingConfig, checkpoint: CheckpointConfig,
+                  faults: FaultsConfig) -> tuple[Plan, str]:
+    """Phase 1: what the configs cannot check alone (the plan, the model, the resume directory)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
-    if comm_records not in (True, False, "alternate"):
-        raise RuntimeSetupError(f"comm_records: must be True, False or 'alternate', got {comm_records!r}")
-    faults = parse_link_faults(comm_faults, "comm_faults")  # a bad fault fails here, not in every worker
-    from plait.runtime.inject import Injection
-
-    injection = inject if isinstance(inject, Injection) else Injection.parse(inject)
-    injection.check_world(plan_obj.world_size)
-    if not compute_sleep >= 0:
-        raise RuntimeSetupError(f"compute_sleep: must be >= 0 seconds, got {compute_sleep}")
-    if probe_every < 0 or probe_bytes < 0:
-        raise RuntimeSetupError(f"probe_every and probe_bytes must be >= 0, got {probe_every}, {probe_bytes}")
-    for f in faults:
-        if max(f.a, f.b) >= plan_obj.world_size:
-            raise RuntimeSetupError(f"comm_faults: field 'slow_link' {[f.a, f.b]} names a rank outside the plan's "
-                                    f"{plan_obj.world_size} ranks")
+    faults.check_world(plan_obj.world_size)
     if steps < 1:
         raise RuntimeSetupError(f"steps must be >= 1, got {steps}")
-    if clip_grad is not None and not clip_grad > 0:
-        raise RuntimeSetupError(f"clip_grad: must be > 0, got {clip_grad}")
-    if checkpoint_every < 0:
-        raise RuntimeSetupError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-    if (checkpoint_every or resume) and checkpoint_dir is None:
-        raise RuntimeSetupError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir)")
-    if not timeout > 0:  # also rejects NaN
-        raise RuntimeSetupError(f"timeout: must be > 0 seconds (how long a rank may make no progress before "
-                                f"the run is stopped), got {timeout}")
-    if resume and checkpoint_dir is not None:
-        _check_resumable(Path(checkpoint_dir))
+    if checkpoint.resume and checkpoint.dir is not None:
+        _check_resumable(Path(checkpoint.dir))
     if plan_obj.spmd is not None:  # plait.runtime.spmd_worker: fp32 programs
+        dtype = training.dtype
         if (dtype or "fp32") != "fp32" or plan_obj.dtype != "fp32" and dtype is None:
             raise RuntimeSetupError(f"plan field 'spmd': an SPMD program runs in fp32, the plan asks for "
                                     f"{dtype or plan_obj.dtype} (give dtype=fp32)")
-    check_output_path(trace, "trace")
     spec_string = model_spec_string(model)
     spec = load_model_spec(spec_string)  # a bad model spec fails here, not in every worker
     try:  # the same check as `plait simulate`
         check_plan_for_model(plan_obj, getattr(spec, "config", None) or {}, spec_string)
     except PlanError as exc:
         raise RuntimeSetupError(str(exc)) from None
+    return plan_obj, spec_string
+
+
+def _resolve(plan_obj: Plan, spec_string: str, cluster: Any, training: TrainingConfig,
+             checkpoint: CheckpointConfig, launch: LaunchConfig, records: RecordsConfig) -> _Prepared:
+    """Phase 2: the cluster, each rank's place and device, the data and the checkpoint to resume from."""
     cluster_obj = _load_cluster(cluster)
-    dtype = dtype or plan_obj.dtype
-    if dtype not in ("fp32", "tf32", "bf16", "fp16"):
-        raise RuntimeSetupError(f"dtype: must be fp32, tf32, bf16 or fp16, got {dtype!r}")
-    if cluster_obj is not None and not emulate:
+    dtype = training.dtype or plan_obj.dtype
+    if cluster_obj is not None and not launch.emulate:
         cluster_obj = dataclasses.replace(cluster_obj, emulation=None)
-    if emulate_dtype is not None and emulate_dtype not in ("fp32", "tf32", "bf16", "fp16"):
-        raise RuntimeSetupError(f"emulate_dtype: must be fp32, tf32, bf16 or fp16, got {emulate_dtype!r}")
-    layout = rank_layout(cluster_obj, plan_obj, emulate_dtype or dtype)
-    world = len(layout)
+    layout = rank_layout(cluster_obj, plan_obj, launch.emulate_dtype or dtype)
     notes: list[str] = []
-    host_plan = _host_plan(rendezvous, cluster_obj, layout, notes, return_params) if rendezvous is not None else None
-    here = host_plan["nproc"] if host_plan is not None else world  # ranks this machine runs
+    rdzv = launch.rendezvous
+    host_plan = _host_plan(rdzv, cluster_obj, layout, notes, records.return_params) if rdzv is not None else None
+    here = host_plan["nproc"] if host_plan is not None else len(layout)
     # auto: NCCL on GPUs when there is one per rank, else gloo on CPU.
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()
-                                    and torch.cuda.device_count() >= here)
-    if device not in ("auto", "cpu", "cuda"):
-        raise RuntimeSetupError(f"device: must be auto, cpu or cuda, got {device!r}")
+    use_cuda = launch.device == "cuda" or (launch.device == "auto" and torch.cuda.is_available()
+                                           and torch.cuda.device_count() >= here)
     if use_cuda and torch.cuda.device_count() < here:
         raise RuntimeSetupError(f"device cuda: the plan has {here} ranks on this machine but it has "
                                 f"{torch.cuda.device_count()} GPUs (NCCL needs one GPU per rank); use --device cpu")
-    backend = "nccl" if use_cuda else "gloo"
     if host_plan is not None and not use_cuda and not host_plan["emulated"]:
         notes.append("hosts: CPU workers: checked each host's worker count against the cluster file, not GPU "
                      "kind or memory")
@@ -349,31 +341,34 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         notes.append("zero=3 with dp=1: nothing to shard (ran plain data parallel)")
     if use_cuda and any(info["slowdown"] > 1.0 for info in layout):
         notes.append("compute slowdown emulation is applied on CPU ranks only; GPU ranks run at full speed")
-    opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
-        else {"lr": lr, "weight_decay": weight_decay, **optimizer}
-    schedule = _lr_schedule(lr, min_lr, lr_warmup_iters, lr_decay_style, lr_decay_iters)
     data_cfg: dict[str, Any] | None = None
-    if data is not None:
-        from plait.runtime.data import DataSpecError, load_data
+    if training.data is not None:
+        from plait.runtime.data import load_data
 
-        if data_workers < 0:
-            raise DataSpecError(f"data_workers must be >= 0, got {data_workers}")
-        path, sep, name = str(data).rpartition(":")
-        spec_text = f"{Path(path).expanduser().resolve()}:{name}" if sep and path else str(data)
+        path, sep, name = str(training.data).rpartition(":")
+        spec_text = f"{Path(path).expanduser().resolve()}:{name}" if sep and path else str(training.data)
         load_data(spec_text)  # a bad file or factory fails here, once, not in every worker
-        data_cfg = {"spec": spec_text, "workers": data_workers}
+        data_cfg = {"spec": spec_text, "workers": training.data_workers}
     resume_from: str | None = None
-    if resume:
-        assert checkpoint_dir is not None
+    if checkpoint.resume:
+        assert checkpoint.dir is not None
         from plait.runtime import checkpoint as ckpt
 
         # Chosen here, before any worker starts: a damaged newest checkpoint is named in a warning and
         # the previous good one used; an old-format or incompatible one is a clear error, not a traceback.
-        found, ck_notes = ckpt.choose_resume(Path(checkpoint_dir).resolve(), {
-            "model": spec_string, "optimizer": opt_cfg, "seed": seed, "data_seed": data_seed})
+        found, ck_notes = ckpt.choose_resume(Path(checkpoint.dir).resolve(), {
+            "model": spec_string, "optimizer": training.optimizer_config(), "seed": training.seed,
+            "data_seed": training.data_seed})
         resume_from = str(found) if found is not None else None
         notes += ck_notes
-    owns_dir = run_dir is None
+    return _Prepared(plan=plan_obj, spec_string=spec_string, cluster_arg=cluster, cluster=cluster_obj, dtype=dtype,
+                     layout=layout, host_plan=host_plan, here=here, use_cuda=use_cuda, data=data_cfg,
+                     resume_from=resume_from, notes=notes)
+
+
+def _prepare_run_dir(run_dir: str | Path | None, rendezvous: Rendezvous | None) -> tuple[Path, bool]:
+    """Phase 3: the run folder (a temporary one when none is given: owned, deleted after success),
+    emptied of a previous run's records. Returns (folder, owned)."""
     rdir = Path(tempfile.mkdtemp(prefix="plait-run-")) if run_dir is None else Path(run_dir)
     if rendezvous is not None and run_dir is not None:
         rdir = rdir / rendezvous.node_name  # one folder per node: a run folder on a shared filesystem works too
@@ -385,86 +380,122 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
         (rdir / stale).unlink(missing_ok=True)
     for f in rdir.glob("agent*.failures.json"):
         f.unlink()
-    startup = startup_timeout if startup_timeout is not None else max(120.0, timeout)
+    return rdir, run_dir is None
 
+
+def _network(prep: _Prepared, launch: LaunchConfig, faults: FaultsConfig
+             ) -> tuple[Any, dict[int, tuple[str, str]]]:
+    """Phase 4a: the emulated network's context (namespaces shaped to the cluster file's links, and
+    to the injected link faults tc can shape), or a null context (loopback, real hosts); and how
+    each injected link fault will be applied (`_link_fault_plan`)."""
     from contextlib import nullcontext
 
     net_ctx: Any = nullcontext(None)
-    emu = getattr(cluster_obj, "emulation", None) if cluster_obj is not None else None
-    if emu is not None and emu.enabled and emu.namespaces and rendezvous is None:
+    emu = getattr(prep.cluster, "emulation", None) if prep.cluster is not None else None
+    if emu is not None and emu.enabled and emu.namespaces and launch.rendezvous is None:
         from plait.runtime.netns import emulated_network
 
-        net_ctx = emulated_network(cluster_obj, plan_obj)
-    link_notes = _link_fault_plan(injection, layout, emu, rendezvous)
+        net_ctx = emulated_network(prep.cluster, prep.plan)
+    injection = faults.injection()
+    link_notes = _link_fault_plan(injection, prep.layout, emu, launch.rendezvous)
     if any(how == "tc" for how, _ in link_notes.values()):
         from plait.runtime.netns import emulated_network
 
-        net_ctx = emulated_network(cluster_obj, plan_obj, slow_links=_tc_links(injection, layout))
-    t_start = time.time()
-    with net_ctx as nets:
-        shaped_by_tc = bool(getattr(nets, "isolated", False)) and bool(getattr(nets, "slow_links", None))
-        facade_links = [_facade_link(f) for f, (how, _) in zip(injection.links(), link_notes.values())
-                        if how != "tc" or not shaped_by_tc]
-        for f, (how, why) in zip(injection.links(), link_notes.values()):
-            done = "tc on the emulated link" if how == "tc" and shaped_by_tc else \
-                f"the communication facade ({why if how != 'tc' else 'namespaces could not be built'})"
-            notes.append(f"inject: {f.describe()}: shaped by {done}")
-        faults = faults + tuple(facade_links)
-        if host_plan is not None:
-            agents, network = host_plan["agents"], host_plan["network"]
-        else:
-            agents, network = _agents(layout, nets, nprocs_per_node)
-        if network.get("reason"):
-            notes.append(f"network: {network['reason']}")
-        cfg = {
-            "model": spec_string, "plan": plan_obj.to_dict(), "steps": steps, "seed": seed, "data_seed": data_seed,
-            "optimizer": opt_cfg, "backend": backend, "device": "cuda" if use_cuda else "cpu", "dtype": dtype,
-            "ranks": layout, "agents": [{"node": a.node, "ranks": a.ranks} for a in agents],
-            "run_dir": str(rdir), "collective_timeout": max(timeout * 1.5, timeout + 30.0),
-            "checkpoint": {"dir": str(Path(checkpoint_dir).resolve()), "every": checkpoint_every,
-                           "resume": resume, "resume_from": resume_from,
-                           "keep": keep_checkpoints} if checkpoint_dir is not None else None,
-            "return_params": return_params, "step_barrier": step_barrier, "inject": injection.to_list() or None,
-            "compute_sleep": compute_sleep, "probe_every": probe_every if comm_records else 0,
-            "probe_bytes": probe_bytes, "data": data_cfg,
-            "lr_schedule": schedule.to_dict() if schedule is not None else None,
-            "comm_records": comm_records, "comm_faults": [f.to_dict() for f in faults] or None,
-            "clip_grad": clip_grad, "step_records": step_records, "spmd_calibrate": bool(spmd_calibrate),
-        }
-        if host_plan is not None:
-            cfg["multinode"] = {"node_name": host_plan["node_name"], "nodes": host_plan["nodes"],
-                                "emulated": host_plan["emulated"], "timeout": startup}
-        config_path = rdir / "config.json"
-        config_path.write_text(json.dumps(cfg, indent=1))
-        if cluster_obj is not None:  # beside the records: `plait report RUN_DIR` predicts the run from it
-            from plait.cluster.loader import save_cluster
-            from plait.errors import PlaitError
+        net_ctx = emulated_network(prep.cluster, prep.plan, slow_links=_tc_links(injection, prep.layout))
+    return net_ctx, link_notes
 
-            try:
-                save_cluster(cluster_obj, rdir / "cluster.yaml")
-            except (PlaitError, OSError, ValueError) as exc:  # the run goes on; the report will ask for it
-                notes.append(f"run folder: cluster.yaml not written ({exc}); plait report will need --cluster")
-        extra_env = dict(env or {})
-        # All ranks share this machine's cores. torchrun sets OMP_NUM_THREADS=1 only for agents with
-        # several workers; fixing it here makes the numerics independent of how ranks map to agents.
-        if "OMP_NUM_THREADS" not in extra_env and "OMP_NUM_THREADS" not in os.environ:
-            extra_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // here))
-        method = start_method or ("spawn" if use_cuda else "fork")
-        if method not in ("fork", "spawn", "forkserver"):
-            raise RuntimeSetupError(f"start_method: must be fork, spawn or forkserver, got {method!r}")
-        launcher = Launcher(config_path, rdir, agents, layout, timeout=timeout, startup_timeout=startup,
-                            env=extra_env, start_method=method, rdzv=rendezvous, watch=watch)
-        launcher.start()
-        _wait_naming_logs(launcher, rdir, owns_dir)
-    if host_plan is not None and not (rdir / "result.json").exists():
-        result = _node_result(rdir, cfg, plan_obj, cluster, backend, network, notes)
+
+def _agents_and_links(prep: _Prepared, nets: Any, launch: LaunchConfig, faults: FaultsConfig,
+                      link_notes: dict[int, tuple[str, str]]) -> tuple[list[AgentSpec], dict[str, Any], tuple[Any, ...]]:
+    """Phase 4b: the torchrun agents, how the network was built, and the link faults the
+    communication facade applies (those tc did not shape)."""
+    injection = faults.injection()
+    shaped_by_tc = bool(getattr(nets, "isolated", False)) and bool(getattr(nets, "slow_links", None))
+    facade_links = [_facade_link(f) for f, (how, _) in zip(injection.links(), link_notes.values())
+                    if how != "tc" or not shaped_by_tc]
+    for f, (how, why) in zip(injection.links(), link_notes.values()):
+        done = "tc on the emulated link" if how == "tc" and shaped_by_tc else \
+            f"the communication facade ({why if how != 'tc' else 'namespaces could not be built'})"
+        prep.notes.append(f"inject: {f.describe()}: shaped by {done}")
+    if prep.host_plan is not None:
+        agents, network = prep.host_plan["agents"], prep.host_plan["network"]
     else:
-        result = _read_result(rdir, cfg, plan_obj, cluster, backend, network, notes)
+        agents, network = _agents(prep.layout, nets, launch.nprocs_per_node)
+    if network.get("reason"):
+        prep.notes.append(f"network: {network['reason']}")
+    return agents, network, faults.link_faults() + tuple(facade_links)
+
+
+def _write_config(prep: _Prepared, rdir: Path, agents: list[AgentSpec], steps: int, training: TrainingConfig,
+                  checkpoint: CheckpointConfig, launch: LaunchConfig, records: RecordsConfig,
+                  faults: FaultsConfig, link_faults: tuple[Any, ...]) -> Path:
+    """Phase 4c: the workers' `config.json` (and `cluster.yaml` beside it, for `plait report`)."""
+    schedule = training.lr_schedule()
+    timeout = launch.timeout
+    cfg = {
+        "model": prep.spec_string, "plan": prep.plan.to_dict(), "steps": steps, "seed": training.seed,
+        "data_seed": training.data_seed, "optimizer": training.optimizer_config(), "backend": prep.backend,
+        "device": "cuda" if prep.use_cuda else "cpu", "dtype": prep.dtype,
+        "ranks": prep.layout, "agents": [{"node": a.node, "ranks": a.ranks} for a in agents],
+        "run_dir": str(rdir), "collective_timeout": max(timeout * 1.5, timeout + 30.0),
+        "checkpoint": {"dir": str(Path(checkpoint.dir).resolve()), "every": checkpoint.every,
+                       "resume": checkpoint.resume, "resume_from": prep.resume_from,
+                       "keep": checkpoint.keep} if checkpoint.dir is not None else None,
+        "return_params": records.return_params, "step_barrier": launch.step_barrier,
+        "inject": faults.injection().to_list() or None, "compute_sleep": faults.compute_sleep,
+        "probe_every": records.probe_every if records.comm_records else 0,
+        "probe_bytes": records.probe_bytes, "data": prep.data,
+        "lr_schedule": schedule.to_dict() if schedule is not None else None,
+        "comm_records": records.comm_records, "comm_faults": [f.to_dict() for f in link_faults] or None,
+        "clip_grad": training.clip_grad, "step_records": records.step_records,
+        "spmd_calibrate": bool(records.spmd_calibrate),
+    }
+    if prep.host_plan is not None:
+        cfg["multinode"] = {"node_name": prep.host_plan["node_name"], "nodes": prep.host_plan["nodes"],
+                            "emulated": prep.host_plan["emulated"], "timeout": launch.startup()}
+    config_path = rdir / "config.json"
+    config_path.write_text(json.dumps(cfg, indent=1))
+    if prep.cluster is not None:  # beside the records: `plait report RUN_DIR` predicts the run from it
+        from plait.cluster.loader import save_cluster
+        from plait.errors import PlaitError
+
+        try:
+            save_cluster(prep.cluster, rdir / "cluster.yaml")
+        except (PlaitError, OSError, ValueError) as exc:  # the run goes on; the report will ask for it
+            prep.notes.append(f"run folder: cluster.yaml not written ({exc}); plait report will need --cluster")
+    return config_path
+
+
+def _launch(config_path: Path, rdir: Path, agents: list[AgentSpec], prep: _Prepared, launch: LaunchConfig,
+            watch: Callable[[], str | None] | None, owns_dir: bool) -> None:
+    """Phase 5: start the torchrun agents and wait for the workers (watching them)."""
+    extra_env = dict(launch.env or {})
+    # All ranks share this machine's cores. torchrun sets OMP_NUM_THREADS=1 only for agents with
+    # several workers; fixing it here makes the numerics independent of how ranks map to agents.
+    if "OMP_NUM_THREADS" not in extra_env and "OMP_NUM_THREADS" not in os.environ:
+        extra_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // prep.here))
+    method = launch.start_method or ("spawn" if prep.use_cuda else "fork")
+    launcher = Launcher(config_path, rdir, agents, prep.layout, timeout=launch.timeout,
+                        startup_timeout=launch.startup(), env=extra_env, start_method=method,
+                        rdzv=launch.rendezvous, watch=watch)
+    launcher.start()
+    _wait_naming_logs(launcher, rdir, owns_dir)
+
+
+def _collect(rdir: Path, owns_dir: bool, prep: _Prepared, network: dict[str, Any], records: RecordsConfig,
+             t_start: float) -> RunResult:
+    """Phase 6: the result from the workers' records; `losses.csv`, the trace; a temporary folder removed."""
+    cfg = json.loads((rdir / "config.json").read_text())
+    args = (rdir, cfg, prep.plan, prep.cluster_arg, prep.backend, network, prep.notes)
+    if prep.host_plan is not None and not (rdir / "result.json").exists():
+        result = _node_result(*args)
+    else:
+        result = _read_result(*args)
     result.network["wall_seconds"] = time.time() - t_start
     write_loss_csv(rdir / "losses.csv", result.steps, result.losses)
-    if trace is not None:
-        result.timeline.save_chrome_trace(trace)
-    result.comm_dir = str(rdir / "comm") if comm_records else None
+    if records.trace is not None:
+        result.timeline.save_chrome_trace(records.trace)
+    result.comm_dir = str(rdir / "comm") if records.comm_records else None
     if owns_dir:
         shutil.rmtree(rdir, ignore_errors=True)
         result.run_dir = result.comm_dir = None
@@ -551,17 +582,9 @@ def _node_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
                      ranks=[], network=network, notes=notes, run_dir=str(rdir))
 
 
-def _lr_schedule(lr: float, min_lr: float, warmup: int, style: str, decay_iters: int | None) -> Any:
-    """The Megatron-style schedule, or None for a constant rate (the optimizer's own)."""
-    from plait.runtime.lr import LRSchedule
-
-    sched = LRSchedule(lr=lr, min_lr=min_lr, warmup=warmup, decay_style=style, decay_iters=decay_iters)
-    return None if (warmup == 0 and style == "constant") else sched
-
-
 @dataclass
 class StepRecords:
-    """What a run folder's streamed step records (`step_records=True`) say, for the steps every
+    """What a run folder's streamed step records (`RecordsConfig(step_records=True)`) say, for the steps every
     rank finished: a run that died keeps its losses and step times up to its death."""
 
     losses: dict[int, float]  # step -> global-batch loss (the data-parallel replicas' shares summed)
@@ -666,20 +689,18 @@ def load_run(run_dir: str | Path) -> RunResult:
                         {}, [])
 
 
-def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[str, Any] = "adamw",
-                  lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0,
-                  data: str | None = None, min_lr: float = 0.0, lr_warmup_iters: int = 0,
-                  lr_decay_style: str = "constant", lr_decay_iters: int | None = None,
-                  clip_grad: float | None = None
+def reference_run(model: Any, plan: Any, steps: int, *, training: TrainingConfig = TrainingConfig()
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference: the whole global batch in one forward/backward per step,
-    the same initial weights, samples (synthetic, or the stream of `data`) and optimizer.
-    Returns (losses, parameters by name)."""
+    the same initial weights, samples (synthetic, or the stream of `training.data`), optimizer,
+    learning-rate schedule and clipping as `run(..., training=training)`, in fp32 (`training.dtype`
+    is not used). Returns (losses, parameters by name)."""
     from plait.runtime.data_parallel import make_optimizer
     from plait.runtime.partition import make_samples
 
     plan_obj = Plan.load(plan)
     spec = load_model_spec(model)
+    seed, data, data_seed = training.seed, training.data, training.data_seed
     torch.manual_seed(seed)
     try:
         module = spec.build(device="cpu", dtype=torch.float32, seed=seed)
@@ -687,10 +708,8 @@ def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[st
         module = spec.build(device="cpu", dtype=torch.float32)
     module.train()
     torch.manual_seed(seed + 1)
-    opt_cfg = {"name": optimizer, "lr": lr, "weight_decay": weight_decay} if isinstance(optimizer, str) \
-        else {"lr": lr, "weight_decay": weight_decay, **optimizer}
-    opt = make_optimizer([p for p in module.parameters() if p.requires_grad], opt_cfg)
-    schedule = _lr_schedule(lr, min_lr, lr_warmup_iters, lr_decay_style, lr_decay_iters)
+    opt = make_optimizer([p for p in module.parameters() if p.requires_grad], training.optimizer_config())
+    schedule = training.lr_schedule()
     if data is not None:
         from plait.runtime import data as user_data
 
@@ -705,8 +724,8 @@ def reference_run(model: Any, plan: Any, steps: int, *, optimizer: str | dict[st
             inputs, target = make_samples(spec, step * plan_obj.global_batch, plan_obj.global_batch, data_seed)
         loss = spec.loss(module(*inputs), target)
         loss.backward()
-        if clip_grad is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad)
+        if training.clip_grad is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), training.clip_grad)
         if schedule is not None:
             for group in opt.param_groups:
                 group["lr"] = schedule.at(step, steps)
