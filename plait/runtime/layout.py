@@ -134,6 +134,10 @@ def supports(plan: Any) -> tuple[bool, str]:
     plan = Plan.load(plan)
     if plan.stages:
         for i, spec in enumerate(plan.stages):
+            if spec.spmd is not None:
+                return False, (f"plan field 'stages[{i}].spmd': the runtime does not yet run a pipeline stage as an "
+                               f"SPMD program (stage {spec.name!r} on {len(spec.devices)} devices); such composed "
+                               "plans are planned and simulated only")
             if spec.dp != 1 or spec.tp != 1 or len(spec.devices) != 1:
                 return False, (f"plan field 'stages[{i}]': the runtime runs a stage graph with one device per "
                                f"stage (dp=1, tp=1), stage {spec.name!r} has dp={spec.dp}, tp={spec.tp}, "
