@@ -147,3 +147,33 @@ def test_stage_program_compute_is_its_ratio_of_the_work_per_micro_batch():
                      if not (c.phase == "bwd" and c.op == "all_reduce"
                              and st.problem.graph.tensors[c.tensor].role == "param"))
         assert len(comms) == m * per_mb
+
+
+# ---------------------------------------------------------------- the family in the driver
+def test_driver_plans_composed_pipelines_and_marks_them_not_runnable():
+    from plait.search import FAMILIES, plan
+
+    assert "compose" in FAMILIES
+    cluster = _two_gpu_cluster(per_node=2)
+    res = plan(TINY, cluster, global_batch=8, top=2, families="compose")
+    best = res.best
+    assert best.family == "compose" and len(best.plan.stages) == 2
+    assert all(st.spmd is not None and len(st.devices) == 2 for st in best.plan.stages)
+    assert sorted(d for st in best.plan.stages for d in st.devices) == [0, 1, 2, 3]
+    assert best.iteration_time_s and best.iteration_time_s > 0 and best.peak_bytes
+    assert "stages[0].spmd" in best.unsupported  # the runtime says why it does not run it
+    again = type(best.plan).from_json(best.plan.to_json())
+    assert again.stages[0].spmd == best.plan.stages[0].spmd
+
+
+def test_compose_declines_with_a_reason():
+    from plait.cluster import load_cluster
+    from plait.errors import PlaitError
+    from plait.search import plan
+
+    with pytest.raises(PlaitError, match="compose: .*one node of one GPU kind"):
+        plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="compose")
+    with pytest.raises(PlaitError, match="compose: the runtime does not yet run"):
+        plan(TINY, _two_gpu_cluster(), global_batch=8, families="compose", runnable=True)
+    res = plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="3d,compose", finalists=2)
+    assert "one node of one GPU kind" in res.families["compose"]

@@ -4,13 +4,14 @@ Composition of families (issue 17 item 1). On a cluster of mixed GPUs -- fast no
 nodes, slow links between them -- no single family fits well: a pipeline crosses the slow link
 once per micro-batch but runs even tensor or data parallelism inside a stage; one SPMD program
 over every device pays its collectives on the slow link. The composed plan is a linear pipeline
-whose stages sit on groups of whole nodes (a node's GPUs never span two stages, so every slow
-link the pipeline crosses is crossed by point-to-point messages only) and each stage runs a
-HAP-style SPMD program of its layers on its GPUs, with uneven ratios by the LP
-(`plait.spmd.ratios.synthesize`).
+whose stages sit on contiguous groups of the cluster's units -- a unit is a node, or the run of
+one GPU kind inside a node that mixes kinds -- so a slow link between nodes is crossed by
+point-to-point messages only, and each stage runs a HAP-style SPMD program of its layers on its
+GPUs, with uneven ratios by the LP (`plait.spmd.ratios.synthesize`) where they mix kinds.
 
-For each cut of the nodes into ``pp`` contiguous groups (in cluster order, ``pp`` up to
-`max_stages`) and each micro-batch:
+For each cut of the cluster into ``pp`` contiguous groups (in cluster order, ``pp`` up to
+`max_stages`; cut only between nodes or between the GPU kinds of a node) at the largest
+micro-batch that gives ``2 pp`` micro-batches:
 
 1. the layers are split over the stages by `plait.plan.hetero.split_layers` (the exact DP of the
    3D family's uneven splits) on each stage's layer times from `plait.cost.compute.layer_cost`
@@ -57,21 +58,29 @@ class ComposedCandidate:
 
 
 def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
-    """Every cut of the cluster's nodes (in order) into 2..max_stages contiguous groups, as lists of
-    device ids per stage; a one-node cluster is cut between runs of one GPU kind instead."""
-    units: list[list[int]] = []
-    by_node: dict[int, list[int]] = {}
-    for d in cluster.devices:
-        by_node.setdefault(d.node, []).append(d.id)
-    units = [by_node[k] for k in sorted(by_node)]
-    if len(units) == 1:
-        units = [list(g) for _, g in itertools.groupby(units[0], key=lambda i: cluster.devices[i].kind.name)]
-        units = [[i for i in g] for g in units]
+    """Device groups (device ids per stage, in pipeline order) to put the stages on:
+
+    * every cut of the cluster's units into 2..max_stages contiguous groups, a unit being a run of
+      GPUs of one kind in one node (a whole node when it has one kind), so a stage spans whole
+      nodes, or a run of one kind, or the mixed GPUs of one node;
+    * every node cut into ``q`` slices of the same mix of kinds (``q`` dividing each kind's count
+      in every node, ``q x nodes <= max_stages``): stages that each mix fast and slow GPUs, the
+      layout of a 3D plan whose replicas are of different kinds."""
+    units = [[d.id for d in run] for _, run in itertools.groupby(cluster.devices, key=lambda d: (d.node, d.kind.name))]
     out = []
     for pp in range(2, min(max_stages, len(units)) + 1):
         for cuts in itertools.combinations(range(1, len(units)), pp - 1):
             bounds = [0, *cuts, len(units)]
             out.append([sum(units[a:b], []) for a, b in zip(bounds, bounds[1:])])
+    nodes: dict[int, list[list[int]]] = {}
+    for run in units:
+        nodes.setdefault(cluster.devices[run[0]].node, []).append(run)
+    counts = [len(run) for runs in nodes.values() for run in runs]
+    for q in range(2, max_stages // len(nodes) + 1):
+        if any(len(runs) < 2 for runs in nodes.values()) or any(c % q for c in counts):
+            continue  # a node of one kind is already cut by the units
+        out.append([sum((run[k * len(run) // q:(k + 1) * len(run) // q] for run in nodes[n]), [])
+                    for n in sorted(nodes) for k in range(q)])
     return out
 
 
@@ -120,7 +129,9 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     bottleneck = 0.0
     for s, (ids, lays) in enumerate(zip(groups, layers)):
         sub = stage_subgraph(aten, lays, name=f"{aten.model} stage {s}")
-        problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids))
+        # the program runs m times per iteration, its parameter gradients are reduced once: the
+        # search weighs their collectives 1/m (`Problem.overlap`), not as a whole iteration's
+        problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m)
         syn = synth(problem, dtype=dtype, max_states=max_states)
         if not syn.fits:
             raise SearchError(f"compose: stage {s} ({len(lays)} layers on {len(ids)} GPUs) does not fit at "
@@ -155,16 +166,19 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
 
 
 def micro_batches_to_try(global_batch: int, pp: int) -> list[int]:
-    """Micro-batch sizes with at least 2 pp micro-batches (pipeline fill), largest two, dividing the batch."""
+    """The largest micro-batch dividing the batch into at least 2 pp micro-batches (pipeline fill)."""
     sizes = [b for b in range(1, global_batch + 1) if global_batch % b == 0 and global_batch // b >= 2 * pp]
-    return sorted(sizes, reverse=True)[:2]
+    return sorted(sizes, reverse=True)[:1]
 
 
 def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                    evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                    compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
-                   max_devices: int = 64, max_stages: int = 4, runnable: bool = False) -> PlanResult:
-    """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`."""
+                   max_devices: int = 64, max_stages: int = 4, candidates: int = 4,
+                   runnable: bool = False) -> PlanResult:
+    """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
+    `candidates` groupings with the least compute-only pipeline time (layer times summed over
+    the bottleneck stage x (m + pp - 1)) are synthesized and simulated."""
     from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.plan.hetero import split_layers
@@ -184,31 +198,43 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     groupings = node_groups(cluster, max_stages)
     if not groupings:
         raise SearchError(f"compose: cluster {cluster.name!r} is one node of one GPU kind; a composed pipeline "
-                          "needs two nodes (or two GPU kinds) to put its stages on")
+                          "needs two nodes (or two GPU kinds in a node) to put its stages on")
     gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
     dtype = dtype or auto_dtype(cluster)
     spec = load_model(DEFAULT_MODEL if model is None else model)
     _, opgraph = load_graph(spec.spec, dtype)
+    import torch
+
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype, torch.float32)
     captures: dict[int, Any] = {}
     found: list[ComposedCandidate] = []
     reasons: dict[str, int] = {}
     enumerated = 0
+    options = []  # (bound, groups, micro-batch, split): the compute-only pipeline bound ranks them
     for groups in groupings:
         for b in micro_batches_to_try(gb, len(groups)):
             enumerated += 1
-            split = split_layers(layer_times(opgraph, groups, cluster, b, dtype))
+            times = layer_times(opgraph, groups, cluster, b, dtype)
+            split = split_layers(times)
             if split is None:
                 reasons["fewer layers than stages"] = reasons.get("fewer layers than stages", 0) + 1
                 continue
-            if b not in captures:
-                inputs, _ = spec.sample_batch(b)
-                captures[b] = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
-            try:
-                found.append(synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype,
-                                               max_states))
-            except PlaitError as exc:
-                key = str(exc).split(":")[0] if "does not fit" not in str(exc) else "a stage does not fit"
-                reasons[key] = reasons.get(key, 0) + 1
+            edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+            worst = max(times[p, a:e].sum() for p, (a, e) in enumerate(zip(edges, edges[1:])))
+            options.append((worst * (gb // b + len(groups) - 1), len(options), groups, b, split))
+    options.sort(key=lambda o: o[:2])
+    if len(options) > candidates:
+        reasons[f"not among the {candidates} best by the compute bound"] = len(options) - candidates
+    for _, _, groups, b, split in options[:candidates]:
+        if b not in captures:  # in the compute dtype: messages and gradients in the plan's dtype
+            inputs, _ = spec.sample_batch(b, dtype=torch_dtype)
+            captures[b] = capture_aten(spec.build(device="meta", dtype=torch_dtype), inputs, name=spec.name)
+        try:
+            found.append(synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype,
+                                           max_states))
+        except PlaitError as exc:
+            key = "a stage does not fit" if "does not fit" in str(exc) else str(exc).split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
     if not found:
         raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
     cands = [_candidate(c, cluster, evaluate is not None, supports, spec.spec, opgraph, simulate_compose)

@@ -15,9 +15,10 @@ the one `TaskGraph` that `plait.sim.engine` runs:
   program, with the same dependencies (a forward collective after its producer and before its
   reader, an activation-gradient collective after its reader's backward and before its
   producer's). A rank's tasks are chained in schedule order (one compute stream per GPU);
-* parameter-gradient collectives are not issued per micro-batch: gradients accumulate, and after
-  the stage's last backward they are all-reduced in buckets of `bucket_bytes` (DDP's
-  ``no_sync`` then one reduction), then each rank steps its optimizer
+* parameter-gradient collectives are not issued per micro-batch: gradients accumulate, and
+  during the stage's last backward they are all-reduced in buckets of `bucket_bytes` as their
+  readers' backward ends (DDP's ``no_sync`` then one overlapped reduction), then each rank steps
+  its optimizer
   (`plait.cost.compute.optimizer_time` over the parameters it holds, `spmd_lower.params_held`);
   a parameter two stages read (tied embeddings) is all-reduced between them first;
 * ``send`` / ``recv``: a stage's program ends with its outputs whole on every rank (the search
@@ -195,12 +196,16 @@ class _Lowering:
         st.after_fwd[mb] = after
         return [F[j][n_ops - 1] for j in range(len(st.reps))] + after
 
-    def backward(self, st: _Stage, mb: int, entry: list[int]) -> list[int]:
-        """The program's backward on micro-batch `mb` (activation-gradient collectives inside)."""
+    def backward(self, st: _Stage, mb: int, entry: list[int], last: bool) -> list[int]:
+        """The program's backward on micro-batch `mb` (activation-gradient collectives inside); on
+        the stage's `last` micro-batch its parameter gradients are reduced in buckets as they are
+        ready (DDP: accumulation, then the reduction overlapping the last backward)."""
         graph = st.prog.problem.graph
         n_ops = len(graph.ops)
         extra_b: dict[int, list[int]] = defaultdict(list)
         pending = list(st.act_grads)
+        params = list(st.param_grads) if last else []
+        bucket: list[tuple[int, Comm]] = []
         B: list[list[int]] = [[-1] * n_ops for _ in st.reps]
         for k in range(n_ops - 1, -1, -1):
             deps = list(entry) + st.after_fwd.pop(mb, []) if k == n_ops - 1 else []
@@ -208,6 +213,11 @@ class _Lowering:
             host = self.model.host_bwd_s * st.kern_b[k] if self.model is not None else 0.0
             for j in range(len(st.reps)):
                 B[j][k] = self._compute(st, j, k, "bwd", mb, deps, host)
+            while params and params[0][0] >= k:
+                bucket.append(params.pop(0))
+                if self.bucket_bytes is None or sum(c.nbytes for _, c in bucket) >= self.bucket_bytes:
+                    st.end.append(self._flush(st, bucket, B))
+                    bucket = []
             while pending and pending[0][0] >= k:
                 kk, c = pending.pop(0)
                 tid = self._comm(st, c, "bwd", [B[j][kk] for j in range(len(st.reps))], mb)
@@ -217,24 +227,15 @@ class _Lowering:
                 elif p is not None:
                     raise SpmdLoweringError(f"stage {st.index}: gradient of {c.tensor} needed by op "
                                             f"{graph.ops[p].name} before it is reduced")
+        if bucket:
+            st.end.append(self._flush(st, bucket, B))
         return [B[j][0] for j in range(len(st.reps))]
 
-    def gradients(self, st: _Stage) -> None:
-        """After the last backward: parameter gradients all-reduced in buckets (accumulated)."""
-        done = [t for t in st.last if t >= 0]
-        st.end = list(done)
-        bucket: list[Comm] = []
-        for _, c in st.param_grads:
-            bucket.append(c)
-            if self.bucket_bytes is None or sum(b.nbytes for b in bucket) >= self.bucket_bytes:
-                st.end.append(self._flush(st, bucket, done))
-                bucket = []
-        if bucket:
-            st.end.append(self._flush(st, bucket, done))
-
-    def _flush(self, st: _Stage, bucket: list[Comm], deps: list[int]) -> int:
-        c = bucket[0] if len(bucket) == 1 else dataclasses.replace(
-            bucket[0], tensor=f"bucket of {len(bucket)} gradients", nbytes=sum(b.nbytes for b in bucket),
+    def _flush(self, st: _Stage, bucket: list[tuple[int, Comm]], B: list[list[int]]) -> int:
+        """One all-reduce of a bucket's gradients, after the backward of every op that reads them."""
+        deps = [B[j][k] for k, _ in bucket for j in range(len(st.reps))]
+        c = bucket[0][1] if len(bucket) == 1 else dataclasses.replace(
+            bucket[0][1], tensor=f"bucket of {len(bucket)} gradients", nbytes=sum(b.nbytes for _, b in bucket),
             algorithm=None)
         return self._comm(st, c, "bwd", deps, None)
 
@@ -339,17 +340,16 @@ def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
                         st, a.micro_batch, inbox.pop(s, []), first=not any(b == s for _, b in edges) and
                         a.micro_batch == 0, loss=s in sinks)
                 else:
-                    exits[("bwd", s, a.micro_batch)] = low.backward(st, a.micro_batch, inbox.pop(s, []))
-                    if pos[s] == last_bwd[s]:
-                        low.gradients(st)
+                    exits[("bwd", s, a.micro_batch)] = low.backward(st, a.micro_batch, inbox.pop(s, []),
+                                                                    last=pos[s] == last_bwd[s])
                 pos[s] += 1
                 progressed = True
         if not progressed:
             raise SpmdLoweringError("composed pipeline: the schedule's receives cannot be matched (deadlock)")
     ties: dict[int, list[int]] = defaultdict(list)
     for a, b, nbytes in tied:
-        ids = [low.st[a].ids[0], low.st[b].ids[0]]
-        tid = low.group_collective("all_reduce", nbytes, ids, low.st[a].end + low.st[b].end,
+        ids = [low.st[a].ids[0], low.st[b].ids[0]]  # after both stages' backward, beside their buckets
+        tid = low.group_collective("all_reduce", nbytes, ids, low.st[a].last + low.st[b].last,
                                    f"all_reduce tied gradients s{a}+s{b}", a, None, "comm_dp")
         ties[a].append(tid)
         ties[b].append(tid)
