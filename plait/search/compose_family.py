@@ -65,7 +65,8 @@ def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
       nodes, or a run of one kind, or the mixed GPUs of one node;
     * every node cut into ``q`` slices of the same mix of kinds (``q`` dividing each kind's count
       in every node, ``q x nodes <= max_stages``): stages that each mix fast and slow GPUs, the
-      layout of a 3D plan whose replicas are of different kinds."""
+      layout of a 3D plan whose replicas are of different kinds; with two slices also folded
+      (node 0..N-1's first slices, then node N-1..0's second ones)."""
     units = [[d.id for d in run] for _, run in itertools.groupby(cluster.devices, key=lambda d: (d.node, d.kind.name))]
     out = []
     for pp in range(2, min(max_stages, len(units)) + 1):
@@ -79,8 +80,15 @@ def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
     for q in range(2, max_stages // len(nodes) + 1):
         if any(len(runs) < 2 for runs in nodes.values()) or any(c % q for c in counts):
             continue  # a node of one kind is already cut by the units
-        out.append([sum((run[k * len(run) // q:(k + 1) * len(run) // q] for run in nodes[n]), [])
-                    for n in sorted(nodes) for k in range(q)])
+        def piece(n: int, k: int, q: int = q) -> list[int]:
+            return sum((run[k * len(run) // q:(k + 1) * len(run) // q] for run in nodes[n]), [])
+
+        order = sorted(nodes)
+        out.append([piece(n, k) for n in order for k in range(q)])
+        if q == 2 and len(order) > 1:  # folded: out over the nodes and back, so the first and last
+            # stages (embedding and head: tied weights) share a node and the messages cross the
+            # slow links in both directions at once
+            out.append([piece(n, 0) for n in order] + [piece(n, 1) for n in reversed(order)])
     return out
 
 
@@ -107,9 +115,11 @@ def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_bat
 
 def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, groups: list[list[int]],
                       split: list[int], micro_batch: int, global_batch: int, dtype: str,
-                      max_states: int) -> ComposedCandidate:
+                      max_states: int, cache: dict | None = None) -> ComposedCandidate:
     """The composed plan of one device grouping and layer split: each stage's program synthesized
-    on its sub-graph and devices; raises a PlaitError when a stage has no program that fits."""
+    on its sub-graph and devices (`cache`: programs already synthesized for the same devices,
+    layers and micro-batch, e.g. by another order of the same groups); raises a PlaitError when a
+    stage has no program that fits."""
     from plait.cost.traffic import activation_scale
     from plait.ir.stage_graph import stage_graph
     from plait.sim.compose_lower import StageProgram
@@ -128,11 +138,16 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     programs, specs, memory = [], [], [0] * cluster.num_devices
     bottleneck = 0.0
     for s, (ids, lays) in enumerate(zip(groups, layers)):
-        sub = stage_subgraph(aten, lays, name=f"{aten.model} stage {s}")
-        # the program runs m times per iteration, its parameter gradients are reduced once: the
-        # search weighs their collectives 1/m (`Problem.overlap`), not as a whole iteration's
-        problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m)
-        syn = synth(problem, dtype=dtype, max_states=max_states)
+        key = (tuple(ids), tuple(lays), micro_batch)
+        if cache is None or key not in cache:
+            sub = stage_subgraph(aten, lays, name=f"{aten.model} stage {s}")
+            # the program runs m times per iteration, its parameter gradients are reduced once: the
+            # search weighs their collectives 1/m (`Problem.overlap`), not as a whole iteration's
+            problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m)
+            hit = (problem, synth(problem, dtype=dtype, max_states=max_states))
+            if cache is not None:
+                cache[key] = hit
+        problem, syn = cache[key] if cache is not None else hit
         if not syn.fits:
             raise SearchError(f"compose: stage {s} ({len(lays)} layers on {len(ids)} GPUs) does not fit at "
                               f"micro-batch {micro_batch}")
@@ -223,15 +238,19 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
             worst = max(times[p, a:e].sum() for p, (a, e) in enumerate(zip(edges, edges[1:])))
             options.append((worst * (gb // b + len(groups) - 1), len(options), groups, b, split))
     options.sort(key=lambda o: o[:2])
-    if len(options) > candidates:
-        reasons[f"not among the {candidates} best by the compute bound"] = len(options) - candidates
-    for _, _, groups, b, split in options[:candidates]:
+    # `candidates` sets of stage groups (every pipeline order of a set shares its stage programs)
+    sets = list(dict.fromkeys(tuple(sorted(map(tuple, o[2]))) for o in options))[:candidates]
+    chosen = [o for o in options if tuple(sorted(map(tuple, o[2]))) in sets]
+    if len(options) > len(chosen):
+        reasons[f"not among the {candidates} best by the compute bound"] = len(options) - len(chosen)
+    cache: dict = {}
+    for _, _, groups, b, split in chosen:
         if b not in captures:  # in the compute dtype: messages and gradients in the plan's dtype
             inputs, _ = spec.sample_batch(b, dtype=torch_dtype)
             captures[b] = capture_aten(spec.build(device="meta", dtype=torch_dtype), inputs, name=spec.name)
         try:
             found.append(synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype,
-                                           max_states))
+                                           max_states, cache))
         except PlaitError as exc:
             key = "a stage does not fit" if "does not fit" in str(exc) else str(exc).split(":")[0]
             reasons[key] = reasons.get(key, 0) + 1
