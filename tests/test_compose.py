@@ -177,3 +177,35 @@ def test_compose_declines_with_a_reason():
         plan(TINY, _two_gpu_cluster(), global_batch=8, families="compose", runnable=True)
     res = plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="3d,compose", finalists=2)
     assert "one node of one GPU kind" in res.families["compose"]
+
+
+# ---------------------------------------------------------------- the stage's op-level graph
+def test_stage_subgraphs_cover_the_model_once_and_take_earlier_values_as_inputs():
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.zoo import load_model
+    from plait.spmd.placement import ShardingError
+    from plait.spmd.stage import shared_params, stage_subgraph
+
+    spec = load_model(TINY)
+    inputs, _ = spec.sample_batch(2)
+    aten = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+    subs = [stage_subgraph(aten, layers) for layers in TINY_SPLIT]
+    assert [op.name for s in subs for op in s.ops] == [op.name for op in aten.ops]
+    crossing = [t for t in subs[1].inputs if aten.tensors[t].producer is not None]
+    assert crossing and set(crossing) <= set(subs[0].outputs)  # what stage 1 reads, stage 0 sends
+    assert all(subs[1].tensors[t].role == "input" for t in crossing)
+    assert subs[1].outputs == aten.outputs
+    assert shared_params(aten, TINY_SPLIT) == ["p_head_lm_weight"]  # GPT's tied embedding and head
+    with pytest.raises(ShardingError, match="made later"):
+        stage_subgraph(aten, ["embed", "layers.1"])  # layers.1 reads layers.0, made after embed
+
+
+def test_memory_model_activations_are_part_of_the_total():
+    from plait.spmd.ratios import memory_model, synthesize
+
+    cluster = _two_gpu_cluster(per_node=2)
+    st = _stage_programs(cluster, TINY, 8, TINY_SPLIT, [[0, 1], [2, 3]])[1]
+    syn = synthesize(st.problem, dtype="fp32", segmented=False)
+    mm = memory_model(st.problem, syn.program, "fp32")
+    act = mm.activations_on(syn.ratios)
+    assert np.all(act > 0) and np.all(act < mm.on(syn.ratios))

@@ -44,6 +44,8 @@ from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
 from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
 
+_CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
+
 
 @dataclass
 class ComposedCandidate:
@@ -245,9 +247,11 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
         reasons[f"not among the {candidates} best by the compute bound"] = len(options) - len(chosen)
     cache: dict = {}
     for _, _, groups, b, split in chosen:
-        if b not in captures:  # in the compute dtype: messages and gradients in the plan's dtype
+        key = (spec.spec, b, dtype)
+        if key not in _CAPTURES:  # in the compute dtype: messages and gradients in the plan's dtype
             inputs, _ = spec.sample_batch(b, dtype=torch_dtype)
-            captures[b] = capture_aten(spec.build(device="meta", dtype=torch_dtype), inputs, name=spec.name)
+            _CAPTURES[key] = capture_aten(spec.build(device="meta", dtype=torch_dtype), inputs, name=spec.name)
+        captures[b] = _CAPTURES[key]
         try:
             found.append(synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype,
                                            max_states, cache))
