@@ -209,3 +209,10 @@ def test_memory_model_activations_are_part_of_the_total():
     mm = memory_model(st.problem, syn.program, "fp32")
     act = mm.activations_on(syn.ratios)
     assert np.all(act > 0) and np.all(act < mm.on(syn.ratios))
+
+
+def test_simulate_refuses_a_stage_program_it_would_misread():
+    from plait.sim.api import SimulateError, simulate
+
+    with pytest.raises(SimulateError, match="stages\\[0\\].spmd.*simulate_compose"):
+        simulate(TINY, "a100-80g:nodes=1", _plan())

@@ -156,6 +156,11 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     to `plait.cost.memory.estimate_memory` (``optimizer=``, ``loss=``). The gradient bucket is the
     plan's `grad_bucket_mb`: the runtime's, the simulator's and the memory estimate's."""
     plan_obj = resolve_plan(plan)
+    programs = [i for i, st in enumerate(plan_obj.stages) if st.spmd is not None]
+    if programs:  # the 3D / graph lowering would run such a stage as one device
+        raise SimulateError(f"plan field 'stages[{programs[0]}].spmd': a pipeline of SPMD stages is simulated by "
+                            "plait.sim.compose_lower.simulate_compose (the compose family's candidates carry it), "
+                            "not by simulate()")
     view = resolve_cluster(cluster)
     graph = resolve_model(model, plan_obj, inputs, analytic)
     check_plan_for_model(plan_obj, graph.config, graph.model)  # as strict as `plait run`
