@@ -23,6 +23,9 @@ Everything the later planners need is an optional refinement on top:
                      ratios (one vector, or one per segment), versioned on its own (see
                      `_check_spmd`). Such a plan has dp = tp = pp = 1 and one rank per ratio;
                      `device_order` places the ranks.
+* `stages[i].spmd` -- composition: a stage of a linear or graph pipeline that runs an SPMD
+                     program of its layers on its devices (same layout, one ratio per stage
+                     device, synthesized at the stage's micro-batch; `plait.search.compose_family`).
 
 When `stages` is empty the stage DAG is the chain implied by `pp` and
 `layer_split`; `Plan.stage_specs()` returns the explicit form in both cases.
@@ -78,9 +81,17 @@ class StageSpec:
     micro_batch: int | None = None  # None: the plan's micro_batch
     dp_shares: list[float] | None = None
     tp_ratios: list[float] | None = None
+    # A HAP-style SPMD program of the stage's layers on its devices (composition of families: a
+    # pipeline whose stages are SPMD programs), in `Plan.spmd`'s versioned layout, one ratio per
+    # device of `devices` (in order), synthesized at the stage's micro-batch. Such a stage has
+    # dp = tp = 1 and no shares or ratios of its own. None: the stage runs dp x tp as usual.
+    spmd: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["spmd"] is None:
+            del d["spmd"]  # stages without a program are written as before
+        return d
 
 
 @dataclass
@@ -202,6 +213,7 @@ class Plan:
                 owner[name] = s
         holder: dict[int, int] = {}
         for s, st in enumerate(self.stages):
+            _check_stage_spmd(s, st)
             if len(set(st.devices)) != len(st.devices):
                 raise PlanError(f"plan field 'stages[{s}].devices': a device appears twice in {st.devices}")
             for d in st.devices:
@@ -379,6 +391,9 @@ class Plan:
             parts.append(f"collective.{cls}={algo}")
         if self.stages:
             parts.append(f"stages={len(self.stages)}")
+            programs = [len(st.devices) for st in self.stages if st.spmd is not None]
+            if programs:
+                parts.append("spmd_stages=" + "+".join(map(str, programs)))
         if self.flow_paths is not None:
             parts.append(f"flow_paths={len(self.flow_paths['paths'])}")
         if self.spmd is not None:
@@ -418,7 +433,7 @@ class Plan:
                     kwargs[key] = [float(x) for x in value.split(":")]
                 elif key.startswith("collective."):
                     collectives[key.split(".", 1)[1]] = value
-                elif key in ("stages", "spmd"):
+                elif key in ("stages", "spmd", "spmd_stages"):
                     raise PlanError(f"plan string: '{key}' cannot be given in short form; use a plan JSON file")
                 else:
                     raise PlanError(f"plan string: unknown key '{key}'")
@@ -432,6 +447,7 @@ class Plan:
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["stages"] = [st.to_dict() for st in self.stages]
         d["stage_edges"] = [list(e) for e in self.stage_edges]
         if d["flow_paths"] is None:
             del d["flow_paths"]  # plans without planned paths are written as before
@@ -621,11 +637,25 @@ def spmd_world(spmd: dict[str, Any]) -> int:
     return len(r[0]) if r and isinstance(r[0], list) else len(r)
 
 
-def _check_spmd(value: Any) -> None:
+def _check_stage_spmd(s: int, st: StageSpec) -> None:
+    """`stages[s].spmd`: None, or a program (`Plan.spmd`'s layout) with one ratio per stage device,
+    on a stage with dp = tp = 1 and no shares or ratios of its own."""
+    if st.spmd is None:
+        return
+    where = f"plan field 'stages[{s}].spmd'"
+    _check_spmd(st.spmd, where)
+    if st.dp != 1 or st.tp != 1 or st.dp_shares or st.tp_ratios:
+        raise PlanError(f"{where}: a stage running an SPMD program needs dp=tp=1 and no dp_shares or tp_ratios "
+                        f"(the program shards the stage), got dp={st.dp}, tp={st.tp}")
+    if spmd_world(st.spmd) != len(st.devices):
+        raise PlanError(f"{where}.ratios: {spmd_world(st.spmd)} ratios for the stage's {len(st.devices)} devices "
+                        "(one per device, in order)")
+
+
+def _check_spmd(value: Any, where: str = "plan field 'spmd'") -> None:
     """`spmd`: None, or a program as `plait plan --family spmd` writes it (see `Plan.spmd`)."""
     if value is None:
         return
-    where = "plan field 'spmd'"
     if not isinstance(value, dict):
         raise PlanError(f"{where}: must be an object")
     unknown = sorted(set(value) - set(_SPMD_KEYS))
@@ -668,7 +698,7 @@ def _check_spmd(value: Any) -> None:
 
 _STAGE_TYPES: dict[str, str] = {
     "name": _STR, "layers": "strs", "devices": _INTS, "dp": _INT, "tp": _INT, "micro_batch": "int?",
-    "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE,
+    "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE, "spmd": "obj?",
 }
 
 

@@ -372,7 +372,7 @@ def validate_stages(plan: Plan, graph: OpGraph, specs: list[StageSpec], chunks: 
         if unknown:
             raise StageGraphError(f"plan field 'stages[{s}].layers': {unknown[:3]} are not layers of "
                                   f"model {graph.model!r}")
-        if len(spec.devices) != spec.dp * spec.tp:
+        if spec.spmd is None and len(spec.devices) != spec.dp * spec.tp:
             raise StageGraphError(f"plan field 'stages[{s}].devices': stage {spec.name!r} needs dp*tp = "
                                   f"{spec.dp * spec.tp} devices, got {len(spec.devices)}")
     if not plan.stages:

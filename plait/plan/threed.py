@@ -107,6 +107,7 @@ class Candidate:
     default_order_time_s: float | None = None  # simulated with the layout's start order
     sim: dict[str, Any] | None = None
     family: str = "3d"  # the planner family that proposed it ("3d", "graph", "spmd", ...)
+    unsupported: str = ""  # why `plait.runtime.supports` refuses the plan ("" when it runs or was not asked)
 
     @property
     def time_s(self) -> float:
@@ -117,6 +118,8 @@ class Candidate:
             "plan": self.plan.to_dict(),
             "plan_str": str(self.plan),
             "family": self.family,
+            "runnable": not self.unsupported,
+            "unsupported": self.unsupported,
             "layout": self.layout,
             "iteration_time_s": self.iteration_time_s,
             "analytic_time_s": self.analytic_s,

@@ -212,6 +212,10 @@ def supports(plan: Any) -> tuple[bool, str]:
     plan = Plan.load(plan)
     if plan.stages:
         for i, spec in enumerate(plan.stages):
+            if spec.spmd is not None:
+                return False, (f"plan field 'stages[{i}].spmd': the runtime does not yet run a pipeline stage as an "
+                               f"SPMD program (stage {spec.name!r} on {len(spec.devices)} devices); such composed "
+                               "plans are planned and simulated only")
             if spec.tp != 1:
                 # Tensor parallelism inside a graph stage would need per-stage tensor groups and the
                 # executor's sends per tensor rank; the graph planners give tp=1 stages.

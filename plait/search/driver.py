@@ -29,6 +29,7 @@ from plait.plan.threed import (
     SearchError,
     search_3d,
 )
+from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
 
 
@@ -84,6 +85,10 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
 
 register_family("graph", _search_graph, ("runnable", "chains", "max_dp", "candidates", "memory_kwargs", "dtype", "fast"))
 register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "runnable"))
+# SPMD programs inside the stages of a pipeline (plait.search.compose_family); planned and simulated,
+# not yet run: its candidates carry the runtime's reason (`Candidate.unsupported`)
+register_family("compose", search_compose, ("dtype", "max_states", "max_devices", "max_stages", "candidates",
+                                             "runnable"))
 
 
 def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
@@ -165,6 +170,9 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
             bar.end()
         for c in res.top:
             c.family = name
+            if common["supports"] is not None and not c.unsupported:  # marked, whichever family
+                ok, why = common["supports"](c.plan)
+                c.unsupported = "" if ok else why
         results[name] = res
     if len(names) == 1:
         return results[names[0]]  # type: ignore[return-value]

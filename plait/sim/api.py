@@ -157,6 +157,11 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     to `plait.cost.memory.estimate_memory` (``optimizer=``, ``loss=``). The gradient bucket is the
     plan's `grad_bucket_mb`: the runtime's, the simulator's and the memory estimate's."""
     plan_obj = resolve_plan(plan)
+    programs = [i for i, st in enumerate(plan_obj.stages) if st.spmd is not None]
+    if programs:  # the 3D / graph lowering would run such a stage as one device
+        raise SimulateError(f"plan field 'stages[{programs[0]}].spmd': a pipeline of SPMD stages is simulated by "
+                            "plait.sim.compose_lower.simulate_compose (the compose family's candidates carry it), "
+                            "not by simulate()")
     view = resolve_cluster(cluster)
     if plan_obj.spmd is not None:  # an op-level SPMD program: its own lowering (plait.sim.spmd_lower)
         return simulate_spmd_plan(model, view, plan_obj, memory_options=memory_options)

@@ -72,6 +72,38 @@ def op_ratios(problem: Problem, program: Program, ratios: np.ndarray,
     return out
 
 
+def op_seconds(problem: Problem, program: Program, ratios: np.ndarray, of_op: dict[str, int] | None,
+               device_scale: np.ndarray | None = None, model: ComputeModel | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per (op, device), the kernels each op launches forward and
+    backward, and each op's share of its work per device (`op_ratios` x `device_scale`).
+
+    The compute model's fixed costs, as the 3D lowering charges them (plait.cost.compute): each
+    kernel's GPU time besides its work -- one forward kernel per op that is not a view, two
+    backward kernels for ops with FLOPs (input and weight gradients), one otherwise."""
+    graph = problem.graph
+    share = op_ratios(problem, program, ratios, of_op)  # (ops, n)
+    if device_scale is not None:
+        share = share * np.asarray(device_scale, dtype=float)[None, :]
+    fwd = np.stack(problem.work) * share / BACKWARD_FACTOR  # (ops, n) seconds
+    bwd = fwd * (BACKWARD_FACTOR - 1.0)
+    kern_f = np.array([0.0 if op.kind in VIEWS else 1.0 for op in graph.ops])
+    kern_b = np.array([0.0 if op.kind in VIEWS else (2.0 if op.flops > 0 else 1.0) for op in graph.ops])
+    if model is not None:
+        fwd = fwd + model.kernel_gpu_s * kern_f[:, None]
+        bwd = bwd + model.kernel_gpu_s * kern_b[:, None]
+    return fwd, bwd, kern_f, kern_b, share
+
+
+def rank_classes(devices: Devices, share: np.ndarray) -> list[list[int]]:
+    """Ranks that compute identically (same kind, same share of every op), first one first."""
+    classes: dict[tuple, list[int]] = defaultdict(list)
+    for i in range(devices.n):
+        kind = devices.kinds[i].name if devices.kinds else ""
+        classes[(kind, tuple(np.round(share[:, i], 12)))].append(i)
+    return list(classes.values())
+
+
 def _shares(comm: Comm, ratios: np.ndarray, of_dim: dict[tuple[str, int], int] | None) -> np.ndarray:
     """Per-device shares of the tensor an uneven collective moves: its segment's ratios."""
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
@@ -126,27 +158,8 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
     missing = [op.name for op in graph.ops if op.name not in program.strategies]
     if missing:
         raise SpmdLoweringError(f"program has no strategy for op {missing[0]} ({len(missing)} ops missing)")
-    share = op_ratios(problem, program, ratios, of_op)  # (ops, n)
-    if device_scale is not None:
-        share = share * np.asarray(device_scale, dtype=float)[None, :]
-    fwd = np.stack(problem.work) * share / BACKWARD_FACTOR  # (ops, n) seconds
-    bwd = fwd * (BACKWARD_FACTOR - 1.0)
-    # The compute model's fixed costs, as the 3D lowering charges them (plait.cost.compute): each
-    # kernel's GPU time besides its work, and the host time to dispatch it -- one forward kernel
-    # per op that is not a view, two backward kernels for ops with FLOPs (input and weight
-    # gradients), one otherwise; the host runs ahead of the GPU on its own chain, and a kernel
-    # starts only once launched. Per iteration the host also fetches the batch and runs the loss.
-    kern_f = np.array([0.0 if op.kind in VIEWS else 1.0 for op in graph.ops])
-    kern_b = np.array([0.0 if op.kind in VIEWS else (2.0 if op.flops > 0 else 1.0) for op in graph.ops])
-    if model is not None:
-        fwd = fwd + model.kernel_gpu_s * kern_f[:, None]
-        bwd = bwd + model.kernel_gpu_s * kern_b[:, None]
-    # ranks that compute identically: same kind, same share of every op
-    classes: dict[tuple, list[int]] = defaultdict(list)
-    for i in range(n):
-        kind = devices.kinds[i].name if devices.kinds else ""
-        classes[(kind, tuple(np.round(share[:, i], 12)))].append(i)
-    groups = list(classes.values())
+    fwd, bwd, kern_f, kern_b, share = op_seconds(problem, program, ratios, of_op, device_scale, model)
+    groups = rank_classes(devices, share)
     reps = [g[0] for g in groups]
     tg = TaskGraph()
     n_ops = len(graph.ops)
@@ -280,7 +293,7 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
 
 def _comm_task(tg: TaskGraph, comm: Comm, phase: str, devices: Devices, ids: list[int], view: ClusterView,
                ratios: np.ndarray, of_dim: dict | None, deps: list[int], host_comm_s: float,
-               pricer: _GroupPricer | None = None) -> int:
+               pricer: _GroupPricer | None = None, stream: str = "world/comm") -> int:
     """One collective over every device: latency, then a flow over the ring's link resources that
     alone takes exactly the bandwidth part of the cost module's time. A hierarchical program's
     "node" and "rail" collectives are priced on their groups by `pricer`."""
@@ -307,7 +320,7 @@ def _comm_task(tg: TaskGraph, comm: Comm, phase: str, devices: Devices, ids: lis
         lat = max(0.0, total - comm_seconds(comm, flat, shares))
     flow = _ring_flow(tg, view, ids, total - lat)
     cat = "comm_dp" if phase == "bwd" and comm.op == "all_reduce" else "comm_tp"
-    return tg.add(f"{comm.op} {comm.tensor} ({phase})", cat, "world/comm", lat + host_comm_s, deps, flow=flow,
+    return tg.add(f"{comm.op} {comm.tensor} ({phase})", cat, stream, lat + host_comm_s, deps, flow=flow,
                   device=ids[0], args={"bytes": comm.nbytes, "op": comm.op, "algorithm": comm.algorithm,
                                        "ranks": len(ids), "cls": "spmd", "copies": 1, "seconds": total})
 

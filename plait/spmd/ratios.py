@@ -103,6 +103,10 @@ class MemoryModel:
     sharded: float  # all segments together
     overhead: float
     by_segment: dict[int, float] = field(default_factory=dict)
+    # the part of the above that is activations kept for backward (one batch's): a pipeline stage
+    # keeps several micro-batches' in flight (`activations_on`)
+    act_replicated: float = 0.0
+    act_by_segment: dict[int, float] = field(default_factory=dict)
 
     def on(self, ratios: np.ndarray) -> np.ndarray:
         """Bytes per device at `ratios`: one vector (n,) for all, or one row per segment (G, n)."""
@@ -110,6 +114,15 @@ class MemoryModel:
         if r.ndim == 1:
             return self.overhead + self.replicated + r * self.sharded
         return self.overhead + self.replicated + sum(r[g] * b for g, b in self.by_segment.items())
+
+    def activations_on(self, ratios: np.ndarray) -> np.ndarray:
+        """Activation bytes per device at `ratios` (included in `on`)."""
+        r = np.asarray(ratios, dtype=float)
+        rows = r if r.ndim == 2 else r[None, :]
+        out = np.full(rows.shape[1], self.act_replicated)
+        for g, b in self.act_by_segment.items():
+            out = out + rows[g if r.ndim == 2 else 0] * b
+        return out
 
 
 def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimizer: str = "adam",
@@ -121,14 +134,17 @@ def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimi
     segs = segs or segments(problem, program)
     model = MemoryModel(0.0, 0.0, float(overhead))
 
-    def add(t: str, q: str, nbytes: float) -> None:
+    def add(t: str, q: str, nbytes: float, activation: bool = False) -> None:
         d = shard_dim(q)
         if d is None:
             model.replicated += nbytes
+            model.act_replicated += nbytes if activation else 0.0
         else:
             g = segs.of_dim.get((t, d), 0)
             model.sharded += nbytes
             model.by_segment[g] = model.by_segment.get(g, 0.0) + nbytes
+            if activation:
+                model.act_by_segment[g] = model.act_by_segment.get(g, 0.0) + nbytes
 
     stored: dict[str, str] = {}
     kept: set[tuple[str, str]] = set()
@@ -140,7 +156,7 @@ def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimi
                 stored.setdefault(t, REPLICATED if q == PARTIAL else q)
             elif problem.needs_grad.get(t) and (t, q) not in kept:
                 kept.add((t, q))
-                add(t, q, meta.numel * act_bytes)
+                add(t, q, meta.numel * act_bytes, activation=True)
     for t, q in stored.items():
         add(t, q, graph.tensors[t].numel * per_param)
     return model

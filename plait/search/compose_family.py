@@ -1,0 +1,296 @@
+"""The composed family for the search driver: a pipeline whose stages run SPMD programs.
+
+Composition of families (issue 17 item 1). On a cluster of mixed GPUs -- fast nodes and slow
+nodes, slow links between them -- no single family fits well: a pipeline crosses the slow link
+once per micro-batch but runs even tensor or data parallelism inside a stage; one SPMD program
+over every device pays its collectives on the slow link. The composed plan is a linear pipeline
+whose stages sit on contiguous groups of the cluster's units -- a unit is a node, or the run of
+one GPU kind inside a node that mixes kinds -- so a slow link between nodes is crossed by
+point-to-point messages only, and each stage runs a HAP-style SPMD program of its layers on its
+GPUs, with uneven ratios by the LP (`plait.spmd.ratios.synthesize`) where they mix kinds.
+
+For each cut of the cluster into ``pp`` contiguous groups (in cluster order, ``pp`` up to
+`max_stages`; cut only between nodes or between the GPU kinds of a node) at the largest
+micro-batch that gives ``2 pp`` micro-batches:
+
+1. the layers are split over the stages by `plait.plan.hetero.split_layers` (the exact DP of the
+   3D family's uneven splits) on each stage's layer times from `plait.cost.compute.layer_cost`
+   (a group's rate is the sum of its GPUs' rates);
+2. each stage's program is synthesized on its own AtenGraph (`plait.spmd.stage.stage_subgraph`
+   of the model captured at the micro-batch) and its own devices, memory-aware, and its peak
+   memory is the program's (`plait.spmd.ratios.memory_model`) with the activations of the
+   micro-batches 1F1B keeps in flight on that stage;
+3. the plan (`Plan.stages[i].spmd`) is simulated by the one engine
+   (`plait.sim.compose_lower.simulate_compose`: the pipeline schedule of `plait.schedule` whose
+   forward and backward are the programs' lowered ops), with the pipeline's message bytes from
+   the one stage graph (`plait.ir.stage_graph`).
+
+The runtime does not run such plans yet (`plait.runtime.supports` says why): the family's
+candidates carry that reason (`Candidate.unsupported`), and `runnable=True` declines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from plait.cluster.spec import Cluster
+from plait.errors import PlaitError
+from plait.ir.plan import Plan, StageSpec
+from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
+
+_CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
+
+
+@dataclass
+class ComposedCandidate:
+    """One synthesized composed plan, before simulation."""
+
+    plan: Plan
+    stages: list[Any]  # plait.sim.compose_lower.StageProgram
+    bytes_per_sample: dict[tuple[int, int], float]
+    tied: list[tuple[int, int, float]]
+    memory: list[int]  # peak bytes per cluster device
+    analytic_s: float  # the bottleneck stage's synthesized cost x micro-batches (a lower bound)
+
+
+def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
+    """Device groups (device ids per stage, in pipeline order) to put the stages on:
+
+    * every cut of the cluster's units into 2..max_stages contiguous groups, a unit being a run of
+      GPUs of one kind in one node (a whole node when it has one kind), so a stage spans whole
+      nodes, or a run of one kind, or the mixed GPUs of one node;
+    * every node cut into ``q`` slices of the same mix of kinds (``q`` dividing each kind's count
+      in every node, ``q x nodes <= max_stages``): stages that each mix fast and slow GPUs, the
+      layout of a 3D plan whose replicas are of different kinds; with two slices also folded
+      (node 0..N-1's first slices, then node N-1..0's second ones)."""
+    units = [[d.id for d in run] for _, run in itertools.groupby(cluster.devices, key=lambda d: (d.node, d.kind.name))]
+    out = []
+    for pp in range(2, min(max_stages, len(units)) + 1):
+        for cuts in itertools.combinations(range(1, len(units)), pp - 1):
+            bounds = [0, *cuts, len(units)]
+            out.append([sum(units[a:b], []) for a, b in zip(bounds, bounds[1:])])
+    nodes: dict[int, list[list[int]]] = {}
+    for run in units:
+        nodes.setdefault(cluster.devices[run[0]].node, []).append(run)
+    counts = [len(run) for runs in nodes.values() for run in runs]
+    for q in range(2, max_stages // len(nodes) + 1):
+        if any(len(runs) < 2 for runs in nodes.values()) or any(c % q for c in counts):
+            continue  # a node of one kind is already cut by the units
+        def piece(n: int, k: int, q: int = q) -> list[int]:
+            return sum((run[k * len(run) // q:(k + 1) * len(run) // q] for run in nodes[n]), [])
+
+        order = sorted(nodes)
+        out.append([piece(n, k) for n in order for k in range(q)])
+        if q == 2 and len(order) > 1:  # folded: out over the nodes and back, so the first and last
+            # stages (embedding and head: tied weights) share a node and the messages cross the
+            # slow links in both directions at once
+            out.append([piece(n, 0) for n in order] + [piece(n, 1) for n in reversed(order)])
+    return out
+
+
+def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int, dtype: str) -> np.ndarray:
+    """times[p, i]: layer i's forward + backward on stage p's group, its GPUs' rates summed
+    (`plait.cost.compute.layer_cost` per kind)."""
+    from plait.cost.compute import layer_cost
+
+    out = np.zeros((len(groups), len(graph.layers)))
+    cache: dict[tuple[int, str], float] = {}
+    for i, layer in enumerate(graph.layers):
+        for p, ids in enumerate(groups):
+            rate = 0.0
+            for d in ids:
+                kind = cluster.devices[d].kind
+                key = (i, kind.name)
+                if key not in cache:
+                    c = layer_cost(layer, graph, micro_batch, kind, dtype)
+                    cache[key] = c.fwd.compute_s + c.bwd.compute_s
+                rate += 1.0 / max(cache[key], 1e-12)
+            out[p, i] = 1.0 / rate
+    return out
+
+
+def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, groups: list[list[int]],
+                      split: list[int], micro_batch: int, global_batch: int, dtype: str,
+                      max_states: int, cache: dict | None = None) -> ComposedCandidate:
+    """The composed plan of one device grouping and layer split: each stage's program synthesized
+    on its sub-graph and devices (`cache`: programs already synthesized for the same devices,
+    layers and micro-batch, e.g. by another order of the same groups); raises a PlaitError when a
+    stage has no program that fits."""
+    from plait.cost.traffic import activation_scale
+    from plait.ir.stage_graph import stage_graph
+    from plait.sim.compose_lower import StageProgram
+    from plait.spmd.cost import Devices
+    from plait.spmd.program_plan import program_plan
+    from plait.spmd.ratios import memory_model
+    from plait.spmd.ratios import synthesize as synth
+    from plait.spmd.search import Problem
+    from plait.spmd.stage import shared_params, stage_subgraph
+
+    names = [layer.name for layer in opgraph.layers]
+    bounds = np.concatenate([[0], np.cumsum(split)]).astype(int)
+    layers = [names[a:b] for a, b in zip(bounds, bounds[1:])]
+    pp = len(groups)
+    m = global_batch // micro_batch
+    programs, specs, memory = [], [], [0] * cluster.num_devices
+    bottleneck = 0.0
+    for s, (ids, lays) in enumerate(zip(groups, layers)):
+        key = (tuple(ids), tuple(lays), micro_batch)
+        if cache is None or key not in cache:
+            sub = stage_subgraph(aten, lays, name=f"{aten.model} stage {s}")
+            # the program runs m times per iteration, its parameter gradients are reduced once: the
+            # search weighs their collectives 1/m (`Problem.overlap`), not as a whole iteration's
+            problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m)
+            hit = (problem, synth(problem, dtype=dtype, max_states=max_states))
+            if cache is not None:
+                cache[key] = hit
+        problem, syn = cache[key] if cache is not None else hit
+        if not syn.fits:
+            raise SearchError(f"compose: stage {s} ({len(lays)} layers on {len(ids)} GPUs) does not fit at "
+                              f"micro-batch {micro_batch}")
+        ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
+        segs = syn.segments
+        mm = memory_model(problem, syn.program, dtype, segs=segs)
+        in_flight = min(m, pp - s)  # 1F1B keeps pp - s micro-batches' activations on stage s
+        peak = syn.memory + (in_flight - 1) * mm.activations_on(ratios)
+        for d, b in zip(ids, peak):
+            memory[d] = int(b)
+        programs.append(StageProgram(problem, syn.program, np.asarray(ratios, dtype=float),
+                                     segs.of_op if segs is not None else None,
+                                     segs.of_dim if segs is not None else None, name=f"s{s}"))
+        stage_spmd = program_plan(syn.program.strategies, ratios, micro_batch, model=spec.spec,
+                                  predicted_s=syn.cost, dtype=dtype).spmd
+        specs.append(StageSpec(f"s{s}", lays, list(ids), micro_batch=micro_batch, spmd=stage_spmd))
+        bottleneck = max(bottleneck, float(syn.cost))
+    plan = Plan(pp=pp, micro_batch=micro_batch, global_batch=global_batch, dtype=dtype, stages=specs,
+                stage_edges=[(s, s + 1) for s in range(pp - 1)])
+    sg = stage_graph(plan, opgraph)
+    scale = activation_scale(opgraph, plan)
+    per_sample = {(e.src, e.dst): e.bytes_per_sample * scale for e in sg.edges}
+    tied = []
+    for t in shared_params(aten, layers):
+        holders = [s for s, lays in enumerate(layers) if any(op.layer in lays and t in op.inputs for op in aten.ops)]
+        tied.append((holders[0], holders[-1], float(aten.tensors[t].nbytes)))
+    for d in range(cluster.num_devices):
+        if all(d not in ids for ids in groups):
+            raise SearchError(f"compose: device {d} is in no stage")
+    return ComposedCandidate(plan, programs, per_sample, tied, memory, bottleneck * (m + pp - 1))
+
+
+def micro_batches_to_try(global_batch: int, pp: int) -> list[int]:
+    """The largest micro-batch dividing the batch into at least 2 pp micro-batches (pipeline fill)."""
+    sizes = [b for b in range(1, global_batch + 1) if global_batch % b == 0 and global_batch // b >= 2 * pp]
+    return sorted(sizes, reverse=True)[:1]
+
+
+def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+                   evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+                   compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
+                   max_devices: int = 64, max_stages: int = 4, candidates: int = 4,
+                   runnable: bool = False) -> PlanResult:
+    """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
+    `candidates` groupings with the least compute-only pipeline time (layer times summed over
+    the bottleneck stage x (m + pp - 1)) are synthesized and simulated."""
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.zoo import load_model
+    from plait.plan.hetero import split_layers
+    from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
+    from plait.sim.compose_lower import simulate_compose
+
+    t0 = time.perf_counter()
+    n = cluster.num_devices
+    if runnable:
+        raise SearchError("compose: the runtime does not yet run a pipeline stage as an SPMD program "
+                          "(plans of this family are planned and simulated only)")
+    if n > max_devices:
+        raise SearchError(f"compose: {n} devices; the composed family synthesizes stage programs on clusters of "
+                          f"up to {max_devices} GPUs (max_devices)")
+    if not isinstance(model, str | None):
+        raise SearchError("compose: the family captures a zoo spec or file.py:factory, not a prepared graph")
+    groupings = node_groups(cluster, max_stages)
+    if not groupings:
+        raise SearchError(f"compose: cluster {cluster.name!r} is one node of one GPU kind; a composed pipeline "
+                          "needs two nodes (or two GPU kinds in a node) to put its stages on")
+    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
+    dtype = dtype or auto_dtype(cluster)
+    spec = load_model(DEFAULT_MODEL if model is None else model)
+    _, opgraph = load_graph(spec.spec, dtype)
+    import torch
+
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype, torch.float32)
+    captures: dict[int, Any] = {}
+    found: list[ComposedCandidate] = []
+    reasons: dict[str, int] = {}
+    enumerated = 0
+    options = []  # (bound, groups, micro-batch, split): the compute-only pipeline bound ranks them
+    for groups in groupings:
+        for b in micro_batches_to_try(gb, len(groups)):
+            enumerated += 1
+            times = layer_times(opgraph, groups, cluster, b, dtype)
+            split = split_layers(times)
+            if split is None:
+                reasons["fewer layers than stages"] = reasons.get("fewer layers than stages", 0) + 1
+                continue
+            edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+            worst = max(times[p, a:e].sum() for p, (a, e) in enumerate(zip(edges, edges[1:])))
+            options.append((worst * (gb // b + len(groups) - 1), len(options), groups, b, split))
+    options.sort(key=lambda o: o[:2])
+    # `candidates` sets of stage groups (every pipeline order of a set shares its stage programs)
+    sets = list(dict.fromkeys(tuple(sorted(map(tuple, o[2]))) for o in options))[:candidates]
+    chosen = [o for o in options if tuple(sorted(map(tuple, o[2]))) in sets]
+    if len(options) > len(chosen):
+        reasons[f"not among the {candidates} best by the compute bound"] = len(options) - len(chosen)
+    cache: dict = {}
+    for _, _, groups, b, split in chosen:
+        key = (spec.spec, b, dtype)
+        if key not in _CAPTURES:  # in the compute dtype: messages and gradients in the plan's dtype
+            inputs, _ = spec.sample_batch(b, dtype=torch_dtype)
+            _CAPTURES[key] = capture_aten(spec.build(device="meta", dtype=torch_dtype), inputs, name=spec.name)
+        captures[b] = _CAPTURES[key]
+        try:
+            found.append(synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype,
+                                           max_states, cache))
+        except PlaitError as exc:
+            key = "a stage does not fit" if "does not fit" in str(exc) else str(exc).split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+    if not found:
+        raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
+    cands = [_candidate(c, cluster, evaluate is not None, supports, spec.spec, opgraph, simulate_compose)
+             for c in found]
+    cands.sort(key=lambda c: c.time_s)
+    return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=cands[:top],
+                      enumerated=enumerated, pruned=sum(reasons.values()), pruned_reasons=reasons,
+                      memory_checked=len(found), ranked_analytic=len(found),
+                      simulated=len(found) if evaluate is not None else 0, search_time_s=time.perf_counter() - t0,
+                      ranker="simulator" if evaluate is not None else "analytic", family="compose",
+                      extra={"groupings": len(groupings)})
+
+
+def _candidate(c: ComposedCandidate, cluster: Cluster, simulate: bool,
+               supports: Callable[[Plan], tuple[bool, str]] | None, name: str, opgraph: Any,
+               simulate_compose: Callable[..., Any]) -> Candidate:
+    cand = Candidate(plan=c.plan, analytic_s=c.analytic_s, family="compose", peak_bytes=list(c.memory))
+    if simulate:
+        plan = c.plan
+        flops = (opgraph.fwd_flops + opgraph.bwd_flops) * plan.global_batch
+        sim = simulate_compose(c.stages, list(plan.stage_edges), c.bytes_per_sample, plan.num_micro_batches,
+                               plan.micro_batch, cluster, tied=c.tied, memory=c.memory, name=str(plan), flops=flops)
+        cand.iteration_time_s = sim.iteration_time_s
+        cand.throughput = sim.throughput_samples_per_s
+        cand.tflops_per_gpu = sim.tflops_per_gpu
+        cand.sim = sim.to_dict()
+    else:
+        cand.throughput = c.plan.global_batch / c.analytic_s
+    free: dict[str, int] = {}
+    for d, peak in zip(cluster.devices, c.memory):
+        free[d.kind.name] = min(free.get(d.kind.name, d.kind.memory_bytes), d.kind.memory_bytes - peak)
+    cand.headroom_by_kind = free
+    if supports is not None:
+        ok, why = supports(c.plan)
+        cand.unsupported = "" if ok else why
+    return cand

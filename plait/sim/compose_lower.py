@@ -1,0 +1,408 @@
+"""Lowering of a composed plan -- a pipeline whose stages run SPMD programs -- into the one engine.
+
+Composition of families (issue 17 item 1): each stage of a linear or graph pipeline runs a
+HAP-style SPMD program of its layers on its devices (`Plan.stages[i].spmd`, synthesized at the
+stage's micro-batch by `plait.spmd`). The pipeline schedule is the one of `plait.schedule`
+(1F1B for a chain, graph 1F1B for a DAG, or GPipe) and each of its actions becomes tasks of
+the one `TaskGraph` that `plait.sim.engine` runs:
+
+* ``fwd`` / ``bwd`` of a stage on a micro-batch: the program's ops on every rank of the stage
+  (one representative per class of equal kind and ratios, `plait.sim.spmd_lower.rank_classes`),
+  each at its ratio (`spmd_lower.op_seconds`: work from `plait.cost.compute` through
+  `plait.spmd.cost`), and the program's collectives on the stage's own stream, priced on the
+  stage's device group (`spmd_lower._comm_task`: `plait.cost.collectives` on the group's links,
+  run as a flow over the ring's link resources) -- exactly as `lower_spmd` lowers a whole
+  program, with the same dependencies (a forward collective after its producer and before its
+  reader, an activation-gradient collective after its reader's backward and before its
+  producer's). A rank's tasks are chained in schedule order (one compute stream per GPU);
+* parameter-gradient collectives are not issued per micro-batch: gradients accumulate, and
+  during the stage's last backward they are all-reduced in buckets of `bucket_bytes` as their
+  readers' backward ends (DDP's ``no_sync`` then one overlapped reduction), then each rank steps
+  its optimizer
+  (`plait.cost.compute.optimizer_time` over the parameters it holds, `spmd_lower.params_held`);
+  a parameter two stages read (tied embeddings) is all-reduced between them first;
+* ``send`` / ``recv``: a stage's program ends with its outputs whole on every rank (the search
+  gathers what the next stage reads), so ``k = min(senders, receivers)`` rank pairs each carry
+  ``1/k`` of the message (Megatron's scatter/gather over tensor ranks; bytes per sample from the
+  one stage graph, `plait.ir.stage_graph`, in the plan's dtype) over their routes, and an
+  all-gather inside the receiving group makes it whole there (priced by
+  `plait.cost.collectives`). Gradients go back the same way.
+
+Every micro-batch has the stage's micro-batch size (the composed family cuts the batch evenly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from plait.cost.collectives import choose_algorithm, collective_time, latency_steps
+from plait.cost.compute import ComputeModel, optimizer_time
+from plait.schedule import PipelineGraph, Schedule
+from plait.schedule import build as build_schedule
+from plait.sim.engine import TaskGraph
+from plait.sim.spmd_lower import (
+    SpmdLoweringError,
+    _comm_task,
+    _ring_flow,
+    op_seconds,
+    params_held,
+    rank_classes,
+)
+from plait.sim.topology import ClusterView
+from plait.spmd.placement import Comm
+from plait.spmd.search import Problem, Program
+
+
+@dataclass
+class StageProgram:
+    """One stage of a composed plan: its graph at the micro-batch on its devices, and its program."""
+
+    problem: Problem  # the stage's AtenGraph (`plait.spmd.stage.stage_subgraph`) on its Devices
+    program: Program
+    ratios: np.ndarray  # one vector, or one row per segment
+    of_op: dict[str, int] | None = None  # segment of each op (`plait.spmd.ratios.Segments`)
+    of_dim: dict[tuple[str, int], int] | None = None
+    name: str = ""
+
+    @property
+    def ids(self) -> list[int]:
+        d = self.problem.devices
+        return list(d.ids) if d.ids else list(range(d.n))
+
+
+@dataclass
+class ComposeLowered:
+    graph: TaskGraph
+    schedule: Schedule
+    reps: list[list[int]]  # per stage, the representative ranks (indices into the stage's devices)
+
+
+@dataclass
+class _Stage:
+    """The lowering state of one stage: per-op seconds, classes, collectives, stream heads."""
+
+    index: int
+    prog: StageProgram
+    fwd: np.ndarray
+    bwd: np.ndarray
+    kern_f: np.ndarray
+    kern_b: np.ndarray
+    reps: list[int]
+    fwd_comms: dict[int, list[tuple[Comm, int | None]]]  # reader op -> (collective, producer op)
+    act_grads: list[tuple[int, Comm]]  # activation-gradient collectives, reader op last first
+    param_grads: list[tuple[int, Comm]]
+    producer: dict[str, int]
+    last: list[int] = field(default_factory=list)  # last compute task per representative
+    host: list[int] = field(default_factory=list)  # last host task per representative
+    stream: int = -1  # last collective on the stage's stream
+    after_fwd: dict[int, list[int]] = field(default_factory=dict)  # micro-batch -> output gathers
+    end: list[int] = field(default_factory=list)  # what the optimizer step waits for
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prog.ids
+
+
+def _stage(index: int, prog: StageProgram, model: ComputeModel | None) -> _Stage:
+    problem, program = prog.problem, prog.program
+    graph = problem.graph
+    missing = [op.name for op in graph.ops if op.name not in program.strategies]
+    if missing:
+        raise SpmdLoweringError(f"stage {index}: program has no strategy for op {missing[0]}")
+    fwd, bwd, kern_f, kern_b, share = op_seconds(problem, program, prog.ratios, prog.of_op, None, model)
+    reps = [g[0] for g in rank_classes(problem.devices, share)]
+    index_of = {op.name: k for k, op in enumerate(graph.ops)}
+    producer = {t: index_of[m.producer] for t, m in graph.tensors.items() if m.producer in index_of}
+    fwd_comms: dict[int, list[tuple[Comm, int | None]]] = defaultdict(list)
+    act, par = [], []
+    for name, c in program.comms:
+        k = index_of[name]
+        if c.phase == "fwd":
+            fwd_comms[k].append((c, producer.get(c.tensor)))
+        elif graph.tensors[c.tensor].role == "param" and c.op == "all_reduce":
+            par.append((k, c))
+        else:
+            act.append((k, c))
+    act.sort(key=lambda kc: -kc[0])
+    par.sort(key=lambda kc: -kc[0])
+    return _Stage(index, prog, fwd, bwd, kern_f, kern_b, reps, fwd_comms, act, par, producer,
+                  last=[-1] * len(reps), host=[-1] * len(reps))
+
+
+class _Lowering:
+    def __init__(self, stages: list[StageProgram], view: ClusterView, model: ComputeModel | None,
+                 bucket_bytes: float | None) -> None:
+        self.view, self.model, self.bucket_bytes = view, model, bucket_bytes
+        self.tg = TaskGraph()
+        self.st = [_stage(s, p, model) for s, p in enumerate(stages)]
+        self.host_comm_s = model.host_comm_s if model is not None else 0.0
+
+    # ------------------------------------------------------------ one stage's compute
+    def _launch(self, st: _Stage, j: int, name: str, seconds: float) -> list[int]:
+        if self.model is None:
+            return []
+        i = st.ids[st.reps[j]]
+        deps = [st.host[j]] if st.host[j] >= 0 else []
+        st.host[j] = self.tg.add(f"launch {name}", "host", f"dev{i}/host", seconds, deps, device=i)
+        return [st.host[j]]
+
+    def _comm(self, st: _Stage, c: Comm, phase: str, deps: list[int], mb: int | None) -> int:
+        p = st.prog
+        tid = _comm_task(self.tg, c, phase, p.problem.devices, st.ids, self.view, p.ratios, p.of_dim,
+                         deps + ([st.stream] if st.stream >= 0 else []), self.host_comm_s,
+                         stream=f"stage{st.index}/comm")
+        self.tg.stage[tid], self.tg.micro_batch[tid] = st.index, mb
+        st.stream = tid
+        return tid
+
+    def _compute(self, st: _Stage, j: int, k: int, phase: str, mb: int, deps: list[int], host_s: float) -> int:
+        op = st.prog.problem.graph.ops[k]
+        i = st.ids[st.reps[j]]
+        deps = deps + ([st.last[j]] if st.last[j] >= 0 else [])
+        deps += self._launch(st, j, f"{phase} {op.name}", host_s)
+        secs = st.fwd[k, st.reps[j]] if phase == "fwd" else st.bwd[k, st.reps[j]]
+        st.last[j] = self.tg.add(f"{phase} {op.name}", "forward" if phase == "fwd" else "backward",
+                                 f"dev{i}/compute", float(secs), deps, device=i, stage=st.index, micro_batch=mb)
+        return st.last[j]
+
+    def forward(self, st: _Stage, mb: int, entry: list[int], first: bool, loss: bool) -> list[int]:
+        """The program's forward on micro-batch `mb`; returns what its outputs' readers wait for."""
+        graph = st.prog.problem.graph
+        n_ops, m = len(graph.ops), self.model
+        F: list[list[int]] = [[-1] * n_ops for _ in st.reps]
+        after: list[int] = []
+        for k in range(n_ops):
+            extra = list(entry) if k == 0 else []
+            later = []
+            for c, p in st.fwd_comms.get(k, []):
+                if p is not None and p >= k:  # the loss / next stage reading partial outputs of op k
+                    later.append(c)
+                    continue
+                deps = [F[j][p] for j in range(len(st.reps))] if p is not None else list(entry)
+                extra.append(self._comm(st, c, "fwd", deps, mb))
+            for j in range(len(st.reps)):
+                host = 0.0
+                if m is not None:
+                    host = m.host_fwd_s * st.kern_f[k] + (m.batch_host_s if first and k == 0 else 0.0) \
+                        + (m.loss_host_s if loss and k == n_ops - 1 else 0.0)
+                F[j][k] = self._compute(st, j, k, "fwd", mb, extra, host)
+            for c in later:
+                after.append(self._comm(st, c, "fwd", [F[j][k] for j in range(len(st.reps))], mb))
+        st.after_fwd[mb] = after
+        return [F[j][n_ops - 1] for j in range(len(st.reps))] + after
+
+    def backward(self, st: _Stage, mb: int, entry: list[int], last: bool) -> list[int]:
+        """The program's backward on micro-batch `mb` (activation-gradient collectives inside); on
+        the stage's `last` micro-batch its parameter gradients are reduced in buckets as they are
+        ready (DDP: accumulation, then the reduction overlapping the last backward)."""
+        graph = st.prog.problem.graph
+        n_ops = len(graph.ops)
+        extra_b: dict[int, list[int]] = defaultdict(list)
+        pending = list(st.act_grads)
+        params = list(st.param_grads) if last else []
+        bucket: list[tuple[int, Comm]] = []
+        B: list[list[int]] = [[-1] * n_ops for _ in st.reps]
+        for k in range(n_ops - 1, -1, -1):
+            deps = list(entry) + st.after_fwd.pop(mb, []) if k == n_ops - 1 else []
+            deps += extra_b.get(k, [])
+            host = self.model.host_bwd_s * st.kern_b[k] if self.model is not None else 0.0
+            for j in range(len(st.reps)):
+                B[j][k] = self._compute(st, j, k, "bwd", mb, deps, host)
+            while params and params[0][0] >= k:
+                bucket.append(params.pop(0))
+                if self.bucket_bytes is None or sum(c.nbytes for _, c in bucket) >= self.bucket_bytes:
+                    st.end.append(self._flush(st, bucket, B))
+                    bucket = []
+            while pending and pending[0][0] >= k:
+                kk, c = pending.pop(0)
+                tid = self._comm(st, c, "bwd", [B[j][kk] for j in range(len(st.reps))], mb)
+                p = st.producer.get(c.tensor)
+                if p is not None and p < k:
+                    extra_b[p].append(tid)
+                elif p is not None:
+                    raise SpmdLoweringError(f"stage {st.index}: gradient of {c.tensor} needed by op "
+                                            f"{graph.ops[p].name} before it is reduced")
+        if bucket:
+            st.end.append(self._flush(st, bucket, B))
+        return [B[j][0] for j in range(len(st.reps))]
+
+    def _flush(self, st: _Stage, bucket: list[tuple[int, Comm]], B: list[list[int]]) -> int:
+        """One all-reduce of a bucket's gradients, after the backward of every op that reads them."""
+        deps = [B[j][k] for k, _ in bucket for j in range(len(st.reps))]
+        c = bucket[0][1] if len(bucket) == 1 else dataclasses.replace(
+            bucket[0][1], tensor=f"bucket of {len(bucket)} gradients", nbytes=sum(b.nbytes for _, b in bucket),
+            algorithm=None)
+        return self._comm(st, c, "bwd", deps, None)
+
+    def step(self, st: _Stage, extra: list[int]) -> None:
+        p = st.prog
+        held = params_held(p.problem, p.program, p.ratios, p.of_dim)
+        devices = p.problem.devices
+        for j, r in enumerate(st.reps):
+            i = st.ids[r]
+            kind = devices.kinds[r] if devices.kinds else self.view.kinds[i]
+            host = self.model.step_host_s if self.model is not None else 0.0
+            self.tg.add("optimizer step", "optimizer", f"dev{i}/compute", optimizer_time(float(held[r]), kind) + host,
+                        [st.last[j]] + st.end + extra, device=i, stage=st.index, args={"params": float(held[r])})
+
+    # ------------------------------------------------------------ between stages
+    def group_collective(self, op: str, nbytes: float, ids: list[int], deps: list[int], name: str,
+                         stage: int, mb: int | None, category: str) -> int:
+        """One collective of `nbytes` on the devices `ids` (`plait.cost.collectives` on their links)."""
+        links = self.view.group(ids)
+        algo = choose_algorithm(op, nbytes, links)
+        total = collective_time(op, nbytes, links, algo)
+        lat = latency_steps(op, links.n, algo) * links.ring_latency
+        if algo in ("hierarchical", "measured"):
+            lat = min(lat, total)
+        flow = _ring_flow(self.tg, self.view, ids, max(0.0, total - lat))
+        return self.tg.add(name, category, f"stage{stage}/comm", lat + self.host_comm_s, deps, flow=flow,
+                           device=ids[0], stage=stage, micro_batch=mb,
+                           args={"bytes": nbytes, "op": op, "algorithm": algo, "ranks": len(ids), "cls": category,
+                                 "copies": 1})
+
+    def transfer(self, src: _Stage, dst: _Stage, nbytes: float, deps: list[int], name: str, mb: int) -> int:
+        """`nbytes` from every rank of `src` (each holds them whole) to every rank of `dst`: k pairs
+        carry 1/k each, then an all-gather inside `dst` (when it has more than one rank)."""
+        a, b = src.ids, dst.ids
+        k = min(len(a), len(b))
+        load: dict[int, float] = defaultdict(float)
+        lat = 0.0
+        for s, d in zip(a[:k], b[:k]):
+            lat = max(lat, self.view.pair(s, d)[1])
+            for key, cap, part in self.view.route(s, d):
+                load[self.tg.add_resource(key, cap)] += nbytes / k * part
+        flow = [(r, x, 1.0) for r, x in load.items()] if nbytes > 0 else None
+        p2p = self.model.p2p_host_s if self.model is not None else 0.0
+        tid = self.tg.add(name, "comm_pp", f"link s{src.index}->s{dst.index}", lat + p2p, deps, flow=flow,
+                          device=a[0], stage=src.index, micro_batch=mb,
+                          args={"bytes": nbytes, "src": a[0], "dst": b[0], "cls": "pp", "op": "send_recv",
+                                "ranks": 2, "copies": k})
+        if len(b) > 1:
+            tid = self.group_collective("all_gather", nbytes, b, [tid], f"gather {name}", dst.index, mb, "comm_pp")
+        return tid
+
+
+def _pipeline(n: int, edges: list[tuple[int, int]], micro_batches: int, micro_batch: int, name: str) -> Schedule:
+    chain = sorted(edges) == [(s, s + 1) for s in range(n - 1)]
+    if chain:
+        graph = PipelineGraph.chain(n, micro_batches, 1, micro_batch)
+        return build_schedule("gpipe" if name == "gpipe" else "1f1b", graph)
+    graph = PipelineGraph.dag([[micro_batch] * micro_batches for _ in range(n)], edges)
+    return build_schedule("gpipe" if name == "gpipe" else "graph_1f1b", graph)
+
+
+def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
+                  bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
+                  view: ClusterView, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
+                  model: ComputeModel | None = None, tied: list[tuple[int, int, float]] = ()) -> ComposeLowered:
+    """The task graph of one iteration of a pipeline of SPMD stages (module docstring).
+
+    `bytes_per_sample[(a, b)]`: what crosses edge a -> b per sample, in the plan's dtype.
+    `tied`: (stage a, stage b, gradient bytes) of parameters both stages hold.
+    `model`: the compute model's fixed costs (None: the work alone, for hand-computed checks)."""
+    low = _Lowering(stages, view, model, bucket_bytes)
+    sched = _pipeline(len(stages), edges, micro_batches, micro_batch, schedule)
+    sinks = {s for s in range(len(stages))} - {a for a, _ in edges}
+    sent: dict[tuple, int] = {}
+    inbox: dict[int, list[int]] = defaultdict(list)
+    pos = [0] * len(stages)
+    exits: dict[tuple[str, int, int], list[int]] = {}
+    last_bwd = {s: max(i for i, a in enumerate(sched.of(s)) if a.op == "bwd") for s in range(len(stages))}
+    while any(pos[s] < len(sched.of(s)) for s in range(len(stages))):
+        progressed = False
+        for s, st in enumerate(low.st):
+            acts = sched.of(s)
+            while pos[s] < len(acts):
+                a = acts[pos[s]]
+                if a.op in ("recv_fwd", "recv_bwd"):
+                    kind = a.op[5:]
+                    key = (kind, a.peer[0], a.peer[2], s, a.micro_batch)
+                    if key not in sent:
+                        break
+                    inbox[s].append(sent[key])
+                elif a.op in ("send_fwd", "send_bwd"):
+                    kind = a.op[5:]
+                    peer = low.st[a.peer[0]]
+                    edge = (s, peer.index) if kind == "fwd" else (peer.index, s)
+                    lo, hi = a.samples
+                    nbytes = bytes_per_sample.get(edge, 0.0) * (hi - lo)
+                    sent[(kind, s, a.micro_batch, peer.index, a.peer[2])] = low.transfer(
+                        st, peer, nbytes, exits[(kind, s, a.micro_batch)],
+                        f"{a.op} s{s} mb{a.micro_batch} -> s{peer.index}", a.micro_batch)
+                elif a.op == "fwd":
+                    exits[("fwd", s, a.micro_batch)] = low.forward(
+                        st, a.micro_batch, inbox.pop(s, []), first=not any(b == s for _, b in edges) and
+                        a.micro_batch == 0, loss=s in sinks)
+                else:
+                    exits[("bwd", s, a.micro_batch)] = low.backward(st, a.micro_batch, inbox.pop(s, []),
+                                                                    last=pos[s] == last_bwd[s])
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise SpmdLoweringError("composed pipeline: the schedule's receives cannot be matched (deadlock)")
+    ties: dict[int, list[int]] = defaultdict(list)
+    for a, b, nbytes in tied:
+        ids = [low.st[a].ids[0], low.st[b].ids[0]]  # after both stages' backward, beside their buckets
+        tid = low.group_collective("all_reduce", nbytes, ids, low.st[a].last + low.st[b].last,
+                                   f"all_reduce tied gradients s{a}+s{b}", a, None, "comm_dp")
+        ties[a].append(tid)
+        ties[b].append(tid)
+    for st in low.st:
+        low.step(st, ties.get(st.index, []))
+    return ComposeLowered(low.tg, sched, [st.reps for st in low.st])
+
+
+def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
+                     bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
+                     cluster: Any, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
+                     fixed_costs: bool = True, tied: list[tuple[int, int, float]] = (),
+                     memory: list[int] | None = None, name: str = "compose", flops: float = 0.0) -> Any:
+    """Predict one iteration of a composed plan with the one engine; a `plait.sim.api.SimResult`.
+
+    `memory`: peak bytes per cluster device (the family's estimate: each stage's program with the
+    micro-batches its schedule keeps in flight); `flops`: model FLOPs of the iteration (for TFLOP/s)."""
+    import time
+
+    from plait.cost.compute import DEFAULT_MODEL
+    from plait.sim.api import SimResult, _exposed_comm, _union, resolve_cluster
+    from plait.sim.engine import simulate as run_engine
+
+    view = resolve_cluster(cluster)
+    t0 = time.perf_counter()
+    low = lower_compose(stages, edges, bytes_per_sample, micro_batches, micro_batch, view, schedule=schedule,
+                        bucket_bytes=bucket_bytes, model=DEFAULT_MODEL if fixed_costs else None, tied=tied)
+    tg = low.graph
+    sched = run_engine(tg)
+    T = sched.makespan
+    spans: dict[str, list[tuple[float, float]]] = {}
+    by_cat: dict[str, float] = {}
+    for i in range(len(tg)):
+        if tg.resource[i].endswith("/compute"):
+            spans.setdefault(tg.resource[i], []).append((sched.start[i], sched.end[i]))
+        by_cat[tg.category[i]] = by_cat.get(tg.category[i], 0.0) + sched.end[i] - sched.start[i]
+    busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
+    world = sum(len(p.ids) for p in stages)
+    batch = micro_batches * micro_batch
+    fits = None
+    if memory is not None and view.cluster is not None:
+        fits = all(memory[d.id] <= d.kind.memory_bytes for d in view.cluster.devices)
+    critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
+                 "start_s": sched.start[t], "end_s": sched.end[t]} for t in sched.critical_path()]
+    classes = sum(len(r) for r in low.reps)
+    return SimResult(
+        iteration_time_s=T, throughput_samples_per_s=batch / T if T > 0 else 0.0,
+        tflops_per_gpu=flops / T / world / 1e12 if T > 0 else 0.0,
+        hardware_tflops_per_gpu=flops / T / world / 1e12 if T > 0 else 0.0,
+        exposed_comm_s=_exposed_comm(tg, sched, {}),
+        memory_peak_bytes=list(memory) if memory is not None else None, fits_memory=fits,
+        critical_path=critical, busy_fraction=busy, world_size=world, num_tasks=len(tg),
+        symmetry=(f"one rank simulated per class of equal kind and ratios in each stage: {classes} of {world}"
+                  if classes < world else "every rank simulated"),
+        granularity="op", sim_wall_s=time.perf_counter() - t0, breakdown=by_cat, plan=name,
+        model=stages[0].problem.graph.model if stages else "", cluster=view.name)

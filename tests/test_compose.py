@@ -1,0 +1,218 @@
+"""Composition of families (issue 17 item 1): pipeline stages that run SPMD programs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from plait.ir.plan import Plan, PlanError, StageSpec
+
+PROGRAM = {"version": 1, "ratios": [0.6, 0.4], "strategies": {"linear": [["S0", "R"], ["S0"], True]}}
+
+
+def _plan(**stage0) -> Plan:
+    first = {"name": "s0", "layers": ["l0"], "devices": [0, 1], "spmd": PROGRAM, **stage0}
+    return Plan(pp=2, micro_batch=2, global_batch=8,
+                stages=[StageSpec(**first), StageSpec("s1", ["l1"], [2])], stage_edges=[(0, 1)])
+
+
+def test_stage_program_round_trips_and_old_stages_are_written_as_before():
+    plan = _plan()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.stages[0].spmd == PROGRAM
+    written = json.loads(plan.to_json())["stages"]
+    assert "spmd" in written[0] and "spmd" not in written[1]  # a plain stage: the old layout
+    assert "spmd_stages=2" in str(plan)
+
+
+def test_old_stage_plan_still_loads():
+    old = {"format_version": 1, "dp": 1, "tp": 1, "pp": 2, "micro_batch": 2, "global_batch": 8,
+           "stages": [{"name": "a", "layers": ["l0"], "devices": [0], "dp": 1, "tp": 1},
+                      {"name": "b", "layers": ["l1"], "devices": [1], "dp": 1, "tp": 1}],
+           "stage_edges": [[0, 1]]}
+    plan = Plan.from_dict(old)
+    assert all(st.spmd is None for st in plan.stages)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"devices": [0, 1, 3]}, "2 ratios for the stage's 3 devices"),
+    ({"dp": 2}, "needs dp=tp=1"),
+    ({"spmd": {**PROGRAM, "version": 9}}, "newer than this plait reads"),
+    ({"spmd": {**PROGRAM, "strategies": {"linear": [["Q"], ["S0"], True]}}}, "stages[0].spmd'.strategies.linear"),
+])
+def test_bad_stage_program_is_refused_naming_the_field(change, message):
+    with pytest.raises(PlanError, match="stages\\[0\\]") as info:
+        _plan(**change)
+    assert message in str(info.value)
+
+
+def test_runtime_refuses_a_stage_program_with_the_reason():
+    from plait.runtime import supports
+
+    ok, why = supports(_plan())
+    assert not ok and "stages[0].spmd" in why and "does not yet run" in why
+
+
+# ---------------------------------------------------------------- simulation (hand-computed)
+def _two_gpu_cluster(per_node: int = 1):
+    from plait.cluster.loader import parse_yaml_text
+
+    node = ("  - {{name: n{i}, gpus: [{{kind: a100-80gb, count: {g}}}], intra: {{type: nvlink, bandwidth: 100 GB/s, "
+            "latency: 5 us}}, nic: {{type: ethernet, bandwidth: 10 Gb/s, latency: 25 us}}}}\n")
+    return parse_yaml_text("name: two-nodes\nnodes:\n" + "".join(node.format(i=i, g=per_node) for i in range(2)))
+
+
+def _stage_programs(cluster, model: str, batch: int, split: list[list[str]], groups: list[list[int]]):
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.zoo import load_model
+    from plait.sim.compose_lower import StageProgram
+    from plait.spmd.cost import Devices
+    from plait.spmd.ratios import synthesize
+    from plait.spmd.search import Problem
+    from plait.spmd.stage import stage_subgraph
+
+    spec = load_model(model)
+    inputs, _ = spec.sample_batch(batch)
+    aten = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+    out = []
+    for s, (layers, ids) in enumerate(zip(split, groups)):
+        problem = Problem.build(stage_subgraph(aten, layers), Devices.from_cluster(cluster, "fp32", ids))
+        syn = synthesize(problem, dtype="fp32", segmented=False)
+        out.append(StageProgram(problem, syn.program, np.asarray(syn.ratios), name=f"s{s}"))
+    return out
+
+
+TINY = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128"
+TINY_SPLIT = [["embed", "layers.0"], ["layers.1", "head"]]
+
+
+@pytest.mark.parametrize("m, per_sample", [(2, 0.0), (1, 1000.0)])
+def test_two_one_gpu_stages_match_1f1b_by_hand(m, per_sample):
+    """pp=2, one GPU per stage, no fixed costs: 1F1B's timeline written out by hand. With m=2 the
+    messages carry no bytes (two in flight would share the link: the engine's job, not this
+    test's); with m=1 one message at a time crosses the 10 Gb/s link."""
+    from plait.cost.compute import optimizer_time
+    from plait.sim.compose_lower import simulate_compose
+    from plait.sim.topology import ClusterView
+
+    cluster = _two_gpu_cluster()
+    stages = _stage_programs(cluster, TINY, 4, TINY_SPLIT, [[0], [1]])
+    f = [float(sum(w[0] for w in s.problem.work)) / 3 for s in stages]  # forward = work / 3
+    b = [2 * x for x in f]  # backward = 2 x forward
+    bw, lat = ClusterView.from_cluster(cluster).pair(0, 1)
+    t = lat + per_sample * 4 / bw  # one micro-batch of 4 samples, either way
+    if m == 2:  # stage 0: F0 F1 B0 B1; stage 1: F0 B0 F1 B1
+        s0_f1 = 2 * f[0]
+        s1_b0 = f[0] + t + f[1] + b[1]
+        s1_b1 = max(s1_b0, s0_f1 + t) + f[1] + b[1]
+        s0_b0 = max(s0_f1, s1_b0 + t) + b[0]
+        s0_b1 = max(s0_b0, s1_b1 + t) + b[0]
+    else:
+        s1_b1 = f[0] + t + f[1] + b[1]
+        s0_b1 = s1_b1 + t + b[0]
+    kind = cluster.devices[0].kind
+    opt = [optimizer_time(float(sum(s.problem.graph.tensors[p].numel for p in s.problem.graph.params)), kind)
+           for s in stages]
+    expected = max(s0_b1 + opt[0], s1_b1 + opt[1])
+    sim = simulate_compose(stages, [(0, 1)], {(0, 1): per_sample}, m, 4, cluster, fixed_costs=False)
+    assert sim.iteration_time_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_stage_program_compute_is_its_ratio_of_the_work_per_micro_batch():
+    """A stage on 2 GPUs: each GPU computes m x (its ratio of every split op + every redundant op)."""
+    from plait.sim.compose_lower import lower_compose
+    from plait.sim.engine import simulate as run
+    from plait.sim.spmd_lower import op_ratios
+    from plait.sim.topology import ClusterView
+
+    cluster = _two_gpu_cluster(per_node=2)
+    stages = _stage_programs(cluster, TINY, 8, TINY_SPLIT, [[0, 1], [2, 3]])
+    m = 3
+    low = lower_compose(stages, [(0, 1)], {(0, 1): 512.0}, m, 8, ClusterView.from_cluster(cluster))
+    sched = run(low.graph)
+    tg = low.graph
+    for s, st in enumerate(stages):
+        share = op_ratios(st.problem, st.program, st.ratios, None)
+        for r in low.reps[s]:
+            dev = st.ids[r]
+            busy = sum(sched.end[i] - sched.start[i] for i in range(len(tg))
+                       if tg.device[i] == dev and tg.category[i] in ("forward", "backward"))
+            work = sum(float(w[r]) * share[k, r] for k, w in enumerate(st.problem.work))
+            assert busy == pytest.approx(m * work, rel=1e-9)
+        comms = [i for i in range(len(tg)) if tg.resource[i] == f"stage{s}/comm" and tg.micro_batch[i] is not None
+                 and tg.category[i] != "comm_pp"]
+        per_mb = sum(1 for _, c in st.program.comms
+                     if not (c.phase == "bwd" and c.op == "all_reduce"
+                             and st.problem.graph.tensors[c.tensor].role == "param"))
+        assert len(comms) == m * per_mb
+
+
+# ---------------------------------------------------------------- the family in the driver
+def test_driver_plans_composed_pipelines_and_marks_them_not_runnable():
+    from plait.search import FAMILIES, plan
+
+    assert "compose" in FAMILIES
+    cluster = _two_gpu_cluster(per_node=2)
+    res = plan(TINY, cluster, global_batch=8, top=2, families="compose")
+    best = res.best
+    assert best.family == "compose" and len(best.plan.stages) == 2
+    assert all(st.spmd is not None and len(st.devices) == 2 for st in best.plan.stages)
+    assert sorted(d for st in best.plan.stages for d in st.devices) == [0, 1, 2, 3]
+    assert best.iteration_time_s and best.iteration_time_s > 0 and best.peak_bytes
+    assert "stages[0].spmd" in best.unsupported  # the runtime says why it does not run it
+    again = type(best.plan).from_json(best.plan.to_json())
+    assert again.stages[0].spmd == best.plan.stages[0].spmd
+
+
+def test_compose_declines_with_a_reason():
+    from plait.cluster import load_cluster
+    from plait.errors import PlaitError
+    from plait.search import plan
+
+    with pytest.raises(PlaitError, match="compose: .*one node of one GPU kind"):
+        plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="compose")
+    with pytest.raises(PlaitError, match="compose: the runtime does not yet run"):
+        plan(TINY, _two_gpu_cluster(), global_batch=8, families="compose", runnable=True)
+    res = plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="3d,compose", finalists=2)
+    assert "one node of one GPU kind" in res.families["compose"]
+
+
+# ---------------------------------------------------------------- the stage's op-level graph
+def test_stage_subgraphs_cover_the_model_once_and_take_earlier_values_as_inputs():
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.zoo import load_model
+    from plait.spmd.placement import ShardingError
+    from plait.spmd.stage import shared_params, stage_subgraph
+
+    spec = load_model(TINY)
+    inputs, _ = spec.sample_batch(2)
+    aten = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+    subs = [stage_subgraph(aten, layers) for layers in TINY_SPLIT]
+    assert [op.name for s in subs for op in s.ops] == [op.name for op in aten.ops]
+    crossing = [t for t in subs[1].inputs if aten.tensors[t].producer is not None]
+    assert crossing and set(crossing) <= set(subs[0].outputs)  # what stage 1 reads, stage 0 sends
+    assert all(subs[1].tensors[t].role == "input" for t in crossing)
+    assert subs[1].outputs == aten.outputs
+    assert shared_params(aten, TINY_SPLIT) == ["p_head_lm_weight"]  # GPT's tied embedding and head
+    with pytest.raises(ShardingError, match="made later"):
+        stage_subgraph(aten, ["embed", "layers.1"])  # layers.1 reads layers.0, made after embed
+
+
+def test_memory_model_activations_are_part_of_the_total():
+    from plait.spmd.ratios import memory_model, synthesize
+
+    cluster = _two_gpu_cluster(per_node=2)
+    st = _stage_programs(cluster, TINY, 8, TINY_SPLIT, [[0, 1], [2, 3]])[1]
+    syn = synthesize(st.problem, dtype="fp32", segmented=False)
+    mm = memory_model(st.problem, syn.program, "fp32")
+    act = mm.activations_on(syn.ratios)
+    assert np.all(act > 0) and np.all(act < mm.on(syn.ratios))
+
+
+def test_simulate_refuses_a_stage_program_it_would_misread():
+    from plait.sim.api import SimulateError, simulate
+
+    with pytest.raises(SimulateError, match="stages\\[0\\].spmd.*simulate_compose"):
+        simulate(TINY, "a100-80g:nodes=1", _plan())
