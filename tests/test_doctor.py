@@ -18,10 +18,11 @@ from plait.ir.diagnosis import Diagnosis, DiagnosisError
 def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, int, float, int] | None = None,
               link: tuple[int, int, int, float] | None = None, skip: tuple[int, int] | None = None,
               mismatch: tuple[int, int] | None = None, stop: tuple[int, int] | None = None,
-              version: int = 2, wall: float | None = None) -> Path:
+              version: int = 2, wall: float | None = None, busy: tuple[int, float] | None = None) -> Path:
     """A data-parallel run as the facade writes it: per step a probe of every rank pair, local
     work, one all-reduce over "world". `slow`: (rank, from step, factor, every k-th step); `link`: (a, b, from,
-    factor); `skip`/`mismatch`/`stop`: (rank, step)."""
+    factor); `skip`/`mismatch`/`stop`: (rank, step); `busy`: (from step, factor) -- CPU contention:
+    every probe and every rank's local work that many times longer."""
     comm = root / "comm"
     comm.mkdir(parents=True, exist_ok=True)
     extra = {"perf_at_open": 0.0, "wall_at_open": wall} if wall is not None else {}
@@ -36,9 +37,10 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
         return seq[(r, g)]
 
     for s in range(steps):
+        busy_now = busy[1] if busy and s >= busy[0] else 1.0
         for a in range(world):
             for b in range(a + 1, world):
-                d = 0.004 * (link[3] if link and (a, b) == link[:2] and s >= link[2] else 1.0)
+                d = 0.004 * busy_now * (link[3] if link and (a, b) == link[:2] and s >= link[2] else 1.0)
                 for r, p in ((a, b), (b, a)):
                     for kind, g in (("send", f"p2p {r}->{p}"), ("recv", f"p2p {p}->{r}")):
                         q = nxt(r, g)
@@ -48,7 +50,8 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
                                                    step=s).to_line())
                 t += d
         slow_now = slow is not None and s >= slow[1] and (s - slow[1]) % slow[3] == 0
-        arrive = {r: t + 0.1 * (slow[2] if slow and slow_now and r == slow[0] else 1.0) for r in range(world)}
+        arrive = {r: t + 0.1 * busy_now * (slow[2] if slow and slow_now and r == slow[0] else 1.0)
+                  for r in range(world)}
         end = max(arrive.values()) + 0.005
         for r in range(world):
             if r in gone:
@@ -106,6 +109,26 @@ def test_slow_link_is_one_cell_of_the_matrix(tmp_path: Path) -> None:
     assert kinds(d) == [("slow_link", (1, 3))] and d.findings[0].step == 3
     m = link_matrix(read_run(tmp_path))
     assert m[1][3] == m[3][1] and m[1][3] > 1.4 * m[0][1]
+
+
+def test_lone_pair_slowed_with_its_ranks_compute_is_contention_not_a_slow_link(tmp_path: Path) -> None:
+    # Two ranks: no other pair to compare with. Probes 3x slower from step 4 *and* both ranks'
+    # local work 3x slower at the same steps: the machine is busy, the link is not at fault.
+    d = diagnose(write_run(tmp_path, world=2, steps=12, busy=(4, 3.0)))
+    assert d.healthy, kinds(d)
+
+
+def test_lone_pair_slowed_alone_is_a_slow_link(tmp_path: Path) -> None:
+    # The same probes 3x slower from step 4, the ranks' compute unchanged: the link.
+    d = diagnose(write_run(tmp_path, world=2, steps=12, link=(0, 1, 4, 3.0)))
+    assert kinds(d) == [("slow_link", (0, 1))] and d.findings[0].step == 4
+    assert d.findings[0].evidence["ratio"] == pytest.approx(3.0, rel=0.1)
+
+
+def test_slow_link_under_milder_contention_is_still_named(tmp_path: Path) -> None:
+    # Compute 1.5x slower on both ranks, the link 4x: more than the contention explains.
+    d = diagnose(write_run(tmp_path, world=2, steps=12, busy=(4, 1.5), link=(0, 1, 4, 4.0)))
+    assert kinds(d) == [("slow_link", (0, 1))] and d.findings[0].step == 4
 
 
 def test_skipped_collective_is_a_comm_hang_naming_the_skipper(tmp_path: Path) -> None:
