@@ -161,6 +161,38 @@ def test_stopped_rank_with_heartbeats_is_a_noncomm_hang(tmp_path: Path) -> None:
     assert "heartbeat stopped" in d.findings[0].evidence["reason"]
 
 
+@pytest.mark.parametrize(("progress_ago", "hung"), [(0.1, False), (25.0, True)])
+def test_a_rank_at_work_alone_is_not_a_hang(tmp_path: Path, progress_ago: float, hung: bool) -> None:
+    # One rank (a job shrunk onto one device): its last call ended 30 s ago, as it has no peer to
+    # call. Its heartbeat reports compute progress just now: working, not stalled. Progress frozen
+    # 25 s ago, outside any call: a non-communication hang.
+    import os
+    import time
+
+    now = time.time()
+    root = write_run(tmp_path, world=1, steps=4, wall=now - 30.0)
+    (root / "hb").mkdir()
+    p = root / "hb" / "rank0.json"
+    p.write_text(json.dumps({"rank": 0, "pid": os.getpid(), "phase": "train", "step": 9, "waiting": None,
+                             "progress": now - progress_ago}))
+    d = diagnose(root, live=True)
+    assert kinds(d) == ([("noncomm_hang", (0,))] if hung else []), d.findings
+
+
+def test_silence_in_the_first_step_is_not_judged(tmp_path: Path) -> None:
+    # No step completed yet (a job just (re)started: the first step warms up): no step length to
+    # judge silence by -- the launcher's heartbeat timeout covers it.
+    import os
+    import time
+
+    now = time.time()
+    root = write_run(tmp_path, world=1, steps=1, wall=now - 30.0)
+    (root / "hb").mkdir()
+    (root / "hb" / "rank0.json").write_text(json.dumps({"rank": 0, "pid": os.getpid(), "phase": "train", "step": 0,
+                                                        "waiting": None, "progress": now - 25}))
+    assert diagnose(root, live=True).healthy
+
+
 def test_corrupt_and_cut_lines_are_named_and_the_rest_is_read(tmp_path: Path) -> None:
     root = write_run(tmp_path, slow=(0, 4, 2.5, 1))
     path = root / "comm" / "rank3.jsonl"

@@ -12,7 +12,8 @@ the run's median step time), never seconds tuned to one machine.
   size are a mismatch.
 * `dead_ranks` -- a rank's process ended (exit record: signal or error of its own, not a
   peer's) before the job stalled; live, a heartbeat whose process is gone.
-* `hangs` -- no call ended for `stall_steps` median steps: the earliest call still waited on
+* `hangs` -- no progress (no call ended, no heartbeat progress of a rank at work) for
+  `stall_steps` median steps, once a step has completed: the earliest call still waited on
   names the members that never entered it; one waiting elsewhere is a communication hang,
   one outside any call (or whose heartbeat stopped: SIGSTOP) a non-communication hang.
 * `slow_ranks` -- per step, a rank's local work (time between its calls: compute, never
@@ -226,16 +227,30 @@ def _death(run: RunRecords, r: int, live: bool) -> float | None:
 
 
 def _progress_end(run: RunRecords) -> float:
-    return max((c.t_end for rr in run.ranks.values() for c in rr.records), default=0.0)
+    """The last progress the folder shows: the last call that ended or, where the records are on
+    the heartbeats' (Unix) clock, the last progress a heartbeat reported from a rank at work (not
+    blocked in a call, not ended): a rank that computes alone -- a 1-rank run, a long pipeline
+    stage -- ends no call for a while and is not stalled (the launcher's rule too)."""
+    end = max((c.t_end for rr in run.ranks.values() for c in rr.records), default=0.0)
+    if run.wall_clock:
+        for rr in run.ranks.values():
+            hb = rr.heartbeat or {}
+            t = hb.get("progress")
+            if isinstance(t, int | float) and not rr.done and not hb.get("waiting") and hb.get("phase") != "error":
+                end = max(end, min(float(t) - run.t0_wall, run.t_obs))
+    return end
 
 
 def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
-    """(last progress, stall threshold) when the job stalled: no call ended for the threshold
-    while some rank had not finished; None otherwise."""
+    """(last progress, stall threshold) when the job stalled: no progress (`_progress_end`) for
+    the threshold while some rank had not finished; None otherwise."""
     if all(rr.done for rr in run.ranks.values()) and len(run.ranks) >= run.world:
         return None
     if any((rr.heartbeat or {}).get("phase") in _LONG_PHASES for rr in run.ranks.values() if not rr.done):
         return None  # a rank is starting up or writing a checkpoint: silence there is not a step's
+    steps = {c.step for rr in run.ranks.values() for c in rr.records if c.step is not None}
+    if not any(s + 1 in steps for s in steps):
+        return None  # no step completed yet (the first one warms up): no step length to judge silence by
     end = _progress_end(run)
     limit = max(th.stall_floor_s, th.stall_steps * step_time(run))
     return (end, limit) if run.t_obs - end >= limit else None
