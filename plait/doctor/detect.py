@@ -397,10 +397,13 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
             hits = hits[1:]
         if len(hits) < min_hits:
             continue
-        period = statistics.median(b - a for a, b in zip(hits, hits[1:]))
-        expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % max(1, round(period)) == 0)
-        if len(hits) >= fraction * expected:
-            out[k] = (hits, ref)
+        # The pattern: every k-th step from the first hit, k the hits' median spacing. Only hits on
+        # it count (scattered noise has a median spacing too, but does not fall on its grid).
+        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:]))))
+        on = [s for s in hits if (s - hits[0]) % period == 0]
+        expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % period == 0)
+        if len(on) >= min_hits and len(on) >= fraction * expected:
+            out[k] = (on, ref)
     return out
 
 
