@@ -18,10 +18,13 @@ from plait.ir.diagnosis import Diagnosis, DiagnosisError
 def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, int, float, int] | None = None,
               link: tuple[int, int, int, float] | None = None, skip: tuple[int, int] | None = None,
               mismatch: tuple[int, int] | None = None, stop: tuple[int, int] | None = None,
-              version: int = 2, wall: float | None = None) -> Path:
+              version: int = 2, wall: float | None = None, busy: tuple[int, float] | None = None,
+              link_steps: tuple[int, ...] | None = None) -> Path:
     """A data-parallel run as the facade writes it: per step a probe of every rank pair, local
     work, one all-reduce over "world". `slow`: (rank, from step, factor, every k-th step); `link`: (a, b, from,
-    factor); `skip`/`mismatch`/`stop`: (rank, step)."""
+    factor); `skip`/`mismatch`/`stop`: (rank, step); `busy`: (from step, factor) -- CPU contention:
+    every probe and every rank's local work that many times longer; `link_steps`: the link is slow at
+    these steps only (not from `link`'s step on)."""
     comm = root / "comm"
     comm.mkdir(parents=True, exist_ok=True)
     extra = {"perf_at_open": 0.0, "wall_at_open": wall} if wall is not None else {}
@@ -36,9 +39,11 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
         return seq[(r, g)]
 
     for s in range(steps):
+        busy_now = busy[1] if busy and s >= busy[0] else 1.0
         for a in range(world):
             for b in range(a + 1, world):
-                d = 0.004 * (link[3] if link and (a, b) == link[:2] and s >= link[2] else 1.0)
+                on = s in link_steps if link_steps is not None else link is not None and s >= link[2]
+                d = 0.004 * busy_now * (link[3] if link and (a, b) == link[:2] and on else 1.0)
                 for r, p in ((a, b), (b, a)):
                     for kind, g in (("send", f"p2p {r}->{p}"), ("recv", f"p2p {p}->{r}")):
                         q = nxt(r, g)
@@ -48,7 +53,8 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
                                                    step=s).to_line())
                 t += d
         slow_now = slow is not None and s >= slow[1] and (s - slow[1]) % slow[3] == 0
-        arrive = {r: t + 0.1 * (slow[2] if slow and slow_now and r == slow[0] else 1.0) for r in range(world)}
+        arrive = {r: t + 0.1 * busy_now * (slow[2] if slow and slow_now and r == slow[0] else 1.0)
+                  for r in range(world)}
         end = max(arrive.values()) + 0.005
         for r in range(world):
             if r in gone:
@@ -108,6 +114,34 @@ def test_slow_link_is_one_cell_of_the_matrix(tmp_path: Path) -> None:
     assert m[1][3] == m[3][1] and m[1][3] > 1.4 * m[0][1]
 
 
+def test_lone_pair_slowed_with_its_ranks_compute_is_contention_not_a_slow_link(tmp_path: Path) -> None:
+    # Two ranks: no other pair to compare with. Probes 3x slower from step 4 *and* both ranks'
+    # local work 3x slower at the same steps: the machine is busy, the link is not at fault.
+    d = diagnose(write_run(tmp_path, world=2, steps=12, busy=(4, 3.0)))
+    assert d.healthy, kinds(d)
+
+
+def test_lone_pair_slowed_alone_is_a_slow_link(tmp_path: Path) -> None:
+    # The same probes 3x slower from step 4, the ranks' compute unchanged: the link.
+    d = diagnose(write_run(tmp_path, world=2, steps=12, link=(0, 1, 4, 3.0)))
+    assert kinds(d) == [("slow_link", (0, 1))] and d.findings[0].step == 4
+    assert d.findings[0].evidence["ratio"] == pytest.approx(3.0, rel=0.1)
+
+
+def test_slow_link_under_milder_contention_is_still_named(tmp_path: Path) -> None:
+    # Compute 1.5x slower on both ranks, the link 4x: more than the contention explains.
+    d = diagnose(write_run(tmp_path, world=2, steps=12, busy=(4, 1.5), link=(0, 1, 4, 4.0)))
+    assert kinds(d) == [("slow_link", (0, 1))] and d.findings[0].step == 4
+
+
+@pytest.mark.parametrize(("steps_slow", "named"), [((4, 5, 9), False), ((1, 4, 10), False), ((3, 6, 9), True)])
+def test_slow_probes_must_fall_on_a_pattern(tmp_path: Path, steps_slow: tuple[int, ...], named: bool) -> None:
+    # Three slow probes scattered (median spacing 2.5 or 4.5, but off its grid) are noise, as in
+    # two clean runs of the injection suite; every 3rd step from the first is an intermittent link.
+    d = diagnose(write_run(tmp_path, world=2, steps=12, link=(0, 1, 0, 1.8), link_steps=steps_slow))
+    assert kinds(d) == ([("slow_link", (0, 1))] if named else []), d.findings
+
+
 def test_skipped_collective_is_a_comm_hang_naming_the_skipper(tmp_path: Path) -> None:
     d = diagnose(write_run(tmp_path, skip=(3, 5)))
     assert kinds(d)[0] == ("comm_hang", (3,))
@@ -136,6 +170,38 @@ def test_stopped_rank_with_heartbeats_is_a_noncomm_hang(tmp_path: Path) -> None:
     d = diagnose(root)
     assert kinds(d) == [("noncomm_hang", (2,))]
     assert "heartbeat stopped" in d.findings[0].evidence["reason"]
+
+
+@pytest.mark.parametrize(("progress_ago", "hung"), [(0.1, False), (25.0, True)])
+def test_a_rank_at_work_alone_is_not_a_hang(tmp_path: Path, progress_ago: float, hung: bool) -> None:
+    # One rank (a job shrunk onto one device): its last call ended 30 s ago, as it has no peer to
+    # call. Its heartbeat reports compute progress just now: working, not stalled. Progress frozen
+    # 25 s ago, outside any call: a non-communication hang.
+    import os
+    import time
+
+    now = time.time()
+    root = write_run(tmp_path, world=1, steps=4, wall=now - 30.0)
+    (root / "hb").mkdir()
+    p = root / "hb" / "rank0.json"
+    p.write_text(json.dumps({"rank": 0, "pid": os.getpid(), "phase": "train", "step": 9, "waiting": None,
+                             "progress": now - progress_ago}))
+    d = diagnose(root, live=True)
+    assert kinds(d) == ([("noncomm_hang", (0,))] if hung else []), d.findings
+
+
+def test_silence_in_the_first_step_is_not_judged(tmp_path: Path) -> None:
+    # No step completed yet (a job just (re)started: the first step warms up): no step length to
+    # judge silence by -- the launcher's heartbeat timeout covers it.
+    import os
+    import time
+
+    now = time.time()
+    root = write_run(tmp_path, world=1, steps=1, wall=now - 30.0)
+    (root / "hb").mkdir()
+    (root / "hb" / "rank0.json").write_text(json.dumps({"rank": 0, "pid": os.getpid(), "phase": "train", "step": 0,
+                                                        "waiting": None, "progress": now - 25}))
+    assert diagnose(root, live=True).healthy
 
 
 def test_corrupt_and_cut_lines_are_named_and_the_rest_is_read(tmp_path: Path) -> None:

@@ -231,6 +231,32 @@ def test_live_slow_link_diagnosis_isolates_an_end_and_the_node_rejoins(tmp_path:
     assert list(res.losses) == list(range(80))
 
 
+@pytest.mark.distributed
+def test_live_doctor_diagnosis_drives_recovery_onto_fewer_ranks(tmp_path: Path) -> None:
+    """No test detect: the loop's default, the doctor's own `diagnose(phase_dir, live=True)`,
+    polled through the launcher's watch. Rank 1 is stopped (SIGSTOP) at step 3 of a 2-rank run on
+    two 1-GPU nodes; the doctor names the non-communication hang from the records and heartbeats
+    long before the launcher's 60 s heartbeat timeout, the loop isolates rank 1's node and training
+    continues on the one rank left from the step-2 checkpoint, the loss curve unbroken."""
+    emu1 = "emulated-mixed:namespaces=false,gpus_per_node=1"  # a100-node, v100-node: one rank each
+    res = recover(TINY, emu1, "dp=2,micro_batch=4,global_batch=8,dtype=fp32", 5, run_dir=tmp_path,
+                  config=RecoveryConfig(checkpoint_every=2, detect_every=0.5), timeout=60,
+                  **_fault("stop", 1, 3))
+    p0, p1 = res.phases
+    assert p0.ended == "diagnosed: noncomm_hang of ranks [1]"  # the live watch, not the launcher's timeout
+    (found,) = [f for f in p0.diagnosis["findings"] if f["ranks"]]
+    assert found["kind"] == "noncomm_hang" and "source" not in found["evidence"]  # the doctor's, with its evidence
+    assert "rank 1 never entered" in found["evidence"]["reason"] and found["step"] == 3
+    assert p0.isolation["nodes"] == ["v100-node"]
+    assert p1.nodes == ["a100-node"] and p1.world_size == 1 and p1.start_step == 2 and p1.ended == "finished"
+    (t,) = res.transitions
+    assert t.resumed_from == 2 and 0 < t.detect_to_train_s < 60
+    saved = json.loads((tmp_path / "recovery.json").read_text())
+    assert [p["world_size"] for p in saved["phases"]] == [2, 1] and list(saved["losses"]) == [str(i) for i in range(5)]
+    ref, _ = reference_run(TINY, "dp=1,micro_batch=8,global_batch=8,dtype=fp32", 5)
+    assert torch.allclose(torch.tensor(list(res.losses.values())), torch.tensor(ref), rtol=1e-4)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rejoin", "a100-node"], "--rejoin: only with --recover"),
     (["--recover"], "--recover: needs --cluster"),

@@ -12,7 +12,8 @@ the run's median step time), never seconds tuned to one machine.
   size are a mismatch.
 * `dead_ranks` -- a rank's process ended (exit record: signal or error of its own, not a
   peer's) before the job stalled; live, a heartbeat whose process is gone.
-* `hangs` -- no call ended for `stall_steps` median steps: the earliest call still waited on
+* `hangs` -- no progress (no call ended, no heartbeat progress of a rank at work) for
+  `stall_steps` median steps, once a step has completed: the earliest call still waited on
   names the members that never entered it; one waiting elsewhere is a communication hang,
   one outside any call (or whose heartbeat stopped: SIGSTOP) a non-communication hang.
 * `slow_ranks` -- per step, a rank's local work (time between its calls: compute, never
@@ -21,7 +22,9 @@ the run's median step time), never seconds tuned to one machine.
 * `slow_links` -- per step, each rank pair's link-probe transfer time (the facade's probes:
   `plait.runtime.comm.Comm.probe_links`, one exchange per pair, timed from the later of the
   two arrivals) against min(its own level, the level of pairs of its kind) -- one cell of the
-  rank x rank matrix (C4D's communication slow).
+  rank x rank matrix (C4D's communication slow). Against its own level, the pair's level is
+  first raised by how much both of its ranks' local work rose that step: CPU contention slows
+  compute and transfers alike, a slow link only the link (the only reference a lone pair has).
 """
 
 from __future__ import annotations
@@ -224,16 +227,30 @@ def _death(run: RunRecords, r: int, live: bool) -> float | None:
 
 
 def _progress_end(run: RunRecords) -> float:
-    return max((c.t_end for rr in run.ranks.values() for c in rr.records), default=0.0)
+    """The last progress the folder shows: the last call that ended or, where the records are on
+    the heartbeats' (Unix) clock, the last progress a heartbeat reported from a rank at work (not
+    blocked in a call, not ended): a rank that computes alone -- a 1-rank run, a long pipeline
+    stage -- ends no call for a while and is not stalled (the launcher's rule too)."""
+    end = max((c.t_end for rr in run.ranks.values() for c in rr.records), default=0.0)
+    if run.wall_clock:
+        for rr in run.ranks.values():
+            hb = rr.heartbeat or {}
+            t = hb.get("progress")
+            if isinstance(t, int | float) and not rr.done and not hb.get("waiting") and hb.get("phase") != "error":
+                end = max(end, min(float(t) - run.t0_wall, run.t_obs))
+    return end
 
 
 def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
-    """(last progress, stall threshold) when the job stalled: no call ended for the threshold
-    while some rank had not finished; None otherwise."""
+    """(last progress, stall threshold) when the job stalled: no progress (`_progress_end`) for
+    the threshold while some rank had not finished; None otherwise."""
     if all(rr.done for rr in run.ranks.values()) and len(run.ranks) >= run.world:
         return None
     if any((rr.heartbeat or {}).get("phase") in _LONG_PHASES for rr in run.ranks.values() if not rr.done):
         return None  # a rank is starting up or writing a checkpoint: silence there is not a step's
+    steps = {c.step for rr in run.ranks.values() for c in rr.records if c.step is not None}
+    if not any(s + 1 in steps for s in steps):
+        return None  # no step completed yet (the first one warms up): no step length to judge silence by
     end = _progress_end(run)
     limit = max(th.stall_floor_s, th.stall_steps * step_time(run))
     return (end, limit) if run.t_obs - end >= limit else None
@@ -338,14 +355,17 @@ def local_work(run: RunRecords) -> dict[int, dict[int, tuple[float, float, float
 
 
 def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], ratio: float, floor: float,
-           min_hits: int, fraction: float) -> dict[Any, tuple[list[int], float]]:
+           min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None
+           ) -> dict[Any, tuple[list[int], float]]:
     """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
 
     A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
     median of its peers at that same step (a machine-wide hiccup slows the peers too); an item
     slow from its first step on (its own level already `ratio` x its peers') is judged against
     its peers alone. Without peers, its own history alone, and a step must also exceed it by three
-    median absolute deviations of the series (a lone item cannot tell noise from its peers')."""
+    median absolute deviations of the series (a lone item cannot tell noise from its peers').
+    `scale`: item -> step -> factor (>= 1) by which the item's own level is expected to have risen
+    that step for a reason other than a fault of its own (the ranks' compute rose: contention)."""
     own = {k: _steady(dict(ser)) for k, ser in series.items()}
     out = {}
     for k, ser in series.items():
@@ -365,7 +385,8 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
             if ps and not now:
                 continue
             peer_now = statistics.median(now) if now else None
-            slow_own = always_slow or (v >= ratio * own[k] and v - own[k] >= margin)
+            level = own[k] * (scale or {}).get(k, {}).get(s, 1.0)
+            slow_own = always_slow or (v >= ratio * level and v - level >= margin)
             slow_peer = peer_now is None or (v >= ratio * peer_now and v - peer_now >= floor)
             if slow_own and slow_peer:
                 hits.append(s)
@@ -376,10 +397,13 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
             hits = hits[1:]
         if len(hits) < min_hits:
             continue
-        period = statistics.median(b - a for a, b in zip(hits, hits[1:]))
-        expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % max(1, round(period)) == 0)
-        if len(hits) >= fraction * expected:
-            out[k] = (hits, ref)
+        # The pattern: every k-th step from the first hit, k the hits' median spacing. Only hits on
+        # it count (scattered noise has a median spacing too, but does not fall on its grid).
+        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:]))))
+        on = [s for s in hits if (s - hits[0]) % period == 0]
+        expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % period == 0)
+        if len(on) >= min_hits and len(on) >= fraction * expected:
+            out[k] = (on, ref)
     return out
 
 
@@ -439,6 +463,27 @@ def link_matrix(run: RunRecords) -> list[list[float | None]]:
     return m
 
 
+def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds) -> dict[tuple[int, int], dict[int, float]]:
+    """pair -> step -> how many times its own level a pair's probe may be for a reason outside the
+    link: the smaller of its two ranks' local-work ratios to their steady levels, where both rose by
+    at least `slow_rank_ratio` (contention slows every rank's compute and transfers together; one
+    slow rank does not slow a probe, which is timed from the later arrival). 1 elsewhere."""
+    work = local_work(run)
+    series = {r: {s: v[0] for s, v in w.items() if s > min(w)} for r, w in work.items() if w}
+    level = {r: _steady(ser) for r, ser in series.items()}
+    out: dict[tuple[int, int], dict[int, float]] = {}
+    for a, b in pairs:
+        if not level.get(a) or not level.get(b):
+            continue
+        rise = {}
+        for s in set(series[a]) & set(series[b]):
+            both = min(series[a][s] / level[a], series[b][s] / level[b])  # type: ignore[operator]
+            if both >= th.slow_rank_ratio:
+                rise[s] = both
+        out[(a, b)] = rise
+    return out
+
+
 def slow_links(run: RunRecords, th: Thresholds) -> list[Finding]:
     times = probe_times(run)
     # A pair's first probe also sets up its connection (gloo connects lazily): left out.
@@ -447,7 +492,8 @@ def slow_links(run: RunRecords, th: Thresholds) -> list[Finding]:
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
         return run.node_of(p[0]) == run.node_of(p[1])
     peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
-    flagged = _flags(series, peers, th.slow_link_ratio, 0.0, th.link_min_hits, th.link_min_hit_fraction)
+    flagged = _flags(series, peers, th.slow_link_ratio, 0.0, th.link_min_hits, th.link_min_hit_fraction,
+                     scale=compute_rise(run, list(series), th))
     out = []
     for p, (hits, ref) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
