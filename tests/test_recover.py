@@ -240,8 +240,8 @@ def test_live_doctor_diagnosis_drives_recovery_onto_fewer_ranks(tmp_path: Path) 
     continues on the one rank left from the step-2 checkpoint, the loss curve unbroken."""
     emu1 = "emulated-mixed:namespaces=false,gpus_per_node=1"  # a100-node, v100-node: one rank each
     res = recover(TINY, emu1, "dp=2,micro_batch=4,global_batch=8,dtype=fp32", 5, run_dir=tmp_path,
-                  config=RecoveryConfig(checkpoint_every=2, detect_every=0.5), timeout=60,
-                  **_fault("stop", 1, 3))
+                  config=RecoveryConfig(checkpoint_every=2, detect_every=0.5), launch=LaunchConfig(timeout=60),
+                  faults=_fault("stop", 1, 3))
     p0, p1 = res.phases
     assert p0.ended == "diagnosed: noncomm_hang of ranks [1]"  # the live watch, not the launcher's timeout
     (found,) = [f for f in p0.diagnosis["findings"] if f["ranks"]]
