@@ -558,7 +558,7 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
     _place_and_rank(chosen, graph, cluster_obj, analytic, mem, evaluate, gb, bar,
-                    placement, seed, placement_iterations)
+                    placement, seed, placement_iterations, fast)
     # Near-ties go to the plan with fewer moving parts: each ZeRO stage or recompute level must
     # buy 0.2 % to be preferred (a tiny model's ZeRO-3 "wins" by 0.07 % of optimizer time, far
     # inside the simulator's error, at the price of a harder run).
@@ -695,7 +695,7 @@ def _runnable(kept: list[Candidate], supports: Callable[[Plan], tuple[bool, str]
 
 def _place_and_rank(chosen: list[Candidate], graph: OpGraph, cluster: Cluster, analytic: AnalyticModel,
                     mem: _MemoryFilter, evaluate: Evaluate | None, gb: int, bar: Progress,
-                    placement: bool, seed: int, iterations: int | None) -> None:
+                    placement: bool, seed: int, iterations: int | None, fast: bool = True) -> None:
     """Place each finalist (one placement per shape and kind layout, for the traffic of its best
     finalist), fill its memory figures and time it: by `evaluate` when given, else analytically."""
     placements: dict[tuple, PlacementResult] = {}
@@ -705,7 +705,7 @@ def _place_and_rank(chosen: list[Candidate], graph: OpGraph, cluster: Cluster, a
             key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
             res = placements.get(key)
             if res is None:
-                res = _place(analytic.path_model(c.plan), cluster, c.plan, seed, iterations)
+                res = _place(analytic.path_model(c.plan), cluster, c.plan, seed, iterations, fast)
                 placements[key] = res
             c.placement = res
             if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
@@ -764,7 +764,8 @@ def _start_order(groups: list[_Group], c: Candidate) -> list[int]:
     return list(range(p.world_size))
 
 
-def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations: int | None) -> PlacementResult:
+def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations: int | None,
+           fast: bool = True) -> PlacementResult:
     """Pipette placement, starting from (and never worse than) the plan's current order."""
     devices = cluster.devices
     start = [plan.device_of(r) for r in range(plan.world_size)]
@@ -777,7 +778,7 @@ def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations:
         return PlacementResult(order=start, cost=c, default_cost=c, breakdown=path.breakdown(start),
                                default_breakdown=path.breakdown(start))
     return anneal(path, [d.kind.name for d in devices], [d.node for d in devices], start=start, seed=seed,
-                  iterations=iterations)
+                  iterations=iterations, fast=fast)
 
 
 PHASE_LABELS = {"memory": "checking memory", "analytic": "ranking analytically",
