@@ -26,6 +26,7 @@ GPUs:
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import os
 import time
@@ -452,7 +453,22 @@ class AnalyticModel:
                 "pp": sum(hops.values()) * max(1, m // plan.pp),
                 "dp": max((t for k, t in busy.items() if k[0] == "dp"), default=0.0)}
 
-    def estimate(self, plan: Plan) -> float:
+    def estimate(self, plan: Plan, parts: tuple[float, float] | None = None) -> float:
+        """Seconds per iteration: the slowest replica's pipeline compute, every class's
+        communication on the critical path (`comm_times`) and the optimizer step.
+        `parts`: this plan's `compute_and_optimizer`, when already known."""
+        compute_s, opt_s = parts if parts is not None else self.compute_and_optimizer(plan)
+        comm = self.comm_times(plan)
+        return compute_s + comm["tp"] + comm["pp"] + comm["dp"] + opt_s
+
+    def lower_bound(self, parts: tuple[float, float]) -> float:
+        """A lower bound of `estimate` from its compute and optimizer parts alone: communication
+        is never negative and rounding is monotone, so ``c + tp + pp + dp + o >= c + o`` holds
+        in floating point too."""
+        return parts[0] + parts[1]
+
+    def compute_and_optimizer(self, plan: Plan) -> tuple[float, float]:
+        """(the slowest replica's pipeline compute, the slowest optimizer step) in seconds."""
         from plait.cost.compute import optimizer_time
 
         graph = self.graph
@@ -470,14 +486,13 @@ class AnalyticModel:
             b, s = float(st.max()), float(st.sum())
             compute_s = max(compute_s, counts[d] * b + (s - b) / v)
         kind0 = grid[0][0]
-        comm = self.comm_times(plan)
         params = np.zeros(plan.pp)
         for c, p in enumerate(chunk_stage):
             params[p] += sum(self.layer_cost(i, plan, kind0).grad_params for i in range(bounds[c], bounds[c + 1]))
         shard = plan.dp if plan.zero >= 1 else 1
         opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]], self.compute)
                     for p in range(plan.pp) for d in range(plan.dp))
-        return compute_s + comm["tp"] + comm["pp"] + comm["dp"] + opt_s
+        return compute_s, opt_s
 
 
 # ============================================================================ simulator
@@ -550,11 +565,7 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                           f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
 
     # ---- analytic first pass, then place and simulate the finalists
-    bar.start("analytic", len(kept))
-    for c in kept:
-        c.analytic_s = analytic.estimate(c.plan)
-        bar.advance(1)
-    bar.stop()
+    _rank_analytic(kept, analytic, finalists if fast else None, bar)
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
     _place_and_rank(chosen, graph, cluster_obj, analytic, mem, evaluate, gb, bar,
@@ -573,6 +584,35 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                       ranked_analytic=len(kept), simulated=len(chosen) if evaluate is not None else 0,
                       search_time_s=time.perf_counter() - t_start,
                       ranker="simulator" if evaluate is not None else "analytic")
+
+
+def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: int | None, bar: Progress) -> None:
+    """Every candidate's analytic time, or -- with `finalists` -- enough of them to know the
+    best `finalists` exactly: candidates are timed in order of their lower bound (compute +
+    optimizer, `AnalyticModel.lower_bound`), and once a bound exceeds the `finalists`-th best
+    time so far, that candidate and every later one cannot be a finalist; they keep an
+    infinite time (never chosen, never shown) and their communication is never priced."""
+    bar.start("analytic", len(kept))
+    if finalists is None:
+        for c in kept:
+            c.analytic_s = analytic.estimate(c.plan)
+            bar.advance(1)
+        bar.stop()
+        return
+    parts = [analytic.compute_and_optimizer(c.plan) for c in kept]
+    bounds = [analytic.lower_bound(p) for p in parts]
+    best: list[float] = []  # max-heap (negated) of the `finalists` smallest times so far
+    for n, i in enumerate(sorted(range(len(kept)), key=bounds.__getitem__)):
+        if len(best) == finalists and bounds[i] > -best[0]:
+            bar.advance(len(kept) - n)  # every later bound is at least this one
+            break
+        t = kept[i].analytic_s = analytic.estimate(kept[i].plan, parts[i])
+        if len(best) < finalists:
+            heapq.heappush(best, -t)
+        elif t < -best[0]:
+            heapq.heapreplace(best, -t)
+        bar.advance(1)
+    bar.stop()
 
 
 class _MemoryFilter:
