@@ -75,7 +75,13 @@ def test_bounded_analytic_ranking_keeps_the_exhaustive_finalists(finalists):
     finalists-th best time picks the exhaustive ranking's finalists, times equal to the bit,
     while pricing the communication of fewer candidates."""
     from plait.cluster import load_cluster
-    from plait.plan.threed import AnalyticModel, Progress, _rank_analytic, enumerate_groups, load_graph
+    from plait.plan.threed import (
+        AnalyticModel,
+        Progress,
+        _rank_analytic,
+        enumerate_groups,
+        load_graph,
+    )
 
     cluster = load_cluster("a100-80gb:nodes=2,gpus_per_node=4")
     graph = load_graph("gpt:layers=8,hidden=256,heads=8,seq=128,vocab=512", "bf16")[1]
