@@ -923,16 +923,31 @@ def _plan_stages(la: _LayerArrays, plan: Plan, graph: OpGraph) -> list[_Stage]:
     return out
 
 
+_LOADS: dict[tuple, list[tuple[int, int]]] = {}
+
+
+def _replica_loads(plan: Plan, shares: list[float] | None, dp: int, mb: int) -> list[tuple[int, int]]:
+    """`replica_loads`, remembered by everything it reads (every stage of a plan, and the
+    planners' many plans, ask the same few)."""
+    key = (bool(plan.stages), plan.global_batch, None if shares is None else tuple(shares), dp, mb)
+    hit = _LOADS.get(key)
+    if hit is None:
+        if len(_LOADS) > 4096:
+            _LOADS.clear()
+        hit = _LOADS[key] = replica_loads(plan, shares, dp, mb)
+    return hit
+
+
 def _replica_micro_batches(plan: Plan, st: _Stage, mb: int) -> list[int]:
     """Largest micro-batch of each data-parallel replica of a stage: the stage graph's rounding
     rule (`plait.ir.stage_graph`: 10 samples at micro-batch 4 run as [4, 3, 3])."""
-    return [largest for _, largest in replica_loads(plan, st.dp_shares, st.dp, mb)]
+    return [largest for _, largest in _replica_loads(plan, st.dp_shares, st.dp, mb)]
 
 
 def _stage_micro_batches(plan: Plan, st: _Stage) -> int:
     """Micro-batches the busiest replica of a stage runs (the stage graph's rounding rule)."""
     mb = st.micro_batch or plan.micro_batch
-    return max(1, max(count for count, _ in replica_loads(plan, st.dp_shares, st.dp, mb)))
+    return max(1, max(count for count, _ in _replica_loads(plan, st.dp_shares, st.dp, mb)))
 
 
 def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
