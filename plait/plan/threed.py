@@ -479,19 +479,26 @@ class AnalyticModel:
         counts = hetero.replica_micro_batch_counts(plan)
         # compute: the slowest replica's pipeline
         compute_s = 0.0
+        columns: dict[tuple[str, ...], tuple[float, float]] = {}  # replicas of equal kinds: equal stages
         for d in range(plan.dp):
-            st = np.zeros(plan.pp)
-            for c, p in enumerate(chunk_stage):
-                st[p] += self.layer_times(plan, grid[p][d])[bounds[c]:bounds[c + 1]].sum()
-            b, s = float(st.max()), float(st.sum())
+            col = tuple(grid[p][d] for p in range(plan.pp))
+            bs = columns.get(col) if self.fast else None
+            if bs is None:
+                st = np.zeros(plan.pp)
+                for c, p in enumerate(chunk_stage):
+                    st[p] += self.layer_times(plan, grid[p][d])[bounds[c]:bounds[c + 1]].sum()
+                bs = columns[col] = (float(st.max()), float(st.sum()))
+            b, s = bs
             compute_s = max(compute_s, counts[d] * b + (s - b) / v)
         kind0 = grid[0][0]
         params = np.zeros(plan.pp)
         for c, p in enumerate(chunk_stage):
             params[p] += sum(self.layer_cost(i, plan, kind0).grad_params for i in range(bounds[c], bounds[c + 1]))
         shard = plan.dp if plan.zero >= 1 else 1
-        opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]], self.compute)
-                    for p in range(plan.pp) for d in range(plan.dp))
+        # the step of stage p on kind k is one number, however many replicas share it
+        pairs = ({(p, grid[p][d]) for p in range(plan.pp) for d in range(plan.dp)} if self.fast else
+                 [(p, grid[p][d]) for p in range(plan.pp) for d in range(plan.dp)])
+        opt_s = max(optimizer_time(params[p] / shard, self.kinds[k], self.compute) for p, k in pairs)
         return compute_s, opt_s
 
 
