@@ -94,6 +94,18 @@ def traffic_of(graph: OpGraph, plan: Plan, messages: IterationTraffic | None = N
     )
 
 
+def _max(x: np.ndarray, axis: int | tuple[int, ...]) -> np.ndarray:
+    """`x.max(axis)` without its Python wrapper (the same ufunc reduction)."""
+    return np.maximum.reduce(x, axis=axis)
+
+
+def _mean(x: np.ndarray, axis: int | tuple[int, ...]) -> np.ndarray:
+    """`x.mean(axis)` without its Python wrapper: NumPy's mean is this sum divided by the count,
+    bit for bit (tests/test_plan_placement.py checks it)."""
+    axes = (axis,) if isinstance(axis, int) else axis
+    return np.add.reduce(x, axis=axis) / math.prod(x.shape[a] for a in axes)
+
+
 class PathModel:
     """Pipette's path-based communication latency of a rank-to-device order (module docstring)."""
 
@@ -156,10 +168,10 @@ class PathModel:
         lat_links = self.lat[groups, nxt]
         # plait.cost.collectives' ring all-reduce at the slowest link (vectorised over orders)
         with np.errstate(divide="ignore"):
-            per_group = ring_all_reduce_time(msg, k, 1.0 / inv_links.max(axis=-1), lat_links.max(axis=-1))
+            per_group = ring_all_reduce_time(msg, k, 1.0 / _max(inv_links, -1), _max(lat_links, -1))
             # smooth companion: every link of every ring counts, not only the slowest
-            smooth = ring_all_reduce_time(msg, k, 1.0 / inv_links.mean(axis=-1), lat_links.mean(axis=-1))
-        return per_group.max(axis=(-1, -2)), smooth.mean(axis=(-1, -2))
+            smooth = ring_all_reduce_time(msg, k, 1.0 / _mean(inv_links, -1), _mean(lat_links, -1))
+        return _max(per_group, (-1, -2)), _mean(smooth, (-1, -2))
 
     def _terms(self, orders: np.ndarray, fast: bool = True) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
         """(slowest group, smooth mean over groups and links) for the tensor, pipeline and
@@ -195,9 +207,9 @@ class PathModel:
             # forward activation + backward gradient per hop; the slowest tensor rank of a hop counts
             with np.errstate(divide="ignore"):
                 links = 2.0 * send_recv_time(self.traffic.pp_bytes, 1.0 / self.inv_bw[a, b], self.lat[a, b])
-            path = self.traffic.pp_count * links.max(axis=-1).sum(axis=-2)  # per pipeline (replica)
-            smooth = self.traffic.pp_count * links.mean(axis=-1).sum(axis=-2)
-            pp = (path.max(axis=-1), smooth.mean(axis=-1))
+            path = self.traffic.pp_count * np.add.reduce(_max(links, -1), axis=-2)  # per pipeline (replica)
+            smooth = self.traffic.pp_count * np.add.reduce(_mean(links, -1), axis=-2)
+            pp = (_max(path, -1), _mean(smooth, -1))
         # data parallel: ring over the replicas of each (stage, tensor rank)
         dp = self._ring(rings["dp"][0], self.traffic.dp_bytes, rings["dp"][1]) if self.dp > 1 else zero
         return tp, pp, dp

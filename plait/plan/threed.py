@@ -845,6 +845,8 @@ class Progress:
 
     def start(self, phase: str, total: int) -> None:
         self.phase, self.done, self.total = phase, 0, total
+        if self.callback is not None:  # the phase starts now (a caller timing phases needs to know)
+            self.callback(phase, 0, total)
         if self.enabled:
             from rich.console import Console
             from rich.progress import (
