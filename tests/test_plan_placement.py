@@ -149,3 +149,16 @@ def test_fast_energy_is_the_baseline_to_the_last_bit(n, dp, tp, pp):
     a = anneal(model, kinds, nodes, iterations=400, fast=True)
     b = anneal(model, kinds, nodes, iterations=400, fast=False)
     assert (a.order, a.cost, a.accepted, a.breakdown) == (b.order, b.cost, b.accepted, b.breakdown)
+
+
+def test_path_model_reductions_are_numpy_max_and_mean_bit_for_bit():
+    from plait.plan.placement import _max, _mean
+
+    rng = np.random.default_rng(3)
+    for shape in [(3, 5), (2, 3, 17), (4, 2, 9, 8), (1, 1, 1)]:
+        x = rng.uniform(1e-9, 1e-3, shape) * rng.uniform(1, 1e6)
+        for axis in (-1, (-1, -2)) if len(shape) > 1 else (-1,):
+            assert np.array_equal(_max(x, axis), x.max(axis=axis))
+            assert np.array_equal(_mean(x, axis), x.mean(axis=axis))  # exact, not approximate
+        sw = np.swapaxes(x, -1, -2)  # a strided view, as the data-parallel rings are
+        assert np.array_equal(_mean(sw, -1), sw.mean(axis=-1))
