@@ -335,6 +335,7 @@ class AnalyticModel:
         self._costs: dict[tuple, Any] = {}
         self._times: dict[tuple, np.ndarray] = {}
         self._coll: dict[tuple, float] = {}
+        self._comm: dict[str, dict[str, float]] = {}  # comm_times by plan (GPipe as its 1F1B twin)
         self._links: dict[tuple, Any] = {}
         self._traffic: dict[str, IterationTraffic] = {}
         self._cost_fns: dict[tuple, Any] = {}
@@ -437,7 +438,25 @@ class AnalyticModel:
         tp -- the busiest replica's tensor-parallel collectives (every pass of every micro-batch);
         pp -- every stage edge's activation and gradient (largest micro-batch, slowest tensor
         rank), Pipette's path weighted by ``max(1, M // pp)``; dp -- the busiest stage's
-        gradient reduction, ZeRO gathers/scatters and tied-embedding all-reduce."""
+        gradient reduction, ZeRO gathers/scatters and tied-embedding all-reduce.
+
+        GPipe and 1F1B send the same messages (neither the stage graph nor the traffic reads
+        the schedule, only the virtual stages), so a GPipe plan reuses its 1F1B twin's times."""
+        if self.fast and plan.schedule == "gpipe":
+            key = str(dataclasses.replace(plan, schedule="1f1b"))
+            hit = self._comm.get(key)
+            if hit is None:
+                hit = self._comm[key] = self._comm_times(plan)
+            return dict(hit)
+        if self.fast:
+            key = str(plan)
+            hit = self._comm.get(key)
+            if hit is None:
+                hit = self._comm[key] = self._comm_times(plan)
+            return dict(hit)
+        return self._comm_times(plan)
+
+    def _comm_times(self, plan: Plan) -> dict[str, float]:
         tr = self.traffic(plan)
         m = max((r.count for st in tr.stage_graph.stages for r in st.replicas), default=1)
         busy: dict[tuple, float] = defaultdict(float)
