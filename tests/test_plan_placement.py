@@ -127,3 +127,38 @@ def test_bad_inputs_raise_placement_errors():
     m = PathModel(np.ones((4, 4)), Traffic(dp_bytes=1.0), dp=4, tp=1, pp=1)
     with pytest.raises(PlacementError, match="permutation"):
         anneal(m, ["a"] * 4, [0, 0, 1, 1], start=[0, 0, 1, 2])
+
+
+@pytest.mark.parametrize("n,dp,tp,pp", [(16, 16, 1, 1), (16, 2, 2, 4), (32, 8, 2, 2), (48, 3, 4, 4), (40, 10, 2, 2)])
+def test_fast_energy_is_the_baseline_to_the_last_bit(n, dp, tp, pp):
+    """The annealing's fast path (one order's rings gathered by precomputed positions, energies
+    remembered per order) gives the baseline's seconds bit for bit, so the same walk and result."""
+    rng = np.random.default_rng(n + dp)
+    bw = rng.uniform(1 * GB, 100 * GB, (n, n))
+    model = PathModel((bw + bw.T) / 2, Traffic(tp_bytes=1e6, tp_count=3.0, pp_bytes=2e5, pp_count=5.0,
+                                               dp_bytes=3e7), dp=dp, tp=tp, pp=pp,
+                      latency=rng.uniform(1e-6, 1e-5, (n, n)))
+    for _ in range(20):
+        order = rng.permutation(n)
+        fast, slow = model.cost_and_mean(order), model.cost_and_mean(order, fast=False)
+        assert (float(fast[0]), float(fast[1])) == (float(slow[0]), float(slow[1]))
+        batch = model.cost_and_mean(order[None, :])
+        assert (float(batch[0][0]), float(batch[1][0])) == (float(fast[0]), float(fast[1]))
+    kinds = ["a" if d < n // 2 else "b" for d in range(n)]
+    nodes = [d // 8 for d in range(n)]
+    a = anneal(model, kinds, nodes, iterations=400, fast=True)
+    b = anneal(model, kinds, nodes, iterations=400, fast=False)
+    assert (a.order, a.cost, a.accepted, a.breakdown) == (b.order, b.cost, b.accepted, b.breakdown)
+
+
+def test_path_model_reductions_are_numpy_max_and_mean_bit_for_bit():
+    from plait.plan.placement import _max, _mean
+
+    rng = np.random.default_rng(3)
+    for shape in [(3, 5), (2, 3, 17), (4, 2, 9, 8), (1, 1, 1)]:
+        x = rng.uniform(1e-9, 1e-3, shape) * rng.uniform(1, 1e6)
+        for axis in (-1, (-1, -2)) if len(shape) > 1 else (-1,):
+            assert np.array_equal(_max(x, axis), x.max(axis=axis))
+            assert np.array_equal(_mean(x, axis), x.mean(axis=axis))  # exact, not approximate
+        sw = np.swapaxes(x, -1, -2)  # a strided view, as the data-parallel rings are
+        assert np.array_equal(_mean(sw, -1), sw.mean(axis=-1))

@@ -67,3 +67,50 @@ def test_bench_core_times_each_family_and_phase():
     assert 0 < phases <= times["3d"] + 1e-6  # (enumeration runs before the first phase)
     assert times["3d"] + times["graph"] <= run["cpu_s"] + 1e-6
     assert run["result"].best.iteration_time_s > 0
+
+
+@pytest.mark.parametrize("finalists", [1, 4])
+def test_bounded_analytic_ranking_keeps_the_exhaustive_finalists(finalists):
+    """Ranking in order of the compute + optimizer lower bound and stopping once it passes the
+    finalists-th best time picks the exhaustive ranking's finalists, times equal to the bit,
+    while pricing the communication of fewer candidates."""
+    from plait.cluster import load_cluster
+    from plait.plan.threed import (
+        AnalyticModel,
+        Progress,
+        _rank_analytic,
+        enumerate_groups,
+        load_graph,
+    )
+
+    cluster = load_cluster("a100-80gb:nodes=2,gpus_per_node=4")
+    graph = load_graph("gpt:layers=8,hidden=256,heads=8,seq=128,vocab=512", "bf16")[1]
+    analytic = AnalyticModel(graph, cluster)
+    cands = [Candidate(plan=p) for g in enumerate_groups(graph, cluster, 32) for p in g.plans]
+    full = [Candidate(plan=c.plan) for c in cands]
+    _rank_analytic(full, analytic, None, Progress(False, None))
+    _rank_analytic(cands, analytic, finalists, Progress(False, None))
+
+    def best(cs):
+        return [(c.analytic_s, str(c.plan)) for c in sorted(cs, key=lambda c: (c.analytic_s, str(c.plan)))][:finalists]
+
+    assert best(cands) == best(full)
+    assert 0 < sum(c.analytic_s == float("inf") for c in cands) < len(cands)  # some skipped, not all
+
+
+def test_gpipe_plans_reuse_their_1f1b_twins_communication_exactly():
+    """The analytic model prices a GPipe plan's messages as its 1F1B twin's (the stage graph
+    and the traffic never read the schedule): the same seconds as pricing it afresh."""
+    import dataclasses
+
+    from plait.cluster import load_cluster
+    from plait.plan.threed import AnalyticModel, load_graph
+
+    cluster = load_cluster("large-mixed:nodes=2,gpus_per_node=4")
+    graph = load_graph("gpt:layers=8,hidden=256,heads=8,seq=128,vocab=512", "fp16")[1]
+    fast, fresh = AnalyticModel(graph, cluster), AnalyticModel(graph, cluster, fast=False)
+    for dp, tp, pp, split in [(2, 2, 2, None), (1, 2, 4, [1, 3, 3, 3]), (4, 1, 2, [6, 4]), (2, 1, 4, None)]:
+        p = Plan(dp=dp, tp=tp, pp=pp, micro_batch=2, global_batch=16, dtype="fp16", zero=1, layer_split=split)
+        g = dataclasses.replace(p, schedule="gpipe")
+        fast.comm_times(p)  # the 1F1B twin first: the GPipe plan is a hit
+        assert fast.comm_times(g) == fresh.comm_times(g) == fresh.comm_times(p)

@@ -69,3 +69,27 @@ def test_cycle_is_reported() -> None:
     g.add_dep(b, a)
     with pytest.raises(EngineError, match="cycle"):
         simulate(g)
+
+
+def test_recurring_flow_sets_share_rates_exactly() -> None:
+    """Rounds of the same three flows (two over a shared 1 GB/s link, one alone over a 4 GB/s
+    one): the engine computes each set's max-min levels once and reuses them, and every round
+    still takes its hand-computed time (the shared pair 2 s at 0.5 GB/s each, the lone flow
+    1 GB at 4 GB/s = 0.25 s)."""
+    g = TaskGraph()
+    link = g.add_resource(("link",), 1e9)
+    other = g.add_resource(("other",), 4e9)
+    prev: list[int] = []
+    rounds = []
+    for _ in range(4):
+        x = g.add("x", "comm", "l", 0.0, prev, flow=[(link, 1e9, 1.0), (other, 1e9, 1.0)])
+        y = g.add("y", "comm", "l", 0.0, prev, flow=[(link, 1e9, 1.0)])
+        z = g.add("z", "comm", "m", 0.0, prev, flow=[(other, 1e9, 1.0)])
+        prev = [x, y, z]
+        rounds.append((x, y, z))
+    s = simulate(g)
+    for k, (x, y, z) in enumerate(rounds):
+        # z shares `other` with x (x runs at 0.5 GB/s there): z gets 3.5 GB/s, then 4 after x ends
+        assert s.end[x] == pytest.approx(2.0 * (k + 1)) and s.end[y] == pytest.approx(2.0 * (k + 1))
+        assert s.end[z] == pytest.approx(2.0 * k + 1e9 / 3.5e9)
+    assert s.makespan == pytest.approx(8.0)

@@ -587,7 +587,10 @@ def estimate_memory(
                 dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tp=st.tp, tied_extra=tied_extra,
             )
             sel = devs if len(uniq) == 1 else devs[which.reshape(-1) == k]
-            np.add.at(matrix, sel, row[:-1])  # a device in two stages holds both
+            if plan.stages:
+                np.add.at(matrix, sel, row[:-1])  # a device in two stages holds both
+            else:  # a Megatron stage's devices are distinct (Plan.validate): one add each
+                matrix[sel] += row[:-1]
             if row[-1]:
                 step_phase[sel] = True
         used[devs] = True
@@ -923,16 +926,32 @@ def _plan_stages(la: _LayerArrays, plan: Plan, graph: OpGraph) -> list[_Stage]:
     return out
 
 
+_LOADS: dict[tuple, tuple[list[tuple[int, int]], int]] = {}
+
+
+def _replica_loads(plan: Plan, shares: list[float] | None, dp: int, mb: int) -> tuple[list[tuple[int, int]], int]:
+    """`replica_loads` and the busiest replica's micro-batches, remembered by everything they
+    read (every stage of a plan, and the planners' many plans, ask the same few)."""
+    key = (bool(plan.stages), plan.global_batch, None if shares is None else tuple(shares), dp, mb)
+    hit = _LOADS.get(key)
+    if hit is None:
+        if len(_LOADS) > 4096:
+            _LOADS.clear()
+        loads = replica_loads(plan, shares, dp, mb)
+        hit = _LOADS[key] = (loads, max(count for count, _ in loads))
+    return hit
+
+
 def _replica_micro_batches(plan: Plan, st: _Stage, mb: int) -> list[int]:
     """Largest micro-batch of each data-parallel replica of a stage: the stage graph's rounding
     rule (`plait.ir.stage_graph`: 10 samples at micro-batch 4 run as [4, 3, 3])."""
-    return [largest for _, largest in replica_loads(plan, st.dp_shares, st.dp, mb)]
+    return [largest for _, largest in _replica_loads(plan, st.dp_shares, st.dp, mb)[0]]
 
 
 def _stage_micro_batches(plan: Plan, st: _Stage) -> int:
     """Micro-batches the busiest replica of a stage runs (the stage graph's rounding rule)."""
     mb = st.micro_batch or plan.micro_batch
-    return max(1, max(count for count, _ in replica_loads(plan, st.dp_shares, st.dp, mb)))
+    return max(1, _replica_loads(plan, st.dp_shares, st.dp, mb)[1])
 
 
 def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:

@@ -127,7 +127,23 @@ def layouts(cluster: Cluster, plan: Plan, devices: list | None = None) -> dict[s
 
 
 # ---------------------------------------------------------------- exact splits
+_SPLITS: dict[tuple, list[int] | None] = {}
+
+
 def split_layers(times: np.ndarray, caps: list[int] | None = None) -> list[int] | None:
+    """`_split_layers`, remembered by its inputs (plans that differ only in what the layer
+    times do not see -- ZeRO stage, layout twins -- ask the same)."""
+    times = np.asarray(times, dtype=float)
+    key = (times.shape, times.tobytes(), None if caps is None else tuple(caps))
+    if key not in _SPLITS:
+        if len(_SPLITS) > 4096:
+            _SPLITS.clear()
+        _SPLITS[key] = _split_layers(times, caps)
+    hit = _SPLITS[key]
+    return None if hit is None else list(hit)
+
+
+def _split_layers(times: np.ndarray, caps: list[int] | None = None) -> list[int] | None:
     """Layers per stage minimising the bottleneck stage time, then the sum (exact DP).
 
     `times[p, i]` is the time of layer i if it runs on stage p (stages may differ in kind).

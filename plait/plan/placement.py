@@ -94,6 +94,18 @@ def traffic_of(graph: OpGraph, plan: Plan, messages: IterationTraffic | None = N
     )
 
 
+def _max(x: np.ndarray, axis: int | tuple[int, ...]) -> np.ndarray:
+    """`x.max(axis)` without its Python wrapper (the same ufunc reduction)."""
+    return np.maximum.reduce(x, axis=axis)
+
+
+def _mean(x: np.ndarray, axis: int | tuple[int, ...]) -> np.ndarray:
+    """`x.mean(axis)` without its Python wrapper: NumPy's mean is this sum divided by the count,
+    bit for bit (tests/test_plan_placement.py checks it)."""
+    axes = (axis,) if isinstance(axis, int) else axis
+    return np.add.reduce(x, axis=axis) / math.prod(x.shape[a] for a in axes)
+
+
 class PathModel:
     """Pipette's path-based communication latency of a rank-to-device order (module docstring)."""
 
@@ -121,52 +133,85 @@ class PathModel:
         other = object.__new__(PathModel)
         other.__dict__.update(self.__dict__)
         other.traffic, other.dp, other.tp, other.pp, other.world = traffic, dp, tp, pp, dp * tp * pp
+        other.__dict__.pop("_rings", None)
         return other
+
+    def _ring_positions(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Rank positions of every link of the tensor rings, pipeline hops and data rings: the
+        index arrays `_terms` builds from an order's grid, built once from the grid of positions
+        by the same operations (same shapes and memory layouts, so the same reductions)."""
+        rings = self.__dict__.get("_rings")
+        if rings is None:
+            pos = np.arange(self.world).reshape(self.pp, self.dp, self.tp)
+            swapped = np.swapaxes(pos, -1, -2)
+            rings = self._rings = {"tp": (pos, np.roll(pos, -1, axis=-1)),
+                                   "pp": (pos[:-1, :, :], pos[1:, :, :]),
+                                   "dp": (swapped, np.roll(swapped, -1, axis=-1))}
+        return rings
 
     # Each term takes orders of shape (..., n) and returns seconds of shape (...).
     def _grid(self, orders: np.ndarray) -> np.ndarray:
         o = np.asarray(orders)[..., : self.world]
         return o.reshape(o.shape[:-1] + (self.pp, self.dp, self.tp))
 
-    def _ring(self, groups: np.ndarray, msg: float) -> tuple[np.ndarray, np.ndarray]:
+    def _ring(self, groups: np.ndarray, msg: float, nxt: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Ring all-reduce of `msg` bytes over the last axis of (..., a, b, k) groups: the
-        slowest of the a*b groups (it sets the pace) and their mean."""
+        slowest of the a*b groups (it sets the pace) and their mean. `nxt`: each rank's
+        successor in its ring (default: the groups rolled by one)."""
         k = groups.shape[-1]
         batch = groups.shape[:-3]
         if k == 1 or msg == 0:
             return np.zeros(batch), np.zeros(batch)
-        nxt = np.roll(groups, -1, axis=-1)
+        if nxt is None:
+            nxt = np.roll(groups, -1, axis=-1)
         inv_links = self.inv_bw[groups, nxt]
         lat_links = self.lat[groups, nxt]
         # plait.cost.collectives' ring all-reduce at the slowest link (vectorised over orders)
         with np.errstate(divide="ignore"):
-            per_group = ring_all_reduce_time(msg, k, 1.0 / inv_links.max(axis=-1), lat_links.max(axis=-1))
+            per_group = ring_all_reduce_time(msg, k, 1.0 / _max(inv_links, -1), _max(lat_links, -1))
             # smooth companion: every link of every ring counts, not only the slowest
-            smooth = ring_all_reduce_time(msg, k, 1.0 / inv_links.mean(axis=-1), lat_links.mean(axis=-1))
-        return per_group.max(axis=(-1, -2)), smooth.mean(axis=(-1, -2))
+            smooth = ring_all_reduce_time(msg, k, 1.0 / _mean(inv_links, -1), _mean(lat_links, -1))
+        return _max(per_group, (-1, -2)), _mean(smooth, (-1, -2))
 
-    def _terms(self, orders: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    def _terms(self, orders: np.ndarray, fast: bool = True) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
         """(slowest group, smooth mean over groups and links) for the tensor, pipeline and
-        data-parallel terms."""
+        data-parallel terms. `fast=False`: one order is reshaped and rolled like a batch (the
+        baseline of bench/plan_search_time.py; the same numbers)."""
+        orders = np.asarray(orders)
+        if orders.ndim == 1 and fast:  # one order (the annealing's walk): gather its rings directly
+            return self._terms_of(orders)
         g = self._grid(orders)  # (..., pp, dp, tp)
-        batch = g.shape[:-3]
+        rings = {"tp": (g, None), "pp": (g[..., :-1, :, :], g[..., 1:, :, :]),
+                 "dp": (np.swapaxes(g, -1, -2), None)}
+        return self._terms_from(rings, g.shape[:-3])
+
+    def _terms_of(self, order: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """`_terms` of one order: the same arrays gathered by precomputed rank positions
+        (no grid reshaping or rolling per call), hence the same seconds to the last bit."""
+        o = order[: self.world]
+        rings = {name: (o[a], o[b]) for name, (a, b) in self._ring_positions().items()}
+        return self._terms_from(rings, ())
+
+    def _terms_from(self, rings: dict[str, tuple[np.ndarray, np.ndarray | None]],
+                    batch: tuple[int, ...]) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """The three terms from the device ids of every ring: (groups, successors) per class."""
         zero = (np.zeros(batch), np.zeros(batch))
         # tensor parallel: ring over the tensor ranks of each (stage, replica)
         tp = zero
         if self.tp > 1 and self.traffic.tp_count:
-            worst, mean = self._ring(g, self.traffic.tp_bytes)
+            worst, mean = self._ring(rings["tp"][0], self.traffic.tp_bytes, rings["tp"][1])
             tp = (self.traffic.tp_count * worst, self.traffic.tp_count * mean)
         pp = zero
         if self.pp > 1 and self.traffic.pp_bytes:
-            a, b = g[..., :-1, :, :], g[..., 1:, :, :]
+            a, b = rings["pp"]
             # forward activation + backward gradient per hop; the slowest tensor rank of a hop counts
             with np.errstate(divide="ignore"):
                 links = 2.0 * send_recv_time(self.traffic.pp_bytes, 1.0 / self.inv_bw[a, b], self.lat[a, b])
-            path = self.traffic.pp_count * links.max(axis=-1).sum(axis=-2)  # per pipeline (replica)
-            smooth = self.traffic.pp_count * links.mean(axis=-1).sum(axis=-2)
-            pp = (path.max(axis=-1), smooth.mean(axis=-1))
+            path = self.traffic.pp_count * np.add.reduce(_max(links, -1), axis=-2)  # per pipeline (replica)
+            smooth = self.traffic.pp_count * np.add.reduce(_mean(links, -1), axis=-2)
+            pp = (_max(path, -1), _mean(smooth, -1))
         # data parallel: ring over the replicas of each (stage, tensor rank)
-        dp = self._ring(np.swapaxes(g, -1, -2), self.traffic.dp_bytes) if self.dp > 1 else zero
+        dp = self._ring(rings["dp"][0], self.traffic.dp_bytes, rings["dp"][1]) if self.dp > 1 else zero
         return tp, pp, dp
 
     def cost(self, orders: np.ndarray) -> np.ndarray:
@@ -174,11 +219,11 @@ class PathModel:
         tp, pp, dp = self._terms(orders)
         return tp[0] + pp[0] + dp[0]
 
-    def cost_and_mean(self, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def cost_and_mean(self, orders: np.ndarray, fast: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """The cost and the same sum averaged over all groups and all their links instead of
         the slowest: it moves when a change speeds up some link but not yet the slowest one,
         which the annealing needs on the plateaus of the max."""
-        tp, pp, dp = self._terms(orders)
+        tp, pp, dp = self._terms(orders, fast)
         return tp[0] + pp[0] + dp[0], tp[1] + pp[1] + dp[1]
 
     def breakdown(self, order: np.ndarray | list[int]) -> dict[str, float]:
@@ -314,7 +359,7 @@ MEAN_WEIGHT = 0.25
 
 
 def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[int] | None = None,
-           seed: int = 0, iterations: int | None = None, restarts: int = 3) -> PlacementResult:
+           seed: int = 0, iterations: int | None = None, restarts: int = 3, fast: bool = True) -> PlacementResult:
     """Simulated annealing over kind-preserving GPU/node permutations (Pipette §IV).
 
     `kinds[d]` and `nodes[d]` describe device d. Each run anneals first with node moves
@@ -326,7 +371,9 @@ def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[
     moves / ln 2: early on half of the uphill moves pass) down to T0/1000; the best order
     is kept by (cost, mean). The first run starts from `start`, later runs from random
     node shuffles; the best order is polished by steepest descent over all pair swaps
-    (small clusters) and returned. Deterministic for a given seed."""
+    (small clusters) and returned. Deterministic for a given seed. `fast` (the default) remembers
+    the energy of every order visited (the walk revisits about half of them) and gathers one
+    order's rings by precomputed positions; False recomputes each (the same walk, slower)."""
     n = model.n
     order0 = np.arange(n) if start is None else np.asarray(start, dtype=int)
     if sorted(order0.tolist()) != list(range(n)):
@@ -344,9 +391,17 @@ def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[
     per_level = max(1, iters // len(levels))
     rng = np.random.default_rng(seed)
 
+    seen: dict[bytes, tuple[float, float, float]] = {}
+
     def energy(order: np.ndarray) -> tuple[float, float, float]:
-        c, m = model.cost_and_mean(order)
-        return float(c) + MEAN_WEIGHT * float(m), float(c), float(m)
+        key = order.tobytes() if fast else b""
+        hit = seen.get(key) if fast else None
+        if hit is None:
+            c, m = model.cost_and_mean(order, fast)
+            hit = (float(c) + MEAN_WEIGHT * float(m), float(c), float(m))
+            if fast:
+                seen[key] = hit
+        return hit
 
     best, best_key = order0, (c0, m0)
     accepted = 0

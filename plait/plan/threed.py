@@ -26,6 +26,7 @@ GPUs:
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import os
 import time
@@ -337,6 +338,7 @@ class AnalyticModel:
         self._costs: dict[tuple, Any] = {}
         self._times: dict[tuple, np.ndarray] = {}
         self._coll: dict[tuple, float] = {}
+        self._comm: dict[str, dict[str, float]] = {}  # comm_times by plan (GPipe as its 1F1B twin)
         self._links: dict[tuple, Any] = {}
         self._traffic: dict[str, IterationTraffic] = {}
         self._cost_fns: dict[tuple, Any] = {}
@@ -439,7 +441,25 @@ class AnalyticModel:
         tp -- the busiest replica's tensor-parallel collectives (every pass of every micro-batch);
         pp -- every stage edge's activation and gradient (largest micro-batch, slowest tensor
         rank), Pipette's path weighted by ``max(1, M // pp)``; dp -- the busiest stage's
-        gradient reduction, ZeRO gathers/scatters and tied-embedding all-reduce."""
+        gradient reduction, ZeRO gathers/scatters and tied-embedding all-reduce.
+
+        GPipe and 1F1B send the same messages (neither the stage graph nor the traffic reads
+        the schedule, only the virtual stages), so a GPipe plan reuses its 1F1B twin's times."""
+        if self.fast and plan.schedule == "gpipe":
+            key = str(dataclasses.replace(plan, schedule="1f1b"))
+            hit = self._comm.get(key)
+            if hit is None:
+                hit = self._comm[key] = self._comm_times(plan)
+            return dict(hit)
+        if self.fast:
+            key = str(plan)
+            hit = self._comm.get(key)
+            if hit is None:
+                hit = self._comm[key] = self._comm_times(plan)
+            return dict(hit)
+        return self._comm_times(plan)
+
+    def _comm_times(self, plan: Plan) -> dict[str, float]:
         tr = self.traffic(plan)
         m = max((r.count for st in tr.stage_graph.stages for r in st.replicas), default=1)
         busy: dict[tuple, float] = defaultdict(float)
@@ -455,7 +475,22 @@ class AnalyticModel:
                 "pp": sum(hops.values()) * max(1, m // plan.pp),
                 "dp": max((t for k, t in busy.items() if k[0] == "dp"), default=0.0)}
 
-    def estimate(self, plan: Plan) -> float:
+    def estimate(self, plan: Plan, parts: tuple[float, float] | None = None) -> float:
+        """Seconds per iteration: the slowest replica's pipeline compute, every class's
+        communication on the critical path (`comm_times`) and the optimizer step.
+        `parts`: this plan's `compute_and_optimizer`, when already known."""
+        compute_s, opt_s = parts if parts is not None else self.compute_and_optimizer(plan)
+        comm = self.comm_times(plan)
+        return compute_s + comm["tp"] + comm["pp"] + comm["dp"] + opt_s
+
+    def lower_bound(self, parts: tuple[float, float]) -> float:
+        """A lower bound of `estimate` from its compute and optimizer parts alone: communication
+        is never negative and rounding is monotone, so ``c + tp + pp + dp + o >= c + o`` holds
+        in floating point too."""
+        return parts[0] + parts[1]
+
+    def compute_and_optimizer(self, plan: Plan) -> tuple[float, float]:
+        """(the slowest replica's pipeline compute, the slowest optimizer step) in seconds."""
         from plait.cost.compute import optimizer_time
 
         graph = self.graph
@@ -466,21 +501,27 @@ class AnalyticModel:
         counts = hetero.replica_micro_batch_counts(plan)
         # compute: the slowest replica's pipeline
         compute_s = 0.0
+        columns: dict[tuple[str, ...], tuple[float, float]] = {}  # replicas of equal kinds: equal stages
         for d in range(plan.dp):
-            st = np.zeros(plan.pp)
-            for c, p in enumerate(chunk_stage):
-                st[p] += self.layer_times(plan, grid[p][d])[bounds[c]:bounds[c + 1]].sum()
-            b, s = float(st.max()), float(st.sum())
+            col = tuple(grid[p][d] for p in range(plan.pp))
+            bs = columns.get(col) if self.fast else None
+            if bs is None:
+                st = np.zeros(plan.pp)
+                for c, p in enumerate(chunk_stage):
+                    st[p] += self.layer_times(plan, grid[p][d])[bounds[c]:bounds[c + 1]].sum()
+                bs = columns[col] = (float(st.max()), float(st.sum()))
+            b, s = bs
             compute_s = max(compute_s, counts[d] * b + (s - b) / v)
         kind0 = grid[0][0]
-        comm = self.comm_times(plan)
         params = np.zeros(plan.pp)
         for c, p in enumerate(chunk_stage):
             params[p] += sum(self.layer_cost(i, plan, kind0).grad_params for i in range(bounds[c], bounds[c + 1]))
         shard = plan.dp if plan.zero >= 1 else 1
-        opt_s = max(optimizer_time(params[p] / shard, self.kinds[grid[p][d]], self.compute)
-                    for p in range(plan.pp) for d in range(plan.dp))
-        return compute_s + comm["tp"] + comm["pp"] + comm["dp"] + opt_s
+        # the step of stage p on kind k is one number, however many replicas share it
+        pairs = ({(p, grid[p][d]) for p in range(plan.pp) for d in range(plan.dp)} if self.fast else
+                 [(p, grid[p][d]) for p in range(plan.pp) for d in range(plan.dp)])
+        opt_s = max(optimizer_time(params[p] / shard, self.kinds[k], self.compute) for p, k in pairs)
+        return compute_s, opt_s
 
 
 # ============================================================================ simulator
@@ -553,15 +594,11 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                           f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
 
     # ---- analytic first pass, then place and simulate the finalists
-    bar.start("analytic", len(kept))
-    for c in kept:
-        c.analytic_s = analytic.estimate(c.plan)
-        bar.advance(1)
-    bar.stop()
+    _rank_analytic(kept, analytic, finalists if fast else None, bar)
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
     _place_and_rank(chosen, graph, cluster_obj, analytic, mem, evaluate, gb, bar,
-                    placement, seed, placement_iterations)
+                    placement, seed, placement_iterations, fast)
     # Near-ties go to the plan with fewer moving parts: each ZeRO stage or recompute level must
     # buy 0.2 % to be preferred (a tiny model's ZeRO-3 "wins" by 0.07 % of optimizer time, far
     # inside the simulator's error, at the price of a harder run).
@@ -576,6 +613,35 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                       ranked_analytic=len(kept), simulated=len(chosen) if evaluate is not None else 0,
                       search_time_s=time.perf_counter() - t_start,
                       ranker="simulator" if evaluate is not None else "analytic")
+
+
+def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: int | None, bar: Progress) -> None:
+    """Every candidate's analytic time, or -- with `finalists` -- enough of them to know the
+    best `finalists` exactly: candidates are timed in order of their lower bound (compute +
+    optimizer, `AnalyticModel.lower_bound`), and once a bound exceeds the `finalists`-th best
+    time so far, that candidate and every later one cannot be a finalist; they keep an
+    infinite time (never chosen, never shown) and their communication is never priced."""
+    bar.start("analytic", len(kept))
+    if finalists is None:
+        for c in kept:
+            c.analytic_s = analytic.estimate(c.plan)
+            bar.advance(1)
+        bar.stop()
+        return
+    parts = [analytic.compute_and_optimizer(c.plan) for c in kept]
+    bounds = [analytic.lower_bound(p) for p in parts]
+    best: list[float] = []  # max-heap (negated) of the `finalists` smallest times so far
+    for n, i in enumerate(sorted(range(len(kept)), key=bounds.__getitem__)):
+        if len(best) == finalists and bounds[i] > -best[0]:
+            bar.advance(len(kept) - n)  # every later bound is at least this one
+            break
+        t = kept[i].analytic_s = analytic.estimate(kept[i].plan, parts[i])
+        if len(best) < finalists:
+            heapq.heappush(best, -t)
+        elif t < -best[0]:
+            heapq.heapreplace(best, -t)
+        bar.advance(1)
+    bar.stop()
 
 
 class _MemoryFilter:
@@ -698,7 +764,7 @@ def _runnable(kept: list[Candidate], supports: Callable[[Plan], tuple[bool, str]
 
 def _place_and_rank(chosen: list[Candidate], graph: OpGraph, cluster: Cluster, analytic: AnalyticModel,
                     mem: _MemoryFilter, evaluate: Evaluate | None, gb: int, bar: Progress,
-                    placement: bool, seed: int, iterations: int | None) -> None:
+                    placement: bool, seed: int, iterations: int | None, fast: bool = True) -> None:
     """Place each finalist (one placement per shape and kind layout, for the traffic of its best
     finalist), fill its memory figures and time it: by `evaluate` when given, else analytically."""
     placements: dict[tuple, PlacementResult] = {}
@@ -708,7 +774,7 @@ def _place_and_rank(chosen: list[Candidate], graph: OpGraph, cluster: Cluster, a
             key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
             res = placements.get(key)
             if res is None:
-                res = _place(analytic.path_model(c.plan), cluster, c.plan, seed, iterations)
+                res = _place(analytic.path_model(c.plan), cluster, c.plan, seed, iterations, fast)
                 placements[key] = res
             c.placement = res
             if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
@@ -767,7 +833,8 @@ def _start_order(groups: list[_Group], c: Candidate) -> list[int]:
     return list(range(p.world_size))
 
 
-def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations: int | None) -> PlacementResult:
+def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations: int | None,
+           fast: bool = True) -> PlacementResult:
     """Pipette placement, starting from (and never worse than) the plan's current order."""
     devices = cluster.devices
     start = [plan.device_of(r) for r in range(plan.world_size)]
@@ -780,7 +847,7 @@ def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations:
         return PlacementResult(order=start, cost=c, default_cost=c, breakdown=path.breakdown(start),
                                default_breakdown=path.breakdown(start))
     return anneal(path, [d.kind.name for d in devices], [d.node for d in devices], start=start, seed=seed,
-                  iterations=iterations)
+                  iterations=iterations, fast=fast)
 
 
 PHASE_LABELS = {"memory": "checking memory", "analytic": "ranking analytically",
@@ -800,6 +867,8 @@ class Progress:
 
     def start(self, phase: str, total: int) -> None:
         self.phase, self.done, self.total = phase, 0, total
+        if self.callback is not None:  # the phase starts now (a caller timing phases needs to know)
+            self.callback(phase, 0, total)
         if self.enabled:
             from rich.console import Console
             from rich.progress import (

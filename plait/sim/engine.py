@@ -144,10 +144,15 @@ def simulate(graph: TaskGraph) -> Schedule:
     events = 0
 
     # Max-min coefficients per flow: copies x bytes on the resource / the flow's largest bytes.
-    coef: list[list[tuple[int, float]] | None] = [None] * n
+    coef: list[tuple[tuple[int, float], ...] | None] = [None] * n
     scale = [1.0] * n
+    # Equal coefficient lists are one object (`interned`), so a component of flows is keyed by
+    # their ids and its max-min levels -- a pure function of the lists and the fixed
+    # capacities -- computed once: a pipeline meets the same sets of flows every micro-batch.
+    interned: dict[tuple, tuple] = {}
+    levels_of: dict[tuple, list[float]] = {}
 
-    def coefficients(t: int) -> list[tuple[int, float]]:
+    def coefficients(t: int) -> tuple[tuple[int, float], ...]:
         out = coef[t]
         if out is None:
             fl = flows[t]
@@ -156,7 +161,8 @@ def simulate(graph: TaskGraph) -> Schedule:
                 if b > m:
                     m = b
             scale[t] = m or 1.0
-            out = coef[t] = [(r, c * b / m) for r, b, c in fl if b > 0]  # type: ignore[union-attr]
+            out = tuple([(r, c * b / m) for r, b, c in fl if b > 0])  # type: ignore[union-attr]
+            out = coef[t] = interned.setdefault(out, out)
         return out
 
     def component(seeds: set[int]) -> list[int]:
@@ -183,7 +189,10 @@ def simulate(graph: TaskGraph) -> Schedule:
         if len(comp) == 1:  # alone: the level its tightest resource allows
             levels = [min((capacity[r] / a for r, a in coef[comp[0]]), default=_INF)]  # type: ignore[union-attr]
         else:
-            levels = max_min_rates(capacity, [coef[u] for u in comp])  # type: ignore[misc]
+            key = tuple([id(coef[u]) for u in comp])
+            levels = levels_of.get(key)  # type: ignore[assignment]
+            if levels is None:
+                levels = levels_of[key] = max_min_rates(capacity, [coef[u] for u in comp])  # type: ignore[misc]
         for u, g in zip(comp, levels):
             new = g / scale[u] if g < _INF else _INF
             if new != rate[u] and not (new < _INF and abs(new - rate[u]) <= 1e-12 * new):

@@ -229,6 +229,8 @@ class _Lowerer:
         # Flows of equal rings and times are equal: one list each (the engine only reads them).
         self.flow_cache: dict[tuple, list[tuple[int, float, float]]] = {}
         self.total_cache: dict[tuple, tuple] = {}
+        self._pass_cache: dict[tuple, tuple] = {}  # (id(chunk costs), pass) -> (costs, items)
+        self._items_key: dict[int, tuple] = {}  # id(items of _pass_items) -> its total_cache key
         self.route_cache: dict[tuple[int, int], tuple[float, list[tuple[int, float, float]]]] = {}
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
@@ -506,7 +508,9 @@ class _Lowerer:
         tg = self.tg
         label = self._label(w, "compute")
         if not per_layer:
-            key = tuple(id(items) for _, items in items_per_layer)  # the cached per-layer lists
+            key = self._items_key.get(id(items_per_layer))
+            if key is None:  # not a list of `_pass_items`: key it by its cached per-layer lists
+                key = tuple(id(items) for _, items in items_per_layer)
             hit = self.total_cache.get(key)
             if hit is None:
                 total = comm = 0.0
@@ -621,6 +625,19 @@ class _Lowerer:
                     load[self.tg.add_resource(k, cap)] += share * x
         return [(r, x, 1.0) for r, x in load.items()]
 
+    def _pass_items(self, costs: list[tuple[Layer, _Combined]], which: str) -> list[tuple[Layer, list[_Item]]]:
+        """[(layer, items of pass `which`)] of a chunk's cached costs (backward: last layer first),
+        built once per cost list with its `total_cache` key (the ids of the per-layer lists, as
+        `_emit_items` would key it): every micro-batch of every worker asks for the same few."""
+        ck = (id(costs), which)
+        hit = self._pass_cache.get(ck)
+        if hit is None:
+            order = reversed(costs) if which == "bwd" else costs
+            items = [(lay, getattr(cc, which)) for lay, cc in order]
+            self._pass_cache[ck] = hit = (costs, items)  # holds `costs` so its id stays unique
+            self._items_key[id(items)] = tuple(id(it) for _, it in items)
+        return hit[1]
+
     def _emit_worker(self, w: Worker) -> None:
         plan = self.plan
         program = self.programs[w.wid]
@@ -641,18 +658,18 @@ class _Lowerer:
             zero3_dep = self._zero3_gather(w, c, i, k, ahead) if plan.zero == 3 and w.links else None
             deps = prev + ([zero3_dep] if zero3_dep is not None else [])
             if k == "F":
-                first, last = self._emit_items(w, [(lay, cc.fwd) for lay, cc in costs], self._key("fwd", w, c, i),
+                first, last = self._emit_items(w, self._pass_items(costs, "fwd"), self._key("fwd", w, c, i),
                                                "forward", i, deps, per_layer, chunk=self.local_chunk[c])
             else:
                 first = -1
                 if plan.recompute != "none" and any(cc.rec for _, cc in costs):
-                    first, rlast = self._emit_items(w, [(lay, cc.rec) for lay, cc in costs],
+                    first, rlast = self._emit_items(w, self._pass_items(costs, "rec"),
                                                     self._key("recompute", w, c, i), "recompute", i, deps, per_layer,
                                                     chunk=self.local_chunk[c])
                     deps = [rlast]
                 fine = per_layer or (wfbp and idx == last_b_item.get(c))
                 record = self.layer_bwd_end[w.wid] if idx == last_b_item.get(c) else None
-                bfirst, last = self._emit_items(w, [(lay, cc.bwd) for lay, cc in reversed(costs)],
+                bfirst, last = self._emit_items(w, self._pass_items(costs, "bwd"),
                                                 self._key("bwd", w, c, i), "backward", i, deps, fine, record,
                                                 chunk=self.local_chunk[c])
                 first = bfirst if first < 0 else first
