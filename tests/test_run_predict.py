@@ -13,6 +13,8 @@ MODEL = "gpt:layers=2,hidden=32,heads=2,seq=16,vocab=64"
 CLUSTER = "emulated-mixed:namespaces=false,gpus_per_node=1"
 
 
+# ~22 s (calibrates this machine, then a run); `plait plan --run` in test_plan_cli covers the same path
+@pytest.mark.slow
 def test_predict_prints_machine_prediction_next_to_measurement(capsys):
     rc = main(["run", "--model", MODEL, "--cluster", CLUSTER, "--plan", "pp=2,micro_batch=2,global_batch=4",
                "--steps", "4", "--predict", "--json"])
