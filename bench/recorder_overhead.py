@@ -76,12 +76,14 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float, float
 
 
 def verdict(low: float, high: float, goal: float) -> str:
+    """PASS: the interval lies at or below the goal and is no wider than it; FAIL: it lies wholly
+    above the goal (however wide); otherwise INCONCLUSIVE."""
+    if low > goal:
+        return "FAIL"
     if high - low > goal:
         return "INCONCLUSIVE"
     if high <= goal:
         return "PASS"
-    if low > goal:
-        return "FAIL"
     return "INCONCLUSIVE"
 
 
