@@ -22,24 +22,51 @@ TINY = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128,dropout=0,attn_dropout=0
 STEPS = 2
 
 
-def _composed_plan() -> Plan:
+RATIOS = ([0.7, 0.3], [0.3, 0.7])
+
+
+def _composed() -> tuple[Plan, list, object]:
+    """The composed family's plan on two 2-GPU nodes (its layer split and stage groups), with stage
+    programs that shard at uneven ratios: plait.spmd's beam search on devices a million times slower
+    than a V100 (as test_spmd_program: the tiny model's ops then outweigh the link latency and the
+    search shards them; the family's own programs keep this tiny model replicated). Returns the
+    plan, the stage programs (`compose_lower.StageProgram`) and the cluster."""
+    import numpy as np
     from test_compose import _two_gpu_cluster
+    from test_spmd_program import synthesized_problem
 
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.zoo import load_model
     from plait.search import plan
+    from plait.sim.compose_lower import StageProgram
+    from plait.spmd.cost import Devices
+    from plait.spmd.program_plan import program_plan
+    from plait.spmd.search import Problem, beam_search
+    from plait.spmd.stage import stage_subgraph
 
-    best = plan(TINY, _two_gpu_cluster(per_node=2), global_batch=8, top=1, families="compose").best.plan
-    stages = []
-    for spec, ratios in zip(best.stages, ([0.7, 0.3], [0.3, 0.7])):
-        program = dict(spec.spmd)
-        program["ratios"] = [ratios for _ in program["ratios"]] if isinstance(program["ratios"][0], list) else ratios
-        stages.append(dataclasses.replace(spec, spmd=program))
-    return dataclasses.replace(best, stages=stages, dtype="fp32")
+    cluster = _two_gpu_cluster(per_node=2)
+    best = plan(TINY, cluster, global_batch=8, top=1, families="compose").best.plan
+    spec = load_model(TINY)
+    inputs, _ = spec.sample_batch(best.micro_batch)
+    aten = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+    stages, programs = [], []
+    for st, ratios in zip(best.stages, RATIOS):
+        sub = stage_subgraph(aten, st.layers)
+        program = beam_search(synthesized_problem(sub), ratios, width=16)
+        stages.append(dataclasses.replace(st, spmd=program_plan(program.strategies, ratios, best.micro_batch).spmd))
+        problem = Problem.build(sub, Devices.from_cluster(cluster, "fp32", st.devices))
+        programs.append(StageProgram(problem, program, np.asarray(ratios)))
+    return dataclasses.replace(best, stages=stages, dtype="fp32"), programs, cluster
+
+
+def _composed_plan() -> Plan:
+    return _composed()[0]
 
 
 def test_composed_plan_runs_equal_to_one_process() -> None:
     from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
 
-    plan = _composed_plan()
+    plan, programs, cluster = _composed()
     assert plan.num_micro_batches == 4 and [len(s.devices) for s in plan.stages] == [2, 2]
     assert supports(plan) == (True, "")
     training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5)
@@ -53,6 +80,51 @@ def test_composed_plan_runs_equal_to_one_process() -> None:
     assert torch.equal(ref_params["head.lm.weight"], ref_params["embed.tok.weight"])
     for name, value in result.params.items():
         torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=name)
+    # rank 0's data-parallel gradient all-reduces ran once per step (accumulated over the 4
+    # micro-batches, one bucket), as the simulator prices them
+    assert result.spmd is not None and result.spmd["moves"].get("bwd P->R") == STEPS, result.spmd
+    _check_simulator_models_the_run(result, plan, programs, cluster)
+
+
+def _check_simulator_models_the_run(result, plan: Plan, programs: list, cluster) -> None:
+    """Prediction and execution are one truth: per stage, the collectives the simulator lowers for
+    one iteration (`compose_lower.lower_compose`) are the ones the stage's first rank ran in step 1 --
+    the program's own (per micro-batch, plus one bucket of parameter gradients), the all-gather of
+    each received message, the tied gradient's gather / all-reduce / broadcast -- and the k = 2 pair
+    messages of each boundary value."""
+    from collections import Counter
+
+    from plait.sim.compose_lower import lower_compose
+    from plait.sim.topology import ClusterView
+
+    tied = [(0, 1, float(128 * 64 * 4))]  # GPT's tied embedding / head (vocab x hidden, fp32)
+    low = lower_compose(programs, [(0, 1)], {(0, 1): 16 * 64 * 4.0}, plan.num_micro_batches, plan.micro_batch,
+                        ClusterView.from_cluster(cluster), tied=tied)
+    tg = low.graph
+    for s, first in ((0, 0), (1, 2)):
+        ran = Counter()
+        for e in result.timeline.events:
+            if e.device == first and e.args.get("step") == 1 and e.category.startswith("comm") \
+                    and e.name != "gather parameters":
+                kind = "spmd" if e.category == "comm_spmd" else "tied" if "tied" in e.name else \
+                    "gather" if e.name.startswith("gather") else e.name.split()[0]
+                ran[kind] += 1
+        predicted = Counter()
+        for k in range(len(tg)):
+            name = tg.name[k]
+            if "tied" in name:  # "... tied gradients s0+s1": run by both stages' first ranks
+                predicted["tied"] += f"s{s}" in name.split()[-1].split("+")
+                continue
+            if tg.stage[k] != s or not tg.category[k].startswith("comm"):
+                continue
+            kind = "gather" if name.startswith("gather") else name.split()[0] if tg.category[k] == "comm_pp" \
+                else "spmd"
+            predicted[kind] += 1
+            if kind in ("send_fwd", "send_bwd"):
+                assert tg.args[k]["copies"] == 2  # k = min(2, 2) rank pairs
+        # the simulator files a message under its sender's stage, the runtime under each end's rank
+        ran.pop("recv_fwd", None), ran.pop("recv_bwd", None)
+        assert ran == predicted, (s, ran, predicted)
 
 
 def test_composed_plan_refusals_name_the_field() -> None:

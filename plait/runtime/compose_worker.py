@@ -18,10 +18,14 @@ devices, stage-major (`Plan.device_of`). Each rank of stage ``s``:
   an uneven all-gather in the receiving stage makes it whole there. A boundary value's gradient
   arrives whole on every rank of the receiving stage (its program's conversions sum it to ``R``)
   and goes back the same way;
+* a parameter's data-parallel gradient all-reduce (P -> R) is deferred: gradients accumulate over
+  the step's micro-batches and are all-reduced once, in buckets of `GRAD_BUCKET_BYTES` in reverse op
+  order (`RankProgram.flush_param_grads`), as the simulator reduces them; the program's other
+  gradient collectives run inside each micro-batch's backward, as the simulator has them;
 * after the step's backward passes, parameters two stages read (tied embeddings) have their
-  gradients summed between the stages: each holder stage's first rank contributes the whole
-  gradient (gathered in its stage when sharded) to one all-reduce over the holders' ranks; every
-  rank keeps its shard of the sum. The optimizer then steps each rank's shards.
+  gradients summed between the stages: whole on each holder stage's first rank (gathered in its
+  stage when sharded), all-reduced between those first ranks, broadcast in each stage; every rank
+  keeps its shard of the sum (the simulator prices the same three collectives). The optimizer then steps each rank's shards.
 
 Only adjacent stages exchange values (a value read two stages later is refused at setup), every
 micro-batch has the plan's micro-batch size, and programs run in fp32; gradient clipping and
@@ -57,6 +61,10 @@ from plait.schedule import build as build_schedule
 from plait.spmd.placement import shard_dim
 from plait.spmd.program_plan import plan_ratios, plan_strategies
 from plait.spmd.stage import shared_params, stage_subgraph
+
+# The buckets of the parameter-gradient all-reduce: `plait.sim.compose_lower.lower_compose`'s
+# `bucket_bytes` default, which the composed family simulates with.
+GRAD_BUCKET_BYTES = 25e6
 
 
 def stage_ranks(plan: Plan) -> list[list[int]]:
@@ -156,20 +164,21 @@ class ComposeWorker:
                                   collective=(spec_s.spmd or {}).get("collectives"))
         self.spans = Spans(self.rec)
         self.runner = RankProgram(program, self.local, self.group, self.spans, seed=seed)
+        self.runner.defer_param_grads = True  # one all-reduce per step, not per micro-batch
         self.leaves = self.runner.load(model)
         self.stepper = SpmdStep(self.leaves, make_optimizer(self.leaves, cfg["optimizer"]))
-        self.tied = self._tied_groups(graph, layers)
+        self._tied_list = self._tied_groups(graph, layers)
 
-    def _tied_groups(self, graph: AtenGraph, layers: list[list[str]]) -> list[tuple[str, Group]]:
-        """(graph tensor, group of every rank of its holder stages) per parameter two stages read;
+    def _tied_groups(self, graph: AtenGraph, layers: list[list[str]]) -> list[tuple[str, Group | None]]:
+        """Per parameter several stages read (tied embeddings) that this rank's stage holds: the graph
+        tensor and the group of the holder stages' first ranks (None on the stage's other ranks);
         every rank creates every group in the same order."""
         out = []
         for t in shared_params(graph, layers):
             holders = [s for s, lays in enumerate(layers) if any(op.layer in lays and t in op.inputs
                                                                   for op in graph.ops)]
-            ranks = sorted(r for s in holders for r in self.ranks[s])
-            g = self.comm.new_groups(f"tied {t}", [ranks])
-            if g is not None:
+            g = self.comm.new_groups(f"tied {t}", [[self.ranks[s][0] for s in holders]])
+            if self.stage in holders:
                 out.append((t, g))
         return out
 
@@ -202,8 +211,11 @@ class ComposeWorker:
             self.comm.p2p([P2P("recv", b, peers[self.local], a.key) for b, _, _ in bufs], a.key, "comm_pp",
                           a.micro_batch, peer=str(a.peer))
         for b, sizes, shape in bufs:
+            # k = receivers: even pieces, one padded all-gather; fewer senders: one broadcast per
+            # piece ("grouped"), the message's bytes once, not padded to every rank
+            mode = "padded" if k == len(sizes) else "grouped"
             whole = b if len(sizes) == 1 else self.group.all_gather_uneven(b, sizes, 0, f"gather {a.key}",
-                                                                           "comm_pp")
+                                                                           "comm_pp", mode=mode)
             out.append(whole.reshape(shape))
         return out
 
@@ -280,20 +292,24 @@ class ComposeWorker:
         return loss_sum
 
     def _reduce_tied(self) -> None:
-        """Sum the gradients of parameters several stages hold (module docstring)."""
+        """Sum the gradients of parameters several stages hold: whole on the stage's first rank
+        (gathered in the stage when sharded), all-reduced between the holder stages' first ranks
+        (the simulator's tied all-reduce), broadcast in the stage; every rank keeps its shard."""
         paths = {t: p for p, t in self.runner.param_paths().items()}
-        for t, group in self.tied:
+        for t, leaders in self._tied_list:
             path = paths.get(t) or self.graph.tensors[t].param
             leaf = self.runner.params[path]
             tensor = self.runner.param_paths()[path]
             q = self.runner.param_placement[path]
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             d = shard_dim(q)
-            whole = g if d is None else self.group.all_gather_uneven(
+            whole = g.clone() if d is None else self.group.all_gather_uneven(
                 g, self.runner.program.sizes[(tensor, d)], d, f"gather tied {t}", "comm_dp")
-            total = whole.clone() if self.local == 0 else torch.zeros_like(whole)
-            group.all_reduce(total, f"tied {t}", "comm_dp")
-            leaf.grad = self.runner.local_slice(total, tensor, q).clone()
+            if leaders is not None:
+                leaders.all_reduce(whole, f"all_reduce tied {t}", "comm_dp")
+            if self.group.size > 1:
+                self.group.broadcast(whole, 0, f"broadcast tied {t}", "comm_dp")
+            leaf.grad = self.runner.local_slice(whole, tensor, q).clone()
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
@@ -322,6 +338,7 @@ class ComposeWorker:
                 self.comm.barrier("step barrier")
             t0 = self.rec.begin_step(step)
             loss = self._step(actions, step, fetch)
+            self.runner.flush_param_grads(GRAD_BUCKET_BYTES)
             self._reduce_tied()
             with self.rec.compute("optimizer", "optimizer"):
                 if schedule is not None:

@@ -162,9 +162,12 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
         peak = syn.memory + (in_flight - 1) * mm.activations_on(ratios)
         for d, b in zip(ids, peak):
             memory[d] = int(b)
+        sub = problem.graph  # values from the previous stage send their gradients back
+        received = tuple(t for t in sub.inputs if t not in aten.inputs
+                         and sub.tensors[t].dtype.startswith(("float", "bfloat")))
         programs.append(StageProgram(problem, syn.program, np.asarray(ratios, dtype=float),
                                      segs.of_op if segs is not None else None,
-                                     segs.of_dim if segs is not None else None, name=f"s{s}"))
+                                     segs.of_dim if segs is not None else None, name=f"s{s}", grad_inputs=received))
         stage_spmd = program_plan(syn.program.strategies, ratios, micro_batch, model=spec.spec,
                                   predicted_s=syn.cost, dtype=dtype).spmd
         specs.append(StageSpec(f"s{s}", lays, list(ids), micro_batch=micro_batch, spmd=stage_spmd))
