@@ -134,3 +134,41 @@ def test_composed_plan_refusals_name_the_field() -> None:
     assert not ok and "stage_edges" in why
     ok, why = supports(dataclasses.replace(plan, zero=1))
     assert not ok and "'zero'" in why
+
+
+@pytest.mark.slow
+def test_one_device_stage_feeding_a_two_device_stage_equals_one_process() -> None:
+    """k = min(1, 2) = 1: the one-device stage sends each boundary value whole to the next stage's
+    first rank, which shares it by a grouped all-gather (one broadcast per piece); the gradient goes
+    back from that rank alone."""
+    import numpy as np
+    from test_compose import TINY_SPLIT, _two_gpu_cluster
+    from test_spmd_program import synthesized_problem
+
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.zoo import load_model
+    from plait.ir.plan import StageSpec
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+    from plait.spmd.cost import Devices
+    from plait.spmd.program_plan import program_plan
+    from plait.spmd.search import Problem, beam_search
+    from plait.spmd.stage import stage_subgraph
+
+    spec = load_model(TINY)
+    inputs, _ = spec.sample_batch(2)
+    aten = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+    first = stage_subgraph(aten, TINY_SPLIT[0])
+    alone = Problem.build(first, Devices.from_cluster(_two_gpu_cluster(per_node=2), "fp32", [0]))
+    one = program_plan(beam_search(alone, [1.0], width=4).strategies, [1.0], 2).spmd
+    two = program_plan(beam_search(synthesized_problem(stage_subgraph(aten, TINY_SPLIT[1])), [0.3, 0.7],
+                                   width=16).strategies, [0.3, 0.7], 2).spmd
+    plan = Plan(pp=2, micro_batch=2, global_batch=8, dtype="fp32", stage_edges=[(0, 1)],
+                stages=[StageSpec("s0", TINY_SPLIT[0], [0], spmd=one), StageSpec("s1", TINY_SPLIT[1], [1, 2], spmd=two)])
+    assert supports(plan) == (True, "") and np.isclose(sum(two["ratios"]), 1.0)
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5)
+    ref_losses, ref_params = reference_run(TINY, plan, STEPS, training=training)
+    result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180),
+                 records=RecordsConfig(return_params=True))
+    assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-5)
+    for name, value in result.params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=name)
