@@ -15,6 +15,9 @@ the one `TaskGraph` that `plait.sim.engine` runs:
   program, with the same dependencies (a forward collective after its producer and before its
   reader, an activation-gradient collective after its reader's backward and before its
   producer's). A rank's tasks are chained in schedule order (one compute stream per GPU);
+* a stage's boundary collectives, which a whole-model program's search leaves out
+  (`boundary_comms`): outputs left sharded are gathered whole, received values' gradients made
+  whole -- what the runtime's per-rank programs run (`plait.runtime.compose_worker`);
 * parameter-gradient collectives are not issued per micro-batch: gradients accumulate, and
   during the stage's last backward they are all-reduced in buckets of `bucket_bytes` as their
   readers' backward ends (DDP's ``no_sync`` then one overlapped reduction), then each rank steps
