@@ -1,5 +1,6 @@
 """Composed plans run (issue 17 item 1): a 2-stage pipeline whose stages each run an SPMD program on
-2 gloo ranks at uneven ratios, by 1F1B over 4 micro-batches, equals one process (fp32).
+2 gloo ranks at uneven ratios, by 1F1B over 4 micro-batches, with the global gradient norm clipped,
+equals one process (fp32).
 
 The plan comes from the composed family's own search (`plait.search`, family "compose") on two
 2-GPU nodes; its stage ratios are set uneven (0.7:0.3 and 0.3:0.7), so the shards, the uneven
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.distributed
 
 TINY = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128,dropout=0,attn_dropout=0"
 STEPS = 2
+CLIP = 0.05  # below every step's gradient norm: the global norm over both stages' shards is clipped
 
 
 RATIOS = ([0.7, 0.3], [0.3, 0.7])
@@ -69,8 +71,11 @@ def test_composed_plan_runs_equal_to_one_process() -> None:
     plan, programs, cluster = _composed()
     assert plan.num_micro_batches == 4 and [len(s.devices) for s in plan.stages] == [2, 2]
     assert supports(plan) == (True, "")
-    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5)
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=CLIP)
     ref_losses, ref_params = reference_run(TINY, plan, STEPS, training=training)
+    unclipped = reference_run(TINY, plan, STEPS, training=dataclasses.replace(training, clip_grad=None))[1]
+    assert not torch.allclose(unclipped["layers.0.mlp.fc1.weight"], ref_params["layers.0.mlp.fc1.weight"],
+                              rtol=0, atol=1e-4)  # the clipping acts
     result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=120),
                  records=RecordsConfig(return_params=True))
     assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-5)
@@ -105,7 +110,7 @@ def _check_simulator_models_the_run(result, plan: Plan, programs: list, cluster)
         ran = Counter()
         for e in result.timeline.events:
             if e.device == first and e.args.get("step") == 1 and e.category.startswith("comm") \
-                    and e.name != "gather parameters":
+                    and e.name not in ("gather parameters", "allreduce grad-norm"):  # neither is priced
                 kind = "spmd" if e.category == "comm_spmd" else "tied" if "tied" in e.name else \
                     "gather" if e.name.startswith("gather") else e.name.split()[0]
                 ran[kind] += 1

@@ -307,9 +307,6 @@ def _check_inputs(model: Any, plan: Any, steps: int, training: TrainingConfig, c
         if (dtype or "fp32") != "fp32" or plan_obj.dtype != "fp32" and dtype is None:
             raise RuntimeSetupError(f"plan field '{field}': an SPMD program runs in fp32, the plan asks for "
                                     f"{dtype or plan_obj.dtype} (give dtype=fp32)")
-    if composed and training.clip_grad is not None:
-        raise RuntimeSetupError("clip_grad: a composed plan (plan field 'stages[].spmd') runs without gradient "
-                                "clipping for now (the norm over every stage's shards is not summed yet)")
     if composed and (checkpoint.every or checkpoint.resume):
         raise RuntimeSetupError("checkpoint: a composed plan (plan field 'stages[].spmd') does not save or resume "
                                 "checkpoints yet (its stage programs' shards have no checkpoint layout)")

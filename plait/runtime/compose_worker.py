@@ -27,9 +27,10 @@ devices, stage-major (`Plan.device_of`). Each rank of stage ``s``:
   stage when sharded), all-reduced between those first ranks, broadcast in each stage; every rank
   keeps its shard of the sum (the simulator prices the same three collectives). The optimizer then steps each rank's shards.
 
-Only adjacent stages exchange values (a value read two stages later is refused at setup), every
-micro-batch has the plan's micro-batch size, and programs run in fp32; gradient clipping and
-checkpoints of composed runs are refused by `plait.runtime.api` before any work.
+With `clip_grad` the optimizer step clips the global gradient norm over every stage's shards (each
+logical parameter once, `_clipper`). Only adjacent stages exchange values (a value read two stages
+later is refused at setup), every micro-batch has the plan's micro-batch size, and programs run in
+fp32; checkpoints of composed runs are refused by `plait.runtime.api` before any work.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ import torch
 from plait.graph.aten_capture import capture_aten
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import Plan
+from plait.runtime.clip import GradClipper
 from plait.runtime.comm import FAULTS_ENV, P2P, Comm, CommLog, Group, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, make_samples
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
-from plait.runtime.spmd_state import SpmdStep
+from plait.runtime.spmd_state import SpmdStep, clip_weights
 from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
 from plait.spmd.placement import shard_dim
@@ -134,7 +136,7 @@ class ComposeWorker:
             if cfg.get("comm_records", True) else None
         faults = parse_link_faults(os.environ.get(FAULTS_ENV) or cfg.get("comm_faults"))
         self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults)
-        self.comm.init_process_group(cfg["backend"], timeout_s=float(cfg["collective_timeout"]))
+        self.world_group = self.comm.init_process_group(cfg["backend"], timeout_s=float(cfg["collective_timeout"]))
         group = self.comm.new_groups("stage", self.ranks)
         assert group is not None
         self.group: Group = group
@@ -168,6 +170,21 @@ class ComposeWorker:
         self.leaves = self.runner.load(model)
         self.stepper = SpmdStep(self.leaves, make_optimizer(self.leaves, cfg["optimizer"]))
         self._tied_list = self._tied_groups(graph, layers)
+        if cfg.get("clip_grad"):
+            self.stepper.clip = self._clipper(float(cfg["clip_grad"]), graph, layers)
+
+    def _clipper(self, max_norm: float, graph: AtenGraph, layers: list[list[str]]) -> GradClipper:
+        """The global gradient norm over every stage's shards, each logical parameter once: in its
+        stage a shard weighs 1 and a leaf every rank holds whole 1/ranks (`spmd_state.clip_weights`),
+        and a tied parameter (summed, the same in each holder stage) 1/holders more; one all-reduce
+        over every rank (`GradClipper`)."""
+        weights = clip_weights(self.runner, len(self.ranks[self.stage]))
+        holders = {t: sum(any(op.layer in lays and t in op.inputs for op in graph.ops) for lays in layers)
+                   for t in shared_params(graph, layers)}
+        tensors = self.runner.param_paths()
+        for path, leaf in self.runner.params.items():
+            weights[id(leaf)] /= holders.get(tensors[path], 1)
+        return GradClipper(max_norm, weights, group=self.world_group)
 
     def _tied_groups(self, graph: AtenGraph, layers: list[list[str]]) -> list[tuple[str, Group | None]]:
         """Per parameter several stages read (tied embeddings) that this rank's stage holds: the graph
