@@ -10,6 +10,7 @@ exercised. The tiny GPT ties its embedding to its head across the two stages."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ CLIP = 0.05  # below every step's gradient norm: the global norm over both stage
 RATIOS = ([0.7, 0.3], [0.3, 0.7])
 
 
+@functools.cache
 def _composed() -> tuple[Plan, list, object]:
     """The composed family's plan on two 2-GPU nodes (its layer split and stage groups), with stage
     programs that shard at uneven ratios: plait.spmd's beam search on devices a million times slower
@@ -132,13 +134,20 @@ def _check_simulator_models_the_run(result, plan: Plan, programs: list, cluster)
         assert ran == predicted, (s, ran, predicted)
 
 
-def test_composed_plan_refusals_name_the_field() -> None:
+def test_composed_plan_refusals_name_the_field(tmp_path) -> None:
     plan = _composed_plan()
     graph = dataclasses.replace(plan, stage_edges=[])
     ok, why = supports(graph)
     assert not ok and "stage_edges" in why
     ok, why = supports(dataclasses.replace(plan, zero=1))
     assert not ok and "'zero'" in why
+    from plait.runtime.api import CheckpointConfig, run
+    from plait.runtime.partition import RuntimeSetupError
+
+    with pytest.raises(RuntimeSetupError, match="checkpoint: a composed plan"):  # before any work
+        run(TINY, None, plan, steps=2, checkpoint=CheckpointConfig(dir=str(tmp_path), every=1))
+    with pytest.raises(RuntimeSetupError, match=r"stages\[\]\.spmd.*fp32"):
+        run(TINY, None, dataclasses.replace(plan, dtype="bf16"), steps=2)
 
 
 @pytest.mark.slow
