@@ -302,6 +302,7 @@ class RankProgram:
         self._fwd: dict[tuple[str, str], torch.Tensor] = {}
         self._read_cache: dict[tuple[str, str, bool], torch.Tensor] = {}
         self._left = dict(self._reads)
+        self._op = 0
         for name, x in zip(graph.inputs, tensors):
             self._values[name] = (x, REPLICATED)
         for t, (v, q) in self._given.items():
