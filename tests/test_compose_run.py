@@ -1,6 +1,6 @@
 """Composed plans run (issue 17 item 1): a 2-stage pipeline whose stages each run an SPMD program on
-2 gloo ranks at uneven ratios, by 1F1B over 4 micro-batches, with the global gradient norm clipped,
-equals one process (fp32).
+2 gloo ranks at uneven ratios, by 1F1B over 2 micro-batches, with the global gradient norm clipped,
+equals one process (fp32); the last stage computes the loss on its batch shards of the logits.
 
 The plan comes from the composed family's own search (`plait.search`, family "compose") on two
 2-GPU nodes; its stage ratios are set uneven (0.7:0.3 and 0.3:0.7), so the shards, the uneven
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 
 TINY = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128,dropout=0,attn_dropout=0"
 STEPS = 2
+MICRO_BATCH = 8  # the last stage's program then shards the logits on the batch: the loss per shard
 CLIP = 0.05  # below every step's gradient norm: the global norm over both stages' shards is clipped
 
 
@@ -50,6 +51,7 @@ def _composed() -> tuple[Plan, list, object]:
 
     cluster = _two_gpu_cluster(per_node=2)
     best = plan(TINY, cluster, global_batch=8, top=1, families="compose").best.plan
+    best = dataclasses.replace(best, micro_batch=MICRO_BATCH, global_batch=2 * MICRO_BATCH)
     spec = load_model(TINY)
     inputs, _ = spec.sample_batch(best.micro_batch)
     aten = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
@@ -57,7 +59,8 @@ def _composed() -> tuple[Plan, list, object]:
     for st, ratios in zip(best.stages, RATIOS):
         sub = stage_subgraph(aten, st.layers)
         program = beam_search(synthesized_problem(sub), ratios, width=16)
-        stages.append(dataclasses.replace(st, spmd=program_plan(program.strategies, ratios, best.micro_batch).spmd))
+        stages.append(dataclasses.replace(st, micro_batch=MICRO_BATCH,
+                                          spmd=program_plan(program.strategies, ratios, MICRO_BATCH).spmd))
         problem = Problem.build(sub, Devices.from_cluster(cluster, "fp32", st.devices))
         programs.append(StageProgram(problem, program, np.asarray(ratios)))
     return dataclasses.replace(best, stages=stages, dtype="fp32"), programs, cluster
@@ -69,9 +72,12 @@ def _composed_plan() -> Plan:
 
 def test_composed_plan_runs_equal_to_one_process() -> None:
     from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+    from plait.spmd.stage import batch_loss_output
 
     plan, programs, cluster = _composed()
-    assert plan.num_micro_batches == 4 and [len(s.devices) for s in plan.stages] == [2, 2]
+    assert plan.num_micro_batches == 2 and [len(s.devices) for s in plan.stages] == [2, 2]
+    last = programs[-1]
+    assert batch_loss_output(last.problem.graph, last.program.strategies) == "linear_8"  # no logits gather
     assert supports(plan) == (True, "")
     training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=CLIP)
     ref_losses, ref_params = reference_run(TINY, plan, STEPS, training=training)
@@ -112,7 +118,7 @@ def _check_simulator_models_the_run(result, plan: Plan, programs: list, cluster)
         ran = Counter()
         for e in result.timeline.events:
             if e.device == first and e.args.get("step") == 1 and e.category.startswith("comm") \
-                    and e.name not in ("gather parameters", "allreduce grad-norm"):  # neither is priced
+                    and e.name not in ("gather parameters", "allreduce grad-norm", "allreduce loss"):  # not priced
                 kind = "spmd" if e.category == "comm_spmd" else "tied" if "tied" in e.name else \
                     "gather" if e.name.startswith("gather") else e.name.split()[0]
                 ran[kind] += 1

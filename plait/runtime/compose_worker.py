@@ -62,7 +62,7 @@ from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
 from plait.spmd.placement import shard_dim
 from plait.spmd.program_plan import plan_ratios, plan_strategies
-from plait.spmd.stage import shared_params, stage_subgraph
+from plait.spmd.stage import batch_loss_output, shared_params, stage_subgraph
 
 # The buckets of the parameter-gradient all-reduce: `plait.sim.compose_lower.lower_compose`'s
 # `bucket_bytes` default, which the composed family simulates with.
@@ -170,8 +170,16 @@ class ComposeWorker:
         self.leaves = self.runner.load(model)
         self.stepper = SpmdStep(self.leaves, make_optimizer(self.leaves, cfg["optimizer"]))
         self._tied_list = self._tied_groups(graph, layers)
+        self.batch_loss = self._batch_loss() if self.stage == len(self.ranks) - 1 else None
         if cfg.get("clip_grad"):
             self.stepper.clip = self._clipper(float(cfg["clip_grad"]), graph, layers)
+
+    def _batch_loss(self) -> str | None:
+        """The model output the last stage keeps in its batch shards (the loss per shard, weighted
+        by its rows, as the pipeline weighs micro-batches: n_j / B) instead of gathering it whole:
+        the one output, when the program leaves it sharded on dimension 0, the batch
+        (`plait.sim.compose_lower.batch_loss_output` says the same to the simulator)."""
+        return batch_loss_output(self.sub, self.runner.program.strategies)
 
     def _clipper(self, max_norm: float, graph: AtenGraph, layers: list[list[str]]) -> GradClipper:
         """The global gradient norm over every stage's shards, each logical parameter once: in its
@@ -273,9 +281,18 @@ class ComposeWorker:
                     by_name.update(received)
                 self.runner.step = step * m + i
                 self.spans.begin(a.key)
-                outs = self.runner.forward([by_name[t] for t in self.sub.inputs])
+                keep = frozenset([self.batch_loss]) if self.batch_loss else frozenset()
+                outs = self.runner.forward([by_name[t] for t in self.sub.inputs], keep)
                 loss = None
-                if self.stage == last:
+                if self.stage == last and self.batch_loss:  # this rank's rows of the micro-batch
+                    if target.shape[0] != self.plan.micro_batch:
+                        raise RuntimeSetupError(f"composed plan: the target's dimension 0 has {target.shape[0]} "
+                                                f"rows, not the micro-batch's {self.plan.micro_batch}; the loss "
+                                                "is computed on the output's batch shards")
+                    first, rows = self.runner.rows(self.batch_loss, 0)
+                    loss = self.spec.loss(outs[0], target.narrow(0, first, rows)) * (rows / self.plan.global_batch)
+                    loss_sum += loss.detach()
+                elif self.stage == last:
                     loss = self.spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target) \
                         * (self.plan.micro_batch / self.plan.global_batch)
                     loss_sum += loss.detach()
@@ -306,6 +323,8 @@ class ComposeWorker:
                 raise RuntimeSetupError(f"composed plan: action {a.op!r} is not one a chain schedule has")
         self.comm.wait(self.pending)
         assert not saved, "every forward has its backward"
+        if self.stage == last and self.batch_loss and self.group.size > 1:  # the shards' losses summed
+            self.group.all_reduce(loss_sum, "allreduce loss", "comm_pp")
         return loss_sum
 
     def _reduce_tied(self) -> None:

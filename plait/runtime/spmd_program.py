@@ -292,8 +292,9 @@ class RankProgram:
         return dict(self._leaf_tensor)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
-        """Run the program on this rank; the model's outputs, whole (replicated) on every rank."""
+    def forward(self, inputs: Sequence[Any], keep_shards: frozenset[str] = frozenset()) -> list[torch.Tensor]:
+        """Run the program on this rank; the model's outputs, whole (replicated) on every rank --
+        but those named in `keep_shards` stay this rank's shard (a loss computed per batch shard)."""
         graph = self.graph
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         if len(tensors) != len(graph.inputs):
@@ -340,7 +341,8 @@ class RankProgram:
         outs = []
         for t in graph.outputs:
             v, p = self._values[t]
-            outs.append(self._convert(v, p, REPLICATED, t, sharded=False) if p != REPLICATED else v)
+            keep = p == REPLICATED or t in keep_shards and shard_dim(p) is not None
+            outs.append(v if keep else self._convert(v, p, REPLICATED, t, sharded=False))
         self._values, self._fwd, self._read_cache = {}, {}, {}
         return outs
 

@@ -61,6 +61,7 @@ from plait.sim.spmd_lower import (
 from plait.sim.topology import ClusterView
 from plait.spmd.placement import PARTIAL, Comm, shard_dim
 from plait.spmd.search import Problem, Program
+from plait.spmd.stage import batch_loss_output
 
 
 @dataclass
@@ -116,15 +117,16 @@ class _Stage:
         return self.prog.ids
 
 
-def boundary_comms(prog: StageProgram, index: int) -> list[tuple[str, Comm]]:
+def boundary_comms(prog: StageProgram, index: int, loss: bool = False) -> list[tuple[str, Comm]]:
     """The collectives a stage's program adds at its boundary, which a whole-model program's search
     does not count (`plait.spmd.search.step`: only partial outputs are reduced, inputs need no
     gradient): each output the program leaves sharded is gathered whole after its producer (what
     the next stage or the loss reads), and each value received from the previous stage -- an input
     of a later stage that is floating (`StageProgram.grad_inputs`) -- has its gradient made whole
     once per kind of reader (placement, sharded compute), after the first such reader's backward:
-    what `plait.runtime.spmd_program.RankProgram` runs. (op name, collective) pairs, as
-    `Program.comms`."""
+    what `plait.runtime.spmd_program.RankProgram` runs. The `loss` stage computes the loss on the
+    batch shards of an output sharded on the batch (`plait.spmd.stage.batch_loss_output`): that
+    output is not gathered. (op name, collective) pairs, as `Program.comms`."""
     from plait.spmd.placement import REPLICATED, conversion, grad_placement
 
     graph, strategies = prog.problem.graph, prog.program.strategies
@@ -133,7 +135,10 @@ def boundary_comms(prog: StageProgram, index: int) -> list[tuple[str, Comm]]:
     for op in graph.ops:
         for t, p in zip(op.outputs, strategies[op.name].outputs):
             placed[t] = (op.name, p)
+    by_shard = batch_loss_output(graph, strategies) if loss else None  # the loss on batch shards: no gather
     for t in graph.outputs:
+        if t == by_shard:
+            continue
         name, p = placed[t]
         if shard_dim(p) is not None:
             out += [(name, c) for c in conversion(p, REPLICATED, t, graph.tensors[t].nbytes, "fwd") or ()]
@@ -155,7 +160,7 @@ def boundary_comms(prog: StageProgram, index: int) -> list[tuple[str, Comm]]:
             for n, c in out]
 
 
-def _stage(index: int, prog: StageProgram, model: ComputeModel | None) -> _Stage:
+def _stage(index: int, prog: StageProgram, model: ComputeModel | None, loss: bool = False) -> _Stage:
     problem, program = prog.problem, prog.program
     graph = problem.graph
     missing = [op.name for op in graph.ops if op.name not in program.strategies]
@@ -167,7 +172,7 @@ def _stage(index: int, prog: StageProgram, model: ComputeModel | None) -> _Stage
     producer = {t: index_of[m.producer] for t, m in graph.tensors.items() if m.producer in index_of}
     fwd_comms: dict[int, list[tuple[Comm, int | None]]] = defaultdict(list)
     act, par = [], []
-    for name, c in [*program.comms, *boundary_comms(prog, index)]:
+    for name, c in [*program.comms, *boundary_comms(prog, index, loss)]:
         k = index_of[name]
         if c.phase == "fwd":
             fwd_comms[k].append((c, producer.get(c.tensor)))
@@ -183,10 +188,10 @@ def _stage(index: int, prog: StageProgram, model: ComputeModel | None) -> _Stage
 
 class _Lowering:
     def __init__(self, stages: list[StageProgram], view: ClusterView, model: ComputeModel | None,
-                 bucket_bytes: float | None) -> None:
+                 bucket_bytes: float | None, sinks: set[int] | None = None) -> None:
         self.view, self.model, self.bucket_bytes = view, model, bucket_bytes
         self.tg = TaskGraph()
-        self.st = [_stage(s, p, model) for s, p in enumerate(stages)]
+        self.st = [_stage(s, p, model, loss=s in (sinks or ())) for s, p in enumerate(stages)]
         self.host_comm_s = model.host_comm_s if model is not None else 0.0
 
     # ------------------------------------------------------------ one stage's compute
@@ -353,9 +358,9 @@ def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
     `bytes_per_sample[(a, b)]`: what crosses edge a -> b per sample, in the plan's dtype.
     `tied`: (stage a, stage b, gradient bytes) of parameters both stages hold.
     `model`: the compute model's fixed costs (None: the work alone, for hand-computed checks)."""
-    low = _Lowering(stages, view, model, bucket_bytes)
-    sched = _pipeline(len(stages), edges, micro_batches, micro_batch, schedule)
     sinks = {s for s in range(len(stages))} - {a for a, _ in edges}
+    low = _Lowering(stages, view, model, bucket_bytes, sinks)
+    sched = _pipeline(len(stages), edges, micro_batches, micro_batch, schedule)
     sent: dict[tuple, int] = {}
     inbox: dict[int, list[int]] = defaultdict(list)
     pos = [0] * len(stages)
