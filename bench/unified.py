@@ -11,8 +11,7 @@ the best predicted iteration time (or why the family proposed nothing), the unif
 its family, the gain of the pick over the best single family (the families that are not
 compositions: 3d, graph, spmd; the "compose" family -- SPMD programs inside pipeline stages --
 is where a gain comes from), the same gain counting only plans the runtime runs
-(`Candidate.unsupported` empty: composed plans are simulated, not yet run, so this gain is 1.00
-until the executor runs them), the search time of each family and of the whole search, and the
+(`Candidate.unsupported` empty; composed plans run, `plait.runtime.compose_worker`), the search time of each family and of the whole search, and the
 pick's memory margin (the least free memory over its GPUs).
 
 On the small cases (<= 16 GPUs, <= 24 layers) the bench also runs each family exhaustively

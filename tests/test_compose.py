@@ -48,11 +48,17 @@ def test_bad_stage_program_is_refused_naming_the_field(change, message):
     assert message in str(info.value)
 
 
-def test_runtime_refuses_a_stage_program_with_the_reason():
+def test_runtime_refuses_a_composed_plan_it_cannot_run_with_the_reason():
     from plait.runtime import supports
 
-    ok, why = supports(_plan())
-    assert not ok and "stages[0].spmd" in why and "does not yet run" in why
+    ok, why = supports(_plan())  # stage 1 is a plain stage
+    assert not ok and "stages[1].spmd" in why and "has no SPMD program" in why
+    one = {"name": "s1", "layers": ["l1"], "devices": [2], "spmd": {**PROGRAM, "ratios": [1.0]}}
+    plan = Plan(pp=2, micro_batch=2, global_batch=8, stages=[_plan().stages[0], StageSpec(**one)],
+                stage_edges=[(0, 1)])
+    assert supports(plan) == (True, "")
+    ok, why = supports(Plan.from_dict({**plan.to_dict(), "schedule": "interleaved"}))
+    assert not ok and "'schedule'" in why
 
 
 # ---------------------------------------------------------------- simulation (hand-computed)
@@ -150,7 +156,7 @@ def test_stage_program_compute_is_its_ratio_of_the_work_per_micro_batch():
 
 
 # ---------------------------------------------------------------- the family in the driver
-def test_driver_plans_composed_pipelines_and_marks_them_not_runnable():
+def test_driver_plans_composed_pipelines_the_runtime_runs():
     from plait.search import FAMILIES, plan
 
     assert "compose" in FAMILIES
@@ -161,7 +167,7 @@ def test_driver_plans_composed_pipelines_and_marks_them_not_runnable():
     assert all(st.spmd is not None and len(st.devices) == 2 for st in best.plan.stages)
     assert sorted(d for st in best.plan.stages for d in st.devices) == [0, 1, 2, 3]
     assert best.iteration_time_s and best.iteration_time_s > 0 and best.peak_bytes
-    assert "stages[0].spmd" in best.unsupported  # the runtime says why it does not run it
+    assert best.unsupported == ""  # the runtime runs it (plait.runtime.compose_worker)
     again = type(best.plan).from_json(best.plan.to_json())
     assert again.stages[0].spmd == best.plan.stages[0].spmd
 
@@ -173,8 +179,8 @@ def test_compose_declines_with_a_reason():
 
     with pytest.raises(PlaitError, match="compose: .*one node of one GPU kind"):
         plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="compose")
-    with pytest.raises(PlaitError, match="compose: the runtime does not yet run"):
-        plan(TINY, _two_gpu_cluster(), global_batch=8, families="compose", runnable=True)
+    runs = plan(TINY, _two_gpu_cluster(per_node=2), global_batch=8, families="compose", runnable=True)
+    assert runs.best.plan.dtype == "fp32" and runs.best.unsupported == ""  # the runtime's dtype
     res = plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="3d,compose", finalists=2)
     assert "one node of one GPU kind" in res.families["compose"]
 

@@ -104,10 +104,18 @@ def synthesized(graph):
     """The program plait.spmd's search picks at 0.7:0.3 on a mixed pair whose compute is slow
     (a million times slower than the datasheet: the tiny models' ops then outweigh the link's
     latency and the search shards them)."""
-    from plait.cluster.loader import parse_cluster
     from plait.runtime.spmd_program import compile_program
+    from plait.spmd.search import beam_search
+
+    program = beam_search(synthesized_problem(graph), RATIOS, width=16)
+    return compile_program(graph, program.strategies, RATIOS, 2)
+
+
+def synthesized_problem(graph):
+    """`graph` on that slow mixed pair (a search Problem)."""
+    from plait.cluster.loader import parse_cluster
     from plait.spmd.cost import Devices
-    from plait.spmd.search import Problem, beam_search
+    from plait.spmd.search import Problem
 
     cluster = parse_cluster({"name": "pair", "nodes": [{"name": "n", "gpus": [
         {"kind": "v100-16gb", "count": 1}, {"kind": "p100-16gb", "count": 1}],
@@ -115,9 +123,7 @@ def synthesized(graph):
     devices = Devices.from_cluster(cluster)
     devices = dataclasses.replace(devices, flops=devices.flops * 1e-6, mem_bw=devices.mem_bw * 1e-6,
                                   kinds=())  # op work from these figures (op_work), not the kinds
-    problem = Problem.build(graph, devices)
-    program = beam_search(problem, RATIOS, width=16)
-    return compile_program(graph, program.strategies, RATIOS, 2)
+    return Problem.build(graph, devices)
 
 
 # ----------------------------------------------------------------------------- two gloo ranks

@@ -96,11 +96,12 @@ def pipeline_layout(plan: Plan) -> PipelineLayout:
 
 
 def _stage_ranks(plan: Plan) -> tuple[tuple[int, ...], ...]:
-    """A graph plan's ranks per stage: its replicas', stage-major."""
+    """A graph plan's ranks per stage, stage-major: one per device (a replica each, or the ranks
+    of the stage's SPMD program in a composed plan, `plait.runtime.compose_worker`)."""
     ranks, first = [], 0
     for spec in plan.stages:
-        ranks.append(tuple(range(first, first + spec.dp)))
-        first += spec.dp
+        ranks.append(tuple(range(first, first + len(spec.devices))))
+        first += len(spec.devices)
     return tuple(ranks)
 
 
@@ -210,12 +211,10 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
 def supports(plan: Any) -> tuple[bool, str]:
     """(True, "") when the runtime can run `plan`, else (False, the reason naming the field)."""
     plan = Plan.load(plan)
+    if any(spec.spmd is not None for spec in plan.stages):
+        return _supports_composed(plan)
     if plan.stages:
         for i, spec in enumerate(plan.stages):
-            if spec.spmd is not None:
-                return False, (f"plan field 'stages[{i}].spmd': the runtime does not yet run a pipeline stage as an "
-                               f"SPMD program (stage {spec.name!r} on {len(spec.devices)} devices); such composed "
-                               "plans are planned and simulated only")
             if spec.tp != 1:
                 # Tensor parallelism inside a graph stage would need per-stage tensor groups and the
                 # executor's sends per tensor rank; the graph planners give tp=1 stages.
@@ -252,6 +251,37 @@ def supports(plan: Any) -> tuple[bool, str]:
         # The ranks keep fp32 parameters under autocast, so their gradients are fp32 and are reduced so.
         return False, (f"plan field 'grad_reduce_dtype': the runtime reduces gradients in fp32 (its master "
                        f"dtype), not {plan.grad_reduce_dtype}")
+    return True, ""
+
+
+def _supports_composed(plan: Plan) -> tuple[bool, str]:
+    """What `plait.runtime.compose_worker` runs: a chain of stages, each an SPMD program on its
+    own devices, every micro-batch of the plan's size, without ZeRO (in fp32: `api.run` asks for
+    dtype=fp32 as for a whole-model program)."""
+    for i, spec in enumerate(plan.stages):
+        if spec.spmd is None:
+            return False, (f"plan field 'stages[{i}].spmd': stage {spec.name!r} has no SPMD program; a composed "
+                           "plan runs every stage as one (give it a one-device program)")
+        if spec.micro_batch not in (None, plan.micro_batch):
+            return False, (f"plan field 'stages[{i}].micro_batch': a composed plan's stages run the plan's "
+                           f"micro-batch ({plan.micro_batch}), stage {spec.name!r} asks for {spec.micro_batch}")
+    devices = [d for spec in plan.stages for d in spec.devices]
+    if len(set(devices)) != len(devices):
+        return False, "plan field 'stages': two stages share a device; the runtime runs one stage per rank"
+    n = len(plan.stages)
+    if sorted(tuple(e) for e in plan.stage_edges) != [(s, s + 1) for s in range(n - 1)]:
+        return False, (f"plan field 'stage_edges': a composed plan runs a chain of stages (0 -> 1 -> ... -> "
+                       f"{n - 1}), the plan has {list(plan.stage_edges)}")
+    if plan.schedule not in ("1f1b", "gpipe"):
+        return False, f"plan field 'schedule': a composed plan runs '1f1b' or 'gpipe', not {plan.schedule!r}"
+    if plan.global_batch % plan.micro_batch:
+        return False, (f"plan field 'micro_batch': {plan.micro_batch} does not divide global_batch "
+                       f"{plan.global_batch} (a composed plan's micro-batches are all of one size)")
+    if plan.zero:
+        return False, f"plan field 'zero': a composed plan's stage programs hold their own shards (zero=0), not {plan.zero}"
+    if plan.grad_reduce_dtype not in (None, "fp32"):
+        return False, (f"plan field 'grad_reduce_dtype': a composed plan's SPMD programs reduce gradients in "
+                       f"fp32, not {plan.grad_reduce_dtype}")
     return True, ""
 
 

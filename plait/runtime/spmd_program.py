@@ -227,6 +227,13 @@ class RankProgram:
         self.param_placement: dict[str, str] = {}  # path -> placement of the leaf
         self._given: dict[str, tuple[torch.Tensor, str]] = {}  # graph param/buffer tensor -> (local value, origin)
         self._tied: dict[str, tuple[nn.Parameter, str]] = {}  # graph param tensor of a tied group -> (whole leaf, want)
+        # Gradient accumulation over micro-batches (a pipeline stage, `compose_worker`): with
+        # `defer_param_grads` a parameter's partial-sum gradient (P -> R, its data-parallel all-reduce)
+        # is summed locally per micro-batch and all-reduced once per step by `flush_param_grads`
+        # (DDP's no_sync; exact, the all-reduce is linear) -- as `plait.sim.compose_lower` prices it.
+        self.defer_param_grads = False
+        self._deferred: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # (reader op, tensor) -> (leaf, sum)
+        self._op = 0
 
     # ------------------------------------------------------------------ shards
     def rows(self, tensor: str, dim: int) -> tuple[int, int]:
@@ -285,8 +292,9 @@ class RankProgram:
         return dict(self._leaf_tensor)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
-        """Run the program on this rank; the model's outputs, whole (replicated) on every rank."""
+    def forward(self, inputs: Sequence[Any], keep_shards: frozenset[str] = frozenset()) -> list[torch.Tensor]:
+        """Run the program on this rank; the model's outputs, whole (replicated) on every rank --
+        but those named in `keep_shards` stay this rank's shard (a loss computed per batch shard)."""
         graph = self.graph
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         if len(tensors) != len(graph.inputs):
@@ -295,6 +303,7 @@ class RankProgram:
         self._fwd: dict[tuple[str, str], torch.Tensor] = {}
         self._read_cache: dict[tuple[str, str, bool], torch.Tensor] = {}
         self._left = dict(self._reads)
+        self._op = 0
         for name, x in zip(graph.inputs, tensors):
             self._values[name] = (x, REPLICATED)
         for t, (v, q) in self._given.items():
@@ -302,6 +311,7 @@ class RankProgram:
         for t, (leaf, want) in self._tied.items():
             self._values[t] = (self._convert(leaf, REPLICATED, want, t, sharded=False), want)
         for k, op in enumerate(graph.ops):
+            self._op = k
             s = self.program.strategies[op.name]
             missing = [t for t in op.inputs if t not in self._values]
             if missing:
@@ -331,9 +341,39 @@ class RankProgram:
         outs = []
         for t in graph.outputs:
             v, p = self._values[t]
-            outs.append(self._convert(v, p, REPLICATED, t, sharded=False) if p != REPLICATED else v)
+            keep = p == REPLICATED or t in keep_shards and shard_dim(p) is not None
+            outs.append(v if keep else self._convert(v, p, REPLICATED, t, sharded=False))
         self._values, self._fwd, self._read_cache = {}, {}, {}
         return outs
+
+    def flush_param_grads(self, bucket_bytes: float | None) -> None:
+        """All-reduce the deferred parameter gradients (`defer_param_grads`) into their leaves, in
+        buckets of `bucket_bytes` (None: one) taken in reverse op order (the order backward makes
+        them, as the simulator's buckets); every rank of the group runs the same buckets."""
+        if not self._deferred:
+            return
+        order = sorted(self._deferred, key=lambda kt: (-kt[0], kt[1]))
+        bucket: list[tuple[int, str]] = []
+        for n, key in enumerate(order):
+            bucket.append(key)
+            size = sum(self._deferred[k][1].numel() * self._deferred[k][1].element_size() for k in bucket)
+            if n == len(order) - 1 or bucket_bytes is not None and size >= bucket_bytes:
+                self._reduce_bucket(bucket)
+                bucket = []
+        self._deferred = {}
+
+    def _reduce_bucket(self, keys: list[tuple[int, str]]) -> None:
+        flat = torch.cat([self._deferred[k][1].reshape(-1) for k in keys])
+        name = f"bwd bucket of {len(keys)} gradients P->R"
+        self.moves["bwd P->R"] = self.moves.get("bwd P->R", 0) + 1
+        with self.spans.collective():
+            self.group.all_reduce(flat, name, "comm_spmd")
+        first = 0
+        for k in keys:
+            leaf, total = self._deferred[k]
+            g = flat[first:first + total.numel()].view_as(total)
+            first += total.numel()
+            leaf.grad = g.clone() if leaf.grad is None else leaf.grad + g
 
     def _forget(self, t: str) -> None:
         self._values.pop(t, None)
@@ -372,8 +412,18 @@ class RankProgram:
         g_from, g_to = grad_placement(q, sharded), grad_home(origin)
         if q == origin and g_from == g_to:
             return value
-        out = _Convert.apply(value, done, lambda x: self._move(x, origin, q, t, "fwd"),
-                             lambda g: self._move(g, g_from, g_to, t, "bwd"))
+        def bwd(g: torch.Tensor) -> torch.Tensor:
+            return self._move(g, g_from, g_to, t, "bwd")
+
+        if self.defer_param_grads and (g_from, g_to) == (PARTIAL, REPLICATED) and self.graph.tensors[t].role == "param":
+            key = (self._op, t)
+
+            def bwd(g: torch.Tensor) -> torch.Tensor:  # noqa: F811 -- the deferred variant
+                leaf, total = self._deferred.get(key, (value, None))
+                self._deferred[key] = (leaf, g.clone() if total is None else total + g)
+                return torch.zeros_like(value)
+
+        out = _Convert.apply(value, done, lambda x: self._move(x, origin, q, t, "fwd"), bwd)
         if done is None:
             self._fwd[(t, q)] = out.detach()
         return out

@@ -774,7 +774,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     worker: Any
-    if cfg["plan"].get("spmd") is not None:  # an op-level SPMD program (plait.runtime.spmd_worker)
+    if any(st.get("spmd") for st in cfg["plan"].get("stages") or []):  # plait.runtime.compose_worker
+        from plait.runtime.compose_worker import ComposeWorker
+
+        worker = ComposeWorker(cfg, rank, hb)
+    elif cfg["plan"].get("spmd") is not None:  # an op-level SPMD program (plait.runtime.spmd_worker)
         from plait.runtime.spmd_worker import SpmdWorker
 
         worker = SpmdWorker(cfg, rank, hb)

@@ -25,8 +25,10 @@ micro-batch that gives ``2 pp`` micro-batches:
    forward and backward are the programs' lowered ops), with the pipeline's message bytes from
    the one stage graph (`plait.ir.stage_graph`).
 
-The runtime does not run such plans yet (`plait.runtime.supports` says why): the family's
-candidates carry that reason (`Candidate.unsupported`), and `runnable=True` declines.
+The runtime runs such plans (`plait.runtime.compose_worker`: each stage's program on its own
+process group, 1F1B between the stages, the messages as the simulator prices them); a plan it
+cannot run carries `plait.runtime.supports`' reason (`Candidate.unsupported`), and
+`runnable=True` plans in fp32, the dtype the runtime runs SPMD programs in.
 """
 
 from __future__ import annotations
@@ -160,9 +162,12 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
         peak = syn.memory + (in_flight - 1) * mm.activations_on(ratios)
         for d, b in zip(ids, peak):
             memory[d] = int(b)
+        sub = problem.graph  # values from the previous stage send their gradients back
+        received = tuple(t for t in sub.inputs if t not in aten.inputs
+                         and sub.tensors[t].dtype.startswith(("float", "bfloat")))
         programs.append(StageProgram(problem, syn.program, np.asarray(ratios, dtype=float),
                                      segs.of_op if segs is not None else None,
-                                     segs.of_dim if segs is not None else None, name=f"s{s}"))
+                                     segs.of_dim if segs is not None else None, name=f"s{s}", grad_inputs=received))
         stage_spmd = program_plan(syn.program.strategies, ratios, micro_batch, model=spec.spec,
                                   predicted_s=syn.cost, dtype=dtype).spmd
         specs.append(StageSpec(f"s{s}", lays, list(ids), micro_batch=micro_batch, spmd=stage_spmd))
@@ -204,9 +209,6 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
 
     t0 = time.perf_counter()
     n = cluster.num_devices
-    if runnable:
-        raise SearchError("compose: the runtime does not yet run a pipeline stage as an SPMD program "
-                          "(plans of this family are planned and simulated only)")
     if n > max_devices:
         raise SearchError(f"compose: {n} devices; the composed family synthesizes stage programs on clusters of "
                           f"up to {max_devices} GPUs (max_devices)")
@@ -217,7 +219,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
         raise SearchError(f"compose: cluster {cluster.name!r} is one node of one GPU kind; a composed pipeline "
                           "needs two nodes (or two GPU kinds in a node) to put its stages on")
     gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
-    dtype = dtype or auto_dtype(cluster)
+    dtype = "fp32" if runnable else (dtype or auto_dtype(cluster))
     spec = load_model(DEFAULT_MODEL if model is None else model)
     _, opgraph = load_graph(spec.spec, dtype)
     import torch

@@ -85,8 +85,8 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
 
 register_family("graph", _search_graph, ("runnable", "chains", "max_dp", "candidates", "memory_kwargs", "dtype", "fast"))
 register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "runnable"))
-# SPMD programs inside the stages of a pipeline (plait.search.compose_family); planned and simulated,
-# not yet run: its candidates carry the runtime's reason (`Candidate.unsupported`)
+# SPMD programs inside the stages of a pipeline (plait.search.compose_family), run by
+# plait.runtime.compose_worker; a candidate the runtime refuses carries its reason (`Candidate.unsupported`)
 register_family("compose", search_compose, ("dtype", "max_states", "max_devices", "max_stages", "candidates",
                                              "runnable"))
 

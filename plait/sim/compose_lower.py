@@ -15,12 +15,17 @@ the one `TaskGraph` that `plait.sim.engine` runs:
   program, with the same dependencies (a forward collective after its producer and before its
   reader, an activation-gradient collective after its reader's backward and before its
   producer's). A rank's tasks are chained in schedule order (one compute stream per GPU);
+* a stage's boundary collectives, which a whole-model program's search leaves out
+  (`boundary_comms`): outputs left sharded are gathered whole, received values' gradients made
+  whole -- what the runtime's per-rank programs run (`plait.runtime.compose_worker`);
 * parameter-gradient collectives are not issued per micro-batch: gradients accumulate, and
   during the stage's last backward they are all-reduced in buckets of `bucket_bytes` as their
   readers' backward ends (DDP's ``no_sync`` then one overlapped reduction), then each rank steps
   its optimizer
   (`plait.cost.compute.optimizer_time` over the parameters it holds, `spmd_lower.params_held`);
-  a parameter two stages read (tied embeddings) is all-reduced between them first;
+  a parameter two stages read (tied embeddings) is made whole on each stage's first rank (an
+  all-gather where the stage stores it sharded), all-reduced between those two ranks, and
+  broadcast in each stage, as the runtime sums it (`plait.runtime.compose_worker`);
 * ``send`` / ``recv``: a stage's program ends with its outputs whole on every rank (the search
   gathers what the next stage reads), so ``k = min(senders, receivers)`` rank pairs each carry
   ``1/k`` of the message (Megatron's scatter/gather over tensor ranks; bytes per sample from the
@@ -54,8 +59,9 @@ from plait.sim.spmd_lower import (
     rank_classes,
 )
 from plait.sim.topology import ClusterView
-from plait.spmd.placement import Comm
+from plait.spmd.placement import PARTIAL, Comm, shard_dim
 from plait.spmd.search import Problem, Program
+from plait.spmd.stage import batch_loss_output
 
 
 @dataclass
@@ -68,6 +74,9 @@ class StageProgram:
     of_op: dict[str, int] | None = None  # segment of each op (`plait.spmd.ratios.Segments`)
     of_dim: dict[tuple[str, int], int] | None = None
     name: str = ""
+    # the inputs received from the previous stage whose gradients go back (None: the floating
+    # inputs of every stage but the first -- a model's own floating inputs would need naming)
+    grad_inputs: tuple[str, ...] | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -108,7 +117,50 @@ class _Stage:
         return self.prog.ids
 
 
-def _stage(index: int, prog: StageProgram, model: ComputeModel | None) -> _Stage:
+def boundary_comms(prog: StageProgram, index: int, loss: bool = False) -> list[tuple[str, Comm]]:
+    """The collectives a stage's program adds at its boundary, which a whole-model program's search
+    does not count (`plait.spmd.search.step`: only partial outputs are reduced, inputs need no
+    gradient): each output the program leaves sharded is gathered whole after its producer (what
+    the next stage or the loss reads), and each value received from the previous stage -- an input
+    of a later stage that is floating (`StageProgram.grad_inputs`) -- has its gradient made whole
+    once per kind of reader (placement, sharded compute), after the first such reader's backward:
+    what `plait.runtime.spmd_program.RankProgram` runs. The `loss` stage computes the loss on the
+    batch shards of an output sharded on the batch (`plait.spmd.stage.batch_loss_output`): that
+    output is not gathered. (op name, collective) pairs, as `Program.comms`."""
+    from plait.spmd.placement import REPLICATED, conversion, grad_placement
+
+    graph, strategies = prog.problem.graph, prog.program.strategies
+    out: list[tuple[str, Comm]] = []
+    placed: dict[str, tuple[str, str]] = {}  # tensor -> (producer op, placement)
+    for op in graph.ops:
+        for t, p in zip(op.outputs, strategies[op.name].outputs):
+            placed[t] = (op.name, p)
+    by_shard = batch_loss_output(graph, strategies) if loss else None  # the loss on batch shards: no gather
+    for t in graph.outputs:
+        if t == by_shard:
+            continue
+        name, p = placed[t]
+        if shard_dim(p) is not None:
+            out += [(name, c) for c in conversion(p, REPLICATED, t, graph.tensors[t].nbytes, "fwd") or ()]
+    if prog.grad_inputs is not None:
+        wants = set(prog.grad_inputs)
+    else:
+        wants = {t for t in graph.inputs if index > 0 and graph.tensors[t].dtype.startswith(("float", "bfloat"))}
+    seen: set[tuple[str, str, bool]] = set()
+    for op in graph.ops:
+        s = strategies[op.name]
+        for t, q in zip(op.inputs, s.inputs):
+            key = (t, q, s.sharded and q == REPLICATED)
+            if t not in wants or key in seen:
+                continue
+            seen.add(key)
+            back = conversion(grad_placement(q, s.sharded), REPLICATED, t, graph.tensors[t].nbytes, "bwd")
+            out += [(op.name, c) for c in back or ()]
+    return [(n, dataclasses.replace(c, algorithm=c.algorithm or ("padded" if c.op != "all_reduce" else None)))
+            for n, c in out]
+
+
+def _stage(index: int, prog: StageProgram, model: ComputeModel | None, loss: bool = False) -> _Stage:
     problem, program = prog.problem, prog.program
     graph = problem.graph
     missing = [op.name for op in graph.ops if op.name not in program.strategies]
@@ -120,7 +172,7 @@ def _stage(index: int, prog: StageProgram, model: ComputeModel | None) -> _Stage
     producer = {t: index_of[m.producer] for t, m in graph.tensors.items() if m.producer in index_of}
     fwd_comms: dict[int, list[tuple[Comm, int | None]]] = defaultdict(list)
     act, par = [], []
-    for name, c in program.comms:
+    for name, c in [*program.comms, *boundary_comms(prog, index, loss)]:
         k = index_of[name]
         if c.phase == "fwd":
             fwd_comms[k].append((c, producer.get(c.tensor)))
@@ -136,10 +188,10 @@ def _stage(index: int, prog: StageProgram, model: ComputeModel | None) -> _Stage
 
 class _Lowering:
     def __init__(self, stages: list[StageProgram], view: ClusterView, model: ComputeModel | None,
-                 bucket_bytes: float | None) -> None:
+                 bucket_bytes: float | None, sinks: set[int] | None = None) -> None:
         self.view, self.model, self.bucket_bytes = view, model, bucket_bytes
         self.tg = TaskGraph()
-        self.st = [_stage(s, p, model) for s, p in enumerate(stages)]
+        self.st = [_stage(s, p, model, loss=s in (sinks or ())) for s, p in enumerate(stages)]
         self.host_comm_s = model.host_comm_s if model is not None else 0.0
 
     # ------------------------------------------------------------ one stage's compute
@@ -306,9 +358,9 @@ def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
     `bytes_per_sample[(a, b)]`: what crosses edge a -> b per sample, in the plan's dtype.
     `tied`: (stage a, stage b, gradient bytes) of parameters both stages hold.
     `model`: the compute model's fixed costs (None: the work alone, for hand-computed checks)."""
-    low = _Lowering(stages, view, model, bucket_bytes)
-    sched = _pipeline(len(stages), edges, micro_batches, micro_batch, schedule)
     sinks = {s for s in range(len(stages))} - {a for a, _ in edges}
+    low = _Lowering(stages, view, model, bucket_bytes, sinks)
+    sched = _pipeline(len(stages), edges, micro_batches, micro_batch, schedule)
     sent: dict[tuple, int] = {}
     inbox: dict[int, list[int]] = defaultdict(list)
     pos = [0] * len(stages)
@@ -348,14 +400,41 @@ def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
             raise SpmdLoweringError("composed pipeline: the schedule's receives cannot be matched (deadlock)")
     ties: dict[int, list[int]] = defaultdict(list)
     for a, b, nbytes in tied:
-        ids = [low.st[a].ids[0], low.st[b].ids[0]]  # after both stages' backward, beside their buckets
-        tid = low.group_collective("all_reduce", nbytes, ids, low.st[a].last + low.st[b].last,
-                                   f"all_reduce tied gradients s{a}+s{b}", a, None, "comm_dp")
-        ties[a].append(tid)
-        ties[b].append(tid)
+        # as the runtime (`plait.runtime.compose_worker`): whole on each stage's first rank (an
+        # all-gather in a stage that stores it sharded), all-reduced between the two first ranks
+        # after both stages' backward, beside their buckets, then broadcast in each stage
+        deps = low.st[a].last + low.st[b].last
+        for s in (a, b):
+            st = low.st[s]
+            if len(st.ids) > 1 and _tied_sharded(st.prog, low.st[b if s == a else a].prog, nbytes):
+                deps.append(low.group_collective("all_gather", nbytes, st.ids, st.last,
+                                                 f"gather tied gradients s{s}", s, None, "comm_dp"))
+        ids = [low.st[a].ids[0], low.st[b].ids[0]]
+        tid = low.group_collective("all_reduce", nbytes, ids, deps, f"all_reduce tied gradients s{a}+s{b}", a,
+                                   None, "comm_dp")
+        for s in (a, b):
+            st = low.st[s]
+            ties[s].append(tid if len(st.ids) == 1 else low.group_collective(
+                "broadcast", nbytes, st.ids, [tid], f"broadcast tied gradients s{s}", s, None, "comm_dp"))
     for st in low.st:
         low.step(st, ties.get(st.index, []))
     return ComposeLowered(low.tg, sched, [st.reps for st in low.st])
+
+
+def _tied_sharded(prog: StageProgram, other: StageProgram, nbytes: float) -> bool:
+    """Whether `prog` stores a parameter it shares with `other` (of `nbytes`) sharded: a parameter
+    is stored where its first reader reads it, whole when that is a partial sum (the runtime's
+    `spmd_program.compile_program`)."""
+    graph, theirs = prog.problem.graph, other.problem.graph.tensors
+    shared = {t for t, m in graph.tensors.items() if m.role == "param" and t in theirs and m.nbytes == nbytes}
+    seen: set[str] = set()
+    for op in graph.ops:
+        for t, q in zip(op.inputs, prog.program.strategies[op.name].inputs):
+            if t in shared and t not in seen:
+                seen.add(t)
+                if q != PARTIAL and shard_dim(q) is not None:
+                    return True
+    return False
 
 
 def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],

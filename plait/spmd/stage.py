@@ -13,6 +13,7 @@ the next stage receives).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from plait.ir.aten_graph import AtenGraph, TensorMeta
 from plait.spmd.placement import ShardingError
@@ -73,3 +74,22 @@ def shared_params(graph: AtenGraph, stages: list[list[str]]) -> list[str]:
                     if graph.tensors[t].role == "param":
                         owner.setdefault(t, set()).add(s)
     return sorted(t for t, s in owner.items() if len(s) > 1)
+
+
+def batch_loss_output(sub: AtenGraph, strategies: dict[str, Any]) -> str | None:
+    """The last stage's output whose loss its ranks compute on their batch shards, each weighted by
+    its rows (as a pipeline weighs micro-batches, n_j / B), instead of gathering it whole: the
+    stage's one output when its producer's strategy leaves it sharded on dimension 0 of batch size.
+    The runtime (`plait.runtime.compose_worker`) and the simulator (`plait.sim.compose_lower`) both
+    ask here."""
+    from plait.spmd.placement import shard_dim
+
+    if len(sub.outputs) != 1:
+        return None
+    t = sub.outputs[0]
+    meta = sub.tensors[t]
+    for op in sub.ops:
+        if t in op.outputs:
+            p = strategies[op.name].outputs[op.outputs.index(t)]
+            return t if shard_dim(p) == 0 and meta.shape and meta.shape[0] == sub.batch else None
+    return None
