@@ -28,8 +28,8 @@ def test_json_output_and_plan_file_accepted_by_simulate(tmp_path, capsys):
     assert set(best["memory_headroom_bytes_by_kind"]) == {"a100-80gb"}
     # every family searched (the default), each ranked by the same simulator
     assert set(res["families"]) == {"3d", "graph", "spmd", "compose"} and best["family"] in res["families"]
-    # composed plans are not run yet: with runnable plans only, the family declines with the reason
-    assert "runtime" in res["families"]["compose"]
+    # one node of one GPU kind: nothing to compose, and the family says so
+    assert "one node of one GPU kind" in res["families"]["compose"]
     plan = Plan.load(str(out))
     assert str(plan) == best["plan_str"]
     # the saved plan is what `plait simulate` predicts
