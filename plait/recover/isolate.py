@@ -1,7 +1,7 @@
 """Which nodes to isolate for a diagnosis, and the cluster that is left.
 
 A diagnosis names ranks (`plait.ir.diagnosis.Finding.ranks`); the plan maps a rank to a cluster
-device (`Plan.device_order`, `plait.runtime.layout.device_of`) and the cluster a device to its
+device (`Plan.device_order`, a graph plan's stage-major ranks) and the cluster a device to its
 node. Isolation is by whole node, as C4 does (C4D, HPCA'25 §5: the faulty node is cordoned and
 the job restarted without it): a bad GPU, NIC or cable is replaced with its server, and the
 cluster model's unit of removal is the node (`plait.cluster.topology.without_nodes`).
@@ -31,7 +31,6 @@ from plait.cluster.topology import without_nodes
 from plait.errors import PlaitError
 from plait.ir.diagnosis import Diagnosis, Finding
 from plait.ir.plan import Plan
-from plait.runtime.layout import device_of
 
 
 class RecoveryError(PlaitError, RuntimeError):
@@ -56,7 +55,7 @@ def rank_nodes(plan: Plan, cluster: Cluster) -> list[int]:
     node_of = [d.node for d in cluster.devices]
     out = []
     for r in range(plan.world_size):
-        dev = device_of(plan, r)
+        dev = plan.device_of(r)
         if not 0 <= dev < len(node_of):
             raise RecoveryError(f"plan field 'device_order': rank {r} is on device {dev}, which cluster "
                                 f"'{cluster.name}' does not have ({len(node_of)} devices)")

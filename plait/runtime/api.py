@@ -40,7 +40,7 @@ from plait.runtime.config import (
     TrainingConfig,
 )
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
-from plait.runtime.layout import device_of, supports
+from plait.runtime.layout import supports
 from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
 
@@ -146,7 +146,7 @@ def rank_layout(cluster: Any, plan: Plan, dtype: str | None = None) -> list[dict
     world = plan.world_size
     if cluster is None:
         host = socket.gethostname()
-        return [{"rank": r, "device": device_of(plan, r), "node": 0, "host": host, "kind": None, "slowdown": 1.0}
+        return [{"rank": r, "device": plan.device_of(r), "node": 0, "host": host, "kind": None, "slowdown": 1.0}
                 for r in range(world)]
     devices: list[tuple[int, str]] = []  # node-major: (node index, kind name)
     for i, node in enumerate(cluster.nodes):
@@ -159,11 +159,11 @@ def rank_layout(cluster: Any, plan: Plan, dtype: str | None = None) -> list[dict
     if emu is not None and emu.enabled:
         from plait.runtime.emulate import compute_slowdown
 
-        slow = {device_of(plan, r): compute_slowdown(cluster, device_of(plan, r), dtype or plan.dtype)
+        slow = {plan.device_of(r): compute_slowdown(cluster, plan.device_of(r), dtype or plan.dtype)
                 for r in range(world)}
     out = []
     for r in range(world):
-        dev = device_of(plan, r)
+        dev = plan.device_of(r)
         if dev >= len(devices):
             raise RuntimeSetupError(f"plan field 'device_order': device {dev} is not in {source} "
                                     f"({len(devices)} devices)")

@@ -285,6 +285,3 @@ def _supports_composed(plan: Plan) -> tuple[bool, str]:
     return True, ""
 
 
-def device_of(plan: Plan, rank: int) -> int:
-    """Cluster device of a plan rank (a graph plan's rank is a (stage, replica), `pipeline_layout`)."""
-    return plan.device_of(rank)
