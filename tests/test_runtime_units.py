@@ -591,7 +591,6 @@ def test_graph_plan_ranks_owners_and_per_replica_actions() -> None:
     from plait.ir.plan import StageSpec
     from plait.ir.stage_graph import deal_micro_batches
     from plait.runtime.layout import (
-        device_of,
         node_micro_batches,
         owned_micro_batches,
         peer_rank,
@@ -607,7 +606,7 @@ def test_graph_plan_ranks_owners_and_per_replica_actions() -> None:
     lay = pipeline_layout(plan)
     assert lay.stage_ranks == ((0,), (1, 2, 3), (4, 5))
     assert [lay.coords(r) for r in range(6)] == [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
-    assert [device_of(plan, r) for r in range(6)] == [5, 2, 3, 4, 0, 1]
+    assert [plan.device_of(r) for r in range(6)] == [5, 2, 3, 4, 0, 1]
     assert lay.owners == ((0, 0, 0, 0), (0, 1, 2, 0, 1, 2, 0, 1), (0, 0, 1, 0))  # 3:1, ties to replica 0
     mbs = node_micro_batches(plan, lay, 1, 0)
     assert [(m.first, m.size) for m in mbs[2]] == [(8, 2), (10, 2), (12, 2), (14, 2)]
