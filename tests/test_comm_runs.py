@@ -107,6 +107,8 @@ def test_tensor_parallel_records(tmp_path: Path) -> None:
     _assert_spans_have_records(result, files)
 
 
+# ~10 s; test_doctor_runs.test_killed_rank_records_survive_and_name_it keeps this in make test
+@pytest.mark.slow
 def test_a_killed_rank_keeps_its_records(tmp_path: Path) -> None:
     with pytest.raises(RunFailure) as info:
         run(TINY, None, "dp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=6, launch=LaunchConfig(timeout=60),
@@ -124,6 +126,8 @@ def _pairs(records: list[CommRecord], group: str) -> list[CommRecord]:
     return [r for r in records if r.group == group]
 
 
+# ~12 s; the doctor's run tests (test_doctor_runs) name a slowed link from the same records
+@pytest.mark.slow
 def test_a_slowed_link_shows_in_its_records_only(tmp_path: Path) -> None:
     model = "gpt:layers=3,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
     plan = "pp=3,micro_batch=1,global_batch=2,dtype=fp32,schedule=1f1b"

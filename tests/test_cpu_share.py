@@ -47,6 +47,8 @@ def test_rank_groups_are_made_shaped_and_removed() -> None:
 
 @needs_cgroups
 @pytest.mark.skipif(not (cpu_share.CPUSET_ROOT / "cpuset.cpus").exists(), reason="no cpuset controller")
+# ~13 s under load (a process joined to a real cpuset)
+@pytest.mark.slow
 def test_cpuset_confines_a_joined_process() -> None:
     import subprocess
     import sys

@@ -139,6 +139,8 @@ def test_profile_two_local_workers_writes_loadable_yaml(tmp_path) -> None:
     assert bandwidth_matrix(load_cluster(str(again)))[0, 1] == pytest.approx(mean_bw)
 
 
+# ~9 s; the two-worker profile test stays in make test
+@pytest.mark.slow
 def test_profile_inside_emulated_namespaces_measures_the_shaped_link(tmp_path) -> None:
     from plait.commands.profile_cmd import profile
     from plait.runtime.netns import list_namespaces, namespaces_possible

@@ -103,6 +103,8 @@ def test_slurm_environment_needs_no_flags(cluster: str, tmp_path: Path, monkeypa
     assert [r["samples_per_step"] for r in out["ranks"]] == [3, 3, 2]
 
 
+# ~8 s; the other multi-host runs stay in make test
+@pytest.mark.slow
 def test_host_that_does_not_match_the_cluster_file_is_named(cluster: str, tmp_path: Path) -> None:
     # Names not in the cluster file: nodes in rendezvous order, one worker each; the first cluster
     # node needs two. Every node stops before training with the same message.
