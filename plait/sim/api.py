@@ -198,6 +198,20 @@ def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterV
 _COMPUTE = ("forward", "backward", "recompute", "optimizer")
 
 
+def busy_and_breakdown(tg: Any, sched: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """(busy fraction of each compute stream over the makespan, seconds of task time per category)
+    of a simulated task graph: the figures every `SimResult` reports."""
+    T = sched.makespan
+    spans: dict[str, list[tuple[float, float]]] = {}
+    by_cat: dict[str, float] = {}
+    for i in range(len(tg)):
+        if tg.resource[i].endswith("/compute"):
+            spans.setdefault(tg.resource[i], []).append((sched.start[i], sched.end[i]))
+        by_cat[tg.category[i]] = by_cat.get(tg.category[i], 0.0) + sched.end[i] - sched.start[i]
+    busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
+    return busy, by_cat
+
+
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for a, b in sorted(spans):
@@ -278,14 +292,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
     critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
                  "start_s": sched.start[t], "end_s": sched.end[t]} for t in path]
     exposed = _exposed_comm(tg, sched, lowered.tp_comm_s)
-    spans: dict[str, list[tuple[float, float]]] = {}
-    for i in range(len(tg)):
-        if tg.resource[i].endswith("/compute"):
-            spans.setdefault(tg.resource[i], []).append((sched.start[i], sched.end[i]))
-    busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
-    by_cat: dict[str, float] = {}
-    for i in range(len(tg)):
-        by_cat[tg.category[i]] = by_cat.get(tg.category[i], 0.0) + sched.end[i] - sched.start[i]
+    busy, by_cat = busy_and_breakdown(tg, sched)
     model_flops, hardware_flops = iteration_flops(graph, plan)
     world = lowered.world_size
     return SimResult(
@@ -361,13 +368,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
 
     critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
                  "start_s": sched.start[t], "end_s": sched.end[t]} for t in sched.critical_path()]
-    spans: dict[str, list[tuple[float, float]]] = {}
-    by_cat: dict[str, float] = {}
-    for i in range(len(tg)):
-        if tg.resource[i].endswith("/compute"):
-            spans.setdefault(tg.resource[i], []).append((sched.start[i], sched.end[i]))
-        by_cat[tg.category[i]] = by_cat.get(tg.category[i], 0.0) + sched.end[i] - sched.start[i]
-    busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
+    busy, by_cat = busy_and_breakdown(tg, sched)
     n = devices.n
     flops = 3.0 * sum(op.flops for op in graph.ops)  # forward + backward (~2x forward)
     memory = np.asarray(synthesis.memory, dtype=float) if synthesis.memory is not None else None

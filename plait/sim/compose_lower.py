@@ -449,7 +449,7 @@ def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
     import time
 
     from plait.cost.compute import DEFAULT_MODEL
-    from plait.sim.api import SimResult, _exposed_comm, _union, resolve_cluster
+    from plait.sim.api import SimResult, _exposed_comm, busy_and_breakdown, resolve_cluster
     from plait.sim.engine import simulate as run_engine
 
     view = resolve_cluster(cluster)
@@ -459,13 +459,7 @@ def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
     tg = low.graph
     sched = run_engine(tg)
     T = sched.makespan
-    spans: dict[str, list[tuple[float, float]]] = {}
-    by_cat: dict[str, float] = {}
-    for i in range(len(tg)):
-        if tg.resource[i].endswith("/compute"):
-            spans.setdefault(tg.resource[i], []).append((sched.start[i], sched.end[i]))
-        by_cat[tg.category[i]] = by_cat.get(tg.category[i], 0.0) + sched.end[i] - sched.start[i]
-    busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
+    busy, by_cat = busy_and_breakdown(tg, sched)
     world = sum(len(p.ids) for p in stages)
     batch = micro_batches * micro_batch
     fits = None
