@@ -20,8 +20,8 @@ the run's median step time), never seconds tuned to one machine.
   waiting) against min(its own steady level, its same-stage peers' level) -- C4D's
   non-communication slow.
 * `slow_links` -- per step, each rank pair's link-probe transfer time (the facade's probes:
-  `plait.runtime.comm.Comm.probe_links`, one exchange per pair, timed from the later of the
-  two arrivals) against min(its own level, the level of pairs of its kind) -- one cell of the
+  `plait.runtime.comm.Comm.probe_links`, the fastest of a step's exchanges per pair (before
+  and after the step's work), each timed from the later of the two arrivals) against min(its own level, the level of pairs of its kind) -- one cell of the
   rank x rank matrix (C4D's communication slow). Against its own level, the pair's level is
   first raised by how much both of its ranks' local work rose that step: CPU contention slows
   compute and transfers alike, a slow link only the link (the only reference a lone pair has).
@@ -338,18 +338,26 @@ def _steady(values: dict[int, float]) -> float | None:
 
 
 def local_work(run: RunRecords) -> dict[int, dict[int, tuple[float, float, float]]]:
-    """rank -> step -> (seconds of local work, step start, time the step's last call was entered)."""
+    """rank -> step -> (seconds of local work, step start, time the step's last call was entered).
+
+    The work between two calls belongs to the step of the call before it (the optimizer step after
+    a step's last collective is that step's work), or of the call after it when the one before
+    belongs to no step (start-up): the same attribution whether or not the step ends with calls
+    of its own (the link probes of a probed step)."""
     out: dict[int, dict[int, tuple[float, float, float]]] = {}
     for r, rr in run.ranks.items():
         calls = sorted({(c.t_enqueue, c.t_end, c.step) for c in rr.records}, key=lambda c: c[0])
         per: dict[int, list[float]] = {}
-        prev_end = None
+        prev_end, prev_step = None, None
         for t_enq, t_end, step in calls:
-            if step is not None and prev_end is not None:
+            if step is not None:
                 w = per.setdefault(step, [0.0, t_enq, t_enq])
-                w[0] += max(0.0, t_enq - prev_end)
                 w[1], w[2] = min(w[1], t_enq), max(w[2], t_enq)
+            owner = prev_step if prev_step is not None else step
+            if owner is not None and prev_end is not None:
+                per.setdefault(owner, [0.0, t_enq, t_enq])[0] += max(0.0, t_enq - prev_end)
             prev_end = t_end if prev_end is None else max(prev_end, t_end)
+            prev_step = step
         out[r] = {s: (v[0], v[1], v[2]) for s, v in per.items()}
     return out
 

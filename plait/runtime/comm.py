@@ -58,7 +58,11 @@ from plait.ir.comm import CommEnter, CommRecord, group_line, header_line
 from plait.runtime.inject import Injection
 from plait.runtime.recorder import Recorder
 
-PROBE_REPEAT = 3  # exchanges per rank pair per probe round (plait.doctor keeps the fastest)
+# Exchanges per rank pair on a probed step (plait.doctor keeps the fastest): PROBE_BEFORE right after
+# the step barrier, the rest once the step's work is done, so that one descheduling of a process
+# (many ranks on few cores) cannot cover all of a step's exchanges, as it could back to back.
+PROBE_REPEAT = 3
+PROBE_BEFORE = 2
 FAULTS_ENV = "PLAIT_COMM_FAULTS"  # JSON: {"slow_link": [a, b], "delay_s": x, "factor": f} or a list of them
 
 # torch 2.x names of the single-tensor gather / scatter (older releases: *_single).
@@ -547,12 +551,13 @@ class Comm:
         return self._armed.pop(step)
 
     # ------------------------------------------------------------------ link probes
-    def probe_links(self) -> None:
-        """Time every rank pair's link once (the doctor's rank x rank matrix; C4D times each
-        connection): `world - 1` rounds of the circle method, each rank exchanging `probe_bytes`
-        with one partner per round, recorded as point-to-point calls with key "probe". Link
-        faults apply to them as to any call over the pair. Called by the worker right after the
-        step barrier, so both ends arrive together and compute skew does not enter."""
+    def probe_links(self, repeats: int = PROBE_REPEAT) -> None:
+        """Time every rank pair's link `repeats` times (the doctor's rank x rank matrix; C4D times
+        each connection): `world - 1` rounds of the circle method, each rank exchanging
+        `probe_bytes` with one partner per round, recorded as point-to-point calls with key
+        "probe". Link faults apply to them as to any call over the pair. The worker calls it right
+        after the step barrier and again after the step's work; the doctor times each exchange
+        from the later of the two arrivals, so compute skew between the ends does not enter."""
         n = self.world
         if n < 2 or self.log is None or not self.recording or self.probe_bytes <= 0:
             return
@@ -568,7 +573,7 @@ class Comm:
                 continue
             # A few exchanges per pair: the doctor keeps the fastest, which a descheduled process
             # (many ranks on few cores) cannot make faster, while a slow link makes every one slower.
-            for _ in range(PROBE_REPEAT):
+            for _ in range(repeats):
                 self.p2p([P2P("send", send, partner, "probe"), P2P("recv", recv, partner, "probe")],
                          "link probe", "probe", timeline=False)
 

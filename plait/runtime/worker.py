@@ -54,7 +54,15 @@ from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
 from plait.runtime.clip import GradClipper
-from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, Group, parse_link_faults
+from plait.runtime.comm import (
+    FAULTS_ENV,
+    PROBE_BEFORE,
+    PROBE_REPEAT,
+    Comm,
+    CommLog,
+    Group,
+    parse_link_faults,
+)
 from plait.runtime.data_parallel import (
     DataParallelStep,
     Zero1Step,
@@ -372,7 +380,7 @@ class Worker:
             if probe_every and step % probe_every == 0:
                 # Each rank pair's link, timed (the doctor's matrix) while no rank computes, then a
                 # barrier: the ranks' different probe end times do not enter the measured iteration.
-                self.comm.probe_links()
+                self.comm.probe_links(PROBE_BEFORE)
                 self.comm.barrier("probe barrier")
             t0 = self.rec.begin_step(step)
             runner.loss_sum = torch.zeros((), device=self.device)
@@ -402,6 +410,8 @@ class Worker:
             if self.scaler is not None:
                 self.scaler.update(step)
             t1 = self.rec.end_step()
+            if probe_every and step % probe_every == 0:  # the step's last exchanges, outside its time
+                self.comm.probe_links(PROBE_REPEAT - PROBE_BEFORE)
             step_bounds.append((step, t0, t1))
             losses.append(runner.loss_sum.detach().clone())
             if self.cfg.get("step_records"):
