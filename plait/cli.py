@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
+from types import FrameType
 
 # Subcommands in the order `plait --help` lists them: name -> module.
 COMMANDS = {
@@ -25,6 +28,15 @@ COMMANDS = {
 
 class UserError(Exception):
     """An error caused by the user's input: printed as one line, no traceback."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's cancel, `kill`): raised like Ctrl-C so that what is running stops the
+    way an interrupt stops it (`plait run` kills its agents and workers instead of orphaning them)."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated(signum)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,14 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         return int(args.func(args) or 0)
     except (PlaitError, UserError, FileNotFoundError) as exc:
         print(f"plait {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -167,3 +167,53 @@ def test_emulated_cluster_in_network_namespaces(straight: dict, tmp_path: Path) 
     _check_slowdown(result, straight)
     assert result.network["mode"] == "namespaces"
     assert {n for n in list_namespaces() if n.startswith(mine)} == before  # the run's namespaces are gone
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (zombies excluded)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.slow  # 8-40 s; make test keeps tests/test_cli_signals.py (SIGTERM raised as an interrupt)
+def test_sigterm_to_plait_run_stops_its_agents_and_workers(tmp_path: Path) -> None:
+    """A scheduler's cancel (SIGTERM to `plait run`) stops every agent and worker it started, as
+    Ctrl-C does, instead of leaving them training as orphans."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(["python", "-m", "plait.cli", "run", "--model", TINY, "--plan", PLAN, "--steps", "100000",
+                             "--nprocs-per-node", "1", "--run-dir", str(run_dir), "--timeout", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # both ranks training
+            try:
+                beats = [json.loads(p.read_text()) for p in (run_dir / "hb").glob("rank*.json")]
+            except ValueError:  # caught mid-write
+                beats = []
+            if len(beats) == 2 and all(b.get("phase") == "train" for b in beats):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run did not start training")
+        assert len(_processes_naming(str(run_dir))) >= 3  # the launcher, its agents, their workers
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in err, err
+    deadline = time.time() + 10
+    while _processes_naming(str(run_dir)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _processes_naming(str(run_dir)) == []
