@@ -71,8 +71,9 @@ def run_case(model: str, cluster: str, global_batch: int, *, three_d: bool = Tru
     row["graph_search_cpu_s"] = time.process_time() - cpu
     row["graph_s"] = res.best.time_s / B
     row["graph_depth"] = res.extra["pipeline_depth"]
-    row["graph_stages"] = len(res.best.plan.stages)
-    row["graph_micro_batches"] = sorted({s.micro_batch for s in res.best.plan.stages})
+    row["graph_stages"] = len(res.best.plan.stages) or res.best.plan.pp  # pure data parallelism: 3D form
+    row["graph_micro_batches"] = sorted({s.micro_batch for s in res.best.plan.stages} or {res.best.plan.micro_batch})
+    row["graph_plan"] = str(res.best.plan)
     row["graph_search_s"] = res.search_time_s
     row["graph_notes"] = res.extra["notes"]
 
