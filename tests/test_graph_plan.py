@@ -339,3 +339,30 @@ def test_graph_family_on_a_chain_model_is_no_slower_than_pipedream_or_3d():
     three = plan(g, cl, global_batch=64, top=1, finalists=4, placement=False, progress=False).best.time_s
     dp = min(ev(g, Plan(dp=4, micro_batch=16, global_batch=64, zero=z))["iteration_time_s"] for z in range(4))
     assert res.best.time_s <= min(pd, three, dp) * (1 + 1e-9)
+
+
+def test_case_study_one_gpu_per_stage_folds_sources_and_the_head_and_is_deep_by_the_merge():
+    """GraphPipe's case study (2 branches x 4 blocks, then a head) on 8 GPUs, one per stage: each
+    block is a stage, each branch's embedding shares its first block's stage and the head a last
+    block's (no source or sink stage of its own), so the depth is 4 + 1: the stage holding the
+    head waits for the other branch's 4 stages. A plan of depth 4 must put both last blocks in
+    the head's stage (8 blocks on 8 GPUs leave no GPU for a head alone): the analytic score says
+    it is slower, as does the simulator (bench/graph_pipeline.py, case study rows)."""
+    from plait.search import load_graph
+
+    _, g = load_graph("graphpipe_case", "bf16")
+    cost = StageCost(g, load_cluster("a100-80g:nodes=1"), global_batch=128, max_dp=1)
+    best = partition(cost).best
+    blocks = [n for n in g.layer_names if ".layers." in n]
+    assert len(best) == 8 and all(sum(n in st.layers for n in blocks) == 1 for st in best)
+    assert all(len(st.layers) == 1 or st.layers[0].endswith("embed") or st.layers[-1] == "head" for st in best)
+    assert cost.pipeline_depth(best) == 5
+    kind, b = cost.kinds[0], best[0].micro_batch
+
+    def stage(layers: list[str]) -> StageChoice:
+        return StageChoice(tuple(layers), kind, 1, b, *cost.work(tuple(layers), kind, 1, b))
+
+    shallow = [stage([f"branches.{i}.embed", f"branches.{i}.layers.0"]) for i in (0, 1)]
+    shallow += [stage([f"branches.{i}.layers.{j}"]) for i in (0, 1) for j in (1, 2)]
+    shallow.append(stage(["branches.0.layers.3", "branches.1.layers.3", "head"]))
+    assert cost.pipeline_depth(shallow) == 4 and cost.score(shallow) > cost.score(best)
