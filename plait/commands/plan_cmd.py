@@ -223,11 +223,12 @@ def _run_graph(args: argparse.Namespace) -> int:
                   f"targets), pruned {pruned}, {result.simulated} simulated in {result.search_time_s:.1f} s "
                   f"(ranked by the {result.ranker})")
     table = Table(title="top graph plans")
-    for col in ("#", "stages", "depth", "GPUs", "iteration", "samples/s", "analytic"):
+    for col in ("#", "stages", "depth", "GPUs", "ZeRO", "iteration", "samples/s", "analytic"):
         table.add_column(col, justify="right")
     for i, c in enumerate(result.top, 1):
         depth = _stage_depth(c.plan)
-        table.add_row(str(i), str(len(c.plan.stages) or c.plan.pp), str(depth), str(c.plan.world_size), _ms(c.time_s),
+        table.add_row(str(i), str(len(c.plan.stages) or c.plan.pp), str(depth), str(c.plan.world_size),
+                      str(c.plan.zero), _ms(c.time_s),
                       f"{c.throughput:.1f}" if c.throughput is not None else "-", _ms(c.analytic_s))
     console.print(table)
     best = result.best.plan
