@@ -18,7 +18,9 @@ Per case (model, cluster, global batch = `--batch-per-gpu` x GPUs):
 * search seconds of each (wall; the model capture excluded: it is shared and cached), and the
   graph search's CPU seconds (less sensitive to other processes on the machine; the load
   average at the end is in the summary);
-* the lower bound (`plait.plan.graph_cost.lower_bound`) and the graph plan's gap to it.
+* the lower bound (`plait.plan.graph_cost.lower_bound`), the graph plan's gap to it, and the
+  ceiling it puts on any plan's speedup (sequential / bound: where it is under 1.6 no plan can
+  reach GraphPipe's 1.6x on that case).
 
 All times are simulated iteration seconds divided by the global batch (time per sample).
 The case study row also plans pure pipelines (one GPU per stage, as in the paper) and reports
@@ -71,8 +73,9 @@ def run_case(model: str, cluster: str, global_batch: int, *, three_d: bool = Tru
     row["graph_search_cpu_s"] = time.process_time() - cpu
     row["graph_s"] = res.best.time_s / B
     row["graph_depth"] = res.extra["pipeline_depth"]
-    row["graph_stages"] = len(res.best.plan.stages)
-    row["graph_micro_batches"] = sorted({s.micro_batch for s in res.best.plan.stages})
+    row["graph_stages"] = len(res.best.plan.stages) or res.best.plan.pp  # pure data parallelism: 3D form
+    row["graph_micro_batches"] = sorted({s.micro_batch for s in res.best.plan.stages} or {res.best.plan.micro_batch})
+    row["graph_plan"] = str(res.best.plan)
     row["graph_search_s"] = res.search_time_s
     row["graph_notes"] = res.extra["notes"]
 
@@ -118,6 +121,8 @@ def run_case(model: str, cluster: str, global_batch: int, *, three_d: bool = Tru
     bound = lower_bound(cost)
     row["bound_s"] = bound["bound"] / B
     row["gap"] = row["graph_s"] / row["bound_s"] - 1.0
+    # no plan beats the bound, so no plan is faster than sequential by more than this
+    row["speedup_ceiling"] = row["sequential_s"] / row["bound_s"]
     return row
 
 
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_speedup": max(r["speedup"] for r in rows),
         "geomean_speedup": math.exp(sum(math.log(r["speedup"]) for r in rows) / len(rows)),
         "slower_than_sequential": sum(r["speedup"] < 0.995 for r in rows),
+        "ceiling_below_1_6": [f"{r['label']} {r['gpus']}" for r in rows if r["speedup_ceiling"] < 1.6],
         "max_graph_search_s": max(r["graph_search_s"] for r in rows),
         "max_graph_search_cpu_s": max(r["graph_search_cpu_s"] for r in rows),
         "load_average_1min_at_end": os.getloadavg()[0],
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title="time per sample (us, simulated); graph vs the best sequential plan "
                         f"(global batch {args.batch_per_gpu} x GPUs)")
     for col in ("model", "GPUs", "PipeDream", "Piper", "3D", "graph", "speedup", "depth g/s",
-                "search s g/PD/Piper/3D", "graph CPU s", "bound", "gap"):
+                "search s g/PD/Piper/3D", "graph CPU s", "bound", "gap", "ceiling"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
         piper = _us(r["piper_s"]) if r["piper_s"] is not None else r["piper_note"].split(" (")[0].split(":")[0]
@@ -185,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                           (r["graph_search_s"], r["pipedream_search_s"], r["piper_search_s"], r.get("3d_search_s")))
         table.add_row(r["label"], str(r["gpus"]), _us(r["pipedream_s"]), piper, _us(r["3d_s"]), _us(r["graph_s"]),
                       f"{r['speedup']:.2f}x", f"{r['graph_depth']}/{r['sequential_depth']}", search,
-                      f"{r['graph_search_cpu_s']:.1f}", _us(r["bound_s"]), f"{r['gap'] * 100:.0f}%")
+                      f"{r['graph_search_cpu_s']:.1f}", _us(r["bound_s"]), f"{r['gap'] * 100:.0f}%",
+                      f"{r['speedup_ceiling']:.2f}x")
     console = Console(width=200)
     console.print(table)
     console.print(f"summary: {json.dumps(summary)}")

@@ -223,14 +223,17 @@ def _run_graph(args: argparse.Namespace) -> int:
                   f"targets), pruned {pruned}, {result.simulated} simulated in {result.search_time_s:.1f} s "
                   f"(ranked by the {result.ranker})")
     table = Table(title="top graph plans")
-    for col in ("#", "stages", "depth", "GPUs", "iteration", "samples/s", "analytic"):
+    for col in ("#", "stages", "depth", "GPUs", "ZeRO", "iteration", "samples/s", "analytic"):
         table.add_column(col, justify="right")
     for i, c in enumerate(result.top, 1):
         depth = _stage_depth(c.plan)
-        table.add_row(str(i), str(len(c.plan.stages)), str(depth), str(c.plan.world_size), _ms(c.time_s),
+        table.add_row(str(i), str(len(c.plan.stages) or c.plan.pp), str(depth), str(c.plan.world_size),
+                      str(c.plan.zero), _ms(c.time_s),
                       f"{c.throughput:.1f}" if c.throughput is not None else "-", _ms(c.analytic_s))
     console.print(table)
     best = result.best.plan
+    if not best.stages:  # one stage of pure data parallelism, in the 3D form (ZeRO-3 runs only there)
+        console.print(f"best plan: one stage, pure data parallelism: {best}")
     st = Table(title="best plan's stages")
     for col in ("stage", "layers", "devices", "dp", "micro-batch", "feeds"):
         st.add_column(col)
@@ -239,11 +242,13 @@ def _run_graph(args: argparse.Namespace) -> int:
         feeds = ", ".join(best.stages[b].name for a, b in best.stage_edges if a == s) or "(loss)"
         st.add_row(spec.name, layers, ",".join(map(str, spec.devices)), str(spec.dp),
                    str(spec.micro_batch), feeds)
-    console.print(st)
+    if best.stages:
+        console.print(st)
     bound = ex["lower_bound_s"]
-    console.print(f"pipeline depth {ex['pipeline_depth']}; lower bound {_ms(bound['bound'])} (work "
-                  f"{_ms(bound['work'])}, memory floor {_ms(bound['memory'])}, critical path "
-                  f"{_ms(bound['critical_path'])}); optimality gap {ex['optimality_gap'] * 100:.0f} %")
+    console.print(f"pipeline depth {ex['pipeline_depth']}; lower bound {_ms(bound['bound'])} (the most of work "
+                  f"{_ms(bound['work'])}, memory floor {_ms(bound['memory'])} and critical path "
+                  f"{_ms(bound['critical_path'])}, plus the optimizer step {_ms(bound['optimizer'])}); "
+                  f"optimality gap {ex['optimality_gap'] * 100:.0f} %")
     if args.out:
         console.print(f"best plan written to [bold]{args.out}[/] (plait simulate --plan {args.out})")
     if measured is not None:
@@ -252,7 +257,9 @@ def _run_graph(args: argparse.Namespace) -> int:
 
 
 def _stage_depth(plan: Any) -> int:
-    """Stages on the longest path of a plan's stage graph."""
+    """Stages on the longest path of a plan's stage graph (a plan without stages: its pp chain)."""
+    if not plan.stages:
+        return plan.pp
     depth = [1] * len(plan.stages)
     for a, b in sorted(plan.stage_edges, key=lambda e: -e[0]):  # stages are in topological order
         depth[a] = max(depth[a], depth[b] + 1)
@@ -426,7 +433,7 @@ def _cells(c: Any, group: list[Any], index: int, kinds: list[str]) -> dict[str, 
     opts = schedule + (f" zero{p.zero}" if p.zero else "") + (f" rc={p.recompute}" if p.recompute != "none" else "") + (
         " sp" if p.sequence_parallel else "")
     family = getattr(c, "family", "3d")
-    if family == "graph":
+    if family == "graph" and p.stages:  # (a one-stage graph is pure data parallelism, in the 3D form)
         opts = f"{len(p.stages)} stages, " + ", ".join(sorted({f"dp{s.dp}" for s in p.stages}))
     elif family == "spmd" and p.spmd is not None:
         r = p.spmd["ratios"]

@@ -15,10 +15,12 @@ runs ``m = ceil(ceil(B / dp) / b)`` micro-batches (the stage graph's rounding ru
                 (`to_plan` gives ZeRO-1 where a stage has replicas), plus the per-iteration host
                 work (`plait.cost.compute.optimizer_time` + ``step_host_s``, as the simulator)
 
-and a plan scores ``W(s*) + max over stage paths of sum (t(b_s) + hop_s) - t(b_s*)`` with s* the
-stage of most work: the bottleneck's work plus one micro-batch's trip through the rest of the
-longest path (the pipeline's fill and drain; Pipette's ``(M - 1) max t + sum t`` generalised to a
-DAG), where a stage with inputs adds ``hop = 2 * p2p_host_s``, the host time of the forward
+and a plan scores ``max_s (W(s) - opt(s) + sum over the longest stage path through s of
+(t(b_x) + hop_x) - t(b_s)) + max_s opt(s)``: each stage's busy time before the optimizer step
+plus one micro-batch's trip through the rest of its longest path (the pipeline's fill and drain;
+Pipette's ``(M - 1) max t + sum t`` generalised to a DAG), then the longest optimizer step, which
+every stage runs after the global gradient-norm barrier (as the simulator does; a stage holding
+embedding tables has a long one). A stage with inputs adds ``hop = 2 * p2p_host_s``, the host time of the forward
 send/recv step into it and of the backward one out of it (the compute model's, which the
 simulator charges per pipeline message). GraphPipe's objective, the time per
 sample of the slowest stage, is ``max_s W(s) / B``. Memory: `plait.cost.memory.stage_peak_bytes`
@@ -75,7 +77,11 @@ class StageCost:
     compute: ComputeModel = DEFAULT_MODEL
     memory: bool = True  # check each stage against its GPU kind's memory
     overhead_bytes: int | None = None  # per-GPU framework constant of the memory estimate
-    max_micro_batch: int = 64
+    # largest micro-batch of a stage (powers of two up to it, and a replica's whole share): a stage may
+    # run its share as one micro-batch -- branches side by side, no pipelining -- which beats any
+    # pipelined split of DLRM and CANDLE-Uno at 16 samples per GPU (at 64, the cap until then, it
+    # could not: 58.9 vs 42.7 us/sample on DLRM at 16 A100s)
+    max_micro_batch: int = 1024
     max_dp: int | None = None  # most data-parallel replicas per stage (1: pure pipelines)
     # every stage exactly this many replicas (the stage graph replicated); None: any
     uniform_dp: int | None = None
@@ -274,18 +280,26 @@ class StageCost:
         return g
 
     def score(self, stages: list[StageChoice], chain: bool = False) -> float:
-        """The analytic iteration seconds of a stage list (module docstring)."""
+        """The analytic iteration seconds of a stage list (module docstring): the slowest stage's
+        busy time before the step plus its fill and drain, then the longest optimizer step."""
         g = self._dag(stages, chain)
         if not nx.is_directed_acyclic_graph(g):
             return math.inf
-        lat: dict[int, float] = {}
         hop = 2 * self.compute.p2p_host_s
-        for s in nx.topological_sort(g):
+        order = list(nx.topological_sort(g))
+        to: dict[int, float] = {}  # one micro-batch's trip from the sources through s
+        for s in order:
             preds = list(g.predecessors(s))
-            lat[s] = stages[s].t_mb + (hop + max(lat[p] for p in preds) if preds else 0.0)
-        top = max(range(len(stages)), key=lambda s: stages[s].work)
-        # Pipette's (M - 1) max t + sum t: the bottleneck's own micro-batch is in its work already
-        return stages[top].work + max(0.0, max(lat.values()) - stages[top].t_mb)
+            to[s] = stages[s].t_mb + (hop + max(to[p] for p in preds) if preds else 0.0)
+        after: dict[int, float] = {}  # ... and from s to the sink
+        for s in reversed(order):
+            succ = list(g.successors(s))
+            after[s] = stages[s].t_mb + (hop + max(after[c] for c in succ) if succ else 0.0)
+        opt = [self.optimizer(st.layers, st.kind, st.dp) for st in stages]
+        # Pipette's (M - 1) t + sum t through each stage (its own micro-batch is in its work), the
+        # optimizer step after the global gradient-norm barrier (the simulator's `_emit_step`)
+        before = max(st.work - o + to[s] + after[s] - 2 * st.t_mb for s, (st, o) in enumerate(zip(stages, opt)))
+        return before + max(opt)
 
     def depths(self, stages: list[StageChoice], chain: bool = False) -> list[int]:
         """Per stage, its longest path to a sink in stages (graph 1F1B warm-up)."""
@@ -362,10 +376,13 @@ def lower_bound(cost: StageCost) -> dict[str, float]:
       to the fastest on this model);
     * ``memory``: the same, with each layer's micro-batch limited to what fits one GPU holding
       that layer alone (its states and one micro-batch in flight: the per-stage memory floor);
-    * ``critical_path``: one sample's forward and backward along the longest layer path.
+    * ``critical_path``: one sample's forward and backward along the longest layer path;
+    * ``optimizer``: the Adam step of all parameters spread over all GPUs in proportion to their
+      memory bandwidth (it is memory-bound), plus one step's host time. Every GPU steps after the
+      global gradient-norm barrier, which waits for all compute, so it adds to the others.
 
-    ``bound`` is their maximum. Gradient all-reduces, the optimizer step and pipeline fill are
-    left out, so the gap of a plan to it includes them."""
+    ``bound`` is ``max(work, memory, critical_path) + optimizer``. Gradient all-reduces, ZeRO's
+    parameter gathers and pipeline fill are left out, so the gap of a plan to it includes them."""
     names = cost.graph.layer_names
     fastest = cost.kinds[0]
     mbs = cost.micro_batches(1)
@@ -387,4 +404,10 @@ def lower_bound(cost: StageCost) -> dict[str, float]:
     for n in nx.topological_sort(dag):
         cp[n] = cost.layer_time(n, fastest, 1) + max((cp[p] for p in dag.predecessors(n)), default=0.0)
     critical = max(cp.values(), default=0.0)
-    return {"work": work, "memory": memory, "critical_path": critical, "bound": max(work, memory, critical)}
+    params = float(sum(layer.param_count for layer in cost.graph.layers))
+    unit = 1e6  # optimizer_time is linear in the parameters: a GPU of kind k steps 1/a_k of them a second
+    rate = sum(count * unit / optimizer_time(unit, cost.kind_obj[kind], cost.compute)
+               for kind, count in zip(cost.kinds, cost.counts))
+    opt = (params / rate if params > 0 else 0.0) + cost.compute.step_host_s
+    return {"work": work, "memory": memory, "critical_path": critical, "optimizer": opt,
+            "bound": max(work, memory, critical) + opt}

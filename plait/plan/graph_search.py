@@ -6,10 +6,20 @@ caller hands in `supports`, those the runtime refuses), and ranks the rest with 
 function the search driver hands in (the simulator). It returns the same `PlanResult` as the 3D
 family; `PlanResult.extra` holds the graph facts: pipeline depth, the lower bound (`lower_bound`)
 and the partitioner's notes (a model without branches, layers that are not series-parallel).
+
+**Options of the 3D family.** The partitioner chooses stages; the memory and optimizer options
+the 3D family searches are plan-wide and the analytic score does not see them, so the simulator
+ranks them: each of the best `option_top` simulated stage graphs is also tried at every ZeRO stage
+the runtime runs for it (`option_variants`: 0-2 for a stage graph, where ZeRO-1/2 shard over each
+stage's own replicas; 0-3 for a one-stage graph, i.e. pure data parallelism, which is the 3D plan
+``dp=N`` and is emitted in that form because ZeRO-3 runs with one stage only). So the family's space
+holds pure data parallelism with every option the 3D family gives it, and chains of stages (the
+series-parallel search of a chain model is PipeDream's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,18 +40,45 @@ from plait.plan.threed import (
     memory_headroom,
 )
 
+# ZeRO stages the runtime runs (`plait.runtime.layout.supports`): 3 shards parameters per layer and
+# runs with one stage only; 1 and 2 shard the optimizer state (and gradients) over a stage's replicas
+STAGE_GRAPH_ZERO = (0, 1, 2)
+DATA_PARALLEL_ZERO = (0, 1, 2, 3)
+
+
+def option_variants(plan: Plan) -> list[Plan]:
+    """`plan`'s partition at each other ZeRO stage (module docstring). A one-stage graph is pure
+    data parallelism: its variants are the 3D plan ``dp = its replicas`` (on its devices), the form
+    the runtime runs ZeRO-3 in (the plan's own ZeRO stage is left to the plan itself); stage graphs
+    keep their form at ZeRO 0-2. Only plans with replicas have ZeRO variants."""
+    if len(plan.stages) == 1:
+        st = plan.stages[0]
+        if st.dp <= 1 or st.tp != 1:
+            return []
+        order = None if list(st.devices) == list(range(st.dp)) else list(st.devices)
+        base = Plan(dp=st.dp, tp=1, pp=1, micro_batch=st.micro_batch or plan.micro_batch,
+                    global_batch=plan.global_batch, dtype=plan.dtype, schedule=plan.schedule,
+                    recompute=plan.recompute, device_order=order)
+        return [dataclasses.replace(base, zero=z) for z in DATA_PARALLEL_ZERO if z != plan.zero]
+    if not any(st.dp > 1 for st in plan.stages):
+        return []
+    return [dataclasses.replace(plan, zero=z, stages=[dataclasses.replace(st) for st in plan.stages],
+                                stage_edges=list(plan.stage_edges)) for z in STAGE_GRAPH_ZERO if z != plan.zero]
+
 
 def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
                  evaluate: Evaluate | None = None, supports: Callable[[Plan], tuple[bool, str]] | None = None,
                  max_dp: int | None = None, candidates: int = 6, compute: Any = None,
                  memory_kwargs: dict[str, Any] | None = None, dtype: str | None = None,
-                 fast: bool = True) -> PlanResult:
+                 fast: bool = True, option_top: int = 2) -> PlanResult:
     """Graph-pipeline plans of `model` on `cluster`, fastest first (module docstring).
 
     `max_dp`: most data-parallel replicas per stage (1: pure pipelines; None: any).
     `candidates`: stage lists of the partitioner that are turned into plans and ranked.
     `fast=False`: the partitioner's cost tables built whole, as before they were built lazily
-    (the same plans; bench/plan_search_time.py measures the difference)."""
+    (the same plans; bench/plan_search_time.py measures the difference).
+    `option_top`: the best simulated stage graphs also tried at each ZeRO stage (`option_variants`;
+    0: none; only with `evaluate`, as the analytic score does not tell ZeRO stages apart)."""
     from plait.cluster import load_cluster
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
 
@@ -61,42 +98,58 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
     reasons: dict[str, int] = {}
     examples: dict[str, str] = {}
     kept: list[Candidate] = []
-    for stages, score in zip(part.stages, part.scores):
-        plan = cost.to_plan(stages)
+
+    def admit(plan: Plan, score: float) -> Candidate | None:
+        """`plan` as a candidate, or None (counted in `reasons`) if memory or the runtime refuses it."""
         mem = estimate_memory(graph, plan, cluster_obj, **mem_kw)
         if not mem.fits:
             reasons["memory"] = reasons.get("memory", 0) + 1
             examples.setdefault("memory", "; ".join(mem.violations[:2]))
-            continue
+            return None
         if supports is not None:
             ok, why = supports(plan)
             if not ok:
                 reasons["runtime"] = reasons.get("runtime", 0) + 1
                 examples.setdefault("runtime", why)
-                continue
-        cand = Candidate(plan, layout="graph", analytic_s=score, peak_bytes=list(mem.peak_bytes),
+                return None
+        return Candidate(plan, layout="graph", analytic_s=score, peak_bytes=list(mem.peak_bytes),
                          headroom_by_kind=memory_headroom(list(mem.peak_bytes), cluster_obj.devices, plan))
-        kept.append(cand)
+
+    for stages, score in zip(part.stages, part.scores):
+        cand = admit(cost.to_plan(stages), score)
+        if cand is not None:
+            kept.append(cand)
     if not kept:
         why = "; ".join(f"{k}: {examples[k]}" for k in examples) or "no stage list"
         raise GraphPlanError(f"plan --family graph: no graph plan of {graph.model} on {cluster_obj.name} "
                              f"survives ({why})")
+    variants = 0
     if evaluate is not None:
         for cand in kept:
-            sim = evaluate(graph, cand.plan)
-            cand.sim = sim
-            cand.iteration_time_s = float(sim["iteration_time_s"])
-            cand.tflops_per_gpu = sim.get("tflops_per_gpu")
-            cand.throughput = sim.get("throughput_samples_per_s")
+            _simulate(cand, graph, evaluate)
+        kept.sort(key=lambda c: c.time_s)
+        seen = {str(c.plan) + repr(c.plan.stages) for c in kept}
+        for cand in list(kept[:option_top]):
+            for var in option_variants(cand.plan):
+                key = str(var) + repr(var.stages)
+                if key in seen:
+                    continue
+                seen.add(key)
+                vc = admit(var, cand.analytic_s)
+                if vc is not None:
+                    _simulate(vc, graph, evaluate)
+                    kept.append(vc)
+                    variants += 1
     kept.sort(key=lambda c: c.time_s)
     best = kept[0]
-    depth = cost.pipeline_depth(cost.choices_of(best.plan))
+    depth = cost.pipeline_depth(cost.choices_of(best.plan)) if best.plan.stages else best.plan.pp
     bound = lower_bound(cost)
     extra = {
         "pipeline_depth": depth,
         "stages": len(best.plan.stages),
         "partition_search_s": part.search_time_s,
         "targets_tried": part.targets_tried,
+        "option_variants": variants,
         "notes": part.notes,
         "lower_bound_s": bound,
         "optimality_gap": best.time_s / bound["bound"] - 1.0 if bound["bound"] > 0 else None,
@@ -107,3 +160,11 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
                       simulated=len(kept) if evaluate is not None else 0,
                       search_time_s=time.perf_counter() - t0,
                       ranker="simulator" if evaluate is not None else "analytic", family="graph", extra=extra)
+
+
+def _simulate(cand: Candidate, graph: Any, evaluate: Evaluate) -> None:
+    sim = evaluate(graph, cand.plan)
+    cand.sim = sim
+    cand.iteration_time_s = float(sim["iteration_time_s"])
+    cand.tflops_per_gpu = sim.get("tflops_per_gpu")
+    cand.throughput = sim.get("throughput_samples_per_s")
