@@ -229,35 +229,35 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     c[n_r:n_r + n_t] = 1.0
     c[n_r + n_t:] = slope
     # the constraint matrix is sparse (two entries per row, G per memory row): built as COO for HiGHS
-    ri: list[int] = []
-    ci: list[int] = []
-    vals: list[float] = []
-    rhs: list[float] = []
-
-    def add_row(entries: list[tuple[int, float]], bound: float) -> None:
-        r_ = len(rhs)
-        for col, v in entries:
-            ri.append(r_)
-            ci.append(col)
-            vals.append(v)
-        rhs.append(bound)
-
-    for j, k in enumerate(split):  # r_gi w_ik - t_j <= 0, g the op's segment
-        g = segs.of_op.get(ops[k].name, 0)
-        for i in range(n):
-            add_row([(g * n + i, float(problem.work[k][i])), (n_r + j, -1.0)], 0.0)
-    for g in range(G):  # r_gi - m_g <= 0
-        for i in range(n):
-            add_row([(g * n + i, 1.0), (n_r + n_t + g, -1.0)], 0.0)
+    dev = np.arange(n)
+    seg_of = np.array([segs.of_op.get(ops[k].name, 0) for k in split], dtype=int)
+    work = np.array([problem.work[k] for k in split], dtype=float).reshape(n_t, n)
+    # r_gi w_ik - t_j <= 0, g the op's segment: rows j * n + i
+    rows_t = np.arange(n_t * n)
+    ri = [rows_t, rows_t]
+    ci = [(seg_of[:, None] * n + dev[None, :]).ravel(), np.repeat(n_r + np.arange(n_t), n)]
+    vals = [work.ravel(), np.full(n_t * n, -1.0)]
+    rhs = [np.zeros(n_t * n)]
+    # r_gi - m_g <= 0: rows n_t n + g n + i
+    rows_m = n_t * n + np.arange(G * n)
+    ri += [rows_m, rows_m]
+    ci += [np.arange(G * n), n_r + n_t + np.repeat(np.arange(G), n)]
+    vals += [np.ones(G * n), -np.ones(G * n)]
+    rhs.append(np.zeros(G * n))
     if memory is not None:  # sum_g r_gi S_g <= capacity_i - overhead - R
         per_seg = memory.by_segment if G > 1 else {0: memory.sharded}
-        for i in range(n):
-            add_row([(g * n + i, float(nbytes)) for g, nbytes in per_seg.items()],
-                    float(devices.memory[i] - memory.overhead - memory.replicated))
-    A_ub = sparse.coo_matrix((vals, (ri, ci)), shape=(len(rhs), n_var)).tocsr()
+        base = (n_t + G) * n
+        for g, nbytes in per_seg.items():
+            ri.append(base + dev)
+            ci.append(g * n + dev)
+            vals.append(np.full(n, float(nbytes)))
+        rhs.append(np.asarray(devices.memory, dtype=float) - memory.overhead - memory.replicated)
+    b_ub = np.concatenate(rhs)
+    A_ub = sparse.coo_matrix((np.concatenate(vals), (np.concatenate(ri), np.concatenate(ci))),
+                             shape=(len(b_ub), n_var)).tocsr()
     eq = sparse.coo_matrix((np.ones(G * n), (np.repeat(np.arange(G), n), np.arange(G * n))), shape=(G, n_var))
     bounds = [(min_ratio, 1.0)] * n_r + [(0.0, None)] * (n_t + G)
-    result = linprog(c, A_ub=A_ub, b_ub=np.array(rhs), A_eq=eq.tocsr(), b_eq=np.ones(G), bounds=bounds,
+    result = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=eq.tocsr(), b_eq=np.ones(G), bounds=bounds,
                      method="highs")
     if result.status != 0:
         return None
@@ -369,12 +369,14 @@ def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str
     Where the graph has overrun the exact search, the searches that only find out whether a
     forced set fits run the beam at width `PROBE_WIDTH`, and the set that fits is searched once
     more at full width (the memory rows decide on the narrow beam's program, the cost on the
-    full one's)."""
+    full one's). The first search of a call is at full width: most rounds need no more forced
+    parameters than they start with (`carried` fitted the last round), and a probe would only
+    confirm it (the full program's memory rows decide then); probes start once the set grows."""
     params = sorted(_shardable_params(problem), key=lambda t: -problem.graph.tensors[t].numel)
     forced: set[str] = set(carried) & set(params)
     expanded = 0
     w_b, g_b, k_b = state_bytes_per_param(dtype, optimizer)
-    probe = memory and budget[0] == 0
+    probe = False
     while True:
         restricted = _forbid_replicated(problem, forced) if forced else problem
         program = _search(restricted, r / r.sum(), heuristic, budget, PROBE_WIDTH if probe else BEAM_WIDTH)
