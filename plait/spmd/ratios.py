@@ -199,7 +199,8 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     """The ratios minimising `program`'s time, within each device's memory; None if it cannot fit.
 
     One ratio vector per segment (`segs`; default: one for the whole program). Variables
-    ``[r_gi (g-major), t_j, m_g]``; HiGHS through `scipy.optimize.linprog`. When the time does not
+    ``[r_gi (g-major), t_j, m_g]`` (one t_j per group of proportional sharded ops, `_op_directions`);
+    HiGHS through `scipy.optimize.linprog`. When the time does not
     depend on the ratios (nothing sharded) and `start` fits, `start` is kept rather than an
     arbitrary vertex of the LP."""
     devices = problem.devices
@@ -218,20 +219,19 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
         g = _comm_segment(comm, segs)
         if g is not None:
             slope[g] += b * w
-    n_t = len(split)
-    if start is not None and n_t == 0 and not slope.any():
+    if start is not None and not split and not slope.any():
         mem = memory.on(start) if memory is not None else np.zeros(n)
         if memory is None or np.all(mem <= devices.memory):
             return RatioSolution(np.asarray(start, dtype=float), constant, mem, np.tile(start, (G, 1)), segs)
+    seg_of, work, scale = _op_directions(problem, split, segs)
+    n_t = len(seg_of)
     n_r = G * n
     n_var = n_r + n_t + G
     c = np.zeros(n_var)
-    c[n_r:n_r + n_t] = 1.0
+    c[n_r:n_r + n_t] = scale
     c[n_r + n_t:] = slope
     # the constraint matrix is sparse (two entries per row, G per memory row): built as COO for HiGHS
     dev = np.arange(n)
-    seg_of = np.array([segs.of_op.get(ops[k].name, 0) for k in split], dtype=int)
-    work = np.array([problem.work[k] for k in split], dtype=float).reshape(n_t, n)
     # r_gi w_ik - t_j <= 0, g the op's segment: rows j * n + i
     rows_t = np.arange(n_t * n)
     ri = [rows_t, rows_t]
@@ -269,6 +269,38 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     mean = (weight @ by_segment) / weight.sum() if weight.sum() > 0 else by_segment.mean(axis=0)
     mem = (memory.on(by_segment) if G > 1 else memory.on(by_segment[0])) if memory is not None else np.zeros(n)
     return RatioSolution(mean, float(result.fun) + constant, mem, by_segment, segs)
+
+
+def _op_directions(problem: Problem, split: list[int], segs: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sharded ops' rows of the LP, merged where exact: ops of one segment whose work vectors
+    are proportional (``w_k = c_k u``: every compute-bound op of a kind, every memory-bound one)
+    have ``sum_k max_i r_i w_ik = (sum_k c_k) max_i r_i u_i``, so one variable ``t >= r_i u_i``
+    with cost ``sum_k c_k`` stands for all of them (the same LP, a fraction of its rows).
+    Returns (segment, unit work vector ``u`` (max 1), ``sum c``) per merged row."""
+    ops = problem.graph.ops
+    rows: dict[tuple, int] = {}
+    seg: list[int] = []
+    units: list[np.ndarray] = []
+    scale: list[float] = []
+    for k in split:
+        w = np.asarray(problem.work[k], dtype=float)
+        top = float(np.max(w))
+        if top <= 0:
+            continue  # no work on any device: no term
+        u = w / top
+        g = segs.of_op.get(ops[k].name, 0)
+        key = (g, u.round(12).tobytes())
+        j = rows.get(key)
+        if j is None:
+            rows[key] = len(seg)
+            seg.append(g)
+            units.append(u)
+            scale.append(top)
+        else:
+            scale[j] += top
+    n = problem.devices.n
+    return (np.array(seg, dtype=int), np.array(units, dtype=float).reshape(len(seg), n),
+            np.array(scale, dtype=float))
 
 
 @dataclass
