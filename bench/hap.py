@@ -30,6 +30,11 @@ model, links and engine for all):
   faster of flat and hier that fits, and its synthesis seconds count both;
 * bound -- perfect compute balance with communication fully hidden: every op at
   ``1 / sum_i 1 / w_i`` and the optimizer over all parameters at perfect balance.
+* dpfloor -- on clusters of several nodes, the time every parameter's gradient takes to cross the
+  nodes once at the case's dtype (split over the rails, on the nodes' shared NICs, `dp_floor`): no
+  program that keeps data parallelism across nodes (both DDPs, the hierarchical programs, a flat
+  program replicating its parameters) is faster, so on HAP's testbed it bounds what any of them
+  gains over HAP's method; programs that shard parameters across nodes (VGG19's FC layers) escape it.
 
 Columns: the predicted iteration times (ms) -- "flat" is plait's program sharding over every
 device, "hier" its hierarchical program (`plait.spmd.mesh`: any op sharded inside each node,
@@ -58,13 +63,22 @@ import numpy as np
 import torch
 
 from plait.cluster import load_cluster
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
+from plait.cost.collectives import group_links, measured_tables
 from plait.cost.compute import optimizer_time
 from plait.cost.memory import state_bytes_per_param
 from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
 from plait.sim.api import simulate_spmd
 from plait.spmd.cost import Devices, balanced_time
-from plait.spmd.mesh import Hierarchical, mesh_of, node_batches, synthesize_hierarchical
+from plait.spmd.mesh import (
+    Hierarchical,
+    mesh_of,
+    node_batches,
+    rail_links,
+    rail_time,
+    synthesize_hierarchical,
+)
 from plait.spmd.placement import Comm, ShardingError, shard_sizes
 from plait.spmd.ratios import Synthesis, memory_model, synthesize, synthesize_overlapped
 from plait.spmd.search import Problem, Program
@@ -139,6 +153,24 @@ def ddp(spec, batch: int, devices: Devices, weights: np.ndarray, dtype: str) -> 
     return problem, Synthesis(program, ratios, 0.0, memory, capacity=devices.memory), scale
 
 
+def dp_floor(problem: Problem, cluster) -> float:
+    """Seconds the parameters' gradients take to cross the nodes once (every byte of every
+    gradient, split over the rails, on the node's NICs: `plait.spmd.mesh.rail_time`), at the
+    graph's dtype: no program that keeps data parallelism across nodes -- even and proportional
+    DDP, the hierarchical programs, any flat program that replicates its parameters over nodes --
+    iterates faster. Programs that shard a parameter across nodes escape it (they move
+    activations instead: VGG19's FC layers). 0 on one node."""
+    mesh = mesh_of(cluster)
+    if mesh.outer <= 1:
+        return 0.0
+    nbytes = float(sum(problem.graph.tensors[t].nbytes for t in problem.graph.params))
+    rails = rail_links(cluster, mesh)
+    nodes = [group_links(list(node), bandwidth_matrix(cluster), latency_matrix(cluster),
+                         [d.node for d in cluster.devices], [max(1, n.nics) for n in cluster.nodes],
+                         measured_tables(cluster)) for node in mesh.nodes]
+    return rail_time(nbytes, np.full(mesh.inner, 1.0 / mesh.inner), rails, nodes)
+
+
 def bound(problem: Problem) -> float:
     """Perfect compute balance, communication hidden; the optimizer over every parameter once,
     at perfect balance too."""
@@ -177,6 +209,7 @@ class Case:
     spmd_form: str = "flat"  # which of the two the SPMD column is
     flat_s: float = 0.0  # CPU seconds of the flat synthesis alone (plait_s: flat and hierarchical)
     capture_s: float = 0.0  # CPU seconds of capturing the model's graphs (global and node batch)
+    floor_ms: float = 0.0  # `dp_floor`: cross-node gradient time of any program with data parallelism across nodes
 
     @property
     def best_ms(self) -> float:
@@ -277,7 +310,8 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
                 sims["hap"] * 1e3, sims["plait"] * 1e3, bound(problem) * 1e3, hap_flag, hap.expanded,
                 plait_syn.expanded + (hier.expanded if hier is not None else 0), hap.program.optimal,
                 plait_syn.program.optimal, hap.seconds, plait_s, fits, plait_syn.overlap,
-                sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat", flat_s, capture_s)
+                sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat", flat_s, capture_s,
+                dp_floor(problem, cluster) * 1e3)
 
 
 # ----------------------------------------------------------------------------- table
@@ -285,7 +319,7 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
 
 def table(rows: list[dict]) -> str:
     head = (f"{'cluster':<18} {'model':<10} {'dt':<4} {'batch':>5} {'even':>8} {'prop':>8} {'HAP':>8} "
-            f"{'flat':>8} {'hier':>8} {'SPMD':>8} {'plait':>8} {'bound':>8} {'x even':>6} {'x HAP':>6} {'%bound':>6} {'HAP st':>7} "
+            f"{'flat':>8} {'hier':>8} {'SPMD':>8} {'plait':>8} {'bound':>8} {'dpfloor':>8} {'x even':>6} {'x HAP':>6} {'%bound':>6} {'HAP st':>7} "
             f"{'ours st':>7} {'HAP s':>6} {'ours s':>6} {'capt s':>6}  fits e/p/H/o")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -293,7 +327,7 @@ def table(rows: list[dict]) -> str:
         mark = lambda ok: "y" if ok else "N"  # noqa: E731
         lines.append(
             f"{r['cluster']:<18} {r['model']:<10} {r['dtype']:<4} {r['batch']:>5} {r['even_ms']:8.1f} "
-            f"{r['prop_ms']:8.1f} {r['hap_ms']:8.1f} {r['flat_ms']:8.1f} {r['hier_ms']:8.1f} {r['plait_ms']:8.1f} {r['best_ms']:8.1f} {r['bound_ms']:8.1f} "
+            f"{r['prop_ms']:8.1f} {r['hap_ms']:8.1f} {r['flat_ms']:8.1f} {r['hier_ms']:8.1f} {r['plait_ms']:8.1f} {r['best_ms']:8.1f} {r['bound_ms']:8.1f} {r['floor_ms']:8.1f} "
             f"{r['speedup_even']:6.2f} {r['speedup_hap']:6.2f} {100 * r['of_bound']:5.0f}% "
             f"{r['hap_states']:>6}{'' if r['hap_exact'] else 'b'} {r['plait_states']:>6}"
             f"{'' if r['plait_exact'] else 'b'} {r['hap_s']:6.2f} {r['plait_s']:6.2f} {r['capture_s']:6.2f}  "
