@@ -153,17 +153,17 @@ def ddp(spec, batch: int, devices: Devices, weights: np.ndarray, dtype: str) -> 
     return problem, Synthesis(program, ratios, 0.0, memory, capacity=devices.memory), scale
 
 
-def dp_floor(problem: Problem, cluster) -> float:
+def dp_floor(nbytes: float, cluster) -> float:
     """Seconds the parameters' gradients take to cross the nodes once (every byte of every
     gradient, split over the rails, on the node's NICs: `plait.spmd.mesh.rail_time`), at the
     graph's dtype: no program that keeps data parallelism across nodes -- even and proportional
     DDP, the hierarchical programs, any flat program that replicates its parameters over nodes --
     iterates faster. Programs that shard a parameter across nodes escape it (they move
-    activations instead: VGG19's FC layers). 0 on one node."""
+    activations instead: VGG19's FC layers). `nbytes`: the model's parameters, a tied weight once
+    (`param_bytes`). 0 on one node."""
     mesh = mesh_of(cluster)
     if mesh.outer <= 1:
         return 0.0
-    nbytes = float(sum(problem.graph.tensors[t].nbytes for t in problem.graph.params))
     rails = rail_links(cluster, mesh)
     nodes = [group_links(list(node), bandwidth_matrix(cluster), latency_matrix(cluster),
                          [d.node for d in cluster.devices], [max(1, n.nics) for n in cluster.nodes],
@@ -171,11 +171,19 @@ def dp_floor(problem: Problem, cluster) -> float:
     return rail_time(nbytes, np.full(mesh.inner, 1.0 / mesh.inner), rails, nodes)
 
 
+def param_bytes(spec, dtype: str) -> float:
+    """Bytes of the model's parameters at `dtype`, each storage once (`nn.Module.parameters`
+    skips a tied weight's second name; the aten graph lists it under both)."""
+    module = spec.build("meta", dtype=DTYPES[dtype])
+    return float(sum(p.numel() * p.element_size() for p in module.parameters()))
+
+
 def bound(problem: Problem) -> float:
     """Perfect compute balance, communication hidden; the optimizer over every parameter once,
     at perfect balance too."""
     compute = sum(balanced_time(w) for w in problem.work)
-    params = sum(problem.graph.tensors[t].numel for t in problem.graph.params)
+    read = {t for op in problem.graph.ops for t in op.inputs}  # a tied weight's unread second name: not a parameter
+    params = sum(problem.graph.tensors[t].numel for t in problem.graph.params if t in read)
     steps = np.array([optimizer_time(params, k) for k in problem.devices.kinds])
     return compute + balanced_time(steps)
 
@@ -311,7 +319,7 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
                 plait_syn.expanded + (hier.expanded if hier is not None else 0), hap.program.optimal,
                 plait_syn.program.optimal, hap.seconds, plait_s, fits, plait_syn.overlap,
                 sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat", flat_s, capture_s,
-                dp_floor(problem, cluster) * 1e3)
+                dp_floor(param_bytes(spec, dtype), cluster) * 1e3)
 
 
 # ----------------------------------------------------------------------------- table
