@@ -30,6 +30,11 @@ model, links and engine for all):
   faster of flat and hier that fits, and its synthesis seconds count both;
 * bound -- perfect compute balance with communication fully hidden: every op at
   ``1 / sum_i 1 / w_i`` and the optimizer over all parameters at perfect balance.
+* dpfloor -- on clusters of several nodes, the time every parameter's gradient takes to cross the
+  nodes once at the case's dtype (split over the rails, on the nodes' shared NICs, `dp_floor`): no
+  program that keeps data parallelism across nodes (both DDPs, the hierarchical programs, a flat
+  program replicating its parameters) is faster, so on HAP's testbed it bounds what any of them
+  gains over HAP's method; programs that shard parameters across nodes (VGG19's FC layers) escape it.
 
 Columns: the predicted iteration times (ms) -- "flat" is plait's program sharding over every
 device, "hier" its hierarchical program (`plait.spmd.mesh`: any op sharded inside each node,
@@ -39,7 +44,9 @@ its pick across families on the simulator's one scale (that program or FLOP-prop
 whichever is faster and fits) --, speedups of the pick over even and over HAP, its share of
 the bound (bound / plait), states expanded (HAP's UCS and plait's A*; "b" when the exact search
 hit its budget and the beam search finished), synthesis CPU seconds (single-threaded; wall time
-on a shared machine would count the neighbours), and fit (memory per device within
+on a shared machine would count the neighbours; from the captured graph to the program, with the
+simulations that rank candidates -- capturing the graphs, at the global batch and at the largest
+node's batch for "hier", is the separate "capt s"), and fit (memory per device within
 capacity, by `plait.spmd.ratios.memory_model`). dtype per case: fp32 on HAP's testbed (P100s have
 no tensor cores; HAP ran fp32), fp16 on the A100/T4 node.
 """
@@ -56,13 +63,22 @@ import numpy as np
 import torch
 
 from plait.cluster import load_cluster
+from plait.cluster.topology import bandwidth_matrix, latency_matrix
+from plait.cost.collectives import group_links, measured_tables
 from plait.cost.compute import optimizer_time
 from plait.cost.memory import state_bytes_per_param
 from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
 from plait.sim.api import simulate_spmd
 from plait.spmd.cost import Devices, balanced_time
-from plait.spmd.mesh import Hierarchical, synthesize_hierarchical
+from plait.spmd.mesh import (
+    Hierarchical,
+    mesh_of,
+    node_batches,
+    rail_links,
+    rail_time,
+    synthesize_hierarchical,
+)
 from plait.spmd.placement import Comm, ShardingError, shard_sizes
 from plait.spmd.ratios import Synthesis, memory_model, synthesize, synthesize_overlapped
 from plait.spmd.search import Problem, Program
@@ -137,11 +153,37 @@ def ddp(spec, batch: int, devices: Devices, weights: np.ndarray, dtype: str) -> 
     return problem, Synthesis(program, ratios, 0.0, memory, capacity=devices.memory), scale
 
 
+def dp_floor(nbytes: float, cluster) -> float:
+    """Seconds the parameters' gradients take to cross the nodes once (every byte of every
+    gradient, split over the rails, on the node's NICs: `plait.spmd.mesh.rail_time`), at the
+    graph's dtype: no program that keeps data parallelism across nodes -- even and proportional
+    DDP, the hierarchical programs, any flat program that replicates its parameters over nodes --
+    iterates faster. Programs that shard a parameter across nodes escape it (they move
+    activations instead: VGG19's FC layers). `nbytes`: the model's parameters, a tied weight once
+    (`param_bytes`). 0 on one node."""
+    mesh = mesh_of(cluster)
+    if mesh.outer <= 1:
+        return 0.0
+    rails = rail_links(cluster, mesh)
+    nodes = [group_links(list(node), bandwidth_matrix(cluster), latency_matrix(cluster),
+                         [d.node for d in cluster.devices], [max(1, n.nics) for n in cluster.nodes],
+                         measured_tables(cluster)) for node in mesh.nodes]
+    return rail_time(nbytes, np.full(mesh.inner, 1.0 / mesh.inner), rails, nodes)
+
+
+def param_bytes(spec, dtype: str) -> float:
+    """Bytes of the model's parameters at `dtype`, each storage once (`nn.Module.parameters`
+    skips a tied weight's second name; the aten graph lists it under both)."""
+    module = spec.build("meta", dtype=DTYPES[dtype])
+    return float(sum(p.numel() * p.element_size() for p in module.parameters()))
+
+
 def bound(problem: Problem) -> float:
     """Perfect compute balance, communication hidden; the optimizer over every parameter once,
     at perfect balance too."""
     compute = sum(balanced_time(w) for w in problem.work)
-    params = sum(problem.graph.tensors[t].numel for t in problem.graph.params)
+    read = {t for op in problem.graph.ops for t in op.inputs}  # a tied weight's unread second name: not a parameter
+    params = sum(problem.graph.tensors[t].numel for t in problem.graph.params if t in read)
     steps = np.array([optimizer_time(params, k) for k in problem.devices.kinds])
     return compute + balanced_time(steps)
 
@@ -174,6 +216,8 @@ class Case:
     hier_ms: float = float("inf")  # plait's hierarchical program (inf: one node, or none fits)
     spmd_form: str = "flat"  # which of the two the SPMD column is
     flat_s: float = 0.0  # CPU seconds of the flat synthesis alone (plait_s: flat and hierarchical)
+    capture_s: float = 0.0  # CPU seconds of capturing the model's graphs (global and node batch)
+    floor_ms: float = 0.0  # `dp_floor`: cross-node gradient time of any program with data parallelism across nodes
 
     @property
     def best_ms(self) -> float:
@@ -196,8 +240,10 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
              max_states: int = 20_000) -> Case:
     spec = load_model(spec_text)
     tdtype = DTYPES[dtype]
+    c0 = time.process_time()
     graph = capture_aten(spec.build("meta", dtype=tdtype), spec.sample_batch(batch, device="meta", dtype=tdtype)[0],
                          name=spec.name)
+    capture_s = time.process_time() - c0
     devices = Devices.from_cluster(cluster, dtype)
     problem = Problem.build(graph, devices)
     sims = {}
@@ -233,9 +279,26 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
     hier: Hierarchical | None = None
     sims["hier"] = float("inf")
     if len({d.node for d in cluster.devices}) > 1:
+        # the graph at the largest node's batch, captured before the clock runs again (capture is
+        # not synthesis: the flat program's and HAP's graphs are captured before theirs too)
+        graphs: dict[int, object] = {}
+        c0 = time.process_time()
+        try:
+            samples = max(node_batches(cluster, mesh_of(cluster), batch, dtype))
+            graphs[samples] = capture_aten(spec.build("meta", dtype=tdtype),
+                                           spec.sample_batch(samples, device="meta", dtype=tdtype)[0],
+                                           name=spec.name)
+        except ShardingError:
+            pass  # synthesize_hierarchical says why below
+        capture_s += time.process_time() - c0
+        cpu += time.process_time() - c0
+
         def build(samples: int):
-            return capture_aten(spec.build("meta", dtype=tdtype),
-                                spec.sample_batch(samples, device="meta", dtype=tdtype)[0], name=spec.name)
+            if samples not in graphs:
+                graphs[samples] = capture_aten(spec.build("meta", dtype=tdtype),
+                                               spec.sample_batch(samples, device="meta", dtype=tdtype)[0],
+                                               name=spec.name)
+            return graphs[samples]
 
         def evaluate_h(h: Hierarchical) -> float:
             return simulate_spmd(h.world_problem, h, cluster, batch=batch, device_scale=h.device_scale,
@@ -255,7 +318,8 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
                 sims["hap"] * 1e3, sims["plait"] * 1e3, bound(problem) * 1e3, hap_flag, hap.expanded,
                 plait_syn.expanded + (hier.expanded if hier is not None else 0), hap.program.optimal,
                 plait_syn.program.optimal, hap.seconds, plait_s, fits, plait_syn.overlap,
-                sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat", flat_s)
+                sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat", flat_s, capture_s,
+                dp_floor(param_bytes(spec, dtype), cluster) * 1e3)
 
 
 # ----------------------------------------------------------------------------- table
@@ -263,18 +327,18 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
 
 def table(rows: list[dict]) -> str:
     head = (f"{'cluster':<18} {'model':<10} {'dt':<4} {'batch':>5} {'even':>8} {'prop':>8} {'HAP':>8} "
-            f"{'flat':>8} {'hier':>8} {'SPMD':>8} {'plait':>8} {'bound':>8} {'x even':>6} {'x HAP':>6} {'%bound':>6} {'HAP st':>7} "
-            f"{'ours st':>7} {'HAP s':>6} {'ours s':>6}  fits e/p/H/o")
+            f"{'flat':>8} {'hier':>8} {'SPMD':>8} {'plait':>8} {'bound':>8} {'dpfloor':>8} {'x even':>6} {'x HAP':>6} {'%bound':>6} {'HAP st':>7} "
+            f"{'ours st':>7} {'HAP s':>6} {'ours s':>6} {'capt s':>6}  fits e/p/H/o")
     lines = [head, "-" * len(head)]
     for r in rows:
         f = r["fits"]
         mark = lambda ok: "y" if ok else "N"  # noqa: E731
         lines.append(
             f"{r['cluster']:<18} {r['model']:<10} {r['dtype']:<4} {r['batch']:>5} {r['even_ms']:8.1f} "
-            f"{r['prop_ms']:8.1f} {r['hap_ms']:8.1f} {r['flat_ms']:8.1f} {r['hier_ms']:8.1f} {r['plait_ms']:8.1f} {r['best_ms']:8.1f} {r['bound_ms']:8.1f} "
+            f"{r['prop_ms']:8.1f} {r['hap_ms']:8.1f} {r['flat_ms']:8.1f} {r['hier_ms']:8.1f} {r['plait_ms']:8.1f} {r['best_ms']:8.1f} {r['bound_ms']:8.1f} {r['floor_ms']:8.1f} "
             f"{r['speedup_even']:6.2f} {r['speedup_hap']:6.2f} {100 * r['of_bound']:5.0f}% "
             f"{r['hap_states']:>6}{'' if r['hap_exact'] else 'b'} {r['plait_states']:>6}"
-            f"{'' if r['plait_exact'] else 'b'} {r['hap_s']:6.2f} {r['plait_s']:6.2f}  "
+            f"{'' if r['plait_exact'] else 'b'} {r['hap_s']:6.2f} {r['plait_s']:6.2f} {r['capture_s']:6.2f}  "
             f"{mark(f['even'])}/{mark(f['prop'])}/{mark(f['hap'])}/{mark(f['plait'])}  (HAP: {r['hap_flag']})")
     return "\n".join(lines)
 
@@ -295,6 +359,7 @@ def summary(rows: list[dict]) -> dict:
         "plait_overlap_weights_chosen": [r["plait_overlap"] for r in rows],
         "plait_spmd_forms": [r["spmd_form"] for r in rows],
         "max_flat_synthesis_s": max(r["flat_s"] for r in rows),
+        "max_capture_s": max(r["capture_s"] for r in rows),
         "cases": len(rows),
     }
 

@@ -58,3 +58,26 @@ def test_ddp_baseline_is_ddp(hap) -> None:
     assert {c.tensor for _, c in syn.program.comms} == set(problem.graph.params)
     assert not any(s.splits_work for s in syn.program.strategies.values())
     assert syn.memory[0] > syn.memory[1]  # more samples, more activations
+
+
+def test_dp_floor_is_the_gradients_crossing_the_nics_and_ddp_does_not_beat_it(hap) -> None:
+    """`dp_floor` on two nodes of two GPUs (one 10.4 Gb/s NIC each): at least every gradient byte
+    through a NIC once each way (ring-optimal ``2 (k-1)/k S / B`` with k = 2 nodes), and DDP
+    simulated on the same cluster is not faster; 0 on one node."""
+    import numpy as np
+
+    from plait.graph.zoo import load_model
+    from plait.sim.api import simulate_spmd
+    from plait.spmd.cost import Devices
+
+    (two_nodes, dtype), (one_node, _) = hap.quick_clusters()
+    spec = load_model(hap.QUICK_MODELS[0][1])
+    devices = Devices.from_cluster(two_nodes, dtype)
+    local, syn, scale = hap.ddp(spec, 32, devices, np.ones(devices.n), dtype)
+    nbytes = hap.param_bytes(spec, dtype)
+    assert nbytes == 4 * sum(local.graph.tensors[t].numel for t in local.graph.params)  # no tied weights here
+    floor = hap.dp_floor(nbytes, two_nodes)
+    assert floor >= nbytes / (10.4e9 / 8) * (1 - 1e-9)
+    ddp_s = simulate_spmd(local, syn, two_nodes, batch=32, device_scale=scale).iteration_time_s
+    assert floor <= ddp_s
+    assert hap.dp_floor(nbytes, one_node) == 0.0

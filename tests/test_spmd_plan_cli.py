@@ -114,3 +114,86 @@ def test_bench_spmd_run_core_on_a_tiny_case() -> None:
     row = bench.measure(model, batch, bench.CLUSTER, 2)
     assert row["ranks"] == 2 and row["uneven"]["measured_iteration_s"] > 0 and row["even"]["losses"]
     assert row["uneven"]["predicted_machine_s"] > 0
+
+
+def test_an_fp16_plan_says_fp16_prices_fp16_bytes_and_names_its_collectives(tmp_path, capsys) -> None:
+    """`--dtype fp16 --out`: the plan's dtype is fp16, the graph the program was priced on holds
+    fp16 tensors (half the bytes of the fp32 capture, the same op names), and the plan carries
+    the search's padded/grouped choice for every tensor with an uneven all-gather or
+    reduce-scatter (`plan_collectives`)."""
+    from plait.commands.spmd_plan import synthesize_plan
+    from plait.spmd.program_plan import plan_collectives
+
+    # an A100 and a T4 on NVLink: this VGG's convolutions are sharded (all-gathers, reduce-scatters)
+    cluster = tmp_path / "a100_t4.yaml"
+    cluster.write_text("name: a100+t4\nnodes:\n  - name: m\n    gpus: [{kind: a100-40gb, count: 1}, "
+                       "{kind: t4, count: 1}]\n    intra: {type: nvlink, bandwidth: 150 GB/s}\n")
+    model = "vgg19:width=16,fc=1024,image=32,pool=1,classes=10,dropout=0"
+    out = tmp_path / "spmd16.json"
+    assert main(["plan", "--family", "spmd", "--model", model, "--cluster", str(cluster), "--global-batch", "32",
+                 "--dtype", "fp16", "--json", "--out", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    plan = Plan.load(str(out))
+    assert plan.dtype == "fp16" and res["dtype"] == "fp16"
+    choice = synthesize_plan(model, str(cluster), 32, dtype="fp16")
+    g16, g32 = choice.graph, choice.run_graph
+    assert [op.name for op in g16.ops] == [op.name for op in g32.ops]
+    acts = [t for t, m in g16.tensors.items() if m.dtype.startswith("float")]
+    assert acts and all(g16.tensors[t].nbytes * 2 == g32.tensors[t].nbytes for t in acts)
+    uneven = {c.tensor: c.algorithm for _, c in choice.synthesis.program.comms
+              if c.op in ("all_gather", "reduce_scatter")}
+    written = choice.plan.spmd.get("collectives", {})
+    assert uneven and set(written) == set(uneven) and set(written.values()) <= {"padded", "grouped"}
+    assert written == plan_collectives(choice.synthesis.program.comms, choice.problem.devices,
+                                       choice.plan.spmd["ratios"])
+    assert plan.spmd.get("collectives", {}) == written and choice.even_plan.spmd.get("collectives", {}) == written
+
+
+def test_plan_collectives_keeps_each_message_choice_and_settles_a_conflict_by_time() -> None:
+    from plait.cluster import load_cluster
+    from plait.spmd.cost import Devices, comm_seconds
+    from plait.spmd.placement import Comm
+    from plait.spmd.program_plan import plan_collectives
+
+    devices = Devices.from_cluster(load_cluster(CLUSTER))
+    r = np.array([0.7, 0.3])
+    big, small = 64 << 20, 4 << 10
+    comms = [("a", Comm("all_gather", "x", big, dim=0, algorithm="grouped")),
+             ("b", Comm("reduce_scatter", "x", big, "bwd", dim=0, algorithm="grouped")),
+             ("c", Comm("all_gather", "y", small, dim=0, algorithm="padded")),
+             ("d", Comm("all_reduce", "z", big, algorithm="ring")),  # not an uneven collective: not written
+             ("e", Comm("all_gather", "w", big, dim=0, algorithm="grouped")),
+             ("f", Comm("reduce_scatter", "w", small, "bwd", dim=0, algorithm="padded"))]
+    out = plan_collectives(comms, devices, r)
+    assert out["x"] == "grouped" and out["y"] == "padded" and "z" not in out
+    cost = {m: comm_seconds(Comm("all_gather", "w", big, dim=0, algorithm=m), devices, r)
+            + comm_seconds(Comm("reduce_scatter", "w", small, "bwd", dim=0, algorithm=m), devices, r)
+            for m in ("padded", "grouped")}
+    assert out["w"] == min(cost, key=cost.__getitem__)
+
+
+def test_the_spmd_family_captures_and_prices_at_the_plans_dtype(tmp_path) -> None:
+    """`plait.search.spmd_family.search_spmd` at fp16: the program is synthesized on the fp16
+    capture (its messages at fp16 bytes, not the fp32 capture's), the plan says fp16 and carries
+    the per-tensor collectives."""
+    from plait.cluster import load_cluster
+    from plait.graph.zoo import load_model
+    from plait.search.spmd_family import search_spmd
+    from plait.spmd.cost import Devices
+    from plait.spmd.program_plan import capture_graph
+    from plait.spmd.ratios import synthesize
+    from plait.spmd.search import Problem
+
+    path = tmp_path / "a100_t4.yaml"
+    path.write_text("name: a100+t4\nnodes:\n  - name: m\n    gpus: [{kind: a100-40gb, count: 1}, "
+                    "{kind: t4, count: 1}]\n    intra: {type: nvlink, bandwidth: 150 GB/s}\n")
+    cluster = load_cluster(str(path))
+    model = "vgg19:width=16,fc=1024,image=32,pool=1,classes=10,dropout=0"
+    res = search_spmd(model, cluster, global_batch=32, top=1, evaluate=None, supports=None, dtype="fp16")
+    plan = res.top[0].plan
+    assert plan.dtype == "fp16" and plan.spmd.get("collectives")
+    spec = load_model(model)
+    cost = {dt: synthesize(Problem.build(capture_graph(spec, 32, dt), Devices.from_cluster(cluster, "fp16")),
+                           dtype="fp16", max_states=20_000).cost for dt in ("fp16", "fp32")}
+    assert plan.spmd["predicted_s"] == pytest.approx(cost["fp16"], rel=1e-12)
+    assert cost["fp16"] < cost["fp32"]  # fp32 bytes would price its messages twice as large

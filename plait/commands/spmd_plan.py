@@ -44,24 +44,30 @@ class SpmdChoice:
     even_plan: Any  # the same program at even ratios
     even_cost: float  # its predicted time on the cluster's GPUs
     dtype: str
+    run_graph: Any = None  # the graph in fp32, as the runtime runs SPMD programs (`graph` when dtype is fp32)
+
+    def machine_program(self) -> Any:
+        """The program as this machine runs it: fp32, so its collectives move fp32 bytes."""
+        if self.run_graph is self.graph or self.run_graph is None:
+            return self.synthesis.program
+        tensors = self.run_graph.tensors
+        return dataclasses.replace(self.synthesis.program, comms=[
+            (name, dataclasses.replace(c, nbytes=tensors[c.tensor].nbytes)) for name, c in self.synthesis.program.comms])
 
 
 def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32", optimizer: str = "adam",
                     max_states: int = 20_000) -> SpmdChoice:
     """Capture `model` at `batch` (meta device), synthesize for `cluster`, and the plans."""
     from plait.cluster import load_cluster
-    from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.spmd.cost import Devices
-    from plait.spmd.program_plan import program_plan
+    from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
     from plait.spmd.ratios import segmented_cost, synthesize
     from plait.spmd.search import Problem
 
     spec = load_model(model)
     cluster_obj = load_cluster(cluster)
-    module = spec.build(device="meta")
-    inputs, _ = spec.sample_batch(batch)
-    graph = capture_aten(module, inputs, name=spec.name)
+    graph = capture_graph(spec, batch, dtype)  # the program's dtype: messages priced at its bytes
     problem = Problem.build(graph, Devices.from_cluster(cluster_obj, dtype))
     syn = synthesize(problem, dtype=dtype, optimizer=optimizer, max_states=max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
@@ -72,9 +78,13 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
 
     segs = segs or Segments.single(problem, syn.program)
     even_cost = segmented_cost(problem, syn.program, segs, even)
-    plan = program_plan(syn.program.strategies, ratios, batch, model=spec.spec, predicted_s=syn.cost)
-    even_plan = program_plan(syn.program.strategies, even, batch, model=spec.spec, predicted_s=even_cost)
-    return SpmdChoice(spec.spec, cluster_obj, graph, problem, syn, plan, even_plan, even_cost, dtype)
+    plan = program_plan(syn.program.strategies, ratios, batch, model=spec.spec, predicted_s=syn.cost, dtype=dtype,
+                        collectives=plan_collectives(syn.program.comms, problem.devices, ratios))
+    # the even program runs the same collectives the same way (its predicted time prices them so)
+    even_plan = program_plan(syn.program.strategies, even, batch, model=spec.spec, predicted_s=even_cost,
+                             dtype=dtype, collectives=plan.spmd.get("collectives"))
+    run_graph = graph if dtype == "fp32" else capture_graph(spec, batch, "fp32")
+    return SpmdChoice(spec.spec, cluster_obj, graph, problem, syn, plan, even_plan, even_cost, dtype, run_graph)
 
 
 def summary(choice: SpmdChoice) -> dict[str, Any]:
@@ -118,7 +128,7 @@ def program_seconds(choice: SpmdChoice, repeats: int = 3, optimizer: str = "adam
 
     spec = load_model(choice.model)
     module = spec.build(seed=0)
-    graph = choice.graph
+    graph = choice.run_graph
     whole = {op.name: strategies(op, graph, 1)[0] for op in graph.ops}
     runner = RankProgram(compile_program(graph, whole, [1.0], 1), 0)
     leaves = runner.load(module)
@@ -159,7 +169,7 @@ def machine_devices(choice: SpmdChoice, one_rank_s: float, slowdowns: list[float
     fastest = int(np.argmax(dev.flops))
     one = Devices(dev.names[:1], dev.flops[fastest:fastest + 1], dev.mem_bw[fastest:fastest + 1],
                   dev.memory[:1], dev.links)
-    work = sum(float(op_work(op, choice.graph, one)[0]) for op in choice.graph.ops)
+    work = sum(float(op_work(op, choice.run_graph, one)[0]) for op in choice.run_graph.ops)
     scale = work / one_rank_s  # the CPU is `scale` times the fastest kind's modelled speed
     slow = np.asarray(slowdowns, dtype=float)
     n = dev.n
@@ -185,14 +195,15 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
     from plait.spmd.ratios import Segments, segmented_cost
     from plait.spmd.search import Problem
 
-    problem = Problem.build(choice.graph, devices)
+    problem = Problem.build(choice.run_graph, devices)
     syn = choice.synthesis
-    segs = syn.segments or Segments.single(problem, syn.program)
+    program = choice.machine_program()
+    segs = syn.segments or Segments.single(problem, program)
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
-    total = segmented_cost(problem, syn.program, segs, r)
+    total = segmented_cost(problem, program, segs, r)
     if one is None:
         return total
-    graph = choice.graph
+    graph = choice.run_graph
     made = {t: p for op in graph.ops for t, p in zip(op.outputs, syn.program.strategies[op.name].outputs)}
     for t in graph.outputs:
         d = shard_dim(made.get(t, "R"))

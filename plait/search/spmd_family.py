@@ -33,12 +33,11 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     `runnable=True` asks for fp32, the dtype plait's runtime runs SPMD programs in). `evaluate`
     only says whether to simulate (the program is lowered by `simulate_spmd`, not by the 3D
     lowering `evaluate` wraps); without it the synthesis's own cost ranks."""
-    from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
     from plait.sim.api import simulate_spmd
     from plait.spmd.cost import Devices
-    from plait.spmd.program_plan import program_plan
+    from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
     from plait.spmd.ratios import synthesize
     from plait.spmd.search import Problem
 
@@ -54,12 +53,12 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
         raise SearchError(f"spmd: global batch {gb} is smaller than the {n} devices a program shards it over")
     dtype = "fp32" if runnable else (dtype or auto_dtype(cluster))
     spec = load_model(DEFAULT_MODEL if model is None else model)
-    inputs, _ = spec.sample_batch(gb)
-    graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+    graph = capture_graph(spec, gb, dtype)  # at the program's dtype: its messages are priced at it
     problem = Problem.build(graph, Devices.from_cluster(cluster, dtype))
     syn = synthesize(problem, dtype=dtype, max_states=max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
-    plan = program_plan(syn.program.strategies, ratios, gb, model=spec.spec, predicted_s=syn.cost, dtype=dtype)
+    plan = program_plan(syn.program.strategies, ratios, gb, model=spec.spec, predicted_s=syn.cost, dtype=dtype,
+                        collectives=plan_collectives(syn.program.comms, problem.devices, ratios))
     reasons: dict[str, int] = {}
     if supports is not None and runnable:
         ok, why = supports(plan)

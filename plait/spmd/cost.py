@@ -146,7 +146,7 @@ def choose(comm: Comm, devices: Devices, ratios: np.ndarray, pinned: str | None 
     else:
         algo = choose_algorithm(comm.op, comm.nbytes, links) if devices.nccl else "ring"
         t = collective_time(comm.op, comm.nbytes, links, algo)
-    return dataclasses.replace(comm, algorithm=algo), t
+    return Comm(comm.op, comm.tensor, comm.nbytes, comm.phase, comm.dim, comm.group, algo), t
 
 
 def comm_seconds(comm: Comm, devices: Devices, ratios: np.ndarray) -> float:

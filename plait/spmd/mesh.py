@@ -108,14 +108,15 @@ def _links(cluster: Cluster, ids: Sequence[int]) -> GroupLinks:
 
 
 def rail_links(cluster: Cluster, mesh: Mesh) -> list[GroupLinks]:
-    """The links of each rail as one of the ``g`` rails running at once sees them: the node's NICs
+    """The links of each rail as one of the ``g`` rails running at once sees them: a node's NICs
     are shared, so one rail's inter-node bandwidth is ``min(g, NICs) / g`` of what the rail's ring
-    alone would get (`group_links` counts one NIC per member of a node)."""
+    alone would get (`group_links` counts one NIC per member of a node) -- on the node with the
+    fewest NICs, since the ring crosses every node."""
     out = []
     g = mesh.inner
     for rail in mesh.rails():
         links = _links(cluster, rail)
-        nics = min(max(1, cluster.nodes[cluster.devices[rail[0]].node].nics), g)
+        nics = min(min(max(1, cluster.nodes[cluster.devices[i].node].nics), g) for i in rail)
         share = nics / g
         out.append(dataclasses.replace(links, ring_bandwidth=links.ring_bandwidth * share,
                                        inter_bandwidth=links.inter_bandwidth * share, measured=()))

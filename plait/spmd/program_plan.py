@@ -2,10 +2,12 @@
 and `plait run --plan FILE` runs.
 
 The plan keeps the decisions only -- one strategy per aten op (by the op's name in the model's
-`AtenGraph` at the plan's `global_batch`) and the per-device ratios (one vector per segment) --
-not shard sizes or collectives: those follow from the graph (`plait.spmd.ratios.round_shards`,
-the conversion table), so a plan cannot disagree with the model it runs on without the run
-saying which op differs.
+`AtenGraph` at the plan's `global_batch`), the per-device ratios (one vector per segment) and,
+per tensor, how its uneven all-gathers / reduce-scatters run ("padded" or "grouped", the
+search's per-message choice: `plan_collectives`) -- not shard sizes or which collectives: those
+follow from the graph (`plait.spmd.ratios.round_shards`, the conversion table), so a plan cannot
+disagree with the model it runs on without the run saying which op differs. The plan's dtype is
+the one the program was synthesized (and its graph captured, `capture_graph`) at.
 """
 
 from __future__ import annotations
@@ -15,8 +17,55 @@ from typing import Any
 
 import numpy as np
 
+from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import SPMD_VERSION, Plan, PlanError
+from plait.spmd.cost import Devices, comm_seconds
+from plait.spmd.placement import Comm, ShardingError
 from plait.spmd.rules import Strategy
+
+DTYPES = ("fp32", "tf32", "fp16", "bf16")  # tf32 computes on fp32 tensors
+_MODED = ("all_gather", "reduce_scatter")  # the uneven collectives a plan says padded or grouped for
+
+
+def capture_graph(spec: Any, batch: int, dtype: str = "fp32") -> AtenGraph:
+    """The model's aten graph at `batch` on the meta device, built and fed in `dtype` -- the
+    dtype the program is priced at (an fp16 plan's messages are fp16 bytes). Op names do not
+    depend on the dtype, so the runtime (which runs SPMD programs in fp32) finds the plan's ops."""
+    import torch
+
+    from plait.graph.aten_capture import capture_aten
+
+    if dtype not in DTYPES:
+        raise ShardingError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
+    tdtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    inputs = spec.sample_batch(batch, device="meta", dtype=tdtype)[0]
+    return capture_aten(spec.build(device="meta", dtype=tdtype), inputs, name=spec.name)
+
+
+def plan_collectives(comms: Sequence[tuple[str, Comm]], devices: Devices, ratios: Any) -> dict[str, str]:
+    """tensor -> "padded" | "grouped" for every tensor with an uneven all-gather or reduce-scatter
+    in the program (`Program.comms`, their algorithms chosen per message by the search). The
+    runtime takes one mode per tensor (`plait.runtime.spmd_program`); where a tensor's messages
+    were given different ones (its forward all-gather grouped, its gradient's reduce-scatter
+    padded), the mode with the least total time of that tensor's messages at `ratios` (the
+    segments' mean when there are several) is written."""
+    r = np.asarray(ratios, dtype=float)
+    r = r.mean(axis=0) if r.ndim == 2 else r
+    r = r / r.sum()
+    found: dict[str, list[Comm]] = {}
+    for _, c in comms:
+        if c.op in _MODED and c.algorithm in ("padded", "grouped"):
+            found.setdefault(c.tensor, []).append(c)
+    out: dict[str, str] = {}
+    for t, cs in found.items():
+        modes = {c.algorithm for c in cs}
+        if len(modes) == 1:
+            out[t] = modes.pop()
+            continue
+        cost = {m: sum(comm_seconds(Comm(c.op, c.tensor, c.nbytes, c.phase, c.dim, c.group, m), devices, r)
+                       for c in cs) for m in ("padded", "grouped")}
+        out[t] = min(cost, key=cost.__getitem__)
+    return out
 
 
 def program_plan(strategies: dict[str, Strategy], ratios: Any, batch: int, *, model: str | None = None,

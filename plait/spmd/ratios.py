@@ -199,7 +199,8 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     """The ratios minimising `program`'s time, within each device's memory; None if it cannot fit.
 
     One ratio vector per segment (`segs`; default: one for the whole program). Variables
-    ``[r_gi (g-major), t_j, m_g]``; HiGHS through `scipy.optimize.linprog`. When the time does not
+    ``[r_gi (g-major), t_j, m_g]`` (one t_j per group of proportional sharded ops, `_op_directions`);
+    HiGHS through `scipy.optimize.linprog`. When the time does not
     depend on the ratios (nothing sharded) and `start` fits, `start` is kept rather than an
     arbitrary vertex of the LP."""
     devices = problem.devices
@@ -218,46 +219,45 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
         g = _comm_segment(comm, segs)
         if g is not None:
             slope[g] += b * w
-    n_t = len(split)
-    if start is not None and n_t == 0 and not slope.any():
+    if start is not None and not split and not slope.any():
         mem = memory.on(start) if memory is not None else np.zeros(n)
         if memory is None or np.all(mem <= devices.memory):
             return RatioSolution(np.asarray(start, dtype=float), constant, mem, np.tile(start, (G, 1)), segs)
+    seg_of, work, scale = _op_directions(problem, split, segs)
+    n_t = len(seg_of)
     n_r = G * n
     n_var = n_r + n_t + G
     c = np.zeros(n_var)
-    c[n_r:n_r + n_t] = 1.0
+    c[n_r:n_r + n_t] = scale
     c[n_r + n_t:] = slope
     # the constraint matrix is sparse (two entries per row, G per memory row): built as COO for HiGHS
-    ri: list[int] = []
-    ci: list[int] = []
-    vals: list[float] = []
-    rhs: list[float] = []
-
-    def add_row(entries: list[tuple[int, float]], bound: float) -> None:
-        r_ = len(rhs)
-        for col, v in entries:
-            ri.append(r_)
-            ci.append(col)
-            vals.append(v)
-        rhs.append(bound)
-
-    for j, k in enumerate(split):  # r_gi w_ik - t_j <= 0, g the op's segment
-        g = segs.of_op.get(ops[k].name, 0)
-        for i in range(n):
-            add_row([(g * n + i, float(problem.work[k][i])), (n_r + j, -1.0)], 0.0)
-    for g in range(G):  # r_gi - m_g <= 0
-        for i in range(n):
-            add_row([(g * n + i, 1.0), (n_r + n_t + g, -1.0)], 0.0)
+    dev = np.arange(n)
+    # r_gi w_ik - t_j <= 0, g the op's segment: rows j * n + i
+    rows_t = np.arange(n_t * n)
+    ri = [rows_t, rows_t]
+    ci = [(seg_of[:, None] * n + dev[None, :]).ravel(), np.repeat(n_r + np.arange(n_t), n)]
+    vals = [work.ravel(), np.full(n_t * n, -1.0)]
+    rhs = [np.zeros(n_t * n)]
+    # r_gi - m_g <= 0: rows n_t n + g n + i
+    rows_m = n_t * n + np.arange(G * n)
+    ri += [rows_m, rows_m]
+    ci += [np.arange(G * n), n_r + n_t + np.repeat(np.arange(G), n)]
+    vals += [np.ones(G * n), -np.ones(G * n)]
+    rhs.append(np.zeros(G * n))
     if memory is not None:  # sum_g r_gi S_g <= capacity_i - overhead - R
         per_seg = memory.by_segment if G > 1 else {0: memory.sharded}
-        for i in range(n):
-            add_row([(g * n + i, float(nbytes)) for g, nbytes in per_seg.items()],
-                    float(devices.memory[i] - memory.overhead - memory.replicated))
-    A_ub = sparse.coo_matrix((vals, (ri, ci)), shape=(len(rhs), n_var)).tocsr()
+        base = (n_t + G) * n
+        for g, nbytes in per_seg.items():
+            ri.append(base + dev)
+            ci.append(g * n + dev)
+            vals.append(np.full(n, float(nbytes)))
+        rhs.append(np.asarray(devices.memory, dtype=float) - memory.overhead - memory.replicated)
+    b_ub = np.concatenate(rhs)
+    A_ub = sparse.coo_matrix((np.concatenate(vals), (np.concatenate(ri), np.concatenate(ci))),
+                             shape=(len(b_ub), n_var)).tocsr()
     eq = sparse.coo_matrix((np.ones(G * n), (np.repeat(np.arange(G), n), np.arange(G * n))), shape=(G, n_var))
     bounds = [(min_ratio, 1.0)] * n_r + [(0.0, None)] * (n_t + G)
-    result = linprog(c, A_ub=A_ub, b_ub=np.array(rhs), A_eq=eq.tocsr(), b_eq=np.ones(G), bounds=bounds,
+    result = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=eq.tocsr(), b_eq=np.ones(G), bounds=bounds,
                      method="highs")
     if result.status != 0:
         return None
@@ -269,6 +269,38 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     mean = (weight @ by_segment) / weight.sum() if weight.sum() > 0 else by_segment.mean(axis=0)
     mem = (memory.on(by_segment) if G > 1 else memory.on(by_segment[0])) if memory is not None else np.zeros(n)
     return RatioSolution(mean, float(result.fun) + constant, mem, by_segment, segs)
+
+
+def _op_directions(problem: Problem, split: list[int], segs: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sharded ops' rows of the LP, merged where exact: ops of one segment whose work vectors
+    are proportional (``w_k = c_k u``: every compute-bound op of a kind, every memory-bound one)
+    have ``sum_k max_i r_i w_ik = (sum_k c_k) max_i r_i u_i``, so one variable ``t >= r_i u_i``
+    with cost ``sum_k c_k`` stands for all of them (the same LP, a fraction of its rows).
+    Returns (segment, unit work vector ``u`` (max 1), ``sum c``) per merged row."""
+    ops = problem.graph.ops
+    rows: dict[tuple, int] = {}
+    seg: list[int] = []
+    units: list[np.ndarray] = []
+    scale: list[float] = []
+    for k in split:
+        w = np.asarray(problem.work[k], dtype=float)
+        top = float(np.max(w))
+        if top <= 0:
+            continue  # no work on any device: no term
+        u = w / top
+        g = segs.of_op.get(ops[k].name, 0)
+        key = (g, u.round(12).tobytes())
+        j = rows.get(key)
+        if j is None:
+            rows[key] = len(seg)
+            seg.append(g)
+            units.append(u)
+            scale.append(top)
+        else:
+            scale[j] += top
+    n = problem.devices.n
+    return (np.array(seg, dtype=int), np.array(units, dtype=float).reshape(len(seg), n),
+            np.array(scale, dtype=float))
 
 
 @dataclass
@@ -369,12 +401,14 @@ def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str
     Where the graph has overrun the exact search, the searches that only find out whether a
     forced set fits run the beam at width `PROBE_WIDTH`, and the set that fits is searched once
     more at full width (the memory rows decide on the narrow beam's program, the cost on the
-    full one's)."""
+    full one's). The first search of a call is at full width: most rounds need no more forced
+    parameters than they start with (`carried` fitted the last round), and a probe would only
+    confirm it (the full program's memory rows decide then); probes start once the set grows."""
     params = sorted(_shardable_params(problem), key=lambda t: -problem.graph.tensors[t].numel)
     forced: set[str] = set(carried) & set(params)
     expanded = 0
     w_b, g_b, k_b = state_bytes_per_param(dtype, optimizer)
-    probe = memory and budget[0] == 0
+    probe = False
     while True:
         restricted = _forbid_replicated(problem, forced) if forced else problem
         program = _search(restricted, r / r.sum(), heuristic, budget, PROBE_WIDTH if probe else BEAM_WIDTH)

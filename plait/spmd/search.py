@@ -25,10 +25,12 @@ enumeration of the tests and the ratio LP all count the same costs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -147,12 +149,17 @@ _grad_home = grad_home  # one rule, shared with the runtime's per-rank programs
 
 class _Times:
     """Per-search caches at fixed ratios: compute of (op, strategy); each collective's algorithm
-    (chosen per message, `plait.spmd.cost.choose`) and time."""
+    (chosen per message, `plait.spmd.cost.choose`), time and weighted time; each (op, strategy)'s
+    inputs as `step` walks them."""
 
     def __init__(self, problem: Problem, ratios: np.ndarray) -> None:
         self.problem, self.ratios = problem, ratios
         self.compute: dict[tuple[int, bool], float] = {}
-        self.comm: dict[Comm, tuple[Comm, float]] = {}
+        self.comm: dict[Comm, tuple[Comm, float]] = _shared_comm_times(problem, ratios)
+        # id(comm) -> (comm, chosen comm, weighted seconds): `conversion` hands out the same Comm
+        # objects, and an identity lookup skips hashing the dataclass (the entry keeps it alive)
+        self.by_id: dict[int, tuple[Comm, Comm, float]] = {}
+        self.walks: dict[tuple[int, int], tuple] = {}
 
     def of_compute(self, k: int, splits: bool) -> float:
         key = (k, splits)
@@ -167,6 +174,49 @@ class _Times:
             hit = self.comm[c] = choose(c, self.problem.devices, self.ratios, self.problem.collectives)
         return hit
 
+    def weighted(self, c: Comm) -> tuple[Comm, float]:
+        """`of_comm`'s chosen collective and its seconds times `Problem.weight`."""
+        hit = self.by_id.get(id(c))
+        if hit is None or hit[0] is not c:
+            chosen, t = self.of_comm(c)
+            hit = self.by_id[id(c)] = (c, chosen, t * self.problem.weight(c))
+        return hit[1], hit[2]
+
+    def walk(self, k: int, strategy: Strategy) -> tuple:
+        """(tensor, placement, needs grad, last read, placements later readers may ask for or None,
+        bytes) per distinct input of op `k` under `strategy`."""
+        key = (k, id(strategy))
+        hit = self.walks.get(key)
+        if hit is None or hit[0] is not strategy:
+            p = self.problem
+            op = p.graph.ops[k]
+            left = p.remaining_reads[k]
+            wanted = p.future_needs[k] if p.future_needs else None
+            items = tuple((t, q, p.needs_grad[t], left.get(t, 0) == 0,
+                           None if wanted is None else wanted.get(t, frozenset()), p.nbytes[t])
+                          for t, q in dict.fromkeys(zip(op.inputs, strategy.inputs)))
+            outs = tuple((t, q) for t, q in zip(op.outputs, strategy.outputs) if left.get(t, 0) > 0)
+            hit = self.walks[key] = (strategy, items, outs)
+        return hit[1], hit[2]
+
+
+_NOTHING: frozenset = frozenset()
+# (devices, collective choice, ratios) -> {comm: (chosen comm, seconds)}, the last few: the searches
+# of one synthesis round (probe and full width, forced parameters, overlap weights) share them
+_COMM_TIMES: dict[tuple, tuple[Devices, dict[Comm, tuple[Comm, float]]]] = {}
+
+
+def _shared_comm_times(problem: Problem, ratios: np.ndarray) -> dict[Comm, tuple[Comm, float]]:
+    key = (id(problem.devices), problem.collectives, np.asarray(ratios, dtype=float).tobytes())
+    hit = _COMM_TIMES.get(key)
+    if hit is not None and hit[0] is problem.devices:
+        return hit[1]
+    while len(_COMM_TIMES) >= 8:
+        _COMM_TIMES.pop(next(iter(_COMM_TIMES)))
+    table: dict[Comm, tuple[Comm, float]] = {}
+    _COMM_TIMES[key] = (problem.devices, table)
+    return table
+
 
 def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
          ratios: np.ndarray, times: _Times | None = None) -> tuple[float, float, list[Comm], dict[str, Live]] | None:
@@ -174,50 +224,48 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
     when some input cannot be converted to the placement the strategy needs."""
     graph = problem.graph
     times = times or _Times(problem, ratios)
-    op = graph.ops[k]
-    last = k == len(graph.ops) - 1
+    items, outs = times.walk(k, strategy)
+    sharded = strategy.sharded
     new = dict(live)
     comms: list[Comm] = []
-    left = problem.remaining_reads[k]
-    wanted = problem.future_needs[k] if problem.future_needs else None
-    nbytes = problem.nbytes
-    for t, q in dict.fromkeys(zip(op.inputs, strategy.inputs)):
-        if t in new:
-            origin, given = new[t]
+    for t, q, needs_grad, dropped, need, nbytes in items:
+        entry = new.get(t)
+        if entry is not None:
+            origin, given = entry
         else:  # a parameter or input, first read: stored as this reader wants it (sliced for free)
-            origin, given = (REPLICATED if q == PARTIAL else q), frozenset()
+            origin, given = (REPLICATED if q == PARTIAL else q), _NOTHING
         if q != origin and all(p != q for p, _ in given):
-            conv = conversion(origin, q, t, nbytes[t])
+            conv = conversion(origin, q, t, nbytes)
             if conv is None:
                 return None
             comms.extend(conv)
-        if problem.needs_grad[t] and (q, strategy.sharded) not in given:
-            back = conversion(grad_placement(q, strategy.sharded), _grad_home(origin), t, nbytes[t], "bwd")
+        mine = (q, sharded)
+        if needs_grad and mine not in given:
+            back = conversion(grad_placement(q, sharded), _grad_home(origin), t, nbytes, "bwd")
             if back is None:
                 return None
             comms.extend(back)
-        if left.get(t, 0) == 0:
+        if dropped:
             new.pop(t, None)
             continue
-        given = given | {(q, strategy.sharded)}
-        if wanted is not None:  # forget what no later reader can ask for
-            need = wanted.get(t, ())
-            given = frozenset(g for g in given if g[0] in need)
+        if need is not None:  # forget what no later reader can ask for
+            given = frozenset(g for g in (*given, mine) if g[0] in need)
+        else:
+            given = given | {mine}
         new[t] = (origin, given)
-    for t, p in zip(op.outputs, strategy.outputs):
-        if left.get(t, 0) > 0:
-            new[t] = (p, frozenset())
-    if last:  # the loss reads every output whole: partial sums are reduced
-        for t, p in zip(op.outputs, strategy.outputs):
-            new.setdefault(t, (p, frozenset()))
+    for t, p in outs:
+        new[t] = (p, _NOTHING)
+    if k == len(graph.ops) - 1:  # the loss reads every output whole: partial sums are reduced
+        for t, p in zip(graph.ops[k].outputs, strategy.outputs):
+            new.setdefault(t, (p, _NOTHING))
         for t in graph.outputs:
             if t in new and new[t][0] == PARTIAL:
                 comms.append(Comm("all_reduce", t, graph.tensors[t].nbytes))
     compute = times.of_compute(k, strategy.splits_work)
     communication = 0.0
     for i, c in enumerate(comms):
-        comms[i], t = times.of_comm(c)
-        communication += t * problem.weight(c)
+        comms[i], t = times.weighted(c)
+        communication += t
     return compute, communication, comms, new
 
 
@@ -225,9 +273,29 @@ def _key(k: int, live: dict[str, Live]) -> tuple:
     return k, tuple(sorted(live.items()))
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused: a search allocates hundreds of thousands of states
+    (dicts, tuples, frozensets -- no reference cycles), and every few hundred allocations the
+    collector would walk them, with the captured graph and torch, again (a third of the exact
+    search's time on BERT-MoE)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def search(problem: Problem, ratios: Sequence[float], *, heuristic: bool = True,
            max_states: int = 2_000_000) -> Program:
     """The cheapest program at these `ratios`: A* (`heuristic`) or uniform-cost search."""
+    with _no_gc():
+        return _astar(problem, ratios, heuristic, max_states)
+
+
+def _astar(problem: Problem, ratios: Sequence[float], heuristic: bool, max_states: int) -> Program:
     r = _check_ratios(ratios, problem.devices)
     n = len(problem.graph.ops)
     lower = _lower_bounds(problem, r) if heuristic else [0.0] * (n + 1)
@@ -268,6 +336,11 @@ def beam_search(problem: Problem, ratios: Sequence[float], width: int = 64) -> P
     """A program found by keeping, after each op, the `width` states of least ``g + h``: not
     optimal in general (`Program.optimal` is False), but linear in the graph's size, for graphs
     whose exact search exceeds its state budget."""
+    with _no_gc():
+        return _beam(problem, ratios, width)
+
+
+def _beam(problem: Problem, ratios: Sequence[float], width: int) -> Program:
     r = _check_ratios(ratios, problem.devices)
     lower = _lower_bounds(problem, r)
     level: list[tuple[float, dict[str, Live], tuple | None]] = [(0.0, {}, None)]
