@@ -72,7 +72,10 @@ b91bfd4d, Sept. 2023), which set no checkpoint interval for ``--recompute-granul
 (only ``--checkpoint-activations`` did): 5.19 / 5.25 (with ``--nccl-tests``: 5.18 / 5.26; GEMM
 0.77, HBM 0.64 of peak); vTrain's rule that the last pipeline stage does not recompute
 (src/predictor.py): 6.48 / 6.50; the host running ahead of the GPU across tensor-parallel
-collectives (NCCL calls do not block the host): 5.74 / 5.84. Two facts in the data bound any such
+collectives (NCCL calls do not block the host): 5.74 / 5.84; 64-wide instead of 128-wide output
+tiles in the wave model (cuBLAS also picks smaller tiles): full recompute 5.31 / 5.35 with the
+GEMM and HBM efficiencies pinned at their ceilings, recompute none 5.12 / 5.15 (per-kernel time at
+its 30 us bound). Two facts in the data bound any such
 model: (a) at h = 2048, tp = 1, micro-batch 4 the measured layer (8.78 ms) is faster than the GPU
 floor of a layer with its forward recomputed (8.86 ms: every GEMM at 0.859 of peak with no wave
 quantisation, every streaming kernel at 0.9 of HBM, no per-kernel, host or collective time); (b)
