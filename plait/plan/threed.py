@@ -17,10 +17,11 @@ GPUs:
    configuration are pruned for the same reason without asking again.
 3. **Rank** the survivors with a cheap analytic model (Pipette's 1F1B formula
    ``(M-1)*max_p t_p + sum_p t_p`` over per-layer compute times, plus the path-model
-   communication of `plait.plan.placement`), keep the best `finalists`, place each
-   finalist's ranks with simulated annealing, and rank those by the `evaluate` function the
-   search driver hands in (`plait.search`: the simulator) -- the number plait reports. This
-   module never imports the simulator: planners sit below it (docs/DESIGN.md).
+   communication of `plait.plan.placement`) at each candidate's placed order -- its ranks
+   placed by simulated annealing, once per shape and kind layout, in lower-bound order -- keep
+   the best `finalists`, and rank those by the `evaluate` function the search driver hands in
+   (`plait.search`: the simulator) -- the number plait reports. This module never imports the
+   simulator: planners sit below it (docs/DESIGN.md).
 """
 
 from __future__ import annotations
