@@ -3,6 +3,7 @@
     python bench/unified.py                 # every case
     python bench/unified.py --quick         # the small cases only, fewer finalists
     python bench/unified.py --json
+    python bench/unified.py --json-out unified.json   # the table, and the JSON in a file
 
 For each case (model, cluster, global batch) the bench runs `plait.search.plan(..., families=
 "all")` -- every registered family (`plait.search.FAMILIES`: "3d" always; "graph" and "spmd"
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--finalists", type=int, default=12)
     ap.add_argument("--no-exhaustive", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json-out", metavar="FILE", help="also write the --json object to FILE (one run, both outputs)")
     args = ap.parse_args(argv)
 
     from plait.search import FAMILIES
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                                         default=None),
         "max_search_s": max(r["search_s"] for r in rows),
     }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     if args.json:
         print(json.dumps({"summary": summary, "rows": rows}, indent=1))
         return 0
