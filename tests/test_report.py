@@ -217,6 +217,29 @@ def test_prediction_for_this_machine_is_shown_and_compared(tmp_path):
     assert load(run).machine is None  # a newer file: said in the notes, the page still written
 
 
+@pytest.mark.parametrize("family, model, cluster, batch", [
+    ("graph", "mmt:branches=2,layers=2,hidden=64,heads=4,seq=16,in_dim=16,dropout=0,attn_dropout=0",
+     "a100-80g:nodes=1,gpus_per_node=4", "32"),
+    ("spmd", "bert:layers=1,hidden=32,heads=4,seq=8,vocab=64,dropout=0,attn_dropout=0",
+     "emulated-mixed:gpus_per_node=1", "8"),
+])
+def test_one_family_search_writes_the_search_file_too(tmp_path, capsys, family, model, cluster, batch):
+    """`plait plan --family graph|spmd --out` writes `PLAN.search.json` as the default search does:
+    one row, the family's pick, naming the plan written beside it; the report of a graph plan shows it."""
+    from plait.search.summary import read_summary
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--family", family, "--model", model, "--cluster", cluster, "--global-batch", batch,
+                 "--out", str(out)]) == 0
+    saved = read_summary(tmp_path / "plan.search.json")
+    assert [(r["family"], r["status"]) for r in saved["families"]] == [(family, "picked")]
+    assert saved["picked"]["plan"] == saved["families"][0]["best_plan"] == str(Plan.load(out))
+    assert saved["picked"]["iteration_time_s"] > 0 and saved["families"][0]["margin_bytes"] > 0
+    assert "plan.search.json" in capsys.readouterr().out
+    if family == "graph":  # (the report simulates a plan from an OpGraph; an SPMD plan needs the aten ops)
+        assert load(out, model, cluster).search is not None
+
+
 def test_unified_search_file_gives_the_per_family_table(tmp_path, capsys):
     """`plait plan --out` writes each family's best beside the plan; the report of that plan shows
     it as the search section (picked family first in the text, declined families with their

@@ -53,3 +53,37 @@ def test_single_family_is_its_own_result_and_errors_are_clear(families):
         plan(MODEL, CLUSTER, global_batch=8, simulate=False, families="never", finalists=3)
     res = plan(MODEL, CLUSTER, global_batch=8, simulate=False, families="3d", finalists=2)
     assert res.families == {} and res.best.family == "3d"
+
+
+# two servers that each mix 2 A100s and 2 T4s, joined by 10 Gb/s Ethernet (bench/data/
+# mixed_2node_slow.yaml at half size): a kind layout's start order puts the first and last
+# pipeline stages (the tied embedding) on different servers, which placement then avoids
+SLOW_MIXED = """
+name: a100t4x2-slow-test
+nodes:
+  - name: m0
+    gpus: [{kind: a100-40gb, count: 2}, {kind: t4, count: 2}]
+    intra: {type: pcie, bandwidth: 12 GB/s, latency: 5 us}
+    nic: {type: ethernet, bandwidth: 10 Gb/s, latency: 25 us}
+  - name: m1
+    gpus: [{kind: a100-40gb, count: 2}, {kind: t4, count: 2}]
+    intra: {type: pcie, bandwidth: 12 GB/s, latency: 5 us}
+    nic: {type: ethernet, bandwidth: 10 Gb/s, latency: 25 us}
+"""
+
+
+def test_finalists_are_the_exhaustive_placed_ranking_best():
+    """The driver against brute force: the 3D family's finalists are chosen on their placed
+    orders (the orders they are simulated at), so the bounded search's best plans are the best of
+    every candidate placed and timed -- plan, order and seconds equal. Ranking on the layouts'
+    unplaced start orders (before the fix) missed the best plan here: its start order sent the
+    tied embedding's gradients across the 10 Gb/s link."""
+    from plait.cluster import parse_yaml_text
+
+    cluster = parse_yaml_text(SLOW_MIXED)
+    model = "gpt:layers=8,hidden=1024,heads=16,seq=512,vocab=50257"
+    opts = {"global_batch": 16, "simulate": False, "placement_iterations": 300}
+    full = plan(model, cluster, top=10_000, finalists=None, **opts)
+    res = plan(model, cluster, top=2, finalists=2, **opts)
+    assert [(c.analytic_s, str(c.plan)) for c in res.top] == [(c.analytic_s, str(c.plan)) for c in full.top[:2]]
+    assert full.top[0].plan.device_order is not None  # the best plan is a placed one

@@ -199,7 +199,10 @@ def _run_graph(args: argparse.Namespace) -> int:
     result = plan(args.model, args.cluster, global_batch=args.global_batch, top=args.top, family="graph",
                   runnable=args.run, memory_kwargs=memory_kwargs_of(args))
     if args.out:
+        from plait.search.summary import search_path, write_summary
+
         result.best.plan.save(args.out)
+        write_summary(result, search_path(args.out))  # as the default search writes it
     measured = _run(args, result) if args.run else None
     if args.json:
         out = result.to_dict()
@@ -250,7 +253,10 @@ def _run_graph(args: argparse.Namespace) -> int:
                   f"{_ms(bound['critical_path'])}, plus the optimizer step {_ms(bound['optimizer'])}); "
                   f"optimality gap {ex['optimality_gap'] * 100:.0f} %")
     if args.out:
-        console.print(f"best plan written to [bold]{args.out}[/] (plait simulate --plan {args.out})")
+        from plait.search.summary import search_path
+
+        console.print(f"best plan written to [bold]{args.out}[/] (plait simulate --plan {args.out}); the search "
+                      f"to {search_path(args.out)} (plait report)")
     if measured is not None:
         _print_run(measured, console)
     return 0

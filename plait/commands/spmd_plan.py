@@ -105,6 +105,23 @@ def summary(choice: SpmdChoice) -> dict[str, Any]:
     }
 
 
+def search_result(choice: SpmdChoice, seconds: float) -> Any:
+    """The program as the search driver's one-family result (`plait.search.spmd_family`'s shape:
+    one candidate timed by the synthesis's cost), for the search file `plait report` reads."""
+    from plait.plan.threed import Candidate, PlanResult
+
+    syn = choice.synthesis
+    peaks = [int(x) for x in syn.memory]
+    free: dict[str, int] = {}
+    for d, peak in zip(choice.cluster.devices, peaks):  # a program uses every device
+        free[d.kind.name] = min(free.get(d.kind.name, d.kind.memory_bytes), d.kind.memory_bytes - peak)
+    cand = Candidate(plan=choice.plan, analytic_s=float(syn.cost), family="spmd", peak_bytes=peaks,
+                     headroom_by_kind=free, throughput=choice.plan.global_batch / float(syn.cost))
+    return PlanResult(model=choice.model, cluster=choice.cluster.name, global_batch=choice.plan.global_batch,
+                      world_size=choice.cluster.num_devices, top=[cand], enumerated=1, memory_checked=1,
+                      ranked_analytic=1, search_time_s=seconds, ranker="analytic", family="spmd")
+
+
 # ----------------------------------------------------------------------------- this machine
 @dataclass
 class OneRank:
@@ -308,10 +325,14 @@ def run(args: argparse.Namespace) -> int:
     from plait.errors import check_output_path
 
     check_output_path(args.out, "--out")
+    t0 = time.perf_counter()
     choice = synthesize_plan(args.model, args.cluster, args.global_batch, dtype=args.dtype,
                              optimizer=args.optimizer, max_states=args.max_states)
     if args.out:
+        from plait.search.summary import search_path, write_summary
+
         choice.plan.save(args.out)
+        write_summary(search_result(choice, time.perf_counter() - t0), search_path(args.out))
     info = summary(choice)
     measured = run_both(args, choice) if args.run else None
     if args.json:
@@ -357,7 +378,10 @@ def _print(info: dict[str, Any], choice: SpmdChoice, measured: dict[str, Any] | 
                   f"synthesis {info['synthesis_s']:.1f} s, {info['states_expanded']} states"
                   f"{'' if info['optimal_search'] else ' (beam search past the state budget)'}")
     if args.out:
-        console.print(f"plan written to [bold]{args.out}[/] (plait run --model '{info['model']}' --plan {args.out})")
+        from plait.search.summary import search_path
+
+        console.print(f"plan written to [bold]{args.out}[/] (plait run --model '{info['model']}' --plan {args.out}); "
+                      f"the search to {search_path(args.out)} (plait report)")
     if measured is None:
         return
     console.print(f"\n[bold]plait run[/] on this machine ({measured['ranks']} ranks, {measured['cpus']} CPUs; "

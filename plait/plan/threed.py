@@ -17,10 +17,11 @@ GPUs:
    configuration are pruned for the same reason without asking again.
 3. **Rank** the survivors with a cheap analytic model (Pipette's 1F1B formula
    ``(M-1)*max_p t_p + sum_p t_p`` over per-layer compute times, plus the path-model
-   communication of `plait.plan.placement`), keep the best `finalists`, place each
-   finalist's ranks with simulated annealing, and rank those by the `evaluate` function the
-   search driver hands in (`plait.search`: the simulator) -- the number plait reports. This
-   module never imports the simulator: planners sit below it (docs/DESIGN.md).
+   communication of `plait.plan.placement`) at each candidate's placed order -- its ranks
+   placed by simulated annealing, once per shape and kind layout, in lower-bound order -- keep
+   the best `finalists`, and rank those by the `evaluate` function the search driver hands in
+   (`plait.search`: the simulator) -- the number plait reports. This module never imports the
+   simulator: planners sit below it (docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -594,11 +595,11 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                           f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
 
     # ---- analytic first pass, then place and simulate the finalists
-    _rank_analytic(kept, analytic, finalists if fast else None, bar)
+    placer = _Placer(analytic, cluster_obj, seed, placement_iterations, fast) if placement else None
+    _rank_analytic(kept, analytic, finalists if fast else None, bar, placer)
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
-    _place_and_rank(chosen, graph, cluster_obj, analytic, mem, evaluate, gb, bar,
-                    placement, seed, placement_iterations, fast)
+    _place_and_rank(chosen, graph, analytic, mem, evaluate, gb, bar)
     # Near-ties go to the plan with fewer moving parts: each ZeRO stage or recompute level must
     # buy 0.2 % to be preferred (a tiny model's ZeRO-3 "wins" by 0.07 % of optimizer time, far
     # inside the simulator's error, at the price of a harder run).
@@ -615,14 +616,23 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                       ranker="simulator" if evaluate is not None else "analytic")
 
 
-def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: int | None, bar: Progress) -> None:
+def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: int | None, bar: Progress,
+                   place: _Placer | None = None) -> None:
     """Every candidate's analytic time, or -- with `finalists` -- enough of them to know the
     best `finalists` exactly: candidates are timed in order of their lower bound (compute +
     optimizer, `AnalyticModel.lower_bound`), and once a bound exceeds the `finalists`-th best
     time so far, that candidate and every later one cannot be a finalist; they keep an
-    infinite time (never chosen, never shown) and their communication is never priced."""
+    infinite time (never chosen, never shown) and their communication is never priced.
+
+    With `place`, each candidate is timed at its placed order (`_Placer`: one annealed placement
+    per shape and kind layout), the order it is simulated at -- a layout's start order can put
+    a tied embedding's two stages or a data-parallel group across a slow link that placement
+    then avoids, so ranking unplaced orders drops plans whose placed time is the best. Placement
+    keeps every rank's GPU kind, so the bound (compute + optimizer) holds for the placed plan;
+    shapes are placed in bound order, so each shape gets the same placement whether the
+    ranking is bounded or exhaustive."""
     bar.start("analytic", len(kept))
-    if finalists is None:
+    if finalists is None and place is None:
         for c in kept:
             c.analytic_s = analytic.estimate(c.plan)
             bar.advance(1)
@@ -632,16 +642,43 @@ def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: in
     bounds = [analytic.lower_bound(p) for p in parts]
     best: list[float] = []  # max-heap (negated) of the `finalists` smallest times so far
     for n, i in enumerate(sorted(range(len(kept)), key=bounds.__getitem__)):
-        if len(best) == finalists and bounds[i] > -best[0]:
+        if finalists is not None and len(best) == finalists and bounds[i] > -best[0]:
             bar.advance(len(kept) - n)  # every later bound is at least this one
             break
+        if place is not None:
+            place(kept[i])
         t = kept[i].analytic_s = analytic.estimate(kept[i].plan, parts[i])
-        if len(best) < finalists:
+        if finalists is not None and len(best) < finalists:
             heapq.heappush(best, -t)
-        elif t < -best[0]:
+        elif finalists is not None and t < -best[0]:
             heapq.heapreplace(best, -t)
         bar.advance(1)
     bar.stop()
+
+
+class _Placer:
+    """Places candidates: one annealed placement (`_place`) per shape and kind layout
+    (dp, tp, pp, layout), found for the first candidate of that shape it is asked to place (the
+    ranking asks in lower-bound order) and shared by the shape's other candidates."""
+
+    def __init__(self, analytic: AnalyticModel, cluster: Cluster, seed: int, iterations: int | None,
+                 fast: bool) -> None:
+        self.analytic, self.cluster, self.seed, self.iterations, self.fast = analytic, cluster, seed, iterations, fast
+        self.placements: dict[tuple, PlacementResult] = {}
+
+    def __call__(self, c: Candidate) -> None:
+        if c.placement is not None or c.plan.world_size <= 1:
+            return
+        key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
+        res = self.placements.get(key)
+        if res is None:
+            res = self.placements[key] = _place(self.analytic.path_model(c.plan), self.cluster, c.plan, self.seed,
+                                                self.iterations, self.fast)
+        c.placement = res
+        if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
+            c.plan = dataclasses.replace(c.plan, device_order=res.order[: c.plan.world_size])
+            if c.plan.device_order == list(range(c.plan.world_size)):
+                c.plan = dataclasses.replace(c.plan, device_order=None)
 
 
 class _MemoryFilter:
@@ -762,26 +799,12 @@ def _runnable(kept: list[Candidate], supports: Callable[[Plan], tuple[bool, str]
     return runnable
 
 
-def _place_and_rank(chosen: list[Candidate], graph: OpGraph, cluster: Cluster, analytic: AnalyticModel,
-                    mem: _MemoryFilter, evaluate: Evaluate | None, gb: int, bar: Progress,
-                    placement: bool, seed: int, iterations: int | None, fast: bool = True) -> None:
-    """Place each finalist (one placement per shape and kind layout, for the traffic of its best
-    finalist), fill its memory figures and time it: by `evaluate` when given, else analytically."""
-    placements: dict[tuple, PlacementResult] = {}
+def _place_and_rank(chosen: list[Candidate], graph: OpGraph, analytic: AnalyticModel, mem: _MemoryFilter,
+                    evaluate: Evaluate | None, gb: int, bar: Progress) -> None:
+    """Fill each finalist's memory figures and time it (placed by the ranking, `_rank_analytic`):
+    by `evaluate` when given, else analytically."""
     bar.start("simulate", len(chosen))
     for c in chosen:
-        if placement and c.plan.world_size > 1:
-            key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
-            res = placements.get(key)
-            if res is None:
-                res = _place(analytic.path_model(c.plan), cluster, c.plan, seed, iterations, fast)
-                placements[key] = res
-            c.placement = res
-            if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
-                c.plan = dataclasses.replace(c.plan, device_order=res.order[: c.plan.world_size])
-                if c.plan.device_order == list(range(c.plan.world_size)):
-                    c.plan = dataclasses.replace(c.plan, device_order=None)
-                c.analytic_s = analytic.estimate(c.plan)
         c.peak_bytes = mem.device_peaks(c.plan).tolist()
         c.headroom_by_kind = memory_headroom(c.peak_bytes, mem.devices, c.plan)
         if evaluate is not None:
