@@ -225,7 +225,7 @@ def test_prediction_for_this_machine_is_shown_and_compared(tmp_path):
 ])
 def test_one_family_search_writes_the_search_file_too(tmp_path, capsys, family, model, cluster, batch):
     """`plait plan --family graph|spmd --out` writes `PLAN.search.json` as the default search does:
-    one row, the family's pick, naming the plan written beside it; the report of a graph plan shows it."""
+    one row, the family's pick, naming the plan written beside it; the report of either plan shows it."""
     from plait.search.summary import read_summary
 
     out = tmp_path / "plan.json"
@@ -236,8 +236,14 @@ def test_one_family_search_writes_the_search_file_too(tmp_path, capsys, family, 
     assert saved["picked"]["plan"] == saved["families"][0]["best_plan"] == str(Plan.load(out))
     assert saved["picked"]["iteration_time_s"] > 0 and saved["families"][0]["margin_bytes"] > 0
     assert "plan.search.json" in capsys.readouterr().out
-    if family == "graph":  # (the report simulates a plan from an OpGraph; an SPMD plan needs the aten ops)
-        assert load(out, model, cluster).search is not None
+    data = load(out, model, cluster)  # the report of either plan: its search, prediction and memory margin
+    assert data.search is not None and data.predicted_s > 0
+    assert data.memory_margin is not None and data.memory_margin[0] > 0
+    if family == "spmd":  # every program rank holds the whole model; the traffic matrix says it is not drawn
+        assert sorted(data.roles) == sorted(Plan.load(out).device_of(r) for r in range(Plan.load(out).world_size))
+        assert data.traffic is None and any("SPMD program" in n for n in data.notes)
+        html = render(data)
+        assert "What the SPMD program keeps on each GPU" in html
 
 
 def test_unified_search_file_gives_the_per_family_table(tmp_path, capsys):

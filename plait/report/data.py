@@ -98,7 +98,14 @@ class ReportData:
     def memory_margin(self) -> tuple[int, int] | None:
         """(least free bytes over the plan's GPUs, its device id)."""
         mem = self.sim.memory
-        if mem is None or not mem.devices:
+        if mem is None:
+            return None
+        if not hasattr(mem, "devices"):  # an SPMD program's memory (`SpmdMemory`): listed by program rank
+            if not mem.peak_bytes:
+                return None
+            r = min(range(len(mem.peak_bytes)), key=lambda i: mem.capacity_bytes[i] - mem.peak_bytes[i])
+            return int(mem.capacity_bytes[r] - mem.peak_bytes[r]), self.plan.device_of(r)
+        if not mem.devices:
             return None
         d = min(mem.devices, key=lambda i: mem.capacity_bytes[i] - mem.peak_bytes[i])
         return mem.capacity_bytes[d] - mem.peak_bytes[d], d
@@ -237,6 +244,9 @@ def _assemble(source: str, kind: str, model: str, cluster: Any, plan: Any,
     from plait.graph.resolve import resolve_model
     from plait.sim.api import simulate
 
+    notes = list(notes or [])
+    if plan.spmd is not None:  # an op-level program: simulated on the model's aten ops, not its layers
+        return _assemble_spmd(source, kind, model, cluster, plan, notes)
     graph = resolve_model(model, plan)
     sim = simulate(graph, cluster, plan)
     params = None
@@ -249,9 +259,32 @@ def _assemble(source: str, kind: str, model: str, cluster: Any, plan: Any,
         # a model file without a parameter formula: the report goes on without the count
         config = dict(graph.config or {})
     data = ReportData(source=source, kind=kind, model=model, model_config=config, cluster=cluster, plan=plan,
-                      sim=sim, params=params, notes=list(notes or []))
+                      sim=sim, params=params, notes=notes)
     data.traffic = traffic(graph, plan, cluster, data.notes)
     data.roles = roles(graph, plan)
+    return data
+
+
+def _assemble_spmd(source: str, kind: str, model: str, cluster: Any, plan: Any, notes: list[str]) -> ReportData:
+    """The report of a plan with an SPMD program (`plait plan --family spmd`): simulated by the SPMD
+    lowering (`plait.sim.api.simulate_spmd_plan`) on the model's aten ops; every rank holds the
+    whole model at its share of each op."""
+    from plait.graph.zoo import load_model
+    from plait.sim.api import simulate
+
+    sim = simulate(model, cluster, plan)
+    spec = load_model(model)
+    try:
+        params = int(spec.param_count_formula())
+    except (ValueError, TypeError, AttributeError):
+        params = None
+    notes.append("an SPMD program: its per-device traffic is not drawn (plait.cost.traffic covers 3D and graph "
+                 "plans); the timeline shows every collective")
+    data = ReportData(source=source, kind=kind, model=model, model_config=dict(spec.config), cluster=cluster,
+                      plan=plan, sim=sim, params=params, notes=notes)
+    data.roles = {plan.device_of(r): {"rank": r, "stage": 0, "replica": 0, "tp": r,
+                                      "layers": "the whole model, each op sharded by the program"}
+                  for r in range(plan.world_size)}
     return data
 
 

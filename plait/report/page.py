@@ -116,7 +116,8 @@ def summary_cards(d: ReportData) -> str:
     margin = d.memory_margin
     if margin is not None:
         free, dev = margin
-        cap = d.sim.memory.capacity_bytes[dev]
+        mem = d.sim.memory
+        cap = mem.capacity_bytes[dev] if hasattr(mem, "devices") else d.cluster.devices[dev].kind.memory_bytes
         cls = "bad" if free < 0 else "warn" if free < 0.1 * cap else "good"
         cards.append(_card("memory margin", f"{free / GiB:.1f} GiB",
                            f"least free: GPU {dev} ({c.devices[dev].kind.name}), {free / cap:.0%} of "
@@ -230,6 +231,17 @@ def memory_section(d: ReportData) -> str:
     mem = d.sim.memory
     if mem is None:
         return _section("Memory per GPU", "no memory estimate for this cluster", "", "memory")
+    if not hasattr(mem, "devices"):  # an SPMD program: one total per program rank, no breakdown
+        rows = "".join(f"<tr><td>{d.plan.device_of(r)}</td><td>{_t(name)}</td><td class='n'>{peak / GiB:.2f}</td>"
+                       f"<td class='n'>{cap / GiB:.1f}</td></tr>"
+                       for r, (name, peak, cap) in enumerate(zip(mem.names, mem.peak_bytes, mem.capacity_bytes)))
+        body = ("<table><tr><th>GPU</th><th>device</th><th>GiB held</th><th>GiB capacity</th></tr>" + rows
+                + "</table>")
+        if mem.violations:
+            body += "<ul class='notes bad'>" + "".join(f"<li>{_t(v)}</li>" for v in mem.violations) + "</ul>"
+        return _section("Memory per GPU", "What the SPMD program keeps on each GPU (parameters, gradients, "
+                        "optimizer state and activations at its shares: plait.spmd.ratios.memory_model) "
+                        "against the GPU's capacity.", body, "memory")
     devices = sorted(mem.devices)
 
     def label(ids: list[int]) -> str:
