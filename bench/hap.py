@@ -106,14 +106,15 @@ QUICK_MODELS = [
 
 
 def quick_clusters() -> list[tuple[object, str]]:
-    """Two tiny mixes: a V100 node and a P100 node at 10.4 Gb/s; an A100 + T4 node."""
+    """Two tiny mixes: a V100 node and a P100 node, one 10.4 Gb/s NIC each as on HAP's testbed (without
+    `count` the V100 node would take its server template's 4 NICs); an A100 + T4 node."""
     from plait.cluster.loader import parse_cluster
 
     hap = parse_cluster({"name": "v100x2+p100x2", "nodes": [
         {"name": "v", "gpus": {"kind": "v100-16gb", "count": 2}, "intra": {"type": "nvlink", "bandwidth": "150 GB/s"},
-         "nic": {"type": "ethernet", "bandwidth": "10.4 Gb/s", "latency": "25 us"}},
+         "nic": {"type": "ethernet", "bandwidth": "10.4 Gb/s", "latency": "25 us", "count": 1}},
         {"name": "p", "gpus": {"kind": "p100-pcie-16gb", "count": 2}, "intra": {"type": "pcie", "bandwidth": "12 GB/s"},
-         "nic": {"type": "ethernet", "bandwidth": "10.4 Gb/s", "latency": "25 us"}}]})
+         "nic": {"type": "ethernet", "bandwidth": "10.4 Gb/s", "latency": "25 us", "count": 1}}]})
     small = parse_cluster({"name": "a100+t4", "nodes": [
         {"name": "m", "gpus": [{"kind": "a100-40gb", "count": 1}, {"kind": "t4", "count": 1}],
          "intra": {"type": "pcie", "bandwidth": "12 GB/s"}}]})
