@@ -265,28 +265,14 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
     config = config or RecoveryConfig()
     detect = detect or default_detect
     say = say or (lambda text: None)
-    if config.checkpoint_every < 1:
-        raise RecoveryError(f"checkpoint_every: the recovery loop resumes from checkpoints; must be >= 1, "
-                            f"got {config.checkpoint_every}")
-    if config.max_recoveries < 0:
-        raise RecoveryError(f"max_recoveries: must be >= 0, got {config.max_recoveries}")
-    if cluster is None:
-        raise RecoveryError("recovery needs a cluster (--cluster): this machine alone has no node to isolate")
-    for bad, given in (("checkpoint_every", checkpoint.every), ("return_params", records.return_params),
-                       ("rendezvous", launch.rendezvous), ("step_records", records.step_records),
-                       ("run_dir", records.run_dir)):
-        if given:
-            raise RecoveryError(f"{bad}: set by the recovery loop, not by its caller")
+    _check_arguments(config, cluster, checkpoint, launch, records)
     original = load_cluster(cluster)
+    _check_rejoin(config, original)
     current = Plan.load(plan)
     root = Path(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / REJOIN_FILE).unlink(missing_ok=True)
     ck_dir = Path(checkpoint.dir) if checkpoint.dir is not None else root / "checkpoints"
-    unknown = sorted(set(config.rejoin_at) - {n.name for n in original.nodes})
-    if unknown:
-        raise RecoveryError(f"rejoin: no node named {', '.join(map(repr, unknown))} in cluster "
-                            f"'{original.name}' (its nodes: {', '.join(n.name for n in original.nodes)})")
     emulate_dtype = launch.emulate_dtype or training.dtype or current.dtype
     resume = checkpoint.resume
     later_faults = dataclasses.replace(faults, inject=None, comm_faults=None)  # the hardware left is sound
@@ -302,14 +288,8 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
     pending: dict[str, Any] | None = None  # the transition being timed, until the next phase trains
     while True:
         i = len(phases)
-        phase_dir = root / f"phase-{i}"
-        phase_dir.mkdir(parents=True, exist_ok=True)
-        (phase_dir / "plan.json").write_text(json.dumps(current.to_dict(), indent=1))
-        save_cluster(cl, phase_dir / "cluster.yaml")
-        start = (ckpt.latest_checkpoint(ck_dir) or (0, None))[0] if (resume or i > 0) else 0
-        phase = Phase(index=i, plan=str(current), cluster=cl.name, nodes=[n.name for n in cl.nodes],
-                      excluded=list(excluded), world_size=current.world_size, predicted_step_s=predicted,
-                      run_dir=str(phase_dir), start_step=start)
+        phase = _start_phase(i, root, ck_dir, current, cl, excluded, predicted, resume or i > 0)
+        phase_dir, start = Path(phase.run_dir), phase.start_step
         phases.append(phase)
         _write(result)
         say(f"phase {i}: {current} on {len(cl.devices)} devices ({', '.join(phase.nodes)}), from step {start}; "
@@ -318,12 +298,12 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         started = time.time()
         failure: RunFailure | None = None
         done: RunResult | None = None
+        phase_checkpoint = dataclasses.replace(checkpoint, dir=ck_dir, every=config.checkpoint_every,
+                                               resume=start > 0)
         try:
             done = run(model, cl, current, steps, training=training, launch=launch, watch=watch,
-                       checkpoint=dataclasses.replace(checkpoint, dir=ck_dir, every=config.checkpoint_every,
-                                                      resume=start > 0),
-                       records=dataclasses.replace(records, run_dir=phase_dir, step_records=True),
-                       faults=faults if i == 0 else later_faults)
+                       checkpoint=phase_checkpoint, faults=faults if i == 0 else later_faults,
+                       records=dataclasses.replace(records, run_dir=phase_dir, step_records=True))
             phase.ended = "finished"
         except RunFailure as exc:
             failure = exc
@@ -341,20 +321,11 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
             raise failure
         if watch.rejoin and failure.kind == "stopped" and watch.diagnosis is None:
             phase.ended = f"rejoin: {', '.join(watch.rejoin)}"
-            back = list(watch.rejoin)
-            excluded = [n for n in excluded if n not in back]
-            _consume(root, back)
-            for n in back:
-                rejoin_at.pop(n, None)
-            reason, nodes = "rejoin", back
+            nodes = _rejoin(list(watch.rejoin), root, rejoin_at)
+            excluded = [n for n in excluded if n not in nodes]
+            reason = "rejoin"
         else:
-            launcher = launcher_diagnosis(failure, phase_dir, current.world_size, started, rank_layout(cl, current))
-            diagnosis = watch.diagnosis or _post_mortem(detect, phase_dir, watch)
-            if not actionable(diagnosis) or (actionable(launcher) and _isolates_all(diagnosis, current, cl)):
-                diagnosis = launcher  # what the launcher saw itself, when the doctor names none (or everyone)
-            phase.ended = f"diagnosed: {watch.what}" if watch.diagnosis else f"failed: {failure}"
-            phase.diagnosis = diagnosis.to_dict()
-            (phase_dir / "diagnosis.json").write_text(json.dumps(diagnosis.to_dict(), indent=1))
+            diagnosis = _diagnose(failure, phase, watch, detect, current, cl, started)
             if not actionable(diagnosis):
                 _write(result)
                 raise RecoveryError(f"phase {i} stopped and no rank can be blamed, so there is nothing to "
@@ -372,14 +343,80 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         t_plan = time.time()
         cl = remaining_cluster(original, excluded, emulate_dtype)
         current, predicted = replan(model, cl, current, config)
-        planned = time.time()
-        latest = ckpt.latest_checkpoint(ck_dir)
-        ran = max(phase.losses, default=phase.start_step - 1) + 1
-        resumed_from = latest[0] if latest else 0
-        pending = {"after_phase": i, "reason": reason, "nodes": list(nodes), "resumed_from": resumed_from,
-                   "lost_steps": max(0, ran - resumed_from), "detected": detected, "stopped": stopped,
-                   "plan_s": planned - t_plan}
+        pending = _transition(phase, ck_dir, reason, nodes, detected, stopped, time.time() - t_plan)
         _write(result)
+
+
+def _check_arguments(config: RecoveryConfig, cluster: Any, checkpoint: CheckpointConfig, launch: LaunchConfig,
+                     records: RecordsConfig) -> None:
+    """`recover`'s arguments, checked before any work: what the loop sets itself must not be given."""
+    if config.checkpoint_every < 1:
+        raise RecoveryError(f"checkpoint_every: the recovery loop resumes from checkpoints; must be >= 1, "
+                            f"got {config.checkpoint_every}")
+    if config.max_recoveries < 0:
+        raise RecoveryError(f"max_recoveries: must be >= 0, got {config.max_recoveries}")
+    if cluster is None:
+        raise RecoveryError("recovery needs a cluster (--cluster): this machine alone has no node to isolate")
+    for bad, given in (("checkpoint_every", checkpoint.every), ("return_params", records.return_params),
+                       ("rendezvous", launch.rendezvous), ("step_records", records.step_records),
+                       ("run_dir", records.run_dir)):
+        if given:
+            raise RecoveryError(f"{bad}: set by the recovery loop, not by its caller")
+
+
+def _check_rejoin(config: RecoveryConfig, cluster: Cluster) -> None:
+    unknown = sorted(set(config.rejoin_at) - {n.name for n in cluster.nodes})
+    if unknown:
+        raise RecoveryError(f"rejoin: no node named {', '.join(map(repr, unknown))} in cluster "
+                            f"'{cluster.name}' (its nodes: {', '.join(n.name for n in cluster.nodes)})")
+
+
+def _start_phase(i: int, root: Path, ck_dir: Path, plan: Plan, cluster: Cluster, excluded: list[str],
+                 predicted: float, resume: bool) -> Phase:
+    """Phase `i`'s folder (its plan and cluster written there) and record, starting at the latest
+    checkpoint when `resume`."""
+    phase_dir = root / f"phase-{i}"
+    phase_dir.mkdir(parents=True, exist_ok=True)
+    (phase_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    save_cluster(cluster, phase_dir / "cluster.yaml")
+    start = (ckpt.latest_checkpoint(ck_dir) or (0, None))[0] if resume else 0
+    return Phase(index=i, plan=str(plan), cluster=cluster.name, nodes=[n.name for n in cluster.nodes],
+                 excluded=list(excluded), world_size=plan.world_size, predicted_step_s=predicted,
+                 run_dir=str(phase_dir), start_step=start)
+
+
+def _diagnose(failure: RunFailure, phase: Phase, watch: _Watch, detect: Detect, plan: Plan, cluster: Cluster,
+              started: float) -> Diagnosis:
+    """What stopped the phase: the doctor's live or post-mortem diagnosis, or what the launcher saw
+    itself when the doctor names no rank (or every node); recorded in the phase and its folder."""
+    phase_dir = Path(phase.run_dir)
+    launcher = launcher_diagnosis(failure, phase_dir, plan.world_size, started, rank_layout(cluster, plan))
+    diagnosis = watch.diagnosis or _post_mortem(detect, phase_dir, watch)
+    if not actionable(diagnosis) or (actionable(launcher) and _isolates_all(diagnosis, plan, cluster)):
+        diagnosis = launcher
+    phase.ended = f"diagnosed: {watch.what}" if watch.diagnosis else f"failed: {failure}"
+    phase.diagnosis = diagnosis.to_dict()
+    (phase_dir / "diagnosis.json").write_text(json.dumps(diagnosis.to_dict(), indent=1))
+    return diagnosis
+
+
+def _transition(phase: Phase, ck_dir: Path, reason: str, nodes: list[str], detected: float, stopped: float,
+                plan_s: float) -> dict[str, Any]:
+    """The transition out of `phase`, timed until the next phase trains (`_collect`): from which
+    checkpoint it resumes and how many trained steps that loses."""
+    latest = ckpt.latest_checkpoint(ck_dir)
+    ran = max(phase.losses, default=phase.start_step - 1) + 1
+    resumed_from = latest[0] if latest else 0
+    return {"after_phase": phase.index, "reason": reason, "nodes": list(nodes), "resumed_from": resumed_from,
+            "lost_steps": max(0, ran - resumed_from), "detected": detected, "stopped": stopped, "plan_s": plan_s}
+
+
+def _rejoin(back: list[str], root: Path, rejoin_at: dict[str, int]) -> list[str]:
+    """Nodes `back` from repair: their requests consumed, each scripted repair done once."""
+    _consume(root, back)
+    for n in back:
+        rejoin_at.pop(n, None)
+    return back
 
 
 def _isolates_all(diagnosis: Diagnosis, plan: Plan, cluster: Cluster) -> bool:
