@@ -148,6 +148,23 @@ def test_skipped_collective_is_a_comm_hang_naming_the_skipper(tmp_path: Path) ->
     assert d.findings[0].collective == "all_reduce world seq 5" and d.findings[0].step == 5
 
 
+def test_skipper_waiting_in_its_after_step_probe_is_named_at_once(tmp_path: Path) -> None:
+    # Rank 3 skips step 5's all-reduce and goes on to its after-work link probe of the same step (a
+    # send to rank 0), not to a later step: that probe, begun after the peers entered the
+    # all-reduce, is past it in program order, so rank 3 is named as soon as it enters it.
+    write_run(tmp_path, skip=(3, 5))
+    enter_t = min(json.loads(x)["t"] for x in (tmp_path / "comm" / "rank0.jsonl").read_text().splitlines()
+                  if '"enter"' in x and '"all_reduce"' in x and '"step":5' in x)
+    path = tmp_path / "comm" / "rank3.jsonl"
+    lines = path.read_text().splitlines()[:-1]  # not the next step's barrier: it waits in the probe
+    lines.append(CommEnter(3, "p2p 3->0", "send", 4096, 6, enter_t + 0.05, key="probe", peer=0, step=5).to_line())
+    path.write_text("\n".join(lines) + "\n")
+    d = diagnose(tmp_path)
+    assert kinds(d)[0] == ("comm_hang", (3,)), d.findings
+    assert d.findings[0].collective == "all_reduce world seq 5"
+    assert d.findings[0].detected_s == pytest.approx(enter_t + 0.05, abs=1e-3)
+
+
 def test_mismatched_size_names_the_odd_rank(tmp_path: Path) -> None:
     d = diagnose(write_run(tmp_path, mismatch=(1, 6)))
     assert kinds(d)[0] == ("mismatch", (1,))

@@ -129,16 +129,20 @@ def _finding(kind: str, ranks: tuple[int, ...], first: float, detected: float, r
 
 
 # ---------------------------------------------------------------------------------- matching
-def _past(run: RunRecords, rank: int, group: str, members: tuple[int, ...], seq: int, step: int | None
-          ) -> float | None:
+def _past(run: RunRecords, rank: int, group: str, members: tuple[int, ...], seq: int, step: int | None,
+          entered: float | None = None) -> float | None:
     """When `rank` entered a call after (group, seq) in program order: a later seq of the same
-    group, or any call of a later step. None: it has not (it is behind, stuck or dead)."""
+    group, any call of a later step, or a link probe of the same step entered after the call was
+    first `entered` -- the step's own probes before its work end at a barrier of every rank, so
+    a probe of the step begun after a peer entered one of the step's calls is its after-work
+    probe. None: it has not (it is behind, stuck or dead)."""
     rr = run.ranks.get(rank)
     if rr is None:
         return None
     times = [e.t for e in rr.enters if (
         (e.group == group and _members(run, rank, e.group) == members and e.seq > seq)
-        or (step is not None and e.step is not None and e.step > step))]
+        or (step is not None and e.step is not None and e.step > step)
+        or (entered is not None and e.key == PROBE_KEY and e.step == step and e.t > entered))]
     times += [c.t_enqueue for c in rr.records if (
         (c.group == group and _members(run, rank, c.group) == members and c.seq > seq)
         or (step is not None and c.step is not None and c.step > step))]
@@ -157,7 +161,7 @@ def calls_not_joined(run: RunRecords) -> list[Finding]:
         for m in members:
             if m in entries or m in out or m not in run.ranks:
                 continue
-            t_past = _past(run, m, group, members, seq, step)
+            t_past = _past(run, m, group, members, seq, step, first)
             if t_past is None:
                 continue
             waited = {r: round((e.t_end if e.t_end is not None else run.t_obs) - e.t, 6) for r, e in entries.items()}
@@ -297,7 +301,10 @@ def hangs(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
                          and not (rr.heartbeat or {}).get("waiting"))
         return [_finding("noncomm_hang", culprits, end, detected, run, stalled_for_s=round(run.t_obs - end, 3),
                          reason="no call ended and no rank is inside a call")] if culprits else []
-    e0, r0 = min(waiting, key=lambda er: er[0].t)
+    # A rank waiting in a link probe waits on a peer held elsewhere: the training calls tell who holds
+    # it (a rank that skipped a collective reaches its after-step probe before a slow peer enters
+    # the collective it skipped); probes are the evidence only when nothing else is waited on.
+    e0, r0 = min([er for er in waiting if er[0].key != PROBE_KEY] or waiting, key=lambda er: er[0].t)
     members = _members(run, r0, e0.group)
     entered = {r for r, es in pend.items() for e in es if e.group == e0.group and e.seq == e0.seq
                and _members(run, r, e.group) == members}
