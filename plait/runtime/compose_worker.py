@@ -40,7 +40,6 @@ import random
 import resource
 import socket
 from dataclasses import asdict
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,6 +54,7 @@ from plait.runtime.comm import FAULTS_ENV, P2P, Comm, CommLog, Group, parse_link
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, make_samples
+from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
 from plait.runtime.spmd_state import SpmdStep, clip_weights
@@ -111,15 +111,9 @@ def _pieces(x: torch.Tensor, k: int) -> list[torch.Tensor]:
     return [p.contiguous() for p in torch.tensor_split(x.reshape(-1), k)]
 
 
-class ComposeWorker:
+class ComposeWorker(RankConfig):
     def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
-        self.cfg = cfg
-        self.rank = rank
-        self.hb = heartbeat
-        self.plan = Plan.from_dict(cfg["plan"])
-        self.world = self.plan.world_size
-        self.info = cfg["ranks"][rank]
-        self.run_dir = Path(cfg["run_dir"])
+        super().__init__(cfg, rank, heartbeat)
         self.ranks = stage_ranks(self.plan)
         self.stage = next(s for s, rs in enumerate(self.ranks) if rank in rs)
         self.local = self.ranks[self.stage].index(rank)

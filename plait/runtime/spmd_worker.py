@@ -33,12 +33,12 @@ import numpy as np
 import torch
 
 from plait.graph.aten_capture import capture_aten
-from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import load_model_spec, make_samples
+from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
@@ -48,15 +48,9 @@ from plait.spmd.program_plan import plan_ratios, plan_strategies
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
 
 
-class SpmdWorker:
+class SpmdWorker(RankConfig):
     def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
-        self.cfg = cfg
-        self.rank = rank
-        self.hb = heartbeat
-        self.plan = Plan.from_dict(cfg["plan"])
-        self.world = self.plan.world_size
-        self.info = cfg["ranks"][rank]
-        self.run_dir = Path(cfg["run_dir"])
+        super().__init__(cfg, rank, heartbeat)
         self.sample_base = 0  # samples before step 0 of this run's stream (a resume's offset)
         # the fields of the pipeline worker that the shared result writer reads
         self.p = self.d = self.t = 0
