@@ -23,10 +23,14 @@ model, links and engine for all):
 * plait -- `plait.spmd.ratios.synthesize_overlapped`: A*, LP with per-device memory, segments,
   collectives chosen per message on the real links, searched with the parameter-gradient
   collectives counted in full (HAP's sum) and as hidden behind backward, the simulator keeping the
-  faster (its synthesis seconds include both searches and simulations);
+  faster (its synthesis seconds include both searches and simulations); then the same program with
+  its whole parameters stored in even shards (ZeRO-3, `synthesize_stored`: all-gathered in the
+  forward, gradients reduce-scattered, the optimizer on the shard), kept if the simulator ranks it
+  first (form "+zero"; runnable: `Plan.spmd.homes`);
 * hier -- `plait.spmd.mesh.synthesize_hierarchical` (clusters of several nodes): the same
   synthesis on one node's GPUs at the node's batch, data parallelism across nodes with the
-  gradients all-reduced on the rails, ranked by the same simulator; plait's SPMD column is the
+  gradients all-reduced on the rails (the inner program also with ZeRO-3 storage: node
+  reduce-scatter, rails on 1/g of the bytes, node all-gather), ranked by the same simulator; plait's SPMD column is the
   faster of flat and hier that fits, and its synthesis seconds count both;
 * bound -- perfect compute balance with communication fully hidden: every op at
   ``1 / sum_i 1 / w_i`` and the optimizer over all parameters at perfect balance.
