@@ -23,10 +23,14 @@ model, links and engine for all):
 * plait -- `plait.spmd.ratios.synthesize_overlapped`: A*, LP with per-device memory, segments,
   collectives chosen per message on the real links, searched with the parameter-gradient
   collectives counted in full (HAP's sum) and as hidden behind backward, the simulator keeping the
-  faster (its synthesis seconds include both searches and simulations);
+  faster (its synthesis seconds include both searches and simulations); then the same program with
+  its whole parameters stored in even shards (ZeRO-3, `synthesize_stored`: all-gathered in the
+  forward, gradients reduce-scattered, the optimizer on the shard), kept if the simulator ranks it
+  first (form "+zero"; runnable: `Plan.spmd.homes`);
 * hier -- `plait.spmd.mesh.synthesize_hierarchical` (clusters of several nodes): the same
   synthesis on one node's GPUs at the node's batch, data parallelism across nodes with the
-  gradients all-reduced on the rails, ranked by the same simulator; plait's SPMD column is the
+  gradients all-reduced on the rails (the inner program also with ZeRO-3 storage: node
+  reduce-scatter, rails on 1/g of the bytes, node all-gather), ranked by the same simulator; plait's SPMD column is the
   faster of flat and hier that fits, and its synthesis seconds count both;
 * bound -- perfect compute balance with communication fully hidden: every op at
   ``1 / sum_i 1 / w_i`` and the optimizer over all parameters at perfect balance.
@@ -80,7 +84,13 @@ from plait.spmd.mesh import (
     synthesize_hierarchical,
 )
 from plait.spmd.placement import Comm, ShardingError, shard_sizes
-from plait.spmd.ratios import Synthesis, memory_model, synthesize, synthesize_overlapped
+from plait.spmd.ratios import (
+    Synthesis,
+    memory_model,
+    synthesize,
+    synthesize_overlapped,
+    synthesize_stored,
+)
 from plait.spmd.search import Problem, Program
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -273,6 +283,13 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
 
     plait_syn = synthesize_overlapped(problem, evaluate, OVERLAP_WEIGHTS, dtype=dtype, max_states=max_states)
     sims["flat"] = simulate_spmd(problem, plait_syn, cluster, batch=batch, name="plait").iteration_time_s
+    # the same program with its whole parameters stored sharded (ZeRO-3 / FSDP), if the simulator
+    # ranks it first
+    stored = synthesize_stored(problem, plait_syn, dtype=dtype)
+    if stored is not None and stored.fits:
+        t = simulate_spmd(problem, stored, cluster, batch=batch, name="plait-stored").iteration_time_s
+        if t < sims["flat"] or not plait_syn.fits:
+            sims["flat"], plait_syn = t, stored
     flat_s = time.process_time() - cpu
     fits["flat"] = plait_syn.fits
     # the hierarchical program (`plait.spmd.mesh`: op-level sharding inside each node, data
@@ -313,13 +330,16 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
             hier = None
     plait_s = time.process_time() - cpu  # every candidate's synthesis and simulation, flat and hierarchical
     use_hier = hier is not None and sims["hier"] < (sims["flat"] if plait_syn.fits else float("inf"))
+    form = "hier" if use_hier else "flat"
+    program = hier.inner.program if use_hier and hier is not None else plait_syn.program
+    form += "+zero" if program.homes else ""
     sims["plait"] = sims["hier"] if use_hier else sims["flat"]
     fits["plait"] = hier.fits if use_hier and hier is not None else plait_syn.fits
     return Case(cluster_name, label, dtype, batch, len(graph.ops), sims["even"] * 1e3, sims["prop"] * 1e3,
                 sims["hap"] * 1e3, sims["plait"] * 1e3, bound(problem) * 1e3, hap_flag, hap.expanded,
                 plait_syn.expanded + (hier.expanded if hier is not None else 0), hap.program.optimal,
                 plait_syn.program.optimal, hap.seconds, plait_s, fits, plait_syn.overlap,
-                sims["flat"] * 1e3, sims["hier"] * 1e3, "hier" if use_hier else "flat", flat_s, capture_s,
+                sims["flat"] * 1e3, sims["hier"] * 1e3, form, flat_s, capture_s,
                 dp_floor(param_bytes(spec, dtype), cluster) * 1e3)
 
 

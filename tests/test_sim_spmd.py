@@ -59,6 +59,42 @@ def test_a_linear_layer_in_data_parallel_by_hand() -> None:
     assert {"fwd linear", "bwd linear", "optimizer step", "all_reduce p_weight (bwd)"} <= names
 
 
+def test_zero3_storage_of_a_linear_layer_by_hand() -> None:
+    """The same layer with its weight stored in even shards (`synthesize_stored`, ZeRO-3): the
+    weight's all-gather before the forward (nothing to wait for: it starts at once), each rank's
+    forward and backward at the LP's ratios, then the weight's reduce-scatter and the bias's
+    all-reduce, then each rank steps half the weight and the whole bias."""
+    from plait.spmd.cost import comm_seconds
+    from plait.spmd.ratios import synthesize_stored
+
+    cluster = two_nodes(1)
+    graph = capture_aten(nn.Linear(1024, 1024), (torch.randn(256, 1024),), name="linear")
+    devices = Devices.from_cluster(cluster)
+    problem = Problem.build(graph, devices)
+    base = data_parallel(problem, np.array([0.75, 0.25]))
+    syn = synthesize_stored(problem, base, homes={"p_weight": "S0"})
+    assert syn is not None and syn.program.homes == {"p_weight": "S0"}
+    kinds = {(c.op, c.tensor, c.phase) for _, c in syn.program.comms}
+    assert kinds == {("all_gather", "p_weight", "fwd"), ("reduce_scatter", "p_weight", "bwd"),
+                     ("all_reduce", "p_bias", "bwd")}
+    segs = syn.segments
+    storage = segs.of_dim[("p_weight", 0)]
+    assert storage in segs.even and np.allclose(syn.segment_ratios[storage], 0.5)
+    r = syn.segment_ratios[segs.of_op[graph.ops[0].name]]
+    result = simulate_spmd(problem, syn, cluster, bucket_bytes=None, batch=256, fixed_costs=False)
+    op = graph.ops[0]
+    out = graph.tensors[op.outputs[0]].nbytes
+    t = [op_time(op.flops, out, k, "fp32") for k in devices.kinds]
+    compute = max(3 * r[i] * t[i] for i in range(2))
+    comms = sum(DEFAULT_MODEL.host_comm_s + comm_seconds(c, devices, np.full(2, 0.5) if c.tensor == "p_weight"
+                                                         else r) for _, c in syn.program.comms)
+    step = max(optimizer_time(1024 * 1024 / 2 + 1024, k) for k in devices.kinds)
+    assert result.iteration_time_s == pytest.approx(compute + comms + step, rel=1e-9)
+    # memory: the weight's state in halves, its gathered copy and gradient whole while in use
+    w = 1024 * 1024
+    assert syn.memory[0] - base.memory[0] == pytest.approx(-w * 16 / 2 + w * 8, rel=1e-9)
+
+
 class Mlp(nn.Module):
     def __init__(self, layers: int = 4, h: int = 1024) -> None:
         super().__init__()
@@ -160,3 +196,34 @@ def test_plait_simulate_runs_an_spmd_plan_file(tmp_path, capsys) -> None:
     other = "bert:layers=2,hidden=32,heads=2,seq=8,vocab=64"  # ops the plan has no strategy for
     assert main(["simulate", "--model", other, "--cluster", "emulated-mixed", "--plan", str(path)]) == 2
     assert "plan field 'spmd': op " in capsys.readouterr().err
+
+
+def test_a_plan_with_stored_parameters_simulates_as_its_synthesis(tmp_path) -> None:
+    """`Plan.spmd.homes` (ZeRO-3 storage) round-trips: `plait simulate --plan` replays the program
+    with the parameters stored where the plan says, the same time and memory as the synthesis;
+    a home that is not a placement is refused naming the field."""
+    from plait.cluster import load_cluster
+    from plait.graph.zoo import load_model
+    from plait.ir.plan import Plan, PlanError
+    from plait.sim.api import simulate_spmd_plan
+    from plait.spmd.program_plan import plan_homes, program_plan
+    from plait.spmd.ratios import stored_homes, synthesize, synthesize_stored
+
+    model, batch = "bert:layers=1,hidden=32,heads=2,seq=8,vocab=64", 8
+    cluster = load_cluster("emulated-mixed")
+    spec = load_model(model)
+    graph = capture_aten(spec.build(device="meta"), spec.sample_batch(batch)[0], name=spec.name)
+    problem = Problem.build(graph, Devices.from_cluster(cluster), collectives="padded")
+    base = synthesize(problem, max_states=2000)
+    homes = stored_homes(problem, base.program, min_numel=1, min_rows=1)
+    syn = synthesize_stored(problem, base, homes=homes)
+    assert syn is not None and syn.program.homes == homes
+    path = tmp_path / "spmd.json"
+    program_plan(syn.program.strategies, syn.segment_ratios, batch, model=model, homes=homes).save(path)
+    assert plan_homes(Plan.load(path)) == homes
+    want = simulate_spmd(problem, syn, cluster, bucket_bytes=None, batch=batch)
+    got = simulate_spmd_plan(model, cluster, str(path))
+    assert got.iteration_time_s == pytest.approx(want.iteration_time_s, rel=1e-9)
+    assert got.memory_peak_bytes == want.memory_peak_bytes
+    with pytest.raises(PlanError, match="homes"):
+        program_plan(syn.program.strategies, syn.segment_ratios, batch, homes={next(iter(homes)): "P"}).validate()

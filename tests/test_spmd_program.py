@@ -204,6 +204,30 @@ def test_synthesized_program_equals_single_device(name) -> None:
     check_equal(name, run_two_ranks(name, program))
 
 
+def test_sharded_storage_equals_single_device() -> None:
+    """ZeRO-3 storage (`Problem.homes`, `plait.spmd.ratios.stored_homes`): the synthesized program
+    with its whole parameters stored in uneven shards, all-gathered for their readers and their
+    gradients reduce-scattered home, still equals one device."""
+    from plait.runtime.spmd_program import compile_program
+    from plait.spmd.ratios import stored_homes
+    from plait.spmd.search import beam_search
+
+    graph = captured("bert")[4]
+    problem = synthesized_problem(graph)
+    program = beam_search(problem, RATIOS, width=16)
+    homes = stored_homes(problem, program, min_numel=1, min_rows=1)
+    assert len(homes) >= 4
+    compiled = compile_program(graph, program.strategies, RATIOS, 2, homes=homes)
+    assert all(compiled.stored[t] == q for t, q in homes.items())
+    results = run_two_ranks("bert", compiled)
+    check_equal("bert", results)
+    moves = results[0][3]
+    assert any(m.startswith("fwd S") and m.endswith("->R") for m in moves), moves
+    assert any(m.startswith("bwd P->S") for m in moves), moves
+    with pytest.raises(ShardingError, match="cannot be stored as 'S9'"):
+        compile_program(graph, program.strategies, RATIOS, 2, homes={next(iter(homes)): "S9"})
+
+
 MOVES: set[str] = set()
 
 

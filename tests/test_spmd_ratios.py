@@ -202,3 +202,27 @@ def test_rounding_keeps_every_shape_valid() -> None:
     assert scaled >= 1
     with pytest.raises(ShardingError, match=r"leave gpu 2 \(p100-16gb, node 1\) with zero rows"):
         round_shards(problem, program, [0.6, 0.399, 0.001])
+
+
+def test_stored_homes_shard_only_the_large_whole_parameters() -> None:
+    """`stored_homes`: the data-parallel program's large weights go to even shards along their
+    largest dimension; biases and norms stay whole; a tensor-parallel program's weights are already
+    sharded (nothing to store elsewhere). `synthesize_stored` keeps the op strategies and holds the
+    storage segments even, within each device's memory."""
+    from plait.spmd.ratios import stored_homes, synthesize_stored
+
+    p = Problem.build(graph(8192), devices(4))
+    base = synthesize(p)
+    homes = stored_homes(p, base.program)
+    assert homes == {"p_fc1_weight": "S0", "p_fc2_weight": "S1"}
+    stored = synthesize_stored(p, base)
+    assert stored is not None and stored.program.strategies == base.program.strategies
+    for t in homes:
+        assert np.allclose(stored.segment_ratios[stored.segments.of_dim[(t, int(homes[t][1:]))]], 0.25)
+    # each weight's 16 bytes of state per element in quarters, its gathered copy and gradient whole
+    w = sum(p.graph.tensors[t].numel for t in homes)
+    assert stored.fits
+    assert stored.memory.max() - base.memory.max() == pytest.approx(w * (16 / 4 + 8 - 16), rel=1e-6)
+    small = Problem.build(graph(256), devices(2))
+    tp = search(small, small.devices.flops / small.devices.flops.sum())
+    assert not {"p_fc1_weight", "p_fc2_weight"} & set(stored_homes(small, tp))

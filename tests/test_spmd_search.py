@@ -15,7 +15,7 @@ from plait.cluster.loader import parse_cluster
 from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
 from plait.spmd.cost import Devices, balanced_time, compute_time
-from plait.spmd.placement import ShardingError
+from plait.spmd.placement import Comm, ShardingError
 from plait.spmd.search import (
     Problem,
     SearchBudgetExceeded,
@@ -67,6 +67,34 @@ def test_astar_ucs_and_exhaustive_find_the_same_optimum(batch, inter) -> None:
     # the reported cost is what replaying the chosen strategies costs
     choice = [p.options[k].index(astar.strategies[op.name]) for k, op in enumerate(p.graph.ops)]
     assert evaluate(p, choice, r).cost == pytest.approx(astar.cost, rel=1e-12)
+
+
+def test_stored_parameters_are_priced_from_their_home_and_the_search_stays_exact() -> None:
+    """`Problem.homes` (ZeRO-3 storage): a parameter stored in shards is all-gathered for a whole
+    read and its gradient reduce-scattered home (not all-reduced); A*, uniform-cost search and
+    exhaustive enumeration still agree, and replaying the data-parallel program costs exactly
+    the all-gather and reduce-scatter in place of the all-reduce."""
+    import dataclasses
+
+    from plait.spmd.cost import choose
+
+    p = problem(8192)
+    homes = {"p_fc1_weight": "S0", "p_fc2_weight": "S1"}
+    ph = dataclasses.replace(p, homes=homes)
+    r = flops_ratios(p)
+    astar, ucs, every = search(ph, r), search(ph, r, heuristic=False), exhaustive(ph, r)
+    assert astar.cost == pytest.approx(every.cost, rel=1e-12) and ucs.cost == pytest.approx(every.cost, rel=1e-12)
+    assert astar.homes == homes
+    base = search(p, r)  # data parallel at this batch
+    choice = [p.options[k].index(base.strategies[op.name]) for k, op in enumerate(p.graph.ops)]
+    stored = evaluate(ph, choice, r)
+    moved = {(c.op, c.tensor, c.phase, c.dim) for _, c in stored.comms if c.tensor in homes}
+    assert moved == {("all_gather", "p_fc1_weight", "fwd", 0), ("reduce_scatter", "p_fc1_weight", "bwd", 0),
+                     ("all_gather", "p_fc2_weight", "fwd", 1), ("reduce_scatter", "p_fc2_weight", "bwd", 1)}
+    nbytes = {t: p.graph.tensors[t].nbytes for t in homes}
+    delta = sum(choose(Comm(op, t, nbytes[t], ph_, d), p.devices, r)[1] for op, t, ph_, d in moved) \
+        - sum(choose(Comm("all_reduce", t, nbytes[t], "bwd"), p.devices, r)[1] for t in homes)
+    assert stored.cost == pytest.approx(base.cost + delta, rel=1e-12)
 
 
 def test_the_optimum_moves_from_data_to_tensor_parallel_as_the_batch_shrinks() -> None:

@@ -79,10 +79,11 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
     segs = segs or Segments.single(problem, syn.program)
     even_cost = segmented_cost(problem, syn.program, segs, even)
     plan = program_plan(syn.program.strategies, ratios, batch, model=spec.spec, predicted_s=syn.cost, dtype=dtype,
-                        collectives=plan_collectives(syn.program.comms, problem.devices, ratios))
+                        collectives=plan_collectives(syn.program.comms, problem.devices, ratios),
+                        homes=syn.program.homes)
     # the even program runs the same collectives the same way (its predicted time prices them so)
     even_plan = program_plan(syn.program.strategies, even, batch, model=spec.spec, predicted_s=even_cost,
-                             dtype=dtype, collectives=plan.spmd.get("collectives"))
+                             dtype=dtype, collectives=plan.spmd.get("collectives"), homes=syn.program.homes)
     run_graph = graph if dtype == "fp32" else capture_graph(spec, batch, "fp32")
     return SpmdChoice(spec.spec, cluster_obj, graph, problem, syn, plan, even_plan, even_cost, dtype, run_graph)
 

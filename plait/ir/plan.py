@@ -627,7 +627,7 @@ def _check_flow_paths(value: Any) -> None:
 
 
 SPMD_VERSION = 1  # version of Plan.spmd's layout
-_SPMD_KEYS = ("version", "ratios", "strategies", "collectives", "model", "predicted_s")
+_SPMD_KEYS = ("version", "ratios", "strategies", "collectives", "homes", "model", "predicted_s")
 _PLACEMENT = re.compile(r"^(R|P|S\d+)$")
 
 
@@ -690,6 +690,10 @@ def _check_spmd(value: Any, where: str = "plan field 'spmd'") -> None:
     collectives = value.get("collectives", {})
     if not isinstance(collectives, dict) or not all(v in ("padded", "grouped") for v in collectives.values()):
         raise PlanError(f"{where}.collectives: must map tensor names to 'padded' or 'grouped'")
+    homes = value.get("homes", {})
+    if not isinstance(homes, dict) or not all(isinstance(v, str) and _PLACEMENT.match(v) and v != "P"
+                                              for v in homes.values()):
+        raise PlanError(f"{where}.homes: must map parameter names to where they are stored, 'R' or 'S<dim>'")
     if "predicted_s" in value and not (_is_num(value["predicted_s"]) and value["predicted_s"] >= 0):
         raise PlanError(f"{where}.predicted_s: must be a number of seconds >= 0")
     if "model" in value and not isinstance(value["model"], str):

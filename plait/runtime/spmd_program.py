@@ -22,7 +22,8 @@ the same placement share one forward conversion and one gradient conversion per 
 (gradients are summed before the collective), as the search counts them.
 
 Parameters are stored where their first reader wants them (sharded by the program's ratios, or
-whole); tied parameters (one tensor under two names) are stored whole and sliced per use.
+whole), or where the program's `homes` say (ZeRO-3 storage: all-gathered for a whole read, the
+gradient reduce-scattered back); tied parameters (one tensor under two names) are stored whole and sliced per use.
 Inputs are on every rank whole and sliced for free. The model's outputs are gathered whole on
 every rank and the loss is computed redundantly, so its gradient is the same everywhere.
 """
@@ -76,14 +77,16 @@ class _View:
 
 
 def compile_program(graph: AtenGraph, chosen: dict[str, Strategy], ratios: Any, world: int, *,
-                    devices: Sequence[str] | None = None, collective: dict[str, str] | None = None
-                    ) -> CompiledProgram:
+                    devices: Sequence[str] | None = None, collective: dict[str, str] | None = None,
+                    homes: dict[str, str] | None = None) -> CompiledProgram:
     """Check `chosen` (op name -> strategy) against `graph` and round `ratios` to shard sizes.
 
     `ratios`: one vector of `world` ratios, or one per segment of the program (`plait.spmd.ratios.
     segments`). Errors (ShardingError) name the op, tensor or device: an op without a strategy or
     whose kind has no sharding rule, a strategy its rule does not offer, a conversion that does not
-    exist, a ratio that leaves a device zero rows."""
+    exist, a ratio that leaves a device zero rows. `homes`: parameters stored in another placement
+    than their first reader's (`plait.spmd.search.Problem.homes`: ZeRO-3 storage), each read
+    converted from there."""
     from plait.spmd.ratios import round_shards, segments
     from plait.spmd.search import Program
 
@@ -104,13 +107,23 @@ def compile_program(graph: AtenGraph, chosen: dict[str, Strategy], ratios: Any, 
         if s not in offered:
             raise ShardingError(f"op {op.name} ({op.target}): strategy {_show(s)} is not one its sharding rule "
                                 f"offers for {world} devices; it offers {', '.join(_show(x) for x in offered)}")
-    stored = _check_conversions(graph, chosen)
+    homes = dict(homes or {})
+    bad = sorted(t for t in homes if t not in graph.tensors or graph.tensors[t].role != "param")
+    if bad:
+        raise ShardingError(f"spmd program: homes for tensors that are not parameters of model {graph.model}: "
+                            f"{bad[:5]}")
+    for t, q in homes.items():
+        d = shard_dim(q) if isinstance(q, str) and q[:1] == "S" and q[1:].isdigit() else None
+        if q != REPLICATED and (d is None or d >= len(graph.tensors[t].shape)):
+            raise ShardingError(f"spmd program: parameter {t} of shape {list(graph.tensors[t].shape)} cannot be "
+                                f"stored as {q!r} (R, or S<d> with d one of its dimensions)")
+    stored = _check_conversions(graph, chosen, homes)
     for t, mode in (collective or {}).items():
         if mode not in COLLECTIVE_MODES:
             raise ShardingError(f"spmd program: collective for tensor {t!r} must be one of {COLLECTIVE_MODES}, "
                                 f"got {mode!r}")
     view = _View(graph, names)
-    program = Program(strategies=dict(chosen))
+    program = Program(strategies=dict(chosen), homes=homes)
     segs = segments(view, program)  # type: ignore[arg-type]
     r = np.asarray(ratios, dtype=float)
     if r.ndim == 1:
@@ -127,9 +140,10 @@ def _show(s: Strategy) -> str:
     return f"{','.join(s.inputs)} -> {','.join(s.outputs)}"
 
 
-def _check_conversions(graph: AtenGraph, chosen: dict[str, Strategy]) -> dict[str, str]:
+def _check_conversions(graph: AtenGraph, chosen: dict[str, Strategy], homes: dict[str, str]) -> dict[str, str]:
     """Replay the placements: every read must be reachable from where the tensor is; returns
-    where each parameter is stored (its first reader's placement; whole when that is partial)."""
+    where each parameter is stored (its `homes` entry, else its first reader's placement; whole
+    when that is partial)."""
     from plait.spmd.placement import conversion
 
     origin: dict[str, str] = {}
@@ -140,6 +154,7 @@ def _check_conversions(graph: AtenGraph, chosen: dict[str, Strategy]) -> dict[st
             meta = graph.tensors[t]
             if t not in origin:
                 first = REPLICATED if (q == PARTIAL or meta.producer is None and meta.role != "param") else q
+                first = homes.get(t, first)
                 origin[t] = first
                 if meta.role == "param":
                     stored[t] = first

@@ -43,7 +43,7 @@ from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
 from plait.runtime.spmd_state import SpmdStep, checkpoint_layout, make_clipper, persistent_buffers
-from plait.spmd.program_plan import plan_ratios, plan_strategies
+from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
 
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
 
@@ -86,7 +86,7 @@ class SpmdWorker(RankConfig):
         graph = capture_aten(model, inputs, name=getattr(spec, "name", "model"))
         names = [f"gpu {r['device']} ({r.get('kind') or 'cpu'}, rank {r['rank']})" for r in cfg["ranks"]]
         program = compile_program(graph, plan_strategies(plan), plan_ratios(plan), self.world, devices=names,
-                                  collective=(plan.spmd or {}).get("collectives"))
+                                  collective=(plan.spmd or {}).get("collectives"), homes=plan_homes(plan))
         spans = Spans(self.rec)
         runner = RankProgram(program, self.rank, group, spans, seed=seed)
         leaves = runner.load(model)

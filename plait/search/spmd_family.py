@@ -58,7 +58,8 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     syn = synthesize(problem, dtype=dtype, max_states=max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
     plan = program_plan(syn.program.strategies, ratios, gb, model=spec.spec, predicted_s=syn.cost, dtype=dtype,
-                        collectives=plan_collectives(syn.program.comms, problem.devices, ratios))
+                        collectives=plan_collectives(syn.program.comms, problem.devices, ratios),
+                        homes=syn.program.homes)
     reasons: dict[str, int] = {}
     if supports is not None and runnable:
         ok, why = supports(plan)

@@ -424,7 +424,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.spmd.cost import UNEVEN_OPS, Devices
-    from plait.spmd.program_plan import plan_ratios, plan_strategies
+    from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
     from plait.spmd.ratios import Segments, Synthesis, memory_model, segments
     from plait.spmd.search import Problem, evaluate
 
@@ -444,6 +444,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     inputs, _ = spec.sample_batch(plan.global_batch)
     graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
     problem = Problem.build(graph, Devices.from_cluster(view.cluster, dtype, ids))
+    problem.homes = plan_homes(plan)
     chosen = plan_strategies(plan)
     unknown = sorted(set(chosen) - {op.name for op in graph.ops})
     if unknown:

@@ -17,8 +17,8 @@ ranked on the same scale as 3D and graph plans (issue 14 item 7):
   resources, so concurrent collectives share links (`plait.sim.topology`);
 * **dependencies** (where overlap comes from): a forward collective waits for the producer's
   forward on every rank and blocks the reader's forward; a gradient collective waits for the
-  reader's backward on every rank and blocks the producer's backward -- for a parameter only the
-  optimizer step, so data-parallel gradient all-reduces overlap the rest of backward. With
+  reader's backward on every rank (and, on another group, for the tensor's collective before it)
+  and blocks the producer's backward -- for a parameter only the optimizer step, so data-parallel gradient all-reduces overlap the rest of backward. With
   `bucket_bytes` parameter-gradient all-reduces are packed in backward order into buckets of at
   least that size (PyTorch DDP's buckets, Shi et al. 2018's WFBP);
 * the **optimizer step** per rank (`plait.cost.compute.optimizer_time` over the parameters it
@@ -44,8 +44,8 @@ from plait.sim.engine import TaskGraph
 from plait.sim.topology import ClusterView
 from plait.spmd.cost import BACKWARD_FACTOR, VIEWS, Devices, comm_seconds
 from plait.spmd.mesh import NODE, RAIL, Mesh, rail_links, rail_time
-from plait.spmd.placement import PARTIAL, REPLICATED, Comm, shard_dim
-from plait.spmd.search import Problem, Program
+from plait.spmd.placement import Comm, shard_dim
+from plait.spmd.search import Problem, Program, stored_placements
 
 
 class SpmdLoweringError(PlaitError, ValueError):
@@ -115,22 +115,16 @@ def _shares(comm: Comm, ratios: np.ndarray, of_dim: dict[tuple[str, int], int] |
 def params_held(problem: Problem, program: Program, ratios: np.ndarray,
                 of_dim: dict[tuple[str, int], int] | None) -> np.ndarray:
     """Parameters each device stores (and steps): a replicated one whole, a sharded one at the
-    ratio of its segment -- where its first reader reads it, as `plait.spmd.ratios.memory_model`."""
+    ratio of its segment -- where `stored_placements` says, as `plait.spmd.ratios.memory_model`."""
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
     held = np.zeros(problem.devices.n)
-    seen: set[str] = set()
-    for op in problem.graph.ops:
-        s = program.strategies[op.name]
-        for t, q in zip(op.inputs, s.inputs):
-            meta = problem.graph.tensors[t]
-            if meta.role != "param" or t in seen:
-                continue
-            seen.add(t)
-            d = shard_dim(REPLICATED if q == PARTIAL else q)
-            if d is None:
-                held += meta.numel
-            else:
-                held += meta.numel * r[(of_dim or {}).get((t, d), 0) if r.shape[0] > 1 else 0]
+    for t, q in stored_placements(problem.graph, program).items():
+        numel = problem.graph.tensors[t].numel
+        d = shard_dim(q)
+        if d is None:
+            held += numel
+        else:
+            held += numel * r[(of_dim or {}).get((t, d), 0) if r.shape[0] > 1 else 0]
     return held
 
 
@@ -249,6 +243,7 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
     # backward: gradient collectives wait for the reader's backward and block the producer's
     done_b: set[int] = set()
     pending = list(range(len(bwd_plan)))
+    made: dict[str, int] = {}  # tensor -> the last gradient collective issued for it
     for k in range(n_ops - 1, -1, -1):
         for j, i in enumerate(reps):
             deps = [B[j][k + 1]] if k + 1 < n_ops else [F[j][n_ops - 1]] + after_fwd
@@ -268,10 +263,14 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
                 c = dataclasses.replace(c, tensor=f"bucket of {len(members)} gradients",
                                         nbytes=sum(m.nbytes for _, m in members), algorithm=None)
             last = prev_comm.get(c.group, -1)
+            # a gradient's collective on another group (a rail's all-reduce of what the node's
+            # reduce-scatter or all-reduce made) starts once that one has ended
+            deps += [made[m.tensor] for _, m in members if m.tensor in made]
             tid = _comm_task(tg, c, "bwd", devices, ids, view, ratios, of_dim,
                              deps + ([last] if last >= 0 else []), host_comm_s, pricer)
             prev_comm[c.group] = tid
             comm_tasks.append(tid)
+            made.update((m.tensor, tid) for _, m in members)
             for _, m in members:
                 p = producer.get(m.tensor)
                 if p is not None and p < k:

@@ -51,9 +51,9 @@ from plait.cost.collectives import (
 )
 from plait.ir.aten_graph import AtenGraph
 from plait.spmd.cost import Devices, op_work
-from plait.spmd.placement import PARTIAL, REPLICATED, Comm, ShardingError, shard_dim, shard_sizes
-from plait.spmd.ratios import Synthesis, synthesize, synthesize_overlapped
-from plait.spmd.search import Problem, Program
+from plait.spmd.placement import Comm, ShardingError, shard_dim, shard_sizes
+from plait.spmd.ratios import Synthesis, synthesize, synthesize_overlapped, synthesize_stored
+from plait.spmd.search import Problem, Program, stored_placements
 
 NODE, RAIL, WORLD = "node", "rail", "world"  # `Comm.group` of a hierarchical program's collectives
 
@@ -143,14 +143,8 @@ def rail_time(nbytes: float, shares: np.ndarray | None, rails: Sequence[GroupLin
 
 
 def stored_inner(problem: Problem, program: Program) -> dict[str, str]:
-    """Each parameter's placement in the inner program (where its first reader reads it)."""
-    stored: dict[str, str] = {}
-    for op in problem.graph.ops:
-        s = program.strategies[op.name]
-        for t, q in zip(op.inputs, s.inputs):
-            if problem.graph.tensors[t].role == "param":
-                stored.setdefault(t, REPLICATED if q == PARTIAL else q)
-    return stored
+    """Each parameter's placement in the inner program (`search.stored_placements`)."""
+    return stored_placements(problem.graph, program)
 
 
 @dataclass
@@ -278,6 +272,16 @@ def synthesize_hierarchical(build: Callable[[int], AtenGraph], cluster: Cluster,
         tried.append((home, t))
         if best is None or t < best[0]:
             best = (t, h)
+        # ZeRO-3 storage inside the node (`synthesize_stored`): each whole parameter's gradient
+        # reduce-scattered in the node, its 1/g all-reduced on the rails, all-gathered in the node
+        # for the forward -- the hierarchical all-reduce, with the optimizer on the shards
+        stored = synthesize_stored(problem, syn, dtype=dtype) if evaluate is not None else None
+        if stored is not None:
+            h = world_form(problem, stored, cluster, mesh, node_batch, graph_batch, home)
+            t = evaluate(h) if h.fits else float("inf")
+            tried.append((home, t))
+            if t < best[0]:
+                best = (t, h)
     assert best is not None
     result = best[1]
     result.seconds, result.expanded, result.candidates = seconds, expanded, tried

@@ -70,8 +70,10 @@ def plan_collectives(comms: Sequence[tuple[str, Comm]], devices: Devices, ratios
 
 def program_plan(strategies: dict[str, Strategy], ratios: Any, batch: int, *, model: str | None = None,
                  predicted_s: float | None = None, device_order: Sequence[int] | None = None,
-                 collectives: dict[str, str] | None = None, dtype: str = "fp32") -> Plan:
-    """The Plan of a program: `strategies` by op name, `ratios` one vector or one per segment."""
+                 collectives: dict[str, str] | None = None, dtype: str = "fp32",
+                 homes: dict[str, str] | None = None) -> Plan:
+    """The Plan of a program: `strategies` by op name, `ratios` one vector or one per segment,
+    `homes` the parameters stored elsewhere than their first reader wants them (`Program.homes`)."""
     r = np.asarray(ratios, dtype=float)
     r = r / r.sum(axis=-1, keepdims=True)  # exact sums after the LP's rounding noise
     spmd: dict[str, Any] = {
@@ -81,6 +83,8 @@ def program_plan(strategies: dict[str, Strategy], ratios: Any, batch: int, *, mo
     }
     if collectives:
         spmd["collectives"] = dict(collectives)
+    if homes:
+        spmd["homes"] = dict(homes)
     if model is not None:
         spmd["model"] = model
     if predicted_s is not None:
@@ -94,6 +98,14 @@ def plan_strategies(plan: Plan) -> dict[str, Strategy]:
     if plan.spmd is None:
         raise PlanError("plan field 'spmd': the plan has no SPMD program")
     return {op: Strategy(tuple(s[0]), tuple(s[1]), bool(s[2])) for op, s in plan.spmd["strategies"].items()}
+
+
+def plan_homes(plan: Plan) -> dict[str, str]:
+    """Parameters an SPMD plan stores elsewhere than their first reader wants them (ZeRO-3
+    storage, `plait.spmd.search.Problem.homes`); empty for most programs."""
+    if plan.spmd is None:
+        raise PlanError("plan field 'spmd': the plan has no SPMD program")
+    return dict(plan.spmd.get("homes") or {})
 
 
 def plan_ratios(plan: Plan) -> np.ndarray:

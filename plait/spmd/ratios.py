@@ -42,15 +42,17 @@ from scipy import sparse
 from scipy.optimize import linprog
 
 from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, state_bytes_per_param
-from plait.spmd.cost import PADDED, comm_affine, compute_time
+from plait.spmd.cost import PADDED, choose, comm_affine, compute_time
 from plait.spmd.placement import PARTIAL, REPLICATED, Comm, ShardingError, shard_dim, shard_sizes
 from plait.spmd.search import (
     Problem,
     Program,
     SearchBudgetExceeded,
     beam_search,
+    evaluate,
     future_needs_of,
     search,
+    stored_placements,
 )
 
 
@@ -63,11 +65,21 @@ class Segments:
     of_dim: dict[tuple[str, int], int]  # (tensor, dimension) -> segment
     of_op: dict[str, int]  # op that splits its work -> segment
     count: int
+    # segments no op computes in (a parameter's storage, `Program.homes`): split evenly, as
+    # ZeRO / FSDP shard state -- the LP holds them there
+    even: frozenset[int] = frozenset()
 
     @classmethod
     def single(cls, problem: Problem, program: Program) -> Segments:
         """Everything in one segment: one ratio vector for the whole program."""
         found = segments(problem, program)
+        if found.even and len(found.even) == found.count:
+            return cls({k: 0 for k in found.of_dim}, {}, 1, frozenset({0}))
+        if found.even:  # storage segments keep their own (even) ratios beside the computing one
+            count = 1 + len(found.even)
+            index = {g: 1 + i for i, g in enumerate(sorted(found.even))}
+            return cls({k: index.get(g, 0) for k, g in found.of_dim.items()}, {k: 0 for k in found.of_op}, count,
+                       frozenset(index.values()))
         return cls({k: 0 for k in found.of_dim}, {k: 0 for k in found.of_op}, 1)
 
 
@@ -90,9 +102,14 @@ def segments(problem: Problem, program: Program) -> Segments:
             first[op.name] = members[0]
         for m in members:
             parent[find(m)] = find(members[0])
+    for t, q in program.homes.items():  # a parameter's storage: its own segment unless an op shards it so
+        if (d := shard_dim(q)) is not None:
+            find((t, d))
     roots: dict[tuple[str, int], int] = {}
     of_dim = {m: roots.setdefault(find(m), len(roots)) for m in list(parent)}
-    return Segments(of_dim, {name: of_dim[m] for name, m in first.items()}, max(1, len(roots)))
+    of_op = {name: of_dim[m] for name, m in first.items()}
+    even = frozenset(set(roots.values()) - set(of_op.values())) if program.homes else frozenset()
+    return Segments(of_dim, of_op, max(1, len(roots)), even)
 
 
 @dataclass
@@ -146,14 +163,19 @@ def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimi
             if activation:
                 model.act_by_segment[g] = model.act_by_segment.get(g, 0.0) + nbytes
 
-    stored: dict[str, str] = {}
+    stored = stored_placements(graph, program)
     kept: set[tuple[str, str]] = set()
     for op in graph.ops:
         strategy = program.strategies[op.name]
         for t, q in zip(op.inputs, strategy.inputs):
             meta = graph.tensors[t]
             if meta.role == "param":
-                stored.setdefault(t, REPLICATED if q == PARTIAL else q)
+                # a parameter stored elsewhere (`Program.homes`) is read through a collective whose
+                # result autograd keeps for backward: its weights at the read placement, and the
+                # gradient arriving there before it is reduce-scattered home
+                if t in program.homes and (t, q) not in kept and stored[t] != (REPLICATED if q == PARTIAL else q):
+                    kept.add((t, q))
+                    add(t, REPLICATED if q == PARTIAL else q, meta.numel * (w_b + g_b))
             elif problem.needs_grad.get(t) and (t, q) not in kept:
                 kept.add((t, q))
                 add(t, q, meta.numel * act_bytes, activation=True)
@@ -220,9 +242,11 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
         if g is not None:
             slope[g] += b * w
     if start is not None and not split and not slope.any():
-        mem = memory.on(start) if memory is not None else np.zeros(n)
+        rows = np.tile(np.asarray(start, dtype=float), (G, 1))
+        rows[sorted(segs.even)] = 1.0 / n  # storage segments stay even
+        mem = (memory.on(rows if G > 1 else rows[0]) if memory is not None else np.zeros(n))
         if memory is None or np.all(mem <= devices.memory):
-            return RatioSolution(np.asarray(start, dtype=float), constant, mem, np.tile(start, (G, 1)), segs)
+            return RatioSolution(np.asarray(start, dtype=float), constant, mem, rows, segs)
     seg_of, work, scale = _op_directions(problem, split, segs)
     n_t = len(seg_of)
     n_r = G * n
@@ -257,6 +281,8 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
                              shape=(len(b_ub), n_var)).tocsr()
     eq = sparse.coo_matrix((np.ones(G * n), (np.repeat(np.arange(G), n), np.arange(G * n))), shape=(G, n_var))
     bounds = [(min_ratio, 1.0)] * n_r + [(0.0, None)] * (n_t + G)
+    for g in segs.even:  # storage segments: even shards
+        bounds[g * n:(g + 1) * n] = [(1.0 / n, 1.0 / n)] * n
     result = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=eq.tocsr(), b_eq=np.ones(G), bounds=bounds,
                      method="highs")
     if result.status != 0:
@@ -390,6 +416,72 @@ def synthesize_overlapped(problem: Problem, evaluate: Callable[[Problem, Synthes
     return result
 
 
+STORE_MIN_NUMEL = 1 << 16  # parameters smaller than this stay whole in `stored_homes` (biases, norms)
+STORE_MIN_ROWS = 4  # ... and those without a dimension of this many rows per device at even shards
+
+
+def stored_homes(problem: Problem, program: Program, min_numel: int = STORE_MIN_NUMEL,
+                 min_rows: int = STORE_MIN_ROWS) -> dict[str, str]:
+    """ZeRO-3 / FSDP storage (Rajbhandari et al. SC'20; Zhao et al. VLDB'23) for `program`'s
+    whole parameters: each one it stores replicated, of at least `min_numel` elements, sharded
+    along its largest dimension with `min_rows` rows per device at even shards -- where every
+    read of it can be made from there (`placement.conversion`: a partial read cannot)."""
+    graph, n = problem.graph, problem.devices.n
+    stored = stored_placements(graph, program)
+    reads: dict[str, set[str]] = {}
+    for op in graph.ops:
+        for t, q in zip(op.inputs, program.strategies[op.name].inputs):
+            reads.setdefault(t, set()).add(q)
+    homes: dict[str, str] = {}
+    for t, q in stored.items():
+        meta = graph.tensors[t]
+        if q != REPLICATED or meta.numel < min_numel or PARTIAL in reads.get(t, ()):
+            continue
+        dims = [d for d, size in enumerate(meta.shape) if size >= min_rows * n]
+        if dims:
+            homes[t] = f"S{max(dims, key=lambda d: meta.shape[d])}"
+    return homes
+
+
+def synthesize_stored(problem: Problem, syn: Synthesis, *, dtype: str = "fp32", optimizer: str = "adam",
+                      overhead: float = FRAMEWORK_OVERHEAD_BYTES, memory: bool = True,
+                      homes: dict[str, str] | None = None) -> Synthesis | None:
+    """`syn`'s program with its whole parameters stored sharded (`stored_homes`, or `homes`): the
+    same op strategies, each such parameter all-gathered before its readers in the forward and its
+    gradient reduce-scattered home (the all-reduce's bytes, split: half behind the forward),
+    the optimizer stepping each device's even shard; ratios by the LP with memory (the storage
+    segments held even). None when no parameter qualifies or it does not fit. Which of `syn` and
+    this runs faster is the simulator's call: the search's sum of instruction times is the same
+    (an all-reduce costs its reduce-scatter and all-gather), what differs is overlap and the
+    optimizer step -- HAP's cost model sees neither."""
+    start = time.perf_counter()
+    homes = stored_homes(problem, syn.program) if homes is None else homes
+    if not homes:
+        return None
+    p = dataclasses.replace(problem, homes=dict(homes))
+    graph, n = p.graph, p.devices.n
+    choice = [p.options[k].index(syn.program.strategies[op.name]) for k, op in enumerate(graph.ops)]
+    r = np.asarray(syn.ratios, dtype=float)
+    program = evaluate(p, choice, r / r.sum())
+    even = np.full(n, 1.0 / n)
+    stored = set(homes)
+    # the storage collectives run on even shards: their algorithm chosen there
+    program.comms = [(name, choose(dataclasses.replace(c, algorithm=None), p.devices, even, p.collectives)[0]
+                      if c.tensor in stored and c.op in PADDED else c) for name, c in program.comms]
+    program.optimal, program.expanded = syn.program.optimal, syn.program.expanded
+    segs = segments(p, program)
+    model = memory_model(p, program, dtype, optimizer, overhead, segs)
+    solution = solve_ratios(p, program, model if memory else None, min_ratio=0.01 / n, start=r / r.sum(), segs=segs)
+    if solution is None:
+        return None
+    if not memory:
+        by_seg = solution.by_segment
+        solution.memory = model.on(by_seg if by_seg is not None and by_seg.shape[0] > 1 else solution.ratios)
+    return Synthesis(program, solution.ratios, solution.cost, solution.memory, [*syn.rounds, solution.cost],
+                     syn.expanded, syn.seconds + time.perf_counter() - start, solution.by_segment,
+                     solution.segments, p.devices.memory, syn.overlap, syn.forced)
+
+
 def _fitting_program(problem: Problem, r: np.ndarray, dtype: str, optimizer: str, memory: bool,
                      heuristic: bool, overhead: float, budget: list[int],
                      segmented: bool, carried: set[str]) -> tuple[Program, RatioSolution, int]:
@@ -461,12 +553,7 @@ def _needed_forced(problem: Problem, program: Program, model: MemoryModel, left:
     (``R`` replicated, ``S`` sharded bytes; forcing a parameter moves its state from R to S).
     A parameter the program already shards moves nothing; 0 when no count suffices."""
     cap = problem.devices.memory
-    stored = {}
-    for op in problem.graph.ops:
-        s = program.strategies[op.name]
-        for t, q in zip(op.inputs, s.inputs):
-            if problem.graph.tensors[t].role == "param":
-                stored.setdefault(t, REPLICATED if q == PARTIAL else q)
+    stored = stored_placements(problem.graph, program)
     R, S = model.replicated, model.sharded
     for count, t in enumerate(left, start=1):
         if shard_dim(stored.get(t, REPLICATED)) is None:
@@ -500,7 +587,7 @@ def _forbid_replicated(problem: Problem, params: set[str]) -> Problem:
         options.append(keep)
     return Problem(problem.graph, problem.devices, options, problem.work, problem.remaining_reads,
                    problem.needs_grad, problem.lower, future_needs_of(problem.graph, options),
-                   problem.collectives, problem.overlap)
+                   problem.collectives, problem.overlap, dict(problem.homes))
 
 
 def _bytes(x: float) -> str:

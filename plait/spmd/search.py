@@ -73,6 +73,10 @@ class Problem:
     # sum of every instruction's time); below 1 they are expected to run behind the backward of
     # earlier ops, as data parallelism overlaps them (`plait.spmd.ratios.synthesize_overlapped`)
     overlap: float = 1.0
+    # parameter -> the placement it is stored in, where that is not its first reader's (ZeRO-3 /
+    # FSDP storage, Rajbhandari et al. SC'20: a replicated reader all-gathers it in the forward and
+    # reduce-scatters its gradient back; the optimizer steps the shard). Empty: HAP's rule
+    homes: dict[str, str] = field(default_factory=dict)
 
     def weight(self, comm: Comm) -> float:
         """The objective's weight of `comm` (`overlap` for a parameter's gradient collective)."""
@@ -123,6 +127,20 @@ class Program:
     expanded: int = 0  # states taken off the heap
     generated: int = 0  # states pushed
     optimal: bool = True  # False when found by the beam search (`beam_search`)
+    homes: dict[str, str] = field(default_factory=dict)  # `Problem.homes` of the parameters it reads
+
+
+def stored_placements(graph: AtenGraph, program: Program) -> dict[str, str]:
+    """Where each parameter the program reads is stored: its `Program.homes` entry, else where
+    its first reader reads it (whole when that reader reads a partial sum) -- the one rule of the
+    search, the memory model, the simulator's optimizer and the runtime."""
+    stored: dict[str, str] = {}
+    for op in graph.ops:
+        s = program.strategies[op.name]
+        for t, q in zip(op.inputs, s.inputs):
+            if t not in stored and graph.tensors[t].role == "param":
+                stored[t] = program.homes.get(t) or (REPLICATED if q == PARTIAL else q)
+    return stored
 
 
 def future_needs_of(graph: AtenGraph, options: list[list[Strategy]]) -> list[dict[str, frozenset[str]]]:
@@ -233,7 +251,7 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
         if entry is not None:
             origin, given = entry
         else:  # a parameter or input, first read: stored as this reader wants it (sliced for free)
-            origin, given = (REPLICATED if q == PARTIAL else q), _NOTHING
+            origin, given = (problem.homes.get(t) or (REPLICATED if q == PARTIAL else q)), _NOTHING
         if q != origin and all(p != q for p, _ in given):
             conv = conversion(origin, q, t, nbytes)
             if conv is None:
@@ -392,7 +410,7 @@ def evaluate(problem: Problem, choice: Sequence[int], ratios: Sequence[float]) -
     r = _check_ratios(ratios, problem.devices)
     live: dict[str, Live] = {}
     times = _Times(problem, r)
-    program = Program(strategies={})
+    program = Program(strategies={}, homes=dict(problem.homes))
     for k, index in enumerate(choice):
         op = problem.graph.ops[k]
         strategy = problem.options[k][index]
