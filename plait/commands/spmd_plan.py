@@ -60,16 +60,18 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
     """Capture `model` at `batch` (meta device), synthesize for `cluster`, and the plans."""
     from plait.cluster import load_cluster
     from plait.graph.zoo import load_model
+    from plait.search.spmd_family import synthesize_program
     from plait.spmd.cost import Devices
     from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
-    from plait.spmd.ratios import segmented_cost, synthesize
+    from plait.spmd.ratios import segmented_cost
     from plait.spmd.search import Problem
 
     spec = load_model(model)
     cluster_obj = load_cluster(cluster)
     graph = capture_graph(spec, batch, dtype)  # the program's dtype: messages priced at its bytes
     problem = Problem.build(graph, Devices.from_cluster(cluster_obj, dtype))
-    syn = synthesize(problem, dtype=dtype, optimizer=optimizer, max_states=max_states)
+    syn, _, _ = synthesize_program(problem, cluster_obj, batch=batch, dtype=dtype, optimizer=optimizer,
+                                   max_states=max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
     segs = syn.segments
     n = problem.devices.n

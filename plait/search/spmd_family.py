@@ -10,6 +10,12 @@ candidate competes with 3D and graph plans on the same scale. The result is the 
 Synthesis handles one flat device group: the family declines clusters larger than
 `max_devices` (64 by default, HAP's testbed) with the reason rather than search for minutes.
 It lives beside the driver because it needs both a planner (`plait.spmd`) and the simulator.
+
+`synthesize_program` is plait's program for a problem -- the one definition `search_spmd`,
+`plait plan --family spmd` and `bench/hap.py` share: the synthesis at each weight of the
+parameter-gradient collectives (`plait.spmd.ratios.synthesize_overlapped`), then the same
+program with its whole parameters stored in even shards (`synthesize_stored`, ZeRO-3), the
+simulator keeping whichever runs faster and fits.
 """
 
 from __future__ import annotations
@@ -21,6 +27,40 @@ from typing import Any
 from plait.cluster.spec import Cluster
 from plait.ir.plan import Plan
 from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
+
+OVERLAP_WEIGHTS = (1.0, 0.0)  # gradient collectives counted in full / as hidden; the simulator picks
+
+
+def synthesize_program(problem: Any, cluster: Cluster, *, batch: int, dtype: str, optimizer: str = "adam",
+                       max_states: int = 20_000, simulate: bool = True) -> tuple[Any, float | None, str]:
+    """plait's flat SPMD program for `problem` (`plait.spmd.search.Problem`) on `cluster`.
+
+    With `simulate`: `synthesize_overlapped` at `OVERLAP_WEIGHTS`, each candidate timed by
+    `plait.sim.api.simulate_spmd`, then the winner with its parameters stored sharded
+    (`synthesize_stored`) kept if the simulator ranks it faster (or only it fits). Without: the
+    plain synthesis, ranked by its own cost. Returns (synthesis, simulated seconds or None, form:
+    "flat" or "flat+zero"). `seconds` and `expanded` of the synthesis count every candidate's."""
+    from plait.sim.api import simulate_spmd
+    from plait.spmd.ratios import synthesize, synthesize_overlapped, synthesize_stored
+
+    if not simulate:
+        syn = synthesize(problem, dtype=dtype, optimizer=optimizer, max_states=max_states)
+        return syn, None, "flat"
+
+    def timed(p: Any, s: Any) -> float:
+        return simulate_spmd(p, s, cluster, batch=batch).iteration_time_s if s.fits else float("inf")
+
+    start = time.process_time()
+    syn = synthesize_overlapped(problem, timed, OVERLAP_WEIGHTS, dtype=dtype, optimizer=optimizer,
+                                max_states=max_states)
+    best, form = timed(problem, syn), "flat"
+    stored = synthesize_stored(problem, syn, dtype=dtype, optimizer=optimizer)
+    if stored is not None and stored.fits:
+        t = timed(problem, stored)
+        if t < best or not syn.fits:
+            syn, best, form = stored, t, "flat+zero"
+    syn.seconds = time.process_time() - start
+    return syn, (best if syn.fits else None), form
 
 
 def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
@@ -38,7 +78,6 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     from plait.sim.api import simulate_spmd
     from plait.spmd.cost import Devices
     from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
-    from plait.spmd.ratios import synthesize
     from plait.spmd.search import Problem
 
     t0 = time.perf_counter()
@@ -55,7 +94,8 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     spec = load_model(DEFAULT_MODEL if model is None else model)
     graph = capture_graph(spec, gb, dtype)  # at the program's dtype: its messages are priced at it
     problem = Problem.build(graph, Devices.from_cluster(cluster, dtype))
-    syn = synthesize(problem, dtype=dtype, max_states=max_states)
+    syn, _, _ = synthesize_program(problem, cluster, batch=gb, dtype=dtype, max_states=max_states,
+                                   simulate=evaluate is not None)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
     plan = program_plan(syn.program.strategies, ratios, gb, model=spec.spec, predicted_s=syn.cost, dtype=dtype,
                         collectives=plan_collectives(syn.program.comms, problem.devices, ratios),
