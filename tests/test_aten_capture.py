@@ -95,3 +95,16 @@ def test_capture_of_a_real_module_leaves_it_where_it_is() -> None:
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert g.tensors[g.outputs[0]].shape == [2, 6] and len([op for op in g.ops if op.kind == "conv2d"]) == 16
+
+
+@pytest.mark.parametrize("model", ["bert:layers=2,hidden=32,heads=4,seq=16,vocab=64", "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"])
+def test_a_tied_parameter_is_one_tensor_read_by_both_ops(model: str) -> None:
+    """Export lists a tied weight once per path; the graph holds it once (the module's bytes),
+    read by the embedding and by the output projection."""
+    spec = load_model(model)
+    module = spec.build("meta")
+    g = capture_aten(module, spec.sample_batch(2, device="meta")[0], name=spec.name)
+    assert sum(g.tensors[t].numel for t in g.params) == sum(p.numel() for p in module.parameters())
+    word = next(t for t in g.params if g.tensors[t].shape == [64, 32])
+    readers = {op.kind for op in g.ops if word in op.inputs}
+    assert "embedding" in readers and len(readers) >= 2, readers

@@ -201,7 +201,7 @@ def test_stage_subgraphs_cover_the_model_once_and_take_earlier_values_as_inputs(
     assert crossing and set(crossing) <= set(subs[0].outputs)  # what stage 1 reads, stage 0 sends
     assert all(subs[1].tensors[t].role == "input" for t in crossing)
     assert subs[1].outputs == aten.outputs
-    assert shared_params(aten, TINY_SPLIT) == ["p_head_lm_weight"]  # GPT's tied embedding and head
+    assert shared_params(aten, TINY_SPLIT) == ["p_embed_tok_weight"]  # GPT's tied embedding, read by the head
     with pytest.raises(ShardingError, match="made later"):
         stage_subgraph(aten, ["embed", "layers.1"])  # layers.1 reads layers.0, made after embed
 

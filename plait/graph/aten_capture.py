@@ -68,7 +68,7 @@ def _graph(exported: torch.export.ExportedProgram, inputs: tuple[Any, ...], modu
            name: str) -> AtenGraph:
     batch = next((int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim()), 1)
     builder = _Builder(name, batch, layer_assignment(module, name))
-    builder.placeholders(exported)
+    builder.placeholders(exported, module)
     for node in exported.graph.nodes:
         if node.op == "call_function":
             builder.call(node)
@@ -131,8 +131,13 @@ class _Builder:
                 return layer
         return None
 
-    def placeholders(self, exported: torch.export.ExportedProgram) -> None:
+    def placeholders(self, exported: torch.export.ExportedProgram, module: nn.Module | None = None) -> None:
+        """One tensor per placeholder -- but one per parameter *object*: a tied parameter (one
+        nn.Parameter under two paths, e.g. BERT's word embedding and its MLM decoder) is exported
+        as two placeholders; both become the first path's tensor, so its bytes, gradient and
+        optimizer state are counted once, as the module holds them."""
         kinds = {spec.arg.name: spec for spec in exported.graph_signature.input_specs}
+        owner: dict[int, str] = {}  # id of a parameter object -> the tensor that stands for it
         for node in exported.graph.nodes:
             if node.op != "placeholder":
                 continue
@@ -142,6 +147,12 @@ class _Builder:
             val = node.meta.get("val")
             if not isinstance(val, torch.Tensor):
                 continue
+            if role == "param" and module is not None:
+                key = id(module.get_parameter(spec.target))
+                if key in owner:
+                    self.names[node] = owner[key]
+                    continue
+                owner[key] = node.name
             self.graph.tensors[node.name] = TensorMeta(node.name, list(val.shape), _dtype(val), role,
                                                        param=spec.target if role in ("param", "buffer") else None)
             if role == "input":
