@@ -239,9 +239,13 @@ def test_one_family_search_writes_the_search_file_too(tmp_path, capsys, family, 
     data = load(out, model, cluster)  # the report of either plan: its search, prediction and memory margin
     assert data.search is not None and data.predicted_s > 0
     assert data.memory_margin is not None and data.memory_margin[0] > 0
-    if family == "spmd":  # every program rank holds the whole model; the traffic matrix says it is not drawn
+    if family == "spmd":  # every program rank holds the whole model; the matrix is its collectives' ring
         assert sorted(data.roles) == sorted(Plan.load(out).device_of(r) for r in range(Plan.load(out).world_size))
-        assert data.traffic is None and any("SPMD program" in n for n in data.notes)
+        tr = data.traffic
+        assert tr is not None and set(tr.by_class) <= {"spmd"}  # (this tiny program may replicate every op)
+        assert sum(map(sum, tr.matrix)) == pytest.approx(sum(tr.by_class.values()))  # every wire byte, device to device
+        assert all(tr.matrix[i][i] == 0 for i in range(len(tr.devices)))
+        assert any("SPMD program" in n for n in data.notes)
         html = render(data)
         assert "What the SPMD program keeps on each GPU" in html
 

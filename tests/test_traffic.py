@@ -124,3 +124,20 @@ def test_message_time_is_the_collectives_formula():
 def test_wire_bytes_rejects_unknown_ops():
     with pytest.raises(traffic.TrafficError, match="all_shuffle"):
         traffic.wire_bytes("all_shuffle", 1, 2)
+
+
+def test_an_spmd_programs_collectives_are_ring_messages_by_hand():
+    """`program_messages`: whole-tensor sizes (an all-to-all's per-rank buffer is 1/n of it), one
+    call per iteration, the ring's bytes: all-reduce 2(n-1)S, all-gather (n-1)S, all-to-all (n-1)S/n."""
+    from types import SimpleNamespace as C
+
+    comms = [("a", C(op="all_reduce", tensor="w", nbytes=100, group="world")),
+             ("b", C(op="all_gather", tensor="x", nbytes=40, group="world")),
+             ("c", C(op="all_to_all", tensor="y", nbytes=400, group="world"))]
+    ms = traffic.program_messages(comms, [3, 1, 0, 2])
+    assert {m.cls for m in ms} == {"spmd"} and all(m.groups == ((3, 1, 0, 2),) and m.count == 1 for m in ms)
+    assert sum(m.wire_bytes for m in ms) == 2 * 3 * 100 + 3 * 40 + 3 * 100
+    flows = [f for m in ms for f in m.flows()]
+    assert {(f.src, f.dst) for f in flows} == {(3, 1), (1, 0), (0, 2), (2, 3)}
+    with pytest.raises(traffic.TrafficError, match="group 'node'"):
+        traffic.program_messages([("d", C(op="all_reduce", tensor="z", nbytes=8, group="node"))], [0, 1])

@@ -44,7 +44,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from plait.ir.opgraph import Layer, OpGraph, TiedParams
     from plait.ir.plan import Plan
 
-CLASSES = ("dp", "tp", "pp", "zero", "tied")
+CLASSES = ("dp", "tp", "pp", "zero", "tied", "spmd")  # spmd: a synthesized SPMD program's collectives
 
 
 class TrafficError(PlaitError, ValueError):
@@ -439,6 +439,27 @@ def _tied_messages(acc: _Acc, sg: StageGraph, graph: OpGraph, by_name: dict, pla
                     pairs = [(a, b) for a, b in zip(ro.devices, ru.devices)]
                     acc.add("allreduce tied embedding", "tied", "all_reduce", tied_grad_bytes(t, so.tp, plan),
                             pairs, 1, so.index, ro.index)
+
+
+def program_messages(comms: Sequence[tuple[str, Any]], ring: Sequence[int]) -> list[Message]:
+    """An SPMD program's collectives (`plait.spmd.search.Program.comms`: (name, Comm) with `op`,
+    `tensor`, `nbytes` of the whole tensor, `group`) as Messages of class "spmd" over `ring` (the
+    program's devices, ring order), each once per iteration (a program runs one pass).
+
+    Sizes in nccl-tests' convention (module docstring): the whole tensor for all-reduce,
+    all-gather and reduce-scatter; an all-to-all's per-rank buffer is 1/n of it. Uneven shares
+    move the same ring total as even ones for grouped collectives (every shard crosses to the
+    other n-1 ranks); padded ones move more -- the bytes here are the even ring's. Only programs
+    over one flat group are described ("world"; hierarchical programs have no plan form)."""
+    n = len(ring)
+    acc = _Acc()
+    for _, c in comms:
+        if getattr(c, "group", "world") != "world":
+            raise TrafficError(f"collective {c.op} of {c.tensor}: group {c.group!r}; only flat programs "
+                               f"(group 'world') are described")
+        nbytes = c.nbytes / n if c.op == "all_to_all" else c.nbytes
+        acc.add(f"{c.op} {c.tensor}", "spmd", c.op, whole_bytes(nbytes), [tuple(ring)], 1, 0)
+    return acc.messages()
 
 
 # ---------------------------------------------------------------- time on a cluster

@@ -278,14 +278,37 @@ def _assemble_spmd(source: str, kind: str, model: str, cluster: Any, plan: Any, 
         params = int(spec.param_count_formula())
     except (ValueError, TypeError, AttributeError):
         params = None
-    notes.append("an SPMD program: its per-device traffic is not drawn (plait.cost.traffic covers 3D and graph "
-                 "plans); the timeline shows every collective")
     data = ReportData(source=source, kind=kind, model=model, model_config=dict(spec.config), cluster=cluster,
                       plan=plan, sim=sim, params=params, notes=notes)
+    data.traffic = spmd_traffic(model, cluster, plan, notes)
     data.roles = {plan.device_of(r): {"rank": r, "stage": 0, "replica": 0, "tp": r,
                                       "layers": "the whole model, each op sharded by the program"}
                   for r in range(plan.world_size)}
     return data
+
+
+def spmd_traffic(model: str, cluster: Any, plan: Any, notes: list[str]) -> Traffic:
+    """Device x device bytes of one iteration of an SPMD plan: its program's collectives
+    (`plait.sim.api.spmd_plan_synthesis`, as `plait simulate` replays it) over the ring of its
+    devices, laid out on the NICs as NCCL's rings run (`plait.cost.traffic.program_messages`)."""
+    from plait.cost.traffic import program_messages
+    from plait.sim.api import resolve_cluster, spmd_plan_synthesis
+
+    _, syn = spmd_plan_synthesis(model, resolve_cluster(cluster), plan)
+    devices = [plan.device_of(r) for r in range(plan.world_size)]
+    messages = program_messages(syn.program.comms, devices)
+    index = {d: i for i, d in enumerate(sorted(devices))}
+    matrix = [[0.0] * len(index) for _ in index]
+    node_of = [d.node for d in cluster.devices]
+    by_class: dict[str, float] = {}
+    for m in messages:
+        by_class[m.cls] = by_class.get(m.cls, 0.0) + m.wire_bytes
+        for f in m.flows(node_of, [max(1, n.nics) for n in cluster.nodes]):
+            if f.src != f.dst:
+                matrix[index[f.src]][index[f.dst]] += f.nbytes
+    notes.append("an SPMD program: its traffic is its collectives over one ring of its devices at even shares "
+                 "(padded uneven collectives move somewhat more); cable loads are drawn for 3D and graph plans only")
+    return Traffic(devices=sorted(devices), matrix=matrix, by_class=by_class)
 
 
 def roles(graph: Any, plan: Any) -> dict[int, dict[str, Any]]:
