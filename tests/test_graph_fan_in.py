@@ -48,11 +48,12 @@ TRAINING = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5)
 
 
 def _plan() -> Plan:
-    """Stage 2 holds a1 (after stage 0's a0) and the join d (after stage 1's b1) as two segments;
-    stage 1 cuts the batch coarser (4) than the others (2)."""
+    """Stage 2 holds a1 (after stage 0's a0) and the join d (after stage 1's b1, and a0's skip) as
+    two segments, on 2 data-parallel replicas (its micro-batches dealt to them in turn); stage 1 cuts
+    the batch coarser (4) than the others (2)."""
     stages = [StageSpec(name="a", layers=["a0"], devices=[0], micro_batch=2),
               StageSpec(name="b", layers=["b0", "b1"], devices=[1], micro_batch=4),
-              StageSpec(name="join", layers=["a1", "d"], devices=[2], micro_batch=2, segments=[1, 1])]
+              StageSpec(name="join", layers=["a1", "d"], devices=[2, 3], dp=2, micro_batch=2, segments=[1, 1])]
     return Plan(stages=stages, stage_edges=[(0, 2), (1, 2)], micro_batch=2, global_batch=8, dtype="fp32")
 
 
@@ -84,7 +85,7 @@ def test_graph_1f1b_runs_a_fan_in_stage_per_input() -> None:
 
 
 @pytest.mark.distributed
-def test_fan_in_stage_per_input_on_3_ranks_equals_one_process(tmp_path) -> None:
+def test_fan_in_stage_per_input_on_4_ranks_equals_one_process(tmp_path) -> None:
     path = tmp_path / "two.py"
     path.write_text(TWO_BRANCHES)
     model, plan = f"{path}:make", _plan()

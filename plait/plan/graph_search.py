@@ -142,10 +142,15 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
                     variants += 1
     kept.sort(key=lambda c: c.time_s)
     best = kept[0]
-    depth = cost.pipeline_depth(cost.choices_of(best.plan)) if best.plan.stages else best.plan.pp
+    choices = cost.choices_of(best.plan) if best.plan.stages else None
+    depth = cost.pipeline_depth(choices) if choices else best.plan.pp
+    effective = cost.effective_depth(choices) if choices else float(best.plan.pp)
     bound = lower_bound(cost)
     extra = {
         "pipeline_depth": depth,
+        # stage-equivalents on the longest path: a stage that runs per input counts on the other
+        # branch's path by its join segment's share only (`StageCost.effective_depth`)
+        "effective_depth": effective,
         "stages": len(best.plan.stages),
         "partition_search_s": part.search_time_s,
         "targets_tried": part.targets_tried,
