@@ -22,7 +22,11 @@ Pipette's ``(M - 1) max t + sum t`` generalised to a DAG), then the longest opti
 every stage runs after the global gradient-norm barrier (as the simulator does; a stage holding
 embedding tables has a long one). A stage with inputs adds ``hop = 2 * p2p_host_s``, the host time of the forward
 send/recv step into it and of the backward one out of it (the compute model's, which the
-simulator charges per pipeline message). GraphPipe's objective, the time per
+simulator charges per pipeline message). A graph plan's stages run **per input** (`segments`,
+written to `StageSpec.segments` by `to_plan`): the paths are walked over the segment DAG (a
+hand-over between segments of one stage costs no hop) and a stage's path term is the longest trip
+through any of its segments, so a stage holding one branch's last block and the join is on the
+other branch's path by its join segment only. Sequential plans (``chain=True``) run whole stages. GraphPipe's objective, the time per
 sample of the slowest stage, is ``max_s W(s) / B``. Memory: `plait.cost.memory.stage_peak_bytes`
 (the one estimator) with the in-flight micro-batches graph 1F1B keeps, ``1 + the stage's longest
 path to the sink``.

@@ -15,7 +15,11 @@ A pipeline is a DAG of *nodes* (`plait.schedule.Node`):
   it owns (`rank_actions`) -- the simulator's lowering does the same (`sim/lower.py`): a
   restriction of a deadlock-free order stays deadlock-free, and the messages between two
   ranks keep their FIFO order. A send/recv goes to the replica of the peer stage that owns
-  the peer micro-batch (`PipelineLayout.rank_of`).
+  the peer micro-batch (`PipelineLayout.rank_of`). A stage that runs per input
+  (`StageSpec.segments`) has a node per segment on its ranks (`PipelineLayout.places`): the
+  edges between segments come from the traced model's layer dependencies by the stage graph's
+  rule (`split_model`, then `with_node_edges`), values between two segments of one rank are
+  handed over in memory (`executor`).
 
 `supports(plan)` is the runtime's own statement of what it runs; `api.run` refuses
 exactly what it refuses, with its reason.
