@@ -304,14 +304,17 @@ class StageCost:
             hit = self._parts[layers] = [tuple(x) for x in out]
         return hit
 
-    def _segment_dag(self, stages: list[StageChoice], chain: bool) -> tuple[list[tuple[int, float]], nx.DiGraph]:
+    def _segment_dag(self, stages: list[StageChoice], chain: bool,
+                     per_input: bool = True) -> tuple[list[tuple[int, float]], nx.DiGraph]:
         """Per segment (its stage, one micro-batch's seconds) and the segment DAG: a sequential
-        plan's stages (`chain`) run whole; a graph plan's per input (`segments`), with the edges of
-        `plait.ir.stage_graph.segment_edges` (the stage graph the simulator and runtime run)."""
+        plan's stages (`chain`) run whole; a graph plan's per input (`segments`; whole where not
+        `per_input`), with the edges of `plait.ir.stage_graph.segment_edges` (the stage graph the
+        simulator and runtime run)."""
         segs: list[tuple[int, float]] = []
         chunks: list[Chunk] = []
         for s, st in enumerate(stages):
-            parts = [tuple(sorted(st.layers, key=self.pos.__getitem__))] if chain else self.segments(st.layers)
+            parts = [tuple(sorted(st.layers, key=self.pos.__getitem__))] if chain or not per_input \
+                else self.segments(st.layers)
             for part in parts:
                 chunks.append(Chunk(len(chunks), s, list(part)))
                 segs.append((s, self.seg_time(part, st.kind, st.micro_batch) if len(parts) > 1 else st.t_mb))
@@ -323,13 +326,14 @@ class StageCost:
             g.add_edges_from(segment_edges(self.graph.layer_edges, chunks, self.stage_edges(stages, chain)))
         return segs, g
 
-    def _trips(self, stages: list[StageChoice], chain: bool) -> tuple[list[tuple[int, float]], dict, dict] | None:
+    def _trips(self, stages: list[StageChoice], chain: bool,
+               per_input: bool = True) -> tuple[list[tuple[int, float]], dict, dict] | None:
         """(segments, to, after): one micro-batch's forward + backward seconds from the sources through
         each segment and from it to the sink, a hop between stages costing ``2 * p2p_host_s`` and a
         hand-over inside a stage none; None if the stage graph has a cycle."""
         if not nx.is_directed_acyclic_graph(self._dag(stages, chain)):
             return None
-        segs, g = self._segment_dag(stages, chain)
+        segs, g = self._segment_dag(stages, chain, per_input)
         hop = 2 * self.compute.p2p_host_s
         order = list(nx.topological_sort(g))
         to: dict[int, float] = {}
@@ -342,10 +346,11 @@ class StageCost:
                                         default=0.0)
         return segs, to, after
 
-    def score(self, stages: list[StageChoice], chain: bool = False) -> float:
+    def score(self, stages: list[StageChoice], chain: bool = False, per_input: bool = True) -> float:
         """The analytic iteration seconds of a stage list (module docstring): the slowest stage's
-        busy time before the step plus its fill and drain, then the longest optimizer step."""
-        trips = self._trips(stages, chain)
+        busy time before the step plus its fill and drain, then the longest optimizer step
+        (`per_input=False`: a graph plan's stages run whole)."""
+        trips = self._trips(stages, chain, per_input)
         if trips is None:
             return math.inf
         segs, to, after = trips
@@ -358,12 +363,12 @@ class StageCost:
         before = max(st.work - o + through[s] - st.t_mb for s, (st, o) in enumerate(zip(stages, opt)))
         return before + max(opt)
 
-    def effective_depth(self, stages: list[StageChoice], chain: bool = False) -> float:
+    def effective_depth(self, stages: list[StageChoice], chain: bool = False, per_input: bool = True) -> float:
         """Stage-equivalents on the longest path: each segment on it counts its share of its stage's
         micro-batch time (a whole stage 1; the join segment of a stage that runs per input, which
         the other branch waits for, its own share). Equals `pipeline_depth` where every stage
         runs whole; a stage that runs per input is on the other branch's path by its join only."""
-        segs, g = self._segment_dag(stages, chain)
+        segs, g = self._segment_dag(stages, chain, per_input)
         total = [0.0] * len(stages)
         for s, t in segs:
             total[s] += t
@@ -385,7 +390,8 @@ class StageCost:
         """Stages on the longest path of the stage graph (GraphPipe's pipeline depth)."""
         return max(self.depths(stages, chain), default=0) + 1
 
-    def to_plan(self, stages: list[StageChoice], schedule: str = "1f1b", chain: bool = False) -> Plan:
+    def to_plan(self, stages: list[StageChoice], schedule: str = "1f1b", chain: bool = False,
+                per_input: bool = True) -> Plan:
         """A Plan of the stages: topological stage order (the sink last), devices handed out per
         kind in node order along that order (a stage's replicas and neighbouring stages land on
         the same or nearby nodes), stage edges from the layers' edges."""
@@ -404,7 +410,7 @@ class StageCost:
                                      f"{len(self.devices_of[st.kind])}")
             nxt[st.kind] += st.dp
             layers = sorted(st.layers, key=self.pos.__getitem__)
-            parts = [] if chain else self.segments(st.layers)
+            parts = self.segments(st.layers) if per_input and not chain else []
             specs.append(StageSpec(name=f"stage{i}", layers=layers, devices=list(devs), dp=st.dp, tp=1,
                                    micro_batch=st.micro_batch,
                                    segments=[len(p) for p in parts] if len(parts) > 1 else None))

@@ -119,6 +119,13 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
         cand = admit(cost.to_plan(stages), score)
         if cand is not None:
             kept.append(cand)
+        if evaluate is not None and cand is not None and any(s.segments for s in cand.plan.stages):
+            # the same stages run whole: per input a segment's inputs are received only once the
+            # segment before it has run (as the executor posts them), which can cost more than it saves
+            # where those transfers are long; the score does not price transfers, the simulator does
+            whole = admit(cost.to_plan(stages, per_input=False), cost.score(stages, per_input=False))
+            if whole is not None:
+                kept.append(whole)
     if not kept:
         why = "; ".join(f"{k}: {examples[k]}" for k in examples) or "no stage list"
         raise GraphPlanError(f"plan --family graph: no graph plan of {graph.model} on {cluster_obj.name} "
@@ -144,7 +151,8 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
     best = kept[0]
     choices = cost.choices_of(best.plan) if best.plan.stages else None
     depth = cost.pipeline_depth(choices) if choices else best.plan.pp
-    effective = cost.effective_depth(choices) if choices else float(best.plan.pp)
+    per_input = any(s.segments for s in best.plan.stages)
+    effective = cost.effective_depth(choices, per_input=per_input) if choices else float(best.plan.pp)
     bound = lower_bound(cost)
     extra = {
         "pipeline_depth": depth,
