@@ -364,6 +364,8 @@ def test_case_study_one_gpu_per_stage_runs_the_head_per_input_at_effective_depth
     assert len(best) == 8 and all(sum(n in st.layers for n in blocks) == 1 for st in best)
     assert all(len(st.layers) == 1 or st.layers[0].endswith("embed") or st.layers[-1] == "head" for st in best)
     assert cost.pipeline_depth(best) == 5 and 4.0 < cost.effective_depth(best) < 4.25
+    assert cost.effective_depth(best, per_input=False) == pytest.approx(5.0)  # run whole: the merge counts
+    assert cost.score(best) < cost.score(best, per_input=False)
     plan = cost.to_plan(best)
     assert [s.segments for s in plan.stages if s.segments] == [[1, 1]]  # the head's stage, per input
     whole = dataclasses.replace(plan, stages=[dataclasses.replace(s, segments=None) for s in plan.stages])
