@@ -99,6 +99,33 @@ def test_fan_in_stage_per_input_on_4_ranks_equals_one_process(tmp_path) -> None:
         torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-6, msg=name)
 
 
+def _hand_graph():
+    from plait.ir.opgraph import Layer, OpGraph
+
+    layers = [Layer(name=n, kind="Linear", param_count=10, param_bytes=40, output_bytes=4.0)
+              for n in ("a0", "b0", "a1", "d")]
+    return OpGraph(model="two", layers=layers, activation_dtype_bytes=4,
+                   layer_edges=[("a0", "a1"), ("b0", "d"), ("a1", "d")])
+
+
+def test_stage_graph_chunks_a_per_input_stage_by_its_segments() -> None:
+    """The join stage is two chunks: a1 fed by stage a, d fed by stage b and by a1 in memory; a
+    segment that feeds an earlier one of its stage is refused, naming the field."""
+    from plait.ir.stage_graph import StageGraphError, stage_graph
+
+    stages = [StageSpec(name="a", layers=["a0"], devices=[0]), StageSpec(name="b", layers=["b0"], devices=[1]),
+              StageSpec(name="join", layers=["a1", "d"], devices=[2], segments=[1, 1])]
+    plan = Plan(stages=stages, stage_edges=[(0, 2), (1, 2)], micro_batch=1, global_batch=2, dtype="fp32")
+    sg = stage_graph(plan, _hand_graph())
+    assert [(c.stage, c.layers) for c in sg.chunks] == [(0, ["a0"]), (1, ["b0"]), (2, ["a1"]), (2, ["d"])]
+    assert [(e.src, e.dst, [t.producer for t in e.tensors]) for e in sg.edges] == [
+        (0, 2, ["a0"]), (1, 3, ["b0"]), (2, 3, ["a1"])]
+    assert sg.stages[2].chunks == [2, 3]
+    backwards = dataclasses.replace(plan, stages=[*stages[:2], dataclasses.replace(stages[2], layers=["d", "a1"])])
+    with pytest.raises(StageGraphError, match=r"stages\[2\]\.segments"):
+        stage_graph(backwards, _hand_graph())
+
+
 def test_simulator_runs_the_join_stage_per_input_closed_form() -> None:
     """One micro-batch, zero-byte messages of latency a, no software overheads (as
     tests/test_sim_closed_form.py). Stage 0 runs a0 (1 ms fwd, 2 ms bwd), stage 1 the slow b0
@@ -118,7 +145,7 @@ def test_simulator_runs_the_join_stage_per_input_closed_form() -> None:
     view = ClusterView.uniform(3, GPU_KINDS["a100-80gb"], 3, 10e9, alpha, inter_bandwidth=10e9, inter_latency=alpha)
     layers = [Layer(name=n, kind="Linear", param_count=10, param_bytes=40) for n in ("a0", "b0", "a1", "d")]
     graph = OpGraph(model="two", layers=layers, activation_dtype_bytes=4,
-                    layer_edges=[("a0", "a1"), ("b0", "d"), ("a1", "d")])
+                    layer_edges=[("a0", "a1"), ("b0", "d"), ("a1", "d")])  # zero-byte messages
     times = {"a0": (1e-3, 2e-3), "b0": (4e-3, 8e-3), "a1": (1e-3, 2e-3), "d": (0.5e-3, 1e-3)}
     stages = [StageSpec(name="a", layers=["a0"], devices=[0]), StageSpec(name="b", layers=["b0"], devices=[1]),
               StageSpec(name="join", layers=["a1", "d"], devices=[2], segments=[1, 1])]
