@@ -126,13 +126,21 @@ def test_stage_graph_chunks_a_per_input_stage_by_its_segments() -> None:
         stage_graph(backwards, _hand_graph())
 
 
-def test_simulator_runs_the_join_stage_per_input_closed_form() -> None:
-    """One micro-batch, zero-byte messages of latency a, no software overheads (as
-    tests/test_sim_closed_form.py). Stage 0 runs a0 (1 ms fwd, 2 ms bwd), stage 1 the slow b0
-    (4, 8), stage 2 a1 (1, 2) and the join d (0.5, 1). Per input, a1 runs while b0 still computes:
-    d starts at 4 + a, its backward ends at 5.5 + a and sends b0 its gradient at once, so b0 ends at
-    13.5 ms + 2a. Whole (the stage waits for both inputs, then a1 and d; its gradients leave after
-    both backwards): 16.5 ms + 2a -- per input saves a1's forward and backward, 3 ms."""
+@pytest.mark.parametrize("tf_a1, msg, per_input_ms, whole_ms, alphas", [
+    (1e-3, 0.0, 13.5, 16.5, 2),  # zero-byte messages
+    (5e-3, 1e7, 16.5, 22.5, 2),  # b0's output takes 1 ms more on the link, a1 runs 5 ms
+])
+def test_simulator_runs_the_join_stage_per_input_closed_form(tf_a1: float, msg: float, per_input_ms: float,
+                                                              whole_ms: float, alphas: int) -> None:
+    """One micro-batch, messages of a + bytes/B, no software overheads (as tests/test_sim_closed_form.py).
+    Stage 0 runs a0 (1 ms fwd, 2 ms bwd), stage 1 the slow b0 (4, 8), stage 2 a1 (`tf_a1`, 2) and the
+    join d (0.5, 1). Zero bytes: per input, a1 runs while b0 still computes; d starts at 4 + a, its
+    backward ends at 5.5 + a and sends b0 its gradient at once, so b0 ends at 13.5 ms + 2a. Whole
+    (the stage waits for both inputs, then a1 and d; its gradients leave after both backwards):
+    16.5 ms + 2a. With b0's output 1 ms on the link and a1 at 5 ms: d's input is received while a1
+    runs (posted with a1's, as the executor does), d runs at 6 + a (a1's end), its gradient leaves at
+    7.5 + a and reaches b0 1 ms + a later: 16.5 + 2a; whole, the stage starts at 5 + a (b0's output
+    in), ends its backward at 13.5 + a, b0 at 22.5 + 2a."""
     from plait.cluster.catalog import GPU_KINDS
     from plait.cost.compute import ComputeModel
     from plait.ir.opgraph import Layer, OpGraph
@@ -143,16 +151,17 @@ def test_simulator_runs_the_join_stage_per_input_closed_form() -> None:
     zero = ComputeModel(host_fwd_s=0.0, host_bwd_s=0.0, host_comm_s=0.0, p2p_host_s=0.0, loss_host_s=0.0,
                         batch_host_s=0.0, step_host_s=0.0, optimizer_bytes_per_param=0.0, kernel_gpu_s=0.0)
     view = ClusterView.uniform(3, GPU_KINDS["a100-80gb"], 3, 10e9, alpha, inter_bandwidth=10e9, inter_latency=alpha)
-    layers = [Layer(name=n, kind="Linear", param_count=10, param_bytes=40) for n in ("a0", "b0", "a1", "d")]
+    layers = [Layer(name=n, kind="Linear", param_count=10, param_bytes=40, output_bytes=msg if n == "b0" else 0.0)
+              for n in ("a0", "b0", "a1", "d")]
     graph = OpGraph(model="two", layers=layers, activation_dtype_bytes=4,
-                    layer_edges=[("a0", "a1"), ("b0", "d"), ("a1", "d")])  # zero-byte messages
-    times = {"a0": (1e-3, 2e-3), "b0": (4e-3, 8e-3), "a1": (1e-3, 2e-3), "d": (0.5e-3, 1e-3)}
+                    layer_edges=[("a0", "a1"), ("b0", "d"), ("a1", "d")])
+    times = {"a0": (1e-3, 2e-3), "b0": (4e-3, 8e-3), "a1": (tf_a1, 2e-3), "d": (0.5e-3, 1e-3)}
     stages = [StageSpec(name="a", layers=["a0"], devices=[0]), StageSpec(name="b", layers=["b0"], devices=[1]),
               StageSpec(name="join", layers=["a1", "d"], devices=[2], segments=[1, 1])]
     per_input = Plan(stages=stages, stage_edges=[(0, 2), (1, 2)], micro_batch=1, global_batch=1, dtype="fp32")
     whole = dataclasses.replace(per_input, stages=[dataclasses.replace(s, segments=None) for s in stages])
     t = {name: simulate(graph, view, plan, compute=zero, layer_times=times).iteration_time_s
          for name, plan in (("per_input", per_input), ("whole", whole))}
-    barrier = t["whole"] - (16.5e-3 + 2 * alpha)  # the gradient-norm all-reduce, the same in both
+    barrier = t["whole"] - (whole_ms * 1e-3 + alphas * alpha)  # the gradient-norm all-reduce, the same in both
     assert 0 <= barrier < 10 * alpha
-    assert t["per_input"] == pytest.approx(13.5e-3 + 2 * alpha + barrier, rel=1e-12)
+    assert t["per_input"] == pytest.approx(per_input_ms * 1e-3 + alphas * alpha + barrier, rel=1e-12)

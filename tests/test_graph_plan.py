@@ -350,7 +350,7 @@ def test_case_study_one_gpu_per_stage_runs_the_head_per_input_at_effective_depth
     of its stage; GraphPipe counts 4). The partitioner picks it because it scores best: better than
     the same stages run whole (depth 5 by the merge) and than the depth-4 plan that puts both last
     blocks in the head's stage (8 blocks on 8 GPUs leave no GPU for a head alone); the simulator
-    agrees on the first (bench/graph_pipeline.py, case study rows: 374 vs 392 us/sample)."""
+    agrees on the first (bench/graph_pipeline.py, case study rows: 358 vs 392 us/sample)."""
     import dataclasses
 
     from plait.search import load_graph

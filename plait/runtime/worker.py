@@ -345,7 +345,8 @@ class Worker:
                                   autocast=self._autocast,
                                   # Megatron's blocking p2p where the simulator models it (sim/lower.py).
                                   blocking=not plan.stages and plan.schedule in ("1f1b", "gpipe")
-                                  and plan.virtual_stages == 1)
+                                  and plan.virtual_stages == 1,
+                                  per_input=bool(lay.places))  # a stage's segments (StageSpec.segments)
         start = self._maybe_resume()
         steps = int(cfg["steps"])
         ck = cfg.get("checkpoint") or {}

@@ -806,8 +806,13 @@ class _Lowerer:
         if ks is None or kd is None:
             return
         deps = [self.item_last[src.wid][ks]]
-        if kd > 0:
-            deps.append(self.item_last[dst.wid][kd - 1])  # receiver has posted its receive
+        post = kd
+        if forward and self.plan.stages and c_dst != dst.chunks[0]:
+            # a later segment of a stage that runs per input: the executor posts its receives with
+            # those of the stage's first segment for the micro-batch and waits them at its forward
+            post = position.get((dst.wid, "F", dst.chunks[0], u_dst), kd)
+        if post > 0:
+            deps.append(self.item_last[dst.wid][post - 1])  # receiver has posted its receive
         if src.wid == dst.wid:
             self.tg.add_dep(deps[0], self.item_first[dst.wid][kd])
             return
