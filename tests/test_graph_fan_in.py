@@ -97,6 +97,10 @@ def test_fan_in_stage_per_input_on_4_ranks_equals_one_process(tmp_path) -> None:
     assert result.params is not None and set(result.params) == set(ref_params)
     for name, value in result.params.items():
         torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-6, msg=name)
+    # once the headers are known, d's inputs are posted with a1's (early) and waited at d's forward
+    batches = [e.args["batch"] for e in result.timeline.events if e.category == "comm_pp" and e.args.get("batch")]
+    assert any(any(x.startswith("recv_fwd s2 c0 mb2 ") for x in b) and any(x.startswith("recv_fwd s2 c1 mb2 ") for x in b)
+               for b in batches)
 
 
 def _hand_graph():
