@@ -23,6 +23,9 @@ Everything the later planners need is an optional refinement on top:
                      ratios (one vector, or one per segment), versioned on its own (see
                      `_check_spmd`). Such a plan has dp = tp = pp = 1 and one rank per ratio;
                      `device_order` places the ranks.
+* `stages[i].segments` -- a graph stage that runs per input: its layers cut into consecutive
+                     runs, each a forward step that waits only for the inputs it reads
+                     (`plait.ir.stage_graph.segment_edges`); written only when set.
 * `stages[i].spmd` -- composition: a stage of a linear or graph pipeline that runs an SPMD
                      program of its layers on its devices (same layout, one ratio per stage
                      device, synthesized at the stage's micro-batch; `plait.search.compose_family`).
