@@ -183,6 +183,7 @@ class PipelineExecutor:
         self.comm.wait(self.pending)
         self.pending = []
         assert not self.saved, "every forward has its backward"
+        assert not self.deferred, "every receive posted early is waited at its forward"
 
     def _early_receives(self, acts: list[Action]) -> dict[int, list[int]]:
         """Per forward of a per-input stage's first segment (by action index), the indices of the
