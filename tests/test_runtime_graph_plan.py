@@ -49,15 +49,17 @@ def test_partitioner_plan_runs_equal_to_one_process(name: str) -> None:
 
 def test_partitioner_plan_with_data_parallel_stages_runs_equal_to_one_process() -> None:
     # Wide enough that the partitioner gives a branch stage several replicas: the first candidate whose
-    # stages differ in data-parallel degree (one branch on 3 replicas at micro-batches of 22, 21, 21,
-    # the others on one at 64) runs with its micro-batches dealt to the replicas, clipping on.
+    # stages differ in data-parallel degree (one branch on 2 replicas at micro-batches of 32; the other
+    # branch and the head on 3 at 22, 21, 21, run per input: its branch before the first stage's output
+    # arrives) runs with its micro-batches dealt to the replicas, clipping on.
     model = "mmt:branches=2,layers=2,hidden=256,heads=4,seq=64,in_dim=8,dropout=0,attn_dropout=0"
     res = search_graph(model, "a100-80gb:nodes=1,gpus_per_node=5", global_batch=64, dtype="fp32",
                        supports=supports, candidates=12, top=12)
     mixed = [c.plan for c in res.top if c.plan.stage_edges and len({s.dp for s in c.plan.stages}) > 1]
     assert mixed, [str(c.plan) for c in res.top]
     plan = mixed[0]
-    assert max(s.dp for s in plan.stages) > 1 and min(s.dp for s in plan.stages) == 1
+    assert max(s.dp for s in plan.stages) > 1
+    assert any(s.segments for s in plan.stages)  # a stage that runs per input, on several replicas
     assert supports(plan) == (True, "")
     training = TrainingConfig(optimizer=SGD, lr=0.5, clip_grad=0.05)
     ref_losses, ref_params = reference_run(model, plan, 2, training=training)

@@ -242,13 +242,18 @@ def _run_graph(args: argparse.Namespace) -> int:
         st.add_column(col)
     for s, spec in enumerate(best.stages):
         layers = spec.layers[0] + (f" .. {spec.layers[-1]} ({len(spec.layers)})" if len(spec.layers) > 1 else "")
+        if spec.segments and len(spec.segments) > 1:  # runs per input: each run after its own inputs
+            layers += " per input " + "+".join(map(str, spec.segments))
         feeds = ", ".join(best.stages[b].name for a, b in best.stage_edges if a == s) or "(loss)"
         st.add_row(spec.name, layers, ",".join(map(str, spec.devices)), str(spec.dp),
                    str(spec.micro_batch), feeds)
     if best.stages:
         console.print(st)
     bound = ex["lower_bound_s"]
-    console.print(f"pipeline depth {ex['pipeline_depth']}; lower bound {_ms(bound['bound'])} (the most of work "
+    eff = ex.get("effective_depth")
+    depth = ex["pipeline_depth"] if eff is None or abs(eff - ex["pipeline_depth"]) < 5e-3 else \
+        f"{ex['pipeline_depth']} (effective {eff:.2f})"
+    console.print(f"pipeline depth {depth}; lower bound {_ms(bound['bound'])} (the most of work "
                   f"{_ms(bound['work'])}, memory floor {_ms(bound['memory'])} and critical path "
                   f"{_ms(bound['critical_path'])}, plus the optimizer step {_ms(bound['optimizer'])}); "
                   f"optimality gap {ex['optimality_gap'] * 100:.0f} %")

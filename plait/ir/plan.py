@@ -23,6 +23,9 @@ Everything the later planners need is an optional refinement on top:
                      ratios (one vector, or one per segment), versioned on its own (see
                      `_check_spmd`). Such a plan has dp = tp = pp = 1 and one rank per ratio;
                      `device_order` places the ranks.
+* `stages[i].segments` -- a graph stage that runs per input: its layers cut into consecutive
+                     runs, each a forward step that waits only for the inputs it reads
+                     (`plait.ir.stage_graph.segment_edges`); written only when set.
 * `stages[i].spmd` -- composition: a stage of a linear or graph pipeline that runs an SPMD
                      program of its layers on its devices (same layout, one ratio per stage
                      device, synthesized at the stage's micro-batch; `plait.search.compose_family`).
@@ -86,11 +89,27 @@ class StageSpec:
     # device of `devices` (in order), synthesized at the stage's micro-batch. Such a stage has
     # dp = tp = 1 and no shares or ratios of its own. None: the stage runs dp x tp as usual.
     spmd: dict[str, Any] | None = None
+    # Per-input fan-in (graph pipelines): `layers` cut into consecutive runs of these sizes, each
+    # run its own forward step that waits only for the inputs it reads (a stage holding a branch's
+    # last block and the join runs the block before the other branch's input arrives; GraphPipe
+    # runs operators as their inputs arrive). None: the stage runs once all its inputs are in.
+    segments: list[int] | None = None
+
+    def segment_layers(self) -> list[list[str]]:
+        """`layers` cut into its segments (one run of all of them when `segments` is None)."""
+        if not self.segments:
+            return [list(self.layers)]
+        out, k = [], 0
+        for n in self.segments:
+            out.append(list(self.layers[k:k + n]))
+            k += n
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if d["spmd"] is None:
-            del d["spmd"]  # stages without a program are written as before
+        for key in ("spmd", "segments"):
+            if d[key] is None:
+                del d[key]  # stages without a program or segments are written as before
         return d
 
 
@@ -214,6 +233,7 @@ class Plan:
         holder: dict[int, int] = {}
         for s, st in enumerate(self.stages):
             _check_stage_spmd(s, st)
+            _check_segments(s, st)
             if len(set(st.devices)) != len(st.devices):
                 raise PlanError(f"plan field 'stages[{s}].devices': a device appears twice in {st.devices}")
             for d in st.devices:
@@ -637,6 +657,19 @@ def spmd_world(spmd: dict[str, Any]) -> int:
     return len(r[0]) if r and isinstance(r[0], list) else len(r)
 
 
+def _check_segments(s: int, st: StageSpec) -> None:
+    """`StageSpec.segments`: positive run lengths covering the stage's layers, no SPMD program."""
+    seg = st.segments
+    if seg is None:
+        return
+    if not isinstance(seg, list) or not seg or any(not isinstance(k, int) or k < 1 for k in seg) \
+            or sum(seg) != len(st.layers):
+        raise PlanError(f"plan field 'stages[{s}].segments': needs positive run lengths summing to the stage's "
+                        f"{len(st.layers)} layers, got {seg!r}")
+    if st.spmd is not None and len(seg) > 1:
+        raise PlanError(f"plan field 'stages[{s}].segments': a stage with an SPMD program runs as one segment")
+
+
 def _check_stage_spmd(s: int, st: StageSpec) -> None:
     """`stages[s].spmd`: None, or a program (`Plan.spmd`'s layout) with one ratio per stage device,
     on a stage with dp = tp = 1 and no shares or ratios of its own."""
@@ -702,7 +735,7 @@ def _check_spmd(value: Any, where: str = "plan field 'spmd'") -> None:
 
 _STAGE_TYPES: dict[str, str] = {
     "name": _STR, "layers": "strs", "devices": _INTS, "dp": _INT, "tp": _INT, "micro_batch": "int?",
-    "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE, "spmd": "obj?",
+    "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE, "spmd": "obj?", "segments": "ints?",
 }
 
 

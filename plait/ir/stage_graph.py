@@ -8,7 +8,8 @@ runtime's micro-batching -- so that a plan means the same thing to all of them:
   rank fastest, as `StageSpec.devices`), dp / tp, tensor ratios, micro-batch size;
 * **chunks**: consecutive runs of layers; a chain with ``v`` virtual stages puts chunks
   ``p, p+pp, ...`` on stage ``p`` (Megatron's interleaved layout), an explicit stage DAG
-  (GraphPipe) has one chunk per stage;
+  (GraphPipe) has one chunk per stage, or one per segment of a stage that runs per input
+  (`StageSpec.segments`, `segment_edges`: a segment waits only for the inputs it reads);
 * **replicas**: the samples each data-parallel replica of a stage owns per iteration and
   its micro-batches (first global sample, size), under ONE rounding rule (below);
 * **edges** between chunks, each with the tensors that cross it: for a chain, every value
@@ -269,8 +270,15 @@ def chunk_graph(plan: Plan, graph: OpGraph) -> tuple[list[StageSpec], list[Chunk
     styles = [layer.tp_style for layer in graph.layers]
     specs = plan.stage_specs(names, styles)
     if plan.stages:
-        chunks = [Chunk(s, s, list(spec.layers)) for s, spec in enumerate(specs)]
-        chunk_edges = list(plan.stage_graph_edges())
+        if not any(spec.segments and len(spec.segments) > 1 for spec in specs):
+            chunks = [Chunk(s, s, list(spec.layers)) for s, spec in enumerate(specs)]
+            chunk_edges = list(plan.stage_graph_edges())
+        else:
+            chunks = [Chunk(0, s, seg) for s, spec in enumerate(specs) for seg in spec.segment_layers()]
+            chunks = [Chunk(c, ch.stage, ch.layers) for c, ch in enumerate(chunks)]
+            validate_stages(plan, graph, specs, [Chunk(s, s, list(sp.layers)) for s, sp in enumerate(specs)],
+                            list(plan.stage_graph_edges()))
+            chunk_edges = segment_edges(graph.layer_edges, chunks, list(plan.stage_graph_edges()))
     else:
         counts = plan.layers_per_stage(len(names), styles)
         chunks, start = [], 0
@@ -278,12 +286,42 @@ def chunk_graph(plan: Plan, graph: OpGraph) -> tuple[list[StageSpec], list[Chunk
             chunks.append(Chunk(c, c % plan.pp, names[start:start + count]))
             start += count
         chunk_edges = [(c, c + 1) for c in range(len(chunks) - 1)]
-    validate_stages(plan, graph, specs, chunks, chunk_edges)
+    if len(chunks) == len(specs) or not plan.stages:
+        validate_stages(plan, graph, specs, chunks, chunk_edges)
     chunk_of = {n: c.index for c in chunks for n in c.layers}
     out = {layer.name: layer.output_bytes for layer in graph.layers}
     edges = [Edge(a, b, _edge_tensors(graph, chunks, a, b, chain=not plan.stages, chunk_of=chunk_of, out=out))
              for a, b in chunk_edges]
     return specs, chunks, edges
+
+
+def segment_edges(layer_edges: list[tuple[str, str]], chunks: list[Chunk],
+                  stage_edges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Edges between the segment chunks of a stage DAG whose stages run per input
+    (`StageSpec.segments`): a layer edge joins its layers' chunks, within a stage too (handed over
+    in memory, in segment order; one running backwards is an error naming the layers); a stage
+    edge no layer edge carries (a plan's own ordering edge) joins the producer's last segment to
+    the consumer's first. (Segments are consecutive runs of a stage's layers, so acyclic stages
+    give acyclic segments.)"""
+    chunk_of = {n: c.index for c in chunks for n in c.layers}
+    out: set[tuple[int, int]] = set()
+    for src, dst in layer_edges:
+        a, b = chunk_of.get(src), chunk_of.get(dst)
+        if a is None or b is None or a == b:
+            continue
+        if chunks[a].stage == chunks[b].stage and a > b:
+            raise StageGraphError(f"plan field 'stages[{chunks[a].stage}].segments': layer {src!r} feeds layer "
+                                  f"{dst!r} of an earlier segment of its stage")
+        out.add((a, b))
+    firsts: dict[int, int] = {}
+    lasts: dict[int, int] = {}
+    for c in chunks:
+        firsts.setdefault(c.stage, c.index)
+        lasts[c.stage] = c.index
+    for s, t in stage_edges:
+        if not any(chunks[a].stage == s and chunks[b].stage == t for a, b in out):
+            out.add((lasts[s], firsts[t]))
+    return sorted(out)
 
 
 def _stage(plan: Plan, s: int, spec: StageSpec, chunks: list[Chunk]) -> Stage:

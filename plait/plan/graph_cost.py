@@ -22,7 +22,11 @@ Pipette's ``(M - 1) max t + sum t`` generalised to a DAG), then the longest opti
 every stage runs after the global gradient-norm barrier (as the simulator does; a stage holding
 embedding tables has a long one). A stage with inputs adds ``hop = 2 * p2p_host_s``, the host time of the forward
 send/recv step into it and of the backward one out of it (the compute model's, which the
-simulator charges per pipeline message). GraphPipe's objective, the time per
+simulator charges per pipeline message). A graph plan's stages run **per input** (`segments`,
+written to `StageSpec.segments` by `to_plan`): the paths are walked over the segment DAG (a
+hand-over between segments of one stage costs no hop) and a stage's path term is the longest trip
+through any of its segments, so a stage holding one branch's last block and the join is on the
+other branch's path by its join segment only. Sequential plans (``chain=True``) run whole stages. GraphPipe's objective, the time per
 sample of the slowest stage, is ``max_s W(s) / B``. Memory: `plait.cost.memory.stage_peak_bytes`
 (the one estimator) with the in-flight micro-batches graph 1F1B keeps, ``1 + the stage's longest
 path to the sink``.
@@ -43,6 +47,7 @@ from plait.cost.memory import stage_peak_bytes, state_bytes_per_param
 from plait.cost.traffic import dp_grad_bytes
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
+from plait.ir.stage_graph import Chunk, segment_edges
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
@@ -97,6 +102,7 @@ class StageCost:
     _table: dict = field(default_factory=dict, repr=False)
     _mbs: dict = field(default_factory=dict, repr=False)
     _params: dict = field(default_factory=dict, repr=False)
+    _parts: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.by_name = {layer.name: layer for layer in self.graph.layers}
@@ -114,8 +120,10 @@ class StageCost:
         self.node_of = [d.node for d in self.cluster.devices]
         self.out_bytes = {layer.name: layer.output_bytes for layer in self.graph.layers}
         self.succ: dict[str, list[str]] = {}
+        self.preds: dict[str, list[str]] = {}
         for a, b in self.graph.layer_edges:
             self.succ.setdefault(a, []).append(b)
+            self.preds.setdefault(b, []).append(a)
 
     # ------------------------------------------------------------ pieces
     def layer_time(self, name: str, kind: str, b: int) -> float:
@@ -279,27 +287,96 @@ class StageCost:
         g.add_edges_from(self.stage_edges(stages, chain))
         return g
 
-    def score(self, stages: list[StageChoice], chain: bool = False) -> float:
-        """The analytic iteration seconds of a stage list (module docstring): the slowest stage's
-        busy time before the step plus its fill and drain, then the longest optimizer step."""
-        g = self._dag(stages, chain)
-        if not nx.is_directed_acyclic_graph(g):
-            return math.inf
+    def segments(self, layers: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """A graph stage's layers (model order) cut where it runs per input (`StageSpec.segments`):
+        a new segment at each layer, after the first, that reads a layer of another stage -- the
+        stage waits for that input only there (GraphPipe runs operators as their inputs arrive)."""
+        hit = self._parts.get(layers)
+        if hit is None:
+            inside = set(layers)
+            ordered = sorted(layers, key=self.pos.__getitem__)
+            out: list[list[str]] = []
+            for n in ordered:
+                external = any(p not in inside for p in self.preds.get(n, ()))
+                if not out or (external and out[-1]):
+                    out.append([])
+                out[-1].append(n)
+            hit = self._parts[layers] = [tuple(x) for x in out]
+        return hit
+
+    def _segment_dag(self, stages: list[StageChoice], chain: bool,
+                     per_input: bool = True) -> tuple[list[tuple[int, float]], nx.DiGraph]:
+        """Per segment (its stage, one micro-batch's seconds) and the segment DAG: a sequential
+        plan's stages (`chain`) run whole; a graph plan's per input (`segments`; whole where not
+        `per_input`), with the edges of `plait.ir.stage_graph.segment_edges` (the stage graph the
+        simulator and runtime run)."""
+        segs: list[tuple[int, float]] = []
+        chunks: list[Chunk] = []
+        for s, st in enumerate(stages):
+            parts = [tuple(sorted(st.layers, key=self.pos.__getitem__))] if chain or not per_input \
+                else self.segments(st.layers)
+            for part in parts:
+                chunks.append(Chunk(len(chunks), s, list(part)))
+                segs.append((s, self.seg_time(part, st.kind, st.micro_batch) if len(parts) > 1 else st.t_mb))
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(segs)))
+        if len(chunks) == len(stages):
+            g.add_edges_from(self.stage_edges(stages, chain))
+        else:
+            g.add_edges_from(segment_edges(self.graph.layer_edges, chunks, self.stage_edges(stages, chain)))
+        return segs, g
+
+    def _trips(self, stages: list[StageChoice], chain: bool,
+               per_input: bool = True) -> tuple[list[tuple[int, float]], dict, dict] | None:
+        """(segments, to, after): one micro-batch's forward + backward seconds from the sources through
+        each segment and from it to the sink, a hop between stages costing ``2 * p2p_host_s`` and a
+        hand-over inside a stage none; None if the stage graph has a cycle."""
+        if not nx.is_directed_acyclic_graph(self._dag(stages, chain)):
+            return None
+        segs, g = self._segment_dag(stages, chain, per_input)
         hop = 2 * self.compute.p2p_host_s
         order = list(nx.topological_sort(g))
-        to: dict[int, float] = {}  # one micro-batch's trip from the sources through s
-        for s in order:
-            preds = list(g.predecessors(s))
-            to[s] = stages[s].t_mb + (hop + max(to[p] for p in preds) if preds else 0.0)
-        after: dict[int, float] = {}  # ... and from s to the sink
-        for s in reversed(order):
-            succ = list(g.successors(s))
-            after[s] = stages[s].t_mb + (hop + max(after[c] for c in succ) if succ else 0.0)
+        to: dict[int, float] = {}
+        for x in order:
+            to[x] = segs[x][1] + max((to[p] + hop * (segs[p][0] != segs[x][0]) for p in g.predecessors(x)),
+                                     default=0.0)
+        after: dict[int, float] = {}
+        for x in reversed(order):
+            after[x] = segs[x][1] + max((after[c] + hop * (segs[c][0] != segs[x][0]) for c in g.successors(x)),
+                                        default=0.0)
+        return segs, to, after
+
+    def score(self, stages: list[StageChoice], chain: bool = False, per_input: bool = True) -> float:
+        """The analytic iteration seconds of a stage list (module docstring): the slowest stage's
+        busy time before the step plus its fill and drain, then the longest optimizer step
+        (`per_input=False`: a graph plan's stages run whole)."""
+        trips = self._trips(stages, chain, per_input)
+        if trips is None:
+            return math.inf
+        segs, to, after = trips
+        through = [0.0] * len(stages)  # the longest trip through any segment of the stage
+        for x, (s, t) in enumerate(segs):
+            through[s] = max(through[s], to[x] + after[x] - t)
         opt = [self.optimizer(st.layers, st.kind, st.dp) for st in stages]
         # Pipette's (M - 1) t + sum t through each stage (its own micro-batch is in its work), the
         # optimizer step after the global gradient-norm barrier (the simulator's `_emit_step`)
-        before = max(st.work - o + to[s] + after[s] - 2 * st.t_mb for s, (st, o) in enumerate(zip(stages, opt)))
+        before = max(st.work - o + through[s] - st.t_mb for s, (st, o) in enumerate(zip(stages, opt)))
         return before + max(opt)
+
+    def effective_depth(self, stages: list[StageChoice], chain: bool = False, per_input: bool = True) -> float:
+        """Stage-equivalents on the longest path: each segment on it counts its share of its stage's
+        micro-batch time (a whole stage 1; the join segment of a stage that runs per input, which
+        the other branch waits for, its own share). Equals `pipeline_depth` where every stage
+        runs whole; a stage that runs per input is on the other branch's path by its join only."""
+        segs, g = self._segment_dag(stages, chain, per_input)
+        total = [0.0] * len(stages)
+        for s, t in segs:
+            total[s] += t
+        w = [t / total[s] if total[s] > 0 else 1.0 / sum(1 for x, _ in segs if x == s) for s, t in segs]
+        best: dict[int, float] = {}
+        for x in nx.topological_sort(g):
+            best[x] = w[x] + max((best[p] for p in g.predecessors(x)), default=0.0)
+        return max(best.values(), default=0.0)
 
     def depths(self, stages: list[StageChoice], chain: bool = False) -> list[int]:
         """Per stage, its longest path to a sink in stages (graph 1F1B warm-up)."""
@@ -313,7 +390,8 @@ class StageCost:
         """Stages on the longest path of the stage graph (GraphPipe's pipeline depth)."""
         return max(self.depths(stages, chain), default=0) + 1
 
-    def to_plan(self, stages: list[StageChoice], schedule: str = "1f1b", chain: bool = False) -> Plan:
+    def to_plan(self, stages: list[StageChoice], schedule: str = "1f1b", chain: bool = False,
+                per_input: bool = True) -> Plan:
         """A Plan of the stages: topological stage order (the sink last), devices handed out per
         kind in node order along that order (a stage's replicas and neighbouring stages land on
         the same or nearby nodes), stage edges from the layers' edges."""
@@ -332,8 +410,10 @@ class StageCost:
                                      f"{len(self.devices_of[st.kind])}")
             nxt[st.kind] += st.dp
             layers = sorted(st.layers, key=self.pos.__getitem__)
+            parts = self.segments(st.layers) if per_input and not chain else []
             specs.append(StageSpec(name=f"stage{i}", layers=layers, devices=list(devs), dp=st.dp, tp=1,
-                                   micro_batch=st.micro_batch))
+                                   micro_batch=st.micro_batch,
+                                   segments=[len(p) for p in parts] if len(parts) > 1 else None))
         plan_edges = sorted((new[a], new[b]) for a, b in edges)
         # ZeRO-1 (Megatron's distributed optimizer) where a stage has replicas: each updates 1/dp of
         # the optimizer state, for a reduce-scatter + all-gather instead of an all-reduce.

@@ -119,6 +119,13 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
         cand = admit(cost.to_plan(stages), score)
         if cand is not None:
             kept.append(cand)
+        if evaluate is not None and cand is not None and any(s.segments for s in cand.plan.stages):
+            # the same stages run whole: per input a segment's inputs are received only once the
+            # segment before it has run (as the executor posts them), which can cost more than it saves
+            # where those transfers are long; the score does not price transfers, the simulator does
+            whole = admit(cost.to_plan(stages, per_input=False), cost.score(stages, per_input=False))
+            if whole is not None:
+                kept.append(whole)
     if not kept:
         why = "; ".join(f"{k}: {examples[k]}" for k in examples) or "no stage list"
         raise GraphPlanError(f"plan --family graph: no graph plan of {graph.model} on {cluster_obj.name} "
@@ -142,10 +149,16 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
                     variants += 1
     kept.sort(key=lambda c: c.time_s)
     best = kept[0]
-    depth = cost.pipeline_depth(cost.choices_of(best.plan)) if best.plan.stages else best.plan.pp
+    choices = cost.choices_of(best.plan) if best.plan.stages else None
+    depth = cost.pipeline_depth(choices) if choices else best.plan.pp
+    per_input = any(s.segments for s in best.plan.stages)
+    effective = cost.effective_depth(choices, per_input=per_input) if choices else float(best.plan.pp)
     bound = lower_bound(cost)
     extra = {
         "pipeline_depth": depth,
+        # stage-equivalents on the longest path: a stage that runs per input counts on the other
+        # branch's path by its join segment's share only (`StageCost.effective_depth`)
+        "effective_depth": effective,
         "stages": len(best.plan.stages),
         "partition_search_s": part.search_time_s,
         "targets_tried": part.targets_tried,

@@ -448,14 +448,16 @@ class Comm:
 
     # ------------------------------------------------------------------ point to point
     def p2p(self, ops: list[P2P], name: str, category: str = "comm_pp", micro_batch: int | None = None, *,
-            chunk: int | None = None, wait_sends: bool = True, timeline: bool = True,
+            chunk: int | None = None, wait_sends: bool = True, wait_recvs: bool = True, timeline: bool = True,
             **span_args: Any) -> list[Any]:
         """Post every send and receive of `ops` together (`batch_isend_irecv`) and wait for the
         receives -- and the sends too unless `wait_sends` is False: then the sends' works are
         returned for the caller to wait later (the executor's interleaved and graph schedules,
         whose sends must not block; `plait.schedule.check` proves both semantics deadlock-free).
         Deadlock-free when the peers post the matching batch (Megatron's pipeline exchange).
-        A deferred send's record ends when its batch returned, not when the peer received it."""
+        A deferred send's record ends when its batch returned, not when the peer received it.
+        `wait_recvs=False` defers the receives the same way (their works are returned; the executor
+        posts a later segment's receives early and waits them at its forward, `Comm.wait`)."""
         if not ops:
             return []
         t_enq = time.perf_counter()
@@ -482,7 +484,7 @@ class Comm:
             batch = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer) for o in ops]
             works = dist.batch_isend_irecv(batch)
             for o, work in zip(ops, works):
-                if o.kind == "send" and not wait_sends:
+                if (o.kind == "send" and not wait_sends) or (o.kind == "recv" and not wait_recvs):
                     pending.append(work)
                 else:
                     work.wait()

@@ -15,7 +15,9 @@ chunk of an interleaved rank) and executes its actions in order:
   to or from *any* peer stage: fan-out, fan-in, skip edges and several chunks per rank are
   all just peers. Tensors are cut along dim 0 when a piece is part of a micro-batch.
   Transfers between two nodes on the same rank have no action: the values are handed
-  over in memory right after the producing compute.
+  over in memory right after the producing compute. The nodes of a rank that runs a stage
+  per input (`per_input`: its segments) take a later segment's forward receives early: posted
+  in the batch of the first segment's, waited at their own segment's forward.
 
 Every message of the executor goes through one function, `p2p`, and from it through the
 runtime's communication facade (`plait.runtime.comm.Comm.p2p`, one record per tensor, keyed
@@ -82,17 +84,20 @@ def _data_args(st: Stage, inputs: tuple[Any, ...]) -> list[Any]:
 
 
 def p2p(comm: Comm, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-        keys: list[str], name: str, chunk: int, micro_batch: int, peer: str, **args: Any) -> list[Any]:
+        keys: list[str], name: str, chunk: int, micro_batch: int, peer: str, wait_recvs: bool = True,
+        **args: Any) -> list[Any]:
     """THE point-to-point call of the pipeline: post `sends` and `recvs` together through the
     communication facade (`Comm.p2p`: `batch_isend_irecv`, recorded per tensor), wait the
-    receives, return the sends' works (to wait later); one comm_pp span named by the first
-    action's key. `keys[i]` is the event key of the i-th tensor (sends first)."""
+    receives (unless `wait_recvs` is False: a later segment's, posted early), return the works
+    not waited (to wait later); one comm_pp span named by the first action's key. `keys[i]` is
+    the event key of the i-th tensor (sends first)."""
     if not sends and not recvs:
         return []
     args["sent"] = sum(t.numel() * t.element_size() for t, _ in sends)
     ops = ([P2P("send", t, dst, k) for (t, dst), k in zip(sends, keys)]
            + [P2P("recv", t, src, k) for (t, src), k in zip(recvs, keys[len(sends):])])
-    return comm.p2p(ops, name, "comm_pp", micro_batch, chunk=chunk, wait_sends=False, peer=peer, **args)
+    return comm.p2p(ops, name, "comm_pp", micro_batch, chunk=chunk, wait_sends=False, wait_recvs=wait_recvs,
+                    peer=peer, **args)
 
 
 class PipelineExecutor:
@@ -109,7 +114,7 @@ class PipelineExecutor:
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], global_batch: int, device: torch.device,
                  recorder: Recorder, comm: Comm,
                  autocast: Callable[[], AbstractContextManager[Any]] | None = None,
-                 blocking: bool = False) -> None:
+                 blocking: bool = False, per_input: bool = False) -> None:
         self.chunks = chunks
         self.stage = stage
         self.node_of = node_of
@@ -122,6 +127,9 @@ class PipelineExecutor:
         self.comm = comm
         self.autocast = autocast or nullcontext
         self.blocking = blocking  # wait each group's sends at once (Megatron's blocking p2p, 1F1B/GPipe)
+        # the chunks are the segments of a stage that runs per input (`StageSpec.segments`): the forward
+        # receives of its later segments are posted with the first segment's and waited at their own
+        self.per_input = per_input and len(chunks) > 1
         self.loss_sum: torch.Tensor = torch.zeros((), device=device)
         self.loss_scale = 1.0  # set per step by the worker's fp16 loss scaler
         # (producer node, consumer node, samples, peer rank) -> values; per peer rank, as each pair of
@@ -145,20 +153,62 @@ class PipelineExecutor:
         self.grads_out: dict[tuple[int, int], dict[int, list[Piece]]] = {}
         self.pending: list[Any] = []
         acts = list(actions)
+        early = self._early_receives(acts)
+        posted: set[int] = set()  # indices of receives posted early
+        self.deferred: dict[tuple[int, int], list[tuple[Action, list[torch.Tensor], list[Any]]]] = {}
         k = 0
         while k < len(acts):
             if acts[k].is_compute:
+                ahead = early.pop(k, [])
+                if ahead and all(self._recv_meta(acts[x]) is not None for x in ahead):
+                    self._exchange([], [acts[x] for x in ahead])  # no receives of its own before it
+                    posted.update(ahead)
+                for a, bufs, works in self.deferred.pop((acts[k].chunk, acts[k].micro_batch), []):
+                    self.comm.wait(works, "wait early receives")
+                    self._deliver(a, bufs)
                 getattr(self, "_" + acts[k].op)(acts[k])
                 k += 1
                 continue
             j = k
             while j < len(acts) and not acts[j].is_compute:
                 j += 1
-            self._exchange(list(acts[k:j]))
+            ahead = early.pop(j, [])
+            if not (ahead and all(self._recv_meta(acts[x]) is not None for x in ahead)):
+                ahead = []  # a header still to learn: those receives wait in their own place
+            group = [acts[x] for x in range(k, j) if x not in posted]
+            if group or ahead:
+                self._exchange(group, [acts[x] for x in ahead])
+            posted.update(ahead)
             k = j
         self.comm.wait(self.pending)
         self.pending = []
         assert not self.saved, "every forward has its backward"
+        assert not self.deferred, "every receive posted early is waited at its forward"
+
+    def _early_receives(self, acts: list[Action]) -> dict[int, list[int]]:
+        """Per forward of a per-input stage's first segment (by action index), the indices of the
+        forward receives of its later segments for the same micro-batch: posted with the first
+        segment's, so a later segment's input crosses while the earlier segments compute (the
+        simulator's `_transfer` does the same). Only receives whose headers are known are posted
+        early (`run`); messages of one peer keep their order, as the peers send the pieces of a
+        micro-batch in segment order and nothing else reaches this rank from them in between."""
+        out: dict[int, list[int]] = {}
+        if not self.per_input:
+            return out
+        first = min(self.chunks)
+        for j, a in enumerate(acts):
+            if a.op != "fwd" or a.chunk != first:
+                continue
+            ahead = []
+            for x in range(j + 1, len(acts)):
+                b = acts[x]
+                if b.micro_batch != a.micro_batch or b.op not in ("fwd", "recv_fwd", "send_fwd"):
+                    break
+                if b.op == "recv_fwd":
+                    ahead.append(x)
+            if ahead:
+                out[j] = ahead
+        return out
 
     def _mb(self, chunk: int, index: int) -> MicroBatch:
         return self.mbs[chunk][index]
@@ -286,13 +336,19 @@ class PipelineExecutor:
         assert a.peer is not None
         return self.node_of(a.peer[0], a.peer[1]), self.peer_rank(*a.peer)
 
-    def _exchange(self, group: list[Action]) -> None:
+    def _exchange(self, group: list[Action], early: Sequence[Action] = ()) -> None:
         """One run of consecutive send/recv actions, posted together (Megatron's batch_isend_irecv).
 
         Sends are all posted in the first round. A receive whose piece size is new on its edge
         first receives the header; later receives from the same peer wait for the next round so
         that messages of one peer are matched in their order (FIFO). With `blocking` the sends are
-        also waited at the end of the group, as Megatron's blocking p2p for 1F1B and GPipe."""
+        also waited at the end of the group, as Megatron's blocking p2p for 1F1B and GPipe.
+        `early`: forward receives of later segments of a per-input stage (headers known), posted
+        after the group's own in the same batch when it needs no header (else in a batch of their
+        own after it) and waited at their segment's forward (`run`)."""
+        if early and all(self._recv_meta(a) is not None for a in group if a.op.startswith("recv")):
+            self._exchange_early(group, list(early))
+            return
         sends: list[tuple[torch.Tensor, int]] = []
         send_keys: list[str] = []
         for a in group:
@@ -335,6 +391,46 @@ class PipelineExecutor:
                     self.recv_meta[self._edge_key(a)] = _decode_header(header)
                 else:
                     self._deliver(a, bufs or [])
+        if self.blocking:
+            self.comm.wait(self.pending)
+            self.pending = []
+        if early:
+            self._exchange_early([], list(early))
+
+    def _exchange_early(self, group: list[Action], early: list[Action]) -> None:
+        """`group` (every header known) and the `early` receives in one batch, nothing waited by it:
+        the group's receives are waited here, the early ones filed in `deferred` for their forward."""
+        sends: list[tuple[torch.Tensor, int]] = []
+        keys: list[str] = []
+        for a in group:
+            if a.op in ("send_fwd", "send_bwd"):
+                part = self._send_fwd_tensors(a) if a.op == "send_fwd" else self._send_bwd_tensors(a)
+                sends += part
+                keys += [a.key] * len(part)
+        recvs: list[tuple[torch.Tensor, int]] = []
+        filed: list[tuple[Action, list[torch.Tensor]]] = []
+        for a in [x for x in group if x.op.startswith("recv")] + early:
+            meta = self._recv_meta(a)
+            assert meta is not None
+            bufs = [torch.empty(shape, dtype=dtype, device=self.device) for kind, shape, dtype, rg in meta
+                    if kind == "t" and (rg or a.op == "recv_fwd")]
+            src = self._peer(a)[1]
+            recvs += [(b, src) for b in bufs]
+            keys += [a.key] * len(bufs)
+            filed.append((a, bufs))
+        lead = (group or early)[0]
+        works = p2p(self.comm, sends, recvs, keys, lead.key, lead.chunk, lead.micro_batch, str(lead.peer),
+                    wait_recvs=False, batch=[str(x) for x in group + early])
+        self.pending += works[:len(sends)]
+        at = len(sends)
+        own = len(filed) - len(early)
+        for n, (a, bufs) in enumerate(filed):
+            mine, at = works[at:at + len(bufs)], at + len(bufs)
+            if n < own:
+                self.comm.wait(mine, "wait receives")
+                self._deliver(a, bufs)
+            else:
+                self.deferred.setdefault((a.chunk, a.micro_batch), []).append((a, bufs, mine))
         if self.blocking:
             self.comm.wait(self.pending)
             self.pending = []

@@ -15,7 +15,11 @@ A pipeline is a DAG of *nodes* (`plait.schedule.Node`):
   it owns (`rank_actions`) -- the simulator's lowering does the same (`sim/lower.py`): a
   restriction of a deadlock-free order stays deadlock-free, and the messages between two
   ranks keep their FIFO order. A send/recv goes to the replica of the peer stage that owns
-  the peer micro-batch (`PipelineLayout.rank_of`).
+  the peer micro-batch (`PipelineLayout.rank_of`). A stage that runs per input
+  (`StageSpec.segments`) has a node per segment on its ranks (`PipelineLayout.places`): the
+  edges between segments come from the traced model's layer dependencies by the stage graph's
+  rule (`split_model`, then `with_node_edges`), values between two segments of one rank are
+  handed over in memory (`executor`).
 
 `supports(plan)` is the runtime's own statement of what it runs; `api.run` refuses
 exactly what it refuses, with its reason.
@@ -23,6 +27,7 @@ exactly what it refuses, with its reason.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +57,10 @@ class PipelineLayout:
     # that owns each of its micro-batches (index = the stage's micro-batch in sample order)
     stage_ranks: tuple[tuple[int, ...], ...] = ()
     owners: tuple[tuple[int, ...], ...] = ()
+    # graph plan whose stages run per input (`StageSpec.segments`): (stage, chunk) of each node, a
+    # node per segment, stage-major; `edges` then join segments (`split_model` sets them from the
+    # traced model, `with_node_edges`). Empty: node = stage (or a chain's chunk * stages + stage).
+    places: tuple[tuple[int, int], ...] = ()
 
     def rank_of(self, stage: int, replica: int) -> int:
         """Process rank of a graph plan's (stage, replica)."""
@@ -68,15 +77,23 @@ class PipelineLayout:
         return len(self.stage_ranks[stage]) if self.graph_plan else 1
 
     def node_of(self, stage: int, chunk: int) -> int:
+        if self.places:
+            return self.places.index((stage, chunk))
         return chunk * self.num_stages + stage
 
     def place(self, node: int) -> tuple[int, int]:
         """(pipeline rank, chunk) of a node."""
+        if self.places:
+            return self.places[node]
         return node % self.num_stages, node // self.num_stages
+
+    def chunks_of(self, stage: int) -> int:
+        """Nodes pipeline rank `stage` runs (its segments, or a chain's chunks)."""
+        return sum(1 for s, _ in self.places if s == stage) if self.places else self.chunks
 
     @property
     def num_nodes(self) -> int:
-        return self.num_stages * self.chunks
+        return len(self.places) if self.places else self.num_stages * self.chunks
 
     @property
     def sink(self) -> tuple[int, int]:
@@ -88,8 +105,19 @@ class PipelineLayout:
 
 def pipeline_layout(plan: Plan) -> PipelineLayout:
     if plan.stages:
-        return PipelineLayout(len(plan.stages), 1, tuple(tuple(e) for e in plan.stage_edges), True,  # type: ignore[misc]
-                              _stage_ranks(plan), tuple(_owners(plan, s) for s in range(len(plan.stages))))
+        ranks, owners = _stage_ranks(plan), tuple(_owners(plan, s) for s in range(len(plan.stages)))
+        stage_edges = tuple(tuple(e) for e in plan.stage_edges)
+        if not any(spec.segments and len(spec.segments) > 1 for spec in plan.stages):
+            return PipelineLayout(len(plan.stages), 1, stage_edges, True, ranks, owners)  # type: ignore[arg-type]
+        places = tuple((s, k) for s, spec in enumerate(plan.stages) for k in range(len(spec.segment_layers())))
+        # until `split_model` reads the segments' edges off the model: stage edges from last to first
+        # segment, and each stage's segments in a line (the same sink)
+        node = {p: i for i, p in enumerate(places)}
+        last = {s: node[(s, k)] for s, k in places}
+        edges = {(last[a], node[(b, 0)]) for a, b in stage_edges}
+        edges |= {(node[(s, k - 1)], i) for i, (s, k) in enumerate(places) if k > 0}
+        return PipelineLayout(len(plan.stages), max(k for _, k in places) + 1, tuple(sorted(edges)), True,
+                              ranks, owners, places)
     v = plan.virtual_stages
     n = plan.pp * v
     return PipelineLayout(plan.pp, v, tuple((k, k + 1) for k in range(n - 1)), False)
@@ -122,6 +150,8 @@ def node_micro_batches(plan: Plan, layout: PipelineLayout, step: int, dp_index: 
             units = sorted((mb for r in range(layout.replicas(s)) for mb in stage_micro_batches(plan, step, s, r)),
                            key=lambda mb: mb.first)
             out[s] = [MicroBatch(i, mb.first, mb.size) for i, mb in enumerate(units)]
+        if layout.places:  # a stage's segments run its micro-batches
+            return {n: out[s] for n, (s, _) in enumerate(layout.places)}
         return out
     mbs = replica_micro_batches(plan, step, dp_index)
     return {n: mbs for n in range(layout.num_nodes)}
@@ -131,13 +161,14 @@ def owned_micro_batches(layout: PipelineLayout, node: int, replica: int, mbs: li
     """The micro-batches of a node's list (`node_micro_batches`) that `replica` runs."""
     if not layout.graph_plan:
         return mbs
-    return [mb for mb in mbs if layout.owners[node][mb.index] == replica]
+    stage = layout.place(node)[0]
+    return [mb for mb in mbs if layout.owners[stage][mb.index] == replica]
 
 
 def step_schedule(plan: Plan, layout: PipelineLayout, mbs: dict[int, list[MicroBatch]], name: str) -> Schedule:
     """The plan's schedule (`plait.schedule`) over the nodes' micro-batches of one step."""
     nodes = tuple(Node(*layout.place(n), tuple(mb.size for mb in mbs[n]),
-                       layout.replicas(n) if layout.graph_plan else 1) for n in range(layout.num_nodes))
+                       layout.replicas(layout.place(n)[0]) if layout.graph_plan else 1) for n in range(layout.num_nodes))
     graph = PipelineGraph(nodes, layout.edges)
     if layout.graph_plan:
         name = "gpipe" if name == "gpipe" else "graph_1f1b"
@@ -171,14 +202,26 @@ def split_model(model: nn.Module, plan: Plan, layout: PipelineLayout, spec: Any 
         from plait.graph.capture import layer_assignment
 
         path_of = {name: path for path, (name, _) in layer_assignment(model).items()}
-        node_layers = [[path_of.get(n, n) for n in s.layers] for s in plan.stages]
         probe = None
         if spec is not None and len({s.micro_batch or plan.micro_batch for s in plan.stages}) > 1:
             probe = [make_samples(spec, 0, n, 0)[0] for n in (1, 2)]
+        if layout.places:  # stages that run per input: a node per segment
+            node_layers = [[path_of.get(n, n) for n in seg] for s in plan.stages for seg in s.segment_layers()]
+            return split_into_graph(model, node_layers, [tuple(e) for e in plan.stage_edges], probe,
+                                    node_stage=[s for s, _ in layout.places])
+        node_layers = [[path_of.get(n, n) for n in s.layers] for s in plan.stages]
         return split_into_graph(model, node_layers, layout.edges, probe)
     if layout.num_nodes == 1:
         return split_into_stages(model, [0])
     return split_into_stages(model, plan.layers_per_stage)
+
+
+def with_node_edges(layout: PipelineLayout, stages: list[Stage]) -> PipelineLayout:
+    """`layout` with the edges between segments that `split_model` found (`Stage.send`); other
+    layouts unchanged."""
+    if not layout.places:
+        return layout
+    return dataclasses.replace(layout, edges=tuple(sorted((st.index, b) for st in stages for b in st.send)))
 
 
 def merge_modules(modules: list[nn.Module]) -> nn.Module:

@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.ir.stage_graph import Chunk, segment_edges
 
 
 class RuntimeSetupError(PlaitError, ValueError):
@@ -198,12 +199,18 @@ def split_into_stages(model: nn.Module,
 
 
 def split_into_graph(model: nn.Module, node_layers: Sequence[Sequence[str]],
-                     edges: Sequence[tuple[int, int]], probe: Sequence[tuple[Any, ...]] | None = None) -> list[Stage]:
+                     edges: Sequence[tuple[int, int]], probe: Sequence[tuple[Any, ...]] | None = None,
+                     node_stage: Sequence[int] | None = None) -> list[Stage]:
     """Cut `model` into the nodes of a stage DAG: node i runs the layers `node_layers[i]`;
     values flow along `edges` (a value used by a node that is not a direct successor of its
     producer is relayed along the shortest path of the DAG). The sink (the one node without
     successors) returns the model output. `probe`: the model's inputs at two batch sizes, to find
-    each boundary value's batch dimension (needed where stages cut the batch differently)."""
+    each boundary value's batch dimension (needed where stages cut the batch differently).
+
+    `node_stage`: the nodes are the segments of stages that run per input (node i a segment of
+    stage ``node_stage[i]``, `StageSpec.segments`) and `edges` are between stages; the edges between
+    segments are the stage graph's rule (`plait.ir.stage_graph.segment_edges`) on the layer
+    dependencies of the traced model (`layer_dependencies`). The nodes' `send` give them back."""
     names = [n for n, _ in layer_modules(model)]
     layer_node: dict[str, int] = {}
     for i, layers in enumerate(node_layers):
@@ -220,7 +227,28 @@ def split_into_graph(model: nn.Module, node_layers: Sequence[Sequence[str]],
         raise RuntimeSetupError(f"plan field 'stages': layers {missing[:3]} are in no stage")
     graph = _trace(model, names)
     dims = _batch_dims(model, graph, probe) if probe else {}
+    if node_stage is not None:
+        chunks = [Chunk(i, node_stage[i], list(layers)) for i, layers in enumerate(node_layers)]
+        try:
+            edges = segment_edges(layer_dependencies(graph, set(names)), chunks, list(edges))
+        except PlaitError as exc:
+            raise RuntimeSetupError(str(exc)) from None
     return _split(model, graph, _layer_order(graph, names), layer_node, len(node_layers), list(edges), dims)
+
+
+def layer_dependencies(graph: fx.Graph, names: set[str]) -> list[tuple[str, str]]:
+    """(producer, consumer) layer pairs of a traced model: the consumer reads the producer's
+    output directly or through glue (the runtime's view of `OpGraph.layer_edges`)."""
+    src: dict[fx.Node, set[str]] = {}
+    out: set[tuple[str, str]] = set()
+    for n in graph.nodes:
+        ins: set[str] = set().union(*(src.get(a, set()) for a in n.all_input_nodes))
+        if n.op == "call_module" and n.target in names:
+            out |= {(p, str(n.target)) for p in ins if p != n.target}
+            src[n] = {str(n.target)}
+        else:
+            src[n] = ins
+    return sorted(out)
 
 
 def _batch_dims(model: nn.Module, graph: fx.Graph, probe: Sequence[tuple[Any, ...]]) -> dict[str, int]:

@@ -83,6 +83,7 @@ from plait.runtime.layout import (
     rank_actions,
     split_model,
     step_schedule,
+    with_node_edges,
 )
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import (
@@ -218,7 +219,8 @@ class Worker:
         order = [(n, is_tensor_parallel_layer(m)) for n, m in layer_modules(model)]
         lay = self.layout
         stages = split_model(model, plan, lay, self.spec)
-        self.chunks = {c: stages[lay.node_of(self.p, c)] for c in range(lay.chunks)}
+        self.layout = lay = with_node_edges(lay, stages)  # segments of stages that run per input
+        self.chunks = {c: stages[lay.node_of(self.p, c)] for c in range(lay.chunks_of(self.p))}
         self.stage_layers = [name for st in self.chunks.values() for name in st.layers]
         # Parameters used by several pipeline ranks (tied embeddings) -> one all-reduce group per owner set.
         owners: dict[int, list[int]] = {}
@@ -343,7 +345,8 @@ class Worker:
                                   autocast=self._autocast,
                                   # Megatron's blocking p2p where the simulator models it (sim/lower.py).
                                   blocking=not plan.stages and plan.schedule in ("1f1b", "gpipe")
-                                  and plan.virtual_stages == 1)
+                                  and plan.virtual_stages == 1,
+                                  per_input=bool(lay.places))  # a stage's segments (StageSpec.segments)
         start = self._maybe_resume()
         steps = int(cfg["steps"])
         ck = cfg.get("checkpoint") or {}

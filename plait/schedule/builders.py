@@ -15,7 +15,10 @@ compute action just before it, its sends just after it, peers in sample order.
   ``(pp - p - 1) * 2 + (v - 1) * pp`` units (all ``m * v`` when ``m == pp``).
 * **Graph 1F1B** (GraphPipe, Jeon et al. ASPLOS'25): 1F1B on every stage of a DAG, with
   the warm-up of a stage counting all its successors -- the longest path to a sink --
-  so each stage keeps enough micro-batches in flight to fill its deepest branch.
+  so each stage keeps enough micro-batches in flight to fill its deepest branch. A stage
+  that runs per input has one node per segment: a micro-batch's forward runs its segments
+  in order, each after its own inputs, so a fan-in stage starts its own branch's work before
+  the other inputs arrive (GraphPipe runs operators as their inputs arrive).
 """
 
 from __future__ import annotations
@@ -122,13 +125,6 @@ def _stages(graph: PipelineGraph) -> range:
     return range(graph.num_stages)
 
 
-def _single_node(graph: PipelineGraph, name: str) -> None:
-    for s in _stages(graph):
-        if len(graph.nodes_of(s)) != 1:
-            raise ScheduleError(f"{name}: stage {s} runs {len(graph.nodes_of(s))} chunks; "
-                                f"{name} runs one per stage (use the interleaved schedule for several)")
-
-
 @lru_cache(maxsize=512)
 def gpipe(graph: PipelineGraph) -> Schedule:
     """GPipe: every forward of the step, then every backward (any DAG, any chunks per rank)."""
@@ -202,19 +198,33 @@ def _forwards_before_backwards(graph: PipelineGraph) -> dict[int, list[int]]:
 def graph_1f1b(graph: PipelineGraph) -> Schedule:
     """GraphPipe's 1F1B on a stage DAG: a stage's warm-up is its longest path to a sink
     (raised where differing micro-batch sizes need more, see `_forwards_before_backwards`)."""
-    _single_node(graph, "graph_1f1b")
+    _segments_only(graph, "graph_1f1b")
     quota = _forwards_before_backwards(graph)
+    topo = graph.topological_order()
     orders = []
     for s in _stages(graph):
-        n = graph.nodes_of(s)[0]
+        # a stage that runs per input has one node per segment: each micro-batch's forward runs
+        # them in order (each after its own inputs), its backward in reverse
+        nodes = sorted(graph.nodes_of(s), key=topo.index)
+        q_stage = [max(qs) for qs in zip(*(quota[n] for n in nodes))]
         order: list[_Step] = []
         f = 0
-        for i, q in enumerate(quota[n]):
-            order += [("fwd", n, k) for k in range(f, q)]
+        for i, q in enumerate(q_stage):
+            order += [("fwd", n, k) for k in range(f, q) for n in nodes]
             f = max(f, q)
-            order.append(("bwd", n, i))
+            order += [("bwd", n, i) for n in reversed(nodes)]
         orders.append(order)
     return _with_comm(graph, "graph_1f1b", orders)
+
+
+def _segments_only(graph: PipelineGraph, name: str) -> None:
+    """Several nodes on one stage only as the segments of one stage: the same micro-batches."""
+    for s in _stages(graph):
+        nodes = [graph.nodes[n] for n in graph.nodes_of(s)]
+        if len({(n.sizes, n.replicas) for n in nodes}) != 1:
+            raise ScheduleError(f"{name}: stage {s} runs {len(nodes)} chunks with different micro-batches; "
+                                f"{name} runs one node per stage or the segments of one (use the interleaved "
+                                "schedule for model chunks)")
 
 
 @lru_cache(maxsize=512)

@@ -174,10 +174,12 @@ class PipelineGraph:
         return order
 
     def depth(self) -> dict[int, int]:
-        """Nodes on the longest path from each node to a sink, minus one (GraphPipe's warm-up)."""
+        """Stages on the longest path from each node to a sink, minus one (GraphPipe's warm-up): an
+        edge between two nodes of one stage (the segments of a stage that runs per input) adds none."""
         out: dict[int, int] = {}
         for i in reversed(self.topological_order()):
-            out[i] = max((out[b] + 1 for b in self.successors(i)), default=0)
+            out[i] = max((out[b] + (self.nodes[b].stage != self.nodes[i].stage) for b in self.successors(i)),
+                         default=0)
         return out
 
     def nodes_of(self, stage: int) -> list[int]:

@@ -436,7 +436,9 @@ class _Lowerer:
             raise LoweringError(f"granularity: must be 'layer', 'stage' or 'auto', got {granularity!r}")
         self.granularity = granularity
         self.programs = {w.wid: self._program(w, stages) for w in workers}
-        self.local_chunk = {c.cid: c.cid // plan.pp if not plan.stages else 0 for c in chunks}
+        # a chain's chunk k is chunk k // pp of its rank; a graph stage's chunks are its segments
+        self.local_chunk = {c.cid: c.cid // plan.pp for c in chunks} if not plan.stages else \
+            {cid: k for row in self.all_workers for w in row[:1] for k, cid in enumerate(w.chunks)}
         self.item_first: dict[int, list[int]] = {}
         self.item_last: dict[int, list[int]] = {}
         self.layer_bwd_end: dict[int, dict[str, int]] = {}
@@ -484,8 +486,14 @@ class _Lowerer:
                 # its own (`_program`): a restriction of one deadlock-free order stays deadlock-free.
                 node_sizes = [tuple(row[r].units[k][1] for r, k in self._stage_units(s))
                               for s, row in enumerate(self.all_workers)]
-                graph = PipelineGraph.dag(node_sizes, self.plan.stage_graph_edges(),
-                                          [len(row) for row in self.all_workers])
+                if len(self.sg.chunks) == len(node_sizes):
+                    graph = PipelineGraph.dag(node_sizes, self.plan.stage_graph_edges(),
+                                              [len(row) for row in self.all_workers])
+                else:  # stages that run per input: a node per segment (chunk ids are stage-major)
+                    local = [sum(1 for d in self.sg.chunks[:c.index] if d.stage == c.stage) for c in self.sg.chunks]
+                    graph = PipelineGraph(
+                        tuple(Node(c.stage, local[c.index], node_sizes[c.stage], len(self.all_workers[c.stage]))
+                              for c in self.sg.chunks), tuple((e.src, e.dst) for e in self.sg.edges))
                 return schedules.build("gpipe" if plan.schedule == "gpipe" else "graph_1f1b", graph)
             v = plan.virtual_stages if plan.schedule == "interleaved" else 1
             graph = PipelineGraph(tuple(Node(k % plan.pp, k // plan.pp, sizes) for k in range(plan.pp * v)),
@@ -798,8 +806,13 @@ class _Lowerer:
         if ks is None or kd is None:
             return
         deps = [self.item_last[src.wid][ks]]
-        if kd > 0:
-            deps.append(self.item_last[dst.wid][kd - 1])  # receiver has posted its receive
+        post = kd
+        if forward and self.plan.stages and c_dst != dst.chunks[0]:
+            # a later segment of a stage that runs per input: the executor posts its receives with
+            # those of the stage's first segment for the micro-batch and waits them at its forward
+            post = position.get((dst.wid, "F", dst.chunks[0], u_dst), kd)
+        if post > 0:
+            deps.append(self.item_last[dst.wid][post - 1])  # receiver has posted its receive
         if src.wid == dst.wid:
             self.tg.add_dep(deps[0], self.item_first[dst.wid][kd])
             return
