@@ -61,22 +61,45 @@ class ComposedCandidate:
     analytic_s: float  # the bottleneck stage's synthesized cost x micro-batches (a lower bound)
 
 
+def cluster_units(cluster: Cluster) -> list[list[int]]:
+    """The cluster's units: runs of GPUs of one kind in one node (a whole node when it has one kind)."""
+    return [[d.id for d in run] for _, run in itertools.groupby(cluster.devices, key=lambda d: (d.node, d.kind.name))]
+
+
+def unit_orders(units: list[list[int]], cluster: Cluster, max_units: int = 4) -> list[list[list[int]]]:
+    """Pipeline orders of the units: every permutation up to `max_units` units (so a slow node may
+    take the first stage -- the embedding -- rather than be left the head, and stages may group
+    units of one kind across nodes), else the cluster order and the units sorted by kind (slowest
+    first and fastest first)."""
+    if len(units) <= max_units:
+        return [list(p) for p in itertools.permutations(units)]
+    speed = {u[0]: cluster.devices[u[0]].kind.flops("fp16") for u in units}
+    slow = sorted(units, key=lambda u: (speed[u[0]], u[0]))
+    return [units, slow, slow[::-1]]
+
+
 def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
     """Device groups (device ids per stage, in pipeline order) to put the stages on:
 
-    * every cut of the cluster's units into 2..max_stages contiguous groups, a unit being a run of
-      GPUs of one kind in one node (a whole node when it has one kind), so a stage spans whole
-      nodes, or a run of one kind, or the mixed GPUs of one node;
+    * every cut into 2..max_stages contiguous groups of every pipeline order of the cluster's
+      units (`cluster_units`, `unit_orders`): a stage spans whole nodes, or a run of one kind, or
+      the mixed GPUs of one node, or the runs of one kind in several nodes;
     * every node cut into ``q`` slices of the same mix of kinds (``q`` dividing each kind's count
       in every node, ``q x nodes <= max_stages``): stages that each mix fast and slow GPUs, the
       layout of a 3D plan whose replicas are of different kinds; with two slices also folded
       (node 0..N-1's first slices, then node N-1..0's second ones)."""
-    units = [[d.id for d in run] for _, run in itertools.groupby(cluster.devices, key=lambda d: (d.node, d.kind.name))]
-    out = []
-    for pp in range(2, min(max_stages, len(units)) + 1):
-        for cuts in itertools.combinations(range(1, len(units)), pp - 1):
-            bounds = [0, *cuts, len(units)]
-            out.append([sum(units[a:b], []) for a, b in zip(bounds, bounds[1:])])
+    units = cluster_units(cluster)
+    out: list[list[list[int]]] = []
+    seen: set[tuple] = set()
+    for order in unit_orders(units, cluster):
+        for pp in range(2, min(max_stages, len(order)) + 1):
+            for cuts in itertools.combinations(range(1, len(order)), pp - 1):
+                bounds = [0, *cuts, len(order)]
+                groups = [sorted(sum(order[a:b], [])) for a, b in zip(bounds, bounds[1:])]
+                key = tuple(map(tuple, groups))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(groups)
     nodes: dict[int, list[list[int]]] = {}
     for run in units:
         nodes.setdefault(cluster.devices[run[0]].node, []).append(run)
@@ -94,6 +117,42 @@ def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
             # slow links in both directions at once
             out.append([piece(n, 0) for n in order] + [piece(n, 1) for n in reversed(order)])
     return out
+
+
+def pipeline_estimate(opgraph: Any, groups: list[list[int]], times: np.ndarray, split: list[int],
+                      micro_batch: int, global_batch: int, view: Any, dtype: str) -> float:
+    """A quick estimate of a composed pipeline's iteration that ranks the groupings to synthesize:
+    ``(m + pp - 1) x`` the slowest of each stage's compute per micro-batch (its GPUs' rates summed)
+    and each boundary's message (the last layer's output bytes, carried as the simulator carries
+    it, `plait.sim.compose_lower.transfer_seconds`), plus the slowest stage's gradient all-reduce
+    on its group and the tied weights' all-reduce between their stages (`plait.cost.collectives`).
+    A compute-only bound ranks a stage that spans a slow link, or a cut across it that sends more
+    than it computes, as well as any other; this does not."""
+    from plait.cost.collectives import choose_algorithm, collective_time
+    from plait.sim.compose_lower import transfer_seconds
+
+    grad_bytes = {"fp16": 2, "bf16": 2}.get(dtype, 4)
+    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+    per_mb = max(times[p, a:e].sum() for p, (a, e) in enumerate(zip(edges, edges[1:])))
+    for p in range(len(groups) - 1):
+        nbytes = opgraph.layers[edges[p + 1] - 1].output_bytes * micro_batch
+        per_mb = max(per_mb, transfer_seconds(view, groups[p], groups[p + 1], nbytes))
+    tail = 0.0
+    for p, ids in enumerate(groups):
+        nbytes = sum(layer.param_count for layer in opgraph.layers[edges[p]:edges[p + 1]]) * grad_bytes
+        links = view.group(ids)
+        if len(ids) > 1 and nbytes > 0:
+            tail = max(tail, collective_time("all_reduce", nbytes, links,
+                                             choose_algorithm("all_reduce", nbytes, links)))
+    stage_of = {layer.name: p for p, (a, e) in enumerate(zip(edges, edges[1:])) for layer in opgraph.layers[a:e]}
+    for tie in opgraph.tied:
+        a, b = stage_of.get(tie.owner), stage_of.get(tie.user)
+        if a is not None and b is not None and a != b:
+            links = view.group([groups[a][0], groups[b][0]])
+            nbytes = tie.params * grad_bytes
+            tail += collective_time("all_reduce", nbytes, links, choose_algorithm("all_reduce", nbytes, links))
+    m = global_batch // micro_batch
+    return float(per_mb * (m + len(groups) - 1) + tail)
 
 
 def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int, dtype: str) -> np.ndarray:
@@ -132,7 +191,7 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     from plait.spmd.ratios import memory_model
     from plait.spmd.ratios import synthesize as synth
     from plait.spmd.search import Problem
-    from plait.spmd.stage import shared_params, stage_subgraph
+    from plait.spmd.stage import free_outputs, shared_params, stage_subgraph
 
     names = [layer.name for layer in opgraph.layers]
     bounds = np.concatenate([[0], np.cumsum(split)]).astype(int)
@@ -147,7 +206,8 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
             sub = stage_subgraph(aten, lays, name=f"{aten.model} stage {s}")
             # the program runs m times per iteration, its parameter gradients are reduced once: the
             # search weighs their collectives 1/m (`Problem.overlap`), not as a whole iteration's
-            problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m)
+            problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m,
+                                    outputs_free=free_outputs(sub, loss=s == pp - 1))
             hit = (problem, synth(problem, dtype=dtype, max_states=max_states))
             if cache is not None:
                 cache[key] = hit
@@ -187,16 +247,18 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     return ComposedCandidate(plan, programs, per_sample, tied, memory, bottleneck * (m + pp - 1))
 
 
-def micro_batches_to_try(global_batch: int, pp: int) -> list[int]:
-    """The largest micro-batch dividing the batch into at least 2 pp micro-batches (pipeline fill)."""
-    sizes = [b for b in range(1, global_batch + 1) if global_batch % b == 0 and global_batch // b >= 2 * pp]
-    return sorted(sizes, reverse=True)[:1]
+def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 2) -> list[int]:
+    """The `sizes` largest micro-batches dividing the batch into at least 2 pp micro-batches: fewer,
+    larger ones pay less per-op host time and fewer per-message latencies, more, smaller ones less
+    fill and drain (the simulator weighs both)."""
+    fits = [b for b in range(1, global_batch + 1) if global_batch % b == 0 and global_batch // b >= 2 * pp]
+    return sorted(fits, reverse=True)[:sizes]
 
 
 def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                    evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                    compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
-                   max_devices: int = 64, max_stages: int = 4, candidates: int = 4,
+                   max_devices: int = 64, max_stages: int = 4, candidates: int = 6,
                    runnable: bool = False) -> PlanResult:
     """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
     `candidates` groupings with the least compute-only pipeline time (layer times summed over
@@ -206,6 +268,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     from plait.plan.hetero import split_layers
     from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
     from plait.sim.compose_lower import simulate_compose
+    from plait.sim.topology import ClusterView
 
     t0 = time.perf_counter()
     n = cluster.num_devices
@@ -229,7 +292,8 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     found: list[ComposedCandidate] = []
     reasons: dict[str, int] = {}
     enumerated = 0
-    options = []  # (bound, groups, micro-batch, split): the compute-only pipeline bound ranks them
+    view = ClusterView.from_cluster(cluster)
+    options = []  # (estimate, index, groups, micro-batch, split): `pipeline_estimate` ranks them
     for groups in groupings:
         for b in micro_batches_to_try(gb, len(groups)):
             enumerated += 1
@@ -238,15 +302,12 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
             if split is None:
                 reasons["fewer layers than stages"] = reasons.get("fewer layers than stages", 0) + 1
                 continue
-            edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
-            worst = max(times[p, a:e].sum() for p, (a, e) in enumerate(zip(edges, edges[1:])))
-            options.append((worst * (gb // b + len(groups) - 1), len(options), groups, b, split))
+            est = pipeline_estimate(opgraph, groups, times, split, b, gb, view, dtype)
+            options.append((est, len(options), groups, b, split))
     options.sort(key=lambda o: o[:2])
-    # `candidates` sets of stage groups (every pipeline order of a set shares its stage programs)
-    sets = list(dict.fromkeys(tuple(sorted(map(tuple, o[2]))) for o in options))[:candidates]
-    chosen = [o for o in options if tuple(sorted(map(tuple, o[2]))) in sets]
+    chosen = options[:candidates]
     if len(options) > len(chosen):
-        reasons[f"not among the {candidates} best by the compute bound"] = len(options) - len(chosen)
+        reasons[f"not among the {candidates} best by the pipeline estimate"] = len(options) - len(chosen)
     cache: dict = {}
     for _, _, groups, b, split in chosen:
         key = (spec.spec, b, dtype)
