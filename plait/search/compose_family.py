@@ -9,9 +9,11 @@ one GPU kind inside a node that mixes kinds -- so a slow link between nodes is c
 point-to-point messages only, and each stage runs a HAP-style SPMD program of its layers on its
 GPUs, with uneven ratios by the LP (`plait.spmd.ratios.synthesize`) where they mix kinds.
 
-For each cut of the cluster into ``pp`` contiguous groups (in cluster order, ``pp`` up to
-`max_stages`; cut only between nodes or between the GPU kinds of a node) at the largest
-micro-batch that gives ``2 pp`` micro-batches:
+For each cut into ``pp`` contiguous groups (``pp`` up to `max_stages`; cut only between nodes or
+between the GPU kinds of a node) of each pipeline order of the units (`unit_orders`), at the
+largest micro-batches that give at least ``pp`` micro-batches, ranked by `pipeline_estimate`
+(compute, the boundary messages on their links, gradient and tied all-reduces), the best
+`candidates`:
 
 1. the layers are split over the stages by `plait.plan.hetero.split_layers` (the exact DP of the
    3D family's uneven splits) on each stage's layer times from `plait.cost.compute.layer_cost`
@@ -247,11 +249,12 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     return ComposedCandidate(plan, programs, per_sample, tied, memory, bottleneck * (m + pp - 1))
 
 
-def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 2) -> list[int]:
-    """The `sizes` largest micro-batches dividing the batch into at least 2 pp micro-batches: fewer,
-    larger ones pay less per-op host time and fewer per-message latencies, more, smaller ones less
-    fill and drain (the simulator weighs both)."""
-    fits = [b for b in range(1, global_batch + 1) if global_batch % b == 0 and global_batch // b >= 2 * pp]
+def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 3) -> list[int]:
+    """The `sizes` largest micro-batches dividing the batch into at least pp micro-batches: fewer,
+    larger ones pay less per-op host time, fewer per-message latencies and fewer gathers of a
+    stage's messages, more, smaller ones less fill and drain (the estimate, then the simulator,
+    weigh both)."""
+    fits = [b for b in range(1, global_batch + 1) if global_batch % b == 0 and global_batch // b >= pp]
     return sorted(fits, reverse=True)[:sizes]
 
 
@@ -261,8 +264,8 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
                    max_devices: int = 64, max_stages: int = 4, candidates: int = 6,
                    runnable: bool = False) -> PlanResult:
     """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
-    `candidates` groupings with the least compute-only pipeline time (layer times summed over
-    the bottleneck stage x (m + pp - 1)) are synthesized and simulated."""
+    `candidates` (grouping, micro-batch) options with the least `pipeline_estimate` are
+    synthesized and simulated."""
     from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.plan.hetero import split_layers
