@@ -35,6 +35,7 @@ cannot run carries `plait.runtime.supports`' reason (`Candidate.unsupported`), a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -59,8 +60,35 @@ class ComposedCandidate:
     stages: list[Any]  # plait.sim.compose_lower.StageProgram
     bytes_per_sample: dict[tuple[int, int], float]
     tied: list[tuple[int, int, float]]
-    memory: list[int]  # peak bytes per cluster device
+    memory: list[int]  # peak bytes per cluster device under the plan's schedule
     analytic_s: float  # the bottleneck stage's synthesized cost x micro-batches (a lower bound)
+    # per stage: its devices, each one's bytes with one micro-batch in flight, and the activation
+    # bytes of each further micro-batch in flight (`MemoryModel.activations_on`)
+    stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+
+
+def in_flight(schedule: str, pp: int, s: int, m: int) -> int:
+    """Micro-batches whose activations stage `s` of `pp` holds at once: 1F1B pp - s, eager 1F1B one
+    more than its warm-up (`plait.schedule.builders.eager_warmup`), GPipe all m."""
+    from plait.schedule.builders import eager_warmup
+
+    if schedule == "gpipe":
+        return m
+    if schedule == "eager_1f1b":
+        return min(m, eager_warmup(pp, s) + 1)
+    return min(m, pp - s)
+
+
+def peak_memory(stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]], schedule: str, m: int,
+                devices: int) -> list[int]:
+    """Peak bytes per cluster device of a composed plan under `schedule`: each stage's program with
+    the activations of the micro-batches the schedule keeps in flight on it."""
+    out = [0] * devices
+    pp = len(stage_bytes)
+    for s, (ids, base, act) in enumerate(stage_bytes):
+        for d, b in zip(ids, base + (in_flight(schedule, pp, s, m) - 1) * act):
+            out[d] = int(b)
+    return out
 
 
 def cluster_units(cluster: Cluster) -> list[list[int]]:
@@ -200,7 +228,9 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     layers = [names[a:b] for a, b in zip(bounds, bounds[1:])]
     pp = len(groups)
     m = global_batch // micro_batch
-    programs, specs, memory = [], [], [0] * cluster.num_devices
+    programs: list[Any] = []
+    specs: list[StageSpec] = []
+    stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]] = []
     bottleneck = 0.0
     for s, (ids, lays) in enumerate(zip(groups, layers)):
         key = (tuple(ids), tuple(lays), micro_batch)
@@ -220,10 +250,8 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
         ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
         segs = syn.segments
         mm = memory_model(problem, syn.program, dtype, segs=segs)
-        in_flight = min(m, pp - s)  # 1F1B keeps pp - s micro-batches' activations on stage s
-        peak = syn.memory + (in_flight - 1) * mm.activations_on(ratios)
-        for d, b in zip(ids, peak):
-            memory[d] = int(b)
+        stage_bytes.append((list(ids), np.asarray(syn.memory, dtype=float),
+                            np.asarray(mm.activations_on(ratios), dtype=float)))
         sub = problem.graph  # values from the previous stage send their gradients back
         received = tuple(t for t in sub.inputs if t not in aten.inputs
                          and sub.tensors[t].dtype.startswith(("float", "bfloat")))
@@ -246,7 +274,8 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     for d in range(cluster.num_devices):
         if all(d not in ids for ids in groups):
             raise SearchError(f"compose: device {d} is in no stage")
-    return ComposedCandidate(plan, programs, per_sample, tied, memory, bottleneck * (m + pp - 1))
+    memory = peak_memory(stage_bytes, plan.schedule, m, cluster.num_devices)
+    return ComposedCandidate(plan, programs, per_sample, tied, memory, bottleneck * (m + pp - 1), stage_bytes)
 
 
 def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 3) -> list[int]:
@@ -326,6 +355,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
             reasons[key] = reasons.get(key, 0) + 1
     if not found:
         raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
+    found = [v for c in found for v in schedule_variants(c, cluster, reasons)]
     cands = [_candidate(c, cluster, evaluate is not None, supports, spec.spec, opgraph, simulate_compose)
              for c in found]
     cands.sort(key=lambda c: c.time_s)
@@ -337,6 +367,22 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
                       extra={"groupings": len(groupings)})
 
 
+def schedule_variants(c: ComposedCandidate, cluster: Cluster, reasons: dict[str, int]) -> list[ComposedCandidate]:
+    """The plan under 1F1B and, where it keeps more micro-batches in flight and still fits, under
+    eager 1F1B (`plait.schedule.builders.eager_1f1b`): over a slow link between stages a message's
+    round trip outlasts 1F1B's pp - s micro-batches of compute and stalls the stage; the simulator
+    weighs that against the memory and the longer fill."""
+    m, pp = c.plan.num_micro_batches, len(c.stage_bytes)
+    out = [c]
+    if all(in_flight("eager_1f1b", pp, s, m) == in_flight(c.plan.schedule, pp, s, m) for s in range(pp)):
+        return out
+    memory = peak_memory(c.stage_bytes, "eager_1f1b", m, cluster.num_devices)
+    if any(b > d.kind.memory_bytes for b, d in zip(memory, cluster.devices)):
+        reasons["eager 1F1B does not fit"] = reasons.get("eager 1F1B does not fit", 0) + 1
+        return out
+    return [c, dataclasses.replace(c, plan=dataclasses.replace(c.plan, schedule="eager_1f1b"), memory=memory)]
+
+
 def _candidate(c: ComposedCandidate, cluster: Cluster, simulate: bool,
                supports: Callable[[Plan], tuple[bool, str]] | None, name: str, opgraph: Any,
                simulate_compose: Callable[..., Any]) -> Candidate:
@@ -345,7 +391,8 @@ def _candidate(c: ComposedCandidate, cluster: Cluster, simulate: bool,
         plan = c.plan
         flops = (opgraph.fwd_flops + opgraph.bwd_flops) * plan.global_batch
         sim = simulate_compose(c.stages, list(plan.stage_edges), c.bytes_per_sample, plan.num_micro_batches,
-                               plan.micro_batch, cluster, tied=c.tied, memory=c.memory, name=str(plan), flops=flops)
+                               plan.micro_batch, cluster, schedule=plan.schedule, tied=c.tied, memory=c.memory,
+                               name=str(plan), flops=flops)
         cand.iteration_time_s = sim.iteration_time_s
         cand.throughput = sim.throughput_samples_per_s
         cand.tflops_per_gpu = sim.tflops_per_gpu

@@ -373,7 +373,7 @@ def _pipeline(n: int, edges: list[tuple[int, int]], micro_batches: int, micro_ba
     chain = sorted(edges) == [(s, s + 1) for s in range(n - 1)]
     if chain:
         graph = PipelineGraph.chain(n, micro_batches, 1, micro_batch)
-        return build_schedule("gpipe" if name == "gpipe" else "1f1b", graph)
+        return build_schedule(name if name in ("gpipe", "eager_1f1b") else "1f1b", graph)
     graph = PipelineGraph.dag([[micro_batch] * micro_batches for _ in range(n)], edges)
     return build_schedule("gpipe" if name == "gpipe" else "graph_1f1b", graph)
 
