@@ -108,6 +108,22 @@ def unit_orders(units: list[list[int]], cluster: Cluster, max_units: int = 4) ->
     return [units, slow, slow[::-1]]
 
 
+def grouping_signature(cluster: Cluster, groups: list[list[int]]) -> tuple:
+    """What a grouping looks like up to renaming identical nodes: per stage, the (node's kind of
+    server, GPU kind, count) of each node part; per pair of stages, which nodes they share. Orders
+    of identical nodes (AMP's four g4dn servers) give one grouping, not 24 that crowd the ranking."""
+    def server(n: int) -> tuple:
+        node = cluster.nodes[n]
+        return (tuple(sorted(node.gpus)), node.nics, node.nic.bandwidth, node.intra.bandwidth)
+
+    node_of = {d.id: d.node for d in cluster.devices}
+    parts = [sorted({(server(node_of[d]), cluster.devices[d].kind.name, sum(1 for e in ids if node_of[e] == node_of[d]))
+                     for d in ids}) for ids in groups]
+    nodes = [{node_of[d] for d in ids} for ids in groups]
+    shared = tuple(tuple(len(nodes[a] & nodes[b]) for b in range(len(groups))) for a in range(len(groups)))
+    return tuple(map(tuple, parts)), shared
+
+
 def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
     """Device groups (device ids per stage, in pipeline order) to put the stages on:
 
@@ -126,7 +142,7 @@ def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
             for cuts in itertools.combinations(range(1, len(order)), pp - 1):
                 bounds = [0, *cuts, len(order)]
                 groups = [sorted(sum(order[a:b], [])) for a, b in zip(bounds, bounds[1:])]
-                key = tuple(map(tuple, groups))
+                key = grouping_signature(cluster, groups)
                 if key not in seen:
                     seen.add(key)
                     out.append(groups)
