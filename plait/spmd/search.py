@@ -114,7 +114,7 @@ class Problem:
         bounds = [balanced_time(w) for w in work]
         lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
         return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
-                   future_needs_of(graph, options), collectives, overlap, outputs_free)
+                   future_needs_of(graph, options), collectives, overlap, outputs_free=outputs_free)
 
 
 @dataclass
