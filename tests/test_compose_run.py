@@ -192,3 +192,23 @@ def test_one_device_stage_feeding_a_two_device_stage_equals_one_process() -> Non
     assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-5)
     for name, value in result.params.items():
         torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_eager_1f1b_composed_plan_equals_one_process() -> None:
+    """Eager 1F1B (the composed family's schedule over slow links): stage 0 of 2 runs all 3
+    forwards before its first backward (1F1B: f0 f1 b0 f2 b1 b2); the run equals one process."""
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+    from plait.runtime.compose_worker import composed_schedule
+
+    plan = dataclasses.replace(_composed_plan(), global_batch=3 * MICRO_BATCH, schedule="eager_1f1b")
+    order = [(a.op, a.micro_batch) for a in composed_schedule(plan, plan.schedule).of(0) if a.op in ("fwd", "bwd")]
+    assert order == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 0), ("bwd", 1), ("bwd", 2)]
+    assert supports(plan) == (True, "")
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=CLIP)
+    ref_losses, ref_params = reference_run(TINY, plan, STEPS, training=training)
+    result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180),
+                 records=RecordsConfig(return_params=True))
+    assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
+    for name, value in result.params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-6, msg=name)

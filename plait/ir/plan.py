@@ -48,7 +48,7 @@ from plait.errors import PlaitError
 from plait.ir.formats import check_version, stamp
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved")
+SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved", "eager_1f1b")  # eager_1f1b: composed plans (runtime.supports)
 ZERO_CHOICES = (0, 1, 2, 3)
 # Traffic classes whose collective algorithm a plan may pin (else chosen as NCCL would).
 COLLECTIVE_CLASSES = ("dp", "tp", "pp", "zero")

@@ -83,7 +83,7 @@ def composed_schedule(plan: Plan, name: str) -> Schedule:
     `compose_lower._pipeline` builds the same one)."""
     n, m = len(plan.stages), plan.global_batch // plan.micro_batch
     graph = PipelineGraph.chain(n, m, 1, plan.micro_batch)
-    return build_schedule("gpipe" if name == "gpipe" else "1f1b", graph)
+    return build_schedule(name if name in ("gpipe", "eager_1f1b") else "1f1b", graph)
 
 
 def boundary_values(graph: AtenGraph, subs: list[AtenGraph]) -> list[list[str]]:

@@ -256,6 +256,9 @@ def supports(plan: Any) -> tuple[bool, str]:
     plan = Plan.load(plan)
     if any(spec.spmd is not None for spec in plan.stages):
         return _supports_composed(plan)
+    if plan.schedule == "eager_1f1b":
+        return False, ("plan field 'schedule': 'eager_1f1b' runs on composed plans (stages with SPMD programs) "
+                       "only; use '1f1b'")
     if plan.stages:
         for i, spec in enumerate(plan.stages):
             if spec.tp != 1:
@@ -315,8 +318,9 @@ def _supports_composed(plan: Plan) -> tuple[bool, str]:
     if sorted(tuple(e) for e in plan.stage_edges) != [(s, s + 1) for s in range(n - 1)]:
         return False, (f"plan field 'stage_edges': a composed plan runs a chain of stages (0 -> 1 -> ... -> "
                        f"{n - 1}), the plan has {list(plan.stage_edges)}")
-    if plan.schedule not in ("1f1b", "gpipe"):
-        return False, f"plan field 'schedule': a composed plan runs '1f1b' or 'gpipe', not {plan.schedule!r}"
+    if plan.schedule not in ("1f1b", "eager_1f1b", "gpipe"):
+        return False, (f"plan field 'schedule': a composed plan runs '1f1b', 'eager_1f1b' or 'gpipe', "
+                       f"not {plan.schedule!r}")
     if plan.global_batch % plan.micro_batch:
         return False, (f"plan field 'micro_batch': {plan.micro_batch} does not divide global_batch "
                        f"{plan.global_batch} (a composed plan's micro-batches are all of one size)")

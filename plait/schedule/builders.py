@@ -9,6 +9,12 @@ compute action just before it, its sends just after it, peers in sample order.
   `forward_backward_pipelining_without_interleaving`): rank ``p`` of ``pp`` runs
   ``min(pp - p - 1, m)`` warm-up forwards, then alternates one forward and one backward,
   then drains the remaining backwards.
+* **Eager 1F1B** (the 1F1B variant with a longer warm-up that overlaps point-to-point
+  messages with compute; Qi et al., Zero Bubble Pipeline Parallelism, ICLR'24 §4): rank
+  ``p`` runs ``min(2 (pp - p - 1), m)`` warm-up forwards, so about twice as many
+  micro-batches are in flight -- a message's round trip over a slow link between stages
+  is covered by compute instead of stalling the stage -- at the memory of up to
+  ``2 (pp - p) - 1`` micro-batches' activations. Chains only.
 * **Interleaved 1F1B** (Narayanan et al. SC'21 §2.2; Megatron-LM's
   `forward_backward_pipelining_with_interleaving`): rank ``p`` holds ``v`` chunks;
   micro-batches go through the chunks in groups of ``pp``; warm-up is
@@ -30,7 +36,7 @@ from plait.schedule.core import Action, PipelineGraph, Schedule, ScheduleError
 # (op, node id, micro-batch)
 _Step = tuple[str, int, int]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "graph_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "graph_1f1b")
 
 
 # ---------------------------------------------------------------- compute orders
@@ -146,6 +152,21 @@ def one_f_one_b(graph: PipelineGraph) -> Schedule:
     return _with_comm(graph, "1f1b", [_order_1f1b(p, pp - p - 1, graph.nodes[p].micro_batches) for p in range(pp)])
 
 
+def eager_warmup(pp: int, p: int) -> int:
+    """Eager 1F1B's warm-up forwards on rank `p` of `pp` (before capping at m)."""
+    return 2 * (pp - p - 1)
+
+
+@lru_cache(maxsize=512)
+def eager_1f1b(graph: PipelineGraph) -> Schedule:
+    """Eager 1F1B on a linear pipeline: warm-up of 2 (pp - p - 1) forwards (module docstring)."""
+    if not _is_chain(graph):
+        raise ScheduleError("eager_1f1b: the pipeline graph is not a chain of one node per stage")
+    pp = len(graph.nodes)
+    return _with_comm(graph, "eager_1f1b", [_order_1f1b(p, eager_warmup(pp, p), graph.nodes[p].micro_batches)
+                                            for p in range(pp)])
+
+
 def _forwards_before_backwards(graph: PipelineGraph) -> dict[int, list[int]]:
     """Per node, how many of its forwards must precede its backward of each micro-batch.
 
@@ -252,13 +273,15 @@ def interleaved_1f1b(graph: PipelineGraph) -> Schedule:
 
 
 def build(name: str, graph: PipelineGraph) -> Schedule:
-    """The schedule called `name` ("gpipe", "1f1b", "interleaved", "graph_1f1b") on `graph`.
+    """The schedule called `name` ("gpipe", "1f1b", "eager_1f1b", "interleaved", "graph_1f1b") on `graph`.
 
     "1f1b" on a graph that is not a chain builds graph 1F1B (its generalisation)."""
     if name == "gpipe":
         return gpipe(graph)
     if name == "1f1b":
         return one_f_one_b(graph) if _is_chain(graph) else graph_1f1b(graph)
+    if name == "eager_1f1b":
+        return eager_1f1b(graph)
     if name == "interleaved":
         return interleaved_1f1b(graph)
     if name == "graph_1f1b":

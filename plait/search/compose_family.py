@@ -9,9 +9,11 @@ one GPU kind inside a node that mixes kinds -- so a slow link between nodes is c
 point-to-point messages only, and each stage runs a HAP-style SPMD program of its layers on its
 GPUs, with uneven ratios by the LP (`plait.spmd.ratios.synthesize`) where they mix kinds.
 
-For each cut of the cluster into ``pp`` contiguous groups (in cluster order, ``pp`` up to
-`max_stages`; cut only between nodes or between the GPU kinds of a node) at the largest
-micro-batch that gives ``2 pp`` micro-batches:
+For each cut into ``pp`` contiguous groups (``pp`` up to `max_stages`; cut only between nodes or
+between the GPU kinds of a node) of each pipeline order of the units (`unit_orders`), at the
+largest micro-batches that give at least ``pp`` micro-batches, ranked by `pipeline_estimate`
+(compute, the boundary messages on their links, gradient and tied all-reduces), the best
+`candidates`:
 
 1. the layers are split over the stages by `plait.plan.hetero.split_layers` (the exact DP of the
    3D family's uneven splits) on each stage's layer times from `plait.cost.compute.layer_cost`
@@ -33,6 +35,7 @@ cannot run carries `plait.runtime.supports`' reason (`Candidate.unsupported`), a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -57,26 +60,92 @@ class ComposedCandidate:
     stages: list[Any]  # plait.sim.compose_lower.StageProgram
     bytes_per_sample: dict[tuple[int, int], float]
     tied: list[tuple[int, int, float]]
-    memory: list[int]  # peak bytes per cluster device
+    memory: list[int]  # peak bytes per cluster device under the plan's schedule
     analytic_s: float  # the bottleneck stage's synthesized cost x micro-batches (a lower bound)
+    # per stage: its devices, each one's bytes with one micro-batch in flight, and the activation
+    # bytes of each further micro-batch in flight (`MemoryModel.activations_on`)
+    stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+
+
+def in_flight(schedule: str, pp: int, s: int, m: int) -> int:
+    """Micro-batches whose activations stage `s` of `pp` holds at once: 1F1B pp - s, eager 1F1B one
+    more than its warm-up (`plait.schedule.builders.eager_warmup`), GPipe all m."""
+    from plait.schedule.builders import eager_warmup
+
+    if schedule == "gpipe":
+        return m
+    if schedule == "eager_1f1b":
+        return min(m, eager_warmup(pp, s) + 1)
+    return min(m, pp - s)
+
+
+def peak_memory(stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]], schedule: str, m: int,
+                devices: int) -> list[int]:
+    """Peak bytes per cluster device of a composed plan under `schedule`: each stage's program with
+    the activations of the micro-batches the schedule keeps in flight on it."""
+    out = [0] * devices
+    pp = len(stage_bytes)
+    for s, (ids, base, act) in enumerate(stage_bytes):
+        for d, b in zip(ids, base + (in_flight(schedule, pp, s, m) - 1) * act):
+            out[d] = int(b)
+    return out
+
+
+def cluster_units(cluster: Cluster) -> list[list[int]]:
+    """The cluster's units: runs of GPUs of one kind in one node (a whole node when it has one kind)."""
+    return [[d.id for d in run] for _, run in itertools.groupby(cluster.devices, key=lambda d: (d.node, d.kind.name))]
+
+
+def unit_orders(units: list[list[int]], cluster: Cluster, max_units: int = 4) -> list[list[list[int]]]:
+    """Pipeline orders of the units: every permutation up to `max_units` units (so a slow node may
+    take the first stage -- the embedding -- rather than be left the head, and stages may group
+    units of one kind across nodes), else the cluster order and the units sorted by kind (slowest
+    first and fastest first)."""
+    if len(units) <= max_units:
+        return [list(p) for p in itertools.permutations(units)]
+    speed = {u[0]: cluster.devices[u[0]].kind.flops("fp16") for u in units}
+    slow = sorted(units, key=lambda u: (speed[u[0]], u[0]))
+    return [units, slow, slow[::-1]]
+
+
+def grouping_signature(cluster: Cluster, groups: list[list[int]]) -> tuple:
+    """What a grouping looks like up to renaming identical nodes: per stage, the (node's kind of
+    server, GPU kind, count) of each node part; per pair of stages, which nodes they share. Orders
+    of identical nodes (AMP's four g4dn servers) give one grouping, not 24 that crowd the ranking."""
+    def server(n: int) -> tuple:
+        node = cluster.nodes[n]
+        return (tuple(sorted(node.gpus)), node.nics, node.nic.bandwidth, node.intra.bandwidth)
+
+    node_of = {d.id: d.node for d in cluster.devices}
+    parts = [sorted({(server(node_of[d]), cluster.devices[d].kind.name, sum(1 for e in ids if node_of[e] == node_of[d]))
+                     for d in ids}) for ids in groups]
+    nodes = [{node_of[d] for d in ids} for ids in groups]
+    shared = tuple(tuple(len(nodes[a] & nodes[b]) for b in range(len(groups))) for a in range(len(groups)))
+    return tuple(map(tuple, parts)), shared
 
 
 def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
     """Device groups (device ids per stage, in pipeline order) to put the stages on:
 
-    * every cut of the cluster's units into 2..max_stages contiguous groups, a unit being a run of
-      GPUs of one kind in one node (a whole node when it has one kind), so a stage spans whole
-      nodes, or a run of one kind, or the mixed GPUs of one node;
+    * every cut into 2..max_stages contiguous groups of every pipeline order of the cluster's
+      units (`cluster_units`, `unit_orders`): a stage spans whole nodes, or a run of one kind, or
+      the mixed GPUs of one node, or the runs of one kind in several nodes;
     * every node cut into ``q`` slices of the same mix of kinds (``q`` dividing each kind's count
       in every node, ``q x nodes <= max_stages``): stages that each mix fast and slow GPUs, the
       layout of a 3D plan whose replicas are of different kinds; with two slices also folded
       (node 0..N-1's first slices, then node N-1..0's second ones)."""
-    units = [[d.id for d in run] for _, run in itertools.groupby(cluster.devices, key=lambda d: (d.node, d.kind.name))]
-    out = []
-    for pp in range(2, min(max_stages, len(units)) + 1):
-        for cuts in itertools.combinations(range(1, len(units)), pp - 1):
-            bounds = [0, *cuts, len(units)]
-            out.append([sum(units[a:b], []) for a, b in zip(bounds, bounds[1:])])
+    units = cluster_units(cluster)
+    out: list[list[list[int]]] = []
+    seen: set[tuple] = set()
+    for order in unit_orders(units, cluster):
+        for pp in range(2, min(max_stages, len(order)) + 1):
+            for cuts in itertools.combinations(range(1, len(order)), pp - 1):
+                bounds = [0, *cuts, len(order)]
+                groups = [sorted(sum(order[a:b], [])) for a, b in zip(bounds, bounds[1:])]
+                key = grouping_signature(cluster, groups)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(groups)
     nodes: dict[int, list[list[int]]] = {}
     for run in units:
         nodes.setdefault(cluster.devices[run[0]].node, []).append(run)
@@ -94,6 +163,42 @@ def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
             # slow links in both directions at once
             out.append([piece(n, 0) for n in order] + [piece(n, 1) for n in reversed(order)])
     return out
+
+
+def pipeline_estimate(opgraph: Any, groups: list[list[int]], times: np.ndarray, split: list[int],
+                      micro_batch: int, global_batch: int, view: Any, dtype: str) -> float:
+    """A quick estimate of a composed pipeline's iteration that ranks the groupings to synthesize:
+    ``(m + pp - 1) x`` the slowest of each stage's compute per micro-batch (its GPUs' rates summed)
+    and each boundary's message (the last layer's output bytes, carried as the simulator carries
+    it, `plait.sim.compose_lower.transfer_seconds`), plus the slowest stage's gradient all-reduce
+    on its group and the tied weights' all-reduce between their stages (`plait.cost.collectives`).
+    A compute-only bound ranks a stage that spans a slow link, or a cut across it that sends more
+    than it computes, as well as any other; this does not."""
+    from plait.cost.collectives import choose_algorithm, collective_time
+    from plait.sim.compose_lower import transfer_seconds
+
+    grad_bytes = {"fp16": 2, "bf16": 2}.get(dtype, 4)
+    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+    per_mb = max(times[p, a:e].sum() for p, (a, e) in enumerate(zip(edges, edges[1:])))
+    for p in range(len(groups) - 1):
+        nbytes = opgraph.layers[edges[p + 1] - 1].output_bytes * micro_batch
+        per_mb = max(per_mb, transfer_seconds(view, groups[p], groups[p + 1], nbytes))
+    tail = 0.0
+    for p, ids in enumerate(groups):
+        nbytes = sum(layer.param_count for layer in opgraph.layers[edges[p]:edges[p + 1]]) * grad_bytes
+        links = view.group(ids)
+        if len(ids) > 1 and nbytes > 0:
+            tail = max(tail, collective_time("all_reduce", nbytes, links,
+                                             choose_algorithm("all_reduce", nbytes, links)))
+    stage_of = {layer.name: p for p, (a, e) in enumerate(zip(edges, edges[1:])) for layer in opgraph.layers[a:e]}
+    for tie in opgraph.tied:
+        a, b = stage_of.get(tie.owner), stage_of.get(tie.user)
+        if a is not None and b is not None and a != b:
+            links = view.group([groups[a][0], groups[b][0]])
+            nbytes = tie.params * grad_bytes
+            tail += collective_time("all_reduce", nbytes, links, choose_algorithm("all_reduce", nbytes, links))
+    m = global_batch // micro_batch
+    return float(per_mb * (m + len(groups) - 1) + tail)
 
 
 def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int, dtype: str) -> np.ndarray:
@@ -132,14 +237,16 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     from plait.spmd.ratios import memory_model
     from plait.spmd.ratios import synthesize as synth
     from plait.spmd.search import Problem
-    from plait.spmd.stage import shared_params, stage_subgraph
+    from plait.spmd.stage import free_outputs, shared_params, stage_subgraph
 
     names = [layer.name for layer in opgraph.layers]
     bounds = np.concatenate([[0], np.cumsum(split)]).astype(int)
     layers = [names[a:b] for a, b in zip(bounds, bounds[1:])]
     pp = len(groups)
     m = global_batch // micro_batch
-    programs, specs, memory = [], [], [0] * cluster.num_devices
+    programs: list[Any] = []
+    specs: list[StageSpec] = []
+    stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]] = []
     bottleneck = 0.0
     for s, (ids, lays) in enumerate(zip(groups, layers)):
         key = (tuple(ids), tuple(lays), micro_batch)
@@ -147,7 +254,8 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
             sub = stage_subgraph(aten, lays, name=f"{aten.model} stage {s}")
             # the program runs m times per iteration, its parameter gradients are reduced once: the
             # search weighs their collectives 1/m (`Problem.overlap`), not as a whole iteration's
-            problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m)
+            problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m,
+                                    outputs_free=free_outputs(sub, loss=s == pp - 1))
             hit = (problem, synth(problem, dtype=dtype, max_states=max_states))
             if cache is not None:
                 cache[key] = hit
@@ -158,10 +266,8 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
         ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
         segs = syn.segments
         mm = memory_model(problem, syn.program, dtype, segs=segs)
-        in_flight = min(m, pp - s)  # 1F1B keeps pp - s micro-batches' activations on stage s
-        peak = syn.memory + (in_flight - 1) * mm.activations_on(ratios)
-        for d, b in zip(ids, peak):
-            memory[d] = int(b)
+        stage_bytes.append((list(ids), np.asarray(syn.memory, dtype=float),
+                            np.asarray(mm.activations_on(ratios), dtype=float)))
         sub = problem.graph  # values from the previous stage send their gradients back
         received = tuple(t for t in sub.inputs if t not in aten.inputs
                          and sub.tensors[t].dtype.startswith(("float", "bfloat")))
@@ -184,28 +290,33 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     for d in range(cluster.num_devices):
         if all(d not in ids for ids in groups):
             raise SearchError(f"compose: device {d} is in no stage")
-    return ComposedCandidate(plan, programs, per_sample, tied, memory, bottleneck * (m + pp - 1))
+    memory = peak_memory(stage_bytes, plan.schedule, m, cluster.num_devices)
+    return ComposedCandidate(plan, programs, per_sample, tied, memory, bottleneck * (m + pp - 1), stage_bytes)
 
 
-def micro_batches_to_try(global_batch: int, pp: int) -> list[int]:
-    """The largest micro-batch dividing the batch into at least 2 pp micro-batches (pipeline fill)."""
-    sizes = [b for b in range(1, global_batch + 1) if global_batch % b == 0 and global_batch // b >= 2 * pp]
-    return sorted(sizes, reverse=True)[:1]
+def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 3) -> list[int]:
+    """The `sizes` largest micro-batches dividing the batch into at least pp micro-batches: fewer,
+    larger ones pay less per-op host time, fewer per-message latencies and fewer gathers of a
+    stage's messages, more, smaller ones less fill and drain (the estimate, then the simulator,
+    weigh both)."""
+    fits = [b for b in range(1, global_batch + 1) if global_batch % b == 0 and global_batch // b >= pp]
+    return sorted(fits, reverse=True)[:sizes]
 
 
 def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                    evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                    compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
-                   max_devices: int = 64, max_stages: int = 4, candidates: int = 4,
+                   max_devices: int = 64, max_stages: int = 4, candidates: int = 6,
                    runnable: bool = False) -> PlanResult:
     """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
-    `candidates` groupings with the least compute-only pipeline time (layer times summed over
-    the bottleneck stage x (m + pp - 1)) are synthesized and simulated."""
+    `candidates` (grouping, micro-batch) options with the least `pipeline_estimate` are
+    synthesized and simulated."""
     from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.plan.hetero import split_layers
     from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
     from plait.sim.compose_lower import simulate_compose
+    from plait.sim.topology import ClusterView
 
     t0 = time.perf_counter()
     n = cluster.num_devices
@@ -229,7 +340,8 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     found: list[ComposedCandidate] = []
     reasons: dict[str, int] = {}
     enumerated = 0
-    options = []  # (bound, groups, micro-batch, split): the compute-only pipeline bound ranks them
+    view = ClusterView.from_cluster(cluster)
+    options = []  # (estimate, index, groups, micro-batch, split): `pipeline_estimate` ranks them
     for groups in groupings:
         for b in micro_batches_to_try(gb, len(groups)):
             enumerated += 1
@@ -238,15 +350,12 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
             if split is None:
                 reasons["fewer layers than stages"] = reasons.get("fewer layers than stages", 0) + 1
                 continue
-            edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
-            worst = max(times[p, a:e].sum() for p, (a, e) in enumerate(zip(edges, edges[1:])))
-            options.append((worst * (gb // b + len(groups) - 1), len(options), groups, b, split))
+            est = pipeline_estimate(opgraph, groups, times, split, b, gb, view, dtype)
+            options.append((est, len(options), groups, b, split))
     options.sort(key=lambda o: o[:2])
-    # `candidates` sets of stage groups (every pipeline order of a set shares its stage programs)
-    sets = list(dict.fromkeys(tuple(sorted(map(tuple, o[2]))) for o in options))[:candidates]
-    chosen = [o for o in options if tuple(sorted(map(tuple, o[2]))) in sets]
+    chosen = options[:candidates]
     if len(options) > len(chosen):
-        reasons[f"not among the {candidates} best by the compute bound"] = len(options) - len(chosen)
+        reasons[f"not among the {candidates} best by the pipeline estimate"] = len(options) - len(chosen)
     cache: dict = {}
     for _, _, groups, b, split in chosen:
         key = (spec.spec, b, dtype)
@@ -262,6 +371,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
             reasons[key] = reasons.get(key, 0) + 1
     if not found:
         raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
+    found = [v for c in found for v in schedule_variants(c, cluster, reasons)]
     cands = [_candidate(c, cluster, evaluate is not None, supports, spec.spec, opgraph, simulate_compose)
              for c in found]
     cands.sort(key=lambda c: c.time_s)
@@ -273,6 +383,22 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
                       extra={"groupings": len(groupings)})
 
 
+def schedule_variants(c: ComposedCandidate, cluster: Cluster, reasons: dict[str, int]) -> list[ComposedCandidate]:
+    """The plan under 1F1B and, where it keeps more micro-batches in flight and still fits, under
+    eager 1F1B (`plait.schedule.builders.eager_1f1b`): over a slow link between stages a message's
+    round trip outlasts 1F1B's pp - s micro-batches of compute and stalls the stage; the simulator
+    weighs that against the memory and the longer fill."""
+    m, pp = c.plan.num_micro_batches, len(c.stage_bytes)
+    out = [c]
+    if all(in_flight("eager_1f1b", pp, s, m) == in_flight(c.plan.schedule, pp, s, m) for s in range(pp)):
+        return out
+    memory = peak_memory(c.stage_bytes, "eager_1f1b", m, cluster.num_devices)
+    if any(b > d.kind.memory_bytes for b, d in zip(memory, cluster.devices)):
+        reasons["eager 1F1B does not fit"] = reasons.get("eager 1F1B does not fit", 0) + 1
+        return out
+    return [c, dataclasses.replace(c, plan=dataclasses.replace(c.plan, schedule="eager_1f1b"), memory=memory)]
+
+
 def _candidate(c: ComposedCandidate, cluster: Cluster, simulate: bool,
                supports: Callable[[Plan], tuple[bool, str]] | None, name: str, opgraph: Any,
                simulate_compose: Callable[..., Any]) -> Candidate:
@@ -281,7 +407,8 @@ def _candidate(c: ComposedCandidate, cluster: Cluster, simulate: bool,
         plan = c.plan
         flops = (opgraph.fwd_flops + opgraph.bwd_flops) * plan.global_batch
         sim = simulate_compose(c.stages, list(plan.stage_edges), c.bytes_per_sample, plan.num_micro_batches,
-                               plan.micro_batch, cluster, tied=c.tied, memory=c.memory, name=str(plan), flops=flops)
+                               plan.micro_batch, cluster, schedule=plan.schedule, tied=c.tied, memory=c.memory,
+                               name=str(plan), flops=flops)
         cand.iteration_time_s = sim.iteration_time_s
         cand.throughput = sim.throughput_samples_per_s
         cand.tflops_per_gpu = sim.tflops_per_gpu

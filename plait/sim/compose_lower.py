@@ -160,6 +160,15 @@ def boundary_comms(prog: StageProgram, index: int, loss: bool = False) -> list[t
             for n, c in out]
 
 
+def _own_comms(prog: StageProgram, bound: list[tuple[str, Comm]]) -> list[tuple[str, Comm]]:
+    """The program's collectives less the output gathers that its search already priced at its end
+    (`plait.spmd.search.Problem.outputs_free`) and that `boundary_comms` issues after the producer."""
+    last = prog.problem.graph.ops[-1].name
+    gathered = {(c.tensor, c.op) for _, c in bound if c.phase == "fwd"}
+    return [(n, c) for n, c in prog.program.comms
+            if not (n == last and c.phase == "fwd" and (c.tensor, c.op) in gathered)]
+
+
 def _stage(index: int, prog: StageProgram, model: ComputeModel | None, loss: bool = False) -> _Stage:
     problem, program = prog.problem, prog.program
     graph = problem.graph
@@ -172,7 +181,8 @@ def _stage(index: int, prog: StageProgram, model: ComputeModel | None, loss: boo
     producer = {t: index_of[m.producer] for t, m in graph.tensors.items() if m.producer in index_of}
     fwd_comms: dict[int, list[tuple[Comm, int | None]]] = defaultdict(list)
     act, par = [], []
-    for name, c in [*program.comms, *boundary_comms(prog, index, loss)]:
+    bound = boundary_comms(prog, index, loss)
+    for name, c in [*_own_comms(prog, bound), *bound]:
         k = index_of[name]
         if c.phase == "fwd":
             fwd_comms[k].append((c, producer.get(c.tensor)))
@@ -322,29 +332,48 @@ class _Lowering:
         """`nbytes` from every rank of `src` (each holds them whole) to every rank of `dst`: k pairs
         carry 1/k each, then an all-gather inside `dst` (when it has more than one rank)."""
         a, b = src.ids, dst.ids
-        k = min(len(a), len(b))
+        lat, loads = pair_loads(self.view, a, b, nbytes)
         load: dict[int, float] = defaultdict(float)
-        lat = 0.0
-        for s, d in zip(a[:k], b[:k]):
-            lat = max(lat, self.view.pair(s, d)[1])
-            for key, cap, part in self.view.route(s, d):
-                load[self.tg.add_resource(key, cap)] += nbytes / k * part
+        for key, (cap, x) in loads.items():
+            load[self.tg.add_resource(key, cap)] += x
         flow = [(r, x, 1.0) for r, x in load.items()] if nbytes > 0 else None
         p2p = self.model.p2p_host_s if self.model is not None else 0.0
         tid = self.tg.add(name, "comm_pp", f"link s{src.index}->s{dst.index}", lat + p2p, deps, flow=flow,
                           device=a[0], stage=src.index, micro_batch=mb,
                           args={"bytes": nbytes, "src": a[0], "dst": b[0], "cls": "pp", "op": "send_recv",
-                                "ranks": 2, "copies": k})
+                                "ranks": 2, "copies": min(len(a), len(b))})
         if len(b) > 1:
             tid = self.group_collective("all_gather", nbytes, b, [tid], f"gather {name}", dst.index, mb, "comm_pp")
         return tid
+
+
+def pair_loads(view: ClusterView, a: list[int], b: list[int], nbytes: float) -> tuple[float, dict[tuple, tuple[float, float]]]:
+    """A message of `nbytes` from group `a` (every rank holds it whole) to group `b`: ``k = min(|a|,
+    |b|)`` rank pairs carry ``1/k`` each over their routes. (latency, {link resource: (capacity,
+    bytes)})."""
+    k = min(len(a), len(b))
+    loads: dict[tuple, tuple[float, float]] = {}
+    lat = 0.0
+    for s, d in zip(a[:k], b[:k]):
+        lat = max(lat, view.pair(s, d)[1])
+        for key, cap, part in view.route(s, d):
+            old = loads.get(key, (cap, 0.0))[1]
+            loads[key] = (cap, old + nbytes / k * part)
+    return lat, loads
+
+
+def transfer_seconds(view: ClusterView, a: list[int], b: list[int], nbytes: float) -> float:
+    """The time of `pair_loads`' message alone on the links (its busiest link, plus latency), the
+    pipeline message the simulator lowers (`_Lowering.transfer`) without the all-gather after it."""
+    lat, loads = pair_loads(view, a, b, nbytes)
+    return lat + max((x / cap for cap, x in loads.values() if cap > 0), default=0.0)
 
 
 def _pipeline(n: int, edges: list[tuple[int, int]], micro_batches: int, micro_batch: int, name: str) -> Schedule:
     chain = sorted(edges) == [(s, s + 1) for s in range(n - 1)]
     if chain:
         graph = PipelineGraph.chain(n, micro_batches, 1, micro_batch)
-        return build_schedule("gpipe" if name == "gpipe" else "1f1b", graph)
+        return build_schedule(name if name in ("gpipe", "eager_1f1b") else "1f1b", graph)
     graph = PipelineGraph.dag([[micro_batch] * micro_batches for _ in range(n)], edges)
     return build_schedule("gpipe" if name == "gpipe" else "graph_1f1b", graph)
 

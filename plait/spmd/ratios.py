@@ -585,9 +585,8 @@ def _forbid_replicated(problem: Problem, params: set[str]) -> Problem:
             raise ShardingError(f"op {op.name} ({op.target}): no strategy shards its parameters "
                                 f"{sorted(set(op.inputs) & params)}; the model cannot be made to fit")
         options.append(keep)
-    return Problem(problem.graph, problem.devices, options, problem.work, problem.remaining_reads,
-                   problem.needs_grad, problem.lower, future_needs_of(problem.graph, options),
-                   problem.collectives, problem.overlap, dict(problem.homes))
+    return dataclasses.replace(problem, options=options, future_needs=future_needs_of(problem.graph, options),
+                               homes=dict(problem.homes))
 
 
 def _bytes(x: float) -> str:

@@ -77,6 +77,11 @@ class Problem:
     # FSDP storage, Rajbhandari et al. SC'20: a replicated reader all-gathers it in the forward and
     # reduce-scatters its gradient back; the optimizer steps the shard). Empty: HAP's rule
     homes: dict[str, str] = field(default_factory=dict)
+    # placements each output may be left in at the program's end for free (None: any -- the loss
+    # of a whole-model program); an output left in another one is gathered whole there and the
+    # objective pays it: a pipeline stage's boundary (`plait.sim.compose_lower.boundary_comms`:
+    # what the next stage receives is whole, the last stage's loss may read batch shards)
+    outputs_free: dict[str, tuple[str, ...]] | None = None
 
     def weight(self, comm: Comm) -> float:
         """The objective's weight of `comm` (`overlap` for a parameter's gradient collective)."""
@@ -89,7 +94,8 @@ class Problem:
         return {name: t.nbytes for name, t in self.graph.tensors.items()}
 
     @classmethod
-    def build(cls, graph: AtenGraph, devices: Devices, collectives: str = "auto", overlap: float = 1.0) -> Problem:
+    def build(cls, graph: AtenGraph, devices: Devices, collectives: str = "auto", overlap: float = 1.0,
+              outputs_free: dict[str, tuple[str, ...]] | None = None) -> Problem:
         if collectives not in ("auto", "padded", "grouped"):
             raise ShardingError(f"collectives: must be 'auto', 'padded' or 'grouped', got {collectives!r}")
         if not 0.0 <= overlap <= 1.0:
@@ -112,7 +118,7 @@ class Problem:
         bounds = [balanced_time(w) for w in work]
         lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
         return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
-                   future_needs_of(graph, options), collectives, overlap)
+                   future_needs_of(graph, options), collectives, overlap, outputs_free=outputs_free)
 
 
 @dataclass
@@ -279,6 +285,8 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
         for t in graph.outputs:
             if t in new and new[t][0] == PARTIAL:
                 comms.append(Comm("all_reduce", t, graph.tensors[t].nbytes))
+            elif problem.outputs_free is not None and t in new and new[t][0] not in problem.outputs_free.get(t, ()):
+                comms.extend(conversion(new[t][0], REPLICATED, t, graph.tensors[t].nbytes) or ())
     compute = times.of_compute(k, strategy.splits_work)
     communication = 0.0
     for i, c in enumerate(comms):

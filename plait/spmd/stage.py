@@ -93,3 +93,19 @@ def batch_loss_output(sub: AtenGraph, strategies: dict[str, Any]) -> str | None:
             p = strategies[op.name].outputs[op.outputs.index(t)]
             return t if shard_dim(p) == 0 and meta.shape and meta.shape[0] == sub.batch else None
     return None
+
+
+def free_outputs(sub: AtenGraph, loss: bool) -> dict[str, tuple[str, ...]]:
+    """The placements a stage's outputs may be left in at no boundary cost (`plait.spmd.search.
+    Problem.outputs_free`): whole (what the next stage receives, `plait.sim.compose_lower.
+    boundary_comms` gathers anything else), and for the `loss` stage's one output of batch rows
+    also sharded on the batch (`batch_loss_output`: each rank's loss on its rows, never gathered).
+    Without it the search leaves an output sharded on any dimension for free and the boundary
+    pays the gather -- BERT's head left its logits sharded on the sequence: 1 GB gathered per
+    micro-batch of 32."""
+    out = {t: ("R",) for t in sub.outputs}
+    if loss and len(sub.outputs) == 1:
+        meta = sub.tensors[sub.outputs[0]]
+        if meta.shape and meta.shape[0] == sub.batch:
+            out[sub.outputs[0]] = ("R", "S0")
+    return out
