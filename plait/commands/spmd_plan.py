@@ -65,11 +65,12 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
     from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
     from plait.spmd.ratios import segmented_cost
     from plait.spmd.search import Problem
+    from plait.spmd.stage import free_outputs
 
     spec = load_model(model)
     cluster_obj = load_cluster(cluster)
     graph = capture_graph(spec, batch, dtype)  # the program's dtype: messages priced at its bytes
-    problem = Problem.build(graph, Devices.from_cluster(cluster_obj, dtype))
+    problem = Problem.build(graph, Devices.from_cluster(cluster_obj, dtype), outputs_free=free_outputs(graph, loss=True))
     syn, _, _ = synthesize_program(problem, cluster_obj, batch=batch, dtype=dtype, optimizer=optimizer,
                                    max_states=max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
@@ -214,8 +215,9 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
     from plait.spmd.placement import Comm, shard_dim
     from plait.spmd.ratios import Segments, segmented_cost
     from plait.spmd.search import Problem
+    from plait.spmd.stage import free_outputs
 
-    problem = Problem.build(choice.run_graph, devices)
+    problem = Problem.build(choice.run_graph, devices, outputs_free=free_outputs(choice.run_graph, loss=True))
     syn = choice.synthesis
     program = choice.machine_program()
     segs = syn.segments or Segments.single(problem, program)

@@ -44,6 +44,7 @@ from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
 from plait.runtime.spmd_state import SpmdStep, checkpoint_layout, make_clipper, persistent_buffers
 from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
+from plait.spmd.stage import batch_loss_output
 
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
 
@@ -89,6 +90,10 @@ class SpmdWorker(RankConfig):
                                   collective=(plan.spmd or {}).get("collectives"), homes=plan_homes(plan))
         spans = Spans(self.rec)
         runner = RankProgram(program, self.rank, group, spans, seed=seed)
+        # an output left in batch shards is not gathered: each rank's loss on its rows (as the
+        # composed worker's last stage; the search and the simulator price no gather for it)
+        batch_loss = batch_loss_output(graph, program.strategies) if len(graph.outputs) == 1 else None
+        keep = frozenset([batch_loss]) if batch_loss else frozenset()
         leaves = runner.load(model)
         aliases, buffers = aliases_of(model), persistent_buffers(model)
         del model
@@ -119,11 +124,18 @@ class SpmdWorker(RankConfig):
             t0 = self.rec.begin_step(step)
             runner.step = step
             spans.begin("forward")
-            outs = runner.forward(inputs)
-            loss = spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target)
+            outs = runner.forward(inputs, keep)
+            if batch_loss:  # this rank's rows, weighted by their share of the batch; never gathered
+                first, rows = runner.rows(batch_loss, 0)
+                loss = spec.loss(outs[0], target.narrow(0, first, rows)) * (rows / batch)
+            else:
+                loss = spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target)
             spans.begin("backward")
             loss.backward()
             spans.end()
+            if batch_loss and self.world > 1:  # the step's loss: the shards' losses summed
+                loss = loss.detach().clone()
+                group.all_reduce(loss, "allreduce loss", "comm_spmd")
             with self.rec.compute("optimizer", "optimizer"):
                 if schedule is not None:
                     for g in opt.param_groups:

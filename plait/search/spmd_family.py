@@ -79,6 +79,7 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     from plait.spmd.cost import Devices
     from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
     from plait.spmd.search import Problem
+    from plait.spmd.stage import free_outputs
 
     t0 = time.perf_counter()
     n = cluster.num_devices
@@ -93,7 +94,7 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     dtype = "fp32" if runnable else (dtype or auto_dtype(cluster))
     spec = load_model(DEFAULT_MODEL if model is None else model)
     graph = capture_graph(spec, gb, dtype)  # at the program's dtype: its messages are priced at it
-    problem = Problem.build(graph, Devices.from_cluster(cluster, dtype))
+    problem = Problem.build(graph, Devices.from_cluster(cluster, dtype), outputs_free=free_outputs(graph, loss=True))
     syn, _, _ = synthesize_program(problem, cluster, batch=gb, dtype=dtype, max_states=max_states,
                                    simulate=evaluate is not None)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios

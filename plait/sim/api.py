@@ -427,6 +427,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
     from plait.spmd.ratios import Segments, Synthesis, memory_model, segments
     from plait.spmd.search import Problem, evaluate
+    from plait.spmd.stage import free_outputs
 
     if view.cluster is None:
         raise SimulateError(f"cluster {view.name!r}: an SPMD plan is simulated on a cluster file or preset")
@@ -443,7 +444,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
     inputs, _ = spec.sample_batch(plan.global_batch)
     graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
-    problem = Problem.build(graph, Devices.from_cluster(view.cluster, dtype, ids))
+    problem = Problem.build(graph, Devices.from_cluster(view.cluster, dtype, ids), outputs_free=free_outputs(graph, loss=True))
     problem.homes = plan_homes(plan)
     chosen = plan_strategies(plan)
     unknown = sorted(set(chosen) - {op.name for op in graph.ops})
