@@ -129,7 +129,7 @@ def _random_cluster(rng) -> str:
     return "name: random-bound-test\nnodes:\n" + "\n".join(nodes) + "\n"
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(5))
 def test_communication_bound_holds_at_every_placement(seed):
     """`AnalyticModel.bound_with_comm` of a plan's start order is at most its analytic time at
     random kind-preserving placements (placement's moves) and at its annealed one, on random
@@ -150,6 +150,8 @@ def test_communication_bound_holds_at_every_placement(seed):
     gb = 8 * cluster.num_devices
     checked = 0
     for g in enumerate_groups(graph, cluster, gb):
+        if g.key[6] != "none" or g.key[3] == "gpipe":  # recompute and GPipe add no message
+            continue
         p = g.plans[0] if g.order == list(range(g.plans[0].world_size)) else \
             dataclasses.replace(g.plans[0], device_order=g.order)
         parts = analytic.compute_and_optimizer(p)

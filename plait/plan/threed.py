@@ -316,7 +316,8 @@ class CommBound:
     K-devices can have -- a node-internal pair, or a cross-node pair driven by the most NICs a
     K-node has (only the latter when `n` exceeds the most K-devices on one node: the ring must
     leave a node; a cross-node hop runs on as many NICs as the group has members on its
-    emptiest node, at most ``n // 2``) -- and the least latency. The algorithms NCCL may pick (ring, tree and, across
+    emptiest node, at most ``n // 2``, and at most the NICs of a node holding each of its kinds) --
+    and the least latency. The algorithms NCCL may pick (ring, tree and, across
     nodes, hierarchical: at least ``S / B_intra + S / (B_inter c)`` for its reduce-scatter +
     all-gather and inter-node all-reduce of two or more nodes and members) are each bounded and
     the least is taken. A cluster with measured collective tables gives collectives no bound (0).
@@ -333,6 +334,8 @@ class CommBound:
         self.kind = np.asarray([names.index(d.kind.name) for d in devices])
         self.per_node_kind = np.zeros((int(self.node.max()) + 1, len(names)), dtype=int)  # GPUs per node and kind
         np.add.at(self.per_node_kind, (self.node, self.kind), 1)
+        # per kind: the most NICs of a node holding it
+        self.kind_nics = ((self.per_node_kind > 0) * self.nics[: len(self.per_node_kind), None]).max(axis=0)
         self._links: dict[frozenset, tuple[int, float, float, float, float]] = {}
         self._cache: dict[tuple, float] = {}
 
@@ -388,8 +391,9 @@ class CommBound:
         if n <= 1 or self.measured:
             return 0.0
         # NICs a group drives at once: its fewest members on one of its nodes (at most n // 2 of
-        # two or more nodes), capped by the NICs there
-        nics = max(1, min(nics, n // 2))
+        # two or more nodes), capped by the NICs there -- at most the most NICs of a node holding
+        # its scarcest-NIC kind (it has a member on such a node)
+        nics = max(1, min(nics, n // 2, *(int(self.kind_nics[k]) for k in kinds)))
         ring_b = b_x * nics if spans else max(b_in, b_x * nics)
         if ring_b <= 0:
             return 0.0
