@@ -753,7 +753,7 @@ def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: in
     cannot be a finalist; they keep an infinite time (never chosen, never shown), and are never
     placed nor timed. The communication bound is priced lazily: only for candidates whose compute
     + optimizer bound (`AnalyticModel.lower_bound`, at most the full one) is below the least full
-    bound not yet timed (`_bound_order`).
+    bound not yet timed (`_BoundOrder`).
 
     With `place`, each candidate is timed at its placed order (`_Placer`: one annealed placement
     per shape and kind layout), the order it is simulated at -- a layout's start order can put
@@ -776,7 +776,7 @@ def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: in
         place.first_of_shapes(kept[i] for i in ranked)
     best: list[float] = []  # max-heap (negated) of the `finalists` smallest times so far
     timed = 0
-    order = ranked if finalists is None else _bound_order(kept, analytic, parts, bounds, ranked, place)
+    order = ranked if finalists is None else _BoundOrder(kept, analytic, parts, bounds, ranked, place)
     for i in order:
         if finalists is not None and len(best) == finalists and order.bound > -best[0]:  # type: ignore[attr-defined]
             break  # every later bound is at least this one
@@ -793,7 +793,7 @@ def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: in
     bar.stop()
 
 
-class _bound_order:
+class _BoundOrder:
     """The candidates in ascending order of `AnalyticModel.bound_with_comm` (its value of the
     current one in `bound`), pricing a candidate's communication only once its compute +
     optimizer bound (`bounds`, `ranked` in ascending order of it) is at most the least full bound
@@ -809,7 +809,7 @@ class _bound_order:
         self.next = 0
         self.bound = -math.inf
 
-    def __iter__(self) -> _bound_order:
+    def __iter__(self) -> _BoundOrder:
         return self
 
     def __next__(self) -> int:
