@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                       "own pick (with AMP's layer split, not plait's) over the measured best")
     for col in ("cluster", "trials ran/failed/not expr.", "Spearman plait | AMP", "pred/meas plait | AMP",
                 "1st pick vs best: plait | AMP", "failed flagged OOM", "plait search pick", "search vs best",
-                "CPU s plait | AMP"):
+                "CPU s plait | AMP (AMP/plait)"):
         t.add_column(col)
     for r in results:
         amp_cpu = r.get("amp_cpu_s")
@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                   _short(r.get("search_plan")),
                   "no trial" if r.get("search_vs_best") is None else f"{r['search_vs_best']:.2f}",
                   f"{r.get('search_cpu_s', float('nan')):.1f} | "
-                  + ("not run (--amp DIR)" if amp_cpu is None else f"{amp_cpu:.0f}"))
+                  + ("not run (--amp DIR)" if amp_cpu is None else f"{amp_cpu:.0f}")
+                  + (f" ({amp_cpu / r['search_cpu_s']:.0f}x)" if amp_cpu and r.get("search_cpu_s") else ""))
     console.print(t)
     return 0
 

@@ -129,19 +129,24 @@ def test_bad_inputs_raise_placement_errors():
         anneal(m, ["a"] * 4, [0, 0, 1, 1], start=[0, 0, 1, 2])
 
 
-@pytest.mark.parametrize("n,dp,tp,pp", [(16, 16, 1, 1), (16, 2, 2, 4), (32, 8, 2, 2), (48, 3, 4, 4), (40, 10, 2, 2)])
+@pytest.mark.parametrize("n,dp,tp,pp", [(16, 16, 1, 1), (16, 2, 2, 4), (32, 8, 2, 2), (48, 3, 4, 4), (40, 10, 2, 2),
+                                        (16, 1, 2, 8), (200, 100, 1, 2), (512, 16, 8, 4)])
 def test_fast_energy_is_the_baseline_to_the_last_bit(n, dp, tp, pp):
-    """The annealing's fast path (one order's rings gathered by precomputed positions, energies
-    remembered per order) gives the baseline's seconds bit for bit, so the same walk and result."""
+    """The annealing's fast paths (one order's rings gathered by precomputed positions; one order
+    in plain Python floats, `_OneOrder`; energies remembered per order) give the baseline's
+    seconds bit for bit, so the same walk and result."""
+    from plait.plan.placement import _OneOrder
+
     rng = np.random.default_rng(n + dp)
     bw = rng.uniform(1 * GB, 100 * GB, (n, n))
     model = PathModel((bw + bw.T) / 2, Traffic(tp_bytes=1e6, tp_count=3.0, pp_bytes=2e5, pp_count=5.0,
                                                dp_bytes=3e7), dp=dp, tp=tp, pp=pp,
                       latency=rng.uniform(1e-6, 1e-5, (n, n)))
+    one = _OneOrder(model)
     for _ in range(20):
         order = rng.permutation(n)
         fast, slow = model.cost_and_mean(order), model.cost_and_mean(order, fast=False)
-        assert (float(fast[0]), float(fast[1])) == (float(slow[0]), float(slow[1]))
+        assert (float(fast[0]), float(fast[1])) == (float(slow[0]), float(slow[1])) == one.cost_and_mean(order)
         batch = model.cost_and_mean(order[None, :])
         assert (float(batch[0][0]), float(batch[1][0])) == (float(fast[0]), float(fast[1]))
     kinds = ["a" if d < n // 2 else "b" for d in range(n)]
@@ -162,3 +167,14 @@ def test_path_model_reductions_are_numpy_max_and_mean_bit_for_bit():
             assert np.array_equal(_mean(x, axis), x.mean(axis=axis))  # exact, not approximate
         sw = np.swapaxes(x, -1, -2)  # a strided view, as the data-parallel rings are
         assert np.array_equal(_mean(sw, -1), sw.mean(axis=-1))
+
+
+def test_pairwise_sum_is_numpy_add_reduce_bit_for_bit():
+    """`_pairwise_sum` (the plain-Python energy's sums) is NumPy's pairwise summation exactly,
+    below 8 elements, up to its 128-element blocks and above."""
+    from plait.plan.placement import _pairwise_sum
+
+    rng = np.random.default_rng(5)
+    for n in [*range(1, 40), 127, 128, 129, 300, 1000]:
+        x = rng.uniform(0, 1, n) * 10.0 ** rng.integers(-9, 3, n)
+        assert _pairwise_sum(x.tolist()) == float(np.add.reduce(x))

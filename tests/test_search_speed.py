@@ -114,3 +114,55 @@ def test_gpipe_plans_reuse_their_1f1b_twins_communication_exactly():
         g = dataclasses.replace(p, schedule="gpipe")
         fast.comm_times(p)  # the 1F1B twin first: the GPipe plan is a hit
         assert fast.comm_times(g) == fresh.comm_times(g) == fresh.comm_times(p)
+
+
+def _random_cluster(rng) -> str:
+    kinds = ["a100-40gb", "t4", "v100-16gb"]
+    nodes = []
+    for i in range(int(rng.integers(2, 4))):
+        gpus = ", ".join(f"{{kind: {k}, count: {int(rng.integers(1, 3))}}}"
+                         for k in rng.choice(kinds, size=int(rng.integers(1, 3)), replace=False))
+        nodes.append(f"  - {{name: n{i}, gpus: [{gpus}], intra: {{type: pcie, bandwidth: "
+                     f"{int(rng.integers(5, 200))} Gb/s, latency: {int(rng.integers(1, 9))} us}}, nic: "
+                     f"{{type: ethernet, bandwidth: {int(rng.integers(5, 100))} Gb/s, latency: "
+                     f"{int(rng.integers(5, 30))} us, count: {int(rng.integers(1, 4))}}}}}")
+    return "name: random-bound-test\nnodes:\n" + "\n".join(nodes) + "\n"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_communication_bound_holds_at_every_placement(seed):
+    """`AnalyticModel.bound_with_comm` of a plan's start order is at most its analytic time at
+    random kind-preserving placements (placement's moves) and at its annealed one, on random
+    mixed clusters (kinds per node, intra-node and NIC speeds, NICs per node)."""
+    import dataclasses
+
+    import numpy as np
+
+    from plait.cluster import parse_yaml_text
+    from plait.plan.placement import _Space
+    from plait.plan.threed import AnalyticModel, _place, enumerate_groups, load_graph
+
+    rng = np.random.default_rng(seed)
+    cluster = parse_yaml_text(_random_cluster(rng))
+    kinds, nodes = [d.kind.name for d in cluster.devices], [d.node for d in cluster.devices]
+    graph = load_graph("gpt:layers=6,hidden=256,heads=8,seq=128,vocab=512", "fp16")[1]
+    analytic = AnalyticModel(graph, cluster)
+    gb = 8 * cluster.num_devices
+    checked = 0
+    for g in enumerate_groups(graph, cluster, gb):
+        if g.key[6] != "none" or g.key[3] == "gpipe":  # recompute and GPipe add no message
+            continue
+        p = g.plans[0] if g.order == list(range(g.plans[0].world_size)) else \
+            dataclasses.replace(g.plans[0], device_order=g.order)
+        parts = analytic.compute_and_optimizer(p)
+        bound = analytic.bound_with_comm(p, parts)
+        assert analytic.lower_bound(parts) <= bound
+        start = np.asarray(g.order + [d for d in range(cluster.num_devices) if d not in g.order])
+        space = _Space(start, kinds, nodes)
+        orders = [space.shuffle(start, rng, level) for level in space.levels for _ in range(2)]
+        orders.append(np.asarray(_place(analytic.path_model(p), cluster, p, 0, 200).order))
+        for order in orders:
+            placed = dataclasses.replace(p, device_order=[int(d) for d in order[: p.world_size]])
+            assert bound <= analytic.estimate(placed, parts), (str(placed), bound)
+            checked += 1
+    assert checked > 20

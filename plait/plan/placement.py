@@ -106,6 +106,116 @@ def _mean(x: np.ndarray, axis: int | tuple[int, ...]) -> np.ndarray:
     return np.add.reduce(x, axis=axis) / math.prod(x.shape[a] for a in axes)
 
 
+def _pairwise_sum(x: list[float]) -> float:
+    """`np.add.reduce` of a contiguous 1-D float64 array, bit for bit: NumPy's pairwise
+    summation (`pairwise_sum` in its loops: a plain loop below 8 elements, 8 accumulators up to
+    128, halves above), added to the reduction's identity 0.0."""
+    n = len(x)
+    if n < 8:
+        res = 0.0
+        for v in x:
+            res += v
+        return res
+    if n <= 128:
+        r = x[:8]
+        i, stop = 8, n - n % 8
+        while i < stop:
+            r = [r[j] + x[i + j] for j in range(8)]
+            i += 8
+        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+        for v in x[stop:]:
+            res += v
+        return res
+    half = n // 2
+    half -= half % 8
+    return _pairwise_sum(x[:half]) + _pairwise_sum(x[half:])
+
+
+def _sequential_sum(x: list[float]) -> float:
+    """A sum element by element from the identity 0.0 (how NumPy reduces a non-innermost axis)."""
+    res = 0.0
+    for v in x:
+        res += v
+    return res
+
+
+class _OneOrder:
+    """`PathModel._terms_from` of one order in plain Python floats: the same formulas and the
+    same reductions in NumPy's order (`_pairwise_sum`; a sum over the hop axis of a (hops,
+    replicas) array runs hop by hop, pairwise when there is one replica), so the same seconds to
+    the last bit (tests/test_plan_placement.py) at a fraction of the cost of NumPy's calls on
+    arrays of a few elements -- what the annealing's walk evaluates thousands of times."""
+
+    def __init__(self, model: PathModel) -> None:
+        self.inv, self.lat = model.inv_bw.tolist(), model.lat.tolist()
+        rings = model._ring_positions()
+        self.tr, self.k = model.traffic, {"tp": model.tp, "dp": model.dp}
+        # per ring class: its groups in C order, each a list of (rank, successor rank)
+        self.groups = {name: [list(zip(a.tolist(), b.tolist())) for a, b in
+                              zip(rings[name][0].reshape(-1, rings[name][0].shape[-1]),
+                                  rings[name][1].reshape(-1, rings[name][1].shape[-1]))]
+                       for name in ("tp", "dp")}
+        a, b = rings["pp"]  # (pp - 1, dp, tp)
+        self.hops = [[list(zip(a[h, d].tolist(), b[h, d].tolist())) for d in range(a.shape[1])]
+                     for h in range(a.shape[0])]
+        self.dp = model.dp
+        self.on = {"tp": model.tp > 1 and bool(model.traffic.tp_count),
+                   "pp": model.pp > 1 and bool(model.traffic.pp_bytes), "dp": model.dp > 1}
+
+    def _ring(self, o: list[int], name: str, msg: float) -> tuple[float, float]:
+        k = self.k[name]
+        if k == 1 or msg == 0:
+            return 0.0, 0.0
+        inv, lat = self.inv, self.lat
+        # the data-parallel rings are a transposed view of the rank grid: with tensor ranks, NumPy
+        # runs their sum along each ring element by element, else pairwise
+        total = _sequential_sum if name == "dp" and self.k["tp"] > 1 else _pairwise_sum
+        worst, smooth = [], []
+        for links in self.groups[name]:
+            il = [inv[o[x]][o[y]] for x, y in links]
+            ll = [lat[o[x]][o[y]] for x, y in links]
+            worst.append(ring_all_reduce_time(msg, k, 1.0 / max(il), max(ll)))
+            smooth.append(ring_all_reduce_time(msg, k, 1.0 / (total(il) / k), total(ll) / k))
+        return max(worst), _pairwise_sum(smooth) / len(smooth)
+
+    def _pipeline(self, o: list[int]) -> tuple[float, float]:
+        inv, lat, tr = self.inv, self.lat, self.tr
+        path = [0.0] * self.dp
+        smooth = [0.0] * self.dp
+        worst_hops, mean_hops = [], []
+        for hop in self.hops:
+            w, m = [], []
+            for links in hop:
+                t = [2.0 * send_recv_time(tr.pp_bytes, 1.0 / inv[o[x]][o[y]], lat[o[x]][o[y]]) for x, y in links]
+                w.append(max(t))
+                m.append(_pairwise_sum(t) / len(t))
+            worst_hops.append(w)
+            mean_hops.append(m)
+        if self.dp == 1:  # a (hops, 1) array is summed as one contiguous run: pairwise
+            path = [_pairwise_sum([w[0] for w in worst_hops])]
+            smooth = [_pairwise_sum([m[0] for m in mean_hops])]
+        else:  # hop by hop, every replica at once
+            for w, m in zip(worst_hops, mean_hops):
+                path = [p + x for p, x in zip(path, w)]
+                smooth = [s_ + x for s_, x in zip(smooth, m)]
+        path = [tr.pp_count * p for p in path]
+        smooth = [tr.pp_count * s_ for s_ in smooth]
+        return max(path), _pairwise_sum(smooth) / len(smooth)
+
+    def cost_and_mean(self, order: np.ndarray) -> tuple[float, float]:
+        o = order.tolist()
+        tr = self.tr
+        tp = pp = dp = (0.0, 0.0)
+        if self.on["tp"]:
+            worst, mean = self._ring(o, "tp", tr.tp_bytes)
+            tp = (tr.tp_count * worst, tr.tp_count * mean)
+        if self.on["pp"]:
+            pp = self._pipeline(o)
+        if self.on["dp"]:
+            dp = self._ring(o, "dp", tr.dp_bytes)
+        return tp[0] + pp[0] + dp[0], tp[1] + pp[1] + dp[1]
+
+
 class PathModel:
     """Pipette's path-based communication latency of a rank-to-device order (module docstring)."""
 
@@ -134,7 +244,21 @@ class PathModel:
         other.__dict__.update(self.__dict__)
         other.traffic, other.dp, other.tp, other.pp, other.world = traffic, dp, tp, pp, dp * tp * pp
         other.__dict__.pop("_rings", None)
+        other.__dict__.pop("_one", None)
         return other
+
+    # Above this many ranks NumPy's calls cost less than Python's loop over the links (measured:
+    # 16 ranks 37 vs 64 us an order, 64 ranks 90 vs 69 us).
+    ONE_ORDER_MAX_RANKS = 40
+
+    def one_order(self) -> _OneOrder | None:
+        """The plain-Python evaluator of one order (`_OneOrder`), or None for plans of more than
+        `ONE_ORDER_MAX_RANKS` ranks and where some link has no bandwidth (NumPy's division by
+        zero gives inf; Python's raises)."""
+        if "_one" not in self.__dict__:
+            finite = bool(np.isfinite(self.inv_bw).all() and np.isfinite(self.lat).all())
+            self._one = _OneOrder(self) if finite and self.world <= self.ONE_ORDER_MAX_RANKS else None
+        return self._one
 
     def _ring_positions(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Rank positions of every link of the tensor rings, pipeline hops and data rings: the
@@ -372,8 +496,9 @@ def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[
     is kept by (cost, mean). The first run starts from `start`, later runs from random
     node shuffles; the best order is polished by steepest descent over all pair swaps
     (small clusters) and returned. Deterministic for a given seed. `fast` (the default) remembers
-    the energy of every order visited (the walk revisits about half of them) and gathers one
-    order's rings by precomputed positions; False recomputes each (the same walk, slower)."""
+    the energy of every order visited (the walk revisits about half of them) and evaluates one
+    order in plain Python floats (`_OneOrder`, NumPy's arithmetic and reductions to the last
+    bit); False recomputes each with NumPy (the same walk, slower)."""
     n = model.n
     order0 = np.arange(n) if start is None else np.asarray(start, dtype=int)
     if sorted(order0.tolist()) != list(range(n)):
@@ -392,12 +517,14 @@ def anneal(model: PathModel, kinds: list[str], nodes: list[int], *, start: list[
     rng = np.random.default_rng(seed)
 
     seen: dict[bytes, tuple[float, float, float]] = {}
+    one = model.one_order() if fast else None
+    cost_and_mean = one.cost_and_mean if one is not None else (lambda o: model.cost_and_mean(o, fast))
 
     def energy(order: np.ndarray) -> tuple[float, float, float]:
         key = order.tobytes() if fast else b""
         hit = seen.get(key) if fast else None
         if hit is None:
-            c, m = model.cost_and_mean(order, fast)
+            c, m = cost_and_mean(order)
             hit = (float(c) + MEAN_WEIGHT * float(m), float(c), float(m))
             if fast:
                 seen[key] = hit

@@ -306,6 +306,111 @@ def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
 # ============================================================================ cheap ranker
 
 
+class CommBound:
+    """Lower bounds of `plait.cost.traffic.message_time` over every placement that keeps each
+    rank's GPU kind: a message's time is the maximum over its groups, so a bound of its first
+    group's time on *any* devices of that group's kinds bounds it (`message_s`).
+
+    For `n` devices of kind set K, the alpha-beta formulas of `plait.cost.collectives` run at the
+    ring's slowest link, so they are bounded by the same formulas at the fastest link a ring of
+    K-devices can have -- a node-internal pair, or a cross-node pair driven by the most NICs a
+    K-node has (only the latter when `n` exceeds the most K-devices on one node: the ring must
+    leave a node; a cross-node hop runs on as many NICs as the group has members on its
+    emptiest node, at most ``n // 2``, and at most the NICs of a node holding each of its kinds) --
+    and the least latency. The algorithms NCCL may pick (ring, tree and, across
+    nodes, hierarchical: at least ``S / B_intra + S / (B_inter c)`` for its reduce-scatter +
+    all-gather and inter-node all-reduce of two or more nodes and members) are each bounded and
+    the least is taken. A cluster with measured collective tables gives collectives no bound (0).
+    Every bound is scaled by ``1 - 1e-9`` so rounding never lifts it above the placed time."""
+
+    SAFETY = 1.0 - 1e-9
+
+    def __init__(self, bw: np.ndarray, lat: np.ndarray, node_of: list[int], node_nics: list[int],
+                 devices: list, measured: bool) -> None:
+        self.bw, self.lat, self.measured = np.asarray(bw, dtype=float), np.asarray(lat, dtype=float), measured
+        self.node = np.asarray(node_of)
+        self.nics = np.asarray(node_nics)
+        names = sorted({d.kind.name for d in devices})
+        self.kind = np.asarray([names.index(d.kind.name) for d in devices])
+        self.per_node_kind = np.zeros((int(self.node.max()) + 1, len(names)), dtype=int)  # GPUs per node and kind
+        np.add.at(self.per_node_kind, (self.node, self.kind), 1)
+        # per kind: the most NICs of a node holding it
+        self.kind_nics = ((self.per_node_kind > 0) * self.nics[: len(self.per_node_kind), None]).max(axis=0)
+        self._links: dict[frozenset, tuple[int, float, float, float, float]] = {}
+        self._cache: dict[tuple, float] = {}
+
+    def _links_of(self, kinds: frozenset) -> tuple[int, float, float, float, float]:
+        """(most K-devices on one node, fastest node-internal K-pair bandwidth, fastest cross-node
+        K-pair bandwidth, most NICs of a K-node, least K-pair latency); 0 bandwidth where none."""
+        hit = self._links.get(kinds)
+        if hit is None:
+            sel = np.flatnonzero(np.isin(self.kind, list(kinds)))
+            bw, lat = self.bw[np.ix_(sel, sel)], self.lat[np.ix_(sel, sel)]
+            nodes = self.node[sel]
+            off = ~np.eye(len(sel), dtype=bool)
+            same = (nodes[:, None] == nodes[None, :]) & off
+            cross = nodes[:, None] != nodes[None, :]
+            per_node = int(np.bincount(nodes).max())
+            hit = self._links[kinds] = (
+                per_node, float(bw[same].max()) if same.any() else 0.0,
+                float(bw[cross].max()) if cross.any() else 0.0, int(self.nics[np.unique(nodes)].max()),
+                float(lat[off].min()) if off.any() else 0.0)
+        return hit
+
+    def message_s(self, msg: Message, plan: Plan) -> float:
+        """A lower bound of `msg`'s time on its slowest group, wherever its ranks are placed."""
+        if msg.nbytes <= 0 or not msg.groups:
+            return 0.0
+        group = msg.groups[0]
+        counts = tuple(np.bincount(self.kind[list(group)], minlength=self.per_node_kind.shape[1]).tolist())
+        key = (msg.op, msg.nbytes, len(group), counts)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._bound(msg.op, float(msg.nbytes), len(group), counts) * self.SAFETY
+        return hit
+
+    def _bound(self, op: str, S: float, n: int, counts: tuple[int, ...]) -> float:
+        """The bound for a group of `n` devices with `counts[k]` of kind k."""
+        from plait.cost.collectives import (
+            all_to_all_time,
+            broadcast_time,
+            reduce_time,
+            ring_all_gather_time,
+            ring_all_reduce_time,
+            ring_reduce_scatter_time,
+            send_recv_time,
+            tree_all_reduce_time,
+        )
+
+        kinds = frozenset(k for k, c in enumerate(counts) if c)
+        per_node, b_in, b_x, nics, a = self._links_of(kinds)
+        # the group must leave a node when no node holds that many GPUs of each of its kinds
+        spans = not bool((self.per_node_kind >= np.asarray(counts)).all(axis=1).any())
+        if op == "send_recv":  # one pair, raw link (message_time's send/recv)
+            return send_recv_time(S, b_x if spans else max(b_in, b_x), a) if n == 2 else 0.0
+        if n <= 1 or self.measured:
+            return 0.0
+        # NICs a group drives at once: its fewest members on one of its nodes (at most n // 2 of
+        # two or more nodes), capped by the NICs there -- at most the most NICs of a node holding
+        # its scarcest-NIC kind (it has a member on such a node)
+        nics = max(1, min(nics, n // 2, *(int(self.kind_nics[k]) for k in kinds)))
+        ring_b = b_x * nics if spans else max(b_in, b_x * nics)
+        if ring_b <= 0:
+            return 0.0
+        if op == "all_reduce":
+            lbs = [ring_all_reduce_time(S, n, ring_b, a), tree_all_reduce_time(S, n, ring_b, a)]
+            if per_node > 1 and b_in > 0 and b_x > 0:  # hierarchical: two or more nodes and members
+                lbs.append(S / b_in + S / (b_x * nics))
+            return min(lbs)
+        fns = {"reduce_scatter": ring_reduce_scatter_time, "all_gather": ring_all_gather_time,
+               "broadcast": broadcast_time, "reduce": reduce_time}
+        if op in fns:
+            return fns[op](S, n, ring_b, a)
+        if op == "all_to_all":  # its cross-node form has no smaller latency term than (n - 1) a
+            return min(all_to_all_time(S, n, ring_b, a), (n - 1) * a)
+        return 0.0
+
+
 class AnalyticModel:
     """Pipette's latency model on plait's cost functions: a fast first-pass ranker.
 
@@ -344,6 +449,7 @@ class AnalyticModel:
         self._traffic: dict[str, IterationTraffic] = {}
         self._cost_fns: dict[tuple, Any] = {}
         self._paths: dict[tuple, PathModel] = {}
+        self._bound: CommBound | None = None
         self._base_path = PathModel(self.bw, traffic_of(graph, Plan()), dp=1, tp=1, pp=1, latency=self.lat)
         # identical transformer blocks cost the same: cost one, reuse it
         self._sig = [("t", layer.param_count, layer.fwd_flops) if layer.tp_style == "transformer"
@@ -460,21 +566,37 @@ class AnalyticModel:
             return dict(hit)
         return self._comm_times(plan)
 
-    def _comm_times(self, plan: Plan) -> dict[str, float]:
+    def _comm_times(self, plan: Plan, message_s: Callable[[Message, Plan], float] | None = None
+                    ) -> dict[str, float]:
+        """`comm_times` with each message timed by `message_s` (default: on its groups,
+        `_message_s`; `comm_lower_bound` hands in a bound of it)."""
+        message_s = message_s or self._message_s
         tr = self.traffic(plan)
         m = max((r.count for st in tr.stage_graph.stages for r in st.replicas), default=1)
         busy: dict[tuple, float] = defaultdict(float)
         hops: dict[str, float] = defaultdict(float)
         for msg in tr.messages:
             if msg.cls == "tp":
-                busy[("tp", msg.stage, msg.replica)] += msg.count * self._message_s(msg, plan)
+                busy[("tp", msg.stage, msg.replica)] += msg.count * message_s(msg, plan)
             elif msg.cls == "pp":
-                hops[msg.name] = max(hops[msg.name], self._message_s(msg, plan))
+                hops[msg.name] = max(hops[msg.name], message_s(msg, plan))
             else:
-                busy[("dp", msg.stage)] += msg.count * self._message_s(msg, plan)
+                busy[("dp", msg.stage)] += msg.count * message_s(msg, plan)
         return {"tp": max((t for k, t in busy.items() if k[0] == "tp"), default=0.0),
                 "pp": sum(hops.values()) * max(1, m // plan.pp),
                 "dp": max((t for k, t in busy.items() if k[0] == "dp"), default=0.0)}
+
+    def comm_lower_bound(self, plan: Plan) -> dict[str, float]:
+        """Lower bounds of the ``tp``, ``pp`` and ``dp`` parts of `comm_times` at every placement of `plan`'s ranks
+        that keeps each rank's GPU kind (`plait.plan.placement` moves only such): the same sums
+        and maxima over the same messages (their sizes, counts and group sizes do not depend on
+        the placement), each message timed by `CommBound` -- at most its time on any group of
+        devices of its kinds -- so each sum and maximum is at most the placed one (rounding is
+        monotone)."""
+        if self._bound is None:
+            self._bound = CommBound(self.bw, self.lat, self.node_of, self.node_nics, self.devices,
+                                    bool(self.measured))
+        return self._comm_times(plan, self._bound.message_s)
 
     def estimate(self, plan: Plan, parts: tuple[float, float] | None = None) -> float:
         """Seconds per iteration: the slowest replica's pipeline compute, every class's
@@ -483,6 +605,12 @@ class AnalyticModel:
         compute_s, opt_s = parts if parts is not None else self.compute_and_optimizer(plan)
         comm = self.comm_times(plan)
         return compute_s + comm["tp"] + comm["pp"] + comm["dp"] + opt_s
+
+    def bound_with_comm(self, plan: Plan, parts: tuple[float, float]) -> float:
+        """A lower bound of `estimate` at every kind-preserving placement of `plan`: compute,
+        `comm_lower_bound`'s parts and the optimizer step, summed in `estimate`'s order."""
+        lb = self.comm_lower_bound(plan)
+        return parts[0] + lb["tp"] + lb["pp"] + lb["dp"] + parts[1]
 
     def lower_bound(self, parts: tuple[float, float]) -> float:
         """A lower bound of `estimate` from its compute and optimizer parts alone: communication
@@ -619,18 +747,21 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
 def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: int | None, bar: Progress,
                    place: _Placer | None = None) -> None:
     """Every candidate's analytic time, or -- with `finalists` -- enough of them to know the
-    best `finalists` exactly: candidates are timed in order of their lower bound (compute +
-    optimizer, `AnalyticModel.lower_bound`), and once a bound exceeds the `finalists`-th best
-    time so far, that candidate and every later one cannot be a finalist; they keep an
-    infinite time (never chosen, never shown) and their communication is never priced.
+    best `finalists` exactly: candidates are timed in order of a lower bound of their time
+    (compute, communication at any placement and optimizer, `AnalyticModel.bound_with_comm`), and
+    once a bound exceeds the `finalists`-th best time so far, that candidate and every later one
+    cannot be a finalist; they keep an infinite time (never chosen, never shown), and are never
+    placed nor timed. The communication bound is priced lazily: only for candidates whose compute
+    + optimizer bound (`AnalyticModel.lower_bound`, at most the full one) is below the least full
+    bound not yet timed (`_BoundOrder`).
 
     With `place`, each candidate is timed at its placed order (`_Placer`: one annealed placement
     per shape and kind layout), the order it is simulated at -- a layout's start order can put
     a tied embedding's two stages or a data-parallel group across a slow link that placement
     then avoids, so ranking unplaced orders drops plans whose placed time is the best. Placement
-    keeps every rank's GPU kind, so the bound (compute + optimizer) holds for the placed plan;
-    shapes are placed in bound order, so each shape gets the same placement whether the
-    ranking is bounded or exhaustive."""
+    keeps every rank's GPU kind, so both bounds hold for the placed plan; a shape is annealed on
+    its first candidate in compute-bound order (`_Placer.first_of_shapes`), so each shape gets the
+    same placement whether the ranking is bounded or exhaustive."""
     bar.start("analytic", len(kept))
     if finalists is None and place is None:
         for c in kept:
@@ -640,11 +771,15 @@ def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: in
         return
     parts = [analytic.compute_and_optimizer(c.plan) for c in kept]
     bounds = [analytic.lower_bound(p) for p in parts]
+    ranked = sorted(range(len(kept)), key=bounds.__getitem__)
+    if place is not None:
+        place.first_of_shapes(kept[i] for i in ranked)
     best: list[float] = []  # max-heap (negated) of the `finalists` smallest times so far
-    for n, i in enumerate(sorted(range(len(kept)), key=bounds.__getitem__)):
-        if finalists is not None and len(best) == finalists and bounds[i] > -best[0]:
-            bar.advance(len(kept) - n)  # every later bound is at least this one
-            break
+    timed = 0
+    order = ranked if finalists is None else _BoundOrder(kept, analytic, parts, bounds, ranked, place)
+    for i in order:
+        if finalists is not None and len(best) == finalists and order.bound > -best[0]:  # type: ignore[attr-defined]
+            break  # every later bound is at least this one
         if place is not None:
             place(kept[i])
         t = kept[i].analytic_s = analytic.estimate(kept[i].plan, parts[i])
@@ -652,27 +787,74 @@ def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: in
             heapq.heappush(best, -t)
         elif finalists is not None and t < -best[0]:
             heapq.heapreplace(best, -t)
+        timed += 1
         bar.advance(1)
+    bar.advance(len(kept) - timed)
     bar.stop()
+
+
+class _BoundOrder:
+    """The candidates in ascending order of `AnalyticModel.bound_with_comm` (its value of the
+    current one in `bound`), pricing a candidate's communication only once its compute +
+    optimizer bound (`bounds`, `ranked` in ascending order of it) is at most the least full bound
+    pending: every candidate not yet priced has a full bound at least its compute bound, so the
+    least pending one is the least of all. A candidate whose shape is already placed is priced
+    on its placed order (its traffic is then reused when it is timed)."""
+
+    def __init__(self, kept: list[Candidate], analytic: AnalyticModel, parts: list[tuple[float, float]],
+                 bounds: list[float], ranked: list[int], place: _Placer | None) -> None:
+        self.kept, self.analytic, self.parts, self.bounds, self.ranked, self.place = (
+            kept, analytic, parts, bounds, ranked, place)
+        self.pending: list[tuple[float, int]] = []  # min-heap of (full bound, index)
+        self.next = 0
+        self.bound = -math.inf
+
+    def __iter__(self) -> _BoundOrder:
+        return self
+
+    def __next__(self) -> int:
+        while self.next < len(self.ranked) and (
+                not self.pending or self.bounds[self.ranked[self.next]] <= self.pending[0][0]):
+            i = self.ranked[self.next]
+            self.next += 1
+            if self.place is not None:
+                self.place(self.kept[i], only_known=True)
+            heapq.heappush(self.pending, (self.analytic.bound_with_comm(self.kept[i].plan, self.parts[i]), i))
+        if not self.pending:
+            raise StopIteration
+        self.bound, i = heapq.heappop(self.pending)
+        return i
 
 
 class _Placer:
     """Places candidates: one annealed placement (`_place`) per shape and kind layout
-    (dp, tp, pp, layout), found for the first candidate of that shape it is asked to place (the
-    ranking asks in lower-bound order) and shared by the shape's other candidates."""
+    (dp, tp, pp, layout), annealed on the path model of the shape's first candidate in lower-bound
+    order (`first_of_shapes`; the ranking places in that order, so the shape's placement is the
+    same whether the ranking is bounded -- and may rule that candidate out -- or exhaustive) and
+    shared by the shape's other candidates."""
 
     def __init__(self, analytic: AnalyticModel, cluster: Cluster, seed: int, iterations: int | None,
                  fast: bool) -> None:
         self.analytic, self.cluster, self.seed, self.iterations, self.fast = analytic, cluster, seed, iterations, fast
         self.placements: dict[tuple, PlacementResult] = {}
+        self.first: dict[tuple, Plan] = {}
 
-    def __call__(self, c: Candidate) -> None:
+    def first_of_shapes(self, ordered: Iterator[Candidate]) -> None:
+        """Remember each shape's first candidate plan of `ordered` (lower-bound order)."""
+        for c in ordered:
+            self.first.setdefault((c.plan.dp, c.plan.tp, c.plan.pp, c.layout), c.plan)
+
+    def __call__(self, c: Candidate, only_known: bool = False) -> None:
+        """Give `c` its shape's placement (`only_known`: only when already annealed)."""
         if c.placement is not None or c.plan.world_size <= 1:
             return
         key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
         res = self.placements.get(key)
+        if res is None and only_known:
+            return
         if res is None:
-            res = self.placements[key] = _place(self.analytic.path_model(c.plan), self.cluster, c.plan, self.seed,
+            rep = self.first.get(key, c.plan)
+            res = self.placements[key] = _place(self.analytic.path_model(rep), self.cluster, rep, self.seed,
                                                 self.iterations, self.fast)
         c.placement = res
         if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
