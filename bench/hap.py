@@ -19,9 +19,10 @@ model, links and engine for all):
 * prop -- the same with batch shares proportional to FLOP/s (integer samples);
 * HAP -- HAP's method as its public code has it: uniform-cost search, LP without a memory row,
   one global collective choice (padded or grouped, the better of the two runs), its cluster model
-  (one bandwidth per collective: ring all-reduce); its program is simulated on the real links,
-  with the gathers of its outputs that the runtime runs before the loss (`judged_as_run`: whole, or
-  the loss's batch shards), as plait's program is searched and simulated with them;
+  (one bandwidth per collective: ring all-reduce); its program is simulated on the real links.
+  Both searches see the same graph boundary: the outputs end whole or in the loss's batch shards
+  (`plait.spmd.stage.free_outputs`; the loss is outside the captured graph, HAP's code traces it,
+  and a program that leaves logits sharded otherwise pays their gather, as the runtime runs it);
 * plait -- `plait.search.spmd_family.synthesize_program`, the flat program `plait plan --family spmd`
   and the search driver emit: `plait.spmd.ratios.synthesize_overlapped`: A*, LP with per-device memory, segments,
   collectives chosen per message on the real links, searched with the parameter-gradient
@@ -63,7 +64,6 @@ no tensor cores; HAP ran fp32), fp16 on the A100/T4 node.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -96,7 +96,7 @@ from plait.spmd.ratios import (
     memory_model,
     synthesize,
 )
-from plait.spmd.search import Problem, Program, evaluate
+from plait.spmd.search import Problem, Program
 from plait.spmd.stage import free_outputs
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -260,17 +260,6 @@ class Case:
         return min(options) if options else float("inf")
 
 
-def judged_as_run(graph, devices: Devices, flag: str, syn: Synthesis) -> Synthesis:
-    """A program searched with its outputs free (HAP's method), replayed with the gathers the
-    runtime runs before the loss (`plait.spmd.stage.free_outputs`: whole, or the loss's batch
-    shards) -- what plait's program is searched and simulated with, so both pay the same."""
-    judged = Problem.build(graph, devices, flag, outputs_free=free_outputs(graph, loss=True))
-    choice = [judged.options[k].index(syn.program.strategies[op.name]) for k, op in enumerate(graph.ops)]
-    program = evaluate(judged, choice, np.asarray(syn.ratios, dtype=float) / float(np.sum(syn.ratios)))
-    program.optimal, program.expanded = syn.program.optimal, syn.program.expanded
-    return dataclasses.replace(syn, program=program)
-
-
 def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int, dtype: str,
              max_states: int = 20_000) -> Case:
     spec = load_model(spec_text)
@@ -290,11 +279,10 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
     # HAP: its cluster model, uniform-cost search, LP without memory, one global collective flag
     best = None
     for flag in ("padded", "grouped"):
-        hap_problem = Problem.build(graph, devices.hap_model(), flag)
+        hap_problem = Problem.build(graph, devices.hap_model(), flag, outputs_free=free_outputs(graph, loss=True))
         cpu = time.process_time()
         syn = synthesize(hap_problem, dtype=dtype, memory=False, heuristic=False, max_states=max_states)
         syn.seconds = time.process_time() - cpu  # CPU seconds: the machine may be shared
-        syn = judged_as_run(graph, devices.hap_model(), flag, syn)
         t = simulate_spmd(hap_problem, syn, cluster, batch=batch, name=f"hap-{flag}").iteration_time_s
         if best is None or t < best[0]:
             best = (t, flag, syn)
