@@ -144,10 +144,10 @@ BOUNDS = {"gemm_efficiency": (0.3, 0.859), "unaligned_penalty": (1.0, 8.0), "mem
           "kernel_gpu_s": (0.0, 30e-6), "host_fwd_s": (0.0, 400e-6), "host_bwd_s": (0.0, 400e-6),
           "host_comm_s": (0.0, 1e-3), "p2p_host_s": (0.0, 5e-3), "loss_host_s": (0.0, 10e-3),
           "batch_host_s": (0.0, 5e-3), "step_host_s": (0.0, 30e-3), "latency": (0.2e-6, 60e-6),
-          "bandwidth": (100e9, 229e9)}
+          "bandwidth": (100e9, 229e9), "odd_penalty": (1.0, 8.0)}
 SCALE = {"gemm_efficiency": 1, "unaligned_penalty": 1, "memory_efficiency": 1, "kernel_gpu_s": 1e-6,
          "host_fwd_s": 1e-5, "host_bwd_s": 1e-5, "host_comm_s": 1e-5, "p2p_host_s": 1e-4, "loss_host_s": 1e-3,
-         "batch_host_s": 1e-4, "step_host_s": 1e-3, "latency": 1e-6, "bandwidth": 1e10}
+         "batch_host_s": 1e-4, "step_host_s": 1e-3, "latency": 1e-6, "bandwidth": 1e10, "odd_penalty": 1}
 
 
 # The calibration shipped before this one (fitted with recompute none on the even rows, fractional
@@ -228,10 +228,11 @@ class Evaluator:
         return out
 
 
-def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int,
-        fit_bandwidth: bool) -> tuple[ComputeModel, float, float]:
-    names = FIT_FIELDS + ["latency"] + (["bandwidth"] if fit_bandwidth else [])
-    x0 = np.array([getattr(DEFAULT_MODEL, f) for f in FIT_FIELDS] + [NVLINK_LATENCY]
+def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int, fit_bandwidth: bool,
+        start: ComputeModel = DEFAULT_MODEL, fields: list[str] = FIT_FIELDS) -> tuple[ComputeModel, float, float]:
+    """Fit `fields` of `start` (and the NVLink latency, with `fit_bandwidth` its bandwidth) on `train`."""
+    names = fields + ["latency"] + (["bandwidth"] if fit_bandwidth else [])
+    x0 = np.array([getattr(start, f) for f in fields] + [NVLINK_LATENCY]
                   + ([INTRA_BW] if fit_bandwidth else []))
     scale = np.array([SCALE[n] for n in names])
     lo = np.array([BOUNDS[n][0] for n in names]) / scale
@@ -239,12 +240,12 @@ def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int,
     y = np.array([ev.rows[i]["measured_s"] for i in train])
     calls = [0]
 
-    k = len(FIT_FIELDS)
+    k = len(fields)
 
     def unpack(x: np.ndarray) -> tuple[ComputeModel, float, float]:
         v = x * scale
         bw = float(v[k + 1]) if fit_bandwidth else INTRA_BW
-        return DEFAULT_MODEL.replace(**dict(zip(FIT_FIELDS, v[:k]))), float(v[k]), bw
+        return start.replace(**dict(zip(fields, v[:k]))), float(v[k]), bw
 
     def residuals(x: np.ndarray) -> np.ndarray:
         calls[0] += 1
@@ -457,6 +458,53 @@ def recompute_floor(h: int, tp: int, mb: int) -> tuple[float, float]:
     return none, none + c.recompute_full.gpu_s
 
 
+def pp_invariance(rows: list[dict]) -> dict[tuple, dict[int, tuple[float, float, float]]]:
+    """Per (hidden, tp, micro-batch) and pipeline depth: the measured time of one layer for one
+    micro-batch, the time per 1F1B slot outside the layers, and the worst relative residual.
+
+    The rows of one (h, tp, mb, pp) are fitted by ``(g + pp - 1) (c1 + c2 L / pp) + c0(dp) + c3(dp) L``
+    (1F1B: ``g + pp - 1`` slots of one stage's forward and backward; gradient all-reduce and
+    optimizer per dp), the form a pipeline of equal stages takes. Returns {cell: {pp: (c2, c1,
+    max |residual|)}} in seconds; cells whose rows cannot identify the four terms are left out."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        groups[(r["hidden"], r["tp"], r["micro_batch"], r["pp"])].append(i)
+    out: dict[tuple, dict[int, tuple[float, float, float]]] = defaultdict(dict)
+    for (h, tp, mb, pp), idx in groups.items():
+        slots = np.array([rows[i]["global_batch"] // (rows[i]["dp"] * mb) + pp - 1 for i in idx], dtype=float)
+        L = np.array([rows[i]["layers"] for i in idx], dtype=float)
+        dp = np.array([rows[i]["dp"] for i in idx])
+        ds = sorted(set(dp))
+        X = np.stack([slots, slots * L / pp] + [(dp == d).astype(float) for d in ds] + [(dp == d) * L for d in ds], 1)
+        if np.linalg.matrix_rank(X) < X.shape[1] or len(idx) <= X.shape[1]:
+            continue
+        y = np.array([rows[i]["measured_s"] for i in idx])
+        c = np.linalg.lstsq(X, y, rcond=None)[0]
+        out[(h, tp, mb)][pp] = (float(c[1]), float(c[0]), float(np.abs(X @ c / y - 1).max()))
+    return dict(out)
+
+
+def pp_table(console: Console, rows: list[dict]) -> float:
+    """``--floor``: the measured layer time per pipeline depth (`pp_invariance`); returns the
+    largest relative difference of a cell's layer time at pp = 2 or 4 from its pp = 1 value."""
+    inv = pp_invariance(rows)
+    t = Table(title="per cell: measured ms per layer per micro-batch at each pipeline depth (1F1B fit, "
+                    "`pp_invariance`) -- the same layer time with and without a pipeline")
+    for c in ("hidden", "tp", "mb", "layer pp=1", "pp=2", "pp=4", "slot rest pp=1", "pp=2", "pp=4", "max resid %"):
+        t.add_column(c, justify="right")
+    worst = 0.0
+    for (h, tp, mb), by_pp in sorted(inv.items()):
+        if 1 not in by_pp or len(by_pp) < 2:
+            continue
+        worst = max([worst] + [abs(v[0] / by_pp[1][0] - 1) for v in by_pp.values()])
+        layer = [f"{by_pp[p][0] * 1e3:.3f}" if p in by_pp else "-" for p in (1, 2, 4)]
+        rest = [f"{by_pp[p][1] * 1e3:.3f}" if p in by_pp else "-" for p in (1, 2, 4)]
+        t.add_row(str(h), str(tp), str(mb), *layer, *rest, f"{max(v[2] for v in by_pp.values()) * 100:.2f}")
+    console.print(t)
+    console.print(f"largest difference of a layer time at pp > 1 from pp = 1: {worst * 100:.2f} %")
+    return worst
+
+
 def floor_tables(console: Console, rows: list[dict]) -> dict:
     """``--floor``: what bounds the error of any physical model on this data (see the docstring)."""
     floor, cells = monotone_floor(rows)
@@ -472,7 +520,9 @@ def floor_tables(console: Console, rows: list[dict]) -> dict:
         t.add_row(str(h), str(tp), str(mb), f"{c2 * 1e3:.2f}", f"{v * 1e3:.2f}", f"{c1 * 1e3:.2f}",
                   f"{u * 1e3:.2f}", f"{none * 1e3:.2f}", f"{full * 1e3:.2f}", "yes" if c2 < full else "")
     console.print(t)
-    return {"monotone_floor_mape_pp1": floor, "cells_below_full_recompute_floor": int(below)}
+    worst = pp_table(console, rows)
+    return {"monotone_floor_mape_pp1": floor, "cells_below_full_recompute_floor": int(below),
+            "layer_time_pp_vs_pp1_max_rel_diff": worst}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="take all-reduce times from the node's measured nccl-tests busbw tables (default file: "
                          "bench/data/vtrain_a100_allreduce.yaml, measured on the data's own machine) instead of "
                          "the alpha-beta ring")
+    ap.add_argument("--odd-penalty", type=float, default=None, metavar="P",
+                    help="price GEMMs with an odd fp16 dimension (2-byte aligned, no cp.async) at P instead of the "
+                         "unaligned penalty of 4- and 8-byte aligned ones (`plait.cost.compute.alignment_penalty`); "
+                         "with --fit, P is the start value and is fitted")
     ap.add_argument("--cells", action="store_true",
                     help="also print measured vs predicted time per layer and per micro-batch for each "
                          "(hidden, tp, micro-batch) cell (pp = 1 rows)")
@@ -515,8 +569,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.bandwidth:
         INTRA_BW = args.bandwidth
     model, lat, bw = DEFAULT_MODEL, NVLINK_LATENCY, INTRA_BW
+    fields = FIT_FIELDS
+    if args.odd_penalty is not None:
+        model = model.replace(odd_penalty=args.odd_penalty)
+        fields = FIT_FIELDS + ["odd_penalty"]
     if args.fit:
-        model, lat, bw = fit(ev, train, console, args.max_nfev, args.fit_bandwidth)
+        model, lat, bw = fit(ev, train, console, args.max_nfev, args.fit_bandwidth, model, fields)
     t0 = time.time()
     pred = ev.predict(model, lat, list(range(len(rows))), bw)
     wall = time.time() - t0
@@ -539,6 +597,8 @@ def parameter_table(console: Console, model: ComputeModel, latency: float, bandw
     for c in ("parameter", "value", "bound (physical ceiling)"):
         t.add_column(c, justify="right")
     values = {f: getattr(model, f) for f in FIT_FIELDS} | {"latency": latency, "bandwidth": bandwidth}
+    if model.odd_penalty is not None:
+        values["odd_penalty"] = model.odd_penalty
     for name, v in values.items():
         lo, hi = BOUNDS[name]
         t.add_row(name, f"{v:.4g}", f"{lo:.3g} .. {hi:.3g}")

@@ -88,6 +88,7 @@ class ComputeModel:
 
     gemm_efficiency: float = 0.856  # achieved fraction of tensor-core peak in a GEMM main loop
     unaligned_penalty: float = 1.89  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
+    odd_penalty: float | None = None  # multiplier when a dim is only 2-byte aligned (odd fp16); None: unaligned_penalty
     memory_efficiency: float = 0.873  # achieved fraction of HBM bandwidth by streaming kernels
     kernel_gpu_s: float = 11.0e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
     host_fwd_s: float = 46.5e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
@@ -124,11 +125,27 @@ def gemm_time(m: float, n: float, k: float, kind: GPUKind, dtype: str = "bf16",
     waves = math.ceil(tiles / sms)
     wave_util = tiles / (waves * sms)
     t_compute = 2.0 * m * n * k * batch / (peak * model.gemm_efficiency * wave_util)
-    align = 16 // size
-    if any(abs(x - round(x)) > 1e-9 or round(x) % align for x in (m, n, k)):
-        t_compute *= model.unaligned_penalty
+    t_compute *= alignment_penalty(m, n, k, size, model)
     t_memory = (m * k + k * n + m * n) * batch * size / (kind.memory_bandwidth * model.memory_efficiency)
     return max(t_compute, t_memory) + model.kernel_gpu_s
+
+
+def alignment_penalty(m: float, n: float, k: float, size: int, model: ComputeModel = DEFAULT_MODEL) -> float:
+    """Main-loop slowdown of a GEMM whose dimensions are not all multiples of 16 bytes.
+
+    16-byte aligned: 1. Otherwise ``unaligned_penalty``, except when a dimension is aligned to
+    no more than one element of at most 2 bytes (an odd fp16 dimension such as GPT-2's 50257):
+    Ampere's asynchronous global-to-shared copy (``cp.async``, PTX ISA) moves 4, 8 or 16 bytes,
+    so such a GEMM cannot use it at all and pays ``odd_penalty`` (None: ``unaligned_penalty``)."""
+    align = 16 // size
+    if any(abs(x - round(x)) > 1e-9 for x in (m, n, k)):
+        return model.unaligned_penalty  # a fractional (uneven-share) shape: no alignment known
+    dims = [round(x) for x in (m, n, k)]
+    if all(d % align == 0 for d in dims):
+        return 1.0
+    if model.odd_penalty is not None and size <= 2 and any(d % 2 for d in dims):
+        return model.odd_penalty
+    return model.unaligned_penalty
 
 
 def memory_time(nbytes: float, kind: GPUKind, model: ComputeModel = DEFAULT_MODEL) -> float:
