@@ -88,13 +88,52 @@ choice of the per-cell layer and rest times, with everything else in each row ex
 floor of 2.29 % MAPE on the 648 identifiable pp = 1 rows (``monotone_floor``). That floor is a
 lower bound, not a proof that 5 % is out of reach.
 
+A third fact (``--floor``, helper calib4; `pp_invariance`): fitted per (hidden, tp, micro-batch,
+pp) as 1F1B, ``(g + pp - 1) (rest + layer L / pp)`` plus a gradient and optimizer term per dp, the
+measured time of one layer for one micro-batch is *the same* at pp = 1, 2 and 4 in all 18 cells that
+have pp > 1 rows (largest difference 0.00 %; fit residuals <= 0.03 % except four h = 2048 cells,
+<= 0.84 %), and the per-slot rest is the same at pp = 2 and 4. Whatever the runs recomputed, every
+pipeline stage did the same: vTrain's rule (only non-last stages recompute, so pp = 1 not at all)
+would make the layer term at pp > 1 that of a layer with its forward recomputed, and so differ from
+pp = 1 wherever the recompute costs anything. With (a), the data is consistent with no recompute or
+a partial one on every stage, and not with full recompute at the GEMM ceiling -- but (a) is a 1 %
+margin against a ceiling measured on another A100, so it cannot settle which.
+
+Variants tried by calib4 (each "refit" fitted on the even rows with the bounds above; MAPE all /
+held out; the shipped defaults: 5.33 / 5.40, refitted from them: 5.34 / 5.40):
+
+- GEMMs with an odd fp16 dimension (2-byte aligned: Ampere's ``cp.async`` copies 4, 8 or 16
+  bytes, so they leave the asynchronous-copy kernels) priced apart from 4- and 8-byte aligned ones
+  (``--odd-penalty``; `plait.cost.compute.alignment_penalty`), full recompute, refit: 5.30 / 5.37
+  (odd 1.96, partly aligned 1.18). Only the partly-aligned penalty lowered, everything else as
+  shipped: best 5.29 / 5.35 at 1.0. Not shipped: the gain comes from the tp = 4 and 8 rows, whose
+  per-micro-batch rest (LM head on a 12564- or 6282-row shard) falls to 0.66-0.80 of measured
+  (``--cells``; 0.86-0.99 as shipped) to offset their over-predicted layer -- the compensation this
+  calibration exists to remove; and the tp = 1 rest (the odd 50257-row head, 0.72-0.79 of measured)
+  wants an odd penalty near 3, which the fit refuses because the h = 2048, tp = 1 layer is already
+  above measured at the GEMM ceiling;
+- all-reduce times from the node's nccl-tests tables (``--nccl-tests``) with full recompute and the
+  shipped parameters: 6.23 / 6.27 (host time per collective 0: 5.65 / 5.69): at 2-32 MiB they are
+  2-3x the fitted ring's at tp = 2 (e.g. 52 vs 20 us at 2 MiB), which the host-bound tp = 2 and 4
+  layers do not show;
+- a per-tile prologue and epilogue worth k0 main-loop K elements (``t *= (k + k0) / k``), full
+  recompute, shipped parameters with GEMM efficiency 0.859: k0 = 32-256 with 2-11 us per kernel,
+  best 5.57 / 5.62 (k0 = 128, 6 us) -- not refitted, dropped;
+- selective recompute (attention core only; Megatron-DeepSpeed's pipeline model honoured
+  ``--recompute-granularity selective`` before PR #243), refit: 5.14 / 5.20 (GEMM 0.748, HBM 0.775,
+  NVLink 158 GB/s / 10.3 us); with the odd-dimension penalty: 5.13 / 5.19 (odd 1.75, partly
+  aligned 1.55); recompute none refitted again: 5.19 / 5.25, as calib3 found.
+
+None reaches 5 %, and none of those below 5.33 keeps the data's documented full recompute with a
+better decomposition, so the shipped defaults are unchanged.
+
 Baseline (same run): Pipette's closed form (SYSTEMS.md §2) with the model FLOPs at a
 single MFU fitted on the even rows, plus a ring all-reduce of the gradients.
 
 Link bandwidth: the README gives 150 GB/s; ``--bandwidth 150e9`` evaluates with it.
 
-Usage: ``python bench/validate_a100.py [--fit [--fit-bandwidth]] [--recompute none|full]
-[--bandwidth B] [--rows N] [--cells] [--floor]`` (``--cells``: measured vs predicted ms per layer and per
+Usage: ``python bench/validate_a100.py [--fit [--fit-bandwidth]] [--recompute none|selective|full]
+[--odd-penalty P] [--nccl-tests] [--bandwidth B] [--rows N] [--cells] [--floor]`` (``--cells``: measured vs predicted ms per layer and per
 micro-batch for every (hidden, tp, micro-batch) cell, from the pp = 1 rows).
 """
 

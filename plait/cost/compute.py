@@ -11,6 +11,9 @@ them). Each kernel costs
   a multiple of 16 bytes (8 fp16 elements) cuBLAS cannot use its aligned tensor-core
   kernels (NVIDIA's "Matrix Multiplication Background" guide): ``t_compute`` is
   multiplied by ``unaligned_penalty``. GPT-2's vocabulary (50257) is the classic case;
+  with ``odd_penalty`` set, an odd fp16 dimension (2-byte aligned, below the 4 bytes of
+  Ampere's ``cp.async``) is priced apart (`alignment_penalty`; the shipped calibration
+  leaves it unset -- see ``bench/validate_a100.py`` for why);
 * a **memory-bound** kernel (norms, softmax, dropout, GELU, casts, adds):
   ``bytes / (HBM bandwidth * e_mem) + t_kernel`` (roofline: these have arithmetic
   intensity far below the ridge point);
