@@ -91,11 +91,12 @@ lower bound, not a proof that 5 % is out of reach.
 A third fact (``--floor``, helper calib4; `pp_invariance`): fitted per (hidden, tp, micro-batch,
 pp) as 1F1B, ``(g + pp - 1) (rest + layer L / pp)`` plus a gradient and optimizer term per dp, the
 measured time of one layer for one micro-batch is *the same* at pp = 1, 2 and 4 in all 18 cells that
-have pp > 1 rows (largest difference 0.00 %; fit residuals <= 0.03 % except four h = 2048 cells,
-<= 0.84 %), and the per-slot rest is the same at pp = 2 and 4. Whatever the runs recomputed, every
-pipeline stage did the same: vTrain's rule (only non-last stages recompute, so pp = 1 not at all)
-would make the layer term at pp > 1 that of a layer with its forward recomputed, and so differ from
-pp = 1 wherever the recompute costs anything. With (a), the data is consistent with no recompute or
+have pp > 1 rows (largest difference 0.00 %; fit residuals <= 0.03 % except six h = 2048, tp <= 2
+cells, <= 0.84 %), and the per-slot rest is the same at pp = 2 and 4. Whatever the runs recomputed,
+every pipeline stage did the same: under vTrain's rule (only non-last stages recompute, so pp = 1
+not at all) a pipeline's slot is the slower of a recomputing first stage and a non-recomputing last
+one, so its layer term would differ from pp = 1's, or the rows would bend where the slower stage
+changes with L. With (a), the data is consistent with no recompute or
 a partial one on every stage, and not with full recompute at the GEMM ceiling -- but (a) is a 1 %
 margin against a ceiling measured on another A100, so it cannot settle which.
 
@@ -122,7 +123,8 @@ held out; the shipped defaults: 5.33 / 5.40, refitted from them: 5.34 / 5.40):
 - selective recompute (attention core only; Megatron-DeepSpeed's pipeline model honoured
   ``--recompute-granularity selective`` before PR #243), refit: 5.14 / 5.20 (GEMM 0.748, HBM 0.775,
   NVLink 158 GB/s / 10.3 us); with the odd-dimension penalty: 5.13 / 5.19 (odd 1.75, partly
-  aligned 1.55); recompute none refitted again: 5.19 / 5.25, as calib3 found.
+  aligned 1.55); recompute none refitted again: 5.19 / 5.25, as calib3 found; with the
+  odd-dimension penalty: 5.18 / 5.24 (odd 1.73, partly aligned 1.60, GEMM 0.762, HBM 0.626).
 
 None reaches 5 %, and none of those below 5.33 keeps the data's documented full recompute with a
 better decomposition, so the shipped defaults are unchanged.
