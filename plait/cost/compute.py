@@ -31,7 +31,8 @@ Efficiencies depend only on physical quantities (matrix shape through the tile/w
 model, alignment, bytes moved). The defaults in `ComputeModel()` were fitted on the
 even-numbered rows of ``shared/data/a100_single_node_megatron.csv`` (Megatron-DeepSpeed,
 A100, fp16, simulated with full activation recompute as the runs were measured) by
-``bench/validate_a100.py --fit --fit-bandwidth``, within physical ceilings (GEMM efficiency at
+``bench/validate_a100.py --fit`` (every all-reduce timed from the nccl-tests tables measured on
+that node), within physical ceilings (GEMM efficiency at
 most the A100's maximum achievable matmul rate, 0.859 of peak; streaming kernels at most 0.9 of
 HBM), and are reported against the odd rows; see that script's docstring for the split, the
 fitted values and what changed from the previous (recompute-none) calibration.
@@ -87,20 +88,21 @@ class ComputeModel:
     """Physical parameters of the compute model (see module docstring).
 
     Defaults: fitted on the even rows of the A100 Megatron-DeepSpeed data set (fp16, full
-    recompute as measured); `bench/validate_a100.py --fit --fit-bandwidth` reproduces them."""
+    recompute as measured, all-reduces from the node's nccl-tests tables); `bench/validate_a100.py
+    --fit` reproduces them."""
 
-    gemm_efficiency: float = 0.856  # achieved fraction of tensor-core peak in a GEMM main loop
-    unaligned_penalty: float = 1.89  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
+    gemm_efficiency: float = 0.859  # achieved fraction of tensor-core peak in a GEMM main loop
+    unaligned_penalty: float = 2.36  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
     odd_penalty: float | None = None  # multiplier when a dim is only 2-byte aligned (odd fp16); None: unaligned_penalty
-    memory_efficiency: float = 0.873  # achieved fraction of HBM bandwidth by streaming kernels
-    kernel_gpu_s: float = 11.0e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
-    host_fwd_s: float = 46.5e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
-    host_bwd_s: float = 63.0e-6  # host time per backward kernel (autograd engine)
-    host_comm_s: float = 20.6e-6  # host time per collective call
-    p2p_host_s: float = 705e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
-    loss_host_s: float = 0.319e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
-    batch_host_s: float = 0.565e-3  # host work per micro-batch to fetch and place a batch (get_batch)
-    step_host_s: float = 0.046e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
+    memory_efficiency: float = 0.893  # achieved fraction of HBM bandwidth by streaming kernels
+    kernel_gpu_s: float = 7.79e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
+    host_fwd_s: float = 46.0e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
+    host_bwd_s: float = 62.2e-6  # host time per backward kernel (autograd engine)
+    host_comm_s: float = 4.37e-6  # host time per collective call
+    p2p_host_s: float = 485e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
+    loss_host_s: float = 0.392e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
+    batch_host_s: float = 0.462e-3  # host work per micro-batch to fetch and place a batch (get_batch)
+    step_host_s: float = 0.063e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
     optimizer_bytes_per_param: float = 34.0  # fused Adam r/w p,g,m,v fp32 (28) + fp16 param copy (6)
     grad_accum_bytes_per_param: float = 4.0  # .grad += w-grad per micro-batch (fp16 read+write)
     embedding_grad_bytes_per_param: float = 2.0  # dense embedding backward zero-fills a [V, h] grad
