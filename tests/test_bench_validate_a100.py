@@ -60,3 +60,25 @@ def test_recompute_floor_adds_one_forward(va) -> None:
     # at the ceilings the GEMM FLOPs alone take 6 x 24 b s h^2 / (0.859 x 312 TFLOP/s) for none
     gemm_only = 3 * (24 * 4 * 1024 * 2048**2 + 4 * 4 * 1024**2 * 2048) / (0.859 * 312e12)
     assert none > gemm_only
+
+
+def _pipeline_rows(layer_ms: dict[int, float], rest_ms: dict[int, float]) -> list[dict]:
+    """h = 1024, tp = 1, micro-batch 1 rows of 1F1B pipelines: (g + pp - 1)(rest + L / pp layer) + a dp term."""
+    rows = []
+    for pp, layer in layer_ms.items():
+        for dp in (1, 2):
+            for layers in (12, 16, 20, 24):
+                for gb in (8, 16, 32):
+                    g = gb // dp
+                    t = 5.0 * dp + 0.1 * layers + (g + pp - 1) * (rest_ms[pp] + layers / pp * layer)
+                    rows.append(dict(index=len(rows), gpus=dp * pp, global_batch=gb, micro_batch=1, hidden=1024,
+                                     heads=16, layers=layers, seq=1024, tp=1, dp=dp, pp=pp, measured_s=t / 1e3))
+    return rows
+
+
+def test_pp_invariance_recovers_each_depths_layer_and_slot_rest(va) -> None:
+    inv = va.pp_invariance(_pipeline_rows({1: 3.0, 2: 4.0}, {1: 6.8, 2: 6.3}))
+    cell = inv[(1024, 1, 1)]
+    assert cell[1][0] == pytest.approx(3.0e-3) and cell[1][1] == pytest.approx(6.8e-3)
+    assert cell[2][0] == pytest.approx(4.0e-3) and cell[2][1] == pytest.approx(6.3e-3)  # a recomputing stage: slower
+    assert max(v[2] for v in cell.values()) < 1e-9

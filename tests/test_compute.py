@@ -10,6 +10,7 @@ from plait.cost.compute import (
     Collective,
     ComputeModel,
     TransformerShape,
+    alignment_penalty,
     gemm_time,
     generic_layer_cost,
     head_cost,
@@ -38,6 +39,20 @@ def test_wave_quantisation_and_alignment() -> None:
     aligned = gemm_time(4096, 50304, 1024, A100, "fp16", M)
     unaligned = gemm_time(4096, 50257, 1024, A100, "fp16", M)
     assert unaligned > 2.5 * aligned  # GPT-2's vocabulary is not a multiple of 8
+
+
+def test_odd_fp16_dimension_priced_apart_from_partly_aligned() -> None:
+    graded = M.replace(unaligned_penalty=1.5, odd_penalty=3.0)
+    assert alignment_penalty(4096, 50304, 1024, 2, graded) == 1.0  # every dim a multiple of 8 fp16 (16 B)
+    assert alignment_penalty(4096, 12564, 1024, 2, graded) == 1.5  # 8-byte aligned: cp.async, narrower copies
+    assert alignment_penalty(4096, 6282, 1024, 2, graded) == 1.5  # 4-byte aligned
+    assert alignment_penalty(4096, 50257, 1024, 2, graded) == 3.0  # odd: 2-byte aligned, no cp.async
+    assert alignment_penalty(50257, 1024, 4096, 4, graded) == 1.5  # odd fp32 is still 4-byte aligned
+    assert alignment_penalty(4096, 50257, 1024, 2, M) == M.unaligned_penalty  # odd_penalty None: one penalty
+    assert alignment_penalty(4096, 100.5, 1024, 2, graded) == 1.5  # fractional share: no alignment known
+    odd = gemm_time(4096, 50257, 1024, A100, "fp16", graded)
+    partly = gemm_time(4096, 50256 + 4, 1024, A100, "fp16", graded)
+    assert odd == pytest.approx(partly * 2.0, rel=1e-3)  # same tiles, penalty 3.0 vs 1.5
 
 
 def test_memory_bound_kernels() -> None:

@@ -11,6 +11,9 @@ them). Each kernel costs
   a multiple of 16 bytes (8 fp16 elements) cuBLAS cannot use its aligned tensor-core
   kernels (NVIDIA's "Matrix Multiplication Background" guide): ``t_compute`` is
   multiplied by ``unaligned_penalty``. GPT-2's vocabulary (50257) is the classic case;
+  with ``odd_penalty`` set, an odd fp16 dimension (2-byte aligned, below the 4 bytes of
+  Ampere's ``cp.async``) is priced apart (`alignment_penalty`; the shipped calibration
+  leaves it unset -- see ``bench/validate_a100.py`` for why);
 * a **memory-bound** kernel (norms, softmax, dropout, GELU, casts, adds):
   ``bytes / (HBM bandwidth * e_mem) + t_kernel`` (roofline: these have arithmetic
   intensity far below the ridge point);
@@ -28,7 +31,8 @@ Efficiencies depend only on physical quantities (matrix shape through the tile/w
 model, alignment, bytes moved). The defaults in `ComputeModel()` were fitted on the
 even-numbered rows of ``shared/data/a100_single_node_megatron.csv`` (Megatron-DeepSpeed,
 A100, fp16, simulated with full activation recompute as the runs were measured) by
-``bench/validate_a100.py --fit --fit-bandwidth``, within physical ceilings (GEMM efficiency at
+``bench/validate_a100.py --fit`` (every all-reduce timed from the nccl-tests tables measured on
+that node), within physical ceilings (GEMM efficiency at
 most the A100's maximum achievable matmul rate, 0.859 of peak; streaming kernels at most 0.9 of
 HBM), and are reported against the odd rows; see that script's docstring for the split, the
 fitted values and what changed from the previous (recompute-none) calibration.
@@ -84,19 +88,21 @@ class ComputeModel:
     """Physical parameters of the compute model (see module docstring).
 
     Defaults: fitted on the even rows of the A100 Megatron-DeepSpeed data set (fp16, full
-    recompute as measured); `bench/validate_a100.py --fit --fit-bandwidth` reproduces them."""
+    recompute as measured, all-reduces from the node's nccl-tests tables); `bench/validate_a100.py
+    --fit` reproduces them."""
 
-    gemm_efficiency: float = 0.856  # achieved fraction of tensor-core peak in a GEMM main loop
-    unaligned_penalty: float = 1.89  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
-    memory_efficiency: float = 0.873  # achieved fraction of HBM bandwidth by streaming kernels
-    kernel_gpu_s: float = 11.0e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
-    host_fwd_s: float = 46.5e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
-    host_bwd_s: float = 63.0e-6  # host time per backward kernel (autograd engine)
-    host_comm_s: float = 20.6e-6  # host time per collective call
-    p2p_host_s: float = 705e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
-    loss_host_s: float = 0.319e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
-    batch_host_s: float = 0.565e-3  # host work per micro-batch to fetch and place a batch (get_batch)
-    step_host_s: float = 0.046e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
+    gemm_efficiency: float = 0.859  # achieved fraction of tensor-core peak in a GEMM main loop
+    unaligned_penalty: float = 2.36  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
+    odd_penalty: float | None = None  # multiplier when a dim is only 2-byte aligned (odd fp16); None: unaligned_penalty
+    memory_efficiency: float = 0.893  # achieved fraction of HBM bandwidth by streaming kernels
+    kernel_gpu_s: float = 7.79e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
+    host_fwd_s: float = 46.0e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
+    host_bwd_s: float = 62.2e-6  # host time per backward kernel (autograd engine)
+    host_comm_s: float = 4.37e-6  # host time per collective call
+    p2p_host_s: float = 485e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
+    loss_host_s: float = 0.392e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
+    batch_host_s: float = 0.462e-3  # host work per micro-batch to fetch and place a batch (get_batch)
+    step_host_s: float = 0.063e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
     optimizer_bytes_per_param: float = 34.0  # fused Adam r/w p,g,m,v fp32 (28) + fp16 param copy (6)
     grad_accum_bytes_per_param: float = 4.0  # .grad += w-grad per micro-batch (fp16 read+write)
     embedding_grad_bytes_per_param: float = 2.0  # dense embedding backward zero-fills a [V, h] grad
@@ -124,11 +130,27 @@ def gemm_time(m: float, n: float, k: float, kind: GPUKind, dtype: str = "bf16",
     waves = math.ceil(tiles / sms)
     wave_util = tiles / (waves * sms)
     t_compute = 2.0 * m * n * k * batch / (peak * model.gemm_efficiency * wave_util)
-    align = 16 // size
-    if any(abs(x - round(x)) > 1e-9 or round(x) % align for x in (m, n, k)):
-        t_compute *= model.unaligned_penalty
+    t_compute *= alignment_penalty(m, n, k, size, model)
     t_memory = (m * k + k * n + m * n) * batch * size / (kind.memory_bandwidth * model.memory_efficiency)
     return max(t_compute, t_memory) + model.kernel_gpu_s
+
+
+def alignment_penalty(m: float, n: float, k: float, size: int, model: ComputeModel = DEFAULT_MODEL) -> float:
+    """Main-loop slowdown of a GEMM whose dimensions are not all multiples of 16 bytes.
+
+    16-byte aligned: 1. Otherwise ``unaligned_penalty``, except when a dimension is aligned to
+    no more than one element of at most 2 bytes (an odd fp16 dimension such as GPT-2's 50257):
+    Ampere's asynchronous global-to-shared copy (``cp.async``, PTX ISA) moves 4, 8 or 16 bytes,
+    so such a GEMM cannot use it at all and pays ``odd_penalty`` (None: ``unaligned_penalty``)."""
+    align = 16 // size
+    if any(abs(x - round(x)) > 1e-9 for x in (m, n, k)):
+        return model.unaligned_penalty  # a fractional (uneven-share) shape: no alignment known
+    dims = [round(x) for x in (m, n, k)]
+    if all(d % align == 0 for d in dims):
+        return 1.0
+    if model.odd_penalty is not None and size <= 2 and any(d % 2 for d in dims):
+        return model.odd_penalty
+    return model.unaligned_penalty
 
 
 def memory_time(nbytes: float, kind: GPUKind, model: ComputeModel = DEFAULT_MODEL) -> float:
