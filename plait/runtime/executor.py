@@ -349,13 +349,7 @@ class PipelineExecutor:
         if early and all(self._recv_meta(a) is not None for a in group if a.op.startswith("recv")):
             self._exchange_early(group, list(early))
             return
-        sends: list[tuple[torch.Tensor, int]] = []
-        send_keys: list[str] = []
-        for a in group:
-            if a.op in ("send_fwd", "send_bwd"):
-                part = self._send_fwd_tensors(a) if a.op == "send_fwd" else self._send_bwd_tensors(a)
-                sends += part
-                send_keys += [a.key] * len(part)
+        sends, send_keys = self._group_sends(group)
         pending = [a for a in group if a.op.startswith("recv")]
         first = True
         while first or pending:
@@ -397,9 +391,8 @@ class PipelineExecutor:
         if early:
             self._exchange_early([], list(early))
 
-    def _exchange_early(self, group: list[Action], early: list[Action]) -> None:
-        """`group` (every header known) and the `early` receives in one batch, nothing waited by it:
-        the group's receives are waited here, the early ones filed in `deferred` for their forward."""
+    def _group_sends(self, group: list[Action]) -> tuple[list[tuple[torch.Tensor, int]], list[str]]:
+        """The (tensor, peer) sends of `group`'s send actions, in order, and each one's action key."""
         sends: list[tuple[torch.Tensor, int]] = []
         keys: list[str] = []
         for a in group:
@@ -407,6 +400,12 @@ class PipelineExecutor:
                 part = self._send_fwd_tensors(a) if a.op == "send_fwd" else self._send_bwd_tensors(a)
                 sends += part
                 keys += [a.key] * len(part)
+        return sends, keys
+
+    def _exchange_early(self, group: list[Action], early: list[Action]) -> None:
+        """`group` (every header known) and the `early` receives in one batch, nothing waited by it:
+        the group's receives are waited here, the early ones filed in `deferred` for their forward."""
+        sends, keys = self._group_sends(group)
         recvs: list[tuple[torch.Tensor, int]] = []
         filed: list[tuple[Action, list[torch.Tensor]]] = []
         for a in [x for x in group if x.op.startswith("recv")] + early:
