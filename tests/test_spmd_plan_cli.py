@@ -71,6 +71,26 @@ def test_uneven_ratios_are_predicted_faster_on_uneven_ranks_when_the_work_is_spl
     assert full >= even + 0.01 * 2.0 + 0.02 * 2.0 * 0.5 - 1e-12
 
 
+def test_machine_prediction_of_a_program_with_sharded_storage(choice) -> None:
+    """A program whose largest parameter is stored in shards (ZeRO-3, `Program.homes`: storage
+    segments, so one ratio row per segment) is predicted on this machine's ranks; its storage is
+    compiled as the worker compiles it (before, the homes were dropped and the rows refused)."""
+    import dataclasses
+
+    from plait.commands.spmd_plan import OneRank, machine_prediction
+    from plait.spmd.ratios import synthesize_stored
+
+    big = max(choice.graph.params, key=lambda t: choice.graph.tensors[t].numel)
+    stored = synthesize_stored(choice.problem, choice.synthesis, homes={big: "S0"})
+    assert stored is not None and stored.program.homes == {big: "S0"}
+    sharded = dataclasses.replace(choice, synthesis=stored)
+    devices = machine_devices_of(choice, 0.5, [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
+    ratios = stored.segment_ratios if stored.segment_ratios is not None else stored.ratios
+    bare = machine_prediction(sharded, devices, ratios)
+    full = machine_prediction(sharded, devices, ratios, OneRank(program=0.5, loss=0.01, optimizer=0.02), [1.0, 2.0])
+    assert full > bare + 0.01 - 1e-12
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--export", "megatron"], "no Megatron/DeepSpeed equivalent"),
     (["--model", "bert:layers=two"], "layers"),

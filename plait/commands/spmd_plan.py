@@ -208,14 +208,15 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
                        slowdowns: list[float] | None = None) -> float:
     """The program's iteration on this machine's `devices`: `plait.spmd`'s cost (ops and their
     collectives at the ratios) plus what the runtime adds around it -- the outputs' gather to
-    every rank, the loss computed on every rank (the slowest finishes last) and each rank's
-    optimizer step over its own parameter elements (`one`, `slowdowns`)."""
+    every rank, the loss (the slowest rank finishes last) and each rank's
+    optimizer step over its own parameter elements (`one`, `slowdowns`). An output left in
+    batch shards is not gathered: each rank computes the loss on its own rows."""
     from plait.runtime.spmd_program import compile_program
     from plait.spmd.cost import comm_time
     from plait.spmd.placement import Comm, shard_dim
     from plait.spmd.ratios import Segments, segmented_cost
     from plait.spmd.search import Problem
-    from plait.spmd.stage import free_outputs
+    from plait.spmd.stage import batch_loss_output, free_outputs
 
     problem = Problem.build(choice.run_graph, devices, outputs_free=free_outputs(choice.run_graph, loss=True))
     syn = choice.synthesis
@@ -227,14 +228,19 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
         return total
     graph = choice.run_graph
     made = {t: p for op in graph.ops for t, p in zip(op.outputs, syn.program.strategies[op.name].outputs)}
+    slow = np.asarray(slowdowns if slowdowns is not None else np.ones(devices.n), dtype=float)
+    batch_loss = batch_loss_output(graph, syn.program.strategies) if len(graph.outputs) == 1 else None
+    loss_share = np.ones(devices.n)  # each rank's part of the loss: all of it, or its batch rows
     for t in graph.outputs:
         d = shard_dim(made.get(t, "R"))
-        if d is not None:
-            g = segs.of_dim.get((t, d), 0) if r.shape[0] > 1 else 0
+        g = segs.of_dim.get((t, d), 0) if d is not None and r.shape[0] > 1 else 0
+        if t == batch_loss:  # the worker's loss on its own rows: nothing gathered
+            loss_share = r[g] / r[g].sum()
+        elif d is not None:
             total += comm_time(Comm("all_gather", t, graph.tensors[t].nbytes, dim=d), devices, r[g])
-    slow = np.asarray(slowdowns if slowdowns is not None else np.ones(devices.n), dtype=float)
-    total += one.loss * float(slow.max())
-    compiled = compile_program(graph, syn.program.strategies, r if r.shape[0] > 1 else r[0], devices.n)
+    total += one.loss * float(np.max(slow * loss_share))
+    compiled = compile_program(graph, syn.program.strategies, r if r.shape[0] > 1 else r[0], devices.n,
+                               homes=syn.program.homes)
     elements = np.zeros(devices.n)
     for t, q in compiled.stored.items():
         numel = graph.tensors[t].numel
