@@ -1,5 +1,6 @@
-"""What a per-rank program worker (`plait.runtime.spmd_worker`, `plait.runtime.compose_worker`)
-reads from the run's config before anything else: its plan, its rank's entry and the run folder."""
+"""What every worker (`plait.runtime.worker`, `plait.runtime.spmd_worker`,
+`plait.runtime.compose_worker`) reads from the run's config before anything else: its plan, its
+rank's entry and the run folder."""
 
 from __future__ import annotations
 

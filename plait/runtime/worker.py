@@ -94,6 +94,7 @@ from plait.runtime.partition import (
     replica_micro_batches,
     stage_micro_batches,
 )
+from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.sharded_state import RankLayout, aliases_of
 from plait.runtime.tensor_parallel import (
@@ -147,14 +148,10 @@ def _is_peer_error(exc: BaseException) -> bool:
 
 
 # ---------------------------------------------------------------------------------- worker
-class Worker:
+class Worker(RankConfig):
     def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
-        self.cfg = cfg
-        self.rank = rank
-        self.hb = heartbeat
-        self.plan = Plan.from_dict(cfg["plan"])
+        super().__init__(cfg, rank, heartbeat)  # plan, world, info, run_dir
         plan = self.plan
-        self.world = plan.world_size
         self.layout = pipeline_layout(plan)
         if self.layout.graph_plan:  # (stage, replica), each stage its own data-parallel degree
             self.p, self.d = self.layout.coords(rank)
@@ -165,8 +162,6 @@ class Worker:
             self.d = (rank // plan.tp) % plan.dp
             self.p = rank // (plan.tp * plan.dp)
             self.dp_size = plan.dp
-        self.info = cfg["ranks"][rank]
-        self.run_dir = Path(cfg["run_dir"])
         self.injection = Injection.from_list(cfg.get("inject"))
         self.cuda = cfg["device"] == "cuda"
 
