@@ -297,18 +297,28 @@ def spmd_traffic(model: str, cluster: Any, plan: Any, notes: list[str]) -> Traff
     _, syn = spmd_plan_synthesis(model, resolve_cluster(cluster), plan)
     devices = [plan.device_of(r) for r in range(plan.world_size)]
     messages = program_messages(syn.program.comms, devices)
-    index = {d: i for i, d in enumerate(sorted(devices))}
-    matrix = [[0.0] * len(index) for _ in index]
-    node_of = [d.node for d in cluster.devices]
     by_class: dict[str, float] = {}
     for m in messages:
         by_class[m.cls] = by_class.get(m.cls, 0.0) + m.wire_bytes
-        for f in m.flows(node_of, [max(1, n.nics) for n in cluster.nodes]):
-            if f.src != f.dst:
-                matrix[index[f.src]][index[f.dst]] += f.nbytes
+    flows = [f for m in messages for f in m.flows(*_ring_layout(cluster))]
     notes.append("an SPMD program: its traffic is its collectives over one ring of its devices at even shares "
                  "(padded uneven collectives move somewhat more); cable loads are drawn for 3D and graph plans only")
-    return Traffic(devices=sorted(devices), matrix=matrix, by_class=by_class)
+    return Traffic(devices=sorted(devices), matrix=_device_matrix(flows, sorted(devices)), by_class=by_class)
+
+
+def _ring_layout(cluster: Any) -> tuple[list[int], list[int]]:
+    """(node of each device, NICs of each node): how `Message.flows` lays a ring on the rails."""
+    return [d.node for d in cluster.devices], [max(1, n.nics) for n in cluster.nodes]
+
+
+def _device_matrix(flows: Any, devices: list[int]) -> list[list[float]]:
+    """Bytes each of `devices` sends each other one, summed over `flows` (self-sends left out)."""
+    index = {d: i for i, d in enumerate(devices)}
+    matrix = [[0.0] * len(devices) for _ in devices]
+    for f in flows:
+        if f.src != f.dst and f.src in index and f.dst in index:
+            matrix[index[f.src]][index[f.dst]] += f.nbytes
+    return matrix
 
 
 def roles(graph: Any, plan: Any) -> dict[int, dict[str, Any]]:
@@ -336,12 +346,7 @@ def traffic(graph: Any, plan: Any, cluster: Any, notes: list[str]) -> Traffic:
 
     it = iteration_traffic(graph, plan)
     devices = sorted({plan.device_of(r) for r in range(plan.world_size)})
-    index = {d: i for i, d in enumerate(devices)}
-    matrix = [[0.0] * len(devices) for _ in devices]
-    node_of = [d.node for d in cluster.devices]
-    for f in it.flows(node_of, [max(1, n.nics) for n in cluster.nodes]):
-        if f.src != f.dst and f.src in index and f.dst in index:
-            matrix[index[f.src]][index[f.dst]] += f.nbytes
+    matrix = _device_matrix(it.flows(*_ring_layout(cluster)), devices)
     out = Traffic(devices=devices, matrix=matrix, by_class={k: float(v) for k, v in it.totals().items() if v})
     from plait.net import planner
     from plait.net.fabric import fabric_of
