@@ -14,6 +14,11 @@ one-node cluster of the detected GPU kind (`plait.sim.api.simulate`). The baseli
 in the same run, is the one-GPU plan (dp=1): every other plan's speed-up over it is printed
 measured and predicted.
 
+On a machine with one GPU, where no multi-rank plan runs, it sweeps single-GPU plans instead
+(`--models`, several micro-batch sizes, recompute none/full, eager or SDPA attention) so the
+memory estimator and the simulator are still held against CUDA. `--gemm` adds a table of
+measured GEMM throughput beside `plait.cost.compute.gemm_time` for transformer-layer shapes.
+
 On a machine without CUDA it says so and exits 0; it is not part of `make test`.
 """
 
@@ -58,6 +63,83 @@ def plans_for(gpus: int, global_batch: int) -> list[tuple[str, str]]:
     return out
 
 
+def _one_row(model: str, label: str, plan, cluster, steps: int, dtype: str) -> dict:
+    """Run `plan` on NCCL and hold its busiest rank's CUDA peak and its median step against
+    the memory estimator and the simulator."""
+    import statistics
+
+    from plait.cost.memory import estimate_memory
+    from plait.graph.resolve import resolve_model
+    from plait.runtime.api import LaunchConfig, TrainingConfig, run
+    from plait.sim.api import simulate
+
+    graph = resolve_model(model, plan)
+    est = estimate_memory(graph, plan, cluster, overhead_bytes=0)
+    predicted = simulate(graph, cluster, plan, memory=False).iteration_time_s
+    result = run(model, cluster, plan, steps=steps, training=TrainingConfig(dtype=dtype),
+                 launch=LaunchConfig(device="cuda", emulate=False))
+    measured = statistics.median(result.iteration_times[1:] or result.iteration_times)
+    peak_rank = max(result.ranks, key=lambda r: r.peak_memory_bytes)
+    est_peak = est.peak_bytes[plan.device_of(peak_rank.rank)]
+    return {"model": model, "plan": label, "spec": str(plan), "ranks": plan.world_size,
+            "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
+            "time_error_pct": (predicted / measured - 1) * 100,
+            "cuda_peak_gib": peak_rank.peak_memory_bytes / 2**30, "estimated_gib": est_peak / 2**30,
+            "memory_error_pct": (est_peak / peak_rank.peak_memory_bytes - 1) * 100,
+            "memory_kind": peak_rank.memory_kind}
+
+
+SWEEP_MODELS = (MODEL, MODEL + ",sdpa=true",
+                "gpt:layers=24,hidden=2048,heads=16,seq=1024,vocab=50257,sdpa=true")
+
+
+def single_gpu_plans(global_batch: int) -> list[tuple[str, str]]:
+    """(label, plan) of one GPU: micro-batch sizes with and without full recompute."""
+    out = [(f"mb={mb}", f"dp=1,micro_batch={mb},global_batch={global_batch}") for mb in (1, 2, 4, 8)]
+    out += [(f"mb={mb} full recompute", f"dp=1,micro_batch={mb},global_batch={global_batch},recompute=full")
+            for mb in (2, 8)]
+    return out
+
+
+def gemm_rows(kind_name: str, dtype: str) -> list[dict]:
+    """Measured GEMM throughput (CUDA events around 20 back-to-back products, median of 10 samples) beside
+    `gemm_time`'s prediction, for the (tokens x hidden) @ (hidden x k*hidden/tp) shapes of
+    transformer layers at tp 1..8."""
+    import torch
+
+    from plait.cluster.catalog import GPU_KINDS
+    from plait.cost.compute import gemm_time
+
+    kind = GPU_KINDS[kind_name]
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    rows = []
+    for tokens in (512, 2048, 8192):
+        for hidden in (1024, 4096, 8192):
+            for tp in (1, 8):
+                for label, n in (("qkv", 3 * hidden // tp), ("mlp-up", 4 * hidden // tp)):
+                    m, k = tokens, hidden
+                    a = torch.randn(m, k, device="cuda", dtype=tdt)
+                    b = torch.randn(k, n, device="cuda", dtype=tdt)
+                    for _ in range(5):
+                        a @ b
+                    times = []
+                    for _ in range(10):  # 20 back-to-back products per sample: no launch gaps
+                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        e0.record()
+                        for _ in range(20):
+                            a @ b
+                        e1.record()
+                        torch.cuda.synchronize()
+                        times.append(e0.elapsed_time(e1) * 1e-3 / 20)
+                    meas = statistics.median(times)
+                    pred = gemm_time(m, n, k, kind, dtype)
+                    rows.append({"m": m, "n": n, "k": k, "what": f"{label} tp={tp}",
+                                 "measured_us": meas * 1e6, "predicted_us": pred * 1e6,
+                                 "measured_tflops": 2 * m * n * k / meas / 1e12,
+                                 "error_pct": (pred / meas - 1) * 100})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=MODEL)
@@ -65,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--models", nargs="*", default=None,
+                    help="models of the one-GPU sweep (default: three GPT shapes)")
+    ap.add_argument("--gemm", action="store_true", help="add the GEMM throughput table")
+    ap.add_argument("--out", default=None, help="also write the JSON here, after every row")
     args = ap.parse_args(argv)
 
     import torch
@@ -75,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from plait.cluster import load_cluster
-    from plait.cost.memory import estimate_memory
-    from plait.graph.resolve import resolve_model
     from plait.ir.plan import Plan
-    from plait.runtime.api import LaunchConfig, TrainingConfig, run
-    from plait.sim.api import simulate
 
     gpus = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0)
@@ -88,47 +170,62 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {name!r} is not in plait's GPU catalog; add it (plait cluster presets) to predict it")
         return 2
     cluster = load_cluster(f"{kind}:nodes=1,gpus_per_node={gpus}")
-    rows = []
-    for label, text in plans_for(gpus, args.global_batch):
+    if gpus == 1:
+        cases = [(m, label, text) for m in (args.models or SWEEP_MODELS)
+                 for label, text in single_gpu_plans(args.global_batch)]
+    else:
+        cases = [(args.model, label, text) for label, text in plans_for(gpus, args.global_batch)]
+    rows: list[dict] = []
+    gemms = gemm_rows(kind, args.dtype) if args.gemm else []
+    for model, label, text in cases:
         plan = Plan.parse(f"{text},dtype={args.dtype}")
-        graph = resolve_model(args.model, plan)
-        est = estimate_memory(graph, plan, cluster, overhead_bytes=0)
-        predicted = simulate(graph, cluster, plan, memory=False).iteration_time_s
-        result = run(args.model, cluster, plan, steps=args.steps, training=TrainingConfig(dtype=args.dtype),
-                     launch=LaunchConfig(device="cuda", emulate=False))
-        measured = statistics.median(result.iteration_times[1:] or result.iteration_times)
-        peak_rank = max(result.ranks, key=lambda r: r.peak_memory_bytes)
-        est_peak = est.peak_bytes[plan.device_of(peak_rank.rank)]
-        rows.append({"plan": label, "spec": str(plan), "ranks": plan.world_size,
-                     "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
-                     "time_error_pct": (predicted / measured - 1) * 100,
-                     "cuda_peak_gib": peak_rank.peak_memory_bytes / 2**30, "estimated_gib": est_peak / 2**30,
-                     "memory_error_pct": (est_peak / peak_rank.peak_memory_bytes - 1) * 100,
-                     "memory_kind": peak_rank.memory_kind})
-    base = rows[0]
-    for r in rows:
+        try:
+            rows.append(_one_row(model, label, plan, cluster, args.steps, args.dtype))
+        except Exception as exc:  # one failing plan (out of memory, say) must not lose the others
+            rows.append({"model": model, "plan": label, "spec": str(plan), "error": f"{type(exc).__name__}: {exc}"[:400]})
+        if args.out:
+            Path(args.out).write_text(json.dumps({"rows": rows, "gemm": gemms}, indent=1))
+    ok = [r for r in rows if "error" not in r]
+    bases = {}
+    for r in ok:
+        bases.setdefault(r["model"], r)
+    for r in ok:
+        base = bases[r["model"]]
         r["speedup_measured"] = base["measured_ms"] / r["measured_ms"]
         r["speedup_predicted"] = base["predicted_ms"] / r["predicted_ms"]
-    time_err = [abs(r["time_error_pct"]) for r in rows]
-    mem_err = [abs(r["memory_error_pct"]) for r in rows]
-    summary = {"gpus": gpus, "device": name, "kind": kind, "model": args.model, "dtype": args.dtype,
+    rows_all, rows = rows, ok
+    time_err = [abs(r["time_error_pct"]) for r in rows] or [float("nan")]
+    mem_err = [abs(r["memory_error_pct"]) for r in rows] or [float("nan")]
+    summary = {"gpus": gpus, "device": name, "kind": kind, "dtype": args.dtype, "plans": len(rows_all),
+               "failed": len(rows_all) - len(rows),
                "time_mape_pct": statistics.fmean(time_err), "time_worst_pct": max(time_err),
                "memory_mape_pct": statistics.fmean(mem_err), "memory_worst_pct": max(mem_err)}
     if args.json:
-        print(json.dumps({"summary": summary, "rows": rows}, indent=1))
+        print(json.dumps({"summary": summary, "rows": rows_all, "gemm": gemms}, indent=1))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"NCCL on {gpus} x {name} ({kind}), {args.model}, {args.dtype}, median of {args.steps - 1} steps")
-    for c in ("plan", "ranks", "measured ms", "predicted ms", "error", "speed-up meas./pred.",
+    t = Table(title=f"NCCL on {gpus} x {name} ({kind}), {args.dtype}, median of {args.steps - 1} steps")
+    for c in ("model", "plan", "ranks", "measured ms", "predicted ms", "error", "speed-up meas./pred.",
               "CUDA peak GiB", "estimated GiB", "error"):
         t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(r["plan"], str(r["ranks"]), f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
+    for r in rows_all:
+        if "error" in r:
+            t.add_row(r["model"], r["plan"], "", "failed: " + r["error"][:60])
+            continue
+        t.add_row(r["model"], r["plan"], str(r["ranks"]), f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
                   f"{r['time_error_pct']:+.1f} %", f"{r['speedup_measured']:.2f} / {r['speedup_predicted']:.2f}",
                   f"{r['cuda_peak_gib']:.2f}", f"{r['estimated_gib']:.2f}", f"{r['memory_error_pct']:+.1f} %")
     Console().print(t)
+    if gemms:
+        g = Table(title=f"GEMM (m x k) @ (k x n), {args.dtype}: measured vs plait.cost.compute.gemm_time")
+        for c in ("shape", "m", "n", "k", "measured us", "predicted us", "TFLOP/s", "error"):
+            g.add_column(c, justify="right")
+        for r in gemms:
+            g.add_row(r["what"], str(r["m"]), str(r["n"]), str(r["k"]), f"{r['measured_us']:.1f}",
+                      f"{r['predicted_us']:.1f}", f"{r['measured_tflops']:.0f}", f"{r['error_pct']:+.1f} %")
+        Console().print(g)
     print(f"time MAPE {summary['time_mape_pct']:.1f} % (worst {summary['time_worst_pct']:.1f} %), memory MAPE "
           f"{summary['memory_mape_pct']:.1f} % (worst {summary['memory_worst_pct']:.1f} %)")
     return 0

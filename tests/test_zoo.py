@@ -340,6 +340,21 @@ def test_sdpa_flag_matches_explicit_attention():
     torch.testing.assert_close(GQAttentionCore(16)(q, kv), GQAttentionCore(16, sdpa=True)(q, kv))
 
 
+def test_sdpa_attention_runs_on_a_fused_kernel():
+    """sdpa=true must reach a fused kernel: 3-D inputs fall back to the math path, which keeps
+    the s x s probabilities the memory estimator assumes are gone (measured on an H100)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    qkv = torch.randn(16, 2, 4 * 3 * 16)
+    q, kv = torch.randn(16, 2, 4 * 16), torch.randn(16, 2, 2 * 2 * 16)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # no math fallback allowed
+        fused = SelfAttentionCore(16, True, 0.0, sdpa=True)(qkv)
+        fused_gqa = GQAttentionCore(16, sdpa=True)(q, kv)
+    torch.testing.assert_close(fused, SelfAttentionCore(16, True, 0.0)(qkv))
+    torch.testing.assert_close(fused_gqa, GQAttentionCore(16)(q, kv))
+
+
 # ----------------------------------------------------------------------------- tensor parallel
 
 
