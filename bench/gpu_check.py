@@ -200,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
                "failed": len(rows_all) - len(rows),
                "time_mape_pct": statistics.fmean(time_err), "time_worst_pct": max(time_err),
                "memory_mape_pct": statistics.fmean(mem_err), "memory_worst_pct": max(mem_err)}
+    long = [g["predicted_us"] / g["measured_us"] for g in gemms if g["measured_us"] >= 500]
+    if long:
+        # what `GPUKind.tensor_sustained` should be for this kind: the prediction's remaining
+        # over-speed on GEMMs long enough to reach the sustained clock, times the value in use
+        from plait.cluster.catalog import GPU_KINDS
+
+        summary["gemm_long_pred_over_measured"] = statistics.geometric_mean(long)
+        summary["tensor_sustained_implied"] = GPU_KINDS[kind].tensor_sustained * summary["gemm_long_pred_over_measured"]
     if args.json:
         print(json.dumps({"summary": summary, "rows": rows_all, "gemm": gemms}, indent=1))
         return 0
@@ -228,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         Console().print(g)
     print(f"time MAPE {summary['time_mape_pct']:.1f} % (worst {summary['time_worst_pct']:.1f} %), memory MAPE "
           f"{summary['memory_mape_pct']:.1f} % (worst {summary['memory_worst_pct']:.1f} %)")
+    if "tensor_sustained_implied" in summary:
+        print(f"GEMMs >= 0.5 ms: predicted / measured {summary['gemm_long_pred_over_measured']:.3f} (geometric mean); "
+              f"implied tensor_sustained for {kind}: {summary['tensor_sustained_implied']:.3f}")
     return 0
 
 

@@ -262,6 +262,25 @@ def test_custom_kind_needs_links() -> None:
                         "nodes: [{gpus: [g]}]", source="x.yaml")
 
 
+def test_tensor_sustained_scales_tensor_dtypes_and_round_trips() -> None:
+    """An H100 sustains 0.853 of its datasheet tensor rate (measured); fp32 CUDA cores are not
+    scaled; a kind 'like' it inherits the fraction, a file may set it, and it is written back."""
+    from plait.cluster.loader import dump_cluster
+
+    h100 = GPU_KINDS["h100-80gb"]
+    assert h100.flops("bf16") == pytest.approx(989.4e12 * 0.853)
+    assert h100.flops("fp32") == 67e12
+    assert GPU_KINDS["a100-80gb"].flops("bf16") == 312e12
+    c = parse_yaml_text("gpu_kinds: {mine: {like: h100}, cool: {like: h100, tensor_sustained: 0.95}}\n"
+                        "nodes: [{gpus: {kind: mine, count: 1}}, {gpus: {kind: cool, count: 1}}]")
+    assert c.kinds["mine"].flops("bf16") == h100.flops("bf16")
+    assert c.kinds["cool"].flops("fp16") == pytest.approx(989.4e12 * 0.95)
+    again = parse_yaml_text(dump_cluster(c))
+    assert again.kinds["cool"].tensor_sustained == 0.95 and again.kinds["mine"].tensor_sustained == 0.853
+    with pytest.raises(ClusterError, match=r"gpu_kinds\.g\.tensor_sustained"):
+        parse_yaml_text("gpu_kinds: {g: {like: a100, tensor_sustained: 1.5}}\nnodes: [{gpus: [g]}]")
+
+
 def test_like_kind_inherits_template_and_figures() -> None:
     c = parse_yaml_text("gpu_kinds: {slow-a100: {like: a100, flops: {bf16: 200 TFLOPS}}}\n"
                         "nodes: [{gpus: {kind: slow-a100, count: 2}}]")

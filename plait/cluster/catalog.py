@@ -30,13 +30,22 @@ from plait.cluster.units import parse_bandwidth, parse_duration, parse_flops
 # Figures go through the unit parser so they are the floats nearest to the datasheet
 # decimals (15.7 * 1e12 is not 15.7e12), identical to what a YAML file with the same
 # text gives.
-def _kind(name: str, memory_gib: int, bandwidth: str, **tflops: float) -> GPUKind:
+def _kind(name: str, memory_gib: int, bandwidth: str, sustained: float = 1.0, **tflops: float) -> GPUKind:
     return GPUKind(
         name=name,
         peak_flops={dtype: parse_flops(f"{value} TFLOPS") for dtype, value in tflops.items()},
         memory_bytes=memory_gib * 2**30,
         memory_bandwidth=parse_bandwidth(bandwidth),
+        tensor_sustained=sustained,
     )
+
+
+# H100 SXM (700 W): bf16 GEMMs of transformer shapes (512-8192 tokens, hidden 1024-8192, tp 1 and
+# 8) that run >= 0.5 ms sustained 680-780 TFLOP/s on an H100 80GB HBM3, 0.853 (geometric mean,
+# 0.81-0.90) of what gemm_time predicts from the datasheet with the A100-fitted efficiency
+# (`python bench/gpu_check.py --gemm`, 2026-11-25); this workplace's device notes read 769-798
+# TFLOP/s on 8192^3 for both the H100 and the H200, which share the chip and the power limit.
+HOPPER_SXM_SUSTAINED = 0.853
 
 
 GPU_KINDS: dict[str, GPUKind] = {
@@ -78,10 +87,11 @@ GPU_KINDS: dict[str, GPUKind] = {
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP32 67 TF, TF32 989 TF,
     # BF16/FP16 1,979 TF -- the tensor figures are "with sparsity", so dense is half
     # (the H100 whitepaper lists 494.7 and 989.4 dense); 80 GB HBM3 at 3.35 TB/s.
-    "h100-80gb": _kind("h100-80gb", 80, "3350 GB/s", fp32=67, tf32=494.7, bf16=989.4, fp16=989.4),
+    "h100-80gb": _kind("h100-80gb", 80, "3350 GB/s", HOPPER_SXM_SUSTAINED, fp32=67, tf32=494.7, bf16=989.4,
+                       fp16=989.4),
     # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: same compute as H100 SXM
     # (FP32 67, TF32 989 / BF16 1,979 with sparsity); 141 GB HBM3e at 4.8 TB/s.
-    "h200": _kind("h200", 141, "4800 GB/s", fp32=67, tf32=494.7, bf16=989.4, fp16=989.4),
+    "h200": _kind("h200", 141, "4800 GB/s", HOPPER_SXM_SUSTAINED, fp32=67, tf32=494.7, bf16=989.4, fp16=989.4),
 }
 
 

@@ -179,7 +179,7 @@ def _join(path: str, key: str | int) -> str:
 
 # --- GPU kinds -------------------------------------------------------------------------
 
-_KIND_KEYS = ("like", "flops", "memory", "memory_bandwidth")
+_KIND_KEYS = ("like", "flops", "memory", "memory_bandwidth", "tensor_sustained")
 
 
 def _parse_kinds(ctx: _Ctx, raw: Any) -> dict[str, GPUKind]:
@@ -227,10 +227,15 @@ def _parse_kinds(ctx: _Ctx, raw: Any) -> dict[str, GPUKind]:
             mem_bw = base.memory_bandwidth
         else:
             ctx.fail(_join(path, "memory_bandwidth"), "required for a kind not in the catalog")
+        sustained = base.tensor_sustained if base else 1.0
+        if "tensor_sustained" in spec:
+            sustained = ctx.number(spec["tensor_sustained"], _join(path, "tensor_sustained"))
+            if sustained > 1.0:
+                ctx.fail(_join(path, "tensor_sustained"), f"a fraction of the datasheet peak, at most 1, got {sustained!r}")
         if key in kinds:
             ctx.fail(path, f"kind {key!r} is defined twice")
         kinds[key] = GPUKind(name=key, peak_flops={d: flops[d] for d in DTYPES if d in flops},
-                             memory_bytes=memory, memory_bandwidth=mem_bw)
+                             memory_bytes=memory, memory_bandwidth=mem_bw, tensor_sustained=sustained)
     return kinds
 
 
@@ -853,6 +858,7 @@ def cluster_to_dict(cluster: Cluster, human: bool = True) -> dict[str, Any]:
             "flops": {d: flops(v) for d, v in kind.peak_flops.items()},
             "memory": size(kind.memory_bytes),
             "memory_bandwidth": bw(kind.memory_bandwidth),
+            **({"tensor_sustained": kind.tensor_sustained} if kind.tensor_sustained != 1.0 else {}),
         }
         for name, kind in cluster.kinds.items()
     }

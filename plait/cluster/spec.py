@@ -26,10 +26,19 @@ class GPUKind:
     peak_flops: dict[str, float]  # dtype -> dense FLOP/s (fp32, tf32, bf16, fp16)
     memory_bytes: int
     memory_bandwidth: float  # HBM/GDDR bytes/s
+    # Tensor-core throughput sustained under load, as a fraction of the datasheet figure, relative
+    # to the A100s that `ComputeModel.gemm_efficiency` was fitted on (1.0). Parts whose board
+    # power limit holds the clock below the datasheet's under long GEMMs sustain less: measured
+    # 0.85 on an H100 SXM (bench/gpu_check.py --gemm). fp32 (CUDA cores) is not scaled.
+    tensor_sustained: float = 1.0
 
     def flops(self, dtype: str) -> float:
-        """Peak dense FLOP/s for `dtype`; falls back to fp32 when the kind has no such unit."""
-        return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
+        """Dense FLOP/s for `dtype` as sustained (datasheet peak x `tensor_sustained` for the
+        tensor-core dtypes); falls back to fp32 when the kind has no such unit."""
+        rate = self.peak_flops.get(dtype)
+        if not rate:
+            return self.peak_flops["fp32"]
+        return rate if dtype == "fp32" else rate * self.tensor_sustained
 
     def __hash__(self) -> int:
         return hash(self.name)
