@@ -49,6 +49,46 @@ def test_the_machine_model_is_calibrated_to_what_was_measured(choice) -> None:
         assert collective_time("all_gather", s, devices.links) == pytest.approx(t, rel=1e-6)
 
 
+def test_each_rank_is_calibrated_to_its_own_timing(choice) -> None:
+    """`--run`'s ranks time the whole program side by side (`program_s` before, `program_s_after`
+    after the steps): each rank's speed is its own mean, so a rank whose CPU was 1.5x slower
+    models 1.5x the work on top of its emulated slowdown (hand-computed: 0.4 and 0.6 s, x1 and x2)."""
+    from plait.commands.spmd_plan import ranks_timing
+    from plait.spmd.cost import op_work
+
+    cal = {"all_gather": [[8e3, 1e-4], [8e6, 2e-2]],
+           "program_s": [{"program": 0.3, "loss": 0.01, "optimizer": 0.02},
+                         {"program": 0.5, "loss": 0.03, "optimizer": 0.04}],
+           "program_s_after": [{"program": 0.5, "loss": 0.03, "optimizer": 0.02},
+                               {"program": 0.7, "loss": 0.01, "optimizer": 0.06}]}
+    one = ranks_timing(cal)
+    np.testing.assert_allclose(one.program, [0.4, 0.6])
+    np.testing.assert_allclose(one.loss, [0.02, 0.02])
+    np.testing.assert_allclose(one.optimizer, [0.02, 0.05])
+    assert ranks_timing({"all_gather": []}) is None
+    devices = machine_devices_of(choice, one.program, [1.0, 2.0], cal)
+    work = sum(op_work(op, choice.graph, devices) for op in choice.graph.ops)
+    np.testing.assert_allclose(work, [0.4, 0.6 * 2.0], rtol=1e-9)
+
+
+def test_per_rank_loss_and_optimizer_take_the_slowest_rank(choice) -> None:
+    """The loss and optimizer step added to a program's time are the slowest rank's: its own
+    timing x its emulated slowdown x its share (hand-computed for a replicated program: every rank
+    computes the whole loss: max(0.01 x 1, 0.02 x 2) = 0.04; a loss on batch shards, each rank its
+    half of the rows: 0.02)."""
+    from plait.commands.spmd_plan import OneRank, machine_prediction
+    from plait.spmd.stage import batch_loss_output
+
+    devices = machine_devices_of(choice, 0.5, [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
+    segs = choice.synthesis.segments.count if choice.synthesis.segments else 1
+    r = np.full((segs, 2), 0.5)
+    none = OneRank(program=0.5, loss=np.zeros(2), optimizer=np.zeros(2))
+    base = machine_prediction(choice, devices, r, none, [1.0, 2.0])
+    loss = machine_prediction(choice, devices, r, OneRank(0.5, np.array([0.01, 0.02]), np.zeros(2)), [1.0, 2.0])
+    sharded = batch_loss_output(choice.run_graph, choice.synthesis.program.strategies) is not None
+    assert loss - base == pytest.approx(0.02 if sharded else 0.04, rel=1e-9)
+
+
 def machine_devices_of(choice, one, slow, calibration):
     from plait.commands.spmd_plan import machine_devices
 
@@ -128,8 +168,8 @@ def test_bench_spmd_run_core_on_a_tiny_case() -> None:
     spec = importlib.util.spec_from_file_location("spmd_run_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    model, batch = bench.QUICK[0]
-    row = bench.measure(model, batch, bench.CLUSTER, 2)
+    model, batch, cluster = bench.QUICK[0]
+    row = bench.measure(model, batch, cluster, 2)
     assert row["ranks"] == 2 and row["uneven"]["measured_iteration_s"] > 0 and row["even"]["losses"]
     assert row["uneven"]["predicted_machine_s"] > 0
 

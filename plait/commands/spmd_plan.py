@@ -129,60 +129,44 @@ def search_result(choice: SpmdChoice, seconds: float) -> Any:
 # ----------------------------------------------------------------------------- this machine
 @dataclass
 class OneRank:
-    """Seconds of the whole program's parts on one rank of this machine (one thread, every op whole)."""
+    """Seconds of the whole program's parts on one rank of this machine (one thread, every op
+    whole): one figure for every rank, or an array with each rank's own."""
 
-    program: float  # forward + backward of the aten ops
-    loss: float  # the loss on the whole outputs, forward + backward
-    optimizer: float  # one optimizer step over every parameter
+    program: Any  # forward + backward of the aten ops
+    loss: Any  # the loss on the whole outputs, forward + backward
+    optimizer: Any  # one optimizer step over every parameter
 
 
 def program_seconds(choice: SpmdChoice, repeats: int = 3, optimizer: str = "adam") -> OneRank:
-    """Median seconds of the program's parts on one rank of this machine: what the cost model's work
-    is calibrated to (the interpreter's own overhead included)."""
-    import torch
-
+    """Median seconds of the program's parts on one rank of this machine, in this process
+    (`plait.runtime.spmd_worker.whole_program_seconds`; `--run` takes the same timing inside
+    the ranks, side by side, before and after their steps)."""
     from plait.graph.zoo import load_model
-    from plait.runtime.data_parallel import make_optimizer
     from plait.runtime.partition import make_samples
-    from plait.runtime.spmd_program import RankProgram, compile_program
-    from plait.spmd.rules import strategies
+    from plait.runtime.spmd_worker import whole_program_seconds
 
     spec = load_model(choice.model)
-    module = spec.build(seed=0)
-    graph = choice.run_graph
-    whole = {op.name: strategies(op, graph, 1)[0] for op in graph.ops}
-    runner = RankProgram(compile_program(graph, whole, [1.0], 1), 0)
-    leaves = runner.load(module)
-    opt = make_optimizer(leaves, {"name": optimizer, "lr": 1e-6})
     inputs, target = make_samples(spec, 0, choice.plan.global_batch, 0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    rows = []
-    try:
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            outs = runner.forward(inputs)
-            t1 = time.perf_counter()
-            held = [o.detach().requires_grad_() for o in outs]
-            spec.loss(held[0] if len(held) == 1 else tuple(held), target).backward()
-            t2 = time.perf_counter()
-            torch.autograd.backward(outs, [h.grad for h in held])
-            t3 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t4 = time.perf_counter()
-            rows.append(((t1 - t0) + (t3 - t2), t2 - t1, t4 - t3))
-    finally:
-        torch.set_num_threads(threads)
-    cols = list(zip(*rows[1:]))
-    return OneRank(*(statistics.median(c) for c in cols))
+    t = whole_program_seconds(choice.run_graph, spec.build(seed=0), spec.loss, inputs, target, {"name": optimizer},
+                              repeats, threads=1)
+    return OneRank(t["program"], t["loss"], t["optimizer"])
 
 
-def machine_devices(choice: SpmdChoice, one_rank_s: float, slowdowns: list[float],
+def ranks_timing(calibration: dict[str, Any]) -> OneRank | None:
+    """Each rank's whole-program seconds from the run's calibration (`program_s` before the steps,
+    `program_s_after` after them; their mean per rank), as per-rank arrays; None without them."""
+    taken = [calibration[k] for k in ("program_s", "program_s_after") if calibration.get(k)]
+    if not taken:
+        return None
+    return OneRank(*(np.mean([[r[k] for r in t] for t in taken], axis=0) for k in ("program", "loss", "optimizer")))
+
+
+def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
                     calibration: dict[str, Any]) -> Any:
     """`plait.spmd.cost.Devices` of this machine's emulated ranks: the fastest kind's FLOP/s and
-    memory bandwidth scaled so the program's modelled work takes `one_rank_s`, each rank slowed by
-    its emulated factor; links alpha-beta fitted to the ranks' all-gathers."""
+    memory bandwidth scaled so the program's modelled work takes `one_rank_s` (one figure, or one
+    per rank: each rank's own speed), each rank slowed by its emulated factor; links alpha-beta
+    fitted to the ranks' all-gathers."""
     from plait.cost.collectives import GroupLinks
     from plait.spmd.cost import Devices, op_work
 
@@ -191,7 +175,7 @@ def machine_devices(choice: SpmdChoice, one_rank_s: float, slowdowns: list[float
     one = Devices(dev.names[:1], dev.flops[fastest:fastest + 1], dev.mem_bw[fastest:fastest + 1],
                   dev.memory[:1], dev.links)
     work = sum(float(op_work(op, choice.run_graph, one)[0]) for op in choice.run_graph.ops)
-    scale = work / one_rank_s  # the CPU is `scale` times the fastest kind's modelled speed
+    scale = work / np.asarray(one_rank_s, dtype=float)  # each CPU is `scale` x the fastest kind's modelled speed
     slow = np.asarray(slowdowns, dtype=float)
     n = dev.n
     rows = np.asarray(calibration["all_gather"], dtype=float)  # [total bytes, seconds]
@@ -238,7 +222,7 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
             loss_share = r[g] / r[g].sum()
         elif d is not None:
             total += comm_time(Comm("all_gather", t, graph.tensors[t].nbytes, dim=d), devices, r[g])
-    total += one.loss * float(np.max(slow * loss_share))
+    total += float(np.max(np.asarray(one.loss) * slow * loss_share))
     compiled = compile_program(graph, syn.program.strategies, r if r.shape[0] > 1 else r[0], devices.n,
                                homes=syn.program.homes)
     elements = np.zeros(devices.n)
@@ -251,20 +235,65 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
             sizes = np.asarray(compiled.sizes[(t, d)], dtype=float)
             elements += numel * sizes / sizes.sum()
     whole = sum(graph.tensors[t].numel for t in compiled.stored)
-    total += one.optimizer * float(np.max(slow * elements / max(whole, 1)))
+    total += float(np.max(np.asarray(one.optimizer) * slow * elements / max(whole, 1)))
     return total
+
+
+WARMUP_STEPS = 2  # steps left out of the measured median (first calls, allocator growth)
+
+
+def step_pieces(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
+    """Where a measured step goes, per rank (median over the steps after `skip`): "work" (compute
+    spans before the emulated stretch), "stretch" (the sleep that emulates the slower kind),
+    "comm" (collectives, waiting on peers included) and "other" (the step less all three: the
+    worker's own host time between spans)."""
+    steps = res.steps[skip:] if len(res.steps) > skip else res.steps
+    bounds = dict(zip(res.steps, res.step_bounds))
+    rows: dict[int, dict[str, list[float]]] = {}
+    for step in steps:
+        t0, t1 = bounds[step]
+        per: dict[int, dict[str, float]] = {}
+        for e in res.timeline.events:
+            if e.args.get("step") != step or e.args.get("rank") is None:
+                continue
+            p = per.setdefault(int(e.args["rank"]), {"work": 0.0, "stretch": 0.0, "comm": 0.0})
+            if e.resource.endswith("/compute"):
+                own = e.duration - float(e.args.get("comm_inside", 0.0))
+                work = float(e.args.get("compute_s", own))
+                p["work"] += work
+                p["stretch"] += own - work
+            else:
+                p["comm"] += e.duration
+        for r, p in per.items():
+            p["other"] = (t1 - t0) - p["work"] - p["stretch"] - p["comm"]
+            for k, v in p.items():
+                rows.setdefault(r, {}).setdefault(k, []).append(v)
+    return {str(r): {k: statistics.median(v) for k, v in sorted(d.items())} for r, d in sorted(rows.items())}
+
+
+def measured_row(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
+    """A run's measured iteration (median step after `skip` warm-up steps), the spread of those
+    steps (min, quartiles, max) and where the steps go (`step_pieces`)."""
+    times = res.iteration_times
+    kept = times[min(skip, max(0, len(times) - 1)):]
+    q = np.percentile(kept, [0, 25, 75, 100]).tolist() if kept else []
+    return {"measured_iteration_s": statistics.median(kept), "measured_spread_s": q, "measured_steps": len(kept),
+            "iteration_times_s": list(times), "losses": list(res.losses),
+            "collectives": (res.spmd or {}).get("moves"), "notes": list(res.notes),
+            "network": res.network.get("mode"), "pieces": step_pieces(res, skip)}
 
 
 def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) -> dict[str, Any]:
     """Train the program and its even-ratio twin; predicted (this machine) next to measured.
 
-    This machine's speed drifts while other work runs: the one-rank timing is taken before,
-    between and after the two runs, and each run is predicted from the two timings around it."""
+    This machine's speed drifts while other work runs (other jobs share its CPUs): each run's
+    ranks time the whole program side by side before and after their steps, and time gloo's
+    all-gathers (`spmd_calibrate`); each run is predicted from its own ranks' timings."""
     from plait.measure.machine import SHARES
     from plait.runtime.api import rank_layout
     from plait.runtime.api import run as runtime_run
     from plait.runtime.config import LaunchConfig, RecordsConfig, TrainingConfig
-    from plait.runtime.cpu_share import ProcessCgroup, RankCgroups, pinned
+    from plait.runtime.cpu_share import RankCgroups, pinned
 
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
     cluster = choice.cluster
@@ -272,46 +301,30 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) ->
     training = TrainingConfig(dtype="fp32", optimizer="adam", lr=args.lr)
     records = RecordsConfig(spmd_calibrate=True)
     out: dict[str, Any] = {"slowdowns": slow, "dtype": "fp32", "emulated_dtype": choice.dtype}
-    # `pin`: each rank on its own CPU with a high cpu.shares (as plait.measure.machine does) and the
-    # one-rank timing under the same share. Off by default: on this 2-CPU machine shared with other
-    # jobs (load ~20) the pinned ranks ran 3-4x slower than the pinned one-rank timing, unpinned
-    # within -9 % to -23 % in most runs (bench/spmd_run.py, measured).
+    # `pin`: each rank on its own CPU with a high cpu.shares (as plait.measure.machine does); the
+    # ranks' whole-program timings run under the same shares. Off by default.
     world = choice.plan.world_size
     with RankCgroups(world, shares=SHARES, cpuset=pinned(world)) if pin else contextlib.nullcontext() as groups:
         out["pinned"] = bool(groups is not None and groups.active)
-
-        def one_rank() -> OneRank:
-            with ProcessCgroup(shares=SHARES, cpuset="0") if pin else contextlib.nullcontext():
-                return program_seconds(choice)
-
-        say("timing the program on one rank of this machine ...")
-        timings = [one_rank()]
-        results = {}
         for name, plan in (("uneven", choice.plan), ("even", choice.even_plan)):
             say(f"plait run: the {name} program ({args.steps} steps) ...")
             env = groups.env() if groups is not None and groups.active else None
             res = runtime_run(choice.model, cluster, plan, steps=args.steps, training=training, records=records,
                               launch=LaunchConfig(emulate_dtype=choice.dtype, env=env))
-            timings.append(one_rank())
-            times = res.iteration_times
-            skip = min(2, max(0, len(times) - 1))
-            results[name] = res
-            out[name] = {"measured_iteration_s": statistics.median(times[skip:]), "iteration_times_s": list(times),
-                         "losses": list(res.losses), "collectives": (res.spmd or {}).get("moves"),
-                         "notes": list(res.notes), "network": res.network.get("mode")}
-    out["one_rank_s"] = [dataclasses.asdict(t) for t in timings]
-    calibration = (results["uneven"].spmd or {}).get("calibration")
-    if calibration:
-        for i, (name, plan) in enumerate((("uneven", choice.plan), ("even", choice.even_plan))):
-            around = OneRank(*(statistics.mean(x) for x in zip(dataclasses.astuple(timings[i]),
-                                                                dataclasses.astuple(timings[i + 1]))))
-            devices = machine_devices(choice, around.program, slow, calibration)
-            out["links"] = {"alpha_s": devices.links.ring_latency, "bandwidth_Bps": devices.links.ring_bandwidth}
-            pred = machine_prediction(choice, devices, plan.spmd["ratios"], around, slow)
+            out[name] = measured_row(res)
+            calibration = (res.spmd or {}).get("calibration")
+            timing = ranks_timing(calibration) if calibration else None
+            if timing is None:
+                continue
+            devices = machine_devices(choice, timing.program, slow, calibration)
+            pred = machine_prediction(choice, devices, plan.spmd["ratios"], timing, slow)
             meas = out[name]["measured_iteration_s"]
-            out[name].update({"predicted_machine_s": pred, "error": (meas - pred) / pred if pred > 0 else None})
+            out[name].update({"predicted_machine_s": pred, "error": (meas - pred) / pred if pred > 0 else None,
+                              "one_rank_s": {k: np.asarray(v).tolist() for k, v in dataclasses.asdict(timing).items()},
+                              "links": {"alpha_s": devices.links.ring_latency,
+                                        "bandwidth_Bps": devices.links.ring_bandwidth}})
     out["measured_speedup_over_even"] = out["even"]["measured_iteration_s"] / out["uneven"]["measured_iteration_s"]
-    if "predicted_machine_s" in out["uneven"]:
+    if "predicted_machine_s" in out["uneven"] and "predicted_machine_s" in out["even"]:
         out["predicted_speedup_over_even"] = out["even"]["predicted_machine_s"] / out["uneven"]["predicted_machine_s"]
     import os
 
