@@ -89,6 +89,32 @@ def test_per_rank_loss_and_optimizer_take_the_slowest_rank(choice) -> None:
     assert loss - base == pytest.approx(0.02 if sharded else 0.04, rel=1e-9)
 
 
+def test_links_are_fitted_in_relative_error() -> None:
+    """gloo all-gathers timed on an idle 16-core machine (2 ranks, loopback): the fit weights each
+    size alike, so the 8 KB row keeps its latency (an unweighted fit gave alpha 0.096 ms and priced
+    it at 32 % of its time). Expected figures: weighted least squares by hand (numpy lstsq on the
+    rows divided by their times)."""
+    from plait.commands.spmd_plan import fit_links
+
+    rows = np.array([[8192, 3.33708e-4], [131072, 4.234e-4], [2097152, 1.921997e-3], [8388608, 9.688358e-3]])
+    alpha, bw = fit_links(rows, 2)
+    assert alpha == pytest.approx(3.1454e-4, rel=1e-3) and bw == pytest.approx(5.5608e8, rel=1e-3)
+    assert alpha + 0.5 * 8192 / bw == pytest.approx(3.33708e-4, rel=0.05)
+    exact = np.array([[s, 2e-4 + 0.5 * s / 5e8] for s in (8e3, 1.3e5, 2e6, 8e6)])
+    assert fit_links(exact, 2) == pytest.approx((2e-4, 5e8), rel=1e-9)
+
+
+def test_rank_work_of_a_redundant_program_is_each_ranks_own_timing(choice) -> None:
+    """`rank_work` (what a rank computes before its stretch): this tiny BERT's program splits no op,
+    so each rank computes it whole, at any ratios -- its own timing (0.4 s, 0.6 s), not stretched."""
+    from plait.commands.spmd_plan import rank_work
+
+    assert not any(s.splits_work for s in choice.synthesis.program.strategies.values())
+    devices = machine_devices_of(choice, [0.4, 0.6], [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
+    for r in ([0.5, 0.5], [0.8, 0.2]):
+        assert rank_work(choice, devices, r, [1.0, 2.0]) == pytest.approx([0.4, 0.6], rel=1e-9)
+
+
 def machine_devices_of(choice, one, slow, calibration):
     from plait.commands.spmd_plan import machine_devices
 

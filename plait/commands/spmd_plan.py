@@ -152,13 +152,21 @@ def program_seconds(choice: SpmdChoice, repeats: int = 3, optimizer: str = "adam
     return OneRank(t["program"], t["loss"], t["optimizer"])
 
 
-def ranks_timing(calibration: dict[str, Any]) -> OneRank | None:
-    """Each rank's whole-program seconds from the run's calibration (`program_s` before the steps,
-    `program_s_after` after them; their mean per rank), as per-rank arrays; None without them."""
+def ranks_timing(calibration: dict[str, Any], clock: str = "cpu") -> OneRank | None:
+    """Each rank's whole-program timing from the run's calibration (`program_s` before the steps,
+    `program_s_after` after them; their mean per rank), as per-rank arrays; None without them.
+
+    `clock` "cpu": the ranks' thread CPU seconds -- what each part costs with a CPU to the rank,
+    as the prediction assumes, whatever else shares the machine (wall seconds under other jobs'
+    load run 1.5-8x longer, and by how much changes from second to second); "wall": wall seconds."""
     taken = [calibration[k] for k in ("program_s", "program_s_after") if calibration.get(k)]
     if not taken:
         return None
-    return OneRank(*(np.mean([[r[k] for r in t] for t in taken], axis=0) for k in ("program", "loss", "optimizer")))
+
+    def read(t: dict[str, Any], part: str) -> float:
+        return float(t.get(f"{part}_cpu", t[part]) if clock == "cpu" else t[part])
+
+    return OneRank(*(np.mean([[read(r, k) for r in t] for t in taken], axis=0) for k in ("program", "loss", "optimizer")))
 
 
 def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
@@ -166,7 +174,7 @@ def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
     """`plait.spmd.cost.Devices` of this machine's emulated ranks: the fastest kind's FLOP/s and
     memory bandwidth scaled so the program's modelled work takes `one_rank_s` (one figure, or one
     per rank: each rank's own speed), each rank slowed by its emulated factor; links alpha-beta
-    fitted to the ranks' all-gathers."""
+    fitted to the ranks' all-gathers (`fit_links`)."""
     from plait.cost.collectives import GroupLinks
     from plait.spmd.cost import Devices, op_work
 
@@ -178,23 +186,38 @@ def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
     scale = work / np.asarray(one_rank_s, dtype=float)  # each CPU is `scale` x the fastest kind's modelled speed
     slow = np.asarray(slowdowns, dtype=float)
     n = dev.n
-    rows = np.asarray(calibration["all_gather"], dtype=float)  # [total bytes, seconds]
-    # ring all-gather: t = (n-1) a + (n-1)/n S / B  (plait.cost.collectives.ring_all_gather_time)
-    design = np.column_stack([np.full(len(rows), n - 1.0), (n - 1.0) / n * rows[:, 0]])
-    (alpha, inv_bw), *_ = np.linalg.lstsq(design, rows[:, 1], rcond=None)
-    alpha, bw = max(float(alpha), 0.0), 1.0 / max(float(inv_bw), 1e-15)
+    alpha, bw = fit_links(np.asarray(calibration["all_gather"], dtype=float), n)
     links = GroupLinks(n, bw, alpha, 1, n, bw, alpha, bw, alpha)
     return Devices(dev.names, dev.flops[fastest] * scale / slow, dev.mem_bw[fastest] * scale / slow, dev.memory,
                    links)
 
 
+def fit_links(rows: np.ndarray, n: int) -> tuple[float, float]:
+    """(alpha seconds, bandwidth bytes/s) of the ring all-gather ``t = (n-1) a + (n-1)/n S / B``
+    (`plait.cost.collectives.ring_all_gather_time`) fitted to `rows` of [total bytes, seconds] in
+    relative error (each row weighted by 1 / its time): every size counts alike, so the small
+    messages that SPMD programs of this machine's size mostly move keep their latency (an
+    unweighted fit, led by the 8 MB row, put alpha at 0 and priced 8 KB gathers 3x too fast)."""
+    design = np.column_stack([np.full(len(rows), n - 1.0), (n - 1.0) / n * rows[:, 0]])
+    weight = 1.0 / np.maximum(rows[:, 1], 1e-12)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(design * weight[:, None], rows[:, 1] * weight, rcond=None)
+    return max(float(alpha), 0.0), 1.0 / max(float(inv_bw), 1e-15)
+
+
 def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank | None = None,
                        slowdowns: list[float] | None = None) -> float:
-    """The program's iteration on this machine's `devices`: `plait.spmd`'s cost (ops and their
-    collectives at the ratios) plus what the runtime adds around it -- the outputs' gather to
-    every rank, the loss (the slowest rank finishes last) and each rank's
-    optimizer step over its own parameter elements (`one`, `slowdowns`). An output left in
-    batch shards is not gathered: each rank computes the loss on its own rows."""
+    """The program's iteration on this machine's `devices`: the sum of `machine_pieces`."""
+    return sum(machine_pieces(choice, devices, ratios, one, slowdowns).values())
+
+
+def machine_pieces(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank | None = None,
+                   slowdowns: list[float] | None = None) -> dict[str, float]:
+    """The program's iteration on this machine's `devices`, piece by piece: `plait.spmd`'s cost
+    of its ops ("compute") and of their collectives ("comm") at the ratios, plus what the runtime
+    adds around them (with `one`, `slowdowns`) -- the outputs' gather to every rank ("gather"),
+    the loss (the slowest rank finishes last), the all-reduce of the step's loss when each rank
+    computed it on its own batch rows ("loss_comm": nothing gathered then) and each rank's
+    optimizer step over its own parameter elements."""
     from plait.runtime.spmd_program import compile_program
     from plait.spmd.cost import comm_time
     from plait.spmd.placement import Comm, shard_dim
@@ -207,22 +230,25 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
     program = choice.machine_program()
     segs = syn.segments or Segments.single(problem, program)
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
-    total = segmented_cost(problem, program, segs, r)
+    compute = segmented_cost(problem, dataclasses.replace(program, comms=[]), segs, r)
+    out = {"compute": compute, "comm": segmented_cost(problem, program, segs, r) - compute}
     if one is None:
-        return total
+        return out
     graph = choice.run_graph
-    made = {t: p for op in graph.ops for t, p in zip(op.outputs, syn.program.strategies[op.name].outputs)}
     slow = np.asarray(slowdowns if slowdowns is not None else np.ones(devices.n), dtype=float)
+    made = {t: p for op in graph.ops for t, p in zip(op.outputs, syn.program.strategies[op.name].outputs)}
     batch_loss = batch_loss_output(graph, syn.program.strategies) if len(graph.outputs) == 1 else None
     loss_share = np.ones(devices.n)  # each rank's part of the loss: all of it, or its batch rows
+    out["gather"] = out["loss_comm"] = 0.0
     for t in graph.outputs:
         d = shard_dim(made.get(t, "R"))
         g = segs.of_dim.get((t, d), 0) if d is not None and r.shape[0] > 1 else 0
-        if t == batch_loss:  # the worker's loss on its own rows: nothing gathered
+        if t == batch_loss:  # the worker's loss on its own rows, the step's loss all-reduced (one fp32)
             loss_share = r[g] / r[g].sum()
+            out["loss_comm"] = comm_time(Comm("all_reduce", t, 4), devices, r[g]) if devices.n > 1 else 0.0
         elif d is not None:
-            total += comm_time(Comm("all_gather", t, graph.tensors[t].nbytes, dim=d), devices, r[g])
-    total += float(np.max(np.asarray(one.loss) * slow * loss_share))
+            out["gather"] += comm_time(Comm("all_gather", t, graph.tensors[t].nbytes, dim=d), devices, r[g])
+    out["loss"] = float(np.max(np.asarray(one.loss) * slow * loss_share))
     compiled = compile_program(graph, syn.program.strategies, r if r.shape[0] > 1 else r[0], devices.n,
                                homes=syn.program.homes)
     elements = np.zeros(devices.n)
@@ -235,8 +261,24 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
             sizes = np.asarray(compiled.sizes[(t, d)], dtype=float)
             elements += numel * sizes / sizes.sum()
     whole = sum(graph.tensors[t].numel for t in compiled.stored)
-    total += float(np.max(np.asarray(one.optimizer) * slow * elements / max(whole, 1)))
-    return total
+    out["optimizer"] = float(np.max(np.asarray(one.optimizer) * slow * elements / max(whole, 1)))
+    return out
+
+
+def rank_work(choice: SpmdChoice, devices: Any, ratios: Any, slowdowns: list[float]) -> list[float]:
+    """Each rank's modelled compute of the program's ops before its emulated stretch (its share of
+    each split op, all of each redundant one): what `step_pieces` measures as the rank's "cpu"."""
+    from plait.spmd.cost import op_work
+
+    r = np.atleast_2d(np.asarray(ratios, dtype=float))
+    program = choice.machine_program()
+    segs = choice.synthesis.segments
+    of_op = segs.of_op if segs is not None else {}
+    total = np.zeros(devices.n)
+    for op in choice.run_graph.ops:
+        w = op_work(op, choice.run_graph, devices)
+        total += w * r[of_op.get(op.name, 0)] if program.strategies[op.name].splits_work else w
+    return (total / np.asarray(slowdowns, dtype=float)).tolist()
 
 
 WARMUP_STEPS = 2  # steps left out of the measured median (first calls, allocator growth)
@@ -245,8 +287,10 @@ WARMUP_STEPS = 2  # steps left out of the measured median (first calls, allocato
 def step_pieces(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
     """Where a measured step goes, per rank (median over the steps after `skip`): "work" (compute
     spans before the emulated stretch), "stretch" (the sleep that emulates the slower kind),
-    "comm" (collectives, waiting on peers included) and "other" (the step less all three: the
-    worker's own host time between spans)."""
+    "comm" (collectives, waiting on peers included), "other" (the step less all three: the
+    worker's own host time between spans, and a rank's wait for the last rank to end the step)
+    and "cpu" (the rank's thread CPU seconds in its compute spans: "work" less what other
+    processes took from it -- work/cpu is how much the machine's other load slowed the rank)."""
     steps = res.steps[skip:] if len(res.steps) > skip else res.steps
     bounds = dict(zip(res.steps, res.step_bounds))
     rows: dict[int, dict[str, list[float]]] = {}
@@ -256,16 +300,17 @@ def step_pieces(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
         for e in res.timeline.events:
             if e.args.get("step") != step or e.args.get("rank") is None:
                 continue
-            p = per.setdefault(int(e.args["rank"]), {"work": 0.0, "stretch": 0.0, "comm": 0.0})
+            p = per.setdefault(int(e.args["rank"]), {"work": 0.0, "stretch": 0.0, "comm": 0.0, "cpu": 0.0})
             if e.resource.endswith("/compute"):
                 own = e.duration - float(e.args.get("comm_inside", 0.0))
                 work = float(e.args.get("compute_s", own))
                 p["work"] += work
+                p["cpu"] += float(e.args.get("cpu_s", work))
                 p["stretch"] += own - work
             else:
                 p["comm"] += e.duration
         for r, p in per.items():
-            p["other"] = (t1 - t0) - p["work"] - p["stretch"] - p["comm"]
+            p["other"] = (t1 - t0) - p["work"] - p["stretch"] - p["comm"]  # "cpu" is part of "work"
             for k, v in p.items():
                 rows.setdefault(r, {}).setdefault(k, []).append(v)
     return {str(r): {k: statistics.median(v) for k, v in sorted(d.items())} for r, d in sorted(rows.items())}
@@ -317,9 +362,11 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) ->
             if timing is None:
                 continue
             devices = machine_devices(choice, timing.program, slow, calibration)
-            pred = machine_prediction(choice, devices, plan.spmd["ratios"], timing, slow)
+            pieces = machine_pieces(choice, devices, plan.spmd["ratios"], timing, slow)
+            pred = sum(pieces.values())
             meas = out[name]["measured_iteration_s"]
-            out[name].update({"predicted_machine_s": pred, "error": (meas - pred) / pred if pred > 0 else None,
+            out[name].update({"predicted_machine_s": pred, "predicted_pieces": pieces,
+                              "predicted_rank_work_s": rank_work(choice, devices, plan.spmd["ratios"], slow), "error": (meas - pred) / pred if pred > 0 else None,
                               "one_rank_s": {k: np.asarray(v).tolist() for k, v in dataclasses.asdict(timing).items()},
                               "links": {"alpha_s": devices.links.ring_latency,
                                         "bandwidth_Bps": devices.links.ring_bandwidth}})

@@ -60,9 +60,11 @@ def whole_program_seconds(graph: Any, module: torch.nn.Module, loss_fn: Any, inp
                           optimizer: dict[str, Any], repeats: int = 3, threads: int | None = None
                           ) -> dict[str, float]:
     """Median seconds, over `repeats` passes after one warm-up, of the whole program (every op
-    unsharded, one rank, on `threads` threads: None keeps this process's, as a rank's) on `inputs`: "program" (forward + backward of the aten ops
-    through the interpreter, its own overhead included), "loss" (forward + backward of the loss
-    on the whole outputs) and "optimizer" (one step over every parameter). `module` is read
+    unsharded, one rank, on `threads` threads: None keeps this process's, as a rank's) on `inputs`:
+    "program" (forward + backward of the aten ops through the interpreter, its own overhead
+    included), "loss" (forward + backward of the loss on the whole outputs) and "optimizer" (one
+    step over every parameter); each also as this thread's CPU seconds ("program_cpu", ...):
+    what the part costs with a CPU to itself, whatever else shares the machine. `module` is read
     (parameters cloned) and its buffers may be updated: pass a copy."""
     whole = {op.name: op_strategies(op, graph, 1)[0] for op in graph.ops}
     runner = RankProgram(compile_program(graph, whole, [1.0], 1), 0)
@@ -71,24 +73,40 @@ def whole_program_seconds(graph: Any, module: torch.nn.Module, loss_fn: Any, inp
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     rows = []
+
+    def clocks() -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
+
     try:
         for _ in range(repeats + 1):
-            t0 = time.perf_counter()
+            t0 = clocks()
             outs = runner.forward(inputs)
-            t1 = time.perf_counter()
+            t1 = clocks()
             held = [o.detach().requires_grad_() for o in outs]
             loss_fn(held[0] if len(held) == 1 else tuple(held), target).backward()
-            t2 = time.perf_counter()
+            t2 = clocks()
             torch.autograd.backward(outs, [h.grad for h in held])
-            t3 = time.perf_counter()
+            t3 = clocks()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            t4 = time.perf_counter()
-            rows.append(((t1 - t0) + (t3 - t2), t2 - t1, t4 - t3))
+            t4 = clocks()
+            rows.append([(t1[c] - t0[c]) + (t3[c] - t2[c]) for c in (0, 1)] + [t2[c] - t1[c] for c in (0, 1)]
+                        + [t4[c] - t3[c] for c in (0, 1)])
     finally:
         torch.set_num_threads(before)
-    cols = list(zip(*rows[1:]))
-    return {k: statistics.median(c) for k, c in zip(("program", "loss", "optimizer"), cols)}
+    names = ("program", "program_cpu", "loss", "loss_cpu", "optimizer", "optimizer_cpu")
+    return {k: statistics.median(c) for k, c in zip(names, zip(*rows[1:]))}
+
+
+PROGRAM_REPEATS = 5  # timed passes of the whole program per calibration (after one warm-up)
+
+
+def program_timings(model: torch.nn.Module, spec: Any, graph: Any, batch: int, samples: Any,
+                    optimizer: dict[str, Any]) -> dict[str, Any]:
+    """`whole_program_seconds` at the global `batch` (`graph`, the program's capture) on a copy of
+    `model`; `samples(count)` gives (inputs, target)."""
+    return {"batch": batch, **whole_program_seconds(graph, copy.deepcopy(model), spec.loss, *samples(batch),
+                                                    optimizer, repeats=PROGRAM_REPEATS)}
 
 
 class SpmdWorker(RankConfig):
@@ -140,6 +158,8 @@ class SpmdWorker(RankConfig):
         aliases, buffers = aliases_of(model), persistent_buffers(model)
         timing = copy.deepcopy(model) if cfg.get("spmd_calibrate") else None  # the whole program's, side by side
         del model
+        timed = (lambda: program_timings(timing, spec, graph, batch, lambda k: make_samples(spec, 0, k, data_seed),
+                                         cfg["optimizer"])) if timing is not None else None
         opt = make_optimizer(leaves, cfg["optimizer"])
         stepper = SpmdStep(leaves, opt)
         if cfg.get("clip_grad"):
@@ -150,8 +170,7 @@ class SpmdWorker(RankConfig):
         every = int(ck.get("every") or 0)
         schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
             if cfg.get("lr_schedule") else None
-        calibration = self._calibrate(group, lambda: whole_program_seconds(
-            graph, timing, spec.loss, *fetch(0), cfg["optimizer"])) if timing is not None else None
+        calibration = self._calibrate(group, timed) if timed is not None else None
 
         steps = int(cfg["steps"])
         self.comm.barrier("startup barrier")
@@ -191,9 +210,8 @@ class SpmdWorker(RankConfig):
             if every and (step + 1) % every == 0:
                 self._save_checkpoint(step + 1, Path(ck["dir"]))
 
-        if timing is not None and calibration is not None:  # the same timing after the steps
-            calibration["program_s_after"] = self._time_whole(lambda: whole_program_seconds(
-                graph, timing, spec.loss, *fetch(0), cfg["optimizer"]))
+        if timed is not None and calibration is not None:  # the same timings after the steps
+            calibration["program_s_after"] = self._time_whole(timed)
         self.hb.progress("gather")
         params = None
         if cfg.get("return_params"):
