@@ -1,20 +1,30 @@
 """Synthesized SPMD programs trained on this machine's emulated mixed cluster: predicted next to
 measured, and the speedup over the same program at even ratios (the baseline, run in the same go).
 
-    python bench/spmd_run.py                 # GPT and BERT on 2 ranks (A100 + V100 at their fp16 ratio)
-    python bench/spmd_run.py --dtype fp32    # the fp32 ratio (19.5 / 15.7: little to balance)
+    python bench/spmd_run.py                 # 4 cases on 2 ranks, 12 steps, 2 runs each (fp16 ratios)
+    python bench/spmd_run.py --only 2 --repeats 3   # one case (0-based), three runs
+    python bench/spmd_run.py --dtype fp32    # the fp32 ratios (A100:V100 19.5 / 15.7: little to balance)
     python bench/spmd_run.py --quick         # one tiny BERT, 3 steps (a smoke run)
     python bench/spmd_run.py --json          # the same rows as one JSON object
     python bench/spmd_run.py --pin           # ranks pinned to CPUs with high cpu.shares (root)
     python bench/spmd_run.py --cluster emulated-mixed   # 4 ranks (more ranks than a 2-CPU machine has)
 
-For each model: `plait plan --family spmd`'s program for the cluster (plait.spmd: A* search, ratio
-LP with memory), trained by `plait run` twice -- at its ratios and at even ratios -- with ranks slowed
-to their GPU kind's speed at `--dtype` (`plait.runtime.emulate`; the CPU ranks compute fp32). Predicted: plait.spmd's cost model on this
-machine's ranks (one-rank timing of the program before, between and after the runs; links fitted to
-the ranks' all-gathers) plus the outputs' gather, the loss and the optimizer step. Measured: the median
-step after 2 warm-up steps. The prediction assumes one CPU per rank and an otherwise idle machine;
-the load average is printed beside each row.
+For each case (model, global batch, cluster): `plait plan --family spmd`'s program for the cluster
+(plait.spmd: A* search, ratio LP with memory), trained by `plait run` twice -- at its ratios and at
+even ratios -- with ranks slowed to their GPU kind's speed at `--dtype` (`plait.runtime.emulate`;
+the CPU ranks compute fp32). The first two cases replicate every op (on `emulated-mixed` these
+small programs are cheaper redundant than split across the NIC: their even twin differs only in
+where the sharded weights live, so their speedup is ~1 by construction); the last two are sharded
+programs (data parallel at uneven shares, a tensor-parallel MLP) on an A100 + T4 pair.
+
+Predicted (`plait.commands.spmd_plan.machine_pieces`): plait.spmd's cost model on this machine's
+ranks -- each rank's speed from the whole program timed by the ranks themselves, side by side,
+before and after their steps, on the CPU clock (thread CPU seconds: what a CPU per rank gives);
+links fitted to the ranks' all-gathers -- plus the outputs' gather, the loss, its all-reduce and the
+optimizer step. Measured: the median step after 2 warm-up steps, over `--steps` steps, each case
+run `--repeats` times (median and range printed). "steal": the ranks' compute spans in wall
+seconds over their thread CPU seconds -- how much other jobs slowed the ranks (1.0 on an idle
+machine with a CPU per rank, which is what the prediction assumes).
 """
 
 from __future__ import annotations
@@ -54,6 +64,13 @@ def measure(model: str, batch: int, cluster: str, steps: int, dtype: str = "fp16
             "gpu_predicted_s": syn.cost, "gpu_predicted_even_s": choice.even_cost, **run}
 
 
+def steal(run: dict) -> float:
+    """The ranks' compute spans in wall seconds over their thread CPU seconds (`step_pieces`)."""
+    pieces = run.get("pieces") or {}
+    cpu = sum(p.get("cpu", 0.0) for p in pieces.values())
+    return sum(p.get("work", 0.0) for p in pieces.values()) / cpu if cpu > 0 else float("nan")
+
+
 def spread(values: list[float]) -> dict[str, float]:
     """Median, min and max of repeated figures."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -65,6 +82,7 @@ def combine(reps: list[dict]) -> dict:
     row["repeats"] = reps
     for k in ("uneven", "even"):
         row[k] = dict(reps[0][k])
+        row[k]["steal"] = statistics.median(steal(r[k]) for r in reps)
         for f in ("measured_iteration_s", "predicted_machine_s", "error"):
             vals = [r[k][f] for r in reps if r[k].get(f) is not None]
             if vals:
@@ -125,7 +143,8 @@ def _pm(sp: dict | None, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
 
 def _print(rows: list[dict], summary: dict) -> None:
     head = (f"{'model':<30} {'cluster':<13} {'shard':>7} {'ratios':>11} {'program':>7} {'pred ms':>8} "
-            f"{'meas ms':>8} {'(range)':>13} {'error':>7} {'(range)':>13} {'speedup meas/pred':>18} {'load':>5}")
+            f"{'meas ms':>8} {'(range)':>13} {'error':>7} {'(range)':>13} {'steal':>5} {'speedup meas/pred':>18} "
+            f"{'load':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -138,7 +157,8 @@ def _print(rows: list[dict], summary: dict) -> None:
                   f"{r['sharded_ops']:>3}/{r['ops']:<3} {':'.join(f'{x:.2f}' for x in r['ratios']):>11} {k:>7} "
                   f"{(m.get('predicted_machine_s') or 0) * 1e3:>8.1f} {m['measured_iteration_s'] * 1e3:>8.1f} "
                   f"{_pm(m.get('measured_iteration_s_spread'), 1e3):>13} {err:>7} "
-                  f"{_pm(m.get('error_spread'), 100, '{:+.0f}%'):>13} {speed:>18} {r['load_average'] or 0:>5.1f}")
+                  f"{_pm(m.get('error_spread'), 100, '{:+.0f}%'):>13} {steal(m):>5.2f} {speed:>18} "
+                  f"{r['load_average'] or 0:>5.1f}")
     print(f"\n{summary['within_15pct']} of {summary['predictions']} predictions within 15 %; largest error "
           f"{(summary['max_abs_error'] or 0) * 100:.1f} %; measured speedup over even ratios of the sharded "
           f"programs {summary['sharded_cases_measured_speedup_over_even']} (predicted "

@@ -186,7 +186,9 @@ def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
     scale = work / np.asarray(one_rank_s, dtype=float)  # each CPU is `scale` x the fastest kind's modelled speed
     slow = np.asarray(slowdowns, dtype=float)
     n = dev.n
-    alpha, bw = fit_links(np.asarray(calibration["all_gather"], dtype=float), n)
+    # the least of each size's repeats when the run gives them: the links undisturbed by other jobs
+    # (as the compute on the CPU clock), the median otherwise
+    alpha, bw = fit_links(np.asarray(calibration.get("all_gather_min") or calibration["all_gather"], dtype=float), n)
     links = GroupLinks(n, bw, alpha, 1, n, bw, alpha, bw, alpha)
     return Devices(dev.names, dev.flops[fastest] * scale / slow, dev.mem_bw[fastest] * scale / slow, dev.memory,
                    links)

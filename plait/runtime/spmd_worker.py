@@ -301,10 +301,10 @@ class SpmdWorker(RankConfig):
             del self.rec.events[kept:]
 
     def _calibrate(self, group: Any, timed: Any, repeats: int = 5) -> dict[str, Any]:
-        """Median seconds of a padded all-gather of each of `CALIBRATION_SIZES` bytes per rank on
-        the world group (the ranks' links as gloo drives them), outside the measured steps; and
+        """Median (and least) seconds of a padded all-gather of each of `CALIBRATION_SIZES` bytes per
+        rank on the world group (the ranks' links as gloo drives them), outside the measured steps; and
         every rank's `whole_program_seconds` (`timed`), taken side by side."""
-        rows = []
+        rows, least = [], []
         recording, self.comm.recording = self.comm.recording, False
         for nbytes in CALIBRATION_SIZES:
             x = torch.zeros(nbytes // 4)
@@ -316,7 +316,8 @@ class SpmdWorker(RankConfig):
                 group.all_gather_uneven(x, sizes, 0, "calibrate all_gather", "calibration")
                 times.append(time.perf_counter() - t0)
             rows.append([nbytes * self.world, float(np.median(times))])
+            least.append([nbytes * self.world, float(np.min(times))])
         program = self._time_whole(timed)
         self.comm.recording = recording
         self.rec.events.clear()  # not part of any step
-        return {"all_gather": rows, "program_s": program}
+        return {"all_gather": rows, "all_gather_min": least, "program_s": program}
