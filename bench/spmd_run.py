@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.commands.spmd_plan import run_both, synthesize_plan  # noqa: E402
+from plait.commands.spmd_plan import steal as spmd_steal  # noqa: E402
 
 REPLICATED = "emulated-mixed:gpus_per_node=1"  # A100 + V100 across a NIC: these small programs replicate
 PAIR = str(Path(__file__).resolve().parent / "data" / "a100_t4_pair.yaml")  # A100 + T4 on PCIe: they shard
@@ -65,10 +66,8 @@ def measure(model: str, batch: int, cluster: str, steps: int, dtype: str = "fp16
 
 
 def steal(run: dict) -> float:
-    """The ranks' compute spans in wall seconds over their thread CPU seconds (`step_pieces`)."""
-    pieces = run.get("pieces") or {}
-    cpu = sum(p.get("cpu", 0.0) for p in pieces.values())
-    return sum(p.get("work", 0.0) for p in pieces.values()) / cpu if cpu > 0 else float("nan")
+    """`plait.commands.spmd_plan.steal` of a run's step pieces."""
+    return spmd_steal(run.get("pieces") or {})
 
 
 def spread(values: list[float]) -> dict[str, float]:

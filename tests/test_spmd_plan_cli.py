@@ -281,3 +281,26 @@ def test_the_spmd_family_captures_and_prices_at_the_plans_dtype(tmp_path) -> Non
                            dtype="fp16", max_states=20_000).cost for dt in ("fp16", "fp32")}
     assert plan.spmd["predicted_s"] == pytest.approx(cost["fp16"], rel=1e-12)
     assert cost["fp16"] < cost["fp32"]  # fp32 bytes would price its messages twice as large
+
+
+def test_step_pieces_split_a_measured_step_by_rank() -> None:
+    """`step_pieces` on a hand-made step of 1.0 s: rank 0 computes 0.3 s (0.2 s of CPU: other jobs
+    took the rest) and waits 0.5 s in a collective; rank 1 computes 0.2 s stretched to 0.8 s (an
+    emulated kind 4x slower) with a 0.1 s collective. "other" is the step less the spans; `steal`
+    is wall over CPU seconds of the compute (0.5 / 0.4)."""
+    from types import SimpleNamespace
+
+    from plait.commands.spmd_plan import steal, step_pieces
+    from plait.ir.timeline import Timeline, TimelineEvent
+
+    def ev(rank, kind, start, end, **args):
+        return TimelineEvent("x", "spmd", f"dev{rank}/{kind}", start, end, rank, 0, None,
+                             {"rank": rank, "step": 0, **args})
+
+    events = [ev(0, "compute", 0.0, 0.3, compute_s=0.3, cpu_s=0.2), ev(0, "comm", 0.3, 0.8),
+              ev(1, "compute", 0.0, 0.8, compute_s=0.2, cpu_s=0.2), ev(1, "comm", 0.8, 0.9)]
+    res = SimpleNamespace(steps=[0], step_bounds=[(0.0, 1.0)], timeline=Timeline(events, "measured"))
+    got = step_pieces(res, skip=0)
+    assert got["0"] == pytest.approx({"work": 0.3, "stretch": 0.0, "comm": 0.5, "cpu": 0.2, "other": 0.2})
+    assert got["1"] == pytest.approx({"work": 0.2, "stretch": 0.6, "comm": 0.1, "cpu": 0.2, "other": 0.1})
+    assert steal(got) == pytest.approx(0.5 / 0.4)

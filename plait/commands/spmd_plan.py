@@ -6,11 +6,15 @@ with `--run` train it (and the same program at even ratios) on the emulated clus
     plait plan --family spmd ... --run                                 # predicted vs measured, vs even
 
 Predictions: on the cluster's GPUs, `plait.spmd`'s cost model (`Synthesis.cost`). For this
-machine (`--run` on an emulated cluster) the same cost model on this machine's devices: each
-rank's compute speed is this CPU's, measured by timing the whole program on one rank (so the
-interpreter's own overhead is in it), divided by the rank's emulated slowdown; its links are
-alpha-beta fitted to all-gathers the ranks time before training (`spmd_calibrate`). Not in the
-prediction: the optimizer step and the loss on the gathered outputs (a few percent here).
+machine (`--run` on an emulated cluster) the same cost model on this machine's devices
+(`machine_devices`, `machine_pieces`): each rank's compute speed is its own, measured by the
+ranks of each run timing the whole program side by side before and after their steps on the CPU
+clock (so the interpreter's overhead is in it, and other jobs' load is not), divided by the
+rank's emulated slowdown; its links are alpha-beta fitted to all-gathers the ranks time before
+training (`spmd_calibrate`). Added: the outputs' gather, the loss, its all-reduce and each rank's
+optimizer step. Not in the prediction: the sharded program's own host work per collective (its
+conversions: a few ms per step per rank, stretched by a slow rank's slowdown) and the step's
+bookkeeping between spans (`step_pieces` measures both).
 """
 
 from __future__ import annotations
@@ -318,6 +322,13 @@ def step_pieces(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
     return {str(r): {k: statistics.median(v) for k, v in sorted(d.items())} for r, d in sorted(rows.items())}
 
 
+def steal(pieces: dict[str, Any]) -> float:
+    """The ranks' compute spans in wall seconds over their thread CPU seconds (`step_pieces`): how
+    much other jobs slowed the ranks (1 with a CPU per rank and nothing else running; NaN unknown)."""
+    cpu = sum(p.get("cpu", 0.0) for p in pieces.values())
+    return sum(p.get("work", 0.0) for p in pieces.values()) / cpu if cpu > 0 else float("nan")
+
+
 def measured_row(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
     """A run's measured iteration (median step after `skip` warm-up steps), the spread of those
     steps (min, quartiles, max) and where the steps go (`step_pieces`)."""
@@ -327,7 +338,7 @@ def measured_row(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
     return {"measured_iteration_s": statistics.median(kept), "measured_spread_s": q, "measured_steps": len(kept),
             "iteration_times_s": list(times), "losses": list(res.losses),
             "collectives": (res.spmd or {}).get("moves"), "notes": list(res.notes),
-            "network": res.network.get("mode"), "pieces": step_pieces(res, skip)}
+            "network": res.network.get("mode"), "pieces": (pieces := step_pieces(res, skip)), "steal": steal(pieces)}
 
 
 def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) -> dict[str, Any]:
@@ -461,18 +472,19 @@ def _print(info: dict[str, Any], choice: SpmdChoice, measured: dict[str, Any] | 
                   f"fp32 CPU ranks slowed by their kind's {measured['emulated_dtype']} FLOP/s ratio "
                   f"{', '.join(f'{s:.2f}' for s in measured['slowdowns'])}):")
     rows = Table()
-    for col in ("program", "predicted (this machine)", "measured", "error", "losses"):
+    for col in ("program", "predicted (this machine)", "measured", "error", "steal", "losses"):
         rows.add_column(col, justify="right" if col != "program" else "left")
     for name in ("uneven", "even"):
         m = measured[name]
         err = m.get("error")
         rows.add_row(name, _ms(m.get("predicted_machine_s")), _ms(m["measured_iteration_s"]),
-                     f"{err * 100:+.1f} %" if err is not None else "-",
+                     f"{err * 100:+.1f} %" if err is not None else "-", f"{m.get('steal', float('nan')):.2f}",
                      ", ".join(f"{x:.3f}" for x in m["losses"]))
     console.print(rows)
     line = f"measured speedup over even sharding: {measured['measured_speedup_over_even']:.2f}x"
     if "predicted_speedup_over_even" in measured:
         line += f" (predicted {measured['predicted_speedup_over_even']:.2f}x)"
     console.print(line)
+    console.print("[dim]steal: the ranks' compute in wall over CPU seconds (1.00: a CPU per rank, as predicted)[/]")
     if measured.get("note"):
         console.print(f"[dim]{measured['note']}[/]")
