@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,6 +114,42 @@ def test_rank_work_of_a_redundant_program_is_each_ranks_own_timing(choice) -> No
     devices = machine_devices_of(choice, [0.4, 0.6], [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
     for r in ([0.5, 0.5], [0.8, 0.2]):
         assert rank_work(choice, devices, r, [1.0, 2.0]) == pytest.approx([0.4, 0.6], rel=1e-9)
+
+
+def test_ranks_calibrated_to_their_own_program_model_its_time_as_their_work() -> None:
+    """With each rank's own program timed alone (`OneRank.own`: its shards at the plan's ratios),
+    `machine_devices` sets each rank's speed so the model's work of that rank's share is exactly
+    that time (hand-chosen 0.15 s and 0.05 s for an A100 + T4 pair's sharded GPT at 0.83 : 0.17),
+    and `rank_work` reads it back before the emulated stretch."""
+    from plait.commands.spmd_plan import machine_devices, rank_work, synthesize_plan
+
+    pair = str(Path(__file__).resolve().parents[1] / "bench" / "data" / "a100_t4_pair.yaml")
+    sharded = synthesize_plan("gpt:layers=2,hidden=128,heads=4,seq=64,vocab=256,dropout=0,attn_dropout=0",
+                              pair, 64, dtype="fp16")
+    assert any(s.splits_work for s in sharded.synthesis.program.strategies.values())
+    ratios = sharded.plan.spmd["ratios"]
+    cal = {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]}
+    devices = machine_devices(sharded, 0.2, [1.0, 4.8], cal, ratios, [0.15, 0.05])
+    assert rank_work(sharded, devices, ratios, [1.0, 4.8]) == pytest.approx([0.15, 0.05], rel=1e-9)
+    whole = machine_devices(sharded, 0.2, [1.0, 4.8], cal)  # calibrated to the whole program instead
+    assert rank_work(sharded, whole, ratios, [1.0, 4.8]) != pytest.approx([0.15, 0.05], rel=1e-2)
+
+
+def test_a_null_group_gives_each_uneven_collective_this_ranks_shape() -> None:
+    """`NullGroup` (timing one rank's program alone): rank 1 of sizes [3, 1] gets the gathered shape
+    with its own row in place, its own reduce-scattered row, and an all-to-all's re-sharded shape."""
+    import torch
+
+    from plait.runtime.comm import NullGroup
+
+    g = NullGroup(2, 1)
+    x = torch.arange(1.0, 3.0).reshape(1, 2)
+    out = g.all_gather_uneven(x, [3, 1], 0, "t")
+    assert out.shape == (4, 2) and torch.equal(out[3], x[0]) and not out[:3].any()
+    whole = torch.arange(8.0).reshape(4, 2)
+    assert torch.equal(g.reduce_scatter_uneven(whole, [3, 1], 0, "t"), whole[3:])
+    y = torch.ones(1, 6)  # rank 1: 1 of 4 rows of dim 0, all 6 of dim 1 -> all 4 rows, 2 of 6 columns
+    assert g.all_to_all_uneven(y, [3, 1], 0, [4, 2], 1, "t").shape == (4, 2)
 
 
 def machine_devices_of(choice, one, slow, calibration):

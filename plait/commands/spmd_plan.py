@@ -139,6 +139,7 @@ class OneRank:
     program: Any  # forward + backward of the aten ops
     loss: Any  # the loss on the whole outputs, forward + backward
     optimizer: Any  # one optimizer step over every parameter
+    own: Any = None  # each rank's own program alone (its shards, its conversions' local work), fwd + bwd
 
 
 def program_seconds(choice: SpmdChoice, repeats: int = 3, optimizer: str = "adam") -> OneRank:
@@ -170,15 +171,21 @@ def ranks_timing(calibration: dict[str, Any], clock: str = "cpu") -> OneRank | N
     def read(t: dict[str, Any], part: str) -> float:
         return float(t.get(f"{part}_cpu", t[part]) if clock == "cpu" else t[part])
 
-    return OneRank(*(np.mean([[read(r, k) for r in t] for t in taken], axis=0) for k in ("program", "loss", "optimizer")))
+    parts = [np.mean([[read(r, k) for r in t] for t in taken], axis=0) for k in ("program", "loss", "optimizer")]
+    own = None
+    if all("own" in r for t in taken for r in t):
+        own = np.mean([[read(r, "own") for r in t] for t in taken], axis=0)
+    return OneRank(*parts, own=own)
 
 
 def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
-                    calibration: dict[str, Any]) -> Any:
+                    calibration: dict[str, Any], ratios: Any = None, own_s: Any = None) -> Any:
     """`plait.spmd.cost.Devices` of this machine's emulated ranks: the fastest kind's FLOP/s and
     memory bandwidth scaled so the program's modelled work takes `one_rank_s` (one figure, or one
     per rank: each rank's own speed), each rank slowed by its emulated factor; links alpha-beta
-    fitted to the ranks' all-gathers (`fit_links`)."""
+    fitted to the ranks' all-gathers (`fit_links`). With `own_s` (each rank's own program at
+    `ratios`, timed alone: `OneRank.own`) each rank's speed is set so the model's work of its share
+    takes that long instead: its shard shapes and its conversions' local work are then in it."""
     from plait.cost.collectives import GroupLinks
     from plait.spmd.cost import Devices, op_work
 
@@ -187,6 +194,8 @@ def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
     one = Devices(dev.names[:1], dev.flops[fastest:fastest + 1], dev.mem_bw[fastest:fastest + 1],
                   dev.memory[:1], dev.links)
     work = sum(float(op_work(op, choice.run_graph, one)[0]) for op in choice.run_graph.ops)
+    if own_s is not None and ratios is not None:  # the whole program's time at each rank's own speed
+        one_rank_s = np.asarray(own_s, dtype=float) * work / share_work(choice, one, ratios, dev.n)
     scale = work / np.asarray(one_rank_s, dtype=float)  # each CPU is `scale` x the fastest kind's modelled speed
     slow = np.asarray(slowdowns, dtype=float)
     n = dev.n
@@ -269,6 +278,22 @@ def machine_pieces(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank |
     whole = sum(graph.tensors[t].numel for t in compiled.stored)
     out["optimizer"] = float(np.max(np.asarray(one.optimizer) * slow * elements / max(whole, 1)))
     return out
+
+
+def share_work(choice: SpmdChoice, unit: Any, ratios: Any, n: int) -> np.ndarray:
+    """Modelled work of each of `n` ranks' shares on one device `unit` (`Devices` of one): its
+    share of each split op, all of each redundant one."""
+    from plait.spmd.cost import op_work
+
+    r = np.atleast_2d(np.asarray(ratios, dtype=float))
+    strategies = choice.synthesis.program.strategies
+    segs = choice.synthesis.segments
+    of_op = segs.of_op if segs is not None else {}
+    total = np.zeros(n)
+    for op in choice.run_graph.ops:
+        w = float(op_work(op, choice.run_graph, unit)[0])
+        total += w * r[of_op.get(op.name, 0)] if strategies[op.name].splits_work else w
+    return total
 
 
 def rank_work(choice: SpmdChoice, devices: Any, ratios: Any, slowdowns: list[float]) -> list[float]:
@@ -374,7 +399,7 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) ->
             timing = ranks_timing(calibration) if calibration else None
             if timing is None:
                 continue
-            devices = machine_devices(choice, timing.program, slow, calibration)
+            devices = machine_devices(choice, timing.program, slow, calibration, plan.spmd["ratios"], timing.own)
             pieces = machine_pieces(choice, devices, plan.spmd["ratios"], timing, slow)
             pred = sum(pieces.values())
             meas = out[name]["measured_iteration_s"]

@@ -40,7 +40,7 @@ import torch
 
 from plait.graph.aten_capture import capture_aten
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, parse_link_faults
+from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import load_model_spec, make_samples
@@ -101,6 +101,23 @@ def whole_program_seconds(graph: Any, module: torch.nn.Module, loss_fn: Any, inp
 PROGRAM_REPEATS = 5  # timed passes of the whole program per calibration (after one warm-up)
 
 
+def own_program_seconds(program: Any, rank: int, module: torch.nn.Module, inputs: Any, keep: frozenset[str],
+                        repeats: int = PROGRAM_REPEATS) -> dict[str, float]:
+    """Median seconds of this rank's own program (its shards, its conversions' local work) alone:
+    its collectives on a `NullGroup` (this rank's result shape, no peers, no transfer); forward +
+    backward, wall ("own") and this thread's CPU ("own_cpu"). `module`: pass a copy."""
+    runner = RankProgram(program, rank, NullGroup(program.world, rank), Spans(None))
+    runner.load(module)
+    rows = []
+    for _ in range(repeats + 1):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        outs = runner.forward(inputs, keep)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        rows.append((time.perf_counter() - t0, time.thread_time() - c0))
+    wall, cpu = zip(*rows[1:])
+    return {"own": statistics.median(wall), "own_cpu": statistics.median(cpu)}
+
+
 def program_timings(model: torch.nn.Module, spec: Any, graph: Any, batch: int, samples: Any,
                     optimizer: dict[str, Any]) -> dict[str, Any]:
     """`whole_program_seconds` at the global `batch` (`graph`, the program's capture) on a copy of
@@ -158,8 +175,10 @@ class SpmdWorker(RankConfig):
         aliases, buffers = aliases_of(model), persistent_buffers(model)
         timing = copy.deepcopy(model) if cfg.get("spmd_calibrate") else None  # the whole program's, side by side
         del model
-        timed = (lambda: program_timings(timing, spec, graph, batch, lambda k: make_samples(spec, 0, k, data_seed),
-                                         cfg["optimizer"])) if timing is not None else None
+        timed = (lambda: {**program_timings(timing, spec, graph, batch, lambda k: make_samples(spec, 0, k, data_seed),
+                                            cfg["optimizer"]),
+                          **own_program_seconds(program, self.rank, copy.deepcopy(timing), fetch(0)[0], keep)}
+                 ) if timing is not None else None
         opt = make_optimizer(leaves, cfg["optimizer"])
         stepper = SpmdStep(leaves, opt)
         if cfg.get("clip_grad"):
