@@ -8,13 +8,14 @@ with `--run` train it (and the same program at even ratios) on the emulated clus
 Predictions: on the cluster's GPUs, `plait.spmd`'s cost model (`Synthesis.cost`). For this
 machine (`--run` on an emulated cluster) the same cost model on this machine's devices
 (`machine_devices`, `machine_pieces`): each rank's compute speed is its own, measured by the
-ranks of each run timing the whole program side by side before and after their steps on the CPU
-clock (so the interpreter's overhead is in it, and other jobs' load is not), divided by the
-rank's emulated slowdown; its links are alpha-beta fitted to all-gathers the ranks time before
-training (`spmd_calibrate`). Added: the outputs' gather, the loss, its all-reduce and each rank's
-optimizer step. Not in the prediction: the sharded program's own host work per collective (its
-conversions: a few ms per step per rank, stretched by a slow rank's slowdown) and the step's
-bookkeeping between spans (`step_pieces` measures both).
+ranks of each run side by side before and after their steps on the CPU clock (so the
+interpreter's overhead is in it, and other jobs' load is not): each rank's own program alone (its
+shards at the plan's ratios, its conversions' local work; collectives on a `NullGroup`), and the
+whole program; divided by the rank's emulated slowdown. Its links are alpha-beta fitted to
+all-gathers the ranks time before training (`spmd_calibrate`). Added: the outputs' gather, the
+loss, its all-reduce and each rank's optimizer step. Not in the prediction: the steps' host work
+between spans and what the compute spans lose to cold caches after each collective and sleep (a
+few ms per step per rank, stretched by a slow rank's slowdown; `step_pieces` measures them).
 """
 
 from __future__ import annotations
