@@ -299,7 +299,8 @@ def share_work(choice: SpmdChoice, unit: Any, ratios: Any, n: int) -> np.ndarray
 
 def rank_work(choice: SpmdChoice, devices: Any, ratios: Any, slowdowns: list[float]) -> list[float]:
     """Each rank's modelled compute of the program's ops before its emulated stretch (its share of
-    each split op, all of each redundant one): what `step_pieces` measures as the rank's "cpu"."""
+    each split op, all of each redundant one): to set beside `step_pieces`' "cpu" of the rank, which
+    also holds its loss and optimizer spans (`machine_pieces`' "loss" and "optimizer", stretched)."""
     from plait.spmd.cost import op_work
 
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
