@@ -56,3 +56,22 @@ def test_extra_time_stretches_the_span() -> None:
     assert extra_time(0.01, 3.0) == pytest.approx(0.02)
     assert extra_time(0.01, 1.0) == 0.0
     assert extra_time(-1.0, 2.0) == 0.0
+
+
+def test_a_compute_span_records_its_cpu_seconds_apart_from_the_stretch() -> None:
+    """`Recorder.compute` stores the span's thread CPU seconds (`cpu_s`): a span that sleeps half its
+    time and spins the other half has cpu_s about the spin, its work (`compute_s`) both, and the
+    emulated stretch (factor 2) is in neither."""
+    import time
+
+    from plait.runtime.recorder import Recorder
+
+    rec = Recorder(0, 0, 0, slowdown=2.0)
+    with rec.compute("forward", "forward"):
+        time.sleep(0.05)
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+    ev = rec.events[-1]
+    assert 0.05 <= ev.args["cpu_s"] < 0.08
+    assert ev.args["compute_s"] >= 0.1 and ev.duration >= 2 * ev.args["compute_s"] - 1e-3

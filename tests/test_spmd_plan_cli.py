@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,6 +48,108 @@ def test_the_machine_model_is_calibrated_to_what_was_measured(choice) -> None:
     assert work[0] == pytest.approx(0.5, rel=1e-9) and work[1] == pytest.approx(0.8, rel=1e-9)
     for s, t in rows:
         assert collective_time("all_gather", s, devices.links) == pytest.approx(t, rel=1e-6)
+
+
+def test_each_rank_is_calibrated_to_its_own_timing(choice) -> None:
+    """`--run`'s ranks time the whole program side by side (`program_s` before, `program_s_after`
+    after the steps): each rank's speed is its own mean, so a rank whose CPU was 1.5x slower
+    models 1.5x the work on top of its emulated slowdown (hand-computed: 0.4 and 0.6 s, x1 and x2)."""
+    from plait.commands.spmd_plan import ranks_timing
+    from plait.spmd.cost import op_work
+
+    cal = {"all_gather": [[8e3, 1e-4], [8e6, 2e-2]],
+           "program_s": [{"program": 0.3, "loss": 0.01, "optimizer": 0.02},
+                         {"program": 0.5, "loss": 0.03, "optimizer": 0.04}],
+           "program_s_after": [{"program": 0.5, "loss": 0.03, "optimizer": 0.02},
+                               {"program": 0.7, "loss": 0.01, "optimizer": 0.06}]}
+    one = ranks_timing(cal)
+    np.testing.assert_allclose(one.program, [0.4, 0.6])
+    np.testing.assert_allclose(one.loss, [0.02, 0.02])
+    np.testing.assert_allclose(one.optimizer, [0.02, 0.05])
+    assert ranks_timing({"all_gather": []}) is None
+    devices = machine_devices_of(choice, one.program, [1.0, 2.0], cal)
+    work = sum(op_work(op, choice.graph, devices) for op in choice.graph.ops)
+    np.testing.assert_allclose(work, [0.4, 0.6 * 2.0], rtol=1e-9)
+
+
+def test_per_rank_loss_and_optimizer_take_the_slowest_rank(choice) -> None:
+    """The loss and optimizer step added to a program's time are the slowest rank's: its own
+    timing x its emulated slowdown x its share (hand-computed for a replicated program: every rank
+    computes the whole loss: max(0.01 x 1, 0.02 x 2) = 0.04; a loss on batch shards, each rank its
+    half of the rows: 0.02)."""
+    from plait.commands.spmd_plan import OneRank, machine_prediction
+    from plait.spmd.stage import batch_loss_output
+
+    devices = machine_devices_of(choice, 0.5, [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
+    segs = choice.synthesis.segments.count if choice.synthesis.segments else 1
+    r = np.full((segs, 2), 0.5)
+    none = OneRank(program=0.5, loss=np.zeros(2), optimizer=np.zeros(2))
+    base = machine_prediction(choice, devices, r, none, [1.0, 2.0])
+    loss = machine_prediction(choice, devices, r, OneRank(0.5, np.array([0.01, 0.02]), np.zeros(2)), [1.0, 2.0])
+    sharded = batch_loss_output(choice.run_graph, choice.synthesis.program.strategies) is not None
+    assert loss - base == pytest.approx(0.02 if sharded else 0.04, rel=1e-9)
+
+
+def test_links_are_fitted_in_relative_error() -> None:
+    """gloo all-gathers timed on an idle 16-core machine (2 ranks, loopback): the fit weights each
+    size alike, so the 8 KB row keeps its latency (an unweighted fit gave alpha 0.096 ms and priced
+    it at 32 % of its time). Expected figures: weighted least squares by hand (numpy lstsq on the
+    rows divided by their times)."""
+    from plait.commands.spmd_plan import fit_links
+
+    rows = np.array([[8192, 3.33708e-4], [131072, 4.234e-4], [2097152, 1.921997e-3], [8388608, 9.688358e-3]])
+    alpha, bw = fit_links(rows, 2)
+    assert alpha == pytest.approx(3.1454e-4, rel=1e-3) and bw == pytest.approx(5.5608e8, rel=1e-3)
+    assert alpha + 0.5 * 8192 / bw == pytest.approx(3.33708e-4, rel=0.05)
+    exact = np.array([[s, 2e-4 + 0.5 * s / 5e8] for s in (8e3, 1.3e5, 2e6, 8e6)])
+    assert fit_links(exact, 2) == pytest.approx((2e-4, 5e8), rel=1e-9)
+
+
+def test_rank_work_of_a_redundant_program_is_each_ranks_own_timing(choice) -> None:
+    """`rank_work` (what a rank computes before its stretch): this tiny BERT's program splits no op,
+    so each rank computes it whole, at any ratios -- its own timing (0.4 s, 0.6 s), not stretched."""
+    from plait.commands.spmd_plan import rank_work
+
+    assert not any(s.splits_work for s in choice.synthesis.program.strategies.values())
+    devices = machine_devices_of(choice, [0.4, 0.6], [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
+    for r in ([0.5, 0.5], [0.8, 0.2]):
+        assert rank_work(choice, devices, r, [1.0, 2.0]) == pytest.approx([0.4, 0.6], rel=1e-9)
+
+
+def test_ranks_calibrated_to_their_own_program_model_its_time_as_their_work() -> None:
+    """With each rank's own program timed alone (`OneRank.own`: its shards at the plan's ratios),
+    `machine_devices` sets each rank's speed so the model's work of that rank's share is exactly
+    that time (hand-chosen 0.15 s and 0.05 s for an A100 + T4 pair's sharded GPT at 0.83 : 0.17),
+    and `rank_work` reads it back before the emulated stretch."""
+    from plait.commands.spmd_plan import machine_devices, rank_work, synthesize_plan
+
+    pair = str(Path(__file__).resolve().parents[1] / "bench" / "data" / "a100_t4_pair.yaml")
+    sharded = synthesize_plan("gpt:layers=2,hidden=128,heads=4,seq=64,vocab=256,dropout=0,attn_dropout=0",
+                              pair, 64, dtype="fp16")
+    assert any(s.splits_work for s in sharded.synthesis.program.strategies.values())
+    ratios = sharded.plan.spmd["ratios"]
+    cal = {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]}
+    devices = machine_devices(sharded, 0.2, [1.0, 4.8], cal, ratios, [0.15, 0.05])
+    assert rank_work(sharded, devices, ratios, [1.0, 4.8]) == pytest.approx([0.15, 0.05], rel=1e-9)
+    whole = machine_devices(sharded, 0.2, [1.0, 4.8], cal)  # calibrated to the whole program instead
+    assert rank_work(sharded, whole, ratios, [1.0, 4.8]) != pytest.approx([0.15, 0.05], rel=1e-2)
+
+
+def test_a_null_group_gives_each_uneven_collective_this_ranks_shape() -> None:
+    """`NullGroup` (timing one rank's program alone): rank 1 of sizes [3, 1] gets the gathered shape
+    with its own row in place, its own reduce-scattered row, and an all-to-all's re-sharded shape."""
+    import torch
+
+    from plait.runtime.comm import NullGroup
+
+    g = NullGroup(2, 1)
+    x = torch.arange(1.0, 3.0).reshape(1, 2)
+    out = g.all_gather_uneven(x, [3, 1], 0, "t")
+    assert out.shape == (4, 2) and torch.equal(out[3], x[0]) and not out[:3].any()
+    whole = torch.arange(8.0).reshape(4, 2)
+    assert torch.equal(g.reduce_scatter_uneven(whole, [3, 1], 0, "t"), whole[3:])
+    y = torch.ones(1, 6)  # rank 1: 1 of 4 rows of dim 0, all 6 of dim 1 -> all 4 rows, 2 of 6 columns
+    assert g.all_to_all_uneven(y, [3, 1], 0, [4, 2], 1, "t").shape == (4, 2)
 
 
 def machine_devices_of(choice, one, slow, calibration):
@@ -128,8 +231,8 @@ def test_bench_spmd_run_core_on_a_tiny_case() -> None:
     spec = importlib.util.spec_from_file_location("spmd_run_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    model, batch = bench.QUICK[0]
-    row = bench.measure(model, batch, bench.CLUSTER, 2)
+    model, batch, cluster = bench.QUICK[0]
+    row = bench.measure(model, batch, cluster, 2)
     assert row["ranks"] == 2 and row["uneven"]["measured_iteration_s"] > 0 and row["even"]["losses"]
     assert row["uneven"]["predicted_machine_s"] > 0
 
@@ -215,3 +318,26 @@ def test_the_spmd_family_captures_and_prices_at_the_plans_dtype(tmp_path) -> Non
                            dtype="fp16", max_states=20_000).cost for dt in ("fp16", "fp32")}
     assert plan.spmd["predicted_s"] == pytest.approx(cost["fp16"], rel=1e-12)
     assert cost["fp16"] < cost["fp32"]  # fp32 bytes would price its messages twice as large
+
+
+def test_step_pieces_split_a_measured_step_by_rank() -> None:
+    """`step_pieces` on a hand-made step of 1.0 s: rank 0 computes 0.3 s (0.2 s of CPU: other jobs
+    took the rest) and waits 0.5 s in a collective; rank 1 computes 0.2 s stretched to 0.8 s (an
+    emulated kind 4x slower) with a 0.1 s collective. "other" is the step less the spans; `steal`
+    is wall over CPU seconds of the compute (0.5 / 0.4)."""
+    from types import SimpleNamespace
+
+    from plait.commands.spmd_plan import steal, step_pieces
+    from plait.ir.timeline import Timeline, TimelineEvent
+
+    def ev(rank, kind, start, end, **args):
+        return TimelineEvent("x", "spmd", f"dev{rank}/{kind}", start, end, rank, 0, None,
+                             {"rank": rank, "step": 0, **args})
+
+    events = [ev(0, "compute", 0.0, 0.3, compute_s=0.3, cpu_s=0.2), ev(0, "comm", 0.3, 0.8),
+              ev(1, "compute", 0.0, 0.8, compute_s=0.2, cpu_s=0.2), ev(1, "comm", 0.8, 0.9)]
+    res = SimpleNamespace(steps=[0], step_bounds=[(0.0, 1.0)], timeline=Timeline(events, "measured"))
+    got = step_pieces(res, skip=0)
+    assert got["0"] == pytest.approx({"work": 0.3, "stretch": 0.0, "comm": 0.5, "cpu": 0.2, "other": 0.2})
+    assert got["1"] == pytest.approx({"work": 0.2, "stretch": 0.6, "comm": 0.1, "cpu": 0.2, "other": 0.1})
+    assert steal(got) == pytest.approx(0.5 / 0.4)

@@ -6,11 +6,16 @@ with `--run` train it (and the same program at even ratios) on the emulated clus
     plait plan --family spmd ... --run                                 # predicted vs measured, vs even
 
 Predictions: on the cluster's GPUs, `plait.spmd`'s cost model (`Synthesis.cost`). For this
-machine (`--run` on an emulated cluster) the same cost model on this machine's devices: each
-rank's compute speed is this CPU's, measured by timing the whole program on one rank (so the
-interpreter's own overhead is in it), divided by the rank's emulated slowdown; its links are
-alpha-beta fitted to all-gathers the ranks time before training (`spmd_calibrate`). Not in the
-prediction: the optimizer step and the loss on the gathered outputs (a few percent here).
+machine (`--run` on an emulated cluster) the same cost model on this machine's devices
+(`machine_devices`, `machine_pieces`): each rank's compute speed is its own, measured by the
+ranks of each run side by side before and after their steps on the CPU clock (so the
+interpreter's overhead is in it, and other jobs' load is not): each rank's own program alone (its
+shards at the plan's ratios, its conversions' local work; collectives on a `NullGroup`), and the
+whole program; divided by the rank's emulated slowdown. Its links are alpha-beta fitted to
+all-gathers the ranks time before training (`spmd_calibrate`). Added: the outputs' gather, the
+loss, its all-reduce and each rank's optimizer step. Not in the prediction: the steps' host work
+between spans and what the compute spans lose to cold caches after each collective and sleep (a
+few ms per step per rank, stretched by a slow rank's slowdown; `step_pieces` measures them).
 """
 
 from __future__ import annotations
@@ -129,60 +134,59 @@ def search_result(choice: SpmdChoice, seconds: float) -> Any:
 # ----------------------------------------------------------------------------- this machine
 @dataclass
 class OneRank:
-    """Seconds of the whole program's parts on one rank of this machine (one thread, every op whole)."""
+    """Seconds of the whole program's parts on one rank of this machine (one thread, every op
+    whole): one figure for every rank, or an array with each rank's own."""
 
-    program: float  # forward + backward of the aten ops
-    loss: float  # the loss on the whole outputs, forward + backward
-    optimizer: float  # one optimizer step over every parameter
+    program: Any  # forward + backward of the aten ops
+    loss: Any  # the loss on the whole outputs, forward + backward
+    optimizer: Any  # one optimizer step over every parameter
+    own: Any = None  # each rank's own program alone (its shards, its conversions' local work), fwd + bwd
 
 
 def program_seconds(choice: SpmdChoice, repeats: int = 3, optimizer: str = "adam") -> OneRank:
-    """Median seconds of the program's parts on one rank of this machine: what the cost model's work
-    is calibrated to (the interpreter's own overhead included)."""
-    import torch
-
+    """Median seconds of the program's parts on one rank of this machine, in this process
+    (`plait.runtime.spmd_worker.whole_program_seconds`; `--run` takes the same timing inside
+    the ranks, side by side, before and after their steps)."""
     from plait.graph.zoo import load_model
-    from plait.runtime.data_parallel import make_optimizer
     from plait.runtime.partition import make_samples
-    from plait.runtime.spmd_program import RankProgram, compile_program
-    from plait.spmd.rules import strategies
+    from plait.runtime.spmd_worker import whole_program_seconds
 
     spec = load_model(choice.model)
-    module = spec.build(seed=0)
-    graph = choice.run_graph
-    whole = {op.name: strategies(op, graph, 1)[0] for op in graph.ops}
-    runner = RankProgram(compile_program(graph, whole, [1.0], 1), 0)
-    leaves = runner.load(module)
-    opt = make_optimizer(leaves, {"name": optimizer, "lr": 1e-6})
     inputs, target = make_samples(spec, 0, choice.plan.global_batch, 0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    rows = []
-    try:
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            outs = runner.forward(inputs)
-            t1 = time.perf_counter()
-            held = [o.detach().requires_grad_() for o in outs]
-            spec.loss(held[0] if len(held) == 1 else tuple(held), target).backward()
-            t2 = time.perf_counter()
-            torch.autograd.backward(outs, [h.grad for h in held])
-            t3 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t4 = time.perf_counter()
-            rows.append(((t1 - t0) + (t3 - t2), t2 - t1, t4 - t3))
-    finally:
-        torch.set_num_threads(threads)
-    cols = list(zip(*rows[1:]))
-    return OneRank(*(statistics.median(c) for c in cols))
+    t = whole_program_seconds(choice.run_graph, spec.build(seed=0), spec.loss, inputs, target, {"name": optimizer},
+                              repeats, threads=1)
+    return OneRank(t["program"], t["loss"], t["optimizer"])
 
 
-def machine_devices(choice: SpmdChoice, one_rank_s: float, slowdowns: list[float],
-                    calibration: dict[str, Any]) -> Any:
+def ranks_timing(calibration: dict[str, Any], clock: str = "cpu") -> OneRank | None:
+    """Each rank's whole-program timing from the run's calibration (`program_s` before the steps,
+    `program_s_after` after them; their mean per rank), as per-rank arrays; None without them.
+
+    `clock` "cpu": the ranks' thread CPU seconds -- what each part costs with a CPU to the rank,
+    as the prediction assumes, whatever else shares the machine (wall seconds under other jobs'
+    load run 1.5-8x longer, and by how much changes from second to second); "wall": wall seconds."""
+    taken = [calibration[k] for k in ("program_s", "program_s_after") if calibration.get(k)]
+    if not taken:
+        return None
+
+    def read(t: dict[str, Any], part: str) -> float:
+        return float(t.get(f"{part}_cpu", t[part]) if clock == "cpu" else t[part])
+
+    parts = [np.mean([[read(r, k) for r in t] for t in taken], axis=0) for k in ("program", "loss", "optimizer")]
+    own = None
+    if all("own" in r for t in taken for r in t):
+        own = np.mean([[read(r, "own") for r in t] for t in taken], axis=0)
+    return OneRank(*parts, own=own)
+
+
+def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
+                    calibration: dict[str, Any], ratios: Any = None, own_s: Any = None) -> Any:
     """`plait.spmd.cost.Devices` of this machine's emulated ranks: the fastest kind's FLOP/s and
-    memory bandwidth scaled so the program's modelled work takes `one_rank_s`, each rank slowed by
-    its emulated factor; links alpha-beta fitted to the ranks' all-gathers."""
+    memory bandwidth scaled so the program's modelled work takes `one_rank_s` (one figure, or one
+    per rank: each rank's own speed), each rank slowed by its emulated factor; links alpha-beta
+    fitted to the ranks' all-gathers (`fit_links`). With `own_s` (each rank's own program at
+    `ratios`, timed alone: `OneRank.own`) each rank's speed is set so the model's work of its share
+    takes that long instead: its shard shapes and its conversions' local work are then in it."""
     from plait.cost.collectives import GroupLinks
     from plait.spmd.cost import Devices, op_work
 
@@ -191,26 +195,45 @@ def machine_devices(choice: SpmdChoice, one_rank_s: float, slowdowns: list[float
     one = Devices(dev.names[:1], dev.flops[fastest:fastest + 1], dev.mem_bw[fastest:fastest + 1],
                   dev.memory[:1], dev.links)
     work = sum(float(op_work(op, choice.run_graph, one)[0]) for op in choice.run_graph.ops)
-    scale = work / one_rank_s  # the CPU is `scale` times the fastest kind's modelled speed
+    if own_s is not None and ratios is not None:  # the whole program's time at each rank's own speed
+        one_rank_s = np.asarray(own_s, dtype=float) * work / share_work(choice, one, ratios, dev.n)
+    scale = work / np.asarray(one_rank_s, dtype=float)  # each CPU is `scale` x the fastest kind's modelled speed
     slow = np.asarray(slowdowns, dtype=float)
     n = dev.n
-    rows = np.asarray(calibration["all_gather"], dtype=float)  # [total bytes, seconds]
-    # ring all-gather: t = (n-1) a + (n-1)/n S / B  (plait.cost.collectives.ring_all_gather_time)
-    design = np.column_stack([np.full(len(rows), n - 1.0), (n - 1.0) / n * rows[:, 0]])
-    (alpha, inv_bw), *_ = np.linalg.lstsq(design, rows[:, 1], rcond=None)
-    alpha, bw = max(float(alpha), 0.0), 1.0 / max(float(inv_bw), 1e-15)
+    # the least of each size's repeats when the run gives them: the links undisturbed by other jobs
+    # (as the compute on the CPU clock), the median otherwise
+    alpha, bw = fit_links(np.asarray(calibration.get("all_gather_min") or calibration["all_gather"], dtype=float), n)
     links = GroupLinks(n, bw, alpha, 1, n, bw, alpha, bw, alpha)
     return Devices(dev.names, dev.flops[fastest] * scale / slow, dev.mem_bw[fastest] * scale / slow, dev.memory,
                    links)
 
 
+def fit_links(rows: np.ndarray, n: int) -> tuple[float, float]:
+    """(alpha seconds, bandwidth bytes/s) of the ring all-gather ``t = (n-1) a + (n-1)/n S / B``
+    (`plait.cost.collectives.ring_all_gather_time`) fitted to `rows` of [total bytes, seconds] in
+    relative error (each row weighted by 1 / its time): every size counts alike, so the small
+    messages that SPMD programs of this machine's size mostly move keep their latency (an
+    unweighted fit, led by the 8 MB row, put alpha at 0 and priced 8 KB gathers 3x too fast)."""
+    design = np.column_stack([np.full(len(rows), n - 1.0), (n - 1.0) / n * rows[:, 0]])
+    weight = 1.0 / np.maximum(rows[:, 1], 1e-12)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(design * weight[:, None], rows[:, 1] * weight, rcond=None)
+    return max(float(alpha), 0.0), 1.0 / max(float(inv_bw), 1e-15)
+
+
 def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank | None = None,
                        slowdowns: list[float] | None = None) -> float:
-    """The program's iteration on this machine's `devices`: `plait.spmd`'s cost (ops and their
-    collectives at the ratios) plus what the runtime adds around it -- the outputs' gather to
-    every rank, the loss (the slowest rank finishes last) and each rank's
-    optimizer step over its own parameter elements (`one`, `slowdowns`). An output left in
-    batch shards is not gathered: each rank computes the loss on its own rows."""
+    """The program's iteration on this machine's `devices`: the sum of `machine_pieces`."""
+    return sum(machine_pieces(choice, devices, ratios, one, slowdowns).values())
+
+
+def machine_pieces(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank | None = None,
+                   slowdowns: list[float] | None = None) -> dict[str, float]:
+    """The program's iteration on this machine's `devices`, piece by piece: `plait.spmd`'s cost
+    of its ops ("compute") and of their collectives ("comm") at the ratios, plus what the runtime
+    adds around them (with `one`, `slowdowns`) -- the outputs' gather to every rank ("gather"),
+    the loss (the slowest rank finishes last), the all-reduce of the step's loss when each rank
+    computed it on its own batch rows ("loss_comm": nothing gathered then) and each rank's
+    optimizer step over its own parameter elements."""
     from plait.runtime.spmd_program import compile_program
     from plait.spmd.cost import comm_time
     from plait.spmd.placement import Comm, shard_dim
@@ -223,22 +246,25 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
     program = choice.machine_program()
     segs = syn.segments or Segments.single(problem, program)
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
-    total = segmented_cost(problem, program, segs, r)
+    compute = segmented_cost(problem, dataclasses.replace(program, comms=[]), segs, r)
+    out = {"compute": compute, "comm": segmented_cost(problem, program, segs, r) - compute}
     if one is None:
-        return total
+        return out
     graph = choice.run_graph
-    made = {t: p for op in graph.ops for t, p in zip(op.outputs, syn.program.strategies[op.name].outputs)}
     slow = np.asarray(slowdowns if slowdowns is not None else np.ones(devices.n), dtype=float)
+    made = {t: p for op in graph.ops for t, p in zip(op.outputs, syn.program.strategies[op.name].outputs)}
     batch_loss = batch_loss_output(graph, syn.program.strategies) if len(graph.outputs) == 1 else None
     loss_share = np.ones(devices.n)  # each rank's part of the loss: all of it, or its batch rows
+    out["gather"] = out["loss_comm"] = 0.0
     for t in graph.outputs:
         d = shard_dim(made.get(t, "R"))
         g = segs.of_dim.get((t, d), 0) if d is not None and r.shape[0] > 1 else 0
-        if t == batch_loss:  # the worker's loss on its own rows: nothing gathered
+        if t == batch_loss:  # the worker's loss on its own rows, the step's loss all-reduced (one fp32)
             loss_share = r[g] / r[g].sum()
+            out["loss_comm"] = comm_time(Comm("all_reduce", t, 4), devices, r[g]) if devices.n > 1 else 0.0
         elif d is not None:
-            total += comm_time(Comm("all_gather", t, graph.tensors[t].nbytes, dim=d), devices, r[g])
-    total += one.loss * float(np.max(slow * loss_share))
+            out["gather"] += comm_time(Comm("all_gather", t, graph.tensors[t].nbytes, dim=d), devices, r[g])
+    out["loss"] = float(np.max(np.asarray(one.loss) * slow * loss_share))
     compiled = compile_program(graph, syn.program.strategies, r if r.shape[0] > 1 else r[0], devices.n,
                                homes=syn.program.homes)
     elements = np.zeros(devices.n)
@@ -251,20 +277,108 @@ def machine_prediction(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRa
             sizes = np.asarray(compiled.sizes[(t, d)], dtype=float)
             elements += numel * sizes / sizes.sum()
     whole = sum(graph.tensors[t].numel for t in compiled.stored)
-    total += one.optimizer * float(np.max(slow * elements / max(whole, 1)))
+    out["optimizer"] = float(np.max(np.asarray(one.optimizer) * slow * elements / max(whole, 1)))
+    return out
+
+
+def share_work(choice: SpmdChoice, unit: Any, ratios: Any, n: int) -> np.ndarray:
+    """Modelled work of each of `n` ranks' shares on one device `unit` (`Devices` of one): its
+    share of each split op, all of each redundant one."""
+    from plait.spmd.cost import op_work
+
+    r = np.atleast_2d(np.asarray(ratios, dtype=float))
+    strategies = choice.synthesis.program.strategies
+    segs = choice.synthesis.segments
+    of_op = segs.of_op if segs is not None else {}
+    total = np.zeros(n)
+    for op in choice.run_graph.ops:
+        w = float(op_work(op, choice.run_graph, unit)[0])
+        total += w * r[of_op.get(op.name, 0)] if strategies[op.name].splits_work else w
     return total
+
+
+def rank_work(choice: SpmdChoice, devices: Any, ratios: Any, slowdowns: list[float]) -> list[float]:
+    """Each rank's modelled compute of the program's ops before its emulated stretch (its share of
+    each split op, all of each redundant one): to set beside `step_pieces`' "cpu" of the rank, which
+    also holds its loss and optimizer spans (`machine_pieces`' "loss" and "optimizer", stretched)."""
+    from plait.spmd.cost import op_work
+
+    r = np.atleast_2d(np.asarray(ratios, dtype=float))
+    program = choice.machine_program()
+    segs = choice.synthesis.segments
+    of_op = segs.of_op if segs is not None else {}
+    total = np.zeros(devices.n)
+    for op in choice.run_graph.ops:
+        w = op_work(op, choice.run_graph, devices)
+        total += w * r[of_op.get(op.name, 0)] if program.strategies[op.name].splits_work else w
+    return (total / np.asarray(slowdowns, dtype=float)).tolist()
+
+
+WARMUP_STEPS = 2  # steps left out of the measured median (first calls, allocator growth)
+
+
+def step_pieces(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
+    """Where a measured step goes, per rank (median over the steps after `skip`): "work" (compute
+    spans before the emulated stretch), "stretch" (the sleep that emulates the slower kind),
+    "comm" (collectives, waiting on peers included), "other" (the step less all three: the
+    worker's own host time between spans, and a rank's wait for the last rank to end the step)
+    and "cpu" (the rank's thread CPU seconds in its compute spans: "work" less what other
+    processes took from it -- work/cpu is how much the machine's other load slowed the rank)."""
+    steps = res.steps[skip:] if len(res.steps) > skip else res.steps
+    bounds = dict(zip(res.steps, res.step_bounds))
+    rows: dict[int, dict[str, list[float]]] = {}
+    for step in steps:
+        t0, t1 = bounds[step]
+        per: dict[int, dict[str, float]] = {}
+        for e in res.timeline.events:
+            if e.args.get("step") != step or e.args.get("rank") is None:
+                continue
+            p = per.setdefault(int(e.args["rank"]), {"work": 0.0, "stretch": 0.0, "comm": 0.0, "cpu": 0.0})
+            if e.resource.endswith("/compute"):
+                own = e.duration - float(e.args.get("comm_inside", 0.0))
+                work = float(e.args.get("compute_s", own))
+                p["work"] += work
+                p["cpu"] += float(e.args.get("cpu_s", work))
+                p["stretch"] += own - work
+            else:
+                p["comm"] += e.duration
+        for r, p in per.items():
+            p["other"] = (t1 - t0) - p["work"] - p["stretch"] - p["comm"]  # "cpu" is part of "work"
+            for k, v in p.items():
+                rows.setdefault(r, {}).setdefault(k, []).append(v)
+    return {str(r): {k: statistics.median(v) for k, v in sorted(d.items())} for r, d in sorted(rows.items())}
+
+
+def steal(pieces: dict[str, Any]) -> float:
+    """The ranks' compute spans in wall seconds over their thread CPU seconds (`step_pieces`): how
+    much other jobs slowed the ranks (1 with a CPU per rank and nothing else running; NaN unknown)."""
+    cpu = sum(p.get("cpu", 0.0) for p in pieces.values())
+    return sum(p.get("work", 0.0) for p in pieces.values()) / cpu if cpu > 0 else float("nan")
+
+
+def measured_row(res: Any, skip: int = WARMUP_STEPS) -> dict[str, Any]:
+    """A run's measured iteration (median step after `skip` warm-up steps), the spread of those
+    steps (min, quartiles, max) and where the steps go (`step_pieces`)."""
+    times = res.iteration_times
+    kept = times[min(skip, max(0, len(times) - 1)):]
+    q = np.percentile(kept, [0, 25, 75, 100]).tolist() if kept else []
+    return {"measured_iteration_s": statistics.median(kept), "measured_spread_s": q, "measured_steps": len(kept),
+            "iteration_times_s": list(times), "losses": list(res.losses),
+            "collectives": (res.spmd or {}).get("moves"), "notes": list(res.notes),
+            "network": res.network.get("mode"), "pieces": (pieces := step_pieces(res, skip)), "steal": steal(pieces)}
 
 
 def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) -> dict[str, Any]:
     """Train the program and its even-ratio twin; predicted (this machine) next to measured.
 
-    This machine's speed drifts while other work runs: the one-rank timing is taken before,
-    between and after the two runs, and each run is predicted from the two timings around it."""
+    This machine's speed drifts while other work runs (other jobs share its CPUs): each run's
+    ranks time the whole program side by side before and after their steps, and time gloo's
+    all-gathers (`spmd_calibrate`); each run is predicted from its own ranks' timings."""
     from plait.measure.machine import SHARES
     from plait.runtime.api import rank_layout
     from plait.runtime.api import run as runtime_run
     from plait.runtime.config import LaunchConfig, RecordsConfig, TrainingConfig
-    from plait.runtime.cpu_share import ProcessCgroup, RankCgroups, pinned
+    from plait.runtime.cpu_share import RankCgroups, pinned
 
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
     cluster = choice.cluster
@@ -272,46 +386,32 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) ->
     training = TrainingConfig(dtype="fp32", optimizer="adam", lr=args.lr)
     records = RecordsConfig(spmd_calibrate=True)
     out: dict[str, Any] = {"slowdowns": slow, "dtype": "fp32", "emulated_dtype": choice.dtype}
-    # `pin`: each rank on its own CPU with a high cpu.shares (as plait.measure.machine does) and the
-    # one-rank timing under the same share. Off by default: on this 2-CPU machine shared with other
-    # jobs (load ~20) the pinned ranks ran 3-4x slower than the pinned one-rank timing, unpinned
-    # within -9 % to -23 % in most runs (bench/spmd_run.py, measured).
+    # `pin`: each rank on its own CPU with a high cpu.shares (as plait.measure.machine does); the
+    # ranks' whole-program timings run under the same shares. Off by default.
     world = choice.plan.world_size
     with RankCgroups(world, shares=SHARES, cpuset=pinned(world)) if pin else contextlib.nullcontext() as groups:
         out["pinned"] = bool(groups is not None and groups.active)
-
-        def one_rank() -> OneRank:
-            with ProcessCgroup(shares=SHARES, cpuset="0") if pin else contextlib.nullcontext():
-                return program_seconds(choice)
-
-        say("timing the program on one rank of this machine ...")
-        timings = [one_rank()]
-        results = {}
         for name, plan in (("uneven", choice.plan), ("even", choice.even_plan)):
             say(f"plait run: the {name} program ({args.steps} steps) ...")
             env = groups.env() if groups is not None and groups.active else None
             res = runtime_run(choice.model, cluster, plan, steps=args.steps, training=training, records=records,
                               launch=LaunchConfig(emulate_dtype=choice.dtype, env=env))
-            timings.append(one_rank())
-            times = res.iteration_times
-            skip = min(2, max(0, len(times) - 1))
-            results[name] = res
-            out[name] = {"measured_iteration_s": statistics.median(times[skip:]), "iteration_times_s": list(times),
-                         "losses": list(res.losses), "collectives": (res.spmd or {}).get("moves"),
-                         "notes": list(res.notes), "network": res.network.get("mode")}
-    out["one_rank_s"] = [dataclasses.asdict(t) for t in timings]
-    calibration = (results["uneven"].spmd or {}).get("calibration")
-    if calibration:
-        for i, (name, plan) in enumerate((("uneven", choice.plan), ("even", choice.even_plan))):
-            around = OneRank(*(statistics.mean(x) for x in zip(dataclasses.astuple(timings[i]),
-                                                                dataclasses.astuple(timings[i + 1]))))
-            devices = machine_devices(choice, around.program, slow, calibration)
-            out["links"] = {"alpha_s": devices.links.ring_latency, "bandwidth_Bps": devices.links.ring_bandwidth}
-            pred = machine_prediction(choice, devices, plan.spmd["ratios"], around, slow)
+            out[name] = measured_row(res)
+            calibration = (res.spmd or {}).get("calibration")
+            timing = ranks_timing(calibration) if calibration else None
+            if timing is None:
+                continue
+            devices = machine_devices(choice, timing.program, slow, calibration, plan.spmd["ratios"], timing.own)
+            pieces = machine_pieces(choice, devices, plan.spmd["ratios"], timing, slow)
+            pred = sum(pieces.values())
             meas = out[name]["measured_iteration_s"]
-            out[name].update({"predicted_machine_s": pred, "error": (meas - pred) / pred if pred > 0 else None})
+            out[name].update({"predicted_machine_s": pred, "predicted_pieces": pieces,
+                              "predicted_rank_work_s": rank_work(choice, devices, plan.spmd["ratios"], slow), "error": (meas - pred) / pred if pred > 0 else None,
+                              "one_rank_s": {k: np.asarray(v).tolist() for k, v in dataclasses.asdict(timing).items()},
+                              "links": {"alpha_s": devices.links.ring_latency,
+                                        "bandwidth_Bps": devices.links.ring_bandwidth}})
     out["measured_speedup_over_even"] = out["even"]["measured_iteration_s"] / out["uneven"]["measured_iteration_s"]
-    if "predicted_machine_s" in out["uneven"]:
+    if "predicted_machine_s" in out["uneven"] and "predicted_machine_s" in out["even"]:
         out["predicted_speedup_over_even"] = out["even"]["predicted_machine_s"] / out["uneven"]["predicted_machine_s"]
     import os
 
@@ -399,18 +499,19 @@ def _print(info: dict[str, Any], choice: SpmdChoice, measured: dict[str, Any] | 
                   f"fp32 CPU ranks slowed by their kind's {measured['emulated_dtype']} FLOP/s ratio "
                   f"{', '.join(f'{s:.2f}' for s in measured['slowdowns'])}):")
     rows = Table()
-    for col in ("program", "predicted (this machine)", "measured", "error", "losses"):
+    for col in ("program", "predicted (this machine)", "measured", "error", "steal", "losses"):
         rows.add_column(col, justify="right" if col != "program" else "left")
     for name in ("uneven", "even"):
         m = measured[name]
         err = m.get("error")
         rows.add_row(name, _ms(m.get("predicted_machine_s")), _ms(m["measured_iteration_s"]),
-                     f"{err * 100:+.1f} %" if err is not None else "-",
+                     f"{err * 100:+.1f} %" if err is not None else "-", f"{m.get('steal', float('nan')):.2f}",
                      ", ".join(f"{x:.3f}" for x in m["losses"]))
     console.print(rows)
     line = f"measured speedup over even sharding: {measured['measured_speedup_over_even']:.2f}x"
     if "predicted_speedup_over_even" in measured:
         line += f" (predicted {measured['predicted_speedup_over_even']:.2f}x)"
     console.print(line)
+    console.print("[dim]steal: the ranks' compute in wall over CPU seconds (1.00: a CPU per rank, as predicted)[/]")
     if measured.get("note"):
         console.print(f"[dim]{measured['note']}[/]")

@@ -329,6 +329,29 @@ class NullGroup:
                        **_: Any) -> None:
         return None
 
+    # the uneven collectives of an SPMD program (`plait.runtime.spmd_program`): this rank's result
+    # shape, its own rows in place and the others' zero -- to time one rank's program alone
+    def all_gather_uneven(self, x: torch.Tensor, sizes: list[int], dim: int, name: str, category: str = "comm",
+                          **_: Any) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] = sum(sizes)
+        out = x.new_zeros(shape)
+        out.narrow(dim, sum(sizes[:self.rank]), sizes[self.rank]).copy_(x)
+        return out
+
+    def reduce_scatter_uneven(self, x: torch.Tensor, sizes: list[int], dim: int, name: str,
+                              category: str = "comm", **_: Any) -> torch.Tensor:
+        return x.narrow(dim, sum(sizes[:self.rank]), sizes[self.rank]).clone()
+
+    def all_to_all_uneven(self, x: torch.Tensor, src_sizes: list[int], src_dim: int, dst_sizes: list[int],
+                          dst_dim: int, name: str, category: str = "comm", **_: Any) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[src_dim], shape[dst_dim] = sum(src_sizes), dst_sizes[self.rank]
+        out = x.new_zeros(shape)
+        mine = x.narrow(dst_dim, sum(dst_sizes[:self.rank]), dst_sizes[self.rank])
+        out.narrow(src_dim, sum(src_sizes[:self.rank]), src_sizes[self.rank]).copy_(mine)
+        return out
+
 
 # ---------------------------------------------------------------------------------- facade
 class Comm:

@@ -181,7 +181,8 @@ class RecordsConfig:
     return_params: bool = False
     """Return the full (unsharded) trained parameters in `RunResult.params`."""
     spmd_calibrate: bool = False
-    """SPMD plans: time the ranks' all-gathers first (`RunResult.spmd["calibration"]`)."""
+    """SPMD plans: time the ranks' all-gathers first, and the whole program on every rank side by side
+    before and after the steps (`RunResult.spmd["calibration"]`; `plait.runtime.spmd_worker`)."""
 
     def __post_init__(self) -> None:
         if self.comm_records not in (True, False, "alternate"):

@@ -186,11 +186,13 @@ class Recorder:
                 self.events.append(ev)
             return
         t0 = self.now()
+        c0 = time.thread_time()
         try:
             yield
         finally:
             comm = self._comm_inside.pop()
             t1 = self.now()
+            ev.args["cpu_s"] = time.thread_time() - c0  # this thread's CPU in the span: wall less what others took
             factor = self.slowdown * (self.inject_factor(self.step) if self.inject_factor is not None else 1.0)
             floor = self.compute_floor_s * _FLOOR_WEIGHT.get(category, 0.0)
             if factor > 1.0 or floor > 0.0:

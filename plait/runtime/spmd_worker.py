@@ -14,16 +14,22 @@ checkpoints (`checkpoint.every`, `resume_from`) hold the logical parameters and 
 (`plait.runtime.spmd_state`): a resume may run the program at other ratios, or another plan.
 
 Before training, ranks may time gloo's all-gather at a few sizes (`cfg["spmd_calibrate"]`): the
-alpha-beta figures of this machine's links that `plait plan --family spmd --run` predicts with.
+alpha-beta figures of this machine's links that `plait plan --family spmd --run` predicts with;
+with them, every rank times the whole (unsharded) program side by side with the others, before
+and after the measured steps (`whole_program_seconds`): each rank's own compute speed, taken by
+the processes that train, at the time they train (one-rank timings taken by another process
+before or after the run were 2-3x off the ranks' compute when other work shared the CPUs).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import resource
 import socket
+import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,7 +40,7 @@ import torch
 
 from plait.graph.aten_capture import capture_aten
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, parse_link_faults
+from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import load_model_spec, make_samples
@@ -44,9 +50,80 @@ from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
 from plait.runtime.spmd_state import SpmdStep, checkpoint_layout, make_clipper, persistent_buffers
 from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
+from plait.spmd.rules import strategies as op_strategies
 from plait.spmd.stage import batch_loss_output
 
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
+
+
+def whole_program_seconds(graph: Any, module: torch.nn.Module, loss_fn: Any, inputs: Any, target: torch.Tensor,
+                          optimizer: dict[str, Any], repeats: int = 3, threads: int | None = None
+                          ) -> dict[str, float]:
+    """Median seconds, over `repeats` passes after one warm-up, of the whole program (every op
+    unsharded, one rank, on `threads` threads: None keeps this process's, as a rank's) on `inputs`:
+    "program" (forward + backward of the aten ops through the interpreter, its own overhead
+    included), "loss" (forward + backward of the loss on the whole outputs) and "optimizer" (one
+    step over every parameter); each also as this thread's CPU seconds ("program_cpu", ...):
+    what the part costs with a CPU to itself, whatever else shares the machine. `module` is read
+    (parameters cloned) and its buffers may be updated: pass a copy."""
+    whole = {op.name: op_strategies(op, graph, 1)[0] for op in graph.ops}
+    runner = RankProgram(compile_program(graph, whole, [1.0], 1), 0)
+    leaves = runner.load(module)
+    opt = make_optimizer(leaves, {**optimizer, "lr": 1e-6})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    rows = []
+
+    def clocks() -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
+
+    try:
+        for _ in range(repeats + 1):
+            t0 = clocks()
+            outs = runner.forward(inputs)
+            t1 = clocks()
+            held = [o.detach().requires_grad_() for o in outs]
+            loss_fn(held[0] if len(held) == 1 else tuple(held), target).backward()
+            t2 = clocks()
+            torch.autograd.backward(outs, [h.grad for h in held])
+            t3 = clocks()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t4 = clocks()
+            rows.append([(t1[c] - t0[c]) + (t3[c] - t2[c]) for c in (0, 1)] + [t2[c] - t1[c] for c in (0, 1)]
+                        + [t4[c] - t3[c] for c in (0, 1)])
+    finally:
+        torch.set_num_threads(before)
+    names = ("program", "program_cpu", "loss", "loss_cpu", "optimizer", "optimizer_cpu")
+    return {k: statistics.median(c) for k, c in zip(names, zip(*rows[1:]))}
+
+
+PROGRAM_REPEATS = 5  # timed passes of the whole program per calibration (after one warm-up)
+
+
+def own_program_seconds(program: Any, rank: int, module: torch.nn.Module, inputs: Any, keep: frozenset[str],
+                        repeats: int = PROGRAM_REPEATS) -> dict[str, float]:
+    """Median seconds of this rank's own program (its shards, its conversions' local work) alone:
+    its collectives on a `NullGroup` (this rank's result shape, no peers, no transfer); forward +
+    backward, wall ("own") and this thread's CPU ("own_cpu"). `module`: pass a copy."""
+    runner = RankProgram(program, rank, NullGroup(program.world, rank), Spans(None))
+    runner.load(module)
+    rows = []
+    for _ in range(repeats + 1):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        outs = runner.forward(inputs, keep)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        rows.append((time.perf_counter() - t0, time.thread_time() - c0))
+    wall, cpu = zip(*rows[1:])
+    return {"own": statistics.median(wall), "own_cpu": statistics.median(cpu)}
+
+
+def program_timings(model: torch.nn.Module, spec: Any, graph: Any, batch: int, samples: Any,
+                    optimizer: dict[str, Any]) -> dict[str, Any]:
+    """`whole_program_seconds` at the global `batch` (`graph`, the program's capture) on a copy of
+    `model`; `samples(count)` gives (inputs, target)."""
+    return {"batch": batch, **whole_program_seconds(graph, copy.deepcopy(model), spec.loss, *samples(batch),
+                                                    optimizer, repeats=PROGRAM_REPEATS)}
 
 
 class SpmdWorker(RankConfig):
@@ -96,7 +173,12 @@ class SpmdWorker(RankConfig):
         keep = frozenset([batch_loss]) if batch_loss else frozenset()
         leaves = runner.load(model)
         aliases, buffers = aliases_of(model), persistent_buffers(model)
+        timing = copy.deepcopy(model) if cfg.get("spmd_calibrate") else None  # the whole program's, side by side
         del model
+        timed = (lambda: {**program_timings(timing, spec, graph, batch, lambda k: make_samples(spec, 0, k, data_seed),
+                                            cfg["optimizer"]),
+                          **own_program_seconds(program, self.rank, copy.deepcopy(timing), fetch(0)[0], keep)}
+                 ) if timing is not None else None
         opt = make_optimizer(leaves, cfg["optimizer"])
         stepper = SpmdStep(leaves, opt)
         if cfg.get("clip_grad"):
@@ -107,7 +189,7 @@ class SpmdWorker(RankConfig):
         every = int(ck.get("every") or 0)
         schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
             if cfg.get("lr_schedule") else None
-        calibration = self._calibrate(group) if cfg.get("spmd_calibrate") else None
+        calibration = self._calibrate(group, timed) if timed is not None else None
 
         steps = int(cfg["steps"])
         self.comm.barrier("startup barrier")
@@ -147,6 +229,8 @@ class SpmdWorker(RankConfig):
             if every and (step + 1) % every == 0:
                 self._save_checkpoint(step + 1, Path(ck["dir"]))
 
+        if timed is not None and calibration is not None:  # the same timings after the steps
+            calibration["program_s_after"] = self._time_whole(timed)
         self.hb.progress("gather")
         params = None
         if cfg.get("return_params"):
@@ -221,10 +305,25 @@ class SpmdWorker(RankConfig):
                       keep=self.cfg["checkpoint"].get("keep"))
         self.hb.progress("train")
 
-    def _calibrate(self, group: Any, repeats: int = 5) -> dict[str, Any]:
-        """Median seconds of a padded all-gather of each of `CALIBRATION_SIZES` bytes per rank on
-        the world group (the ranks' links as gloo drives them), outside the measured steps."""
-        rows = []
+    def _time_whole(self, timed: Any) -> list[dict[str, float]]:
+        """`timed()` (`whole_program_seconds`) on every rank at once, after a barrier; every rank's
+        figures, by rank. Not recorded: no step's events or records."""
+        self.hb.progress("calibrate")
+        recording, self.comm.recording = self.comm.recording, False
+        kept = len(self.rec.events)
+        try:
+            self.comm.barrier("calibration barrier")
+            mine = timed()
+            return self.comm.all_gather_object(mine, "calibration timings")
+        finally:
+            self.comm.recording = recording
+            del self.rec.events[kept:]
+
+    def _calibrate(self, group: Any, timed: Any, repeats: int = 5) -> dict[str, Any]:
+        """Median (and least) seconds of a padded all-gather of each of `CALIBRATION_SIZES` bytes per
+        rank on the world group (the ranks' links as gloo drives them), outside the measured steps; and
+        every rank's `whole_program_seconds` (`timed`), taken side by side."""
+        rows, least = [], []
         recording, self.comm.recording = self.comm.recording, False
         for nbytes in CALIBRATION_SIZES:
             x = torch.zeros(nbytes // 4)
@@ -236,6 +335,8 @@ class SpmdWorker(RankConfig):
                 group.all_gather_uneven(x, sizes, 0, "calibrate all_gather", "calibration")
                 times.append(time.perf_counter() - t0)
             rows.append([nbytes * self.world, float(np.median(times))])
+            least.append([nbytes * self.world, float(np.min(times))])
+        program = self._time_whole(timed)
         self.comm.recording = recording
         self.rec.events.clear()  # not part of any step
-        return {"all_gather": rows}
+        return {"all_gather": rows, "all_gather_min": least, "program_s": program}
