@@ -132,3 +132,20 @@ def test_the_reference_shares_the_training_config() -> None:
     assert t.lr_schedule() == LRSchedule(lr=0.5, min_lr=0.0, warmup=1, decay_style="linear", decay_iters=None)
     assert TrainingConfig().lr_schedule() is None
     assert "training" in inspect.signature(api.reference_run).parameters
+
+
+def test_cpu_ranks_on_a_gpu_machine_see_no_gpu() -> None:
+    """CPU ranks fork; on a machine with GPUs they get the GPUs hidden (a CPU rank that touched
+    CUDA there failed with "initialization error"); CUDA ranks spawn; a caller's choice stays."""
+    launch = config.LaunchConfig()
+    env: dict[str, str] = {}
+    assert api.rank_start_method(launch, use_cuda=False, cuda_present=False, env=env) == "fork" and env == {}
+    assert api.rank_start_method(launch, use_cuda=False, cuda_present=True, env=env) == "fork"
+    assert env == {"CUDA_VISIBLE_DEVICES": ""}
+    mine = {"CUDA_VISIBLE_DEVICES": "3"}
+    api.rank_start_method(launch, use_cuda=False, cuda_present=True, env=mine)
+    assert mine == {"CUDA_VISIBLE_DEVICES": "3"}
+    cuda_env: dict[str, str] = {}
+    assert api.rank_start_method(launch, use_cuda=True, cuda_present=True, env=cuda_env) == "spawn"
+    assert cuda_env == {}
+    assert api.rank_start_method(config.LaunchConfig(start_method="forkserver"), False, True, {}) == "forkserver"

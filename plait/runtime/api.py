@@ -479,12 +479,24 @@ def _launch(config_path: Path, rdir: Path, agents: list[AgentSpec], prep: _Prepa
     # several workers; fixing it here makes the numerics independent of how ranks map to agents.
     if "OMP_NUM_THREADS" not in extra_env and "OMP_NUM_THREADS" not in os.environ:
         extra_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // prep.here))
-    method = launch.start_method or ("spawn" if prep.use_cuda else "fork")
+    method = rank_start_method(launch, prep.use_cuda, torch.cuda.is_available(), extra_env)
     launcher = Launcher(config_path, rdir, agents, prep.layout, timeout=launch.timeout,
                         startup_timeout=launch.startup(), env=extra_env, start_method=method,
                         rdzv=launch.rendezvous, watch=watch)
     launcher.start()
     _wait_naming_logs(launcher, rdir, owns_dir)
+
+
+def rank_start_method(launch: LaunchConfig, use_cuda: bool, cuda_present: bool, env: dict[str, str]) -> str:
+    """How the agents start their ranks: CUDA ranks spawn (CUDA cannot be used after fork), CPU
+    ranks fork. On a machine with GPUs, CPU ranks get the GPUs hidden (`CUDA_VISIBLE_DEVICES=""`
+    in `env`, unless the caller set it): a CPU rank there failed at step 0 with "CUDA error:
+    initialization error" (an emulated cluster on an H100 host), and hidden GPUs cannot be touched."""
+    if use_cuda:
+        return launch.start_method or "spawn"
+    if cuda_present and "CUDA_VISIBLE_DEVICES" not in env:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return launch.start_method or "fork"
 
 
 def _collect(rdir: Path, owns_dir: bool, prep: _Prepared, network: dict[str, Any], records: RecordsConfig,
