@@ -305,6 +305,39 @@ class _Builder:
 
 
 # ---------------------------------------------------------------- Megatron layers
+# Megatron's unfused softmax (`FusedScaleMaskSoftmax.forward_torch_softmax`), in fp32 because
+# query-key layer scaling (on by default) forces ``attention_softmax_in_fp32``: bytes per score
+# element of each kernel -- fwd: cast to fp32 (2 + 4), scale (4 + 4), masked_fill_ (4 + 1-byte
+# mask + 4), softmax (4 + 4), cast back (4 + 2); bwd (autograd of each, reversed): cast (2 + 4),
+# softmax backward (4 + 4 + 4), masked_fill (4 + 1 + 4), scale (4 + 4), cast (4 + 2).
+UNFUSED_SOFTMAX_FWD_BYTES = (6.0, 8.0, 9.0, 8.0, 6.0)
+UNFUSED_SOFTMAX_BWD_BYTES = (6.0, 12.0, 9.0, 8.0, 6.0)
+
+
+def fused_softmax_available(b: int, heads: float, sq: int, sk: int, act_bytes: int, causal: bool = True) -> bool:
+    """Whether Megatron's fused scale-mask-softmax CUDA kernel runs for ``[b, heads, sq, sk]`` scores.
+
+    `FusedScaleMaskSoftmax.is_kernel_available` (Megatron-LM 2021-23 and Megatron-DeepSpeed,
+    megatron/model/fused_softmax.py; vTrain's copy of it, src/model/fused_softmax.py, the code of
+    the A100 data set): fp16/bf16 input, ``16 < sk <= 4096``, ``sq % 4 == 0``, ``sk % 4 == 0`` and
+    ``attn_batches = b * heads % 4 == 0``; for the causal kernel also ``attn_batches`` a multiple of
+    the kernel's batches per 128-thread block (warps of ``min(2^ceil(log2 sk), 32)`` threads, two
+    rows per warp when ``2^ceil(log2 sk) <= 128``). Otherwise Megatron falls back to five unfused
+    PyTorch kernels each way (`UNFUSED_SOFTMAX_FWD_BYTES`) -- e.g. 16 heads at tp = 8 (2 per rank)
+    and micro-batch 1. A fractional head share (uneven tp ratios) is taken as fused."""
+    if abs(heads - round(heads)) > 1e-9:
+        return True
+    batches = b * round(heads)
+    if act_bytes != 2 or not 16 < sk <= 4096 or sq % 4 or sk % 4 or batches % 4:
+        return False
+    if not causal:
+        return True  # the padding-mask kernel's rule is on sq, which sq % 4 already covers at sk > 128
+    pow2 = 1 << max(0, math.ceil(math.log2(sk)))
+    warp = min(pow2, 32)
+    per_block = (128 // warp) * (2 if pow2 <= 128 else 1)
+    return batches % per_block == 0
+
+
 @dataclass(frozen=True)
 class TransformerShape:
     hidden: int
@@ -363,13 +396,19 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
     nbytes = E * a
     params = (h * qkv_n + qkv_n + heads_r * d * h + h + h * mlp_in_n + mlp_in_n + F * h + h + 4 * h)
 
+    fused = fused_softmax_available(b, heads_r, s, s, a, shape.causal)
+
     def attention_fwd(x: _Builder) -> None:
         if shape.flash:
             flops = 4.0 * b * heads_r * s * s * d * (0.5 if shape.causal else 1.0)
             x.compute(flops, model.gemm_efficiency * 0.75)  # FlashAttention-2 reaches ~70-75% of GEMM speed
             return
         x.gemm(s, s, d, batch=b * heads_r)  # Q K^T (baddbmm)
-        x.mem(2 * a * Sa)  # fused scale-mask-softmax
+        if fused:
+            x.mem(2 * a * Sa)  # fused scale-mask-softmax
+        else:
+            for per_element in UNFUSED_SOFTMAX_FWD_BYTES:
+                x.mem(per_element * Sa)
         x.mem(2 * a * Sa + Sa)  # attention dropout (+ 1-byte mask)
         x.gemm(s, d, s, batch=b * heads_r)  # probs V
         x.mem(2 * a * Er)  # [b*a, s, d] -> [s, b, h] head merge copy
@@ -421,7 +460,11 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
             x.gemm(s, s, d, batch=b * heads_r)  # dP = dO V^T
             x.gemm(s, d, s, batch=b * heads_r)  # dV = P^T dO
             x.mem(2 * a * Sa + Sa)  # dropout backward
-            x.mem(3 * a * Sa)  # softmax backward
+            if fused:
+                x.mem(3 * a * Sa)  # fused softmax backward
+            else:
+                for per_element in UNFUSED_SOFTMAX_BWD_BYTES:
+                    x.mem(per_element * Sa)
             x.gemm(s, d, s, batch=b * heads_r)  # dQ = dS K
             x.gemm(s, d, s, batch=b * heads_r)  # dK = dS^T Q
         x.gemm(bs, h, qkv_n)  # qkv dgrad
