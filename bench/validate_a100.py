@@ -160,6 +160,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 import time
@@ -188,7 +189,7 @@ DATA = ROOT.parent / "shared" / "data" / "a100_single_node_megatron.csv"
 VOCAB = 50257  # GPT-2, unpadded; each tensor rank holds VOCAB // tp rows (`shard_vocab`)
 README_BW = 150e9  # data README: intra-node bandwidth
 INTRA_BW = 223.8e9  # achieved NVLink bandwidth, fitted on the even rows (--fit --fit-bandwidth)
-NVLINK_LATENCY = 3.43e-6  # per ring step / p2p message, fitted on the even rows (collectives: nccl-tests tables)
+NVLINK_LATENCY = 1.83e-6  # per ring step / p2p message, fitted on the even rows (collectives: nccl-tests tables)
 CALIB3_LATENCY = 5.57e-6  # the calibration before (alpha-beta ring for every collective), for the comparison row
 KIND = GPU_KINDS["a100-80gb"]
 
@@ -211,16 +212,24 @@ SCALE = {"gemm_efficiency": 1, "unaligned_penalty": 1, "memory_efficiency": 1, "
 
 # The calibration shipped before this one (fitted with recompute none on the even rows, fractional
 # vocabulary shard); kept to print it as a comparison row.
-PREVIOUS_NONE_FIT = DEFAULT_MODEL.replace(gemm_efficiency=0.814, unaligned_penalty=2.28, memory_efficiency=0.643,
+BEFORE_CALIB5 = dict(softmax_fallback=False, ce_target_allreduce=False)  # the model as priced up to calib4
+PREVIOUS_NONE_FIT = DEFAULT_MODEL.replace(**BEFORE_CALIB5, gemm_efficiency=0.814, unaligned_penalty=2.28, memory_efficiency=0.643,
                                           kernel_gpu_s=20.6e-6, host_fwd_s=69.5e-6, host_bwd_s=72.8e-6,
                                           host_comm_s=13.8e-6, p2p_host_s=137e-6, loss_host_s=0.469e-3,
                                           batch_host_s=0.310e-3, step_host_s=0.016e-3)
 PREVIOUS_LATENCY, PREVIOUS_BANDWIDTH = 13.7e-6, 215.9e9
 # The calibration shipped before calib4's (recompute full, every all-reduce on the fitted alpha-beta ring).
-CALIB3_FIT = DEFAULT_MODEL.replace(gemm_efficiency=0.856, unaligned_penalty=1.89, memory_efficiency=0.873,
+CALIB3_FIT = DEFAULT_MODEL.replace(**BEFORE_CALIB5, gemm_efficiency=0.856, unaligned_penalty=1.89, memory_efficiency=0.873,
                                    kernel_gpu_s=11.0e-6, host_fwd_s=46.5e-6, host_bwd_s=63.0e-6, host_comm_s=20.6e-6,
                                    p2p_host_s=705e-6, loss_host_s=0.319e-3, batch_host_s=0.565e-3,
                                    step_host_s=0.046e-3)
+# calib4's calibration (the defaults before calib5): every all-reduce from the nccl-tests tables, the
+# fused softmax everywhere, two cross-entropy all-reduces; the baseline of the variants table.
+CALIB4_FIT = DEFAULT_MODEL.replace(**BEFORE_CALIB5, gemm_efficiency=0.859, unaligned_penalty=2.36,
+                                   memory_efficiency=0.893, kernel_gpu_s=7.79e-6, host_fwd_s=46.0e-6,
+                                   host_bwd_s=62.2e-6, host_comm_s=4.37e-6, p2p_host_s=485e-6,
+                                   loss_host_s=0.392e-3, batch_host_s=0.462e-3, step_host_s=0.063e-3)
+CALIB4_LATENCY = 3.43e-6
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -238,13 +247,31 @@ NCCL_TESTS = ROOT / "bench" / "data" / "vtrain_a100_allreduce.yaml"
 MEASURED: list = []  # the node's measured all-reduce busbw tables (loaded by main), empty: alpha-beta ring
 
 
-def make_view(latency: float, bandwidth: float = INTRA_BW, measured: bool = True) -> ClusterView:
-    """The data's node; `measured`: all-reduces timed from the nccl-tests tables in MEASURED."""
-    node = NodeSpec(name="dgx-a100", gpus=[KIND.name] * 8, intra=Link(bandwidth, latency, "nvlink"),
+RECOMPUTE = "full"  # the data's setting (README: activation recompute on; vTrain's use_checkpoint, per layer)
+
+
+def load_measured(path: str | Path = NCCL_TESTS) -> list:
+    """Load the node's measured all-reduce tables into MEASURED (every all-reduce is timed from them)."""
+    from plait.cluster import load_cluster
+
+    MEASURED[:] = load_cluster(str(path)).collectives
+    return MEASURED
+
+
+def data_cluster(gpus: int = 8, latency: float = NVLINK_LATENCY, bandwidth: float = INTRA_BW,
+                 measured: bool = True) -> Cluster:
+    """The data's node with `gpus` A100s; `measured`: all-reduces timed from the nccl-tests tables
+    in MEASURED (`load_measured`), else the (latency, bandwidth) ring. `bench/plan_quality.py`
+    plans on this same cluster."""
+    node = NodeSpec(name="dgx-a100", gpus=[KIND.name] * gpus, intra=Link(bandwidth, latency, "nvlink"),
                     nic=Link(800e9 / 8 / 8, 5e-6, "infiniband"), nics=8)
-    cluster = Cluster(name="a100-150GBps", kinds={KIND.name: KIND}, nodes=[node],
-                      collectives=list(MEASURED) if measured else [], source="validate_a100")
-    return ClusterView.from_cluster(cluster)
+    return Cluster(name=f"a100x{gpus}", kinds={KIND.name: KIND}, nodes=[node],
+                   collectives=list(MEASURED) if measured else [], source="validate_a100")
+
+
+def make_view(latency: float, bandwidth: float = INTRA_BW, measured: bool = True) -> ClusterView:
+    """The data's node (`data_cluster`, 8 GPUs) as the simulator sees it."""
+    return ClusterView.from_cluster(data_cluster(8, latency, bandwidth, measured))
 
 
 def shard_vocab(tp: int) -> int:
@@ -296,7 +323,8 @@ class Evaluator:
 
 
 def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int, fit_bandwidth: bool,
-        start: ComputeModel = DEFAULT_MODEL, fields: list[str] = FIT_FIELDS) -> tuple[ComputeModel, float, float]:
+        start: ComputeModel = DEFAULT_MODEL, fields: list[str] = FIT_FIELDS,
+        f_scale: float = 0.03) -> tuple[ComputeModel, float, float]:
     """Fit `fields` of `start` (and the NVLink latency, with `fit_bandwidth` its bandwidth) on `train`."""
     names = fields + ["latency"] + (["bandwidth"] if fit_bandwidth else [])
     x0 = np.array([getattr(start, f) for f in fields] + [NVLINK_LATENCY]
@@ -323,7 +351,7 @@ def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int, fit_ba
     # soft-L1 on log ratios: close to minimising MAPE, and robust to the rows whose measured
     # per-layer time is not monotone in the micro-batch size.
     sol = least_squares(residuals, np.clip(x0 / scale, lo, hi), bounds=(lo, hi), x_scale="jac",
-                        diff_step=1e-3, max_nfev=max_nfev, loss="soft_l1", f_scale=0.03)
+                        diff_step=1e-3, max_nfev=max_nfev, loss="soft_l1", f_scale=f_scale)
     model, lat, bw = unpack(sol.x)
     console.print(f"fit: {calls[0]} evaluations of {len(train)} rows in {time.time() - t0:.0f} s, "
                   f"status {sol.status}")
@@ -596,10 +624,13 @@ def main(argv: list[str] | None = None) -> int:
     global INTRA_BW
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", action="store_true", help="fit the physical parameters on the even rows first")
-    ap.add_argument("--recompute", choices=("none", "full", "selective"), default="full",
+    ap.add_argument("--recompute", choices=("none", "full", "selective"), default=RECOMPUTE,
                     help="activation recompute of the simulated plans (default: full, as the data was measured)")
     ap.add_argument("--rows", type=int, default=0, help="use only the first N rows (quick look)")
     ap.add_argument("--max-nfev", type=int, default=60)
+    ap.add_argument("--f-scale", type=float, default=0.03,
+                    help="soft-L1 scale of the fit on log(predicted / measured): residuals above it count about "
+                         "linearly (0.03: quadratic below 3 %%; smaller: closer to minimising MAPE itself)")
     ap.add_argument("--bandwidth", type=float, default=None,
                     help=f"intra-node bandwidth in bytes/s (default: the fitted {INTRA_BW:.4g})")
     ap.add_argument("--fit-bandwidth", action="store_true",
@@ -613,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="price GEMMs with an odd fp16 dimension (2-byte aligned, no cp.async) at P instead of the "
                          "unaligned penalty of 4- and 8-byte aligned ones (`plait.cost.compute.alignment_penalty`); "
                          "with --fit, P is the start value and is fitted")
+    ap.add_argument("--json", action="store_true",
+                    help="print the headline figures, parameters and variants as one JSON object on stdout")
     ap.add_argument("--cells", action="store_true",
                     help="also print measured vs predicted time per layer and per micro-batch for each "
                          "(hidden, tp, micro-batch) cell (pp = 1 rows)")
@@ -621,16 +654,14 @@ def main(argv: list[str] | None = None) -> int:
                          "model monotone in micro-batch and hidden size, and each cell's layer time against a "
                          "layer's GPU floor with and without full recompute")
     args = ap.parse_args(argv)
-    console = Console(width=140)
+    console = Console(width=140, stderr=args.json)  # --json: the tables go to stderr, the JSON to stdout
     rows = load_rows()
     if args.rows:
         rows = rows[: args.rows]
     train = [i for i, r in enumerate(rows) if r["index"] % 2 == 0]
     test = [i for i, r in enumerate(rows) if r["index"] % 2 == 1]
     if not args.alpha_beta:
-        from plait.cluster import load_cluster
-
-        MEASURED[:] = load_cluster(args.nccl_tests).collectives
+        load_measured(args.nccl_tests)
         console.print(f"all-reduce times from {args.nccl_tests}: {len(MEASURED)} measured tables "
                       f"({', '.join(str(m.ranks) for m in MEASURED)} ranks)")
     ev = Evaluator(rows, args.recompute)
@@ -642,24 +673,31 @@ def main(argv: list[str] | None = None) -> int:
         model = model.replace(odd_penalty=args.odd_penalty)
         fields = FIT_FIELDS + ["odd_penalty"]
     if args.fit:
-        model, lat, bw = fit(ev, train, console, args.max_nfev, args.fit_bandwidth, model, fields)
+        model, lat, bw = fit(ev, train, console, args.max_nfev, args.fit_bandwidth, model, fields, args.f_scale)
     t0 = time.time()
     pred = ev.predict(model, lat, list(range(len(rows))), bw)
     wall = time.time() - t0
     base = baseline(rows, train)
     title = (f"A100 Megatron-DeepSpeed, {len(rows)} rows, recompute={args.recompute}, NVLink {bw / 1e9:.0f} GB/s, "
              f"{'fitted now' if args.fit else 'shipped defaults'} ({wall:.1f} s to simulate all rows)")
-    report(console, rows, pred, base, train, test, title)
+    mape = report(console, rows, pred, base, train, test, title)
     if args.cells:
         cell_table(console, rows, pred)
     if args.floor:
         floor_tables(console, rows)
-    parameter_table(console, model, lat, bw, "fitted now on the even rows" if args.fit else "shipped defaults")
-    comparison_table(console, rows, train, test, pred, args.recompute, model, lat, bw)
+    params = parameter_table(console, model, lat, bw, "fitted now on the even rows" if args.fit else "shipped defaults")
+    variants = comparison_table(console, rows, train, test, pred, args.recompute, model, lat, bw)
+    if args.json:
+        y = np.array([r["measured_s"] for r in rows])
+        print(json.dumps({"summary": {"mape_all": mape.get("all"), "mape_fit_half": mape.get("fit half (even)"),
+                                      "mape_held_out": mape.get("held-out half (odd)"),
+                                      "baseline_mape_all": float(ape(base, y).mean()), "recompute": args.recompute,
+                                      "fitted_now": args.fit},
+                          "parameters": params, "variants": variants}, indent=1))
     return 0
 
 
-def parameter_table(console: Console, model: ComputeModel, latency: float, bandwidth: float, source: str) -> None:
+def parameter_table(console: Console, model: ComputeModel, latency: float, bandwidth: float, source: str) -> dict:
     """The parameters the predictions above used, with their physical bounds."""
     t = Table(title=f"parameters ({source})")
     for c in ("parameter", "value", "bound (physical ceiling)"):
@@ -671,29 +709,46 @@ def parameter_table(console: Console, model: ComputeModel, latency: float, bandw
         lo, hi = BOUNDS[name]
         t.add_row(name, f"{v:.4g}", f"{lo:.3g} .. {hi:.3g}")
     console.print(t)
+    return {k: float(v) for k, v in values.items()}
 
 
 def comparison_table(console: Console, rows: list[dict], train: list[int], test: list[int], pred: np.ndarray,
-                     recompute: str, model: ComputeModel, latency: float, bandwidth: float) -> None:
+                     recompute: str, model: ComputeModel, latency: float, bandwidth: float) -> list[dict]:
     """The run above next to the previous calibration (recompute none, its own parameters and the
     fractional vocabulary shard) and to the other recompute setting with the same parameters."""
     y = np.array([r["measured_s"] for r in rows])
     every = list(range(len(rows)))
     other = "none" if recompute != "none" else "full"
+    ev = Evaluator(rows, recompute)
     runs = [(f"this run: recompute={recompute}", pred),
+            ("baseline: calib4's defaults (fused softmax everywhere, 2 cross-entropy all-reduces)",
+             ev.predict(CALIB4_FIT, CALIB4_LATENCY, every, INTRA_BW)),
+            ("calib4's parameters + Megatron's fused-softmax availability rule (not refitted)",
+             ev.predict(CALIB4_FIT.replace(softmax_fallback=True), CALIB4_LATENCY, every, INTRA_BW)),
+            ("calib4's parameters + softmax rule + the target-logit all-reduce (not refitted)",
+             ev.predict(CALIB4_FIT.replace(softmax_fallback=True, ce_target_allreduce=True), CALIB4_LATENCY,
+                        every, INTRA_BW)),
+            ("this run's parameters, softmax always fused", ev.predict(model.replace(softmax_fallback=False),
+                                                                      latency, every, bandwidth)),
+            ("this run's parameters, 2 cross-entropy all-reduces",
+             ev.predict(model.replace(ce_target_allreduce=False), latency, every, bandwidth)),
             (f"recompute={other}, same parameters", Evaluator(rows, other).predict(model, latency, every, bandwidth)),
             ("calib3's calibration: recompute=full, alpha-beta ring for every all-reduce, its own parameters",
              Evaluator(rows, "full").predict(CALIB3_FIT, CALIB3_LATENCY, every, INTRA_BW, measured=False)),
             ("previous calibration: recompute=none, 50257/tp vocab shard, its own parameters",
              Evaluator(rows, "none", floor_vocab=False).predict(PREVIOUS_NONE_FIT, PREVIOUS_LATENCY, every,
                                                                 PREVIOUS_BANDWIDTH, measured=False))]
-    t = Table(title="comparison (MAPE %)")
+    t = Table(title="variants and earlier calibrations, all simulated in this run (MAPE %)")
     for c in ("prediction", "all", "fit half (even)", "held-out half (odd)"):
         t.add_column(c, justify="right")
+    out = []
     for name, p in runs:
         e = ape(p, y)
         t.add_row(name, f"{e.mean():.2f}", f"{e[train].mean():.2f}", f"{e[test].mean():.2f}")
+        out.append({"prediction": name, "all": float(e.mean()), "fit_half": float(e[train].mean()),
+                    "held_out": float(e[test].mean())})
     console.print(t)
+    return out
 
 
 if __name__ == "__main__":

@@ -92,23 +92,25 @@ class ComputeModel:
     --fit` reproduces them."""
 
     gemm_efficiency: float = 0.859  # achieved fraction of tensor-core peak in a GEMM main loop
-    unaligned_penalty: float = 2.36  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
+    unaligned_penalty: float = 2.34  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
     odd_penalty: float | None = None  # multiplier when a dim is only 2-byte aligned (odd fp16); None: unaligned_penalty
-    memory_efficiency: float = 0.893  # achieved fraction of HBM bandwidth by streaming kernels
-    kernel_gpu_s: float = 7.79e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
-    host_fwd_s: float = 46.0e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
-    host_bwd_s: float = 62.2e-6  # host time per backward kernel (autograd engine)
-    host_comm_s: float = 4.37e-6  # host time per collective call
-    p2p_host_s: float = 485e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
-    loss_host_s: float = 0.392e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
-    batch_host_s: float = 0.462e-3  # host work per micro-batch to fetch and place a batch (get_batch)
-    step_host_s: float = 0.063e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
+    memory_efficiency: float = 0.900  # achieved fraction of HBM bandwidth by streaming kernels
+    kernel_gpu_s: float = 8.45e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
+    host_fwd_s: float = 46.9e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
+    host_bwd_s: float = 61.9e-6  # host time per backward kernel (autograd engine)
+    host_comm_s: float = 0.64e-6  # host time per collective call
+    p2p_host_s: float = 472e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
+    loss_host_s: float = 0.394e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
+    batch_host_s: float = 0.355e-3  # host work per micro-batch to fetch and place a batch (get_batch)
+    step_host_s: float = 0.018e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
     optimizer_bytes_per_param: float = 34.0  # fused Adam r/w p,g,m,v fp32 (28) + fp16 param copy (6)
     grad_accum_bytes_per_param: float = 4.0  # .grad += w-grad per micro-batch (fp16 read+write)
     embedding_grad_bytes_per_param: float = 2.0  # dense embedding backward zero-fills a [V, h] grad
     ce_bytes_fwd: float = 38.0  # Megatron vocab-parallel CE in fp32 (cast 6, max 4, sub 8, exp 8, sum 4, div 8)
     ce_bytes_bwd: float = 14.0  # (softmax - onehot) * grad (8) + cast back to fp16 (6)
     tile: int = 128  # output tile edge of the GEMM wave model
+    softmax_fallback: bool = True  # Megatron's fused-softmax availability rule (False: always fused)
+    ce_target_allreduce: bool = True  # all-reduce the target logit in the vocab-parallel CE (Megatron does)
 
     def replace(self, **changes: float) -> ComputeModel:
         return dataclasses.replace(self, **changes)
@@ -396,7 +398,7 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
     nbytes = E * a
     params = (h * qkv_n + qkv_n + heads_r * d * h + h + h * mlp_in_n + mlp_in_n + F * h + h + 4 * h)
 
-    fused = fused_softmax_available(b, heads_r, s, s, a, shape.causal)
+    fused = not model.softmax_fallback or fused_softmax_available(b, heads_r, s, s, a, shape.causal)
 
     def attention_fwd(x: _Builder) -> None:
         if shape.flash:
@@ -520,8 +522,9 @@ def head_cost(vocab: int, hidden: int, seq: int, micro_batch: int, kind: GPUKind
     """Final LayerNorm, vocab-parallel LM head GEMM and Megatron's vocab-parallel cross-entropy.
 
     The cross-entropy runs on fp32 logits (Megatron's default): a cast and max, subtract,
-    exp, sum, divide passes over ``b s V/t`` elements (two tiny all-reduces of per-token
-    maxima and sums under TP); backward scales the saved softmax and casts back. The
+    exp, sum, divide passes over ``b s V/t`` elements (under TP three tiny all-reduces of
+    per-token values, as `_VocabParallelCrossEntropy.forward` makes them: the maximum, the
+    target's logit -- held by one rank, zero on the others -- and the sum of exponentials); backward scales the saved softmax and casts back. The
     head's input gradient is all-reduced across tensor ranks (``copy_to_tensor_model_
     parallel_region``'s backward)."""
     r = (1.0 / tp) if share is None else share
@@ -537,7 +540,10 @@ def head_cost(vocab: int, hidden: int, seq: int, micro_batch: int, kind: GPUKind
     for share_bytes in (6, 4):  # cast to fp32, max
         f.mem(share_bytes * logits)
     f.collective("all_reduce", 4 * bs, tp)  # global max
-    for share_bytes in (8, 8, 4):  # subtract, exp, sum
+    f.mem(8 * logits * model.ce_bytes_fwd / 38.0)  # subtract
+    if model.ce_target_allreduce:
+        f.collective("all_reduce", 4 * bs, tp)  # the target's logit, from the rank that holds it
+    for share_bytes in (8, 4):  # exp, sum
         f.mem(share_bytes * logits * model.ce_bytes_fwd / 38.0)
     f.collective("all_reduce", 4 * bs, tp)  # global sum
     f.mem(8 * logits * model.ce_bytes_fwd / 38.0)  # divide (softmax kept for backward)
