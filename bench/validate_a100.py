@@ -13,12 +13,40 @@ per step host work) and the NVLink latency (and, with ``--fit-bandwidth``, bandw
 even rows only, by least squares on log(predicted / measured) (soft-L1); without ``--fit`` the
 defaults shipped in `plait.cost.compute.ComputeModel` (the result of that fit) are used. MAPE is
 reported overall and on both halves, with the rank correlation per model, the parameters used
-and a comparison table (the other recompute setting with the same parameters; the previous
-calibration).
+and a variants table simulated in the same run: the baseline (calib4's defaults), each model change
+of calib5 on calib4's parameters, this run's parameters with each change undone, the other
+recompute setting, and the earlier calibrations. ``--json``: the same figures as one JSON object.
 
 Recompute: simulated as measured, ``--recompute full`` by default (the README: activation
 recompute on; Megatron checkpoints the transformer layers only, so the embedding, LM head and
 loss are not recomputed -- `plait.cost.compute` costs it so).
+
+**Shipped now (calib5): Megatron's fused softmax runs only where its CUDA kernel is available.**
+`FusedScaleMaskSoftmax.is_kernel_available` (Megatron-LM / Megatron-DeepSpeed
+megatron/model/fused_softmax.py, and vTrain's own copy of the layer, src/model/fused_softmax.py:
+``attn_batch_size % 4 == 0``) needs ``micro-batch x heads per tensor rank`` to be a multiple of 4
+(of the causal kernel's 4 rows per block at seq 1024). 16 heads at tp = 8 leave 2 per rank, so at
+micro-batch 1 -- and only there in this data -- Megatron falls back to
+``forward_torch_softmax``: cast to fp32, scale, masked_fill, softmax, cast back, five kernels each
+way instead of one (fp32 because query-key layer scaling forces ``attention_softmax_in_fp32``),
+in the forward, its recompute and the backward (`plait.cost.compute.fused_softmax_available`).
+These are exactly the cells the docstring below names as under-predicted by 19-24 % "at both hidden
+sizes" (tp = 8, micro-batch 1): they go from 0.73 / 0.76 of the measured layer time to 0.86 / 0.89
+(``--cells``); the rest of the shortfall (~0.6 ms per layer) is unexplained. Also as Megatron does it:
+the vocab-parallel cross-entropy all-reduces three per-token values under TP (maximum, the target's
+logit, sum of exponentials; `_VocabParallelCrossEntropy.forward`), plait had two (no effect on the
+MAPE: 4.94 / 4.99 without it, same parameters). Checked and left as they were: the nccl-tests tables
+are read at the tensor-parallel message size (``b s h`` x 2 bytes; nccl-tests' size is the buffer in
+bytes, ``t = S 2 (n-1)/n / busbw``), and in-place and out-of-place differ by at most 4 % there; vTrain's
+model (src/model/gpt_model.py: ``checkpoint_activations``, ``checkpoint_num_layers=1``) is Megatron's
+full per-layer recompute, so ``--recompute full`` stays. Refitted on the even rows, same bounds
+(``--fit --max-nfev 80``, 525 CPU s): GEMM 0.859, HBM 0.900 (both at their ceilings, as before),
+unaligned penalty 2.34, per-kernel GPU time 8.45 us, host per forward / backward kernel 46.9 / 61.9
+us, host per collective call 0.64 us, p2p step 472 us, loss / batch / step host 0.394 / 0.355 /
+0.018 ms, NVLink p2p latency 1.83 us. **MAPE 4.94 % overall, 4.88 % on the fit half, 5.00 % (4.997)
+held out**; calib4's defaults in the same run 5.23 / 5.16 / 5.31, calib4's parameters with the new
+softmax rule, not refitted, 4.96 / 4.90 / 5.02 (the variants table). The goal is met only at its
+edge: what bounds the error (below) is unchanged.
 
 What the previous calibration (recompute none, 4.93 % MAPE) absorbed in the wrong place, and
 what changed physically to fit with recompute full:
@@ -43,7 +71,7 @@ what changed physically to fit with recompute full:
    slow kernels. NVLink: 216 -> 224 GB/s and 13.7 -> 5.5 us per ring step (nccl-tests on that
    machine: ~92 us for a 1 MiB all-reduce over 8 GPUs, i.e. ~6.6 us per step of 14).
 
-**Shipped now (calib4): every all-reduce is timed from the nccl-tests tables measured on the
+**calib4: every all-reduce is timed from the nccl-tests tables measured on the
 data's own node** (vTrain's trace/a100/AR_GPU{2..8}_1M_1024M_LUT, ``bench/data/vtrain_a100_allreduce.yaml``;
 ``--alpha-beta`` restores the fitted ring) instead of one (latency, bandwidth) ring fitted to the
 rows: at the tensor-parallel sizes (2-32 MiB) the measured all-reduce takes 45-230 us, 2-3x the

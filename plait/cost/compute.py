@@ -39,7 +39,9 @@ fitted values and what changed from the previous (recompute-none) calibration.
 
 Transformer layers, embeddings and LM heads are costed with Megatron-LM's kernel
 sequence (`transformer_layer_cost`, `embedding_cost`, `head_cost`) when the OpGraph's
-config names their shape (hidden, heads, seq, vocab, ffn); any other layer is costed op
+config names their shape (hidden, heads, seq, vocab, ffn) -- including where Megatron picks
+a different kernel by shape: its fused scale-mask-softmax only where the CUDA kernel accepts
+the scores (`fused_softmax_available`; otherwise five unfused fp32 kernels each way); any other layer is costed op
 by op from its captured FLOPs and bytes (`generic_layer_cost`).
 """
 
@@ -370,7 +372,8 @@ class TransformerShape:
 def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
                            tp: int = 1, share: float | None = None, sequence_parallel: bool = False,
                            model: ComputeModel = DEFAULT_MODEL, name: str = "transformer") -> LayerCost:
-    """One Megatron-LM transformer layer (pre-LN, fused softmax, bias-dropout-add, bias-GELU).
+    """One Megatron-LM transformer layer (pre-LN, fused softmax where its kernel is available
+    -- `fused_softmax_available` -- bias-dropout-add, bias-GELU).
 
     `share` is this rank's fraction of the tensor-split dimensions (``1/tp`` unless the
     plan has uneven `tp_ratios`). Forward: LN, QKV GEMM (+bias), QK^T batched GEMM,
