@@ -10,7 +10,8 @@ Split (fixed, written here, not chosen by results): rows are numbered 0..1439 in
 model's physical parameters (GEMM efficiency, unaligned-GEMM penalty, memory-bandwidth
 efficiency, per kernel GPU and host times, per collective / p2p host time, per micro-batch and
 per step host work) and the NVLink latency (and, with ``--fit-bandwidth``, bandwidth) on the
-even rows only, by least squares on log(predicted / measured) (soft-L1); without ``--fit`` the
+even rows only, by soft-L1 least squares on log(predicted / measured) (linear above 0.5 %,
+``--f-scale``); without ``--fit`` the
 defaults shipped in `plait.cost.compute.ComputeModel` (the result of that fit) are used. MAPE is
 reported overall and on both halves, with the rank correlation per model, the parameters used
 and a variants table simulated in the same run: the baseline (calib4's defaults), each model change
@@ -40,13 +41,20 @@ are read at the tensor-parallel message size (``b s h`` x 2 bytes; nccl-tests' s
 bytes, ``t = S 2 (n-1)/n / busbw``), and in-place and out-of-place differ by at most 4 % there; vTrain's
 model (src/model/gpt_model.py: ``checkpoint_activations``, ``checkpoint_num_layers=1``) is Megatron's
 full per-layer recompute, so ``--recompute full`` stays. Refitted on the even rows, same bounds
-(``--fit --max-nfev 80``, 525 CPU s): GEMM 0.859, HBM 0.900 (both at their ceilings, as before),
-unaligned penalty 2.34, per-kernel GPU time 8.45 us, host per forward / backward kernel 46.9 / 61.9
-us, host per collective call 0.64 us, p2p step 472 us, loss / batch / step host 0.394 / 0.355 /
-0.018 ms, NVLink p2p latency 1.83 us. **MAPE 4.94 % overall, 4.88 % on the fit half, 5.00 % (4.997)
-held out**; calib4's defaults in the same run 5.23 / 5.16 / 5.31, calib4's parameters with the new
-softmax rule, not refitted, 4.96 / 4.90 / 5.02 (the variants table). The goal is met only at its
-edge: what bounds the error (below) is unchanged.
+(``--fit --max-nfev 80``, 612 CPU s), with the soft-L1 scale at 0.5 % instead of 3 % (``--f-scale``:
+residuals above it count linearly, so the fit minimises about the mean absolute log error, the
+statistic the goal is stated in, instead of a squared error below 3 %): GEMM 0.859, HBM 0.899 (both
+at their ceilings, as before), unaligned penalty 2.43, per-kernel GPU time 8.56 us, host per forward
+/ backward kernel 47.6 / 60.8 us, host per collective call 0.54 us, p2p step 442 us, loss / batch /
+step host 0.392 / 0.433 / 0.016 ms, NVLink p2p latency 1.59 us. **MAPE 4.92 % overall, 4.87 % on
+the fit half, 4.98 % held out**; Spearman rho 0.990-0.995 per model. Same run (variants table):
+calib4's defaults 5.23 / 5.16 / 5.31; calib4's parameters with the softmax rule, not refitted, 4.96 /
+4.90 / 5.02; the same refit at the former 3 % scale 4.94 / 4.88 / 5.00. Tried and not shipped: odd
+fp16 dimensions priced apart (``--odd-penalty``, refit: 4.92 / 4.86 / 4.98, odd 2.35, partly aligned
+1.73) -- no better held out, and as calib4 found it buys its fit-half gain by lowering the tp = 4 / 8
+rest to 0.78-0.90 of measured (``--cells``) with the host times per step and per collective at 0.
+The goal is met, at its edge (0.02 points of margin held out): what bounds the error (below) is
+unchanged, and the ~0.6 ms per layer still missing at tp = 8, micro-batch 1 is unexplained.
 
 What the previous calibration (recompute none, 4.93 % MAPE) absorbed in the wrong place, and
 what changed physically to fit with recompute full:
@@ -217,7 +225,7 @@ DATA = ROOT.parent / "shared" / "data" / "a100_single_node_megatron.csv"
 VOCAB = 50257  # GPT-2, unpadded; each tensor rank holds VOCAB // tp rows (`shard_vocab`)
 README_BW = 150e9  # data README: intra-node bandwidth
 INTRA_BW = 223.8e9  # achieved NVLink bandwidth, fitted on the even rows (--fit --fit-bandwidth)
-NVLINK_LATENCY = 1.83e-6  # per ring step / p2p message, fitted on the even rows (collectives: nccl-tests tables)
+NVLINK_LATENCY = 1.59e-6  # per ring step / p2p message, fitted on the even rows (collectives: nccl-tests tables)
 CALIB3_LATENCY = 5.57e-6  # the calibration before (alpha-beta ring for every collective), for the comparison row
 KIND = GPU_KINDS["a100-80gb"]
 
@@ -258,6 +266,18 @@ CALIB4_FIT = DEFAULT_MODEL.replace(**BEFORE_CALIB5, gemm_efficiency=0.859, unali
                                    host_bwd_s=62.2e-6, host_comm_s=4.37e-6, p2p_host_s=485e-6,
                                    loss_host_s=0.392e-3, batch_host_s=0.462e-3, step_host_s=0.063e-3)
 CALIB4_LATENCY = 3.43e-6
+# calib5's other refits (the model as shipped; even rows, --max-nfev 80), kept as variants rows:
+# soft-L1 at f_scale 0.03 (the scale before), and odd fp16 dimensions priced apart (--odd-penalty 2.8).
+CALIB5_FSCALE03_FIT = DEFAULT_MODEL.replace(gemm_efficiency=0.859, unaligned_penalty=2.34, memory_efficiency=0.900,
+                                            kernel_gpu_s=8.45e-6, host_fwd_s=46.9e-6, host_bwd_s=61.9e-6,
+                                            host_comm_s=0.64e-6, p2p_host_s=472e-6, loss_host_s=0.394e-3,
+                                            batch_host_s=0.355e-3, step_host_s=0.018e-3)
+CALIB5_FSCALE03_LATENCY = 1.83e-6
+CALIB5_ODD_FIT = DEFAULT_MODEL.replace(gemm_efficiency=0.859, unaligned_penalty=1.73, odd_penalty=2.35,
+                                       memory_efficiency=0.900, kernel_gpu_s=8.68e-6, host_fwd_s=47.9e-6,
+                                       host_bwd_s=61.3e-6, host_comm_s=0.09e-6, p2p_host_s=453e-6,
+                                       loss_host_s=0.288e-3, batch_host_s=0.324e-3, step_host_s=0.0)
+CALIB5_ODD_LATENCY = 0.24e-6
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -352,7 +372,7 @@ class Evaluator:
 
 def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int, fit_bandwidth: bool,
         start: ComputeModel = DEFAULT_MODEL, fields: list[str] = FIT_FIELDS,
-        f_scale: float = 0.03) -> tuple[ComputeModel, float, float]:
+        f_scale: float = 0.005) -> tuple[ComputeModel, float, float]:
     """Fit `fields` of `start` (and the NVLink latency, with `fit_bandwidth` its bandwidth) on `train`."""
     names = fields + ["latency"] + (["bandwidth"] if fit_bandwidth else [])
     x0 = np.array([getattr(start, f) for f in fields] + [NVLINK_LATENCY]
@@ -376,8 +396,8 @@ def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int, fit_ba
         return np.log(ev.predict(model, lat, train, bw) / y)
 
     t0 = time.time()
-    # soft-L1 on log ratios: close to minimising MAPE, and robust to the rows whose measured
-    # per-layer time is not monotone in the micro-batch size.
+    # soft-L1 on log ratios, linear above f_scale: close to minimising MAPE, and robust to the rows
+    # whose measured per-layer time is not monotone in the micro-batch size.
     sol = least_squares(residuals, np.clip(x0 / scale, lo, hi), bounds=(lo, hi), x_scale="jac",
                         diff_step=1e-3, max_nfev=max_nfev, loss="soft_l1", f_scale=f_scale)
     model, lat, bw = unpack(sol.x)
@@ -656,9 +676,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="activation recompute of the simulated plans (default: full, as the data was measured)")
     ap.add_argument("--rows", type=int, default=0, help="use only the first N rows (quick look)")
     ap.add_argument("--max-nfev", type=int, default=60)
-    ap.add_argument("--f-scale", type=float, default=0.03,
+    ap.add_argument("--f-scale", type=float, default=0.005,
                     help="soft-L1 scale of the fit on log(predicted / measured): residuals above it count about "
-                         "linearly (0.03: quadratic below 3 %%; smaller: closer to minimising MAPE itself)")
+                         "linearly (default 0.005, the shipped fit: about the mean absolute log error; "
+                         "0.03 before calib5)")
     ap.add_argument("--bandwidth", type=float, default=None,
                     help=f"intra-node bandwidth in bytes/s (default: the fitted {INTRA_BW:.4g})")
     ap.add_argument("--fit-bandwidth", action="store_true",
@@ -756,6 +777,10 @@ def comparison_table(console: Console, rows: list[dict], train: list[int], test:
             ("calib4's parameters + softmax rule + the target-logit all-reduce (not refitted)",
              ev.predict(CALIB4_FIT.replace(softmax_fallback=True, ce_target_allreduce=True), CALIB4_LATENCY,
                         every, INTRA_BW)),
+            ("calib5 refit with soft-L1 scale 0.03 (--f-scale 0.03), its own parameters",
+             ev.predict(CALIB5_FSCALE03_FIT, CALIB5_FSCALE03_LATENCY, every, INTRA_BW)),
+            ("calib5 refit with odd fp16 dimensions priced apart (--odd-penalty), its own parameters",
+             ev.predict(CALIB5_ODD_FIT, CALIB5_ODD_LATENCY, every, INTRA_BW)),
             ("this run's parameters, softmax always fused", ev.predict(model.replace(softmax_fallback=False),
                                                                       latency, every, bandwidth)),
             ("this run's parameters, 2 cross-entropy all-reduces",
