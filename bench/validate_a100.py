@@ -10,15 +10,51 @@ Split (fixed, written here, not chosen by results): rows are numbered 0..1439 in
 model's physical parameters (GEMM efficiency, unaligned-GEMM penalty, memory-bandwidth
 efficiency, per kernel GPU and host times, per collective / p2p host time, per micro-batch and
 per step host work) and the NVLink latency (and, with ``--fit-bandwidth``, bandwidth) on the
-even rows only, by least squares on log(predicted / measured) (soft-L1); without ``--fit`` the
+even rows only, by soft-L1 least squares on log(predicted / measured) (linear above 0.5 %,
+``--f-scale``); without ``--fit`` the
 defaults shipped in `plait.cost.compute.ComputeModel` (the result of that fit) are used. MAPE is
 reported overall and on both halves, with the rank correlation per model, the parameters used
-and a comparison table (the other recompute setting with the same parameters; the previous
-calibration).
+and a variants table simulated in the same run: the baseline (calib4's defaults), each model change
+of calib5 on calib4's parameters, this run's parameters with each change undone, the other
+recompute setting, and the earlier calibrations. ``--json``: the same figures as one JSON object.
 
 Recompute: simulated as measured, ``--recompute full`` by default (the README: activation
 recompute on; Megatron checkpoints the transformer layers only, so the embedding, LM head and
 loss are not recomputed -- `plait.cost.compute` costs it so).
+
+**Shipped now (calib5): Megatron's fused softmax runs only where its CUDA kernel is available.**
+`FusedScaleMaskSoftmax.is_kernel_available` (Megatron-LM / Megatron-DeepSpeed
+megatron/model/fused_softmax.py, and vTrain's own copy of the layer, src/model/fused_softmax.py:
+``attn_batch_size % 4 == 0``) needs ``micro-batch x heads per tensor rank`` to be a multiple of 4
+(of the causal kernel's 4 rows per block at seq 1024). 16 heads at tp = 8 leave 2 per rank, so at
+micro-batch 1 -- and only there in this data -- Megatron falls back to
+``forward_torch_softmax``: cast to fp32, scale, masked_fill, softmax, cast back, five kernels each
+way instead of one (fp32 because query-key layer scaling forces ``attention_softmax_in_fp32``),
+in the forward, its recompute and the backward (`plait.cost.compute.fused_softmax_available`).
+These are exactly the cells the docstring below names as under-predicted by 19-24 % "at both hidden
+sizes" (tp = 8, micro-batch 1): they go from 0.73 / 0.76 of the measured layer time to 0.86 / 0.89
+(``--cells``); the rest of the shortfall (~0.6 ms per layer) is unexplained. Also as Megatron does it:
+the vocab-parallel cross-entropy all-reduces three per-token values under TP (maximum, the target's
+logit, sum of exponentials; `_VocabParallelCrossEntropy.forward`), plait had two (no effect on the
+MAPE: 4.94 / 4.99 without it, same parameters). Checked and left as they were: the nccl-tests tables
+are read at the tensor-parallel message size (``b s h`` x 2 bytes; nccl-tests' size is the buffer in
+bytes, ``t = S 2 (n-1)/n / busbw``), and in-place and out-of-place differ by at most 4 % there; vTrain's
+model (src/model/gpt_model.py: ``checkpoint_activations``, ``checkpoint_num_layers=1``) is Megatron's
+full per-layer recompute, so ``--recompute full`` stays. Refitted on the even rows, same bounds
+(``--fit --max-nfev 80``, 612 CPU s), with the soft-L1 scale at 0.5 % instead of 3 % (``--f-scale``:
+residuals above it count linearly, so the fit minimises about the mean absolute log error, the
+statistic the goal is stated in, instead of a squared error below 3 %): GEMM 0.859, HBM 0.899 (both
+at their ceilings, as before), unaligned penalty 2.43, per-kernel GPU time 8.56 us, host per forward
+/ backward kernel 47.6 / 60.8 us, host per collective call 0.54 us, p2p step 442 us, loss / batch /
+step host 0.392 / 0.433 / 0.016 ms, NVLink p2p latency 1.59 us. **MAPE 4.92 % overall, 4.87 % on
+the fit half, 4.98 % held out**; Spearman rho 0.990-0.995 per model. Same run (variants table):
+calib4's defaults 5.23 / 5.16 / 5.31; calib4's parameters with the softmax rule, not refitted, 4.96 /
+4.90 / 5.02; the same refit at the former 3 % scale 4.94 / 4.88 / 5.00. Tried and not shipped: odd
+fp16 dimensions priced apart (``--odd-penalty``, refit: 4.92 / 4.86 / 4.98, odd 2.35, partly aligned
+1.73) -- no better held out, and as calib4 found it buys its fit-half gain by lowering the tp = 4 / 8
+rest to 0.78-0.90 of measured (``--cells``) with the host times per step and per collective at 0.
+The goal is met, at its edge (0.02 points of margin held out): what bounds the error (below) is
+unchanged, and the ~0.6 ms per layer still missing at tp = 8, micro-batch 1 is unexplained.
 
 What the previous calibration (recompute none, 4.93 % MAPE) absorbed in the wrong place, and
 what changed physically to fit with recompute full:
@@ -43,7 +79,7 @@ what changed physically to fit with recompute full:
    slow kernels. NVLink: 216 -> 224 GB/s and 13.7 -> 5.5 us per ring step (nccl-tests on that
    machine: ~92 us for a 1 MiB all-reduce over 8 GPUs, i.e. ~6.6 us per step of 14).
 
-**Shipped now (calib4): every all-reduce is timed from the nccl-tests tables measured on the
+**calib4: every all-reduce is timed from the nccl-tests tables measured on the
 data's own node** (vTrain's trace/a100/AR_GPU{2..8}_1M_1024M_LUT, ``bench/data/vtrain_a100_allreduce.yaml``;
 ``--alpha-beta`` restores the fitted ring) instead of one (latency, bandwidth) ring fitted to the
 rows: at the tensor-parallel sizes (2-32 MiB) the measured all-reduce takes 45-230 us, 2-3x the
@@ -160,6 +196,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 import time
@@ -188,7 +225,7 @@ DATA = ROOT.parent / "shared" / "data" / "a100_single_node_megatron.csv"
 VOCAB = 50257  # GPT-2, unpadded; each tensor rank holds VOCAB // tp rows (`shard_vocab`)
 README_BW = 150e9  # data README: intra-node bandwidth
 INTRA_BW = 223.8e9  # achieved NVLink bandwidth, fitted on the even rows (--fit --fit-bandwidth)
-NVLINK_LATENCY = 3.43e-6  # per ring step / p2p message, fitted on the even rows (collectives: nccl-tests tables)
+NVLINK_LATENCY = 1.59e-6  # per ring step / p2p message, fitted on the even rows (collectives: nccl-tests tables)
 CALIB3_LATENCY = 5.57e-6  # the calibration before (alpha-beta ring for every collective), for the comparison row
 KIND = GPU_KINDS["a100-80gb"]
 
@@ -211,16 +248,36 @@ SCALE = {"gemm_efficiency": 1, "unaligned_penalty": 1, "memory_efficiency": 1, "
 
 # The calibration shipped before this one (fitted with recompute none on the even rows, fractional
 # vocabulary shard); kept to print it as a comparison row.
-PREVIOUS_NONE_FIT = DEFAULT_MODEL.replace(gemm_efficiency=0.814, unaligned_penalty=2.28, memory_efficiency=0.643,
+BEFORE_CALIB5 = dict(softmax_fallback=False, ce_target_allreduce=False)  # the model as priced up to calib4
+PREVIOUS_NONE_FIT = DEFAULT_MODEL.replace(**BEFORE_CALIB5, gemm_efficiency=0.814, unaligned_penalty=2.28, memory_efficiency=0.643,
                                           kernel_gpu_s=20.6e-6, host_fwd_s=69.5e-6, host_bwd_s=72.8e-6,
                                           host_comm_s=13.8e-6, p2p_host_s=137e-6, loss_host_s=0.469e-3,
                                           batch_host_s=0.310e-3, step_host_s=0.016e-3)
 PREVIOUS_LATENCY, PREVIOUS_BANDWIDTH = 13.7e-6, 215.9e9
 # The calibration shipped before calib4's (recompute full, every all-reduce on the fitted alpha-beta ring).
-CALIB3_FIT = DEFAULT_MODEL.replace(gemm_efficiency=0.856, unaligned_penalty=1.89, memory_efficiency=0.873,
+CALIB3_FIT = DEFAULT_MODEL.replace(**BEFORE_CALIB5, gemm_efficiency=0.856, unaligned_penalty=1.89, memory_efficiency=0.873,
                                    kernel_gpu_s=11.0e-6, host_fwd_s=46.5e-6, host_bwd_s=63.0e-6, host_comm_s=20.6e-6,
                                    p2p_host_s=705e-6, loss_host_s=0.319e-3, batch_host_s=0.565e-3,
                                    step_host_s=0.046e-3)
+# calib4's calibration (the defaults before calib5): every all-reduce from the nccl-tests tables, the
+# fused softmax everywhere, two cross-entropy all-reduces; the baseline of the variants table.
+CALIB4_FIT = DEFAULT_MODEL.replace(**BEFORE_CALIB5, gemm_efficiency=0.859, unaligned_penalty=2.36,
+                                   memory_efficiency=0.893, kernel_gpu_s=7.79e-6, host_fwd_s=46.0e-6,
+                                   host_bwd_s=62.2e-6, host_comm_s=4.37e-6, p2p_host_s=485e-6,
+                                   loss_host_s=0.392e-3, batch_host_s=0.462e-3, step_host_s=0.063e-3)
+CALIB4_LATENCY = 3.43e-6
+# calib5's other refits (the model as shipped; even rows, --max-nfev 80), kept as variants rows:
+# soft-L1 at f_scale 0.03 (the scale before), and odd fp16 dimensions priced apart (--odd-penalty 2.8).
+CALIB5_FSCALE03_FIT = DEFAULT_MODEL.replace(gemm_efficiency=0.859, unaligned_penalty=2.34, memory_efficiency=0.900,
+                                            kernel_gpu_s=8.45e-6, host_fwd_s=46.9e-6, host_bwd_s=61.9e-6,
+                                            host_comm_s=0.64e-6, p2p_host_s=472e-6, loss_host_s=0.394e-3,
+                                            batch_host_s=0.355e-3, step_host_s=0.018e-3)
+CALIB5_FSCALE03_LATENCY = 1.83e-6
+CALIB5_ODD_FIT = DEFAULT_MODEL.replace(gemm_efficiency=0.859, unaligned_penalty=1.73, odd_penalty=2.35,
+                                       memory_efficiency=0.900, kernel_gpu_s=8.68e-6, host_fwd_s=47.9e-6,
+                                       host_bwd_s=61.3e-6, host_comm_s=0.09e-6, p2p_host_s=453e-6,
+                                       loss_host_s=0.288e-3, batch_host_s=0.324e-3, step_host_s=0.0)
+CALIB5_ODD_LATENCY = 0.24e-6
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -238,13 +295,31 @@ NCCL_TESTS = ROOT / "bench" / "data" / "vtrain_a100_allreduce.yaml"
 MEASURED: list = []  # the node's measured all-reduce busbw tables (loaded by main), empty: alpha-beta ring
 
 
-def make_view(latency: float, bandwidth: float = INTRA_BW, measured: bool = True) -> ClusterView:
-    """The data's node; `measured`: all-reduces timed from the nccl-tests tables in MEASURED."""
-    node = NodeSpec(name="dgx-a100", gpus=[KIND.name] * 8, intra=Link(bandwidth, latency, "nvlink"),
+RECOMPUTE = "full"  # the data's setting (README: activation recompute on; vTrain's use_checkpoint, per layer)
+
+
+def load_measured(path: str | Path = NCCL_TESTS) -> list:
+    """Load the node's measured all-reduce tables into MEASURED (every all-reduce is timed from them)."""
+    from plait.cluster import load_cluster
+
+    MEASURED[:] = load_cluster(str(path)).collectives
+    return MEASURED
+
+
+def data_cluster(gpus: int = 8, latency: float = NVLINK_LATENCY, bandwidth: float = INTRA_BW,
+                 measured: bool = True) -> Cluster:
+    """The data's node with `gpus` A100s; `measured`: all-reduces timed from the nccl-tests tables
+    in MEASURED (`load_measured`), else the (latency, bandwidth) ring. `bench/plan_quality.py`
+    plans on this same cluster."""
+    node = NodeSpec(name="dgx-a100", gpus=[KIND.name] * gpus, intra=Link(bandwidth, latency, "nvlink"),
                     nic=Link(800e9 / 8 / 8, 5e-6, "infiniband"), nics=8)
-    cluster = Cluster(name="a100-150GBps", kinds={KIND.name: KIND}, nodes=[node],
-                      collectives=list(MEASURED) if measured else [], source="validate_a100")
-    return ClusterView.from_cluster(cluster)
+    return Cluster(name=f"a100x{gpus}", kinds={KIND.name: KIND}, nodes=[node],
+                   collectives=list(MEASURED) if measured else [], source="validate_a100")
+
+
+def make_view(latency: float, bandwidth: float = INTRA_BW, measured: bool = True) -> ClusterView:
+    """The data's node (`data_cluster`, 8 GPUs) as the simulator sees it."""
+    return ClusterView.from_cluster(data_cluster(8, latency, bandwidth, measured))
 
 
 def shard_vocab(tp: int) -> int:
@@ -296,7 +371,8 @@ class Evaluator:
 
 
 def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int, fit_bandwidth: bool,
-        start: ComputeModel = DEFAULT_MODEL, fields: list[str] = FIT_FIELDS) -> tuple[ComputeModel, float, float]:
+        start: ComputeModel = DEFAULT_MODEL, fields: list[str] = FIT_FIELDS,
+        f_scale: float = 0.005) -> tuple[ComputeModel, float, float]:
     """Fit `fields` of `start` (and the NVLink latency, with `fit_bandwidth` its bandwidth) on `train`."""
     names = fields + ["latency"] + (["bandwidth"] if fit_bandwidth else [])
     x0 = np.array([getattr(start, f) for f in fields] + [NVLINK_LATENCY]
@@ -320,10 +396,10 @@ def fit(ev: Evaluator, train: list[int], console: Console, max_nfev: int, fit_ba
         return np.log(ev.predict(model, lat, train, bw) / y)
 
     t0 = time.time()
-    # soft-L1 on log ratios: close to minimising MAPE, and robust to the rows whose measured
-    # per-layer time is not monotone in the micro-batch size.
+    # soft-L1 on log ratios, linear above f_scale: close to minimising MAPE, and robust to the rows
+    # whose measured per-layer time is not monotone in the micro-batch size.
     sol = least_squares(residuals, np.clip(x0 / scale, lo, hi), bounds=(lo, hi), x_scale="jac",
-                        diff_step=1e-3, max_nfev=max_nfev, loss="soft_l1", f_scale=0.03)
+                        diff_step=1e-3, max_nfev=max_nfev, loss="soft_l1", f_scale=f_scale)
     model, lat, bw = unpack(sol.x)
     console.print(f"fit: {calls[0]} evaluations of {len(train)} rows in {time.time() - t0:.0f} s, "
                   f"status {sol.status}")
@@ -596,10 +672,14 @@ def main(argv: list[str] | None = None) -> int:
     global INTRA_BW
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", action="store_true", help="fit the physical parameters on the even rows first")
-    ap.add_argument("--recompute", choices=("none", "full", "selective"), default="full",
+    ap.add_argument("--recompute", choices=("none", "full", "selective"), default=RECOMPUTE,
                     help="activation recompute of the simulated plans (default: full, as the data was measured)")
     ap.add_argument("--rows", type=int, default=0, help="use only the first N rows (quick look)")
     ap.add_argument("--max-nfev", type=int, default=60)
+    ap.add_argument("--f-scale", type=float, default=0.005,
+                    help="soft-L1 scale of the fit on log(predicted / measured): residuals above it count about "
+                         "linearly (default 0.005, the shipped fit: about the mean absolute log error; "
+                         "0.03 before calib5)")
     ap.add_argument("--bandwidth", type=float, default=None,
                     help=f"intra-node bandwidth in bytes/s (default: the fitted {INTRA_BW:.4g})")
     ap.add_argument("--fit-bandwidth", action="store_true",
@@ -613,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="price GEMMs with an odd fp16 dimension (2-byte aligned, no cp.async) at P instead of the "
                          "unaligned penalty of 4- and 8-byte aligned ones (`plait.cost.compute.alignment_penalty`); "
                          "with --fit, P is the start value and is fitted")
+    ap.add_argument("--json", action="store_true",
+                    help="print the headline figures, parameters and variants as one JSON object on stdout")
     ap.add_argument("--cells", action="store_true",
                     help="also print measured vs predicted time per layer and per micro-batch for each "
                          "(hidden, tp, micro-batch) cell (pp = 1 rows)")
@@ -621,16 +703,14 @@ def main(argv: list[str] | None = None) -> int:
                          "model monotone in micro-batch and hidden size, and each cell's layer time against a "
                          "layer's GPU floor with and without full recompute")
     args = ap.parse_args(argv)
-    console = Console(width=140)
+    console = Console(width=140, stderr=args.json)  # --json: the tables go to stderr, the JSON to stdout
     rows = load_rows()
     if args.rows:
         rows = rows[: args.rows]
     train = [i for i, r in enumerate(rows) if r["index"] % 2 == 0]
     test = [i for i, r in enumerate(rows) if r["index"] % 2 == 1]
     if not args.alpha_beta:
-        from plait.cluster import load_cluster
-
-        MEASURED[:] = load_cluster(args.nccl_tests).collectives
+        load_measured(args.nccl_tests)
         console.print(f"all-reduce times from {args.nccl_tests}: {len(MEASURED)} measured tables "
                       f"({', '.join(str(m.ranks) for m in MEASURED)} ranks)")
     ev = Evaluator(rows, args.recompute)
@@ -642,24 +722,31 @@ def main(argv: list[str] | None = None) -> int:
         model = model.replace(odd_penalty=args.odd_penalty)
         fields = FIT_FIELDS + ["odd_penalty"]
     if args.fit:
-        model, lat, bw = fit(ev, train, console, args.max_nfev, args.fit_bandwidth, model, fields)
+        model, lat, bw = fit(ev, train, console, args.max_nfev, args.fit_bandwidth, model, fields, args.f_scale)
     t0 = time.time()
     pred = ev.predict(model, lat, list(range(len(rows))), bw)
     wall = time.time() - t0
     base = baseline(rows, train)
     title = (f"A100 Megatron-DeepSpeed, {len(rows)} rows, recompute={args.recompute}, NVLink {bw / 1e9:.0f} GB/s, "
              f"{'fitted now' if args.fit else 'shipped defaults'} ({wall:.1f} s to simulate all rows)")
-    report(console, rows, pred, base, train, test, title)
+    mape = report(console, rows, pred, base, train, test, title)
     if args.cells:
         cell_table(console, rows, pred)
     if args.floor:
         floor_tables(console, rows)
-    parameter_table(console, model, lat, bw, "fitted now on the even rows" if args.fit else "shipped defaults")
-    comparison_table(console, rows, train, test, pred, args.recompute, model, lat, bw)
+    params = parameter_table(console, model, lat, bw, "fitted now on the even rows" if args.fit else "shipped defaults")
+    variants = comparison_table(console, rows, train, test, pred, args.recompute, model, lat, bw)
+    if args.json:
+        y = np.array([r["measured_s"] for r in rows])
+        print(json.dumps({"summary": {"mape_all": mape.get("all"), "mape_fit_half": mape.get("fit half (even)"),
+                                      "mape_held_out": mape.get("held-out half (odd)"),
+                                      "baseline_mape_all": float(ape(base, y).mean()), "recompute": args.recompute,
+                                      "fitted_now": args.fit},
+                          "parameters": params, "variants": variants}, indent=1))
     return 0
 
 
-def parameter_table(console: Console, model: ComputeModel, latency: float, bandwidth: float, source: str) -> None:
+def parameter_table(console: Console, model: ComputeModel, latency: float, bandwidth: float, source: str) -> dict:
     """The parameters the predictions above used, with their physical bounds."""
     t = Table(title=f"parameters ({source})")
     for c in ("parameter", "value", "bound (physical ceiling)"):
@@ -671,29 +758,50 @@ def parameter_table(console: Console, model: ComputeModel, latency: float, bandw
         lo, hi = BOUNDS[name]
         t.add_row(name, f"{v:.4g}", f"{lo:.3g} .. {hi:.3g}")
     console.print(t)
+    return {k: float(v) for k, v in values.items()}
 
 
 def comparison_table(console: Console, rows: list[dict], train: list[int], test: list[int], pred: np.ndarray,
-                     recompute: str, model: ComputeModel, latency: float, bandwidth: float) -> None:
+                     recompute: str, model: ComputeModel, latency: float, bandwidth: float) -> list[dict]:
     """The run above next to the previous calibration (recompute none, its own parameters and the
     fractional vocabulary shard) and to the other recompute setting with the same parameters."""
     y = np.array([r["measured_s"] for r in rows])
     every = list(range(len(rows)))
     other = "none" if recompute != "none" else "full"
+    ev = Evaluator(rows, recompute)
     runs = [(f"this run: recompute={recompute}", pred),
+            ("baseline: calib4's defaults (fused softmax everywhere, 2 cross-entropy all-reduces)",
+             ev.predict(CALIB4_FIT, CALIB4_LATENCY, every, INTRA_BW)),
+            ("calib4's parameters + Megatron's fused-softmax availability rule (not refitted)",
+             ev.predict(CALIB4_FIT.replace(softmax_fallback=True), CALIB4_LATENCY, every, INTRA_BW)),
+            ("calib4's parameters + softmax rule + the target-logit all-reduce (not refitted)",
+             ev.predict(CALIB4_FIT.replace(softmax_fallback=True, ce_target_allreduce=True), CALIB4_LATENCY,
+                        every, INTRA_BW)),
+            ("calib5 refit with soft-L1 scale 0.03 (--f-scale 0.03), its own parameters",
+             ev.predict(CALIB5_FSCALE03_FIT, CALIB5_FSCALE03_LATENCY, every, INTRA_BW)),
+            ("calib5 refit with odd fp16 dimensions priced apart (--odd-penalty), its own parameters",
+             ev.predict(CALIB5_ODD_FIT, CALIB5_ODD_LATENCY, every, INTRA_BW)),
+            ("this run's parameters, softmax always fused", ev.predict(model.replace(softmax_fallback=False),
+                                                                      latency, every, bandwidth)),
+            ("this run's parameters, 2 cross-entropy all-reduces",
+             ev.predict(model.replace(ce_target_allreduce=False), latency, every, bandwidth)),
             (f"recompute={other}, same parameters", Evaluator(rows, other).predict(model, latency, every, bandwidth)),
             ("calib3's calibration: recompute=full, alpha-beta ring for every all-reduce, its own parameters",
              Evaluator(rows, "full").predict(CALIB3_FIT, CALIB3_LATENCY, every, INTRA_BW, measured=False)),
             ("previous calibration: recompute=none, 50257/tp vocab shard, its own parameters",
              Evaluator(rows, "none", floor_vocab=False).predict(PREVIOUS_NONE_FIT, PREVIOUS_LATENCY, every,
                                                                 PREVIOUS_BANDWIDTH, measured=False))]
-    t = Table(title="comparison (MAPE %)")
+    t = Table(title="variants and earlier calibrations, all simulated in this run (MAPE %)")
     for c in ("prediction", "all", "fit half (even)", "held-out half (odd)"):
         t.add_column(c, justify="right")
+    out = []
     for name, p in runs:
         e = ape(p, y)
         t.add_row(name, f"{e.mean():.2f}", f"{e[train].mean():.2f}", f"{e[test].mean():.2f}")
+        out.append({"prediction": name, "all": float(e.mean()), "fit_half": float(e[train].mean()),
+                    "held_out": float(e[test].mean())})
     console.print(t)
+    return out
 
 
 if __name__ == "__main__":

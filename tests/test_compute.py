@@ -11,6 +11,7 @@ from plait.cost.compute import (
     ComputeModel,
     TransformerShape,
     alignment_penalty,
+    fused_softmax_available,
     gemm_time,
     generic_layer_cost,
     head_cost,
@@ -82,6 +83,34 @@ def test_transformer_flops_and_collectives() -> None:
     assert full.recompute("full").flops == pytest.approx(full.fwd.flops)
     assert 0 < full.recompute("selective").flops < full.fwd.flops
     assert full.recompute("none").flops == 0
+
+
+def test_megatron_fused_softmax_rule() -> None:
+    # Megatron's FusedScaleMaskSoftmax.is_kernel_available, causal GPT attention, seq 1024.
+    assert fused_softmax_available(1, 16 / 4, 1024, 1024, 2)  # 4 head-batches
+    assert not fused_softmax_available(1, 16 / 8, 1024, 1024, 2)  # 16 heads at tp = 8, micro-batch 1: 2
+    assert fused_softmax_available(2, 16 / 8, 1024, 1024, 2)
+    assert not fused_softmax_available(4, 4, 1024, 1024, 4)  # fp32 input
+    assert not fused_softmax_available(4, 4, 8192, 8192, 2)  # sk above 4096
+    assert not fused_softmax_available(4, 4, 1022, 1022, 2)  # sq not a multiple of 4
+    assert not fused_softmax_available(1, 4, 128, 128, 2)  # sk <= 128: two rows per warp, 8 per block
+    assert fused_softmax_available(2, 4, 128, 128, 2)
+    assert fused_softmax_available(1, 2.5, 1024, 1024, 2)  # fractional (uneven) share: taken as fused
+
+
+def test_unfused_softmax_costs_five_fp32_kernels_each_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = TransformerShape(hidden=1024, heads=16, seq=1024, ffn=4096, kv_heads=16, head_dim=64)
+    unfused = transformer_layer_cost(shape, 1, A100, "fp16", tp=8, model=M)
+    monkeypatch.setattr("plait.cost.compute.fused_softmax_available", lambda *a, **k: True)
+    fused = transformer_layer_cost(shape, 1, A100, "fp16", tp=8, model=M)
+    kernels = lambda p: sum(i.kernels for i in p.items if hasattr(i, "kernels"))  # noqa: E731
+    assert kernels(unfused.fwd) - kernels(fused.fwd) == 4
+    assert kernels(unfused.bwd) - kernels(fused.bwd) == 4
+    assert kernels(unfused.recompute("full")) - kernels(fused.recompute("full")) == 4
+    scores, hbm = 1 * 2 * 1024 * 1024, 2.039e12 * 0.8  # b * heads per rank * s * s
+    assert unfused.fwd.gpu_s - fused.fwd.gpu_s == pytest.approx((37 - 4) * scores / hbm)
+    assert unfused.bwd.gpu_s - fused.bwd.gpu_s == pytest.approx((41 - 6) * scores / hbm)
+    assert unfused.fwd.flops == fused.fwd.flops
 
 
 def test_host_bound_small_layers_gpu_bound_large() -> None:

@@ -65,9 +65,9 @@ def test_megatron_tensor_parallel_collectives(gpt):
     # 2 all-reduces forward and 2 backward per transformer layer (2 layers), plus the
     # vocabulary-parallel embedding's forward and the head input-gradient all-reduce
     assert sorted((m.name, m.op, m.count) for m in big) == [("tp bwd", "all_reduce", 5), ("tp fwd", "all_reduce", 5)]
-    # cross-entropy: max and sum of fp32 per-token scalars
+    # cross-entropy (Megatron's _VocabParallelCrossEntropy): max, target logit and sum of fp32 per-token scalars
     small = [m for m in t.of_class("tp") if m.nbytes != b * S * H * 2]
-    assert [(m.op, m.nbytes, m.count) for m in small] == [("all_reduce", 4 * b * S, 2)]
+    assert [(m.op, m.nbytes, m.count) for m in small] == [("all_reduce", 4 * b * S, 3)]
     # sequence parallelism: all-gather + reduce-scatter in place of each all-reduce of a layer
     sp = traffic.iteration_traffic(gpt, Plan(tp=2, micro_batch=b, global_batch=b, sequence_parallel=True))
     ops = {(m.name, m.op): m.count for m in sp.of_class("tp") if m.nbytes == b * S * H * 2}

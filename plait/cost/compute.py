@@ -39,7 +39,9 @@ fitted values and what changed from the previous (recompute-none) calibration.
 
 Transformer layers, embeddings and LM heads are costed with Megatron-LM's kernel
 sequence (`transformer_layer_cost`, `embedding_cost`, `head_cost`) when the OpGraph's
-config names their shape (hidden, heads, seq, vocab, ffn); any other layer is costed op
+config names their shape (hidden, heads, seq, vocab, ffn) -- including where Megatron picks
+a different kernel by shape: its fused scale-mask-softmax only where the CUDA kernel accepts
+the scores (`fused_softmax_available`; otherwise five unfused fp32 kernels each way); any other layer is costed op
 by op from its captured FLOPs and bytes (`generic_layer_cost`).
 """
 
@@ -88,27 +90,29 @@ class ComputeModel:
     """Physical parameters of the compute model (see module docstring).
 
     Defaults: fitted on the even rows of the A100 Megatron-DeepSpeed data set (fp16, full
-    recompute as measured, all-reduces from the node's nccl-tests tables); `bench/validate_a100.py
-    --fit` reproduces them."""
+    recompute as measured, all-reduces from the node's nccl-tests tables, Megatron's softmax rule);
+    `bench/validate_a100.py --fit --max-nfev 80` reproduces them."""
 
     gemm_efficiency: float = 0.859  # achieved fraction of tensor-core peak in a GEMM main loop
-    unaligned_penalty: float = 2.36  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
+    unaligned_penalty: float = 2.43  # t_compute multiplier for GEMMs with a dim not a multiple of 16 B
     odd_penalty: float | None = None  # multiplier when a dim is only 2-byte aligned (odd fp16); None: unaligned_penalty
-    memory_efficiency: float = 0.893  # achieved fraction of HBM bandwidth by streaming kernels
-    kernel_gpu_s: float = 7.79e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
-    host_fwd_s: float = 46.0e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
-    host_bwd_s: float = 62.2e-6  # host time per backward kernel (autograd engine)
-    host_comm_s: float = 4.37e-6  # host time per collective call
-    p2p_host_s: float = 485e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
+    memory_efficiency: float = 0.899  # achieved fraction of HBM bandwidth by streaming kernels
+    kernel_gpu_s: float = 8.56e-6  # per-kernel GPU time besides its work (launch gap, ramp, tail)
+    host_fwd_s: float = 47.6e-6  # host time to dispatch one forward kernel (Python + dispatcher + launch)
+    host_bwd_s: float = 60.8e-6  # host time per backward kernel (autograd engine)
+    host_comm_s: float = 0.54e-6  # host time per collective call
+    p2p_host_s: float = 442e-6  # per pipeline send/recv step (batch_isend_irecv + stream synchronize)
     loss_host_s: float = 0.392e-3  # host work per micro-batch at the loss (loss, averaging, bookkeeping)
-    batch_host_s: float = 0.462e-3  # host work per micro-batch to fetch and place a batch (get_batch)
-    step_host_s: float = 0.063e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
+    batch_host_s: float = 0.433e-3  # host work per micro-batch to fetch and place a batch (get_batch)
+    step_host_s: float = 0.016e-3  # per-iteration host work besides the kernels (timers, LR, zero_grad)
     optimizer_bytes_per_param: float = 34.0  # fused Adam r/w p,g,m,v fp32 (28) + fp16 param copy (6)
     grad_accum_bytes_per_param: float = 4.0  # .grad += w-grad per micro-batch (fp16 read+write)
     embedding_grad_bytes_per_param: float = 2.0  # dense embedding backward zero-fills a [V, h] grad
     ce_bytes_fwd: float = 38.0  # Megatron vocab-parallel CE in fp32 (cast 6, max 4, sub 8, exp 8, sum 4, div 8)
     ce_bytes_bwd: float = 14.0  # (softmax - onehot) * grad (8) + cast back to fp16 (6)
     tile: int = 128  # output tile edge of the GEMM wave model
+    softmax_fallback: bool = True  # Megatron's fused-softmax availability rule (False: always fused)
+    ce_target_allreduce: bool = True  # all-reduce the target logit in the vocab-parallel CE (Megatron does)
 
     def replace(self, **changes: float) -> ComputeModel:
         return dataclasses.replace(self, **changes)
@@ -305,6 +309,39 @@ class _Builder:
 
 
 # ---------------------------------------------------------------- Megatron layers
+# Megatron's unfused softmax (`FusedScaleMaskSoftmax.forward_torch_softmax`), in fp32 because
+# query-key layer scaling (on by default) forces ``attention_softmax_in_fp32``: bytes per score
+# element of each kernel -- fwd: cast to fp32 (2 + 4), scale (4 + 4), masked_fill_ (4 + 1-byte
+# mask + 4), softmax (4 + 4), cast back (4 + 2); bwd (autograd of each, reversed): cast (2 + 4),
+# softmax backward (4 + 4 + 4), masked_fill (4 + 1 + 4), scale (4 + 4), cast (4 + 2).
+UNFUSED_SOFTMAX_FWD_BYTES = (6.0, 8.0, 9.0, 8.0, 6.0)
+UNFUSED_SOFTMAX_BWD_BYTES = (6.0, 12.0, 9.0, 8.0, 6.0)
+
+
+def fused_softmax_available(b: int, heads: float, sq: int, sk: int, act_bytes: int, causal: bool = True) -> bool:
+    """Whether Megatron's fused scale-mask-softmax CUDA kernel runs for ``[b, heads, sq, sk]`` scores.
+
+    `FusedScaleMaskSoftmax.is_kernel_available` (Megatron-LM 2021-23 and Megatron-DeepSpeed,
+    megatron/model/fused_softmax.py; vTrain's copy of it, src/model/fused_softmax.py, the code of
+    the A100 data set): fp16/bf16 input, ``16 < sk <= 4096``, ``sq % 4 == 0``, ``sk % 4 == 0`` and
+    ``attn_batches = b * heads % 4 == 0``; for the causal kernel also ``attn_batches`` a multiple of
+    the kernel's batches per 128-thread block (warps of ``min(2^ceil(log2 sk), 32)`` threads, two
+    rows per warp when ``2^ceil(log2 sk) <= 128``). Otherwise Megatron falls back to five unfused
+    PyTorch kernels each way (`UNFUSED_SOFTMAX_FWD_BYTES`) -- e.g. 16 heads at tp = 8 (2 per rank)
+    and micro-batch 1. A fractional head share (uneven tp ratios) is taken as fused."""
+    if abs(heads - round(heads)) > 1e-9:
+        return True
+    batches = b * round(heads)
+    if act_bytes != 2 or not 16 < sk <= 4096 or sq % 4 or sk % 4 or batches % 4:
+        return False
+    if not causal:
+        return True  # the padding-mask kernel's rule is on sq, which sq % 4 already covers at sk > 128
+    pow2 = 1 << max(0, math.ceil(math.log2(sk)))
+    warp = min(pow2, 32)
+    per_block = (128 // warp) * (2 if pow2 <= 128 else 1)
+    return batches % per_block == 0
+
+
 @dataclass(frozen=True)
 class TransformerShape:
     hidden: int
@@ -335,7 +372,8 @@ class TransformerShape:
 def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
                            tp: int = 1, share: float | None = None, sequence_parallel: bool = False,
                            model: ComputeModel = DEFAULT_MODEL, name: str = "transformer") -> LayerCost:
-    """One Megatron-LM transformer layer (pre-LN, fused softmax, bias-dropout-add, bias-GELU).
+    """One Megatron-LM transformer layer (pre-LN, fused softmax where its kernel is available
+    -- `fused_softmax_available` -- bias-dropout-add, bias-GELU).
 
     `share` is this rank's fraction of the tensor-split dimensions (``1/tp`` unless the
     plan has uneven `tp_ratios`). Forward: LN, QKV GEMM (+bias), QK^T batched GEMM,
@@ -363,13 +401,19 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
     nbytes = E * a
     params = (h * qkv_n + qkv_n + heads_r * d * h + h + h * mlp_in_n + mlp_in_n + F * h + h + 4 * h)
 
+    fused = not model.softmax_fallback or fused_softmax_available(b, heads_r, s, s, a, shape.causal)
+
     def attention_fwd(x: _Builder) -> None:
         if shape.flash:
             flops = 4.0 * b * heads_r * s * s * d * (0.5 if shape.causal else 1.0)
             x.compute(flops, model.gemm_efficiency * 0.75)  # FlashAttention-2 reaches ~70-75% of GEMM speed
             return
         x.gemm(s, s, d, batch=b * heads_r)  # Q K^T (baddbmm)
-        x.mem(2 * a * Sa)  # fused scale-mask-softmax
+        if fused:
+            x.mem(2 * a * Sa)  # fused scale-mask-softmax
+        else:
+            for per_element in UNFUSED_SOFTMAX_FWD_BYTES:
+                x.mem(per_element * Sa)
         x.mem(2 * a * Sa + Sa)  # attention dropout (+ 1-byte mask)
         x.gemm(s, d, s, batch=b * heads_r)  # probs V
         x.mem(2 * a * Er)  # [b*a, s, d] -> [s, b, h] head merge copy
@@ -421,7 +465,11 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
             x.gemm(s, s, d, batch=b * heads_r)  # dP = dO V^T
             x.gemm(s, d, s, batch=b * heads_r)  # dV = P^T dO
             x.mem(2 * a * Sa + Sa)  # dropout backward
-            x.mem(3 * a * Sa)  # softmax backward
+            if fused:
+                x.mem(3 * a * Sa)  # fused softmax backward
+            else:
+                for per_element in UNFUSED_SOFTMAX_BWD_BYTES:
+                    x.mem(per_element * Sa)
             x.gemm(s, d, s, batch=b * heads_r)  # dQ = dS K
             x.gemm(s, d, s, batch=b * heads_r)  # dK = dS^T Q
         x.gemm(bs, h, qkv_n)  # qkv dgrad
@@ -477,8 +525,9 @@ def head_cost(vocab: int, hidden: int, seq: int, micro_batch: int, kind: GPUKind
     """Final LayerNorm, vocab-parallel LM head GEMM and Megatron's vocab-parallel cross-entropy.
 
     The cross-entropy runs on fp32 logits (Megatron's default): a cast and max, subtract,
-    exp, sum, divide passes over ``b s V/t`` elements (two tiny all-reduces of per-token
-    maxima and sums under TP); backward scales the saved softmax and casts back. The
+    exp, sum, divide passes over ``b s V/t`` elements (under TP three tiny all-reduces of
+    per-token values, as `_VocabParallelCrossEntropy.forward` makes them: the maximum, the
+    target's logit -- held by one rank, zero on the others -- and the sum of exponentials); backward scales the saved softmax and casts back. The
     head's input gradient is all-reduced across tensor ranks (``copy_to_tensor_model_
     parallel_region``'s backward)."""
     r = (1.0 / tp) if share is None else share
@@ -494,7 +543,10 @@ def head_cost(vocab: int, hidden: int, seq: int, micro_batch: int, kind: GPUKind
     for share_bytes in (6, 4):  # cast to fp32, max
         f.mem(share_bytes * logits)
     f.collective("all_reduce", 4 * bs, tp)  # global max
-    for share_bytes in (8, 8, 4):  # subtract, exp, sum
+    f.mem(8 * logits * model.ce_bytes_fwd / 38.0)  # subtract
+    if model.ce_target_allreduce:
+        f.collective("all_reduce", 4 * bs, tp)  # the target's logit, from the rank that holds it
+    for share_bytes in (8, 4):  # exp, sum
         f.mem(share_bytes * logits * model.ce_bytes_fwd / 38.0)
     f.collective("all_reduce", 4 * bs, tp)  # global sum
     f.mem(8 * logits * model.ce_bytes_fwd / 38.0)  # divide (softmax kept for backward)
