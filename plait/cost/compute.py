@@ -109,8 +109,11 @@ class ComputeModel:
     ce_bytes_fwd: float = 38.0  # Megatron vocab-parallel CE in fp32 (cast 6, max 4, sub 8, exp 8, sum 4, div 8)
     ce_bytes_bwd: float = 14.0  # (softmax - onehot) * grad (8) + cast back to fp16 (6)
     tile: int = 128  # output tile edge of the GEMM wave model
+    # How the collective library runs a reduce-scatter (`plait.cost.collectives`): "auto" (NCCL's
+    # ring) or "allreduce" (gloo: an all-reduce of the whole input, then this rank's slice).
+    reduce_scatter_algorithm: str = "auto"
 
-    def replace(self, **changes: float) -> ComputeModel:
+    def replace(self, **changes: float | str) -> ComputeModel:
         return dataclasses.replace(self, **changes)
 
 
