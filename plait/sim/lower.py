@@ -36,8 +36,14 @@ Tasks of one worker, in program order on its compute stream
   ``i`` (layers in backward order, up to `bucket_bytes`) starts at
   ``max(comm_end_{i-1}, bwd_end_i)`` (Shi et al. 2018's WFBP); without buckets one
   reduction after the last backward (Megatron's default). All-reduce, or
-  reduce-scatter under ZeRO; ZeRO-3 also all-gathers each chunk's parameters before
-  every forward and backward and reduce-scatters its gradients after every backward;
+  reduce-scatter under ZeRO (none under ZeRO-3);
+* ZeRO-3 as plait's runtime runs it (`plait.runtime.zero3`, units from
+  `plait.cost.traffic.zero3_units`): per micro-batch and layer, an all-gather of the layer's
+  parameters before its forward and again before its backward and a reduce-scatter of its
+  gradients right after its backward, each between two compute tasks (the training thread
+  issues it from a module hook and waits for it: nothing is prefetched or overlapped);
+  parameters two layers of the stage share (the tied embedding: the root unit) gathered once
+  before the step's first forward and reduce-scattered after its last backward;
 * tied-embedding gradient all-reduce between the first and last stage;
 * a global barrier (gradient-norm all-reduce), the optimizer step, and under ZeRO-1/2
   the parameter all-gather.
