@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                                            "abs_errors": [abs(x["error"]) for x in mine]}
     summary["cpu_s"] = time.process_time() - cpu0
     summary["wall_s"] = time.perf_counter() - t0
+    console.print(table)  # on stderr with --json
     if args.json:
         print(json.dumps({"summary": summary, "rows": rows}, default=float))
     else:
-        console.print(table)
         console.print(f"bench process CPU {summary['cpu_s']:.1f} s, wall {summary['wall_s']:.0f} s; "
                       f"median over rounds of |error|: " + ", ".join(
                           f"{k} {statistics.median(v['abs_errors']) * 100:.1f} %" for k, v in summary.items()
