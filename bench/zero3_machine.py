@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                       say=lambda t: console.print(f"  {t}")) as machine:
         for rnd in range(args.rounds):
             for label in (labels if rnd % 2 == 0 else labels[::-1]):
-                row = trial(machine, label, PLANS[label], args.steps)
+                try:
+                    row = trial(machine, label, PLANS[label], args.steps)
+                except Exception as exc:  # noqa: BLE001 -- a bench reports what failed and goes on
+                    console.print(f"[red]failed[/] r{rnd} {label}: {type(exc).__name__}: {exc}")
+                    continue
                 row["round"] = rnd
                 rows.append(row)
                 console.print(f"  r{rnd} {label}: predicted {row['predicted_s'] * 1e3:.1f} ms, measured "
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {}
     for label in labels:
         mine = sorted((r for r in rows if r["plan"] == label), key=lambda r: r["error"])
+        if not mine:
+            continue
         r = mine[len(mine) // 2]
         s, m = r["sim"], r["real"]
         table.add_row(label, f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
