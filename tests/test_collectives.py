@@ -18,6 +18,7 @@ from plait.cost.collectives import (
     flow_bytes_per_link,
     group_links,
     hierarchical_all_reduce_time,
+    latency_steps,
     ring_all_gather_time,
     ring_all_reduce_time,
     ring_reduce_scatter_time,
@@ -103,6 +104,22 @@ def test_algorithm_choice_like_nccl() -> None:
     assert choose_algorithm("reduce_scatter", 64e3, many) == "ring"
     with pytest.raises(CollectiveError):
         choose_algorithm("all_reduce", 1.0, many, pinned="butterfly")
+
+
+def test_gloo_reduce_scatter_is_an_all_reduce_of_the_whole_input() -> None:
+    """ProcessGroupGloo::reduce_scatter_tensor clones the input, all-reduces all of it and keeps
+    this rank's slice: 2(n-1) a + 2(n-1)/n S/B, twice a ring reduce-scatter's bytes and steps."""
+    n, S, B, a = 4, 8e6, 1e9, 50e-6
+    links = GroupLinks(n, B, a, 1, n, B, a, math.inf, 0.0)
+    ring = collective_time("reduce_scatter", S, links, "ring")
+    gloo = collective_time("reduce_scatter", S, links, "allreduce")
+    assert ring == pytest.approx(3 * a + 0.75 * S / B)
+    assert gloo == pytest.approx(ring_all_reduce_time(S, n, B, a)) == pytest.approx(6 * a + 1.5 * S / B)
+    assert latency_steps("reduce_scatter", n, "allreduce") == 6 and latency_steps("reduce_scatter", n) == 3
+    assert flow_bytes_per_link("reduce_scatter", S, n, "allreduce") == pytest.approx(1.5 * S)
+    # a library pin for reduce-scatters leaves the other operations to their ring
+    assert choose_algorithm("reduce_scatter", S, links, pinned="allreduce") == "allreduce"
+    assert choose_algorithm("all_gather", S, links, pinned="allreduce") == "ring"
 
 
 def test_flow_bytes_per_link() -> None:

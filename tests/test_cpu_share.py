@@ -85,3 +85,30 @@ def test_process_group_holds_this_process_and_lets_it_go() -> None:
         assert pc.active
         assert "plait-" in cpu_line()
     assert cpu_line() == before
+
+
+@needs_cgroups
+def test_launcher_moves_a_namespaced_worker_into_its_rank_group(tmp_path: Path) -> None:
+    """A worker in an emulated node's network namespace cannot see the cgroup filesystem
+    (`ip netns exec` mounts a fresh /sys), so the launcher moves it by the pid of its heartbeat;
+    on the code before, such ranks ran outside their groups (unpinned, default weight)."""
+    import json
+    import subprocess
+
+    from plait.runtime.launch import AgentSpec, Launcher, _Agent
+
+    with RankCgroups(2, shares=4096) as groups:
+        assert groups.active
+        proc = subprocess.Popen(["sleep", "30"])
+        try:
+            (tmp_path / "hb").mkdir()
+            (tmp_path / "hb" / "rank1.json").write_text(json.dumps({"rank": 1, "pid": proc.pid}))
+            spec = AgentSpec(node=1, host="n1", ranks=[1], namespace="plait-ns-n1")
+            launcher = Launcher(tmp_path / "config.json", tmp_path, [spec], [], 60.0, 60.0, env=groups.env())
+            launcher._running.append(_Agent(spec, proc, tmp_path / "agent.log", tmp_path / "f.json"))
+            launcher._join_cgroups()
+            mine = Path(f"/proc/{proc.pid}/cgroup").read_text()
+            assert f"/{groups.name}/rank1" in mine and launcher._joined == {1}
+        finally:
+            proc.kill()
+            proc.wait()

@@ -15,6 +15,7 @@ from plait.measure.machine import (
     LocalMachine,
     MachineError,
     Profilers,
+    compute_model,
     fit_line,
     mean_profile,
     per_device_cluster,
@@ -74,10 +75,26 @@ def test_sim_cluster_gives_intra_node_pairs_gloos_measured_cost(tmp_path):
     out = yaml.safe_load(sim_cluster_yaml(src, fit, tmp_path / "sim.yaml").read_text())
     same, across = out["overrides"]
     assert same["bandwidth"] == "8e+08 B/s" and same["latency"] == "300 us"
-    assert across == data["overrides"][1]  # the shaped NIC keeps its measured figures
+    # the shaped NIC keeps its measured bandwidth; its latency is at least gloo's per-message cost
+    assert across == {"devices": [0, 2], "bandwidth": "50 MB/s", "latency": "300 us"}
     assert all(n["intra"]["latency"] == "300 us" for n in out["nodes"])
     cl = load_cluster(str(tmp_path / "sim.yaml"))
     assert cl.num_devices == 3
+
+
+def test_compute_model_of_gloo_on_cpu_ranks():
+    """gloo's per-call cost is the all-reduce's fixed cost beyond its ring latencies, and its
+    reduce-scatter is an all-reduce of the whole input (ProcessGroupGloo::reduce_scatter_tensor)."""
+    from types import SimpleNamespace
+
+    fit = CommFit(exchange_fixed=300e-6, exchange_bandwidth=1e9, allreduce_fixed=1e-3, allreduce_bandwidth=8e8,
+                  rms_rel=0.0)
+    prof = SimpleNamespace(params={"l0": 1000, "l1": 3000}, optimizer_total_s=1e-3)
+    cl = load_cluster("emulated-mixed:gpus_per_node=1")
+    cm = compute_model(fit, prof, cl, Plan.parse("dp=2,micro_batch=1,global_batch=2,zero=3"), 1e-9)
+    assert cm.host_comm_s == pytest.approx(1e-3 - 2 * 300e-6)
+    assert cm.reduce_scatter_algorithm == "allreduce"
+    assert cm.step_host_s == pytest.approx(1e-9 * 4 * 4000)
 
 
 def test_a_real_cluster_is_not_predicted_as_this_machine():

@@ -12,7 +12,7 @@ import pytest
 
 from plait.cluster.catalog import GPU_KINDS
 from plait.cost.compute import ComputeModel
-from plait.ir.opgraph import Layer, OpGraph
+from plait.ir.opgraph import Layer, OpGraph, TiedParams
 from plait.ir.plan import Plan
 from plait.sim.api import simulate
 from plait.sim.topology import ClusterView
@@ -113,3 +113,40 @@ def test_graph_pipeline_branches_run_concurrently() -> None:
     starts = {e.stage: e.start for e in res.timeline.events if e.category == "forward"}
     assert starts[1] == starts[2] == pytest.approx(1e-3)
     assert {e.name for e in res.timeline.events if e.category == "forward"} >= {"fwd s1 c0 mb0 b", "fwd s2 c0 mb0 c"}
+
+
+@pytest.mark.parametrize("rs_algorithm", ["auto", "allreduce"])
+def test_zero3_per_layer_gathers_without_prefetch(rs_algorithm: str) -> None:
+    """ZeRO-3 on 2 GPUs as plait's runtime runs it (plait.runtime.zero3): layers l0, l1, l2 with
+    l0's first T parameters tied to l2 (the root unit: gathered once per step before the first
+    forward, reduce-scattered once after the last backward); per micro-batch, layer by layer,
+    all-gather before its forward, all-gather before its backward and reduce-scatter after it,
+    each waited for by the compute (no prefetch). fp32: a unit of p parameters all-gathers
+    S = 4p bytes in (n-1) a + (n-1)/n S/B = a + 2p/B; its reduce-scatter is a ring
+    a + 2p/B, or under gloo ("allreduce": ProcessGroupGloo all-reduces the whole input)
+    2a + 4p/B. 1F1B on one stage: F0 B0 F1 B1."""
+    p0, p1, p2, T, m = 3_000_000, 5_000_000, 2_000_000, 1_000_000, 2
+    graph = chain([p0, p1, p2])
+    graph.tied.append(TiedParams(owner="l0", user="l2", params=T))
+    times = {"l0": (1e-3, 2e-3), "l1": (3e-3, 5e-3), "l2": (2e-3, 4e-3)}
+    res = simulate(graph, two_gpus(gpus_per_node=1), Plan(dp=2, zero=3, micro_batch=1, global_batch=2 * m,
+                                                           dtype="fp32"),
+                   compute=ZERO.replace(reduce_scatter_algorithm=rs_algorithm), layer_times=times)
+
+    def ag(p: float) -> float:
+        return ALPHA + 2 * p / B
+
+    def rs(p: float) -> float:
+        return ALPHA + 2 * p / B if rs_algorithm == "auto" else 2 * ALPHA + 4 * p / B
+
+    units = {"l0": p0 - T, "l1": p1, "l2": p2}
+    fwd = sum(ag(units[n]) + times[n][0] for n in ("l0", "l1", "l2"))
+    bwd = sum(ag(units[n]) + times[n][1] + rs(units[n]) for n in ("l2", "l1", "l0"))
+    barrier = 2 * ALPHA
+    assert res.iteration_time_s == pytest.approx(ag(T) + m * (fwd + bwd) + rs(T) + barrier, rel=1e-12)
+    names = [e.name for e in sorted(res.timeline.events, key=lambda e: e.start)
+             if e.device in (0, None) and e.category in ("comm_zero", "forward", "backward")]
+    assert names[:4] == ["allgather params root", "allgather params l0 mb0", "fwd s0 c0 mb0 l0",
+                         "allgather params l1 mb0"]
+    assert names[-4:] == ["allgather params l0 mb1", "bwd s0 c0 mb1 l0", "reducescatter grads l0 mb1",
+                          "reducescatter grads root"]

@@ -78,13 +78,23 @@ def test_megatron_tensor_parallel_collectives(gpt):
     assert rec.totals()["tp"] == t.totals()["tp"] + 4 * 2 * b * S * H * 2
 
 
-def test_zero3_gathers_and_scatters_per_micro_batch(gpt):
-    P, n, m = gpt.param_count, 2, 3
+def test_zero3_gathers_and_scatters_per_layer_and_micro_batch(gpt):
+    """ZeRO-3 as the runtime shards it (plait.runtime.zero3): one unit per layer (its own
+    parameters, bf16 gathers, fp32 gradient reduce-scatters) per forward / backward of each
+    micro-batch; the tied word embedding (V h, shared by embedding and head) is the root unit,
+    gathered and reduce-scattered once per iteration."""
+    P, n, m, T = gpt.param_count, 2, 3, V * H
     t = traffic.iteration_traffic(gpt, Plan(dp=n, micro_batch=1, global_batch=n * m, zero=3))
     assert t.of_class("dp") == []
-    got = {(x.op, x.nbytes, x.count) for x in t.of_class("zero")}
-    assert got == {("all_gather", 2 * P, 2 * m), ("reduce_scatter", 4 * P, m)}
-    assert t.totals()["zero"] == (n - 1) * (2 * m * 2 * P + m * 4 * P)
+    own = {layer.name: layer.param_count for layer in gpt.layers}
+    own["embed"] -= T  # position embedding only: the word embedding is the root's
+    got = sorted((x.name, x.op, x.nbytes, x.count) for x in t.of_class("zero"))
+    sizes = sorted(set(own.values()))
+    want = [("allgather params", "all_gather", 2 * p, 2 * m * list(own.values()).count(p)) for p in sizes] + \
+        [("allgather params root", "all_gather", 2 * T, 1), ("reducescatter grads root", "reduce_scatter", 4 * T, 1)] + \
+        [("reducescatter grads", "reduce_scatter", 4 * p, m * list(own.values()).count(p)) for p in sizes]
+    assert got == sorted(want)
+    assert t.totals()["zero"] == (n - 1) * (2 * m * 2 * (P - T) + m * 4 * (P - T) + 2 * T + 4 * T)
 
 
 def test_tied_embedding_split_over_stages(gpt):

@@ -30,6 +30,10 @@ Costs (``a`` the per-step latency alpha of the slowest link, ``B`` its bandwidth
 * all-to-all: ``(n-1) a + (n-1)/n S/B`` (each rank sends ``S/n`` to every other rank); across
   nodes of ``g`` ranks each, ``(n-1) a + max(g (n-g)/n S / (B_inter c), (g-1)/n S / B_intra)``: a
   node's ranks share its ``c`` NICs for what leaves the node;
+* reduce-scatter as an all-reduce ("allreduce", gloo's ``ProcessGroupGloo::reduce_scatter_tensor``:
+  it clones the input, all-reduces all of it and keeps this rank's slice): the ring all-reduce of
+  the whole input, ``2(n-1) a + 2(n-1)/n S/B + (n-1)/n S g`` -- twice the bytes and latency steps
+  of a ring reduce-scatter;
 * send/recv: ``a + S/B``; broadcast (pipelined ring): ``(n-1) a + S/B``; reduce (pipelined
   ring to one root): ``(n-1) a + S/B + S g``.
 
@@ -58,7 +62,7 @@ from plait.errors import PlaitError
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "send_recv")
 UNEVEN_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # collectives whose shards may be uneven
-ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped", "measured")
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "padded", "grouped", "measured", "allreduce")
 
 
 class CollectiveError(PlaitError, ValueError):
@@ -290,6 +294,8 @@ def collective_time(op: str, nbytes: float, links: GroupLinks, algorithm: str = 
                 shard_bw, links.inter_latency, gamma)
         return ring_all_reduce_time(nbytes, n, B, a, gamma)
     if op == "reduce_scatter":
+        if algorithm == "allreduce":
+            return ring_all_reduce_time(nbytes, n, B, a, gamma)
         return ring_reduce_scatter_time(nbytes, n, B, a, gamma)
     if op == "all_gather":
         return ring_all_gather_time(nbytes, n, B, a)
@@ -318,10 +324,13 @@ def choose_algorithm(op: str, nbytes: float, links: GroupLinks, pinned: str | No
     (``src/graph/tuning.cc``); in effect tree for latency-bound all-reduces across nodes
     and ring once the message is large enough for bandwidth to dominate. Only all-reduce
     has a choice here; "padded"/"grouped" (HAP's uneven-shard collectives) cost as ring
-    at the padded size, which the caller supplies."""
+    at the padded size, which the caller supplies; "allreduce" is a reduce-scatter's only (gloo's),
+    any other operation pinned to it runs its ring."""
     if pinned not in (None, "auto"):
         if pinned not in ALGORITHMS:
             raise CollectiveError(f"unknown collective algorithm {pinned!r}; use one of {ALGORITHMS}")
+        if pinned == "allreduce" and op != "reduce_scatter":
+            return "ring"
         return "ring" if pinned in ("padded", "grouped") else pinned
     if links.n > 1 and pick_measured(links, op) is not None:
         return "measured"  # the measurement already carries NCCL's own choice
@@ -343,6 +352,8 @@ def flow_bytes_per_link(op: str, nbytes: float, n: int, algorithm: str = "ring")
         return 0.0
     if op == "all_reduce" and algorithm == "tree":
         return 2.0 * nbytes
+    if op == "reduce_scatter" and algorithm == "allreduce":
+        return bus_factor("all_reduce", n) * nbytes
     return bus_factor(op, n) * nbytes
 
 
@@ -350,7 +361,7 @@ def latency_steps(op: str, n: int, algorithm: str = "ring") -> int:
     """Number of alpha terms in the formula of `op` (ring steps or tree levels)."""
     if n <= 1:
         return 0
-    if op == "all_reduce":
+    if op == "all_reduce" or (op == "reduce_scatter" and algorithm == "allreduce"):
         return 2 * math.ceil(math.log2(n)) if algorithm == "tree" else 2 * (n - 1)
     if op in ("reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"):
         return n - 1

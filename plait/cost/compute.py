@@ -113,8 +113,11 @@ class ComputeModel:
     tile: int = 128  # output tile edge of the GEMM wave model
     softmax_fallback: bool = True  # Megatron's fused-softmax availability rule (False: always fused)
     ce_target_allreduce: bool = True  # all-reduce the target logit in the vocab-parallel CE (Megatron does)
+    # How the collective library runs a reduce-scatter (`plait.cost.collectives`): "auto" (NCCL's
+    # ring) or "allreduce" (gloo: an all-reduce of the whole input, then this rank's slice).
+    reduce_scatter_algorithm: str = "auto"
 
-    def replace(self, **changes: float) -> ComputeModel:
+    def replace(self, **changes: float | str) -> ComputeModel:
         return dataclasses.replace(self, **changes)
 
 

@@ -19,9 +19,11 @@ all-reduce, the full output of an all-gather / full input of a reduce-scatter):
 * **dp** -- gradients of a replica's parameters (per tensor rank) in the plan's
   gradient-reduction dtype (`Plan.grad_dtype`): all-reduce, or reduce-scatter under
   ZeRO-1/2 (Rajbhandari et al. 2020), once per iteration; none under ZeRO-3.
-* **zero** -- ZeRO-3: every chunk's parameters all-gathered (compute dtype) before each
-  forward and each backward of each micro-batch and its gradients reduce-scattered after
-  each backward; ZeRO-1/2: the updated parameters all-gathered after the step.
+* **zero** -- ZeRO-3, per unit as the runtime shards them (`zero3_units`): every layer's own
+  parameters all-gathered (compute dtype) before its forward and its backward of each
+  micro-batch and its gradients reduce-scattered after its backward; parameters two layers
+  of the stage share (the root unit) gathered and reduce-scattered once per iteration;
+  ZeRO-1/2: the updated parameters all-gathered after the step.
 * **tp** -- the collectives of Megatron's kernel sequence (`plait.cost.compute.layer_cost`:
   2 all-reduces of ``b s h a`` bytes forward and 2 backward per transformer layer, or an
   all-gather and a reduce-scatter at each with sequence parallelism; vocabulary-parallel
@@ -131,6 +133,33 @@ def tied_grad_bytes(tied: TiedParams, tp: int, plan: Plan) -> int:
     summed between the stages' copies every step: the gradient dtype; vocabulary-parallel
     tensors are split over the tensor ranks."""
     return whole_bytes(tied.params / (max(1, tp) if tied.tp_sharded else 1) * grad_elem_bytes(plan))
+
+
+@dataclass(frozen=True)
+class Zero3Units:
+    """ZeRO-3's units of one stage as plait's runtime shards them (`plait.runtime.zero3`, FSDP's
+    flat parameters): each layer's own parameters are one unit, all-gathered before the layer's
+    forward and again before its backward, its gradient reduce-scattered right after its
+    backward, per micro-batch; parameters two layers of the stage share (a tied embedding and LM
+    head, `OpGraph.tied`) form the *root* unit, gathered once per step and reduce-scattered once
+    after the step's last backward. Parameters per tensor rank."""
+
+    layers: tuple[tuple[str, float], ...]  # (layer name, its unit's parameters), in layer order
+    root: float  # parameters of the root unit (0: none)
+
+
+def zero3_units(layers: Sequence[Layer], params: Sequence[float], tied: Sequence[TiedParams],
+                tp: int = 1) -> Zero3Units:
+    """`Zero3Units` of a stage holding `layers`, whose per-tensor-rank parameter counts are `params`
+    (each tied parameter counted in its owner, as the capture counts it)."""
+    own = {layer.name: float(p) for layer, p in zip(layers, params)}
+    root = 0.0
+    for t in tied:
+        if t.owner in own and t.user in own:  # both users on this stage: one root parameter
+            share = t.params / (max(1, tp) if t.tp_sharded else 1)
+            own[t.owner] = max(0.0, own[t.owner] - share)
+            root += share
+    return Zero3Units(tuple((layer.name, own[layer.name]) for layer in layers), root)
 
 
 def layer_grad_params(layer: Layer, cost: LayerCost, stage_has_embedding: bool) -> float:
@@ -298,7 +327,7 @@ def iteration_traffic(graph: OpGraph, plan: Plan, sg: StageGraph | None = None, 
         costs = [cost(layer, mb0, st.tp, share0) for layer in layers]
         _tp_messages(acc, sg, st, by_name, cost, plan, memo)
         _dp_messages(acc, st, replica_grad_params(layers, costs), plan)
-        _zero_messages(acc, sg, st, by_name, cost, mb0, share0, plan)
+        _zero_messages(acc, sg, st, by_name, cost, mb0, share0, plan, graph.tied)
     key = ("pp", id(sg), plan.dtype, plan.grad_dtype)
     calls = None if memo is None else memo.get(key)
     if calls is None or calls[0] is not sg:  # (the stage graph is held so its id stays unique)
@@ -371,17 +400,26 @@ def _dp_messages(acc: _Acc, st: Stage, params: float, plan: Plan) -> None:
 
 
 def _zero_messages(acc: _Acc, sg: StageGraph, st: Stage, by_name: dict, cost: LayerCostFn, mb0: int,
-                   share0: float | None, plan: Plan) -> None:
+                   share0: float | None, plan: Plan, tied: Sequence[TiedParams]) -> None:
     if plan.zero != 3 or st.dp < 2:
         return
     rings = [tuple(r.devices[t] for r in st.replicas) for t in range(st.tp)]
     units = max(r.count for r in st.replicas)
-    for c in st.chunks:
-        params = sum(cost(by_name[n], mb0, st.tp, share0).params for n in sg.chunks[c].layers)
-        # before every forward and every backward of every micro-batch, and after every backward
+    layers = [by_name[n] for c in st.chunks for n in sg.chunks[c].layers]
+    z = zero3_units(layers, [cost(layer, mb0, st.tp, share0).params for layer in layers], tied, st.tp)
+    for _name, params in z.layers:
+        if params <= 0:  # a layer without parameters of its own has no unit
+            continue
+        # each layer's unit: before every forward and every backward of every micro-batch, and
+        # after every backward (equal units add counts on one message)
         acc.add("allgather params", "zero", "all_gather", param_gather_bytes(params, plan), rings, 2 * units,
                 st.index)
         acc.add("reducescatter grads", "zero", "reduce_scatter", grad_scatter_bytes(params, plan), rings, units,
+                st.index)
+    if z.root > 0:  # the root unit: once per step
+        acc.add("allgather params root", "zero", "all_gather", param_gather_bytes(z.root, plan), rings, 1,
+                st.index)
+        acc.add("reducescatter grads root", "zero", "reduce_scatter", grad_scatter_bytes(z.root, plan), rings, 1,
                 st.index)
 
 

@@ -193,11 +193,21 @@ def fit_gloo(sweep: dict[str, list[list[float]]], world: int = 2) -> CommFit:
 def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
     """The measured cluster with the pairs inside a node (loopback here) at gloo's measured cost:
     latency = the exchange's fixed cost, bandwidth = the all-reduce's rate (collectives are
-    most intra-node traffic of these plans). Pairs across nodes keep the profile's figures (the
-    shaped NIC dominates there). The profile's busbw tables are dropped: they were measured in a
-    tight loop, and this calibration (calls after a compute segment, as training makes them)
-    replaces them -- one source for collective times, never both."""
+    most intra-node traffic of these plans). Pairs across nodes keep the profile's bandwidth (the
+    shaped NIC dominates there) and its latency, but never less than gloo's exchange fixed cost:
+    that is gloo's own per-message work, which a message between nodes pays as well (the
+    profile's tight ping-pong loop measures 80-100 us where a message sent as training sends it,
+    after a compute segment, costs 0.6-1.2 ms; this machine's tc emulates no wire latency).
+    Collectives of many calls per step -- ZeRO-3's per-layer gathers -- pay it in every ring
+    step. The profile's busbw tables are dropped: they were measured in a tight loop, and this
+    calibration (calls after a compute segment, as training makes them) replaces them -- one
+    source for collective times, never both."""
     import yaml
+
+    from plait.cluster.units import parse_duration
+
+    def floor(latency: Any) -> str:
+        return f"{max(parse_duration(latency), fit.exchange_fixed) * 1e6:.6g} us"
 
     data = yaml.safe_load(measured.read_text())
     data.pop("collectives", None)
@@ -209,9 +219,13 @@ def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
         if node_of[a] == node_of[b]:
             ov["bandwidth"] = f"{fit.allreduce_bandwidth:.6g} B/s"
             ov["latency"] = f"{fit.exchange_fixed * 1e6:.6g} us"
+        elif "latency" in ov:
+            ov["latency"] = floor(ov["latency"])
     for node in nodes:
         node["intra"]["bandwidth"] = f"{fit.allreduce_bandwidth:.6g} B/s"
         node["intra"]["latency"] = f"{fit.exchange_fixed * 1e6:.6g} us"
+        if isinstance(node.get("nic"), dict) and "latency" in node["nic"]:
+            node["nic"]["latency"] = floor(node["nic"]["latency"])
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
 
@@ -245,7 +259,9 @@ def per_device_cluster(cluster: Any, plan: Any, per_rank: list[Any], slowdown: d
 
 def compute_model(fit: CommFit, prof: Any, cluster: Any, plan: Any, flatten_s_per_byte: float) -> Any:
     """The simulator's host/optimizer constants for gloo on CPU ranks with measured layer times:
-    `host_comm_s` = gloo's per-call cost; the optimizer from the profile's AdamW step over all
+    `host_comm_s` = gloo's per-call cost; gloo's reduce-scatter is an all-reduce of the whole
+    input (`ProcessGroupGloo::reduce_scatter_tensor`: clone, all-reduce, copy this rank's slice;
+    measured 5.6-7.3 ms for the 793 KB of a layer where its all-gather takes 2.2-4.6 ms); the optimizer from the profile's AdamW step over all
     parameters (as bytes per parameter at the fastest kind's measured memory bandwidth); under
     data parallelism `step_host_s` = the runtime's gradient flatten + copy-back for one stage's
     gradients (a pipeline stage holds about 1/pp of them, a tensor rank 1/tp)."""
@@ -257,7 +273,7 @@ def compute_model(fit: CommFit, prof: Any, cluster: Any, plan: Any, flatten_s_pe
     step = flatten_s_per_byte * 4 * params / (plan.tp * plan.pp) if plan.dp > 1 else 0.0
     return ComputeModel(host_comm_s=fit.per_call, p2p_host_s=0.0, step_host_s=step, loss_host_s=0.0,
                         batch_host_s=0.0, optimizer_bytes_per_param=opt_bytes, memory_efficiency=1.0,
-                        host_fwd_s=0.0, host_bwd_s=0.0, kernel_gpu_s=0.0)
+                        host_fwd_s=0.0, host_bwd_s=0.0, kernel_gpu_s=0.0, reduce_scatter_algorithm="allreduce")
 
 
 # ---------------------------------------------------------------- results

@@ -19,8 +19,9 @@ parallelism but not pipelines) and other processes. A cgroup per rank fixes it:
 `RankCgroups` creates ``plait-<pid>-<n>/rank<r>`` under ``/sys/fs/cgroup/cpu`` (and
 ``/sys/fs/cgroup/cpuset``) (root only), hands the group name to the workers in
 `PLAIT_CPU_CGROUP` (see `env()`), each worker joins its rank's groups first thing
-(`join_from_env`, called by `plait.runtime.worker.main`), and everything is removed on
-exit. Without root or without the controller it does nothing and says why (`available()`).
+(`join_from_env`, called by `plait.runtime.worker.main`; a worker in an emulated node's network
+namespace sees no cgroup filesystem there, and the launcher moves it by its heartbeat's pid,
+`join_rank`), and everything is removed on exit. Without root or without the controller it does nothing and says why (`available()`).
 """
 
 from __future__ import annotations
@@ -205,17 +206,25 @@ def join(group: Path, pid: int = 0) -> None:
 def join_from_env(rank: int) -> bool:
     """Called by a worker at start: join ``<controller>/$PLAIT_CPU_CGROUP/rank<rank>`` for the cpu
     (and cpuset) controllers when that is set. Returns whether it joined; groups that are gone
-    (the launcher ended) are ignored."""
+    (the launcher ended) are ignored -- and so are groups this process cannot see: a worker in an
+    emulated node's network namespace (`ip netns exec` mounts a fresh /sys without the cgroup
+    filesystems) is moved into its groups by the launcher instead (`join_rank`)."""
     name = os.environ.get(ENV)
     if not name:
         return False
+    return join_rank(name, rank)
+
+
+def join_rank(name: str, rank: int, pid: int = 0) -> bool:
+    """Move process `pid` (0: the caller), all its threads, into ``<controller>/<name>/rank<rank>``
+    of the cpu and cpuset controllers that exist; returns whether it joined one."""
     joined = False
     for root in (ROOT, CPUSET_ROOT):
         group = root / name / f"rank{rank}"
         if not group.is_dir():
             continue
         try:
-            join(group)
+            join(group, pid)
             joined = True
         except CpuShareError as exc:
             log.warning("rank %d: %s", rank, exc)

@@ -102,6 +102,7 @@ class Launcher:
     watch: Callable[[], str | None] | None = None
     watch_every: float = 0.5
     _running: list[_Agent] = field(default_factory=list)
+    _joined: set[int] = field(default_factory=set)  # ranks moved into their cpu cgroup (`_join_cgroups`)
 
     # ------------------------------------------------------------------ start
     def _torchrun_args(self, k: int, port: int) -> list[str]:
@@ -158,6 +159,7 @@ class Launcher:
                     failure = self._diagnose_exit()
                     failure.detected_at = seen  # type: ignore[attr-defined]
                     raise failure
+                self._join_cgroups()
                 hung = self._find_hang(started)
                 if hung is not None:
                     hung.detected_at = time.time()
@@ -205,6 +207,23 @@ class Launcher:
             pid = info.get("pid")
             if pid:
                 _kill(int(pid), signal.SIGKILL)
+
+    def _join_cgroups(self) -> None:
+        """Workers of an emulated node run in its network namespace, where `ip netns exec` has
+        mounted a fresh /sys without the cgroup filesystems, so their own `join_from_env` finds
+        no group: move each into its rank's cpu (and cpuset) cgroup from here, once, by the pid
+        its first heartbeat names. Without it such ranks ran unpinned at the default weight --
+        slower than the profilers pinned in those groups whenever the machine is busy."""
+        from plait.runtime.cpu_share import ENV, join_rank
+
+        name = self.env.get(ENV) or os.environ.get(ENV)
+        if not name or all(a.spec.namespace is None for a in self._running):
+            return
+        for rank, info in self._heartbeats().items():
+            pid = info.get("pid")
+            if rank not in self._joined and pid and _alive(pid):
+                join_rank(name, rank, int(pid))
+                self._joined.add(rank)
 
     # ------------------------------------------------------------------ state files
     def _heartbeats(self) -> dict[int, dict[str, Any]]:

@@ -36,8 +36,14 @@ Tasks of one worker, in program order on its compute stream
   ``i`` (layers in backward order, up to `bucket_bytes`) starts at
   ``max(comm_end_{i-1}, bwd_end_i)`` (Shi et al. 2018's WFBP); without buckets one
   reduction after the last backward (Megatron's default). All-reduce, or
-  reduce-scatter under ZeRO; ZeRO-3 also all-gathers each chunk's parameters before
-  every forward and backward and reduce-scatters its gradients after every backward;
+  reduce-scatter under ZeRO (none under ZeRO-3);
+* ZeRO-3 as plait's runtime runs it (`plait.runtime.zero3`, units from
+  `plait.cost.traffic.zero3_units`): per micro-batch and layer, an all-gather of the layer's
+  parameters before its forward and again before its backward and a reduce-scatter of its
+  gradients right after its backward, each between two compute tasks (the training thread
+  issues it from a module hook and waits for it: nothing is prefetched or overlapped);
+  parameters two layers of the stage share (the tied embedding: the root unit) gathered once
+  before the step's first forward and reduce-scattered after its last backward;
 * tied-embedding gradient all-reduce between the first and last stage;
 * a global barrier (gradient-norm all-reduce), the optimizer step, and under ZeRO-1/2
   the parameter all-gather.
@@ -179,9 +185,10 @@ class _Combined:
 
 
 def _combine(costs: list[PassCost], links: GroupLinks | None, pinned: str | None,
-             host_comm_s: float = 0.0) -> list[_Item]:
+             host_comm_s: float = 0.0, rs_algorithm: str = "auto") -> list[_Item]:
     """Item-wise max over tensor ranks (they synchronise at each collective); `host_comm_s` is
-    added to each collective (callers whose segments do not already hold it)."""
+    added to each collective (callers whose segments do not already hold it); `rs_algorithm`:
+    the library's reduce-scatter (`ComputeModel.reduce_scatter_algorithm`) where none is pinned."""
     if not costs:
         return []
     out: list[_Item] = []
@@ -193,10 +200,17 @@ def _combine(costs: list[PassCost], links: GroupLinks | None, pinned: str | None
             assert isinstance(head, Collective)
             secs = 0.0
             if links is not None and links.n > 1:
-                algo = choose_algorithm(head.op, head.nbytes, links, pinned)
+                algo = choose_algorithm(head.op, head.nbytes, links, _pin(head.op, pinned, rs_algorithm))
                 secs = collective_time(head.op, head.nbytes, links, algo) + host_comm_s
             out.append(_Item("tp", secs, head.op, head.nbytes))
     return out
+
+
+def _pin(op: str, pinned: str | None, rs_algorithm: str) -> str | None:
+    """The algorithm pinned for `op`: the plan's, else the library's reduce-scatter for one."""
+    if pinned in (None, "auto") and op == "reduce_scatter" and rs_algorithm != "auto":
+        return rs_algorithm
+    return pinned
 
 
 def _retime(items: list[_Item], compute_s: float) -> list[_Item]:
@@ -234,6 +248,7 @@ class _Lowerer:
         self.route_cache: dict[tuple[int, int], tuple[float, list[tuple[int, float, float]]]] = {}
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
+        self._zero3_last: dict[int, int] = {}  # worker -> its last ZeRO-3 collective of the step
 
     # ------------------------------------------------------------ structure
     def build_structure(self) -> tuple[list[StageSpec], list[Chunk], list[tuple[int, int]]]:
@@ -363,11 +378,13 @@ class _Lowerer:
             per_rank.append(distinct[k2])
         ranks = list(distinct.values())
         pinned = self.plan.collectives.get("tp")
+        rs = self.model.reduce_scatter_algorithm
         rec_mode = self.plan.recompute
         out = _Combined(
-            fwd=_combine([c.fwd for c in ranks], w.links, pinned),
-            bwd=_combine([c.bwd for c in ranks], w.links, pinned),
-            rec=_combine([c.recompute(rec_mode) for c in ranks], w.links, pinned) if rec_mode != "none" else [],
+            fwd=_combine([c.fwd for c in ranks], w.links, pinned, rs_algorithm=rs),
+            bwd=_combine([c.bwd for c in ranks], w.links, pinned, rs_algorithm=rs),
+            rec=_combine([c.recompute(rec_mode) for c in ranks], w.links, pinned, rs_algorithm=rs)
+            if rec_mode != "none" else [],
             params=per_rank[0].params,
             grad_params=per_rank[0].grad_params,
             flops_fwd=max(c.fwd.flops for c in ranks),
@@ -407,8 +424,9 @@ class _Lowerer:
                 # The measured compute holds no collective call: each pays its host cost serially,
                 # as data-parallel collectives do (`_new_collective`).
                 pinned, host = self.plan.collectives.get("tp"), self.model.host_comm_s
-                fwd = _retime(_combine([cost.fwd], w.links, pinned, host), fwd_s)
-                return _Combined(fwd, _retime(_combine([cost.bwd], w.links, pinned, host), bwd_s),
+                rs = self.model.reduce_scatter_algorithm
+                fwd = _retime(_combine([cost.fwd], w.links, pinned, host, rs), fwd_s)
+                return _Combined(fwd, _retime(_combine([cost.bwd], w.links, pinned, host, rs), bwd_s),
                                  list(fwd) if full else [], params, params, layer.fwd_flops * mb,
                                  layer.bwd_flops * mb)
         return _Combined([_Item("c", fwd_s)], [_Item("c", bwd_s)], [_Item("c", fwd_s)] if full else [],
@@ -568,7 +586,8 @@ class _Lowerer:
         ck = (it.op, it.nbytes, links)
         hit = self.tp_algo_cache.get(ck)
         if hit is None:
-            algo = choose_algorithm(it.op, it.nbytes, links, self.plan.collectives.get("tp")) if links else "ring"
+            pin = _pin(it.op, self.plan.collectives.get("tp"), self.model.reduce_scatter_algorithm)
+            algo = choose_algorithm(it.op, it.nbytes, links, pin) if links else "ring"
             hit = self.tp_algo_cache[ck] = (algo, latency_steps(it.op, n, algo) * (links.ring_latency if links else 0.0))
         algo, lat = hit
         flow = self._ring_flow(w.devices, max(0.0, it.seconds - lat), None)
@@ -651,6 +670,7 @@ class _Lowerer:
         program = self.programs[w.wid]
         per_layer = self.granularity == "layer"
         wfbp = self.opt.overlap_grad_reduce
+        zero3 = self._zero3_units(w)
         firsts, lasts = [], []
         last_b_item: dict[int, int] = {}
         for idx, (k, c, _i) in enumerate(program):
@@ -658,18 +678,19 @@ class _Lowerer:
                 last_b_item[c] = idx
         self.layer_bwd_end[w.wid] = {}
         prev: list[int] = []
+        if zero3 is not None and zero3.root > 0:  # the root unit, once per step (Zero3Step.begin_step)
+            prev = [self._zero3_collective(w, "all_gather", zero3.root, "root", None, [], ("z3root-ag", w.stage))]
         for idx, (k, c, i) in enumerate(program):
             mb_size = w.units[i][1]
             costs = self.chunk_costs(w, c, mb_size)
-            # ZeRO-3 prefetch: the gather for item k may start once item k-2 has finished (one ahead).
-            ahead = [lasts[-2]] if len(lasts) >= 2 else []
-            zero3_dep = self._zero3_gather(w, c, i, k, ahead) if plan.zero == 3 and w.links else None
-            deps = prev + ([zero3_dep] if zero3_dep is not None else [])
-            if k == "F":
+            if zero3 is not None:
+                first, last = self._emit_zero3_item(w, zero3, k, c, i, costs, prev,
+                                                    self.layer_bwd_end[w.wid] if idx == last_b_item.get(c) else None)
+            elif k == "F":
                 first, last = self._emit_items(w, self._pass_items(costs, "fwd"), self._key("fwd", w, c, i),
-                                               "forward", i, deps, per_layer, chunk=self.local_chunk[c])
+                                               "forward", i, prev, per_layer, chunk=self.local_chunk[c])
             else:
-                first = -1
+                first, deps = -1, prev
                 if plan.recompute != "none" and any(cc.rec for _, cc in costs):
                     first, rlast = self._emit_items(w, self._pass_items(costs, "rec"),
                                                     self._key("recompute", w, c, i), "recompute", i, deps, per_layer,
@@ -681,11 +702,15 @@ class _Lowerer:
                                                 self._key("bwd", w, c, i), "backward", i, deps, fine, record,
                                                 chunk=self.local_chunk[c])
                 first = bfirst if first < 0 else first
-                if plan.zero == 3 and w.links and w.links.n >= 1:
-                    self._zero3_scatter(w, c, i, last)
             firsts.append(first)
             lasts.append(last)
             prev = [last]
+        if zero3 is not None:
+            last = lasts[-1] if lasts else (prev[0] if prev else -1)
+            if zero3.root > 0:  # Zero3Step.step: the root's gradients after the last backward
+                last = self._zero3_collective(w, "reduce_scatter", zero3.root, "root", None,
+                                              [last] if last >= 0 else [], ("z3root-rs", w.stage))
+            self._zero3_last[w.wid] = last
         self.item_first[w.wid] = firsts
         self.item_last[w.wid] = lasts
 
@@ -719,7 +744,8 @@ class _Lowerer:
                         twins: list[list[int]], deps: list[int], w: Worker, pinned_class: str,
                         mb: int | None = None, cls: str | None = None, copies: int = 1) -> int:
         links = self.view.group(ring)
-        algo = choose_algorithm(op, nbytes, links, self.plan.collectives.get(pinned_class))
+        algo = choose_algorithm(op, nbytes, links, _pin(op, self.plan.collectives.get(pinned_class),
+                                                        self.model.reduce_scatter_algorithm))
         total = collective_time(op, nbytes, links, algo)
         lat = latency_steps(op, links.n, algo) * links.ring_latency
         if algo in ("hierarchical", "measured"):
@@ -730,36 +756,62 @@ class _Lowerer:
                            args={"bytes": nbytes, "algorithm": algo, "ranks": links.n, "op": op,
                                  "cls": cls or pinned_class, "copies": copies})
 
-    def _zero3_gather(self, w: Worker, c: int, i: int, k: str, prev: list[int]) -> int | None:
-        row = self.all_workers[w.stage]
-        if len(row) < 2:
+    def _zero3_units(self, w: Worker) -> traffic.Zero3Units | None:
+        """ZeRO-3's units of w's stage (`plait.cost.traffic.zero3_units`, the runtime's), or None
+        when the plan does not shard parameters over replicas of this stage."""
+        if self.plan.zero != 3 or len(self.all_workers[w.stage]) < 2 or not w.links:
             return None
-        params = sum(self.combined(w, layer, w.units[i][1]).params for layer in self.chunks[c].layers)
-        ring, twins = self._dp_group(w)
-        chain = getattr(self, "_zero_chain", {}).get(w.wid)
-        deps = [chain] if chain is not None else []
-        tid = self._collective_task(f"allgather params c{c} mb{i} {k}", "comm_zero", "all_gather",
-                                    traffic.param_gather_bytes(params, self.plan), ring, twins, deps + prev, w,
-                                    "zero", i,
-                                    share=("z3ag", w.stage, c, i, k))
-        self._zero_chain = getattr(self, "_zero_chain", {})
-        self._zero_chain[w.wid] = tid
-        return tid
+        mb = w.units[0][1] if w.units else 1
+        layers = [layer for c in w.chunks for layer in self.chunks[c].layers]
+        return traffic.zero3_units(layers, [self.combined(w, layer, mb).params for layer in layers],
+                                   self.graph.tied, len(w.devices))
 
-    def _zero3_scatter(self, w: Worker, c: int, i: int, after: int) -> None:
-        row = self.all_workers[w.stage]
-        if len(row) < 2:
-            return
-        params = sum(self.combined(w, layer, w.units[i][1]).params for layer in self.chunks[c].layers)
+    def _zero3_collective(self, w: Worker, op: str, params: float, unit: str, mb: int | None,
+                          deps: list[int], share: tuple) -> int:
+        """One ZeRO-3 collective of a unit's parameters (all-gather) or gradients (reduce-scatter)
+        over w's data-parallel group: the runtime issues it from the training thread and waits
+        for it (`plait.runtime.zero3`), so it sits on the path between two compute tasks."""
         ring, twins = self._dp_group(w)
-        chain = self._zero_chain.get(w.wid)
-        tid = self._collective_task(f"reducescatter grads c{c} mb{i}", "comm_zero", "reduce_scatter",
-                                    traffic.grad_scatter_bytes(params, self.plan), ring, twins,
-                                    [after] + ([chain] if chain else []),
-                                    w, "zero", i, share=("z3rs", w.stage, c, i))
-        self._zero_chain[w.wid] = tid
-        self._zero3_last = getattr(self, "_zero3_last", {})
-        self._zero3_last[w.wid] = tid
+        if op == "all_gather":
+            name, nbytes = "allgather params", traffic.param_gather_bytes(params, self.plan)
+        else:
+            name, nbytes = "reducescatter grads", traffic.grad_scatter_bytes(params, self.plan)
+        label = f"{name} {unit}" if mb is None else f"{name} {unit} mb{mb}"
+        return self._collective_task(label, "comm_zero", op, nbytes, ring, twins, deps, w, "zero", mb, share=share)
+
+    def _emit_zero3_item(self, w: Worker, z: traffic.Zero3Units, k: str, c: int, i: int,
+                         costs: list[tuple[Layer, _Combined]], deps: list[int],
+                         record: dict[str, int] | None) -> tuple[int, int]:
+        """One forward or backward item of a ZeRO-3 worker, layer by layer as the runtime's hooks
+        run it: forward -- all-gather the layer's unit, its forward; backward -- all-gather,
+        [recompute,] backward, reduce-scatter its gradients. Nothing is prefetched: each collective
+        waits for the compute before it and the compute after it waits for the collective."""
+        own = dict(z.layers)
+        chunk = self.local_chunk[c]
+        which = "fwd" if k == "F" else "bwd"
+        first, prev = -1, list(deps)
+        recs = {layer.name: items for layer, items in self._pass_items(costs, "rec")} \
+            if k == "B" and self.plan.recompute != "none" else {}
+        for layer, items in self._pass_items(costs, which):
+            params = own.get(layer.name, 0.0)
+            if params > 0:
+                ag = self._zero3_collective(w, "all_gather", params, layer.name, i, prev,
+                                            ("z3ag", w.stage, c, i, k, layer.name))
+                first = ag if first < 0 else first
+                prev = [ag]
+            if recs.get(layer.name):
+                _, rlast = self._emit_items(w, [(layer, recs[layer.name])], self._key("recompute", w, c, i), "recompute",
+                                            i, prev, True, chunk=chunk)
+                prev = [rlast]
+            f, last = self._emit_items(w, [(layer, items)], self._key(which, w, c, i),
+                                       "forward" if k == "F" else "backward", i, prev, True,
+                                       record if k == "B" else None, chunk=chunk)
+            first = f if first < 0 else first
+            prev = [last]
+            if k == "B" and params > 0:
+                prev = [self._zero3_collective(w, "reduce_scatter", params, layer.name, i, prev,
+                                               ("z3rs", w.stage, c, i, layer.name))]
+        return first, prev[0]
 
     # ------------------------------------------------------------ pipeline transfers
     def _emit_transfers(self, workers: list[Worker], edges: list[tuple[int, int]]) -> None:
@@ -896,7 +948,7 @@ class _Lowerer:
             total, grads = self._worker_params(w)
             self.worker_params[w.wid] = total
             last = self.item_last[w.wid][-1] if self.item_last[w.wid] else -1
-            if getattr(self, "_zero3_last", {}).get(w.wid) is not None:
+            if self._zero3_last.get(w.wid) is not None:
                 last = self._zero3_last[w.wid]
             row = self.all_workers[w.stage]
             if len(row) < 2 or plan.zero == 3:
