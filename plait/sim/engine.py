@@ -72,14 +72,16 @@ class TaskGraph:
         self.name.append(name)
         self.category.append(category)
         self.resource.append(resource)
-        self.duration.append(max(0.0, float(duration)))
+        duration = float(duration)
+        self.duration.append(duration if duration > 0.0 else 0.0)  # max(0.0, d), -0.0 and nan included
         self.flow.append(flow if flow else None)
-        self.succ.append([])
+        succ = self.succ
+        succ.append([])
         n = 0
         for d in deps:
             if d is None or d < 0:
                 continue
-            self.succ[d].append(tid)
+            succ[d].append(tid)
             n += 1
         self.npred.append(n)
         self.device.append(device)

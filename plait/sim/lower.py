@@ -231,9 +231,11 @@ class _Lowerer:
         self.total_cache: dict[tuple, tuple] = {}
         self._pass_cache: dict[tuple, tuple] = {}  # (id(chunk costs), pass) -> (costs, items)
         self._items_key: dict[int, tuple] = {}  # id(items of _pass_items) -> its total_cache key
-        self.route_cache: dict[tuple[int, int], tuple[float, list[tuple[int, float, float]]]] = {}
+        # worker pair -> (latency, resources, latency + host time, link label, copies, flows by bytes)
+        self.route_cache: dict[tuple[int, int], tuple] = {}
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
+        self._keys: dict[tuple, str] = {}  # (op, stage, chunk id, micro-batch) -> event name
 
     # ------------------------------------------------------------ structure
     def build_structure(self) -> tuple[list[StageSpec], list[Chunk], list[tuple[int, int]]]:
@@ -503,8 +505,13 @@ class _Lowerer:
             raise LoweringError(f"replica {w.replica} of stage {w.stage}: {exc}") from None
 
     def _key(self, op: str, w: Worker, c: int, i: int) -> str:
-        """The shared event name (`plait.schedule.event_key`) of chunk id `c` on worker `w`."""
-        return event_key(op, w.stage, self.local_chunk[c], i)
+        """The shared event name (`plait.schedule.event_key`) of chunk id `c` on worker `w` (a
+        stage's replicas share their names: each is formatted once)."""
+        k = (op, w.stage, c, i)
+        name = self._keys.get(k)
+        if name is None:
+            name = self._keys[k] = event_key(op, w.stage, self.local_chunk[c], i)
+        return name
 
     def _label(self, w: Worker, stream: str) -> str:
         return f"dev{w.rep}/{stream}"
@@ -778,12 +785,19 @@ class _Lowerer:
         # What crosses each edge: the stage graph's boundary tensors (plait.ir.stage_graph).
         edge_bytes = {(e.src, e.dst): e.bytes_per_sample for e in self.sg.edges}
         scale = traffic.activation_scale(self.graph, plan)
+        # [first sample, end of the last unit) of each holder, as the per-unit test below reads them
+        span = {w.wid: (w.units[0][0], w.units[-1][0] + w.units[-1][1]) for w in workers if w.units}
         for a, b in edges:
             per_sample = edge_bytes[(a, b)]
             for q in holders[b]:
+                if not q.units:
+                    continue
+                # producers whose samples meet q's at all (in holder order: emission order is kept)
+                q_lo, q_hi = min(u[0] for u in q.units), max(u[0] + u[1] for u in q.units)
+                near = [p for p in holders[a] if p.units and span[p.wid][0] < q_hi and span[p.wid][1] > q_lo]
                 for ui, (qs, qn) in enumerate(q.units):
-                    for p in holders[a]:
-                        if not p.units or p.units[0][0] >= qs + qn or p.units[-1][0] + p.units[-1][1] <= qs:
+                    for p in near:
+                        if p.units[0][0] >= qs + qn or p.units[-1][0] + p.units[-1][1] <= qs:
                             continue
                         # Producer micro-batches overlapping [qs, qs+qn): bisect on their starts.
                         first = max(0, bisect.bisect_right(starts[p.wid], qs) - 1)
@@ -824,14 +838,19 @@ class _Lowerer:
             res = [] if src.rep == dst.rep else [
                 (self.tg.add_resource(key, cap), share, float(max(1, self._twin_copies(src, dst, key))))
                 for key, cap, share in self.view.route(src.rep, dst.rep)]
-            route = self.route_cache[(src.wid, dst.wid)] = (lat, res)
-        lat, res = route
-        flow = [(r, nbytes * share, c) for r, share, c in res] if nbytes > 0 and res else None
+            route = self.route_cache[(src.wid, dst.wid)] = (
+                lat, res, lat + self.model.p2p_host_s, f"link {src.rep}->{dst.rep}",
+                len(src.devices) * self._replicas_of(src), {})
+        _lat, res, delay, label, copies, flows = route
+        flow = None
+        if nbytes > 0 and res:  # equal transfers over one pair have equal flows: one list (read only)
+            flow = flows.get(nbytes)
+            if flow is None:
+                flow = flows[nbytes] = [(r, nbytes * share, c) for r, share, c in res]
         tid = self.tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
-                          f"link {src.rep}->{dst.rep}", lat + self.model.p2p_host_s, deps, flow=flow,
-                          device=src.rep, stage=src.stage, micro_batch=u_src,
+                          label, delay, deps, flow=flow, device=src.rep, stage=src.stage, micro_batch=u_src,
                           args={"bytes": nbytes, "src": src.rep, "dst": dst.rep, "cls": "pp", "op": "send_recv",
-                                "ranks": 2, "copies": len(src.devices) * self._replicas_of(src),
+                                "ranks": 2, "copies": copies,
                                 "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
                           chunk=self.local_chunk[c_src])
         self.tg.add_dep(tid, self.item_first[dst.wid][kd])
