@@ -557,27 +557,20 @@ def estimate_memory(
     matrix = np.zeros((n_dev, len(CATEGORIES)))
     step_phase = np.zeros(n_dev, dtype=bool)
     used = np.zeros(n_dev, dtype=bool)
+    shapes: dict[tuple, tuple] = {}  # the stages of a chain share their batch and tensor layout
     for s, st in enumerate(stages):
         ids = st.ids
         mb = st.micro_batch or plan.micro_batch
-        m = _stage_micro_batches(plan, st)
-        batches = _replica_micro_batches(plan, st, mb)
-        ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
+        devs = st.devices
+        skey = (id(st.dp_shares), st.dp, mb, id(st.tp_ratios), st.tp, len(devs))
+        shape = shapes.get(skey)
+        if shape is None:
+            shape = shapes[skey] = _stage_layout(plan, st, mb)
+        m, ratios, uniq, picks = shape
         persistent = persistent_grads
         if persistent is None:
             persistent = plan.dtype in ("bf16", "fp16") or m > 1 or st.dp > 1 or plan.zero > 0
         tied_extra = _tied_copies(la, ids, ratios)
-        # Devices of a stage differ only by tensor share and replica micro-batch: one row per
-        # distinct pair (a single row for even plans), scattered to the devices with numpy.
-        devs = st.devices
-        if len(set(batches)) == 1 and len(set(ratios)) == 1:
-            uniq = np.array([[batches[0], ratios[0] if st.tp > 1 else 1.0]])
-            which = np.zeros(len(devs), dtype=np.int64)
-        else:
-            shares = np.asarray(ratios if st.tp > 1 else [1.0] * st.tp, dtype=np.float64)
-            keys = np.stack([np.repeat(np.asarray(batches, dtype=np.float64), st.tp),
-                             np.tile(shares, st.dp)], axis=1)
-            uniq, which = np.unique(keys, axis=0, return_inverse=True)
         for k, (b_k, r_k) in enumerate(uniq):
             row = _device_row(
                 la, ids, r=float(r_k), b=int(b_k), n_flight=in_flight[s], dp=st.dp, plan=plan,
@@ -586,7 +579,7 @@ def estimate_memory(
                 persistent=persistent,
                 dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tp=st.tp, tied_extra=tied_extra,
             )
-            sel = devs if len(uniq) == 1 else devs[which.reshape(-1) == k]
+            sel = devs if len(uniq) == 1 else devs[picks[k]]
             if plan.stages:
                 np.add.at(matrix, sel, row[:-1])  # a device in two stages holds both
             else:  # a Megatron stage's devices are distinct (Plan.validate): one add each
@@ -608,6 +601,23 @@ def estimate_memory(
         _matrix=matrix,
         _phase_step=step_phase,
     )
+
+
+def _stage_layout(plan: Plan, st: _Stage, mb: int) -> tuple[int, list[float], np.ndarray, list[np.ndarray] | None]:
+    """(busiest replica's micro-batches, tensor shares, distinct (micro-batch, share) rows, the
+    positions of each row's devices in the stage) of a stage: its devices differ only by tensor
+    share and replica micro-batch, so one row per distinct pair (a single row for even plans) is
+    scattered to them with numpy."""
+    m = _stage_micro_batches(plan, st)
+    batches = _replica_micro_batches(plan, st, mb)
+    ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
+    if len(set(batches)) == 1 and len(set(ratios)) == 1:
+        return m, ratios, np.array([[batches[0], ratios[0] if st.tp > 1 else 1.0]]), None
+    shares = np.asarray(ratios if st.tp > 1 else [1.0] * st.tp, dtype=np.float64)
+    keys = np.stack([np.repeat(np.asarray(batches, dtype=np.float64), st.tp), np.tile(shares, st.dp)], axis=1)
+    uniq, which = np.unique(keys, axis=0, return_inverse=True)
+    which = which.reshape(-1)
+    return m, ratios, uniq, [np.flatnonzero(which == k) for k in range(len(uniq))]
 
 
 def stage_peak_bytes(graph: OpGraph, layers: list[str], plan: Plan, *, micro_batch: int, in_flight: float,

@@ -154,17 +154,23 @@ def simulate(graph: TaskGraph) -> Schedule:
     interned: dict[tuple, tuple] = {}
     levels_of: dict[tuple, list[float]] = {}
 
+    # (scale, coefficients) per flow list: the lowering hands equal transfers one list
+    of_list: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
+
     def coefficients(t: int) -> tuple[tuple[int, float], ...]:
         out = coef[t]
         if out is None:
             fl = flows[t]
-            m = 0.0
-            for _r, b, _c in fl:  # type: ignore[union-attr]
-                if b > m:
-                    m = b
-            scale[t] = m or 1.0
-            out = tuple([(r, c * b / m) for r, b, c in fl if b > 0])  # type: ignore[union-attr]
-            out = coef[t] = interned.setdefault(out, out)
+            hit = of_list.get(id(fl))
+            if hit is None:
+                m = 0.0
+                for _r, b, _c in fl:  # type: ignore[union-attr]
+                    if b > m:
+                        m = b
+                out = tuple([(r, c * b / m) for r, b, c in fl if b > 0])  # type: ignore[union-attr]
+                hit = of_list[id(fl)] = (m or 1.0, interned.setdefault(out, out))
+            scale[t], out = hit
+            coef[t] = out
         return out
 
     def component(seeds: set[int]) -> list[int]:
@@ -178,7 +184,8 @@ def simulate(graph: TaskGraph) -> Schedule:
                 if u in found:
                     continue
                 found[u] = None
-                for r2, _a in coefficients(u):
+                cu = coef[u]
+                for r2, _a in (cu if cu is not None else coefficients(u)):
                     if r2 not in seen_r:
                         seen_r.add(r2)
                         stack.append(r2)
@@ -226,8 +233,9 @@ def simulate(graph: TaskGraph) -> Schedule:
         if remaining[t] == 0:
             begin(t, 0.0)
 
+    heappop, heappush = heapq.heappop, heapq.heappush
     while heap:
-        now, _, t, ver = heapq.heappop(heap)
+        now, _, t, ver = heappop(heap)
         events += 1
         if ver == -2:
             # Bandwidth phase begins.
@@ -267,8 +275,10 @@ def simulate(graph: TaskGraph) -> Schedule:
                 ready_at[s] = now
                 binding[s] = t
             remaining[s] -= 1
-            if remaining[s] == 0:
-                begin(s, now)
+            if remaining[s] == 0:  # `begin(s, now)`, inlined: the loop's commonest call
+                start[s] = now
+                seq += 1
+                heappush(heap, (now + durations[s], seq, s, -1 if flows[s] is None else -2))
     if done != n:
         stuck = [graph.name[i] for i in range(n) if remaining[i] > 0][:5]
         raise EngineError(f"task graph has a cycle or a missing dependency; waiting forever: {stuck}")
