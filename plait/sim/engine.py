@@ -28,6 +28,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from plait.net.maxmin import max_min_rates
 
 _INF = float("inf")
@@ -133,6 +135,7 @@ def simulate(graph: TaskGraph) -> Schedule:
     flows = graph.flow
     succ = graph.succ
     capacity = graph.capacity
+    capacity_array = np.asarray(capacity, dtype=float)
     heap: list[tuple[float, int, int, int]] = []  # (time, seq, task, version)
     seq = 0
     # Flow state.
@@ -201,7 +204,8 @@ def simulate(graph: TaskGraph) -> Schedule:
             key = tuple([id(coef[u]) for u in comp])
             levels = levels_of.get(key)  # type: ignore[assignment]
             if levels is None:
-                levels = levels_of[key] = max_min_rates(capacity, [coef[u] for u in comp])  # type: ignore[misc]
+                levels = levels_of[key] = max_min_rates(capacity, [coef[u] for u in comp],  # type: ignore[misc]
+                                                        capacity_array)
         for u, g in zip(comp, levels):
             new = g / scale[u] if g < _INF else _INF
             if new != rate[u] and not (new < _INF and abs(new - rate[u]) <= 1e-12 * new):

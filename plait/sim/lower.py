@@ -236,6 +236,7 @@ class _Lowerer:
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
         self._keys: dict[tuple, str] = {}  # (op, stage, chunk id, micro-batch) -> event name
+        self._labels: dict[tuple[int, str], str] = {}  # (device, stream) -> stream label
 
     # ------------------------------------------------------------ structure
     def build_structure(self) -> tuple[list[StageSpec], list[Chunk], list[tuple[int, int]]]:
@@ -514,7 +515,11 @@ class _Lowerer:
         return name
 
     def _label(self, w: Worker, stream: str) -> str:
-        return f"dev{w.rep}/{stream}"
+        key = (w.devices[0], stream)
+        label = self._labels.get(key)
+        if label is None:
+            label = self._labels[key] = f"dev{w.rep}/{stream}"
+        return label
 
     def _emit_items(self, w: Worker, items_per_layer: list[tuple[Layer, list[_Item]]], name: str,
                     category: str, mb: int, deps: list[int], per_layer: bool,
@@ -535,7 +540,7 @@ class _Lowerer:
                     comm += c
                 hit = self.total_cache[key] = (total, comm, items_per_layer)  # keep the lists alive
             total, comm = hit[0], hit[1]
-            tid = tg.add(name, category, label, total, deps, device=w.rep, stage=w.stage, micro_batch=mb,
+            tid = tg.add(name, category, label, total, deps, device=w.devices[0], stage=w.stage, micro_batch=mb,
                          args={"tp_comm_s": comm} if comm else None, chunk=chunk)
             if comm:
                 self.tp_comm[tid] = comm
