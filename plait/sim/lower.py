@@ -670,9 +670,12 @@ class _Lowerer:
                 last_b_item[c] = idx
         self.layer_bwd_end[w.wid] = {}
         prev: list[int] = []
+        mine: dict[tuple[int, int], list[tuple[Layer, _Combined]]] = {}  # this worker's chunk costs
         for idx, (k, c, i) in enumerate(program):
             mb_size = w.units[i][1]
-            costs = self.chunk_costs(w, c, mb_size)
+            costs = mine.get((c, mb_size))
+            if costs is None:
+                costs = mine[(c, mb_size)] = self.chunk_costs(w, c, mb_size)
             # ZeRO-3 prefetch: the gather for item k may start once item k-2 has finished (one ahead).
             ahead = [lasts[-2]] if len(lasts) >= 2 else []
             zero3_dep = self._zero3_gather(w, c, i, k, ahead) if plan.zero == 3 and w.links else None
