@@ -1054,7 +1054,8 @@ def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations:
     """Pipette placement, starting from (and never worse than) the plan's current order."""
     devices = cluster.devices
     start = [plan.device_of(r) for r in range(plan.world_size)]
-    start += [d for d in range(len(devices)) if d not in set(start)]
+    taken = set(start)
+    start += [d for d in range(len(devices)) if d not in taken]
     off = ~np.eye(len(start), dtype=bool)
     inv, lat = path.inv_bw[off], path.lat[off]
     if len(inv) == 0 or (np.allclose(inv, inv[0]) and np.allclose(lat, lat[0])):
