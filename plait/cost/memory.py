@@ -570,7 +570,7 @@ def estimate_memory(
         persistent = persistent_grads
         if persistent is None:
             persistent = plan.dtype in ("bf16", "fp16") or m > 1 or st.dp > 1 or plan.zero > 0
-        tied_extra = _tied_copies(la, ids, ratios)
+        tied_extra = _tied_copies(la, ids, ratios, ascending=not plan.stages)
         for k, (b_k, r_k) in enumerate(uniq):
             row = _device_row(
                 la, ids, r=float(r_k), b=int(b_k), n_flight=in_flight[s], dp=st.dp, plan=plan,
@@ -647,12 +647,21 @@ def stage_peak_bytes(graph: OpGraph, layers: list[str], plan: Plan, *, micro_bat
     return int(np.ceil(row[:-1].sum() + overhead))
 
 
-def _tied_copies(la: _LayerArrays, ids: np.ndarray, ratios: list[float]) -> np.ndarray:
+def _tied_copies(la: _LayerArrays, ids: np.ndarray, ratios: list[float], ascending: bool = False) -> np.ndarray:
     """Per layer of a stage, the tensor-sharded parameter count of shared parameters the stage
     keeps a copy of (it holds the user, not the owner). `_stage_terms` multiplies this by the
     rank's tensor share, so an unsharded copy enters divided by the smallest share: every tensor
-    rank then holds it whole (within the rounding of uneven shares)."""
+    rank then holds it whole (within the rounding of uneven shares). `ascending`: `ids` are
+    strictly increasing (a chain plan's stages), so consecutive ids are a range."""
     extra = np.zeros(len(ids))
+    if not la.tied:
+        return extra
+    lo, n = int(ids[0]), len(ids)
+    if ascending and int(ids[-1]) - lo + 1 == n:  # layers lo .. lo+n-1: membership by range
+        for owner, user, params, sharded in la.tied:
+            if lo <= user < lo + n and not lo <= owner < lo + n:
+                extra[user - lo] += params if sharded else params / min(ratios)
+        return extra
     for owner, user, params, sharded in la.tied:
         if user in ids and owner not in ids:
             extra[int(np.flatnonzero(ids == user)[0])] += params if sharded else params / min(ratios)
@@ -701,7 +710,7 @@ def _stage_terms(la: _LayerArrays, ids: np.ndarray, *, r: float, sp: float, act_
         out_sum=float((la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]).sum()),
         loss_saved=float(la.loss_saved[ids].sum()),
     )
-    if len(la.terms) > 4096:  # bounded: planners sweep many splits
+    if len(la.terms) > 8192:  # bounded (a few MB): planners sweep many splits
         la.terms.clear()
     la.terms[key] = terms
     return terms
