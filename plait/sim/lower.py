@@ -670,31 +670,33 @@ class _Lowerer:
                 last_b_item[c] = idx
         self.layer_bwd_end[w.wid] = {}
         prev: list[int] = []
-        mine: dict[tuple[int, int], list[tuple[Layer, _Combined]]] = {}  # this worker's chunk costs
+        mine: dict[tuple[int, int], tuple] = {}  # this worker's chunk costs and their passes
         for idx, (k, c, i) in enumerate(program):
             mb_size = w.units[i][1]
-            costs = mine.get((c, mb_size))
-            if costs is None:
-                costs = mine[(c, mb_size)] = self.chunk_costs(w, c, mb_size)
+            hit = mine.get((c, mb_size))
+            if hit is None:
+                costs = self.chunk_costs(w, c, mb_size)
+                rec = plan.recompute != "none" and any(cc.rec for _, cc in costs)
+                hit = mine[(c, mb_size)] = (costs, self._pass_items(costs, "fwd"), self._pass_items(costs, "bwd"),
+                                            self._pass_items(costs, "rec") if rec else None)
+            costs, fwd_items, bwd_items, rec_items = hit
             # ZeRO-3 prefetch: the gather for item k may start once item k-2 has finished (one ahead).
             ahead = [lasts[-2]] if len(lasts) >= 2 else []
             zero3_dep = self._zero3_gather(w, c, i, k, ahead) if plan.zero == 3 and w.links else None
             deps = prev + ([zero3_dep] if zero3_dep is not None else [])
             if k == "F":
-                first, last = self._emit_items(w, self._pass_items(costs, "fwd"), self._key("fwd", w, c, i),
+                first, last = self._emit_items(w, fwd_items, self._key("fwd", w, c, i),
                                                "forward", i, deps, per_layer, chunk=self.local_chunk[c])
             else:
                 first = -1
-                if plan.recompute != "none" and any(cc.rec for _, cc in costs):
-                    first, rlast = self._emit_items(w, self._pass_items(costs, "rec"),
-                                                    self._key("recompute", w, c, i), "recompute", i, deps, per_layer,
-                                                    chunk=self.local_chunk[c])
+                if rec_items is not None:
+                    first, rlast = self._emit_items(w, rec_items, self._key("recompute", w, c, i), "recompute", i,
+                                                    deps, per_layer, chunk=self.local_chunk[c])
                     deps = [rlast]
                 fine = per_layer or (wfbp and idx == last_b_item.get(c))
                 record = self.layer_bwd_end[w.wid] if idx == last_b_item.get(c) else None
-                bfirst, last = self._emit_items(w, self._pass_items(costs, "bwd"),
-                                                self._key("bwd", w, c, i), "backward", i, deps, fine, record,
-                                                chunk=self.local_chunk[c])
+                bfirst, last = self._emit_items(w, bwd_items, self._key("bwd", w, c, i), "backward", i, deps,
+                                                fine, record, chunk=self.local_chunk[c])
                 first = bfirst if first < 0 else first
                 if plan.zero == 3 and w.links and w.links.n >= 1:
                     self._zero3_scatter(w, c, i, last)
