@@ -73,7 +73,9 @@ def test_kind_times_equal_every_groups_own_sums():
         n = int(rng.integers(2 * pp, 40))
         rows = {k: rng.random(n) * 10.0 ** int(rng.integers(-4, 1)) for k in ("a", "b", "c")}
         grid = [[str(rng.choice(["a", "b", "c"])) for _ in range(dp)] for _ in range(pp)]
-        kt = hetero._KindTimes({k: rows[k] for row in grid for k in row}, grid)
+        names = sorted(rows)
+        index = np.asarray([[names.index(k) for k in row] for row in grid])
+        kt = hetero._KindTimes({k: rows[k] for row in grid for k in row}, names, index)
         times = np.stack([np.stack([rows[grid[p][d]] for d in range(dp)]) for p in range(pp)])
         chunks = pp * int(rng.integers(1, 3))  # interleaved: chunk c on stage c % pp
         cuts = np.sort(rng.choice(np.arange(1, n), size=chunks - 1, replace=False))
@@ -84,6 +86,20 @@ def test_kind_times_equal_every_groups_own_sums():
             want[c % pp] += times[c % pp, :, bounds[c]:bounds[c + 1]].sum(axis=-1)
         assert np.array_equal(kt.stage_times(split), want)
         assert np.array_equal(kt.stage_max(), times.max(axis=1))
+
+
+def test_kind_index_grid_is_kind_grid():
+    """`hetero.kind_index_grid` names the same slowest GPU kind of every tensor group as `kind_grid`."""
+    from plait.cluster import load_cluster
+    from plait.ir.plan import Plan
+
+    cluster = load_cluster("large-mixed:nodes=4")
+    rng = np.random.default_rng(5)
+    for dp, tp, pp in [(4, 2, 4), (32, 1, 1), (2, 8, 2), (1, 4, 8)]:
+        for order in (None, rng.permutation(32).tolist()):
+            plan = Plan(dp=dp, tp=tp, pp=pp, global_batch=64, device_order=order)
+            names, index = hetero.kind_index_grid(cluster, plan)
+            assert [[names[i] for i in row] for row in index.tolist()] == hetero.kind_grid(cluster, plan)
 
 
 def test_max_min_with_a_capacity_array_is_the_same_filling():

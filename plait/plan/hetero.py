@@ -108,6 +108,29 @@ def kind_grid(cluster: Cluster, plan: Plan, devices: list | None = None) -> list
     return [[names[dev] for dev in row] for row in slowest.tolist()]
 
 
+_KIND_INDEX: dict[int, tuple[list, list[str], np.ndarray]] = {}
+
+
+def kind_index_grid(cluster: Cluster, plan: Plan, devices: list | None = None) -> tuple[list[str], np.ndarray]:
+    """`kind_grid` as (sorted kind names, (pp, dp) array of indices into them): the same slowest
+    GPU of each tensor group, without a Python list of names per group."""
+    devices = devices if devices is not None else cluster.devices
+    names, speed = _facts(devices, plan.dtype)
+    hit = _KIND_INDEX.get(id(devices))
+    if hit is None or hit[0] is not devices:
+        kinds = sorted(set(names))
+        hit = (devices, kinds, np.asarray([kinds.index(k) for k in names], dtype=np.int64))
+        if len(_KIND_INDEX) > 64:
+            _KIND_INDEX.clear()
+        _KIND_INDEX[id(devices)] = hit
+    kinds, index_of = hit[1], hit[2]
+    if len(kinds) == 1:
+        return kinds, np.zeros((plan.pp, plan.dp), dtype=np.int64)
+    order = rank_order(plan).reshape(plan.pp, plan.dp, plan.tp)
+    slowest = np.take_along_axis(order, speed[order].argmin(axis=-1)[..., None], axis=-1)[..., 0]
+    return kinds, index_of[slowest]
+
+
 def is_mixed(cluster: Cluster) -> bool:
     return len({d.kind.name for d in cluster.devices}) > 1
 
@@ -195,8 +218,11 @@ def _split_layers(times: np.ndarray, caps: list[int] | None = None) -> list[int]
     g = inf.copy()
     g[0] = 0.0
     choice = np.zeros((pp, n + 1), dtype=int)
+    allowed: dict[int, np.ndarray] = {}  # stages sharing a cost matrix share its allowed spans
     for p in range(pp):
-        c = np.where(costs[p] <= bottleneck + tol, costs[p], np.inf)
+        c = allowed.get(id(costs[p]))
+        if c is None:
+            c = allowed[id(costs[p])] = np.where(costs[p] <= bottleneck + tol, costs[p], np.inf)
         total = g[:, None] + c
         choice[p] = np.argmin(total, axis=0)
         g = total[choice[p], idx]
@@ -263,16 +289,21 @@ class _KindTimes:
     of group (p, d) -- held as one row per GPU kind and a (pp, dp) grid of kind indices: a
     1024-GPU plan has thousands of groups but two or three kinds."""
 
-    def __init__(self, per_kind: dict[str, np.ndarray], grid: list[list[str]]) -> None:
-        names = sorted(per_kind)
-        self.rows = np.stack([np.asarray(per_kind[k], dtype=float) for k in names])  # (kinds, layers)
-        self.index = np.asarray([[names.index(k) for k in row] for row in grid], dtype=np.int64)  # (pp, dp)
+    def __init__(self, per_kind: dict[str, np.ndarray], names: list[str], index: np.ndarray) -> None:
+        """`index[p, d]`: position in `names` of group (p, d)'s kind; `per_kind[name]`: its row."""
+        self.rows = np.stack([np.asarray(per_kind[k], dtype=float) if k in per_kind else
+                              np.zeros(len(next(iter(per_kind.values())))) for k in names])  # (kinds, layers)
+        self.index = np.asarray(index, dtype=np.int64)  # (pp, dp)
         self.pp, self.dp = self.index.shape
         self.n_layers = self.rows.shape[1]
 
     def stage_max(self) -> np.ndarray:
         """(pp, layers): each layer's time on each stage's slowest group, ``times.max(axis=1)``."""
-        return np.stack([self.rows[np.unique(self.index[p])].max(axis=0) for p in range(self.pp)])
+        present = np.zeros((self.pp, len(self.rows)), dtype=bool)  # the kinds each stage holds
+        present[np.repeat(np.arange(self.pp), self.dp), self.index.reshape(-1)] = True
+        patterns, which = np.unique(present, axis=0, return_inverse=True)  # a few distinct kind sets
+        maxima = np.stack([self.rows[pattern].max(axis=0) for pattern in patterns])
+        return maxima[which.reshape(-1)]
 
     def stage_times(self, split: list[int]) -> np.ndarray:
         """(pp, dp) seconds per micro-batch of each group for a split into chunks (chunk c on stage
@@ -314,19 +345,19 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
     nothing fits."""
     layer_time = layer_time or cost_layer_time(graph)
     devices = devices if devices is not None else cluster.devices
-    grid = kind_grid(cluster, plan, devices)
+    names, index = kind_index_grid(cluster, plan, devices)
     kinds, capacity = _kinds_and_capacity(devices)
     layers = graph.layers
     n_layers = len(layers)
     if n_layers < plan.pp * plan.virtual_stages:
         return None
     # times[p, d, i]: layer i on the kind of tensor group (p, d)
-    used = {x for row in grid for x in row}
+    used = {names[i] for i in np.unique(index).tolist()}
     if kind_times is not None:
         per_kind = {k: np.asarray(kind_times(k, plan)) for k in used}
     else:
         per_kind = {k: np.asarray([layer_time(layer, kinds[k], plan) for layer in layers]) for k in used}
-    times = _KindTimes(per_kind, grid)
+    times = _KindTimes(per_kind, names, index)
     # kinds differ along the pipeline (some replica's stages differ) / along the replicas
     mixed_pp = bool((times.index != times.index[0]).any())
     mixed_dp = bool((times.index != times.index[:, :1]).any())
