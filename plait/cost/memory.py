@@ -975,7 +975,10 @@ def _stage_micro_batches(plan: Plan, st: _Stage) -> int:
 
 def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     """Micro-batches of activations each stage holds at once (in whole-stage units)."""
-    ms = [_stage_micro_batches(plan, st) for st in stages]
+    if not plan.stages and stages:  # a chain's stages share the plan's replicas and micro-batch
+        ms = [_stage_micro_batches(plan, stages[0])] * len(stages)
+    else:
+        ms = [_stage_micro_batches(plan, st) for st in stages]
     m = max(ms, default=1)
     if plan.schedule == "gpipe":
         return [float(x) for x in ms]
