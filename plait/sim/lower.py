@@ -236,6 +236,8 @@ class _Lowerer:
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
         self._keys: dict[tuple, str] = {}  # (op, stage, chunk id, micro-batch) -> event name
+        self._schedules: dict[tuple[int, ...], Schedule] = {}  # a chain's schedule per micro-batch sizes
+        self._programs: dict[tuple, list[tuple[str, int, int]]] = {}  # read-only compute orders, shared
         self._labels: dict[tuple[int, str], str] = {}  # (device, stream) -> stream label
 
     # ------------------------------------------------------------ structure
@@ -469,8 +471,12 @@ class _Lowerer:
             mine = {i: k for i, (r, k) in enumerate(self._stage_units(w.stage)) if r == w.replica}
             return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], mine[a.micro_batch])
                     for a in schedule.compute(w.stage) if a.micro_batch in mine]
-        return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch)
-                for a in schedule.compute(w.stage)]
+        key = (id(schedule), w.stage, tuple(w.chunks))  # the replicas of a stage with equal sizes: one list
+        hit = self._programs.get(key)
+        if hit is None:
+            hit = self._programs[key] = [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch)
+                                         for a in schedule.compute(w.stage)]
+        return hit
 
     def _stage_units(self, stage: int) -> list[tuple[int, int]]:
         """(replica, its micro-batch) of every micro-batch of a stage, in sample order."""
@@ -498,10 +504,15 @@ class _Lowerer:
                         tuple(Node(c.stage, local[c.index], node_sizes[c.stage], len(self.all_workers[c.stage]))
                               for c in self.sg.chunks), tuple((e.src, e.dst) for e in self.sg.edges))
                 return schedules.build("gpipe" if plan.schedule == "gpipe" else "graph_1f1b", graph)
-            v = plan.virtual_stages if plan.schedule == "interleaved" else 1
-            graph = PipelineGraph(tuple(Node(k % plan.pp, k // plan.pp, sizes) for k in range(plan.pp * v)),
-                                  tuple((k, k + 1) for k in range(plan.pp * v - 1)))
-            return schedules.build(plan.schedule, graph)
+            # a chain's schedule depends on the replica's micro-batch sizes alone (schedules are
+            # frozen data): built once per replica, not once per stage of it
+            hit = self._schedules.get(sizes)
+            if hit is None:
+                v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+                graph = PipelineGraph(tuple(Node(k % plan.pp, k // plan.pp, sizes) for k in range(plan.pp * v)),
+                                      tuple((k, k + 1) for k in range(plan.pp * v - 1)))
+                hit = self._schedules[sizes] = schedules.build(plan.schedule, graph)
+            return hit
         except ScheduleError as exc:
             raise LoweringError(f"replica {w.replica} of stage {w.stage}: {exc}") from None
 
