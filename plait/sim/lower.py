@@ -532,6 +532,21 @@ class _Lowerer:
             label = self._labels[key] = f"dev{w.rep}/{stream}"
         return label
 
+    def _pass_total(self, items_per_layer: list[tuple[Layer, list[_Item]]]) -> tuple[float, float]:
+        """(seconds, of which tensor-parallel collective seconds) of a pass run as one task."""
+        key = self._items_key.get(id(items_per_layer))
+        if key is None:  # not a list of `_pass_items`: key it by its cached per-layer lists
+            key = tuple(id(items) for _, items in items_per_layer)
+        hit = self.total_cache.get(key)
+        if hit is None:
+            total = comm = 0.0
+            for _layer, items in items_per_layer:
+                t, c = _Combined.total(items)
+                total += t
+                comm += c
+            hit = self.total_cache[key] = (total, comm, items_per_layer)  # keep the lists alive
+        return hit[0], hit[1]
+
     def _emit_items(self, w: Worker, items_per_layer: list[tuple[Layer, list[_Item]]], name: str,
                     category: str, mb: int, deps: list[int], per_layer: bool,
                     record_layers: dict[str, int] | None = None, chunk: int | None = None) -> tuple[int, int]:
@@ -539,18 +554,7 @@ class _Lowerer:
         tg = self.tg
         label = self._label(w, "compute")
         if not per_layer:
-            key = self._items_key.get(id(items_per_layer))
-            if key is None:  # not a list of `_pass_items`: key it by its cached per-layer lists
-                key = tuple(id(items) for _, items in items_per_layer)
-            hit = self.total_cache.get(key)
-            if hit is None:
-                total = comm = 0.0
-                for _layer, items in items_per_layer:
-                    t, c = _Combined.total(items)
-                    total += t
-                    comm += c
-                hit = self.total_cache[key] = (total, comm, items_per_layer)  # keep the lists alive
-            total, comm = hit[0], hit[1]
+            total, comm = self._pass_total(items_per_layer)
             tid = tg.add(name, category, label, total, deps, device=w.devices[0], stage=w.stage, micro_batch=mb,
                          args={"tp_comm_s": comm} if comm else None, chunk=chunk)
             if comm:
@@ -682,6 +686,7 @@ class _Lowerer:
         self.layer_bwd_end[w.wid] = {}
         prev: list[int] = []
         mine: dict[tuple[int, int], tuple] = {}  # this worker's chunk costs and their passes
+        tg, label, dev = self.tg, self._label(w, "compute"), w.devices[0]
         for idx, (k, c, i) in enumerate(program):
             mb_size = w.units[i][1]
             hit = mine.get((c, mb_size))
@@ -695,7 +700,14 @@ class _Lowerer:
             ahead = [lasts[-2]] if len(lasts) >= 2 else []
             zero3_dep = self._zero3_gather(w, c, i, k, ahead) if plan.zero == 3 and w.links else None
             deps = prev + ([zero3_dep] if zero3_dep is not None else [])
-            if k == "F":
+            if k == "F" and not per_layer:  # `_emit_items` of a whole pass, inlined (the commonest task)
+                total, comm = self._pass_total(fwd_items)
+                first = last = tg.add(self._key("fwd", w, c, i), "forward", label, total, deps, device=dev,
+                                      stage=w.stage, micro_batch=i, args={"tp_comm_s": comm} if comm else None,
+                                      chunk=self.local_chunk[c])
+                if comm:
+                    self.tp_comm[last] = comm
+            elif k == "F":
                 first, last = self._emit_items(w, fwd_items, self._key("fwd", w, c, i),
                                                "forward", i, deps, per_layer, chunk=self.local_chunk[c])
             else:
@@ -868,15 +880,21 @@ class _Lowerer:
             flow = flows.get(nbytes)
             if flow is None:
                 flow = flows[nbytes] = [(r, nbytes * share, c) for r, share, c in res]
-        tid = self.tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
-                          label, delay, deps, flow=flow, device=src.rep, stage=src.stage, micro_batch=u_src,
-                          args={"bytes": nbytes, "src": src.rep, "dst": dst.rep, "cls": "pp", "op": "send_recv",
-                                "ranks": 2, "copies": copies,
-                                "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
-                          chunk=self.local_chunk[c_src])
-        self.tg.add_dep(tid, self.item_first[dst.wid][kd])
-        if blocking and ks + 1 < len(self.item_first[src.wid]):
-            self.tg.add_dep(tid, self.item_first[src.wid][ks + 1])
+        tg, s_rep = self.tg, src.devices[0]
+        tid = tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
+                     label, delay, deps, flow=flow, device=s_rep, stage=src.stage, micro_batch=u_src,
+                     args={"bytes": nbytes, "src": s_rep, "dst": dst.devices[0], "cls": "pp", "op": "send_recv",
+                           "ranks": 2, "copies": copies,
+                           "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
+                     chunk=self.local_chunk[c_src])
+        succ, npred = tg.succ[tid], tg.npred  # `tg.add_dep`, inlined
+        after = self.item_first[dst.wid][kd]
+        succ.append(after)
+        npred[after] += 1
+        firsts = self.item_first[src.wid]
+        if blocking and ks + 1 < len(firsts):
+            succ.append(firsts[ks + 1])
+            npred[firsts[ks + 1]] += 1
 
     def _replicas_of(self, w: Worker) -> int:
         """Replicas a simulated worker stands for (all of its stage's under symmetry, else itself)."""
