@@ -712,7 +712,15 @@ class _Lowerer:
                                                "forward", i, deps, per_layer, chunk=self.local_chunk[c])
             else:
                 first = -1
-                if rec_items is not None:
+                if rec_items is not None and not per_layer:  # a whole pass, inlined as the forward's
+                    total, comm = self._pass_total(rec_items)
+                    first = rlast = tg.add(self._key("recompute", w, c, i), "recompute", label, total, deps,
+                                           device=dev, stage=w.stage, micro_batch=i,
+                                           args={"tp_comm_s": comm} if comm else None, chunk=self.local_chunk[c])
+                    if comm:
+                        self.tp_comm[rlast] = comm
+                    deps = [rlast]
+                elif rec_items is not None:
                     first, rlast = self._emit_items(w, rec_items, self._key("recompute", w, c, i), "recompute", i,
                                                     deps, per_layer, chunk=self.local_chunk[c])
                     deps = [rlast]
