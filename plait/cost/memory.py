@@ -557,27 +557,20 @@ def estimate_memory(
     matrix = np.zeros((n_dev, len(CATEGORIES)))
     step_phase = np.zeros(n_dev, dtype=bool)
     used = np.zeros(n_dev, dtype=bool)
+    shapes: dict[tuple, tuple] = {}  # the stages of a chain share their batch and tensor layout
     for s, st in enumerate(stages):
         ids = st.ids
         mb = st.micro_batch or plan.micro_batch
-        m = _stage_micro_batches(plan, st)
-        batches = _replica_micro_batches(plan, st, mb)
-        ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
+        devs = st.devices
+        skey = (id(st.dp_shares), st.dp, mb, id(st.tp_ratios), st.tp, len(devs))
+        shape = shapes.get(skey)
+        if shape is None:
+            shape = shapes[skey] = _stage_layout(plan, st, mb)
+        m, ratios, uniq, picks = shape
         persistent = persistent_grads
         if persistent is None:
             persistent = plan.dtype in ("bf16", "fp16") or m > 1 or st.dp > 1 or plan.zero > 0
-        tied_extra = _tied_copies(la, ids, ratios)
-        # Devices of a stage differ only by tensor share and replica micro-batch: one row per
-        # distinct pair (a single row for even plans), scattered to the devices with numpy.
-        devs = st.devices
-        if len(set(batches)) == 1 and len(set(ratios)) == 1:
-            uniq = np.array([[batches[0], ratios[0] if st.tp > 1 else 1.0]])
-            which = np.zeros(len(devs), dtype=np.int64)
-        else:
-            shares = np.asarray(ratios if st.tp > 1 else [1.0] * st.tp, dtype=np.float64)
-            keys = np.stack([np.repeat(np.asarray(batches, dtype=np.float64), st.tp),
-                             np.tile(shares, st.dp)], axis=1)
-            uniq, which = np.unique(keys, axis=0, return_inverse=True)
+        tied_extra = _tied_copies(la, ids, ratios, ascending=not plan.stages)
         for k, (b_k, r_k) in enumerate(uniq):
             row = _device_row(
                 la, ids, r=float(r_k), b=int(b_k), n_flight=in_flight[s], dp=st.dp, plan=plan,
@@ -586,7 +579,7 @@ def estimate_memory(
                 persistent=persistent,
                 dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tp=st.tp, tied_extra=tied_extra,
             )
-            sel = devs if len(uniq) == 1 else devs[which.reshape(-1) == k]
+            sel = devs if len(uniq) == 1 else devs[picks[k]]
             if plan.stages:
                 np.add.at(matrix, sel, row[:-1])  # a device in two stages holds both
             else:  # a Megatron stage's devices are distinct (Plan.validate): one add each
@@ -608,6 +601,23 @@ def estimate_memory(
         _matrix=matrix,
         _phase_step=step_phase,
     )
+
+
+def _stage_layout(plan: Plan, st: _Stage, mb: int) -> tuple[int, list[float], np.ndarray, list[np.ndarray] | None]:
+    """(busiest replica's micro-batches, tensor shares, distinct (micro-batch, share) rows, the
+    positions of each row's devices in the stage) of a stage: its devices differ only by tensor
+    share and replica micro-batch, so one row per distinct pair (a single row for even plans) is
+    scattered to them with numpy."""
+    m = _stage_micro_batches(plan, st)
+    batches = _replica_micro_batches(plan, st, mb)
+    ratios = st.tp_ratios if (st.tp_ratios and st.tp > 1) else [1.0 / st.tp] * st.tp
+    if len(set(batches)) == 1 and len(set(ratios)) == 1:
+        return m, ratios, np.array([[batches[0], ratios[0] if st.tp > 1 else 1.0]]), None
+    shares = np.asarray(ratios if st.tp > 1 else [1.0] * st.tp, dtype=np.float64)
+    keys = np.stack([np.repeat(np.asarray(batches, dtype=np.float64), st.tp), np.tile(shares, st.dp)], axis=1)
+    uniq, which = np.unique(keys, axis=0, return_inverse=True)
+    which = which.reshape(-1)
+    return m, ratios, uniq, [np.flatnonzero(which == k) for k in range(len(uniq))]
 
 
 def stage_peak_bytes(graph: OpGraph, layers: list[str], plan: Plan, *, micro_batch: int, in_flight: float,
@@ -637,12 +647,21 @@ def stage_peak_bytes(graph: OpGraph, layers: list[str], plan: Plan, *, micro_bat
     return int(np.ceil(row[:-1].sum() + overhead))
 
 
-def _tied_copies(la: _LayerArrays, ids: np.ndarray, ratios: list[float]) -> np.ndarray:
+def _tied_copies(la: _LayerArrays, ids: np.ndarray, ratios: list[float], ascending: bool = False) -> np.ndarray:
     """Per layer of a stage, the tensor-sharded parameter count of shared parameters the stage
     keeps a copy of (it holds the user, not the owner). `_stage_terms` multiplies this by the
     rank's tensor share, so an unsharded copy enters divided by the smallest share: every tensor
-    rank then holds it whole (within the rounding of uneven shares)."""
+    rank then holds it whole (within the rounding of uneven shares). `ascending`: `ids` are
+    strictly increasing (a chain plan's stages), so consecutive ids are a range."""
     extra = np.zeros(len(ids))
+    if not la.tied:
+        return extra
+    lo, n = int(ids[0]), len(ids)
+    if ascending and int(ids[-1]) - lo + 1 == n:  # layers lo .. lo+n-1: membership by range
+        for owner, user, params, sharded in la.tied:
+            if lo <= user < lo + n and not lo <= owner < lo + n:
+                extra[user - lo] += params if sharded else params / min(ratios)
+        return extra
     for owner, user, params, sharded in la.tied:
         if user in ids and owner not in ids:
             extra[int(np.flatnonzero(ids == user)[0])] += params if sharded else params / min(ratios)
@@ -691,7 +710,7 @@ def _stage_terms(la: _LayerArrays, ids: np.ndarray, *, r: float, sp: float, act_
         out_sum=float((la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]).sum()),
         loss_saved=float(la.loss_saved[ids].sum()),
     )
-    if len(la.terms) > 4096:  # bounded: planners sweep many splits
+    if len(la.terms) > 8192:  # bounded (a few MB): planners sweep many splits
         la.terms.clear()
     la.terms[key] = terms
     return terms
@@ -956,7 +975,10 @@ def _stage_micro_batches(plan: Plan, st: _Stage) -> int:
 
 def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     """Micro-batches of activations each stage holds at once (in whole-stage units)."""
-    ms = [_stage_micro_batches(plan, st) for st in stages]
+    if not plan.stages and stages:  # a chain's stages share the plan's replicas and micro-batch
+        ms = [_stage_micro_batches(plan, stages[0])] * len(stages)
+    else:
+        ms = [_stage_micro_batches(plan, st) for st in stages]
     m = max(ms, default=1)
     if plan.schedule == "gpipe":
         return [float(x) for x in ms]

@@ -200,12 +200,23 @@ def micro_batch_sizes(samples: int, micro_batch: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(m)]
 
 
+_UNITS: dict[tuple[int, int, int], tuple[MicroBatch, ...]] = {}
+
+
 def replica_micro_batches(first: int, samples: int, micro_batch: int) -> list[MicroBatch]:
-    out, start = [], first
-    for i, size in enumerate(micro_batch_sizes(samples, micro_batch)):
-        out.append(MicroBatch(i, start, size))
-        start += size
-    return out
+    """The micro-batches of `samples` samples from `first` (a new list; the MicroBatch values are
+    frozen and shared: replica r of every stage of a chain asks for the same ones)."""
+    key = (first, samples, micro_batch)
+    hit = _UNITS.get(key)
+    if hit is None:
+        out, start = [], first
+        for i, size in enumerate(micro_batch_sizes(samples, micro_batch)):
+            out.append(MicroBatch(i, start, size))
+            start += size
+        if len(_UNITS) > 4096:
+            _UNITS.clear()
+        hit = _UNITS[key] = tuple(out)
+    return list(hit)
 
 
 def deal_micro_batches(global_batch: int, micro_batch: int, shares: list[float] | None,

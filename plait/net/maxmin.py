@@ -21,27 +21,38 @@ _EPS = 1e-12
 VECTOR_ENTRIES = 200  # from this many (flow, link) entries the numpy form beats the dictionaries
 
 
-def max_min_rates(capacity: Sequence[float], flows: Sequence[Sequence[tuple[int, float]]]) -> list[float]:
+def max_min_rates(capacity: Sequence[float], flows: Sequence[Sequence[tuple[int, float]]],
+                  capacity_array: np.ndarray | None = None) -> list[float]:
     """Max-min fair level of each flow; ``flows[f]`` lists ``(link, coefficient)``.
 
-    A flow with no link (or only zero coefficients) is unconstrained: ``inf``."""
+    A flow with no link (or only zero coefficients) is unconstrained: ``inf``.
+    `capacity_array`: `capacity` as a float array, when the caller keeps one (the simulator asks
+    thousands of times over one list of resources)."""
     if sum(map(len, flows)) >= VECTOR_ENTRIES:
-        return max_min_rates_np(capacity, flows)
+        return max_min_rates_np(capacity, flows, capacity_array)
     return _max_min_dict(capacity, flows)
 
 
-def max_min_rates_np(capacity: Sequence[float], flows: Sequence[Sequence[tuple[int, float]]]) -> list[float]:
+def max_min_rates_np(capacity: Sequence[float], flows: Sequence[Sequence[tuple[int, float]]],
+                     capacity_array: np.ndarray | None = None) -> list[float]:
     """`max_min_rates` on arrays: each round of the filling is a few passes over the
     (flow, link, coefficient) entries (a sparse incidence matrix), not a loop over dicts."""
     n = len(flows)
-    fi = np.fromiter((f for f, links in enumerate(flows) for _r, a in links if a > 0), dtype=np.int64)
-    li = np.fromiter((r for links in flows for r, a in links if a > 0), dtype=np.int64)
-    co = np.fromiter((a for links in flows for _r, a in links if a > 0), dtype=float)
+    fl: list[int] = []
+    ll: list[int] = []
+    cl: list[float] = []
+    for f, links in enumerate(flows):  # one pass over the entries
+        for r, a in links:
+            if a > 0:
+                fl.append(f)
+                ll.append(r)
+                cl.append(a)
+    fi, li, co = np.array(fl, dtype=np.int64), np.array(ll, dtype=np.int64), np.array(cl, dtype=float)
     rate = np.full(n, _INF)
     if fi.size == 0:
         return rate.tolist()
     used, inv = np.unique(li, return_inverse=True)
-    cap = np.asarray(capacity, dtype=float)[used]
+    cap = (np.asarray(capacity, dtype=float) if capacity_array is None else capacity_array)[used]
     tol = _EPS * np.maximum(1.0, cap)
     left = cap.copy()
     live = np.ones(fi.size, dtype=bool)  # entries of flows not yet frozen

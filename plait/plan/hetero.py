@@ -76,6 +76,20 @@ def _facts(devices: list, dtype: str) -> tuple[list[str], np.ndarray]:
     return hit[1], hit[2]
 
 
+_DEVICE_KINDS: dict[int, tuple[list, dict[str, Any], np.ndarray]] = {}
+
+
+def _kinds_and_capacity(devices: list) -> tuple[dict[str, Any], np.ndarray]:
+    """{kind name: kind} and memory bytes per device, memoised per device list like `_facts`."""
+    hit = _DEVICE_KINDS.get(id(devices))
+    if hit is None or hit[0] is not devices:
+        hit = (devices, {d.kind.name: d.kind for d in devices}, np.asarray([d.kind.memory_bytes for d in devices]))
+        if len(_DEVICE_KINDS) > 64:
+            _DEVICE_KINDS.clear()
+        _DEVICE_KINDS[id(devices)] = hit
+    return hit[1], hit[2]
+
+
 def rank_order(plan: Plan) -> np.ndarray:
     """Device id of every rank (the identity without a placement)."""
     if plan.device_order is not None:
@@ -92,6 +106,29 @@ def kind_grid(cluster: Cluster, plan: Plan, devices: list | None = None) -> list
     order = rank_order(plan).reshape(plan.pp, plan.dp, plan.tp)
     slowest = np.take_along_axis(order, speed[order].argmin(axis=-1)[..., None], axis=-1)[..., 0]
     return [[names[dev] for dev in row] for row in slowest.tolist()]
+
+
+_KIND_INDEX: dict[int, tuple[list, list[str], np.ndarray]] = {}
+
+
+def kind_index_grid(cluster: Cluster, plan: Plan, devices: list | None = None) -> tuple[list[str], np.ndarray]:
+    """`kind_grid` as (sorted kind names, (pp, dp) array of indices into them): the same slowest
+    GPU of each tensor group, without a Python list of names per group."""
+    devices = devices if devices is not None else cluster.devices
+    names, speed = _facts(devices, plan.dtype)
+    hit = _KIND_INDEX.get(id(devices))
+    if hit is None or hit[0] is not devices:
+        kinds = sorted(set(names))
+        hit = (devices, kinds, np.asarray([kinds.index(k) for k in names], dtype=np.int64))
+        if len(_KIND_INDEX) > 64:
+            _KIND_INDEX.clear()
+        _KIND_INDEX[id(devices)] = hit
+    kinds, index_of = hit[1], hit[2]
+    if len(kinds) == 1:
+        return kinds, np.zeros((plan.pp, plan.dp), dtype=np.int64)
+    order = rank_order(plan).reshape(plan.pp, plan.dp, plan.tp)
+    slowest = np.take_along_axis(order, speed[order].argmin(axis=-1)[..., None], axis=-1)[..., 0]
+    return kinds, index_of[slowest]
 
 
 def is_mixed(cluster: Cluster) -> bool:
@@ -181,8 +218,11 @@ def _split_layers(times: np.ndarray, caps: list[int] | None = None) -> list[int]
     g = inf.copy()
     g[0] = 0.0
     choice = np.zeros((pp, n + 1), dtype=int)
+    allowed: dict[int, np.ndarray] = {}  # stages sharing a cost matrix share its allowed spans
     for p in range(pp):
-        c = np.where(costs[p] <= bottleneck + tol, costs[p], np.inf)
+        c = allowed.get(id(costs[p]))
+        if c is None:
+            c = allowed[id(costs[p])] = np.where(costs[p] <= bottleneck + tol, costs[p], np.inf)
         total = g[:, None] + c
         choice[p] = np.argmin(total, axis=0)
         g = total[choice[p], idx]
@@ -244,15 +284,44 @@ def replica_micro_batch_counts(plan: Plan) -> list[int]:
     return [micro_batch_count(n, plan.micro_batch) for n in plan.samples_per_replica()]
 
 
-def _pipeline_time(times: np.ndarray, counts: list[int], split: list[int],
+class _KindTimes:
+    """The per-layer times of every tensor group (p, d) -- `times[p, d, i]`, layer i on the kind
+    of group (p, d) -- held as one row per GPU kind and a (pp, dp) grid of kind indices: a
+    1024-GPU plan has thousands of groups but two or three kinds."""
+
+    def __init__(self, per_kind: dict[str, np.ndarray], names: list[str], index: np.ndarray) -> None:
+        """`index[p, d]`: position in `names` of group (p, d)'s kind; `per_kind[name]`: its row."""
+        self.rows = np.stack([np.asarray(per_kind[k], dtype=float) if k in per_kind else
+                              np.zeros(len(next(iter(per_kind.values())))) for k in names])  # (kinds, layers)
+        self.index = np.asarray(index, dtype=np.int64)  # (pp, dp)
+        self.pp, self.dp = self.index.shape
+        self.n_layers = self.rows.shape[1]
+
+    def stage_max(self) -> np.ndarray:
+        """(pp, layers): each layer's time on each stage's slowest group, ``times.max(axis=1)``."""
+        present = np.zeros((self.pp, len(self.rows)), dtype=bool)  # the kinds each stage holds
+        present[np.repeat(np.arange(self.pp), self.dp), self.index.reshape(-1)] = True
+        patterns, which = np.unique(present, axis=0, return_inverse=True)  # a few distinct kind sets
+        maxima = np.stack([self.rows[pattern].max(axis=0) for pattern in patterns])
+        return maxima[which.reshape(-1)]
+
+    def stage_times(self, split: list[int]) -> np.ndarray:
+        """(pp, dp) seconds per micro-batch of each group for a split into chunks (chunk c on stage
+        c % pp): per chunk, each kind's slice summed once and handed to the groups of that kind --
+        the same sums, added in the same chunk order, as summing every group's own row."""
+        bounds = np.concatenate([[0], np.cumsum(split)])
+        st = np.zeros((self.pp, self.dp))
+        for c in range(len(split)):
+            p = c % self.pp
+            st[p] += self.rows[:, bounds[c]:bounds[c + 1]].sum(axis=-1)[self.index[p]]
+        return st
+
+
+def _pipeline_time(times: _KindTimes, counts: list[int], split: list[int],
                    v: int = 1) -> tuple[np.ndarray, float, list[float], list[float]]:
     """Stage times (pp, dp) for a split into pp*v chunks (chunk c on stage c % pp), and the
     compute-only iteration estimate ``M_d b_d + (s_d - b_d)/v`` of the slowest replica."""
-    pp = times.shape[0]
-    bounds = np.concatenate([[0], np.cumsum(split)])
-    st = np.zeros(times.shape[:2])
-    for c in range(len(split)):
-        st[c % pp] += times[c % pp, :, bounds[c]:bounds[c + 1]].sum(axis=-1)
+    st = times.stage_times(split)
     b = st.max(axis=0).tolist()
     s = st.sum(axis=0).tolist()
     pred = max(m * bd + (sd - bd) / v for m, bd, sd in zip(counts, b, s))
@@ -276,22 +345,22 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
     nothing fits."""
     layer_time = layer_time or cost_layer_time(graph)
     devices = devices if devices is not None else cluster.devices
-    grid = kind_grid(cluster, plan, devices)
-    kinds = {d.kind.name: d.kind for d in devices}
+    names, index = kind_index_grid(cluster, plan, devices)
+    kinds, capacity = _kinds_and_capacity(devices)
     layers = graph.layers
     n_layers = len(layers)
     if n_layers < plan.pp * plan.virtual_stages:
         return None
     # times[p, d, i]: layer i on the kind of tensor group (p, d)
-    used = {x for row in grid for x in row}
+    used = {names[i] for i in np.unique(index).tolist()}
     if kind_times is not None:
         per_kind = {k: np.asarray(kind_times(k, plan)) for k in used}
     else:
         per_kind = {k: np.asarray([layer_time(layer, kinds[k], plan) for layer in layers]) for k in used}
-    times = np.stack([np.stack([per_kind[grid[p][d]] for d in range(plan.dp)]) for p in range(plan.pp)])
+    times = _KindTimes(per_kind, names, index)
     # kinds differ along the pipeline (some replica's stages differ) / along the replicas
-    mixed_pp = any(grid[p][d] != grid[0][d] for p in range(plan.pp) for d in range(plan.dp))
-    mixed_dp = any(len(set(row)) > 1 for row in grid)
+    mixed_pp = bool((times.index != times.index[0]).any())
+    mixed_dp = bool((times.index != times.index[:, :1]).any())
     total_mb = plan.global_batch // plan.micro_batch
     even_counts = replica_micro_batch_counts(plan)
     v = plan.virtual_stages
@@ -307,13 +376,12 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
                             predicted=even_pred, even_predicted=even_pred, caps=list(even))
     caps = [n_layers] * plan.pp if caps is None else list(caps)
     order = rank_order(plan).reshape(plan.pp, -1)
-    capacity = np.asarray([d.kind.memory_bytes for d in devices])
     rounds = 0
     limit = max_rounds if max_rounds is not None else n_layers * plan.pp
     while True:
         if mixed_pp:
             # a stage's time is its slowest replica's (replicas re-balance by batch below)
-            split = split_layers(times.max(axis=1), caps)
+            split = split_layers(times.stage_max(), caps)
             if split is None:
                 return None
         else:

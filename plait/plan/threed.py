@@ -442,6 +442,7 @@ class AnalyticModel:
         self.measured = measured_tables(cluster)
         self._custom = layer_time
         self._costs: dict[tuple, Any] = {}
+        self._grads: dict[tuple, list[float]] = {}  # `_grad_params`
         self._times: dict[tuple, np.ndarray] = {}
         self._coll: dict[tuple, float] = {}
         self._comm: dict[str, dict[str, float]] = {}  # comm_times by plan (GPipe as its 1F1B twin)
@@ -468,6 +469,16 @@ class AnalyticModel:
                               model=self.compute)
             self._costs[key] = cost
         return cost
+
+    def _grad_params(self, plan: Plan, kind_name: str) -> list[float]:
+        """Gradient parameters of every layer (`layer_cost(...).grad_params`), per the keys of
+        `layer_cost`: the optimizer step of every candidate sums them per stage."""
+        key = (kind_name, plan.micro_batch, plan.tp, plan.dtype, plan.sequence_parallel)
+        hit = self._grads.get(key)
+        if hit is None:
+            hit = self._grads[key] = [self.layer_cost(i, plan, kind_name).grad_params
+                                      for i in range(len(self.graph.layers))]
+        return hit
 
     def layer_time(self, layer: Any, kind: Any, plan: Plan) -> float:
         """A `hetero.LayerTimeFn`: compute seconds of one micro-batch of `layer` on `kind`."""
@@ -631,8 +642,7 @@ class AnalyticModel:
         # compute: the slowest replica's pipeline
         compute_s = 0.0
         columns: dict[tuple[str, ...], tuple[float, float]] = {}  # replicas of equal kinds: equal stages
-        for d in range(plan.dp):
-            col = tuple(grid[p][d] for p in range(plan.pp))
+        for d, col in enumerate(zip(*grid)):  # col: the kinds of replica d's stages
             bs = columns.get(col) if self.fast else None
             if bs is None:
                 st = np.zeros(plan.pp)
@@ -642,12 +652,13 @@ class AnalyticModel:
             b, s = bs
             compute_s = max(compute_s, counts[d] * b + (s - b) / v)
         kind0 = grid[0][0]
+        grads = self._grad_params(plan, kind0)
         params = np.zeros(plan.pp)
         for c, p in enumerate(chunk_stage):
-            params[p] += sum(self.layer_cost(i, plan, kind0).grad_params for i in range(bounds[c], bounds[c + 1]))
+            params[p] += sum(grads[bounds[c]:bounds[c + 1]])  # the layers' sum, in layer order
         shard = plan.dp if plan.zero >= 1 else 1
         # the step of stage p on kind k is one number, however many replicas share it
-        pairs = ({(p, grid[p][d]) for p in range(plan.pp) for d in range(plan.dp)} if self.fast else
+        pairs = ({(p, k) for p, row in enumerate(grid) for k in set(row)} if self.fast else
                  [(p, grid[p][d]) for p in range(plan.pp) for d in range(plan.dp)])
         opt_s = max(optimizer_time(params[p] / shard, self.kinds[k], self.compute) for p, k in pairs)
         return compute_s, opt_s
@@ -1043,7 +1054,8 @@ def _place(path: PathModel, cluster: Cluster, plan: Plan, seed: int, iterations:
     """Pipette placement, starting from (and never worse than) the plan's current order."""
     devices = cluster.devices
     start = [plan.device_of(r) for r in range(plan.world_size)]
-    start += [d for d in range(len(devices)) if d not in set(start)]
+    taken = set(start)
+    start += [d for d in range(len(devices)) if d not in taken]
     off = ~np.eye(len(start), dtype=bool)
     inv, lat = path.inv_bw[off], path.lat[off]
     if len(inv) == 0 or (np.allclose(inv, inv[0]) and np.allclose(lat, lat[0])):

@@ -204,10 +204,10 @@ def busy_and_breakdown(tg: Any, sched: Any) -> tuple[dict[str, float], dict[str,
     T = sched.makespan
     spans: dict[str, list[tuple[float, float]]] = {}
     by_cat: dict[str, float] = {}
-    for i in range(len(tg)):
-        if tg.resource[i].endswith("/compute"):
-            spans.setdefault(tg.resource[i], []).append((sched.start[i], sched.end[i]))
-        by_cat[tg.category[i]] = by_cat.get(tg.category[i], 0.0) + sched.end[i] - sched.start[i]
+    for res, cat, a, b in zip(tg.resource, tg.category, sched.start, sched.end):
+        if res.endswith("/compute"):
+            spans.setdefault(res, []).append((a, b))
+        by_cat[cat] = by_cat.get(cat, 0.0) + b - a
     busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
     return busy, by_cat
 
@@ -233,17 +233,15 @@ def _exposed_comm(tg: Any, sched: Schedule, folded: dict[int, float]) -> float:
     comp: dict[int, list[tuple[float, float]]] = {}
     comm: dict[int, list[tuple[float, float]]] = {}
     blocked: dict[int, float] = {}
-    for i in range(len(tg)):
-        dev = tg.device[i]
+    for i, (dev, cat, a, b) in enumerate(zip(tg.device, tg.category, sched.start, sched.end)):
         if dev is None:
             continue
-        cat = tg.category[i]
         if cat in _COMPUTE:
-            comp.setdefault(dev, []).append((sched.start[i], sched.end[i]))
+            comp.setdefault(dev, []).append((a, b))
             if i in folded:
                 blocked[dev] = blocked.get(dev, 0.0) + folded[i]
         elif cat.startswith("comm"):
-            comm.setdefault(dev, []).append((sched.start[i], sched.end[i]))
+            comm.setdefault(dev, []).append((a, b))
     worst = 0.0
     for dev in set(comp) | set(comm) | set(blocked):
         busy = _union(comp.get(dev, []))

@@ -28,6 +28,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from plait.net.maxmin import max_min_rates
 
 _INF = float("inf")
@@ -72,14 +74,16 @@ class TaskGraph:
         self.name.append(name)
         self.category.append(category)
         self.resource.append(resource)
-        self.duration.append(max(0.0, float(duration)))
+        duration = float(duration)
+        self.duration.append(duration if duration > 0.0 else 0.0)  # max(0.0, d), -0.0 and nan included
         self.flow.append(flow if flow else None)
-        self.succ.append([])
+        succ = self.succ
+        succ.append([])
         n = 0
         for d in deps:
             if d is None or d < 0:
                 continue
-            self.succ[d].append(tid)
+            succ[d].append(tid)
             n += 1
         self.npred.append(n)
         self.device.append(device)
@@ -131,6 +135,7 @@ def simulate(graph: TaskGraph) -> Schedule:
     flows = graph.flow
     succ = graph.succ
     capacity = graph.capacity
+    capacity_array = np.asarray(capacity, dtype=float)
     heap: list[tuple[float, int, int, int]] = []  # (time, seq, task, version)
     seq = 0
     # Flow state.
@@ -152,17 +157,23 @@ def simulate(graph: TaskGraph) -> Schedule:
     interned: dict[tuple, tuple] = {}
     levels_of: dict[tuple, list[float]] = {}
 
+    # (scale, coefficients) per flow list: the lowering hands equal transfers one list
+    of_list: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
+
     def coefficients(t: int) -> tuple[tuple[int, float], ...]:
         out = coef[t]
         if out is None:
             fl = flows[t]
-            m = 0.0
-            for _r, b, _c in fl:  # type: ignore[union-attr]
-                if b > m:
-                    m = b
-            scale[t] = m or 1.0
-            out = tuple([(r, c * b / m) for r, b, c in fl if b > 0])  # type: ignore[union-attr]
-            out = coef[t] = interned.setdefault(out, out)
+            hit = of_list.get(id(fl))
+            if hit is None:
+                m = 0.0
+                for _r, b, _c in fl:  # type: ignore[union-attr]
+                    if b > m:
+                        m = b
+                out = tuple([(r, c * b / m) for r, b, c in fl if b > 0])  # type: ignore[union-attr]
+                hit = of_list[id(fl)] = (m or 1.0, interned.setdefault(out, out))
+            scale[t], out = hit
+            coef[t] = out
         return out
 
     def component(seeds: set[int]) -> list[int]:
@@ -176,7 +187,8 @@ def simulate(graph: TaskGraph) -> Schedule:
                 if u in found:
                     continue
                 found[u] = None
-                for r2, _a in coefficients(u):
+                cu = coef[u]
+                for r2, _a in (cu if cu is not None else coefficients(u)):
                     if r2 not in seen_r:
                         seen_r.add(r2)
                         stack.append(r2)
@@ -192,7 +204,8 @@ def simulate(graph: TaskGraph) -> Schedule:
             key = tuple([id(coef[u]) for u in comp])
             levels = levels_of.get(key)  # type: ignore[assignment]
             if levels is None:
-                levels = levels_of[key] = max_min_rates(capacity, [coef[u] for u in comp])  # type: ignore[misc]
+                levels = levels_of[key] = max_min_rates(capacity, [coef[u] for u in comp],  # type: ignore[misc]
+                                                        capacity_array)
         for u, g in zip(comp, levels):
             new = g / scale[u] if g < _INF else _INF
             if new != rate[u] and not (new < _INF and abs(new - rate[u]) <= 1e-12 * new):
@@ -224,8 +237,9 @@ def simulate(graph: TaskGraph) -> Schedule:
         if remaining[t] == 0:
             begin(t, 0.0)
 
+    heappop, heappush = heapq.heappop, heapq.heappush
     while heap:
-        now, _, t, ver = heapq.heappop(heap)
+        now, _, t, ver = heappop(heap)
         events += 1
         if ver == -2:
             # Bandwidth phase begins.
@@ -265,8 +279,10 @@ def simulate(graph: TaskGraph) -> Schedule:
                 ready_at[s] = now
                 binding[s] = t
             remaining[s] -= 1
-            if remaining[s] == 0:
-                begin(s, now)
+            if remaining[s] == 0:  # `begin(s, now)`, inlined: the loop's commonest call
+                start[s] = now
+                seq += 1
+                heappush(heap, (now + durations[s], seq, s, -1 if flows[s] is None else -2))
     if done != n:
         stuck = [graph.name[i] for i in range(n) if remaining[i] > 0][:5]
         raise EngineError(f"task graph has a cycle or a missing dependency; waiting forever: {stuck}")

@@ -245,10 +245,15 @@ class _Lowerer:
         self.total_cache: dict[tuple, tuple] = {}
         self._pass_cache: dict[tuple, tuple] = {}  # (id(chunk costs), pass) -> (costs, items)
         self._items_key: dict[int, tuple] = {}  # id(items of _pass_items) -> its total_cache key
-        self.route_cache: dict[tuple[int, int], tuple[float, list[tuple[int, float, float]]]] = {}
+        # worker pair -> (latency, resources, latency + host time, link label, copies, flows by bytes)
+        self.route_cache: dict[tuple[int, int], tuple] = {}
         self.tp_comm: dict[int, float] = {}
         self.layer_index = {layer.name: i for i, layer in enumerate(graph.layers)}
         self._zero3_last: dict[int, int] = {}  # worker -> its last ZeRO-3 collective of the step
+        self._keys: dict[tuple, str] = {}  # (op, stage, chunk id, micro-batch) -> event name
+        self._schedules: dict[tuple[int, ...], Schedule] = {}  # a chain's schedule per micro-batch sizes
+        self._programs: dict[tuple, list[tuple[str, int, int]]] = {}  # read-only compute orders, shared
+        self._labels: dict[tuple[int, str], str] = {}  # (device, stream) -> stream label
 
     # ------------------------------------------------------------ structure
     def build_structure(self) -> tuple[list[StageSpec], list[Chunk], list[tuple[int, int]]]:
@@ -484,8 +489,12 @@ class _Lowerer:
             mine = {i: k for i, (r, k) in enumerate(self._stage_units(w.stage)) if r == w.replica}
             return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], mine[a.micro_batch])
                     for a in schedule.compute(w.stage) if a.micro_batch in mine]
-        return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch)
-                for a in schedule.compute(w.stage)]
+        key = (id(schedule), w.stage, tuple(w.chunks))  # the replicas of a stage with equal sizes: one list
+        hit = self._programs.get(key)
+        if hit is None:
+            hit = self._programs[key] = [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch)
+                                         for a in schedule.compute(w.stage)]
+        return hit
 
     def _stage_units(self, stage: int) -> list[tuple[int, int]]:
         """(replica, its micro-batch) of every micro-batch of a stage, in sample order."""
@@ -513,19 +522,48 @@ class _Lowerer:
                         tuple(Node(c.stage, local[c.index], node_sizes[c.stage], len(self.all_workers[c.stage]))
                               for c in self.sg.chunks), tuple((e.src, e.dst) for e in self.sg.edges))
                 return schedules.build("gpipe" if plan.schedule == "gpipe" else "graph_1f1b", graph)
-            v = plan.virtual_stages if plan.schedule == "interleaved" else 1
-            graph = PipelineGraph(tuple(Node(k % plan.pp, k // plan.pp, sizes) for k in range(plan.pp * v)),
-                                  tuple((k, k + 1) for k in range(plan.pp * v - 1)))
-            return schedules.build(plan.schedule, graph)
+            # a chain's schedule depends on the replica's micro-batch sizes alone (schedules are
+            # frozen data): built once per replica, not once per stage of it
+            hit = self._schedules.get(sizes)
+            if hit is None:
+                v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+                graph = PipelineGraph(tuple(Node(k % plan.pp, k // plan.pp, sizes) for k in range(plan.pp * v)),
+                                      tuple((k, k + 1) for k in range(plan.pp * v - 1)))
+                hit = self._schedules[sizes] = schedules.build(plan.schedule, graph)
+            return hit
         except ScheduleError as exc:
             raise LoweringError(f"replica {w.replica} of stage {w.stage}: {exc}") from None
 
     def _key(self, op: str, w: Worker, c: int, i: int) -> str:
-        """The shared event name (`plait.schedule.event_key`) of chunk id `c` on worker `w`."""
-        return event_key(op, w.stage, self.local_chunk[c], i)
+        """The shared event name (`plait.schedule.event_key`) of chunk id `c` on worker `w` (a
+        stage's replicas share their names: each is formatted once)."""
+        k = (op, w.stage, c, i)
+        name = self._keys.get(k)
+        if name is None:
+            name = self._keys[k] = event_key(op, w.stage, self.local_chunk[c], i)
+        return name
 
     def _label(self, w: Worker, stream: str) -> str:
-        return f"dev{w.rep}/{stream}"
+        key = (w.devices[0], stream)
+        label = self._labels.get(key)
+        if label is None:
+            label = self._labels[key] = f"dev{w.rep}/{stream}"
+        return label
+
+    def _pass_total(self, items_per_layer: list[tuple[Layer, list[_Item]]]) -> tuple[float, float]:
+        """(seconds, of which tensor-parallel collective seconds) of a pass run as one task."""
+        key = self._items_key.get(id(items_per_layer))
+        if key is None:  # not a list of `_pass_items`: key it by its cached per-layer lists
+            key = tuple(id(items) for _, items in items_per_layer)
+        hit = self.total_cache.get(key)
+        if hit is None:
+            total = comm = 0.0
+            for _layer, items in items_per_layer:
+                t, c = _Combined.total(items)
+                total += t
+                comm += c
+            hit = self.total_cache[key] = (total, comm, items_per_layer)  # keep the lists alive
+        return hit[0], hit[1]
 
     def _emit_items(self, w: Worker, items_per_layer: list[tuple[Layer, list[_Item]]], name: str,
                     category: str, mb: int, deps: list[int], per_layer: bool,
@@ -534,19 +572,8 @@ class _Lowerer:
         tg = self.tg
         label = self._label(w, "compute")
         if not per_layer:
-            key = self._items_key.get(id(items_per_layer))
-            if key is None:  # not a list of `_pass_items`: key it by its cached per-layer lists
-                key = tuple(id(items) for _, items in items_per_layer)
-            hit = self.total_cache.get(key)
-            if hit is None:
-                total = comm = 0.0
-                for _layer, items in items_per_layer:
-                    t, c = _Combined.total(items)
-                    total += t
-                    comm += c
-                hit = self.total_cache[key] = (total, comm, items_per_layer)  # keep the lists alive
-            total, comm = hit[0], hit[1]
-            tid = tg.add(name, category, label, total, deps, device=w.rep, stage=w.stage, micro_batch=mb,
+            total, comm = self._pass_total(items_per_layer)
+            tid = tg.add(name, category, label, total, deps, device=w.devices[0], stage=w.stage, micro_batch=mb,
                          args={"tp_comm_s": comm} if comm else None, chunk=chunk)
             if comm:
                 self.tp_comm[tid] = comm
@@ -680,27 +707,49 @@ class _Lowerer:
         prev: list[int] = []
         if zero3 is not None and zero3.root > 0:  # the root unit, once per step (Zero3Step.begin_step)
             prev = [self._zero3_collective(w, "all_gather", zero3.root, "root", None, [], ("z3root-ag", w.stage))]
+        mine: dict[tuple[int, int], tuple] = {}  # this worker's chunk costs and their passes
+        tg, label, dev = self.tg, self._label(w, "compute"), w.devices[0]
         for idx, (k, c, i) in enumerate(program):
             mb_size = w.units[i][1]
-            costs = self.chunk_costs(w, c, mb_size)
+            hit = mine.get((c, mb_size))
+            if hit is None:
+                costs = self.chunk_costs(w, c, mb_size)
+                rec = plan.recompute != "none" and any(cc.rec for _, cc in costs)
+                hit = mine[(c, mb_size)] = (costs, self._pass_items(costs, "fwd"), self._pass_items(costs, "bwd"),
+                                            self._pass_items(costs, "rec") if rec else None)
+            costs, fwd_items, bwd_items, rec_items = hit
+            deps = prev
             if zero3 is not None:
                 first, last = self._emit_zero3_item(w, zero3, k, c, i, costs, prev,
                                                     self.layer_bwd_end[w.wid] if idx == last_b_item.get(c) else None)
+            elif k == "F" and not per_layer:  # `_emit_items` of a whole pass, inlined (the commonest task)
+                total, comm = self._pass_total(fwd_items)
+                first = last = tg.add(self._key("fwd", w, c, i), "forward", label, total, deps, device=dev,
+                                      stage=w.stage, micro_batch=i, args={"tp_comm_s": comm} if comm else None,
+                                      chunk=self.local_chunk[c])
+                if comm:
+                    self.tp_comm[last] = comm
             elif k == "F":
-                first, last = self._emit_items(w, self._pass_items(costs, "fwd"), self._key("fwd", w, c, i),
-                                               "forward", i, prev, per_layer, chunk=self.local_chunk[c])
+                first, last = self._emit_items(w, fwd_items, self._key("fwd", w, c, i),
+                                               "forward", i, deps, per_layer, chunk=self.local_chunk[c])
             else:
-                first, deps = -1, prev
-                if plan.recompute != "none" and any(cc.rec for _, cc in costs):
-                    first, rlast = self._emit_items(w, self._pass_items(costs, "rec"),
-                                                    self._key("recompute", w, c, i), "recompute", i, deps, per_layer,
-                                                    chunk=self.local_chunk[c])
+                first = -1
+                if rec_items is not None and not per_layer:  # a whole pass, inlined as the forward's
+                    total, comm = self._pass_total(rec_items)
+                    first = rlast = tg.add(self._key("recompute", w, c, i), "recompute", label, total, deps,
+                                           device=dev, stage=w.stage, micro_batch=i,
+                                           args={"tp_comm_s": comm} if comm else None, chunk=self.local_chunk[c])
+                    if comm:
+                        self.tp_comm[rlast] = comm
+                    deps = [rlast]
+                elif rec_items is not None:
+                    first, rlast = self._emit_items(w, rec_items, self._key("recompute", w, c, i), "recompute", i,
+                                                    deps, per_layer, chunk=self.local_chunk[c])
                     deps = [rlast]
                 fine = per_layer or (wfbp and idx == last_b_item.get(c))
                 record = self.layer_bwd_end[w.wid] if idx == last_b_item.get(c) else None
-                bfirst, last = self._emit_items(w, self._pass_items(costs, "bwd"),
-                                                self._key("bwd", w, c, i), "backward", i, deps, fine, record,
-                                                chunk=self.local_chunk[c])
+                bfirst, last = self._emit_items(w, bwd_items, self._key("bwd", w, c, i), "backward", i, deps,
+                                                fine, record, chunk=self.local_chunk[c])
                 first = bfirst if first < 0 else first
             firsts.append(first)
             lasts.append(last)
@@ -830,12 +879,19 @@ class _Lowerer:
         # What crosses each edge: the stage graph's boundary tensors (plait.ir.stage_graph).
         edge_bytes = {(e.src, e.dst): e.bytes_per_sample for e in self.sg.edges}
         scale = traffic.activation_scale(self.graph, plan)
+        # [first sample, end of the last unit) of each holder, as the per-unit test below reads them
+        span = {w.wid: (w.units[0][0], w.units[-1][0] + w.units[-1][1]) for w in workers if w.units}
         for a, b in edges:
             per_sample = edge_bytes[(a, b)]
             for q in holders[b]:
+                if not q.units:
+                    continue
+                # producers whose samples meet q's at all (in holder order: emission order is kept)
+                q_lo, q_hi = min(u[0] for u in q.units), max(u[0] + u[1] for u in q.units)
+                near = [p for p in holders[a] if p.units and span[p.wid][0] < q_hi and span[p.wid][1] > q_lo]
                 for ui, (qs, qn) in enumerate(q.units):
-                    for p in holders[a]:
-                        if not p.units or p.units[0][0] >= qs + qn or p.units[-1][0] + p.units[-1][1] <= qs:
+                    for p in near:
+                        if p.units[0][0] >= qs + qn or p.units[-1][0] + p.units[-1][1] <= qs:
                             continue
                         # Producer micro-batches overlapping [qs, qs+qn): bisect on their starts.
                         first = max(0, bisect.bisect_right(starts[p.wid], qs) - 1)
@@ -876,19 +932,30 @@ class _Lowerer:
             res = [] if src.rep == dst.rep else [
                 (self.tg.add_resource(key, cap), share, float(max(1, self._twin_copies(src, dst, key))))
                 for key, cap, share in self.view.route(src.rep, dst.rep)]
-            route = self.route_cache[(src.wid, dst.wid)] = (lat, res)
-        lat, res = route
-        flow = [(r, nbytes * share, c) for r, share, c in res] if nbytes > 0 and res else None
-        tid = self.tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
-                          f"link {src.rep}->{dst.rep}", lat + self.model.p2p_host_s, deps, flow=flow,
-                          device=src.rep, stage=src.stage, micro_batch=u_src,
-                          args={"bytes": nbytes, "src": src.rep, "dst": dst.rep, "cls": "pp", "op": "send_recv",
-                                "ranks": 2, "copies": len(src.devices) * self._replicas_of(src),
-                                "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
-                          chunk=self.local_chunk[c_src])
-        self.tg.add_dep(tid, self.item_first[dst.wid][kd])
-        if blocking and ks + 1 < len(self.item_first[src.wid]):
-            self.tg.add_dep(tid, self.item_first[src.wid][ks + 1])
+            route = self.route_cache[(src.wid, dst.wid)] = (
+                lat, res, lat + self.model.p2p_host_s, f"link {src.rep}->{dst.rep}",
+                len(src.devices) * self._replicas_of(src), {})
+        _lat, res, delay, label, copies, flows = route
+        flow = None
+        if nbytes > 0 and res:  # equal transfers over one pair have equal flows: one list (read only)
+            flow = flows.get(nbytes)
+            if flow is None:
+                flow = flows[nbytes] = [(r, nbytes * share, c) for r, share, c in res]
+        tg, s_rep = self.tg, src.devices[0]
+        tid = tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
+                     label, delay, deps, flow=flow, device=s_rep, stage=src.stage, micro_batch=u_src,
+                     args={"bytes": nbytes, "src": s_rep, "dst": dst.devices[0], "cls": "pp", "op": "send_recv",
+                           "ranks": 2, "copies": copies,
+                           "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
+                     chunk=self.local_chunk[c_src])
+        succ, npred = tg.succ[tid], tg.npred  # `tg.add_dep`, inlined
+        after = self.item_first[dst.wid][kd]
+        succ.append(after)
+        npred[after] += 1
+        firsts = self.item_first[src.wid]
+        if blocking and ks + 1 < len(firsts):
+            succ.append(firsts[ks + 1])
+            npred[firsts[ks + 1]] += 1
 
     def _replicas_of(self, w: Worker) -> int:
         """Replicas a simulated worker stands for (all of its stage's under symmetry, else itself)."""
