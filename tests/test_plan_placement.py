@@ -178,3 +178,34 @@ def test_pairwise_sum_is_numpy_add_reduce_bit_for_bit():
     for n in [*range(1, 40), 127, 128, 129, 300, 1000]:
         x = rng.uniform(0, 1, n) * 10.0 ** rng.integers(-9, 3, n)
         assert _pairwise_sum(x.tolist()) == float(np.add.reduce(x))
+
+
+def test_the_start_order_is_kept_where_it_simulates_faster(monkeypatch):
+    """Placement anneals a path model of communication, not the simulated time: where the
+    simulator times the layout's start order faster (and it fits), that order is the pick and the
+    annealed order's time is recorded; where the annealed order is faster it stays."""
+    from plait.cluster import load_cluster
+    from plait.graph.resolve import resolve_model
+    from plait.ir.plan import Plan
+    from plait.plan import threed
+    from plait.plan.placement import PlacementResult
+
+    cluster = load_cluster("a100-80g:nodes=1,gpus_per_node=4")
+    placed = Plan.parse("dp=2,pp=2,micro_batch=1,global_batch=8,device_order=3:2:1:0")
+    graph = resolve_model("gpt:layers=4,hidden=128,heads=4,seq=64,vocab=256", placed)
+    mem = threed._MemoryFilter(graph, cluster, {})
+    monkeypatch.setattr(threed, "_start_order", lambda groups, c: [0, 1, 2, 3])
+    for start_s, kept in ((0.9, True), (1.1, False)):
+        cand = threed.Candidate(placed, iteration_time_s=1.0, placement=PlacementResult([3, 2, 1, 0], 1.0, 2.0))
+        times = {None: start_s, (3, 2, 1, 0): 1.0}
+
+        def evaluate(g, p):
+            return {"iteration_time_s": times[tuple(p.device_order) if p.device_order else None]}
+
+        threed._default_order_baseline([cand], [], graph, evaluate, mem)
+        assert cand.default_order_time_s == start_s
+        if kept:
+            assert cand.plan.device_order is None and cand.iteration_time_s == 0.9 and cand.placed_time_s == 1.0
+        else:
+            assert cand.plan.device_order == [3, 2, 1, 0] and cand.iteration_time_s == 1.0
+            assert cand.placed_time_s is None

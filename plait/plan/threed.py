@@ -107,6 +107,8 @@ class Candidate:
     headroom_by_kind: dict[str, int] = field(default_factory=dict)  # min bytes free per GPU kind
     placement: PlacementResult | None = None
     default_order_time_s: float | None = None  # simulated with the layout's start order
+    # the annealed order's simulated time when the start order simulated faster and was kept
+    placed_time_s: float | None = None
     sim: dict[str, Any] | None = None
     family: str = "3d"  # the planner family that proposed it ("3d", "graph", "spmd", ...)
     unsupported: str = ""  # why `plait.runtime.supports` refuses the plan ("" when it runs or was not asked)
@@ -131,6 +133,7 @@ class Candidate:
             "memory_headroom_bytes_by_kind": self.headroom_by_kind,
             "placement": self.placement.to_dict() if self.placement else None,
             "default_order_time_s": self.default_order_time_s,
+            "placed_time_s": self.placed_time_s,
         }
 
 
@@ -744,7 +747,7 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     # inside the simulator's error, at the price of a harder run).
     chosen.sort(key=lambda c: (c.time_s * (1 + TIE_PENALTY * _complexity(c.plan)), str(c.plan)))
     best = chosen[:top]
-    _default_order_baseline(best, groups, graph, evaluate)
+    _default_order_baseline(best, groups, graph, evaluate, mem)
 
     return PlanResult(model=getattr(spec, "spec", None) or graph.model, cluster=cluster_obj.name,
                       global_batch=gb, world_size=cluster_obj.num_devices, top=best, enumerated=total,
@@ -1014,16 +1017,27 @@ def _place_and_rank(chosen: list[Candidate], graph: OpGraph, analytic: AnalyticM
 
 
 def _default_order_baseline(best: list[Candidate], groups: list[_Group], graph: OpGraph,
-                            evaluate: Evaluate | None) -> None:
+                            evaluate: Evaluate | None, mem: _MemoryFilter) -> None:
     """The best plan's time on its layout's start order (Megatron's default order on one kind),
-    so the gain of placement is measured, not assumed."""
+    so the gain of placement is measured, not assumed. The annealing minimises a path model of
+    communication, not the simulated time; where the start order simulates faster (and fits), the
+    start order is kept and the annealed order's time is recorded (`placed_time_s`)."""
     if not best:
         return
     c = best[0]
     if evaluate is not None and c.placement is not None and c.plan.device_order is not None:
         start = _start_order(groups, c)
         base = dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
-        c.default_order_time_s = float(evaluate(graph, base)["iteration_time_s"])
+        sim = evaluate(graph, base)
+        c.default_order_time_s = float(sim["iteration_time_s"])
+        peaks = mem.device_peaks(base)
+        if c.default_order_time_s < c.time_s and mem.oom_reason(base, peaks) is None:
+            c.placed_time_s, c.plan, c.sim = c.time_s, base, sim
+            c.iteration_time_s = c.default_order_time_s
+            c.tflops_per_gpu = sim.get("tflops_per_gpu")
+            c.throughput = sim.get("throughput_samples_per_s")
+            c.peak_bytes = peaks.tolist()
+            c.headroom_by_kind = memory_headroom(c.peak_bytes, mem.devices, c.plan)
     else:
         c.default_order_time_s = c.iteration_time_s
 
