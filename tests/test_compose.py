@@ -277,3 +277,25 @@ def test_eager_1f1b_keeps_twice_the_warm_up_deadlock_free_and_only_composed_plan
             assert in_flight("1f1b", pp, p, m) == min(m, pp - p)
     ok, why = supports(Plan(dp=1, pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"))
     assert not ok and "eager_1f1b" in why and "composed" in why
+
+
+def test_pipeline_estimate_times_have_the_launch_floor_of_a_group():
+    """A stage of g GPUs runs a micro-batch's GPU work g times faster, but each GPU still launches
+    every kernel: the estimate's layer time is max(whole / g, one GPU's host time); the split's
+    is whole / g."""
+    from plait.cluster import load_cluster
+    from plait.cost.compute import layer_cost
+    from plait.plan.threed import load_graph
+    from plait.search.compose_family import layer_times
+
+    cluster = load_cluster("v100:nodes=1,gpus_per_node=4")
+    _, graph = load_graph("bert:layers=2,hidden=256,heads=4,seq=64,vocab=512", "fp16")
+    groups = [[0, 1, 2, 3]]
+    split, floored = (layer_times(graph, groups, cluster, 4, "fp16", f) for f in (False, True))
+    kind = cluster.devices[0].kind
+    for i, layer in enumerate(graph.layers):
+        c = layer_cost(layer, graph, 4, kind, "fp16")
+        whole, host = c.fwd.compute_s + c.bwd.compute_s, c.fwd.host_s + c.bwd.host_s
+        assert split[0, i] == pytest.approx(whole / 4)
+        assert floored[0, i] == pytest.approx(max(whole / 4, host))
+    assert (floored > split).any()  # this small model is launch-bound somewhere

@@ -199,7 +199,7 @@ def test_the_start_order_is_kept_where_it_simulates_faster(monkeypatch):
         cand = threed.Candidate(placed, iteration_time_s=1.0, placement=PlacementResult([3, 2, 1, 0], 1.0, 2.0))
         times = {None: start_s, (3, 2, 1, 0): 1.0}
 
-        def evaluate(g, p):
+        def evaluate(g, p, times=times):
             return {"iteration_time_s": times[tuple(p.device_order) if p.device_order else None]}
 
         threed._default_order_baseline([cand], [], graph, evaluate, mem)
