@@ -209,13 +209,21 @@ def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_bat
     still launches every kernel, so a launch-bound stage does not run ``len(group)`` times faster
     (what `pipeline_estimate` ranks by; summed rates alone priced bert-large's 4-GPU stages at
     micro-batch 4 at 168.6 ms against 288.5 ms simulated)."""
+    shared, host = _group_layer_times(graph, groups, cluster, micro_batch, dtype)
+    return np.maximum(shared, host) if launch_floor else shared
+
+
+def _group_layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int,
+                       dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(summed-rate times, slowest GPU's host times), each [stage, layer]: `layer_times`' two parts."""
     from plait.cost.compute import layer_cost
 
-    out = np.zeros((len(groups), len(graph.layers)))
+    shared = np.zeros((len(groups), len(graph.layers)))
+    host = np.zeros_like(shared)
     cache: dict[tuple[int, str], tuple[float, float]] = {}
     for i, layer in enumerate(graph.layers):
         for p, ids in enumerate(groups):
-            rate, host = 0.0, 0.0
+            rate = 0.0
             for d in ids:
                 kind = cluster.devices[d].kind
                 key = (i, kind.name)
@@ -224,9 +232,9 @@ def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_bat
                     cache[key] = (c.fwd.compute_s + c.bwd.compute_s, c.fwd.host_s + c.bwd.host_s)
                 whole, launch = cache[key]
                 rate += 1.0 / max(whole, 1e-12)
-                host = max(host, launch)
-            out[p, i] = max(1.0 / rate, host) if launch_floor else 1.0 / rate
-    return out
+                host[p, i] = max(host[p, i], launch)
+            shared[p, i] = 1.0 / rate
+    return shared, host
 
 
 def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, groups: list[list[int]],
@@ -352,13 +360,12 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     for groups in groupings:
         for b in micro_batches_to_try(gb, len(groups)):
             enumerated += 1
-            times = layer_times(opgraph, groups, cluster, b, dtype)
+            times, host = _group_layer_times(opgraph, groups, cluster, b, dtype)  # `layer_times`, both ways
             split = split_layers(times)
             if split is None:
                 reasons["fewer layers than stages"] = reasons.get("fewer layers than stages", 0) + 1
                 continue
-            est = pipeline_estimate(opgraph, groups, layer_times(opgraph, groups, cluster, b, dtype, True), split, b,
-                                    gb, view, dtype)
+            est = pipeline_estimate(opgraph, groups, np.maximum(times, host), split, b, gb, view, dtype)
             options.append((est, len(options), groups, b, split))
     options.sort(key=lambda o: o[:2])
     chosen = options[:candidates]
