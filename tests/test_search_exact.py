@@ -52,17 +52,24 @@ PINNED = {
 }
 
 
-def _search(model: str):
-    return plan(model, CLUSTER, global_batch=32, top=3, finalists=4, families="3d")
+def _search(model: str, jobs: int = 1):
+    return plan(model, CLUSTER, global_batch=32, top=3, finalists=4, families="3d", jobs=jobs)
 
 
+# jobs=2: the memory check in blocks of families, the placements annealed ahead and the finalists
+# simulated in forked worker processes (`plait.workers`) -- the same pins, and the same examples
+@pytest.mark.parametrize("jobs", [1, 2])
 @pytest.mark.parametrize("model", sorted(PINNED))
-def test_search_picks_what_it_picked_before_the_speed_ups(model):
-    res, want = _search(model), PINNED[model]
+def test_search_picks_what_it_picked_before_the_speed_ups(model, jobs):
+    res, want = _search(model, jobs), PINNED[model]
     assert [(str(c.plan), float(c.analytic_s).hex(), c.iteration_time_s.hex()) for c in res.top] == want["top"]
     assert res.best.default_order_time_s.hex() == want["default_order"]
     assert (res.enumerated, res.pruned, res.ranked_analytic, res.simulated) == want["counts"]
     assert dict(res.pruned_reasons) == want["reasons"]
+    if jobs > 1:
+        serial = _search(model)
+        assert res.pruned_examples == serial.pruned_examples and res.memory_checked == serial.memory_checked
+        assert [c.to_dict() for c in res.top] == [c.to_dict() for c in serial.top]
 
 
 def test_kind_times_equal_every_groups_own_sums():

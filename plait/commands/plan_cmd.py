@@ -71,6 +71,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-machine-prediction", action="store_true",
                    help="with --run on an emulated cluster: skip calibrating this machine (about 30 s) and "
                         "the prediction for it")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes of the search (default: this machine's CPUs, up to 8, on clusters "
+                        "of 256 GPUs or more, else 1; or the environment variable PLAIT_JOBS); the same "
+                        "plans whatever the number")
     p.add_argument("--seed", type=int, default=0, help="seed of the placement annealing (default 0)")
     p.add_argument("--no-placement", action="store_true", help="keep Megatron's rank order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -88,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from plait.errors import PlaitError, check_output_path
     from plait.plan.export import export
     from plait.search import plan
+    from plait.workers import check_jobs, default_jobs
 
     space = None
     if args.space is not None:  # a bad spec fails before any work
@@ -106,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
     check_output_path(args.out, "--out")
+    jobs = None if args.jobs is None else check_jobs(args.jobs, "--jobs")
+    if jobs is None:
+        default_jobs()  # a bad PLAIT_JOBS fails before any work
     fabric_cluster = check_traffic_cluster(args.cluster) if args.traffic_plan else None
     if args.family == "graph":
         return _run_graph(args)
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                   top=args.top if args.json else args.top * FOLD_EXTRA,
                   finalists=None if args.finalists == 0 else args.finalists, seed=args.seed,
                   placement=not args.no_placement, progress=not args.no_progress and not args.json,
-                  memory_kwargs=memory_kwargs_of(args), **families)
+                  memory_kwargs=memory_kwargs_of(args), jobs=jobs, **families)
     best = result.best
     traffic = traffic_plan(args.model, fabric_cluster, best.plan) if fabric_cluster is not None else None
     best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths

@@ -33,6 +33,7 @@ import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from plait.ir.plan import RECOMPUTE_CHOICES, Plan
 from plait.ir.stage_graph import stage_graph
 from plait.plan import hetero
 from plait.plan.placement import PathModel, PlacementResult, anneal, traffic_of
+from plait.workers import Workers, map_parallel, resolve_jobs
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
@@ -691,7 +693,8 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
          seed: int = 0, progress: bool = False,
          placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
          layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
-         on_progress: Callable[[str, int, int], None] | None = None, fast: bool = True) -> PlanResult:
+         on_progress: Callable[[str, int, int], None] | None = None, fast: bool = True,
+         jobs: int | None = None) -> PlanResult:
     """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
 
     `finalists`: how many of the analytically best candidates get placed and simulated
@@ -703,7 +706,10 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``); `compute` is the
     `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one).
     `fast=False` turns off the analytic model's reuse of stage graphs and messages across
-    candidates (the same numbers, slower: the baseline of bench/plan_search_time.py)."""
+    candidates (the same numbers, slower: the baseline of bench/plan_search_time.py).
+    `jobs`: worker processes for the memory check and the finalists' simulations
+    (`plait.workers`; the same result as 1); None: this machine's CPUs on clusters of at least
+    PARALLEL_MIN_DEVICES GPUs, else 1."""
     from plait.cluster import load_cluster
 
     t_start = time.perf_counter()
@@ -727,8 +733,9 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
         raise SearchError(f"plan: no dp x tp x pp configuration of {cluster_obj.num_devices} GPUs divides "
                           f"global batch {gb} for model {graph.model}")
     mem = _MemoryFilter(graph, cluster_obj, dict(memory_kwargs or {}))
+    jobs = _search_jobs(jobs, cluster_obj)
     kept = _fitting_candidates(groups, mem, analytic, space.hetero if space is not None else True,
-                               bar, total)
+                               bar, total, jobs)
     if supports is not None:  # what the runtime would refuse is never offered
         kept = _runnable(kept, supports, mem)
     if not kept:
@@ -737,11 +744,15 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                           f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
 
     # ---- analytic first pass, then place and simulate the finalists
-    placer = _Placer(analytic, cluster_obj, seed, placement_iterations, fast) if placement else None
-    _rank_analytic(kept, analytic, finalists if fast else None, bar, placer)
+    placer = _Placer(analytic, cluster_obj, seed, placement_iterations, fast, jobs) if placement else None
+    try:
+        _rank_analytic(kept, analytic, finalists if fast else None, bar, placer)
+    finally:
+        if placer is not None:
+            placer.close()
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
-    _place_and_rank(chosen, graph, analytic, mem, evaluate, gb, bar)
+    _place_and_rank(chosen, graph, analytic, mem, evaluate, gb, bar, jobs)
     # Near-ties go to the plan with fewer moving parts: each ZeRO stage or recompute level must
     # buy 0.2 % to be preferred (a tiny model's ZeRO-3 "wins" by 0.07 % of optimizer time, far
     # inside the simulator's error, at the price of a harder run).
@@ -752,7 +763,7 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     return PlanResult(model=getattr(spec, "spec", None) or graph.model, cluster=cluster_obj.name,
                       global_batch=gb, world_size=cluster_obj.num_devices, top=best, enumerated=total,
                       pruned=sum(mem.reasons.values()), pruned_reasons=dict(mem.reasons),
-                      pruned_examples=mem.examples, memory_checked=len(mem.peak_cache),
+                      pruned_examples=mem.examples, memory_checked=len(mem.checked),
                       ranked_analytic=len(kept), simulated=len(chosen) if evaluate is not None else 0,
                       search_time_s=time.perf_counter() - t_start,
                       ranker="simulator" if evaluate is not None else "analytic")
@@ -840,6 +851,9 @@ class _BoundOrder:
         return i
 
 
+_SPECULATE = 5  # shapes annealed ahead per worker process
+
+
 class _Placer:
     """Places candidates: one annealed placement (`_place`) per shape and kind layout
     (dp, tp, pp, layout), annealed on the path model of the shape's first candidate in lower-bound
@@ -848,15 +862,34 @@ class _Placer:
     shared by the shape's other candidates."""
 
     def __init__(self, analytic: AnalyticModel, cluster: Cluster, seed: int, iterations: int | None,
-                 fast: bool) -> None:
+                 fast: bool, jobs: int = 1) -> None:
         self.analytic, self.cluster, self.seed, self.iterations, self.fast = analytic, cluster, seed, iterations, fast
         self.placements: dict[tuple, PlacementResult] = {}
         self.first: dict[tuple, Plan] = {}
+        self.jobs = jobs
+        self.pool: Workers | None = None
+        self.ahead: dict[tuple, Future] = {}
 
     def first_of_shapes(self, ordered: Iterator[Candidate]) -> None:
-        """Remember each shape's first candidate plan of `ordered` (lower-bound order)."""
+        """Remember each shape's first candidate plan of `ordered` (lower-bound order); with
+        `jobs` > 1, start annealing the first few shapes in worker processes: the ranking asks
+        for them in about that order (on 175B / 1024 GPUs, 7 of the first 9), and takes a
+        placement from a worker when it gets there (`_SPECULATE` shapes ahead)."""
         for c in ordered:
             self.first.setdefault((c.plan.dp, c.plan.tp, c.plan.pp, c.layout), c.plan)
+        if self.jobs > 1 and len(self.first) > 1:
+            self.pool = Workers(self._anneal, self.jobs)
+            self.ahead = {key: self.pool.submit(key) for key in list(self.first)[:_SPECULATE * self.jobs]}
+
+    def _anneal(self, key: tuple) -> PlacementResult:
+        rep = self.first[key]
+        return _place(self.analytic.path_model(rep), self.cluster, rep, self.seed, self.iterations, self.fast)
+
+    def close(self) -> None:
+        """Drop the annealing nobody asked for (a worker still running one finishes it alone)."""
+        if self.pool is not None:
+            self.pool.close(wait=False)
+            self.pool, self.ahead = None, {}
 
     def __call__(self, c: Candidate, only_known: bool = False) -> None:
         """Give `c` its shape's placement (`only_known`: only when already annealed)."""
@@ -867,9 +900,13 @@ class _Placer:
         if res is None and only_known:
             return
         if res is None:
-            rep = self.first.get(key, c.plan)
-            res = self.placements[key] = _place(self.analytic.path_model(rep), self.cluster, rep, self.seed,
-                                                self.iterations, self.fast)
+            ahead = self.ahead.pop(key, None)
+            if ahead is not None and not ahead.cancel():  # a worker has it (or has it queued next)
+                res = self.placements[key] = ahead.result()
+            else:
+                rep = self.first.get(key, c.plan)
+                res = self.placements[key] = _place(self.analytic.path_model(rep), self.cluster, rep, self.seed,
+                                                    self.iterations, self.fast)
         c.placement = res
         if res.order[: c.plan.world_size] != [c.plan.device_of(r) for r in range(c.plan.world_size)]:
             c.plan = dataclasses.replace(c.plan, device_order=res.order[: c.plan.world_size])
@@ -886,12 +923,16 @@ class _MemoryFilter:
         self.devices = cluster.devices
         self.capacity = np.asarray([d.kind.memory_bytes for d in self.devices], dtype=np.int64)
         self.peak_cache: dict[str, np.ndarray] = {}
+        self.checked: set[str] = set()  # every plan estimated, here or in a worker process
         self.reasons: Counter[str] = Counter()
         self.examples: dict[str, str] = {}
+        self.events: list[tuple[str, str, int]] | None = None  # a worker's prunes, replayed in order
 
     def prune(self, reason: str, example: str, n: int = 1) -> None:
         self.reasons[reason] += n
         self.examples.setdefault(reason, example)
+        if self.events is not None:
+            self.events.append((reason, example, n))
 
     def rank_peaks(self, p: Plan) -> np.ndarray:
         """Peak bytes per rank; they do not depend on where the ranks are placed."""
@@ -904,6 +945,7 @@ class _MemoryFilter:
             est = estimate_memory(self.graph, unplaced, self.cluster, **self.memory_kwargs)
             hit = np.asarray(est.peak_bytes[: p.world_size], dtype=np.int64)
             self.peak_cache[key] = hit
+            self.checked.add(key)
         return hit
 
     def device_peaks(self, p: Plan) -> np.ndarray:
@@ -924,26 +966,75 @@ class _MemoryFilter:
 
 
 def _fitting_candidates(groups: list[_Group], mem: _MemoryFilter, analytic: AnalyticModel,
-                        space_hetero: bool, bar: Progress, total: int) -> list[Candidate]:
+                        space_hetero: bool, bar: Progress, total: int, jobs: int = 1) -> list[Candidate]:
     """Every enumerated plan that fits in memory (on a mixed cluster, after the uneven split).
 
     Sharding can only lower memory: with sequence parallelism, or a higher ZeRO stage up to 2,
     every term of a device's peak is at most what it is without. So once a configuration
     overflows at micro-batch m, the ones it dominates overflow at m too; dominators are checked
-    first and their first failing micro-batch is remembered."""
-    graph, cluster, devices = mem.graph, mem.cluster, mem.devices
-    mixed = hetero.is_mixed(cluster)
-
-    def family(g: _Group) -> tuple:
-        dp, tp, pp, schedule, sp, zero, recompute, layout = g.key
-        return (dp, tp, pp, schedule, recompute, layout)
-
-    groups.sort(key=lambda g: (family(g), not g.key[4], -g.key[5] if g.key[5] <= 2 else 9))
-    kept: list[Candidate] = []
+    first and their first failing micro-batch is remembered. That bound never crosses a family
+    (every option but sequence parallelism, ZeRO and the micro-batch), so with `jobs` > 1 blocks of
+    whole families are checked in worker processes (`plait.workers`) and their candidates and
+    prunes are merged in block order: the same list, tally and examples as one process gives."""
+    groups.sort(key=lambda g: (_memory_family(g), not g.key[4], -g.key[5] if g.key[5] <= 2 else 9))
+    mixed = hetero.is_mixed(mem.cluster) and space_hetero
     bar.start("memory", total)
+    blocks = _family_blocks(groups, 8 * jobs) if jobs > 1 else [groups]
+    if len(blocks) < 2:
+        kept = _fit_block(groups, mem, analytic, mixed, bar.advance)
+        bar.stop()
+        return kept
+
+    def check(block: list[_Group]) -> tuple[list[Candidate], list[tuple[str, str, int]], set[str]]:
+        # in a worker: this block's prunes and estimated plans, reported back to the parent
+        mem.events, seen = [], set(mem.checked)
+        kept = _fit_block(block, mem, analytic, mixed, lambda n: None)
+        return kept, mem.events, mem.checked - seen
+
+    kept: list[Candidate] = []
+
+    def merge(i: int, result: tuple[list[Candidate], list[tuple[str, str, int]], set[str]]) -> None:
+        block_kept, events, checked = result
+        kept.extend(block_kept)
+        for reason, example, n in events:
+            mem.prune(reason, example, n)
+        mem.checked |= checked
+        bar.advance(sum(len(g.plans) for g in blocks[i]))
+
+    map_parallel(check, blocks, jobs, on_each=merge)
+    bar.stop()
+    return kept
+
+
+def _memory_family(g: _Group) -> tuple:
+    """What the memory bound of `_fitting_candidates` compares across: all but sp, ZeRO, micro-batch."""
+    dp, tp, pp, schedule, sp, zero, recompute, layout = g.key
+    return (dp, tp, pp, schedule, recompute, layout)
+
+
+def _family_blocks(groups: list[_Group], n: int) -> list[list[_Group]]:
+    """`groups` (sorted by family) cut into about `n` runs of whole families of about equal plan
+    counts (more blocks than workers: a block's work varies with how early it overflows)."""
+    per = max(1, sum(len(g.plans) for g in groups) // max(1, n))
+    blocks: list[list[_Group]] = []
+    size = 0
+    for i, g in enumerate(groups):
+        if not blocks or (size >= per and _memory_family(g) != _memory_family(groups[i - 1])):
+            blocks.append([])
+            size = 0
+        blocks[-1].append(g)
+        size += len(g.plans)
+    return blocks
+
+
+def _fit_block(groups: list[_Group], mem: _MemoryFilter, analytic: AnalyticModel, mixed: bool,
+               advance: Callable[[int], None]) -> list[Candidate]:
+    """`_fitting_candidates` over `groups` (whole families, sorted), pruning into `mem`."""
+    graph, cluster, devices = mem.graph, mem.cluster, mem.devices
+    kept: list[Candidate] = []
     fails: dict[tuple, tuple[int, str, str]] = {}
     for g in groups:
-        fam, sp, zero = family(g), g.key[4], g.key[5]
+        fam, sp, zero = _memory_family(g), g.key[4], g.key[5]
         bound: tuple[int, str, str] | None = None
         if zero <= 2:
             for sp_x in ((True, False) if not sp else (True,)):
@@ -956,11 +1047,11 @@ def _fitting_candidates(groups: list[_Group], mem: _MemoryFilter, analytic: Anal
             left = len(g.plans) - i  # larger micro-batches need more memory still
             if bound is not None and base.micro_batch >= bound[0]:
                 mem.prune(bound[1], bound[2] + " (implied for less sharded variants)", left)
-                bar.advance(left)
+                advance(left)
                 break
             p = base if g.order == list(range(base.world_size)) else dataclasses.replace(base, device_order=g.order)
             why = None
-            if mixed and space_hetero:
+            if mixed:
                 bal = hetero.balance(graph, p, cluster, layer_time=analytic.layer_time,
                                      peak_bytes=mem.device_peaks, caps=caps, devices=devices,
                                      kind_times=lambda k, q: analytic.layer_times(q, k))
@@ -974,11 +1065,10 @@ def _fitting_candidates(groups: list[_Group], mem: _MemoryFilter, analytic: Anal
             if why is not None:
                 fails[(fam, sp, zero)] = (base.micro_batch, *why)
                 mem.prune(*why, left)
-                bar.advance(left)
+                advance(left)
                 break
             kept.append(Candidate(plan=p, layout=g.layout))
-            bar.advance(1)
-    bar.stop()
+            advance(1)
     return kept
 
 
@@ -996,24 +1086,43 @@ def _runnable(kept: list[Candidate], supports: Callable[[Plan], tuple[bool, str]
 
 
 def _place_and_rank(chosen: list[Candidate], graph: OpGraph, analytic: AnalyticModel, mem: _MemoryFilter,
-                    evaluate: Evaluate | None, gb: int, bar: Progress) -> None:
+                    evaluate: Evaluate | None, gb: int, bar: Progress, jobs: int = 1) -> None:
     """Fill each finalist's memory figures and time it (placed by the ranking, `_rank_analytic`):
-    by `evaluate` when given, else analytically."""
+    by `evaluate` when given (on `jobs` worker processes: each simulation is independent and
+    deterministic), else analytically."""
     bar.start("simulate", len(chosen))
     for c in chosen:
         c.peak_bytes = mem.device_peaks(c.plan).tolist()
         c.headroom_by_kind = memory_headroom(c.peak_bytes, mem.devices, c.plan)
-        if evaluate is not None:
-            sim = evaluate(graph, c.plan)
+    if evaluate is not None:
+        def record(i: int, sim: dict[str, Any]) -> None:
+            c = chosen[i]
             c.sim = sim
             c.iteration_time_s = float(sim["iteration_time_s"])
             c.tflops_per_gpu = sim.get("tflops_per_gpu")
             c.throughput = sim.get("throughput_samples_per_s")
-        else:
+            bar.advance(1)
+
+        map_parallel(lambda p: evaluate(graph, p), [c.plan for c in chosen], jobs, on_each=record)
+    else:
+        for c in chosen:
             c.tflops_per_gpu = analytic.flops_per_sample * gb / c.analytic_s / c.plan.world_size / 1e12
             c.throughput = gb / c.analytic_s
-        bar.advance(1)
+            bar.advance(1)
     bar.stop()
+
+
+# Clusters from this many GPUs up search on every CPU by default: below it a simulation takes
+# tens of milliseconds and forking workers costs more than it saves (bench/plan_search_time.py
+# --nodes N --jobs J measures both sides).
+PARALLEL_MIN_DEVICES = 256
+
+
+def _search_jobs(jobs: int | None, cluster: Cluster) -> int:
+    """Worker processes for a search: `jobs` when given, else every CPU on a large cluster."""
+    if jobs is not None:
+        return resolve_jobs(jobs)
+    return resolve_jobs(None) if cluster.num_devices >= PARALLEL_MIN_DEVICES else 1
 
 
 def _default_order_baseline(best: list[Candidate], groups: list[_Group], graph: OpGraph,

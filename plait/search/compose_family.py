@@ -326,6 +326,11 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
     `candidates` (grouping, micro-batch) options with the least `pipeline_estimate` are
     synthesized and simulated."""
+    t0 = time.perf_counter()
+    n = cluster.num_devices
+    if n > max_devices:  # said before the imports below (a third of a second) are paid
+        raise SearchError(f"compose: {n} devices; the composed family synthesizes stage programs on clusters of "
+                          f"up to {max_devices} GPUs (max_devices)")
     from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.plan.hetero import split_layers
@@ -333,11 +338,6 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     from plait.sim.compose_lower import simulate_compose
     from plait.sim.topology import ClusterView
 
-    t0 = time.perf_counter()
-    n = cluster.num_devices
-    if n > max_devices:
-        raise SearchError(f"compose: {n} devices; the composed family synthesizes stage programs on clusters of "
-                          f"up to {max_devices} GPUs (max_devices)")
     if not isinstance(model, str | None):
         raise SearchError("compose: the family captures a zoo spec or file.py:factory, not a prepared graph")
     groupings = node_groups(cluster, max_stages)

@@ -31,6 +31,7 @@ from plait.plan.threed import (
 )
 from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
+from plait.workers import paused_gc
 
 
 class FamilySearch(Protocol):
@@ -47,9 +48,9 @@ class FamilySearch(Protocol):
 FAMILIES: dict[str, tuple[FamilySearch, frozenset[str]]] = {}
 
 _3D_OPTIONS = frozenset({"finalists", "space", "placement", "seed", "progress", "placement_iterations",
-                         "memory_kwargs", "layer_time", "on_progress", "fast"})
+                         "memory_kwargs", "layer_time", "on_progress", "fast", "jobs"})
 # Options of the driver itself, handed to every family that takes them.
-_DRIVER_OPTIONS = frozenset({"progress", "on_progress"})
+_DRIVER_OPTIONS = frozenset({"progress", "on_progress", "jobs"})
 
 
 def register_family(name: str, search: FamilySearch, options: Sequence[str] = ()) -> None:
@@ -145,35 +146,8 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     if unknown:
         raise SearchError(f"plan: option(s) {unknown} are not taken by the families {names}")
     show, callback = bool(kwargs.pop("progress", False)), kwargs.pop("on_progress", None)
-    results: dict[str, PlanResult | str] = {}
-    errors: list[PlaitError] = []
-    for name in names:
-        search, options = FAMILIES[name]
-        own = {k: v for k, v in kwargs.items() if k in options}
-        if name == "graph" and len(names) > 1 and "3d" in names:
-            own.setdefault("chains", False)
-        phased = "on_progress" in options  # the family reports its phases; the driver draws them
-        bar = _FamilyProgress(name, show, callback, prefix=len(names) > 1)
-        if phased:
-            own["on_progress"] = bar.report
-            if "progress" in options:
-                own["progress"] = False
-        bar.begin(phased)
-        try:
-            res = search(model, cluster_obj, **common, **own)
-        except PlaitError as exc:
-            if len(names) == 1:
-                raise
-            results[name], errors = f"{exc}", [*errors, exc]
-            continue
-        finally:
-            bar.end()
-        for c in res.top:
-            c.family = name
-            if common["supports"] is not None and not c.unsupported:  # marked, whichever family
-                ok, why = common["supports"](c.plan)
-                c.unsupported = "" if ok else why
-        results[name] = res
+    with paused_gc():
+        results = _search_families(names, model, cluster_obj, common, kwargs, show, callback)
     if len(names) == 1:
         return results[names[0]]  # type: ignore[return-value]
     found = [r for r in results.values() if isinstance(r, PlanResult)]
@@ -191,6 +165,40 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
                       ranked_analytic=sum(r.ranked_analytic for r in found),
                       simulated=sum(r.simulated for r in found), search_time_s=time.perf_counter() - t0,
                       ranker=first.ranker, families=results, family="+".join(names))
+
+
+def _search_families(names: list[str], model: Any, cluster_obj: Cluster, common: dict[str, Any],
+                     kwargs: dict[str, Any], show: bool, callback: Any) -> dict[str, PlanResult | str]:
+    """Each family's result, or why it proposed nothing (raised when it is the only family)."""
+    results: dict[str, PlanResult | str] = {}
+    for name in names:
+        search, options = FAMILIES[name]
+        own = {k: v for k, v in kwargs.items() if k in options}
+        if name == "graph" and len(names) > 1 and "3d" in names:
+            own.setdefault("chains", False)
+        phased = "on_progress" in options  # the family reports its phases; the driver draws them
+        bar = _FamilyProgress(name, show, callback, prefix=len(names) > 1)
+        if phased:
+            own["on_progress"] = bar.report
+            if "progress" in options:
+                own["progress"] = False
+        bar.begin(phased)
+        try:
+            res = search(model, cluster_obj, **common, **own)
+        except PlaitError as exc:
+            if len(names) == 1:
+                raise
+            results[name] = f"{exc}"
+            continue
+        finally:
+            bar.end()
+        for c in res.top:
+            c.family = name
+            if common["supports"] is not None and not c.unsupported:  # marked, whichever family
+                ok, why = common["supports"](c.plan)
+                c.unsupported = "" if ok else why
+        results[name] = res
+    return results
 
 
 class _FamilyProgress:
