@@ -48,6 +48,7 @@ from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
 from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
+from plait.workers import map_parallel
 
 _CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
 
@@ -214,25 +215,30 @@ def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_bat
 
 
 def _group_layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int,
-                       dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """(summed-rate times, slowest GPU's host times), each [stage, layer]: `layer_times`' two parts."""
+                       dtype: str, costs: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(summed-rate times, slowest GPU's host times), each [stage, layer]: `layer_times`' two parts.
+    `costs` keeps each (layer, kind, micro-batch, dtype)'s cost for the next grouping (a search
+    prices hundreds of groupings of the same few kinds)."""
     from plait.cost.compute import layer_cost
 
     shared = np.zeros((len(groups), len(graph.layers)))
     host = np.zeros_like(shared)
-    cache: dict[tuple[int, str], tuple[float, float]] = {}
+    cache: dict[tuple, tuple[float, float]] = {} if costs is None else costs
+    kinds = [d.kind for d in cluster.devices]
     for i, layer in enumerate(graph.layers):
         for p, ids in enumerate(groups):
             rate = 0.0
             for d in ids:
-                kind = cluster.devices[d].kind
-                key = (i, kind.name)
-                if key not in cache:
+                kind = kinds[d]
+                key = (i, kind.name, micro_batch, dtype)
+                hit = cache.get(key)
+                if hit is None:
                     c = layer_cost(layer, graph, micro_batch, kind, dtype)
-                    cache[key] = (c.fwd.compute_s + c.bwd.compute_s, c.fwd.host_s + c.bwd.host_s)
-                whole, launch = cache[key]
+                    hit = cache[key] = (c.fwd.compute_s + c.bwd.compute_s, c.fwd.host_s + c.bwd.host_s)
+                whole, launch = hit
                 rate += 1.0 / max(whole, 1e-12)
-                host[p, i] = max(host[p, i], launch)
+                if launch > host[p, i]:
+                    host[p, i] = launch
             shared[p, i] = 1.0 / rate
     return shared, host
 
@@ -322,10 +328,10 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
                    evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                    compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
                    max_devices: int = 64, max_stages: int = 4, candidates: int = 6,
-                   runnable: bool = False) -> PlanResult:
+                   runnable: bool = False, jobs: int | None = None) -> PlanResult:
     """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
     `candidates` (grouping, micro-batch) options with the least `pipeline_estimate` are
-    synthesized and simulated."""
+    synthesized and simulated, on `jobs` worker processes (None: this machine's CPUs)."""
     t0 = time.perf_counter()
     n = cluster.num_devices
     if n > max_devices:  # said before the imports below (a third of a second) are paid
@@ -357,10 +363,11 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     enumerated = 0
     view = ClusterView.from_cluster(cluster)
     options = []  # (estimate, index, groups, micro-batch, split): `pipeline_estimate` ranks them
+    costs: dict = {}
     for groups in groupings:
         for b in micro_batches_to_try(gb, len(groups)):
             enumerated += 1
-            times, host = _group_layer_times(opgraph, groups, cluster, b, dtype)  # `layer_times`, both ways
+            times, host = _group_layer_times(opgraph, groups, cluster, b, dtype, costs)  # `layer_times`, both ways
             split = split_layers(times)
             if split is None:
                 reasons["fewer layers than stages"] = reasons.get("fewer layers than stages", 0) + 1
@@ -371,24 +378,35 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     chosen = options[:candidates]
     if len(options) > len(chosen):
         reasons[f"not among the {candidates} best by the pipeline estimate"] = len(options) - len(chosen)
-    cache: dict = {}
-    for _, _, groups, b, split in chosen:
+    for *_, b, _split in chosen:  # torch.export runs here, before any worker is forked
         key = (spec.spec, b, dtype)
         if key not in _CAPTURES:  # in the compute dtype: messages and gradients in the plan's dtype
             inputs, _ = spec.sample_batch(b, dtype=torch_dtype)
             _CAPTURES[key] = capture_aten(spec.build(device="meta", dtype=torch_dtype), inputs, name=spec.name)
         captures[b] = _CAPTURES[key]
+    cache: dict = {}  # stage programs by (devices, layers, micro-batch): a memo, per process
+
+    def synthesize(option: tuple) -> ComposedCandidate | str:
+        _, _, groups, b, split = option
         try:
-            found.append(synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype,
-                                           max_states, cache))
-        except PlaitError as exc:
-            key = "a stage does not fit" if "does not fit" in str(exc) else str(exc).split(":")[0]
+            return synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype, max_states,
+                                     cache)
+        except PlaitError as exc:  # as text: the reason is tallied in the parent, in option order
+            return str(exc)
+
+    # each option's stage programs, and then each variant's simulation, on `jobs` worker processes
+    # (`plait.workers`: the same results, in the same order, as one process gives)
+    for out in map_parallel(synthesize, chosen, jobs):
+        if isinstance(out, str):
+            key = "a stage does not fit" if "does not fit" in out else out.split(":")[0]
             reasons[key] = reasons.get(key, 0) + 1
+        else:
+            found.append(out)
     if not found:
         raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
     found = [v for c in found for v in schedule_variants(c, cluster, reasons)]
-    cands = [_candidate(c, cluster, evaluate is not None, supports, spec.spec, opgraph, simulate_compose)
-             for c in found]
+    cands = map_parallel(lambda c: _candidate(c, cluster, evaluate is not None, supports, spec.spec, opgraph,
+                                              simulate_compose), found, jobs)
     cands.sort(key=lambda c: c.time_s)
     return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=cands[:top],
                       enumerated=enumerated, pruned=sum(reasons.values()), pruned_reasons=reasons,

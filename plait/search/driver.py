@@ -89,7 +89,7 @@ register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "run
 # SPMD programs inside the stages of a pipeline (plait.search.compose_family), run by
 # plait.runtime.compose_worker; a candidate the runtime refuses carries its reason (`Candidate.unsupported`)
 register_family("compose", search_compose, ("dtype", "max_states", "max_devices", "max_stages", "candidates",
-                                             "runnable"))
+                                             "runnable", "jobs"))
 
 
 def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
