@@ -33,7 +33,7 @@ import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -752,13 +752,10 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
             placer.close()
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
-    _place_and_rank(chosen, graph, analytic, mem, evaluate, gb, bar, jobs)
-    # Near-ties go to the plan with fewer moving parts: each ZeRO stage or recompute level must
-    # buy 0.2 % to be preferred (a tiny model's ZeRO-3 "wins" by 0.07 % of optimizer time, far
-    # inside the simulator's error, at the price of a harder run).
-    chosen.sort(key=lambda c: (c.time_s * (1 + TIE_PENALTY * _complexity(c.plan)), str(c.plan)))
+    ahead = _place_and_rank(chosen, graph, analytic, mem, evaluate, gb, bar, jobs, groups)
+    chosen.sort(key=_final_order)
     best = chosen[:top]
-    _default_order_baseline(best, groups, graph, evaluate, mem)
+    _default_order_baseline(best, groups, graph, evaluate, mem, ahead)
 
     return PlanResult(model=getattr(spec, "spec", None) or graph.model, cluster=cluster_obj.name,
                       global_batch=gb, world_size=cluster_obj.num_devices, top=best, enumerated=total,
@@ -1086,30 +1083,63 @@ def _runnable(kept: list[Candidate], supports: Callable[[Plan], tuple[bool, str]
 
 
 def _place_and_rank(chosen: list[Candidate], graph: OpGraph, analytic: AnalyticModel, mem: _MemoryFilter,
-                    evaluate: Evaluate | None, gb: int, bar: Progress, jobs: int = 1) -> None:
+                    evaluate: Evaluate | None, gb: int, bar: Progress, jobs: int = 1,
+                    groups: list[_Group] | None = None) -> dict[str, dict[str, Any]]:
     """Fill each finalist's memory figures and time it (placed by the ranking, `_rank_analytic`):
-    by `evaluate` when given (on `jobs` worker processes: each simulation is independent and
-    deterministic), else analytically."""
+    by `evaluate` when given, else analytically. With `jobs` > 1 the simulations run on worker
+    processes (each is independent and deterministic: the same times), and once a worker would
+    idle -- every finalist started -- it simulates the best finished finalist's start order
+    (`_start_order_plan`), which `_default_order_baseline` needs for the best plan: on 175B /
+    1024 GPUs the pick is a long simulation and finishes early. Returns those speculative
+    simulations by plan text."""
     bar.start("simulate", len(chosen))
     for c in chosen:
         c.peak_bytes = mem.device_peaks(c.plan).tolist()
         c.headroom_by_kind = memory_headroom(c.peak_bytes, mem.devices, c.plan)
-    if evaluate is not None:
-        def record(i: int, sim: dict[str, Any]) -> None:
-            c = chosen[i]
-            c.sim = sim
-            c.iteration_time_s = float(sim["iteration_time_s"])
-            c.tflops_per_gpu = sim.get("tflops_per_gpu")
-            c.throughput = sim.get("throughput_samples_per_s")
-            bar.advance(1)
-
-        map_parallel(lambda p: evaluate(graph, p), [c.plan for c in chosen], jobs, on_each=record)
-    else:
+    ahead: dict[str, dict[str, Any]] = {}
+    if evaluate is None:
         for c in chosen:
             c.tflops_per_gpu = analytic.flops_per_sample * gb / c.analytic_s / c.plan.world_size / 1e12
             c.throughput = gb / c.analytic_s
             bar.advance(1)
+        bar.stop()
+        return ahead
+
+    def record(i: int, sim: dict[str, Any]) -> None:
+        c = chosen[i]
+        c.sim = sim
+        c.iteration_time_s = float(sim["iteration_time_s"])
+        c.tflops_per_gpu = sim.get("tflops_per_gpu")
+        c.throughput = sim.get("throughput_samples_per_s")
+        bar.advance(1)
+
+    with Workers(lambda p: evaluate(graph, p), min(jobs, len(chosen) + 1)) as pool:
+        futures = {pool.submit(c.plan): i for i, c in enumerate(chosen)}
+        spare: tuple[Plan, Future] | None = None
+        while futures:
+            done, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for f in done:
+                record(futures.pop(f), f.result())
+            if spare is None and pool.parallel and groups is not None and len(futures) < pool.jobs:
+                finished = [c for c in chosen if c.iteration_time_s is not None]
+                base = _start_order_plan(min(finished, key=_final_order), groups)
+                if base is not None:
+                    spare = (base, pool.submit(base))
+        if spare is not None:
+            best = min(chosen, key=_final_order)
+            if str(_start_order_plan(best, groups)) == str(spare[0]):  # type: ignore[arg-type]
+                ahead[str(spare[0])] = spare[1].result()
+            else:
+                pool.close(wait=False)  # not the pick's: leave it
     bar.stop()
+    return ahead
+
+
+def _final_order(c: Candidate) -> tuple[float, str]:
+    """The key the finalists are ranked by: near-ties go to the plan with fewer moving parts (each
+    ZeRO stage or recompute level must buy 0.2 % to be preferred: a tiny model's ZeRO-3 "wins" by
+    0.07 % of optimizer time, far inside the simulator's error, at the price of a harder run)."""
+    return (c.time_s * (1 + TIE_PENALTY * _complexity(c.plan)), str(c.plan))
 
 
 # Clusters from this many GPUs up search on every CPU by default: below it a simulation takes
@@ -1126,18 +1156,19 @@ def _search_jobs(jobs: int | None, cluster: Cluster) -> int:
 
 
 def _default_order_baseline(best: list[Candidate], groups: list[_Group], graph: OpGraph,
-                            evaluate: Evaluate | None, mem: _MemoryFilter) -> None:
+                            evaluate: Evaluate | None, mem: _MemoryFilter,
+                            ahead: dict[str, dict[str, Any]] | None = None) -> None:
     """The best plan's time on its layout's start order (Megatron's default order on one kind),
     so the gain of placement is measured, not assumed. The annealing minimises a path model of
     communication, not the simulated time; where the start order simulates faster (and fits), the
-    start order is kept and the annealed order's time is recorded (`placed_time_s`)."""
+    start order is kept and the annealed order's time is recorded (`placed_time_s`). `ahead`: start
+    orders already simulated (by plan text, `_place_and_rank`)."""
     if not best:
         return
     c = best[0]
-    if evaluate is not None and c.placement is not None and c.plan.device_order is not None:
-        start = _start_order(groups, c)
-        base = dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
-        sim = evaluate(graph, base)
+    base = _start_order_plan(c, groups)
+    if evaluate is not None and base is not None:
+        sim = (ahead or {}).get(str(base)) or evaluate(graph, base)
         c.default_order_time_s = float(sim["iteration_time_s"])
         peaks = mem.device_peaks(base)
         if c.default_order_time_s < c.time_s and mem.oom_reason(base, peaks) is None:
@@ -1149,6 +1180,14 @@ def _default_order_baseline(best: list[Candidate], groups: list[_Group], graph: 
             c.headroom_by_kind = memory_headroom(c.peak_bytes, mem.devices, c.plan)
     else:
         c.default_order_time_s = c.iteration_time_s
+
+
+def _start_order_plan(c: Candidate, groups: list[_Group]) -> Plan | None:
+    """`c`'s plan on its layout's start order, or None when placement kept that order."""
+    if c.placement is None or c.plan.device_order is None:
+        return None
+    start = _start_order(groups, c)
+    return dataclasses.replace(c.plan, device_order=None if start == list(range(c.plan.world_size)) else start)
 
 
 TIE_PENALTY = 0.002
