@@ -25,12 +25,10 @@ enumeration of the tests and the ratio LP all count the same costs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +46,7 @@ from plait.spmd.placement import (
     shard_dim,
 )
 from plait.spmd.rules import Strategy, strategies
+from plait.workers import paused_gc
 
 # live tensor: (placement it was made in, frozenset of (placement provided, reader computes a shard))
 Live = tuple[str, frozenset[tuple[str, bool]]]
@@ -299,25 +298,13 @@ def _key(k: int, live: dict[str, Live]) -> tuple:
     return k, tuple(sorted(live.items()))
 
 
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused: a search allocates hundreds of thousands of states
-    (dicts, tuples, frozensets -- no reference cycles), and every few hundred allocations the
-    collector would walk them, with the captured graph and torch, again (a third of the exact
-    search's time on BERT-MoE)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def search(problem: Problem, ratios: Sequence[float], *, heuristic: bool = True,
            max_states: int = 2_000_000) -> Program:
     """The cheapest program at these `ratios`: A* (`heuristic`) or uniform-cost search."""
-    with _no_gc():
+    # the collector paused (`paused_gc`): a search allocates hundreds of thousands of states (dicts,
+    # tuples, frozensets -- no reference cycles) that its passes would walk again and again (a third
+    # of the exact search's time on BERT-MoE)
+    with paused_gc():
         return _astar(problem, ratios, heuristic, max_states)
 
 
@@ -362,7 +349,8 @@ def beam_search(problem: Problem, ratios: Sequence[float], width: int = 64) -> P
     """A program found by keeping, after each op, the `width` states of least ``g + h``: not
     optimal in general (`Program.optimal` is False), but linear in the graph's size, for graphs
     whose exact search exceeds its state budget."""
-    with _no_gc():
+    # the collector paused, as in `search`
+    with paused_gc():
         return _beam(problem, ratios, width)
 
 
