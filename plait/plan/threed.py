@@ -795,7 +795,9 @@ def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: in
     bounds = [analytic.lower_bound(p) for p in parts]
     ranked = sorted(range(len(kept)), key=bounds.__getitem__)
     if place is not None:
-        place.first_of_shapes(kept[i] for i in ranked)
+        pos = {id(c): i for i, c in enumerate(kept)}
+        place.first_of_shapes((kept[i] for i in ranked),
+                              lambda c: analytic.bound_with_comm(c.plan, parts[pos[id(c)]]))
     best: list[float] = []  # max-heap (negated) of the `finalists` smallest times so far
     timed = 0
     order = ranked if finalists is None else _BoundOrder(kept, analytic, parts, bounds, ranked, place)
@@ -867,16 +869,25 @@ class _Placer:
         self.pool: Workers | None = None
         self.ahead: dict[tuple, Future] = {}
 
-    def first_of_shapes(self, ordered: Iterator[Candidate]) -> None:
-        """Remember each shape's first candidate plan of `ordered` (lower-bound order); with
-        `jobs` > 1, start annealing the first few shapes in worker processes: the ranking asks
-        for them in about that order (on 175B / 1024 GPUs, 7 of the first 9), and takes a
-        placement from a worker when it gets there (`_SPECULATE` shapes ahead)."""
+    def first_of_shapes(self, ordered: Iterator[Candidate],
+                        full_bound: Callable[[Candidate], float] | None = None) -> None:
+        """Remember each shape's first candidate plan of `ordered` (lower-bound order). With
+        `jobs` > 1, start annealing shapes in worker processes, `_SPECULATE` per worker, for the
+        ranking to take when it asks for them: of the first 2 x that many shapes, those whose
+        first candidate has the least `full_bound` (the bound the ranking walks in; on 175B /
+        1024 GPUs it asks for 7 shapes, all among the first 9, but not for the first two, whose
+        communication rules them out)."""
+        reps: dict[tuple, Candidate] = {}
         for c in ordered:
-            self.first.setdefault((c.plan.dp, c.plan.tp, c.plan.pp, c.layout), c.plan)
+            key = (c.plan.dp, c.plan.tp, c.plan.pp, c.layout)
+            if key not in self.first:
+                self.first[key], reps[key] = c.plan, c
         if self.jobs > 1 and len(self.first) > 1:
+            keys = list(self.first)[: 2 * _SPECULATE * self.jobs]
+            if full_bound is not None:
+                keys.sort(key=lambda k: full_bound(reps[k]))
             self.pool = Workers(self._anneal, self.jobs)
-            self.ahead = {key: self.pool.submit(key) for key in list(self.first)[:_SPECULATE * self.jobs]}
+            self.ahead = {key: self.pool.submit(key) for key in keys[: _SPECULATE * self.jobs]}
 
     def _anneal(self, key: tuple) -> PlacementResult:
         rep = self.first[key]

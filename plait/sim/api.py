@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,65 +201,102 @@ def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterV
 _COMPUTE = ("forward", "backward", "recompute", "optimizer")
 
 
-def busy_and_breakdown(tg: Any, sched: Any) -> tuple[dict[str, float], dict[str, float]]:
+@dataclass
+class _TaskArrays:
+    """A simulated task graph's columns as arrays, built once for the figures of its result."""
+
+    start: np.ndarray
+    end: np.ndarray
+    device: np.ndarray  # -1: no device
+    category: np.ndarray  # codes into category_names
+    category_names: list[str]
+    resource: np.ndarray  # codes into resource_names
+    resource_names: list[str]
+
+    @classmethod
+    def of(cls, tg: Any, sched: Any) -> _TaskArrays:
+        cats, cat_names = _codes(tg.category)
+        res, res_names = _codes(tg.resource)
+        device = np.nan_to_num(np.asarray(tg.device, dtype=float), nan=-1.0).astype(np.int64)  # None: -1
+        return cls(np.asarray(sched.start, dtype=float), np.asarray(sched.end, dtype=float), device, cats,
+                   cat_names, res, res_names)
+
+
+def busy_and_breakdown(tg: Any, sched: Any, arrays: _TaskArrays | None = None) -> tuple[dict[str, float],
+                                                                                      dict[str, float]]:
     """(busy fraction of each compute stream over the makespan, seconds of task time per category)
     of a simulated task graph: the figures every `SimResult` reports."""
     T = sched.makespan
-    spans: dict[str, list[tuple[float, float]]] = {}
-    by_cat: dict[str, float] = {}
-    for res, cat, a, b in zip(tg.resource, tg.category, sched.start, sched.end):
-        if res.endswith("/compute"):
-            spans.setdefault(res, []).append((a, b))
-        by_cat[cat] = by_cat.get(cat, 0.0) + b - a
-    busy = {r: sum(b - a for a, b in _union(v)) / T if T > 0 else 0.0 for r, v in sorted(spans.items())}
-    return busy, by_cat
+    x = arrays or _TaskArrays.of(tg, sched)
+    per_cat = np.bincount(x.category, weights=x.end - x.start, minlength=len(x.category_names))
+    by_cat = {name: float(v) for name, v in zip(x.category_names, per_cat)}
+    compute = np.asarray([name.endswith("/compute") for name in x.resource_names], dtype=bool)
+    busy: dict[str, float] = {}
+    for k, a, b in _grouped(x.resource, compute[x.resource], x.start, x.end):
+        busy[x.resource_names[k]] = float(np.sum(b - a)) / T if T > 0 else 0.0
+    return dict(sorted(busy.items())), by_cat
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
+def _codes(labels: list) -> tuple[np.ndarray, list]:
+    """(an integer code per label, the distinct labels in order of first appearance)."""
+    names = list(dict.fromkeys(labels))
+    index = {x: i for i, x in enumerate(names)}
+    return np.fromiter(map(index.__getitem__, labels), dtype=np.int64, count=len(labels)), names
 
 
-def _exposed_comm(tg: Any, sched: Schedule, folded: dict[int, float]) -> float:
+def _grouped(group: np.ndarray, keep: np.ndarray, start: np.ndarray,
+             end: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Per group (ascending) of the kept tasks: the union of their [start, end) intervals as
+    (group, starts, ends) of disjoint, sorted intervals. Empty intervals are dropped; intervals
+    that touch or overlap merge (a sweep: sorted by start, a new interval begins where the start
+    passes every earlier end)."""
+    sel = np.flatnonzero(keep & (end > start))
+    if len(sel) == 0:
+        return
+    order = sel[np.lexsort((end[sel], start[sel], group[sel]))]
+    g, a, b = group[order], start[order], end[order]
+    cuts = np.flatnonzero(g[1:] != g[:-1]) + 1
+    for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(g)]])):
+        ga, gb = a[lo:hi], np.maximum.accumulate(b[lo:hi])
+        first = np.ones(len(ga), dtype=bool)
+        first[1:] = ga[1:] > gb[:-1]
+        heads = np.flatnonzero(first)
+        yield int(g[lo]), ga[heads], gb[np.append(heads[1:] - 1, len(ga) - 1)]
+
+
+def _exposed_comm(tg: Any, sched: Schedule, folded: dict[int, float], arrays: _TaskArrays | None = None) -> float:
     """Communication not overlapped by computation, on the device where it is largest.
 
     Per device: the time some communication of the device is in flight while its compute
     stream runs nothing (|union(comm) - union(compute)|), plus the tensor-parallel
     collectives folded into compute tasks, which block the stream (Megatron runs them on it)."""
-    comp: dict[int, list[tuple[float, float]]] = {}
-    comm: dict[int, list[tuple[float, float]]] = {}
-    blocked: dict[int, float] = {}
-    for i, (dev, cat, a, b) in enumerate(zip(tg.device, tg.category, sched.start, sched.end)):
-        if dev is None:
-            continue
-        if cat in _COMPUTE:
-            comp.setdefault(dev, []).append((a, b))
-            if i in folded:
-                blocked[dev] = blocked.get(dev, 0.0) + folded[i]
-        elif cat.startswith("comm"):
-            comm.setdefault(dev, []).append((a, b))
-    worst = 0.0
-    for dev in set(comp) | set(comm) | set(blocked):
-        busy = _union(comp.get(dev, []))
-        total, j = 0.0, 0
-        for a, b in _union(comm.get(dev, [])):
-            length = b - a
-            while j < len(busy) and busy[j][1] <= a:
-                j += 1
-            k = j
-            while k < len(busy) and busy[k][0] < b:
-                length -= min(b, busy[k][1]) - max(a, busy[k][0])
-                k += 1
-            total += max(0.0, length)
-        worst = max(worst, total + blocked.get(dev, 0.0))
-    return worst
+    x = arrays or _TaskArrays.of(tg, sched)
+    dev, names = x.device, x.category_names
+    on_device = dev >= 0
+    is_comp = np.asarray([c in _COMPUTE for c in names], dtype=bool)[x.category] & on_device
+    is_comm = np.asarray([c.startswith("comm") for c in names], dtype=bool)[x.category] & on_device
+    totals = np.zeros(int(dev.max()) + 1 if len(dev) else 0)
+    if folded:  # folded tensor-parallel time of compute tasks, per device
+        ids = np.fromiter(folded, dtype=np.int64, count=len(folded))
+        seconds = np.fromiter(folded.values(), dtype=float, count=len(folded))
+        keep = is_comp[ids]
+        totals += np.bincount(dev[ids[keep]], weights=seconds[keep], minlength=len(totals))
+    busy = {d: (a, b, np.concatenate([[0.0], np.cumsum(b - a)]))
+            for d, a, b in _grouped(dev, is_comp, x.start, x.end)}
+    for d, ma, mb in _grouped(dev, is_comm, x.start, x.end):
+        exposed = mb - ma
+        if d in busy:  # minus each comm interval's overlap with the compute union
+            exposed = exposed - (_covered(busy[d], mb) - _covered(busy[d], ma))
+        totals[d] += float(np.sum(np.maximum(exposed, 0.0)))
+    return float(totals.max()) if len(totals) else 0.0
+
+
+def _covered(union: tuple[np.ndarray, np.ndarray, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """How much of [0, x) the disjoint sorted intervals (starts, ends, cumulative lengths) cover."""
+    starts, ends, cum = union
+    k = np.searchsorted(starts, x, side="right")  # intervals starting before x
+    inside = np.where(k > 0, np.minimum(x, ends[np.maximum(k - 1, 0)]) - starts[np.maximum(k - 1, 0)], 0.0)
+    return cum[np.maximum(k - 1, 0)] * (k > 0) + np.maximum(inside, 0.0)
 
 
 def iteration_flops(graph: OpGraph, plan: Plan) -> tuple[float, float]:
@@ -291,8 +329,9 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
     path = sched.critical_path()
     critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
                  "start_s": sched.start[t], "end_s": sched.end[t]} for t in path]
-    exposed = _exposed_comm(tg, sched, lowered.tp_comm_s)
-    busy, by_cat = busy_and_breakdown(tg, sched)
+    arrays = _TaskArrays.of(tg, sched)
+    exposed = _exposed_comm(tg, sched, lowered.tp_comm_s, arrays)
+    busy, by_cat = busy_and_breakdown(tg, sched, arrays)
     model_flops, hardware_flops = iteration_flops(graph, plan)
     world = lowered.world_size
     return SimResult(
