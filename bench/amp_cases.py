@@ -127,14 +127,11 @@ def score_case(name: str, trials: list[dict[str, Any]], search: bool = True) -> 
 
 def _search(cluster: str, rows: list[dict[str, Any]], best: float) -> dict[str, Any]:
     from plait.search import plan
+    from plait.workers import cpu_seconds  # the search's worker processes included
 
-    def cpu_now() -> float:  # this process and its reaped children: the search's worker processes
-        t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
-
-    c0 = cpu_now()
+    c0 = cpu_seconds()
     res = plan(MODEL, cluster, global_batch=GLOBAL_BATCH, top=5, progress=False)
-    cpu = cpu_now() - c0
+    cpu = cpu_seconds() - c0
     p = res.best.plan
     same = [r for r in rows if r["measured_s"] is not None and (r["dp"], r["tp"], r["pp"], r["micro_batch"])
             == (p.dp, p.tp, p.pp, p.micro_batch)]

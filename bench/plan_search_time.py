@@ -45,11 +45,6 @@ from rich.table import Table  # noqa: E402
 TARGET_S = 10.0
 
 
-def _cpu() -> float:
-    t = os.times()  # this process and its reaped children (the search's workers)
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def measure(*args: Any, **kwargs: Any) -> dict[str, Any]:
     """`_measure` in a forked child process: each search starts as `plait plan` does, with the
     model graph loaded (`load_graph` is cached before the fork) and every other cache cold -- a
@@ -89,6 +84,7 @@ def _measure(model: str, cluster: Any, global_batch: int, finalists: int, top: i
     search's wall and CPU seconds (its worker processes included)."""
     import plait.workers
     from plait.search import plan
+    from plait.workers import cpu_seconds
 
     plait.workers.PAUSE_GC = fast  # the baseline runs as the search did: the collector on
     first: dict[str, float] = {}
@@ -99,10 +95,10 @@ def _measure(model: str, cluster: Any, global_batch: int, finalists: int, top: i
         first.setdefault(phase, now)
         last[phase] = now
 
-    c0, w0 = _cpu(), time.perf_counter()
+    c0, w0 = cpu_seconds(), time.perf_counter()
     res = plan(model, cluster, global_batch=global_batch, top=top, finalists=finalists, families=families,
                on_progress=on_progress, fast=fast, jobs=jobs)
-    cpu, wall = _cpu() - c0, time.perf_counter() - w0
+    cpu, wall = cpu_seconds() - c0, time.perf_counter() - w0
     # a phase runs from its first report (its start) to the next phase's first report
     starts = sorted(first.items(), key=lambda kv: kv[1])
     times: dict[str, float] = {}

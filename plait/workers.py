@@ -83,6 +83,13 @@ def resolve_jobs(jobs: int | None) -> int:
     return default_jobs() if jobs is None else check_jobs(jobs)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (a search's workers are
+    joined before it returns): what a search costs, wherever it ran."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _run(key: int, item: Any) -> Any:
     return _FUNCTIONS[key](item)
 

@@ -222,6 +222,18 @@ class _TaskArrays:
                    cat_names, res, res_names)
 
 
+def schedule_figures(tg: Any, sched: Any, folded: dict[int, float]) -> tuple[
+        dict[str, float], dict[str, float], float, list[dict[str, Any]]]:
+    """What every `SimResult` reports from a schedule, the task columns read once: (busy fraction
+    per compute stream, task seconds per category, exposed communication -- `folded`: the
+    tensor-parallel seconds folded into compute tasks, by task id -- and the critical path)."""
+    arrays = _TaskArrays.of(tg, sched)
+    busy, by_cat = busy_and_breakdown(tg, sched, arrays)
+    critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
+                 "start_s": sched.start[t], "end_s": sched.end[t]} for t in sched.critical_path()]
+    return busy, by_cat, _exposed_comm(tg, sched, folded, arrays), critical
+
+
 def busy_and_breakdown(tg: Any, sched: Any, arrays: _TaskArrays | None = None) -> tuple[dict[str, float],
                                                                                       dict[str, float]]:
     """(busy fraction of each compute stream over the makespan, seconds of task time per category)
@@ -326,12 +338,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
                         meta={"plan": str(plan), "model": graph.model, "cluster": view.name,
                               "symmetry": lowered.symmetry_note, "granularity": lowered.granularity})
 
-    path = sched.critical_path()
-    critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
-                 "start_s": sched.start[t], "end_s": sched.end[t]} for t in path]
-    arrays = _TaskArrays.of(tg, sched)
-    exposed = _exposed_comm(tg, sched, lowered.tp_comm_s, arrays)
-    busy, by_cat = busy_and_breakdown(tg, sched, arrays)
+    busy, by_cat, exposed, critical = schedule_figures(tg, sched, lowered.tp_comm_s)
     model_flops, hardware_flops = iteration_flops(graph, plan)
     world = lowered.world_size
     return SimResult(
@@ -405,9 +412,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
         return Timeline(events=events, source="simulated", meta={"plan": name, "model": graph.model,
                                                                  "cluster": view.name, "granularity": "op"})
 
-    critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
-                 "start_s": sched.start[t], "end_s": sched.end[t]} for t in sched.critical_path()]
-    busy, by_cat = busy_and_breakdown(tg, sched)
+    busy, by_cat, exposed, critical = schedule_figures(tg, sched, {})
     n = devices.n
     flops = 3.0 * sum(op.flops for op in graph.ops)  # forward + backward (~2x forward)
     memory = np.asarray(synthesis.memory, dtype=float) if synthesis.memory is not None else None
@@ -418,7 +423,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
         throughput_samples_per_s=(batch / T) if batch and T > 0 else 0.0,
         tflops_per_gpu=flops / T / n / 1e12 if T > 0 and n else 0.0,
         hardware_tflops_per_gpu=flops / T / n / 1e12 if T > 0 and n else 0.0,
-        exposed_comm_s=_exposed_comm(tg, sched, {}),
+        exposed_comm_s=exposed,
         memory_peak_bytes=[int(x) for x in memory] if memory is not None and memory.size == n else None,
         fits_memory=fits,
         critical_path=critical,

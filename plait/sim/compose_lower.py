@@ -478,7 +478,7 @@ def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
     import time
 
     from plait.cost.compute import DEFAULT_MODEL
-    from plait.sim.api import SimResult, _exposed_comm, busy_and_breakdown, resolve_cluster
+    from plait.sim.api import SimResult, resolve_cluster, schedule_figures
     from plait.sim.engine import simulate as run_engine
 
     view = resolve_cluster(cluster)
@@ -488,20 +488,18 @@ def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
     tg = low.graph
     sched = run_engine(tg)
     T = sched.makespan
-    busy, by_cat = busy_and_breakdown(tg, sched)
+    busy, by_cat, exposed, critical = schedule_figures(tg, sched, {})
     world = sum(len(p.ids) for p in stages)
     batch = micro_batches * micro_batch
     fits = None
     if memory is not None and view.cluster is not None:
         fits = all(memory[d.id] <= d.kind.memory_bytes for d in view.cluster.devices)
-    critical = [{"name": tg.name[t], "category": tg.category[t], "resource": tg.resource[t],
-                 "start_s": sched.start[t], "end_s": sched.end[t]} for t in sched.critical_path()]
     classes = sum(len(r) for r in low.reps)
     return SimResult(
         iteration_time_s=T, throughput_samples_per_s=batch / T if T > 0 else 0.0,
         tflops_per_gpu=flops / T / world / 1e12 if T > 0 else 0.0,
         hardware_tflops_per_gpu=flops / T / world / 1e12 if T > 0 else 0.0,
-        exposed_comm_s=_exposed_comm(tg, sched, {}),
+        exposed_comm_s=exposed,
         memory_peak_bytes=list(memory) if memory is not None else None, fits_memory=fits,
         critical_path=critical, busy_fraction=busy, world_size=world, num_tasks=len(tg),
         symmetry=(f"one rank simulated per class of equal kind and ratios in each stage: {classes} of {world}"
