@@ -709,6 +709,17 @@ class _Lowerer:
             prev = [self._zero3_collective(w, "all_gather", zero3.root, "root", None, [], ("z3root-ag", w.stage))]
         mine: dict[tuple[int, int], tuple] = {}  # this worker's chunk costs and their passes
         tg, label, dev = self.tg, self._label(w, "compute"), w.devices[0]
+
+        def whole_pass(items: list, op: str, category: str, c: int, i: int, deps: list[int]) -> int:
+            """`_emit_items` of a whole pass as one task (forward, recompute), without its per-layer
+            machinery: its tensor-parallel seconds kept apart for the exposed communication."""
+            total, comm = self._pass_total(items)
+            tid = tg.add(self._key(op, w, c, i), category, label, total, deps, device=dev, stage=w.stage,
+                         micro_batch=i, args={"tp_comm_s": comm} if comm else None, chunk=self.local_chunk[c])
+            if comm:
+                self.tp_comm[tid] = comm
+            return tid
+
         for idx, (k, c, i) in enumerate(program):
             mb_size = w.units[i][1]
             hit = mine.get((c, mb_size))
@@ -722,25 +733,15 @@ class _Lowerer:
             if zero3 is not None:
                 first, last = self._emit_zero3_item(w, zero3, k, c, i, costs, prev,
                                                     self.layer_bwd_end[w.wid] if idx == last_b_item.get(c) else None)
-            elif k == "F" and not per_layer:  # `_emit_items` of a whole pass, inlined (the commonest task)
-                total, comm = self._pass_total(fwd_items)
-                first = last = tg.add(self._key("fwd", w, c, i), "forward", label, total, deps, device=dev,
-                                      stage=w.stage, micro_batch=i, args={"tp_comm_s": comm} if comm else None,
-                                      chunk=self.local_chunk[c])
-                if comm:
-                    self.tp_comm[last] = comm
+            elif k == "F" and not per_layer:  # the commonest task
+                first = last = whole_pass(fwd_items, "fwd", "forward", c, i, deps)
             elif k == "F":
                 first, last = self._emit_items(w, fwd_items, self._key("fwd", w, c, i),
                                                "forward", i, deps, per_layer, chunk=self.local_chunk[c])
             else:
                 first = -1
-                if rec_items is not None and not per_layer:  # a whole pass, inlined as the forward's
-                    total, comm = self._pass_total(rec_items)
-                    first = rlast = tg.add(self._key("recompute", w, c, i), "recompute", label, total, deps,
-                                           device=dev, stage=w.stage, micro_batch=i,
-                                           args={"tp_comm_s": comm} if comm else None, chunk=self.local_chunk[c])
-                    if comm:
-                        self.tp_comm[rlast] = comm
+                if rec_items is not None and not per_layer:
+                    first = rlast = whole_pass(rec_items, "recompute", "recompute", c, i, deps)
                     deps = [rlast]
                 elif rec_items is not None:
                     first, rlast = self._emit_items(w, rec_items, self._key("recompute", w, c, i), "recompute", i,
