@@ -21,7 +21,7 @@ model, links and engine for all):
   one global collective choice (padded or grouped, the better of the two runs), its cluster model
   (one bandwidth per collective: ring all-reduce); its program is simulated on the real links.
   Both searches see the same graph boundary: the outputs end whole or in the loss's batch shards
-  (`plait.spmd.stage.free_outputs`; the loss is outside the captured graph, HAP's code traces it,
+  (`plait.graph.aten_stage.free_outputs`; the loss is outside the captured graph, HAP's code traces it,
   and a program that leaves logits sharded otherwise pays their gather, as the runtime runs it);
 * plait -- `plait.search.spmd_family.synthesize_program`, the flat program `plait plan --family spmd`
   and the search driver emit: `plait.spmd.ratios.synthesize_overlapped`: A*, LP with per-device memory, segments,
@@ -57,7 +57,7 @@ hit its budget and the beam search finished), synthesis CPU seconds (single-thre
 on a shared machine would count the neighbours; from the captured graph to the program, with the
 simulations that rank candidates -- capturing the graphs, at the global batch and at the largest
 node's batch for "hier", is the separate "capt s"), and fit (memory per device within
-capacity, by `plait.spmd.ratios.memory_model`). dtype per case: fp32 on HAP's testbed (P100s have
+capacity, by `plait.cost.memory.memory_model`). dtype per case: fp32 on HAP's testbed (P100s have
 no tensor cores; HAP ran fp32), fp16 on the A100/T4 node.
 """
 
@@ -76,28 +76,17 @@ from plait.cluster import load_cluster
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import group_links, measured_tables
 from plait.cost.compute import optimizer_time
-from plait.cost.memory import state_bytes_per_param
+from plait.cost.memory import memory_model, state_bytes_per_param
+from plait.cost.program import Problem, Program
+from plait.cost.spmd import Devices, balanced_time, mesh_of, rail_links, rail_time
 from plait.graph.aten_capture import capture_aten
+from plait.graph.aten_stage import free_outputs
 from plait.graph.zoo import load_model
+from plait.ir.program import Comm, ShardingError, shard_sizes
 from plait.search.spmd_family import OVERLAP_WEIGHTS, synthesize_program
 from plait.sim.api import simulate_spmd
-from plait.spmd.cost import Devices, balanced_time
-from plait.spmd.mesh import (
-    Hierarchical,
-    mesh_of,
-    node_batches,
-    rail_links,
-    rail_time,
-    synthesize_hierarchical,
-)
-from plait.spmd.placement import Comm, ShardingError, shard_sizes
-from plait.spmd.ratios import (
-    Synthesis,
-    memory_model,
-    synthesize,
-)
-from plait.spmd.search import Problem, Program
-from plait.spmd.stage import free_outputs
+from plait.spmd.mesh import Hierarchical, node_batches, synthesize_hierarchical
+from plait.spmd.ratios import Synthesis, synthesize
 
 DATA = Path(__file__).resolve().parent / "data"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -171,7 +160,7 @@ def ddp(spec, batch: int, devices: Devices, weights: np.ndarray, dtype: str) -> 
 
 def dp_floor(nbytes: float, cluster) -> float:
     """Seconds the parameters' gradients take to cross the nodes once (every byte of every
-    gradient, split over the rails, on the node's NICs: `plait.spmd.mesh.rail_time`), at the
+    gradient, split over the rails, on the node's NICs: `plait.cost.spmd.rail_time`), at the
     graph's dtype: no program that keeps data parallelism across nodes -- even and proportional
     DDP, the hierarchical programs, any flat program that replicates its parameters over nodes --
     iterates faster. Programs that shard a parameter across nodes escape it (they move

@@ -23,12 +23,13 @@ import time
 import numpy as np
 
 from plait.cluster.loader import parse_cluster
+from plait.cost.program import Problem
+from plait.cost.spmd import Devices
 from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
-from plait.spmd.cost import Devices
-from plait.spmd.placement import ShardingError
+from plait.ir.program import ShardingError
 from plait.spmd.ratios import synthesize
-from plait.spmd.search import Problem, SearchBudgetExceeded, beam_search, search
+from plait.spmd.search import SearchBudgetExceeded, beam_search, search
 
 CASES = [
     ("vit:layers=2,hidden=256,heads=4,patch=8,image=32,classes=10", 256),

@@ -46,8 +46,8 @@ def test_ddp_baseline_is_ddp(hap) -> None:
     collectives are the parameters' gradient all-reduces."""
     import numpy as np
 
+    from plait.cost.spmd import Devices
     from plait.graph.zoo import load_model
-    from plait.spmd.cost import Devices
 
     cluster, dtype = hap.quick_clusters()[1]
     spec = load_model(hap.QUICK_MODELS[0][1])
@@ -66,9 +66,9 @@ def test_dp_floor_is_the_gradients_crossing_the_nics_and_ddp_does_not_beat_it(ha
     simulated on the same cluster is not faster; 0 on one node."""
     import numpy as np
 
+    from plait.cost.spmd import Devices
     from plait.graph.zoo import load_model
     from plait.sim.api import simulate_spmd
-    from plait.spmd.cost import Devices
 
     (two_nodes, dtype), (one_node, _) = hap.quick_clusters()
     spec = load_model(hap.QUICK_MODELS[0][1])

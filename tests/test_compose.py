@@ -71,13 +71,13 @@ def _two_gpu_cluster(per_node: int = 1):
 
 
 def _stage_programs(cluster, model: str, batch: int, split: list[list[str]], groups: list[list[int]]):
+    from plait.cost.program import Problem
+    from plait.cost.spmd import Devices
     from plait.graph.aten_capture import capture_aten
+    from plait.graph.aten_stage import stage_subgraph
     from plait.graph.zoo import load_model
     from plait.sim.compose_lower import StageProgram
-    from plait.spmd.cost import Devices
     from plait.spmd.ratios import synthesize
-    from plait.spmd.search import Problem
-    from plait.spmd.stage import stage_subgraph
 
     spec = load_model(model)
     inputs, _ = spec.sample_batch(batch)
@@ -188,9 +188,9 @@ def test_compose_declines_with_a_reason():
 # ---------------------------------------------------------------- the stage's op-level graph
 def test_stage_subgraphs_cover_the_model_once_and_take_earlier_values_as_inputs():
     from plait.graph.aten_capture import capture_aten
+    from plait.graph.aten_stage import shared_params, stage_subgraph
     from plait.graph.zoo import load_model
-    from plait.spmd.placement import ShardingError
-    from plait.spmd.stage import shared_params, stage_subgraph
+    from plait.ir.program import ShardingError
 
     spec = load_model(TINY)
     inputs, _ = spec.sample_batch(2)
@@ -207,7 +207,8 @@ def test_stage_subgraphs_cover_the_model_once_and_take_earlier_values_as_inputs(
 
 
 def test_memory_model_activations_are_part_of_the_total():
-    from plait.spmd.ratios import memory_model, synthesize
+    from plait.cost.memory import memory_model
+    from plait.spmd.ratios import synthesize
 
     cluster = _two_gpu_cluster(per_node=2)
     st = _stage_programs(cluster, TINY, 8, TINY_SPLIT, [[0, 1], [2, 3]])[1]

@@ -40,14 +40,15 @@ def _composed() -> tuple[Plan, list, object]:
     from test_compose import _two_gpu_cluster
     from test_spmd_program import synthesized_problem
 
+    from plait.cost.program import Problem
+    from plait.cost.spmd import Devices
     from plait.graph.aten_capture import capture_aten
+    from plait.graph.aten_stage import stage_subgraph
     from plait.graph.zoo import load_model
     from plait.search import plan
     from plait.sim.compose_lower import StageProgram
-    from plait.spmd.cost import Devices
     from plait.spmd.program_plan import program_plan
-    from plait.spmd.search import Problem, beam_search
-    from plait.spmd.stage import stage_subgraph
+    from plait.spmd.search import beam_search
 
     cluster = _two_gpu_cluster(per_node=2)
     best = plan(TINY, cluster, global_batch=8, top=1, families="compose").best.plan
@@ -71,8 +72,8 @@ def _composed_plan() -> Plan:
 
 
 def test_composed_plan_runs_equal_to_one_process() -> None:
+    from plait.graph.aten_stage import batch_loss_output
     from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
-    from plait.spmd.stage import batch_loss_output
 
     plan, programs, cluster = _composed()
     assert plan.num_micro_batches == 2 and [len(s.devices) for s in plan.stages] == [2, 2]
@@ -165,14 +166,15 @@ def test_one_device_stage_feeding_a_two_device_stage_equals_one_process() -> Non
     from test_compose import TINY_SPLIT, _two_gpu_cluster
     from test_spmd_program import synthesized_problem
 
+    from plait.cost.program import Problem
+    from plait.cost.spmd import Devices
     from plait.graph.aten_capture import capture_aten
+    from plait.graph.aten_stage import stage_subgraph
     from plait.graph.zoo import load_model
     from plait.ir.plan import StageSpec
     from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
-    from plait.spmd.cost import Devices
     from plait.spmd.program_plan import program_plan
-    from plait.spmd.search import Problem, beam_search
-    from plait.spmd.stage import stage_subgraph
+    from plait.spmd.search import beam_search
 
     spec = load_model(TINY)
     inputs, _ = spec.sample_batch(2)

@@ -11,11 +11,12 @@ from torch import nn
 
 from plait.cost.collectives import choose_algorithm, collective_time
 from plait.cost.compute import DEFAULT_MODEL, op_time, optimizer_time
+from plait.cost.memory import memory_model
+from plait.cost.program import Problem, evaluate
+from plait.cost.spmd import Devices
 from plait.graph.aten_capture import capture_aten
 from plait.sim.api import SimResult, simulate_spmd
-from plait.spmd.cost import Devices
-from plait.spmd.ratios import Synthesis, memory_model
-from plait.spmd.search import Problem, evaluate
+from plait.spmd.ratios import Synthesis
 
 
 def data_parallel(problem: Problem, ratios: np.ndarray) -> Synthesis:
@@ -64,7 +65,7 @@ def test_zero3_storage_of_a_linear_layer_by_hand() -> None:
     weight's all-gather before the forward (nothing to wait for: it starts at once), each rank's
     forward and backward at the LP's ratios, then the weight's reduce-scatter and the bias's
     all-reduce, then each rank steps half the weight and the whole bias."""
-    from plait.spmd.cost import comm_seconds
+    from plait.cost.spmd import comm_seconds
     from plait.spmd.ratios import synthesize_stored
 
     cluster = two_nodes(1)
@@ -127,7 +128,7 @@ def test_gradient_all_reduces_overlap_backward_and_buckets_pack_them() -> None:
 
 
 def test_overlap_aware_synthesis_keeps_what_the_simulator_ranks_first() -> None:
-    from plait.spmd.placement import Comm
+    from plait.ir.program import Comm
     from plait.spmd.ratios import synthesize_overlapped
 
     cluster = two_nodes(2, inter="10.4 Gb/s")

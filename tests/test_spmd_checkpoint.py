@@ -144,9 +144,9 @@ def test_clipped_run_equals_one_device_and_resumes_at_other_ratios(tmp_path) -> 
 
 
 def test_clip_weights_count_each_parameter_once() -> None:
+    from plait.ir.program import shard_dim
     from plait.runtime.spmd_program import RankProgram
     from plait.runtime.spmd_state import clip_weights
-    from plait.spmd.placement import shard_dim
 
     _, model, _, _, graph = captured(NAME)
     program = synthesized(graph)

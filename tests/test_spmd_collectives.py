@@ -19,10 +19,11 @@ from plait.cost.collectives import (
     group_links,
     uneven_collective_time,
 )
+from plait.cost.program import Problem, evaluate
+from plait.cost.spmd import Devices, choose, comm_affine
 from plait.graph.aten_capture import capture_aten
-from plait.spmd.cost import Devices, choose, comm_affine
-from plait.spmd.placement import Comm, ShardingError
-from plait.spmd.search import Problem, evaluate, search
+from plait.ir.program import Comm, ShardingError
+from plait.spmd.search import search
 
 
 def two_nodes(gpus: int = 2, inter: str = "10.4 Gb/s"):

@@ -11,20 +11,13 @@ from test_spmd_collectives import two_nodes
 from torch import nn
 
 from plait.cluster.loader import parse_cluster
+from plait.cost.program import Problem
+from plait.cost.spmd import Devices, mesh_of, rail_links, rail_time
 from plait.graph.aten_capture import capture_aten
+from plait.ir.program import RAIL, ShardingError
 from plait.sim.api import simulate_spmd
-from plait.spmd.cost import Devices
-from plait.spmd.mesh import (
-    RAIL,
-    mesh_of,
-    node_batches,
-    rail_links,
-    rail_time,
-    synthesize_hierarchical,
-)
-from plait.spmd.placement import ShardingError
+from plait.spmd.mesh import node_batches, synthesize_hierarchical
 from plait.spmd.ratios import synthesize
-from plait.spmd.search import Problem
 
 H = 256
 INTER = 10.4e9 / 8  # bytes/s of the 10.4 Gb/s NIC

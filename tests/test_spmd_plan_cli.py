@@ -39,7 +39,7 @@ def test_the_machine_model_is_calibrated_to_what_was_measured(choice) -> None:
     """The program's modelled work on a rank with no slowdown is the measured one-rank time; the
     links reproduce the all-gathers they were fitted to."""
     from plait.cost.collectives import collective_time
-    from plait.spmd.cost import op_work
+    from plait.cost.spmd import op_work
 
     alpha, bw = 2e-4, 5e8
     rows = [[s, (2 - 1) * alpha + 0.5 * s / bw] for s in (8e3, 1.3e5, 2e6, 8e6)]
@@ -55,7 +55,7 @@ def test_each_rank_is_calibrated_to_its_own_timing(choice) -> None:
     after the steps): each rank's speed is its own mean, so a rank whose CPU was 1.5x slower
     models 1.5x the work on top of its emulated slowdown (hand-computed: 0.4 and 0.6 s, x1 and x2)."""
     from plait.commands.spmd_plan import ranks_timing
-    from plait.spmd.cost import op_work
+    from plait.cost.spmd import op_work
 
     cal = {"all_gather": [[8e3, 1e-4], [8e6, 2e-2]],
            "program_s": [{"program": 0.3, "loss": 0.01, "optimizer": 0.02},
@@ -78,7 +78,7 @@ def test_per_rank_loss_and_optimizer_take_the_slowest_rank(choice) -> None:
     computes the whole loss: max(0.01 x 1, 0.02 x 2) = 0.04; a loss on batch shards, each rank its
     half of the rows: 0.02)."""
     from plait.commands.spmd_plan import OneRank, machine_prediction
-    from plait.spmd.stage import batch_loss_output
+    from plait.graph.aten_stage import batch_loss_output
 
     devices = machine_devices_of(choice, 0.5, [1.0, 2.0], {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]})
     segs = choice.synthesis.segments.count if choice.synthesis.segments else 1
@@ -272,8 +272,8 @@ def test_an_fp16_plan_says_fp16_prices_fp16_bytes_and_names_its_collectives(tmp_
 
 def test_plan_collectives_keeps_each_message_choice_and_settles_a_conflict_by_time() -> None:
     from plait.cluster import load_cluster
-    from plait.spmd.cost import Devices, comm_seconds
-    from plait.spmd.placement import Comm
+    from plait.cost.spmd import Devices, comm_seconds
+    from plait.ir.program import Comm
     from plait.spmd.program_plan import plan_collectives
 
     devices = Devices.from_cluster(load_cluster(CLUSTER))
@@ -298,12 +298,12 @@ def test_the_spmd_family_captures_and_prices_at_the_plans_dtype(tmp_path) -> Non
     capture (its messages at fp16 bytes, not the fp32 capture's), the plan says fp16 and carries
     the per-tensor collectives."""
     from plait.cluster import load_cluster
+    from plait.cost.program import Problem
+    from plait.cost.spmd import Devices
     from plait.graph.zoo import load_model
     from plait.search.spmd_family import search_spmd
-    from plait.spmd.cost import Devices
     from plait.spmd.program_plan import capture_graph
     from plait.spmd.ratios import synthesize
-    from plait.spmd.search import Problem
 
     path = tmp_path / "a100_t4.yaml"
     path.write_text("name: a100+t4\nnodes:\n  - name: m\n    gpus: [{kind: a100-40gb, count: 1}, "

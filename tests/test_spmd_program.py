@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from plait.graph.aten_capture import capture_aten
+from plait.graph.sharding import strategies
 from plait.graph.zoo import load_model
-from plait.spmd.placement import PARTIAL, REPLICATED, ShardingError, conversion, shard_dim
-from plait.spmd.rules import Strategy, strategies
+from plait.ir.program import PARTIAL, REPLICATED, ShardingError, Strategy, conversion, shard_dim
 
 MODELS = {
     "bert": "bert:layers=1,hidden=24,heads=4,seq=8,vocab=40,dropout=0,attn_dropout=0",
@@ -114,8 +114,8 @@ def synthesized(graph):
 def synthesized_problem(graph):
     """`graph` on that slow mixed pair (a search Problem)."""
     from plait.cluster.loader import parse_cluster
-    from plait.spmd.cost import Devices
-    from plait.spmd.search import Problem
+    from plait.cost.program import Problem
+    from plait.cost.spmd import Devices
 
     cluster = parse_cluster({"name": "pair", "nodes": [{"name": "n", "gpus": [
         {"kind": "v100-16gb", "count": 1}, {"kind": "p100-16gb", "count": 1}],

@@ -12,18 +12,13 @@ import pytest
 import torch
 
 from plait.cluster.loader import parse_cluster
+from plait.cost.memory import memory_model
+from plait.cost.program import Problem, evaluate, round_shards, segments
+from plait.cost.spmd import Devices
 from plait.graph.aten_capture import capture_aten
-from plait.spmd.cost import Devices
-from plait.spmd.placement import ShardingError
-from plait.spmd.ratios import (
-    memory_model,
-    round_shards,
-    segmented_cost,
-    segments,
-    solve_ratios,
-    synthesize,
-)
-from plait.spmd.search import Problem, evaluate, search
+from plait.ir.program import ShardingError
+from plait.spmd.ratios import segmented_cost, solve_ratios, synthesize
+from plait.spmd.search import search
 from tests.test_spmd_search import Block  # the one test block of the SPMD tests
 
 GIB = 2.0**30

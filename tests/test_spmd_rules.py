@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.graph.aten_capture import capture_aten_values
+from plait.graph.sharding import local_call, strategies
 from plait.graph.zoo import load_model
 from plait.ir.aten_graph import AtenGraph, AtenOp
-from plait.spmd.placement import PARTIAL, REPLICATED, ShardingError, shard_dim, shard_sizes
-from plait.spmd.rules import Strategy, local_call, strategies
+from plait.ir.program import PARTIAL, REPLICATED, ShardingError, Strategy, shard_dim, shard_sizes
 
 RATIOS = (0.5, 0.3, 0.2)  # uneven, three devices
 
@@ -204,7 +204,7 @@ def _grad_check(op: AtenOp, strategy: Strategy, graph: AtenGraph, values: dict[s
     autograd gives: run the op shard by shard, feed each device its part of a random output
     gradient (sharded: its slice; partial or replicated: the whole), and gather the input
     gradients by the placement the table names. False when the op has nothing to differentiate."""
-    from plait.spmd.placement import grad_placement
+    from plait.ir.program import grad_placement
 
     floats = [i for i, t in enumerate(op.inputs) if values[t].is_floating_point()]
     if not floats or not op.outputs:

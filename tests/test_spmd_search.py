@@ -12,19 +12,12 @@ import torch
 from torch import nn
 
 from plait.cluster.loader import parse_cluster
+from plait.cost.program import Problem, evaluate
+from plait.cost.spmd import Devices, balanced_time, compute_time
 from plait.graph.aten_capture import capture_aten
 from plait.graph.zoo import load_model
-from plait.spmd.cost import Devices, balanced_time, compute_time
-from plait.spmd.placement import Comm, ShardingError
-from plait.spmd.search import (
-    Problem,
-    SearchBudgetExceeded,
-    _lower_bounds,
-    beam_search,
-    evaluate,
-    exhaustive,
-    search,
-)
+from plait.ir.program import Comm, ShardingError
+from plait.spmd.search import SearchBudgetExceeded, _lower_bounds, beam_search, exhaustive, search
 
 
 def mixed_cluster(inter: str = "100 Gb/s"):
@@ -76,7 +69,7 @@ def test_stored_parameters_are_priced_from_their_home_and_the_search_stays_exact
     the all-gather and reduce-scatter in place of the all-reduce."""
     import dataclasses
 
-    from plait.spmd.cost import choose
+    from plait.cost.spmd import choose
 
     p = problem(8192)
     homes = {"p_fc1_weight": "S0", "p_fc2_weight": "S1"}

@@ -64,13 +64,13 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
                     max_states: int = 20_000) -> SpmdChoice:
     """Capture `model` at `batch` (meta device), synthesize for `cluster`, and the plans."""
     from plait.cluster import load_cluster
+    from plait.cost.program import Problem
+    from plait.cost.spmd import Devices
+    from plait.graph.aten_stage import free_outputs
     from plait.graph.zoo import load_model
     from plait.search.spmd_family import synthesize_program
-    from plait.spmd.cost import Devices
     from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
     from plait.spmd.ratios import segmented_cost
-    from plait.spmd.search import Problem
-    from plait.spmd.stage import free_outputs
 
     spec = load_model(model)
     cluster_obj = load_cluster(cluster)
@@ -82,7 +82,7 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
     segs = syn.segments
     n = problem.devices.n
     even = np.full_like(np.atleast_2d(np.asarray(ratios, dtype=float)), 1.0 / n)
-    from plait.spmd.ratios import Segments
+    from plait.cost.program import Segments
 
     segs = segs or Segments.single(problem, syn.program)
     even_cost = segmented_cost(problem, syn.program, segs, even)
@@ -181,14 +181,14 @@ def ranks_timing(calibration: dict[str, Any], clock: str = "cpu") -> OneRank | N
 
 def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
                     calibration: dict[str, Any], ratios: Any = None, own_s: Any = None) -> Any:
-    """`plait.spmd.cost.Devices` of this machine's emulated ranks: the fastest kind's FLOP/s and
+    """`plait.cost.spmd.Devices` of this machine's emulated ranks: the fastest kind's FLOP/s and
     memory bandwidth scaled so the program's modelled work takes `one_rank_s` (one figure, or one
     per rank: each rank's own speed), each rank slowed by its emulated factor; links alpha-beta
     fitted to the ranks' all-gathers (`fit_links`). With `own_s` (each rank's own program at
     `ratios`, timed alone: `OneRank.own`) each rank's speed is set so the model's work of its share
     takes that long instead: its shard shapes and its conversions' local work are then in it."""
     from plait.cost.collectives import GroupLinks
-    from plait.spmd.cost import Devices, op_work
+    from plait.cost.spmd import Devices, op_work
 
     dev = choice.problem.devices
     fastest = int(np.argmax(dev.flops))
@@ -234,12 +234,12 @@ def machine_pieces(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank |
     the loss (the slowest rank finishes last), the all-reduce of the step's loss when each rank
     computed it on its own batch rows ("loss_comm": nothing gathered then) and each rank's
     optimizer step over its own parameter elements."""
+    from plait.cost.program import Problem, Segments
+    from plait.cost.spmd import comm_time
+    from plait.graph.aten_stage import batch_loss_output, free_outputs
+    from plait.ir.program import Comm, shard_dim
     from plait.runtime.spmd_program import compile_program
-    from plait.spmd.cost import comm_time
-    from plait.spmd.placement import Comm, shard_dim
-    from plait.spmd.ratios import Segments, segmented_cost
-    from plait.spmd.search import Problem
-    from plait.spmd.stage import batch_loss_output, free_outputs
+    from plait.spmd.ratios import segmented_cost
 
     problem = Problem.build(choice.run_graph, devices, outputs_free=free_outputs(choice.run_graph, loss=True))
     syn = choice.synthesis
@@ -284,7 +284,7 @@ def machine_pieces(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank |
 def share_work(choice: SpmdChoice, unit: Any, ratios: Any, n: int) -> np.ndarray:
     """Modelled work of each of `n` ranks' shares on one device `unit` (`Devices` of one): its
     share of each split op, all of each redundant one."""
-    from plait.spmd.cost import op_work
+    from plait.cost.spmd import op_work
 
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
     strategies = choice.synthesis.program.strategies
@@ -301,7 +301,7 @@ def rank_work(choice: SpmdChoice, devices: Any, ratios: Any, slowdowns: list[flo
     """Each rank's modelled compute of the program's ops before its emulated stretch (its share of
     each split op, all of each redundant one): to set beside `step_pieces`' "cpu" of the rank, which
     also holds its loss and optimizer spans (`machine_pieces`' "loss" and "optimizer", stretched)."""
-    from plait.spmd.cost import op_work
+    from plait.cost.spmd import op_work
 
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
     program = choice.machine_program()

@@ -86,10 +86,12 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
+from plait.cost.program import Problem, Program, Segments, segments, stored_placements
 from plait.cost.traffic import pp_message_bytes
 from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan, default_grad_dtype
+from plait.ir.program import PARTIAL, REPLICATED, shard_dim
 from plait.ir.stage_graph import (
     chain_cut_bytes,
     chunk_graph,
@@ -1026,3 +1028,75 @@ def _p2p_per_sample(plan: Plan, graph: OpGraph, la: _LayerArrays, n_stages: int)
             send[a] += e.bytes_per_sample
             recv[b] += e.bytes_per_sample
     return send, recv
+
+
+@dataclass
+class MemoryModel:
+    """Bytes a program keeps on device i: ``replicated + sum_g ratio_gi * sharded_g``."""
+
+    replicated: float
+    sharded: float  # all segments together
+    overhead: float
+    by_segment: dict[int, float] = field(default_factory=dict)
+    # the part of the above that is activations kept for backward (one batch's): a pipeline stage
+    # keeps several micro-batches' in flight (`activations_on`)
+    act_replicated: float = 0.0
+    act_by_segment: dict[int, float] = field(default_factory=dict)
+
+    def on(self, ratios: np.ndarray) -> np.ndarray:
+        """Bytes per device at `ratios`: one vector (n,) for all, or one row per segment (G, n)."""
+        r = np.asarray(ratios, dtype=float)
+        if r.ndim == 1:
+            return self.overhead + self.replicated + r * self.sharded
+        return self.overhead + self.replicated + sum(r[g] * b for g, b in self.by_segment.items())
+
+    def activations_on(self, ratios: np.ndarray) -> np.ndarray:
+        """Activation bytes per device at `ratios` (included in `on`)."""
+        r = np.asarray(ratios, dtype=float)
+        rows = r if r.ndim == 2 else r[None, :]
+        out = np.full(rows.shape[1], self.act_replicated)
+        for g, b in self.act_by_segment.items():
+            out = out + rows[g if r.ndim == 2 else 0] * b
+        return out
+
+
+def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimizer: str = "adam",
+                 overhead: float = FRAMEWORK_OVERHEAD_BYTES, segs: Segments | None = None) -> MemoryModel:
+    w_b, g_b, k_b = state_bytes_per_param(dtype, optimizer)
+    per_param = w_b + g_b + k_b
+    act_bytes = 2 if dtype in ("bf16", "fp16") else 4
+    graph = problem.graph
+    segs = segs or segments(problem, program)
+    model = MemoryModel(0.0, 0.0, float(overhead))
+
+    def add(t: str, q: str, nbytes: float, activation: bool = False) -> None:
+        d = shard_dim(q)
+        if d is None:
+            model.replicated += nbytes
+            model.act_replicated += nbytes if activation else 0.0
+        else:
+            g = segs.of_dim.get((t, d), 0)
+            model.sharded += nbytes
+            model.by_segment[g] = model.by_segment.get(g, 0.0) + nbytes
+            if activation:
+                model.act_by_segment[g] = model.act_by_segment.get(g, 0.0) + nbytes
+
+    stored = stored_placements(graph, program)
+    kept: set[tuple[str, str]] = set()
+    for op in graph.ops:
+        strategy = program.strategies[op.name]
+        for t, q in zip(op.inputs, strategy.inputs):
+            meta = graph.tensors[t]
+            if meta.role == "param":
+                # a parameter stored elsewhere (`Program.homes`) is read through a collective whose
+                # result autograd keeps for backward: its weights at the read placement, and the
+                # gradient arriving there before it is reduce-scattered home
+                if t in program.homes and (t, q) not in kept and stored[t] != (REPLICATED if q == PARTIAL else q):
+                    kept.add((t, q))
+                    add(t, REPLICATED if q == PARTIAL else q, meta.numel * (w_b + g_b))
+            elif problem.needs_grad.get(t) and (t, q) not in kept:
+                kept.add((t, q))
+                add(t, q, meta.numel * act_bytes, activation=True)
+    for t, q in stored.items():
+        add(t, q, graph.tensors[t].numel * per_param)
+    return model

@@ -480,7 +480,7 @@ def _tied_messages(acc: _Acc, sg: StageGraph, graph: OpGraph, by_name: dict, pla
 
 
 def program_messages(comms: Sequence[tuple[str, Any]], ring: Sequence[int]) -> list[Message]:
-    """An SPMD program's collectives (`plait.spmd.search.Program.comms`: (name, Comm) with `op`,
+    """An SPMD program's collectives (`plait.cost.program.Program.comms`: (name, Comm) with `op`,
     `tensor`, `nbytes` of the whole tensor, `group`) as Messages of class "spmd" over `ring` (the
     program's devices, ring order), each once per iteration (a program runs one pass).
 

@@ -240,7 +240,7 @@ def memory_section(d: ReportData) -> str:
         if mem.violations:
             body += "<ul class='notes bad'>" + "".join(f"<li>{_t(v)}</li>" for v in mem.violations) + "</ul>"
         return _section("Memory per GPU", "What the SPMD program keeps on each GPU (parameters, gradients, "
-                        "optimizer state and activations at its shares: plait.spmd.ratios.memory_model) "
+                        "optimizer state and activations at its shares: plait.cost.memory.memory_model) "
                         "against the GPU's capacity.", body, "memory")
     devices = sorted(mem.devices)
 

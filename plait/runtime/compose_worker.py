@@ -5,7 +5,7 @@ Composition of families (issue 17 item 1; the plan is `Plan.stages[i].spmd`, pla
 devices, stage-major (`Plan.device_of`). Each rank of stage ``s``:
 
 * captures the model's `AtenGraph` at the plan's micro-batch and cuts stage ``s``'s sub-graph
-  (`plait.spmd.stage.stage_subgraph`, the ops of its layers) and runs the stage's program on it
+  (`plait.graph.aten_stage.stage_subgraph`, the ops of its layers) and runs the stage's program on it
   with `plait.runtime.spmd_program.RankProgram` over the stage's own process group (every
   placement change a collective of the communication facade, inside autograd);
 * runs the pipeline schedule of `plait.schedule` (1F1B for the chain, or GPipe) action by action,
@@ -47,8 +47,10 @@ import numpy as np
 import torch
 
 from plait.graph.aten_capture import capture_aten
+from plait.graph.aten_stage import batch_loss_output, shared_params, stage_subgraph
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import Plan
+from plait.ir.program import shard_dim
 from plait.runtime.clip import GradClipper
 from plait.runtime.comm import FAULTS_ENV, P2P, Comm, CommLog, Group, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
@@ -60,9 +62,7 @@ from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whol
 from plait.runtime.spmd_state import SpmdStep, clip_weights
 from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
-from plait.spmd.placement import shard_dim
 from plait.spmd.program_plan import plan_ratios, plan_strategies
-from plait.spmd.stage import batch_loss_output, shared_params, stage_subgraph
 
 # The buckets of the parameter-gradient all-reduce: `plait.sim.compose_lower.lower_compose`'s
 # `bucket_bytes` default, which the composed family simulates with.

@@ -4,9 +4,9 @@
 ``S<d>``, ``P``) and with which per-device ratios (HAP, Zhang et al. EuroSys'24 sections 4-5).
 This module runs that decision: `compile_program` checks it against the graph (every op has a
 strategy its sharding rule offers, every conversion exists, every shard has rows) and turns the
-ratios into integer shard sizes (`plait.spmd.ratios.round_shards`, HAP's rounding); a
+ratios into integer shard sizes (`plait.cost.program.round_shards`, HAP's rounding); a
 `RankProgram` is one rank's interpreter over the graph -- each op runs on the rank's shard
-(`plait.spmd.rules.local_call`), and every placement conversion the program needs is a
+(`plait.graph.sharding.local_call`), and every placement conversion the program needs is a
 collective of the communication facade (`plait.runtime.comm`: padded or grouped uneven
 all-gather / reduce-scatter, all-reduce, all-to-all).
 
@@ -14,7 +14,7 @@ Backward is autograd's, with differentiable conversions: a conversion ``q0 -> q`
 read by an op is an autograd Function whose backward converts the reader's gradient -- in
 placement ``grad_placement(q, op computes a shard)`` -- to where the tensor's gradient must
 arrive (its own placement; ``R`` for partial sums). Both directions use the one conversion
-table of `plait.spmd.placement`, the one the search prices, so the collectives that run are
+table of `plait.ir.program`, the one the search prices, so the collectives that run are
 the program's `Comm`s: a replicated parameter read by a sharded op gets its data-parallel
 gradient all-reduce, a row-parallel output its forward all-reduce and a free backward, a
 column-parallel input its backward all-reduce (Megatron's f and g, one rule). Readers that need
@@ -40,16 +40,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from plait.graph.sharding import local_call, strategies
 from plait.ir.aten_graph import AtenGraph
-from plait.spmd.placement import (
+from plait.ir.program import (
     PARTIAL,
     REPLICATED,
     ShardingError,
+    Strategy,
     grad_home,
     grad_placement,
     shard_dim,
 )
-from plait.spmd.rules import Strategy, local_call, strategies
 
 COLLECTIVE_MODES = ("padded", "grouped")
 _RANDOM = {"native_dropout", "dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like"}
@@ -85,10 +86,9 @@ def compile_program(graph: AtenGraph, chosen: dict[str, Strategy], ratios: Any, 
     segments`). Errors (ShardingError) name the op, tensor or device: an op without a strategy or
     whose kind has no sharding rule, a strategy its rule does not offer, a conversion that does not
     exist, a ratio that leaves a device zero rows. `homes`: parameters stored in another placement
-    than their first reader's (`plait.spmd.search.Problem.homes`: ZeRO-3 storage), each read
+    than their first reader's (`plait.cost.program.Problem.homes`: ZeRO-3 storage), each read
     converted from there."""
-    from plait.spmd.ratios import round_shards, segments
-    from plait.spmd.search import Program
+    from plait.cost.program import Program, round_shards, segments
 
     names = list(devices) if devices is not None else [f"rank {i}" for i in range(world)]
     if len(names) != world:
@@ -144,7 +144,7 @@ def _check_conversions(graph: AtenGraph, chosen: dict[str, Strategy], homes: dic
     """Replay the placements: every read must be reachable from where the tensor is; returns
     where each parameter is stored (its `homes` entry, else its first reader's placement; whole
     when that is partial)."""
-    from plait.spmd.placement import conversion
+    from plait.ir.program import conversion
 
     origin: dict[str, str] = {}
     stored: dict[str, str] = {}
@@ -444,7 +444,7 @@ class RankProgram:
         return out
 
     def _move(self, x: torch.Tensor, src: str, dst: str, t: str, phase: str) -> torch.Tensor:
-        """The value of `x` (placement `src`) in placement `dst`: `plait.spmd.placement`'s table."""
+        """The value of `x` (placement `src`) in placement `dst`: `plait.ir.program`'s table."""
         if src == dst:
             return x
         d_src, d_dst = shard_dim(src), shard_dim(dst)

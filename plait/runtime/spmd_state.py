@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.ir.program import shard_dim
 from plait.runtime.clip import GradClipper
 from plait.runtime.sharded_state import RankLayout, Segment
 from plait.runtime.tensor_parallel import ShardInfo
-from plait.spmd.placement import shard_dim
 
 
 class SpmdStep:

@@ -39,6 +39,8 @@ import numpy as np
 import torch
 
 from plait.graph.aten_capture import capture_aten
+from plait.graph.aten_stage import batch_loss_output
+from plait.graph.sharding import strategies as op_strategies
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
@@ -50,8 +52,6 @@ from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
 from plait.runtime.spmd_state import SpmdStep, checkpoint_layout, make_clipper, persistent_buffers
 from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
-from plait.spmd.rules import strategies as op_strategies
-from plait.spmd.stage import batch_loss_output
 
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
 

@@ -18,9 +18,9 @@ largest micro-batches that give at least ``pp`` micro-batches, ranked by `pipeli
 1. the layers are split over the stages by `plait.plan.hetero.split_layers` (the exact DP of the
    3D family's uneven splits) on each stage's layer times from `plait.cost.compute.layer_cost`
    (a group's rate is the sum of its GPUs' rates);
-2. each stage's program is synthesized on its own AtenGraph (`plait.spmd.stage.stage_subgraph`
+2. each stage's program is synthesized on its own AtenGraph (`plait.graph.aten_stage.stage_subgraph`
    of the model captured at the micro-batch) and its own devices, memory-aware, and its peak
-   memory is the program's (`plait.spmd.ratios.memory_model`) with the activations of the
+   memory is the program's (`plait.cost.memory.memory_model`) with the activations of the
    micro-batches 1F1B keeps in flight on that stage;
 3. the plan (`Plan.stages[i].spmd`) is simulated by the one engine
    (`plait.sim.compose_lower.simulate_compose`: the pipeline schedule of `plait.schedule` whose
@@ -250,15 +250,15 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     on its sub-graph and devices (`cache`: programs already synthesized for the same devices,
     layers and micro-batch, e.g. by another order of the same groups); raises a PlaitError when a
     stage has no program that fits."""
+    from plait.cost.memory import memory_model
+    from plait.cost.program import Problem
+    from plait.cost.spmd import Devices
     from plait.cost.traffic import activation_scale
+    from plait.graph.aten_stage import free_outputs, shared_params, stage_subgraph
     from plait.ir.stage_graph import stage_graph
     from plait.sim.compose_lower import StageProgram
-    from plait.spmd.cost import Devices
     from plait.spmd.program_plan import program_plan
-    from plait.spmd.ratios import memory_model
     from plait.spmd.ratios import synthesize as synth
-    from plait.spmd.search import Problem
-    from plait.spmd.stage import free_outputs, shared_params, stage_subgraph
 
     names = [layer.name for layer in opgraph.layers]
     bounds = np.concatenate([[0], np.cumsum(split)]).astype(int)

@@ -33,7 +33,7 @@ OVERLAP_WEIGHTS = (1.0, 0.0)  # gradient collectives counted in full / as hidden
 
 def synthesize_program(problem: Any, cluster: Cluster, *, batch: int, dtype: str, optimizer: str = "adam",
                        max_states: int = 20_000, simulate: bool = True) -> tuple[Any, float | None, str]:
-    """plait's flat SPMD program for `problem` (`plait.spmd.search.Problem`) on `cluster`.
+    """plait's flat SPMD program for `problem` (`plait.cost.program.Problem`) on `cluster`.
 
     With `simulate`: `synthesize_overlapped` at `OVERLAP_WEIGHTS`, each candidate timed by
     `plait.sim.api.simulate_spmd`, then the winner with its parameters stored sharded
@@ -73,13 +73,13 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     `runnable=True` asks for fp32, the dtype plait's runtime runs SPMD programs in). `evaluate`
     only says whether to simulate (the program is lowered by `simulate_spmd`, not by the 3D
     lowering `evaluate` wraps); without it the synthesis's own cost ranks."""
+    from plait.cost.program import Problem
+    from plait.cost.spmd import Devices
+    from plait.graph.aten_stage import free_outputs
     from plait.graph.zoo import load_model
     from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
     from plait.sim.api import simulate_spmd
-    from plait.spmd.cost import Devices
     from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
-    from plait.spmd.search import Problem
-    from plait.spmd.stage import free_outputs
 
     t0 = time.perf_counter()
     n = cluster.num_devices

@@ -370,21 +370,21 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
                   batch: int | None = None, name: str = "spmd", device_scale: Any = None,
                   fixed_costs: bool = True, mesh: Any = None) -> SimResult:
     """Predict one iteration of a synthesized SPMD program (`plait.spmd.ratios.Synthesis`:
-    program, ratios, per-segment ratios, memory) of `problem` (`plait.spmd.search.Problem`) on
+    program, ratios, per-segment ratios, memory) of `problem` (`plait.cost.program.Problem`) on
     `cluster`, lowered by `plait.sim.spmd_lower` and run by the same engine as `simulate`.
 
     The program's devices are priced on the cluster's real links whatever model searched it
     (HAP's flat one included). `bucket_bytes`: parameter-gradient all-reduces packed into DDP
     buckets (None: one collective per gradient). `batch` (samples per iteration) gives the
-    throughput. Memory per device is the synthesis's (`plait.spmd.ratios.memory_model`).
+    throughput. Memory per device is the synthesis's (`plait.cost.memory.memory_model`).
     `device_scale`: see `plait.sim.spmd_lower.lower_spmd` (data parallelism with uneven batches).
     `fixed_costs`: charge the compute model's per-kernel GPU and host times and per-iteration host
     work, as `simulate` does for 3D plans (False: the work alone, for hand-computed checks).
     A hierarchical program (`plait.spmd.mesh.Hierarchical`) is simulated with
     ``simulate_spmd(h.world_problem, h, cluster, device_scale=h.device_scale, mesh=h.mesh)``."""
     from plait.cost.compute import DEFAULT_MODEL
+    from plait.cost.spmd import Devices
     from plait.sim.spmd_lower import lower_spmd
-    from plait.spmd.cost import Devices
 
     view = resolve_cluster(cluster)
     devices = problem.devices
@@ -444,7 +444,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
 
 @dataclass
 class SpmdMemory:
-    """Bytes an SPMD program keeps per device (`plait.spmd.ratios.memory_model`) against capacity."""
+    """Bytes an SPMD program keeps per device (`plait.cost.memory.memory_model`) against capacity."""
 
     peak_bytes: list[float]
     capacity_bytes: list[float]
@@ -465,13 +465,14 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     plan's global batch (op names as `plait plan --family spmd` and `plait run` capture them), the
     program replayed op by op at its ratios on the plan's devices, each uneven collective padded or
     grouped as the plan's `collectives` says (padded where it says nothing: what the runtime runs)."""
+    from plait.cost.memory import memory_model
+    from plait.cost.program import Problem, Segments, evaluate, segments
+    from plait.cost.spmd import UNEVEN_OPS, Devices
     from plait.graph.aten_capture import capture_aten
+    from plait.graph.aten_stage import free_outputs
     from plait.graph.zoo import load_model
-    from plait.spmd.cost import UNEVEN_OPS, Devices
     from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
-    from plait.spmd.ratios import Segments, Synthesis, memory_model, segments
-    from plait.spmd.search import Problem, evaluate
-    from plait.spmd.stage import free_outputs
+    from plait.spmd.ratios import Synthesis
 
     if view.cluster is None:
         raise SimulateError(f"cluster {view.name!r}: an SPMD plan is simulated on a cluster file or preset")

@@ -47,6 +47,9 @@ import numpy as np
 
 from plait.cost.collectives import choose_algorithm, collective_time, latency_steps
 from plait.cost.compute import ComputeModel, optimizer_time
+from plait.cost.program import Problem, Program
+from plait.graph.aten_stage import batch_loss_output
+from plait.ir.program import PARTIAL, Comm, shard_dim
 from plait.schedule import PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
 from plait.sim.engine import TaskGraph
@@ -59,19 +62,16 @@ from plait.sim.spmd_lower import (
     rank_classes,
 )
 from plait.sim.topology import ClusterView
-from plait.spmd.placement import PARTIAL, Comm, shard_dim
-from plait.spmd.search import Problem, Program
-from plait.spmd.stage import batch_loss_output
 
 
 @dataclass
 class StageProgram:
     """One stage of a composed plan: its graph at the micro-batch on its devices, and its program."""
 
-    problem: Problem  # the stage's AtenGraph (`plait.spmd.stage.stage_subgraph`) on its Devices
+    problem: Problem  # the stage's AtenGraph (`plait.graph.aten_stage.stage_subgraph`) on its Devices
     program: Program
     ratios: np.ndarray  # one vector, or one row per segment
-    of_op: dict[str, int] | None = None  # segment of each op (`plait.spmd.ratios.Segments`)
+    of_op: dict[str, int] | None = None  # segment of each op (`plait.cost.program.Segments`)
     of_dim: dict[tuple[str, int], int] | None = None
     name: str = ""
     # the inputs received from the previous stage whose gradients go back (None: the floating
@@ -119,15 +119,15 @@ class _Stage:
 
 def boundary_comms(prog: StageProgram, index: int, loss: bool = False) -> list[tuple[str, Comm]]:
     """The collectives a stage's program adds at its boundary, which a whole-model program's search
-    does not count (`plait.spmd.search.step`: only partial outputs are reduced, inputs need no
+    does not count (`plait.cost.program.step`: only partial outputs are reduced, inputs need no
     gradient): each output the program leaves sharded is gathered whole after its producer (what
     the next stage or the loss reads), and each value received from the previous stage -- an input
     of a later stage that is floating (`StageProgram.grad_inputs`) -- has its gradient made whole
     once per kind of reader (placement, sharded compute), after the first such reader's backward:
     what `plait.runtime.spmd_program.RankProgram` runs. The `loss` stage computes the loss on the
-    batch shards of an output sharded on the batch (`plait.spmd.stage.batch_loss_output`): that
+    batch shards of an output sharded on the batch (`plait.graph.aten_stage.batch_loss_output`): that
     output is not gathered. (op name, collective) pairs, as `Program.comms`."""
-    from plait.spmd.placement import REPLICATED, conversion, grad_placement
+    from plait.ir.program import REPLICATED, conversion, grad_placement
 
     graph, strategies = prog.problem.graph, prog.program.strategies
     out: list[tuple[str, Comm]] = []
@@ -162,7 +162,7 @@ def boundary_comms(prog: StageProgram, index: int, loss: bool = False) -> list[t
 
 def _own_comms(prog: StageProgram, bound: list[tuple[str, Comm]]) -> list[tuple[str, Comm]]:
     """The program's collectives less the output gathers that its search already priced at its end
-    (`plait.spmd.search.Problem.outputs_free`) and that `boundary_comms` issues after the producer."""
+    (`plait.cost.program.Problem.outputs_free`) and that `boundary_comms` issues after the producer."""
     last = prog.problem.graph.ops[-1].name
     gathered = {(c.tensor, c.op) for _, c in bound if c.phase == "fwd"}
     return [(n, c) for n, c in prog.program.comms

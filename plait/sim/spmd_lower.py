@@ -7,12 +7,12 @@ ranked on the same scale as 3D and graph plans (issue 14 item 7):
 * **compute**, per rank, on its compute stream in program order: the forward of every op, then
   the backward of every op in reverse. An op's forward on device ``i`` takes ``r_i w_i / 3`` when
   its strategy splits the work (``r_i`` the ratio of the op's segment), ``w_i / 3`` when it runs
-  redundantly; backward twice that (``w_i`` from `plait.spmd.cost.op_work`, i.e.
+  redundantly; backward twice that (``w_i`` from `plait.cost.spmd.op_work`, i.e.
   `plait.cost.compute.op_time` of the device's kind);
 * **communication**: every collective of the program is one task joining all ranks, issued on the
   group's communication stream in program order (forward collectives by op, then gradient
   collectives in backward order). Its time is the cost module's on the program's device group
-  (`plait.spmd.cost.comm_seconds`: the program's padded/grouped choice for uneven shards; for an
+  (`plait.cost.spmd.comm_seconds`: the program's padded/grouped choice for uneven shards; for an
   all-reduce the algorithm NCCL's tuner picks), run as a latency then a flow over the ring's link
   resources, so concurrent collectives share links (`plait.sim.topology`);
 * **dependencies** (where overlap comes from): a forward collective waits for the producer's
@@ -39,13 +39,12 @@ import numpy as np
 
 from plait.cost.collectives import UNEVEN_OPS, choose_algorithm, collective_time
 from plait.cost.compute import ComputeModel, optimizer_time
+from plait.cost.program import Problem, Program, stored_placements
+from plait.cost.spmd import BACKWARD_FACTOR, VIEWS, Devices, comm_seconds, rail_links, rail_time
 from plait.errors import PlaitError
+from plait.ir.program import NODE, RAIL, Comm, Mesh, shard_dim
 from plait.sim.engine import TaskGraph
 from plait.sim.topology import ClusterView
-from plait.spmd.cost import BACKWARD_FACTOR, VIEWS, Devices, comm_seconds
-from plait.spmd.mesh import NODE, RAIL, Mesh, rail_links, rail_time
-from plait.spmd.placement import Comm, shard_dim
-from plait.spmd.search import Problem, Program, stored_placements
 
 
 class SpmdLoweringError(PlaitError, ValueError):
@@ -115,7 +114,7 @@ def _shares(comm: Comm, ratios: np.ndarray, of_dim: dict[tuple[str, int], int] |
 def params_held(problem: Problem, program: Program, ratios: np.ndarray,
                 of_dim: dict[tuple[str, int], int] | None) -> np.ndarray:
     """Parameters each device stores (and steps): a replicated one whole, a sharded one at the
-    ratio of its segment -- where `stored_placements` says, as `plait.spmd.ratios.memory_model`."""
+    ratio of its segment -- where `stored_placements` says, as `plait.cost.memory.memory_model`."""
     r = np.atleast_2d(np.asarray(ratios, dtype=float))
     held = np.zeros(problem.devices.n)
     for t, q in stored_placements(problem.graph, program).items():
@@ -134,7 +133,7 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
                host_comm_s: float = 0.0, device_scale: np.ndarray | None = None,
                mesh: Mesh | None = None, model: ComputeModel | None = None) -> SpmdLowered:
     """The task graph of one training iteration of `program` at `ratios` (one vector, or one row
-    per segment with `of_op` / `of_dim` from `plait.spmd.ratios.Segments`) on `view`.
+    per segment with `of_op` / `of_dim` from `plait.cost.program.Segments`) on `view`.
 
     `devices`: the program's devices as priced for the run (default `problem.devices`; a program
     searched under HAP's flat model is simulated on the real links). `device_scale`: a multiplier
@@ -342,7 +341,7 @@ def _rings_flow(tg: TaskGraph, view: ClusterView, rings: list[list[int]], second
     """One flow over several rings that run at once (every node's, or every rail's) that alone
     takes `seconds`: each link resource carries what one ring puts on it in that time. A resource
     several rings cross (a node's NIC under every rail) is not charged once per ring: `seconds`
-    already prices their sharing (`plait.spmd.mesh.rail_links`)."""
+    already prices their sharing (`plait.cost.spmd.rail_links`)."""
     if seconds <= 0:
         return None
     load: dict[int, float] = defaultdict(float)
@@ -356,7 +355,7 @@ class _GroupPricer:
     """Times of a hierarchical program's collectives (`plait.spmd.mesh`) on their real groups:
     "node" -- the op's collective in every node at once, each at its inner ratios and bytes
     (activations scale with the node's batch), the slowest node's time; "rail" -- a parameter
-    gradient's cross-node all-reduce (`plait.spmd.mesh.rail_time`)."""
+    gradient's cross-node all-reduce (`plait.cost.spmd.rail_time`)."""
 
     def __init__(self, problem: Problem, devices: Devices, view: ClusterView, ratios: np.ndarray,
                  of_dim: dict | None, device_scale: np.ndarray | None, mesh: Mesh) -> None:

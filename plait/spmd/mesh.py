@@ -7,7 +7,7 @@ sharding inside each node, where links are fast, and runs data parallelism acros
 section 3.3, with HAP's uneven per-device ratios inside the node):
 
 * **outer** (across nodes): node ``a`` takes ``b_a`` samples of the global batch, in proportion to
-  its effective FLOP/s (integer samples, `plait.spmd.placement.shard_sizes`); parameters are
+  its effective FLOP/s (integer samples, `plait.ir.program.shard_sizes`); parameters are
   replicated across nodes and every parameter's gradient is all-reduced across nodes once, on the
   *rails* (device ``j`` of every node, NCCL's per-rail rings);
 * **inner** (inside a node): the program found by the flat search + ratio LP with memory
@@ -41,105 +41,11 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
-from plait.cluster.topology import bandwidth_matrix, latency_matrix
-from plait.cost.collectives import (
-    GroupLinks,
-    choose_algorithm,
-    collective_time,
-    group_links,
-    measured_tables,
-)
+from plait.cost.program import Problem, Program, stored_placements
+from plait.cost.spmd import Devices, mesh_of, op_work
 from plait.ir.aten_graph import AtenGraph
-from plait.spmd.cost import Devices, op_work
-from plait.spmd.placement import Comm, ShardingError, shard_dim, shard_sizes
+from plait.ir.program import NODE, RAIL, Comm, Mesh, shard_dim, shard_sizes
 from plait.spmd.ratios import Synthesis, synthesize, synthesize_overlapped, synthesize_stored
-from plait.spmd.search import Problem, Program, stored_placements
-
-NODE, RAIL, WORLD = "node", "rail", "world"  # `Comm.group` of a hierarchical program's collectives
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """Device ids of the cluster, one row per node (outer index ``a``, inner index ``j``)."""
-
-    nodes: tuple[tuple[int, ...], ...]
-
-    @property
-    def outer(self) -> int:
-        return len(self.nodes)
-
-    @property
-    def inner(self) -> int:
-        return len(self.nodes[0])
-
-    @property
-    def ids(self) -> tuple[int, ...]:
-        """Every device, node-major (the order of the world `Devices` of a hierarchical program)."""
-        return tuple(i for node in self.nodes for i in node)
-
-    def rails(self) -> list[tuple[int, ...]]:
-        """Rail ``j``: device ``j`` of every node."""
-        return [tuple(node[j] for node in self.nodes) for j in range(self.inner)]
-
-
-def mesh_of(cluster: Cluster, devices: Sequence[int] | None = None) -> Mesh:
-    """The nodes x GPUs mesh of `cluster` (or of `devices` of it); ShardingError naming the node
-    when the nodes do not hold the same number of the devices (a mesh needs equal rows)."""
-    every = cluster.devices
-    ids = list(range(len(every))) if devices is None else list(devices)
-    rows: dict[int, list[int]] = {}
-    for i in ids:
-        if not 0 <= i < len(every):
-            raise ShardingError(f"device {i} is not in cluster {cluster.name!r} ({len(every)} devices)")
-        rows.setdefault(every[i].node, []).append(i)
-    first = min(rows)
-    for node, r in sorted(rows.items()):
-        if len(r) != len(rows[first]):
-            raise ShardingError(f"cluster {cluster.name!r}: node {cluster.nodes[node].name!r} has {len(r)} of the "
-                                f"devices, node {cluster.nodes[first].name!r} {len(rows[first])}: a two-level mesh "
-                                "needs the same number of devices on every node")
-    return Mesh(tuple(tuple(r) for _, r in sorted(rows.items())))
-
-
-def _links(cluster: Cluster, ids: Sequence[int]) -> GroupLinks:
-    every = cluster.devices
-    return group_links(list(ids), bandwidth_matrix(cluster), latency_matrix(cluster), [d.node for d in every],
-                       [max(1, n.nics) for n in cluster.nodes], measured_tables(cluster))
-
-
-def rail_links(cluster: Cluster, mesh: Mesh) -> list[GroupLinks]:
-    """The links of each rail as one of the ``g`` rails running at once sees them: a node's NICs
-    are shared, so one rail's inter-node bandwidth is ``min(g, NICs) / g`` of what the rail's ring
-    alone would get (`group_links` counts one NIC per member of a node) -- on the node with the
-    fewest NICs, since the ring crosses every node."""
-    out = []
-    g = mesh.inner
-    for rail in mesh.rails():
-        links = _links(cluster, rail)
-        nics = min(min(max(1, cluster.nodes[cluster.devices[i].node].nics), g) for i in rail)
-        share = nics / g
-        out.append(dataclasses.replace(links, ring_bandwidth=links.ring_bandwidth * share,
-                                       inter_bandwidth=links.inter_bandwidth * share, measured=()))
-    return out
-
-
-def rail_time(nbytes: float, shares: np.ndarray | None, rails: Sequence[GroupLinks],
-              node_links: Sequence[GroupLinks]) -> float:
-    """Seconds of one parameter gradient's cross-node all-reduce.
-
-    `shares`: the inner ratios when the inner program stores it sharded (rail ``j`` all-reduces
-    ``shares[j] nbytes``); None when replicated (each rail ``nbytes / g``, then an intra-node
-    all-gather of the whole, the slowest node's)."""
-    g = len(rails)
-    if shares is None:
-        part = [nbytes / g] * g
-        gather = max(collective_time("all_gather", nbytes, links, "ring") for links in node_links)
-    else:
-        part = [float(s) * nbytes for s in shares]
-        gather = 0.0
-    ring = max(collective_time("all_reduce", p, links, choose_algorithm("all_reduce", p, links))
-               for p, links in zip(part, rails))
-    return ring + gather
 
 
 def stored_inner(problem: Problem, program: Program) -> dict[str, str]:

@@ -5,7 +5,7 @@ The plan keeps the decisions only -- one strategy per aten op (by the op's name 
 `AtenGraph` at the plan's `global_batch`), the per-device ratios (one vector per segment) and,
 per tensor, how its uneven all-gathers / reduce-scatters run ("padded" or "grouped", the
 search's per-message choice: `plan_collectives`) -- not shard sizes or which collectives: those
-follow from the graph (`plait.spmd.ratios.round_shards`, the conversion table), so a plan cannot
+follow from the graph (`plait.cost.program.round_shards`, the conversion table), so a plan cannot
 disagree with the model it runs on without the run saying which op differs. The plan's dtype is
 the one the program was synthesized (and its graph captured, `capture_graph`) at.
 """
@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from plait.cost.spmd import Devices, comm_seconds
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import SPMD_VERSION, Plan, PlanError
-from plait.spmd.cost import Devices, comm_seconds
-from plait.spmd.placement import Comm, ShardingError
-from plait.spmd.rules import Strategy
+from plait.ir.program import Comm, ShardingError, Strategy
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16")  # tf32 computes on fp32 tensors
 _MODED = ("all_gather", "reduce_scatter")  # the uneven collectives a plan says padded or grouped for
@@ -102,7 +101,7 @@ def plan_strategies(plan: Plan) -> dict[str, Strategy]:
 
 def plan_homes(plan: Plan) -> dict[str, str]:
     """Parameters an SPMD plan stores elsewhere than their first reader wants them (ZeRO-3
-    storage, `plait.spmd.search.Problem.homes`); empty for most programs."""
+    storage, `plait.cost.program.Problem.homes`); empty for most programs."""
     if plan.spmd is None:
         raise PlanError("plan field 'spmd': the plan has no SPMD program")
     return dict(plan.spmd.get("homes") or {})

@@ -31,7 +31,6 @@ elementwise op) are split together, in proportion, from their greatest common di
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,147 +40,24 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import linprog
 
-from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, state_bytes_per_param
-from plait.spmd.cost import PADDED, choose, comm_affine, compute_time
-from plait.spmd.placement import PARTIAL, REPLICATED, Comm, ShardingError, shard_dim, shard_sizes
-from plait.spmd.search import (
+from plait.cost.memory import (
+    FRAMEWORK_OVERHEAD_BYTES,
+    MemoryModel,
+    memory_model,
+    state_bytes_per_param,
+)
+from plait.cost.program import (
     Problem,
     Program,
-    SearchBudgetExceeded,
-    beam_search,
+    Segments,
     evaluate,
     future_needs_of,
-    search,
+    segments,
     stored_placements,
 )
-
-
-@dataclass
-class Segments:
-    """Groups of sharded dimensions split together (HAP's segments): an op links the sharded
-    dimensions of its inputs and outputs; a collective or a free slice starts a new group. Each
-    group can have its own ratios."""
-
-    of_dim: dict[tuple[str, int], int]  # (tensor, dimension) -> segment
-    of_op: dict[str, int]  # op that splits its work -> segment
-    count: int
-    # segments no op computes in (a parameter's storage, `Program.homes`): split evenly, as
-    # ZeRO / FSDP shard state -- the LP holds them there
-    even: frozenset[int] = frozenset()
-
-    @classmethod
-    def single(cls, problem: Problem, program: Program) -> Segments:
-        """Everything in one segment: one ratio vector for the whole program."""
-        found = segments(problem, program)
-        if found.even and len(found.even) == found.count:
-            return cls({k: 0 for k in found.of_dim}, {}, 1, frozenset({0}))
-        if found.even:  # storage segments keep their own (even) ratios beside the computing one
-            count = 1 + len(found.even)
-            index = {g: 1 + i for i, g in enumerate(sorted(found.even))}
-            return cls({k: index.get(g, 0) for k, g in found.of_dim.items()}, {k: 0 for k in found.of_op}, count,
-                       frozenset(index.values()))
-        return cls({k: 0 for k in found.of_dim}, {k: 0 for k in found.of_op}, 1)
-
-
-def segments(problem: Problem, program: Program) -> Segments:
-    parent: dict[tuple[str, int], tuple[str, int]] = {}
-
-    def find(x: tuple[str, int]) -> tuple[str, int]:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    first: dict[str, tuple[str, int]] = {}
-    for op in problem.graph.ops:
-        s = program.strategies[op.name]
-        members = [(t, d) for t, p in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
-                   if (d := shard_dim(p)) is not None]
-        if members:
-            first[op.name] = members[0]
-        for m in members:
-            parent[find(m)] = find(members[0])
-    for t, q in program.homes.items():  # a parameter's storage: its own segment unless an op shards it so
-        if (d := shard_dim(q)) is not None:
-            find((t, d))
-    roots: dict[tuple[str, int], int] = {}
-    of_dim = {m: roots.setdefault(find(m), len(roots)) for m in list(parent)}
-    of_op = {name: of_dim[m] for name, m in first.items()}
-    even = frozenset(set(roots.values()) - set(of_op.values())) if program.homes else frozenset()
-    return Segments(of_dim, of_op, max(1, len(roots)), even)
-
-
-@dataclass
-class MemoryModel:
-    """Bytes a program keeps on device i: ``replicated + sum_g ratio_gi * sharded_g``."""
-
-    replicated: float
-    sharded: float  # all segments together
-    overhead: float
-    by_segment: dict[int, float] = field(default_factory=dict)
-    # the part of the above that is activations kept for backward (one batch's): a pipeline stage
-    # keeps several micro-batches' in flight (`activations_on`)
-    act_replicated: float = 0.0
-    act_by_segment: dict[int, float] = field(default_factory=dict)
-
-    def on(self, ratios: np.ndarray) -> np.ndarray:
-        """Bytes per device at `ratios`: one vector (n,) for all, or one row per segment (G, n)."""
-        r = np.asarray(ratios, dtype=float)
-        if r.ndim == 1:
-            return self.overhead + self.replicated + r * self.sharded
-        return self.overhead + self.replicated + sum(r[g] * b for g, b in self.by_segment.items())
-
-    def activations_on(self, ratios: np.ndarray) -> np.ndarray:
-        """Activation bytes per device at `ratios` (included in `on`)."""
-        r = np.asarray(ratios, dtype=float)
-        rows = r if r.ndim == 2 else r[None, :]
-        out = np.full(rows.shape[1], self.act_replicated)
-        for g, b in self.act_by_segment.items():
-            out = out + rows[g if r.ndim == 2 else 0] * b
-        return out
-
-
-def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimizer: str = "adam",
-                 overhead: float = FRAMEWORK_OVERHEAD_BYTES, segs: Segments | None = None) -> MemoryModel:
-    w_b, g_b, k_b = state_bytes_per_param(dtype, optimizer)
-    per_param = w_b + g_b + k_b
-    act_bytes = 2 if dtype in ("bf16", "fp16") else 4
-    graph = problem.graph
-    segs = segs or segments(problem, program)
-    model = MemoryModel(0.0, 0.0, float(overhead))
-
-    def add(t: str, q: str, nbytes: float, activation: bool = False) -> None:
-        d = shard_dim(q)
-        if d is None:
-            model.replicated += nbytes
-            model.act_replicated += nbytes if activation else 0.0
-        else:
-            g = segs.of_dim.get((t, d), 0)
-            model.sharded += nbytes
-            model.by_segment[g] = model.by_segment.get(g, 0.0) + nbytes
-            if activation:
-                model.act_by_segment[g] = model.act_by_segment.get(g, 0.0) + nbytes
-
-    stored = stored_placements(graph, program)
-    kept: set[tuple[str, str]] = set()
-    for op in graph.ops:
-        strategy = program.strategies[op.name]
-        for t, q in zip(op.inputs, strategy.inputs):
-            meta = graph.tensors[t]
-            if meta.role == "param":
-                # a parameter stored elsewhere (`Program.homes`) is read through a collective whose
-                # result autograd keeps for backward: its weights at the read placement, and the
-                # gradient arriving there before it is reduce-scattered home
-                if t in program.homes and (t, q) not in kept and stored[t] != (REPLICATED if q == PARTIAL else q):
-                    kept.add((t, q))
-                    add(t, REPLICATED if q == PARTIAL else q, meta.numel * (w_b + g_b))
-            elif problem.needs_grad.get(t) and (t, q) not in kept:
-                kept.add((t, q))
-                add(t, q, meta.numel * act_bytes, activation=True)
-    for t, q in stored.items():
-        add(t, q, graph.tensors[t].numel * per_param)
-    return model
+from plait.cost.spmd import PADDED, choose, comm_affine, compute_time
+from plait.ir.program import PARTIAL, REPLICATED, Comm, ShardingError, shard_dim
+from plait.spmd.search import SearchBudgetExceeded, beam_search, search
 
 
 @dataclass
@@ -613,35 +489,3 @@ def _too_big(problem: Problem, model: MemoryModel | None) -> ShardingError:
 # ----------------------------------------------------------------------------- rounding
 
 
-def round_shards(problem: Problem, program: Program, ratios: Sequence[float] | np.ndarray,
-                 segs: Segments | None = None) -> dict[tuple[str, int], list[int]]:
-    """Integer shard sizes per device for every sharded (tensor, dimension) of `program`.
-
-    `ratios`: one vector for every segment, or one row per segment of `segs`. Dimensions of one
-    segment are split together: every member's size is a multiple of the segment's greatest
-    common divisor G, so `shard_sizes(G, ratios)` scaled by ``size / G`` splits them all
-    consistently (a view that merges b with the heads gets ``a`` times the rows of b).
-    ShardingError naming the tensor, op and device when a device would get zero rows."""
-    graph = problem.graph
-    segs = segs or segments(problem, program)
-    r = np.asarray(ratios, dtype=float)
-    where: dict[tuple[str, int], str] = {}
-    for op in graph.ops:
-        s = program.strategies[op.name]
-        for t, p in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs)):
-            if (d := shard_dim(p)) is not None:
-                where.setdefault((t, d), op.name)
-    groups: dict[int, list[tuple[str, int]]] = {}
-    for m, g in segs.of_dim.items():
-        groups.setdefault(g, []).append(m)
-    out: dict[tuple[str, int], list[int]] = {}
-    for g, members in groups.items():
-        sizes = [graph.tensors[t].shape[d] for t, d in members]
-        gcd = math.gcd(*sizes)
-        first = members[int(np.argmin(sizes))]
-        base = shard_sizes(gcd, r if r.ndim == 1 else r[g],
-                           what=f"tensor {first[0]} dim {first[1]} (op {where.get(first, '?')})",
-                           devices=list(problem.devices.names))
-        for (t, d), size in zip(members, sizes):
-            out[(t, d)] = [b * (size // gcd) for b in base]
-    return out

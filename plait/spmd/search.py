@@ -11,287 +11,30 @@ and consistent (it drops by exactly the bound of the op just placed); A* with a 
 then returns an optimal program, expanding no more states than uniform-cost search (Hart,
 Nilsson & Raphael 1968). `search(..., heuristic=False)` is the uniform-cost baseline.
 
-A state after the first ``k`` ops: for every live tensor (read again later), the placement it was
-made in and the (placement, compute kind) pairs already provided to readers. A reader that needs a
-placement pays the forward conversion once (a second reader of an all-gathered tensor reuses it),
-and the gradient conversion once per (placement, kind) -- gradients of readers that need the
-same thing are summed before one collective. Gradients (`placement.grad_placement`): a reader's
-gradient must reach the placement the tensor was made in (parameters: where they are stored,
-so a replicated parameter read by a sharded op pays the data-parallel all-reduce).
-
-`evaluate` replays one assignment with the same step function, so the search, the exhaustive
-enumeration of the tests and the ratio LP all count the same costs.
+The states, the step and the replay (`evaluate`) are the program's cost model, shared with the
+simulator and the runtime: `plait.cost.program`. `evaluate` replays one assignment with the same
+step function, so the search, the exhaustive enumeration of the tests and the ratio LP all count
+the same costs.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from plait.ir.aten_graph import AtenGraph
-from plait.spmd.cost import Devices, balanced_time, choose, compute_time, op_work
-from plait.spmd.placement import (
-    PARTIAL,
-    REPLICATED,
-    Comm,
+from plait.cost.program import Live, Problem, Program, StepCosts, check_ratios, evaluate, step
+from plait.cost.spmd import compute_time
+from plait.ir.program import (
     ShardingError,
-    conversion,
-    grad_home,
-    grad_placement,
-    shard_dim,
 )
-from plait.spmd.rules import Strategy, strategies
 from plait.workers import paused_gc
-
-# live tensor: (placement it was made in, frozenset of (placement provided, reader computes a shard))
-Live = tuple[str, frozenset[tuple[str, bool]]]
-
-
-@dataclass
-class Problem:
-    """A graph, its devices and every op's strategies and work, computed once."""
-
-    graph: AtenGraph
-    devices: Devices
-    options: list[list[Strategy]]
-    work: list[np.ndarray]
-    remaining_reads: list[dict[str, int]]  # after op k: tensor -> reads still to come
-    needs_grad: dict[str, bool]
-    lower: list[float]  # lower[k] = sum of balanced times of ops k..end
-    # after op k: tensor -> placements some later reader may ask for (what a state must remember)
-    future_needs: list[dict[str, frozenset[str]]] = field(default_factory=list)
-    # uneven all-gather / reduce-scatter: "auto" (padded or grouped, per message) or one global
-    # choice for the whole program, "padded" | "grouped" (HAP's flag)
-    collectives: str = "auto"
-    # weight of parameter-gradient collectives in the objective: 1 counts them in full (HAP's
-    # sum of every instruction's time); below 1 they are expected to run behind the backward of
-    # earlier ops, as data parallelism overlaps them (`plait.spmd.ratios.synthesize_overlapped`)
-    overlap: float = 1.0
-    # parameter -> the placement it is stored in, where that is not its first reader's (ZeRO-3 /
-    # FSDP storage, Rajbhandari et al. SC'20: a replicated reader all-gathers it in the forward and
-    # reduce-scatters its gradient back; the optimizer steps the shard). Empty: HAP's rule
-    homes: dict[str, str] = field(default_factory=dict)
-    # placements each output may be left in at the program's end for free (None: any -- the loss
-    # of a whole-model program); an output left in another one is gathered whole there and the
-    # objective pays it: a pipeline stage's boundary (`plait.sim.compose_lower.boundary_comms`:
-    # what the next stage receives is whole, the last stage's loss may read batch shards)
-    outputs_free: dict[str, tuple[str, ...]] | None = None
-
-    def weight(self, comm: Comm) -> float:
-        """The objective's weight of `comm` (`overlap` for a parameter's gradient collective)."""
-        if self.overlap != 1.0 and comm.phase == "bwd" and self.graph.tensors[comm.tensor].role == "param":
-            return self.overlap
-        return 1.0
-
-    @functools.cached_property
-    def nbytes(self) -> dict[str, int]:
-        return {name: t.nbytes for name, t in self.graph.tensors.items()}
-
-    @classmethod
-    def build(cls, graph: AtenGraph, devices: Devices, collectives: str = "auto", overlap: float = 1.0,
-              outputs_free: dict[str, tuple[str, ...]] | None = None) -> Problem:
-        if collectives not in ("auto", "padded", "grouped"):
-            raise ShardingError(f"collectives: must be 'auto', 'padded' or 'grouped', got {collectives!r}")
-        if not 0.0 <= overlap <= 1.0:
-            raise ShardingError(f"overlap: the weight of gradient collectives must be in [0, 1], got {overlap}")
-        options = [strategies(op, graph, devices.n) for op in graph.ops]
-        work = [op_work(op, graph, devices) for op in graph.ops]
-        reads: dict[str, int] = {}
-        for op in graph.ops:
-            for t in set(op.inputs):
-                reads[t] = reads.get(t, 0) + 1
-        for t in graph.outputs:
-            reads[t] = reads.get(t, 0) + 1  # the loss reads the outputs
-        remaining = []
-        for op in graph.ops:
-            for t in set(op.inputs):
-                reads[t] -= 1
-            remaining.append(dict(reads))
-        needs_grad = {name: t.dtype.startswith(("float", "bfloat")) and t.role in ("activation", "param")
-                      for name, t in graph.tensors.items()}
-        bounds = [balanced_time(w) for w in work]
-        lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
-        return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
-                   future_needs_of(graph, options), collectives, overlap, outputs_free=outputs_free)
-
-
-@dataclass
-class Program:
-    """The result: one strategy per op, the collectives, the cost and how the search went."""
-
-    strategies: dict[str, Strategy]
-    comms: list[tuple[str, Comm]] = field(default_factory=list)  # (op that needs it, collective)
-    cost: float = 0.0
-    compute: float = 0.0
-    communication: float = 0.0
-    expanded: int = 0  # states taken off the heap
-    generated: int = 0  # states pushed
-    optimal: bool = True  # False when found by the beam search (`beam_search`)
-    homes: dict[str, str] = field(default_factory=dict)  # `Problem.homes` of the parameters it reads
-
-
-def stored_placements(graph: AtenGraph, program: Program) -> dict[str, str]:
-    """Where each parameter the program reads is stored: its `Program.homes` entry, else where
-    its first reader reads it (whole when that reader reads a partial sum) -- the one rule of the
-    search, the memory model, the simulator's optimizer and the runtime."""
-    stored: dict[str, str] = {}
-    for op in graph.ops:
-        s = program.strategies[op.name]
-        for t, q in zip(op.inputs, s.inputs):
-            if t not in stored and graph.tensors[t].role == "param":
-                stored[t] = program.homes.get(t) or (REPLICATED if q == PARTIAL else q)
-    return stored
-
-
-def future_needs_of(graph: AtenGraph, options: list[list[Strategy]]) -> list[dict[str, frozenset[str]]]:
-    """For each k, the placements the readers after op k may require of each tensor op k reads
-    (`step` asks only about those): a state forgets what was provided that no one will ask for
-    again (states that differ only there are the same state -- the search's main saving)."""
-    needs: dict[str, set[str]] = {}
-    out: list[dict[str, frozenset[str]]] = [{} for _ in graph.ops]
-    for k in range(len(graph.ops) - 1, -1, -1):
-        op = graph.ops[k]
-        out[k] = {t: frozenset(needs[t]) for t in op.inputs if t in needs}
-        for s in options[k]:
-            for t, q in zip(op.inputs, s.inputs):
-                needs.setdefault(t, set()).add(q)
-    return out
 
 
 class SearchBudgetExceeded(ShardingError):
     """The exact search expanded more states than it was allowed."""
-
-
-_grad_home = grad_home  # one rule, shared with the runtime's per-rank programs
-
-
-class _Times:
-    """Per-search caches at fixed ratios: compute of (op, strategy); each collective's algorithm
-    (chosen per message, `plait.spmd.cost.choose`), time and weighted time; each (op, strategy)'s
-    inputs as `step` walks them."""
-
-    def __init__(self, problem: Problem, ratios: np.ndarray) -> None:
-        self.problem, self.ratios = problem, ratios
-        self.compute: dict[tuple[int, bool], float] = {}
-        self.comm: dict[Comm, tuple[Comm, float]] = _shared_comm_times(problem, ratios)
-        # id(comm) -> (comm, chosen comm, weighted seconds): `conversion` hands out the same Comm
-        # objects, and an identity lookup skips hashing the dataclass (the entry keeps it alive)
-        self.by_id: dict[int, tuple[Comm, Comm, float]] = {}
-        self.walks: dict[tuple[int, int], tuple] = {}
-
-    def of_compute(self, k: int, splits: bool) -> float:
-        key = (k, splits)
-        t = self.compute.get(key)
-        if t is None:
-            t = self.compute[key] = compute_time(self.problem.work[k], splits, self.ratios)
-        return t
-
-    def of_comm(self, c: Comm) -> tuple[Comm, float]:
-        hit = self.comm.get(c)
-        if hit is None:
-            hit = self.comm[c] = choose(c, self.problem.devices, self.ratios, self.problem.collectives)
-        return hit
-
-    def weighted(self, c: Comm) -> tuple[Comm, float]:
-        """`of_comm`'s chosen collective and its seconds times `Problem.weight`."""
-        hit = self.by_id.get(id(c))
-        if hit is None or hit[0] is not c:
-            chosen, t = self.of_comm(c)
-            hit = self.by_id[id(c)] = (c, chosen, t * self.problem.weight(c))
-        return hit[1], hit[2]
-
-    def walk(self, k: int, strategy: Strategy) -> tuple:
-        """(tensor, placement, needs grad, last read, placements later readers may ask for or None,
-        bytes) per distinct input of op `k` under `strategy`."""
-        key = (k, id(strategy))
-        hit = self.walks.get(key)
-        if hit is None or hit[0] is not strategy:
-            p = self.problem
-            op = p.graph.ops[k]
-            left = p.remaining_reads[k]
-            wanted = p.future_needs[k] if p.future_needs else None
-            items = tuple((t, q, p.needs_grad[t], left.get(t, 0) == 0,
-                           None if wanted is None else wanted.get(t, frozenset()), p.nbytes[t])
-                          for t, q in dict.fromkeys(zip(op.inputs, strategy.inputs)))
-            outs = tuple((t, q) for t, q in zip(op.outputs, strategy.outputs) if left.get(t, 0) > 0)
-            hit = self.walks[key] = (strategy, items, outs)
-        return hit[1], hit[2]
-
-
-_NOTHING: frozenset = frozenset()
-# (devices, collective choice, ratios) -> {comm: (chosen comm, seconds)}, the last few: the searches
-# of one synthesis round (probe and full width, forced parameters, overlap weights) share them
-_COMM_TIMES: dict[tuple, tuple[Devices, dict[Comm, tuple[Comm, float]]]] = {}
-
-
-def _shared_comm_times(problem: Problem, ratios: np.ndarray) -> dict[Comm, tuple[Comm, float]]:
-    key = (id(problem.devices), problem.collectives, np.asarray(ratios, dtype=float).tobytes())
-    hit = _COMM_TIMES.get(key)
-    if hit is not None and hit[0] is problem.devices:
-        return hit[1]
-    while len(_COMM_TIMES) >= 8:
-        _COMM_TIMES.pop(next(iter(_COMM_TIMES)))
-    table: dict[Comm, tuple[Comm, float]] = {}
-    _COMM_TIMES[key] = (problem.devices, table)
-    return table
-
-
-def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
-         ratios: np.ndarray, times: _Times | None = None) -> tuple[float, float, list[Comm], dict[str, Live]] | None:
-    """Place op `k` with `strategy`: (compute, communication, collectives, new live set), or None
-    when some input cannot be converted to the placement the strategy needs."""
-    graph = problem.graph
-    times = times or _Times(problem, ratios)
-    items, outs = times.walk(k, strategy)
-    sharded = strategy.sharded
-    new = dict(live)
-    comms: list[Comm] = []
-    for t, q, needs_grad, dropped, need, nbytes in items:
-        entry = new.get(t)
-        if entry is not None:
-            origin, given = entry
-        else:  # a parameter or input, first read: stored as this reader wants it (sliced for free)
-            origin, given = (problem.homes.get(t) or (REPLICATED if q == PARTIAL else q)), _NOTHING
-        if q != origin and all(p != q for p, _ in given):
-            conv = conversion(origin, q, t, nbytes)
-            if conv is None:
-                return None
-            comms.extend(conv)
-        mine = (q, sharded)
-        if needs_grad and mine not in given:
-            back = conversion(grad_placement(q, sharded), _grad_home(origin), t, nbytes, "bwd")
-            if back is None:
-                return None
-            comms.extend(back)
-        if dropped:
-            new.pop(t, None)
-            continue
-        if need is not None:  # forget what no later reader can ask for
-            given = frozenset(g for g in (*given, mine) if g[0] in need)
-        else:
-            given = given | {mine}
-        new[t] = (origin, given)
-    for t, p in outs:
-        new[t] = (p, _NOTHING)
-    if k == len(graph.ops) - 1:  # the loss reads every output whole: partial sums are reduced
-        for t, p in zip(graph.ops[k].outputs, strategy.outputs):
-            new.setdefault(t, (p, _NOTHING))
-        for t in graph.outputs:
-            if t in new and new[t][0] == PARTIAL:
-                comms.append(Comm("all_reduce", t, graph.tensors[t].nbytes))
-            elif problem.outputs_free is not None and t in new and new[t][0] not in problem.outputs_free.get(t, ()):
-                comms.extend(conversion(new[t][0], REPLICATED, t, graph.tensors[t].nbytes) or ())
-    compute = times.of_compute(k, strategy.splits_work)
-    communication = 0.0
-    for i, c in enumerate(comms):
-        comms[i], t = times.weighted(c)
-        communication += t
-    return compute, communication, comms, new
 
 
 def _key(k: int, live: dict[str, Live]) -> tuple:
@@ -309,11 +52,11 @@ def search(problem: Problem, ratios: Sequence[float], *, heuristic: bool = True,
 
 
 def _astar(problem: Problem, ratios: Sequence[float], heuristic: bool, max_states: int) -> Program:
-    r = _check_ratios(ratios, problem.devices)
+    r = check_ratios(ratios, problem.devices)
     n = len(problem.graph.ops)
     lower = _lower_bounds(problem, r) if heuristic else [0.0] * (n + 1)
     counter = itertools.count()
-    times = _Times(problem, r)
+    times = StepCosts(problem, r)
     start: dict[str, Live] = {}
     # ties on f go to the deeper state (-k): on the plateaus of equal-cost choices (cheap ops whose
     # strategies cost the same) this finishes one path instead of widening all of them
@@ -355,10 +98,10 @@ def beam_search(problem: Problem, ratios: Sequence[float], width: int = 64) -> P
 
 
 def _beam(problem: Problem, ratios: Sequence[float], width: int) -> Program:
-    r = _check_ratios(ratios, problem.devices)
+    r = check_ratios(ratios, problem.devices)
     lower = _lower_bounds(problem, r)
     level: list[tuple[float, dict[str, Live], tuple | None]] = [(0.0, {}, None)]
-    times = _Times(problem, r)
+    times = StepCosts(problem, r)
     expanded = generated = 0
     for k in range(len(problem.graph.ops)):
         seen: dict[tuple, tuple[float, dict[str, Live], tuple | None]] = {}
@@ -401,27 +144,6 @@ def _finish(problem: Problem, path: tuple | None, r: np.ndarray, expanded: int, 
     return program
 
 
-def evaluate(problem: Problem, choice: Sequence[int], ratios: Sequence[float]) -> Program:
-    """Replay one strategy index per op; ShardingError naming the op when one cannot follow."""
-    r = _check_ratios(ratios, problem.devices)
-    live: dict[str, Live] = {}
-    times = _Times(problem, r)
-    program = Program(strategies={}, homes=dict(problem.homes))
-    for k, index in enumerate(choice):
-        op = problem.graph.ops[k]
-        strategy = problem.options[k][index]
-        done = step(problem, k, live, strategy, r, times)
-        if done is None:
-            raise ShardingError(f"op {op.name}: strategy {strategy} needs a conversion that does not exist")
-        compute, communication, comms, live = done
-        program.strategies[op.name] = strategy
-        program.comms.extend((op.name, c) for c in comms)
-        program.compute += compute
-        program.communication += communication
-    program.cost = program.compute + program.communication
-    return program
-
-
 def exhaustive(problem: Problem, ratios: Sequence[float]) -> Program:
     """The cheapest program by trying every combination (small graphs only: the tests' oracle)."""
     best: Program | None = None
@@ -437,24 +159,3 @@ def exhaustive(problem: Problem, ratios: Sequence[float]) -> Program:
     return best
 
 
-def _check_ratios(ratios: Sequence[float], devices: Devices) -> np.ndarray:
-    r = np.asarray(ratios, dtype=float)
-    if r.shape != (devices.n,):
-        raise ShardingError(f"ratios: expected one per device ({devices.n}), got {len(r)}")
-    if np.any(r < 0) or not np.isclose(r.sum(), 1.0):
-        raise ShardingError(f"ratios: must be non-negative and sum to 1, got {list(ratios)}")
-    return r
-
-
-def sharded_dims(program: Program, problem: Problem) -> dict[str, tuple[str, int]]:
-    """tensor -> (placement, size of its sharded dimension) for every tensor a strategy shards."""
-    out: dict[str, tuple[str, int]] = {}
-    for op in problem.graph.ops:
-        s = program.strategies.get(op.name)
-        if s is None:
-            continue
-        for t, p in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs)):
-            d = shard_dim(p)
-            if d is not None:
-                out.setdefault(t, (p, problem.graph.tensors[t].shape[d]))
-    return out

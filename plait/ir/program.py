@@ -76,7 +76,7 @@ class Comm:
 
     `nbytes` is the full (unsharded) tensor's size; `group` the devices it spans ("world": all of
     the program's devices); `phase` "fwd" or "bwd" (a gradient's collective); `algorithm` how it
-    runs, chosen per message by the search (`plait.spmd.cost.choose`): "padded" or "grouped"
+    runs, chosen per message by the search (`plait.cost.spmd.choose`): "padded" or "grouped"
     for uneven all-gathers and reduce-scatters, NCCL's ring / tree / hierarchical for
     all-reduces; None until chosen."""
 
@@ -138,3 +138,45 @@ def shard_sizes(size: int, ratios: Sequence[float], unit: int = 1, *, what: str 
             f"of a dimension of {size} (in units of {unit}); give every device a ratio of at least "
             f"{unit / size:.3g} or shard another dimension")
     return [int(s) * unit for s in sizes]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op: the placement each input must have and each output gets."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    sharded: bool  # devices compute different parts (a replicated input's gradient is partial)
+
+    @functools.cached_property
+    def splits_work(self) -> bool:
+        """Whether each device does only its ratio of the work: some tensor is sharded. An op on
+        partial sums alone (``P + P``, ``P * R``) is different on each device but full-size."""
+        return any(p.startswith("S") for p in (*self.inputs, *self.outputs))
+
+
+NODE, RAIL, WORLD = "node", "rail", "world"  # `Comm.group` of a hierarchical program's collectives
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Device ids of the cluster, one row per node (outer index ``a``, inner index ``j``)."""
+
+    nodes: tuple[tuple[int, ...], ...]
+
+    @property
+    def outer(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def inner(self) -> int:
+        return len(self.nodes[0])
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """Every device, node-major (the order of the world `Devices` of a hierarchical program)."""
+        return tuple(i for node in self.nodes for i in node)
+
+    def rails(self) -> list[tuple[int, ...]]:
+        """Rail ``j``: device ``j`` of every node."""
+        return [tuple(node[j] for node in self.nodes) for j in range(self.inner)]

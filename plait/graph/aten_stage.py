@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from plait.ir.aten_graph import AtenGraph, TensorMeta
-from plait.spmd.placement import ShardingError
+from plait.ir.program import ShardingError
 
 
 def stage_subgraph(graph: AtenGraph, layers: Iterable[str], *, name: str | None = None) -> AtenGraph:
@@ -82,7 +82,7 @@ def batch_loss_output(sub: AtenGraph, strategies: dict[str, Any]) -> str | None:
     stage's one output when its producer's strategy leaves it sharded on dimension 0 of batch size.
     The runtime (`plait.runtime.compose_worker`) and the simulator (`plait.sim.compose_lower`) both
     ask here."""
-    from plait.spmd.placement import shard_dim
+    from plait.ir.program import shard_dim
 
     if len(sub.outputs) != 1:
         return None

@@ -31,32 +31,14 @@ redundant one's is all of it (`plait.spmd.cost`). `local_call` runs an op on one
 
 from __future__ import annotations
 
-import functools
 import string
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from plait.ir.aten_graph import AtenGraph, AtenOp
-from plait.spmd.placement import PARTIAL, REPLICATED, ShardingError, shard, shard_dim
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One way to run an op: the placement each input must have and each output gets."""
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    sharded: bool  # devices compute different parts (a replicated input's gradient is partial)
-
-    @functools.cached_property
-    def splits_work(self) -> bool:
-        """Whether each device does only its ratio of the work: some tensor is sharded. An op on
-        partial sums alone (``P + P``, ``P * R``) is different on each device but full-size."""
-        return any(p.startswith("S") for p in (*self.inputs, *self.outputs))
-
+from plait.ir.program import PARTIAL, REPLICATED, ShardingError, Strategy, shard, shard_dim
 
 Shapes = list[list[int]]
 Rule = Callable[[AtenOp, Shapes, Shapes], list[Strategy]]
@@ -412,7 +394,7 @@ def _dim_map(src: list[int], dst: list[int]) -> dict[int, int]:
         # sharding the outermost dimension of a group keeps every shard contiguous when one of
         # the two outermost dimensions is a multiple of the other: rows of b become rows of b*a
         # (a per row), and rows of b*a, taken a at a time, become rows of b (the rounding of
-        # `plait.spmd.ratios.round_shards` keeps linked dimensions in proportion)
+        # `plait.cost.program.round_shards` keeps linked dimensions in proportion)
         lead = next((k for k in gi if src[k] > 1), None)
         out = next((k for k in gj if dst[k] > 1), None)
         if lead is not None and out is not None and (dst[out] % src[lead] == 0 or src[lead] % dst[out] == 0):

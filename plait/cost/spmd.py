@@ -50,7 +50,7 @@ from plait.cost.collectives import (
 )
 from plait.cost.compute import DEFAULT_MODEL, op_time
 from plait.ir.aten_graph import AtenGraph, AtenOp
-from plait.spmd.placement import Comm, ShardingError
+from plait.ir.program import Comm, Mesh, ShardingError
 
 BACKWARD_FACTOR = 3.0  # forward + backward work, as multiples of the forward
 PADDED = UNEVEN_OPS  # collectives whose time may depend on the largest ratio
@@ -177,3 +177,63 @@ def comm_affine(comm: Comm, devices: Devices) -> tuple[float, float]:
 def comm_time(comm: Comm, devices: Devices, ratios: np.ndarray) -> float:
     """Seconds of `comm` at `ratios` (its algorithm chosen there when not set)."""
     return comm_seconds(comm, devices, ratios)
+
+
+def mesh_of(cluster: Cluster, devices: Sequence[int] | None = None) -> Mesh:
+    """The nodes x GPUs mesh of `cluster` (or of `devices` of it); ShardingError naming the node
+    when the nodes do not hold the same number of the devices (a mesh needs equal rows)."""
+    every = cluster.devices
+    ids = list(range(len(every))) if devices is None else list(devices)
+    rows: dict[int, list[int]] = {}
+    for i in ids:
+        if not 0 <= i < len(every):
+            raise ShardingError(f"device {i} is not in cluster {cluster.name!r} ({len(every)} devices)")
+        rows.setdefault(every[i].node, []).append(i)
+    first = min(rows)
+    for node, r in sorted(rows.items()):
+        if len(r) != len(rows[first]):
+            raise ShardingError(f"cluster {cluster.name!r}: node {cluster.nodes[node].name!r} has {len(r)} of the "
+                                f"devices, node {cluster.nodes[first].name!r} {len(rows[first])}: a two-level mesh "
+                                "needs the same number of devices on every node")
+    return Mesh(tuple(tuple(r) for _, r in sorted(rows.items())))
+
+
+def _links(cluster: Cluster, ids: Sequence[int]) -> GroupLinks:
+    every = cluster.devices
+    return group_links(list(ids), bandwidth_matrix(cluster), latency_matrix(cluster), [d.node for d in every],
+                       [max(1, n.nics) for n in cluster.nodes], measured_tables(cluster))
+
+
+def rail_links(cluster: Cluster, mesh: Mesh) -> list[GroupLinks]:
+    """The links of each rail as one of the ``g`` rails running at once sees them: a node's NICs
+    are shared, so one rail's inter-node bandwidth is ``min(g, NICs) / g`` of what the rail's ring
+    alone would get (`group_links` counts one NIC per member of a node) -- on the node with the
+    fewest NICs, since the ring crosses every node."""
+    out = []
+    g = mesh.inner
+    for rail in mesh.rails():
+        links = _links(cluster, rail)
+        nics = min(min(max(1, cluster.nodes[cluster.devices[i].node].nics), g) for i in rail)
+        share = nics / g
+        out.append(dataclasses.replace(links, ring_bandwidth=links.ring_bandwidth * share,
+                                       inter_bandwidth=links.inter_bandwidth * share, measured=()))
+    return out
+
+
+def rail_time(nbytes: float, shares: np.ndarray | None, rails: Sequence[GroupLinks],
+              node_links: Sequence[GroupLinks]) -> float:
+    """Seconds of one parameter gradient's cross-node all-reduce.
+
+    `shares`: the inner ratios when the inner program stores it sharded (rail ``j`` all-reduces
+    ``shares[j] nbytes``); None when replicated (each rail ``nbytes / g``, then an intra-node
+    all-gather of the whole, the slowest node's)."""
+    g = len(rails)
+    if shares is None:
+        part = [nbytes / g] * g
+        gather = max(collective_time("all_gather", nbytes, links, "ring") for links in node_links)
+    else:
+        part = [float(s) * nbytes for s in shares]
+        gather = 0.0
+    ring = max(collective_time("all_reduce", p, links, choose_algorithm("all_reduce", p, links))
+               for p, links in zip(part, rails))
+    return ring + gather
