@@ -77,7 +77,7 @@ from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import group_links, measured_tables
 from plait.cost.compute import optimizer_time
 from plait.cost.memory import memory_model, state_bytes_per_param
-from plait.cost.program import Problem, Program
+from plait.cost.program import Problem, Program, Synthesis
 from plait.cost.spmd import Devices, balanced_time, mesh_of, rail_links, rail_time
 from plait.graph.aten_capture import capture_aten
 from plait.graph.aten_stage import free_outputs
@@ -86,7 +86,7 @@ from plait.ir.program import Comm, ShardingError, shard_sizes
 from plait.search.spmd_family import OVERLAP_WEIGHTS, synthesize_program
 from plait.sim.api import simulate_spmd
 from plait.spmd.mesh import Hierarchical, node_batches, synthesize_hierarchical
-from plait.spmd.ratios import Synthesis, synthesize
+from plait.spmd.ratios import synthesize
 
 DATA = Path(__file__).resolve().parent / "data"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -186,7 +186,7 @@ def test_one_device_stage_feeding_a_two_device_stage_equals_one_process() -> Non
                                    width=16).strategies, [0.3, 0.7], 2).spmd
     plan = Plan(pp=2, micro_batch=2, global_batch=8, dtype="fp32", stage_edges=[(0, 1)],
                 stages=[StageSpec("s0", TINY_SPLIT[0], [0], spmd=one), StageSpec("s1", TINY_SPLIT[1], [1, 2], spmd=two)])
-    assert supports(plan) == (True, "") and np.isclose(sum(two["ratios"]), 1.0)
+    assert supports(plan) == (True, "") and np.isclose(sum(two.ratios), 1.0)
     training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5)
     ref_losses, ref_params = reference_run(TINY, plan, STEPS, training=training)
     result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180),

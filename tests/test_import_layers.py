@@ -45,3 +45,18 @@ def test_cluster_package_has_no_import_cycle() -> None:
             if imp.startswith("plait.cluster.") and imp != m:
                 g.add_edge(m, imp)
     assert not list(nx.simple_cycles(g))
+
+
+def test_sim_and_runtime_import_no_planner() -> None:
+    """Issue 27: the simulator and the runtime read plans (`plait.ir`) and costs (`plait.cost`),
+    never a planner -- not even inside a function (grimp reads every import statement)."""
+    import grimp
+
+    graph = grimp.build_graph("plait", include_external_packages=False, cache_dir=None)
+    planners = ("plait.plan", "plait.spmd", "plait.search")
+    found = [(m, imp) for pkg in ("plait.sim", "plait.runtime") for m in graph.find_descendants(pkg)
+             for imp in graph.find_modules_directly_imported_by(m) if imp.startswith(planners)]
+    assert found == []
+    graph.add_import(importer="plait.sim.api", imported="plait.spmd.search", line_number=1,
+                     line_contents="from plait.spmd.search import search")
+    assert graph.find_shortest_chain(importer="plait.sim.api", imported="plait.spmd.search")

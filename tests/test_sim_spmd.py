@@ -12,11 +12,10 @@ from torch import nn
 from plait.cost.collectives import choose_algorithm, collective_time
 from plait.cost.compute import DEFAULT_MODEL, op_time, optimizer_time
 from plait.cost.memory import memory_model
-from plait.cost.program import Problem, evaluate
+from plait.cost.program import Problem, Synthesis, evaluate
 from plait.cost.spmd import Devices
 from plait.graph.aten_capture import capture_aten
 from plait.sim.api import SimResult, simulate_spmd
-from plait.spmd.ratios import Synthesis
 
 
 def data_parallel(problem: Problem, ratios: np.ndarray) -> Synthesis:
@@ -207,7 +206,7 @@ def test_a_plan_with_stored_parameters_simulates_as_its_synthesis(tmp_path) -> N
     from plait.graph.zoo import load_model
     from plait.ir.plan import Plan, PlanError
     from plait.sim.api import simulate_spmd_plan
-    from plait.spmd.program_plan import plan_homes, program_plan
+    from plait.spmd.program_plan import program_plan
     from plait.spmd.ratios import stored_homes, synthesize, synthesize_stored
 
     model, batch = "bert:layers=1,hidden=32,heads=2,seq=8,vocab=64", 8
@@ -221,7 +220,7 @@ def test_a_plan_with_stored_parameters_simulates_as_its_synthesis(tmp_path) -> N
     assert syn is not None and syn.program.homes == homes
     path = tmp_path / "spmd.json"
     program_plan(syn.program.strategies, syn.segment_ratios, batch, model=model, homes=homes).save(path)
-    assert plan_homes(Plan.load(path)) == homes
+    assert Plan.load(path).spmd.homes == homes
     want = simulate_spmd(problem, syn, cluster, bucket_bytes=None, batch=batch)
     got = simulate_spmd_plan(model, cluster, str(path))
     assert got.iteration_time_s == pytest.approx(want.iteration_time_s, rel=1e-9)

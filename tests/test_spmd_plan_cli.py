@@ -31,8 +31,8 @@ def test_json_and_a_plan_file_that_names_every_op(tmp_path, capsys) -> None:
     assert abs(sum(res["ratios"]) - 1) < 1e-9 and res["fits"]
     assert res["predicted_iteration_s"] <= res["predicted_even_s"] * (1 + 1e-9)
     plan = Plan.load(str(out))
-    assert plan.spmd is not None and plan.world_size == 2 and len(plan.spmd["strategies"]) == res["ops"]
-    assert plan.spmd["model"] == res["model"]
+    assert plan.spmd is not None and plan.world_size == 2 and len(plan.spmd.strategies) == res["ops"]
+    assert plan.spmd.model == res["model"]
 
 
 def test_the_machine_model_is_calibrated_to_what_was_measured(choice) -> None:
@@ -127,7 +127,7 @@ def test_ranks_calibrated_to_their_own_program_model_its_time_as_their_work() ->
     sharded = synthesize_plan("gpt:layers=2,hidden=128,heads=4,seq=64,vocab=256,dropout=0,attn_dropout=0",
                               pair, 64, dtype="fp16")
     assert any(s.splits_work for s in sharded.synthesis.program.strategies.values())
-    ratios = sharded.plan.spmd["ratios"]
+    ratios = sharded.plan.spmd.ratios
     cal = {"all_gather": [[1e3, 1e-5], [1e6, 2e-3]]}
     devices = machine_devices(sharded, 0.2, [1.0, 4.8], cal, ratios, [0.15, 0.05])
     assert rank_work(sharded, devices, ratios, [1.0, 4.8]) == pytest.approx([0.15, 0.05], rel=1e-9)
@@ -263,11 +263,11 @@ def test_an_fp16_plan_says_fp16_prices_fp16_bytes_and_names_its_collectives(tmp_
     assert acts and all(g16.tensors[t].nbytes * 2 == g32.tensors[t].nbytes for t in acts)
     uneven = {c.tensor: c.algorithm for _, c in choice.synthesis.program.comms
               if c.op in ("all_gather", "reduce_scatter")}
-    written = choice.plan.spmd.get("collectives", {})
+    written = choice.plan.spmd.collectives
     assert uneven and set(written) == set(uneven) and set(written.values()) <= {"padded", "grouped"}
     assert written == plan_collectives(choice.synthesis.program.comms, choice.problem.devices,
-                                       choice.plan.spmd["ratios"])
-    assert plan.spmd.get("collectives", {}) == written and choice.even_plan.spmd.get("collectives", {}) == written
+                                       choice.plan.spmd.ratios)
+    assert plan.spmd.collectives == written and choice.even_plan.spmd.collectives == written
 
 
 def test_plan_collectives_keeps_each_message_choice_and_settles_a_conflict_by_time() -> None:
@@ -312,11 +312,11 @@ def test_the_spmd_family_captures_and_prices_at_the_plans_dtype(tmp_path) -> Non
     model = "vgg19:width=16,fc=1024,image=32,pool=1,classes=10,dropout=0"
     res = search_spmd(model, cluster, global_batch=32, top=1, evaluate=None, supports=None, dtype="fp16")
     plan = res.top[0].plan
-    assert plan.dtype == "fp16" and plan.spmd.get("collectives")
+    assert plan.dtype == "fp16" and plan.spmd.collectives
     spec = load_model(model)
     cost = {dt: synthesize(Problem.build(capture_graph(spec, 32, dt), Devices.from_cluster(cluster, "fp16")),
                            dtype="fp16", max_states=20_000).cost for dt in ("fp16", "fp32")}
-    assert plan.spmd["predicted_s"] == pytest.approx(cost["fp16"], rel=1e-12)
+    assert plan.spmd.predicted_s == pytest.approx(cost["fp16"], rel=1e-12)
     assert cost["fp16"] < cost["fp32"]  # fp32 bytes would price its messages twice as large
 
 

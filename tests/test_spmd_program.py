@@ -305,14 +305,14 @@ def test_ratios_per_segment_must_match_the_program() -> None:
 # ----------------------------------------------------------------------------- a plan file through the launcher
 def test_plan_round_trips_and_validates() -> None:
     from plait.ir.plan import Plan, PlanError
-    from plait.spmd.program_plan import plan_ratios, plan_strategies, program_plan
+    from plait.spmd.program_plan import program_plan
 
     graph = captured("vgg19")[4]
     program = synthesized(graph)
     plan = program_plan(program.strategies, [[0.7, 0.3]] * 1, BATCH, model=MODELS["vgg19"], predicted_s=0.1)
     back = Plan.from_json(plan.to_json())
-    assert back == plan and back.world_size == 2 and plan_strategies(back) == program.strategies
-    assert plan_ratios(back).shape == (1, 2)
+    assert back == plan and back.world_size == 2 and back.spmd.strategies == program.strategies
+    assert back.spmd.ratio_array().shape == (1, 2)
     assert "spmd" not in Plan().to_dict()  # other plans are written as before
     bad = plan.to_dict()
     bad["spmd"]["strategies"][graph.ops[0].name] = [["S0"], ["Q"], True]

@@ -455,7 +455,7 @@ def _cells(c: Any, group: list[Any], index: int, kinds: list[str]) -> dict[str, 
     if family == "graph" and p.stages:  # (a one-stage graph is pure data parallelism, in the 3D form)
         opts = f"{len(p.stages)} stages, " + ", ".join(sorted({f"dp{s.dp}" for s in p.stages}))
     elif family == "spmd" and p.spmd is not None:
-        r = p.spmd["ratios"]
+        r = p.spmd.ratios
         vec = r[0] if r and isinstance(r[0], list) else r
         opts = "SPMD program, ratios " + ":".join(f"{x:.2f}" for x in vec[:8]) + (" ..." if len(vec) > 8 else "")
     cells = {"#": str(index), "family": family, "dp": str(p.dp), "tp": str(p.tp), "pp": str(p.pp), "mb": str(p.micro_batch),

@@ -91,7 +91,7 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
                         homes=syn.program.homes)
     # the even program runs the same collectives the same way (its predicted time prices them so)
     even_plan = program_plan(syn.program.strategies, even, batch, model=spec.spec, predicted_s=even_cost,
-                             dtype=dtype, collectives=plan.spmd.get("collectives"), homes=syn.program.homes)
+                             dtype=dtype, collectives=plan.spmd.collectives, homes=syn.program.homes)
     run_graph = graph if dtype == "fp32" else capture_graph(spec, batch, "fp32")
     return SpmdChoice(spec.spec, cluster_obj, graph, problem, syn, plan, even_plan, even_cost, dtype, run_graph)
 
@@ -401,12 +401,12 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) ->
             timing = ranks_timing(calibration) if calibration else None
             if timing is None:
                 continue
-            devices = machine_devices(choice, timing.program, slow, calibration, plan.spmd["ratios"], timing.own)
-            pieces = machine_pieces(choice, devices, plan.spmd["ratios"], timing, slow)
+            devices = machine_devices(choice, timing.program, slow, calibration, plan.spmd.ratios, timing.own)
+            pieces = machine_pieces(choice, devices, plan.spmd.ratios, timing, slow)
             pred = sum(pieces.values())
             meas = out[name]["measured_iteration_s"]
             out[name].update({"predicted_machine_s": pred, "predicted_pieces": pieces,
-                              "predicted_rank_work_s": rank_work(choice, devices, plan.spmd["ratios"], slow), "error": (meas - pred) / pred if pred > 0 else None,
+                              "predicted_rank_work_s": rank_work(choice, devices, plan.spmd.ratios, slow), "error": (meas - pred) / pred if pred > 0 else None,
                               "one_rank_s": {k: np.asarray(v).tolist() for k, v in dataclasses.asdict(timing).items()},
                               "links": {"alpha_s": devices.links.ring_latency,
                                         "bandwidth_Bps": devices.links.ring_bandwidth}})

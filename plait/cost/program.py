@@ -421,3 +421,28 @@ def round_shards(problem: Problem, program: Program, ratios: Sequence[float] | n
         for (t, d), size in zip(members, sizes):
             out[(t, d)] = [b * (size // gcd) for b in base]
     return out
+
+
+@dataclass
+class Synthesis:
+    """A program at its ratios (one vector, and one per segment), with its predicted cost and the bytes
+    each device keeps: what the planner's synthesis (`plait.spmd.ratios.synthesize`) returns and
+    the simulator runs (`plait.sim.api.simulate_spmd`)."""
+
+    program: Program
+    ratios: np.ndarray
+    cost: float
+    memory: np.ndarray
+    rounds: list[float] = field(default_factory=list)  # cost after each search + LP round
+    expanded: int = 0
+    seconds: float = 0.0
+    segment_ratios: np.ndarray | None = None  # (segments, devices)
+    segments: Segments | None = None
+    capacity: np.ndarray | None = None  # bytes per device
+    overlap: float = 1.0  # weight of parameter-gradient collectives it was searched with
+    forced: tuple[str, ...] = ()  # parameters forced to shards for the program to fit
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device holds what the program keeps (always, unless memory=False)."""
+        return self.capacity is None or bool(np.all(self.memory <= self.capacity * (1 + 1e-9)))

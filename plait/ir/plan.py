@@ -36,6 +36,7 @@ When `stages` is empty the stage DAG is the chain implied by `pp` and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -46,6 +47,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.ir.formats import check_version, stamp
+from plait.ir.program import SPMD_VERSION, SpmdProgram
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved", "eager_1f1b")  # eager_1f1b: composed plans (runtime.supports)
@@ -85,10 +87,11 @@ class StageSpec:
     dp_shares: list[float] | None = None
     tp_ratios: list[float] | None = None
     # A HAP-style SPMD program of the stage's layers on its devices (composition of families: a
-    # pipeline whose stages are SPMD programs), in `Plan.spmd`'s versioned layout, one ratio per
-    # device of `devices` (in order), synthesized at the stage's micro-batch. Such a stage has
-    # dp = tp = 1 and no shares or ratios of its own. None: the stage runs dp x tp as usual.
-    spmd: dict[str, Any] | None = None
+    # pipeline whose stages are SPMD programs; `plait.ir.program.SpmdProgram`, a dict in its
+    # layout is read as one), one ratio per device of `devices` (in order), synthesized at the
+    # stage's micro-batch. Such a stage has dp = tp = 1 and no shares or ratios of its own.
+    # None: the stage runs dp x tp as usual.
+    spmd: SpmdProgram | None = None
     # Per-input fan-in (graph pipelines): `layers` cut into consecutive runs of these sizes, each
     # run its own forward step that waits only for the inputs it reads (a stage holding a branch's
     # last block and the join runs the block before the other branch's input arrives; GraphPipe
@@ -106,7 +109,8 @@ class StageSpec:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = _plain_fields(self, skip=("spmd",))
+        d["spmd"] = self.spmd.to_dict() if self.spmd is not None else None
         for key in ("spmd", "segments"):
             if d[key] is None:
                 del d[key]  # stages without a program or segments are written as before
@@ -148,10 +152,9 @@ class Plan:
     # with links named as plait.net.fabric names them; a flow split over several paths has one
     # entry per path with its share of the bytes fifth (version 2). None: ECMP decides.
     flow_paths: dict[str, Any] | None = None
-    # A HAP-style SPMD program (plait.spmd), versioned on its own: {"version": 1, "ratios": [...] or
-    # [[...] per segment], "strategies": {op: [[input placements], [output placements], sharded]},
-    # optional "collectives": {tensor: "padded" | "grouped"}, "model", "predicted_s"}. None: no program.
-    spmd: dict[str, Any] | None = None
+    # A HAP-style SPMD program of the whole model (`plait.ir.program.SpmdProgram`; a dict in its
+    # versioned layout is read as one). None: no program.
+    spmd: SpmdProgram | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -197,7 +200,7 @@ class Plan:
         self._check_ratios("dp_shares", self.dp_shares, self.dp)
         self._check_ratios("tp_ratios", self.tp_ratios, self.tp)
         _check_flow_paths(self.flow_paths)
-        _check_spmd(self.spmd)
+        self.spmd = _spmd_program(self.spmd)
         own = (self.dp, self.tp, self.pp, self.zero) != (1, 1, 1, 0) or bool(
             self.stages or self.dp_shares or self.tp_ratios or self.layer_split)
         if self.spmd is not None and own:
@@ -275,7 +278,7 @@ class Plan:
     @property
     def world_size(self) -> int:
         if self.spmd is not None:
-            return spmd_world(self.spmd)
+            return self.spmd.world
         if self.stages:
             return len({d for s in self.stages for d in s.devices})
         return self.dp * self.tp * self.pp
@@ -417,7 +420,7 @@ class Plan:
         if self.flow_paths is not None:
             parts.append(f"flow_paths={len(self.flow_paths['paths'])}")
         if self.spmd is not None:
-            parts.append(f"spmd={len(self.spmd['strategies'])}ops/{self.world_size}ranks")
+            parts.append(f"spmd={len(self.spmd.strategies)}ops/{self.world_size}ranks")
         return ",".join(parts)
 
     @classmethod
@@ -466,7 +469,8 @@ class Plan:
 
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = _plain_fields(self, skip=("spmd", "stages"))
+        d["spmd"] = self.spmd.to_dict() if self.spmd is not None else None
         d["stages"] = [st.to_dict() for st in self.stages]
         d["stage_edges"] = [list(e) for e in self.stage_edges]
         if d["flow_paths"] is None:
@@ -646,15 +650,8 @@ def _check_flow_paths(value: Any) -> None:
                             f"(version 2: and an optional share in (0, 1]), got {item!r:.80}")
 
 
-SPMD_VERSION = 1  # version of Plan.spmd's layout
 _SPMD_KEYS = ("version", "ratios", "strategies", "collectives", "homes", "model", "predicted_s")
 _PLACEMENT = re.compile(r"^(R|P|S\d+)$")
-
-
-def spmd_world(spmd: dict[str, Any]) -> int:
-    """Ranks of an SPMD program: the length of its ratio vector(s)."""
-    r = spmd["ratios"]
-    return len(r[0]) if r and isinstance(r[0], list) else len(r)
 
 
 def _check_segments(s: int, st: StageSpec) -> None:
@@ -676,19 +673,26 @@ def _check_stage_spmd(s: int, st: StageSpec) -> None:
     if st.spmd is None:
         return
     where = f"plan field 'stages[{s}].spmd'"
-    _check_spmd(st.spmd, where)
+    st.spmd = _spmd_program(st.spmd, where)
     if st.dp != 1 or st.tp != 1 or st.dp_shares or st.tp_ratios:
         raise PlanError(f"{where}: a stage running an SPMD program needs dp=tp=1 and no dp_shares or tp_ratios "
                         f"(the program shards the stage), got dp={st.dp}, tp={st.tp}")
-    if spmd_world(st.spmd) != len(st.devices):
-        raise PlanError(f"{where}.ratios: {spmd_world(st.spmd)} ratios for the stage's {len(st.devices)} devices "
+    if st.spmd.world != len(st.devices):
+        raise PlanError(f"{where}.ratios: {st.spmd.world} ratios for the stage's {len(st.devices)} devices "
                         "(one per device, in order)")
 
 
-def _check_spmd(value: Any, where: str = "plan field 'spmd'") -> None:
-    """`spmd`: None, or a program as `plait plan --family spmd` writes it (see `Plan.spmd`)."""
+def _spmd_program(value: Any, where: str = "plan field 'spmd'") -> SpmdProgram | None:
+    """`spmd`: None, or a program (`SpmdProgram`, or a dict as `plait plan --family spmd` writes
+    it), checked field by field; the typed program."""
     if value is None:
-        return
+        return None
+    _check_spmd(value.to_dict() if isinstance(value, SpmdProgram) else value, where)
+    return value if isinstance(value, SpmdProgram) else SpmdProgram.from_dict(value)
+
+
+def _check_spmd(value: Any, where: str) -> None:
+    """A program's dict layout (`SpmdProgram.to_dict`), field by field."""
     if not isinstance(value, dict):
         raise PlanError(f"{where}: must be an object")
     unknown = sorted(set(value) - set(_SPMD_KEYS))
@@ -737,6 +741,12 @@ _STAGE_TYPES: dict[str, str] = {
     "name": _STR, "layers": "strs", "devices": _INTS, "dp": _INT, "tp": _INT, "micro_batch": "int?",
     "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE, "spmd": "obj?", "segments": "ints?",
 }
+
+
+def _plain_fields(obj: Any, skip: tuple[str, ...]) -> dict[str, Any]:
+    """`dataclasses.asdict` of `obj`'s fields, in field order, with None for `skip` (typed parts the
+    caller writes with their own `to_dict`)."""
+    return {f.name: None if f.name in skip else copy.deepcopy(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
 
 def _json_type(value: Any) -> str:

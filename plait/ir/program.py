@@ -1,4 +1,12 @@
-"""How one tensor lives on the devices of an SPMD program, and what moving between two ways costs.
+"""The types of a stage's program: how its work is spread over its devices, op by op.
+
+An SPMD program (HAP, Zhang et al. EuroSys'24) gives every aten op of a model a `Strategy` --
+the placement each input must have and each output gets -- and every device a ratio of the
+sharded work. `SpmdProgram` is the program as a plan holds it (`Plan.spmd`, `StageSpec.spmd`);
+the planner that searches programs (`plait.spmd`), the cost model that prices them
+(`plait.cost.program`), the simulator and the runtime all read these types from here.
+
+How one tensor lives on the devices of an SPMD program, and what moving between two ways costs.
 
 A placement (HAP's "property" of a tensor, Zhang et al. EuroSys'24 section 3) is a string:
 
@@ -31,7 +39,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -180,3 +189,63 @@ class Mesh:
     def rails(self) -> list[tuple[int, ...]]:
         """Rail ``j``: device ``j`` of every node."""
         return [tuple(node[j] for node in self.nodes) for j in range(self.inner)]
+
+
+SPMD_VERSION = 1  # version of a program's layout in a plan file (`SpmdProgram.to_dict`)
+
+
+@dataclass
+class SpmdProgram:
+    """An op-level SPMD program as a plan holds it (`Plan.spmd`, `StageSpec.spmd`): the decisions
+    only, not shard sizes or which collectives -- those follow from the model's aten graph
+    (`plait.cost.program.round_shards`, the conversion table), so a plan cannot disagree with the
+    model it runs on without the run saying which op differs.
+
+    Written as ``{"version": 1, "ratios": ..., "strategies": {op: [[inputs], [outputs], sharded]},
+    "collectives"?, "homes"?, "model"?, "predicted_s"?}`` (`to_dict`); `plait.ir.plan` checks a
+    file's dict field by field before building one."""
+
+    # one strategy per aten op, by the op's name in the model's AtenGraph at the program's batch
+    strategies: dict[str, Strategy]
+    # per-device ratios: one vector (one entry per rank) or one vector per segment
+    ratios: list[float] | list[list[float]]
+    # tensor -> "padded" | "grouped": how its uneven all-gathers / reduce-scatters run
+    collectives: dict[str, str] = field(default_factory=dict)
+    # parameter -> where it is stored when not where its first reader reads it (ZeRO-3 storage)
+    homes: dict[str, str] = field(default_factory=dict)
+    model: str | None = None  # the model spec it was synthesized for
+    predicted_s: float | None = None  # the planner's predicted iteration time
+
+    @property
+    def world(self) -> int:
+        """Ranks of the program: the length of its ratio vector(s)."""
+        r = self.ratios
+        return len(r[0]) if r and isinstance(r[0], list) else len(r)
+
+    def ratio_array(self) -> np.ndarray:
+        """The ratios as an array: (ranks,) or (segments, ranks)."""
+        return np.asarray(self.ratios, dtype=float)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "version": SPMD_VERSION,
+            "ratios": [list(v) for v in self.ratios] if self.ratios and isinstance(self.ratios[0], list)
+            else list(self.ratios),
+            "strategies": {op: [list(s.inputs), list(s.outputs), bool(s.sharded)] for op, s in self.strategies.items()},
+        }
+        if self.collectives:
+            d["collectives"] = dict(self.collectives)
+        if self.homes:
+            d["homes"] = dict(self.homes)
+        if self.model is not None:
+            d["model"] = self.model
+        if self.predicted_s is not None:
+            d["predicted_s"] = self.predicted_s
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpmdProgram:
+        """The program of a dict in `to_dict`'s layout (checked by the caller)."""
+        return cls(strategies={op: Strategy(tuple(s[0]), tuple(s[1]), bool(s[2])) for op, s in d["strategies"].items()},
+                   ratios=d["ratios"], collectives=dict(d.get("collectives") or {}), homes=dict(d.get("homes") or {}),
+                   model=d.get("model"), predicted_s=d.get("predicted_s"))

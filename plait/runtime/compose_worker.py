@@ -40,7 +40,6 @@ import random
 import resource
 import socket
 from dataclasses import asdict
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -62,7 +61,6 @@ from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whol
 from plait.runtime.spmd_state import SpmdStep, clip_weights
 from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
-from plait.spmd.program_plan import plan_ratios, plan_strategies
 
 # The buckets of the parameter-gradient all-reduce: `plait.sim.compose_lower.lower_compose`'s
 # `bucket_bytes` default, which the composed family simulates with.
@@ -154,10 +152,10 @@ class ComposeWorker(RankConfig):
         self.cross = boundary_values(graph, subs)
         spec_s = plan.stages[self.stage]
         names = [f"gpu {cfg['ranks'][r]['device']} (stage {self.stage}, rank {r})" for r in self.ranks[self.stage]]
-        stage_plan = SimpleNamespace(spmd=spec_s.spmd)
-        program = compile_program(self.sub, plan_strategies(stage_plan), plan_ratios(stage_plan),  # type: ignore[arg-type]
-                                  len(spec_s.devices), devices=names,
-                                  collective=(spec_s.spmd or {}).get("collectives"))
+        stage_program = spec_s.spmd
+        assert stage_program is not None  # layout.supports: every stage of a composed plan has one
+        program = compile_program(self.sub, stage_program.strategies, stage_program.ratio_array(),
+                                  len(spec_s.devices), devices=names, collective=stage_program.collectives)
         self.spans = Spans(self.rec)
         self.runner = RankProgram(program, self.local, self.group, self.spans, seed=seed)
         self.runner.defer_param_grads = True  # one all-reduce per step, not per micro-batch

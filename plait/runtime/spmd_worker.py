@@ -51,7 +51,6 @@ from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
 from plait.runtime.spmd_state import SpmdStep, checkpoint_layout, make_clipper, persistent_buffers
-from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
 
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
 
@@ -163,8 +162,10 @@ class SpmdWorker(RankConfig):
         inputs, _ = fetch(0)
         graph = capture_aten(model, inputs, name=getattr(spec, "name", "model"))
         names = [f"gpu {r['device']} ({r.get('kind') or 'cpu'}, rank {r['rank']})" for r in cfg["ranks"]]
-        program = compile_program(graph, plan_strategies(plan), plan_ratios(plan), self.world, devices=names,
-                                  collective=(plan.spmd or {}).get("collectives"), homes=plan_homes(plan))
+        spmd = plan.spmd
+        assert spmd is not None  # entry: only a plan with a program reaches this worker
+        program = compile_program(graph, spmd.strategies, spmd.ratio_array(), self.world, devices=names,
+                                  collective=spmd.collectives, homes=spmd.homes)
         spans = Spans(self.rec)
         runner = RankProgram(program, self.rank, group, spans, seed=seed)
         # an output left in batch shards is not gathered: each rank's loss on its rows (as the

@@ -369,7 +369,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
 def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: float | None = 25e6,
                   batch: int | None = None, name: str = "spmd", device_scale: Any = None,
                   fixed_costs: bool = True, mesh: Any = None) -> SimResult:
-    """Predict one iteration of a synthesized SPMD program (`plait.spmd.ratios.Synthesis`:
+    """Predict one iteration of a synthesized SPMD program (`plait.cost.program.Synthesis`:
     program, ratios, per-segment ratios, memory) of `problem` (`plait.cost.program.Problem`) on
     `cluster`, lowered by `plait.sim.spmd_lower` and run by the same engine as `simulate`.
 
@@ -466,13 +466,11 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     program replayed op by op at its ratios on the plan's devices, each uneven collective padded or
     grouped as the plan's `collectives` says (padded where it says nothing: what the runtime runs)."""
     from plait.cost.memory import memory_model
-    from plait.cost.program import Problem, Segments, evaluate, segments
+    from plait.cost.program import Problem, Segments, Synthesis, evaluate, segments
     from plait.cost.spmd import UNEVEN_OPS, Devices
     from plait.graph.aten_capture import capture_aten
     from plait.graph.aten_stage import free_outputs
     from plait.graph.zoo import load_model
-    from plait.spmd.program_plan import plan_homes, plan_ratios, plan_strategies
-    from plait.spmd.ratios import Synthesis
 
     if view.cluster is None:
         raise SimulateError(f"cluster {view.name!r}: an SPMD plan is simulated on a cluster file or preset")
@@ -490,8 +488,9 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     inputs, _ = spec.sample_batch(plan.global_batch)
     graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
     problem = Problem.build(graph, Devices.from_cluster(view.cluster, dtype, ids), outputs_free=free_outputs(graph, loss=True))
-    problem.homes = plan_homes(plan)
-    chosen = plan_strategies(plan)
+    assert plan.spmd is not None
+    problem.homes = dict(plan.spmd.homes)
+    chosen = plan.spmd.strategies
     unknown = sorted(set(chosen) - {op.name for op in graph.ops})
     if unknown:
         raise SimulateError(f"plan field 'spmd': strategies for ops not in model {graph.model}: {unknown[:5]} "
@@ -503,9 +502,9 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
             raise SimulateError(f"plan field 'spmd': op {op.name} ({op.target}): "
                                 + ("no strategy" if s is None else f"strategy {s} is not one its rule offers"))
         choice.append(offered.index(s))
-    r = plan_ratios(plan)
+    r = plan.spmd.ratio_array()
     program = evaluate(problem, choice, r.mean(axis=0) if r.ndim == 2 else r)
-    modes = (plan.spmd or {}).get("collectives") or {}
+    modes = plan.spmd.collectives
     program.comms = [(op, dataclasses.replace(c, algorithm=modes.get(c.tensor, "padded")) if c.op in UNEVEN_OPS
                       else c) for op, c in program.comms]
     segs = segments(problem, program) if r.ndim == 2 else Segments.single(problem, program)

@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
-from plait.cost.program import Problem, Program, stored_placements
+from plait.cost.program import Problem, Program, Synthesis, stored_placements
 from plait.cost.spmd import Devices, mesh_of, op_work
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.program import NODE, RAIL, Comm, Mesh, shard_dim, shard_sizes
-from plait.spmd.ratios import Synthesis, synthesize, synthesize_overlapped, synthesize_stored
+from plait.spmd.ratios import synthesize, synthesize_overlapped, synthesize_stored
 
 
 def stored_inner(problem: Problem, program: Program) -> dict[str, str]:

@@ -19,8 +19,8 @@ import numpy as np
 
 from plait.cost.spmd import Devices, comm_seconds
 from plait.ir.aten_graph import AtenGraph
-from plait.ir.plan import SPMD_VERSION, Plan, PlanError
-from plait.ir.program import Comm, ShardingError, Strategy
+from plait.ir.plan import Plan
+from plait.ir.program import Comm, ShardingError, SpmdProgram, Strategy
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16")  # tf32 computes on fp32 tensors
 _MODED = ("all_gather", "reduce_scatter")  # the uneven collectives a plan says padded or grouped for
@@ -75,39 +75,10 @@ def program_plan(strategies: dict[str, Strategy], ratios: Any, batch: int, *, mo
     `homes` the parameters stored elsewhere than their first reader wants them (`Program.homes`)."""
     r = np.asarray(ratios, dtype=float)
     r = r / r.sum(axis=-1, keepdims=True)  # exact sums after the LP's rounding noise
-    spmd: dict[str, Any] = {
-        "version": SPMD_VERSION,
-        "ratios": [[float(x) for x in row] for row in r] if r.ndim == 2 else [float(x) for x in r],
-        "strategies": {op: [list(s.inputs), list(s.outputs), bool(s.sharded)] for op, s in strategies.items()},
-    }
-    if collectives:
-        spmd["collectives"] = dict(collectives)
-    if homes:
-        spmd["homes"] = dict(homes)
-    if model is not None:
-        spmd["model"] = model
-    if predicted_s is not None:
-        spmd["predicted_s"] = float(predicted_s)
+    spmd = SpmdProgram(
+        strategies=dict(strategies),
+        ratios=[[float(x) for x in row] for row in r] if r.ndim == 2 else [float(x) for x in r],
+        collectives=dict(collectives or {}), homes=dict(homes or {}), model=model,
+        predicted_s=float(predicted_s) if predicted_s is not None else None)
     return Plan(dp=1, tp=1, pp=1, micro_batch=batch, global_batch=batch, dtype=dtype, spmd=spmd,
                 device_order=list(device_order) if device_order is not None else None)
-
-
-def plan_strategies(plan: Plan) -> dict[str, Strategy]:
-    """The strategies of an SPMD plan, by op name."""
-    if plan.spmd is None:
-        raise PlanError("plan field 'spmd': the plan has no SPMD program")
-    return {op: Strategy(tuple(s[0]), tuple(s[1]), bool(s[2])) for op, s in plan.spmd["strategies"].items()}
-
-
-def plan_homes(plan: Plan) -> dict[str, str]:
-    """Parameters an SPMD plan stores elsewhere than their first reader wants them (ZeRO-3
-    storage, `plait.cost.program.Problem.homes`); empty for most programs."""
-    if plan.spmd is None:
-        raise PlanError("plan field 'spmd': the plan has no SPMD program")
-    return dict(plan.spmd.get("homes") or {})
-
-
-def plan_ratios(plan: Plan) -> np.ndarray:
-    if plan.spmd is None:
-        raise PlanError("plan field 'spmd': the plan has no SPMD program")
-    return np.asarray(plan.spmd["ratios"], dtype=float)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from plait.cost.program import (
     Problem,
     Program,
     Segments,
+    Synthesis,
     evaluate,
     future_needs_of,
     segments,
@@ -203,27 +204,6 @@ def _op_directions(problem: Problem, split: list[int], segs: Segments) -> tuple[
     n = problem.devices.n
     return (np.array(seg, dtype=int), np.array(units, dtype=float).reshape(len(seg), n),
             np.array(scale, dtype=float))
-
-
-@dataclass
-class Synthesis:
-    program: Program
-    ratios: np.ndarray
-    cost: float
-    memory: np.ndarray
-    rounds: list[float] = field(default_factory=list)  # cost after each search + LP round
-    expanded: int = 0
-    seconds: float = 0.0
-    segment_ratios: np.ndarray | None = None  # (segments, devices)
-    segments: Segments | None = None
-    capacity: np.ndarray | None = None  # bytes per device
-    overlap: float = 1.0  # weight of parameter-gradient collectives it was searched with
-    forced: tuple[str, ...] = ()  # parameters forced to shards for the program to fit
-
-    @property
-    def fits(self) -> bool:
-        """Whether every device holds what the program keeps (always, unless memory=False)."""
-        return self.capacity is None or bool(np.all(self.memory <= self.capacity * (1 + 1e-9)))
 
 
 def synthesize(problem: Problem, *, dtype: str = "fp32", optimizer: str = "adam", memory: bool = True,
