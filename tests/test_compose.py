@@ -62,12 +62,16 @@ def test_runtime_refuses_a_composed_plan_it_cannot_run_with_the_reason():
 
 
 # ---------------------------------------------------------------- simulation (hand-computed)
+def _two_nodes_yaml(per_node: int) -> str:
+    node = ("  - {{name: n{i}, gpus: [{{kind: a100-80gb, count: {g}}}], intra: {{type: nvlink, bandwidth: 100 GB/s, "
+            "latency: 5 us}}, nic: {{type: ethernet, bandwidth: 10 Gb/s, latency: 25 us}}}}\n")
+    return "name: two-nodes\nnodes:\n" + "".join(node.format(i=i, g=per_node) for i in range(2))
+
+
 def _two_gpu_cluster(per_node: int = 1):
     from plait.cluster.loader import parse_yaml_text
 
-    node = ("  - {{name: n{i}, gpus: [{{kind: a100-80gb, count: {g}}}], intra: {{type: nvlink, bandwidth: 100 GB/s, "
-            "latency: 5 us}}, nic: {{type: ethernet, bandwidth: 10 Gb/s, latency: 25 us}}}}\n")
-    return parse_yaml_text("name: two-nodes\nnodes:\n" + "".join(node.format(i=i, g=per_node) for i in range(2)))
+    return parse_yaml_text(_two_nodes_yaml(per_node))
 
 
 def _stage_programs(cluster, model: str, batch: int, split: list[list[str]], groups: list[list[int]]):
@@ -218,11 +222,29 @@ def test_memory_model_activations_are_part_of_the_total():
     assert np.all(act > 0) and np.all(act < mm.on(syn.ratios))
 
 
-def test_simulate_refuses_a_stage_program_it_would_misread():
+def test_simulate_takes_a_composed_plan_as_its_family_timed_it(tmp_path):
+    """Issue 27: `simulate()` takes every plan. A composed plan written to a file and read back is
+    replayed stage by stage (`plait.sim.replay.composed_stages`) to the iteration time and memory
+    the compose family simulated for it."""
+    from plait.cli import main
+    from plait.search import plan
     from plait.sim.api import SimulateError, simulate
 
-    with pytest.raises(SimulateError, match="stages\\[0\\].spmd.*simulate_compose"):
-        simulate(TINY, "a100-80g:nodes=1", _plan())
+    cluster = _two_gpu_cluster(per_node=2)
+    best = plan(TINY, cluster, global_batch=8, top=1, families="compose").best
+    path = tmp_path / "composed.json"
+    best.plan.save(path)
+    got = simulate(TINY, cluster, str(path))
+    assert got.iteration_time_s == pytest.approx(best.iteration_time_s, rel=1e-9)
+    assert got.memory_peak_bytes == best.peak_bytes and got.fits_memory is True
+    assert got.world_size == 4 and got.granularity == "op"
+    lacking = best.plan.to_dict()
+    lacking["stages"][1]["spmd"]["strategies"].pop(next(iter(lacking["stages"][1]["spmd"]["strategies"])))
+    with pytest.raises(SimulateError, match=r"plan field 'stages\[1\].spmd': op .*: no strategy"):
+        simulate(TINY, cluster, type(best.plan).from_dict(lacking))
+    cluster_file = tmp_path / "cluster.yaml"
+    cluster_file.write_text(_two_nodes_yaml(2))
+    assert main(["simulate", "--model", TINY, "--cluster", str(cluster_file), "--plan", str(path)]) == 0
 
 
 # A slow node (2 x P100) and a fast one (2 x V100) joined by one 10 Gb/s NIC each. A BERT of

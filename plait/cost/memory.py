@@ -1100,3 +1100,27 @@ def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimi
     for t, q in stored.items():
         add(t, q, graph.tensors[t].numel * per_param)
     return model
+
+
+def composed_peak_memory(stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]], schedule: str,
+                         micro_batches: int, devices: int) -> list[int]:
+    """Peak bytes per cluster device of a composed plan under `schedule`: per stage (its devices,
+    each one's bytes with one micro-batch in flight, the activation bytes of each further one),
+    with the micro-batches the schedule keeps in flight on that stage (1F1B pp - s, eager 1F1B one
+    more than its warm-up, GPipe all)."""
+    from plait.schedule.builders import eager_warmup
+
+    pp = len(stage_bytes)
+
+    def flight(s: int) -> int:
+        if schedule == "gpipe":
+            return micro_batches
+        if schedule == "eager_1f1b":
+            return min(micro_batches, eager_warmup(pp, s) + 1)
+        return min(micro_batches, pp - s)
+
+    out = [0] * devices
+    for s, (ids, base, act) in enumerate(stage_bytes):
+        for d, b in zip(ids, base + (flight(s) - 1) * act):
+            out[d] = int(b)
+    return out

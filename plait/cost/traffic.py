@@ -97,6 +97,24 @@ def activation_scale(graph: OpGraph, plan: Plan) -> float:
     return dtype_bytes(plan.dtype) / max(1, graph.activation_dtype_bytes)
 
 
+def composed_boundaries(plan: Plan, graph: OpGraph, aten: Any) -> tuple[dict[tuple[int, int], float],
+                                                                       list[tuple[int, int, float]]]:
+    """A composed plan's boundaries (its stages run SPMD programs): the bytes per sample each stage
+    edge carries in the plan's dtype (the one stage graph's edge tensors), and the parameters two
+    stages read -- tied embeddings -- as (first stage, last stage, bytes), from the model's aten
+    graph `aten` (`plait.graph.aten_stage.shared_params`)."""
+    from plait.graph.aten_stage import shared_params
+
+    scale = activation_scale(graph, plan)
+    per_sample = {(e.src, e.dst): e.bytes_per_sample * scale for e in stage_graph(plan, graph).edges}
+    layers = [st.layers for st in plan.stages]
+    tied = []
+    for t in shared_params(aten, layers):
+        holders = [s for s, lays in enumerate(layers) if any(op.layer in lays and t in op.inputs for op in aten.ops)]
+        tied.append((holders[0], holders[-1], float(aten.tensors[t].nbytes)))
+    return per_sample, tied
+
+
 def pp_message_bytes(bytes_per_sample: float, samples: int, scale: float, tp: int) -> int:
     """Bytes one tensor rank sends over a stage edge for `samples` samples (module docstring)."""
     return whole_bytes(bytes_per_sample * samples * scale / max(1, tp))

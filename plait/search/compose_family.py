@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
+from plait.cost.memory import composed_peak_memory
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
 from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
@@ -78,18 +79,6 @@ def in_flight(schedule: str, pp: int, s: int, m: int) -> int:
     if schedule == "eager_1f1b":
         return min(m, eager_warmup(pp, s) + 1)
     return min(m, pp - s)
-
-
-def peak_memory(stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]], schedule: str, m: int,
-                devices: int) -> list[int]:
-    """Peak bytes per cluster device of a composed plan under `schedule`: each stage's program with
-    the activations of the micro-batches the schedule keeps in flight on it."""
-    out = [0] * devices
-    pp = len(stage_bytes)
-    for s, (ids, base, act) in enumerate(stage_bytes):
-        for d, b in zip(ids, base + (in_flight(schedule, pp, s, m) - 1) * act):
-            out[d] = int(b)
-    return out
 
 
 def cluster_units(cluster: Cluster) -> list[list[int]]:
@@ -253,9 +242,8 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     from plait.cost.memory import memory_model
     from plait.cost.program import Problem
     from plait.cost.spmd import Devices
-    from plait.cost.traffic import activation_scale
-    from plait.graph.aten_stage import free_outputs, shared_params, stage_subgraph
-    from plait.ir.stage_graph import stage_graph
+    from plait.cost.traffic import composed_boundaries
+    from plait.graph.aten_stage import free_outputs, stage_subgraph
     from plait.sim.compose_lower import StageProgram
     from plait.spmd.program_plan import program_plan
     from plait.spmd.ratios import synthesize as synth
@@ -301,17 +289,11 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
         bottleneck = max(bottleneck, float(syn.cost))
     plan = Plan(pp=pp, micro_batch=micro_batch, global_batch=global_batch, dtype=dtype, stages=specs,
                 stage_edges=[(s, s + 1) for s in range(pp - 1)])
-    sg = stage_graph(plan, opgraph)
-    scale = activation_scale(opgraph, plan)
-    per_sample = {(e.src, e.dst): e.bytes_per_sample * scale for e in sg.edges}
-    tied = []
-    for t in shared_params(aten, layers):
-        holders = [s for s, lays in enumerate(layers) if any(op.layer in lays and t in op.inputs for op in aten.ops)]
-        tied.append((holders[0], holders[-1], float(aten.tensors[t].nbytes)))
+    per_sample, tied = composed_boundaries(plan, opgraph, aten)
     for d in range(cluster.num_devices):
         if all(d not in ids for ids in groups):
             raise SearchError(f"compose: device {d} is in no stage")
-    memory = peak_memory(stage_bytes, plan.schedule, m, cluster.num_devices)
+    memory = composed_peak_memory(stage_bytes, plan.schedule, m, cluster.num_devices)
     return ComposedCandidate(plan, programs, per_sample, tied, memory, bottleneck * (m + pp - 1), stage_bytes)
 
 
@@ -425,7 +407,7 @@ def schedule_variants(c: ComposedCandidate, cluster: Cluster, reasons: dict[str,
     out = [c]
     if all(in_flight("eager_1f1b", pp, s, m) == in_flight(c.plan.schedule, pp, s, m) for s in range(pp)):
         return out
-    memory = peak_memory(c.stage_bytes, "eager_1f1b", m, cluster.num_devices)
+    memory = composed_peak_memory(c.stage_bytes, "eager_1f1b", m, cluster.num_devices)
     if any(b > d.kind.memory_bytes for b, d in zip(memory, cluster.devices)):
         reasons["eager 1F1B does not fit"] = reasons.get("eager 1F1B does not fit", 0) + 1
         return out

@@ -18,7 +18,6 @@ per-resource busy fraction and the `Timeline`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -159,12 +158,9 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     to `plait.cost.memory.estimate_memory` (``optimizer=``, ``loss=``). The gradient bucket is the
     plan's `grad_bucket_mb`: the runtime's, the simulator's and the memory estimate's."""
     plan_obj = resolve_plan(plan)
-    programs = [i for i, st in enumerate(plan_obj.stages) if st.spmd is not None]
-    if programs:  # the 3D / graph lowering would run such a stage as one device
-        raise SimulateError(f"plan field 'stages[{programs[0]}].spmd': a pipeline of SPMD stages is simulated by "
-                            "plait.sim.compose_lower.simulate_compose (the compose family's candidates carry it), "
-                            "not by simulate()")
     view = resolve_cluster(cluster)
+    if any(st.spmd is not None for st in plan_obj.stages):  # a composed plan: SPMD programs in the stages
+        return simulate_composed_plan(model, view, plan_obj, memory_options=memory_options)
     if plan_obj.spmd is not None:  # an op-level SPMD program: its own lowering (plait.sim.spmd_lower)
         return simulate_spmd_plan(model, view, plan_obj, memory_options=memory_options)
     graph = resolve_model(model, plan_obj, inputs, analytic)
@@ -466,47 +462,31 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     program replayed op by op at its ratios on the plan's devices, each uneven collective padded or
     grouped as the plan's `collectives` says (padded where it says nothing: what the runtime runs)."""
     from plait.cost.memory import memory_model
-    from plait.cost.program import Problem, Segments, Synthesis, evaluate, segments
-    from plait.cost.spmd import UNEVEN_OPS, Devices
+    from plait.cost.program import Problem, Segments, Synthesis, segments
+    from plait.cost.spmd import Devices
     from plait.graph.aten_capture import capture_aten
     from plait.graph.aten_stage import free_outputs
-    from plait.graph.zoo import load_model
+    from plait.sim.replay import ReplayError, model_spec, replay
 
     if view.cluster is None:
         raise SimulateError(f"cluster {view.name!r}: an SPMD plan is simulated on a cluster file or preset")
-    spec = model if hasattr(model, "build") and hasattr(model, "sample_batch") else None
-    if spec is None:
-        if not isinstance(model, (str, Path)) or str(model).endswith(".json"):
-            raise SimulateError("model: an SPMD plan is simulated on the model's aten ops; give a zoo spec or "
-                                "file.py:factory, not an OpGraph")
-        spec = load_model(str(model))
-    world, every = plan.world_size, len(view.cluster.devices)
-    if plan.device_order is None and world > every:
-        raise SimulateError(f"plan field 'spmd': {world} ranks, cluster {view.name!r} has {every} devices")
-    ids = plan.device_order if plan.device_order is not None else list(range(world))
-    dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
-    inputs, _ = spec.sample_batch(plan.global_batch)
-    graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
-    problem = Problem.build(graph, Devices.from_cluster(view.cluster, dtype, ids), outputs_free=free_outputs(graph, loss=True))
     assert plan.spmd is not None
-    problem.homes = dict(plan.spmd.homes)
-    chosen = plan.spmd.strategies
-    unknown = sorted(set(chosen) - {op.name for op in graph.ops})
-    if unknown:
-        raise SimulateError(f"plan field 'spmd': strategies for ops not in model {graph.model}: {unknown[:5]} "
-                            "(was the plan made for another model or global batch?)")
-    choice = []
-    for op, offered in zip(graph.ops, problem.options):
-        s = chosen.get(op.name)
-        if s is None or s not in offered:
-            raise SimulateError(f"plan field 'spmd': op {op.name} ({op.target}): "
-                                + ("no strategy" if s is None else f"strategy {s} is not one its rule offers"))
-        choice.append(offered.index(s))
+    try:
+        spec = model_spec(model, "an SPMD plan")
+        world, every = plan.world_size, len(view.cluster.devices)
+        if plan.device_order is None and world > every:
+            raise SimulateError(f"plan field 'spmd': {world} ranks, cluster {view.name!r} has {every} devices")
+        ids = plan.device_order if plan.device_order is not None else list(range(world))
+        dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
+        inputs, _ = spec.sample_batch(plan.global_batch)
+        graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+        problem = Problem.build(graph, Devices.from_cluster(view.cluster, dtype, ids),
+                                outputs_free=free_outputs(graph, loss=True))
+        problem.homes = dict(plan.spmd.homes)
+        program = replay(problem, plan.spmd, "spmd")
+    except ReplayError as exc:
+        raise SimulateError(str(exc)) from None
     r = plan.spmd.ratio_array()
-    program = evaluate(problem, choice, r.mean(axis=0) if r.ndim == 2 else r)
-    modes = plan.spmd.collectives
-    program.comms = [(op, dataclasses.replace(c, algorithm=modes.get(c.tensor, "padded")) if c.op in UNEVEN_OPS
-                      else c) for op, c in program.comms]
     segs = segments(problem, program) if r.ndim == 2 else Segments.single(problem, program)
     if r.ndim == 2 and r.shape[0] != segs.count:
         raise SimulateError(f"plan field 'spmd.ratios': {r.shape[0]} ratio vectors, the program has "
@@ -516,6 +496,32 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     syn = Synthesis(program, r.mean(axis=0) if r.ndim == 2 else r, program.cost, memory,
                     segment_ratios=r if r.ndim == 2 else None, segments=segs, capacity=problem.devices.memory)
     return problem, syn
+
+
+def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_options: dict[str, Any] | None = None
+                           ) -> SimResult:
+    """`simulate` of a composed plan (stages that run SPMD programs, `StageSpec.spmd`): each
+    stage's program replayed on its aten sub-graph (`plait.sim.replay.composed_stages`), lowered by
+    `plait.sim.compose_lower` on the plan's schedule; memory per device from each stage's program
+    with the micro-batches in flight (`memory_options`: its ``optimizer``)."""
+    from plait.sim.compose_lower import simulate_compose
+    from plait.sim.replay import ReplayError, composed_stages
+
+    plan_obj = resolve_plan(plan)
+    view = resolve_cluster(cluster)
+    if view.cluster is None:
+        raise SimulateError(f"cluster {view.name!r}: a composed plan is simulated on a cluster file or preset")
+    optimizer = (memory_options or {}).get("optimizer", "adam")
+    try:
+        rep = composed_stages(model, view.cluster, plan_obj, optimizer)
+    except ReplayError as exc:
+        raise SimulateError(str(exc)) from None
+    res = simulate_compose(rep.stages, list(plan_obj.stage_edges), rep.bytes_per_sample, plan_obj.num_micro_batches,
+                           plan_obj.micro_batch, view, schedule=plan_obj.schedule, tied=rep.tied, memory=rep.memory,
+                           name=str(plan_obj), flops=rep.flops)
+    if isinstance(model, str):
+        res.model = model
+    return res
 
 
 def simulate_spmd_plan(model: Any, cluster: Any, plan: Any, *, memory_options: dict[str, Any] | None = None
