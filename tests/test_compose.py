@@ -18,13 +18,25 @@ def _plan(**stage0) -> Plan:
                 stages=[StageSpec(**first), StageSpec("s1", ["l1"], [2])], stage_edges=[(0, 1)])
 
 
-def test_stage_program_round_trips_and_old_stages_are_written_as_before():
+def test_stage_program_round_trips_typed():
     plan = _plan()
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.stages[0].spmd.to_dict() == PROGRAM
-    written = json.loads(plan.to_json())["stages"]
-    assert "spmd" in written[0] and "spmd" not in written[1]  # a plain stage: the old layout
+    written = json.loads(plan.to_json())["stages"]  # format 2: every stage names its program's kind
+    assert written[0]["program"] == {"kind": "spmd", **PROGRAM}
+    assert written[1]["program"] == {"kind": "tensor_parallel", "dp": 1, "tp": 1}
     assert "spmd_stages=2" in str(plan)
+
+
+def test_a_format_1_composed_plan_is_migrated():
+    old = json.loads(_plan().to_json())
+    old["format_version"] = 1
+    old["stages"] = [{"name": "s0", "layers": ["l0"], "devices": [0, 1], "dp": 1, "tp": 1, "spmd": PROGRAM},
+                     {"name": "s1", "layers": ["l1"], "devices": [2], "dp": 1, "tp": 1}]
+    assert Plan.from_dict(old) == _plan()
+    old["stages"][0]["dp"] = 2
+    with pytest.raises(PlanError, match=r"stages\[0\].spmd': .*needs dp=tp=1"):
+        Plan.from_dict(old)
 
 
 def test_old_stage_plan_still_loads():
@@ -40,10 +52,10 @@ def test_old_stage_plan_still_loads():
     ({"devices": [0, 1, 3]}, "2 ratios for the stage's 3 devices"),
     ({"dp": 2}, "needs dp=tp=1"),
     ({"spmd": {**PROGRAM, "version": 9}}, "newer than this plait reads"),
-    ({"spmd": {**PROGRAM, "strategies": {"linear": [["Q"], ["S0"], True]}}}, "stages[0].spmd'.strategies.linear"),
+    ({"spmd": {**PROGRAM, "strategies": {"linear": [["Q"], ["S0"], True]}}}, "stages[0].program'.strategies.linear"),
 ])
 def test_bad_stage_program_is_refused_naming_the_field(change, message):
-    with pytest.raises(PlanError, match="stages\\[0\\]") as info:
+    with pytest.raises(PlanError, match="stages\\[(0|s0)\\]") as info:  # by index, or the stage's name
         _plan(**change)
     assert message in str(info.value)
 
@@ -52,7 +64,7 @@ def test_runtime_refuses_a_composed_plan_it_cannot_run_with_the_reason():
     from plait.runtime import supports
 
     ok, why = supports(_plan())  # stage 1 is a plain stage
-    assert not ok and "stages[1].spmd" in why and "has no SPMD program" in why
+    assert not ok and "stages[1].program" in why and "has no SPMD program" in why
     one = {"name": "s1", "layers": ["l1"], "devices": [2], "spmd": {**PROGRAM, "ratios": [1.0]}}
     plan = Plan(pp=2, micro_batch=2, global_batch=8, stages=[_plan().stages[0], StageSpec(**one)],
                 stage_edges=[(0, 1)])
@@ -240,7 +252,7 @@ def test_simulate_takes_a_composed_plan_as_its_family_timed_it(tmp_path):
     assert got.world_size == 4 and got.granularity == "op"
     lacking = best.plan.to_dict()
     lacking["stages"][1]["spmd"]["strategies"].pop(next(iter(lacking["stages"][1]["spmd"]["strategies"])))
-    with pytest.raises(SimulateError, match=r"plan field 'stages\[1\].spmd': op .*: no strategy"):
+    with pytest.raises(SimulateError, match=r"plan field 'stages\[1\].program': op .*: no strategy"):
         simulate(TINY, cluster, type(best.plan).from_dict(lacking))
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(_two_nodes_yaml(2))

@@ -153,7 +153,7 @@ def test_composed_plan_refusals_name_the_field(tmp_path) -> None:
 
     with pytest.raises(RuntimeSetupError, match="checkpoint: a composed plan"):  # before any work
         run(TINY, None, plan, steps=2, checkpoint=CheckpointConfig(dir=str(tmp_path), every=1))
-    with pytest.raises(RuntimeSetupError, match=r"stages\[\]\.spmd.*fp32"):
+    with pytest.raises(RuntimeSetupError, match=r"stages\[\]\.program.*fp32"):
         run(TINY, None, dataclasses.replace(plan, dtype="bf16"), steps=2)
 
 

@@ -20,7 +20,7 @@ from plait.errors import PlaitError
 # The version each format is written in today. Bump one when its fields change meaning, and add
 # a migration from the previous version to MIGRATIONS.
 FORMAT_VERSIONS: dict[str, int] = {
-    "plan": 1,        # plan JSON (plait plan --out, plait simulate/run --plan FILE)
+    "plan": 2,        # plan JSON (plait plan --out, plait simulate/run --plan FILE); 2: typed stage programs
     "cluster": 1,     # cluster YAML (plait profile --out, examples/clusters/)
     "opgraph": 1,     # OpGraph JSON (plait inspect --json)
     "atengraph": 1,   # AtenGraph JSON (the op-level capture, plait.graph.aten_capture)
@@ -32,7 +32,8 @@ FORMAT_VERSIONS: dict[str, int] = {
     "search": 1,      # PLAN.search.json beside plait plan --out's plan: each family's best (plait.search.summary)
 }
 
-# (format, from_version) -> function turning a dict of that version into the next version.
+# (format, from_version) -> function turning a dict of that version into the next version; each
+# format's module registers its own (plan 1 -> 2: `plait.ir.plan._plan_v1_to_v2`).
 MIGRATIONS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
@@ -48,8 +49,8 @@ def check_version(kind: str, data: Mapping[str, Any], source: str,
     current = FORMAT_VERSIONS[kind]
     out = dict(data)
     found = out.pop("format_version", None)
-    if found is None:
-        return out
+    if found is None:  # written before versioning: read as version 1, migrated from there
+        found = 1
     if isinstance(found, bool) or not isinstance(found, int) or found < 1:
         raise error(f"{source}: format_version: expected a positive integer, got {found!r}")
     if found > current:

@@ -17,7 +17,9 @@ Everything the later planners need is an optional refinement on top:
                      Megatron order (tp fastest, then dp, then pp);
 * `collectives`   -- collective algorithm per traffic class (HAP / NCCL choice);
 * `stages` + `stage_edges` -- an explicit DAG of stages (GraphPipe), each with its
-                     own ops, device group, micro-batch size and SPMD spec;
+                     own layers, device group, micro-batch size and typed program
+                     (`StageSpec.program`, `plait.ir.program`: the Megatron form
+                     `TensorParallel`, or an `SpmdProgram`);
 * `spmd`          -- a synthesized op-level SPMD program (HAP, `plait.spmd`): one strategy
                      per aten op of the model's AtenGraph at `global_batch`, per-device
                      ratios (one vector, or one per segment), versioned on its own (see
@@ -32,6 +34,11 @@ Everything the later planners need is an optional refinement on top:
 
 When `stages` is empty the stage DAG is the chain implied by `pp` and
 `layer_split`; `Plan.stage_specs()` returns the explicit form in both cases.
+
+File format 2 (issue 27) writes each stage's program typed, ``"program": {"kind":
+"tensor_parallel", "dp": 2, "tp": 4}`` or ``{"kind": "spmd", "version": 1, "ratios": ...}``;
+format 1's ``dp``, ``tp``, ``dp_shares``, ``tp_ratios`` and ``spmd`` stage fields are migrated
+(`_plan_v1_to_v2`).
 """
 
 from __future__ import annotations
@@ -46,8 +53,14 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.ir.formats import check_version, stamp
-from plait.ir.program import SPMD_VERSION, SpmdProgram
+from plait.ir.formats import MIGRATIONS, check_version, stamp
+from plait.ir.program import (
+    SPMD_VERSION,
+    SpmdProgram,
+    StageProgram,
+    TensorParallel,
+    stage_program_dict,
+)
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved", "eager_1f1b")  # eager_1f1b: composed plans (runtime.supports)
@@ -69,34 +82,78 @@ class PlanError(PlaitError, ValueError):
     """A plan that is malformed or inconsistent; the message names the field."""
 
 
-@dataclass
-class StageSpec:
-    """One stage of a (possibly graph-shaped) pipeline.
+_UNSET: Any = object()  # a StageSpec keyword not given (so a program's other fields are kept)
 
-    `layers` are OpGraph layer names, in topological order. `devices` lists the
-    cluster device ids of the stage in rank order: replica-major, tp fastest
-    (i.e. devices[d * tp + t] is dp replica d, tensor rank t).
+
+@dataclass(init=False)
+class StageSpec:
+    """One stage of a (possibly graph-shaped) pipeline: its layers, its devices, its micro-batch,
+    and its typed program -- how its work is spread over its devices (`plait.ir.program`).
+
+    `layers` are OpGraph layer names, in topological order. `devices` lists the cluster device ids
+    of the stage in rank order: for the Megatron form (`TensorParallel`) replica-major, tp fastest
+    (devices[d * tp + t] is dp replica d, tensor rank t); for an SPMD program one rank per ratio.
+
+    The keywords ``dp``, ``tp``, ``dp_shares``, ``tp_ratios`` (a `TensorParallel` program) and
+    ``spmd`` (an `SpmdProgram`, or a dict in its layout) build the program, as before it was typed;
+    the same names read it back (``dp`` and ``tp`` are 1 for an SPMD stage).
     """
 
     name: str
-    layers: list[str] = field(default_factory=list)
-    devices: list[int] = field(default_factory=list)
-    dp: int = 1
-    tp: int = 1
-    micro_batch: int | None = None  # None: the plan's micro_batch
-    dp_shares: list[float] | None = None
-    tp_ratios: list[float] | None = None
-    # A HAP-style SPMD program of the stage's layers on its devices (composition of families: a
-    # pipeline whose stages are SPMD programs; `plait.ir.program.SpmdProgram`, a dict in its
-    # layout is read as one), one ratio per device of `devices` (in order), synthesized at the
-    # stage's micro-batch. Such a stage has dp = tp = 1 and no shares or ratios of its own.
-    # None: the stage runs dp x tp as usual.
-    spmd: SpmdProgram | None = None
+    layers: list[str]
+    devices: list[int]
+    micro_batch: int | None  # None: the plan's micro_batch
+    program: StageProgram
     # Per-input fan-in (graph pipelines): `layers` cut into consecutive runs of these sizes, each
     # run its own forward step that waits only for the inputs it reads (a stage holding a branch's
     # last block and the join runs the block before the other branch's input arrives; GraphPipe
     # runs operators as their inputs arrive). None: the stage runs once all its inputs are in.
-    segments: list[int] | None = None
+    segments: list[int] | None
+
+    def __init__(self, name: str, layers: list[str] | None = None, devices: list[int] | None = None,
+                 dp: int = _UNSET, tp: int = _UNSET, micro_batch: int | None = None,
+                 dp_shares: list[float] | None = _UNSET, tp_ratios: list[float] | None = _UNSET,
+                 spmd: SpmdProgram | dict[str, Any] | None = _UNSET, segments: list[int] | None = None, *,
+                 program: StageProgram | None = None) -> None:
+        self.name = name
+        self.layers = list(layers) if layers is not None else []
+        self.devices = list(devices) if devices is not None else []
+        self.micro_batch = micro_batch
+        self.segments = segments
+        legacy = {k: v for k, v in (("dp", dp), ("tp", tp), ("dp_shares", dp_shares), ("tp_ratios", tp_ratios))
+                  if v is not _UNSET}
+        if spmd is not _UNSET and spmd is not None:
+            if legacy and (legacy.get("dp", 1), legacy.get("tp", 1)) != (1, 1) or legacy.get("dp_shares") \
+                    or legacy.get("tp_ratios"):
+                raise PlanError(f"plan field 'stages[{name}].spmd': a stage running an SPMD program needs dp=tp=1 "
+                                "and no dp_shares or tp_ratios (the program shards the stage)")
+            program = spmd  # type: ignore[assignment]  # a dict is checked and typed by Plan.validate
+        elif legacy or spmd is None and isinstance(program, SpmdProgram):
+            base = program if isinstance(program, TensorParallel) else TensorParallel()
+            program = dataclasses.replace(base, **legacy)
+        self.program = program if program is not None else TensorParallel()
+
+    # the program read by its parts (a 3D stage's; an SPMD stage is dp = tp = 1 without shares)
+    @property
+    def dp(self) -> int:
+        return self.program.dp if isinstance(self.program, TensorParallel) else 1
+
+    @property
+    def tp(self) -> int:
+        return self.program.tp if isinstance(self.program, TensorParallel) else 1
+
+    @property
+    def dp_shares(self) -> list[float] | None:
+        return self.program.dp_shares if isinstance(self.program, TensorParallel) else None
+
+    @property
+    def tp_ratios(self) -> list[float] | None:
+        return self.program.tp_ratios if isinstance(self.program, TensorParallel) else None
+
+    @property
+    def spmd(self) -> SpmdProgram | None:
+        """The stage's SPMD program (composition of families), None for the Megatron form."""
+        return self.program if isinstance(self.program, SpmdProgram) else None
 
     def segment_layers(self) -> list[list[str]]:
         """`layers` cut into its segments (one run of all of them when `segments` is None)."""
@@ -109,11 +166,10 @@ class StageSpec:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        d = _plain_fields(self, skip=("spmd",))
-        d["spmd"] = self.spmd.to_dict() if self.spmd is not None else None
-        for key in ("spmd", "segments"):
-            if d[key] is None:
-                del d[key]  # stages without a program or segments are written as before
+        d = _plain_fields(self, skip=("program",))
+        d["program"] = stage_program_dict(self.program)
+        if d["segments"] is None:
+            del d["segments"]  # stages without segments are written as before
         return d
 
 
@@ -235,7 +291,7 @@ class Plan:
                 owner[name] = s
         holder: dict[int, int] = {}
         for s, st in enumerate(self.stages):
-            _check_stage_spmd(s, st)
+            _check_stage_program(s, st)
             _check_segments(s, st)
             if len(set(st.devices)) != len(st.devices):
                 raise PlanError(f"plan field 'stages[{s}].devices': a device appears twice in {st.devices}")
@@ -499,6 +555,9 @@ class Plan:
                 raise PlanError(f"{source}: plan field 'stages[{i}]': "
                                 + (f"unknown field(s) {bad}" if bad else "needs a 'name'"))
             _check_json_types(s, _STAGE_TYPES, source, f"stages[{i}].")
+            s = dict(s)
+            if "program" in s:
+                s["program"] = _stage_program(s["program"], f"plan field 'stages[{i}].program'")
             stages.append(StageSpec(**s))
         edges = [tuple(e) for e in data.pop("stage_edges", [])]
         try:
@@ -667,19 +726,71 @@ def _check_segments(s: int, st: StageSpec) -> None:
         raise PlanError(f"plan field 'stages[{s}].segments': a stage with an SPMD program runs as one segment")
 
 
-def _check_stage_spmd(s: int, st: StageSpec) -> None:
-    """`stages[s].spmd`: None, or a program (`Plan.spmd`'s layout) with one ratio per stage device,
-    on a stage with dp = tp = 1 and no shares or ratios of its own."""
-    if st.spmd is None:
-        return
-    where = f"plan field 'stages[{s}].spmd'"
-    st.spmd = _spmd_program(st.spmd, where)
-    if st.dp != 1 or st.tp != 1 or st.dp_shares or st.tp_ratios:
-        raise PlanError(f"{where}: a stage running an SPMD program needs dp=tp=1 and no dp_shares or tp_ratios "
-                        f"(the program shards the stage), got dp={st.dp}, tp={st.tp}")
-    if st.spmd.world != len(st.devices):
-        raise PlanError(f"{where}.ratios: {st.spmd.world} ratios for the stage's {len(st.devices)} devices "
-                        "(one per device, in order)")
+def _check_stage_program(s: int, st: StageSpec) -> None:
+    """`stages[s].program`: the Megatron form (positive dp and tp), or an SPMD program (checked
+    field by field; a dict in its layout is typed here) with one ratio per stage device."""
+    where = f"plan field 'stages[{s}].program'"
+    if isinstance(st.program, dict | SpmdProgram):
+        program = _spmd_program(st.program, where)
+        assert program is not None
+        st.program = program
+        if program.world != len(st.devices):
+            raise PlanError(f"{where}.ratios: {program.world} ratios for the stage's {len(st.devices)} devices "
+                            "(one per device, in order)")
+    elif isinstance(st.program, TensorParallel):
+        for name in ("dp", "tp"):
+            value = getattr(st.program, name)
+            if not _is_int(value) or value < 1:
+                raise PlanError(f"{where}.{name}: must be a positive integer, got {value!r}")
+    else:
+        raise PlanError(f"{where}: must be a tensor_parallel or spmd program, got {type(st.program).__name__}")
+
+
+def _stage_program(value: Any, where: str) -> StageProgram:
+    """A stage's program from its file layout (`plait.ir.program.stage_program_dict`)."""
+    kind = value.get("kind")
+    rest = {k: v for k, v in value.items() if k != "kind"}
+    if kind == "spmd":
+        program = _spmd_program(rest, where)
+        assert program is not None
+        return program
+    if kind == TensorParallel.KIND:
+        unknown = sorted(set(rest) - set(_TENSOR_PARALLEL_TYPES))
+        if unknown:
+            raise PlanError(f"{where}: unknown field(s) {unknown} of a tensor_parallel program")
+        _check_json_types(rest, _TENSOR_PARALLEL_TYPES, "plan", where.removeprefix("plan field '").rstrip("'") + ".")
+        return TensorParallel(**rest)
+    raise PlanError(f"{where}.kind: must be 'tensor_parallel' or 'spmd', got {kind!r}")
+
+
+def _plan_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """Plan format 1 -> 2: a stage's ``dp``, ``tp``, ``dp_shares``, ``tp_ratios`` and ``spmd`` fields
+    become its typed ``program`` (``{"kind": "tensor_parallel", ...}`` or ``{"kind": "spmd", ...}``)."""
+    out = dict(data)
+    stages = out.get("stages")
+    if not isinstance(stages, list):
+        return out
+    moved = []
+    for i, st in enumerate(stages):
+        if not isinstance(st, dict) or "program" in st:
+            moved.append(st)
+            continue
+        st = dict(st)
+        parts = {k: st.pop(k) for k in ("dp", "tp", "dp_shares", "tp_ratios") if k in st}
+        spmd = st.pop("spmd", None)
+        if spmd is not None:
+            if (parts.get("dp", 1), parts.get("tp", 1)) != (1, 1) or parts.get("dp_shares") or parts.get("tp_ratios"):
+                raise PlanError(f"plan field 'stages[{i}].spmd': a stage running an SPMD program needs dp=tp=1 and "
+                                "no dp_shares or tp_ratios (the program shards the stage)")
+            st["program"] = {"kind": "spmd", **spmd} if isinstance(spmd, dict) else spmd
+        else:
+            st["program"] = {"kind": TensorParallel.KIND, **{k: v for k, v in parts.items() if v is not None}}
+        moved.append(st)
+    out["stages"] = moved
+    return out
+
+
+MIGRATIONS[("plan", 1)] = _plan_v1_to_v2
 
 
 def _spmd_program(value: Any, where: str = "plan field 'spmd'") -> SpmdProgram | None:
@@ -738,9 +849,9 @@ def _check_spmd(value: Any, where: str) -> None:
 
 
 _STAGE_TYPES: dict[str, str] = {
-    "name": _STR, "layers": "strs", "devices": _INTS, "dp": _INT, "tp": _INT, "micro_batch": "int?",
-    "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE, "spmd": "obj?", "segments": "ints?",
+    "name": _STR, "layers": "strs", "devices": _INTS, "micro_batch": "int?", "program": "obj", "segments": "ints?",
 }
+_TENSOR_PARALLEL_TYPES: dict[str, str] = {"dp": _INT, "tp": _INT, "dp_shares": _NUMS_OR_NONE, "tp_ratios": _NUMS_OR_NONE}
 
 
 def _plain_fields(obj: Any, skip: tuple[str, ...]) -> dict[str, Any]:
@@ -777,6 +888,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
                  "an object of strings (traffic class -> algorithm)"),
     "list": (lambda x: isinstance(x, list), "a list"),
     "obj?": (lambda x: x is None or isinstance(x, dict), "an object or null"),
+    "obj": (lambda x: isinstance(x, dict), "an object"),
     "pairs": (lambda x: isinstance(x, list) and all(isinstance(e, list) and len(e) == 2 and all(map(_is_int, e))
                                                    for e in x), "a list of [from, to] stage index pairs"),
 }

@@ -249,3 +249,37 @@ class SpmdProgram:
         return cls(strategies={op: Strategy(tuple(s[0]), tuple(s[1]), bool(s[2])) for op, s in d["strategies"].items()},
                    ratios=d["ratios"], collectives=dict(d.get("collectives") or {}), homes=dict(d.get("homes") or {}),
                    model=d.get("model"), predicted_s=d.get("predicted_s"))
+
+
+@dataclass
+class TensorParallel:
+    """A stage's program in the Megatron form (Narayanan et al. SC'21): its layers' weights split over
+    `tp` tensor ranks (column- and row-parallel pairs), the stage replicated `dp` times, replica
+    ``d`` taking ``dp_shares[d]`` of the batch and tensor rank ``t`` ``tp_ratios[t]`` of every split
+    (even when None; HAP's uneven shares and ratios otherwise). A 3D plan's stages all run one."""
+
+    dp: int = 1
+    tp: int = 1
+    dp_shares: list[float] | None = None
+    tp_ratios: list[float] | None = None
+
+    KIND = "tensor_parallel"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.KIND, "dp": self.dp, "tp": self.tp}
+        if self.dp_shares is not None:
+            d["dp_shares"] = list(self.dp_shares)
+        if self.tp_ratios is not None:
+            d["tp_ratios"] = list(self.tp_ratios)
+        return d
+
+
+# How a stage's work is spread over its devices: the Megatron form, or an op-level SPMD program.
+StageProgram = TensorParallel | SpmdProgram
+
+
+def stage_program_dict(program: StageProgram) -> dict[str, Any]:
+    """A stage's program as a plan file writes it: ``{"kind": "tensor_parallel" | "spmd", ...}``."""
+    if isinstance(program, SpmdProgram):
+        return {"kind": "spmd", **program.to_dict()}
+    return program.to_dict()

@@ -306,7 +306,7 @@ def _supports_composed(plan: Plan) -> tuple[bool, str]:
     dtype=fp32 as for a whole-model program)."""
     for i, spec in enumerate(plan.stages):
         if spec.spmd is None:
-            return False, (f"plan field 'stages[{i}].spmd': stage {spec.name!r} has no SPMD program; a composed "
+            return False, (f"plan field 'stages[{i}].program': stage {spec.name!r} has no SPMD program; a composed "
                            "plan runs every stage as one (give it a one-device program)")
         if spec.micro_batch not in (None, plan.micro_batch):
             return False, (f"plan field 'stages[{i}].micro_batch': a composed plan's stages run the plan's "

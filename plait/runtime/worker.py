@@ -782,7 +782,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     worker: Any
-    if any(st.get("spmd") for st in cfg["plan"].get("stages") or []):  # plait.runtime.compose_worker
+    if any((st.get("program") or {}).get("kind") == "spmd"  # plait.runtime.compose_worker
+           for st in cfg["plan"].get("stages") or []):
         from plait.runtime.compose_worker import ComposeWorker
 
         worker = ComposeWorker(cfg, rank, hb)

@@ -114,7 +114,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     captures: dict[int, AtenGraph] = {}
     stages, stage_bytes = [], []
     for s, st in enumerate(plan.stages):
-        field = f"stages[{s}].spmd"
+        field = f"stages[{s}].program"
         if st.spmd is None:
             raise ReplayError(f"plan field '{field}': stage {st.name!r} has no SPMD program; a composed plan "
                               "runs one on every stage")
