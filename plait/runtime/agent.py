@@ -3,10 +3,10 @@
 Parses TORCHRUN_ARGS with torchrun's own parser (`torch.distributed.run`) and runs its
 elastic agent (`torch.distributed.launcher.elastic_launch`) in this process. With
 `--start-method=fork` (the CPU default) the workers are started from the Python entry
-point `plait.runtime.worker.entrypoint`, forked from this agent, so they inherit the
+point `plait.runtime.entry.entrypoint`, forked from this agent, so they inherit the
 already-imported torch instead of importing it again (an import of torch costs about
-as much CPU as a short test run); otherwise the worker module is started as a fresh
-interpreter, exactly as `torchrun -m plait.runtime.worker CONFIG` would.
+as much CPU as a short test run); otherwise the entry module is started as a fresh
+interpreter, exactly as `torchrun -m plait.runtime.entry CONFIG` would.
 
 When a worker fails it writes torchrun's per-worker failure records (exit code or
 signal, pid, time) to FAILURES_JSON, so the launcher can tell a worker killed by a
@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     config, cmd, cmd_args = torchrun.config_from_args(args)
     try:
         if args.start_method in ("fork", "forkserver") and args.module and \
-                args.training_script == "plait.runtime.worker":
-            import plait.runtime.worker as worker  # imported once here, inherited by every worker
+                args.training_script == "plait.runtime.entry":
+            import plait.runtime.entry as entry  # imported once here, inherited by every worker
 
-            elastic_launch(config, worker.entrypoint)(*args.training_script_args)
+            elastic_launch(config, entry.entrypoint)(*args.training_script_args)
         else:
             elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as exc:

@@ -57,6 +57,7 @@ from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, make_samples
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
 from plait.runtime.spmd_state import SpmdStep, clip_weights
 from plait.schedule import Action, PipelineGraph, Schedule
@@ -122,8 +123,6 @@ class ComposeWorker(RankConfig):
         cfg, plan = self.cfg, self.plan
         self.rec = Recorder(self.info["device"], self.stage, self.rank, cuda=False,
                             slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb)
-        from plait.runtime.worker import comm_records_path
-
         log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
             if cfg.get("comm_records", True) else None
         faults = parse_link_faults(os.environ.get(FAULTS_ENV) or cfg.get("comm_faults"))
@@ -341,8 +340,6 @@ class ComposeWorker(RankConfig):
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
-        from plait.runtime.worker import Worker, _write_result
-
         cfg, plan = self.cfg, self.plan
         self._setup()
         b, gb, data_seed = plan.micro_batch, plan.global_batch, int(cfg["data_seed"])
@@ -356,7 +353,7 @@ class ComposeWorker(RankConfig):
             if cfg.get("lr_schedule") else None
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
-        origin = Worker._common_origin(self)  # type: ignore[arg-type]  # uses .rec and .comm only
+        origin = common_origin(self.rec, self.comm)
         losses: list[float] = []
         bounds: list[tuple[int, float, float]] = []
         for step in range(steps):
@@ -376,10 +373,9 @@ class ComposeWorker(RankConfig):
             t1 = self.rec.end_step()
             bounds.append((step, t0, t1))
             losses.append(float(loss))
-        self._finish(losses, bounds, origin, _write_result)
+        self._finish(losses, bounds, origin)
 
-    def _finish(self, losses: list[float], bounds: list[tuple[int, float, float]], origin: Any,
-                write: Any) -> None:
+    def _finish(self, losses: list[float], bounds: list[tuple[int, float, float]], origin: Any) -> None:
         cfg = self.cfg
         self.hb.progress("gather")
         params = None
@@ -403,6 +399,6 @@ class ComposeWorker(RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            write(self.run_dir, self.plan, gathered, 0, int(cfg["steps"]), cfg)
+            write_result(self.run_dir, self.plan, gathered, 0, int(cfg["steps"]), cfg)
         self.comm.barrier("final barrier")
         self.comm.close()

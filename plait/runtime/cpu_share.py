@@ -19,7 +19,7 @@ parallelism but not pipelines) and other processes. A cgroup per rank fixes it:
 `RankCgroups` creates ``plait-<pid>-<n>/rank<r>`` under ``/sys/fs/cgroup/cpu`` (and
 ``/sys/fs/cgroup/cpuset``) (root only), hands the group name to the workers in
 `PLAIT_CPU_CGROUP` (see `env()`), each worker joins its rank's groups first thing
-(`join_from_env`, called by `plait.runtime.worker.main`; a worker in an emulated node's network
+(`join_from_env`, called by `plait.runtime.entry.main`; a worker in an emulated node's network
 namespace sees no cgroup filesystem there, and the launcher moves it by its heartbeat's pid,
 `join_rank`), and everything is removed on exit. Without root or without the controller it does nothing and says why (`available()`).
 """

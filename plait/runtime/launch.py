@@ -114,11 +114,11 @@ class Launcher:
                     f"--rdzv-endpoint={self.rdzv.endpoint}", f"--rdzv-id={self.rdzv.run_id}",
                     f"--rdzv-conf=join_timeout={int(self.startup_timeout)}",
                     "--max-restarts=0", "--monitor-interval=0.1", f"--start-method={self.start_method}",
-                    "-m", "plait.runtime.worker", str(self.config_path)]
+                    "-m", "plait.runtime.entry", str(self.config_path)]
         return [f"--nnodes={len(self.agents)}", f"--node-rank={k}", f"--nproc-per-node={len(spec.ranks)}",
                 "--rdzv-backend=static", f"--master-addr={self.agents[0].ip}", f"--master-port={port}",
                 "--max-restarts=0", "--monitor-interval=0.1", f"--start-method={self.start_method}",
-                "-m", "plait.runtime.worker", str(self.config_path)]
+                "-m", "plait.runtime.entry", str(self.config_path)]
 
     def start(self) -> None:
         port = 0 if self.rdzv is not None else \

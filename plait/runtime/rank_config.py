@@ -1,6 +1,7 @@
 """What every worker (`plait.runtime.worker`, `plait.runtime.spmd_worker`,
 `plait.runtime.compose_worker`) reads from the run's config before anything else: its plan, its
-rank's entry and the run folder."""
+rank's entry and the run folder. The worker entry (`plait.runtime.entry`) reads it to choose the
+engine; what the workers write the same way is `plait.runtime.results`."""
 
 from __future__ import annotations
 

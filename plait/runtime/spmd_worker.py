@@ -1,13 +1,13 @@
 """One rank of an SPMD plan (`Plan.spmd`): the program of `plait.runtime.spmd_program` trained step by step.
 
-Started by `plait.runtime.worker.main` (the same launcher, run folder, heartbeats, records and
-result file as the pipeline worker) when the plan holds an SPMD program. Each rank builds the
-model with the run's seed, captures its `AtenGraph` at the plan's global batch (the op names the
-plan's strategies refer to), checks the program against it, keeps its shards of the parameters,
-and per step runs the whole global batch through the program (every rank reads the same samples;
-inputs are sliced for free), computes the loss on the gathered outputs and steps its optimizer on
-its shards. Compute between two collectives is one `Recorder.compute` span, so an emulated slower
-GPU kind is slowed where its compute happens.
+Started by the worker entry (`plait.runtime.entry`: the same launcher, run folder, heartbeats,
+records and result file, `plait.runtime.results`, as the pipeline worker) when the plan holds an
+SPMD program. Each rank builds the model with the run's seed, captures its `AtenGraph` at the
+plan's global batch (the op names the plan's strategies refer to), checks the program against it,
+keeps its shards of the parameters, and per step runs the whole global batch through the program
+(every rank reads the same samples; inputs are sliced for free), computes the loss on the gathered
+outputs and steps its optimizer on its shards. Compute between two collectives is one
+`Recorder.compute` span, so an emulated slower GPU kind is slowed where its compute happens.
 
 With `clip_grad` the optimizer step clips the global gradient norm over every rank's shards, and
 checkpoints (`checkpoint.every`, `resume_from`) hold the logical parameters and optimizer state
@@ -48,6 +48,7 @@ from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import load_model_spec, make_samples
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
 from plait.runtime.spmd_state import SpmdStep, checkpoint_layout, make_clipper, persistent_buffers
@@ -133,8 +134,6 @@ class SpmdWorker(RankConfig):
         self.p = self.d = self.t = 0
 
     def run(self) -> None:
-        from plait.runtime.worker import Worker, _write_result, comm_records_path
-
         cfg, plan = self.cfg, self.plan
         self.rec = Recorder(self.info["device"], 0, self.rank, cuda=False,
                             slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb)
@@ -195,7 +194,7 @@ class SpmdWorker(RankConfig):
         steps = int(cfg["steps"])
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
-        origin = Worker._common_origin(self)  # type: ignore[arg-type]  # uses .rec and .comm only
+        origin = common_origin(self.rec, self.comm)
         losses: list[torch.Tensor] = []
         bounds: list[tuple[int, float, float]] = []
         for step in range(start, steps):
@@ -252,7 +251,7 @@ class SpmdWorker(RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            _write_result(self.run_dir, plan, gathered, start, steps, cfg)
+            write_result(self.run_dir, plan, gathered, start, steps, cfg)
         self.comm.barrier("final barrier")
         self.comm.close()
 

@@ -1,4 +1,6 @@
-"""One training worker = one plan rank. Started by torchrun (`python -m plait.runtime.worker CONFIG`).
+"""The pipeline engine: one rank of a 3D-grid or stage-graph plan. Run by the worker entry
+(`plait.runtime.entry`, which torchrun starts) for every plan that is neither an SPMD program
+nor a composed one.
 
 The path of one batch, in order:
 
@@ -19,7 +21,8 @@ The path of one batch, in order:
    (`amp`);
 4. every K steps each rank writes its checkpoint file (`checkpoint`);
 5. at the end rank 0 gathers losses, measured spans and (optionally) the full parameters
-   into `result.json` / `params.pt` in the run directory, which the launcher reads.
+   into `result.json` / `params.pt` in the run directory, which the launcher reads
+   (`results.write_result`, shared with the SPMD and composed engines).
 
 Rank numbering is Megatron's (tp fastest, then dp, then pp) -- a stage graph's ranks are its
 (stage, replica) pairs, stage-major, each stage with its own data-parallel group
@@ -36,9 +39,7 @@ import random
 import resource
 import signal
 import socket
-import sys
 import time
-import traceback
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -46,10 +47,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from plait.ir.formats import stamp
 from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
@@ -96,6 +95,7 @@ from plait.runtime.partition import (
 )
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.sharded_state import RankLayout, aliases_of
 from plait.runtime.tensor_parallel import (
     ShardInfo,
@@ -106,11 +106,6 @@ from plait.runtime.tensor_parallel import (
     sequence_parallel_params,
 )
 from plait.runtime.zero3 import Zero3Step
-
-
-def comm_records_path(run_dir: Path, rank: int) -> Path:
-    """Where rank `rank` streams its communication records (`plait.ir.comm`)."""
-    return run_dir / "comm" / f"rank{rank}.jsonl"
 
 
 # ---------------------------------------------------------------------------------- faults
@@ -136,15 +131,6 @@ def poison(params: list[nn.Parameter]) -> None:
 
 
 _PROCESS_FAULTS = ("kill", "stop", "hang", "error")
-
-
-def _is_peer_error(exc: BaseException) -> bool:
-    """True when the exception says a *peer* failed (closed connection, collective timeout)."""
-    if isinstance(exc, getattr(dist, "DistError", ())) or type(exc).__name__.startswith("Dist"):
-        return True
-    text = str(exc).lower()
-    return any(s in text for s in ("connection closed", "connection reset", "timed out", "timeout", "gloo",
-                                   "broken pipe", "nccl", "peer"))
 
 
 # ---------------------------------------------------------------------------------- worker
@@ -348,7 +334,7 @@ class Worker(RankConfig):
         every = int(ck.get("every") or 0)
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
-        origin_info = self._common_origin()
+        origin_info = common_origin(self.rec, self.comm)
         losses: list[torch.Tensor] = []
         step_bounds: list[tuple[int, float, float]] = []
         self.scales: list[float] = []  # the loss scale each step's backward used
@@ -502,18 +488,6 @@ class Worker(RankConfig):
             ranges += [(base + mb.first, mb.size) for _, mb in self._needed(chunk_mbs)]
         return user_data.batches(dataset, collate, order, ranges, int(data_cfg.get("workers", 1)))
 
-    def _common_origin(self) -> dict[str, Any]:
-        """Ranks on the same host share CLOCK_MONOTONIC: use one origin for all of them (exact).
-        Across hosts the barrier exit is the alignment (skew = the barrier's release skew)."""
-        mine = {"boot": _boot_id(), "origin": self.rec.origin}
-        everyone = self.comm.all_gather_object(mine, "clock origins")
-        if len({e["boot"] for e in everyone}) == 1:
-            common = min(e["origin"] for e in everyone)
-            shift = self.rec.origin - common
-            self.rec.origin = common
-            return {"alignment": "shared monotonic clock", "shift": shift}
-        return {"alignment": "barrier exit", "shift": 0.0}
-
     def _meta(self) -> dict[str, Any]:
         return {"model": self.cfg["model"], "plan": str(self.plan), "world_size": self.world,
                 "optimizer": self.cfg["optimizer"], "seed": self.cfg["seed"], "data_seed": self.cfg["data_seed"]}
@@ -633,15 +607,9 @@ class Worker(RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            _write_result(self.run_dir, plan, gathered, start, steps, self.cfg)
+            write_result(self.run_dir, plan, gathered, start, steps, self.cfg)
         self.comm.barrier("final barrier")
         self.comm.close()
-
-
-def _rank(plan: Plan, layout: PipelineLayout, stage: int, replica: int, tensor: int = 0) -> int:
-    """Process rank of (pipeline stage, replica, tensor rank): a graph plan's (stage, replica)
-    pairs (`PipelineLayout.rank_of`), else Megatron's grid (`Plan.rank`)."""
-    return layout.rank_of(stage, replica) if layout.graph_plan else plan.rank(stage, replica, tensor)
 
 
 def _tied_rank_sets(plan: Plan, layout: PipelineLayout, owner_set: tuple[int, ...]) -> list[list[int]]:
@@ -690,168 +658,3 @@ class _RngStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         cuda = state.get("cuda")
         self.state = (state["cpu"].cpu(), cuda.cpu() if cuda is not None and self.cuda else None)
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "@" + socket.gethostname()
-    except OSError:
-        return socket.gethostname()
-
-
-def _write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: int, steps: int,
-                  cfg: dict[str, Any]) -> None:
-    layout = pipeline_layout(plan)
-    last = _rank(plan, layout, layout.sink[0], 0)
-    losses = ranks[last]["losses"] or []
-    step_ids = list(range(start, steps))
-    iteration_times = []
-    for i, _ in enumerate(step_ids):
-        t0 = min(r["step_bounds"][i][1] for r in ranks)
-        t1 = max(r["step_bounds"][i][2] for r in ranks)
-        iteration_times.append(t1 - t0)
-    params = None
-    if cfg.get("return_params"):
-        params = {}
-        for p in range(layout.num_stages):
-            base = ranks[_rank(plan, layout, p, 0)]
-            for name, tensor in base["params_state"].items():
-                info = base["shard_infos"].get(name)
-                if info is None or plan.tp == 1:
-                    params[name] = tensor
-                else:
-                    si = ShardInfo(info["dim"], info["chunks"], tuple(info["sizes"]))
-                    shards = [ranks[plan.rank(p, 0, t)]["params_state"][name] for t in range(plan.tp)]
-                    params[name] = si.assemble(shards)
-        torch.save(params, run_dir / "params.pt")
-    amp = None
-    if ranks[0].get("amp") is not None:
-        # Every rank took the same skip decisions (the found-inf flag is all-reduced over the job).
-        skipped_by_rank = {r["rank"]: r["amp"]["skipped"] for r in ranks}
-        amp = {"loss_scales": ranks[0]["amp"]["scales"], "skipped_steps": ranks[0]["amp"]["skipped"],
-               "final_loss_scale": ranks[0]["amp"]["final_scale"], "skipped_by_rank": skipped_by_rank}
-    out = {
-        "steps": step_ids, "losses": losses, "iteration_times": iteration_times, "amp": amp,
-        "ranks": [{k: v for k, v in r.items() if k not in ("params_state", "shard_infos", "amp")} for r in ranks],
-        "params_file": "params.pt" if params is not None else None,
-    }
-    tmp = run_dir / "result.json.tmp"
-    tmp.write_text(json.dumps(stamp("run", out)))
-    os.replace(tmp, run_dir / "result.json")
-
-
-# ---------------------------------------------------------------------------------- entry point
-def _plan_rank(cfg: dict[str, Any]) -> int:
-    if cfg.get("multinode"):  # c10d rendezvous on real hosts: mapped after it (plait.runtime.multinode)
-        from plait.runtime.multinode import rank_after_rendezvous
-
-        return rank_after_rendezvous(cfg)
-    agent = int(os.environ.get("GROUP_RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    return int(cfg["agents"][agent]["ranks"][local])
-
-
-def _write_status(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = json.loads(Path(argv[0]).read_text())
-    # torchrun sets OMP_NUM_THREADS for its workers; a worker forked from the agent imported torch
-    # before that, so apply it explicitly (oversubscribed OpenMP spin-waits are very slow).
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    rank = _plan_rank(cfg)
-    # A fixed CPU share per rank when the launcher's caller made cgroups for it (plait.runtime.cpu_share).
-    from plait.runtime.cpu_share import join_from_env
-
-    join_from_env(rank)
-    run_dir = Path(cfg["run_dir"])
-    status = run_dir / "status" / f"rank{rank}.json"
-    hb = Heartbeat(run_dir / "hb" / f"rank{rank}.json", rank)
-
-    def on_term(signum: int, frame: Any) -> None:
-        # torchrun stops the surviving workers with SIGTERM after one fails: say so, so the
-        # launcher does not mistake them for the cause.
-        _write_status(status, {"state": "terminated", "signal": signum, "time": time.time(),
-                               "step": hb.state["step"], "phase": hb.state["phase"]})
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_term)
-    worker: Any
-    if any((st.get("program") or {}).get("kind") == "spmd"  # plait.runtime.compose_worker
-           for st in cfg["plan"].get("stages") or []):
-        from plait.runtime.compose_worker import ComposeWorker
-
-        worker = ComposeWorker(cfg, rank, hb)
-    elif cfg["plan"].get("spmd") is not None:  # an op-level SPMD program (plait.runtime.spmd_worker)
-        from plait.runtime.spmd_worker import SpmdWorker
-
-        worker = SpmdWorker(cfg, rank, hb)
-    else:
-        worker = Worker(cfg, rank, hb)
-    try:
-        worker.run()
-    except BaseException as exc:  # report, then exit non-zero so torchrun stops the job
-        _write_status(status, {"state": "error", "time": time.time(), "step": hb.state["step"],
-                               "phase": hb.state["phase"], "error": f"{type(exc).__name__}: {exc}"[:2000],
-                               "peer_error": _is_peer_error(exc), "traceback": traceback.format_exc()[-8000:]})
-        hb.close("error")
-        sys.stderr.write(f"[plait rank {rank}] {type(exc).__name__}: {exc}\n")
-        sys.stderr.flush()
-        os._exit(1)
-    _write_status(status, {"state": "ok", "time": time.time()})
-    hb.close("done")
-    try:
-        Comm.destroy()
-    except Exception:
-        pass
-    return 0
-
-
-def entrypoint(config_path: str) -> int:
-    """Python entry point for torchrun's function launch (workers forked from the agent).
-
-    torch's multiprocessing context reports only the first failed worker it polls (often a
-    peer that lost its connection), so the worker runs in a forked child of this process,
-    which records how it ended (exit code or signal) in `RUN_DIR/exit/rankN.json` and then
-    ends the same way."""
-    cfg = json.loads(Path(config_path).read_text())
-    rank = _plan_rank(cfg)
-    exit_dir = Path(cfg["run_dir"]) / "exit"
-    exit_dir.mkdir(exist_ok=True)
-    pid = os.fork()
-    if pid == 0:  # the worker; never returns into torch's multiprocessing wrapper
-        code = 1
-        try:
-            code = main([config_path])
-        finally:
-            os._exit(code)
-
-    def forward(signum: int, frame: Any) -> None:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        _write_status(exit_dir / f"rank{rank}.json", {"pid": pid, "exitcode": -sig, "time": time.time(),
-                                                      "signal": signal.Signals(sig).name})
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    code = os.WEXITSTATUS(status)
-    _write_status(exit_dir / f"rank{rank}.json", {"pid": pid, "exitcode": code, "time": time.time(), "signal": None})
-    if code:
-        os._exit(code)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
