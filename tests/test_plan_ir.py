@@ -143,3 +143,19 @@ def test_megatron_split_puts_embedding_and_head_beside_the_blocks():
     # Explicit splits win; models without a transformer body fall back to even counts.
     assert Plan(pp=2, micro_batch=1, global_batch=2, layer_split=[20, 6]).layers_per_stage(26, styles) == [20, 6]
     assert plan.layers_per_stage(8, ["none"] * 8) == [2, 2, 2, 2]
+
+
+def test_every_plan_form_is_a_stage_graph_of_typed_programs():
+    """Issue 27: a 3D plan's stages run the Megatron form, a whole-model SPMD plan is one stage
+    running its program on every rank with the whole batch."""
+    from plait.ir.program import SpmdProgram, Strategy, TensorParallel
+
+    grid = Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=4)
+    stages = grid.stage_specs(["a", "b", "c", "d"])
+    assert [st.program for st in stages] == [TensorParallel(dp=2, tp=2)] * 2
+    assert [len(st.devices) for st in stages] == [4, 4] and stages[0].layers == ["a", "b"]
+    program = SpmdProgram({"mm": Strategy(("S0", "R"), ("S0",), True)}, [0.25, 0.75])
+    spmd = Plan(micro_batch=8, global_batch=8, spmd=program, device_order=[3, 1])
+    (one,) = spmd.stage_specs(["a", "b"])
+    assert one.program is program and one.devices == [3, 1] and one.micro_batch == 8
+    assert one.layers == ["a", "b"] and one.dp == one.tp == 1 and one.spmd is program

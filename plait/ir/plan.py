@@ -416,9 +416,14 @@ class Plan:
         """The explicit stage list; derives a chain of `pp` stages when `stages` is empty.
 
         `layer_names` are the model's layers in order (needed to fill a derived chain);
-        `styles` their OpGraph tp_style, for Megatron's split (see `layers_per_stage`)."""
+        `styles` their OpGraph tp_style, for Megatron's split (see `layers_per_stage`).
+        A whole-model SPMD program (`spmd`) is one stage: every layer, every rank, the whole batch."""
         if self.stages:
             return self.stages
+        if self.spmd is not None:
+            devices = list(self.device_order) if self.device_order is not None else list(range(self.world_size))
+            return [StageSpec(name="program", layers=list(layer_names or []), devices=devices,
+                              micro_batch=self.global_batch, program=self.spmd)]
         counts = self.layers_per_stage(len(layer_names), styles) if layer_names is not None else None
         specs, start = [], 0
         for p in range(self.pp):
