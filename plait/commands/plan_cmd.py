@@ -27,7 +27,7 @@ from plait.commands.training_args import (
     training_of,
 )
 from plait.plan.export import FORMATS
-from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
+from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, FAMILIES
 
 GiB = 2**30
 # Plans whose predicted times differ by less than this, and only in options, share a table row.
@@ -47,11 +47,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster YAML or preset (default: {DEFAULT_CLUSTER})")
     p.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
                    help=f"samples per iteration (default: {DEFAULT_GLOBAL_BATCH})")
-    p.add_argument("--family", choices=("all", "3d", "graph", "spmd"), default="all",
+    p.add_argument("--family", choices=("all", *FAMILIES), default="all",
                    help="planner family: all (default: every family, ranked together by the simulator), 3d "
                         "(data x tensor x pipeline), graph (GraphPipe: a DAG of pipeline stages for "
-                        "multi-branch models) or spmd (an op-level SPMD program with uneven per-device "
-                        "ratios: HAP, plait.spmd)")
+                        "multi-branch models), spmd (an op-level SPMD program with uneven per-device "
+                        "ratios: HAP, plait.spmd), compose (SPMD programs inside pipeline stages) or any "
+                        "other family registered with plait.search.register_family")
     p.add_argument("--space", metavar="SPEC", default=None,
                    help="restrict the 3D search, e.g. \"tp=1,2 pp=1,2,4 mb=1,2 recompute=none zero=0,1 "
                         "schedule=1f1b sp=off dp=8\" (plait.search.space; searches the 3D family only)")
@@ -121,16 +122,21 @@ def run(args: argparse.Namespace) -> int:
     # `all`: graph pipelines and SPMD programs compete with the 3D plans; with --run (or a plan to
     # export or place on fabric paths) only what the runtime runs and the frameworks express.
     families: dict[str, Any] = {"families": "all", "runnable": True} if args.family == "all" \
-        else {"families": "3d"}
+        else {"families": args.family}
     if args.family == "all" and (args.export or args.traffic_plan or space is not None):
         families = {"families": "3d"}
     if space is not None:  # graph pipelines and SPMD programs have no dp x tp x pp grid to restrict
         families["space"] = space
+    options = {"finalists": None if args.finalists == 0 else args.finalists, "seed": args.seed,
+               "placement": not args.no_placement, "progress": not args.no_progress and not args.json,
+               "memory_kwargs": memory_kwargs_of(args), "jobs": jobs}
+    if families["families"] not in ("all", "3d"):  # any other registered family: the options it takes
+        taken = FAMILIES[args.family][1]
+        options = {k: v for k, v in options.items() if k in taken or k in ("progress", "jobs")}  # + the driver's
+        if "runnable" in taken:
+            families["runnable"] = args.run
     result = plan(args.model, args.cluster, global_batch=args.global_batch,
-                  top=args.top if args.json else args.top * FOLD_EXTRA,
-                  finalists=None if args.finalists == 0 else args.finalists, seed=args.seed,
-                  placement=not args.no_placement, progress=not args.no_progress and not args.json,
-                  memory_kwargs=memory_kwargs_of(args), jobs=jobs, **families)
+                  top=args.top if args.json else args.top * FOLD_EXTRA, **options, **families)
     best = result.best
     traffic = traffic_plan(args.model, fabric_cluster, best.plan) if fabric_cluster is not None else None
     best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths
