@@ -36,7 +36,19 @@ def test_an_old_plan_file_loads_and_round_trips(form):
     path = OLD / f"{form}.json"
     plan = Plan.load(str(path))
     assert Plan.from_json(plan.to_json()) == plan
-    assert json.loads(plan.to_json()) == _raw(form)  # written again, the same fields and values
+    again = json.loads(plan.to_json())  # written again in format 2: each stage's program typed
+    old = _raw(form)
+    assert again["format_version"] == 2 and {k: v for k, v in again.items() if k not in ("format_version", "stages")} \
+        == {k: v for k, v in old.items() if k not in ("format_version", "stages")}
+    for new, was in zip(again["stages"], old["stages"]):
+        kept = {k: v for k, v in was.items() if k not in ("dp", "tp", "dp_shares", "tp_ratios", "spmd")}
+        assert {k: v for k, v in new.items() if k != "program"} == kept
+        program = new["program"]
+        if "spmd" in was:
+            assert program == {"kind": "spmd", **was["spmd"]}
+        else:
+            assert program == {"kind": "tensor_parallel", "dp": was["dp"], "tp": was["tp"],
+                               **{k: was[k] for k in ("dp_shares", "tp_ratios") if was.get(k) is not None}}
     assert Plan.load(path) == plan  # a Path as well as a string
 
 
@@ -101,8 +113,8 @@ def _refusal(tmp_path, data: dict) -> str:
 
 def test_a_newer_format_version_is_refused(tmp_path):
     for form in FORMS:
-        msg = _refusal(tmp_path, {**_raw(form), "format_version": 2})
-        assert "format_version 2 is newer than this plait reads" in msg and "upgrade plait" in msg
+        msg = _refusal(tmp_path, {**_raw(form), "format_version": 3})
+        assert "format_version 3 is newer than this plait reads" in msg and "upgrade plait" in msg
     msg = _refusal(tmp_path, {**_raw("threed"), "format_version": "1"})
     assert "format_version: expected a positive integer" in msg
 
@@ -148,11 +160,10 @@ def test_the_simulator_accepts_old_plans(form, model, cluster):
     assert res.iteration_time_s > 0 and res.memory is not None and res.memory.fits
 
 
-def test_simulate_refuses_a_composed_plan_naming_the_field():
-    """`simulate()` does not lower a pipeline of SPMD stages today (the compose family times its
-    candidates with plait.sim.compose_lower.simulate_compose): the old composed file loads, and the
-    simulator refuses it in one line naming the field rather than run such a stage as one device."""
-    from plait.sim.api import SimulateError, simulate
+def test_simulate_takes_the_old_composed_plan():
+    """`simulate()` takes every plan form (issue 27): the old composed file's stage programs are
+    replayed on the model (`plait.sim.replay.composed_stages`)."""
+    from plait.sim.api import simulate
 
-    with pytest.raises(SimulateError, match=r"^plan field 'stages\[0\]\.spmd': a pipeline of SPMD stages"):
-        simulate(*COMPOSED, str(OLD / "composed.json"))
+    res = simulate(*COMPOSED, str(OLD / "composed.json"))
+    assert res.iteration_time_s > 0 and res.world_size == 4 and res.fits_memory is True

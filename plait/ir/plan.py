@@ -545,7 +545,15 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan must be a JSON object, got {_json_type(data)}")
         data = dict(data["plan"]) if isinstance(data.get("plan"), dict) else dict(data)
-        data = check_version("plan", data, source, PlanError)
+        try:
+            return cls._from_current(check_version("plan", data, source, PlanError), source)
+        except PlanError as exc:  # name the file as well as the field
+            text = str(exc)
+            raise PlanError(text if source == "plan" or text.startswith(f"{source}:") else f"{source}: {text}") from None
+
+    @classmethod
+    def _from_current(cls, data: dict[str, Any], source: str) -> Plan:
+        """`from_dict` of a dict in this plait's plan format (migrated already)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -562,13 +570,10 @@ class Plan:
             _check_json_types(s, _STAGE_TYPES, source, f"stages[{i}].")
             s = dict(s)
             if "program" in s:
-                s["program"] = _stage_program(s["program"], f"plan field 'stages[{i}].program'")
+                s["program"] = _stage_program(s["program"], f"plan field 'stages[{i}].program'", source)
             stages.append(StageSpec(**s))
         edges = [tuple(e) for e in data.pop("stage_edges", [])]
-        try:
-            return cls(**data, stages=stages, stage_edges=edges)
-        except PlanError as exc:  # name the file as well as the field
-            raise PlanError(f"{source}: {exc}" if source != "plan" else str(exc)) from None
+        return cls(**data, stages=stages, stage_edges=edges)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -751,7 +756,7 @@ def _check_stage_program(s: int, st: StageSpec) -> None:
         raise PlanError(f"{where}: must be a tensor_parallel or spmd program, got {type(st.program).__name__}")
 
 
-def _stage_program(value: Any, where: str) -> StageProgram:
+def _stage_program(value: Any, where: str, source: str = "plan") -> StageProgram:
     """A stage's program from its file layout (`plait.ir.program.stage_program_dict`)."""
     kind = value.get("kind")
     rest = {k: v for k, v in value.items() if k != "kind"}
@@ -763,7 +768,7 @@ def _stage_program(value: Any, where: str) -> StageProgram:
         unknown = sorted(set(rest) - set(_TENSOR_PARALLEL_TYPES))
         if unknown:
             raise PlanError(f"{where}: unknown field(s) {unknown} of a tensor_parallel program")
-        _check_json_types(rest, _TENSOR_PARALLEL_TYPES, "plan", where.removeprefix("plan field '").rstrip("'") + ".")
+        _check_json_types(rest, _TENSOR_PARALLEL_TYPES, source, where.removeprefix("plan field '").rstrip("'") + ".")
         return TensorParallel(**rest)
     raise PlanError(f"{where}.kind: must be 'tensor_parallel' or 'spmd', got {kind!r}")
 
@@ -783,11 +788,17 @@ def _plan_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
         st = dict(st)
         parts = {k: st.pop(k) for k in ("dp", "tp", "dp_shares", "tp_ratios") if k in st}
         spmd = st.pop("spmd", None)
-        if spmd is not None:
+        if spmd is not None:  # checked as format 1 named it, so an old file's error names its own field
+            where = f"plan field 'stages[{i}].spmd'"
             if (parts.get("dp", 1), parts.get("tp", 1)) != (1, 1) or parts.get("dp_shares") or parts.get("tp_ratios"):
-                raise PlanError(f"plan field 'stages[{i}].spmd': a stage running an SPMD program needs dp=tp=1 and "
-                                "no dp_shares or tp_ratios (the program shards the stage)")
-            st["program"] = {"kind": "spmd", **spmd} if isinstance(spmd, dict) else spmd
+                raise PlanError(f"{where}: a stage running an SPMD program needs dp=tp=1 and no dp_shares or "
+                                "tp_ratios (the program shards the stage)")
+            program = _spmd_program(spmd, where)
+            devices = st.get("devices")
+            if program is not None and isinstance(devices, list) and program.world != len(devices):
+                raise PlanError(f"{where}.ratios: {program.world} ratios for the stage's {len(devices)} devices "
+                                "(one per device, in order)")
+            st["program"] = {"kind": "spmd", **spmd}
         else:
             st["program"] = {"kind": TensorParallel.KIND, **{k: v for k, v in parts.items() if v is not None}}
         moved.append(st)
