@@ -37,18 +37,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.cluster.spec import Cluster, GPUKind
-from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import (
     UNEVEN_OPS,
     GroupLinks,
     choose_algorithm,
     choose_uneven,
     collective_time,
-    group_links,
-    measured_tables,
     uneven_collective_time,
 )
 from plait.cost.compute import DEFAULT_MODEL, op_time
+from plait.cost.devices import DeviceModel
 from plait.ir.aten_graph import AtenGraph, AtenOp
 from plait.ir.program import Comm, Mesh, ShardingError
 
@@ -63,7 +61,8 @@ VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "s
 @dataclass(frozen=True)
 class Devices:
     """The devices of one SPMD program: kinds, effective FLOP/s, memory bandwidth, capacity and
-    the links of their group in the cluster."""
+    the links of their group in the cluster -- a group of the one device model at a dtype
+    (`of`: `plait.cost.devices.DeviceModel`, which the simulator's `ClusterView` is too)."""
 
     names: tuple[str, ...]
     flops: np.ndarray  # effective FLOP/s (peak x the compute model's GEMM efficiency)
@@ -81,24 +80,29 @@ class Devices:
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, dtype: str = "fp32", devices: Sequence[int] | None = None) -> Devices:
-        every = cluster.devices
-        ids = list(range(len(every))) if devices is None else list(devices)
+        """`of` the cluster's device model."""
+        return cls.of(DeviceModel.of_cluster(cluster), dtype, devices)
+
+    @classmethod
+    def of(cls, model: DeviceModel, dtype: str = "fp32", devices: Sequence[int] | None = None) -> Devices:
+        """The group `devices` (all of them when None, in this order) of the one device model
+        (`plait.cost.devices.DeviceModel`; a simulator's `ClusterView` is one) at `dtype`."""
+        n = model.num_devices
+        ids = list(range(n)) if devices is None else list(devices)
         for i in ids:
-            if not 0 <= i < len(every):
-                raise ShardingError(f"device {i} is not in cluster {cluster.name!r} ({len(every)} devices)")
+            if not 0 <= i < n:
+                raise ShardingError(f"device {i} is not in cluster {model.name!r} ({n} devices)")
         if len(set(ids)) != len(ids):
             raise ShardingError(f"devices: {ids} names a device twice")
-        picked = [every[i] for i in ids]
+        picked = [model.kinds[i] for i in ids]
         eff = DEFAULT_MODEL.gemm_efficiency
-        links = group_links(ids, bandwidth_matrix(cluster), latency_matrix(cluster), [d.node for d in every],
-                            [max(1, n.nics) for n in cluster.nodes], measured_tables(cluster))
         return cls(
-            names=tuple(f"gpu {d.id} ({d.kind.name}, node {d.node})" for d in picked),
-            flops=np.array([d.kind.flops(dtype) * eff for d in picked]),
-            mem_bw=np.array([d.kind.memory_bandwidth * DEFAULT_MODEL.memory_efficiency for d in picked]),
-            memory=np.array([float(d.kind.memory_bytes) for d in picked]),
-            links=links,
-            kinds=tuple(d.kind for d in picked),
+            names=tuple(f"gpu {i} ({k.name}, node {int(model.node_of[i])})" for i, k in zip(ids, picked)),
+            flops=np.array([k.flops(dtype) * eff for k in picked]),
+            mem_bw=np.array([k.memory_bandwidth * DEFAULT_MODEL.memory_efficiency for k in picked]),
+            memory=np.array([float(k.memory_bytes) for k in picked]),
+            links=model.group(ids),
+            kinds=tuple(picked),
             dtype=dtype,
             ids=tuple(ids),
         )
@@ -198,12 +202,6 @@ def mesh_of(cluster: Cluster, devices: Sequence[int] | None = None) -> Mesh:
     return Mesh(tuple(tuple(r) for _, r in sorted(rows.items())))
 
 
-def _links(cluster: Cluster, ids: Sequence[int]) -> GroupLinks:
-    every = cluster.devices
-    return group_links(list(ids), bandwidth_matrix(cluster), latency_matrix(cluster), [d.node for d in every],
-                       [max(1, n.nics) for n in cluster.nodes], measured_tables(cluster))
-
-
 def rail_links(cluster: Cluster, mesh: Mesh) -> list[GroupLinks]:
     """The links of each rail as one of the ``g`` rails running at once sees them: a node's NICs
     are shared, so one rail's inter-node bandwidth is ``min(g, NICs) / g`` of what the rail's ring
@@ -211,8 +209,9 @@ def rail_links(cluster: Cluster, mesh: Mesh) -> list[GroupLinks]:
     fewest NICs, since the ring crosses every node."""
     out = []
     g = mesh.inner
+    model = DeviceModel.of_cluster(cluster)
     for rail in mesh.rails():
-        links = _links(cluster, rail)
+        links = model.group(rail)
         nics = min(min(max(1, cluster.nodes[cluster.devices[i].node].nics), g) for i in rail)
         share = nics / g
         out.append(dataclasses.replace(links, ring_bandwidth=links.ring_bandwidth * share,

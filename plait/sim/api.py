@@ -385,7 +385,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
     view = resolve_cluster(cluster)
     devices = problem.devices
     if view.cluster is not None:
-        devices = Devices.from_cluster(view.cluster, devices.dtype, devices.ids or None)
+        devices = Devices.of(view, devices.dtype, devices.ids or None)
     segs = synthesis.segments
     ratios = synthesis.segment_ratios if segs is not None and synthesis.segment_ratios is not None \
         else synthesis.ratios
@@ -480,7 +480,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
         dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
         inputs, _ = spec.sample_batch(plan.global_batch)
         graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
-        problem = Problem.build(graph, Devices.from_cluster(view.cluster, dtype, ids),
+        problem = Problem.build(graph, Devices.of(view, dtype, ids),
                                 outputs_free=free_outputs(graph, loss=True))
         problem.homes = dict(plan.spmd.homes)
         program = replay(problem, plan.spmd, "spmd")

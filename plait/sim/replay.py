@@ -98,6 +98,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     aten sub-graph at its micro-batch on its devices, its program replayed, its memory with the
     micro-batches its schedule keeps in flight; the bytes each edge carries and the parameters two
     stages share from the one stage graph (`plait.cost.traffic.composed_boundaries`)."""
+    from plait.cost.devices import DeviceModel
     from plait.cost.memory import composed_peak_memory, memory_model
     from plait.cost.program import Segments, segments
     from plait.cost.spmd import Devices
@@ -112,6 +113,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     m = plan.num_micro_batches
     pp = len(plan.stages)
     captures: dict[int, AtenGraph] = {}
+    devices = DeviceModel.of_cluster(cluster)
     stages, stage_bytes = [], []
     for s, st in enumerate(plan.stages):
         field = f"stages[{s}].program"
@@ -123,7 +125,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
             captures[b] = capture(spec, b, dtype)
         aten = captures[b]
         sub = stage_subgraph(aten, st.layers, name=f"{aten.model} stage {s}")
-        problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, st.devices), overlap=1.0 / m,
+        problem = Problem.build(sub, Devices.of(devices, dtype, st.devices), overlap=1.0 / m,
                                 outputs_free=free_outputs(sub, loss=s == pp - 1))
         program = replay(problem, st.spmd, field)
         r = st.spmd.ratio_array()

@@ -363,7 +363,7 @@ class _GroupPricer:
         if cluster is None:
             raise SpmdLoweringError("a hierarchical program needs the cluster's nodes (a Cluster, not a view)")
         self.problem, self.mesh = problem, mesh
-        self.nodes = [Devices.from_cluster(cluster, devices.dtype, node) for node in mesh.nodes]
+        self.nodes = [Devices.of(view, devices.dtype, node) for node in mesh.nodes]
         self.node_links = [d.links for d in self.nodes]
         self.rails = rail_links(cluster, mesh)
         scale = np.ones(len(mesh.ids)) if device_scale is None else np.asarray(device_scale, dtype=float)

@@ -30,46 +30,30 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plait.cluster.spec import Cluster, GPUKind
-from plait.cluster.topology import bandwidth_matrix, latency_matrix
-from plait.cost.collectives import GroupLinks, group_links, measured_tables, ring_hops
+from plait.cluster.spec import Cluster
+from plait.cost.collectives import ring_hops
+from plait.cost.devices import DeviceModel
 from plait.net.fabric import Fabric, fabric_of
 from plait.net.flows import device_flow
 
 
 @dataclass
-class ClusterView:
-    """Per-device facts the lowering and the engine need (built from a `Cluster` or by hand)."""
+class ClusterView(DeviceModel):
+    """The one device model (`plait.cost.devices.DeviceModel`: kinds, nodes, pair bandwidths and
+    latencies, NICs, measured tables) with what the engine adds: link resources, and the switched
+    fabric's paths (built from a `Cluster` or by hand, `uniform`)."""
 
-    kinds: list[GPUKind]
-    node_of: np.ndarray
-    bandwidth: np.ndarray
-    latency: np.ndarray
-    node_nic_bandwidth: list[float] | None = None  # aggregate NIC egress per node (bytes/s)
-    node_nics: list[int] | None = None  # NICs per node (collective channels across nodes)
-    measured: tuple = ()  # measured collective busbw tables in force (cost.collectives.measured_tables)
-    name: str = "cluster"
-    cluster: Cluster | None = None
     fabric: Fabric | None = None  # switched fabric: inter-node transfers follow its paths
     # planned paths per (src, dst, channel): (share of its bytes, link ids) each
     flow_paths: dict[tuple[int, int, int], list[tuple[float, tuple[int, ...]]]] | None = None
     _routes: dict = field(default_factory=dict, repr=False)
     _port: np.ndarray | None = field(default=None, repr=False)
     _nic: np.ndarray | None = field(default=None, repr=False)
-    _groups: dict = field(default_factory=dict, repr=False)
     _paths: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_cluster(cls, cluster: Cluster) -> ClusterView:
-        devices = cluster.devices
-        nic = [n.nic.bandwidth * max(1, n.nics) for n in cluster.nodes]
-        return cls(kinds=[d.kind for d in devices],
-                   node_of=np.array([d.node for d in devices], dtype=np.int64),
-                   bandwidth=np.asarray(bandwidth_matrix(cluster), dtype=float),
-                   latency=np.asarray(latency_matrix(cluster), dtype=float),
-                   node_nic_bandwidth=nic, node_nics=[max(1, n.nics) for n in cluster.nodes],
-                   measured=measured_tables(cluster),
-                   name=cluster.name, cluster=cluster, fabric=fabric_of(cluster))
+        return cls(**DeviceModel.facts_of(cluster), fabric=fabric_of(cluster))
 
     def with_flow_paths(self, paths: dict[tuple[int, int, int], list[tuple[float, tuple[int, ...]]]] | None
                         ) -> ClusterView:
@@ -77,26 +61,6 @@ class ClusterView:
         if paths == self.flow_paths:
             return self
         return dataclasses.replace(self, flow_paths=paths, _routes={}, _paths={}, _groups={})
-
-    @classmethod
-    def uniform(cls, num_devices: int, kind: GPUKind, gpus_per_node: int, intra_bandwidth: float,
-                intra_latency: float, inter_bandwidth: float = 25e9, inter_latency: float = 5e-6,
-                nics_per_node: int | None = None, name: str = "uniform") -> ClusterView:
-        """A homogeneous cluster without a `Cluster` object (tests, benchmarks)."""
-        node_of = np.arange(num_devices) // gpus_per_node
-        same = node_of[:, None] == node_of[None, :]
-        bw = np.where(same, intra_bandwidth, inter_bandwidth).astype(float)
-        lat = np.where(same, intra_latency, inter_latency).astype(float)
-        np.fill_diagonal(bw, kind.memory_bandwidth)
-        np.fill_diagonal(lat, 0.0)
-        nodes = int(node_of.max()) + 1
-        nics = gpus_per_node if nics_per_node is None else nics_per_node
-        return cls(kinds=[kind] * num_devices, node_of=node_of, bandwidth=bw, latency=lat,
-                   node_nic_bandwidth=[inter_bandwidth * nics] * nodes, node_nics=[nics] * nodes, name=name)
-
-    @property
-    def num_devices(self) -> int:
-        return len(self.kinds)
 
     # ---------------------------------------------------------------- capacities
     def _ports(self) -> tuple[np.ndarray, np.ndarray]:
@@ -162,14 +126,6 @@ class ClusterView:
             out.append((("node_in", nd), float(self.node_nic_bandwidth[nd])))
         return out
 
-    def group(self, devices: Sequence[int]) -> GroupLinks:
-        key = tuple(devices)
-        hit = self._groups.get(key)
-        if hit is None:
-            hit = self._groups[key] = group_links(key, self.bandwidth, self.latency, self.node_of,
-                                                       self.node_nics, self.measured)
-        return hit
-
     def ring_loads(self, ring: Sequence[int]) -> tuple[float, list[tuple[int, int, float]]]:
         """(slowest pair bandwidth B of the ring, [(src, dst, load)]) for a ring collective over
         `ring` run as one flow of ``t x B`` bytes, `t` its bandwidth phase: the hops NCCL drives
@@ -182,7 +138,3 @@ class ClusterView:
         scale = self.group(devs).ring_bandwidth / slowest
         return slowest, [(a, b, share * scale)
                          for a, b, share in ring_hops(devs, self.node_of, self.node_nics)]
-
-    def pair(self, src: int, dst: int) -> tuple[float, float]:
-        """(bandwidth, latency) of the pair."""
-        return float(self.bandwidth[src, dst]), float(self.latency[src, dst])
