@@ -251,7 +251,7 @@ def test_simulate_takes_a_composed_plan_as_its_family_timed_it(tmp_path):
     assert got.memory_peak_bytes == best.peak_bytes and got.fits_memory is True
     assert got.world_size == 4 and got.granularity == "op"
     lacking = best.plan.to_dict()
-    lacking["stages"][1]["spmd"]["strategies"].pop(next(iter(lacking["stages"][1]["spmd"]["strategies"])))
+    lacking["stages"][1]["program"]["strategies"].pop(next(iter(lacking["stages"][1]["program"]["strategies"])))
     with pytest.raises(SimulateError, match=r"plan field 'stages\[1\].program': op .*: no strategy"):
         simulate(TINY, cluster, type(best.plan).from_dict(lacking))
     cluster_file = tmp_path / "cluster.yaml"
@@ -296,11 +296,11 @@ def test_composed_pipeline_beats_every_single_family_across_a_slow_link():
 
 
 def test_eager_1f1b_keeps_twice_the_warm_up_deadlock_free_and_only_composed_plans_take_it():
+    from plait.cost.memory import composed_in_flight
     from plait.ir.plan import Plan
     from plait.runtime import supports
     from plait.schedule import PipelineGraph, build
     from plait.schedule.check import execute
-    from plait.search.compose_family import in_flight
 
     for pp, m in ((2, 1), (2, 5), (3, 4), (4, 8)):
         sched = build("eager_1f1b", PipelineGraph.chain(pp, m, 1, 2))
@@ -308,8 +308,8 @@ def test_eager_1f1b_keeps_twice_the_warm_up_deadlock_free_and_only_composed_plan
         for p in range(pp):
             ops = [a.op for a in sched.of(p) if a.op in ("fwd", "bwd")]
             assert ops.index("bwd") == min(m, 2 * (pp - p - 1) + 1)  # warm-up forwards, then the first 1F1B pair
-            assert in_flight("eager_1f1b", pp, p, m) == min(m, 2 * (pp - p) - 1)
-            assert in_flight("1f1b", pp, p, m) == min(m, pp - p)
+            assert composed_in_flight("eager_1f1b", pp, m)[p] == min(m, 2 * (pp - p) - 1)
+            assert composed_in_flight("1f1b", pp, m)[p] == min(m, pp - p)
     ok, why = supports(Plan(dp=1, pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"))
     assert not ok and "eager_1f1b" in why and "composed" in why
 

@@ -75,6 +75,11 @@ What lives on a device at its peak (all bytes):
 `plait.measure.step_memory.measure_step_peak` measures the same quantity on a real CPU training step with
 PyTorch's MemTracker; bench/memory_error.py compares the two, and the per-layer
 activations with Korthikanti's formulas.
+
+The other plan forms' memory lives here too: an SPMD program's (`memory_model`: per device
+``replicated + sum_g ratio_g * sharded_g``, `MemoryModel`) and a composed plan's
+(`composed_peak_memory`: each stage's program plus the activations of the micro-batches its
+schedule keeps in flight, read off the schedule's action lists by `plait.schedule.in_flight`).
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ from plait.ir.stage_graph import (
     chunk_graph,
     replica_loads,
 )
+from plait.schedule import chain_in_flight
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 FRAMEWORK_OVERHEAD_BYTES = 1 * GiB
@@ -1102,25 +1108,24 @@ def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimi
     return model
 
 
+
+def composed_in_flight(schedule: str, stages: int, micro_batches: int) -> tuple[float, ...]:
+    """Per stage of a composed plan (a linear pipeline whose stages run SPMD programs,
+    `plait.search.compose_family`), the micro-batches whose activations it holds at once under
+    `schedule`: read off the action lists of the chain the simulator runs (`plait.sim.compose_lower`:
+    GPipe, eager 1F1B, else 1F1B) by `plait.schedule.in_flight`, once per (schedule, stages, m)."""
+    return chain_in_flight(schedule if schedule in ("gpipe", "eager_1f1b") else "1f1b", stages, micro_batches)
+
+
 def composed_peak_memory(stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]], schedule: str,
                          micro_batches: int, devices: int) -> list[int]:
-    """Peak bytes per cluster device of a composed plan under `schedule`: per stage (its devices,
-    each one's bytes with one micro-batch in flight, the activation bytes of each further one),
-    with the micro-batches the schedule keeps in flight on that stage (1F1B pp - s, eager 1F1B one
-    more than its warm-up, GPipe all)."""
-    from plait.schedule.builders import eager_warmup
-
-    pp = len(stage_bytes)
-
-    def flight(s: int) -> int:
-        if schedule == "gpipe":
-            return micro_batches
-        if schedule == "eager_1f1b":
-            return min(micro_batches, eager_warmup(pp, s) + 1)
-        return min(micro_batches, pp - s)
-
+    """Peak bytes per cluster device of a composed plan under `schedule`: per stage ``(its devices,
+    each one's bytes with one micro-batch in flight, the activation bytes of each further
+    micro-batch)`` -- its program's `MemoryModel.on` and `MemoryModel.activations_on` -- with the
+    micro-batches the schedule keeps in flight on that stage (`composed_in_flight`)."""
+    flight = composed_in_flight(schedule, len(stage_bytes), micro_batches)
     out = [0] * devices
     for s, (ids, base, act) in enumerate(stage_bytes):
-        for d, b in zip(ids, base + (flight(s) - 1) * act):
+        for d, b in zip(ids, base + (int(flight[s]) - 1) * act):
             out[d] = int(b)
     return out

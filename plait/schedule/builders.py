@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from plait.schedule.core import Action, PipelineGraph, Schedule, ScheduleError
+from plait.schedule.core import Action, PipelineGraph, Schedule, ScheduleError, in_flight
 
 # (op, node id, micro-batch)
 _Step = tuple[str, int, int]
@@ -287,3 +287,11 @@ def build(name: str, graph: PipelineGraph) -> Schedule:
     if name == "graph_1f1b":
         return graph_1f1b(graph)
     raise ScheduleError(f"schedule: must be one of {SCHEDULES}, got {name!r}")
+
+
+@lru_cache(maxsize=4096)
+def chain_in_flight(name: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> tuple[float, ...]:
+    """`in_flight` of schedule `name` on a linear pipeline of `pp` ranks (`PipelineGraph.chain`):
+    per rank, the micro-batches whose activations it holds at once, read off the built action lists
+    once per (schedule, pp, m, v) -- the planners ask for the same few thousands of times."""
+    return tuple(in_flight(build(name, PipelineGraph.chain(pp, micro_batches, virtual_stages))))

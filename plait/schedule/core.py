@@ -29,6 +29,9 @@ step ends). Messages between one pair of ranks are matched in order (FIFO), as w
 torch.distributed's untagged point-to-point calls, so every schedule here posts the
 sends from rank a to rank b in the same order as rank b posts their receives.
 
+Reading a schedule: `in_flight` gives, per rank, the most micro-batches whose forward has run
+and whose backward has not (the activations the rank holds at once), off the action lists.
+
 Event keys follow the scheme shared by the simulator and the runtime:
 ``f"{op} s{stage} c{chunk} mb{micro_batch}"`` (e.g. ``"fwd s1 c0 mb3"``).
 """
@@ -252,3 +255,30 @@ class Schedule:
 
     def lines(self, stage: int) -> list[str]:
         return [str(a) for a in self.actions[stage]]
+
+
+def in_flight(schedule: Schedule) -> list[float]:
+    """Per pipeline rank, the most micro-batches whose forward has run and whose backward has not
+    yet run, at any point of the rank's action list: what the rank keeps activations for.
+
+    Counted in whole-stage units: a rank running ``k`` nodes (the ``v`` model chunks of
+    interleaved 1F1B, or the segments of a graph stage) holds ``1 / k`` of a micro-batch per
+    node forward, so interleaved 1F1B's ``w`` chunk-forwards in flight count ``w / v`` (Korthikanti
+    et al. 2022 §4.2.3). A node whose micro-batches are dealt to ``d`` data-parallel replicas in
+    turn (`Node.replicas`: micro-batch ``i`` on replica ``i mod d``) counts each replica's own and
+    reports the busiest replica's, the count one device holds."""
+    out: list[float] = []
+    nodes = schedule.graph.nodes
+    for stage, acts in enumerate(schedule.actions):
+        local = {nodes[i].chunk: nodes[i] for i in schedule.graph.nodes_of(stage)}
+        held: dict[int, int] = {}  # replica -> node forwards without their backward
+        peak = 0
+        for a in acts:
+            if a.op == "fwd":
+                r = a.micro_batch % local[a.chunk].replicas
+                held[r] = held.get(r, 0) + 1
+                peak = max(peak, held[r])
+            elif a.op == "bwd":
+                held[a.micro_batch % local[a.chunk].replicas] -= 1
+        out.append(peak / len(local))
+    return out

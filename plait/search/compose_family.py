@@ -21,7 +21,8 @@ largest micro-batches that give at least ``pp`` micro-batches, ranked by `pipeli
 2. each stage's program is synthesized on its own AtenGraph (`plait.graph.aten_stage.stage_subgraph`
    of the model captured at the micro-batch) and its own devices, memory-aware, and its peak
    memory is the program's (`plait.cost.memory.memory_model`) with the activations of the
-   micro-batches 1F1B keeps in flight on that stage;
+   micro-batches 1F1B keeps in flight on that stage, read off the schedule's action lists
+   (`plait.cost.memory.composed_peak_memory`);
 3. the plan (`Plan.stages[i].spmd`) is simulated by the one engine
    (`plait.sim.compose_lower.simulate_compose`: the pipeline schedule of `plait.schedule` whose
    forward and backward are the programs' lowered ops), with the pipeline's message bytes from
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
-from plait.cost.memory import composed_peak_memory
+from plait.cost.memory import composed_in_flight, composed_peak_memory
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
 from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
@@ -67,18 +68,6 @@ class ComposedCandidate:
     # per stage: its devices, each one's bytes with one micro-batch in flight, and the activation
     # bytes of each further micro-batch in flight (`MemoryModel.activations_on`)
     stage_bytes: list[tuple[list[int], np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
-
-
-def in_flight(schedule: str, pp: int, s: int, m: int) -> int:
-    """Micro-batches whose activations stage `s` of `pp` holds at once: 1F1B pp - s, eager 1F1B one
-    more than its warm-up (`plait.schedule.builders.eager_warmup`), GPipe all m."""
-    from plait.schedule.builders import eager_warmup
-
-    if schedule == "gpipe":
-        return m
-    if schedule == "eager_1f1b":
-        return min(m, eager_warmup(pp, s) + 1)
-    return min(m, pp - s)
 
 
 def cluster_units(cluster: Cluster) -> list[list[int]]:
@@ -405,7 +394,7 @@ def schedule_variants(c: ComposedCandidate, cluster: Cluster, reasons: dict[str,
     weighs that against the memory and the longer fill."""
     m, pp = c.plan.num_micro_batches, len(c.stage_bytes)
     out = [c]
-    if all(in_flight("eager_1f1b", pp, s, m) == in_flight(c.plan.schedule, pp, s, m) for s in range(pp)):
+    if composed_in_flight("eager_1f1b", pp, m) == composed_in_flight(c.plan.schedule, pp, m):
         return out
     memory = composed_peak_memory(c.stage_bytes, "eager_1f1b", m, cluster.num_devices)
     if any(b > d.kind.memory_bytes for b, d in zip(memory, cluster.devices)):
