@@ -103,6 +103,7 @@ from plait.ir.stage_graph import (
     replica_loads,
 )
 from plait.schedule import chain_in_flight
+from plait.schedule.builders import eager_warmup
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 FRAMEWORK_OVERHEAD_BYTES = 1 * GiB
@@ -1004,7 +1005,11 @@ def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
             depth[node] = max((depth[c] + 1 for c in g.successors(node)), default=0)
         return [float(min(depth[s] + 1, ms[s])) for s in range(len(stages))]
     pp, v = plan.pp, plan.virtual_stages
+    if plan.schedule == "eager_1f1b":  # one more than eager 1F1B's warm-up, 2 (pp - i - 1) forwards
+        return [float(min(m, eager_warmup(pp, i) + 1)) for i in range(pp)]
     if plan.schedule == "interleaved" and v > 1:
+        if m == pp:  # Megatron-LM runs every chunk-forward before the first backward then (all warm-up)
+            return [float(m)] * pp
         # Megatron-LM interleaved warm-up: 2(pp - i - 1) + (v - 1) pp chunk-forwards, +1 running.
         return [min(2 * (pp - i - 1) + (v - 1) * pp + 1, m * v) / v for i in range(pp)]
     return [float(min(pp - i, m)) for i in range(pp)]
