@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+from pathlib import Path
 
 import networkx as nx
 import pytest
@@ -397,3 +399,22 @@ def test_score_follows_the_simulator_on_dlrm_with_the_optimizer_step_after_the_b
     ev = simulator_evaluate(cl)
     ratios = [ev(g, cost.to_plan(st))["iteration_time_s"] / sc for st, sc in zip(part.stages[:5], part.scores)]
     assert all(0.9 <= r <= 1.15 for r in ratios), ratios
+
+
+def test_piper_picks_the_same_partition_whatever_the_string_hashes():
+    """Two branches of equal cost tie; the ideals' order -- and so Piper's partition -- must not
+    follow Python's per-process string hashing (the GraphPipe bench's Piper row moved with it)."""
+    import subprocess
+    import sys
+
+    code = ("from plait.plan.seq_baselines import _ideals\n"
+            "from plait.plan.graph_cost import StageCost\n"
+            "from plait.cluster import load_cluster\n"
+            "import tests.test_graph_plan as t\n"
+            "g = t._graph([('a0', 'a1'), ('a1', 'h'), ('b0', 'b1'), ('b1', 'h')], "
+            "{'a0': 4, 'a1': 4, 'b0': 4, 'b1': 4})\n"
+            "print([sorted(s) for s in _ideals(StageCost(g, load_cluster(t.CLUSTER4), global_batch=64))])\n")
+    root = Path(__file__).resolve().parents[1]
+    runs = {subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(runs) == 1 and runs.pop().startswith("[[], ")

@@ -180,7 +180,11 @@ def _ideals(cost: StageCost) -> list[frozenset[str]]:
                         seen.add(s)
                         nxt.append(s)
         frontier = nxt
-    return sorted(seen, key=len)
+    # ties between ideals of one size broken by their layers' positions, not by the set's order
+    # (string hashes change with every process: the DP then kept a different one of two
+    # equal-bottleneck partitions from run to run, and the bench's Piper row moved by 0.2 %)
+    pos = cost.pos
+    return sorted(seen, key=lambda s: (len(s), sorted(pos[v] for v in s)))
 
 
 def _piper_dp(cost: StageCost, ideals: list[frozenset[str]], D: int, kind_at: list[str],
