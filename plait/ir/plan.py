@@ -83,6 +83,7 @@ class PlanError(PlaitError, ValueError):
 
 
 _UNSET: Any = object()  # a StageSpec keyword not given (so a program's other fields are kept)
+_MEGATRON_ONE = TensorParallel()
 
 
 @dataclass(init=False)
@@ -96,7 +97,8 @@ class StageSpec:
 
     The keywords ``dp``, ``tp``, ``dp_shares``, ``tp_ratios`` (a `TensorParallel` program) and
     ``spmd`` (an `SpmdProgram`, or a dict in its layout) build the program, as before it was typed;
-    the same names read it back (``dp`` and ``tp`` are 1 for an SPMD stage).
+    the same names read it back, plain attributes set with `program` (``dp`` and ``tp`` are 1 and
+    the shares None for an SPMD stage; ``spmd`` is None for the Megatron form).
     """
 
     name: str
@@ -120,40 +122,33 @@ class StageSpec:
         self.devices = list(devices) if devices is not None else []
         self.micro_batch = micro_batch
         self.segments = segments
-        legacy = {k: v for k, v in (("dp", dp), ("tp", tp), ("dp_shares", dp_shares), ("tp_ratios", tp_ratios))
-                  if v is not _UNSET}
+        if dp is _UNSET and tp is _UNSET and dp_shares is _UNSET and tp_ratios is _UNSET and spmd is _UNSET:
+            self.set_program(program if program is not None else TensorParallel())  # the typed form
+            return
         if spmd is not _UNSET and spmd is not None:
-            if legacy and (legacy.get("dp", 1), legacy.get("tp", 1)) != (1, 1) or legacy.get("dp_shares") \
-                    or legacy.get("tp_ratios"):
+            if (dp not in (_UNSET, 1)) or (tp not in (_UNSET, 1)) or (dp_shares not in (_UNSET, None)) \
+                    or (tp_ratios not in (_UNSET, None)):
                 raise PlanError(f"plan field 'stages[{name}].spmd': a stage running an SPMD program needs dp=tp=1 "
                                 "and no dp_shares or tp_ratios (the program shards the stage)")
             program = spmd  # type: ignore[assignment]  # a dict is checked and typed by Plan.validate
-        elif legacy or spmd is None and isinstance(program, SpmdProgram):
-            base = program if isinstance(program, TensorParallel) else TensorParallel()
-            program = dataclasses.replace(base, **legacy)
-        self.program = program if program is not None else TensorParallel()
+        elif dp is not _UNSET or tp is not _UNSET or dp_shares is not _UNSET or tp_ratios is not _UNSET \
+                or (spmd is None and isinstance(program, SpmdProgram)):
+            base = program if isinstance(program, TensorParallel) else _MEGATRON_ONE
+            program = TensorParallel(base.dp if dp is _UNSET else dp, base.tp if tp is _UNSET else tp,
+                                     base.dp_shares if dp_shares is _UNSET else dp_shares,
+                                     base.tp_ratios if tp_ratios is _UNSET else tp_ratios)
+        self.set_program(program if program is not None else TensorParallel())
 
-    # the program read by its parts (a 3D stage's; an SPMD stage is dp = tp = 1 without shares)
-    @property
-    def dp(self) -> int:
-        return self.program.dp if isinstance(self.program, TensorParallel) else 1
-
-    @property
-    def tp(self) -> int:
-        return self.program.tp if isinstance(self.program, TensorParallel) else 1
-
-    @property
-    def dp_shares(self) -> list[float] | None:
-        return self.program.dp_shares if isinstance(self.program, TensorParallel) else None
-
-    @property
-    def tp_ratios(self) -> list[float] | None:
-        return self.program.tp_ratios if isinstance(self.program, TensorParallel) else None
-
-    @property
-    def spmd(self) -> SpmdProgram | None:
-        """The stage's SPMD program (composition of families), None for the Megatron form."""
-        return self.program if isinstance(self.program, SpmdProgram) else None
+    def set_program(self, program: StageProgram) -> None:
+        """Run `program` on this stage; its parts are read back as plain attributes (the planners
+        read them in their innermost loops): ``dp``, ``tp``, ``dp_shares``, ``tp_ratios`` and ``spmd``."""
+        self.program = program
+        if isinstance(program, TensorParallel):
+            self.dp, self.tp, self.dp_shares, self.tp_ratios, self.spmd = (
+                program.dp, program.tp, program.dp_shares, program.tp_ratios, None)
+        else:
+            self.dp, self.tp, self.dp_shares, self.tp_ratios = 1, 1, None, None
+            self.spmd = program if isinstance(program, SpmdProgram) else None
 
     def segment_layers(self) -> list[list[str]]:
         """`layers` cut into its segments (one run of all of them when `segments` is None)."""
@@ -425,6 +420,7 @@ class Plan:
             return [StageSpec(name="program", layers=list(layer_names or []), devices=devices,
                               micro_batch=self.global_batch, program=self.spmd)]
         counts = self.layers_per_stage(len(layer_names), styles) if layer_names is not None else None
+        program = TensorParallel(self.dp, self.tp, self.dp_shares, self.tp_ratios)  # every stage's, shared
         specs, start = [], 0
         for p in range(self.pp):
             layers: list[str] = []
@@ -438,8 +434,8 @@ class Plan:
                     lo, hi = bounds[v * self.pp + p]
                     layers.extend(layer_names[lo:hi])
             devices = [self.device_of(self.rank(p, d, t)) for d in range(self.dp) for t in range(self.tp)]
-            specs.append(StageSpec(name=f"stage{p}", layers=layers, devices=devices, dp=self.dp, tp=self.tp,
-                                   micro_batch=self.micro_batch, dp_shares=self.dp_shares, tp_ratios=self.tp_ratios))
+            specs.append(StageSpec(name=f"stage{p}", layers=layers, devices=devices, micro_batch=self.micro_batch,
+                                   program=program))
             start += 1
         return specs
 
@@ -743,7 +739,7 @@ def _check_stage_program(s: int, st: StageSpec) -> None:
     if isinstance(st.program, dict | SpmdProgram):
         program = _spmd_program(st.program, where)
         assert program is not None
-        st.program = program
+        st.set_program(program)
         if program.world != len(st.devices):
             raise PlanError(f"{where}.ratios: {program.world} ratios for the stage's {len(st.devices)} devices "
                             "(one per device, in order)")
