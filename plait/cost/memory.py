@@ -1113,7 +1113,6 @@ def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimi
     return model
 
 
-
 def composed_in_flight(schedule: str, stages: int, micro_batches: int) -> tuple[float, ...]:
     """Per stage of a composed plan (a linear pipeline whose stages run SPMD programs,
     `plait.search.compose_family`), the micro-batches whose activations it holds at once under

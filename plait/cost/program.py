@@ -446,3 +446,16 @@ class Synthesis:
     def fits(self) -> bool:
         """Whether every device holds what the program keeps (always, unless memory=False)."""
         return self.capacity is None or bool(np.all(self.memory <= self.capacity * (1 + 1e-9)))
+
+
+def stage_problem(model: AtenGraph, layers: Sequence[str], devices: Devices, micro_batches: int, loss: bool,
+                  name: str) -> Problem:
+    """The problem of one pipeline stage's program (a composed plan): the stage's aten sub-graph
+    (`plait.graph.aten_stage.stage_subgraph`) on its devices, its parameter-gradient collectives
+    weighed 1/m (the program runs m times an iteration, its gradients are reduced once:
+    `Problem.overlap`), its outputs free only whole, or batch-sharded at the `loss`
+    (`plait.graph.aten_stage.free_outputs`)."""
+    from plait.graph.aten_stage import free_outputs, stage_subgraph
+
+    sub = stage_subgraph(model, layers, name=name)
+    return Problem.build(sub, devices, overlap=1.0 / micro_batches, outputs_free=free_outputs(sub, loss=loss))

@@ -109,3 +109,10 @@ def free_outputs(sub: AtenGraph, loss: bool) -> dict[str, tuple[str, ...]]:
         if meta.shape and meta.shape[0] == sub.batch:
             out[sub.outputs[0]] = ("R", "S0")
     return out
+
+
+def received_inputs(sub: AtenGraph, model: AtenGraph) -> tuple[str, ...]:
+    """The floating values stage `sub` receives from an earlier stage (its inputs that are not
+    `model`'s own): their gradients go back to the stage that sent them."""
+    return tuple(t for t in sub.inputs if t not in model.inputs
+                 and sub.tensors[t].dtype.startswith(("float", "bfloat")))

@@ -566,7 +566,7 @@ class Plan:
             _check_json_types(s, _STAGE_TYPES, source, f"stages[{i}].")
             s = dict(s)
             if "program" in s:
-                s["program"] = _stage_program(s["program"], f"plan field 'stages[{i}].program'", source)
+                s["program"] = _stage_program(s["program"], f"stages[{i}].program", source)
             stages.append(StageSpec(**s))
         edges = [tuple(e) for e in data.pop("stage_edges", [])]
         return cls(**data, stages=stages, stage_edges=edges)
@@ -752,8 +752,10 @@ def _check_stage_program(s: int, st: StageSpec) -> None:
         raise PlanError(f"{where}: must be a tensor_parallel or spmd program, got {type(st.program).__name__}")
 
 
-def _stage_program(value: Any, where: str, source: str = "plan") -> StageProgram:
-    """A stage's program from its file layout (`plait.ir.program.stage_program_dict`)."""
+def _stage_program(value: Any, field: str, source: str = "plan") -> StageProgram:
+    """A stage's program from its file layout (`plait.ir.program.stage_program_dict`); `field` is
+    its path in the plan (``stages[i].program``)."""
+    where = f"plan field '{field}'"
     kind = value.get("kind")
     rest = {k: v for k, v in value.items() if k != "kind"}
     if kind == "spmd":
@@ -764,7 +766,7 @@ def _stage_program(value: Any, where: str, source: str = "plan") -> StageProgram
         unknown = sorted(set(rest) - set(_TENSOR_PARALLEL_TYPES))
         if unknown:
             raise PlanError(f"{where}: unknown field(s) {unknown} of a tensor_parallel program")
-        _check_json_types(rest, _TENSOR_PARALLEL_TYPES, source, where.removeprefix("plan field '").rstrip("'") + ".")
+        _check_json_types(rest, _TENSOR_PARALLEL_TYPES, source, f"{field}.")
         return TensorParallel(**rest)
     raise PlanError(f"{where}.kind: must be 'tensor_parallel' or 'spmd', got {kind!r}")
 

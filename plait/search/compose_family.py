@@ -229,10 +229,10 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     layers and micro-batch, e.g. by another order of the same groups); raises a PlaitError when a
     stage has no program that fits."""
     from plait.cost.memory import memory_model
-    from plait.cost.program import Problem
+    from plait.cost.program import stage_problem
     from plait.cost.spmd import Devices
     from plait.cost.traffic import composed_boundaries
-    from plait.graph.aten_stage import free_outputs, stage_subgraph
+    from plait.graph.aten_stage import received_inputs
     from plait.sim.compose_lower import StageProgram
     from plait.spmd.program_plan import program_plan
     from plait.spmd.ratios import synthesize as synth
@@ -249,11 +249,8 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     for s, (ids, lays) in enumerate(zip(groups, layers)):
         key = (tuple(ids), tuple(lays), micro_batch)
         if cache is None or key not in cache:
-            sub = stage_subgraph(aten, lays, name=f"{aten.model} stage {s}")
-            # the program runs m times per iteration, its parameter gradients are reduced once: the
-            # search weighs their collectives 1/m (`Problem.overlap`), not as a whole iteration's
-            problem = Problem.build(sub, Devices.from_cluster(cluster, dtype, ids), overlap=1.0 / m,
-                                    outputs_free=free_outputs(sub, loss=s == pp - 1))
+            problem = stage_problem(aten, lays, Devices.from_cluster(cluster, dtype, ids), m, s == pp - 1,
+                                    f"{aten.model} stage {s}")
             hit = (problem, synth(problem, dtype=dtype, max_states=max_states))
             if cache is not None:
                 cache[key] = hit
@@ -266,12 +263,10 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
         mm = memory_model(problem, syn.program, dtype, segs=segs)
         stage_bytes.append((list(ids), np.asarray(syn.memory, dtype=float),
                             np.asarray(mm.activations_on(ratios), dtype=float)))
-        sub = problem.graph  # values from the previous stage send their gradients back
-        received = tuple(t for t in sub.inputs if t not in aten.inputs
-                         and sub.tensors[t].dtype.startswith(("float", "bfloat")))
         programs.append(StageProgram(problem, syn.program, np.asarray(ratios, dtype=float),
                                      segs.of_op if segs is not None else None,
-                                     segs.of_dim if segs is not None else None, name=f"s{s}", grad_inputs=received))
+                                     segs.of_dim if segs is not None else None, name=f"s{s}",
+                                     grad_inputs=received_inputs(problem.graph, aten)))
         stage_spmd = program_plan(syn.program.strategies, ratios, micro_batch, model=spec.spec,
                                   predicted_s=syn.cost, dtype=dtype).spmd
         specs.append(StageSpec(f"s{s}", lays, list(ids), micro_batch=micro_batch, spmd=stage_spmd))

@@ -100,10 +100,10 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     stages share from the one stage graph (`plait.cost.traffic.composed_boundaries`)."""
     from plait.cost.devices import DeviceModel
     from plait.cost.memory import composed_peak_memory, memory_model
-    from plait.cost.program import Segments, segments
+    from plait.cost.program import Segments, segments, stage_problem
     from plait.cost.spmd import Devices
     from plait.cost.traffic import composed_boundaries
-    from plait.graph.aten_stage import free_outputs, stage_subgraph
+    from plait.graph.aten_stage import received_inputs
     from plait.graph.resolve import resolve_model
     from plait.sim.compose_lower import StageProgram
 
@@ -124,9 +124,8 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
         if b not in captures:
             captures[b] = capture(spec, b, dtype)
         aten = captures[b]
-        sub = stage_subgraph(aten, st.layers, name=f"{aten.model} stage {s}")
-        problem = Problem.build(sub, Devices.of(devices, dtype, st.devices), overlap=1.0 / m,
-                                outputs_free=free_outputs(sub, loss=s == pp - 1))
+        problem = stage_problem(aten, st.layers, Devices.of(devices, dtype, st.devices), m, s == pp - 1,
+                                f"{aten.model} stage {s}")
         program = replay(problem, st.spmd, field)
         r = st.spmd.ratio_array()
         segs = segments(problem, program) if r.ndim == 2 else Segments.single(problem, program)
@@ -136,10 +135,9 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
         mm = memory_model(problem, program, dtype, optimizer, segs=segs)
         held = np.broadcast_to(np.asarray(mm.on(r), dtype=float), (problem.devices.n,))
         stage_bytes.append((list(st.devices), held, np.asarray(mm.activations_on(r), dtype=float)))
-        received = tuple(t for t in sub.inputs if t not in aten.inputs
-                         and sub.tensors[t].dtype.startswith(("float", "bfloat")))
         stages.append(StageProgram(problem, program, r, segs.of_op if r.ndim == 2 else None,
-                                   segs.of_dim if r.ndim == 2 else None, name=st.name, grad_inputs=received))
+                                   segs.of_dim if r.ndim == 2 else None, name=st.name,
+                                   grad_inputs=received_inputs(problem.graph, aten)))
     per_sample, tied = composed_boundaries(plan, opgraph, captures[plan.stages[0].micro_batch or plan.micro_batch])
     memory = composed_peak_memory(stage_bytes, plan.schedule, m, cluster.num_devices)
     flops = (opgraph.fwd_flops + opgraph.bwd_flops) * plan.global_batch
