@@ -3,8 +3,8 @@
 Issue 27: the memory models derived these counts from schedule names (`cost.memory._in_flight` for
 3D and graph plans, the composed plan's formula); the schedules exist once, as data. These tests
 hold the action lists against the formulas over every schedule kind and many pp / m / v -- equal
-wherever the formulas model the schedule the simulator runs -- and list, as strict xfails, the
-plans where `cost.memory._in_flight` still counts fewer micro-batches than the schedule holds.
+wherever the formulas model the schedule the simulator runs -- and hold the graph plans whose
+count the estimator now reads off the action lists, where the old formula counted fewer.
 """
 
 from __future__ import annotations
@@ -143,31 +143,37 @@ def test_graph_gpipe_holds_every_micro_batch_of_the_busiest_replica(dag, m, data
     assert _in_flight(plan, _stages(plan)) == _simulated_schedule_in_flight(plan)
 
 
-# ----------------------------------------------------------------------------- where they differ
+# ----------------------------------------------------------------------------- fixed undercounts
 # Fixed (issue 27, the estimator's chain formula; before -> after, both what the action lists hold):
 # interleaved with m == pp, where Megatron runs every chunk forward first (all warm-up), counted
 # 2 (pp - p - 1) + (v - 1) pp + 1 chunk-forwards: pp=2 v=2 m=2 [2.0, 1.5] -> [2.0, 2.0], pp=4 v=2 m=4
 # [4, 4, 3.5, 2.5] -> [4, 4, 4, 4]; a chain under eager 1F1B counted as 1F1B: pp=4 m=8 [4, 3, 2, 1] ->
 # [7, 5, 3, 1] (the sweep above holds every such case).
+# Fixed (issue 27, graph plans): the estimator counted GraphPipe's depth + 1 per stage, fewer than
+# graph 1F1B holds where stages' micro-batch sizes or replicas differ; it now reads the built action
+# lists (`plait.schedule.graph_in_flight`). Before -> after:
 _UNDERCOUNTS = [
     # graph stages of different micro-batch sizes: stage 1's one forward of 4 samples needs all 4 of
-    # stage 0's micro-batches of 1 before stage 0's first backward (depth + 1 = 2 counted)
+    # stage 0's micro-batches of 1 before stage 0's first backward
     pytest.param(_graph_plan(2, [(0, 1)], 4, [1, 4]), [2.0, 1.0], [4.0, 1.0], id="graph-micro-batch-sizes"),
     # a graph stage of 3 replicas keeps 3 * depth + 1 forwards before its first backward, so its
-    # producer runs 4 forwards before its own (depth + 1 = 3 counted)
+    # producer runs 4 forwards before its own
     pytest.param(_graph_plan(3, [(0, 1), (1, 2)], 4, None, [1, 3, 1]), [3.0, 2.0, 1.0], [4.0, 2.0, 1.0],
                  id="graph-replicas"),
 ]
 
 
-@pytest.mark.parametrize(("plan", "formula", "schedule"), _UNDERCOUNTS)
-def test_known_differences_between_the_formula_and_the_action_lists(plan, formula, schedule):
-    assert _in_flight(plan, _stages(plan)) == formula
-    assert _simulated_schedule_in_flight(plan) == schedule
+@pytest.mark.parametrize(("plan", "before", "after"), _UNDERCOUNTS)
+def test_estimator_counts_what_the_schedule_holds(plan, before, after):
+    assert _simulated_schedule_in_flight(plan) == after
+    assert _in_flight(plan, _stages(plan)) == after != before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 27: cost.memory._in_flight counts fewer micro-batches than the "
-                                       "schedule holds here; the numbers stay until the fix is decided")
-@pytest.mark.parametrize(("plan", "formula", "schedule"), _UNDERCOUNTS)
-def test_estimator_counts_what_the_schedule_holds(plan, formula, schedule):
+@settings(max_examples=80, deadline=None)
+@given(dag=_dags(), m=st.integers(1, 12), data=st.data())
+def test_graph_1f1b_estimator_equals_the_action_lists(dag, m, data):
+    n, edges = dag
+    dps = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    mbs = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    plan = _graph_plan(n, edges, m, mbs, dps)
     assert _in_flight(plan, _stages(plan)) == _simulated_schedule_in_flight(plan)

@@ -34,7 +34,8 @@ What lives on a device at its peak (all bytes):
   ``min(2(pp - i - 1) + (v - 1)pp + 1, m v)`` model chunks (Megatron-LM's warm-up
   count + 1; on stage 0 that is L(1 + (p-1)/(pv)) layers' worth, Korthikanti
   §4.2.3), and a stage of a graph pipeline 1 + its longest path to a sink stage
-  (GraphPipe's generalised 1F1B).
+  (GraphPipe's generalised 1F1B), more where stages' micro-batch sizes or replicas differ
+  (read off the built graph 1F1B action lists, `plait.schedule.graph_in_flight`).
 * **Loss working set** (``loss="eager"``). The sink layers' outputs (GPT: the
   logits, s·b·vocab) converted to fp32 for the loss. PyTorch's eager
   ``cross_entropy`` holds four such tensors at the start of backward -- the logits
@@ -100,9 +101,10 @@ from plait.ir.program import PARTIAL, REPLICATED, shard_dim
 from plait.ir.stage_graph import (
     chain_cut_bytes,
     chunk_graph,
+    micro_batch_sizes,
     replica_loads,
 )
-from plait.schedule import chain_in_flight
+from plait.schedule import ScheduleError, chain_in_flight, graph_in_flight
 from plait.schedule.builders import eager_warmup
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -992,18 +994,15 @@ def _in_flight(plan: Plan, stages: list[_Stage]) -> list[float]:
     if plan.schedule == "gpipe":
         return [float(x) for x in ms]
     if plan.stages:
-        # GraphPipe's 1F1B: a stage runs one warm-up forward per stage on its longest path to a sink.
-        import networkx as nx
-
-        g = nx.DiGraph()
-        g.add_nodes_from(range(len(stages)))
-        g.add_edges_from(plan.stage_edges)
-        if not nx.is_directed_acyclic_graph(g):
-            raise MemoryEstimateError("plan field 'stage_edges': the stage graph has a cycle")
-        depth = [0] * len(stages)
-        for node in reversed(list(nx.topological_sort(g))):
-            depth[node] = max((depth[c] + 1 for c in g.successors(node)), default=0)
-        return [float(min(depth[s] + 1, ms[s])) for s in range(len(stages))]
+        # GraphPipe's 1F1B read off its action lists: one plus the stage's longest path to a sink,
+        # more where stages' micro-batch sizes or replicas differ (`plait.schedule.graph_in_flight`)
+        sizes = tuple(tuple(micro_batch_sizes(plan.global_batch, st.micro_batch or plan.micro_batch)) or (1,)
+                      for st in stages)
+        try:
+            return list(graph_in_flight("graph_1f1b", sizes, tuple(map(tuple, plan.stage_edges)),
+                                        tuple(st.dp for st in stages)))
+        except ScheduleError as exc:
+            raise MemoryEstimateError(f"plan field 'stage_edges': {exc}") from None
     pp, v = plan.pp, plan.virtual_stages
     if plan.schedule == "eager_1f1b":  # one more than eager 1F1B's warm-up, 2 (pp - i - 1) forwards
         return [float(min(m, eager_warmup(pp, i) + 1)) for i in range(pp)]

@@ -13,6 +13,7 @@ from plait.schedule.builders import (
            chain_in_flight,
            gpipe,
            graph_1f1b,
+           graph_in_flight,
            interleaved_1f1b,
            one_f_one_b,
 )
@@ -28,4 +29,4 @@ from plait.schedule.core import (
 )
 
 __all__ = ["SCHEDULES", "Action", "Node", "PipelineGraph", "Schedule", "ScheduleError", "build", "chain_in_flight",
-           "event_key", "execute", "gpipe", "graph_1f1b", "in_flight", "interleaved_1f1b", "one_f_one_b"]
+           "event_key", "execute", "gpipe", "graph_1f1b", "graph_in_flight", "in_flight", "interleaved_1f1b", "one_f_one_b"]

@@ -295,3 +295,14 @@ def chain_in_flight(name: str, pp: int, micro_batches: int, virtual_stages: int 
     per rank, the micro-batches whose activations it holds at once, read off the built action lists
     once per (schedule, pp, m, v) -- the planners ask for the same few thousands of times."""
     return tuple(in_flight(build(name, PipelineGraph.chain(pp, micro_batches, virtual_stages))))
+
+
+@lru_cache(maxsize=4096)
+def graph_in_flight(name: str, sizes: tuple[tuple[int, ...], ...], edges: tuple[tuple[int, int], ...],
+                    replicas: tuple[int, ...]) -> tuple[float, ...]:
+    """`in_flight` of schedule `name` (gpipe or graph_1f1b) on a graph pipeline
+    (`PipelineGraph.dag`: stage ``s`` runs micro-batches of ``sizes[s]`` in sample order, dealt to
+    ``replicas[s]`` replicas in turn): what each stage's busiest replica holds at once, read off the
+    built action lists -- where stages' micro-batch sizes or replicas differ a stage holds more
+    than one plus its depth (`_forwards_before_backwards`)."""
+    return tuple(in_flight(build(name, PipelineGraph.dag(list(sizes), list(edges), list(replicas)))))
