@@ -261,3 +261,19 @@ def test_cli_prints_json_and_a_matrix_picture(tmp_path: Path, capsys: pytest.Cap
     assert "healthy" in capsys.readouterr().out
     assert cli_main(["doctor", str(tmp_path / "missing")]) == 2
     assert "no such run folder" in capsys.readouterr().err
+
+
+def test_a_dead_rank_and_a_slow_rank_are_both_reported(tmp_path: Path) -> None:
+    # Two independent faults: rank 1 slow from step 2, rank 3 skips step 8's all-reduce (the job
+    # stalls). The slow rank is judged on the steps before the stall and named beside it.
+    d = diagnose(write_run(tmp_path, steps=10, slow=(1, 2, 2.5, 1), skip=(3, 8)))
+    assert ("comm_hang", (3,)) in kinds(d) and ("slow_rank", (1,)) in kinds(d), d.findings
+    slow = next(f for f in d.findings if f.kind == "slow_rank")
+    hang = next(f for f in d.findings if f.kind == "comm_hang")
+    assert max(slow.evidence["slow_steps"]) < 8 and slow.evidence["judged_before_s"] == hang.first_seen_s
+    assert "stall" in hang.evidence["explains"] and "waits for it" in slow.evidence["explains"]
+
+
+def test_a_stall_alone_adds_no_slowness_finding(tmp_path: Path) -> None:
+    d = diagnose(write_run(tmp_path, steps=10, skip=(3, 8)))
+    assert [k for k, _ in kinds(d)] == ["comm_hang"], d.findings

@@ -12,6 +12,7 @@ The detectors and their thresholds: `plait.doctor.detect`; the record format: do
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from plait.doctor.detect import (
@@ -33,8 +34,14 @@ __all__ = ["Thresholds", "diagnose", "diagnose_records", "read_run", "link_matri
 _ORDER = ("mismatch", "comm_hang", "dead_rank", "noncomm_hang", "slow_rank", "slow_link")
 
 
+_STALLS = ("comm_hang", "noncomm_hang", "dead_rank", "mismatch")
+
+
 def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresholds | None = None) -> Diagnosis:
-    """Every detector over already-read records (`read_run`)."""
+    """Every detector over already-read records (`read_run`). Independent faults are all reported:
+    slowness is judged on the steps whole before a stall's onset (the steps after it are cut
+    short), so a slow rank beside a dead one is named too. Each finding's `evidence["explains"]`
+    says which symptom it accounts for."""
     th = thresholds or Thresholds()
     found: list[Finding] = []
     found += mismatches(run)
@@ -42,12 +49,26 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
     found += dead_ranks(run, th, live)
     if not found:  # a stall after a mismatch, a skipped call or a dead rank is their consequence
         found += hangs(run, th, live)
-    stalled = any(f.kind in ("comm_hang", "noncomm_hang", "dead_rank", "mismatch") for f in found)
-    if not stalled:  # steps of a stalled job are cut short: slowness is judged on running jobs only
-        found += slow_ranks(run, th)
-        found += slow_links(run, th)
+    onset = min((f.first_seen_s for f in found if f.kind in _STALLS), default=None)
+    found += slow_ranks(run, th, before=onset)
+    found += slow_links(run, th, before=onset)
+    found = [_explained(f, onset) for f in found]
     found.sort(key=lambda f: (_ORDER.index(f.kind), f.first_seen_s))
     return Diagnosis(run_dir=run.run_dir, findings=found, world_size=run.world, warnings=list(run.warnings))
+
+
+def _explained(f: Finding, onset: float | None) -> Finding:
+    """The symptom a finding accounts for, in words (the report's "which explains what")."""
+    if f.kind in _STALLS:
+        why = f"the job's stall from {f.first_seen_s:.3f} s (peers' waits in the calls after it)"
+    elif f.kind == "slow_rank":
+        why = f"its peers' waits for it in steps {f.evidence.get('slow_steps')} (slow steps, not a stall)"
+    else:
+        why = f"slow transfers between ranks {f.ranks[0]} and {f.ranks[1]} in steps {f.evidence.get('slow_steps')}"
+    ev = {**f.evidence, "explains": why}
+    if f.kind not in _STALLS and onset is not None:
+        ev["judged_before_s"] = onset  # an independent fault: found on the steps before the stall
+    return replace(f, evidence=ev)
 
 
 def diagnose(run_dir: str | Path, *, live: bool = False, thresholds: Thresholds | None = None) -> Diagnosis:

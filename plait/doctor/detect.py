@@ -422,10 +422,21 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
     return out
 
 
-def slow_ranks(run: RunRecords, th: Thresholds) -> list[Finding]:
+def _whole_before(work: dict[int, tuple[float, float, float]], before: float | None) -> set[int]:
+    """Steps whose work ended before `before` (a stall's onset): a step's work runs to the next
+    step's first call, so a step is whole once the next one began before the onset."""
+    if before is None:
+        return set(work)
+    return {s for s in work if s + 1 in work and work[s + 1][1] <= before}
+
+
+def slow_ranks(run: RunRecords, th: Thresholds, before: float | None = None) -> list[Finding]:
+    """`before`: judge only steps whole before this time (a stall's onset: the steps after it are
+    cut short, and a slow rank found before it is a fault of its own beside the stall)."""
     work = local_work(run)
     # The first step warms up (the end of training's calls carry no step: the last step is whole).
-    series = {r: {s: v[0] for s, v in w.items() if s > min(w)} for r, w in work.items()}
+    whole = {r: _whole_before(w, before) for r, w in work.items()}
+    series = {r: {s: v[0] for s, v in w.items() if s > min(w) and s in whole[r]} for r, w in work.items() if w}
     stage = {r: (rr.coords[0] if rr.coords else 0) for r, rr in run.ranks.items()}
     peers = {r: [p for p in series if p != r and stage[p] == stage[r]] for r in series}
     floor = th.min_excess_of_step * step_time(run)
@@ -499,10 +510,12 @@ def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds) 
     return out
 
 
-def slow_links(run: RunRecords, th: Thresholds) -> list[Finding]:
+def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> list[Finding]:
+    """`before`: judge only probes that ended before this time (a stall's onset)."""
     times = probe_times(run)
     # A pair's first probe also sets up its connection (gloo connects lazily): left out.
-    series = {p: {s: v[0] for s, v in ser.items() if s > min(ser)} for p, ser in times.items()}
+    series = {p: {s: v[0] for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)}
+              for p, ser in times.items()}
 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
         return run.node_of(p[0]) == run.node_of(p[1])
