@@ -66,6 +66,51 @@ def test_culprit_ranks_map_to_their_nodes_through_device_order() -> None:
         nodes_to_isolate(_diag(_f("dead_rank", 7)), plan, cluster)
 
 
+def test_a_slow_rank_is_reported_never_isolated() -> None:
+    from plait.recover.detect import actionable
+
+    cluster = load_cluster(MIXED)
+    plan = Plan.load("dp=4,micro_batch=1,global_batch=4")
+    assert not actionable(_diag(_f("slow_rank", 2))) and nodes_to_isolate(_diag(_f("slow_rank", 2)), plan, cluster).nodes == []
+    # beside a dead rank, only the dead rank's node goes
+    iso = nodes_to_isolate(_diag(_f("dead_rank", 1), _f("slow_rank", 2)), plan, cluster)
+    assert iso.nodes == [cluster.nodes[1].name]
+
+
+def _watch(tmp_path: Path, **config: object) -> object:
+    from plait.recover.loop import _Watch
+
+    (tmp_path / "phase-0" / "hb").mkdir(parents=True)
+    return _Watch(tmp_path / "phase-0", tmp_path, tmp_path / "ck", [], lambda d: _diag(), RecoveryConfig(**config),
+                  0, {})
+
+
+def test_live_finding_is_acted_on_only_once_it_persisted_k_polls(tmp_path: Path) -> None:
+    w = _watch(tmp_path, persist=2)
+    hang, none = _diag(_f("noncomm_hang", 1)), _diag()
+    # a stall that resolved (stopped, then resumed) between polls: never acted on, no restart loop
+    assert [w._judge(d) for d in (hang, none, hang, none, none)] == [None] * 5 and w.diagnosis is None
+    assert w._judge(hang) is None
+    assert "noncomm_hang of ranks [1]" in w._judge(hang) and w.diagnosis.findings[0].ranks == (1,)
+
+
+def test_slow_rank_is_reported_once_and_never_stops_the_job(tmp_path: Path) -> None:
+    w = _watch(tmp_path, persist=2)
+    assert [w._judge(_diag(_f("slow_rank", 2))) for _ in range(4)] == [None] * 4
+    assert [a["action"] for a in w.actions] == ["report"] and w.actions[0]["findings"][0]["ranks"] == [2]
+
+
+def test_advise_mode_records_what_it_would_do_and_does_nothing(tmp_path: Path) -> None:
+    w = _watch(tmp_path, persist=2, advise=True)
+    cluster = load_cluster(MIXED)
+    plan = Plan.load("dp=4,micro_batch=1,global_batch=4")
+    w.isolate = lambda d: nodes_to_isolate(d, plan, cluster).to_dict()
+    assert [w._judge(_diag(_f("dead_rank", 3))) for _ in range(3)] == [None] * 3 and w.diagnosis is None
+    (advice,) = w.actions
+    assert advice["action"] == "isolate" and advice["done"] is False and advice["nodes"] == [cluster.nodes[3].name]
+    assert advice["findings"][0]["kind"] == "dead_rank"
+
+
 def test_slow_link_isolates_one_end_by_the_documented_rule() -> None:
     cluster = load_cluster(MIXED)  # nodes 0, 1: A100; nodes 2, 3: V100
     names = [n.name for n in cluster.nodes]

@@ -71,11 +71,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help='slow a link on purpose: {"slow_link": [a, b], "delay_s": x, "factor": f} (or a list); '
                         "every call whose group holds ranks a and b is delayed / stretched")
     rec = p.add_argument_group("recovery (plait.recover; see README, 'Recovery')")
-    rec.add_argument("--recover", action="store_true",
-                     help="heal the job: when a rank dies or hangs (or the doctor names a slow rank or link), "
-                          "stop it, remove that node from the cluster, re-plan for the cluster left (same global "
-                          "batch), reshard the last checkpoint onto the new plan and train on; each phase is "
-                          "recorded under RUN_DIR (recovery.json, phase-N/)")
+    rec.add_argument("--recover", nargs="?", const="act", default=None, choices=("act", "advise"),
+                     help="heal the job: when a rank dies or hangs (or the doctor names a link or node fault in "
+                          "2 live diagnoses in a row), stop it, remove that node from the cluster, re-plan for the "
+                          "cluster left (same global batch), reshard the last checkpoint onto the new plan and "
+                          "train on; a slow rank is reported, never dropped; each phase and every action with its "
+                          "evidence is recorded under RUN_DIR (recovery.json, phase-N/). --recover=advise: "
+                          "record what it would do, do nothing")
     rec.add_argument("--rejoin", metavar="NODE[@STEP]", action="append", default=[],
                      help="with --recover: declare an isolated node repaired from STEP on (default 0: as soon as "
                           "it is isolated); the job grows back onto it at its next checkpoint. While the job runs, "
@@ -181,7 +183,8 @@ def _run_recovering(args: argparse.Namespace, configs: dict[str, Any]) -> int:
     say(f"recovering run in {run_dir} (checkpoint every {every} steps; declare a repaired node back with "
         f"`echo NODE >> {run_dir}/rejoin`)")
     config = RecoveryConfig(checkpoint_every=every, max_recoveries=args.max_recoveries,
-                            rejoin_at=_parse_rejoin(args.rejoin), live=not args.no_live_diagnosis)
+                            rejoin_at=_parse_rejoin(args.rejoin), live=not args.no_live_diagnosis,
+                            advise=args.recover == "advise")
     result = recover(args.model, args.cluster, args.plan, args.steps, run_dir=run_dir, config=config,
                      say=say, **{**configs, "checkpoint": checkpoint})
     if args.json:

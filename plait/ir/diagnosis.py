@@ -24,6 +24,11 @@ FINDING_KINDS = (
 )
 
 
+# Findings the recovery loop reports and never isolates: a slow rank still trains (dropping it would
+# shrink a healthy job; its batch share is the planner's to rebalance).
+REPORT_ONLY = ("slow_rank",)
+
+
 class DiagnosisError(PlaitError, ValueError):
     """A diagnosis file or finding that cannot be read."""
 
@@ -78,8 +83,9 @@ class Diagnosis:
 
     def culprit_ranks(self) -> set[int]:
         """Ranks to isolate: every rank named by a finding other than a slow link's pair (a link
-        is isolated by dropping one of its ends, which the recovery driver decides)."""
-        return {r for f in self.findings if f.kind != "slow_link" for r in f.ranks}
+        is isolated by dropping one of its ends, which the recovery driver decides) and a slow
+        rank's (a slow but healthy rank is reported, never dropped: `REPORT_ONLY`)."""
+        return {r for f in self.findings if f.kind not in ("slow_link", *REPORT_ONLY) for r in f.ranks}
 
     def to_dict(self) -> dict[str, Any]:
         return stamp("diagnosis", {"run_dir": self.run_dir, "world_size": self.world_size,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from plait.ir.diagnosis import Diagnosis, Finding
+from plait.ir.diagnosis import REPORT_ONLY, Diagnosis, Finding
 from plait.runtime.launch import RunFailure
 
 Detect = Callable[..., Diagnosis]  # detect(run_dir[, live=bool]) -> Diagnosis
@@ -59,5 +59,6 @@ def launcher_diagnosis(failure: RunFailure, run_dir: str | Path, world: int, sta
 
 
 def actionable(diagnosis: Diagnosis) -> bool:
-    """True when the diagnosis names a rank (or a link's ranks) to isolate."""
-    return any(f.ranks for f in diagnosis.findings)
+    """True when the diagnosis names a rank (or a link's ranks) to isolate; a slow rank alone is
+    reported, never isolated (`REPORT_ONLY`)."""
+    return any(f.ranks for f in diagnosis.findings if f.kind not in REPORT_ONLY)

@@ -29,7 +29,7 @@ from typing import Any
 from plait.cluster.spec import Cluster
 from plait.cluster.topology import without_nodes
 from plait.errors import PlaitError
-from plait.ir.diagnosis import Diagnosis, Finding
+from plait.ir.diagnosis import REPORT_ONLY, Diagnosis, Finding
 from plait.ir.plan import Plan
 
 
@@ -112,7 +112,7 @@ def nodes_to_isolate(diagnosis: Diagnosis, plan: Plan, cluster: Cluster) -> Isol
             out.reasons[name] = why
 
     for f in diagnosis.findings:
-        if f.kind != "slow_link":
+        if f.kind not in ("slow_link", *REPORT_ONLY):  # a slow rank is reported, never dropped
             for r in f.ranks:
                 add(nodes[r], f"{f.kind} of rank {r}")
     links = [f for f in diagnosis.findings if f.kind == "slow_link"]

@@ -41,7 +41,7 @@ from typing import Any
 from plait.cluster import load_cluster
 from plait.cluster.loader import save_cluster
 from plait.cluster.spec import Cluster
-from plait.ir.diagnosis import Diagnosis
+from plait.ir.diagnosis import REPORT_ONLY, Diagnosis
 from plait.ir.formats import stamp
 from plait.ir.plan import Plan
 from plait.recover.detect import Detect, actionable, call_detect, default_detect, launcher_diagnosis
@@ -81,6 +81,15 @@ class RecoveryConfig:
     """Plans the search driver returns (the fastest is used)."""
     search: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of `plait.search.plan` (finalists, placement, ...)."""
+    persist: int = 2
+    """K: a live finding is acted on only once K consecutive live diagnoses (`detect_every` apart)
+    have named it (same class, same ranks). The doctor itself already needs >= 3 slow probes or
+    steps (`Thresholds.min_hits`, `link_min_hits`) and a stall of >= 4 median steps; K adds that
+    the evidence still stands a poll later, so a stall that resolved (a rank stopped, then
+    resumed) or one noisy poll never stops the job."""
+    advise: bool = False
+    """Report what would be done (`RecoveryResult.actions`, done=False) without doing it: live
+    findings never stop the job, and a failed phase is passed on instead of isolated."""
 
 
 @dataclass
@@ -140,6 +149,9 @@ class RecoveryResult:
     phases: list[Phase]
     transitions: list[Transition]
     run_dir: str
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    """Every action (isolate) or report (a slow rank, advice) with its evidence: the findings it
+    rests on, the nodes and why, whether it was done (`advise`: never)."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -155,6 +167,7 @@ class RecoveryResult:
             "model": self.model, "steps": self.steps, "run_dir": self.run_dir,
             "phases": [p.to_dict() for p in self.phases],
             "transitions": [dataclasses.asdict(t) for t in self.transitions],
+            "actions": list(self.actions),
             "losses": {str(k): v for k, v in self.losses.items()}})
 
 
@@ -176,6 +189,10 @@ class _Watch:
         self.rejoin_at = rejoin_at  # scripted repairs not yet acted on
         if self._requests():  # declared back before this phase started: its first checkpoint grows it
             self.rejoin_after = start
+        self.streak: dict[tuple[str, tuple[int, ...]], int] = {}  # consecutive live polls naming a finding
+        self.reported: set[tuple[str, tuple[int, ...]]] = set()
+        self.actions: list[dict[str, Any]] = []  # reports and advice (the loop adds what it did)
+        self.isolate: Any = None  # diagnosis -> Isolation for advice (set by the loop)
 
     def _step(self) -> int:
         steps = []
@@ -215,11 +232,42 @@ class _Watch:
             except Exception as exc:  # a live diagnosis must never take the job down
                 self.notes.append(f"live diagnosis failed: {type(exc).__name__}: {exc}")
                 return None
-            if actionable(found):
-                self.diagnosis = found
-                self.what = "; ".join(f"{f.kind} of ranks {list(f.ranks)}" for f in found.findings if f.ranks)
-                return f"the live diagnosis names {self.what}"
+            return self._judge(found)
         return None
+
+    def _judge(self, found: Diagnosis) -> str | None:
+        """Act on the findings that persisted `persist` polls; report slow ranks; advise only."""
+        keys = {(f.kind, f.ranks) for f in found.findings if f.ranks}
+        self.streak = {k: self.streak.get(k, 0) + 1 for k in keys}  # a finding that vanished starts over
+        for f in found.findings:
+            if f.kind in REPORT_ONLY and (f.kind, f.ranks) not in self.reported:
+                self.reported.add((f.kind, f.ranks))
+                self.actions.append({"action": "report", "done": True, "at": time.time(),
+                                     "why": "a slow but healthy rank is reported, never dropped",
+                                     "findings": [f.to_dict()]})
+        lasting = [f for f in found.findings if f.ranks and f.kind not in REPORT_ONLY
+                   and self.streak[(f.kind, f.ranks)] >= self.config.persist]
+        if not lasting:
+            return None
+        kept = Diagnosis(run_dir=found.run_dir, findings=lasting, world_size=found.world_size,
+                         warnings=found.warnings)
+        if self.config.advise:
+            new = [f for f in lasting if (f.kind, f.ranks) not in self.reported]
+            if new:
+                self.reported |= {(f.kind, f.ranks) for f in new}
+                advice: dict[str, Any] = {"action": "isolate", "done": False, "at": time.time(),
+                                          "why": f"named in {self.config.persist} consecutive live diagnoses",
+                                          "findings": [f.to_dict() for f in new]}
+                if self.isolate is not None:
+                    try:
+                        advice.update(self.isolate(kept))
+                    except Exception as exc:  # advice must never take the job down
+                        advice["error"] = f"{type(exc).__name__}: {exc}"
+                self.actions.append(advice)
+            return None
+        self.diagnosis = kept
+        self.what = "; ".join(f"{f.kind} of ranks {list(f.ranks)}" for f in lasting)
+        return f"the live diagnosis names {self.what} ({self.config.persist} polls in a row)"
 
 
 # ---------------------------------------------------------------------------------- planning
@@ -295,6 +343,7 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         say(f"phase {i}: {current} on {len(cl.devices)} devices ({', '.join(phase.nodes)}), from step {start}; "
             f"predicted {predicted * 1e3:.2f} ms/step")
         watch = _Watch(phase_dir, root, ck_dir, excluded, detect, config, start, rejoin_at)
+        watch.isolate = lambda d, plan=current, cl=cl: nodes_to_isolate(d, plan, cl).to_dict()
         started = time.time()
         failure: RunFailure | None = None
         done: RunResult | None = None
@@ -308,6 +357,7 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
         except RunFailure as exc:
             failure = exc
         stopped = time.time()
+        result.actions += [{**a, "phase": i} for a in watch.actions]
         _collect(phase, current.world_size, pending, transitions, done)
         pending = None
         if failure is None:
@@ -315,6 +365,19 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
             say(f"phase {i}: finished step {steps - 1}")
             return result
         detected = failure.detected_at or stopped
+        if config.advise:  # report what would be done, do nothing
+            diagnosis = _diagnose(failure, phase, watch, detect, current, cl, started)
+            advice = {"action": "isolate" if actionable(diagnosis) else "none", "done": False, "phase": i,
+                      "at": stopped, "why": f"the phase stopped: {failure}",
+                      "findings": [f.to_dict() for f in diagnosis.findings]}
+            if actionable(diagnosis):
+                try:
+                    advice.update(nodes_to_isolate(diagnosis, current, cl).to_dict())
+                except RecoveryError as exc:
+                    advice["error"] = str(exc)
+            result.actions.append(advice)
+            _write(result)
+            raise failure
         if failure.kind in PASSED_ON and watch.diagnosis is None:
             phase.ended = f"failed: {failure}"
             _write(result)
@@ -337,6 +400,10 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
                 raise RecoveryError(f"phase {i}: {failure}; already recovered {config.max_recoveries} times "
                                     f"(max_recoveries), giving up") from failure
             isolations += 1
+            result.actions.append({"action": "isolate", "done": True, "phase": i, "at": stopped,
+                                   "why": watch.what or str(failure), **iso.to_dict(),
+                                   "findings": [f.to_dict() for f in diagnosis.findings
+                                                if f.kind not in REPORT_ONLY]})
             excluded = excluded + [n for n in iso.nodes if n not in excluded]
             reason, nodes = "isolate", iso.nodes
             say(f"phase {i} ended: {failure}; isolating {', '.join(f'{n} ({iso.reasons[n]})' for n in iso.nodes)}")
