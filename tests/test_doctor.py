@@ -277,3 +277,23 @@ def test_a_dead_rank_and_a_slow_rank_are_both_reported(tmp_path: Path) -> None:
 def test_a_stall_alone_adds_no_slowness_finding(tmp_path: Path) -> None:
     d = diagnose(write_run(tmp_path, steps=10, skip=(3, 8)))
     assert [k for k, _ in kinds(d)] == ["comm_hang"], d.findings
+
+
+def test_a_damaged_file_lowers_confidence_instead_of_producing_a_finding(tmp_path: Path) -> None:
+    # Rank 3's file is cut mid-line: the skip read off it is no longer a finding but a warning
+    # that says what it would have been and why it is not reported.
+    root = write_run(tmp_path / "cut", steps=10, skip=(3, 8))
+    assert kinds(diagnose(root))[0] == ("comm_hang", (3,))
+    path = root / "comm" / "rank3.jsonl"
+    path.write_text(path.read_text() + '{"type": "call", "rank": 3, "gro')
+    d = diagnose(root)
+    assert ("comm_hang", (3,)) not in kinds(d), d.findings
+    assert any(w.startswith("low confidence, not reported: comm_hang of ranks [3]") and "cut short" in w
+               for w in d.warnings)
+    # a slow rank whose own file is damaged is still named, with its confidence lowered
+    root = write_run(tmp_path / "slow", slow=(3, 4, 2.5, 1))
+    path = root / "comm" / "rank3.jsonl"
+    path.write_text(path.read_text() + '{"type": "call", "rank": 3, "gro')
+    (f,) = diagnose(root).findings
+    assert (f.kind, f.ranks, f.evidence["confidence"]) == ("slow_rank", (3,), "low")
+    assert "cut short" in f.evidence["damaged"]["3"][0]

@@ -53,8 +53,38 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
     found += slow_ranks(run, th, before=onset)
     found += slow_links(run, th, before=onset)
     found = [_explained(f, onset) for f in found]
+    found, lowered = _confidence(run, found)
     found.sort(key=lambda f: (_ORDER.index(f.kind), f.first_seen_s))
-    return Diagnosis(run_dir=run.run_dir, findings=found, world_size=run.world, warnings=list(run.warnings))
+    return Diagnosis(run_dir=run.run_dir, findings=found, world_size=run.world,
+                     warnings=list(run.warnings) + lowered)
+
+
+# Findings that rest on a rank's communication records alone: a cut or damaged file's missing lines
+# read as a call never entered, so a skip or mismatch naming that rank is not evidence enough.
+_RECORDS_ONLY = ("comm_hang", "mismatch")
+
+
+def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], list[str]]:
+    """Lower the confidence of what rests on a damaged records file (cut or unreadable lines):
+    a skip, hang or mismatch naming that rank (or naming none, every member waiting) becomes a
+    warning that says so, not a finding; any other finding on that rank keeps
+    `evidence["confidence"] = "low"` and the file's damage."""
+    damaged = {r: rr.damaged for r, rr in run.ranks.items() if rr.damaged}
+    if not damaged:
+        return found, []
+    kept, lowered = [], []
+    for f in found:
+        on = [r for r in (f.ranks or tuple(damaged)) if r in damaged]
+        if not on:
+            kept.append(f)
+        elif f.kind in _RECORDS_ONLY:
+            lowered.append(f"low confidence, not reported: {f.kind} of ranks {list(f.ranks)} "
+                           f"({f.collective or ''}) rests on the damaged records of rank(s) {on}: "
+                           + "; ".join(damaged[r][0] for r in on))
+        else:
+            kept.append(replace(f, evidence={**f.evidence, "confidence": "low",
+                                             "damaged": {str(r): damaged[r] for r in on}}))
+    return kept, lowered
 
 
 def _explained(f: Finding, onset: float | None) -> Finding:

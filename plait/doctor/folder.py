@@ -41,6 +41,7 @@ class RankRun:
     status: dict[str, Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)  # config.json's rank entry (host, node, ...)
     coords: tuple[int, int, int] | None = None  # (pp, dp, tp) from the plan, when known
+    damaged: list[str] = field(default_factory=list)  # its records file's cut or unreadable lines
 
     @property
     def done(self) -> bool:
@@ -115,7 +116,8 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
         offsets[rf.rank] = off
         world = max(world, int(h.get("world", 0) or 0))
         ranks[rf.rank] = RankRun(rank=rf.rank, records=rf.records, enters=rf.enters, groups=rf.groups,
-                                 info=layout.get(rf.rank, {}), coords=_coords(plan, rf.rank))
+                                 info=layout.get(rf.rank, {}), coords=_coords(plan, rf.rank),
+                                 damaged=list(rf.warnings))
     if not ranks:
         raise DiagnosisError(f"{comm}: no readable records file")
     world = max(world, len(config.get("ranks", [])), max(ranks) + 1)
