@@ -297,3 +297,28 @@ def test_a_damaged_file_lowers_confidence_instead_of_producing_a_finding(tmp_pat
     (f,) = diagnose(root).findings
     assert (f.kind, f.ranks, f.evidence["confidence"]) == ("slow_rank", (3,), "low")
     assert "cut short" in f.evidence["damaged"]["3"][0]
+
+
+@pytest.mark.parametrize(("spec", "fault_step"), [
+    ({"slow": (2, 4, 2.5, 1)}, 4), ({"slow": (1, 3, 2.0, 3), "steps": 14}, 3), ({"link": (1, 3, 3, 2.0)}, 3),
+    ({"skip": (3, 8)}, 8), ({"slow": (1, 2, 2.5, 1), "skip": (3, 8)}, 2)])
+def test_live_replay_equals_post_hoc_and_names_nothing_before_the_onset(tmp_path: Path, spec: dict,
+                                                                         fault_step: int) -> None:
+    # The records as they stood at each moment (every 20 ms of run time), diagnosed live: nothing
+    # before the fault's onset, the post-hoc findings at the end, each once named staying named.
+    from plait.doctor import diagnose_records
+    from plait.doctor.folder import as_of
+
+    run = read_run(write_run(tmp_path, **spec))
+    post = kinds(diagnose_records(run))
+    onset = min(c.t_enqueue for rr in run.ranks.values() for c in rr.records if c.step == fault_step)
+    named: set[tuple[str, tuple[int, ...]]] = set()
+    t = 0.0
+    while t < run.t_obs + 0.02:
+        live = diagnose_records(as_of(run, t), live=True)
+        now = set(kinds(live))
+        assert not now or t >= onset, (t, onset, live.findings)
+        assert now <= set(post), (t, live.findings)  # never a finding the whole record does not hold
+        named |= now
+        t += 0.02
+    assert kinds(diagnose_records(as_of(run, run.t_obs), live=True)) == post and named == set(post)

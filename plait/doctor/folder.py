@@ -153,6 +153,24 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
                       warnings=warnings, config=config, wall_clock=any(v != 0.0 for v in offsets.values()))
 
 
+def as_of(run: RunRecords, t: float) -> RunRecords:
+    """The records as they stood at run time `t` (what a live doctor polling then would have read):
+    calls that had returned by `t`, enter lines written by `t`, heartbeats, exits and statuses only
+    when written by `t`. The replay that checks live findings equal post-hoc ones (tests, bench)."""
+    ranks = {}
+    for r, rr in run.ranks.items():
+        hb_ok = rr.hb_written is not None and rr.hb_written <= t
+
+        def by_t(d: dict[str, Any] | None) -> dict[str, Any] | None:
+            when = (d or {}).get("time")
+            return d if isinstance(when, int | float) and when - run.t0_wall <= t else None
+        ranks[r] = replace(rr, records=[c for c in rr.records if c.t_end <= t],
+                           enters=[e for e in rr.enters if e.t <= t],
+                           heartbeat=rr.heartbeat if hb_ok else None, hb_written=rr.hb_written if hb_ok else None,
+                           exit=by_t(rr.exit), status=by_t(rr.status))
+    return replace(run, ranks=ranks, t_obs=t)
+
+
 def pid_alive(pid: Any) -> bool:
     """Live mode: whether a rank's process still exists (this machine only)."""
     try:
