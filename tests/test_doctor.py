@@ -19,14 +19,18 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
               link: tuple[int, int, int, float] | None = None, skip: tuple[int, int] | None = None,
               mismatch: tuple[int, int] | None = None, stop: tuple[int, int] | None = None,
               version: int = 2, wall: float | None = None, busy: tuple[int, float] | None = None,
-              link_steps: tuple[int, ...] | None = None) -> Path:
+              link_steps: tuple[int, ...] | None = None, nodes: list[str] | None = None,
+              uplink: tuple[str, int, float] | None = None) -> Path:
     """A data-parallel run as the facade writes it: per step a probe of every rank pair, local
     work, one all-reduce over "world". `slow`: (rank, from step, factor, every k-th step); `link`: (a, b, from,
     factor); `skip`/`mismatch`/`stop`: (rank, step); `busy`: (from step, factor) -- CPU contention:
     every probe and every rank's local work that many times longer; `link_steps`: the link is slow at
-    these steps only (not from `link`'s step on)."""
+    these steps only (not from `link`'s step on); `nodes`: each rank's node (config.json);
+    `uplink`: (node, from step, factor) -- every pair crossing that node's boundary slowed."""
     comm = root / "comm"
     comm.mkdir(parents=True, exist_ok=True)
+    if nodes is not None:
+        (root / "config.json").write_text(json.dumps({"ranks": [{"rank": r, "host": n} for r, n in enumerate(nodes)]}))
     extra = {"perf_at_open": 0.0, "wall_at_open": wall} if wall is not None else {}
     lines = {r: [header_line(r, world=world, **extra).replace('"format_version": 2', f'"format_version": {version}'),
                  group_line("world", list(range(world)))] for r in range(world)}
@@ -44,6 +48,8 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
             for b in range(a + 1, world):
                 on = s in link_steps if link_steps is not None else link is not None and s >= link[2]
                 d = 0.004 * busy_now * (link[3] if link and (a, b) == link[:2] and on else 1.0)
+                if uplink and nodes and s >= uplink[1] and (nodes[a] == uplink[0]) != (nodes[b] == uplink[0]):
+                    d *= uplink[2]
                 for r, p in ((a, b), (b, a)):
                     for kind, g in (("send", f"p2p {r}->{p}"), ("recv", f"p2p {p}->{r}")):
                         q = nxt(r, g)
@@ -322,3 +328,35 @@ def test_live_replay_equals_post_hoc_and_names_nothing_before_the_onset(tmp_path
         named |= now
         t += 0.02
     assert kinds(diagnose_records(as_of(run, run.t_obs), live=True)) == post and named == set(post)
+
+
+def test_a_node_uplink_slowed_is_found_against_the_links_own_history(tmp_path: Path) -> None:
+    # Every pair crossing node n1 slowed 3x from step 4 on a 6-rank, 3-node cluster: each is slow
+    # only against its own history (its peers of kind "crossing" slowed with it); the pairs inside
+    # a node and between n0 and n2 did not. Before this rule: healthy.
+    nodes = ["n0", "n0", "n1", "n1", "n2", "n2"]
+    d = diagnose(write_run(tmp_path / "up", world=6, steps=10, nodes=nodes, uplink=("n1", 4, 3.0)))
+    crossing = {(a, b) for a in range(6) for b in range(a + 1, 6) if (nodes[a] == "n1") != (nodes[b] == "n1")}
+    assert {f.ranks for f in d.findings} == crossing and {f.kind for f in d.findings} == {"slow_link"}
+    assert all(f.evidence["node_uplink"] == "n1" and f.step == 4 for f in d.findings)
+    # two nodes: the link between them is named (which end's uplink, the probes cannot tell)
+    d = diagnose(write_run(tmp_path / "two", world=4, steps=10, nodes=nodes[:4], uplink=("n1", 4, 2.0)))
+    assert {f.ranks for f in d.findings} == {(0, 2), (0, 3), (1, 2), (1, 3)}
+    assert {f.evidence["node_uplink"] for f in d.findings} == {"n0<->n1"}
+    # the same cluster busy (contention slows every pair and every rank's compute): no finding
+    assert diagnose(write_run(tmp_path / "busy", world=6, steps=10, nodes=nodes, busy=(4, 3.0))).healthy
+
+
+def test_probes_below_the_floor_are_not_judged_by_their_ratio(tmp_path: Path) -> None:
+    # A same-node probe of 40 us that became 120 us (3x): below the probe floor (0.5 ms + size),
+    # so no ratio is judged on it.
+    root = write_run(tmp_path, link=(1, 3, 3, 3.0))
+    for f in (root / "comm").glob("rank*.jsonl"):  # every probe 100x faster
+        lines = []
+        for x in f.read_text().splitlines():
+            r = json.loads(x)
+            if r.get("key") == "probe" and r.get("type") == "call":
+                r["t_end"] = r["t_start"] + (r["t_end"] - r["t_start"]) / 100
+            lines.append(json.dumps(r))
+        f.write_text("\n".join(lines) + "\n")
+    assert diagnose(root).healthy

@@ -69,6 +69,16 @@ class Thresholds:
     """...and for at least this long (the heartbeat period is 0.2 s)."""
     hb_stale_s: float = 1.0
     """A heartbeat this much older than the freshest one: the process stopped (SIGSTOP)."""
+    rank_min_excess_s: float = 0.005
+    """A slow step's local work must also exceed its reference by this many seconds: a finding
+    needs an effect, not only a ratio."""
+    link_min_excess_s: float = 0.002
+    """A slow probe must exceed its reference by this many seconds (same for a node's uplink)."""
+    probe_latency_s: float = 0.0005
+    """The probe floor: no probe time below latency + bytes / `probe_floor_bw` is judged by a ratio
+    (a same-node probe of a fraction of a millisecond is noise, whatever its ratio)."""
+    probe_floor_bw: float = 10e9
+    """Bytes per second of the fastest link the floor allows for (a probe's size sets its floor)."""
 
 
 @dataclass
@@ -439,7 +449,7 @@ def slow_ranks(run: RunRecords, th: Thresholds, before: float | None = None) -> 
     series = {r: {s: v[0] for s, v in w.items() if s > min(w) and s in whole[r]} for r, w in work.items() if w}
     stage = {r: (rr.coords[0] if rr.coords else 0) for r, rr in run.ranks.items()}
     peers = {r: [p for p in series if p != r and stage[p] == stage[r]] for r in series}
-    floor = th.min_excess_of_step * step_time(run)
+    floor = max(th.min_excess_of_step * step_time(run), th.rank_min_excess_s)
     flagged = _flags(series, peers, th.slow_rank_ratio, floor, th.min_hits, th.min_hit_fraction)
     out = []
     for r, (hits, ref) in flagged.items():
@@ -453,6 +463,13 @@ def slow_ranks(run: RunRecords, th: Thresholds, before: float | None = None) -> 
                             peers_local_work_s={str(p): round(statistics.median(series[p].values()), 6)
                                                 for p in peers[r] if series[p]}))
     return sorted(out, key=lambda f: -f.evidence["ratio"])
+
+
+def probe_floor(run: RunRecords, th: Thresholds) -> float:
+    """Seconds below which a probe's time is not judged: the link's latency plus its size at the
+    fastest bandwidth allowed for (`Thresholds.probe_latency_s`, `probe_floor_bw`)."""
+    size = max((c.bytes for rr in run.ranks.values() for c in rr.records if c.key == PROBE_KEY), default=0)
+    return th.probe_latency_s + size / th.probe_floor_bw
 
 
 def probe_times(run: RunRecords) -> dict[tuple[int, int], dict[int, tuple[float, float, float]]]:
@@ -514,14 +531,16 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> 
     """`before`: judge only probes that ended before this time (a stall's onset)."""
     times = probe_times(run)
     # A pair's first probe also sets up its connection (gloo connects lazily): left out.
-    series = {p: {s: v[0] for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)}
+    floor = probe_floor(run, th)  # a time below the floor is read as the floor: no ratio of noise
+    series = {p: {s: max(v[0], floor) for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)}
               for p, ser in times.items()}
 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
         return run.node_of(p[0]) == run.node_of(p[1])
     peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
-    flagged = _flags(series, peers, th.slow_link_ratio, 0.0, th.link_min_hits, th.link_min_hit_fraction,
-                     scale=compute_rise(run, list(series), th))
+    rise = compute_rise(run, list(series), th)
+    flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
+                     th.link_min_hit_fraction, scale=rise)
     out = []
     for p, (hits, ref) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
@@ -529,4 +548,52 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> 
                             step=hits[0], collective="link probe", slow_steps=hits,
                             ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
                             transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
+    out += uplinks(run, th, series, times, rise, {f.ranks for f in out})
     return sorted(out, key=lambda f: -f.evidence["ratio"])
+
+
+def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[int, float]],
+            times: dict[tuple[int, int], dict[int, tuple[float, float, float]]],
+            rise: dict[tuple[int, int], dict[int, float]], named: set[tuple[int, ...]]) -> list[Finding]:
+    """A node's uplink slowed: every pair crossing that node's boundary slow against *its own*
+    history (absolute evidence: peers of its kind slowed too, so the relative test cannot see it),
+    while the same-node pairs did not slow (CPU contention slows those too: `rise` also discounts
+    the compute the pair's ranks lost). Named as one slow_link per crossing pair, each with
+    `evidence["node_uplink"]` (the node, or the two nodes' link when the cluster has two)."""
+    node = {r: run.node_of(r) for r in run.ranks}
+    nodes = sorted({n for n in node.values() if n is not None}, key=str)
+    if len(nodes) < 2:
+        return []
+    level = {p: _steady(ser) for p, ser in series.items()}
+    intra = [p for p in series if node[p[0]] == node[p[1]] and level[p]]
+    out: list[Finding] = []
+    seen: set[frozenset[tuple[int, int]]] = set()
+    for x in nodes:
+        group = [p for p in series if (node[p[0]] == x) != (node[p[1]] == x) and level[p]]
+        if not group or frozenset(group) in seen or any(p in named for p in group):
+            continue
+        seen.add(frozenset(group))
+        steps = sorted(set.intersection(*(set(series[p]) for p in group)))
+        hits = []
+        for s in steps:
+            ratios = [series[p][s] / (level[p] * rise.get(p, {}).get(s, 1.0)) for p in group]  # type: ignore[operator]
+            excess = statistics.median(series[p][s] - level[p] for p in group)  # type: ignore[operator]
+            ref = statistics.median([series[q][s] / level[q] for q in intra if s in series[q]] or [1.0])  # type: ignore[operator]
+            if min(ratios) >= th.slow_link_ratio * ref and excess >= th.link_min_excess_s:
+                hits.append(s)
+        if len(hits) < th.link_min_hits:
+            continue
+        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:]))))
+        on = [s for s in hits if (s - hits[0]) % period == 0]
+        expected = sum(1 for s in steps if s >= hits[0] and (s - hits[0]) % period == 0)
+        if len(on) < th.link_min_hits or len(on) < th.link_min_hit_fraction * expected:
+            continue
+        where = str(x) if len(nodes) > 2 else f"{nodes[0]}<->{nodes[1]}"
+        for p in group:
+            ratio = statistics.median(series[p][s] / level[p] for s in on)  # type: ignore[operator]
+            out.append(_finding("slow_link", p, times[p][on[0]][1], times[p][on[th.link_min_hits - 1]][2], run,
+                                step=on[0], collective="link probe", slow_steps=on, ratio=round(ratio, 3),
+                                reference_s=round(level[p], 6), reference="its own history",  # type: ignore[arg-type]
+                                node_uplink=where,
+                                transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
+    return out
