@@ -20,13 +20,14 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
               mismatch: tuple[int, int] | None = None, stop: tuple[int, int] | None = None,
               version: int = 2, wall: float | None = None, busy: tuple[int, float] | None = None,
               link_steps: tuple[int, ...] | None = None, nodes: list[str] | None = None,
-              uplink: tuple[str, int, float] | None = None) -> Path:
+              uplink: tuple[str, int, float] | None = None, pause: tuple[int, int, float] | None = None) -> Path:
     """A data-parallel run as the facade writes it: per step a probe of every rank pair, local
     work, one all-reduce over "world". `slow`: (rank, from step, factor, every k-th step); `link`: (a, b, from,
     factor); `skip`/`mismatch`/`stop`: (rank, step); `busy`: (from step, factor) -- CPU contention:
     every probe and every rank's local work that many times longer; `link_steps`: the link is slow at
     these steps only (not from `link`'s step on); `nodes`: each rank's node (config.json);
-    `uplink`: (node, from step, factor) -- every pair crossing that node's boundary slowed."""
+    `uplink`: (node, from step, factor) -- every pair crossing that node's boundary slowed;
+    `pause`: (rank, step, seconds) -- the rank stops that long before the step's all-reduce, then resumes."""
     comm = root / "comm"
     comm.mkdir(parents=True, exist_ok=True)
     if nodes is not None:
@@ -61,6 +62,8 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
         slow_now = slow is not None and s >= slow[1] and (s - slow[1]) % slow[3] == 0
         arrive = {r: t + 0.1 * busy_now * (slow[2] if slow and slow_now and r == slow[0] else 1.0)
                   for r in range(world)}
+        if pause and s == pause[1]:
+            arrive[pause[0]] += pause[2]
         end = max(arrive.values()) + 0.005
         for r in range(world):
             if r in gone:
@@ -307,7 +310,7 @@ def test_a_damaged_file_lowers_confidence_instead_of_producing_a_finding(tmp_pat
 
 @pytest.mark.parametrize(("spec", "fault_step"), [
     ({"slow": (2, 4, 2.5, 1)}, 4), ({"slow": (1, 3, 2.0, 3), "steps": 14}, 3), ({"link": (1, 3, 3, 2.0)}, 3),
-    ({"skip": (3, 8)}, 8), ({"slow": (1, 2, 2.5, 1), "skip": (3, 8)}, 2)])
+    ({"skip": (3, 8)}, 8), ({"slow": (1, 2, 2.5, 1), "skip": (3, 8)}, 2), ({"pause": (2, 5, 3.0)}, 5)])
 def test_live_replay_equals_post_hoc_and_names_nothing_before_the_onset(tmp_path: Path, spec: dict,
                                                                          fault_step: int) -> None:
     # The records as they stood at each moment (every 20 ms of run time), diagnosed live: nothing
@@ -360,3 +363,14 @@ def test_probes_below_the_floor_are_not_judged_by_their_ratio(tmp_path: Path) ->
             lines.append(json.dumps(r))
         f.write_text("\n".join(lines) + "\n")
     assert diagnose(root).healthy
+
+
+def test_a_stall_the_run_went_on_after_is_a_finding(tmp_path: Path) -> None:
+    # Rank 2 stops 3 s before step 5's all-reduce (30 median steps), then resumes: post hoc, a
+    # noncomm_hang of rank 2 at step 5 that says it resumed and how long it lasted.
+    d = diagnose(write_run(tmp_path, steps=10, pause=(2, 5, 3.0)))
+    (f,) = d.findings
+    assert (f.kind, f.ranks, f.step, f.evidence["resumed"]) == ("noncomm_hang", (2,), 5, True)
+    assert f.evidence["stalled_s"] == pytest.approx(3.0, abs=0.2)
+    # a pause below the stall limit (4 median steps, >= 1 s) is no finding
+    assert diagnose(write_run(tmp_path / "short", steps=10, pause=(2, 5, 0.3))).healthy

@@ -364,3 +364,11 @@ def test_cli_recover_heals_a_killed_rank(tmp_path: Path, capsys: pytest.CaptureF
     assert code == 0 and out["format_version"] == 1 and list(out["losses"]) == ["0", "1", "2", "3", "4"]
     assert [p["nodes"] for p in out["phases"]] == [["a100-node", "v100-node"], ["a100-node"]]
     assert out["transitions"][0]["resumed_from"] == 2 and (tmp_path / "recovery.json").exists()
+
+
+def test_a_stall_that_resolved_never_stops_the_job(tmp_path: Path) -> None:
+    # live: the hang is named once, then the rank resumed (the doctor now calls it a past stall)
+    w = _watch(tmp_path, persist=2)
+    resumed = Finding("noncomm_hang", (1,), 1.0, evidence={"resumed": True, "stalled_s": 3.0})
+    assert [w._judge(d) for d in (_diag(_f("noncomm_hang", 1)), _diag(resumed), _diag(resumed))] == [None] * 3
+    assert w.diagnosis is None

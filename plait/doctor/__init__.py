@@ -22,6 +22,7 @@ from plait.doctor.detect import (
     hangs,
     link_matrix,
     mismatches,
+    past_stalls,
     slow_links,
     slow_ranks,
 )
@@ -49,7 +50,9 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
     found += dead_ranks(run, th, live)
     if not found:  # a stall after a mismatch, a skipped call or a dead rank is their consequence
         found += hangs(run, th, live)
-    onset = min((f.first_seen_s for f in found if f.kind in _STALLS), default=None)
+    if not found:  # a stall the run went on after (a rank stopped, then resumed)
+        found += past_stalls(run, th)
+    onset = min((f.first_seen_s for f in found if f.kind in _STALLS and not f.evidence.get("resumed")), default=None)
     found += slow_ranks(run, th, before=onset)
     found += slow_links(run, th, before=onset)
     found = [_explained(f, onset) for f in found]

@@ -270,6 +270,36 @@ def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
     return (end, limit) if run.t_obs - end >= limit else None
 
 
+def past_stalls(run: RunRecords, th: Thresholds) -> list[Finding]:
+    """Stalls the run went on after: no call ended anywhere for `stall_steps` median steps (and
+    `stall_floor_s`), then training resumed. The rank held elsewhere is the one that entered its
+    next call last (its peers entered theirs and waited for it): a `noncomm_hang` with
+    `evidence["resumed"]`, its duration and step. The first step (start-up) is not judged."""
+    med = step_time(run)
+    if med <= 0:
+        return []
+    limit = max(th.stall_floor_s, th.stall_steps * med)
+    first = {r: min((c.step for c in rr.records if c.step is not None), default=None) for r, rr in run.ranks.items()}
+    start = max((s for s in first.values() if s is not None), default=0)
+    ends = sorted(c.t_end for rr in run.ranks.values() for c in rr.records if c.step is not None and c.step > start)
+    out = []
+    for a, b in zip(ends, ends[1:]):
+        if b - a < limit:
+            continue
+        nxt = {r: min(((c.t_enqueue, c.step) for c in rr.records if c.t_enqueue >= a), default=None)
+               for r, rr in run.ranks.items()}
+        nxt = {r: v for r, v in nxt.items() if v is not None}
+        if not nxt:
+            continue
+        r = max(nxt, key=lambda k: nxt[k][0])  # type: ignore[index]
+        t_in, step = nxt[r]  # type: ignore[misc]
+        out.append(_finding("noncomm_hang", (r,), a, a + limit, run, step=step, resumed=True,
+                            stalled_s=round(b - a, 3), expected_step_s=round(med, 6),
+                            reason=f"no call ended for {b - a:.2f} s ({(b - a) / med:.0f} median steps); rank {r} "
+                                   f"entered its next call last, {t_in - a:.2f} s after, and the run went on"))
+    return out
+
+
 def dead_ranks(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
     st = stall(run, th)
     out = []

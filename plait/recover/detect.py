@@ -61,4 +61,4 @@ def launcher_diagnosis(failure: RunFailure, run_dir: str | Path, world: int, sta
 def actionable(diagnosis: Diagnosis) -> bool:
     """True when the diagnosis names a rank (or a link's ranks) to isolate; a slow rank alone is
     reported, never isolated (`REPORT_ONLY`)."""
-    return any(f.ranks for f in diagnosis.findings if f.kind not in REPORT_ONLY)
+    return any(f.ranks for f in diagnosis.findings if f.kind not in REPORT_ONLY and not f.evidence.get("resumed"))

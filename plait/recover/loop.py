@@ -237,7 +237,7 @@ class _Watch:
 
     def _judge(self, found: Diagnosis) -> str | None:
         """Act on the findings that persisted `persist` polls; report slow ranks; advise only."""
-        keys = {(f.kind, f.ranks) for f in found.findings if f.ranks}
+        keys = {(f.kind, f.ranks) for f in found.findings if f.ranks and not f.evidence.get("resumed")}
         self.streak = {k: self.streak.get(k, 0) + 1 for k in keys}  # a finding that vanished starts over
         for f in found.findings:
             if f.kind in REPORT_ONLY and (f.kind, f.ranks) not in self.reported:
@@ -246,7 +246,7 @@ class _Watch:
                                      "why": "a slow but healthy rank is reported, never dropped",
                                      "findings": [f.to_dict()]})
         lasting = [f for f in found.findings if f.ranks and f.kind not in REPORT_ONLY
-                   and self.streak[(f.kind, f.ranks)] >= self.config.persist]
+                   and self.streak.get((f.kind, f.ranks), 0) >= self.config.persist]  # resolved stalls: none
         if not lasting:
             return None
         kept = Diagnosis(run_dir=found.run_dir, findings=lasting, world_size=found.world_size,
