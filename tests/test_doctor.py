@@ -62,8 +62,9 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
         slow_now = slow is not None and s >= slow[1] and (s - slow[1]) % slow[3] == 0
         arrive = {r: t + 0.1 * busy_now * (slow[2] if slow and slow_now and r == slow[0] else 1.0)
                   for r in range(world)}
-        if pause and s == pause[1]:
-            arrive[pause[0]] += pause[2]
+        if pause and s == pause[1]:  # rank -1: every rank (a checkpoint write, an evaluation)
+            for r in ([pause[0]] if pause[0] >= 0 else range(world)):
+                arrive[r] += pause[2]
         end = max(arrive.values()) + 0.005
         for r in range(world):
             if r in gone:
@@ -374,3 +375,5 @@ def test_a_stall_the_run_went_on_after_is_a_finding(tmp_path: Path) -> None:
     assert f.evidence["stalled_s"] == pytest.approx(3.0, abs=0.2)
     # a pause below the stall limit (4 median steps, >= 1 s) is no finding
     assert diagnose(write_run(tmp_path / "short", steps=10, pause=(2, 5, 0.3))).healthy
+    # every rank paused together (nobody waited in a call): a checkpoint or evaluation, not a stall
+    assert diagnose(write_run(tmp_path / "all", steps=10, pause=(-1, 5, 3.0))).healthy

@@ -293,6 +293,8 @@ def past_stalls(run: RunRecords, th: Thresholds) -> list[Finding]:
             continue
         r = max(nxt, key=lambda k: nxt[k][0])  # type: ignore[index]
         t_in, step = nxt[r]  # type: ignore[misc]
+        if min(v[0] for v in nxt.values()) > a + (b - a) / 2:
+            continue  # nobody waited in a call: every rank paused together (a checkpoint, evaluation)
         out.append(_finding("noncomm_hang", (r,), a, a + limit, run, step=step, resumed=True,
                             stalled_s=round(b - a, 3), expected_step_s=round(med, 6),
                             reason=f"no call ended for {b - a:.2f} s ({(b - a) / med:.0f} median steps); rank {r} "
