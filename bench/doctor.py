@@ -24,7 +24,16 @@ the plan shape (DP, TP, PP, and the hybrids pp x dp and pp x tp that fit 4 ranks
 | dead_rank    | `kill:rank=R,step=S` (SIGKILL)                     | rank R             |
 | clean        | nothing                                            | no finding at all  |
 
-A run's verdict is the doctor's first (most severe) finding. Per class: precision and recall of
+**Set matching** (issue 32): every finding is scored against every injected fault -- a fault is
+found when a finding of its class names its ranks (a missed second fault is a false negative), a
+finding matching no injected fault of its class is a false positive -- post hoc and live (the
+records as they stood at ~40 moments, `plait.doctor.folder.as_of`, diagnosed live; any live
+finding before the onset is listed). Extra classes: `two_faults` (a slow rank from the onset and
+a rank killed >= 4 steps later, data parallel); the damaged-file check cuts a copy of every run's
+rank-0 records at 70 % (mid-line) and lists any finding it adds. Not yet injected here: a node
+uplink (the emulation's per-node link shaping), stop-and-resume, `--recover` clean runs, CPU hog.
+
+The first table's verdict is the doctor's first (most severe) finding. Per class: precision and recall of
 that verdict, attribution accuracy (right rank / right pair among the runs it named the class),
 and onset -> detection time: from the start of the injected step (the records' first call of
 that step) to the moment the records held enough evidence (`Finding.detected_s`: what `plait
@@ -55,6 +64,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,9 +79,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.doctor import Thresholds, diagnose_records, read_run  # noqa: E402
 from plait.doctor.detect import local_work  # noqa: E402
-from plait.doctor.folder import RunRecords  # noqa: E402
+from plait.doctor.folder import RunRecords, as_of  # noqa: E402
 
 CLASSES = ("comm_hang", "noncomm_hang", "slow_rank", "slow_link", "mismatch", "dead_rank")
+EXTRA = ("two_faults",)  # scored by the classes of their faults (set matching)
 MODEL = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
 SHAPES = {"DP": "dp=4", "TP": "tp=4", "PP": "pp=4", "PPxDP": "pp=2,dp=2", "PPxTP": "pp=2,tp=2"}
 STEPS = 12
@@ -101,6 +112,7 @@ class Case:
     onset: int  # the step the fault starts at
     seed: int
     recording: bool = True
+    faults: list[list[Any]] | None = None  # every injected fault: [class, ranks]; None: [[cls, truth]]
 
 
 # ---------------------------------------------------------------------------------- the cases
@@ -110,7 +122,7 @@ def make_cases(per_class: int, clean: int, seed: int, steps: int = STEPS) -> lis
     rng = random.Random(seed)
     shapes = list(SHAPES)
     out: list[Case] = []
-    for cls in (*CLASSES, "clean"):
+    for cls in (*CLASSES, *EXTRA, "clean"):
         for i in range(per_class if cls != "clean" else clean):
             shape = shapes[(i + rng.randrange(len(shapes))) % len(shapes)]
             plan = f"{SHAPES[shape]},micro_batch=1,global_batch=4,dtype=fp32"
@@ -138,6 +150,16 @@ def make_cases(per_class: int, clean: int, seed: int, steps: int = STEPS) -> lis
                 spec = f"mismatch:rank={r},step={onset}"
             elif cls == "dead_rank":
                 spec = f"kill:rank={r},step={onset}"
+            elif cls == "two_faults":  # a dead rank and an independent slow rank (data parallel: peers)
+                plan = "dp=4,micro_batch=1,global_batch=4,dtype=fp32"
+                shape, other = "DP", rng.choice([x for x in range(4) if x != r])
+                onset = rng.randint(3, 5)
+                kill = rng.randint(onset + 4, steps - 1)
+                spec = f"slow:rank={other},factor={factor},from={onset};kill:rank={r},step={kill}"
+                truth = [other]
+                out.append(Case(f"{cls}-{i:02d}", cls, shape, plan, spec, truth, onset, s,
+                                faults=[["slow_rank", [other]], ["dead_rank", [r]]]))
+                continue
             else:
                 spec, truth, onset = "", [], 0
             out.append(Case(f"{cls}-{i:02d}", cls, shape, plan, spec, truth, onset, s))
@@ -254,6 +276,10 @@ def analyse_case(d: Path, th: Thresholds) -> dict[str, Any] | None:
         return row
     diag = diagnose_records(run, thresholds=th)
     row["analyse_s"] = round(time.perf_counter() - t, 4)
+    row["faults"] = case.get("faults") or ([[case["cls"], case["truth"]]] if case["cls"] != "clean" else [])
+    row["found"] = [[f.kind, list(f.ranks)] for f in diag.findings]
+    row.update(live_replay(run, th, onset_time(run, case["onset"]) if case["cls"] != "clean" else None))
+    row["damaged_found"] = damaged_findings(d, th)
     first = diag.findings[0] if diag.findings else None
     row["verdict"] = first.kind if first else "healthy"
     row["culprit"] = list(first.ranks) if first else []
@@ -270,6 +296,54 @@ def analyse_case(d: Path, th: Thresholds) -> dict[str, Any] | None:
     return row
 
 
+def live_replay(run: RunRecords, th: Thresholds, onset: float | None) -> dict[str, Any]:
+    """The records as they stood at each step's start (and at the end), diagnosed live: what a
+    polling `plait doctor --live` would have named, and whether it named anything before the onset."""
+    times = sorted({c.t_enqueue for rr in run.ranks.values() for c in rr.records if c.step is not None})
+    marks = sorted({times[i] for i in range(0, len(times), max(1, len(times) // 40))} | {run.t_obs})
+    early: list[list[Any]] = []
+    last: list[list[Any]] = []
+    for t in marks:
+        last = [[f.kind, list(f.ranks)] for f in diagnose_records(as_of(run, t), live=True, thresholds=th).findings]
+        if last and (onset is None or t < onset):
+            early += [x for x in last if x not in early]
+    return {"live_found": last, "live_early": early}
+
+
+def damaged_findings(d: Path, th: Thresholds) -> list[list[Any]]:
+    """The damaged-file class: a copy of the folder with rank 0's records cut at 70 % (mid-line);
+    what the doctor names on it beyond the intact folder's findings is a false finding."""
+    src = d / "comm" / "rank0.jsonl"
+    if not src.exists():
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        cut = Path(tmp) / d.name
+        shutil.copytree(d, cut)
+        data = src.read_bytes()
+        (cut / "comm" / "rank0.jsonl").write_bytes(data[: int(len(data) * 0.7)])
+        try:
+            return [[f.kind, list(f.ranks)] for f in diagnose_records(read_run(cut), thresholds=th).findings]
+        except Exception as exc:  # noqa: BLE001 -- an unreadable copy is itself the answer
+            return [["error", str(exc)[:80]]]
+
+
+def set_scores(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Set matching per class: each injected fault is a true positive when a finding of its class
+    names its ranks (a missed second fault is a false negative); each finding matching no injected
+    fault of its class (kind and ranks) is a false positive."""
+    out = {}
+    for cls in CLASSES:
+        tp = fn = fp = 0
+        for r in rows:
+            found = [(k, tuple(x)) for k, x in r.get(key, [])]
+            truths = [(k, tuple(x)) for k, x in r.get("faults", [])]
+            tp += sum(1 for t in truths if t[0] == cls and t in found)
+            fn += sum(1 for t in truths if t[0] == cls and t not in found)
+            fp += sum(1 for f in found if f[0] == cls and f not in truths)
+        out[cls] = {"faults": tp + fn, "precision": _pct(tp, tp + fp), "recall": _pct(tp, tp + fn)}
+    return out
+
+
 def _pct(a: int, b: int) -> float | None:
     return round(100.0 * a / b, 1) if b else None
 
@@ -280,7 +354,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for cls in CLASSES:
         mine = [r for r in judged if r["cls"] == cls]
         tp = [r for r in mine if r["verdict"] == cls]
-        fp = [r for r in judged if r["cls"] != cls and r["verdict"] == cls]
+        fp = [r for r in judged if r["cls"] != cls and r["cls"] not in EXTRA and r["verdict"] == cls]
         right = [r for r in tp if sorted(r["culprit"]) == sorted(r["truth"])]
         det = sorted(r["detect_s"] for r in tp if r.get("detect_s") is not None)
         fr_kind = "mismatch" if cls == "mismatch" else "hang"
@@ -316,7 +390,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "wall_per_step_median_ms": round(1e3 * statistics.median(p["wall"] for p in pairs), 1)
                 if pairs else None}
     analyse = [r["analyse_s"] for r in judged if "analyse_s" in r]
-    return {"per_class": per, "clean": {"runs": len(clean), "false_alarms": len(alarms),
+    def key(x: list[Any]) -> tuple[str, str]:
+        return x[0], str(x[1])
+    damaged = [r for r in judged if {key(x) for x in r.get("damaged_found", [])} - {key(y) for y in r.get("found", [])}]
+    return {"per_class": per, "set_post_hoc": set_scores(judged, "found"), "set_live": set_scores(judged, "live_found"),
+            "live_before_onset": [f"{r['id']}: {r['live_early']}" for r in judged if r.get("live_early")],
+            "damaged": {"runs": len(judged), "extra_findings": len(damaged),
+                        "which": [f"{r['id']}: {r['damaged_found']}" for r in damaged]}, "clean": {"runs": len(clean), "false_alarms": len(alarms),
                                         "alarms": [f"{r['id']}: {r['findings']}" for r in alarms],
                                         "flight_recorder_false_alarms": len(fr_alarms),
                                         "straggler_false_alarms": len(sd_alarms)},
@@ -346,6 +426,16 @@ def print_table(summary: dict[str, Any]) -> None:
           f"iteration time {f(o['iteration_median_pct'])} % (median), wall per step "
           f"{f(o['wall_per_step_median_ms'])} ms (median; link probes included)")
     print(f"replay: {f(summary['replay_s_per_run_median'])} s per run (median)")
+    print(f"{'set matching':<13} {'faults':>6} {'post prec%':>10} {'post rec%':>9} {'live prec%':>10} {'live rec%':>9}")
+    for cls in CLASSES:
+        a, b = summary["set_post_hoc"][cls], summary["set_live"][cls]
+        print(f"{cls:<13} {a['faults']:>6} {f(a['precision']):>10} {f(a['recall']):>9} {f(b['precision']):>10} "
+              f"{f(b['recall']):>9}")
+    print(f"live findings before the onset: {len(summary['live_before_onset'])} runs "
+          + "; ".join(summary["live_before_onset"]))
+    dm = summary["damaged"]
+    print(f"damaged file (rank 0's records cut at 70 %): {dm['extra_findings']} of {dm['runs']} runs gained a "
+          f"finding " + "; ".join(dm["which"]))
     for cls, m in summary["per_class"].items():
         for miss in m["missed"]:
             print(f"  {cls} missed/misattributed: {miss}")

@@ -43,8 +43,27 @@ def test_bench_analysis_on_hand_written_runs(tmp_path: Path) -> None:
     assert by["slow_link-00"]["sd"] == "healthy"
 
 
+def test_set_matching_counts_a_missed_second_fault_and_the_live_replay(tmp_path: Path) -> None:
+    # Two faults in one run (a slow rank and a skip): both must be found; the live replay names
+    # nothing before the onset; a damaged copy of rank 0's file adds no finding.
+    d = write_run(tmp_path / "two_faults-00", steps=10, slow=(1, 2, 2.5, 1), skip=(3, 8))
+    case = bench.Case("two_faults-00", "two_faults", "DP", "dp=4", "", [1], 2, 0,
+                      faults=[["slow_rank", [1]], ["comm_hang", [3]]])
+    (d / "case.json").write_text(json.dumps({"case": case.__dict__, "rc": 0, "wall_s": 1.0}))
+    row = bench.analyse_case(d, bench.Thresholds())
+    s = bench.summarise([row])
+    assert s["set_post_hoc"]["slow_rank"]["recall"] == 100.0 and s["set_post_hoc"]["comm_hang"]["recall"] == 100.0
+    assert s["set_live"]["slow_rank"]["recall"] == 100.0 and not s["live_before_onset"]
+    assert s["damaged"]["extra_findings"] == 0, s["damaged"]
+    # the same scoring on the first finding alone would miss the slow rank: set matching counts it
+    row["found"] = row["found"][:1]
+    assert bench.summarise([row])["set_post_hoc"]["slow_rank"]["recall"] == 0.0
+
+
 def test_cases_are_random_but_reproducible() -> None:
     a, b = bench.make_cases(2, 1, seed=7), bench.make_cases(2, 1, seed=7)
-    assert a == b and len(a) == 6 * 2 + 2  # a clean case also runs with recording off
-    assert {c.cls for c in a} == {*bench.CLASSES, "clean"} and any(not c.recording for c in a)
+    assert a == b and len(a) == (6 + 1) * 2 + 2  # a clean case also runs with recording off
+    assert {c.cls for c in a} == {*bench.CLASSES, *bench.EXTRA, "clean"} and any(not c.recording for c in a)
+    two = [c for c in a if c.cls == "two_faults"]
+    assert all([k for k, _ in c.faults] == ["slow_rank", "dead_rank"] and ";" in c.spec for c in two)
     assert all(1.5 <= float(c.spec.split("factor=")[1].split(",")[0]) <= 4.0 for c in a if "factor=" in c.spec)
