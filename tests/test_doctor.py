@@ -377,3 +377,12 @@ def test_a_stall_the_run_went_on_after_is_a_finding(tmp_path: Path) -> None:
     assert diagnose(write_run(tmp_path / "short", steps=10, pause=(2, 5, 0.3))).healthy
     # every rank paused together (nobody waited in a call): a checkpoint or evaluation, not a stall
     assert diagnose(write_run(tmp_path / "all", steps=10, pause=(-1, 5, 3.0))).healthy
+
+
+def test_plait_runs_iteration_table_shows_a_past_stall(tmp_path: Path) -> None:
+    from plait.commands.run_cmd import _stalls
+
+    root = write_run(tmp_path, steps=10, pause=(2, 5, 3.0))
+    (row,) = _stalls(root).items()
+    assert row[0] == 5 and row[1].startswith("noncomm_hang of rank [2]: 3.")
+    assert _stalls(write_run(tmp_path / "clean")) == {} and _stalls(None) == {}

@@ -372,6 +372,21 @@ def trained_dtype(args: argparse.Namespace) -> tuple[str, str]:
     return ("fp32" if args.predict else args.dtype or planned), planned
 
 
+def _stalls(run_dir: Any) -> dict[int, str]:
+    """step -> the doctor's past stalls there (class, rank, seconds), read off the run folder's
+    records; {} without a run folder or records (the table then has no stall column)."""
+    if not run_dir or not (Path(run_dir) / "comm").is_dir():
+        return {}
+    from plait.doctor import diagnose
+
+    try:
+        found = diagnose(run_dir).findings
+    except Exception:  # noqa: BLE001 -- the table must print whatever the records hold
+        return {}
+    return {f.step: f"{f.kind} of rank {list(f.ranks)}: {f.evidence.get('stalled_s')} s"
+            for f in found if f.evidence.get("resumed") and f.step is not None}
+
+
 def _print(result: Any, args: argparse.Namespace, machine: dict[str, Any] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -392,8 +407,11 @@ def _print(result: Any, args: argparse.Namespace, machine: dict[str, Any] | None
     steps.add_column("step", justify="right")
     steps.add_column("loss", justify="right")
     steps.add_column("iteration (ms)", justify="right")
+    stalls = _stalls(args.run_dir)
+    if stalls:  # a wait outside the step's timed span (a rank stopped, then resumed) shows here
+        steps.add_column("stall (doctor)", justify="left")
     for s, loss, t in zip(result.steps, result.losses, result.iteration_times):
-        steps.add_row(str(s), f"{loss:.6f}", f"{t * 1e3:.2f}")
+        steps.add_row(str(s), f"{loss:.6f}", f"{t * 1e3:.2f}", *([stalls.get(s, "")] if stalls else []))
     console.print(steps)
     ranks = Table(title="ranks (samples per step; busy fraction of the measured steps)")
     for col in ("rank", "pp/dp/tp", "dev", "host", "kind", "slowdown", "layers", "params", "samples",
