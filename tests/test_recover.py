@@ -372,3 +372,16 @@ def test_a_stall_that_resolved_never_stops_the_job(tmp_path: Path) -> None:
     resumed = Finding("noncomm_hang", (1,), 1.0, evidence={"resumed": True, "stalled_s": 3.0})
     assert [w._judge(d) for d in (_diag(_f("noncomm_hang", 1)), _diag(resumed), _diag(resumed))] == [None] * 3
     assert w.diagnosis is None
+
+
+@pytest.mark.distributed
+def test_a_clean_run_under_recover_does_nothing(tmp_path: Path) -> None:
+    """`--recover` left on over a healthy 2-rank job, the doctor's live diagnosis polled every
+    0.3 s: one phase, finished, no isolation, no action in recovery.json."""
+    emu1 = "emulated-mixed:namespaces=false,gpus_per_node=1"
+    res = recover(TINY, emu1, "dp=2,micro_batch=4,global_batch=8,dtype=fp32", 8, run_dir=tmp_path,
+                  config=RecoveryConfig(checkpoint_every=4, detect_every=0.3), launch=LaunchConfig(timeout=60))
+    (p0,) = res.phases
+    assert p0.ended == "finished" and p0.isolation is None and not res.transitions
+    saved = json.loads((tmp_path / "recovery.json").read_text())
+    assert [a for a in saved["actions"] if a["action"] != "report"] == []
