@@ -62,16 +62,18 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
                      warnings=list(run.warnings) + lowered)
 
 
-# Findings that rest on a rank's communication records alone: a cut or damaged file's missing lines
-# read as a call never entered, so a skip or mismatch naming that rank is not evidence enough.
-_RECORDS_ONLY = ("comm_hang", "mismatch")
+# Findings that rest on a rank's communication records: a cut or damaged file's missing lines read
+# as a call never entered (a skip, a mismatch) or as a step's work cut short or stretched (a slow
+# rank or link on the bench's cut copies), so none naming that rank is evidence enough. A dead
+# rank rests on its exit record and heartbeat, not on those lines.
+_RECORDS_ONLY = ("comm_hang", "mismatch", "noncomm_hang", "slow_rank", "slow_link")
 
 
 def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], list[str]]:
     """Lower the confidence of what rests on a damaged records file (cut or unreadable lines):
-    a skip, hang or mismatch naming that rank (or naming none, every member waiting) becomes a
-    warning that says so, not a finding; any other finding on that rank keeps
-    `evidence["confidence"] = "low"` and the file's damage."""
+    a finding naming that rank (or naming none, every member waiting) that rests on its records
+    becomes a warning that says so, not a finding; a dead rank keeps `evidence["confidence"] =
+    "low"` and the file's damage."""
     damaged = {r: rr.damaged for r, rr in run.ranks.items() if rr.damaged}
     if not damaged:
         return found, []
