@@ -53,7 +53,8 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
     if not found:  # a stall the run went on after (a rank stopped, then resumed)
         found += past_stalls(run, th)
     onset = min((f.first_seen_s for f in found if f.kind in _STALLS and not f.evidence.get("resumed")), default=None)
-    found += slow_ranks(run, th, before=onset)
+    found += slow_ranks(run, th, before=min(onset, run.t_obs) if live and onset is not None else
+                        run.t_obs if live else onset)  # live: a rank's step in progress is not whole
     found += slow_links(run, th, before=onset)
     found = [_explained(f, onset) for f in found]
     found, lowered = _confidence(run, found)

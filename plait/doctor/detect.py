@@ -477,7 +477,8 @@ def slow_ranks(run: RunRecords, th: Thresholds, before: float | None = None) -> 
     cut short, and a slow rank found before it is a fault of its own beside the stall)."""
     work = local_work(run)
     # The first step warms up (the end of training's calls carry no step: the last step is whole).
-    whole = {r: _whole_before(w, before) for r, w in work.items()}
+    whole = {r: _whole_before(w, before if before is None or before < run.t_obs or not run.ranks[r].done else None)
+             for r, w in work.items()}  # a rank that ended normally: its last step is whole
     series = {r: {s: v[0] for s, v in w.items() if s > min(w) and s in whole[r]} for r, w in work.items() if w}
     stage = {r: (rr.coords[0] if rr.coords else 0) for r, rr in run.ranks.items()}
     peers = {r: [p for p in series if p != r and stage[p] == stage[r]] for r in series}
