@@ -171,7 +171,10 @@ def calls_not_joined(run: RunRecords) -> list[Finding]:
         for m in members:
             if m in entries or m in out or m not in run.ranks:
                 continue
-            t_past = _past(run, m, group, members, seq, step, first)
+            # A probe's peer busy with the round's other probes has not passed it by: for a probe,
+            # only a later seq or a later step is past it (probe rounds are not skipped calls).
+            probe = any(e.key == PROBE_KEY for e in entries.values())
+            t_past = _past(run, m, group, members, seq, step, None if probe else first)
             if t_past is None:
                 continue
             waited = {r: round((e.t_end if e.t_end is not None else run.t_obs) - e.t, 6) for r, e in entries.items()}
