@@ -73,9 +73,19 @@ class Source:
 
 # ----- the dev set: exactly validate_a100's evaluator and constants -----
 
+def dev_data() -> Path:
+    """The dev set: shared/data next to the checkout (validate_a100.DATA), or in a folder above it
+    (a git worktree lives one level deeper than the main checkout)."""
+    name = va.DATA.name
+    for d in ROOT.parents:
+        if (d / "shared" / "data" / name).exists():
+            return d / "shared" / "data" / name
+    raise SystemExit(f"{va.DATA}: not found (nor shared/data/{name} in any folder above {ROOT})")
+
+
 def dev_source() -> Source:
     va.load_measured()
-    rows = va.load_rows()
+    rows = va.load_rows(dev_data())
     ev = va.Evaluator(rows, va.RECOMPUTE)
     for r in rows:
         r["gpu"] = va.KIND.name
