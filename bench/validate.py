@@ -7,6 +7,8 @@ Sources (``bench/data/sources/``, cited in docs/DATA_SOURCES.md):
 
 - ``dev-a100-megatron``: shared/data/a100_single_node_megatron.csv (vTrain's single-node Megatron
   A100 runs; the dev set the shipped constants were fitted on), simulated exactly as validate_a100.
+- ``megatron-korthikanti``: Megatron-LM's README MFU table (Korthikanti et al. 2022's GPTs, 22B-1T on
+  8-512 A100 80GB, TP 8, sequence parallel, selective recompute, dp 1); time from the MFU.
 - ``llmfoundry-mpt``: llm-foundry's MPT benchmark tables (Composer, eager PyTorch FSDP FULL_SHARD,
   flash attention, bf16; H100 80GB, A100 80GB, A100 40GB; 8-512 GPUs). Time only (no memory).
 
@@ -113,6 +115,7 @@ def load_csv(path: Path) -> list[dict]:
                 except (KeyError, ValueError) as e:
                     raise SystemExit(f"{path}: row {i}, field {f!r}: {e}") from None
             row["measured_s"] = float(r["measured_s"])
+            row["sequence_parallel"] = r.get("sequence_parallel", "false").lower() == "true"
             row["memory_gib"] = float(r["memory_gib"]) if r.get("memory_gib") else None
             if row["gpu"] not in GPU_KINDS:
                 raise SystemExit(f"{path}: row {i}, field 'gpu': {row['gpu']!r} is not in plait's catalog")
@@ -147,6 +150,7 @@ def csv_simulator() -> Callable[[list[dict], ComputeModel], np.ndarray]:
                 views[vk] = ClusterView.from_cluster(template_cluster(*vk))
             plan = Plan(dp=r["dp"], tp=r["tp"], pp=r["pp"], micro_batch=r["micro_batch"],
                         global_batch=r["global_batch"], recompute=r["recompute"], zero=r["zero"],
+                        sequence_parallel=r["sequence_parallel"],
                         schedule="1f1b", dtype=r["dtype"])
             out[j] = run_engine(lower(graphs[gk], plan, views[vk], opts).graph).makespan
         return out
@@ -220,12 +224,14 @@ def pct(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--max-gpus", type=int, default=64, help="simulate rows with at most this many GPUs")
+    ap.add_argument("--max-gpus", type=int, default=512, help="simulate rows with at most this many GPUs")
     ap.add_argument("--sources", default="", help="comma-separated names (default: all)")
     args = ap.parse_args(argv)
     makers = {"dev-a100-megatron": dev_source,
               "llmfoundry-mpt": lambda: csv_source("llmfoundry-mpt", "llmfoundry_mpt.csv", "eager-fsdp",
-                                                   args.max_gpus)}
+                                                   args.max_gpus),
+              "megatron-korthikanti": lambda: csv_source("megatron-korthikanti", "megatron_korthikanti.csv",
+                                                         "megatron", args.max_gpus)}
     names = [n for n in args.sources.split(",") if n] or list(makers)
     for n in names:
         if n not in makers:
