@@ -9,6 +9,8 @@ Sources (``bench/data/sources/``, cited in docs/DATA_SOURCES.md):
   A100 runs; the dev set the shipped constants were fitted on), simulated exactly as validate_a100.
 - ``megatron-korthikanti``: Megatron-LM's README MFU table (Korthikanti et al. 2022's GPTs, 22B-1T on
   8-512 A100 80GB, TP 8, sequence parallel, selective recompute, dp 1); time from the MFU.
+- ``dlperf-megatron-v100``: OneFlow DLPerf's Megatron-LM GPT runs on 1-4 nodes of 8 V100-SXM2-16GB
+  (fp16, full recompute, seq 2048; DP, TP, 2D and PP cases).
 - ``llmfoundry-mpt``: llm-foundry's MPT benchmark tables (Composer, eager PyTorch FSDP FULL_SHARD,
   flash attention, bf16; H100 80GB, A100 80GB, A100 40GB; 8-512 GPUs). Time only (no memory).
 
@@ -115,6 +117,7 @@ def load_csv(path: Path) -> list[dict]:
                 except (KeyError, ValueError) as e:
                     raise SystemExit(f"{path}: row {i}, field {f!r}: {e}") from None
             row["measured_s"] = float(r["measured_s"])
+            row["nics"] = int(r["nics"]) if r.get("nics") else None
             row["sequence_parallel"] = r.get("sequence_parallel", "false").lower() == "true"
             row["memory_gib"] = float(r["memory_gib"]) if r.get("memory_gib") else None
             if row["gpu"] not in GPU_KINDS:
@@ -123,12 +126,13 @@ def load_csv(path: Path) -> list[dict]:
     return rows
 
 
-def template_cluster(kind_name: str, gpus: int, per_node: int) -> Cluster:
-    """`gpus` GPUs of one kind in nodes of `per_node`, links from the kind's node template."""
+def template_cluster(kind_name: str, gpus: int, per_node: int, nics: int | None = None) -> Cluster:
+    """`gpus` GPUs of one kind in nodes of `per_node`, links from the kind's node template; `nics`:
+    NICs per node where the source states it (else the template's)."""
     t = NODE_TEMPLATES[kind_name]
     n = max(1, -(-gpus // per_node))
     nodes = [NodeSpec(name=f"n{i}", gpus=[kind_name] * min(per_node, gpus - i * per_node), intra=t.intra, nic=t.nic,
-                      nics=t.nics) for i in range(n)]
+                      nics=nics or t.nics) for i in range(n)]
     return Cluster(name=f"{kind_name}x{gpus}", kinds={kind_name: GPU_KINDS[kind_name]}, nodes=nodes,
                    source="validate")
 
@@ -145,7 +149,7 @@ def csv_simulator() -> Callable[[list[dict], ComputeModel], np.ndarray]:
             if gk not in graphs:
                 graphs[gk] = gpt_opgraph({"layers": r["layers"], "hidden": r["hidden"], "heads": r["heads"],
                                           "seq": r["seq"], "vocab": r["vocab"], "ffn": r["ffn"]}, r["dtype"])
-            vk = (r["gpu"], r["gpus"], r["gpus_per_node"])
+            vk = (r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"])
             if vk not in views:
                 views[vk] = ClusterView.from_cluster(template_cluster(*vk))
             plan = Plan(dp=r["dp"], tp=r["tp"], pp=r["pp"], micro_batch=r["micro_batch"],
@@ -231,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
               "llmfoundry-mpt": lambda: csv_source("llmfoundry-mpt", "llmfoundry_mpt.csv", "eager-fsdp",
                                                    args.max_gpus),
               "megatron-korthikanti": lambda: csv_source("megatron-korthikanti", "megatron_korthikanti.csv",
+                                                         "megatron", args.max_gpus),
+              "dlperf-megatron-v100": lambda: csv_source("dlperf-megatron-v100", "dlperf_megatron_v100.csv",
                                                          "megatron", args.max_gpus)}
     names = [n for n in args.sources.split(",") if n] or list(makers)
     for n in names:
