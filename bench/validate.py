@@ -11,6 +11,8 @@ Sources (``bench/data/sources/``, cited in docs/DATA_SOURCES.md):
   8-512 A100 80GB, TP 8, sequence parallel, selective recompute, dp 1); time from the MFU.
 - ``dlperf-megatron-v100``: OneFlow DLPerf's Megatron-LM GPT runs on 1-4 nodes of 8 V100-SXM2-16GB
   (fp16, full recompute, seq 2048; DP, TP, 2D and PP cases).
+- ``colossal-lightning-gpt2xl``: GPT-2 XL on 4 A100 40GB with PyTorch Lightning, DDP (AMP) and
+  DeepSpeed ZeRO-3 (fp16): time and ``torch.cuda.max_memory_allocated``.
 - ``llmfoundry-mpt``: llm-foundry's MPT benchmark tables (Composer, eager PyTorch FSDP FULL_SHARD,
   flash attention, bf16; H100 80GB, A100 80GB, A100 40GB; 8-512 GPUs). Time only (no memory).
 
@@ -54,6 +56,7 @@ import validate_a100 as va  # noqa: E402
 from plait.cluster.catalog import GPU_KINDS, NODE_TEMPLATES  # noqa: E402
 from plait.cluster.spec import Cluster, NodeSpec  # noqa: E402
 from plait.cost.compute import DEFAULT_MODEL, ComputeModel  # noqa: E402
+from plait.cost.memory import estimate_memory  # noqa: E402
 from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
 from plait.ir.plan import Plan  # noqa: E402
 from plait.sim.engine import simulate as run_engine  # noqa: E402
@@ -137,33 +140,48 @@ def template_cluster(kind_name: str, gpus: int, per_node: int, nics: int | None 
                    source="validate")
 
 
+_GRAPHS: dict[tuple, object] = {}
+
+
+def row_graph(r: dict):
+    gk = (r["layers"], r["hidden"], r["heads"], r["seq"], r["vocab"], r["ffn"], r["dtype"])
+    if gk not in _GRAPHS:
+        _GRAPHS[gk] = gpt_opgraph({"layers": r["layers"], "hidden": r["hidden"], "heads": r["heads"], "seq": r["seq"],
+                                   "vocab": r["vocab"], "ffn": r["ffn"]}, r["dtype"])
+    return _GRAPHS[gk]
+
+
+def row_plan(r: dict) -> Plan:
+    return Plan(dp=r["dp"], tp=r["tp"], pp=r["pp"], micro_batch=r["micro_batch"], global_batch=r["global_batch"],
+                recompute=r["recompute"], zero=r["zero"], sequence_parallel=r["sequence_parallel"], schedule="1f1b",
+                dtype=r["dtype"])
+
+
+def predict_memory_gib(r: dict) -> float:
+    """plait's peak bytes of the most loaded GPU (`estimate_memory`, PyTorch's eager loss), in GiB."""
+    est = estimate_memory(row_graph(r), row_plan(r), template_cluster(r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"]),
+                          loss="fused" if r["engine"] == "megatron" else "eager")
+    return float(max(est.peak_bytes)) / 2**30
+
+
 def csv_simulator() -> Callable[[list[dict], ComputeModel], np.ndarray]:
-    graphs: dict[tuple, object] = {}
     views: dict[tuple, ClusterView] = {}
 
     def simulate(sel: list[dict], model: ComputeModel) -> np.ndarray:
         out = np.empty(len(sel))
         opts = SimOptions(granularity="stage", compute=model, cost_cache={})
         for j, r in enumerate(sel):
-            gk = (r["layers"], r["hidden"], r["heads"], r["seq"], r["vocab"], r["ffn"], r["dtype"])
-            if gk not in graphs:
-                graphs[gk] = gpt_opgraph({"layers": r["layers"], "hidden": r["hidden"], "heads": r["heads"],
-                                          "seq": r["seq"], "vocab": r["vocab"], "ffn": r["ffn"]}, r["dtype"])
             vk = (r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"])
             if vk not in views:
                 views[vk] = ClusterView.from_cluster(template_cluster(*vk))
-            plan = Plan(dp=r["dp"], tp=r["tp"], pp=r["pp"], micro_batch=r["micro_batch"],
-                        global_batch=r["global_batch"], recompute=r["recompute"], zero=r["zero"],
-                        sequence_parallel=r["sequence_parallel"],
-                        schedule="1f1b", dtype=r["dtype"])
-            out[j] = run_engine(lower(graphs[gk], plan, views[vk], opts).graph).makespan
+            out[j] = run_engine(lower(row_graph(r), row_plan(r), views[vk], opts).graph).makespan
         return out
 
     return simulate
 
 
 def csv_source(name: str, file: str, engine: str, max_gpus: int) -> Source:
-    rows = [r for r in load_csv(SOURCES_DIR / file) if r["gpus"] <= max_gpus
+    rows = [dict(r, engine=r.get("engine") or engine) for r in load_csv(SOURCES_DIR / file) if r["gpus"] <= max_gpus
             and r["global_batch"] % (r["micro_batch"] * r["dp"]) == 0]
     kinds = {r["memory_kind"] for r in rows if r.get("memory_kind")}
     return Source(name, engine, rows, csv_simulator(), memory_kind=",".join(sorted(kinds)) or None)
@@ -211,13 +229,18 @@ def evaluate(sources: list[Source]) -> list[dict]:
             ix = [i for i, r in enumerate(src.rows) if r["gpu"] == kind]
             per_kind[kind] = dict(rows=len(ix), mape=mape(pred[ix], meas[ix]),
                                   ratio_median=float(np.median(pred[ix] / meas[ix])))
+        mem_rows = [i for i, r in enumerate(src.rows) if r.get("memory_gib")]
+        mem_pred = {i: predict_memory_gib(src.rows[i]) for i in mem_rows}
+        mem_err = (float(np.mean([abs(mem_pred[i] / src.rows[i]["memory_gib"] - 1) for i in mem_rows]))
+                   if mem_rows else None)
         results.append(dict(
             source=src.name, engine=src.engine, rows=len(src.rows), gpus=sorted({r["gpu"] for r in src.rows}),
             mape_all=mape(pred, meas), mape_fit=mape(pred[even], meas[even]), mape_held=mape(pred[odd], meas[odd]),
             mape_loso=mape(loso, meas), ratio_median=float(np.median(pred / meas)), per_kind=per_kind,
-            memory_kind=src.memory_kind, memory_error=None, seconds=time.perf_counter() - t0,
-            predictions=[dict(index=r["index"], gpu=r["gpu"], measured_s=r["measured_s"], predicted_s=float(p))
-                         for r, p in zip(src.rows, pred, strict=True)]))
+            memory_kind=src.memory_kind, memory_error=mem_err, seconds=time.perf_counter() - t0,
+            predictions=[dict(index=r["index"], gpu=r["gpu"], measured_s=r["measured_s"], predicted_s=float(p),
+                              measured_gib=r.get("memory_gib"), predicted_gib=mem_pred.get(i))
+                         for i, (r, p) in enumerate(zip(src.rows, pred, strict=True))]))
     return results
 
 
@@ -237,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
               "megatron-korthikanti": lambda: csv_source("megatron-korthikanti", "megatron_korthikanti.csv",
                                                          "megatron", args.max_gpus),
               "dlperf-megatron-v100": lambda: csv_source("dlperf-megatron-v100", "dlperf_megatron_v100.csv",
-                                                         "megatron", args.max_gpus)}
+                                                         "megatron", args.max_gpus),
+              "colossal-lightning-gpt2xl": lambda: csv_source("colossal-lightning-gpt2xl",
+                                                              "colossal_lightning_gpt2xl.csv", "eager-ddp-zero3",
+                                                              args.max_gpus)}
     names = [n for n in args.sources.split(",") if n] or list(makers)
     for n in names:
         if n not in makers:
