@@ -29,7 +29,7 @@ plain error; a fitter is a function ``(rows, simulate) -> ComputeModel`` registe
 Memory: each source's reported peak (allocated / reserved / nvidia-smi, ``memory_kind``) against
 `plait.cost.memory.estimate_memory`; sources without a memory column show "-".
 
-Usage: ``python bench/validate.py [--json] [--max-gpus N] [--sources a,b]``.
+Usage: ``python bench/validate.py [--json] [--max-gpus N] [--sources a,b] [--by FIELD]``.
 """
 
 from __future__ import annotations
@@ -248,11 +248,28 @@ def pct(x: float | None) -> str:
     return "-" if x is None or x != x else f"{100 * x:.1f}"
 
 
+def by_table(console: Console, sources: list[Source], results: list[dict], field: str) -> None:
+    """MAPE and median predicted / measured per value of one row field (diagnosis, not a goal)."""
+    t = Table(title=f"time error by {field}")
+    for c in ("source", field, "rows", "MAPE %", "pred/meas median"):
+        t.add_column(c)
+    for src, res in zip(sources, results, strict=True):
+        groups: dict = {}
+        for r, p in zip(src.rows, res["predictions"], strict=True):
+            groups.setdefault(r.get(field), []).append(p["predicted_s"] / p["measured_s"])
+        for key in sorted(groups, key=lambda k: (str(type(k)), k)):
+            v = np.array(groups[key])
+            t.add_row(src.name, str(key), str(len(v)), pct(float(np.mean(np.abs(v - 1)))), f"{np.median(v):.2f}")
+    console.print(t)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--max-gpus", type=int, default=512, help="simulate rows with at most this many GPUs")
     ap.add_argument("--sources", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--by", default="", help="also print MAPE and median pred/meas per value of this row field "
+                                             "(e.g. seq, recompute, model, gpus) for each source")
     args = ap.parse_args(argv)
     makers = {"dev-a100-megatron": dev_source,
               "llmfoundry-mpt": lambda: csv_source("llmfoundry-mpt", "llmfoundry_mpt.csv", "eager-fsdp",
@@ -268,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in names:
         if n not in makers:
             raise SystemExit(f"--sources: unknown source {n!r}; use one of {sorted(makers)}")
-    results = evaluate([makers[n]() for n in names])
+    sources = [makers[n]() for n in names]
+    results = evaluate(sources)
     dev = next((r for r in results if r["source"] == "dev-a100-megatron"), None)
     summary = {r["source"]: dict(rows=r["rows"], mape_held=r["mape_held"], mape_loso=r["mape_loso"],
                                  memory_error=r["memory_error"]) for r in results}
@@ -291,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                   pct(r["mape_held"]), pct(r["mape_loso"]), f"{r['ratio_median']:.2f}",
                   f"{pct(r['memory_error'])} ({r['memory_kind'] or 'none reported'})", f"{r['seconds']:.0f}")
     console.print(t)
+    if args.by:
+        by_table(console, sources, results, args.by)
     if dev:
         console.print(f"dev set (shared/data, vTrain A100): MAPE {pct(dev['mape_all'])} % "
                       f"({'<=' if dev['mape_all'] <= DEV_GOAL else '>'} {100 * DEV_GOAL:.0f} % goal)")
