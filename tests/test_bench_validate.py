@@ -1,0 +1,63 @@
+"""bench/validate.py (issue 37): source loading, the node layout, the fit hook, and the transcribed figures."""
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import validate  # noqa: E402
+
+from plait.cost.compute import DEFAULT_MODEL  # noqa: E402
+
+ROW = dict(model="small", hidden=2048, heads=16, layers=2, ffn=8192, vocab=1024, seq=1024, global_batch=16,
+           micro_batch=4, gpus=2, dp=2, tp=1, pp=1, zero=0, recompute="none", sequence_parallel="false",
+           dtype="bf16", gpu="a100-80gb", gpus_per_node=8, nics="", engine="eager-fsdp", measured_s=0.01,
+           memory_gib="", memory_kind="")
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def test_unknown_gpu_kind_names_file_row_and_field(tmp_path):
+    p = write(tmp_path / "s.csv", [dict(ROW, gpu="no-such-gpu")])
+    with pytest.raises(SystemExit, match=r"s\.csv: row 0, field 'gpu': 'no-such-gpu'"):
+        validate.load_csv(p)
+
+
+def test_template_cluster_fills_nodes_and_takes_the_sources_nic_count():
+    c = validate.template_cluster("v100-16gb", 20, 8, nics=1)
+    assert [len(n.gpus) for n in c.nodes] == [8, 8, 4]
+    assert {n.nics for n in c.nodes} == {1}
+    assert {n.nics for n in validate.template_cluster("v100-16gb", 8, 8).nodes} == {4}  # DGX-1 template
+
+
+def test_fit_hook_is_used_per_gpu_kind_and_engine(tmp_path):
+    rows = validate.load_csv(write(tmp_path / "s.csv", [ROW]))
+    src = validate.Source("s", "eager-fsdp", rows, validate.csv_simulator())
+    shipped = validate.predict(src, rows, [])[0]
+    slow = DEFAULT_MODEL.replace(gemm_efficiency=DEFAULT_MODEL.gemm_efficiency / 2)
+    validate.FITTERS[("a100-80gb", "eager-fsdp")] = lambda train, model: slow
+    try:
+        assert validate.predict(src, rows, [])[0] > shipped
+        validate.FITTERS.pop(("a100-80gb", "eager-fsdp"))
+        validate.FITTERS[("a100-80gb", "megatron")] = lambda train, model: slow  # another engine: not used
+        assert validate.predict(src, rows, [])[0] == shipped
+    finally:
+        validate.FITTERS.clear()
+
+
+def test_megatron_times_are_the_papers_flops_at_the_published_mfu():
+    """Hand computation for the 22B row: 72 B s L h^2 (1 + s/6h + V/12Lh) / (MFU x GPUs x 312 TFLOP/s)."""
+    r = validate.load_csv(validate.SOURCES_DIR / "megatron_korthikanti.csv")[0]
+    B, s, L, h, V = 4, 2048, 48, 6144, 51200
+    flops = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert (r["hidden"], r["layers"], r["global_batch"], r["gpus"]) == (h, L, B, 8)
+    assert r["measured_s"] == pytest.approx(flops / (0.415 * 8 * 312e12), rel=1e-4)
