@@ -1,0 +1,66 @@
+"""A plan's data parallelism on torch's own modules (issue 29), composed as torchtitan's
+`parallelize` does: one small function per parallelism over the plan's named DeviceMesh
+(dims "pp", "dp", "tp", Megatron's rank order: tensor fastest, then data, then pipeline).
+
+* `apply_ddp`: DDP over the mesh's "dp" dim, buckets of the plan's `grad_bucket_mb`;
+* `apply_fsdp`: FSDP2 `fully_shard` for ZeRO-1/2/3 -- parameters resharded after forward only at
+  ZeRO-3 (torchtitan's mapping: ZeRO-1/2 keep them gathered until backward; FSDP2 always shards
+  gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
+  `grad_reduce_dtype`;
+* `replica_loss_weight`: uneven data-parallel shares. DDP and FSDP2 average gradients over the
+  replicas, so replica d scales its mean loss by n_d * dp / B (n_d its samples, B the global batch):
+  the average of the scaled gradients is the gradient of the global batch's mean loss, as one
+  process computes it.
+
+Not yet the engine of any plan: `plait.runtime.layout.engine_for` names plait's own executors for
+every plan until the torch-modules worker runs a plan shape with equal results and records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from plait.ir.plan import Plan
+
+MESH_DIMS = ("pp", "dp", "tp")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_mesh(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
+    """The plan's 3D grid as a named DeviceMesh over the default process group's ranks."""
+    return init_device_mesh(device_type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=MESH_DIMS)
+
+
+def replica_loss_weight(plan: Plan, replica: int) -> float:
+    """What replica `replica` scales its mean loss by so that the replicas' averaged gradients are
+    those of the global batch's mean loss (1.0 for even shares)."""
+    return plan.samples_per_replica()[replica] * plan.dp / plan.global_batch
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> DistributedDataParallel:
+    """DDP over the "dp" dim with the plan's gradient bucket size."""
+    return DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+                                   bucket_cap_mb=plan.grad_bucket_mb)
+
+
+def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters computed in the plan's dtype, gradients reduced in its
+    `grad_reduce_dtype` (fp32 when not given, as the optimizer's master copy)."""
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[plan.dtype],
+                                reduce_dtype=_DTYPES[plan.grad_reduce_dtype or "fp32"])
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module]) -> nn.Module:
+    """FSDP2 over the "dp" dim: each block a unit of its own (its parameters gathered and its
+    gradients reduce-scattered together), then the root for what the blocks leave."""
+    kwargs = {"mesh": mesh["dp"], "reshard_after_forward": plan.zero >= 3, "mp_policy": mixed_precision(plan)}
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

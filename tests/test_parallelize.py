@@ -1,0 +1,104 @@
+"""plait.runtime.parallelize (issue 29): a plan's data parallelism on torch's DDP and FSDP2, with
+uneven shares, equal to one process (fp32 gradients of the global batch's mean loss)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+from plait.ir.plan import Plan
+
+BATCH = 8
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    model = _model()
+    x, y = _data()
+    nn.functional.mse_loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, plan: Plan, how: str, out) -> None:
+    try:
+        from plait.runtime.comm import Comm
+        from plait.runtime.parallelize import apply_ddp, apply_fsdp, build_mesh, replica_loss_weight
+
+        torch.set_num_threads(1)
+        comm = Comm(rank, plan.dp)
+        comm.init_process_group("gloo", timeout_s=60, init_method=f"tcp://127.0.0.1:{port}")
+        mesh = build_mesh(plan)
+        model = _model()
+        wrapped = (apply_ddp(model, mesh, plan) if how == "ddp"
+                   else apply_fsdp(model, mesh, plan, [m for m in model if isinstance(m, nn.Linear)]))
+        x, y = _data()
+        shares = plan.samples_per_replica()
+        lo = sum(shares[:rank])
+        loss = nn.functional.mse_loss(wrapped(x[lo:lo + shares[rank]]), y[lo:lo + shares[rank]])
+        (loss * replica_loss_weight(plan, rank)).backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            g = p.grad
+            grads[n.removeprefix("module.")] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().numpy().copy()
+        out.put((rank, grads))
+        Comm.destroy()
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def _run(plan: Plan, how: str) -> list[dict]:
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, plan, how, out)) for r in range(plan.dp)]
+    for p in procs:
+        p.start()
+    results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=30)
+    for _, r in results:
+        assert isinstance(r, dict), r
+    return [r for _, r in results]
+
+
+@pytest.mark.parametrize("how, zero", [("ddp", 0), ("fsdp", 2), ("fsdp", 3)])
+@pytest.mark.parametrize("shares", [None, [0.75, 0.25]])
+def test_data_parallel_on_torch_modules_equals_one_process(how, zero, shares):
+    plan = Plan(dp=2, zero=zero, micro_batch=2, global_batch=BATCH, dp_shares=shares, dtype="fp32",
+                grad_bucket_mb=0.001)
+    if shares:
+        assert plan.samples_per_replica() == [6, 2]
+    want = _reference()
+    for grads in _run(plan, how):
+        assert set(grads) == set(want)
+        for n, g in grads.items():
+            torch.testing.assert_close(torch.from_numpy(g), want[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_mixed_precision_follows_the_plan():
+    from plait.runtime.parallelize import mixed_precision
+
+    mp_ = mixed_precision(Plan(dp=2, micro_batch=1, global_batch=2, dtype="bf16"))
+    assert mp_.param_dtype == torch.bfloat16 and mp_.reduce_dtype == torch.float32
+    mp_ = mixed_precision(Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp16", grad_reduce_dtype="fp16"))
+    assert mp_.param_dtype == torch.float16 and mp_.reduce_dtype == torch.float16
