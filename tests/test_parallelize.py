@@ -39,18 +39,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, plan: Plan, how: str, out) -> None:
+def _rank_main(rank: int, port: int, plan: Plan, how: str, out, log_dir) -> None:
     try:
-        from plait.runtime.comm import Comm
+        from pathlib import Path
+
+        from plait.runtime.comm import Comm, CommLog
         from plait.runtime.parallelize import apply_ddp, apply_fsdp, build_mesh, replica_loss_weight
 
         torch.set_num_threads(1)
-        comm = Comm(rank, plan.dp)
+        log = CommLog(Path(log_dir) / f"rank{rank}.jsonl", rank, plan.dp) if log_dir else None
+        comm = Comm(rank, plan.dp, log=log)
         comm.init_process_group("gloo", timeout_s=60, init_method=f"tcp://127.0.0.1:{port}")
-        mesh = build_mesh(plan)
+        mesh = build_mesh(plan, comm)
         model = _model()
-        wrapped = (apply_ddp(model, mesh, plan) if how == "ddp"
-                   else apply_fsdp(model, mesh, plan, [m for m in model if isinstance(m, nn.Linear)]))
+        if how == "fsdp":
+            wrapped = apply_fsdp(model, mesh, plan, [m for m in model if isinstance(m, nn.Linear)])
+        else:  # "ddp_recorded": the buckets through the facade's recorded "dp" group
+            wrapped = apply_ddp(model, mesh, plan, comm.group("dp") if how == "ddp_recorded" else None)
         x, y = _data()
         shares = plan.samples_per_replica()
         lo = sum(shares[:rank])
@@ -60,17 +65,18 @@ def _rank_main(rank: int, port: int, plan: Plan, how: str, out) -> None:
         for n, p in model.named_parameters():
             g = p.grad
             grads[n.removeprefix("module.")] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().numpy().copy()
+        comm.close()
         out.put((rank, grads))
         Comm.destroy()
     except BaseException:
         out.put((rank, traceback.format_exc()))
 
 
-def _run(plan: Plan, how: str) -> list[dict]:
+def _run(plan: Plan, how: str, log_dir=None) -> list[dict]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, plan, how, out)) for r in range(plan.dp)]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, plan, how, out, log_dir)) for r in range(plan.dp)]
     for p in procs:
         p.start()
     results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
@@ -81,7 +87,7 @@ def _run(plan: Plan, how: str) -> list[dict]:
     return [r for _, r in results]
 
 
-@pytest.mark.parametrize("how, zero", [("ddp", 0), ("fsdp", 2), ("fsdp", 3)])
+@pytest.mark.parametrize("how, zero", [("ddp", 0), ("ddp_recorded", 0), ("fsdp", 2), ("fsdp", 3)])
 @pytest.mark.parametrize("shares", [None, [0.75, 0.25]])
 def test_data_parallel_on_torch_modules_equals_one_process(how, zero, shares):
     plan = Plan(dp=2, zero=zero, micro_batch=2, global_batch=BATCH, dp_shares=shares, dtype="fp32",
@@ -102,3 +108,20 @@ def test_mixed_precision_follows_the_plan():
     assert mp_.param_dtype == torch.bfloat16 and mp_.reduce_dtype == torch.float32
     mp_ = mixed_precision(Plan(dp=2, micro_batch=1, global_batch=2, dtype="fp16", grad_reduce_dtype="fp16"))
     assert mp_.param_dtype == torch.float16 and mp_.reduce_dtype == torch.float16
+
+
+def test_ddp_buckets_are_recorded_with_their_bytes(tmp_path):
+    import json
+
+    plan = Plan(dp=2, micro_batch=2, global_batch=BATCH, dp_shares=[0.75, 0.25], dtype="fp32",
+                grad_bucket_mb=0.001)
+    _run(plan, "ddp_recorded", tmp_path)
+    numel = sum(p.numel() for p in _model().parameters())
+    for rank in range(2):
+        lines = [json.loads(x) for x in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()]
+        calls = [x for x in lines if x.get("op") == "all_reduce" and "dp bucket" in str(x.get("name"))]
+        # DDP's first iteration puts up to 1 MiB in its first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES);
+        # the plan's bucket size applies once it rebuilds its buckets, after that iteration
+        assert len(calls) >= 1
+        assert sum(x["bytes"] for x in calls) == 4 * numel  # every fp32 gradient once
+        assert all(x["t_end"] >= x["t_start"] for x in calls)

@@ -16,25 +16,27 @@ Not yet the engine of any plan: `plait.runtime.layout.engine_for` names plait's 
 every plan until the torch-modules worker runs a plan shape with equal results and records.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.ir.plan import Plan
+from plait.runtime.comm import Comm, Group
 
 MESH_DIMS = ("pp", "dp", "tp")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_mesh(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
-    """The plan's 3D grid as a named DeviceMesh over the default process group's ranks."""
-    return init_device_mesh(device_type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=MESH_DIMS)
+def build_mesh(plan: Plan, comm: Comm, device_type: str = "cpu") -> DeviceMesh:
+    """The plan's 3D grid as a named DeviceMesh, built by the communication facade (`Comm.build_mesh`:
+    its dims are the named, recorded groups "pp", "dp", "tp")."""
+    comm.build_mesh(device_type, dict(zip(MESH_DIMS, (plan.pp, plan.dp, plan.tp), strict=True)))
+    return comm.mesh
 
 
 def replica_loss_weight(plan: Plan, replica: int) -> float:
@@ -43,10 +45,26 @@ def replica_loss_weight(plan: Plan, replica: int) -> float:
     return plan.samples_per_replica()[replica] * plan.dp / plan.global_batch
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> DistributedDataParallel:
-    """DDP over the "dp" dim with the plan's gradient bucket size."""
-    return DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
-                                   bucket_cap_mb=plan.grad_bucket_mb)
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan, group: "Group | None" = None
+              ) -> DistributedDataParallel:
+    """DDP over the "dp" dim with the plan's gradient bucket size; with `group` (the facade's "dp"
+    group) its buckets are all-reduced through it (`recorded_allreduce_hook`)."""
+    ddp = DistributedDataParallel(model, process_group=mesh["dp"].get_group(), bucket_cap_mb=plan.grad_bucket_mb)
+    if group is not None:
+        ddp.register_comm_hook(group, recorded_allreduce_hook)
+    return ddp
+
+
+def recorded_allreduce_hook(group: Group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce of one gradient bucket (the mean over the replicas, as DDP's default hook)
+    through the facade: recorded in comm/rankN.jsonl with t_end at its completion, slowed by link
+    faults. It completes before returning, so DDP overlaps no bucket with the backward's compute."""
+    flat = bucket.buffer()
+    group.all_reduce(flat, f"allreduce dp bucket{bucket.index()}", "comm_dp")
+    flat.div_(group.size)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(flat)
+    return fut
 
 
 def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
