@@ -125,3 +125,33 @@ def test_ddp_buckets_are_recorded_with_their_bytes(tmp_path):
         assert len(calls) >= 1
         assert sum(x["bytes"] for x in calls) == 4 * numel  # every fp32 gradient once
         assert all(x["t_end"] >= x["t_start"] for x in calls)
+
+
+@pytest.mark.parametrize("recompute, wrapped", [("none", 0), ("full", 2), ("selective", 1)])
+def test_activation_checkpointing_reruns_what_the_plan_names_with_equal_gradients(recompute, wrapped):
+    from plait.runtime.parallelize import apply_ac
+
+    calls = []
+
+    class Core(nn.Module):  # the attention core a zoo model marks for selective recompute
+        plait_selective = True
+
+        def forward(self, x):
+            calls.append(1)
+            return torch.tanh(x) * x
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(nn.Linear(16, 16), Core()), nn.Sequential(nn.Linear(16, 4)))
+
+    x = torch.randn(4, 16)
+    ref = model()
+    ref(x).square().mean().backward()
+    m = model()
+    assert len(apply_ac(list(m), recompute)) == wrapped
+    calls.clear()
+    m(x).square().mean().backward()
+    assert len(calls) == (1 if recompute == "none" else 2)  # the core's forward re-run in backward
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+    assert [n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()]

@@ -17,9 +17,11 @@ every plan until the torch-modules worker runs a plan shape with equal results a
 """
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -82,3 +84,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def apply_ac(layers: Iterable[nn.Module], recompute: str) -> list[nn.Module]:
+    """Activation checkpointing as the plan's `recompute` names it, with the cost model's meaning
+    (`plait.cost.compute.recompute_flops`): "full" re-runs each layer's forward in backward;
+    "selective" only the attention core (Korthikanti et al. 2022, sec. 4.2), the modules the zoo
+    marks `plait_selective`; "none" nothing. The forward is wrapped in place (torch's non-reentrant
+    checkpoint), so parameter names stay as they are. Returns the checkpointed modules."""
+    layers = list(layers)
+    if recompute == "none":
+        return []
+    if recompute == "full":
+        targets = layers
+    else:
+        targets = [m for layer in layers for m in layer.modules() if getattr(m, "plait_selective", False)]
+    for m in targets:
+        m.forward = partial(torch.utils.checkpoint.checkpoint, m.forward, use_reentrant=False)
+    return targets
