@@ -60,6 +60,21 @@ def test_per_device_cluster_scales_each_device_by_kind_and_measured_speed():
     assert sim.kinds["v100-32gb@dev1"].memory_bytes == cl.kinds["v100-32gb"].memory_bytes
 
 
+def test_a_plan_on_fewer_ranks_than_the_cluster_is_scaled_by_its_own_ranks():
+    """issue 29: a 2-stage graph plan on emulated-mixed's 4 GPUs; the profilers run one per device
+    (4 profiles), the plan's ranks are 2 (on devices 2 and 0) -- `plait plan --run` failed with
+    "rank 2: the plan's stages hold 2 ranks"."""
+    from plait.ir.plan import StageSpec
+
+    cl = load_cluster("emulated-mixed:namespaces=false")
+    assert cl.num_devices == 4
+    plan = Plan(pp=2, micro_batch=1, global_batch=2, stage_edges=[(0, 1)],
+                stages=[StageSpec("s0", ["a"], [2]), StageSpec("s1", ["b"], [0])])
+    per_rank = [_profile(3.0), _profile(1.0), _profile(50.0), _profile(50.0)]  # ranks 2, 3: not the plan's
+    sim, scale, speed = per_device_cluster(cl, plan, per_rank, {})
+    assert speed == pytest.approx([0.5, 1.0, 1.5, 1.0])  # rank 0 -> device 2, rank 1 -> device 0
+
+
 def test_sim_cluster_gives_intra_node_pairs_gloos_measured_cost(tmp_path):
     data = {"name": "m", "nodes": [
         {"name": "n0", "gpus": {"kind": "a100-80gb", "count": 2},

@@ -237,10 +237,15 @@ def per_device_cluster(cluster: Any, plan: Any, per_rank: list[Any], slowdown: d
     Devices of this machine are not equal even when they emulate the same kind (a CPU is at
     times slowed by work beyond our control) and the profile sees it: device d's speed
     relative to the mean profile is ``total_d / mean total``; its layer-time scale is that
-    times its kind's emulated slowdown."""
-    mean_total = statistics.fmean(total(p) for p in per_rank)
+    times its kind's emulated slowdown.
+
+    `per_rank`: rank r's profile at r. The profilers run one per cluster device, so a plan on fewer
+    devices (a 2-stage graph plan on 4 GPUs) gets more: only its own ranks' count (the others
+    keep speed 1: the plan puts no work on them)."""
+    mine = per_rank[:plan.world_size]
+    mean_total = statistics.fmean(total(p) for p in mine)
     speed = [1.0] * cluster.num_devices
-    for r, prof in enumerate(per_rank):
+    for r, prof in enumerate(mine):
         speed[plan.device_of(r)] = total(prof) / mean_total
     kinds = dict(cluster.kinds)
     scale: dict[str, float] = {}
@@ -437,10 +442,12 @@ class LocalMachine:
         return p if p.dtype == "fp32" else dataclasses.replace(p, dtype="fp32")
 
     def layer_profiles(self, plan: Any, repeats: int | None = None) -> list[Any]:
-        """Per rank, the layer profile at `plan`'s micro-batch and tensor-parallel slicing."""
+        """Per rank of `plan` (rank r's at r), the layer profile at its micro-batch and tensor-parallel
+        slicing: profiler r runs in rank r's CPU share, and a plan on fewer ranks than the cluster
+        has devices is profiled and predicted on its own ranks only."""
         self._require()
         p = self._fp32(plan)
-        return self.profilers.layers(self.model, p.micro_batch, p.tp, repeats or self.repeats)
+        return self.profilers.layers(self.model, p.micro_batch, p.tp, repeats or self.repeats)[:p.world_size]
 
     def predict(self, plan: Any, profiles: list[Any] | None = None) -> MachinePrediction:
         """Simulate `plan` (in fp32, as CPU ranks run it) from per-rank layer profiles (taken now
@@ -453,7 +460,7 @@ class LocalMachine:
         per_rank = profiles or self.layer_profiles(p)
         prof = mean_profile(per_rank)
         # The optimizer figure needs whole parameters: under tensor parallelism profile tp=1 too.
-        base = prof if p.tp == 1 else mean_profile(self.profilers.layers(self.model, p.micro_batch, 1, 3))
+        base = prof if p.tp == 1 else mean_profile(self.profilers.layers(self.model, p.micro_batch, 1, 3)[:p.world_size])
         cl, scale, speed = per_device_cluster(self.sim_cluster, p, per_rank, self.slowdown)
         if p.micro_batch not in self._graphs:
             self._graphs[p.micro_batch] = resolve_model(self.model, p)

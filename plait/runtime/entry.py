@@ -35,6 +35,8 @@ import torch.distributed as dist
 
 from plait.ir.plan import Plan
 from plait.runtime.comm import Comm
+from plait.runtime.layout import engine_for
+from plait.runtime.partition import RuntimeSetupError
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat
 from plait.runtime.worker import Worker
@@ -67,12 +69,12 @@ def _write_status(path: Path, data: dict[str, Any]) -> None:
 
 def engine_of(plan: Plan) -> str:
     """Which engine runs `plan`: "compose" (a stage runs an SPMD program), "spmd" (the plan is one
-    SPMD program) or "pipeline" (a 3D grid or a stage graph)."""
-    if any(st.spmd is not None for st in plan.stages):
-        return "compose"
-    if plan.spmd is not None:
-        return "spmd"
-    return "pipeline"
+    SPMD program) or "pipeline" (a 3D grid or a stage graph) -- `layout.engine_for`'s verdict, the
+    same one `api.run` checked before starting any process."""
+    verdict = engine_for(plan)
+    if verdict.engine is None:
+        raise RuntimeSetupError(verdict.reason)
+    return verdict.engine
 
 
 def make_worker(cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> Any:

@@ -251,11 +251,47 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------- supports
-def supports(plan: Any) -> tuple[bool, str]:
-    """(True, "") when the runtime can run `plan`, else (False, the reason naming the field)."""
+#: The engines a plan can run on, by the plan's form (`plait.runtime.entry.make_worker` builds them).
+ENGINES: dict[str, str] = {
+    "compose": "plait.runtime.compose_worker (pipeline stages that each run an SPMD program)",
+    "spmd": "plait.runtime.spmd_worker (one op-level SPMD program)",
+    "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
+}
+
+
+@dataclass(frozen=True)
+class EngineVerdict:
+    """Which engine runs a plan, or why none can."""
+
+    engine: str | None  # a key of ENGINES; None when no engine can run the plan
+    reason: str  # "" when an engine runs it, else why not, naming the plan field
+
+    @property
+    def ok(self) -> bool:
+        return self.engine is not None
+
+
+def engine_for(plan: Any) -> EngineVerdict:
+    """The engine that runs `plan` (by its form: composed stages, one SPMD program, or a 3D grid /
+    stage graph), or why none can, naming the field. The one place that decides both: the worker
+    entry builds this engine, and `api.run` refuses a plan without one before any process starts."""
     plan = Plan.load(plan)
     if any(spec.spmd is not None for spec in plan.stages):
-        return _supports_composed(plan)
+        ok, why = _supports_composed(plan)
+        return EngineVerdict("compose" if ok else None, why)
+    engine = "spmd" if plan.spmd is not None else "pipeline"
+    ok, why = _supports_pipeline(plan)
+    return EngineVerdict(engine if ok else None, why)
+
+
+def supports(plan: Any) -> tuple[bool, str]:
+    """(True, "") when the runtime can run `plan`, else (False, the reason naming the field)."""
+    verdict = engine_for(plan)
+    return verdict.ok, verdict.reason
+
+
+def _supports_pipeline(plan: Plan) -> tuple[bool, str]:
+    """What `plait.runtime.worker` (and, for `Plan.spmd`, the SPMD worker) runs."""
     if plan.schedule == "eager_1f1b":
         return False, ("plan field 'schedule': 'eager_1f1b' runs on composed plans (stages with SPMD programs) "
                        "only; use '1f1b'")

@@ -85,6 +85,7 @@ from plait.runtime.layout import (
     with_node_edges,
 )
 from plait.runtime.lr import LRSchedule
+from plait.runtime.parallelize import apply_ac
 from plait.runtime.partition import (
     MicroBatch,
     layer_modules,
@@ -265,18 +266,7 @@ class Worker(RankConfig):
                 layer.register_forward_hook(self.sp_rng.leave)
 
     def _apply_recompute(self, layers: dict[str, nn.Module]) -> None:
-        from torch.utils.checkpoint import checkpoint
-
-        mode = self.plan.recompute
-        if mode == "none":
-            return
-        targets: list[nn.Module] = []
-        if mode == "full":
-            targets = list(layers.values())
-        else:  # selective: only the attention core (Korthikanti et al. 2022, §4)
-            targets = [m for layer in layers.values() for m in layer.modules() if getattr(m, "plait_selective", False)]
-        for m in targets:
-            m.forward = partial(checkpoint, m.forward, use_reentrant=False)
+        apply_ac(layers.values(), self.plan.recompute)  # the policy both engines share
 
     def _autocast(self) -> Any:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg["dtype"])

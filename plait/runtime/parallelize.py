@@ -1,0 +1,104 @@
+"""A plan's data parallelism on torch's own modules (issue 29), composed as torchtitan's
+`parallelize` does: one small function per parallelism over the plan's named DeviceMesh
+(dims "pp", "dp", "tp", Megatron's rank order: tensor fastest, then data, then pipeline).
+
+* `apply_ddp`: DDP over the mesh's "dp" dim, buckets of the plan's `grad_bucket_mb`;
+* `apply_fsdp`: FSDP2 `fully_shard` for ZeRO-1/2/3 -- parameters resharded after forward only at
+  ZeRO-3 (torchtitan's mapping: ZeRO-1/2 keep them gathered until backward; FSDP2 always shards
+  gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
+  `grad_reduce_dtype`;
+* `replica_loss_weight`: uneven data-parallel shares. DDP and FSDP2 average gradients over the
+  replicas, so replica d scales its mean loss by n_d * dp / B (n_d its samples, B the global batch):
+  the average of the scaled gradients is the gradient of the global batch's mean loss, as one
+  process computes it.
+
+Not yet the engine of any plan: `plait.runtime.layout.engine_for` names plait's own executors for
+every plan until the torch-modules worker runs a plan shape with equal results and records.
+"""
+
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from plait.ir.plan import Plan
+from plait.runtime.comm import Comm, Group
+
+MESH_DIMS = ("pp", "dp", "tp")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_mesh(plan: Plan, comm: Comm, device_type: str = "cpu") -> DeviceMesh:
+    """The plan's 3D grid as a named DeviceMesh, built by the communication facade (`Comm.build_mesh`:
+    its dims are the named, recorded groups "pp", "dp", "tp")."""
+    comm.build_mesh(device_type, dict(zip(MESH_DIMS, (plan.pp, plan.dp, plan.tp), strict=True)))
+    return comm.mesh
+
+
+def replica_loss_weight(plan: Plan, replica: int) -> float:
+    """What replica `replica` scales its mean loss by so that the replicas' averaged gradients are
+    those of the global batch's mean loss (1.0 for even shares)."""
+    return plan.samples_per_replica()[replica] * plan.dp / plan.global_batch
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan, group: "Group | None" = None
+              ) -> DistributedDataParallel:
+    """DDP over the "dp" dim with the plan's gradient bucket size; with `group` (the facade's "dp"
+    group) its buckets are all-reduced through it (`recorded_allreduce_hook`)."""
+    ddp = DistributedDataParallel(model, process_group=mesh["dp"].get_group(), bucket_cap_mb=plan.grad_bucket_mb)
+    if group is not None:
+        ddp.register_comm_hook(group, recorded_allreduce_hook)
+    return ddp
+
+
+def recorded_allreduce_hook(group: Group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce of one gradient bucket (the mean over the replicas, as DDP's default hook)
+    through the facade: recorded in comm/rankN.jsonl with t_end at its completion, slowed by link
+    faults. It completes before returning, so DDP overlaps no bucket with the backward's compute."""
+    flat = bucket.buffer()
+    group.all_reduce(flat, f"allreduce dp bucket{bucket.index()}", "comm_dp")
+    flat.div_(group.size)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(flat)
+    return fut
+
+
+def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters computed in the plan's dtype, gradients reduced in its
+    `grad_reduce_dtype` (fp32 when not given, as the optimizer's master copy)."""
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[plan.dtype],
+                                reduce_dtype=_DTYPES[plan.grad_reduce_dtype or "fp32"])
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module]) -> nn.Module:
+    """FSDP2 over the "dp" dim: each block a unit of its own (its parameters gathered and its
+    gradients reduce-scattered together), then the root for what the blocks leave."""
+    kwargs = {"mesh": mesh["dp"], "reshard_after_forward": plan.zero >= 3, "mp_policy": mixed_precision(plan)}
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def apply_ac(layers: Iterable[nn.Module], recompute: str) -> list[nn.Module]:
+    """Activation checkpointing as the plan's `recompute` names it, with the cost model's meaning
+    (`plait.cost.compute.recompute_flops`): "full" re-runs each layer's forward in backward;
+    "selective" only the attention core (Korthikanti et al. 2022, sec. 4.2), the modules the zoo
+    marks `plait_selective`; "none" nothing. The forward is wrapped in place (torch's non-reentrant
+    checkpoint), so parameter names stay as they are. Returns the checkpointed modules."""
+    layers = list(layers)
+    if recompute == "none":
+        return []
+    if recompute == "full":
+        targets = layers
+    else:
+        targets = [m for layer in layers for m in layer.modules() if getattr(m, "plait_selective", False)]
+    for m in targets:
+        m.forward = partial(torch.utils.checkpoint.checkpoint, m.forward, use_reentrant=False)
+    return targets

@@ -1,0 +1,85 @@
+"""`plait.runtime.engine_for` (issue 29 item 3): the engine that runs each plan family, or why none
+can, naming the field; `api.run` refuses such a plan before any process starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.ir.plan import Plan, StageSpec
+from plait.ir.program import SpmdProgram, Strategy
+from plait.runtime import ENGINES, engine_for, supports
+from plait.runtime.entry import engine_of
+from plait.runtime.partition import RuntimeSetupError
+
+PROGRAM = {"version": 1, "ratios": [0.6, 0.4], "strategies": {"linear": [["S0", "R"], ["S0"], True]}}
+
+
+def _graph(**change) -> Plan:
+    stages = [StageSpec("a", ["l0"], [0]), StageSpec("b", ["l1"], [1]), StageSpec("c", ["l2"], [2])]
+    return Plan(pp=3, micro_batch=2, global_batch=8, stages=stages, stage_edges=[(0, 2), (1, 2)], **change)
+
+
+def _composed() -> Plan:
+    return Plan(pp=2, micro_batch=2, global_batch=8,
+                stages=[StageSpec("s0", ["l0"], [0, 1], spmd=PROGRAM),
+                        StageSpec("s1", ["l1"], [2], spmd={**PROGRAM, "ratios": [1.0]})], stage_edges=[(0, 1)])
+
+
+def _spmd() -> Plan:
+    program = SpmdProgram({"mm": Strategy(("S0", "R"), ("S0",), True)}, [0.25, 0.75])
+    return Plan(micro_batch=8, global_batch=8, spmd=program, device_order=[1, 0])
+
+
+@pytest.mark.parametrize("plan, engine", [
+    (Plan(dp=2, micro_batch=2, global_batch=8), "pipeline"),  # data parallel
+    (Plan(dp=2, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "pipeline"),  # uneven shares
+    (Plan(dp=2, zero=3, micro_batch=2, global_batch=8), "pipeline"),  # ZeRO-3
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
+    (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
+    (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "pipeline"),
+    (_graph(), "pipeline"),  # a stage graph (fan-in)
+    (_spmd(), "spmd"),
+    (_composed(), "compose"),
+])
+def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
+    verdict = engine_for(plan)
+    assert verdict.engine == engine and verdict.ok and verdict.reason == ""
+    assert engine in ENGINES and supports(plan) == (True, "")
+    assert engine_of(plan) == engine  # the worker entry builds the engine the check named
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    assert engine_for(str(path)) == verdict  # a plan file gets the same verdict
+
+
+@pytest.mark.parametrize("plan, field", [
+    (Plan(dp=2, pp=2, zero=3, micro_batch=1, global_batch=8), "'zero'"),
+    (Plan(dp=2, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "'grad_reduce_dtype'"),
+    (Plan(pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"), "'schedule'"),
+    (_graph(schedule="interleaved"), "'schedule'"),
+    (Plan.from_dict({**_graph().to_dict(), "stage_edges": [[0, 2]]}), "'stage_edges'"),  # two sinks
+    (Plan.from_dict({**_composed().to_dict(), "schedule": "interleaved"}), "'schedule'"),
+    (Plan(pp=2, micro_batch=2, global_batch=8,
+          stages=[StageSpec("s0", ["l0"], [0, 1], spmd=PROGRAM), StageSpec("s1", ["l1"], [2])],
+          stage_edges=[(0, 1)]), "'stages[1].program'"),
+    (Plan.from_dict({**_spmd().to_dict(), "grad_reduce_dtype": "bf16"}), "'grad_reduce_dtype'"),
+])
+def test_a_plan_no_engine_runs_is_named_with_the_field(plan, field):
+    verdict = engine_for(plan)
+    assert verdict.engine is None and not verdict.ok and f"plan field {field}" in verdict.reason
+    assert supports(plan) == (False, verdict.reason)
+    with pytest.raises(RuntimeSetupError) as info:
+        engine_of(plan)
+    assert str(info.value) == verdict.reason  # a worker never builds an engine for it either
+
+
+def test_run_refuses_before_any_process_starts(tmp_path):
+    from plait.runtime.api import run
+    from plait.runtime.config import RecordsConfig
+
+    plan = Plan(dp=2, pp=2, zero=3, micro_batch=1, global_batch=8)
+    with pytest.raises(RuntimeSetupError, match="plan field 'zero'"):
+        run("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8", None, plan, steps=1,
+            records=RecordsConfig(run_dir=tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # refused before the run folder, config or any worker
