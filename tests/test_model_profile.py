@@ -82,3 +82,23 @@ def test_refusals_name_file_entry_reason(tmp_path):
     newer = _write(tmp_path, lambda d: d.__setitem__("format_version", 99))
     with pytest.raises(ProfileError, match=r"bad.yaml: format_version 99 is newer"):
         load_profile(newer)
+
+
+def test_layer_cost_reads_the_profile_where_measured_and_models_elsewhere():
+    from plait.cluster.catalog import GPU_KINDS
+    from plait.cost.compute import ComputeModel, layer_cost
+    from plait.graph.gpt_closed_form import gpt_opgraph
+
+    graph = gpt_opgraph("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "fp16")
+    layer = next(ly for ly in graph.layers if ly.tp_style == "transformer")
+    names = [ly.name for ly in graph.layers]
+    curve = LayerCurve((1, 4), (0.010, 0.040), (0.020, 0.080))
+    prof = ModelProfile("gpt", tuple(names), "fp16", "plait", {"a100-80gb": KindProfile({layer.name: {1: curve}})})
+    plain, measured = ComputeModel(), ComputeModel(profile=prof)
+    a100, v100 = GPU_KINDS["a100-80gb"], GPU_KINDS["v100-32gb"]
+    got = layer_cost(layer, graph, 2, a100, "fp16", model=measured)
+    assert got.fwd.compute_s == pytest.approx(0.020) and got.bwd.compute_s == pytest.approx(0.040)
+    # another kind, or a micro-batch outside the sweep: the analytic model, unchanged
+    for kind, mb in ((v100, 2), (a100, 8)):
+        assert layer_cost(layer, graph, mb, kind, "fp16", model=measured).fwd.compute_s == \
+            pytest.approx(layer_cost(layer, graph, mb, kind, "fp16", model=plain).fwd.compute_s)
