@@ -102,3 +102,25 @@ def test_layer_cost_reads_the_profile_where_measured_and_models_elsewhere():
     for kind, mb in ((v100, 2), (a100, 8)):
         assert layer_cost(layer, graph, mb, kind, "fp16", model=measured).fwd.compute_s == \
             pytest.approx(layer_cost(layer, graph, mb, kind, "fp16", model=plain).fwd.compute_s)
+
+
+def test_amp_importer_on_small_files(tmp_path):
+    import numpy as np
+
+    from plait.cost.profile_import import import_amp_known_cost
+
+    # 2 transformer layers: specs embed, transpose, block, block, transpose, norm, head, cast
+    np.save(tmp_path / "gpt2_P3_1.npy", np.array([1e-3, 1e-4, 4e-3, 5e-3, 1e-4, 1e-4, 2e-3, 1e-4]))
+    np.save(tmp_path / "gpt2_G4_2.npy", np.array([2e-3, 1e-4, 6e-3, 6e-3, 1e-4, 1e-4, 3e-3, 1e-4]))
+    prof = import_amp_known_cost(tmp_path, max_micro_batch=8)
+    assert prof.layer_names == ("embed", "layers.0", "layers.1", "head")
+    assert prof.layer_time("v100-16gb", "layers.1", 1) == pytest.approx((5e-3, 1e-2))
+    assert prof.layer_time("v100-16gb", "embed", 4) == pytest.approx((4 * 1.1e-3, 8 * 1.1e-3))
+    assert prof.layer_time("t4", "head", 2, tp=2) == pytest.approx((2 * 3.3e-3, 4 * 3.3e-3))
+    assert prof.layer_time("t4", "head", 2, tp=1) is None        # not shipped: modelled
+    assert prof.layer_time("v100-16gb", "layers.0", 16) is None  # beyond the sweep
+    save_profile(prof, tmp_path / "amp.yaml")
+    assert load_profile(tmp_path / "amp.yaml") == prof
+    np.save(tmp_path / "gpt2_P3_2.npy", np.array([1e-3, 1e-4, 4e-3, 1e-4, 1e-4, 2e-3, 1e-4]))
+    with pytest.raises(ProfileError, match=r"gpt2_P3_2.npy: 1 transformer layers, the folder's other files have 2"):
+        import_amp_known_cost(tmp_path)
