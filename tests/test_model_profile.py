@@ -124,3 +124,21 @@ def test_amp_importer_on_small_files(tmp_path):
     np.save(tmp_path / "gpt2_P3_2.npy", np.array([1e-3, 1e-4, 4e-3, 1e-4, 1e-4, 2e-3, 1e-4]))
     with pytest.raises(ProfileError, match=r"gpt2_P3_2.npy: 1 transformer layers, the folder's other files have 2"):
         import_amp_known_cost(tmp_path)
+
+
+def test_layer_cost_reads_the_profile_under_an_even_tensor_split():
+    from plait.cluster.catalog import GPU_KINDS
+    from plait.cost.compute import ComputeModel, layer_cost
+    from plait.graph.gpt_closed_form import gpt_opgraph
+
+    graph = gpt_opgraph("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "fp16")
+    layer = next(ly for ly in graph.layers if ly.tp_style == "transformer")
+    curve = LayerCurve((1, 4), (0.010, 0.040), (0.020, 0.080))
+    prof = ModelProfile("gpt", tuple(ly.name for ly in graph.layers), "fp16", "plait",
+                        {"t4": KindProfile({layer.name: {2: curve}})})
+    t4 = GPU_KINDS["t4"]
+    even = layer_cost(layer, graph, 1, t4, "fp16", tp=2, share=0.5, model=ComputeModel(profile=prof))
+    assert even.fwd.compute_s == pytest.approx(0.010)
+    assert even.fwd.collectives                      # priced apart: the profile does not include them
+    uneven = layer_cost(layer, graph, 1, t4, "fp16", tp=2, share=0.7, model=ComputeModel(profile=prof))
+    assert uneven.fwd.compute_s != pytest.approx(0.010)  # an uneven split was not measured: modelled

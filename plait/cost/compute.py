@@ -715,21 +715,24 @@ def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dt
     """Cost of `layer` for one micro-batch on one tensor rank of `kind` (see module docstring);
     measured where `model.profile` has the entry (`measured_layer_cost`), modelled otherwise."""
     cost = _analytic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, sequence_parallel, model)
-    if model.profile is not None and (share is None or tp == 1):
+    # measured at an even tensor split: used where this rank's share is the even one
+    if model.profile is not None and (share is None or tp == 1 or abs(share * tp - 1.0) < 1e-6):
         given = model.profile.layer_time(kind.name, layer.name, micro_batch, tp)
         if given is not None:
-            return measured_layer_cost(cost, *given)
+            return measured_layer_cost(cost, *given, keep_collectives=not model.profile.collectives_included(kind.name))
     return cost
 
 
-def measured_layer_cost(cost: LayerCost, fwd_s: float, bwd_s: float) -> LayerCost:
+def measured_layer_cost(cost: LayerCost, fwd_s: float, bwd_s: float, keep_collectives: bool = True) -> LayerCost:
     """`cost` with its compute segments scaled so each pass's compute time is the measured one; its
-    collectives (which, where and how many bytes) stay the model's, priced on links by the lowering."""
+    collectives (which, where and how many bytes) stay the model's, priced on links by the lowering,
+    unless the measured times already include them (`keep_collectives=False`: dropped)."""
     def scaled(p: PassCost, target: float) -> PassCost:
         have = p.compute_s
         f = target / have if have > 0 else 0.0
         items: list[Segment | Collective] = [
-            Segment(i.gpu_s * f, i.host_s * f, i.kernels, i.flops) if isinstance(i, Segment) else i for i in p.items]
+            Segment(i.gpu_s * f, i.host_s * f, i.kernels, i.flops) if isinstance(i, Segment) else i
+            for i in p.items if keep_collectives or not isinstance(i, Collective)]
         if have <= 0:
             items.insert(0, Segment(target, 0.0, 0, 0.0))
         return PassCost(items)

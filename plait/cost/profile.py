@@ -70,7 +70,9 @@ class KindProfile:
 
     layers: dict[str, dict[int, LayerCurve]]   # layer name -> tp degree -> curve
     optimizer_step: float | None = None        # seconds per optimizer step (whole model)
-    meta: dict[str, str] = field(default_factory=dict)  # torch, cuda, date, source
+    # torch, cuda, date, source; collectives: "included" when the measured times already hold the
+    # layer's tensor-parallel collectives (timed around the whole layer), else they are priced apart
+    meta: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,10 @@ class ModelProfile:
         kp = self.kinds.get(kind)
         curve = kp.layers.get(layer, {}).get(tp) if kp is not None else None
         return curve.at(micro_batch) if curve is not None else None
+
+    def collectives_included(self, kind: str) -> bool:
+        kp = self.kinds.get(kind)
+        return kp is not None and kp.meta.get("collectives") == "included"
 
     def coverage(self, kinds: list[str]) -> str:
         """One line for a plan row and `plait simulate`: which kinds' compute was measured."""
@@ -153,7 +159,7 @@ def parse_profile(data: Any, source: str) -> ModelProfile:
                     raise ProfileError(f"{where}.layers.{lname}.{tp}: expected a key tp<degree>, e.g. tp1")
                 layers[lname][int(tp[2:])] = _curve(curve, f"{where}.layers.{lname}.{tp}")
         opt = raw.get("optimizer_step")
-        meta = {k: str(raw[k]) for k in ("torch", "cuda", "date", "source") if k in raw}
+        meta = {k: str(raw[k]) for k in ("torch", "cuda", "date", "source", "collectives") if k in raw}
         kinds[str(kind)] = KindProfile(layers, None if opt is None else _positive(opt, f"{where}.optimizer_step"), meta)
     return ModelProfile(model["signature"], names, data["dtype"], data["engine"], kinds)
 

@@ -8,7 +8,9 @@ of that spec at micro-batch 1 and model-parallel degree ``mp``. AMP's own cost m
 (src/cost_het_cluster.py, `AMP.init_param` and `get_cost_e`) prices a spec's forward plus backward
 as ``3 x`` that time and scales it linearly with the micro-batch size; the importer writes exactly
 that: backward = 2 x forward, and a micro-batch sweep [1, max_micro_batch] that is linear in the
-micro-batch (AMP's assumption, so `source: imported:amp` says it). Specs are summed onto plait's
+micro-batch (AMP's assumption, so `source: imported:amp` says it). AMP timed each spec's whole
+forward under model parallelism (generate_known_cost.py via DeepSpeed's pipeline module), so the
+times hold the layer's tensor-parallel all-reduces: `collectives: included`. Specs are summed onto plait's
 layers: the embedding and first transpose onto ``embed``, transformer ``i`` onto ``layers.i``, the
 rest onto ``head``. The files carry no license in AMP's repository, so plait does not ship them:
 the user points the importer at their own copy.
@@ -71,4 +73,4 @@ def import_amp_known_cost(folder: str | Path, model: str = "gpt2", dtype: str = 
                 mbs, tuple(fwd * b for b in mbs), tuple(2 * fwd * b for b in mbs))
     assert names is not None
     return ModelProfile(signature or f"amp:{model}:layers={len(names) - 2}", tuple(names), dtype, "deepspeed",
-                        {k: KindProfile(v, None, {"source": "imported:amp"}) for k, v in kinds.items()})
+                        {k: KindProfile(v, None, {"source": "imported:amp", "collectives": "included"}) for k, v in kinds.items()})
