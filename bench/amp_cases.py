@@ -3,6 +3,7 @@
     python bench/amp_cases.py                       # both clusters, plait's predictions and picks
     python bench/amp_cases.py --amp ../AMP          # also time AMP's own planner (its public code)
     python bench/amp_cases.py --json
+    python bench/amp_cases.py --no-search --amp-known-cost AMP/src/known_cost   # + AMP's costs as a profile
 
 Data: ``bench/data/amp_trials.yaml`` -- every configuration AMP ranked and then launched for real
 (DeepSpeed + Megatron-LM v1.1.5, GPT-2 24 x 1024, global batch 32, fp16) on its two clusters
@@ -85,7 +86,7 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(spearmanr(a, b).statistic) if len(a) > 2 else float("nan")
 
 
-def score_case(name: str, trials: list[dict[str, Any]], search: bool = True) -> dict[str, Any]:
+def score_case(name: str, trials: list[dict[str, Any]], search: bool = True, compute: Any = None) -> dict[str, Any]:
     from plait.sim.api import simulate
 
     cluster = str(CASES[name])
@@ -95,7 +96,7 @@ def score_case(name: str, trials: list[dict[str, Any]], search: bool = True) -> 
         if plan is None:
             skipped += 1
             continue
-        res = simulate(MODEL, cluster, plan)
+        res = simulate(MODEL, cluster, plan, **({"compute": compute} if compute is not None else {}))
         rows.append({**t, "plait_s": res.iteration_time_s, "fits": bool(res.fits_memory), "plan": str(plan)})
     ran = [r for r in rows if r["measured_s"] is not None]
     failed = [r for r in rows if r["measured_s"] is None]
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--amp-timeout", type=float, default=1800.0)
     ap.add_argument("--no-search", action="store_true", help="skip plait's own search")
     ap.add_argument("--case", choices=list(CASES), action="append", help="only this cluster (repeatable)")
+    ap.add_argument("--amp-known-cost", metavar="DIR", type=Path, default=None,
+                    help="AMP's src/known_cost folder: also score plait with those per-layer costs imported "
+                         "as a model profile (plait.cost.profile_import), beside the analytic model")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -188,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         r = score_case(name, trials[name], search=not args.no_search)
         if args.amp is not None:
             r["amp_cpu_s"] = amp_planner_cpu(args.amp, name, args.amp_timeout)
+        if args.amp_known_cost is not None:
+            r.update(_imported(name, trials[name], args.amp_known_cost))
         results.append(r)
     summary = {r["case"]: {k: r.get(k) for k in ("spearman_plait", "spearman_amp", "pick_plait_vs_best",
                                                   "pick_amp_vs_best", "search_vs_best", "scale_plait",
-                                                  "search_cpu_s", "amp_cpu_s")} for r in results}
+                                                  "search_cpu_s", "amp_cpu_s", "imported_spearman",
+                                                  "imported_pick", "imported_pick_vs_best",
+                                                  "imported_pick_failed", "imported_scale")} for r in results}
     for r in results:
         if r.get("amp_cpu_s") and r.get("search_cpu_s"):
             summary[r["case"]]["cpu_speedup_vs_amp"] = r["amp_cpu_s"] / r["search_cpu_s"]
@@ -219,7 +227,34 @@ def main(argv: list[str] | None = None) -> int:
                   + ("not run (--amp DIR)" if amp_cpu is None else f"{amp_cpu:.0f}")
                   + (f" ({amp_cpu / r['search_cpu_s']:.0f}x)" if amp_cpu and r.get("search_cpu_s") else ""))
     console.print(t)
+    if args.amp_known_cost is not None:
+        t2 = Table(title="plait with AMP's known_cost imported as a model profile (pick among the trials; "
+                         "analytic = today's model, same run)")
+        for col in ("cluster", "pick (imported)", "vs best", "pick was inf", "Spearman imported | analytic",
+                    "pred/meas imported | analytic", "analytic pick vs best", "coverage"):
+            t2.add_column(col)
+        for r in results:
+            t2.add_row(r["case"], _short(r["imported_pick"]), f"{r['imported_pick_vs_best']:.2f}",
+                       str(r["imported_pick_failed"]), f"{r['imported_spearman']:.2f} | {r['spearman_plait']:.2f}",
+                       f"{r['imported_scale']:.2f} | {r['scale_plait']:.2f}", f"{r['pick_plait_vs_best']:.2f}",
+                       r["imported_coverage"])
+        console.print(t2)
     return 0
+
+
+def _imported(name: str, trials: list[dict[str, Any]], folder: Path) -> dict[str, Any]:
+    """The same trials scored with AMP's known_cost as a profile (never fitted to the measured times)."""
+    from plait.cluster import load_cluster
+    from plait.cost.compute import ComputeModel
+    from plait.cost.profile_import import import_amp_known_cost
+
+    prof = import_amp_known_cost(folder, max_micro_batch=GLOBAL_BATCH)
+    r = score_case(name, trials, search=False, compute=ComputeModel(profile=prof))
+    kinds = sorted({d.kind.name for d in load_cluster(str(CASES[name])).devices})
+    return {"imported_spearman": r["spearman_plait"], "imported_scale": r["scale_plait"],
+            "imported_pick": r["pick_plait"], "imported_pick_vs_best": r["pick_plait_vs_best"],
+            "imported_pick_failed": r["pick_plait_vs_best"] == float("inf"),
+            "imported_coverage": prof.coverage(kinds)}
 
 
 if __name__ == "__main__":

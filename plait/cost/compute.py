@@ -53,6 +53,7 @@ import re
 from dataclasses import dataclass, field
 
 from plait.cluster.spec import GPUKind
+from plait.cost.profile import ModelProfile
 from plait.errors import PlaitError
 from plait.ir.opgraph import Layer, Op, OpGraph
 
@@ -116,6 +117,10 @@ class ComputeModel:
     # How the collective library runs a reduce-scatter (`plait.cost.collectives`): "auto" (NCCL's
     # ring) or "allreduce" (gloo: an all-reduce of the whole input, then this rank's slice).
     reduce_scatter_algorithm: str = "auto"
+    # Per-GPU-kind measured layer times (`plait.cost.profile.ModelProfile`): `layer_cost` uses them
+    # where the profile has the kind, layer, tp degree and a micro-batch inside its sweep, and this
+    # analytic model elsewhere. Not part of equality/hash (the fitted parameters are).
+    profile: ModelProfile | None = field(default=None, compare=False, hash=False)
 
     def replace(self, **changes: float | str) -> ComputeModel:
         return dataclasses.replace(self, **changes)
@@ -707,7 +712,41 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
 def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
                tp: int = 1, share: float | None = None, sequence_parallel: bool = False,
                model: ComputeModel = DEFAULT_MODEL) -> LayerCost:
-    """Cost of `layer` for one micro-batch on one tensor rank of `kind` (see module docstring)."""
+    """Cost of `layer` for one micro-batch on one tensor rank of `kind` (see module docstring);
+    measured where `model.profile` has the entry (`measured_layer_cost`), modelled otherwise."""
+    cost = _analytic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, sequence_parallel, model)
+    # measured at an even tensor split: used where this rank's share is the even one
+    if model.profile is not None and (share is None or tp == 1 or abs(share * tp - 1.0) < 1e-6):
+        given = model.profile.layer_time(kind.name, layer.name, micro_batch, tp)
+        if given is not None:
+            return measured_layer_cost(cost, *given, keep_collectives=not model.profile.collectives_included(kind.name))
+    return cost
+
+
+def measured_layer_cost(cost: LayerCost, fwd_s: float, bwd_s: float, keep_collectives: bool = True) -> LayerCost:
+    """`cost` with its compute segments scaled so each pass's compute time is the measured one; its
+    collectives (which, where and how many bytes) stay the model's, priced on links by the lowering,
+    unless the measured times already include them (`keep_collectives=False`: dropped)."""
+    def scaled(p: PassCost, target: float) -> PassCost:
+        have = p.compute_s
+        f = target / have if have > 0 else 0.0
+        items: list[Segment | Collective] = [
+            Segment(i.gpu_s * f, i.host_s * f, i.kernels, i.flops) if isinstance(i, Segment) else i
+            for i in p.items if keep_collectives or not isinstance(i, Collective)]
+        if have <= 0:
+            items.insert(0, Segment(target, 0.0, 0, 0.0))
+        return PassCost(items)
+    fwd = scaled(cost.fwd, fwd_s)
+    # recompute re-runs (part of) the forward: scaled by the forward's measured/modelled ratio
+    ratio = fwd_s / cost.fwd.compute_s if cost.fwd.compute_s > 0 else 1.0
+    return dataclasses.replace(cost, fwd=fwd, bwd=scaled(cost.bwd, bwd_s),
+                               recompute_full=scaled(cost.recompute_full, cost.recompute_full.compute_s * ratio),
+                               recompute_selective=scaled(cost.recompute_selective,
+                                                          cost.recompute_selective.compute_s * ratio))
+
+
+def _analytic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dtype: str,
+                         tp: int, share: float | None, sequence_parallel: bool, model: ComputeModel) -> LayerCost:
     cfg = graph.config or {}
     shape = TransformerShape.from_config(cfg)
     vocab = cfg.get("vocab")
