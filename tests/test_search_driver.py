@@ -93,3 +93,17 @@ def test_finalists_are_the_exhaustive_placed_ranking_best():
     res = plan(model, cluster, top=2, finalists=2, **opts)
     assert [(c.analytic_s, str(c.plan)) for c in res.top] == [(c.analytic_s, str(c.plan)) for c in full.top[:2]]
     assert full.top[0].plan.device_order is not None  # the best plan is a placed one
+
+
+MIXED = "mixed-a100-v100:a100_nodes=1,v100_nodes=1,gpus_per_node=2"
+
+
+def test_chain_on_mixed_kinds_asks_the_graph_family():
+    # issue 36: beside the 3D family, a chain model on mixed GPU kinds still gets the graph
+    # family's kind-homogeneous pipelines; on one kind the graph family declines chains.
+    mixed = plan(MODEL, MIXED, global_batch=8, top=2, simulate=False, families=["3d", "graph"])
+    assert isinstance(mixed.families["graph"], PlanResult) and mixed.families["graph"].top
+    best = min(c.analytic_s for f in mixed.families.values() if isinstance(f, PlanResult) for c in f.top)
+    assert mixed.top[0].analytic_s == pytest.approx(best)
+    one = plan(MODEL, CLUSTER, global_batch=8, top=2, simulate=False, families=["3d", "graph"])
+    assert "no branches" in one.families["graph"]

@@ -167,6 +167,11 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
                       ranker=first.ranker, families=results, family="+".join(names))
 
 
+def _one_kind(cluster: Cluster) -> bool:
+    """Whether every GPU of `cluster` is of one kind."""
+    return len({k for node in cluster.nodes for k in node.gpus}) <= 1
+
+
 def _search_families(names: list[str], model: Any, cluster_obj: Cluster, common: dict[str, Any],
                      kwargs: dict[str, Any], show: bool, callback: Any) -> dict[str, PlanResult | str]:
     """Each family's result, or why it proposed nothing (raised when it is the only family)."""
@@ -174,7 +179,9 @@ def _search_families(names: list[str], model: Any, cluster_obj: Cluster, common:
     for name in names:
         search, options = FAMILIES[name]
         own = {k: v for k, v in kwargs.items() if k in options}
-        if name == "graph" and len(names) > 1 and "3d" in names:
+        if name == "graph" and len(names) > 1 and "3d" in names and _one_kind(cluster_obj):
+            # on one GPU kind a chain's graph pipeline is a 3D plan again; on mixed kinds its
+            # kind-homogeneous stages with per-stage dp and micro-batch are not (issue 36)
             own.setdefault("chains", False)
         phased = "on_progress" in options  # the family reports its phases; the driver draws them
         bar = _FamilyProgress(name, show, callback, prefix=len(names) > 1)
