@@ -52,6 +52,9 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import (
+    DeviceMesh as DeviceMesh,  # re-exported: the mesh type callers annotate with
+)
 
 from plait.errors import PlaitError
 from plait.ir.comm import CommEnter, CommRecord, group_line, header_line

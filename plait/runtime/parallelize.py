@@ -23,12 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.ir.plan import Plan
-from plait.runtime.comm import Comm, Group
+from plait.runtime.comm import Comm, DeviceMesh, Group
 
 MESH_DIMS = ("pp", "dp", "tp")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
