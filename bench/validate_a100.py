@@ -218,7 +218,7 @@ from plait.cost.compute import DEFAULT_MODEL, ComputeModel, TransformerShape, tr
 from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
 from plait.ir.plan import Plan  # noqa: E402
 from plait.sim.engine import simulate as run_engine  # noqa: E402
-from plait.sim.lower import SimOptions, lower  # noqa: E402
+from plait.sim.lowering import SimOptions, lower  # noqa: E402
 from plait.sim.topology import ClusterView  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "a100_single_node_megatron.csv"

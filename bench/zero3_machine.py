@@ -21,7 +21,7 @@ ZeRO-3 as the runtime runs it (`plait.runtime.zero3`): per layer an all-gather b
 and before its backward and a reduce-scatter after its backward, each waited for by the training
 thread (no prefetch), the tied embedding (the root unit) gathered once per step; gloo runs a
 reduce-scatter as an all-reduce of the whole input. The simulator lowers exactly that
-(`plait.sim.lower._emit_zero3_item`).
+(`plait.sim.lowering.tensor_parallel._emit_zero3_item`).
 """
 
 from __future__ import annotations

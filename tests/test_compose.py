@@ -92,7 +92,7 @@ def _stage_programs(cluster, model: str, batch: int, split: list[list[str]], gro
     from plait.graph.aten_capture import capture_aten
     from plait.graph.aten_stage import stage_subgraph
     from plait.graph.zoo import load_model
-    from plait.sim.compose_lower import StageProgram
+    from plait.sim.lowering import StageProgram
     from plait.spmd.ratios import synthesize
 
     spec = load_model(model)
@@ -116,7 +116,7 @@ def test_two_one_gpu_stages_match_1f1b_by_hand(m, per_sample):
     messages carry no bytes (two in flight would share the link: the engine's job, not this
     test's); with m=1 one message at a time crosses the 10 Gb/s link."""
     from plait.cost.compute import optimizer_time
-    from plait.sim.compose_lower import simulate_compose
+    from plait.sim.api import simulate_compose
     from plait.sim.topology import ClusterView
 
     cluster = _two_gpu_cluster()
@@ -144,9 +144,9 @@ def test_two_one_gpu_stages_match_1f1b_by_hand(m, per_sample):
 
 def test_stage_program_compute_is_its_ratio_of_the_work_per_micro_batch():
     """A stage on 2 GPUs: each GPU computes m x (its ratio of every split op + every redundant op)."""
-    from plait.sim.compose_lower import lower_compose
     from plait.sim.engine import simulate as run
-    from plait.sim.spmd_lower import op_ratios
+    from plait.sim.lowering import lower_compose
+    from plait.sim.lowering.spmd import op_ratios
     from plait.sim.topology import ClusterView
 
     cluster = _two_gpu_cluster(per_node=2)

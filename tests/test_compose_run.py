@@ -35,7 +35,7 @@ def _composed() -> tuple[Plan, list, object]:
     programs that shard at uneven ratios: plait.spmd's beam search on devices a million times slower
     than a V100 (as test_spmd_program: the tiny model's ops then outweigh the link latency and the
     search shards them; the family's own programs keep this tiny model replicated). Returns the
-    plan, the stage programs (`compose_lower.StageProgram`) and the cluster."""
+    plan, the stage programs (`plait.sim.lowering.StageProgram`) and the cluster."""
     import numpy as np
     from test_compose import _two_gpu_cluster
     from test_spmd_program import synthesized_problem
@@ -46,7 +46,7 @@ def _composed() -> tuple[Plan, list, object]:
     from plait.graph.aten_stage import stage_subgraph
     from plait.graph.zoo import load_model
     from plait.search import plan
-    from plait.sim.compose_lower import StageProgram
+    from plait.sim.lowering import StageProgram
     from plait.spmd.program_plan import program_plan
     from plait.spmd.search import beam_search
 
@@ -102,13 +102,13 @@ def test_composed_plan_runs_equal_to_one_process() -> None:
 
 def _check_simulator_models_the_run(result, plan: Plan, programs: list, cluster) -> None:
     """Prediction and execution are one truth: per stage, the collectives the simulator lowers for
-    one iteration (`compose_lower.lower_compose`) are the ones the stage's first rank ran in step 1 --
+    one iteration (`plait.sim.lowering.lower_compose`) are the ones the stage's first rank ran in step 1 --
     the program's own (per micro-batch, plus one bucket of parameter gradients), the all-gather of
     each received message, the tied gradient's gather / all-reduce / broadcast -- and the k = 2 pair
     messages of each boundary value."""
     from collections import Counter
 
-    from plait.sim.compose_lower import lower_compose
+    from plait.sim.lowering import lower_compose
     from plait.sim.topology import ClusterView
 
     tied = [(0, 1, float(128 * 64 * 4))]  # GPT's tied embedding / head (vocab x hidden, fp32)

@@ -45,7 +45,7 @@ def _graph_plan(n: int, edges: list[tuple[int, int]], global_batch: int, micro_b
 
 
 def _simulated_schedule_in_flight(plan: Plan) -> list[float]:
-    """`in_flight` of the schedule the simulator builds for `plan` (`plait.sim.lower`): a chain per
+    """`in_flight` of the schedule the simulator builds for `plan` (`plait.sim.lowering.tensor_parallel`): a chain per
     replica's micro-batches (the busiest), a graph pipeline's stage DAG over all its replicas'."""
     if not plan.stages:
         m = max(len(micro_batch_sizes(n, plan.micro_batch)) for n in plan.samples_per_replica())

@@ -10,7 +10,7 @@ from plait.errors import PlaitError
 from plait.graph.gpt_closed_form import gpt_opgraph
 from plait.ir.plan import Plan
 from plait.sim.api import simulate
-from plait.sim.lower import lower
+from plait.sim.lowering import lower
 from plait.sim.topology import ClusterView
 
 A100, V100 = GPU_KINDS["a100-80gb"], GPU_KINDS["v100-32gb"]

@@ -19,7 +19,7 @@ from plait.graph.inspect import inspect_model
 from plait.ir.plan import Plan
 from plait.plan.threed import AnalyticModel
 from plait.runtime.partition import replica_micro_batches
-from plait.sim.lower import SimOptions, lower
+from plait.sim.lowering import SimOptions, lower
 from plait.sim.topology import ClusterView
 
 # The cases are the bench's (bench/traffic_agreement.py prints them as a table): one list of them.

@@ -74,7 +74,7 @@ class Problem:
     homes: dict[str, str] = field(default_factory=dict)
     # placements each output may be left in at the program's end for free (None: any -- the loss
     # of a whole-model program); an output left in another one is gathered whole there and the
-    # objective pays it: a pipeline stage's boundary (`plait.sim.compose_lower.boundary_comms`:
+    # objective pays it: a pipeline stage's boundary (`plait.sim.lowering.spmd.boundary_comms`:
     # what the next stage receives is whole, the last stage's loss may read batch shards)
     outputs_free: dict[str, tuple[str, ...]] | None = None
 

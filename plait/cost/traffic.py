@@ -3,7 +3,7 @@
 One module says how big each message is; the planner's analytic model
 (`plait.plan.threed`), placement (`plait.plan.placement`), the memory estimator's
 communication buffers (`plait.cost.memory`) and the simulator's lowering
-(`plait.sim.lower`) call it and keep no byte formulas of their own. Times come from
+(`plait.sim.lowering.tensor_parallel`) call it and keep no byte formulas of their own. Times come from
 `plait.cost.collectives` (alpha-beta, NCCL-like algorithm choice); nothing is re-derived.
 
 Message sizes (``S``, per rank, in nccl-tests' convention: the full buffer of an

@@ -80,7 +80,7 @@ def batch_loss_output(sub: AtenGraph, strategies: dict[str, Any]) -> str | None:
     """The last stage's output whose loss its ranks compute on their batch shards, each weighted by
     its rows (as a pipeline weighs micro-batches, n_j / B), instead of gathering it whole: the
     stage's one output when its producer's strategy leaves it sharded on dimension 0 of batch size.
-    The runtime (`plait.runtime.compose_worker`) and the simulator (`plait.sim.compose_lower`) both
+    The runtime (`plait.runtime.compose_worker`) and the simulator (`plait.sim.lowering.pipeline`) both
     ask here."""
     from plait.ir.program import shard_dim
 
@@ -97,7 +97,7 @@ def batch_loss_output(sub: AtenGraph, strategies: dict[str, Any]) -> str | None:
 
 def free_outputs(sub: AtenGraph, loss: bool) -> dict[str, tuple[str, ...]]:
     """The placements a stage's outputs may be left in at no boundary cost (`plait.spmd.search.
-    Problem.outputs_free`): whole (what the next stage receives, `plait.sim.compose_lower.
+    Problem.outputs_free`): whole (what the next stage receives, `plait.sim.lowering.spmd.
     boundary_comms` gathers anything else), and for the `loss` stage's one output of batch rows
     also sharded on the batch (`batch_loss_output`: each rank's loss on its rows, never gathered).
     Without it the search leaves an output sharded on any dimension for free and the boundary

@@ -64,7 +64,7 @@ class LayerProfile:
     """Result of `profile_layers`: per-layer medians (seconds) and their spread.
 
     `times[name] = (forward_s, backward_s)` for one micro-batch is the format of
-    `plait.sim.lower.SimOptions.layer_times`. `spread[name]` is the interquartile range
+    `plait.sim.lowering.SimOptions.layer_times`. `spread[name]` is the interquartile range
     of (forward, backward) over the repetitions; `optimizer[name]` the optimizer step
     over the layer's own parameters and `params[name]` their count."""
 

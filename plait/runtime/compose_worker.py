@@ -1,7 +1,7 @@
 """One rank of a composed plan: a linear pipeline whose stages each run an SPMD program.
 
 Composition of families (issue 17 item 1; the plan is `Plan.stages[i].spmd`, planned by
-`plait.search.compose_family` and simulated by `plait.sim.compose_lower`). Ranks are the stages'
+`plait.search.compose_family` and simulated by `plait.sim.lowering.pipeline`). Ranks are the stages'
 devices, stage-major (`Plan.device_of`). Each rank of stage ``s``:
 
 * captures the model's `AtenGraph` at the plan's micro-batch and cuts stage ``s``'s sub-graph
@@ -12,7 +12,7 @@ devices, stage-major (`Plan.device_of`). Each rank of stage ``s``:
   every rank of a stage the same list: ``fwd`` runs the program on one micro-batch, ``bwd`` back-
   propagates it (the sink: its loss, scaled by n_j / B, computed redundantly on every rank of the
   last stage as a whole-model SPMD run does);
-* sends a boundary value as the simulator prices it (`compose_lower`, "send / recv"): the stage's
+* sends a boundary value as the simulator prices it (`plait.sim.lowering.pipeline`, "send / recv"): the stage's
   program ends with its outputs whole on every rank, so ``k = min(senders, receivers)`` rank pairs
   (sender stage rank j -> receiver stage rank j, j < k) each carry 1/k of the flattened value, and
   an uneven all-gather in the receiving stage makes it whole there. A boundary value's gradient
@@ -63,7 +63,7 @@ from plait.runtime.spmd_state import SpmdStep, clip_weights
 from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
 
-# The buckets of the parameter-gradient all-reduce: `plait.sim.compose_lower.lower_compose`'s
+# The buckets of the parameter-gradient all-reduce: `plait.sim.lowering.pipeline.lower_compose`'s
 # `bucket_bytes` default, which the composed family simulates with.
 GRAD_BUCKET_BYTES = 25e6
 
@@ -79,7 +79,7 @@ def stage_ranks(plan: Plan) -> list[list[int]]:
 
 def composed_schedule(plan: Plan, name: str) -> Schedule:
     """The plan's pipeline schedule over its chain of stages (`plait.schedule`; the simulator's
-    `compose_lower._pipeline` builds the same one)."""
+    `plait.sim.lowering.pipeline._pipeline` builds the same one)."""
     n, m = len(plan.stages), plan.global_batch // plan.micro_batch
     graph = PipelineGraph.chain(n, m, 1, plan.micro_batch)
     return build_schedule(name if name in ("gpipe", "eager_1f1b") else "1f1b", graph)
@@ -169,7 +169,7 @@ class ComposeWorker(RankConfig):
         """The model output the last stage keeps in its batch shards (the loss per shard, weighted
         by its rows, as the pipeline weighs micro-batches: n_j / B) instead of gathering it whole:
         the one output, when the program leaves it sharded on dimension 0, the batch
-        (`plait.sim.compose_lower.batch_loss_output` says the same to the simulator)."""
+        (`plait.sim.lowering.spmd.boundary_comms` says the same to the simulator)."""
         return batch_loss_output(self.sub, self.runner.program.strategies)
 
     def _clipper(self, max_norm: float, graph: AtenGraph, layers: list[list[str]]) -> GradClipper:

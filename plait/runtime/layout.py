@@ -12,7 +12,7 @@ A pipeline is a DAG of *nodes* (`plait.schedule.Node`):
   by the stage graph's one rule (`plait.ir.stage_graph.deal_micro_batches`); the schedule
   is built per stage over all of them (`Node.replicas`: each replica keeps its own
   warm-up) and each replica runs the stage's action list restricted to the micro-batches
-  it owns (`rank_actions`) -- the simulator's lowering does the same (`sim/lower.py`): a
+  it owns (`rank_actions`) -- the simulator's lowering does the same (`sim/lowering/tensor_parallel.py`): a
   restriction of a deadlock-free order stays deadlock-free, and the messages between two
   ranks keep their FIFO order. A send/recv goes to the replica of the peer stage that owns
   the peer micro-batch (`PipelineLayout.rank_of`). A stage that runs per input

@@ -245,7 +245,7 @@ class RankProgram:
         # Gradient accumulation over micro-batches (a pipeline stage, `compose_worker`): with
         # `defer_param_grads` a parameter's partial-sum gradient (P -> R, its data-parallel all-reduce)
         # is summed locally per micro-batch and all-reduced once per step by `flush_param_grads`
-        # (DDP's no_sync; exact, the all-reduce is linear) -- as `plait.sim.compose_lower` prices it.
+        # (DDP's no_sync; exact, the all-reduce is linear) -- as `plait.sim.lowering.pipeline` prices it.
         self.defer_param_grads = False
         self._deferred: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # (reader op, tensor) -> (leaf, sum)
         self._op = 0

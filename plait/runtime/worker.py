@@ -314,7 +314,7 @@ class Worker(RankConfig):
         runner = PipelineExecutor(self.chunks, self.p, lay.node_of, peer_rank(plan, lay, self.d, self.t),
                                   lay.sink, self.spec.loss, plan.global_batch, self.device, self.rec, self.comm,
                                   autocast=self._autocast,
-                                  # Megatron's blocking p2p where the simulator models it (sim/lower.py).
+                                  # Megatron's blocking p2p where the simulator models it (sim/lowering/tensor_parallel.py).
                                   blocking=not plan.stages and plan.schedule in ("1f1b", "gpipe")
                                   and plan.virtual_stages == 1,
                                   per_input=bool(lay.places))  # a stage's segments (StageSpec.segments)

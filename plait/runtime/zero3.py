@@ -24,7 +24,7 @@ collective sequence of one micro-batch (gathers discarded, zero gradients reduce
 sequence of a real micro-batch is recorded and checked against that order, so a model whose
 backward reduces in another order fails loudly instead of deadlocking. The simulator's names are
 used for the spans: "comm_zero" for the per-layer all-gathers and reduce-scatters
-(`plait.sim.lower._zero3_collective`, one per unit and pass as here).
+(`plait.sim.lowering.tensor_parallel._zero3_collective`, one per unit and pass as here).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ largest micro-batches that give at least ``pp`` micro-batches, ranked by `pipeli
    micro-batches 1F1B keeps in flight on that stage, read off the schedule's action lists
    (`plait.cost.memory.composed_peak_memory`);
 3. the plan (`Plan.stages[i].spmd`) is simulated by the one engine
-   (`plait.sim.compose_lower.simulate_compose`: the pipeline schedule of `plait.schedule` whose
+   (`plait.sim.api.simulate_compose`: the pipeline schedule of `plait.schedule` whose
    forward and backward are the programs' lowered ops), with the pipeline's message bytes from
    the one stage graph (`plait.ir.stage_graph`).
 
@@ -60,7 +60,7 @@ class ComposedCandidate:
     """One synthesized composed plan, before simulation."""
 
     plan: Plan
-    stages: list[Any]  # plait.sim.compose_lower.StageProgram
+    stages: list[Any]  # plait.sim.lowering.StageProgram
     bytes_per_sample: dict[tuple[int, int], float]
     tied: list[tuple[int, int, float]]
     memory: list[int]  # peak bytes per cluster device under the plan's schedule
@@ -149,12 +149,12 @@ def pipeline_estimate(opgraph: Any, groups: list[list[int]], times: np.ndarray, 
     """A quick estimate of a composed pipeline's iteration that ranks the groupings to synthesize:
     ``(m + pp - 1) x`` the slowest of each stage's compute per micro-batch (its GPUs' rates summed)
     and each boundary's message (the last layer's output bytes, carried as the simulator carries
-    it, `plait.sim.compose_lower.transfer_seconds`), plus the slowest stage's gradient all-reduce
+    it, `plait.sim.lowering.transfer_seconds`), plus the slowest stage's gradient all-reduce
     on its group and the tied weights' all-reduce between their stages (`plait.cost.collectives`).
     A compute-only bound ranks a stage that spans a slow link, or a cut across it that sends more
     than it computes, as well as any other; this does not."""
     from plait.cost.collectives import choose_algorithm, collective_time
-    from plait.sim.compose_lower import transfer_seconds
+    from plait.sim.lowering import transfer_seconds
 
     grad_bytes = {"fp16": 2, "bf16": 2}.get(dtype, 4)
     edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
@@ -233,7 +233,7 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     from plait.cost.spmd import Devices
     from plait.cost.traffic import composed_boundaries
     from plait.graph.aten_stage import received_inputs
-    from plait.sim.compose_lower import StageProgram
+    from plait.sim.lowering import StageProgram
     from plait.spmd.program_plan import program_plan
     from plait.spmd.ratios import synthesize as synth
 
@@ -307,7 +307,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     from plait.graph.zoo import load_model
     from plait.plan.hetero import split_layers
     from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
-    from plait.sim.compose_lower import simulate_compose
+    from plait.sim.api import simulate_compose
     from plait.sim.topology import ClusterView
 
     if not isinstance(model, str | None):

@@ -36,7 +36,7 @@ from plait.ir.timeline import Timeline, TimelineEvent
 from plait.net.paths import from_plan_field
 from plait.sim.engine import Schedule
 from plait.sim.engine import simulate as run_engine
-from plait.sim.lower import Lowered, SimOptions, lower
+from plait.sim.lowering import Lowered, SimOptions, StageProgram, lower
 from plait.sim.topology import ClusterView
 from plait.workers import paused_gc
 
@@ -161,7 +161,7 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     view = resolve_cluster(cluster)
     if any(st.spmd is not None for st in plan_obj.stages):  # a composed plan: SPMD programs in the stages
         return simulate_composed_plan(model, view, plan_obj, memory_options=memory_options)
-    if plan_obj.spmd is not None:  # an op-level SPMD program: its own lowering (plait.sim.spmd_lower)
+    if plan_obj.spmd is not None:  # an op-level SPMD program: one stage (plait.sim.lowering.pipeline)
         return simulate_spmd_plan(model, view, plan_obj, memory_options=memory_options)
     graph = resolve_model(model, plan_obj, inputs, analytic)
     check_plan_for_model(plan_obj, graph.config, graph.model)  # as strict as `plait run`
@@ -361,26 +361,66 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
     )
 
 
+# ---------------------------------------------------------------- composed plans
+def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
+                     bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
+                     cluster: Any, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
+                     fixed_costs: bool = True, tied: list[tuple[int, int, float]] = (),
+                     memory: list[int] | None = None, name: str = "compose", flops: float = 0.0) -> Any:
+    """Predict one iteration of a composed plan with the one engine; a `plait.sim.api.SimResult`.
+
+    `memory`: peak bytes per cluster device (the family's estimate: each stage's program with the
+    micro-batches its schedule keeps in flight); `flops`: model FLOPs of the iteration (for TFLOP/s)."""
+    from plait.cost.compute import DEFAULT_MODEL
+    from plait.sim.lowering import lower_compose
+
+    view = resolve_cluster(cluster)
+    t0 = time.perf_counter()
+    low = lower_compose(stages, edges, bytes_per_sample, micro_batches, micro_batch, view, schedule=schedule,
+                        bucket_bytes=bucket_bytes, model=DEFAULT_MODEL if fixed_costs else None, tied=tied)
+    tg = low.graph
+    sched = run_engine(tg)
+    T = sched.makespan
+    busy, by_cat, exposed, critical = schedule_figures(tg, sched, {})
+    world = sum(len(p.ids) for p in stages)
+    batch = micro_batches * micro_batch
+    fits = None
+    if memory is not None and view.cluster is not None:
+        fits = all(memory[d.id] <= d.kind.memory_bytes for d in view.cluster.devices)
+    classes = sum(len(r) for r in low.reps)
+    return SimResult(
+        iteration_time_s=T, throughput_samples_per_s=batch / T if T > 0 else 0.0,
+        tflops_per_gpu=flops / T / world / 1e12 if T > 0 else 0.0,
+        hardware_tflops_per_gpu=flops / T / world / 1e12 if T > 0 else 0.0,
+        exposed_comm_s=exposed,
+        memory_peak_bytes=list(memory) if memory is not None else None, fits_memory=fits,
+        critical_path=critical, busy_fraction=busy, world_size=world, num_tasks=len(tg),
+        symmetry=(f"one rank simulated per class of equal kind and ratios in each stage: {classes} of {world}"
+                  if classes < world else "every rank simulated"),
+        granularity="op", sim_wall_s=time.perf_counter() - t0, breakdown=by_cat, plan=name,
+        model=stages[0].problem.graph.model if stages else "", cluster=view.name)
+
+
 # ---------------------------------------------------------------- SPMD programs (HAP)
 def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: float | None = 25e6,
                   batch: int | None = None, name: str = "spmd", device_scale: Any = None,
                   fixed_costs: bool = True, mesh: Any = None) -> SimResult:
     """Predict one iteration of a synthesized SPMD program (`plait.cost.program.Synthesis`:
     program, ratios, per-segment ratios, memory) of `problem` (`plait.cost.program.Problem`) on
-    `cluster`, lowered by `plait.sim.spmd_lower` and run by the same engine as `simulate`.
+    `cluster`, lowered as a one-stage plan (`plait.sim.lowering.pipeline.lower_spmd`) and run by the same engine as `simulate`.
 
     The program's devices are priced on the cluster's real links whatever model searched it
     (HAP's flat one included). `bucket_bytes`: parameter-gradient all-reduces packed into DDP
     buckets (None: one collective per gradient). `batch` (samples per iteration) gives the
     throughput. Memory per device is the synthesis's (`plait.cost.memory.memory_model`).
-    `device_scale`: see `plait.sim.spmd_lower.lower_spmd` (data parallelism with uneven batches).
+    `device_scale`: see `plait.sim.lowering.spmd.StageProgram` (data parallelism with uneven batches).
     `fixed_costs`: charge the compute model's per-kernel GPU and host times and per-iteration host
     work, as `simulate` does for 3D plans (False: the work alone, for hand-computed checks).
     A hierarchical program (`plait.spmd.mesh.Hierarchical`) is simulated with
     ``simulate_spmd(h.world_problem, h, cluster, device_scale=h.device_scale, mesh=h.mesh)``."""
     from plait.cost.compute import DEFAULT_MODEL
     from plait.cost.spmd import Devices
-    from plait.sim.spmd_lower import lower_spmd
+    from plait.sim.lowering import lower_spmd
 
     view = resolve_cluster(cluster)
     devices = problem.devices
@@ -413,7 +453,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
     flops = 3.0 * sum(op.flops for op in graph.ops)  # forward + backward (~2x forward)
     memory = np.asarray(synthesis.memory, dtype=float) if synthesis.memory is not None else None
     fits = bool(np.all(memory <= devices.memory * (1 + 1e-9))) if memory is not None and memory.size == n else None
-    classes = len(lowered.reps)
+    classes = len(lowered.reps[0])
     return SimResult(
         iteration_time_s=T,
         throughput_samples_per_s=(batch / T) if batch and T > 0 else 0.0,
@@ -502,9 +542,8 @@ def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_option
                            ) -> SimResult:
     """`simulate` of a composed plan (stages that run SPMD programs, `StageSpec.spmd`): each
     stage's program replayed on its aten sub-graph (`plait.sim.replay.composed_stages`), lowered by
-    `plait.sim.compose_lower` on the plan's schedule; memory per device from each stage's program
+    `plait.sim.lowering.pipeline` on the plan's schedule; memory per device from each stage's program
     with the micro-batches in flight (`memory_options`: its ``optimizer``)."""
-    from plait.sim.compose_lower import simulate_compose
     from plait.sim.replay import ReplayError, composed_stages
 
     plan_obj = resolve_plan(plan)

@@ -84,9 +84,9 @@ def capture(spec: Any, batch: int, dtype: str) -> AtenGraph:
 
 @dataclasses.dataclass
 class ComposedReplay:
-    """A composed plan's stages as the one lowering takes them (`plait.sim.compose_lower`)."""
+    """A composed plan's stages as the one lowering takes them (`plait.sim.lowering.pipeline`)."""
 
-    stages: list[Any]  # plait.sim.compose_lower.StageProgram, one per stage
+    stages: list[Any]  # plait.sim.lowering.StageProgram, one per stage
     bytes_per_sample: dict[tuple[int, int], float]
     tied: list[tuple[int, int, float]]
     memory: list[int]  # peak bytes per cluster device under the plan's schedule
@@ -105,7 +105,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     from plait.cost.traffic import composed_boundaries
     from plait.graph.aten_stage import received_inputs
     from plait.graph.resolve import resolve_model
-    from plait.sim.compose_lower import StageProgram
+    from plait.sim.lowering import StageProgram
 
     spec = model_spec(model, "a composed plan")
     dtype = "fp32" if plan.dtype == "tf32" else plan.dtype

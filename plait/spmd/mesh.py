@@ -28,7 +28,7 @@ Costs, all from `plait.cost.collectives` on the real groups (`GroupLinks` of a n
 Where the search's objective is concerned, the rail traffic is the same for every inner
 program (each byte of every gradient crosses the nodes once, sharded or not), so the inner
 search does not need it; `synthesize_hierarchical` ranks its candidates on the simulator, which
-prices it (`plait.sim.spmd_lower`, groups "node" and "rail").
+prices it (`plait.sim.lowering.spmd`, groups "node" and "rail").
 """
 
 from __future__ import annotations
