@@ -504,9 +504,8 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     from plait.cost.memory import memory_model
     from plait.cost.program import Problem, Segments, Synthesis, segments
     from plait.cost.spmd import Devices
-    from plait.graph.aten_capture import capture_aten
     from plait.graph.aten_stage import free_outputs
-    from plait.sim.replay import ReplayError, model_spec, replay
+    from plait.sim.replay import ReplayError, capture, model_spec, replay
 
     if view.cluster is None:
         raise SimulateError(f"cluster {view.name!r}: an SPMD plan is simulated on a cluster file or preset")
@@ -518,8 +517,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
             raise SimulateError(f"plan field 'spmd': {world} ranks, cluster {view.name!r} has {every} devices")
         ids = plan.device_order if plan.device_order is not None else list(range(world))
         dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
-        inputs, _ = spec.sample_batch(plan.global_batch)
-        graph = capture_aten(spec.build(device="meta"), inputs, name=spec.name)
+        graph = capture(spec, plan.global_batch, dtype)  # in the plan's dtype, as the search captured it
         problem = Problem.build(graph, Devices.of(view, dtype, ids),
                                 outputs_free=free_outputs(graph, loss=True))
         problem.homes = dict(plan.spmd.homes)
