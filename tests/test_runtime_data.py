@@ -24,6 +24,7 @@ from plait.runtime.api import (
     run,
 )
 from plait.runtime.lr import LRSchedule, LRScheduleError
+from plait.runtime.metrics import read_scalars, tensorboard_available
 
 TINY = "gpt:layers=2,hidden=16,heads=4,seq=8,vocab=256,dropout=0,attn_dropout=0"
 FACTORY = '''
@@ -119,6 +120,9 @@ def test_uneven_dp_sees_one_process_samples_and_resumes_under_another_plan(data_
         assert abs(got - want) <= 1e-5 * abs(want)
     lines = (tmp_path / "run" / "losses.csv").read_text().splitlines()
     assert lines[0] == "step,loss" and [float(x.split(",")[1]) for x in lines[1:]] == first.losses
+    if tensorboard_available():  # the same steps as TensorBoard scalars (plait.runtime.metrics)
+        assert [v for _, v in read_scalars(tmp_path / "run" / "tensorboard", "train/loss")] == \
+            pytest.approx(first.losses, rel=1e-6)
     resumed = run(TINY, None, "pp=2,micro_batch=2,global_batch=8,dtype=fp32", steps=4,
                   training=train, checkpoint=CheckpointConfig(dir=root, resume=True),
                   launch=LaunchConfig(timeout=120))

@@ -41,6 +41,7 @@ from plait.runtime.config import (
 )
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
 from plait.runtime.layout import supports
+from plait.runtime.metrics import write_tensorboard
 from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
 
@@ -510,6 +511,12 @@ def _collect(rdir: Path, owns_dir: bool, prep: _Prepared, network: dict[str, Any
         result = _read_result(*args)
     result.network["wall_seconds"] = time.time() - t_start
     write_loss_csv(rdir / "losses.csv", result.steps, result.losses)
+    if not owns_dir:  # a kept run folder: the same steps as TensorBoard scalars (`plait.runtime.metrics`)
+        config = getattr(load_model_spec(prep.spec_string), "config", None) or {}
+        seq = config.get("seq") if isinstance(config, dict) else None
+        note = write_tensorboard(rdir, result, prep.plan.global_batch, seq if isinstance(seq, int) else None)
+        if note:
+            result.notes.append(note)
     if records.trace is not None:
         result.timeline.save_chrome_trace(records.trace)
     result.comm_dir = str(rdir / "comm") if records.comm_records else None
