@@ -308,9 +308,6 @@ def _check_inputs(model: Any, plan: Any, steps: int, training: TrainingConfig, c
         if (dtype or "fp32") != "fp32" or plan_obj.dtype != "fp32" and dtype is None:
             raise RuntimeSetupError(f"plan field '{field}': an SPMD program runs in fp32, the plan asks for "
                                     f"{dtype or plan_obj.dtype} (give dtype=fp32)")
-    if composed and (checkpoint.every or checkpoint.resume):
-        raise RuntimeSetupError("checkpoint: a composed plan (plan field 'stages[].program') does not save or resume "
-                                "checkpoints yet (its stage programs' shards have no checkpoint layout)")
     spec_string = model_spec_string(model)
     spec = load_model_spec(spec_string)  # a bad model spec fails here, not in every worker
     try:  # the same check as `plait simulate`

@@ -30,7 +30,9 @@ devices, stage-major (`Plan.device_of`). Each rank of stage ``s``:
 With `clip_grad` the optimizer step clips the global gradient norm over every stage's shards (each
 logical parameter once, `_clipper`). Only adjacent stages exchange values (a value read two stages
 later is refused at setup), every micro-batch has the plan's micro-batch size, and programs run in
-fp32; checkpoints of composed runs are refused by `plait.runtime.api` before any work.
+fp32. Checkpoints (`plait.runtime.spmd_state.ProgramCheckpoints`) hold each rank's shards as chunks
+of the logical parameters and optimizer state, a tied parameter written by its first holder stage,
+so a composed run resumes under the same plan or any other (DCP reshards).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import random
 import resource
 import socket
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,8 +61,15 @@ from plait.runtime.partition import RuntimeSetupError, load_model_spec, make_sam
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
+from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
-from plait.runtime.spmd_state import SpmdStep, clip_weights
+from plait.runtime.spmd_state import (
+    ProgramCheckpoints,
+    SpmdStep,
+    checkpoint_layout,
+    clip_weights,
+    persistent_buffers,
+)
 from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
 
@@ -110,7 +120,7 @@ def _pieces(x: torch.Tensor, k: int) -> list[torch.Tensor]:
     return [p.contiguous() for p in torch.tensor_split(x.reshape(-1), k)]
 
 
-class ComposeWorker(RankConfig):
+class ComposeWorker(ProgramCheckpoints, RankConfig):
     def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
         super().__init__(cfg, rank, heartbeat)
         self.ranks = stage_ranks(self.plan)
@@ -161,6 +171,8 @@ class ComposeWorker(RankConfig):
         self.leaves = self.runner.load(model)
         self.stepper = SpmdStep(self.leaves, make_optimizer(self.leaves, cfg["optimizer"]))
         self._tied_list = self._tied_groups(graph, layers)
+        self.layout = checkpoint_layout(self.runner, self.stepper, aliases_of(model), persistent_buffers(model),
+                                        self.local, self._written_elsewhere(graph, layers, aliases_of(model)))
         self.batch_loss = self._batch_loss() if self.stage == len(self.ranks) - 1 else None
         if cfg.get("clip_grad"):
             self.stepper.clip = self._clipper(float(cfg["clip_grad"]), graph, layers)
@@ -184,6 +196,18 @@ class ComposeWorker(RankConfig):
         for path, leaf in self.runner.params.items():
             weights[id(leaf)] /= holders.get(tensors[path], 1)
         return GradClipper(max_norm, weights, group=self.world_group)
+
+    def _written_elsewhere(self, graph: AtenGraph, layers: list[list[str]], aliases: dict[str, str]) -> frozenset[str]:
+        """Checkpoint keys of the tied parameters this stage holds that an earlier stage holds too
+        (and writes: every holder keeps the same summed values)."""
+        tensors = self.runner.param_paths()
+        out = set()
+        for t in shared_params(graph, layers):
+            holders = [s for s, lays in enumerate(layers) if any(op.layer in lays and t in op.inputs
+                                                                  for op in graph.ops)]
+            if self.stage in holders and holders[0] != self.stage:
+                out |= {aliases.get(p, p) for p, x in tensors.items() if x == t}
+        return frozenset(out)
 
     def _tied_groups(self, graph: AtenGraph, layers: list[list[str]]) -> list[tuple[str, Group | None]]:
         """Per parameter several stages read (tied embeddings) that this rank's stage holds: the graph
@@ -345,18 +369,21 @@ class ComposeWorker(RankConfig):
         b, gb, data_seed = plan.micro_batch, plan.global_batch, int(cfg["data_seed"])
 
         def fetch(step: int, i: int) -> tuple[tuple[Any, ...], torch.Tensor]:
-            return make_samples(self.spec, step * gb + i * b, b, data_seed)
+            return make_samples(self.spec, self.sample_base + step * gb + i * b, b, data_seed)
 
         actions = composed_schedule(plan, plan.schedule).of(self.stage)
         steps = int(cfg["steps"])
         schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
             if cfg.get("lr_schedule") else None
+        start = self._maybe_resume()
+        ck = cfg.get("checkpoint") or {}
+        every = int(ck.get("every") or 0)
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin = common_origin(self.rec, self.comm)
         losses: list[float] = []
         bounds: list[tuple[int, float, float]] = []
-        for step in range(steps):
+        for step in range(start, steps):
             self.hb.progress("train", step)
             self.rec.step = step
             if cfg.get("step_barrier", True):
@@ -373,9 +400,11 @@ class ComposeWorker(RankConfig):
             t1 = self.rec.end_step()
             bounds.append((step, t0, t1))
             losses.append(float(loss))
-        self._finish(losses, bounds, origin)
+            if every and (step + 1) % every == 0:
+                self._save_checkpoint(step + 1, Path(ck["dir"]))
+        self._finish(losses, bounds, origin, start)
 
-    def _finish(self, losses: list[float], bounds: list[tuple[int, float, float]], origin: Any) -> None:
+    def _finish(self, losses: list[float], bounds: list[tuple[int, float, float]], origin: Any, start: int) -> None:
         cfg = self.cfg
         self.hb.progress("gather")
         params = None
@@ -399,6 +428,6 @@ class ComposeWorker(RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            write_result(self.run_dir, self.plan, gathered, 0, int(cfg["steps"]), cfg)
+            write_result(self.run_dir, self.plan, gathered, start, int(cfg["steps"]), cfg)
         self.comm.barrier("final barrier")
         self.comm.close()

@@ -10,7 +10,7 @@ the same on every rank (redundant ops compute it whole, sharded readers all-redu
   logical parameter once -- sharded rows with weight 1 (the shards tile the tensor, so their
   squares sum to the whole), replicated leaves with weight 1/world (one all-reduce over the job
   sums ``world`` identical copies) --, as `torch.nn.utils.clip_grad_norm_` on one device.
-* Checkpoints (`checkpoint_layout`): the leaves as rectangles of the *logical* (unsharded)
+* Checkpoints (`checkpoint_layout`, `ProgramCheckpoints` for the SPMD and composed workers): the leaves as rectangles of the *logical* (unsharded)
   parameters, under the single-process model's parameter names, through the DCP checkpoint code
   (`plait.runtime.checkpoint`, `plait.runtime.sharded_state`): a sharded leaf is one chunk along
   its dimension (a `ShardInfo` with one block and the program's sizes), a replicated one is written
@@ -20,13 +20,16 @@ the same on every rank (redundant ops compute it whole, sharded readers all-redu
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from plait.ir.program import shard_dim
+from plait.runtime import checkpoint as ckpt
 from plait.runtime.clip import GradClipper
 from plait.runtime.sharded_state import RankLayout, Segment
 from plait.runtime.tensor_parallel import ShardInfo
@@ -89,9 +92,12 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_layout(runner: Any, step: SpmdStep, aliases: dict[str, str], buffers: dict[str, torch.Tensor],
-                      rank: int) -> RankLayout:
+                      rank: int, written_elsewhere: frozenset[str] = frozenset()) -> RankLayout:
     """The rank's leaves and optimizer state as chunks of the logical parameters (module docstring);
-    `aliases`: `plait.runtime.sharded_state.aliases_of(model)` (a tied parameter under its first name)."""
+    `aliases`: `plait.runtime.sharded_state.aliases_of(model)` (a tied parameter under its first name);
+    `rank`: the rank in the program's group (its rank 0 writes the replicated leaves);
+    `written_elsewhere`: keys this rank holds but another group writes (a tied parameter every
+    holder stage of a composed plan keeps, written by the first)."""
     tensors = runner.param_paths()
     named: list[tuple[str, nn.Parameter]] = []
     infos: dict[str, ShardInfo] = {}
@@ -101,4 +107,61 @@ def checkpoint_layout(runner: Any, step: SpmdStep, aliases: dict[str, str], buff
         d = shard_dim(runner.param_placement[path])
         if d is not None:
             infos[key] = ShardInfo(d, 1, tuple(runner.program.sizes[(tensors[path], d)]))
-    return RankLayout(_Leaves(named, buffers), step, infos, rank, {}, set())  # type: ignore[arg-type]
+    return RankLayout(_Leaves(named, buffers), step, infos, rank, {}, set(written_elsewhere))  # type: ignore[arg-type]
+
+
+class ProgramCheckpoints:
+    """Save and resume of a rank that runs SPMD programs (`plait.runtime.spmd_worker`,
+    `plait.runtime.compose_worker`), through the one DCP checkpoint code (`plait.runtime.checkpoint`):
+    its `layout` (`checkpoint_layout`) with the step and the samples seen. Written under any plan and
+    read under any: DCP reshards the logical parameters and optimizer state. The programs' random
+    ops draw from (seed, step, op, rank) streams (`spmd_program._op_seed`), so nothing else needs
+    restoring. The worker provides `cfg`, `plan`, `rank`, `world`, `comm`, `hb`, `rec` and `layout`."""
+
+    cfg: dict[str, Any]
+    plan: Any  # plait.ir.plan.Plan
+    rank: int
+    world: int
+    comm: Any  # plait.runtime.comm.Comm
+    hb: Any  # plait.runtime.recorder.Heartbeat
+    rec: Any  # plait.runtime.recorder.Recorder
+    layout: RankLayout
+    sample_base = 0  # samples before step 0 of this run's stream (a resume's offset)
+
+    def _meta(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {"model": cfg["model"], "plan": str(self.plan), "world_size": self.world,
+                "optimizer": cfg["optimizer"], "seed": cfg["seed"], "data_seed": cfg["data_seed"]}
+
+    def _maybe_resume(self) -> int:
+        """Load the launcher's chosen checkpoint (`resume_from`); returns the step to start at and
+        sets `sample_base` so the sample stream continues after the checkpoint's last sample."""
+        ck = self.cfg.get("checkpoint") or {}
+        if not ck.get("resume"):
+            return 0
+        found = ck.get("resume_from")
+        if found is None and "resume_from" not in ck:  # another launcher: rank 0 chooses
+            choice = ckpt.choose_resume(Path(ck["dir"]), self._meta())[0] if self.rank == 0 else None
+            found = ckpt.broadcast_from_zero(str(choice) if choice is not None else None, self.comm)
+        if not found:
+            return 0
+        self.hb.progress("resume")
+        train, _ = ckpt.load_into(Path(found), self.layout, self.rank)
+        step = int(train["step"])
+        batch = self.plan.global_batch
+        self.sample_base = int(train.get("samples_seen", step * batch)) - step * batch
+        return step
+
+    def _save_checkpoint(self, step: int, root: Path) -> None:
+        """Collective: every rank's chunks of the logical parameters and optimizer state, with the
+        step and the samples seen, as one DCP checkpoint."""
+        self.hb.progress("checkpoint")
+        plan, cfg = self.plan, self.cfg
+        train = {"step": step, "samples_seen": self.sample_base + step * plan.global_batch,
+                 "plan": str(plan), "world_size": self.world, "format_version": ckpt.FORMAT_VERSION,
+                 "lr_schedule": json.dumps(cfg.get("lr_schedule"))}
+        state = ckpt.rank_snapshot(self.layout, train, self.rank, {"rng": ckpt.rng_state()})
+        with self.rec.waiting("checkpoint"):
+            ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm,
+                      keep=cfg["checkpoint"].get("keep"))
+        self.hb.progress("train")

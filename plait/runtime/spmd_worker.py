@@ -24,7 +24,6 @@ before or after the run were 2-3x off the ranks' compute when other work shared 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
 import resource
@@ -41,7 +40,6 @@ import torch
 from plait.graph.aten_capture import capture_aten
 from plait.graph.aten_stage import batch_loss_output
 from plait.graph.sharding import strategies as op_strategies
-from plait.runtime import checkpoint as ckpt
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
@@ -51,7 +49,13 @@ from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
-from plait.runtime.spmd_state import SpmdStep, checkpoint_layout, make_clipper, persistent_buffers
+from plait.runtime.spmd_state import (
+    ProgramCheckpoints,
+    SpmdStep,
+    checkpoint_layout,
+    make_clipper,
+    persistent_buffers,
+)
 
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
 
@@ -126,10 +130,9 @@ def program_timings(model: torch.nn.Module, spec: Any, graph: Any, batch: int, s
                                                     optimizer, repeats=PROGRAM_REPEATS)}
 
 
-class SpmdWorker(RankConfig):
+class SpmdWorker(ProgramCheckpoints, RankConfig):
     def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
         super().__init__(cfg, rank, heartbeat)
-        self.sample_base = 0  # samples before step 0 of this run's stream (a resume's offset)
         # the fields of the pipeline worker that the shared result writer reads
         self.p = self.d = self.t = 0
 
@@ -266,44 +269,6 @@ class SpmdWorker(RankConfig):
         dataset, collate = user_data.load_data(data_cfg["spec"])
         order = user_data.SampleOrder(len(dataset), data_seed)
         return lambda step: user_data.samples(dataset, collate, order, self.sample_base + step * batch, batch)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _meta(self) -> dict[str, Any]:
-        return {"model": self.cfg["model"], "plan": str(self.plan), "world_size": self.world,
-                "optimizer": self.cfg["optimizer"], "seed": self.cfg["seed"], "data_seed": self.cfg["data_seed"]}
-
-    def _maybe_resume(self) -> int:
-        """Load the launcher's chosen checkpoint (`resume_from`, written under any plan: DCP reshards
-        the logical parameters and optimizer state onto this program's shards); the step and the
-        sample position carry over. The program's random ops draw from (seed, step, op, rank)
-        streams (`spmd_program._op_seed`), so nothing else needs restoring."""
-        ck = self.cfg.get("checkpoint") or {}
-        if not ck.get("resume"):
-            return 0
-        found = ck.get("resume_from")
-        if found is None and "resume_from" not in ck:  # another launcher: rank 0 chooses
-            choice = ckpt.choose_resume(Path(ck["dir"]), self._meta())[0] if self.rank == 0 else None
-            found = ckpt.broadcast_from_zero(str(choice) if choice is not None else None, self.comm)
-        if not found:
-            return 0
-        self.hb.progress("resume")
-        train, _ = ckpt.load_into(Path(found), self.layout, self.rank)
-        step = int(train["step"])
-        self.sample_base = int(train.get("samples_seen", step * self.plan.global_batch)) - step * self.plan.global_batch
-        return step
-
-    def _save_checkpoint(self, step: int, root: Path) -> None:
-        """Collective: every rank's chunks of the logical parameters and optimizer state, with the
-        step and the samples seen, as one DCP checkpoint (`plait.runtime.checkpoint`)."""
-        self.hb.progress("checkpoint")
-        train = {"step": step, "samples_seen": self.sample_base + step * self.plan.global_batch,
-                 "plan": str(self.plan), "world_size": self.world, "format_version": ckpt.FORMAT_VERSION,
-                 "lr_schedule": json.dumps(self.cfg.get("lr_schedule"))}
-        state = ckpt.rank_snapshot(self.layout, train, self.rank, {"rng": ckpt.rng_state()})
-        with self.rec.waiting("checkpoint"):
-            ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm,
-                      keep=self.cfg["checkpoint"].get("keep"))
-        self.hb.progress("train")
 
     def _time_whole(self, timed: Any) -> list[dict[str, float]]:
         """`timed()` (`whole_program_seconds`) on every rank at once, after a barrier; every rank's
