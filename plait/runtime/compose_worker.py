@@ -126,7 +126,6 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         self.ranks = stage_ranks(self.plan)
         self.stage = next(s for s, rs in enumerate(self.ranks) if rank in rs)
         self.local = self.ranks[self.stage].index(rank)
-        self.p, self.d, self.t = self.stage, self.local, 0
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:

@@ -45,7 +45,7 @@ from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import load_model_spec, make_samples
 from plait.runtime.rank_config import RankConfig
-from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.recorder import Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.sharded_state import aliases_of
 from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
@@ -131,10 +131,7 @@ def program_timings(model: torch.nn.Module, spec: Any, graph: Any, batch: int, s
 
 
 class SpmdWorker(ProgramCheckpoints, RankConfig):
-    def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
-        super().__init__(cfg, rank, heartbeat)
-        # the fields of the pipeline worker that the shared result writer reads
-        self.p = self.d = self.t = 0
+    """One rank of a whole-model SPMD program (module docstring)."""
 
     def run(self) -> None:
         cfg, plan = self.cfg, self.plan
