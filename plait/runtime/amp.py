@@ -16,6 +16,7 @@ parameters and scales would diverge. Only fp16 scales; bf16 has fp32's exponent 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,17 @@ from plait.runtime.partition import RuntimeSetupError
 
 if TYPE_CHECKING:
     from plait.runtime.comm import Group
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_for(dtype: str | None, device: str = "cpu") -> AbstractContextManager[Any]:
+    """The compute precision of every engine: fp32 master parameters, their ops autocast to
+    bf16 / fp16 (torch's autocast lists: matmuls low, reductions and losses fp32); fp32 and tf32 run
+    as they are."""
+    low = LOW_PRECISION.get(dtype or "")
+    return torch.autocast(device, dtype=low) if low is not None else nullcontext()
+
 
 SCALE_ENV = "PLAIT_LOSS_SCALE"  # e.g. "init=1024,growth_interval=100" (run(launch=LaunchConfig(env=...)) passes it to the workers)
 

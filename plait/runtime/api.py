@@ -32,6 +32,7 @@ import torch
 from plait.ir.formats import check_version
 from plait.ir.plan import Plan, PlanError, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
+from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
 from plait.runtime.config import (
     CheckpointConfig,
     FaultsConfig,
@@ -301,13 +302,6 @@ def _check_inputs(model: Any, plan: Any, steps: int, training: TrainingConfig, c
         raise RuntimeSetupError(f"steps must be >= 1, got {steps}")
     if checkpoint.resume and checkpoint.dir is not None:
         _check_resumable(Path(checkpoint.dir))
-    composed = any(st.spmd is not None for st in plan_obj.stages)
-    if plan_obj.spmd is not None or composed:  # plait.runtime.spmd_worker / compose_worker: fp32 programs
-        dtype = training.dtype
-        field = "stages[].program" if composed else "spmd"
-        if (dtype or "fp32") != "fp32" or plan_obj.dtype != "fp32" and dtype is None:
-            raise RuntimeSetupError(f"plan field '{field}': an SPMD program runs in fp32, the plan asks for "
-                                    f"{dtype or plan_obj.dtype} (give dtype=fp32)")
     spec_string = model_spec_string(model)
     spec = load_model_spec(spec_string)  # a bad model spec fails here, not in every worker
     try:  # the same check as `plait simulate`
@@ -714,8 +708,10 @@ def reference_run(model: Any, plan: Any, steps: int, *, training: TrainingConfig
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference: the whole global batch in one forward/backward per step,
     the same initial weights, samples (synthetic, or the stream of `training.data`), optimizer,
-    learning-rate schedule and clipping as `run(..., training=training)`, in fp32 (`training.dtype`
-    is not used). Returns (losses, parameters by name)."""
+    learning-rate schedule and clipping as `run(..., training=training)`, in fp32 -- or, when
+    `training.dtype` names one, in that precision as every engine runs it (fp32 parameters, ops
+    autocast to bf16 / fp16; fp16 with the dynamic loss scaler of `PLAIT_LOSS_SCALE`, skipping the
+    steps it skips). Returns (losses, parameters by name)."""
     from plait.runtime.data_parallel import make_optimizer
     from plait.runtime.partition import make_samples
 
@@ -736,6 +732,7 @@ def reference_run(model: Any, plan: Any, steps: int, *, training: TrainingConfig
 
         dataset, collate = user_data.load_data(data)
         order = user_data.SampleOrder(len(dataset), data_seed)
+    scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV)) if training.dtype == "fp16" else None
     losses = []
     for step in range(steps):
         if data is not None:
@@ -743,8 +740,17 @@ def reference_run(model: Any, plan: Any, steps: int, *, training: TrainingConfig
                                                plan_obj.global_batch)
         else:
             inputs, target = make_samples(spec, step * plan_obj.global_batch, plan_obj.global_batch, data_seed)
-        loss = spec.loss(module(*inputs), target)
-        loss.backward()
+        with autocast_for(training.dtype):
+            loss = spec.loss(module(*inputs), target)
+        (loss * scaler.scale if scaler is not None else loss).backward()
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if scaler is not None and scaler.unscale_and_check(grads):
+            scaler.update(step)  # skipped, as every rank of a run skips it
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            continue
+        if scaler is not None:
+            scaler.update(step)
         if training.clip_grad is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), training.clip_grad)
         if schedule is not None:

@@ -30,7 +30,9 @@ devices, stage-major (`Plan.device_of`). Each rank of stage ``s``:
 With `clip_grad` the optimizer step clips the global gradient norm over every stage's shards (each
 logical parameter once, `_clipper`). Only adjacent stages exchange values (a value read two stages
 later is refused at setup), every micro-batch has the plan's micro-batch size, and programs run in
-fp32. Checkpoints (`plait.runtime.spmd_state.ProgramCheckpoints`) hold each rank's shards as chunks
+the plan's precision (fp32 master leaves, ops autocast to bf16 / fp16, boundary values and their
+gradients sent in it; fp16 scales the loss dynamically, the found-inf flag agreed over every rank).
+Checkpoints (`plait.runtime.spmd_state.ProgramCheckpoints`) hold each rank's shards as chunks
 of the logical parameters and optimizer state, a tied parameter written by its first holder stage,
 so a composed run resumes under the same plan or any other (DCP reshards).
 """
@@ -53,6 +55,7 @@ from plait.graph.aten_stage import batch_loss_output, shared_params, stage_subgr
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import Plan
 from plait.ir.program import shard_dim
+from plait.runtime.amp import LOW_PRECISION, autocast_for
 from plait.runtime.clip import GradClipper
 from plait.runtime.comm import FAULTS_ENV, P2P, Comm, CommLog, Group, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
@@ -169,6 +172,10 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         self.runner.defer_param_grads = True  # one all-reduce per step, not per micro-batch
         self.leaves = self.runner.load(model)
         self.stepper = SpmdStep(self.leaves, make_optimizer(self.leaves, cfg["optimizer"]))
+        self.stepper.scaler = self.loss_scaling(self.world_group)
+        # boundary values and their gradients cross in the plan's low precision (bf16 / fp16), as
+        # the simulator prices the messages; None: as computed
+        self.wire = LOW_PRECISION.get(cfg["dtype"])
         self._tied_list = self._tied_groups(graph, layers)
         self.layout = checkpoint_layout(self.runner, self.stepper, aliases_of(model), persistent_buffers(model),
                                         self.local, self._written_elsewhere(graph, layers, aliases_of(model)))
@@ -221,6 +228,19 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
                 out.append((t, g))
         return out
 
+    def _loss(self, outs: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch, weighted by its share of the batch (n_j / B):
+        on this rank's rows when the output stays in batch shards (`_batch_loss`)."""
+        if self.batch_loss:
+            if target.shape[0] != self.plan.micro_batch:
+                raise RuntimeSetupError(f"composed plan: the target's dimension 0 has {target.shape[0]} "
+                                        f"rows, not the micro-batch's {self.plan.micro_batch}; the loss "
+                                        "is computed on the output's batch shards")
+            first, rows = self.runner.rows(self.batch_loss, 0)
+            return self.spec.loss(outs[0], target.narrow(0, first, rows)) * (rows / self.plan.global_batch)
+        return self.spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target) \
+            * (self.plan.micro_batch / self.plan.global_batch)
+
     # ------------------------------------------------------------------ messages
     def _peer_pairs(self, peer: int) -> tuple[int, list[int]]:
         """k = min(senders, receivers) and the peer stage's ranks."""
@@ -231,6 +251,8 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         k, peers = self._peer_pairs(peer)
         if self.local >= k:
             return
+        if self.wire is not None:
+            values = [v.to(self.wire) if v.is_floating_point() else v for v in values]
         ops = [P2P("send", _pieces(v.detach(), k)[self.local], peers[self.local], a.key) for v in values]
         self.pending += self.comm.p2p(ops, a.key, "comm_pp", a.micro_batch, wait_sends=False,
                                       peer=str(a.peer))
@@ -264,7 +286,8 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
             meta = self.graph.tensors[t]
             dtype = getattr(torch, meta.dtype)
             if not floating_only or dtype.is_floating_point:
-                out.append((list(meta.shape), dtype))
+                out.append((list(meta.shape), self.wire if self.wire is not None and dtype.is_floating_point
+                            else dtype))
         return out
 
     def _floating(self, names: list[str]) -> list[str]:
@@ -296,19 +319,10 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
                 self.runner.step = step * m + i
                 self.spans.begin(a.key)
                 keep = frozenset([self.batch_loss]) if self.batch_loss else frozenset()
-                outs = self.runner.forward([by_name[t] for t in self.sub.inputs], keep)
-                loss = None
-                if self.stage == last and self.batch_loss:  # this rank's rows of the micro-batch
-                    if target.shape[0] != self.plan.micro_batch:
-                        raise RuntimeSetupError(f"composed plan: the target's dimension 0 has {target.shape[0]} "
-                                                f"rows, not the micro-batch's {self.plan.micro_batch}; the loss "
-                                                "is computed on the output's batch shards")
-                    first, rows = self.runner.rows(self.batch_loss, 0)
-                    loss = self.spec.loss(outs[0], target.narrow(0, first, rows)) * (rows / self.plan.global_batch)
-                    loss_sum += loss.detach()
-                elif self.stage == last:
-                    loss = self.spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target) \
-                        * (self.plan.micro_batch / self.plan.global_batch)
+                with autocast_for(self.cfg["dtype"]):  # fp32 master leaves, ops in the plan's precision
+                    outs = self.runner.forward([by_name[t] for t in self.sub.inputs], keep)
+                    loss = self._loss(outs, target) if self.stage == last else None
+                if loss is not None:
                     loss_sum += loss.detach()
                 self.spans.end()
                 saved[i] = (leaves, outs, loss)
@@ -316,10 +330,12 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
                 leaves, outs, loss = saved.pop(i)
                 self.spans.begin(a.key)
                 if loss is not None:
-                    loss.backward()
+                    scaler = self.stepper.scaler  # fp16: the gradients sent back are scaled too
+                    (loss * scaler.scale if scaler is not None else loss).backward()
                 else:
                     grads = dict(zip(self._floating(self.cross[self.stage]), grad_inbox.pop(i)))
-                    pairs = [(o, grads[t]) for t, o in zip(self.sub.outputs, outs) if t in grads and o.requires_grad]
+                    pairs = [(o, grads[t].to(o.dtype)) for t, o in zip(self.sub.outputs, outs)
+                             if t in grads and o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 self.spans.end()
@@ -388,6 +404,8 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
             if cfg.get("step_barrier", True):
                 self.comm.barrier("step barrier")
             t0 = self.rec.begin_step(step)
+            if self.stepper.scaler is not None:
+                self.scales.append(self.stepper.scaler.scale)
             loss = self._step(actions, step, fetch)
             self.runner.flush_param_grads(GRAD_BUCKET_BYTES)
             self._reduce_tied()
@@ -395,7 +413,9 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
                 if schedule is not None:
                     for g in self.stepper.optimizer.param_groups:
                         g["lr"] = schedule.at(step, steps)
-                self.stepper.step()
+                self.stepper.step()  # unscaled (fp16) and clipped first when the run asks
+            if self.stepper.scaler is not None:
+                self.stepper.scaler.update(step)
             t1 = self.rec.end_step()
             bounds.append((step, t0, t1))
             losses.append(float(loss))
@@ -421,7 +441,7 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
             "memory_kind": "max_rss", "samples_per_step": self.plan.global_batch,
             "events": [asdict(e) for e in self.rec.events], "step_bounds": bounds,
             "losses": losses if self.stage == len(self.ranks) - 1 else [],
-            "params_state": params if self.local == 0 else None, "shard_infos": {}, "clock": origin, "amp": None,
+            "params_state": params if self.local == 0 else None, "shard_infos": {}, "clock": origin, "amp": self.amp_record(start),
             "spmd": {"moves": self.runner.moves},
         }
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")

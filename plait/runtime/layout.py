@@ -338,8 +338,8 @@ def _supports_pipeline(plan: Plan) -> tuple[bool, str]:
 
 def _supports_composed(plan: Plan) -> tuple[bool, str]:
     """What `plait.runtime.compose_worker` runs: a chain of stages, each an SPMD program on its
-    own devices, every micro-batch of the plan's size, without ZeRO (in fp32: `api.run` asks for
-    dtype=fp32 as for a whole-model program)."""
+    own devices, every micro-batch of the plan's size, without ZeRO, in any dtype (fp32 masters,
+    ops autocast to bf16 / fp16)."""
     for i, spec in enumerate(plan.stages):
         if spec.spmd is None:
             return False, (f"plan field 'stages[{i}].program': stage {spec.name!r} has no SPMD program; a composed "

@@ -21,6 +21,7 @@ the same on every rank (redundant ops compute it whole, sharded readers all-redu
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from torch import nn
 
 from plait.ir.program import shard_dim
 from plait.runtime import checkpoint as ckpt
+from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
 from plait.runtime.clip import GradClipper
 from plait.runtime.sharded_state import RankLayout, Segment
 from plait.runtime.tensor_parallel import ShardInfo
@@ -43,13 +45,22 @@ class SpmdStep:
         self.params = params
         self.optimizer = optimizer
         self.clip: GradClipper | None = None
+        # fp16: the loss was scaled before backward; gradients are unscaled here and the step is
+        # skipped on every rank when any rank's has an inf/nan (`plait.runtime.amp`)
+        self.scaler: DynamicLossScaler | None = None
 
-    def step(self) -> None:
-        """Clip (the global norm over every rank's shards) and step, then drop the gradients."""
+    def step(self) -> bool:
+        """Unscale (fp16), clip (the global norm over every rank's shards) and step, then drop the
+        gradients; False when the job skipped the step (an overflow somewhere)."""
+        if self.scaler is not None and self.scaler.unscale_and_check(
+                [p.grad for p in self.params if p.grad is not None]):
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
         if self.clip is not None:
             self.clip.clip_params(self.params, 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return True
 
     def param_segments(self) -> list[Segment]:
         return [Segment(p, [p], 0) for p in self.params]
@@ -127,6 +138,24 @@ class ProgramCheckpoints:
     rec: Any  # plait.runtime.recorder.Recorder
     layout: RankLayout
     sample_base = 0  # samples before step 0 of this run's stream (a resume's offset)
+    scaler: DynamicLossScaler | None = None  # fp16's loss scaler (`loss_scaling`)
+
+    def loss_scaling(self, group: Any) -> DynamicLossScaler | None:
+        """fp16's dynamic loss scaler, its found-inf flag agreed over `group` (every rank of the
+        job); None for other dtypes (bf16 has fp32's exponent range)."""
+        if self.cfg["dtype"] != "fp16":
+            return None
+        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV) or self.cfg.get("loss_scale"))
+        self.scaler.group = group
+        self.scales: list[float] = []
+        return self.scaler
+
+    def amp_record(self, start: int) -> dict[str, Any] | None:
+        """The scaler's figures for the result (`plait.runtime.results.write_result`)."""
+        if self.scaler is None:
+            return None
+        return {"scales": self.scales, "skipped": [s for s in self.scaler.skipped if s >= start],
+                "final_scale": self.scaler.scale}
 
     def _meta(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -147,6 +176,8 @@ class ProgramCheckpoints:
             return 0
         self.hb.progress("resume")
         train, _ = ckpt.load_into(Path(found), self.layout, self.rank)
+        if self.scaler is not None and train.get("amp"):
+            self.scaler.load_state_dict(json.loads(train["amp"]))
         step = int(train["step"])
         batch = self.plan.global_batch
         self.sample_base = int(train.get("samples_seen", step * batch)) - step * batch
@@ -159,7 +190,8 @@ class ProgramCheckpoints:
         plan, cfg = self.plan, self.cfg
         train = {"step": step, "samples_seen": self.sample_base + step * plan.global_batch,
                  "plan": str(plan), "world_size": self.world, "format_version": ckpt.FORMAT_VERSION,
-                 "lr_schedule": json.dumps(cfg.get("lr_schedule"))}
+                 "lr_schedule": json.dumps(cfg.get("lr_schedule")),
+                 "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None}
         state = ckpt.rank_snapshot(self.layout, train, self.rank, {"rng": ckpt.rng_state()})
         with self.rec.waiting("checkpoint"):
             ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm,

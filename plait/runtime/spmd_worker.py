@@ -40,6 +40,7 @@ import torch
 from plait.graph.aten_capture import capture_aten
 from plait.graph.aten_stage import batch_loss_output
 from plait.graph.sharding import strategies as op_strategies
+from plait.runtime.amp import autocast_for
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
@@ -183,6 +184,7 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
         stepper = SpmdStep(leaves, opt)
         if cfg.get("clip_grad"):
             stepper.clip = make_clipper(runner, self.world, float(cfg["clip_grad"]), group)
+        stepper.scaler = self.loss_scaling(group)
         self.layout = checkpoint_layout(runner, stepper, aliases, buffers, self.rank)
         start = self._maybe_resume()
         ck = cfg.get("checkpoint") or {}
@@ -206,14 +208,19 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
             t0 = self.rec.begin_step(step)
             runner.step = step
             spans.begin("forward")
-            outs = runner.forward(inputs, keep)
-            if batch_loss:  # this rank's rows, weighted by their share of the batch; never gathered
-                first, rows = runner.rows(batch_loss, 0)
-                loss = spec.loss(outs[0], target.narrow(0, first, rows)) * (rows / batch)
-            else:
-                loss = spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target)
+            with autocast_for(cfg["dtype"]):  # fp32 master leaves, ops in the plan's precision
+                outs = runner.forward(inputs, keep)
+                if batch_loss:  # this rank's rows, weighted by their share of the batch; never gathered
+                    first, rows = runner.rows(batch_loss, 0)
+                    loss = spec.loss(outs[0], target.narrow(0, first, rows)) * (rows / batch)
+                else:
+                    loss = spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target)
             spans.begin("backward")
-            loss.backward()
+            if stepper.scaler is not None:
+                self.scales.append(stepper.scaler.scale)
+                (loss * stepper.scaler.scale).backward()
+            else:
+                loss.backward()
             spans.end()
             if batch_loss and self.world > 1:  # the step's loss: the shards' losses summed
                 loss = loss.detach().clone()
@@ -222,7 +229,9 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
                 if schedule is not None:
                     for g in opt.param_groups:
                         g["lr"] = schedule.at(step, steps)
-                stepper.step()  # clipped first when the run asks (`plait.runtime.spmd_state`)
+                stepper.step()  # unscaled and clipped first when the run asks (`plait.runtime.spmd_state`)
+            if stepper.scaler is not None:
+                stepper.scaler.update(step)
             t1 = self.rec.end_step()
             bounds.append((step, t0, t1))
             losses.append(loss.detach().clone())
@@ -245,7 +254,7 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
             "peak_memory_bytes": peak, "memory_kind": "max_rss", "samples_per_step": batch,
             "events": [asdict(e) for e in self.rec.events], "step_bounds": bounds,
             "losses": torch.stack(losses).tolist() if losses else [],
-            "params_state": params if self.rank == 0 else None, "shard_infos": {}, "clock": origin, "amp": None,
+            "params_state": params if self.rank == 0 else None, "shard_infos": {}, "clock": origin, "amp": self.amp_record(start),
             "spmd": {"moves": runner.moves, "calibration": calibration},
         }
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")

@@ -51,7 +51,7 @@ from torch import nn
 
 from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
+from plait.runtime.amp import LOW_PRECISION, SCALE_ENV, DynamicLossScaler, autocast_for
 from plait.runtime.clip import GradClipper
 from plait.runtime.comm import (
     FAULTS_ENV,
@@ -269,10 +269,9 @@ class Worker(RankConfig):
         apply_ac(layers.values(), self.plan.recompute)  # the policy both engines share
 
     def _autocast(self) -> Any:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg["dtype"])
-        if dtype is None:
+        if self.cfg["dtype"] not in LOW_PRECISION:
             return torch.autocast(self.device.type, enabled=False)
-        return torch.autocast(self.device.type, dtype=dtype)
+        return autocast_for(self.cfg["dtype"], self.device.type)
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
