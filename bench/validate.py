@@ -16,6 +16,9 @@ Sources (``bench/data/sources/``, cited in docs/DATA_SOURCES.md):
 - ``llmfoundry-mpt``: llm-foundry's MPT benchmark tables (Composer, eager PyTorch FSDP FULL_SHARD,
   flash attention, bf16; H100 80GB, A100 80GB, A100 40GB; 8-512 GPUs). Time only (no memory).
 
+A row whose `attention` is `flash` is simulated with the fused SDPA/flash kernel (`sdpa=true` graph:
+no s x s activations, `plait.cost.compute.flash_attention_time`); `unfused` with explicit attention.
+
 Each row is simulated with plait's current analytic model (`plait.cost.compute.DEFAULT_MODEL`), its
 GPU kind from `plait.cluster.catalog` and that kind's node template (DGX-like: NVLink, InfiniBand).
 
@@ -144,10 +147,11 @@ _GRAPHS: dict[tuple, object] = {}
 
 
 def row_graph(r: dict):
-    gk = (r["layers"], r["hidden"], r["heads"], r["seq"], r["vocab"], r["ffn"], r["dtype"])
+    sdpa = r.get("attention", "unfused") == "flash"  # the source's attention kernel (flash: SDPA's fused one)
+    gk = (r["layers"], r["hidden"], r["heads"], r["seq"], r["vocab"], r["ffn"], r["dtype"], sdpa)
     if gk not in _GRAPHS:
         _GRAPHS[gk] = gpt_opgraph({"layers": r["layers"], "hidden": r["hidden"], "heads": r["heads"], "seq": r["seq"],
-                                   "vocab": r["vocab"], "ffn": r["ffn"]}, r["dtype"])
+                                   "vocab": r["vocab"], "ffn": r["ffn"], "sdpa": sdpa}, r["dtype"])
     return _GRAPHS[gk]
 
 
