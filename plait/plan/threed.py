@@ -220,6 +220,9 @@ def load_graph(model: Any, dtype: str = "bf16") -> tuple[Any, OpGraph]:
     return spec, graph
 
 
+PLAN_DTYPES = ("fp32", "tf32", "bf16", "fp16")  # what a plan's `dtype` may be (`Plan`)
+
+
 def auto_dtype(cluster: Cluster) -> str:
     """bf16 where every GPU kind has bf16 units, else fp16 (V100/T4 train mixed precision in fp16)."""
     kinds = {d.kind.name: d.kind for d in cluster.devices}.values()
@@ -694,8 +697,11 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
          placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
          layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
          on_progress: Callable[[str, int, int], None] | None = None, fast: bool = True,
-         jobs: int | None = None) -> PlanResult:
+         jobs: int | None = None, dtype: str | None = None) -> PlanResult:
     """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
+
+    `dtype`: the plans' training dtype (fp32, tf32, bf16, fp16; overrides `space.dtype`); None:
+    `auto_dtype` (bf16, or fp16 where a GPU kind has no bf16 unit).
 
     `finalists`: how many of the analytically best candidates get placed and simulated
     (None: all of them -- exhaustive). `evaluate(graph, plan) -> dict` ranks the placed
@@ -722,6 +728,10 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
     if gb < 1:
         raise SearchError(f"plan: global batch must be >= 1, got {gb}")
+    if dtype is not None:
+        if dtype not in PLAN_DTYPES:
+            raise SearchError(f"plan: dtype must be one of {list(PLAN_DTYPES)}, got {dtype!r}")
+        space = dataclasses.replace(space or SearchSpace(), dtype=dtype)
     dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
     spec, graph = load_graph(model, dtype)
     analytic = AnalyticModel(graph, cluster_obj, layer_time, compute, fast=fast)
