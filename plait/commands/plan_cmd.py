@@ -127,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         else {"families": args.family}
     if args.family == "all" and (args.export or args.traffic_plan or space is not None):
         families = {"families": "3d"}
+    if args.export and families["families"] == "3d":  # frameworks split the global batch evenly
+        import dataclasses
+
+        from plait.search import SearchSpace
+
+        space = dataclasses.replace(space or SearchSpace(), uneven_dp=False)
     if space is not None:  # graph pipelines and SPMD programs have no dp x tp x pp grid to restrict
         families["space"] = space
     options = {"finalists": None if args.finalists == 0 else args.finalists, "seed": args.seed,
