@@ -63,7 +63,7 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # needs them. Unknown kinds fall back to 108 (A100), which only affects wave quantisation.
 _SM_COUNT = {
     "a100": 108, "h100": 132, "h200": 132, "v100": 80, "t4": 40, "a10": 72,
-    "l40s": 142, "rtx-3090": 82, "rtx-4090": 128,
+    "l40s": 142, "rtx-3090": 82, "rtx-4090": 128, "titan-rtx": 72,
 }
 
 
@@ -841,8 +841,9 @@ def _analytic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: G
         return embedding_cost(int(vocab), shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share,
                               positions, model, layer.name)
     if layer.tp_style == "head" and shape is not None and vocab:
-        tied = bool(cfg.get("tie", layer.param_count < int(vocab) * shape.hidden))
-        return head_cost(int(vocab), shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share, tied,
+        out = int(cfg.get("head_out") or vocab)  # a classifier head (closed-form graph's `head_out`)
+        tied = bool(cfg.get("tie", layer.param_count < out * shape.hidden)) and out == int(vocab)
+        return head_cost(out, shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share, tied,
                          model, layer.name)
     return generic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, model)
 

@@ -128,18 +128,21 @@ def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
     x = add(lay, "head", "aten.clone.default", inputs=(resid,), output_bytes=sh)
     ln = add(lay, "head.ln", "aten.native_layer_norm.default", inputs=(x,), param_bytes=2 * h * pb,
              saved_bytes=sh + stats, output_bytes=sh + stats)
-    tied = bool(cfg.get("tie", True))
-    lm = add(lay, "head.lm", "aten.mm.default", inputs=(ln,), fwd_flops=2.0 * s * h * V, bwd_flops=4.0 * s * h * V,
-             param_bytes=0 if tied else V * h * pb, saved_bytes=sh, output_bytes=s * V * ab)
-    ls = add(lay, "", "aten._log_softmax.default", inputs=(lm,), saved_bytes=s * V * ab, output_bytes=s * V * ab)
+    # `head_out`: a classifier of that many outputs (e.g. BERT's sequence classification) instead of
+    # the vocabulary projection; its weight is its own
+    n_out = int(cfg.get("head_out") or V)
+    tied = bool(cfg.get("tie", True)) and n_out == V
+    lm = add(lay, "head.lm", "aten.mm.default", inputs=(ln,), fwd_flops=2.0 * s * h * n_out, bwd_flops=4.0 * s * h * n_out,
+             param_bytes=0 if tied else n_out * h * pb, saved_bytes=sh, output_bytes=s * n_out * ab)
+    ls = add(lay, "", "aten._log_softmax.default", inputs=(lm,), saved_bytes=s * n_out * ab, output_bytes=s * n_out * ab)
     add(lay, "", "aten.nll_loss_forward.default", inputs=(ls,), saved_bytes=8.0 * s + ab / 2, output_bytes=ab)  # targets + total weight
     names = list(ops)[start:]
     hops = [ops[n] for n in names]
-    head_params = 2 * h + (0 if tied else V * h)
+    head_params = 2 * h + (0 if tied else n_out * h)
     layers.append(Layer(name=lay, kind="LMHead", ops=names, fwd_flops=sum(o.fwd_flops for o in hops),
                         bwd_flops=sum(o.bwd_flops for o in hops), param_count=head_params,
                         param_bytes=head_params * pb, saved_bytes=sum(o.saved_bytes for o in hops),
-                        input_bytes=sh, output_bytes=s * V * ab, tp_style="head"))
+                        input_bytes=sh, output_bytes=s * n_out * ab, tp_style="head"))
     edges = [(a_.name, b_.name) for a_, b_ in zip(layers, layers[1:])]
     return OpGraph(model="gpt", ops=ops, layers=layers, layer_edges=edges, param_dtype_bytes=pb,
                    activation_dtype_bytes=ab, capture_batch=1, config=cfg,
