@@ -194,8 +194,11 @@ def row_cluster(r: dict) -> Cluster:
 
 def predict_memory_gib(r: dict) -> float:
     """plait's peak bytes of the most loaded GPU (`estimate_memory`, PyTorch's eager loss), in GiB."""
+    # torch.cuda.max_memory_allocated counts the caching allocator's live blocks only: no CUDA context,
+    # kernels or NCCL buffers (plait's per-GPU framework overhead); nvidia-smi / reserved include them
+    overhead = 0 if "allocated" in (r.get("memory_kind") or "") else None
     est = estimate_memory(row_graph(r), row_plan(r), row_cluster(r), optimizer=r.get("optimizer") or "adam",
-                          loss="fused" if r["engine"] == "megatron" else "eager")
+                          loss="fused" if r["engine"] == "megatron" else "eager", overhead_bytes=overhead)
     return float(max(est.peak_bytes)) / 2**30
 
 
