@@ -15,6 +15,16 @@ Sources (``bench/data/sources/``, cited in docs/DATA_SOURCES.md):
   DeepSpeed ZeRO-3 (fp16): time and ``torch.cuda.max_memory_allocated``.
 - ``llmfoundry-mpt``: llm-foundry's MPT benchmark tables (Composer, eager PyTorch FSDP FULL_SHARD,
   flash attention, bf16; H100 80GB, A100 80GB, A100 40GB; 8-512 GPUs). Time only (no memory).
+- ``hf-ddp-titanrtx``: Hugging Face transformers' docs, GPT-2 (124M) fp32 DDP on 2 TITAN RTX (consumer
+  Turing) over their NVLink bridge and with peer-to-peer off (NCCL_P2P_DISABLE=1: through host memory
+  over PCIe); time only.
+- ``hf-memory-v100-bert``: Hugging Face transformers' docs, BERT-large sequence classification (seq 512)
+  on one V100-SXM2 16GB with the Trainer: plain, gradient accumulation, checkpointing, fp16 (AMP);
+  time and the GPU memory nvidia-smi shows (NVML used: CUDA context and the caching allocator's
+  reserve included).
+
+A row whose `attention` is `flash` is simulated with the fused SDPA/flash kernel (`sdpa=true` graph:
+no s x s activations, `plait.cost.compute.flash_attention_time`); `unfused` with explicit attention.
 
 Each row is simulated with plait's current analytic model (`plait.cost.compute.DEFAULT_MODEL`), its
 GPU kind from `plait.cluster.catalog` and that kind's node template (DGX-like: NVLink, InfiniBand).
@@ -54,7 +64,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import validate_a100 as va  # noqa: E402
 
 from plait.cluster.catalog import GPU_KINDS, NODE_TEMPLATES  # noqa: E402
-from plait.cluster.spec import Cluster, NodeSpec  # noqa: E402
+from plait.cluster.spec import Cluster, Link, NodeSpec  # noqa: E402
 from plait.cost.compute import DEFAULT_MODEL, ComputeModel  # noqa: E402
 from plait.cost.memory import estimate_memory  # noqa: E402
 from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
@@ -123,18 +133,34 @@ def load_csv(path: Path) -> list[dict]:
             row["nics"] = int(r["nics"]) if r.get("nics") else None
             row["sequence_parallel"] = r.get("sequence_parallel", "false").lower() == "true"
             row["memory_gib"] = float(r["memory_gib"]) if r.get("memory_gib") else None
+            row["intra_gbs"] = float(r["intra_gbs"]) if r.get("intra_gbs") else None  # the source's GPU link
+            row["causal"] = r.get("causal", "true").lower() != "false"
+            row["head_out"] = int(r["head_out"]) if r.get("head_out") else None  # a classifier head
             if row["gpu"] not in GPU_KINDS:
                 raise SystemExit(f"{path}: row {i}, field 'gpu': {row['gpu']!r} is not in plait's catalog")
             rows.append(row)
     return rows
 
 
-def template_cluster(kind_name: str, gpus: int, per_node: int, nics: int | None = None) -> Cluster:
+# A source's GPU-to-GPU link inside a node, where it states one (`intra` column): link kind for plait.
+# "pcie-shm": NCCL with peer-to-peer off (NCCL_P2P_DISABLE=1, or consumer GPUs without P2P) stages
+# through host memory over each GPU's PCIe link.
+INTRA_KINDS = {"nvlink": ("nvlink", 2e-6), "pcie": ("pcie", 4e-6), "pcie-shm": ("pcie", 4e-6)}
+
+
+def template_cluster(kind_name: str, gpus: int, per_node: int, nics: int | None = None,
+                     intra: str | None = None, intra_gbs: float | None = None) -> Cluster:
     """`gpus` GPUs of one kind in nodes of `per_node`, links from the kind's node template; `nics`:
-    NICs per node where the source states it (else the template's)."""
+    NICs per node where the source states it (else the template's); `intra` / `intra_gbs`: the
+    source's GPU link and its per-direction GB/s (else the template's)."""
     t = NODE_TEMPLATES[kind_name]
+    link = t.intra
+    if intra and intra_gbs:
+        if intra not in INTRA_KINDS:
+            raise SystemExit(f"intra: {intra!r} is not one of {sorted(INTRA_KINDS)}")
+        link = Link(bandwidth=intra_gbs * 1e9, latency=INTRA_KINDS[intra][1], kind=INTRA_KINDS[intra][0])
     n = max(1, -(-gpus // per_node))
-    nodes = [NodeSpec(name=f"n{i}", gpus=[kind_name] * min(per_node, gpus - i * per_node), intra=t.intra, nic=t.nic,
+    nodes = [NodeSpec(name=f"n{i}", gpus=[kind_name] * min(per_node, gpus - i * per_node), intra=link, nic=t.nic,
                       nics=nics or t.nics) for i in range(n)]
     return Cluster(name=f"{kind_name}x{gpus}", kinds={kind_name: GPU_KINDS[kind_name]}, nodes=nodes,
                    source="validate")
@@ -144,10 +170,15 @@ _GRAPHS: dict[tuple, object] = {}
 
 
 def row_graph(r: dict):
-    gk = (r["layers"], r["hidden"], r["heads"], r["seq"], r["vocab"], r["ffn"], r["dtype"])
+    sdpa = r.get("attention", "unfused") == "flash"  # the source's attention kernel (flash: SDPA's fused one)
+    causal, head_out = r.get("causal", True), r.get("head_out")
+    gk = (r["layers"], r["hidden"], r["heads"], r["seq"], r["vocab"], r["ffn"], r["dtype"], sdpa, causal, head_out)
     if gk not in _GRAPHS:
-        _GRAPHS[gk] = gpt_opgraph({"layers": r["layers"], "hidden": r["hidden"], "heads": r["heads"], "seq": r["seq"],
-                                   "vocab": r["vocab"], "ffn": r["ffn"]}, r["dtype"])
+        cfg = {"layers": r["layers"], "hidden": r["hidden"], "heads": r["heads"], "seq": r["seq"], "vocab": r["vocab"],
+               "ffn": r["ffn"], "sdpa": sdpa, "causal": causal}
+        if head_out:
+            cfg.update(head_out=head_out, tie=False)
+        _GRAPHS[gk] = gpt_opgraph(cfg, r["dtype"])
     return _GRAPHS[gk]
 
 
@@ -157,10 +188,17 @@ def row_plan(r: dict) -> Plan:
                 dtype=r["dtype"])
 
 
+def row_cluster(r: dict) -> Cluster:
+    return template_cluster(r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"], r.get("intra"), r.get("intra_gbs"))
+
+
 def predict_memory_gib(r: dict) -> float:
     """plait's peak bytes of the most loaded GPU (`estimate_memory`, PyTorch's eager loss), in GiB."""
-    est = estimate_memory(row_graph(r), row_plan(r), template_cluster(r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"]),
-                          loss="fused" if r["engine"] == "megatron" else "eager")
+    # torch.cuda.max_memory_allocated counts the caching allocator's live blocks only: no CUDA context,
+    # kernels or NCCL buffers (plait's per-GPU framework overhead); nvidia-smi / reserved include them
+    overhead = 0 if "allocated" in (r.get("memory_kind") or "") else None
+    est = estimate_memory(row_graph(r), row_plan(r), row_cluster(r), optimizer=r.get("optimizer") or "adam",
+                          loss="fused" if r["engine"] == "megatron" else "eager", overhead_bytes=overhead)
     return float(max(est.peak_bytes)) / 2**30
 
 
@@ -171,9 +209,9 @@ def csv_simulator() -> Callable[[list[dict], ComputeModel], np.ndarray]:
         out = np.empty(len(sel))
         opts = SimOptions(granularity="stage", compute=model, cost_cache={})
         for j, r in enumerate(sel):
-            vk = (r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"])
+            vk = (r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"], r.get("intra"), r.get("intra_gbs"))
             if vk not in views:
-                views[vk] = ClusterView.from_cluster(template_cluster(*vk))
+                views[vk] = ClusterView.from_cluster(row_cluster(r))
             out[j] = run_engine(lower(row_graph(r), row_plan(r), views[vk], opts).graph).makespan
         return out
 
@@ -280,7 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                                                          "megatron", args.max_gpus),
               "colossal-lightning-gpt2xl": lambda: csv_source("colossal-lightning-gpt2xl",
                                                               "colossal_lightning_gpt2xl.csv", "eager-ddp-zero3",
-                                                              args.max_gpus)}
+                                                              args.max_gpus),
+              "hf-ddp-titanrtx": lambda: csv_source("hf-ddp-titanrtx", "hf_ddp_titanrtx.csv", "eager-ddp",
+                                                    args.max_gpus),
+              "hf-memory-v100-bert": lambda: csv_source("hf-memory-v100-bert", "hf_memory_v100_bert.csv", "eager",
+                                                        args.max_gpus)}
     names = [n for n in args.sources.split(",") if n] or list(makers)
     for n in names:
         if n not in makers:

@@ -61,3 +61,40 @@ def test_megatron_times_are_the_papers_flops_at_the_published_mfu():
     flops = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
     assert (r["hidden"], r["layers"], r["global_batch"], r["gpus"]) == (h, L, B, 8)
     assert r["measured_s"] == pytest.approx(flops / (0.415 * 8 * 312e12), rel=1e-4)
+
+
+def test_hf_sources_transcribe_the_published_figures():
+    """hf-ddp-titanrtx: train_runtime / 200 steps; hf-memory-v100-bert: train_runtime / 128 steps (512
+    samples, batch 4) and NVML's used MiB, as the docs print them."""
+    ddp = validate.load_csv(validate.SOURCES_DIR / "hf_ddp_titanrtx.csv")
+    assert [round(r["measured_s"] * 200, 4) for r in ddp] == [101.9003, 131.4367]
+    assert [(r["intra"], r["intra_gbs"]) for r in ddp] == [("nvlink", 50.0), ("pcie-shm", 15.75)]
+    bert = validate.load_csv(validate.SOURCES_DIR / "hf_memory_v100_bert.csv")
+    assert [round(r["measured_s"] * 128, 2) for r in bert] == [57.82, 66.03, 85.47, 27.46, 50.76]
+    assert [round(r["memory_gib"] * 1024) for r in bert] == [14949, 8681, 6775, 13939, 7275]
+    assert all(r["head_out"] == 2 and not r["causal"] for r in bert)
+
+
+def test_the_sources_link_replaces_the_template_link():
+    c = validate.template_cluster("titan-rtx", 2, 2, intra="pcie-shm", intra_gbs=15.75)
+    assert c.nodes[0].intra.kind == "pcie" and c.nodes[0].intra.bandwidth == 15.75e9
+    nv = validate.template_cluster("titan-rtx", 2, 2, intra="nvlink", intra_gbs=50)
+    assert nv.nodes[0].intra.kind == "nvlink" and nv.nodes[0].intra.bandwidth == 50e9
+    with pytest.raises(SystemExit, match="intra"):
+        validate.template_cluster("titan-rtx", 2, 2, intra="carrier-pigeon", intra_gbs=1)
+
+
+def test_a_slower_gpu_link_predicts_a_slower_ddp_step():
+    """The two TITAN RTX rows differ only in the link: the PCIe one must be predicted slower."""
+    rows = validate.load_csv(validate.SOURCES_DIR / "hf_ddp_titanrtx.csv")
+    nvlink, pcie = validate.csv_simulator()(rows, DEFAULT_MODEL)
+    assert pcie > nvlink
+
+
+def test_classifier_head_graph_has_no_vocabulary_projection():
+    r = validate.load_csv(validate.SOURCES_DIR / "hf_memory_v100_bert.csv")[0]
+    g = validate.row_graph(r)
+    head = g.layer("head")
+    assert head.param_count == 2 * 1024 + 2 * 1024  # LayerNorm + the 2-way classifier, untied
+    assert head.output_bytes == 512 * 2 * 4 and not g.tied
+    assert g.config["causal"] is False

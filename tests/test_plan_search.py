@@ -87,8 +87,11 @@ def test_nothing_fits_is_a_clear_error():
                               "nodes: [{gpus: {kind: crumb, count: 2}}]", source="crumb.yaml")
     with pytest.raises(SearchError, match="fits in memory"):
         plan(SMALL, cluster, global_batch=8, simulate=False)
-    with pytest.raises(SearchError, match="global batch 3"):
-        plan(TINY, HOMO, global_batch=3, simulate=False, space=SearchSpace(tp=[1], pp=[1, 2]))
+    with pytest.raises(SearchError, match="global batch 3"):  # 4 replicas, 3 samples: one would idle
+        plan(TINY, HOMO, global_batch=3, simulate=False, space=SearchSpace(tp=[1], pp=[1]))
+    # a degree that does not divide the batch is searched (issue 37): dp=2 at pp=2, 2 + 1 samples
+    res = plan(TINY, HOMO, global_batch=3, simulate=False, space=SearchSpace(tp=[1], pp=[1, 2]))
+    assert res.best.plan.dp == 2 and res.best.plan.samples_per_replica() == [2, 1]
 
 
 def test_mixed_kinds_get_uneven_layers_and_batches():

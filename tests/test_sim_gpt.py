@@ -11,12 +11,14 @@ FIELDS = ("fwd_flops", "bwd_flops", "param_count", "param_bytes", "saved_bytes",
           "saved_selective_bytes", "input_bytes", "output_bytes", "tp_style", "kind")
 
 
-@pytest.mark.parametrize("dtype", ["bf16"])
-def test_matches_capture(dtype: str) -> None:
+@pytest.mark.parametrize("dtype,sdpa", [("bf16", False), ("bf16", True), ("fp32", True)])
+def test_matches_capture(dtype: str, sdpa: bool) -> None:
+    """sdpa: the fused kernel (flash in 16-bit, memory-efficient in fp32) the capture records."""
     from plait.graph.inspect import inspect_model
 
-    captured = inspect_model(SPEC, batch=1, dtype=dtype)
-    closed = gpt_opgraph(SPEC, dtype)
+    spec = SPEC.replace("seq=32", "seq=40,sdpa=true") if sdpa else SPEC  # 40: not a multiple of 32 (padding)
+    captured = inspect_model(spec, batch=1, dtype=dtype)
+    closed = gpt_opgraph(spec, dtype)
     assert closed.layer_names == captured.layer_names
     assert closed.layer_edges == captured.layer_edges
     for a, b in zip(closed.layers, captured.layers):

@@ -79,6 +79,10 @@ GPU_KINDS: dict[str, GPUKind] = {
     # 82.6 TF, TF32 tensor 82.6 TF, BF16 and FP16 tensor with FP32 accumulate 165.2 TF,
     # 24 GB GDDR6X at 1008 GB/s.
     "rtx-4090": _kind("rtx-4090", 24, "1008 GB/s", fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2),
+    # NVIDIA TITAN RTX (Turing TU102) product specifications: FP32 16.3 TFLOPS, Tensor 130 TFLOPS
+    # (FP16 with FP32 accumulate at full rate on the TITAN, unlike GeForce Turing), 24 GB GDDR6 at
+    # 672 GB/s. Turing has no TF32 or BF16 units.
+    "titan-rtx": _kind("titan-rtx", 24, "672 GB/s", fp32=16.3, fp16=130),
     # NVIDIA A100 Tensor Core GPU datasheet, SXM columns: FP32 19.5 TF, TF32 156 TF
     # (312 sparse), BF16/FP16 312 TF (624 sparse); 40 GB HBM2 at 1,555 GB/s and
     # 80 GB HBM2e at 2,039 GB/s.
@@ -212,6 +216,10 @@ NODE_TEMPLATES: dict[str, NodeTemplate] = {
                              "assumed PCIe Gen4 server, 25 GbE"),
     "rtx-4090": NodeTemplate(8, _link("pcie", _PCIE4), _link("ethernet", "25 Gb/s"), 1,
                              "assumed PCIe Gen4 server, 25 GbE"),
+    # A workstation of TITAN RTX cards: PCIe Gen3 x16 (the NVLink bridge pairs two cards: give the
+    # link where a cluster has it), 10 GbE (an assumption).
+    "titan-rtx": NodeTemplate(2, _link("pcie", _PCIE3), _link("ethernet", "10 Gb/s"), 1,
+                              "assumed PCIe Gen3 workstation, 10 GbE"),
     # DGX A100: NVSwitch, NVLink 3.0 600 GB/s per GPU, 8x 200 Gb/s HDR InfiniBand (compute).
     # These are the datasheet's peak link figures. What collectives achieve on such a node is
     # lower: the calibration on measured Megatron runs (bench/validate_a100.py) fits 216 GB/s

@@ -79,9 +79,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the placement annealing (default 0)")
     p.add_argument("--no-placement", action="store_true", help="keep Megatron's rank order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
-                   help="--family spmd: the dtype the program is synthesized (and slower kinds emulated) at; "
-                        "CPU ranks compute fp32 (default fp32)")
+    p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
+                   help="training dtype of every family's plans: fp32, tf32 (fp32 tensors, TF32 tensor-core "
+                        "matmuls; fp32 where a GPU has no TF32 unit), bf16 or fp16 (mixed precision). Default: "
+                        "bf16, or fp16 where a GPU kind has no bf16 unit (V100, T4); fp32 for --family spmd "
+                        "and for SPMD programs the runtime is to run (CPU ranks compute fp32)")
     p.add_argument("--max-states", type=int, default=20_000,
                    help="--family spmd: states of the exact program search before its beam search (default 20000)")
     add_traffic_args(p)
@@ -125,11 +127,17 @@ def run(args: argparse.Namespace) -> int:
         else {"families": args.family}
     if args.family == "all" and (args.export or args.traffic_plan or space is not None):
         families = {"families": "3d"}
+    if args.export and families["families"] == "3d":  # frameworks split the global batch evenly
+        import dataclasses
+
+        from plait.search import SearchSpace
+
+        space = dataclasses.replace(space or SearchSpace(), uneven_dp=False)
     if space is not None:  # graph pipelines and SPMD programs have no dp x tp x pp grid to restrict
         families["space"] = space
     options = {"finalists": None if args.finalists == 0 else args.finalists, "seed": args.seed,
                "placement": not args.no_placement, "progress": not args.no_progress and not args.json,
-               "memory_kwargs": memory_kwargs_of(args), "jobs": jobs}
+               "memory_kwargs": memory_kwargs_of(args), "jobs": jobs, "dtype": args.dtype}
     if families["families"] not in ("all", "3d"):  # any other registered family: the options it takes
         taken = FAMILIES[args.family][1]
         options = {k: v for k, v in options.items() if k in taken or k in ("progress", "jobs")}  # + the driver's
@@ -211,7 +219,7 @@ def _run_graph(args: argparse.Namespace) -> int:
     if args.export:
         raise PlaitError("--export: graph plans (a DAG of stages) have no Megatron/DeepSpeed equivalent")
     result = plan(args.model, args.cluster, global_batch=args.global_batch, top=args.top, family="graph",
-                  runnable=args.run, memory_kwargs=memory_kwargs_of(args))
+                  runnable=args.run, memory_kwargs=memory_kwargs_of(args), dtype=args.dtype)
     if args.out:
         from plait.search.summary import search_path, write_summary
 

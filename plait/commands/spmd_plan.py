@@ -437,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.out, "--out")
     t0 = time.perf_counter()
-    choice = synthesize_plan(args.model, args.cluster, args.global_batch, dtype=args.dtype,
+    choice = synthesize_plan(args.model, args.cluster, args.global_batch, dtype=args.dtype or "fp32",
                              optimizer=args.optimizer, max_states=args.max_states)
     if args.out:
         from plait.search.summary import search_path, write_summary

@@ -63,7 +63,7 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # needs them. Unknown kinds fall back to 108 (A100), which only affects wave quantisation.
 _SM_COUNT = {
     "a100": 108, "h100": 132, "h200": 132, "v100": 80, "t4": 40, "a10": 72,
-    "l40s": 142, "rtx-3090": 82, "rtx-4090": 128,
+    "l40s": 142, "rtx-3090": 82, "rtx-4090": 128, "titan-rtx": 72,
 }
 
 
@@ -191,6 +191,80 @@ def op_time(flops: float, nbytes: float, kind: GPUKind, dtype: str, model: Compu
     return max(t_compute, nbytes / (kind.memory_bandwidth * model.memory_efficiency))
 
 
+# ---------------------------------------------------------------- fused attention
+# FlashAttention (Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with
+# IO-Awareness", Alg. 1-2 and Thm. 2; FlashAttention-2, Dao 2023, sec. 3) computes softmax(QK^T)V
+# tile by tile in on-chip SRAM: it never writes the s x s scores to HBM, keeps only the output and
+# the fp32 log-sum-exp for backward (O(s) memory per head), and fuses scale, mask, softmax and
+# dropout. Work: per head, the forward's two products are 4 s_q s_k d FLOPs; the backward
+# recomputes S = QK^T and forms dV, dP, dQ, dK (five products, 2.5x the forward). Causal masking
+# skips the key blocks above the diagonal.
+#
+# Achieved fraction of the *datasheet* dense tensor-core peak at long sequences (head dim 128),
+# per architecture, from the kernels' own published benchmarks (measured under each board's
+# power limit, so `GPUKind.tensor_sustained` is already inside them):
+# * Ampere (A100): FlashAttention-2 reaches up to 73 % forward and 63 % backward (Dao 2023,
+#   sec. 4.1). Used for every kind not listed (Ampere/Ada parts run the same kernels).
+# * Hopper (H100/H200): FlashAttention-2 -- what PyTorch's SDPA and flash-attn 2.x run -- cannot use
+#   wgmma/TMA and reaches about a third of the peak: ~335 TFLOP/s forward (Dao 2023, sec. 4.1)
+#   and 291-322 TFLOP/s backward at 2k-16k tokens (Shah et al. 2024, "FlashAttention-3", fig. 5).
+FLASH_PEAK_FRACTION = {"a100": (0.73, 0.63), "h100": (0.34, 0.33), "h200": (0.34, 0.33)}
+FLASH_BLOCK = 128  # query / key block edge of the FlashAttention-2 kernels (d = 64-128)
+# Per query block the kernel loads its Q tile, and at the end rescales and writes O (and in backward
+# dQ/dK/dV): fixed work worth about this many key-block iterations. It is why the kernels' rate
+# ramps with sequence length -- FlashAttention-3's fig. 5 shows FA2 at 214 TFLOP/s at 512 tokens
+# and 322 at 16k on H100 (4 key blocks: 4 / (4 + 2) = 0.67 of the long-sequence rate).
+FLASH_BLOCK_OVERHEAD = 2.0
+
+
+def flash_peak_fraction(kind: GPUKind, backward: bool) -> float:
+    name = kind.name.lower()
+    for prefix, (fwd, bwd) in FLASH_PEAK_FRACTION.items():
+        if name.startswith(prefix):
+            return bwd if backward else fwd
+    fwd, bwd = FLASH_PEAK_FRACTION["a100"]
+    return bwd if backward else fwd
+
+
+def _sustained(kind: GPUKind, dtype: str) -> float:
+    """`kind.flops(dtype)` over the datasheet rate (the power-limit factor `flops` applies)."""
+    peak = kind.peak_flops.get(dtype) or kind.peak_flops["fp32"]
+    return kind.flops(dtype) / peak
+
+
+def flash_attention_time(b: float, heads: float, sq: int, sk: int, d: int, causal: bool, kind: GPUKind,
+                         dtype: str, model: ComputeModel = DEFAULT_MODEL, backward: bool = False
+                         ) -> tuple[float, float]:
+    """(GPU seconds, FLOPs) of one FlashAttention forward or backward kernel over ``b x heads``
+    heads of ``sq`` queries and ``sk`` keys of width ``d`` (see the comment above).
+
+    Compute: the executed products (causal: the key blocks on and below the diagonal) at
+    ``flash_peak_fraction`` of the datasheet peak, scaled by ``n / (n + FLASH_BLOCK_OVERHEAD)`` for
+    ``n`` key blocks per query block, and by the wave quantisation of the ``b x heads x
+    ceil(sq / 128)`` thread blocks over the SMs. Memory: Q, K, V, O (+ dO, dQ, dK, dV) and the
+    fp32 log-sum-exp once each through HBM. The roofline max of the two plus ``kernel_gpu_s``."""
+    if b <= 0 or heads <= 0 or sq <= 0 or sk <= 0:
+        return 0.0, 0.0
+    qb, kb = math.ceil(sq / FLASH_BLOCK), math.ceil(sk / FLASH_BLOCK)
+    # causal (bottom-right aligned): query block i visits key blocks 0..i (of the qb == kb grid)
+    n = (kb + 1) / 2.0 if causal and qb == kb else float(kb)
+    visited = n / kb
+    flops = 4.0 * b * heads * sq * sk * d * visited * (2.5 if backward else 1.0)
+    blocks = math.ceil(b * heads) * qb
+    sms = sm_count(kind)
+    waves = math.ceil(blocks / sms)
+    wave_util = blocks / (waves * sms)
+    peak = kind.peak_flops.get(dtype) or kind.peak_flops["fp32"]
+    eff = flash_peak_fraction(kind, backward) * n / (n + FLASH_BLOCK_OVERHEAD) * wave_util
+    t_compute = flops / (peak * eff)
+    a = dtype_bytes(dtype)
+    tensors = 8 if backward else 4  # q k v o (+ do dq dk dv)
+    nbytes = tensors * a * b * heads * sq * d + 4 * b * heads * sq
+    t_memory = nbytes / (kind.memory_bandwidth * model.memory_efficiency)
+    causal_flops = 4.0 * b * heads * sq * sk * d * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
+    return max(t_compute, t_memory) + model.kernel_gpu_s, causal_flops
+
+
 # ---------------------------------------------------------------- passes
 @dataclass
 class Segment:
@@ -282,6 +356,11 @@ class _Builder:
         self.seg.host_s += self.host if host is None else host
         self.seg.kernels += 1
         self.seg.flops += flops
+
+    def kernel(self, gpu: float, flops: float) -> None:
+        """One kernel priced by its caller (e.g. `flash_attention_time`)."""
+        if gpu > 0:
+            self._kernel(gpu, flops)
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> None:
         if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
@@ -413,8 +492,8 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
 
     def attention_fwd(x: _Builder) -> None:
         if shape.flash:
-            flops = 4.0 * b * heads_r * s * s * d * (0.5 if shape.causal else 1.0)
-            x.compute(flops, model.gemm_efficiency * 0.75)  # FlashAttention-2 reaches ~70-75% of GEMM speed
+            x.kernel(*flash_attention_time(b, heads_r, s, s, d, shape.causal, kind, dtype, model, False))
+            x.mem(2 * a * Er)  # [b, s, a, d] -> [s, b, h] output layout copy
             return
         x.gemm(s, s, d, batch=b * heads_r)  # Q K^T (baddbmm)
         if fused:
@@ -466,8 +545,10 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
         x.gemm(bs, heads_r * d, h)  # proj dgrad
         x.gemm(heads_r * d, h, bs)  # proj wgrad
         if shape.flash:
-            flops = 2.5 * 4.0 * b * heads_r * s * s * d * (0.5 if shape.causal else 1.0)
-            x.compute(flops, model.gemm_efficiency * 0.6)
+            x.mem(2 * a * Er)  # output-gradient layout copy
+            x.mem(2 * a * Er + 4 * b * heads_r * s)  # FA2's preprocessing: D = rowsum(dO * O), fp32
+            x.kernel(*flash_attention_time(b, heads_r, s, s, d, shape.causal, kind, dtype, model, True))
+            x.mem((4 + a) * Er)  # FA2 accumulates dQ in fp32: convert it to the activation dtype
         else:
             x.mem(2 * a * Er)  # head split copy
             x.gemm(s, s, d, batch=b * heads_r)  # dP = dO V^T
@@ -673,8 +754,9 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
                 f.collective("all_reduce", op.output_bytes * b, tp)
             continue
         if _ATTENTION_TARGETS.search(op.target):
-            f.compute(op.fwd_flops * b * frac, model.gemm_efficiency * 0.75)
-            bwd_ops.append(("flops", (op.bwd_flops * b * frac,)))
+            # shape unknown here: the flash kernel's long-sequence rate (`flash_peak_fraction`)
+            f.compute(op.fwd_flops * b * frac, flash_peak_fraction(kind, False) / _sustained(kind, dtype))
+            bwd_ops.append(("flops", (op.bwd_flops * b * frac, flash_peak_fraction(kind, True) / _sustained(kind, dtype))))
             continue
         nbytes = _op_bytes(op, graph) * b * frac
         if op.fwd_flops > 0 and op.fwd_flops * b > nbytes * kind.flops(dtype) / kind.memory_bandwidth:
@@ -759,8 +841,9 @@ def _analytic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: G
         return embedding_cost(int(vocab), shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share,
                               positions, model, layer.name)
     if layer.tp_style == "head" and shape is not None and vocab:
-        tied = bool(cfg.get("tie", layer.param_count < int(vocab) * shape.hidden))
-        return head_cost(int(vocab), shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share, tied,
+        out = int(cfg.get("head_out") or vocab)  # a classifier head (closed-form graph's `head_out`)
+        tied = bool(cfg.get("tie", layer.param_count < out * shape.hidden)) and out == int(vocab)
+        return head_cost(out, shape.hidden, shape.seq, micro_batch, kind, dtype, tp, share, tied,
                          model, layer.name)
     return generic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, model)
 

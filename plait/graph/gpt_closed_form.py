@@ -44,8 +44,7 @@ def gpt_config(spec: str | dict[str, Any]) -> dict[str, Any]:
 def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
     """OpGraph of the zoo GPT `spec` (per sample), as `plait.graph.capture` would record it."""
     cfg = gpt_config(spec)
-    if cfg.get("sdpa"):
-        raise ValueError("gpt_opgraph: sdpa=True graphs are only available through the capture")
+    sdpa = bool(cfg.get("sdpa"))
     L, h, a, s, V = cfg["layers"], cfg["hidden"], cfg["heads"], cfg["seq"], cfg["vocab"]
     f = cfg["ffn"]
     ab = _DTYPE[dtype]  # activation bytes
@@ -88,23 +87,16 @@ def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
                   bwd_flops=4.0 * s * h * 3 * h, param_bytes=(3 * h * h + 3 * h) * pb, saved_bytes=sh,
                   output_bytes=3 * sh)
         core = f"{p}.attn.core"
-        sc = add(lay, core, "aten.bmm.default", inputs=(qkv,), fwd_flops=2.0 * s * s * h, bwd_flops=4.0 * s * s * h,
-                 saved_bytes=3 * sh, saved_tp_bytes=3 * sh, output_bytes=a * s * s * ab)
-        sc = add(lay, core, "aten.mul.Tensor", inputs=(sc,), output_bytes=a * s * s * ab)
-        add(lay, core, "aten.full.default", output_bytes=s * s * ab / 2)
-        add(lay, core, "aten.triu.default", output_bytes=s * s * ab / 2)
-        sc = add(lay, core, "aten.add.Tensor", inputs=(sc,), output_bytes=a * s * s * ab)
-        sm = add(lay, core, "aten._softmax.default", inputs=(sc,), saved_bytes=a * s * s * ab,
-                 saved_tp_bytes=a * s * s * ab, saved_selective_bytes=a * s * s * ab, output_bytes=a * s * s * ab)
-        dr = add(lay, f"{core}.drop", "aten.native_dropout.default", inputs=(sm,), saved_bytes=a * s * s,
-                 saved_tp_bytes=a * s * s, saved_selective_bytes=a * s * s, output_bytes=a * s * s * (ab + 1))
-        ctx = add(lay, core, "aten.bmm.default", 1, inputs=(dr, qkv), fwd_flops=2.0 * s * s * h,
-                  bwd_flops=4.0 * s * s * h, saved_bytes=a * s * s * ab, saved_tp_bytes=a * s * s * ab,
-                  saved_selective_bytes=a * s * s * ab, output_bytes=sh)
-        ctx = add(lay, core, "aten.clone.default", inputs=(ctx,), output_bytes=sh)
+        if sdpa:
+            target, kw = _fused_attention(s, h, a, ab)
+            ctx = add(lay, core, target, inputs=(qkv,), **kw)
+            proj_saved = 0.0  # its input, the attention output, is already saved by the fused kernel
+        else:
+            ctx = _explicit_attention(add, lay, core, qkv, s, h, a, ab)
+            proj_saved = sh
         pr = add(lay, f"{p}.attn.proj", "aten.addmm.default", inputs=(ctx,), fwd_flops=2.0 * s * h * h,
-                 bwd_flops=4.0 * s * h * h, param_bytes=(h * h + h) * pb, saved_bytes=sh, saved_tp_bytes=sh,
-                 output_bytes=sh)
+                 bwd_flops=4.0 * s * h * h, param_bytes=(h * h + h) * pb, saved_bytes=proj_saved,
+                 saved_tp_bytes=proj_saved, output_bytes=sh)
         pr = add(lay, f"{p}.attn.drop", "aten.native_dropout.default", inputs=(pr,), saved_bytes=s * h,
                  output_bytes=sh + s * h)
         r1 = add(lay, p, "aten.add.Tensor", inputs=(resid, pr), output_bytes=sh)
@@ -136,19 +128,59 @@ def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
     x = add(lay, "head", "aten.clone.default", inputs=(resid,), output_bytes=sh)
     ln = add(lay, "head.ln", "aten.native_layer_norm.default", inputs=(x,), param_bytes=2 * h * pb,
              saved_bytes=sh + stats, output_bytes=sh + stats)
-    tied = bool(cfg.get("tie", True))
-    lm = add(lay, "head.lm", "aten.mm.default", inputs=(ln,), fwd_flops=2.0 * s * h * V, bwd_flops=4.0 * s * h * V,
-             param_bytes=0 if tied else V * h * pb, saved_bytes=sh, output_bytes=s * V * ab)
-    ls = add(lay, "", "aten._log_softmax.default", inputs=(lm,), saved_bytes=s * V * ab, output_bytes=s * V * ab)
-    add(lay, "", "aten.nll_loss_forward.default", inputs=(ls,), saved_bytes=8.0 * s + 1, output_bytes=ab)
+    # `head_out`: a classifier of that many outputs (e.g. BERT's sequence classification) instead of
+    # the vocabulary projection; its weight is its own
+    n_out = int(cfg.get("head_out") or V)
+    tied = bool(cfg.get("tie", True)) and n_out == V
+    lm = add(lay, "head.lm", "aten.mm.default", inputs=(ln,), fwd_flops=2.0 * s * h * n_out, bwd_flops=4.0 * s * h * n_out,
+             param_bytes=0 if tied else n_out * h * pb, saved_bytes=sh, output_bytes=s * n_out * ab)
+    ls = add(lay, "", "aten._log_softmax.default", inputs=(lm,), saved_bytes=s * n_out * ab, output_bytes=s * n_out * ab)
+    add(lay, "", "aten.nll_loss_forward.default", inputs=(ls,), saved_bytes=8.0 * s + ab / 2, output_bytes=ab)  # targets + total weight
     names = list(ops)[start:]
     hops = [ops[n] for n in names]
-    head_params = 2 * h + (0 if tied else V * h)
+    head_params = 2 * h + (0 if tied else n_out * h)
     layers.append(Layer(name=lay, kind="LMHead", ops=names, fwd_flops=sum(o.fwd_flops for o in hops),
                         bwd_flops=sum(o.bwd_flops for o in hops), param_count=head_params,
                         param_bytes=head_params * pb, saved_bytes=sum(o.saved_bytes for o in hops),
-                        input_bytes=sh, output_bytes=s * V * ab, tp_style="head"))
+                        input_bytes=sh, output_bytes=s * n_out * ab, tp_style="head"))
     edges = [(a_.name, b_.name) for a_, b_ in zip(layers, layers[1:])]
     return OpGraph(model="gpt", ops=ops, layers=layers, layer_edges=edges, param_dtype_bytes=pb,
                    activation_dtype_bytes=ab, capture_batch=1, config=cfg,
                    tied=[TiedParams(layers[0].name, "head", V * h, tp_sharded=True)] if tied else [])
+
+
+def _explicit_attention(add, lay: str, core: str, qkv: str, s: int, h: int, a: int, ab: int) -> str:
+    """The zoo's bmm-softmax-dropout-bmm attention: keeps the s x s probabilities (5as^2 per sample
+    in 16-bit, Korthikanti et al. 2022)."""
+    sh = s * h * ab
+    sc = add(lay, core, "aten.bmm.default", inputs=(qkv,), fwd_flops=2.0 * s * s * h, bwd_flops=4.0 * s * s * h,
+             saved_bytes=3 * sh, saved_tp_bytes=3 * sh, output_bytes=a * s * s * ab)
+    sc = add(lay, core, "aten.mul.Tensor", inputs=(sc,), output_bytes=a * s * s * ab)
+    add(lay, core, "aten.full.default", output_bytes=s * s * ab / 2)
+    add(lay, core, "aten.triu.default", output_bytes=s * s * ab / 2)
+    sc = add(lay, core, "aten.add.Tensor", inputs=(sc,), output_bytes=a * s * s * ab)
+    sm = add(lay, core, "aten._softmax.default", inputs=(sc,), saved_bytes=a * s * s * ab,
+             saved_tp_bytes=a * s * s * ab, saved_selective_bytes=a * s * s * ab, output_bytes=a * s * s * ab)
+    dr = add(lay, f"{core}.drop", "aten.native_dropout.default", inputs=(sm,), saved_bytes=a * s * s,
+             saved_tp_bytes=a * s * s, saved_selective_bytes=a * s * s, output_bytes=a * s * s * (ab + 1))
+    ctx = add(lay, core, "aten.bmm.default", 1, inputs=(dr, qkv), fwd_flops=2.0 * s * s * h,
+              bwd_flops=4.0 * s * s * h, saved_bytes=a * s * s * ab, saved_tp_bytes=a * s * s * ab,
+              saved_selective_bytes=a * s * s * ab, output_bytes=sh)
+    return add(lay, core, "aten.clone.default", inputs=(ctx,), output_bytes=sh)
+
+
+def _fused_attention(s: int, h: int, a: int, ab: int) -> tuple[str, dict[str, float]]:
+    """``F.scaled_dot_product_attention`` as the capture records CUDA's fused kernel
+    (`plait.graph.capture._CudaKernels`): flash attention in 16-bit, memory-efficient attention in
+    fp32. It saves Q, K, V, the output and the fp32 log-sum-exp -- O(s) per head, no s x s matrix
+    (Dao et al. 2022, FlashAttention, sec. 3.1) -- plus the dropout RNG state; the log-sum-exp of the
+    memory-efficient kernel is padded to 32 rows. FLOPs: 4 s^2 h forward, 2.5x that backward (no
+    causal discount, as torch's flop counter reports them)."""
+    sh = s * h * ab
+    if ab == 2:
+        target, lse, rng = "aten._scaled_dot_product_flash_attention.default", 4.0 * a * s, 12.0
+    else:
+        target, lse, rng = "aten._scaled_dot_product_efficient_attention.default", 4.0 * a * (-(-s // 32) * 32), 8.0
+    saved = 4 * sh + lse + rng
+    return target, dict(fwd_flops=4.0 * s * s * h, bwd_flops=10.0 * s * s * h, saved_bytes=saved,
+                        saved_tp_bytes=saved, saved_selective_bytes=lse + rng, output_bytes=sh + lse + rng)

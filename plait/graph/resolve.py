@@ -44,7 +44,7 @@ def resolve_model(model: Any, plan: Plan, inputs: Any = None, analytic: bool | N
             from plait.graph.gpt_closed_form import gpt_config, gpt_opgraph
 
             cfg = gpt_config(text)
-            if analytic or (cfg.get("layers", 0) > CLOSED_FORM_MIN_LAYERS and not cfg.get("sdpa")):
+            if analytic or cfg.get("layers", 0) > CLOSED_FORM_MIN_LAYERS:
                 return gpt_opgraph(cfg, dtype=plan.dtype)
     from plait.graph.inspect import inspect_model
 

@@ -87,8 +87,9 @@ def heterogeneous_reasons(plan: Plan, cluster: Cluster | None = None) -> list[st
         reasons.append(f"it has an explicit stage DAG ({len(plan.stages)} stages)")
     if plan.layer_split is not None and len(set(plan.layer_split)) > 1:
         reasons.append(f"layer_split {plan.layer_split} is uneven")
-    if plan.dp_shares is not None and max(plan.dp_shares) - min(plan.dp_shares) > 1e-9:
-        reasons.append("dp_shares give data-parallel replicas uneven batches")
+    if plan.dp_shares is not None and len(set(plan.samples_per_replica())) > 1:
+        reasons.append("dp_shares give data-parallel replicas uneven batches "
+                       f"({':'.join(map(str, plan.samples_per_replica()))} samples)")
     if plan.tp_ratios is not None and max(plan.tp_ratios) - min(plan.tp_ratios) > 1e-9:
         reasons.append("tp_ratios shard tensors unevenly")
     if cluster is not None:

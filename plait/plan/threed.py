@@ -94,6 +94,9 @@ class SearchSpace:
     layouts: bool = True  # on mixed clusters: try kinds along pp and along dp
     hetero: bool = True  # on mixed clusters: uneven layers/batch shares (False: treat GPUs as equal)
     dtype: str | None = None  # None: bf16, or fp16 when some GPU kind has no bf16 unit (V100, T4)
+    # data-parallel degrees that do not divide the global batch (even shares, the remainder carried by
+    # the first replicas); False where the plan must be a framework's (Megatron needs B % (mb dp) == 0)
+    uneven_dp: bool = True
     allow: Callable[[Plan], bool] | None = None  # extra filter on candidates (e.g. a fixed list)
 
 
@@ -220,6 +223,9 @@ def load_graph(model: Any, dtype: str = "bf16") -> tuple[Any, OpGraph]:
     return spec, graph
 
 
+PLAN_DTYPES = ("fp32", "tf32", "bf16", "fp16")  # what a plan's `dtype` may be (`Plan`)
+
+
 def auto_dtype(cluster: Cluster) -> str:
     """bf16 where every GPU kind has bf16 units, else fp16 (V100/T4 train mixed precision in fp16)."""
     kinds = {d.kind.name: d.kind for d in cluster.devices}.values()
@@ -265,14 +271,23 @@ def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
             if pp > n_layers or (space.pp is not None and pp not in space.pp):
                 continue
             dp = world // (tp * pp)
-            if global_batch % dp:
+            if dp > global_batch:
+                continue  # a replica without a sample
+            # A degree that does not divide the global batch gets even shares, the remainder carried by
+            # the first replicas (`Plan.samples_per_replica`): floor or ceil(B / dp) samples each, cut
+            # into micro-batches of at most `mb` (`plait.ir.stage_graph.micro_batch_sizes`); `mb`
+            # divides B so a mixed cluster's re-balancing hands out whole micro-batches (`hetero.balance`).
+            uneven = global_batch % dp != 0
+            if uneven and not space.uneven_dp:
                 continue
-            mbs = _divisors(global_batch // dp)
+            shares = [1.0 / dp] * dp if uneven else None
+            mbs = ([m for m in _divisors(global_batch) if m <= -(-global_batch // dp)] if uneven
+                   else _divisors(global_batch // dp))
             if space.micro_batch is not None:
                 mbs = [m for m in mbs if m in space.micro_batch]
             if not mbs:
                 continue
-            schedules = ["1f1b"] if pp == 1 else [s for s in space.schedules]
+            schedules = ["1f1b"] if pp == 1 else [s for s in space.schedules if not (uneven and s == "interleaved")]
             # ZeRO-2/3 shard gradients/parameters that gradient accumulation across pipeline
             # micro-batches keeps whole (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism).
             zeros = [z for z in space.zero if (dp > 1 or z == 0) and (pp == 1 or z <= 1)]
@@ -291,7 +306,8 @@ def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
                                     continue
                                 plans.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch,
                                                   recompute=recompute, zero=zero, schedule=schedule,
-                                                  virtual_stages=v, sequence_parallel=sp, dtype=dtype))
+                                                  virtual_stages=v, sequence_parallel=sp, dtype=dtype,
+                                                  dp_shares=shares))
                             if space.allow is not None:
                                 plans = [q for q in plans if space.allow(q)]
                             if not plans:
@@ -694,8 +710,11 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
          placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
          layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
          on_progress: Callable[[str, int, int], None] | None = None, fast: bool = True,
-         jobs: int | None = None) -> PlanResult:
+         jobs: int | None = None, dtype: str | None = None) -> PlanResult:
     """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
+
+    `dtype`: the plans' training dtype (fp32, tf32, bf16, fp16; overrides `space.dtype`); None:
+    `auto_dtype` (bf16, or fp16 where a GPU kind has no bf16 unit).
 
     `finalists`: how many of the analytically best candidates get placed and simulated
     (None: all of them -- exhaustive). `evaluate(graph, plan) -> dict` ranks the placed
@@ -722,6 +741,10 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
     if gb < 1:
         raise SearchError(f"plan: global batch must be >= 1, got {gb}")
+    if dtype is not None:
+        if dtype not in PLAN_DTYPES:
+            raise SearchError(f"plan: dtype must be one of {list(PLAN_DTYPES)}, got {dtype!r}")
+        space = dataclasses.replace(space or SearchSpace(), dtype=dtype)
     dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
     spec, graph = load_graph(model, dtype)
     analytic = AnalyticModel(graph, cluster_obj, layer_time, compute, fast=fast)
@@ -730,8 +753,8 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     groups = list(enumerate_groups(graph, cluster_obj, gb, space))
     total = sum(len(g.plans) for g in groups)
     if total == 0:
-        raise SearchError(f"plan: no dp x tp x pp configuration of {cluster_obj.num_devices} GPUs divides "
-                          f"global batch {gb} for model {graph.model}")
+        raise SearchError(f"plan: no dp x tp x pp configuration of {cluster_obj.num_devices} GPUs gives every "
+                          f"data-parallel replica a sample of global batch {gb} for model {graph.model}")
     mem = _MemoryFilter(graph, cluster_obj, dict(memory_kwargs or {}))
     jobs = _search_jobs(jobs, cluster_obj)
     kept = _fitting_candidates(groups, mem, analytic, space.hetero if space is not None else True,

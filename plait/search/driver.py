@@ -48,7 +48,7 @@ class FamilySearch(Protocol):
 FAMILIES: dict[str, tuple[FamilySearch, frozenset[str]]] = {}
 
 _3D_OPTIONS = frozenset({"finalists", "space", "placement", "seed", "progress", "placement_iterations",
-                         "memory_kwargs", "layer_time", "on_progress", "fast", "jobs"})
+                         "memory_kwargs", "layer_time", "on_progress", "fast", "jobs", "dtype"})
 # Options of the driver itself, handed to every family that takes them.
 _DRIVER_OPTIONS = frozenset({"progress", "on_progress", "jobs"})
 

@@ -121,7 +121,9 @@ PARAMS = {
     "ffn": Param(int, None, "SwiGLU width (default: 8h/3 rounded up to a multiple of 256)"),
     "tie": Param(bool, False, "LM head shares the embedding weights"),
     "rope_base": Param(float, 10000.0, "rotary embedding base"),
-    "sdpa": Param(bool, False, "use F.scaled_dot_product_attention"),
+    # LLaMA training runs fused attention (flash / SDPA; Touvron et al. 2023 use xformers' memory-efficient
+    # kernel), never the explicit s x s softmax: at seq 8192 the explicit path predicts a 2.8x slower step.
+    "sdpa": Param(bool, True, "use F.scaled_dot_product_attention (false: explicit bmm-softmax-bmm)"),
     "eps": Param(float, 1e-5, "RMSNorm epsilon"),
     "init_std": Param(float, 0.02, "weight init std"),
 }
