@@ -25,8 +25,8 @@ exhaustive plan (goal: within 5 %).
 
 Before / today (issue 36): each case is searched twice in one process, first under the driver's
 policy before issue 36 (``plan(graph_chains="never")``: the graph family declined chain models
-beside the 3D family) and then with today's default (``"mixed-kinds"``: asked on clusters of two or
-more GPU kinds); the second table prints both picks, their predicted times and search times (the
+beside the 3D family) and then with today's default (``"always"``: asked for chains on every
+cluster); the second table prints both picks, their predicted times and search times (the
 first search also loads the model graph, which the second finds cached; `bench/plan_search_time.py
 --before` times the pair in fresh processes). `--no-before` skips the first search. Each row also
 says whether the pick is no slower than every family's best (``pick_le_every_family``).
@@ -102,7 +102,7 @@ COMPOSED = ("compose",)  # families that compose others: left out of "the best s
 # each family's options that search it exhaustively (no finalists, every candidate grouping)
 EXHAUSTIVE: dict[str, dict[str, Any]] = {"3d": {"finalists": None}, "compose": {"candidates": 10**6}}
 # the driver's policy before issue 36 (`plait.search.driver.GRAPH_CHAINS`): the graph family declined
-# chain models whenever the 3D family was searched too; run beside today's default in each case
+# chain models whenever the 3D family was searched too; run beside today's default ("always") in each case
 BEFORE = "never"
 
 
@@ -202,10 +202,18 @@ def run_case(case: Case, finalists: int | None, exhaustive: bool, before_policy:
     return out
 
 
+def _partial(path: str | None, rows: list[dict[str, Any]]) -> None:
+    """The rows so far, in `--json-out`'s file (a run cut short keeps its finished cases)."""
+    if path:
+        Path(path).write_text(json.dumps({"summary": {"partial": True, "cases": len(rows)}, "rows": rows},
+                                         indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two cases, 4 finalists, no exhaustive check")
-    ap.add_argument("--case", action="append", choices=[c.name for c in CASES], help="only this case")
+    ap.add_argument("--case", action="append", choices=[c.name for c in CASES],
+                    help="only this case (repeatable; run in the order given)")
     ap.add_argument("--finalists", type=int, default=12)
     ap.add_argument("--no-exhaustive", action="store_true")
     ap.add_argument("--no-before", action="store_true",
@@ -217,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from plait.search import FAMILIES
 
-    cases = [c for c in CASES if not args.case or c.name in args.case]
+    by_name = {c.name: c for c in CASES}
+    cases = [by_name[n] for n in dict.fromkeys(args.case)] if args.case else list(CASES)  # in the order given
     if args.quick and not args.case:
         cases = [CASES[0], CASES[4]]
     finalists = 4 if args.quick else args.finalists
@@ -226,10 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(args.jobs) as pool:
-            rows = list(pool.map(run_case, cases, [finalists] * len(cases), [exh] * len(cases),
-                                 [not args.no_before] * len(cases)))
+            rows = []
+            for row in pool.map(run_case, cases, [finalists] * len(cases), [exh] * len(cases),
+                                [not args.no_before] * len(cases)):
+                rows.append(row)
+                _partial(args.json_out, rows)
     else:
-        rows = [run_case(c, finalists, exhaustive=exh, before_policy=not args.no_before) for c in cases]
+        rows = []
+        for c in cases:
+            rows.append(run_case(c, finalists, exhaustive=exh, before_policy=not args.no_before))
+            _partial(args.json_out, rows)
     names = list(FAMILIES)
     summary = {
         "families": names,
