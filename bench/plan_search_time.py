@@ -17,6 +17,10 @@ model graph is loaded (as `plait plan` starts: no cache warmed by an earlier sea
   serial    the search as it runs by default, in 1 process (`jobs=1`);
   now       the search as it runs by default, with `--jobs` worker processes (default: this
             machine's CPUs, as `plait plan` uses them; `plait.workers`).
+`--before` adds a fourth setting, run first in each round: today's search with `--jobs` processes under
+the driver's policy before issue 36 (`graph_chains="never"`: the graph family declines chain models
+beside the 3D family); `--median` reports the median of the repeats instead of the least
+(`--before --median --repeat 3 --no-baseline --no-serial`: issue 36's search-time pairs).
 Prints each family's and phase's wall time (checking memory, ranking analytically, placing +
 simulating) and the whole search's wall and CPU time (this process and its workers,
 `os.times`), each the least over the repeats (the machine is shared: one run can be a quarter
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,7 +83,7 @@ def measure(*args: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 def _measure(model: str, cluster: Any, global_batch: int, finalists: int, top: int, fast: bool,
-             families: str = "all", jobs: int = 1) -> dict[str, Any]:
+             families: str = "all", jobs: int = 1, graph_chains: str = "always") -> dict[str, Any]:
     """One search; wall seconds of each family and of each family's phases (keys "3d",
     "3d memory", "3d analytic", "3d simulate", "graph", "graph search", ...), and the whole
     search's wall and CPU seconds (its worker processes included)."""
@@ -97,7 +102,7 @@ def _measure(model: str, cluster: Any, global_batch: int, finalists: int, top: i
 
     c0, w0 = cpu_seconds(), time.perf_counter()
     res = plan(model, cluster, global_batch=global_batch, top=top, finalists=finalists, families=families,
-               on_progress=on_progress, fast=fast, jobs=jobs)
+               on_progress=on_progress, fast=fast, jobs=jobs, graph_chains=graph_chains)
     cpu, wall = cpu_seconds() - c0, time.perf_counter() - w0
     # a phase runs from its first report (its start) to the next phase's first report
     starts = sorted(first.items(), key=lambda kv: kv[1])
@@ -110,11 +115,12 @@ def _measure(model: str, cluster: Any, global_batch: int, finalists: int, top: i
     return {"cpu_s": cpu, "wall_s": wall, "times": times, "result": res}
 
 
-def _least(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The runs' least time per row (and whole search); the first run's result."""
+def _least(runs: list[dict[str, Any]], stat: Any = min) -> dict[str, Any]:
+    """The runs' least time (`stat`: or their median) per row (and whole search); the first run's result."""
     keys = {k for r in runs for k in r["times"]}
-    return {"cpu_s": min(r["cpu_s"] for r in runs), "wall_s": min(r["wall_s"] for r in runs),
-            "times": {k: min(r["times"][k] for r in runs if k in r["times"]) for k in
+    return {"cpu_s": stat([r["cpu_s"] for r in runs]), "wall_s": stat([r["wall_s"] for r in runs]),
+            "walls": [r["wall_s"] for r in runs],
+            "times": {k: stat([r["times"][k] for r in runs if k in r["times"]]) for k in
                       sorted(keys, key=lambda k: list(runs[0]["times"]).index(k) if k in runs[0]["times"] else 99)},
             "result": runs[0]["result"], "runs": len(runs)}
 
@@ -166,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-serial", action="store_true", help="skip the one-process run of today's search")
     ap.add_argument("--repeat", type=int, default=2,
                     help="alternating runs of each setting; each row shows its least time (default 2)")
+    ap.add_argument("--before", action="store_true",
+                    help="also run the driver's policy before issue 36 (graph_chains='never': the graph family "
+                         "declines chain models beside 3D) with --jobs processes, alternating with 'now'")
+    ap.add_argument("--median", action="store_true", help="each row the median over the repeats (default: least)")
     ap.add_argument("--quick", action="store_true", help="smoke run: GPT-3 1.3B on 2 nodes, batch 64")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = ap.parse_args(argv)
@@ -180,23 +190,25 @@ def main(argv: list[str] | None = None) -> int:
     load_graph(args.model, auto_dtype(cluster))  # cached: every run searches the same graph
     graph_s = time.process_time() - t
     load = os.getloadavg()[0]
-    settings = {"baseline": (False, 1), "serial": (True, 1), "now": (True, args.jobs)}
+    settings = {"baseline": (False, 1, "always"), "serial": (True, 1, "always"), "now": (True, args.jobs, "always")}
+    if args.before:
+        settings = {"before": (True, args.jobs, "never"), **settings}
     if args.no_baseline:
         del settings["baseline"]
     if args.no_serial:
         del settings["serial"]
     tries: dict[str, list[dict[str, Any]]] = {k: [] for k in settings}
     for _ in range(max(1, args.repeat)):
-        for name, (fast, jobs) in settings.items():
+        for name, (fast, jobs, policy) in settings.items():
             tries[name].append(measure(args.model, cluster, args.global_batch, args.finalists, args.top, fast,
-                                       args.families, jobs))
-    runs = {k: _least(v) for k, v in tries.items()}
+                                       args.families, jobs, policy))
+    runs = {k: _least(v, statistics.median if args.median else min) for k, v in tries.items()}
     now = runs["now"]
     keys = list(now["times"]) + [k for r in runs.values() for k in r["times"] if k not in now["times"]]
     keys = list(dict.fromkeys(keys))
     same = all([(c["plan"], c["iteration_time_s"]) for c in r["result"]["top"]] ==
                [(c["plan"], c["iteration_time_s"]) for c in now["result"]["top"]]
-               for v in tries.values() for r in v)
+               for k, v in tries.items() if k != "before" for r in v)  # 'before' searches fewer families
     res = now["result"]
     met = now["wall_s"] < TARGET_S
     summary = {"wall_s": now["wall_s"], "cpu_s": now["cpu_s"], "jobs": args.jobs, "load_average": load,
@@ -204,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
                **{f"{k}_cpu_s": r["cpu_s"] for k, r in runs.items() if k != "now"},
                "speedup_over_baseline": runs["baseline"]["wall_s"] / now["wall_s"] if "baseline" in runs else None,
                "speedup_over_serial": runs["serial"]["wall_s"] / now["wall_s"] if "serial" in runs else None,
+               "now_over_before_wall": now["wall_s"] / runs["before"]["wall_s"] if "before" in runs else None,
+               "now_walls_s": now["walls"], "before_walls_s": runs["before"]["walls"] if "before" in runs else None,
+               "before_best_plan": runs["before"]["result"]["best_plan"] if "before" in runs else None,
+               "before_best_iteration_time_s": (runs["before"]["result"]["best_iteration_time_s"]
+                                                if "before" in runs else None),
+               "stat": "median" if args.median else "least",
                "target_s": TARGET_S, "goal_10s_met": met, "same_top": same,
                "best_plan": res["best_plan"], "best_iteration_time_s": res["best_iteration_time_s"]}
     if args.json:
@@ -221,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{n} x {k}" for k, n in _kinds(cluster).items())
                   + f"), global batch {args.global_batch}, {args.finalists} finalists; model graph "
                   f"{graph_s:.1f} s CPU (once); {os.cpu_count()} CPUs here, load average {load:.2f}")
-    labels = {"baseline": "baseline (fast=False, 1 process)", "serial": "serial (1 process)",
+    labels = {"before": f"before issue 36 ({args.jobs} processes)", "baseline": "baseline (fast=False, 1 process)",
+              "serial": "serial (1 process)",
               "now": f"now ({args.jobs} processes)"}
-    t1 = Table(title=f"search time per family and phase (wall seconds; least of {now['runs']} alternating runs)")
+    how = "median" if args.median else "least"
+    t1 = Table(title=f"search time per family and phase (wall seconds; {how} of {now['runs']} alternating runs)")
     t1.add_column("family / phase")
     for name in runs:
         t1.add_column(labels[name], justify="right")
@@ -263,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(tries) > 1 or now["runs"] > 1:
         console.print("top plans and simulated times of every run: " + ("[green]identical[/]" if same
                                                                            else "[red]differ[/]"))
+    if "before" in runs:
+        b = runs["before"]
+        console.print(f"before issue 36 (graph family declines chains): {b['wall_s']:.1f} s wall "
+                      f"(runs {', '.join(f'{w:.1f}' for w in b['walls'])}), best {b['result']['best_plan']} "
+                      f"{b['result']['best_iteration_time_s']:.3f} s; now {now['wall_s']:.1f} s "
+                      f"(runs {', '.join(f'{w:.1f}' for w in now['walls'])}): "
+                      f"{now['wall_s'] / b['wall_s']:.2f}x the time (goal of issue 36: at most 1.20x)")
     verdict = "[green]under[/]" if met else "[red]over[/]"
     console.print(f"whole search {now['wall_s']:.1f} s wall on {args.jobs} processes ({now['cpu_s']:.1f} s CPU): "
                   f"{verdict} the {TARGET_S:.0f} s target -- goal {TARGET_S:.0f} s met: "

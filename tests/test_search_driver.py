@@ -106,4 +106,17 @@ def test_chain_on_mixed_kinds_asks_the_graph_family():
     best = min(c.analytic_s for f in mixed.families.values() if isinstance(f, PlanResult) for c in f.top)
     assert mixed.top[0].analytic_s == pytest.approx(best)
     one = plan(MODEL, CLUSTER, global_batch=8, top=2, simulate=False, families=["3d", "graph"])
-    assert "no branches" in one.families["graph"]
+    assert isinstance(one.families["graph"], PlanResult)  # on one kind too (its plans may use fewer GPUs)
+    old = plan(MODEL, CLUSTER, global_batch=8, top=2, simulate=False, families=["3d", "graph"],
+               graph_chains="mixed-kinds")  # the driver of commit 67308ef declined there
+    assert "no branches" in old.families["graph"]
+
+
+def test_graph_chains_runs_the_policy_before_issue_36_beside_todays():
+    # `graph_chains="never"` is the driver before issue 36 (the graph family declines chains beside
+    # the 3D family), so a bench can run it next to today's default ("always").
+    before = plan(MODEL, MIXED, global_batch=8, top=2, simulate=False, families=["3d", "graph"],
+                  graph_chains="never")
+    assert "no branches" in before.families["graph"]
+    with pytest.raises(SearchError, match="graph_chains"):
+        plan(MODEL, CLUSTER, global_batch=8, simulate=False, families=["3d", "graph"], graph_chains="sometimes")

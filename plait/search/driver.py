@@ -50,7 +50,15 @@ FAMILIES: dict[str, tuple[FamilySearch, frozenset[str]]] = {}
 _3D_OPTIONS = frozenset({"finalists", "space", "placement", "seed", "progress", "placement_iterations",
                          "memory_kwargs", "layer_time", "on_progress", "fast", "jobs", "dtype"})
 # Options of the driver itself, handed to every family that takes them.
-_DRIVER_OPTIONS = frozenset({"progress", "on_progress", "jobs"})
+_DRIVER_OPTIONS = frozenset({"progress", "on_progress", "jobs", "graph_chains"})
+# When the driver asks the graph family for a chain model beside the 3D family (`plan(graph_chains=)`):
+#   "always"       (default, issue 36) on every cluster: its stages may use a subset of the GPUs
+#                  and each has its own dp and micro-batch, which the 3D family's grid over all GPUs
+#                  cannot express -- on one kind too (tests/test_search_guard.py pins a 4-GPU case
+#                  where one GPU alone beats every plan over all four);
+#   "mixed-kinds"  only on clusters of two or more GPU kinds (the driver of commit 67308ef);
+#   "never"        the policy before issue 36: declined ("no branches").
+GRAPH_CHAINS = ("always", "mixed-kinds", "never")
 
 
 def register_family(name: str, search: FamilySearch, options: Sequence[str] = ()) -> None:
@@ -127,7 +135,10 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     """The fastest plans of `model` on `cluster` for `global_batch` over the planner `families`
     ("all", a name or a list; see FAMILIES), ranked by the simulator (`simulate=False`: by each
     family's analytic model alone). Other keyword arguments go to the families that take them
-    (e.g. finalists, space, placement, seed, progress for "3d").
+    (e.g. finalists, space, placement, seed, progress for "3d"). `graph_chains` says when the
+    graph family is asked for a chain model beside the 3D family (GRAPH_CHAINS: "always", the
+    default; "mixed-kinds" and "never", the earlier policies, kept so a bench can run them beside
+    today's in one process).
 
     One family: its own result. Several: one result whose `top` merges every family's
     finalists by iteration time and whose `families` holds each family's result (or why it
@@ -137,6 +148,8 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
 
     t0 = time.perf_counter()
     names = resolve_families(family if family is not None else families)
+    if kwargs.get("graph_chains", "always") not in GRAPH_CHAINS:
+        raise SearchError(f"plan: graph_chains={kwargs['graph_chains']!r}; use one of {list(GRAPH_CHAINS)}")
     cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
     evaluate = simulator_evaluate(cluster_obj, compute) if simulate else None
     kwargs.setdefault("supports", supports)  # never offer a plan the runtime would refuse
@@ -146,8 +159,9 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     if unknown:
         raise SearchError(f"plan: option(s) {unknown} are not taken by the families {names}")
     show, callback = bool(kwargs.pop("progress", False)), kwargs.pop("on_progress", None)
+    chains = kwargs.pop("graph_chains", "always")
     with paused_gc():
-        results = _search_families(names, model, cluster_obj, common, kwargs, show, callback)
+        results = _search_families(names, model, cluster_obj, common, kwargs, show, callback, chains)
     if len(names) == 1:
         return results[names[0]]  # type: ignore[return-value]
     found = [r for r in results.values() if isinstance(r, PlanResult)]
@@ -173,15 +187,16 @@ def _one_kind(cluster: Cluster) -> bool:
 
 
 def _search_families(names: list[str], model: Any, cluster_obj: Cluster, common: dict[str, Any],
-                     kwargs: dict[str, Any], show: bool, callback: Any) -> dict[str, PlanResult | str]:
+                     kwargs: dict[str, Any], show: bool, callback: Any,
+                     graph_chains: str = "always") -> dict[str, PlanResult | str]:
     """Each family's result, or why it proposed nothing (raised when it is the only family)."""
+    ask_chains = graph_chains == "always" or (graph_chains == "mixed-kinds" and not _one_kind(cluster_obj))
     results: dict[str, PlanResult | str] = {}
     for name in names:
         search, options = FAMILIES[name]
         own = {k: v for k, v in kwargs.items() if k in options}
-        if name == "graph" and len(names) > 1 and "3d" in names and _one_kind(cluster_obj):
-            # on one GPU kind a chain's graph pipeline is a 3D plan again; on mixed kinds its
-            # kind-homogeneous stages with per-stage dp and micro-batch are not (issue 36)
+        if name == "graph" and len(names) > 1 and "3d" in names and not ask_chains:
+            # an earlier policy (GRAPH_CHAINS), run beside today's by bench/unified.py
             own.setdefault("chains", False)
         phased = "on_progress" in options  # the family reports its phases; the driver draws them
         bar = _FamilyProgress(name, show, callback, prefix=len(names) > 1)
