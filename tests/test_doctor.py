@@ -353,6 +353,14 @@ def test_a_node_uplink_slowed_is_found_against_the_links_own_history(tmp_path: P
     assert {f.evidence["node_uplink"] for f in d.findings} == {"n0<->n1"}
     # the same cluster busy (contention slows every pair and every rank's compute): no finding
     assert diagnose(write_run(tmp_path / "busy", world=6, steps=10, nodes=nodes, busy=(4, 3.0))).healthy
+    # one rank per node (4 nodes): the 3 pairs crossing n2 are slow against their peers (the 3
+    # others) and, being every pair of n2, are attributed to its uplink; a lone slow pair is not
+    four = ["n0", "n1", "n2", "n3"]
+    d = diagnose(write_run(tmp_path / "four", world=4, steps=10, nodes=four, uplink=("n2", 4, 3.0)))
+    assert {f.ranks for f in d.findings} == {(0, 2), (1, 2), (2, 3)}
+    assert {f.evidence.get("node_uplink") for f in d.findings} == {"n2"}
+    d = diagnose(write_run(tmp_path / "pair", world=4, steps=10, nodes=four, link=(1, 2, 4, 3.0)))
+    assert kinds(d) == [("slow_link", (1, 2))] and "node_uplink" not in d.findings[0].evidence
 
 
 def test_probes_below_the_floor_are_not_judged_by_their_ratio(tmp_path: Path) -> None:

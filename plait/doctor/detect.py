@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from plait.doctor.folder import RunRecords, pid_alive
@@ -584,8 +584,31 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> 
                             step=hits[0], collective="link probe", slow_steps=hits,
                             ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
                             transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
+    out = _on_uplink(run, out)
     out += uplinks(run, th, series, times, rise, {f.ranks for f in out})
     return sorted(out, key=lambda f: -f.evidence["ratio"])
+
+
+def _node_name(run: RunRecords, node: Any) -> str:
+    """A node as the report names it: its host name where config.json gives one."""
+    hosts = [rr.info.get("host") for rr in run.ranks.values() if run.node_of(rr.rank) == node]
+    return str(next((h for h in hosts if h is not None), node))
+
+
+def _on_uplink(run: RunRecords, found: list[Finding]) -> list[Finding]:
+    """Slow links found against their peers that are exactly every pair crossing one node's
+    boundary (two pairs or more: one pair is a link, not a node's uplink) are that node's uplink:
+    each gets `evidence["node_uplink"]`, as `uplinks` gives a node whose pairs all slowed together."""
+    node = {r: run.node_of(r) for r in run.ranks}
+    nodes = sorted({n for n in node.values() if n is not None}, key=str)
+    slow = {f.ranks for f in found}
+    for x in nodes:
+        group = {(a, b) for a in run.ranks for b in run.ranks if a < b and (node[a] == x) != (node[b] == x)}
+        if len(group) >= 2 and group == slow:
+            where = _node_name(run, x) if len(nodes) > 2 else \
+                f"{_node_name(run, nodes[0])}<->{_node_name(run, nodes[1])}"
+            return [replace(f, evidence={**f.evidence, "node_uplink": where}) for f in found]
+    return found
 
 
 def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[int, float]],
@@ -624,7 +647,7 @@ def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[
         expected = sum(1 for s in steps if s >= hits[0] and (s - hits[0]) % period == 0)
         if len(on) < th.link_min_hits or len(on) < th.link_min_hit_fraction * expected:
             continue
-        where = str(x) if len(nodes) > 2 else f"{nodes[0]}<->{nodes[1]}"
+        where = _node_name(run, x) if len(nodes) > 2 else f"{_node_name(run, nodes[0])}<->{_node_name(run, nodes[1])}"
         for p in group:
             ratio = statistics.median(series[p][s] / level[p] for s in on)  # type: ignore[operator]
             out.append(_finding("slow_link", p, times[p][on[0]][1], times[p][on[th.link_min_hits - 1]][2], run,
