@@ -391,6 +391,54 @@ def test_a_stall_the_run_went_on_after_is_a_finding(tmp_path: Path) -> None:
     assert diagnose(write_run(tmp_path / "all", steps=10, pause=(-1, 5, 3.0))).healthy
 
 
+def _mark_pause(root: Path, rank: int, step: int, seconds: float, what: str = "checkpoint",
+                ended: bool = True) -> None:
+    """The runtime's pause marker (plait.runtime.recorder.Heartbeat) for the wait `write_run`'s
+    `pause` put before `rank`'s all-reduce of `step` (the records' clock: the folder has no wall map)."""
+    enter = next(json.loads(x) for x in (root / "comm" / f"rank{rank}.jsonl").read_text().splitlines()
+                 if '"type":"enter"' in x and '"all_reduce"' in x and f'"step":{step}' in x)
+    lines = [{"format_version": 1, "kind": "plait.pauses", "rank": rank},
+             {"what": what, "step": step, "begin": enter["t"] - seconds}]
+    lines += [{"what": what, "step": step, "end": enter["t"]}] if ended else []
+    (root / "pause").mkdir(exist_ok=True)
+    (root / "pause" / f"rank{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_a_marked_pause_is_not_a_stall(tmp_path: Path) -> None:
+    # Rank 2 alone waits 3 s before step 5's all-reduce (its peers wait in the call) -- the stall of
+    # the test above -- but its runtime marked the 3 s as a checkpoint write: no finding, post hoc,
+    # live (every moment of the replay) or in the iteration table.
+    from dataclasses import replace
+
+    from plait.commands.run_cmd import _stalls
+    from plait.doctor import diagnose_records
+    from plait.doctor.folder import as_of
+
+    root = write_run(tmp_path, steps=10, pause=(2, 5, 3.0))
+    _mark_pause(root, 2, 5, 3.0)
+    run = read_run(root)
+    assert run.ranks[2].pauses[0][0] == "checkpoint" and run.ranks[2].pauses[0][3] is not None
+    assert diagnose(root).healthy and _stalls(root) == {}
+    t = 0.0
+    while t < run.t_obs:
+        assert diagnose_records(as_of(run, t), live=True).healthy, t
+        t += 0.1
+    # a marker that covers only part of the wait leaves the rest a stall (1 s of 3: 2 s unmarked)
+    part = write_run(tmp_path / "part", steps=10, pause=(2, 5, 3.0))
+    _mark_pause(part, 2, 5, 1.0)
+    assert kinds(diagnose(part)) == [("noncomm_hang", (2,))]
+    # a pause still going (begun, not ended: the rank is writing its checkpoint now) is no hang
+    going = write_run(tmp_path / "going", steps=10, stop=(2, 5))
+    lines = [{"format_version": 1, "kind": "plait.pauses", "rank": 2},
+             {"what": "checkpoint", "step": 5, "begin": read_run(going).t_obs - 0.05}]
+    (going / "pause").mkdir()
+    (going / "pause" / "rank2.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = read_run(going)
+    assert diagnose_records(replace(run, t_obs=run.t_obs + 5.0), live=True).healthy
+    (going / "pause" / "rank2.jsonl").unlink()
+    assert not diagnose_records(replace(read_run(going), t_obs=run.t_obs + 5.0), live=True).healthy
+
+
 def test_plait_runs_iteration_table_shows_a_past_stall(tmp_path: Path) -> None:
     from plait.commands.run_cmd import _stalls
 
@@ -398,3 +446,32 @@ def test_plait_runs_iteration_table_shows_a_past_stall(tmp_path: Path) -> None:
     (row,) = _stalls(root).items()
     assert row[0] == 5 and row[1].startswith("noncomm_hang of rank [2]: 3.")
     assert _stalls(write_run(tmp_path / "clean")) == {} and _stalls(None) == {}
+
+
+def test_the_heartbeat_marks_a_pause_the_doctor_reads(tmp_path: Path) -> None:
+    # The runtime's side: entering and leaving a checkpoint phase appends begin/end markers under
+    # pause/ (a header first); the doctor reads them on the run clock.
+    import time
+
+    from plait.doctor.folder import _read_pauses
+    from plait.runtime.recorder import Heartbeat
+
+    (tmp_path / "hb").mkdir()
+    hb = Heartbeat(tmp_path / "hb" / "rank1.json", 1, interval=0.05)
+    t0 = time.time()
+    hb.progress("train", 3)
+    hb.progress("checkpoint")
+    hb.progress("train")  # the same phase again writes nothing
+    hb.progress("train", 4)
+    hb.progress("resume")
+    hb.close()  # leaving "resume" for "done" ends that pause too
+    lines = [json.loads(x) for x in (tmp_path / "pause" / "rank1.jsonl").read_text().splitlines()]
+    assert lines[0] == {"format_version": 1, "kind": "plait.pauses", "rank": 1}
+    assert [(x["what"], x["step"], "begin" in x) for x in lines[1:]] == [
+        ("checkpoint", 3, True), ("checkpoint", 3, False), ("resume", 4, True), ("resume", 4, False)]
+    warnings: list[str] = []
+    pauses = _read_pauses(tmp_path / "pause" / "rank1.jsonl", t0, warnings)
+    assert [p[:2] for p in pauses] == [("checkpoint", 3), ("resume", 4)] and not warnings
+    assert all(0 <= p[2] <= p[3] < 5 for p in pauses)
+    (tmp_path / "pause" / "rank1.jsonl").write_text('{"kind": "other"}\n')
+    assert _read_pauses(tmp_path / "pause" / "rank1.jsonl", t0, warnings) == [] and "ignored" in warnings[0]

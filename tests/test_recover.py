@@ -385,3 +385,9 @@ def test_a_clean_run_under_recover_does_nothing(tmp_path: Path) -> None:
     assert p0.ended == "finished" and p0.isolation is None and not res.transitions
     saved = json.loads((tmp_path / "recovery.json").read_text())
     assert [a for a in saved["actions"] if a["action"] != "report"] == []
+    # its checkpoint writes were marked as pauses on purpose (not stalls), on every rank
+    from plait.doctor import read_run
+
+    marked = read_run(tmp_path / "phase-0").ranks
+    assert all(any(w == "checkpoint" and e is not None and e >= b for w, _, b, e in rr.pauses)
+               for rr in marked.values()), {r: rr.pauses for r, rr in marked.items()}

@@ -255,7 +255,21 @@ def _progress_end(run: RunRecords) -> float:
             t = hb.get("progress")
             if isinstance(t, int | float) and not rr.done and not hb.get("waiting") and hb.get("phase") != "error":
                 end = max(end, min(float(t) - run.t0_wall, run.t_obs))
-    return end
+    # The end of a marked pause (a checkpoint written) is progress: silence is counted from it.
+    return max([end] + [e for rr in run.ranks.values() for *_, e in rr.pauses if e is not None and e <= run.t_obs])
+
+
+def _paused(run: RunRecords, a: float, b: float) -> float:
+    """Seconds of [a, b] covered by some rank's marked pause (the union over ranks)."""
+    spans = sorted((max(a, p[2]), min(b, p[3] if p[3] is not None else b)) for rr in run.ranks.values()
+                   for p in rr.pauses)
+    total, reach = 0.0, a
+    for lo, hi in spans:
+        lo = max(lo, reach)
+        if hi > lo:
+            total += hi - lo
+            reach = hi
+    return total
 
 
 def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
@@ -265,6 +279,8 @@ def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
         return None
     if any((rr.heartbeat or {}).get("phase") in _LONG_PHASES for rr in run.ranks.values() if not rr.done):
         return None  # a rank is starting up or writing a checkpoint: silence there is not a step's
+    if any(e is None for rr in run.ranks.values() if not rr.done for *_, e in rr.pauses):
+        return None  # a marked pause still going (the runtime's own marker, plait.runtime.recorder)
     steps = {c.step for rr in run.ranks.values() for c in rr.records if c.step is not None}
     if not any(s + 1 in steps for s in steps):
         return None  # no step completed yet (the first one warms up): no step length to judge silence by
@@ -277,7 +293,10 @@ def past_stalls(run: RunRecords, th: Thresholds) -> list[Finding]:
     """Stalls the run went on after: no call ended anywhere for `stall_steps` median steps (and
     `stall_floor_s`), then training resumed. The rank held elsewhere is the one that entered its
     next call last (its peers entered theirs and waited for it): a `noncomm_hang` with
-    `evidence["resumed"]`, its duration and step. The first step (start-up) is not judged."""
+    `evidence["resumed"]`, its duration and step. The first step (start-up) is not judged. A wait
+    that the runtime's pause markers (`RankRun.pauses`: a checkpoint write, a restart's load, an
+    evaluation) cover down to less than the limit is a pause on purpose, not a stall; without
+    markers (older folders), a wait no rank spent inside a call is read as one too."""
     med = step_time(run)
     if med <= 0:
         return []
@@ -287,8 +306,8 @@ def past_stalls(run: RunRecords, th: Thresholds) -> list[Finding]:
     ends = sorted(c.t_end for rr in run.ranks.values() for c in rr.records if c.step is not None and c.step > start)
     out = []
     for a, b in zip(ends, ends[1:]):
-        if b - a < limit:
-            continue
+        if b - a < limit or b - a - _paused(run, a, b) < limit:
+            continue  # short, or a marked pause (a checkpoint write, an evaluation) covers the wait
         nxt = {r: min(((c.t_enqueue, c.step) for c in rr.records if c.t_enqueue >= a), default=None)
                for r, rr in run.ranks.items()}
         nxt = {r: v for r, v in nxt.items() if v is not None}
