@@ -475,3 +475,27 @@ def test_the_heartbeat_marks_a_pause_the_doctor_reads(tmp_path: Path) -> None:
     assert all(0 <= p[2] <= p[3] < 5 for p in pauses)
     (tmp_path / "pause" / "rank1.jsonl").write_text('{"kind": "other"}\n')
     assert _read_pauses(tmp_path / "pause" / "rank1.jsonl", t0, warnings) == [] and "ignored" in warnings[0]
+
+
+def test_peers_in_the_probe_barrier_while_a_rank_still_probes_is_no_skip(tmp_path: Path) -> None:
+    # Live, mid-step: ranks 1-3 finished their probe rounds and entered the probe barrier; rank 0
+    # still exchanges its last probe of the step (entered after they entered the barrier). That
+    # probe is before the barrier in rank 0's program, not past it. Before: a false comm_hang of
+    # rank 0 on the bench's live replay (stop_resume and hog runs, before any fault).
+    from plait.doctor import diagnose_records
+
+    root = write_run(tmp_path, world=4, steps=6)
+    run = read_run(root)
+    t = run.t_obs + 0.01
+    seqs = {r: max(c.seq for c in run.ranks[r].records if c.group == "world") + 1 for r in range(4)}
+    for r in range(4):
+        with open(root / "comm" / f"rank{r}.jsonl", "a") as fh:
+            if r:
+                fh.write(CommEnter(r, "world", "barrier", 0, seqs[r], t + 0.001 * r, key="barrier world",
+                                   step=6).to_line() + "\n")
+            else:
+                q = max(c.seq for c in run.ranks[0].records if c.group == "p2p 0->1") + 1
+                fh.write(CommEnter(0, "p2p 0->1", "send", 4096, q, t + 0.01, key="probe", peer=1, step=6).to_line()
+                         + "\n")
+    assert diagnose_records(read_run(root), live=True).healthy
+

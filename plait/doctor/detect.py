@@ -173,7 +173,9 @@ def calls_not_joined(run: RunRecords) -> list[Finding]:
                 continue
             # A probe's peer busy with the round's other probes has not passed it by: for a probe,
             # only a later seq or a later step is past it (probe rounds are not skipped calls).
-            probe = any(e.key == PROBE_KEY for e in entries.values())
+            # Nor for a barrier: the probe rounds end at one, which peers done with their probes
+            # enter while a rank still exchanges its last ones (an injected skip is never a barrier).
+            probe = any(e.key == PROBE_KEY or e.op == "barrier" for e in entries.values())
             t_past = _past(run, m, group, members, seq, step, None if probe else first)
             if t_past is None:
                 continue
