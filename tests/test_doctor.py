@@ -499,3 +499,25 @@ def test_peers_in_the_probe_barrier_while_a_rank_still_probes_is_no_skip(tmp_pat
                          + "\n")
     assert diagnose_records(read_run(root), live=True).healthy
 
+
+def test_a_past_stall_names_the_held_rank_when_a_peer_entered_its_next_call_early(tmp_path: Path) -> None:
+    # Rank 2 held 3 s before step 5's all-reduce; rank 1 entered that all-reduce just *before* the
+    # last call ending before the wait (rank 2's probe with rank 3). Each rank's next call is the one
+    # after its own last call: rank 2's came last. Before: rank 1 was named (its next call counted
+    # from the global last end was step 6's probe) -- 2 of 2 stop-and-resume bench runs misnamed.
+    root = write_run(tmp_path, steps=10, pause=(2, 5, 3.0))
+    run = read_run(root)
+    a = max(c.t_end for c in run.ranks[2].records if c.step == 5 and c.key == "probe")
+    path = root / "comm" / "rank1.jsonl"
+    lines = []
+    for x in path.read_text().splitlines():
+        d = json.loads(x)
+        if d.get("step") == 5 and d.get("op") == "all_reduce":
+            d["t" if d["type"] == "enter" else "t_enqueue"] = a - 0.0005
+            if d["type"] == "call":
+                d["t_start"] = a - 0.0005
+            x = json.dumps(d)
+        lines.append(x)
+    path.write_text("\n".join(lines) + "\n")
+    (f,) = diagnose(root).findings
+    assert (f.kind, f.ranks, f.step) == ("noncomm_hang", (2,), 5)

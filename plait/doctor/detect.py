@@ -310,8 +310,11 @@ def past_stalls(run: RunRecords, th: Thresholds) -> list[Finding]:
     for a, b in zip(ends, ends[1:]):
         if b - a < limit or b - a - _paused(run, a, b) < limit:
             continue  # short, or a marked pause (a checkpoint write, an evaluation) covers the wait
-        nxt = {r: min(((c.t_enqueue, c.step) for c in rr.records if c.t_enqueue >= a), default=None)
-               for r, rr in run.ranks.items()}
+        # Each rank's next call after its own last call that ended by `a`: a peer entered its next
+        # call (and waited there) right after; the held rank only once it was let go.
+        last = {r: max((c.t_end for c in rr.records if c.t_end <= a), default=None) for r, rr in run.ranks.items()}
+        nxt = {r: min(((c.t_enqueue, c.step) for c in rr.records if c.t_enqueue >= last[r]), default=None)
+               for r, rr in run.ranks.items() if last[r] is not None}
         nxt = {r: v for r, v in nxt.items() if v is not None}
         if not nxt:
             continue
