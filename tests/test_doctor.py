@@ -521,3 +521,25 @@ def test_a_past_stall_names_the_held_rank_when_a_peer_entered_its_next_call_earl
     path.write_text("\n".join(lines) + "\n")
     (f,) = diagnose(root).findings
     assert (f.kind, f.ranks, f.step) == ("noncomm_hang", (2,), 5)
+
+
+def test_a_node_uplink_is_found_when_one_crossing_pair_is_fast_by_chance(tmp_path: Path) -> None:
+    # Node n1's uplink 2.5x slower from step 4 (2 nodes x 2 ranks: 4 crossing pairs), but pair 1-3's
+    # probes of steps 6 and 8 came out fast (a shared machine's luck). Most crossing pairs slow is
+    # the node's uplink; before, every pair had to be slow at a step: healthy (the seed-3100
+    # bench's 2-node uplink run was missed).
+    nodes = ["n0", "n0", "n1", "n1"]
+    root = write_run(tmp_path, world=4, steps=10, nodes=nodes, uplink=("n1", 4, 2.5))
+    for r in (1, 3):
+        path = root / "comm" / f"rank{r}.jsonl"
+        out = []
+        for x in path.read_text().splitlines():
+            d = json.loads(x)
+            if d.get("type") == "call" and d.get("key") == "probe" and d.get("peer") == 4 - r and d["step"] in (6, 8):
+                d["t_end"] = d["t_start"] + 0.004
+                x = json.dumps(d)
+            out.append(x)
+        path.write_text("\n".join(out) + "\n")
+    d = diagnose(root)
+    assert {f.ranks for f in d.findings} == {(0, 2), (0, 3), (1, 2), (1, 3)}, kinds(d)
+    assert {f.evidence["node_uplink"] for f in d.findings} == {"n0<->n1"}
