@@ -431,16 +431,23 @@ def local_work(run: RunRecords) -> dict[int, dict[int, tuple[float, float, float
                 w[1], w[2] = min(w[1], t_enq), max(w[2], t_enq)
             owner = prev_step if prev_step is not None else step
             if owner is not None and prev_end is not None:
-                per.setdefault(owner, [0.0, t_enq, t_enq])[0] += max(0.0, t_enq - prev_end)
+                # A marked pause (a checkpoint write) between the calls is not the step's work.
+                gap = max(0.0, t_enq - prev_end) - _in_pauses(rr.pauses, prev_end, t_enq)
+                per.setdefault(owner, [0.0, t_enq, t_enq])[0] += max(0.0, gap)
             prev_end = t_end if prev_end is None else max(prev_end, t_end)
             prev_step = step
         out[r] = {s: (v[0], v[1], v[2]) for s, v in per.items()}
     return out
 
 
+def _in_pauses(pauses: list[tuple[str, Any, float, float | None]], a: float, b: float) -> float:
+    """Seconds of [a, b] inside one rank's own marked pauses (they do not overlap each other)."""
+    return sum(max(0.0, min(b, e if e is not None else b) - max(a, lo)) for _, _, lo, e in pauses)
+
+
 def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], ratio: float, floor: float,
-           min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None
-           ) -> dict[Any, tuple[list[int], float]]:
+           min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None,
+           periodic: bool = True) -> dict[Any, tuple[list[int], float]]:
     """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
 
     A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
@@ -483,7 +490,7 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
             continue
         # The pattern: every k-th step from the first hit, k the hits' median spacing. Only hits on
         # it count (scattered noise has a median spacing too, but does not fall on its grid).
-        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:]))))
+        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:])))) if periodic else 1
         on = [s for s in hits if (s - hits[0]) % period == 0]
         expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % period == 0)
         if len(on) >= min_hits and len(on) >= fraction * expected:
@@ -599,8 +606,10 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> 
         return run.node_of(p[0]) == run.node_of(p[1])
     peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
     rise = compute_rise(run, list(series), th)
+    # A slow link stays slow: its probes from the first slow one on (not every k-th: a shared
+    # machine's latency spikes, scattered over a long run, fall on some grid by chance).
     flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
-                     th.link_min_hit_fraction, scale=rise)
+                     th.link_min_hit_fraction, scale=rise, periodic=False)
     out = []
     for p, (hits, ref) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
@@ -673,9 +682,8 @@ def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[
                 hits.append(s)
         if len(hits) < th.link_min_hits:
             continue
-        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:]))))
-        on = [s for s in hits if (s - hits[0]) % period == 0]
-        expected = sum(1 for s in steps if s >= hits[0] and (s - hits[0]) % period == 0)
+        on = hits  # a node's uplink stays slow too: every probe from the first slow one counts
+        expected = sum(1 for s in steps if s >= hits[0])
         if len(on) < th.link_min_hits or len(on) < th.link_min_hit_fraction * expected:
             continue
         where = _node_name(run, x) if len(nodes) > 2 else f"{_node_name(run, nodes[0])}<->{_node_name(run, nodes[1])}"
