@@ -69,3 +69,28 @@ def test_probe_rounds_meet_every_pair_once(m: int) -> None:
         assert all(partner[partner[r]] == r != partner[r] for r in range(m))
         pairs |= {tuple(sorted((r, partner[r]))) for r in range(m)}
     assert len(pairs) == m * (m - 1) // 2
+
+
+def test_uplink_becomes_every_crossing_link_and_stop_resume_and_hog_parse() -> None:
+    inj = Injection.parse("uplink:node=1,factor=3,from=2; stop:rank=0,step=4,for=2.5s; hog:rank=3,from=1,procs=2")
+    assert [f.kind for f in inj.faults] == ["uplink", "stop", "hog"]
+    assert inj.faults[1].duration_s == 2.5 and inj.faults[2] == Fault("hog", 3, 1, procs=2)
+    assert inj.at(3, 1, "step", ("hog",)) == inj.faults[2]
+    assert not inj.links()  # an uplink is links only once the layout says which ranks cross it
+    laid = inj.on_nodes([0, 0, 1, 1])  # ranks 0, 1 on node 0; 2, 3 on node 1
+    pairs = [(f.rank, f.peer) for f in laid.links()]
+    assert pairs == [(0, 2), (0, 3), (1, 2), (1, 3)]
+    assert all(f.factor == 3.0 and f.step == 2 and f.uplink == 1 for f in laid.links())
+    assert "node 1's uplink" in laid.links()[0].describe()
+    assert Injection.from_list(laid.to_list()) == laid
+    four = Injection.parse("uplink:node=2,delay=5ms").on_nodes([0, 1, 2, 3])
+    assert [(f.rank, f.peer) for f in four.links()] == [(0, 2), (1, 2), (2, 3)]
+    with pytest.raises(InjectError, match="the plan's ranks are on nodes \\[0, 1\\], not node 5"):
+        Injection.parse("uplink:node=5,factor=2").on_nodes([0, 0, 1, 1])
+    with pytest.raises(InjectError, match="no rank of another node"):
+        Injection.parse("uplink:node=0,factor=2").on_nodes([0, 0])
+    for spec, message in [("uplink:node=1", "an uplink needs 'factor'"),
+                          ("stop:rank=0,step=1,for=2", "field 'for' must be a time with a unit"),
+                          ("hog:rank=0,procs=0", "field 'procs' must be >= 1")]:
+        with pytest.raises(InjectError, match=message):
+            Injection.parse(spec)

@@ -94,6 +94,21 @@ def test_live_finding_is_acted_on_only_once_it_persisted_k_polls(tmp_path: Path)
     assert "noncomm_hang of ranks [1]" in w._judge(hang) and w.diagnosis.findings[0].ranks == (1,)
 
 
+def test_a_slow_link_is_acted_on_only_while_its_newest_probe_is_slow(tmp_path: Path) -> None:
+    # A burst of load slowed probes 10-12 of a healthy link and passed (probes 13, 14 fast): the
+    # doctor keeps the finding in its history, but it is not ongoing -- never acted on, however
+    # many polls name it (a clean 30-step --recover run was shrunk on such a finding). A link slow
+    # up to its newest probe is acted on after K=2 polls.
+    w = _watch(tmp_path, persist=2)
+
+    def link(slow: list[int], newest: int) -> Diagnosis:
+        ev = {"slow_steps": slow, "transfer_s": {str(s): 0.01 if s in slow else 0.006 for s in range(1, newest + 1)}}
+        return _diag(Finding(kind="slow_link", ranks=(1, 3), first_seen_s=1.0, evidence=ev))
+    assert [w._judge(link([10, 11, 12], n)) for n in (13, 14, 15, 16)] == [None] * 4 and w.diagnosis is None
+    assert w._judge(link([10, 11, 12, 13, 14, 15, 16, 17], 17)) is None
+    assert "slow_link of ranks [1, 3]" in w._judge(link([10, 11, 12, 13, 14, 15, 16, 17, 18], 18))
+
+
 def test_slow_rank_is_reported_once_and_never_stops_the_job(tmp_path: Path) -> None:
     w = _watch(tmp_path, persist=2)
     assert [w._judge(_diag(_f("slow_rank", 2))) for _ in range(4)] == [None] * 4
@@ -385,3 +400,9 @@ def test_a_clean_run_under_recover_does_nothing(tmp_path: Path) -> None:
     assert p0.ended == "finished" and p0.isolation is None and not res.transitions
     saved = json.loads((tmp_path / "recovery.json").read_text())
     assert [a for a in saved["actions"] if a["action"] != "report"] == []
+    # its checkpoint writes were marked as pauses on purpose (not stalls), on every rank
+    from plait.doctor import read_run
+
+    marked = read_run(tmp_path / "phase-0").ranks
+    assert all(any(w == "checkpoint" and e is not None and e >= b for w, _, b, e in rr.pauses)
+               for rr in marked.values()), {r: rr.pauses for r, rr in marked.items()}

@@ -88,10 +88,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="with --recover: act only when the launcher stops the job (a dead or hung rank), not on "
                           "the doctor's diagnosis of the running job (slow ranks and links)")
     p.add_argument("--inject", metavar="SPEC", default=None,
-                   help="inject faults (several, ';'-separated): kill:rank=R,step=S | stop:rank=R,step=S | "
+                   help="inject faults (several, ';'-separated): kill:rank=R,step=S | stop:rank=R,step=S[,for=2s] | "
                         "hang:rank=R,step=S | error:rank=R,step=S | skip:rank=R,step=S | mismatch:rank=R,step=S | "
                         "slow:rank=R,factor=F[,from=S][,every=K][,until=S] | "
-                        "link:ranks=A-B,factor=F|delay=5ms[,from=S]  (docs/doctor.md)")
+                        "link:ranks=A-B,factor=F|delay=5ms[,from=S] | uplink:node=N,factor=F|delay=5ms[,from=S] | "
+                        "hog:rank=R[,from=S][,procs=K]  (docs/doctor.md)")
     p.add_argument("--compute-sleep", metavar="S", type=float, default=0.0,
                    help="pad every forward span to at least S seconds (backward 2 S) by sleeping: timings set by "
                         "sleep, not by how many ranks share a core (fault-injection experiments)")

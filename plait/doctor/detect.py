@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from plait.doctor.folder import RunRecords, pid_alive
@@ -173,7 +173,9 @@ def calls_not_joined(run: RunRecords) -> list[Finding]:
                 continue
             # A probe's peer busy with the round's other probes has not passed it by: for a probe,
             # only a later seq or a later step is past it (probe rounds are not skipped calls).
-            probe = any(e.key == PROBE_KEY for e in entries.values())
+            # Nor for a barrier: the probe rounds end at one, which peers done with their probes
+            # enter while a rank still exchanges its last ones (an injected skip is never a barrier).
+            probe = any(e.key == PROBE_KEY or e.op == "barrier" for e in entries.values())
             t_past = _past(run, m, group, members, seq, step, None if probe else first)
             if t_past is None:
                 continue
@@ -255,7 +257,21 @@ def _progress_end(run: RunRecords) -> float:
             t = hb.get("progress")
             if isinstance(t, int | float) and not rr.done and not hb.get("waiting") and hb.get("phase") != "error":
                 end = max(end, min(float(t) - run.t0_wall, run.t_obs))
-    return end
+    # The end of a marked pause (a checkpoint written) is progress: silence is counted from it.
+    return max([end] + [e for rr in run.ranks.values() for *_, e in rr.pauses if e is not None and e <= run.t_obs])
+
+
+def _paused(run: RunRecords, a: float, b: float) -> float:
+    """Seconds of [a, b] covered by some rank's marked pause (the union over ranks)."""
+    spans = sorted((max(a, p[2]), min(b, p[3] if p[3] is not None else b)) for rr in run.ranks.values()
+                   for p in rr.pauses)
+    total, reach = 0.0, a
+    for lo, hi in spans:
+        lo = max(lo, reach)
+        if hi > lo:
+            total += hi - lo
+            reach = hi
+    return total
 
 
 def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
@@ -265,6 +281,8 @@ def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
         return None
     if any((rr.heartbeat or {}).get("phase") in _LONG_PHASES for rr in run.ranks.values() if not rr.done):
         return None  # a rank is starting up or writing a checkpoint: silence there is not a step's
+    if any(e is None for rr in run.ranks.values() if not rr.done for *_, e in rr.pauses):
+        return None  # a marked pause still going (the runtime's own marker, plait.runtime.recorder)
     steps = {c.step for rr in run.ranks.values() for c in rr.records if c.step is not None}
     if not any(s + 1 in steps for s in steps):
         return None  # no step completed yet (the first one warms up): no step length to judge silence by
@@ -277,7 +295,10 @@ def past_stalls(run: RunRecords, th: Thresholds) -> list[Finding]:
     """Stalls the run went on after: no call ended anywhere for `stall_steps` median steps (and
     `stall_floor_s`), then training resumed. The rank held elsewhere is the one that entered its
     next call last (its peers entered theirs and waited for it): a `noncomm_hang` with
-    `evidence["resumed"]`, its duration and step. The first step (start-up) is not judged."""
+    `evidence["resumed"]`, its duration and step. The first step (start-up) is not judged. A wait
+    that the runtime's pause markers (`RankRun.pauses`: a checkpoint write, a restart's load, an
+    evaluation) cover down to less than the limit is a pause on purpose, not a stall; without
+    markers (older folders), a wait no rank spent inside a call is read as one too."""
     med = step_time(run)
     if med <= 0:
         return []
@@ -287,10 +308,13 @@ def past_stalls(run: RunRecords, th: Thresholds) -> list[Finding]:
     ends = sorted(c.t_end for rr in run.ranks.values() for c in rr.records if c.step is not None and c.step > start)
     out = []
     for a, b in zip(ends, ends[1:]):
-        if b - a < limit:
-            continue
-        nxt = {r: min(((c.t_enqueue, c.step) for c in rr.records if c.t_enqueue >= a), default=None)
-               for r, rr in run.ranks.items()}
+        if b - a < limit or b - a - _paused(run, a, b) < limit:
+            continue  # short, or a marked pause (a checkpoint write, an evaluation) covers the wait
+        # Each rank's next call after its own last call that ended by `a`: a peer entered its next
+        # call (and waited there) right after; the held rank only once it was let go.
+        last = {r: max((c.t_end for c in rr.records if c.t_end <= a), default=None) for r, rr in run.ranks.items()}
+        nxt = {r: min(((c.t_enqueue, c.step) for c in rr.records if c.t_enqueue >= last[r]), default=None)
+               for r, rr in run.ranks.items() if last[r] is not None}
         nxt = {r: v for r, v in nxt.items() if v is not None}
         if not nxt:
             continue
@@ -407,16 +431,23 @@ def local_work(run: RunRecords) -> dict[int, dict[int, tuple[float, float, float
                 w[1], w[2] = min(w[1], t_enq), max(w[2], t_enq)
             owner = prev_step if prev_step is not None else step
             if owner is not None and prev_end is not None:
-                per.setdefault(owner, [0.0, t_enq, t_enq])[0] += max(0.0, t_enq - prev_end)
+                # A marked pause (a checkpoint write) between the calls is not the step's work.
+                gap = max(0.0, t_enq - prev_end) - _in_pauses(rr.pauses, prev_end, t_enq)
+                per.setdefault(owner, [0.0, t_enq, t_enq])[0] += max(0.0, gap)
             prev_end = t_end if prev_end is None else max(prev_end, t_end)
             prev_step = step
         out[r] = {s: (v[0], v[1], v[2]) for s, v in per.items()}
     return out
 
 
+def _in_pauses(pauses: list[tuple[str, Any, float, float | None]], a: float, b: float) -> float:
+    """Seconds of [a, b] inside one rank's own marked pauses (they do not overlap each other)."""
+    return sum(max(0.0, min(b, e if e is not None else b) - max(a, lo)) for _, _, lo, e in pauses)
+
+
 def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], ratio: float, floor: float,
-           min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None
-           ) -> dict[Any, tuple[list[int], float]]:
+           min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None,
+           periodic: bool = True) -> dict[Any, tuple[list[int], float]]:
     """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
 
     A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
@@ -459,7 +490,7 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
             continue
         # The pattern: every k-th step from the first hit, k the hits' median spacing. Only hits on
         # it count (scattered noise has a median spacing too, but does not fall on its grid).
-        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:]))))
+        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:])))) if periodic else 1
         on = [s for s in hits if (s - hits[0]) % period == 0]
         expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % period == 0)
         if len(on) >= min_hits and len(on) >= fraction * expected:
@@ -575,8 +606,10 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> 
         return run.node_of(p[0]) == run.node_of(p[1])
     peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
     rise = compute_rise(run, list(series), th)
+    # A slow link stays slow: its probes from the first slow one on (not every k-th: a shared
+    # machine's latency spikes, scattered over a long run, fall on some grid by chance).
     flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
-                     th.link_min_hit_fraction, scale=rise)
+                     th.link_min_hit_fraction, scale=rise, periodic=False)
     out = []
     for p, (hits, ref) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
@@ -584,8 +617,31 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> 
                             step=hits[0], collective="link probe", slow_steps=hits,
                             ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
                             transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
+    out = _on_uplink(run, out)
     out += uplinks(run, th, series, times, rise, {f.ranks for f in out})
     return sorted(out, key=lambda f: -f.evidence["ratio"])
+
+
+def _node_name(run: RunRecords, node: Any) -> str:
+    """A node as the report names it: its host name where config.json gives one."""
+    hosts = [rr.info.get("host") for rr in run.ranks.values() if run.node_of(rr.rank) == node]
+    return str(next((h for h in hosts if h is not None), node))
+
+
+def _on_uplink(run: RunRecords, found: list[Finding]) -> list[Finding]:
+    """Slow links found against their peers that are exactly every pair crossing one node's
+    boundary (two pairs or more: one pair is a link, not a node's uplink) are that node's uplink:
+    each gets `evidence["node_uplink"]`, as `uplinks` gives a node whose pairs all slowed together."""
+    node = {r: run.node_of(r) for r in run.ranks}
+    nodes = sorted({n for n in node.values() if n is not None}, key=str)
+    slow = {f.ranks for f in found}
+    for x in nodes:
+        group = {(a, b) for a in run.ranks for b in run.ranks if a < b and (node[a] == x) != (node[b] == x)}
+        if len(group) >= 2 and group == slow:
+            where = _node_name(run, x) if len(nodes) > 2 else \
+                f"{_node_name(run, nodes[0])}<->{_node_name(run, nodes[1])}"
+            return [replace(f, evidence={**f.evidence, "node_uplink": where}) for f in found]
+    return found
 
 
 def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[int, float]],
@@ -614,17 +670,23 @@ def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[
         for s in steps:
             ratios = [series[p][s] / (level[p] * rise.get(p, {}).get(s, 1.0)) for p in group]  # type: ignore[operator]
             excess = statistics.median(series[p][s] - level[p] for p in group)  # type: ignore[operator]
-            ref = statistics.median([series[q][s] / level[q] for q in intra if s in series[q]] or [1.0])  # type: ignore[operator]
-            if min(ratios) >= th.slow_link_ratio * ref and excess >= th.link_min_excess_s:
+            # How much the same-node pairs rose (contention), counted only where the rise is an
+            # effect (>= link_min_excess_s): a 0.5 -> 1 ms jitter is a 2x ratio of noise.
+            ref = statistics.median([series[q][s] / level[q] if series[q][s] - level[q] >= th.link_min_excess_s  # type: ignore[operator]
+                                     else 1.0 for q in intra if s in series[q]] or [1.0])
+            bar = th.slow_link_ratio * ref
+            # Most crossing pairs slow, not every one: on a shared machine one pair's probe of a
+            # step can be fast by chance (>= 3 of 4, 2 of 2, ...).
+            if statistics.median(ratios) >= bar and sum(x >= bar for x in ratios) >= th.link_min_hit_fraction \
+                    * len(ratios) and excess >= th.link_min_excess_s:
                 hits.append(s)
         if len(hits) < th.link_min_hits:
             continue
-        period = max(1, round(statistics.median(b - a for a, b in zip(hits, hits[1:]))))
-        on = [s for s in hits if (s - hits[0]) % period == 0]
-        expected = sum(1 for s in steps if s >= hits[0] and (s - hits[0]) % period == 0)
+        on = hits  # a node's uplink stays slow too: every probe from the first slow one counts
+        expected = sum(1 for s in steps if s >= hits[0])
         if len(on) < th.link_min_hits or len(on) < th.link_min_hit_fraction * expected:
             continue
-        where = str(x) if len(nodes) > 2 else f"{nodes[0]}<->{nodes[1]}"
+        where = _node_name(run, x) if len(nodes) > 2 else f"{_node_name(run, nodes[0])}<->{_node_name(run, nodes[1])}"
         for p in group:
             ratio = statistics.median(series[p][s] / level[p] for s in on)  # type: ignore[operator]
             out.append(_finding("slow_link", p, times[p][on[0]][1], times[p][on[th.link_min_hits - 1]][2], run,

@@ -7,7 +7,10 @@ What is read (all optional but `comm/`; the record format is in docs/doctor.md):
 * `hb/rankN.json` -- the rank's last heartbeat (`plait.runtime.recorder.Heartbeat`); the file's
   modification time is when it was last written (a stopped rank stops writing it);
 * `exit/rankN.json` and `status/rankN.json` -- how the rank's process ended, if it did;
-* `config.json` -- the run's plan and rank layout (host, node, pipeline/data/tensor coordinates).
+* `config.json` -- the run's plan and rank layout (host, node, pipeline/data/tensor coordinates);
+* `pause/rankN.jsonl` -- the runtime's pause markers (`plait.runtime.recorder.Heartbeat`: a
+  checkpoint write, a restart's checkpoint load, an evaluation), begin and end in Unix time: a
+  wait they cover is a pause on purpose, not a stall.
 
 Times: a records header with `perf_at_open` and `wall_at_open` maps its `perf_counter` times to
 Unix time; without them the times are taken as they are (a hand-written folder: any clock the
@@ -42,6 +45,8 @@ class RankRun:
     info: dict[str, Any] = field(default_factory=dict)  # config.json's rank entry (host, node, ...)
     coords: tuple[int, int, int] | None = None  # (pp, dp, tp) from the plan, when known
     damaged: list[str] = field(default_factory=list)  # its records file's cut or unreadable lines
+    pauses: list[tuple[str, Any, float, float | None]] = field(default_factory=list)
+    """Marked pauses (what, step, begin, end or None while it lasts), run clock."""
 
     @property
     def done(self) -> bool:
@@ -139,6 +144,7 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
                 rr.hb_written = os.stat(hb_path).st_mtime - t0
             except OSError:
                 rr.hb_written = None
+        rr.pauses = _read_pauses(root / "pause" / f"rank{r}.jsonl", t0, warnings)
         rr.exit = _read_json(root / "exit" / f"rank{r}.json", warnings)
         rr.status = _read_json(root / "status" / f"rank{r}.json", warnings)
         if offsets[r] != 0.0:  # wall-clock files are comparable only when the records are too
@@ -151,6 +157,40 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
         t_obs = max(t_obs, time.time() - t0)
     return RunRecords(run_dir=str(root), world=world, ranks=ranks, t0_wall=t0, t_obs=t_obs,
                       warnings=warnings, config=config, wall_clock=any(v != 0.0 for v in offsets.values()))
+
+
+PAUSES_KIND = "plait.pauses"  # plait.runtime.recorder writes them; the doctor reads the file alone
+
+
+def _read_pauses(path: Path, t0: float, warnings: list[str]) -> list[tuple[str, Any, float, float | None]]:
+    """A rank's pause markers as (what, step, begin, end) on the run clock; a begin without its
+    end is a pause still going (or cut short by the rank's end). Unreadable lines are warned of."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out: list[tuple[str, Any, float, float | None]] = []
+    for i, line in enumerate(lines, 1):
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            warnings.append(f"{path}: line {i}: not JSON (cut short?); ignored")
+            continue
+        if i == 1:
+            if not isinstance(d, dict) or d.get("kind") != PAUSES_KIND or d.get("format_version") != 1:
+                warnings.append(f"{path}: not a version-1 '{PAUSES_KIND}' file; ignored")
+                return []
+            continue
+        if not isinstance(d, dict) or not isinstance(d.get("what"), str):
+            continue
+        if isinstance(d.get("begin"), int | float):
+            out.append((d["what"], d.get("step"), float(d["begin"]) - t0, None))
+        elif isinstance(d.get("end"), int | float):
+            for k in range(len(out) - 1, -1, -1):
+                if out[k][0] == d["what"] and out[k][3] is None:
+                    out[k] = (*out[k][:3], float(d["end"]) - t0)
+                    break
+    return out
 
 
 def as_of(run: RunRecords, t: float) -> RunRecords:
@@ -167,6 +207,8 @@ def as_of(run: RunRecords, t: float) -> RunRecords:
         ranks[r] = replace(rr, records=[c for c in rr.records if c.t_end <= t],
                            enters=[e for e in rr.enters if e.t <= t],
                            heartbeat=rr.heartbeat if hb_ok else None, hb_written=rr.hb_written if hb_ok else None,
+                           pauses=[(w, s, b, e if e is not None and e <= t else None) for w, s, b, e in rr.pauses
+                                   if b <= t],
                            exit=by_t(rr.exit), status=by_t(rr.status))
     return replace(run, ranks=ranks, t_obs=t)
 

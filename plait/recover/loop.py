@@ -41,7 +41,7 @@ from typing import Any
 from plait.cluster import load_cluster
 from plait.cluster.loader import save_cluster
 from plait.cluster.spec import Cluster
-from plait.ir.diagnosis import REPORT_ONLY, Diagnosis
+from plait.ir.diagnosis import REPORT_ONLY, Diagnosis, Finding
 from plait.ir.formats import stamp
 from plait.ir.plan import Plan
 from plait.recover.detect import Detect, actionable, call_detect, default_detect, launcher_diagnosis
@@ -86,7 +86,9 @@ class RecoveryConfig:
     have named it (same class, same ranks). The doctor itself already needs >= 3 slow probes or
     steps (`Thresholds.min_hits`, `link_min_hits`) and a stall of >= 4 median steps; K adds that
     the evidence still stands a poll later, so a stall that resolved (a rank stopped, then
-    resumed) or one noisy poll never stops the job."""
+    resumed) or one noisy poll never stops the job. A slowness finding counts at a poll only while
+    it is ongoing -- its last slow probe or step is the newest one (`ongoing`): a burst of load
+    that slowed three probes and passed stays in the doctor's history, but is no longer slow."""
     advise: bool = False
     """Report what would be done (`RecoveryResult.actions`, done=False) without doing it: live
     findings never stop the job, and a failed phase is passed on instead of isolated."""
@@ -237,7 +239,7 @@ class _Watch:
 
     def _judge(self, found: Diagnosis) -> str | None:
         """Act on the findings that persisted `persist` polls; report slow ranks; advise only."""
-        keys = {(f.kind, f.ranks) for f in found.findings if f.ranks and not f.evidence.get("resumed")}
+        keys = {(f.kind, f.ranks) for f in found.findings if f.ranks and not f.evidence.get("resumed") and ongoing(f)}
         self.streak = {k: self.streak.get(k, 0) + 1 for k in keys}  # a finding that vanished starts over
         for f in found.findings:
             if f.kind in REPORT_ONLY and (f.kind, f.ranks) not in self.reported:
@@ -268,6 +270,16 @@ class _Watch:
         self.diagnosis = kept
         self.what = "; ".join(f"{f.kind} of ranks {list(f.ranks)}" for f in lasting)
         return f"the live diagnosis names {self.what} ({self.config.persist} polls in a row)"
+
+
+def ongoing(f: Finding) -> bool:
+    """A slowness finding whose newest probe (slow link) or step (slow rank) is still slow; any
+    other finding (a stall, a death) as it is. Evidence as `plait.doctor.detect` writes it:
+    `slow_steps` and the series `transfer_s` / `local_work_s` keyed by step."""
+    steps, series = f.evidence.get("slow_steps"), f.evidence.get("transfer_s") or f.evidence.get("local_work_s")
+    if not steps or not isinstance(series, dict) or not series:
+        return True
+    return max(steps) >= max(int(k) for k in series)
 
 
 # ---------------------------------------------------------------------------------- planning

@@ -259,6 +259,8 @@ def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
     stops a live job it has diagnosed."""
     plan_obj, spec_string = _check_inputs(model, plan, steps, training, checkpoint, faults)
     prep = _resolve(plan_obj, spec_string, cluster, training, checkpoint, launch, records)
+    # An injected node uplink becomes the link faults of the rank pairs crossing that node.
+    faults = dataclasses.replace(faults, inject=faults.injection().on_nodes([int(i["node"]) for i in prep.layout]))
     rdir, owns_dir = _prepare_run_dir(records.run_dir, launch.rendezvous)
     net_ctx, link_notes = _network(prep, launch, faults)
     t_start = time.time()

@@ -6,17 +6,25 @@
 | kind       | fields                                   | what the rank does                                      |
 |------------|------------------------------------------|---------------------------------------------------------|
 | `kill`     | rank, step [, at=step\\|checkpoint]        | SIGKILL itself at the step's start (or in its checkpoint) |
-| `stop`     | rank, step                               | SIGSTOP itself: the process (and its heartbeat) freezes |
+| `stop`     | rank, step [, for]                       | SIGSTOP itself: the process (and its heartbeat) freezes; with `for` a helper sends SIGCONT after that long (stop-and-resume) |
 | `hang`     | rank, step                               | loops forever outside communication, heartbeat alive    |
 | `error`    | rank, step [, at=step\\|checkpoint]        | raises an exception (the rank fails)                    |
 | `skip`     | rank, step                               | passes by its first collective of the step (comm hang)  |
 | `mismatch` | rank, step                               | enters its first collective of the step with another size |
 | `slow`     | rank, factor [, from] [, every] [, until]| its compute takes `factor` x as long from step `from` on (every `every`-th step: intermittent) |
 | `link`     | ranks=a-b, factor and/or delay [, from]  | the link a<->b is `factor` x slower / `delay` later     |
+| `uplink`   | node, factor and/or delay [, from]       | every link between a rank of node `node` and a rank of another node (a bad NIC or uplink) |
+| `hog`      | rank [, from] [, procs]                  | starts `procs` (1) busy-loop processes beside the rank, on its CPUs and in its cgroup |
 | `inf`      | rank, step                               | one gradient element becomes inf (fp16 overflow tests)  |
 
-Values: ranks and steps are integers >= 0, `factor` a number >= 1, `delay` a time with a unit
-(`5ms`, `200us`, `0.01s`). Example: ``kill:rank=2,step=3; link:ranks=0-1,factor=3,from=2``.
+Values: ranks, nodes and steps are integers >= 0, `factor` a number >= 1, `delay` and `for` a time
+with a unit (`5ms`, `200us`, `0.01s`). Example: ``kill:rank=2,step=3; link:ranks=0-1,factor=3,from=2``.
+
+An `uplink` names a node of the cluster (its index in the cluster file, as `config.json`'s
+`ranks[].node`): once the rank layout is known (`Injection.on_nodes`) it becomes one `link` fault per
+rank pair crossing that node's boundary, each carrying `uplink=node`. A `hog` co-locates load with
+a rank: the busy loops inherit the rank's CPU affinity and cgroup (its CPU quota where `cpu_share`
+set one), so what they take is taken from that rank; they end with the rank.
 
 A link fault is shaped by `tc` on the emulated cluster's links where it can be (root, network
 namespaces, the two ranks on different nodes, from step 0; a delay needs sch_netem), else inside
@@ -35,13 +43,15 @@ from plait.errors import PlaitError
 
 KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # kind -> (required fields, optional fields)
     "kill": (("rank", "step"), ("at",)),
-    "stop": (("rank", "step"), ()),
+    "stop": (("rank", "step"), ("for",)),
     "hang": (("rank", "step"), ()),
     "error": (("rank", "step"), ("at",)),
     "skip": (("rank", "step"), ()),
     "mismatch": (("rank", "step"), ()),
     "slow": (("rank", "factor"), ("from", "every", "until")),
     "link": (("ranks",), ("factor", "delay", "from")),
+    "uplink": (("node",), ("factor", "delay", "from")),
+    "hog": (("rank",), ("from", "procs")),
     "inf": (("rank", "step"), ()),
 }
 _UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -57,7 +67,7 @@ class Fault:
 
     kind: str
     rank: int
-    """The rank it acts on (a link: its first end)."""
+    """The rank it acts on (a link: its first end; an uplink before `Injection.on_nodes`: -1)."""
     step: int = 0
     """The step it fires at (slow, link: the first step it applies to -- `from`)."""
     peer: int | None = None
@@ -70,6 +80,12 @@ class Fault:
     """slow: last step it applies to (inclusive)."""
     at: str = "step"
     """kill, error: at the step's start ("step") or inside its checkpoint write ("checkpoint")."""
+    duration_s: float | None = None
+    """stop: seconds until SIGCONT (None: stopped for good)."""
+    uplink: int | None = None
+    """uplink: the node whose links crossing its boundary are slowed (a link from one: that node)."""
+    procs: int = 1
+    """hog: busy-loop processes started beside the rank."""
 
     def active(self, step: int | None) -> bool:
         """Whether a slow or link fault applies at `step` (None: outside training -> only from step 0)."""
@@ -83,10 +99,17 @@ class Fault:
         return asdict(self)
 
     def describe(self) -> str:
-        if self.kind == "link":
+        if self.kind in ("link", "uplink"):
             what = " and ".join(x for x in (f"{self.factor:g}x slower" if self.factor > 1 else "",
                                             f"+{self.delay_s * 1e3:g} ms" if self.delay_s else "") if x)
-            return f"link {self.rank}-{self.peer} {what} from step {self.step}"
+            if self.kind == "uplink":
+                return f"uplink of node {self.uplink} {what} from step {self.step}"
+            via = f" (node {self.uplink}'s uplink)" if self.uplink is not None else ""
+            return f"link {self.rank}-{self.peer}{via} {what} from step {self.step}"
+        if self.kind == "hog":
+            return f"{self.procs} busy loop(s) beside rank {self.rank} from step {self.step}"
+        if self.kind == "stop" and self.duration_s is not None:
+            return f"stop rank {self.rank} at step {self.step} for {self.duration_s:g} s, then resume"
         if self.kind == "slow":
             when = f"every {self.every} steps from step {self.step}" if self.every else f"from step {self.step}"
             return f"rank {self.rank} compute {self.factor:g}x slower {when}"
@@ -111,10 +134,10 @@ def _factor(clause: str, value: str) -> float:
     return f
 
 
-def _delay(clause: str, value: str) -> float:
+def _delay(clause: str, value: str, name: str = "delay") -> float:
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(s|ms|us)", value)
     if not m:
-        raise InjectError(f"--inject clause '{clause}': field 'delay' must be a time with a unit "
+        raise InjectError(f"--inject clause '{clause}': field '{name}' must be a time with a unit "
                           f"(5ms, 200us, 0.01s), got {value!r}")
     return float(m.group(1)) * _UNITS[m.group(2)]
 
@@ -156,7 +179,19 @@ def _clause(text: str) -> Fault:
         return Fault("link", a, _int(clause, "from", fields.get("from", "0")), peer=b,
                      factor=_factor(clause, fields["factor"]) if "factor" in fields else 1.0,
                      delay_s=_delay(clause, fields["delay"]) if "delay" in fields else 0.0)
+    if kind == "uplink":
+        if "factor" not in fields and "delay" not in fields:
+            raise InjectError(f"--inject clause '{clause}': an uplink needs 'factor' (e.g. 3) and/or 'delay' (e.g. 5ms)")
+        return Fault("uplink", -1, _int(clause, "from", fields.get("from", "0")),
+                     factor=_factor(clause, fields["factor"]) if "factor" in fields else 1.0,
+                     delay_s=_delay(clause, fields["delay"]) if "delay" in fields else 0.0,
+                     uplink=_int(clause, "node", fields["node"]))
     rank = _int(clause, "rank", fields["rank"])
+    if kind == "hog":
+        procs = _int(clause, "procs", fields.get("procs", "1"))
+        if procs < 1:
+            raise InjectError(f"--inject clause '{clause}': field 'procs' must be >= 1")
+        return Fault("hog", rank, _int(clause, "from", fields.get("from", "0")), procs=procs)
     if kind == "slow":
         every = _int(clause, "every", fields["every"]) if "every" in fields else None
         if every == 0:
@@ -169,7 +204,10 @@ def _clause(text: str) -> Fault:
     at = fields.get("at", "step")
     if at not in ("step", "checkpoint"):
         raise InjectError(f"--inject clause '{clause}': field 'at' must be step or checkpoint, got {at!r}")
-    return Fault(kind, rank, _int(clause, "step", fields["step"]), at=at)
+    duration = _delay(clause, fields["for"], "for") if "for" in fields else None
+    if duration is not None and duration <= 0:
+        raise InjectError(f"--inject clause '{clause}': field 'for' must be > 0")
+    return Fault(kind, rank, _int(clause, "step", fields["step"]), at=at, duration_s=duration)
 
 
 @dataclass(frozen=True)
@@ -194,6 +232,25 @@ class Injection:
                 if r is not None and r >= world:
                     raise InjectError(f"--inject: {f.describe()}: rank {r} is outside the plan's {world} ranks")
 
+    def on_nodes(self, node_of: list[int]) -> Injection:
+        """Each `uplink` clause as one `link` fault per rank pair crossing its node's boundary
+        (`node_of[r]`: rank r's node, `config.json`'s `ranks[].node`); the rest as they are."""
+        out: list[Fault] = []
+        nodes = sorted(set(node_of))
+        for f in self.faults:
+            if f.kind != "uplink":
+                out.append(f)
+                continue
+            if f.uplink not in nodes:
+                raise InjectError(f"--inject: {f.describe()}: the plan's ranks are on nodes {nodes}, not node {f.uplink}")
+            pairs = [(a, b) for a in range(len(node_of)) for b in range(a + 1, len(node_of))
+                     if (node_of[a] == f.uplink) != (node_of[b] == f.uplink)]
+            if not pairs:
+                raise InjectError(f"--inject: {f.describe()}: no rank of another node to cross it to")
+            out += [Fault("link", a, f.step, peer=b, factor=f.factor, delay_s=f.delay_s, uplink=f.uplink)
+                    for a, b in pairs]
+        return Injection(tuple(out))
+
     def to_list(self) -> list[dict[str, Any]]:
         return [f.to_dict() for f in self.faults]
 
@@ -216,6 +273,7 @@ class Injection:
         return out
 
     def links(self) -> tuple[Fault, ...]:
+        """The link faults (an `uplink` counts once `on_nodes` has made it links)."""
         return tuple(f for f in self.faults if f.kind == "link")
 
     def describe(self) -> list[str]:

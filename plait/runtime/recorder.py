@@ -36,12 +36,24 @@ import torch
 from plait.ir.timeline import TimelineEvent
 from plait.runtime.emulate import extra_time
 
+# Phases in which a rank pauses training on purpose (a checkpoint write, a restart's checkpoint
+# load, an evaluation): entering and leaving one is marked in RUN_DIR/pause/rankN.jsonl, so the
+# doctor does not read the pause as a stall (plait.doctor.detect.past_stalls, stall).
+PAUSE_PHASES = ("checkpoint", "resume", "eval")
+PAUSES_KIND = "plait.pauses"
+PAUSES_VERSION = 1
+
 
 class Heartbeat:
-    """Progress of one rank, written to `path` every `interval` s by a daemon thread."""
+    """Progress of one rank, written to `path` every `interval` s by a daemon thread. Entering and
+    leaving a `PAUSE_PHASES` phase appends a marker line to `pauses` (default: the run folder's
+    ``pause/rankN.jsonl`` beside ``hb/``): ``{"what": phase, "step": s, "begin": t}`` then
+    ``{"what": phase, "step": s, "end": t}`` (Unix time), after a header line
+    ``{"format_version": 1, "kind": "plait.pauses", "rank": r}``."""
 
-    def __init__(self, path: Path, rank: int, interval: float = 0.2) -> None:
+    def __init__(self, path: Path, rank: int, interval: float = 0.2, pauses: Path | None = None) -> None:
         self.path = path
+        self.pauses = pauses if pauses is not None else path.parent.parent / "pause" / f"rank{rank}.jsonl"
         self.state: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "phase": "start", "step": -1,
                                       "waiting": None, "progress": time.time(), "beats": 0}
         self._lock = threading.Lock()
@@ -53,18 +65,38 @@ class Heartbeat:
 
     def progress(self, phase: str | None = None, step: int | None = None) -> None:
         with self._lock:
-            changed = (phase is not None and phase != self.state["phase"]) or \
+            before = self.state["phase"]
+            changed = (phase is not None and phase != before) or \
                       (step is not None and step != self.state["step"])
             if phase is not None:
                 self.state["phase"] = phase
             if step is not None:
                 self.state["step"] = step
-            self.state["progress"] = time.time()
+            self.state["progress"] = now = time.time()
+            at = self.state["step"]
+        if phase is not None and phase != before:
+            if before in PAUSE_PHASES:
+                self._mark({"what": before, "step": at, "end": now})
+            if phase in PAUSE_PHASES:
+                self._mark({"what": phase, "step": at, "begin": now})
         if changed:  # the launcher names the step and phase of a rank that dies: publish them now
             try:
                 self._write()
             except OSError:
                 pass
+
+    def _mark(self, line: dict[str, Any]) -> None:
+        """Append one pause marker (the file and its header on the first)."""
+        try:
+            new = not self.pauses.exists()
+            self.pauses.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.pauses, "a") as fh:
+                if new:
+                    fh.write(json.dumps({"format_version": PAUSES_VERSION, "kind": PAUSES_KIND,
+                                         "rank": self.state["rank"]}) + "\n")
+                fh.write(json.dumps(line) + "\n")
+        except OSError:
+            pass  # a marker is evidence for the doctor; training never stops for it
 
     def waiting(self, what: str | None) -> None:
         """Mark the rank as blocked on a collective (`what`) or running again (None)."""

@@ -33,12 +33,15 @@ is the plan rank whatever rank torchrun gave the process; the config maps
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
 import resource
 import signal
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 from functools import partial
@@ -115,8 +118,15 @@ def fire(fault: Fault) -> None:
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "stop":  # the whole process freezes, heartbeat thread included (a stuck node)
+        if fault.duration_s is not None:  # stop-and-resume: a helper outside the process sends SIGCONT
+            subprocess.Popen(["/bin/sh", "-c", f"sleep {fault.duration_s:.3f}; kill -CONT {os.getpid()}"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         return  # SIGCONT: the rank carries on
+    if fault.kind == "hog":
+        start_hogs(fault.procs)
+        return
     if fault.kind == "hang":
         while True:  # never reports progress again, not waiting on any collective
             time.sleep(3600)
@@ -131,7 +141,22 @@ def poison(params: list[nn.Parameter]) -> None:
             return
 
 
-_PROCESS_FAULTS = ("kill", "stop", "hang", "error")
+# A busy loop that ends when its parent (the rank) does: it polls its parent pid between bursts.
+_HOG = "import os, sys\np = int(sys.argv[1])\nwhile os.getppid() == p:\n    for _ in range(200000):\n        pass\n"
+_hogs: list[subprocess.Popen[bytes]] = []
+
+
+def start_hogs(n: int) -> None:
+    """`hog`: `n` busy-loop processes beside this rank. A child inherits the rank's CPU affinity and
+    cgroup, so the CPU they take is the rank's own; they end with the rank (even a SIGKILLed one)."""
+    for _ in range(n):
+        _hogs.append(subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())], stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    if len(_hogs) == n:
+        atexit.register(lambda: [h.kill() for h in _hogs])
+
+
+_PROCESS_FAULTS = ("kill", "stop", "hang", "error", "hog")
 
 
 # ---------------------------------------------------------------------------------- worker
