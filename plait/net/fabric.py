@@ -24,8 +24,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from plait.cluster.spec import Cluster, ClusterError, SwitchSpec
-from plait.net import ecmp
+from plait.cluster.spec import Cluster, ClusterError, NcclSpec, SwitchSpec
+from plait.net import ecmp, nccl
 
 
 class FabricError(ClusterError):
@@ -64,7 +64,12 @@ class Fabric:
         self.cluster = cluster
         spec = cluster.fabric
         self.ports = spec.ports if spec else 1
-        self.channels = spec.channels if spec else 1
+        self.nccl = spec.nccl if spec else NcclSpec()
+        self.comm_channels = spec.channels if spec else 1  # NCCL channels per connection (large messages)
+        # Flows (queue pairs) per connection for large messages: the simulator routes every
+        # transfer over this many; `flows_for` gives a message size's own count.
+        self.channels = nccl.flows_per_connection(nccl.LARGE, self.comm_channels, self.nccl)
+        self.rails = any(s.rail is not None for s in cluster.switches)
         self.seed = spec.ecmp_seed if spec else 0
         self.mode = spec.ecmp_hash if spec else "per_tier"
         self.names: list[str] = []
@@ -251,6 +256,10 @@ class Fabric:
         rec(src_leaf, "up", ())
         return out
 
+    def flows_for(self, nbytes: float) -> int:
+        """Flows (queue pairs) NCCL opens on one connection for a message of `nbytes` per rank."""
+        return nccl.flows_per_connection(nbytes, self.comm_channels, self.nccl)
+
     def nic_of(self, local: int, gpus: int, nics: int) -> int:
         """The NIC a GPU uses (GPU-NIC affinity: GPUs split evenly over the NICs, as NCCL does)."""
         return local * nics // max(1, gpus)
@@ -279,4 +288,4 @@ def _content(cluster: Cluster) -> tuple:
             tuple((s.name, s.tier, s.uplink, s.links, s.pod) for s in cluster.switches),
             None if cluster.fabric is None else (cluster.fabric.ports, cluster.fabric.channels,
                                                  cluster.fabric.ecmp_seed, cluster.fabric.ecmp_hash,
-                                                 tuple(cluster.fabric.failed)))
+                                                 tuple(cluster.fabric.failed), cluster.fabric.nccl))

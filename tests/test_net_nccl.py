@@ -1,0 +1,122 @@
+"""Flows as NCCL opens them (plait.net.nccl): counts by message size, algorithm and queue pairs,
+the YAML settings and their errors, and ECMP's collision loss on a tiny fabric against a
+hand-computed expectation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from plait.cluster.loader import dump_cluster, parse_yaml_text
+from plait.cluster.spec import ClusterError, NcclSpec
+from plait.ir.plan import Plan
+from plait.net import nccl, planner
+from plait.net.ecmp import expected_max_load
+from plait.net.fabric import Fabric
+from plait.net.flows import plan_flows
+
+TINY = """
+name: tiny
+node_groups:
+  - {name: n, count: 2, gpus: {kind: h100, count: 1}}
+fabric:
+  type: ethernet
+  bandwidth: 100 Gb/s
+  nics: 1
+  channels: CH
+  NCCL
+  switches:
+    leaves: {count: 2, uplink: {bandwidth: 100 Gb/s, links: 1}}
+    spines: 2
+"""
+
+
+def tiny(channels: int = 2, nccl_line: str = "") -> Fabric:
+    return Fabric(parse_yaml_text(TINY.replace("CH", str(channels)).replace("NCCL", nccl_line), "tiny.yaml"))
+
+
+def test_flow_counts_by_message_size():
+    d = NcclSpec()
+    # Simple protocol: a channel needs 512 threads x 64 bytes = 32 KiB (NCCL's thread threshold)
+    assert nccl.flows_per_connection(1 << 30, 4, d) == 4
+    assert nccl.flows_per_connection(128 * 1024, 4, d) == 4
+    assert nccl.flows_per_connection(100 * 1024, 4, d) == 3  # 100 KiB < 4 x 32 KiB
+    assert nccl.flows_per_connection(70 * 1024, 4, d) == 2
+    # LL below 64 KiB: 4 KiB per channel
+    assert nccl.flows_per_connection(12 * 1024, 4, d) == 3
+    assert nccl.flows_per_connection(1024, 4, d) == 1
+    # queue pairs multiply; channel bounds clamp the communicator; the tree halves per edge
+    qp4 = NcclSpec(qps_per_connection=4)
+    assert nccl.flows_per_connection(1 << 30, 4, qp4) == 16
+    assert nccl.flows_per_connection(1024, 4, qp4) == 4
+    assert nccl.flows_per_connection(1 << 30, 4, NcclSpec(max_channels=2)) == 2
+    assert nccl.flows_per_connection(1 << 30, 2, NcclSpec(min_channels=8)) == 8
+    assert nccl.flows_per_connection(1 << 30, 4, NcclSpec(algorithm="tree")) == 2
+    # every size opens between one channel's QPs and all of them; Simple grows monotonically
+    sizes = [2 ** k for k in range(8, 31)]
+    counts = [nccl.flows_per_connection(s, 8, qp4) for s in sizes]
+    assert min(counts) == 4 and max(counts) == 32 == counts[-1]
+    simple = [c for s, c in zip(sizes, counts) if s >= nccl.LL_BELOW]
+    assert simple == sorted(simple)
+
+
+def test_plan_flows_per_message_size():
+    """A pair's bytes are split over the flows NCCL opens for its message: big gradients on every
+    channel x QP, a small one on fewer."""
+    fab = tiny(4, "nccl: {qps_per_connection: 2}")
+    plan = Plan(dp=2, pp=1, tp=1, global_batch=2)
+    big = plan_flows(plan, fab.cluster, fab, [1e9])
+    small = plan_flows(plan, fab.cluster, fab, [2048.0])
+    assert len(big) == 2 * 4 * 2  # 2 ring hops x 4 channels x 2 QPs
+    assert len(small) == 2 * 1 * 2
+    assert len({f.key.five_tuple() for f in big}) == len(big)  # each its own 5-tuple
+    assert sum(f.bytes for f in big) == pytest.approx(2 * 1e9)  # 2 hops, each (n-1)/n x 2 x 1e9
+
+
+def test_nccl_yaml_round_trip_and_errors():
+    fab = tiny(2, "nccl: {qps_per_connection: 4, max_channels: 16, algorithm: tree, pxn: false}")
+    assert fab.nccl == NcclSpec(4, 1, 16, "tree", False)
+    again = parse_yaml_text(dump_cluster(fab.cluster), "again.yaml")
+    assert again.fabric.nccl == fab.nccl
+    for line, field in (("nccl: {qps_per_connection: 0}", "fabric.nccl.qps_per_connection"),
+                        ("nccl: {min_channels: 0}", "fabric.nccl.min_channels"),
+                        ("nccl: {min_channels: 8, max_channels: 4}", "fabric.nccl.min_channels"),
+                        ("nccl: {algorithm: collnet}", "fabric.nccl.algorithm"),
+                        ("nccl: {qp: 2}", "fabric.nccl")):
+        with pytest.raises(ClusterError, match=field.replace(".", r"\.")):
+            tiny(2, line)
+    with pytest.raises(ClusterError, match=r"fabric\.channels"):
+        tiny(0)
+
+
+def spine_bottleneck_flows(qps: int, seeds: int) -> float:
+    """Mean over ECMP seeds of the busiest leaf0 -> spine cable's load, in flows."""
+    base = tiny(2, f"nccl: {{qps_per_connection: {qps}}}").cluster
+    plan = Plan(dp=2, pp=1, tp=1, global_batch=2)
+    out = []
+    for s in range(seeds):
+        c = dataclasses.replace(base, fabric=dataclasses.replace(base.fabric, ecmp_seed=s))
+        fab = Fabric(c)
+        flows = [f for f in plan_flows(plan, c, fab, [1e9]) if f.key.src == 0]  # n0 -> n1
+        a = planner.assign(fab, flows, planner.ecmp_routes(fab, flows))
+        up = [fab.index[f"leaf{0}>spine{k}#0"] for k in range(2)]
+        out.append(max(a.load[up]) / flows[0].bytes)
+    return float(np.mean(out))
+
+
+def test_ecmp_on_a_tiny_fabric_matches_a_hand_computed_expectation():
+    """Two leaves, two spines, one cable each. 2 channels x 1 QP: 2 flows hashed onto 2 cables
+    collide with probability 1/2, so the busiest carries 1.5 flows on average (ideal: 1).
+    2 QPs: 4 flows; of the 16 assignments 2 put all 4 on one cable, 8 put 3, 6 put 2:
+    (2*4 + 8*3 + 6*2) / 16 = 2.75 (ideal: 2): more flows, less collision loss."""
+    assert expected_max_load(2, 2) == pytest.approx(1.5)
+    assert expected_max_load(4, 2) == pytest.approx(44 / 16)
+    assert spine_bottleneck_flows(1, 400) == pytest.approx(1.5, abs=0.08)
+    assert spine_bottleneck_flows(2, 400) == pytest.approx(2.75, abs=0.1)
+    # the planner puts them evenly
+    fab = tiny(2, "nccl: {qps_per_connection: 2}")
+    flows = plan_flows(Plan(dp=2, pp=1, tp=1, global_batch=2), fab.cluster, fab, [1e9])
+    best = planner.plan_paths(fab, flows, max_split=1)
+    assert best.bottleneck(fab)[0] == pytest.approx(planner.ideal(fab, flows))
