@@ -120,3 +120,85 @@ def test_ecmp_on_a_tiny_fabric_matches_a_hand_computed_expectation():
     flows = plan_flows(Plan(dp=2, pp=1, tp=1, global_batch=2), fab.cluster, fab, [1e9])
     best = planner.plan_paths(fab, flows, max_split=1)
     assert best.bottleneck(fab)[0] == pytest.approx(planner.ideal(fab, flows))
+
+
+# ---------------------------------------------------------------- plans a fabric can carry out
+RAILS = """
+name: rails
+node_groups:
+  - {name: n, count: 8, gpus: {kind: h100, count: 2}}
+fabric:
+  type: ethernet
+  bandwidth: 400 Gb/s
+  nics: 2
+  ports: 2
+  channels: 2
+  nccl: {qps_per_connection: 2}
+  ecmp: {seed: 3}
+  switches:
+    rails: true
+    leaves: {count: 2, uplink: {oversubscription: 1, links: 2}}
+    spines: 2
+"""
+
+
+def rail_case():
+    c = parse_yaml_text(RAILS, "rails.yaml")
+    fab = Fabric(c)
+    order = [2 * ((i % 2) * 4 + i // 2) + t for i in range(8) for t in range(2)]  # replicas alternate leaves
+    plan = Plan(dp=8, pp=1, tp=2, global_batch=8, device_order=order)
+    return c, fab, plan_flows(plan, c, fab, [1e9])
+
+
+def test_planned_assignment_has_whole_flows_only_and_meets_the_whole_flow_bound():
+    c, fab, flows = rail_case()
+    best = planner.plan_paths(fab, flows)
+    assert not best.pieces and all(len(p) == 1 and p[0][0] == 1.0 for p in best.paths())
+    t = best.bottleneck(fab)[0]
+    assert planner.ideal(fab, flows) <= planner.whole_bound(fab, flows) <= t * (1 + 1e-9)
+    # every link's load is a sum of whole flows on it
+    for link in range(len(fab.names)):
+        on = [i for i, r in enumerate(best.routes) if link in r.links]
+        assert best.load[link] == pytest.approx(sum(flows[i].bytes for i in on))
+    # one spine cable lost under a full leaf: whole flows cannot keep the split figure
+    fab.fail("leaf0-r0", "spine0", 0)
+    whole = planner.replan(fab, flows, best)
+    assert not whole.pieces
+    assert whole.bottleneck(fab)[0] >= planner.whole_bound(fab, flows) * (1 - 1e-9)
+    assert planner.whole_bound(fab, flows) > planner.ideal(fab, flows) * 1.05  # 8 QPs on 3 cables
+
+
+def test_emitted_settings_parse_and_their_source_ports_give_the_planned_paths():
+    import json
+
+    from plait.net import deploy
+
+    c, fab, flows = rail_case()
+    best = planner.plan_paths(fab, flows)
+    doc = deploy.check_settings(json.loads(json.dumps(deploy.settings(fab, flows, best))))
+    assert doc["nccl_env"]["NCCL_IB_QPS_PER_CONNECTION"] == "2"
+    assert doc["nccl_env"]["NCCL_MIN_NCHANNELS"] == doc["nccl_env"]["NCCL_MAX_NCHANNELS"] == "2"
+    assert "source_ports" in doc["patched_nccl"] and "nccl_env" in doc["stock_nccl"]
+    assert len(doc["source_ports"]) == len(flows)
+    # a queue pair sent from its chosen port follows the planned path through the fabric's hash
+    for f, p, r in zip(flows, doc["source_ports"], best.routes):
+        assert p["udp_sport"] is not None
+        five = f.key.five_tuple()
+        from plait.net.ecmp import FiveTuple
+
+        assert fab.route_ecmp(f.key, FiveTuple(five.src_ip, five.dst_ip, p["udp_sport"])).links == r.links
+        assert p["path"] == [fab.names[link] for link in r.links]
+    assert len(doc["policy_routes"]) + len(doc["not_pinnable"]) == len({(f.key.src, f.key.src_nic, f.key.dst,
+                                                                          f.key.dst_nic) for f in flows})
+    bad = json.loads(json.dumps(doc))
+    bad["source_ports"][0]["udp_sport"] = 80
+    with pytest.raises(deploy.SettingsError, match=r"source_ports\[0\]\.udp_sport"):
+        deploy.check_settings(bad)
+    bad = json.loads(json.dumps(doc))
+    bad["nccl_env"]["NCCL_IB_QPS_PER_CONNECTION"] = "two"
+    with pytest.raises(deploy.SettingsError, match=r"nccl_env\.NCCL_IB_QPS_PER_CONNECTION"):
+        deploy.check_settings(bad)
+    split = best.copy()
+    split.pieces = {0: [(0.5, best.routes[0]), (0.5, best.routes[1])]}
+    with pytest.raises(deploy.SettingsError, match="whole flows"):
+        deploy.settings(fab, flows, split)

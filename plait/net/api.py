@@ -1,6 +1,6 @@
 """One call for a planner or a command: a plan's flows on a cluster's fabric, their planned
-paths stored in the plan, and what the planning bought (bottleneck times of ECMP, of the
-planned paths and the LP bound)."""
+paths (whole flows: one path per queue pair) stored in the plan, and what the planning bought
+(bottleneck times of ECMP, of the planned paths, the whole-flow bound and the LP bound)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class TrafficReport:
     planned_s: float  # ... with the planned paths
     ideal_s: float  # LP lower bound over fractional path splits
     planner_s: float  # wall time of the planner
+    whole_bound_s: float = 0.0  # lower bound for whole flows (`planner.whole_bound`)
 
     @property
     def achieved_over_ideal(self) -> float:
@@ -38,8 +39,8 @@ def plan_traffic(plan: Plan, cluster: Cluster, graph: OpGraph) -> tuple[Plan, Tr
     flows = traffic_flows(plan, cluster, fabric, graph)
     if not flows:
         return plan, None
-    best = planner.plan_paths(fabric, flows)
+    best = planner.plan_paths(fabric, flows)  # whole flows: one path per queue pair
     ecmp = planner.assign(fabric, flows, planner.ecmp_routes(fabric, flows))
     report = TrafficReport(len(flows), ecmp.bottleneck(fabric)[0], best.bottleneck(fabric)[0],
-                           best.bound if best.bound is not None else planner.ideal(fabric, flows), best.seconds)
+                           planner.ideal(fabric, flows), best.seconds, planner.whole_bound(fabric, flows))
     return dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.paths())), report

@@ -209,9 +209,10 @@ class Fabric:
                     stack.append((nxt, nph))
         return sorted(set(dead))
 
-    def route_ecmp(self, flow: FlowKey) -> Route:
-        """The path ECMP and the bonds give `flow` (deterministic in the fabric's seed and mode)."""
-        five = flow.five_tuple()
+    def route_ecmp(self, flow: FlowKey, five: ecmp.FiveTuple | None = None) -> Route:
+        """The path ECMP and the bonds give `flow` (deterministic in the fabric's seed and mode);
+        `five`: its 5-tuple when not the one its tag gives (a chosen UDP source port)."""
+        five = five or flow.five_tuple()
         src_ports = self._alive_ports(self.port_up, flow.src, flow.src_nic, "sending")
         dst_ports = self._alive_ports(self.port_down, flow.dst, flow.dst_nic, "receiving")
         links = [src_ports[ecmp.choose(five, len(src_ports), self.seed, "bond", self.mode)]]
