@@ -202,3 +202,67 @@ def test_emitted_settings_parse_and_their_source_ports_give_the_planned_paths():
     split.pieces = {0: [(0.5, best.routes[0]), (0.5, best.routes[1])]}
     with pytest.raises(deploy.SettingsError, match="whole flows"):
         deploy.settings(fab, flows, split)
+
+
+# ---------------------------------------------------------------- bad input, refused naming the field
+def test_flow_paths_naming_a_missing_link_or_flow_are_refused():
+    from plait.ir.plan import PlanError
+    from plait.net.paths import from_plan_field, to_plan_field
+
+    c, fab, flows = rail_case()
+    best = planner.plan_paths(fab, flows)
+    field = to_plan_field(fab, flows, best.paths())
+    assert len(from_plan_field(fab, field)) == len(flows)
+
+    def broken(edit):
+        import copy
+
+        f = copy.deepcopy(field)
+        edit(f["paths"][3])
+        return f
+
+    for edit, msg in ((lambda p: p[3].__setitem__(1, "leaf0-r0>spine7#0"), r"paths\[3\].*'leaf0-r0>spine7#0' is not in"),
+                      (lambda p: p.__setitem__(2, fab.channels), r"paths\[3\]': flow index 4, but the fabric opens 4 flows"),
+                      (lambda p: p.__setitem__(0, 999), r"paths\[3\]': device 999 is not in"),
+                      (lambda p: p.__setitem__(3, p[3][1:]), r"paths\[3\]': the path does not run from a NIC port")):
+        with pytest.raises(PlanError, match=r"flow_paths\." + msg):
+            from_plan_field(fab, broken(edit))
+
+
+def test_simulating_planned_paths_on_a_cluster_without_a_fabric_is_refused():
+    from plait.cluster import load_cluster
+    from plait.graph.gpt_closed_form import gpt_opgraph
+    from plait.net.paths import to_plan_field
+    from plait.sim.api import SimulateError, simulate
+    from plait.sim.topology import ClusterView
+
+    c, fab, flows = rail_case()
+    best = planner.plan_paths(fab, flows)
+    graph = gpt_opgraph({"layers": 2, "hidden": 64, "heads": 2, "seq": 32, "vocab": 128}, "fp32")
+    order = [2 * ((i % 2) * 4 + i // 2) + t for i in range(8) for t in range(2)]
+    plan = Plan(dp=8, pp=1, tp=2, global_batch=8, device_order=order,
+                flow_paths=to_plan_field(fab, flows, best.paths()))
+    assert simulate(graph, ClusterView.from_cluster(c), plan, memory=False).iteration_time_s > 0
+    flat = load_cluster("h100:nodes=8,gpus_per_node=2")
+    with pytest.raises(SimulateError, match=r"plan field 'flow_paths'.*describes none"):
+        simulate(graph, ClusterView.from_cluster(flat), plan, memory=False)
+
+
+def test_nic_counts_contradicting_the_nodes_and_zero_flow_counts_are_refused():
+    from plait.cluster.topology import check_cluster
+
+    bad = RAILS.replace("  - {name: n, count: 8, gpus: {kind: h100, count: 2}}",
+                        "  - {name: n, count: 8, gpus: {kind: h100, count: 2}, nic: {count: 4}}")
+    with pytest.raises(ClusterError, match=r"nodes\[0\]\.nic\.count: 4 NICs on a fabric of 2 rails"):
+        parse_yaml_text(bad, "rails.yaml")
+    c = parse_yaml_text(RAILS, "rails.yaml")
+    swapped = dataclasses.replace(c.nodes[0], leaves=list(reversed(c.nodes[0].leaves)))
+    with pytest.raises(ClusterError, match=r"nodes\[0\]\.leaf\[0\]: 'leaf0-r1' serves rail 1, not NIC 0"):
+        check_cluster(dataclasses.replace(c, nodes=[swapped] + c.nodes[1:]))
+    for change, field in (({"qps_per_connection": 0}, "qps_per_connection"), ({"max_channels": 0}, "max_channels")):
+        zero = dataclasses.replace(c, fabric=dataclasses.replace(
+            c.fabric, nccl=dataclasses.replace(c.fabric.nccl, **change)))
+        with pytest.raises(ClusterError, match=rf"fabric\.nccl\.{field}: a flow count must be >= 1, got 0"):
+            check_cluster(zero)
+    with pytest.raises(ClusterError, match=r"fabric\.channels: must be >= 1"):
+        check_cluster(dataclasses.replace(c, fabric=dataclasses.replace(c.fabric, channels=0)))
