@@ -24,15 +24,19 @@ class TrafficReport:
     ideal_s: float  # LP lower bound over fractional path splits
     planner_s: float  # wall time of the planner
     whole_bound_s: float = 0.0  # lower bound for whole flows (`planner.whole_bound`)
+    settings: dict | None = dataclasses.field(default=None, compare=False, repr=False)  # plait.net.deploy
 
     @property
     def achieved_over_ideal(self) -> float:
         return self.ideal_s / self.planned_s if self.planned_s > 0 else 1.0
 
 
-def plan_traffic(plan: Plan, cluster: Cluster, graph: OpGraph) -> tuple[Plan, TrafficReport | None]:
+def plan_traffic(plan: Plan, cluster: Cluster, graph: OpGraph, settings: bool = False
+                 ) -> tuple[Plan, TrafficReport | None]:
     """`plan` with `flow_paths` for its inter-node flows on `cluster`'s fabric; unchanged (and no
-    report) when the cluster describes no switched fabric or the plan sends nothing across it."""
+    report) when the cluster describes no switched fabric or the plan sends nothing across it.
+    `settings`: also the deployment settings of the planned paths in the report
+    (`plait.net.deploy.settings`: NCCL env, policy routes, per-QP source ports)."""
     fabric = fabric_of(cluster)
     if fabric is None:
         return plan, None
@@ -43,4 +47,8 @@ def plan_traffic(plan: Plan, cluster: Cluster, graph: OpGraph) -> tuple[Plan, Tr
     ecmp = planner.assign(fabric, flows, planner.ecmp_routes(fabric, flows))
     report = TrafficReport(len(flows), ecmp.bottleneck(fabric)[0], best.bottleneck(fabric)[0],
                            planner.ideal(fabric, flows), best.seconds, planner.whole_bound(fabric, flows))
+    if settings:
+        from plait.net.deploy import settings as deployment
+
+        report = dataclasses.replace(report, settings=deployment(fabric, flows, best))
     return dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.paths())), report
