@@ -264,6 +264,36 @@ def emulate(skip: bool) -> dict[str, Any] | str:
     return out
 
 
+LS_RATE, LS_BYTES, LS_FLOWS, LS_SPINES = 4e6, 2_000_000, 8, 4  # 32 Mb/s uplinks, 8 flows of 2 MB, 4 spines
+
+
+def leaf_spine_check(skip: bool, seeds: int = 5) -> dict[str, Any] | str:
+    """A leaf/spine of network namespaces where the kernel hashes (root only; plait.net.leafspine):
+    8 TCP flows over 4 shaped spine uplinks, planned by policy routes vs the kernel's L4 hash under
+    `seeds` hash seeds, each measured beside the simulator's engine on the same placement; and the
+    measured mean busiest uplink against the exact E[max] of uniform hashing (plait.net.ecmp)."""
+    from plait.net import leafspine
+    from plait.net.ecmp import expected_max_load
+
+    if skip:
+        return "--no-emulate"
+    ok, why = leafspine.available()
+    if not ok:
+        return why
+    cases = []
+    for st in leafspine.measure(LS_SPINES, LS_FLOWS, LS_RATE, LS_BYTES, seeds=tuple(range(1, seeds + 1))):
+        sim = simulated_step(st.spines, 1, LS_BYTES, LS_RATE)
+        cases.append({"case": st.case, "flows_per_spine": st.flows_per_spine, "uplink_bytes": st.uplink_bytes,
+                      "measured_s": st.seconds, "simulated_s": sim, "error": st.seconds / sim - 1})
+    hashed = [c for c in cases if c["case"].startswith("hashed")]
+    return {"cases": cases, "spines": LS_SPINES, "flows": LS_FLOWS, "rate_bytes_s": LS_RATE, "bytes_per_flow": LS_BYTES,
+            "max_abs_error": max(abs(c["error"]) for c in cases),
+            "hashed_mean_busiest_flows": float(np.mean([max(c["flows_per_spine"]) for c in hashed])),
+            "exact_expected_busiest_flows": expected_max_load(LS_FLOWS, LS_SPINES),
+            "planned_over_hashed_median_measured": float(np.median([c["measured_s"] for c in hashed]))
+            / cases[0]["measured_s"]}
+
+
 def oversubscribed(base_text: str) -> Cluster:
     text = base_text.replace("uplink: {bandwidth: 200 Gb/s, latency: 1 us, links: 4}",
                              "uplink: {oversubscription: 2, latency: 1 us, links: 4}")
@@ -351,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}",
                      f"{f['planned_iter_after_s']:.3f}", f"{f['ecmp_iter_after_median_s']:.3f}")
     emulated = emulate(args.no_emulate)
+    namespaces = leaf_spine_check(args.no_emulate)
     arithmetic = ecmp_arithmetic(2000 if args.quick else 20000)
     total, total_cpu = time.perf_counter() - t_all, time.process_time() - cpu_all
     comm = [r for r in rows if r["plan"] == "dp"] or rows
@@ -372,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "sim_cpu_s_per_iteration_max": max(r["sim_cpu_s_per_iteration_max"] for r in rows),
         "emulated_planned_over_hashed_busbw": (emulated["planned_over_hashed_busbw_measured"]
                                                if isinstance(emulated, dict) else None),
+        "namespaces_max_abs_error": namespaces["max_abs_error"] if isinstance(namespaces, dict) else None,
     }
     summary["goals"] = {
         "comm_bound_faster_median_ge_15pct": summary["comm_bound_faster_median_min"] >= 0.15,
@@ -383,10 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         "kept_ge_90pct_iteration_whole_flows": summary["kept_iteration_min"] >= 0.90,
         "kept_ge_90pct_network_whole_flows": summary["kept_network_min"] >= 0.90,
         "bench_lt_15min_cpu": total_cpu < 900,
+        "namespaces_sim_within_10pct": (summary["namespaces_max_abs_error"] < 0.10
+                                        if summary["namespaces_max_abs_error"] is not None else None),
     }
     if args.json:
         summary["goals"] = {k: bool(v) for k, v in summary["goals"].items()}
         print(json.dumps({"plans": rows, "oversubscribed_2to1": over_row, "emulated_two_links": emulated,
+                          "leaf_spine_namespaces": namespaces,
                           "ecmp_expected_max_load": arithmetic,
                           "summary": summary}, indent=2))
     # the tables (on stderr with --json)
@@ -415,6 +450,20 @@ def main(argv: list[str] | None = None) -> int:
         console.print(em)
     else:
         console.print(f"emulated two-link measurement skipped: {emulated}")
+    if isinstance(namespaces, dict):
+        ns = Table(title=f"leaf/spine of network namespaces, kernel L4 hash (fib_multipath_hash_policy=1): "
+                         f"{LS_FLOWS} TCP flows x {LS_BYTES / 1e6:.0f} MB over {LS_SPINES} uplinks of "
+                         f"{LS_RATE * 8 / 1e6:.0f} Mb/s (tc tbf)")
+        for c in ("case", "flows per spine (counters)", "measured s", "simulator s", "error"):
+            ns.add_column(c, justify="right")
+        for c in namespaces["cases"]:
+            ns.add_row(c["case"], str(c["flows_per_spine"]), f"{c['measured_s']:.3f}", f"{c['simulated_s']:.3f}",
+                       f"{c['error']:+.1%}")
+        ns.add_row("hashed: mean busiest uplink (flows)", f"{namespaces['hashed_mean_busiest_flows']:.2f} measured",
+                   f"{namespaces['exact_expected_busiest_flows']:.2f} exact E[max]", "", "")
+        console.print(ns)
+    else:
+        console.print(f"leaf/spine namespace check skipped: {namespaces}")
     console.print(f"bench {total:.0f} s wall, {total_cpu:.0f} s CPU; goals: " + ", ".join(f"{k}={v}" for k, v in summary["goals"].items()))
     return 0
 

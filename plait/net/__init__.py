@@ -13,7 +13,8 @@ One job per module:
 * `paths`    -- planned paths as `Plan.flow_paths` stores them, and back;
 * `deploy`   -- settings a deployment applies (NCCL env, policy routes, per-QP source ports);
 * `api`      -- `plan_traffic(plan, cluster, graph)`: all of the above in one call;
-* `twolink`  -- two emulated parallel links (network namespaces, root): planned vs hashed.
+* `twolink`  -- two emulated parallel links (network namespaces, root): planned vs hashed;
+* `leafspine` -- a namespace leaf/spine (4 spines) where the kernel hashes: planned vs hashed.
 
 Layer: above `plait.cost` (it may import cost, cluster, graph, ir), below `plait.plan`,
 `plait.sim` and `plait.runtime`.
