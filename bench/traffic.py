@@ -294,6 +294,35 @@ def leaf_spine_check(skip: bool, seeds: int = 5) -> dict[str, Any] | str:
             / cases[0]["measured_s"]}
 
 
+def emulate_only(as_json: bool) -> int:
+    """The namespace measurements alone (`--emulate-only`), as JSON with a summary or a table."""
+    console = Console(width=200, stderr=as_json)
+    ns = leaf_spine_check(False)
+    two = emulate(False)
+    if as_json:
+        summary = {"namespaces_max_abs_error": ns["max_abs_error"] if isinstance(ns, dict) else None,
+                   "emulated_planned_over_hashed_busbw": (two["planned_over_hashed_busbw_measured"]
+                                                          if isinstance(two, dict) else None)}
+        print(json.dumps({"leaf_spine_namespaces": ns, "emulated_two_links": two, "summary": summary}, indent=2))
+    if not isinstance(ns, dict):
+        console.print(f"leaf/spine namespace check skipped: {ns}")
+        return 0
+    t = Table(title=f"leaf/spine of network namespaces, kernel L4 hash (fib_multipath_hash_policy=1): {LS_FLOWS} "
+                    f"TCP flows x {LS_BYTES / 1e6:.0f} MB over {LS_SPINES} uplinks of {LS_RATE * 8 / 1e6:.0f} Mb/s")
+    for c in ("case", "flows per spine (counters)", "measured s", "simulator s", "error"):
+        t.add_column(c, justify="right")
+    for c in ns["cases"]:
+        t.add_row(c["case"], str(c["flows_per_spine"]), f"{c['measured_s']:.3f}", f"{c['simulated_s']:.3f}",
+                  f"{c['error']:+.1%}")
+    t.add_row("hashed: mean busiest uplink (flows)", f"{ns['hashed_mean_busiest_flows']:.2f} measured",
+              f"{ns['exact_expected_busiest_flows']:.2f} exact E[max]", "", "")
+    console.print(t)
+    if isinstance(two, dict):
+        console.print(f"two links: planned/hashed busbw measured {two['planned_over_hashed_busbw_measured']:.2f}x, "
+                      f"simulated {two['planned_over_hashed_busbw_simulated']:.2f}x")
+    return 0
+
+
 def oversubscribed(base_text: str) -> Cluster:
     text = base_text.replace("uplink: {bandwidth: 200 Gb/s, latency: 1 us, links: 4}",
                              "uplink: {oversubscription: 2, latency: 1 us, links: 4}")
@@ -314,8 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plans", default="dp,3d,light", help="plans to run (default dp,3d,light)")
     ap.add_argument("--fabrics", default="rail-bonded-512,leaf-spine-512",
                     help="fabrics to run (default rail-bonded-512,leaf-spine-512)")
+    ap.add_argument("--emulate-only", action="store_true",
+                    help="only the network-namespace measurements (two links, leaf/spine; root)")
     args = ap.parse_args(argv)
     seeds = 10 if args.quick else args.seeds
+    if args.emulate_only:
+        return emulate_only(args.json)
     console = Console(width=220, stderr=args.json)
     t_all, cpu_all = time.perf_counter(), time.process_time()
     graph = gpt_opgraph(GPT22B, "bf16")
