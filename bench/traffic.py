@@ -75,6 +75,38 @@ def plans() -> dict[str, Plan]:
             "light": Plan(dp=8, pp=8, global_batch=8 * 64, **common)}
 
 
+LEAF_SPINE = """
+name: leaf-spine-512
+node_groups:
+  - {name: h, count: 64, gpus: {kind: h100, count: 8}}
+fabric:
+  type: ethernet
+  bandwidth: 400 Gb/s
+  latency: 5 us
+  nics: 8
+  channels: 2
+  ecmp: {seed: 0, hash: per_tier}
+  switches:
+    leaves: {count: 16, uplink: {bandwidth: 400 Gb/s, latency: 1 us, links: 4}}
+    spines: 8
+"""
+FAILED_AT = {"rail-bonded-512": FAILED, "leaf-spine-512": ("leaf0", "spine0", 0)}
+
+
+def fabrics() -> dict[str, Cluster]:
+    """The bench's fabrics, fixed before measuring: rail-bonded-512 (rails, 4 spines, bonded
+    2 x 200 Gb/s) and a leaf/spine without rails (16 leaves of 4 nodes x 8 x 400 Gb/s NICs,
+    8 spines x 4 cables of 400 Gb/s each: 1:1)."""
+    return {"rail-bonded-512": load_cluster_file(CLUSTER),
+            "leaf-spine-512": parse_yaml_text(LEAF_SPINE, "leaf-spine-512 (bench/traffic.py)")}
+
+
+def with_qps(cluster: Cluster, qps: int) -> Cluster:
+    """`cluster` with NCCL_IB_QPS_PER_CONNECTION = `qps` (NCCL's other settings at their defaults)."""
+    nccl = dataclasses.replace(cluster.fabric.nccl, qps_per_connection=qps)
+    return dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, nccl=nccl))
+
+
 def with_seed(cluster: Cluster, seed: int) -> Cluster:
     return dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, ecmp_seed=seed))
 
@@ -82,7 +114,8 @@ def with_seed(cluster: Cluster, seed: int) -> Cluster:
 def with_failure(cluster: Cluster) -> Cluster:
     from plait.cluster.spec import FailedLink
 
-    return dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, failed=[FailedLink(*FAILED)]))
+    cut = FAILED_AT.get(cluster.name, FAILED)
+    return dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, failed=[FailedLink(*cut)]))
 
 
 def flows_of(plan: Plan, cluster: Cluster, fabric: Fabric, params: float) -> list:
@@ -106,11 +139,16 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
     _it, wall_flat, _cpu = iteration(graph, flat, plan)
     fabric = Fabric(base)
     flows = flows_of(plan, base, fabric, graph.param_count)
-    best = planner.plan_paths(fabric, flows)
+    best = planner.plan_paths(fabric, flows)  # whole flows: one path per queue pair
+    assert not best.pieces
     t_plan, _ = best.bottleneck(fabric)
     t_ideal = planner.ideal(fabric, flows)
+    t_whole = planner.whole_bound(fabric, flows)
     planned = dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.paths()))
     it_plan, _, _ = iteration(graph, base, planned)
+    # issue 16's planner, for comparison: flows split fractionally over up to 16 paths
+    frac = planner.plan_paths(fabric, flows, max_split=planner.MAX_SPLIT)
+    it_frac = iteration(graph, base, dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, frac.paths())))[0]
     ecmp_it, ecmp_t, walls, cpus = [], [], [], []
     for s in range(seeds):
         c = with_seed(base, s)
@@ -123,10 +161,15 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
     # One spine cable fails: ECMP re-hashes over what is left; the planner re-plans the hit flows.
     broken = with_failure(base)
     fb = Fabric(broken)
-    again = planner.replan(fb, flows, best)
+    again = planner.replan(fb, flows, best)  # whole flows
+    assert not again.pieces
     t_after, _ = again.bottleneck(fb)
     replanned = dataclasses.replace(plan, flow_paths=to_plan_field(fb, flows, again.paths()))
     it_after, _, _ = iteration(graph, broken, replanned)
+    frac_after = planner.replan(fb, flows, frac, max_split=planner.MAX_SPLIT)
+    it_frac_after = iteration(graph, broken, dataclasses.replace(
+        plan, flow_paths=to_plan_field(fb, flows, frac_after.paths())))[0]
+    t_whole_after = planner.whole_bound(fb, flows)
     ecmp_kept_t, ecmp_kept_it = [], []
     for s in range(min(seeds, 20)):
         c = with_failure(with_seed(base, s))
@@ -136,7 +179,11 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
         ecmp_kept_it.append(ecmp_it[s] / iteration(graph, c, plan)[0])
     med, p99 = float(np.median(ecmp_it)), float(np.percentile(ecmp_it, 99))
     row = {
-        "plan": name, "plan_str": f"tp{plan.tp} pp{plan.pp} dp{plan.dp}", "flows": len(flows), "seeds": seeds,
+        "plan": name, "plan_str": f"tp{plan.tp} pp{plan.pp} dp{plan.dp}", "fabric": base.name,
+        "qps_per_connection": fabric.nccl.qps_per_connection, "flows_per_connection": fabric.channels,
+        "flows": len(flows), "seeds": seeds,
+        "planned_fractional_iter_s": it_frac, "faster_median_fractional": float(np.median(ecmp_it)) / it_frac - 1,
+        "T_whole_bound_s": t_whole, "T_fractional_s": frac.bottleneck(fabric)[0],
         "ecmp_iter_median_s": med, "ecmp_iter_p99_s": p99, "planned_iter_s": it_plan,
         "faster_median": med / it_plan - 1, "faster_p99": p99 / it_plan - 1,
         "T_ideal_s": t_ideal, "T_planned_s": t_plan, "T_ecmp_median_s": float(np.median(ecmp_t)),
@@ -145,6 +192,9 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
         "planner_s": best.seconds,
         "failure": {"replan_s": again.seconds, "replan_cpu_s": again.cpu_seconds, "flows_moved": again.moved,
                     "kept_network": t_plan / t_after, "kept_iteration": it_plan / it_after,
+                    "kept_network_whole_bound": t_whole / t_whole_after,
+                    "kept_iteration_fractional": it_frac / it_frac_after,
+                    "kept_network_fractional": frac.bottleneck(fabric)[0] / frac_after.bottleneck(fb)[0],
                     "planned_iter_after_s": it_after,
                     "ecmp_iter_after_median_s": float(np.median([ecmp_it[s] / k for s, k in enumerate(ecmp_kept_it)])),
                     "T_ideal_after_s": planner.ideal(fb, flows),
@@ -214,6 +264,65 @@ def emulate(skip: bool) -> dict[str, Any] | str:
     return out
 
 
+LS_RATE, LS_BYTES, LS_FLOWS, LS_SPINES = 4e6, 2_000_000, 8, 4  # 32 Mb/s uplinks, 8 flows of 2 MB, 4 spines
+
+
+def leaf_spine_check(skip: bool, seeds: int = 5) -> dict[str, Any] | str:
+    """A leaf/spine of network namespaces where the kernel hashes (root only; plait.net.leafspine):
+    8 TCP flows over 4 shaped spine uplinks, planned by policy routes vs the kernel's L4 hash under
+    `seeds` hash seeds, each measured beside the simulator's engine on the same placement; and the
+    measured mean busiest uplink against the exact E[max] of uniform hashing (plait.net.ecmp)."""
+    from plait.net import leafspine
+    from plait.net.ecmp import expected_max_load
+
+    if skip:
+        return "--no-emulate"
+    ok, why = leafspine.available()
+    if not ok:
+        return why
+    cases = []
+    for st in leafspine.measure(LS_SPINES, LS_FLOWS, LS_RATE, LS_BYTES, seeds=tuple(range(1, seeds + 1))):
+        sim = simulated_step(st.spines, 1, LS_BYTES, LS_RATE)
+        cases.append({"case": st.case, "flows_per_spine": st.flows_per_spine, "uplink_bytes": st.uplink_bytes,
+                      "measured_s": st.seconds, "simulated_s": sim, "error": st.seconds / sim - 1})
+    hashed = [c for c in cases if c["case"].startswith("hashed")]
+    return {"cases": cases, "spines": LS_SPINES, "flows": LS_FLOWS, "rate_bytes_s": LS_RATE, "bytes_per_flow": LS_BYTES,
+            "max_abs_error": max(abs(c["error"]) for c in cases),
+            "hashed_mean_busiest_flows": float(np.mean([max(c["flows_per_spine"]) for c in hashed])),
+            "exact_expected_busiest_flows": expected_max_load(LS_FLOWS, LS_SPINES),
+            "planned_over_hashed_median_measured": float(np.median([c["measured_s"] for c in hashed]))
+            / cases[0]["measured_s"]}
+
+
+def emulate_only(as_json: bool) -> int:
+    """The namespace measurements alone (`--emulate-only`), as JSON with a summary or a table."""
+    console = Console(width=200, stderr=as_json)
+    ns = leaf_spine_check(False)
+    two = emulate(False)
+    if as_json:
+        summary = {"namespaces_max_abs_error": ns["max_abs_error"] if isinstance(ns, dict) else None,
+                   "emulated_planned_over_hashed_busbw": (two["planned_over_hashed_busbw_measured"]
+                                                          if isinstance(two, dict) else None)}
+        print(json.dumps({"leaf_spine_namespaces": ns, "emulated_two_links": two, "summary": summary}, indent=2))
+    if not isinstance(ns, dict):
+        console.print(f"leaf/spine namespace check skipped: {ns}")
+        return 0
+    t = Table(title=f"leaf/spine of network namespaces, kernel L4 hash (fib_multipath_hash_policy=1): {LS_FLOWS} "
+                    f"TCP flows x {LS_BYTES / 1e6:.0f} MB over {LS_SPINES} uplinks of {LS_RATE * 8 / 1e6:.0f} Mb/s")
+    for c in ("case", "flows per spine (counters)", "measured s", "simulator s", "error"):
+        t.add_column(c, justify="right")
+    for c in ns["cases"]:
+        t.add_row(c["case"], str(c["flows_per_spine"]), f"{c['measured_s']:.3f}", f"{c['simulated_s']:.3f}",
+                  f"{c['error']:+.1%}")
+    t.add_row("hashed: mean busiest uplink (flows)", f"{ns['hashed_mean_busiest_flows']:.2f} measured",
+              f"{ns['exact_expected_busiest_flows']:.2f} exact E[max]", "", "")
+    console.print(t)
+    if isinstance(two, dict):
+        console.print(f"two links: planned/hashed busbw measured {two['planned_over_hashed_busbw_measured']:.2f}x, "
+                      f"simulated {two['planned_over_hashed_busbw_simulated']:.2f}x")
+    return 0
+
+
 def oversubscribed(base_text: str) -> Cluster:
     text = base_text.replace("uplink: {bandwidth: 200 Gb/s, latency: 1 us, links: 4}",
                              "uplink: {oversubscription: 2, latency: 1 us, links: 4}")
@@ -228,92 +337,124 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true",
                     help="print the results as JSON with a 'summary' (the tables go to stderr)")
     ap.add_argument("--no-emulate", action="store_true", help="skip the network-namespace two-link measurement")
+    ap.add_argument("--qps", default="1,4",
+                    help="NCCL_IB_QPS_PER_CONNECTION values, comma-separated (default 1,4: NCCL's default and a "
+                         "raised one)")
+    ap.add_argument("--plans", default="dp,3d,light", help="plans to run (default dp,3d,light)")
+    ap.add_argument("--fabrics", default="rail-bonded-512,leaf-spine-512",
+                    help="fabrics to run (default rail-bonded-512,leaf-spine-512)")
+    ap.add_argument("--emulate-only", action="store_true",
+                    help="only the network-namespace measurements (two links, leaf/spine; root)")
     args = ap.parse_args(argv)
     seeds = 10 if args.quick else args.seeds
-    console = Console(width=200, stderr=args.json)
+    if args.emulate_only:
+        return emulate_only(args.json)
+    console = Console(width=220, stderr=args.json)
     t_all, cpu_all = time.perf_counter(), time.process_time()
     graph = gpt_opgraph(GPT22B, "bf16")
-    base = load_cluster_file(CLUSTER)
-    rows = [run_plan(name, plan, graph, base, seeds, console) for name, plan in plans().items()]
+    qps_list = [int(x) for x in args.qps.split(",")]
+    names = args.plans.split(",")
+    unknown = [n for n in names if n not in plans()] + [f for f in args.fabrics.split(",") if f not in fabrics()]
+    if unknown:
+        ap.error(f"unknown plan or fabric: {', '.join(unknown)}")
+    rows = []
+    for fname in args.fabrics.split(","):
+        for qps in qps_list:
+            base = with_qps(fabrics()[fname], qps)
+            console.print(f"{fname}, {qps} QP(s) per connection:")
+            rows += [run_plan(name, plan, graph, base, seeds, console)
+                     for name, plan in plans().items() if name in names]
     over = oversubscribed(CLUSTER.read_text())
     fo = Fabric(over)
     flows = flows_of(plans()["dp"], over, fo, graph.param_count)
     best = planner.plan_paths(fo, flows)
     over_row = {"T_ideal_s": planner.ideal(fo, flows), "T_planned_s": best.bottleneck(fo)[0],
-                "planner_s": best.seconds,
+                "T_whole_bound_s": planner.whole_bound(fo, flows), "planner_s": best.seconds,
                 "T_ecmp_median_s": float(np.median([planner.assign(f, flows, planner.ecmp_routes(f, flows))
                                                     .bottleneck(f)[0] for f in (Fabric(with_seed(over, s))
                                                                                 for s in range(seeds))]))}
     over_row["achieved_over_ideal_planned"] = over_row["T_ideal_s"] / over_row["T_planned_s"]
     over_row["achieved_over_ideal_ecmp_median"] = over_row["T_ideal_s"] / over_row["T_ecmp_median_s"]
 
-    table = Table(title=f"22B GPT on 512 GPUs (64 x 8 H100, rails, leaf/spine 4 spines, bonded 2x200 Gb/s), "
-                        f"ECMP over {seeds} seeds vs planned paths")
-    for c in ("plan", "flows", "ECMP iter median s", "ECMP iter p99 s", "planned iter s", "faster (median)",
-              "faster (p99)", "T ideal ms", "T planned ms", "T ECMP med ms", "achieved/ideal planned",
-              "achieved/ideal ECMP", "planner s", "sim s/iter mean", "sim s/iter max (cpu)",
-              "sim s/iter no fabric"):
+    table = Table(title=f"22B GPT on 512 GPUs (64 x 8 H100): ECMP over {seeds} seeds vs planned whole flows "
+                        "(NCCL flow counts); 'fractional' = issue 16's planner splitting flows over up to 16 paths")
+    for c in ("fabric", "QPs", "plan", "flows (per conn)", "ECMP iter median s", "ECMP iter p99 s",
+              "planned iter s", "faster (median)", "faster (p99)", "fractional iter s", "fractional faster (median)",
+              "T ideal ms", "T whole bound ms", "T planned ms", "T ECMP med ms", "achieved/ideal planned",
+              "achieved/ideal ECMP", "planner s", "sim s/iter max (cpu)"):
         table.add_column(c, justify="right")
     for r in rows:
-        table.add_row(f"{r['plan']} ({r['plan_str']})", str(r["flows"]), f"{r['ecmp_iter_median_s']:.3f}",
+        table.add_row(r["fabric"], str(r["qps_per_connection"]), f"{r['plan']} ({r['plan_str']})",
+                      f"{r['flows']} ({r['flows_per_connection']})", f"{r['ecmp_iter_median_s']:.3f}",
                       f"{r['ecmp_iter_p99_s']:.3f}", f"{r['planned_iter_s']:.3f}", f"{r['faster_median']:+.0%}",
-                      f"{r['faster_p99']:+.0%}", f"{r['T_ideal_s'] * 1e3:.1f}", f"{r['T_planned_s'] * 1e3:.1f}",
+                      f"{r['faster_p99']:+.0%}", f"{r['planned_fractional_iter_s']:.3f}",
+                      f"{r['faster_median_fractional']:+.0%}", f"{r['T_ideal_s'] * 1e3:.1f}",
+                      f"{r['T_whole_bound_s'] * 1e3:.1f}", f"{r['T_planned_s'] * 1e3:.1f}",
                       f"{r['T_ecmp_median_s'] * 1e3:.1f}", f"{r['achieved_over_ideal_planned']:.3f}",
                       f"{r['achieved_over_ideal_ecmp_median']:.3f}", f"{r['planner_s']:.2f}",
-                      f"{r['sim_s_per_iteration_mean']:.2f}",
-                      f"{r['sim_s_per_iteration_max']:.2f} ({r['sim_cpu_s_per_iteration_max']:.2f})",
-                      f"{r['sim_s_per_iteration_without_fabric']:.2f}")
-    table.add_row("dp, 2:1 oversubscribed", str(len(flows)), "", "", "", "", "",
-                  f"{over_row['T_ideal_s'] * 1e3:.1f}", f"{over_row['T_planned_s'] * 1e3:.1f}",
+                      f"{r['sim_s_per_iteration_max']:.2f} ({r['sim_cpu_s_per_iteration_max']:.2f})")
+    table.add_row("rail-bonded-512 2:1", "1", "dp", str(len(flows)), "", "", "", "", "", "", "",
+                  f"{over_row['T_ideal_s'] * 1e3:.1f}", f"{over_row['T_whole_bound_s'] * 1e3:.1f}",
+                  f"{over_row['T_planned_s'] * 1e3:.1f}",
                   f"{over_row['T_ecmp_median_s'] * 1e3:.1f}", f"{over_row['achieved_over_ideal_planned']:.3f}",
-                  f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "", "", "")
-    fail = Table(title=f"one spine cable failed ({FAILED[0]} <-> {FAILED[1]} #{FAILED[2]}): throughput kept")
-    for c in ("plan", "re-plan s (cpu)", "flows moved", "planned: network kept", "planned: iteration kept",
-              "bound: ideal after / before", "planned kept / bound", "ECMP: network kept (median)", "ECMP: iteration kept (median)",
-              "iter after: planned s", "iter after: ECMP median s"):
+                  f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "")
+    fail = Table(title="one spine cable failed (rail-bonded-512: leaf0-r0 <-> spine0 #0; leaf-spine-512: leaf0 <-> "
+                       "spine0 #0): throughput kept, whole flows re-planned")
+    for c in ("fabric", "QPs", "plan", "re-plan s (cpu)", "flows moved", "network kept", "iteration kept",
+              "whole-flow bound: network kept", "LP bound: network kept", "fractional: iteration kept",
+              "ECMP: network kept (median)", "ECMP: iteration kept (median)", "iter after: planned s",
+              "iter after: ECMP median s"):
         fail.add_column(c, justify="right")
     for r in rows:
         f = r["failure"]
-        fail.add_row(r["plan"], f"{f['replan_s']:.3f} ({f['replan_cpu_s']:.3f})", str(f["flows_moved"]), f"{f['kept_network']:.1%}",
-                     f"{f['kept_iteration']:.1%}", f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}",
-                     f"{f['kept_network'] / (r['T_ideal_s'] / f['T_ideal_after_s']):.3f}",
+        fail.add_row(r["fabric"], str(r["qps_per_connection"]), r["plan"],
+                     f"{f['replan_s']:.3f} ({f['replan_cpu_s']:.3f})", str(f["flows_moved"]),
+                     f"{f['kept_network']:.1%}", f"{f['kept_iteration']:.1%}", f"{f['kept_network_whole_bound']:.1%}",
+                     f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}", f"{f['kept_iteration_fractional']:.1%}",
                      f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}",
                      f"{f['planned_iter_after_s']:.3f}", f"{f['ecmp_iter_after_median_s']:.3f}")
     emulated = emulate(args.no_emulate)
+    namespaces = leaf_spine_check(args.no_emulate)
     arithmetic = ecmp_arithmetic(2000 if args.quick else 20000)
     total, total_cpu = time.perf_counter() - t_all, time.process_time() - cpu_all
-    comm_bound = rows[0]
+    comm = [r for r in rows if r["plan"] == "dp"] or rows
     summary = {
-        "seeds": seeds, "bench_s": total, "bench_cpu_s": total_cpu,
-        "comm_bound_faster_median": comm_bound["faster_median"], "comm_bound_faster_p99": comm_bound["faster_p99"],
-        "achieved_over_ideal_planned_1to1": min(r["achieved_over_ideal_planned"] for r in rows),
+        "seeds": seeds, "bench_s": total, "bench_cpu_s": total_cpu, "qps": qps_list,
+        "fabrics": args.fabrics.split(","), "plans": names,
+        "faster_median_min": min(r["faster_median"] for r in rows),
+        "faster_p99_min": min(r["faster_p99"] for r in rows),
+        "comm_bound_faster_median_min": min(r["faster_median"] for r in comm),
+        "comm_bound_faster_p99_min": min(r["faster_p99"] for r in comm),
+        "achieved_over_ideal_planned_min": min(r["achieved_over_ideal_planned"] for r in rows),
         "achieved_over_ideal_planned_2to1": over_row["achieved_over_ideal_planned"],
         "replan_s_max": max(r["failure"]["replan_s"] for r in rows),
         "replan_cpu_s_max": max(r["failure"]["replan_cpu_s"] for r in rows),
         "kept_network_min": min(r["failure"]["kept_network"] for r in rows),
         "kept_iteration_min": min(r["failure"]["kept_iteration"] for r in rows),
+        "kept_network_whole_bound_min": min(r["failure"]["kept_network_whole_bound"] for r in rows),
         "sim_s_per_iteration_max": max(r["sim_s_per_iteration_max"] for r in rows),
         "sim_cpu_s_per_iteration_max": max(r["sim_cpu_s_per_iteration_max"] for r in rows),
         "emulated_planned_over_hashed_busbw": (emulated["planned_over_hashed_busbw_measured"]
                                                if isinstance(emulated, dict) else None),
+        "namespaces_max_abs_error": namespaces["max_abs_error"] if isinstance(namespaces, dict) else None,
     }
     summary["goals"] = {
-        "faster_median_ge_15pct": summary["comm_bound_faster_median"] >= 0.15,
-        "faster_p99_ge_30pct": summary["comm_bound_faster_p99"] >= 0.30,
-        "achieved_over_ideal_ge_0.95_both_fabrics": min(summary["achieved_over_ideal_planned_1to1"],
-                                                        summary["achieved_over_ideal_planned_2to1"]) >= 0.95,
+        "comm_bound_faster_median_ge_15pct": summary["comm_bound_faster_median_min"] >= 0.15,
+        "comm_bound_faster_p99_ge_30pct": summary["comm_bound_faster_p99_min"] >= 0.30,
+        "every_plan_faster_median_ge_15pct": summary["faster_median_min"] >= 0.15,
+        "every_plan_faster_p99_ge_30pct": summary["faster_p99_min"] >= 0.30,
         "replan_lt_1s_wall": summary["replan_s_max"] < 1.0,
         "replan_lt_1s_cpu": summary["replan_cpu_s_max"] < 1.0,
-        "kept_ge_90pct_network": summary["kept_network_min"] >= 0.90,
-        "kept_ge_90pct_iteration": summary["kept_iteration_min"] >= 0.90,
-        "sim_lt_1s_per_seed_wall": summary["sim_s_per_iteration_max"] < 1.0,
-        "sim_lt_1s_per_seed_cpu": summary["sim_cpu_s_per_iteration_max"] < 1.0,
-        "bench_lt_15min_wall": total < 900,
+        "kept_ge_90pct_iteration_whole_flows": summary["kept_iteration_min"] >= 0.90,
+        "kept_ge_90pct_network_whole_flows": summary["kept_network_min"] >= 0.90,
         "bench_lt_15min_cpu": total_cpu < 900,
+        "namespaces_sim_within_10pct": (summary["namespaces_max_abs_error"] < 0.10
+                                        if summary["namespaces_max_abs_error"] is not None else None),
     }
     if args.json:
         summary["goals"] = {k: bool(v) for k, v in summary["goals"].items()}
         print(json.dumps({"plans": rows, "oversubscribed_2to1": over_row, "emulated_two_links": emulated,
+                          "leaf_spine_namespaces": namespaces,
                           "ecmp_expected_max_load": arithmetic,
                           "summary": summary}, indent=2))
     # the tables (on stderr with --json)
@@ -342,6 +483,20 @@ def main(argv: list[str] | None = None) -> int:
         console.print(em)
     else:
         console.print(f"emulated two-link measurement skipped: {emulated}")
+    if isinstance(namespaces, dict):
+        ns = Table(title=f"leaf/spine of network namespaces, kernel L4 hash (fib_multipath_hash_policy=1): "
+                         f"{LS_FLOWS} TCP flows x {LS_BYTES / 1e6:.0f} MB over {LS_SPINES} uplinks of "
+                         f"{LS_RATE * 8 / 1e6:.0f} Mb/s (tc tbf)")
+        for c in ("case", "flows per spine (counters)", "measured s", "simulator s", "error"):
+            ns.add_column(c, justify="right")
+        for c in namespaces["cases"]:
+            ns.add_row(c["case"], str(c["flows_per_spine"]), f"{c['measured_s']:.3f}", f"{c['simulated_s']:.3f}",
+                       f"{c['error']:+.1%}")
+        ns.add_row("hashed: mean busiest uplink (flows)", f"{namespaces['hashed_mean_busiest_flows']:.2f} measured",
+                   f"{namespaces['exact_expected_busiest_flows']:.2f} exact E[max]", "", "")
+        console.print(ns)
+    else:
+        console.print(f"leaf/spine namespace check skipped: {namespaces}")
     console.print(f"bench {total:.0f} s wall, {total_cpu:.0f} s CPU; goals: " + ", ".join(f"{k}={v}" for k, v in summary["goals"].items()))
     return 0
 

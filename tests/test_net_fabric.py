@@ -114,7 +114,7 @@ def test_bond_splits_flows_over_its_ports() -> None:
     assert min(ports.values()) > 150  # a hash splits flows about evenly, not all on one port
     # the planner balances exactly: 4 equal flows out of one NIC -> 2 per port
     flows = [Flow(FlowKey(0, 0, 5, 0, t), 0, 10, t, 1.0, "dp") for t in range(4)]
-    a = planner.plan_paths(f, flows)
+    a = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     assert sorted(Counter(r.links[0] for r in a.routes).values()) == [2, 2]
 
 
@@ -165,7 +165,7 @@ def test_planner_reaches_the_lp_bound_and_beats_ecmp() -> None:
     c = small()
     f, _plan, flows = _ring_flows(c)
     assert len(flows) == 2 * 8 * 2  # 2 rails x 8 hops x 2 channels, all across leaves
-    best = planner.plan_paths(f, flows)
+    best = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     t_plan, _ = best.bottleneck(f)
     lp = planner.ideal(f, flows)
     assert t_plan == pytest.approx(lp, rel=1e-6)
@@ -177,10 +177,10 @@ def test_planner_reaches_the_lp_bound_and_beats_ecmp() -> None:
 def test_replan_moves_only_hit_flows_and_keeps_throughput() -> None:
     c = small()
     f, _plan, flows = _ring_flows(c)
-    before = planner.plan_paths(f, flows)
+    before = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     t0, _ = before.bottleneck(f)
     dead = f.fail("leaf0-r0", "spine0", 0)
-    after = planner.replan(f, flows, before)
+    after = planner.replan(f, flows, before, max_split=planner.MAX_SPLIT)
     assert 0 < after.moved < len(flows)
     assert not any(link in dead for r in after.routes for link in r.links)
     t1, _ = after.bottleneck(f)
@@ -203,7 +203,7 @@ def test_plan_field_round_trip_and_simulator_honours_paths() -> None:
     graph = gpt_opgraph({"layers": 2, "hidden": 1024, "heads": 8, "seq": 256, "vocab": 1000}, "bf16")
     grads = graph.param_count * 2 / plan.tp
     flows = plan_flows(plan, c, f, [grads])
-    a = planner.plan_paths(f, flows)
+    a = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     field = to_plan_field(f, flows, a.paths())
     planned = dataclasses.replace(plan, flow_paths=field)
     again = Plan.from_json(planned.to_json())
@@ -231,7 +231,7 @@ def test_three_tiers_planner_and_lp_cross_pods() -> None:
              for n in range(4) for j in range(2)]
     paths = f.all_switch_paths("leaf0", "leaf2")
     assert len(paths) == 2 * 2 * 2 and all(len(p) == 4 for p in paths)  # spine, core, spine
-    a = planner.plan_paths(f, flows)
+    a = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     lp = planner.ideal(f, flows)
     t, _ = a.bottleneck(f)
     assert t == pytest.approx(lp, rel=1e-6)
@@ -293,11 +293,11 @@ def test_replan_splits_hit_flows_to_keep_what_the_failure_leaves() -> None:
     # put 3 on some cable (2/3 kept); split over the 3 others the bound (k-1)/k = 3/4 is reached.
     c = small()
     f, _plan, flows = _ring_flows(c)
-    before = planner.plan_paths(f, flows)
+    before = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     t0, _ = before.bottleneck(f)
     f.fail("leaf0-r0", "spine0", 0)
     whole = planner.replan(f, flows, before, max_split=1)
-    split = planner.replan(f, flows, before)
+    split = planner.replan(f, flows, before, max_split=planner.MAX_SPLIT)
     assert t0 / whole.bottleneck(f)[0] == pytest.approx(2 / 3)
     assert t0 / split.bottleneck(f)[0] == pytest.approx(3 / 4)
     assert split.bottleneck(f)[0] == pytest.approx(planner.ideal(f, flows), rel=1e-6)
@@ -324,18 +324,18 @@ def test_split_reaches_the_lp_bound_where_whole_flows_cannot() -> None:
     cap = f.capacity[f.port_up[0][0][0]]
     flows = [Flow(FlowKey(0, 0, 2, 0, t), 0, 4, t, 1.0, "dp") for t in range(3)]
     assert planner.plan_paths(f, flows, max_split=1).bottleneck(f)[0] == pytest.approx(2 / cap)
-    a = planner.plan_paths(f, flows)
+    a = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     assert a.bottleneck(f)[0] == pytest.approx(1.5 / cap) == pytest.approx(planner.ideal(f, flows))
 
 
 def test_replan_with_no_path_left_names_the_failed_links() -> None:
     c = small()
     f, _plan, flows = _ring_flows(c)
-    before = planner.plan_paths(f, flows)
+    before = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     f.fail("spine0", "leaf1-r0")
     f.fail("spine1", "leaf1-r0")  # leaf1-r0 is cut off from the spines
     with pytest.raises(FabricError, match=r"no path left.*spine0>leaf1-r0#0"):
-        planner.replan(f, flows, before)
+        planner.replan(f, flows, before, max_split=planner.MAX_SPLIT)
     with pytest.raises(FabricError, match=r"spine1>leaf1-r0"):
         planner.ideal(f, flows)
 
@@ -346,7 +346,7 @@ def test_split_reaches_the_bound_when_cables_do_not_divide_the_flows() -> None:
     c = parse_yaml_text(SMALL.replace("links: 2}}", "links: 1}}").replace("spines: 2", "spines: 3"), "s3.yaml")
     f, _plan, flows = _ring_flows(c)
     whole = planner.plan_paths(f, flows, max_split=1).bottleneck(f)[0]
-    a = planner.plan_paths(f, flows)
+    a = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     lp = planner.ideal(f, flows)
     assert whole == pytest.approx(lp * 9 / 8)
     assert a.bottleneck(f)[0] == pytest.approx(lp, rel=1e-6) and a.bound == pytest.approx(lp)
@@ -357,8 +357,8 @@ def test_split_reaches_the_bound_when_cables_do_not_divide_the_flows() -> None:
 def test_replan_rebalances_to_the_bound_when_the_cables_left_were_full() -> None:
     c = parse_yaml_text(SMALL.replace("links: 2}}", "links: 1}}").replace("spines: 2", "spines: 3"), "s3.yaml")
     f, _plan, flows = _ring_flows(c)
-    before = planner.plan_paths(f, flows)
+    before = planner.plan_paths(f, flows, max_split=planner.MAX_SPLIT)
     f.fail("leaf0-r0", "spine0")
-    after = planner.replan(f, flows, before)
+    after = planner.replan(f, flows, before, max_split=planner.MAX_SPLIT)
     assert after.bottleneck(f)[0] == pytest.approx(planner.ideal(f, flows), rel=1e-6)
     assert all(f.alive[link] for p in after.paths() for _s, r in p for link in r.links)

@@ -44,6 +44,12 @@ def test_traffic_plan_fills_flow_paths_and_simulates_both(tmp_path, capsys) -> N
     assert t["bottleneck_ideal_s"] <= t["bottleneck_planned_s"] * (1 + 1e-9) <= t["bottleneck_ecmp_s"] * (1 + 1e-9)
     plan = Plan.load(str(out))
     assert plan.flow_paths is not None and plan.flow_paths["paths"]
+    assert all(len(item) == 4 for item in plan.flow_paths["paths"])  # whole flows: no shares
+    # the settings a deployment applies, beside the plan: they parse, one source port per flow
+    from plait.net.deploy import check_settings
+
+    settings = check_settings(json.loads((tmp_path / "plan.traffic.json").read_text()))
+    assert len(settings["source_ports"]) == len(plan.flow_paths["paths"]) == t["flows"]
     # The saved plan carries the paths: `plait simulate` predicts the planned iteration.
     assert main(["simulate", "--model", MODEL, "--cluster", str(cluster), "--plan", str(out), "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)

@@ -28,7 +28,10 @@ strings, see `plait.cluster.units`; examples in ``examples/clusters/``)::
       latency: 5 us
       nics: 8
       ports: 2                         # ports per NIC (2: bonded; nic bandwidth is the total)
-      channels: 2                      # flows (queue pairs) per ring neighbour; default: ports
+      channels: 2                      # NCCL channels per ring neighbour (large messages); default: ports
+      nccl: {qps_per_connection: 1, min_channels: 1, max_channels: 32, algorithm: ring, pxn: true}
+                                       # NCCL's flow settings (plait.net.nccl; these are the defaults):
+                                       #   flows per neighbour = channels for the message size x QPs
       ecmp: {seed: 0, hash: per_tier}  # switches' hash seed; `same`: one hash at every tier
       failed_links: [[leaf0, spine1], [leaf0, spine1, 2], [n0, leaf0, 1]]  # cable down (index:
                                        #   which parallel cable, or the node's NIC port)
@@ -75,6 +78,7 @@ from plait.cluster.spec import (
     COLLECTIVE_OPS,
     DTYPES,
     ECMP_HASHES,
+    NCCL_ALGORITHMS,
     SWITCH_TIERS,
     Cluster,
     ClusterError,
@@ -84,6 +88,7 @@ from plait.cluster.spec import (
     GPUKind,
     Link,
     MeasuredCollective,
+    NcclSpec,
     NodeSpec,
     PairOverride,
     SwitchSpec,
@@ -311,7 +316,7 @@ class _Fabric:
 # InfiniBand/Ethernet switches forward in well under a microsecond.
 UPLINK_LATENCY = 1e-6
 
-_FABRIC_KEYS = ("type", "bandwidth", "latency", "nics", "ports", "channels", "ecmp", "failed_links",
+_FABRIC_KEYS = ("type", "bandwidth", "latency", "nics", "ports", "channels", "ecmp", "failed_links", "nccl",
                 "switches")
 
 
@@ -363,7 +368,7 @@ def _parse_fabric(ctx: _Ctx, raw: Any) -> _Fabric:
 
 def _parse_multipath(ctx: _Ctx, spec: dict[str, Any]) -> FabricSpec | None:
     """ports / channels / ecmp / failed_links of `fabric:` (None when none is given)."""
-    if not any(k in spec for k in ("ports", "channels", "ecmp", "failed_links")):
+    if not any(k in spec for k in ("ports", "channels", "ecmp", "failed_links", "nccl")):
         return None
     out = FabricSpec()
     if "ports" in spec:
@@ -379,6 +384,8 @@ def _parse_multipath(ctx: _Ctx, spec: dict[str, Any]) -> FabricSpec | None:
                 ctx.fail("fabric.ecmp.hash", f"must be one of {', '.join(ECMP_HASHES)} ('same': one hash at "
                                              f"every tier, which polarises), got {mode!r}")
             out.ecmp_hash = mode
+    if spec.get("nccl") is not None:
+        out.nccl = _parse_nccl(ctx, spec["nccl"])
     for i, item in enumerate(ctx.seq(spec.get("failed_links") or [], "fabric.failed_links", "links")):
         ipath = f"fabric.failed_links[{i}]"
         if not isinstance(item, list) or len(item) not in (2, 3):
@@ -387,6 +394,23 @@ def _parse_multipath(ctx: _Ctx, spec: dict[str, Any]) -> FabricSpec | None:
         index = ctx.integer(item[2], _join(ipath, 2), 0, 4096) if len(item) == 3 else None
         out.failed.append(FailedLink(a, b, index))
     return out
+
+
+def _parse_nccl(ctx: _Ctx, raw: Any) -> NcclSpec:
+    """`fabric.nccl`: NCCL's flow settings (a flow count of 0 is refused naming the field)."""
+    e = ctx.mapping(raw, "fabric.nccl", ("qps_per_connection", "min_channels", "max_channels", "algorithm", "pxn"))
+    d = NcclSpec()
+    qps = ctx.integer(e["qps_per_connection"], "fabric.nccl.qps_per_connection", 1, 128) \
+        if "qps_per_connection" in e else d.qps_per_connection
+    lo = ctx.integer(e["min_channels"], "fabric.nccl.min_channels", 1, 64) if "min_channels" in e else d.min_channels
+    hi = ctx.integer(e["max_channels"], "fabric.nccl.max_channels", 1, 64) if "max_channels" in e else d.max_channels
+    if lo > hi:
+        ctx.fail("fabric.nccl.min_channels", f"{lo} is above fabric.nccl.max_channels {hi}")
+    algo = ctx.string(e["algorithm"], "fabric.nccl.algorithm") if "algorithm" in e else d.algorithm
+    if algo not in NCCL_ALGORITHMS:
+        ctx.fail("fabric.nccl.algorithm", f"must be one of {', '.join(NCCL_ALGORITHMS)}, got {algo!r}")
+    pxn = ctx.boolean(e["pxn"], "fabric.nccl.pxn") if "pxn" in e else d.pxn
+    return NcclSpec(qps, lo, hi, algo, pxn)
 
 
 def _parse_switch_list(ctx: _Ctx, raw: Any, path: str, tier: str,
@@ -919,6 +943,8 @@ def _fabric_dict(cluster: Cluster, human: bool) -> dict[str, Any]:
     if fab is not None:
         out.update({"ports": fab.ports, "channels": fab.channels,
                     "ecmp": {"seed": fab.ecmp_seed, "hash": fab.ecmp_hash}})
+        if fab.nccl != NcclSpec():
+            out["nccl"] = dataclasses.asdict(fab.nccl)
         if fab.failed:
             out["failed_links"] = [[f.a, f.b] + ([f.index] if f.index is not None else []) for f in fab.failed]
     tiers = {t: [s for s in cluster.switches if s.tier == t] for t in SWITCH_TIERS}

@@ -91,6 +91,29 @@ class FailedLink:
     index: int | None = None
 
 
+@dataclass(frozen=True)
+class NcclSpec:
+    """How NCCL opens flows on the fabric (`plait.net.nccl` turns these into flow counts).
+
+    Defaults are NCCL's documented ones (docs.nvidia.com/deeplearning/nccl, "Environment
+    Variables"): `qps_per_connection` is ``NCCL_IB_QPS_PER_CONNECTION`` (default 1; each queue
+    pair is its own RoCE flow with its own UDP source port); `min_channels` / `max_channels`
+    are ``NCCL_MIN_NCHANNELS`` / ``NCCL_MAX_NCHANNELS`` (bounds on the channels a
+    communicator runs; NCCL's own limits 1 and 32 when unset); `algorithm` is ``NCCL_ALGO``
+    for the data-parallel collectives ("ring" or "tree"); `pxn` is PXN, on unless
+    ``NCCL_PXN_DISABLE=1`` (since NCCL 2.12: a GPU sends to a peer on another rail through the
+    local GPU of that rail, so the flow leaves from the peer's rail NIC)."""
+
+    qps_per_connection: int = 1
+    min_channels: int = 1
+    max_channels: int = 32
+    algorithm: str = "ring"
+    pxn: bool = True
+
+
+NCCL_ALGORITHMS = ("ring", "tree")
+
+
 @dataclass
 class FabricSpec:
     """Multi-path behaviour of a switched fabric (issue 16; C4P).
@@ -99,13 +122,16 @@ class FabricSpec:
     each port carries an equal part); `channels`: flows (queue pairs, each its own 5-tuple)
     a collective opens between two neighbouring NICs, as NCCL's channels; `ecmp_hash`:
     "per_tier" (independent hash per tier) or "same" (one hash at every tier: polarisation);
-    `ecmp_seed`: the switches' hash seed; `failed`: cables that are down."""
+    `ecmp_seed`: the switches' hash seed; `failed`: cables that are down; `nccl`: NCCL's
+    settings that multiply and shape the flows (queue pairs per channel, channel bounds, the
+    algorithm, PXN)."""
 
     ports: int = 1
     channels: int = 1
     ecmp_seed: int = 0
     ecmp_hash: str = "per_tier"
     failed: list[FailedLink] = field(default_factory=list)
+    nccl: NcclSpec = field(default_factory=NcclSpec)
 
 
 @dataclass

@@ -31,6 +31,7 @@ import numpy as np
 
 from plait.cluster.spec import (
     ECMP_HASHES,
+    NCCL_ALGORITHMS,
     SWITCH_TIERS,
     Cluster,
     ClusterError,
@@ -141,6 +142,12 @@ def _check_fabric(cluster: Cluster) -> None:
         for r, leaf in enumerate(node.leaves or ()):
             if leaf not in names or names[leaf].tier != "leaf":
                 raise ClusterError(f"{where}: nodes[{i}].leaf[{r}]: {leaf!r} is not a leaf switch")
+        if node.nics < 1:
+            raise ClusterError(f"{where}: nodes[{i}].nic.count: a node needs at least one NIC, got {node.nics}")
+        for r, leaf in enumerate(node.leaves or ()):
+            rail = names[leaf].rail if leaf in names else None
+            if rail is not None and rail != r:
+                raise ClusterError(f"{where}: nodes[{i}].leaf[{r}]: {leaf!r} serves rail {rail}, not NIC {r}")
         if node.leaves and len(node.leaves) != node.nics:
             raise ClusterError(f"{where}: nodes[{i}].leaf: {len(node.leaves)} leaves for {node.nics} NICs "
                                "(a rail-optimised node names one leaf per NIC)")
@@ -150,6 +157,17 @@ def _check_fabric(cluster: Cluster) -> None:
             raise ClusterError(f"{where}: fabric.ports: a NIC has 1 or 2 (bonded) ports, got {fab.ports}")
         if fab.channels < 1:
             raise ClusterError(f"{where}: fabric.channels: must be >= 1, got {fab.channels}")
+        n = fab.nccl
+        for key, v in (("qps_per_connection", n.qps_per_connection), ("min_channels", n.min_channels),
+                       ("max_channels", n.max_channels)):
+            if v < 1:
+                raise ClusterError(f"{where}: fabric.nccl.{key}: a flow count must be >= 1, got {v}")
+        if n.min_channels > n.max_channels:
+            raise ClusterError(f"{where}: fabric.nccl.min_channels: {n.min_channels} is above "
+                               f"fabric.nccl.max_channels {n.max_channels}")
+        if n.algorithm not in NCCL_ALGORITHMS:
+            raise ClusterError(f"{where}: fabric.nccl.algorithm: must be one of {', '.join(NCCL_ALGORITHMS)}, "
+                               f"got {n.algorithm!r}")
         if fab.ecmp_hash not in ECMP_HASHES:
             raise ClusterError(f"{where}: fabric.ecmp.hash: must be one of {', '.join(ECMP_HASHES)}, "
                                f"got {fab.ecmp_hash!r}")

@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     result = plan(args.model, args.cluster, global_batch=args.global_batch,
                   top=args.top if args.json else args.top * FOLD_EXTRA, **options, **families)
     best = result.best
-    traffic = traffic_plan(args.model, fabric_cluster, best.plan) if fabric_cluster is not None else None
+    traffic = traffic_plan(args.model, fabric_cluster, best.plan, settings=bool(args.out)) \
+        if fabric_cluster is not None else None
     best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths
     exported = None
     if args.export:
@@ -166,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
         from plait.search.summary import search_path, write_summary
 
         write_summary(result, search_path(args.out))  # `plait report` shows each family's best
+        if traffic is not None and traffic.report is not None and traffic.report.settings is not None:
+            Path(args.out).with_suffix(".traffic.json").write_text(json.dumps(traffic.report.settings, indent=1))
     measured = None
     if args.run:
         measured = _run(args, result)

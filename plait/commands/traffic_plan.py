@@ -1,7 +1,8 @@
 """`plait plan --traffic-plan`: the chosen plan's inter-node flows placed on paths of the cluster's
 switched fabric (`plait.net.api.plan_traffic`, C4P), stored in the plan (`Plan.flow_paths`, so
-`--out` writes them and `plait simulate --plan` honours them), and the simulated iteration with
-ECMP's paths beside the planned ones."""
+`--out` writes them and `plait simulate --plan` honours them; the deployment settings,
+`plait.net.deploy`, go beside it as PLAN.traffic.json), and the simulated iteration with ECMP's
+paths beside the planned ones."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ if TYPE_CHECKING:  # the CLI imports this module to add its flag: the fabric cod
 
 def add_traffic_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traffic-plan", action="store_true",
-                   help="on a cluster with a leaf/spine fabric: plan the best plan's inter-node flows onto "
-                        "paths (C4P), store them in the plan (--out) and print its simulated iteration "
-                        "with ECMP's paths vs the planned ones")
+                   help="on a cluster with a leaf/spine fabric: plan the best plan's inter-node flows (whole "
+                        "queue pairs) onto paths (C4P), store them in the plan (--out; the settings a deployment "
+                        "applies -- NCCL env, policy routes, per-QP source ports -- beside it as PLAN.traffic.json) "
+                        "and print its simulated iteration with ECMP's paths vs the planned ones")
 
 
 def check_traffic_cluster(cluster: Any) -> Cluster:
@@ -65,15 +67,16 @@ def _keys(plan: Plan) -> list[tuple[tuple[int, int, int], int]]:
     return list(count.items())
 
 
-def traffic_plan(model: Any, cluster: Cluster, plan: Plan) -> TrafficOutcome:
-    """Plan `plan`'s flows on `cluster`'s fabric and simulate the iteration both ways."""
+def traffic_plan(model: Any, cluster: Cluster, plan: Plan, settings: bool = False) -> TrafficOutcome:
+    """Plan `plan`'s flows on `cluster`'s fabric and simulate the iteration both ways (`settings`:
+    with the deployment settings, `plait.net.deploy`)."""
     from plait.graph.resolve import resolve_model
     from plait.net.api import plan_traffic
     from plait.sim.api import simulate
     from plait.sim.topology import ClusterView
 
     graph = resolve_model(model, plan)
-    planned, report = plan_traffic(plan, cluster, graph)
+    planned, report = plan_traffic(plan, cluster, graph, settings=settings)
     view = ClusterView.from_cluster(cluster)
     ecmp = simulate(graph, view, dataclasses.replace(plan, flow_paths=None),
                     memory=False).iteration_time_s

@@ -205,6 +205,7 @@ class Flow:
     cls: str
     op: str
     name: str
+    call_bytes: int = 0  # bytes per rank of one call (NCCL's channel count depends on it)
 
 
 @dataclass(frozen=True)
@@ -240,12 +241,13 @@ class Message:
         for g in self.groups:
             n = len(g)
             if self.op == "send_recv":
-                out.append(Flow(g[0], g[1], float(self.nbytes * self.count), self.cls, self.op, self.name))
+                out.append(Flow(g[0], g[1], float(self.nbytes * self.count), self.cls, self.op, self.name,
+                                self.nbytes))
                 continue
             per_hop = wire_bytes(self.op, self.nbytes, n) / n * self.count
             hops = ring_hops(g, node_of, nics_of_node) if node_of is not None else \
                 [(g[i], g[(i + 1) % n], 1.0) for i in range(n)]
-            out += [Flow(a, b, per_hop * share, self.cls, self.op, self.name) for a, b, share in hops]
+            out += [Flow(a, b, per_hop * share, self.cls, self.op, self.name, self.nbytes) for a, b, share in hops]
         return out
 
 

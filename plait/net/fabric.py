@@ -24,8 +24,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from plait.cluster.spec import Cluster, ClusterError, SwitchSpec
-from plait.net import ecmp
+from plait.cluster.spec import Cluster, ClusterError, NcclSpec, SwitchSpec
+from plait.net import ecmp, nccl
 
 
 class FabricError(ClusterError):
@@ -64,7 +64,12 @@ class Fabric:
         self.cluster = cluster
         spec = cluster.fabric
         self.ports = spec.ports if spec else 1
-        self.channels = spec.channels if spec else 1
+        self.nccl = spec.nccl if spec else NcclSpec()
+        self.comm_channels = spec.channels if spec else 1  # NCCL channels per connection (large messages)
+        # Flows (queue pairs) per connection for large messages: the simulator routes every
+        # transfer over this many; `flows_for` gives a message size's own count.
+        self.channels = nccl.flows_per_connection(nccl.LARGE, self.comm_channels, self.nccl)
+        self.rails = any(s.rail is not None for s in cluster.switches)
         self.seed = spec.ecmp_seed if spec else 0
         self.mode = spec.ecmp_hash if spec else "per_tier"
         self.names: list[str] = []
@@ -204,9 +209,10 @@ class Fabric:
                     stack.append((nxt, nph))
         return sorted(set(dead))
 
-    def route_ecmp(self, flow: FlowKey) -> Route:
-        """The path ECMP and the bonds give `flow` (deterministic in the fabric's seed and mode)."""
-        five = flow.five_tuple()
+    def route_ecmp(self, flow: FlowKey, five: ecmp.FiveTuple | None = None) -> Route:
+        """The path ECMP and the bonds give `flow` (deterministic in the fabric's seed and mode);
+        `five`: its 5-tuple when not the one its tag gives (a chosen UDP source port)."""
+        five = five or flow.five_tuple()
         src_ports = self._alive_ports(self.port_up, flow.src, flow.src_nic, "sending")
         dst_ports = self._alive_ports(self.port_down, flow.dst, flow.dst_nic, "receiving")
         links = [src_ports[ecmp.choose(five, len(src_ports), self.seed, "bond", self.mode)]]
@@ -251,6 +257,10 @@ class Fabric:
         rec(src_leaf, "up", ())
         return out
 
+    def flows_for(self, nbytes: float) -> int:
+        """Flows (queue pairs) NCCL opens on one connection for a message of `nbytes` per rank."""
+        return nccl.flows_per_connection(nbytes, self.comm_channels, self.nccl)
+
     def nic_of(self, local: int, gpus: int, nics: int) -> int:
         """The NIC a GPU uses (GPU-NIC affinity: GPUs split evenly over the NICs, as NCCL does)."""
         return local * nics // max(1, gpus)
@@ -279,4 +289,4 @@ def _content(cluster: Cluster) -> tuple:
             tuple((s.name, s.tier, s.uplink, s.links, s.pod) for s in cluster.switches),
             None if cluster.fabric is None else (cluster.fabric.ports, cluster.fabric.channels,
                                                  cluster.fabric.ecmp_seed, cluster.fabric.ecmp_hash,
-                                                 tuple(cluster.fabric.failed)))
+                                                 tuple(cluster.fabric.failed), cluster.fabric.nccl))

@@ -1,4 +1,5 @@
-"""The inter-node flows of a plan, split into the fabric's channels (one 5-tuple each).
+"""The inter-node flows of a plan, split into the flows NCCL opens (channels x queue pairs, one
+5-tuple each; `plait.net.nccl`).
 
 `traffic_flows` takes them from the one traffic module (`plait.cost.traffic`: every message of a
 plan over the one stage graph, ring hops, pipeline edges, ZeRO and tied traffic, in the plan's
@@ -31,10 +32,14 @@ class Flow:
 
 
 def device_flow(fabric: Fabric, src: int, dst: int, channel: int) -> FlowKey:
-    """The flow (queue pair) of `channel` between two devices: its NICs by GPU-NIC affinity and
-    a tag naming the device pair, so distinct communicators get distinct 5-tuples."""
+    """The flow (queue pair `channel`, `plait.net.nccl` numbering) between two devices: its NICs
+    by GPU-NIC affinity and a tag naming the device pair, so distinct communicators get distinct
+    5-tuples. With PXN on a rail-optimised fabric a send to a peer on another rail leaves from
+    the sender node's NIC of the peer's rail (NCCL relays it over NVLink), so it stays on-rail."""
     sn, snic = fabric.endpoint(src)
     dn, dnic = fabric.endpoint(dst)
+    if fabric.rails and fabric.nccl.pxn and snic != dnic and dnic < len(fabric.nic_leaf[sn]):
+        snic = dnic
     tag = zlib.crc32(struct.pack(">3q", src, dst, channel))
     return FlowKey(sn, snic, dn, dnic, tag)
 
@@ -57,14 +62,14 @@ def plan_flows(plan: Plan, cluster: Cluster, fabric: Fabric, grad_bytes: Sequenc
     `activation_bytes`: bytes a tensor rank sends to the next stage per micro-batch (and the
     same gradient back)."""
     node = cluster.devices
-    ch = fabric.channels
-    per_pair: dict[tuple[int, int], list[float | str]] = {}
+    per_pair: dict[tuple[int, int], list] = {}
 
-    def add(a: int, b: int, nbytes: float, traffic: str) -> None:
+    def add(a: int, b: int, nbytes: float, traffic: str, call: float) -> None:
         if node[a].node == node[b].node or nbytes <= 0:
             return
-        entry = per_pair.setdefault((a, b), [0.0, traffic])
-        entry[0] = float(entry[0]) + nbytes
+        entry = per_pair.setdefault((a, b), [0.0, traffic, 0.0])
+        entry[0] += nbytes
+        entry[2] = max(entry[2], call)
 
     node_of = [d.node for d in node]
     nics = [max(1, n.nics) for n in cluster.nodes]
@@ -74,18 +79,24 @@ def plan_flows(plan: Plan, cluster: Cluster, fabric: Fabric, grad_bytes: Sequenc
             hop = ring_hop_bytes("all_reduce", grad_bytes[s], len(ring))
             for a, b, share in ring_hops(ring, node_of, nics):  # a node crossing on NCCL's rails
                 if a != b:
-                    add(a, b, hop * share, "dp")
+                    add(a, b, hop * share, "dp", grad_bytes[s])
     m = plan.num_micro_batches
     for s in range(plan.pp - 1):
         for d in range(plan.dp):
             for t in range(plan.tp):
                 a, b = plan.device_of(plan.rank(s, d, t)), plan.device_of(plan.rank(s + 1, d, t))
-                add(a, b, activation_bytes * m, "pp")
-                add(b, a, activation_bytes * m, "pp")
+                add(a, b, activation_bytes * m, "pp", activation_bytes)
+                add(b, a, activation_bytes * m, "pp", activation_bytes)
+    return _split(fabric, per_pair)
+
+
+def _split(fabric: Fabric, per_pair: dict[tuple[int, int], list]) -> list[Flow]:
+    """Each device pair's bytes split evenly over the flows NCCL opens for its largest message
+    (`Fabric.flows_for`: channels for that size x queue pairs), each flow whole."""
     out = []
-    for (a, b), (nbytes, traffic) in per_pair.items():
-        for c in range(ch):
-            out.append(Flow(device_flow(fabric, a, b, c), a, b, c, float(nbytes) / ch, str(traffic)))
+    for (a, b), (nbytes, traffic, call) in per_pair.items():
+        ch = fabric.flows_for(call)
+        out += [Flow(device_flow(fabric, a, b, c), a, b, c, float(nbytes) / ch, str(traffic)) for c in range(ch)]
     return out
 
 
@@ -98,12 +109,11 @@ def traffic_flows(plan: Plan, cluster: Cluster, fabric: Fabric, graph: OpGraph) 
 
     node = cluster.devices
     node_of = [d.node for d in node]
-    per_pair: dict[tuple[int, int], list[float | str]] = {}
+    per_pair: dict[tuple[int, int], list] = {}
     for f in iteration_traffic(graph, plan).flows(node_of, [max(1, n.nics) for n in cluster.nodes]):
         if f.src == f.dst or node[f.src].node == node[f.dst].node or f.nbytes <= 0:
             continue
-        entry = per_pair.setdefault((f.src, f.dst), [0.0, f.cls])
-        entry[0] = float(entry[0]) + f.nbytes
-    ch = fabric.channels
-    return [Flow(device_flow(fabric, a, b, c), a, b, c, float(nbytes) / ch, str(cls))
-            for (a, b), (nbytes, cls) in per_pair.items() for c in range(ch)]
+        entry = per_pair.setdefault((f.src, f.dst), [0.0, f.cls, 0.0])
+        entry[0] += f.nbytes
+        entry[2] = max(entry[2], f.call_bytes)
+    return _split(fabric, per_pair)

@@ -39,17 +39,25 @@ def from_plan_field(fabric: Fabric, value: dict[str, Any]
     """(share, link ids) of each path per (src device, dst device, channel); PlanError naming an
     unknown or failed link, or a flow whose shares do not add up to 1."""
     out: dict[tuple[int, int, int], list[tuple[float, tuple[int, ...]]]] = {}
+    devices = len(fabric.cluster.devices)
     for i, item in enumerate(value["paths"]):
         src, dst, channel, names = item[:4]
+        where = f"plan field 'flow_paths.paths[{i}]'"
         share = float(item[4]) if len(item) > 4 else 1.0
+        for d in (src, dst):
+            if d >= devices:
+                raise PlanError(f"{where}: device {d} is not in cluster {fabric.cluster.name!r} ({devices} devices)")
+        if channel >= fabric.channels:
+            raise PlanError(f"{where}: flow index {channel}, but the fabric opens {fabric.channels} flows per "
+                            f"connection (fabric.channels x fabric.nccl.qps_per_connection); re-plan")
         ids = []
         for name in names:
             if name not in fabric.index:
-                raise PlanError(f"plan field 'flow_paths.paths[{i}]': link {name!r} is not in the fabric of "
-                                f"cluster {fabric.cluster.name!r}")
+                raise PlanError(f"{where}: link {name!r} is not in the fabric of cluster {fabric.cluster.name!r}")
             if not fabric.alive[fabric.index[name]]:
-                raise PlanError(f"plan field 'flow_paths.paths[{i}]': link {name!r} has failed; re-plan")
+                raise PlanError(f"{where}: link {name!r} has failed; re-plan")
             ids.append(fabric.index[name])
+        _check_ends(fabric, where, src, dst, ids)
         out.setdefault((src, dst, channel), []).append((share, tuple(ids)))
     for (src, dst, channel), pieces in out.items():
         total = sum(share for share, _ids in pieces)
@@ -57,3 +65,15 @@ def from_plan_field(fabric: Fabric, value: dict[str, Any]
             raise PlanError(f"plan field 'flow_paths': the shares of flow {src}->{dst} channel {channel} "
                             f"add up to {total:.6g}, not 1")
     return out
+
+
+def _check_ends(fabric: Fabric, where: str, src: int, dst: int, ids: list[int]) -> None:
+    """A stored path must leave from a port of the sending node's NICs and end at one of the
+    receiving node's (a path copied from another plan or cluster names the wrong ones)."""
+    sn, dn = fabric.endpoint(src)[0], fabric.endpoint(dst)[0]
+    up = {p for ports in fabric.port_up[sn] for p in ports}
+    down = {p for ports in fabric.port_down[dn] for p in ports}
+    if not ids or ids[0] not in up or ids[-1] not in down:
+        raise PlanError(f"{where}: the path does not run from a NIC port of node "
+                        f"{fabric.cluster.nodes[sn].name!r} (device {src}) to one of node "
+                        f"{fabric.cluster.nodes[dn].name!r} (device {dst})")

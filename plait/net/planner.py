@@ -11,7 +11,8 @@ time is ``T = max over links of (bytes on the link / capacity)``. The planner
 3. on small instances (a few thousand flow-path pairs) solves the integral problem exactly
    as a MILP (HiGHS, 1 s limit) and keeps it when better: the greedy reaches the integral
    optimum on most shapes, not all (unequal flows can need swaps);
-4. when whole flows stay above the LP bound (flows not a multiple of the cables, a failed
+4. only on request (`max_split` > 1; the default keeps every flow whole, as a fabric carries
+   it out): when whole flows stay above the LP bound (flows not a multiple of the cables, a failed
    cable), splits the flows of the busiest links over a few paths each (`split`: an LP over
    each flow's arcs, decomposed into paths, at most `MAX_SPLIT` per flow): a connection's
    queue pairs each take one path (C4P spreads a connection's traffic over its queue pairs).
@@ -171,11 +172,13 @@ MAX_SPLIT = 16  # most paths one flow is split over (queue pairs of one connecti
 
 
 def plan_paths(fabric: Fabric, flows: Sequence[Flow], improve: bool = True, exact: bool = True,
-               max_split: int = MAX_SPLIT) -> Assignment:
+               max_split: int = 1) -> Assignment:
     """Paths for every flow (see module doc); deterministic. With `exact`, small instances
-    (at most EXACT_COLUMNS flow-path pairs) are also solved as a MILP, kept when better. With
-    `max_split` > 1, when whole flows stay above the LP bound the flows of the busiest links
-    are split over up to `max_split` paths each (`split`)."""
+    (at most EXACT_COLUMNS flow-path pairs) are also solved as a MILP, kept when better. By
+    default every flow (a queue pair) stays whole on one path: what a NIC, NCCL and the switches
+    can carry out. With `max_split` > 1, when whole flows stay above the LP bound the flows of
+    the busiest links are split over up to `max_split` paths each (`split`: fractional, for
+    comparison with the LP bound; no stock deployment splits one queue pair)."""
     import scipy.optimize  # noqa: F401  (loaded before the clock starts: seconds on a first call)
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -478,7 +481,7 @@ def _exact(fabric: Fabric, flows: Sequence[Flow], incumbent: float) -> list[Rout
 
 
 def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: bool = True,
-           max_split: int = MAX_SPLIT) -> Assignment:
+           max_split: int = 1) -> Assignment:
     """After links failed (`Fabric.fail`): re-plan the flows whose path crosses a dead link,
     keep the others; raises FabricError when some flow has no path left. The hit flows are
     placed whole (best path each, then `improve`) and, with `max_split` > 1, also split over
@@ -511,6 +514,52 @@ def replan(fabric: Fabric, flows: Sequence[Flow], before: Assignment, improve: b
     a.moved = sum(1 for i in range(len(flows)) if a.paths_of(i) != before.paths_of(i))
     a.seconds, a.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     return a
+
+
+def whole_bound(fabric: Fabric, flows: Sequence[Flow]) -> float:
+    """A lower bound on T for whole flows (no flow split), at least the LP bound `ideal`.
+
+    Every flow between two leaves crosses one of its source leaf's alive up-cables and one of
+    its destination leaf's down-cables; every flow one of its NIC's alive ports. On such a cut
+    of ``k`` parallel cables, whole flows of sizes ``b_1 >= b_2 >= ...`` are jobs on ``k``
+    machines: some cable carries at least ``sum b / k`` and, of the ``m k + 1`` largest flows,
+    ``m + 1`` share a cable, so at least ``(m + 1) b_{mk+1}`` (pigeonhole). With one cable of
+    16 lost under 16 equal flows: 2 flows on one cable, half the throughput."""
+    cap = np.asarray(fabric.capacity)
+    cuts: dict[tuple, list[float]] = defaultdict(list)
+    for f in flows:
+        k = f.key
+        cuts[("out", k.src, k.src_nic)].append(f.bytes)
+        cuts[("in", k.dst, k.dst_nic)].append(f.bytes)
+        a, b = fabric.nic_leaf[k.src][k.src_nic], fabric.nic_leaf[k.dst][k.dst_nic]
+        if a != b:
+            cuts[("up", a)].append(f.bytes)
+            cuts[("down", b)].append(f.bytes)
+    best = 0.0
+    for key, sizes in cuts.items():
+        if key[0] in ("out", "in"):
+            table = fabric.port_up if key[0] == "out" else fabric.port_down
+            links = [p for p in table[key[1]][key[2]] if fabric.alive[p]]
+        else:
+            links = _leaf_cut(fabric, key)
+        if not links:
+            continue
+        c, k = float(max(cap[link] for link in links)), len(links)
+        sizes.sort(reverse=True)
+        t = sum(sizes) / float(sum(cap[link] for link in links))
+        for m in range(1, (len(sizes) - 1) // k + 1):
+            t = max(t, (m + 1) * sizes[m * k] / c)
+        best = max(best, t)
+    return max(best, ideal(fabric, flows))
+
+
+def _leaf_cut(fabric: Fabric, key: tuple) -> list[int]:
+    """Alive cables from a leaf up to its spines ("up") or down into it ("down"): every flow
+    between two leaves crosses one of each (a flow that may use fewer only tightens it)."""
+    side, leaf = key
+    s = fabric.switch[leaf]
+    pairs = [(leaf, t.name) if side == "up" else (t.name, leaf) for t in fabric.upper(s)]
+    return [link for p in pairs for link in fabric.cables.get(p, []) if fabric.alive[link]]
 
 
 def ideal(fabric: Fabric, flows: Sequence[Flow]) -> float:

@@ -171,6 +171,9 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
         if unknown:
             raise SimulateError(f"simulate: unknown option(s) {unknown}")
         opts = SimOptions(**{**opts.__dict__, **option_overrides})
+    if plan_obj.flow_paths is not None and plan_obj.flow_paths["paths"] and view.fabric is None:
+        raise SimulateError(f"plan field 'flow_paths': the plan routes flows over a switched fabric, but "
+                            f"cluster {view.name!r} describes none (fabric.switches); re-plan for this cluster")
     if plan_obj.flow_paths is not None and view.fabric is not None:
         view = view.with_flow_paths(from_plan_field(view.fabric, plan_obj.flow_paths))
     t0 = time.perf_counter()

@@ -94,13 +94,18 @@ class ClusterView(DeviceModel):
             out = [(k, cap, 1.0) for k, cap in self.path(src, dst)]
         else:
             share: dict[int, float] = {}
-            for c in range(fab.channels):
-                planned = self.flow_paths.get((src, dst, c)) if self.flow_paths else None
+            # A planned pair carries its bytes on the flows the plan lists (NCCL opens fewer for
+            # small messages, `plait.net.nccl`); an unplanned one on ECMP's routes of all of them.
+            fp = self.flow_paths or {}
+            planned_ch = [c for c in range(fab.channels) if (src, dst, c) in fp]
+            chans = planned_ch or list(range(fab.channels))
+            for c in chans:
+                planned = fp.get((src, dst, c))
                 if planned is None:
                     planned = [(1.0, fab.route_ecmp(device_flow(fab, src, dst, c)).links)]
                 for part, links in planned:  # a split flow: each path carries its part
                     for link in links:
-                        share[link] = share.get(link, 0.0) + part / fab.channels
+                        share[link] = share.get(link, 0.0) + part / len(chans)
             out = [(("link", link), fab.capacity[link], x) for link, x in share.items()]
         self._routes[(src, dst)] = out
         return out
