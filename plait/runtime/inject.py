@@ -22,12 +22,17 @@ A link fault is shaped by `tc` on the emulated cluster's links where it can be (
 namespaces, the two ranks on different nodes, from step 0; a delay needs sch_netem), else inside
 the communication facade (`plait.runtime.comm.LinkFault`); the run's output says which.
 
-Pure data: parsing and per-rank queries; the runtime's worker, recorder and facade act on them.
+Parsing and per-rank queries; the runtime's workers, recorder and facade act on them (`fire`,
+`poison`: what a worker does at a process or inf fault).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -220,3 +225,29 @@ class Injection:
 
     def describe(self) -> list[str]:
         return [f.describe() for f in self.faults]
+
+
+# ---------------------------------------------------------------------------------- acting them out
+PROCESS_FAULTS = ("kill", "stop", "hang", "error")  # the kinds `fire` acts out
+
+
+def fire(fault: Fault) -> None:
+    """Act out a process fault of `--inject` on this rank."""
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "stop":  # the whole process freezes, heartbeat thread included (a stuck node)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # SIGCONT: the rank carries on
+    if fault.kind == "hang":
+        while True:  # never reports progress again, not waiting on any collective
+            time.sleep(3600)
+    raise RuntimeError(f"injected fault on rank {fault.rank} at step {fault.step}")
+
+
+def poison(grads: Iterable[Any]) -> None:
+    """inf: set the first element of this rank's first gradient (of `grads`, None for a parameter
+    without one) to +inf (an fp16 overflow)."""
+    for grad in grads:
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = float("inf")
+            return

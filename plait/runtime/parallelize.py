@@ -12,8 +12,8 @@
   the average of the scaled gradients is the gradient of the global batch's mean loss, as one
   process computes it.
 
-Not yet the engine of any plan: `plait.runtime.layout.engine_for` names plait's own executors for
-every plan until the torch-modules worker runs a plan shape with equal results and records.
+The torch engine (`plait.runtime.torch_worker`) composes them for the plans
+`plait.runtime.layout.torch_runs` names; the other plans run on plait's own executors.
 """
 
 from collections.abc import Iterable
@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.ir.plan import Plan
-from plait.runtime.comm import Comm, DeviceMesh, Group
+from plait.runtime.comm import Comm, DeviceMesh, Group, RecordedAllGather, RecordedReduceScatter
 
 MESH_DIMS = ("pp", "dp", "tp")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,14 +58,13 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan, group: "Group | No
 
 def recorded_allreduce_hook(group: Group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's all-reduce of one gradient bucket (the mean over the replicas, as DDP's default hook)
-    through the facade: recorded in comm/rankN.jsonl with t_end at its completion, slowed by link
-    faults. It completes before returning, so DDP overlaps no bucket with the backward's compute."""
+    through the facade: started as the bucket fills and returned as a future, so DDP overlaps it
+    with the rest of the backward as with its own hook; recorded in comm/rankN.jsonl with t_end at
+    its completion, slowed by link faults (`Group.all_reduce_async`)."""
     flat = bucket.buffer()
-    group.all_reduce(flat, f"allreduce dp bucket{bucket.index()}", "comm_dp")
-    flat.div_(group.size)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(flat)
-    return fut
+    size = group.size
+    fut = group.all_reduce_async(flat, f"allreduce dp bucket{bucket.index()}", "comm_dp")
+    return fut.then(lambda f: flat.div_(size))  # (an injected skip completes with the bucket unreduced)
 
 
 def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
@@ -75,13 +74,24 @@ def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
                                 reduce_dtype=_DTYPES[plan.grad_reduce_dtype or "fp32"])
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module]) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module],
+               group: "Group | None" = None) -> nn.Module:
     """FSDP2 over the "dp" dim: each block a unit of its own (its parameters gathered and its
-    gradients reduce-scattered together), then the root for what the blocks leave."""
+    gradients reduce-scattered together), then the root for what the blocks leave. With `group`
+    (the facade's "dp" group) every unit's all-gathers and reduce-scatters go through it
+    (`comm.RecordedAllGather`, `comm.RecordedReduceScatter`: recorded, slowed by link faults)."""
     kwargs = {"mesh": mesh["dp"], "reshard_after_forward": plan.zero >= 3, "mp_policy": mixed_precision(plan)}
+    names = {id(m): n for n, m in model.named_modules()}
+    units = []
     for block in blocks:
         fully_shard(block, **kwargs)
+        units.append((names[id(block)], block))
     fully_shard(model, **kwargs)
+    units.append(("root", model))
+    if group is not None:
+        for name, unit in units:
+            unit.set_custom_all_gather(RecordedAllGather(group, name))  # type: ignore[operator]
+            unit.set_custom_reduce_scatter(RecordedReduceScatter(group, name))  # type: ignore[operator]
     return model
 
 
