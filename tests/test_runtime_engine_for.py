@@ -93,6 +93,7 @@ def test_run_refuses_before_any_process_starts(tmp_path):
     ({"dtype": "fp32", "checkpoint": None}, "torch", ""),
     ({"dtype": "fp16"}, "pipeline", "dtype fp16"),  # the run's training dtype, not the plan's
     ({"dtype": "fp32", "checkpoint": {"dir": "ck", "every": 1}}, "pipeline", "checkpoints"),
+    ({"engine": "plait"}, "pipeline", "engine=plait"),  # LaunchConfig(engine="plait")
 ])
 def test_the_run_config_can_keep_a_plan_on_plaits_engine(run, engine, why):
     """What the worker config asks for counts too: the same verdict in `api.run` and in the worker."""
@@ -106,3 +107,16 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     plan = Plan(dp=2, micro_batch=1, global_batch=2, dp_shares=[1.0, 0.0], dtype="fp32")
     assert plan.samples_per_replica() == [2, 0]
     assert engine_for(plan).engine == "pipeline" and "no samples" in engine_for(plan).not_torch
+
+
+@pytest.mark.parametrize("plan, run, engine", [
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "pipeline"),  # DTensor records: not yet
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch"),
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline"),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {"engine": "torch"},
+     "pipeline"),
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline"),
+])
+def test_tensor_parallelism_runs_on_dtensor_when_asked(plan, run, engine):
+    verdict = engine_for(plan, run)
+    assert verdict.engine == engine and (verdict.not_torch == "") == (engine == "torch")

@@ -300,8 +300,14 @@ def torch_runs(plan: Plan, run: dict[str, Any]) -> str:
         return "the run asks for plait's own engine (engine=plait)"
     if plan.spmd is not None or plan.stages:
         return "an SPMD program or a stage graph runs on plait's own engines"
-    if plan.pp != 1 or plan.tp != 1:
-        return f"pipeline and tensor parallelism (pp={plan.pp}, tp={plan.tp}) run on plait's own executors"
+    if plan.pp != 1:
+        return f"pipeline parallelism (pp={plan.pp}) runs on plait's own executors"
+    if plan.tp != 1:
+        if run.get("engine") != "torch":
+            return (f"tensor parallelism (tp={plan.tp}) on DTensor does not record its collectives yet; "
+                    "it runs there when the run asks for engine=torch")
+        if plan.dp != 1 or plan.zero or plan.sequence_parallel or plan.tp_ratios:
+            return "tensor parallelism on DTensor runs with dp=1, zero=0, no sequence parallelism, even shards"
     if plan.zero in (1, 2):
         return f"zero={plan.zero}: FSDP2's collectives are not yet recorded; ZeRO-1/2 run on plait's own"
     dtype = run.get("dtype") or plan.dtype

@@ -3,6 +3,7 @@
 (dims "pp", "dp", "tp", Megatron's rank order: tensor fastest, then data, then pipeline).
 
 * `apply_ddp`: DDP over the mesh's "dp" dim, buckets of the plan's `grad_bucket_mb`;
+* `apply_tp`: DTensor tensor parallelism (`parallelize_module`, colwise / rowwise) over "tp";
 * `apply_fsdp`: FSDP2 `fully_shard` for ZeRO-1/2/3 -- parameters resharded after forward only at
   ZeRO-3 (torchtitan's mapping: ZeRO-1/2 keep them gathered until backward; FSDP2 always shards
   gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
@@ -24,6 +25,12 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.ir.plan import Plan
@@ -93,6 +100,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[
             unit.set_custom_all_gather(RecordedAllGather(group, name))  # type: ignore[operator]
             unit.set_custom_reduce_scatter(RecordedReduceScatter(group, name))  # type: ignore[operator]
     return model
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, layers: Iterable[tuple[str, nn.Module]]) -> list[str]:
+    """Tensor parallelism with DTensor over the "tp" dim, Megatron's layout in torch's styles: in each
+    of `layers` (qualified name, module: the transformer layers, `tensor_parallel.is_tensor_parallel_layer`)
+    the linears the model marks `plait_tp="column"` are `ColwiseParallel` (output features sharded;
+    a QKV projection's features are ordered by head, so each rank holds whole heads) and those marked
+    "row" `RowwiseParallel` (input features sharded, outputs all-reduced). Local outputs
+    (`use_local_output`), so the layer's own code between them (head reshapes, activations) runs on
+    this rank's shard unchanged. Returns the parallelised linears' names."""
+    styles: dict[str, ParallelStyle] = {}
+    for name, layer in layers:
+        for sub, m in layer.named_modules():
+            kind = getattr(m, "plait_tp", None)
+            if isinstance(m, nn.Linear) and kind in ("column", "row"):
+                styles[f"{name}.{sub}"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
+    parallelize_module(model, mesh["tp"], styles)
+    return sorted(styles)
 
 
 def apply_ac(layers: Iterable[nn.Module], recompute: str) -> list[nn.Module]:

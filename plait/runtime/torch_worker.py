@@ -1,6 +1,7 @@
 """The torch engine (issue 29): one rank of a data-parallel or ZeRO plan (pp = tp = 1) run on
 torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
-plan's named DeviceMesh. `plait.runtime.layout.engine_for` says which plans it runs; the others
+plan's named DeviceMesh; and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
+plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers). `plait.runtime.layout.engine_for` says which plans it runs; the others
 stay on plait's own executors (`plait.runtime.worker`).
 
 The path of one step, as the pipeline engine's, so both give the same losses, records and results:
@@ -56,7 +57,7 @@ from plait.runtime.comm import (
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.inject import PROCESS_FAULTS, Injection, fire, poison
 from plait.runtime.lr import LRSchedule
-from plait.runtime.parallelize import apply_ac, apply_ddp, apply_fsdp, build_mesh
+from plait.runtime.parallelize import apply_ac, apply_ddp, apply_fsdp, apply_tp, build_mesh
 from plait.runtime.partition import (
     MicroBatch,
     layer_modules,
@@ -67,6 +68,7 @@ from plait.runtime.partition import (
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
+from plait.runtime.tensor_parallel import is_tensor_parallel_layer
 from plait.schedule import event_key
 
 
@@ -82,10 +84,16 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in layers if all(owners[id(prm)] == 1 for prm in m.parameters())]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+
+
 class TorchWorker(RankConfig):
     def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
         super().__init__(cfg, rank, heartbeat)
-        self.d = rank  # pp = tp = 1: the rank is its replica
+        self.t = rank % self.plan.tp  # pp = 1: Megatron's order, tensor rank fastest
+        self.d = rank // self.plan.tp
         self.injection = Injection.from_list(cfg.get("inject"))
         self.cuda = cfg["device"] == "cuda"
         self.fsdp = self.plan.zero >= 1
@@ -121,12 +129,17 @@ class TorchWorker(RankConfig):
             model = self.spec.build(device="cpu", dtype=torch.float32)
         model.train()
         self.layers = [name for name, _ in layer_modules(model)]
+        self.param_count = sum(prm.numel() for prm in model.parameters() if prm.requires_grad)
+        if plan.tp > 1:  # DTensor shards of the transformer layers' linears (dp = 1: `layout.torch_runs`)
+            apply_tp(model, self.mesh, [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)])
+            self.param_count = sum(_local(prm).numel() for prm in model.parameters() if prm.requires_grad)
         apply_ac([m for _, m in layer_modules(model)], plan.recompute)
         model.to(self.device)
         self.model = model  # the unwrapped module: its parameters (DTensors under FSDP2) by their own names
-        self.param_count = sum(prm.numel() for prm in model.parameters() if prm.requires_grad)
         if self.fsdp:
             self.runner: nn.Module = apply_fsdp(model, self.mesh, plan, fsdp_units(model), self.dp_group)
+        elif plan.tp > 1:
+            self.runner = model
         else:
             self.runner = apply_ddp(model, self.mesh, plan, self.dp_group)
         self.params = [prm for prm in model.parameters() if prm.requires_grad]
@@ -211,7 +224,8 @@ class TorchWorker(RankConfig):
             # DDP holds its all-reduce back to the last micro-batch; FSDP2 reduce-scatters every
             # micro-batch's gradients into the shards, so that no rank holds whole gradients between
             # them (ZeRO-3's memory, as the memory model counts it).
-            sync: Any = contextlib.nullcontext() if last or self.fsdp else self.runner.no_sync()  # type: ignore[operator]
+            sync: Any = contextlib.nullcontext() if last or self.fsdp or plan.tp > 1 \
+                else self.runner.no_sync()  # type: ignore[operator]
             # a ghost's spans are "ghost" ones: calibration and the doctor count real micro-batches only
             fwd, bwd = ("forward", "backward") if weight else ("ghost", "ghost")
             with sync:
@@ -279,8 +293,8 @@ class TorchWorker(RankConfig):
         loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
         if self.plan.dp > 1 and loss_vec.numel():
             self.dp_group.all_reduce(loss_vec, "allreduce dp losses", "comm_dp", span=False)
-        local = [prm.to_local() if hasattr(prm, "to_local") else prm for prm in self.params]
-        param_bytes = sum(t.numel() * t.element_size() for t in local)  # held between steps (FSDP2: shards)
+        local = [_local(prm) for prm in self.params]
+        param_bytes = sum(t.numel() * t.element_size() for t in local)  # held between steps (FSDP2, TP: shards)
         params = None
         if self.cfg.get("return_params"):
             full = {n: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().cpu().clone()
@@ -291,14 +305,14 @@ class TorchWorker(RankConfig):
         else:
             peak, mem_kind = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "max_rss"
         mine = {
-            "rank": self.rank, "pp": 0, "dp": self.d, "tp": 0, "device": self.info["device"],
+            "rank": self.rank, "pp": 0, "dp": self.d, "tp": self.t, "device": self.info["device"],
             "host": self.info["host"], "node": self.info["node"], "kind": self.info.get("kind"),
             "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
             "layers": self.layers, "params": self.param_count, "param_bytes": param_bytes,
             "peak_memory_bytes": peak, "memory_kind": mem_kind,
             "samples_per_step": self.plan.samples_per_replica()[self.d],
             "events": [asdict(e) for e in self.rec.events], "step_bounds": bounds,
-            "losses": loss_vec.cpu().tolist(), "params_state": params, "shard_infos": {}, "clock": origin,
+            "losses": loss_vec.cpu().tolist(), "params_state": params if self.t == 0 else None, "shard_infos": {}, "clock": origin,
             "amp": None, "engine": "torch",
         }
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
