@@ -607,6 +607,7 @@ class Comm:
         fut = start().get_future()
 
         def done(f: torch.futures.Future[Any]) -> Any:
+            value = f.value()  # a failed call raises here, unrecorded (as in `_call`)
             t_end, extra = self._stretch(faults, t_start, injected, (group.name, nbytes))
             if recording:
                 assert self.log is not None
@@ -615,7 +616,7 @@ class Comm:
                                           step=step, injected_s=extra))
             if self.rec is not None:
                 self.rec.comm_span(name, category, t_start, t_end, bytes=nbytes)
-            return f.value()
+            return value
 
         return fut.then(done)
 

@@ -19,6 +19,7 @@ The torch engine (`plait.runtime.torch_worker`) composes them for the plans
 
 from collections.abc import Iterable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,12 @@ def recorded_allreduce_hook(group: Group, bucket: dist.GradBucket) -> torch.futu
     flat = bucket.buffer()
     size = group.size
     fut = group.all_reduce_async(flat, f"allreduce dp bucket{bucket.index()}", "comm_dp")
-    return fut.then(lambda f: flat.div_(size))  # (an injected skip completes with the bucket unreduced)
+
+    def mean(f: torch.futures.Future[Any]) -> torch.Tensor:
+        f.value()  # a failed all-reduce raises into DDP (an injected skip completes with None)
+        return flat.div_(size)
+
+    return fut.then(mean)
 
 
 def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
