@@ -33,9 +33,11 @@ def _spmd() -> Plan:
 
 
 @pytest.mark.parametrize("plan, engine", [
-    (Plan(dp=2, micro_batch=2, global_batch=8), "pipeline"),  # data parallel
-    (Plan(dp=2, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "pipeline"),  # uneven shares
-    (Plan(dp=2, zero=3, micro_batch=2, global_batch=8), "pipeline"),  # ZeRO-3
+    (Plan(dp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # data parallel on DDP
+    (Plan(dp=2, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25], dtype="fp32"), "torch"),  # uneven shares
+    (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-3 on FSDP2
+    (Plan(dp=2, micro_batch=2, global_batch=8), "pipeline"),  # bf16: not yet on torch's modules
+    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "pipeline"),  # ZeRO-1
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "pipeline"),
@@ -46,6 +48,7 @@ def _spmd() -> Plan:
 def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
     verdict = engine_for(plan)
     assert verdict.engine == engine and verdict.ok and verdict.reason == ""
+    assert (verdict.not_torch == "") == (engine == "torch")  # plait's own engines say why not torch's
     assert engine in ENGINES and supports(plan) == (True, "")
     assert engine_of(plan) == engine  # the worker entry builds the engine the check named
     path = tmp_path / "plan.json"
@@ -83,3 +86,37 @@ def test_run_refuses_before_any_process_starts(tmp_path):
         run("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8", None, plan, steps=1,
             records=RecordsConfig(run_dir=tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # refused before the run folder, config or any worker
+
+
+@pytest.mark.parametrize("run, engine, why", [
+    ({}, "torch", ""),
+    ({"dtype": "fp32", "checkpoint": None}, "torch", ""),
+    ({"dtype": "fp16"}, "pipeline", "dtype fp16"),  # the run's training dtype, not the plan's
+    ({"dtype": "fp32", "checkpoint": {"dir": "ck", "every": 1}}, "pipeline", "checkpoints"),
+    ({"engine": "plait"}, "pipeline", "engine=plait"),  # LaunchConfig(engine="plait")
+])
+def test_the_run_config_can_keep_a_plan_on_plaits_engine(run, engine, why):
+    """What the worker config asks for counts too: the same verdict in `api.run` and in the worker."""
+    plan = Plan(dp=2, micro_batch=2, global_batch=8, dtype="fp32")
+    verdict = engine_for(plan, run)
+    assert verdict.engine == engine and why in verdict.not_torch and verdict.ok
+    assert engine_of(plan, run) == engine
+
+
+def test_a_replica_without_samples_stays_on_plaits_engine():
+    plan = Plan(dp=2, micro_batch=1, global_batch=2, dp_shares=[1.0, 0.0], dtype="fp32")
+    assert plan.samples_per_replica() == [2, 0]
+    assert engine_for(plan).engine == "pipeline" and "no samples" in engine_for(plan).not_torch
+
+
+@pytest.mark.parametrize("plan, run, engine", [
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "pipeline"),  # DTensor records: not yet
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch"),
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline"),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {"engine": "torch"},
+     "pipeline"),
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline"),
+])
+def test_tensor_parallelism_runs_on_dtensor_when_asked(plan, run, engine):
+    verdict = engine_for(plan, run)
+    assert verdict.engine == engine and (verdict.not_torch == "") == (engine == "torch")

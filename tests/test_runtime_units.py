@@ -20,7 +20,7 @@ from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import CheckpointConfig, RunResult, _check_plan, rank_layout, run
 from plait.runtime.executor import _decode_header, _encode_header
-from plait.runtime.inject import Fault, InjectError, Injection
+from plait.runtime.inject import Fault, InjectError, Injection, fire, poison
 from plait.runtime.launch import AgentSpec, Launcher, _Agent
 from plait.runtime.partition import (
     RuntimeSetupError,
@@ -38,7 +38,7 @@ from plait.runtime.tensor_parallel import (
     sequence_parallel_params,
     split_sizes,
 )
-from plait.runtime.worker import _RngStream, fire, poison
+from plait.runtime.worker import _RngStream
 
 TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
 
@@ -361,7 +361,7 @@ def test_fault_strings() -> None:
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
     params[1].grad = torch.ones(3)
     assert inj.at(0, 0, "step", ("inf",)) is None  # another rank
-    poison(params)
+    poison(p.grad for p in params)
     assert params[1].grad.tolist() == [float("inf"), 1.0, 1.0]
 
 

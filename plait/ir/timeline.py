@@ -16,9 +16,10 @@ from typing import Any
 
 from plait.ir.formats import check_version, stamp
 
-# Event categories, shared by simulator and runtime.
+# Event categories, shared by simulator and runtime ("ghost": the runtime's torch engine runs a
+# weight-0 micro-batch so a replica with fewer joins FSDP2's gathers; no real sample, not modelled).
 CATEGORIES = ("forward", "backward", "recompute", "optimizer", "data", "h2d",
-              "comm_tp", "comm_pp", "comm_dp", "comm_zero", "comm", "idle")
+              "comm_tp", "comm_pp", "comm_dp", "comm_zero", "comm", "idle", "ghost")
 
 
 @dataclass

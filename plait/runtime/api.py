@@ -41,7 +41,7 @@ from plait.runtime.config import (
     TrainingConfig,
 )
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
-from plait.runtime.layout import supports
+from plait.runtime.layout import engine_for, supports
 from plait.runtime.metrics import write_tensorboard
 from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
 from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
@@ -97,6 +97,8 @@ class RunResult:
     comm_dir: str | None = None
     # SPMD plans: rank 0's collective conversions run and its link calibration (plait.runtime.spmd_worker)
     spmd: dict[str, Any] | None = None
+    # The engine that ran it (a key of `plait.runtime.ENGINES`: "torch" for torch's DDP / FSDP2)
+    engine: str | None = None
 
     def mean_iteration_time(self, skip: int = 1) -> float:
         """Mean over steps, skipping the first `skip` (warm-up) when there are more."""
@@ -447,7 +449,7 @@ def _write_config(prep: _Prepared, rdir: Path, agents: list[AgentSpec], steps: i
         "lr_schedule": schedule.to_dict() if schedule is not None else None,
         "comm_records": records.comm_records, "comm_faults": [f.to_dict() for f in link_faults] or None,
         "clip_grad": training.clip_grad, "step_records": records.step_records,
-        "spmd_calibrate": bool(records.spmd_calibrate),
+        "spmd_calibrate": bool(records.spmd_calibrate), "engine": launch.engine,
     }
     if prep.host_plan is not None:
         cfg["multinode"] = {"node_name": prep.host_plan["node_name"], "nodes": prep.host_plan["nodes"],
@@ -685,7 +687,7 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, back
                      loss_scales=amp.get("loss_scales", []), skipped_steps=amp.get("skipped_steps", []),
                      final_loss_scale=amp.get("final_loss_scale"),
                      skipped_by_rank={int(k): v for k, v in (amp.get("skipped_by_rank") or {}).items()},
-                     spmd=ranks[0].get("spmd"))
+                     spmd=ranks[0].get("spmd"), engine=engine_for(plan, cfg).engine)
 
 
 def load_run(run_dir: str | Path) -> RunResult:

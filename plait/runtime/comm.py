@@ -299,6 +299,14 @@ class Group:
         """Synchronise the group outside the measured iteration (no Timeline span)."""
         self.comm._call(self, "barrier", 0, what, "", lambda: dist.barrier(group=self.pg), wait_only=True)
 
+    def all_reduce_async(self, t: torch.Tensor, name: str, category: str = "comm", *,
+                         key: str | None = None) -> torch.futures.Future[Any]:
+        """Start a sum all-reduce of `t` and return at once: the future completes with the call
+        (DDP's comm hooks), and the call is recorded then -- `t_end` is its completion, not the
+        return -- with its span on the rank's comm resource (it overlaps the compute that goes on)."""
+        return self.comm._call_async(self, "all_reduce", _nbytes(t), name, category,
+                                     lambda: dist.all_reduce(t, group=self.pg, async_op=True), key=key)
+
 
 def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
     """`x` with zero rows appended along dimension 0 up to `rows` (contiguous)."""
@@ -571,6 +579,47 @@ class Comm:
                                       t_enqueue=t_enq, t_start=t_start, t_end=t_end,
                                       key=key or f"{op} {group.name}", name=name, step=step, injected_s=injected))
 
+    def _call_async(self, group: Group, op: str, nbytes: int, name: str, category: str,
+                    start: Callable[[], Any], key: str | None = None) -> torch.futures.Future[Any]:
+        """`_call` for a call that returns a work: link faults delay its start and stretch it
+        before its future completes; its record and span are written at completion."""
+        seq = self._next_seq(group.name)
+        t_enq = time.perf_counter()
+        step = self.rec.step if self.rec is not None else None
+        key = key or f"{op} {group.name}"
+        fired = self._fire(step, probe=group.size < 2)
+        if fired == "skip":  # injected, as `_call`: the rank passes the call by; its peers wait in it
+            skipped: torch.futures.Future[Any] = torch.futures.Future()
+            skipped.set_result(None)
+            return skipped
+        if fired == "mismatch":  # injected, as `_call`: another size at this sequence number
+            wrong = torch.zeros(nbytes // 4 + 1, dtype=torch.float32,
+                                device="cuda" if self.backend == "nccl" else "cpu")
+            op, nbytes = "all_reduce", _nbytes(wrong)
+            start = lambda: dist.all_reduce(wrong, group=group.pg, async_op=True)  # noqa: E731
+        recording = self.recording and self.log is not None
+        if recording:
+            assert self.log is not None
+            self.log.enter(CommEnter(rank=self.rank, group=group.name, op=op, bytes=nbytes, seq=seq, t=t_enq,
+                                     key=key, step=step))
+        faults = self._faults_on([group.members])
+        t_start, injected = self._delay(faults)
+        fut = start().get_future()
+
+        def done(f: torch.futures.Future[Any]) -> Any:
+            value = f.value()  # a failed call raises here, unrecorded (as in `_call`)
+            t_end, extra = self._stretch(faults, t_start, injected, (group.name, nbytes))
+            if recording:
+                assert self.log is not None
+                self.log.write(CommRecord(rank=self.rank, group=group.name, op=op, bytes=nbytes, seq=seq,
+                                          t_enqueue=t_enq, t_start=t_start, t_end=t_end, key=key, name=name,
+                                          step=step, injected_s=extra))
+            if self.rec is not None:
+                self.rec.comm_span(name, category, t_start, t_end, bytes=nbytes)
+            return value
+
+        return fut.then(done)
+
     def _fire(self, step: int | None, probe: bool) -> str | None:
         """The skip / mismatch fault armed for this step, once, on its first real collective
         (barriers, object collectives, one-rank groups and link probes do not count)."""
@@ -663,3 +712,42 @@ def _circle_partner(rank: int, rnd: int, m: int) -> int:
     if rank == rnd:
         return m - 1
     return (2 * rnd - rank) % (m - 1)
+
+
+# ---------------------------------------------------------------------------------- FSDP2's collectives
+# FSDP2 (`fully_shard`) takes its all-gather and reduce-scatter as objects (`set_custom_all_gather`,
+# `set_custom_reduce_scatter`): these run them through a facade group, so each is recorded, spanned
+# and slowed by link faults like any call of the runtime.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _FsdpAllGather  # noqa: E402
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FsdpReduceScatter  # noqa: E402
+
+
+class _FsdpAlloc:
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class RecordedAllGather(_FsdpAlloc, _FsdpAllGather):
+    """FSDP2's parameter all-gather of one unit through the facade group `group` ("dp")."""
+
+    def __init__(self, group: Group, unit: str) -> None:
+        self.group, self.unit = group, unit
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> None:
+        self.group.comm._call(self.group, "all_gather", _nbytes(output_tensor), f"allgather zero {self.unit}",
+                              "comm_zero", lambda: _all_gather(output_tensor, input_tensor, group=group),
+                              key=f"all_gather zero {self.unit}")
+
+
+class RecordedReduceScatter(_FsdpAlloc, _FsdpReduceScatter):
+    """FSDP2's gradient reduce-scatter of one unit through the facade group `group` ("dp")."""
+
+    def __init__(self, group: Group, unit: str) -> None:
+        self.group, self.unit = group, unit
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        self.group.comm._call(self.group, "reduce_scatter", _nbytes(input_tensor), f"reducescatter zero {self.unit}",
+                              "comm_zero", lambda: _reduce_scatter(output_tensor, input_tensor, op=op, group=group),
+                              key=f"reduce_scatter zero {self.unit}")

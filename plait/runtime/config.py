@@ -139,11 +139,18 @@ class LaunchConfig:
     every node calls `run` with the same plan and cluster."""
     step_barrier: bool = True
     """A barrier at each step's start, so step times are comparable across ranks."""
+    engine: str = "auto"
+    """auto (the engine `plait.runtime.engine_for` names: torch's modules where they run the plan
+    with their records), plait (plait's own executors, e.g. to compare the two:
+    bench/torch_engine.py) or torch (torch's modules also where their records are not complete yet:
+    tensor parallelism on DTensor)."""
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:  # also rejects NaN
             raise RuntimeSetupError(f"timeout: must be > 0 seconds (how long a rank may make no progress before "
                                     f"the run is stopped), got {self.timeout}")
+        if self.engine not in ("auto", "plait", "torch"):
+            raise RuntimeSetupError(f"engine: must be auto, plait or torch, got {self.engine!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise RuntimeSetupError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if self.start_method is not None and self.start_method not in START_METHODS:

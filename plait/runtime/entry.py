@@ -8,6 +8,8 @@ cgroups, its heartbeat and status files, SIGTERM), reads the rank's typed config
 
 * a composed plan (pipeline stages that run SPMD programs) -- `compose_worker.ComposeWorker`;
 * an op-level SPMD program (`Plan.spmd`) -- `spmd_worker.SpmdWorker`;
+* a data-parallel or ZeRO plan that torch's modules run (`layout.torch_runs`) --
+  `torch_worker.TorchWorker` (DDP, FSDP2);
 * any other plan (3D grid, stage graph) -- the pipeline worker, `worker.Worker`.
 
 What the engines share lives in modules of their own (`rank_config`: what each reads first from
@@ -67,11 +69,12 @@ def _write_status(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def engine_of(plan: Plan) -> str:
-    """Which engine runs `plan`: "compose" (a stage runs an SPMD program), "spmd" (the plan is one
-    SPMD program) or "pipeline" (a 3D grid or a stage graph) -- `layout.engine_for`'s verdict, the
-    same one `api.run` checked before starting any process."""
-    verdict = engine_for(plan)
+def engine_of(plan: Plan, cfg: dict[str, Any] | None = None) -> str:
+    """Which engine runs `plan` under the run config `cfg`: "compose" (a stage runs an SPMD
+    program), "spmd" (the plan is one SPMD program), "torch" (data parallelism or ZeRO on torch's
+    modules) or "pipeline" (a 3D grid or a stage graph) -- `layout.engine_for`'s verdict, the same
+    one `api.run` checked before starting any process."""
+    verdict = engine_for(plan, cfg)
     if verdict.engine is None:
         raise RuntimeSetupError(verdict.reason)
     return verdict.engine
@@ -79,7 +82,7 @@ def engine_of(plan: Plan) -> str:
 
 def make_worker(cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> Any:
     """The engine that runs this rank's plan, built on the rank's config."""
-    engine = engine_of(RankConfig(cfg, rank, heartbeat).plan)
+    engine = engine_of(RankConfig(cfg, rank, heartbeat).plan, cfg)
     if engine == "compose":  # pipeline stages running SPMD programs
         # imported here: the SPMD engines' imports (the program planner and its costs) would add
         # about half a second to the start of every pipeline rank
@@ -90,6 +93,10 @@ def make_worker(cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> Any:
         from plait.runtime.spmd_worker import SpmdWorker
 
         return SpmdWorker(cfg, rank, heartbeat)
+    if engine == "torch":  # data parallelism and ZeRO on torch's DDP and FSDP2
+        from plait.runtime.torch_worker import TorchWorker
+
+        return TorchWorker(cfg, rank, heartbeat)
     return Worker(cfg, rank, heartbeat)
 
 

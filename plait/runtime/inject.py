@@ -30,12 +30,20 @@ A link fault is shaped by `tc` on the emulated cluster's links where it can be (
 namespaces, the two ranks on different nodes, from step 0; a delay needs sch_netem), else inside
 the communication facade (`plait.runtime.comm.LinkFault`); the run's output says which.
 
-Pure data: parsing and per-rank queries; the runtime's worker, recorder and facade act on them.
+Parsing and per-rank queries; the runtime's workers, recorder and facade act on them (`fire`,
+`poison`: what a worker does at a process or inf fault).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -278,3 +286,51 @@ class Injection:
 
     def describe(self) -> list[str]:
         return [f.describe() for f in self.faults]
+
+
+# ---------------------------------------------------------------------------------- acting them out
+PROCESS_FAULTS = ("kill", "stop", "hang", "error", "hog")  # the kinds `fire` acts out
+
+
+def fire(fault: Fault) -> None:
+    """Act out a process fault of `--inject` on this rank."""
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "stop":  # the whole process freezes, heartbeat thread included (a stuck node)
+        if fault.duration_s is not None:  # stop-and-resume: a helper outside the process sends SIGCONT
+            subprocess.Popen(["/bin/sh", "-c", f"sleep {fault.duration_s:.3f}; kill -CONT {os.getpid()}"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # SIGCONT: the rank carries on
+    if fault.kind == "hog":
+        start_hogs(fault.procs)
+        return
+    if fault.kind == "hang":
+        while True:  # never reports progress again, not waiting on any collective
+            time.sleep(3600)
+    raise RuntimeError(f"injected fault on rank {fault.rank} at step {fault.step}")
+
+
+# A busy loop that ends when its parent (the rank) does: it polls its parent pid between bursts.
+_HOG = "import os, sys\np = int(sys.argv[1])\nwhile os.getppid() == p:\n    for _ in range(200000):\n        pass\n"
+_hogs: list[subprocess.Popen[bytes]] = []
+
+
+def start_hogs(n: int) -> None:
+    """`hog`: `n` busy-loop processes beside this rank. A child inherits the rank's CPU affinity and
+    cgroup, so the CPU they take is the rank's own; they end with the rank (even a SIGKILLed one)."""
+    for _ in range(n):
+        _hogs.append(subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())], stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    if len(_hogs) == n:
+        atexit.register(lambda: [h.kill() for h in _hogs])
+
+
+def poison(grads: Iterable[Any]) -> None:
+    """inf: set the first element of this rank's first gradient (of `grads`, None for a parameter
+    without one) to +inf (an fp16 overflow)."""
+    for grad in grads:
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = float("inf")
+            return

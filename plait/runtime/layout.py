@@ -256,6 +256,7 @@ ENGINES: dict[str, str] = {
     "compose": "plait.runtime.compose_worker (pipeline stages that each run an SPMD program)",
     "spmd": "plait.runtime.spmd_worker (one op-level SPMD program)",
     "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
+    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2)",
 }
 
 
@@ -265,23 +266,58 @@ class EngineVerdict:
 
     engine: str | None  # a key of ENGINES; None when no engine can run the plan
     reason: str  # "" when an engine runs it, else why not, naming the plan field
+    not_torch: str = ""  # why torch's modules do not run it (yet), when an engine of plait's runs it
 
     @property
     def ok(self) -> bool:
         return self.engine is not None
 
 
-def engine_for(plan: Any) -> EngineVerdict:
+def engine_for(plan: Any, run: dict[str, Any] | None = None) -> EngineVerdict:
     """The engine that runs `plan` (by its form: composed stages, one SPMD program, or a 3D grid /
     stage graph), or why none can, naming the field. The one place that decides both: the worker
-    entry builds this engine, and `api.run` refuses a plan without one before any process starts."""
+    entry builds this engine, and `api.run` refuses a plan without one before any process starts.
+
+    A plan torch's modules run (`torch_runs`) goes to the torch engine, else to plait's own; `run`
+    is the run's worker config (`api.run` writes it), whose training dtype and checkpoints count too
+    (without it: the plan's dtype, no checkpoints)."""
     plan = Plan.load(plan)
     if any(spec.spmd is not None for spec in plan.stages):
         ok, why = _supports_composed(plan)
-        return EngineVerdict("compose" if ok else None, why)
+        return EngineVerdict("compose" if ok else None, why, "a composed plan runs on plait's own engine")
     engine = "spmd" if plan.spmd is not None else "pipeline"
     ok, why = _supports_pipeline(plan)
-    return EngineVerdict(engine if ok else None, why)
+    if not ok:
+        return EngineVerdict(None, why, why)
+    not_torch = torch_runs(plan, run or {})
+    return EngineVerdict("torch" if not not_torch else engine, "", not_torch)
+
+
+def torch_runs(plan: Plan, run: dict[str, Any]) -> str:
+    """"" when the torch engine (`plait.runtime.torch_worker`: DDP, FSDP2) runs `plan` under the run
+    config `run`, else why not (the plan then runs on plait's own engine)."""
+    if run.get("engine") == "plait":
+        return "the run asks for plait's own engine (engine=plait)"
+    if plan.spmd is not None or plan.stages:
+        return "an SPMD program or a stage graph runs on plait's own engines"
+    if plan.pp != 1:
+        return f"pipeline parallelism (pp={plan.pp}) runs on plait's own executors"
+    if plan.tp != 1:
+        if run.get("engine") != "torch":
+            return (f"tensor parallelism (tp={plan.tp}) on DTensor does not record its collectives yet; "
+                    "it runs there when the run asks for engine=torch")
+        if plan.dp != 1 or plan.zero or plan.sequence_parallel or plan.tp_ratios:
+            return "tensor parallelism on DTensor runs with dp=1, zero=0, no sequence parallelism, even shards"
+    if plan.zero in (1, 2):
+        return f"zero={plan.zero}: FSDP2's collectives are not yet recorded; ZeRO-1/2 run on plait's own"
+    dtype = run.get("dtype") or plan.dtype
+    if dtype not in ("fp32", "tf32"):
+        return f"dtype {dtype}: mixed precision on torch's modules is not yet compared with plait's"
+    if any(n == 0 for n in plan.samples_per_replica()):
+        return "a replica with no samples cannot join DDP's or FSDP2's collectives"
+    if run.get("checkpoint"):
+        return "checkpoints of DDP / FSDP2 state are not yet written by the torch engine"
+    return ""
 
 
 def supports(plan: Any) -> tuple[bool, str]:

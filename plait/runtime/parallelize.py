@@ -3,6 +3,7 @@
 (dims "pp", "dp", "tp", Megatron's rank order: tensor fastest, then data, then pipeline).
 
 * `apply_ddp`: DDP over the mesh's "dp" dim, buckets of the plan's `grad_bucket_mb`;
+* `apply_tp`: DTensor tensor parallelism (`parallelize_module`, colwise / rowwise) over "tp";
 * `apply_fsdp`: FSDP2 `fully_shard` for ZeRO-1/2/3 -- parameters resharded after forward only at
   ZeRO-3 (torchtitan's mapping: ZeRO-1/2 keep them gathered until backward; FSDP2 always shards
   gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
@@ -12,22 +13,29 @@
   the average of the scaled gradients is the gradient of the global batch's mean loss, as one
   process computes it.
 
-Not yet the engine of any plan: `plait.runtime.layout.engine_for` names plait's own executors for
-every plan until the torch-modules worker runs a plan shape with equal results and records.
+The torch engine (`plait.runtime.torch_worker`) composes them for the plans
+`plait.runtime.layout.torch_runs` names; the other plans run on plait's own executors.
 """
 
 from collections.abc import Iterable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.ir.plan import Plan
-from plait.runtime.comm import Comm, DeviceMesh, Group
+from plait.runtime.comm import Comm, DeviceMesh, Group, RecordedAllGather, RecordedReduceScatter
 
 MESH_DIMS = ("pp", "dp", "tp")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,14 +66,18 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan, group: "Group | No
 
 def recorded_allreduce_hook(group: Group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's all-reduce of one gradient bucket (the mean over the replicas, as DDP's default hook)
-    through the facade: recorded in comm/rankN.jsonl with t_end at its completion, slowed by link
-    faults. It completes before returning, so DDP overlaps no bucket with the backward's compute."""
+    through the facade: started as the bucket fills and returned as a future, so DDP overlaps it
+    with the rest of the backward as with its own hook; recorded in comm/rankN.jsonl with t_end at
+    its completion, slowed by link faults (`Group.all_reduce_async`)."""
     flat = bucket.buffer()
-    group.all_reduce(flat, f"allreduce dp bucket{bucket.index()}", "comm_dp")
-    flat.div_(group.size)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(flat)
-    return fut
+    size = group.size
+    fut = group.all_reduce_async(flat, f"allreduce dp bucket{bucket.index()}", "comm_dp")
+
+    def mean(f: torch.futures.Future[Any]) -> torch.Tensor:
+        f.value()  # a failed all-reduce raises into DDP (an injected skip completes with None)
+        return flat.div_(size)
+
+    return fut.then(mean)
 
 
 def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
@@ -75,14 +87,43 @@ def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
                                 reduce_dtype=_DTYPES[plan.grad_reduce_dtype or "fp32"])
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module]) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module],
+               group: "Group | None" = None) -> nn.Module:
     """FSDP2 over the "dp" dim: each block a unit of its own (its parameters gathered and its
-    gradients reduce-scattered together), then the root for what the blocks leave."""
+    gradients reduce-scattered together), then the root for what the blocks leave. With `group`
+    (the facade's "dp" group) every unit's all-gathers and reduce-scatters go through it
+    (`comm.RecordedAllGather`, `comm.RecordedReduceScatter`: recorded, slowed by link faults)."""
     kwargs = {"mesh": mesh["dp"], "reshard_after_forward": plan.zero >= 3, "mp_policy": mixed_precision(plan)}
+    names = {id(m): n for n, m in model.named_modules()}
+    units = []
     for block in blocks:
         fully_shard(block, **kwargs)
+        units.append((names[id(block)], block))
     fully_shard(model, **kwargs)
+    units.append(("root", model))
+    if group is not None:
+        for name, unit in units:
+            unit.set_custom_all_gather(RecordedAllGather(group, name))  # type: ignore[operator]
+            unit.set_custom_reduce_scatter(RecordedReduceScatter(group, name))  # type: ignore[operator]
     return model
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, layers: Iterable[tuple[str, nn.Module]]) -> list[str]:
+    """Tensor parallelism with DTensor over the "tp" dim, Megatron's layout in torch's styles: in each
+    of `layers` (qualified name, module: the transformer layers, `tensor_parallel.is_tensor_parallel_layer`)
+    the linears the model marks `plait_tp="column"` are `ColwiseParallel` (output features sharded;
+    a QKV projection's features are ordered by head, so each rank holds whole heads) and those marked
+    "row" `RowwiseParallel` (input features sharded, outputs all-reduced). Local outputs
+    (`use_local_output`), so the layer's own code between them (head reshapes, activations) runs on
+    this rank's shard unchanged. Returns the parallelised linears' names."""
+    styles: dict[str, ParallelStyle] = {}
+    for name, layer in layers:
+        for sub, m in layer.named_modules():
+            kind = getattr(m, "plait_tp", None)
+            if isinstance(m, nn.Linear) and kind in ("column", "row"):
+                styles[f"{name}.{sub}"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
+    parallelize_module(model, mesh["tp"], styles)
+    return sorted(styles)
 
 
 def apply_ac(layers: Iterable[nn.Module], recompute: str) -> list[nn.Module]:

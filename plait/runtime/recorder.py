@@ -274,6 +274,13 @@ class Recorder:
             if self.heartbeat is not None:
                 self.heartbeat.waiting(None)
 
+    def comm_span(self, name: str, category: str, t_start: float, t_end: float, **args: Any) -> None:
+        """An asynchronous call's span (perf_counter times), written when it completed: on the comm
+        resource beside the compute it overlapped, which it is not subtracted from."""
+        ev = self._event(name, category, "comm", None, args)
+        ev.start, ev.end = t_start - self.origin, t_end - self.origin
+        self.events.append(ev)
+
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:
         """Blocking synchronisation that is not part of the measured iteration (barriers)."""

@@ -33,15 +33,11 @@ is the plan rank whatever rank torchrun gave the process; the config maps
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import random
 import resource
-import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 from functools import partial
@@ -74,7 +70,7 @@ from plait.runtime.data_parallel import (
     sync_tied_grads,
 )
 from plait.runtime.executor import PipelineExecutor
-from plait.runtime.inject import Fault, Injection
+from plait.runtime.inject import PROCESS_FAULTS, Injection, fire, poison
 from plait.runtime.layout import (
     PipelineLayout,
     merge_modules,
@@ -110,53 +106,6 @@ from plait.runtime.tensor_parallel import (
     sequence_parallel_params,
 )
 from plait.runtime.zero3 import Zero3Step
-
-
-# ---------------------------------------------------------------------------------- faults
-def fire(fault: Fault) -> None:
-    """Act out a process fault of `--inject` on this rank (`plait.runtime.inject`)."""
-    if fault.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault.kind == "stop":  # the whole process freezes, heartbeat thread included (a stuck node)
-        if fault.duration_s is not None:  # stop-and-resume: a helper outside the process sends SIGCONT
-            subprocess.Popen(["/bin/sh", "-c", f"sleep {fault.duration_s:.3f}; kill -CONT {os.getpid()}"],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return  # SIGCONT: the rank carries on
-    if fault.kind == "hog":
-        start_hogs(fault.procs)
-        return
-    if fault.kind == "hang":
-        while True:  # never reports progress again, not waiting on any collective
-            time.sleep(3600)
-    raise RuntimeError(f"injected fault on rank {fault.rank} at step {fault.step}")
-
-
-def poison(params: list[nn.Parameter]) -> None:
-    """inf: set the first element of this rank's first gradient to +inf (an fp16 overflow)."""
-    for prm in params:
-        if prm.grad is not None and prm.grad.numel():
-            prm.grad.view(-1)[0] = float("inf")
-            return
-
-
-# A busy loop that ends when its parent (the rank) does: it polls its parent pid between bursts.
-_HOG = "import os, sys\np = int(sys.argv[1])\nwhile os.getppid() == p:\n    for _ in range(200000):\n        pass\n"
-_hogs: list[subprocess.Popen[bytes]] = []
-
-
-def start_hogs(n: int) -> None:
-    """`hog`: `n` busy-loop processes beside this rank. A child inherits the rank's CPU affinity and
-    cgroup, so the CPU they take is the rank's own; they end with the rank (even a SIGKILLed one)."""
-    for _ in range(n):
-        _hogs.append(subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())], stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    if len(_hogs) == n:
-        atexit.register(lambda: [h.kill() for h in _hogs])
-
-
-_PROCESS_FAULTS = ("kill", "stop", "hang", "error", "hog")
 
 
 # ---------------------------------------------------------------------------------- worker
@@ -365,7 +314,7 @@ class Worker(RankConfig):
             data = self._step_data(mine)
             sched = step_schedule(plan, lay, node_mbs, schedule)
             self.rec.step = step  # the step barrier's comm record belongs to this step, not the last one
-            fault = self.injection.at(self.rank, step, "step", _PROCESS_FAULTS)
+            fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
             if fault is not None:
                 fire(fault)
             if cfg.get("comm_records") == "alternate":
@@ -393,7 +342,7 @@ class Worker(RankConfig):
                 most = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
                 self.zero3.ghost_rounds(most - len(mbs), len(mbs))
             if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
-                poison(self.params)
+                poison(prm.grad for prm in self.params)
             if self.tied:
                 sync_tied_grads(self.tied)
                 if lay.graph_plan and self.d > 0:  # the owner stages' replicas summed in one group
@@ -421,9 +370,10 @@ class Worker(RankConfig):
 
     def _record_step(self, step: int, t0: float, t1: float, loss_sum: torch.Tensor | None) -> None:
         """`RUN_DIR/steps/rankN.jsonl`, one line as each step ends (so a run that dies keeps them): the
-        step's bounds on the ranks' common clock, the wall time of its end and, on the loss-holding
+        step's bounds on the ranks' common clock, the wall time of its end, the process's CPU seconds
+        so far (`time.process_time`, all threads) and, on the loss-holding
         rank of each replica, the replica's share of the global-batch loss (the shares sum to it)."""
-        rec: dict[str, Any] = {"step": step, "t0": t0, "t1": t1, "wall": time.time()}
+        rec: dict[str, Any] = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time()}
         if loss_sum is not None:
             rec.update(dp=self.d, loss_share=float(loss_sum))
         with open(Path(self.cfg["run_dir"]) / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
@@ -567,7 +517,7 @@ class Worker(RankConfig):
                 "coords": [self.p, self.d, self.t]}
         state = ckpt.rank_snapshot(self._ckpt_layout(), train, self.rank, mine)
         hook = None
-        fault = self.injection.at(self.rank, step - 1, "checkpoint", _PROCESS_FAULTS)
+        fault = self.injection.at(self.rank, step - 1, "checkpoint", PROCESS_FAULTS)
         if fault is not None:
             hook = partial(fire, fault)
         with self.rec.waiting("checkpoint"):

@@ -1,0 +1,130 @@
+"""plait's own engine against the torch engine (torch's DDP / FSDP2, issue 29) on the same plan.
+
+    python bench/torch_engine.py                 # 10 pairs per plan, 8 steps per run (~10 min)
+    python bench/torch_engine.py --pairs 4       # a shorter look (fewer pairs than the protocol asks)
+    python bench/torch_engine.py --json          # one JSON object: {"rows": [...], "summary": {...}}
+
+For each plan (dp=2 and ZeRO-3 with dp=2 on a tiny GPT, gloo on CPU, two micro-batches per replica)
+the bench runs **interleaved pairs**: `plait.runtime.api.run` with `LaunchConfig(engine="plait")`
+(plait's DataParallelStep / Zero3Step and executor) and with the default engine (`torch`: DDP with
+its buckets all-reduced asynchronously through the recorded facade, or FSDP2 with its collectives
+recorded), the order inside a pair alternating so a drifting machine biases neither side. Records
+and heartbeats stay on in both, as by default.
+
+Per run: the median step time after `--warmup` steps (first rank's start to last rank's end) and
+the median CPU seconds per rank and step (`time.process_time` of each rank's process, all its
+threads, at each step's end: `RUN_DIR/steps/rankN.jsonl`). Per pair the relative difference
+(torch - plait) / plait; the estimate is the median with the distribution-free 95 % interval of
+`bench/recorder_overhead.py` (order statistics). Negative: the torch engine is faster.
+
+This machine is a shared 2-vCPU VM with other sessions beside the bench: read the intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recorder_overhead import median_ci  # noqa: E402
+
+MODEL = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=256,dropout=0,attn_dropout=0"
+PLANS = ("dp=2,micro_batch=4,global_batch=16,dtype=fp32", "dp=2,zero=3,micro_batch=4,global_batch=16,dtype=fp32")
+
+
+def one_run(plan: str, engine: str, steps: int, warmup: int, model: str) -> dict[str, Any]:
+    """(median step seconds, median CPU seconds per rank and step, first loss, the engine that ran)."""
+    from plait.runtime.api import LaunchConfig, RecordsConfig, run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run(model, None, plan, steps=steps, launch=LaunchConfig(timeout=300, device="cpu", engine=engine),
+                     records=RecordsConfig(step_records=True, run_dir=Path(tmp) / "run"))
+        cpu = []
+        for f in sorted((Path(tmp) / "run" / "steps").glob("rank*.jsonl")):
+            ends = [json.loads(line)["cpu"] for line in f.read_text().splitlines()]
+            cpu.append([b - a for a, b in zip(ends, ends[1:])])  # step s: from step s-1's end to its end
+        per_step = [statistics.mean(r[s] for r in cpu) for s in range(warmup - 1, steps - 1)]
+    return {"step_s": statistics.median(result.iteration_times[warmup:]), "cpu_s": statistics.median(per_step),
+            "loss0": result.losses[0], "engine": result.engine}
+
+
+def compare(plan: str, pairs: int, steps: int, warmup: int, model: str) -> dict[str, Any]:
+    runs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for i in range(pairs):
+        order = ("plait", "auto") if i % 2 == 0 else ("auto", "plait")
+        got = {e: one_run(plan, e, steps, warmup, model) for e in order}
+        runs.append((got["plait"], got["auto"]))
+        print(f"  {plan} pair {i + 1}/{pairs}: plait {got['plait']['step_s'] * 1e3:.1f} ms, "
+              f"torch {got['auto']['step_s'] * 1e3:.1f} ms", file=sys.stderr)
+    row: dict[str, Any] = {"plan": plan, "pairs": pairs, "engines": sorted({r["engine"] for pair in runs for r in pair}),
+                           "loss0_plait": runs[0][0]["loss0"], "loss0_torch": runs[0][1]["loss0"]}
+    for what in ("step_s", "cpu_s"):
+        diffs = [(t[what] - p[what]) / p[what] for p, t in runs]
+        low, high, coverage = median_ci(diffs)
+        row[what] = {"plait": statistics.median(p[what] for p, _ in runs),
+                     "torch": statistics.median(t[what] for _, t in runs),
+                     "diff": statistics.median(diffs), "ci": [low, high], "coverage": coverage}
+    return row
+
+
+def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="plait's engine vs the torch engine (same plan; (torch - plait) / plait per pair)")
+    for col in ("plan", "pairs", "plait step ms", "torch step ms", "step diff [95 % CI]", "plait CPU ms/rank-step",
+                "torch CPU ms/rank-step", "CPU diff [95 % CI]"):
+        table.add_column(col)
+    for r in rows:
+        s, c = r["step_s"], r["cpu_s"]
+        table.add_row(r["plan"], str(r["pairs"]), f"{s['plait'] * 1e3:.1f}", f"{s['torch'] * 1e3:.1f}",
+                      f"{s['diff']:+.1%} [{s['ci'][0]:+.1%}, {s['ci'][1]:+.1%}]", f"{c['plait'] * 1e3:.1f}",
+                      f"{c['torch'] * 1e3:.1f}", f"{c['diff']:+.1%} [{c['ci'][0]:+.1%}, {c['ci'][1]:+.1%}]")
+    console = Console()
+    console.print(table)
+    console.print(f"engines that ran: {[r['engines'] for r in rows]}; first-step losses plait/torch: "
+                  f"{[(round(r['loss0_plait'], 6), round(r['loss0_torch'], 6)) for r in rows]}")
+    console.print(f"wall time {summary['wall_s']:.0f} s; load average at the end {summary['loadavg']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=10, help="pairs per plan (default 10)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
+    ap.add_argument("--warmup", type=int, default=2, help="steps left out of each run's median (default 2, >= 1)")
+    ap.add_argument("--plan", action="append", help="a plan to compare (repeatable; default dp=2 and ZeRO-3)")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = ap.parse_args(argv)
+    if args.warmup < 1 or args.steps <= args.warmup + 1 or args.pairs < 1:
+        ap.error("need --pairs >= 1, --warmup >= 1 and --steps > --warmup + 1")
+    t0 = time.time()
+    rows = [compare(plan, args.pairs, args.steps, args.warmup, args.model) for plan in args.plan or PLANS]
+    summary = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "step_diff": {r["plan"]: r["step_s"]["diff"] for r in rows},
+        "step_diff_ci": {r["plan"]: r["step_s"]["ci"] for r in rows},
+        "cpu_diff": {r["plan"]: r["cpu_s"]["diff"] for r in rows},
+        "cpu_diff_ci": {r["plan"]: r["cpu_s"]["ci"] for r in rows},
+        "pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, "model": args.model,
+        "wall_s": time.time() - t0, "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+    if args.json:
+        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    else:
+        print_table(rows, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,330 @@
+"""The torch engine (issue 29): one rank of a data-parallel or ZeRO plan (pp = tp = 1) run on
+torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
+plan's named DeviceMesh; and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
+plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers). `plait.runtime.layout.engine_for` says which plans it runs; the others
+stay on plait's own executors (`plait.runtime.worker`).
+
+The path of one step, as the pipeline engine's, so both give the same losses, records and results:
+
+1. every rank builds the whole model from the same seed, checkpoints its layers' activations as
+   the plan's `recompute` names (`parallelize.apply_ac`), and wraps it in DDP (buckets of the
+   plan's `grad_bucket_mb`, all-reduced through the communication facade by DDP's comm hook, so
+   each bucket is a record in `comm/rankN.jsonl`) or FSDP2 (one unit per layer that shares no
+   parameter with another layer -- a tied embedding and LM head stay in the root unit);
+2. its replica runs its share of the global batch (`partition.replica_micro_batches`: uneven
+   shares included) one micro-batch after the other, forward then backward, accumulating
+   gradients: DDP's `no_sync` holds its all-reduce back to the last micro-batch; FSDP2
+   reduce-scatters each micro-batch's gradients into the shards (ZeRO-3 keeps no whole gradient
+   between micro-batches, as the memory model counts it). Micro-batch j's loss is scaled by n_j * dp / B: DDP and FSDP2
+   average over the replicas, so the average is the gradient of the global batch's mean loss
+   (`parallelize.replica_loss_weight`, per micro-batch);
+3. under FSDP2 every micro-batch gathers the parameters again (ZeRO-3: a layer's gathered
+   parameters live for one micro-batch) and reduce-scatters its gradients, so a replica with fewer micro-batches than another runs
+   *ghost* micro-batches (one sample, loss weight 0) to join the gathers of the others in the
+   same order; DDP reduces once per step, so it needs none;
+4. the optimizer steps (global-norm clipping and the learning-rate schedule as the pipeline
+   engine's), and the step's bounds, spans and records are kept as there
+   (`results.write_result` writes rank 0's `result.json`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import resource
+import socket
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from plait.runtime.comm import (
+    FAULTS_ENV,
+    PROBE_BEFORE,
+    PROBE_REPEAT,
+    Comm,
+    CommLog,
+    Group,
+    parse_link_faults,
+)
+from plait.runtime.data_parallel import make_optimizer
+from plait.runtime.inject import PROCESS_FAULTS, Injection, fire, poison
+from plait.runtime.lr import LRSchedule
+from plait.runtime.parallelize import apply_ac, apply_ddp, apply_fsdp, apply_tp, build_mesh
+from plait.runtime.partition import (
+    MicroBatch,
+    layer_modules,
+    load_model_spec,
+    make_samples,
+    replica_micro_batches,
+)
+from plait.runtime.rank_config import RankConfig
+from plait.runtime.recorder import Heartbeat, Recorder
+from plait.runtime.results import comm_records_path, common_origin, write_result
+from plait.runtime.tensor_parallel import is_tensor_parallel_layer
+from plait.schedule import event_key
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The layers (`partition.layer_modules`) that become FSDP2 units of their own: those that share
+    no parameter with another layer (FSDP2 shards a parameter in one unit only; tied ones go to the
+    root unit)."""
+    layers = [m for name, m in layer_modules(model) if name]
+    owners: dict[int, int] = {}
+    for m in layers:
+        for prm in m.parameters():
+            owners[id(prm)] = owners.get(id(prm), 0) + 1
+    return [m for m in layers if all(owners[id(prm)] == 1 for prm in m.parameters())]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+
+
+class TorchWorker(RankConfig):
+    def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
+        super().__init__(cfg, rank, heartbeat)
+        self.t = rank % self.plan.tp  # pp = 1: Megatron's order, tensor rank fastest
+        self.d = rank // self.plan.tp
+        self.injection = Injection.from_list(cfg.get("inject"))
+        self.cuda = cfg["device"] == "cuda"
+        self.fsdp = self.plan.zero >= 1
+
+    # ------------------------------------------------------------------ setup
+    def _init_dist(self) -> None:
+        self.hb.progress("init")
+        if self.cuda:
+            torch.cuda.set_device(int(self.info.get("local_device", self.rank)) % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
+            if self.cfg.get("comm_records", True) else None
+        faults = parse_link_faults(os.environ.get(FAULTS_ENV) or self.cfg.get("comm_faults"))
+        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults, injection=self.injection,
+                         probe_bytes=int(self.cfg.get("probe_bytes", 1 << 18)))
+        self.comm.init_process_group(self.cfg["backend"], timeout_s=float(self.cfg["collective_timeout"]))
+        self.mesh = build_mesh(self.plan, self.comm, self.device.type)
+        self.dp_group: Group = self.comm.group("dp")
+
+    def _build(self) -> None:
+        self.hb.progress("build")
+        cfg, plan = self.cfg, self.plan
+        self.spec = load_model_spec(cfg["model"])
+        seed = int(cfg["seed"])
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:  # the zoo's build draws weights from its own seed; others use the global RNG seeded above
+            model = self.spec.build(device="cpu", dtype=torch.float32, seed=seed)
+        except TypeError:
+            model = self.spec.build(device="cpu", dtype=torch.float32)
+        model.train()
+        self.layers = [name for name, _ in layer_modules(model)]
+        self.param_count = sum(prm.numel() for prm in model.parameters() if prm.requires_grad)
+        if plan.tp > 1:  # DTensor shards of the transformer layers' linears (dp = 1: `layout.torch_runs`)
+            apply_tp(model, self.mesh, [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)])
+            self.param_count = sum(_local(prm).numel() for prm in model.parameters() if prm.requires_grad)
+        apply_ac([m for _, m in layer_modules(model)], plan.recompute)
+        model.to(self.device)
+        self.model = model  # the unwrapped module: its parameters (DTensors under FSDP2) by their own names
+        if self.fsdp:
+            self.runner: nn.Module = apply_fsdp(model, self.mesh, plan, fsdp_units(model), self.dp_group)
+        elif plan.tp > 1:
+            self.runner = model
+        else:
+            self.runner = apply_ddp(model, self.mesh, plan, self.dp_group)
+        self.params = [prm for prm in model.parameters() if prm.requires_grad]
+        stream_seed = seed + 1 + self.d  # dropout streams: one per replica, as the pipeline engine's
+        torch.manual_seed(stream_seed)
+        random.seed(stream_seed)
+        np.random.seed(stream_seed % (2**32))
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
+        self.rec = Recorder(self.info["device"], 0, self.rank, cuda=self.cuda,
+                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb,
+                            inject_factor=partial(self.injection.compute_factor, self.rank) if slow else None,
+                            compute_floor_s=float(cfg.get("compute_sleep") or 0.0))
+        self._init_dist()
+        self._build()
+        if self.cuda and cfg["dtype"] == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        # The optimizer steps on each parameter's local tensor (a DTensor's shard: a view of its
+        # storage): the update is elementwise, so it is the same, without DTensor's dispatch on every
+        # op of every parameter (bench/torch_engine.py: that made the optimizer ~10x slower on CPU).
+        self.locals = [_local(prm).detach() for prm in self.params]
+        self.optimizer = make_optimizer(self.locals, cfg["optimizer"])
+        steps = int(cfg["steps"])
+        self.comm.barrier("startup barrier")
+        self.rec.set_origin()
+        origin_info = common_origin(self.rec, self.comm)
+        losses: list[torch.Tensor] = []
+        bounds: list[tuple[int, float, float]] = []
+        probe_every = int(cfg.get("probe_every") or 0)
+        for step in range(steps):
+            self.hb.progress("train", step)
+            mbs = replica_micro_batches(plan, step, self.d)
+            data = self._step_data(mbs)
+            self.rec.step = step
+            fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
+            if fault is not None:
+                fire(fault)
+            if cfg.get("comm_records") == "alternate":  # bench/recorder_overhead.py (as the pipeline engine)
+                self.comm.recording = (step // 2 + step) % 2 == 0
+            if cfg.get("step_barrier", True):
+                self.comm.barrier("step barrier")
+            if probe_every and step % probe_every == 0:
+                self.comm.probe_links(PROBE_BEFORE)
+                self.comm.barrier("probe barrier")
+            t0 = self.rec.begin_step(step)
+            loss_sum = self._accumulate(step, mbs, data)
+            if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
+                poison(self._local_grads())
+            self._set_lr(step)
+            if cfg.get("clip_grad"):
+                torch.nn.utils.clip_grad_norm_(self.params, float(cfg["clip_grad"]))
+            with self.rec.compute("optimizer", "optimizer"):
+                for prm, loc in zip(self.params, self.locals, strict=True):
+                    loc.grad = _local(prm.grad) if prm.grad is not None else None
+                self.optimizer.step()
+            for prm, loc in zip(self.params, self.locals, strict=True):
+                prm.grad = loc.grad = None
+            t1 = self.rec.end_step()
+            if probe_every and step % probe_every == 0:
+                self.comm.probe_links(PROBE_REPEAT - PROBE_BEFORE)
+            bounds.append((step, t0, t1))
+            losses.append(loss_sum)
+            if cfg.get("step_records"):
+                self._record_step(step, t0, t1, loss_sum)
+        self.rec.step = None
+        self._finish(losses, bounds, steps, origin_info)
+
+    def _accumulate(self, step: int, mbs: list[MicroBatch],
+                    data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of each of the replica's micro-batches, gradients reduced in the
+        last one's backward; under FSDP2, ghost micro-batches up to the most any replica runs."""
+        plan = self.plan
+        rounds = len(mbs)
+        if self.fsdp:
+            rounds = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
+        loss_sum = torch.zeros((), device=self.device)
+        for i in range(rounds):
+            last = i == rounds - 1
+            if i < len(mbs):
+                mb, weight = mbs[i], mbs[i].size * plan.dp / plan.global_batch
+                inputs, target = data[mb.index]
+            else:  # a ghost: the replica's first sample again, adding nothing to the gradients
+                mb, weight = MicroBatch(i, mbs[0].first, 1), 0.0
+                inputs, target = make_samples(self.spec, mbs[0].first, 1, int(self.cfg["data_seed"]), self.device)
+            # DDP holds its all-reduce back to the last micro-batch; FSDP2 reduce-scatters every
+            # micro-batch's gradients into the shards, so that no rank holds whole gradients between
+            # them (ZeRO-3's memory, as the memory model counts it).
+            sync: Any = contextlib.nullcontext() if last or self.fsdp or plan.tp > 1 \
+                else self.runner.no_sync()  # type: ignore[operator]
+            # a ghost's spans are "ghost" ones: calibration and the doctor count real micro-batches only
+            fwd, bwd = ("forward", "backward") if weight else ("ghost", "ghost")
+            with sync:
+                with self.rec.compute(event_key(fwd[:3] if weight else "ghost fwd", 0, 0, i), fwd, micro_batch=i,
+                                      chunk=0, samples=mb.size):
+                    with self._autocast():
+                        loss = self.spec.loss(self.runner(*inputs), target)
+                with self.rec.compute(event_key(bwd[:3] if weight else "ghost bwd", 0, 0, i), bwd, micro_batch=i,
+                                      chunk=0, samples=mb.size):
+                    (loss * weight).backward()
+            loss_sum += loss.detach().float() * (weight / plan.dp)
+        return loss_sum
+
+    def _autocast(self) -> Any:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg["dtype"])
+        if dtype is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _local_grads(self) -> list[torch.Tensor | None]:
+        """This rank's gradients (the local shards of FSDP2's DTensors), for the inf fault."""
+        return [g.to_local() if g is not None and hasattr(g, "to_local") else g for g in (p.grad for p in self.params)]
+
+    def _set_lr(self, step: int) -> None:
+        sched = self.cfg.get("lr_schedule")
+        if not sched:
+            return
+        lr = LRSchedule.from_dict(sched, float(self.cfg["optimizer"].get("lr", 1e-3))).at(step, int(self.cfg["steps"]))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
+        """The replica's samples of one step: synthetic by global index, or the user data's stream
+        in the pipeline engine's order (`plait.runtime.data`)."""
+        seed = int(self.cfg["data_seed"])
+        if not self.cfg.get("data"):
+            return {mb.index: make_samples(self.spec, mb.first, mb.size, seed, self.device) for mb in mbs}
+        if getattr(self, "_data_iter", None) is None:
+            from plait.runtime import data as user_data
+
+            dataset, collate = user_data.load_data(self.cfg["data"]["spec"])
+            order = user_data.SampleOrder(len(dataset), seed)
+            ranges = [(mb.first, mb.size) for step in range(int(self.cfg["steps"]))
+                      for mb in replica_micro_batches(self.plan, step, self.d)]
+            self._data_iter = user_data.batches(dataset, collate, order, ranges,
+                                                int(self.cfg["data"].get("workers", 1)))
+        out = {}
+        for mb in mbs:
+            inputs, target = next(self._data_iter)
+            out[mb.index] = (tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs),
+                             target.to(self.device))
+        return out
+
+    def _record_step(self, step: int, t0: float, t1: float, loss_sum: torch.Tensor) -> None:
+        """`RUN_DIR/steps/rankN.jsonl` as the pipeline engine writes it."""
+        rec = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time(), "dp": self.d,
+               "loss_share": float(loss_sum)}
+        with open(Path(self.cfg["run_dir"]) / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+    # ------------------------------------------------------------------ results
+    def _finish(self, losses: list[torch.Tensor], bounds: list[tuple[int, float, float]], steps: int,
+                origin: dict[str, Any]) -> None:
+        self.hb.progress("gather")
+        loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
+        if self.plan.dp > 1 and loss_vec.numel():
+            self.dp_group.all_reduce(loss_vec, "allreduce dp losses", "comm_dp", span=False)
+        local = [_local(prm) for prm in self.params]
+        param_bytes = sum(t.numel() * t.element_size() for t in local)  # held between steps (FSDP2, TP: shards)
+        params = None
+        if self.cfg.get("return_params"):
+            full = {n: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().cpu().clone()
+                    for n, prm in self.model.named_parameters()}  # FSDP2: gathered, collective
+            params = full if self.d == 0 else None
+        if self.cuda:
+            peak, mem_kind = int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
+        else:
+            peak, mem_kind = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "max_rss"
+        mine = {
+            "rank": self.rank, "pp": 0, "dp": self.d, "tp": self.t, "device": self.info["device"],
+            "host": self.info["host"], "node": self.info["node"], "kind": self.info.get("kind"),
+            "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
+            "layers": self.layers, "params": self.param_count, "param_bytes": param_bytes,
+            "peak_memory_bytes": peak, "memory_kind": mem_kind,
+            "samples_per_step": self.plan.samples_per_replica()[self.d],
+            "events": [asdict(e) for e in self.rec.events], "step_bounds": bounds,
+            "losses": loss_vec.cpu().tolist(), "params_state": params if self.t == 0 else None, "shard_infos": {}, "clock": origin,
+            "amp": None, "engine": "torch",
+        }
+        gathered = self.comm.gather_object(mine, dst=0, name="gather results")
+        if self.rank == 0:
+            assert gathered is not None
+            write_result(self.run_dir, self.plan, gathered, 0, steps, self.cfg)
+        self.comm.barrier("final barrier")
+        self.comm.close()

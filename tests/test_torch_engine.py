@@ -1,0 +1,120 @@
+"""The torch engine (issue 29, `plait.runtime.torch_worker`): data-parallel and ZeRO-3 plans run
+on torch's DDP and FSDP2 by default and train equal to one process (losses and parameters after
+3 steps, the tolerances of tests/test_runtime_forms.py), uneven shares included, with every
+collective of torch's modules in the rank's comm records and timeline."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.ir.comm import read_comm_records
+from plait.runtime import engine_for
+from plait.runtime.api import LaunchConfig, RecordsConfig, RunResult, reference_run, run
+
+pytestmark = pytest.mark.distributed
+
+TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+STEPS = 3
+FP32 = "global_batch=8,dtype=fp32"
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return reference_run(TINY, "dp=1,micro_batch=8," + FP32, STEPS)
+
+
+def _run(plan: str, tmp_path) -> RunResult:
+    return run(TINY, None, plan, steps=STEPS, launch=LaunchConfig(timeout=120),
+               records=RecordsConfig(return_params=True, run_dir=tmp_path / "run"))
+
+
+def _check_equal(result: RunResult, reference: tuple[list[float], dict[str, torch.Tensor]]) -> None:
+    ref_losses, ref_params = reference
+    assert result.engine == "torch"
+    assert result.steps == list(range(STEPS))
+    assert result.losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert result.params is not None
+    assert set(ref_params) - set(result.params) == {"head.lm.weight"}  # tied to embed.tok, listed once
+    for name, value in result.params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=2e-6, msg=name)
+
+
+def _calls(result: RunResult, rank: int, op: str) -> list:
+    assert result.run_dir is not None
+    records = read_comm_records(f"{result.run_dir}/comm/rank{rank}.jsonl").records
+    return [r for r in records if r.op == op and r.step is not None]
+
+
+def _spans(result: RunResult, rank: int, step: int) -> Counter:
+    return Counter(e.category for e in result.timeline.events if e.args.get("rank") == rank
+                   and e.args.get("step") == step)
+
+
+@pytest.mark.parametrize("shares", ["", "dp_shares=0.75:0.25,"])
+def test_ddp_equals_one_process(shares, reference, tmp_path) -> None:
+    result = _run(f"dp=2,micro_batch=2,{shares}grad_bucket_mb=0.01," + FP32, tmp_path)
+    _check_equal(result, reference)
+    numel = sum(v.numel() for n, v in reference[1].items() if n != "head.lm.weight")
+    counts = [[4, 4], [6, 2]][bool(shares)]
+    assert [r.samples_per_step for r in result.ranks] == counts
+    for rank in (0, 1):
+        # DDP reduces once per step, in the last micro-batch's backward: every fp32 gradient once,
+        # in buckets started as they fill and recorded at their completion
+        for step in range(STEPS):
+            calls = [r for r in _calls(result, rank, "all_reduce") if r.step == step and "bucket" in r.name]
+            assert sum(r.bytes for r in calls) == 4 * numel
+            assert all(r.t_enqueue <= r.t_start <= r.t_end for r in calls)
+            spans = _spans(result, rank, step)
+            assert spans["forward"] == spans["backward"] == counts[rank] // 2
+            assert spans["comm_dp"] == len(calls) and spans["optimizer"] == 1
+    # after DDP's first step the plan's buckets (10 kB) apply: several per step
+    assert len([r for r in _calls(result, 0, "all_reduce") if r.step == 1 and "bucket" in r.name]) > 1
+
+
+@pytest.mark.parametrize("shares", ["", "dp_shares=0.75:0.25,"])
+def test_zero3_on_fsdp2_equals_one_process(shares, reference, tmp_path) -> None:
+    result = _run(f"dp=2,micro_batch=2,zero=3,{shares}" + FP32, tmp_path)
+    _check_equal(result, reference)
+    counts = [[4, 4], [6, 2]][bool(shares)]
+    units = 4 + 1  # the transformer blocks, then the root (the tied embedding and LM head, the norms)
+    for rank in (0, 1):
+        for step in range(STEPS):
+            gathers = [r for r in _calls(result, rank, "all_gather") if r.step == step]
+            scatters = [r for r in _calls(result, rank, "reduce_scatter") if r.step == step]
+            # each unit (the root too: ZeRO-3 reshards it after forward as well) gathers its parameters
+            # in every forward and again in every backward; a replica with fewer micro-batches joins the
+            # others' gathers with ghost ones. Gradients are reduce-scattered every micro-batch (ZeRO-3).
+            rounds = max(counts) // 2
+            assert len(gathers) == rounds * 2 * units
+            assert len(scatters) == rounds * units and {r.key for r in scatters} == \
+                {f"reduce_scatter zero {n}" for n in ["layers.0", "layers.1", "layers.2", "layers.3", "root"]}
+            spans = _spans(result, rank, step)
+            assert spans["forward"] == spans["backward"] == counts[rank] // 2
+            assert spans["ghost"] == 2 * (rounds - counts[rank] // 2)
+            assert spans["comm_zero"] == len(gathers) + len(scatters)
+    # the ranks hold about half the parameters each between steps
+    full = sum(v.numel() * 4 for n, v in reference[1].items() if n != "head.lm.weight")
+    assert result.run_dir is not None
+    ranks = json.loads(Path(result.run_dir, "result.json").read_text())["ranks"]
+    assert all(0.4 * full < r["param_bytes"] < 0.6 * full for r in ranks)
+
+
+def test_tensor_parallel_on_dtensor_equals_one_process(reference, tmp_path) -> None:
+    """Asked for (engine=torch: DTensor's collectives are not recorded yet, so not the default), a
+    tp=2 plan runs with torch's ColwiseParallel / RowwiseParallel on the transformer layers."""
+    plan = "tp=2,micro_batch=4," + FP32
+    assert engine_for(plan).engine == "pipeline" and "engine=torch" in engine_for(plan).not_torch
+    result = run(TINY, None, plan, steps=STEPS, launch=LaunchConfig(timeout=120, engine="torch"),
+                 records=RecordsConfig(return_params=True, run_dir=tmp_path / "run"))
+    _check_equal(result, reference)
+    assert [(r.dp, r.tp) for r in result.ranks] == [(0, 0), (0, 1)]
+    # each tensor rank holds half of every transformer linear's weight, the rest (embedding, norms) whole
+    full = sum(v.numel() for n, v in reference[1].items() if n != "head.lm.weight")
+    linears = sum(v.numel() for n, v in reference[1].items() if n.startswith("layers.") and ".ln" not in n
+                  and not (n.endswith(".bias") and ("proj" in n or "fc2" in n)))
+    assert result.ranks[0].params == result.ranks[1].params == full - linears // 2
