@@ -1,11 +1,11 @@
-"""Model profiles (plait.cost.profile): round trip, merge of two machines, interpolation, refusals."""
+"""Model profiles (plait.ir.profile): round trip, merge of two machines, interpolation, refusals."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from plait.cost.profile import (
+from plait.ir.profile import (
     KindProfile,
     LayerCurve,
     ModelProfile,

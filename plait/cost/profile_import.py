@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.cost.profile import KindProfile, LayerCurve, ModelProfile, ProfileError
+from plait.ir.profile import KindProfile, LayerCurve, ModelProfile, ProfileError
 
 # AMP's machine tags -> plait's GPU kind names (AWS p3.8xlarge: V100-16GB; g4dn.12xlarge: T4).
 AMP_MACHINES = {"P3": "v100-16gb", "G4": "t4"}

@@ -18,6 +18,7 @@ per-resource busy fraction and the `Timeline`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -171,6 +172,10 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
         if unknown:
             raise SimulateError(f"simulate: unknown option(s) {unknown}")
         opts = SimOptions(**{**opts.__dict__, **option_overrides})
+    if view.cluster is not None and view.cluster.model_profiles:  # measured where the cluster's profile has it
+        compute = opts.compute.with_profile(view.cluster, graph, plan_obj.dtype)
+        if compute is not opts.compute:
+            opts = dataclasses.replace(opts, compute=compute)
     if plan_obj.flow_paths is not None and view.fabric is not None:
         view = view.with_flow_paths(from_plan_field(view.fabric, plan_obj.flow_paths))
     t0 = time.perf_counter()
