@@ -105,3 +105,51 @@ def test_a_profile_of_another_model_dtype_or_engine_is_refused(tmp_path):
     cluster = load_cluster(str(_cluster(tmp_path, _profile(graph, dtype="bf16"))))
     with pytest.raises(ProfileError, match=r"p0.yaml: dtype: profiled in bf16, the plan runs fp16"):
         simulate(MODEL, cluster, plan)
+
+
+def test_a_plan_row_and_simulate_say_what_was_measured(tmp_path, capsys, monkeypatch):
+    from rich.console import Console
+
+    from plait.cli import main
+    from plait.commands.plan_cmd import plan_table
+    from plait.search import plan
+
+    _, graph = load_graph(MODEL, "fp16")
+    path = _cluster(tmp_path, _profile(graph))   # the A100 measured, the V100 not
+    result = plan(MODEL, str(path), global_batch=4, top=2, families="3d", space=None)
+    row = result.top[0]
+    assert row.sim["costs"].startswith("compute measured on a100-80gb, modelled on v100-32gb (profile ")
+    table, _ = plan_table(result, None)
+    console = Console(width=250, record=True)
+    console.print(table)
+    assert "measured on a100-80gb, modelled on v100-32gb" in console.export_text()
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["simulate", "--model", MODEL, "--cluster", str(path), "--plan",
+                 "dp=2,micro_batch=2,global_batch=4,dtype=fp16"]) == 0
+    assert "compute measured on a100-80gb, modelled on v100-32gb" in capsys.readouterr().out
+
+
+def test_plait_profile_model_round_trips_and_simulate_uses_it(tmp_path):
+    from plait.cli import main
+    from plait.ir.profile import load_profile
+    from plait.sim.api import simulate
+
+    out = tmp_path / "gpt.yaml"
+    assert main(["profile", "--model", MODEL, "--micro-batches", "1,2", "--repeats", "3", "--out", str(out)]) == 0
+    _, graph = load_graph(MODEL, "fp32")
+    prof = load_profile(out, layers=[ly.name for ly in graph.layers], dtype="fp32", engine="plait")
+    assert prof.signature == model_signature(graph)
+    # the default emulated cluster: one A100 and one V100 kind, the V100's times its slowdown
+    a, v = prof.layer_time("a100-80gb", "layers.0", 2), prof.layer_time("v100-32gb", "layers.0", 2)
+    factor = float(prof.kinds["v100-32gb"].meta["slowdown"])
+    assert factor > 1 and v == pytest.approx((a[0] * factor, a[1] * factor))
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(CLUSTER % "gpt.yaml" + "emulation: {enabled: true}\n")
+    res = simulate(MODEL, load_cluster(str(cluster)), "dp=2,micro_batch=2,global_batch=4,dtype=fp32")
+    assert res.costs.startswith("compute measured on a100-80gb, v100-32gb")
+    each = {n: sum(prof.layer_time("v100-32gb", n, 2)) for n in prof.layer_names}
+    # the slower rank's measured layers (the lowering prices equal transformer blocks at one
+    # block's time, so at least the cheaper block's twice), plus the step
+    blocks = [each[n] for n in prof.layer_names if n.startswith("layers.")]
+    assert res.iteration_time_s > each["embed"] + each["head"] + len(blocks) * min(blocks)

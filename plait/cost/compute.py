@@ -735,6 +735,25 @@ def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dt
     return cost
 
 
+def compute_provenance(model: ComputeModel, entries: list[tuple[str, str, int, int]]) -> str:
+    """Which compute costs `layer_cost` reads from the profile and which it models, in one line
+    for a plan row and `plait simulate` ("compute measured on a100-80gb, modelled on v100-32gb").
+    `entries`: the (GPU kind, layer, micro-batch, tp degree) a plan prices. A kind is "measured"
+    where the profile has every one of its layers, "partly measured" where some."""
+    kinds: dict[str, list[bool]] = {}
+    for kind, layer, mb, tp in entries:
+        hit = model.profile is not None and model.profile.layer_time(kind, layer, mb, tp) is not None
+        kinds.setdefault(kind, []).append(hit)
+    full = [k for k, v in kinds.items() if all(v)]
+    part = [f"{k} ({sum(v)} of {len(v)} layer costs)" for k, v in kinds.items() if any(v) and not all(v)]
+    none = [k for k, v in kinds.items() if not any(v)]
+    where = f" (profile {model.profile.source})" if model.profile is not None and (full or part) else ""
+    parts = [f"measured on {', '.join(full)}"] if full else []
+    parts += [f"partly measured on {', '.join(part)}"] if part else []
+    parts += [f"modelled on {', '.join(none)}"] if none else []
+    return "compute " + ", ".join(parts) + where if parts else "compute modelled"
+
+
 def measured_layer_cost(cost: LayerCost, fwd_s: float, bwd_s: float, keep_collectives: bool = True) -> LayerCost:
     """`cost` with its compute segments scaled so each pass's compute time is the measured one; its
     collectives (which, where and how many bytes) stay the model's, priced on links by the lowering,

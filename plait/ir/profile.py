@@ -70,7 +70,7 @@ class KindProfile:
 
     layers: dict[str, dict[int, LayerCurve]]   # layer name -> tp degree -> curve
     optimizer_step: float | None = None        # seconds per optimizer step (whole model)
-    # torch, cuda, date, source; collectives: "included" when the measured times already hold the
+    # torch, cuda, date, source, device, slowdown (emulated kinds); collectives: "included" when the measured times already hold the
     # layer's tensor-parallel collectives (timed around the whole layer), else they are priced apart
     meta: dict[str, str] = field(default_factory=dict)
 
@@ -166,7 +166,8 @@ def parse_profile(data: Any, source: str) -> ModelProfile:
                     raise ProfileError(f"{where}.layers.{lname}.{tp}: expected a key tp<degree>, e.g. tp1")
                 layers[lname][int(tp[2:])] = _curve(curve, f"{where}.layers.{lname}.{tp}")
         opt = raw.get("optimizer_step")
-        meta = {k: str(raw[k]) for k in ("torch", "cuda", "date", "source", "collectives") if k in raw}
+        meta = {k: str(raw[k]) for k in ("torch", "cuda", "date", "source", "collectives", "device", "slowdown")
+                if k in raw}
         kinds[str(kind)] = KindProfile(layers, None if opt is None else _positive(opt, f"{where}.optimizer_step"), meta)
     return ModelProfile(model["signature"], names, data["dtype"], data["engine"], kinds, source)
 
@@ -206,7 +207,7 @@ def profile_to_dict(prof: ModelProfile) -> dict[str, Any]:
     """The file form of `prof` (stamped with format_version)."""
     kinds: dict[str, Any] = {}
     for kind, kp in prof.kinds.items():
-        out: dict[str, Any] = dict(kp.meta)
+        out: dict[str, Any] = {k: str(v) for k, v in kp.meta.items()}
         if kp.optimizer_step is not None:
             out["optimizer_step"] = kp.optimizer_step
         out["layers"] = {name: {f"tp{tp}": {"micro_batch": list(c.micro_batch), "forward": list(c.forward),

@@ -67,6 +67,9 @@ class SimResult:
     model: str = ""
     cluster: str = ""
     hardware_tflops_per_gpu: float = 0.0  # recompute FLOPs included (Megatron's "achieved TFLOP/s")
+    # which compute costs were measured and which modelled ("compute measured on a100-80gb,
+    # modelled on v100-32gb"; `plait.cost.compute.compute_provenance`)
+    costs: str = ""
     _timeline: Timeline | None = field(default=None, repr=False)
     _build: Any = field(default=None, repr=False)  # deferred timeline construction
 
@@ -104,6 +107,7 @@ class SimResult:
             "symmetry": self.symmetry,
             "granularity": self.granularity,
             "sim_wall_s": self.sim_wall_s,
+            "costs": self.costs,
         }
         if self.memory is not None and hasattr(self.memory, "violations"):
             d["memory_violations"] = list(self.memory.violations)
@@ -183,10 +187,26 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
         lowered = lower(graph, plan_obj, view, opts)
         schedule = run_engine(lowered.graph)
         result = _result(graph, plan_obj, view, lowered, schedule, time.perf_counter() - t0)
+    result.costs = _provenance(graph, plan_obj, view, opts)
     if memory and view.cluster is not None:
         mem = dict(memory_options or {})
         _attach_memory(result, graph, plan_obj, view, mem)
     return result
+
+
+def _provenance(graph: OpGraph, plan: Plan, view: ClusterView, opts: SimOptions) -> str:
+    """The line that says which compute costs of `plan` were measured and which modelled."""
+    from plait.cost.compute import compute_provenance
+
+    if opts.layer_times:
+        return "compute measured on this machine (per-layer times)"
+    kinds = [k.name for k in view.kinds]
+    if plan.stages:
+        entries = [(kinds[d], name, st.micro_batch or plan.micro_batch, 1)
+                   for st in plan.stages for d in st.devices for name in st.layers]
+    else:
+        entries = [(k, layer.name, plan.micro_batch, plan.tp) for k in dict.fromkeys(kinds) for layer in graph.layers]
+    return compute_provenance(opts.compute, list(dict.fromkeys(entries)))
 
 
 def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterView,
@@ -200,6 +220,9 @@ def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterV
 
 
 _COMPUTE = ("forward", "backward", "recompute", "optimizer")
+# SPMD programs price each aten op at its shard (`plait.cost.spmd`); a model profile is keyed by
+# layer, tp degree and whole micro-batch, so it has no entry for an op's share (docs/DESIGN.md)
+OP_COSTS = "compute modelled per aten op (profiles are kept per layer)"
 
 
 @dataclass
@@ -434,6 +457,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
         symmetry=(f"one rank simulated per class of equal kind and ratios: {classes} of {n}"
                   if classes < n else "every rank simulated"),
         granularity="op",
+        costs=OP_COSTS,
         sim_wall_s=wall,
         breakdown=by_cat,
         plan=name,
@@ -524,6 +548,7 @@ def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_option
     res = simulate_compose(rep.stages, list(plan_obj.stage_edges), rep.bytes_per_sample, plan_obj.num_micro_batches,
                            plan_obj.micro_batch, view, schedule=plan_obj.schedule, tied=rep.tied, memory=rep.memory,
                            name=str(plan_obj), flops=rep.flops)
+    res.costs = OP_COSTS
     if isinstance(model, str):
         res.model = model
     return res
