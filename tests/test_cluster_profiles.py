@@ -54,6 +54,9 @@ def test_cluster_names_profiles_relative_to_its_file_and_round_trips(tmp_path):
     assert [set(p.kinds) for p in cluster.model_profiles] == [{"a100-80gb"}, {"v100-32gb"}]
     again = parse_yaml_text(dump_cluster(cluster), "again.yaml")   # absolute paths written back
     assert again == cluster
+    from plait.cluster.topology import without_nodes
+
+    assert without_nodes(cluster, [1]).model_profiles == cluster.model_profiles   # a re-plan keeps them
 
 
 def test_simulate_reads_the_clusters_merged_profile(tmp_path):
