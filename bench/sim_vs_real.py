@@ -3,6 +3,7 @@
     python bench/sim_vs_real.py                 # 2 clusters x 4 plans, 3 rounds (~4-5 min)
     python bench/sim_vs_real.py --quick         # 2 plans per cluster, 1 round (~1 min)
     python bench/sim_vs_real.py --keep DIR      # keep cluster files, profiles, traces and the JSON in DIR
+    python bench/sim_vs_real.py --profile-once  # also predict every run from one profile taken before all plans
 
 What it does, end to end:
 
@@ -38,6 +39,18 @@ other rank's compute), profiles bracketing each run, several rounds, and glibc m
 keeping freed memory (`plait.measure.machine.MALLOC_ENV`).
 
 The target (issue 5) is <= 10 % per plan and the same ranking.
+
+`--profile-once` (issue 28's round trip): after calibration and before any plan runs, the layers
+are profiled once per cluster at every (micro-batch, tensor-parallel degree) the plans use, on
+the same pinned profiler ranks; every run is then also predicted from that one profile, and the
+table prints its error ("profile once") beside today's around-each-run calibration's. Issue 28's
+goal is within 5 % per plan, median of 3 rounds; the plans here are the 3D family's only.
+First run (2026-12-05, load average 16-21 from other sessions on the 2 vCPUs, 544 s): profile
+once MAPE 25.3 % (0 of 8 within 5 %; homo 23.6, hetero 27.1), around each run 18.8 % in the same
+run (homo 19.7, hetero 17.9); per plan once/around: DP2 -22.4/-12.3, TP2 +54.0/+56.9, PP2 GPipe
+-9.1/-5.7, PP2 1F1B mb2 +8.8/-3.8, hetero DP2 even +13.4/+19.6, DP2 3:1 +37.8/+26.8, PP2 even
++31.5/+12.6, PP2 4:2 +25.7/+12.8. Not met: a profile taken minutes before a run does not follow
+this machine's drift (profiles bracketing a run differed by up to 60 %).
 """
 
 from __future__ import annotations
@@ -92,6 +105,14 @@ PLANS = [
     ("hetero", "PP2 split 4:2", f"pp=2,micro_batch=4,global_batch=16,schedule=1f1b,layer_split=4:2,{COMMON}"),
 ]
 QUICK = {"DP2", "PP2 GPipe", "DP2 shares 3:1", "PP2 split 4:2"}
+
+
+def _profile_key(spec: str) -> tuple[int, int, int]:
+    """What a rank's layer profile depends on: (micro-batch, tensor-parallel degree, ranks)."""
+    from plait.ir.plan import Plan
+
+    p = Plan.load(spec)
+    return p.micro_batch, p.tp, p.world_size
 
 
 # ---------------------------------------------------------------- statistics
@@ -193,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                     help="first wait up to SECONDS for this machine's 1-minute load average to fall below 0.5")
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--profile-once", action="store_true",
+                    help="also predict every run from one layer profile taken before all plans (issue 28)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from plait.measure.cluster_profile import parse_size
@@ -225,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 -- a bench reports what failed and goes on
             console.print(f"[red]failed[/] {cname} {label}: {type(exc).__name__}: {exc}")
             row.update({k: nan for k in ("measured_s", "predicted_s", "replay_s", "baseline_s", "predicted_error",
-                                         "replay_error", "baseline_error", "profile_drift")})
+                                         "replay_error", "baseline_error", "profile_drift", "once_s", "once_error")})
             row.update({"iqr_s": 0.0, "steps_s": [], "real": {}, "sim": {}, "device_speed": []})
             return row
         res, pred = mr.run, mr.prediction
@@ -241,10 +264,12 @@ def main(argv: list[str] | None = None) -> int:
                     "profile_drift": mr.drift, "device_speed": pred.device_speed,
                     "profile_ms_per_mb": [pred.profile.forward_s * 1e3, pred.profile.backward_s * 1e3]})
         row["replay_s"] = replay(pred, real_work)
+        once = profiled_once.get(cname, {}).get(_profile_key(spec))
+        row["once_s"] = float(machine.predict(spec, once).iteration_s) if once is not None else nan
         # baseline: the simulator's default (GPU) compute model on the same measured cluster
         row["baseline_s"] = float(simulate(pred.graph, str(machine.workdir / "sim.yaml"), spec, memory=False,
                                            granularity="layer").iteration_time_s)
-        for key in ("predicted", "replay", "baseline"):
+        for key in ("predicted", "replay", "baseline", "once"):
             row[f"{key}_error"] = (row[f"{key}_s"] - med) / med
         console.print(f"  r{rnd} {cname:6s} {label:15s} predicted {row['predicted_s'] * 1e3:6.1f} ms, measured "
                       f"{med * 1e3:6.1f} ms (IQR {row['iqr_s'] * 1e3:4.1f}): {row['predicted_error'] * 100:+5.1f} %; "
@@ -254,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return row
 
     trials: list[dict[str, Any]] = []
+    profiled_once: dict[str, dict[tuple, Any]] = {}
     cpu_start = cpu_times()
     with ExitStack() as stack:
         machines: dict[str, Any] = {}
@@ -269,6 +295,15 @@ def main(argv: list[str] | None = None) -> int:
                 say=lambda text, name=name: console.print(f"{name}: {text}")))
             console.print(f"{name}: calibrated in {time.time() - t0:.0f} s"
                           + "".join(f"; {n}" for n in machines[name].notes))
+        if args.profile_once:  # one profile per cluster, before any plan runs
+            for cname, machine in machines.items():
+                t0 = time.time()
+                for _, _, spec in (p for p in plans if p[0] == cname):
+                    key = _profile_key(spec)
+                    if key not in profiled_once.setdefault(cname, {}):
+                        profiled_once[cname][key] = machine.layer_profiles(spec)
+                console.print(f"{cname}: profiled once at {sorted(profiled_once[cname])} (micro-batch, tp, ranks) "
+                              f"in {time.time() - t0:.1f} s wall")
         for rnd in range(args.rounds):
             for cname, label, spec in (plans if rnd % 2 == 0 else plans[::-1]):
                 trials.append(trial(cname, label, spec, rnd, machines[cname]))
@@ -286,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("predicted_s", "measured_s", "replay_s", "baseline_s", "predicted_error", "replay_error",
                     "baseline_error", "iqr_s"):
             row[key] = mid.get(key, nan)
+        # profile once: the round with the median error of its own
+        once = sorted((t for t in ok if t.get("once_s", nan) == t.get("once_s", nan)), key=lambda t: t["once_error"])
+        row["once_s"] = once[(len(once) - 1) // 2]["once_s"] if once else nan
+        row["once_error"] = once[(len(once) - 1) // 2]["once_error"] if once else nan
         row["trial_errors"] = [t["predicted_error"] for t in sorted(ok, key=lambda t: t["round"])]
         row["trial_replay_errors"] = [t["replay_error"] for t in sorted(ok, key=lambda t: t["round"])]
         row["measured_spread"] = ((max(t["measured_s"] for t in ok) - min(t["measured_s"] for t in ok))
@@ -297,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"(median of steps 3..{steps}); per plan the round with the median error of {args.rounds}")
     for col in ("cluster", "plan", "predicted ms", "measured ms (IQR)", "error", "errors per round",
                 "measured spread", "replay error", "sim fwd/bwd+opt/comm ms", "real fwd/bwd+opt/comm ms",
-                "baseline (GPU model)"):
+                "baseline (GPU model)", *(("profile once",) if args.profile_once else ())):
         table.add_column(col, justify="left" if col in ("cluster", "plan") else "right")
     for r in rows:
         ok = abs(r["predicted_error"]) <= 0.10
@@ -308,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['measured_spread'] * 100:.0f} %", f"{r['replay_error'] * 100:+.1f} %",
                       "/".join(f"{r['sim'].get(k, float('nan')) * 1e3:.1f}" for k in ("fwd", "bwd", "comm")),
                       "/".join(f"{r['real'].get(k, float('nan')) * 1e3:.1f}" for k in ("fwd", "bwd", "comm")),
-                      f"{r['baseline_s'] * 1e3:.0f} ms ({r['baseline_error'] * 100:+.0f} %)")
+                      f"{r['baseline_s'] * 1e3:.0f} ms ({r['baseline_error'] * 100:+.0f} %)",
+                      *((f"{r['once_s'] * 1e3:.1f} ms ({r['once_error'] * 100:+.1f} %)",) if args.profile_once else ()))
     console.print(table)
     summary: dict[str, Any] = {}
     for scope in [*CLUSTERS, "all"]:
@@ -319,12 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         summary[scope] = {"mape": statistics.fmean(abs(r["predicted_error"]) for r in sub),
                           "max_abs_error": max(abs(r["predicted_error"]) for r in sub),
                           "replay_mape": statistics.fmean(abs(r["replay_error"]) for r in sub),
+                          "once_mape": statistics.fmean(abs(r["once_error"]) for r in sub) if args.profile_once else None,
+                          "once_within_5pct": sum(abs(r["once_error"]) <= 0.05 for r in sub) if args.profile_once else None,
                           "spearman": spearman(pred, real), "same_ranking": same_order(pred, real),
                           "measured_order": [sub[i]["plan"] for i in sorted(range(len(sub)), key=lambda i: real[i])],
                           "predicted_order": [sub[i]["plan"] for i in sorted(range(len(sub)), key=lambda i: pred[i])]}
         s = summary[scope]
         console.print(f"{scope}: MAPE {s['mape'] * 100:.1f} %, worst {s['max_abs_error'] * 100:.1f} %, replay MAPE "
-                      f"{s['replay_mape'] * 100:.1f} %, Spearman {s['spearman']:.2f}, same ranking: {s['same_ranking']}"
+                      f"{s['replay_mape'] * 100:.1f} %"
+                      + (f", profile once MAPE {s['once_mape'] * 100:.1f} % ({s['once_within_5pct']} of {len(sub)} "
+                         f"within 5 %)" if args.profile_once else "") + f", Spearman {s['spearman']:.2f}, same ranking: {s['same_ranking']}"
                       + ("" if s["same_ranking"] else f" (measured {s['measured_order']}, predicted {s['predicted_order']})"))
     all_ok = bool(rows) and all(abs(r["predicted_error"]) <= 0.10 for r in rows) and \
         all(s["same_ranking"] for s in summary.values())

@@ -1,11 +1,11 @@
-"""Model profiles (plait.cost.profile): round trip, merge of two machines, interpolation, refusals."""
+"""Model profiles (plait.ir.profile): round trip, merge of two machines, interpolation, refusals."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from plait.cost.profile import (
+from plait.ir.profile import (
     KindProfile,
     LayerCurve,
     ModelProfile,
@@ -142,3 +142,35 @@ def test_layer_cost_reads_the_profile_under_an_even_tensor_split():
     assert even.fwd.collectives                      # priced apart: the profile does not include them
     uneven = layer_cost(layer, graph, 1, t4, "fp16", tp=2, share=0.7, model=ComputeModel(profile=prof))
     assert uneven.fwd.compute_s != pytest.approx(0.010)  # an uneven split was not measured: modelled
+
+
+def test_sailor_importer_on_a_small_file(tmp_path):
+    import json
+
+    from plait.cost.profile_import import import_sailor_profiles
+
+    def layers(scale):  # embedding, 2 blocks, head: [forward, backward, update]
+        return {"0": [1e-3 * scale, 0.0, 5e-3], "1": [4e-3 * scale, 8e-3 * scale, 5e-3],
+                "2": [4e-3 * scale, 8e-3 * scale, 5e-3], "3": [2e-3 * scale, 3e-3 * scale, 5e-3]}
+
+    data = {"OPT-350": {"A100-40": {"1": {"1": layers(1), "2": layers(0.6)}, "4": {"1": layers(3)}},
+                        "RTX-2080": {"2": {"1": layers(5)}}},
+            "other": {}}
+    path = tmp_path / "profiles_tmp.json"
+    path.write_text(json.dumps(data))
+    prof = import_sailor_profiles(path, "OPT-350")
+    assert prof.layer_names == ("embed", "layers.0", "layers.1", "head")
+    assert set(prof.kinds) == {"a100-40gb", "rtx-2080"}
+    assert prof.layer_time("a100-40gb", "layers.1", 2) == pytest.approx((4e-3 * 5 / 3, 8e-3 * 5 / 3))  # 1..4
+    assert prof.layer_time("a100-40gb", "embed", 1) == pytest.approx((1e-3, 1e-6))   # 0.0 -> the floor
+    assert prof.layer_time("a100-40gb", "head", 1, tp=2) == pytest.approx((1.2e-3, 1.8e-3))
+    assert prof.layer_time("a100-40gb", "head", 4, tp=2) is None                     # tp2 measured at 1 only
+    assert prof.layer_time("rtx-2080", "layers.0", 1) is None and prof.collectives_included("rtx-2080")
+    save_profile(prof, tmp_path / "sailor.yaml")
+    assert load_profile(tmp_path / "sailor.yaml") == prof
+    with pytest.raises(ProfileError, match=r"profiles_tmp.json: GPT-3: no such model in the file"):
+        import_sailor_profiles(path, "GPT-3")
+    data["OPT-350"]["A100-40"]["4"]["1"]["2"][1] = -1.0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"OPT-350.A100-40.4.1.2: backward: expected a non-negative time"):
+        import_sailor_profiles(path, "OPT-350")

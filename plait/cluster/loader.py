@@ -47,6 +47,8 @@ strings, see `plait.cluster.units`; examples in ``examples/clusters/``)::
     overrides:                         # measured figures replace derived ones
       - {devices: [0, 9], bandwidth: 10 GB/s, latency: 9 us}   # ids or "node:local"
       - {nodes: [n0, 1], bandwidth: 50 Gb/s}                   # names or indices
+    model_profiles: [gpt-a100.yaml]    # per-GPU-kind measured layer times (plait.ir.profile;
+                                       #   `plait profile --model`), paths relative to this file
     emulation:                         # how `plait run` emulates it on one machine
       enabled: true
       namespaces: true                 # Linux netns + tc (root only)
@@ -94,12 +96,13 @@ from plait.cluster.spec import (
     SwitchSpec,
 )
 from plait.ir.formats import FORMAT_VERSIONS, check_version
+from plait.ir.profile import ModelProfile, load_profile
 
 LINK_TYPES = tuple(DEFAULT_LATENCY)
 MAX_DEVICES = 65536  # a guard against `count: 10**12` exhausting memory
 
 _TOP_KEYS = ("format_version", "name", "description", "gpu_kinds", "nodes", "node_groups", "fabric",
-             "overrides", "emulation", "collectives")
+             "overrides", "emulation", "collectives", "model_profiles")
 
 
 class _Ctx:
@@ -708,6 +711,21 @@ def _device_ref(ctx: _Ctx, ref: Any, path: str, names: dict[str, int], nodes: li
     ctx.fail(path, f"expected a device id 0..{total - 1} or 'node:local', got {_describe(ref)}")
 
 
+def _parse_model_profiles(ctx: _Ctx, raw: Any) -> list[ModelProfile]:
+    """`model_profiles:` -- profile files (relative to the cluster file), read now so a bad one is
+    refused before any work: ProfileError names the profile file, the entry and the reason."""
+    if raw is None:
+        return []
+    base = Path(ctx.source).parent if ctx.source not in ("<string>", "<memory>") else Path.cwd()
+    out = []
+    for i, item in enumerate(ctx.seq(raw, "model_profiles", "profile file paths")):
+        path = base / ctx.string(item, f"model_profiles[{i}]")
+        if not path.is_file():
+            ctx.fail(f"model_profiles[{i}]", f"no such profile file {path}")
+        out.append(load_profile(path))
+    return out
+
+
 def _parse_emulation(ctx: _Ctx, raw: Any, kinds: dict[str, GPUKind]) -> EmulationSpec | None:
     if raw is None:
         return None
@@ -755,8 +773,10 @@ def parse_cluster(data: Any, source: str = "<memory>", default_name: str = "clus
     overrides = _parse_overrides(ctx, data.get("overrides"), nodes)
     emulation = _parse_emulation(ctx, data.get("emulation"), kinds)
     collectives = _parse_collectives(ctx, data.get("collectives"), len(nodes))
+    profiles = _parse_model_profiles(ctx, data.get("model_profiles"))
     cluster = Cluster(name=name, kinds=kinds, nodes=nodes, switches=fabric.switches, overrides=overrides,
-                      emulation=emulation, collectives=collectives, fabric=fabric.spec, source=source)
+                      emulation=emulation, collectives=collectives, fabric=fabric.spec,
+                      model_profiles=profiles, source=source)
     _check_failed_links(ctx, cluster)
     return cluster
 
@@ -914,6 +934,8 @@ def cluster_to_dict(cluster: Cluster, human: bool = True) -> dict[str, Any]:
              "busbw": {size(x): bw(b) for x, b in zip(m.sizes, m.busbw)}}
             for m in cluster.collectives
         ]
+    if cluster.model_profiles:  # the files they were read from (absolute: the output may live elsewhere)
+        out["model_profiles"] = [str(Path(p.source).resolve()) for p in cluster.model_profiles]
     if cluster.emulation is not None:
         e = cluster.emulation
         out["emulation"] = {"enabled": e.enabled, "namespaces": e.namespaces,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.errors import PlaitError
+from plait.ir.profile import ModelProfile
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 
@@ -201,6 +202,9 @@ class Cluster:
     # without a switched fabric (see plait.cost.collectives.measured_time)
     collectives: list[MeasuredCollective] = field(default_factory=list)
     fabric: FabricSpec | None = None  # multi-path behaviour of the switched fabric (plait.net)
+    # per-GPU-kind measured model costs (`model_profiles:` files, plait.ir.profile); every compute
+    # model built for this cluster carries the one of the model planned (`ComputeModel.with_profile`)
+    model_profiles: list[ModelProfile] = field(default_factory=list)
     # file or preset it came from, for error messages; not part of equality, so a
     # cluster saved to YAML and loaded back compares equal
     source: str = field(default="<memory>", compare=False)

@@ -398,6 +398,7 @@ def without_nodes(cluster: Cluster, drop: list[int] | set[int]) -> Cluster:
         overrides=overrides,
         emulation=cluster.emulation,
         fabric=_fabric_without(cluster, {cluster.nodes[i].name for i in drop}),
+        model_profiles=list(cluster.model_profiles),  # the kinds left keep their measured costs
         source=cluster.source,
     )
 

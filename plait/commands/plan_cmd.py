@@ -459,8 +459,17 @@ def _margin(c: Any) -> float:
 # Plan-table columns: (header, right-aligned, priority). Narrow terminals drop the lowest priority
 # first; --wide shows them all.
 _COLUMNS = [("#", True, 100), ("family", False, 98), ("dp", True, 99), ("tp", True, 99), ("pp", True, 99), ("mb", True, 98),
-            ("iteration", True, 97), ("options", False, 90), ("uneven split", False, 85), ("variants", False, 80),
+            ("iteration", True, 97), ("costs", False, 96), ("options", False, 90), ("uneven split", False, 85), ("variants", False, 80),
             ("min free", True, 75), ("samples/s", True, 60), ("layout", False, 50), ("TFLOP/s/GPU", True, 40)]
+
+
+def _costs_cell(c: Any) -> str:
+    """What the row's simulation measured (a model profile) vs modelled; "-" where nothing was
+    measured (then the line under the table says so for every row)."""
+    text = (c.sim or {}).get("costs", "")
+    if "measured" not in text or "per-layer times" in text:
+        return "-"
+    return text.split(" (profile ")[0].removeprefix("compute ")
 
 
 def _cells(c: Any, group: list[Any], index: int, kinds: list[str]) -> dict[str, str]:
@@ -479,7 +488,8 @@ def _cells(c: Any, group: list[Any], index: int, kinds: list[str]) -> dict[str, 
              "iteration": _ms(c.time_s), "options": opts, "uneven split": _uneven(c),
              "variants": _variants(group), "min free": f"{_margin(c) / GiB:.1f} GiB",
              "samples/s": f"{c.throughput:.1f}" if c.throughput is not None else "-", "layout": c.layout,
-             "TFLOP/s/GPU": f"{c.tflops_per_gpu:.2f}" if c.tflops_per_gpu is not None else "-"}
+             "TFLOP/s/GPU": f"{c.tflops_per_gpu:.2f}" if c.tflops_per_gpu is not None else "-",
+             "costs": _costs_cell(c)}
     for k in kinds:
         cells[f"free {k}"] = f"{c.headroom_by_kind[k] / GiB:.1f} GiB" if k in c.headroom_by_kind else "-"
     return cells
@@ -535,6 +545,9 @@ def print_result(result: Any, console: Any, wide: bool = False, top: int | None 
     console.print(table)
     if hidden:
         console.print(f"[dim]{', '.join(hidden)} left out to fit {console.width} columns (--wide shows them)[/]")
+    lines = sorted({(c.sim or {}).get("costs", "") for c in result.top} - {""})
+    if lines:  # measured vs modelled (issue 28): per row in the costs column where a profile measured some
+        console.print("costs: " + "; ".join(lines), soft_wrap=True)
     best = result.best
     if best.placement is not None:
         pl = best.placement

@@ -2,6 +2,12 @@
 
     plait profile --nprocs 4 --out local.yaml
     plait profile --cluster my-emulated-cluster.yaml --out measured.yaml --max-size 16M
+    plait profile --model gpt:layers=2 --cluster C --micro-batches 1,2,4 --out gpt-profile.yaml
+
+With `--model`, the model instead: each layer's forward and backward time at each micro-batch
+of the sweep on every GPU kind of the cluster, through the layers `plait run` trains (one CPU
+rank per kind on an emulated cluster, slowed by its kind's factor); the file is a model profile
+(plait.ir.profile) that a cluster YAML names under `model_profiles:`.
 
 With `--cluster` whose file asks for emulation, the workers of each node run inside
 that node's network namespace (shaped with tc) and each rank's matmuls are stretched
@@ -62,6 +68,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the workers are stopped")
     p.add_argument("--json", action="store_true", help="print the raw measurements as JSON")
+    p.add_argument("--model", help="profile this model's layers per GPU kind instead (zoo spec or file.py:factory)")
+    p.add_argument("--micro-batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2, 4],
+                   help="with --model: the micro-batch sweep (default 1,2,4; lookups interpolate between them)")
+    p.add_argument("--dtype", default="fp32", help="with --model: the plan's dtype (default fp32, as CPU ranks run)")
+    p.add_argument("--repeats", type=int, default=5, help="with --model: timed repetitions per layer (median)")
     p.set_defaults(func=run)
 
 
@@ -81,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     check_output_path(args.out, "--out")
     check_output_path(args.result, "--result")
+    if args.model:
+        return _profile_model(args)
     if args.from_result:
         result = ProfileResult.from_json(_read_text(args.from_result, "--from-result"), args.from_result)
         base = None
@@ -111,6 +124,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     else:
         sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
+    return 0
+
+
+def _profile_model(args: argparse.Namespace) -> int:
+    """`plait profile --model`: a model profile of every GPU kind of the cluster (issue 28)."""
+    from plait.cluster import load_cluster
+    from plait.ir.profile import profile_to_dict, save_profile
+    from plait.measure.layer_profile import profile_model
+    from plait.search import DEFAULT_CLUSTER
+
+    cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
+
+    def say(mb: int, cpu_s: float) -> None:
+        print(f"  micro-batch {mb}: {cpu_s:.1f} s CPU", file=sys.stderr)
+
+    prof, cpu_s = profile_model(args.model, cluster, args.micro_batches, args.dtype, repeats=args.repeats,
+                                on_size=say)
+    layers = len(prof.layer_names)
+    print(f"plait profile --model {args.model}: {layers} layers x {len(args.micro_batches)} micro-batch sizes "
+          f"({','.join(map(str, sorted(set(args.micro_batches))))}) x {args.repeats} repeats, {args.dtype}, "
+          f"{cpu_s:.1f} s CPU; kinds: " + ", ".join(f"{k} (x{float(kp.meta['slowdown']):.3g})" for k, kp in prof.kinds.items()),
+          file=sys.stderr)
+    if args.out:
+        save_profile(prof, args.out)
+        print(f"wrote {args.out} (name it in the cluster YAML: model_profiles: [{args.out}])")
+    else:
+        import yaml
+
+        sys.stdout.write(yaml.safe_dump(profile_to_dict(prof), sort_keys=False))
     return 0
 
 

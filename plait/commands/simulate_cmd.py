@@ -126,6 +126,8 @@ def _print_table(res: Any, dtype: str) -> None:
     t.add_column("value", justify="right")
     t.add_row("iteration time", f"{res.iteration_time_s * 1e3:.2f} ms")
     t.add_row("training dtype", dtype)
+    if res.costs:  # measured (a model profile) vs modelled, issue 28
+        t.add_row("costs", res.costs)
     t.add_row("throughput", f"{res.throughput_samples_per_s:.2f} samples/s")
     # Both conventions, named: model FLOPs (recompute excluded, MFU's numerator) and hardware
     # FLOPs (recompute included, what Megatron-LM's papers report as achieved TFLOP/s).

@@ -51,11 +51,12 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from plait.cluster.spec import GPUKind
-from plait.cost.profile import ModelProfile
 from plait.errors import PlaitError
 from plait.ir.opgraph import Layer, Op, OpGraph
+from plait.ir.profile import ModelProfile, profile_for
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
@@ -117,13 +118,24 @@ class ComputeModel:
     # How the collective library runs a reduce-scatter (`plait.cost.collectives`): "auto" (NCCL's
     # ring) or "allreduce" (gloo: an all-reduce of the whole input, then this rank's slice).
     reduce_scatter_algorithm: str = "auto"
-    # Per-GPU-kind measured layer times (`plait.cost.profile.ModelProfile`): `layer_cost` uses them
+    # Per-GPU-kind measured layer times (`plait.ir.profile.ModelProfile`): `layer_cost` uses them
     # where the profile has the kind, layer, tp degree and a micro-batch inside its sweep, and this
-    # analytic model elsewhere. Not part of equality/hash (the fitted parameters are).
-    profile: ModelProfile | None = field(default=None, compare=False, hash=False)
+    # analytic model elsewhere. Part of equality and hash, so no cost cache mixes measured and
+    # modelled costs; `with_profile` attaches a cluster's (`Cluster.model_profiles`).
+    profile: ModelProfile | None = None
 
     def replace(self, **changes: float | str) -> ComputeModel:
         return dataclasses.replace(self, **changes)
+
+    def with_profile(self, cluster: Any, graph: Any, dtype: str, engine: str = "plait") -> ComputeModel:
+        """This model carrying the cluster's profile of `graph` in `dtype` (`Cluster.model_profiles`,
+        merged; `plait.ir.profile.profile_for` refuses a profile of another model in one line). A
+        model that already carries a profile keeps it; a cluster with none leaves it unchanged."""
+        profiles = getattr(cluster, "model_profiles", None)
+        if self.profile is not None or not profiles:
+            return self
+        prof = profile_for(profiles, graph, dtype, engine)
+        return self if prof is None else dataclasses.replace(self, profile=prof)
 
 
 DEFAULT_MODEL = ComputeModel()
@@ -803,6 +815,25 @@ def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dt
         if given is not None:
             return measured_layer_cost(cost, *given, keep_collectives=not model.profile.collectives_included(kind.name))
     return cost
+
+
+def compute_provenance(model: ComputeModel, entries: list[tuple[str, str, int, int]]) -> str:
+    """Which compute costs `layer_cost` reads from the profile and which it models, in one line
+    for a plan row and `plait simulate` ("compute measured on a100-80gb, modelled on v100-32gb").
+    `entries`: the (GPU kind, layer, micro-batch, tp degree) a plan prices. A kind is "measured"
+    where the profile has every one of its layers, "partly measured" where some."""
+    kinds: dict[str, list[bool]] = {}
+    for kind, layer, mb, tp in entries:
+        hit = model.profile is not None and model.profile.layer_time(kind, layer, mb, tp) is not None
+        kinds.setdefault(kind, []).append(hit)
+    full = [k for k, v in kinds.items() if all(v)]
+    part = [f"{k} ({sum(v)} of {len(v)} layer costs)" for k, v in kinds.items() if any(v) and not all(v)]
+    none = [k for k, v in kinds.items() if not any(v)]
+    where = f" (profile {model.profile.source})" if model.profile is not None and (full or part) else ""
+    parts = [f"measured on {', '.join(full)}"] if full else []
+    parts += [f"partly measured on {', '.join(part)}"] if part else []
+    parts += [f"modelled on {', '.join(none)}"] if none else []
+    return "compute " + ", ".join(parts) + where if parts else "compute modelled"
 
 
 def measured_layer_cost(cost: LayerCost, fwd_s: float, bwd_s: float, keep_collectives: bool = True) -> LayerCost:

@@ -14,16 +14,28 @@ times hold the layer's tensor-parallel all-reduces: `collectives: included`. Spe
 layers: the embedding and first transpose onto ``embed``, transformer ``i`` onto ``layers.i``, the
 rest onto ``head``. The files carry no license in AMP's repository, so plait does not ship them:
 the user points the importer at their own copy.
+
+Sailor (Strati et al., SOSP 2025; github.com/eth-easl/sailor @ cf2c8e3, MIT). Its simulator reads
+``sailor/Planner/simulations/profiles_tmp.json`` (written by sailor/profiling/gather_profs.py):
+``{model: {gpu_type: {micro_batch: {tp: {layer_index: [forward_s, backward_s, update_s]}}}}}``,
+layer 0 the embedding, 1..L the transformer blocks, L+1 the head (runtime_simulator.py,
+`simulate_iteration_time` and `get_time_layer`: a layer's time at a tensor-parallel degree is
+taken as measured, its all-reduces inside, so `collectives: included`). Every micro-batch size
+measured becomes a point of the sweep. The third figure (the update, which Sailor reads once per
+stage at the stage's first layer) does not map onto a whole-model optimizer step and is not
+imported. A measured 0.0 (the file rounds to 4 decimals: an embedding's backward) becomes 1e-6 s,
+the resolution Sailor's own per-GPU profile files write, since a profile time must be positive.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 
-from plait.cost.profile import KindProfile, LayerCurve, ModelProfile, ProfileError
+from plait.ir.profile import KindProfile, LayerCurve, ModelProfile, ProfileError
 
 # AMP's machine tags -> plait's GPU kind names (AWS p3.8xlarge: V100-16GB; g4dn.12xlarge: T4).
 AMP_MACHINES = {"P3": "v100-16gb", "G4": "t4"}
@@ -74,3 +86,58 @@ def import_amp_known_cost(folder: str | Path, model: str = "gpt2", dtype: str = 
     assert names is not None
     return ModelProfile(signature or f"amp:{model}:layers={len(names) - 2}", tuple(names), dtype, "deepspeed",
                         {k: KindProfile(v, None, {"source": "imported:amp", "collectives": "included"}) for k, v in kinds.items()})
+
+
+# Sailor's GPU type names -> plait's GPU kind names (others: lower-cased, as written)
+SAILOR_GPUS = {"A100-40": "a100-40gb", "A100-80": "a100-80gb", "V100-16": "v100-16gb", "V100-32": "v100-32gb",
+               "RTX-3090": "rtx-3090", "RTX-4090": "rtx-4090", "H100-80": "h100-80gb"}
+_SAILOR_FLOOR = 1e-6
+
+
+def import_sailor_profiles(path: str | Path, model: str, dtype: str = "fp16",
+                           signature: str | None = None) -> ModelProfile:
+    """A profile from Sailor's ``profiles_tmp.json``: every GPU type measured for `model`."""
+    source = str(path)
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ProfileError(f"{source}: cannot read: {exc}".splitlines()[0]) from None
+    if not isinstance(data, dict) or not isinstance(data.get(model), dict):
+        have = sorted(data) if isinstance(data, dict) else []
+        raise ProfileError(f"{source}: {model}: no such model in the file (it has {have})")
+    kinds: dict[str, dict[str, dict[int, LayerCurve]]] = {}
+    count: int | None = None
+    for gpu, by_mb in data[model].items():
+        where = f"{source}: {model}.{gpu}"
+        points: dict[tuple[int, int], list[tuple[int, float, float]]] = {}  # (layer, tp) -> [(mb, f, b)]
+        for mb, by_tp in (by_mb or {}).items():
+            for tp, layers in (by_tp or {}).items():
+                if not (str(mb).isdigit() and str(tp).isdigit()) or not isinstance(layers, dict):
+                    raise ProfileError(f"{where}.{mb}.{tp}: expected {{micro_batch: {{tp: {{layer: [fwd, bwd, "
+                                       f"update]}}}}}} with integer keys")
+                if count is not None and len(layers) != count:
+                    raise ProfileError(f"{where}.{mb}.{tp}: {len(layers)} layers, the file's others have {count}")
+                count = len(layers)
+                for idx, vals in layers.items():
+                    entry = f"{where}.{mb}.{tp}.{idx}"
+                    if not str(idx).isdigit() or not isinstance(vals, list) or len(vals) < 2:
+                        raise ProfileError(f"{entry}: expected [forward_s, backward_s, update_s]")
+                    fb = []
+                    for name, v in zip(("forward", "backward"), vals[:2]):
+                        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                            raise ProfileError(f"{entry}: {name}: expected a non-negative time, got {v!r}")
+                        fb.append(max(float(v), _SAILOR_FLOOR))
+                    points.setdefault((int(idx), int(tp)), []).append((int(mb), fb[0], fb[1]))
+        layers_of: dict[str, dict[int, LayerCurve]] = {}
+        for (idx, tp), pts in points.items():
+            pts.sort()
+            name = "embed" if idx == 0 else "head" if idx == count - 1 else f"layers.{idx - 1}"
+            layers_of.setdefault(name, {})[tp] = LayerCurve(tuple(p[0] for p in pts), tuple(p[1] for p in pts),
+                                                            tuple(p[2] for p in pts))
+        kinds[SAILOR_GPUS.get(gpu, gpu.lower())] = layers_of
+    if not count or count < 3:
+        raise ProfileError(f"{source}: {model}: no layer times (expected embedding, blocks and head)")
+    names = ("embed", *(f"layers.{i}" for i in range(count - 2)), "head")
+    return ModelProfile(signature or f"sailor:{model}:layers={count - 2}", names, dtype, "deepspeed",
+                        {k: KindProfile(v, None, {"source": "imported:sailor", "collectives": "included"})
+                         for k, v in kinds.items()}, source)

@@ -29,7 +29,7 @@ FORMAT_VERSIONS: dict[str, int] = {
     "diagnosis": 1,   # plait doctor --json / a run folder's diagnosis.json
     "recovery": 1,    # a recovering run's RUN_DIR/recovery.json (plait.recover)
     "prediction": 1,  # a run folder's prediction.json (plait run --predict: predicted for this machine)
-    "profile": 1,     # a model profile (plait.cost.profile): per-GPU-kind measured layer times
+    "profile": 1,     # a model profile (plait.ir.profile): per-GPU-kind measured layer times
     "search": 1,      # PLAN.search.json beside plait plan --out's plan: each family's best (plait.search.summary)
 }
 

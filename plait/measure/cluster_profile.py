@@ -731,7 +731,8 @@ def result_to_cluster(result: ProfileResult, base: Any = None, name: str | None 
             emulation = EmulationSpec(enabled=True, namespaces=emu.namespaces, bandwidth_scale=1.0, slowdown=factor)
     return Cluster(name=name or (f"{base.name}-measured" if base is not None else f"local-{n}"), kinds=kinds,
                    nodes=nodes, switches=switches, overrides=overrides, emulation=emulation,
-                   collectives=measured_collectives(result, n_nodes), source="plait profile")
+                   collectives=measured_collectives(result, n_nodes),
+                   model_profiles=list(base.model_profiles) if base is not None else [], source="plait profile")
 
 
 def measured_collectives(result: ProfileResult, nodes: int) -> list[Any]:

@@ -382,3 +382,54 @@ def profile_layer_times(model_spec: Any, micro_batch: int, dtype: str = "fp32", 
     """{layer name: (forward s, backward s)} for one micro-batch on this device: the format of
     `SimOptions.layer_times`. Keyword arguments go to `profile_layers`."""
     return profile_layers(model_spec, micro_batch, dtype, **kwargs).times
+
+
+def profile_model(model_spec: Any, cluster: Any, micro_batches: list[int], dtype: str = "fp32", *,
+                  repeats: int = 5, warmup: int = 1, threads: int | None = 1,
+                  on_size: Callable[[int, float], None] | None = None) -> tuple[Any, float]:
+    """A `plait.ir.profile.ModelProfile` of `model_spec` on every GPU kind of `cluster` (issue 28),
+    and the CPU seconds the sweep took: each layer's forward and backward at each micro-batch of
+    the sweep, through `profile_layers` (the layers, loss, autocast dtype and single intra-op
+    thread a `plait run` rank trains with), plus the optimizer step.
+
+    This machine is the emulated cluster: every kind's rank is a CPU process of it, slowed by its
+    kind's emulation factor (`plait.runtime.emulate.compute_slowdown`), so the sweep runs once and
+    each kind's times are the measured ones times that factor -- what its rank of `plait run`
+    takes. `on_size(micro_batch, cpu_s)` reports progress."""
+    import datetime
+
+    from plait.ir.profile import KindProfile, LayerCurve, ModelProfile, model_signature
+    from plait.plan.threed import load_graph
+    from plait.runtime.emulate import compute_slowdown
+
+    sizes = sorted(set(micro_batches))
+    if not sizes or sizes[0] < 1:
+        raise LayerProfileError(f"--micro-batches: expected positive sizes, got {micro_batches!r}")
+    _, graph = load_graph(model_spec, dtype)
+    names = [layer.name for layer in graph.layers]
+    cpu0 = time.process_time()
+    runs = []
+    for mb in sizes:
+        t0 = time.process_time()
+        runs.append(profile_layers(model_spec, mb, dtype, repeats=repeats, warmup=warmup, threads=threads))
+        if on_size is not None:
+            on_size(mb, time.process_time() - t0)
+    cpu_s = time.process_time() - cpu0
+    missing = [n for n in names if n not in runs[0].times]
+    if missing:
+        raise LayerProfileError(f"model {model_spec}: layers {missing} of the planned graph were not timed")
+    first = {}
+    for d in cluster.devices:
+        first.setdefault(d.kind.name, d.id)
+    meta = {"torch": str(torch.__version__), "cuda": "none (cpu)", "date": datetime.date.today().isoformat(),
+            "source": "measured", "device": "cpu, emulated"}
+    kinds = {}
+    for kind, dev in first.items():
+        emu = getattr(cluster, "emulation", None)  # as `plait run` slows its ranks: only when emulated
+        f = compute_slowdown(cluster, dev, dtype) if emu is not None and emu.enabled else 1.0
+        layers = {n: {1: LayerCurve(tuple(sizes), tuple(r.times[n][0] * f for r in runs),
+                                    tuple(r.times[n][1] * f for r in runs))} for n in names}
+        step = runs[0].optimizer_total_s * f
+        kinds[kind] = KindProfile(layers, step if step > 0 else None, {**meta, "slowdown": str(f)})
+    return ModelProfile(model_signature(graph), tuple(names), dtype, "plait", kinds,
+                        f"plait profile --model {model_spec}"), cpu_s

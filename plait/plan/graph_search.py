@@ -92,7 +92,8 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
     dtype = dtype or auto_dtype(cluster_obj)
     _, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype)
     mem_kw = dict(memory_kwargs or {})
-    cost = StageCost(graph, cluster_obj, gb, dtype=dtype, compute=compute or DEFAULT_COMPUTE, max_dp=max_dp,
+    compute = (compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled
+    cost = StageCost(graph, cluster_obj, gb, dtype=dtype, compute=compute, max_dp=max_dp,
                      overhead_bytes=mem_kw.get("overhead_bytes"), lazy=fast)
     part = partition(cost, candidates=candidates)
     reasons: dict[str, int] = {}

@@ -47,14 +47,17 @@ class HeteroError(PlaitError, ValueError):
     """A heterogeneous split that cannot be made (the message says why)."""
 
 
-def cost_layer_time(graph: OpGraph) -> LayerTimeFn:
-    """Layer time from plait's compute model (`plait.cost.compute.layer_cost`): forward +
-    backward + recompute kernels of one micro-batch on one tensor rank of `kind`."""
-    from plait.cost.compute import layer_cost
+def cost_layer_time(graph: OpGraph, model: Any = None) -> LayerTimeFn:
+    """Layer time from plait's compute model (`plait.cost.compute.layer_cost`; `model`: its
+    parameters and profile, default the A100-fitted one): forward + backward + recompute kernels
+    of one micro-batch on one tensor rank of `kind`."""
+    from plait.cost.compute import DEFAULT_MODEL, layer_cost
+
+    model = DEFAULT_MODEL if model is None else model
 
     def time(layer: Layer, kind: GPUKind, plan: Plan) -> float:
         c = layer_cost(layer, graph, plan.micro_batch, kind, plan.dtype, tp=plan.tp,
-                       sequence_parallel=plan.sequence_parallel)
+                       sequence_parallel=plan.sequence_parallel, model=model)
         return c.fwd.compute_s + c.bwd.compute_s + c.recompute(plan.recompute).compute_s
 
     return time

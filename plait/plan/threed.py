@@ -139,6 +139,7 @@ class Candidate:
             "placement": self.placement.to_dict() if self.placement else None,
             "default_order_time_s": self.default_order_time_s,
             "placed_time_s": self.placed_time_s,
+            "costs": (self.sim or {}).get("costs", ""),  # measured vs modelled (issue 28)
         }
 
 
@@ -473,8 +474,10 @@ class AnalyticModel:
         self._paths: dict[tuple, PathModel] = {}
         self._bound: CommBound | None = None
         self._base_path = PathModel(self.bw, traffic_of(graph, Plan()), dp=1, tp=1, pp=1, latency=self.lat)
-        # identical transformer blocks cost the same: cost one, reuse it
-        self._sig = [("t", layer.param_count, layer.fwd_flops) if layer.tp_style == "transformer"
+        # identical transformer blocks cost the same: cost one, reuse it -- unless each has its
+        # own measured time (a model profile)
+        shared = getattr(self.compute, "profile", None) is None
+        self._sig = [("t", layer.param_count, layer.fwd_flops) if shared and layer.tp_style == "transformer"
                      else ("l", i) for i, layer in enumerate(graph.layers)]
         self._index = {id(layer): i for i, layer in enumerate(graph.layers)}
 
@@ -747,6 +750,9 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
         space = dataclasses.replace(space or SearchSpace(), dtype=dtype)
     dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
     spec, graph = load_graph(model, dtype)
+    from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
+
+    compute = (compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled
     analytic = AnalyticModel(graph, cluster_obj, layer_time, compute, fast=fast)
 
     bar = Progress(progress, on_progress)

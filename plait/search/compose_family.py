@@ -181,23 +181,26 @@ def pipeline_estimate(opgraph: Any, groups: list[list[int]], times: np.ndarray, 
 
 
 def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int, dtype: str,
-                launch_floor: bool = False) -> np.ndarray:
+                launch_floor: bool = False, model: Any = None) -> np.ndarray:
     """times[p, i]: layer i's forward + backward on stage p's group, its GPUs' rates summed
     (`plait.cost.compute.layer_cost` per kind): what the layer split balances. With
     `launch_floor`, no less than the host time of the slowest-launching GPU: each GPU of a group
     still launches every kernel, so a launch-bound stage does not run ``len(group)`` times faster
     (what `pipeline_estimate` ranks by; summed rates alone priced bert-large's 4-GPU stages at
     micro-batch 4 at 168.6 ms against 288.5 ms simulated)."""
-    shared, host = _group_layer_times(graph, groups, cluster, micro_batch, dtype)
+    shared, host = _group_layer_times(graph, groups, cluster, micro_batch, dtype, model=model)
     return np.maximum(shared, host) if launch_floor else shared
 
 
 def _group_layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int,
-                       dtype: str, costs: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+                       dtype: str, costs: dict | None = None, model: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """(summed-rate times, slowest GPU's host times), each [stage, layer]: `layer_times`' two parts.
     `costs` keeps each (layer, kind, micro-batch, dtype)'s cost for the next grouping (a search
-    prices hundreds of groupings of the same few kinds)."""
-    from plait.cost.compute import layer_cost
+    prices hundreds of groupings of the same few kinds). `model`: the compute model (default: the
+    A100-fitted one); with a profile (`ComputeModel.with_profile`) measured layers read it."""
+    from plait.cost.compute import DEFAULT_MODEL, layer_cost
+
+    model = DEFAULT_MODEL if model is None else model
 
     shared = np.zeros((len(groups), len(graph.layers)))
     host = np.zeros_like(shared)
@@ -211,7 +214,7 @@ def _group_layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, mi
                 key = (i, kind.name, micro_batch, dtype)
                 hit = cache.get(key)
                 if hit is None:
-                    c = layer_cost(layer, graph, micro_batch, kind, dtype)
+                    c = layer_cost(layer, graph, micro_batch, kind, dtype, model=model)
                     hit = cache[key] = (c.fwd.compute_s + c.bwd.compute_s, c.fwd.host_s + c.bwd.host_s)
                 whole, launch = hit
                 rate += 1.0 / max(whole, 1e-12)
@@ -320,6 +323,10 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     dtype = "fp32" if runnable else (dtype or auto_dtype(cluster))
     spec = load_model(DEFAULT_MODEL if model is None else model)
     _, opgraph = load_graph(spec.spec, dtype)
+    from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
+
+    # the layer split's pre-screen prices with the cluster's profile where it has the entry
+    compute = (compute or DEFAULT_COMPUTE).with_profile(cluster, opgraph, dtype)
     import torch
 
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype, torch.float32)
@@ -333,7 +340,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     for groups in groupings:
         for b in micro_batches_to_try(gb, len(groups)):
             enumerated += 1
-            times, host = _group_layer_times(opgraph, groups, cluster, b, dtype, costs)  # `layer_times`, both ways
+            times, host = _group_layer_times(opgraph, groups, cluster, b, dtype, costs, compute)  # `layer_times`, both ways
             split = split_layers(times)
             if split is None:
                 reasons["fewer layers than stages"] = reasons.get("fewer layers than stages", 0) + 1

@@ -18,6 +18,7 @@ per-resource busy fraction and the `Timeline`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -66,6 +67,9 @@ class SimResult:
     model: str = ""
     cluster: str = ""
     hardware_tflops_per_gpu: float = 0.0  # recompute FLOPs included (Megatron's "achieved TFLOP/s")
+    # which compute costs were measured and which modelled ("compute measured on a100-80gb,
+    # modelled on v100-32gb"; `plait.cost.compute.compute_provenance`)
+    costs: str = ""
     _timeline: Timeline | None = field(default=None, repr=False)
     _build: Any = field(default=None, repr=False)  # deferred timeline construction
 
@@ -103,6 +107,7 @@ class SimResult:
             "symmetry": self.symmetry,
             "granularity": self.granularity,
             "sim_wall_s": self.sim_wall_s,
+            "costs": self.costs,
         }
         if self.memory is not None and hasattr(self.memory, "violations"):
             d["memory_violations"] = list(self.memory.violations)
@@ -174,6 +179,10 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     if plan_obj.flow_paths is not None and plan_obj.flow_paths["paths"] and view.fabric is None:
         raise SimulateError(f"plan field 'flow_paths': the plan routes flows over a switched fabric, but "
                             f"cluster {view.name!r} describes none (fabric.switches); re-plan for this cluster")
+    if view.cluster is not None and view.cluster.model_profiles:  # measured where the cluster's profile has it
+        compute = opts.compute.with_profile(view.cluster, graph, plan_obj.dtype)
+        if compute is not opts.compute:
+            opts = dataclasses.replace(opts, compute=compute)
     if plan_obj.flow_paths is not None and view.fabric is not None:
         view = view.with_flow_paths(from_plan_field(view.fabric, plan_obj.flow_paths))
     t0 = time.perf_counter()
@@ -181,10 +190,26 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
         lowered = lower(graph, plan_obj, view, opts)
         schedule = run_engine(lowered.graph)
         result = _result(graph, plan_obj, view, lowered, schedule, time.perf_counter() - t0)
+    result.costs = _provenance(graph, plan_obj, view, opts)
     if memory and view.cluster is not None:
         mem = dict(memory_options or {})
         _attach_memory(result, graph, plan_obj, view, mem)
     return result
+
+
+def _provenance(graph: OpGraph, plan: Plan, view: ClusterView, opts: SimOptions) -> str:
+    """The line that says which compute costs of `plan` were measured and which modelled."""
+    from plait.cost.compute import compute_provenance
+
+    if opts.layer_times:
+        return "compute measured on this machine (per-layer times)"
+    kinds = [k.name for k in view.kinds]
+    if plan.stages:
+        entries = [(kinds[d], name, st.micro_batch or plan.micro_batch, 1)
+                   for st in plan.stages for d in st.devices for name in st.layers]
+    else:
+        entries = [(k, layer.name, plan.micro_batch, plan.tp) for k in dict.fromkeys(kinds) for layer in graph.layers]
+    return compute_provenance(opts.compute, list(dict.fromkeys(entries)))
 
 
 def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterView,
@@ -198,6 +223,9 @@ def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterV
 
 
 _COMPUTE = ("forward", "backward", "recompute", "optimizer")
+# SPMD programs price each aten op at its shard (`plait.cost.spmd`); a model profile is keyed by
+# layer, tp degree and whole micro-batch, so it has no entry for an op's share (docs/DESIGN.md)
+OP_COSTS = "compute modelled per aten op (profiles are kept per layer)"
 
 
 @dataclass
@@ -472,6 +500,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
         symmetry=(f"one rank simulated per class of equal kind and ratios: {classes} of {n}"
                   if classes < n else "every rank simulated"),
         granularity="op",
+        costs=OP_COSTS,
         sim_wall_s=wall,
         breakdown=by_cat,
         plan=name,
@@ -559,6 +588,7 @@ def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_option
     res = simulate_compose(rep.stages, list(plan_obj.stage_edges), rep.bytes_per_sample, plan_obj.num_micro_batches,
                            plan_obj.micro_batch, view, schedule=plan_obj.schedule, tied=rep.tied, memory=rep.memory,
                            name=str(plan_obj), flops=rep.flops)
+    res.costs = OP_COSTS
     if isinstance(model, str):
         res.model = model
     return res

@@ -70,7 +70,7 @@ class KindProfile:
 
     layers: dict[str, dict[int, LayerCurve]]   # layer name -> tp degree -> curve
     optimizer_step: float | None = None        # seconds per optimizer step (whole model)
-    # torch, cuda, date, source; collectives: "included" when the measured times already hold the
+    # torch, cuda, date, source, device, slowdown (emulated kinds); collectives: "included" when the measured times already hold the
     # layer's tensor-parallel collectives (timed around the whole layer), else they are priced apart
     meta: dict[str, str] = field(default_factory=dict)
 
@@ -84,6 +84,13 @@ class ModelProfile:
     dtype: str
     engine: str
     kinds: dict[str, KindProfile]
+    # the file(s) it was read from, for error messages and `plait simulate`; not part of equality
+    source: str = field(default="<memory>", compare=False)
+
+    def __hash__(self) -> int:
+        # part of `ComputeModel`'s hash (cost caches key on it): what identifies the measurement
+        return hash((self.signature, self.layer_names, self.dtype, self.engine,
+                     tuple(sorted((k, v.meta.get("date", "")) for k, v in self.kinds.items()))))
 
     def layer_time(self, kind: str, layer: str, micro_batch: float, tp: int = 1) -> tuple[float, float] | None:
         """Measured (forward, backward) seconds, or None where not measured (then: the analytic model)."""
@@ -159,9 +166,10 @@ def parse_profile(data: Any, source: str) -> ModelProfile:
                     raise ProfileError(f"{where}.layers.{lname}.{tp}: expected a key tp<degree>, e.g. tp1")
                 layers[lname][int(tp[2:])] = _curve(curve, f"{where}.layers.{lname}.{tp}")
         opt = raw.get("optimizer_step")
-        meta = {k: str(raw[k]) for k in ("torch", "cuda", "date", "source", "collectives") if k in raw}
+        meta = {k: str(raw[k]) for k in ("torch", "cuda", "date", "source", "collectives", "device", "slowdown")
+                if k in raw}
         kinds[str(kind)] = KindProfile(layers, None if opt is None else _positive(opt, f"{where}.optimizer_step"), meta)
-    return ModelProfile(model["signature"], names, data["dtype"], data["engine"], kinds)
+    return ModelProfile(model["signature"], names, data["dtype"], data["engine"], kinds, source)
 
 
 def load_profile(path: str | Path, signature: str | None = None, layers: list[str] | None = None,
@@ -199,7 +207,7 @@ def profile_to_dict(prof: ModelProfile) -> dict[str, Any]:
     """The file form of `prof` (stamped with format_version)."""
     kinds: dict[str, Any] = {}
     for kind, kp in prof.kinds.items():
-        out: dict[str, Any] = dict(kp.meta)
+        out: dict[str, Any] = {k: str(v) for k, v in kp.meta.items()}
         if kp.optimizer_step is not None:
             out["optimizer_step"] = kp.optimizer_step
         out["layers"] = {name: {f"tp{tp}": {"micro_batch": list(c.micro_batch), "forward": list(c.forward),
@@ -231,4 +239,38 @@ def merge_profiles(a: ModelProfile, b: ModelProfile, source: str = "merge") -> M
                   for name in {*first.layers, *second.layers}}
         step = second.optimizer_step if second.optimizer_step is not None else first.optimizer_step
         kinds[kind] = KindProfile(layers, step, {**first.meta, **second.meta})
-    return ModelProfile(a.signature, a.layer_names, a.dtype, a.engine, kinds)
+    return ModelProfile(a.signature, a.layer_names, a.dtype, a.engine, kinds, f"{a.source} + {b.source}")
+
+
+def model_signature(graph: Any) -> str:
+    """The layer signature a profile is keyed by: the model's name and a digest of its layers
+    (name, tensor-parallel style, parameters) and architecture config (hidden, seq, ...), so a
+    profile of another size or sequence length of the same model is refused, not silently used."""
+    import hashlib
+    import json
+
+    layers = [(layer.name, layer.tp_style, int(layer.param_count)) for layer in graph.layers]
+    config = {k: v for k, v in sorted((graph.config or {}).items()) if isinstance(v, (int, float, str, bool))}
+    digest = hashlib.sha1(json.dumps([layers, config], sort_keys=True).encode()).hexdigest()[:12]
+    return f"{graph.model}:layers={len(layers)}:{digest}"
+
+
+def profile_for(profiles: list[ModelProfile], graph: Any, dtype: str, engine: str = "plait") -> ModelProfile | None:
+    """The merged profile of `graph` in `dtype` through `engine` among a cluster's `profiles`
+    (None when the cluster names none). A cluster may carry profiles of several models; when it
+    names profiles but none is of this model, dtype and engine, the first one's mismatch is
+    refused in one line (file, entry, reason) -- before any work, as every other bad input."""
+    if not profiles:
+        return None
+    names = [layer.name for layer in graph.layers]
+    sig = model_signature(graph)
+    mine = [p for p in profiles if p.signature == sig and p.layer_names == tuple(names)
+            and p.dtype == dtype and p.engine == engine]
+    if not mine:
+        same = [p for p in profiles if p.signature == sig] or profiles
+        check_matches(same[0], same[0].source, sig, names, dtype, engine)
+        raise ProfileError(f"{same[0].source}: model: not a profile of {sig}")  # unreachable in practice
+    out = mine[0]
+    for other in mine[1:]:
+        out = merge_profiles(out, other, other.source)
+    return out
