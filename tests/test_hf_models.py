@@ -83,3 +83,32 @@ def test_one_layer_per_block(name):
     if name == "t5":  # `shared` never runs: its tensor is each stack's embed_tokens (tied)
         assert "shared" not in names
     assert g.param_count == sum(p.numel() for p in module.parameters())
+
+
+# ---------------------------------------------------------------------------- 3. outputs as they are
+def _equal_to_one_process(model: str, plan) -> object:
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5)
+    ref_losses, ref_params = reference_run(model, plan, 2, training=training)
+    result = run(model, None, plan, steps=2, training=training,
+                 launch=LaunchConfig(timeout=180), records=RecordsConfig(return_params=True))
+    assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
+    assert result.params is not None and set(result.params) == set(ref_params)
+    for name, value in result.params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-6, msg=name)
+    return result
+
+
+@pytest.mark.slow  # ~50 s each on a busy 2-core machine
+@pytest.mark.distributed
+@pytest.mark.parametrize("plan", ["dp=2,micro_batch=2,global_batch=8,dtype=fp32",
+                                  "pp=2,micro_batch=2,global_batch=8,schedule=1f1b,dtype=fp32"])
+def test_llama_without_a_wrapper_trains_equal_to_one_process(plan):
+    """LlamaForCausalLM as transformers builds it (its CausalLMOutputWithPast goes to the loss as
+    it is: .logits) trains under data and pipeline parallelism as one process does."""
+    from plait.ir.plan import Plan
+
+    result = _equal_to_one_process(f"{HF}:llama", Plan.parse(plan))
+    if "pp=2" in plan:
+        assert all(r.layers for r in result.ranks) and len(result.ranks) == 2
