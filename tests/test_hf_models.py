@@ -112,3 +112,22 @@ def test_llama_without_a_wrapper_trains_equal_to_one_process(plan):
     result = _equal_to_one_process(f"{HF}:llama", Plan.parse(plan))
     if "pp=2" in plan:
         assert all(r.layers for r in result.ranks) and len(result.ranks) == 2
+
+
+# ---------------------------------------------------------------------------- 4. prices of the kernels
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_moe_expert_flops_match_a_hand_count(dtype):
+    """aten._grouped_mm (transformers' MoE experts) is priced 2·T·k·n, and captures in fp16 too
+    (its meta kernel is bf16-only). Hand count of one tiny Mixtral block, per sample."""
+    s = spec("mixtral")
+    g = inspect_model(s, batch=1, dtype=dtype)
+    cfg = s.build("meta").config
+    t, h, f = 32, cfg.hidden_size, cfg.intermediate_size
+    d = h // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * d
+    proj = 2 * t * h * (h + 2 * kv + h)  # q, k, v, o
+    core = 2 * 2 * t * t * d * cfg.num_attention_heads  # QK^T and PV
+    router = 2 * t * h * cfg.num_local_experts
+    experts = 2 * t * cfg.num_experts_per_tok * 3 * h * f  # gate, up, down of each chosen expert
+    hand = proj + core + router + experts
+    assert g.layer("model.layers.1").fwd_flops == pytest.approx(hand, rel=0.02)

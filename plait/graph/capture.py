@@ -320,7 +320,7 @@ class _Recorder(TorchDispatchMode):
         first_seq = s.last_seq
         s.last_seq = seq
         try:
-            out = func(*args, **kwargs)
+            out = _run(func, args, kwargs)
         except Exception as exc:
             raise CaptureError(
                 f"cannot capture op {func} in {s.where()}{_source_line()}: {_reason(exc)}"
@@ -417,7 +417,7 @@ class _Recorder(TorchDispatchMode):
     def _backward(self, func, packet, args, kwargs):
         s = self.s
         try:
-            out = func(*args, **kwargs)
+            out = _run(func, args, kwargs)
         except Exception as exc:
             node = _current_node()
             idx = self._backward_owner()
@@ -454,6 +454,29 @@ class _Recorder(TorchDispatchMode):
             idx = s.seq2rec[keys[i]] if i >= 0 else -1
         s.bwd_last_rec = idx
         return idx
+
+
+# ---------------------------------------------------------------------------- grouped GEMM
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """FLOPs of `aten._grouped_mm` (MoE experts: each group of rows of `a` times its expert's
+    matrix): every element of `a` meets one column of its group's `b` per output column, so
+    2·numel(a)·n for the 2D x 3D forward ([T, k] x [E, k, n]), the 3D x 3D batched form and the
+    2D x 2D weight gradient ([k, T] x [T, n] into [E, k, n]) alike."""
+    return 2 * a.numel() * b.shape[-1]
+
+
+def _run(func: Any, args: Any, kwargs: Any) -> Any:
+    """Run an op on the fake tensors. `aten._grouped_mm` has a meta kernel for bf16 only (the
+    CUDA kernel takes fp16 and fp32 too): other dtypes run it in bf16 for the shapes and cast
+    back, so MoE models capture in any dtype."""
+    if func is torch.ops.aten._grouped_mm.default:
+        a, b = args[0], args[1]
+        if a.dtype != torch.bfloat16:
+            rest = args[2:]
+            dtype = kwargs.get("out_dtype") or a.dtype
+            kw = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+            return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kw).to(dtype)
+    return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- errors
@@ -641,6 +664,7 @@ def _trace(
             state.storages[_sid(leaf)] = [-1, -1, 1]
 
     flops = dict(flop_registry)
+    flops[torch.ops.aten._grouped_mm] = _grouped_mm_flops
     recorder = _Recorder(state, flops, fake_mode)
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
