@@ -131,3 +131,23 @@ def test_moe_expert_flops_match_a_hand_count(dtype):
     experts = 2 * t * cfg.num_experts_per_tok * 3 * h * f  # gate, up, down of each chosen expert
     hand = proj + core + router + experts
     assert g.layer("model.layers.1").fwd_flops == pytest.approx(hand, rel=0.02)
+
+
+def _llama_saved_per_block(seq: int) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    g = capture(model, (ids,), name="llama", loss_fn=lambda out: out.logits.float().sum())
+    ops = g.layer("model.layers.1").ops
+    assert any("flash_attention" in g.ops[o].target for o in ops)  # the kernel CUDA runs for GQA
+    return g.layer("model.layers.1").saved_bytes
+
+
+def test_gqa_attention_memory_has_no_s2_term():
+    """SDPA called with enable_gqa (transformers does so without a mask) takes the flash kernel:
+    a block keeps O(s) bytes, so doubling s doubles them (the math path keeps s x s scores)."""
+    assert _llama_saved_per_block(128) == pytest.approx(2 * _llama_saved_per_block(64), rel=0.01)

@@ -226,7 +226,8 @@ class _CudaKernels(TorchFunctionMode):
     * `F.scaled_dot_product_attention` without a mask: flash attention (fp16/bf16) or
       memory-efficient attention (fp32), which keep Q, K, V, the output and the
       log-sum-exp, O(s) per head, where the CPU/meta math path keeps the s x s
-      probabilities. FLOPs then follow `flop_registry`'s formulas for those kernels.
+      probabilities. Grouped-query attention (fewer KV heads, ``enable_gqa=True``) takes
+      the flash kernel in fp16/bf16, as on CUDA. FLOPs then follow `flop_registry`'s formulas for those kernels.
     """
 
     _dropout = {F.dropout, torch.dropout}
@@ -254,10 +255,22 @@ class _CudaKernels(TorchFunctionMode):
             a.get("attn_mask") is not None
             or not all(isinstance(t, torch.Tensor) for t in (q, k, v))
             or not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4))
-            or q.shape[:-2] != k.shape[:-2]  # GQA with fewer KV heads: keep the math path
             or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
         ):
             return None
+        if q.shape[:-2] != k.shape[:-2]:
+            # GQA (fewer KV heads): the flash kernel takes it when the call allows enable_gqa
+            # (fp16/bf16; the memory-efficient kernel does not, so fp32 keeps the math path).
+            gqa = (
+                bool(a.get("enable_gqa", False))
+                and q.dim() == 4
+                and q.dtype != torch.float32
+                and q.shape[0] == k.shape[0]
+                and k.shape[1] > 0
+                and q.shape[1] % k.shape[1] == 0
+            )
+            if not gqa:
+                return None
         three = q.dim() == 3
         if three:  # [B, s, d]: one head per batch row
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
