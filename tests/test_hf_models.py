@@ -151,3 +151,23 @@ def test_gqa_attention_memory_has_no_s2_term():
     """SDPA called with enable_gqa (transformers does so without a mask) takes the flash kernel:
     a block keeps O(s) bytes, so doubling s doubles them (the math path keeps s x s scores)."""
     assert _llama_saved_per_block(128) == pytest.approx(2 * _llama_saved_per_block(64), rel=0.01)
+
+
+def test_an_output_the_loss_cannot_take_is_refused_before_launch(tmp_path):
+    """A model returning a tuple, with no loss of its own, is refused before any worker starts,
+    saying what to return."""
+    from plait.runtime.api import run
+    from plait.runtime.partition import RuntimeSetupError
+
+    f = tmp_path / "pair.py"
+    f.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Pair(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(4, 3)\n"
+        "    def forward(self, x):\n        return self.a(x), x\n"
+        "def make():\n"
+        "    def sample_batch(batch, device='cpu', seed=0):\n"
+        "        return (torch.randn(batch, 4).to(device),), torch.zeros(batch, dtype=torch.long).to(device)\n"
+        "    return Pair(), sample_batch\n")
+    with pytest.raises(RuntimeSetupError, match=r"returned tuple.*\.logits.*loss\(output, target\)"):
+        run(f"{f}:make", None, "dp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
