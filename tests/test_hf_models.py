@@ -171,3 +171,13 @@ def test_an_output_the_loss_cannot_take_is_refused_before_launch(tmp_path):
         "    return Pair(), sample_batch\n")
     with pytest.raises(RuntimeSetupError, match=r"returned tuple.*\.logits.*loss\(output, target\)"):
         run(f"{f}:make", None, "dp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
+
+
+def test_tp_on_a_model_with_nothing_to_shard_is_refused_before_launch():
+    """tp=2 of an HF model would replicate it on both ranks (nothing marks what to shard):
+    refused in one line before any worker starts."""
+    from plait.runtime.api import run
+    from plait.runtime.partition import RuntimeSetupError
+
+    with pytest.raises(RuntimeSetupError, match=r"plan field 'tp'.*marks nothing tensor parallelism can shard"):
+        run(f"{HF}:llama", None, "tp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
