@@ -34,20 +34,29 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from plait.errors import PlaitError
-from plait.graph.layer_cut import is_marked, layer_cut, pure_chains
+from plait.graph.layer_cut import input_signature, is_marked, layer_cut, model_inputs, pure_chains
 from plait.ir.opgraph import Layer, Op, OpGraph, TiedParams
 
 __all__ = ["CaptureError", "capture", "layer_assignment"]
@@ -217,7 +226,8 @@ class _CudaKernels(TorchFunctionMode):
     * `F.scaled_dot_product_attention` without a mask: flash attention (fp16/bf16) or
       memory-efficient attention (fp32), which keep Q, K, V, the output and the
       log-sum-exp, O(s) per head, where the CPU/meta math path keeps the s x s
-      probabilities. FLOPs then follow `flop_registry`'s formulas for those kernels.
+      probabilities. Grouped-query attention (fewer KV heads, ``enable_gqa=True``) takes
+      the flash kernel in fp16/bf16, as on CUDA. FLOPs then follow `flop_registry`'s formulas for those kernels.
     """
 
     _dropout = {F.dropout, torch.dropout}
@@ -245,10 +255,22 @@ class _CudaKernels(TorchFunctionMode):
             a.get("attn_mask") is not None
             or not all(isinstance(t, torch.Tensor) for t in (q, k, v))
             or not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4))
-            or q.shape[:-2] != k.shape[:-2]  # GQA with fewer KV heads: keep the math path
             or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
         ):
             return None
+        if q.shape[:-2] != k.shape[:-2]:
+            # GQA (fewer KV heads): the flash kernel takes it when the call allows enable_gqa
+            # (fp16/bf16; the memory-efficient kernel does not, so fp32 keeps the math path).
+            gqa = (
+                bool(a.get("enable_gqa", False))
+                and q.dim() == 4
+                and q.dtype != torch.float32
+                and q.shape[0] == k.shape[0]
+                and k.shape[1] > 0
+                and q.shape[1] % k.shape[1] == 0
+            )
+            if not gqa:
+                return None
         three = q.dim() == 3
         if three:  # [B, s, d]: one head per batch row
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -269,16 +291,34 @@ class _CudaKernels(TorchFunctionMode):
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, state: _State, flops: dict[Any, Callable[..., int]]):
+    def __init__(self, state: _State, flops: dict[Any, Callable[..., int]], fake_mode: FakeTensorMode):
         super().__init__()
         self.s = state
         self.flops = flops
+        self.fake_mode = fake_mode
+        self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its stand-in)
         self._composite: dict[Any, bool] = {}
+
+    def _faked(self, t: Any) -> Any:
+        """A tensor made outside the capture (a loss's target, a constant in a closure) as the
+        fake tensor the fake mode would make of it (memoised: one stand-in, one storage), so a
+        view of it is seen as a view."""
+        if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
+            hit = self._fakes.get(id(t))
+            if hit is None or hit[0] is not t:
+                hit = self._fakes[id(t)] = (t, self.fake_mode.from_tensor(_meta(t)))
+                # A new storage (kept alive by the memo): a constant, whatever a freed storage
+                # at the same address was.
+                self.s.storages[_sid(hit[1])] = [-1, -1, 0]
+            return hit[1]
+        return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _IGNORED:
             return func(*args, **kwargs)
+        if any(not isinstance(t, FakeTensor) for t in _tensors(args, kwargs)):
+            args, kwargs = tree_map(self._faked, (args, kwargs))
         packet = func._overloadpacket
         if packet not in self.flops and self._is_composite(func):
             # Same as FlopCounterMode: decompose ops that have no formula of their own.
@@ -293,10 +333,10 @@ class _Recorder(TorchDispatchMode):
         first_seq = s.last_seq
         s.last_seq = seq
         try:
-            out = func(*args, **kwargs)
+            out = _run(func, args, kwargs)
         except Exception as exc:
             raise CaptureError(
-                f"cannot capture op {func} in {s.where()} on the meta device: {exc}"
+                f"cannot capture op {func} in {s.where()}{_source_line()}: {_reason(exc)}"
             ) from exc
         if s.phase != _FORWARD:
             return out
@@ -390,7 +430,7 @@ class _Recorder(TorchDispatchMode):
     def _backward(self, func, packet, args, kwargs):
         s = self.s
         try:
-            out = func(*args, **kwargs)
+            out = _run(func, args, kwargs)
         except Exception as exc:
             node = _current_node()
             idx = self._backward_owner()
@@ -429,6 +469,65 @@ class _Recorder(TorchDispatchMode):
         return idx
 
 
+# ---------------------------------------------------------------------------- grouped GEMM
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """FLOPs of `aten._grouped_mm` (MoE experts: each group of rows of `a` times its expert's
+    matrix): every element of `a` meets one column of its group's `b` per output column, so
+    2·numel(a)·n for the 2D x 3D forward ([T, k] x [E, k, n]), the 3D x 3D batched form and the
+    2D x 2D weight gradient ([k, T] x [T, n] into [E, k, n]) alike."""
+    return 2 * a.numel() * b.shape[-1]
+
+
+def _run(func: Any, args: Any, kwargs: Any) -> Any:
+    """Run an op on the fake tensors. `aten._grouped_mm` has a meta kernel for bf16 only (the
+    CUDA kernel takes fp16 and fp32 too): other dtypes run it in bf16 for the shapes and cast
+    back, so MoE models capture in any dtype."""
+    if func is torch.ops.aten._grouped_mm.default:
+        a, b = args[0], args[1]
+        if a.dtype != torch.bfloat16:
+            rest = args[2:]
+            dtype = kwargs.get("out_dtype") or a.dtype
+            kw = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+            return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kw).to(dtype)
+    return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- errors
+_OWN = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent), contextlib.__file__)
+
+
+def _source_line() -> str:
+    """`` at file:line (`code`)`` of the innermost frame of the model's own code (not torch's,
+    not plait's) on the stack: where an op that cannot run was called."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_OWN) and "<" not in frame.filename:
+            return f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"
+    return ""
+
+
+def _reason(exc: Exception) -> str:
+    """The first line of why an op failed, and a way out where the cause is known."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or "item()" in text:
+        return (f"{type(exc).__name__}: {text}; the value depends on tensor data, which capture does not "
+                "have (it runs on fake tensors, shapes only): compute it from shapes or the config, or skip "
+                "it while tracing (transformers' is_tracing(tensor) is true here; torch.compiler."
+                "is_compiling() is not)")
+    return f"{type(exc).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def _quiet_fake_mode() -> Iterator[None]:
+    """The fake mode logs every op it cannot run before raising; the CaptureError says it once."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 # ---------------------------------------------------------------------------- capture
 def _to_meta_inputs(sample_inputs: Any) -> Any:
     def conv(x: Any) -> Any:
@@ -438,6 +537,11 @@ def _to_meta_inputs(sample_inputs: Any) -> Any:
         return x
 
     return tree_map(conv, sample_inputs)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """`t` on meta, shapes only (a real tensor's data is never copied)."""
+    return t.detach() if t.is_meta else torch.empty_like(t, device="meta")
 
 
 def _infer_batch(inputs: Any) -> int:
@@ -496,6 +600,8 @@ def capture(
     batch = _infer_batch(inputs) if batch is None else int(batch)
     if batch < 1:
         raise CaptureError(f"capture: batch must be >= 1, got {batch}")
+    if model_inputs(module) is None:  # torch.fx traces the forward called with these inputs
+        module.plait_inputs = input_signature(inputs)
     # The cut is made once, on the whole model (replication below truncates its containers).
     cut = layer_cut(module, name)
     heads = cut.heads
@@ -541,37 +647,38 @@ def _trace(
     state = _State(infos=_module_infos(module, heads))
     named_params = list(module.named_parameters(remove_duplicate=False))
     named_buffers = list(module.named_buffers(remove_duplicate=False))
-    on_meta = all(t.device.type == "meta" for _, t in named_params + named_buffers)
+    # Fake tensors (torch's tracing tensors, as torch.compile and export see them) stand for
+    # the parameters, buffers and inputs: library code takes its tracing-friendly path on them
+    # (transformers' `is_tracing()` builds masks without `.item()`), where a bare meta tensor
+    # would be read. The module runs through `torch.func.functional_call` with them, so it is
+    # neither moved nor copied; tied names share one stand-in.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     substitutes: dict[str, torch.Tensor] = {}
     owner_path: dict[int, str] = {}
-    if on_meta:
-        for pname, p in named_params:
-            owner_path.setdefault(id(p), pname.rpartition(".")[0])
-        params_by_id = {id(p): p for _, p in named_params}
-        buffers = [b for _, b in named_buffers]
-    else:
-        made: dict[int, torch.Tensor] = {}
-        for pname, p in named_params:
-            if id(p) not in made:
-                made[id(p)] = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
-                owner_path[id(made[id(p)])] = pname.rpartition(".")[0]
-            substitutes[pname] = made[id(p)]
-        params_by_id = {id(m): m for m in made.values()}
-        buf_made: dict[int, torch.Tensor] = {}
-        for bname, b in named_buffers:
-            if id(b) not in buf_made:
-                buf_made[id(b)] = torch.empty_like(b, device="meta")
-            substitutes[bname] = buf_made[id(b)]
-        buffers = list(buf_made.values())
+    made: dict[int, torch.Tensor] = {}
+    for pname, p in named_params:
+        if id(p) not in made:
+            made[id(p)] = fake_mode.from_tensor(_meta(p)).requires_grad_(p.requires_grad)
+            owner_path[id(made[id(p)])] = pname.rpartition(".")[0]
+        substitutes[pname] = made[id(p)]
+    params_by_id = {id(m): m for m in made.values()}
+    buf_made: dict[int, torch.Tensor] = {}
+    for bname, b in named_buffers:
+        if id(b) not in buf_made:
+            buf_made[id(b)] = fake_mode.from_tensor(_meta(b))
+        substitutes[bname] = buf_made[id(b)]
+    buffers = list(buf_made.values())
     for p in params_by_id.values():
         state.params[_sid(p)] = (p.numel(), p.numel() * p.element_size(), owner_path[id(p)])
     state.buffers = {_sid(b) for b in buffers}
+    inputs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
     for leaf in tree_flatten(inputs)[0]:
         if isinstance(leaf, torch.Tensor):
             state.storages[_sid(leaf)] = [-1, -1, 1]
 
     flops = dict(flop_registry)
-    recorder = _Recorder(state, flops)
+    flops[torch.ops.aten._grouped_mm] = _grouped_mm_flops
+    recorder = _Recorder(state, flops, fake_mode)
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
         info = state.infos.get(id(mod))
@@ -618,12 +725,10 @@ def _trace(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             state.last_seq = _peek_seq()
             state.phase = _FORWARD
-            with recorder, _CudaKernels() if cuda_kernels else contextlib.nullcontext():
+            with fake_mode, _quiet_fake_mode(), recorder, \
+                    _CudaKernels() if cuda_kernels else contextlib.nullcontext():
                 try:
-                    if substitutes:
-                        output = torch.func.functional_call(module, substitutes, inputs)
-                    else:
-                        output = module(*inputs)
+                    output = torch.func.functional_call(module, substitutes, inputs)
                     state.frames.clear()
                     loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
                 except CaptureError:

@@ -38,8 +38,10 @@ import torch.fx as fx
 from torch import nn
 
 from plait.errors import PlaitError
+from plait.graph.concrete_trace import ConcreteProxy, ConcreteValues
 
-__all__ = ["DEFAULT_GRANULARITY", "LayerCut", "LayerCutError", "LayerTracer", "is_marked", "layer_cut", "pure_chains"]
+__all__ = ["DEFAULT_GRANULARITY", "LayerCut", "LayerCutError", "LayerTracer", "is_marked", "layer_cut",
+           "input_signature", "model_inputs", "pure_chains"]
 
 # Pipelines of up to 8 stages balance over a cut where no splittable layer holds more than
 # 1/8 of the parameters; GraphPipe's cases (4 branches x 8 blocks, 2 x 4 on 8 devices) need it.
@@ -149,12 +151,59 @@ class LayerTracer(fx.Tracer):
     recognises the bytecode, which Python 3.11 changed (``POP_JUMP_FORWARD_IF_TRUE``). Any other
     branch on a traced value still fails (it is data- or shape-dependent control flow)."""
 
-    def __init__(self, leaves: set[str]) -> None:
+    def __init__(self, leaves: set[str], inputs: int | None = None) -> None:
         super().__init__()
         self.leaves = leaves
+        self.inputs = inputs
+        self.concrete: ConcreteValues | None = None
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         return qualified_name in self.leaves or super().is_leaf_module(m, qualified_name)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        if isinstance(root, nn.Module):
+            sample = getattr(root, "plait_inputs", None)
+            if self.inputs is None:
+                self.inputs = model_inputs(root)
+            if isinstance(sample, tuple):
+                self.concrete = ConcreteValues(root, sample)
+        return super().trace(root, concrete_args)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        """The root's placeholders: the arguments the model is called with (its first
+        `inputs` positional ones, `model_inputs`); the rest take their defaults, as in the call
+        (a Hugging Face forward has a dozen optional arguments and ``**kwargs``: as proxies,
+        ``if attention_mask is None`` would take the wrong branch). A forward behind a
+        ``functools.wraps`` decorator that takes ``(*args, **kwargs)`` (transformers'
+        ``can_return_tuple``) is traced as the function it wraps, whose signature torch.fx reads
+        (it cannot patch the wrapper's code to that signature)."""
+        inner = inspect.unwrap(root_fn)
+        if inner is not root_fn and _varargs_only(root_fn):
+            root_fn = inner
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        if self.inputs is None or concrete_args is not None:
+            return fn, args
+        params = list(inspect.signature(inner).parameters.values())[1 if is_module else 0:]
+        first = 1 if is_module else 0
+        for j, param in enumerate(params):
+            k = first + j
+            if j < self.inputs or k >= len(args) or not isinstance(args[k], fx.Proxy):
+                continue
+            if param.kind is param.VAR_POSITIONAL:
+                value: Any = ()
+            elif param.kind is param.VAR_KEYWORD:
+                value = {}
+            elif param.name == "use_cache":
+                value = False  # a training step keeps no key/value cache (a cache object cannot be traced)
+            elif param.default is not param.empty:
+                value = param.default
+            else:
+                continue  # required: stays a placeholder
+            node = args[k].node
+            if not node.users:
+                self.graph.erase_node(node)
+                args[k] = value
+        return fn, args
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         frame = inspect.currentframe()
@@ -164,7 +213,48 @@ class LayerTracer(fx.Tracer):
             line = linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()
             self.create_proxy("call_function", torch._assert, (obj, f"{line} ({where})"), {})
             return True
+        if isinstance(obj, ConcreteProxy):
+            known = obj.bool_value()
+            if known is not None:
+                return known
         return super().to_bool(obj)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if self.concrete is not None and self.concrete.running:  # a sample value, not a trace
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if self.concrete is not None and self.concrete.running:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ConcreteProxy(node, self)
+
+    def iter(self, obj: fx.Proxy) -> Any:
+        if isinstance(obj, ConcreteProxy):
+            return obj.__iter__()
+        return super().iter(obj)
+
+
+def _varargs_only(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_argcount <= 1 and bool(code.co_flags & inspect.CO_VARARGS)
+
+
+def model_inputs(root: nn.Module) -> int | None:
+    """How many positional inputs the model is called with (``plait_inputs``, which
+    `ModelSpec.build` and `capture` set from a sample batch), or None when unknown."""
+    n = getattr(root, "plait_inputs", None)
+    return len(n) if isinstance(n, tuple) else None
+
+
+def input_signature(inputs: Any) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """``plait_inputs`` of a model called with `inputs` (a tuple of tensors): their shapes and
+    dtypes, which the tracer runs the model on (fake tensors) where the forward needs a size."""
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ((), torch.float32)
+                 for t in inputs)
 
 
 def _asserts(frame: Any) -> bool:
@@ -248,6 +338,24 @@ def _refine(root: nn.Module, layers: list[str], g: int) -> tuple[list[str], list
             before = _strays(_calls(root, layers), layers)
 
 
+def _drop_uncalled_tied(root: nn.Module, layers: list[str]) -> tuple[list[str], list[str]]:
+    """`layers` without those the forward never calls whose parameters all belong to layers it
+    calls (a tied copy: T5's `shared` embedding, the same tensor as each stack's
+    `embed_tokens`); a pipeline could not place them, and their memory counts where the tensor
+    runs. An uncalled layer with parameters of its own stays (it takes memory)."""
+    try:
+        calls = _calls(root, layers)
+    except Exception:
+        return layers, []
+    called = {id(p) for q in layers if calls.get(q, 0) for p in root.get_submodule(q).parameters()}
+    drop = [q for q in layers if not calls.get(q, 0) and _owns_state(root.get_submodule(q))
+            and all(id(p) in called for p in root.get_submodule(q).parameters())
+            and not any(True for _ in root.get_submodule(q).buffers())]
+    return [q for q in layers if q not in drop], [
+        f"module {q!r} is no layer: the forward never calls it and its parameters are those of "
+        "layers it calls (tied)" for q in drop]
+
+
 def _owns_state(m: nn.Module) -> bool:
     return any(True for _ in m.parameters()) or any(True for _ in m.buffers())
 
@@ -306,7 +414,7 @@ def layer_cut(root: nn.Module, root_name: str = "model", granularity: int | None
     if not root._modules:
         return LayerCut({"": (root_name, "none")})
     g = _granularity(root, granularity)
-    key = (root_name, g, tuple((n, id(m)) for n, m in root.named_modules()))
+    key = (root_name, g, model_inputs(root), tuple((n, id(m)) for n, m in root.named_modules()))
     hit = _CACHE.get(root)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -315,6 +423,8 @@ def layer_cut(root: nn.Module, root_name: str = "model", granularity: int | None
         cut = LayerCut(heads)
     else:
         layers, notes = _refine(root, list(heads), g)
+        layers, dropped = _drop_uncalled_tied(root, layers)
+        notes = [*notes, *dropped]
         cut = LayerCut({p: (p, "none") for p in layers}, tuple(notes))
     _CACHE[root] = (key, cut)
     return cut

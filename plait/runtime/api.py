@@ -312,7 +312,37 @@ def _check_inputs(model: Any, plan: Any, steps: int, training: TrainingConfig, c
         check_plan_for_model(plan_obj, getattr(spec, "config", None) or {}, spec_string)
     except PlanError as exc:
         raise RuntimeSetupError(str(exc)) from None
+    if ".py:" in spec_string:
+        _check_user_model(spec, plan_obj, spec_string)
     return plan_obj, spec_string
+
+
+def _check_user_model(spec: Any, plan: Plan, spec_string: str) -> None:
+    """Before any worker starts, a user's model (shapes only, on fake tensors): its output suits
+    its loss (a Hugging Face ModelOutput does; a tuple needs a loss of its own), and a pipeline
+    plan cuts it as the workers will."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from plait.errors import PlaitError
+
+    module = spec.build("meta")
+    if plan.tp > 1 and not any(getattr(m, "plait_tp", None) in ("column", "row", "sharded") for m in module.modules()):
+        raise RuntimeSetupError(
+            f"plan field 'tp': {plan.tp} > 1, but model {spec_string} marks nothing tensor parallelism can "
+            "shard (no plait_tp markers; a Hugging Face base_model_tp_plan is not read yet): every rank "
+            "would hold the whole model; use tp=1")
+    inputs, target = spec.sample_batch(2, device="meta")
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            spec.loss(module(*inputs), target)
+    except PlaitError as exc:
+        raise RuntimeSetupError(f"model {spec_string}: {exc}") from None
+    except Exception:  # an op fake tensors cannot run: the workers will say what, on real data
+        pass
+    if plan.pp > 1 and not plan.stages and plan.virtual_stages == 1:
+        from plait.runtime.partition import split_into_stages
+
+        split_into_stages(module, plan.layers_per_stage)
 
 
 def _resolve(plan_obj: Plan, spec_string: str, cluster: Any, training: TrainingConfig,

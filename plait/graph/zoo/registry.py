@@ -82,7 +82,15 @@ class ModelSpec:
                     module = self.construct()
                 if self.init is not None:
                     self.init(module)
-        return module.to(device=device, dtype=dtype).train()
+        module = module.to(device=device, dtype=dtype).train()
+        if getattr(module, "plait_inputs", None) is None:
+            # How many inputs the forward is called with: torch.fx traces it with those as
+            # placeholders and the rest at their defaults (`plait.graph.layer_cut.LayerTracer`).
+            from plait.graph.layer_cut import input_signature
+
+            inputs = self.make_batch(2, torch.Generator().manual_seed(0), dtype)[0]
+            module.plait_inputs = input_signature(inputs)
+        return module
 
     def sample_batch(
         self,
@@ -197,7 +205,27 @@ class _SkipInitOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def default_loss(output: Tensor, target: Tensor) -> Tensor:
+def model_output(output: Any) -> Tensor:
+    """The tensor the default loss reads from a model's output: the output itself when it is a
+    tensor; from a Hugging Face ``ModelOutput`` (or any mapping/object with these fields) the
+    ``loss`` the model computed from labels passed in its inputs, else its ``logits``; else
+    refused, saying what to return."""
+    if isinstance(output, Tensor):
+        return output
+    for key in ("loss", "logits"):
+        value = output.get(key) if isinstance(output, dict) else getattr(output, key, None)
+        if isinstance(value, Tensor):
+            return value
+    raise ModelSpecError(
+        f"the model returned {type(output).__name__}, which the default loss cannot take: return a "
+        "Tensor (the logits or the prediction), or an object with .logits (a Hugging Face ModelOutput) "
+        "or .loss, or give the factory a third item loss(output, target)")
+
+
+def default_loss(output: Any, target: Tensor) -> Tensor:
+    output = model_output(output)
+    if output.dim() == 0:  # a loss the model computed itself (labels among its inputs)
+        return output
     if not target.is_floating_point():
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
     return F.mse_loss(output.reshape(target.shape), target)

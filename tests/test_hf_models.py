@@ -1,0 +1,183 @@
+"""Hugging Face transformers models as users bring them (issue 38): built from tiny configs with
+random weights (nothing is downloaded), no wrapper, through capture, the layer cut, the planner
+and the runtime. The factories are `examples/models/hf.py`, the file the README points at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from plait.graph.capture import CaptureError, capture  # noqa: E402
+from plait.graph.inspect import inspect_model  # noqa: E402
+from plait.graph.zoo import load_model  # noqa: E402
+
+HF = Path(__file__).resolve().parents[1] / "examples" / "models" / "hf.py"
+
+
+def spec(name: str):
+    return load_model(f"{HF}:{name}")
+
+
+# ---------------------------------------------------------------------------- 1. fake tensors
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_capture_on_fake_tensors(name):
+    """Stock decoders and BERT with a padding mask capture: transformers' masking sees fake
+    tensors and takes its tracing path (on bare meta tensors it called .item())."""
+    s = spec(name)
+    g = inspect_model(s, batch=2, dtype="fp32")
+    module = s.build("meta")
+    assert g.param_count == sum(p.numel() for p in module.parameters())
+    tokens = 32
+    # every weight matrix multiplies each token at least once: 2 FLOPs per weight per token
+    matmul_params = sum(p.numel() for n, p in module.named_parameters() if p.dim() == 2 and "embed" not in n
+                        and "wte" not in n and "wpe" not in n)
+    assert g.fwd_flops >= 2 * matmul_params * tokens * 0.9
+
+
+def test_data_dependent_op_is_named_with_its_line():
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            n = int(x.sum().item())  # the line the error must name
+            return self.lin(x)[:, : max(n, 1)]
+
+    with pytest.raises(CaptureError) as err:
+        capture(Reads(), (torch.randn(2, 4),), name="reads")
+    msg = str(err.value)
+    assert f"{Path(__file__).name}:" in msg and "x.sum().item()" in msg
+    assert "depends on tensor data" in msg and "is_tracing" in msg
+
+
+# ---------------------------------------------------------------------------- 2. per-block layers
+BLOCKS = {  # model -> (module path of its blocks, number of blocks)
+    "llama": ["model.layers"], "gpt2": ["transformer.h"], "mixtral": ["model.layers"],
+    "qwen2_moe": ["model.layers"], "bert": ["bert.encoder.layer"], "t5": ["encoder.block", "decoder.block"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_one_layer_per_block(name):
+    """The layer cut traces the forward with the blocks as leaves (shapes answered from a fake
+    run of the sample inputs), so every transformer block is one layer, and the capture uses
+    the same cut."""
+    s = spec(name)
+    module = s.build("meta")
+    from plait.runtime.partition import layer_modules
+
+    names = [n for n, _ in layer_modules(module)]
+    for path in BLOCKS[name]:
+        blocks = module.get_submodule(path)
+        assert [n for n in names if n.startswith(path + ".")] == [f"{path}.{i}" for i in range(len(blocks))]
+    g = inspect_model(s, batch=1, dtype="bf16")
+    # a layer without ops in the capture is glue that does nothing (dropout at p=0)
+    assert set(g.layer_names) <= set(names)
+    assert all(not any(True for _ in module.get_submodule(n).parameters()) for n in set(names) - set(g.layer_names))
+    if name == "t5":  # `shared` never runs: its tensor is each stack's embed_tokens (tied)
+        assert "shared" not in names
+    assert g.param_count == sum(p.numel() for p in module.parameters())
+
+
+# ---------------------------------------------------------------------------- 3. outputs as they are
+def _equal_to_one_process(model: str, plan) -> object:
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5)
+    ref_losses, ref_params = reference_run(model, plan, 2, training=training)
+    result = run(model, None, plan, steps=2, training=training,
+                 launch=LaunchConfig(timeout=180), records=RecordsConfig(return_params=True))
+    assert result.losses == pytest.approx(ref_losses, rel=0, abs=1e-6)
+    assert result.params is not None and set(result.params) == set(ref_params)
+    for name, value in result.params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-6, msg=name)
+    return result
+
+
+@pytest.mark.slow  # ~50 s each on a busy 2-core machine
+@pytest.mark.distributed
+@pytest.mark.parametrize("plan", ["dp=2,micro_batch=2,global_batch=8,dtype=fp32",
+                                  "pp=2,micro_batch=2,global_batch=8,schedule=1f1b,dtype=fp32"])
+def test_llama_without_a_wrapper_trains_equal_to_one_process(plan):
+    """LlamaForCausalLM as transformers builds it (its CausalLMOutputWithPast goes to the loss as
+    it is: .logits) trains under data and pipeline parallelism as one process does."""
+    from plait.ir.plan import Plan
+
+    result = _equal_to_one_process(f"{HF}:llama", Plan.parse(plan))
+    if "pp=2" in plan:
+        assert all(r.layers for r in result.ranks) and len(result.ranks) == 2
+
+
+# ---------------------------------------------------------------------------- 4. prices of the kernels
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_moe_expert_flops_match_a_hand_count(dtype):
+    """aten._grouped_mm (transformers' MoE experts) is priced 2·T·k·n, and captures in fp16 too
+    (its meta kernel is bf16-only). Hand count of one tiny Mixtral block, per sample."""
+    s = spec("mixtral")
+    g = inspect_model(s, batch=1, dtype=dtype)
+    cfg = s.build("meta").config
+    t, h, f = 32, cfg.hidden_size, cfg.intermediate_size
+    d = h // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * d
+    proj = 2 * t * h * (h + 2 * kv + h)  # q, k, v, o
+    core = 2 * 2 * t * t * d * cfg.num_attention_heads  # QK^T and PV
+    router = 2 * t * h * cfg.num_local_experts
+    experts = 2 * t * cfg.num_experts_per_tok * 3 * h * f  # gate, up, down of each chosen expert
+    hand = proj + core + router + experts
+    assert g.layer("model.layers.1").fwd_flops == pytest.approx(hand, rel=0.02)
+
+
+def _llama_saved_per_block(seq: int) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    g = capture(model, (ids,), name="llama", loss_fn=lambda out: out.logits.float().sum())
+    ops = g.layer("model.layers.1").ops
+    assert any("flash_attention" in g.ops[o].target for o in ops)  # the kernel CUDA runs for GQA
+    return g.layer("model.layers.1").saved_bytes
+
+
+def test_gqa_attention_memory_has_no_s2_term():
+    """SDPA called with enable_gqa (transformers does so without a mask) takes the flash kernel:
+    a block keeps O(s) bytes, so doubling s doubles them (the math path keeps s x s scores)."""
+    assert _llama_saved_per_block(128) == pytest.approx(2 * _llama_saved_per_block(64), rel=0.01)
+
+
+def test_an_output_the_loss_cannot_take_is_refused_before_launch(tmp_path):
+    """A model returning a tuple, with no loss of its own, is refused before any worker starts,
+    saying what to return."""
+    from plait.runtime.api import run
+    from plait.runtime.partition import RuntimeSetupError
+
+    f = tmp_path / "pair.py"
+    f.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Pair(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(4, 3)\n"
+        "    def forward(self, x):\n        return self.a(x), x\n"
+        "def make():\n"
+        "    def sample_batch(batch, device='cpu', seed=0):\n"
+        "        return (torch.randn(batch, 4).to(device),), torch.zeros(batch, dtype=torch.long).to(device)\n"
+        "    return Pair(), sample_batch\n")
+    with pytest.raises(RuntimeSetupError, match=r"returned tuple.*\.logits.*loss\(output, target\)"):
+        run(f"{f}:make", None, "dp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
+
+
+def test_tp_on_a_model_with_nothing_to_shard_is_refused_before_launch():
+    """tp=2 of an HF model would replicate it on both ranks (nothing marks what to shard):
+    refused in one line before any worker starts."""
+    from plait.runtime.api import run
+    from plait.runtime.partition import RuntimeSetupError
+
+    with pytest.raises(RuntimeSetupError, match=r"plan field 'tp'.*marks nothing tensor parallelism can shard"):
+        run(f"{HF}:llama", None, "tp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
