@@ -44,7 +44,12 @@ from plait.runtime.launch import AgentSpec, Launcher, RunFailure
 from plait.runtime.layout import engine_for, supports
 from plait.runtime.metrics import write_tensorboard
 from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
-from plait.runtime.partition import RuntimeSetupError, load_model_spec, model_spec_string
+from plait.runtime.partition import (
+    RuntimeSetupError,
+    build_seeded,
+    load_model_spec,
+    model_spec_string,
+)
 
 __all__ = ["CheckpointConfig", "FaultsConfig", "LaunchConfig", "RankInfo", "RecordsConfig", "RunFailure",
            "RunResult", "TrainingConfig", "load_run", "run", "rank_layout"]
@@ -752,12 +757,7 @@ def reference_run(model: Any, plan: Any, steps: int, *, training: TrainingConfig
     plan_obj = Plan.load(plan)
     spec = load_model_spec(model)
     seed, data, data_seed = training.seed, training.data, training.data_seed
-    torch.manual_seed(seed)
-    try:
-        module = spec.build(device="cpu", dtype=torch.float32, seed=seed)
-    except TypeError:
-        module = spec.build(device="cpu", dtype=torch.float32)
-    module.train()
+    module = build_seeded(spec, seed)
     torch.manual_seed(seed + 1)
     opt = make_optimizer([p for p in module.parameters() if p.requires_grad], training.optimizer_config())
     schedule = training.lr_schedule()

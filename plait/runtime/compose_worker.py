@@ -40,7 +40,6 @@ so a composed run resumes under the same plan or any other (DCP reshards).
 from __future__ import annotations
 
 import os
-import random
 import resource
 import socket
 from dataclasses import asdict
@@ -60,7 +59,7 @@ from plait.runtime.clip import GradClipper
 from plait.runtime.comm import FAULTS_ENV, P2P, Comm, CommLog, Group, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
-from plait.runtime.partition import RuntimeSetupError, load_model_spec, make_samples
+from plait.runtime.partition import RuntimeSetupError, build_seeded, load_model_spec, make_samples
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
@@ -146,14 +145,7 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         self.hb.progress("build")
         self.spec = load_model_spec(cfg["model"])
         seed = int(cfg["seed"])
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed)
-        try:
-            model = self.spec.build(device="cpu", dtype=torch.float32, seed=seed)
-        except TypeError:
-            model = self.spec.build(device="cpu", dtype=torch.float32)
-        model.train()
+        model = build_seeded(self.spec, seed)
         inputs, _ = make_samples(self.spec, 0, plan.micro_batch, int(cfg["data_seed"]))
         graph = capture_aten(model, inputs, name=getattr(self.spec, "name", "model"))
         self.graph = graph

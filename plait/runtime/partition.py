@@ -39,6 +39,25 @@ def _looks_like_spec(obj: Any) -> bool:
     return all(callable(getattr(obj, name, None)) for name in ("build", "sample_batch", "loss"))
 
 
+def build_seeded(spec: Any, seed: int) -> nn.Module:
+    """The model every engine and the single-process reference start from: torch's, Python's and
+    numpy's generators seeded with `seed`, built on the CPU in fp32 (the zoo's build draws weights
+    from its own `seed`; other models from the global generator seeded here), in training mode."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    try:
+        model = spec.build(device="cpu", dtype=torch.float32, seed=seed)
+    except TypeError:
+        model = spec.build(device="cpu", dtype=torch.float32)
+    model.train()
+    return model
+
+
 def load_model_spec(spec: Any) -> Any:
     """A ModelSpec (build, sample_batch, loss) from a zoo string, `file.py:factory`, or a ModelSpec."""
     if _looks_like_spec(spec):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import os
-import random
 import resource
 import socket
 import statistics
@@ -44,7 +43,7 @@ from plait.runtime.amp import autocast_for
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
-from plait.runtime.partition import load_model_spec, make_samples
+from plait.runtime.partition import build_seeded, load_model_spec, make_samples
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
@@ -148,14 +147,7 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
         self.hb.progress("build")
         spec = load_model_spec(cfg["model"])
         seed = int(cfg["seed"])
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed)
-        try:
-            model = spec.build(device="cpu", dtype=torch.float32, seed=seed)
-        except TypeError:
-            model = spec.build(device="cpu", dtype=torch.float32)
-        model.train()
+        model = build_seeded(spec, seed)
         batch = plan.global_batch
         data_seed = int(cfg["data_seed"])
         fetch = self._data(spec, batch, data_seed)

@@ -60,6 +60,7 @@ from plait.runtime.lr import LRSchedule
 from plait.runtime.parallelize import apply_ac, apply_ddp, apply_fsdp, apply_tp, build_mesh
 from plait.runtime.partition import (
     MicroBatch,
+    build_seeded,
     layer_modules,
     load_model_spec,
     make_samples,
@@ -120,14 +121,7 @@ class TorchWorker(RankConfig):
         cfg, plan = self.cfg, self.plan
         self.spec = load_model_spec(cfg["model"])
         seed = int(cfg["seed"])
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed)
-        try:  # the zoo's build draws weights from its own seed; others use the global RNG seeded above
-            model = self.spec.build(device="cpu", dtype=torch.float32, seed=seed)
-        except TypeError:
-            model = self.spec.build(device="cpu", dtype=torch.float32)
-        model.train()
+        model = build_seeded(self.spec, seed)
         self.layers = [name for name, _ in layer_modules(model)]
         self.param_count = sum(prm.numel() for prm in model.parameters() if prm.requires_grad)
         if plan.tp > 1:  # DTensor shards of the transformer layers' linears (dp = 1: `layout.torch_runs`)

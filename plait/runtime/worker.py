@@ -87,6 +87,7 @@ from plait.runtime.lr import LRSchedule
 from plait.runtime.parallelize import apply_ac
 from plait.runtime.partition import (
     MicroBatch,
+    build_seeded,
     layer_modules,
     load_model_spec,
     make_samples,
@@ -162,14 +163,7 @@ class Worker(RankConfig):
         cfg, plan = self.cfg, self.plan
         self.spec = load_model_spec(cfg["model"])
         seed = int(cfg["seed"])
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed)
-        try:  # the zoo's build draws weights from its own seed; others use the global RNG seeded above
-            model = self.spec.build(device="cpu", dtype=torch.float32, seed=seed)
-        except TypeError:
-            model = self.spec.build(device="cpu", dtype=torch.float32)
-        model.train()
+        model = build_seeded(self.spec, seed)
         # Which layers are tensor parallel, in execution order over the whole model: a sequence-parallel
         # region spans consecutive ones, across pipeline cuts too.
         order = [(n, is_tensor_parallel_layer(m)) for n, m in layer_modules(model)]
