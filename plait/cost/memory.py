@@ -1115,7 +1115,7 @@ def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimi
 def composed_in_flight(schedule: str, stages: int, micro_batches: int) -> tuple[float, ...]:
     """Per stage of a composed plan (a linear pipeline whose stages run SPMD programs,
     `plait.search.compose_family`), the micro-batches whose activations it holds at once under
-    `schedule`: read off the action lists of the chain the simulator runs (`plait.sim.lowering.pipeline`:
+    `schedule`: read off the action lists of the chain the simulator runs (`plait.sim.lowering.spmd`:
     GPipe, eager 1F1B, else 1F1B) by `plait.schedule.in_flight`, once per (schedule, stages, m)."""
     return chain_in_flight(schedule if schedule in ("gpipe", "eager_1f1b") else "1f1b", stages, micro_batches)
 

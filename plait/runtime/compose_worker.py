@@ -75,7 +75,7 @@ from plait.runtime.spmd_state import (
 from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
 
-# The buckets of the parameter-gradient all-reduce: `plait.sim.lowering.pipeline.lower_compose`'s
+# The buckets of the parameter-gradient all-reduce: `plait.sim.lowering.spmd.lower_compose`'s
 # `bucket_bytes` default, which the composed family simulates with.
 GRAD_BUCKET_BYTES = 25e6
 
@@ -91,7 +91,7 @@ def stage_ranks(plan: Plan) -> list[list[int]]:
 
 def composed_schedule(plan: Plan, name: str) -> Schedule:
     """The plan's pipeline schedule over its chain of stages (`plait.schedule`; the simulator's
-    `plait.sim.lowering.pipeline._pipeline` builds the same one)."""
+    `plait.sim.lowering.spmd._pipeline` builds the same one)."""
     n, m = len(plan.stages), plan.global_batch // plan.micro_batch
     graph = PipelineGraph.chain(n, m, 1, plan.micro_batch)
     return build_schedule(name if name in ("gpipe", "eager_1f1b") else "1f1b", graph)

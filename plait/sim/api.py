@@ -438,7 +438,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
                   fixed_costs: bool = True, mesh: Any = None) -> SimResult:
     """Predict one iteration of a synthesized SPMD program (`plait.cost.program.Synthesis`:
     program, ratios, per-segment ratios, memory) of `problem` (`plait.cost.program.Problem`) on
-    `cluster`, lowered as a one-stage plan (`plait.sim.lowering.pipeline.lower_spmd`) and run by the same engine as `simulate`.
+    `cluster`, lowered as a one-stage plan (`plait.sim.lowering.spmd.lower_spmd`) and run by the same engine as `simulate`.
 
     The program's devices are priced on the cluster's real links whatever model searched it
     (HAP's flat one included). `bucket_bytes`: parameter-gradient all-reduces packed into DDP

@@ -15,9 +15,9 @@ cluster's links (`plait.sim.topology`). Memory is not lowered: it comes from `pl
 """
 
 from plait.sim.lowering.collectives import SpmdLoweringError, pair_loads, transfer_seconds
-from plait.sim.lowering.pipeline import ProgramLowered, lower_compose, lower_spmd
-from plait.sim.lowering.spmd import StageProgram
+from plait.sim.lowering.pipeline import PipelineDriver
+from plait.sim.lowering.spmd import ProgramLowered, StageProgram, lower_compose, lower_spmd
 from plait.sim.lowering.tensor_parallel import Lowered, LoweringError, SimOptions, lower
 
-__all__ = ["Lowered", "LoweringError", "ProgramLowered", "SimOptions", "SpmdLoweringError", "StageProgram",
+__all__ = ["Lowered", "LoweringError", "PipelineDriver", "ProgramLowered", "SimOptions", "SpmdLoweringError", "StageProgram",
            "lower", "lower_compose", "lower_spmd", "pair_loads", "transfer_seconds"]

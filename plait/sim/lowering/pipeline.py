@@ -1,178 +1,173 @@
-"""Lowering of plans whose stages run SPMD programs -- an SPMD plan (one stage) and a composed
-plan (a chain or DAG of them) -- into the one engine's `TaskGraph`.
+"""The one pipeline driver: a plan's stage graph, its schedule's action lists and its stages'
+emitters to one iteration's `TaskGraph`.
 
-The pipeline schedule is the one of `plait.schedule` (1F1B for a chain, graph 1F1B for a DAG, or
-GPipe; one stage: a forward and a backward) and each of its actions becomes tasks:
+Every plan is a stage graph (`plait.ir.stage_graph`; a chain is the special case, an SPMD plan
+one stage) whose stages run a program over their devices; a stage may have data-parallel
+replicas, each running its share of the batch as micro-batches (first sample, size). A *worker*
+is one simulated replica of one stage. The driver walks the same action lists the runtime
+executes (`plait.schedule`) in four steps, the same for every family:
 
-* ``fwd`` / ``bwd`` of a stage on a micro-batch: its program's ops and collectives
-  (`plait.sim.lowering.spmd.SpmdStage`); its parameter gradients reduced in its last backward,
-  then each rank steps its optimizer;
-* ``send`` / ``recv``: a stage's program ends with its outputs whole on every rank (the search
-  gathers what the next stage reads), so ``k = min(senders, receivers)`` rank pairs each carry
-  ``1/k`` of the message over their routes (`plait.sim.lowering.collectives.pair_loads`; bytes per
-  sample from the one stage graph, `plait.ir.stage_graph`, in the plan's dtype), and an all-gather
-  inside the receiving group makes it whole there. Gradients go back the same way;
-* a parameter two stages read (tied embeddings) is made whole on each stage's first rank (an
-  all-gather where the stage stores it sharded), all-reduced between those two ranks, and
-  broadcast in each stage, as the runtime sums it (`plait.runtime.compose_worker`).
-
-Every micro-batch has the stage's micro-batch size (the composed family cuts the batch evenly).
+1. **compute**: each worker's fwd/bwd actions in program order, emitted by its stage's emitter
+   (`emit_worker`), which records per action the tasks that start it (`item_first`: what a
+   received tensor must precede) and the tasks that end it (`item_last`: what a sent tensor waits
+   for). Two emitters exist: Megatron tensor parallelism per layer
+   (`plait.sim.lowering.tensor_parallel`) and op-level SPMD programs
+   (`plait.sim.lowering.spmd`);
+2. **transfers** (`emit_transfers`): for each edge of the stage graph, every producer
+   micro-batch whose samples meet a consumer micro-batch's sends them forward and receives
+   their gradients back -- a replica of one stage meets the replicas of the next on sample
+   ranges, so stages of different data-parallel degrees or micro-batch sizes meet correctly.
+   Two named options say how the runtime's point-to-point works: `rendezvous` (the transfer
+   starts once the receiver has reached its receive, Megatron's p2p; else an eager send that
+   starts when the tensor exists) and `blocking` (the sender waits for the transfer to end
+   before its next action, Megatron's blocking 1F1B / GPipe p2p). The emitter prices the
+   message on the cluster's links (`send`);
+3. **data** (`emit_data`): input loading and host-to-device copies where the emitter's runtime
+   has them on their own streams;
+4. **finish**: gradient synchronisation, tied parameters, the optimizer step (the emitter's).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
-from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-
-from plait.cost.compute import ComputeModel
-from plait.cost.program import Problem, Program
-from plait.cost.spmd import Devices
-from plait.ir.program import Mesh
-from plait.schedule import PipelineGraph, Schedule
-from plait.schedule import build as build_schedule
 from plait.sim.engine import TaskGraph
-from plait.sim.lowering.collectives import SpmdLoweringError, group_collective, pair_loads
-from plait.sim.lowering.spmd import SpmdStage, StageProgram, tied_sharded
-from plait.sim.topology import ClusterView
+
+# One action of a worker's program: ("F" | "B", chunk id, micro-batch index on the worker).
+Item = tuple[str, int, int]
 
 
-@dataclass
-class ProgramLowered:
-    graph: TaskGraph
-    schedule: Schedule
-    reps: list[list[int]]  # per stage, the representative ranks (indices into the stage's devices)
-    classes: list[list[list[int]]]  # per stage, the ranks each representative stands for
+class PipelineDriver:
+    """Base of the two stage emitters: the walk of module docstring. A worker has ``wid``,
+    ``chunks`` (chunk ids, the first one receiving a stage's inputs) and ``units`` ((first sample,
+    size) per micro-batch); a subclass fills `programs` and implements the emitter hooks."""
+
+    tg: TaskGraph
+    rendezvous: bool = True  # a transfer waits for its receiver to reach the receive (else eager)
+    blocking: bool = False  # the sender's next action waits for its transfer to end
+    per_input: bool = False  # a later chunk of a stage takes its inputs with the stage's first chunk
+
+    def drive(self, workers: list[Any], edges: list[tuple[int, int]]) -> None:
+        """Steps 1 to 4 of the module docstring over `workers` (emission order) and the chunk
+        graph's `edges`."""
+        self.item_first: dict[int, list] = {}
+        self.item_last: dict[int, list] = {}
+        for w in workers:
+            self.emit_worker(w)
+        self.emit_transfers(workers, edges)
+        self.emit_data(workers)
+        self.finish(workers)
+
+    # ------------------------------------------------------------ emitter hooks
+    def emit_worker(self, w: Any) -> None:
+        """Emit w's program (`self.programs[w.wid]`); set `item_first[w.wid]` / `item_last[w.wid]`
+        per action: a task id, or a list of them."""
+        raise NotImplementedError
+
+    def message_bytes(self, edge: tuple[int, int], samples: int, src: Any) -> float:
+        """Bytes of the tensors crossing chunk `edge` for `samples` samples, sent by `src`."""
+        raise NotImplementedError
+
+    def send(self, src: Any, dst: Any, c_src: int, c_dst: int, u_src: int, u_dst: int, nbytes: float,
+             deps: list[int], forward: bool) -> int:
+        """The task (or last task) carrying a message of `nbytes` from `src` to `dst` after `deps`."""
+        raise NotImplementedError
+
+    def emit_data(self, workers: list[Any]) -> None:
+        """Step 3 (nothing by default)."""
+
+    def finish(self, workers: list[Any]) -> None:
+        """Step 4."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ step 2
+    def emit_transfers(self, workers: list[Any], edges: list[tuple[int, int]]) -> None:
+        # index: (wid, kind, chunk, unit) -> program position
+        position: dict[tuple[int, str, int, int], int] = {}
+        for w in workers:
+            for idx, (k, c, i) in enumerate(self.programs[w.wid]):
+                position[(w.wid, k, c, i)] = idx
+        holders: dict[int, list[Any]] = defaultdict(list)
+        for w in workers:
+            for c in w.chunks:
+                holders[c].append(w)
+        starts = {w.wid: [s for s, _ in w.units] for w in workers}
+        # [first sample, end of the last unit) of each holder, as the per-unit test below reads them
+        span = {w.wid: (w.units[0][0], w.units[-1][0] + w.units[-1][1]) for w in workers if w.units}
+        for a, b in edges:
+            for q in holders[b]:
+                if not q.units:
+                    continue
+                # producers whose samples meet q's at all (in holder order: emission order is kept)
+                q_lo, q_hi = min(u[0] for u in q.units), max(u[0] + u[1] for u in q.units)
+                near = [p for p in holders[a] if p.units and span[p.wid][0] < q_hi and span[p.wid][1] > q_lo]
+                for ui, (qs, qn) in enumerate(q.units):
+                    for p in near:
+                        if p.units[0][0] >= qs + qn or p.units[-1][0] + p.units[-1][1] <= qs:
+                            continue
+                        # Producer micro-batches overlapping [qs, qs+qn): bisect on their starts.
+                        first = max(0, bisect.bisect_right(starts[p.wid], qs) - 1)
+                        for uj in range(first, len(p.units)):
+                            ps, pn = p.units[uj]
+                            if ps >= qs + qn:
+                                break
+                            lo, hi = max(qs, ps), min(qs + qn, ps + pn)
+                            if hi <= lo:
+                                continue
+                            nbytes = self.message_bytes((a, b), hi - lo, p)
+                            self._transfer(p, q, a, b, uj, ui, nbytes, position, forward=True)
+                            self._transfer(q, p, b, a, ui, uj, nbytes, position, forward=False)
+
+    def _transfer(self, src: Any, dst: Any, c_src: int, c_dst: int, u_src: int, u_dst: int,
+                  nbytes: float, position: dict, forward: bool) -> None:
+        k = "F" if forward else "B"
+        ks = position.get((src.wid, k, c_src, u_src))
+        kd = position.get((dst.wid, k, c_dst, u_dst))
+        if ks is None or kd is None:
+            return
+        sent = self.item_last[src.wid][ks]
+        deps = list(sent) if isinstance(sent, list) else [sent]
+        after = self.item_first[dst.wid][kd]
+        if src.wid == dst.wid:  # two chunks of one worker: program order, no message
+            for a in (after if isinstance(after, list) else [after]):
+                for d in deps:
+                    self.tg.add_dep(d, a)
+            return
+        if self.rendezvous:
+            post = kd
+            if forward and self.per_input and c_dst != dst.chunks[0]:
+                # a later segment of a stage that runs per input: the executor posts its receives
+                # with those of the stage's first segment for the micro-batch and waits them at
+                # its forward
+                post = position.get((dst.wid, "F", dst.chunks[0], u_dst), kd)
+            if post > 0:
+                ready = self.item_last[dst.wid][post - 1]  # receiver has posted its receive
+                deps.extend(ready if isinstance(ready, list) else [ready])
+        tid = self.send(src, dst, c_src, c_dst, u_src, u_dst, nbytes, deps, forward)
+        succ, npred = self.tg.succ[tid], self.tg.npred  # `tg.add_dep`, inlined: 10^4 transfers
+        if isinstance(after, list):
+            for a in after:
+                succ.append(a)
+                npred[a] += 1
+        else:
+            succ.append(after)
+            npred[after] += 1
+        if self.blocking:
+            firsts = self.item_first[src.wid]
+            if ks + 1 < len(firsts):
+                nxt = firsts[ks + 1]
+                for a in (nxt if isinstance(nxt, list) else [nxt]):
+                    succ.append(a)
+                    npred[a] += 1
 
 
-def _pipeline(n: int, edges: list[tuple[int, int]], micro_batches: int, micro_batch: int, name: str) -> Schedule:
-    chain = sorted(edges) == [(s, s + 1) for s in range(n - 1)]
-    if chain:
-        graph = PipelineGraph.chain(n, micro_batches, 1, micro_batch)
-        return build_schedule(name if name in ("gpipe", "eager_1f1b") else "1f1b", graph)
-    graph = PipelineGraph.dag([[micro_batch] * micro_batches for _ in range(n)], edges)
-    return build_schedule("gpipe" if name == "gpipe" else "graph_1f1b", graph)
-
-
-def _transfer(tg: TaskGraph, view: ClusterView, src: SpmdStage, dst: SpmdStage, nbytes: float, deps: list[int],
-              name: str, mb: int, model: ComputeModel | None, host_comm_s: float) -> int:
-    """`nbytes` from every rank of `src` (each holds them whole) to every rank of `dst`: k pairs
-    carry 1/k each, then an all-gather inside `dst` (when it has more than one rank)."""
-    a, b = src.ids, dst.ids
-    lat, loads = pair_loads(view, a, b, nbytes)
-    load: dict[int, float] = defaultdict(float)
-    for key, (cap, x) in loads.items():
-        load[tg.add_resource(key, cap)] += x
-    flow = [(r, x, 1.0) for r, x in load.items()] if nbytes > 0 else None
-    p2p = model.p2p_host_s if model is not None else 0.0
-    tid = tg.add(name, "comm_pp", f"link s{src.index}->s{dst.index}", lat + p2p, deps, flow=flow,
-                 device=a[0], stage=src.index, micro_batch=mb,
-                 args={"bytes": nbytes, "src": a[0], "dst": b[0], "cls": "pp", "op": "send_recv",
-                       "ranks": 2, "copies": min(len(a), len(b))})
-    if len(b) > 1:
-        tid = group_collective(tg, view, "all_gather", nbytes, b, [tid], f"gather {name}",
-                               f"stage{dst.index}/comm", host_comm_s, stage=dst.index, mb=mb, category="comm_pp")
-    return tid
-
-
-def _tied(tg: TaskGraph, view: ClusterView, st: list[SpmdStage], tied: list[tuple[int, int, float]],
-          host_comm_s: float) -> dict[int, list[int]]:
-    """Tied parameters' gradients, as the runtime (`plait.runtime.compose_worker`) sums them: whole
-    on each stage's first rank (an all-gather in a stage that stores it sharded), all-reduced
-    between the two first ranks after both stages' backward, then broadcast in each stage.
-    Per stage, what its optimizer step waits for."""
-    ties: dict[int, list[int]] = defaultdict(list)
-
-    def coll(op: str, nbytes: float, ids: list[int], deps: list[int], name: str, s: int) -> int:
-        return group_collective(tg, view, op, nbytes, ids, deps, name, f"stage{s}/comm", host_comm_s, stage=s,
-                                category="comm_dp")
-
-    for a, b, nbytes in tied:
-        deps = st[a].last + st[b].last
-        for s in (a, b):
-            if len(st[s].ids) > 1 and tied_sharded(st[s].prog, st[b if s == a else a].prog, nbytes):
-                deps.append(coll("all_gather", nbytes, st[s].ids, st[s].last, f"gather tied gradients s{s}", s))
-        tid = coll("all_reduce", nbytes, [st[a].ids[0], st[b].ids[0]], deps, f"all_reduce tied gradients s{a}+s{b}", a)
-        for s in (a, b):
-            ties[s].append(tid if len(st[s].ids) == 1 else coll(
-                "broadcast", nbytes, st[s].ids, [tid], f"broadcast tied gradients s{s}", s))
-    return ties
-
-
-def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
-                  bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
-                  view: ClusterView, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
-                  model: ComputeModel | None = None, tied: list[tuple[int, int, float]] = (),
-                  host_comm_s: float | None = None, boundary: bool = True) -> ProgramLowered:
-    """The task graph of one iteration of a pipeline of SPMD stages (module docstring).
-
-    `bytes_per_sample[(a, b)]`: what crosses edge a -> b per sample, in the plan's dtype.
-    `tied`: (stage a, stage b, gradient bytes) of parameters both stages hold.
-    `model`: the compute model's fixed costs (None: the work alone, for hand-computed checks).
-    `host_comm_s`: host time per collective (default the model's). `boundary`: add each stage's
-    boundary collectives (False: a whole-model program, whose search priced its ends)."""
-    tg = TaskGraph()
-    if host_comm_s is None:
-        host_comm_s = model.host_comm_s if model is not None else 0.0
-    sinks = set(range(len(stages))) - {a for a, _ in edges}
-    whole = len(stages) == 1 and not boundary
-    st = [SpmdStage(s, p, tg, view, model, host_comm_s, "world/comm" if whole else f"stage{s}/comm",
-                    bucket_bytes=bucket_bytes, boundary=boundary, loss=s in sinks)
-          for s, p in enumerate(stages)]
-    sched = _pipeline(len(stages), edges, micro_batches, micro_batch, schedule)
-    sent: dict[tuple, int] = {}
-    inbox: dict[int, list[int]] = defaultdict(list)
-    pos = [0] * len(stages)
-    exits: dict[tuple[str, int, int], list[int]] = {}
-    last_bwd = {s: max(i for i, a in enumerate(sched.of(s)) if a.op == "bwd") for s in range(len(stages))}
-    sources = set(range(len(stages))) - {b for _, b in edges}
-    while any(pos[s] < len(sched.of(s)) for s in range(len(stages))):
-        progressed = False
-        for s, stage in enumerate(st):
-            acts = sched.of(s)
-            while pos[s] < len(acts):
-                a = acts[pos[s]]
-                if a.op in ("recv_fwd", "recv_bwd"):
-                    key = (a.op[5:], a.peer[0], a.peer[2], s, a.micro_batch)
-                    if key not in sent:
-                        break
-                    inbox[s].append(sent[key])
-                elif a.op in ("send_fwd", "send_bwd"):
-                    kind = a.op[5:]
-                    peer = st[a.peer[0]]
-                    edge = (s, peer.index) if kind == "fwd" else (peer.index, s)
-                    lo, hi = a.samples
-                    nbytes = bytes_per_sample.get(edge, 0.0) * (hi - lo)
-                    sent[(kind, s, a.micro_batch, peer.index, a.peer[2])] = _transfer(
-                        tg, view, stage, peer, nbytes, exits[(kind, s, a.micro_batch)],
-                        f"{a.op} s{s} mb{a.micro_batch} -> s{peer.index}", a.micro_batch, model, host_comm_s)
-                elif a.op == "fwd":
-                    exits[("fwd", s, a.micro_batch)] = stage.forward(
-                        a.micro_batch, inbox.pop(s, []), first=s in sources and a.micro_batch == 0)
-                else:
-                    exits[("bwd", s, a.micro_batch)] = stage.backward(a.micro_batch, inbox.pop(s, []),
-                                                                      last=pos[s] == last_bwd[s])
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            raise SpmdLoweringError("composed pipeline: the schedule's receives cannot be matched (deadlock)")
-    ties = _tied(tg, view, st, list(tied), host_comm_s)
-    for stage in st:
-        stage.step(ties.get(stage.index, []))
-    return ProgramLowered(tg, sched, [x.reps for x in st], [x.classes for x in st])
-
-
-def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: ClusterView, *,
-               devices: Devices | None = None, of_op: dict[str, int] | None = None,
-               of_dim: dict[tuple[str, int], int] | None = None, bucket_bytes: float | None = None,
-               host_comm_s: float = 0.0, device_scale: np.ndarray | None = None,
-               mesh: Mesh | None = None, model: ComputeModel | None = None) -> ProgramLowered:
-    """The task graph of one training iteration of a whole-model SPMD `program` at `ratios` (one
-    vector, or one row per segment with `of_op` / `of_dim` from `plait.cost.program.Segments`) on
-    `view`: the one-stage pipeline, one micro-batch (`StageProgram` says what `devices`,
-    `device_scale` and `mesh` are)."""
-    prog = StageProgram(problem, program, np.asarray(ratios, dtype=float), of_op, of_dim, devices=devices,
-                        device_scale=device_scale, mesh=mesh)
-    return lower_compose([prog], [], {}, 1, 1, view, bucket_bytes=bucket_bytes, model=model,
-                         host_comm_s=host_comm_s, boundary=False)
+def compute_program(actions: list, chunks: list[int], mine: dict[int, int] | None = None) -> list[Item]:
+    """A worker's program from its stage's compute actions (`Schedule.compute`): chunk ids from the
+    actions' local chunks; `mine`: the stage's micro-batch -> this replica's, keeping only its own
+    (a restriction of a deadlock-free order stays deadlock-free)."""
+    if mine is None:
+        return [("F" if a.op == "fwd" else "B", chunks[a.chunk], a.micro_batch) for a in actions]
+    return [("F" if a.op == "fwd" else "B", chunks[a.chunk], mine[a.micro_batch])
+            for a in actions if a.micro_batch in mine]

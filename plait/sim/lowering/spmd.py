@@ -45,8 +45,17 @@ from plait.cost.program import Problem, Program, stored_placements
 from plait.cost.spmd import BACKWARD_FACTOR, VIEWS, Devices
 from plait.graph.aten_stage import batch_loss_output
 from plait.ir.program import PARTIAL, REPLICATED, Comm, Mesh, conversion, grad_placement, shard_dim
+from plait.schedule import PipelineGraph, Schedule
+from plait.schedule import build as build_schedule
 from plait.sim.engine import TaskGraph
-from plait.sim.lowering.collectives import GroupPricer, SpmdLoweringError, comm_task
+from plait.sim.lowering.collectives import (
+    GroupPricer,
+    SpmdLoweringError,
+    comm_task,
+    group_collective,
+    pair_loads,
+)
+from plait.sim.lowering.pipeline import PipelineDriver, compute_program
 from plait.sim.topology import ClusterView
 
 
@@ -332,38 +341,45 @@ class SpmdStage:
                                    micro_batch=mb)
         return self.last[j]
 
-    def forward(self, mb: int, entry: list[int], first: bool) -> list[int]:
-        """The program's forward on micro-batch `mb` after `entry` (what it received); `first`: the
-        iteration's first forward of a source stage (the batch's host work). Returns what its
-        outputs' readers wait for."""
+    def forward(self, mb: int, first: bool) -> tuple[list[int], list[int]]:
+        """The program's forward on micro-batch `mb`; `first`: the iteration's first forward of a
+        source stage (the batch's host work). Returns (the tasks that read what the stage receives:
+        its first op on every rank and the collectives of received values; the driver makes them
+        wait for the transfers), (what its outputs' readers wait for)."""
         graph = self.prog.problem.graph
         n_ops, m, reps = len(graph.ops), self.model, range(len(self.reps))
         F: list[list[int]] = [[-1] * n_ops for _ in reps]
         after: list[int] = []
+        entries: list[int] = []
         for k in range(n_ops):
-            extra = list(entry) if k == 0 else []
+            extra: list[int] = []
             later = []
             for c, p in self.fwd_comms.get(k, []):
                 if p is not None and p >= k:  # the loss / next stage reading partial outputs of op k
                     later.append(c)
                     continue
-                deps = [F[j][p] for j in reps] if p is not None else list(entry)
+                deps = [F[j][p] for j in reps] if p is not None else []
                 extra.append(self._comm(c, "fwd", deps, mb))
+                if p is None:
+                    entries.append(extra[-1])
             host = 0.0
             if m is not None:
                 host = m.host_fwd_s * self.kern_f[k] + (m.batch_host_s if first and k == 0 else 0.0) \
                     + (m.loss_host_s if self.loss and k == n_ops - 1 else 0.0)
             for j in reps:
                 F[j][k] = self._compute(j, k, "fwd", mb, extra, host)
+            if k == 0:
+                entries += [F[j][0] for j in reps]
             for c in later:
                 after.append(self._comm(c, "fwd", [F[j][k] for j in reps], mb))
         self.after_fwd[mb] = after
-        return [F[j][n_ops - 1] for j in reps] + after
+        return entries, [F[j][n_ops - 1] for j in reps] + after
 
-    def backward(self, mb: int, entry: list[int], last: bool) -> list[int]:
-        """The program's backward on micro-batch `mb` after `entry` (the gradients received), its
-        gradient collectives issued as their readers' backward ends; on the stage's `last`
-        micro-batch the parameter-gradient all-reduces too."""
+    def backward(self, mb: int, last: bool) -> tuple[list[int], list[int]]:
+        """The program's backward on micro-batch `mb`, its gradient collectives issued as their
+        readers' backward ends; on the stage's `last` micro-batch the parameter-gradient
+        all-reduces too. Returns (its last op's backward on every rank: what waits for the
+        gradients received), (what the gradients sent back wait for)."""
         graph = self.prog.problem.graph
         n_ops, reps = len(graph.ops), range(len(self.reps))
         extra_b: dict[int, list[int]] = defaultdict(list)
@@ -371,7 +387,7 @@ class SpmdStage:
         made: dict[str, int] = {}  # tensor -> the last gradient collective issued for it
         B: list[list[int]] = [[-1] * n_ops for _ in reps]
         for k in range(n_ops - 1, -1, -1):
-            deps = list(entry) + self.after_fwd.pop(mb, []) if k == n_ops - 1 else []
+            deps = self.after_fwd.pop(mb, []) if k == n_ops - 1 else []
             deps += extra_b.get(k, [])
             host = self.model.host_bwd_s * self.kern_b[k] if self.model is not None else 0.0
             for j in reps:
@@ -399,7 +415,7 @@ class SpmdStage:
                     elif p is not None:
                         raise SpmdLoweringError(f"stage {self.index}: gradient of {x.tensor} needed by op "
                                                 f"{graph.ops[p].name} before it is reduced")
-        return [B[j][0] for j in reps]
+        return [B[j][n_ops - 1] for j in reps], [B[j][0] for j in reps]
 
     def step(self, extra: list[int]) -> None:
         """Each representative's optimizer step over the parameters it holds, after its backward,
@@ -416,3 +432,167 @@ class SpmdStage:
                         [self.last[j]] + self.end + extra, device=i, stage=self.index,
                         args={"params": float(held[r])})
 
+
+
+# ---------------------------------------------------------------- plans of SPMD stages
+@dataclass
+class ProgramLowered:
+    graph: TaskGraph
+    schedule: Schedule
+    reps: list[list[int]]  # per stage, the representative ranks (indices into the stage's devices)
+    classes: list[list[list[int]]]  # per stage, the ranks each representative stands for
+
+
+@dataclass
+class _StageWorker:
+    """The one replica of an SPMD stage, as the pipeline driver walks it."""
+
+    wid: int
+    stage: int
+    chunks: list[int]
+    units: list[tuple[int, int]]  # (first sample, size) per micro-batch
+
+
+def _pipeline(n: int, edges: list[tuple[int, int]], micro_batches: int, micro_batch: int, name: str) -> Schedule:
+    chain = sorted(edges) == [(s, s + 1) for s in range(n - 1)]
+    if chain:
+        graph = PipelineGraph.chain(n, micro_batches, 1, micro_batch)
+        return build_schedule(name if name in ("gpipe", "eager_1f1b") else "1f1b", graph)
+    graph = PipelineGraph.dag([[micro_batch] * micro_batches for _ in range(n)], edges)
+    return build_schedule("gpipe" if name == "gpipe" else "graph_1f1b", graph)
+
+
+class _ProgramLowerer(PipelineDriver):
+    """The SPMD emitter on the one pipeline driver (`plait.sim.lowering.pipeline`): one worker per
+    stage (an SPMD program spans all of a stage's devices), eager sends (the runtime's per-rank
+    programs post their sends as soon as a value exists, `plait.runtime.compose_worker`)."""
+
+    rendezvous = False
+    blocking = False
+
+    def __init__(self, stages: list[SpmdStage], sched: Schedule, bytes_per_sample: dict[tuple[int, int], float],
+                 micro_batches: int, micro_batch: int, view: ClusterView, model: ComputeModel | None,
+                 host_comm_s: float, sources: set[int], tied: list[tuple[int, int, float]]) -> None:
+        self.st, self.tg, self.view, self.model = stages, stages[0].tg if stages else TaskGraph(), view, model
+        self.bytes_per_sample, self.host_comm_s, self.sources, self.tied = bytes_per_sample, host_comm_s, sources, tied
+        units = [(m * micro_batch, micro_batch) for m in range(micro_batches)]
+        self.workers = [_StageWorker(s, s, [s], units) for s in range(len(stages))]
+        self.programs = {s: compute_program(sched.compute(s), [s]) for s in range(len(stages))}
+
+    def emit_worker(self, w: _StageWorker) -> None:
+        stage, program = self.st[w.stage], self.programs[w.wid]
+        last_bwd = max((i for i, (k, _, _) in enumerate(program) if k == "B"), default=-1)
+        firsts, lasts = [], []
+        for idx, (k, _c, i) in enumerate(program):
+            if k == "F":
+                entries, exits = stage.forward(i, first=w.stage in self.sources and i == 0)
+            else:
+                entries, exits = stage.backward(i, last=idx == last_bwd)
+            firsts.append(entries)
+            lasts.append(exits)
+        self.item_first[w.wid], self.item_last[w.wid] = firsts, lasts
+
+    def message_bytes(self, edge: tuple[int, int], samples: int, src: _StageWorker) -> float:
+        """What crosses `edge` per sample (`plait.ir.stage_graph`, in the plan's dtype), whole: a
+        stage's program ends with its outputs whole on every rank."""
+        return self.bytes_per_sample.get(edge, 0.0) * samples
+
+    def send(self, src: _StageWorker, dst: _StageWorker, c_src: int, c_dst: int, u_src: int, u_dst: int,
+             nbytes: float, deps: list[int], forward: bool) -> int:
+        """`nbytes` from every rank of `src` (each holds them whole) to every rank of `dst`: k pairs
+        carry 1/k each, then an all-gather inside `dst` (when it has more than one rank)."""
+        a, b = self.st[src.stage], self.st[dst.stage]
+        name = f"{'send_fwd' if forward else 'send_bwd'} s{a.index} mb{u_src} -> s{b.index}"
+        lat, loads = pair_loads(self.view, a.ids, b.ids, nbytes)
+        load: dict[int, float] = defaultdict(float)
+        for key, (cap, x) in loads.items():
+            load[self.tg.add_resource(key, cap)] += x
+        flow = [(r, x, 1.0) for r, x in load.items()] if nbytes > 0 else None
+        p2p = self.model.p2p_host_s if self.model is not None else 0.0
+        tid = self.tg.add(name, "comm_pp", f"link s{a.index}->s{b.index}", lat + p2p, deps, flow=flow,
+                          device=a.ids[0], stage=a.index, micro_batch=u_src,
+                          args={"bytes": nbytes, "src": a.ids[0], "dst": b.ids[0], "cls": "pp",
+                                "op": "send_recv", "ranks": 2, "copies": min(len(a.ids), len(b.ids))})
+        if len(b.ids) > 1:
+            tid = group_collective(self.tg, self.view, "all_gather", nbytes, b.ids, [tid], f"gather {name}",
+                                   f"stage{b.index}/comm", self.host_comm_s, stage=b.index, mb=u_src,
+                                   category="comm_pp")
+        return tid
+
+    def finish(self, workers: list[_StageWorker]) -> None:
+        ties = self._tied()
+        for stage in self.st:
+            stage.step(ties.get(stage.index, []))
+
+    def _tied(self) -> dict[int, list[int]]:
+        """Tied parameters' gradients, as the runtime (`plait.runtime.compose_worker`) sums them:
+        whole on each stage's first rank (an all-gather in a stage that stores it sharded),
+        all-reduced between the two first ranks after both stages' backward, then broadcast in
+        each stage. Per stage, what its optimizer step waits for."""
+        st, ties = self.st, defaultdict(list)
+
+        def coll(op: str, nbytes: float, ids: list[int], deps: list[int], name: str, s: int) -> int:
+            return group_collective(self.tg, self.view, op, nbytes, ids, deps, name, f"stage{s}/comm",
+                                    self.host_comm_s, stage=s, category="comm_dp")
+
+        for a, b, nbytes in self.tied:
+            deps = st[a].last + st[b].last
+            for s in (a, b):
+                if len(st[s].ids) > 1 and tied_sharded(st[s].prog, st[b if s == a else a].prog, nbytes):
+                    deps.append(coll("all_gather", nbytes, st[s].ids, st[s].last, f"gather tied gradients s{s}", s))
+            tid = coll("all_reduce", nbytes, [st[a].ids[0], st[b].ids[0]], deps,
+                       f"all_reduce tied gradients s{a}+s{b}", a)
+            for s in (a, b):
+                ties[s].append(tid if len(st[s].ids) == 1 else coll(
+                    "broadcast", nbytes, st[s].ids, [tid], f"broadcast tied gradients s{s}", s))
+        return ties
+
+
+def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
+                  bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
+                  view: ClusterView, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
+                  model: ComputeModel | None = None, tied: list[tuple[int, int, float]] = (),
+                  host_comm_s: float | None = None, boundary: bool = True) -> ProgramLowered:
+    """The task graph of one iteration of a pipeline of SPMD stages: the pipeline schedule (1F1B
+    for a chain, graph 1F1B for a DAG, or GPipe; one stage: a forward and a backward) walked by the
+    one driver (`plait.sim.lowering.pipeline`), each stage's actions emitted by its `SpmdStage`.
+    Every micro-batch has the stage's micro-batch size (the composed family cuts the batch evenly).
+
+    `bytes_per_sample[(a, b)]`: what crosses edge a -> b per sample, in the plan's dtype: the
+    sending stage holds it whole on every rank, ``k = min(senders, receivers)`` rank pairs each
+    carry ``1/k`` (`plait.sim.lowering.collectives.pair_loads`) and an all-gather in the receiving
+    group makes it whole there; gradients go back the same way.
+    `tied`: (stage a, stage b, gradient bytes) of parameters both stages hold.
+    `model`: the compute model's fixed costs (None: the work alone, for hand-computed checks).
+    `host_comm_s`: host time per collective (default the model's). `boundary`: add each stage's
+    boundary collectives (False: a whole-model program, whose search priced its ends)."""
+    tg = TaskGraph()
+    if host_comm_s is None:
+        host_comm_s = model.host_comm_s if model is not None else 0.0
+    n = len(stages)
+    sinks = set(range(n)) - {a for a, _ in edges}
+    sources = set(range(n)) - {b for _, b in edges}
+    whole = n == 1 and not boundary
+    st = [SpmdStage(s, p, tg, view, model, host_comm_s, "world/comm" if whole else f"stage{s}/comm",
+                    bucket_bytes=bucket_bytes, boundary=boundary, loss=s in sinks)
+          for s, p in enumerate(stages)]
+    sched = _pipeline(n, edges, micro_batches, micro_batch, schedule)
+    driver = _ProgramLowerer(st, sched, bytes_per_sample, micro_batches, micro_batch, view, model, host_comm_s,
+                             sources, list(tied))
+    driver.drive(driver.workers, list(edges))
+    return ProgramLowered(tg, sched, [x.reps for x in st], [x.classes for x in st])
+
+
+def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: ClusterView, *,
+               devices: Devices | None = None, of_op: dict[str, int] | None = None,
+               of_dim: dict[tuple[str, int], int] | None = None, bucket_bytes: float | None = None,
+               host_comm_s: float = 0.0, device_scale: np.ndarray | None = None,
+               mesh: Mesh | None = None, model: ComputeModel | None = None) -> ProgramLowered:
+    """The task graph of one training iteration of a whole-model SPMD `program` at `ratios` (one
+    vector, or one row per segment with `of_op` / `of_dim` from `plait.cost.program.Segments`) on
+    `view`: the one-stage pipeline, one micro-batch (`StageProgram` says what `devices`,
+    `device_scale` and `mesh` are)."""
+    prog = StageProgram(problem, program, np.asarray(ratios, dtype=float), of_op, of_dim, devices=devices,
+                        device_scale=device_scale, mesh=mesh)
+    return lower_compose([prog], [], {}, 1, 1, view, bucket_bytes=bucket_bytes, model=model,
+                         host_comm_s=host_comm_s, boundary=False)

@@ -51,7 +51,6 @@ Tasks of one worker, in program order on its compute stream
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -82,6 +81,7 @@ from plait.ir.plan import Plan, StageSpec
 from plait.ir.stage_graph import StageGraph, stage_graph
 from plait.schedule import Node, PipelineGraph, Schedule, ScheduleError, event_key
 from plait.sim.engine import TaskGraph
+from plait.sim.lowering.pipeline import PipelineDriver, compute_program
 from plait.sim.topology import ClusterView
 
 
@@ -224,7 +224,9 @@ def _retime(items: list[_Item], compute_s: float) -> list[_Item]:
 
 
 # ---------------------------------------------------------------- the lowering
-class _Lowerer:
+class _Lowerer(PipelineDriver):
+    """The tensor-parallel emitter on the one pipeline driver (`plait.sim.lowering.pipeline`)."""
+
     def __init__(self, graph: OpGraph, plan: Plan, view: ClusterView, options: SimOptions) -> None:
         self.graph, self.plan, self.view, self.opt = graph, plan, view, options
         self.model = options.compute
@@ -462,20 +464,20 @@ class _Lowerer:
         # a chain's chunk k is chunk k // pp of its rank; a graph stage's chunks are its segments
         self.local_chunk = {c.cid: c.cid // plan.pp for c in chunks} if not plan.stages else \
             {cid: k for row in self.all_workers for w in row[:1] for k, cid in enumerate(w.chunks)}
-        self.item_first: dict[int, list[int]] = {}
-        self.item_last: dict[int, list[int]] = {}
         self.layer_bwd_end: dict[int, dict[str, int]] = {}
         self.pred_chunks = defaultdict(list)
         self.succ_chunks = defaultdict(list)
         for a, b in edges:
             self.succ_chunks[a].append(b)
             self.pred_chunks[b].append(a)
-        for w in workers:
-            self._emit_worker(w)
-        self._emit_transfers(workers, edges)
-        self._emit_data(workers)
-        ends = self._emit_grad_sync(workers)
-        self._emit_step(workers, ends)
+        # Megatron's p2p: a transfer meets its receiver at the receive, and blocks the sender
+        # under 1F1B and GPipe; a graph stage that runs per input posts its receives at once
+        self.rendezvous = True
+        self.blocking = not plan.stages and plan.schedule in ("1f1b", "gpipe") and plan.virtual_stages == 1
+        self.per_input = bool(plan.stages)
+        self.edge_bytes = {(e.src, e.dst): e.bytes_per_sample for e in self.sg.edges}
+        self.act_scale = traffic.activation_scale(self.graph, plan)
+        self.drive(workers, edges)
         return Lowered(self.tg, workers, chunks, symmetric, note, granularity, world, self.tp_comm)
 
     def _program(self, w: Worker, stages: list[StageSpec]) -> list[tuple[str, int, int]]:
@@ -487,13 +489,11 @@ class _Lowerer:
             # (`_schedule`; the stage graph deals them to the replicas in turn); this replica runs
             # its own, in that order.
             mine = {i: k for i, (r, k) in enumerate(self._stage_units(w.stage)) if r == w.replica}
-            return [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], mine[a.micro_batch])
-                    for a in schedule.compute(w.stage) if a.micro_batch in mine]
+            return compute_program(schedule.compute(w.stage), w.chunks, mine)
         key = (id(schedule), w.stage, tuple(w.chunks))  # the replicas of a stage with equal sizes: one list
         hit = self._programs.get(key)
         if hit is None:
-            hit = self._programs[key] = [("F" if a.op == "fwd" else "B", w.chunks[a.chunk], a.micro_batch)
-                                         for a in schedule.compute(w.stage)]
+            hit = self._programs[key] = compute_program(schedule.compute(w.stage), w.chunks)
         return hit
 
     def _stage_units(self, stage: int) -> list[tuple[int, int]]:
@@ -692,7 +692,7 @@ class _Lowerer:
             self._items_key[id(items)] = tuple(id(it) for _, it in items)
         return hit[1]
 
-    def _emit_worker(self, w: Worker) -> None:
+    def emit_worker(self, w: Worker) -> None:
         plan = self.plan
         program = self.programs[w.wid]
         per_layer = self.granularity == "layer"
@@ -864,67 +864,15 @@ class _Lowerer:
         return first, prev[0]
 
     # ------------------------------------------------------------ pipeline transfers
-    def _emit_transfers(self, workers: list[Worker], edges: list[tuple[int, int]]) -> None:
-        plan = self.plan
-        blocking = not plan.stages and plan.schedule in ("1f1b", "gpipe") and plan.virtual_stages == 1
-        # index: (wid, kind, chunk, unit) -> program position
-        position: dict[tuple[int, str, int, int], int] = {}
-        for w in workers:
-            for idx, (k, c, i) in enumerate(self.programs[w.wid]):
-                position[(w.wid, k, c, i)] = idx
-        holders: dict[int, list[Worker]] = defaultdict(list)
-        for w in workers:
-            for c in w.chunks:
-                holders[c].append(w)
-        starts = {w.wid: [s for s, _ in w.units] for w in workers}
-        # What crosses each edge: the stage graph's boundary tensors (plait.ir.stage_graph).
-        edge_bytes = {(e.src, e.dst): e.bytes_per_sample for e in self.sg.edges}
-        scale = traffic.activation_scale(self.graph, plan)
-        # [first sample, end of the last unit) of each holder, as the per-unit test below reads them
-        span = {w.wid: (w.units[0][0], w.units[-1][0] + w.units[-1][1]) for w in workers if w.units}
-        for a, b in edges:
-            per_sample = edge_bytes[(a, b)]
-            for q in holders[b]:
-                if not q.units:
-                    continue
-                # producers whose samples meet q's at all (in holder order: emission order is kept)
-                q_lo, q_hi = min(u[0] for u in q.units), max(u[0] + u[1] for u in q.units)
-                near = [p for p in holders[a] if p.units and span[p.wid][0] < q_hi and span[p.wid][1] > q_lo]
-                for ui, (qs, qn) in enumerate(q.units):
-                    for p in near:
-                        if p.units[0][0] >= qs + qn or p.units[-1][0] + p.units[-1][1] <= qs:
-                            continue
-                        # Producer micro-batches overlapping [qs, qs+qn): bisect on their starts.
-                        first = max(0, bisect.bisect_right(starts[p.wid], qs) - 1)
-                        for uj in range(first, len(p.units)):
-                            ps, pn = p.units[uj]
-                            if ps >= qs + qn:
-                                break
-                            lo, hi = max(qs, ps), min(qs + qn, ps + pn)
-                            if hi <= lo:
-                                continue
-                            nbytes = traffic.pp_message_bytes(per_sample, hi - lo, scale, len(p.devices))
-                            self._transfer(p, q, a, b, uj, ui, nbytes, position, blocking, forward=True)
-                            self._transfer(q, p, b, a, ui, uj, nbytes, position, blocking, forward=False)
+    def message_bytes(self, edge: tuple[int, int], samples: int, src: Worker) -> float:
+        """What crosses chunk `edge` for `samples` samples: the stage graph's boundary tensors
+        (`plait.ir.stage_graph`) in the plan's dtype, one tensor rank's share."""
+        return traffic.pp_message_bytes(self.edge_bytes[edge], samples, self.act_scale, len(src.devices))
 
-    def _transfer(self, src: Worker, dst: Worker, c_src: int, c_dst: int, u_src: int, u_dst: int,
-                  nbytes: float, position: dict, blocking: bool, forward: bool) -> None:
-        k = "F" if forward else "B"
-        ks = position.get((src.wid, k, c_src, u_src))
-        kd = position.get((dst.wid, k, c_dst, u_dst))
-        if ks is None or kd is None:
-            return
-        deps = [self.item_last[src.wid][ks]]
-        post = kd
-        if forward and self.plan.stages and c_dst != dst.chunks[0]:
-            # a later segment of a stage that runs per input: the executor posts its receives with
-            # those of the stage's first segment for the micro-batch and waits them at its forward
-            post = position.get((dst.wid, "F", dst.chunks[0], u_dst), kd)
-        if post > 0:
-            deps.append(self.item_last[dst.wid][post - 1])  # receiver has posted its receive
-        if src.wid == dst.wid:
-            self.tg.add_dep(deps[0], self.item_first[dst.wid][kd])
-            return
+    def send(self, src: Worker, dst: Worker, c_src: int, c_dst: int, u_src: int, u_dst: int, nbytes: float,
+             deps: list[int], forward: bool) -> int:
+        """One flow from src's representative to dst's over their route, counting the other tensor
+        ranks' twin transfers and the replicas it stands for as copies."""
         # the pair's latency and resources (index, share of the bytes, tensor-rank copies), once
         # per worker pair: a 1024-GPU pipeline sends tens of thousands of transfers over them
         route = self.route_cache.get((src.wid, dst.wid))
@@ -942,21 +890,13 @@ class _Lowerer:
             flow = flows.get(nbytes)
             if flow is None:
                 flow = flows[nbytes] = [(r, nbytes * share, c) for r, share, c in res]
-        tg, s_rep = self.tg, src.devices[0]
-        tid = tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
-                     label, delay, deps, flow=flow, device=s_rep, stage=src.stage, micro_batch=u_src,
-                     args={"bytes": nbytes, "src": s_rep, "dst": dst.devices[0], "cls": "pp", "op": "send_recv",
-                           "ranks": 2, "copies": copies,
-                           "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
-                     chunk=self.local_chunk[c_src])
-        succ, npred = tg.succ[tid], tg.npred  # `tg.add_dep`, inlined
-        after = self.item_first[dst.wid][kd]
-        succ.append(after)
-        npred[after] += 1
-        firsts = self.item_first[src.wid]
-        if blocking and ks + 1 < len(firsts):
-            succ.append(firsts[ks + 1])
-            npred[firsts[ks + 1]] += 1
+        s_rep = src.devices[0]
+        return self.tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
+                           label, delay, deps, flow=flow, device=s_rep, stage=src.stage, micro_batch=u_src,
+                           args={"bytes": nbytes, "src": s_rep, "dst": dst.devices[0], "cls": "pp",
+                                 "op": "send_recv", "ranks": 2, "copies": copies,
+                                 "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
+                           chunk=self.local_chunk[c_src])
 
     def _replicas_of(self, w: Worker) -> int:
         """Replicas a simulated worker stands for (all of its stage's under symmetry, else itself)."""
@@ -977,7 +917,7 @@ class _Lowerer:
         return cache[ck].get(key, 1)
 
     # ------------------------------------------------------------ data loading
-    def _emit_data(self, workers: list[Worker]) -> None:
+    def emit_data(self, workers: list[Worker]) -> None:
         sources = {c.cid for c in self.chunks if not self.pred_chunks[c.cid]}
         in_bytes = self.graph.layers[0].input_bytes if self.graph.layers else 0.0
         for w in workers:
@@ -1079,6 +1019,9 @@ class _Lowerer:
                     if wo.wid != wu.wid and wo.replica == wu.replica:
                         out.append((wo, wu, traffic.tied_grad_bytes(t, len(wo.devices), self.plan)))
         return out
+
+    def finish(self, workers: list[Worker]) -> None:
+        self._emit_step(workers, self._emit_grad_sync(workers))
 
     def _emit_step(self, workers: list[Worker], ends: dict[int, int]) -> None:
         plan, model = self.plan, self.model
