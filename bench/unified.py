@@ -133,7 +133,7 @@ def describe(plan: Any, cluster: Any) -> str:
 
 def run_case(case: Case, finalists: int | None, exhaustive: bool, before_policy: bool = True) -> dict[str, Any]:
     from plait.errors import PlaitError
-    from plait.plan.threed import PlanResult
+    from plait.plan.types import PlanResult
     from plait.search import plan
 
     cluster = _cluster(case.cluster)

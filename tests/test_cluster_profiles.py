@@ -18,7 +18,7 @@ from plait.ir.profile import (
     profile_to_dict,
     save_profile,
 )
-from plait.plan.threed import load_graph
+from plait.plan.types import load_graph
 
 MODEL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
 CLUSTER = """

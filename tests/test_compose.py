@@ -320,7 +320,7 @@ def test_pipeline_estimate_times_have_the_launch_floor_of_a_group():
     is whole / g."""
     from plait.cluster import load_cluster
     from plait.cost.compute import layer_cost
-    from plait.plan.threed import load_graph
+    from plait.plan.types import load_graph
     from plait.search.compose_family import layer_times
 
     cluster = load_cluster("v100:nodes=1,gpus_per_node=4")

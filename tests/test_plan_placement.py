@@ -14,6 +14,7 @@ from plait.plan.placement import (
     apply_move,
     brute_force,
 )
+from plait.plan.types import Candidate
 
 GB = 1e9
 
@@ -196,7 +197,7 @@ def test_the_start_order_is_kept_where_it_simulates_faster(monkeypatch):
     mem = threed._MemoryFilter(graph, cluster, {})
     monkeypatch.setattr(threed, "_start_order", lambda groups, c: [0, 1, 2, 3])
     for start_s, kept in ((0.9, True), (1.1, False)):
-        cand = threed.Candidate(placed, iteration_time_s=1.0, placement=PlacementResult([3, 2, 1, 0], 1.0, 2.0))
+        cand = Candidate(placed, iteration_time_s=1.0, placement=PlacementResult([3, 2, 1, 0], 1.0, 2.0))
         times = {None: start_s, (3, 2, 1, 0): 1.0}
 
         def evaluate(g, p, times=times):

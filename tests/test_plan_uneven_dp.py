@@ -4,7 +4,8 @@ shares, the remainder carried by the first replicas, as the runtime runs them.""
 from __future__ import annotations
 
 from plait.cluster import load_cluster
-from plait.plan.threed import SearchSpace, enumerate_groups, load_graph
+from plait.plan.threed import SearchSpace, enumerate_groups
+from plait.plan.types import load_graph
 from plait.search import plan
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"

@@ -3,7 +3,7 @@
 import pytest
 
 from plait.ir.plan import Plan
-from plait.plan.threed import Candidate, PlanResult, SearchError
+from plait.plan.types import Candidate, PlanResult, SearchError
 from plait.search import FAMILIES, plan, register_family
 
 MODEL = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from plait.ir.plan import Plan
-from plait.plan.threed import PlanResult, SearchError
+from plait.plan.types import PlanResult, SearchError
 from plait.search import FAMILIES, plan, register_family, resolve_families, simulator_evaluate
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -42,7 +42,7 @@ def test_nothing_in_plait_names_the_toy_family():
 
 def test_the_driver_ranks_the_toy_family_with_the_others_by_the_simulator(toy):
     from plait.cluster import load_cluster
-    from plait.plan.threed import load_graph
+    from plait.plan.types import load_graph
     from plait.search.summary import family_rows
 
     assert "toy" in resolve_families("all")

@@ -28,7 +28,7 @@ from plait.cost.memory import estimate_memory
 from plait.ir.plan import Plan
 from plait.plan.graph_cost import GraphPlanError, StageCost, lower_bound
 from plait.plan.graphpipe import partition
-from plait.plan.threed import (
+from plait.plan.types import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,

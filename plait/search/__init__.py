@@ -15,17 +15,15 @@ With no arguments it plans `DEFAULT_MODEL` on `DEFAULT_CLUSTER` at `DEFAULT_GLOB
 
 from __future__ import annotations
 
-from plait.plan.threed import (
+from plait.plan.threed import AnalyticModel, SearchSpace, enumerate_groups
+from plait.plan.types import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
-    AnalyticModel,
     Candidate,
     PlanResult,
     SearchError,
-    SearchSpace,
     auto_dtype,
-    enumerate_groups,
     load_graph,
 )
 from plait.search.driver import (

@@ -49,7 +49,7 @@ from plait.cluster.spec import Cluster
 from plait.cost.memory import composed_in_flight, composed_peak_memory
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
-from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
+from plait.plan.types import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
 from plait.workers import map_parallel
 
 _CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
@@ -309,7 +309,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.plan.hetero import split_layers
-    from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
+    from plait.plan.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
     from plait.sim.api import simulate_compose
     from plait.sim.topology import ClusterView
 

@@ -21,14 +21,8 @@ from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
-from plait.plan.threed import (
-    DEFAULT_CLUSTER,
-    Evaluate,
-    PlanResult,
-    Progress,
-    SearchError,
-    search_3d,
-)
+from plait.plan.threed import Progress, search_3d
+from plait.plan.types import DEFAULT_CLUSTER, Evaluate, PlanResult, SearchError
 from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
 from plait.workers import paused_gc
@@ -76,7 +70,7 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
     plans, data-parallel stages of any degree included; with `runnable=True` (`plait plan --run`)
     the runtime's `supports` filter drops any it would refuse."""
     from plait.plan.graph_search import search_graph
-    from plait.plan.threed import load_graph
+    from plait.plan.types import load_graph
 
     if not chains:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
         graph = load_graph(model, options.get("dtype") or "bf16")[1]

@@ -26,7 +26,7 @@ from typing import Any
 
 from plait.cluster.spec import Cluster
 from plait.ir.plan import Plan
-from plait.plan.threed import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
+from plait.plan.types import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
 
 OVERLAP_WEIGHTS = (1.0, 0.0)  # gradient collectives counted in full / as hidden; the simulator picks
 
@@ -77,7 +77,7 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     from plait.cost.spmd import Devices
     from plait.graph.aten_stage import free_outputs
     from plait.graph.zoo import load_model
-    from plait.plan.threed import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
+    from plait.plan.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
     from plait.sim.api import simulate_spmd
     from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
 
