@@ -43,9 +43,8 @@ def _switch_shares(fabric: Fabric, src_leaf: str, dst_leaf: str) -> dict[int, fl
         nxt_mass: dict[tuple[str, str], float] = defaultdict(float)
         for (at, phase), m in mass.items():
             opts = fabric.choices(at, dst_leaf, phase)
-            if not opts:
-                fabric.walk(at, dst_leaf, lambda o, t: 0)  # raises FabricError naming the links
-                raise FabricError(f"no path from {at} towards {dst_leaf}")
+            if not opts:  # as `Fabric.walk`: name the failed links that cut it
+                raise fabric._no_path(f"from {at} towards {dst_leaf}", fabric._dead_between(at, dst_leaf, phase))
             for link, nxt, nph in opts:
                 shares[link] += m / len(opts)
                 if nph != "end":
