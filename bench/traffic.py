@@ -16,7 +16,9 @@ Plans of a 22B GPT (48 layers, hidden 6144, seq 2048, bf16, full recomputation):
 For each: the iteration time (`plait.sim.simulate`, flows on fabric paths, max-min fair
 sharing) under ECMP for every hash seed (median, p99) and with the planner's paths stored in
 the plan (`Plan.flow_paths`); the network bottleneck time T (bytes on the busiest link /
-capacity) of ECMP, of the planner and the LP lower bound ("ideal"); with one spine cable
+capacity) of ECMP, of the planner, of per-packet spraying (adaptive routing, fluid:
+`plait.net.spray`, the second baseline; network time only, the simulator is not run on it)
+and the LP lower bound ("ideal"); with one spine cable
 failed, ECMP re-hashed versus the planner re-planning the affected flows; the planner's
 time and the simulator's time per iteration. The ECMP baseline is measured in the same run.
 
@@ -53,6 +55,7 @@ from plait.net import planner  # noqa: E402
 from plait.net.fabric import Fabric  # noqa: E402
 from plait.net.flows import plan_flows  # noqa: E402
 from plait.net.paths import to_plan_field  # noqa: E402
+from plait.net.spray import spray_time  # noqa: E402
 from plait.sim.api import simulate  # noqa: E402
 from plait.sim.topology import ClusterView  # noqa: E402
 
@@ -144,6 +147,7 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
     t_plan, _ = best.bottleneck(fabric)
     t_ideal = planner.ideal(fabric, flows)
     t_whole = planner.whole_bound(fabric, flows)
+    t_spray = spray_time(fabric, flows)  # adaptive routing: every flow sprayed over every path (fluid)
     planned = dataclasses.replace(plan, flow_paths=to_plan_field(fabric, flows, best.paths()))
     it_plan, _, _ = iteration(graph, base, planned)
     # issue 16's planner, for comparison: flows split fractionally over up to 16 paths
@@ -170,6 +174,7 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
     it_frac_after = iteration(graph, broken, dataclasses.replace(
         plan, flow_paths=to_plan_field(fb, flows, frac_after.paths())))[0]
     t_whole_after = planner.whole_bound(fb, flows)
+    t_spray_after = spray_time(fb, flows)
     ecmp_kept_t, ecmp_kept_it = [], []
     for s in range(min(seeds, 20)):
         c = with_failure(with_seed(base, s))
@@ -187,12 +192,14 @@ def run_plan(name: str, plan: Plan, graph, base: Cluster, seeds: int, console: C
         "ecmp_iter_median_s": med, "ecmp_iter_p99_s": p99, "planned_iter_s": it_plan,
         "faster_median": med / it_plan - 1, "faster_p99": p99 / it_plan - 1,
         "T_ideal_s": t_ideal, "T_planned_s": t_plan, "T_ecmp_median_s": float(np.median(ecmp_t)),
+        "T_sprayed_s": t_spray, "achieved_over_ideal_sprayed": t_ideal / t_spray,
         "achieved_over_ideal_planned": t_ideal / t_plan,
         "achieved_over_ideal_ecmp_median": t_ideal / float(np.median(ecmp_t)),
         "planner_s": best.seconds,
         "failure": {"replan_s": again.seconds, "replan_cpu_s": again.cpu_seconds, "flows_moved": again.moved,
                     "kept_network": t_plan / t_after, "kept_iteration": it_plan / it_after,
                     "kept_network_whole_bound": t_whole / t_whole_after,
+                    "kept_network_sprayed": t_spray / t_spray_after,
                     "kept_iteration_fractional": it_frac / it_frac_after,
                     "kept_network_fractional": frac.bottleneck(fabric)[0] / frac_after.bottleneck(fb)[0],
                     "planned_iter_after_s": it_after,
@@ -373,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                 "T_ecmp_median_s": float(np.median([planner.assign(f, flows, planner.ecmp_routes(f, flows))
                                                     .bottleneck(f)[0] for f in (Fabric(with_seed(over, s))
                                                                                 for s in range(seeds))]))}
+    over_row["T_sprayed_s"] = spray_time(fo, flows)
+    over_row["achieved_over_ideal_sprayed"] = over_row["T_ideal_s"] / over_row["T_sprayed_s"]
     over_row["achieved_over_ideal_planned"] = over_row["T_ideal_s"] / over_row["T_planned_s"]
     over_row["achieved_over_ideal_ecmp_median"] = over_row["T_ideal_s"] / over_row["T_ecmp_median_s"]
 
@@ -380,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(NCCL flow counts); 'fractional' = issue 16's planner splitting flows over up to 16 paths")
     for c in ("fabric", "QPs", "plan", "flows (per conn)", "ECMP iter median s", "ECMP iter p99 s",
               "planned iter s", "faster (median)", "faster (p99)", "fractional iter s", "fractional faster (median)",
-              "T ideal ms", "T whole bound ms", "T planned ms", "T ECMP med ms", "achieved/ideal planned",
-              "achieved/ideal ECMP", "planner s", "sim s/iter max (cpu)"):
+              "T ideal ms", "T whole bound ms", "T planned ms", "T ECMP med ms", "T sprayed ms",
+              "achieved/ideal planned", "achieved/ideal ECMP", "achieved/ideal sprayed", "planner s",
+              "sim s/iter max (cpu)"):
         table.add_column(c, justify="right")
     for r in rows:
         table.add_row(r["fabric"], str(r["qps_per_connection"]), f"{r['plan']} ({r['plan_str']})",
@@ -390,18 +400,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['faster_p99']:+.0%}", f"{r['planned_fractional_iter_s']:.3f}",
                       f"{r['faster_median_fractional']:+.0%}", f"{r['T_ideal_s'] * 1e3:.1f}",
                       f"{r['T_whole_bound_s'] * 1e3:.1f}", f"{r['T_planned_s'] * 1e3:.1f}",
-                      f"{r['T_ecmp_median_s'] * 1e3:.1f}", f"{r['achieved_over_ideal_planned']:.3f}",
-                      f"{r['achieved_over_ideal_ecmp_median']:.3f}", f"{r['planner_s']:.2f}",
+                      f"{r['T_ecmp_median_s'] * 1e3:.1f}", f"{r['T_sprayed_s'] * 1e3:.1f}",
+                      f"{r['achieved_over_ideal_planned']:.3f}", f"{r['achieved_over_ideal_ecmp_median']:.3f}",
+                      f"{r['achieved_over_ideal_sprayed']:.3f}", f"{r['planner_s']:.2f}",
                       f"{r['sim_s_per_iteration_max']:.2f} ({r['sim_cpu_s_per_iteration_max']:.2f})")
     table.add_row("rail-bonded-512 2:1", "1", "dp", str(len(flows)), "", "", "", "", "", "", "",
                   f"{over_row['T_ideal_s'] * 1e3:.1f}", f"{over_row['T_whole_bound_s'] * 1e3:.1f}",
                   f"{over_row['T_planned_s'] * 1e3:.1f}",
-                  f"{over_row['T_ecmp_median_s'] * 1e3:.1f}", f"{over_row['achieved_over_ideal_planned']:.3f}",
-                  f"{over_row['achieved_over_ideal_ecmp_median']:.3f}", f"{over_row['planner_s']:.2f}", "")
+                  f"{over_row['T_ecmp_median_s'] * 1e3:.1f}", f"{over_row['T_sprayed_s'] * 1e3:.1f}",
+                  f"{over_row['achieved_over_ideal_planned']:.3f}", f"{over_row['achieved_over_ideal_ecmp_median']:.3f}",
+                  f"{over_row['achieved_over_ideal_sprayed']:.3f}", f"{over_row['planner_s']:.2f}", "")
     fail = Table(title="one spine cable failed (rail-bonded-512: leaf0-r0 <-> spine0 #0; leaf-spine-512: leaf0 <-> "
                        "spine0 #0): throughput kept, whole flows re-planned")
     for c in ("fabric", "QPs", "plan", "re-plan s (cpu)", "flows moved", "network kept", "iteration kept",
-              "whole-flow bound: network kept", "LP bound: network kept", "fractional: iteration kept",
+              "whole-flow bound: network kept", "LP bound: network kept", "sprayed: network kept",
+              "fractional: iteration kept",
               "ECMP: network kept (median)", "ECMP: iteration kept (median)", "iter after: planned s",
               "iter after: ECMP median s"):
         fail.add_column(c, justify="right")
@@ -410,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         fail.add_row(r["fabric"], str(r["qps_per_connection"]), r["plan"],
                      f"{f['replan_s']:.3f} ({f['replan_cpu_s']:.3f})", str(f["flows_moved"]),
                      f"{f['kept_network']:.1%}", f"{f['kept_iteration']:.1%}", f"{f['kept_network_whole_bound']:.1%}",
-                     f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}", f"{f['kept_iteration_fractional']:.1%}",
+                     f"{r['T_ideal_s'] / f['T_ideal_after_s']:.1%}", f"{f['kept_network_sprayed']:.1%}",
+                     f"{f['kept_iteration_fractional']:.1%}",
                      f"{f['ecmp_kept_network_median']:.1%}", f"{f['ecmp_kept_iteration_median']:.1%}",
                      f"{f['planned_iter_after_s']:.3f}", f"{f['ecmp_iter_after_median_s']:.3f}")
     emulated = emulate(args.no_emulate)
@@ -427,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         "comm_bound_faster_p99_min": min(r["faster_p99"] for r in comm),
         "achieved_over_ideal_planned_min": min(r["achieved_over_ideal_planned"] for r in rows),
         "achieved_over_ideal_planned_2to1": over_row["achieved_over_ideal_planned"],
+        "achieved_over_ideal_sprayed_min": min(r["achieved_over_ideal_sprayed"] for r in rows),
+        "achieved_over_ideal_ecmp_median_min": min(r["achieved_over_ideal_ecmp_median"] for r in rows),
+        "kept_network_sprayed_min": min(r["failure"]["kept_network_sprayed"] for r in rows),
         "replan_s_max": max(r["failure"]["replan_s"] for r in rows),
         "replan_cpu_s_max": max(r["failure"]["replan_cpu_s"] for r in rows),
         "kept_network_min": min(r["failure"]["kept_network"] for r in rows),

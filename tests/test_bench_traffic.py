@@ -48,3 +48,23 @@ def test_run_plan_on_a_tiny_fabric() -> None:
     assert row["T_whole_bound_s"] <= row["T_planned_s"] * (1 + 1e-9)
     assert row["planned_fractional_iter_s"] <= row["ecmp_iter_median_s"] * (1 + 1e-9)
     assert row["sim_cpu_s_per_iteration_max"] > 0
+    assert 0 < row["achieved_over_ideal_sprayed"] <= 1 + 1e-9  # sprayed: at most the LP bound
+    assert row["T_sprayed_s"] >= row["T_ideal_s"] * (1 - 1e-9)
+    assert 0 < fail["kept_network_sprayed"] <= 1 + 1e-9
+
+
+def test_published_ecmp_cases_rebuild_the_tolly_fabric() -> None:
+    """bench/ecmp_published.py on its smallest case (64 GPUs, 8 servers, 4 leaves, 2 spines): the
+    published figures beside the model's, and more hashed flows lose less to ECMP."""
+    spec = importlib.util.spec_from_file_location("bench_ecmp_published", BENCH.parent / "ecmp_published.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.case_tolly(5)
+    assert [r["published"] for r in rows] == [0.1043, 0.1129, 0.1732, 0.2276]
+    for r in rows:
+        assert r["flows"] == 8 * 8 * 2  # one ring crossing per node and NIC, 2 channels, 1 QP
+        assert r["model"]["min"] >= -1e-9 and r["planned_over_ideal"] >= 0.999
+    sens = {(x["channels_per_nic"], x["qps_per_connection"]): x for x in bench.tolly_sensitivity(5)}
+    few, many = sens[(2, 1)], sens[(4, 4)]
+    assert many["flows"] == 8 * few["flows"]
+    assert many["ecmp_achieved_over_ideal"]["median"] >= few["ecmp_achieved_over_ideal"]["median"]

@@ -10,6 +10,8 @@ One job per module:
 * `flows`    -- the inter-node flows of a plan's collectives (ring neighbours per channel and QP);
 * `planner`  -- assigns each flow a path (spine, port) to balance link loads, the LP lower
                 bound ("ideal"), re-planning after a link failure;
+* `spray`    -- adaptive routing as per-packet spraying (fluid): every flow split evenly at
+                every hop, the second baseline beside ECMP;
 * `paths`    -- planned paths as `Plan.flow_paths` stores them, and back;
 * `deploy`   -- settings a deployment applies (NCCL env, policy routes, per-QP source ports);
 * `api`      -- `plan_traffic(plan, cluster, graph)`: all of the above in one call;
