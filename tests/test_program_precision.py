@@ -103,3 +103,38 @@ def test_stage_graph_trains_in_low_precision_as_one_process(tmp_path, monkeypatc
         assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
     else:
         assert result.loss_scales == []
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("zero", [0, 3])
+def test_data_parallel_plan_on_torch_modules_trains_in_low_precision_as_one_process(tmp_path, monkeypatch, zero: int,
+                                                                                   dtype: str) -> None:
+    # issue 29: DDP under autocast, or FSDP2 with MixedPrecisionPolicy (parameters gathered in the
+    # plan's dtype, gradients reduce-scattered in fp32), fp16 with plait's loss scaler.
+    from plait.ir.comm import read_comm_records
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+    plan = f"dp=2,micro_batch=2,zero={zero},global_batch=8,dtype={dtype}"
+    assert engine_for(plan).engine == "torch"
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
+    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
+                 records=RecordsConfig(run_dir=tmp_path / "run"))
+    low, params = reference_run(tiny, plan, STEPS, training=training)
+    fp32, _ = reference_run(tiny, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
+    assert result.engine == "torch"
+    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    if zero:  # each step gathers every parameter in forward and backward of 2 micro-batches, at 2 bytes each
+        numel = sum(v.numel() for n, v in params.items() if n != "head.lm.weight")  # tied to embed.tok
+        gathers = [r for r in read_comm_records(tmp_path / "run" / "comm" / "rank0.jsonl").records
+                   if r.op == "all_gather" and r.step == 1]
+        assert sum(r.bytes for r in gathers) == 2 * 2 * numel * 2
+    else:  # the first forward is the reference's, nearer it than fp32 compute
+        assert abs(result.losses[0] - low[0]) < abs(result.losses[0] - fp32[0]), (result.losses, low, fp32)
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []

@@ -311,8 +311,8 @@ def torch_runs(plan: Plan, run: dict[str, Any]) -> str:
     if plan.zero in (1, 2):
         return f"zero={plan.zero}: FSDP2's collectives are not yet recorded; ZeRO-1/2 run on plait's own"
     dtype = run.get("dtype") or plan.dtype
-    if dtype not in ("fp32", "tf32"):
-        return f"dtype {dtype}: mixed precision on torch's modules is not yet compared with plait's"
+    if dtype not in ("fp32", "tf32") and plan.tp != 1:
+        return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     if run.get("checkpoint"):
