@@ -58,16 +58,21 @@ def test_spmd_plan_trains_in_low_precision_as_one_process(tmp_path, monkeypatch,
         assert result.loss_scales == []
 
 
-def test_composed_plan_trains_in_bf16_as_one_process() -> None:
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_composed_plan_trains_in_low_precision_as_one_process(monkeypatch, dtype: str) -> None:
     from test_compose_run import TINY, _composed_plan
 
     from plait.runtime.api import LaunchConfig, TrainingConfig, reference_run, run
 
-    plan = dataclasses.replace(_composed_plan(), dtype="bf16")
-    training = TrainingConfig(dtype="bf16", optimizer={"name": "sgd"}, lr=0.5)
-    result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180))
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    plan = dataclasses.replace(_composed_plan(), dtype=dtype)
+    training = TrainingConfig(dtype=dtype, optimizer={"name": "sgd"}, lr=0.5)
+    result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale))
     low, _ = reference_run(TINY, plan, STEPS, training=training)
-    assert _close(result.losses, low, TOL["bf16"]), (result.losses, low)
+    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    if dtype == "fp16":  # every rank of both stages agreed on the scale
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
