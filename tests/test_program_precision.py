@@ -143,3 +143,24 @@ def test_data_parallel_plan_on_torch_modules_trains_in_low_precision_as_one_proc
         assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
     else:
         assert result.loss_scales == []
+
+
+def test_fsdp2_reduces_gradients_in_the_plans_grad_reduce_dtype(tmp_path) -> None:
+    # grad_reduce_dtype=bf16: FSDP2 reduce-scatters bf16 gradients (2 bytes per element of every
+    # micro-batch's gradients; fp32 by default, 4), still the bf16 reference's losses.
+    from plait.ir.comm import read_comm_records
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+    plan = "dp=2,micro_batch=2,zero=3,global_batch=8,dtype=bf16,grad_reduce_dtype=bf16"
+    assert engine_for(plan).engine == "torch"
+    training = TrainingConfig(dtype="bf16", optimizer="adam", lr=1e-2)
+    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180),
+                 records=RecordsConfig(run_dir=tmp_path / "run"))
+    low, params = reference_run(tiny, plan, STEPS, training=training)
+    assert _close(result.losses, low, TOL["bf16"]), (result.losses, low)
+    numel = sum(v.numel() for n, v in params.items() if n != "head.lm.weight")  # tied to embed.tok
+    scatters = [r for r in read_comm_records(tmp_path / "run" / "comm" / "rank0.jsonl").records
+                if r.op == "reduce_scatter" and r.step == 1]
+    assert sum(r.bytes for r in scatters) == 2 * numel * 2

@@ -38,6 +38,7 @@ def _spmd() -> Plan:
     (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-3 on FSDP2
     (Plan(dp=2, micro_batch=2, global_batch=8), "torch"),  # bf16: DDP under autocast
     (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # FSDP2 MixedPrecisionPolicy
+    (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "torch"),  # its reduce_dtype
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "pipeline"),  # ZeRO-1
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
@@ -59,7 +60,8 @@ def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
 
 @pytest.mark.parametrize("plan, field", [
     (Plan(dp=2, pp=2, zero=3, micro_batch=1, global_batch=8), "'zero'"),
-    (Plan(dp=2, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "'grad_reduce_dtype'"),
+    (Plan(dp=2, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "'grad_reduce_dtype'"),  # DDP: fp32
+    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, grad_reduce_dtype="fp16"), "'grad_reduce_dtype'"),
     (Plan(pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"), "'schedule'"),
     (_graph(schedule="interleaved"), "'schedule'"),
     (Plan.from_dict({**_graph().to_dict(), "stage_edges": [[0, 2]]}), "'stage_edges'"),  # two sinks
