@@ -191,12 +191,14 @@ def test_driver_plans_composed_pipelines_the_runtime_runs():
 def test_compose_declines_with_a_reason():
     from plait.cluster import load_cluster
     from plait.errors import PlaitError
+    from plait.plan.threed import auto_dtype
     from plait.search import plan
 
     with pytest.raises(PlaitError, match="compose: .*one node of one GPU kind"):
         plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="compose")
     runs = plan(TINY, _two_gpu_cluster(per_node=2), global_batch=8, families="compose", runnable=True)
-    assert runs.best.plan.dtype == "fp32" and runs.best.unsupported == ""  # the runtime's dtype
+    # the cluster's dtype (the runtime runs composed plans in bf16 / fp16 too), runnable as planned
+    assert runs.best.plan.dtype == auto_dtype(_two_gpu_cluster(per_node=2)) == "bf16" and runs.best.unsupported == ""
     res = plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="3d,compose", finalists=2)
     assert "one node of one GPU kind" in res.families["compose"]
 

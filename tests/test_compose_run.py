@@ -232,3 +232,29 @@ def test_composed_plan_checkpoints_and_resumes_under_itself_and_another_plan(tmp
     other = run(TINY, None, f"pp=2,micro_batch={MICRO_BATCH},global_batch={2 * MICRO_BATCH},dtype=fp32", steps=4,
                 training=training, checkpoint=CheckpointConfig(dir=root, resume=True), launch=launch)
     assert other.steps == [2, 3] and other.losses == pytest.approx(ref[2:], rel=0, abs=1e-5)
+
+
+def test_composed_plan_resumes_another_plans_checkpoint(tmp_path) -> None:
+    """The other way round: a 3D pipeline's checkpoint after step 2 resumes into the composed plan,
+    and that one's checkpoint after step 3 into the composed plan at other ratios (each stage's
+    program resharded 0.3:0.7 / 0.7:0.3), each equal to the uninterrupted run."""
+    from plait.runtime.api import CheckpointConfig, LaunchConfig, TrainingConfig, reference_run, run
+
+    plan = _composed_plan()
+    swapped = dataclasses.replace(plan, stages=[
+        dataclasses.replace(st, spmd=dataclasses.replace(st.spmd, ratios=list(reversed(ratios))))
+        for st, ratios in zip(plan.stages, RATIOS)])
+    assert supports(swapped) == (True, "")
+    training = TrainingConfig(optimizer={"name": "adam"}, lr=1e-2, clip_grad=CLIP)
+    ref, _ = reference_run(TINY, plan, 4, training=training)
+    root, launch = tmp_path / "ck", LaunchConfig(timeout=120)
+    three_d = f"pp=2,micro_batch={MICRO_BATCH},global_batch={2 * MICRO_BATCH},dtype=fp32"
+    first = run(TINY, None, three_d, steps=2, training=training, checkpoint=CheckpointConfig(dir=root, every=2),
+                launch=launch)
+    assert first.losses == pytest.approx(ref[:2], rel=0, abs=1e-5)
+    composed = run(TINY, None, plan, steps=3, training=training,
+                   checkpoint=CheckpointConfig(dir=root, every=1, resume=True), launch=launch)
+    assert composed.steps == [2] and composed.losses == pytest.approx(ref[2:3], rel=0, abs=1e-5)
+    other = run(TINY, None, swapped, steps=4, training=training, checkpoint=CheckpointConfig(dir=root, resume=True),
+                launch=launch)
+    assert other.steps == [3] and other.losses == pytest.approx(ref[3:], rel=0, abs=1e-5)

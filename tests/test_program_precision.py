@@ -1,6 +1,7 @@
-"""SPMD and composed plans in bf16 and fp16 (issue 30 item 1): fp32 master parameters, ops autocast
-to the plan's precision, fp16 with dynamic loss scaling agreed over every rank; each run against
-the single-process reference in the same precision (`reference_run` with `training.dtype`).
+"""Graph-pipeline, SPMD and composed plans in bf16 and fp16 (issue 30 item 1): fp32 master
+parameters, ops autocast to the plan's precision, fp16 with dynamic loss scaling agreed over every
+rank; each run against the single-process reference in the same precision (`reference_run` with
+`training.dtype`).
 
 Low precision rounds differently where a program splits a reduction over ranks (a row-parallel
 matmul's partial sums are added after rounding), so the runs are held to bf16's / fp16's own
@@ -8,6 +9,8 @@ resolution -- a few units of 2^-8 (bf16) and 2^-11 (fp16) relative -- not fp32's
 reference sits farther away than that, so the runs did compute in low precision."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from test_spmd_checkpoint import NAME
@@ -55,15 +58,109 @@ def test_spmd_plan_trains_in_low_precision_as_one_process(tmp_path, monkeypatch,
         assert result.loss_scales == []
 
 
-def test_composed_plan_trains_in_bf16_as_one_process() -> None:
-    import dataclasses
-
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_composed_plan_trains_in_low_precision_as_one_process(monkeypatch, dtype: str) -> None:
     from test_compose_run import TINY, _composed_plan
 
     from plait.runtime.api import LaunchConfig, TrainingConfig, reference_run, run
 
-    plan = dataclasses.replace(_composed_plan(), dtype="bf16")
-    training = TrainingConfig(dtype="bf16", optimizer={"name": "sgd"}, lr=0.5)
-    result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180))
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    plan = dataclasses.replace(_composed_plan(), dtype=dtype)
+    training = TrainingConfig(dtype=dtype, optimizer={"name": "sgd"}, lr=0.5)
+    result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale))
     low, _ = reference_run(TINY, plan, STEPS, training=training)
+    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    if dtype == "fp16":  # every rank of both stages agreed on the scale
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_stage_graph_trains_in_low_precision_as_one_process(tmp_path, monkeypatch, dtype: str) -> None:
+    # A GraphPipe-shaped plan on 3 ranks: stage a fans out to b (micro-batches of 1) and to the sink
+    # {c, d} (micro-batches of 4), which also reads b's output and its own input y (a skip edge).
+    from test_runtime_pipeline_graph import DIAMOND
+
+    from plait.ir.plan import Plan, StageSpec
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, TrainingConfig, reference_run, run
+
+    path = tmp_path / "diamond.py"
+    path.write_text(DIAMOND)
+    model = f"{path}:make"
+    stages = [StageSpec(name="a", layers=["a"], devices=[0]), StageSpec(name="b", layers=["b"], devices=[1],
+                                                                         micro_batch=1),
+              StageSpec(name="cd", layers=["c", "d"], devices=[2], micro_batch=4)]
+    plan = Plan(stages=stages, stage_edges=[(0, 1), (0, 2), (1, 2)], micro_batch=2, global_batch=8, dtype=dtype)
+    assert engine_for(plan).engine == "pipeline"
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    training = TrainingConfig(dtype=dtype, optimizer={"name": "sgd"}, lr=0.5)
+    result = run(model, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale))
+    low, _ = reference_run(model, plan, STEPS, training=training)
+    fp32, _ = reference_run(model, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
+    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    # The first step's forward is the reference's to fp32 rounding (the sink sums two micro-batches'
+    # losses); fp32 compute sits some 5e-5 away there.
+    assert _close(result.losses[:1], low[:1], 1e-6) and not _close(result.losses[:1], fp32[:1], 1e-5), (
+        result.losses, low, fp32)
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("zero", [0, 3])
+def test_data_parallel_plan_on_torch_modules_trains_in_low_precision_as_one_process(tmp_path, monkeypatch, zero: int,
+                                                                                   dtype: str) -> None:
+    # issue 29: DDP under autocast, or FSDP2 with MixedPrecisionPolicy (parameters gathered in the
+    # plan's dtype, gradients reduce-scattered in fp32), fp16 with plait's loss scaler.
+    from plait.ir.comm import read_comm_records
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+    plan = f"dp=2,micro_batch=2,zero={zero},global_batch=8,dtype={dtype}"
+    assert engine_for(plan).engine == "torch"
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
+    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
+                 records=RecordsConfig(run_dir=tmp_path / "run"))
+    low, params = reference_run(tiny, plan, STEPS, training=training)
+    fp32, _ = reference_run(tiny, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
+    assert result.engine == "torch"
+    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    if zero:  # each step gathers every parameter in forward and backward of 2 micro-batches, at 2 bytes each
+        numel = sum(v.numel() for n, v in params.items() if n != "head.lm.weight")  # tied to embed.tok
+        gathers = [r for r in read_comm_records(tmp_path / "run" / "comm" / "rank0.jsonl").records
+                   if r.op == "all_gather" and r.step == 1]
+        assert sum(r.bytes for r in gathers) == 2 * 2 * numel * 2
+    else:  # the first forward is the reference's, nearer it than fp32 compute
+        assert abs(result.losses[0] - low[0]) < abs(result.losses[0] - fp32[0]), (result.losses, low, fp32)
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []
+
+
+def test_fsdp2_reduces_gradients_in_the_plans_grad_reduce_dtype(tmp_path) -> None:
+    # grad_reduce_dtype=bf16: FSDP2 reduce-scatters bf16 gradients (2 bytes per element of every
+    # micro-batch's gradients; fp32 by default, 4), still the bf16 reference's losses.
+    from plait.ir.comm import read_comm_records
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+    plan = "dp=2,micro_batch=2,zero=3,global_batch=8,dtype=bf16,grad_reduce_dtype=bf16"
+    assert engine_for(plan).engine == "torch"
+    training = TrainingConfig(dtype="bf16", optimizer="adam", lr=1e-2)
+    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180),
+                 records=RecordsConfig(run_dir=tmp_path / "run"))
+    low, params = reference_run(tiny, plan, STEPS, training=training)
     assert _close(result.losses, low, TOL["bf16"]), (result.losses, low)
+    numel = sum(v.numel() for n, v in params.items() if n != "head.lm.weight")  # tied to embed.tok
+    scatters = [r for r in read_comm_records(tmp_path / "run" / "comm" / "rank0.jsonl").records
+                if r.op == "reduce_scatter" and r.step == 1]
+    assert sum(r.bytes for r in scatters) == 2 * numel * 2

@@ -36,7 +36,9 @@ def _spmd() -> Plan:
     (Plan(dp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # data parallel on DDP
     (Plan(dp=2, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25], dtype="fp32"), "torch"),  # uneven shares
     (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-3 on FSDP2
-    (Plan(dp=2, micro_batch=2, global_batch=8), "pipeline"),  # bf16: not yet on torch's modules
+    (Plan(dp=2, micro_batch=2, global_batch=8), "torch"),  # bf16: DDP under autocast
+    (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # FSDP2 MixedPrecisionPolicy
+    (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "torch"),  # its reduce_dtype
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "pipeline"),  # ZeRO-1
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
@@ -58,7 +60,8 @@ def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
 
 @pytest.mark.parametrize("plan, field", [
     (Plan(dp=2, pp=2, zero=3, micro_batch=1, global_batch=8), "'zero'"),
-    (Plan(dp=2, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "'grad_reduce_dtype'"),
+    (Plan(dp=2, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "'grad_reduce_dtype'"),  # DDP: fp32
+    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, grad_reduce_dtype="fp16"), "'grad_reduce_dtype'"),
     (Plan(pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"), "'schedule'"),
     (_graph(schedule="interleaved"), "'schedule'"),
     (Plan.from_dict({**_graph().to_dict(), "stage_edges": [[0, 2]]}), "'stage_edges'"),  # two sinks
@@ -91,7 +94,7 @@ def test_run_refuses_before_any_process_starts(tmp_path):
 @pytest.mark.parametrize("run, engine, why", [
     ({}, "torch", ""),
     ({"dtype": "fp32", "checkpoint": None}, "torch", ""),
-    ({"dtype": "fp16"}, "pipeline", "dtype fp16"),  # the run's training dtype, not the plan's
+    ({"dtype": "fp16"}, "torch", ""),  # mixed precision on DDP (autocast, loss scaling) too
     ({"dtype": "fp32", "checkpoint": {"dir": "ck", "every": 1}}, "pipeline", "checkpoints"),
     ({"engine": "plait"}, "pipeline", "engine=plait"),  # LaunchConfig(engine="plait")
 ])
@@ -112,6 +115,7 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
 @pytest.mark.parametrize("plan, run, engine", [
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "pipeline"),  # DTensor records: not yet
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch"),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "pipeline"),  # not compared yet
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {"engine": "torch"},
      "pipeline"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -357,3 +358,47 @@ def test_simulate_of_an_fp16_plan_file_is_the_search_own_simulation(tmp_path) ->
     stored.plan.save(path)
     own = simulate_spmd(stored.problem, stored.synthesis, stored.cluster, bucket_bytes=None, batch=32)
     assert simulate(model, pair, str(path)).iteration_time_s == pytest.approx(own.iteration_time_s, rel=1e-9)
+
+
+def test_the_machine_prediction_prices_the_program_in_the_plans_dtype(tmp_path) -> None:
+    """`--dtype fp16 --run` (or bf16): the prediction for this machine prices the program in the
+    plan's dtype (its collectives at fp16 bytes, half the fp32 capture's) that the run trains in,
+    not an fp32 one."""
+    from plait.commands.spmd_plan import machine_pieces, synthesize_plan
+
+    cluster = tmp_path / "a100_t4.yaml"  # the VGG's convolutions are sharded here (all-gathers, reduce-scatters)
+    cluster.write_text("name: a100+t4\nnodes:\n  - name: m\n    gpus: [{kind: a100-40gb, count: 1}, "
+                       "{kind: t4, count: 1}]\n    intra: {type: nvlink, bandwidth: 150 GB/s}\n")
+    choice = synthesize_plan("vgg19:width=16,fc=1024,image=32,pool=1,classes=10,dropout=0", str(cluster), 32,
+                             dtype="fp16")
+    program = choice.machine_program()
+    low = [(c.tensor, c.nbytes) for _, c in program.comms if choice.graph.tensors[c.tensor].dtype == "float16"]
+    assert low and all(n == choice.graph.tensors[t].nbytes == choice.run_graph.tensors[t].nbytes // 2 for t, n in low)
+    cal = {"all_gather": [[8e3, 1e-4], [1.3e5, 4e-4], [2e6, 3e-3], [8e6, 1e-2]]}
+    devices = machine_devices_of(choice, 0.5, [1.0, 1.6], cal)
+    comm = machine_pieces(choice, devices, choice.plan.spmd.ratios)["comm"]
+    as_fp32 = dataclasses.replace(choice, synthesis=dataclasses.replace(choice.synthesis, program=dataclasses.replace(
+        program, comms=[(n, dataclasses.replace(c, nbytes=choice.run_graph.tensors[c.tensor].nbytes))
+                        for n, c in program.comms])))
+    assert 0 < comm < machine_pieces(as_fp32, devices, choice.plan.spmd.ratios)["comm"]
+
+
+@pytest.mark.slow
+def test_run_in_bf16_trains_and_predicts_bf16(capsys) -> None:
+    """`plait plan --family spmd --dtype bf16 --run` (two launches of two ranks: about a minute):
+    both programs train in bf16 (their first losses those of the one-process bf16 reference, not
+    fp32's) and are predicted in bf16."""
+    from plait.commands.spmd_plan import synthesize_plan
+    from plait.runtime.api import TrainingConfig, reference_run
+
+    assert main(["plan", "--family", "spmd", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", "8",
+                 "--dtype", "bf16", "--run", "--steps", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["dtype"] == "bf16" and res["run"]["dtype"] == "bf16"
+    plan = synthesize_plan(MODEL, CLUSTER, 8, dtype="bf16").plan
+    low = reference_run(MODEL, plan, 1, training=TrainingConfig(dtype="bf16", optimizer="adam"))[0][0]
+    fp32 = reference_run(MODEL, plan, 1, training=TrainingConfig(dtype="fp32", optimizer="adam"))[0][0]
+    for name in ("uneven", "even"):
+        first = res["run"][name]["losses"][0]
+        assert abs(first - low) <= 3 * 2.0 ** -8 * abs(low) and abs(first - low) < abs(first - fp32), (first, low, fp32)
+        assert res["run"][name]["predicted_machine_s"] > 0

@@ -83,7 +83,7 @@ def add_parser(subparsers: Any) -> None:
                    help="training dtype of every family's plans: fp32, tf32 (fp32 tensors, TF32 tensor-core "
                         "matmuls; fp32 where a GPU has no TF32 unit), bf16 or fp16 (mixed precision). Default: "
                         "bf16, or fp16 where a GPU kind has no bf16 unit (V100, T4); fp32 for --family spmd "
-                        "and for SPMD programs the runtime is to run (CPU ranks compute fp32)")
+                        "(CPU ranks compute fp32 fastest)")
     p.add_argument("--max-states", type=int, default=20_000,
                    help="--family spmd: states of the exact program search before its beam search (default 20000)")
     add_traffic_args(p)

@@ -49,15 +49,15 @@ class SpmdChoice:
     even_plan: Any  # the same program at even ratios
     even_cost: float  # its predicted time on the cluster's GPUs
     dtype: str
-    run_graph: Any = None  # the graph in fp32, as the runtime runs SPMD programs (`graph` when dtype is fp32)
+    # The graph the ranks interpret: captured in fp32 (fp32 master parameters; their ops autocast to
+    # `dtype` as the run computes), `graph` itself when dtype is fp32. The machine prediction prices
+    # `graph`, the program in the plan's dtype, as `--run` trains it.
+    run_graph: Any = None
 
     def machine_program(self) -> Any:
-        """The program as this machine runs it: fp32, so its collectives move fp32 bytes."""
-        if self.run_graph is self.graph or self.run_graph is None:
-            return self.synthesis.program
-        tensors = self.run_graph.tensors
-        return dataclasses.replace(self.synthesis.program, comms=[
-            (name, dataclasses.replace(c, nbytes=tensors[c.tensor].nbytes)) for name, c in self.synthesis.program.comms])
+        """The program as `--run` trains it on this machine: in the plan's dtype, its collectives
+        at that dtype's bytes (the synthesis's own)."""
+        return self.synthesis.program
 
 
 def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32", optimizer: str = "adam",
@@ -148,13 +148,15 @@ def program_seconds(choice: SpmdChoice, repeats: int = 3, optimizer: str = "adam
     (`plait.runtime.spmd_worker.whole_program_seconds`; `--run` takes the same timing inside
     the ranks, side by side, before and after their steps)."""
     from plait.graph.zoo import load_model
+    from plait.runtime.amp import autocast_for
     from plait.runtime.partition import make_samples
     from plait.runtime.spmd_worker import whole_program_seconds
 
     spec = load_model(choice.model)
     inputs, target = make_samples(spec, 0, choice.plan.global_batch, 0)
-    t = whole_program_seconds(choice.run_graph, spec.build(seed=0), spec.loss, inputs, target, {"name": optimizer},
-                              repeats, threads=1)
+    with autocast_for(choice.dtype):  # as the ranks compute
+        t = whole_program_seconds(choice.run_graph, spec.build(seed=0), spec.loss, inputs, target,
+                                  {"name": optimizer}, repeats, threads=1)
     return OneRank(t["program"], t["loss"], t["optimizer"])
 
 
@@ -194,7 +196,7 @@ def machine_devices(choice: SpmdChoice, one_rank_s: Any, slowdowns: list[float],
     fastest = int(np.argmax(dev.flops))
     one = Devices(dev.names[:1], dev.flops[fastest:fastest + 1], dev.mem_bw[fastest:fastest + 1],
                   dev.memory[:1], dev.links)
-    work = sum(float(op_work(op, choice.run_graph, one)[0]) for op in choice.run_graph.ops)
+    work = sum(float(op_work(op, choice.graph, one)[0]) for op in choice.graph.ops)
     if own_s is not None and ratios is not None:  # the whole program's time at each rank's own speed
         one_rank_s = np.asarray(own_s, dtype=float) * work / share_work(choice, one, ratios, dev.n)
     scale = work / np.asarray(one_rank_s, dtype=float)  # each CPU is `scale` x the fastest kind's modelled speed
@@ -241,7 +243,7 @@ def machine_pieces(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank |
     from plait.runtime.spmd_program import compile_program
     from plait.spmd.ratios import segmented_cost
 
-    problem = Problem.build(choice.run_graph, devices, outputs_free=free_outputs(choice.run_graph, loss=True))
+    problem = Problem.build(choice.graph, devices, outputs_free=free_outputs(choice.graph, loss=True))
     syn = choice.synthesis
     program = choice.machine_program()
     segs = syn.segments or Segments.single(problem, program)
@@ -250,7 +252,7 @@ def machine_pieces(choice: SpmdChoice, devices: Any, ratios: Any, one: OneRank |
     out = {"compute": compute, "comm": segmented_cost(problem, program, segs, r) - compute}
     if one is None:
         return out
-    graph = choice.run_graph
+    graph = choice.graph
     slow = np.asarray(slowdowns if slowdowns is not None else np.ones(devices.n), dtype=float)
     made = {t: p for op in graph.ops for t, p in zip(op.outputs, syn.program.strategies[op.name].outputs)}
     batch_loss = batch_loss_output(graph, syn.program.strategies) if len(graph.outputs) == 1 else None
@@ -291,8 +293,8 @@ def share_work(choice: SpmdChoice, unit: Any, ratios: Any, n: int) -> np.ndarray
     segs = choice.synthesis.segments
     of_op = segs.of_op if segs is not None else {}
     total = np.zeros(n)
-    for op in choice.run_graph.ops:
-        w = float(op_work(op, choice.run_graph, unit)[0])
+    for op in choice.graph.ops:
+        w = float(op_work(op, choice.graph, unit)[0])
         total += w * r[of_op.get(op.name, 0)] if strategies[op.name].splits_work else w
     return total
 
@@ -308,8 +310,8 @@ def rank_work(choice: SpmdChoice, devices: Any, ratios: Any, slowdowns: list[flo
     segs = choice.synthesis.segments
     of_op = segs.of_op if segs is not None else {}
     total = np.zeros(devices.n)
-    for op in choice.run_graph.ops:
-        w = op_work(op, choice.run_graph, devices)
+    for op in choice.graph.ops:
+        w = op_work(op, choice.graph, devices)
         total += w * r[of_op.get(op.name, 0)] if program.strategies[op.name].splits_work else w
     return (total / np.asarray(slowdowns, dtype=float)).tolist()
 
@@ -383,9 +385,10 @@ def run_both(args: argparse.Namespace, choice: SpmdChoice, pin: bool = False) ->
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
     cluster = choice.cluster
     slow = [r["slowdown"] for r in rank_layout(cluster, choice.plan, choice.dtype)]
-    training = TrainingConfig(dtype="fp32", optimizer="adam", lr=args.lr)
+    # The plan's dtype, as the prediction prices it: fp32 masters, ops autocast to bf16 / fp16.
+    training = TrainingConfig(dtype=choice.dtype, optimizer="adam", lr=args.lr)
     records = RecordsConfig(spmd_calibrate=True)
-    out: dict[str, Any] = {"slowdowns": slow, "dtype": "fp32", "emulated_dtype": choice.dtype}
+    out: dict[str, Any] = {"slowdowns": slow, "dtype": choice.dtype, "emulated_dtype": choice.dtype}
     # `pin`: each rank on its own CPU with a high cpu.shares (as plait.measure.machine does); the
     # ranks' whole-program timings run under the same shares. Off by default.
     world = choice.plan.world_size
@@ -496,7 +499,7 @@ def _print(info: dict[str, Any], choice: SpmdChoice, measured: dict[str, Any] | 
     if measured is None:
         return
     console.print(f"\n[bold]plait run[/] on this machine ({measured['ranks']} ranks, {measured['cpus']} CPUs; "
-                  f"fp32 CPU ranks slowed by their kind's {measured['emulated_dtype']} FLOP/s ratio "
+                  f"CPU ranks in {measured['dtype']}, slowed by their kind's {measured['emulated_dtype']} FLOP/s ratio "
                   f"{', '.join(f'{s:.2f}' for s in measured['slowdowns'])}):")
     rows = Table()
     for col in ("program", "predicted (this machine)", "measured", "error", "steal", "losses"):

@@ -286,10 +286,18 @@ def engine_for(plan: Any, run: dict[str, Any] | None = None) -> EngineVerdict:
         ok, why = _supports_composed(plan)
         return EngineVerdict("compose" if ok else None, why, "a composed plan runs on plait's own engine")
     engine = "spmd" if plan.spmd is not None else "pipeline"
-    ok, why = _supports_pipeline(plan)
+    low_reduce = plan.grad_reduce_dtype not in (None, "fp32")
+    ok, why = _supports_pipeline(dataclasses.replace(plan, grad_reduce_dtype=None) if low_reduce else plan)
     if not ok:
         return EngineVerdict(None, why, why)
     not_torch = torch_runs(plan, run or {})
+    if low_reduce and (not_torch or plan.zero < 3):
+        # Only FSDP2 reduce-scatters in a low-precision dtype (MixedPrecisionPolicy.reduce_dtype);
+        # plait's executors and DDP reduce the fp32 masters' gradients in fp32.
+        why = (f"plan field 'grad_reduce_dtype': {plan.grad_reduce_dtype} gradient reduction runs on FSDP2 "
+               f"(zero=3 on the torch engine) only; {not_torch or 'zero=' + str(plan.zero)}; plait's engine and "
+               "DDP reduce in fp32")
+        return EngineVerdict(None, why, why)
     return EngineVerdict("torch" if not not_torch else engine, "", not_torch)
 
 
@@ -311,8 +319,8 @@ def torch_runs(plan: Plan, run: dict[str, Any]) -> str:
     if plan.zero in (1, 2):
         return f"zero={plan.zero}: FSDP2's collectives are not yet recorded; ZeRO-1/2 run on plait's own"
     dtype = run.get("dtype") or plan.dtype
-    if dtype not in ("fp32", "tf32"):
-        return f"dtype {dtype}: mixed precision on torch's modules is not yet compared with plait's"
+    if dtype not in ("fp32", "tf32") and plan.tp != 1:
+        return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     if run.get("checkpoint"):

@@ -38,7 +38,7 @@ from plait.ir.plan import Plan
 from plait.runtime.comm import Comm, DeviceMesh, Group, RecordedAllGather, RecordedReduceScatter
 
 MESH_DIMS = ("pp", "dp", "tp")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_mesh(plan: Plan, comm: Comm, device_type: str = "cpu") -> DeviceMesh:
@@ -80,20 +80,21 @@ def recorded_allreduce_hook(group: Group, bucket: dist.GradBucket) -> torch.futu
     return fut.then(mean)
 
 
-def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
-    """FSDP2's policy: parameters computed in the plan's dtype, gradients reduced in its
-    `grad_reduce_dtype` (fp32 when not given, as the optimizer's master copy)."""
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[plan.dtype],
+def mixed_precision(plan: Plan, dtype: str | None = None) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters gathered and computed in `dtype` (the run's; default the plan's),
+    gradients reduced in the plan's `grad_reduce_dtype` (fp32 when not given, as the optimizer's
+    master copy)."""
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[dtype or plan.dtype],
                                 reduce_dtype=_DTYPES[plan.grad_reduce_dtype or "fp32"])
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module],
-               group: "Group | None" = None) -> nn.Module:
+               group: "Group | None" = None, dtype: str | None = None) -> nn.Module:
     """FSDP2 over the "dp" dim: each block a unit of its own (its parameters gathered and its
     gradients reduce-scattered together), then the root for what the blocks leave. With `group`
     (the facade's "dp" group) every unit's all-gathers and reduce-scatters go through it
     (`comm.RecordedAllGather`, `comm.RecordedReduceScatter`: recorded, slowed by link faults)."""
-    kwargs = {"mesh": mesh["dp"], "reshard_after_forward": plan.zero >= 3, "mp_policy": mixed_precision(plan)}
+    kwargs = {"mesh": mesh["dp"], "reshard_after_forward": plan.zero >= 3, "mp_policy": mixed_precision(plan, dtype)}
     names = {id(m): n for n, m in model.named_modules()}
     units = []
     for block in blocks:

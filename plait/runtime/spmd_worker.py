@@ -102,6 +102,13 @@ def whole_program_seconds(graph: Any, module: torch.nn.Module, loss_fn: Any, inp
     return {k: statistics.median(c) for k, c in zip(names, zip(*rows[1:]))}
 
 
+def _in_precision(dtype: str | None, fn: Any) -> Any:
+    """`fn()` with the ops autocast to `dtype` (the steps' precision, so the calibration times what
+    the steps compute)."""
+    with autocast_for(dtype):
+        return fn()
+
+
 PROGRAM_REPEATS = 5  # timed passes of the whole program per calibration (after one warm-up)
 
 
@@ -168,9 +175,10 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
         aliases, buffers = aliases_of(model), persistent_buffers(model)
         timing = copy.deepcopy(model) if cfg.get("spmd_calibrate") else None  # the whole program's, side by side
         del model
-        timed = (lambda: {**program_timings(timing, spec, graph, batch, lambda k: make_samples(spec, 0, k, data_seed),
-                                            cfg["optimizer"]),
-                          **own_program_seconds(program, self.rank, copy.deepcopy(timing), fetch(0)[0], keep)}
+        timed = (lambda: _in_precision(cfg["dtype"], lambda: {
+            **program_timings(timing, spec, graph, batch, lambda k: make_samples(spec, 0, k, data_seed),
+                              cfg["optimizer"]),
+            **own_program_seconds(program, self.rank, copy.deepcopy(timing), fetch(0)[0], keep)})
                  ) if timing is not None else None
         opt = make_optimizer(leaves, cfg["optimizer"])
         stepper = SpmdStep(leaves, opt)

@@ -25,6 +25,13 @@ The path of one step, as the pipeline engine's, so both give the same losses, re
 4. the optimizer steps (global-norm clipping and the learning-rate schedule as the pipeline
    engine's), and the step's bounds, spans and records are kept as there
    (`results.write_result` writes rank 0's `result.json`).
+
+bf16 / fp16 (issue 29): fp32 master parameters and optimizer state; the forward and the loss run
+under `amp.autocast_for` (torch's autocast lists, as every engine and the reference); FSDP2 also
+gathers its parameters in the run's dtype and reduce-scatters gradients in the plan's
+`grad_reduce_dtype` (`parallelize.mixed_precision`). fp16 scales the loss with plait's
+`amp.DynamicLossScaler`, its found-inf flag agreed over every rank, so all ranks skip or step
+together (the pipeline engine's scaler: the same schedule, the same `result.json` fields).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
 from plait.runtime.comm import (
     FAULTS_ENV,
     PROBE_BEFORE,
@@ -131,7 +139,8 @@ class TorchWorker(RankConfig):
         model.to(self.device)
         self.model = model  # the unwrapped module: its parameters (DTensors under FSDP2) by their own names
         if self.fsdp:
-            self.runner: nn.Module = apply_fsdp(model, self.mesh, plan, fsdp_units(model), self.dp_group)
+            self.runner: nn.Module = apply_fsdp(model, self.mesh, plan, fsdp_units(model), self.dp_group,
+                                                dtype=cfg["dtype"])
         elif plan.tp > 1:
             self.runner = model
         else:
@@ -160,6 +169,12 @@ class TorchWorker(RankConfig):
         # op of every parameter (bench/torch_engine.py: that made the optimizer ~10x slower on CPU).
         self.locals = [_local(prm).detach() for prm in self.params]
         self.optimizer = make_optimizer(self.locals, cfg["optimizer"])
+        # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
+        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV) or cfg.get("loss_scale")) \
+            if cfg["dtype"] == "fp16" else None
+        self.scales: list[float] = []
+        if self.scaler is not None:  # every rank of the job skips or steps together
+            self.scaler.group = self.comm.world_group
         steps = int(cfg["steps"])
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
@@ -183,16 +198,24 @@ class TorchWorker(RankConfig):
                 self.comm.probe_links(PROBE_BEFORE)
                 self.comm.barrier("probe barrier")
             t0 = self.rec.begin_step(step)
+            if self.scaler is not None:
+                self.scales.append(self.scaler.scale)
             loss_sum = self._accumulate(step, mbs, data)
             if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
                 poison(self._local_grads())
+            # fp16: unscale this rank's gradients (its shards under FSDP2); an inf anywhere skips the step everywhere
+            skip = self.scaler is not None and self.scaler.unscale_and_check(
+                [g for g in self._local_grads() if g is not None])
+            if self.scaler is not None:
+                self.scaler.update(step)
             self._set_lr(step)
-            if cfg.get("clip_grad"):
+            if cfg.get("clip_grad") and not skip:
                 torch.nn.utils.clip_grad_norm_(self.params, float(cfg["clip_grad"]))
             with self.rec.compute("optimizer", "optimizer"):
                 for prm, loc in zip(self.params, self.locals, strict=True):
                     loc.grad = _local(prm.grad) if prm.grad is not None else None
-                self.optimizer.step()
+                if not skip:
+                    self.optimizer.step()
             for prm, loc in zip(self.params, self.locals, strict=True):
                 prm.grad = loc.grad = None
             t1 = self.rec.end_step()
@@ -214,6 +237,7 @@ class TorchWorker(RankConfig):
         if self.fsdp:
             rounds = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
         loss_sum = torch.zeros((), device=self.device)
+        scale = self.scaler.scale if self.scaler is not None else 1.0  # fp16: the loss scaled, the gradients with it
         for i in range(rounds):
             last = i == rounds - 1
             if i < len(mbs):
@@ -236,15 +260,12 @@ class TorchWorker(RankConfig):
                         loss = self.spec.loss(self.runner(*inputs), target)
                 with self.rec.compute(event_key(bwd[:3] if weight else "ghost bwd", 0, 0, i), bwd, micro_batch=i,
                                       chunk=0, samples=mb.size):
-                    (loss * weight).backward()
+                    (loss * (weight * scale)).backward()
             loss_sum += loss.detach().float() * (weight / plan.dp)
         return loss_sum
 
     def _autocast(self) -> Any:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg["dtype"])
-        if dtype is None:
-            return torch.autocast(self.device.type, enabled=False)
-        return torch.autocast(self.device.type, dtype=dtype)
+        return autocast_for(self.cfg["dtype"], self.device.type)
 
     def _local_grads(self) -> list[torch.Tensor | None]:
         """This rank's gradients (the local shards of FSDP2's DTensors), for the inf fault."""
@@ -314,7 +335,8 @@ class TorchWorker(RankConfig):
             "samples_per_step": self.plan.samples_per_replica()[self.d],
             "events": [asdict(e) for e in self.rec.events], "step_bounds": bounds,
             "losses": loss_vec.cpu().tolist(), "params_state": params if self.t == 0 else None, "shard_infos": {}, "clock": origin,
-            "amp": None, "engine": "torch",
+            "amp": {"scales": self.scales, "skipped": list(self.scaler.skipped), "final_scale": self.scaler.scale}
+            if self.scaler is not None else None, "engine": "torch",
         }
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:

@@ -30,8 +30,8 @@ largest micro-batches that give at least ``pp`` micro-batches, ranked by `pipeli
 
 The runtime runs such plans (`plait.runtime.compose_worker`: each stage's program on its own
 process group, 1F1B between the stages, the messages as the simulator prices them); a plan it
-cannot run carries `plait.runtime.supports`' reason (`Candidate.unsupported`), and
-`runnable=True` plans in fp32, the dtype the runtime runs SPMD programs in.
+cannot run carries `plait.runtime.supports`' reason (`Candidate.unsupported`); the runtime runs them
+in any dtype (fp32 masters, ops autocast to bf16 / fp16), so `runnable=True` keeps the plan's dtype.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
         raise SearchError(f"compose: cluster {cluster.name!r} is one node of one GPU kind; a composed pipeline "
                           "needs two nodes (or two GPU kinds in a node) to put its stages on")
     gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
-    dtype = "fp32" if runnable else (dtype or auto_dtype(cluster))
+    dtype = dtype or auto_dtype(cluster)
     spec = load_model(DEFAULT_MODEL if model is None else model)
     _, opgraph = load_graph(spec.spec, dtype)
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE

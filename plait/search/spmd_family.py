@@ -69,8 +69,8 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
                 max_devices: int = 64, runnable: bool = False) -> PlanResult:
     """The synthesized SPMD program of `model` on `cluster` as a one-candidate `PlanResult`.
 
-    `dtype`: the program's compute dtype (default: the cluster's, as the 3D family picks it;
-    `runnable=True` asks for fp32, the dtype plait's runtime runs SPMD programs in). `evaluate`
+    `dtype`: the program's compute dtype (default: the cluster's, as the 3D family picks it; the
+    runtime runs every dtype, so `runnable=True` keeps it). `evaluate`
     only says whether to simulate (the program is lowered by `simulate_spmd`, not by the 3D
     lowering `evaluate` wraps); without it the synthesis's own cost ranks."""
     from plait.cost.program import Problem
@@ -91,7 +91,7 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
     if gb < n:
         raise SearchError(f"spmd: global batch {gb} is smaller than the {n} devices a program shards it over")
-    dtype = "fp32" if runnable else (dtype or auto_dtype(cluster))
+    dtype = dtype or auto_dtype(cluster)
     spec = load_model(DEFAULT_MODEL if model is None else model)
     graph = capture_graph(spec, gb, dtype)  # at the program's dtype: its messages are priced at it
     problem = Problem.build(graph, Devices.from_cluster(cluster, dtype), outputs_free=free_outputs(graph, loss=True))

@@ -29,7 +29,8 @@ _MODED = ("all_gather", "reduce_scatter")  # the uneven collectives a plan says 
 def capture_graph(spec: Any, batch: int, dtype: str = "fp32") -> AtenGraph:
     """The model's aten graph at `batch` on the meta device, built and fed in `dtype` -- the
     dtype the program is priced at (an fp16 plan's messages are fp16 bytes). Op names do not
-    depend on the dtype, so the runtime (which runs SPMD programs in fp32) finds the plan's ops."""
+    depend on the dtype, so the runtime (which captures in fp32 and autocasts its ops to the
+    plan's dtype) finds the plan's ops."""
     import torch
 
     from plait.graph.aten_capture import capture_aten
