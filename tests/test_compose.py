@@ -191,7 +191,7 @@ def test_driver_plans_composed_pipelines_the_runtime_runs():
 def test_compose_declines_with_a_reason():
     from plait.cluster import load_cluster
     from plait.errors import PlaitError
-    from plait.plan.threed import auto_dtype
+    from plait.plan.types import auto_dtype
     from plait.search import plan
 
     with pytest.raises(PlaitError, match="compose: .*one node of one GPU kind"):
