@@ -568,3 +568,25 @@ def test_a_marked_pause_is_not_a_steps_local_work(tmp_path: Path) -> None:
                           {"what": "checkpoint", "step": e["step"], "end": e["t"]}]
         (root / "pause" / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert diagnose(root).healthy
+
+
+def test_a_rank_that_ends_while_its_records_are_read_is_not_done_with_its_steps_cut(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Live, a rank can finish between the read of its records and the read of its status: seen
+    # done, its last (cut) step was judged whole -- a clean pp=4 --recover run reported slow_rank
+    # at one poll (bench/doctor_clean.py, seed 4100, runs 13 and 18). The state files are read
+    # first, so a status written during the records' read is not seen.
+    import plait.doctor.folder as folder
+
+    root = write_run(tmp_path, steps=10)
+    real = folder.read_comm_records
+
+    def reading(path: Path, **kw):  # the rank finishes while its records are being read
+        out = real(path, **kw)
+        (root / "status").mkdir(exist_ok=True)
+        (root / "status" / path.name.replace(".jsonl", ".json")).write_text('{"state": "ok", "time": 0}')
+        return out
+    monkeypatch.setattr(folder, "read_comm_records", reading)
+    run = read_run(root, live=True)
+    assert not any(rr.done for rr in run.ranks.values())
+    assert all(rr.done for rr in read_run(root, live=True).ranks.values())  # the next read sees it
