@@ -590,3 +590,40 @@ def test_a_rank_that_ends_while_its_records_are_read_is_not_done_with_its_steps_
     run = read_run(root, live=True)
     assert not any(rr.done for rr in run.ranks.values())
     assert all(rr.done for rr in read_run(root, live=True).ranks.values())  # the next read sees it
+
+
+@pytest.mark.parametrize(("spec", "fault_step", "reported"), [
+    ({"link": (1, 3, 5, 2.0), "link_steps": (5, 7, 8)}, 5, False),  # 3 slow probes in 4, then fast
+    ({"link": (1, 3, 5, 2.0)}, 5, True), ({"slow": (2, 5, 2.0, 1)}, 5, True), ({"slow": (1, 3, 2.0, 3)}, 3, True)])
+def test_live_findings_are_reported_once_they_persisted(tmp_path: Path, spec: dict, fault_step: int,
+                                                        reported: bool) -> None:
+    # The replayed stream polled live every `poll_s` of run time through the doctor's persistence,
+    # at the default's proportions scaled to the synthetic run's 0.13 s steps (poll 2 s, goal 15 s,
+    # evidence 7.5 s -> K = 3 polls): a finding named for one step (a blip) is never reported;
+    # a sustained slowdown is, at most K polls after the records first held its evidence (the
+    # default keeps evidence_s + K polls within the 15 s goal).
+    from plait.doctor import DoctorConfig, Persistence, diagnose_records
+    from plait.doctor.folder import as_of
+
+    default = DoctorConfig()
+    assert (default.polls(), default.seconds()) == (3, 3.0)
+    assert default.evidence_s + default.polls() * default.poll_s <= default.detect_goal_s
+    cfg = DoctorConfig(poll_s=0.1, detect_goal_s=0.75, evidence_s=0.375)
+    assert cfg.polls() == 3
+    run = read_run(write_run(tmp_path, steps=16, **spec))
+    onset = min(c.t_enqueue for rr in run.ranks.values() for c in rr.records if c.step == fault_step)
+    watch, first, named = Persistence(cfg), None, 0
+    t = 0.0
+    while t < run.t_obs + cfg.poll_s:
+        live = diagnose_records(as_of(run, t), live=True)
+        named += bool(live.findings)
+        if watch.update(live, now=t).findings and first is None:
+            first = t
+        t += cfg.poll_s
+    assert named  # the live doctor did name it at some poll
+    if reported:
+        (f,) = diagnose_records(run).findings
+        assert first is not None and f.first_seen_s >= onset - 1e-9, (first, onset)
+        assert first <= f.detected_s + cfg.polls() * cfg.poll_s + 1e-9, (first, f.detected_s)
+    else:
+        assert first is None and not diagnose_records(run).findings

@@ -506,14 +506,21 @@ def _whole_before(work: dict[int, tuple[float, float, float]], before: float | N
     return {s for s in work if s + 1 in work and work[s + 1][1] <= before}
 
 
+def work_series(run: RunRecords, work: dict[int, dict[int, tuple[float, float, float]]],
+                before: float | None) -> dict[int, dict[int, float]]:
+    """rank -> step -> local work of the steps whole before `before` (live: the end of the
+    evidence, a step in progress is not whole), the first (warm-up) step left out."""
+    # The end of training's calls carry no step: a rank that ended normally has its last step whole.
+    whole = {r: _whole_before(w, before if before is None or before < run.t_obs or not run.ranks[r].done else None)
+             for r, w in work.items()}
+    return {r: {s: v[0] for s, v in w.items() if s > min(w) and s in whole[r]} for r, w in work.items() if w}
+
+
 def slow_ranks(run: RunRecords, th: Thresholds, before: float | None = None) -> list[Finding]:
     """`before`: judge only steps whole before this time (a stall's onset: the steps after it are
     cut short, and a slow rank found before it is a fault of its own beside the stall)."""
     work = local_work(run)
-    # The first step warms up (the end of training's calls carry no step: the last step is whole).
-    whole = {r: _whole_before(w, before if before is None or before < run.t_obs or not run.ranks[r].done else None)
-             for r, w in work.items()}  # a rank that ended normally: its last step is whole
-    series = {r: {s: v[0] for s, v in w.items() if s > min(w) and s in whole[r]} for r, w in work.items() if w}
+    series = work_series(run, work, before)
     stage = {r: (rr.coords[0] if rr.coords else 0) for r, rr in run.ranks.items()}
     peers = {r: [p for p in series if p != r and stage[p] == stage[r]] for r in series}
     floor = max(th.min_excess_of_step * step_time(run), th.rank_min_excess_s)
@@ -573,13 +580,16 @@ def link_matrix(run: RunRecords) -> list[list[float | None]]:
     return m
 
 
-def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds) -> dict[tuple[int, int], dict[int, float]]:
+def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds,
+                 before: float | None = None) -> dict[tuple[int, int], dict[int, float]]:
     """pair -> step -> how many times its own level a pair's probe may be for a reason outside the
     link: the smaller of its two ranks' local-work ratios to their steady levels, where both rose by
     at least `slow_rank_ratio` (contention slows every rank's compute and transfers together; one
-    slow rank does not slow a probe, which is timed from the later arrival). 1 elsewhere."""
-    work = local_work(run)
-    series = {r: {s: v[0] for s, v in w.items() if s > min(w)} for r, w in work.items() if w}
+    slow rank does not slow a probe, which is timed from the later arrival). 1 elsewhere. `before`:
+    the steps whole before it, as `slow_ranks` judges them (live: a step in progress is cut
+    short -- its small partial work pulled a rank's steady level down, so every whole step read
+    as a rise and a slow link flickered out of the live diagnosis between its probes)."""
+    series = work_series(run, local_work(run), before)
     level = {r: _steady(ser) for r, ser in series.items()}
     out: dict[tuple[int, int], dict[int, float]] = {}
     for a, b in pairs:
@@ -594,8 +604,10 @@ def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds) 
     return out
 
 
-def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> list[Finding]:
-    """`before`: judge only probes that ended before this time (a stall's onset)."""
+def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
+               work_before: float | None = None) -> list[Finding]:
+    """`before`: judge only probes that ended before this time (a stall's onset); `work_before`:
+    the ranks' local work (the contention discount, `compute_rise`) of the steps whole before it."""
     times = probe_times(run)
     # A pair's first probe also sets up its connection (gloo connects lazily): left out.
     floor = probe_floor(run, th)  # a time below the floor is read as the floor: no ratio of noise
@@ -605,7 +617,7 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
         return run.node_of(p[0]) == run.node_of(p[1])
     peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
-    rise = compute_rise(run, list(series), th)
+    rise = compute_rise(run, list(series), th, work_before)
     # A slow link stays slow: its probes from the first slow one on (not every k-th: a shared
     # machine's latency spikes, scattered over a long run, fall on some grid by chance).
     flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
