@@ -627,3 +627,38 @@ def test_live_findings_are_reported_once_they_persisted(tmp_path: Path, spec: di
         assert first <= f.detected_s + cfg.polls() * cfg.poll_s + 1e-9, (first, f.detected_s)
     else:
         assert first is None and not diagnose_records(run).findings
+
+
+def test_a_rank_waiting_for_its_data_is_not_a_slow_rank(tmp_path: Path) -> None:
+    # Rank 2 waits 0.2 s for its data loader before every all-reduce from step 4 on (its peers
+    # wait in the call). Unmarked, that is a slow rank; marked by the runtime
+    # (`Heartbeat.pause("data")`, no phase change), the wait is not the step's local work.
+    import time
+
+    from plait.runtime.recorder import Heartbeat
+
+    steps = tuple(range(4, 12))
+    root = write_run(tmp_path, steps=12, pause=(2, steps, 0.2))
+    assert kinds(diagnose(root)) == [("slow_rank", (2,))]
+    enters = [json.loads(x) for x in (root / "comm" / "rank2.jsonl").read_text().splitlines()
+              if '"type":"enter"' in x and '"all_reduce"' in x]
+    lines = [{"format_version": 1, "kind": "plait.pauses", "rank": 2}]
+    for e in enters:
+        if e["step"] in steps:
+            lines += [{"what": "data", "step": e["step"], "begin": e["t"] - 0.2},
+                      {"what": "data", "step": e["step"], "end": e["t"]}]
+    (root / "pause").mkdir()
+    (root / "pause" / "rank2.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert diagnose(root).healthy
+    # the runtime's side: the wait is marked begin and end, the heartbeat's phase is kept
+    live = tmp_path / "runtime"
+    (live / "hb").mkdir(parents=True)
+    hb = Heartbeat(live / "hb" / "rank2.json", 2, interval=0.05)
+    hb.progress("train", 5)
+    with hb.pause():
+        time.sleep(0.01)
+    assert hb.state["phase"] == "train"
+    hb.close()
+    marks = [json.loads(x) for x in (live / "pause" / "rank2.jsonl").read_text().splitlines()[1:]]
+    assert [(m["what"], m["step"], "begin" in m) for m in marks] == [("data", 5, True), ("data", 5, False)]
+    assert marks[1]["end"] - marks[0]["begin"] >= 0.01

@@ -9,8 +9,8 @@ What is read (all optional but `comm/`; the record format is in docs/doctor.md):
 * `exit/rankN.json` and `status/rankN.json` -- how the rank's process ended, if it did;
 * `config.json` -- the run's plan and rank layout (host, node, pipeline/data/tensor coordinates);
 * `pause/rankN.jsonl` -- the runtime's pause markers (`plait.runtime.recorder.Heartbeat`: a
-  checkpoint write, a restart's checkpoint load, an evaluation), begin and end in Unix time: a
-  wait they cover is a pause on purpose, not a stall.
+  checkpoint write, a restart's checkpoint load, an evaluation, a wait for the data loader),
+  begin and end in Unix time: a wait they cover is a pause on purpose, not a stall nor work.
 
 Times: a records header with `perf_at_open` and `wall_at_open` maps its `perf_counter` times to
 Unix time; without them the times are taken as they are (a hand-written folder: any clock the
