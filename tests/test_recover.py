@@ -285,7 +285,7 @@ def test_live_slow_link_diagnosis_isolates_an_end_and_the_node_rejoins(tmp_path:
         return Diagnosis(run_dir=str(run_dir), findings=found, world_size=4)
 
     res = recover(TINY, EMU, "dp=4,micro_batch=2,global_batch=16,dtype=fp32", 80, run_dir=tmp_path,
-                  config=RecoveryConfig(checkpoint_every=4, detect_every=0.2, rejoin_at={"v100-node": 0}),
+                  config=RecoveryConfig(checkpoint_every=4, detect_every=0.2, persist=2, rejoin_at={"v100-node": 0}),
                   detect=detect, launch=LaunchConfig(timeout=60))
     p0, p1, p2 = res.phases
     assert p0.ended.startswith("diagnosed: slow_link of ranks [1, 2]")
