@@ -85,13 +85,19 @@ def _watch(tmp_path: Path, **config: object) -> object:
                   0, {})
 
 
+def _poll(w: object, d: Diagnosis) -> str | None:
+    """One live poll of the watch, `detect_every` (2 s) after the previous one."""
+    w.clock = getattr(w, "clock", 0.0) + w.config.detect_every  # type: ignore[attr-defined]
+    return w._judge(d, now=w.clock)  # type: ignore[attr-defined]
+
+
 def test_live_finding_is_acted_on_only_once_it_persisted_k_polls(tmp_path: Path) -> None:
     w = _watch(tmp_path, persist=2)
     hang, none = _diag(_f("noncomm_hang", 1)), _diag()
     # a stall that resolved (stopped, then resumed) between polls: never acted on, no restart loop
-    assert [w._judge(d) for d in (hang, none, hang, none, none)] == [None] * 5 and w.diagnosis is None
-    assert w._judge(hang) is None
-    assert "noncomm_hang of ranks [1]" in w._judge(hang) and w.diagnosis.findings[0].ranks == (1,)
+    assert [_poll(w, d) for d in (hang, none, hang, none, none)] == [None] * 5 and w.diagnosis is None
+    assert _poll(w, hang) is None
+    assert "noncomm_hang of ranks [1]" in _poll(w, hang) and w.diagnosis.findings[0].ranks == (1,)
 
 
 def test_a_slow_link_is_acted_on_only_while_its_newest_probe_is_slow(tmp_path: Path) -> None:
@@ -104,14 +110,14 @@ def test_a_slow_link_is_acted_on_only_while_its_newest_probe_is_slow(tmp_path: P
     def link(slow: list[int], newest: int) -> Diagnosis:
         ev = {"slow_steps": slow, "transfer_s": {str(s): 0.01 if s in slow else 0.006 for s in range(1, newest + 1)}}
         return _diag(Finding(kind="slow_link", ranks=(1, 3), first_seen_s=1.0, evidence=ev))
-    assert [w._judge(link([10, 11, 12], n)) for n in (13, 14, 15, 16)] == [None] * 4 and w.diagnosis is None
-    assert w._judge(link([10, 11, 12, 13, 14, 15, 16, 17], 17)) is None
-    assert "slow_link of ranks [1, 3]" in w._judge(link([10, 11, 12, 13, 14, 15, 16, 17, 18], 18))
+    assert [_poll(w, link([10, 11, 12], n)) for n in (13, 14, 15, 16)] == [None] * 4 and w.diagnosis is None
+    assert _poll(w, link([10, 11, 12, 13, 14, 15, 16, 17], 17)) is None
+    assert "slow_link of ranks [1, 3]" in _poll(w, link([10, 11, 12, 13, 14, 15, 16, 17, 18], 18))
 
 
 def test_slow_rank_is_reported_once_and_never_stops_the_job(tmp_path: Path) -> None:
     w = _watch(tmp_path, persist=2)
-    assert [w._judge(_diag(_f("slow_rank", 2))) for _ in range(4)] == [None] * 4
+    assert [_poll(w, _diag(_f("slow_rank", 2))) for _ in range(4)] == [None] * 4
     assert [a["action"] for a in w.actions] == ["report"] and w.actions[0]["findings"][0]["ranks"] == [2]
 
 
@@ -120,7 +126,7 @@ def test_advise_mode_records_what_it_would_do_and_does_nothing(tmp_path: Path) -
     cluster = load_cluster(MIXED)
     plan = Plan.load("dp=4,micro_batch=1,global_batch=4")
     w.isolate = lambda d: nodes_to_isolate(d, plan, cluster).to_dict()
-    assert [w._judge(_diag(_f("dead_rank", 3))) for _ in range(3)] == [None] * 3 and w.diagnosis is None
+    assert [_poll(w, _diag(_f("dead_rank", 3))) for _ in range(3)] == [None] * 3 and w.diagnosis is None
     (advice,) = w.actions
     assert advice["action"] == "isolate" and advice["done"] is False and advice["nodes"] == [cluster.nodes[3].name]
     assert advice["findings"][0]["kind"] == "dead_rank"
@@ -279,7 +285,7 @@ def test_live_slow_link_diagnosis_isolates_an_end_and_the_node_rejoins(tmp_path:
         return Diagnosis(run_dir=str(run_dir), findings=found, world_size=4)
 
     res = recover(TINY, EMU, "dp=4,micro_batch=2,global_batch=16,dtype=fp32", 80, run_dir=tmp_path,
-                  config=RecoveryConfig(checkpoint_every=4, detect_every=0.2, rejoin_at={"v100-node": 0}),
+                  config=RecoveryConfig(checkpoint_every=4, detect_every=0.2, persist=2, rejoin_at={"v100-node": 0}),
                   detect=detect, launch=LaunchConfig(timeout=60))
     p0, p1, p2 = res.phases
     assert p0.ended.startswith("diagnosed: slow_link of ranks [1, 2]")
@@ -385,7 +391,7 @@ def test_a_stall_that_resolved_never_stops_the_job(tmp_path: Path) -> None:
     # live: the hang is named once, then the rank resumed (the doctor now calls it a past stall)
     w = _watch(tmp_path, persist=2)
     resumed = Finding("noncomm_hang", (1,), 1.0, evidence={"resumed": True, "stalled_s": 3.0})
-    assert [w._judge(d) for d in (_diag(_f("noncomm_hang", 1)), _diag(resumed), _diag(resumed))] == [None] * 3
+    assert [_poll(w, d) for d in (_diag(_f("noncomm_hang", 1)), _diag(resumed), _diag(resumed))] == [None] * 3
     assert w.diagnosis is None
 
 

@@ -28,7 +28,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (plait run --run-dir) or a folder of rankN.jsonl")
     p.add_argument("--live", action="store_true",
-                   help="the run is still going: poll until something is found, the run ends or --watch expires")
+                   help="the run is still going: poll until something is found (named at K polls in a row, "
+                        "K from --interval and the 15 s detection goal), the run ends or --watch expires")
     p.add_argument("--watch", metavar="S", type=float, default=600.0,
                    help="--live: stop polling after S seconds (default 600)")
     p.add_argument("--interval", metavar="S", type=float, default=1.0, help="--live: seconds between polls")
@@ -40,12 +41,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from plait.doctor import diagnose_records, link_matrix, read_run
+    from plait.doctor import DoctorConfig, Persistence, diagnose_records, link_matrix, read_run
     from plait.errors import check_output_path
 
     check_output_path(args.matrix, "--matrix")
     deadline = time.time() + max(0.0, args.watch)
     from plait.ir.diagnosis import DiagnosisError
+
+    # --live: a finding is printed once K consecutive polls named it (plait.doctor.live); once every
+    # rank has ended, the whole stream is judged as after the run.
+    watch = Persistence(DoctorConfig(poll_s=max(0.1, args.interval)))
 
     while True:
         try:
@@ -55,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
                 raise
             time.sleep(max(0.1, args.interval))  # --live: the job has not written its records yet
             continue
-        diag = diagnose_records(records, live=args.live)
         ended = all(rr.done or rr.exit for rr in records.ranks.values())
+        diag = diagnose_records(records, live=args.live and not ended)
+        if args.live and not ended:
+            diag = watch.update(diag, now=time.time())
         if not args.live or diag.findings or ended or time.time() >= deadline:
             break
         time.sleep(max(0.1, args.interval))

@@ -6,8 +6,12 @@ Sits beside `plait.measure`: it reads what the runtime wrote and never drives th
     d = diagnose("runs/job1")            # a finished (or killed) run's folder
     d = diagnose("runs/job1", live=True)  # a running job: "now" is the end of the evidence
     for f in d.findings: print(f.kind, f.ranks, f.first_seen_s, f.evidence)
+    watch = Persistence(DoctorConfig(poll_s=2.0))      # left on: report only what persisted
+    d = watch.update(diagnose("runs/job1", live=True), now=time.time())
 
-The detectors and their thresholds: `plait.doctor.detect`; the record format: docs/doctor.md.
+The detectors and their thresholds: `plait.doctor.detect`; live persistence (a finding must hold
+over K consecutive polls before it is reported): `plait.doctor.live`; the record format:
+docs/doctor.md.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from plait.doctor.detect import (
     slow_ranks,
 )
 from plait.doctor.folder import RunRecords, read_run
+from plait.doctor.live import DoctorConfig, Persistence
 from plait.ir.diagnosis import Diagnosis, Finding
 
-__all__ = ["Thresholds", "diagnose", "diagnose_records", "read_run", "link_matrix"]
+__all__ = ["DoctorConfig", "Persistence", "Thresholds", "diagnose", "diagnose_records", "read_run", "link_matrix"]
 
 # Most severe first: a wrong or skipped call and a dead rank explain the hangs and errors after them.
 _ORDER = ("mismatch", "comm_hang", "dead_rank", "noncomm_hang", "slow_rank", "slow_link")
@@ -53,9 +58,9 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
     if not found:  # a stall the run went on after (a rank stopped, then resumed)
         found += past_stalls(run, th)
     onset = min((f.first_seen_s for f in found if f.kind in _STALLS and not f.evidence.get("resumed")), default=None)
-    found += slow_ranks(run, th, before=min(onset, run.t_obs) if live and onset is not None else
-                        run.t_obs if live else onset)  # live: a rank's step in progress is not whole
-    found += slow_links(run, th, before=onset)
+    whole = min(onset, run.t_obs) if live and onset is not None else run.t_obs if live else onset
+    found += slow_ranks(run, th, before=whole)  # live: a rank's step in progress is not whole
+    found += slow_links(run, th, before=onset, work_before=whole)
     found = [_explained(f, onset) for f in found]
     found, lowered = _confidence(run, found)
     found.sort(key=lambda f: (_ORDER.index(f.kind), f.first_seen_s))

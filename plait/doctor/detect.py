@@ -29,6 +29,7 @@ the run's median step time), never seconds tuned to one machine.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -79,6 +80,13 @@ class Thresholds:
     (a same-node probe of a fraction of a millisecond is noise, whatever its ratio)."""
     probe_floor_bw: float = 10e9
     """Bytes per second of the fastest link the floor allows for (a probe's size sets its floor)."""
+    link_noise_alpha: float = 1e-3
+    """A link's slow probes must be this improbable as chance (divided among the pairs judged):
+    the binomial tail of its slow probes among those its pattern expects, at the rate at which
+    its peers' probes read as slow (a loaded machine's latency spikes hit every pair). Three
+    spikes in four probes of one of 6 pairs are likely where 1 probe in 18 spikes (a clean tp=4
+    --recover run named such a pair live); three slow probes in three on a quiet run are not.
+    A lone pair (2 ranks) has no peers' rate: its own scatter sets its margin instead."""
 
 
 @dataclass
@@ -447,7 +455,7 @@ def _in_pauses(pauses: list[tuple[str, Any, float, float | None]], a: float, b: 
 
 def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], ratio: float, floor: float,
            min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None,
-           periodic: bool = True) -> dict[Any, tuple[list[int], float]]:
+           periodic: bool = True, alpha: float | None = None) -> dict[Any, tuple[list[int], float, int]]:
     """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
 
     A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
@@ -456,31 +464,22 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
     its peers alone. Without peers, its own history alone, and a step must also exceed it by three
     median absolute deviations of the series (a lone item cannot tell noise from its peers').
     `scale`: item -> step -> factor (>= 1) by which the item's own level is expected to have risen
-    that step for a reason other than a fault of its own (the ranks' compute rose: contention)."""
+    that step for a reason other than a fault of its own (the ranks' compute rose: contention).
+    `alpha`: an item with peers is named only if its slow steps are improbable as chance -- the
+    binomial tail (`_chance`) at its peers' pooled rate of slow steps (half a slow step added)
+    below `alpha` / the number of items judged (Bonferroni: every pair is tested; a 4-rank run
+    has 6); None: not tested. Returns item -> (slow steps, reference, how many of the slow steps
+    it took to name it)."""
     own = {k: _steady(dict(ser)) for k, ser in series.items()}
+    found = {k: _hits(k, series, peers, own, ratio, floor, scale) for k in series}
     out = {}
     for k, ser in series.items():
-        if own[k] is None or own[k] <= 0:
+        hits = found[k]
+        if hits is None:
             continue
         ps = [p for p in peers.get(k, []) if own.get(p)]
-        peer_level = statistics.median(own[p] for p in ps) if ps else None
-        always_slow = peer_level is not None and own[k] >= ratio * peer_level
-        ref = peer_level if always_slow else own[k]
-        margin = floor
-        if not ps:  # its own history alone: a step must also stand out of the series' own scatter
-            mid = statistics.median(ser.values())
-            margin = max(floor, 3.0 * statistics.median(abs(v - mid) for v in ser.values()))
-        hits = []
-        for s, v in sorted(ser.items()):
-            now = [series[p][s] for p in ps if s in series[p]]
-            if ps and not now:
-                continue
-            peer_now = statistics.median(now) if now else None
-            level = own[k] * (scale or {}).get(k, {}).get(s, 1.0)
-            slow_own = always_slow or (v >= ratio * level and v - level >= margin)
-            slow_peer = peer_now is None or (v >= ratio * peer_now and v - peer_now >= floor)
-            if slow_own and slow_peer:
-                hits.append(s)
+        peer_level = statistics.median(own[p] for p in ps) if ps else None  # type: ignore[type-var]
+        ref = peer_level if peer_level is not None and own[k] >= ratio * peer_level else own[k]  # type: ignore[operator]
         # A leading hit further from the next than the hits are from each other is noise before
         # the onset (a fault that began stays periodic: every step, or every k-th).
         while len(hits) > min_hits and hits[1] - hits[0] > statistics.median(
@@ -494,8 +493,49 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
         on = [s for s in hits if (s - hits[0]) % period == 0]
         expected = sum(1 for s in ser if s >= hits[0] and (s - hits[0]) % period == 0)
         if len(on) >= min_hits and len(on) >= fraction * expected:
-            out[k] = (on, ref)
+            named = min_hits  # the hits it took: min_hits, or more where chance must be ruled out
+            if alpha is not None and ps:
+                # the peers' pooled rate of slow steps, half a hit and a step added (never 0)
+                rate = (sum(len(found[p] or ()) for p in ps) + 0.5) / (sum(len(series[p]) for p in ps) + 1)
+                grid = [s for s in sorted(ser) if s >= hits[0] and (s - hits[0]) % period == 0]
+                named = next((m for m in range(min_hits, len(on) + 1) if _chance(
+                    m, grid.index(on[m - 1]) + 1, rate) <= alpha / len(series)), 0)
+                if not named or _chance(len(on), expected, rate) > alpha / len(series):
+                    continue  # as many slow probes as its peers' noise makes likely among this many items
+            out[k] = (on, ref, named)  # type: ignore[assignment]
     return out
+
+
+def _hits(k: Any, series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], own: dict[Any, float | None],
+          ratio: float, floor: float, scale: dict[Any, dict[int, float]] | None) -> list[int] | None:
+    """The steps at which item `k` is slow (`_flags`' test), None when it has no level."""
+    ser = series[k]
+    if own[k] is None or own[k] <= 0:  # type: ignore[operator]
+        return None
+    ps = [p for p in peers.get(k, []) if own.get(p)]
+    peer_level = statistics.median(own[p] for p in ps) if ps else None  # type: ignore[type-var]
+    always_slow = peer_level is not None and own[k] >= ratio * peer_level  # type: ignore[operator]
+    margin = floor
+    if not ps:  # its own history alone: a step must also stand out of the series' own scatter
+        mid = statistics.median(ser.values())
+        margin = max(floor, 3.0 * statistics.median(abs(v - mid) for v in ser.values()))
+    hits = []
+    for s, v in sorted(ser.items()):
+        now = [series[p][s] for p in ps if s in series[p]]
+        if ps and not now:
+            continue
+        peer_now = statistics.median(now) if now else None
+        level = own[k] * (scale or {}).get(k, {}).get(s, 1.0)  # type: ignore[operator]
+        slow_own = always_slow or (v >= ratio * level and v - level >= margin)
+        slow_peer = peer_now is None or (v >= ratio * peer_now and v - peer_now >= floor)
+        if slow_own and slow_peer:
+            hits.append(s)
+    return hits
+
+
+def _chance(hits: int, n: int, p: float) -> float:
+    """P(at least `hits` of `n` independent steps slow) at a per-step rate `p`: the binomial tail."""
+    return sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(hits, n + 1))
 
 
 def _whole_before(work: dict[int, tuple[float, float, float]], before: float | None) -> set[int]:
@@ -506,23 +546,30 @@ def _whole_before(work: dict[int, tuple[float, float, float]], before: float | N
     return {s for s in work if s + 1 in work and work[s + 1][1] <= before}
 
 
+def work_series(run: RunRecords, work: dict[int, dict[int, tuple[float, float, float]]],
+                before: float | None) -> dict[int, dict[int, float]]:
+    """rank -> step -> local work of the steps whole before `before` (live: the end of the
+    evidence, a step in progress is not whole), the first (warm-up) step left out."""
+    # The end of training's calls carry no step: a rank that ended normally has its last step whole.
+    whole = {r: _whole_before(w, before if before is None or before < run.t_obs or not run.ranks[r].done else None)
+             for r, w in work.items()}
+    return {r: {s: v[0] for s, v in w.items() if s > min(w) and s in whole[r]} for r, w in work.items() if w}
+
+
 def slow_ranks(run: RunRecords, th: Thresholds, before: float | None = None) -> list[Finding]:
     """`before`: judge only steps whole before this time (a stall's onset: the steps after it are
     cut short, and a slow rank found before it is a fault of its own beside the stall)."""
     work = local_work(run)
-    # The first step warms up (the end of training's calls carry no step: the last step is whole).
-    whole = {r: _whole_before(w, before if before is None or before < run.t_obs or not run.ranks[r].done else None)
-             for r, w in work.items()}  # a rank that ended normally: its last step is whole
-    series = {r: {s: v[0] for s, v in w.items() if s > min(w) and s in whole[r]} for r, w in work.items() if w}
+    series = work_series(run, work, before)
     stage = {r: (rr.coords[0] if rr.coords else 0) for r, rr in run.ranks.items()}
     peers = {r: [p for p in series if p != r and stage[p] == stage[r]] for r in series}
     floor = max(th.min_excess_of_step * step_time(run), th.rank_min_excess_s)
     flagged = _flags(series, peers, th.slow_rank_ratio, floor, th.min_hits, th.min_hit_fraction)
     out = []
-    for r, (hits, ref) in flagged.items():
+    for r, (hits, ref, named) in flagged.items():
         ratios = [series[r][s] / ref for s in hits]
         first = work[r][hits[0]][1]
-        detected = work[r][hits[th.min_hits - 1]][2]
+        detected = work[r][hits[named - 1]][2]
         out.append(_finding("slow_rank", (r,), first, detected, run, step=hits[0],
                             slow_steps=hits, ratio=round(statistics.median(ratios), 3),
                             local_work_s={str(s): round(series[r][s], 6) for s in sorted(series[r])},
@@ -573,13 +620,16 @@ def link_matrix(run: RunRecords) -> list[list[float | None]]:
     return m
 
 
-def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds) -> dict[tuple[int, int], dict[int, float]]:
+def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds,
+                 before: float | None = None) -> dict[tuple[int, int], dict[int, float]]:
     """pair -> step -> how many times its own level a pair's probe may be for a reason outside the
     link: the smaller of its two ranks' local-work ratios to their steady levels, where both rose by
     at least `slow_rank_ratio` (contention slows every rank's compute and transfers together; one
-    slow rank does not slow a probe, which is timed from the later arrival). 1 elsewhere."""
-    work = local_work(run)
-    series = {r: {s: v[0] for s, v in w.items() if s > min(w)} for r, w in work.items() if w}
+    slow rank does not slow a probe, which is timed from the later arrival). 1 elsewhere. `before`:
+    the steps whole before it, as `slow_ranks` judges them (live: a step in progress is cut
+    short -- its small partial work pulled a rank's steady level down, so every whole step read
+    as a rise and a slow link flickered out of the live diagnosis between its probes)."""
+    series = work_series(run, local_work(run), before)
     level = {r: _steady(ser) for r, ser in series.items()}
     out: dict[tuple[int, int], dict[int, float]] = {}
     for a, b in pairs:
@@ -594,8 +644,10 @@ def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds) 
     return out
 
 
-def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> list[Finding]:
-    """`before`: judge only probes that ended before this time (a stall's onset)."""
+def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
+               work_before: float | None = None) -> list[Finding]:
+    """`before`: judge only probes that ended before this time (a stall's onset); `work_before`:
+    the ranks' local work (the contention discount, `compute_rise`) of the steps whole before it."""
     times = probe_times(run)
     # A pair's first probe also sets up its connection (gloo connects lazily): left out.
     floor = probe_floor(run, th)  # a time below the floor is read as the floor: no ratio of noise
@@ -605,15 +657,15 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None) -> 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
         return run.node_of(p[0]) == run.node_of(p[1])
     peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
-    rise = compute_rise(run, list(series), th)
+    rise = compute_rise(run, list(series), th, work_before)
     # A slow link stays slow: its probes from the first slow one on (not every k-th: a shared
     # machine's latency spikes, scattered over a long run, fall on some grid by chance).
     flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
-                     th.link_min_hit_fraction, scale=rise, periodic=False)
+                     th.link_min_hit_fraction, scale=rise, periodic=False, alpha=th.link_noise_alpha)
     out = []
-    for p, (hits, ref) in flagged.items():
+    for p, (hits, ref, named) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
-        out.append(_finding("slow_link", p, times[p][hits[0]][1], times[p][hits[th.link_min_hits - 1]][2], run,
+        out.append(_finding("slow_link", p, times[p][hits[0]][1], times[p][hits[named - 1]][2], run,
                             step=hits[0], collective="link probe", slow_steps=hits,
                             ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
                             transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))

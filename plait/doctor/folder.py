@@ -9,8 +9,8 @@ What is read (all optional but `comm/`; the record format is in docs/doctor.md):
 * `exit/rankN.json` and `status/rankN.json` -- how the rank's process ended, if it did;
 * `config.json` -- the run's plan and rank layout (host, node, pipeline/data/tensor coordinates);
 * `pause/rankN.jsonl` -- the runtime's pause markers (`plait.runtime.recorder.Heartbeat`: a
-  checkpoint write, a restart's checkpoint load, an evaluation), begin and end in Unix time: a
-  wait they cover is a pause on purpose, not a stall.
+  checkpoint write, a restart's checkpoint load, an evaluation, a wait for the data loader),
+  begin and end in Unix time: a wait they cover is a pause on purpose, not a stall nor work.
 
 Times: a records header with `perf_at_open` and `wall_at_open` maps its `perf_counter` times to
 Unix time; without them the times are taken as they are (a hand-written folder: any clock the
@@ -103,6 +103,11 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
     config = _read_json(root / "config.json", warnings) or {}
     plan = config.get("plan") if isinstance(config.get("plan"), dict) else None
     layout = {int(r["rank"]): r for r in config.get("ranks", []) if isinstance(r, dict) and "rank" in r}
+    # How each rank ended, its heartbeat and pause markers are read *before* its records: a live
+    # read then never sees a rank done (or a pause ended) whose records it read before they were
+    # complete (a rank that finished while the records were being read looked done with its last
+    # steps cut short: a false slow_rank of a clean pp=4 run at one poll).
+    state = {f: _read_state(root, f.stem[len("rank"):], warnings) for f in files}
     ranks: dict[int, RankRun] = {}
     offsets: dict[int, float] = {}
     world = 0
@@ -136,17 +141,13 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
                                      t_end=c.t_end + shift) for c in rr.records), key=lambda c: c.t_enqueue)
         rr.enters = sorted((replace(e, t=e.t + shift) for e in rr.enters), key=lambda e: e.t)
         t_obs = max([t_obs] + [c.t_end for c in rr.records] + [e.t for e in rr.enters])
+    by_rank = {int(f.stem[len("rank"):]): st for f, st in state.items() if f.stem[len("rank"):].isdigit()}
     for r, rr in ranks.items():
-        hb_path = root / "hb" / f"rank{r}.json"
-        rr.heartbeat = _read_json(hb_path, warnings)
-        if rr.heartbeat is not None and offsets[r] != 0.0:
-            try:
-                rr.hb_written = os.stat(hb_path).st_mtime - t0
-            except OSError:
-                rr.hb_written = None
-        rr.pauses = _read_pauses(root / "pause" / f"rank{r}.jsonl", t0, warnings)
-        rr.exit = _read_json(root / "exit" / f"rank{r}.json", warnings)
-        rr.status = _read_json(root / "status" / f"rank{r}.json", warnings)
+        st = by_rank.get(r, {})
+        rr.heartbeat, rr.exit, rr.status = st.get("hb"), st.get("exit"), st.get("status")
+        if rr.heartbeat is not None and offsets[r] != 0.0 and st.get("hb_mtime") is not None:
+            rr.hb_written = st["hb_mtime"] - t0
+        rr.pauses = _pauses(st.get("pauses"), t0, warnings)
         if offsets[r] != 0.0:  # wall-clock files are comparable only when the records are too
             for t in ((rr.exit or {}).get("time"), (rr.status or {}).get("time")):
                 if isinstance(t, int | float):
@@ -162,13 +163,31 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
 PAUSES_KIND = "plait.pauses"  # plait.runtime.recorder writes them; the doctor reads the file alone
 
 
-def _read_pauses(path: Path, t0: float, warnings: list[str]) -> list[tuple[str, Any, float, float | None]]:
+def _read_state(root: Path, rank: str, warnings: list[str]) -> dict[str, Any]:
+    """One rank's heartbeat (and when it was last written), exit, status and pause-marker lines."""
+    hb_path = root / "hb" / f"rank{rank}.json"
+    try:
+        mtime: float | None = os.stat(hb_path).st_mtime  # before the read: the content is as new or newer
+    except OSError:
+        mtime = None
+    out: dict[str, Any] = {"hb_mtime": mtime, "hb": _read_json(hb_path, warnings),
+                           "exit": _read_json(root / "exit" / f"rank{rank}.json", warnings),
+                           "status": _read_json(root / "status" / f"rank{rank}.json", warnings)}
+    path = root / "pause" / f"rank{rank}.jsonl"
+    try:
+        out["pauses"] = (path, path.read_text().splitlines())
+    except OSError:
+        out["pauses"] = None
+    return out
+
+
+def _pauses(read: tuple[Path, list[str]] | None, t0: float,
+            warnings: list[str]) -> list[tuple[str, Any, float, float | None]]:
     """A rank's pause markers as (what, step, begin, end) on the run clock; a begin without its
     end is a pause still going (or cut short by the rank's end). Unreadable lines are warned of."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
+    if read is None:
         return []
+    path, lines = read
     out: list[tuple[str, Any, float, float | None]] = []
     for i, line in enumerate(lines, 1):
         try:
@@ -191,6 +210,14 @@ def _read_pauses(path: Path, t0: float, warnings: list[str]) -> list[tuple[str, 
                     out[k] = (*out[k][:3], float(d["end"]) - t0)
                     break
     return out
+
+
+def _read_pauses(path: Path, t0: float, warnings: list[str]) -> list[tuple[str, Any, float, float | None]]:
+    """`_pauses` of the file at `path` (none when it cannot be read)."""
+    try:
+        return _pauses((path, path.read_text().splitlines()), t0, warnings)
+    except OSError:
+        return []
 
 
 def as_of(run: RunRecords, t: float) -> RunRecords:

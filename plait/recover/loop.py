@@ -41,6 +41,7 @@ from typing import Any
 from plait.cluster import load_cluster
 from plait.cluster.loader import save_cluster
 from plait.cluster.spec import Cluster
+from plait.doctor.live import DoctorConfig, Persistence
 from plait.ir.diagnosis import REPORT_ONLY, Diagnosis, Finding
 from plait.ir.formats import stamp
 from plait.ir.plan import Plan
@@ -81,14 +82,17 @@ class RecoveryConfig:
     """Plans the search driver returns (the fastest is used)."""
     search: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of `plait.search.plan` (finalists, placement, ...)."""
-    persist: int = 2
-    """K: a live finding is acted on only once K consecutive live diagnoses (`detect_every` apart)
-    have named it (same class, same ranks). The doctor itself already needs >= 3 slow probes or
+    persist: int | None = None
+    """K: a live finding is acted on (or, for a slow rank, reported) only once K consecutive live
+    diagnoses (`detect_every` apart) have named it (same class, same ranks) -- the doctor's live
+    persistence (`plait.doctor.live.DoctorConfig`). None: derived from `detect_every` and the
+    15 s detection goal (3 at 2 s polls). The doctor itself already needs >= 3 slow probes or
     steps (`Thresholds.min_hits`, `link_min_hits`) and a stall of >= 4 median steps; K adds that
-    the evidence still stands a poll later, so a stall that resolved (a rank stopped, then
-    resumed) or one noisy poll never stops the job. A slowness finding counts at a poll only while
-    it is ongoing -- its last slow probe or step is the newest one (`ongoing`): a burst of load
-    that slowed three probes and passed stays in the doctor's history, but is no longer slow."""
+    the evidence still stands K polls later, so a stall that resolved (a rank stopped, then
+    resumed) or one noisy poll never stops the job nor reports a rank. A slowness finding counts
+    toward an action only while it is ongoing -- its last slow probe or step is the newest one
+    (`ongoing`): a burst of load that slowed three probes and passed stays in the doctor's
+    history, but is no longer slow."""
     advise: bool = False
     """Report what would be done (`RecoveryResult.actions`, done=False) without doing it: live
     findings never stop the job, and a failed phase is passed on instead of isolated."""
@@ -191,7 +195,10 @@ class _Watch:
         self.rejoin_at = rejoin_at  # scripted repairs not yet acted on
         if self._requests():  # declared back before this phase started: its first checkpoint grows it
             self.rejoin_after = start
-        self.streak: dict[tuple[str, tuple[int, ...]], int] = {}  # consecutive live polls naming a finding
+        doctor = DoctorConfig(poll_s=config.detect_every, persist_polls=config.persist)
+        self.persist = doctor.polls()
+        self.to_report = Persistence(doctor)  # every finding naming ranks: slow ranks are reported
+        self.to_act = Persistence(doctor)  # ongoing ones only: what may stop the job
         self.reported: set[tuple[str, tuple[int, ...]]] = set()
         self.actions: list[dict[str, Any]] = []  # reports and advice (the loop adds what it did)
         self.isolate: Any = None  # diagnosis -> Isolation for advice (set by the loop)
@@ -237,18 +244,20 @@ class _Watch:
             return self._judge(found)
         return None
 
-    def _judge(self, found: Diagnosis) -> str | None:
-        """Act on the findings that persisted `persist` polls; report slow ranks; advise only."""
-        keys = {(f.kind, f.ranks) for f in found.findings if f.ranks and not f.evidence.get("resumed") and ongoing(f)}
-        self.streak = {k: self.streak.get(k, 0) + 1 for k in keys}  # a finding that vanished starts over
-        for f in found.findings:
+    def _judge(self, found: Diagnosis, now: float | None = None) -> str | None:
+        """Act on the findings that persisted `persist` polls; report slow ranks that did; advise only."""
+        now = time.time() if now is None else now
+        named = [f for f in found.findings if f.ranks and not f.evidence.get("resumed")]  # resolved stalls: none
+        reported = self.to_report.update(dataclasses.replace(found, findings=named), now).findings
+        acted = self.to_act.update(dataclasses.replace(found, findings=[f for f in named if ongoing(f)]), now).findings
+        for f in reported:
             if f.kind in REPORT_ONLY and (f.kind, f.ranks) not in self.reported:
                 self.reported.add((f.kind, f.ranks))
-                self.actions.append({"action": "report", "done": True, "at": time.time(),
-                                     "why": "a slow but healthy rank is reported, never dropped",
+                self.actions.append({"action": "report", "done": True, "at": now,
+                                     "why": f"a slow but healthy rank is reported, never dropped (named in "
+                                            f"{self.persist} consecutive live diagnoses)",
                                      "findings": [f.to_dict()]})
-        lasting = [f for f in found.findings if f.ranks and f.kind not in REPORT_ONLY
-                   and self.streak.get((f.kind, f.ranks), 0) >= self.config.persist]  # resolved stalls: none
+        lasting = [f for f in acted if f.kind not in REPORT_ONLY]
         if not lasting:
             return None
         kept = Diagnosis(run_dir=found.run_dir, findings=lasting, world_size=found.world_size,
@@ -257,8 +266,8 @@ class _Watch:
             new = [f for f in lasting if (f.kind, f.ranks) not in self.reported]
             if new:
                 self.reported |= {(f.kind, f.ranks) for f in new}
-                advice: dict[str, Any] = {"action": "isolate", "done": False, "at": time.time(),
-                                          "why": f"named in {self.config.persist} consecutive live diagnoses",
+                advice: dict[str, Any] = {"action": "isolate", "done": False, "at": now,
+                                          "why": f"named in {self.persist} consecutive live diagnoses",
                                           "findings": [f.to_dict() for f in new]}
                 if self.isolate is not None:
                     try:
@@ -269,7 +278,7 @@ class _Watch:
             return None
         self.diagnosis = kept
         self.what = "; ".join(f"{f.kind} of ranks {list(f.ranks)}" for f in lasting)
-        return f"the live diagnosis names {self.what} ({self.config.persist} polls in a row)"
+        return f"the live diagnosis names {self.what} ({self.persist} polls in a row)"
 
 
 def ongoing(f: Finding) -> bool:

@@ -38,8 +38,12 @@ from plait.runtime.emulate import extra_time
 
 # Phases in which a rank pauses training on purpose (a checkpoint write, a restart's checkpoint
 # load, an evaluation): entering and leaving one is marked in RUN_DIR/pause/rankN.jsonl, so the
-# doctor does not read the pause as a stall (plait.doctor.detect.past_stalls, stall).
+# doctor does not read the pause as a stall (plait.doctor.detect.past_stalls, stall). A wait for
+# the user's data loader is marked the same way (`Heartbeat.pause("data")`), without a phase
+# change: the doctor does not count it as the step's local work (a rank waiting for its data
+# is not a slow rank) nor as a stall.
 PAUSE_PHASES = ("checkpoint", "resume", "eval")
+DATA_PAUSE = "data"
 PAUSES_KIND = "plait.pauses"
 PAUSES_VERSION = 1
 
@@ -84,6 +88,18 @@ class Heartbeat:
                 self._write()
             except OSError:
                 pass
+
+    @contextmanager
+    def pause(self, what: str = DATA_PAUSE) -> Iterator[None]:
+        """Mark the block as a pause on purpose (begin and end markers, as a `PAUSE_PHASES` phase
+        gets) without changing the heartbeat's phase: a wait for the data loader."""
+        with self._lock:
+            at = self.state["step"]
+        self._mark({"what": what, "step": at, "begin": time.time()})
+        try:
+            yield
+        finally:
+            self._mark({"what": what, "step": at, "end": time.time()})
 
     def _mark(self, line: dict[str, Any]) -> None:
         """Append one pause marker (the file and its header on the first)."""

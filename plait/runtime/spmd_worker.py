@@ -274,7 +274,11 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
 
         dataset, collate = user_data.load_data(data_cfg["spec"])
         order = user_data.SampleOrder(len(dataset), data_seed)
-        return lambda step: user_data.samples(dataset, collate, order, self.sample_base + step * batch, batch)
+
+        def fetch(step: int) -> Any:
+            with self.hb.pause():  # a wait for the user's data is not the step's work (plait.runtime.recorder)
+                return user_data.samples(dataset, collate, order, self.sample_base + step * batch, batch)
+        return fetch
 
     def _time_whole(self, timed: Any) -> list[dict[str, float]]:
         """`timed()` (`whole_program_seconds`) on every rank at once, after a barrier; every rank's

@@ -296,7 +296,8 @@ class TorchWorker(RankConfig):
                                                 int(self.cfg["data"].get("workers", 1)))
         out = {}
         for mb in mbs:
-            inputs, target = next(self._data_iter)
+            with self.hb.pause():  # a wait for the loader is not the step's work (plait.runtime.recorder)
+                inputs, target = next(self._data_iter)
             out[mb.index] = (tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs),
                              target.to(self.device))
         return out

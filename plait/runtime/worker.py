@@ -424,7 +424,8 @@ class Worker(RankConfig):
             self._data_iter = self._open_data(base, seed)
         out = {}
         for c, mb in needed:
-            inputs, target = next(self._data_iter)
+            with self.hb.pause():  # a wait for the loader is not the step's work (plait.runtime.recorder)
+                inputs, target = next(self._data_iter)
             out[(c, mb.index)] = (tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs),
                                   target.to(self.device))
         return out
