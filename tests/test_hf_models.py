@@ -114,6 +114,18 @@ def test_llama_without_a_wrapper_trains_equal_to_one_process(plan):
         assert all(r.layers for r in result.ranks) and len(result.ranks) == 2
 
 
+@pytest.mark.distributed
+def test_t5_pipeline_with_its_shared_embedding_trains_equal_to_one_process():
+    """T5's embedding is one tensor under four names (`shared`, both stacks' `embed_tokens`, the LM
+    head): pp=2 holds it on both stages and sums its gradients across them, and the returned
+    parameters carry every name (`shared.weight`, which no stage runs, was missing: KeyError)."""
+    from plait.ir.plan import Plan
+
+    result = _equal_to_one_process(f"{HF}:t5", Plan.parse("pp=2,micro_batch=2,global_batch=4,schedule=1f1b,dtype=fp32"))
+    # the tensor is on both stages: the encoder's embedding on the first, the LM head on the last
+    assert "encoder.embed_tokens" in result.ranks[0].layers and "lm_head" in result.ranks[1].layers
+
+
 # ---------------------------------------------------------------------------- 4. prices of the kernels
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_moe_expert_flops_match_a_hand_count(dtype):
