@@ -186,10 +186,53 @@ def test_an_output_the_loss_cannot_take_is_refused_before_launch(tmp_path):
 
 
 def test_tp_on_a_model_with_nothing_to_shard_is_refused_before_launch():
-    """tp=2 of an HF model would replicate it on both ranks (nothing marks what to shard):
-    refused in one line before any worker starts."""
+    """tp=2 of an HF model without a tensor-parallel plan (GPT-2's config has none) would
+    replicate it on both ranks: refused in one line before any worker starts."""
     from plait.runtime.api import run
     from plait.runtime.partition import RuntimeSetupError
 
     with pytest.raises(RuntimeSetupError, match=r"plan field 'tp'.*marks nothing tensor parallelism can shard"):
-        run(f"{HF}:llama", None, "tp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
+        run(f"{HF}:gpt2", None, "tp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
+
+
+# ---------------------------------------------------------------------------- 6. tp from the model's plan
+def test_base_model_tp_plan_marks_the_blocks():
+    """LlamaConfig.base_model_tp_plan (colwise q/k/v, gate/up; rowwise o, down) becomes plait's
+    markers: each block is a tensor-parallel layer, its ops carry their roles, and the cost model
+    holds half of each block's linear weights per rank at tp=2 (norms stay whole). GPT-2's config
+    has no plan: nothing is marked."""
+    from plait.cluster.catalog import get_kind
+    from plait.cost.compute import layer_cost
+
+    s = spec("llama")
+    module = s.build("meta")
+    marks = {n: m.plait_tp for n, m in module.named_modules() if hasattr(m, "plait_tp")}
+    assert marks["model.layers.0.self_attn.q_proj"] == "column" and marks["model.layers.0.mlp.down_proj"] == "row"
+    assert marks["model.layers.0.self_attn"] == "sharded" and "lm_head" not in marks
+    assert not any(hasattr(m, "plait_tp") for m in spec("gpt2").build("meta").modules())
+    g = inspect_model(s, batch=1, dtype="bf16")
+    assert [layer.name for layer in g.layers if layer.tp_style == "transformer"] == [f"model.layers.{i}" for i in range(4)]
+    assert (g.config["heads"], g.config["kv_heads"]) == (4, 2)
+    block = module.get_submodule("model.layers.1")
+    linear = sum(p.numel() for n, p in block.named_parameters() if "proj" in n)
+    norms = sum(p.numel() for n, p in block.named_parameters() if "norm" in n)
+    kind = get_kind("a100-80gb")
+    layer = g.layer("model.layers.1")
+    one, two = (layer_cost(layer, g, 1, kind, "bf16", tp=t) for t in (1, 2))
+    assert one.params == linear + norms and two.params == linear / 2 + norms
+    flops = [sum(i.flops for i in c.fwd.items if hasattr(i, "flops")) for c in (one, two)]
+    assert flops[1] == pytest.approx(flops[0] / 2, rel=0.05)  # matmuls and attention on half the heads
+    assert any(getattr(i, "op", None) == "all_reduce" for i in two.fwd.items)  # after o_proj and down_proj
+
+
+@pytest.mark.distributed
+def test_llama_tp2_from_its_own_plan_trains_equal_to_one_process():
+    """tp=2 of LlamaForCausalLM, cut where its config's plan says: equal to one process, and each
+    rank holds half of every block's linear weights (the embedding, norms and LM head whole)."""
+    from plait.ir.plan import Plan
+
+    result = _equal_to_one_process(f"{HF}:llama", Plan.parse("tp=2,micro_batch=2,global_batch=4,dtype=fp32"))
+    module = spec("llama").build("meta")
+    linear = sum(p.numel() for n, p in module.named_parameters() if "layers." in n and "proj" in n)
+    total = sum(p.numel() for p in module.parameters())
+    assert [r.params for r in result.ranks] == [total - linear // 2] * 2

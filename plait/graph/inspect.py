@@ -105,6 +105,10 @@ def inspect_model(
         return spec.loss(output, target)
 
     config = dict(getattr(spec, "config", {}) or {})
+    from plait.graph.tp_plan import head_counts
+
+    for key, value in head_counts(module).items():  # the heads tp must divide (an HF model's config)
+        config.setdefault(key, value)
     return capture(
         module,
         inputs,

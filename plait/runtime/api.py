@@ -334,7 +334,7 @@ def _check_user_model(spec: Any, plan: Plan, spec_string: str) -> None:
     if plan.tp > 1 and not any(getattr(m, "plait_tp", None) in ("column", "row", "sharded") for m in module.modules()):
         raise RuntimeSetupError(
             f"plan field 'tp': {plan.tp} > 1, but model {spec_string} marks nothing tensor parallelism can "
-            "shard (no plait_tp markers; a Hugging Face base_model_tp_plan is not read yet): every rank "
+            "shard (no plait_tp markers, no base_model_tp_plan in its config): every rank "
             "would hold the whole model; use tp=1")
     inputs, target = spec.sample_batch(2, device="meta")
     try:
