@@ -126,6 +126,20 @@ def test_t5_pipeline_with_its_shared_embedding_trains_equal_to_one_process():
     assert "encoder.embed_tokens" in result.ranks[0].layers and "lm_head" in result.ranks[1].layers
 
 
+def test_layers_of_a_decoder_profile_alone():
+    """The layer profiler runs each block of LlamaForCausalLM alone, several times (plan --run's
+    calibration). transformers built a key/value cache in train mode (config.use_cache), which the
+    second run extended with the first run's keys: 'Trying to backward through the graph a
+    second time'. Training builds HF models with use_cache off."""
+    from plait.measure.layer_profile import profile_layers
+
+    s = spec("llama")
+    assert s.build("meta").config.use_cache is False
+    prof = profile_layers(s, 1, repeats=2, warmup=1)
+    assert {f"model.layers.{i}" for i in range(4)} <= set(prof.times)
+    assert all(f > 0 and b > 0 for n, (f, b) in prof.times.items() if n.startswith("model.layers."))
+
+
 # ---------------------------------------------------------------------------- 4. prices of the kernels
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_moe_expert_flops_match_a_hand_count(dtype):
