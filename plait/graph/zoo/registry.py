@@ -88,12 +88,6 @@ class ModelSpec:
         from plait.graph.tp_plan import mark_tp_plan
 
         mark_tp_plan(module)
-        # Training never reads a key/value cache (transformers builds one in train mode when the
-        # config's `use_cache` is on): it holds every layer's keys and values, and a layer run
-        # again (the layer profiler's repetitions) would attend over the previous run's keys too.
-        cfg = getattr(module, "config", None)
-        if getattr(cfg, "use_cache", False) is True:
-            cfg.use_cache = False
         if getattr(module, "plait_inputs", None) is None:
             # How many inputs the forward is called with: torch.fx traces it with those as
             # placeholders and the rest at their defaults (`plait.graph.layer_cut.LayerTracer`).
