@@ -209,6 +209,28 @@ def test_tp_on_a_model_with_nothing_to_shard_is_refused_before_launch():
         run(f"{HF}:gpt2", None, "tp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
 
 
+def test_pre_launch_check_is_quiet():
+    """The pre-launch check of an fp32 Mixtral (whose `_grouped_mm` has no fp32 meta kernel) printed
+    the fake mode's traceback at ERROR level, 22 lines, before every run; it is quiet now, and the
+    tiny GPT-2 config no longer warns that its token ids lie outside the vocabulary. A real refusal
+    still comes through (test_an_output_the_loss_cannot_take_is_refused_before_launch). In a fresh
+    process: torch's loggers write to the stderr they found at import."""
+    import subprocess
+    import sys
+
+    code = ("from plait.runtime.api import _check_user_model\n"
+            "from plait.graph.zoo import load_model\n"
+            "from plait.ir.plan import Plan\n"
+            f"_check_user_model(load_model('{HF}:mixtral'), Plan.parse('dp=2,micro_batch=1,global_batch=2,dtype=fp32'), 'm')\n"
+            f"load_model('{HF}:gpt2').build('meta')\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-500:]
+    assert "failed while attempting to run meta" not in out.stderr and "Traceback" not in out.stderr
+    assert "token_id must be" not in out.stderr
+
+
 # ---------------------------------------------------------------------------- 6. tp from the model's plan
 def test_base_model_tp_plan_marks_the_blocks():
     """LlamaConfig.base_model_tp_plan (colwise q/k/v, gate/up; rowwise o, down) becomes plait's

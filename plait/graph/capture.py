@@ -521,7 +521,7 @@ def _reason(exc: Exception) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_fake_mode() -> Iterator[None]:
+def quiet_fake_mode() -> Iterator[None]:
     """The fake mode logs every op it cannot run before raising; the CaptureError says it once."""
     log = logging.getLogger("torch._subclasses.fake_tensor")
     level = log.level
@@ -729,7 +729,7 @@ def _trace(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             state.last_seq = _peek_seq()
             state.phase = _FORWARD
-            with fake_mode, _quiet_fake_mode(), recorder, \
+            with fake_mode, quiet_fake_mode(), recorder, \
                     _CudaKernels() if cuda_kernels else contextlib.nullcontext():
                 try:
                     output = torch.func.functional_call(module, substitutes, inputs)

@@ -329,6 +329,7 @@ def _check_user_model(spec: Any, plan: Plan, spec_string: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from plait.errors import PlaitError
+    from plait.graph.capture import quiet_fake_mode
 
     module = spec.build("meta")
     if plan.tp > 1 and not any(getattr(m, "plait_tp", None) in ("column", "row", "sharded") for m in module.modules()):
@@ -338,7 +339,7 @@ def _check_user_model(spec: Any, plan: Plan, spec_string: str) -> None:
             "would hold the whole model; use tp=1")
     inputs, target = spec.sample_batch(2, device="meta")
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), quiet_fake_mode():  # the workers report what fails
             spec.loss(module(*inputs), target)
     except PlaitError as exc:
         raise RuntimeSetupError(f"model {spec_string}: {exc}") from None
