@@ -50,16 +50,18 @@ def _last_line(text: str) -> str:
 
 
 def inspect_cell(tiny: str) -> dict[str, Any]:
+    from torch import nn
+
     from plait.graph.inspect import inspect_model
     from plait.graph.zoo import load_model
 
     spec = load_model(f"{HF}:{tiny}")
     g = inspect_model(spec, batch=1, dtype="bf16")
     module = spec.build("meta")
-    blocks = sum(len(m) for m in module.modules() if type(m).__name__ == "ModuleList"
-                 and any(p.requires_grad for p in m.parameters()))
-    in_blocks = [n for n in g.layer_names if any(n.rsplit(".", 1)[0] == p for p, m in module.named_modules()
-                                                   if type(m).__name__ == "ModuleList")]
+    lists = [p for p, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+    outer = [p for p in lists if not any(p.startswith(q + ".") for q in lists)]  # T5Block.layer is inside a block
+    blocks = sum(len(module.get_submodule(p)) for p in outer)
+    in_blocks = [n for n in g.layer_names if n.rsplit(".", 1)[0] in outer]
     return {"ok": len(in_blocks) == blocks, "layers": len(g.layers), "blocks": blocks,
             "block_layers": len(in_blocks), "tp_blocks": sum(layer.tp_style == "transformer" for layer in g.layers)}
 
