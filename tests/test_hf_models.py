@@ -238,7 +238,7 @@ def test_base_model_tp_plan_marks_the_blocks():
     holds half of each block's linear weights per rank at tp=2 (norms stay whole). GPT-2's config
     has no plan: nothing is marked."""
     from plait.cluster.catalog import get_kind
-    from plait.cost.compute import layer_cost
+    from plait.cost.compute import generic_layer_cost, layer_cost
 
     s = spec("llama")
     module = s.build("meta")
@@ -254,11 +254,16 @@ def test_base_model_tp_plan_marks_the_blocks():
     norms = sum(p.numel() for n, p in block.named_parameters() if "norm" in n)
     kind = get_kind("a100-80gb")
     layer = g.layer("model.layers.1")
-    one, two = (layer_cost(layer, g, 1, kind, "bf16", tp=t) for t in (1, 2))
+    one, two = (generic_layer_cost(layer, g, 1, kind, "bf16", tp=t) for t in (1, 2))  # op by op, by the roles
     assert one.params == linear + norms and two.params == linear / 2 + norms
     flops = [sum(i.flops for i in c.fwd.items if hasattr(i, "flops")) for c in (one, two)]
     assert flops[1] == pytest.approx(flops[0] / 2, rel=0.05)  # matmuls and attention on half the heads
     assert any(getattr(i, "op", None) == "all_reduce" for i in two.fwd.items)  # after o_proj and down_proj
+    # a dense decoder's block is priced as the zoo's LLaMA block of the same shape (the closed form)
+    zoo = inspect_model("llama:layers=4,hidden=64,heads=4,kv_heads=2,seq=32,vocab=128,ffn=128", batch=1, dtype="bf16")
+    for t in (1, 2):
+        hf_cost, zoo_cost = layer_cost(layer, g, 1, kind, "bf16", tp=t), layer_cost(zoo.layer("layers.1"), zoo, 1, kind, "bf16", tp=t)
+        assert (hf_cost.fwd.compute_s, hf_cost.bwd.compute_s) == pytest.approx((zoo_cost.fwd.compute_s, zoo_cost.bwd.compute_s))
 
 
 @pytest.mark.distributed

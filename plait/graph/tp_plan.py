@@ -96,3 +96,30 @@ def head_counts(model: nn.Module) -> dict[str, int]:
         return {}
     kv = getattr(cfg, "num_key_value_heads", None)
     return {"heads": heads, "kv_heads": kv if isinstance(kv, int) and kv > 0 else heads}
+
+
+def transformer_shape(model: nn.Module, seq: int) -> dict[str, object]:
+    """The shape facts the closed-form transformer cost reads (`plait.cost.compute.TransformerShape`:
+    hidden, heads, kv_heads, head_dim, ffn, seq, gated, sdpa, causal), from the config of a dense
+    decoder whose blocks its own plan cuts (every block's attention and MLP marked), so an HF
+    Llama block is priced as the zoo's LLaMA block of the same shape. Empty otherwise (MoE blocks,
+    whose experts the plan does not cut; encoders; models without a plan)."""
+    cfg = getattr(model, "config", None)
+    counts = head_counts(model)
+    hidden, ffn = getattr(cfg, "hidden_size", None), getattr(cfg, "intermediate_size", None)
+    if not counts or not isinstance(hidden, int) or not isinstance(ffn, int):
+        return {}
+    if any(getattr(cfg, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        return {}
+    if getattr(cfg, "is_encoder_decoder", False) or not getattr(cfg, "is_decoder", True):
+        return {}
+    rows = sum(getattr(m, "plait_tp", None) == "row" for m in model.modules())
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(layers, int) or rows != 2 * layers:  # attention and MLP of every block
+        return {}
+    act = str(getattr(cfg, "hidden_act", "")).lower()
+    head_dim = getattr(cfg, "head_dim", None) or hidden // counts["heads"]
+    return {**counts, "hidden": hidden, "ffn": ffn, "seq": int(seq), "head_dim": int(head_dim),
+            "activation": "swiglu" if act in ("silu", "swish") else act,
+            "sdpa": getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "flash_attention_2"),
+            "causal": True}
