@@ -61,7 +61,8 @@ def gpt2() -> tuple[Any, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=64, n_layer=4, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)  # inside the tiny vocabulary
     return _causal(lambda: GPT2LMHeadModel(cfg), SEQ, VOCAB)
 
 

@@ -709,7 +709,8 @@ def _op_bytes(op: Op, graph: OpGraph) -> float:
 
 
 def _tp_split(module: str) -> str | None:
-    """Megatron TP role of a module inside a transformer layer, from the zoo's naming contract."""
+    """Megatron TP role of a module inside a transformer layer, from the zoo's naming contract
+    (other models' blocks: the role their markers gave the op, `Op.tp_role`)."""
     leaf = module.rsplit(".", 2)
     tail = ".".join(leaf[-2:]) if len(leaf) >= 2 else module
     if tail in ("attn.qkv", "attn.q", "attn.kv", "mlp.fc1", "mlp.gate", "mlp.up") or module.endswith(".lm"):
@@ -744,6 +745,8 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
         if op is None or _FREE_TARGETS.match(op.target):
             continue
         role = _tp_split(op.module) if split_layer else None
+        if split_layer and role is None and layer.tp_style == "transformer":
+            role = op.tp_role or None  # a block marked by the model's own plan (`plait.graph.tp_plan`)
         frac = r if role else 1.0
         params += op.param_bytes / (graph.param_dtype_bytes or 4) * frac
         if _GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target):

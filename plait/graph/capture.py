@@ -116,6 +116,7 @@ class _ModuleInfo:
     layer: str | None  # the Layer this module belongs to; None for containers above layers
     tp: bool  # inside a Megatron column-parallel linear or sharded region
     selective: bool  # marked plait_selective
+    role: str = ""  # the nearest tensor-parallel marker above: "column", "row", "sharded" or ""
 
 
 def layer_assignment(root: nn.Module, root_name: str = "model") -> dict[str, tuple[str, str]]:
@@ -129,7 +130,7 @@ def layer_assignment(root: nn.Module, root_name: str = "model") -> dict[str, tup
 def _module_infos(root: nn.Module, heads: dict[str, tuple[str, str]]) -> dict[int, _ModuleInfo]:
     infos: dict[int, _ModuleInfo] = {}
 
-    def walk(m: nn.Module, path: str, layer: str | None, tp: bool) -> None:
+    def walk(m: nn.Module, path: str, layer: str | None, tp: bool, role: str) -> None:
         if id(m) in infos:
             return
         if path in heads:
@@ -137,11 +138,12 @@ def _module_infos(root: nn.Module, heads: dict[str, tuple[str, str]]) -> dict[in
         style = getattr(m, "plait_tp", None)
         if style is not None:  # the nearest marker decides (a row linear ends a sharded region)
             tp = style in ("column", "sharded")
-        infos[id(m)] = _ModuleInfo(path, layer, tp, bool(getattr(m, "plait_selective", False)))
+            role = style if style in ("column", "row", "sharded") else ""
+        infos[id(m)] = _ModuleInfo(path, layer, tp, bool(getattr(m, "plait_selective", False)), role)
         for name, child in m.named_children():
-            walk(child, f"{path}.{name}" if path else name, layer, tp)
+            walk(child, f"{path}.{name}" if path else name, layer, tp, role)
 
-    walk(root, "", None, False)
+    walk(root, "", None, False, "")
     return infos
 
 
@@ -150,7 +152,7 @@ class _Rec:
     """One forward op, compact (a 175B GPT has tens of thousands)."""
 
     __slots__ = (
-        "target", "module", "layer", "frame_sel", "tp", "fwd_flops", "bwd_flops",
+        "target", "module", "layer", "frame_sel", "tp", "role", "fwd_flops", "bwd_flops",
         "param_bytes", "param_count", "saved", "saved_tp", "saved_sel", "out_bytes",
         "ins", "act", "weights",
     )  # fmt: skip
@@ -161,6 +163,7 @@ class _Rec:
         self.layer = layer
         self.frame_sel = frame_sel
         self.tp = tp
+        self.role = ""  # tensor-parallel role of the module that ran it (`_ModuleInfo.role`)
         self.fwd_flops = 0.0
         self.bwd_flops = 0.0
         self.param_bytes = 0
@@ -390,6 +393,7 @@ class _Recorder(TorchDispatchMode):
         else:
             info = f.info
             rec = _Rec(str(func), info.path, info.layer, f.sel, info.tp)
+            rec.role = info.role
         idx = len(s.recs)
         s.recs.append(rec)
         if f is not None and f.sel >= 0 and f.sel not in s.sel_first_rec:
@@ -517,7 +521,7 @@ def _reason(exc: Exception) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_fake_mode() -> Iterator[None]:
+def quiet_fake_mode() -> Iterator[None]:
     """The fake mode logs every op it cannot run before raising; the CaptureError says it once."""
     log = logging.getLogger("torch._subclasses.fake_tensor")
     level = log.level
@@ -725,7 +729,7 @@ def _trace(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             state.last_seq = _peek_seq()
             state.phase = _FORWARD
-            with fake_mode, _quiet_fake_mode(), recorder, \
+            with fake_mode, quiet_fake_mode(), recorder, \
                     _CudaKernels() if cuda_kernels else contextlib.nullcontext():
                 try:
                     output = torch.func.functional_call(module, substitutes, inputs)
@@ -941,7 +945,7 @@ def _expand_runs(state: _State, runs: list[_Run], out_recs: list[int]) -> dict[s
                     src.target, path + src.module[len(template) :], path, src.frame_sel, src.tp
                 )
                 for f in ("fwd_flops", "bwd_flops", "param_bytes", "param_count", "saved",
-                          "saved_tp", "saved_sel", "out_bytes", "act"):  # fmt: skip
+                          "saved_tp", "saved_sel", "out_bytes", "act", "role"):  # fmt: skip
                     setattr(c, f, getattr(src, f))
                 c.ins = [
                     (
@@ -1152,6 +1156,7 @@ def _build_graph(
             saved_selective_bytes=r.saved_sel / b,
             output_bytes=r.out_bytes / b,
             inputs=list(dict.fromkeys(producers)),
+            tp_role=r.role,
         )
     # The model's outputs leave the layer that made them.
     for idx, (_, sid, nb) in zip(out_recs, outs):

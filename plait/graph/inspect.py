@@ -105,6 +105,13 @@ def inspect_model(
         return spec.loss(output, target)
 
     config = dict(getattr(spec, "config", {}) or {})
+    from plait.graph.tp_plan import head_counts, transformer_shape
+
+    # the heads tp must divide, and a dense decoder's shape for the closed-form block cost (an HF config)
+    seq = inputs[0].shape[1] if inputs and getattr(inputs[0], "dim", lambda: 0)() >= 2 else 0
+    shape = transformer_shape(module, seq) if seq else {}
+    for key, value in {**head_counts(module), **shape}.items():
+        config.setdefault(key, value)
     return capture(
         module,
         inputs,

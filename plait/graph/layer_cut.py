@@ -39,6 +39,7 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.graph.concrete_trace import ConcreteProxy, ConcreteValues
+from plait.graph.tp_plan import tensor_parallel_style
 
 __all__ = ["DEFAULT_GRANULARITY", "LayerCut", "LayerCutError", "LayerTracer", "is_marked", "layer_cut",
            "input_signature", "model_inputs", "pure_chains"]
@@ -425,7 +426,9 @@ def layer_cut(root: nn.Module, root_name: str = "model", granularity: int | None
         layers, notes = _refine(root, list(heads), g)
         layers, dropped = _drop_uncalled_tied(root, layers)
         notes = [*notes, *dropped]
-        cut = LayerCut({p: (p, "none") for p in layers}, tuple(notes))
+        # a block holding column and row linears (a model's own tensor-parallel plan) is one
+        # tensor parallelism cuts
+        cut = LayerCut({p: (p, tensor_parallel_style(root.get_submodule(p))) for p in layers}, tuple(notes))
     _CACHE[root] = (key, cut)
     return cut
 

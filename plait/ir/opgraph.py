@@ -40,6 +40,9 @@ class Op:
     saved_selective_bytes: float = 0.0
     output_bytes: float = 0.0
     inputs: list[str] = field(default_factory=list)  # names of producer ops
+    # Megatron role of the module that ran it, from the model's markers (`plait_tp`, or its own
+    # tensor-parallel plan: `plait.graph.tp_plan`): "column", "row", "sharded" or "" (by name)
+    tp_role: str = ""
 
 
 @dataclass

@@ -229,6 +229,13 @@ def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp
         with torch.random.fork_rng(devices=[dev] if cuda else []):
             torch.manual_seed(seed)
             model = spec.build(device=dev, dtype=torch.float32, seed=seed)
+            # A key/value cache (transformers builds one in train mode when the config's
+            # `use_cache` is on) would carry each layer's keys from one repetition into the next:
+            # the second backward then reaches the first run's freed graph. The profile runs on
+            # real values, so without a cache transformers still takes the same unmasked SDPA path.
+            cfg = getattr(model, "config", None)
+            if getattr(cfg, "use_cache", False) is True:
+                cfg.use_cache = False
             model.train()
             heads = layer_assignment(model)
             layers = [(name, model.get_submodule(path) if path else model) for path, (name, _) in heads.items()]

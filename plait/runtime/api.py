@@ -329,16 +329,17 @@ def _check_user_model(spec: Any, plan: Plan, spec_string: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from plait.errors import PlaitError
+    from plait.graph.capture import quiet_fake_mode
 
     module = spec.build("meta")
     if plan.tp > 1 and not any(getattr(m, "plait_tp", None) in ("column", "row", "sharded") for m in module.modules()):
         raise RuntimeSetupError(
             f"plan field 'tp': {plan.tp} > 1, but model {spec_string} marks nothing tensor parallelism can "
-            "shard (no plait_tp markers; a Hugging Face base_model_tp_plan is not read yet): every rank "
+            "shard (no plait_tp markers, no base_model_tp_plan in its config): every rank "
             "would hold the whole model; use tp=1")
     inputs, target = spec.sample_batch(2, device="meta")
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), quiet_fake_mode():  # the workers report what fails
             spec.loss(module(*inputs), target)
     except PlaitError as exc:
         raise RuntimeSetupError(f"model {spec_string}: {exc}") from None

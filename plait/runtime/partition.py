@@ -88,9 +88,12 @@ def layer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _layer_style(module: nn.Module) -> str:
-    """The OpGraph Layer.tp_style of a layer module (its `plait_layer` marker, else "none")."""
+    """The OpGraph Layer.tp_style of a layer module (its `plait_layer` marker, else "transformer"
+    for a block of column and row linears, else "none"), as `plait.graph.layer_cut` gives it."""
+    from plait.graph.tp_plan import tensor_parallel_style
+
     style = getattr(module, "plait_layer", None)
-    return style if isinstance(style, str) else "none"
+    return style if isinstance(style, str) else tensor_parallel_style(module)
 
 
 # ---------------------------------------------------------------------------------- data

@@ -53,6 +53,20 @@ def _rank(plan: Plan, layout: PipelineLayout, stage: int, replica: int, tensor: 
     return layout.rank_of(stage, replica) if layout.graph_plan else plan.rank(stage, replica, tensor)
 
 
+def _fill_aliases(params: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """Give every name of a tied tensor its value where no stage held it under that name (T5's
+    `shared.weight` never runs: its tensor is each stack's `embed_tokens` on their own stages, which
+    hold the same values as their gradients are summed across stages)."""
+    by_first: dict[str, list[str]] = {}
+    for name, first in aliases.items():
+        by_first.setdefault(first, []).append(name)
+    for names in by_first.values():
+        held = next((params[n] for n in names if n in params), None)
+        if held is not None:
+            for n in names:
+                params.setdefault(n, held)
+
+
 def write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: int, steps: int,
                  cfg: dict[str, Any]) -> None:
     """Rank 0, once every rank's record is gathered (`ranks`, by rank): `result.json` (losses of
@@ -80,6 +94,7 @@ def write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: 
                     si = ShardInfo(info["dim"], info["chunks"], tuple(info["sizes"]))
                     shards = [ranks[plan.rank(p, 0, t)]["params_state"][name] for t in range(plan.tp)]
                     params[name] = si.assemble(shards)
+        _fill_aliases(params, next((r["param_aliases"] for r in ranks if r.get("param_aliases")), {}))
         torch.save(params, run_dir / "params.pt")
     amp = None
     if ranks[0].get("amp") is not None:
@@ -89,7 +104,8 @@ def write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: 
                "final_loss_scale": ranks[0]["amp"]["final_scale"], "skipped_by_rank": skipped_by_rank}
     out = {
         "steps": step_ids, "losses": losses, "iteration_times": iteration_times, "amp": amp,
-        "ranks": [{k: v for k, v in r.items() if k not in ("params_state", "shard_infos", "amp")} for r in ranks],
+        "ranks": [{k: v for k, v in r.items() if k not in ("params_state", "shard_infos", "amp", "param_aliases")}
+                  for r in ranks],
         "params_file": "params.pt" if params is not None else None,
     }
     tmp = run_dir / "result.json.tmp"

@@ -323,6 +323,11 @@ class TorchWorker(RankConfig):
             full = {n: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().cpu().clone()
                     for n, prm in self.model.named_parameters()}  # FSDP2: gathered, collective
             params = full if self.d == 0 else None
+            if params is not None:  # a tied tensor under each of its names (GPT-2's lm_head.weight)
+                for name, prm in self.model.named_parameters(remove_duplicate=False):
+                    first = next((n for n, p in self.model.named_parameters() if p is prm), None)
+                    if name not in params and first in params:
+                        params[name] = params[first]
         if self.cuda:
             peak, mem_kind = int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
         else:

@@ -541,7 +541,9 @@ class Worker(RankConfig):
         if self.zero3 is not None and self.cfg.get("return_params"):
             self.zero3.gather_all()  # collective over the replicas
         if self.cfg.get("return_params") and self.d == 0:
-            params = {n: prm.detach().cpu().clone() for n, prm in self.stage_module.named_parameters()}
+            # every name this stage reads a tensor under (T5's decoder embedding is its LM head too)
+            params = {n: prm.detach().cpu().clone()
+                      for n, prm in self.stage_module.named_parameters(remove_duplicate=False)}
         if self.cuda:
             peak = int(torch.cuda.max_memory_allocated())
             mem_kind = "cuda_max_allocated"
@@ -559,6 +561,7 @@ class Worker(RankConfig):
             "step_bounds": bounds,
             "losses": loss_vec.cpu().tolist() if self.p == self.layout.sink[0] else None,
             "params_state": params, "shard_infos": {k: asdict(v) for k, v in self.shard_infos.items()},
+            "param_aliases": self.param_aliases if params is not None else None,
             "clock": origin,
             "amp": {"scales": self.scales, "skipped": [s for s in self.scaler.skipped if s >= start],
                     "final_scale": self.scaler.scale} if self.scaler is not None else None,

@@ -83,6 +83,11 @@ class ModelSpec:
                 if self.init is not None:
                     self.init(module)
         module = module.to(device=device, dtype=dtype).train()
+        # A Hugging Face config's tensor-parallel plan becomes plait's markers, read alike by the
+        # capture, the cost model and the runtime (`plait.graph.tp_plan`).
+        from plait.graph.tp_plan import mark_tp_plan
+
+        mark_tp_plan(module)
         if getattr(module, "plait_inputs", None) is None:
             # How many inputs the forward is called with: torch.fx traces it with those as
             # placeholders and the rest at their defaults (`plait.graph.layer_cut.LayerTracer`).
