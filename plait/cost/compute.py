@@ -817,6 +817,19 @@ def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dt
     return cost
 
 
+def layer_cost_key(layer: Layer, model: ComputeModel, kinds: Any, micro_batch: int, tp: int = 1) -> str | tuple:
+    """What a cache of `layer_cost` results keys `layer` on: equal-shaped transformer blocks share
+    one modelled cost, but a layer the profile measured on one of `kinds` (GPU kind names) is
+    keyed on its name -- `layer_cost` reads the profile by layer name, so two equal-shaped layers
+    measured apart must be priced apart."""
+    if layer.tp_style != "transformer":
+        return layer.name
+    prof = model.profile
+    if prof is not None and any(prof.layer_time(k, layer.name, micro_batch, tp) is not None for k in kinds):
+        return layer.name
+    return ("T", layer.kind, layer.fwd_flops, layer.param_count, layer.output_bytes)
+
+
 def compute_provenance(model: ComputeModel, entries: list[tuple[str, str, int, int]]) -> str:
     """Which compute costs `layer_cost` reads from the profile and which it models, in one line
     for a plan row and `plait simulate` ("compute measured on a100-80gb, modelled on v100-32gb").

@@ -74,6 +74,7 @@ from plait.cost.compute import (
     PassCost,
     Segment,
     layer_cost,
+    layer_cost_key,
     optimizer_time,
 )
 from plait.errors import PlaitError
@@ -358,12 +359,16 @@ class _Lowerer:
             hit = self.chunk_cache[key] = [(layer, self.combined(w, layer, mb)) for layer in self.chunks[c].layers]
         return hit
 
+    def _cost_sig(self, w: Worker, layer: Layer, mb: int, given: tuple[float, float] | None) -> str | tuple:
+        """What `combined`'s cache keys a layer's cost on (`layer_cost_key`): a layer with a given
+        time (`SimOptions.layer_times`) or a profiled one is priced by its name."""
+        if given is not None:
+            return layer.name
+        return layer_cost_key(layer, self.model, [k.name for k in w.kinds], mb, len(w.devices))
+
     def combined(self, w: Worker, layer: Layer, mb: int) -> _Combined:
         given = (self.opt.layer_times or {}).get(layer.name)
-        # Equal transformer layers share one cost -- unless each has its own given (measured) time.
-        sig = (layer.name if layer.tp_style not in ("transformer",) or given is not None else
-               ("T", layer.kind, layer.fwd_flops, layer.param_count))
-        key = (sig, self._worker_sig(w), mb, self.cache_salt)
+        key = (self._cost_sig(w, layer, mb, given), self._worker_sig(w), mb, self.cache_salt)
         hit = self.cost_cache.get(key)
         if hit is not None:
             return hit
