@@ -115,6 +115,10 @@ class ComputeModel:
     tile: int = 128  # output tile edge of the GEMM wave model
     softmax_fallback: bool = True  # Megatron's fused-softmax availability rule (False: always fused)
     ce_target_allreduce: bool = True  # all-reduce the target logit in the vocab-parallel CE (Megatron does)
+    # Under tensor parallelism the embedding and LM head are vocabulary-parallel (Megatron: split
+    # by the rank's share, with their all-reduces); False: replicated on every tensor rank, whole
+    # compute and no collectives -- what plait's own runtime runs (`plait.runtime.tensor_parallel`)
+    vocab_parallel: bool = True
     # How the collective library runs a reduce-scatter (`plait.cost.collectives`): "auto" (NCCL's
     # ring) or "allreduce" (gloo: an all-reduce of the whole input, then this rank's slice).
     reduce_scatter_algorithm: str = "auto"
@@ -808,7 +812,12 @@ def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dt
                model: ComputeModel = DEFAULT_MODEL) -> LayerCost:
     """Cost of `layer` for one micro-batch on one tensor rank of `kind` (see module docstring);
     measured where `model.profile` has the entry (`measured_layer_cost`), modelled otherwise."""
-    cost = _analytic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, sequence_parallel, model)
+    if tp > 1 and not model.vocab_parallel and layer.tp_style in ("embedding", "head"):
+        # replicated on every tensor rank: the whole layer, no collectives (the profile, measured
+        # through the engine at this tp degree, is still looked up at it)
+        cost = _analytic_layer_cost(layer, graph, micro_batch, kind, dtype, 1, None, False, model)
+    else:
+        cost = _analytic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, sequence_parallel, model)
     # measured at an even tensor split: used where this rank's share is the even one
     if model.profile is not None and (share is None or tp == 1 or abs(share * tp - 1.0) < 1e-6):
         given = model.profile.layer_time(kind.name, layer.name, micro_batch, tp)

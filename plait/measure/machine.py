@@ -269,7 +269,8 @@ def compute_model(fit: CommFit, prof: Any, cluster: Any, plan: Any, flatten_s_pe
     measured 5.6-7.3 ms for the 793 KB of a layer where its all-gather takes 2.2-4.6 ms); the optimizer from the profile's AdamW step over all
     parameters (as bytes per parameter at the fastest kind's measured memory bandwidth); under
     data parallelism `step_host_s` = the runtime's gradient flatten + copy-back for one stage's
-    gradients (a pipeline stage holds about 1/pp of them, a tensor rank 1/tp)."""
+    gradients (a pipeline stage holds about 1/pp of them, a tensor rank 1/tp); the embedding and
+    LM head replicated on every tensor rank, as the runtime runs them (`vocab_parallel=False`)."""
     from plait.cost.compute import ComputeModel
 
     fastest = max(cluster.kinds.values(), key=lambda k: k.flops("fp32"))
@@ -278,7 +279,8 @@ def compute_model(fit: CommFit, prof: Any, cluster: Any, plan: Any, flatten_s_pe
     step = flatten_s_per_byte * 4 * params / (plan.tp * plan.pp) if plan.dp > 1 else 0.0
     return ComputeModel(host_comm_s=fit.per_call, p2p_host_s=0.0, step_host_s=step, loss_host_s=0.0,
                         batch_host_s=0.0, optimizer_bytes_per_param=opt_bytes, memory_efficiency=1.0,
-                        host_fwd_s=0.0, host_bwd_s=0.0, kernel_gpu_s=0.0, reduce_scatter_algorithm="allreduce")
+                        host_fwd_s=0.0, host_bwd_s=0.0, kernel_gpu_s=0.0, reduce_scatter_algorithm="allreduce",
+                        vocab_parallel=False)
 
 
 # ---------------------------------------------------------------- results

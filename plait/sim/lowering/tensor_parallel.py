@@ -422,7 +422,8 @@ class _Lowerer:
         tp = len(w.devices)
         scale = max(self._time_scale(k) for k in w.kinds)
         fwd_s, bwd_s = given[0] * scale, given[1] * scale
-        params = layer.param_count / (tp if layer.tp_style in ("transformer", "head", "embedding") else 1)
+        split = layer.tp_style == "transformer" or (layer.tp_style in ("head", "embedding") and self.model.vocab_parallel)
+        params = layer.param_count / (tp if split else 1)
         full = self.plan.recompute == "full"
         if tp > 1 and w.links is not None and w.links.n > 1:
             try:
