@@ -4,6 +4,7 @@
     python bench/sim_vs_real.py --quick         # 2 plans per cluster, 1 round (~1 min)
     python bench/sim_vs_real.py --keep DIR      # keep cluster files, profiles, traces and the JSON in DIR
     python bench/sim_vs_real.py --profile-once  # also predict every run from one profile taken before all plans
+    python bench/sim_vs_real.py --json          # rows and summary as one JSON object on stdout
 
 What it does, end to end:
 
@@ -216,13 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--profile-once", action="store_true",
                     help="also predict every run from one layer profile taken before all plans (issue 28)")
+    ap.add_argument("--json", action="store_true",
+                    help="print the rows and summary as one JSON object on stdout (the table goes to stderr)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from plait.measure.cluster_profile import parse_size
     from plait.measure.machine import LocalMachine
     from plait.sim.api import simulate
 
-    console = Console(width=180)
+    console = Console(width=180, stderr=args.json)
     steps = args.steps or (6 if args.quick else 8)
     args.rounds = args.rounds or (1 if args.quick else 3)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="plait-sim-vs-real-"))
@@ -377,10 +380,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{steal_share(cpu_start, cpu_times()) * 100:.1f} % (per run: {per_run} %)")
     console.print(f"target (<= 10 % per plan, same ranking): {'met' if all_ok else 'NOT met'}; "
                   f"total {time.time() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f}; files in {work}")
-    (work / "sim_vs_real.json").write_text(json.dumps(
-        {"model": args.model, "steps": steps, "rounds": args.rounds, "ranks": mode, "rows": rows, "trials": trials,
-         "summary": summary},
-        indent=1, default=str))
+    out = {"model": args.model, "steps": steps, "rounds": args.rounds, "ranks": mode, "rows": rows, "trials": trials,
+           "summary": summary}
+    (work / "sim_vs_real.json").write_text(json.dumps(out, indent=1, default=str))
+    if args.json:
+        print(json.dumps({k: v for k, v in out.items() if k != "trials"}, default=str))
     return 0
 
 

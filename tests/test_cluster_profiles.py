@@ -156,3 +156,37 @@ def test_plait_profile_model_round_trips_and_simulate_uses_it(tmp_path):
     # block's time, so at least the cheaper block's twice), plus the step
     blocks = [each[n] for n in prof.layer_names if n.startswith("layers.")]
     assert res.iteration_time_s > each["embed"] + each["head"] + len(blocks) * min(blocks)
+
+
+def _per_layer_profile(graph, times: list[float], kind: str) -> ModelProfile:
+    layers = {ly.name: {1: LayerCurve((1, 8), (t, 8 * t), (2 * t, 16 * t))} for ly, t in zip(graph.layers, times)}
+    return ModelProfile(model_signature(graph), tuple(ly.name for ly in graph.layers), "fp16", "plait",
+                        {kind: KindProfile(layers, None, {"date": "2026-12-05", "source": "measured"})})
+
+
+def test_equal_shaped_layers_measured_apart_are_priced_apart(tmp_path):
+    """Two equal-shaped transformer blocks with different profiled times: the simulated step and
+    the graph planner's stage pre-screen both read each block's own time (before: both blocks were
+    priced at the first one's, the cost caches keyed equal shapes together)."""
+    from plait.cost.compute import ComputeModel
+    from plait.plan.graph_cost import StageCost
+    from plait.sim.api import simulate
+
+    _, graph = load_graph(MODEL, "fp16")
+    assert [ly.tp_style for ly in graph.layers] == ["embedding", "transformer", "transformer", "head"]
+    got = {}
+    for slow in (0.05, 0.15):
+        times = [0.01, 0.05, slow, 0.01]
+        sub = tmp_path / str(slow)
+        sub.mkdir()
+        cluster = load_cluster(str(_cluster(sub, *(_per_layer_profile(graph, times, k)
+                                                   for k in ("a100-80gb", "v100-32gb")))))
+        got[slow] = simulate(MODEL, cluster, "dp=2,micro_batch=2,global_batch=4,dtype=fp16").iteration_time_s
+        # one micro-batch of 2 per rank: every layer's (fwd + bwd) = 3 t per sample x 2 samples
+        assert 6 * sum(times) <= got[slow] < 6 * sum(times) * 1.05
+        prof = cluster.model_profiles[0]
+        stage = StageCost(graph, cluster, global_batch=4, dtype="fp16", compute=ComputeModel(profile=prof),
+                          memory=False)
+        assert stage.layer_time(graph.layers[2].name, "a100-80gb", 2) == pytest.approx(6 * slow)
+        assert stage.layer_time(graph.layers[1].name, "a100-80gb", 2) == pytest.approx(6 * 0.05)
+    assert got[0.15] - got[0.05] == pytest.approx(6 * 0.10, rel=0.05)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from plait.cluster.spec import Device, EmulationSpec, GPUKind
@@ -60,18 +62,33 @@ def test_extra_time_stretches_the_span() -> None:
 
 def test_a_compute_span_records_its_cpu_seconds_apart_from_the_stretch() -> None:
     """`Recorder.compute` stores the span's thread CPU seconds (`cpu_s`): a span that sleeps half its
-    time and spins the other half has cpu_s about the spin, its work (`compute_s`) both, and the
-    emulated stretch (factor 2) is in neither."""
+    time and spins the other half has cpu_s about the spin. With one intra-op thread (a CPU rank of
+    `plait run`) the sleep is a wait, not compute -- as DDP's backward waiting at its end for the
+    gradient all-reduces -- so the work (`compute_s`) is the spin and only it is stretched (factor
+    2); with more threads the span's wall less its calls is the work, as before."""
     import time
+
+    import torch
 
     from plait.runtime.recorder import Recorder
 
-    rec = Recorder(0, 0, 0, slowdown=2.0)
-    with rec.compute("forward", "forward"):
-        time.sleep(0.05)
-        end = time.thread_time() + 0.05
-        while time.thread_time() < end:
-            pass
-    ev = rec.events[-1]
-    assert 0.05 <= ev.args["cpu_s"] < 0.08
-    assert ev.args["compute_s"] >= 0.1 and ev.duration >= 2 * ev.args["compute_s"] - 1e-3
+    def span(rec: Recorder) -> Any:
+        with rec.compute("forward", "forward"):
+            time.sleep(0.05)
+            end = time.thread_time() + 0.05
+            while time.thread_time() < end:
+                pass
+        return rec.events[-1]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ev = span(Recorder(0, 0, 0, slowdown=2.0))
+        assert 0.05 <= ev.args["cpu_s"] < 0.08
+        assert ev.args["compute_s"] <= ev.args["cpu_s"] < 0.1   # the sleep is not work
+        assert ev.duration >= 0.05 + 2 * ev.args["compute_s"] - 1e-3  # the sleep once, the spin twice
+        torch.set_num_threads(2)
+        ev = span(Recorder(0, 0, 0, slowdown=2.0))
+        assert ev.args["compute_s"] >= 0.1 and ev.duration >= 2 * ev.args["compute_s"] - 1e-3
+    finally:
+        torch.set_num_threads(before)

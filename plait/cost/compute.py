@@ -115,6 +115,10 @@ class ComputeModel:
     tile: int = 128  # output tile edge of the GEMM wave model
     softmax_fallback: bool = True  # Megatron's fused-softmax availability rule (False: always fused)
     ce_target_allreduce: bool = True  # all-reduce the target logit in the vocab-parallel CE (Megatron does)
+    # Under tensor parallelism the embedding and LM head are vocabulary-parallel (Megatron: split
+    # by the rank's share, with their all-reduces); False: replicated on every tensor rank, whole
+    # compute and no collectives -- what plait's own runtime runs (`plait.runtime.tensor_parallel`)
+    vocab_parallel: bool = True
     # How the collective library runs a reduce-scatter (`plait.cost.collectives`): "auto" (NCCL's
     # ring) or "allreduce" (gloo: an all-reduce of the whole input, then this rank's slice).
     reduce_scatter_algorithm: str = "auto"
@@ -811,13 +815,31 @@ def layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dt
                model: ComputeModel = DEFAULT_MODEL) -> LayerCost:
     """Cost of `layer` for one micro-batch on one tensor rank of `kind` (see module docstring);
     measured where `model.profile` has the entry (`measured_layer_cost`), modelled otherwise."""
-    cost = _analytic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, sequence_parallel, model)
+    if tp > 1 and not model.vocab_parallel and layer.tp_style in ("embedding", "head"):
+        # replicated on every tensor rank: the whole layer, no collectives (the profile, measured
+        # through the engine at this tp degree, is still looked up at it)
+        cost = _analytic_layer_cost(layer, graph, micro_batch, kind, dtype, 1, None, False, model)
+    else:
+        cost = _analytic_layer_cost(layer, graph, micro_batch, kind, dtype, tp, share, sequence_parallel, model)
     # measured at an even tensor split: used where this rank's share is the even one
     if model.profile is not None and (share is None or tp == 1 or abs(share * tp - 1.0) < 1e-6):
         given = model.profile.layer_time(kind.name, layer.name, micro_batch, tp)
         if given is not None:
             return measured_layer_cost(cost, *given, keep_collectives=not model.profile.collectives_included(kind.name))
     return cost
+
+
+def layer_cost_key(layer: Layer, model: ComputeModel, kinds: Any, micro_batch: int, tp: int = 1) -> str | tuple:
+    """What a cache of `layer_cost` results keys `layer` on: equal-shaped transformer blocks share
+    one modelled cost, but a layer the profile measured on one of `kinds` (GPU kind names) is
+    keyed on its name -- `layer_cost` reads the profile by layer name, so two equal-shaped layers
+    measured apart must be priced apart."""
+    if layer.tp_style != "transformer":
+        return layer.name
+    prof = model.profile
+    if prof is not None and any(prof.layer_time(k, layer.name, micro_batch, tp) is not None for k in kinds):
+        return layer.name
+    return ("T", layer.kind, layer.fwd_flops, layer.param_count, layer.output_bytes)
 
 
 def compute_provenance(model: ComputeModel, entries: list[tuple[str, str, int, int]]) -> str:

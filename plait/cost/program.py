@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plait.cost.spmd import Devices, balanced_time, choose, compute_time, op_work
+from plait.cost.spmd import Devices, balanced_time, choose, compute_time, measured_work, op_work
 from plait.ir.aten_graph import AtenGraph
+from plait.ir.profile import ModelProfile
 from plait.ir.program import (
     PARTIAL,
     REPLICATED,
@@ -77,6 +78,10 @@ class Problem:
     # objective pays it: a pipeline stage's boundary (`plait.sim.lowering.spmd.boundary_comms`:
     # what the next stage receives is whole, the last stage's loss may read batch shards)
     outputs_free: dict[str, tuple[str, ...]] | None = None
+    # (ops, devices): which ops' work is the model profile's measured time (`measured_work`), and
+    # the line that says which kinds were measured (None: no profile -- every op modelled)
+    measured: np.ndarray | None = None
+    costs: str = "compute modelled per aten op"
 
     def weight(self, comm: Comm) -> float:
         """The objective's weight of `comm` (`overlap` for a parameter's gradient collective)."""
@@ -90,7 +95,10 @@ class Problem:
 
     @classmethod
     def build(cls, graph: AtenGraph, devices: Devices, collectives: str = "auto", overlap: float = 1.0,
-              outputs_free: dict[str, tuple[str, ...]] | None = None) -> Problem:
+              outputs_free: dict[str, tuple[str, ...]] | None = None,
+              profile: ModelProfile | None = None) -> Problem:
+        """`profile`: the cluster's model profile (`plait.ir.profile.profile_for`); each op's work
+        is then measured where it has the op's layer on the device's kind (`measured_work`)."""
         if collectives not in ("auto", "padded", "grouped"):
             raise ShardingError(f"collectives: must be 'auto', 'padded' or 'grouped', got {collectives!r}")
         if not 0.0 <= overlap <= 1.0:
@@ -99,6 +107,9 @@ class Problem:
 
         options = [strategies(op, graph, devices.n) for op in graph.ops]
         work = [op_work(op, graph, devices) for op in graph.ops]
+        measured, costs = None, "compute modelled per aten op"
+        if profile is not None:
+            work, measured, costs = measured_work(graph, devices, work, profile)
         reads: dict[str, int] = {}
         for op in graph.ops:
             for t in set(op.inputs):
@@ -115,7 +126,8 @@ class Problem:
         bounds = [balanced_time(w) for w in work]
         lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
         return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
-                   future_needs_of(graph, options), collectives, overlap, outputs_free=outputs_free)
+                   future_needs_of(graph, options), collectives, overlap, outputs_free=outputs_free,
+                   measured=measured, costs=costs)
 
 
 @dataclass
@@ -449,7 +461,7 @@ class Synthesis:
 
 
 def stage_problem(model: AtenGraph, layers: Sequence[str], devices: Devices, micro_batches: int, loss: bool,
-                  name: str) -> Problem:
+                  name: str, profile: ModelProfile | None = None) -> Problem:
     """The problem of one pipeline stage's program (a composed plan): the stage's aten sub-graph
     (`plait.graph.aten_stage.stage_subgraph`) on its devices, its parameter-gradient collectives
     weighed 1/m (the program runs m times an iteration, its gradients are reduced once:
@@ -458,4 +470,5 @@ def stage_problem(model: AtenGraph, layers: Sequence[str], devices: Devices, mic
     from plait.graph.aten_stage import free_outputs, stage_subgraph
 
     sub = stage_subgraph(model, layers, name=name)
-    return Problem.build(sub, devices, overlap=1.0 / micro_batches, outputs_free=free_outputs(sub, loss=loss))
+    return Problem.build(sub, devices, overlap=1.0 / micro_batches, outputs_free=free_outputs(sub, loss=loss),
+                         profile=profile)

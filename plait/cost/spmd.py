@@ -48,6 +48,7 @@ from plait.cost.collectives import (
 from plait.cost.compute import DEFAULT_MODEL, op_time
 from plait.cost.devices import DeviceModel
 from plait.ir.aten_graph import AtenGraph, AtenOp
+from plait.ir.profile import ModelProfile
 from plait.ir.program import Comm, Mesh, ShardingError
 
 BACKWARD_FACTOR = 3.0  # forward + backward work, as multiples of the forward
@@ -123,6 +124,55 @@ def op_work(op: AtenOp, graph: AtenGraph, devices: Devices) -> np.ndarray:
     else:  # devices given by their figures only (tests)
         fwd = np.maximum(op.flops / devices.flops, out_bytes / devices.mem_bw)
     return BACKWARD_FACTOR * fwd
+
+
+def measured_work(graph: AtenGraph, devices: Devices, work: list[np.ndarray],
+                  profile: ModelProfile) -> tuple[list[np.ndarray], np.ndarray, str]:
+    """`work` (`op_work` of every op) with the model profile's measured layer times where it has
+    them (issue 28), the (ops, devices) mask of what was measured, and the provenance line.
+
+    A profile is kept per (GPU kind, OpGraph layer, micro-batch, tp degree); an aten op knows its
+    layer (`AtenOp.layer`). A device's work is that of ``batch / n`` samples of the graph's
+    ``batch`` (sharded on the batch, or the whole batch on a ``1 / n`` shard of a tensor: the same
+    FLOPs), so each (kind, layer) is looked up at ``b = batch / n`` on one device (tp1), and every
+    op of the layer is scaled by the measured (forward + backward) over the modelled work of the
+    layer at ``b`` (the roofline of `op_work` is linear in the batch): each op keeps its share of
+    the layer's modelled time -- its FLOP share where the ops are compute-bound. Where the profile
+    has no entry (another kind, a layer it lacks, ``b`` outside its sweep: never extrapolated),
+    the analytic work stays. The backward stays `BACKWARD_FACTOR` - 1 times the forward."""
+    n = devices.n
+    out = [np.array(w, dtype=float, copy=True) for w in work]
+    measured = np.zeros((len(graph.ops), n), dtype=bool)
+    kinds = [k.name for k in devices.kinds]
+    if not kinds or not graph.batch:
+        return out, measured, "compute modelled per aten op"
+    b = graph.batch / n
+    by_layer: dict[str, list[int]] = {}
+    for k, op in enumerate(graph.ops):
+        by_layer.setdefault(op.layer, []).append(k)
+    hit: dict[str, dict[str, bool]] = {}  # kind -> layer -> measured
+    for layer, ks in by_layer.items():
+        modelled = np.sum([work[k] for k in ks], axis=0) * (b / graph.batch)  # (n,) seconds at b
+        for i, kind in enumerate(kinds):
+            t = profile.layer_time(kind, layer, b, tp=1) if layer in profile.layer_names else None
+            if layer in profile.layer_names:
+                hit.setdefault(kind, {})[layer] = t is not None and modelled[i] > 0
+            if t is None or not modelled[i] > 0:
+                continue
+            rho = (t[0] + t[1]) / modelled[i]
+            for k in ks:
+                out[k][i] *= rho
+                measured[k, i] = True
+    full = [k for k, v in hit.items() if v and all(v.values())]
+    part = [f"{k} ({sum(v.values())} of {len(v)} layers)" for k, v in hit.items()
+            if any(v.values()) and not all(v.values())]
+    none = [k for k in dict.fromkeys(kinds) if k not in full and not any(hit.get(k, {}).values())]
+    parts = [f"measured on {', '.join(full)}"] if full else []
+    parts += [f"partly measured on {', '.join(part)}"] if part else []
+    parts += [f"modelled on {', '.join(none)}"] if none else []
+    where = f" (profile {profile.source}, per layer at {b:g} samples a device, spread over its aten ops)" \
+        if full or part else ""
+    return out, measured, "compute " + ", ".join(parts) + where
 
 
 def compute_time(work: np.ndarray, splits: bool, ratios: np.ndarray) -> float:

@@ -161,10 +161,25 @@ class CommFit:
     world: int = 2
 
     @property
+    def link_latency(self) -> float:
+        """The links' latency in the simulated cluster: the exchange's fixed cost, but no more than
+        an all-reduce's fixed cost shared by its ring's 2(world-1) steps -- gloo's all-reduce can
+        cost less than 2(world-1) exchanges (measured 0.69 ms against 2 x 1.6 ms on this machine,
+        quiet), and a ring of whole exchange latencies priced each tensor-parallel all-reduce of
+        sim_vs_real's TP2 at 3.3 ms where the run's took 0.7 ms. What an exchange costs beyond it
+        is `p2p_extra`."""
+        return min(self.exchange_fixed, self.allreduce_fixed / (2 * max(1, self.world - 1)))
+
+    @property
+    def p2p_extra(self) -> float:
+        """What a pipeline exchange costs beyond `link_latency`: the simulator's `p2p_host_s`."""
+        return self.exchange_fixed - self.link_latency
+
+    @property
     def per_call(self) -> float:
         """What an all-reduce call costs beyond its ring's 2(world-1) link latencies: the
         simulator's `host_comm_s` (gloo's CPU-side work, whatever the link)."""
-        return max(0.0, self.allreduce_fixed - 2 * max(1, self.world - 1) * self.exchange_fixed)
+        return max(0.0, self.allreduce_fixed - 2 * max(1, self.world - 1) * self.link_latency)
 
 
 def fit_line(rows: list[list[float]]) -> tuple[float, float, float]:
@@ -192,9 +207,11 @@ def fit_gloo(sweep: dict[str, list[list[float]]], world: int = 2) -> CommFit:
 
 def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
     """The measured cluster with the pairs inside a node (loopback here) at gloo's measured cost:
-    latency = the exchange's fixed cost, bandwidth = the all-reduce's rate (collectives are
+    latency = `CommFit.link_latency` (the exchange's fixed cost, or less where gloo's all-reduce
+    costs less than its ring of exchanges; a pipeline exchange pays the rest as `p2p_host_s`,
+    `compute_model`), bandwidth = the all-reduce's rate (collectives are
     most intra-node traffic of these plans). Pairs across nodes keep the profile's bandwidth (the
-    shaped NIC dominates there) and its latency, but never less than gloo's exchange fixed cost:
+    shaped NIC dominates there) and its latency, but never less than that link latency:
     that is gloo's own per-message work, which a message between nodes pays as well (the
     profile's tight ping-pong loop measures 80-100 us where a message sent as training sends it,
     after a compute segment, costs 0.6-1.2 ms; this machine's tc emulates no wire latency).
@@ -207,7 +224,7 @@ def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
     from plait.cluster.units import parse_duration
 
     def floor(latency: Any) -> str:
-        return f"{max(parse_duration(latency), fit.exchange_fixed) * 1e6:.6g} us"
+        return f"{max(parse_duration(latency), fit.link_latency) * 1e6:.6g} us"
 
     data = yaml.safe_load(measured.read_text())
     data.pop("collectives", None)
@@ -218,12 +235,12 @@ def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
         a, b = ov["devices"]
         if node_of[a] == node_of[b]:
             ov["bandwidth"] = f"{fit.allreduce_bandwidth:.6g} B/s"
-            ov["latency"] = f"{fit.exchange_fixed * 1e6:.6g} us"
+            ov["latency"] = f"{fit.link_latency * 1e6:.6g} us"
         elif "latency" in ov:
             ov["latency"] = floor(ov["latency"])
     for node in nodes:
         node["intra"]["bandwidth"] = f"{fit.allreduce_bandwidth:.6g} B/s"
-        node["intra"]["latency"] = f"{fit.exchange_fixed * 1e6:.6g} us"
+        node["intra"]["latency"] = f"{fit.link_latency * 1e6:.6g} us"
         if isinstance(node.get("nic"), dict) and "latency" in node["nic"]:
             node["nic"]["latency"] = floor(node["nic"]["latency"])
     out.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -269,16 +286,18 @@ def compute_model(fit: CommFit, prof: Any, cluster: Any, plan: Any, flatten_s_pe
     measured 5.6-7.3 ms for the 793 KB of a layer where its all-gather takes 2.2-4.6 ms); the optimizer from the profile's AdamW step over all
     parameters (as bytes per parameter at the fastest kind's measured memory bandwidth); under
     data parallelism `step_host_s` = the runtime's gradient flatten + copy-back for one stage's
-    gradients (a pipeline stage holds about 1/pp of them, a tensor rank 1/tp)."""
+    gradients (a pipeline stage holds about 1/pp of them, a tensor rank 1/tp); the embedding and
+    LM head replicated on every tensor rank, as the runtime runs them (`vocab_parallel=False`)."""
     from plait.cost.compute import ComputeModel
 
     fastest = max(cluster.kinds.values(), key=lambda k: k.flops("fp32"))
     params = sum(prof.params.values())
     opt_bytes = prof.optimizer_total_s * fastest.memory_bandwidth / params if params else 0.0
     step = flatten_s_per_byte * 4 * params / (plan.tp * plan.pp) if plan.dp > 1 else 0.0
-    return ComputeModel(host_comm_s=fit.per_call, p2p_host_s=0.0, step_host_s=step, loss_host_s=0.0,
+    return ComputeModel(host_comm_s=fit.per_call, p2p_host_s=fit.p2p_extra, step_host_s=step, loss_host_s=0.0,
                         batch_host_s=0.0, optimizer_bytes_per_param=opt_bytes, memory_efficiency=1.0,
-                        host_fwd_s=0.0, host_bwd_s=0.0, kernel_gpu_s=0.0, reduce_scatter_algorithm="allreduce")
+                        host_fwd_s=0.0, host_bwd_s=0.0, kernel_gpu_s=0.0, reduce_scatter_algorithm="allreduce",
+                        vocab_parallel=False)
 
 
 # ---------------------------------------------------------------- results

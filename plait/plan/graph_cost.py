@@ -42,7 +42,13 @@ import networkx as nx
 
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import choose_algorithm, collective_time, group_links, measured_tables
-from plait.cost.compute import DEFAULT_MODEL, ComputeModel, layer_cost, optimizer_time
+from plait.cost.compute import (
+    DEFAULT_MODEL,
+    ComputeModel,
+    layer_cost,
+    layer_cost_key,
+    optimizer_time,
+)
 from plait.cost.memory import stage_peak_bytes, state_bytes_per_param
 from plait.cost.traffic import dp_grad_bytes
 from plait.errors import PlaitError
@@ -129,9 +135,7 @@ class StageCost:
     def layer_time(self, name: str, kind: str, b: int) -> float:
         """Forward + backward seconds of layer `name` for a micro-batch of `b` on one `kind` GPU."""
         layer = self.by_name[name]
-        sig = (layer.kind, layer.fwd_flops, layer.param_count, layer.tp_style, layer.output_bytes) \
-            if layer.tp_style == "transformer" else name
-        key = (sig, kind, b)
+        key = (layer_cost_key(layer, self.compute, (kind,), b), kind, b)
         hit = self._t.get(key)
         if hit is None:
             c = layer_cost(layer, self.graph, b, self.kind_obj[kind], self.dtype, model=self.compute)

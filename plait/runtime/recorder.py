@@ -240,13 +240,21 @@ class Recorder:
         finally:
             comm = self._comm_inside.pop()
             t1 = self.now()
-            ev.args["cpu_s"] = time.thread_time() - c0  # this thread's CPU in the span: wall less what others took
+            cpu = ev.args["cpu_s"] = time.thread_time() - c0  # this thread's CPU in the span: wall less what others took
             factor = self.slowdown * (self.inject_factor(self.step) if self.inject_factor is not None else 1.0)
             floor = self.compute_floor_s * _FLOOR_WEIGHT.get(category, 0.0)
             if factor > 1.0 or floor > 0.0:
                 # Emulated slower GPU kind (or injected slow rank): the same work takes `factor` times
-                # longer; sleep-padded compute first lifts the work to its floor.
+                # longer; sleep-padded compute first lifts the work to its floor. The work is the span
+                # less its blocking calls, and never more than this thread's CPU time in it: a wait
+                # inside the span that is no call of ours -- DDP's backward waiting at its end for
+                # the gradient all-reduces its hooks started -- is not compute and is not stretched
+                # (it was: the emulated slow rank of a data-parallel plan slept 1.4 x its all-reduce).
+                # With one intra-op thread (plait run's ranks on a CPU each) this thread does all of
+                # the span's compute; with more, its CPU time is a part of it and the wall is kept.
                 work = max(0.0, t1 - t0 - comm)
+                if torch.get_num_threads() == 1:
+                    work = min(work, cpu)
                 base = max(work, floor)
                 time.sleep(base - work + extra_time(base, factor))
                 t1 = self.now()

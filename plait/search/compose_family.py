@@ -236,10 +236,13 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     from plait.cost.spmd import Devices
     from plait.cost.traffic import composed_boundaries
     from plait.graph.aten_stage import received_inputs
+    from plait.ir.profile import profile_for
     from plait.sim.lowering import StageProgram
     from plait.spmd.program_plan import program_plan
     from plait.spmd.ratios import synthesize as synth
 
+    # each stage's ops read the cluster's measured layer times where it has them (`measured_work`)
+    profile = profile_for(cluster.model_profiles, opgraph, dtype) if cluster.model_profiles else None
     names = [layer.name for layer in opgraph.layers]
     bounds = np.concatenate([[0], np.cumsum(split)]).astype(int)
     layers = [names[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -253,7 +256,7 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
         key = (tuple(ids), tuple(lays), micro_batch)
         if cache is None or key not in cache:
             problem = stage_problem(aten, lays, Devices.from_cluster(cluster, dtype, ids), m, s == pp - 1,
-                                    f"{aten.model} stage {s}")
+                                    f"{aten.model} stage {s}", profile=profile)
             hit = (problem, synth(problem, dtype=dtype, max_states=max_states))
             if cache is not None:
                 cache[key] = hit

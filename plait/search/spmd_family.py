@@ -94,7 +94,10 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     dtype = dtype or auto_dtype(cluster)
     spec = load_model(DEFAULT_MODEL if model is None else model)
     graph = capture_graph(spec, gb, dtype)  # at the program's dtype: its messages are priced at it
-    problem = Problem.build(graph, Devices.from_cluster(cluster, dtype), outputs_free=free_outputs(graph, loss=True))
+    from plait.sim.replay import cluster_profile
+
+    problem = Problem.build(graph, Devices.from_cluster(cluster, dtype), outputs_free=free_outputs(graph, loss=True),
+                            profile=cluster_profile(cluster, spec, dtype))  # measured op times where it has them
     syn, _, _ = synthesize_program(problem, cluster, batch=gb, dtype=dtype, max_states=max_states,
                                    simulate=evaluate is not None)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios

@@ -223,9 +223,9 @@ def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterV
 
 
 _COMPUTE = ("forward", "backward", "recompute", "optimizer")
-# SPMD programs price each aten op at its shard (`plait.cost.spmd`); a model profile is keyed by
-# layer, tp degree and whole micro-batch, so it has no entry for an op's share (docs/DESIGN.md)
-OP_COSTS = "compute modelled per aten op (profiles are kept per layer)"
+# SPMD programs price each aten op at its shard (`plait.cost.spmd`), from the model profile's layer
+# times where it has them (`plait.cost.spmd.measured_work`; `Problem.costs` says which)
+OP_COSTS = "compute modelled per aten op"
 
 
 @dataclass
@@ -537,7 +537,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     from plait.cost.program import Problem, Segments, Synthesis, segments
     from plait.cost.spmd import Devices
     from plait.graph.aten_stage import free_outputs
-    from plait.sim.replay import ReplayError, capture, model_spec, replay
+    from plait.sim.replay import ReplayError, capture, cluster_profile, model_spec, replay
 
     if view.cluster is None:
         raise SimulateError(f"cluster {view.name!r}: an SPMD plan is simulated on a cluster file or preset")
@@ -551,7 +551,8 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
         dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
         graph = capture(spec, plan.global_batch, dtype)  # in the plan's dtype, as the search captured it
         problem = Problem.build(graph, Devices.of(view, dtype, ids),
-                                outputs_free=free_outputs(graph, loss=True))
+                                outputs_free=free_outputs(graph, loss=True),
+                                profile=cluster_profile(view.cluster, spec, plan.dtype))
         problem.homes = dict(plan.spmd.homes)
         program = replay(problem, plan.spmd, "spmd")
     except ReplayError as exc:
@@ -588,7 +589,7 @@ def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_option
     res = simulate_compose(rep.stages, list(plan_obj.stage_edges), rep.bytes_per_sample, plan_obj.num_micro_batches,
                            plan_obj.micro_batch, view, schedule=plan_obj.schedule, tied=rep.tied, memory=rep.memory,
                            name=str(plan_obj), flops=rep.flops)
-    res.costs = OP_COSTS
+    res.costs = "; ".join(dict.fromkeys(st.problem.costs for st in rep.stages))
     if isinstance(model, str):
         res.model = model
     return res
@@ -605,6 +606,7 @@ def simulate_spmd_plan(model: Any, cluster: Any, plan: Any, *, memory_options: d
     optimizer = (memory_options or {}).get("optimizer", "adam")
     problem, syn = spmd_plan_synthesis(model, view, plan_obj, optimizer)
     res = simulate_spmd(problem, syn, view, bucket_bytes=None, batch=plan_obj.global_batch, name=str(plan_obj))
+    res.costs = problem.costs
     if isinstance(model, str):
         res.model = model
     res.memory = SpmdMemory([float(x) for x in syn.memory], [float(x) for x in problem.devices.memory],

@@ -70,6 +70,19 @@ def replay(problem: Problem, spmd: SpmdProgram, field: str) -> Program:
     return program
 
 
+def cluster_profile(cluster: Any, spec: Any, dtype: str) -> Any:
+    """The cluster's merged model profile of `spec` in `dtype` (`plait.ir.profile.profile_for`,
+    which refuses a profile of another model in one line), or None when it names none: what an
+    SPMD program's ops read their measured times from (`plait.cost.spmd.measured_work`)."""
+    if not getattr(cluster, "model_profiles", None):
+        return None
+    from plait.graph.resolve import resolve_model
+    from plait.ir.profile import profile_for
+
+    opgraph = resolve_model(getattr(spec, "spec", None) or spec, Plan(dtype=dtype))
+    return profile_for(cluster.model_profiles, opgraph, dtype)
+
+
 def capture(spec: Any, batch: int, dtype: str) -> AtenGraph:
     """The model's aten graph at `batch` on the meta device, built and fed in `dtype` (fp32 for
     fp32 / tf32): op names do not depend on the dtype."""
@@ -114,6 +127,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     pp = len(plan.stages)
     captures: dict[int, AtenGraph] = {}
     devices = DeviceModel.of_cluster(cluster)
+    profile = cluster_profile(cluster, spec, plan.dtype)
     stages, stage_bytes = [], []
     for s, st in enumerate(plan.stages):
         field = f"stages[{s}].program"
@@ -125,7 +139,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
             captures[b] = capture(spec, b, dtype)
         aten = captures[b]
         problem = stage_problem(aten, st.layers, Devices.of(devices, dtype, st.devices), m, s == pp - 1,
-                                f"{aten.model} stage {s}")
+                                f"{aten.model} stage {s}", profile=profile)
         program = replay(problem, st.spmd, field)
         r = st.spmd.ratio_array()
         segs = segments(problem, program) if r.ndim == 2 else Segments.single(problem, program)

@@ -113,7 +113,8 @@ def op_seconds(problem: Problem, program: Program, ratios: np.ndarray, of_op: di
 
     The compute model's fixed costs, as the tensor-parallel stages charge them (plait.cost.compute):
     each kernel's GPU time besides its work -- one forward kernel per op that is not a view, two
-    backward kernels for ops with FLOPs (input and weight gradients), one otherwise."""
+    backward kernels for ops with FLOPs (input and weight gradients), one otherwise -- not where
+    the op's time is measured (the model profile's, `plait.cost.spmd.measured_work`)."""
     graph = problem.graph
     share = op_ratios(problem, program, ratios, of_op)  # (ops, n)
     if device_scale is not None:
@@ -122,9 +123,10 @@ def op_seconds(problem: Problem, program: Program, ratios: np.ndarray, of_op: di
     bwd = fwd * (BACKWARD_FACTOR - 1.0)
     kern_f = np.array([0.0 if op.kind in VIEWS else 1.0 for op in graph.ops])
     kern_b = np.array([0.0 if op.kind in VIEWS else (2.0 if op.flops > 0 else 1.0) for op in graph.ops])
-    if model is not None:
-        fwd = fwd + model.kernel_gpu_s * kern_f[:, None]
-        bwd = bwd + model.kernel_gpu_s * kern_b[:, None]
+    if model is not None:  # a measured op's time (`Problem.measured`) holds its kernels' fixed cost
+        modelled = 1.0 if problem.measured is None else (~problem.measured).astype(float)
+        fwd = fwd + model.kernel_gpu_s * kern_f[:, None] * modelled
+        bwd = bwd + model.kernel_gpu_s * kern_b[:, None] * modelled
     return fwd, bwd, kern_f, kern_b, share
 
 

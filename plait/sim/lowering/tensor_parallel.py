@@ -73,6 +73,7 @@ from plait.cost.compute import (
     PassCost,
     Segment,
     layer_cost,
+    layer_cost_key,
     optimizer_time,
 )
 from plait.errors import PlaitError
@@ -360,12 +361,16 @@ class _Lowerer(PipelineDriver):
             hit = self.chunk_cache[key] = [(layer, self.combined(w, layer, mb)) for layer in self.chunks[c].layers]
         return hit
 
+    def _cost_sig(self, w: Worker, layer: Layer, mb: int, given: tuple[float, float] | None) -> str | tuple:
+        """What `combined`'s cache keys a layer's cost on (`layer_cost_key`): a layer with a given
+        time (`SimOptions.layer_times`) or a profiled one is priced by its name."""
+        if given is not None:
+            return layer.name
+        return layer_cost_key(layer, self.model, [k.name for k in w.kinds], mb, len(w.devices))
+
     def combined(self, w: Worker, layer: Layer, mb: int) -> _Combined:
         given = (self.opt.layer_times or {}).get(layer.name)
-        # Equal transformer layers share one cost -- unless each has its own given (measured) time.
-        sig = (layer.name if layer.tp_style not in ("transformer",) or given is not None else
-               ("T", layer.kind, layer.fwd_flops, layer.param_count))
-        key = (sig, self._worker_sig(w), mb, self.cache_salt)
+        key = (self._cost_sig(w, layer, mb, given), self._worker_sig(w), mb, self.cache_salt)
         hit = self.cost_cache.get(key)
         if hit is not None:
             return hit
@@ -419,7 +424,8 @@ class _Lowerer(PipelineDriver):
         tp = len(w.devices)
         scale = max(self._time_scale(k) for k in w.kinds)
         fwd_s, bwd_s = given[0] * scale, given[1] * scale
-        params = layer.param_count / (tp if layer.tp_style in ("transformer", "head", "embedding") else 1)
+        split = layer.tp_style == "transformer" or (layer.tp_style in ("head", "embedding") and self.model.vocab_parallel)
+        params = layer.param_count / (tp if split else 1)
         full = self.plan.recompute == "full"
         if tp > 1 and w.links is not None and w.links.n > 1:
             try:
