@@ -46,11 +46,12 @@ are profiled once per cluster at every (micro-batch, tensor-parallel degree) the
 the same pinned profiler ranks; every run is then also predicted from that one profile, and the
 table prints its error ("profile once") beside today's around-each-run calibration's. Issue 28's
 goal is within 5 % per plan, median of 3 rounds; the plans here are the 3D family's only.
-First run (2026-12-05, load average 16-21 from other sessions on the 2 vCPUs, 544 s): profile
-once MAPE 25.3 % (0 of 8 within 5 %; homo 23.6, hetero 27.1), around each run 18.8 % in the same
-run (homo 19.7, hetero 17.9); per plan once/around: DP2 -22.4/-12.3, TP2 +54.0/+56.9, PP2 GPipe
--9.1/-5.7, PP2 1F1B mb2 +8.8/-3.8, hetero DP2 even +13.4/+19.6, DP2 3:1 +37.8/+26.8, PP2 even
-+31.5/+12.6, PP2 4:2 +25.7/+12.8. Not met: a profile taken minutes before a run does not follow
+Latest run (2026-12-05, after the link-latency and emulation fixes; --json, 3 rounds): profile once
+MAPE 17.7 % (0 of 8 within 5 %; homo 20.2, hetero 15.2), around each run 11.7 % in the same run
+(homo 13.5, hetero 9.9); per plan once/around: DP2 -26.2/-22.6, TP2 -26.2/-23.3, PP2 GPipe
+-14.7/-7.3, PP2 1F1B mb2 -13.5/+0.7, hetero DP2 even -14.0/-5.7, DP2 3:1 -23.6/-12.7, PP2 even
+-8.8/+19.7, PP2 4:2 -14.5/-1.4 (first run: 25.3 % / 18.8 %). Not met: every profile-once error is
+negative -- a profile taken minutes before a run does not follow
 this machine's drift (profiles bracketing a run differed by up to 60 %).
 """
 
