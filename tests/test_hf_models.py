@@ -140,6 +140,32 @@ def test_layers_of_a_decoder_profile_alone():
     assert all(f > 0 and b > 0 for n, (f, b) in prof.times.items() if n.startswith("model.layers."))
 
 
+def test_t5_blocks_profile_alone_and_export_to_the_loss_output():
+    """T5's decoder hands every block a key/value cache even with use_cache off, and returns it.
+    The profiler ran each block on the one cache object the capture forward had filled, so the
+    keys grew run by run ('size of tensor a (64) must match ... (32)'), and torch.export could not
+    flatten the returned cache, so the SPMD and composed families declined T5. Now each profiled
+    run gets no cache, and the export's outputs are what the loss reads (the logits)."""
+    from plait.graph.aten_capture import capture_aten
+    from plait.graph.sharding import strategies
+    from plait.measure.layer_profile import profile_layers
+
+    s = spec("t5")
+    prof = profile_layers(s, 1, repeats=2, warmup=1)
+    assert {f"decoder.block.{i}" for i in range(6)} <= set(prof.times)
+    inputs, _ = s.sample_batch(2)
+    graph = capture_aten(s.build("meta").to(torch.bfloat16), inputs, name="t5")
+    (out,) = graph.outputs
+    assert graph.tensors[out].shape[-1] == s.build("meta").config.vocab_size  # the logits alone
+    assert all(strategies(op, graph) for op in graph.ops)  # every op has a rule (new_ones, min, index...)
+    # T5's layer norm casts to a bf16 weight's dtype: the bf16 graph has ops the fp32 one (which the
+    # runtime captures and autocasts) lacks, so a runnable SPMD or composed plan is declined, by name
+    from plait.spmd.program_plan import dtype_changes_graph
+
+    assert "depends on its dtype" in (dtype_changes_graph(s, 2, "bf16", graph) or "")
+    assert dtype_changes_graph(s, 2, "fp32", graph) is None
+
+
 # ---------------------------------------------------------------------------- 4. prices of the kernels
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_moe_expert_flops_match_a_hand_count(dtype):

@@ -529,6 +529,31 @@ def test_stage_graph_cut_routes_values_along_edges() -> None:
         split_into_graph(model, [["a"], ["b"], ["c"], ["d"]], [(0, 1), (1, 3), (2, 3), (0, 2)][:3] + [(2, 0)])
 
 
+class _WithStatelessLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.drop = nn.Dropout(0.0)  # runs no op: the capture has no layer 'drop', plans never name it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def test_stage_graph_cut_traces_a_stateless_layer_no_plan_names_as_glue() -> None:
+    """BertForSequenceClassification's p=0 dropout: a graph plan from the captured layers left it
+    out and the cut refused it ('layers ['drop'] are in no stage'). Without parameters or buffers
+    it is traced through; a layer with parameters left out is still refused."""
+    from plait.runtime.partition import split_into_graph
+
+    model = _WithStatelessLayer()
+    x = torch.randn(3, 4)
+    stages = split_into_graph(model, [["a"], ["b"]], [(0, 1)])
+    (h,) = stages[0].module(x)
+    torch.testing.assert_close(stages[1].module(h), model(x))
+    with pytest.raises(RuntimeSetupError, match=r"layers \['b'\] are in no stage"):
+        split_into_graph(model, [["a"]], [])
+
+
 # ---------------------------------------------------------------------------------- clip-grad
 @pytest.mark.parametrize("zero", [0, 1])
 def test_clip_grad_step_equals_clip_grad_norm(zero: int) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.graph.aten_capture import capture_aten_values
-from plait.graph.sharding import local_call, strategies
+from plait.graph.sharding import SIZED_CREATION, local_call, strategies
 from plait.graph.zoo import load_model
 from plait.ir.aten_graph import AtenGraph, AtenOp
 from plait.ir.program import PARTIAL, REPLICATED, ShardingError, Strategy, shard_dim, shard_sizes
@@ -29,7 +29,7 @@ def one_thread():
 
 class Misc(nn.Module):
     """Op kinds the zoo models do not use: addmm, mm, matmul, sdpa, sum/mean, cat, permute, conv
-    without groups but with bias, adaptive pooling."""
+    without groups but with bias, adaptive pooling, min of two tensors, new_ones."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +40,8 @@ class Misc(nn.Module):
     def forward(self, x: torch.Tensor, img: torch.Tensor) -> tuple[torch.Tensor, ...]:
         a = torch.addmm(self.b, x, self.w)  # [6, 5]
         m = torch.mm(x, self.w)
-        q = torch.stack([a, m, a * m]).reshape(3, 2, 3, 5).permute(1, 0, 2, 3)  # [2, 3, 3, 5]
+        lo = torch.min(a, m) * x.new_ones(6, 5)  # min.other, new_ones (T5's relative positions)
+        q = torch.stack([lo, m, a * m]).reshape(3, 2, 3, 5).permute(1, 0, 2, 3)  # [2, 3, 3, 5]
         att = F.scaled_dot_product_attention(q, q * 0.5, q + 1.0)
         s = att.sum(dim=(2,)) + att.mean(dim=-1, keepdim=True).sum(-2)
         c = torch.cat([s, s * 2.0], dim=1)
@@ -120,7 +121,7 @@ def _check(op: AtenOp, strategy: Strategy, graph: AtenGraph, values: dict[str, t
     outs_per_device = []
     for dev in range(len(RATIOS)):
         out_shape = None
-        if not op.inputs and op.outputs:  # creation: this device's shard of the output
+        if op.outputs and (not op.inputs or op.kind in SIZED_CREATION):  # creation: this device's shard
             full = list(graph.tensors[op.outputs[0]].shape)
             d = shard_dim(strategy.outputs[0])
             if d is not None:
@@ -151,7 +152,7 @@ def test_every_strategy_of_every_op_gathers_to_the_unsharded_result(captured, na
                 "bert_moe": {"embedding", "einsum", "topk", "cumsum", "scatter", "linear", "softmax"},
                 "vgg19": {"conv2d", "max_pool2d", "relu", "linear", "adaptive_avg_pool2d"},
                 "misc": {"addmm", "mm", "matmul", "scaled_dot_product_attention", "sum", "mean",
-                         "permute", "cat"}}[name]
+                         "permute", "cat", "min", "new_ones"}}[name]
     assert expected <= kinds, expected - kinds
 
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from plait.graph.capture import CaptureError, layer_assignment
+from plait.graph.capture import CaptureError, is_kv_cache, layer_assignment
 from plait.ir.aten_graph import AtenGraph, AtenOp, TensorMeta
 
 __all__ = ["capture_aten"]
@@ -57,11 +57,37 @@ def capture_aten_values(module: nn.Module, sample_inputs: Sequence[Any], *,
 
 
 def _export(module: nn.Module, inputs: tuple[Any, ...], name: str) -> torch.export.ExportedProgram:
+    own = module.__dict__.get("forward")  # an instance-level forward (a user's wrapper) to restore
+    forward = module.forward
+    module.forward = lambda *a, **k: _without_caches(forward(*a, **k))  # type: ignore[method-assign]
     try:
         return torch.export.export(module, inputs, strict=False)
     except Exception as exc:  # torch raises many types; report one line naming the model
         raise CaptureError(f"cannot export {name}: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    finally:
+        if own is None:
+            del module.forward  # the class's own forward again
+        else:
+            module.forward = own  # type: ignore[method-assign]
+
+
+def _without_caches(output: Any) -> Any:
+    """The model's output as the loss reads it. A mapping output (a Hugging Face ModelOutput)
+    keeps the one tensor the default loss reads (`plait.graph.zoo.registry.model_output`: its
+    `loss`, else its `logits`): the SPMD and composed runtimes hand the loss the graph's outputs,
+    and T5's `encoder_last_hidden_state` would otherwise be an output no loss reads, made on the
+    encoder's stage. Key/value caches (`is_kv_cache`) go: torch.export cannot flatten one, and
+    T5 returns one even with `use_cache` off; in a tuple a cache becomes None."""
+    if isinstance(output, dict):
+        for key in ("loss", "logits"):
+            if isinstance(output.get(key), torch.Tensor):
+                return type(output)(**{key: output[key]})
+        if any(is_kv_cache(v) for v in output.values()):
+            return type(output)(**{k: v for k, v in output.items() if not is_kv_cache(v)})
+    if isinstance(output, tuple) and any(is_kv_cache(v) for v in output):
+        return tuple(None if is_kv_cache(v) else v for v in output)
+    return output
 
 
 def _graph(exported: torch.export.ExportedProgram, inputs: tuple[Any, ...], module: nn.Module,

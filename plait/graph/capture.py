@@ -59,7 +59,7 @@ from plait.errors import PlaitError
 from plait.graph.layer_cut import input_signature, is_marked, layer_cut, model_inputs, pure_chains
 from plait.ir.opgraph import Layer, Op, OpGraph, TiedParams
 
-__all__ = ["CaptureError", "capture", "layer_assignment"]
+__all__ = ["CaptureError", "capture", "is_kv_cache", "layer_assignment"]
 
 
 class CaptureError(PlaitError):
@@ -125,6 +125,14 @@ def layer_assignment(root: nn.Module, root_name: str = "model") -> dict[str, tup
     a pipeline of its granularity can balance). A root with no children is one Layer named
     `root_name`."""
     return layer_cut(root, root_name).heads
+
+
+def is_kv_cache(value: Any) -> bool:
+    """A transformers key/value `Cache` (any subclass), recognised without importing
+    transformers. T5's decoder makes one and returns it even with `use_cache` off: state that
+    carries from one call into the next and that no loss reads."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.")
+               for c in type(value).__mro__)
 
 
 def _module_infos(root: nn.Module, heads: dict[str, tuple[str, str]]) -> dict[int, _ModuleInfo]:

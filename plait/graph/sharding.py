@@ -115,7 +115,10 @@ def _broadcast_strategies(ins: Shapes, out: list[int], n_out: int) -> list[Strat
 @rule("add", "sub", "mul", "div", "gelu", "relu", "silu", "tanh", "sigmoid", "native_dropout",
       "dropout", "contiguous", "clone", "to", "_to_copy", "neg", "lt", "le", "gt", "ge", "eq", "ne",
       "where", "pow", "rsqrt", "sqrt", "exp", "log", "alias", "detach", "lift_fresh_copy",
-      "masked_fill", "abs")
+      "masked_fill", "abs", "__and__", "__or__", "bitwise_and", "bitwise_or", "logical_and", "logical_or",
+      "logical_not", "bitwise_not", "minimum", "maximum", "clamp", "clamp_min", "clamp_max", "floor", "ceil",
+      "reciprocal", "square", "sin", "cos", "type_as", "detach_", "add_", "mul_", "isinf",
+      "isnan", "isfinite")
 def elementwise(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     found = _broadcast_strategies(ins, outs[0], len(outs))
     n = len(ins)
@@ -362,6 +365,32 @@ def creation(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     return found + ([Strategy(tuple(PARTIAL for _ in ins), (PARTIAL,), True)] if linear else [])
 
 
+@rule("new_zeros", "new_ones", "new_full", "new_empty")
+def creation_from_template(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
+    """``t.new_ones(size)``: the template gives only the dtype and device, so each device makes
+    its own shard of the output from whatever piece of the template it holds (the same dimension
+    where the template has it)."""
+    linear = op.kind == "new_zeros"
+    template = len(ins[0]) if ins else 0
+    found = [Strategy(tuple(shard(d) if d < template else REPLICATED for _ in ins), (shard(d),), True)
+             for d in range(len(outs[0]))]
+    return found + ([Strategy(tuple(PARTIAL for _ in ins), (PARTIAL,), True)] if linear else [])
+
+
+@rule("min", "max")
+def min_max(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
+    """``min.other`` / ``max.other`` (two tensors) are elementwise; ``min()`` of one tensor
+    reduces it whole and stays redundant."""
+    return elementwise(op, ins, outs) if len(ins) == 2 else []
+
+
+@rule("index", "gather", "any", "all")
+def made_whole(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
+    """Gathers at data-dependent positions (T5's relative-position lookup, BERT's token-type
+    ids) and whole-tensor tests (T5's fp16 overflow check ``isinf(h).any()``): redundant only."""
+    return []
+
+
 @rule("arange")
 def arange(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     return []  # values depend on the position: made whole, then sliced for free where sharded
@@ -458,7 +487,7 @@ def split(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
 def cat(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     dim = _dim(int(_arg(op, 1, "dim", 0)), len(outs[0]))
     found = [Strategy(tuple(shard(d) for _ in ins), (shard(d),), True)
-             for d in range(len(outs[0])) if d != dim and all(s[d] == outs[0][d] for s in ins)]
+             for d in range(len(outs[0])) if d != dim and all(len(s) == len(outs[0]) and s[d] == outs[0][d] for s in ins)]
     return found + [Strategy(tuple(PARTIAL for _ in ins), (PARTIAL,), True)]
 
 
@@ -480,7 +509,11 @@ def resolve(target: str) -> Any:
 
 
 _SHAPE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1}
-_SIZE_ARG = {"zeros": 0, "ones": 0, "empty": 0, "full": 0}
+_SIZE_ARG = {"zeros": 0, "ones": 0, "empty": 0, "full": 0,
+             "new_zeros": 1, "new_ones": 1, "new_empty": 1, "new_full": 1}
+# Creation ops whose size is an argument: the caller passes each device's shard as `out_shape`.
+SIZED_CREATION = frozenset(_SIZE_ARG)
+
 
 
 def local_call(op: AtenOp, strategy: Strategy, local_inputs: Sequence[torch.Tensor], graph: AtenGraph,
@@ -500,7 +533,7 @@ def local_call(op: AtenOp, strategy: Strategy, local_inputs: Sequence[torch.Tens
             return next(it)
         if isinstance(a, list):
             return [sub(x) for x in a]
-        if isinstance(a, str) and op.kind in ("to", "_to_copy", "zeros", "ones", "full", "empty", "arange"):
+        if isinstance(a, str) and op.kind in ("to", "_to_copy", "arange", *_SIZE_ARG):
             return getattr(torch, a) if hasattr(torch, a) and isinstance(getattr(torch, a), torch.dtype) else a
         return a
 

@@ -152,6 +152,14 @@ def _fresh(value: Any) -> Any:
         return [_fresh(v) for v in value]
     if isinstance(value, dict):
         return {k: _fresh(v) for k, v in value.items()}
+    from plait.graph.capture import is_kv_cache
+
+    if is_kv_cache(value):
+        # A key/value cache carries state from one call into the next (T5's decoder passes one
+        # to every block even with use_cache off): repeated runs of one layer would attend over
+        # the earlier runs' keys. Within the one forward a block's cache entry is empty when the
+        # block starts, so a block run without a cache computes what it computes in the model.
+        return None
     return value
 
 

@@ -244,6 +244,11 @@ def split_into_graph(model: nn.Module, node_layers: Sequence[Sequence[str]],
                 raise RuntimeSetupError(f"plan field 'stages[{i}].layers': {name!r} is also in stage "
                                         f"{layer_node[name]}")
             layer_node[name] = i
+    # A layer that ran no op when the planner captured the model (a dropout of p=0) is not in
+    # the OpGraph, so no plan names it; holding no state, it is traced through as glue.
+    stateless = {n for n, m in layer_modules(model) if n not in layer_node
+                 and next(m.parameters(), None) is None and next(m.buffers(), None) is None}
+    names = [n for n in names if n not in stateless]
     missing = [n for n in names if n not in layer_node]
     if missing:
         raise RuntimeSetupError(f"plan field 'stages': layers {missing[:3]} are in no stage")

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from plait.graph.sharding import local_call, strategies
+from plait.graph.sharding import SIZED_CREATION, local_call, strategies
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.program import (
     PARTIAL,
@@ -334,7 +334,7 @@ class RankProgram:
                                     "this rank has no value for (a constant lifted by export?)")
             local = [self._read(t, q, s.sharded) for t, q in zip(op.inputs, s.inputs)]
             out_shape = None
-            if not op.inputs and op.outputs:  # creation: this rank's shard of the output
+            if op.outputs and (not op.inputs or op.kind in SIZED_CREATION):  # creation: this rank's shard
                 out_shape = list(graph.tensors[op.outputs[0]].shape)
                 d = shard_dim(s.outputs[0])
                 if d is not None:

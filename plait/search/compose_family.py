@@ -360,6 +360,12 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
             inputs, _ = spec.sample_batch(b, dtype=torch_dtype)
             _CAPTURES[key] = capture_aten(spec.build(device="meta", dtype=torch_dtype), inputs, name=spec.name)
         captures[b] = _CAPTURES[key]
+    if runnable and captures:
+        from plait.spmd.program_plan import dtype_changes_graph
+
+        b = min(captures)
+        if why := dtype_changes_graph(spec, b, dtype, captures[b]):
+            raise SearchError(f"compose: {why}")
     cache: dict = {}  # stage programs by (devices, layers, micro-batch): a memo, per process
 
     def synthesize(option: tuple) -> ComposedCandidate | str:

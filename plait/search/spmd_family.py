@@ -79,7 +79,12 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     from plait.graph.zoo import load_model
     from plait.plan.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
     from plait.sim.api import simulate_spmd
-    from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
+    from plait.spmd.program_plan import (
+        capture_graph,
+        dtype_changes_graph,
+        plan_collectives,
+        program_plan,
+    )
 
     t0 = time.perf_counter()
     n = cluster.num_devices
@@ -94,6 +99,8 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     dtype = dtype or auto_dtype(cluster)
     spec = load_model(DEFAULT_MODEL if model is None else model)
     graph = capture_graph(spec, gb, dtype)  # at the program's dtype: its messages are priced at it
+    if runnable and (why := dtype_changes_graph(spec, gb, dtype, graph)):
+        raise SearchError(f"spmd: {why}")
     from plait.sim.replay import cluster_profile
 
     problem = Problem.build(graph, Devices.from_cluster(cluster, dtype), outputs_free=free_outputs(graph, loss=True),

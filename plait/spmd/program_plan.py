@@ -28,9 +28,10 @@ _MODED = ("all_gather", "reduce_scatter")  # the uneven collectives a plan says 
 
 def capture_graph(spec: Any, batch: int, dtype: str = "fp32") -> AtenGraph:
     """The model's aten graph at `batch` on the meta device, built and fed in `dtype` -- the
-    dtype the program is priced at (an fp16 plan's messages are fp16 bytes). Op names do not
-    depend on the dtype, so the runtime (which captures in fp32 and autocasts its ops to the
-    plan's dtype) finds the plan's ops."""
+    dtype the program is priced at (an fp16 plan's messages are fp16 bytes). For most models op
+    names do not depend on the dtype, so the runtime (which captures in fp32 and autocasts its ops
+    to the plan's dtype) finds the plan's ops; `dtype_changes_graph` names the models for which
+    they do."""
     import torch
 
     from plait.graph.aten_capture import capture_aten
@@ -40,6 +41,23 @@ def capture_graph(spec: Any, batch: int, dtype: str = "fp32") -> AtenGraph:
     tdtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     inputs = spec.sample_batch(batch, device="meta", dtype=tdtype)[0]
     return capture_aten(spec.build(device="meta", dtype=tdtype), inputs, name=spec.name)
+
+
+def dtype_changes_graph(spec: Any, batch: int, dtype: str, graph: AtenGraph) -> str | None:
+    """Why the runtime cannot run a program planned on `graph` (captured in `dtype`), else None.
+    The runtime captures the fp32 model and autocasts its ops; a model whose forward branches on
+    its own dtype (T5's layer norm casts to a half-precision weight's dtype, its fp16 blocks clamp
+    infinities) has other ops in fp32, and the program would name ops the runtime's graph lacks."""
+    if dtype in ("fp32", "tf32"):
+        return None
+    runtime = [op.name for op in capture_graph(spec, batch, "fp32").ops]
+    planned = [op.name for op in graph.ops]
+    if runtime == planned:
+        return None
+    extra = sorted(set(planned) - set(runtime))[:3]
+    return (f"the model's graph depends on its dtype ({len(planned)} ops in {dtype}, {len(runtime)} in fp32"
+            f"{', e.g. ' + ', '.join(extra) if extra else ''}): the runtime autocasts the fp32 model, so it "
+            f"cannot run a program planned in {dtype}; plan it with --dtype fp32 to run it")
 
 
 def plan_collectives(comms: Sequence[tuple[str, Comm]], devices: Devices, ratios: Any) -> dict[str, str]:
