@@ -303,3 +303,21 @@ def test_llama_tp2_from_its_own_plan_trains_equal_to_one_process():
     linear = sum(p.numel() for n, p in module.named_parameters() if "layers." in n and "proj" in n)
     total = sum(p.numel() for p in module.parameters())
     assert [r.params for r in result.ranks] == [total - linear // 2] * 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["bert", "t5"])
+def test_encoder_tp2_from_plaits_plan_trains_equal_to_one_process(name):
+    """BERT and T5 ship no base_model_tp_plan; plait's plan for their model_type (Megatron's
+    pairing: q/k/v and the first MLP linear by columns, the attention output and second MLP
+    linear by rows, T5's relative-position bias by heads) cuts them. BERT's columns
+    (attention.self) and row (attention.output.dense) sit under different parents, paired
+    through the attention module. tp=2 equals one process and holds half of every cut weight."""
+    from plait.ir.plan import Plan
+
+    result = _equal_to_one_process(f"{HF}:{name}", Plan.parse("tp=2,micro_batch=2,global_batch=4,dtype=fp32"))
+    module = spec(name).build("meta")
+    cut = [m for m in module.modules() if getattr(m, "plait_tp", None) in ("column", "row")]
+    halved = sum(m.weight.numel() // 2 + (m.bias.numel() // 2 if getattr(m, "bias", None) is not None
+                                          and m.plait_tp == "column" else 0) for m in cut)
+    assert cut and [r.params for r in result.ranks] == [sum(p.numel() for p in module.parameters()) - halved] * 2

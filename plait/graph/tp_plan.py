@@ -8,9 +8,14 @@ the cost model (`plait.cost.compute`: which matmuls split their n or k) and the 
 (`plait.runtime.tensor_parallel`: Megatron column/row linears) see one set of marks:
 
 * ``colwise`` on an `nn.Linear` -> ``plait_tp = "column"``, ``rowwise`` -> ``"row"``;
-* the module that holds a column and a row linear of the plan (the attention, the MLP) is
-  ``"sharded"``: the ops between them (rotary, SDPA, the gated product) run on the local heads
-  or features (Megatron's pairing, Shoeybi et al. 2019 §3);
+* a column linear's partner is the first row linear after it under its parent (LLaMA's
+  attention and MLP), else its grandparent (BERT's ``attention.self`` and ``attention.output``);
+  the column's parent is ``"sharded"``: the ops between them (rotary, SDPA, the gated product)
+  run on the local heads or features (Megatron's pairing, Shoeybi et al. 2019 §3);
+* a ``colwise`` ``nn.Embedding`` inside a cut attention (T5's relative-position bias, buckets x
+  heads) is a column table: each rank keeps its heads' columns;
+* a config without a plan takes plait's for its ``model_type`` (`KNOWN_TP_PLANS`: BERT, RoBERTa,
+  T5);
 * every other style (``packed_colwise`` expert tensors, ``gather``, ``sequence_parallel``,
   vocabulary styles) stays replicated, and so does a linear whose module has no partner of the
   other kind (a lone column linear would need its output gathered).
@@ -26,13 +31,35 @@ from torch import nn
 
 _STYLES = {"colwise": "column", "rowwise": "row"}
 
+# Plans for architectures whose transformers config ships none, in the config's own format and
+# with Megatron's pairing (Megatron-LM tensor-parallelises BERT and T5 with the same column/row
+# attention and MLP as GPT; Shoeybi et al. 2019, §3): q/k/v and the first MLP linear by columns,
+# the attention output and the second MLP linear by rows. T5's relative-position bias table
+# (buckets x heads) is cut by heads like q/k/v, so every rank adds its own heads' bias.
+_BERT_PLAN = {
+    "encoder.layer.*.attention.self.query": "colwise", "encoder.layer.*.attention.self.key": "colwise",
+    "encoder.layer.*.attention.self.value": "colwise", "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.intermediate.dense": "colwise", "encoder.layer.*.output.dense": "rowwise",
+}
+_T5_ATTENTION = {f"{a}.{p}": "colwise" for a in ("layer.0.SelfAttention", "layer.1.EncDecAttention")
+                 for p in ("q", "k", "v")} | {
+    "layer.0.SelfAttention.o": "rowwise", "layer.1.EncDecAttention.o": "rowwise",
+    "layer.0.SelfAttention.relative_attention_bias": "colwise"}
+_T5_MLP = {f"layer.{i}.DenseReluDense.{p}": style for i in (1, 2)
+           for p, style in (("wi", "colwise"), ("wi_0", "colwise"), ("wi_1", "colwise"), ("wo", "rowwise"))}
+_T5_PLAN = {f"{stack}.block.*.{k}": v for stack in ("encoder", "decoder") for k, v in (_T5_ATTENTION | _T5_MLP).items()}
+KNOWN_TP_PLANS: dict[str, dict[str, str]] = {"bert": _BERT_PLAN, "roberta": _BERT_PLAN, "t5": _T5_PLAN}
+
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
-    """{pattern relative to the model root: style} from the config's `base_model_tp_plan` (empty
-    without one). Patterns are given under the base model's prefix and under the root."""
+    """{pattern relative to the model root: style} from the config's `base_model_tp_plan`, else
+    plait's plan for its `model_type` (`KNOWN_TP_PLANS`), else empty. Patterns are given under the
+    base model's prefix and under the root."""
     cfg = getattr(model, "config", None)
     plan = getattr(cfg, "base_model_tp_plan", None)
     if not isinstance(plan, dict) or not plan:
+        plan = KNOWN_TP_PLANS.get(str(getattr(cfg, "model_type", "")), {}) if cfg is not None else {}
+    if not plan:
         return {}
     prefix = getattr(model, "base_model_prefix", "") or ""
     out: dict[str, str] = {}
@@ -57,26 +84,45 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
     if not plan:
         return []
     compiled = [(_pattern(p), _STYLES[s]) for p, s in plan.items() if s in _STYLES]
-    linears: dict[str, str] = {}
+    linears: dict[str, str] = {}  # in module order
     for path, m in model.named_modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and m.padding_idx is None):
             style = next((s for rx, s in compiled if rx.match(path)), None)
-            if style is not None:
+            if style is not None and (isinstance(m, nn.Linear) or style == "column"):
                 linears[path] = style
-    by_parent: dict[str, dict[str, str]] = {}
-    for path, style in linears.items():
-        by_parent.setdefault(path.rpartition(".")[0], {})[path] = style
     marked: list[str] = []
-    for parent, members in by_parent.items():
-        if set(members.values()) != {"column", "row"}:
-            continue  # no partner: leave the linears replicated
-        if parent:
-            model.get_submodule(parent).plait_tp = "sharded"
-            marked.append(parent)
-        for path, style in members.items():
-            model.get_submodule(path).plait_tp = style
+    for column, row in _pairs(linears):
+        parent = column.rpartition(".")[0]
+        for path, style in ((parent, "sharded"), (column, "column"), (row, "row")):
+            if path and path not in marked:
+                model.get_submodule(path).plait_tp = style
+                marked.append(path)
+    for path in linears:  # a table cut by heads inside a cut attention (T5's bias)
+        if isinstance(model.get_submodule(path), nn.Embedding) and path.rpartition(".")[0] in marked:
+            model.get_submodule(path).plait_tp = "column"
             marked.append(path)
     return marked
+
+
+def _pairs(linears: dict[str, str]) -> list[tuple[str, str]]:
+    """(column, row) partners: a column's row is the first row after it (module order) inside
+    its parent, else its grandparent -- the same parent for LLaMA's attention, the attention
+    module above BERT's `attention.self` and `attention.output`, the block above BERT's
+    `intermediate` and `output`. A column without a row stays replicated (it would need its
+    output gathered); so does a row no column feeds."""
+    order = list(linears)
+    pairs = []
+    for i, column in enumerate(order):
+        if linears[column] != "column":
+            continue
+        parts = column.split(".")
+        for depth in range(len(parts) - 1, max(len(parts) - 3, -1), -1):  # its parent, then grandparent
+            prefix = ".".join(parts[:depth])
+            inside = [p for p in order[i + 1:] if linears[p] == "row" and (not prefix or p.startswith(prefix + "."))]
+            if inside:
+                pairs.append((column, inside[0]))
+                break
+    return pairs
 
 
 def tensor_parallel_style(module: nn.Module) -> str:

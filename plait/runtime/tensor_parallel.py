@@ -13,9 +13,11 @@ Inside a layer marked with `plait_tp` submodules:
 Attention linears are cut in whole heads; Megatron (and the zoo) order fused QKV
 features (head, {q,k,v}, head_dim), so a contiguous slice holds q, k and v of its heads
 (a model with a [q | k | v] layout sets `plait_tp_chunks = 3` on the linear). Slices follow
-`plan.tp_ratios` when given (HAP-style uneven shards). Embeddings and the LM head stay
-replicated (every tensor rank computes them): vocabulary-parallel embedding and
-cross-entropy are not implemented.
+`plan.tp_ratios` when given (HAP-style uneven shards); a group of row linears alone (BERT's
+`attention.output.dense`) is cut in the heads of the column group before it. Embeddings and the
+LM head stay replicated (every tensor rank computes them): vocabulary-parallel embedding and
+cross-entropy are not implemented; a column-marked table inside an attention (T5's
+relative-position bias, buckets x heads) keeps its rank's heads (`ColumnParallelEmbedding`).
 
 **Sequence parallelism** (Korthikanti et al. 2022, §4.2.2), `TPContext.sequence_parallel`:
 between the tensor-parallel regions (LayerNorms, bias-dropout-add, residuals) each tensor
@@ -188,6 +190,18 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(_CopyToTP.apply(x, self.tp), self.weight, self.bias)
 
 
+class ColumnParallelEmbedding(nn.Module):
+    """A table cut along its embedding dimension (T5's relative-position bias, buckets x heads, cut
+    by heads): each rank looks up its own columns. Its input is indices, so no f is needed."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.embedding(x, self.weight)
+
+
 class RowParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
         super().__init__()
@@ -275,6 +289,7 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         groups.setdefault(parent, {})[name] = m
     infos: dict[str, ShardInfo] = {}
+    fed_by: tuple[int, list[int]] | None = None  # heads of the last group with columns: its rows' cut
     for parent, members in groups.items():
         parent_mod = layer.get_submodule(parent) if parent else layer
         where = f"{prefix}{parent}" or "layer"
@@ -287,6 +302,9 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
             heads = rows[0].in_features // head_dim[2]
         elif head_attr is not None:
             heads = head_attr[2]
+        only_rows = all(m.plait_tp in ("row", "sharded") for m in members.values())
+        if heads is None and only_rows and fed_by is not None and rows:
+            heads = fed_by[0]  # BERT: attention.output.dense is cut as attention.self's heads were
         head_sizes = None
         if heads is not None:
             if ratios is None and heads % tp.size:
@@ -297,10 +315,11 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
         for name, m in members.items():
             if m.plait_tp == "sharded":
                 continue
-            if not isinstance(m, nn.Linear):
+            table = isinstance(m, nn.Embedding) and m.plait_tp == "column"
+            if not isinstance(m, nn.Linear) and not table:
                 raise RuntimeSetupError(f"tensor parallel: {prefix}{name} is marked {m.plait_tp!r} but is a "
                                         f"{type(m).__name__}, not nn.Linear")
-            width = m.out_features if m.plait_tp == "column" else m.in_features
+            width = m.embedding_dim if table else m.out_features if m.plait_tp == "column" else m.in_features
             chunks = int(getattr(m, "plait_tp_chunks", 1)) if m.plait_tp == "column" else 1
             per_block = width // chunks
             if head_sizes is not None:
@@ -314,11 +333,14 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
                                             f"over tp={tp.size} (grouped-query attention needs kv_heads % tp == 0)")
             else:
                 sizes = split_sizes(per_block, tp.size, ratios)
-            if m.plait_tp == "column":
+            if table:
+                info = ShardInfo(1, 1, tuple(sizes))
+                new: nn.Module = ColumnParallelEmbedding(info.take(m.weight.data, tp.rank))
+            elif m.plait_tp == "column":
                 info = ShardInfo(0, chunks, tuple(sizes))
                 w = info.take(m.weight.data, tp.rank)
                 b = info.take(m.bias.data, tp.rank) if m.bias is not None else None
-                new: nn.Module = ColumnParallelLinear(w, b, tp)
+                new = ColumnParallelLinear(w, b, tp)
                 if b is not None:
                     infos[f"{prefix}{name}.bias"] = info
             else:
@@ -330,6 +352,8 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
                 if hasattr(m, attr):
                     setattr(new, attr, getattr(m, attr))
             _set_submodule(layer, name, new)
+        if any(m.plait_tp == "column" for m in members.values()):
+            fed_by = (heads, head_sizes) if heads is not None and head_sizes is not None else None
         # Cores that store their head counts (rather than infer them from the width) get the local ones.
         if heads is not None and head_sizes is not None:
             for m in sharded + [parent_mod]:
