@@ -225,14 +225,38 @@ def test_an_output_the_loss_cannot_take_is_refused_before_launch(tmp_path):
         run(f"{f}:make", None, "dp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
 
 
-def test_tp_on_a_model_with_nothing_to_shard_is_refused_before_launch():
-    """tp=2 of an HF model without a tensor-parallel plan (GPT-2's config has none) would
-    replicate it on both ranks: refused in one line before any worker starts."""
+def test_tp_on_a_model_with_nothing_to_shard_is_refused_before_launch(tmp_path):
+    """tp=2 of a model without a tensor-parallel plan or marks (no config plan, no model_type plait
+    has one for) would replicate it on both ranks: refused in one line before any worker starts."""
     from plait.runtime.api import run
     from plait.runtime.partition import RuntimeSetupError
 
+    f = tmp_path / "mlp.py"
+    f.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def make():\n"
+        "    def sample_batch(batch, device='cpu', seed=0):\n"
+        "        return (torch.randn(batch, 4).to(device),), torch.zeros(batch, dtype=torch.long).to(device)\n"
+        "    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), sample_batch\n")
     with pytest.raises(RuntimeSetupError, match=r"plan field 'tp'.*marks nothing tensor parallelism can shard"):
-        run(f"{HF}:gpt2", None, "tp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
+        run(f"{f}:make", None, "tp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
+
+
+def test_attention_attributes_take_the_local_head_count_once():
+    """An attention's stored head count and head width become the local ones, once: the block's
+    group of sharded modules alone no longer halves them a second time (T5's n_heads was 1 of 4 at
+    tp=2, harmless only because its views use -1; GPT-2 splits [q | k | v] by split_size)."""
+    from plait.runtime.comm import NullGroup
+    from plait.runtime.tensor_parallel import TPContext, apply_tensor_parallel
+
+    tp = TPContext(NullGroup(2), 2, 0)
+    t5 = spec("t5").build("cpu")
+    apply_tensor_parallel(t5.get_submodule("decoder.block.1"), tp, None)
+    assert t5.get_submodule("decoder.block.1.layer.1.EncDecAttention").n_heads == 2
+    gpt2 = spec("gpt2").build("cpu")
+    apply_tensor_parallel(gpt2.get_submodule("transformer.h.0"), tp, None)
+    attn = gpt2.get_submodule("transformer.h.0.attn")
+    assert (attn.num_heads, attn.split_size) == (2, 32) and attn.c_attn.weight.shape == (64, 96)
 
 
 def test_pre_launch_check_is_quiet():
@@ -262,7 +286,7 @@ def test_base_model_tp_plan_marks_the_blocks():
     """LlamaConfig.base_model_tp_plan (colwise q/k/v, gate/up; rowwise o, down) becomes plait's
     markers: each block is a tensor-parallel layer, its ops carry their roles, and the cost model
     holds half of each block's linear weights per rank at tp=2 (norms stay whole). GPT-2's config
-    has no plan: nothing is marked."""
+    has no plan: plait's for its model_type marks it."""
     from plait.cluster.catalog import get_kind
     from plait.cost.compute import generic_layer_cost, layer_cost
 
@@ -271,7 +295,8 @@ def test_base_model_tp_plan_marks_the_blocks():
     marks = {n: m.plait_tp for n, m in module.named_modules() if hasattr(m, "plait_tp")}
     assert marks["model.layers.0.self_attn.q_proj"] == "column" and marks["model.layers.0.mlp.down_proj"] == "row"
     assert marks["model.layers.0.self_attn"] == "sharded" and "lm_head" not in marks
-    assert not any(hasattr(m, "plait_tp") for m in spec("gpt2").build("meta").modules())
+    gpt2 = {n: m.plait_tp for n, m in spec("gpt2").build("meta").named_modules() if hasattr(m, "plait_tp")}
+    assert gpt2["transformer.h.0.attn.c_attn"] == "column" and gpt2["transformer.h.0.mlp.c_proj"] == "row"
     g = inspect_model(s, batch=1, dtype="bf16")
     assert [layer.name for layer in g.layers if layer.tp_style == "transformer"] == [f"model.layers.{i}" for i in range(4)]
     assert (g.config["heads"], g.config["kv_heads"]) == (4, 2)
@@ -306,13 +331,14 @@ def test_llama_tp2_from_its_own_plan_trains_equal_to_one_process():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["bert", "t5"])
-def test_encoder_tp2_from_plaits_plan_trains_equal_to_one_process(name):
-    """BERT and T5 ship no base_model_tp_plan; plait's plan for their model_type (Megatron's
+@pytest.mark.parametrize("name", ["bert", "t5", "gpt2"])
+def test_tp2_from_plaits_plan_trains_equal_to_one_process(name):
+    """BERT, T5 and GPT-2 ship no base_model_tp_plan; plait's plan for their model_type (Megatron's
     pairing: q/k/v and the first MLP linear by columns, the attention output and second MLP
-    linear by rows, T5's relative-position bias by heads) cuts them. BERT's columns
-    (attention.self) and row (attention.output.dense) sit under different parents, paired
-    through the attention module. tp=2 equals one process and holds half of every cut weight."""
+    linear by rows, T5's relative-position bias by heads, GPT-2's fused [q | k | v] Conv1D block
+    by block) cuts them. BERT's columns (attention.self) and row (attention.output.dense) sit
+    under different parents, paired through the attention module. tp=2 equals one process and
+    holds half of every cut weight."""
     from plait.ir.plan import Plan
 
     result = _equal_to_one_process(f"{HF}:{name}", Plan.parse("tp=2,micro_batch=2,global_batch=4,dtype=fp32"))

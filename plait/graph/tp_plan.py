@@ -15,7 +15,9 @@ the cost model (`plait.cost.compute`: which matmuls split their n or k) and the 
 * a ``colwise`` ``nn.Embedding`` inside a cut attention (T5's relative-position bias, buckets x
   heads) is a column table: each rank keeps its heads' columns;
 * a config without a plan takes plait's for its ``model_type`` (`KNOWN_TP_PLANS`: BERT, RoBERTa,
-  T5);
+  T5, GPT-2); plait's own style ``colwise_qkv`` is a column linear of three fused blocks
+  [q | k | v] (GPT-2's ``c_attn``), cut block by block; transformers' ``Conv1D`` (a linear stored
+  [in, out]) is a linear here;
 * every other style (``packed_colwise`` expert tensors, ``gather``, ``sequence_parallel``,
   vocabulary styles) stays replicated, and so does a linear whose module has no partner of the
   other kind (a lone column linear would need its output gathered).
@@ -29,7 +31,8 @@ import re
 
 from torch import nn
 
-_STYLES = {"colwise": "column", "rowwise": "row"}
+_STYLES = {"colwise": "column", "rowwise": "row", "colwise_qkv": "column"}
+_CHUNKS = {"colwise_qkv": 3}  # plait's own style: a fused [q | k | v] projection, cut block by block
 
 # Plans for architectures whose transformers config ships none, in the config's own format and
 # with Megatron's pairing (Megatron-LM tensor-parallelises BERT and T5 with the same column/row
@@ -48,7 +51,16 @@ _T5_ATTENTION = {f"{a}.{p}": "colwise" for a in ("layer.0.SelfAttention", "layer
 _T5_MLP = {f"layer.{i}.DenseReluDense.{p}": style for i in (1, 2)
            for p, style in (("wi", "colwise"), ("wi_0", "colwise"), ("wi_1", "colwise"), ("wo", "rowwise"))}
 _T5_PLAN = {f"{stack}.block.*.{k}": v for stack in ("encoder", "decoder") for k, v in (_T5_ATTENTION | _T5_MLP).items()}
-KNOWN_TP_PLANS: dict[str, dict[str, str]] = {"bert": _BERT_PLAN, "roberta": _BERT_PLAN, "t5": _T5_PLAN}
+_GPT2_PLAN = {"h.*.attn.c_attn": "colwise_qkv", "h.*.attn.c_proj": "rowwise",
+              "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}  # Conv1D: weights stored [in, out]
+KNOWN_TP_PLANS: dict[str, dict[str, str]] = {"bert": _BERT_PLAN, "roberta": _BERT_PLAN, "t5": _T5_PLAN,
+                                             "gpt2": _GPT2_PLAN}
+
+
+def is_conv1d(m: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2): a linear whose weight is stored [in, out]."""
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None \
+        and m.weight.dim() == 2
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -83,13 +95,17 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
     plan = model_tp_plan(model)
     if not plan:
         return []
-    compiled = [(_pattern(p), _STYLES[s]) for p, s in plan.items() if s in _STYLES]
+    compiled = [(_pattern(p), s) for p, s in plan.items() if s in _STYLES]
     linears: dict[str, str] = {}  # in module order
+    chunks: dict[str, int] = {}
     for path, m in model.named_modules():
-        if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and m.padding_idx is None):
+        linear = isinstance(m, nn.Linear) or is_conv1d(m)
+        if linear or (isinstance(m, nn.Embedding) and m.padding_idx is None):
             style = next((s for rx, s in compiled if rx.match(path)), None)
-            if style is not None and (isinstance(m, nn.Linear) or style == "column"):
-                linears[path] = style
+            if style is not None and (linear or _STYLES[style] == "column"):
+                linears[path] = _STYLES[style]
+                if style in _CHUNKS:
+                    chunks[path] = _CHUNKS[style]
     marked: list[str] = []
     for column, row in _pairs(linears):
         parent = column.rpartition(".")[0]
@@ -97,6 +113,8 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
             if path and path not in marked:
                 model.get_submodule(path).plait_tp = style
                 marked.append(path)
+        if column in chunks:
+            model.get_submodule(column).plait_tp_chunks = chunks[column]
     for path in linears:  # a table cut by heads inside a cut attention (T5's bias)
         if isinstance(model.get_submodule(path), nn.Embedding) and path.rpartition(".")[0] in marked:
             model.get_submodule(path).plait_tp = "column"

@@ -45,10 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.graph.tp_plan import is_conv1d
 from plait.runtime.comm import Group, NullGroup
 from plait.runtime.partition import RuntimeSetupError
 
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "heads", "num_attention_heads")
+WIDTH_ATTRS = ("split_size",)
 KV_HEAD_ATTRS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "kv_heads", "num_key_value_heads")
 
 
@@ -178,16 +180,22 @@ class _LeaveSeqRegion(torch.autograd.Function):
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
+    """`transposed`: the weight is stored [in, out] as transformers' Conv1D stores it (GPT-2), so
+    the parameter keeps the model's own layout and name."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext,
+                 transposed: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.tp = tp
+        self.transposed = transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.t() if self.transposed else self.weight
         if self.tp.sequence_parallel:
-            return F.linear(_GatherSeqForLinear.apply(x, self.tp), self.weight, self.bias)
-        return F.linear(_CopyToTP.apply(x, self.tp), self.weight, self.bias)
+            return F.linear(_GatherSeqForLinear.apply(x, self.tp), w, self.bias)
+        return F.linear(_CopyToTP.apply(x, self.tp), w, self.bias)
 
 
 class ColumnParallelEmbedding(nn.Module):
@@ -203,15 +211,17 @@ class ColumnParallelEmbedding(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext,
+                 transposed: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.tp = tp
+        self.transposed = transposed  # stored [in, out] (Conv1D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = _ReduceScatterSeq if self.tp.sequence_parallel else _ReduceFromTP
-        y = reduce.apply(F.linear(x, self.weight), self.tp)
+        y = reduce.apply(F.linear(x, self.weight.t() if self.transposed else self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
 
@@ -291,6 +301,8 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
     infos: dict[str, ShardInfo] = {}
     fed_by: tuple[int, list[int]] | None = None  # heads of the last group with columns: its rows' cut
     for parent, members in groups.items():
+        if not any(m.plait_tp in ("column", "row") for m in members.values()):
+            continue  # sharded modules alone (the attention under a block): cut with their own linears
         parent_mod = layer.get_submodule(parent) if parent else layer
         where = f"{prefix}{parent}" or "layer"
         sharded = [m for m in members.values() if m.plait_tp == "sharded"]
@@ -316,10 +328,13 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
             if m.plait_tp == "sharded":
                 continue
             table = isinstance(m, nn.Embedding) and m.plait_tp == "column"
-            if not isinstance(m, nn.Linear) and not table:
+            conv1d = is_conv1d(m)  # stored [in, out]: cut along the other dimension, same layout kept
+            if not isinstance(m, nn.Linear) and not table and not conv1d:
                 raise RuntimeSetupError(f"tensor parallel: {prefix}{name} is marked {m.plait_tp!r} but is a "
                                         f"{type(m).__name__}, not nn.Linear")
-            width = m.embedding_dim if table else m.out_features if m.plait_tp == "column" else m.in_features
+            out_features, in_features = (m.weight.shape[1], m.weight.shape[0]) if conv1d or table else \
+                (m.out_features, m.in_features)
+            width = out_features if m.plait_tp == "column" else in_features
             chunks = int(getattr(m, "plait_tp_chunks", 1)) if m.plait_tp == "column" else 1
             per_block = width // chunks
             if head_sizes is not None:
@@ -337,16 +352,16 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
                 info = ShardInfo(1, 1, tuple(sizes))
                 new: nn.Module = ColumnParallelEmbedding(info.take(m.weight.data, tp.rank))
             elif m.plait_tp == "column":
-                info = ShardInfo(0, chunks, tuple(sizes))
+                info = ShardInfo(1 if conv1d else 0, chunks, tuple(sizes))
                 w = info.take(m.weight.data, tp.rank)
-                b = info.take(m.bias.data, tp.rank) if m.bias is not None else None
-                new = ColumnParallelLinear(w, b, tp)
+                b = ShardInfo(0, chunks, tuple(sizes)).take(m.bias.data, tp.rank) if m.bias is not None else None
+                new = ColumnParallelLinear(w, b, tp, transposed=conv1d)
                 if b is not None:
-                    infos[f"{prefix}{name}.bias"] = info
+                    infos[f"{prefix}{name}.bias"] = ShardInfo(0, chunks, tuple(sizes))
             else:
-                info = ShardInfo(1, 1, tuple(sizes))
+                info = ShardInfo(0 if conv1d else 1, 1, tuple(sizes))
                 w = info.take(m.weight.data, tp.rank)
-                new = RowParallelLinear(w, m.bias.data.clone() if m.bias is not None else None, tp)
+                new = RowParallelLinear(w, m.bias.data.clone() if m.bias is not None else None, tp, transposed=conv1d)
             infos[f"{prefix}{name}.weight"] = info
             for attr in ("plait_tp", "plait_selective", "plait_tp_chunks"):
                 if hasattr(m, attr):
@@ -360,6 +375,10 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
                 for a in HEAD_ATTRS:
                     if getattr(m, a, None) == heads:
                         setattr(m, a, head_sizes[tp.rank])
+                hd = _find_int_attr([m], ("head_dim",))
+                for a in WIDTH_ATTRS:  # widths of all heads kept as attributes (GPT-2's split of [q | k | v])
+                    if hd is not None and getattr(m, a, None) == heads * hd[2]:
+                        setattr(m, a, head_sizes[tp.rank] * hd[2])
                 kv = _find_int_attr([m], KV_HEAD_ATTRS)
                 if kv is not None and kv[2] % tp.size == 0 and ratios is None:
                     setattr(m, kv[1], kv[2] // tp.size)
