@@ -205,3 +205,25 @@ def test_memory_options_reach_simulate(capsys) -> None:
     eager, fused = peak(), peak("--loss", "fused")
     assert fused < eager  # Megatron's fused loss keeps no fp32 copies of the logits
     assert peak("--optimizer", "sgd") < eager  # no Adam moments
+
+
+def test_plan_run_with_too_few_steps_does_not_judge_warm_up_as_error() -> None:
+    """plan --run --steps 2 measured its two warm-up steps (T5: 3.4 s against a 45 ms prediction)
+    and printed a red -98.7 % error; with no step left after warm-up the figure is shown as what it
+    is, not judged. With steady-state steps the error is judged as before."""
+    from rich.console import Console
+
+    from plait.commands.plan_cmd import _print_run
+
+    def printed(warmup: int) -> str:
+        console = Console(record=True, width=200)
+        run = {"predicted_iteration_s": 0.1, "measured_iteration_s": 3.4, "rank_in_top": 1, "plan": "dp=1",
+               "iteration_times_s": [3.4, 3.3], "backend": "gloo", "device": "cpu", "losses": [5.4, 5.3], "notes": [],
+               "machine": {"error": -0.987, "predicted_iteration_s": 0.045, "warmup_steps": warmup,
+                           "emulated_dtype": "fp16", "profile_drift": 0.0, "notes": []}}
+        _print_run(run, console)
+        return console.export_text()
+
+    few = printed(0)
+    assert "warm-up included" in few and "not judged" in few and "error" not in few
+    assert "error -98.7 %" in printed(2)

@@ -366,9 +366,15 @@ def _print_run(run: dict[str, Any], console: Any) -> None:
     machine = run.get("machine")
     if machine:
         err = machine["error"]
-        console.print(f"  predicted for this machine {_ms(machine['predicted_iteration_s'])}, measured "
-                      f"{_ms(meas)} (median after {machine['warmup_steps']} warm-up steps): error "
-                      f"[{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/]")
+        if machine["warmup_steps"] == 0:  # too few steps to leave warm-up out: not a steady-state figure
+            console.print(f"  predicted for this machine {_ms(machine['predicted_iteration_s'])}, measured "
+                          f"{_ms(meas)} (median of all {len(run['iteration_times_s'])} steps, warm-up included: "
+                          f"too few to leave it out; --steps 4 or more for a steady-state figure): "
+                          f"[dim]{err * 100:+.1f} %, not judged[/]")
+        else:
+            console.print(f"  predicted for this machine {_ms(machine['predicted_iteration_s'])}, measured "
+                          f"{_ms(meas)} (median after {machine['warmup_steps']} warm-up steps): error "
+                          f"[{'green' if abs(err) <= 0.10 else 'red'}]{err * 100:+.1f} %[/]")
         console.print(f"  [dim]this machine: the ranks are CPU processes (fp32, slower kinds slowed by their "
                       f"{machine['emulated_dtype']} FLOP/s ratio, links shaped by tc); predicted from measured links "
                       f"and layer times "
