@@ -347,3 +347,17 @@ def test_tp2_from_plaits_plan_trains_equal_to_one_process(name):
     halved = sum(m.weight.numel() // 2 + (m.bias.numel() // 2 if getattr(m, "bias", None) is not None
                                           and m.plait_tp == "column" else 0) for m in cut)
     assert cut and [r.params for r in result.ranks] == [sum(p.numel() for p in module.parameters()) - halved] * 2
+
+
+def test_a_dense_decoder_takes_the_zoo_llamas_layers():
+    """LlamaForCausalLM is cut and priced as the zoo's LLaMA of its shape: its token embedding is
+    the zoo's `embedding` layer and its LM head the `head` (vocabulary-parallel on GPUs), its
+    rotary tables are glue (the zoo computes them in each block), so per block and per model the
+    two hold the same parameters; only HF's separate final norm remains a layer of its own."""
+    hf = inspect_model(spec("llama"), batch=1, dtype="bf16")
+    zoo = inspect_model("llama:layers=4,hidden=64,heads=4,kv_heads=2,seq=32,vocab=128,ffn=128", batch=1, dtype="bf16")
+    assert [layer.tp_style for layer in hf.layers] == ["embedding", *["transformer"] * 4, "none", "head"]
+    assert [layer.tp_style for layer in zoo.layers] == ["embedding", *["transformer"] * 4, "head"]
+    assert "model.rotary_emb" not in {layer.name for layer in hf.layers}
+    assert hf.param_count == zoo.param_count and hf.config["vocab"] == zoo.config["vocab"] == 128
+    assert hf.layer("model.layers.1").param_count == zoo.layer("layers.1").param_count

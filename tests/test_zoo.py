@@ -577,3 +577,58 @@ def test_moe_routing_follows_gshard():
     # with capacity for everyone, every token keeps both choices
     roomy = MixtureOfExperts(8, 16, experts=4, top_k=2, capacity=4.0, dropout=0.0)
     assert roomy.route(tokens)[0].sum() == 24
+
+
+def test_llama_rmsnorm_equals_torch_and_keeps_its_product_in_the_input_dtype() -> None:
+    """The zoo's RMSNorm computes torch's values, but the weight multiplies the normalised input
+    cast back to the input's dtype (LLaMA's reference code, transformers), so a bf16 model's
+    backward keeps 2 bytes per element there, not fp32's 4."""
+    import torch
+
+    from plait.graph.zoo.layers import RMSNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16)
+    ours, ref = RMSNorm(16, eps=1e-5), torch.nn.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.rand(16))
+        ref.weight.copy_(ours.weight)
+    torch.testing.assert_close(ours(x), ref(x))
+
+    def saved_bytes(norm: torch.nn.Module) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, torch.nn.Parameter):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            norm.bfloat16()(x.bfloat16().requires_grad_())
+        return sum(storages.values())
+
+    # the fp32 upcast input is kept by both; torch's also keeps the fp32 normalised product
+    assert saved_bytes(torch.nn.RMSNorm(16)) - saved_bytes(RMSNorm(16)) >= 2 * x.numel()
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_llama_gqa_core_reads_each_kv_head_for_its_query_group(sdpa: bool) -> None:
+    """With SDPA the core passes kv_heads-wide K and V (enable_gqa, as flash kernels take them);
+    the explicit path repeats them. Both equal attention over K/V repeated per query group."""
+    import torch
+    import torch.nn.functional as F
+
+    from plait.graph.zoo.layers import GQAttentionCore, apply_rotary, rotary_tables
+
+    torch.manual_seed(0)
+    s, b, heads, kv_heads, d = 6, 2, 4, 2, 8
+    q, kv = torch.randn(s, b, heads * d), torch.randn(s, b, kv_heads * 2 * d)
+    out = GQAttentionCore(d, sdpa=sdpa)(q, kv)
+    k, v = kv.view(s, b, kv_heads, 2 * d).split(d, dim=-1)
+    cos, sin = rotary_tables(s, d, 10000.0, q.device, q.dtype)
+    qh, kh = apply_rotary(q.view(s, b, heads, d), cos, sin), apply_rotary(k, cos, sin)
+    rep = heads // kv_heads
+    kh, vh = kh.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    ref = F.scaled_dot_product_attention(qh.permute(1, 2, 0, 3), kh.permute(1, 2, 0, 3), vh.permute(1, 2, 0, 3),
+                                         is_causal=True)
+    torch.testing.assert_close(out, ref.permute(2, 0, 1, 3).reshape(s, b, heads * d), rtol=1e-5, atol=1e-6)

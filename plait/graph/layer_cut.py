@@ -1,7 +1,9 @@
 """Where a model is cut into OpGraph layers: the one definition the capture, the runtime's
 pipeline cutter, the layer profiler and the aten capture share.
 
-* A module marked ``plait_layer`` is one layer (the zoo marks its layers); in a model with
+* A module marked ``plait_layer`` is one layer (the zoo marks its layers), except one marked
+  ``"glue"``: no layer, its ops are glue of their first consumer (an HF decoder's rotary tables,
+  which the zoo computes inside each attention core); in a model with
   markers, an unmarked module without marked descendants is one layer when its parent holds
   marked modules (or is the root), and nothing more is refined: the author chose the cut.
 * A model without markers (a user's ``nn.Module``) starts from its top-level children and is
@@ -97,7 +99,9 @@ def _coarse(root: nn.Module) -> dict[str, tuple[str, str]]:
         seen.add(id(m))
         for name, child in m.named_children():
             cpath = f"{path}.{name}" if path else name
-            if _marked(child):
+            if getattr(child, "plait_layer", None) == "glue":  # no layer: its ops go with their consumer
+                mark_seen(child)
+            elif _marked(child):
                 heads[cpath] = (cpath, str(child.plait_layer))
                 mark_seen(child)
             elif any_marked(child):

@@ -119,7 +119,30 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
         if isinstance(model.get_submodule(path), nn.Embedding) and path.rpartition(".")[0] in marked:
             model.get_submodule(path).plait_tp = "column"
             marked.append(path)
+    if marked and transformer_shape(model, 1):
+        _mark_zoo_layers(model)
     return marked
+
+
+def _mark_zoo_layers(model: nn.Module) -> None:
+    """A dense decoder priced as the zoo's LLaMA gets the zoo's layers: its token embedding the
+    `embedding` layer and its LM head the `head` layer (vocabulary-parallel on GPUs, as Megatron
+    cuts them; replicated by plait's runtime, which says so), each block a `transformer` layer.
+    Marking is all or nothing for the layer cut, so the blocks are marked too, and the rotary
+    tables (no parameters) are glue of the first block, as the zoo computes them inside its blocks;
+    the final norm stays a layer of its own (its weight must live on one stage)."""
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    blocks = next((list(ml) for ml in model.modules() if isinstance(ml, nn.ModuleList) and len(ml) > 0
+                   and all(any(getattr(m, "plait_tp", None) == "row" for m in b.modules()) for b in ml)), None)
+    if not isinstance(embed, nn.Embedding) or not isinstance(head, nn.Linear) or not blocks:
+        return
+    embed.plait_layer, head.plait_layer = "embedding", "head"
+    for block in blocks:
+        block.plait_layer = "transformer"
+    rotary = getattr(getattr(model, "base_model", model), "rotary_emb", None)
+    if isinstance(rotary, nn.Module) and next(rotary.parameters(), None) is None:
+        rotary.plait_layer = "glue"  # the zoo's closed-form block holds its rotary tables
 
 
 def _pairs(linears: dict[str, str]) -> list[tuple[str, str]]:
@@ -183,7 +206,9 @@ def transformer_shape(model: nn.Module, seq: int) -> dict[str, object]:
         return {}
     act = str(getattr(cfg, "hidden_act", "")).lower()
     head_dim = getattr(cfg, "head_dim", None) or hidden // counts["heads"]
+    vocab = getattr(cfg, "vocab_size", None)
     return {**counts, "hidden": hidden, "ffn": ffn, "seq": int(seq), "head_dim": int(head_dim),
+            **({"vocab": vocab} if isinstance(vocab, int) else {}),
             "activation": "swiglu" if act in ("silu", "swish") else act,
             "sdpa": getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "flash_attention_2"),
             "causal": True}

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from plait.graph.zoo.layers import (
     Dropout,
+    RMSNorm,
     TransformerBlock,
     architecture,
     init_transformer,
@@ -51,7 +52,7 @@ class LMHead(nn.Module):
 
     def __init__(self, hidden: int, vocab: int, eps: float = 1e-5, norm: str = "layer") -> None:
         super().__init__()
-        self.ln = nn.LayerNorm(hidden, eps=eps) if norm == "layer" else nn.RMSNorm(hidden, eps=eps)
+        self.ln = nn.LayerNorm(hidden, eps=eps) if norm == "layer" else RMSNorm(hidden, eps=eps)
         self.lm = mark(nn.Linear(hidden, vocab, bias=False), tp="column")
 
     def forward(self, x: Tensor) -> Tensor:

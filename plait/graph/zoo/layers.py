@@ -168,12 +168,31 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, drop: Dropout, sdpa: b
     return torch.bmm(probs, v)  # saves dropout output 2as^2b and V
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) as LLaMA's reference code and transformers compute it: the
+    statistics in fp32, the weight applied to the result cast back to the input's dtype, so the
+    backward keeps that product's input at the activation dtype (torch's `nn.RMSNorm` keeps it in
+    fp32 under a bf16 model: 2 extra bytes per element per norm). Parameter: ``weight``."""
+
+    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
 class GQAttentionCore(nn.Module):
     """Grouped-query attention core with rotary embeddings (LLaMA).
 
     Inputs: ``q`` ``[s, b, heads_local * d]`` and ``kv`` ``[s, b, kv_heads_local * 2 * d]``
-    (features ``(kv_head, {k,v}, d)``, so column shards hold whole KV heads). K and V are
-    repeated to the query heads as Megatron's non-flash path does.
+    (features ``(kv_head, {k,v}, d)``, so column shards hold whole KV heads). With SDPA the
+    kernel reads each KV head for its query group (``enable_gqa``, as the flash kernels of
+    transformers and Megatron's Transformer Engine path do: K and V saved at kv_heads width);
+    the explicit path repeats K and V to the query heads as Megatron's non-flash path does.
     """
 
     plait_tp = "sharded"
@@ -196,6 +215,12 @@ class GQAttentionCore(nn.Module):
         q = apply_rotary(q.view(s, b, heads, d), cos, sin)
         k = apply_rotary(k, cos, sin)
         rep = heads // kv_heads
+        if self.sdpa and rep > 1:  # [b, heads, s, d] queries over [b, kv_heads, s, d] keys and values
+            p = self.drop.p if self.drop.training else 0.0
+            out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
+                                                 v.permute(1, 2, 0, 3), dropout_p=p, is_causal=True,
+                                                 enable_gqa=True)
+            return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
         if rep > 1:  # query head i reads KV head i // rep
             k = k.unsqueeze(3).expand(s, b, kv_heads, rep, d)
             v = v.unsqueeze(3).expand(s, b, kv_heads, rep, d)

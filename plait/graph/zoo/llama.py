@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from plait.graph.zoo.gpt import LMHead, check_transformer, lm_loss, token_batch
 from plait.graph.zoo.layers import (
     GQAttentionCore,
+    RMSNorm,
     architecture,
     column_linear,
     init_transformer,
@@ -85,9 +86,9 @@ class LlamaBlock(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         h = cfg["hidden"]
-        self.ln1 = nn.RMSNorm(h, eps=cfg["eps"])
+        self.ln1 = RMSNorm(h, eps=cfg["eps"])
         self.attn = GQAttention(h, cfg["heads"], cfg["kv_heads"], cfg["rope_base"], cfg["sdpa"])
-        self.ln2 = nn.RMSNorm(h, eps=cfg["eps"])
+        self.ln2 = RMSNorm(h, eps=cfg["eps"])
         self.mlp = GatedMLP(h, cfg["ffn"])
 
     def forward(self, x: Tensor) -> Tensor:
