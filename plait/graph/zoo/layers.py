@@ -189,10 +189,11 @@ class GQAttentionCore(nn.Module):
     """Grouped-query attention core with rotary embeddings (LLaMA).
 
     Inputs: ``q`` ``[s, b, heads_local * d]`` and ``kv`` ``[s, b, kv_heads_local * 2 * d]``
-    (features ``(kv_head, {k,v}, d)``, so column shards hold whole KV heads). With SDPA the
-    kernel reads each KV head for its query group (``enable_gqa``, as the flash kernels of
+    (features ``(kv_head, {k,v}, d)``, so column shards hold whole KV heads). With SDPA in
+    fp16/bf16 the flash kernel reads each KV head for its query group (``enable_gqa``, as
     transformers and Megatron's Transformer Engine path do: K and V saved at kv_heads width);
-    the explicit path repeats K and V to the query heads as Megatron's non-flash path does.
+    in fp32 (no fused GQA kernel on CUDA) and on the explicit path K and V are repeated to the
+    query heads as Megatron's non-flash path does.
     """
 
     plait_tp = "sharded"
@@ -215,7 +216,10 @@ class GQAttentionCore(nn.Module):
         q = apply_rotary(q.view(s, b, heads, d), cos, sin)
         k = apply_rotary(k, cos, sin)
         rep = heads // kv_heads
-        if self.sdpa and rep > 1:  # [b, heads, s, d] queries over [b, kv_heads, s, d] keys and values
+        if self.sdpa and rep > 1 and q.dtype in (torch.float16, torch.bfloat16):
+            # [b, heads, s, d] queries over [b, kv_heads, s, d] keys and values: the flash kernel
+            # takes GQA in half precision; in fp32 CUDA's memory-efficient kernel does not (GQA
+            # there falls back to the math path's s x s probabilities), so fp32 repeats K and V.
             p = self.drop.p if self.drop.training else 0.0
             out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
                                                  v.permute(1, 2, 0, 3), dropout_p=p, is_causal=True,
