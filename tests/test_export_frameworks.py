@@ -49,7 +49,7 @@ def module_architecture(spec: str) -> dict:
     learned = any(isinstance(m, nn.Embedding) and m.num_embeddings == model.config["seq"]
                   for name, m in module.named_modules() if name.endswith("pos"))
     assert rotary != learned, spec  # exactly one kind of position information
-    return {"norm": "rmsnorm" if nn.RMSNorm in norms else "layernorm",
+    return {"norm": "rmsnorm" if any(issubclass(t, nn.RMSNorm) for t in norms) else "layernorm",
             "activation": "swiglu" if hasattr(mlp, "gate") else "gelu",
             "position": "rope" if rotary else "learned",
             "norm_position": "pre" if getattr(block, "pre_ln", True) else "post",

@@ -168,20 +168,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, drop: Dropout, sdpa: b
     return torch.bmm(probs, v)  # saves dropout output 2as^2b and V
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019) as LLaMA's reference code and transformers compute it: the
+class RMSNorm(nn.RMSNorm):
+    """torch's `nn.RMSNorm` (Zhang & Sennrich 2019; same parameter, still an `nn.RMSNorm` to any
+    code that asks) computed as LLaMA's reference code and transformers compute it: the
     statistics in fp32, the weight applied to the result cast back to the input's dtype, so the
-    backward keeps that product's input at the activation dtype (torch's `nn.RMSNorm` keeps it in
-    fp32 under a bf16 model: 2 extra bytes per element per norm). Parameter: ``weight``."""
+    backward keeps that product's input at the activation dtype (torch's own keeps it in fp32
+    under a bf16 model: 2 extra bytes per element per norm)."""
 
     def __init__(self, hidden: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
+        super().__init__(hidden, eps=eps)
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + float(self.eps or 1e-5))
         return self.weight * h.to(x.dtype)
 
 
