@@ -118,6 +118,20 @@ def test_mixed_kinds_get_uneven_layers_and_batches():
         assert t_uneven < t_even
 
 
+def test_replicas_with_fewer_micro_batches_than_replicas_keep_even_shares_on_a_mixed_cluster():
+    """A degree that does not divide the batch can leave fewer whole micro-batches than replicas
+    (4 replicas of 1 or 2 samples at micro-batch 2: 3 micro-batches). Re-balancing by batch then
+    has nothing to hand out; it raised instead, and the raise ended the whole 3D search (GPT-3
+    175B on large-mixed:nodes=128, global batch 1536: 'no family proposed a plan'). The replicas
+    keep their even shares, and the search answers."""
+    cluster = load_cluster("mixed-a100-v100:a100_nodes=1,v100_nodes=1,gpus_per_node=2")
+    uneven = Plan(dp=4, tp=1, pp=1, micro_batch=2, global_batch=6, dtype="fp16", dp_shares=[0.25] * 4)
+    res = hetero.balance(MIXED, uneven, cluster)
+    assert res is not None and res.plan.samples_per_replica() == [2, 2, 1, 1]
+    found = plan(MIXED, cluster, global_batch=6, simulate=False, space=SearchSpace(tp=[1], pp=[1]))
+    assert found.best.plan.dp == 4
+
+
 def test_search_on_mixed_cluster_uses_uneven_splits_and_beats_equal_treatment():
     graph = MIXED
     cluster = "mixed-a100-v100:a100_nodes=1,v100_nodes=1,gpus_per_node=2"

@@ -367,6 +367,12 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
     total_mb = plan.global_batch // plan.micro_batch
     even_counts = replica_micro_batch_counts(plan)
     v = plan.virtual_stages
+    if total_mb // (plan.pp if v > 1 else 1) < plan.dp:
+        # fewer whole micro-batches than replicas (a data-parallel degree that does not divide the
+        # global batch, e.g. 1024 replicas of 1 or 2 samples at micro-batch 2): nothing to hand out
+        # by batch, the replicas keep their even shares (split_micro_batches would refuse, and the
+        # refusal ended the whole 3D search: GPT-3 175B on large-mixed:nodes=128 found no plan)
+        mixed_dp = False
     if v != 1:
         # interleaved model chunks keep Megatron's even split (a stage's time sums chunks
         # from all over the model, so the chain DP does not apply); replicas still re-balance
