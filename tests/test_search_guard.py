@@ -64,3 +64,17 @@ def test_a_graph_plan_on_fewer_gpus_wins_on_one_kind_and_the_default_search_pick
         assert picked.best.time_s < picked.families[name].best.time_s, name  # the family's plan wins
     before = plan(model, cluster, global_batch=gb, top=3, families="all", runnable=True, graph_chains="mixed-kinds")
     assert before.best.family != "graph" and before.best.time_s > picked.best.time_s
+
+
+def test_graph_family_declines_a_chain_beyond_64_gpus_beside_the_3d_family():
+    """Asked beside the 3D family, the graph family plans chains on clusters of up to 64 GPUs (its
+    stage search grows with the GPUs: GPT-3 175B on 1024 GPUs took 267 s to find that nothing fit,
+    the whole search 7 s without it). Beyond, it declines by name; alone, it still plans."""
+    from plait.search import plan as search_plan
+
+    tiny = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"
+    res = search_plan(tiny, "a100-80g:nodes=9", global_batch=72, simulate=False, families=["3d", "graph"])
+    assert "chain on 72 GPUs" in res.families["graph"] and "up to 64 GPUs" in res.families["graph"]
+    assert res.best.family == "3d"
+    alone = search_plan(tiny, "a100-80g:nodes=9", global_batch=72, simulate=False, families="graph")
+    assert alone.best.family == "graph"

@@ -53,6 +53,11 @@ _DRIVER_OPTIONS = frozenset({"progress", "on_progress", "jobs", "graph_chains"})
 #   "mixed-kinds"  only on clusters of two or more GPU kinds (the driver of commit 67308ef);
 #   "never"        the policy before issue 36: declined ("no branches").
 GRAPH_CHAINS = ("always", "mixed-kinds", "never")
+# Beside the 3D family the graph family is asked for chains on clusters of up to this many GPUs: its
+# stage search grows with the GPUs (GPT-3 175B on large-mixed:nodes=128: 267 s to find that nothing
+# fits, the whole search 7 s without it), while the 3D family's grid covers a chain at that scale --
+# the limit the SPMD and composed families keep (`max_devices`).
+GRAPH_CHAINS_MAX_DEVICES = 64
 
 
 def register_family(name: str, search: FamilySearch, options: Sequence[str] = ()) -> None:
@@ -65,14 +70,16 @@ register_family("3d", search_3d, _3D_OPTIONS)
 
 def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                   evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
-                  compute: Any, runnable: bool = False, chains: bool = True, **options: Any) -> PlanResult:
+                  compute: Any, runnable: bool = False, chains: bool = True,
+                  chains_max_devices: int | None = None, **options: Any) -> PlanResult:
     """The graph-pipeline family (`plait.plan.graph_search.search_graph`). The runtime runs its
     plans, data-parallel stages of any degree included; with `runnable=True` (`plait plan --run`)
     the runtime's `supports` filter drops any it would refuse."""
     from plait.plan.graph_search import search_graph
     from plait.plan.types import load_graph
 
-    if not chains:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
+    too_many = chains_max_devices is not None and cluster.num_devices > chains_max_devices
+    if not chains or too_many:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
         graph = load_graph(model, options.get("dtype") or "bf16")[1]
         outs: dict[str, int] = {}
         ins: dict[str, int] = {}
@@ -80,13 +87,18 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
             outs[a] = outs.get(a, 0) + 1
             ins[b] = ins.get(b, 0) + 1
         if max([*outs.values(), *ins.values(), 1]) < 2:
-            raise SearchError(f"graph: {graph.model} has no branches (its layer DAG is a chain); the 3D family "
-                              "plans chains")
+            if not chains:
+                raise SearchError(f"graph: {graph.model} has no branches (its layer DAG is a chain); the 3D "
+                                  "family plans chains")
+            raise SearchError(f"graph: {graph.model} is a chain on {cluster.num_devices} GPUs; beside the 3D "
+                              f"family the graph family plans chains on clusters of up to {chains_max_devices} "
+                              "GPUs (its stage search grows with the GPUs; the 3D grid covers this scale)")
     return search_graph(model, cluster, global_batch=global_batch, top=top, evaluate=evaluate,
                         supports=supports if runnable else None, compute=compute, **options)
 
 
-register_family("graph", _search_graph, ("runnable", "chains", "max_dp", "candidates", "memory_kwargs", "dtype", "fast"))
+register_family("graph", _search_graph, ("runnable", "chains", "chains_max_devices", "max_dp", "candidates",
+                                         "memory_kwargs", "dtype", "fast"))
 register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "runnable"))
 # SPMD programs inside the stages of a pipeline (plait.search.compose_family), run by
 # plait.runtime.compose_worker; a candidate the runtime refuses carries its reason (`Candidate.unsupported`)
@@ -189,9 +201,10 @@ def _search_families(names: list[str], model: Any, cluster_obj: Cluster, common:
     for name in names:
         search, options = FAMILIES[name]
         own = {k: v for k, v in kwargs.items() if k in options}
-        if name == "graph" and len(names) > 1 and "3d" in names and not ask_chains:
-            # an earlier policy (GRAPH_CHAINS), run beside today's by bench/unified.py
-            own.setdefault("chains", False)
+        if name == "graph" and len(names) > 1 and "3d" in names:
+            if not ask_chains:  # an earlier policy (GRAPH_CHAINS), run beside today's by bench/unified.py
+                own.setdefault("chains", False)
+            own.setdefault("chains_max_devices", GRAPH_CHAINS_MAX_DEVICES)
         phased = "on_progress" in options  # the family reports its phases; the driver draws them
         bar = _FamilyProgress(name, show, callback, prefix=len(names) > 1)
         if phased:
