@@ -59,7 +59,7 @@ def capture_aten_values(module: nn.Module, sample_inputs: Sequence[Any], *,
 def _export(module: nn.Module, inputs: tuple[Any, ...], name: str) -> torch.export.ExportedProgram:
     own = module.__dict__.get("forward")  # an instance-level forward (a user's wrapper) to restore
     forward = module.forward
-    module.forward = lambda *a, **k: _without_caches(forward(*a, **k))  # type: ignore[method-assign]
+    module.forward = lambda *a, **k: _loss_outputs(forward(*a, **k))  # type: ignore[method-assign]
     try:
         return torch.export.export(module, inputs, strict=False)
     except Exception as exc:  # torch raises many types; report one line naming the model
@@ -72,7 +72,7 @@ def _export(module: nn.Module, inputs: tuple[Any, ...], name: str) -> torch.expo
             module.forward = own  # type: ignore[method-assign]
 
 
-def _without_caches(output: Any) -> Any:
+def _loss_outputs(output: Any) -> Any:
     """The model's output as the loss reads it. A mapping output (a Hugging Face ModelOutput)
     keeps the one tensor the default loss reads (`plait.graph.zoo.registry.model_output`: its
     `loss`, else its `logits`): the SPMD and composed runtimes hand the loss the graph's outputs,

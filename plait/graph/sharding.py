@@ -515,7 +515,6 @@ _SIZE_ARG = {"zeros": 0, "ones": 0, "empty": 0, "full": 0,
 SIZED_CREATION = frozenset(_SIZE_ARG)
 
 
-
 def local_call(op: AtenOp, strategy: Strategy, local_inputs: Sequence[torch.Tensor], graph: AtenGraph,
                out_shape: Sequence[int] | None = None, row_offset: int = 0) -> list[torch.Tensor]:
     """Run `op` on one device's inputs under `strategy`; its outputs (as `op.outputs`).

@@ -97,15 +97,18 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
         return []
     compiled = [(_pattern(p), s) for p, s in plan.items() if s in _STYLES]
     linears: dict[str, str] = {}  # in module order
+    tables: list[str] = []  # colwise embeddings: cut only inside an attention the plan cuts
     chunks: dict[str, int] = {}
     for path, m in model.named_modules():
-        linear = isinstance(m, nn.Linear) or is_conv1d(m)
-        if linear or (isinstance(m, nn.Embedding) and m.padding_idx is None):
-            style = next((s for rx, s in compiled if rx.match(path)), None)
-            if style is not None and (linear or _STYLES[style] == "column"):
-                linears[path] = _STYLES[style]
-                if style in _CHUNKS:
-                    chunks[path] = _CHUNKS[style]
+        style = next((s for rx, s in compiled if rx.match(path)), None)
+        if style is None:
+            continue
+        if isinstance(m, nn.Linear) or is_conv1d(m):
+            linears[path] = _STYLES[style]
+            if style in _CHUNKS:
+                chunks[path] = _CHUNKS[style]
+        elif isinstance(m, nn.Embedding) and m.padding_idx is None and _STYLES[style] == "column":
+            tables.append(path)
     marked: list[str] = []
     for column, row in _pairs(linears):
         parent = column.rpartition(".")[0]
@@ -115,8 +118,8 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
                 marked.append(path)
         if column in chunks:
             model.get_submodule(column).plait_tp_chunks = chunks[column]
-    for path in linears:  # a table cut by heads inside a cut attention (T5's bias)
-        if isinstance(model.get_submodule(path), nn.Embedding) and path.rpartition(".")[0] in marked:
+    for path in tables:  # a table cut by heads inside a cut attention (T5's bias)
+        if path.rpartition(".")[0] in marked:
             model.get_submodule(path).plait_tp = "column"
             marked.append(path)
     if marked and transformer_shape(model, 1):

@@ -37,6 +37,10 @@ def _default_cluster() -> str:
 
 DEFAULT_CLUSTER = _default_cluster()
 DEFAULT_GLOBAL_BATCH = 16
+# The most GPUs the per-op families search (one flat SPMD program: HAP's testbed; composed stage
+# programs) and the graph family is asked for chain models beside the 3D family: their searches grow
+# with the GPUs, while the 3D family's grid covers larger clusters.
+MAX_PROGRAM_DEVICES = 64
 GiB = 2**30
 
 

@@ -354,10 +354,11 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
             elif m.plait_tp == "column":
                 info = ShardInfo(1 if conv1d else 0, chunks, tuple(sizes))
                 w = info.take(m.weight.data, tp.rank)
-                b = ShardInfo(0, chunks, tuple(sizes)).take(m.bias.data, tp.rank) if m.bias is not None else None
+                bias_info = ShardInfo(0, chunks, tuple(sizes))
+                b = bias_info.take(m.bias.data, tp.rank) if m.bias is not None else None
                 new = ColumnParallelLinear(w, b, tp, transposed=conv1d)
                 if b is not None:
-                    infos[f"{prefix}{name}.bias"] = ShardInfo(0, chunks, tuple(sizes))
+                    infos[f"{prefix}{name}.bias"] = bias_info
             else:
                 info = ShardInfo(0 if conv1d else 1, 1, tuple(sizes))
                 w = info.take(m.weight.data, tp.rank)

@@ -49,7 +49,14 @@ from plait.cluster.spec import Cluster
 from plait.cost.memory import composed_in_flight, composed_peak_memory
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
-from plait.plan.types import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
+from plait.plan.types import (
+    MAX_PROGRAM_DEVICES,
+    Candidate,
+    Evaluate,
+    PlanResult,
+    SearchError,
+    auto_dtype,
+)
 from plait.workers import map_parallel
 
 _CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
@@ -299,7 +306,7 @@ def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 3) -> list[int
 def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                    evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                    compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
-                   max_devices: int = 64, max_stages: int = 4, candidates: int = 6,
+                   max_devices: int = MAX_PROGRAM_DEVICES, max_stages: int = 4, candidates: int = 6,
                    runnable: bool = False, jobs: int | None = None) -> PlanResult:
     """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
     `candidates` (grouping, micro-batch) options with the least `pipeline_estimate` are

@@ -22,7 +22,7 @@ from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
 from plait.plan.threed import Progress, search_3d
-from plait.plan.types import DEFAULT_CLUSTER, Evaluate, PlanResult, SearchError
+from plait.plan.types import DEFAULT_CLUSTER, MAX_PROGRAM_DEVICES, Evaluate, PlanResult, SearchError
 from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
 from plait.workers import paused_gc
@@ -57,7 +57,7 @@ GRAPH_CHAINS = ("always", "mixed-kinds", "never")
 # stage search grows with the GPUs (GPT-3 175B on large-mixed:nodes=128: 267 s to find that nothing
 # fits, the whole search 7 s without it), while the 3D family's grid covers a chain at that scale --
 # the limit the SPMD and composed families keep (`max_devices`).
-GRAPH_CHAINS_MAX_DEVICES = 64
+GRAPH_CHAINS_MAX_DEVICES = MAX_PROGRAM_DEVICES
 
 
 def register_family(name: str, search: FamilySearch, options: Sequence[str] = ()) -> None:

@@ -26,7 +26,14 @@ from typing import Any
 
 from plait.cluster.spec import Cluster
 from plait.ir.plan import Plan
-from plait.plan.types import Candidate, Evaluate, PlanResult, SearchError, auto_dtype
+from plait.plan.types import (
+    MAX_PROGRAM_DEVICES,
+    Candidate,
+    Evaluate,
+    PlanResult,
+    SearchError,
+    auto_dtype,
+)
 
 OVERLAP_WEIGHTS = (1.0, 0.0)  # gradient collectives counted in full / as hidden; the simulator picks
 
@@ -66,7 +73,7 @@ def synthesize_program(problem: Any, cluster: Cluster, *, batch: int, dtype: str
 def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                 evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                 compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
-                max_devices: int = 64, runnable: bool = False) -> PlanResult:
+                max_devices: int = MAX_PROGRAM_DEVICES, runnable: bool = False) -> PlanResult:
     """The synthesized SPMD program of `model` on `cluster` as a one-candidate `PlanResult`.
 
     `dtype`: the program's compute dtype (default: the cluster's, as the 3D family picks it; the

@@ -180,7 +180,8 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + float(self.eps or 1e-5))
+        eps = self.eps if self.eps is not None else torch.finfo(h.dtype).eps  # nn.RMSNorm's default
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return self.weight * h.to(x.dtype)
 
 
