@@ -164,3 +164,51 @@ def test_fsdp2_reduces_gradients_in_the_plans_grad_reduce_dtype(tmp_path) -> Non
     scatters = [r for r in read_comm_records(tmp_path / "run" / "comm" / "rank0.jsonl").records
                 if r.op == "reduce_scatter" and r.step == 1]
     assert sum(r.bytes for r in scatters) == 2 * numel * 2
+
+
+def _reduction_bytes(run_dir, step: int = 1) -> dict[tuple[str, str, int], int]:
+    """(name, op, seq) -> bytes of every collective rank 0 ran in `step` (point-to-point left out)."""
+    from plait.ir.comm import read_comm_records
+
+    records = read_comm_records(run_dir / "comm" / "rank0.jsonl").records
+    return {(r.name or "", r.op, r.seq): r.bytes for r in records
+            if r.step == step and r.op not in ("send", "recv", "barrier")}
+
+
+@pytest.mark.parametrize("family", ["pipeline", "spmd", "composed"])
+def test_gradients_cross_the_wire_in_the_plans_grad_reduce_dtype(tmp_path, family: str) -> None:
+    # issue 30: grad_reduce_dtype=bf16 on plait's own engines -- the 3D grid's ZeRO-1 reduce-scatter,
+    # an SPMD program's parameter-gradient collectives, a composed plan's deferred buckets. Paired with
+    # the same bf16 run reducing in fp32: every gradient collective carries exactly half the bytes,
+    # every other call the same, and the losses stay the bf16 reference's.
+    from test_compose_run import TINY, _composed_plan
+
+    from plait.ir.plan import Plan
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    if family == "pipeline":
+        model, base = TINY, Plan.parse("dp=2,zero=1,micro_batch=2,global_batch=8,dtype=bf16")
+    elif family == "spmd":
+        model, path = _spmd_plan(tmp_path, "bf16")
+        base = Plan.load(path)
+    else:
+        model, base = TINY, dataclasses.replace(_composed_plan(), dtype="bf16")
+    training = TrainingConfig(dtype="bf16", optimizer="adam", lr=1e-2)
+    sent, losses = {}, {}
+    for wire in ("bf16", "fp32"):
+        plan = dataclasses.replace(base, grad_reduce_dtype=wire)
+        assert engine_for(plan).engine == ("compose" if family == "composed" else family)
+        result = run(model, None, plan, steps=2, training=training, launch=LaunchConfig(timeout=180),
+                     records=RecordsConfig(run_dir=tmp_path / wire))
+        sent[wire], losses[wire] = _reduction_bytes(tmp_path / wire), result.losses
+    low, _ = reference_run(model, dataclasses.replace(base, grad_reduce_dtype="bf16"), 2, training=training)
+    assert _close(losses["bf16"], low, TOL["bf16"]), (losses["bf16"], low)
+    assert sent["bf16"].keys() == sent["fp32"].keys()
+    halved = [k for k in sent["fp32"] if sent["bf16"][k] != sent["fp32"][k]]
+    assert halved, "no gradient collective changed"
+    grads = {"pipeline": ("reducescatter dp grads",), "spmd": ("bwd",),
+             "composed": ("gradients P->R", "all_reduce tied")}[family]  # its buckets and the tied embedding
+    assert all(any(g in k[0] for g in grads) for k in halved), halved  # only the gradients' collectives
+    assert all(2 * sent["bf16"][k] == sent["fp32"][k] for k in halved), [
+        (k, sent["bf16"][k], sent["fp32"][k]) for k in halved]

@@ -39,6 +39,9 @@ def _spmd() -> Plan:
     (Plan(dp=2, micro_batch=2, global_batch=8), "torch"),  # bf16: DDP under autocast
     (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # FSDP2 MixedPrecisionPolicy
     (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "torch"),  # its reduce_dtype
+    (Plan(dp=2, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "torch"),  # DDP: a compressing hook
+    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, grad_reduce_dtype="fp16"), "pipeline"),  # cast, reduce
+    (Plan.from_dict({**_spmd().to_dict(), "grad_reduce_dtype": "bf16"}), "spmd"),  # its parameter gradients
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "pipeline"),  # ZeRO-1
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
@@ -60,8 +63,6 @@ def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
 
 @pytest.mark.parametrize("plan, field", [
     (Plan(dp=2, pp=2, zero=3, micro_batch=1, global_batch=8), "'zero'"),
-    (Plan(dp=2, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "'grad_reduce_dtype'"),  # DDP: fp32
-    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, grad_reduce_dtype="fp16"), "'grad_reduce_dtype'"),
     (Plan(pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"), "'schedule'"),
     (_graph(schedule="interleaved"), "'schedule'"),
     (Plan.from_dict({**_graph().to_dict(), "stage_edges": [[0, 2]]}), "'stage_edges'"),  # two sinks
@@ -69,7 +70,6 @@ def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
     (Plan(pp=2, micro_batch=2, global_batch=8,
           stages=[StageSpec("s0", ["l0"], [0, 1], spmd=PROGRAM), StageSpec("s1", ["l1"], [2])],
           stage_edges=[(0, 1)]), "'stages[1].program'"),
-    (Plan.from_dict({**_spmd().to_dict(), "grad_reduce_dtype": "bf16"}), "'grad_reduce_dtype'"),
 ])
 def test_a_plan_no_engine_runs_is_named_with_the_field(plan, field):
     verdict = engine_for(plan)

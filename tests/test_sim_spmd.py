@@ -227,3 +227,16 @@ def test_a_plan_with_stored_parameters_simulates_as_its_synthesis(tmp_path) -> N
     assert got.memory_peak_bytes == want.memory_peak_bytes
     with pytest.raises(PlanError, match="homes"):
         program_plan(syn.program.strategies, syn.segment_ratios, batch, homes={next(iter(homes)): "P"}).validate()
+
+
+@pytest.mark.parametrize("grad_dtype, size", [(None, 4), ("bf16", 2), ("fp32", 4)])
+def test_parameter_gradients_are_priced_in_the_gradient_reduction_dtype(grad_dtype, size) -> None:
+    """issue 30: a bf16 program's weights are captured in bf16, but its parameter gradients are
+    all-reduced in the plan's gradient-reduction dtype -- fp32 by Megatron-LM's default for bf16,
+    bf16 when the plan asks -- as the runtime's `RankProgram.grad_dtype` sends them."""
+    graph = capture_aten(nn.Linear(64, 32).to(torch.bfloat16), (torch.randn(8, 64, dtype=torch.bfloat16),),
+                         name="linear")
+    problem = Problem.build(graph, Devices.from_cluster(two_nodes(1), "bf16"), grad_dtype=grad_dtype)
+    syn = data_parallel(problem, np.array([0.5, 0.5]))
+    grads = {c.tensor: c.nbytes for _, c in syn.program.comms if c.phase == "bwd"}
+    assert grads == {"p_weight": 64 * 32 * size, "p_bias": 32 * size}

@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from plait.cost.compute import dtype_bytes
 from plait.cost.spmd import Devices, balanced_time, choose, compute_time, measured_work, op_work
 from plait.ir.aten_graph import AtenGraph
+from plait.ir.plan import default_grad_dtype
 from plait.ir.profile import ModelProfile
 from plait.ir.program import (
     PARTIAL,
@@ -82,6 +84,9 @@ class Problem:
     # the line that says which kinds were measured (None: no profile -- every op modelled)
     measured: np.ndarray | None = None
     costs: str = "compute modelled per aten op"
+    # the dtype parameter gradients are reduced in (`Plan.grad_dtype`, what the runtime's
+    # `RankProgram.grad_dtype` sends); None: Megatron-LM's default for the devices' compute dtype
+    grad_dtype: str | None = None
 
     def weight(self, comm: Comm) -> float:
         """The objective's weight of `comm` (`overlap` for a parameter's gradient collective)."""
@@ -93,12 +98,21 @@ class Problem:
     def nbytes(self) -> dict[str, int]:
         return {name: t.nbytes for name, t in self.graph.tensors.items()}
 
+    @functools.cached_property
+    def grad_nbytes(self) -> dict[str, int]:
+        """Bytes of each parameter's gradient as it is reduced: its elements in the gradient-reduction
+        dtype, whatever dtype the graph was captured in (a bf16 capture's bf16 weights still have
+        their fp32 gradients all-reduced, as Megatron-LM's default for bf16)."""
+        size = dtype_bytes(self.grad_dtype or default_grad_dtype(self.devices.dtype))
+        return {name: t.numel * size for name, t in self.graph.tensors.items() if t.role == "param"}
+
     @classmethod
     def build(cls, graph: AtenGraph, devices: Devices, collectives: str = "auto", overlap: float = 1.0,
               outputs_free: dict[str, tuple[str, ...]] | None = None,
-              profile: ModelProfile | None = None) -> Problem:
+              profile: ModelProfile | None = None, grad_dtype: str | None = None) -> Problem:
         """`profile`: the cluster's model profile (`plait.ir.profile.profile_for`); each op's work
-        is then measured where it has the op's layer on the device's kind (`measured_work`)."""
+        is then measured where it has the op's layer on the device's kind (`measured_work`).
+        `grad_dtype`: the plan's gradient-reduction dtype (`Problem.grad_dtype`)."""
         if collectives not in ("auto", "padded", "grouped"):
             raise ShardingError(f"collectives: must be 'auto', 'padded' or 'grouped', got {collectives!r}")
         if not 0.0 <= overlap <= 1.0:
@@ -127,7 +141,7 @@ class Problem:
         lower = list(np.cumsum(bounds[::-1])[::-1]) + [0.0]
         return cls(graph, devices, options, work, remaining, needs_grad, [float(x) for x in lower],
                    future_needs_of(graph, options), collectives, overlap, outputs_free=outputs_free,
-                   measured=measured, costs=costs)
+                   measured=measured, costs=costs, grad_dtype=grad_dtype)
 
 
 @dataclass
@@ -271,7 +285,8 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
             comms.extend(conv)
         mine = (q, sharded)
         if needs_grad and mine not in given:
-            back = conversion(grad_placement(q, sharded), grad_home(origin), t, nbytes, "bwd")
+            back = conversion(grad_placement(q, sharded), grad_home(origin), t,
+                              problem.grad_nbytes.get(t, nbytes), "bwd")
             if back is None:
                 return None
             comms.extend(back)
@@ -461,7 +476,7 @@ class Synthesis:
 
 
 def stage_problem(model: AtenGraph, layers: Sequence[str], devices: Devices, micro_batches: int, loss: bool,
-                  name: str, profile: ModelProfile | None = None) -> Problem:
+                  name: str, profile: ModelProfile | None = None, grad_dtype: str | None = None) -> Problem:
     """The problem of one pipeline stage's program (a composed plan): the stage's aten sub-graph
     (`plait.graph.aten_stage.stage_subgraph`) on its devices, its parameter-gradient collectives
     weighed 1/m (the program runs m times an iteration, its gradients are reduced once:
@@ -471,4 +486,4 @@ def stage_problem(model: AtenGraph, layers: Sequence[str], devices: Devices, mic
 
     sub = stage_subgraph(model, layers, name=name)
     return Problem.build(sub, devices, overlap=1.0 / micro_batches, outputs_free=free_outputs(sub, loss=loss),
-                         profile=profile)
+                         profile=profile, grad_dtype=grad_dtype)

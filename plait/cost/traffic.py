@@ -101,8 +101,8 @@ def composed_boundaries(plan: Plan, graph: OpGraph, aten: Any) -> tuple[dict[tup
                                                                        list[tuple[int, int, float]]]:
     """A composed plan's boundaries (its stages run SPMD programs): the bytes per sample each stage
     edge carries in the plan's dtype (the one stage graph's edge tensors), and the parameters two
-    stages read -- tied embeddings -- as (first stage, last stage, bytes), from the model's aten
-    graph `aten` (`plait.graph.aten_stage.shared_params`)."""
+    stages read -- tied embeddings -- as (first stage, last stage, bytes of the gradient in the plan's
+    gradient-reduction dtype), from the model's aten graph `aten` (`plait.graph.aten_stage.shared_params`)."""
     from plait.graph.aten_stage import shared_params
 
     scale = activation_scale(graph, plan)
@@ -111,7 +111,7 @@ def composed_boundaries(plan: Plan, graph: OpGraph, aten: Any) -> tuple[dict[tup
     tied = []
     for t in shared_params(aten, layers):
         holders = [s for s, lays in enumerate(layers) if any(op.layer in lays and t in op.inputs for op in aten.ops)]
-        tied.append((holders[0], holders[-1], float(aten.tensors[t].nbytes)))
+        tied.append((holders[0], holders[-1], float(aten.tensors[t].numel * grad_elem_bytes(plan))))
     return per_sample, tied
 
 

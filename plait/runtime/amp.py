@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plait.ir.plan import default_grad_dtype
 from plait.runtime.partition import RuntimeSetupError
 
 if TYPE_CHECKING:
+    from plait.ir.plan import Plan
     from plait.runtime.comm import Group
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,6 +37,18 @@ def autocast_for(dtype: str | None, device: str = "cpu") -> AbstractContextManag
     as they are."""
     low = LOW_PRECISION.get(dtype or "")
     return torch.autocast(device, dtype=low) if low is not None else nullcontext()
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reduce_dtype(plan: Plan, dtype: str | None = None) -> torch.dtype | None:
+    """The dtype every engine reduces gradients in: the plan's `grad_reduce_dtype`, else Megatron-LM's
+    default for the run's compute dtype `dtype` (default the plan's) -- `Plan.grad_dtype`, the one
+    the simulator's traffic and the memory model price (fp16 reduces fp16, bf16 and fp32 fp32).
+    None: fp32, the dtype of the fp32 master parameters' gradients (no cast)."""
+    name = plan.grad_reduce_dtype or default_grad_dtype(dtype or plan.dtype)
+    return None if name == "fp32" else _TORCH_DTYPES[name]
 
 
 SCALE_ENV = "PLAIT_LOSS_SCALE"  # e.g. "init=1024,growth_interval=100" (run(launch=LaunchConfig(env=...)) passes it to the workers)

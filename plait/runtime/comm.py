@@ -197,8 +197,15 @@ class Group:
         return f"Group({self.name!r}, ranks={self.ranks})"
 
     def all_reduce(self, t: torch.Tensor, name: str, category: str = "comm", *, op: str = "sum",
-                   key: str | None = None, span: bool = True) -> None:
-        """In-place reduction of `t` over the group (`op`: sum or max)."""
+                   key: str | None = None, span: bool = True, dtype: torch.dtype | None = None) -> None:
+        """In-place reduction of `t` over the group (`op`: sum or max); with `dtype` the values
+        cross the wire in it (a gradient reduced in the plan's `grad_reduce_dtype`: cast, reduced,
+        cast back -- what Megatron-LM's and DDP's compressed reductions do)."""
+        if dtype is not None and dtype != t.dtype:
+            low = t.to(dtype)
+            self.all_reduce(low, name, category, op=op, key=key, span=span)
+            t.copy_(low)
+            return
         self.comm._call(self, "all_reduce", _nbytes(t), name, category,
                         lambda: dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.pg), key=key, span=span)
 
@@ -209,8 +216,13 @@ class Group:
                         lambda: _all_gather(out, x, group=self.pg), key=key, span=span)
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, name: str, category: str = "comm", *,
-                       key: str | None = None, span: bool = True) -> None:
-        """`out` = this rank's 1/size slice of the sum of every rank's `x`."""
+                       key: str | None = None, span: bool = True, dtype: torch.dtype | None = None) -> None:
+        """`out` = this rank's 1/size slice of the sum of every rank's `x` (with `dtype`: summed in it)."""
+        if dtype is not None and dtype != x.dtype:
+            low = out.new_empty(out.shape, dtype=dtype)
+            self.reduce_scatter(low, x.to(dtype), name, category, key=key, span=span)
+            out.copy_(low)
+            return
         self.comm._call(self, "reduce_scatter", _nbytes(x), name, category,
                         lambda: _reduce_scatter(out, x, group=self.pg), key=key, span=span)
 

@@ -54,7 +54,7 @@ from plait.graph.aten_stage import batch_loss_output, shared_params, stage_subgr
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import Plan
 from plait.ir.program import shard_dim
-from plait.runtime.amp import LOW_PRECISION, autocast_for
+from plait.runtime.amp import LOW_PRECISION, autocast_for, reduce_dtype
 from plait.runtime.clip import GradClipper
 from plait.runtime.comm import FAULTS_ENV, P2P, Comm, CommLog, Group, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
@@ -162,6 +162,7 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         self.spans = Spans(self.rec)
         self.runner = RankProgram(program, self.local, self.group, self.spans, seed=seed)
         self.runner.defer_param_grads = True  # one all-reduce per step, not per micro-batch
+        self.runner.grad_dtype = reduce_dtype(plan, cfg["dtype"])  # ...in the plan's gradient-reduction dtype
         self.leaves = self.runner.load(model)
         self.stepper = SpmdStep(self.leaves, make_optimizer(self.leaves, cfg["optimizer"]))
         self.stepper.scaler = self.loss_scaling(self.world_group)
@@ -364,7 +365,7 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
             whole = g.clone() if d is None else self.group.all_gather_uneven(
                 g, self.runner.program.sizes[(tensor, d)], d, f"gather tied {t}", "comm_dp")
             if leaders is not None:
-                leaders.all_reduce(whole, f"all_reduce tied {t}", "comm_dp")
+                leaders.all_reduce(whole, f"all_reduce tied {t}", "comm_dp", dtype=self.runner.grad_dtype)
             if self.group.size > 1:
                 self.group.broadcast(whole, 0, f"broadcast tied {t}", "comm_dp")
             leaf.grad = self.runner.local_slice(whole, tensor, q).clone()

@@ -76,22 +76,25 @@ def _scatter_back(flat: torch.Tensor, params: list[nn.Parameter], attr: str) -> 
         offset += n
 
 
-def sync_tied_grads(tied: list[tuple[list[nn.Parameter], Group]]) -> None:
+def sync_tied_grads(tied: list[tuple[list[nn.Parameter], Group]], dtype: torch.dtype | None = None) -> None:
     """Sum the gradients of parameters shared by several pipeline stages (tied embeddings):
-    each stage holds a copy and they must take the same step (Megatron's embedding group)."""
+    each stage holds a copy and they must take the same step (Megatron's embedding group), in the
+    gradient-reduction dtype `dtype` (None: fp32)."""
     for params, group in tied:
         flat = _flat_grads(params)
-        group.all_reduce(flat, "allreduce tied", "comm_dp")
+        group.all_reduce(flat, "allreduce tied", "comm_dp", dtype=dtype)
         _scatter_back(flat, params, "grad")
 
 
 class DataParallelStep:
-    """Gradient all-reduce (ZeRO-0) + the full optimizer on every replica."""
+    """Gradient all-reduce (ZeRO-0) + the full optimizer on every replica; the gradients cross the
+    wire in `reduce_dtype` (`amp.reduce_dtype`; None: fp32)."""
 
     def __init__(self, params: list[nn.Parameter], make_opt: Callable[[list[Any]], torch.optim.Optimizer],
                  group: Group | None, size: int, rec: Recorder, bucket_bytes: int = 25 << 20,
-                 scaler: DynamicLossScaler | None = None) -> None:
+                 scaler: DynamicLossScaler | None = None, reduce_dtype: torch.dtype | None = None) -> None:
         self.params = params
+        self.reduce_dtype = reduce_dtype
         self.scaler = scaler
         self.group = group
         self.size = size
@@ -116,7 +119,7 @@ class DataParallelStep:
         assert self.group is not None
         for i, bucket in enumerate(self.buckets):
             flat = _flat_grads(bucket)
-            self.group.all_reduce(flat, f"allreduce dp bucket{i}", "comm_dp")
+            self.group.all_reduce(flat, f"allreduce dp bucket{i}", "comm_dp", dtype=self.reduce_dtype)
             _scatter_back(flat, bucket, "grad")
 
     def step(self) -> bool:
@@ -144,12 +147,14 @@ class DataParallelStep:
 
 
 class Zero1Step:
-    """ZeRO-1: reduce-scatter gradients, optimizer on this rank's shard, all-gather parameters."""
+    """ZeRO-1: reduce-scatter gradients (in `reduce_dtype`, None: fp32), optimizer on this rank's
+    shard, all-gather parameters."""
 
     def __init__(self, params: list[nn.Parameter], make_opt: Callable[[list[Any]], torch.optim.Optimizer],
                  group: Group | None, size: int, rank: int, rec: Recorder, free_grads: bool = False,
-                 scaler: DynamicLossScaler | None = None) -> None:
+                 scaler: DynamicLossScaler | None = None, reduce_dtype: torch.dtype | None = None) -> None:
         self.params = params
+        self.reduce_dtype = reduce_dtype
         self.scaler = scaler
         self.group = group
         self.size = size
@@ -174,7 +179,7 @@ class Zero1Step:
         grad_shard = flat.new_empty(self.shard)
         if self.size > 1:
             assert self.group is not None
-            self.group.reduce_scatter(grad_shard, flat, "reducescatter dp grads", "comm_dp")
+            self.group.reduce_scatter(grad_shard, flat, "reducescatter dp grads", "comm_dp", dtype=self.reduce_dtype)
         else:
             grad_shard.copy_(flat)
         if self.free_grads:

@@ -286,18 +286,10 @@ def engine_for(plan: Any, run: dict[str, Any] | None = None) -> EngineVerdict:
         ok, why = _supports_composed(plan)
         return EngineVerdict("compose" if ok else None, why, "a composed plan runs on plait's own engine")
     engine = "spmd" if plan.spmd is not None else "pipeline"
-    low_reduce = plan.grad_reduce_dtype not in (None, "fp32")
-    ok, why = _supports_pipeline(dataclasses.replace(plan, grad_reduce_dtype=None) if low_reduce else plan)
+    ok, why = _supports_pipeline(plan)
     if not ok:
         return EngineVerdict(None, why, why)
     not_torch = torch_runs(plan, run or {})
-    if low_reduce and (not_torch or plan.zero < 3):
-        # Only FSDP2 reduce-scatters in a low-precision dtype (MixedPrecisionPolicy.reduce_dtype);
-        # plait's executors and DDP reduce the fp32 masters' gradients in fp32.
-        why = (f"plan field 'grad_reduce_dtype': {plan.grad_reduce_dtype} gradient reduction runs on FSDP2 "
-               f"(zero=3 on the torch engine) only; {not_torch or 'zero=' + str(plan.zero)}; plait's engine and "
-               "DDP reduce in fp32")
-        return EngineVerdict(None, why, why)
     return EngineVerdict("torch" if not not_torch else engine, "", not_torch)
 
 
@@ -373,10 +365,6 @@ def _supports_pipeline(plan: Plan) -> tuple[bool, str]:
             if m % plan.pp:
                 return False, (f"plan field 'dp_shares': replica {d} runs {m} micro-batches, not a multiple of "
                                f"pp={plan.pp} (interleaved 1F1B runs them in groups of pp)")
-    if plan.grad_reduce_dtype not in (None, "fp32"):
-        # The ranks keep fp32 parameters under autocast, so their gradients are fp32 and are reduced so.
-        return False, (f"plan field 'grad_reduce_dtype': the runtime reduces gradients in fp32 (its master "
-                       f"dtype), not {plan.grad_reduce_dtype}")
     return True, ""
 
 
@@ -406,9 +394,6 @@ def _supports_composed(plan: Plan) -> tuple[bool, str]:
                        f"{plan.global_batch} (a composed plan's micro-batches are all of one size)")
     if plan.zero:
         return False, f"plan field 'zero': a composed plan's stage programs hold their own shards (zero=0), not {plan.zero}"
-    if plan.grad_reduce_dtype not in (None, "fp32"):
-        return False, (f"plan field 'grad_reduce_dtype': a composed plan's SPMD programs reduce gradients in "
-                       f"fp32, not {plan.grad_reduce_dtype}")
     return True, ""
 
 

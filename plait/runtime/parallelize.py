@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.ir.plan import Plan
+from plait.runtime.amp import reduce_dtype
 from plait.runtime.comm import Comm, DeviceMesh, Group, RecordedAllGather, RecordedReduceScatter
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -54,38 +55,44 @@ def replica_loss_weight(plan: Plan, replica: int) -> float:
     return plan.samples_per_replica()[replica] * plan.dp / plan.global_batch
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan, group: "Group | None" = None
-              ) -> DistributedDataParallel:
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan, group: "Group | None" = None,
+              dtype: str | None = None) -> DistributedDataParallel:
     """DDP over the "dp" dim with the plan's gradient bucket size; with `group` (the facade's "dp"
-    group) its buckets are all-reduced through it (`recorded_allreduce_hook`)."""
+    group) its buckets are all-reduced through it (`recorded_allreduce_hook`), in the plan's
+    gradient-reduction dtype for the run's compute dtype `dtype` (`amp.reduce_dtype`)."""
     ddp = DistributedDataParallel(model, process_group=mesh["dp"].get_group(), bucket_cap_mb=plan.grad_bucket_mb)
     if group is not None:
-        ddp.register_comm_hook(group, recorded_allreduce_hook)
+        ddp.register_comm_hook((group, reduce_dtype(plan, dtype)), recorded_allreduce_hook)
     return ddp
 
 
-def recorded_allreduce_hook(group: Group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def recorded_allreduce_hook(state: "tuple[Group, torch.dtype | None]", bucket: dist.GradBucket
+                            ) -> torch.futures.Future[torch.Tensor]:
     """DDP's all-reduce of one gradient bucket (the mean over the replicas, as DDP's default hook)
     through the facade: started as the bucket fills and returned as a future, so DDP overlaps it
     with the rest of the backward as with its own hook; recorded in comm/rankN.jsonl with t_end at
-    its completion, slowed by link faults (`Group.all_reduce_async`)."""
+    its completion, slowed by link faults (`Group.all_reduce_async`). `state`: (the facade group, the
+    wire dtype or None); with a wire dtype the bucket crosses the wire in it, divided before the sum as torch's `fp16_compress_hook` / `bf16_compress_hook`
+    do (so an fp16 sum does not overflow where the mean would not)."""
+    group, dtype = state
     flat = bucket.buffer()
     size = group.size
-    fut = group.all_reduce_async(flat, f"allreduce dp bucket{bucket.index()}", "comm_dp")
+    wire = flat if dtype is None or dtype == flat.dtype else flat.to(dtype).div_(size)
+    fut = group.all_reduce_async(wire, f"allreduce dp bucket{bucket.index()}", "comm_dp")
 
     def mean(f: torch.futures.Future[Any]) -> torch.Tensor:
         f.value()  # a failed all-reduce raises into DDP (an injected skip completes with None)
-        return flat.div_(size)
+        return flat.div_(size) if wire is flat else flat.copy_(wire)
 
     return fut.then(mean)
 
 
 def mixed_precision(plan: Plan, dtype: str | None = None) -> MixedPrecisionPolicy:
     """FSDP2's policy: parameters gathered and computed in `dtype` (the run's; default the plan's),
-    gradients reduced in the plan's `grad_reduce_dtype` (fp32 when not given, as the optimizer's
-    master copy)."""
+    gradients reduced in the plan's gradient-reduction dtype for it (`amp.reduce_dtype`: the plan's
+    `grad_reduce_dtype`, else Megatron-LM's default -- fp16 for fp16, fp32 otherwise)."""
     return MixedPrecisionPolicy(param_dtype=_DTYPES[dtype or plan.dtype],
-                                reduce_dtype=_DTYPES[plan.grad_reduce_dtype or "fp32"])
+                                reduce_dtype=reduce_dtype(plan, dtype) or torch.float32)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module],

@@ -247,6 +247,10 @@ class RankProgram:
         # is summed locally per micro-batch and all-reduced once per step by `flush_param_grads`
         # (DDP's no_sync; exact, the all-reduce is linear) -- as `plait.sim.lowering.pipeline` prices it.
         self.defer_param_grads = False
+        # The dtype parameter gradients cross the wire in (`amp.reduce_dtype`, the plan's gradient-
+        # reduction dtype, as the simulator prices them: `plait.cost.program.Problem.grad_dtype`);
+        # None: their own (fp32, the masters').
+        self.grad_dtype: torch.dtype | None = None
         self._deferred: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # (reader op, tensor) -> (leaf, sum)
         self._op = 0
 
@@ -382,7 +386,7 @@ class RankProgram:
         name = f"bwd bucket of {len(keys)} gradients P->R"
         self.moves["bwd P->R"] = self.moves.get("bwd P->R", 0) + 1
         with self.spans.collective():
-            self.group.all_reduce(flat, name, "comm_spmd")
+            self.group.all_reduce(flat, name, "comm_spmd", dtype=self.grad_dtype)
         first = 0
         for k in keys:
             leaf, total = self._deferred[k]
@@ -427,7 +431,11 @@ class RankProgram:
         g_from, g_to = grad_placement(q, sharded), grad_home(origin)
         if q == origin and g_from == g_to:
             return value
+        wire = self.grad_dtype if self.graph.tensors[t].role == "param" else None
+
         def bwd(g: torch.Tensor) -> torch.Tensor:
+            if wire is not None and g.dtype != wire:  # a parameter's gradient moves in the reduction dtype
+                return self._move(g.to(wire), g_from, g_to, t, "bwd").to(g.dtype)
             return self._move(g, g_from, g_to, t, "bwd")
 
         if self.defer_param_grads and (g_from, g_to) == (PARTIAL, REPLICATED) and self.graph.tensors[t].role == "param":

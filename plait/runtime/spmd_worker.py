@@ -39,7 +39,7 @@ import torch
 from plait.graph.aten_capture import capture_aten
 from plait.graph.aten_stage import batch_loss_output
 from plait.graph.sharding import strategies as op_strategies
-from plait.runtime.amp import autocast_for
+from plait.runtime.amp import autocast_for, reduce_dtype
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
@@ -167,6 +167,7 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
                                   collective=spmd.collectives, homes=spmd.homes)
         spans = Spans(self.rec)
         runner = RankProgram(program, self.rank, group, spans, seed=seed)
+        runner.grad_dtype = reduce_dtype(plan, cfg["dtype"])  # parameter gradients reduced in the plan's dtype
         # an output left in batch shards is not gathered: each rank's loss on its rows (as the
         # composed worker's last stage; the search and the simulator price no gather for it)
         batch_loss = batch_loss_output(graph, program.strategies) if len(graph.outputs) == 1 else None

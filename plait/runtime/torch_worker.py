@@ -144,7 +144,7 @@ class TorchWorker(RankConfig):
         elif plan.tp > 1:
             self.runner = model
         else:
-            self.runner = apply_ddp(model, self.mesh, plan, self.dp_group)
+            self.runner = apply_ddp(model, self.mesh, plan, self.dp_group, dtype=cfg["dtype"])
         self.params = [prm for prm in model.parameters() if prm.requires_grad]
         stream_seed = seed + 1 + self.d  # dropout streams: one per replica, as the pipeline engine's
         torch.manual_seed(stream_seed)

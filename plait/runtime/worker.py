@@ -50,7 +50,7 @@ from torch import nn
 
 from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.amp import LOW_PRECISION, SCALE_ENV, DynamicLossScaler, autocast_for
+from plait.runtime.amp import LOW_PRECISION, SCALE_ENV, DynamicLossScaler, autocast_for, reduce_dtype
 from plait.runtime.clip import GradClipper
 from plait.runtime.comm import (
     FAULTS_ENV,
@@ -263,18 +263,19 @@ class Worker(RankConfig):
         if self.scaler is not None:  # every rank of the job skips or steps together
             self.scaler.group = self.comm.world_group
         self.zero3: Zero3Step | None = None
+        low = reduce_dtype(plan, cfg["dtype"])  # the plan's gradient-reduction dtype (Plan.grad_dtype)
         if plan.zero >= 3 and self.dp_size > 1:
             # Parameters sharded too (api refuses pp > 1 with zero=3): per-layer gather / reduce-scatter.
             self.zero3 = Zero3Step(self.stage_module, layer_modules(self.stage_module), make_opt, self.dp_group,
                                    self.dp_size, self.d, self.rec, scaler=self.scaler, tp_group=self.tp_group,
-                                   sp_params=self.sp_params)
+                                   sp_params=self.sp_params, reduce_dtype=low)
             self.opt = self.zero3
         elif plan.zero >= 1:
             self.opt = Zero1Step(self.params, make_opt, self.dp_group, self.dp_size, self.d, self.rec,
-                                 free_grads=plan.zero >= 2, scaler=self.scaler)
+                                 free_grads=plan.zero >= 2, scaler=self.scaler, reduce_dtype=low)
         else:
             self.opt = DataParallelStep(self.params, make_opt, self.dp_group, self.dp_size, self.rec,
-                                        bucket_bytes=plan.grad_bucket_bytes, scaler=self.scaler)
+                                        bucket_bytes=plan.grad_bucket_bytes, scaler=self.scaler, reduce_dtype=low)
         if cfg.get("clip_grad"):
             self.opt.clip = GradClipper(float(cfg["clip_grad"]), self._copy_weights(), group=self.comm.world_group)
         lay = self.layout
@@ -338,7 +339,7 @@ class Worker(RankConfig):
             if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
                 poison(prm.grad for prm in self.params)
             if self.tied:
-                sync_tied_grads(self.tied)
+                sync_tied_grads(self.tied, low)
                 if lay.graph_plan and self.d > 0:  # the owner stages' replicas summed in one group
                     for prms, _ in self.tied:  # (`_tied_rank_sets`): replica 0 alone carries the sum
                         for prm in prms:        # into the stage's data-parallel reduction

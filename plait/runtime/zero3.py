@@ -102,7 +102,8 @@ class Zero3Step:
     def __init__(self, module: nn.Module, layers: list[tuple[str, nn.Module]],
                  make_opt: Callable[[list[Any]], torch.optim.Optimizer], group: Group | None, size: int, rank: int,
                  rec: Recorder, scaler: DynamicLossScaler | None = None, tp_group: Group | None = None,
-                 sp_params: list[nn.Parameter] | None = None) -> None:
+                 sp_params: list[nn.Parameter] | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+        self.reduce_dtype = reduce_dtype  # the gradients' reduce-scatter dtype (None: fp32)
         self.group, self.size, self.rank, self.rec, self.scaler = group, size, rank, rec, scaler
         self.tp_group = tp_group
         sp_ids = {id(p) for p in sp_params or []}
@@ -167,7 +168,8 @@ class Zero3Step:
             out = flat.new_empty(u.shard)
             if self.size > 1:
                 assert self.group is not None
-                self.group.reduce_scatter(out, flat, f"reducescatter zero grads {u.name}", "comm_zero")
+                self.group.reduce_scatter(out, flat, f"reducescatter zero grads {u.name}", "comm_zero",
+                                          dtype=self.reduce_dtype)
             else:
                 out.copy_(flat)
             g = u.shard_param.grad

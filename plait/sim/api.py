@@ -552,7 +552,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
         graph = capture(spec, plan.global_batch, dtype)  # in the plan's dtype, as the search captured it
         problem = Problem.build(graph, Devices.of(view, dtype, ids),
                                 outputs_free=free_outputs(graph, loss=True),
-                                profile=cluster_profile(view.cluster, spec, plan.dtype))
+                                profile=cluster_profile(view.cluster, spec, plan.dtype), grad_dtype=plan.grad_dtype)
         problem.homes = dict(plan.spmd.homes)
         program = replay(problem, plan.spmd, "spmd")
     except ReplayError as exc:

@@ -139,7 +139,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
             captures[b] = capture(spec, b, dtype)
         aten = captures[b]
         problem = stage_problem(aten, st.layers, Devices.of(devices, dtype, st.devices), m, s == pp - 1,
-                                f"{aten.model} stage {s}", profile=profile)
+                                f"{aten.model} stage {s}", profile=profile, grad_dtype=plan.grad_dtype)
         program = replay(problem, st.spmd, field)
         r = st.spmd.ratio_array()
         segs = segments(problem, program) if r.ndim == 2 else Segments.single(problem, program)

@@ -206,11 +206,13 @@ def _own_comms(prog: StageProgram, bound: list[tuple[str, Comm]]) -> list[tuple[
 
 
 def tied_sharded(prog: StageProgram, other: StageProgram, nbytes: float) -> bool:
-    """Whether `prog` stores a parameter it shares with `other` (of `nbytes`) sharded: a parameter
+    """Whether `prog` stores a parameter it shares with `other` (its gradient of `nbytes`,
+    `Problem.grad_nbytes`) sharded: a parameter
     is stored where its first reader reads it, whole when that is a partial sum (the runtime's
     `spmd_program.compile_program`)."""
     graph, theirs = prog.problem.graph, other.problem.graph.tensors
-    shared = {t for t, m in graph.tensors.items() if m.role == "param" and t in theirs and m.nbytes == nbytes}
+    grads = prog.problem.grad_nbytes
+    shared = {t for t, m in graph.tensors.items() if m.role == "param" and t in theirs and grads[t] == nbytes}
     seen: set[str] = set()
     for op in graph.ops:
         for t, q in zip(op.inputs, prog.program.strategies[op.name].inputs):
