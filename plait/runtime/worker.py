@@ -50,7 +50,13 @@ from torch import nn
 
 from plait.ir.plan import Plan
 from plait.runtime import checkpoint as ckpt
-from plait.runtime.amp import LOW_PRECISION, SCALE_ENV, DynamicLossScaler, autocast_for, reduce_dtype
+from plait.runtime.amp import (
+    LOW_PRECISION,
+    SCALE_ENV,
+    DynamicLossScaler,
+    autocast_for,
+    reduce_dtype,
+)
 from plait.runtime.clip import GradClipper
 from plait.runtime.comm import (
     FAULTS_ENV,
