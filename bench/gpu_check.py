@@ -19,6 +19,16 @@ On a machine with one GPU, where no multi-rank plan runs, it sweeps single-GPU p
 memory estimator and the simulator are still held against CUDA. `--gemm` adds a table of
 measured GEMM throughput beside `plait.cost.compute.gemm_time` for transformer-layer shapes.
 
+Then every engine path (issue 30 item 4; `--no-engines` leaves it out): each form of plan on the
+engine `plait.runtime.engine_for` gives it -- one GPU: a one-rank plan on torch's DDP, on FSDP2
+and on plait's own executor, and a one-device SPMD program; several GPUs: DDP, FSDP2 (ZeRO-3),
+DTensor tensor parallelism (`engine=torch`, fp32), plait's tensor and pipeline parallelism, a stage
+graph, an SPMD program and a composed plan (the SPMD and composed families' own picks for the
+machine) -- with the engine that ran it, its CUDA peak beside the simulator's memory for the
+busiest GPU (`simulate(...).memory_peak_bytes`, the one memory model of every form) and its step
+beside the simulator's. `engine_cases` builds them; `tests/test_gpu_check.py` holds them to every
+engine without a GPU.
+
 On a machine without CUDA it says so and exits 0; it is not part of `make test`.
 """
 
@@ -81,12 +91,83 @@ def _one_row(model: str, label: str, plan, cluster, steps: int, dtype: str) -> d
     measured = statistics.median(result.iteration_times[1:] or result.iteration_times)
     peak_rank = max(result.ranks, key=lambda r: r.peak_memory_bytes)
     est_peak = est.peak_bytes[plan.device_of(peak_rank.rank)]
-    return {"model": model, "plan": label, "spec": str(plan), "ranks": plan.world_size,
+    return {"model": model, "plan": label, "spec": str(plan), "ranks": plan.world_size, "engine": result.engine,
             "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
             "time_error_pct": (predicted / measured - 1) * 100,
             "cuda_peak_gib": peak_rank.peak_memory_bytes / 2**30, "estimated_gib": est_peak / 2**30,
             "memory_error_pct": (est_peak / peak_rank.peak_memory_bytes - 1) * 100,
             "memory_kind": peak_rank.memory_kind}
+
+
+ENGINE_MODEL = "gpt:layers=4,hidden=512,heads=8,seq=256,vocab=8192"
+
+
+def engine_cases(model: str, cluster, gpus: int, global_batch: int, dtype: str) -> list[tuple]:
+    """(label, plan, the run's `LaunchConfig.engine`, the run's dtype) for every engine path `gpus`
+    GPUs allow (module doc): the same model on each form, so their rows compare."""
+    import dataclasses
+
+    from plait.graph.resolve import resolve_model
+    from plait.ir.plan import Plan, StageSpec
+    from plait.search import plan as search
+
+    def grid(text: str) -> Plan:
+        return Plan.parse(f"{text},global_batch={global_batch},dtype={dtype}")
+
+    def family(name: str, where=cluster) -> Plan:
+        return search(model, where, global_batch=global_batch, top=1, families=name).best.plan
+
+    if gpus == 1:
+        return [("DDP, 1 rank", grid("dp=1,micro_batch=2"), "auto", dtype),
+                ("FSDP2, 1 rank", grid("dp=1,zero=3,micro_batch=2"), "auto", dtype),
+                ("plait executor, 1 rank", grid("dp=1,micro_batch=2"), "plait", dtype),
+                ("SPMD program, 1 device", family("spmd"), "auto", dtype)]
+    layers = [layer.name for layer in resolve_model(model, Plan()).layers]
+    half = len(layers) // 2
+    graph = Plan(stages=[StageSpec(name="front", layers=layers[:half], devices=[0]),
+                         StageSpec(name="back", layers=layers[half:], devices=[1])],
+                 stage_edges=[(0, 1)], micro_batch=2, global_batch=global_batch, dtype=dtype)
+    # the composed family puts stages on nodes (or GPU kinds): it plans for the same GPUs as two
+    # nodes, and the row runs and simulates that plan on the machine's one node
+    from plait.cluster import load_cluster
+
+    kind = cluster.devices[0].kind.name
+    composed = family("compose", load_cluster(f"{kind}:nodes=2,gpus_per_node={gpus // 2}"))
+    return [("DDP", grid("dp=2,micro_batch=2"), "auto", dtype),
+            ("FSDP2 (ZeRO-3)", grid("dp=2,zero=3,micro_batch=2"), "auto", dtype),
+            ("DTensor TP (fp32)", dataclasses.replace(grid("tp=2,micro_batch=2"), dtype="fp32"), "torch", "fp32"),
+            ("plait TP", grid("tp=2,micro_batch=2"), "auto", dtype),
+            ("plait PP 1F1B", grid("pp=2,micro_batch=2,schedule=1f1b"), "auto", dtype),
+            ("stage graph", graph, "auto", dtype),
+            ("SPMD program", family("spmd"), "auto", dtype),
+            ("composed", composed, "auto", dtype)]
+
+
+def _engine_row(model: str, label: str, plan, cluster, steps: int, engine: str, dtype: str,
+                device: str = "cuda") -> dict:
+    """Run `plan` on NCCL on the engine `engine_for` names, beside the simulator's step and memory
+    (`device="cpu"`: the same run on gloo, to try the script without a GPU)."""
+    from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, TrainingConfig, run
+    from plait.sim.api import simulate
+
+    # max_memory_allocated does not see the CUDA context: the framework constant is left out (the
+    # SPMD and composed memory models add it whatever `overhead_bytes` says, so it is taken off)
+    sim = simulate(model, cluster, plan, memory_options={"overhead_bytes": 0})
+    program = plan.spmd is not None or any(st.spmd is not None for st in plan.stages)
+    result = run(model, cluster, plan, steps=steps, training=TrainingConfig(dtype=dtype),
+                 launch=LaunchConfig(device=device, emulate=False, engine=engine))
+    measured = statistics.median(result.iteration_times[1:] or result.iteration_times)
+    peak = max(r.peak_memory_bytes for r in result.ranks)
+    est = max(sim.memory_peak_bytes) - (FRAMEWORK_OVERHEAD_BYTES if program else 0) if sim.memory_peak_bytes \
+        else float("nan")
+    return {"model": model, "plan": label, "spec": str(plan), "ranks": len(result.ranks),
+            "engine": result.engine, "engine_expected": engine_for(plan, {"engine": engine, "dtype": dtype}).engine,
+            "measured_ms": measured * 1e3, "predicted_ms": sim.iteration_time_s * 1e3,
+            "time_error_pct": (sim.iteration_time_s / measured - 1) * 100,
+            "cuda_peak_gib": peak / 2**30, "estimated_gib": est / 2**30,
+            "memory_error_pct": (est / peak - 1) * 100, "memory_kind": result.ranks[0].memory_kind}
 
 
 SWEEP_MODELS = (MODEL, MODEL + ",sdpa=true",
@@ -150,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="*", default=None,
                     help="models of the one-GPU sweep (default: three GPT shapes)")
     ap.add_argument("--gemm", action="store_true", help="add the GEMM throughput table")
+    ap.add_argument("--no-engines", action="store_true", help="leave out the engine-path rows")
+    ap.add_argument("--engine-model", default=ENGINE_MODEL, help="the model of the engine-path rows")
     ap.add_argument("--out", default=None, help="also write the JSON here, after every row")
     args = ap.parse_args(argv)
 
@@ -185,6 +268,20 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"model": model, "plan": label, "spec": str(plan), "error": f"{type(exc).__name__}: {exc}"[:400]})
         if args.out:
             Path(args.out).write_text(json.dumps({"rows": rows, "gemm": gemms}, indent=1))
+    if not args.no_engines:
+        try:
+            engine_rows = engine_cases(args.engine_model, cluster, gpus, args.global_batch, args.dtype)
+        except Exception as exc:  # a family that proposes nothing must not lose the rows above
+            rows.append({"model": args.engine_model, "plan": "engine paths", "error": f"{type(exc).__name__}: {exc}"[:400]})
+            engine_rows = []
+        for label, plan, engine, run_dtype in engine_rows:
+            try:
+                rows.append(_engine_row(args.engine_model, label, plan, cluster, args.steps, engine, run_dtype))
+            except Exception as exc:
+                rows.append({"model": args.engine_model, "plan": label, "spec": str(plan),
+                             "error": f"{type(exc).__name__}: {exc}"[:400]})
+            if args.out:
+                Path(args.out).write_text(json.dumps({"rows": rows, "gemm": gemms}, indent=1))
     ok = [r for r in rows if "error" not in r]
     bases = {}
     for r in ok:
@@ -215,14 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     t = Table(title=f"NCCL on {gpus} x {name} ({kind}), {args.dtype}, median of {args.steps - 1} steps")
-    for c in ("model", "plan", "ranks", "measured ms", "predicted ms", "error", "speed-up meas./pred.",
+    for c in ("model", "plan", "ranks", "engine", "measured ms", "predicted ms", "error", "speed-up meas./pred.",
               "CUDA peak GiB", "estimated GiB", "error"):
         t.add_column(c, justify="right")
     for r in rows_all:
         if "error" in r:
-            t.add_row(r["model"], r["plan"], "", "failed: " + r["error"][:60])
+            t.add_row(r["model"], r["plan"], "", "", "failed: " + r["error"][:60])
             continue
-        t.add_row(r["model"], r["plan"], str(r["ranks"]), f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
+        t.add_row(r["model"], r["plan"], str(r["ranks"]), r.get("engine") or "", f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
                   f"{r['time_error_pct']:+.1f} %", f"{r['speedup_measured']:.2f} / {r['speedup_predicted']:.2f}",
                   f"{r['cuda_peak_gib']:.2f}", f"{r['estimated_gib']:.2f}", f"{r['memory_error_pct']:+.1f} %")
     Console().print(t)
