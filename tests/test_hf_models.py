@@ -349,6 +349,50 @@ def test_tp2_from_plaits_plan_trains_equal_to_one_process(name):
     assert cut and [r.params for r in result.ranks] == [sum(p.numel() for p in module.parameters()) - halved] * 2
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_blocks_are_priced_with_their_experts_cut(name):
+    """The simulator reads the experts' mark as the runtime does: at tp=2 a block's cost holds half
+    of the attention and expert tensors (Mixtral's router `mlp.gate` whole, though the zoo calls a
+    column linear so; Qwen's uncut shared expert whole), the memory model splits the same share,
+    the experts' FLOPs halve, and g all-reduces their output (forward) and f their input gradient."""
+    from plait.cluster.catalog import get_kind
+    from plait.cost.compute import generic_layer_cost
+    from plait.cost.memory import _tp_param_fraction
+
+    module = spec(name).build("meta")
+    g = inspect_model(spec(name), batch=1, dtype="bf16")
+    layer = g.layer("model.layers.1")
+    block = module.get_submodule("model.layers.1")
+    total = sum(p.numel() for p in block.parameters())
+    cut = sum(p.numel() for n, p in block.named_parameters() if "experts" in n or "self_attn" in n)
+    one, two = (generic_layer_cost(layer, g, 1, get_kind("a100-80gb"), "bf16", tp=t) for t in (1, 2))
+    assert one.params == total and two.params == total - cut / 2
+    assert _tp_param_fraction(g, [x.name for x in g.layers].index("model.layers.1")) == pytest.approx(cut / total)
+    reduces = [[i for i in c.items if getattr(i, "op", None) == "all_reduce"] for c in (two.fwd, two.bwd)]
+    assert len(reduces[0]) == 2 and len(reduces[1]) == 2  # attention's o_proj and the experts
+    experts = [g.ops[n] for n in layer.ops if g.ops[n].tp_role == "experts" and g.ops[n].fwd_flops > 0]
+    assert experts and any("grouped_mm" in op.target for op in experts)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_tp2_cuts_every_expert_and_trains_equal_to_one_process(name):
+    """Mixtral's and Qwen2-MoE's plans cut their experts (`packed_colwise` fused [gate | up],
+    `rowwise` down, `moe_tp_experts`): every expert keeps half of its intermediate features on each
+    rank, equal to one process; with the attention cut too, each rank holds half of every cut
+    tensor (router, norms, Qwen's shared expert, embedding and head whole)."""
+    from plait.ir.plan import Plan
+
+    module = spec(name).build("meta")
+    experts = [m for m in module.modules() if getattr(m, "plait_tp", None) == "experts"]
+    assert len(experts) == 4 and all(set(m.plait_tp_experts) == {"gate_up_proj", "down_proj"} for m in experts)
+    result = _equal_to_one_process(f"{HF}:{name}", Plan.parse("tp=2,micro_batch=2,global_batch=4,dtype=fp32"))
+    linears = [m for m in module.modules() if getattr(m, "plait_tp", None) in ("column", "row")]
+    halved = sum(m.weight.numel() // 2 + (m.bias.numel() // 2 if m.bias is not None and m.plait_tp == "column" else 0)
+                 for m in linears) + sum(p.numel() // 2 for m in experts for p in m.parameters(recurse=False))
+    assert [r.params for r in result.ranks] == [sum(p.numel() for p in module.parameters()) - halved] * 2
+
+
 def test_a_dense_decoder_takes_the_zoo_llamas_layers():
     """LlamaForCausalLM is cut and priced as the zoo's LLaMA of its shape: its token embedding is
     the zoo's `embedding` layer and its LM head the `head` (vocabulary-parallel on GPUs), its

@@ -744,13 +744,20 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
     bw = _Builder(kind, dtype, model, True)
     bwd_ops: list[tuple[str, tuple]] = []
     params = 0.0
+    experts_out: dict[str, float] = {}  # an experts module cut by features -> its output's bytes
+    # A block its markers cut takes their roles only: the zoo's names (`_tp_split`) would take
+    # another model's router called `mlp.gate` (Mixtral's) for a column linear.
+    by_marks = split_layer and any(graph.ops[n].tp_role for n in layer.ops if n in graph.ops)
     for name in layer.ops:
         op = graph.ops.get(name)
+        if op is not None and split_layer and op.tp_role == "experts":  # (its children's ops too)
+            home = next((k for k in experts_out if op.module == k or op.module.startswith(k + ".")), op.module)
+            experts_out[home] = op.output_bytes  # the module's last op: what g all-reduces
         if op is None or _FREE_TARGETS.match(op.target):
             continue
-        role = _tp_split(op.module) if split_layer else None
-        if split_layer and role is None and layer.tp_style == "transformer":
-            role = op.tp_role or None  # a block marked by the model's own plan (`plait.graph.tp_plan`)
+        role = (op.tp_role or None) if by_marks else _tp_split(op.module) if split_layer else None
+        if role == "experts":  # every expert's GEMMs on its slice of the intermediate features
+            role = "sharded"
         frac = r if role else 1.0
         params += op.param_bytes / (graph.param_dtype_bytes or 4) * frac
         if _GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target):
@@ -794,6 +801,9 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
             bw.mem(*args)
     if split_layer and layer.tp_style == "transformer":
         bw.collective("all_reduce", layer.input_bytes * b or layer.output_bytes * b, tp)
+    for nbytes in experts_out.values():  # g after the experts (forward), f before them (backward)
+        f.collective("all_reduce", nbytes * b, tp)
+        bw.collective("all_reduce", nbytes * b, tp)
     bw.mem(model.grad_accum_bytes_per_param * params)
     fwd = f.done()
     rec = _Builder(kind, dtype, model, False)

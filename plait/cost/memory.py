@@ -369,7 +369,10 @@ def _tp_param_fraction(graph: OpGraph, layer_index: int) -> float:
     Transformer and head layers split the weights of their matmuls (column/row
     parallel linears) and keep norms replicated; an embedding layer splits its word
     table (vocab-parallel), the largest embedding, and replicates position tables.
-    Without op detail the whole layer counts as split."""
+    Without op detail the whole layer counts as split. A transformer layer whose ops carry the
+    roles their markers gave them (`Op.tp_role`: the zoo's, or a model's own plan) splits the
+    parameters of its column, row, sharded and experts ops -- not a router or an uncut shared
+    expert, which are matmuls too."""
     layer = graph.layers[layer_index]
     if layer.tp_style not in ("transformer", "head", "embedding") or layer.param_bytes <= 0:
         return 0.0
@@ -377,6 +380,8 @@ def _tp_param_fraction(graph: OpGraph, layer_index: int) -> float:
     if not ops:
         return 1.0
     total = sum(op.param_bytes for op in ops)
+    if layer.tp_style == "transformer" and any(op.tp_role for op in ops):
+        return sum(op.param_bytes for op in ops if op.tp_role in ("column", "row", "sharded", "experts")) / total
     if layer.tp_style == "embedding":
         tables = [op.param_bytes for op in ops if "embedding" in op.target]
         split = max(tables) if tables else max(op.param_bytes for op in ops)

@@ -145,8 +145,8 @@ def _module_infos(root: nn.Module, heads: dict[str, tuple[str, str]]) -> dict[in
             layer = heads[path][0]
         style = getattr(m, "plait_tp", None)
         if style is not None:  # the nearest marker decides (a row linear ends a sharded region)
-            tp = style in ("column", "sharded")
-            role = style if style in ("column", "row", "sharded") else ""
+            tp = style in ("column", "sharded", "experts")
+            role = style if style in ("column", "row", "sharded", "experts") else ""
         infos[id(m)] = _ModuleInfo(path, layer, tp, bool(getattr(m, "plait_selective", False)), role)
         for name, child in m.named_children():
             walk(child, f"{path}.{name}" if path else name, layer, tp, role)

@@ -18,9 +18,15 @@ the cost model (`plait.cost.compute`: which matmuls split their n or k) and the 
   T5, GPT-2); plait's own style ``colwise_qkv`` is a column linear of three fused blocks
   [q | k | v] (GPT-2's ``c_attn``), cut block by block; transformers' ``Conv1D`` (a linear stored
   [in, out]) is a linear here;
-* every other style (``packed_colwise`` expert tensors, ``gather``, ``sequence_parallel``,
-  vocabulary styles) stays replicated, and so does a linear whose module has no partner of the
-  other kind (a lone column linear would need its output gathered).
+* a module whose plan cuts two of its 3-D parameters -- ``packed_colwise`` (the experts' fused
+  [gate | up] projection, cut half by half) and ``rowwise`` (their down projection) -- is
+  ``"experts"``: every expert keeps its rank's slice of the intermediate features (Megatron's MLP
+  cut, expert by expert, as transformers' ``moe_tp_experts``), its input passes through f and its
+  output through g (`plait.runtime.tensor_parallel`); ``plait_tp_experts`` names the two tensors
+  and the dimension each is cut along;
+* every other style (``gather``, ``sequence_parallel``, vocabulary styles) stays replicated, and
+  so does a linear whose module has no partner of the other kind (a lone column linear would need
+  its output gathered), and experts with biases (a row bias would be added once per rank).
 
 A model that already marks modules (`plait_tp`) keeps its own marks.
 """
@@ -122,9 +128,36 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
         if path.rpartition(".")[0] in marked:
             model.get_submodule(path).plait_tp = "column"
             marked.append(path)
+    for path, m in model.named_modules():
+        cut = _expert_tensors(m, path, plan)
+        if cut is not None and path not in marked:
+            m.plait_tp, m.plait_tp_experts = "experts", cut
+            marked.append(path)
     if marked and transformer_shape(model, 1):
         _mark_zoo_layers(model)
     return marked
+
+
+def _expert_tensors(m: nn.Module, path: str, plan: dict[str, str]) -> dict[str, int] | None:
+    """{parameter: dimension cut} of an experts module whose plan cuts its fused [gate | up]
+    tensor packed-column-wise and its down tensor row-wise (both [experts, ., .]; stored
+    [out, in] per expert, or [in, out] when the module says `is_transposed`), else None."""
+    styles = {}
+    for name, prm in m.named_parameters(recurse=False):
+        style = next((st for pat, st in plan.items() if _pattern(pat).match(f"{path}.{name}")), None)
+        if style in ("packed_colwise", "rowwise") and prm.dim() == 3:
+            styles[style] = name
+    if set(styles) != {"packed_colwise", "rowwise"}:
+        return None
+    if any(name.endswith("_bias") and prm is not None for name, prm in m.named_parameters(recurse=False)):
+        return None  # a row bias would be added on every rank
+    flip = bool(getattr(m, "is_transposed", False))
+    gate_up, down = styles["packed_colwise"], styles["rowwise"]
+    out = {gate_up: 2 if flip else 1, down: 1 if flip else 2}  # the intermediate features' dimension
+    g, d = getattr(m, gate_up), getattr(m, down)
+    if g.shape[out[gate_up]] != 2 * d.shape[out[down]]:
+        return None  # not a fused [gate | up] of the down projection's width
+    return out
 
 
 def _mark_zoo_layers(model: nn.Module) -> None:

@@ -41,7 +41,8 @@ class Op:
     output_bytes: float = 0.0
     inputs: list[str] = field(default_factory=list)  # names of producer ops
     # Megatron role of the module that ran it, from the model's markers (`plait_tp`, or its own
-    # tensor-parallel plan: `plait.graph.tp_plan`): "column", "row", "sharded" or "" (by name)
+    # tensor-parallel plan: `plait.graph.tp_plan`): "column", "row", "sharded", "experts" (an MoE
+    # experts module cut in its intermediate features: its output all-reduced) or "" (by name)
     tp_role: str = ""
 
 

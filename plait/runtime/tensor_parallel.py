@@ -293,12 +293,15 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
     so such a slice holds q, k and v of its heads. Other groups (the MLP) are cut in features.
     A column linear with `plait_tp_chunks = c` has c fused blocks [block0 | block1 | ...] and
     is cut block by block instead."""
+    infos: dict[str, ShardInfo] = {}
+    for name, m in layer.named_modules():
+        if getattr(m, "plait_tp", None) == "experts":
+            infos.update(shard_experts(m, tp, ratios, f"{prefix}{name}"))
     marked = {n: m for n, m in layer.named_modules() if getattr(m, "plait_tp", None) in ("column", "row", "sharded")}
     groups: dict[str, dict[str, nn.Module]] = {}
     for name, m in marked.items():
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         groups.setdefault(parent, {})[name] = m
-    infos: dict[str, ShardInfo] = {}
     fed_by: tuple[int, list[int]] | None = None  # heads of the last group with columns: its rows' cut
     for parent, members in groups.items():
         if not any(m.plait_tp in ("column", "row") for m in members.values()):
@@ -383,6 +386,44 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
                 kv = _find_int_attr([m], KV_HEAD_ATTRS)
                 if kv is not None and kv[2] % tp.size == 0 and ratios is None:
                     setattr(m, kv[1], kv[2] // tp.size)
+    return infos
+
+
+def shard_experts(m: nn.Module, tp: TPContext, ratios: list[float] | None, path: str) -> dict[str, ShardInfo]:
+    """Cut an `"experts"` module (`plait.graph.tp_plan`: fused [gate | up] and down tensors of
+    every expert, `plait_tp_experts` = {tensor: the intermediate features' dimension}) as Megatron
+    cuts an MLP, expert by expert: each rank keeps its slice of every expert's intermediate
+    features -- the gate half and the up half of the fused tensor alike, and the down tensor's
+    matching input features -- so each expert's output on a rank is a partial sum. The inputs pass
+    through f (identity forward, all-reduce of the gradient backward: the hidden states and the
+    routing weights, whose gradients are partial too) and the output through g (all-reduce
+    forward), as transformers' ``moe_tp_experts``. Returns {param name: ShardInfo}."""
+    if tp.sequence_parallel:
+        raise RuntimeSetupError(f"tensor parallel: {path}: sequence parallelism with tensor-parallel experts is "
+                                "not implemented (their tokens are routed per rank); plan it without "
+                                "sequence_parallel")
+    cut: dict[str, int] = dict(m.plait_tp_experts)
+    (a, da), (b, db) = cut.items()
+    fused, down = (a, b) if getattr(m, a).shape[da] == 2 * getattr(m, b).shape[db] else (b, a)
+    width = getattr(m, down).shape[cut[down]]
+    sizes = tuple(split_sizes(width, tp.size, ratios))
+    infos = {}
+    for name, chunks in ((fused, 2), (down, 1)):
+        info = ShardInfo(cut[name], chunks, sizes)
+        full = getattr(m, name)
+        setattr(m, name, nn.Parameter(info.take(full.data, tp.rank), requires_grad=full.requires_grad))
+        infos[f"{path}.{name}"] = info
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        def f(v: Any) -> Any:
+            return _CopyToTP.apply(v, tp) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        return tuple(f(v) for v in args), {k: f(v) for k, v in kwargs.items()}
+
+    def leave(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+        return _ReduceFromTP.apply(out, tp) if isinstance(out, torch.Tensor) else out
+
+    m.register_forward_pre_hook(enter, with_kwargs=True)
+    m.register_forward_hook(leave)
     return infos
 
 
