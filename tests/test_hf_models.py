@@ -405,3 +405,27 @@ def test_a_dense_decoder_takes_the_zoo_llamas_layers():
     assert "model.rotary_emb" not in {layer.name for layer in hf.layers}
     assert hf.param_count == zoo.param_count and hf.config["vocab"] == zoo.config["vocab"] == 128
     assert hf.layer("model.layers.1").param_count == zoo.layer("layers.1").param_count
+
+
+@pytest.mark.parametrize("name, dtype", [("mixtral", "fp16"), ("qwen2_moe", "bf16")])
+def test_the_spmd_family_plans_moe_routing_and_names_a_missing_rule(name, dtype):
+    """An MoE layer's routing (sort by expert, histc counts, _grouped_mm at their offsets,
+    index_put_ back; transformers' own grouped_mm_fallback where _grouped_mm lacks the dtype) has
+    rules -- whole on every device, since a shard of the tokens sorts and counts differently -- so
+    the SPMD family plans both MoE models; an op without a rule is named alone, not the table."""
+    from plait.cluster import load_cluster
+    from plait.graph.sharding import RULES
+    from plait.search.spmd_family import search_spmd
+
+    cluster = load_cluster("emulated-mixed:gpus_per_node=1")
+    res = search_spmd(f"{HF}:{name}", cluster, global_batch=8, top=1, evaluate=None, supports=None, dtype=dtype)
+    assert res.best is not None and res.best.plan.spmd is not None and res.best.plan.dtype == dtype
+    if name != "mixtral":
+        return
+    saved = RULES.pop("histc")
+    try:
+        with pytest.raises(Exception, match=r"no sharding rule for 'histc'") as info:
+            search_spmd(f"{HF}:{name}", cluster, global_batch=8, top=1, evaluate=None, supports=None, dtype=dtype)
+        assert "sort," not in str(info.value) and "topk" not in str(info.value)  # not the whole table
+    finally:
+        RULES["histc"] = saved

@@ -62,7 +62,9 @@ def strategies(op: AtenOp, graph: AtenGraph, devices: int = 2) -> list[Strategy]
     if fn is None:
         raise ShardingError(
             f"op {op.name} ({op.target}, in {op.module or 'the model'}): no sharding rule for "
-            f"{op.kind!r}; ops with rules: {', '.join(sorted(RULES))}")
+            f"{op.kind!r}, so the SPMD and composed families cannot place it; add one "
+            f"(`plait.graph.sharding.rule`, {len(RULES)} ops have rules: `all_rules()`) or plan "
+            "another family")
     ins = [graph.tensors[t].shape for t in op.inputs]
     outs = [graph.tensors[t].shape for t in op.outputs]
     floats = [graph.tensors[t].dtype.startswith(("float", "bfloat")) for t in (*op.inputs, *op.outputs)]
@@ -117,8 +119,8 @@ def _broadcast_strategies(ins: Shapes, out: list[int], n_out: int) -> list[Strat
       "where", "pow", "rsqrt", "sqrt", "exp", "log", "alias", "detach", "lift_fresh_copy",
       "masked_fill", "abs", "__and__", "__or__", "bitwise_and", "bitwise_or", "logical_and", "logical_or",
       "logical_not", "bitwise_not", "minimum", "maximum", "clamp", "clamp_min", "clamp_max", "floor", "ceil",
-      "reciprocal", "square", "sin", "cos", "type_as", "detach_", "add_", "mul_", "isinf",
-      "isnan", "isfinite")
+      "reciprocal", "square", "sin", "cos", "type_as", "detach_", "add_", "mul_", "div_", "sub_", "isinf",
+      "isnan", "isfinite", "floor_divide", "remainder")
 def elementwise(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     found = _broadcast_strategies(ins, outs[0], len(outs))
     n = len(ins)
@@ -384,10 +386,14 @@ def min_max(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     return elementwise(op, ins, outs) if len(ins) == 2 else []
 
 
-@rule("index", "gather", "any", "all")
+@rule("index", "gather", "any", "all", "sort", "argsort", "histc", "index_put", "index_put_", "_grouped_mm",
+      "transformers.grouped_mm_fallback")  # transformers' own op where _grouped_mm lacks the dtype
 def made_whole(op: AtenOp, ins: Shapes, outs: Shapes) -> list[Strategy]:
     """Gathers at data-dependent positions (T5's relative-position lookup, BERT's token-type
-    ids) and whole-tensor tests (T5's fp16 overflow check ``isinf(h).any()``): redundant only."""
+    ids), whole-tensor tests (T5's fp16 overflow check ``isinf(h).any()``) and an MoE layer's
+    routing -- tokens sorted by expert, counted per expert (``histc``), each expert's rows through
+    its own weights (``_grouped_mm`` at the counts' offsets), scattered back (``index_put_``): a
+    shard of the tokens would sort and count differently, so these run whole, redundant only."""
     return []
 
 

@@ -73,9 +73,13 @@ class AtenOp:
 
     @property
     def kind(self) -> str:
-        """The op's name without namespace and overload: "aten.linear.default" -> "linear"."""
+        """The op's name without namespace and overload: "aten.linear.default" -> "linear"; an op
+        of another library keeps its namespace ("transformers.grouped_mm_fallback.default" ->
+        "transformers.grouped_mm_fallback", so it never takes an aten op's rule)."""
         parts = self.target.split(".")
-        return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
+        if len(parts) >= 2 and parts[0] == "aten":
+            return parts[1]
+        return f"{parts[0]}.{parts[1]}" if len(parts) == 3 else parts[0]
 
 
 @dataclass
