@@ -429,3 +429,18 @@ def test_the_spmd_family_plans_moe_routing_and_names_a_missing_rule(name, dtype)
         assert "sort," not in str(info.value) and "topk" not in str(info.value)  # not the whole table
     finally:
         RULES["histc"] = saved
+
+
+@pytest.mark.distributed
+def test_an_moe_spmd_program_runs_the_planners_graph_equal_to_one_process():
+    """The SPMD family's program of Mixtral runs on the graph the planner captured (the meta
+    device: transformers picks its GPU routing there -- integer histc, its grouped_mm fallback --
+    and the workers capture the same graph, so every planned op exists), equal to one process."""
+    from plait.cluster import load_cluster
+    from plait.search.spmd_family import search_spmd
+
+    res = search_spmd(f"{HF}:mixtral", load_cluster("emulated-mixed:gpus_per_node=1"), global_batch=4, top=1,
+                      evaluate=None, supports=None, dtype="fp32")
+    plan = res.best.plan
+    assert any(s.splits_work for s in plan.spmd.strategies.values())  # some op is sharded
+    _equal_to_one_process(f"{HF}:mixtral", plan)

@@ -532,14 +532,19 @@ def local_call(op: AtenOp, strategy: Strategy, local_inputs: Sequence[torch.Tens
     if op.kind == "embedding" and strategy.inputs[0] == shard(0):
         return [_vocab_parallel_embedding(local_inputs[0], local_inputs[1], row_offset)]
     it = iter(local_inputs)
+    # a device the capture recorded (`aten.to.device`'s positional device: "meta" when the graph
+    # was captured on the meta device, as the planner captures it) is this rank's
+    here = next((str(x.device) for x in local_inputs if isinstance(x, torch.Tensor)), "cpu")
 
     def sub(a: Any) -> Any:
         if isinstance(a, dict) and set(a) == {"t"}:
             return next(it)
         if isinstance(a, list):
             return [sub(x) for x in a]
-        if isinstance(a, str) and op.kind in ("to", "_to_copy", "arange", *_SIZE_ARG):
-            return getattr(torch, a) if hasattr(torch, a) and isinstance(getattr(torch, a), torch.dtype) else a
+        if isinstance(a, str) and (a in ("meta", "cpu") or a.startswith("cuda")):
+            return here
+        if isinstance(a, str) and isinstance(getattr(torch, a, None), torch.dtype):
+            return getattr(torch, a)  # the capture wrote dtypes by name (softmax's, to's, arange's)
         return a
 
     args = [sub(a) for a in op.args]
@@ -550,6 +555,9 @@ def local_call(op: AtenOp, strategy: Strategy, local_inputs: Sequence[torch.Tens
         args[_SIZE_ARG[op.kind]] = list(out_shape)
     if op.kind in _SIZE_ARG:
         kwargs["device"] = "cpu"
+    if op.kind == "histc" and here == "cpu" and not args[0].is_floating_point():
+        # the graph holds the GPU's integer histc (captured on the meta device); CPU counts floats
+        return [torch.histc(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)]
     out = resolve(op.target)(*args, **kwargs)
     return list(out) if isinstance(out, (tuple, list)) else [out]
 

@@ -285,6 +285,11 @@ class RankProgram:
                     continue
                 by_param.setdefault(id(value), []).append(t.name)
                 objects[id(value)] = value
+        for t in self.graph.tensors.values():
+            # an empty tensor export lifted as a constant (transformers' attention makes one): its
+            # value is its shape and dtype, whichever device the graph was captured on
+            if t.role == "constant" and t.producer is None and t.numel == 0 and t.name not in self._given:
+                self._given[t.name] = (torch.empty(t.shape, dtype=getattr(torch, t.dtype)), REPLICATED)
         self._leaf_tensor: dict[str, str] = {}
         for key, tensors in by_param.items():
             whole = objects[key].detach()
