@@ -45,6 +45,15 @@ def capture_aten(module: nn.Module, sample_inputs: Sequence[Any], *, name: str =
     return _graph(_export(module, inputs, name), inputs, module, name)
 
 
+def capture_on_meta(spec: Any, batch: int, dtype: torch.dtype = torch.float32) -> AtenGraph:
+    """The graph of a model spec (`plait.graph.zoo.load_model`) built and fed on the meta device
+    at `batch` samples in `dtype`: what the SPMD and composed planners price
+    (`plait.spmd.program_plan.capture_graph`) and what their workers run, so a model whose forward
+    depends on its device (transformers' MoE routing) gives both the same ops."""
+    inputs = spec.sample_batch(batch, device="meta", dtype=dtype)[0]
+    return capture_aten(spec.build(device="meta", dtype=dtype), inputs, name=spec.name)
+
+
 def capture_aten_values(module: nn.Module, sample_inputs: Sequence[Any], *,
                         name: str = "model") -> tuple[AtenGraph, dict[str, torch.Tensor]]:
     """The AtenGraph of `module` on real `sample_inputs` and the value of every tensor in it

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plait.graph.aten_capture import capture_on_meta
 from plait.graph.aten_stage import batch_loss_output, shared_params, stage_subgraph
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import Plan
@@ -73,7 +74,6 @@ from plait.runtime.spmd_state import (
 )
 from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
-from plait.spmd.program_plan import capture_graph
 
 # The buckets of the parameter-gradient all-reduce: `plait.sim.lowering.spmd.lower_compose`'s
 # `bucket_bytes` default, which the composed family simulates with.
@@ -146,7 +146,7 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         self.spec = load_model_spec(cfg["model"])
         seed = int(cfg["seed"])
         model = build_seeded(self.spec, seed)
-        graph = capture_graph(self.spec, plan.micro_batch, "fp32")  # as the planner captured it (meta device)
+        graph = capture_on_meta(self.spec, plan.micro_batch)  # as the planner captured it (meta device)
         self.graph = graph
         layers = [spec.layers for spec in plan.stages]
         subs = [stage_subgraph(graph, lays, name=f"{graph.model} stage {s}") for s, lays in enumerate(layers)]

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plait.graph.aten_capture import capture_on_meta
 from plait.graph.aten_stage import batch_loss_output
 from plait.graph.sharding import strategies as op_strategies
 from plait.runtime.amp import autocast_for, reduce_dtype
@@ -55,7 +56,6 @@ from plait.runtime.spmd_state import (
     make_clipper,
     persistent_buffers,
 )
-from plait.spmd.program_plan import capture_graph
 
 CALIBRATION_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per rank of the timed all-gathers
 
@@ -158,7 +158,7 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
         batch = plan.global_batch
         data_seed = int(cfg["data_seed"])
         fetch = self._data(spec, batch, data_seed)
-        graph = capture_graph(spec, batch, "fp32")  # as the planner captured it (the meta device)
+        graph = capture_on_meta(spec, batch)  # as the planner captured it (the meta device)
         names = [f"gpu {r['device']} ({r.get('kind') or 'cpu'}, rank {r['rank']})" for r in cfg["ranks"]]
         spmd = plan.spmd
         assert spmd is not None  # entry: only a plan with a program reaches this worker

@@ -34,13 +34,12 @@ def capture_graph(spec: Any, batch: int, dtype: str = "fp32") -> AtenGraph:
     they do."""
     import torch
 
-    from plait.graph.aten_capture import capture_aten
+    from plait.graph.aten_capture import capture_on_meta
 
     if dtype not in DTYPES:
         raise ShardingError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
     tdtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    inputs = spec.sample_batch(batch, device="meta", dtype=tdtype)[0]
-    return capture_aten(spec.build(device="meta", dtype=tdtype), inputs, name=spec.name)
+    return capture_on_meta(spec, batch, tdtype)
 
 
 def dtype_changes_graph(spec: Any, batch: int, dtype: str, graph: AtenGraph) -> str | None:
