@@ -96,7 +96,9 @@ class PipelineDriver:
         starts = {w.wid: [s for s, _ in w.units] for w in workers}
         # [first sample, end of the last unit) of each holder, as the per-unit test below reads them
         span = {w.wid: (w.units[0][0], w.units[-1][0] + w.units[-1][1]) for w in workers if w.units}
+        message_bytes, transfer = self.message_bytes, self._transfer
         for a, b in edges:
+            edge = (a, b)
             for q in holders[b]:
                 if not q.units:
                     continue
@@ -116,9 +118,9 @@ class PipelineDriver:
                             lo, hi = max(qs, ps), min(qs + qn, ps + pn)
                             if hi <= lo:
                                 continue
-                            nbytes = self.message_bytes((a, b), hi - lo, p)
-                            self._transfer(p, q, a, b, uj, ui, nbytes, position, forward=True)
-                            self._transfer(q, p, b, a, ui, uj, nbytes, position, forward=False)
+                            nbytes = message_bytes(edge, hi - lo, p)
+                            transfer(p, q, a, b, uj, ui, nbytes, position, True)
+                            transfer(q, p, b, a, ui, uj, nbytes, position, False)
 
     def _transfer(self, src: Any, dst: Any, c_src: int, c_dst: int, u_src: int, u_dst: int,
                   nbytes: float, position: dict, forward: bool) -> None:
@@ -127,8 +129,10 @@ class PipelineDriver:
         kd = position.get((dst.wid, k, c_dst, u_dst))
         if ks is None or kd is None:
             return
+        # an item is one task id (an int: every 3D worker's) or a list of them (an SPMD stage's);
+        # `x.__class__ is int` keeps the 1024-GPU grid's hundreds of thousands of transfers cheap
         sent = self.item_last[src.wid][ks]
-        deps = list(sent) if isinstance(sent, list) else [sent]
+        deps = [sent] if sent.__class__ is int else list(sent)
         after = self.item_first[dst.wid][kd]
         if src.wid == dst.wid:  # two chunks of one worker: program order, no message
             for a in (after if isinstance(after, list) else [after]):
@@ -144,23 +148,30 @@ class PipelineDriver:
                 post = position.get((dst.wid, "F", dst.chunks[0], u_dst), kd)
             if post > 0:
                 ready = self.item_last[dst.wid][post - 1]  # receiver has posted its receive
-                deps.extend(ready if isinstance(ready, list) else [ready])
+                if ready.__class__ is int:
+                    deps.append(ready)
+                else:
+                    deps.extend(ready)
         tid = self.send(src, dst, c_src, c_dst, u_src, u_dst, nbytes, deps, forward)
         succ, npred = self.tg.succ[tid], self.tg.npred  # `tg.add_dep`, inlined: 10^4 transfers
-        if isinstance(after, list):
+        if after.__class__ is int:
+            succ.append(after)
+            npred[after] += 1
+        else:
             for a in after:
                 succ.append(a)
                 npred[a] += 1
-        else:
-            succ.append(after)
-            npred[after] += 1
         if self.blocking:
             firsts = self.item_first[src.wid]
             if ks + 1 < len(firsts):
                 nxt = firsts[ks + 1]
-                for a in (nxt if isinstance(nxt, list) else [nxt]):
-                    succ.append(a)
-                    npred[a] += 1
+                if nxt.__class__ is int:
+                    succ.append(nxt)
+                    npred[nxt] += 1
+                else:
+                    for a in nxt:
+                        succ.append(a)
+                        npred[a] += 1
 
 
 def compute_program(actions: list, chunks: list[int], mine: dict[int, int] | None = None) -> list[Item]:
