@@ -175,7 +175,8 @@ def _reduction_bytes(run_dir, step: int = 1) -> dict[tuple[str, str, int], int]:
             if r.step == step and r.op not in ("send", "recv", "barrier")}
 
 
-@pytest.mark.parametrize("family", ["pipeline", "spmd", "composed"])
+@pytest.mark.parametrize("family", [pytest.param("pipeline", marks=pytest.mark.slow),  # suite time: the
+                                    pytest.param("spmd", marks=pytest.mark.slow), "composed"])  # composed case stays
 def test_gradients_cross_the_wire_in_the_plans_grad_reduce_dtype(tmp_path, family: str) -> None:
     # issue 30: grad_reduce_dtype=bf16 on plait's own engines -- the 3D grid's ZeRO-1 reduce-scatter,
     # an SPMD program's parameter-gradient collectives, a composed plan's deferred buckets. Paired with
