@@ -147,21 +147,17 @@ def _engine_row(model: str, label: str, plan, cluster, steps: int, engine: str, 
                 device: str = "cuda") -> dict:
     """Run `plan` on NCCL on the engine `engine_for` names, beside the simulator's step and memory
     (`device="cpu"`: the same run on gloo, to try the script without a GPU)."""
-    from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES
     from plait.runtime import engine_for
     from plait.runtime.api import LaunchConfig, TrainingConfig, run
     from plait.sim.api import simulate
 
-    # max_memory_allocated does not see the CUDA context: the framework constant is left out (the
-    # SPMD and composed memory models add it whatever `overhead_bytes` says, so it is taken off)
+    # max_memory_allocated does not see the CUDA context: the framework constant is left out
     sim = simulate(model, cluster, plan, memory_options={"overhead_bytes": 0})
-    program = plan.spmd is not None or any(st.spmd is not None for st in plan.stages)
     result = run(model, cluster, plan, steps=steps, training=TrainingConfig(dtype=dtype),
                  launch=LaunchConfig(device=device, emulate=False, engine=engine))
     measured = statistics.median(result.iteration_times[1:] or result.iteration_times)
     peak = max(r.peak_memory_bytes for r in result.ranks)
-    est = max(sim.memory_peak_bytes) - (FRAMEWORK_OVERHEAD_BYTES if program else 0) if sim.memory_peak_bytes \
-        else float("nan")
+    est = max(sim.memory_peak_bytes) if sim.memory_peak_bytes else float("nan")
     return {"model": model, "plan": label, "spec": str(plan), "ranks": len(result.ranks),
             "engine": result.engine, "engine_expected": engine_for(plan, {"engine": engine, "dtype": dtype}).engine,
             "measured_ms": measured * 1e3, "predicted_ms": sim.iteration_time_s * 1e3,

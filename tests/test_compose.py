@@ -241,6 +241,7 @@ def test_simulate_takes_a_composed_plan_as_its_family_timed_it(tmp_path):
     replayed stage by stage (`plait.sim.replay.composed_stages`) to the iteration time and memory
     the compose family simulated for it."""
     from plait.cli import main
+    from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES
     from plait.search import plan
     from plait.sim.api import SimulateError, simulate
 
@@ -252,6 +253,9 @@ def test_simulate_takes_a_composed_plan_as_its_family_timed_it(tmp_path):
     assert got.iteration_time_s == pytest.approx(best.iteration_time_s, rel=1e-9)
     assert got.memory_peak_bytes == best.peak_bytes and got.fits_memory is True
     assert got.world_size == 4 and got.granularity == "op"
+    # the framework constant is a memory option as for every other plan (gpu_check leaves it out)
+    bare = simulate(TINY, cluster, str(path), memory_options={"overhead_bytes": 0})
+    assert [a - b for a, b in zip(got.memory_peak_bytes, bare.memory_peak_bytes)] == [FRAMEWORK_OVERHEAD_BYTES] * 4
     lacking = best.plan.to_dict()
     lacking["stages"][1]["program"]["strategies"].pop(next(iter(lacking["stages"][1]["program"]["strategies"])))
     with pytest.raises(SimulateError, match=r"plan field 'stages\[1\].program': op .*: no strategy"):

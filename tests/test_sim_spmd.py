@@ -203,6 +203,7 @@ def test_a_plan_with_stored_parameters_simulates_as_its_synthesis(tmp_path) -> N
     with the parameters stored where the plan says, the same time and memory as the synthesis;
     a home that is not a placement is refused naming the field."""
     from plait.cluster import load_cluster
+    from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES
     from plait.graph.zoo import load_model
     from plait.ir.plan import Plan, PlanError
     from plait.sim.api import simulate_spmd_plan
@@ -225,6 +226,9 @@ def test_a_plan_with_stored_parameters_simulates_as_its_synthesis(tmp_path) -> N
     got = simulate_spmd_plan(model, cluster, str(path))
     assert got.iteration_time_s == pytest.approx(want.iteration_time_s, rel=1e-9)
     assert got.memory_peak_bytes == want.memory_peak_bytes
+    bare = simulate_spmd_plan(model, cluster, str(path), memory_options={"overhead_bytes": 0})
+    assert [a - b for a, b in zip(got.memory_peak_bytes, bare.memory_peak_bytes)] == \
+        [FRAMEWORK_OVERHEAD_BYTES] * len(got.memory_peak_bytes)
     with pytest.raises(PlanError, match="homes"):
         program_plan(syn.program.strategies, syn.segment_ratios, batch, homes={next(iter(homes)): "P"}).validate()
 

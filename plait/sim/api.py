@@ -528,12 +528,14 @@ class SpmdMemory:
                 for name, m, c in zip(self.names, self.peak_bytes, self.capacity_bytes) if m > c * (1 + 1e-9)]
 
 
-def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: str = "adam") -> tuple[Any, Any]:
+def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: str = "adam",
+                        overhead: float | None = None) -> tuple[Any, Any]:
     """(Problem, Synthesis) of a plan with an SPMD program (`Plan.spmd`): the model captured at the
     plan's global batch (op names as `plait plan --family spmd` and `plait run` capture them), the
     program replayed op by op at its ratios on the plan's devices, each uneven collective padded or
-    grouped as the plan's `collectives` says (padded where it says nothing: what the runtime runs)."""
-    from plait.cost.memory import memory_model
+    grouped as the plan's `collectives` says (padded where it says nothing: what the runtime runs);
+    memory from the program's memory model plus `overhead` per GPU (default the framework constant)."""
+    from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, memory_model
     from plait.cost.program import Problem, Segments, Synthesis, segments
     from plait.cost.spmd import Devices
     from plait.graph.aten_stage import free_outputs
@@ -562,11 +564,23 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     if r.ndim == 2 and r.shape[0] != segs.count:
         raise SimulateError(f"plan field 'spmd.ratios': {r.shape[0]} ratio vectors, the program has "
                             f"{segs.count} segment(s)")
-    held = memory_model(problem, program, dtype, optimizer, segs=segs).on(r)  # a scalar when nothing is sharded
+    held = memory_model(problem, program, dtype, optimizer, segs=segs,
+                        overhead=FRAMEWORK_OVERHEAD_BYTES if overhead is None else overhead).on(r)  # a scalar when nothing is sharded
     memory = np.broadcast_to(np.asarray(held, dtype=float), (problem.devices.n,)).copy()
     syn = Synthesis(program, r.mean(axis=0) if r.ndim == 2 else r, program.cost, memory,
                     segment_ratios=r if r.ndim == 2 else None, segments=segs, capacity=problem.devices.memory)
     return problem, syn
+
+
+def _program_memory_options(options: dict[str, Any] | None) -> tuple[str, float | None]:
+    """(optimizer, overhead bytes) of `simulate`'s `memory_options` for a plan that runs programs:
+    the options `estimate_memory` takes that a program's memory model also has (``loss`` and the
+    gradient bucket have no meaning there: a program's loss and gradients are its own ops)."""
+    opts = dict(options or {})
+    overhead = opts.get("overhead_bytes")
+    if overhead is not None and overhead < 0:
+        raise SimulateError("memory option 'overhead_bytes' must be >= 0")
+    return str(opts.get("optimizer", "adam")), overhead
 
 
 def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_options: dict[str, Any] | None = None
@@ -574,16 +588,16 @@ def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_option
     """`simulate` of a composed plan (stages that run SPMD programs, `StageSpec.spmd`): each
     stage's program replayed on its aten sub-graph (`plait.sim.replay.composed_stages`), lowered by
     `plait.sim.lowering.pipeline` on the plan's schedule; memory per device from each stage's program
-    with the micro-batches in flight (`memory_options`: its ``optimizer``)."""
+    with the micro-batches in flight (`memory_options`: its ``optimizer`` and ``overhead_bytes``)."""
     from plait.sim.replay import ReplayError, composed_stages
 
     plan_obj = resolve_plan(plan)
     view = resolve_cluster(cluster)
     if view.cluster is None:
         raise SimulateError(f"cluster {view.name!r}: a composed plan is simulated on a cluster file or preset")
-    optimizer = (memory_options or {}).get("optimizer", "adam")
+    optimizer, overhead = _program_memory_options(memory_options)
     try:
-        rep = composed_stages(model, view.cluster, plan_obj, optimizer)
+        rep = composed_stages(model, view.cluster, plan_obj, optimizer, overhead)
     except ReplayError as exc:
         raise SimulateError(str(exc)) from None
     res = simulate_compose(rep.stages, list(plan_obj.stage_edges), rep.bytes_per_sample, plan_obj.num_micro_batches,
@@ -600,11 +614,11 @@ def simulate_spmd_plan(model: Any, cluster: Any, plan: Any, *, memory_options: d
     """`simulate` of a plan with an SPMD program (`plait simulate --plan FILE`): `spmd_plan_synthesis`
     lowered by `simulate_spmd`, gradients all-reduced one tensor at a time as the runtime's per-rank
     programs do (no DDP buckets); memory per device from the program's memory model
-    (`memory_options`: its ``optimizer``)."""
+    (`memory_options`: its ``optimizer`` and ``overhead_bytes``)."""
     plan_obj = resolve_plan(plan)
     view = resolve_cluster(cluster)
-    optimizer = (memory_options or {}).get("optimizer", "adam")
-    problem, syn = spmd_plan_synthesis(model, view, plan_obj, optimizer)
+    optimizer, overhead = _program_memory_options(memory_options)
+    problem, syn = spmd_plan_synthesis(model, view, plan_obj, optimizer, overhead)
     res = simulate_spmd(problem, syn, view, bucket_bytes=None, batch=plan_obj.global_batch, name=str(plan_obj))
     res.costs = problem.costs
     if isinstance(model, str):

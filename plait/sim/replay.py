@@ -106,13 +106,15 @@ class ComposedReplay:
     flops: float  # model FLOPs of the iteration
 
 
-def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam") -> ComposedReplay:
+def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam",
+                    overhead: float | None = None) -> ComposedReplay:
     """A composed plan's stage programs replayed on the model (module docstring): each stage's
     aten sub-graph at its micro-batch on its devices, its program replayed, its memory with the
-    micro-batches its schedule keeps in flight; the bytes each edge carries and the parameters two
-    stages share from the one stage graph (`plait.cost.traffic.composed_boundaries`)."""
+    micro-batches its schedule keeps in flight (plus `overhead` per GPU, default the framework
+    constant); the bytes each edge carries and the parameters two stages share from the one stage
+    graph (`plait.cost.traffic.composed_boundaries`)."""
     from plait.cost.devices import DeviceModel
-    from plait.cost.memory import composed_peak_memory, memory_model
+    from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, composed_peak_memory, memory_model
     from plait.cost.program import Segments, segments, stage_problem
     from plait.cost.spmd import Devices
     from plait.cost.traffic import composed_boundaries
@@ -146,7 +148,8 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
         if r.ndim == 2 and r.shape[0] != segs.count:
             raise ReplayError(f"plan field '{field}.ratios': {r.shape[0]} ratio vectors, the program has "
                               f"{segs.count} segment(s)")
-        mm = memory_model(problem, program, dtype, optimizer, segs=segs)
+        mm = memory_model(problem, program, dtype, optimizer, segs=segs,
+                          overhead=FRAMEWORK_OVERHEAD_BYTES if overhead is None else overhead)
         held = np.broadcast_to(np.asarray(mm.on(r), dtype=float), (problem.devices.n,))
         stage_bytes.append((list(st.devices), held, np.asarray(mm.activations_on(r), dtype=float)))
         stages.append(StageProgram(problem, program, r, segs.of_op if r.ndim == 2 else None,
