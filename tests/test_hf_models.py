@@ -353,7 +353,8 @@ def test_tp2_from_plaits_plan_trains_equal_to_one_process(name):
 def test_moe_blocks_are_priced_with_their_experts_cut(name):
     """The simulator reads the experts' mark as the runtime does: at tp=2 a block's cost holds half
     of the attention and expert tensors (Mixtral's router `mlp.gate` whole, though the zoo calls a
-    column linear so; Qwen's uncut shared expert whole), the memory model splits the same share,
+    column linear so) and of Qwen's shared expert, which its plan leaves out and plait detects as a
+    standard MLP (its gate `shared_expert_gate` whole); the memory model splits the same share,
     the experts' FLOPs halve, and g all-reduces their output (forward) and f their input gradient."""
     from plait.cluster.catalog import get_kind
     from plait.cost.compute import generic_layer_cost
@@ -364,12 +365,15 @@ def test_moe_blocks_are_priced_with_their_experts_cut(name):
     layer = g.layer("model.layers.1")
     block = module.get_submodule("model.layers.1")
     total = sum(p.numel() for p in block.parameters())
-    cut = sum(p.numel() for n, p in block.named_parameters() if "experts" in n or "self_attn" in n)
+    cut = sum(p.numel() for n, p in block.named_parameters()
+              if "experts" in n or "self_attn" in n or "shared_expert." in n)
     one, two = (generic_layer_cost(layer, g, 1, get_kind("a100-80gb"), "bf16", tp=t) for t in (1, 2))
     assert one.params == total and two.params == total - cut / 2
     assert _tp_param_fraction(g, [x.name for x in g.layers].index("model.layers.1")) == pytest.approx(cut / total)
     reduces = [[i for i in c.items if getattr(i, "op", None) == "all_reduce"] for c in (two.fwd, two.bwd)]
-    assert len(reduces[0]) == 2 and len(reduces[1]) == 2  # attention's o_proj and the experts
+    # forward: g after attention's o_proj, the experts and Qwen's shared expert; backward: f at
+    # the block's input (the generic cost's one for its column linears) and before the experts
+    assert len(reduces[0]) == (3 if name == "qwen2_moe" else 2) and len(reduces[1]) == 2
     experts = [g.ops[n] for n in layer.ops if g.ops[n].tp_role == "experts" and g.ops[n].fwd_flops > 0]
     assert experts and any("grouped_mm" in op.target for op in experts)
 
@@ -379,8 +383,9 @@ def test_moe_blocks_are_priced_with_their_experts_cut(name):
 def test_moe_tp2_cuts_every_expert_and_trains_equal_to_one_process(name):
     """Mixtral's and Qwen2-MoE's plans cut their experts (`packed_colwise` fused [gate | up],
     `rowwise` down, `moe_tp_experts`): every expert keeps half of its intermediate features on each
-    rank, equal to one process; with the attention cut too, each rank holds half of every cut
-    tensor (router, norms, Qwen's shared expert, embedding and head whole)."""
+    rank, equal to one process; with the attention and Qwen's shared expert (a standard MLP its
+    plan leaves out, `detected_mlps`) cut too, each rank holds half of every cut tensor (router,
+    shared-expert gate, norms, embedding and head whole)."""
     from plait.ir.plan import Plan
 
     module = spec(name).build("meta")
@@ -444,3 +449,35 @@ def test_an_moe_spmd_program_runs_the_planners_graph_equal_to_one_process():
     plan = res.best.plan
     assert any(s.splits_work for s in plan.spmd.strategies.values())  # some op is sharded
     _equal_to_one_process(f"{HF}:mixtral", plan)
+
+
+def test_a_standard_mlp_the_plan_leaves_out_is_detected_and_nothing_else():
+    """`detected_mlps`: inside a block the plan cuts, a module of linears whose forward feeds its
+    input to columns (hidden -> F), joins them elementwise and returns one row (F -> hidden) is
+    cut Megatron's way; an MLP with a norm between its linears (not feature by feature), one
+    that returns its input added back, and one outside every cut block stay whole."""
+    from plait.graph.tp_plan import detected_mlps
+
+    class Gated(nn.Module):
+        def __init__(self, mid: nn.Module | None = None, residual: bool = False) -> None:
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+            self.mid, self.residual = mid or nn.Dropout(0.0), residual
+
+        def forward(self, x):
+            y = self.down(self.mid(nn.functional.gelu(self.gate(x)) * self.up(x)))
+            return x + y if self.residual else y
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.Linear(8, 8)
+            self.attn.plait_tp = "column"  # something the plan cuts
+            self.good, self.normed, self.residual = Gated(), Gated(nn.LayerNorm(16)), Gated(residual=True)
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([Block(), Block()])
+    model.outside = nn.ModuleList([nn.Module()])
+    model.outside[0].mlp = Gated()
+    assert detected_mlps(model) == [(f"blocks.{i}.good", [f"blocks.{i}.good.gate", f"blocks.{i}.good.up"],
+                                     f"blocks.{i}.good.down") for i in (0, 1)]

@@ -24,6 +24,11 @@ the cost model (`plait.cost.compute`: which matmuls split their n or k) and the 
   cut, expert by expert, as transformers' ``moe_tp_experts``), its input passes through f and its
   output through g (`plait.runtime.tensor_parallel`); ``plait_tp_experts`` names the two tensors
   and the dimension each is cut along;
+* where the plan is silent inside a block it cuts, a standard MLP is cut as the plan cuts its
+  dense MLPs (`detected_mlps`: Qwen2-MoE's ``shared_expert``, which its plan leaves out): a module
+  of linears whose fx graph feeds its input to column linears (hidden -> F), combines their
+  outputs only elementwise (activation, gated product, dropout) and returns one row linear
+  (F -> hidden) of that;
 * every other style (``gather``, ``sequence_parallel``, vocabulary styles) stays replicated, and
   so does a linear whose module has no partner of the other kind (a lone column linear would need
   its output gathered), and experts with biases (a row bias would be added once per rank).
@@ -33,8 +38,11 @@ A model that already marks modules (`plait_tp`) keeps its own marks.
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 
+import torch
 from torch import nn
 
 _STYLES = {"colwise": "column", "rowwise": "row", "colwise_qkv": "column"}
@@ -133,6 +141,10 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
         if cut is not None and path not in marked:
             m.plait_tp, m.plait_tp_experts = "experts", cut
             marked.append(path)
+    for path, columns, row in detected_mlps(model):  # where the plan is silent inside a cut block
+        for sub, style in ((path, "sharded"), *((c, "column") for c in columns), (row, "row")):
+            model.get_submodule(sub).plait_tp = style
+            marked.append(sub)
     if marked and transformer_shape(model, 1):
         _mark_zoo_layers(model)
     return marked
@@ -158,6 +170,100 @@ def _expert_tensors(m: nn.Module, path: str, plan: dict[str, str]) -> dict[str, 
     if g.shape[out[gate_up]] != 2 * d.shape[out[down]]:
         return None  # not a fused [gate | up] of the down projection's width
     return out
+
+
+# Ops that act feature by feature (an MLP's activation, its gated product, dropout, casts): on
+# column-cut features they give the column-cut result, so a row linear can take it (Megatron's MLP).
+_ELEMENTWISE_FUNCTIONS = {
+    operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
+    torch.mul, torch.add, torch.sub, torch.div, torch.neg, torch.pow, torch.sigmoid, torch.tanh, torch.relu,
+    torch.exp, torch.erf, torch.sqrt, torch.square, math.sqrt,
+    nn.functional.silu, nn.functional.gelu, nn.functional.relu, nn.functional.sigmoid, nn.functional.tanh,
+    nn.functional.leaky_relu, nn.functional.elu, nn.functional.mish, nn.functional.softplus,
+    nn.functional.hardswish, nn.functional.relu6, nn.functional.dropout}
+_ELEMENTWISE_METHODS = {"mul", "add", "sub", "div", "neg", "pow", "sigmoid", "tanh", "relu", "exp", "to", "float",
+                        "half", "bfloat16", "type_as", "contiguous"}
+_ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Dropout, nn.LeakyReLU, nn.ELU,
+                        nn.Mish, nn.Softplus, nn.Hardswish, nn.ReLU6, nn.Identity)
+
+
+def detected_mlps(model: nn.Module) -> list[tuple[str, list[str], str]]:
+    """(module, its column linears, its row linear) of every standard MLP the tensor-parallel plan
+    left uncut inside a block it cuts (an item of a `ModuleList` holding marks): a module with
+    no parameters of its own whose parameters are all in `nn.Linear` children, its column linears
+    hidden -> F and one row linear F -> hidden, and whose forward (fx-traced) passes its one input
+    to every column, joins their outputs only by elementwise ops and returns the row of that.
+    Megatron's MLP cut is exact for such a module whatever the activation (Shoeybi et al. 2019, §3)."""
+    found: list[tuple[str, list[str], str]] = []
+    for list_path, ml in model.named_modules():
+        if not isinstance(ml, nn.ModuleList):
+            continue
+        for i, block in enumerate(ml):
+            if not any(getattr(m, "plait_tp", None) is not None for m in block.modules()):
+                continue
+            for sub, m in block.named_modules():
+                if sub and not any(getattr(x, "plait_tp", None) is not None for x in m.modules()):
+                    cut = _mlp_cut(m)
+                    if cut is not None:
+                        path = f"{list_path}.{i}.{sub}"
+                        found.append((path, [f"{path}.{c}" for c in cut[0]], f"{path}.{cut[1]}"))
+    return [f for f in found if not any(f[0].startswith(g[0] + ".") for g in found)]
+
+
+def _mlp_cut(m: nn.Module) -> tuple[list[str], str] | None:
+    """([column children], row child) of a module that is a standard MLP (`detected_mlps`), else None."""
+    if next(m.parameters(recurse=False), None) is not None:
+        return None
+    linears = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
+    if len(linears) < 2 or any(next(c.parameters(), None) is not None for n, c in m.named_children()
+                               if n not in linears):
+        return None
+    rows = [n for n, c in linears.items() if c.in_features != c.out_features
+            and all(o.in_features == c.out_features and o.out_features == c.in_features
+                    for k, o in linears.items() if k != n)]
+    if len(rows) != 1:
+        return None
+    row, columns = rows[0], [n for n in linears if n != rows[0]]
+    try:
+        graph = torch.fx.symbolic_trace(m).graph
+    except Exception:  # noqa: BLE001 -- an untraceable forward is simply not detected
+        return None
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        return None
+    sharded: set[torch.fx.Node] = set()
+    returned = None
+    for node in graph.nodes:
+        tensors = [a for a in node.all_input_nodes]
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            returned = node.args[0]
+        elif node.op == "call_module" and node.target in columns:
+            if list(node.args) != inputs or node.kwargs:
+                return None
+            sharded.add(node)
+        elif node.op == "call_module" and node.target == row:
+            if len(node.args) != 1 or node.args[0] not in sharded or node.kwargs:
+                return None
+        elif tensors and all(t in sharded for t in tensors) and _elementwise(node, m):
+            sharded.add(node)
+        else:
+            return None
+    if not (isinstance(returned, torch.fx.Node) and returned.op == "call_module" and returned.target == row):
+        return None
+    used = {n.target for n in graph.nodes if n.op == "call_module"}
+    return (columns, row) if set(columns) <= used else None
+
+
+def _elementwise(node: torch.fx.Node, root: nn.Module) -> bool:
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    if node.op == "call_module":
+        return isinstance(root.get_submodule(str(node.target)), _ELEMENTWISE_MODULES)
+    return False
 
 
 def _mark_zoo_layers(model: nn.Module) -> None:
