@@ -227,7 +227,8 @@ def test_an_output_the_loss_cannot_take_is_refused_before_launch(tmp_path):
 
 def test_tp_on_a_model_with_nothing_to_shard_is_refused_before_launch(tmp_path):
     """tp=2 of a model without a tensor-parallel plan or marks (no config plan, no model_type plait
-    has one for) would replicate it on both ranks: refused in one line before any worker starts."""
+    has one for) would replicate it on both ranks: refused in one line before any worker starts,
+    and by the simulator (which the 3D planner never asks for such a plan)."""
     from plait.runtime.api import run
     from plait.runtime.partition import RuntimeSetupError
 
@@ -240,6 +241,10 @@ def test_tp_on_a_model_with_nothing_to_shard_is_refused_before_launch(tmp_path):
         "    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), sample_batch\n")
     with pytest.raises(RuntimeSetupError, match=r"plan field 'tp'.*marks nothing tensor parallelism can shard"):
         run(f"{f}:make", None, "tp=2,micro_batch=1,global_batch=2,dtype=fp32", steps=1)
+    from plait.sim.api import SimulateError, simulate  # nor predicted as if it were cut
+
+    with pytest.raises(SimulateError, match=r"plan field 'tp'.*no layer tensor parallelism can cut"):
+        simulate(f"{f}:make", "emulated-mixed", "tp=2,micro_batch=1,global_batch=2,dtype=fp32")
 
 
 def test_attention_attributes_take_the_local_head_count_once():

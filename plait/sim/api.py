@@ -170,6 +170,11 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
         return simulate_spmd_plan(model, view, plan_obj, memory_options=memory_options)
     graph = resolve_model(model, plan_obj, inputs, analytic)
     check_plan_for_model(plan_obj, graph.config, graph.model)  # as strict as `plait run`
+    if plan_obj.tp > 1 and not any(layer.tp_style == "transformer" for layer in graph.layers):
+        # the 3D planner's rule (`plait.plan.threed`): it offers no tp > 1 for such a model
+        raise SimulateError(f"plan field 'tp': {plan_obj.tp} > 1, but model {graph.model} has no layer tensor "
+                            "parallelism can cut (no plait_tp markers, no tensor-parallel plan in its config): "
+                            "every rank would hold and run the whole model; use tp=1")
     opts = options or SimOptions()
     if option_overrides:
         unknown = [k for k in option_overrides if not hasattr(opts, k)]
