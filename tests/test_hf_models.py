@@ -486,3 +486,32 @@ def test_a_standard_mlp_the_plan_leaves_out_is_detected_and_nothing_else():
     model.outside[0].mlp = Gated()
     assert detected_mlps(model) == [(f"blocks.{i}.good", [f"blocks.{i}.good.gate", f"blocks.{i}.good.up"],
                                      f"blocks.{i}.good.down") for i in (0, 1)]
+
+
+def test_whole_parameters_inside_a_cut_attention_are_summed_and_experts_alone_make_a_tp_layer():
+    """Qwen3's per-head `q_norm` / `k_norm` weights stay whole inside the attention tp cuts: each rank
+    sees its heads only, so their gradients are summed over the tensor group (`head_local_params`;
+    the row's bias, whose gradient every rank has whole, is not). OLMoE's plan cuts its experts and
+    gathers its attention (left whole): its blocks are still tensor-parallel layers for the
+    runtime and the simulator alike."""
+    from plait.graph.tp_plan import tensor_parallel_style
+    from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
+
+    block = spec("qwen3").build("meta").get_submodule("model.layers.0")
+    attn = block.self_attn
+    assert head_local_params(block, {}, "model.layers.0.") == [attn.q_norm.weight, attn.k_norm.weight]
+    olmoe = spec("olmoe").build("meta")
+    blocks = olmoe.get_submodule("model.layers")
+    assert all(is_tensor_parallel_layer(b) and tensor_parallel_style(b) == "transformer" for b in blocks)
+    assert not any(getattr(m, "plait_tp", None) for m in blocks[0].self_attn.modules())
+
+
+@pytest.mark.slow  # ~25 s each on a busy 2-core machine
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["qwen3", "olmoe"])
+def test_qwen3_and_olmoe_tp2_train_equal_to_one_process(name):
+    """tp=2 of Qwen3 (whole q_norm / k_norm summed over the group) and of OLMoE (experts cut, the
+    attention whole) equals one process."""
+    from plait.ir.plan import Plan
+
+    _equal_to_one_process(f"{HF}:{name}", Plan.parse("tp=2,micro_batch=2,global_batch=4,dtype=fp32"))

@@ -57,6 +57,17 @@ def qwen2_moe() -> tuple[Any, Any]:
                          moe_intermediate_size=64, shared_expert_intermediate_size=128)
 
 
+def qwen3() -> tuple[Any, Any]:
+    """Qwen3: per-head RMSNorms of q and k (`q_norm`, `k_norm`) inside the attention its plan cuts."""
+    return _tiny_decoder("Qwen3ForCausalLM", head_dim=16)
+
+
+def olmoe() -> tuple[Any, Any]:
+    """OLMoE: its plan cuts the experts only (its attention normalises q and k over all heads, so
+    the plan gathers their outputs, which plait leaves whole)."""
+    return _tiny_decoder("OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2)
+
+
 def gpt2() -> tuple[Any, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 

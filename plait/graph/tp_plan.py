@@ -310,9 +310,10 @@ def _pairs(linears: dict[str, str]) -> list[tuple[str, str]]:
 
 def tensor_parallel_style(module: nn.Module) -> str:
     """A layer's OpGraph `tp_style` from its markers: "transformer" when it holds both a column-
-    and a row-parallel linear (a block tensor parallelism cuts), else "none"."""
+    and a row-parallel linear, or experts cut by features (a block tensor parallelism cuts; the
+    runtime's `is_tensor_parallel_layer`), else "none"."""
     styles = {getattr(m, "plait_tp", None) for m in module.modules()}
-    return "transformer" if {"column", "row"} <= styles else "none"
+    return "transformer" if {"column", "row"} <= styles or "experts" in styles else "none"
 
 
 def head_counts(model: nn.Module) -> dict[str, int]:

@@ -274,12 +274,13 @@ def _find_int_attr(modules: list[nn.Module], names: tuple[str, ...]) -> tuple[nn
 
 
 def is_tensor_parallel_layer(layer: nn.Module) -> bool:
-    """A layer with both column- and row-parallel linears (a transformer block).
+    """A layer with both column- and row-parallel linears (a transformer block), or with experts
+    its plan cuts (an MoE block whose attention the plan leaves whole, as OLMoE's gathers it).
 
     A lone column linear (the LM head's vocabulary projection) stays replicated: splitting it
     would need a vocabulary-parallel cross-entropy, which is not implemented."""
     styles = {getattr(m, "plait_tp", None) for m in layer.modules()}
-    return "column" in styles and "row" in styles
+    return ("column" in styles and "row" in styles) or "experts" in styles
 
 
 def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] | None,
@@ -465,6 +466,25 @@ def sequence_parallel_params(layer: nn.Module, infos: dict[str, ShardInfo], pref
     """Parameters of a sequence-parallel layer that tensor parallelism left whole (LayerNorms,
     row biases): each rank's gradient covers only its tokens, so they are summed over the group."""
     return [p for n, p in layer.named_parameters() if p.requires_grad and f"{prefix}{n}" not in infos]
+
+
+def head_local_params(layer: nn.Module, infos: dict[str, ShardInfo], prefix: str = "") -> list[nn.Parameter]:
+    """Parameters tensor parallelism left whole inside a cut region (a ``"sharded"`` module) other
+    than its column/row linears' and experts': Qwen3's per-head ``q_norm`` / ``k_norm`` weights,
+    shared by every head, see only this rank's heads, so each rank's gradient is its heads' part
+    and the parts are summed over the group (as Megatron sums its QK-layernorm gradients)."""
+    out: list[nn.Parameter] = []
+    for path, m in layer.named_modules():
+        if getattr(m, "plait_tp", None) != "sharded":
+            continue
+        for sub, child in m.named_modules():
+            if getattr(child, "plait_tp", None) in ("column", "row", "experts"):
+                continue
+            for n, p in child.named_parameters(recurse=False):
+                full = f"{prefix}{'.'.join(x for x in (path, sub, n) if x)}"
+                if p.requires_grad and full not in infos and all(p is not q for q in out):
+                    out.append(p)
+    return out
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:

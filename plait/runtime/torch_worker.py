@@ -68,6 +68,7 @@ from plait.runtime.lr import LRSchedule
 from plait.runtime.parallelize import apply_ac, apply_ddp, apply_fsdp, apply_tp, build_mesh
 from plait.runtime.partition import (
     MicroBatch,
+    RuntimeSetupError,
     build_seeded,
     layer_modules,
     load_model_spec,
@@ -77,7 +78,7 @@ from plait.runtime.partition import (
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
-from plait.runtime.tensor_parallel import is_tensor_parallel_layer
+from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
 from plait.schedule import event_key
 
 
@@ -132,8 +133,15 @@ class TorchWorker(RankConfig):
         model = build_seeded(self.spec, seed)
         self.layers = [name for name, _ in layer_modules(model)]
         self.param_count = sum(prm.numel() for prm in model.parameters() if prm.requires_grad)
+        self.head_local: list[nn.Parameter] = []
         if plan.tp > 1:  # DTensor shards of the transformer layers' linears (dp = 1: `layout.torch_runs`)
-            apply_tp(model, self.mesh, [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)])
+            tp_layers = [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)]
+            if any(getattr(m, "plait_tp", None) == "experts" for _, layer in tp_layers for m in layer.modules()):
+                raise RuntimeSetupError(f"model {cfg['model']}: its plan cuts MoE experts, which the torch engine's "
+                                        "DTensor tensor parallelism does not; run it without engine=torch")
+            apply_tp(model, self.mesh, tp_layers)
+            # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm)
+            self.head_local = [prm for _, layer in tp_layers for prm in head_local_params(layer, {})]
             self.param_count = sum(_local(prm).numel() for prm in model.parameters() if prm.requires_grad)
         apply_ac([m for _, m in layer_modules(model)], plan.recompute)
         model.to(self.device)
@@ -201,6 +209,9 @@ class TorchWorker(RankConfig):
             if self.scaler is not None:
                 self.scales.append(self.scaler.scale)
             loss_sum = self._accumulate(step, mbs, data)
+            for prm in self.head_local:  # each rank's gradient is its heads' part: summed
+                if prm.grad is not None:
+                    self.comm.group("tp").all_reduce(prm.grad, "allreduce tp head-local grads", "comm_tp")
             if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
                 poison(self._local_grads())
             # fp16: unscale this rank's gradients (its shards under FSDP2); an inf anywhere skips the step everywhere

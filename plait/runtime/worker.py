@@ -109,6 +109,7 @@ from plait.runtime.tensor_parallel import (
     TPContext,
     apply_sequence_parallel,
     apply_tensor_parallel,
+    head_local_params,
     is_tensor_parallel_layer,
     sequence_parallel_params,
 )
@@ -215,6 +216,8 @@ class Worker(RankConfig):
                     apply_sequence_parallel(layer, tp_ctx, enter=not (i > 0 and order[i - 1][1]),
                                             leave=not (i + 1 < len(order) and order[i + 1][1]))
                     self.sp_params += sequence_parallel_params(layer, infos, prefix=name + ".")
+                else:  # whole parameters that see this rank's heads only (Qwen3's q_norm, k_norm)
+                    self.sp_params += head_local_params(layer, infos, prefix=name + ".")
         self._apply_recompute(layers)
         for st in self.chunks.values():
             st.module.to(self.device)
@@ -394,7 +397,8 @@ class Worker(RankConfig):
 
     def _sync_sp_grads(self) -> None:
         """Sum the gradients of sequence-parallel LayerNorms and biases over the tensor group: each
-        rank computed them on its 1/tp of the tokens (Korthikanti et al. 2022, §4.2.2)."""
+        rank computed them on its 1/tp of the tokens (Korthikanti et al. 2022, §4.2.2); without
+        sequence parallelism, of the whole parameters that see this rank's heads only."""
         flat = _flat_grads(self.sp_params)
         self.tp_group.all_reduce(flat, "allreduce tp sp-grads", "comm_tp")
         _scatter_back(flat, self.sp_params, "grad")
