@@ -10,7 +10,8 @@ Columns, per model:
 * inspect -- the tiny model's layers, and how many of them are transformer blocks (one per block);
 * simulate -- the realistic size (`*_1b`, `gpt2_xl`, `bert_large`, `t5_base`) on one 8 x A100-80GB
   node, dp=8, micro-batch 1, in bf16 and fp16: predicted iteration time and peak memory;
-* plan -- `plait plan` of the realistic size on that node (3D family, global batch 64): the pick;
+* plan -- `plait plan` of the realistic size on that node (3D family, global batch 64), in bf16 and
+  fp16: the bf16 pick, and both picks' predicted iteration times;
 * plan --run -- `plait plan --run` of the tiny size on this machine (emulated cluster): exit status;
 * dp, pp, tp -- dp=2, pp=2 and tp=2 of the tiny size trained 2 steps with SGD against one process
   (the baseline, run here in the same bench): the largest parameter difference, and for tp the
@@ -81,14 +82,17 @@ def simulate_cell(real: str) -> dict[str, Any]:
 
 
 def plan_cell(real: str) -> dict[str, Any]:
-    rc, so, se = _cli("plan", "--model", f"{HF}:{real}", "--cluster", CLUSTER, "--family", "3d",
-                      "--global-batch", "64", "--json")
-    if rc:
-        return {"ok": False, "error": _last_line(se)}
-    d = json.loads(so)
-    top = d["top"][0]
-    return {"ok": True, "best": top["plan_str"], "iteration_ms": round(top["iteration_time_s"] * 1e3, 2),
-            "candidates": d["candidates"]["enumerated"], "search_s": round(d["search_time_s"], 2)}
+    out: dict[str, Any] = {"ok": True}
+    for dtype in ("bf16", "fp16"):
+        rc, so, se = _cli("plan", "--model", f"{HF}:{real}", "--cluster", CLUSTER, "--family", "3d",
+                          "--global-batch", "64", "--dtype", dtype, "--json")
+        if rc:
+            return {"ok": False, "error": f"{dtype}: {_last_line(se)}"}
+        d = json.loads(so)
+        top = d["top"][0]
+        out[dtype] = {"best": top["plan_str"], "iteration_ms": round(top["iteration_time_s"] * 1e3, 2),
+                      "candidates": d["candidates"]["enumerated"], "search_s": round(d["search_time_s"], 2)}
+    return out
 
 
 def plan_run_cell(tiny: str) -> dict[str, Any]:
@@ -136,7 +140,8 @@ def _fmt(col: str, c: dict[str, Any]) -> str:
     if col == "simulate":
         return f"{c['bf16']['iteration_ms']:.0f}/{c['fp16']['iteration_ms']:.0f} ms {c['bf16']['peak_gib']:.1f} GiB"
     if col == "plan":
-        return f"{c['best'].split(',recompute')[0]} {c['iteration_ms']:.0f} ms"
+        return f"{c['bf16']['best'].split(',recompute')[0]} {c['bf16']['iteration_ms']:.0f}/" \
+            f"{c['fp16']['iteration_ms']:.0f} ms"
     if col == "plan_run":
         return "ok" if c["ok"] else "FAIL"
     tag = "ok" if c["ok"] else "FAIL"

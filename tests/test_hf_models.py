@@ -376,9 +376,10 @@ def test_moe_blocks_are_priced_with_their_experts_cut(name):
     assert one.params == total and two.params == total - cut / 2
     assert _tp_param_fraction(g, [x.name for x in g.layers].index("model.layers.1")) == pytest.approx(cut / total)
     reduces = [[i for i in c.items if getattr(i, "op", None) == "all_reduce"] for c in (two.fwd, two.bwd)]
-    # forward: g after attention's o_proj, the experts and Qwen's shared expert; backward: f at
-    # the block's input (the generic cost's one for its column linears) and before the experts
-    assert len(reduces[0]) == (3 if name == "qwen2_moe" else 2) and len(reduces[1]) == 2
+    # forward: g after attention's o_proj, the experts and Qwen's shared expert; backward: f
+    # before each of them (the attention's q/k/v input, the shared expert's, the experts')
+    mlps = 2 if name == "qwen2_moe" else 1
+    assert len(reduces[0]) == 1 + mlps and len(reduces[1]) == 1 + mlps
     experts = [g.ops[n] for n in layer.ops if g.ops[n].tp_role == "experts" and g.ops[n].fwd_flops > 0]
     assert experts and any("grouped_mm" in op.target for op in experts)
 
@@ -515,3 +516,19 @@ def test_qwen3_and_olmoe_tp2_train_equal_to_one_process(name):
     from plait.ir.plan import Plan
 
     _equal_to_one_process(f"{HF}:{name}", Plan.parse("tp=2,micro_batch=2,global_batch=4,dtype=fp32"))
+
+
+def test_a_block_priced_op_by_op_reduces_each_column_input_in_backward():
+    """Megatron's f: under tp, backward all-reduces the gradient of each distinct input that column
+    linears read -- BERT's attention input and its MLP input, two per block, as g after its two
+    row linears in forward."""
+    from plait.cluster.catalog import get_kind
+    from plait.cost.compute import generic_layer_cost
+
+    g = inspect_model(spec("bert"), batch=1, dtype="bf16")
+    layer = g.layer("bert.encoder.layer.1")
+    cost = generic_layer_cost(layer, g, 1, get_kind("a100-80gb"), "bf16", tp=2)
+    reduces = [[i for i in c.items if getattr(i, "op", None) == "all_reduce"] for c in (cost.fwd, cost.bwd)]
+    assert len(reduces[0]) == 2 and len(reduces[1]) == 2
+    inputs = {g.ops[n].inputs[0] for n in layer.ops if g.ops[n].tp_role == "column"}
+    assert sorted(r.nbytes for r in reduces[1]) == sorted(g.ops[i].output_bytes for i in inputs)

@@ -735,8 +735,9 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
     are memory-bound. Backward: two GEMMs per matmul (data and weight gradient), one
     memory-bound kernel reading the output gradient and saved tensors per other op.
     Under tensor parallelism a "transformer" layer splits its column/row/sharded ops by
-    `share` and all-reduces after row-parallel ops (and at the layer input in backward);
-    other layers are replicated on every tensor rank."""
+    `share` and all-reduces after row-parallel ops, and in backward the gradient of each distinct
+    input its column-parallel ops read (Megatron's f: the attention's input, the MLP's; the
+    layer's input when it has no column op); other layers are replicated on every tensor rank."""
     r = (1.0 / tp) if share is None else share
     split_layer = layer.tp_style in ("transformer", "head", "embedding") and tp > 1
     b = micro_batch
@@ -745,6 +746,9 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
     bwd_ops: list[tuple[str, tuple]] = []
     params = 0.0
     experts_out: dict[str, float] = {}  # an experts module cut by features -> its output's bytes
+    # f before column linears: one all-reduce in backward per distinct input they read (Megatron:
+    # the attention's and the MLP's), so the bytes of each such input (None: the layer's input)
+    column_inputs: dict[str | None, float] = {}
     # A block its markers cut takes their roles only: the zoo's names (`_tp_split`) would take
     # another model's router called `mlp.gate` (Mixtral's) for a column linear.
     by_marks = split_layer and any(graph.ops[n].tp_role for n in layer.ops if n in graph.ops)
@@ -756,6 +760,10 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
         if op is None or _FREE_TARGETS.match(op.target):
             continue
         role = (op.tp_role or None) if by_marks else _tp_split(op.module) if split_layer else None
+        if role == "column" and (_GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target)):
+            for i in op.inputs[:1] or [None]:
+                src = i if i in graph.ops else None
+                column_inputs[src] = graph.ops[src].output_bytes if src is not None else layer.input_bytes
         if role == "experts":  # every expert's GEMMs on its slice of the intermediate features
             role = "sharded"
         frac = r if role else 1.0
@@ -800,7 +808,8 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
         else:
             bw.mem(*args)
     if split_layer and layer.tp_style == "transformer":
-        bw.collective("all_reduce", layer.input_bytes * b or layer.output_bytes * b, tp)
+        for nbytes in column_inputs.values() if column_inputs else [layer.input_bytes]:
+            bw.collective("all_reduce", nbytes * b or layer.output_bytes * b, tp)
     for nbytes in experts_out.values():  # g after the experts (forward), f before them (backward)
         f.collective("all_reduce", nbytes * b, tp)
         bw.collective("all_reduce", nbytes * b, tp)
