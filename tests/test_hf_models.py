@@ -487,6 +487,13 @@ def test_a_standard_mlp_the_plan_leaves_out_is_detected_and_nothing_else():
     model.outside[0].mlp = Gated()
     assert detected_mlps(model) == [(f"blocks.{i}.good", [f"blocks.{i}.good.gate", f"blocks.{i}.good.up"],
                                      f"blocks.{i}.good.down") for i in (0, 1)]
+    # a model with no plan and no marks: the standard MLPs of all its blocks are cut
+    from plait.graph.tp_plan import mark_tp_plan
+
+    bare = nn.Module()
+    bare.blocks = nn.ModuleList([nn.ModuleDict({"mlp": Gated(), "normed": Gated(nn.LayerNorm(16))})])
+    assert mark_tp_plan(bare) == ["blocks.0.mlp", "blocks.0.mlp.gate", "blocks.0.mlp.up", "blocks.0.mlp.down"]
+    assert bare.blocks[0]["mlp"].down.plait_tp == "row" and not hasattr(bare.blocks[0]["normed"], "plait_tp")
 
 
 def test_whole_parameters_inside_a_cut_attention_are_summed_and_experts_alone_make_a_tp_layer():

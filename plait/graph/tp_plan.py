@@ -28,7 +28,9 @@ the cost model (`plait.cost.compute`: which matmuls split their n or k) and the 
   dense MLPs (`detected_mlps`: Qwen2-MoE's ``shared_expert``, which its plan leaves out): a module
   of linears whose fx graph feeds its input to column linears (hidden -> F), combines their
   outputs only elementwise (activation, gated product, dropout) and returns one row linear
-  (F -> hidden) of that;
+  (F -> hidden) of that; a model with no plan at all (StableLM) has the standard MLPs of all its
+  blocks cut so (its attention stays whole: whether the ops between q/k/v and the output
+  projection keep to their heads is not something its graph shows as plainly);
 * every other style (``gather``, ``sequence_parallel``, vocabulary styles) stays replicated, and
   so does a linear whose module has no partner of the other kind (a lone column linear would need
   its output gathered), and experts with biases (a row bias would be added once per rank).
@@ -107,8 +109,13 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
     if any(getattr(m, "plait_tp", None) is not None for m in model.modules()):
         return []
     plan = model_tp_plan(model)
-    if not plan:
-        return []
+    if not plan:  # no plan: the standard MLPs of its blocks, detected (attention is not: see the doc)
+        marked = []
+        for path, columns, row in detected_mlps(model, everywhere=True):
+            for sub, style in ((path, "sharded"), *((c, "column") for c in columns), (row, "row")):
+                model.get_submodule(sub).plait_tp = style
+                marked.append(sub)
+        return marked
     compiled = [(_pattern(p), s) for p, s in plan.items() if s in _STYLES]
     linears: dict[str, str] = {}  # in module order
     tables: list[str] = []  # colwise embeddings: cut only inside an attention the plan cuts
@@ -187,9 +194,10 @@ _ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Dropo
                         nn.Mish, nn.Softplus, nn.Hardswish, nn.ReLU6, nn.Identity)
 
 
-def detected_mlps(model: nn.Module) -> list[tuple[str, list[str], str]]:
+def detected_mlps(model: nn.Module, everywhere: bool = False) -> list[tuple[str, list[str], str]]:
     """(module, its column linears, its row linear) of every standard MLP the tensor-parallel plan
-    left uncut inside a block it cuts (an item of a `ModuleList` holding marks): a module with
+    left uncut inside a block it cuts (an item of a `ModuleList` holding marks; `everywhere`: in
+    every block, for a model without a plan): a module with
     no parameters of its own whose parameters are all in `nn.Linear` children, its column linears
     hidden -> F and one row linear F -> hidden, and whose forward (fx-traced) passes its one input
     to every column, joins their outputs only by elementwise ops and returns the row of that.
@@ -199,7 +207,7 @@ def detected_mlps(model: nn.Module) -> list[tuple[str, list[str], str]]:
         if not isinstance(ml, nn.ModuleList):
             continue
         for i, block in enumerate(ml):
-            if not any(getattr(m, "plait_tp", None) is not None for m in block.modules()):
+            if not everywhere and not any(getattr(m, "plait_tp", None) is not None for m in block.modules()):
                 continue
             for sub, m in block.named_modules():
                 if sub and not any(getattr(x, "plait_tp", None) is not None for x in m.modules()):
