@@ -67,7 +67,8 @@ class PipelineDriver:
         raise NotImplementedError
 
     def message_bytes(self, edge: tuple[int, int], samples: int, src: Any) -> float:
-        """Bytes of the tensors crossing chunk `edge` for `samples` samples, sent by `src`."""
+        """Bytes of the tensors crossing chunk `edge` for `samples` samples, sent by `src` (it may
+        depend on the sender through its stage only: the walk caches it so)."""
         raise NotImplementedError
 
     def send(self, src: Any, dst: Any, c_src: int, c_dst: int, u_src: int, u_dst: int, nbytes: float,
@@ -97,6 +98,7 @@ class PipelineDriver:
         # [first sample, end of the last unit) of each holder, as the per-unit test below reads them
         span = {w.wid: (w.units[0][0], w.units[-1][0] + w.units[-1][1]) for w in workers if w.units}
         message_bytes, transfer = self.message_bytes, self._transfer
+        sizes: dict[tuple[tuple[int, int], int, int], float] = {}  # (edge, samples, sender's stage)
         for a, b in edges:
             edge = (a, b)
             for q in holders[b]:
@@ -118,7 +120,10 @@ class PipelineDriver:
                             lo, hi = max(qs, ps), min(qs + qn, ps + pn)
                             if hi <= lo:
                                 continue
-                            nbytes = message_bytes(edge, hi - lo, p)
+                            size_key = (edge, hi - lo, p.stage)
+                            nbytes = sizes.get(size_key)
+                            if nbytes is None:
+                                nbytes = sizes[size_key] = message_bytes(edge, hi - lo, p)
                             transfer(p, q, a, b, uj, ui, nbytes, position, True)
                             transfer(q, p, b, a, ui, uj, nbytes, position, False)
 

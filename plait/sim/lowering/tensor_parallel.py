@@ -896,12 +896,15 @@ class _Lowerer(PipelineDriver):
             flow = flows.get(nbytes)
             if flow is None:
                 flow = flows[nbytes] = [(r, nbytes * share, c) for r, share, c in res]
-        s_rep = src.devices[0]
-        return self.tg.add(self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src), "comm_pp",
-                           label, delay, deps, flow=flow, device=s_rep, stage=src.stage, micro_batch=u_src,
+        s_rep, keys = src.devices[0], self._keys  # `_key`, inlined for the hits: 10^5 transfers
+        send = keys.get(("send_fwd" if forward else "send_bwd", src.stage, c_src, u_src)) \
+            or self._key("send_fwd" if forward else "send_bwd", src, c_src, u_src)
+        peer = keys.get(("recv_fwd" if forward else "recv_bwd", dst.stage, c_dst, u_dst)) \
+            or self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)
+        return self.tg.add(send, "comm_pp", label, delay, deps, flow=flow, device=s_rep, stage=src.stage,
+                           micro_batch=u_src,
                            args={"bytes": nbytes, "src": s_rep, "dst": dst.devices[0], "cls": "pp",
-                                 "op": "send_recv", "ranks": 2, "copies": copies,
-                                 "peer": self._key("recv_fwd" if forward else "recv_bwd", dst, c_dst, u_dst)},
+                                 "op": "send_recv", "ranks": 2, "copies": copies, "peer": peer},
                            chunk=self.local_chunk[c_src])
 
     def _replicas_of(self, w: Worker) -> int:
