@@ -486,14 +486,28 @@ def test_a_standard_mlp_the_plan_leaves_out_is_detected_and_nothing_else():
     model.outside = nn.ModuleList([nn.Module()])
     model.outside[0].mlp = Gated()
     assert detected_mlps(model) == [(f"blocks.{i}.good", [f"blocks.{i}.good.gate", f"blocks.{i}.good.up"],
-                                     f"blocks.{i}.good.down") for i in (0, 1)]
-    # a model with no plan and no marks: the standard MLPs of all its blocks are cut
+                                     f"blocks.{i}.good.down", {}) for i in (0, 1)]
+    # a model with no plan and no marks: the standard MLPs of all its blocks are cut, a fused
+    # [gate | up] projection split by chunk(2, -1) block by block (Phi-3's MLP)
     from plait.graph.tp_plan import mark_tp_plan
 
+    class Fused(nn.Module):
+        def __init__(self, dim: int = -1) -> None:
+            super().__init__()
+            self.gate_up, self.down, self.dim = nn.Linear(8, 32), nn.Linear(16, 8), dim
+
+        def forward(self, x):
+            gate, up = self.gate_up(x).chunk(2, dim=self.dim)
+            return self.down(up * nn.functional.silu(gate))
+
     bare = nn.Module()
-    bare.blocks = nn.ModuleList([nn.ModuleDict({"mlp": Gated(), "normed": Gated(nn.LayerNorm(16))})])
-    assert mark_tp_plan(bare) == ["blocks.0.mlp", "blocks.0.mlp.gate", "blocks.0.mlp.up", "blocks.0.mlp.down"]
-    assert bare.blocks[0]["mlp"].down.plait_tp == "row" and not hasattr(bare.blocks[0]["normed"], "plait_tp")
+    bare.blocks = nn.ModuleList([nn.ModuleDict({"mlp": Gated(), "normed": Gated(nn.LayerNorm(16)),
+                                                "fused": Fused(), "by_rows": Fused(dim=0)})])
+    assert mark_tp_plan(bare) == ["blocks.0.mlp", "blocks.0.mlp.gate", "blocks.0.mlp.up", "blocks.0.mlp.down",
+                                  "blocks.0.fused", "blocks.0.fused.gate_up", "blocks.0.fused.down"]
+    block = bare.blocks[0]
+    assert block["mlp"].down.plait_tp == "row" and not hasattr(block["normed"], "plait_tp")
+    assert block["fused"].gate_up.plait_tp_chunks == 2 and not hasattr(block["by_rows"], "plait_tp")
 
 
 def test_whole_parameters_inside_a_cut_attention_are_summed_and_experts_alone_make_a_tp_layer():

@@ -647,3 +647,16 @@ def test_graph_plan_ranks_owners_and_per_replica_actions() -> None:
             for a in acts:
                 if a.peer is not None:
                     assert lay.coords(peer(*a.peer)) == (a.peer[0], lay.owners[a.peer[0]][a.peer[2]])
+
+
+@pytest.mark.distributed
+def test_a_lopsided_pipeline_runs_with_a_note_and_a_balanced_one_without() -> None:
+    """Issue 38: a split no planner picks (the embedding alone on stage 0, every block and the head
+    on stage 1) runs, and the result says which stage computed how much more; Megatron's default
+    split of the same model says nothing."""
+    lopsided = run(TINY, None, Plan(pp=2, layer_split=[1, 5], micro_batch=2, global_batch=4, dtype="fp32"),
+                   steps=3)
+    note = next(n for n in lopsided.notes if n.startswith("pipeline:"))
+    assert "stage 1 computed" in note and "stage 0" in note
+    balanced = run(TINY, None, Plan(pp=2, micro_batch=2, global_batch=4, dtype="fp32"), steps=3)
+    assert not any(n.startswith("pipeline:") for n in balanced.notes)

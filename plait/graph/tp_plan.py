@@ -24,13 +24,14 @@ the cost model (`plait.cost.compute`: which matmuls split their n or k) and the 
   cut, expert by expert, as transformers' ``moe_tp_experts``), its input passes through f and its
   output through g (`plait.runtime.tensor_parallel`); ``plait_tp_experts`` names the two tensors
   and the dimension each is cut along;
-* where the plan is silent inside a block it cuts, a standard MLP is cut as the plan cuts its
-  dense MLPs (`detected_mlps`: Qwen2-MoE's ``shared_expert``, which its plan leaves out): a module
-  of linears whose fx graph feeds its input to column linears (hidden -> F), combines their
-  outputs only elementwise (activation, gated product, dropout) and returns one row linear
-  (F -> hidden) of that; a model with no plan at all (StableLM) has the standard MLPs of all its
-  blocks cut so (its attention stays whole: whether the ops between q/k/v and the output
-  projection keep to their heads is not something its graph shows as plainly);
+* where the plan cuts nothing of it, a standard MLP in a block (an item of a `ModuleList`) is cut
+  as Megatron cuts MLPs (`detected_mlps`): a module of linears whose fx graph feeds its input to
+  column linears (hidden -> F, or k x F split by ``chunk(k, -1)``: Phi-3's fused [gate | up], cut
+  block by block), combines their outputs only elementwise (activation, gated product, dropout)
+  and returns one row linear (F -> hidden) of that -- Qwen2-MoE's ``shared_expert``, which its
+  plan leaves out; Phi-3's MLP, whose plan gathers it; every block MLP of a model with no plan
+  (StableLM). Attention is not detected: whether the ops between q/k/v and the output projection
+  keep to their heads is not something its graph shows as plainly;
 * every other style (``gather``, ``sequence_parallel``, vocabulary styles) stays replicated, and
   so does a linear whose module has no partner of the other kind (a lone column linear would need
   its output gathered), and experts with biases (a row bias would be added once per rank).
@@ -111,11 +112,7 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
     plan = model_tp_plan(model)
     if not plan:  # no plan: the standard MLPs of its blocks, detected (attention is not: see the doc)
         marked = []
-        for path, columns, row in detected_mlps(model, everywhere=True):
-            for sub, style in ((path, "sharded"), *((c, "column") for c in columns), (row, "row")):
-                model.get_submodule(sub).plait_tp = style
-                marked.append(sub)
-        return marked
+        return _mark_mlps(model, detected_mlps(model, everywhere=True))
     compiled = [(_pattern(p), s) for p, s in plan.items() if s in _STYLES]
     linears: dict[str, str] = {}  # in module order
     tables: list[str] = []  # colwise embeddings: cut only inside an attention the plan cuts
@@ -148,10 +145,7 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
         if cut is not None and path not in marked:
             m.plait_tp, m.plait_tp_experts = "experts", cut
             marked.append(path)
-    for path, columns, row in detected_mlps(model):  # where the plan is silent inside a cut block
-        for sub, style in ((path, "sharded"), *((c, "column") for c in columns), (row, "row")):
-            model.get_submodule(sub).plait_tp = style
-            marked.append(sub)
+    marked += _mark_mlps(model, detected_mlps(model, everywhere=True))  # where the plan is silent
     if marked and transformer_shape(model, 1):
         _mark_zoo_layers(model)
     return marked
@@ -194,15 +188,16 @@ _ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Dropo
                         nn.Mish, nn.Softplus, nn.Hardswish, nn.ReLU6, nn.Identity)
 
 
-def detected_mlps(model: nn.Module, everywhere: bool = False) -> list[tuple[str, list[str], str]]:
-    """(module, its column linears, its row linear) of every standard MLP the tensor-parallel plan
-    left uncut inside a block it cuts (an item of a `ModuleList` holding marks; `everywhere`: in
-    every block, for a model without a plan): a module with
-    no parameters of its own whose parameters are all in `nn.Linear` children, its column linears
-    hidden -> F and one row linear F -> hidden, and whose forward (fx-traced) passes its one input
-    to every column, joins their outputs only by elementwise ops and returns the row of that.
+def detected_mlps(model: nn.Module, everywhere: bool = False
+                  ) -> list[tuple[str, list[str], str, dict[str, int]]]:
+    """(module, its column linears, its row linear, {fused column: blocks}) of every standard MLP
+    left uncut inside a block the plan cuts (an item of a `ModuleList` holding marks; `everywhere`:
+    in every block): a module with no parameters of its own whose parameters are all in
+    `nn.Linear` children, its column linears hidden -> F (or k x F, split by ``chunk(k, -1)``) and
+    one row linear F -> hidden, and whose forward (fx-traced) passes its one input to every
+    column, joins their outputs only by elementwise ops and returns the row of that.
     Megatron's MLP cut is exact for such a module whatever the activation (Shoeybi et al. 2019, §3)."""
-    found: list[tuple[str, list[str], str]] = []
+    found: list[tuple[str, list[str], str, dict[str, int]]] = []
     for list_path, ml in model.named_modules():
         if not isinstance(ml, nn.ModuleList):
             continue
@@ -214,12 +209,15 @@ def detected_mlps(model: nn.Module, everywhere: bool = False) -> list[tuple[str,
                     cut = _mlp_cut(m)
                     if cut is not None:
                         path = f"{list_path}.{i}.{sub}"
-                        found.append((path, [f"{path}.{c}" for c in cut[0]], f"{path}.{cut[1]}"))
+                        found.append((path, [f"{path}.{c}" for c in cut[0]], f"{path}.{cut[1]}",
+                                      {f"{path}.{c}": k for c, k in cut[2].items()}))
     return [f for f in found if not any(f[0].startswith(g[0] + ".") for g in found)]
 
 
-def _mlp_cut(m: nn.Module) -> tuple[list[str], str] | None:
-    """([column children], row child) of a module that is a standard MLP (`detected_mlps`), else None."""
+def _mlp_cut(m: nn.Module) -> tuple[list[str], str, dict[str, int]] | None:
+    """([column children], row child, {fused column: blocks}) of a module that is a standard MLP
+    (`detected_mlps`), else None. A column of k x F features split by ``chunk(k, -1)`` (Phi-3's
+    fused [gate | up]) is k fused blocks, cut block by block (`plait_tp_chunks`)."""
     if next(m.parameters(recurse=False), None) is not None:
         return None
     linears = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
@@ -227,11 +225,12 @@ def _mlp_cut(m: nn.Module) -> tuple[list[str], str] | None:
                                if n not in linears):
         return None
     rows = [n for n, c in linears.items() if c.in_features != c.out_features
-            and all(o.in_features == c.out_features and o.out_features == c.in_features
+            and all(o.in_features == c.out_features and o.out_features % c.in_features == 0
                     for k, o in linears.items() if k != n)]
     if len(rows) != 1:
         return None
     row, columns = rows[0], [n for n in linears if n != rows[0]]
+    width = linears[row].in_features
     try:
         graph = torch.fx.symbolic_trace(m).graph
     except Exception:  # noqa: BLE001 -- an untraceable forward is simply not detected
@@ -240,6 +239,9 @@ def _mlp_cut(m: nn.Module) -> tuple[list[str], str] | None:
     if len(inputs) != 1:
         return None
     sharded: set[torch.fx.Node] = set()
+    fused: dict[torch.fx.Node, int] = {}  # a fused column's output -> its blocks
+    split: set[torch.fx.Node] = set()  # chunk(k, -1) of a fused column: its items are sharded
+    chunks: dict[str, int] = {}
     returned = None
     for node in graph.nodes:
         tensors = [a for a in node.all_input_nodes]
@@ -250,18 +252,39 @@ def _mlp_cut(m: nn.Module) -> tuple[list[str], str] | None:
         elif node.op == "call_module" and node.target in columns:
             if list(node.args) != inputs or node.kwargs:
                 return None
-            sharded.add(node)
+            k = linears[str(node.target)].out_features // width
+            if k == 1:
+                sharded.add(node)
+            else:
+                fused[node] = k
+                chunks[str(node.target)] = k
         elif node.op == "call_module" and node.target == row:
             if len(node.args) != 1 or node.args[0] not in sharded or node.kwargs:
                 return None
+        elif _chunk_of(node) is not None and node.args[0] in fused and _chunk_of(node) == fused[node.args[0]]:
+            split.add(node)
+        elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in split:
+            sharded.add(node)
         elif tensors and all(t in sharded for t in tensors) and _elementwise(node, m):
             sharded.add(node)
         else:
             return None
     if not (isinstance(returned, torch.fx.Node) and returned.op == "call_module" and returned.target == row):
         return None
+    if any(u not in split for f in fused for u in f.users):  # a fused output used whole
+        return None
     used = {n.target for n in graph.nodes if n.op == "call_module"}
-    return (columns, row) if set(columns) <= used else None
+    return (columns, row, chunks) if set(columns) <= used else None
+
+
+def _chunk_of(node: torch.fx.Node) -> int | None:
+    """k of ``x.chunk(k, -1)`` / ``torch.chunk(x, k, dim=-1)`` (the last dimension), else None."""
+    if not ((node.op == "call_method" and node.target == "chunk")
+            or (node.op == "call_function" and node.target is torch.chunk)):
+        return None
+    k = node.args[1] if len(node.args) > 1 else node.kwargs.get("chunks")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return k if isinstance(k, int) and dim == -1 else None
 
 
 def _elementwise(node: torch.fx.Node, root: nn.Module) -> bool:
@@ -293,6 +316,19 @@ def _mark_zoo_layers(model: nn.Module) -> None:
     rotary = getattr(getattr(model, "base_model", model), "rotary_emb", None)
     if isinstance(rotary, nn.Module) and next(rotary.parameters(), None) is None:
         rotary.plait_layer = "glue"  # the zoo's closed-form block holds its rotary tables
+
+
+def _mark_mlps(model: nn.Module, mlps: list[tuple[str, list[str], str, dict[str, int]]]) -> list[str]:
+    """Megatron's marks on detected MLPs (`detected_mlps`): the module sharded, its columns (fused
+    ones with their blocks) and its row; returns the marked paths."""
+    marked = []
+    for path, columns, row, chunks in mlps:
+        for sub, style in ((path, "sharded"), *((c, "column") for c in columns), (row, "row")):
+            model.get_submodule(sub).plait_tp = style
+            marked.append(sub)
+        for column, k in chunks.items():
+            model.get_submodule(column).plait_tp_chunks = k
+    return marked
 
 
 def _pairs(linears: dict[str, str]) -> list[tuple[str, str]]:

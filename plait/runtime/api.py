@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -549,6 +550,9 @@ def _collect(rdir: Path, owns_dir: bool, prep: _Prepared, network: dict[str, Any
         note = write_tensorboard(rdir, result, prep.plan.global_batch, seq if isinstance(seq, int) else None)
         if note:
             result.notes.append(note)
+    balance = stage_balance_note(result)
+    if balance:
+        result.notes.append(balance)
     if records.trace is not None:
         result.timeline.save_chrome_trace(records.trace)
     result.comm_dir = str(rdir / "comm") if records.comm_records else None
@@ -680,6 +684,42 @@ def write_loss_csv(path: Path, steps: list[int], losses: list[float]) -> None:
     """The global-batch loss of each step, as `step,loss` lines (beside the run's records)."""
     lines = ["step,loss"] + [f"{s},{loss!r}" for s, loss in zip(steps, losses, strict=True)]
     path.write_text("\n".join(lines) + "\n")
+
+
+# Stages whose compute differs by more than this are not a split any planner of plait's picks (they
+# balance stage times); most likely the plan's `layers` or the default split of a model with layers
+# of very unequal cost (an embedding table as heavy as several blocks) put them there.
+LOPSIDED_STAGES = 2.0
+
+
+def stage_balance_note(result: RunResult) -> str | None:
+    """A note when a pipeline's stages computed very unequal times (issue 38: a lopsided split ran
+    without a word): per stage, the median over steps (the first left out) of its first rank's
+    forward and backward seconds (CPU seconds on CPU ranks); None when the slowest is within
+    `LOPSIDED_STAGES` of the fastest."""
+    stages = sorted({r.pp for r in result.ranks})
+    if len(stages) < 2 or len(result.steps) < 2:
+        return None
+    first = {s: min(r.device for r in result.ranks if r.pp == s) for s in stages}
+    per: dict[int, dict[int, float]] = {s: {} for s in stages}
+    for e in result.timeline.events:
+        step = e.args.get("step")
+        if e.category in ("forward", "backward") and step is not None and step != result.steps[0] \
+                and e.stage in per and e.device == first[e.stage]:
+            # a CPU rank's span: its thread's CPU seconds, which other processes on the machine
+            # do not stretch (a GPU rank's: its kernels' time)
+            per[e.stage][step] = per[e.stage].get(step, 0.0) + float(e.args.get("cpu_s", e.duration))
+    times = {s: statistics.median(v.values()) for s, v in per.items() if v}
+    if len(times) < 2 or min(times.values()) <= 0:
+        return None
+    slow, fast = max(times, key=times.__getitem__), min(times, key=times.__getitem__)
+    ratio = times[slow] / times[fast]
+    if ratio <= LOPSIDED_STAGES:
+        return None
+    params = {s: sum(r.params for r in result.ranks if r.pp == s and r.device == first[s]) for s in (slow, fast)}
+    return (f"pipeline: stage {slow} computed {times[slow] * 1e3:.1f} ms per step, stage {fast} "
+            f"{times[fast] * 1e3:.1f} ms ({ratio:.1f}x; {params[slow]:,} vs {params[fast]:,} parameters) -- "
+            "a split no planner of plait's picks; `plait plan` balances the stages' times (or set the plan's layers)")
 
 
 def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, backend: str,
