@@ -514,8 +514,8 @@ def test_whole_parameters_inside_a_cut_attention_are_summed_and_experts_alone_ma
     """Qwen3's per-head `q_norm` / `k_norm` weights stay whole inside the attention tp cuts: each rank
     sees its heads only, so their gradients are summed over the tensor group (`head_local_params`;
     the row's bias, whose gradient every rank has whole, is not). OLMoE's plan cuts its experts and
-    gathers its attention (left whole): its blocks are still tensor-parallel layers for the
-    runtime and the simulator alike."""
+    gathers its attention's projections (`column_gather` / `row_split`, its q/k norms whole): its
+    blocks are tensor-parallel layers for the runtime and the simulator alike."""
     from plait.graph.tp_plan import tensor_parallel_style
     from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
 
@@ -525,15 +525,17 @@ def test_whole_parameters_inside_a_cut_attention_are_summed_and_experts_alone_ma
     olmoe = spec("olmoe").build("meta")
     blocks = olmoe.get_submodule("model.layers")
     assert all(is_tensor_parallel_layer(b) and tensor_parallel_style(b) == "transformer" for b in blocks)
-    assert not any(getattr(m, "plait_tp", None) for m in blocks[0].self_attn.modules())
+    attn = {n: getattr(m, "plait_tp", None) for n, m in blocks[0].self_attn.named_modules()}
+    assert attn["q_proj"] == "column_gather" and attn["o_proj"] == "row_split" and attn["q_norm"] is None
 
 
 @pytest.mark.slow  # ~25 s each on a busy 2-core machine
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["qwen3", "olmoe"])
-def test_qwen3_and_olmoe_tp2_train_equal_to_one_process(name):
-    """tp=2 of Qwen3 (whole q_norm / k_norm summed over the group) and of OLMoE (experts cut, the
-    attention whole) equals one process."""
+@pytest.mark.parametrize("name", ["qwen3", "olmoe", "phi3"])
+def test_qwen3_olmoe_and_phi3_tp2_train_equal_to_one_process(name):
+    """tp=2 of Qwen3 (whole q_norm / k_norm summed over the group), of OLMoE (experts cut, the
+    attention's projections gathered / split) and of Phi-3 (fused MLP detected, fused q/k/v
+    gathered) equals one process."""
     from plait.ir.plan import Plan
 
     _equal_to_one_process(f"{HF}:{name}", Plan.parse("tp=2,micro_batch=2,global_batch=4,dtype=fp32"))
@@ -553,3 +555,31 @@ def test_a_block_priced_op_by_op_reduces_each_column_input_in_backward():
     assert len(reduces[0]) == 2 and len(reduces[1]) == 2
     inputs = {g.ops[n].inputs[0] for n in layer.ops if g.ops[n].tp_role == "column"}
     assert sorted(r.nbytes for r in reduces[1]) == sorted(g.ops[i].output_bytes for i in inputs)
+
+
+def test_gathered_projections_are_priced_as_their_plan_cuts_them():
+    """Phi-3's fused [q | k | v] is cut with its output all-gathered and its o_proj with its input
+    split (its plan's styles; the attention core then runs whole), its fused [gate | up] MLP
+    Megatron's way (detected): at tp=2 the block holds half of its linear weights, its GEMMs halve
+    and the attention core does not, and the collectives are an all-gather and two all-reduces
+    forward (q/k/v out; o_proj, down_proj out), two all-reduces and an all-gather backward."""
+    from plait.cluster.catalog import get_kind
+    from plait.cost.compute import generic_layer_cost
+    from plait.cost.memory import _tp_param_fraction
+
+    module = spec("phi3").build("meta")
+    block = module.get_submodule("model.layers.1")
+    marks = {n: getattr(m, "plait_tp", None) for n, m in block.named_modules()}
+    assert (marks["self_attn.qkv_proj"], marks["self_attn.o_proj"]) == ("column_gather", "row_split")
+    assert (marks["mlp.gate_up_proj"], marks["mlp.down_proj"]) == ("column", "row")
+    assert block.mlp.gate_up_proj.plait_tp_chunks == 2
+    g = inspect_model(spec("phi3"), batch=1, dtype="bf16")
+    layer = g.layer("model.layers.1")
+    one, two = (generic_layer_cost(layer, g, 1, get_kind("a100-80gb"), "bf16", tp=t) for t in (1, 2))
+    linear = sum(p.numel() for n, p in block.named_parameters() if "proj" in n)
+    assert two.params == pytest.approx(one.params - linear / 2)
+    assert _tp_param_fraction(g, [x.name for x in g.layers].index("model.layers.1")) == \
+        pytest.approx(linear / sum(p.numel() for p in block.parameters()))
+    ops = [[getattr(i, "op", None) for i in c.items if hasattr(i, "op")] for c in (two.fwd, two.bwd)]
+    assert sorted(ops[0]) == ["all_gather", "all_reduce", "all_reduce"]
+    assert sorted(ops[1]) == ["all_gather", "all_reduce", "all_reduce"]

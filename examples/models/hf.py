@@ -68,6 +68,12 @@ def olmoe() -> tuple[Any, Any]:
     return _tiny_decoder("OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2)
 
 
+def phi3() -> tuple[Any, Any]:
+    """Phi-3: fused [q | k | v] and [gate | up] projections, which its plan gathers
+    (`colwise_gather_output`, `rowwise_split_input`)."""
+    return _tiny_decoder("Phi3ForCausalLM", pad_token_id=0)
+
+
 def gpt2() -> tuple[Any, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 

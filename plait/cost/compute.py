@@ -766,6 +766,20 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
                 column_inputs[src] = graph.ops[src].output_bytes if src is not None else layer.input_bytes
         if role == "experts":  # every expert's GEMMs on its slice of the intermediate features
             role = "sharded"
+        gathered = role in ("column_gather", "row_split")  # a linear cut alone (`plait.graph.tp_plan`)
+        if gathered:
+            # column_gather: its output features' slice, all-gathered; backward all-reduces the
+            # input gradient. row_split: its input's slice taken, the output all-reduced; backward
+            # all-gathers the input gradient. The ops around it run whole.
+            out_b, in_b = op.output_bytes * b, sum(graph.ops[i].output_bytes for i in op.inputs[:1]
+                                                     if i in graph.ops) * b or layer.input_bytes * b
+            if role == "column_gather":
+                f.collective("all_gather", out_b, tp)
+                bw.collective("all_reduce", in_b, tp)
+            else:
+                f.collective("all_reduce", out_b, tp)
+                bw.collective("all_gather", in_b, tp)
+            role = "column" if role == "column_gather" else "row_alone"
         frac = r if role else 1.0
         params += op.param_bytes / (graph.param_dtype_bytes or 4) * frac
         if _GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target):
@@ -778,7 +792,7 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
                 m *= b
                 if role == "column" or role == "sharded":
                     n *= frac
-                elif role == "row":
+                elif role in ("row", "row_alone"):
                     k *= frac
                 f.gemm(m, n, k)
                 bwd_ops.append(("gemm", (m, k, n)))

@@ -381,7 +381,8 @@ def _tp_param_fraction(graph: OpGraph, layer_index: int) -> float:
         return 1.0
     total = sum(op.param_bytes for op in ops)
     if layer.tp_style == "transformer" and any(op.tp_role for op in ops):
-        return sum(op.param_bytes for op in ops if op.tp_role in ("column", "row", "sharded", "experts")) / total
+        return sum(op.param_bytes for op in ops if op.tp_role in ("column", "row", "sharded", "experts",
+                                                                 "column_gather", "row_split")) / total
     if layer.tp_style == "embedding":
         tables = [op.param_bytes for op in ops if "embedding" in op.target]
         split = max(tables) if tables else max(op.param_bytes for op in ops)

@@ -116,7 +116,7 @@ class _ModuleInfo:
     layer: str | None  # the Layer this module belongs to; None for containers above layers
     tp: bool  # inside a Megatron column-parallel linear or sharded region
     selective: bool  # marked plait_selective
-    role: str = ""  # the nearest tensor-parallel marker above: "column", "row", "sharded" or ""
+    role: str = ""  # the nearest tensor-parallel marker above: "column", "row", "sharded", ... or ""
 
 
 def layer_assignment(root: nn.Module, root_name: str = "model") -> dict[str, tuple[str, str]]:
@@ -145,8 +145,8 @@ def _module_infos(root: nn.Module, heads: dict[str, tuple[str, str]]) -> dict[in
             layer = heads[path][0]
         style = getattr(m, "plait_tp", None)
         if style is not None:  # the nearest marker decides (a row linear ends a sharded region)
-            tp = style in ("column", "sharded", "experts")
-            role = style if style in ("column", "row", "sharded", "experts") else ""
+            tp = style in ("column", "sharded", "experts")  # its activations are this rank's slice
+            role = style if style in ("column", "row", "sharded", "experts", "column_gather", "row_split") else ""
         infos[id(m)] = _ModuleInfo(path, layer, tp, bool(getattr(m, "plait_selective", False)), role)
         for name, child in m.named_children():
             walk(child, f"{path}.{name}" if path else name, layer, tp, role)

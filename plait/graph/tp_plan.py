@@ -32,6 +32,12 @@ the cost model (`plait.cost.compute`: which matmuls split their n or k) and the 
   plan leaves out; Phi-3's MLP, whose plan gathers it; every block MLP of a model with no plan
   (StableLM). Attention is not detected: whether the ops between q/k/v and the output projection
   keep to their heads is not something its graph shows as plainly;
+* ``colwise_gather_output`` / ``rowwise_split_input`` (OLMo2's and Phi-3's attention, whose ops
+  between the projections need every head: a norm over all of q, a fused [q | k | v] sliced by
+  the config's head count) -> ``"column_gather"`` / ``"row_split"``: the linear keeps its slice of
+  output / input features, its output is all-gathered / its input split, so the ops between run
+  on whole tensors (transformers' styles of the same names); where a detected MLP pairs them
+  Megatron's way instead, that cut wins (no gather);
 * every other style (``gather``, ``sequence_parallel``, vocabulary styles) stays replicated, and
   so does a linear whose module has no partner of the other kind (a lone column linear would need
   its output gathered), and experts with biases (a row bias would be added once per rank).
@@ -48,7 +54,8 @@ import re
 import torch
 from torch import nn
 
-_STYLES = {"colwise": "column", "rowwise": "row", "colwise_qkv": "column"}
+_STYLES = {"colwise": "column", "rowwise": "row", "colwise_qkv": "column",
+           "colwise_gather_output": "column_gather", "rowwise_split_input": "row_split"}
 _CHUNKS = {"colwise_qkv": 3}  # plait's own style: a fused [q | k | v] projection, cut block by block
 
 # Plans for architectures whose transformers config ships none, in the config's own format and
@@ -111,7 +118,6 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
         return []
     plan = model_tp_plan(model)
     if not plan:  # no plan: the standard MLPs of its blocks, detected (attention is not: see the doc)
-        marked = []
         return _mark_mlps(model, detected_mlps(model, everywhere=True))
     compiled = [(_pattern(p), s) for p, s in plan.items() if s in _STYLES]
     linears: dict[str, str] = {}  # in module order
@@ -146,6 +152,12 @@ def mark_tp_plan(model: nn.Module) -> list[str]:
             m.plait_tp, m.plait_tp_experts = "experts", cut
             marked.append(path)
     marked += _mark_mlps(model, detected_mlps(model, everywhere=True))  # where the plan is silent
+    # linears the plan cuts with their output gathered / input split, where nothing cut them above
+    for path, style in linears.items():
+        if style in ("column_gather", "row_split") and not any(
+                getattr(model.get_submodule(p), "plait_tp", None) for p in _ancestors(path)):
+            model.get_submodule(path).plait_tp = style
+            marked.append(path)
     if marked and transformer_shape(model, 1):
         _mark_zoo_layers(model)
     return marked
@@ -331,6 +343,12 @@ def _mark_mlps(model: nn.Module, mlps: list[tuple[str, list[str], str, dict[str,
     return marked
 
 
+def _ancestors(path: str) -> list[str]:
+    """`path` and the modules above it (not the root)."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
 def _pairs(linears: dict[str, str]) -> list[tuple[str, str]]:
     """(column, row) partners: a column's row is the first row after it (module order) inside
     its parent, else its grandparent -- the same parent for LLaMA's attention, the attention
@@ -354,10 +372,11 @@ def _pairs(linears: dict[str, str]) -> list[tuple[str, str]]:
 
 def tensor_parallel_style(module: nn.Module) -> str:
     """A layer's OpGraph `tp_style` from its markers: "transformer" when it holds both a column-
-    and a row-parallel linear, or experts cut by features (a block tensor parallelism cuts; the
-    runtime's `is_tensor_parallel_layer`), else "none"."""
+    and a row-parallel linear, experts cut by features or a gathered / split linear (a block
+    tensor parallelism cuts; the runtime's `is_tensor_parallel_layer`), else "none"."""
     styles = {getattr(m, "plait_tp", None) for m in module.modules()}
-    return "transformer" if {"column", "row"} <= styles or "experts" in styles else "none"
+    return "transformer" if {"column", "row"} <= styles or styles & {"experts", "column_gather", "row_split"} \
+        else "none"
 
 
 def head_counts(model: nn.Module) -> dict[str, int]:

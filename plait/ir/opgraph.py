@@ -42,7 +42,8 @@ class Op:
     inputs: list[str] = field(default_factory=list)  # names of producer ops
     # Megatron role of the module that ran it, from the model's markers (`plait_tp`, or its own
     # tensor-parallel plan: `plait.graph.tp_plan`): "column", "row", "sharded", "experts" (an MoE
-    # experts module cut in its intermediate features: its output all-reduced) or "" (by name)
+    # experts module cut in its intermediate features: its output all-reduced), "column_gather" /
+    # "row_split" (a linear cut alone: its output all-gathered / its input split) or "" (by name)
     tp_role: str = ""
 
 

@@ -333,8 +333,8 @@ def _check_user_model(spec: Any, plan: Plan, spec_string: str) -> None:
     from plait.graph.capture import quiet_fake_mode
 
     module = spec.build("meta")
-    if plan.tp > 1 and not any(getattr(m, "plait_tp", None) in ("column", "row", "sharded", "experts")
-                               for m in module.modules()):
+    if plan.tp > 1 and not any(getattr(m, "plait_tp", None) in ("column", "row", "sharded", "experts", "column_gather",
+                                                                "row_split") for m in module.modules()):
         raise RuntimeSetupError(
             f"plan field 'tp': {plan.tp} > 1, but model {spec_string} marks nothing tensor parallelism can "
             "shard (no plait_tp markers, no base_model_tp_plan in its config): every rank "

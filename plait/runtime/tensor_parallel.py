@@ -8,7 +8,11 @@ Inside a layer marked with `plait_tp` submodules:
   passes through **g** (all-reduce forward, identity backward) and the bias is added
   once, after the reduction;
 * `"sharded"` modules (attention core, MLP activation) run on the local slice; an
-  attribute that counts heads (`n_head`, `num_heads`, ...) is set to the local count.
+  attribute that counts heads (`n_head`, `num_heads`, ...) is set to the local count;
+* a `"column_gather"` / `"row_split"` linear is cut alone (transformers' `colwise_gather_output`
+  / `rowwise_split_input`): its output features' slice, all-gathered (backward: its slice of the
+  gradient; its input through f) / its slice of its whole input (backward: the slices'
+  gradients all-gathered), its partial output through g -- the ops around it run whole.
 
 Attention linears are cut in whole heads; Megatron (and the zoo) order fused QKV
 features (head, {q,k,v}, head_dim), so a contiguous slice holds q, k and v of its heads
@@ -124,6 +128,48 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def _gather_features(tp: TPContext, t: torch.Tensor, name: str) -> torch.Tensor:
+    """[..., F/tp] on every rank -> [..., F] (rank order along the last dimension)."""
+    x = t.movedim(-1, 0).contiguous()
+    out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
+    assert tp.group is not None
+    tp.group.all_gather_into(out, x, name, "comm_tp")
+    return out.movedim(0, -1)
+
+
+def _my_features(tp: TPContext, t: torch.Tensor) -> torch.Tensor:
+    k = t.shape[-1] // tp.size
+    return t.narrow(-1, tp.rank * k, k).contiguous()
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """A gathered column's output (transformers' ``colwise_gather_output``): all-gather the
+    features forward; backward keeps this rank's slice of the (whole, equal) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return _gather_features(tp, x, "allgather tp column-out")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _my_features(ctx.tp, grad), None
+
+
+class _SplitFeatures(torch.autograd.Function):
+    """A split row's input (``rowwise_split_input``): this rank's slice forward; backward
+    all-gathers the slices' gradients into the whole input's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return _my_features(tp, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_features(ctx.tp, grad, "allgather tp row-in-bwd"), None
+
+
 class _GatherSeqForLinear(torch.autograd.Function):
     """g-bar of sequence parallelism (Korthikanti et al. 2022, fig. 5): all-gather the sequence
     forward, reduce-scatter the (partial, per-rank) input gradient backward."""
@@ -196,6 +242,35 @@ class ColumnParallelLinear(nn.Module):
         if self.tp.sequence_parallel:
             return F.linear(_GatherSeqForLinear.apply(x, self.tp), w, self.bias)
         return F.linear(_CopyToTP.apply(x, self.tp), w, self.bias)
+
+
+class GatheredColumnLinear(nn.Module):
+    """A column linear cut alone: this rank's output features, all-gathered, so what follows runs
+    on the whole output; its input passes through f (each rank's input gradient is partial)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatherFeatures.apply(F.linear(_CopyToTP.apply(x, self.tp), self.weight, self.bias), self.tp)
+
+
+class SplitRowLinear(nn.Module):
+    """A row linear cut alone: it takes this rank's slice of its whole input, its partial output is
+    all-reduced (g) and the bias added once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ReduceFromTP.apply(F.linear(_SplitFeatures.apply(x, self.tp), self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
 
 
 class ColumnParallelEmbedding(nn.Module):
@@ -280,7 +355,7 @@ def is_tensor_parallel_layer(layer: nn.Module) -> bool:
     A lone column linear (the LM head's vocabulary projection) stays replicated: splitting it
     would need a vocabulary-parallel cross-entropy, which is not implemented."""
     styles = {getattr(m, "plait_tp", None) for m in layer.modules()}
-    return ("column" in styles and "row" in styles) or "experts" in styles
+    return ("column" in styles and "row" in styles) or bool(styles & {"experts", "column_gather", "row_split"})
 
 
 def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] | None,
@@ -295,9 +370,12 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
     A column linear with `plait_tp_chunks = c` has c fused blocks [block0 | block1 | ...] and
     is cut block by block instead."""
     infos: dict[str, ShardInfo] = {}
-    for name, m in layer.named_modules():
-        if getattr(m, "plait_tp", None) == "experts":
+    for name, m in list(layer.named_modules()):
+        style = getattr(m, "plait_tp", None)
+        if style == "experts":
             infos.update(shard_experts(m, tp, ratios, f"{prefix}{name}"))
+        elif style in ("column_gather", "row_split"):
+            infos.update(_cut_alone(layer, name, m, tp, ratios, prefix))
     marked = {n: m for n, m in layer.named_modules() if getattr(m, "plait_tp", None) in ("column", "row", "sharded")}
     groups: dict[str, dict[str, nn.Module]] = {}
     for name, m in marked.items():
@@ -388,6 +466,34 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
                 if kv is not None and kv[2] % tp.size == 0 and ratios is None:
                     setattr(m, kv[1], kv[2] // tp.size)
     return infos
+
+
+def _cut_alone(layer: nn.Module, name: str, m: nn.Module, tp: TPContext, ratios: list[float] | None,
+               prefix: str) -> dict[str, ShardInfo]:
+    """A ``"column_gather"`` / ``"row_split"`` linear replaced by its cut (`GatheredColumnLinear`,
+    `SplitRowLinear`): even slices of its output / input features."""
+    path = f"{prefix}{name}"
+    if not isinstance(m, nn.Linear):
+        raise RuntimeSetupError(f"tensor parallel: {path} is marked {m.plait_tp!r} but is a {type(m).__name__}, "
+                                "not nn.Linear")
+    if ratios is not None:
+        raise RuntimeSetupError(f"plan field 'tp_ratios': {path} is cut with its output gathered or input split "
+                                "(its model's plan), which takes even slices only")
+    if m.plait_tp == "column_gather":
+        sizes = tuple(split_sizes(m.out_features, tp.size, None))
+        info = ShardInfo(0, 1, sizes)
+        b = info.take(m.bias.data, tp.rank) if m.bias is not None else None
+        new: nn.Module = GatheredColumnLinear(info.take(m.weight.data, tp.rank), b, tp)
+        out = {f"{path}.weight": info} | ({f"{path}.bias": info} if b is not None else {})
+    else:
+        sizes = tuple(split_sizes(m.in_features, tp.size, None))
+        info = ShardInfo(1, 1, sizes)
+        new = SplitRowLinear(info.take(m.weight.data, tp.rank), m.bias.data.clone() if m.bias is not None else None,
+                             tp)
+        out = {f"{path}.weight": info}
+    new.plait_tp = m.plait_tp
+    _set_submodule(layer, name, new)
+    return out
 
 
 def shard_experts(m: nn.Module, tp: TPContext, ratios: list[float] | None, path: str) -> dict[str, ShardInfo]:

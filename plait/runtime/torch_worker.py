@@ -136,9 +136,11 @@ class TorchWorker(RankConfig):
         self.head_local: list[nn.Parameter] = []
         if plan.tp > 1:  # DTensor shards of the transformer layers' linears (dp = 1: `layout.torch_runs`)
             tp_layers = [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)]
-            if any(getattr(m, "plait_tp", None) == "experts" for _, layer in tp_layers for m in layer.modules()):
-                raise RuntimeSetupError(f"model {cfg['model']}: its plan cuts MoE experts, which the torch engine's "
-                                        "DTensor tensor parallelism does not; run it without engine=torch")
+            alone = {getattr(m, "plait_tp", None) for _, layer in tp_layers for m in layer.modules()} \
+                & {"experts", "column_gather", "row_split"}
+            if alone:
+                raise RuntimeSetupError(f"model {cfg['model']}: its plan cuts {sorted(alone)} modules, which the torch "
+                                        "engine's DTensor tensor parallelism does not; run it without engine=torch")
             apply_tp(model, self.mesh, tp_layers)
             # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm)
             self.head_local = [prm for _, layer in tp_layers for prm in head_local_params(layer, {})]
@@ -184,6 +186,8 @@ class TorchWorker(RankConfig):
         if self.scaler is not None:  # every rank of the job skips or steps together
             self.scaler.group = self.comm.world_group
         steps = int(cfg["steps"])
+        import gc  # EXPERIMENT
+        gc.freeze()
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin_info = common_origin(self.rec, self.comm)
