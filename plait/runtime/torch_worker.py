@@ -186,8 +186,6 @@ class TorchWorker(RankConfig):
         if self.scaler is not None:  # every rank of the job skips or steps together
             self.scaler.group = self.comm.world_group
         steps = int(cfg["steps"])
-        import gc  # EXPERIMENT
-        gc.freeze()
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin_info = common_origin(self.rec, self.comm)
