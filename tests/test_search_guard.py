@@ -66,6 +66,7 @@ def test_a_graph_plan_on_fewer_gpus_wins_on_one_kind_and_the_default_search_pick
     assert before.best.family != "graph" and before.best.time_s > picked.best.time_s
 
 
+@pytest.mark.slow  # ~15 s on 2 cores (a 1024-GPU search); bench/plan_search_time.py runs the same case
 def test_graph_family_declines_a_chain_beyond_64_gpus_beside_the_3d_family():
     """Asked beside the 3D family, the graph family plans chains on clusters of up to 64 GPUs (its
     stage search grows with the GPUs: GPT-3 175B on 1024 GPUs took 267 s to find that nothing fit,
