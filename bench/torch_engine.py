@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,23 +59,44 @@ def one_run(plan: str, engine: str, steps: int, warmup: int, model: str) -> dict
             "loss0": result.losses[0], "engine": result.engine}
 
 
-def compare(plan: str, pairs: int, steps: int, warmup: int, model: str) -> dict[str, Any]:
-    runs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+def interleaved_pairs(first: Callable[[], dict[str, Any]], second: Callable[[], dict[str, Any]], pairs: int,
+                      label: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """`pairs` (first, second) runs, the order inside a pair alternating so that a drifting machine
+    biases neither side."""
+    runs = []
     for i in range(pairs):
-        order = ("plait", "auto") if i % 2 == 0 else ("auto", "plait")
-        got = {e: one_run(plan, e, steps, warmup, model) for e in order}
-        runs.append((got["plait"], got["auto"]))
-        print(f"  {plan} pair {i + 1}/{pairs}: plait {got['plait']['step_s'] * 1e3:.1f} ms, "
-              f"torch {got['auto']['step_s'] * 1e3:.1f} ms", file=sys.stderr)
-    row: dict[str, Any] = {"plan": plan, "pairs": pairs, "engines": sorted({r["engine"] for pair in runs for r in pair}),
-                           "loss0_plait": runs[0][0]["loss0"], "loss0_torch": runs[0][1]["loss0"]}
+        if i % 2 == 0:
+            a = first()
+            b = second()
+        else:
+            b = second()
+            a = first()
+        runs.append((a, b))
+        print(f"  {label} pair {i + 1}/{pairs}: {a['step_s'] * 1e3:.1f} ms, {a['cpu_s'] * 1e3:.1f} CPU ms | "
+              f"{b['step_s'] * 1e3:.1f} ms, {b['cpu_s'] * 1e3:.1f} CPU ms", file=sys.stderr)
+    return runs
+
+
+def relative(runs: list[tuple[dict[str, Any], dict[str, Any]]], first: str, second: str,
+             diff_key: str = "diff") -> dict[str, Any]:
+    """Per metric (step and CPU seconds): each side's median and the median of (second - first) /
+    first per pair with its distribution-free 95 % interval."""
+    out: dict[str, Any] = {}
     for what in ("step_s", "cpu_s"):
-        diffs = [(t[what] - p[what]) / p[what] for p, t in runs]
+        diffs = [(b[what] - a[what]) / a[what] for a, b in runs]
         low, high, coverage = median_ci(diffs)
-        row[what] = {"plait": statistics.median(p[what] for p, _ in runs),
-                     "torch": statistics.median(t[what] for _, t in runs),
-                     "diff": statistics.median(diffs), "ci": [low, high], "coverage": coverage}
-    return row
+        out[what] = {first: statistics.median(a[what] for a, _ in runs),
+                     second: statistics.median(b[what] for _, b in runs),
+                     diff_key: statistics.median(diffs), "ci": [low, high], "coverage": coverage}
+    return out
+
+
+def compare(plan: str, pairs: int, steps: int, warmup: int, model: str) -> dict[str, Any]:
+    runs = interleaved_pairs(lambda: one_run(plan, "plait", steps, warmup, model),
+                             lambda: one_run(plan, "auto", steps, warmup, model), pairs, f"{plan} plait | torch")
+    return {"plan": plan, "pairs": pairs, "engines": sorted({r["engine"] for pair in runs for r in pair}),
+            "loss0_plait": runs[0][0]["loss0"], "loss0_torch": runs[0][1]["loss0"],
+            **relative(runs, "plait", "torch")}
 
 
 def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:

@@ -36,8 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recorder_overhead import median_ci  # noqa: E402
-from torch_engine import one_run  # noqa: E402
+from torch_engine import interleaved_pairs, one_run, relative  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=256,heads=4,seq=64,vocab=1024,dropout=0,attn_dropout=0"
 MICRO, GLOBAL = 4, 16
@@ -64,25 +63,11 @@ def plain_run(flags: list[str], steps: int, warmup: int, model: str) -> dict[str
 
 
 def compare(plan: str, flags: list[str], pairs: int, steps: int, warmup: int, model: str) -> dict[str, Any]:
-    runs: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for i in range(pairs):
-        order = ("plait", "plain") if i % 2 == 0 else ("plain", "plait")
-        got = {who: one_run(plan, "torch", steps, warmup, model) if who == "plait"
-               else plain_run(flags, steps, warmup, model) for who in order}
-        runs.append((got["plait"], got["plain"]))
-        print(f"  {plan} pair {i + 1}/{pairs}: plait {got['plait']['step_s'] * 1e3:.1f} ms "
-              f"{got['plait']['cpu_s'] * 1e3:.1f} CPU ms, plain {got['plain']['step_s'] * 1e3:.1f} ms "
-              f"{got['plain']['cpu_s'] * 1e3:.1f} CPU ms", file=sys.stderr)
-    row: dict[str, Any] = {"plan": plan, "plain": " ".join(flags), "pairs": pairs,
-                           "engines": sorted({p["engine"] for p, _ in runs}),
-                           "loss0_plait": runs[0][0]["loss0"], "loss0_plain": runs[0][1]["loss0"]}
-    for what in ("step_s", "cpu_s"):
-        diffs = [(p[what] - q[what]) / q[what] for p, q in runs]
-        low, high, coverage = median_ci(diffs)
-        row[what] = {"plait": statistics.median(p[what] for p, _ in runs),
-                     "plain": statistics.median(q[what] for _, q in runs),
-                     "overhead": statistics.median(diffs), "ci": [low, high], "coverage": coverage}
-    return row
+    runs = interleaved_pairs(lambda: plain_run(flags, steps, warmup, model),
+                             lambda: one_run(plan, "torch", steps, warmup, model), pairs, f"{plan} plain | plait")
+    return {"plan": plan, "plain": " ".join(flags), "pairs": pairs, "engines": sorted({p["engine"] for _, p in runs}),
+            "loss0_plait": runs[0][1]["loss0"], "loss0_plain": runs[0][0]["loss0"],
+            **relative(runs, "plain", "plait", diff_key="overhead")}
 
 
 def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:

@@ -244,29 +244,27 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(_CopyToTP.apply(x, self.tp), w, self.bias)
 
 
-class GatheredColumnLinear(nn.Module):
-    """A column linear cut alone: this rank's output features, all-gathered, so what follows runs
-    on the whole output; its input passes through f (each rank's input gradient is partial)."""
+class _LinearAlone(nn.Module):
+    """This rank's weight (and bias) of a linear cut alone, and its tensor group."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.tp = tp
+
+
+class GatheredColumnLinear(_LinearAlone):
+    """A column linear cut alone: this rank's output features, all-gathered, so what follows runs
+    on the whole output; its input passes through f (each rank's input gradient is partial)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _GatherFeatures.apply(F.linear(_CopyToTP.apply(x, self.tp), self.weight, self.bias), self.tp)
 
 
-class SplitRowLinear(nn.Module):
+class SplitRowLinear(_LinearAlone):
     """A row linear cut alone: it takes this rank's slice of its whole input, its partial output is
-    all-reduced (g) and the bias added once."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
-        self.tp = tp
+    all-reduced (g) and the bias added once (the bias is whole)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _ReduceFromTP.apply(F.linear(_SplitFeatures.apply(x, self.tp), self.weight), self.tp)
