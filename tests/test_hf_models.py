@@ -140,6 +140,7 @@ def test_layers_of_a_decoder_profile_alone():
     assert all(f > 0 and b > 0 for n, (f, b) in prof.times.items() if n.startswith("model.layers."))
 
 
+@pytest.mark.slow  # ~8 s on 2 cores; a decoder's layers profile alone in make test
 def test_t5_blocks_profile_alone_and_export_to_the_loss_output():
     """T5's decoder hands every block a key/value cache even with use_cache off, and returns it.
     The profiler ran each block on the one cache object the capture forward had filled, so the
@@ -336,7 +337,7 @@ def test_llama_tp2_from_its_own_plan_trains_equal_to_one_process():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["bert", "t5", "gpt2"])
+@pytest.mark.parametrize("name", ["bert", pytest.param("t5", marks=pytest.mark.slow), "gpt2"])  # t5: ~7 s
 def test_tp2_from_plaits_plan_trains_equal_to_one_process(name):
     """BERT, T5 and GPT-2 ship no base_model_tp_plan; plait's plan for their model_type (Megatron's
     pairing: q/k/v and the first MLP linear by columns, the attention output and second MLP

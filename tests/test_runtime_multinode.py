@@ -83,6 +83,7 @@ def test_two_hosts_2_and_1_workers_matched_by_node_name_train_like_one_process(c
     assert any("worker count" in n for n in result.notes)  # CPU hosts: what was checked
 
 
+@pytest.mark.slow  # ~6 s on 2 cores; the two-host run above covers the same launch path
 def test_slurm_environment_needs_no_flags(cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     plan = "dp=3,micro_batch=1,global_batch=8,dp_shares=0.375:0.375:0.25,dtype=fp32"  # 3/3/2 samples
