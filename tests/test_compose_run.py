@@ -234,7 +234,6 @@ def test_composed_plan_checkpoints_and_resumes_under_itself_and_another_plan(tmp
     assert other.steps == [2, 3] and other.losses == pytest.approx(ref[2:], rel=0, abs=1e-5)
 
 
-@pytest.mark.slow  # ~14 s on 2 cores; the other direction (composed -> 3D) stays in make test
 def test_composed_plan_resumes_another_plans_checkpoint(tmp_path) -> None:
     """The other way round: a 3D pipeline's checkpoint after step 2 resumes into the composed plan,
     and that one's checkpoint after step 3 into the composed plan at other ratios (each stage's
