@@ -95,7 +95,7 @@ from plait.cluster.spec import Cluster
 from plait.cost.program import Problem, Program, Segments, segments, stored_placements
 from plait.cost.traffic import pp_message_bytes
 from plait.errors import PlaitError
-from plait.ir.opgraph import OpGraph
+from plait.ir.opgraph import TP_CUT_ROLES, OpGraph
 from plait.ir.plan import Plan, default_grad_dtype
 from plait.ir.program import PARTIAL, REPLICATED, shard_dim
 from plait.ir.stage_graph import (
@@ -381,8 +381,7 @@ def _tp_param_fraction(graph: OpGraph, layer_index: int) -> float:
         return 1.0
     total = sum(op.param_bytes for op in ops)
     if layer.tp_style == "transformer" and any(op.tp_role for op in ops):
-        return sum(op.param_bytes for op in ops if op.tp_role in ("column", "row", "sharded", "experts",
-                                                                 "column_gather", "row_split")) / total
+        return sum(op.param_bytes for op in ops if op.tp_role in TP_CUT_ROLES) / total
     if layer.tp_style == "embedding":
         tables = [op.param_bytes for op in ops if "embedding" in op.target]
         split = max(tables) if tables else max(op.param_bytes for op in ops)
@@ -1077,13 +1076,14 @@ class MemoryModel:
 
 
 def memory_model(problem: Problem, program: Program, dtype: str = "fp32", optimizer: str = "adam",
-                 overhead: float = FRAMEWORK_OVERHEAD_BYTES, segs: Segments | None = None) -> MemoryModel:
+                 overhead: float | None = None, segs: Segments | None = None) -> MemoryModel:
     w_b, g_b, k_b = state_bytes_per_param(dtype, optimizer)
     per_param = w_b + g_b + k_b
     act_bytes = 2 if dtype in ("bf16", "fp16") else 4
     graph = problem.graph
     segs = segs or segments(problem, program)
-    model = MemoryModel(0.0, 0.0, float(overhead))
+    # `overhead`: the per-GPU framework constant, FRAMEWORK_OVERHEAD_BYTES when None (as estimate_memory)
+    model = MemoryModel(0.0, 0.0, float(FRAMEWORK_OVERHEAD_BYTES if overhead is None else overhead))
 
     def add(t: str, q: str, nbytes: float, activation: bool = False) -> None:
         d = shard_dim(q)

@@ -57,7 +57,7 @@ from torch.utils.flop_counter import flop_registry
 
 from plait.errors import PlaitError
 from plait.graph.layer_cut import input_signature, is_marked, layer_cut, model_inputs, pure_chains
-from plait.ir.opgraph import Layer, Op, OpGraph, TiedParams
+from plait.ir.opgraph import TP_CUT_ROLES, Layer, Op, OpGraph, TiedParams
 
 __all__ = ["CaptureError", "capture", "is_kv_cache", "layer_assignment"]
 
@@ -146,7 +146,7 @@ def _module_infos(root: nn.Module, heads: dict[str, tuple[str, str]]) -> dict[in
         style = getattr(m, "plait_tp", None)
         if style is not None:  # the nearest marker decides (a row linear ends a sharded region)
             tp = style in ("column", "sharded", "experts")  # its activations are this rank's slice
-            role = style if style in ("column", "row", "sharded", "experts", "column_gather", "row_split") else ""
+            role = style if style in TP_CUT_ROLES else ""
         infos[id(m)] = _ModuleInfo(path, layer, tp, bool(getattr(m, "plait_selective", False)), role)
         for name, child in m.named_children():
             walk(child, f"{path}.{name}" if path else name, layer, tp, role)

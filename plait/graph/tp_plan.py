@@ -54,6 +54,8 @@ import re
 import torch
 from torch import nn
 
+from plait.ir.opgraph import TP_ALONE_ROLES
+
 _STYLES = {"colwise": "column", "rowwise": "row", "colwise_qkv": "column",
            "colwise_gather_output": "column_gather", "rowwise_split_input": "row_split"}
 _CHUNKS = {"colwise_qkv": 3}  # plait's own style: a fused [q | k | v] projection, cut block by block
@@ -375,8 +377,7 @@ def tensor_parallel_style(module: nn.Module) -> str:
     and a row-parallel linear, experts cut by features or a gathered / split linear (a block
     tensor parallelism cuts; the runtime's `is_tensor_parallel_layer`), else "none"."""
     styles = {getattr(m, "plait_tp", None) for m in module.modules()}
-    return "transformer" if {"column", "row"} <= styles or styles & {"experts", "column_gather", "row_split"} \
-        else "none"
+    return "transformer" if {"column", "row"} <= styles or styles & set(TP_ALONE_ROLES) else "none"
 
 
 def head_counts(model: nn.Module) -> dict[str, int]:

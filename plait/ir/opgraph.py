@@ -47,6 +47,12 @@ class Op:
     tp_role: str = ""
 
 
+# The `Op.tp_role` / `plait_tp` marks whose modules tensor parallelism cuts, and those among them
+# cut without a column/row partner in their layer (so a layer holding one is cut on its own).
+TP_CUT_ROLES = ("column", "row", "sharded", "experts", "column_gather", "row_split")
+TP_ALONE_ROLES = ("experts", "column_gather", "row_split")
+
+
 @dataclass
 class Layer:
     """A group of ops at one level of the module hierarchy (e.g. one transformer block).

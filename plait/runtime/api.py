@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from plait.ir.formats import check_version
+from plait.ir.opgraph import TP_CUT_ROLES
 from plait.ir.plan import Plan, PlanError, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
@@ -333,8 +334,7 @@ def _check_user_model(spec: Any, plan: Plan, spec_string: str) -> None:
     from plait.graph.capture import quiet_fake_mode
 
     module = spec.build("meta")
-    if plan.tp > 1 and not any(getattr(m, "plait_tp", None) in ("column", "row", "sharded", "experts", "column_gather",
-                                                                "row_split") for m in module.modules()):
+    if plan.tp > 1 and not any(getattr(m, "plait_tp", None) in TP_CUT_ROLES for m in module.modules()):
         raise RuntimeSetupError(
             f"plan field 'tp': {plan.tp} > 1, but model {spec_string} marks nothing tensor parallelism can "
             "shard (no plait_tp markers, no base_model_tp_plan in its config): every rank "

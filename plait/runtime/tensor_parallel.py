@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.graph.tp_plan import is_conv1d
+from plait.graph.tp_plan import is_conv1d, tensor_parallel_style
 from plait.runtime.comm import Group, NullGroup
 from plait.runtime.partition import RuntimeSetupError
 
@@ -352,8 +352,7 @@ def is_tensor_parallel_layer(layer: nn.Module) -> bool:
 
     A lone column linear (the LM head's vocabulary projection) stays replicated: splitting it
     would need a vocabulary-parallel cross-entropy, which is not implemented."""
-    styles = {getattr(m, "plait_tp", None) for m in layer.modules()}
-    return ("column" in styles and "row" in styles) or bool(styles & {"experts", "column_gather", "row_split"})
+    return tensor_parallel_style(layer) == "transformer"  # the capture's rule: one rule for both
 
 
 def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] | None,

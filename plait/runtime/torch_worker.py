@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from plait.ir.opgraph import TP_ALONE_ROLES
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
 from plait.runtime.comm import (
     FAULTS_ENV,
@@ -137,7 +138,7 @@ class TorchWorker(RankConfig):
         if plan.tp > 1:  # DTensor shards of the transformer layers' linears (dp = 1: `layout.torch_runs`)
             tp_layers = [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)]
             alone = {getattr(m, "plait_tp", None) for _, layer in tp_layers for m in layer.modules()} \
-                & {"experts", "column_gather", "row_split"}
+                & set(TP_ALONE_ROLES)
             if alone:
                 raise RuntimeSetupError(f"model {cfg['model']}: its plan cuts {sorted(alone)} modules, which the torch "
                                         "engine's DTensor tensor parallelism does not; run it without engine=torch")

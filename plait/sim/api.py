@@ -540,7 +540,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     program replayed op by op at its ratios on the plan's devices, each uneven collective padded or
     grouped as the plan's `collectives` says (padded where it says nothing: what the runtime runs);
     memory from the program's memory model plus `overhead` per GPU (default the framework constant)."""
-    from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, memory_model
+    from plait.cost.memory import memory_model
     from plait.cost.program import Problem, Segments, Synthesis, segments
     from plait.cost.spmd import Devices
     from plait.graph.aten_stage import free_outputs
@@ -569,8 +569,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     if r.ndim == 2 and r.shape[0] != segs.count:
         raise SimulateError(f"plan field 'spmd.ratios': {r.shape[0]} ratio vectors, the program has "
                             f"{segs.count} segment(s)")
-    held = memory_model(problem, program, dtype, optimizer, segs=segs,
-                        overhead=FRAMEWORK_OVERHEAD_BYTES if overhead is None else overhead).on(r)  # a scalar when nothing is sharded
+    held = memory_model(problem, program, dtype, optimizer, segs=segs, overhead=overhead).on(r)  # a scalar when nothing is sharded
     memory = np.broadcast_to(np.asarray(held, dtype=float), (problem.devices.n,)).copy()
     syn = Synthesis(program, r.mean(axis=0) if r.ndim == 2 else r, program.cost, memory,
                     segment_ratios=r if r.ndim == 2 else None, segments=segs, capacity=problem.devices.memory)

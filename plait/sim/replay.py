@@ -114,7 +114,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     constant); the bytes each edge carries and the parameters two stages share from the one stage
     graph (`plait.cost.traffic.composed_boundaries`)."""
     from plait.cost.devices import DeviceModel
-    from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES, composed_peak_memory, memory_model
+    from plait.cost.memory import composed_peak_memory, memory_model
     from plait.cost.program import Segments, segments, stage_problem
     from plait.cost.spmd import Devices
     from plait.cost.traffic import composed_boundaries
@@ -148,8 +148,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
         if r.ndim == 2 and r.shape[0] != segs.count:
             raise ReplayError(f"plan field '{field}.ratios': {r.shape[0]} ratio vectors, the program has "
                               f"{segs.count} segment(s)")
-        mm = memory_model(problem, program, dtype, optimizer, segs=segs,
-                          overhead=FRAMEWORK_OVERHEAD_BYTES if overhead is None else overhead)
+        mm = memory_model(problem, program, dtype, optimizer, segs=segs, overhead=overhead)
         held = np.broadcast_to(np.asarray(mm.on(r), dtype=float), (problem.devices.n,))
         stage_bytes.append((list(st.devices), held, np.asarray(mm.activations_on(r), dtype=float)))
         stages.append(StageProgram(problem, program, r, segs.of_op if r.ndim == 2 else None,
