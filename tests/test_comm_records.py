@@ -11,6 +11,7 @@ from plait.ir.comm import (
     FORMAT_VERSION,
     CommRecord,
     CommRecordError,
+    HostSample,
     group_line,
     header_line,
     read_comm_records,
@@ -48,11 +49,20 @@ def test_a_cut_last_line_is_dropped_and_flagged(tmp_path: Path) -> None:
     assert f.truncated and [r.seq for r in f.records] == [0]
 
 
+def test_host_samples_are_read_from_version_3_only(tmp_path: Path) -> None:
+    sample = HostSample(rank=0, t=1.5, cpu_s=0.25, host_busy_s=1234.5, host_cpus=8, step=3)
+    f = read_comm_records(_write(tmp_path / "r.jsonl", [header_line(0), sample.to_line()]))
+    assert f.hosts == [sample] and not f.records
+    v2 = header_line(0).replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 2')
+    with pytest.raises(CommRecordError, match=r"line 2: field 'type' must be 'call', 'enter' or 'group'"):
+        read_comm_records(_write(tmp_path / "v2.jsonl", [v2, sample.to_line()]))
+
+
 def test_unknown_format_version_is_refused_by_name(tmp_path: Path) -> None:
     head = json.loads(header_line(0))
     head["format_version"] = FORMAT_VERSION + 1
-    with pytest.raises(CommRecordError, match=r"'format_version' is 3; this plait reads comm records of "
-                                              r"format_version 1, 2 \(written by a newer plait"):
+    with pytest.raises(CommRecordError, match=r"'format_version' is 4; this plait reads comm records of "
+                                              r"format_version 1, 2, 3 \(written by a newer plait"):
         read_comm_records(_write(tmp_path / "r.jsonl", [json.dumps(head)]))
 
 
@@ -63,7 +73,7 @@ def test_unknown_format_version_is_refused_by_name(tmp_path: Path) -> None:
     (['{"format_version": 1, "kind": "other", "rank": 0}'], "", "line 1 is not a plait.comm_records header"),
     ([header_line(0).replace('"rank": 0', '"rank": "zero"')], "", "header field 'rank' must be an integer"),
     ([header_line(0), "{oops"], "", "line 2 is not JSON"),
-    ([header_line(0), '{"type": "span"}'], "", "line 2: field 'type' must be 'call', 'enter' or 'group'"),
+    ([header_line(0), '{"type": "span"}'], "", "line 2: field 'type' must be 'call', 'enter', 'host' or 'group'"),
     ([header_line(0), '{"type": "call", "rank": 0, "group": "dp"}'], "", "line 2: comm record: missing field"),
 ])
 def test_bad_files_name_the_line_and_reason(tmp_path: Path, lines: list[str], tail: str, message: str) -> None:

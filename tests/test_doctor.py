@@ -11,7 +11,7 @@ import pytest
 
 from plait.cli import main as cli_main
 from plait.doctor import Thresholds, diagnose, link_matrix, read_run
-from plait.ir.comm import CommEnter, CommRecord, group_line, header_line
+from plait.ir.comm import FORMAT_VERSION, CommEnter, CommRecord, HostSample, group_line, header_line
 from plait.ir.diagnosis import Diagnosis, DiagnosisError
 
 
@@ -21,7 +21,8 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
               version: int = 2, wall: float | None = None, busy: tuple[int, float] | None = None,
               link_steps: tuple[int, ...] | None = None, nodes: list[str] | None = None,
               uplink: tuple[str, int, float] | None = None, pause: tuple[int, int, float] | None = None,
-              spikes: dict[tuple[int, int], tuple[int, ...]] | None = None) -> Path:
+              spikes: dict[tuple[int, int], tuple[int, ...]] | None = None,
+              foreign: tuple[int, float] | None = None) -> Path:
     """A data-parallel run as the facade writes it: per step a probe of every rank pair, local
     work, one all-reduce over "world". `slow`: (rank, from step, factor, every k-th step); `link`: (a, b, from,
     factor); `skip`/`mismatch`/`stop`: (rank, step); `busy`: (from step, factor) -- CPU contention:
@@ -29,13 +30,15 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
     these steps only (not from `link`'s step on); `nodes`: each rank's node (config.json);
     `uplink`: (node, from step, factor) -- every pair crossing that node's boundary slowed;
     `pause`: (rank, step, seconds) -- the rank stops that long before the step's all-reduce, then resumes;
-    `spikes`: pair -> steps at which its probe takes 1.6 x (a loaded machine's latency spikes)."""
+    `spikes`: pair -> steps at which its probe takes 1.6 x (a loaded machine's latency spikes);
+    `foreign`: (from step, cores) -- host CPU samples (format_version 3) at each step's probe and
+    end, other processes taking that many more cores of the one host from that step on."""
     comm = root / "comm"
     comm.mkdir(parents=True, exist_ok=True)
     if nodes is not None:
         (root / "config.json").write_text(json.dumps({"ranks": [{"rank": r, "host": n} for r, n in enumerate(nodes)]}))
     extra = {"perf_at_open": 0.0, "wall_at_open": wall} if wall is not None else {}
-    lines = {r: [header_line(r, world=world, **extra).replace('"format_version": 2', f'"format_version": {version}'),
+    lines = {r: [header_line(r, world=world, **extra).replace(f'"format_version": {FORMAT_VERSION}', f'"format_version": {version}'),
                  group_line("world", list(range(world)))] for r in range(world)}
     seq: dict[tuple[int, str], int] = {}
     t = 0.0
@@ -45,8 +48,17 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
         seq[(r, g)] = seq.get((r, g), -1) + 1
         return seq[(r, g)]
 
+    extra = 0.0  # CPU seconds taken by the foreign processes so far
+
+    def sample(s: int, at: float) -> None:
+        for r in range(world):  # each rank 0.05 cores, the rest of the host 0.1 cores, plus the foreign load
+            lines[r].append(HostSample(r, at, 0.05 * at, (0.05 * world + 0.1) * at + extra, 2, step=s).to_line())
+
     for s in range(steps):
         busy_now = busy[1] if busy and s >= busy[0] else 1.0
+        t_step = t
+        if foreign:
+            sample(s, t)
         for a in range(world):
             for b in range(a + 1, world):
                 on = s in link_steps if link_steps is not None else link is not None and s >= link[2]
@@ -89,6 +101,9 @@ def write_run(root: Path, world: int = 4, steps: int = 10, *, slow: tuple[int, i
         if skip and s == skip[1]:  # the skipping rank goes on to the next step's probe... and waits there
             r = skip[0]
             lines[r].append(CommEnter(r, "world", "barrier", 0, nxt(r, "world"), end + 0.01, step=s + 1).to_line())
+        if foreign:
+            extra += (foreign[1] if s >= foreign[0] else 0.0) * (end - t_step)
+            sample(s, end)
         if gone or (mismatch and s == mismatch[1]):
             break
         t = end
@@ -140,6 +155,19 @@ def test_lone_pair_slowed_alone_is_a_slow_link(tmp_path: Path) -> None:
     d = diagnose(write_run(tmp_path, world=2, steps=12, link=(0, 1, 4, 3.0)))
     assert kinds(d) == [("slow_link", (0, 1))] and d.findings[0].step == 4
     assert d.findings[0].evidence["ratio"] == pytest.approx(3.0, rel=0.1)
+
+
+@pytest.mark.parametrize("cores", [1.0, 0.3])
+def test_lone_pair_slowed_while_its_host_is_busy_is_not_judged(tmp_path: Path, cores: float) -> None:
+    # Issue 32: a busy loop beside a rank slowed a 2-rank run's probes ~5x while its sleep-padded
+    # compute did not move, and a slow link was named. The host's CPU counters show other
+    # processes taking +1 core from step 4: those steps' probes are not the link's. +0.3 cores
+    # (under `contention_cores`): judged, and named.
+    d = diagnose(write_run(tmp_path, world=2, steps=12, version=3, link=(0, 1, 4, 3.0), foreign=(4, cores)))
+    if cores >= Thresholds().contention_cores:
+        assert d.healthy and any("CPU contention on host" in w and "[4, 5, 6" in w for w in d.warnings), d
+    else:
+        assert kinds(d) == [("slow_link", (0, 1))] and not d.warnings
 
 
 def test_slow_link_under_milder_contention_is_still_named(tmp_path: Path) -> None:
@@ -258,7 +286,7 @@ def test_version_1_is_read_and_a_newer_one_refused(tmp_path: Path) -> None:
     assert kinds(old) == [("slow_rank", (3,))]
     write_run(tmp_path / "v9", version=9)
     with pytest.raises(DiagnosisError, match=r"'format_version' is 9; this plait reads comm records of "
-                                             r"format_version 1, 2 \(written by a newer plait"):
+                                             r"format_version 1, 2, 3 \(written by a newer plait"):
         diagnose(tmp_path / "v9")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from plait.doctor.detect import (
     Thresholds,
     calls_not_joined,
+    contention_notes,
     dead_ranks,
     hangs,
     link_matrix,
@@ -65,7 +66,7 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
     found, lowered = _confidence(run, found)
     found.sort(key=lambda f: (_ORDER.index(f.kind), f.first_seen_s))
     return Diagnosis(run_dir=run.run_dir, findings=found, world_size=run.world,
-                     warnings=list(run.warnings) + lowered)
+                     warnings=list(run.warnings) + lowered + contention_notes(run, th))
 
 
 # Findings that rest on a rank's communication records: a cut or damaged file's missing lines read

@@ -87,6 +87,11 @@ class Thresholds:
     spikes in four probes of one of 6 pairs are likely where 1 probe in 18 spikes (a clean tp=4
     --recover run named such a pair live); three slow probes in three on a quiet run are not.
     A lone pair (2 ranks) has no peers' rate: its own scatter sets its margin instead."""
+    contention_cores: float = 0.5
+    """A host is contended at a step where the CPU that *other* processes took on it (the host's
+    busy CPU less the job's ranks' own, `host_contention`) rose this many cores above its steady
+    level: its ranks' link probes of that step are not judged (a busy loop beside a rank slowed
+    its probes 5x with no link at fault, while its sleep-padded compute did not move)."""
 
 
 @dataclass
@@ -620,6 +625,70 @@ def link_matrix(run: RunRecords) -> list[list[float | None]]:
     return m
 
 
+def _host_of(run: RunRecords, rank: int) -> Any:
+    """The machine a rank ran on, whose CPU counters it read: its records header's host name,
+    else config.json's node or host (emulated nodes on one machine share its counters)."""
+    host = run.ranks[rank].host
+    return host if host is not None else run.node_of(rank)
+
+
+def foreign_cpu(run: RunRecords) -> dict[Any, dict[int, float]]:
+    """host -> step -> cores that processes other than the job's ranks took on the host over the
+    step's probed stretch (from the step's first probe round to its last; ranks without CPU
+    counters -- format_version < 3, or not Linux -- give none): the host's busy CPU rate, as its
+    ranks saw it (median), less the sum of those ranks' own CPU rates."""
+    windows: dict[tuple[Any, int], list[tuple[float, float]]] = defaultdict(list)
+    for r, rr in run.ranks.items():
+        by_step: dict[int, list[Any]] = defaultdict(list)
+        for h in rr.hosts:
+            if h.step is not None:
+                by_step[h.step].append(h)
+        for s, hs in by_step.items():
+            a, b = hs[0], hs[-1]
+            dt = b.t - a.t
+            if dt > 0:
+                windows[(_host_of(run, r), s)].append(((b.host_busy_s - a.host_busy_s) / dt, (b.cpu_s - a.cpu_s) / dt))
+    on_host: dict[Any, int] = defaultdict(int)
+    for r in run.ranks:
+        on_host[_host_of(run, r)] += 1
+    out: dict[Any, dict[int, float]] = defaultdict(dict)
+    for (host, s), rates in windows.items():
+        if len(rates) == on_host[host]:  # every rank of the host sampled the step: its own CPU is known
+            out[host][s] = statistics.median(b for b, _ in rates) - sum(c for _, c in rates)
+    return dict(out)
+
+
+def host_contention(run: RunRecords, th: Thresholds) -> dict[Any, list[int]]:
+    """host -> the steps at which other processes took `Thresholds.contention_cores` more of its
+    CPU than their steady level (and more than 3 median absolute deviations of the series: the
+    host's counters tick at 10 ms, a short step's rate is coarse). Hosts without counters: none."""
+    out = {}
+    for host, ser in foreign_cpu(run).items():
+        level = _steady(ser)
+        if level is None or len(ser) < 3:
+            continue
+        mid = statistics.median(ser.values())
+        bar = max(th.contention_cores, 3.0 * statistics.median(abs(v - mid) for v in ser.values()))
+        steps = sorted(s for s, v in ser.items() if v - level >= bar)
+        if steps:
+            out[host] = steps
+    return out
+
+
+def contention_notes(run: RunRecords, th: Thresholds) -> list[str]:
+    """What `host_contention` found, in words (the diagnosis' warnings: a reason, not a fault)."""
+    ser = foreign_cpu(run)
+    notes = []
+    for host, steps in host_contention(run, th).items():
+        level = _steady(ser[host]) or 0.0
+        rise = statistics.median(ser[host][s] for s in steps) - level
+        ranks = sorted(r for r in run.ranks if _host_of(run, r) == host)
+        notes.append(f"CPU contention on host {host} (ranks {ranks}) at steps {steps}: other processes took "
+                     f"{rise:+.2f} cores beyond their steady level; those steps' link probes of these ranks "
+                     "are not judged")
+    return notes
+
+
 def compute_rise(run: RunRecords, pairs: list[tuple[int, int]], th: Thresholds,
                  before: float | None = None) -> dict[tuple[int, int], dict[int, float]]:
     """pair -> step -> how many times its own level a pair's probe may be for a reason outside the
@@ -651,8 +720,13 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
     times = probe_times(run)
     # A pair's first probe also sets up its connection (gloo connects lazily): left out.
     floor = probe_floor(run, th)  # a time below the floor is read as the floor: no ratio of noise
-    series = {p: {s: max(v[0], floor) for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)}
+    # Steps at which other processes took a rank's host CPU: its probes then are not the link's.
+    busy = {h: set(steps) for h, steps in host_contention(run, th).items()}
+    contended = {r: busy.get(_host_of(run, r), set()) for r in run.ranks}
+    series = {p: {s: max(v[0], floor) for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)
+                  and s not in contended.get(p[0], set()) | contended.get(p[1], set())}
               for p, ser in times.items()}
+    series = {p: ser for p, ser in series.items() if ser}
 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
         return run.node_of(p[0]) == run.node_of(p[1])

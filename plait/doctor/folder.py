@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from plait.ir.comm import CommEnter, CommRecord, CommRecordError, read_comm_records
+from plait.ir.comm import CommEnter, CommRecord, CommRecordError, HostSample, read_comm_records
 from plait.ir.diagnosis import DiagnosisError
 
 
@@ -45,6 +45,8 @@ class RankRun:
     info: dict[str, Any] = field(default_factory=dict)  # config.json's rank entry (host, node, ...)
     coords: tuple[int, int, int] | None = None  # (pp, dp, tp) from the plan, when known
     damaged: list[str] = field(default_factory=list)  # its records file's cut or unreadable lines
+    hosts: list[HostSample] = field(default_factory=list)  # CPU counters at each probe round (run clock)
+    host: str | None = None  # the records header's host name
     pauses: list[tuple[str, Any, float, float | None]] = field(default_factory=list)
     """Marked pauses (what, step, begin, end or None while it lasts), run clock."""
 
@@ -127,7 +129,8 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
         world = max(world, int(h.get("world", 0) or 0))
         ranks[rf.rank] = RankRun(rank=rf.rank, records=rf.records, enters=rf.enters, groups=rf.groups,
                                  info=layout.get(rf.rank, {}), coords=_coords(plan, rf.rank),
-                                 damaged=list(rf.warnings))
+                                 damaged=list(rf.warnings), hosts=rf.hosts,
+                                 host=str(h["host"]) if h.get("host") is not None else None)
     if not ranks:
         raise DiagnosisError(f"{comm}: no readable records file")
     world = max(world, len(config.get("ranks", [])), max(ranks) + 1)
@@ -140,6 +143,7 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
         rr.records = sorted((replace(c, t_enqueue=c.t_enqueue + shift, t_start=c.t_start + shift,
                                      t_end=c.t_end + shift) for c in rr.records), key=lambda c: c.t_enqueue)
         rr.enters = sorted((replace(e, t=e.t + shift) for e in rr.enters), key=lambda e: e.t)
+        rr.hosts = sorted((replace(h, t=h.t + shift) for h in rr.hosts), key=lambda h: h.t)
         t_obs = max([t_obs] + [c.t_end for c in rr.records] + [e.t for e in rr.enters])
     by_rank = {int(f.stem[len("rank"):]): st for f, st in state.items() if f.stem[len("rank"):].isdigit()}
     for r, rr in ranks.items():

@@ -4,7 +4,7 @@ The runtime's communication facade (`plait.runtime.comm`) appends a record to a 
 JSON Lines file *as each call completes* (the file is line-buffered), so the records of a
 rank that hangs or is killed stay on disk up to its last finished call. A file is:
 
-* line 1, the header: ``{"format_version": 1, "kind": "plait.comm_records", "rank": r, ...}``
+* line 1, the header: ``{"format_version": 3, "kind": "plait.comm_records", "rank": r, ...}``
   (clock, host, process id; the times below are seconds of that clock);
 * ``{"type": "group", "group": name, "ranks": [...]}`` once per process group the rank is in;
 * ``{"type": "enter", ...}``: one `CommEnter` when the rank *enters* a call (C4D's enter
@@ -12,7 +12,10 @@ rank that hangs or is killed stay on disk up to its last finished call. A file i
   (a hang) still shows who entered it and who did not (format_version 2; version 1 files have
   no enter lines and are read as they are);
 * ``{"type": "call", ...}``: one `CommRecord` per collective, and per tensor of a point-to-point
-  batch (group ``"p2p a->b"``: sender a, receiver b).
+  batch (group ``"p2p a->b"``: sender a, receiver b);
+* ``{"type": "host", ...}``: one `HostSample` at each round of link probes (format_version 3):
+  the CPU seconds this process and its whole host had used, so the doctor can tell a link from
+  other processes taking the host's CPU (a probe slows under contention as under a slow link).
 
 The full field list, for writing a run folder by hand, is in docs/doctor.md.
 
@@ -34,8 +37,8 @@ from typing import Any
 
 from plait.errors import PlaitError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: no enter lines (plait before the doctor); read as it is
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: no enter lines (plait before the doctor); 2: no host lines; read as they are
 FILE_KIND = "plait.comm_records"
 
 
@@ -109,6 +112,31 @@ class CommEnter:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+@dataclass(frozen=True)
+class HostSample:
+    """CPU counters of one rank's process and host at one moment (taken before each round of
+    link probes): differences of two samples give the CPU that *other* processes took on the
+    host meanwhile."""
+
+    rank: int
+    t: float  # when (seconds of the header's clock)
+    cpu_s: float  # CPU seconds this process (all its threads) had used
+    host_busy_s: float  # CPU seconds the whole host had used, all CPUs (Linux /proc/stat: not idle, not iowait)
+    host_cpus: int  # CPUs the host has
+    step: int | None = None
+
+    def to_line(self) -> str:
+        return json.dumps({"type": "host", **vars(self)}, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HostSample:
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in ("rank", "t", "cpu_s", "host_busy_s", "host_cpus") if n not in data]
+        if missing:
+            raise CommRecordError(f"host sample: missing field(s) {', '.join(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
 @dataclass
 class CommRecordFile:
     """The contents of one rank's records file."""
@@ -119,6 +147,7 @@ class CommRecordFile:
     records: list[CommRecord] = field(default_factory=list)
     truncated: bool = False  # the last line was cut short (the rank died while writing it)
     enters: list[CommEnter] = field(default_factory=list)  # format_version 2: calls as they were entered
+    hosts: list[HostSample] = field(default_factory=list)  # format_version 3: CPU counters at each probe round
     warnings: list[str] = field(default_factory=list)  # lines skipped by a lenient read (file and line)
 
     @property
@@ -199,8 +228,11 @@ def _read_line(out: CommRecordFile, p: Path, i: int, line: str, version: int) ->
             out.records.append(CommRecord.from_dict(data))
         elif kind == "enter" and version >= 2:
             out.enters.append(CommEnter.from_dict(data))
+        elif kind == "host" and version >= 3:
+            out.hosts.append(HostSample.from_dict(data))
         else:
-            allowed = "'call', 'enter' or 'group'" if version >= 2 else "'call' or 'group'"
+            allowed = ("'call', 'enter', 'host' or 'group'" if version >= 3 else
+                       "'call', 'enter' or 'group'" if version >= 2 else "'call' or 'group'")
             raise CommRecordError(f"field 'type' must be {allowed}, got {kind!r}")
     except CommRecordError as exc:
         raise CommRecordError(f"{p}: line {i}: {exc}") from None

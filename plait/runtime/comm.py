@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import (
 )
 
 from plait.errors import PlaitError
-from plait.ir.comm import CommEnter, CommRecord, group_line, header_line
+from plait.ir.comm import CommEnter, CommRecord, HostSample, group_line, header_line
 from plait.runtime.inject import Injection
 from plait.runtime.recorder import Recorder
 
@@ -160,7 +160,7 @@ class CommLog:
         if self._f is not None:
             self._f.write(e.to_line() + "\n")
 
-    def write(self, rec: CommRecord) -> None:
+    def write(self, rec: CommRecord | HostSample) -> None:
         if self._f is not None:
             self._f.write(rec.to_line() + "\n")  # one write per line: a kill cuts at most the last one
 
@@ -168,6 +168,23 @@ class CommLog:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+_CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def host_busy_s() -> float | None:
+    """CPU seconds the whole host has used since boot, over all its CPUs (Linux: /proc/stat's
+    first line, every field but idle and iowait; guest time is inside user); None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 5 or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLOCK_TICK
 
 
 # ---------------------------------------------------------------------------------- groups
@@ -655,6 +672,11 @@ class Comm:
             numel = max(1, self.probe_bytes // 4)
             self._probe_bufs = (torch.zeros(numel, device=dev), torch.zeros(numel, device=dev))
         send, recv = self._probe_bufs
+        busy = host_busy_s()
+        if busy is not None and self.recording:  # the host's CPU counters beside the link's times
+            self.log.write(HostSample(rank=self.rank, t=time.perf_counter(), cpu_s=time.process_time(),
+                                      host_busy_s=busy, host_cpus=os.cpu_count() or 1,
+                                      step=self.rec.step if self.rec is not None else None))
         m = n if n % 2 == 0 else n + 1  # odd world: a ghost player, its partner rests that round
         for rnd in range(m - 1):
             partner = _circle_partner(self.rank, rnd, m)
