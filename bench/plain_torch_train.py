@@ -13,7 +13,8 @@ False for ZeRO-1/2), AdamW, the mean loss over the global batch.
 
 Each rank appends one line per step to ``OUT/rankN.jsonl``: the step's start and end
 (`time.time()`, the samples made before the start, as plait's engines make them before theirs)
-and `time.process_time()` at its end (all the process's threads), and the replica's mean loss.
+and `time.process_time()` at its end (all the process's threads) and `time.thread_time()` (the main
+thread's), and the replica's mean loss.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         t1 = time.time()
         log.write(json.dumps({"step": step, "t0": t0, "t1": t1, "cpu": time.process_time(),
+                              "main_cpu": time.thread_time(),
                               "loss": float(total)}) + "\n")
         log.flush()
     log.close()

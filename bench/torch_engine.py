@@ -50,13 +50,24 @@ def one_run(plan: str, engine: str, steps: int, warmup: int, model: str) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         result = run(model, None, plan, steps=steps, launch=LaunchConfig(timeout=300, device="cpu", engine=engine),
                      records=RecordsConfig(step_records=True, run_dir=Path(tmp) / "run"))
-        cpu = []
-        for f in sorted((Path(tmp) / "run" / "steps").glob("rank*.jsonl")):
-            ends = [json.loads(line)["cpu"] for line in f.read_text().splitlines()]
-            cpu.append([b - a for a, b in zip(ends, ends[1:])])  # step s: from step s-1's end to its end
-        per_step = [statistics.mean(r[s] for r in cpu) for s in range(warmup - 1, steps - 1)]
-    return {"step_s": statistics.median(result.iteration_times[warmup:]), "cpu_s": statistics.median(per_step),
+        records = [[json.loads(line) for line in f.read_text().splitlines()]
+                   for f in sorted((Path(tmp) / "run" / "steps").glob("rank*.jsonl"))]
+    return {"step_s": statistics.median(result.iteration_times[warmup:]), **cpu_per_step(records, warmup),
             "loss0": result.losses[0], "engine": result.engine}
+
+
+def cpu_per_step(ranks: list[list[dict[str, Any]]], warmup: int) -> dict[str, float]:
+    """Median CPU seconds per rank and step, of the process (`cpu_s`: every thread) and of its main
+    thread alone (`main_cpu_s`: the rest is the backend's and heartbeat's threads), from each
+    rank's step records ("cpu", "main_cpu" at each step's end: step s runs from step s-1's end to
+    its own), the first `warmup` steps left out."""
+    out = {}
+    for key, name in (("cpu", "cpu_s"), ("main_cpu", "main_cpu_s")):
+        if not all(key in r[0] for r in ranks):
+            continue
+        per_step = [statistics.mean(r[s][key] - r[s - 1][key] for r in ranks) for s in range(warmup, len(ranks[0]))]
+        out[name] = statistics.median(per_step)
+    return out
 
 
 def interleaved_pairs(first: Callable[[], dict[str, Any]], second: Callable[[], dict[str, Any]], pairs: int,
@@ -79,10 +90,12 @@ def interleaved_pairs(first: Callable[[], dict[str, Any]], second: Callable[[], 
 
 def relative(runs: list[tuple[dict[str, Any], dict[str, Any]]], first: str, second: str,
              diff_key: str = "diff") -> dict[str, Any]:
-    """Per metric (step and CPU seconds): each side's median and the median of (second - first) /
+    """Per metric (step, CPU and main-thread CPU seconds): each side's median and the median of (second - first) /
     first per pair with its distribution-free 95 % interval."""
     out: dict[str, Any] = {}
-    for what in ("step_s", "cpu_s"):
+    for what in ("step_s", "cpu_s", "main_cpu_s"):
+        if not all(what in a and what in b for a, b in runs):
+            continue
         diffs = [(b[what] - a[what]) / a[what] for a, b in runs]
         low, high, coverage = median_ci(diffs)
         out[what] = {first: statistics.median(a[what] for a, _ in runs),

@@ -318,8 +318,8 @@ class TorchWorker(RankConfig):
 
     def _record_step(self, step: int, t0: float, t1: float, loss_sum: torch.Tensor) -> None:
         """`RUN_DIR/steps/rankN.jsonl` as the pipeline engine writes it."""
-        rec = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time(), "dp": self.d,
-               "loss_share": float(loss_sum)}
+        rec = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time(),
+               "main_cpu": time.thread_time(), "dp": self.d, "loss_share": float(loss_sum)}
         with open(Path(self.cfg["run_dir"]) / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
             fh.write(json.dumps(rec) + "\n")
 

@@ -375,9 +375,11 @@ class Worker(RankConfig):
     def _record_step(self, step: int, t0: float, t1: float, loss_sum: torch.Tensor | None) -> None:
         """`RUN_DIR/steps/rankN.jsonl`, one line as each step ends (so a run that dies keeps them): the
         step's bounds on the ranks' common clock, the wall time of its end, the process's CPU seconds
-        so far (`time.process_time`, all threads) and, on the loss-holding
+        so far (`time.process_time`, all threads), the main thread's alone (`time.thread_time`: the
+        rest is the communication backend's and the heartbeat's threads) and, on the loss-holding
         rank of each replica, the replica's share of the global-batch loss (the shares sum to it)."""
-        rec: dict[str, Any] = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time()}
+        rec: dict[str, Any] = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time(),
+                               "main_cpu": time.thread_time()}
         if loss_sum is not None:
             rec.update(dp=self.d, loss_share=float(loss_sum))
         with open(Path(self.cfg["run_dir"]) / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
