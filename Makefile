@@ -1,7 +1,8 @@
 # plait: one command to set up and run the main job, one to set up and test.
 #   make demo   -- install everything, then plan (and run) the built-in default and write
 #                  demo/report.html, the report page of a recorded run of the chosen plan
-#   make test   -- install everything, then ruff + the import contract + the whole test suite
+#   make test   -- install everything, then ruff + the import contracts + the type checker (mypy,
+#                  [tool.mypy] in pyproject.toml) + the test suite
 #   make frameworks -- also install DeepSpeed and torchtitan (CPU): the export tests then check the
 #                  exported configs with their own config code (skipped without them)
 #   make browser -- install headless Chromium (Debian package): the report tests then render
@@ -29,11 +30,13 @@ demo: setup
 test: setup
 	$(PY) -m ruff check plait tests bench
 	$(PY) -c "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True))"
+	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 lint:
 	$(PY) -m ruff check plait tests bench
 	$(PY) -c "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True))"
+	$(PY) -m mypy
 
 frameworks: setup
 	$(PIP) torch==2.13.0 deepspeed==0.19.8 torchtitan==0.3.0 triton

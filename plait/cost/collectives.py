@@ -193,7 +193,7 @@ class GroupLinks:
 
 
 def group_links(devices: Sequence[int], bandwidth: np.ndarray, latency: np.ndarray,
-                node_of: Sequence[int], nics_of_node: Sequence[int] | None = None,
+                node_of: Sequence[int] | np.ndarray, nics_of_node: Sequence[int] | None = None,
                 measured: Sequence[MeasuredCollective] = ()) -> GroupLinks:
     """Slowest-link summary of the ring ``devices[0] -> devices[1] -> ... -> devices[0]``.
 
@@ -230,14 +230,15 @@ def group_links(devices: Sequence[int], bandwidth: np.ndarray, latency: np.ndarr
                       intra_bw, intra_lat, inter_bw, inter_lat, channels, tables)
 
 
-def _inter_channels(members: Sequence[int], counts: Sequence[int], nics_of_node: Sequence[int] | None) -> int:
+def _inter_channels(members: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray,
+                    nics_of_node: Sequence[int] | None) -> int:
     """NICs of each node a group spanning `members` (with `counts` devices on each) drives at
     once: min over its nodes of min(members there, NICs there) (see `GroupLinks`)."""
     nics = [1 if nics_of_node is None else max(1, int(nics_of_node[k])) for k in members]
     return int(min(min(int(c), k) for c, k in zip(counts, nics)))
 
 
-def ring_hops(ring: Sequence[int], node_of: Sequence[int], nics_of_node: Sequence[int] | None = None
+def ring_hops(ring: Sequence[int], node_of: Sequence[int] | np.ndarray, nics_of_node: Sequence[int] | None = None
               ) -> list[tuple[int, int, float]]:
     """(src, dst, share) of every hop of the ring ``ring[0] -> ring[1] -> ... -> ring[0]``, `share`
     being the part of one ring hop's bytes it carries.

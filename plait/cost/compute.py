@@ -128,7 +128,7 @@ class ComputeModel:
     # modelled costs; `with_profile` attaches a cluster's (`Cluster.model_profiles`).
     profile: ModelProfile | None = None
 
-    def replace(self, **changes: float | str) -> ComputeModel:
+    def replace(self, **changes: Any) -> ComputeModel:
         return dataclasses.replace(self, **changes)
 
     def with_profile(self, cluster: Any, graph: Any, dtype: str, engine: str = "plait") -> ComputeModel:
@@ -761,7 +761,7 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
             continue
         role = (op.tp_role or None) if by_marks else _tp_split(op.module) if split_layer else None
         if role == "column" and (_GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target)):
-            for i in op.inputs[:1] or [None]:
+            for i in (op.inputs[0] if op.inputs else None,):
                 src = i if i in graph.ops else None
                 column_inputs[src] = graph.ops[src].output_bytes if src is not None else layer.input_bytes
         if role == "experts":  # every expert's GEMMs on its slice of the intermediate features

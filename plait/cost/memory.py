@@ -223,7 +223,8 @@ class MemoryEstimate:
 
     def breakdown(self, device: int) -> MemoryBreakdown:
         row = self._matrix[device]
-        return MemoryBreakdown(*(int(round(x)) for x in row),
+        weights, grads, optimizer, activations, logits, comm, other = (int(round(x)) for x in row)
+        return MemoryBreakdown(weights, grads, optimizer, activations, logits, comm, other,
                                phase="optimizer step" if self._phase_step[device] else "backward")
 
     @property
@@ -295,8 +296,9 @@ def _gib(x: float) -> str:
 
 def _ranges(ids: list[int]) -> str:
     """[0,1,2,5,7,8] -> '0-2,5,7-8'."""
-    parts, start = [], ids[0]
-    for a, b in zip(ids, ids[1:] + [None]):
+    parts: list[str] = []
+    start: int | None = ids[0]
+    for a, b in zip(ids, [*ids[1:], None]):
         if b is None or b != a + 1:
             parts.append(str(start) if start == a else f"{start}-{a}")
             start = b
@@ -432,9 +434,9 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
     loss_saved = np.zeros(n)
     for i, layer in enumerate(layers):
         for o in layer.ops:
-            op = graph.ops.get(o)
-            if op is not None and not op.module and any(k in op.target for k in _LOSS_OPS):
-                loss_saved[i] += op.saved_bytes
+            loss_op = graph.ops.get(o)
+            if loss_op is not None and not loss_op.module and any(k in loss_op.target for k in _LOSS_OPS):
+                loss_saved[i] += loss_op.saved_bytes
     # Parameters two layers share (a tied word embedding and LM head): a stage holding the user
     # but not the owner keeps a second copy (Megatron's embedding group, Shoeybi et al. 2019, §3).
     tied = [(index[t.owner], index[t.user], float(t.params), t.tp_sharded) for t in graph.tied

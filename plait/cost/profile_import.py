@@ -129,9 +129,10 @@ def import_sailor_profiles(path: str | Path, model: str, dtype: str = "fp16",
                         fb.append(max(float(v), _SAILOR_FLOOR))
                     points.setdefault((int(idx), int(tp)), []).append((int(mb), fb[0], fb[1]))
         layers_of: dict[str, dict[int, LayerCurve]] = {}
+        last = -1 if count is None else count - 1  # points were read, so count is set
         for (idx, tp), pts in points.items():
             pts.sort()
-            name = "embed" if idx == 0 else "head" if idx == count - 1 else f"layers.{idx - 1}"
+            name = "embed" if idx == 0 else "head" if idx == last else f"layers.{idx - 1}"
             layers_of.setdefault(name, {})[tp] = LayerCurve(tuple(p[0] for p in pts), tuple(p[1] for p in pts),
                                                             tuple(p[2] for p in pts))
         kinds[SAILOR_GPUS.get(gpu, gpu.lower())] = layers_of

@@ -316,7 +316,7 @@ def step(problem: Problem, k: int, live: dict[str, Live], strategy: Strategy,
     return compute, communication, comms, new
 
 
-def evaluate(problem: Problem, choice: Sequence[int], ratios: Sequence[float]) -> Program:
+def evaluate(problem: Problem, choice: Sequence[int], ratios: Sequence[float] | np.ndarray) -> Program:
     """Replay one strategy index per op; ShardingError naming the op when one cannot follow."""
     r = check_ratios(ratios, problem.devices)
     live: dict[str, Live] = {}
@@ -337,7 +337,7 @@ def evaluate(problem: Problem, choice: Sequence[int], ratios: Sequence[float]) -
     return program
 
 
-def check_ratios(ratios: Sequence[float], devices: Devices) -> np.ndarray:
+def check_ratios(ratios: Sequence[float] | np.ndarray, devices: Devices) -> np.ndarray:
     r = np.asarray(ratios, dtype=float)
     if r.shape != (devices.n,):
         raise ShardingError(f"ratios: expected one per device ({devices.n}), got {len(r)}")

@@ -46,7 +46,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -180,7 +180,14 @@ def zero3_units(layers: Sequence[Layer], params: Sequence[float], tied: Sequence
     return Zero3Units(tuple((layer.name, own[layer.name]) for layer in layers), root)
 
 
-def layer_grad_params(layer: Layer, cost: LayerCost, stage_has_embedding: bool) -> float:
+class _GradParams(Protocol):
+    """What `layer_grad_params` reads of a layer's cost (a `LayerCost` or the lowering's summary)."""
+
+    params: float
+    grad_params: float
+
+
+def layer_grad_params(layer: Layer, cost: _GradParams, stage_has_embedding: bool) -> float:
     """Parameters of `layer` whose gradients one tensor rank reduces: its own, or for a head whose
     tied embedding is on another stage, the copy of the word embeddings Megatron keeps there."""
     if layer.tp_style == "head" and cost.grad_params > cost.params and not stage_has_embedding:
@@ -370,7 +377,7 @@ class _Recorder(_Acc):
         super().__init__()
         self.log: list[tuple] = []
 
-    def add(self, *args: object) -> None:  # type: ignore[override]
+    def add(self, *args: object) -> None:
         self.log.append(args)
 
 

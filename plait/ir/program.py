@@ -117,7 +117,7 @@ def conversion(src: str, dst: str, tensor: str, nbytes: int, phase: str = "fwd")
     return None  # S -> P
 
 
-def shard_sizes(size: int, ratios: Sequence[float], unit: int = 1, *, what: str = "tensor",
+def shard_sizes(size: int, ratios: Sequence[float] | np.ndarray, unit: int = 1, *, what: str = "tensor",
                 devices: Sequence[str] | None = None) -> list[int]:
     """Integer sizes of the shards of a dimension of `size` elements, in multiples of `unit`.
 

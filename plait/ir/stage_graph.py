@@ -223,11 +223,11 @@ def deal_micro_batches(global_batch: int, micro_batch: int, shares: list[float] 
                        dp: int) -> list[list[MicroBatch]]:
     """A stage DAG's stage: the batch cut into ceil(B / b) near-equal micro-batches, dealt to the
     `dp` replicas in turn (module docstring); per replica its micro-batches in sample order."""
-    out: list[list[MicroBatch]] = [[] for _ in range(dp)]
+    dealt: list[list[int]] = [[] for _ in range(dp)]  # per replica, the indices of its micro-batches
     for i, r in enumerate(_deal_order(micro_batch_count(global_batch, micro_batch), shares, dp)):
-        out[r].append(i)  # type: ignore[arg-type]
+        dealt[r].append(i)
     units = replica_micro_batches(0, global_batch, micro_batch)
-    return [[MicroBatch(k, units[i].first, units[i].size) for k, i in enumerate(row)] for row in out]  # type: ignore[index]
+    return [[MicroBatch(k, units[i].first, units[i].size) for k, i in enumerate(row)] for row in dealt]
 
 
 def _deal_order(m: int, shares: list[float] | None, dp: int) -> list[int]:
@@ -254,7 +254,7 @@ def replica_loads(plan: Plan, shares: list[float] | None, dp: int, micro_batch: 
             return [(0, 0)] * dp
         base, extra = divmod(plan.global_batch, m)  # micro-batch i has base + (i < extra)
         order = _deal_order(m, shares, dp)
-        first_of = {}
+        first_of: dict[int, int] = {}  # replica -> its first micro-batch
         counts = [0] * dp
         for i, r in enumerate(order):
             counts[r] += 1

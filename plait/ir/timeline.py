@@ -59,16 +59,16 @@ class Timeline:
     def busy_time(self, resource: str) -> float:
         """Union length of the intervals on `resource` (overlapping events count once)."""
         spans = sorted((e.start, e.end) for e in self.events if e.resource == resource)
-        total, cur_s, cur_e = 0.0, None, None
+        total, cur = 0.0, None  # cur: the (start, end) of the union interval being grown
         for s, e in spans:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
+            if cur is None or s > cur[1]:
+                if cur is not None:
+                    total += cur[1] - cur[0]
+                cur = (s, e)
             else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            total += cur_e - cur_s
+                cur = (cur[0], max(cur[1], e))
+        if cur is not None:
+            total += cur[1] - cur[0]
         return total
 
     def busy_fraction(self) -> dict[str, float]:

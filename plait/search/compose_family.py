@@ -142,12 +142,12 @@ def node_groups(cluster: Cluster, max_stages: int) -> list[list[list[int]]]:
         def piece(n: int, k: int, q: int = q) -> list[int]:
             return sum((run[k * len(run) // q:(k + 1) * len(run) // q] for run in nodes[n]), [])
 
-        order = sorted(nodes)
-        out.append([piece(n, k) for n in order for k in range(q)])
-        if q == 2 and len(order) > 1:  # folded: out over the nodes and back, so the first and last
+        node_order = sorted(nodes)
+        out.append([piece(n, k) for n in node_order for k in range(q)])
+        if q == 2 and len(node_order) > 1:  # folded: out over the nodes and back, so the first and last
             # stages (embedding and head: tied weights) share a node and the messages cross the
             # slow links in both directions at once
-            out.append([piece(n, 0) for n in order] + [piece(n, 1) for n in reversed(order)])
+            out.append([piece(n, 0) for n in node_order] + [piece(n, 1) for n in reversed(node_order)])
     return out
 
 
@@ -345,7 +345,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     reasons: dict[str, int] = {}
     enumerated = 0
     view = ClusterView.from_cluster(cluster)
-    options = []  # (estimate, index, groups, micro-batch, split): `pipeline_estimate` ranks them
+    options: list[tuple[float, int, list[list[int]], int, Any]] = []  # (estimate, index, groups, micro-batch, split): ranked by `pipeline_estimate`
     costs: dict = {}
     for groups in groupings:
         for b in micro_batches_to_try(gb, len(groups)):
@@ -387,8 +387,8 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     # (`plait.workers`: the same results, in the same order, as one process gives)
     for out in map_parallel(synthesize, chosen, jobs):
         if isinstance(out, str):
-            key = "a stage does not fit" if "does not fit" in out else out.split(":")[0]
-            reasons[key] = reasons.get(key, 0) + 1
+            reason = "a stage does not fit" if "does not fit" in out else out.split(":")[0]
+            reasons[reason] = reasons.get(reason, 0) + 1
         else:
             found.append(out)
     if not found:

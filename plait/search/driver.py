@@ -13,8 +13,8 @@ chain, say) says why instead of failing the search.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from plait.cluster import load_cluster
 from plait.cluster.spec import Cluster
@@ -27,14 +27,10 @@ from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
 from plait.workers import paused_gc
 
-
-class FamilySearch(Protocol):
-    """One planner family: `(model, cluster, *, global_batch, top, evaluate, supports, compute,
-    **options) -> PlanResult` (raises a PlaitError when it has nothing to propose)."""
-
-    def __call__(self, model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
-                 evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
-                 compute: Any, **options: Any) -> PlanResult: ...
+# One planner family: `(model, cluster, *, global_batch, top, evaluate, supports, compute,
+# **options) -> PlanResult` (raises a PlaitError when it has nothing to propose); each takes its own
+# keyword options (the names registered with it), so the type checker sees only the result.
+FamilySearch = Callable[..., PlanResult]
 
 
 # name -> (search function, the keyword options it takes besides the common ones). Families
@@ -60,7 +56,7 @@ GRAPH_CHAINS = ("always", "mixed-kinds", "never")
 GRAPH_CHAINS_MAX_DEVICES = MAX_PROGRAM_DEVICES
 
 
-def register_family(name: str, search: FamilySearch, options: Sequence[str] = ()) -> None:
+def register_family(name: str, search: FamilySearch, options: Iterable[str] = ()) -> None:
     """Add (or replace) a planner family; `options` are the keyword arguments of `plan()` it takes."""
     FAMILIES[name] = (search, frozenset(options))
 

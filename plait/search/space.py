@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from plait.errors import PlaitError
 from plait.ir.plan import RECOMPUTE_CHOICES, Plan
@@ -81,7 +82,8 @@ def parse_space(text: str) -> SearchSpace:
         if not values:
             raise SpaceError(f"--space field '{name}': no values")
         if name in ("tp", "pp", "mb"):
-            space = dataclasses.replace(space, **{"micro_batch" if name == "mb" else name: _ints(name, values)})
+            grid: dict[str, Any] = {"micro_batch" if name == "mb" else name: _ints(name, values)}
+            space = dataclasses.replace(space, **grid)
         elif name == "dp":
             dps = _ints(name, values)
         elif name == "recompute":
@@ -96,7 +98,8 @@ def parse_space(text: str) -> SearchSpace:
             on = _switch(name, values)
             if len(on) != 1:
                 raise SpaceError(f"--space field '{name}': give on or off, not both")
-            space = dataclasses.replace(space, **{name: on[0]})
+            switch: dict[str, Any] = {name: on[0]}
+            space = dataclasses.replace(space, **switch)
     if dps is not None:
         allowed = frozenset(dps)
 

@@ -34,7 +34,7 @@ def family_rows(result: PlanResult) -> list[dict[str, Any]]:
     A single-family search is one row of its own."""
     picked = result.best.family if result.top else None
     families: dict[str, PlanResult | str] = result.families or {result.family: result}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, r in families.items():
         if isinstance(r, str) or not r.top:
             rows.append({"family": name, "status": "declined",

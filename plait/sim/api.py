@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from plait.cluster.spec import Cluster
 from plait.cost.compute import recompute_flops
 from plait.errors import PlaitError
 from plait.graph.resolve import resolve_model
@@ -141,8 +142,6 @@ def resolve_plan(plan: Any) -> Plan:
 def resolve_cluster(cluster: Any) -> ClusterView:
     if isinstance(cluster, ClusterView):
         return cluster
-    from plait.cluster.spec import Cluster
-
     if isinstance(cluster, Cluster):
         return ClusterView.from_cluster(cluster)
     if isinstance(cluster, (str, Path)):
@@ -198,7 +197,7 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     result.costs = _provenance(graph, plan_obj, view, opts)
     if memory and view.cluster is not None:
         mem = dict(memory_options or {})
-        _attach_memory(result, graph, plan_obj, view, mem)
+        _attach_memory(result, graph, plan_obj, view.cluster, mem)
     return result
 
 
@@ -217,11 +216,11 @@ def _provenance(graph: OpGraph, plan: Plan, view: ClusterView, opts: SimOptions)
     return compute_provenance(opts.compute, list(dict.fromkeys(entries)))
 
 
-def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, view: ClusterView,
+def _attach_memory(result: SimResult, graph: OpGraph, plan: Plan, cluster: Cluster,
                    memory_options: dict[str, Any]) -> None:
     from plait.cost.memory import estimate_memory
 
-    est = estimate_memory(graph, plan, view.cluster, **memory_options)
+    est = estimate_memory(graph, plan, cluster, **memory_options)
     result.memory = est
     result.memory_peak_bytes = [int(x) for x in est.peak_bytes]
     result.fits_memory = bool(est.fits)
@@ -364,7 +363,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
         events = [TimelineEvent(name=tg.name[i], category=tg.category[i], resource=tg.resource[i],
                                 start=sched.start[i], end=sched.end[i], device=tg.device[i],
                                 stage=tg.stage[i], micro_batch=tg.micro_batch[i],
-                                args=dict(tg.args[i]) if tg.args[i] else {}, chunk=tg.chunk[i])
+                                args=dict(tg.args[i] or {}), chunk=tg.chunk[i])
                   for i in range(len(tg))]
         return Timeline(events=events, source="simulated",
                         meta={"plan": str(plan), "model": graph.model, "cluster": view.name,
@@ -401,7 +400,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
 def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
                      bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
                      cluster: Any, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
-                     fixed_costs: bool = True, tied: list[tuple[int, int, float]] = (),
+                     fixed_costs: bool = True, tied: Sequence[tuple[int, int, float]] = (),
                      memory: list[int] | None = None, name: str = "compose", flops: float = 0.0) -> Any:
     """Predict one iteration of a composed plan with the one engine; a `plait.sim.api.SimResult`.
 
@@ -480,7 +479,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
     def build_timeline() -> Timeline:
         events = [TimelineEvent(name=tg.name[i], category=tg.category[i], resource=tg.resource[i],
                                 start=sched.start[i], end=sched.end[i], device=tg.device[i],
-                                args=dict(tg.args[i]) if tg.args[i] else {}) for i in range(len(tg))]
+                                args=dict(tg.args[i] or {})) for i in range(len(tg))]
         return Timeline(events=events, source="simulated", meta={"plan": name, "model": graph.model,
                                                                  "cluster": view.name, "granularity": "op"})
 

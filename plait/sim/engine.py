@@ -204,7 +204,7 @@ def simulate(graph: TaskGraph) -> Schedule:
             key = tuple([id(coef[u]) for u in comp])
             levels = levels_of.get(key)  # type: ignore[assignment]
             if levels is None:
-                levels = levels_of[key] = max_min_rates(capacity, [coef[u] for u in comp],  # type: ignore[misc]
+                levels = levels_of[key] = max_min_rates(capacity, [coef[u] for u in comp],
                                                         capacity_array)
         for u, g in zip(comp, levels):
             new = g / scale[u] if g < _INF else _INF

@@ -45,6 +45,7 @@ class PipelineDriver:
     size) per micro-batch); a subclass fills `programs` and implements the emitter hooks."""
 
     tg: TaskGraph
+    programs: dict[int, list[Item]]  # per worker id, its compute program (set by the subclass)
     rendezvous: bool = True  # a transfer waits for its receiver to reach the receive (else eager)
     blocking: bool = False  # the sender's next action waits for its transfer to end
     per_input: bool = False  # a later chunk of a stage takes its inputs with the stage's first chunk

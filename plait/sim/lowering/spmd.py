@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -476,7 +477,7 @@ class _ProgramLowerer(PipelineDriver):
 
     def __init__(self, stages: list[SpmdStage], sched: Schedule, bytes_per_sample: dict[tuple[int, int], float],
                  micro_batches: int, micro_batch: int, view: ClusterView, model: ComputeModel | None,
-                 host_comm_s: float, sources: set[int], tied: list[tuple[int, int, float]]) -> None:
+                 host_comm_s: float, sources: set[int], tied: Sequence[tuple[int, int, float]]) -> None:
         self.st, self.tg, self.view, self.model = stages, stages[0].tg if stages else TaskGraph(), view, model
         self.bytes_per_sample, self.host_comm_s, self.sources, self.tied = bytes_per_sample, host_comm_s, sources, tied
         units = [(m * micro_batch, micro_batch) for m in range(micro_batches)]
@@ -555,7 +556,7 @@ class _ProgramLowerer(PipelineDriver):
 def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
                   bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
                   view: ClusterView, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
-                  model: ComputeModel | None = None, tied: list[tuple[int, int, float]] = (),
+                  model: ComputeModel | None = None, tied: Sequence[tuple[int, int, float]] = (),
                   host_comm_s: float | None = None, boundary: bool = True) -> ProgramLowered:
     """The task graph of one iteration of a pipeline of SPMD stages: the pipeline schedule (1F1B
     for a chain, graph 1F1B for a DAG, or GPipe; one stage: a forward and a backward) walked by the

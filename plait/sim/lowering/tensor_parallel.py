@@ -185,6 +185,11 @@ class _Combined:
         return t, c
 
 
+def _ring_of(links: GroupLinks | None) -> tuple[float, float] | None:
+    """(ring bandwidth, ring latency) of a tensor-parallel group's links; None without a group."""
+    return None if links is None else (links.ring_bandwidth, links.ring_latency)
+
+
 def _combine(costs: list[PassCost], links: GroupLinks | None, pinned: str | None,
              host_comm_s: float = 0.0, rs_algorithm: str = "auto") -> list[_Item]:
     """Item-wise max over tensor ranks (they synchronise at each collective); `host_comm_s` is
@@ -241,7 +246,8 @@ class _Lowerer(PipelineDriver):
                            tuple(sorted((options.layer_time_scale or {}).items())))
         self.chunk_cache: dict[tuple, list[tuple[Layer, _Combined]]] = {}
         self.shared_colls: dict[tuple, int] = {}
-        self.ring_cache: dict[tuple, tuple[float, list[tuple[int, int, float]]]] = {}
+        self.ring_cache: dict[tuple, tuple[float, list[tuple[int, float, float]]]] = {}
+        self._twin_cache: dict[tuple[int, int], dict[tuple, float]] = {}  # (src, dst) worker -> copies per resource
         self.tp_algo_cache: dict[tuple, tuple[str, float]] = {}
         # Flows of equal rings and times are equal: one list each (the engine only reads them).
         self.flow_cache: dict[tuple, list[tuple[int, float, float]]] = {}
@@ -325,7 +331,7 @@ class _Lowerer(PipelineDriver):
                     reason = f"stage {w.stage} replicas have different GPU kinds"
                 elif [n for _, n in w.units] != [n for _, n in w0.units]:
                     reason = f"stage {w.stage} replicas have different shares of the batch"
-                elif (w.links.ring_bandwidth, w.links.ring_latency) != (w0.links.ring_bandwidth, w0.links.ring_latency):
+                elif _ring_of(w.links) != _ring_of(w0.links):
                     reason = f"stage {w.stage} replicas' tensor-parallel links differ"
                 if reason:
                     break
@@ -672,7 +678,7 @@ class _Lowerer(PipelineDriver):
                     count[r][1] += load
                 else:
                     count[r] = [r, load, float(max(1, round(copies.get(k, 1))))]
-        return slowest, [tuple(v) for v in count.values()]  # type: ignore[misc]
+        return slowest, [tuple(v) for v in count.values()]
 
     def _fabric_ring_shape(self, rings: list[list[tuple[int, int, float]]]) -> list[tuple[int, float, float]]:
         """On a switched fabric the rings of a collective hash differently, so the one flow
@@ -911,14 +917,12 @@ class _Lowerer(PipelineDriver):
         """Replicas a simulated worker stands for (all of its stage's under symmetry, else itself)."""
         return len(self.all_workers[w.stage]) if self.symmetric else 1
 
-    def _twin_copies(self, src: Worker, dst: Worker, key: tuple) -> int:
+    def _twin_copies(self, src: Worker, dst: Worker, key: tuple) -> float:
         """How many tensor ranks' transfers (src rank t -> dst rank t) cross resource `key`."""
-        cache = getattr(self, "_twin_cache", None)
-        if cache is None:
-            cache = self._twin_cache = {}
+        cache = self._twin_cache
         ck = (src.wid, dst.wid)
         if ck not in cache:
-            counts: dict[tuple, int] = defaultdict(int)
+            counts: dict[tuple, float] = defaultdict(float)
             for a, b in zip(src.devices, dst.devices):
                 for kk, _, share in self.view.route(a, b):
                     counts[kk] += share
@@ -972,6 +976,7 @@ class _Lowerer(PipelineDriver):
                 ends[w.wid] = last
                 continue
             op = traffic.dp_grad_op(plan)
+            assert op is not None  # ZeRO-3 (no gradient collective) went on above
             buckets = self._grad_buckets(total, grads)
             ring, twins = self._dp_group(w)
             prev = -1
