@@ -170,6 +170,14 @@ def test_lone_pair_slowed_while_its_host_is_busy_is_not_judged(tmp_path: Path, c
         assert kinds(d) == [("slow_link", (0, 1))] and not d.warnings
 
 
+def test_link_far_slower_than_contention_makes_it_is_named_while_its_host_is_busy(tmp_path: Path) -> None:
+    # A 30 ms link delay under a bursty busy loop: its steps were contended, dropped, and the link
+    # went unnamed (2 of 8 runs). 4 ms -> 240 ms is beyond what contention adds
+    # (`contention_probe_s`): judged, named (3x is not: test_lone_pair_slowed_while_its_host_is_busy...).
+    d = diagnose(write_run(tmp_path, world=2, steps=12, version=3, link=(0, 1, 4, 60.0), foreign=(4, 1.0)))
+    assert kinds(d) == [("slow_link", (0, 1))] and d.findings[0].step == 4, d
+
+
 def test_slow_link_under_milder_contention_is_still_named(tmp_path: Path) -> None:
     # Compute 1.5x slower on both ranks, the link 4x: more than the contention explains.
     d = diagnose(write_run(tmp_path, world=2, steps=12, busy=(4, 1.5), link=(0, 1, 4, 4.0)))

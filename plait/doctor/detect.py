@@ -92,6 +92,12 @@ class Thresholds:
     busy CPU less the job's ranks' own, `host_contention`) rose this many cores above its steady
     level: its ranks' link probes of that step are not judged (a busy loop beside a rank slowed
     its probes 5x with no link at fault, while its sleep-padded compute did not move)."""
+    contention_probe_s: float = 0.010
+    """...unless a probe of a contended step exceeds `slow_link_ratio` x its pair's level (from the
+    uncontended steps) by more than this many seconds: then it is judged (a 30 ms link delay under
+    a bursty 2-process busy loop was dropped with its contended steps and went unnamed, 2 of 8
+    runs). Contention delays a probe by the time its process waits to run: busy loops beside the
+    ranks added at most 3.6 ms to clean probes here (0.4-0.6 ms each); the allowance is ~3x that."""
 
 
 @dataclass
@@ -460,7 +466,8 @@ def _in_pauses(pauses: list[tuple[str, Any, float, float | None]], a: float, b: 
 
 def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], ratio: float, floor: float,
            min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None,
-           periodic: bool = True, alpha: float | None = None) -> dict[Any, tuple[list[int], float, int]]:
+           periodic: bool = True, alpha: float | None = None,
+           levels: dict[Any, float | None] | None = None) -> dict[Any, tuple[list[int], float, int]]:
     """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
 
     A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
@@ -474,8 +481,9 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
     binomial tail (`_chance`) at its peers' pooled rate of slow steps (half a slow step added)
     below `alpha` / the number of items judged (Bonferroni: every pair is tested; a 4-rank run
     has 6); None: not tested. Returns item -> (slow steps, reference, how many of the slow steps
-    it took to name it)."""
-    own = {k: _steady(dict(ser)) for k, ser in series.items()}
+    it took to name it). `levels`: item -> its steady level where the series holds steps that
+    must not set it (`slow_links`' contended steps)."""
+    own = {k: (levels or {}).get(k) or _steady(dict(ser)) for k, ser in series.items()}
     found = {k: _hits(k, series, peers, own, ratio, floor, scale) for k in series}
     out = {}
     for k, ser in series.items():
@@ -720,12 +728,21 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
     times = probe_times(run)
     # A pair's first probe also sets up its connection (gloo connects lazily): left out.
     floor = probe_floor(run, th)  # a time below the floor is read as the floor: no ratio of noise
-    # Steps at which other processes took a rank's host CPU: its probes then are not the link's.
+    # Steps at which other processes took a rank's host CPU: its probes then are not the link's,
+    # unless slower than contention makes them (`contention_probe_s`): those are judged.
     busy = {h: set(steps) for h, steps in host_contention(run, th).items()}
     contended = {r: busy.get(_host_of(run, r), set()) for r in run.ranks}
-    series = {p: {s: max(v[0], floor) for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)
-                  and s not in contended.get(p[0], set()) | contended.get(p[1], set())}
-              for p, ser in times.items()}
+    series, clean_level = {}, {}
+    for p, ser in times.items():
+        both = {s: max(v[0], floor) for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)}
+        busy_steps = contended.get(p[0], set()) | contended.get(p[1], set())
+        series[p] = {s: v for s, v in both.items() if s not in busy_steps}
+        level = _steady(series[p])
+        if level and busy_steps:
+            bar = th.slow_link_ratio * level + th.contention_probe_s
+            kept = {s: v for s, v in both.items() if s in busy_steps and v >= bar}
+            series[p] = dict(sorted({**series[p], **kept}.items()))
+            clean_level[p] = level  # the kept steps do not set the level they are judged against
     series = {p: ser for p, ser in series.items() if ser}
 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
@@ -735,7 +752,8 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
     # A slow link stays slow: its probes from the first slow one on (not every k-th: a shared
     # machine's latency spikes, scattered over a long run, fall on some grid by chance).
     flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
-                     th.link_min_hit_fraction, scale=rise, periodic=False, alpha=th.link_noise_alpha)
+                     th.link_min_hit_fraction, scale=rise, periodic=False, alpha=th.link_noise_alpha,
+                     levels=clean_level)
     out = []
     for p, (hits, ref, named) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
