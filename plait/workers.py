@@ -28,6 +28,7 @@ import contextlib
 import gc
 import itertools
 import multiprocessing
+import multiprocessing.util
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -135,7 +136,16 @@ class Workers:
     def close(self, wait: bool = True) -> None:
         """Cancel what has not started; `wait`: also wait for what has (else it ends on its own)."""
         if self._pool is not None:
+            manager = getattr(self._pool, "_executor_manager_thread", None)
             self._pool.shutdown(wait=wait, cancel_futures=True)
+            if not wait and manager is not None and multiprocessing.parent_process() is not None:
+                # A forked child exits through multiprocessing's exit function: it closes the
+                # pool's call queue (its finalizer, priority 10), then joins every child process,
+                # never the executor's manager thread. The manager's stop messages to the idle
+                # workers, sent once their running items end, came after that close and were lost:
+                # the child waited for its workers forever (bench/plan_search_time.py --nodes 16
+                # hung 8 minutes). Its exit now first waits for the manager (priority 20).
+                multiprocessing.util.Finalize(None, manager.join, exitpriority=20)
             self._pool = None
         _FUNCTIONS.pop(self.key, None)
 

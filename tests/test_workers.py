@@ -99,3 +99,36 @@ def test_no_workers_from_a_daemonic_process():
 
     with multiprocessing.get_context("fork").Pool(1) as pool:  # its workers are daemonic
         assert pool.apply(_can_fork_here) is False
+
+
+def _search_in_a_child_that_closes_without_waiting() -> None:
+    import time
+
+    os.setpgrp()  # its own process group: the test can stop it and its workers together
+    pool = Workers(lambda x: time.sleep(0.5) or x, jobs=2)
+    for i in range(4):
+        pool.submit(i)
+    time.sleep(0.1)  # two items running, the rest queued
+    pool.close(wait=False)
+
+
+@needs_fork
+def test_a_child_process_that_closed_workers_without_waiting_exits():
+    # A forked child (bench/plan_search_time.py measures each search in one) exits through
+    # multiprocessing's exit function: it closes the pool's call queue, then joins every child
+    # process. The executor's stop messages to its idle workers, sent once their running items
+    # ended, came after that close and were lost: the child waited for its workers forever
+    # (a --nodes 16 measurement hung for 8 minutes).
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_search_in_a_child_that_closes_without_waiting)
+    child.start()
+    child.join(timeout=30)
+    alive = child.is_alive()
+    if alive:
+        import signal
+
+        os.killpg(child.pid, signal.SIGKILL)
+        child.join()
+    assert not alive, "the child hung at exit"
+    assert child.exitcode == 0
