@@ -93,8 +93,9 @@ class Thresholds:
     level: its ranks' link probes of that step are not judged (a busy loop beside a rank slowed
     its probes 5x with no link at fault, while its sleep-padded compute did not move)."""
     contention_probe_s: float = 0.010
-    """...unless a probe of a contended step exceeds `slow_link_ratio` x its pair's level (from the
-    uncontended steps) by more than this many seconds: then it is judged (a 30 ms link delay under
+    """...unless a probe of a contended step exceeds `slow_link_ratio` x its pair's level (every
+    step's probe counts for the level: contention only slows one) by more than this many seconds:
+    then it is judged (a 30 ms link delay under
     a bursty 2-process busy loop was dropped with its contended steps and went unnamed, 2 of 8
     runs). Contention delays a probe by the time its process waits to run: busy loops beside the
     ranks added at most 3.6 ms to clean probes here (0.4-0.6 ms each); the allowance is ~3x that."""
@@ -732,17 +733,20 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
     # unless slower than contention makes them (`contention_probe_s`): those are judged.
     busy = {h: set(steps) for h, steps in host_contention(run, th).items()}
     contended = {r: busy.get(_host_of(run, r), set()) for r in run.ranks}
-    series, clean_level = {}, {}
+    series, set_level = {}, {}
     for p, ser in times.items():
         both = {s: max(v[0], floor) for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)}
         busy_steps = contended.get(p[0], set()) | contended.get(p[1], set())
         series[p] = {s: v for s, v in both.items() if s not in busy_steps}
-        level = _steady(series[p])
+        # Contention only slows a probe: a contended step is an upper bound on the link's time, so
+        # it may set the level (a fault from step 3 with step 2 contended left one clean step
+        # before it, and the level came from the slow steps after).
+        level = _steady(both)
         if level and busy_steps:
             bar = th.slow_link_ratio * level + th.contention_probe_s
             kept = {s: v for s, v in both.items() if s in busy_steps and v >= bar}
             series[p] = dict(sorted({**series[p], **kept}.items()))
-            clean_level[p] = level  # the kept steps do not set the level they are judged against
+            set_level[p] = level  # the kept steps are judged against it, not a level they raised
     series = {p: ser for p, ser in series.items() if ser}
 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
@@ -753,7 +757,7 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
     # machine's latency spikes, scattered over a long run, fall on some grid by chance).
     flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
                      th.link_min_hit_fraction, scale=rise, periodic=False, alpha=th.link_noise_alpha,
-                     levels=clean_level)
+                     levels=set_level)
     out = []
     for p, (hits, ref, named) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
