@@ -95,10 +95,10 @@ class Thresholds:
     contention_probe_s: float = 0.010
     """...unless a probe of a contended step exceeds `slow_link_ratio` x its pair's level (every
     step's probe counts for the level: contention only slows one) by more than this many seconds:
-    then it is judged (a 30 ms link delay under
-    a bursty 2-process busy loop was dropped with its contended steps and went unnamed, 2 of 8
-    runs). Contention delays a probe by the time its process waits to run: busy loops beside the
-    ranks added at most 3.6 ms to clean probes here (0.4-0.6 ms each); the allowance is ~3x that."""
+    then it is judged (a 30 ms link delay under a bursty 2-process busy loop was dropped with its
+    contended steps and went unnamed, 2 of 8 runs). Contention delays a probe by the time its
+    process waits to run: busy loops beside the ranks added at most 3.6 ms to clean probes here
+    (0.4-0.6 ms each); the allowance is ~3x that."""
 
 
 @dataclass
