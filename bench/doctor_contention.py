@@ -46,10 +46,10 @@ def _burn(seed: int) -> None:
         time.sleep(r.uniform(0.3, 2.0))
 
 
-def _hog() -> subprocess.Popen:
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import doctor_contention as d; d._burn(int(sys.argv[1]))"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], start_new_session=True) for i in range(2)]
-    return procs
+def _hog() -> list[subprocess.Popen]:
+    """Two bursty busy loops, each in its own session (killed with its group at the end)."""
+    return [subprocess.Popen([sys.executable, __file__, "--burn", str(seed)], start_new_session=True)
+            for seed in range(2)]
 
 
 def _judge(run_dir: Path, spec: str) -> dict:
@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--burn", type=int, default=None, help=argparse.SUPPRESS)  # one busy loop (internal)
     args = ap.parse_args(argv)
+    if args.burn is not None:
+        _burn(args.burn)
 
     from plait.runtime.api import FaultsConfig, LaunchConfig, RecordsConfig, run
 
