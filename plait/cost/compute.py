@@ -761,9 +761,9 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
             continue
         role = (op.tp_role or None) if by_marks else _tp_split(op.module) if split_layer else None
         if role == "column" and (_GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target)):
-            for i in (op.inputs[0] if op.inputs else None,):
-                src = i if i in graph.ops else None
-                column_inputs[src] = graph.ops[src].output_bytes if src is not None else layer.input_bytes
+            first = op.inputs[0] if op.inputs else None
+            src = first if first in graph.ops else None
+            column_inputs[src] = graph.ops[src].output_bytes if src is not None else layer.input_bytes
         if role == "experts":  # every expert's GEMMs on its slice of the intermediate features
             role = "sharded"
         gathered = role in ("column_gather", "row_split")  # a linear cut alone (`plait.graph.tp_plan`)
