@@ -17,7 +17,7 @@ For each cluster the bench prints, over the trials that ran:
 * **pick among the measured trials**: the trial each model ranks first and its measured time
   over the measured best (1.00 = the fastest; a failed run counts as a miss), and whether
   plait's memory estimate flags the trials that failed;
-* **plait's own search** (`plait.search.plan` on the cluster, no knowledge of the trials): its
+* **plait's own search** (`plait.plan` on the cluster, no knowledge of the trials): its
   plan, and the measured time of the trial with the same dp x tp x pp x micro-batch when one
   was measured;
 * **planner CPU time**: plait's search (CPU seconds of this process and the search's worker processes) and, with ``--amp DIR`` (a checkout
@@ -127,7 +127,7 @@ def score_case(name: str, trials: list[dict[str, Any]], search: bool = True, com
 
 
 def _search(cluster: str, rows: list[dict[str, Any]], best: float) -> dict[str, Any]:
-    from plait.search import plan
+    from plait.api import plan
     from plait.workers import cpu_seconds  # the search's worker processes included
 
     c0 = cpu_seconds()

@@ -107,9 +107,9 @@ def engine_cases(model: str, cluster, gpus: int, global_batch: int, dtype: str) 
     GPUs allow (module doc): the same model on each form, so their rows compare."""
     import dataclasses
 
+    from plait.api import plan as search
     from plait.graph.resolve import resolve_model
     from plait.ir.plan import Plan, StageSpec
-    from plait.search import plan as search
 
     def grid(text: str) -> Plan:
         return Plan.parse(f"{text},global_batch={global_batch},dtype={dtype}")

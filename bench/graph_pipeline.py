@@ -57,18 +57,19 @@ CASE = "graphpipe_case"
 def run_case(model: str, cluster: str, global_batch: int, *, three_d: bool = True,
              pure_pipeline: bool = False) -> dict[str, Any]:
     """One row: graph plan, PipeDream, Piper and 3D on the same model, cluster and batch."""
+    from plait.api import plan
     from plait.cluster import load_cluster
     from plait.plan.graph_cost import StageCost, lower_bound
     from plait.plan.graph_search import search_graph
     from plait.plan.graphpipe import replica_counts
     from plait.plan.seq_baselines import pipedream, piper
-    from plait.search import auto_dtype, load_graph, plan
-    from plait.search.driver import simulator_evaluate
+    from plait.search import auto_dtype, load_graph
+    from plait.sim.api import PlanSimulator
 
     cl = load_cluster(cluster)
     dtype = auto_dtype(cl)
     _, graph = load_graph(model, dtype)
-    ev = simulator_evaluate(cl)
+    ev = PlanSimulator(cl).evaluate
     B = global_batch
     row: dict[str, Any] = {"model": model, "cluster": cl.name, "gpus": cl.num_devices, "global_batch": B}
 

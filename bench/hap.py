@@ -84,7 +84,7 @@ from plait.graph.aten_stage import free_outputs
 from plait.graph.zoo import load_model
 from plait.ir.program import Comm, ShardingError, shard_sizes
 from plait.search.spmd_family import OVERLAP_WEIGHTS, synthesize_program
-from plait.sim.api import simulate_spmd
+from plait.sim.api import PlanSimulator, simulate_spmd
 from plait.spmd.mesh import Hierarchical, node_batches, synthesize_hierarchical
 from plait.spmd.ratios import synthesize
 
@@ -280,7 +280,8 @@ def run_case(cluster, cluster_name: str, label: str, spec_text: str, batch: int,
     fits["hap"] = hap.fits
     cpu = time.process_time()
     # plait's flat program: the one `plait plan --family spmd` and the search driver emit
-    plait_syn, flat_t, _ = synthesize_program(problem, cluster, batch=batch, dtype=dtype, max_states=max_states)
+    plait_syn, flat_t, _ = synthesize_program(problem, PlanSimulator(cluster), batch=batch, dtype=dtype,
+                                              max_states=max_states)
     sims["flat"] = flat_t if flat_t is not None else simulate_spmd(problem, plait_syn, cluster,
                                                                       batch=batch).iteration_time_s
     flat_s = time.process_time() - cpu

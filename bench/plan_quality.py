@@ -55,8 +55,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from plait.api import plan  # noqa: E402
 from plait.ir.plan import Plan  # noqa: E402
-from plait.search import SearchSpace, plan  # noqa: E402
+from plait.search import SearchSpace  # noqa: E402
 
 
 # ============================================================================ (a)

@@ -9,7 +9,7 @@ V100-32GB in the second, a leaf/spine fabric and a seeded 10 % of node pairs at 
 of the NIC bandwidth. Model: the zoo's GPT-3 175B (96 layers, hidden 12288, 96 heads,
 seq 2048). Global batch 1536 (GPT-3's 3.2M tokens).
 
-Runs `plait.search.plan(..., families="all")`, each search in a fresh process forked after the
+Runs `plait.plan(..., families="all")`, each search in a fresh process forked after the
 model graph is loaded (as `plait plan` starts: no cache warmed by an earlier search), alternately
 `--repeat` times (default 2), in three settings:
   baseline  the search's speed-ups off (`fast=False`: what the search did before them; the
@@ -88,7 +88,7 @@ def _measure(model: str, cluster: Any, global_batch: int, finalists: int, top: i
     "3d memory", "3d analytic", "3d simulate", "graph", "graph search", ...), and the whole
     search's wall and CPU seconds (its worker processes included)."""
     import plait.workers
-    from plait.search import plan
+    from plait.api import plan
     from plait.workers import cpu_seconds
 
     plait.workers.PAUSE_GC = fast  # the baseline runs as the search did: the collector on

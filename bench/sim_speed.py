@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 from plait.cluster import load_cluster  # noqa: E402
 from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
 from plait.ir.plan import Plan  # noqa: E402
+from plait.net.view import ClusterView  # noqa: E402
 from plait.sim.api import simulate  # noqa: E402
-from plait.sim.topology import ClusterView  # noqa: E402
 
 GPT3 = {"layers": 96, "hidden": 12288, "heads": 96, "seq": 2048, "vocab": 50257}
 MICRO_BATCHES = 64

@@ -56,8 +56,8 @@ from plait.net.fabric import Fabric  # noqa: E402
 from plait.net.flows import plan_flows  # noqa: E402
 from plait.net.paths import to_plan_field  # noqa: E402
 from plait.net.spray import spray_time  # noqa: E402
+from plait.net.view import ClusterView  # noqa: E402
 from plait.sim.api import simulate  # noqa: E402
-from plait.sim.topology import ClusterView  # noqa: E402
 
 GPT22B = {"layers": 48, "hidden": 6144, "heads": 48, "seq": 2048, "vocab": 50257}
 CLUSTER = ROOT / "examples" / "clusters" / "rail-bonded-512.yaml"

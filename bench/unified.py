@@ -6,7 +6,7 @@
     python bench/unified.py --json-out unified.json   # the table, and the JSON in a file
     python bench/unified.py --no-exhaustive --jobs 2   # the figures of docs/DESIGN.md
 
-For each case (model, cluster, global batch) the bench runs `plait.search.plan(..., families=
+For each case (model, cluster, global batch) the bench runs `plait.plan(..., families=
 "all")` -- every registered family (`plait.search.FAMILIES`: "3d" always; "graph" and "spmd"
 when those planners are present), each ranked by the same simulator -- and prints per family
 the best predicted iteration time (or why the family proposed nothing), the unified pick and
@@ -132,9 +132,9 @@ def describe(plan: Any, cluster: Any) -> str:
 
 
 def run_case(case: Case, finalists: int | None, exhaustive: bool, before_policy: bool = True) -> dict[str, Any]:
+    from plait.api import plan
     from plait.errors import PlaitError
     from plait.plan.types import PlanResult
-    from plait.search import plan
 
     cluster = _cluster(case.cluster)
     before: dict[str, Any] | None = None

@@ -69,9 +69,9 @@ from plait.cost.compute import DEFAULT_MODEL, ComputeModel  # noqa: E402
 from plait.cost.memory import estimate_memory  # noqa: E402
 from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
 from plait.ir.plan import Plan  # noqa: E402
+from plait.net.view import ClusterView  # noqa: E402
 from plait.sim.engine import simulate as run_engine  # noqa: E402
 from plait.sim.lowering import SimOptions, lower  # noqa: E402
-from plait.sim.topology import ClusterView  # noqa: E402
 
 SOURCES_DIR = ROOT / "bench" / "data" / "sources"
 DEV_GOAL = 0.05

@@ -217,9 +217,9 @@ from plait.cluster.spec import Cluster, Link, NodeSpec  # noqa: E402
 from plait.cost.compute import DEFAULT_MODEL, ComputeModel, TransformerShape, transformer_layer_cost  # noqa: E402
 from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
 from plait.ir.plan import Plan  # noqa: E402
+from plait.net.view import ClusterView  # noqa: E402
 from plait.sim.engine import simulate as run_engine  # noqa: E402
 from plait.sim.lowering import SimOptions, lower  # noqa: E402
-from plait.sim.topology import ClusterView  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "a100_single_node_megatron.csv"
 VOCAB = 50257  # GPT-2, unpadded; each tensor rank holds VOCAB // tp rows (`shard_vocab`)

@@ -24,7 +24,7 @@ class _CallablePackage(types.ModuleType):
     search driver (`plait.search`) sits above the planners."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from plait.search import plan as _plan
+        from plait.api import plan as _plan
 
         return _plan(*args, **kwargs)
 

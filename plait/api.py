@@ -10,7 +10,7 @@ from typing import Any
 from plait.ir.plan import Plan
 
 # `plan` is not re-exported: `plait.plan` is the (callable) package plait/plan, which calls
-# `plait.search.plan`, so that `plait.plan(...)` and `import plait.search` both work.
+# `plait.api.plan`, so that `plait.plan(...)` and `import plait.plan.threed` both work.
 __all__ = ["inspect", "load_cluster", "load_model", "Plan", "simulate", "run"]
 
 
@@ -42,6 +42,22 @@ def simulate(model: Any, cluster: Any, plan: Any, **kwargs: Any):
     from plait.sim.api import simulate as _simulate
 
     return _simulate(model, cluster, plan, **kwargs)
+
+
+def plan(model: Any = None, cluster: Any = None, *, simulate: bool = True, compute: Any = None, **kwargs: Any):
+    """The fastest plans of `model` on `cluster` (`plait plan`; default: `DEFAULT_MODEL` on
+    `DEFAULT_CLUSTER`): the search driver over the planner families
+    (`plait.search.search_plans`, which takes the other keyword arguments: `global_batch`,
+    `top`, `families`, ...), every family's finalists timed by the one simulator built here for
+    the cluster (`simulate=False`: ranked by each family's analytic model alone). A PlanResult."""
+    from plait.cluster import load_cluster as _load
+    from plait.plan.types import DEFAULT_CLUSTER
+    from plait.search import search_plans
+    from plait.sim.api import PlanSimulator
+
+    cluster_obj = _load(DEFAULT_CLUSTER if cluster is None else cluster)
+    simulator = PlanSimulator(cluster_obj, compute) if simulate else None
+    return search_plans(model, cluster_obj, simulator=simulator, compute=compute, **kwargs)
 
 
 def run(model: Any, cluster: Any, plan: Any, steps: int = 3, **configs: Any):

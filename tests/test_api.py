@@ -14,7 +14,7 @@ def test_plan_is_callable_and_its_submodules_import():
     assert callable(plait.plan)
     result = plait.plan(MODEL, CLUSTER, global_batch=4, top=2)
     assert result.top and isinstance(result.top[0].plan, plait.Plan)
-    assert search.plan is not None
+    assert callable(search.search_plans)
 
 
 def test_inspect_and_simulate_take_string_forms():

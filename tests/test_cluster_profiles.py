@@ -113,9 +113,9 @@ def test_a_profile_of_another_model_dtype_or_engine_is_refused(tmp_path):
 def test_a_plan_row_and_simulate_say_what_was_measured(tmp_path, capsys, monkeypatch):
     from rich.console import Console
 
+    from plait.api import plan
     from plait.cli import main
     from plait.commands.plan_cmd import plan_table
-    from plait.search import plan
 
     _, graph = load_graph(MODEL, "fp16")
     path = _cluster(tmp_path, _profile(graph))   # the A100 measured, the V100 not

@@ -87,12 +87,11 @@ def _two_gpu_cluster(per_node: int = 1):
 
 
 def _stage_programs(cluster, model: str, batch: int, split: list[list[str]], groups: list[list[int]]):
-    from plait.cost.program import Problem
+    from plait.cost.program import Problem, ProgramStage
     from plait.cost.spmd import Devices
     from plait.graph.aten_capture import capture_aten
     from plait.graph.aten_stage import stage_subgraph
     from plait.graph.zoo import load_model
-    from plait.sim.lowering import StageProgram
     from plait.spmd.ratios import synthesize
 
     spec = load_model(model)
@@ -102,7 +101,7 @@ def _stage_programs(cluster, model: str, batch: int, split: list[list[str]], gro
     for s, (layers, ids) in enumerate(zip(split, groups)):
         problem = Problem.build(stage_subgraph(aten, layers), Devices.from_cluster(cluster, "fp32", ids))
         syn = synthesize(problem, dtype="fp32", segmented=False)
-        out.append(StageProgram(problem, syn.program, np.asarray(syn.ratios), name=f"s{s}"))
+        out.append(ProgramStage(problem, syn.program, np.asarray(syn.ratios), name=f"s{s}"))
     return out
 
 
@@ -116,8 +115,8 @@ def test_two_one_gpu_stages_match_1f1b_by_hand(m, per_sample):
     messages carry no bytes (two in flight would share the link: the engine's job, not this
     test's); with m=1 one message at a time crosses the 10 Gb/s link."""
     from plait.cost.compute import optimizer_time
+    from plait.net.view import ClusterView
     from plait.sim.api import simulate_compose
-    from plait.sim.topology import ClusterView
 
     cluster = _two_gpu_cluster()
     stages = _stage_programs(cluster, TINY, 4, TINY_SPLIT, [[0], [1]])
@@ -144,10 +143,10 @@ def test_two_one_gpu_stages_match_1f1b_by_hand(m, per_sample):
 
 def test_stage_program_compute_is_its_ratio_of_the_work_per_micro_batch():
     """A stage on 2 GPUs: each GPU computes m x (its ratio of every split op + every redundant op)."""
+    from plait.net.view import ClusterView
     from plait.sim.engine import simulate as run
     from plait.sim.lowering import lower_compose
     from plait.sim.lowering.spmd import op_ratios
-    from plait.sim.topology import ClusterView
 
     cluster = _two_gpu_cluster(per_node=2)
     stages = _stage_programs(cluster, TINY, 8, TINY_SPLIT, [[0, 1], [2, 3]])
@@ -173,7 +172,8 @@ def test_stage_program_compute_is_its_ratio_of_the_work_per_micro_batch():
 
 # ---------------------------------------------------------------- the family in the driver
 def test_driver_plans_composed_pipelines_the_runtime_runs():
-    from plait.search import FAMILIES, plan
+    from plait.api import plan
+    from plait.search import FAMILIES
 
     assert "compose" in FAMILIES
     cluster = _two_gpu_cluster(per_node=2)
@@ -189,10 +189,10 @@ def test_driver_plans_composed_pipelines_the_runtime_runs():
 
 
 def test_compose_declines_with_a_reason():
+    from plait.api import plan
     from plait.cluster import load_cluster
     from plait.errors import PlaitError
     from plait.plan.types import auto_dtype
-    from plait.search import plan
 
     with pytest.raises(PlaitError, match="compose: .*one node of one GPU kind"):
         plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="compose")
@@ -240,9 +240,9 @@ def test_simulate_takes_a_composed_plan_as_its_family_timed_it(tmp_path):
     """Issue 27: `simulate()` takes every plan. A composed plan written to a file and read back is
     replayed stage by stage (`plait.sim.replay.composed_stages`) to the iteration time and memory
     the compose family simulated for it."""
+    from plait.api import plan
     from plait.cli import main
     from plait.cost.memory import FRAMEWORK_OVERHEAD_BYTES
-    from plait.search import plan
     from plait.sim.api import SimulateError, simulate
 
     cluster = _two_gpu_cluster(per_node=2)
@@ -287,8 +287,8 @@ nodes:
 
 
 def test_composed_pipeline_beats_every_single_family_across_a_slow_link():
+    from plait.api import plan
     from plait.cluster import parse_yaml_text
-    from plait.search import plan
 
     cluster = parse_yaml_text(SLOW_FIRST)
     res = plan("bert:layers=8,hidden=1024,heads=16,seq=64,vocab=1024", cluster, global_batch=32, top=1,

@@ -35,18 +35,17 @@ def _composed() -> tuple[Plan, list, object]:
     programs that shard at uneven ratios: plait.spmd's beam search on devices a million times slower
     than a V100 (as test_spmd_program: the tiny model's ops then outweigh the link latency and the
     search shards them; the family's own programs keep this tiny model replicated). Returns the
-    plan, the stage programs (`plait.sim.lowering.StageProgram`) and the cluster."""
+    plan, the stage programs (`plait.cost.program.ProgramStage`) and the cluster."""
     import numpy as np
     from test_compose import _two_gpu_cluster
     from test_spmd_program import synthesized_problem
 
-    from plait.cost.program import Problem
+    from plait.api import plan
+    from plait.cost.program import Problem, ProgramStage
     from plait.cost.spmd import Devices
     from plait.graph.aten_capture import capture_aten
     from plait.graph.aten_stage import stage_subgraph
     from plait.graph.zoo import load_model
-    from plait.search import plan
-    from plait.sim.lowering import StageProgram
     from plait.spmd.program_plan import program_plan
     from plait.spmd.search import beam_search
 
@@ -63,7 +62,7 @@ def _composed() -> tuple[Plan, list, object]:
         stages.append(dataclasses.replace(st, micro_batch=MICRO_BATCH,
                                           spmd=program_plan(program.strategies, ratios, MICRO_BATCH).spmd))
         problem = Problem.build(sub, Devices.from_cluster(cluster, "fp32", st.devices))
-        programs.append(StageProgram(problem, program, np.asarray(ratios)))
+        programs.append(ProgramStage(problem, program, np.asarray(ratios)))
     return dataclasses.replace(best, stages=stages, dtype="fp32"), programs, cluster
 
 
@@ -108,8 +107,8 @@ def _check_simulator_models_the_run(result, plan: Plan, programs: list, cluster)
     messages of each boundary value."""
     from collections import Counter
 
+    from plait.net.view import ClusterView
     from plait.sim.lowering import lower_compose
-    from plait.sim.topology import ClusterView
 
     tied = [(0, 1, float(128 * 64 * 4))]  # GPT's tied embedding / head (vocab x hidden, fp32)
     low = lower_compose(programs, [(0, 1)], {(0, 1): 16 * 64 * 4.0}, plan.num_micro_batches, plan.micro_batch,

@@ -8,7 +8,7 @@ import numpy as np
 from plait.cluster import load_cluster
 from plait.cost.devices import DeviceModel
 from plait.cost.spmd import Devices
-from plait.sim.topology import ClusterView
+from plait.net.view import ClusterView
 
 
 def test_the_planner_and_the_simulator_read_one_device_model():

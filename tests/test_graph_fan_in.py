@@ -148,8 +148,8 @@ def test_simulator_runs_the_join_stage_per_input_closed_form(tf_a1: float, msg: 
     from plait.cluster.catalog import GPU_KINDS
     from plait.cost.compute import ComputeModel
     from plait.ir.opgraph import Layer, OpGraph
+    from plait.net.view import ClusterView
     from plait.sim.api import simulate
-    from plait.sim.topology import ClusterView
 
     alpha = 5e-6
     zero = ComputeModel(host_fwd_s=0.0, host_bwd_s=0.0, host_comm_s=0.0, p2p_host_s=0.0, loss_host_s=0.0,

@@ -243,7 +243,7 @@ TINY_MMT = "mmt:branches=2,layers=2,hidden=64,heads=4,seq=16,in_dim=16,dropout=0
 
 
 def test_search_driver_graph_family_returns_a_plan_result_ranked_by_the_simulator():
-    from plait.search import plan
+    from plait.api import plan
 
     res = plan(TINY_MMT, CLUSTER4, global_batch=32, family="graph", top=2)
     assert res.family == "graph" and res.ranker == "simulator" and res.best.iteration_time_s > 0
@@ -319,9 +319,9 @@ def test_one_stage_graph_has_every_zero_stage_in_the_3d_form_and_stage_graphs_ze
 def test_graph_family_on_a_chain_model_is_no_slower_than_pipedream_or_3d():
     """A chain of stages is a graph of stages and pure data parallelism a one-stage graph: on a chain
     model the graph family's best, ranked by the simulator, matches the best sequential plan."""
+    from plait.api import plan
     from plait.plan.graph_search import search_graph
-    from plait.search import plan
-    from plait.search.driver import simulator_evaluate
+    from plait.sim.api import PlanSimulator
 
     g = _graph([("l0", "l1"), ("l1", "l2"), ("l2", "l3"), ("l3", "l4"), ("l4", "l5")],
                {"l0": 4, "l1": 4, "l2": 4, "l3": 4, "l4": 4, "l5": 4}, name="chain")
@@ -329,7 +329,7 @@ def test_graph_family_on_a_chain_model_is_no_slower_than_pipedream_or_3d():
         layer.param_count, layer.param_bytes = 100_000_000, 4e8
         g.ops[layer.ops[0]].param_bytes = 4e8
     cl = load_cluster(CLUSTER4)
-    ev = simulator_evaluate(cl)
+    ev = PlanSimulator(cl).evaluate
     res = search_graph(g, cl, global_batch=64, evaluate=ev, dtype="bf16")
     assert any("no branches" in n for n in res.extra["notes"])
     best = res.best.plan
@@ -356,7 +356,7 @@ def test_case_study_one_gpu_per_stage_runs_the_head_per_input_at_effective_depth
     import dataclasses
 
     from plait.search import load_graph
-    from plait.search.driver import simulator_evaluate
+    from plait.sim.api import PlanSimulator
 
     _, g = load_graph("graphpipe_case", "bf16")
     cl = load_cluster("a100-80g:nodes=1")
@@ -371,7 +371,7 @@ def test_case_study_one_gpu_per_stage_runs_the_head_per_input_at_effective_depth
     plan = cost.to_plan(best)
     assert [s.segments for s in plan.stages if s.segments] == [[1, 1]]  # the head's stage, per input
     whole = dataclasses.replace(plan, stages=[dataclasses.replace(s, segments=None) for s in plan.stages])
-    ev = simulator_evaluate(cl)
+    ev = PlanSimulator(cl).evaluate
     assert ev(g, plan)["iteration_time_s"] < 0.97 * ev(g, whole)["iteration_time_s"]
     kind, b = cost.kinds[0], best[0].micro_batch
 
@@ -390,13 +390,13 @@ def test_score_follows_the_simulator_on_dlrm_with_the_optimizer_step_after_the_b
     Scored with the step inside each stage's busy time instead, the simulator was up to 22 % slower
     than the score on these plans (1.01-1.22)."""
     from plait.search import load_graph
-    from plait.search.driver import simulator_evaluate
+    from plait.sim.api import PlanSimulator
 
     cl = load_cluster("a100-80g:nodes=1")
     _, g = load_graph("dlrm", "bf16")
     cost = StageCost(g, cl, 128, dtype="bf16")
     part = partition(cost, candidates=5)
-    ev = simulator_evaluate(cl)
+    ev = PlanSimulator(cl).evaluate
     ratios = [ev(g, cost.to_plan(st))["iteration_time_s"] / sc for st, sc in zip(part.stages[:5], part.scores)]
     assert all(0.9 <= r <= 1.15 for r in ratios), ratios
 

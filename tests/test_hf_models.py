@@ -430,14 +430,14 @@ def test_the_spmd_family_plans_moe_routing_and_names_a_missing_rule(name, dtype)
     from plait.search.spmd_family import search_spmd
 
     cluster = load_cluster("emulated-mixed:gpus_per_node=1")
-    res = search_spmd(f"{HF}:{name}", cluster, global_batch=8, top=1, evaluate=None, supports=None, dtype=dtype)
+    res = search_spmd(f"{HF}:{name}", cluster, global_batch=8, top=1, simulator=None, supports=None, dtype=dtype)
     assert res.best is not None and res.best.plan.spmd is not None and res.best.plan.dtype == dtype
     if name != "mixtral":
         return
     saved = RULES.pop("histc")
     try:
         with pytest.raises(Exception, match=r"no sharding rule for 'histc'") as info:
-            search_spmd(f"{HF}:{name}", cluster, global_batch=8, top=1, evaluate=None, supports=None, dtype=dtype)
+            search_spmd(f"{HF}:{name}", cluster, global_batch=8, top=1, simulator=None, supports=None, dtype=dtype)
         assert "sort," not in str(info.value) and "topk" not in str(info.value)  # not the whole table
     finally:
         RULES["histc"] = saved
@@ -452,7 +452,7 @@ def test_an_moe_spmd_program_runs_the_planners_graph_equal_to_one_process():
     from plait.search.spmd_family import search_spmd
 
     res = search_spmd(f"{HF}:mixtral", load_cluster("emulated-mixed:gpus_per_node=1"), global_batch=4, top=1,
-                      evaluate=None, supports=None, dtype="fp32")
+                      simulator=None, supports=None, dtype="fp32")
     plan = res.best.plan
     assert any(s.splits_work for s in plan.spmd.strategies.values())  # some op is sharded
     _equal_to_one_process(f"{HF}:mixtral", plan)

@@ -60,3 +60,39 @@ def test_sim_and_runtime_import_no_planner() -> None:
     graph.add_import(importer="plait.sim.api", imported="plait.spmd.search", line_number=1,
                      line_contents="from plait.spmd.search import search")
     assert graph.find_shortest_chain(importer="plait.sim.api", imported="plait.spmd.search")
+
+
+def _contracts() -> list[dict]:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+PLANNERS_NO_SIM = "planners and the search driver import no simulator"
+SIM_NO_PLANNER = "sim and runtime import no planner"
+
+
+@pytest.mark.parametrize("name,importer,imported", [
+    (PLANNERS_NO_SIM, "plait.search.driver", "plait.sim.api"),  # the driver building the simulator itself
+    (PLANNERS_NO_SIM, "plait.search.compose_family", "plait.sim.lowering"),
+    (PLANNERS_NO_SIM, "plait.plan.threed", "plait.sim.api"),
+    (PLANNERS_NO_SIM, "plait.spmd.ratios", "plait.sim.engine"),
+    (SIM_NO_PLANNER, "plait.sim.api", "plait.search.driver"),
+    (SIM_NO_PLANNER, "plait.runtime.worker", "plait.plan.threed"),
+    (SIM_NO_PLANNER, "plait.sim.lowering.spmd", "plait.spmd.ratios"),
+])
+def test_each_forbidden_contract_catches_a_forbidden_import(name: str, importer: str, imported: str) -> None:
+    """Issue 31: each forbidden contract of pyproject.toml (import-linter's own check, on the real
+    import graph) is kept as the code stands and broken by one forbidden import."""
+    import grimp
+    from importlinter.configuration import configure
+    from importlinter.contracts.forbidden import ForbiddenContract
+
+    configure()  # import-linter's settings (its timer), as its command line sets them
+    options = next(c for c in _contracts() if c["name"] == name)
+    contract = ForbiddenContract(options["name"], {"root_packages": ["plait"]},
+                                 {k: v for k, v in options.items() if k not in ("name", "type")})
+    graph = grimp.build_graph("plait", include_external_packages=False, cache_dir=None)
+    assert contract.check(graph, verbose=False).kept
+    graph.add_import(importer=importer, imported=imported, line_number=1, line_contents=f"import {imported}")
+    assert not contract.check(graph, verbose=False).kept

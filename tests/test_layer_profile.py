@@ -22,8 +22,8 @@ from plait.measure.layer_profile import (
     profile_layer_times,
     profile_layers,
 )
+from plait.net.view import ClusterView
 from plait.sim.api import simulate
-from plait.sim.topology import ClusterView
 
 TINY = "gpt:layers=2,hidden=32,heads=2,seq=8,vocab=64"
 A100, V100 = GPU_KINDS["a100-80gb"], GPU_KINDS["v100-32gb"]

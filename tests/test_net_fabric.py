@@ -195,8 +195,8 @@ def test_replan_moves_only_hit_flows_and_keeps_throughput() -> None:
 
 def test_plan_field_round_trip_and_simulator_honours_paths() -> None:
     from plait.graph.gpt_closed_form import gpt_opgraph
+    from plait.net.view import ClusterView
     from plait.sim.api import simulate
-    from plait.sim.topology import ClusterView
 
     c = small()
     f, plan, flows = _ring_flows(c)

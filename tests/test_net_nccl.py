@@ -233,8 +233,8 @@ def test_simulating_planned_paths_on_a_cluster_without_a_fabric_is_refused():
     from plait.cluster import load_cluster
     from plait.graph.gpt_closed_form import gpt_opgraph
     from plait.net.paths import to_plan_field
+    from plait.net.view import ClusterView
     from plait.sim.api import SimulateError, simulate
-    from plait.sim.topology import ClusterView
 
     c, fab, flows = rail_case()
     best = planner.plan_paths(fab, flows)

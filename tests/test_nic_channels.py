@@ -11,9 +11,9 @@ from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import collective_time, group_links, ring_all_reduce_time
 from plait.cost.traffic import Message
 from plait.ir.plan import Plan
+from plait.net.view import ClusterView
 from plait.plan.threed import AnalyticModel
 from plait.sim.api import simulate
-from plait.sim.topology import ClusterView
 
 ONE_BIG = "a100-80g:nodes=2,nics=1,nic=800 Gb/s"
 EIGHT_SMALL = "a100-80g:nodes=2,nics=8,nic=100 Gb/s"

@@ -7,13 +7,14 @@ import itertools
 
 import pytest
 
+from plait.api import plan
 from plait.cluster import load_cluster, parse_yaml_text
 from plait.cost.memory import estimate_memory
 from plait.graph.gpt_closed_form import gpt_config, gpt_opgraph
 from plait.ir.plan import Plan
 from plait.plan import hetero
 from plait.plan.threed import TIE_PENALTY
-from plait.search import SearchError, SearchSpace, auto_dtype, plan
+from plait.search import SearchError, SearchSpace, auto_dtype
 from plait.sim.api import simulate
 
 TINY = gpt_opgraph(gpt_config("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"))
@@ -162,9 +163,9 @@ def test_placement_beats_megatron_order_on_uneven_links_and_is_deterministic():
 def test_search_never_offers_a_plan_the_runtime_refuses() -> None:
     """The driver hands the planner `plait.runtime.supports`: every plan it returns the runtime
     accepts, and a refusal is counted among the pruned with its reason."""
+    from plait.api import plan as search
     from plait.runtime import supports
     from plait.search import SearchSpace
-    from plait.search import plan as search
 
     space = SearchSpace(tp=[1], pp=[1, 2], schedules=("interleaved", "1f1b"), zero=(0, 3))
     res = search(TINY, HOMO, global_batch=4, top=50, simulate=False, space=space)

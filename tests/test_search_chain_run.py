@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.api import plan
 from plait.cluster import load_cluster
 from plait.runtime import supports
 from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
-from plait.search import plan
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a search and a 2-rank run: about a minute
 

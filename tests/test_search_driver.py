@@ -2,16 +2,17 @@
 
 import pytest
 
+from plait.api import plan
 from plait.ir.plan import Plan
 from plait.plan.types import Candidate, PlanResult, SearchError
-from plait.search import FAMILIES, plan, register_family
+from plait.search import FAMILIES, register_family
 
 MODEL = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128"
 CLUSTER = "a100-80gb:nodes=1,gpus_per_node=4"
 
 
 def _fixed(seconds: float, fail: str | None = None):
-    def search(model, cluster, *, global_batch, top, evaluate, supports, compute, **_):
+    def search(model, cluster, *, global_batch, top, simulator, supports, compute, **_):
         if fail:
             raise SearchError(fail)
         p = Plan(dp=cluster.num_devices, global_batch=global_batch or 8)

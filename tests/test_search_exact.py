@@ -14,9 +14,9 @@ fails here. Re-pin only for a deliberate change of the cost model (`_search` is 
 import numpy as np
 import pytest
 
+from plait.api import plan
 from plait.net.maxmin import _max_min_dict, max_min_rates_np
 from plait.plan import hetero
-from plait.search import plan
 
 CLUSTER = "large-mixed:nodes=2,gpus_per_node=4"  # 4 A100-80GB + 4 V100-32GB
 # what _search(model) returned before the speed-ups (51b92d4): (plan, analytic seconds, simulated seconds) as

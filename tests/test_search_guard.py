@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from plait.api import plan
 from plait.errors import PlaitError
-from plait.search import FAMILIES, plan
+from plait.search import FAMILIES
 
 TOL = 1e-9  # the same simulator on the same plan: equal up to float sums
 CHAIN = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128"
@@ -71,7 +72,7 @@ def test_graph_family_declines_a_chain_beyond_64_gpus_beside_the_3d_family():
     """Asked beside the 3D family, the graph family plans chains on clusters of up to 64 GPUs (its
     stage search grows with the GPUs: GPT-3 175B on 1024 GPUs took 267 s to find that nothing fit,
     the whole search 7 s without it). Beyond, it declines by name; alone, it still plans."""
-    from plait.search import plan as search_plan
+    from plait.api import plan as search_plan
 
     tiny = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"
     res = search_plan(tiny, "a100-80g:nodes=9", global_batch=72, simulate=False, families=["3d", "graph"])

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plait.api import plan
 from plait.cli import main
 from plait.ir.plan import Plan
-from plait.search import plan
 from plait.search.space import FIELDS, SpaceError, describe, parse_space
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=256"

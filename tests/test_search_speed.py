@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from plait.api import plan
 from plait.ir.plan import Plan
 from plait.plan.types import Candidate, PlanResult
-from plait.search import FAMILIES, plan, register_family
+from plait.search import FAMILIES, register_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -41,7 +42,7 @@ def test_fast_and_baseline_searches_agree_exactly():
 
 
 def test_progress_names_each_family_and_phase(families):
-    def quiet(model, cluster, *, global_batch, top, evaluate, supports, compute, **_):
+    def quiet(model, cluster, *, global_batch, top, simulator, supports, compute, **_):
         p = Plan(dp=cluster.num_devices, global_batch=global_batch)
         return PlanResult(model="m", cluster=cluster.name, global_batch=global_batch,
                           world_size=cluster.num_devices, top=[Candidate(plan=p, analytic_s=1.0)])

@@ -56,7 +56,7 @@ def test_gantt_png_shows_stages_and_comm(result: SimResult, tmp_path) -> None:
 
 def test_model_forms() -> None:
     from plait.graph.gpt_closed_form import gpt_opgraph
-    from plait.sim.topology import ClusterView
+    from plait.net.view import ClusterView
 
     graph = gpt_opgraph(SPEC, "bf16")
     from plait.cluster import load_cluster

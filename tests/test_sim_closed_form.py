@@ -14,8 +14,8 @@ from plait.cluster.catalog import GPU_KINDS
 from plait.cost.compute import ComputeModel
 from plait.ir.opgraph import Layer, OpGraph, TiedParams
 from plait.ir.plan import Plan
+from plait.net.view import ClusterView
 from plait.sim.api import simulate
-from plait.sim.topology import ClusterView
 
 B = 10e9  # bytes/s
 ALPHA = 5e-6

@@ -9,9 +9,9 @@ from plait.cluster.catalog import GPU_KINDS
 from plait.errors import PlaitError
 from plait.graph.gpt_closed_form import gpt_opgraph
 from plait.ir.plan import Plan
+from plait.net.view import ClusterView
 from plait.sim.api import simulate
 from plait.sim.lowering import lower
-from plait.sim.topology import ClusterView
 
 A100, V100 = GPU_KINDS["a100-80gb"], GPU_KINDS["v100-32gb"]
 GRAPH = gpt_opgraph({"layers": 8, "hidden": 512, "heads": 8, "seq": 256, "vocab": 4096}, "bf16")

@@ -311,7 +311,7 @@ def test_the_spmd_family_captures_and_prices_at_the_plans_dtype(tmp_path) -> Non
                     "{kind: t4, count: 1}]\n    intra: {type: nvlink, bandwidth: 150 GB/s}\n")
     cluster = load_cluster(str(path))
     model = "vgg19:width=16,fc=1024,image=32,pool=1,classes=10,dropout=0"
-    res = search_spmd(model, cluster, global_batch=32, top=1, evaluate=None, supports=None, dtype="fp16")
+    res = search_spmd(model, cluster, global_batch=32, top=1, simulator=None, supports=None, dtype="fp16")
     plan = res.top[0].plan
     assert plan.dtype == "fp16" and plan.spmd.collectives
     spec = load_model(model)

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from plait.api import plan
 from plait.ir.plan import Plan
 from plait.plan.types import PlanResult, SearchError
-from plait.search import FAMILIES, plan, register_family, resolve_families, simulator_evaluate
+from plait.search import FAMILIES, register_family, resolve_families
+from plait.sim.api import PlanSimulator
 
 sys.path.insert(0, str(Path(__file__).parent))
 from toy_family import TOY_OPTIONS, search_toy  # noqa: E402
@@ -57,7 +59,7 @@ def test_the_driver_ranks_the_toy_family_with_the_others_by_the_simulator(toy):
     assert all(c.plan.tp == c.plan.pp == 1 and c.plan.micro_batch * c.plan.dp == 8 for c in toys)
     assert all(c.peak_bytes and c.headroom_by_kind and c.unsupported == "" for c in toys)
     # timed by the simulator the driver hands every family: the same seconds as simulating the plan
-    evaluate = simulator_evaluate(load_cluster(CLUSTER))
+    evaluate = PlanSimulator(load_cluster(CLUSTER)).evaluate
     graph = load_graph(MODEL, toys[0].plan.dtype)[1]
     for c in toys:
         assert c.iteration_time_s == pytest.approx(evaluate(graph, c.plan)["iteration_time_s"], rel=1e-9)

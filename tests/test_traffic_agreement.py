@@ -17,10 +17,10 @@ from plait.cost import traffic
 from plait.cost.memory import estimate_memory
 from plait.graph.inspect import inspect_model
 from plait.ir.plan import Plan
+from plait.net.view import ClusterView
 from plait.plan.threed import AnalyticModel
 from plait.runtime.partition import replica_micro_batches
 from plait.sim.lowering import SimOptions, lower
-from plait.sim.topology import ClusterView
 
 # The cases are the bench's (bench/traffic_agreement.py prints them as a table): one list of them.
 _BENCH = Path(__file__).resolve().parents[1] / "bench" / "traffic_agreement.py"

@@ -3,7 +3,7 @@
 It proposes dp = 1, 2, 4, ... up to the cluster's size (each dividing the global batch), with
 tp = pp = 1 and one micro-batch per replica; prunes what the one memory estimator
 (`plait.cost.memory`) says does not fit; ranks the rest by a FLOP bound; has its `top` finalists
-timed by the `evaluate` the driver hands it (the simulator, the same for every family); and
+timed by the `Simulator` the driver hands it (the same for every family); and
 returns a `PlanResult` whose candidates say family "toy".
 
 Adding it to plait is this module and one call -- nothing in plait/ names it:
@@ -11,7 +11,7 @@ Adding it to plait is this module and one call -- nothing in plait/ names it:
     from plait.search import register_family
     register_family("toy", search_toy, TOY_OPTIONS)
 
-after which `plait.search.plan(..., families="toy")` (or "all", or "3d,toy") and
+after which `plait.plan(..., families="toy")` (or "all", or "3d,toy") and
 `plait plan --family toy` search it (tests/test_toy_family.py).
 """
 
@@ -28,20 +28,20 @@ from plait.plan.types import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
     Candidate,
-    Evaluate,
     PlanResult,
     SearchError,
+    Simulator,
     auto_dtype,
     load_graph,
     memory_headroom,
 )
 
-# Keyword options of `plait.search.plan` this family takes besides the common ones.
+# Keyword options of `plait.search.search_plans` this family takes besides the common ones.
 TOY_OPTIONS = ("dtype",)
 
 
 def search_toy(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
-               evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+               simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                compute: Any = None, dtype: str | None = None) -> PlanResult:
     """The fastest pure data-parallel plans of `model` on `cluster` (module docstring); the
     `FamilySearch` signature of `plait.search.driver`. Raises SearchError when none fits."""
@@ -74,8 +74,8 @@ def search_toy(model: Any, cluster: Cluster, *, global_batch: int | None, top: i
 
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     finalists = kept[:top]
-    for c in finalists if evaluate is not None else ():  # the driver's simulator: one scale for all
-        sim = evaluate(graph, c.plan)
+    for c in finalists if simulator is not None else ():  # the driver's simulator: one scale for all
+        sim = simulator.evaluate(graph, c.plan)
         c.iteration_time_s = sim["iteration_time_s"]
         c.tflops_per_gpu = sim.get("tflops_per_gpu")
         c.throughput = sim.get("throughput_samples_per_s")
@@ -84,9 +84,9 @@ def search_toy(model: Any, cluster: Cluster, *, global_batch: int | None, top: i
                       world_size=cluster.num_devices, top=finalists, enumerated=enumerated,
                       pruned=sum(reasons.values()), pruned_reasons=reasons, pruned_examples=examples,
                       memory_checked=enumerated, ranked_analytic=len(kept),
-                      simulated=len(finalists) if evaluate is not None else 0,
+                      simulated=len(finalists) if simulator is not None else 0,
                       search_time_s=time.perf_counter() - t0,
-                      ranker="simulator" if evaluate is not None else "analytic", family="toy")
+                      ranker="simulator" if simulator is not None else "analytic", family="toy")
 
 
 def _refused(graph: Any, plan: Plan, cluster: Cluster,

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait.cluster import load_cluster
+from plait.cluster.spec import Cluster
 from plait.commands.traffic_plan import add_traffic_args
 from plait.commands.training_args import (
     add_memory_args,
@@ -27,7 +29,7 @@ from plait.commands.training_args import (
     training_of,
 )
 from plait.plan.export import FORMATS
-from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, FAMILIES
+from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, FAMILIES, PlanResult
 
 GiB = 2**30
 # Plans whose predicted times differ by less than this, and only in options, share a table row.
@@ -90,11 +92,19 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def search(model: str, cluster: Cluster, **kwargs: Any) -> PlanResult:
+    """`plait.search.search_plans` with every family's finalists timed by the one simulator of
+    `cluster` (`plait.sim.api.PlanSimulator`), as `plait.api.plan` runs it."""
+    from plait.search import search_plans
+    from plait.sim.api import PlanSimulator
+
+    return search_plans(model, cluster, simulator=PlanSimulator(cluster), **kwargs)
+
+
 def run(args: argparse.Namespace) -> int:
     from plait.commands.traffic_plan import check_traffic_cluster, print_traffic, traffic_plan
     from plait.errors import PlaitError, check_output_path
     from plait.plan.export import export
-    from plait.search import plan
     from plait.workers import check_jobs, default_jobs
 
     space = None
@@ -143,21 +153,20 @@ def run(args: argparse.Namespace) -> int:
         options = {k: v for k, v in options.items() if k in taken or k in ("progress", "jobs")}  # + the driver's
         if "runnable" in taken:
             families["runnable"] = args.run
-    result = plan(args.model, args.cluster, global_batch=args.global_batch,
-                  top=args.top if args.json else args.top * FOLD_EXTRA, **options, **families)
+    cluster = load_cluster(args.cluster)  # resolved here, once: the search and the export read it
+    result = search(args.model, cluster, global_batch=args.global_batch,
+                    top=args.top if args.json else args.top * FOLD_EXTRA, **options, **families)
     best = result.best
     traffic = traffic_plan(args.model, fabric_cluster, best.plan, settings=bool(args.out)) \
         if fabric_cluster is not None else None
     best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths
     exported = None
     if args.export:
-        from plait.cluster import load_cluster
-
         launch = {"model": args.model, "cluster_file": args.cluster, "plan_file": args.out} \
             if args.export == "slurm" else None
         if args.export == "slurm" and not args.out:
             raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
-        exported = export(best_plan, args.export, _model_config(args.model), load_cluster(args.cluster), launch,
+        exported = export(best_plan, args.export, _model_config(args.model), cluster, launch,
                           training_of(args))
         if args.export == "slurm":  # beside the plan file it runs: submit with `sbatch PLAN.sbatch`
             script = Path(args.out).with_suffix(".sbatch")
@@ -217,12 +226,11 @@ def run(args: argparse.Namespace) -> int:
 def _run_graph(args: argparse.Namespace) -> int:
     """`plait plan --family graph`: GraphPipe's stage DAGs, ranked by the simulator."""
     from plait.errors import PlaitError
-    from plait.search import plan
 
     if args.export:
         raise PlaitError("--export: graph plans (a DAG of stages) have no Megatron/DeepSpeed equivalent")
-    result = plan(args.model, args.cluster, global_batch=args.global_batch, top=args.top, family="graph",
-                  runnable=args.run, memory_kwargs=memory_kwargs_of(args), dtype=args.dtype)
+    result = search(args.model, load_cluster(args.cluster), global_batch=args.global_batch, top=args.top,
+                    family="graph", runnable=args.run, memory_kwargs=memory_kwargs_of(args), dtype=args.dtype)
     if args.out:
         from plait.search.summary import search_path, write_summary
 
@@ -314,7 +322,6 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
     On an emulated cluster the prediction that can be checked is the one for this machine:
     `plait.measure.machine.LocalMachine` profiles the emulated links and the model's layers on
     the ranks' CPUs, simulates the plan from them and runs it (in fp32, as CPU ranks train)."""
-    from plait.cluster import load_cluster
     from plait.errors import PlaitError
     from plait.runtime import supports
     from plait.runtime.api import run as runtime_run

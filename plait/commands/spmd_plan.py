@@ -69,6 +69,7 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
     from plait.graph.aten_stage import free_outputs
     from plait.graph.zoo import load_model
     from plait.search.spmd_family import synthesize_program
+    from plait.sim.api import PlanSimulator
     from plait.spmd.program_plan import capture_graph, plan_collectives, program_plan
     from plait.spmd.ratios import segmented_cost
 
@@ -76,7 +77,7 @@ def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32"
     cluster_obj = load_cluster(cluster)
     graph = capture_graph(spec, batch, dtype)  # the program's dtype: messages priced at its bytes
     problem = Problem.build(graph, Devices.from_cluster(cluster_obj, dtype), outputs_free=free_outputs(graph, loss=True))
-    syn, _, _ = synthesize_program(problem, cluster_obj, batch=batch, dtype=dtype, optimizer=optimizer,
+    syn, _, _ = synthesize_program(problem, PlanSimulator(cluster_obj), batch=batch, dtype=dtype, optimizer=optimizer,
                                    max_states=max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
     segs = syn.segments

@@ -72,8 +72,8 @@ def traffic_plan(model: Any, cluster: Cluster, plan: Plan, settings: bool = Fals
     with the deployment settings, `plait.net.deploy`)."""
     from plait.graph.resolve import resolve_model
     from plait.net.api import plan_traffic
+    from plait.net.view import ClusterView
     from plait.sim.api import simulate
-    from plait.sim.topology import ClusterView
 
     graph = resolve_model(model, plan)
     planned, report = plan_traffic(plan, cluster, graph, settings=settings)

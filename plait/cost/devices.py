@@ -4,7 +4,7 @@ Per device its GPU kind and node; the effective device-to-device bandwidth and l
 (`plait.cluster.topology`, cached per cluster); each node's NICs and their aggregate bandwidth; the
 measured collective tables in force (`plait.cost.collectives.measured_tables`). Two views build on
 it and nothing else: the SPMD cost model's device group at a dtype (`plait.cost.spmd.Devices.of`)
-and the simulator's view with link resources and the switched fabric (`plait.sim.topology.
+and the simulator's view with link resources and the switched fabric (`plait.net.view.
 ClusterView`, a `DeviceModel` itself). A group's ring summary (`group`) is computed here once for
 both.
 """

@@ -38,6 +38,7 @@ from plait.ir.program import (
     PARTIAL,
     REPLICATED,
     Comm,
+    Mesh,
     ShardingError,
     Strategy,
     conversion,
@@ -487,3 +488,38 @@ def stage_problem(model: AtenGraph, layers: Sequence[str], devices: Devices, mic
     sub = stage_subgraph(model, layers, name=name)
     return Problem.build(sub, devices, overlap=1.0 / micro_batches, outputs_free=free_outputs(sub, loss=loss),
                          profile=profile, grad_dtype=grad_dtype)
+
+
+@dataclass
+class ProgramStage:
+    """One stage whose work an SPMD program spreads over its devices: its graph at its micro-batch
+    on its devices, its program and ratios. An SPMD plan is one such stage; a composed plan a
+    pipeline of them."""
+
+    problem: Problem  # the stage's AtenGraph (`plait.graph.aten_stage.stage_subgraph`) on its Devices
+    program: Program
+    ratios: np.ndarray  # one vector, or one row per segment
+    of_op: dict[str, int] | None = None  # segment of each op (`plait.cost.program.Segments`)
+    of_dim: dict[tuple[str, int], int] | None = None
+    name: str = ""
+    # the inputs received from the previous stage whose gradients go back (None: the floating
+    # inputs of every stage but the first -- a model's own floating inputs would need naming)
+    grad_inputs: tuple[str, ...] | None = None
+    # the devices as priced for the run (None: `problem.devices`; a program searched under HAP's
+    # flat model is simulated on the real links)
+    devices: Devices | None = None
+    # a multiplier of every op's work per device: data parallelism written as the graph of one
+    # device's batch run whole on every device, device ``i`` holding ``device_scale[i]`` times it
+    device_scale: np.ndarray | None = None
+    # a hierarchical program's nodes x GPUs (`plait.spmd.mesh`): collectives of group "node" run in
+    # every node at once, "rail" ones across nodes (the simulator's `GroupPricer`)
+    mesh: Mesh | None = None
+
+    @property
+    def devs(self) -> Devices:
+        return self.devices or self.problem.devices
+
+    @property
+    def ids(self) -> list[int]:
+        d = self.devs
+        return list(d.ids) if d.ids else list(range(d.n))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -124,6 +125,20 @@ def op_work(op: AtenOp, graph: AtenGraph, devices: Devices) -> np.ndarray:
     else:  # devices given by their figures only (tests)
         fwd = np.maximum(op.flops / devices.flops, out_bytes / devices.mem_bw)
     return BACKWARD_FACTOR * fwd
+
+
+def cluster_model_profile(cluster: Cluster, spec: Any, dtype: str) -> ModelProfile | None:
+    """The cluster's merged model profile of `spec` in `dtype` (`plait.ir.profile.profile_for`,
+    which refuses a profile of another model in one line), or None when it names none: what an
+    SPMD program's ops read their measured times from (`plait.cost.spmd.measured_work`)."""
+    if not getattr(cluster, "model_profiles", None):
+        return None
+    from plait.graph.resolve import resolve_model
+    from plait.ir.plan import Plan
+    from plait.ir.profile import profile_for
+
+    opgraph = resolve_model(getattr(spec, "spec", None) or spec, Plan(dtype=dtype))
+    return profile_for(cluster.model_profiles, opgraph, dtype)
 
 
 def measured_work(graph: AtenGraph, devices: Devices, work: list[np.ndarray],

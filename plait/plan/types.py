@@ -1,6 +1,6 @@
 """What every planner family shares, below the families and the search driver (`plait.search`):
 the result types a search returns (`Candidate`, `PlanResult`), its error (`SearchError`), the
-`Evaluate` function the driver hands a family (the simulator, from the layer above), the defaults
+`Simulator` the driver hands a family (built by the layer above the search), the defaults
 of `plait plan`, and the model graph and dtype every family resolves the same way (`load_graph`,
 `auto_dtype`). A new family imports these from here, not from another family's module."""
 
@@ -10,7 +10,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from plait.errors import PlaitError
 from plait.ir.plan import Plan
@@ -18,10 +18,52 @@ from plait.plan.placement import PlacementResult
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
+    from plait.cost.program import Problem, ProgramStage
     from plait.ir.opgraph import OpGraph
+    from plait.net.view import ClusterView
 
 # Ranks a placed finalist: (graph, plan) -> {"iteration_time_s", "tflops_per_gpu", ...}.
 Evaluate = Callable[["OpGraph", Plan], dict[str, Any]]
+
+
+class SimTimes(Protocol):
+    """What a family reads of a simulated iteration (`plait.sim.api.SimResult`)."""
+
+    iteration_time_s: float
+    throughput_samples_per_s: float
+    tflops_per_gpu: float
+    memory_peak_bytes: list[int] | None
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class Simulator(Protocol):
+    """The one simulator as every planner family sees it, for one cluster. The layer above the
+    search builds it (`plait.sim.api.PlanSimulator`: `plait.api.plan`, `plait plan`, the recovery
+    loop) and the driver hands it to each family, so every family is timed by the same engine on
+    the same resolved cluster, and no planner imports `plait.sim` (an import contract in
+    pyproject.toml)."""
+
+    @property
+    def view(self) -> ClusterView:
+        """The cluster's devices and links, resolved once for every family."""
+        ...
+
+    def evaluate(self, graph: OpGraph, plan: Plan) -> dict[str, Any]:
+        """A placed 3D or graph plan's iteration (`SimResult.to_dict()`), without its memory
+        estimate (the search has it)."""
+        ...
+
+    def spmd(self, problem: Problem, synthesis: Any, *, batch: int, name: str = "spmd",
+             device_scale: Any = None, mesh: Any = None) -> SimTimes:
+        """A synthesized SPMD program of `problem` run on the cluster (`simulate_spmd`)."""
+        ...
+
+    def compose(self, stages: list[ProgramStage], edges: list[tuple[int, int]],
+                bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int, *,
+                schedule: str, tied: Any, memory: list[int], name: str, flops: float) -> SimTimes:
+        """A composed plan's iteration: SPMD stage programs in a pipeline (`simulate_compose`)."""
+        ...
 
 DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=1024"
 

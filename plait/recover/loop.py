@@ -13,7 +13,7 @@ One job is a sequence of *phases*, each one `plait.runtime.api.run` of one plan 
 * the launcher stops it (a rank died, or hung past the heartbeat timeout), or the live
   diagnosis (`detect`, polled through the launcher's `watch`) names a culprit: the loop maps the
   culprit ranks to nodes (`plait.recover.isolate`), removes them from the cluster, asks the
-  search driver (`plait.search.plan`) for the fastest plan of the same model and global batch on
+  search driver (`plait.search.search_plans`, timed by the simulator of the cluster left) for the fastest plan of the same model and global batch on
   what is left, and starts the next phase from the last complete checkpoint
   (`torch.distributed.checkpoint` reshards it onto the new plan: `plait.runtime.checkpoint`);
 * a node the loop isolated is declared repaired (a line with its name in `RUN_DIR/rejoin`, or
@@ -81,7 +81,7 @@ class RecoveryConfig:
     top: int = 1
     """Plans the search driver returns (the fastest is used)."""
     search: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of `plait.search.plan` (finalists, placement, ...)."""
+    """Extra keyword arguments of `plait.search.search_plans` (finalists, placement, ...)."""
     persist: int | None = None
     """K: a live finding is acted on (or, for a slow rank, reported) only once K consecutive live
     diagnoses (`detect_every` apart) have named it (same class, same ranks) -- the doctor's live
@@ -294,22 +294,25 @@ def ongoing(f: Finding) -> bool:
 # ---------------------------------------------------------------------------------- planning
 def predict_step(model: Any, cluster: Cluster, plan: Plan) -> float:
     """The simulator's iteration time of `plan` on `cluster` (what the search driver ranks by)."""
-    from plait.search import load_graph, simulator_evaluate
+    from plait.search import load_graph
+    from plait.sim.api import PlanSimulator
 
     _, graph = load_graph(model, plan.dtype)
-    return float(simulator_evaluate(cluster)(graph, plan)["iteration_time_s"])
+    return float(PlanSimulator(cluster).evaluate(graph, plan)["iteration_time_s"])
 
 
 def replan(model: Any, cluster: Cluster, old: Plan, config: RecoveryConfig) -> tuple[Plan, float]:
     """The fastest plan of `model` on `cluster` with `old`'s global batch and dtype, and its
     predicted iteration time."""
     from plait.plan.threed import SearchSpace
-    from plait.search import SearchError, plan
+    from plait.search import SearchError, search_plans
+    from plait.sim.api import PlanSimulator
 
     kwargs = dict(config.search)
     kwargs.setdefault("space", SearchSpace(dtype=old.dtype))
     try:
-        found = plan(model, cluster, global_batch=old.global_batch, top=config.top, **kwargs)
+        found = search_plans(model, cluster, simulator=PlanSimulator(cluster), global_batch=old.global_batch,
+                             top=config.top, **kwargs)
     except SearchError as exc:
         raise RecoveryError(f"re-planning for cluster '{cluster.name}' failed: {exc}") from None
     if not found.top:

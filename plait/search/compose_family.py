@@ -24,7 +24,7 @@ largest micro-batches that give at least ``pp`` micro-batches, ranked by `pipeli
    micro-batches 1F1B keeps in flight on that stage, read off the schedule's action lists
    (`plait.cost.memory.composed_peak_memory`);
 3. the plan (`Plan.stages[i].spmd`) is simulated by the one engine
-   (`plait.sim.api.simulate_compose`: the pipeline schedule of `plait.schedule` whose
+   (the `Simulator`'s `compose`, `plait.sim.api.simulate_compose`: the pipeline schedule of `plait.schedule` whose
    forward and backward are the programs' lowered ops), with the pipeline's message bytes from
    the one stage graph (`plait.ir.stage_graph`).
 
@@ -52,9 +52,9 @@ from plait.ir.plan import Plan, StageSpec
 from plait.plan.types import (
     MAX_PROGRAM_DEVICES,
     Candidate,
-    Evaluate,
     PlanResult,
     SearchError,
+    Simulator,
     auto_dtype,
 )
 from plait.workers import map_parallel
@@ -67,7 +67,7 @@ class ComposedCandidate:
     """One synthesized composed plan, before simulation."""
 
     plan: Plan
-    stages: list[Any]  # plait.sim.lowering.StageProgram
+    stages: list[Any]  # plait.cost.program.ProgramStage
     bytes_per_sample: dict[tuple[int, int], float]
     tied: list[tuple[int, int, float]]
     memory: list[int]  # peak bytes per cluster device under the plan's schedule
@@ -156,12 +156,12 @@ def pipeline_estimate(opgraph: Any, groups: list[list[int]], times: np.ndarray, 
     """A quick estimate of a composed pipeline's iteration that ranks the groupings to synthesize:
     ``(m + pp - 1) x`` the slowest of each stage's compute per micro-batch (its GPUs' rates summed)
     and each boundary's message (the last layer's output bytes, carried as the simulator carries
-    it, `plait.sim.lowering.transfer_seconds`), plus the slowest stage's gradient all-reduce
+    it, `plait.net.view.transfer_seconds`), plus the slowest stage's gradient all-reduce
     on its group and the tied weights' all-reduce between their stages (`plait.cost.collectives`).
     A compute-only bound ranks a stage that spans a slow link, or a cut across it that sends more
     than it computes, as well as any other; this does not."""
     from plait.cost.collectives import choose_algorithm, collective_time
-    from plait.sim.lowering import transfer_seconds
+    from plait.net.view import transfer_seconds
 
     grad_bytes = {"fp16": 2, "bf16": 2}.get(dtype, 4)
     edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
@@ -239,12 +239,11 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     layers and micro-batch, e.g. by another order of the same groups); raises a PlaitError when a
     stage has no program that fits."""
     from plait.cost.memory import memory_model
-    from plait.cost.program import stage_problem
+    from plait.cost.program import ProgramStage, stage_problem
     from plait.cost.spmd import Devices
     from plait.cost.traffic import composed_boundaries
     from plait.graph.aten_stage import received_inputs
     from plait.ir.profile import profile_for
-    from plait.sim.lowering import StageProgram
     from plait.spmd.program_plan import program_plan
     from plait.spmd.ratios import synthesize as synth
 
@@ -276,7 +275,7 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
         mm = memory_model(problem, syn.program, dtype, segs=segs)
         stage_bytes.append((list(ids), np.asarray(syn.memory, dtype=float),
                             np.asarray(mm.activations_on(ratios), dtype=float)))
-        programs.append(StageProgram(problem, syn.program, np.asarray(ratios, dtype=float),
+        programs.append(ProgramStage(problem, syn.program, np.asarray(ratios, dtype=float),
                                      segs.of_op if segs is not None else None,
                                      segs.of_dim if segs is not None else None, name=f"s{s}",
                                      grad_inputs=received_inputs(problem.graph, aten)))
@@ -304,7 +303,7 @@ def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 3) -> list[int
 
 
 def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
-                   evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+                   simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                    compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
                    max_devices: int = MAX_PROGRAM_DEVICES, max_stages: int = 4, candidates: int = 6,
                    runnable: bool = False, jobs: int | None = None) -> PlanResult:
@@ -318,10 +317,9 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
                           f"up to {max_devices} GPUs (max_devices)")
     from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
+    from plait.net.view import ClusterView
     from plait.plan.hetero import split_layers
     from plait.plan.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
-    from plait.sim.api import simulate_compose
-    from plait.sim.topology import ClusterView
 
     if not isinstance(model, str | None):
         raise SearchError("compose: the family captures a zoo spec or file.py:factory, not a prepared graph")
@@ -344,7 +342,7 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     found: list[ComposedCandidate] = []
     reasons: dict[str, int] = {}
     enumerated = 0
-    view = ClusterView.from_cluster(cluster)
+    view = simulator.view if simulator is not None else ClusterView.from_cluster(cluster)
     options: list[tuple[float, int, list[list[int]], int, Any]] = []  # (estimate, index, groups, micro-batch, split): ranked by `pipeline_estimate`
     costs: dict = {}
     for groups in groupings:
@@ -394,14 +392,13 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     if not found:
         raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
     found = [v for c in found for v in schedule_variants(c, cluster, reasons)]
-    cands = map_parallel(lambda c: _candidate(c, cluster, evaluate is not None, supports, spec.spec, opgraph,
-                                              simulate_compose), found, jobs)
+    cands = map_parallel(lambda c: _candidate(c, cluster, simulator, supports, opgraph), found, jobs)
     cands.sort(key=lambda c: c.time_s)
     return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=cands[:top],
                       enumerated=enumerated, pruned=sum(reasons.values()), pruned_reasons=reasons,
                       memory_checked=len(found), ranked_analytic=len(found),
-                      simulated=len(found) if evaluate is not None else 0, search_time_s=time.perf_counter() - t0,
-                      ranker="simulator" if evaluate is not None else "analytic", family="compose",
+                      simulated=len(found) if simulator is not None else 0, search_time_s=time.perf_counter() - t0,
+                      ranker="simulator" if simulator is not None else "analytic", family="compose",
                       extra={"groupings": len(groupings)})
 
 
@@ -421,16 +418,15 @@ def schedule_variants(c: ComposedCandidate, cluster: Cluster, reasons: dict[str,
     return [c, dataclasses.replace(c, plan=dataclasses.replace(c.plan, schedule="eager_1f1b"), memory=memory)]
 
 
-def _candidate(c: ComposedCandidate, cluster: Cluster, simulate: bool,
-               supports: Callable[[Plan], tuple[bool, str]] | None, name: str, opgraph: Any,
-               simulate_compose: Callable[..., Any]) -> Candidate:
+def _candidate(c: ComposedCandidate, cluster: Cluster, simulator: Simulator | None,
+               supports: Callable[[Plan], tuple[bool, str]] | None, opgraph: Any) -> Candidate:
     cand = Candidate(plan=c.plan, analytic_s=c.analytic_s, family="compose", peak_bytes=list(c.memory))
-    if simulate:
+    if simulator is not None:
         plan = c.plan
         flops = (opgraph.fwd_flops + opgraph.bwd_flops) * plan.global_batch
-        sim = simulate_compose(c.stages, list(plan.stage_edges), c.bytes_per_sample, plan.num_micro_batches,
-                               plan.micro_batch, cluster, schedule=plan.schedule, tied=c.tied, memory=c.memory,
-                               name=str(plan), flops=flops)
+        sim = simulator.compose(c.stages, list(plan.stage_edges), c.bytes_per_sample, plan.num_micro_batches,
+                                plan.micro_batch, schedule=plan.schedule, tied=c.tied, memory=c.memory,
+                                name=str(plan), flops=flops)
         cand.iteration_time_s = sim.iteration_time_s
         cand.throughput = sim.throughput_samples_per_s
         cand.tflops_per_gpu = sim.tflops_per_gpu

@@ -2,7 +2,9 @@
 
 Each family is a function with the signature of `FamilySearch`: it enumerates its own plans,
 prunes them by the one memory estimator, ranks them analytically and has its finalists timed
-by the `evaluate` it is handed -- the simulator, the same for every family -- and returns a
+by the `Simulator` it is handed -- the same for every family, built by the layer above the
+search (`plait.api.plan`, `plait plan`, the recovery loop: this package never imports
+`plait.sim`) -- and returns a
 `PlanResult` whose candidates carry their `family`. The driver merges the families' finalists
 into one ranking by simulated iteration time (so a 3D plan, a graph pipeline and an SPMD
 program compete on one scale) and keeps each family's own result for the table "best per
@@ -16,18 +18,16 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from plait.cluster import load_cluster
 from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
-from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
 from plait.plan.threed import Progress, search_3d
-from plait.plan.types import DEFAULT_CLUSTER, MAX_PROGRAM_DEVICES, Evaluate, PlanResult, SearchError
+from plait.plan.types import MAX_PROGRAM_DEVICES, PlanResult, SearchError, Simulator
 from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
 from plait.workers import paused_gc
 
-# One planner family: `(model, cluster, *, global_batch, top, evaluate, supports, compute,
+# One planner family: `(model, cluster, *, global_batch, top, simulator, supports, compute,
 # **options) -> PlanResult` (raises a PlaitError when it has nothing to propose); each takes its own
 # keyword options (the names registered with it), so the type checker sees only the result.
 FamilySearch = Callable[..., PlanResult]
@@ -61,11 +61,20 @@ def register_family(name: str, search: FamilySearch, options: Iterable[str] = ()
     FAMILIES[name] = (search, frozenset(options))
 
 
-register_family("3d", search_3d, _3D_OPTIONS)
+def _search_3d(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+               simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+               compute: Any, **options: Any) -> PlanResult:
+    """The 3D family (`plait.plan.threed.search_3d`), its finalists timed by `simulator.evaluate`."""
+    return search_3d(model, cluster, global_batch=global_batch, top=top,
+                     evaluate=simulator.evaluate if simulator is not None else None, supports=supports,
+                     compute=compute, **options)
+
+
+register_family("3d", _search_3d, _3D_OPTIONS)
 
 
 def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
-                  evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+                  simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                   compute: Any, runnable: bool = False, chains: bool = True,
                   chains_max_devices: int | None = None, **options: Any) -> PlanResult:
     """The graph-pipeline family (`plait.plan.graph_search.search_graph`). The runtime runs its
@@ -89,7 +98,8 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
             raise SearchError(f"graph: {graph.model} is a chain on {cluster.num_devices} GPUs; beside the 3D "
                               f"family the graph family plans chains on clusters of up to {chains_max_devices} "
                               "GPUs (its stage search grows with the GPUs; the 3D grid covers this scale)")
-    return search_graph(model, cluster, global_batch=global_batch, top=top, evaluate=evaluate,
+    return search_graph(model, cluster, global_batch=global_batch, top=top,
+                        evaluate=simulator.evaluate if simulator is not None else None,
                         supports=supports if runnable else None, compute=compute, **options)
 
 
@@ -100,23 +110,6 @@ register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "run
 # plait.runtime.compose_worker; a candidate the runtime refuses carries its reason (`Candidate.unsupported`)
 register_family("compose", search_compose, ("dtype", "max_states", "max_devices", "max_stages", "candidates",
                                              "runnable", "jobs"))
-
-
-def simulator_evaluate(cluster: Cluster, compute: Any = None) -> Evaluate:
-    """`evaluate(graph, plan) -> dict` for the planners: `plait.sim.api.simulate` without the
-    memory estimate (the search has it), on one ClusterView and one layer-cost cache shared
-    by every finalist of every family."""
-    from plait.sim.api import simulate
-    from plait.sim.topology import ClusterView
-
-    view = ClusterView.from_cluster(cluster)
-    cost_cache: dict = {}
-    extra = {"compute": compute} if compute is not None else {}
-
-    def evaluate(graph: OpGraph, plan: Plan) -> dict[str, Any]:
-        return simulate(graph, view, plan, memory=False, cost_cache=cost_cache, **extra).to_dict()
-
-    return evaluate
 
 
 def resolve_families(families: str | Sequence[str] | None) -> list[str]:
@@ -131,12 +124,12 @@ def resolve_families(families: str | Sequence[str] | None) -> list[str]:
     return names
 
 
-def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
-         simulate: bool = True, compute: Any = None, families: str | Sequence[str] | None = "3d",
-         family: str | None = None, **kwargs: Any) -> PlanResult:
+def search_plans(model: Any, cluster: Cluster, *, simulator: Simulator | None, global_batch: int | None = None,
+                 top: int = 5, compute: Any = None, families: str | Sequence[str] | None = "3d",
+                 family: str | None = None, **kwargs: Any) -> PlanResult:
     """The fastest plans of `model` on `cluster` for `global_batch` over the planner `families`
-    ("all", a name or a list; see FAMILIES), ranked by the simulator (`simulate=False`: by each
-    family's analytic model alone). Other keyword arguments go to the families that take them
+    ("all", a name or a list; see FAMILIES), ranked by `simulator` (the layer above builds it for
+    `cluster`: `plait.sim.api.PlanSimulator`; None: by each family's analytic model alone). Other keyword arguments go to the families that take them
     (e.g. finalists, space, placement, seed, progress for "3d"). `graph_chains` says when the
     graph family is asked for a chain model beside the 3D family (GRAPH_CHAINS: "always", the
     default; "mixed-kinds" and "never", the earlier policies, kept so a bench can run them beside
@@ -152,10 +145,8 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     names = resolve_families(family if family is not None else families)
     if kwargs.get("graph_chains", "always") not in GRAPH_CHAINS:
         raise SearchError(f"plan: graph_chains={kwargs['graph_chains']!r}; use one of {list(GRAPH_CHAINS)}")
-    cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
-    evaluate = simulator_evaluate(cluster_obj, compute) if simulate else None
     kwargs.setdefault("supports", supports)  # never offer a plan the runtime would refuse
-    common = {"global_batch": global_batch, "top": top, "evaluate": evaluate, "compute": compute,
+    common = {"global_batch": global_batch, "top": top, "simulator": simulator, "compute": compute,
               "supports": kwargs.pop("supports")}
     unknown = [k for k in kwargs if k not in _DRIVER_OPTIONS and not any(k in FAMILIES[n][1] for n in names)]
     if unknown:
@@ -163,7 +154,7 @@ def plan(model: Any = None, cluster: Any = None, *, global_batch: int | None = N
     show, callback = bool(kwargs.pop("progress", False)), kwargs.pop("on_progress", None)
     chains = kwargs.pop("graph_chains", "always")
     with paused_gc():
-        results = _search_families(names, model, cluster_obj, common, kwargs, show, callback, chains)
+        results = _search_families(names, model, cluster, common, kwargs, show, callback, chains)
     if len(names) == 1:
         return results[names[0]]  # type: ignore[return-value]
     found = [r for r in results.values() if isinstance(r, PlanResult)]

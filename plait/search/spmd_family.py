@@ -3,13 +3,13 @@
 `search_spmd` captures the model at the global batch (aten level, meta device), synthesizes a
 program with uneven per-device ratios (`plait.spmd.ratios.synthesize`: A* program search and the
 ratio LP with memory, alternated), and has it timed by the one simulator
-(`plait.sim.api.simulate_spmd`, the program lowered op by op onto the cluster's links), so its
+(the `Simulator`'s `spmd`: the program lowered op by op onto the cluster's links), so its
 candidate competes with 3D and graph plans on the same scale. The result is the 3D family's
 `PlanResult`; its plan carries the program (`Plan.spmd`), which `plait run --plan` runs.
 
 Synthesis handles one flat device group: the family declines clusters larger than
 `max_devices` (64 by default, HAP's testbed) with the reason rather than search for minutes.
-It lives beside the driver because it needs both a planner (`plait.spmd`) and the simulator.
+It lives beside the driver because it joins a planner (`plait.spmd`) and the simulator it is handed.
 
 `synthesize_program` is plait's program for a problem -- the one definition `search_spmd`,
 `plait plan --family spmd` and `bench/hap.py` share: the synthesis at each weight of the
@@ -29,33 +29,32 @@ from plait.ir.plan import Plan
 from plait.plan.types import (
     MAX_PROGRAM_DEVICES,
     Candidate,
-    Evaluate,
     PlanResult,
     SearchError,
+    Simulator,
     auto_dtype,
 )
 
 OVERLAP_WEIGHTS = (1.0, 0.0)  # gradient collectives counted in full / as hidden; the simulator picks
 
 
-def synthesize_program(problem: Any, cluster: Cluster, *, batch: int, dtype: str, optimizer: str = "adam",
-                       max_states: int = 20_000, simulate: bool = True) -> tuple[Any, float | None, str]:
-    """plait's flat SPMD program for `problem` (`plait.cost.program.Problem`) on `cluster`.
+def synthesize_program(problem: Any, simulator: Simulator | None, *, batch: int, dtype: str,
+                       optimizer: str = "adam", max_states: int = 20_000) -> tuple[Any, float | None, str]:
+    """plait's flat SPMD program for `problem` (`plait.cost.program.Problem`) on the cluster.
 
-    With `simulate`: `synthesize_overlapped` at `OVERLAP_WEIGHTS`, each candidate timed by
-    `plait.sim.api.simulate_spmd`, then the winner with its parameters stored sharded
+    With a `simulator` (the cluster's): `synthesize_overlapped` at `OVERLAP_WEIGHTS`, each
+    candidate timed by `simulator.spmd`, then the winner with its parameters stored sharded
     (`synthesize_stored`) kept if the simulator ranks it faster (or only it fits). Without: the
     plain synthesis, ranked by its own cost. Returns (synthesis, simulated seconds or None, form:
     "flat" or "flat+zero"). `seconds` and `expanded` of the synthesis count every candidate's."""
-    from plait.sim.api import simulate_spmd
     from plait.spmd.ratios import synthesize, synthesize_overlapped, synthesize_stored
 
-    if not simulate:
+    if simulator is None:
         syn = synthesize(problem, dtype=dtype, optimizer=optimizer, max_states=max_states)
         return syn, None, "flat"
 
     def timed(p: Any, s: Any) -> float:
-        return simulate_spmd(p, s, cluster, batch=batch).iteration_time_s if s.fits else float("inf")
+        return simulator.spmd(p, s, batch=batch).iteration_time_s if s.fits else float("inf")
 
     start = time.process_time()
     syn = synthesize_overlapped(problem, timed, OVERLAP_WEIGHTS, dtype=dtype, optimizer=optimizer,
@@ -71,21 +70,19 @@ def synthesize_program(problem: Any, cluster: Cluster, *, batch: int, dtype: str
 
 
 def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
-                evaluate: Evaluate | None, supports: Callable[[Plan], tuple[bool, str]] | None,
+                simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                 compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
                 max_devices: int = MAX_PROGRAM_DEVICES, runnable: bool = False) -> PlanResult:
     """The synthesized SPMD program of `model` on `cluster` as a one-candidate `PlanResult`.
 
     `dtype`: the program's compute dtype (default: the cluster's, as the 3D family picks it; the
-    runtime runs every dtype, so `runnable=True` keeps it). `evaluate`
-    only says whether to simulate (the program is lowered by `simulate_spmd`, not by the 3D
-    lowering `evaluate` wraps); without it the synthesis's own cost ranks."""
+    runtime runs every dtype, so `runnable=True` keeps it). Without a `simulator` the synthesis's own
+    cost ranks."""
     from plait.cost.program import Problem
     from plait.cost.spmd import Devices
     from plait.graph.aten_stage import free_outputs
     from plait.graph.zoo import load_model
     from plait.plan.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
-    from plait.sim.api import simulate_spmd
     from plait.spmd.program_plan import (
         capture_graph,
         dtype_changes_graph,
@@ -108,12 +105,11 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     graph = capture_graph(spec, gb, dtype)  # at the program's dtype: its messages are priced at it
     if runnable and (why := dtype_changes_graph(spec, gb, dtype, graph)):
         raise SearchError(f"spmd: {why}")
-    from plait.sim.replay import cluster_profile
+    from plait.cost.spmd import cluster_model_profile
 
     problem = Problem.build(graph, Devices.from_cluster(cluster, dtype), outputs_free=free_outputs(graph, loss=True),
-                            profile=cluster_profile(cluster, spec, dtype))  # measured op times where it has them
-    syn, _, _ = synthesize_program(problem, cluster, batch=gb, dtype=dtype, max_states=max_states,
-                                   simulate=evaluate is not None)
+                            profile=cluster_model_profile(cluster, spec, dtype))  # measured op times where it has them
+    syn, _, _ = synthesize_program(problem, simulator, batch=gb, dtype=dtype, max_states=max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
     plan = program_plan(syn.program.strategies, ratios, gb, model=spec.spec, predicted_s=syn.cost, dtype=dtype,
                         collectives=plan_collectives(syn.program.comms, problem.devices, ratios),
@@ -124,8 +120,8 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
         if not ok:
             raise SearchError(f"spmd: the runtime cannot run the synthesized program ({why})")
     cand = Candidate(plan=plan, analytic_s=float(syn.cost), family="spmd")
-    if evaluate is not None:
-        sim = simulate_spmd(problem, syn, cluster, batch=gb, name=spec.spec)
+    if simulator is not None:
+        sim = simulator.spmd(problem, syn, batch=gb, name=spec.spec)
         cand.iteration_time_s = sim.iteration_time_s
         cand.throughput = sim.throughput_samples_per_s
         cand.tflops_per_gpu = sim.tflops_per_gpu
@@ -143,6 +139,6 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
         cand.headroom_by_kind = free
     return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=[cand][:top],
                       enumerated=1, pruned=0, pruned_reasons=reasons, memory_checked=1, ranked_analytic=1,
-                      simulated=1 if evaluate is not None else 0, search_time_s=time.perf_counter() - t0,
-                      ranker="simulator" if evaluate is not None else "analytic", family="spmd",
+                      simulated=1 if simulator is not None else 0, search_time_s=time.perf_counter() - t0,
+                      ranker="simulator" if simulator is not None else "analytic", family="spmd",
                       extra={"states_expanded": syn.expanded, "fits": syn.fits})

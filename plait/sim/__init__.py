@@ -1,7 +1,7 @@
 """The simulator: lower (model, plan, cluster) to a task DAG and run it with link contention.
 
 ``plait.sim.simulate(model, cluster, plan) -> SimResult`` (see `plait.sim.api`); the pieces
-are `plait.sim.lowering` (task graph), `plait.sim.engine` (discrete events), `plait.sim.topology`
+are `plait.sim.lowering` (task graph), `plait.sim.engine` (discrete events), `plait.net.view`
 (links), `plait.graph.gpt_closed_form` (closed-form GPT OpGraph) and `plait.ir.timeline` (shared schema).
 Imported lazily so that `plait.ir.timeline` stays cheap for the runtime.
 """

@@ -30,16 +30,17 @@ import numpy as np
 
 from plait.cluster.spec import Cluster
 from plait.cost.compute import recompute_flops
+from plait.cost.program import ProgramStage
 from plait.errors import PlaitError
 from plait.graph.resolve import resolve_model
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.net.paths import from_plan_field
+from plait.net.view import ClusterView
 from plait.sim.engine import Schedule
 from plait.sim.engine import simulate as run_engine
-from plait.sim.lowering import Lowered, SimOptions, StageProgram, lower
-from plait.sim.topology import ClusterView
+from plait.sim.lowering import Lowered, SimOptions, lower
 from plait.workers import paused_gc
 
 
@@ -397,7 +398,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
 
 
 # ---------------------------------------------------------------- composed plans
-def simulate_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
+def simulate_compose(stages: list[ProgramStage], edges: list[tuple[int, int]],
                      bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
                      cluster: Any, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
                      fixed_costs: bool = True, tied: Sequence[tuple[int, int, float]] = (),
@@ -448,7 +449,7 @@ def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: f
     (HAP's flat one included). `bucket_bytes`: parameter-gradient all-reduces packed into DDP
     buckets (None: one collective per gradient). `batch` (samples per iteration) gives the
     throughput. Memory per device is the synthesis's (`plait.cost.memory.memory_model`).
-    `device_scale`: see `plait.sim.lowering.spmd.StageProgram` (data parallelism with uneven batches).
+    `device_scale`: see `plait.cost.program.ProgramStage` (data parallelism with uneven batches).
     `fixed_costs`: charge the compute model's per-kernel GPU and host times and per-iteration host
     work, as `simulate` does for 3D plans (False: the work alone, for hand-computed checks).
     A hierarchical program (`plait.spmd.mesh.Hierarchical`) is simulated with
@@ -541,9 +542,9 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
     memory from the program's memory model plus `overhead` per GPU (default the framework constant)."""
     from plait.cost.memory import memory_model
     from plait.cost.program import Problem, Segments, Synthesis, segments
-    from plait.cost.spmd import Devices
+    from plait.cost.spmd import Devices, cluster_model_profile
     from plait.graph.aten_stage import free_outputs
-    from plait.sim.replay import ReplayError, capture, cluster_profile, model_spec, replay
+    from plait.sim.replay import ReplayError, capture, model_spec, replay
 
     if view.cluster is None:
         raise SimulateError(f"cluster {view.name!r}: an SPMD plan is simulated on a cluster file or preset")
@@ -558,7 +559,7 @@ def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: st
         graph = capture(spec, plan.global_batch, dtype)  # in the plan's dtype, as the search captured it
         problem = Problem.build(graph, Devices.of(view, dtype, ids),
                                 outputs_free=free_outputs(graph, loss=True),
-                                profile=cluster_profile(view.cluster, spec, plan.dtype), grad_dtype=plan.grad_dtype)
+                                profile=cluster_model_profile(view.cluster, spec, plan.dtype), grad_dtype=plan.grad_dtype)
         problem.homes = dict(plan.spmd.homes)
         program = replay(problem, plan.spmd, "spmd")
     except ReplayError as exc:
@@ -629,3 +630,31 @@ def simulate_spmd_plan(model: Any, cluster: Any, plan: Any, *, memory_options: d
     res.memory = SpmdMemory([float(x) for x in syn.memory], [float(x) for x in problem.devices.memory],
                             list(problem.devices.names))
     return res
+
+
+# ---------------------------------------------------------------- the simulator the search is handed
+class PlanSimulator:
+    """The one simulator as the planner families use it (`plait.plan.types.Simulator`) for one
+    cluster: its ClusterView resolved once and one layer-cost cache, shared by every finalist of
+    every family. Built above the search (`plait.api.plan`, `plait plan`, the recovery loop) and
+    handed down; `compute`: the compute model of `simulate` for 3D and graph plans (None: the
+    default)."""
+
+    def __init__(self, cluster: Cluster, compute: Any = None) -> None:
+        self.view = ClusterView.from_cluster(cluster)
+        self._cost_cache: dict = {}
+        self._extra = {"compute": compute} if compute is not None else {}
+
+    def evaluate(self, graph: OpGraph, plan: Plan) -> dict[str, Any]:
+        return simulate(graph, self.view, plan, memory=False, cost_cache=self._cost_cache, **self._extra).to_dict()
+
+    def spmd(self, problem: Any, synthesis: Any, *, batch: int, name: str = "spmd", device_scale: Any = None,
+             mesh: Any = None) -> SimResult:
+        return simulate_spmd(problem, synthesis, self.view, batch=batch, name=name, device_scale=device_scale,
+                             mesh=mesh)
+
+    def compose(self, stages: list[ProgramStage], edges: list[tuple[int, int]],
+                bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int, *,
+                schedule: str, tied: Any, memory: list[int], name: str, flops: float) -> SimResult:
+        return simulate_compose(stages, edges, bytes_per_sample, micro_batches, micro_batch, self.view,
+                                schedule=schedule, tied=tied, memory=memory, name=name, flops=flops)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from plait.cost.program import Problem, Program, evaluate
+from plait.cost.spmd import cluster_model_profile
 from plait.errors import PlaitError
 from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import Plan
@@ -70,19 +71,6 @@ def replay(problem: Problem, spmd: SpmdProgram, field: str) -> Program:
     return program
 
 
-def cluster_profile(cluster: Any, spec: Any, dtype: str) -> Any:
-    """The cluster's merged model profile of `spec` in `dtype` (`plait.ir.profile.profile_for`,
-    which refuses a profile of another model in one line), or None when it names none: what an
-    SPMD program's ops read their measured times from (`plait.cost.spmd.measured_work`)."""
-    if not getattr(cluster, "model_profiles", None):
-        return None
-    from plait.graph.resolve import resolve_model
-    from plait.ir.profile import profile_for
-
-    opgraph = resolve_model(getattr(spec, "spec", None) or spec, Plan(dtype=dtype))
-    return profile_for(cluster.model_profiles, opgraph, dtype)
-
-
 def capture(spec: Any, batch: int, dtype: str) -> AtenGraph:
     """The model's aten graph at `batch` on the meta device, built and fed in `dtype` (fp32 for
     fp32 / tf32): op names do not depend on the dtype."""
@@ -99,7 +87,7 @@ def capture(spec: Any, batch: int, dtype: str) -> AtenGraph:
 class ComposedReplay:
     """A composed plan's stages as the one lowering takes them (`plait.sim.lowering.pipeline`)."""
 
-    stages: list[Any]  # plait.sim.lowering.StageProgram, one per stage
+    stages: list[Any]  # plait.cost.program.ProgramStage, one per stage
     bytes_per_sample: dict[tuple[int, int], float]
     tied: list[tuple[int, int, float]]
     memory: list[int]  # peak bytes per cluster device under the plan's schedule
@@ -115,12 +103,11 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     graph (`plait.cost.traffic.composed_boundaries`)."""
     from plait.cost.devices import DeviceModel
     from plait.cost.memory import composed_peak_memory, memory_model
-    from plait.cost.program import Segments, segments, stage_problem
+    from plait.cost.program import ProgramStage, Segments, segments, stage_problem
     from plait.cost.spmd import Devices
     from plait.cost.traffic import composed_boundaries
     from plait.graph.aten_stage import received_inputs
     from plait.graph.resolve import resolve_model
-    from plait.sim.lowering import StageProgram
 
     spec = model_spec(model, "a composed plan")
     dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
@@ -129,7 +116,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
     pp = len(plan.stages)
     captures: dict[int, AtenGraph] = {}
     devices = DeviceModel.of_cluster(cluster)
-    profile = cluster_profile(cluster, spec, plan.dtype)
+    profile = cluster_model_profile(cluster, spec, plan.dtype)
     stages, stage_bytes = [], []
     for s, st in enumerate(plan.stages):
         field = f"stages[{s}].program"
@@ -151,7 +138,7 @@ def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam
         mm = memory_model(problem, program, dtype, optimizer, segs=segs, overhead=overhead)
         held = np.broadcast_to(np.asarray(mm.on(r), dtype=float), (problem.devices.n,))
         stage_bytes.append((list(st.devices), held, np.asarray(mm.activations_on(r), dtype=float)))
-        stages.append(StageProgram(problem, program, r, segs.of_op if r.ndim == 2 else None,
+        stages.append(ProgramStage(problem, program, r, segs.of_op if r.ndim == 2 else None,
                                    segs.of_dim if r.ndim == 2 else None, name=st.name,
                                    grad_inputs=received_inputs(problem.graph, aten)))
     per_sample, tied = composed_boundaries(plan, opgraph, captures[plan.stages[0].micro_batch or plan.micro_batch])

@@ -11,13 +11,13 @@ runs a program over its devices, driven by the pipeline schedule's action lists
   by `pipeline`: an SPMD plan is one such stage, a composed plan a chain or DAG of them.
 
 `collectives` turns collectives and pipeline messages of op-level stages into flows on the
-cluster's links (`plait.sim.topology`). Memory is not lowered: it comes from `plait.cost.memory`.
+cluster's links (`plait.net.view`). Memory is not lowered: it comes from `plait.cost.memory`.
 """
 
-from plait.sim.lowering.collectives import SpmdLoweringError, pair_loads, transfer_seconds
+from plait.sim.lowering.collectives import SpmdLoweringError
 from plait.sim.lowering.pipeline import PipelineDriver
-from plait.sim.lowering.spmd import ProgramLowered, StageProgram, lower_compose, lower_spmd
+from plait.sim.lowering.spmd import ProgramLowered, lower_compose, lower_spmd
 from plait.sim.lowering.tensor_parallel import Lowered, LoweringError, SimOptions, lower
 
-__all__ = ["Lowered", "LoweringError", "PipelineDriver", "ProgramLowered", "SimOptions", "SpmdLoweringError", "StageProgram",
-           "lower", "lower_compose", "lower_spmd", "pair_loads", "transfer_seconds"]
+__all__ = ["Lowered", "LoweringError", "PipelineDriver", "ProgramLowered", "SimOptions", "SpmdLoweringError",
+           "lower", "lower_compose", "lower_spmd"]

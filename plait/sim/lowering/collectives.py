@@ -1,7 +1,7 @@
 """Collectives and point-to-point messages of op-level (SPMD) stages as engine tasks.
 
 A collective is a latency, then a flow over the link resources of the ring through its devices
-(`plait.sim.topology`) that alone takes exactly the bandwidth part of the cost module's time
+(`plait.net.view`) that alone takes exactly the bandwidth part of the cost module's time
 (`plait.cost.collectives`, `plait.cost.spmd`), so concurrent collectives and pipeline messages
 share links. The tensor-parallel stages of `plait.sim.lowering.tensor_parallel` price theirs the
 same way from the same cost functions.
@@ -18,8 +18,8 @@ from plait.cost.collectives import UNEVEN_OPS, choose_algorithm, collective_time
 from plait.cost.spmd import Devices, comm_seconds, rail_links, rail_time
 from plait.errors import PlaitError
 from plait.ir.program import NODE, RAIL, Comm, Mesh
+from plait.net.view import ClusterView
 from plait.sim.engine import TaskGraph
-from plait.sim.topology import ClusterView
 
 
 class SpmdLoweringError(PlaitError, ValueError):
@@ -111,28 +111,6 @@ def rings_flow(tg: TaskGraph, view: ClusterView, rings: list[list[int]], seconds
         for r, nbytes, _ in ring_flow(tg, view, ring, seconds) or []:
             load[r] = max(load[r], nbytes)
     return [(r, b, 1.0) for r, b in load.items()] or None
-
-
-def pair_loads(view: ClusterView, a: list[int], b: list[int], nbytes: float) -> tuple[float, dict[tuple, tuple[float, float]]]:
-    """A message of `nbytes` from group `a` (every rank holds it whole) to group `b`: ``k = min(|a|,
-    |b|)`` rank pairs carry ``1/k`` each over their routes (Megatron's scatter/gather over tensor
-    ranks). (latency, {link resource: (capacity, bytes)})."""
-    k = min(len(a), len(b))
-    loads: dict[tuple, tuple[float, float]] = {}
-    lat = 0.0
-    for s, d in zip(a[:k], b[:k]):
-        lat = max(lat, view.pair(s, d)[1])
-        for key, cap, part in view.route(s, d):
-            old = loads.get(key, (cap, 0.0))[1]
-            loads[key] = (cap, old + nbytes / k * part)
-    return lat, loads
-
-
-def transfer_seconds(view: ClusterView, a: list[int], b: list[int], nbytes: float) -> float:
-    """The time of `pair_loads`' message alone on the links (its busiest link, plus latency): the
-    pipeline message the simulator lowers (`plait.sim.lowering.pipeline`) without the all-gather after it."""
-    lat, loads = pair_loads(view, a, b, nbytes)
-    return lat + max((x / cap for cap, x in loads.values() if cap > 0), default=0.0)
 
 
 class GroupPricer:

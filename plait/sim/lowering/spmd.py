@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.cost.compute import ComputeModel, optimizer_time
-from plait.cost.program import Problem, Program, stored_placements
+from plait.cost.program import Problem, Program, ProgramStage, stored_placements
 from plait.cost.spmd import BACKWARD_FACTOR, VIEWS, Devices
 from plait.graph.aten_stage import batch_loss_output
 from plait.ir.program import PARTIAL, REPLICATED, Comm, Mesh, conversion, grad_placement, shard_dim
+from plait.net.view import ClusterView, pair_loads
 from plait.schedule import PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
 from plait.sim.engine import TaskGraph
@@ -54,45 +55,8 @@ from plait.sim.lowering.collectives import (
     SpmdLoweringError,
     comm_task,
     group_collective,
-    pair_loads,
 )
 from plait.sim.lowering.pipeline import PipelineDriver, compute_program
-from plait.sim.topology import ClusterView
-
-
-@dataclass
-class StageProgram:
-    """One stage whose work an SPMD program spreads over its devices: its graph at its micro-batch
-    on its devices, its program and ratios. An SPMD plan is one such stage; a composed plan a
-    pipeline of them."""
-
-    problem: Problem  # the stage's AtenGraph (`plait.graph.aten_stage.stage_subgraph`) on its Devices
-    program: Program
-    ratios: np.ndarray  # one vector, or one row per segment
-    of_op: dict[str, int] | None = None  # segment of each op (`plait.cost.program.Segments`)
-    of_dim: dict[tuple[str, int], int] | None = None
-    name: str = ""
-    # the inputs received from the previous stage whose gradients go back (None: the floating
-    # inputs of every stage but the first -- a model's own floating inputs would need naming)
-    grad_inputs: tuple[str, ...] | None = None
-    # the devices as priced for the run (None: `problem.devices`; a program searched under HAP's
-    # flat model is simulated on the real links)
-    devices: Devices | None = None
-    # a multiplier of every op's work per device: data parallelism written as the graph of one
-    # device's batch run whole on every device, device ``i`` holding ``device_scale[i]`` times it
-    device_scale: np.ndarray | None = None
-    # a hierarchical program's nodes x GPUs (`plait.spmd.mesh`): collectives of group "node" run in
-    # every node at once, "rail" ones across nodes (`plait.sim.lowering.collectives.GroupPricer`)
-    mesh: Mesh | None = None
-
-    @property
-    def devs(self) -> Devices:
-        return self.devices or self.problem.devices
-
-    @property
-    def ids(self) -> list[int]:
-        d = self.devs
-        return list(d.ids) if d.ids else list(range(d.n))
 
 
 def op_ratios(problem: Problem, program: Program, ratios: np.ndarray,
@@ -156,12 +120,12 @@ def params_held(problem: Problem, program: Program, ratios: np.ndarray,
     return held
 
 
-def boundary_comms(prog: StageProgram, index: int, loss: bool = False) -> list[tuple[str, Comm]]:
+def boundary_comms(prog: ProgramStage, index: int, loss: bool = False) -> list[tuple[str, Comm]]:
     """The collectives a stage's program adds at its boundary, which a whole-model program's search
     does not count (`plait.cost.program.step`: only partial outputs are reduced, inputs need no
     gradient): each output the program leaves sharded is gathered whole after its producer (what
     the next stage or the loss reads), and each value received from the previous stage -- an input
-    of a later stage that is floating (`StageProgram.grad_inputs`) -- has its gradient made whole
+    of a later stage that is floating (`ProgramStage.grad_inputs`) -- has its gradient made whole
     once per kind of reader (placement, sharded compute), after the first such reader's backward:
     what `plait.runtime.spmd_program.RankProgram` runs. The `loss` stage computes the loss on the
     batch shards of an output sharded on the batch (`plait.graph.aten_stage.batch_loss_output`): that
@@ -197,7 +161,7 @@ def boundary_comms(prog: StageProgram, index: int, loss: bool = False) -> list[t
             for n, c in out]
 
 
-def _own_comms(prog: StageProgram, bound: list[tuple[str, Comm]]) -> list[tuple[str, Comm]]:
+def _own_comms(prog: ProgramStage, bound: list[tuple[str, Comm]]) -> list[tuple[str, Comm]]:
     """The program's collectives less the output gathers that its search already priced at its end
     (`plait.cost.program.Problem.outputs_free`) and that `boundary_comms` issues after the producer."""
     last = prog.problem.graph.ops[-1].name
@@ -206,7 +170,7 @@ def _own_comms(prog: StageProgram, bound: list[tuple[str, Comm]]) -> list[tuple[
             if not (n == last and c.phase == "fwd" and (c.tensor, c.op) in gathered)]
 
 
-def tied_sharded(prog: StageProgram, other: StageProgram, nbytes: float) -> bool:
+def tied_sharded(prog: ProgramStage, other: ProgramStage, nbytes: float) -> bool:
     """Whether `prog` stores a parameter it shares with `other` (its gradient of `nbytes`,
     `Problem.grad_nbytes`) sharded: a parameter
     is stored where its first reader reads it, whole when that is a partial sum (the runtime's
@@ -260,7 +224,7 @@ class SpmdStage:
     and the heads of its streams as the driver emits its actions."""
 
     index: int
-    prog: StageProgram
+    prog: ProgramStage
     tg: TaskGraph
     view: ClusterView
     model: ComputeModel | None  # the compute model's fixed costs (None: the work alone)
@@ -553,7 +517,7 @@ class _ProgramLowerer(PipelineDriver):
         return ties
 
 
-def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
+def lower_compose(stages: list[ProgramStage], edges: list[tuple[int, int]],
                   bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
                   view: ClusterView, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
                   model: ComputeModel | None = None, tied: Sequence[tuple[int, int, float]] = (),
@@ -565,7 +529,7 @@ def lower_compose(stages: list[StageProgram], edges: list[tuple[int, int]],
 
     `bytes_per_sample[(a, b)]`: what crosses edge a -> b per sample, in the plan's dtype: the
     sending stage holds it whole on every rank, ``k = min(senders, receivers)`` rank pairs each
-    carry ``1/k`` (`plait.sim.lowering.collectives.pair_loads`) and an all-gather in the receiving
+    carry ``1/k`` (`plait.net.view.pair_loads`) and an all-gather in the receiving
     group makes it whole there; gradients go back the same way.
     `tied`: (stage a, stage b, gradient bytes) of parameters both stages hold.
     `model`: the compute model's fixed costs (None: the work alone, for hand-computed checks).
@@ -595,9 +559,9 @@ def lower_spmd(problem: Problem, program: Program, ratios: np.ndarray, view: Clu
                mesh: Mesh | None = None, model: ComputeModel | None = None) -> ProgramLowered:
     """The task graph of one training iteration of a whole-model SPMD `program` at `ratios` (one
     vector, or one row per segment with `of_op` / `of_dim` from `plait.cost.program.Segments`) on
-    `view`: the one-stage pipeline, one micro-batch (`StageProgram` says what `devices`,
+    `view`: the one-stage pipeline, one micro-batch (`ProgramStage` says what `devices`,
     `device_scale` and `mesh` are)."""
-    prog = StageProgram(problem, program, np.asarray(ratios, dtype=float), of_op, of_dim, devices=devices,
+    prog = ProgramStage(problem, program, np.asarray(ratios, dtype=float), of_op, of_dim, devices=devices,
                         device_scale=device_scale, mesh=mesh)
     return lower_compose([prog], [], {}, 1, 1, view, bucket_bytes=bucket_bytes, model=model,
                          host_comm_s=host_comm_s, boundary=False)

@@ -80,10 +80,10 @@ from plait.errors import PlaitError
 from plait.ir.opgraph import Layer, OpGraph
 from plait.ir.plan import Plan, StageSpec
 from plait.ir.stage_graph import StageGraph, stage_graph
+from plait.net.view import ClusterView
 from plait.schedule import Node, PipelineGraph, Schedule, ScheduleError, event_key
 from plait.sim.engine import TaskGraph
 from plait.sim.lowering.pipeline import PipelineDriver, compute_program
-from plait.sim.topology import ClusterView
 
 
 class LoweringError(PlaitError, ValueError):

@@ -1,4 +1,6 @@
-"""The simulator's view of a cluster: device kinds, pair bandwidths and latencies, link resources.
+"""A cluster resolved once for pricing its transfers (`ClusterView`): device kinds, pair bandwidths
+and latencies, link resources -- what the simulator runs on and the planners estimate with
+(the search hands the one view of its `Simulator` to every family).
 
 A transfer from device ``i`` to ``j`` crosses *resources* whose bandwidth concurrent
 transfers share (`plait.sim.engine`):
@@ -143,3 +145,26 @@ class ClusterView(DeviceModel):
         scale = self.group(devs).ring_bandwidth / slowest
         return slowest, [(a, b, share * scale)
                          for a, b, share in ring_hops(devs, self.node_of, self.node_nics)]
+
+
+def pair_loads(view: ClusterView, a: list[int], b: list[int], nbytes: float) -> tuple[float, dict[tuple, tuple[float, float]]]:
+    """A message of `nbytes` from group `a` (every rank holds it whole) to group `b`: ``k = min(|a|,
+    |b|)`` rank pairs carry ``1/k`` each over their routes (Megatron's scatter/gather over tensor
+    ranks). (latency, {link resource: (capacity, bytes)})."""
+    k = min(len(a), len(b))
+    loads: dict[tuple, tuple[float, float]] = {}
+    lat = 0.0
+    for s, d in zip(a[:k], b[:k]):
+        lat = max(lat, view.pair(s, d)[1])
+        for key, cap, part in view.route(s, d):
+            old = loads.get(key, (cap, 0.0))[1]
+            loads[key] = (cap, old + nbytes / k * part)
+    return lat, loads
+
+
+def transfer_seconds(view: ClusterView, a: list[int], b: list[int], nbytes: float) -> float:
+    """The time of `pair_loads`' message alone on the links (its busiest link, plus latency): the
+    pipeline message the simulator lowers (`plait.sim.lowering.pipeline`) without the all-gather after it;
+    what the composed family's estimate ranks by."""
+    lat, loads = pair_loads(view, a, b, nbytes)
+    return lat + max((x / cap for cap, x in loads.values() if cap > 0), default=0.0)
