@@ -7,9 +7,9 @@
 
 Per case (model, cluster, global batch = `--batch-per-gpu` x GPUs):
 
-* **graph**: `plait plan --family graph` (GraphPipe's partitioner, `plait.plan.graphpipe`, its
+* **graph**: `plait plan --family graph` (GraphPipe's partitioner, `plait.planners.graphpipe`, its
   plans ranked by the simulator);
-* **PipeDream**: its DP on the linearised model (`plait.plan.seq_baselines.pipedream`), per
+* **PipeDream**: its DP on the linearised model (`plait.planners.seq_baselines.pipedream`), per
   data-parallel space (per-stage degrees, and each uniform degree), the best simulated;
 * **Piper**: its DP over ideals where it fits, else how many ideals it would need;
 * **3D**: plait's 3D planner (`plait plan`, Pipette-style; finalists 4, no placement annealing);
@@ -21,7 +21,7 @@ Per case (model, cluster, global batch = `--batch-per-gpu` x GPUs):
 * search seconds of each (wall; the model capture excluded: it is shared and cached), and the
   graph search's CPU seconds (less sensitive to other processes on the machine; the load
   average at the end is in the summary);
-* the lower bound (`plait.plan.graph_cost.lower_bound`), the graph plan's gap to it, and the
+* the lower bound (`plait.planners.graph_cost.lower_bound`), the graph plan's gap to it, and the
   ceiling it puts on any plan's speedup (sequential / bound: where it is under 1.6 no plan can
   reach GraphPipe's 1.6x on that case).
 
@@ -59,10 +59,10 @@ def run_case(model: str, cluster: str, global_batch: int, *, three_d: bool = Tru
     """One row: graph plan, PipeDream, Piper and 3D on the same model, cluster and batch."""
     from plait.api import plan
     from plait.cluster import load_cluster
-    from plait.plan.graph_cost import StageCost, lower_bound
-    from plait.plan.graph_search import search_graph
-    from plait.plan.graphpipe import replica_counts
-    from plait.plan.seq_baselines import pipedream, piper
+    from plait.planners.graph_cost import StageCost, lower_bound
+    from plait.planners.graph_search import search_graph
+    from plait.planners.graphpipe import replica_counts
+    from plait.planners.seq_baselines import pipedream, piper
     from plait.search import auto_dtype, load_graph
     from plait.sim.api import PlanSimulator
 

@@ -29,7 +29,7 @@ from plait.cost.traffic import CLASSES, task_class_bytes  # noqa: E402
 from plait.graph.inspect import inspect_model  # noqa: E402
 from plait.ir.plan import Plan  # noqa: E402
 from plait.net.view import ClusterView  # noqa: E402
-from plait.plan.threed import AnalyticModel  # noqa: E402
+from plait.planners.threed import AnalyticModel  # noqa: E402
 from plait.sim.lowering import SimOptions, lower  # noqa: E402
 
 CLUSTER = "mixed-a100-v100:a100_nodes=1,v100_nodes=1,gpus_per_node=4"

@@ -134,7 +134,7 @@ def describe(plan: Any, cluster: Any) -> str:
 def run_case(case: Case, finalists: int | None, exhaustive: bool, before_policy: bool = True) -> dict[str, Any]:
     from plait.api import plan
     from plait.errors import PlaitError
-    from plait.plan.types import PlanResult
+    from plait.planners.types import PlanResult
 
     cluster = _cluster(case.cluster)
     before: dict[str, Any] | None = None

@@ -9,11 +9,7 @@ from typing import Any
 
 from plait.ir.plan import Plan
 
-# `plan` is not re-exported: `plait.plan` is the (callable) package plait/plan, which calls
-# `plait.api.plan`, so that `plait.plan(...)` and `import plait.plan.threed` both work.
-__all__ = ["inspect", "load_cluster", "load_model", "Plan", "simulate", "run"]
-
-
+__all__ = ["inspect", "load_cluster", "load_model", "Plan", "plan", "simulate", "run"]
 
 
 def load_cluster(spec: Any):
@@ -51,7 +47,7 @@ def plan(model: Any = None, cluster: Any = None, *, simulate: bool = True, compu
     `top`, `families`, ...), every family's finalists timed by the one simulator built here for
     the cluster (`simulate=False`: ranked by each family's analytic model alone). A PlanResult."""
     from plait.cluster import load_cluster as _load
-    from plait.plan.types import DEFAULT_CLUSTER
+    from plait.planners.types import DEFAULT_CLUSTER
     from plait.search import search_plans
     from plait.sim.api import PlanSimulator
 

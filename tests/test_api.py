@@ -8,10 +8,11 @@ MODEL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
 CLUSTER = "a100-80g:nodes=1,gpus_per_node=2"
 
 
-def test_plan_is_callable_and_its_submodules_import():
+def test_plan_is_a_plain_function_beside_the_planner_packages():
+    import plait.planners.threed as threed
     import plait.search as search
 
-    assert callable(plait.plan)
+    assert plait.plan is plait.api.plan and callable(plait.plan) and callable(threed.search_3d)
     result = plait.plan(MODEL, CLUSTER, global_batch=4, top=2)
     assert result.top and isinstance(result.top[0].plan, plait.Plan)
     assert callable(search.search_plans)

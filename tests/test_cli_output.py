@@ -70,7 +70,7 @@ def test_gantt_title_is_wrapped_not_cut() -> None:
 # ---------------------------------------------------------------------------------- plait plan table
 def _cand(plan: str, t: float, free_gib: float = 30.0, kinds: tuple[str, ...] = ("a100", "v100")):
     from plait.ir.plan import Plan
-    from plait.plan.types import Candidate
+    from plait.planners.types import Candidate
 
     c = Candidate(Plan.parse(plan), iteration_time_s=t, tflops_per_gpu=1.0, throughput=100.0)
     c.headroom_by_kind = {k: int((free_gib + i) * 2**30) for i, k in enumerate(kinds)}

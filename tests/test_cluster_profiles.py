@@ -18,7 +18,7 @@ from plait.ir.profile import (
     profile_to_dict,
     save_profile,
 )
-from plait.plan.types import load_graph
+from plait.planners.types import load_graph
 
 MODEL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
 CLUSTER = """
@@ -169,7 +169,7 @@ def test_equal_shaped_layers_measured_apart_are_priced_apart(tmp_path):
     the graph planner's stage pre-screen both read each block's own time (before: both blocks were
     priced at the first one's, the cost caches keyed equal shapes together)."""
     from plait.cost.compute import ComputeModel
-    from plait.plan.graph_cost import StageCost
+    from plait.planners.graph_cost import StageCost
     from plait.sim.api import simulate
 
     _, graph = load_graph(MODEL, "fp16")

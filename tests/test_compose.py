@@ -192,7 +192,7 @@ def test_compose_declines_with_a_reason():
     from plait.api import plan
     from plait.cluster import load_cluster
     from plait.errors import PlaitError
-    from plait.plan.types import auto_dtype
+    from plait.planners.types import auto_dtype
 
     with pytest.raises(PlaitError, match="compose: .*one node of one GPU kind"):
         plan(TINY, load_cluster("a100-80g:nodes=1"), global_batch=8, families="compose")
@@ -326,7 +326,7 @@ def test_pipeline_estimate_times_have_the_launch_floor_of_a_group():
     is whole / g."""
     from plait.cluster import load_cluster
     from plait.cost.compute import layer_cost
-    from plait.plan.types import load_graph
+    from plait.planners.types import load_graph
     from plait.search.compose_family import layer_times
 
     cluster = load_cluster("v100:nodes=1,gpus_per_node=4")

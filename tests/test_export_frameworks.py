@@ -18,7 +18,13 @@ from torch import nn
 
 from plait.graph.zoo import load_model, tied_parameters
 from plait.ir.plan import Plan
-from plait.plan.export import TORCHTITAN_MODELS, ExportError, architecture, export, torchtitan_argv
+from plait.planners.export import (
+    TORCHTITAN_MODELS,
+    ExportError,
+    architecture,
+    export,
+    torchtitan_argv,
+)
 
 
 def _args(text: str) -> dict[str, str]:

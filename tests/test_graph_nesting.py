@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from plait.cluster import load_cluster
 from plait.graph.sp import decompose
 from plait.ir.opgraph import Layer, Op, OpGraph
-from plait.plan.graph_cost import StageCost
-from plait.plan.graphpipe import partition
+from plait.planners.graph_cost import StageCost
+from plait.planners.graphpipe import partition
 
 
 def _graph(nodes: list[str], edges: list[tuple[str, str]], flops: dict[str, float]) -> OpGraph:

@@ -15,9 +15,9 @@ from plait.cluster import load_cluster
 from plait.graph.sp import count_ideals, decompose
 from plait.ir.opgraph import Layer, Op, OpGraph
 from plait.ir.plan import Plan, PlanError, StageSpec
-from plait.plan.graph_cost import StageChoice, StageCost, best_micro_batch, lower_bound
-from plait.plan.graphpipe import partition
-from plait.plan.seq_baselines import pipedream, piper
+from plait.planners.graph_cost import StageChoice, StageCost, best_micro_batch, lower_bound
+from plait.planners.graphpipe import partition
+from plait.planners.seq_baselines import pipedream, piper
 from plait.schedule import PipelineGraph, execute, graph_1f1b
 
 CLUSTER4 = "a100-80g:nodes=1,gpus_per_node=4"
@@ -299,7 +299,7 @@ def test_trace_has_a_flow_per_stage_edge_transfer_and_gantt_rows_name_stages(tmp
 
 # ---------------------------------------------------------------- never slower than sequential
 def test_one_stage_graph_has_every_zero_stage_in_the_3d_form_and_stage_graphs_zero_0_to_2():
-    from plait.plan.graph_search import option_variants
+    from plait.planners.graph_search import option_variants
     from plait.runtime.layout import supports
 
     one = Plan(global_batch=64, micro_batch=8, zero=1, stages=[StageSpec("s0", ["a", "b"], [2, 3, 0, 1], dp=4,
@@ -320,7 +320,7 @@ def test_graph_family_on_a_chain_model_is_no_slower_than_pipedream_or_3d():
     """A chain of stages is a graph of stages and pure data parallelism a one-stage graph: on a chain
     model the graph family's best, ranked by the simulator, matches the best sequential plan."""
     from plait.api import plan
-    from plait.plan.graph_search import search_graph
+    from plait.planners.graph_search import search_graph
     from plait.sim.api import PlanSimulator
 
     g = _graph([("l0", "l1"), ("l1", "l2"), ("l2", "l3"), ("l3", "l4"), ("l4", "l5")],
@@ -407,8 +407,8 @@ def test_piper_picks_the_same_partition_whatever_the_string_hashes():
     import subprocess
     import sys
 
-    code = ("from plait.plan.seq_baselines import _ideals\n"
-            "from plait.plan.graph_cost import StageCost\n"
+    code = ("from plait.planners.seq_baselines import _ideals\n"
+            "from plait.planners.graph_cost import StageCost\n"
             "from plait.cluster import load_cluster\n"
             "import tests.test_graph_plan as t\n"
             "g = t._graph([('a0', 'a1'), ('a1', 'h'), ('b0', 'b1'), ('b1', 'h')], "

@@ -25,12 +25,12 @@ def test_the_contract_catches_an_upward_import(tmp_path: Path, monkeypatch: pyte
     import grimp
 
     graph = grimp.build_graph("plait", include_external_packages=False, cache_dir=None)
-    graph.add_import(importer="plait.plan.threed", imported="plait.sim.api", line_number=1,
+    graph.add_import(importer="plait.planners.threed", imported="plait.sim.api", line_number=1,
                      line_contents="from plait.sim.api import simulate")
-    layers = ["plait.search", "plait.measure", "plait.sim", "plait.plan", "plait.cost"]
+    layers = ["plait.search", "plait.measure", "plait.sim", "plait.planners", "plait.cost"]
     illegal = graph.find_illegal_dependencies_for_layers(layers=layers, containers=set())
-    assert any(d.importer == "plait.plan" and d.imported == "plait.sim" for d in illegal)
-    graph.remove_import(importer="plait.plan.threed", imported="plait.sim.api")
+    assert any(d.importer == "plait.planners" and d.imported == "plait.sim" for d in illegal)
+    graph.remove_import(importer="plait.planners.threed", imported="plait.sim.api")
     assert not graph.find_illegal_dependencies_for_layers(layers=layers, containers=set())
 
 
@@ -53,7 +53,7 @@ def test_sim_and_runtime_import_no_planner() -> None:
     import grimp
 
     graph = grimp.build_graph("plait", include_external_packages=False, cache_dir=None)
-    planners = ("plait.plan", "plait.spmd", "plait.search")
+    planners = ("plait.planners", "plait.spmd", "plait.search")
     found = [(m, imp) for pkg in ("plait.sim", "plait.runtime") for m in graph.find_descendants(pkg)
              for imp in graph.find_modules_directly_imported_by(m) if imp.startswith(planners)]
     assert found == []
@@ -75,10 +75,10 @@ SIM_NO_PLANNER = "sim and runtime import no planner"
 @pytest.mark.parametrize("name,importer,imported", [
     (PLANNERS_NO_SIM, "plait.search.driver", "plait.sim.api"),  # the driver building the simulator itself
     (PLANNERS_NO_SIM, "plait.search.compose_family", "plait.sim.lowering"),
-    (PLANNERS_NO_SIM, "plait.plan.threed", "plait.sim.api"),
+    (PLANNERS_NO_SIM, "plait.planners.threed", "plait.sim.api"),
     (PLANNERS_NO_SIM, "plait.spmd.ratios", "plait.sim.engine"),
     (SIM_NO_PLANNER, "plait.sim.api", "plait.search.driver"),
-    (SIM_NO_PLANNER, "plait.runtime.worker", "plait.plan.threed"),
+    (SIM_NO_PLANNER, "plait.runtime.worker", "plait.planners.threed"),
     (SIM_NO_PLANNER, "plait.sim.lowering.spmd", "plait.spmd.ratios"),
 ])
 def test_each_forbidden_contract_catches_a_forbidden_import(name: str, importer: str, imported: str) -> None:

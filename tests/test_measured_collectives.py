@@ -105,7 +105,7 @@ def test_measured_time_reads_the_table_backwards_hand_computed() -> None:
 def test_planner_and_simulator_take_collective_times_from_the_table() -> None:
     from plait.ir.plan import Plan
     from plait.net.view import ClusterView
-    from plait.plan.threed import AnalyticModel
+    from plait.planners.threed import AnalyticModel
     from plait.sim.api import simulate
 
     c = parse_yaml_text(YAML, "m.yaml")

@@ -12,7 +12,7 @@ from plait.cost.collectives import collective_time, group_links, ring_all_reduce
 from plait.cost.traffic import Message
 from plait.ir.plan import Plan
 from plait.net.view import ClusterView
-from plait.plan.threed import AnalyticModel
+from plait.planners.threed import AnalyticModel
 from plait.sim.api import simulate
 
 ONE_BIG = "a100-80g:nodes=2,nics=1,nic=800 Gb/s"

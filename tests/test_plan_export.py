@@ -7,7 +7,7 @@ import json
 import pytest
 
 from plait.ir.plan import Plan
-from plait.plan.export import ExportError, export, heterogeneous_reasons
+from plait.planners.export import ExportError, export, heterogeneous_reasons
 
 GPT_ARCH = {"norm": "layernorm", "activation": "gelu", "position": "learned", "norm_position": "pre", "bias": True,
             "tie": True, "causal": True}
@@ -151,7 +151,7 @@ def test_slurm_script_runs_the_plan_with_plait_run_one_task_per_node():
 
 def test_training_settings_reach_every_export():
     """A plait run and its exported run train alike: lr schedule, weight decay, clipping, steps."""
-    from plait.plan.export import Training, run_training_flags
+    from plait.planners.export import Training, run_training_flags
 
     t = Training(lr=3e-4, min_lr=3e-5, warmup_iters=10, decay_style="cosine", decay_iters=90, weight_decay=0.1,
                  clip_grad=1.0, steps=100)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.plan.hetero import HeteroError, split_layers, split_micro_batches
+from plait.planners.hetero import HeteroError, split_layers, split_micro_batches
 
 
 def _compositions(n: int, k: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from plait.plan.placement import (
+from plait.planners.placement import (
     MOVES,
     PathModel,
     PlacementError,
@@ -14,7 +14,7 @@ from plait.plan.placement import (
     apply_move,
     brute_force,
 )
-from plait.plan.types import Candidate
+from plait.planners.types import Candidate
 
 GB = 1e9
 
@@ -136,7 +136,7 @@ def test_fast_energy_is_the_baseline_to_the_last_bit(n, dp, tp, pp):
     """The annealing's fast paths (one order's rings gathered by precomputed positions; one order
     in plain Python floats, `_OneOrder`; energies remembered per order) give the baseline's
     seconds bit for bit, so the same walk and result."""
-    from plait.plan.placement import _OneOrder
+    from plait.planners.placement import _OneOrder
 
     rng = np.random.default_rng(n + dp)
     bw = rng.uniform(1 * GB, 100 * GB, (n, n))
@@ -158,7 +158,7 @@ def test_fast_energy_is_the_baseline_to_the_last_bit(n, dp, tp, pp):
 
 
 def test_path_model_reductions_are_numpy_max_and_mean_bit_for_bit():
-    from plait.plan.placement import _max, _mean
+    from plait.planners.placement import _max, _mean
 
     rng = np.random.default_rng(3)
     for shape in [(3, 5), (2, 3, 17), (4, 2, 9, 8), (1, 1, 1)]:
@@ -173,7 +173,7 @@ def test_path_model_reductions_are_numpy_max_and_mean_bit_for_bit():
 def test_pairwise_sum_is_numpy_add_reduce_bit_for_bit():
     """`_pairwise_sum` (the plain-Python energy's sums) is NumPy's pairwise summation exactly,
     below 8 elements, up to its 128-element blocks and above."""
-    from plait.plan.placement import _pairwise_sum
+    from plait.planners.placement import _pairwise_sum
 
     rng = np.random.default_rng(5)
     for n in [*range(1, 40), 127, 128, 129, 300, 1000]:
@@ -188,8 +188,8 @@ def test_the_start_order_is_kept_where_it_simulates_faster(monkeypatch):
     from plait.cluster import load_cluster
     from plait.graph.resolve import resolve_model
     from plait.ir.plan import Plan
-    from plait.plan import threed
-    from plait.plan.placement import PlacementResult
+    from plait.planners import threed
+    from plait.planners.placement import PlacementResult
 
     cluster = load_cluster("a100-80g:nodes=1,gpus_per_node=4")
     placed = Plan.parse("dp=2,pp=2,micro_batch=1,global_batch=8,device_order=3:2:1:0")

@@ -12,8 +12,8 @@ from plait.cluster import load_cluster, parse_yaml_text
 from plait.cost.memory import estimate_memory
 from plait.graph.gpt_closed_form import gpt_config, gpt_opgraph
 from plait.ir.plan import Plan
-from plait.plan import hetero
-from plait.plan.threed import TIE_PENALTY
+from plait.planners import hetero
+from plait.planners.threed import TIE_PENALTY
 from plait.search import SearchError, SearchSpace, auto_dtype
 from plait.sim.api import simulate
 

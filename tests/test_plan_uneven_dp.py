@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from plait.api import plan
 from plait.cluster import load_cluster
-from plait.plan.threed import SearchSpace, enumerate_groups
-from plait.plan.types import load_graph
+from plait.planners.threed import SearchSpace, enumerate_groups
+from plait.planners.types import load_graph
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"
 SIX = "a100-80gb:nodes=1,gpus_per_node=6"

@@ -1,6 +1,6 @@
 """The DAG executor runs plans made by GraphPipe's partitioner with the numbers of one process (issue 13).
 
-Small MMT and DLRM, planned by `plait.plan.graph_search.search_graph` for 4 GPUs with one GPU per
+Small MMT and DLRM, planned by `plait.planners.graph_search.search_graph` for 4 GPUs with one GPU per
 stage, and a wider MMT whose plan gives its stages different data-parallel degrees, trained 2
 steps with SGD on gloo ranks: losses and parameters within 1e-6 of a single-process run of the
 same model (fp32)."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.plan.graph_search import search_graph
+from plait.planners.graph_search import search_graph
 from plait.runtime import supports
 from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
 

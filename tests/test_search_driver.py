@@ -4,7 +4,7 @@ import pytest
 
 from plait.api import plan
 from plait.ir.plan import Plan
-from plait.plan.types import Candidate, PlanResult, SearchError
+from plait.planners.types import Candidate, PlanResult, SearchError
 from plait.search import FAMILIES, register_family
 
 MODEL = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128"

@@ -16,7 +16,7 @@ import pytest
 
 from plait.api import plan
 from plait.net.maxmin import _max_min_dict, max_min_rates_np
-from plait.plan import hetero
+from plait.planners import hetero
 
 CLUSTER = "large-mixed:nodes=2,gpus_per_node=4"  # 4 A100-80GB + 4 V100-32GB
 # what _search(model) returned before the speed-ups (51b92d4): (plan, analytic seconds, simulated seconds) as

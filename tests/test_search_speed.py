@@ -8,7 +8,7 @@ import pytest
 
 from plait.api import plan
 from plait.ir.plan import Plan
-from plait.plan.types import Candidate, PlanResult
+from plait.planners.types import Candidate, PlanResult
 from plait.search import FAMILIES, register_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -77,8 +77,8 @@ def test_bounded_analytic_ranking_keeps_the_exhaustive_finalists(finalists):
     finalists-th best time picks the exhaustive ranking's finalists, times equal to the bit,
     while pricing the communication of fewer candidates."""
     from plait.cluster import load_cluster
-    from plait.plan.threed import AnalyticModel, Progress, _rank_analytic, enumerate_groups
-    from plait.plan.types import load_graph
+    from plait.planners.threed import AnalyticModel, Progress, _rank_analytic, enumerate_groups
+    from plait.planners.types import load_graph
 
     cluster = load_cluster("a100-80gb:nodes=2,gpus_per_node=4")
     graph = load_graph("gpt:layers=8,hidden=256,heads=8,seq=128,vocab=512", "bf16")[1]
@@ -101,8 +101,8 @@ def test_gpipe_plans_reuse_their_1f1b_twins_communication_exactly():
     import dataclasses
 
     from plait.cluster import load_cluster
-    from plait.plan.threed import AnalyticModel
-    from plait.plan.types import load_graph
+    from plait.planners.threed import AnalyticModel
+    from plait.planners.types import load_graph
 
     cluster = load_cluster("large-mixed:nodes=2,gpus_per_node=4")
     graph = load_graph("gpt:layers=8,hidden=256,heads=8,seq=128,vocab=512", "fp16")[1]
@@ -137,9 +137,9 @@ def test_communication_bound_holds_at_every_placement(seed):
     import numpy as np
 
     from plait.cluster import parse_yaml_text
-    from plait.plan.placement import _Space
-    from plait.plan.threed import AnalyticModel, _place, enumerate_groups
-    from plait.plan.types import load_graph
+    from plait.planners.placement import _Space
+    from plait.planners.threed import AnalyticModel, _place, enumerate_groups
+    from plait.planners.types import load_graph
 
     rng = np.random.default_rng(seed)
     cluster = parse_yaml_text(_random_cluster(rng))

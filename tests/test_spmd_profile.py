@@ -11,7 +11,7 @@ from plait.cluster import load_cluster
 from plait.cost.program import Problem, Synthesis, evaluate
 from plait.cost.spmd import Devices
 from plait.ir.profile import KindProfile, LayerCurve, ModelProfile, model_signature, save_profile
-from plait.plan.threed import load_graph
+from plait.planners.threed import load_graph
 from plait.sim.replay import capture, model_spec
 
 MODEL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"

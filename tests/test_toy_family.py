@@ -13,7 +13,7 @@ import pytest
 
 from plait.api import plan
 from plait.ir.plan import Plan
-from plait.plan.types import PlanResult, SearchError
+from plait.planners.types import PlanResult, SearchError
 from plait.search import FAMILIES, register_family, resolve_families
 from plait.sim.api import PlanSimulator
 
@@ -44,7 +44,7 @@ def test_nothing_in_plait_names_the_toy_family():
 
 def test_the_driver_ranks_the_toy_family_with_the_others_by_the_simulator(toy):
     from plait.cluster import load_cluster
-    from plait.plan.types import load_graph
+    from plait.planners.types import load_graph
     from plait.search.summary import family_rows
 
     assert "toy" in resolve_families("all")

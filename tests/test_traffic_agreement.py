@@ -18,7 +18,7 @@ from plait.cost.memory import estimate_memory
 from plait.graph.inspect import inspect_model
 from plait.ir.plan import Plan
 from plait.net.view import ClusterView
-from plait.plan.threed import AnalyticModel
+from plait.planners.threed import AnalyticModel
 from plait.runtime.partition import replica_micro_batches
 from plait.sim.lowering import SimOptions, lower
 

@@ -24,7 +24,7 @@ from typing import Any
 from plait.cluster.spec import Cluster
 from plait.cost.memory import estimate_memory
 from plait.ir.plan import Plan
-from plait.plan.types import (
+from plait.planners.types import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
     Candidate,

@@ -28,7 +28,7 @@ from plait.commands.training_args import (
     memory_kwargs_of,
     training_of,
 )
-from plait.plan.export import FORMATS
+from plait.planners.export import FORMATS
 from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, FAMILIES, PlanResult
 
 GiB = 2**30
@@ -104,7 +104,7 @@ def search(model: str, cluster: Cluster, **kwargs: Any) -> PlanResult:
 def run(args: argparse.Namespace) -> int:
     from plait.commands.traffic_plan import check_traffic_cluster, print_traffic, traffic_plan
     from plait.errors import PlaitError, check_output_path
-    from plait.plan.export import export
+    from plait.planners.export import export
     from plait.workers import check_jobs, default_jobs
 
     space = None

@@ -118,7 +118,7 @@ def summary(choice: SpmdChoice) -> dict[str, Any]:
 def search_result(choice: SpmdChoice, seconds: float) -> Any:
     """The program as the search driver's one-family result (`plait.search.spmd_family`'s shape:
     one candidate timed by the synthesis's cost), for the search file `plait report` reads."""
-    from plait.plan.types import Candidate, PlanResult
+    from plait.planners.types import Candidate, PlanResult
 
     syn = choice.synthesis
     peaks = [int(x) for x in syn.memory]

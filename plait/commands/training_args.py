@@ -19,8 +19,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
 
 
 def training_of(args: argparse.Namespace) -> Any:
-    """The `plait.plan.export.Training` the flags describe (steps: --steps)."""
-    from plait.plan.export import Training
+    """The `plait.planners.export.Training` the flags describe (steps: --steps)."""
+    from plait.planners.export import Training
 
     return Training(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                     decay_style=args.lr_decay_style, decay_iters=args.lr_decay_iters,

@@ -1,7 +1,7 @@
 """Traffic: the bytes of every message of one training iteration, and their time on a cluster path.
 
 One module says how big each message is; the planner's analytic model
-(`plait.plan.threed`), placement (`plait.plan.placement`), the memory estimator's
+(`plait.planners.threed`), placement (`plait.planners.placement`), the memory estimator's
 communication buffers (`plait.cost.memory`) and the simulator's lowering
 (`plait.sim.lowering.tensor_parallel`) call it and keep no byte formulas of their own. Times come from
 `plait.cost.collectives` (alpha-beta, NCCL-like algorithm choice); nothing is re-derived.

@@ -414,7 +414,7 @@ def profile_model(model_spec: Any, cluster: Any, micro_batches: list[int], dtype
     import datetime
 
     from plait.ir.profile import KindProfile, LayerCurve, ModelProfile, model_signature
-    from plait.plan.types import load_graph
+    from plait.planners.types import load_graph
     from plait.runtime.emulate import compute_slowdown
 
     sizes = sorted(set(micro_batches))

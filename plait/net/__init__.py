@@ -18,6 +18,6 @@ One job per module:
 * `twolink`  -- two emulated parallel links (network namespaces, root): planned vs hashed;
 * `leafspine` -- a namespace leaf/spine (4 spines) where the kernel hashes: planned vs hashed.
 
-Layer: above `plait.cost` (it may import cost, cluster, graph, ir), below `plait.plan`,
+Layer: above `plait.cost` (it may import cost, cluster, graph, ir), below `plait.planners`,
 `plait.sim` and `plait.runtime`.
 """

@@ -304,7 +304,7 @@ def predict_step(model: Any, cluster: Cluster, plan: Plan) -> float:
 def replan(model: Any, cluster: Cluster, old: Plan, config: RecoveryConfig) -> tuple[Plan, float]:
     """The fastest plan of `model` on `cluster` with `old`'s global batch and dtype, and its
     predicted iteration time."""
-    from plait.plan.threed import SearchSpace
+    from plait.planners.threed import SearchSpace
     from plait.search import SearchError, search_plans
     from plait.sim.api import PlanSimulator
 

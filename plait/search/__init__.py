@@ -9,15 +9,15 @@ The driver sits above the planners; the simulator is built above the driver and 
 (docs/DESIGN.md): the planners enumerate, prune by memory and rank analytically without knowing the simulator; the
 driver hands every family the one `Simulator` it is handed, so all are ranked on one scale,
 and nothing in this package imports `plait.sim`. Families register in
-`plait.search.driver.FAMILIES` ("3d": the Pipette-style configurator, `plait.plan.threed`);
+`plait.search.driver.FAMILIES` ("3d": the Pipette-style configurator, `plait.planners.threed`);
 `families="all"` searches them all and merges their finalists into one ranking.
 With no arguments it plans `DEFAULT_MODEL` on `DEFAULT_CLUSTER` at `DEFAULT_GLOBAL_BATCH`.
 """
 
 from __future__ import annotations
 
-from plait.plan.threed import AnalyticModel, SearchSpace, enumerate_groups
-from plait.plan.types import (
+from plait.planners.threed import AnalyticModel, SearchSpace, enumerate_groups
+from plait.planners.types import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,

@@ -15,7 +15,7 @@ largest micro-batches that give at least ``pp`` micro-batches, ranked by `pipeli
 (compute, the boundary messages on their links, gradient and tied all-reduces), the best
 `candidates`:
 
-1. the layers are split over the stages by `plait.plan.hetero.split_layers` (the exact DP of the
+1. the layers are split over the stages by `plait.planners.hetero.split_layers` (the exact DP of the
    3D family's uneven splits) on each stage's layer times from `plait.cost.compute.layer_cost`
    (a group's rate is the sum of its GPUs' rates);
 2. each stage's program is synthesized on its own AtenGraph (`plait.graph.aten_stage.stage_subgraph`
@@ -49,7 +49,7 @@ from plait.cluster.spec import Cluster
 from plait.cost.memory import composed_in_flight, composed_peak_memory
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
-from plait.plan.types import (
+from plait.planners.types import (
     MAX_PROGRAM_DEVICES,
     Candidate,
     PlanResult,
@@ -318,8 +318,8 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.net.view import ClusterView
-    from plait.plan.hetero import split_layers
-    from plait.plan.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
+    from plait.planners.hetero import split_layers
+    from plait.planners.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
 
     if not isinstance(model, str | None):
         raise SearchError("compose: the family captures a zoo spec or file.py:factory, not a prepared graph")

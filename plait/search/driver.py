@@ -21,8 +21,8 @@ from typing import Any
 from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
 from plait.ir.plan import Plan
-from plait.plan.threed import Progress, search_3d
-from plait.plan.types import MAX_PROGRAM_DEVICES, PlanResult, SearchError, Simulator
+from plait.planners.threed import Progress, search_3d
+from plait.planners.types import MAX_PROGRAM_DEVICES, PlanResult, SearchError, Simulator
 from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
 from plait.workers import paused_gc
@@ -64,7 +64,7 @@ def register_family(name: str, search: FamilySearch, options: Iterable[str] = ()
 def _search_3d(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
                simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                compute: Any, **options: Any) -> PlanResult:
-    """The 3D family (`plait.plan.threed.search_3d`), its finalists timed by `simulator.evaluate`."""
+    """The 3D family (`plait.planners.threed.search_3d`), its finalists timed by `simulator.evaluate`."""
     return search_3d(model, cluster, global_batch=global_batch, top=top,
                      evaluate=simulator.evaluate if simulator is not None else None, supports=supports,
                      compute=compute, **options)
@@ -77,11 +77,11 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
                   simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                   compute: Any, runnable: bool = False, chains: bool = True,
                   chains_max_devices: int | None = None, **options: Any) -> PlanResult:
-    """The graph-pipeline family (`plait.plan.graph_search.search_graph`). The runtime runs its
+    """The graph-pipeline family (`plait.planners.graph_search.search_graph`). The runtime runs its
     plans, data-parallel stages of any degree included; with `runnable=True` (`plait plan --run`)
     the runtime's `supports` filter drops any it would refuse."""
-    from plait.plan.graph_search import search_graph
-    from plait.plan.types import load_graph
+    from plait.planners.graph_search import search_graph
+    from plait.planners.types import load_graph
 
     too_many = chains_max_devices is not None and cluster.num_devices > chains_max_devices
     if not chains or too_many:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again

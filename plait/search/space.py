@@ -27,7 +27,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.ir.plan import RECOMPUTE_CHOICES, Plan
-from plait.plan.threed import SearchSpace
+from plait.planners.threed import SearchSpace
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 ZERO_LEVELS = (0, 1, 2, 3)

@@ -26,7 +26,7 @@ from typing import Any
 
 from plait.cluster.spec import Cluster
 from plait.ir.plan import Plan
-from plait.plan.types import (
+from plait.planners.types import (
     MAX_PROGRAM_DEVICES,
     Candidate,
     PlanResult,
@@ -82,7 +82,7 @@ def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: 
     from plait.cost.spmd import Devices
     from plait.graph.aten_stage import free_outputs
     from plait.graph.zoo import load_model
-    from plait.plan.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
+    from plait.planners.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
     from plait.spmd.program_plan import (
         capture_graph,
         dtype_changes_graph,

@@ -14,7 +14,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.ir.formats import check_version, stamp
-from plait.plan.types import Candidate, PlanResult
+from plait.planners.types import Candidate, PlanResult
 
 TOP_ROWS = 10  # the merged ranking's first rows kept in the file
 

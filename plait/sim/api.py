@@ -171,7 +171,7 @@ def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options
     graph = resolve_model(model, plan_obj, inputs, analytic)
     check_plan_for_model(plan_obj, graph.config, graph.model)  # as strict as `plait run`
     if plan_obj.tp > 1 and not any(layer.tp_style == "transformer" for layer in graph.layers):
-        # the 3D planner's rule (`plait.plan.threed`): it offers no tp > 1 for such a model
+        # the 3D planner's rule (`plait.planners.threed`): it offers no tp > 1 for such a model
         raise SimulateError(f"plan field 'tp': {plan_obj.tp} > 1, but model {graph.model} has no layer tensor "
                             "parallelism can cut (no plait_tp markers, no tensor-parallel plan in its config): "
                             "every rank would hold and run the whole model; use tp=1")
@@ -634,7 +634,7 @@ def simulate_spmd_plan(model: Any, cluster: Any, plan: Any, *, memory_options: d
 
 # ---------------------------------------------------------------- the simulator the search is handed
 class PlanSimulator:
-    """The one simulator as the planner families use it (`plait.plan.types.Simulator`) for one
+    """The one simulator as the planner families use it (`plait.planners.types.Simulator`) for one
     cluster: its ClusterView resolved once and one layer-cost cache, shared by every finalist of
     every family. Built above the search (`plait.api.plan`, `plait plan`, the recovery loop) and
     handed down; `compute`: the compute model of `simulate` for 3D and graph plans (None: the

@@ -21,7 +21,7 @@ Message sizes come from `plait.cost.traffic` (`traffic_of`); ring and send/recv 
 `plait.cost.collectives`' formulas evaluated at the slowest link, vectorised over orders.
 
 Search space: permutations that keep each rank on the same GPU kind as in the
-starting order (the kind layout is chosen by `plait.plan.hetero`; placement only
+starting order (the kind layout is chosen by `plait.planners.hetero`; placement only
 chooses among GPUs of equal kind). Moves (Pipette): swap, insert, 2-opt (reverse a
 segment) and reversed insert (move a reversed segment), applied either to GPUs of
 one kind or to whole nodes with the same GPU kinds. Annealing is deterministic for

@@ -7,7 +7,7 @@
    ``T / B`` seconds per sample -- a dynamic programme over the decomposition finds the fewest
    GPUs (per GPU kind) that meet it. The smallest feasible ``T`` is found by bisection on a log
    scale; a few larger targets trade bottleneck for shorter pipelines, and the plans are scored
-   by `plait.plan.graph_cost.StageCost.score`.
+   by `plait.planners.graph_cost.StageCost.score`.
 3. **The programme** ``Solve(node, k, tail)`` returns options (GPUs per kind, depth, latency,
    stages), Pareto-pruned on (GPUs, latency), for sub-graph `node` when `k` stages follow it on
    the longest path to the loss (the neighbouring schedule: a stage keeps ``1 + k + its own
@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from plait.graph.sp import SPNode, decompose
-from plait.plan.graph_cost import GraphPlanError, StageChoice, StageCost, best_micro_batch
+from plait.planners.graph_cost import GraphPlanError, StageChoice, StageCost, best_micro_batch
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Planners: the families that turn (model, cluster, batch) into Plans.
 
-The 3D configurator (Pipette) is `plait.plan.threed`; rank placement `plait.plan.placement`;
-uneven splits for mixed GPU kinds `plait.plan.hetero`; framework export `plait.plan.export`.
+The 3D configurator (Pipette) is `plait.planners.threed`; rank placement `plait.planners.placement`;
+uneven splits for mixed GPU kinds `plait.planners.hetero`; framework export `plait.planners.export`.
 The `Plan` type itself lives in the neutral IR (`plait.ir.plan`), re-exported here. Planners
 never import the simulator or the runtime: the search driver (`plait.search`) sits above them
 and hands them the simulator to rank with.

@@ -9,7 +9,7 @@ GPUs:
    the per-replica batch), recompute (none / selective / full), ZeRO stage (0-3;
    ZeRO-2/3 only without pipeline parallelism, as DeepSpeed requires), schedule
    (1F1B, GPipe, interleaved 1F1B with 2 chunks), sequence parallelism with tp > 1,
-   and on a mixed cluster the kind layout (`plait.plan.hetero.layouts`), whose
+   and on a mixed cluster the kind layout (`plait.planners.hetero.layouts`), whose
    stages or replicas then get uneven layers or batch shares (`hetero.balance`).
 2. **Prune** every candidate the memory estimator (`plait.cost.memory`) says does not
    fit on some GPU; the reasons are counted per GPU kind. Peak memory grows with the
@@ -17,7 +17,7 @@ GPUs:
    configuration are pruned for the same reason without asking again.
 3. **Rank** the survivors with a cheap analytic model (Pipette's 1F1B formula
    ``(M-1)*max_p t_p + sum_p t_p`` over per-layer compute times, plus the path-model
-   communication of `plait.plan.placement`) at each candidate's placed order -- its ranks
+   communication of `plait.planners.placement`) at each candidate's placed order -- its ranks
    placed by simulated annealing, once per shape and kind layout, in lower-bound order -- keep
    the best `finalists`, and rank those by the `evaluate` function the search driver hands in
    (`plait.search`: the simulator) -- the number plait reports. This module never imports the
@@ -42,9 +42,9 @@ from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.cost.collectives import measured_tables
 from plait.ir.plan import RECOMPUTE_CHOICES, Plan
 from plait.ir.stage_graph import stage_graph
-from plait.plan import hetero
-from plait.plan.placement import PathModel, PlacementResult, anneal, traffic_of
-from plait.plan.types import (
+from plait.planners import hetero
+from plait.planners.placement import PathModel, PlacementResult, anneal, traffic_of
+from plait.planners.types import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
@@ -383,7 +383,7 @@ class AnalyticModel:
 
     # ---------------------------------------------------------------- communication
     def path_model(self, plan: Plan) -> PathModel:
-        """Pipette's path model of the plan, for placement (`plait.plan.placement`)."""
+        """Pipette's path model of the plan, for placement (`plait.planners.placement`)."""
         traffic = traffic_of(self.graph, plan, self.traffic(plan))
         key = (traffic, plan.dp, plan.tp, plan.pp)
         path = self._paths.get(key)
@@ -482,7 +482,7 @@ class AnalyticModel:
 
     def comm_lower_bound(self, plan: Plan) -> dict[str, float]:
         """Lower bounds of the ``tp``, ``pp`` and ``dp`` parts of `comm_times` at every placement of `plan`'s ranks
-        that keeps each rank's GPU kind (`plait.plan.placement` moves only such): the same sums
+        that keeps each rank's GPU kind (`plait.planners.placement` moves only such): the same sums
         and maxima over the same messages (their sizes, counts and group sizes do not depend on
         the placement), each message timed by `CommBound` -- at most its time on any group of
         devices of its kinds -- so each sum and maximum is at most the placed one (rounding is

@@ -1,6 +1,6 @@
 """The graph-pipeline family of `plait plan` (`--family graph`): GraphPipe's partitioner, ranked.
 
-`search_graph` runs the partitioner (`plait.plan.graphpipe`), turns its best stage lists into
+`search_graph` runs the partitioner (`plait.planners.graphpipe`), turns its best stage lists into
 Plans (stages + stage edges), drops those the memory estimator says do not fit (and, when the
 caller hands in `supports`, those the runtime refuses), and ranks the rest with the `evaluate`
 function the search driver hands in (the simulator). It returns the same `PlanResult` as the 3D
@@ -26,9 +26,9 @@ from typing import Any
 
 from plait.cost.memory import estimate_memory
 from plait.ir.plan import Plan
-from plait.plan.graph_cost import GraphPlanError, StageCost, lower_bound
-from plait.plan.graphpipe import partition
-from plait.plan.types import (
+from plait.planners.graph_cost import GraphPlanError, StageCost, lower_bound
+from plait.planners.graphpipe import partition
+from plait.planners.types import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,

@@ -1,6 +1,6 @@
 """Sequential pipeline planners GraphPipe compares against: PipeDream's and Piper's dynamic programmes.
 
-Both return stage lists (`plait.plan.graph_cost.StageChoice`) scored with the same analytic
+Both return stage lists (`plait.planners.graph_cost.StageChoice`) scored with the same analytic
 objective as GraphPipe's partitioner; the search driver ranks all of them with the simulator.
 
 * **PipeDream** (Narayanan et al., SOSP'19, §3.1): the layer DAG is linearised into a chain (the
@@ -28,7 +28,7 @@ import networkx as nx
 import numpy as np
 
 from plait.graph.sp import count_ideals
-from plait.plan.graph_cost import StageChoice, StageCost
+from plait.planners.graph_cost import StageChoice, StageCost
 
 PIPER_IDEAL_CAP = 40_000
 
@@ -50,9 +50,9 @@ def _device_order(cost: StageCost) -> list[str]:
 
 def pipedream(cost: StageCost, replicas: list[int | None] | None = None) -> BaselineResult:
     """PipeDream's planner on the linearised model (module docstring). `replicas`: as
-    `plait.plan.graphpipe.partition` (default: PipeDream's own per-stage degrees, ``None``, and
+    `plait.planners.graphpipe.partition` (default: PipeDream's own per-stage degrees, ``None``, and
     every stage the same degree, each of `replica_counts`)."""
-    from plait.plan.graphpipe import replica_counts
+    from plait.planners.graphpipe import replica_counts
 
     t0 = time.perf_counter()
     names = cost.graph.layer_names

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from plait.errors import PlaitError
 from plait.ir.plan import Plan
-from plait.plan.placement import PlacementResult
+from plait.planners.placement import PlacementResult
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster

@@ -17,7 +17,7 @@ knobs of the Plan IR fix that:
 
 Which GPUs form which stage and replica is the "kind layout": `layouts()` proposes
 Megatron's default order, kinds along the pipeline axis and kinds along the data
-axis; `plait.plan.placement` then permutes GPUs only among equal kinds.
+axis; `plait.planners.placement` then permutes GPUs only among equal kinds.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The analytic objective of graph-pipeline planners: one stage's time, memory and a plan's score.
 
-Shared by GraphPipe's partitioner (`plait.plan.graphpipe`), the PipeDream and Piper baselines
-(`plait.plan.seq_baselines`), the lower bound and the brute-force tests, so that all of them
+Shared by GraphPipe's partitioner (`plait.planners.graphpipe`), the PipeDream and Piper baselines
+(`plait.planners.seq_baselines`), the lower bound and the brute-force tests, so that all of them
 optimise the same number; the search driver then ranks their plans by the simulator.
 
 A stage holds a convex set of layers on ``dp`` devices of one GPU kind (data parallel inside
