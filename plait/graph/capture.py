@@ -657,14 +657,52 @@ def _trace(
 ) -> tuple[_State, list[torch.Tensor]]:
     """One forward, loss and backward on meta under the recorder; returns the raw records."""
     state = _State(infos=_module_infos(module, heads))
-    named_params = list(module.named_parameters(remove_duplicate=False))
-    named_buffers = list(module.named_buffers(remove_duplicate=False))
     # Fake tensors (torch's tracing tensors, as torch.compile and export see them) stand for
     # the parameters, buffers and inputs: library code takes its tracing-friendly path on them
     # (transformers' `is_tracing()` builds masks without `.item()`), where a bare meta tensor
     # would be read. The module runs through `torch.func.functional_call` with them, so it is
     # neither moved nor copied; tied names share one stand-in.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    substitutes = _fake_weights(module, fake_mode, state)
+    inputs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
+    for leaf in tree_flatten(inputs)[0]:
+        if isinstance(leaf, torch.Tensor):
+            state.storages[_sid(leaf)] = [-1, -1, 1]
+
+    flops = dict(flop_registry)
+    flops[torch.ops.aten._grouped_mm] = _grouped_mm_flops
+    recorder = _Recorder(state, flops, fake_mode)
+    pre_hook, post_hook = _module_hooks(state)
+    pack = _pack_hook(state)
+
+    modes = [(m, m.training) for m in module.modules()]
+    module.train()  # a training step: dropout on, batch norm on batch statistics
+    h_pre = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    h_post = nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            state.last_seq = _peek_seq()
+            state.phase = _FORWARD
+            with fake_mode, quiet_fake_mode(), recorder, \
+                    _CudaKernels() if cuda_kernels else contextlib.nullcontext():
+                output = _forward_backward(module, substitutes, inputs, name, loss_fn, state)
+    finally:
+        state.phase = _OFF
+        state.frames.clear()
+        h_pre.remove()
+        h_post.remove()
+        for m, training in modes:
+            m.training = training
+
+    out_leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    return state, out_leaves
+
+
+def _fake_weights(module: nn.Module, fake_mode: FakeTensorMode, state: _State) -> dict[str, torch.Tensor]:
+    """Fake stand-ins for the module's parameters and buffers, by name (tied names share one),
+    entered in `state.params` and `state.buffers`."""
+    named_params = list(module.named_parameters(remove_duplicate=False))
+    named_buffers = list(module.named_buffers(remove_duplicate=False))
     substitutes: dict[str, torch.Tensor] = {}
     owner_path: dict[int, str] = {}
     made: dict[int, torch.Tensor] = {}
@@ -683,14 +721,13 @@ def _trace(
     for p in params_by_id.values():
         state.params[_sid(p)] = (p.numel(), p.numel() * p.element_size(), owner_path[id(p)])
     state.buffers = {_sid(b) for b in buffers}
-    inputs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
-    for leaf in tree_flatten(inputs)[0]:
-        if isinstance(leaf, torch.Tensor):
-            state.storages[_sid(leaf)] = [-1, -1, 1]
+    return substitutes
 
-    flops = dict(flop_registry)
-    flops[torch.ops.aten._grouped_mm] = _grouped_mm_flops
-    recorder = _Recorder(state, flops, fake_mode)
+
+def _module_hooks(
+    state: _State,
+) -> tuple[Callable[[nn.Module, Any], None], Callable[[nn.Module, Any, Any], None]]:
+    """Global forward pre/post hooks that keep `state.frames`, the stack of modules running."""
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
         info = state.infos.get(id(mod))
@@ -714,6 +751,12 @@ def _trace(
         if state.frames:
             state.frames.pop()
 
+    return pre_hook, post_hook
+
+
+def _pack_hook(state: _State) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A saved-tensors pack hook that notes each activation autograd keeps for backward."""
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         if state.phase != _FORWARD:
             return t
@@ -729,53 +772,47 @@ def _trace(
             entry[3] = 0
         return t  # keeps the storage alive, so its id stays unique
 
-    modes = [(m, m.training) for m in module.modules()]
-    module.train()  # a training step: dropout on, batch norm on batch statistics
-    h_pre = nn.modules.module.register_module_forward_pre_hook(pre_hook)
-    h_post = nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            state.last_seq = _peek_seq()
-            state.phase = _FORWARD
-            with fake_mode, quiet_fake_mode(), recorder, \
-                    _CudaKernels() if cuda_kernels else contextlib.nullcontext():
-                try:
-                    output = torch.func.functional_call(module, substitutes, inputs)
-                    state.frames.clear()
-                    loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-                except CaptureError:
-                    raise
-                except Exception as exc:
-                    raise CaptureError(
-                        f"cannot capture {name}: {type(exc).__name__} in {state.where()}: {exc}"
-                    ) from exc
-                if (
-                    not isinstance(loss, torch.Tensor)
-                    or loss.numel() != 1
-                    or not loss.requires_grad
-                ):
-                    raise CaptureError(
-                        f"cannot capture {name}: the loss must be a scalar tensor that requires grad"
-                    )
-                state.phase = _BACKWARD
-                try:
-                    loss.backward()
-                except CaptureError:
-                    raise
-                except Exception as exc:
-                    raise CaptureError(
-                        f"cannot capture {name}: backward failed on the meta device: {exc}"
-                    ) from exc
-    finally:
-        state.phase = _OFF
-        state.frames.clear()
-        h_pre.remove()
-        h_post.remove()
-        for m, training in modes:
-            m.training = training
+    return pack
 
-    out_leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-    return state, out_leaves
+
+def _forward_backward(
+    module: nn.Module,
+    substitutes: dict[str, torch.Tensor],
+    inputs: tuple[Any, ...],
+    name: str,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    state: _State,
+) -> Any:
+    """The forward, the loss and the backward, under the modes and hooks in place; returns the
+    model's output."""
+    try:
+        output = torch.func.functional_call(module, substitutes, inputs)
+        state.frames.clear()
+        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise CaptureError(
+            f"cannot capture {name}: {type(exc).__name__} in {state.where()}: {exc}"
+        ) from exc
+    if (
+        not isinstance(loss, torch.Tensor)
+        or loss.numel() != 1
+        or not loss.requires_grad
+    ):
+        raise CaptureError(
+            f"cannot capture {name}: the loss must be a scalar tensor that requires grad"
+        )
+    state.phase = _BACKWARD
+    try:
+        loss.backward()
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise CaptureError(
+            f"cannot capture {name}: backward failed on the meta device: {exc}"
+        ) from exc
+    return output
 
 
 # ---------------------------------------------------------------------------- replication
@@ -1071,22 +1108,71 @@ def _build_graph(
     config: dict[str, Any] | None,
     runs: list[_Run],
 ) -> OpGraph:
+    """The per-sample OpGraph of a trace's records, each replicated run expanded to its full length."""
     recs = state.recs
     if not recs:
         raise CaptureError(f"cannot capture {name}: the forward pass ran no ops")
     _attribute_saved(state)
-    outs = []  # (last writer rec, storage id, bytes) of each model output
-    for t in out_leaves:
-        st = state.storages.get(_sid(t))
-        outs.append((st[1] if st is not None else -1, _sid(t), t.numel() * t.element_size()))
+    outs = _model_outputs(state, out_leaves)
     out_recs = [o[0] for o in outs]
     replicated = _expand_runs(state, runs, out_recs) if runs else {}
 
     style = dict(heads.values())
+    kinds = _layer_kinds(module, heads)
+    order, data_glue = _order_layers(state)
+
+    b = float(batch)
+    layers: dict[str, Layer] = {
+        n: Layer(name=n, kind=kinds.get(n, "Module"), tp_style=style.get(n, "none")) for n in order
+    }
+    unused_paths = _add_unused_params(state, heads, layers, order[-1])
+    flows = _Flows()
+    ops = _wire_ops(recs, _op_names(state), layers, data_glue, b, flows)
+    # The model's outputs leave the layer that made them.
+    for idx, (_, sid, nb) in zip(out_recs, outs):
+        if idx >= 0:
+            src = recs[idx].layer
+            flows.out_flow[(src, sid)] = max(flows.out_flow.get((src, sid), 0), nb)
+    _add_boundary_bytes(layers, flows, b)
+
+    position = {n: i for i, n in enumerate(order)}
+    _check_one_way(name, flows.edges, position)
+    param_dtype = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
+    act_dtype = next((t.element_size() for t in out_leaves if t.is_floating_point()), param_dtype)
+    return OpGraph(
+        model=name,
+        ops=ops,
+        layers=[layers[n] for n in order],
+        layer_edges=sorted(flows.edges, key=lambda e: (position[e[0]], position[e[1]])),
+        param_dtype_bytes=param_dtype,
+        activation_dtype_bytes=act_dtype,
+        capture_batch=batch,
+        config=_graph_config(state, config, unused_paths, replicated, b),
+        tied=tied_parameters_between_layers(module, heads, order),
+    )
+
+
+def _model_outputs(state: _State, out_leaves: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(last writer rec, storage id, bytes) of each model output."""
+    outs = []
+    for t in out_leaves:
+        st = state.storages.get(_sid(t))
+        outs.append((st[1] if st is not None else -1, _sid(t), t.numel() * t.element_size()))
+    return outs
+
+
+def _layer_kinds(module: nn.Module, heads: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """{layer name: class name of the module that heads it}."""
     kinds: dict[str, str] = {}
     for path, (lname, _) in heads.items():
         kinds[lname] = type(module.get_submodule(path)).__name__ if path else type(module).__name__
+    return kinds
 
+
+def _order_layers(state: _State) -> tuple[list[str], set[int]]:
+    """Give every op a layer (`_assign_glue`); returns the layers in order of their first op, and
+    the glue computed from the model's inputs alone."""
+    recs = state.recs
     first_seen: dict[str, int] = {}
     for i, r in enumerate(recs):
         if r.layer is not None and r.layer not in first_seen:
@@ -1095,12 +1181,13 @@ def _build_graph(
     for i, r in enumerate(recs):
         if r.layer not in first_seen:
             first_seen[r.layer] = i
-    order = sorted(first_seen, key=first_seen.__getitem__)
+    return sorted(first_seen, key=first_seen.__getitem__), data_glue
 
-    b = float(batch)
-    layers: dict[str, Layer] = {
-        n: Layer(name=n, kind=kinds.get(n, "Module"), tp_style=style.get(n, "none")) for n in order
-    }
+
+def _add_unused_params(
+    state: _State, heads: dict[str, tuple[str, str]], layers: dict[str, Layer], last: str
+) -> list[str]:
+    """Count the parameters no op read in their layers; returns their paths."""
     # Parameters no op read (modules that never ran) still take memory: count them in
     # the layer that owns them, or else in the last layer, so the totals equal
     # sum(p.numel()) over unique parameters; config["unused_params"] names them.
@@ -1114,43 +1201,57 @@ def _build_graph(
                 for p, (n, _) in heads.items()
                 if n in layers and (p == "" or path == p or path.startswith(p + "."))
             ),
-            order[-1],
+            last,
         )
         layers[owner].param_count += numel
         layers[owner].param_bytes += nbytes
         unused_paths.append(path or "<root>")
+    return unused_paths
 
+
+def _op_names(state: _State) -> list[str]:
+    """``module/op#k`` of each record, k counting the earlier records of that op in that module."""
     names: list[str] = []
-    ops: dict[str, Op] = {}
-    for r in recs:
+    for r in state.recs:
         key = (r.module, r.target)
         k = state.counters.get(key, 0)
         state.counters[key] = k + 1
         names.append(f"{r.module or '<root>'}/{r.target.rsplit('.', 1)[0]}#{k}")
-    edges: set[tuple[str, str]] = set()
-    in_flow: dict[tuple[str, int], int] = {}
-    out_flow: dict[tuple[str, int], int] = {}
+    return names
+
+
+@dataclass
+class _Flows:
+    """What crosses layer boundaries: the layer edges, and by (layer, storage id) the largest
+    tensor of each storage read into a layer from outside or sent out of it."""
+
+    edges: set[tuple[str, str]] = field(default_factory=set)
+    in_flow: dict[tuple[str, int], int] = field(default_factory=dict)
+    out_flow: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def _wire_ops(
+    recs: list[_Rec], names: list[str], layers: dict[str, Layer], data_glue: set[int], b: float,
+    flows: _Flows,
+) -> dict[str, Op]:
+    """Each record as an Op in its layer, summed into the layer's costs; notes in `flows` what
+    crosses layer boundaries."""
+    ops: dict[str, Op] = {}
     for i, r in enumerate(recs):
         lname = r.layer
         layer = layers[lname]
         layer.ops.append(names[i])
-        layer.fwd_flops += r.fwd_flops / b
-        layer.bwd_flops += r.bwd_flops / b
-        layer.param_count += r.param_count
-        layer.param_bytes += r.param_bytes
-        layer.saved_bytes += r.saved / b
-        layer.saved_tp_bytes += r.saved_tp / b
-        layer.saved_selective_bytes += r.saved_sel / b
+        _add_rec_costs(layer, r, b)
         producers = []
         for p, sid, nb in r.ins:
             src = recs[p].layer if p >= 0 else None
             if p >= 0:
                 producers.append(names[p])
             if src != lname:
-                in_flow[(lname, sid)] = max(in_flow.get((lname, sid), 0), nb)
+                flows.in_flow[(lname, sid)] = max(flows.in_flow.get((lname, sid), 0), nb)
                 if src is not None and p not in data_glue:
-                    out_flow[(src, sid)] = max(out_flow.get((src, sid), 0), nb)
-                    edges.add((src, lname))
+                    flows.out_flow[(src, sid)] = max(flows.out_flow.get((src, sid), 0), nb)
+                    flows.edges.add((src, lname))
         ops[names[i]] = Op(
             name=names[i],
             target=r.target,
@@ -1166,17 +1267,30 @@ def _build_graph(
             inputs=list(dict.fromkeys(producers)),
             tp_role=r.role,
         )
-    # The model's outputs leave the layer that made them.
-    for idx, (_, sid, nb) in zip(out_recs, outs):
-        if idx >= 0:
-            src = recs[idx].layer
-            out_flow[(src, sid)] = max(out_flow.get((src, sid), 0), nb)
-    for (lname, _), nb in in_flow.items():
+    return ops
+
+
+def _add_rec_costs(layer: Layer, r: _Rec, b: float) -> None:
+    """Add one record's per-sample costs to its layer's."""
+    layer.fwd_flops += r.fwd_flops / b
+    layer.bwd_flops += r.bwd_flops / b
+    layer.param_count += r.param_count
+    layer.param_bytes += r.param_bytes
+    layer.saved_bytes += r.saved / b
+    layer.saved_tp_bytes += r.saved_tp / b
+    layer.saved_selective_bytes += r.saved_sel / b
+
+
+def _add_boundary_bytes(layers: dict[str, Layer], flows: _Flows, b: float) -> None:
+    """Each layer's per-sample input and output bytes: what flows across its boundary."""
+    for (lname, _), nb in flows.in_flow.items():
         layers[lname].input_bytes += nb / b
-    for (lname, _), nb in out_flow.items():
+    for (lname, _), nb in flows.out_flow.items():
         layers[lname].output_bytes += nb / b
 
-    position = {n: i for i, n in enumerate(order)}
+
+def _check_one_way(name: str, edges: set[tuple[str, str]], position: dict[str, int]) -> None:
+    """Raise `CaptureError` where data flows from a later layer back to an earlier one."""
     back = sorted((a, c) for a, c in edges if position[a] > position[c])
     if back:
         a, c = back[0]
@@ -1185,8 +1299,12 @@ def _build_graph(
             "called more than once?); mark a module that encloses both with plait_layer"
         )
 
-    param_dtype = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
-    act_dtype = next((t.element_size() for t in out_leaves if t.is_floating_point()), param_dtype)
+
+def _graph_config(
+    state: _State, config: dict[str, Any] | None, unused_paths: list[str],
+    replicated: dict[str, list[str]], b: float,
+) -> dict[str, Any]:
+    """The OpGraph's config: the model's, plus what the capture noted."""
     cfg = dict(config or {})
     if unused_paths:
         cfg["unused_params"] = sorted(set(unused_paths))
@@ -1194,17 +1312,7 @@ def _build_graph(
         cfg["capture_replicated"] = replicated
     if state.unattributed_bwd_flops:
         cfg["unattributed_bwd_flops"] = state.unattributed_bwd_flops / b
-    return OpGraph(
-        model=name,
-        ops=ops,
-        layers=[layers[n] for n in order],
-        layer_edges=sorted(edges, key=lambda e: (position[e[0]], position[e[1]])),
-        param_dtype_bytes=param_dtype,
-        activation_dtype_bytes=act_dtype,
-        capture_batch=batch,
-        config=cfg,
-        tied=tied_parameters_between_layers(module, heads, order),
-    )
+    return cfg
 
 
 def tied_parameters_between_layers(module: nn.Module, heads: dict[str, tuple[str, str]],

@@ -12,6 +12,8 @@ produces for ``plait.graph.zoo`` GPT -- the same layers (``embed``, ``layers.i``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from plait.ir.opgraph import Layer, Op, OpGraph, TiedParams
@@ -41,6 +43,33 @@ def gpt_config(spec: str | dict[str, Any]) -> dict[str, Any]:
     return dict(model.config)
 
 
+@dataclass(frozen=True)
+class _Dims:
+    """A GPT's sizes, as the closed form reads them."""
+
+    s: int  # sequence length
+    h: int  # hidden size
+    a: int  # attention heads
+    f: int  # MLP hidden size
+    V: int  # vocabulary
+    ab: int  # activation bytes
+    pb: int  # parameter bytes
+    sdpa: bool  # attention through F.scaled_dot_product_attention
+
+    @property
+    def sh(self) -> int:
+        """Bytes of one [s, h] activation."""
+        return self.s * self.h * self.ab
+
+    @property
+    def stats(self) -> int:
+        """Bytes of a LayerNorm's mean and rstd (fp32)."""
+        return 8 * self.s
+
+
+_Add = Callable[..., str]
+
+
 def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
     """OpGraph of the zoo GPT `spec` (per sample), as `plait.graph.capture` would record it."""
     cfg = gpt_config(spec)
@@ -49,17 +78,33 @@ def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
     f = cfg["ffn"]
     ab = _DTYPE[dtype]  # activation bytes
     pb = ab  # parameters in the model dtype, as the capture sees them
+    d = _Dims(s=s, h=h, a=a, f=f, V=V, ab=ab, pb=pb, sdpa=sdpa)
     ops: dict[str, Op] = {}
-    layers: list[Layer] = []
-    sh = s * h * ab
-    stats = 8 * s  # LayerNorm mean and rstd, fp32
 
     def add(layer: str, module: str, target: str, idx: int = 0, inputs: tuple[str, ...] = (), **kw: float) -> str:
         name = f"{module or '<root>'}/{target.split('.')[0]}.{target.split('.')[1]}#{idx}"
         ops[name] = Op(name=name, target=target, layer=layer, module=module, inputs=list(inputs), **kw)
         return name
 
-    # ---- embedding
+    embed, resid = _embedding_layer(add, ops, d)
+    layers: list[Layer] = [embed]
+    for i in range(L):
+        layer, resid = _transformer_layer(add, ops, d, i, resid)
+        layers.append(layer)
+    # `head_out`: a classifier of that many outputs (e.g. BERT's sequence classification) instead of
+    # the vocabulary projection; its weight is its own
+    n_out = int(cfg.get("head_out") or V)
+    tied = bool(cfg.get("tie", True)) and n_out == V
+    layers.append(_head_layer(add, ops, d, resid, n_out, tied))
+    edges = [(a_.name, b_.name) for a_, b_ in zip(layers, layers[1:])]
+    return OpGraph(model="gpt", ops=ops, layers=layers, layer_edges=edges, param_dtype_bytes=pb,
+                   activation_dtype_bytes=ab, capture_batch=1, config=cfg,
+                   tied=[TiedParams(layers[0].name, "head", V * h, tp_sharded=True)] if tied else [])
+
+
+def _embedding_layer(add: _Add, ops: dict[str, Op], d: _Dims) -> tuple[Layer, str]:
+    """The token and position embeddings and their dropout; returns the layer and its output op."""
+    s, h, V, pb, sh = d.s, d.h, d.V, d.pb, d.sh
     lay = "embed"
     add(lay, "embed", "aten.arange.default", output_bytes=4.0 * s)
     tok = add(lay, "embed.tok", "aten.embedding.default", param_bytes=V * h * pb, saved_bytes=8.0 * s,
@@ -71,67 +116,70 @@ def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
     x = add(lay, "embed.drop", "aten.native_dropout.default", inputs=(x,), saved_bytes=s * h,
             output_bytes=sh + s * h)
     emb_ops = [n for n in ops]
-    layers.append(Layer(name=lay, kind="GPTEmbedding", ops=emb_ops, param_count=(V + s) * h,
-                        param_bytes=(V + s) * h * pb, saved_bytes=8.0 * s + 4.0 * s + s * h,
-                        input_bytes=8.0 * s, output_bytes=sh, tp_style="embedding"))
-    resid = x
+    layer = Layer(name=lay, kind="GPTEmbedding", ops=emb_ops, param_count=(V + s) * h,
+                  param_bytes=(V + s) * h * pb, saved_bytes=8.0 * s + 4.0 * s + s * h,
+                  input_bytes=8.0 * s, output_bytes=sh, tp_style="embedding")
+    return layer, x
 
-    # ---- transformer layers
-    for i in range(L):
-        lay = f"layers.{i}"
-        start = len(ops)
-        p = f"layers.{i}"
-        ln1 = add(lay, f"{p}.ln1", "aten.native_layer_norm.default", inputs=(resid,), param_bytes=2 * h * pb,
-                  saved_bytes=sh + stats, output_bytes=sh + stats)
-        qkv = add(lay, f"{p}.attn.qkv", "aten.addmm.default", inputs=(ln1,), fwd_flops=2.0 * s * h * 3 * h,
-                  bwd_flops=4.0 * s * h * 3 * h, param_bytes=(3 * h * h + 3 * h) * pb, saved_bytes=sh,
-                  output_bytes=3 * sh)
-        core = f"{p}.attn.core"
-        if sdpa:
-            target, kw = _fused_attention(s, h, a, ab)
-            ctx = add(lay, core, target, inputs=(qkv,), **kw)
-            proj_saved = 0.0  # its input, the attention output, is already saved by the fused kernel
-        else:
-            ctx = _explicit_attention(add, lay, core, qkv, s, h, a, ab)
-            proj_saved = sh
-        pr = add(lay, f"{p}.attn.proj", "aten.addmm.default", inputs=(ctx,), fwd_flops=2.0 * s * h * h,
-                 bwd_flops=4.0 * s * h * h, param_bytes=(h * h + h) * pb, saved_bytes=proj_saved,
-                 saved_tp_bytes=proj_saved, output_bytes=sh)
-        pr = add(lay, f"{p}.attn.drop", "aten.native_dropout.default", inputs=(pr,), saved_bytes=s * h,
-                 output_bytes=sh + s * h)
-        r1 = add(lay, p, "aten.add.Tensor", inputs=(resid, pr), output_bytes=sh)
-        ln2 = add(lay, f"{p}.ln2", "aten.native_layer_norm.default", inputs=(r1,), param_bytes=2 * h * pb,
-                  saved_bytes=sh + stats, output_bytes=sh + stats)
-        fc1 = add(lay, f"{p}.mlp.fc1", "aten.addmm.default", inputs=(ln2,), fwd_flops=2.0 * s * h * f,
-                  bwd_flops=4.0 * s * h * f, param_bytes=(h * f + f) * pb, saved_bytes=sh, output_bytes=s * f * ab)
-        act = add(lay, f"{p}.mlp.act", "aten.gelu.default", inputs=(fc1,), saved_bytes=s * f * ab,
-                  saved_tp_bytes=s * f * ab, output_bytes=s * f * ab)
-        fc2 = add(lay, f"{p}.mlp.fc2", "aten.addmm.default", inputs=(act,), fwd_flops=2.0 * s * f * h,
-                  bwd_flops=4.0 * s * f * h, param_bytes=(f * h + h) * pb, saved_bytes=s * f * ab,
-                  saved_tp_bytes=s * f * ab, output_bytes=sh)
-        d2 = add(lay, f"{p}.mlp.drop", "aten.native_dropout.default", inputs=(fc2,), saved_bytes=s * h,
-                 output_bytes=sh + s * h)
-        resid = add(lay, p, "aten.add.Tensor", 1, inputs=(r1, d2), output_bytes=sh)
-        names = list(ops)[start:]
-        lops = [ops[n] for n in names]
-        layers.append(Layer(
-            name=lay, kind="TransformerBlock", ops=names,
-            fwd_flops=sum(o.fwd_flops for o in lops), bwd_flops=sum(o.bwd_flops for o in lops),
-            param_count=int(sum(o.param_bytes for o in lops) // pb), param_bytes=int(sum(o.param_bytes for o in lops)),
-            saved_bytes=sum(o.saved_bytes for o in lops), saved_tp_bytes=sum(o.saved_tp_bytes for o in lops),
-            saved_selective_bytes=sum(o.saved_selective_bytes for o in lops),
-            input_bytes=sh, output_bytes=sh, tp_style="transformer"))
 
-    # ---- head (tied: the LM weight was first used by the embedding)
+def _transformer_layer(add: _Add, ops: dict[str, Op], d: _Dims, i: int, resid: str) -> tuple[Layer, str]:
+    """Transformer block `i`, reading the residual stream `resid`; returns the layer and its output op."""
+    s, h, a, f, ab, pb, sh, stats = d.s, d.h, d.a, d.f, d.ab, d.pb, d.sh, d.stats
+    lay = f"layers.{i}"
+    start = len(ops)
+    p = f"layers.{i}"
+    ln1 = add(lay, f"{p}.ln1", "aten.native_layer_norm.default", inputs=(resid,), param_bytes=2 * h * pb,
+              saved_bytes=sh + stats, output_bytes=sh + stats)
+    qkv = add(lay, f"{p}.attn.qkv", "aten.addmm.default", inputs=(ln1,), fwd_flops=2.0 * s * h * 3 * h,
+              bwd_flops=4.0 * s * h * 3 * h, param_bytes=(3 * h * h + 3 * h) * pb, saved_bytes=sh,
+              output_bytes=3 * sh)
+    core = f"{p}.attn.core"
+    if d.sdpa:
+        target, kw = _fused_attention(s, h, a, ab)
+        ctx = add(lay, core, target, inputs=(qkv,), **kw)
+        proj_saved = 0.0  # its input, the attention output, is already saved by the fused kernel
+    else:
+        ctx = _explicit_attention(add, lay, core, qkv, s, h, a, ab)
+        proj_saved = sh
+    pr = add(lay, f"{p}.attn.proj", "aten.addmm.default", inputs=(ctx,), fwd_flops=2.0 * s * h * h,
+             bwd_flops=4.0 * s * h * h, param_bytes=(h * h + h) * pb, saved_bytes=proj_saved,
+             saved_tp_bytes=proj_saved, output_bytes=sh)
+    pr = add(lay, f"{p}.attn.drop", "aten.native_dropout.default", inputs=(pr,), saved_bytes=s * h,
+             output_bytes=sh + s * h)
+    r1 = add(lay, p, "aten.add.Tensor", inputs=(resid, pr), output_bytes=sh)
+    ln2 = add(lay, f"{p}.ln2", "aten.native_layer_norm.default", inputs=(r1,), param_bytes=2 * h * pb,
+              saved_bytes=sh + stats, output_bytes=sh + stats)
+    fc1 = add(lay, f"{p}.mlp.fc1", "aten.addmm.default", inputs=(ln2,), fwd_flops=2.0 * s * h * f,
+              bwd_flops=4.0 * s * h * f, param_bytes=(h * f + f) * pb, saved_bytes=sh, output_bytes=s * f * ab)
+    act = add(lay, f"{p}.mlp.act", "aten.gelu.default", inputs=(fc1,), saved_bytes=s * f * ab,
+              saved_tp_bytes=s * f * ab, output_bytes=s * f * ab)
+    fc2 = add(lay, f"{p}.mlp.fc2", "aten.addmm.default", inputs=(act,), fwd_flops=2.0 * s * f * h,
+              bwd_flops=4.0 * s * f * h, param_bytes=(f * h + h) * pb, saved_bytes=s * f * ab,
+              saved_tp_bytes=s * f * ab, output_bytes=sh)
+    d2 = add(lay, f"{p}.mlp.drop", "aten.native_dropout.default", inputs=(fc2,), saved_bytes=s * h,
+             output_bytes=sh + s * h)
+    resid = add(lay, p, "aten.add.Tensor", 1, inputs=(r1, d2), output_bytes=sh)
+    names = list(ops)[start:]
+    lops = [ops[n] for n in names]
+    layer = Layer(
+        name=lay, kind="TransformerBlock", ops=names,
+        fwd_flops=sum(o.fwd_flops for o in lops), bwd_flops=sum(o.bwd_flops for o in lops),
+        param_count=int(sum(o.param_bytes for o in lops) // pb), param_bytes=int(sum(o.param_bytes for o in lops)),
+        saved_bytes=sum(o.saved_bytes for o in lops), saved_tp_bytes=sum(o.saved_tp_bytes for o in lops),
+        saved_selective_bytes=sum(o.saved_selective_bytes for o in lops),
+        input_bytes=sh, output_bytes=sh, tp_style="transformer")
+    return layer, resid
+
+
+def _head_layer(add: _Add, ops: dict[str, Op], d: _Dims, resid: str, n_out: int, tied: bool) -> Layer:
+    """The final LayerNorm, the `n_out`-way projection (tied: the LM weight was first used by the
+    embedding) and the loss."""
+    s, h, ab, pb, sh, stats = d.s, d.h, d.ab, d.pb, d.sh, d.stats
     lay = "head"
     start = len(ops)
     x = add(lay, "head", "aten.clone.default", inputs=(resid,), output_bytes=sh)
     ln = add(lay, "head.ln", "aten.native_layer_norm.default", inputs=(x,), param_bytes=2 * h * pb,
              saved_bytes=sh + stats, output_bytes=sh + stats)
-    # `head_out`: a classifier of that many outputs (e.g. BERT's sequence classification) instead of
-    # the vocabulary projection; its weight is its own
-    n_out = int(cfg.get("head_out") or V)
-    tied = bool(cfg.get("tie", True)) and n_out == V
     lm = add(lay, "head.lm", "aten.mm.default", inputs=(ln,), fwd_flops=2.0 * s * h * n_out, bwd_flops=4.0 * s * h * n_out,
              param_bytes=0 if tied else n_out * h * pb, saved_bytes=sh, output_bytes=s * n_out * ab)
     ls = add(lay, "", "aten._log_softmax.default", inputs=(lm,), saved_bytes=s * n_out * ab, output_bytes=s * n_out * ab)
@@ -139,14 +187,10 @@ def gpt_opgraph(spec: str | dict[str, Any], dtype: str = "bf16") -> OpGraph:
     names = list(ops)[start:]
     hops = [ops[n] for n in names]
     head_params = 2 * h + (0 if tied else n_out * h)
-    layers.append(Layer(name=lay, kind="LMHead", ops=names, fwd_flops=sum(o.fwd_flops for o in hops),
-                        bwd_flops=sum(o.bwd_flops for o in hops), param_count=head_params,
-                        param_bytes=head_params * pb, saved_bytes=sum(o.saved_bytes for o in hops),
-                        input_bytes=sh, output_bytes=s * n_out * ab, tp_style="head"))
-    edges = [(a_.name, b_.name) for a_, b_ in zip(layers, layers[1:])]
-    return OpGraph(model="gpt", ops=ops, layers=layers, layer_edges=edges, param_dtype_bytes=pb,
-                   activation_dtype_bytes=ab, capture_batch=1, config=cfg,
-                   tied=[TiedParams(layers[0].name, "head", V * h, tp_sharded=True)] if tied else [])
+    return Layer(name=lay, kind="LMHead", ops=names, fwd_flops=sum(o.fwd_flops for o in hops),
+                 bwd_flops=sum(o.bwd_flops for o in hops), param_count=head_params,
+                 param_bytes=head_params * pb, saved_bytes=sum(o.saved_bytes for o in hops),
+                 input_bytes=sh, output_bytes=s * n_out * ab, tp_style="head")
 
 
 def _explicit_attention(add, lay: str, core: str, qkv: str, s: int, h: int, a: int, ab: int) -> str:
