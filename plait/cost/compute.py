@@ -472,20 +472,39 @@ class TransformerShape:
                    causal=bool(config.get("causal", True)))
 
 
-def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
-                           tp: int = 1, share: float | None = None, sequence_parallel: bool = False,
-                           model: ComputeModel = DEFAULT_MODEL, name: str = "transformer") -> LayerCost:
-    """One Megatron-LM transformer layer (pre-LN, fused softmax where its kernel is available
-    -- `fused_softmax_available` -- bias-dropout-add, bias-GELU).
+@dataclass(frozen=True)
+class _TransformerDims:
+    """One tensor rank's sizes of a Megatron transformer layer, shared by its passes' kernel lists."""
 
-    `share` is this rank's fraction of the tensor-split dimensions (``1/tp`` unless the
-    plan has uneven `tp_ratios`). Forward: LN, QKV GEMM (+bias), QK^T batched GEMM,
-    scale-mask-softmax, dropout, PV batched GEMM, head merge copy, projection GEMM,
-    **all-reduce** (reduce-scatter with sequence parallelism), bias-dropout-add, LN,
-    fc1 GEMM, bias-GELU, fc2 GEMM, **all-reduce**, bias-dropout-add. Backward mirrors it
-    with a data-gradient and a weight-gradient GEMM per linear and the two all-reduces at
-    the column-parallel inputs (Shoeybi et al. 2019, fig. 3). Bytes per element: ``a`` =
-    activation size, dropout masks 1 byte."""
+    shape: TransformerShape
+    kind: GPUKind
+    dtype: str
+    model: ComputeModel
+    tp: int
+    b: int
+    s: int
+    h: int
+    a: int  # activation bytes per element
+    d: int
+    bs: int
+    E: float  # hidden activation elements
+    Er: float
+    Ln: float  # elements LN / dropout-add see per rank
+    heads_r: float
+    qkv_n: float
+    F: float
+    mlp_in_n: float
+    Sa: float  # attention score elements per rank
+    coll_in: str | None
+    coll_out: str
+    nbytes: float
+    params: float
+    fused: bool  # Megatron's fused scale-mask-softmax runs (else its unfused fp32 kernels)
+
+
+def _transformer_dims(shape: TransformerShape, micro_batch: int, kind: GPUKind, dtype: str, tp: int,
+                      share: float | None, sequence_parallel: bool, model: ComputeModel) -> _TransformerDims:
+    """This rank's element counts, collectives and parameters of one transformer layer."""
     r = (1.0 / tp) if share is None else share
     b, s, h = micro_batch, shape.seq, shape.hidden
     a = dtype_bytes(dtype)
@@ -505,94 +524,129 @@ def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUK
     params = (h * qkv_n + qkv_n + heads_r * d * h + h + h * mlp_in_n + mlp_in_n + F * h + h + 4 * h)
 
     fused = not model.softmax_fallback or fused_softmax_available(b, heads_r, s, s, a, shape.causal)
+    return _TransformerDims(shape, kind, dtype, model, tp, b, s, h, a, d, bs, E, Er, Ln, heads_r, qkv_n, F,
+                            mlp_in_n, Sa, coll_in, coll_out, nbytes, params, fused)
 
-    def attention_fwd(x: _Builder) -> None:
-        if shape.flash:
-            x.kernel(*flash_attention_time(b, heads_r, s, s, d, shape.causal, kind, dtype, model, False))
-            x.mem(2 * a * Er)  # [b, s, a, d] -> [s, b, h] output layout copy
-            return
-        x.gemm(s, s, d, batch=b * heads_r)  # Q K^T (baddbmm)
-        if fused:
-            x.mem(2 * a * Sa)  # fused scale-mask-softmax
-        else:
-            for per_element in UNFUSED_SOFTMAX_FWD_BYTES:
-                x.mem(per_element * Sa)
-        x.mem(2 * a * Sa + Sa)  # attention dropout (+ 1-byte mask)
-        x.gemm(s, d, s, batch=b * heads_r)  # probs V
-        x.mem(2 * a * Er)  # [b*a, s, d] -> [s, b, h] head merge copy
 
-    def forward(x: _Builder) -> None:
-        if coll_in:
-            x.collective(coll_in, nbytes, tp)
-        x.mem(2 * a * Ln)  # input LayerNorm
-        x.gemm(bs, qkv_n, h)
-        x.mem(a * bs * qkv_n)  # bias add
-        attention_fwd(x)
-        x.gemm(bs, h, heads_r * d)  # output projection (row-parallel, bias skipped)
-        x.collective(coll_out, nbytes, tp)
-        x.mem(3 * a * Ln + Ln)  # bias-dropout-add
-        x.mem(2 * a * Ln)  # post-attention LayerNorm
-        if coll_in:
-            x.collective(coll_in, nbytes, tp)
-        x.gemm(bs, mlp_in_n, h)  # fc1 (gate+up when gated)
-        x.mem((3 if shape.gated else 2) * a * bs * F)  # bias-GELU (or SiLU(gate)*up)
-        x.gemm(bs, h, F)  # fc2
-        x.collective(coll_out, nbytes, tp)
-        x.mem(3 * a * Ln + Ln)  # bias-dropout-add
+def _transformer_attention_fwd(x: _Builder, t: _TransformerDims) -> None:
+    """The attention core's forward (what selective recompute re-runs)."""
+    b, s, d, a, heads_r, Er, Sa = t.b, t.s, t.d, t.a, t.heads_r, t.Er, t.Sa
+    if t.shape.flash:
+        x.kernel(*flash_attention_time(b, heads_r, s, s, d, t.shape.causal, t.kind, t.dtype, t.model, False))
+        x.mem(2 * a * Er)  # [b, s, a, d] -> [s, b, h] output layout copy
+        return
+    x.gemm(s, s, d, batch=b * heads_r)  # Q K^T (baddbmm)
+    if t.fused:
+        x.mem(2 * a * Sa)  # fused scale-mask-softmax
+    else:
+        for per_element in UNFUSED_SOFTMAX_FWD_BYTES:
+            x.mem(per_element * Sa)
+    x.mem(2 * a * Sa + Sa)  # attention dropout (+ 1-byte mask)
+    x.gemm(s, d, s, batch=b * heads_r)  # probs V
+    x.mem(2 * a * Er)  # [b*a, s, d] -> [s, b, h] head merge copy
 
-    def backward(x: _Builder) -> None:
-        if coll_in:
-            x.collective(coll_in, nbytes, tp)  # SP: gather the MLP output grad
-        x.mem(2 * a * Ln + Ln)  # bias-dropout-add backward
-        x.mem(a * Ln)  # bias grad reduction
-        x.gemm(bs, F, h)  # fc2 dgrad
-        x.gemm(F, h, bs)  # fc2 wgrad
-        x.mem((4 if shape.gated else 3) * a * bs * F)  # activation backward
-        x.mem(a * bs * mlp_in_n)  # bias grad reduction
-        x.gemm(bs, h, mlp_in_n)  # fc1 dgrad
-        x.gemm(h, mlp_in_n, bs)  # fc1 wgrad
-        x.collective(coll_out, nbytes, tp)  # column-parallel input grad
-        x.mem(3 * a * Ln)  # LayerNorm backward
-        x.mem(3 * a * Ln)  # residual gradient add
-        if coll_in:
-            x.collective(coll_in, nbytes, tp)
-        x.mem(2 * a * Ln + Ln)  # bias-dropout-add backward
-        x.mem(a * Ln)  # bias grad reduction
-        x.gemm(bs, heads_r * d, h)  # proj dgrad
-        x.gemm(heads_r * d, h, bs)  # proj wgrad
-        if shape.flash:
-            x.mem(2 * a * Er)  # output-gradient layout copy
-            x.mem(2 * a * Er + 4 * b * heads_r * s)  # FA2's preprocessing: D = rowsum(dO * O), fp32
-            x.kernel(*flash_attention_time(b, heads_r, s, s, d, shape.causal, kind, dtype, model, True))
-            x.mem((4 + a) * Er)  # FA2 accumulates dQ in fp32: convert it to the activation dtype
-        else:
-            x.mem(2 * a * Er)  # head split copy
-            x.gemm(s, s, d, batch=b * heads_r)  # dP = dO V^T
-            x.gemm(s, d, s, batch=b * heads_r)  # dV = P^T dO
-            x.mem(2 * a * Sa + Sa)  # dropout backward
-            if fused:
-                x.mem(3 * a * Sa)  # fused softmax backward
-            else:
-                for per_element in UNFUSED_SOFTMAX_BWD_BYTES:
-                    x.mem(per_element * Sa)
-            x.gemm(s, d, s, batch=b * heads_r)  # dQ = dS K
-            x.gemm(s, d, s, batch=b * heads_r)  # dK = dS^T Q
-        x.gemm(bs, h, qkv_n)  # qkv dgrad
-        x.gemm(qkv_n, h, bs)  # qkv wgrad
-        x.mem(a * bs * qkv_n)  # bias grad reduction
-        x.collective(coll_out, nbytes, tp)
-        x.mem(3 * a * Ln)  # LayerNorm backward
-        x.mem(3 * a * Ln)  # residual gradient add
-        x.mem(model.grad_accum_bytes_per_param * params)  # accumulate weight grads
 
+def _transformer_forward(x: _Builder, t: _TransformerDims) -> None:
+    """The layer's forward: attention block, then MLP block, each closed by its collective."""
+    h, a, d, bs, Ln, F = t.h, t.a, t.d, t.bs, t.Ln, t.F
+    coll_in, coll_out, nbytes, tp = t.coll_in, t.coll_out, t.nbytes, t.tp
+    if coll_in:
+        x.collective(coll_in, nbytes, tp)
+    x.mem(2 * a * Ln)  # input LayerNorm
+    x.gemm(bs, t.qkv_n, h)
+    x.mem(a * bs * t.qkv_n)  # bias add
+    _transformer_attention_fwd(x, t)
+    x.gemm(bs, h, t.heads_r * d)  # output projection (row-parallel, bias skipped)
+    x.collective(coll_out, nbytes, tp)
+    x.mem(3 * a * Ln + Ln)  # bias-dropout-add
+    x.mem(2 * a * Ln)  # post-attention LayerNorm
+    if coll_in:
+        x.collective(coll_in, nbytes, tp)
+    x.gemm(bs, t.mlp_in_n, h)  # fc1 (gate+up when gated)
+    x.mem((3 if t.shape.gated else 2) * a * bs * F)  # bias-GELU (or SiLU(gate)*up)
+    x.gemm(bs, h, F)  # fc2
+    x.collective(coll_out, nbytes, tp)
+    x.mem(3 * a * Ln + Ln)  # bias-dropout-add
+
+
+def _transformer_attention_bwd(x: _Builder, t: _TransformerDims) -> None:
+    """The attention core's backward, from the head split to dQ and dK."""
+    b, s, d, a, heads_r, Er, Sa = t.b, t.s, t.d, t.a, t.heads_r, t.Er, t.Sa
+    if t.shape.flash:
+        x.mem(2 * a * Er)  # output-gradient layout copy
+        x.mem(2 * a * Er + 4 * b * heads_r * s)  # FA2's preprocessing: D = rowsum(dO * O), fp32
+        x.kernel(*flash_attention_time(b, heads_r, s, s, d, t.shape.causal, t.kind, t.dtype, t.model, True))
+        x.mem((4 + a) * Er)  # FA2 accumulates dQ in fp32: convert it to the activation dtype
+        return
+    x.mem(2 * a * Er)  # head split copy
+    x.gemm(s, s, d, batch=b * heads_r)  # dP = dO V^T
+    x.gemm(s, d, s, batch=b * heads_r)  # dV = P^T dO
+    x.mem(2 * a * Sa + Sa)  # dropout backward
+    if t.fused:
+        x.mem(3 * a * Sa)  # fused softmax backward
+    else:
+        for per_element in UNFUSED_SOFTMAX_BWD_BYTES:
+            x.mem(per_element * Sa)
+    x.gemm(s, d, s, batch=b * heads_r)  # dQ = dS K
+    x.gemm(s, d, s, batch=b * heads_r)  # dK = dS^T Q
+
+
+def _transformer_backward(x: _Builder, t: _TransformerDims) -> None:
+    """The layer's backward: the forward mirrored, a data- and a weight-gradient GEMM per linear."""
+    h, a, d, bs, Ln, F, qkv_n, mlp_in_n = t.h, t.a, t.d, t.bs, t.Ln, t.F, t.qkv_n, t.mlp_in_n
+    coll_in, coll_out, nbytes, tp = t.coll_in, t.coll_out, t.nbytes, t.tp
+    if coll_in:
+        x.collective(coll_in, nbytes, tp)  # SP: gather the MLP output grad
+    x.mem(2 * a * Ln + Ln)  # bias-dropout-add backward
+    x.mem(a * Ln)  # bias grad reduction
+    x.gemm(bs, F, h)  # fc2 dgrad
+    x.gemm(F, h, bs)  # fc2 wgrad
+    x.mem((4 if t.shape.gated else 3) * a * bs * F)  # activation backward
+    x.mem(a * bs * mlp_in_n)  # bias grad reduction
+    x.gemm(bs, h, mlp_in_n)  # fc1 dgrad
+    x.gemm(h, mlp_in_n, bs)  # fc1 wgrad
+    x.collective(coll_out, nbytes, tp)  # column-parallel input grad
+    x.mem(3 * a * Ln)  # LayerNorm backward
+    x.mem(3 * a * Ln)  # residual gradient add
+    if coll_in:
+        x.collective(coll_in, nbytes, tp)
+    x.mem(2 * a * Ln + Ln)  # bias-dropout-add backward
+    x.mem(a * Ln)  # bias grad reduction
+    x.gemm(bs, t.heads_r * d, h)  # proj dgrad
+    x.gemm(t.heads_r * d, h, bs)  # proj wgrad
+    _transformer_attention_bwd(x, t)
+    x.gemm(bs, h, qkv_n)  # qkv dgrad
+    x.gemm(qkv_n, h, bs)  # qkv wgrad
+    x.mem(a * bs * qkv_n)  # bias grad reduction
+    x.collective(coll_out, nbytes, tp)
+    x.mem(3 * a * Ln)  # LayerNorm backward
+    x.mem(3 * a * Ln)  # residual gradient add
+    x.mem(t.model.grad_accum_bytes_per_param * t.params)  # accumulate weight grads
+
+
+def transformer_layer_cost(shape: TransformerShape, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
+                           tp: int = 1, share: float | None = None, sequence_parallel: bool = False,
+                           model: ComputeModel = DEFAULT_MODEL, name: str = "transformer") -> LayerCost:
+    """One Megatron-LM transformer layer (pre-LN, fused softmax where its kernel is available
+    -- `fused_softmax_available` -- bias-dropout-add, bias-GELU).
+
+    `share` is this rank's fraction of the tensor-split dimensions (``1/tp`` unless the
+    plan has uneven `tp_ratios`). Forward: LN, QKV GEMM (+bias), QK^T batched GEMM,
+    scale-mask-softmax, dropout, PV batched GEMM, head merge copy, projection GEMM,
+    **all-reduce** (reduce-scatter with sequence parallelism), bias-dropout-add, LN,
+    fc1 GEMM, bias-GELU, fc2 GEMM, **all-reduce**, bias-dropout-add. Backward mirrors it
+    with a data-gradient and a weight-gradient GEMM per linear and the two all-reduces at
+    the column-parallel inputs (Shoeybi et al. 2019, fig. 3). Bytes per element: ``a`` =
+    activation size, dropout masks 1 byte."""
+    t = _transformer_dims(shape, micro_batch, kind, dtype, tp, share, sequence_parallel, model)
     f, bw = _Builder(kind, dtype, model, False), _Builder(kind, dtype, model, True)
-    forward(f)
-    backward(bw)
+    _transformer_forward(f, t)
+    _transformer_backward(bw, t)
     rf = _Builder(kind, dtype, model, False)
-    forward(rf)
+    _transformer_forward(rf, t)
     rs = _Builder(kind, dtype, model, False)
-    attention_fwd(rs)
-    return LayerCost(name, f.done(), bw.done(), rf.done(), rs.done(), params, params)
+    _transformer_attention_fwd(rs, t)
+    return LayerCost(name, f.done(), bw.done(), rf.done(), rs.done(), t.params, t.params)
 
 
 def embedding_cost(vocab: int, hidden: int, seq: int, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
@@ -726,6 +780,92 @@ def _tp_split(module: str) -> str | None:
     return None
 
 
+def _cut_linear_collectives(op: Op, graph: OpGraph, layer: Layer, role: str, b: int, tp: int,
+                            f: _Builder, bw: _Builder) -> str:
+    """The collectives of a linear cut alone (`plait.graph.tp_plan`); returns the role its GEMM splits by."""
+    # column_gather: its output features' slice, all-gathered; backward all-reduces the
+    # input gradient. row_split: its input's slice taken, the output all-reduced; backward
+    # all-gathers the input gradient. The ops around it run whole.
+    out_b, in_b = op.output_bytes * b, sum(graph.ops[i].output_bytes for i in op.inputs[:1]
+                                             if i in graph.ops) * b or layer.input_bytes * b
+    if role == "column_gather":
+        f.collective("all_gather", out_b, tp)
+        bw.collective("all_reduce", in_b, tp)
+    else:
+        f.collective("all_reduce", out_b, tp)
+        bw.collective("all_gather", in_b, tp)
+    return "column" if role == "column_gather" else "row_alone"
+
+
+def _price_generic_gemm(op: Op, graph: OpGraph, role: str | None, frac: float, b: int, tp: int,
+                        f: _Builder, bwd_ops: list[tuple[str, tuple]]) -> None:
+    """A matmul or convolution: its forward GEMM (and a row-parallel one's all-reduce); its backward queued."""
+    shape = infer_gemm_shape(op, graph)
+    if shape is None:
+        f.compute(op.fwd_flops * b * frac)
+        bwd_ops.append(("flops", (op.bwd_flops * b * frac,)))
+    else:
+        m, n, k, _ = shape
+        m *= b
+        if role == "column" or role == "sharded":
+            n *= frac
+        elif role in ("row", "row_alone"):
+            k *= frac
+        f.gemm(m, n, k)
+        bwd_ops.append(("gemm", (m, k, n)))
+        if op.param_bytes > 0 or op.bwd_flops > op.fwd_flops * 1.5:
+            bwd_ops.append(("gemm", (k, n, m)))
+    if role == "row":
+        f.collective("all_reduce", op.output_bytes * b, tp)
+
+
+def _price_generic_op(op: Op, graph: OpGraph, role: str | None, frac: float, b: int, tp: int, kind: GPUKind,
+                      dtype: str, f: _Builder, bwd_ops: list[tuple[str, tuple]]) -> None:
+    """One op's forward kernel into `f`; its backward kernels queued on `bwd_ops` (replayed last op first)."""
+    if _GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target):
+        _price_generic_gemm(op, graph, role, frac, b, tp, f, bwd_ops)
+        return
+    if _ATTENTION_TARGETS.search(op.target):
+        # shape unknown here: the flash kernel's long-sequence rate (`flash_peak_fraction`)
+        f.compute(op.fwd_flops * b * frac, flash_peak_fraction(kind, False) / _sustained(kind, dtype))
+        bwd_ops.append(("flops", (op.bwd_flops * b * frac, flash_peak_fraction(kind, True) / _sustained(kind, dtype))))
+        return
+    nbytes = _op_bytes(op, graph) * b * frac
+    if op.fwd_flops > 0 and op.fwd_flops * b > nbytes * kind.flops(dtype) / kind.memory_bandwidth:
+        f.compute(op.fwd_flops * b * frac)
+    else:
+        f.mem(nbytes)
+    if op.bwd_flops > 0 or op.saved_bytes > 0 or op.inputs:
+        bwd_ops.append(("mem", (op.output_bytes * b * frac + op.saved_bytes * b * frac
+                                + sum(graph.ops[i].output_bytes for i in op.inputs if i in graph.ops) * b * frac,)))
+
+
+def _replay_backward(bw: _Builder, bwd_ops: list[tuple[str, tuple]]) -> None:
+    """The queued backward kernels into `bw`, in reverse of the forward's order."""
+    for kind_, args in reversed(bwd_ops):
+        if kind_ == "gemm":
+            bw.gemm(*args)
+        elif kind_ == "flops":
+            bw.compute(*args)
+        else:
+            bw.mem(*args)
+
+
+def _recompute_pass(fwd: PassCost, kind: GPUKind, dtype: str, model: ComputeModel) -> PassCost:
+    """The forward again, as full recompute re-runs it: its kernels and collectives in fresh segments."""
+    rec = _Builder(kind, dtype, model, False)
+    for item in fwd.items:
+        if isinstance(item, Segment):
+            rec.seg.gpu_s += item.gpu_s
+            rec.seg.host_s += item.host_s
+            rec.seg.kernels += item.kernels
+            rec.seg.flops += item.flops
+        else:
+            rec._flush()
+            rec.cost.items.append(item)
+    return rec.done()
+
+
 def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPUKind, dtype: str = "bf16",
                        tp: int = 1, share: float | None = None, model: ComputeModel = DEFAULT_MODEL) -> LayerCost:
     """A layer costed op by op from its captured per-sample FLOPs and bytes.
@@ -766,61 +906,12 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
             column_inputs[src] = graph.ops[src].output_bytes if src is not None else layer.input_bytes
         if role == "experts":  # every expert's GEMMs on its slice of the intermediate features
             role = "sharded"
-        gathered = role in ("column_gather", "row_split")  # a linear cut alone (`plait.graph.tp_plan`)
-        if gathered:
-            # column_gather: its output features' slice, all-gathered; backward all-reduces the
-            # input gradient. row_split: its input's slice taken, the output all-reduced; backward
-            # all-gathers the input gradient. The ops around it run whole.
-            out_b, in_b = op.output_bytes * b, sum(graph.ops[i].output_bytes for i in op.inputs[:1]
-                                                     if i in graph.ops) * b or layer.input_bytes * b
-            if role == "column_gather":
-                f.collective("all_gather", out_b, tp)
-                bw.collective("all_reduce", in_b, tp)
-            else:
-                f.collective("all_reduce", out_b, tp)
-                bw.collective("all_gather", in_b, tp)
-            role = "column" if role == "column_gather" else "row_alone"
+        if role in ("column_gather", "row_split"):  # a linear cut alone (`plait.graph.tp_plan`)
+            role = _cut_linear_collectives(op, graph, layer, role, b, tp, f, bw)
         frac = r if role else 1.0
         params += op.param_bytes / (graph.param_dtype_bytes or 4) * frac
-        if _GEMM_TARGETS.match(op.target) or _CONV_TARGETS.match(op.target):
-            shape = infer_gemm_shape(op, graph)
-            if shape is None:
-                f.compute(op.fwd_flops * b * frac)
-                bwd_ops.append(("flops", (op.bwd_flops * b * frac,)))
-            else:
-                m, n, k, _ = shape
-                m *= b
-                if role == "column" or role == "sharded":
-                    n *= frac
-                elif role in ("row", "row_alone"):
-                    k *= frac
-                f.gemm(m, n, k)
-                bwd_ops.append(("gemm", (m, k, n)))
-                if op.param_bytes > 0 or op.bwd_flops > op.fwd_flops * 1.5:
-                    bwd_ops.append(("gemm", (k, n, m)))
-            if role == "row":
-                f.collective("all_reduce", op.output_bytes * b, tp)
-            continue
-        if _ATTENTION_TARGETS.search(op.target):
-            # shape unknown here: the flash kernel's long-sequence rate (`flash_peak_fraction`)
-            f.compute(op.fwd_flops * b * frac, flash_peak_fraction(kind, False) / _sustained(kind, dtype))
-            bwd_ops.append(("flops", (op.bwd_flops * b * frac, flash_peak_fraction(kind, True) / _sustained(kind, dtype))))
-            continue
-        nbytes = _op_bytes(op, graph) * b * frac
-        if op.fwd_flops > 0 and op.fwd_flops * b > nbytes * kind.flops(dtype) / kind.memory_bandwidth:
-            f.compute(op.fwd_flops * b * frac)
-        else:
-            f.mem(nbytes)
-        if op.bwd_flops > 0 or op.saved_bytes > 0 or op.inputs:
-            bwd_ops.append(("mem", (op.output_bytes * b * frac + op.saved_bytes * b * frac
-                                    + sum(graph.ops[i].output_bytes for i in op.inputs if i in graph.ops) * b * frac,)))
-    for kind_, args in reversed(bwd_ops):
-        if kind_ == "gemm":
-            bw.gemm(*args)
-        elif kind_ == "flops":
-            bw.compute(*args)
-        else:
-            bw.mem(*args)
+        _price_generic_op(op, graph, role, frac, b, tp, kind, dtype, f, bwd_ops)
+    _replay_backward(bw, bwd_ops)
     if split_layer and layer.tp_style == "transformer":
         for nbytes in column_inputs.values() if column_inputs else [layer.input_bytes]:
             bw.collective("all_reduce", nbytes * b or layer.output_bytes * b, tp)
@@ -829,17 +920,7 @@ def generic_layer_cost(layer: Layer, graph: OpGraph, micro_batch: int, kind: GPU
         bw.collective("all_reduce", nbytes * b, tp)
     bw.mem(model.grad_accum_bytes_per_param * params)
     fwd = f.done()
-    rec = _Builder(kind, dtype, model, False)
-    for item in fwd.items:
-        if isinstance(item, Segment):
-            rec.seg.gpu_s += item.gpu_s
-            rec.seg.host_s += item.host_s
-            rec.seg.kernels += item.kernels
-            rec.seg.flops += item.flops
-        else:
-            rec._flush()
-            rec.cost.items.append(item)
-    return LayerCost(layer.name, fwd, bw.done(), rec.done(), PassCost(), params, params)
+    return LayerCost(layer.name, fwd, bw.done(), _recompute_pass(fwd, kind, dtype, model), PassCost(), params, params)
 
 
 # ---------------------------------------------------------------- dispatch

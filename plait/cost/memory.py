@@ -392,17 +392,21 @@ def _tp_param_fraction(graph: OpGraph, layer_index: int) -> float:
     return split / total
 
 
-def _build_arrays(graph: OpGraph) -> _LayerArrays:
+def _param_counts(graph: OpGraph) -> np.ndarray:
+    """Parameters per layer: the counts, or the bytes over the dtype where a layer has no count."""
     layers = graph.layers
-    n = len(layers)
-    if n == 0:
-        raise MemoryEstimateError(f"model {graph.model!r}: the OpGraph has no layers")
-    index = {layer.name: i for i, layer in enumerate(layers)}
     count = np.array([layer.param_count for layer in layers], dtype=np.float64)
     # A graph may carry bytes but no counts (hand-built); derive counts from the dtype.
     by_bytes = np.array([layer.param_bytes for layer in layers], dtype=np.float64) / max(graph.param_dtype_bytes, 1)
-    count = np.where(count > 0, count, by_bytes)
-    frac = np.array([_tp_param_fraction(graph, i) for i in range(n)])
+    return np.where(count > 0, count, by_bytes)
+
+
+def _op_arrays(graph: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(largest parameter tensor per layer, each layer's first op row, its op count, the op rows):
+    one row per op of every layer, in layer order -- saved, tensor-split saved, selective saved,
+    gradients alive in its backward, whether it runs after the layer's last selective op."""
+    layers = graph.layers
+    n = len(layers)
     max_tensor = np.zeros(n)
     op_start, op_count = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     op_rows: list[tuple[float, float, float, float, bool]] = []
@@ -417,26 +421,51 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
             grads = op.output_bytes + sum(graph.ops[q].output_bytes for q in op.inputs if q in graph.ops)
             op_rows.append((op.saved_bytes, op.saved_tp_bytes, op.saved_selective_bytes, grads,
                             last_sel >= 0 and k > last_sel))
-    op_arr = np.array(op_rows, dtype=np.float64).reshape(-1, 5)
+    return max_tensor, op_start, op_count, np.array(op_rows, dtype=np.float64).reshape(-1, 5)
 
-    def arr(attr: str) -> np.ndarray:
-        return np.array([float(getattr(layer, attr)) for layer in layers], dtype=np.float64)
 
+def _layer_edges(graph: OpGraph, index: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(the (E, 2) layer-index edges, whether each layer is a sink: its output feeds the loss)."""
+    n = len(graph.layers)
     edges = np.array([(index[a], index[b]) for a, b in graph.layer_edges if a in index and b in index],
                      dtype=np.int64).reshape(-1, 2)
     if len(edges) == 0 and n > 1:  # no edges recorded: the layers form a chain
         edges = np.stack([np.arange(n - 1), np.arange(1, n)], axis=1)
     sink = np.ones(n, dtype=bool)
     sink[edges[:, 0]] = False
-    styles = [layer.tp_style for layer in layers]
+    return edges, sink
+
+
+def _loss_saved_bytes(graph: OpGraph) -> np.ndarray:
+    """Bytes per layer that a captured training loss saved (already in the layer's saved bytes)."""
     # A capture may include the training loss (its ops land in the layer feeding it, with
     # module ""): what the loss saved is then already in that layer's saved bytes.
-    loss_saved = np.zeros(n)
-    for i, layer in enumerate(layers):
+    loss_saved = np.zeros(len(graph.layers))
+    for i, layer in enumerate(graph.layers):
         for o in layer.ops:
             loss_op = graph.ops.get(o)
             if loss_op is not None and not loss_op.module and any(k in loss_op.target for k in _LOSS_OPS):
                 loss_saved[i] += loss_op.saved_bytes
+    return loss_saved
+
+
+def _build_arrays(graph: OpGraph) -> _LayerArrays:
+    """`graph` reduced to the estimator's arrays (uncached: `_layer_arrays` caches it)."""
+    layers = graph.layers
+    n = len(layers)
+    if n == 0:
+        raise MemoryEstimateError(f"model {graph.model!r}: the OpGraph has no layers")
+    index = {layer.name: i for i, layer in enumerate(layers)}
+    count = _param_counts(graph)
+    frac = np.array([_tp_param_fraction(graph, i) for i in range(n)])
+    max_tensor, op_start, op_count, op_arr = _op_arrays(graph)
+
+    def arr(attr: str) -> np.ndarray:
+        return np.array([float(getattr(layer, attr)) for layer in layers], dtype=np.float64)
+
+    edges, sink = _layer_edges(graph, index)
+    styles = [layer.tp_style for layer in layers]
+    loss_saved = _loss_saved_bytes(graph)
     # Parameters two layers share (a tied word embedding and LM head): a stage holding the user
     # but not the owner keeps a second copy (Megatron's embedding group, Shoeybi et al. 2019, §3).
     tied = [(index[t.owner], index[t.user], float(t.params), t.tp_sharded) for t in graph.tied
@@ -536,39 +565,60 @@ def estimate_memory(
     `persistent_grads`: force gradients to live all iteration (True) or only from their
     backward to the step (False); default decides from the plan (see module docstring).
     """
-    if optimizer not in _OPTIMIZERS:
-        raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
-    if loss not in LOSS_MODELS:
-        raise MemoryEstimateError(f"loss: unknown {loss!r}; use one of {tuple(LOSS_MODELS)}")
-    loss_copies, held_copies = LOSS_MODELS[loss]
-    if dp_bucket_bytes is None:  # the plan's bucket (Plan.grad_bucket_mb), as runtime and simulator use
-        dp_bucket_bytes = plan.grad_bucket_bytes
-    if dp_bucket_bytes < 0 or (overhead_bytes is not None and overhead_bytes < 0):
-        raise MemoryEstimateError("estimate_memory: dp_bucket_bytes and overhead_bytes must be >= 0")
+    dp_bucket_bytes = _checked_bucket_bytes(plan, optimizer, loss, dp_bucket_bytes, overhead_bytes)
     la = _layer_arrays(graph)
     kinds, nodes, caps = _cluster_devices(cluster)
     n_dev = len(kinds)
     overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
-
-    plan_bytes = _DTYPE_BYTES[plan.dtype]
-    # gradients live in the dtype they are reduced in (Plan.grad_dtype, the one truth the traffic
-    # module sends): Megatron's bf16 keeps fp32 main grads -- 2 + 4 + 12 = 18 bytes per parameter
-    # with Adam (Korthikanti et al. 2022 count the same) -- fp16 keeps fp16 grads unless told
-    w_b, g_b, k_b = state_bytes_per_param(plan.dtype, optimizer, plan.grad_dtype)
-    step_kind = _OPTIMIZERS[optimizer][2]
-    act_scale = plan_bytes / la.act_dtype_bytes  # capture dtype -> plan dtype
-    loss_scale = 4.0 / la.act_dtype_bytes  # the loss runs in fp32
-
+    ctx = _row_context(la, plan, optimizer, loss, dp_bucket_bytes)
     stages = _plan_stages(la, plan, graph)
-    stage_of_layer = np.full(la.n_layers, -1, dtype=np.int64)
-    for s, st in enumerate(stages):
-        stage_of_layer[st.ids] = s
+    _check_stage_devices(stages, n_dev, cluster)
+    matrix, step_phase, used = _device_matrix(la, graph, stages, ctx, n_dev, persistent_grads)
+    matrix[used, _X] += overhead
+
+    peak = np.ceil(matrix.sum(axis=1)).astype(np.int64)
+    return MemoryEstimate(
+        model=graph.model,
+        cluster=cluster.name,
+        devices=np.flatnonzero(used).tolist(),
+        peak_bytes=peak.tolist(),
+        capacity_bytes=caps.tolist(),
+        kinds=kinds,
+        nodes=nodes,
+        _matrix=matrix,
+        _phase_step=step_phase,
+    )
+
+
+def _checked_bucket_bytes(plan: Plan, optimizer: str, loss: str, dp_bucket_bytes: int | None,
+                          overhead_bytes: int | None) -> int:
+    """`estimate_memory`'s options checked; the data-parallel bucket bytes it uses."""
+    if optimizer not in _OPTIMIZERS:
+        raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+    if loss not in LOSS_MODELS:
+        raise MemoryEstimateError(f"loss: unknown {loss!r}; use one of {tuple(LOSS_MODELS)}")
+    if dp_bucket_bytes is None:  # the plan's bucket (Plan.grad_bucket_mb), as runtime and simulator use
+        dp_bucket_bytes = plan.grad_bucket_bytes
+    if dp_bucket_bytes < 0 or (overhead_bytes is not None and overhead_bytes < 0):
+        raise MemoryEstimateError("estimate_memory: dp_bucket_bytes and overhead_bytes must be >= 0")
+    return dp_bucket_bytes
+
+
+def _check_stage_devices(stages: list[_Stage], n_dev: int, cluster: Cluster) -> None:
+    """Refuse a stage that names a device the cluster does not have."""
+    for st in stages:
         if len(st.devices) and (st.devices.min() < 0 or st.devices.max() >= n_dev):
             bad = int(st.devices[(st.devices < 0) | (st.devices >= n_dev)][0])
             raise MemoryEstimateError(
                 f"plan stage '{st.name}': device {bad} is not in cluster {cluster.name!r} ({n_dev} devices)"
             )
 
+
+def _device_matrix(la: _LayerArrays, graph: OpGraph, stages: list[_Stage], ctx: _RowContext, n_dev: int,
+                   persistent_grads: bool | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bytes per device and category at the device's peak, whether that peak is in the optimizer
+    step, whether the plan uses the device): each stage's rows scattered to its devices, no overhead."""
+    plan = ctx.plan
     in_flight = _in_flight(plan, stages)
     p2p_send, p2p_recv = _p2p_per_sample(plan, graph, la, len(stages))
 
@@ -591,11 +641,8 @@ def estimate_memory(
         tied_extra = _tied_copies(la, ids, ratios, ascending=not plan.stages)
         for k, (b_k, r_k) in enumerate(uniq):
             row = _device_row(
-                la, ids, r=float(r_k), b=int(b_k), n_flight=in_flight[s], dp=st.dp, plan=plan,
-                w_b=w_b, g_b=g_b, k_b=k_b, step_kind=step_kind, act_scale=act_scale,
-                loss_scale=loss_scale, loss_copies=loss_copies, held_copies=held_copies,
-                persistent=persistent,
-                dp_bucket=dp_bucket_bytes, p2p=(p2p_send[s] + p2p_recv[s]), tp=st.tp, tied_extra=tied_extra,
+                la, ids, ctx, r=float(r_k), b=int(b_k), n_flight=in_flight[s], dp=st.dp, persistent=persistent,
+                p2p=(p2p_send[s] + p2p_recv[s]), tp=st.tp, tied_extra=tied_extra,
             )
             sel = devs if len(uniq) == 1 else devs[picks[k]]
             if plan.stages:
@@ -605,20 +652,7 @@ def estimate_memory(
             if row[-1]:
                 step_phase[sel] = True
         used[devs] = True
-    matrix[used, _X] += overhead
-
-    peak = np.ceil(matrix.sum(axis=1)).astype(np.int64)
-    return MemoryEstimate(
-        model=graph.model,
-        cluster=cluster.name,
-        devices=np.flatnonzero(used).tolist(),
-        peak_bytes=peak.tolist(),
-        capacity_bytes=caps.tolist(),
-        kinds=kinds,
-        nodes=nodes,
-        _matrix=matrix,
-        _phase_step=step_phase,
-    )
+    return matrix, step_phase, used
 
 
 def _stage_layout(plan: Plan, st: _Stage, mb: int) -> tuple[int, list[float], np.ndarray, list[np.ndarray] | None]:
@@ -652,15 +686,10 @@ def stage_peak_bytes(graph: OpGraph, layers: list[str], plan: Plan, *, micro_bat
         raise MemoryEstimateError(f"stage_peak_bytes: {exc.args[0]!r} is not a layer of {graph.model!r}") from None
     if not len(ids):
         raise MemoryEstimateError("stage_peak_bytes: a stage needs at least one layer")
-    loss_copies, held_copies = LOSS_MODELS[loss]
-    w_b, g_b, k_b = state_bytes_per_param(plan.dtype, optimizer, plan.grad_dtype)
-    act_scale = _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes
+    ctx = _row_context(la, plan, optimizer, loss, DP_BUCKET_BYTES)
     persistent = plan.dtype in ("bf16", "fp16") or in_flight > 1 or dp > 1 or plan.zero > 0
-    row = _device_row(la, ids, r=1.0, b=int(micro_batch), n_flight=float(in_flight), dp=dp, plan=plan,
-                      w_b=w_b, g_b=g_b, k_b=k_b, step_kind=_OPTIMIZERS[optimizer][2], act_scale=act_scale,
-                      loss_scale=4.0 / la.act_dtype_bytes, loss_copies=loss_copies, held_copies=held_copies,
-                      persistent=persistent, dp_bucket=DP_BUCKET_BYTES, p2p=p2p_bytes_per_sample, tp=1,
-                      tied_extra=np.zeros(len(ids)))
+    row = _device_row(la, ids, ctx, r=1.0, b=int(micro_batch), n_flight=float(in_flight), dp=dp,
+                      persistent=persistent, p2p=p2p_bytes_per_sample, tp=1, tied_extra=np.zeros(len(ids)))
     overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
     return int(np.ceil(row[:-1].sum() + overhead))
 
@@ -734,31 +763,54 @@ def _stage_terms(la: _LayerArrays, ids: np.ndarray, *, r: float, sp: float, act_
     return terms
 
 
+@dataclass(frozen=True)
+class _RowContext:
+    """What every device row of one estimate shares: the plan, bytes per parameter, dtype scales."""
+
+    plan: Plan
+    w_b: int  # weight bytes per parameter
+    g_b: int  # gradient bytes per parameter
+    k_b: int  # optimizer-state bytes per parameter
+    step_kind: str  # how the optimizer step runs (`_OPTIMIZERS`)
+    act_scale: float  # capture dtype -> plan dtype
+    loss_scale: float  # capture dtype -> fp32, the loss's
+    loss_copies: float  # fp32 copies of the model outputs at the loss (LOSS_MODELS)
+    held_copies: float  # copies of the outputs the training loop holds through backward and the step
+    dp_bucket: int  # data-parallel gradient bucket bytes
+
+
+def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_bucket: int) -> _RowContext:
+    """The row context of `plan` trained with `optimizer` and `loss`."""
+    loss_copies, held_copies = LOSS_MODELS[loss]
+    # gradients live in the dtype they are reduced in (Plan.grad_dtype, the one truth the traffic
+    # module sends): Megatron's bf16 keeps fp32 main grads -- 2 + 4 + 12 = 18 bytes per parameter
+    # with Adam (Korthikanti et al. 2022 count the same) -- fp16 keeps fp16 grads unless told
+    w_b, g_b, k_b = state_bytes_per_param(plan.dtype, optimizer, plan.grad_dtype)
+    return _RowContext(
+        plan=plan, w_b=w_b, g_b=g_b, k_b=k_b, step_kind=_OPTIMIZERS[optimizer][2],
+        act_scale=_DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes,
+        loss_scale=4.0 / la.act_dtype_bytes,  # the loss runs in fp32
+        loss_copies=loss_copies, held_copies=held_copies, dp_bucket=dp_bucket,
+    )
+
+
 def _device_row(
     la: _LayerArrays,
     ids: np.ndarray,
+    ctx: _RowContext,
     *,
     r: float,
     b: int,
     n_flight: float,
     dp: int,
-    plan: Plan,
-    w_b: int,
-    g_b: int,
-    k_b: int,
-    step_kind: str,
-    act_scale: float,
-    loss_scale: float,
-    loss_copies: float,
-    held_copies: float,
     persistent: bool,
-    dp_bucket: int,
     p2p: float,
     tp: int,
     tied_extra: np.ndarray,
 ) -> np.ndarray:
     """Bytes per category at the peak of one device of a stage, plus a final 1.0 if the
     peak is in the optimizer step (layout: CATEGORIES..., step_flag; overhead added by caller)."""
+    plan, w_b, g_b, k_b, act_scale = ctx.plan, ctx.w_b, ctx.g_b, ctx.k_b, ctx.act_scale
     zero = plan.zero
     sp = r if plan.sequence_parallel else 1.0  # share of the replicated activations this rank keeps
     t = _stage_terms(la, ids, r=r, sp=sp, act_scale=act_scale, recompute=plan.recompute, tied_extra=tied_extra)
@@ -772,17 +824,13 @@ def _device_row(
     a_mb = b * t.a_sum
     # at the loss: `loss_copies` fp32 copies of the outputs (what a captured loss saved is
     # already counted among the activations); afterwards the loop still holds the outputs
-    loss_ws = b * max(0.0, loss_copies * loss_scale * t.out_sum - act_scale * t.loss_saved)
-    held = b * held_copies * act_scale * t.out_sum
+    loss_ws = b * max(0.0, ctx.loss_copies * ctx.loss_scale * t.out_sum - act_scale * t.loss_saved)
+    held = b * ctx.held_copies * act_scale * t.out_sum
     others = max(n_flight - 1.0, 0.0) * a_mb  # earlier micro-batches still waiting for backward
 
     # ---- peak during backward of layer i: all gradients (persistent) or those of layers i..end
-    if persistent:
-        i_max, g_now = t.i_max, grads_full
-    else:
-        g_at = np.cumsum((g_b * t.psi_layers)[::-1])[::-1] / (dp if zero >= 2 else 1)
-        i_max = int(np.argmax(b * (t.cum + t.extra) + g_at))
-        g_now = float(g_at[i_max])
+    i_max, g_now = _backward_peak_layer(t, b=b, persistent=persistent, grads_full=grads_full, g_b=g_b,
+                                        dp=dp, zero=zero)
     at_layer = others + b * float(t.cum[i_max] + t.extra[i_max]) + g_now + held
     at_loss = others + a_mb + loss_ws + (grads_full if persistent else 0.0)
     if loss_ws > 0 and at_loss >= at_layer:
@@ -792,21 +840,10 @@ def _device_row(
     backward_total = act + logits + tmp + g_now
 
     # ---- optimizer step: all gradients plus the step's temporaries
-    if step_kind == "foreach":
-        step_tmp = 4.0 * t.psi / (dp if zero >= 1 else 1)
-    elif step_kind == "loop":
-        step_tmp = 2 * 4.0 * t.step_tensor
-    else:
-        step_tmp = 0.0
+    step_tmp = _step_temporaries(ctx.step_kind, t, dp, zero)
     step_total = grads_full + step_tmp + held
 
-    # ---- communication buffers
-    # one micro-batch in each direction across stage boundaries, as each tensor rank sends it
-    comm = float(pp_message_bytes(p2p, b, act_scale, tp))
-    if dp > 1:
-        comm += min(float(dp_bucket), grads_full)
-        if zero >= 3:  # all-gathered full parameters of the running and the prefetched layer
-            comm += w_b * t.psi_top2
+    comm = _comm_buffers(t, ctx, b=b, dp=dp, p2p=p2p, tp=tp, grads_full=grads_full)
 
     row = np.zeros(len(CATEGORIES) + 1)
     row[_W], row[_O], row[_C] = weights, opt, comm
@@ -815,6 +852,38 @@ def _device_row(
     else:
         row[_G], row[_A], row[_L], row[_X] = g_now, act, logits, tmp
     return row
+
+
+def _backward_peak_layer(t: _StageTerms, *, b: int, persistent: bool, grads_full: float, g_b: int, dp: int,
+                         zero: int) -> tuple[int, float]:
+    """(the layer whose backward peaks, the gradient bytes alive then): all of them when gradients
+    persist, else those of that layer and the layers after it."""
+    if persistent:
+        return t.i_max, grads_full
+    g_at = np.cumsum((g_b * t.psi_layers)[::-1])[::-1] / (dp if zero >= 2 else 1)
+    i_max = int(np.argmax(b * (t.cum + t.extra) + g_at))
+    return i_max, float(g_at[i_max])
+
+
+def _step_temporaries(step_kind: str, t: _StageTerms, dp: int, zero: int) -> float:
+    """Bytes the optimizer step allocates beside the model states, by how it runs."""
+    if step_kind == "foreach":
+        return 4.0 * t.psi / (dp if zero >= 1 else 1)
+    if step_kind == "loop":
+        return 2 * 4.0 * t.step_tensor
+    return 0.0
+
+
+def _comm_buffers(t: _StageTerms, ctx: _RowContext, *, b: int, dp: int, p2p: float, tp: int,
+                  grads_full: float) -> float:
+    """Communication buffers: pipeline messages, a gradient bucket, ZeRO-3's gathered parameters."""
+    # one micro-batch in each direction across stage boundaries, as each tensor rank sends it
+    comm = float(pp_message_bytes(p2p, b, ctx.act_scale, tp))
+    if dp > 1:
+        comm += min(float(ctx.dp_bucket), grads_full)
+        if ctx.plan.zero >= 3:  # all-gathered full parameters of the running and the prefetched layer
+            comm += ctx.w_b * t.psi_top2
+    return comm
 
 
 def _backward_inner(
