@@ -182,16 +182,28 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _print_rich(cluster: Any, matrix: bool) -> None:
+    """`plait cluster show` for people: a header line, then one table or section per aspect."""
     from rich.console import Console
-    from rich.table import Table
-
-    from plait.cluster.spec import DTYPES
-    from plait.cluster.topology import node_bandwidth_matrix
-    from plait.cluster.units import format_bandwidth, format_bytes, format_duration
 
     console = Console()
     console.print(f"[bold]{cluster.name}[/bold]  ({cluster.source}): {cluster.num_nodes} nodes, "
                   f"{cluster.num_devices} GPUs")
+    console.print(_kinds_table(cluster))
+    console.print(_nodes_table(cluster))
+    _print_fabric(console, cluster)
+    _print_pair_figures(console, cluster)
+    if cluster.num_nodes <= _SUMMARY_MATRIX_NODES:
+        console.print(_node_matrix_table(cluster))
+    if matrix:
+        _print_device_matrices(console, cluster)
+
+
+def _kinds_table(cluster: Any) -> Any:
+    """The GPU kinds table: how many of each, peak FLOP/s per dtype, memory and its bandwidth."""
+    from rich.table import Table
+
+    from plait.cluster.spec import DTYPES
+    from plait.cluster.units import format_bandwidth, format_bytes
 
     counts: dict[str, int] = {}
     for node in cluster.nodes:
@@ -204,7 +216,14 @@ def _print_rich(cluster: Any, matrix: bool) -> None:
         flops = [f"{kind.peak_flops[d] / 1e12:.4g}" if d in kind.peak_flops else "-" for d in DTYPES]
         kinds.add_row(name, str(counts.get(name, 0)), *flops, format_bytes(kind.memory_bytes),
                       format_bandwidth(kind.memory_bandwidth))
-    console.print(kinds)
+    return kinds
+
+
+def _nodes_table(cluster: Any) -> Any:
+    """The nodes table, one row per run of alike nodes (`_node_groups`)."""
+    from rich.table import Table
+
+    from plait.cluster.units import format_bandwidth, format_duration
 
     nodes = Table(title="Nodes (link figures per direction)")
     for col in ("nodes", "GPU ids", "GPUs", "intra-node link", "NICs", "leaf"):
@@ -221,24 +240,36 @@ def _print_rich(cluster: Any, matrix: bool) -> None:
             f"{format_duration(a.nic.latency)}",
             ", ".join(leaves) if len(leaves) <= 3 else f"{leaves[0]} .. {leaves[-1]}",
         )
-    console.print(nodes)
+    return nodes
+
+
+def _print_fabric(console: Any, cluster: Any) -> None:
+    """The switch fabric in a line or two: leaf/spine/core counts, uplinks, NIC ports and ECMP."""
+    from plait.cluster.units import format_bandwidth
 
     leaves = [s for s in cluster.switches if s.tier == "leaf"]
     spines = [s for s in cluster.switches if s.tier == "spine"]
-    if leaves:
-        uplinks = sorted({format_bandwidth(s.uplink.bandwidth) for s in leaves if s.uplink})
-        cores = [s for s in cluster.switches if s.tier == "core"]
-        console.print(f"Fabric: {len(leaves)} leaf and {len(spines)} spine switches"
-                      + (f", {len(cores)} cores" if cores else "")
-                      + f"; leaf-spine uplinks {', '.join(uplinks) or 'unconstrained'}"
-                      + (f" x {leaves[0].links} cables" if leaves[0].links > 1 else ""))
-        if cluster.fabric is not None:
-            fab = cluster.fabric
-            console.print(f"  NIC ports {fab.ports}{' (bonded)' if fab.ports > 1 else ''}, {fab.channels} "
-                          f"channel(s) per neighbour, ECMP hash {fab.ecmp_hash} seed {fab.ecmp_seed}"
-                          + (f", {len(fab.failed)} failed link(s)" if fab.failed else ""))
-    else:
+    if not leaves:
         console.print("Fabric: one non-blocking switch (no leaf/spine given)")
+        return
+    uplinks = sorted({format_bandwidth(s.uplink.bandwidth) for s in leaves if s.uplink})
+    cores = [s for s in cluster.switches if s.tier == "core"]
+    console.print(f"Fabric: {len(leaves)} leaf and {len(spines)} spine switches"
+                  + (f", {len(cores)} cores" if cores else "")
+                  + f"; leaf-spine uplinks {', '.join(uplinks) or 'unconstrained'}"
+                  + (f" x {leaves[0].links} cables" if leaves[0].links > 1 else ""))
+    if cluster.fabric is not None:
+        fab = cluster.fabric
+        console.print(f"  NIC ports {fab.ports}{' (bonded)' if fab.ports > 1 else ''}, {fab.channels} "
+                      f"channel(s) per neighbour, ECMP hash {fab.ecmp_hash} seed {fab.ecmp_seed}"
+                      + (f", {len(fab.failed)} failed link(s)" if fab.failed else ""))
+
+
+def _print_pair_figures(console: Any, cluster: Any) -> None:
+    """The effective device-pair figures (`bandwidth_summary`), its measured overrides and emulation."""
+    from rich.table import Table
+
+    from plait.cluster.units import format_bandwidth, format_duration
 
     summary = bandwidth_summary(cluster)
     table = Table(title="Effective device-pair figures (min / median / max)")
@@ -260,21 +291,30 @@ def _print_rich(cluster: Any, matrix: bool) -> None:
         console.print(f"Emulation: {'on' if e.enabled else 'off'}, namespaces={e.namespaces}, "
                       f"bandwidth_scale={e.bandwidth_scale:g}, slowdown={e.slowdown or 'from peak FLOP/s'}")
 
-    if cluster.num_nodes <= _SUMMARY_MATRIX_NODES:
-        nb = node_bandwidth_matrix(cluster)
-        m = Table(title="Node-to-node bandwidth, GB/s (slowest device pair; diagonal: intra-node)")
-        m.add_column("")
-        for node in cluster.nodes:
-            m.add_column(node.name, justify="right")
-        for r, node in enumerate(cluster.nodes):
-            m.add_row(node.name, *[f"{v / 1e9:.4g}" for v in nb[r]])
-        console.print(m)
-    if matrix:
-        np.set_printoptions(linewidth=200, threshold=sys.maxsize)
-        console.print("Device bandwidth matrix (GB/s):")
-        console.print(np.array2string(bandwidth_matrix(cluster) / 1e9, precision=4), markup=False)
-        console.print("Device latency matrix (us):")
-        console.print(np.array2string(latency_matrix(cluster) * 1e6, precision=4), markup=False)
+
+def _node_matrix_table(cluster: Any) -> Any:
+    """The node-to-node bandwidth matrix (slowest device pair of each node pair) as a table."""
+    from rich.table import Table
+
+    from plait.cluster.topology import node_bandwidth_matrix
+
+    nb = node_bandwidth_matrix(cluster)
+    m = Table(title="Node-to-node bandwidth, GB/s (slowest device pair; diagonal: intra-node)")
+    m.add_column("")
+    for node in cluster.nodes:
+        m.add_column(node.name, justify="right")
+    for r, node in enumerate(cluster.nodes):
+        m.add_row(node.name, *[f"{v / 1e9:.4g}" for v in nb[r]])
+    return m
+
+
+def _print_device_matrices(console: Any, cluster: Any) -> None:
+    """--matrix: the full device-to-device bandwidth and latency matrices."""
+    np.set_printoptions(linewidth=200, threshold=sys.maxsize)
+    console.print("Device bandwidth matrix (GB/s):")
+    console.print(np.array2string(bandwidth_matrix(cluster) / 1e9, precision=4), markup=False)
+    console.print("Device latency matrix (us):")
+    console.print(np.array2string(latency_matrix(cluster) * 1e6, precision=4), markup=False)
 
 
 def _presets(args: argparse.Namespace) -> int:

@@ -21,15 +21,23 @@ from typing import Any
 
 from plait.cluster import load_cluster
 from plait.cluster.spec import Cluster
-from plait.commands.traffic_plan import add_traffic_args
+from plait.commands.traffic_plan import TrafficOutcome, add_traffic_args
 from plait.commands.training_args import (
     add_memory_args,
     add_training_args,
     memory_kwargs_of,
     training_of,
 )
+from plait.ir.plan import Plan
 from plait.planners.export import FORMATS
-from plait.search import DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, FAMILIES, PlanResult
+from plait.search import (
+    DEFAULT_CLUSTER,
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_MODEL,
+    FAMILIES,
+    PlanResult,
+    SearchSpace,
+)
 
 GiB = 2**30
 # Plans whose predicted times differ by less than this, and only in options, share a table row.
@@ -102,23 +110,59 @@ def search(model: str, cluster: Cluster, **kwargs: Any) -> PlanResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    from plait.commands.traffic_plan import check_traffic_cluster, print_traffic, traffic_plan
-    from plait.errors import PlaitError, check_output_path
-    from plait.planners.export import export
-    from plait.workers import check_jobs, default_jobs
+    from plait.commands.traffic_plan import traffic_plan
 
-    space = None
-    if args.space is not None:  # a bad spec fails before any work
-        from plait.search.space import parse_space
-
-        space = parse_space(args.space)
-        if args.family not in ("all", "3d"):
-            raise PlaitError(f"--space restricts the 3D family's degrees and options; --family {args.family} "
-                             "does not take it")
+    space = _parse_space(args)
     if args.family == "spmd":
         from plait.commands.spmd_plan import run as run_spmd
 
         return run_spmd(args)
+    jobs, fabric_cluster = _check_args(args)
+    if args.family == "graph":
+        return _run_graph(args)
+    families, options, space = _search_kwargs(args, space, jobs)
+    cluster = load_cluster(args.cluster)  # resolved here, once: the search and the export read it
+    # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
+    result = search(args.model, cluster, global_batch=args.global_batch,
+                    top=args.top if args.json else args.top * FOLD_EXTRA, **options, **families)
+    best = result.best
+    traffic = traffic_plan(args.model, fabric_cluster, best.plan, settings=bool(args.out)) \
+        if fabric_cluster is not None else None
+    best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths
+    exported = _export(args, best_plan, cluster) if args.export else None
+    if args.out:
+        _write_out(args, result, best_plan, traffic)
+    measured = _run(args, result) if args.run else None
+    if args.json:
+        _print_json(args, result, exported, measured, traffic)
+    else:
+        _print_text(args, result, space, traffic, exported, measured)
+    return 0
+
+
+def _parse_space(args: argparse.Namespace) -> SearchSpace | None:
+    """--space as a SearchSpace, None without it; a bad spec (or a family it does not restrict)
+    fails before any work."""
+    from plait.errors import PlaitError
+
+    if args.space is None:
+        return None
+    from plait.search.space import parse_space
+
+    space = parse_space(args.space)
+    if args.family not in ("all", "3d"):
+        raise PlaitError(f"--space restricts the 3D family's degrees and options; --family {args.family} "
+                         "does not take it")
+    return space
+
+
+def _check_args(args: argparse.Namespace) -> tuple[int | None, Cluster | None]:
+    """The options checked before any work: returns the --jobs count (None: the default) and, with
+    --traffic-plan, the fabric cluster its flows are planned on."""
+    from plait.commands.traffic_plan import check_traffic_cluster
+    from plait.errors import PlaitError, check_output_path
+    from plait.workers import check_jobs, default_jobs
+
     if args.top < 1:
         raise PlaitError(f"--top: must be >= 1, got {args.top}")
     if args.steps < 1:
@@ -128,9 +172,13 @@ def run(args: argparse.Namespace) -> int:
     if jobs is None:
         default_jobs()  # a bad PLAIT_JOBS fails before any work
     fabric_cluster = check_traffic_cluster(args.cluster) if args.traffic_plan else None
-    if args.family == "graph":
-        return _run_graph(args)
-    # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
+    return jobs, fabric_cluster
+
+
+def _search_kwargs(args: argparse.Namespace, space: SearchSpace | None,
+                   jobs: int | None) -> tuple[dict[str, Any], dict[str, Any], SearchSpace | None]:
+    """The search's family selection and options for these arguments, and the 3D space it
+    searches (None: unrestricted)."""
     # `all`: graph pipelines and SPMD programs compete with the 3D plans; with --run (or a plan to
     # export or place on fabric paths) only what the runtime runs and the frameworks express.
     families: dict[str, Any] = {"families": "all", "runnable": True} if args.family == "all" \
@@ -139,8 +187,6 @@ def run(args: argparse.Namespace) -> int:
         families = {"families": "3d"}
     if args.export and families["families"] == "3d":  # frameworks split the global batch evenly
         import dataclasses
-
-        from plait.search import SearchSpace
 
         space = dataclasses.replace(space or SearchSpace(), uneven_dp=False)
     if space is not None:  # graph pipelines and SPMD programs have no dp x tp x pp grid to restrict
@@ -153,49 +199,58 @@ def run(args: argparse.Namespace) -> int:
         options = {k: v for k, v in options.items() if k in taken or k in ("progress", "jobs")}  # + the driver's
         if "runnable" in taken:
             families["runnable"] = args.run
-    cluster = load_cluster(args.cluster)  # resolved here, once: the search and the export read it
-    result = search(args.model, cluster, global_batch=args.global_batch,
-                    top=args.top if args.json else args.top * FOLD_EXTRA, **options, **families)
-    best = result.best
-    traffic = traffic_plan(args.model, fabric_cluster, best.plan, settings=bool(args.out)) \
-        if fabric_cluster is not None else None
-    best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths
-    exported = None
-    if args.export:
-        launch = {"model": args.model, "cluster_file": args.cluster, "plan_file": args.out} \
-            if args.export == "slurm" else None
-        if args.export == "slurm" and not args.out:
-            raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
-        exported = export(best_plan, args.export, _model_config(args.model), cluster, launch,
-                          training_of(args))
-        if args.export == "slurm":  # beside the plan file it runs: submit with `sbatch PLAN.sbatch`
-            script = Path(args.out).with_suffix(".sbatch")
-            script.write_text(exported)
+    return families, options, space
+
+
+def _export(args: argparse.Namespace, best_plan: Plan, cluster: Cluster) -> str:
+    """--export: the best plan as the framework's launch args/config; a slurm script is also
+    written beside the plan file it runs."""
+    from plait.errors import PlaitError
+    from plait.planners.export import export
+
+    launch = {"model": args.model, "cluster_file": args.cluster, "plan_file": args.out} \
+        if args.export == "slurm" else None
+    if args.export == "slurm" and not args.out:
+        raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
+    exported = export(best_plan, args.export, _model_config(args.model), cluster, launch,
+                      training_of(args))
+    if args.export == "slurm":  # beside the plan file it runs: submit with `sbatch PLAN.sbatch`
+        script = Path(args.out).with_suffix(".sbatch")
+        script.write_text(exported)
+    return exported
+
+
+def _write_out(args: argparse.Namespace, result: PlanResult, best_plan: Plan, traffic: TrafficOutcome | None) -> None:
+    """--out: the best plan, each family's best beside it and, planned, its flows' fabric settings."""
+    best_plan.save(args.out)
+    from plait.search.summary import search_path, write_summary
+
+    write_summary(result, search_path(args.out))  # `plait report` shows each family's best
+    if traffic is not None and traffic.report is not None and traffic.report.settings is not None:
+        Path(args.out).with_suffix(".traffic.json").write_text(json.dumps(traffic.report.settings, indent=1))
+
+
+def _print_json(args: argparse.Namespace, result: PlanResult, exported: str | None, measured: dict[str, Any] | None,
+                traffic: TrafficOutcome | None) -> None:
+    """--json: the search result with what the other options produced."""
+    out = result.to_dict()
+    if exported is not None:
+        out["export"] = {"format": args.export, "text": exported}
+    if measured is not None:
+        out["run"] = measured
+    if traffic is not None:
+        out["traffic_plan"] = traffic.to_dict()
     if args.out:
-        best_plan.save(args.out)
-        from plait.search.summary import search_path, write_summary
+        out["out"] = args.out
+    print(json.dumps(out, indent=2))
 
-        write_summary(result, search_path(args.out))  # `plait report` shows each family's best
-        if traffic is not None and traffic.report is not None and traffic.report.settings is not None:
-            Path(args.out).with_suffix(".traffic.json").write_text(json.dumps(traffic.report.settings, indent=1))
-    measured = None
-    if args.run:
-        measured = _run(args, result)
 
-    if args.json:
-        out = result.to_dict()
-        if exported is not None:
-            out["export"] = {"format": args.export, "text": exported}
-        if measured is not None:
-            out["run"] = measured
-        if traffic is not None:
-            out["traffic_plan"] = traffic.to_dict()
-        if args.out:
-            out["out"] = args.out
-        print(json.dumps(out, indent=2))
-        return 0
-
+def _print_text(args: argparse.Namespace, result: PlanResult, space: SearchSpace | None,
+                traffic: TrafficOutcome | None, exported: str | None, measured: dict[str, Any] | None) -> None:
+    """The plan table and, after it, what the other options produced and wrote."""
     from rich.console import Console
+
+    from plait.commands.traffic_plan import print_traffic
 
     columns = shutil.get_terminal_size().columns
     console = Console(width=max(columns, 1000) if args.wide else columns)
@@ -220,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(exported)
     if measured is not None:
         _print_run(measured, console)
-    return 0
 
 
 def _run_graph(args: argparse.Namespace) -> int:

@@ -20,6 +20,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "synthetic data or your dataset (--data) and report per-step losses, measured iteration "
                     "times and a timeline.",
     )
+    _add_job_args(p)
+    _add_checkpoint_args(p)
+    _add_launch_args(p)
+    _add_training_setup_args(p)
+    _add_emulation_and_records_args(p)
+    _add_recovery_args(p)
+    _add_fault_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """What to train, where and under which plan, and how to report it."""
     p.add_argument("--model", required=True, help="zoo spec (gpt:layers=4,hidden=64,...) or file.py:factory")
     p.add_argument("--cluster", default=None,
                    help="cluster YAML or preset; its 'emulation' section emulates it on this machine "
@@ -28,11 +41,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="total training steps (default 3)")
     p.add_argument("--trace", metavar="FILE", help="write the measured timeline as Chrome/Perfetto trace JSON")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """Checkpoints: where, how often, how many kept, and resuming from them."""
     p.add_argument("--checkpoint-dir", metavar="D", help="directory for checkpoints")
     p.add_argument("--checkpoint-every", metavar="K", type=int, default=None,
                    help="checkpoint every K steps (with --checkpoint-dir alone: once, after the last step)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (default 2)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    """How the workers are launched: the hang timeout, agents per node, and real hosts."""
     p.add_argument("--timeout", metavar="S", type=float, default=300.0,
                    help="stop the run when a rank makes no progress for S seconds (default 300)")
     p.add_argument("--nprocs-per-node", "--nproc-per-node", metavar="K", type=int, default=None,
@@ -49,6 +70,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     hosts.add_argument("--node-name", metavar="NAME", default=None,
                        help="this node's name in the cluster file (default: the hostname); a name not in the "
                             "file takes a node in rendezvous order")
+
+
+def _add_training_setup_args(p: argparse.ArgumentParser) -> None:
+    """Device, dtype, optimizer, training options, seeds and the dataset."""
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
                    help="override the plan's training dtype (fp32 is fastest on CPU)")
@@ -60,6 +85,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="your dataset: FACTORY() returns a map-style Dataset of (inputs_tuple, target) samples "
                         "(or (dataset, collate_fn)); default: the model's synthetic samples")
     p.add_argument("--data-workers", type=int, default=1, help="DataLoader worker processes per rank (default 1)")
+
+
+def _add_emulation_and_records_args(p: argparse.ArgumentParser) -> None:
+    """The run directory, the cluster's emulation and the communication records."""
     p.add_argument("--run-dir", default=None, help="keep workers' logs, state files and losses.csv here")
     p.add_argument("--no-emulate", action="store_true", help="ignore the cluster's emulation section")
     p.add_argument("--predict", action="store_true",
@@ -70,6 +99,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--comm-faults", metavar="JSON", default=None,
                    help='slow a link on purpose: {"slow_link": [a, b], "delay_s": x, "factor": f} (or a list); '
                         "every call whose group holds ranks a and b is delayed / stretched")
+
+
+def _add_recovery_args(p: argparse.ArgumentParser) -> None:
+    """--recover and its options: isolate faulty nodes, re-plan and train on (plait.recover)."""
     rec = p.add_argument_group("recovery (plait.recover; see README, 'Recovery')")
     rec.add_argument("--recover", nargs="?", const="act", default=None, choices=("act", "advise"),
                      help="heal the job: when a rank dies or hangs (or the doctor names a link or node fault in "
@@ -87,6 +120,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     rec.add_argument("--no-live-diagnosis", action="store_true",
                      help="with --recover: act only when the launcher stops the job (a dead or hung rank), not on "
                           "the doctor's diagnosis of the running job (slow ranks and links)")
+
+
+def _add_fault_args(p: argparse.ArgumentParser) -> None:
+    """Fault injection and the timings it needs (`plait doctor` experiments)."""
     p.add_argument("--inject", metavar="SPEC", default=None,
                    help="inject faults (several, ';'-separated): kill:rank=R,step=S | stop:rank=R,step=S[,for=2s] | "
                         "hang:rank=R,step=S | error:rank=R,step=S | skip:rank=R,step=S | mismatch:rank=R,step=S | "
@@ -99,8 +136,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--probe-every", metavar="K", type=int, default=10,
                    help="time every rank pair's link every K steps for `plait doctor`'s slow-link finding "
                         "(0: never; default 10)")
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

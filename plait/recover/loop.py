@@ -324,6 +324,40 @@ def replan(model: Any, cluster: Cluster, old: Plan, config: RecoveryConfig) -> t
 
 
 # ---------------------------------------------------------------------------------- the loop
+@dataclass
+class _Job:
+    """What stays the same over `recover`'s phases: its arguments, folders and record."""
+
+    model: Any
+    steps: int
+    root: Path
+    ck_dir: Path
+    config: RecoveryConfig
+    detect: Detect
+    say: Any
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    launch: LaunchConfig
+    records: RecordsConfig
+    faults: FaultsConfig
+    """The first phase's faults: they stand for the hardware that gets isolated."""
+    later_faults: FaultsConfig
+    rejoin_at: dict[str, int]
+    """Scripted repairs not yet acted on."""
+    result: RecoveryResult
+
+
+@dataclass
+class _Ended:
+    """How one phase's run ended: `failure` is None when it trained to the last step."""
+
+    phase: Phase
+    watch: _Watch
+    failure: RunFailure | None
+    started: float
+    stopped: float
+
+
 def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | Path,
             config: RecoveryConfig | None = None, detect: Detect | None = None, say: Any = None,
             training: TrainingConfig = TrainingConfig(), checkpoint: CheckpointConfig = CheckpointConfig(),
@@ -344,98 +378,122 @@ def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | P
     root = Path(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / REJOIN_FILE).unlink(missing_ok=True)
-    ck_dir = Path(checkpoint.dir) if checkpoint.dir is not None else root / "checkpoints"
+    job = _Job(model=model, steps=steps, root=root,
+               ck_dir=Path(checkpoint.dir) if checkpoint.dir is not None else root / "checkpoints",
+               config=config, detect=detect, say=say, training=training, checkpoint=checkpoint, launch=launch,
+               records=records, faults=faults,
+               later_faults=dataclasses.replace(faults, inject=None, comm_faults=None),  # the hardware left is sound
+               rejoin_at=dict(config.rejoin_at),  # each scripted repair happens once
+               result=RecoveryResult(model=str(model), steps=steps, phases=[], transitions=[], run_dir=str(root)))
     emulate_dtype = launch.emulate_dtype or training.dtype or current.dtype
-    resume = checkpoint.resume
-    later_faults = dataclasses.replace(faults, inject=None, comm_faults=None)  # the hardware left is sound
     excluded: list[str] = []
     isolations = 0
-    rejoin_at = dict(config.rejoin_at)  # each scripted repair happens once
-    phases: list[Phase] = []
-    transitions: list[Transition] = []
-    result = RecoveryResult(model=str(model), steps=steps, phases=phases, transitions=transitions,
-                            run_dir=str(root))
     cl = original
     predicted = predict_step(model, cl, current)
     pending: dict[str, Any] | None = None  # the transition being timed, until the next phase trains
     while True:
-        i = len(phases)
-        phase = _start_phase(i, root, ck_dir, current, cl, excluded, predicted, resume or i > 0)
-        phase_dir, start = Path(phase.run_dir), phase.start_step
-        phases.append(phase)
-        _write(result)
-        say(f"phase {i}: {current} on {len(cl.devices)} devices ({', '.join(phase.nodes)}), from step {start}; "
-            f"predicted {predicted * 1e3:.2f} ms/step")
-        watch = _Watch(phase_dir, root, ck_dir, excluded, detect, config, start, rejoin_at)
-        watch.isolate = lambda d, plan=current, cl=cl: nodes_to_isolate(d, plan, cl).to_dict()
-        started = time.time()
-        failure: RunFailure | None = None
-        done: RunResult | None = None
-        phase_checkpoint = dataclasses.replace(checkpoint, dir=ck_dir, every=config.checkpoint_every,
-                                               resume=start > 0)
-        try:
-            done = run(model, cl, current, steps, training=training, launch=launch, watch=watch,
-                       checkpoint=phase_checkpoint, faults=faults if i == 0 else later_faults,
-                       records=dataclasses.replace(records, run_dir=phase_dir, step_records=True))
-            phase.ended = "finished"
-        except RunFailure as exc:
-            failure = exc
-        stopped = time.time()
-        result.actions += [{**a, "phase": i} for a in watch.actions]
-        _collect(phase, current.world_size, pending, transitions, done)
-        pending = None
+        ended = _run_phase(job, current, cl, excluded, predicted, pending)
+        phase, watch, failure = ended.phase, ended.watch, ended.failure
         if failure is None:
-            _write(result)
-            say(f"phase {i}: finished step {steps - 1}")
-            return result
-        detected = failure.detected_at or stopped
-        if config.advise:  # report what would be done, do nothing
-            diagnosis = _diagnose(failure, phase, watch, detect, current, cl, started)
-            advice = {"action": "isolate" if actionable(diagnosis) else "none", "done": False, "phase": i,
-                      "at": stopped, "why": f"the phase stopped: {failure}",
-                      "findings": [f.to_dict() for f in diagnosis.findings]}
-            if actionable(diagnosis):
-                try:
-                    advice.update(nodes_to_isolate(diagnosis, current, cl).to_dict())
-                except RecoveryError as exc:
-                    advice["error"] = str(exc)
-            result.actions.append(advice)
-            _write(result)
-            raise failure
-        if failure.kind in PASSED_ON and watch.diagnosis is None:
-            phase.ended = f"failed: {failure}"
-            _write(result)
-            raise failure
+            _write(job.result)
+            say(f"phase {phase.index}: finished step {steps - 1}")
+            return job.result
+        detected = failure.detected_at or ended.stopped
+        _raise_if_passed_on(job, ended, failure, current, cl)
         if watch.rejoin and failure.kind == "stopped" and watch.diagnosis is None:
             phase.ended = f"rejoin: {', '.join(watch.rejoin)}"
-            nodes = _rejoin(list(watch.rejoin), root, rejoin_at)
+            nodes = _rejoin(list(watch.rejoin), root, job.rejoin_at)
             excluded = [n for n in excluded if n not in nodes]
             reason = "rejoin"
         else:
-            diagnosis = _diagnose(failure, phase, watch, detect, current, cl, started)
-            if not actionable(diagnosis):
-                _write(result)
-                raise RecoveryError(f"phase {i} stopped and no rank can be blamed, so there is nothing to "
-                                    f"isolate: {failure}") from failure
-            iso: Isolation = nodes_to_isolate(diagnosis, current, cl)
-            phase.isolation = iso.to_dict()
-            if isolations >= config.max_recoveries:
-                _write(result)
-                raise RecoveryError(f"phase {i}: {failure}; already recovered {config.max_recoveries} times "
-                                    f"(max_recoveries), giving up") from failure
+            iso = _isolate(job, ended, failure, current, cl, isolations)
             isolations += 1
-            result.actions.append({"action": "isolate", "done": True, "phase": i, "at": stopped,
-                                   "why": watch.what or str(failure), **iso.to_dict(),
-                                   "findings": [f.to_dict() for f in diagnosis.findings
-                                                if f.kind not in REPORT_ONLY]})
             excluded = excluded + [n for n in iso.nodes if n not in excluded]
             reason, nodes = "isolate", iso.nodes
-            say(f"phase {i} ended: {failure}; isolating {', '.join(f'{n} ({iso.reasons[n]})' for n in iso.nodes)}")
         t_plan = time.time()
         cl = remaining_cluster(original, excluded, emulate_dtype)
         current, predicted = replan(model, cl, current, config)
-        pending = _transition(phase, ck_dir, reason, nodes, detected, stopped, time.time() - t_plan)
-        _write(result)
+        pending = _transition(phase, job.ck_dir, reason, nodes, detected, ended.stopped, time.time() - t_plan)
+        _write(job.result)
+
+
+def _run_phase(job: _Job, plan: Plan, cluster: Cluster, excluded: list[str], predicted: float,
+               pending: dict[str, Any] | None) -> _Ended:
+    """Start the next phase, run it to its end under the watch and record what it trained, closing
+    the `pending` transition at its first step."""
+    i = len(job.result.phases)
+    phase = _start_phase(i, job.root, job.ck_dir, plan, cluster, excluded, predicted, job.checkpoint.resume or i > 0)
+    phase_dir, start = Path(phase.run_dir), phase.start_step
+    job.result.phases.append(phase)
+    _write(job.result)
+    job.say(f"phase {i}: {plan} on {len(cluster.devices)} devices ({', '.join(phase.nodes)}), from step {start}; "
+            f"predicted {predicted * 1e3:.2f} ms/step")
+    watch = _Watch(phase_dir, job.root, job.ck_dir, excluded, job.detect, job.config, start, job.rejoin_at)
+    watch.isolate = lambda d, plan=plan, cl=cluster: nodes_to_isolate(d, plan, cl).to_dict()
+    started = time.time()
+    failure: RunFailure | None = None
+    done: RunResult | None = None
+    phase_checkpoint = dataclasses.replace(job.checkpoint, dir=job.ck_dir, every=job.config.checkpoint_every,
+                                           resume=start > 0)
+    try:
+        done = run(job.model, cluster, plan, job.steps, training=job.training, launch=job.launch, watch=watch,
+                   checkpoint=phase_checkpoint, faults=job.faults if i == 0 else job.later_faults,
+                   records=dataclasses.replace(job.records, run_dir=phase_dir, step_records=True))
+        phase.ended = "finished"
+    except RunFailure as exc:
+        failure = exc
+    stopped = time.time()
+    job.result.actions += [{**a, "phase": i} for a in watch.actions]
+    _collect(phase, plan.world_size, pending, job.result.transitions, done)
+    return _Ended(phase=phase, watch=watch, failure=failure, started=started, stopped=stopped)
+
+
+def _raise_if_passed_on(job: _Job, ended: _Ended, failure: RunFailure, plan: Plan, cluster: Cluster) -> None:
+    """Raise the phase's `failure` where the loop does not act on it: under `advise` (after recording
+    what it would have done), and for a launcher failure (PASSED_ON) no live diagnosis explains."""
+    phase, watch = ended.phase, ended.watch
+    if job.config.advise:  # report what would be done, do nothing
+        diagnosis = _diagnose(failure, phase, watch, job.detect, plan, cluster, ended.started)
+        advice = {"action": "isolate" if actionable(diagnosis) else "none", "done": False, "phase": phase.index,
+                  "at": ended.stopped, "why": f"the phase stopped: {failure}",
+                  "findings": [f.to_dict() for f in diagnosis.findings]}
+        if actionable(diagnosis):
+            try:
+                advice.update(nodes_to_isolate(diagnosis, plan, cluster).to_dict())
+            except RecoveryError as exc:
+                advice["error"] = str(exc)
+        job.result.actions.append(advice)
+        _write(job.result)
+        raise failure
+    if failure.kind in PASSED_ON and watch.diagnosis is None:
+        phase.ended = f"failed: {failure}"
+        _write(job.result)
+        raise failure
+
+
+def _isolate(job: _Job, ended: _Ended, failure: RunFailure, plan: Plan, cluster: Cluster,
+             isolations: int) -> Isolation:
+    """The nodes to remove after the phase failed, recorded as an action; a RecoveryError when no
+    rank can be blamed or `max_recoveries` isolations were already made."""
+    phase, watch = ended.phase, ended.watch
+    i = phase.index
+    diagnosis = _diagnose(failure, phase, watch, job.detect, plan, cluster, ended.started)
+    if not actionable(diagnosis):
+        _write(job.result)
+        raise RecoveryError(f"phase {i} stopped and no rank can be blamed, so there is nothing to "
+                            f"isolate: {failure}") from failure
+    iso: Isolation = nodes_to_isolate(diagnosis, plan, cluster)
+    phase.isolation = iso.to_dict()
+    if isolations >= job.config.max_recoveries:
+        _write(job.result)
+        raise RecoveryError(f"phase {i}: {failure}; already recovered {job.config.max_recoveries} times "
+                            f"(max_recoveries), giving up") from failure
+    job.result.actions.append({"action": "isolate", "done": True, "phase": i, "at": ended.stopped,
+                               "why": watch.what or str(failure), **iso.to_dict(),
+                               "findings": [f.to_dict() for f in diagnosis.findings
+                                            if f.kind not in REPORT_ONLY]})
+    job.say(f"phase {i} ended: {failure}; isolating {', '.join(f'{n} ({iso.reasons[n]})' for n in iso.nodes)}")
+    return iso
 
 
 def _check_arguments(config: RecoveryConfig, cluster: Any, checkpoint: CheckpointConfig, launch: LaunchConfig,
