@@ -277,3 +277,15 @@ def test_profile_prints_the_memory_bandwidth_its_yaml_holds(capsys) -> None:
     kind = parse_cluster(result_to_yaml(result)).kinds["measured-cpu"]
     assert kind.memory_bandwidth == pytest.approx(2.27e9)
     assert f"{kind.memory_bandwidth / 1e9:.2f}" in err and "memory BW" in err
+
+
+def test_export_slurm_without_out_fails_before_the_search(capsys, monkeypatch) -> None:
+    """`--export slurm` needs the plan file the script runs: said before any search runs."""
+    import plait.commands.plan_cmd as plan_cmd
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the search ran before the arguments were checked")
+
+    monkeypatch.setattr(plan_cmd, "search", no_search)
+    _fails(["plan", "--model", MODEL, "--cluster", CLUSTER, "--export", "slurm"], capsys,
+           "--export slurm", "--out")

@@ -168,6 +168,8 @@ def _check_args(args: argparse.Namespace) -> tuple[int | None, Cluster | None]:
     if args.steps < 1:
         raise PlaitError(f"--steps: must be >= 1, got {args.steps}")
     check_output_path(args.out, "--out")
+    if args.export == "slurm" and not args.out:
+        raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
     jobs = None if args.jobs is None else check_jobs(args.jobs, "--jobs")
     if jobs is None:
         default_jobs()  # a bad PLAIT_JOBS fails before any work
@@ -205,13 +207,10 @@ def _search_kwargs(args: argparse.Namespace, space: SearchSpace | None,
 def _export(args: argparse.Namespace, best_plan: Plan, cluster: Cluster) -> str:
     """--export: the best plan as the framework's launch args/config; a slurm script is also
     written beside the plan file it runs."""
-    from plait.errors import PlaitError
     from plait.planners.export import export
 
     launch = {"model": args.model, "cluster_file": args.cluster, "plan_file": args.out} \
         if args.export == "slurm" else None
-    if args.export == "slurm" and not args.out:
-        raise PlaitError("--export slurm: give --out PLAN.json too (the script runs `plait run --plan PLAN.json`)")
     exported = export(best_plan, args.export, _model_config(args.model), cluster, launch,
                       training_of(args))
     if args.export == "slurm":  # beside the plan file it runs: submit with `sbatch PLAN.sbatch`
