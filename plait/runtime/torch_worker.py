@@ -164,7 +164,25 @@ class TorchWorker(RankConfig):
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
-        cfg, plan = self.cfg, self.plan
+        self._prepare()
+        steps = int(self.cfg["steps"])
+        self.comm.barrier("startup barrier")
+        self.rec.set_origin()
+        origin_info = common_origin(self.rec, self.comm)
+        losses: list[torch.Tensor] = []
+        bounds: list[tuple[int, float, float]] = []
+        for step in range(steps):
+            t0, t1, loss_sum = self._train_step(step)
+            bounds.append((step, t0, t1))
+            losses.append(loss_sum)
+            if self.cfg.get("step_records"):
+                self._record_step(step, t0, t1, loss_sum)
+        self.rec.step = None
+        self._finish(losses, bounds, steps, origin_info)
+
+    def _prepare(self) -> None:
+        """The recorder, the process groups, the wrapped model, its optimizer and loss scaler."""
+        cfg = self.cfg
         slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
         self.rec = Recorder(self.info["device"], 0, self.rank, cuda=self.cuda,
                             slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb,
@@ -186,61 +204,58 @@ class TorchWorker(RankConfig):
         self.scales: list[float] = []
         if self.scaler is not None:  # every rank of the job skips or steps together
             self.scaler.group = self.comm.world_group
-        steps = int(cfg["steps"])
-        self.comm.barrier("startup barrier")
-        self.rec.set_origin()
-        origin_info = common_origin(self.rec, self.comm)
-        losses: list[torch.Tensor] = []
-        bounds: list[tuple[int, float, float]] = []
+
+    def _train_step(self, step: int) -> tuple[float, float, torch.Tensor]:
+        """One step: faults due now, barriers and link probes around the timed span, the replica's
+        micro-batches, the optimizer step. Returns the span's (start, end) and the loss summed."""
+        cfg = self.cfg
         probe_every = int(cfg.get("probe_every") or 0)
-        for step in range(steps):
-            self.hb.progress("train", step)
-            mbs = replica_micro_batches(plan, step, self.d)
-            data = self._step_data(mbs)
-            self.rec.step = step
-            fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
-            if fault is not None:
-                fire(fault)
-            if cfg.get("comm_records") == "alternate":  # bench/recorder_overhead.py (as the pipeline engine)
-                self.comm.recording = (step // 2 + step) % 2 == 0
-            if cfg.get("step_barrier", True):
-                self.comm.barrier("step barrier")
-            if probe_every and step % probe_every == 0:
-                self.comm.probe_links(PROBE_BEFORE)
-                self.comm.barrier("probe barrier")
-            t0 = self.rec.begin_step(step)
-            if self.scaler is not None:
-                self.scales.append(self.scaler.scale)
-            loss_sum = self._accumulate(step, mbs, data)
-            for prm in self.head_local:  # each rank's gradient is its heads' part: summed
-                if prm.grad is not None:
-                    self.comm.group("tp").all_reduce(prm.grad, "allreduce tp head-local grads", "comm_tp")
-            if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
-                poison(self._local_grads())
-            # fp16: unscale this rank's gradients (its shards under FSDP2); an inf anywhere skips the step everywhere
-            skip = self.scaler is not None and self.scaler.unscale_and_check(
-                [g for g in self._local_grads() if g is not None])
-            if self.scaler is not None:
-                self.scaler.update(step)
-            self._set_lr(step)
-            if cfg.get("clip_grad") and not skip:
-                torch.nn.utils.clip_grad_norm_(self.params, float(cfg["clip_grad"]))
-            with self.rec.compute("optimizer", "optimizer"):
-                for prm, loc in zip(self.params, self.locals, strict=True):
-                    loc.grad = _local(prm.grad) if prm.grad is not None else None
-                if not skip:
-                    self.optimizer.step()
+        self.hb.progress("train", step)
+        mbs = replica_micro_batches(self.plan, step, self.d)
+        data = self._step_data(mbs)
+        self.rec.step = step
+        fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
+        if fault is not None:
+            fire(fault)
+        if cfg.get("comm_records") == "alternate":  # bench/recorder_overhead.py (as the pipeline engine)
+            self.comm.recording = (step // 2 + step) % 2 == 0
+        if cfg.get("step_barrier", True):
+            self.comm.barrier("step barrier")
+        if probe_every and step % probe_every == 0:
+            self.comm.probe_links(PROBE_BEFORE)
+            self.comm.barrier("probe barrier")
+        t0 = self.rec.begin_step(step)
+        if self.scaler is not None:
+            self.scales.append(self.scaler.scale)
+        loss_sum = self._accumulate(step, mbs, data)
+        for prm in self.head_local:  # each rank's gradient is its heads' part: summed
+            if prm.grad is not None:
+                self.comm.group("tp").all_reduce(prm.grad, "allreduce tp head-local grads", "comm_tp")
+        if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
+            poison(self._local_grads())
+        self._optimizer_step(step)
+        t1 = self.rec.end_step()
+        if probe_every and step % probe_every == 0:
+            self.comm.probe_links(PROBE_REPEAT - PROBE_BEFORE)
+        return t0, t1, loss_sum
+
+    def _optimizer_step(self, step: int) -> None:
+        """Unscale (fp16), set the learning rate, clip, and step on the local tensors."""
+        # fp16: unscale this rank's gradients (its shards under FSDP2); an inf anywhere skips the step everywhere
+        skip = self.scaler is not None and self.scaler.unscale_and_check(
+            [g for g in self._local_grads() if g is not None])
+        if self.scaler is not None:
+            self.scaler.update(step)
+        self._set_lr(step)
+        if self.cfg.get("clip_grad") and not skip:
+            torch.nn.utils.clip_grad_norm_(self.params, float(self.cfg["clip_grad"]))
+        with self.rec.compute("optimizer", "optimizer"):
             for prm, loc in zip(self.params, self.locals, strict=True):
-                prm.grad = loc.grad = None
-            t1 = self.rec.end_step()
-            if probe_every and step % probe_every == 0:
-                self.comm.probe_links(PROBE_REPEAT - PROBE_BEFORE)
-            bounds.append((step, t0, t1))
-            losses.append(loss_sum)
-            if cfg.get("step_records"):
-                self._record_step(step, t0, t1, loss_sum)
-        self.rec.step = None
-        self._finish(losses, bounds, steps, origin_info)
+                loc.grad = _local(prm.grad) if prm.grad is not None else None
+            if not skip:
+                self.optimizer.step()
+        for prm, loc in zip(self.params, self.locals, strict=True):
+            prm.grad = loc.grad = None
 
     def _accumulate(self, step: int, mbs: list[MicroBatch],
                     data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]) -> torch.Tensor:
