@@ -212,6 +212,23 @@ class Plan:
 
     # ---------------------------------------------------------------- checks
     def validate(self) -> None:
+        """Each field's own range, then the fields against each other (the first error raised names
+        its field)."""
+        self._check_scalars()
+        self._check_batch_and_split()
+        self._check_ratios("dp_shares", self.dp_shares, self.dp)
+        self._check_ratios("tp_ratios", self.tp_ratios, self.tp)
+        _check_flow_paths(self.flow_paths)
+        self.spmd = _spmd_program(self.spmd)
+        own = (self.dp, self.tp, self.pp, self.zero) != (1, 1, 1, 0) or bool(
+            self.stages or self.dp_shares or self.tp_ratios or self.layer_split)
+        if self.spmd is not None and own:
+            raise PlanError("plan field 'spmd': an SPMD program is the whole plan: it needs dp=tp=pp=1, zero=0 "
+                            "and no stages, shares, ratios or layer split of its own")
+        self._check_placement()
+
+    def _check_scalars(self) -> None:
+        """Degrees, choices, dtypes and the gradient bucket: each field alone."""
         for name in ("dp", "tp", "pp", "micro_batch", "global_batch", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -231,6 +248,9 @@ class Plan:
                 or not self.grad_bucket_mb >= 0 or self.grad_bucket_mb == float("inf")):
             raise PlanError(f"plan field 'grad_bucket_mb': must be a finite number >= 0 (MiB), "
                             f"got {self.grad_bucket_mb!r}")
+
+    def _check_batch_and_split(self) -> None:
+        """The batch against the degrees and the schedule; the layer split against the stages."""
         if self.schedule != "interleaved" and self.virtual_stages != 1:
             raise PlanError("plan field 'virtual_stages': only the interleaved schedule uses more than 1")
         if not self.stages:
@@ -248,15 +268,9 @@ class Plan:
                     f"plan field 'layer_split': needs {self.pp * self.virtual_stages} positive counts, "
                     f"got {self.layer_split}"
                 )
-        self._check_ratios("dp_shares", self.dp_shares, self.dp)
-        self._check_ratios("tp_ratios", self.tp_ratios, self.tp)
-        _check_flow_paths(self.flow_paths)
-        self.spmd = _spmd_program(self.spmd)
-        own = (self.dp, self.tp, self.pp, self.zero) != (1, 1, 1, 0) or bool(
-            self.stages or self.dp_shares or self.tp_ratios or self.layer_split)
-        if self.spmd is not None and own:
-            raise PlanError("plan field 'spmd': an SPMD program is the whole plan: it needs dp=tp=pp=1, zero=0 "
-                            "and no stages, shares, ratios or layer split of its own")
+
+    def _check_placement(self) -> None:
+        """The device order, the collectives per traffic class and the stage DAG."""
         if self.device_order is not None:
             if sorted(self.device_order) != sorted(set(self.device_order)) or len(self.device_order) != self.world_size:
                 raise PlanError(
