@@ -564,12 +564,18 @@ def _leaf_cut(fabric: Fabric, key: tuple) -> list[int]:
 
 def ideal(fabric: Fabric, flows: Sequence[Flow]) -> float:
     """The LP lower bound on T (seconds) over all fractional path assignments (see module doc)."""
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
-
     cap = np.asarray(fabric.capacity)
-    # Ports: a NIC's bytes spread evenly over its alive ports is optimal (ports are parallel).
-    port_t = 0.0
+    nic_out, nic_in, pairs = _nic_and_leaf_bytes(fabric, flows)
+    port_t = _port_bound(fabric, cap, nic_out, nic_in)
+    if not pairs:
+        return port_t
+    return float(max(port_t, _switch_bound(cap, _conservation(fabric, pairs))))
+
+
+def _nic_and_leaf_bytes(fabric: Fabric, flows: Sequence[Flow]
+                        ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float],
+                                   dict[tuple[str, str], float]]:
+    """Bytes each NIC sends, each NIC receives, and each pair of distinct leaves carries."""
     nic_out: dict[tuple[int, int], float] = defaultdict(float)
     nic_in: dict[tuple[int, int], float] = defaultdict(float)
     pairs: dict[tuple[str, str], float] = defaultdict(float)
@@ -580,6 +586,14 @@ def ideal(fabric: Fabric, flows: Sequence[Flow]) -> float:
         a, b = fabric.nic_leaf[k.src][k.src_nic], fabric.nic_leaf[k.dst][k.dst_nic]
         if a != b:
             pairs[(a, b)] += f.bytes
+    return nic_out, nic_in, pairs
+
+
+def _port_bound(fabric: Fabric, cap: np.ndarray, nic_out: dict[tuple[int, int], float],
+                nic_in: dict[tuple[int, int], float]) -> float:
+    """The busiest NIC's time with its bytes on its alive ports; raises FabricError for a NIC with none."""
+    # Ports: a NIC's bytes spread evenly over its alive ports is optimal (ports are parallel).
+    port_t = 0.0
     for table, nic_bytes in ((fabric.port_up, nic_out), (fabric.port_down, nic_in)):
         for (n, r), nbytes in nic_bytes.items():
             alive = [p for p in table[n][r] if fabric.alive[p]]
@@ -588,46 +602,75 @@ def ideal(fabric: Fabric, flows: Sequence[Flow]) -> float:
                                   f"has no port left; failed links: "
                                   f"{', '.join(fabric.names[p] for p in table[n][r])}")
             port_t = max(port_t, nbytes / sum(cap[p] for p in alive))
-    if not pairs:
-        return port_t
+    return port_t
+
+
+@dataclass
+class _Conservation:
+    """Flow conservation of every leaf pair's commodity on its equal-cost DAG, as COO equality rows."""
+
+    rows: list[int] = field(default_factory=list)
+    cols: list[int] = field(default_factory=list)
+    vals: list[float] = field(default_factory=list)
+    b_eq: list[float] = field(default_factory=list)
+    arc_link: list[int] = field(default_factory=list)  # the link of each arc variable
+    row: int = 0  # rows so far
+
+
+def _conservation(fabric: Fabric, pairs: dict[tuple[str, str], float]) -> _Conservation:
+    """The conservation rows of every leaf pair's demand, in `pairs`' order."""
     # Switch links: one commodity per leaf pair, arc variables on its equal-cost DAG.
-    rows, cols, vals = [], [], []  # equality rows (conservation)
-    b_eq: list[float] = []
-    arc_link: list[int] = []
-    row = 0
+    eq = _Conservation()
     for (src, dst), demand in pairs.items():
         states: dict[tuple[str, str], int] = {}
-        arcs: list[tuple[tuple[str, str], tuple[str, str], int]] = []
-        stack = [(src, "up")]
-        seen = {(src, "up")}
-        while stack:
-            at, ph = stack.pop()
-            for link, nxt, nph in fabric.choices(at, dst, ph):
-                arcs.append(((at, ph), (nxt, nph), link))
-                if (nxt, nph) not in seen and nph != "end":
-                    seen.add((nxt, nph))
-                    stack.append((nxt, nph))
-        if not arcs:
-            fabric.walk(src, dst, lambda o, t: 0)  # raises FabricError naming the links
+        arcs, seen = _commodity_arcs(fabric, src, dst)
         for s in seen:
-            states[s] = row
-            row += 1
-            b_eq.append(demand if s == (src, "up") else 0.0)
+            states[s] = eq.row
+            eq.row += 1
+            eq.b_eq.append(demand if s == (src, "up") else 0.0)
         for u, v, link in arcs:
-            j = len(arc_link)
-            arc_link.append(link)
-            rows.append(states[u])
-            cols.append(j)
-            vals.append(1.0)  # out of u
+            j = len(eq.arc_link)
+            eq.arc_link.append(link)
+            eq.rows.append(states[u])
+            eq.cols.append(j)
+            eq.vals.append(1.0)  # out of u
             if v[1] != "end":
-                rows.append(states[v])
-                cols.append(j)
-                vals.append(-1.0)  # into v
+                eq.rows.append(states[v])
+                eq.cols.append(j)
+                eq.vals.append(-1.0)  # into v
+    return eq
+
+
+def _commodity_arcs(fabric: Fabric, src: str, dst: str
+                    ) -> tuple[list[tuple[tuple[str, str], tuple[str, str], int]], set[tuple[str, str]]]:
+    """The arcs (state, next state, link) of the equal-cost DAG from leaf `src` up to leaf `dst`,
+    and the states they leave; raises FabricError when there is no path."""
+    arcs: list[tuple[tuple[str, str], tuple[str, str], int]] = []
+    stack = [(src, "up")]
+    seen = {(src, "up")}
+    while stack:
+        at, ph = stack.pop()
+        for link, nxt, nph in fabric.choices(at, dst, ph):
+            arcs.append(((at, ph), (nxt, nph), link))
+            if (nxt, nph) not in seen and nph != "end":
+                seen.add((nxt, nph))
+                stack.append((nxt, nph))
+    if not arcs:
+        fabric.walk(src, dst, lambda o, t: 0)  # raises FabricError naming the links
+    return arcs, seen
+
+
+def _switch_bound(cap: np.ndarray, eq: _Conservation) -> float:
+    """``min T`` with every link's arcs at most ``T x capacity`` under the conservation rows `eq`."""
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
     # Scale bytes and capacities to order 1: HiGHS's tolerances are absolute.
-    scale = float(max(b_eq)) or 1.0
-    b_eq = [x / scale for x in b_eq]
+    scale = float(max(eq.b_eq)) or 1.0
+    b_eq = [x / scale for x in eq.b_eq]
+    arc_link = eq.arc_link
     n = len(arc_link) + 1  # last variable: T
-    a_eq = coo_matrix((vals, (rows, cols)), shape=(row, n)).tocsr()
+    a_eq = coo_matrix((eq.vals, (eq.rows, eq.cols)), shape=(eq.row, n)).tocsr()
     links = sorted(set(arc_link))
     where = {link: i for i, link in enumerate(links)}
     ub_rows = [where[link] for link in arc_link] + list(range(len(links)))
@@ -641,4 +684,4 @@ def ideal(fabric: Fabric, flows: Sequence[Flow]) -> float:
                   bounds=[(0, None)] * n, method="highs")
     if res.status != 0:
         raise FabricError(f"traffic LP failed: {res.message}")
-    return float(max(port_t, float(res.x[-1]) * scale / unit))
+    return float(res.x[-1]) * scale / unit

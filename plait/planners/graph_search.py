@@ -27,7 +27,7 @@ from typing import Any
 from plait.cost.memory import estimate_memory
 from plait.ir.plan import Plan
 from plait.planners.graph_cost import GraphPlanError, StageCost, lower_bound
-from plait.planners.graphpipe import partition
+from plait.planners.graphpipe import GraphPartition, partition
 from plait.planners.types import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
@@ -66,6 +66,34 @@ def option_variants(plan: Plan) -> list[Plan]:
                                 stage_edges=list(plan.stage_edges)) for z in STAGE_GRAPH_ZERO if z != plan.zero]
 
 
+@dataclasses.dataclass
+class _Admission:
+    """The memory and runtime checks of a graph plan, with a tally of what they refuse."""
+
+    graph: Any
+    cluster: Any
+    memory_kwargs: dict[str, Any]
+    supports: Callable[[Plan], tuple[bool, str]] | None
+    reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    examples: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def admit(self, plan: Plan, score: float) -> Candidate | None:
+        """`plan` as a candidate, or None (counted in `reasons`) if memory or the runtime refuses it."""
+        mem = estimate_memory(self.graph, plan, self.cluster, **self.memory_kwargs)
+        if not mem.fits:
+            self.reasons["memory"] = self.reasons.get("memory", 0) + 1
+            self.examples.setdefault("memory", "; ".join(mem.violations[:2]))
+            return None
+        if self.supports is not None:
+            ok, why = self.supports(plan)
+            if not ok:
+                self.reasons["runtime"] = self.reasons.get("runtime", 0) + 1
+                self.examples.setdefault("runtime", why)
+                return None
+        return Candidate(plan, layout="graph", analytic_s=score, peak_bytes=list(mem.peak_bytes),
+                         headroom_by_kind=memory_headroom(list(mem.peak_bytes), self.cluster.devices, plan))
+
+
 def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
                  evaluate: Evaluate | None = None, supports: Callable[[Plan], tuple[bool, str]] | None = None,
                  max_dp: int | None = None, candidates: int = 6, compute: Any = None,
@@ -96,66 +124,76 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
     cost = StageCost(graph, cluster_obj, gb, dtype=dtype, compute=compute, max_dp=max_dp,
                      overhead_bytes=mem_kw.get("overhead_bytes"), lazy=fast)
     part = partition(cost, candidates=candidates)
-    reasons: dict[str, int] = {}
-    examples: dict[str, str] = {}
-    kept: list[Candidate] = []
-
-    def admit(plan: Plan, score: float) -> Candidate | None:
-        """`plan` as a candidate, or None (counted in `reasons`) if memory or the runtime refuses it."""
-        mem = estimate_memory(graph, plan, cluster_obj, **mem_kw)
-        if not mem.fits:
-            reasons["memory"] = reasons.get("memory", 0) + 1
-            examples.setdefault("memory", "; ".join(mem.violations[:2]))
-            return None
-        if supports is not None:
-            ok, why = supports(plan)
-            if not ok:
-                reasons["runtime"] = reasons.get("runtime", 0) + 1
-                examples.setdefault("runtime", why)
-                return None
-        return Candidate(plan, layout="graph", analytic_s=score, peak_bytes=list(mem.peak_bytes),
-                         headroom_by_kind=memory_headroom(list(mem.peak_bytes), cluster_obj.devices, plan))
-
-    for stages, score in zip(part.stages, part.scores):
-        cand = admit(cost.to_plan(stages), score)
-        if cand is not None:
-            kept.append(cand)
-        if evaluate is not None and cand is not None and any(s.segments for s in cand.plan.stages):
-            # the same stages run whole: per input a segment's inputs are received only once the
-            # segment before it has run (as the executor posts them), which can cost more than it saves
-            # where those transfers are long; the score does not price transfers, the simulator does
-            whole = admit(cost.to_plan(stages, per_input=False), cost.score(stages, per_input=False))
-            if whole is not None:
-                kept.append(whole)
+    checks = _Admission(graph, cluster_obj, mem_kw, supports)
+    kept = _admitted_partitions(part, cost, checks, whole_too=evaluate is not None)
     if not kept:
-        why = "; ".join(f"{k}: {examples[k]}" for k in examples) or "no stage list"
+        why = "; ".join(f"{k}: {checks.examples[k]}" for k in checks.examples) or "no stage list"
         raise GraphPlanError(f"plan --family graph: no graph plan of {graph.model} on {cluster_obj.name} "
                              f"survives ({why})")
     variants = 0
     if evaluate is not None:
-        for cand in kept:
-            _simulate(cand, graph, evaluate)
-        kept.sort(key=lambda c: c.time_s)
-        seen = {str(c.plan) + repr(c.plan.stages) for c in kept}
-        for cand in list(kept[:option_top]):
-            for var in option_variants(cand.plan):
-                key = str(var) + repr(var.stages)
-                if key in seen:
-                    continue
-                seen.add(key)
-                vc = admit(var, cand.analytic_s)
-                if vc is not None:
-                    _simulate(vc, graph, evaluate)
-                    kept.append(vc)
-                    variants += 1
+        variants = _simulate_with_options(kept, graph, evaluate, checks, option_top)
     kept.sort(key=lambda c: c.time_s)
-    best = kept[0]
+    extra = _graph_facts(cost, part, kept[0], variants)
+    reasons = checks.reasons
+    return PlanResult(graph.model, cluster_obj.name, gb, len(cluster_obj.devices), kept[:top],
+                      enumerated=len(part.stages), pruned=sum(reasons.values()), pruned_reasons=reasons,
+                      pruned_examples=checks.examples, memory_checked=len(part.stages),
+                      ranked_analytic=len(part.stages), simulated=len(kept) if evaluate is not None else 0,
+                      search_time_s=time.perf_counter() - t0,
+                      ranker="simulator" if evaluate is not None else "analytic", family="graph", extra=extra)
+
+
+def _admitted_partitions(part: GraphPartition, cost: StageCost, checks: _Admission, whole_too: bool) -> list[Candidate]:
+    """The partitioner's stage lists as plans that pass `checks`, in its order; with `whole_too`,
+    each segmented plan is followed by the same stages run whole."""
+    kept: list[Candidate] = []
+    for stages, score in zip(part.stages, part.scores):
+        cand = checks.admit(cost.to_plan(stages), score)
+        if cand is not None:
+            kept.append(cand)
+        if whole_too and cand is not None and any(s.segments for s in cand.plan.stages):
+            # the same stages run whole: per input a segment's inputs are received only once the
+            # segment before it has run (as the executor posts them), which can cost more than it saves
+            # where those transfers are long; the score does not price transfers, the simulator does
+            whole = checks.admit(cost.to_plan(stages, per_input=False), cost.score(stages, per_input=False))
+            if whole is not None:
+                kept.append(whole)
+    return kept
+
+
+def _simulate_with_options(kept: list[Candidate], graph: Any, evaluate: Evaluate, checks: _Admission,
+                           option_top: int) -> int:
+    """Simulate `kept`, then append the best `option_top`'s ZeRO variants (`option_variants`) that
+    pass `checks`, simulated; returns how many variants were added."""
+    for cand in kept:
+        _simulate(cand, graph, evaluate)
+    kept.sort(key=lambda c: c.time_s)
+    seen = {str(c.plan) + repr(c.plan.stages) for c in kept}
+    variants = 0
+    for cand in list(kept[:option_top]):
+        for var in option_variants(cand.plan):
+            key = str(var) + repr(var.stages)
+            if key in seen:
+                continue
+            seen.add(key)
+            vc = checks.admit(var, cand.analytic_s)
+            if vc is not None:
+                _simulate(vc, graph, evaluate)
+                kept.append(vc)
+                variants += 1
+    return variants
+
+
+def _graph_facts(cost: StageCost, part: GraphPartition, best: Candidate, variants: int) -> dict[str, Any]:
+    """`PlanResult.extra` of the graph family: the best plan's depth, the partitioner's notes and
+    the lower bound with the best plan's gap to it."""
     choices = cost.choices_of(best.plan) if best.plan.stages else None
     depth = cost.pipeline_depth(choices) if choices else best.plan.pp
     per_input = any(s.segments for s in best.plan.stages)
     effective = cost.effective_depth(choices, per_input=per_input) if choices else float(best.plan.pp)
     bound = lower_bound(cost)
-    extra = {
+    return {
         "pipeline_depth": depth,
         # stage-equivalents on the longest path: a stage that runs per input counts on the other
         # branch's path by its join segment's share only (`StageCost.effective_depth`)
@@ -168,12 +206,6 @@ def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | 
         "lower_bound_s": bound,
         "optimality_gap": best.time_s / bound["bound"] - 1.0 if bound["bound"] > 0 else None,
     }
-    return PlanResult(graph.model, cluster_obj.name, gb, len(cluster_obj.devices), kept[:top],
-                      enumerated=len(part.stages), pruned=sum(reasons.values()), pruned_reasons=reasons,
-                      pruned_examples=examples, memory_checked=len(part.stages), ranked_analytic=len(part.stages),
-                      simulated=len(kept) if evaluate is not None else 0,
-                      search_time_s=time.perf_counter() - t0,
-                      ranker="simulator" if evaluate is not None else "analytic", family="graph", extra=extra)
 
 
 def _simulate(cand: Candidate, graph: Any, evaluate: Evaluate) -> None:

@@ -354,18 +354,47 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
     n_layers = len(layers)
     if n_layers < plan.pp * plan.virtual_stages:
         return None
+    times = _group_times(layers, plan, names, index, kinds, layer_time, kind_times)
+    mixed_pp, mixed_dp = _mixed_axes(times, plan)
+    even_counts = replica_micro_batch_counts(plan)
+    v = plan.virtual_stages
+    even = plan.layers_per_stage(n_layers)
+    _, even_pred, _, _ = _pipeline_time(times, even_counts, even, v)
+    if not (mixed_pp or mixed_dp):
+        st, _, _, _ = _pipeline_time(times, even_counts, even, v)
+        return HeteroResult(plan=plan, stage_times=st.tolist(), micro_batches=even_counts,
+                            predicted=even_pred, even_predicted=even_pred, caps=list(even))
+    fitted = _fit_memory(times, plan, n_layers, even_counts, capacity, peak_bytes, caps, max_rounds,
+                         mixed_pp, mixed_dp)
+    if fitted is None:
+        return None
+    new, split, caps, rounds = fitted
+    # the split as every room runs it: the stage graph's rounding of the new shares (whole
+    # micro-batches per replica, so it gives `counts` back)
+    counts = replica_micro_batch_counts(new)
+    st, pred, _, _ = _pipeline_time(times, counts, split, v)
+    return HeteroResult(plan=new, stage_times=st.tolist(), micro_batches=counts, predicted=pred,
+                        even_predicted=even_pred, memory_rounds=rounds, caps=caps)
+
+
+def _group_times(layers: list[Layer], plan: Plan, names: list[str], index: np.ndarray, kinds: dict[str, Any],
+                 layer_time: LayerTimeFn, kind_times: Callable[[str, Plan], np.ndarray] | None) -> _KindTimes:
+    """The per-layer times of every tensor group, priced once per GPU kind the plan uses."""
     # times[p, d, i]: layer i on the kind of tensor group (p, d)
     used = {names[i] for i in np.unique(index).tolist()}
     if kind_times is not None:
         per_kind = {k: np.asarray(kind_times(k, plan)) for k in used}
     else:
         per_kind = {k: np.asarray([layer_time(layer, kinds[k], plan) for layer in layers]) for k in used}
-    times = _KindTimes(per_kind, names, index)
+    return _KindTimes(per_kind, names, index)
+
+
+def _mixed_axes(times: _KindTimes, plan: Plan) -> tuple[bool, bool]:
+    """(re-balance the layers along the pipeline, re-balance the batch over the replicas)."""
     # kinds differ along the pipeline (some replica's stages differ) / along the replicas
     mixed_pp = bool((times.index != times.index[0]).any())
     mixed_dp = bool((times.index != times.index[:, :1]).any())
     total_mb = plan.global_batch // plan.micro_batch
-    even_counts = replica_micro_batch_counts(plan)
     v = plan.virtual_stages
     if total_mb // (plan.pp if v > 1 else 1) < plan.dp:
         # fewer whole micro-batches than replicas (a data-parallel degree that does not divide the
@@ -377,12 +406,15 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
         # interleaved model chunks keep Megatron's even split (a stage's time sums chunks
         # from all over the model, so the chain DP does not apply); replicas still re-balance
         mixed_pp = False
+    return mixed_pp, mixed_dp
+
+
+def _fit_memory(times: _KindTimes, plan: Plan, n_layers: int, even_counts: list[int], capacity: np.ndarray,
+                peak_bytes: PeakFn | None, caps: list[int] | None, max_rounds: int | None, mixed_pp: bool,
+                mixed_dp: bool) -> tuple[Plan, list[int], list[int], int] | None:
+    """Split, check memory and tighten the overflowing stages' layer caps until the plan fits:
+    (the balanced plan, its layer split, the caps left, memory rounds), or None if nothing fits."""
     even = plan.layers_per_stage(n_layers)
-    _, even_pred, _, _ = _pipeline_time(times, even_counts, even, v)
-    if not (mixed_pp or mixed_dp):
-        st, _, _, _ = _pipeline_time(times, even_counts, even, v)
-        return HeteroResult(plan=plan, stage_times=st.tolist(), micro_batches=even_counts,
-                            predicted=even_pred, even_predicted=even_pred, caps=list(even))
     caps = [n_layers] * plan.pp if caps is None else list(caps)
     order = rank_order(plan).reshape(plan.pp, -1)
     rounds = 0
@@ -395,20 +427,7 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
                 return None
         else:
             split = even
-        _, _, b, s = _pipeline_time(times, [1] * plan.dp, split, v)
-        # replica d finishes M_d micro-batches in M_d b_d + (s_d - b_d)/v; interleaved 1F1B
-        # needs M_d to be a multiple of pp, so hand out micro-batches in units of u
-        u = plan.pp if v > 1 else 1
-        counts = [u * c for c in split_micro_batches(
-            [u * b_ for b_ in b], [u * b_ + (s_ - b_) / v for b_, s_ in zip(b, s)], total_mb // u)] \
-            if mixed_dp else even_counts
-        # an even outcome stays in Megatron's form (no layer_split / dp_shares)
-        new = dataclasses.replace(
-            plan,
-            layer_split=split if mixed_pp and split != even else plan.layer_split,
-            dp_shares=([c * plan.micro_batch / plan.global_batch for c in counts]
-                       if mixed_dp and counts != even_counts else plan.dp_shares),
-        )
+        new = _shared_plan(times, plan, split, even, even_counts, mixed_pp, mixed_dp)
         if peak_bytes is None:
             break
         peaks = np.asarray(peak_bytes(new))
@@ -424,9 +443,25 @@ def balance(graph: OpGraph, plan: Plan, cluster: Cluster, *, layer_time: LayerTi
             caps[p] = min(split[p] - 1, int(np.floor(split[p] * ratio[p])))
         if min(caps) < 1 or sum(caps) < n_layers:
             return None
-    # the split as every room runs it: the stage graph's rounding of the new shares (whole
-    # micro-batches per replica, so it gives `counts` back)
-    counts = replica_micro_batch_counts(new)
-    st, pred, _, _ = _pipeline_time(times, counts, split, v)
-    return HeteroResult(plan=new, stage_times=st.tolist(), micro_batches=counts, predicted=pred,
-                        even_predicted=even_pred, memory_rounds=rounds, caps=caps)
+    return new, split, caps, rounds
+
+
+def _shared_plan(times: _KindTimes, plan: Plan, split: list[int], even: list[int], even_counts: list[int],
+                 mixed_pp: bool, mixed_dp: bool) -> Plan:
+    """`plan` with the layer split `split` and the micro-batches handed out for it."""
+    v = plan.virtual_stages
+    total_mb = plan.global_batch // plan.micro_batch
+    _, _, b, s = _pipeline_time(times, [1] * plan.dp, split, v)
+    # replica d finishes M_d micro-batches in M_d b_d + (s_d - b_d)/v; interleaved 1F1B
+    # needs M_d to be a multiple of pp, so hand out micro-batches in units of u
+    u = plan.pp if v > 1 else 1
+    counts = [u * c for c in split_micro_batches(
+        [u * b_ for b_ in b], [u * b_ + (s_ - b_) / v for b_, s_ in zip(b, s)], total_mb // u)] \
+        if mixed_dp else even_counts
+    # an even outcome stays in Megatron's form (no layer_split / dp_shares)
+    return dataclasses.replace(
+        plan,
+        layer_split=split if mixed_pp and split != even else plan.layer_split,
+        dp_shares=([c * plan.micro_batch / plan.global_batch for c in counts]
+                   if mixed_dp and counts != even_counts else plan.dp_shares),
+    )

@@ -579,24 +579,9 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
     `jobs`: worker processes for the memory check and the finalists' simulations
     (`plait.workers`; the same result as 1); None: this machine's CPUs on clusters of at least
     PARALLEL_MIN_DEVICES GPUs, else 1."""
-    from plait.cluster import load_cluster
-
     t_start = time.perf_counter()
-    if top < 1:
-        raise SearchError(f"plan: top must be >= 1, got {top}")
-    if finalists is not None and finalists < 1:
-        raise SearchError(f"plan: finalists must be >= 1 or None, got {finalists}")
-    model = DEFAULT_MODEL if model is None else model
-    cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
-    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
-    if gb < 1:
-        raise SearchError(f"plan: global batch must be >= 1, got {gb}")
-    if dtype is not None:
-        if dtype not in PLAN_DTYPES:
-            raise SearchError(f"plan: dtype must be one of {list(PLAN_DTYPES)}, got {dtype!r}")
-        space = dataclasses.replace(space or SearchSpace(), dtype=dtype)
-    dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
-    spec, graph = load_graph(model, dtype)
+    cluster_obj, gb, space, dtype = _search_inputs(cluster, global_batch, top, finalists, space, dtype)
+    spec, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype)
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
 
     compute = (compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled
@@ -610,22 +595,12 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                           f"data-parallel replica a sample of global batch {gb} for model {graph.model}")
     mem = _MemoryFilter(graph, cluster_obj, dict(memory_kwargs or {}))
     jobs = _search_jobs(jobs, cluster_obj)
-    kept = _fitting_candidates(groups, mem, analytic, space.hetero if space is not None else True,
-                               bar, total, jobs)
-    if supports is not None:  # what the runtime would refuse is never offered
-        kept = _runnable(kept, supports, mem)
-    if not kept:
-        worst = ", ".join(f"{n} x {r}" for r, n in mem.reasons.most_common(3))
-        raise SearchError(f"plan: none of the {total} configurations of {graph.model} fits in memory on "
-                          f"{cluster_obj.name} ({worst}); try more GPUs or a smaller global batch")
+    kept = _surviving_candidates(groups, total, graph, cluster_obj, mem, analytic,
+                                 space.hetero if space is not None else True, supports, bar, jobs)
 
     # ---- analytic first pass, then place and simulate the finalists
-    placer = _Placer(analytic, cluster_obj, seed, placement_iterations, fast, jobs) if placement else None
-    try:
-        _rank_analytic(kept, analytic, finalists if fast else None, bar, placer)
-    finally:
-        if placer is not None:
-            placer.close()
+    _first_pass(kept, analytic, cluster_obj, finalists if fast else None, bar,
+                placement, seed, placement_iterations, fast, jobs)
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
     ahead = _place_and_rank(chosen, graph, analytic, mem, evaluate, gb, bar, jobs, groups)
@@ -640,6 +615,56 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                       ranked_analytic=len(kept), simulated=len(chosen) if evaluate is not None else 0,
                       search_time_s=time.perf_counter() - t_start,
                       ranker="simulator" if evaluate is not None else "analytic")
+
+
+def _search_inputs(cluster: Any, global_batch: int | None, top: int, finalists: int | None,
+                   space: SearchSpace | None, dtype: str | None) -> tuple[Cluster, int, SearchSpace | None, str]:
+    """`search_3d`'s arguments checked and resolved: (the cluster, the global batch, the space with
+    `dtype` set in it, the plans' dtype)."""
+    from plait.cluster import load_cluster
+
+    if top < 1:
+        raise SearchError(f"plan: top must be >= 1, got {top}")
+    if finalists is not None and finalists < 1:
+        raise SearchError(f"plan: finalists must be >= 1 or None, got {finalists}")
+    cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
+    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
+    if gb < 1:
+        raise SearchError(f"plan: global batch must be >= 1, got {gb}")
+    if dtype is not None:
+        if dtype not in PLAN_DTYPES:
+            raise SearchError(f"plan: dtype must be one of {list(PLAN_DTYPES)}, got {dtype!r}")
+        space = dataclasses.replace(space or SearchSpace(), dtype=dtype)
+    dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
+    return cluster_obj, gb, space, dtype
+
+
+def _surviving_candidates(groups: list[_Group], total: int, graph: OpGraph, cluster: Cluster,
+                          mem: _MemoryFilter, analytic: AnalyticModel, space_hetero: bool,
+                          supports: Callable[[Plan], tuple[bool, str]] | None, bar: Progress,
+                          jobs: int) -> list[Candidate]:
+    """The enumerated plans that fit in memory and, given `supports`, that the runtime runs;
+    raises a SearchError naming the commonest reasons when none is left."""
+    kept = _fitting_candidates(groups, mem, analytic, space_hetero, bar, total, jobs)
+    if supports is not None:  # what the runtime would refuse is never offered
+        kept = _runnable(kept, supports, mem)
+    if not kept:
+        worst = ", ".join(f"{n} x {r}" for r, n in mem.reasons.most_common(3))
+        raise SearchError(f"plan: none of the {total} configurations of {graph.model} fits in memory on "
+                          f"{cluster.name} ({worst}); try more GPUs or a smaller global batch")
+    return kept
+
+
+def _first_pass(kept: list[Candidate], analytic: AnalyticModel, cluster: Cluster, finalists: int | None,
+                bar: Progress, placement: bool, seed: int, iterations: int | None, fast: bool, jobs: int) -> None:
+    """`_rank_analytic` with, given `placement`, each candidate timed at its placed order (`_Placer`,
+    its pending annealing dropped however the ranking ends)."""
+    placer = _Placer(analytic, cluster, seed, iterations, fast, jobs) if placement else None
+    try:
+        _rank_analytic(kept, analytic, finalists, bar, placer)
+    finally:
+        if placer is not None:
+            placer.close()
 
 
 def _rank_analytic(kept: list[Candidate], analytic: AnalyticModel, finalists: int | None, bar: Progress,

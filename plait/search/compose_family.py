@@ -60,6 +60,8 @@ from plait.planners.types import (
 from plait.workers import map_parallel
 
 _CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
+# (estimate, index, groups, micro-batch, split): a composed option, ranked by `pipeline_estimate`
+_Option = tuple[float, int, list[list[int]], int, Any]
 
 
 @dataclass
@@ -315,10 +317,8 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
     if n > max_devices:  # said before the imports below (a third of a second) are paid
         raise SearchError(f"compose: {n} devices; the composed family synthesizes stage programs on clusters of "
                           f"up to {max_devices} GPUs (max_devices)")
-    from plait.graph.aten_capture import capture_aten
     from plait.graph.zoo import load_model
     from plait.net.view import ClusterView
-    from plait.planners.hetero import split_layers
     from plait.planners.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
 
     if not isinstance(model, str | None):
@@ -335,15 +335,35 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
 
     # the layer split's pre-screen prices with the cluster's profile where it has the entry
     compute = (compute or DEFAULT_COMPUTE).with_profile(cluster, opgraph, dtype)
-    import torch
-
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype, torch.float32)
-    captures: dict[int, Any] = {}
-    found: list[ComposedCandidate] = []
-    reasons: dict[str, int] = {}
-    enumerated = 0
     view = simulator.view if simulator is not None else ClusterView.from_cluster(cluster)
-    options: list[tuple[float, int, list[list[int]], int, Any]] = []  # (estimate, index, groups, micro-batch, split): ranked by `pipeline_estimate`
+    reasons: dict[str, int] = {}
+    options, enumerated = _estimated_options(opgraph, groupings, cluster, gb, dtype, compute, view, reasons)
+    chosen = options[:candidates]
+    if len(options) > len(chosen):
+        reasons[f"not among the {candidates} best by the pipeline estimate"] = len(options) - len(chosen)
+    captures = _captures(spec, chosen, dtype, runnable)
+    found = _synthesized(spec, opgraph, captures, cluster, chosen, gb, dtype, max_states, jobs, reasons)
+    if not found:
+        raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
+    found = [v for c in found for v in schedule_variants(c, cluster, reasons)]
+    cands = map_parallel(lambda c: _candidate(c, cluster, simulator, supports, opgraph), found, jobs)
+    cands.sort(key=lambda c: c.time_s)
+    return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=cands[:top],
+                      enumerated=enumerated, pruned=sum(reasons.values()), pruned_reasons=reasons,
+                      memory_checked=len(found), ranked_analytic=len(found),
+                      simulated=len(found) if simulator is not None else 0, search_time_s=time.perf_counter() - t0,
+                      ranker="simulator" if simulator is not None else "analytic", family="compose",
+                      extra={"groupings": len(groupings)})
+
+
+def _estimated_options(opgraph: Any, groupings: list[list[list[int]]], cluster: Cluster, gb: int, dtype: str,
+                       compute: Any, view: Any, reasons: dict[str, int]) -> tuple[list[_Option], int]:
+    """Every (grouping, micro-batch) with a layer split, least `pipeline_estimate` first, and how
+    many were enumerated (those with fewer layers than stages are tallied in `reasons`)."""
+    from plait.planners.hetero import split_layers
+
+    enumerated = 0
+    options: list[_Option] = []
     costs: dict = {}
     for groups in groupings:
         for b in micro_batches_to_try(gb, len(groups)):
@@ -356,9 +376,18 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
             est = pipeline_estimate(opgraph, groups, np.maximum(times, host), split, b, gb, view, dtype)
             options.append((est, len(options), groups, b, split))
     options.sort(key=lambda o: o[:2])
-    chosen = options[:candidates]
-    if len(options) > len(chosen):
-        reasons[f"not among the {candidates} best by the pipeline estimate"] = len(options) - len(chosen)
+    return options, enumerated
+
+
+def _captures(spec: Any, chosen: list[_Option], dtype: str, runnable: bool) -> dict[int, Any]:
+    """The model's AtenGraph at each chosen micro-batch (memoized in `_CAPTURES`); with `runnable`,
+    raises a SearchError when the runtime's dtype would change the graph."""
+    import torch
+
+    from plait.graph.aten_capture import capture_aten
+
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype, torch.float32)
+    captures: dict[int, Any] = {}
     for *_, b, _split in chosen:  # torch.export runs here, before any worker is forked
         key = (spec.spec, b, dtype)
         if key not in _CAPTURES:  # in the compute dtype: messages and gradients in the plan's dtype
@@ -371,9 +400,17 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
         b = min(captures)
         if why := dtype_changes_graph(spec, b, dtype, captures[b]):
             raise SearchError(f"compose: {why}")
+    return captures
+
+
+def _synthesized(spec: Any, opgraph: Any, captures: dict[int, Any], cluster: Cluster, chosen: list[_Option],
+                 gb: int, dtype: str, max_states: int, jobs: int | None,
+                 reasons: dict[str, int]) -> list[ComposedCandidate]:
+    """The chosen options' composed plans, in option order; an option with a stage that does not
+    fit is tallied in `reasons`."""
     cache: dict = {}  # stage programs by (devices, layers, micro-batch): a memo, per process
 
-    def synthesize(option: tuple) -> ComposedCandidate | str:
+    def synthesize(option: _Option) -> ComposedCandidate | str:
         _, _, groups, b, split = option
         try:
             return synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype, max_states,
@@ -383,23 +420,14 @@ def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, to
 
     # each option's stage programs, and then each variant's simulation, on `jobs` worker processes
     # (`plait.workers`: the same results, in the same order, as one process gives)
+    found: list[ComposedCandidate] = []
     for out in map_parallel(synthesize, chosen, jobs):
         if isinstance(out, str):
             reason = "a stage does not fit" if "does not fit" in out else out.split(":")[0]
             reasons[reason] = reasons.get(reason, 0) + 1
         else:
             found.append(out)
-    if not found:
-        raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
-    found = [v for c in found for v in schedule_variants(c, cluster, reasons)]
-    cands = map_parallel(lambda c: _candidate(c, cluster, simulator, supports, opgraph), found, jobs)
-    cands.sort(key=lambda c: c.time_s)
-    return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=cands[:top],
-                      enumerated=enumerated, pruned=sum(reasons.values()), pruned_reasons=reasons,
-                      memory_checked=len(found), ranked_analytic=len(found),
-                      simulated=len(found) if simulator is not None else 0, search_time_s=time.perf_counter() - t0,
-                      ranker="simulator" if simulator is not None else "analytic", family="compose",
-                      extra={"groupings": len(groupings)})
+    return found
 
 
 def schedule_variants(c: ComposedCandidate, cluster: Cluster, reasons: dict[str, int]) -> list[ComposedCandidate]:

@@ -108,16 +108,7 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     G = segs.count
     ops = problem.graph.ops
     split = [k for k, op in enumerate(ops) if program.strategies[op.name].splits_work]
-    constant = sum(float(np.max(problem.work[k])) for k, op in enumerate(ops)
-                   if not program.strategies[op.name].splits_work)
-    slope = np.zeros(G)
-    for _, comm in program.comms:
-        a, b = comm_affine(comm, devices)
-        w = problem.weight(comm)
-        constant += a * w
-        g = _comm_segment(comm, segs)
-        if g is not None:
-            slope[g] += b * w
+    constant, slope = _fixed_terms(problem, program, segs)
     if start is not None and not split and not slope.any():
         rows = np.tile(np.asarray(start, dtype=float), (G, 1))
         rows[sorted(segs.even)] = 1.0 / n  # storage segments stay even
@@ -125,6 +116,57 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
         if memory is None or np.all(mem <= devices.memory):
             return RatioSolution(np.asarray(start, dtype=float), constant, mem, rows, segs)
     seg_of, work, scale = _op_directions(problem, split, segs)
+    lp = _ratio_lp(problem, memory, segs, seg_of, work, scale, slope, min_ratio)
+    result = linprog(lp.c, A_ub=lp.a_ub, b_ub=lp.b_ub, A_eq=lp.a_eq, b_eq=lp.b_eq, bounds=lp.bounds,
+                     method="highs")
+    if result.status != 0:
+        return None
+    by_segment = np.clip(result.x[:G * n].reshape(G, n), 0.0, None)
+    by_segment /= by_segment.sum(axis=1, keepdims=True)
+    weight = np.zeros(G)
+    for k in split:
+        weight[segs.of_op.get(ops[k].name, 0)] += float(np.max(problem.work[k]))
+    mean = (weight @ by_segment) / weight.sum() if weight.sum() > 0 else by_segment.mean(axis=0)
+    mem = (memory.on(by_segment) if G > 1 else memory.on(by_segment[0])) if memory is not None else np.zeros(n)
+    return RatioSolution(mean, float(result.fun) + constant, mem, by_segment, segs)
+
+
+def _fixed_terms(problem: Problem, program: Program, segs: Segments) -> tuple[float, np.ndarray]:
+    """(the time that does not depend on the ratios: unsharded ops and the collectives' latency
+    terms, each segment's padded-collective slope ``sum_c b_c``)."""
+    ops = problem.graph.ops
+    constant = sum(float(np.max(problem.work[k])) for k, op in enumerate(ops)
+                   if not program.strategies[op.name].splits_work)
+    slope = np.zeros(segs.count)
+    for _, comm in program.comms:
+        a, b = comm_affine(comm, problem.devices)
+        w = problem.weight(comm)
+        constant += a * w
+        g = _comm_segment(comm, segs)
+        if g is not None:
+            slope[g] += b * w
+    return constant, slope
+
+
+@dataclass
+class _RatioLP:
+    """`solve_ratios`' LP in `scipy.optimize.linprog`'s form."""
+
+    c: np.ndarray
+    a_ub: sparse.csr_matrix
+    b_ub: np.ndarray
+    a_eq: sparse.csr_matrix  # each segment's ratios sum to 1
+    b_eq: np.ndarray
+    bounds: list[tuple[float, float | None]]
+
+
+def _ratio_lp(problem: Problem, memory: MemoryModel | None, segs: Segments, seg_of: np.ndarray, work: np.ndarray,
+              scale: np.ndarray, slope: np.ndarray, min_ratio: float) -> _RatioLP:
+    """`solve_ratios`' LP over ``[r_gi (g-major), t_j, m_g]`` (`_op_directions`' merged rows
+    `seg_of`, `work`, `scale`; each segment's padded-collective `slope`)."""
+    devices = problem.devices
+    n = devices.n
+    G = segs.count
     n_t = len(seg_of)
     n_r = G * n
     n_var = n_r + n_t + G
@@ -157,21 +199,10 @@ def solve_ratios(problem: Problem, program: Program, memory: MemoryModel | None 
     A_ub = sparse.coo_matrix((np.concatenate(vals), (np.concatenate(ri), np.concatenate(ci))),
                              shape=(len(b_ub), n_var)).tocsr()
     eq = sparse.coo_matrix((np.ones(G * n), (np.repeat(np.arange(G), n), np.arange(G * n))), shape=(G, n_var))
-    bounds = [(min_ratio, 1.0)] * n_r + [(0.0, None)] * (n_t + G)
+    bounds: list[tuple[float, float | None]] = [(min_ratio, 1.0)] * n_r + [(0.0, None)] * (n_t + G)
     for g in segs.even:  # storage segments: even shards
         bounds[g * n:(g + 1) * n] = [(1.0 / n, 1.0 / n)] * n
-    result = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=eq.tocsr(), b_eq=np.ones(G), bounds=bounds,
-                     method="highs")
-    if result.status != 0:
-        return None
-    by_segment = np.clip(result.x[:n_r].reshape(G, n), 0.0, None)
-    by_segment /= by_segment.sum(axis=1, keepdims=True)
-    weight = np.zeros(G)
-    for k in split:
-        weight[segs.of_op.get(ops[k].name, 0)] += float(np.max(problem.work[k]))
-    mean = (weight @ by_segment) / weight.sum() if weight.sum() > 0 else by_segment.mean(axis=0)
-    mem = (memory.on(by_segment) if G > 1 else memory.on(by_segment[0])) if memory is not None else np.zeros(n)
-    return RatioSolution(mean, float(result.fun) + constant, mem, by_segment, segs)
+    return _RatioLP(c, A_ub, b_ub, eq.tocsr(), np.ones(G), bounds)
 
 
 def _op_directions(problem: Problem, split: list[int], segs: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
