@@ -141,10 +141,7 @@ def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
             if uneven and not space.uneven_dp:
                 continue
             shares = [1.0 / dp] * dp if uneven else None
-            mbs = ([m for m in _divisors(global_batch) if m <= -(-global_batch // dp)] if uneven
-                   else _divisors(global_batch // dp))
-            if space.micro_batch is not None:
-                mbs = [m for m in mbs if m in space.micro_batch]
+            mbs = _micro_batch_sizes(global_batch, dp, uneven, space)
             if not mbs:
                 continue
             schedules = ["1f1b"] if pp == 1 else [s for s in space.schedules if not (uneven and s == "interleaved")]
@@ -172,16 +169,34 @@ def enumerate_groups(graph: OpGraph, cluster: Cluster, global_batch: int,
                                 plans = [q for q in plans if space.allow(q)]
                             if not plans:
                                 continue
-                            if not (space.layouts and space.hetero):
-                                lays = {"default": list(range(world))}
-                            else:  # depends on the shape only
-                                lays = layout_cache.get((dp, tp, pp))
-                                if lays is None:
-                                    lays = hetero.layouts(cluster, plans[0], devices)
-                                    layout_cache[(dp, tp, pp)] = lays
+                            lays = _layouts(cluster, plans[0], space, layout_cache)
                             for name, order in lays.items():
                                 key = (dp, tp, pp, schedule, sp, zero, recompute, name)
                                 yield _Group(key, plans, name, order)
+
+
+def _micro_batch_sizes(global_batch: int, dp: int, uneven: bool, space: SearchSpace) -> list[int]:
+    """The micro-batch sizes of `dp` replicas: divisors of each replica's samples (of the global
+    batch, at most a replica's ceiling, when `dp` does not divide it), as `space` allows."""
+    mbs = ([m for m in _divisors(global_batch) if m <= -(-global_batch // dp)] if uneven
+           else _divisors(global_batch // dp))
+    if space.micro_batch is not None:
+        mbs = [m for m in mbs if m in space.micro_batch]
+    return mbs
+
+
+def _layouts(cluster: Cluster, plan: Plan, space: SearchSpace,
+             cache: dict[tuple[int, int, int], dict[str, list[int]]]) -> dict[str, list[int]]:
+    """The GPU orders to try for `plan`'s shape: the cluster's own order, or on a mixed cluster the
+    kind layouts of `plait.planners.hetero.layouts` (they depend on the shape only: cached)."""
+    if not (space.layouts and space.hetero):
+        return {"default": list(range(cluster.num_devices))}
+    shape = (plan.dp, plan.tp, plan.pp)
+    lays = cache.get(shape)
+    if lays is None:
+        lays = hetero.layouts(cluster, plan, cluster.devices)
+        cache[shape] = lays
+    return lays
 
 
 # ============================================================================ cheap ranker
