@@ -47,6 +47,7 @@ import numpy as np
 
 from plait.cluster.spec import Cluster
 from plait.cost.memory import composed_in_flight, composed_peak_memory
+from plait.cost.program import ProgramStage
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
 from plait.planners.types import (
@@ -69,7 +70,7 @@ class ComposedCandidate:
     """One synthesized composed plan, before simulation."""
 
     plan: Plan
-    stages: list[Any]  # plait.cost.program.ProgramStage
+    stages: list[ProgramStage]
     bytes_per_sample: dict[tuple[int, int], float]
     tied: list[tuple[int, int, float]]
     memory: list[int]  # peak bytes per cluster device under the plan's schedule
