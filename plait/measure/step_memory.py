@@ -3,6 +3,8 @@ against (tests/test_memory.py, bench/memory_error.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,21 +44,44 @@ def measure_step_peak(
     the module and optimizer are registered with ``track_external``; each micro-batch is
     copied in when its turn comes, as a data loader would hand it over.
     """
-    import functools
-
-    import torch
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    opt = _make_optimizer(module, optimizer)
+    # Slice outside the tracker: a view made under MemTracker would make it count the
+    # whole batch's storage. Inside, each micro-batch is copied in when its turn comes,
+    # as a data loader hands it over, so only the micro-batch in use is resident.
+    pieces = _micro_batches(inputs, target, micro_batches)
+    with _recomputed(checkpoint or []):
+        module.train()
+        for _ in range(warmup_steps):
+            _train_step(module, loss_fn, opt, pieces)
+        tracker = MemTracker()
+        tracker.track_external(module, opt)
+        with tracker:
+            _train_step(module, loss_fn, opt, pieces, tracker)
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    cats = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+    return MeasuredPeak(peak_bytes=int(snap["Total"]), by_category=cats)
+
+
+def _make_optimizer(module: Any, optimizer: str) -> Any:
+    """The step's optimizer (one of `OPTIMIZERS`) over `module`'s parameters."""
+    import torch
 
     base = optimizer.split("-")[0]
     if base in ("adam", "adamw"):
         cls = torch.optim.AdamW if base == "adamw" else torch.optim.Adam
         kwargs = {"foreach": True} if optimizer.endswith("foreach") else {}
-        opt = cls(module.parameters(), lr=1e-4, **kwargs)
-    elif base == "sgd":
-        opt = torch.optim.SGD(module.parameters(), lr=1e-4, momentum=0.9 if "momentum" in optimizer else 0.0)
-    else:
-        raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+        return cls(module.parameters(), lr=1e-4, **kwargs)
+    if base == "sgd":
+        return torch.optim.SGD(module.parameters(), lr=1e-4, momentum=0.9 if "momentum" in optimizer else 0.0)
+    raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
+
+
+def _micro_batches(inputs: tuple, target: Any, micro_batches: int) -> list[tuple[tuple, Any]]:
+    """(inputs, target) of each of `micro_batches` equal slices of the batch (views)."""
+    import torch
+
     batch = int(target.shape[0])
     if micro_batches < 1 or batch % micro_batches:
         raise MemoryEstimateError(f"micro_batches: {micro_batches} does not divide the batch of {batch}")
@@ -67,46 +92,50 @@ def measure_step_peak(
             return x[i * mb:(i + 1) * mb]
         return x
 
-    # Slice outside the tracker: a view made under MemTracker would make it count the
-    # whole batch's storage. Inside, each micro-batch is copied in when its turn comes,
-    # as a data loader hands it over, so only the micro-batch in use is resident.
-    pieces = [(tuple(piece(x, i) for x in inputs), piece(target, i)) for i in range(micro_batches)]
+    return [(tuple(piece(x, i) for x in inputs), piece(target, i)) for i in range(micro_batches)]
 
-    def load(x: Any) -> Any:
-        return x.clone() if isinstance(x, torch.Tensor) else x
 
-    def step(tracker: Any = None) -> None:
-        # The usual loop: `out` and `loss` stay referenced until reassigned, so the outputs
-        # of the last micro-batch are alive through the optimizer step.
-        for i in range(micro_batches):
-            if tracker is not None and i:
-                tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
-            x = tuple(load(t) for t in pieces[i][0])
-            y = load(pieces[i][1])
-            out = module(*x)
-            loss = loss_fn(out, y) / micro_batches
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def _load(x: Any) -> Any:
+    """A micro-batch tensor copied in, as a data loader hands it over."""
+    import torch
+
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _train_step(module: Any, loss_fn: Any, opt: Any, pieces: list[tuple[tuple, Any]], tracker: Any = None) -> None:
+    """One training step: forward/loss/backward of each micro-batch, the optimizer step, zero_grad."""
+    micro_batches = len(pieces)
+    # The usual loop: `out` and `loss` stay referenced until reassigned, so the outputs
+    # of the last micro-batch are alive through the optimizer step.
+    for i in range(micro_batches):
+        if tracker is not None and i:
+            tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
+        x = tuple(_load(t) for t in pieces[i][0])
+        y = _load(pieces[i][1])
+        out = module(*x)
+        loss = loss_fn(out, y) / micro_batches
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@contextmanager
+def _recomputed(subs: list[Any]) -> Iterator[None]:
+    """Inside the block, each of `subs` runs its forward under non-reentrant checkpoint (full
+    recompute); their own forwards are restored after."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     saved_forwards = []
-    for sub in checkpoint or []:
+    for sub in subs:
         saved_forwards.append((sub, sub.__dict__.get("forward")))
         sub.forward = functools.partial(torch_checkpoint, sub.forward, use_reentrant=False)
     try:
-        module.train()
-        for _ in range(warmup_steps):
-            step()
-        tracker = MemTracker()
-        tracker.track_external(module, opt)
-        with tracker:
-            step(tracker)
+        yield
     finally:
         for sub, fwd in saved_forwards:
             if fwd is None:
                 del sub.forward
             else:
                 sub.forward = fwd
-    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    cats = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
-    return MeasuredPeak(peak_bytes=int(snap["Total"]), by_category=cats)

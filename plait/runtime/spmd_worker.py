@@ -29,7 +29,8 @@ import resource
 import socket
 import statistics
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ import torch
 from plait.graph.aten_capture import capture_on_meta
 from plait.graph.aten_stage import batch_loss_output
 from plait.graph.sharding import strategies as op_strategies
+from plait.ir.aten_graph import AtenGraph
 from plait.runtime.amp import autocast_for, reduce_dtype
 from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
 from plait.runtime.data_parallel import make_optimizer
@@ -48,7 +50,13 @@ from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.sharded_state import aliases_of
-from plait.runtime.spmd_program import RankProgram, Spans, compile_program, whole_parameters
+from plait.runtime.spmd_program import (
+    CompiledProgram,
+    RankProgram,
+    Spans,
+    compile_program,
+    whole_parameters,
+)
 from plait.runtime.spmd_state import (
     ProgramCheckpoints,
     SpmdStep,
@@ -137,11 +145,59 @@ def program_timings(model: torch.nn.Module, spec: Any, graph: Any, batch: int, s
                                                     optimizer, repeats=PROGRAM_REPEATS)}
 
 
+@dataclass
+class _RankState:
+    """What one rank's steps run with, built before them (`SpmdWorker._build`)."""
+
+    spec: Any  # the model spec (its `loss`)
+    batch: int  # the plan's global batch: every rank runs all of it
+    graph: AtenGraph
+    runner: RankProgram
+    spans: Spans
+    fetch: Callable[[int], Any]  # step -> (inputs, target) of the whole global batch
+    batch_loss: str | None  # an output left in batch shards (each rank's loss on its rows), else None
+    keep: frozenset[str]
+    leaves: list[torch.nn.Parameter]
+    aliases: dict[str, str]
+    buffers: dict[str, torch.Tensor]
+    timed: Callable[[], dict[str, float]] | None  # the calibration's timings of the whole program, or None
+
+
 class SpmdWorker(ProgramCheckpoints, RankConfig):
     """One rank of a whole-model SPMD program (module docstring)."""
 
     def run(self) -> None:
-        cfg, plan = self.cfg, self.plan
+        cfg = self.cfg
+        group = self._init_comm()
+        state = self._build(group)
+        stepper = self._make_stepper(state, group)
+        start = self._maybe_resume()
+        ck = cfg.get("checkpoint") or {}
+        every = int(ck.get("every") or 0)
+        schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
+            if cfg.get("lr_schedule") else None
+        calibration = self._calibrate(group, state.timed) if state.timed is not None else None
+
+        steps = int(cfg["steps"])
+        self.comm.barrier("startup barrier")
+        self.rec.set_origin()
+        origin = common_origin(self.rec, self.comm)
+        losses: list[torch.Tensor] = []
+        bounds: list[tuple[int, float, float]] = []
+        for step in range(start, steps):
+            loss, t0, t1 = self._train_step(state, stepper, group, step, steps, schedule)
+            bounds.append((step, t0, t1))
+            losses.append(loss.detach().clone())
+            if every and (step + 1) % every == 0:
+                self._save_checkpoint(step + 1, Path(ck["dir"]))
+
+        if state.timed is not None and calibration is not None:  # the same timings after the steps
+            calibration["program_s_after"] = self._time_whole(state.timed)
+        self._finish(state, group, losses, bounds, start, steps, origin, calibration)
+
+    def _init_comm(self) -> Any:
+        """The rank's recorder and communication facade; returns the world group."""
+        cfg = self.cfg
         self.rec = Recorder(self.info["device"], 0, self.rank, cuda=False,
                             slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb)
         self.hb.progress("init")
@@ -149,8 +205,11 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
             if cfg.get("comm_records", True) else None
         faults = parse_link_faults(os.environ.get(FAULTS_ENV) or cfg.get("comm_faults"))
         self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults)
-        group = self.comm.init_process_group(cfg["backend"], timeout_s=float(cfg["collective_timeout"]))
+        return self.comm.init_process_group(cfg["backend"], timeout_s=float(cfg["collective_timeout"]))
 
+    def _build(self, group: Any) -> _RankState:
+        """The seeded model captured and compiled into the plan's program; this rank's shards of it loaded."""
+        cfg, plan = self.cfg, self.plan
         self.hb.progress("build")
         spec = load_model_spec(cfg["model"])
         seed = int(cfg["seed"])
@@ -159,11 +218,7 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
         data_seed = int(cfg["data_seed"])
         fetch = self._data(spec, batch, data_seed)
         graph = capture_on_meta(spec, batch)  # as the planner captured it (the meta device)
-        names = [f"gpu {r['device']} ({r.get('kind') or 'cpu'}, rank {r['rank']})" for r in cfg["ranks"]]
-        spmd = plan.spmd
-        assert spmd is not None  # entry: only a plan with a program reaches this worker
-        program = compile_program(graph, spmd.strategies, spmd.ratio_array(), self.world, devices=names,
-                                  collective=spmd.collectives, homes=spmd.homes)
+        program = self._compile(graph)
         spans = Spans(self.rec)
         runner = RankProgram(program, self.rank, group, spans, seed=seed)
         runner.grad_dtype = reduce_dtype(plan, cfg["dtype"])  # parameter gradients reduced in the plan's dtype
@@ -180,78 +235,84 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
                               cfg["optimizer"]),
             **own_program_seconds(program, self.rank, copy.deepcopy(timing), fetch(0)[0], keep)})
                  ) if timing is not None else None
-        opt = make_optimizer(leaves, cfg["optimizer"])
-        stepper = SpmdStep(leaves, opt)
+        return _RankState(spec, batch, graph, runner, spans, fetch, batch_loss, keep, leaves, aliases, buffers, timed)
+
+    def _compile(self, graph: AtenGraph) -> CompiledProgram:
+        """The plan's program checked against `graph`, its ratios rounded to shard sizes."""
+        names = [f"gpu {r['device']} ({r.get('kind') or 'cpu'}, rank {r['rank']})" for r in self.cfg["ranks"]]
+        spmd = self.plan.spmd
+        assert spmd is not None  # entry: only a plan with a program reaches this worker
+        return compile_program(graph, spmd.strategies, spmd.ratio_array(), self.world, devices=names,
+                               collective=spmd.collectives, homes=spmd.homes)
+
+    def _make_stepper(self, state: _RankState, group: Any) -> SpmdStep:
+        """The optimizer step over this rank's shards (clipped and loss-scaled when the run asks), and
+        the checkpoint layout that saves and resumes them."""
+        cfg = self.cfg
+        opt = make_optimizer(state.leaves, cfg["optimizer"])
+        stepper = SpmdStep(state.leaves, opt)
         if cfg.get("clip_grad"):
-            stepper.clip = make_clipper(runner, self.world, float(cfg["clip_grad"]), group)
+            stepper.clip = make_clipper(state.runner, self.world, float(cfg["clip_grad"]), group)
         stepper.scaler = self.loss_scaling(group)
-        self.layout = checkpoint_layout(runner, stepper, aliases, buffers, self.rank)
-        start = self._maybe_resume()
-        ck = cfg.get("checkpoint") or {}
-        every = int(ck.get("every") or 0)
-        schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
-            if cfg.get("lr_schedule") else None
-        calibration = self._calibrate(group, timed) if timed is not None else None
+        self.layout = checkpoint_layout(state.runner, stepper, state.aliases, state.buffers, self.rank)
+        return stepper
 
-        steps = int(cfg["steps"])
-        self.comm.barrier("startup barrier")
-        self.rec.set_origin()
-        origin = common_origin(self.rec, self.comm)
-        losses: list[torch.Tensor] = []
-        bounds: list[tuple[int, float, float]] = []
-        for step in range(start, steps):
-            self.hb.progress("train", step)
-            inputs, target = fetch(step)
-            self.rec.step = step
-            if cfg.get("step_barrier", True):
-                self.comm.barrier("step barrier")
-            t0 = self.rec.begin_step(step)
-            runner.step = step
-            spans.begin("forward")
-            with autocast_for(cfg["dtype"]):  # fp32 master leaves, ops in the plan's precision
-                outs = runner.forward(inputs, keep)
-                if batch_loss:  # this rank's rows, weighted by their share of the batch; never gathered
-                    first, rows = runner.rows(batch_loss, 0)
-                    loss = spec.loss(outs[0], target.narrow(0, first, rows)) * (rows / batch)
-                else:
-                    loss = spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target)
-            spans.begin("backward")
-            if stepper.scaler is not None:
-                self.scales.append(stepper.scaler.scale)
-                (loss * stepper.scaler.scale).backward()
+    def _train_step(self, state: _RankState, stepper: SpmdStep, group: Any, step: int, steps: int,
+                    schedule: LRSchedule | None) -> tuple[torch.Tensor, float, float]:
+        """One step over the whole global batch (forward, loss, backward, optimizer): its loss and bounds."""
+        cfg, runner, spans = self.cfg, state.runner, state.spans
+        self.hb.progress("train", step)
+        inputs, target = state.fetch(step)
+        self.rec.step = step
+        if cfg.get("step_barrier", True):
+            self.comm.barrier("step barrier")
+        t0 = self.rec.begin_step(step)
+        runner.step = step
+        spans.begin("forward")
+        with autocast_for(cfg["dtype"]):  # fp32 master leaves, ops in the plan's precision
+            outs = runner.forward(inputs, state.keep)
+            if state.batch_loss:  # this rank's rows, weighted by their share of the batch; never gathered
+                first, rows = runner.rows(state.batch_loss, 0)
+                loss = state.spec.loss(outs[0], target.narrow(0, first, rows)) * (rows / state.batch)
             else:
-                loss.backward()
-            spans.end()
-            if batch_loss and self.world > 1:  # the step's loss: the shards' losses summed
-                loss = loss.detach().clone()
-                group.all_reduce(loss, "allreduce loss", "comm_spmd")
-            with self.rec.compute("optimizer", "optimizer"):
-                if schedule is not None:
-                    for g in opt.param_groups:
-                        g["lr"] = schedule.at(step, steps)
-                stepper.step()  # unscaled and clipped first when the run asks (`plait.runtime.spmd_state`)
-            if stepper.scaler is not None:
-                stepper.scaler.update(step)
-            t1 = self.rec.end_step()
-            bounds.append((step, t0, t1))
-            losses.append(loss.detach().clone())
-            if every and (step + 1) % every == 0:
-                self._save_checkpoint(step + 1, Path(ck["dir"]))
+                loss = state.spec.loss(outs[0] if len(outs) == 1 else tuple(outs), target)
+        spans.begin("backward")
+        if stepper.scaler is not None:
+            self.scales.append(stepper.scaler.scale)
+            (loss * stepper.scaler.scale).backward()
+        else:
+            loss.backward()
+        spans.end()
+        if state.batch_loss and self.world > 1:  # the step's loss: the shards' losses summed
+            loss = loss.detach().clone()
+            group.all_reduce(loss, "allreduce loss", "comm_spmd")
+        with self.rec.compute("optimizer", "optimizer"):
+            if schedule is not None:
+                for g in stepper.optimizer.param_groups:
+                    g["lr"] = schedule.at(step, steps)
+            stepper.step()  # unscaled and clipped first when the run asks (`plait.runtime.spmd_state`)
+        if stepper.scaler is not None:
+            stepper.scaler.update(step)
+        t1 = self.rec.end_step()
+        return loss, t0, t1
 
-        if timed is not None and calibration is not None:  # the same timings after the steps
-            calibration["program_s_after"] = self._time_whole(timed)
+    def _finish(self, state: _RankState, group: Any, losses: list[torch.Tensor],
+                bounds: list[tuple[int, float, float]], start: int, steps: int, origin: Any,
+                calibration: dict[str, Any] | None) -> None:
+        """Every rank's record gathered on rank 0, which writes the run's result."""
         self.hb.progress("gather")
+        runner, leaves = state.runner, state.leaves
         params = None
-        if cfg.get("return_params"):
+        if self.cfg.get("return_params"):
             params = whole_parameters(runner, lambda x, sizes, d: group.all_gather_uneven(
                 x, sizes, d, "gather parameters", "comm_spmd"))
         peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         mine = {
             "rank": self.rank, "pp": 0, "dp": 0, "tp": 0, "device": self.info["device"], "host": self.info["host"],
             "node": self.info["node"], "kind": self.info.get("kind"), "slowdown": self.rec.slowdown,
-            "pid": os.getpid(), "hostname": socket.gethostname(), "layers": graph.layers,
+            "pid": os.getpid(), "hostname": socket.gethostname(), "layers": state.graph.layers,
             "params": sum(p.numel() for p in leaves), "param_bytes": sum(p.numel() * p.element_size() for p in leaves),
-            "peak_memory_bytes": peak, "memory_kind": "max_rss", "samples_per_step": batch,
+            "peak_memory_bytes": peak, "memory_kind": "max_rss", "samples_per_step": state.batch,
             "events": [asdict(e) for e in self.rec.events], "step_bounds": bounds,
             "losses": torch.stack(losses).tolist() if losses else [],
             "params_state": params if self.rank == 0 else None, "shard_infos": {}, "clock": origin, "amp": self.amp_record(start),
@@ -260,7 +321,7 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            write_result(self.run_dir, plan, gathered, start, steps, cfg)
+            write_result(self.run_dir, self.plan, gathered, start, steps, self.cfg)
         self.comm.barrier("final barrier")
         self.comm.close()
 

@@ -373,96 +373,145 @@ def apply_tensor_parallel(layer: nn.Module, tp: TPContext, ratios: list[float] |
             infos.update(shard_experts(m, tp, ratios, f"{prefix}{name}"))
         elif style in ("column_gather", "row_split"):
             infos.update(_cut_alone(layer, name, m, tp, ratios, prefix))
-    marked = {n: m for n, m in layer.named_modules() if getattr(m, "plait_tp", None) in ("column", "row", "sharded")}
-    groups: dict[str, dict[str, nn.Module]] = {}
-    for name, m in marked.items():
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
-        groups.setdefault(parent, {})[name] = m
     fed_by: tuple[int, list[int]] | None = None  # heads of the last group with columns: its rows' cut
-    for parent, members in groups.items():
+    for parent, members in _marked_groups(layer).items():
         if not any(m.plait_tp in ("column", "row") for m in members.values()):
             continue  # sharded modules alone (the attention under a block): cut with their own linears
         parent_mod = layer.get_submodule(parent) if parent else layer
         where = f"{prefix}{parent}" or "layer"
         sharded = [m for m in members.values() if m.plait_tp == "sharded"]
-        rows = [m for m in members.values() if m.plait_tp == "row"]
-        head_dim = _find_int_attr(sharded + [parent_mod], ("head_dim",))
-        head_attr = _find_int_attr(sharded + [parent_mod], HEAD_ATTRS)
-        heads: int | None = None
-        if head_dim is not None and rows and isinstance(rows[0], nn.Linear):
-            heads = rows[0].in_features // head_dim[2]
-        elif head_attr is not None:
-            heads = head_attr[2]
-        only_rows = all(m.plait_tp in ("row", "sharded") for m in members.values())
-        if heads is None and only_rows and fed_by is not None and rows:
-            heads = fed_by[0]  # BERT: attention.output.dense is cut as attention.self's heads were
-        head_sizes = None
-        if heads is not None:
-            if ratios is None and heads % tp.size:
-                raise RuntimeSetupError(f"tensor parallel: {where} has {heads} heads, not divisible by tp={tp.size}")
-            head_sizes = split_sizes(heads, tp.size, ratios)
-            if min(head_sizes) < 1:
-                raise RuntimeSetupError(f"tensor parallel: {where}: tp_ratios {ratios} leave a rank without heads")
+        cut = _group_cut(members, sharded, parent_mod, fed_by, tp, ratios, where)
         for name, m in members.items():
             if m.plait_tp == "sharded":
                 continue
-            table = isinstance(m, nn.Embedding) and m.plait_tp == "column"
-            conv1d = is_conv1d(m)  # stored [in, out]: cut along the other dimension, same layout kept
-            if not isinstance(m, nn.Linear) and not table and not conv1d:
-                raise RuntimeSetupError(f"tensor parallel: {prefix}{name} is marked {m.plait_tp!r} but is a "
-                                        f"{type(m).__name__}, not nn.Linear")
-            out_features, in_features = (m.weight.shape[1], m.weight.shape[0]) if conv1d or table else \
-                (m.out_features, m.in_features)
-            width = out_features if m.plait_tp == "column" else in_features
-            chunks = int(getattr(m, "plait_tp_chunks", 1)) if m.plait_tp == "column" else 1
-            per_block = width // chunks
-            if head_sizes is not None:
-                assert heads is not None
-                if per_block % heads:
-                    raise RuntimeSetupError(f"tensor parallel: {prefix}{name} has {per_block} features, not a "
-                                            f"multiple of the {heads} heads of {where}")
-                sizes = [h * (per_block // heads) for h in head_sizes]
-                if name.rsplit(".", 1)[-1] == "kv" and head_dim is not None and any(s % (2 * head_dim[2]) for s in sizes):
-                    raise RuntimeSetupError(f"tensor parallel: {prefix}{name}: the key/value heads do not divide "
-                                            f"over tp={tp.size} (grouped-query attention needs kv_heads % tp == 0)")
-            else:
-                sizes = split_sizes(per_block, tp.size, ratios)
-            if table:
-                info = ShardInfo(1, 1, tuple(sizes))
-                new: nn.Module = ColumnParallelEmbedding(info.take(m.weight.data, tp.rank))
-            elif m.plait_tp == "column":
-                info = ShardInfo(1 if conv1d else 0, chunks, tuple(sizes))
-                w = info.take(m.weight.data, tp.rank)
-                bias_info = ShardInfo(0, chunks, tuple(sizes))
-                b = bias_info.take(m.bias.data, tp.rank) if m.bias is not None else None
-                new = ColumnParallelLinear(w, b, tp, transposed=conv1d)
-                if b is not None:
-                    infos[f"{prefix}{name}.bias"] = bias_info
-            else:
-                info = ShardInfo(0 if conv1d else 1, 1, tuple(sizes))
-                w = info.take(m.weight.data, tp.rank)
-                new = RowParallelLinear(w, m.bias.data.clone() if m.bias is not None else None, tp, transposed=conv1d)
-            infos[f"{prefix}{name}.weight"] = info
-            for attr in ("plait_tp", "plait_selective", "plait_tp_chunks"):
-                if hasattr(m, attr):
-                    setattr(new, attr, getattr(m, attr))
-            _set_submodule(layer, name, new)
+            infos.update(_cut_linear(layer, name, m, tp, ratios, prefix, cut))
+        heads, head_sizes = cut.heads, cut.head_sizes
         if any(m.plait_tp == "column" for m in members.values()):
             fed_by = (heads, head_sizes) if heads is not None and head_sizes is not None else None
         # Cores that store their head counts (rather than infer them from the width) get the local ones.
         if heads is not None and head_sizes is not None:
-            for m in sharded + [parent_mod]:
-                for a in HEAD_ATTRS:
-                    if getattr(m, a, None) == heads:
-                        setattr(m, a, head_sizes[tp.rank])
-                hd = _find_int_attr([m], ("head_dim",))
-                for a in WIDTH_ATTRS:  # widths of all heads kept as attributes (GPT-2's split of [q | k | v])
-                    if hd is not None and getattr(m, a, None) == heads * hd[2]:
-                        setattr(m, a, head_sizes[tp.rank] * hd[2])
-                kv = _find_int_attr([m], KV_HEAD_ATTRS)
-                if kv is not None and kv[2] % tp.size == 0 and ratios is None:
-                    setattr(m, kv[1], kv[2] // tp.size)
+            _localize_heads(sharded + [parent_mod], heads, head_sizes, tp, ratios)
     return infos
+
+
+@dataclass(frozen=True)
+class _GroupCut:
+    """How one parent's column and row linears are cut: in whole heads (`heads` dealt to the ranks
+    as `head_sizes`), or in features (`heads` None)."""
+
+    where: str  # the group's name in errors
+    heads: int | None
+    head_sizes: list[int] | None
+    head_dim: tuple[nn.Module, str, int] | None  # (module, attribute, value) of the group's head_dim
+
+
+def _marked_groups(layer: nn.Module) -> dict[str, dict[str, nn.Module]]:
+    """The layer's "column", "row" and "sharded" modules by parent name (`attn`, `mlp`)."""
+    marked = {n: m for n, m in layer.named_modules() if getattr(m, "plait_tp", None) in ("column", "row", "sharded")}
+    groups: dict[str, dict[str, nn.Module]] = {}
+    for name, m in marked.items():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        groups.setdefault(parent, {})[name] = m
+    return groups
+
+
+def _group_cut(members: dict[str, nn.Module], sharded: list[nn.Module], parent_mod: nn.Module,
+               fed_by: tuple[int, list[int]] | None, tp: TPContext, ratios: list[float] | None,
+               where: str) -> _GroupCut:
+    """The group's heads (from a `head_dim`, a head count, or the column group before it) and
+    each rank's share of them."""
+    rows = [m for m in members.values() if m.plait_tp == "row"]
+    head_dim = _find_int_attr(sharded + [parent_mod], ("head_dim",))
+    head_attr = _find_int_attr(sharded + [parent_mod], HEAD_ATTRS)
+    heads: int | None = None
+    if head_dim is not None and rows and isinstance(rows[0], nn.Linear):
+        heads = rows[0].in_features // head_dim[2]
+    elif head_attr is not None:
+        heads = head_attr[2]
+    only_rows = all(m.plait_tp in ("row", "sharded") for m in members.values())
+    if heads is None and only_rows and fed_by is not None and rows:
+        heads = fed_by[0]  # BERT: attention.output.dense is cut as attention.self's heads were
+    head_sizes = None
+    if heads is not None:
+        if ratios is None and heads % tp.size:
+            raise RuntimeSetupError(f"tensor parallel: {where} has {heads} heads, not divisible by tp={tp.size}")
+        head_sizes = split_sizes(heads, tp.size, ratios)
+        if min(head_sizes) < 1:
+            raise RuntimeSetupError(f"tensor parallel: {where}: tp_ratios {ratios} leave a rank without heads")
+    return _GroupCut(where, heads, head_sizes, head_dim)
+
+
+def _cut_linear(layer: nn.Module, name: str, m: nn.Module, tp: TPContext, ratios: list[float] | None,
+                prefix: str, cut: _GroupCut) -> dict[str, ShardInfo]:
+    """A column or row linear (or a column-marked embedding table) of a group replaced by this
+    rank's cut; returns the ShardInfos of its cut parameters."""
+    infos: dict[str, ShardInfo] = {}
+    table = isinstance(m, nn.Embedding) and m.plait_tp == "column"
+    conv1d = is_conv1d(m)  # stored [in, out]: cut along the other dimension, same layout kept
+    if not isinstance(m, nn.Linear) and not table and not conv1d:
+        raise RuntimeSetupError(f"tensor parallel: {prefix}{name} is marked {m.plait_tp!r} but is a "
+                                f"{type(m).__name__}, not nn.Linear")
+    out_features, in_features = (m.weight.shape[1], m.weight.shape[0]) if conv1d or table else \
+        (m.out_features, m.in_features)
+    width = out_features if m.plait_tp == "column" else in_features
+    chunks = int(getattr(m, "plait_tp_chunks", 1)) if m.plait_tp == "column" else 1
+    sizes = _feature_sizes(name, prefix, width // chunks, tp, ratios, cut)
+    if table:
+        info = ShardInfo(1, 1, tuple(sizes))
+        new: nn.Module = ColumnParallelEmbedding(info.take(m.weight.data, tp.rank))
+    elif m.plait_tp == "column":
+        info = ShardInfo(1 if conv1d else 0, chunks, tuple(sizes))
+        w = info.take(m.weight.data, tp.rank)
+        bias_info = ShardInfo(0, chunks, tuple(sizes))
+        b = bias_info.take(m.bias.data, tp.rank) if m.bias is not None else None
+        new = ColumnParallelLinear(w, b, tp, transposed=conv1d)
+        if b is not None:
+            infos[f"{prefix}{name}.bias"] = bias_info
+    else:
+        info = ShardInfo(0 if conv1d else 1, 1, tuple(sizes))
+        w = info.take(m.weight.data, tp.rank)
+        new = RowParallelLinear(w, m.bias.data.clone() if m.bias is not None else None, tp, transposed=conv1d)
+    infos[f"{prefix}{name}.weight"] = info
+    for attr in ("plait_tp", "plait_selective", "plait_tp_chunks"):
+        if hasattr(m, attr):
+            setattr(new, attr, getattr(m, attr))
+    _set_submodule(layer, name, new)
+    return infos
+
+
+def _feature_sizes(name: str, prefix: str, per_block: int, tp: TPContext, ratios: list[float] | None,
+                   cut: _GroupCut) -> list[int]:
+    """Each rank's features of one fused block of a linear: whole heads' worth, or features split alone."""
+    heads, head_sizes, head_dim, where = cut.heads, cut.head_sizes, cut.head_dim, cut.where
+    if head_sizes is not None:
+        assert heads is not None
+        if per_block % heads:
+            raise RuntimeSetupError(f"tensor parallel: {prefix}{name} has {per_block} features, not a "
+                                    f"multiple of the {heads} heads of {where}")
+        sizes = [h * (per_block // heads) for h in head_sizes]
+        if name.rsplit(".", 1)[-1] == "kv" and head_dim is not None and any(s % (2 * head_dim[2]) for s in sizes):
+            raise RuntimeSetupError(f"tensor parallel: {prefix}{name}: the key/value heads do not divide "
+                                    f"over tp={tp.size} (grouped-query attention needs kv_heads % tp == 0)")
+    else:
+        sizes = split_sizes(per_block, tp.size, ratios)
+    return sizes
+
+
+def _localize_heads(mods: list[nn.Module], heads: int, head_sizes: list[int], tp: TPContext,
+                    ratios: list[float] | None) -> None:
+    """Head counts, head widths and (even cuts only) key/value head counts stored as attributes
+    set to this rank's."""
+    for m in mods:
+        for a in HEAD_ATTRS:
+            if getattr(m, a, None) == heads:
+                setattr(m, a, head_sizes[tp.rank])
+        hd = _find_int_attr([m], ("head_dim",))
+        for a in WIDTH_ATTRS:  # widths of all heads kept as attributes (GPT-2's split of [q | k | v])
+            if hd is not None and getattr(m, a, None) == heads * hd[2]:
+                setattr(m, a, head_sizes[tp.rank] * hd[2])
+        kv = _find_int_attr([m], KV_HEAD_ATTRS)
+        if kv is not None and kv[2] % tp.size == 0 and ratios is None:
+            setattr(m, kv[1], kv[2] // tp.size)
 
 
 def _cut_alone(layer: nn.Module, name: str, m: nn.Module, tp: TPContext, ratios: list[float] | None,

@@ -254,16 +254,51 @@ class Worker(RankConfig):
     def run(self) -> None:
         cfg, plan = self.cfg, self.plan
         # The recorder exists before the model so that tensor-parallel collectives can report to it.
-        slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
-        self.rec = Recorder(self.info["device"], self.p, self.rank, cuda=self.cuda,
-                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb,
-                            inject_factor=partial(self.injection.compute_factor, self.rank) if slow else None,
-                            compute_floor_s=float(cfg.get("compute_sleep") or 0.0))
+        self.rec = self._make_recorder()
         self._init_dist()
         self._build()
         if self.cuda and cfg["dtype"] == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        low = self._make_optimizer()
+        runner = self._make_executor()
+        start = self._maybe_resume()
+        steps = int(cfg["steps"])
+        ck = cfg.get("checkpoint") or {}
+        every = int(ck.get("every") or 0)
+        self.comm.barrier("startup barrier")
+        self.rec.set_origin()
+        origin_info = common_origin(self.rec, self.comm)
+        losses: list[torch.Tensor] = []
+        step_bounds: list[tuple[int, float, float]] = []
+        self.scales: list[float] = []  # the loss scale each step's backward used
+        # One stage under ZeRO-3: forward and backward of each micro-batch in turn (1F1B with pp=1, the
+        # same arithmetic as GPipe), so a layer's gathered parameters live for one micro-batch only.
+        schedule = "1f1b" if self.zero3 is not None else plan.schedule
+        for step in range(start, steps):
+            t0, t1 = self._train_step(runner, step, schedule, low)
+            step_bounds.append((step, t0, t1))
+            losses.append(runner.loss_sum.detach().clone())
+            if self.cfg.get("step_records"):
+                self._record_step(step, t0, t1,
+                                  runner.loss_sum if self.p == self.layout.sink[0] and self.t == 0 else None)
+            if every and (step + 1) % every == 0:
+                self._save_checkpoint(step + 1, Path(ck["dir"]))
+        self.rec.step = None  # the calls of the end (results, barriers) belong to no step
+        self._finish(losses, step_bounds, start, steps, origin_info)
+
+    def _make_recorder(self) -> Recorder:
+        """The rank's span recorder (a `slow` fault injected into it stretches its compute)."""
+        slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
+        return Recorder(self.info["device"], self.p, self.rank, cuda=self.cuda,
+                        slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb,
+                        inject_factor=partial(self.injection.compute_factor, self.rank) if slow else None,
+                        compute_floor_s=float(self.cfg.get("compute_sleep") or 0.0))
+
+    def _make_optimizer(self) -> torch.dtype | None:
+        """The loss scaler and the data-parallel optimizer step (plain, ZeRO-1/2 or ZeRO-3, clipped
+        when the run asks); returns the plan's gradient-reduction dtype (None: fp32)."""
+        cfg, plan = self.cfg, self.plan
         opt_cfg = cfg["optimizer"]
         make_opt = partial(make_optimizer, cfg=opt_cfg)
         # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
@@ -287,90 +322,92 @@ class Worker(RankConfig):
                                         bucket_bytes=plan.grad_bucket_bytes, scaler=self.scaler, reduce_dtype=low)
         if cfg.get("clip_grad"):
             self.opt.clip = GradClipper(float(cfg["clip_grad"]), self._copy_weights(), group=self.comm.world_group)
-        lay = self.layout
-        runner = PipelineExecutor(self.chunks, self.p, lay.node_of, peer_rank(plan, lay, self.d, self.t),
-                                  lay.sink, self.spec.loss, plan.global_batch, self.device, self.rec, self.comm,
-                                  autocast=self._autocast,
-                                  # Megatron's blocking p2p where the simulator models it (sim/lowering/tensor_parallel.py).
-                                  blocking=not plan.stages and plan.schedule in ("1f1b", "gpipe")
-                                  and plan.virtual_stages == 1,
-                                  per_input=bool(lay.places))  # a stage's segments (StageSpec.segments)
-        start = self._maybe_resume()
-        steps = int(cfg["steps"])
-        ck = cfg.get("checkpoint") or {}
-        every = int(ck.get("every") or 0)
-        self.comm.barrier("startup barrier")
-        self.rec.set_origin()
-        origin_info = common_origin(self.rec, self.comm)
-        losses: list[torch.Tensor] = []
-        step_bounds: list[tuple[int, float, float]] = []
-        self.scales: list[float] = []  # the loss scale each step's backward used
-        # One stage under ZeRO-3: forward and backward of each micro-batch in turn (1F1B with pp=1, the
-        # same arithmetic as GPipe), so a layer's gathered parameters live for one micro-batch only.
-        schedule = "1f1b" if self.zero3 is not None else plan.schedule
-        for step in range(start, steps):
-            self.hb.progress("train", step)
-            node_mbs = node_micro_batches(plan, lay, step, self.d)
-            chunk_mbs = {c: node_mbs[lay.node_of(self.p, c)] for c in self.chunks}
-            # a graph stage's lists hold all its replicas' micro-batches; this replica reads its own
-            mine = {c: owned_micro_batches(lay, lay.node_of(self.p, c), self.d, m) for c, m in chunk_mbs.items()}
-            mbs = mine[0]
-            data = self._step_data(mine)
-            sched = step_schedule(plan, lay, node_mbs, schedule)
-            self.rec.step = step  # the step barrier's comm record belongs to this step, not the last one
-            fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
-            if fault is not None:
-                fire(fault)
-            if cfg.get("comm_records") == "alternate":
-                # bench/recorder_overhead.py: records on and off in adjacent steps, the order alternating
-                # pair by pair (on/off, off/on, ...) so a drifting machine biases neither side.
-                self.comm.recording = (step // 2 + step) % 2 == 0
-            if cfg.get("step_barrier", True):
-                self.comm.barrier("step barrier")
-            probe_every = int(cfg.get("probe_every") or 0)
-            if probe_every and step % probe_every == 0:
-                # Each rank pair's link, timed (the doctor's matrix) while no rank computes, then a
-                # barrier: the ranks' different probe end times do not enter the measured iteration.
-                self.comm.probe_links(PROBE_BEFORE)
-                self.comm.barrier("probe barrier")
-            t0 = self.rec.begin_step(step)
-            runner.loss_sum = torch.zeros((), device=self.device)
-            if self.scaler is not None:
-                runner.loss_scale = self.scaler.scale
-                self.scales.append(self.scaler.scale)
-            if self.zero3 is not None:
-                self.zero3.begin_step()
-            runner.run(rank_actions(sched, lay, self.p, self.d), chunk_mbs,
-                       lambda c, mb, data=data: data[(c, mb.index)])
-            if self.zero3 is not None:  # join the collectives of replicas with more micro-batches
-                most = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
-                self.zero3.ghost_rounds(most - len(mbs), len(mbs))
-            if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
-                poison(prm.grad for prm in self.params)
-            if self.tied:
-                sync_tied_grads(self.tied, low)
-                if lay.graph_plan and self.d > 0:  # the owner stages' replicas summed in one group
-                    for prms, _ in self.tied:  # (`_tied_rank_sets`): replica 0 alone carries the sum
-                        for prm in prms:        # into the stage's data-parallel reduction
-                            if prm.grad is not None:
-                                prm.grad.zero_()
-            if self.sp_params and self.zero3 is None:  # ZeRO-3 sums them per layer before reducing
-                self._sync_sp_grads()
-            self._set_lr(step)
-            self.opt.step()
-            if self.scaler is not None:
-                self.scaler.update(step)
-            t1 = self.rec.end_step()
-            if probe_every and step % probe_every == 0:  # the step's last exchanges, outside its time
-                self.comm.probe_links(PROBE_REPEAT - PROBE_BEFORE)
-            step_bounds.append((step, t0, t1))
-            losses.append(runner.loss_sum.detach().clone())
-            if self.cfg.get("step_records"):
-                self._record_step(step, t0, t1, runner.loss_sum if self.p == lay.sink[0] and self.t == 0 else None)
-            if every and (step + 1) % every == 0:
-                self._save_checkpoint(step + 1, Path(ck["dir"]))
-        self.rec.step = None  # the calls of the end (results, barriers) belong to no step
-        self._finish(losses, step_bounds, start, steps, origin_info)
+        return low
+
+    def _make_executor(self) -> PipelineExecutor:
+        """The executor of this rank's pipeline actions (sends to and receives from any peer stage)."""
+        plan, lay = self.plan, self.layout
+        return PipelineExecutor(self.chunks, self.p, lay.node_of, peer_rank(plan, lay, self.d, self.t),
+                                lay.sink, self.spec.loss, plan.global_batch, self.device, self.rec, self.comm,
+                                autocast=self._autocast,
+                                # Megatron's blocking p2p where the simulator models it (sim/lowering/tensor_parallel.py).
+                                blocking=not plan.stages and plan.schedule in ("1f1b", "gpipe")
+                                and plan.virtual_stages == 1,
+                                per_input=bool(lay.places))  # a stage's segments (StageSpec.segments)
+
+    def _train_step(self, runner: PipelineExecutor, step: int, schedule: str, low: torch.dtype | None
+                    ) -> tuple[float, float]:
+        """One step: this rank's actions of the schedule over its micro-batches, the gradient
+        reductions and the optimizer step; returns the step's bounds."""
+        plan, lay = self.plan, self.layout
+        self.hb.progress("train", step)
+        node_mbs = node_micro_batches(plan, lay, step, self.d)
+        chunk_mbs = {c: node_mbs[lay.node_of(self.p, c)] for c in self.chunks}
+        # a graph stage's lists hold all its replicas' micro-batches; this replica reads its own
+        mine = {c: owned_micro_batches(lay, lay.node_of(self.p, c), self.d, m) for c, m in chunk_mbs.items()}
+        mbs = mine[0]
+        data = self._step_data(mine)
+        sched = step_schedule(plan, lay, node_mbs, schedule)
+        self.rec.step = step  # the step barrier's comm record belongs to this step, not the last one
+        probed = self._before_step(step)
+        t0 = self.rec.begin_step(step)
+        runner.loss_sum = torch.zeros((), device=self.device)
+        if self.scaler is not None:
+            runner.loss_scale = self.scaler.scale
+            self.scales.append(self.scaler.scale)
+        if self.zero3 is not None:
+            self.zero3.begin_step()
+        runner.run(rank_actions(sched, lay, self.p, self.d), chunk_mbs,
+                   lambda c, mb, data=data: data[(c, mb.index)])
+        if self.zero3 is not None:  # join the collectives of replicas with more micro-batches
+            most = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
+            self.zero3.ghost_rounds(most - len(mbs), len(mbs))
+        self._reduce_grads(step, low)
+        self._set_lr(step)
+        self.opt.step()
+        if self.scaler is not None:
+            self.scaler.update(step)
+        t1 = self.rec.end_step()
+        if probed:  # the step's last exchanges, outside its time
+            self.comm.probe_links(PROBE_REPEAT - PROBE_BEFORE)
+        return t0, t1
+
+    def _before_step(self, step: int) -> bool:
+        """What precedes the step's measured time: injected faults, the records' on/off switch, the
+        step barrier and the link probe; returns whether the links were probed this step."""
+        cfg = self.cfg
+        fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
+        if fault is not None:
+            fire(fault)
+        if cfg.get("comm_records") == "alternate":
+            # bench/recorder_overhead.py: records on and off in adjacent steps, the order alternating
+            # pair by pair (on/off, off/on, ...) so a drifting machine biases neither side.
+            self.comm.recording = (step // 2 + step) % 2 == 0
+        if cfg.get("step_barrier", True):
+            self.comm.barrier("step barrier")
+        probe_every = int(cfg.get("probe_every") or 0)
+        if probe_every and step % probe_every == 0:
+            # Each rank pair's link, timed (the doctor's matrix) while no rank computes, then a
+            # barrier: the ranks' different probe end times do not enter the measured iteration.
+            self.comm.probe_links(PROBE_BEFORE)
+            self.comm.barrier("probe barrier")
+            return True
+        return False
+
+    def _reduce_grads(self, step: int, low: torch.dtype | None) -> None:
+        """Gradients summed where several ranks computed parts of them: tied parameters across
+        stages, sequence-parallel ones across the tensor group (an injected inf first, if any)."""
+        if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
+            poison(prm.grad for prm in self.params)
+        if self.tied:
+            sync_tied_grads(self.tied, low)
+            if self.layout.graph_plan and self.d > 0:  # the owner stages' replicas summed in one group
+                for prms, _ in self.tied:  # (`_tied_rank_sets`): replica 0 alone carries the sum
+                    for prm in prms:        # into the stage's data-parallel reduction
+                        if prm.grad is not None:
+                            prm.grad.zero_()
+        if self.sp_params and self.zero3 is None:  # ZeRO-3 sums them per layer before reducing
+            self._sync_sp_grads()
 
     def _record_step(self, step: int, t0: float, t1: float, loss_sum: torch.Tensor | None) -> None:
         """`RUN_DIR/steps/rankN.jsonl`, one line as each step ends (so a run that dies keeps them): the
