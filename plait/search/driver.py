@@ -76,9 +76,7 @@ def _search_3d(model: ModelSource | None, cluster: Cluster, *, global_batch: int
 register_family("3d", _search_3d, _3D_OPTIONS)
 
 
-# `model` is typed without None, which `load_graph` in the chain check below cannot load (InspectError);
-# `search_plans` does hand None (`plait.api.plan`'s default model): a bug, left to a behaviour change.
-def _search_graph(model: ModelSource, cluster: Cluster, *, global_batch: int | None, top: int,
+def _search_graph(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
                   simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                   compute: Any, runnable: bool = False, chains: bool = True,
                   chains_max_devices: int | None = None, **options: Any) -> PlanResult:
@@ -86,11 +84,11 @@ def _search_graph(model: ModelSource, cluster: Cluster, *, global_batch: int | N
     plans, data-parallel stages of any degree included; with `runnable=True` (`plait plan --run`)
     the runtime's `supports` filter drops any it would refuse."""
     from plait.planners.graph_search import search_graph
-    from plait.planners.types import load_graph
+    from plait.planners.types import DEFAULT_MODEL, load_graph
 
     too_many = chains_max_devices is not None and cluster.num_devices > chains_max_devices
     if not chains or too_many:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
-        graph = load_graph(model, options.get("dtype") or "bf16")[1]
+        graph = load_graph(DEFAULT_MODEL if model is None else model, options.get("dtype") or "bf16")[1]
         outs: dict[str, int] = {}
         ins: dict[str, int] = {}
         for a, b in graph.layer_edges:

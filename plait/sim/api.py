@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -145,7 +146,7 @@ def resolve_cluster(cluster: ClusterSource | ClusterView) -> ClusterView:
         return cluster
     if isinstance(cluster, Cluster):
         return ClusterView.from_cluster(cluster)
-    if isinstance(cluster, (str, Path)):
+    if isinstance(cluster, (str, os.PathLike)):
         try:
             from plait.cluster import load_cluster
         except ImportError:
