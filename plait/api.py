@@ -5,42 +5,57 @@ Imports are lazy so `import plait` stays fast and light.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.ir.plan import Plan
+
+if TYPE_CHECKING:  # the types only: each function imports what it runs on use
+    from torch import nn
+
+    from plait.cluster.spec import Cluster, ClusterSource
+    from plait.graph.resolve import ModelSource
+    from plait.graph.zoo.registry import ModelSpec
+    from plait.ir.opgraph import OpGraph
+    from plait.ir.plan import PlanSource
+    from plait.net.view import ClusterView
+    from plait.planners.types import PlanResult
+    from plait.runtime.api import RunResult
+    from plait.sim.api import SimResult
 
 __all__ = ["inspect", "load_cluster", "load_model", "Plan", "plan", "simulate", "run"]
 
 
-def load_cluster(spec: Any):
+def load_cluster(spec: ClusterSource | None) -> Cluster:
     """A Cluster from a YAML path, a preset string (`a100-80g:nodes=8`) or a Cluster."""
     from plait.cluster import load_cluster as _load
 
     return _load(spec)
 
 
-def load_model(spec: Any):
+def load_model(spec: str | ModelSpec) -> ModelSpec:
     """(nn.Module factory result, sample-input builder) from a zoo spec or `file.py:factory`."""
     from plait.graph.zoo import load_model as _load
 
     return _load(spec)
 
 
-def inspect(model: Any, batch: int = 1, **kwargs: Any):
+def inspect(model: str | ModelSpec | nn.Module, batch: int = 1, **kwargs: Any) -> OpGraph:
     """Capture `model` (zoo spec, `file.py:factory`, or nn.Module) and return its OpGraph."""
     from plait.graph.inspect import inspect_model
 
     return inspect_model(model, batch=batch, **kwargs)
 
 
-def simulate(model: Any, cluster: Any, plan: Any, **kwargs: Any):
+def simulate(model: ModelSource, cluster: ClusterSource | ClusterView, plan: PlanSource | dict[str, Any],
+             **kwargs: Any) -> SimResult:
     """Predict one iteration: returns a SimResult (see plait.sim)."""
     from plait.sim.api import simulate as _simulate
 
     return _simulate(model, cluster, plan, **kwargs)
 
 
-def plan(model: Any = None, cluster: Any = None, *, simulate: bool = True, compute: Any = None, **kwargs: Any):
+def plan(model: ModelSource | None = None, cluster: ClusterSource | None = None, *, simulate: bool = True,
+         compute: Any = None, **kwargs: Any) -> PlanResult:
     """The fastest plans of `model` on `cluster` (`plait plan`; default: `DEFAULT_MODEL` on
     `DEFAULT_CLUSTER`): the search driver over the planner families
     (`plait.search.search_plans`, which takes the other keyword arguments: `global_batch`,
@@ -56,7 +71,8 @@ def plan(model: Any = None, cluster: Any = None, *, simulate: bool = True, compu
     return search_plans(model, cluster_obj, simulator=simulator, compute=compute, **kwargs)
 
 
-def run(model: Any, cluster: Any, plan: Any, steps: int = 3, **configs: Any):
+def run(model: str | ModelSpec, cluster: ClusterSource | None, plan: PlanSource, steps: int = 3,
+        **configs: Any) -> RunResult:
     """Train `model` under `plan` with real torch.distributed workers (see plait.runtime).
     `configs`: `training`, `checkpoint`, `launch`, `records`, `faults` (the dataclasses of
     `plait.runtime.config`) and `watch`, as `plait.runtime.api.run` takes them."""

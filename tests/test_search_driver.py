@@ -121,3 +121,10 @@ def test_graph_chains_runs_the_policy_before_issue_36_beside_todays():
     assert "no branches" in before.families["graph"]
     with pytest.raises(SearchError, match="graph_chains"):
         plan(MODEL, CLUSTER, global_batch=8, simulate=False, families=["3d", "graph"], graph_chains="sometimes")
+
+
+def test_no_model_means_the_default_model_in_the_graph_familys_chain_check():
+    """`plait.plan()` without a model plans DEFAULT_MODEL: the graph family's chain check reads it too
+    (it once tried to load None and declined with "model: expected a zoo spec")."""
+    res = plan(None, CLUSTER, global_batch=8, simulate=False, families=["3d", "graph"], graph_chains="never")
+    assert "has no branches" in res.families["graph"]

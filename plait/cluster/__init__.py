@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from plait.cluster.catalog import GPU_KINDS, get_kind, resolve_kind_name
 from plait.cluster.loader import (
@@ -27,6 +26,7 @@ from plait.cluster.spec import (
     DTYPES,
     Cluster,
     ClusterError,
+    ClusterSource,
     Device,
     EmulationSpec,
     FabricSpec,
@@ -51,7 +51,7 @@ from plait.cluster.topology import (
 DEFAULT_CLUSTER = "emulated-mixed"
 
 __all__ = [
-    "DEFAULT_CLUSTER", "DTYPES", "GPU_KINDS", "PRESETS", "Cluster", "ClusterError", "Device",
+    "DEFAULT_CLUSTER", "DTYPES", "GPU_KINDS", "PRESETS", "Cluster", "ClusterError", "ClusterSource", "Device",
     "EmulationSpec", "FabricSpec", "FailedLink", "GPUKind", "Link", "NodeSpec", "PairOverride", "SwitchSpec",
     "bandwidth_matrix", "build_preset", "cluster_to_dict", "devices_of", "dump_cluster",
     "fabric_graph", "get_kind", "latency_matrix", "load_cluster", "load_cluster_file",
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-def load_cluster(spec: Any = None) -> Cluster:
+def load_cluster(spec: ClusterSource | None = None) -> Cluster:
     """A Cluster from a Cluster (returned as is), a YAML path, or a preset string
     ``name[:key=value,...]``; None gives `DEFAULT_CLUSTER`.
 

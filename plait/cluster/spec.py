@@ -9,7 +9,9 @@ Devices are numbered node-major: node 0's GPUs are 0..g0-1, node 1's follow, etc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from plait.errors import PlaitError
 from plait.ir.profile import ModelProfile
@@ -239,3 +241,7 @@ class Cluster:
     @property
     def num_nodes(self) -> int:
         return len(self.nodes)
+
+
+# What `plait.cluster.load_cluster` accepts: a Cluster (as is), a cluster YAML path or a preset string.
+ClusterSource: TypeAlias = Cluster | str | os.PathLike[str]

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.cluster.spec import Cluster
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
 
 _SUMMARY_MATRIX_NODES = 16  # print the node-to-node matrix up to this many nodes
@@ -104,7 +105,7 @@ def _stats(values: np.ndarray) -> dict[str, float] | None:
             "max": float(values.max()), "pairs": int(values.size)}
 
 
-def bandwidth_summary(cluster: Any) -> dict[str, Any]:
+def bandwidth_summary(cluster: Cluster) -> dict[str, Any]:
     """Bandwidth/latency statistics over intra-node and inter-node device pairs (i < j)."""
     from plait.cluster.topology import node_of_device
 
@@ -122,7 +123,7 @@ def bandwidth_summary(cluster: Any) -> dict[str, Any]:
     }
 
 
-def _node_groups(cluster: Any) -> list[tuple[int, int]]:
+def _node_groups(cluster: Cluster) -> list[tuple[int, int]]:
     """[first, last] node index runs whose nodes differ only in name (and leaf)."""
     runs: list[tuple[int, int]] = []
     for n, node in enumerate(cluster.nodes):
@@ -145,7 +146,7 @@ def _gpus_text(gpus: list[str]) -> str:
     return " + ".join(f"{c}x {k}" for c, k in parts)
 
 
-def show_json(cluster: Any, matrix: bool = False) -> dict[str, Any]:
+def show_json(cluster: Cluster, matrix: bool = False) -> dict[str, Any]:
     from plait.cluster.loader import cluster_to_dict
     from plait.cluster.topology import node_bandwidth_matrix
 
@@ -181,7 +182,7 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_rich(cluster: Any, matrix: bool) -> None:
+def _print_rich(cluster: Cluster, matrix: bool) -> None:
     """`plait cluster show` for people: a header line, then one table or section per aspect."""
     from rich.console import Console
 
@@ -198,7 +199,7 @@ def _print_rich(cluster: Any, matrix: bool) -> None:
         _print_device_matrices(console, cluster)
 
 
-def _kinds_table(cluster: Any) -> Any:
+def _kinds_table(cluster: Cluster) -> Any:
     """The GPU kinds table: how many of each, peak FLOP/s per dtype, memory and its bandwidth."""
     from rich.table import Table
 
@@ -219,7 +220,7 @@ def _kinds_table(cluster: Any) -> Any:
     return kinds
 
 
-def _nodes_table(cluster: Any) -> Any:
+def _nodes_table(cluster: Cluster) -> Any:
     """The nodes table, one row per run of alike nodes (`_node_groups`)."""
     from rich.table import Table
 
@@ -243,7 +244,7 @@ def _nodes_table(cluster: Any) -> Any:
     return nodes
 
 
-def _print_fabric(console: Any, cluster: Any) -> None:
+def _print_fabric(console: Any, cluster: Cluster) -> None:
     """The switch fabric in a line or two: leaf/spine/core counts, uplinks, NIC ports and ECMP."""
     from plait.cluster.units import format_bandwidth
 
@@ -265,7 +266,7 @@ def _print_fabric(console: Any, cluster: Any) -> None:
                       + (f", {len(fab.failed)} failed link(s)" if fab.failed else ""))
 
 
-def _print_pair_figures(console: Any, cluster: Any) -> None:
+def _print_pair_figures(console: Any, cluster: Cluster) -> None:
     """The effective device-pair figures (`bandwidth_summary`), its measured overrides and emulation."""
     from rich.table import Table
 
@@ -292,7 +293,7 @@ def _print_pair_figures(console: Any, cluster: Any) -> None:
                       f"bandwidth_scale={e.bandwidth_scale:g}, slowdown={e.slowdown or 'from peak FLOP/s'}")
 
 
-def _node_matrix_table(cluster: Any) -> Any:
+def _node_matrix_table(cluster: Cluster) -> Any:
     """The node-to-node bandwidth matrix (slowest device pair of each node pair) as a table."""
     from rich.table import Table
 
@@ -308,7 +309,7 @@ def _node_matrix_table(cluster: Any) -> Any:
     return m
 
 
-def _print_device_matrices(console: Any, cluster: Any) -> None:
+def _print_device_matrices(console: Any, cluster: Cluster) -> None:
     """--matrix: the full device-to-device bandwidth and latency matrices."""
     np.set_printoptions(linewidth=200, threshold=sys.maxsize)
     console.print("Device bandwidth matrix (GB/s):")

@@ -353,7 +353,7 @@ def _run_graph(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stage_depth(plan: Any) -> int:
+def _stage_depth(plan: Plan) -> int:
     """Stages on the longest path of a plan's stage graph (a plan without stages: its pp chain)."""
     if not plan.stages:
         return plan.pp

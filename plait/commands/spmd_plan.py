@@ -29,11 +29,15 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster, ClusterSource
+    from plait.ir.plan import Plan
 
 
 @dataclass
@@ -41,12 +45,12 @@ class SpmdChoice:
     """A synthesized program and what `plait plan --family spmd` says about it."""
 
     model: str
-    cluster: Any
+    cluster: Cluster
     graph: Any
     problem: Any
     synthesis: Any
-    plan: Any  # Plan with `spmd`
-    even_plan: Any  # the same program at even ratios
+    plan: Plan  # with `spmd`
+    even_plan: Plan  # the same program at even ratios
     even_cost: float  # its predicted time on the cluster's GPUs
     dtype: str
     # The graph the ranks interpret: captured in fp32 (fp32 master parameters; their ops autocast to
@@ -60,8 +64,8 @@ class SpmdChoice:
         return self.synthesis.program
 
 
-def synthesize_plan(model: str, cluster: Any, batch: int, *, dtype: str = "fp32", optimizer: str = "adam",
-                    max_states: int = 20_000) -> SpmdChoice:
+def synthesize_plan(model: str, cluster: ClusterSource | None, batch: int, *, dtype: str = "fp32",
+                    optimizer: str = "adam", max_states: int = 20_000) -> SpmdChoice:
     """Capture `model` at `batch` (meta device), synthesize for `cluster`, and the plans."""
     from plait.cluster import load_cluster
     from plait.cost.program import Problem

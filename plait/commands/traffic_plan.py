@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from plait.errors import PlaitError
 
 if TYPE_CHECKING:  # the CLI imports this module to add its flag: the fabric code loads on use
-    from plait.cluster.spec import Cluster
+    from plait.cluster.spec import Cluster, ClusterSource
+    from plait.graph.resolve import ModelSource
     from plait.ir.plan import Plan
     from plait.net.api import TrafficReport
 
@@ -27,7 +28,7 @@ def add_traffic_args(p: argparse.ArgumentParser) -> None:
                         "and print its simulated iteration with ECMP's paths vs the planned ones")
 
 
-def check_traffic_cluster(cluster: Any) -> Cluster:
+def check_traffic_cluster(cluster: ClusterSource | None) -> Cluster:
     """The cluster of `--traffic-plan`; a PlaitError naming it when it describes no switched fabric
     (checked before the search)."""
     from plait.cluster import load_cluster
@@ -67,7 +68,7 @@ def _keys(plan: Plan) -> list[tuple[tuple[int, int, int], int]]:
     return list(count.items())
 
 
-def traffic_plan(model: Any, cluster: Cluster, plan: Plan, settings: bool = False) -> TrafficOutcome:
+def traffic_plan(model: ModelSource, cluster: Cluster, plan: Plan, settings: bool = False) -> TrafficOutcome:
     """Plan `plan`'s flows on `cluster`'s fabric and simulate the iteration both ways (`settings`:
     with the deployment settings, `plait.net.deploy`)."""
     from plait.graph.resolve import resolve_model

@@ -53,7 +53,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.cluster.spec import GPUKind
+from plait.cluster.spec import Cluster, GPUKind
 from plait.errors import PlaitError
 from plait.ir.opgraph import Layer, Op, OpGraph
 from plait.ir.profile import ModelProfile, profile_for
@@ -131,7 +131,7 @@ class ComputeModel:
     def replace(self, **changes: Any) -> ComputeModel:
         return dataclasses.replace(self, **changes)
 
-    def with_profile(self, cluster: Any, graph: Any, dtype: str, engine: str = "plait") -> ComputeModel:
+    def with_profile(self, cluster: Cluster, graph: OpGraph, dtype: str, engine: str = "plait") -> ComputeModel:
         """This model carrying the cluster's profile of `graph` in `dtype` (`Cluster.model_profiles`,
         merged; `plait.ir.profile.profile_for` refuses a profile of another model in one line). A
         model that already carries a profile keeps it; a cluster with none leaves it unchanged."""

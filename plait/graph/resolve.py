@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from plait.errors import PlaitError
 from plait.ir.opgraph import OpGraph
 from plait.ir.plan import Plan
+
+if TYPE_CHECKING:  # torch loads where a model is captured, not on import
+    from torch import nn
+
+    from plait.graph.zoo.registry import ModelSpec
+
+# What `resolve_model` accepts (the simulator, the planners and `plait.api` take it as given): an
+# OpGraph, a zoo spec or `file.py:factory` string, an OpGraph JSON path, a zoo `ModelSpec`, or an
+# nn.Module (with sample inputs). A string alias: its torch names exist for the type checker only.
+ModelSource: TypeAlias = "OpGraph | str | Path | ModelSpec | nn.Module"
 
 # A capture of a GPT deeper than this takes seconds; the closed form is exact for the zoo's GPT.
 CLOSED_FORM_MIN_LAYERS = 24
@@ -25,7 +35,7 @@ class ModelResolveError(PlaitError, ValueError):
     """A model argument that names no model plait can build (the message says which and why)."""
 
 
-def resolve_model(model: Any, plan: Plan, inputs: Any = None, analytic: bool | None = None) -> OpGraph:
+def resolve_model(model: ModelSource, plan: Plan, inputs: Any = None, analytic: bool | None = None) -> OpGraph:
     """OpGraph of `model` at `plan`'s micro-batch and dtype. GPT zoo specs use the closed-form
     graph when `analytic` is True, or when it is None and the capture would be slow."""
     if isinstance(model, OpGraph):

@@ -50,7 +50,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from plait.errors import PlaitError
 from plait.ir.formats import MIGRATIONS, check_version, stamp
@@ -604,7 +604,7 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, spec: str | Path | Plan) -> Plan:
+    def load(cls, spec: PlanSource) -> Plan:
         """Accept a Plan, a path to a plan JSON file, or the short string form.
 
         A string is a file when it ends in `.json` or names an existing file; anything else is
@@ -617,6 +617,12 @@ class Plan:
         if isinstance(spec, Path) or text.strip().lower().endswith(".json") or _is_file(text):
             return cls.from_json(_read_plan_file(text), source=text)
         return cls.parse(text)
+
+
+
+# What `Plan.load` accepts: a Plan (as is), its short string form, or a plan JSON path
+# (`plait.sim.api.resolve_plan` takes a plan dict too: `PlanSource | dict[str, Any]`).
+PlanSource: TypeAlias = Plan | str | Path
 
 
 def check_plan_for_model(plan: Plan, config: dict[str, Any], model: str = "model") -> None:

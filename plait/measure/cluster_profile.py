@@ -54,10 +54,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.cost.collectives import bus_factor
 from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import ClusterSource
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -801,7 +804,7 @@ if __name__ == "__main__":
 _log = logging.getLogger("plait.profile")
 
 
-def profile(cluster: Any = None, nprocs: int | None = None, *, sizes: list[int] | None = None,
+def profile(cluster: ClusterSource | None = None, nprocs: int | None = None, *, sizes: list[int] | None = None,
             max_size: int = 256 * MiB, p2p_bytes: int = 4 * MiB, matmul_sizes: list[int] | None = None,
             dtypes: list[str] | None = None, slowdown_dtype: str | None = None, min_time: float = 0.05,
             backend: str = "auto", timeout_s: float = 300.0, out: str | Path | None = None,

@@ -44,12 +44,16 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
+    from plait.graph.zoo.registry import ModelSpec
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -119,7 +123,7 @@ class LayerProfile:
             raise LayerProfileError(f"layer profile: missing or bad field ({exc})") from None
 
 
-def _load_spec(model_spec: Any) -> Any:
+def _load_spec(model_spec: str | ModelSpec) -> Any:
     if all(callable(getattr(model_spec, a, None)) for a in ("build", "sample_batch", "loss")):
         return model_spec
     if isinstance(model_spec, str):
@@ -204,7 +208,7 @@ def _check_profile_args(micro_batch: int, dtype: str, repeats: int, warmup: int,
         raise LayerProfileError(f"statistic: must be 'median' or 'mean', got {statistic!r}")
 
 
-def profile_layers(model_spec: Any, micro_batch: int, dtype: str = "fp32", *, tp: int = 1,
+def profile_layers(model_spec: str | ModelSpec, micro_batch: int, dtype: str = "fp32", *, tp: int = 1,
                    shard: Callable[[str, nn.Module], Any] | None = None, threads: int | None = 1,
                    repeats: int = 9, warmup: int = 2, device: str = "cpu", seed: int = 0,
                    optimizer: bool = True, lr: float = 1e-3, statistic: str = "median",
@@ -392,14 +396,14 @@ def _time_optimizer(prof: LayerProfile, modules: dict[str, nn.Module], order: li
         prof.optimizer_total_s = bench.center(time_adamw(every))
 
 
-def profile_layer_times(model_spec: Any, micro_batch: int, dtype: str = "fp32", **kwargs: Any
+def profile_layer_times(model_spec: str | ModelSpec, micro_batch: int, dtype: str = "fp32", **kwargs: Any
                         ) -> dict[str, tuple[float, float]]:
     """{layer name: (forward s, backward s)} for one micro-batch on this device: the format of
     `SimOptions.layer_times`. Keyword arguments go to `profile_layers`."""
     return profile_layers(model_spec, micro_batch, dtype, **kwargs).times
 
 
-def profile_model(model_spec: Any, cluster: Any, micro_batches: list[int], dtype: str = "fp32", *,
+def profile_model(model_spec: str | ModelSpec, cluster: Cluster, micro_batches: list[int], dtype: str = "fp32", *,
                   repeats: int = 5, warmup: int = 1, threads: int | None = 1,
                   on_size: Callable[[int, float], None] | None = None) -> tuple[Any, float]:
     """A `plait.ir.profile.ModelProfile` of `model_spec` on every GPU kind of `cluster` (issue 28),

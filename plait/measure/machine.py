@@ -50,9 +50,14 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster, ClusterSource
+    from plait.cost.compute import ComputeModel
+    from plait.ir.plan import Plan, PlanSource
 
 log = logging.getLogger("plait.measure.machine")
 
@@ -247,8 +252,8 @@ def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
     return out
 
 
-def per_device_cluster(cluster: Any, plan: Any, per_rank: list[Any], slowdown: dict[str, float]
-                       ) -> tuple[Any, dict[str, float], list[float]]:
+def per_device_cluster(cluster: Cluster, plan: Plan, per_rank: list[Any], slowdown: dict[str, float]
+                       ) -> tuple[Cluster, dict[str, float], list[float]]:
     """The measured cluster with one GPU kind per device, and the `layer_time_scale` for it.
 
     Devices of this machine are not equal even when they emulate the same kind (a CPU is at
@@ -279,7 +284,7 @@ def per_device_cluster(cluster: Any, plan: Any, per_rank: list[Any], slowdown: d
     return dataclasses.replace(cluster, kinds=kinds, nodes=nodes), scale, speed
 
 
-def compute_model(fit: CommFit, prof: Any, cluster: Any, plan: Any, flatten_s_per_byte: float) -> Any:
+def compute_model(fit: CommFit, prof: Any, cluster: Cluster, plan: Plan, flatten_s_per_byte: float) -> ComputeModel:
     """The simulator's host/optimizer constants for gloo on CPU ranks with measured layer times:
     `host_comm_s` = gloo's per-call cost; gloo's reduce-scatter is an all-reduce of the whole
     input (`ProcessGroupGloo::reduce_scatter_tensor`: clone, all-reduce, copy this rank's slice;
@@ -305,14 +310,14 @@ def compute_model(fit: CommFit, prof: Any, cluster: Any, plan: Any, flatten_s_pe
 class MachinePrediction:
     """The simulated iteration of `plan` on this machine."""
 
-    plan: Any
+    plan: Plan
     iteration_s: float
     result: Any  # plait.sim.api.SimResult
     profile: Any  # mean LayerProfile over the ranks
     device_speed: list[float]  # each device's measured speed relative to the mean (1 = average)
     layer_time_scale: dict[str, float]
     compute: Any  # the ComputeModel used
-    cluster: Any  # the measured cluster simulated, one GPU kind per device (`per_device_cluster`)
+    cluster: Cluster  # the measured cluster simulated, one GPU kind per device (`per_device_cluster`)
     graph: Any  # the OpGraph simulated
 
 
@@ -360,7 +365,7 @@ class LocalMachine:
     `max_size` the largest collective the cluster profile times; `say` receives progress lines.
     """
 
-    def __init__(self, cluster: Any, model: str, *, workdir: str | Path | None = None, repeats: int = 12,
+    def __init__(self, cluster: ClusterSource, model: str, *, workdir: str | Path | None = None, repeats: int = 12,
                  max_size: int = 16 * MiB, pin: bool = True, shares: int = SHARES, cgroups: bool = True,
                  keep_freed_memory: bool = True, emulate_dtype: str = "fp32",
                  say: Callable[[str], None] | None = None) -> None:
@@ -454,13 +459,13 @@ class LocalMachine:
 
     # ---- predict and measure
     @staticmethod
-    def _fp32(plan: Any) -> Any:
+    def _fp32(plan: PlanSource) -> Plan:
         from plait.ir.plan import Plan
 
         p = Plan.load(plan)
         return p if p.dtype == "fp32" else dataclasses.replace(p, dtype="fp32")
 
-    def layer_profiles(self, plan: Any, repeats: int | None = None) -> list[Any]:
+    def layer_profiles(self, plan: PlanSource, repeats: int | None = None) -> list[Any]:
         """Per rank of `plan` (rank r's at r), the layer profile at its micro-batch and tensor-parallel
         slicing: profiler r runs in rank r's CPU share, and a plan on fewer ranks than the cluster
         has devices is profiled and predicted on its own ranks only."""
@@ -468,7 +473,7 @@ class LocalMachine:
         p = self._fp32(plan)
         return self.profilers.layers(self.model, p.micro_batch, p.tp, repeats or self.repeats)[:p.world_size]
 
-    def predict(self, plan: Any, profiles: list[Any] | None = None) -> MachinePrediction:
+    def predict(self, plan: PlanSource, profiles: list[Any] | None = None) -> MachinePrediction:
         """Simulate `plan` (in fp32, as CPU ranks run it) from per-rank layer profiles (taken now
         when not given)."""
         from plait.graph.resolve import resolve_model
@@ -490,7 +495,7 @@ class LocalMachine:
         return MachinePrediction(p, float(res.iteration_time_s), res, prof, speed, scale, cm, cl,
                                  self._graphs[p.micro_batch])
 
-    def run(self, plan: Any, steps: int = 8, *, training: Any = None, launch: Any = None, **configs: Any) -> Any:
+    def run(self, plan: PlanSource, steps: int = 8, *, training: Any = None, launch: Any = None, **configs: Any) -> Any:
         """`plait.runtime.api.run` of `plan` in fp32 with the ranks placed as the profilers: `training`
         with dtype fp32, `launch` with this machine's emulated dtype and worker env added; the other
         configs (`checkpoint`, `records`, `faults`) as given."""
@@ -504,7 +509,7 @@ class LocalMachine:
         return run(self.model, self.cluster_arg, self._fp32(plan), steps=steps, training=training, launch=launch,
                    **configs)
 
-    def measure_and_predict(self, plan: Any, steps: int = 8, warmup: int = 2, **configs: Any) -> MachineRun:
+    def measure_and_predict(self, plan: PlanSource, steps: int = 8, warmup: int = 2, **configs: Any) -> MachineRun:
         """Profile the layers, run `plan` (`configs`: `run`'s, as `LocalMachine.run` takes them),
         profile again; predict from the mean of the two profiles. The measurement is the median
         step after `warmup` steps (allocator, gloo connections)."""

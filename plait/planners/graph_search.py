@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.cost.memory import estimate_memory
 from plait.ir.plan import Plan
@@ -39,6 +39,11 @@ from plait.planners.types import (
     load_graph,
     memory_headroom,
 )
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster, ClusterSource
+    from plait.graph.resolve import ModelSource
+    from plait.ir.opgraph import OpGraph
 
 # ZeRO stages the runtime runs (`plait.runtime.layout.supports`): 3 shards parameters per layer and
 # runs with one stage only; 1 and 2 shard the optimizer state (and gradients) over a stage's replicas
@@ -70,8 +75,8 @@ def option_variants(plan: Plan) -> list[Plan]:
 class _Admission:
     """The memory and runtime checks of a graph plan, with a tally of what they refuse."""
 
-    graph: Any
-    cluster: Any
+    graph: OpGraph
+    cluster: Cluster
     memory_kwargs: dict[str, Any]
     supports: Callable[[Plan], tuple[bool, str]] | None
     reasons: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -94,7 +99,8 @@ class _Admission:
                          headroom_by_kind=memory_headroom(list(mem.peak_bytes), self.cluster.devices, plan))
 
 
-def search_graph(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,
+def search_graph(model: ModelSource | None = None, cluster: ClusterSource | None = None, *,
+                 global_batch: int | None = None, top: int = 5,
                  evaluate: Evaluate | None = None, supports: Callable[[Plan], tuple[bool, str]] | None = None,
                  max_dp: int | None = None, candidates: int = 6, compute: Any = None,
                  memory_kwargs: dict[str, Any] | None = None, dtype: str | None = None,

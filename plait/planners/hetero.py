@@ -34,6 +34,7 @@ from plait.ir.stage_graph import micro_batch_count
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster, GPUKind
+    from plait.cost.compute import ComputeModel
     from plait.ir.opgraph import Layer, OpGraph
     from plait.ir.plan import Plan
 
@@ -47,7 +48,7 @@ class HeteroError(PlaitError, ValueError):
     """A heterogeneous split that cannot be made (the message says why)."""
 
 
-def cost_layer_time(graph: OpGraph, model: Any = None) -> LayerTimeFn:
+def cost_layer_time(graph: OpGraph, model: ComputeModel | None = None) -> LayerTimeFn:
     """Layer time from plait's compute model (`plait.cost.compute.layer_cost`; `model`: its
     parameters and profile, default the A100-fitted one): forward + backward + recompute kernels
     of one micro-batch on one tensor rank of `kind`."""

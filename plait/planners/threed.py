@@ -61,8 +61,9 @@ from plait.planners.types import (
 from plait.workers import Workers, map_parallel, resolve_jobs
 
 if TYPE_CHECKING:
-    from plait.cluster.spec import Cluster
+    from plait.cluster.spec import Cluster, ClusterSource
     from plait.cost.traffic import IterationTraffic, Message
+    from plait.graph.resolve import ModelSource
     from plait.ir.opgraph import OpGraph
 
 
@@ -570,7 +571,8 @@ class AnalyticModel:
 
 # 19 parameters (over pyproject.toml's 14): the family's options, to become one typed dataclass
 # (issue 31's open part); the driver and `plait plan` pass them by keyword.
-def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | None = None, top: int = 5,  # noqa: PLR0913
+def search_3d(model: ModelSource | None = None, cluster: ClusterSource | None = None, *,  # noqa: PLR0913
+         global_batch: int | None = None, top: int = 5,
          finalists: int | None = 12, space: SearchSpace | None = None, placement: bool = True,
          evaluate: Evaluate | None = None, supports: Callable[[Plan], tuple[bool, str]] | None = None,
          seed: int = 0, progress: bool = False,
@@ -634,7 +636,7 @@ def search_3d(model: Any = None, cluster: Any = None, *, global_batch: int | Non
                       ranker="simulator" if evaluate is not None else "analytic")
 
 
-def _search_inputs(cluster: Any, global_batch: int | None, top: int, finalists: int | None,
+def _search_inputs(cluster: ClusterSource | None, global_batch: int | None, top: int, finalists: int | None,
                    space: SearchSpace | None, dtype: str | None) -> tuple[Cluster, int, SearchSpace | None, str]:
     """`search_3d`'s arguments checked and resolved: (the cluster, the global batch, the space with
     `dtype` set in it, the plans' dtype)."""

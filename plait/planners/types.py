@@ -19,6 +19,7 @@ from plait.planners.placement import PlacementResult
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
     from plait.cost.program import Problem, ProgramStage
+    from plait.graph.resolve import ModelSource
     from plait.ir.opgraph import OpGraph
     from plait.net.view import ClusterView
 
@@ -190,7 +191,7 @@ class PlanResult:
 _GRAPHS: dict[tuple[str, str], tuple[Any, OpGraph]] = {}
 
 
-def load_graph(model: Any, dtype: str = "bf16") -> tuple[Any, OpGraph]:
+def load_graph(model: ModelSource, dtype: str = "bf16") -> tuple[Any, OpGraph]:
     """(ModelSpec or None, OpGraph) of a zoo spec string, a ModelSpec, or an OpGraph.
 
     The graph is the one the simulator uses (`plait.graph.resolve.resolve_model`: a capture

@@ -36,15 +36,15 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.cluster import load_cluster
 from plait.cluster.loader import save_cluster
-from plait.cluster.spec import Cluster
+from plait.cluster.spec import Cluster, ClusterSource
 from plait.doctor.live import DoctorConfig, Persistence
 from plait.ir.diagnosis import REPORT_ONLY, Diagnosis, Finding
 from plait.ir.formats import stamp
-from plait.ir.plan import Plan
+from plait.ir.plan import Plan, PlanSource
 from plait.recover.detect import Detect, actionable, call_detect, default_detect, launcher_diagnosis
 from plait.recover.isolate import Isolation, RecoveryError, nodes_to_isolate, remaining_cluster
 from plait.runtime import checkpoint as ckpt
@@ -56,6 +56,10 @@ from plait.runtime.config import (
     RecordsConfig,
     TrainingConfig,
 )
+
+if TYPE_CHECKING:  # torch and the zoo load where a model is built
+    from plait.graph.resolve import ModelSource
+    from plait.graph.zoo.registry import ModelSpec
 
 REJOIN_FILE = "rejoin"
 # Launcher failures passed on to the user: a Python error in a rank (a bug recurs on any plan) and a
@@ -292,7 +296,7 @@ def ongoing(f: Finding) -> bool:
 
 
 # ---------------------------------------------------------------------------------- planning
-def predict_step(model: Any, cluster: Cluster, plan: Plan) -> float:
+def predict_step(model: ModelSource, cluster: Cluster, plan: Plan) -> float:
     """The simulator's iteration time of `plan` on `cluster` (what the search driver ranks by)."""
     from plait.search import load_graph
     from plait.sim.api import PlanSimulator
@@ -301,7 +305,7 @@ def predict_step(model: Any, cluster: Cluster, plan: Plan) -> float:
     return float(PlanSimulator(cluster).evaluate(graph, plan)["iteration_time_s"])
 
 
-def replan(model: Any, cluster: Cluster, old: Plan, config: RecoveryConfig) -> tuple[Plan, float]:
+def replan(model: ModelSource, cluster: Cluster, old: Plan, config: RecoveryConfig) -> tuple[Plan, float]:
     """The fastest plan of `model` on `cluster` with `old`'s global batch and dtype, and its
     predicted iteration time."""
     from plait.planners.threed import SearchSpace
@@ -328,7 +332,7 @@ def replan(model: Any, cluster: Cluster, old: Plan, config: RecoveryConfig) -> t
 class _Job:
     """What stays the same over `recover`'s phases: its arguments, folders and record."""
 
-    model: Any
+    model: str | ModelSpec  # as `plait.runtime.api.run` takes it
     steps: int
     root: Path
     ck_dir: Path
@@ -358,7 +362,7 @@ class _Ended:
     stopped: float
 
 
-def recover(model: Any, cluster: Any, plan: Any, steps: int, *, run_dir: str | Path,
+def recover(model: str | ModelSpec, cluster: ClusterSource | None, plan: PlanSource, steps: int, *, run_dir: str | Path,
             config: RecoveryConfig | None = None, detect: Detect | None = None, say: Any = None,
             training: TrainingConfig = TrainingConfig(), checkpoint: CheckpointConfig = CheckpointConfig(),
             launch: LaunchConfig = LaunchConfig(), records: RecordsConfig = RecordsConfig(),
@@ -496,8 +500,8 @@ def _isolate(job: _Job, ended: _Ended, failure: RunFailure, plan: Plan, cluster:
     return iso
 
 
-def _check_arguments(config: RecoveryConfig, cluster: Any, checkpoint: CheckpointConfig, launch: LaunchConfig,
-                     records: RecordsConfig) -> None:
+def _check_arguments(config: RecoveryConfig, cluster: ClusterSource | None, checkpoint: CheckpointConfig,
+                     launch: LaunchConfig, records: RecordsConfig) -> None:
     """`recover`'s arguments, checked before any work: what the loop sets itself must not be given."""
     if config.checkpoint_every < 1:
         raise RecoveryError(f"checkpoint_every: the recovery loop resumes from checkpoints; must be >= 1, "

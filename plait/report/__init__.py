@@ -15,15 +15,18 @@ SVG only.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from plait.report.data import ReportData, ReportError, load
 from plait.report.page import render
 
+if TYPE_CHECKING:
+    from plait.cluster.spec import ClusterSource
+
 __all__ = ["ReportData", "ReportError", "load", "render", "write_report"]
 
 
-def write_report(source: str | Path, out: str | Path, model: str | None = None, cluster: Any = None,
+def write_report(source: str | Path, out: str | Path, model: str | None = None, cluster: ClusterSource | None = None,
                  search: str | Path | None = None) -> ReportData:
     """Gather the data of `source` (plan file or run folder), write the page to `out`, return the data.
     `search`: the unified search's file (default: found beside the plan or in the run folder)."""

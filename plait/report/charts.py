@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 from html import escape
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.ir.timeline import Timeline, _resource_sort_key
 from plait.sim.gantt import COLORS
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
 
 GiB = 2**30
 FONT = "font-family:inherit"
@@ -298,7 +301,7 @@ def link_bars(links: list[Any], width: int = 1100, top_n: int = 16) -> str:
     return "".join(parts)
 
 
-def placement(cluster: Any, roles: dict[int, dict[str, Any]], width: int = 1100) -> str:
+def placement(cluster: Cluster, roles: dict[int, dict[str, Any]], width: int = 1100) -> str:
     """Node boxes with their GPUs; a GPU the plan uses is coloured by its pipeline stage and says
     its stage, data-parallel replica and tensor rank; the others are grey."""
     nodes = cluster.nodes

@@ -15,9 +15,14 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.errors import PlaitError
+
+if TYPE_CHECKING:  # the report loads each on use: `plait report --help` stays fast
+    from plait.cluster.spec import Cluster, ClusterSource
+    from plait.ir.opgraph import OpGraph
+    from plait.ir.plan import Plan
 
 
 class ReportError(PlaitError, ValueError):
@@ -66,8 +71,8 @@ class ReportData:
     kind: str  # "plan" | "run"
     model: str  # model spec
     model_config: dict[str, Any]
-    cluster: Any  # plait.cluster.spec.Cluster
-    plan: Any  # plait.ir.plan.Plan
+    cluster: Cluster
+    plan: Plan
     sim: Any  # plait.sim.api.SimResult (predicted)
     params: int | None = None  # parameter count of the model
     run: Any = None  # plait.runtime.api.RunResult (measured), for a run folder
@@ -111,7 +116,7 @@ class ReportData:
         return mem.capacity_bytes[d] - mem.peak_bytes[d], d
 
 
-def load(source: str | Path, model: str | None = None, cluster: Any = None,
+def load(source: str | Path, model: str | None = None, cluster: ClusterSource | None = None,
          search: str | Path | None = None) -> ReportData:
     """The report's data for a plan file or a run folder (module docstring). `model` and `cluster`
     are needed for a plan file and override what a run folder says. `search`: the unified
@@ -138,7 +143,7 @@ def _search(path: Path, given: str | Path | None, notes: list[str]) -> dict[str,
         return None
 
 
-def _load(path: Path, model: str | None, cluster: Any) -> ReportData:
+def _load(path: Path, model: str | None, cluster: ClusterSource | None) -> ReportData:
     if path.is_dir():
         return _from_run(path, model, cluster)
     if not path.is_file():
@@ -152,13 +157,13 @@ def _load(path: Path, model: str | None, cluster: Any) -> ReportData:
     return _assemble(str(path), "plan", model, _cluster(cluster), plan)
 
 
-def _cluster(spec: Any) -> Any:
+def _cluster(spec: ClusterSource) -> Cluster:
     from plait.cluster import load_cluster
 
     return load_cluster(spec)
 
 
-def _from_run(rdir: Path, model: str | None, cluster: Any) -> ReportData:
+def _from_run(rdir: Path, model: str | None, cluster: ClusterSource | None) -> ReportData:
     from plait.ir.plan import Plan
     from plait.runtime.api import load_run
 
@@ -239,7 +244,7 @@ def _diagnosis(rdir: Path, notes: list[str]) -> Any:
         return None
 
 
-def _assemble(source: str, kind: str, model: str, cluster: Any, plan: Any,
+def _assemble(source: str, kind: str, model: str, cluster: Cluster, plan: Plan,
               notes: list[str] | None = None) -> ReportData:
     from plait.graph.resolve import resolve_model
     from plait.sim.api import simulate
@@ -265,7 +270,7 @@ def _assemble(source: str, kind: str, model: str, cluster: Any, plan: Any,
     return data
 
 
-def _assemble_spmd(source: str, kind: str, model: str, cluster: Any, plan: Any, notes: list[str]) -> ReportData:
+def _assemble_spmd(source: str, kind: str, model: str, cluster: Cluster, plan: Plan, notes: list[str]) -> ReportData:
     """The report of a plan with an SPMD program (`plait plan --family spmd`): simulated by the SPMD
     lowering (`plait.sim.api.simulate_spmd_plan`) on the model's aten ops; every rank holds the
     whole model at its share of each op."""
@@ -287,7 +292,7 @@ def _assemble_spmd(source: str, kind: str, model: str, cluster: Any, plan: Any, 
     return data
 
 
-def spmd_traffic(model: str, cluster: Any, plan: Any, notes: list[str]) -> Traffic:
+def spmd_traffic(model: str, cluster: Cluster, plan: Plan, notes: list[str]) -> Traffic:
     """Device x device bytes of one iteration of an SPMD plan: its program's collectives
     (`plait.sim.api.spmd_plan_synthesis`, as `plait simulate` replays it) over the ring of its
     devices, laid out on the NICs as NCCL's rings run (`plait.cost.traffic.program_messages`)."""
@@ -306,7 +311,7 @@ def spmd_traffic(model: str, cluster: Any, plan: Any, notes: list[str]) -> Traff
     return Traffic(devices=sorted(devices), matrix=_device_matrix(flows, sorted(devices)), by_class=by_class)
 
 
-def _ring_layout(cluster: Any) -> tuple[list[int], list[int]]:
+def _ring_layout(cluster: Cluster) -> tuple[list[int], list[int]]:
     """(node of each device, NICs of each node): how `Message.flows` lays a ring on the rails."""
     return [d.node for d in cluster.devices], [max(1, n.nics) for n in cluster.nodes]
 
@@ -321,7 +326,7 @@ def _device_matrix(flows: Any, devices: list[int]) -> list[list[float]]:
     return matrix
 
 
-def roles(graph: Any, plan: Any) -> dict[int, dict[str, Any]]:
+def roles(graph: OpGraph, plan: Plan) -> dict[int, dict[str, Any]]:
     """What each device of the plan does, from the one stage graph: its plan rank, pipeline stage,
     data-parallel replica, tensor rank and the layers it holds."""
     from plait.ir.stage_graph import stage_graph
@@ -339,7 +344,7 @@ def roles(graph: Any, plan: Any) -> dict[int, dict[str, Any]]:
     return out
 
 
-def traffic(graph: Any, plan: Any, cluster: Any, notes: list[str]) -> Traffic:
+def traffic(graph: OpGraph, plan: Plan, cluster: Cluster, notes: list[str]) -> Traffic:
     """Device x device bytes of one iteration (`plait.cost.traffic`) and, on a switched fabric, each
     cable's load along the plan's planned paths or ECMP's (`plait.net`)."""
     from plait.cost.traffic import iteration_traffic

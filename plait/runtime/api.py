@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.ir.formats import check_version
 from plait.ir.opgraph import TP_CUT_ROLES
-from plait.ir.plan import Plan, PlanError, check_plan_for_model
+from plait.ir.plan import Plan, PlanError, PlanSource, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
 from plait.runtime.config import (
@@ -52,6 +52,10 @@ from plait.runtime.partition import (
     load_model_spec,
     model_spec_string,
 )
+
+if TYPE_CHECKING:  # the cluster package loads where a cluster is given
+    from plait.cluster.spec import Cluster, ClusterSource
+    from plait.graph.zoo.registry import ModelSpec
 
 __all__ = ["CheckpointConfig", "FaultsConfig", "LaunchConfig", "RankInfo", "RecordsConfig", "RunFailure",
            "RunResult", "TrainingConfig", "load_run", "run", "rank_layout"]
@@ -140,7 +144,7 @@ class RunResult:
 
 
 # ---------------------------------------------------------------------------------- layout
-def _load_cluster(cluster: Any) -> Any:
+def _load_cluster(cluster: ClusterSource | None) -> Cluster | None:
     if cluster is None:
         return None
     from plait.cluster.spec import Cluster
@@ -152,7 +156,7 @@ def _load_cluster(cluster: Any) -> Any:
     return load_cluster(cluster)
 
 
-def rank_layout(cluster: Any, plan: Plan, dtype: str | None = None) -> list[dict[str, Any]]:
+def rank_layout(cluster: Cluster | None, plan: Plan, dtype: str | None = None) -> list[dict[str, Any]]:
     """Per plan rank: cluster device, node, host name, GPU kind and emulated compute slowdown."""
     world = plan.world_size
     if cluster is None:
@@ -241,7 +245,8 @@ def _agents(layout: list[dict[str, Any]], nets: Any, nprocs_per_node: int | None
 
 
 # ---------------------------------------------------------------------------------- run
-def run(model: Any, cluster: Any = None, plan: Any = "dp=1", steps: int = 3, *,
+def run(model: str | ModelSpec, cluster: ClusterSource | None = None, plan: PlanSource = "dp=1",
+        steps: int = 3, *,
         training: TrainingConfig = TrainingConfig(), checkpoint: CheckpointConfig = CheckpointConfig(),
         launch: LaunchConfig = LaunchConfig(), records: RecordsConfig = RecordsConfig(),
         faults: FaultsConfig = FaultsConfig(), watch: Callable[[], str | None] | None = None) -> RunResult:
@@ -287,8 +292,8 @@ class _Prepared:
 
     plan: Plan
     spec_string: str  # the model, as the workers load it
-    cluster_arg: Any  # as given: names the cluster in the result
-    cluster: Any  # the loaded Cluster (emulation dropped when not emulated), or None
+    cluster_arg: ClusterSource | None  # as given: names the cluster in the result
+    cluster: Cluster | None  # the loaded Cluster (emulation dropped when not emulated), or None
     dtype: str  # the training dtype
     layout: list[dict[str, Any]]  # per plan rank (rank_layout)
     host_plan: dict[str, Any] | None  # real hosts: this node's share (_host_plan)
@@ -303,8 +308,8 @@ class _Prepared:
         return "nccl" if self.use_cuda else "gloo"
 
 
-def _check_inputs(model: Any, plan: Any, steps: int, training: TrainingConfig, checkpoint: CheckpointConfig,
-                  faults: FaultsConfig) -> tuple[Plan, str]:
+def _check_inputs(model: str | ModelSpec, plan: PlanSource, steps: int, training: TrainingConfig,
+                  checkpoint: CheckpointConfig, faults: FaultsConfig) -> tuple[Plan, str]:
     """Phase 1: what the configs cannot check alone (the plan, the model, the resume directory)."""
     plan_obj = Plan.load(plan)
     _check_plan(plan_obj)
@@ -353,7 +358,7 @@ def _check_user_model(spec: Any, plan: Plan, spec_string: str) -> None:
         split_into_stages(module, plan.layers_per_stage)
 
 
-def _resolve(plan_obj: Plan, spec_string: str, cluster: Any, training: TrainingConfig,
+def _resolve(plan_obj: Plan, spec_string: str, cluster: ClusterSource | None, training: TrainingConfig,
              checkpoint: CheckpointConfig, launch: LaunchConfig, records: RecordsConfig) -> _Prepared:
     """Phase 2: the cluster, each rank's place and device, the data and the checkpoint to resume from."""
     cluster_obj = _load_cluster(cluster)
@@ -601,7 +606,7 @@ def _facade_link(f: Any) -> Any:
     return LinkFault(f.rank, f.peer, f.delay_s, f.factor, f.step)
 
 
-def _host_plan(rdzv: Rendezvous, cluster: Any, layout: list[dict[str, Any]], notes: list[str],
+def _host_plan(rdzv: Rendezvous, cluster: Cluster | None, layout: list[dict[str, Any]], notes: list[str],
                return_params: bool = False) -> dict[str, Any]:
     """Real hosts: this node's agent (its workers, its plan ranks when its name is in the cluster
     file) and what the workers will check after the rendezvous (`plait.runtime.multinode`)."""
@@ -626,7 +631,7 @@ def _host_plan(rdzv: Rendezvous, cluster: Any, layout: list[dict[str, Any]], not
             "agents": [agent], "network": network}
 
 
-def _node_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, backend: str,
+def _node_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: ClusterSource | None, backend: str,
                  network: dict[str, Any], notes: list[str]) -> RunResult:
     """Real hosts, a node without plan rank 0: its ranks trained; rank 0's node reports the run."""
     node = json.loads((rdir / "node.json").read_text()) if (rdir / "node.json").exists() else {}
@@ -722,7 +727,7 @@ def stage_balance_note(result: RunResult) -> str | None:
             "a split no planner of plait's picks; `plait plan` balances the stages' times (or set the plan's layers)")
 
 
-def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: Any, backend: str,
+def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: ClusterSource | None, backend: str,
                  network: dict[str, Any], notes: list[str]) -> RunResult:
     path = rdir / "result.json"
     if not path.exists():
@@ -785,7 +790,7 @@ def load_run(run_dir: str | Path) -> RunResult:
                         {}, [])
 
 
-def reference_run(model: Any, plan: Any, steps: int, *, training: TrainingConfig = TrainingConfig()
+def reference_run(model: str | ModelSpec, plan: PlanSource, steps: int, *, training: TrainingConfig = TrainingConfig()
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference: the whole global batch in one forward/backward per step,
     the same initial weights, samples (synthetic, or the stream of `training.data`), optimizer,

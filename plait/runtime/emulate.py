@@ -21,9 +21,12 @@ the other ranks, as a slower GPU would leave the host free.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
 
 DEFAULT_DTYPE = "bf16"
 
@@ -32,7 +35,7 @@ class EmulationError(PlaitError, ValueError):
     """A cluster file whose emulation section cannot be applied."""
 
 
-def compute_slowdown(cluster: Any, device_id: int, dtype: str | None = None) -> float:
+def compute_slowdown(cluster: Cluster, device_id: int, dtype: str | None = None) -> float:
     """Compute slowdown (>= 1) of `device_id` relative to the fastest kind in `cluster`."""
     dtype = dtype or DEFAULT_DTYPE
     devices = cluster.devices
@@ -56,7 +59,7 @@ def compute_slowdown(cluster: Any, device_id: int, dtype: str | None = None) -> 
     return max(1.0, fastest / own)
 
 
-def slowdowns(cluster: Any, dtype: str | None = None) -> list[float]:
+def slowdowns(cluster: Cluster, dtype: str | None = None) -> list[float]:
     """`compute_slowdown` for every device, indexed by device id."""
     return [compute_slowdown(cluster, d.id, dtype) for d in cluster.devices]
 

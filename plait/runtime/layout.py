@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from plait.ir.plan import Plan
+from plait.ir.plan import Plan, PlanSource
 from plait.runtime.partition import (
     MicroBatch,
     Stage,
@@ -273,7 +273,7 @@ class EngineVerdict:
         return self.engine is not None
 
 
-def engine_for(plan: Any, run: dict[str, Any] | None = None) -> EngineVerdict:
+def engine_for(plan: PlanSource, run: dict[str, Any] | None = None) -> EngineVerdict:
     """The engine that runs `plan` (by its form: composed stages, one SPMD program, or a 3D grid /
     stage graph), or why none can, naming the field. The one place that decides both: the worker
     entry builds this engine, and `api.run` refuses a plan without one before any process starts.
@@ -320,7 +320,7 @@ def torch_runs(plan: Plan, run: dict[str, Any]) -> str:
     return ""
 
 
-def supports(plan: Any) -> tuple[bool, str]:
+def supports(plan: PlanSource) -> tuple[bool, str]:
     """(True, "") when the runtime can run `plan`, else (False, the reason naming the field)."""
     verdict = engine_for(plan)
     return verdict.ok, verdict.reason

@@ -30,9 +30,12 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
 
 RANK_ENV = "PLAIT_PLAN_RANK"  # set once the mapping is known (the forked worker inherits it)
 HOSTS_ERROR = "hosts_error.json"  # run-dir file: the mapping/check verdict, read by the launcher
@@ -107,7 +110,7 @@ def from_slurm(env: Mapping[str, str], port: int | None = None) -> Rendezvous | 
 
 
 # ---------------------------------------------------------------------------------- cluster side
-def cluster_nodes(cluster: Any, layout: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def cluster_nodes(cluster: Cluster | None, layout: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The cluster file's nodes that hold plan ranks, in file order: name, plan ranks (by local
     device), local device index per rank, and what the file says of the node's GPUs."""
     out: list[dict[str, Any]] = []

@@ -46,10 +46,14 @@ import subprocess
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.cluster.topology import bandwidth_matrix, latency_matrix
 from plait.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
+    from plait.ir.plan import Plan
 
 log = logging.getLogger("plait.runtime.netns")
 
@@ -166,7 +170,7 @@ def cleanup_stale(prefix: str = "plait") -> list[str]:
     return removed
 
 
-def _used_nodes(cluster: Any, plan_or_world: Any) -> list[int]:
+def _used_nodes(cluster: Cluster, plan_or_world: Plan | int) -> list[int]:
     """Cluster node indices that host a rank of the run, in order."""
     devices = cluster.devices
     if isinstance(plan_or_world, int):
@@ -184,7 +188,8 @@ def _used_nodes(cluster: Any, plan_or_world: Any) -> list[int]:
     return sorted({devices[d].node for d in ids})
 
 
-def node_links(cluster: Any, nodes: Sequence[int]) -> tuple[dict[int, float], dict[tuple[int, int], tuple[float, float]]]:
+def node_links(cluster: Cluster, nodes: Sequence[int]
+               ) -> tuple[dict[int, float], dict[tuple[int, int], tuple[float, float]]]:
     """Unscaled (uplink per node, (bandwidth, latency) per ordered node pair) for `nodes`.
 
     The pair figure is the slowest device pair between the two nodes in the cluster's
@@ -319,7 +324,7 @@ def already_reported(note: str) -> bool:
     return bool(text) and any(w.endswith(text) for w in _WARNED)
 
 
-def _build(builder: _Builder, cluster: Any, nodes: list[int], scale: float,
+def _build(builder: _Builder, cluster: Cluster, nodes: list[int], scale: float,
            slow_links: dict[tuple[int, int], float] | None = None) -> EmulatedNetwork:
     br_ns = builder.ns("br")
     builder.add_ns(br_ns)
@@ -393,7 +398,7 @@ def namespaces_possible() -> tuple[bool, str]:
 
 
 @contextlib.contextmanager
-def emulated_network(cluster: Any, plan_or_world: Any, *, prefix: str = "plait",
+def emulated_network(cluster: Cluster, plan_or_world: Plan | int, *, prefix: str = "plait",
                      slow_links: dict[tuple[int, int], float] | None = None) -> Iterator[EmulatedNetwork]:
     """One shaped network namespace per node the run uses; yields an `EmulatedNetwork` (a list of NodeNet).
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -28,6 +28,10 @@ from torch import nn
 
 from plait.errors import PlaitError
 from plait.ir.stage_graph import Chunk, segment_edges
+
+if TYPE_CHECKING:
+    from plait.graph.zoo.registry import ModelSpec
+    from plait.ir.plan import Plan
 
 
 class RuntimeSetupError(PlaitError, ValueError):
@@ -58,7 +62,7 @@ def build_seeded(spec: Any, seed: int) -> nn.Module:
     return model
 
 
-def load_model_spec(spec: Any) -> Any:
+def load_model_spec(spec: str | ModelSpec) -> Any:
     """A ModelSpec (build, sample_batch, loss) from a zoo string, `file.py:factory`, or a ModelSpec."""
     if _looks_like_spec(spec):
         return spec
@@ -67,7 +71,7 @@ def load_model_spec(spec: Any) -> Any:
     return load_model(spec)
 
 
-def model_spec_string(spec: Any) -> str:
+def model_spec_string(spec: str | ModelSpec) -> str:
     """The string a worker process can load `spec` from (workers cannot receive Python objects)."""
     if isinstance(spec, str):
         return spec
@@ -132,7 +136,7 @@ class MicroBatch:
     size: int
 
 
-def stage_micro_batches(plan: Any, step: int, stage: int, replica: int = 0) -> list[MicroBatch]:
+def stage_micro_batches(plan: Plan, step: int, stage: int, replica: int = 0) -> list[MicroBatch]:
     """Micro-batches replica `replica` of stage `stage` of a graph plan (`Plan.stages`) runs at
     `step`: the stage graph's rule for a stage DAG (`plait.ir.stage_graph.deal_micro_batches`:
     the batch cut at the stage's micro-batch size, dealt to its replicas in turn)."""
@@ -145,7 +149,7 @@ def stage_micro_batches(plan: Any, step: int, stage: int, replica: int = 0) -> l
     return [MicroBatch(u.index, base + u.first, u.size) for u in units]
 
 
-def replica_micro_batches(plan: Any, step: int, dp_index: int, micro_batch: int | None = None) -> list[MicroBatch]:
+def replica_micro_batches(plan: Plan, step: int, dp_index: int, micro_batch: int | None = None) -> list[MicroBatch]:
     """Micro-batches replica `dp_index` runs at `step`.
 
     The replica owns a contiguous range of the step's global batch (its share from

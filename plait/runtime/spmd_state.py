@@ -24,7 +24,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
 from plait.runtime.clip import GradClipper
 from plait.runtime.sharded_state import RankLayout, Segment
 from plait.runtime.tensor_parallel import ShardInfo
+
+if TYPE_CHECKING:
+    from plait.ir.plan import Plan
 
 
 class SpmdStep:
@@ -130,7 +133,7 @@ class ProgramCheckpoints:
     restoring. The worker provides `cfg`, `plan`, `rank`, `world`, `comm`, `hb`, `rec` and `layout`."""
 
     cfg: dict[str, Any]
-    plan: Any  # plait.ir.plan.Plan
+    plan: Plan
     rank: int
     world: int
     comm: Any  # plait.runtime.comm.Comm

@@ -41,7 +41,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -59,6 +59,10 @@ from plait.planners.types import (
     auto_dtype,
 )
 from plait.workers import map_parallel
+
+if TYPE_CHECKING:
+    from plait.cost.compute import ComputeModel
+    from plait.graph.resolve import ModelSource
 
 _CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
 # (estimate, index, groups, micro-batch, split): a composed option, ranked by `pipeline_estimate`
@@ -191,7 +195,7 @@ def pipeline_estimate(opgraph: Any, groups: list[list[int]], times: np.ndarray, 
 
 
 def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int, dtype: str,
-                launch_floor: bool = False, model: Any = None) -> np.ndarray:
+                launch_floor: bool = False, model: ComputeModel | None = None) -> np.ndarray:
     """times[p, i]: layer i's forward + backward on stage p's group, its GPUs' rates summed
     (`plait.cost.compute.layer_cost` per kind): what the layer split balances. With
     `launch_floor`, no less than the host time of the slowest-launching GPU: each GPU of a group
@@ -203,7 +207,8 @@ def layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_bat
 
 
 def _group_layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, micro_batch: int,
-                       dtype: str, costs: dict | None = None, model: Any = None) -> tuple[np.ndarray, np.ndarray]:
+                       dtype: str, costs: dict | None = None, model: ComputeModel | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
     """(summed-rate times, slowest GPU's host times), each [stage, layer]: `layer_times`' two parts.
     `costs` keeps each (layer, kind, micro-batch, dtype)'s cost for the next grouping (a search
     prices hundreds of groupings of the same few kinds). `model`: the compute model (default: the
@@ -305,7 +310,7 @@ def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 3) -> list[int
     return sorted(fits, reverse=True)[:sizes]
 
 
-def search_compose(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+def search_compose(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
                    simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                    compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
                    max_devices: int = MAX_PROGRAM_DEVICES, max_stages: int = 4, candidates: int = 6,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
@@ -26,6 +26,9 @@ from plait.planners.types import MAX_PROGRAM_DEVICES, PlanResult, SearchError, S
 from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
 from plait.workers import paused_gc
+
+if TYPE_CHECKING:
+    from plait.graph.resolve import ModelSource
 
 # One planner family: `(model, cluster, *, global_batch, top, simulator, supports, compute,
 # **options) -> PlanResult` (raises a PlaitError when it has nothing to propose); each takes its own
@@ -61,7 +64,7 @@ def register_family(name: str, search: FamilySearch, options: Iterable[str] = ()
     FAMILIES[name] = (search, frozenset(options))
 
 
-def _search_3d(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+def _search_3d(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
                simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                compute: Any, **options: Any) -> PlanResult:
     """The 3D family (`plait.planners.threed.search_3d`), its finalists timed by `simulator.evaluate`."""
@@ -73,7 +76,7 @@ def _search_3d(model: Any, cluster: Cluster, *, global_batch: int | None, top: i
 register_family("3d", _search_3d, _3D_OPTIONS)
 
 
-def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+def _search_graph(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
                   simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                   compute: Any, runnable: bool = False, chains: bool = True,
                   chains_max_devices: int | None = None, **options: Any) -> PlanResult:
@@ -81,11 +84,11 @@ def _search_graph(model: Any, cluster: Cluster, *, global_batch: int | None, top
     plans, data-parallel stages of any degree included; with `runnable=True` (`plait plan --run`)
     the runtime's `supports` filter drops any it would refuse."""
     from plait.planners.graph_search import search_graph
-    from plait.planners.types import load_graph
+    from plait.planners.types import DEFAULT_MODEL, load_graph
 
     too_many = chains_max_devices is not None and cluster.num_devices > chains_max_devices
     if not chains or too_many:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
-        graph = load_graph(model, options.get("dtype") or "bf16")[1]
+        graph = load_graph(DEFAULT_MODEL if model is None else model, options.get("dtype") or "bf16")[1]
         outs: dict[str, int] = {}
         ins: dict[str, int] = {}
         for a, b in graph.layer_edges:
@@ -124,9 +127,10 @@ def resolve_families(families: str | Sequence[str] | None) -> list[str]:
     return names
 
 
-def search_plans(model: Any, cluster: Cluster, *, simulator: Simulator | None, global_batch: int | None = None,
-                 top: int = 5, compute: Any = None, families: str | Sequence[str] | None = "3d",
-                 family: str | None = None, **kwargs: Any) -> PlanResult:
+def search_plans(model: ModelSource | None, cluster: Cluster, *, simulator: Simulator | None,
+                 global_batch: int | None = None, top: int = 5, compute: Any = None,
+                 families: str | Sequence[str] | None = "3d", family: str | None = None,
+                 **kwargs: Any) -> PlanResult:
     """The fastest plans of `model` on `cluster` for `global_batch` over the planner `families`
     ("all", a name or a list; see FAMILIES), ranked by `simulator` (the layer above builds it for
     `cluster`: `plait.sim.api.PlanSimulator`; None: by each family's analytic model alone). Other keyword arguments go to the families that take them
@@ -179,7 +183,7 @@ def _one_kind(cluster: Cluster) -> bool:
     return len({k for node in cluster.nodes for k in node.gpus}) <= 1
 
 
-def _search_families(names: list[str], model: Any, cluster_obj: Cluster, common: dict[str, Any],
+def _search_families(names: list[str], model: ModelSource | None, cluster_obj: Cluster, common: dict[str, Any],
                      kwargs: dict[str, Any], show: bool, callback: Any,
                      graph_chains: str = "always") -> dict[str, PlanResult | str]:
     """Each family's result, or why it proposed nothing (raised when it is the only family)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.cluster.spec import Cluster
 from plait.ir.plan import Plan
@@ -34,6 +34,9 @@ from plait.planners.types import (
     Simulator,
     auto_dtype,
 )
+
+if TYPE_CHECKING:
+    from plait.graph.resolve import ModelSource
 
 OVERLAP_WEIGHTS = (1.0, 0.0)  # gradient collectives counted in full / as hidden; the simulator picks
 
@@ -69,7 +72,7 @@ def synthesize_program(problem: Any, simulator: Simulator | None, *, batch: int,
     return syn, (best if syn.fits else None), form
 
 
-def search_spmd(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
+def search_spmd(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
                 simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                 compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
                 max_devices: int = MAX_PROGRAM_DEVICES, runnable: bool = False) -> PlanResult:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from plait.cluster.spec import Cluster
+from plait.cluster.spec import Cluster, ClusterSource
 from plait.cost.compute import recompute_flops
 from plait.cost.program import ProgramStage
 from plait.errors import PlaitError
-from plait.graph.resolve import resolve_model
+from plait.graph.resolve import ModelSource, resolve_model
 from plait.ir.opgraph import OpGraph
-from plait.ir.plan import Plan, check_plan_for_model
+from plait.ir.plan import Plan, PlanSource, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.net.paths import from_plan_field
 from plait.net.view import ClusterView
@@ -130,7 +131,7 @@ class SimResult:
 
 
 # ---------------------------------------------------------------- resolution
-def resolve_plan(plan: Any) -> Plan:
+def resolve_plan(plan: PlanSource | dict[str, Any]) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, Path)):
@@ -140,12 +141,12 @@ def resolve_plan(plan: Any) -> Plan:
     raise SimulateError(f"plan: expected a Plan, a short string or a JSON path, got {type(plan).__name__}")
 
 
-def resolve_cluster(cluster: Any) -> ClusterView:
+def resolve_cluster(cluster: ClusterSource | ClusterView) -> ClusterView:
     if isinstance(cluster, ClusterView):
         return cluster
     if isinstance(cluster, Cluster):
         return ClusterView.from_cluster(cluster)
-    if isinstance(cluster, (str, Path)):
+    if isinstance(cluster, (str, os.PathLike)):
         try:
             from plait.cluster import load_cluster
         except ImportError:
@@ -155,7 +156,8 @@ def resolve_cluster(cluster: Any) -> ClusterView:
 
 
 # ---------------------------------------------------------------- simulate
-def simulate(model: Any, cluster: Any, plan: Any, *, inputs: Any = None, options: SimOptions | None = None,
+def simulate(model: ModelSource, cluster: ClusterSource | ClusterView, plan: PlanSource | dict[str, Any], *,
+             inputs: Any = None, options: SimOptions | None = None,
              analytic: bool | None = None, memory: bool = True, memory_options: dict[str, Any] | None = None,
              **option_overrides: Any) -> SimResult:
     """Predict one training iteration (see module docstring). Keyword overrides go to `SimOptions`
@@ -400,7 +402,7 @@ def _result(graph: OpGraph, plan: Plan, view: ClusterView, lowered: Lowered, sch
 # ---------------------------------------------------------------- composed plans
 def simulate_compose(stages: list[ProgramStage], edges: list[tuple[int, int]],
                      bytes_per_sample: dict[tuple[int, int], float], micro_batches: int, micro_batch: int,
-                     cluster: Any, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
+                     cluster: ClusterSource | ClusterView, *, schedule: str = "1f1b", bucket_bytes: float | None = 25e6,
                      fixed_costs: bool = True, tied: Sequence[tuple[int, int, float]] = (),
                      memory: list[int] | None = None, name: str = "compose", flops: float = 0.0) -> Any:
     """Predict one iteration of a composed plan with the one engine; a `plait.sim.api.SimResult`.
@@ -438,9 +440,9 @@ def simulate_compose(stages: list[ProgramStage], edges: list[tuple[int, int]],
 
 
 # ---------------------------------------------------------------- SPMD programs (HAP)
-def simulate_spmd(problem: Any, synthesis: Any, cluster: Any, *, bucket_bytes: float | None = 25e6,
-                  batch: int | None = None, name: str = "spmd", device_scale: Any = None,
-                  fixed_costs: bool = True, mesh: Any = None) -> SimResult:
+def simulate_spmd(problem: Any, synthesis: Any, cluster: ClusterSource | ClusterView, *,
+                  bucket_bytes: float | None = 25e6, batch: int | None = None, name: str = "spmd",
+                  device_scale: Any = None, fixed_costs: bool = True, mesh: Any = None) -> SimResult:
     """Predict one iteration of a synthesized SPMD program (`plait.cost.program.Synthesis`:
     program, ratios, per-segment ratios, memory) of `problem` (`plait.cost.program.Problem`) on
     `cluster`, lowered as a one-stage plan (`plait.sim.lowering.spmd.lower_spmd`) and run by the same engine as `simulate`.
@@ -533,7 +535,7 @@ class SpmdMemory:
                 for name, m, c in zip(self.names, self.peak_bytes, self.capacity_bytes) if m > c * (1 + 1e-9)]
 
 
-def spmd_plan_synthesis(model: Any, view: ClusterView, plan: Plan, optimizer: str = "adam",
+def spmd_plan_synthesis(model: ModelSource, view: ClusterView, plan: Plan, optimizer: str = "adam",
                         overhead: float | None = None) -> tuple[Any, Any]:
     """(Problem, Synthesis) of a plan with an SPMD program (`Plan.spmd`): the model captured at the
     plan's global batch (op names as `plait plan --family spmd` and `plait run` capture them), the
@@ -587,7 +589,8 @@ def _program_memory_options(options: dict[str, Any] | None) -> tuple[str, float 
     return str(opts.get("optimizer", "adam")), overhead
 
 
-def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_options: dict[str, Any] | None = None
+def simulate_composed_plan(model: ModelSource, cluster: ClusterSource | ClusterView,
+                           plan: PlanSource | dict[str, Any], *, memory_options: dict[str, Any] | None = None
                            ) -> SimResult:
     """`simulate` of a composed plan (stages that run SPMD programs, `StageSpec.spmd`): each
     stage's program replayed on its aten sub-graph (`plait.sim.replay.composed_stages`), lowered by
@@ -613,7 +616,8 @@ def simulate_composed_plan(model: Any, cluster: Any, plan: Any, *, memory_option
     return res
 
 
-def simulate_spmd_plan(model: Any, cluster: Any, plan: Any, *, memory_options: dict[str, Any] | None = None
+def simulate_spmd_plan(model: ModelSource, cluster: ClusterSource | ClusterView,
+                       plan: PlanSource | dict[str, Any], *, memory_options: dict[str, Any] | None = None
                        ) -> SimResult:
     """`simulate` of a plan with an SPMD program (`plait simulate --plan FILE`): `spmd_plan_synthesis`
     lowered by `simulate_spmd`, gradients all-reduced one tensor at a time as the runtime's per-rank

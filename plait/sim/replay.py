@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,12 +26,16 @@ from plait.ir.aten_graph import AtenGraph
 from plait.ir.plan import Plan
 from plait.ir.program import SpmdProgram
 
+if TYPE_CHECKING:
+    from plait.cluster.spec import Cluster
+    from plait.graph.resolve import ModelSource
+
 
 class ReplayError(PlaitError, ValueError):
     """A plan's program that does not fit the model it is simulated on; the message names the field."""
 
 
-def model_spec(model: Any, what: str) -> Any:
+def model_spec(model: ModelSource, what: str) -> Any:
     """The zoo `ModelSpec` of `model` (a spec string, file.py:factory, or a spec object): programs
     are replayed on the model's aten ops, which an OpGraph does not have."""
     from plait.graph.zoo import load_model
@@ -94,7 +98,7 @@ class ComposedReplay:
     flops: float  # model FLOPs of the iteration
 
 
-def composed_stages(model: Any, cluster: Any, plan: Plan, optimizer: str = "adam",
+def composed_stages(model: ModelSource, cluster: Cluster, plan: Plan, optimizer: str = "adam",
                     overhead: float | None = None) -> ComposedReplay:
     """A composed plan's stage programs replayed on the model (module docstring): each stage's
     aten sub-graph at its micro-batch on its devices, its program replayed, its memory with the
