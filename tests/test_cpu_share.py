@@ -112,3 +112,25 @@ def test_launcher_moves_a_namespaced_worker_into_its_rank_group(tmp_path: Path) 
         finally:
             proc.kill()
             proc.wait()
+
+
+def test_a_worker_pinned_to_one_cpu_runs_one_thread():
+    """A rank joined to a one-CPU cpuset (`plait run --predict`) must not keep more OpenMP threads
+    than CPUs: two threads on one core spin-wait on each other (`make demo` ran 25x slower)."""
+    import os
+
+    import torch
+
+    from plait.runtime.entry import fit_threads_to_cpus
+
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        os.sched_setaffinity(0, {min(cpus)})
+        torch.set_num_threads(2)
+        assert fit_threads_to_cpus() == 1 and torch.get_num_threads() == 1
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+        assert fit_threads_to_cpus() == len(cpus)  # never more than it had
+    finally:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
