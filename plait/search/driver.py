@@ -22,7 +22,13 @@ from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
 from plait.ir.plan import Plan
 from plait.planners.threed import Progress, search_3d
-from plait.planners.types import MAX_PROGRAM_DEVICES, PlanResult, SearchError, Simulator
+from plait.planners.types import (
+    DEFAULT_MODEL,
+    MAX_PROGRAM_DEVICES,
+    PlanResult,
+    SearchError,
+    Simulator,
+)
 from plait.search.compose_family import search_compose
 from plait.search.spmd_family import search_spmd
 from plait.workers import paused_gc
@@ -76,7 +82,7 @@ def _search_3d(model: ModelSource | None, cluster: Cluster, *, global_batch: int
 register_family("3d", _search_3d, _3D_OPTIONS)
 
 
-def _search_graph(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
+def _search_graph(model: ModelSource, cluster: Cluster, *, global_batch: int | None, top: int,
                   simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
                   compute: Any, runnable: bool = False, chains: bool = True,
                   chains_max_devices: int | None = None, **options: Any) -> PlanResult:
@@ -84,11 +90,11 @@ def _search_graph(model: ModelSource | None, cluster: Cluster, *, global_batch: 
     plans, data-parallel stages of any degree included; with `runnable=True` (`plait plan --run`)
     the runtime's `supports` filter drops any it would refuse."""
     from plait.planners.graph_search import search_graph
-    from plait.planners.types import DEFAULT_MODEL, load_graph
+    from plait.planners.types import load_graph
 
     too_many = chains_max_devices is not None and cluster.num_devices > chains_max_devices
     if not chains or too_many:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
-        graph = load_graph(DEFAULT_MODEL if model is None else model, options.get("dtype") or "bf16")[1]
+        graph = load_graph(model, options.get("dtype") or "bf16")[1]
         outs: dict[str, int] = {}
         ins: dict[str, int] = {}
         for a, b in graph.layer_edges:
@@ -146,6 +152,7 @@ def search_plans(model: ModelSource | None, cluster: Cluster, *, simulator: Simu
     from plait.runtime import supports
 
     t0 = time.perf_counter()
+    model = DEFAULT_MODEL if model is None else model  # resolved here once, for every family
     names = resolve_families(family if family is not None else families)
     if kwargs.get("graph_chains", "always") not in GRAPH_CHAINS:
         raise SearchError(f"plan: graph_chains={kwargs['graph_chains']!r}; use one of {list(GRAPH_CHAINS)}")
