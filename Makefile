@@ -2,7 +2,7 @@
 #   make demo   -- install everything, then plan (and run) the built-in default and write
 #                  demo/report.html, the report page of a recorded run of the chosen plan
 #   make test   -- install everything, then ruff + the import contracts + the type checker (mypy,
-#                  [tool.mypy] in pyproject.toml) + the test suite (TEST_WORKERS=2 for two processes)
+#                  [tool.mypy] in pyproject.toml) + the test suite (two processes; TEST_WORKERS=0 for one)
 #   make frameworks -- also install DeepSpeed and torchtitan (CPU): the export tests then check the
 #                  exported configs with their own config code (skipped without them)
 #   make browser -- install headless Chromium (Debian package): the report tests then render
@@ -28,10 +28,10 @@ demo: setup
 	$(PY) -m plait.cli report $(DEMO)/run --search $(DEMO)/plan.search.json -o $(DEMO)/report.html
 
 # Test processes (pytest-xdist; 0: one process, no workers). Two took the suite from 758 s to 522-537 s
-# on 2 cores (2026-12-07), but one run in three failed: a launcher's torchrun lost its rendezvous port
-# (EADDRINUSE) to the other process between `launch.free_port` and its bind. Until the launcher retries
-# on that, one process: `make test TEST_WORKERS=2` runs two.
-TEST_WORKERS ?= 0
+# on 2 cores (2026-12-07). Rendezvous ports are drawn below the kernel's ephemeral range
+# (plait.net.ports) and a run whose store lost its port before any worker started starts again
+# (plait.runtime.launch), so two processes side by side no longer take each other's ports.
+TEST_WORKERS ?= 2
 
 test: setup
 	$(PY) -m ruff check plait tests bench

@@ -4,7 +4,6 @@ uneven shares, equal to one process (fp32 gradients of the global batch's mean l
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from plait.ir.plan import Plan
+from plait.net.ports import free_port
 
 BATCH = 8
 
@@ -31,12 +31,6 @@ def _reference() -> dict[str, torch.Tensor]:
     x, y = _data()
     nn.functional.mse_loss(model(x), y).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, plan: Plan, how: str, out, log_dir) -> None:
@@ -75,7 +69,7 @@ def _rank_main(rank: int, port: int, plan: Plan, how: str, out, log_dir) -> None
 def _run(plan: Plan, how: str, log_dir=None) -> list[dict]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, plan, how, out, log_dir)) for r in range(plan.dp)]
     for p in procs:
         p.start()

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from plait.cli import main as cli_main
+from plait.net.ports import free_port
 from plait.runtime.api import FaultsConfig, LaunchConfig, RecordsConfig, reference_run, run
-from plait.runtime.launch import RunFailure, free_port
+from plait.runtime.launch import RunFailure
 from plait.runtime.multinode import HostMismatch, Rendezvous
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_spmd_program import BATCH, RATIOS, _free_port, captured, synthesized
+from test_spmd_program import BATCH, RATIOS, captured, synthesized
+
+from plait.net.ports import free_port
 
 NAME = "bert"  # tied embedding (one whole leaf), sharded and replicated parameters
 CLIP = 0.05  # below every step's gradient norm: the clipping acts
@@ -96,7 +98,7 @@ def _rank_main(rank: int, port: int, program, start: int, root: str, out) -> Non
 def train_two_ranks(program, start: int, root: Path) -> list[tuple]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, program, start, str(root), out)) for r in range(2)]
     for p in procs:
         p.start()

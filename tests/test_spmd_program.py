@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import multiprocessing as mp
 import random
-import socket
 import traceback
 
 import numpy as np
@@ -21,6 +20,7 @@ from plait.graph.aten_capture import capture_aten
 from plait.graph.sharding import strategies
 from plait.graph.zoo import load_model
 from plait.ir.program import PARTIAL, REPLICATED, ShardingError, Strategy, conversion, shard_dim
+from plait.net.ports import free_port
 
 MODELS = {
     "bert": "bert:layers=1,hidden=24,heads=4,seq=8,vocab=40,dropout=0,attn_dropout=0",
@@ -127,12 +127,6 @@ def synthesized_problem(graph):
 
 
 # ----------------------------------------------------------------------------- two gloo ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, port: int, name: str, program, out, log_dir=None) -> None:
     try:
         from pathlib import Path
@@ -165,7 +159,7 @@ def _rank_main(rank: int, port: int, name: str, program, out, log_dir=None) -> N
 def run_two_ranks(name: str, program, log_dir=None) -> list[tuple]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, name, program, out, log_dir)) for r in range(2)]
     for p in procs:
         p.start()

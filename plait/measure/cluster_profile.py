@@ -44,7 +44,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from plait.cost.collectives import bus_factor
 from plait.errors import PlaitError
+from plait.net.ports import free_port
 
 if TYPE_CHECKING:
     from plait.cluster.spec import ClusterSource
@@ -540,12 +540,6 @@ class LocalNode:
         return {"GLOO_SOCKET_IFNAME": "lo"}  # keep gloo off the machine's outside interface
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_args(cfg: ProfileConfig, result_path: str) -> list[str]:
     args = ["--worker", "--result", result_path,
             "--sizes", ",".join(map(str, cfg.sizes)),
@@ -577,7 +571,7 @@ def launch(nprocs_per_node: Sequence[int], cfg: ProfileConfig, nets: Sequence[An
         raise ProfileError(f"{len(cfg.slowdowns)} slowdown factors for {world} ranks")
     isolated = any(getattr(n, "namespace", None) for n in nets)
     master = nets[0].ip
-    port = 29517 if isolated else _free_port()  # node 0's namespace is fresh: any fixed port is free
+    port = 29517 if isolated else free_port()  # node 0's namespace is fresh: any fixed port is free
     tmp = tempfile.TemporaryDirectory(prefix="plait-profile-") if workdir is None else None
     wd = Path(workdir or tmp.name)
     wd.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,11 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.net.ports import free_port
 from plait.runtime.multinode import HOSTS_ERROR, NODE_FILE, HostMismatch, Rendezvous
 
 # Phases before training (imports, rendezvous, model build) and checkpoint writes may legitimately
 # take longer than one step: they get the startup allowance instead of `timeout`.
 STARTUP_PHASES = ("start", "init", "build", "resume", "checkpoint")
+# torchrun's static rendezvous found its store's port taken (TCPStore: EADDRINUSE) before any worker
+# started: the run starts again on another port, at most this many times.
+PORT_RETRIES = 3
 
 
 class RunFailure(PlaitError, RuntimeError):
@@ -103,6 +106,8 @@ class Launcher:
     watch_every: float = 0.5
     _running: list[_Agent] = field(default_factory=list)
     _joined: set[int] = field(default_factory=set)  # ranks moved into their cpu cgroup (`_join_cgroups`)
+    port: int = 0  # the static rendezvous's store port of the current start (0: c10d rendezvous)
+    restarts: int = 0  # starts again because the store's port was taken (`_port_taken`)
 
     # ------------------------------------------------------------------ start
     def _torchrun_args(self, k: int, port: int) -> list[str]:
@@ -120,8 +125,9 @@ class Launcher:
                 "--max-restarts=0", "--monitor-interval=0.1", f"--start-method={self.start_method}",
                 "-m", "plait.runtime.entry", str(self.config_path)]
 
-    def start(self) -> None:
-        port = 0 if self.rdzv is not None else \
+    def start(self, note: str = "") -> None:
+        """Start every agent; `note` (if any) goes into agent 0's log below its command line."""
+        self.port = port = 0 if self.rdzv is not None else \
             free_port() if self.agents[0].namespace is None else 29400 + os.getpid() % 1000
         env = {**os.environ, **self.env}
         root = str(Path(__file__).resolve().parents[2])
@@ -135,6 +141,8 @@ class Launcher:
                 cmd = ["ip", "netns", "exec", spec.namespace, *cmd]
             with open(log, "wb") as fh:
                 fh.write(("# " + " ".join(cmd) + "\n").encode())  # the torchrun command line, for reruns by hand
+                if note and k == 0:
+                    fh.write(f"# {note}\n".encode())
                 fh.flush()
                 proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**env, **spec.env},
                                         cwd=os.getcwd(),
@@ -153,6 +161,10 @@ class Launcher:
                     a.exit_code = c
                 if all(c == 0 for c in codes):
                     return
+                if any(c not in (None, 0) for c in codes) and self._port_taken():
+                    self._restart()
+                    started = time.time()
+                    continue
                 if any(c not in (None, 0) for c in codes):
                     seen = time.time()
                     self._drain(grace=5.0)
@@ -178,6 +190,28 @@ class Launcher:
         except KeyboardInterrupt:
             self.stop()
             raise
+
+    def _port_taken(self) -> bool:
+        """Agent 0's store could not listen on its port (another process bound it between
+        `free_port` and torchrun) and no worker has started: nothing ran, so the run can start again."""
+        if self.rdzv is not None or self.agents[0].namespace is not None or self.restarts >= PORT_RETRIES:
+            return False
+        if self._running[0].proc.poll() in (None, 0) or self._heartbeats():
+            return False
+        return "EADDRINUSE" in _tail(self._running[0].log, 4000)
+
+    def _restart(self) -> None:
+        """Stop the agents, keep their logs beside the new ones, and start again on a new port."""
+        self.stop()
+        self.restarts += 1
+        for a in self._running:
+            a.log.replace(a.log.with_name(f"{a.log.stem}.port{self.port}.log"))
+            a.failures.unlink(missing_ok=True)
+        taken = self.port
+        self._running.clear()
+        self._joined.clear()
+        self.start(note=f"started again: port {taken} was taken before the store bound it "
+                        f"(agent logs of that start: *.port{taken}.log)")
 
     def _drain(self, grace: float) -> None:
         """After one agent failed: let torchrun stop its workers, then kill what is left."""
@@ -433,12 +467,6 @@ class Launcher:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tail(path: Path, size: int = 20000) -> str:
     try:
         with open(path, "rb") as fh:
