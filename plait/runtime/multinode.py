@@ -70,6 +70,24 @@ class Rendezvous:
             raise PlaitError(f"--nproc-per-node: must be >= 1, got {self.nproc}")
 
 
+@dataclass(frozen=True)
+class HostNode:
+    """A node of the cluster file that holds plan ranks, as the hosts that join are checked against it."""
+
+    name: str
+    """Its name in the cluster file."""
+    ranks: tuple[int, ...]
+    """Its plan ranks, by local GPU index."""
+    local: tuple[int, ...]
+    """The local GPU index of each of `ranks`."""
+    gpus: int
+    """GPUs the cluster file gives it."""
+    kinds: tuple[str, ...]
+    """The GPU kind of each of its GPUs."""
+    memory: tuple[int, ...]
+    """The memory (bytes) of each of its GPUs."""
+
+
 # ---------------------------------------------------------------------------------- Slurm
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm hostlist: 'gpu[03-05,9],cpu1' -> 'gpu03' (zero padding kept)."""
