@@ -13,8 +13,10 @@ import pytest
 
 from plait.ir.formats import FORMAT_VERSIONS
 from plait.ir.plan import Plan
+from plait.runtime.api import load_run
 from plait.runtime.comm import LinkFault
 from plait.runtime.inject import Injection
+from plait.runtime.launch import RunFailure
 from plait.runtime.lr import LRSchedule
 from plait.runtime.multinode import HostNode
 from plait.runtime.worker_config import (
@@ -123,3 +125,8 @@ def test_a_bad_value_inside_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(WorkerConfigError, match="config.json: cannot read the worker config"):
         read_worker_config(tmp_path / "absent" / "config.json")
 
+
+def test_load_run_refuses_a_config_of_another_plait_naming_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, {**_config(tmp_path).to_dict(), "format_version": 99})
+    with pytest.raises(RunFailure, match=re.escape(f"{path}: worker config format_version 99")):
+        load_run(tmp_path)
