@@ -11,6 +11,7 @@ from plait.ir.plan import Plan
 from plait.runtime.api import rank_layout
 from plait.runtime.multinode import (
     HostMismatch,
+    HostNode,
     Rendezvous,
     assign_nodes,
     check_hosts,
@@ -30,7 +31,7 @@ nodes:
 
 
 @pytest.fixture
-def nodes() -> list[dict]:
+def nodes() -> list[HostNode]:
     cluster = parse_yaml_text(CLUSTER, source="mixed.yaml")
     return cluster_nodes(cluster, rank_layout(cluster, Plan.load("pp=3,global_batch=6")))
 
@@ -71,8 +72,8 @@ def test_rendezvous_options_are_checked() -> None:
         Rendezvous(nnodes=0, endpoint="h:1", run_id="x", node_name="a")
 
 
-def test_cluster_nodes_and_workers_before_the_rendezvous(nodes: list[dict]) -> None:
-    assert [(n["name"], n["ranks"], n["local"]) for n in nodes] == [("big", [0, 1], [0, 1]), ("small", [2], [0])]
+def test_cluster_nodes_and_workers_before_the_rendezvous(nodes: list[HostNode]) -> None:
+    assert [(n.name, n.ranks, n.local) for n in nodes] == [("big", (0, 1), (0, 1)), ("small", (2,), (0,))]
     rdzv = Rendezvous(nnodes=2, endpoint="big:29400", run_id="x", node_name="small")
     assert local_workers(nodes, rdzv) == (1, nodes[1])
     unnamed = Rendezvous(nnodes=2, endpoint="big:29400", run_id="x", node_name="cn7")
@@ -85,7 +86,7 @@ def test_cluster_nodes_and_workers_before_the_rendezvous(nodes: list[dict]) -> N
         local_workers(nodes, Rendezvous(nnodes=2, endpoint="b:1", run_id="x", node_name="small", nproc=2))
 
 
-def test_nodes_are_matched_by_name_then_in_rendezvous_order(nodes: list[dict]) -> None:
+def test_nodes_are_matched_by_name_then_in_rendezvous_order(nodes: list[HostNode]) -> None:
     assert assign_nodes(nodes, [_host("small", 1), _host("big", 2)]) == [1, 0]
     assert assign_nodes(nodes, [_host("cn1", 2), _host("small", 1)]) == [0, 1]  # named first, rest in order
     assert assign_nodes(nodes, [_host("cn2", 2), _host("cn1", 1)]) == [0, 1]
@@ -95,7 +96,7 @@ def test_nodes_are_matched_by_name_then_in_rendezvous_order(nodes: list[dict]) -
         assign_nodes(nodes, [_host("a", 1), _host("b", 1), _host("c", 1)])
 
 
-def test_check_names_the_host_and_the_field(nodes: list[dict]) -> None:
+def test_check_names_the_host_and_the_field(nodes: list[HostNode]) -> None:
     ok_big, ok_small = _cuda(["NVIDIA A100-SXM4-80GB"] * 2, [79.2, 79.2]), _cuda(["Tesla V100-SXM2-16GB"], [15.8])
     check_hosts(nodes, [_host("big", 2, cuda=ok_big), _host("small", 1, cuda=ok_small)], [0, 1], emulated=False)
     cases = [

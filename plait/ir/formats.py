@@ -31,6 +31,7 @@ FORMAT_VERSIONS: dict[str, int] = {
     "prediction": 1,  # a run folder's prediction.json (plait run --predict: predicted for this machine)
     "profile": 1,     # a model profile (plait.ir.profile): per-GPU-kind measured layer times
     "search": 1,      # PLAN.search.json beside plait plan --out's plan: each family's best (plait.search.summary)
+    "worker": 1,      # a run folder's config.json: the workers' config (plait.runtime.worker_config); no migration
 }
 
 # (format, from_version) -> function turning a dict of that version into the next version; each

@@ -35,6 +35,7 @@ from plait.ir.opgraph import TP_CUT_ROLES
 from plait.ir.plan import Plan, PlanError, PlanSource, check_plan_for_model
 from plait.ir.timeline import Timeline, TimelineEvent
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
+from plait.runtime.comm import LinkFault
 from plait.runtime.config import (
     CheckpointConfig,
     FaultsConfig,
@@ -51,6 +52,19 @@ from plait.runtime.partition import (
     build_seeded,
     load_model_spec,
     model_spec_string,
+)
+from plait.runtime.worker_config import (
+    AgentRanks,
+    CheckpointSettings,
+    DataSettings,
+    FaultSettings,
+    MultinodeSettings,
+    RankPlace,
+    RecordSettings,
+    WorkerConfig,
+    WorkerConfigError,
+    read_worker_config,
+    write_worker_config,
 )
 
 if TYPE_CHECKING:  # the cluster package loads where a cluster is given
@@ -299,7 +313,7 @@ class _Prepared:
     host_plan: dict[str, Any] | None  # real hosts: this node's share (_host_plan)
     here: int  # ranks this machine runs
     use_cuda: bool
-    data: dict[str, Any] | None  # the workers' data settings
+    data: DataSettings | None  # the workers' data settings
     resume_from: str | None  # the checkpoint chosen to resume from
     notes: list[str]
 
@@ -385,14 +399,14 @@ def _resolve(plan_obj: Plan, spec_string: str, cluster: ClusterSource | None, tr
         notes.append("zero=3 with dp=1: nothing to shard (ran plain data parallel)")
     if use_cuda and any(info["slowdown"] > 1.0 for info in layout):
         notes.append("compute slowdown emulation is applied on CPU ranks only; GPU ranks run at full speed")
-    data_cfg: dict[str, Any] | None = None
+    data: DataSettings | None = None
     if training.data is not None:
         from plait.runtime.data import load_data
 
         path, sep, name = str(training.data).rpartition(":")
         spec_text = f"{Path(path).expanduser().resolve()}:{name}" if sep and path else str(training.data)
         load_data(spec_text)  # a bad file or factory fails here, once, not in every worker
-        data_cfg = {"spec": spec_text, "workers": training.data_workers}
+        data = DataSettings(spec=spec_text, workers=training.data_workers)
     resume_from: str | None = None
     if checkpoint.resume:
         assert checkpoint.dir is not None
@@ -406,7 +420,7 @@ def _resolve(plan_obj: Plan, spec_string: str, cluster: ClusterSource | None, tr
         resume_from = str(found) if found is not None else None
         notes += ck_notes
     return _Prepared(plan=plan_obj, spec_string=spec_string, cluster_arg=cluster, cluster=cluster_obj, dtype=dtype,
-                     layout=layout, host_plan=host_plan, here=here, use_cuda=use_cuda, data=data_cfg,
+                     layout=layout, host_plan=host_plan, here=here, use_cuda=use_cuda, data=data,
                      resume_from=resume_from, notes=notes)
 
 
@@ -472,33 +486,23 @@ def _agents_and_links(prep: _Prepared, nets: Any, launch: LaunchConfig, faults: 
 
 def _write_config(prep: _Prepared, rdir: Path, agents: list[AgentSpec], steps: int, training: TrainingConfig,
                   checkpoint: CheckpointConfig, launch: LaunchConfig, records: RecordsConfig,
-                  faults: FaultsConfig, link_faults: tuple[Any, ...]) -> Path:
+                  faults: FaultsConfig, link_faults: tuple[LinkFault, ...]) -> Path:
     """Phase 4c: the workers' `config.json` (and `cluster.yaml` beside it, for `plait report`)."""
-    schedule = training.lr_schedule()
     timeout = launch.timeout
-    cfg = {
-        "model": prep.spec_string, "plan": prep.plan.to_dict(), "steps": steps, "seed": training.seed,
-        "data_seed": training.data_seed, "optimizer": training.optimizer_config(), "backend": prep.backend,
-        "device": "cuda" if prep.use_cuda else "cpu", "dtype": prep.dtype,
-        "ranks": prep.layout, "agents": [{"node": a.node, "ranks": a.ranks} for a in agents],
-        "run_dir": str(rdir), "collective_timeout": max(timeout * 1.5, timeout + 30.0),
-        "checkpoint": {"dir": str(Path(checkpoint.dir).resolve()), "every": checkpoint.every,
-                       "resume": checkpoint.resume, "resume_from": prep.resume_from,
-                       "keep": checkpoint.keep} if checkpoint.dir is not None else None,
-        "return_params": records.return_params, "step_barrier": launch.step_barrier,
-        "inject": faults.injection().to_list() or None, "compute_sleep": faults.compute_sleep,
-        "probe_every": records.probe_every if records.comm_records else 0,
-        "probe_bytes": records.probe_bytes, "data": prep.data,
-        "lr_schedule": schedule.to_dict() if schedule is not None else None,
-        "comm_records": records.comm_records, "comm_faults": [f.to_dict() for f in link_faults] or None,
-        "clip_grad": training.clip_grad, "step_records": records.step_records,
-        "spmd_calibrate": bool(records.spmd_calibrate), "engine": launch.engine,
-    }
-    if prep.host_plan is not None:
-        cfg["multinode"] = {"node_name": prep.host_plan["node_name"], "nodes": prep.host_plan["nodes"],
-                            "emulated": prep.host_plan["emulated"], "timeout": launch.startup()}
+    config = WorkerConfig(
+        model=prep.spec_string, plan=prep.plan, steps=steps, seed=training.seed, data_seed=training.data_seed,
+        optimizer=training.optimizer_config(), dtype=prep.dtype, lr_schedule=training.lr_schedule(),
+        clip_grad=training.clip_grad, data=prep.data, backend=prep.backend,
+        device="cuda" if prep.use_cuda else "cpu", engine=launch.engine,
+        collective_timeout=max(timeout * 1.5, timeout + 30.0), step_barrier=launch.step_barrier,
+        run_dir=str(rdir), ranks=tuple(RankPlace(**info) for info in prep.layout),
+        agents=tuple(AgentRanks(a.node, tuple(a.ranks)) for a in agents),
+        multinode=_multinode_settings(prep.host_plan, launch),
+        checkpoint=_checkpoint_settings(checkpoint, prep.resume_from), records=_record_settings(records),
+        faults=FaultSettings(inject=faults.injection(), comm_faults=link_faults, compute_sleep=faults.compute_sleep),
+    )
     config_path = rdir / "config.json"
-    config_path.write_text(json.dumps(cfg, indent=1))
+    write_worker_config(config_path, config)
     if prep.cluster is not None:  # beside the records: `plait report RUN_DIR` predicts the run from it
         from plait.cluster.loader import save_cluster
         from plait.errors import PlaitError
@@ -508,6 +512,28 @@ def _write_config(prep: _Prepared, rdir: Path, agents: list[AgentSpec], steps: i
         except (PlaitError, OSError, ValueError) as exc:  # the run goes on; the report will ask for it
             prep.notes.append(f"run folder: cluster.yaml not written ({exc}); plait report will need --cluster")
     return config_path
+
+
+def _multinode_settings(host_plan: dict[str, Any] | None, launch: LaunchConfig) -> MultinodeSettings | None:
+    if host_plan is None:
+        return None
+    return MultinodeSettings(node_name=host_plan["node_name"], nodes=tuple(host_plan["nodes"]),
+                             emulated=host_plan["emulated"], timeout=launch.startup())
+
+
+def _checkpoint_settings(checkpoint: CheckpointConfig, resume_from: str | None) -> CheckpointSettings | None:
+    if checkpoint.dir is None:
+        return None
+    return CheckpointSettings(dir=str(Path(checkpoint.dir).resolve()), every=checkpoint.every,
+                              resume=checkpoint.resume, resume_from=resume_from, keep=checkpoint.keep)
+
+
+def _record_settings(records: RecordsConfig) -> RecordSettings:
+    # link probes time through the communication records: none without them
+    return RecordSettings(comm_records=records.comm_records, step_records=records.step_records,
+                          probe_every=records.probe_every if records.comm_records else 0,
+                          probe_bytes=records.probe_bytes, return_params=records.return_params,
+                          spmd_calibrate=bool(records.spmd_calibrate))
 
 
 def _launch(config_path: Path, rdir: Path, agents: list[AgentSpec], prep: _Prepared, launch: LaunchConfig,
@@ -541,8 +567,8 @@ def rank_start_method(launch: LaunchConfig, use_cuda: bool, cuda_present: bool, 
 def _collect(rdir: Path, owns_dir: bool, prep: _Prepared, network: dict[str, Any], records: RecordsConfig,
              t_start: float) -> RunResult:
     """Phase 6: the result from the workers' records; `losses.csv`, the trace; a temporary folder removed."""
-    cfg = json.loads((rdir / "config.json").read_text())
-    args = (rdir, cfg, prep.plan, prep.cluster_arg, prep.backend, network, prep.notes)
+    config = _read_config(rdir / "config.json", rdir)  # as the workers read it
+    args = (rdir, config, prep.plan, prep.cluster_arg, prep.backend, network, prep.notes)
     if prep.host_plan is not None and not (rdir / "result.json").exists():
         result = _node_result(*args)
     else:
@@ -600,9 +626,7 @@ def _tc_links(injection: Any, layout: list[dict[str, Any]]) -> dict[tuple[int, i
     return out
 
 
-def _facade_link(f: Any) -> Any:
-    from plait.runtime.comm import LinkFault
-
+def _facade_link(f: Any) -> LinkFault:
     return LinkFault(f.rank, f.peer, f.delay_s, f.factor, f.step)
 
 
@@ -615,14 +639,14 @@ def _host_plan(rdzv: Rendezvous, cluster: Cluster | None, layout: list[dict[str,
         raise RuntimeSetupError("return_params: not in a multi-node run (each node has its own run directory)")
     nproc, named = local_workers(nodes, rdzv)
     for node in nodes:  # the GPU of each rank on its host: the cluster file's local index
-        for r, local in zip(node["ranks"], node["local"]):
+        for r, local in zip(node.ranks, node.local):
             layout[r]["local_device"] = local
     emu = getattr(cluster, "emulation", None)
     emulated = emu is not None and emu.enabled
     if emulated:
         notes.append("hosts: the cluster file is emulated: GPU count, kind and memory of the hosts are not checked "
                      "(only each host's worker count)")
-    ranks = named["ranks"] if named is not None else list(range(nproc))  # unnamed: known after the rendezvous
+    ranks = list(named.ranks) if named is not None else list(range(nproc))  # unnamed: known after the rendezvous
     agent = AgentSpec(node=0, host=rdzv.node_name, ranks=ranks)
     network = {"mode": "hosts", "nnodes": rdzv.nnodes, "endpoint": rdzv.endpoint, "run_id": rdzv.run_id,
                "node_name": rdzv.node_name, "launch": rdzv.source,
@@ -631,18 +655,18 @@ def _host_plan(rdzv: Rendezvous, cluster: Cluster | None, layout: list[dict[str,
             "agents": [agent], "network": network}
 
 
-def _node_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: ClusterSource | None, backend: str,
+def _node_result(rdir: Path, config: WorkerConfig, plan: Plan, cluster: ClusterSource | None, backend: str,
                  network: dict[str, Any], notes: list[str]) -> RunResult:
     """Real hosts, a node without plan rank 0: its ranks trained; rank 0's node reports the run."""
     node = json.loads((rdir / "node.json").read_text()) if (rdir / "node.json").exists() else {}
     network = {**network, "ranks": node.get("ranks"), "cluster_node": node.get("cluster_node")}
-    owner = next((h for h in node.get("hosts", []) if h["cluster_node"] == cfg["ranks"][0]["host"]), None)
-    where = f"host {owner['hostname']} (node name '{owner['name']}')" if owner else \
-        f"cluster node '{cfg['ranks'][0]['host']}'"
+    rank0_node = config.ranks[0].host
+    owner = next((h for h in node.get("hosts", []) if h["cluster_node"] == rank0_node), None)
+    where = f"host {owner['hostname']} (node name '{owner['name']}')" if owner else f"cluster node '{rank0_node}'"
     notes = [*notes, f"this node ran plan ranks {node.get('ranks')}; {where} holds plan rank 0 and reports the "
                      f"losses and the timeline"]
     cluster_name = str(cluster) if isinstance(cluster, str | Path) else getattr(cluster, "name", "local")
-    return RunResult(model=cfg["model"], cluster=cluster_name, plan=str(plan), backend=backend, device=cfg["device"],
+    return RunResult(model=config.model, cluster=cluster_name, plan=str(plan), backend=backend, device=config.device,
                      steps=[], losses=[], iteration_times=[], timeline=Timeline(events=[], source="measured"),
                      ranks=[], network=network, notes=notes, run_dir=str(rdir))
 
@@ -727,7 +751,7 @@ def stage_balance_note(result: RunResult) -> str | None:
             "a split no planner of plait's picks; `plait plan` balances the stages' times (or set the plan's layers)")
 
 
-def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: ClusterSource | None, backend: str,
+def _read_result(rdir: Path, config: WorkerConfig, plan: Plan, cluster: ClusterSource | None, backend: str,
                  network: dict[str, Any], notes: list[str]) -> RunResult:
     path = rdir / "result.json"
     if not path.exists():
@@ -749,7 +773,7 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: ClusterSo
     bounds = [(a - t0, b - t0) for a, b in bounds]
     cluster_name = str(cluster) if isinstance(cluster, str | Path) else getattr(cluster, "name", "local")
     timeline = Timeline(events=events, source="measured",
-                        meta={"model": cfg["model"], "plan": str(plan), "cluster": cluster_name, "backend": backend,
+                        meta={"model": config.model, "plan": str(plan), "cluster": cluster_name, "backend": backend,
                               "steps": data["steps"], "iteration_times": data["iteration_times"],
                               "clock": ranks[0]["clock"]["alignment"]})
     infos = [RankInfo(rank=r["rank"], pp=r["pp"], dp=r["dp"], tp=r["tp"], device=r["device"], host=r["host"],
@@ -761,15 +785,15 @@ def _read_result(rdir: Path, cfg: dict[str, Any], plan: Plan, cluster: ClusterSo
         params = torch.load(rdir / data["params_file"], weights_only=True)
     steps = data["steps"]
     amp = data.get("amp") or {}
-    return RunResult(model=cfg["model"], cluster=cluster_name, plan=str(plan), backend=backend,
-                     device=cfg["device"], steps=steps, losses=data["losses"],
+    return RunResult(model=config.model, cluster=cluster_name, plan=str(plan), backend=backend,
+                     device=config.device, steps=steps, losses=data["losses"],
                      iteration_times=data["iteration_times"], timeline=timeline, ranks=infos, network=network,
                      notes=notes, run_dir=str(rdir), params=params,
                      resumed_from=steps[0] if steps and steps[0] > 0 else None, step_bounds=bounds,
                      loss_scales=amp.get("loss_scales", []), skipped_steps=amp.get("skipped_steps", []),
                      final_loss_scale=amp.get("final_loss_scale"),
                      skipped_by_rank={int(k): v for k, v in (amp.get("skipped_by_rank") or {}).items()},
-                     spmd=ranks[0].get("spmd"), engine=engine_for(plan, cfg).engine)
+                     spmd=ranks[0].get("spmd"), engine=engine_for(plan, config).engine)
 
 
 def load_run(run_dir: str | Path) -> RunResult:
@@ -777,17 +801,21 @@ def load_run(run_dir: str | Path) -> RunResult:
     it: losses, iteration times, the measured timeline and each rank's facts. RunFailure naming the
     file when the folder holds no finished run."""
     rdir = Path(run_dir)
-    config = rdir / "config.json"
-    if not config.is_file():
-        raise RunFailure(f"{config}: no such file (not a plait run folder)", run_dir=str(rdir))
-    try:
-        cfg = json.loads(config.read_text())
-        plan = Plan.from_dict(cfg["plan"], str(config))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RunFailure(f"{config}: not a plait run configuration ({exc})", run_dir=str(rdir)) from None
+    path = rdir / "config.json"
+    if not path.is_file():
+        raise RunFailure(f"{path}: no such file (not a plait run folder)", run_dir=str(rdir))
+    config = _read_config(path, rdir)
     cluster = rdir / "cluster.yaml"
-    return _read_result(rdir, cfg, plan, str(cluster) if cluster.is_file() else "local", cfg.get("backend", "gloo"),
+    return _read_result(rdir, config, config.plan, str(cluster) if cluster.is_file() else "local", config.backend,
                         {}, [])
+
+
+def _read_config(path: Path, rdir: Path) -> WorkerConfig:
+    """The run folder's worker config (`read_worker_config`); RunFailure naming the file and the key."""
+    try:
+        return read_worker_config(path)
+    except WorkerConfigError as exc:
+        raise RunFailure(str(exc), run_dir=str(rdir)) from None
 
 
 def reference_run(model: str | ModelSpec, plan: PlanSource, steps: int, *, training: TrainingConfig = TrainingConfig()

@@ -386,7 +386,3 @@ def load_consolidated(path: Path) -> dict[str, Any]:
         dcp_to_torch_save(str(path), str(out))
         return torch.load(out, weights_only=False)
 
-
-def broadcast_from_zero(obj: Any, comm: Any) -> Any:
-    """Collective: rank 0's `obj` on every rank (through the communication facade)."""
-    return comm.broadcast_object(obj, src=0, name="checkpoint choice")

@@ -56,9 +56,8 @@ from plait.ir.plan import Plan
 from plait.ir.program import shard_dim
 from plait.runtime.amp import LOW_PRECISION, autocast_for, reduce_dtype
 from plait.runtime.clip import GradClipper
-from plait.runtime.comm import FAULTS_ENV, P2P, Comm, CommLog, Group, parse_link_faults
+from plait.runtime.comm import P2P, Comm, CommLog, Group
 from plait.runtime.data_parallel import make_optimizer
-from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import RuntimeSetupError, build_seeded, load_model_spec, make_samples
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
@@ -72,6 +71,7 @@ from plait.runtime.spmd_state import (
     clip_weights,
     persistent_buffers,
 )
+from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import Action, PipelineGraph, Schedule
 from plait.schedule import build as build_schedule
 
@@ -123,28 +123,27 @@ def _pieces(x: torch.Tensor, k: int) -> list[torch.Tensor]:
 
 
 class ComposeWorker(ProgramCheckpoints, RankConfig):
-    def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
-        super().__init__(cfg, rank, heartbeat)
+    def __init__(self, config: WorkerConfig, rank: int, heartbeat: Heartbeat) -> None:
+        super().__init__(config, rank, heartbeat)
         self.ranks = stage_ranks(self.plan)
         self.stage = next(s for s, rs in enumerate(self.ranks) if rank in rs)
         self.local = self.ranks[self.stage].index(rank)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        cfg, plan = self.cfg, self.plan
-        self.rec = Recorder(self.info["device"], self.stage, self.rank, cuda=False,
-                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb)
+        config, plan = self.config, self.plan
+        self.rec = Recorder(self.info.device, self.stage, self.rank, cuda=False, slowdown=self.info.slowdown,
+                            heartbeat=self.hb)
         log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
-            if cfg.get("comm_records", True) else None
-        faults = parse_link_faults(os.environ.get(FAULTS_ENV) or cfg.get("comm_faults"))
-        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults)
-        self.world_group = self.comm.init_process_group(cfg["backend"], timeout_s=float(cfg["collective_timeout"]))
+            if config.records.comm_records else None
+        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=config.faults.link_faults())
+        self.world_group = self.comm.init_process_group(config.backend, timeout_s=config.collective_timeout)
         group = self.comm.new_groups("stage", self.ranks)
         assert group is not None
         self.group: Group = group
         self.hb.progress("build")
-        self.spec = load_model_spec(cfg["model"])
-        seed = int(cfg["seed"])
+        self.spec = load_model_spec(config.model)
+        seed = config.seed
         model = build_seeded(self.spec, seed)
         graph = capture_on_meta(self.spec, plan.micro_batch)  # as the planner captured it (meta device)
         self.graph = graph
@@ -153,7 +152,7 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         self.sub = subs[self.stage]
         self.cross = boundary_values(graph, subs)
         spec_s = plan.stages[self.stage]
-        names = [f"gpu {cfg['ranks'][r]['device']} (stage {self.stage}, rank {r})" for r in self.ranks[self.stage]]
+        names = [f"gpu {config.ranks[r].device} (stage {self.stage}, rank {r})" for r in self.ranks[self.stage]]
         stage_program = spec_s.spmd
         assert stage_program is not None  # layout.supports: every stage of a composed plan has one
         program = compile_program(self.sub, stage_program.strategies, stage_program.ratio_array(),
@@ -161,19 +160,19 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         self.spans = Spans(self.rec)
         self.runner = RankProgram(program, self.local, self.group, self.spans, seed=seed)
         self.runner.defer_param_grads = True  # one all-reduce per step, not per micro-batch
-        self.runner.grad_dtype = reduce_dtype(plan, cfg["dtype"])  # ...in the plan's gradient-reduction dtype
+        self.runner.grad_dtype = reduce_dtype(plan, config.dtype)  # ...in the plan's gradient-reduction dtype
         self.leaves = self.runner.load(model)
-        self.stepper = SpmdStep(self.leaves, make_optimizer(self.leaves, cfg["optimizer"]))
+        self.stepper = SpmdStep(self.leaves, make_optimizer(self.leaves, config.optimizer))
         self.stepper.scaler = self.loss_scaling(self.world_group)
         # boundary values and their gradients cross in the plan's low precision (bf16 / fp16), as
         # the simulator prices the messages; None: as computed
-        self.wire = LOW_PRECISION.get(cfg["dtype"])
+        self.wire = LOW_PRECISION.get(config.dtype)
         self._tied_list = self._tied_groups(graph, layers)
         self.layout = checkpoint_layout(self.runner, self.stepper, aliases_of(model), persistent_buffers(model),
                                         self.local, self._written_elsewhere(graph, layers, aliases_of(model)))
         self.batch_loss = self._batch_loss() if self.stage == len(self.ranks) - 1 else None
-        if cfg.get("clip_grad"):
-            self.stepper.clip = self._clipper(float(cfg["clip_grad"]), graph, layers)
+        if config.clip_grad:
+            self.stepper.clip = self._clipper(config.clip_grad, graph, layers)
 
     def _batch_loss(self) -> str | None:
         """The model output the last stage keeps in its batch shards (the loss per shard, weighted
@@ -311,7 +310,7 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
                 self.runner.step = step * m + i
                 self.spans.begin(a.key)
                 keep = frozenset([self.batch_loss]) if self.batch_loss else frozenset()
-                with autocast_for(self.cfg["dtype"]):  # fp32 master leaves, ops in the plan's precision
+                with autocast_for(self.config.dtype):  # fp32 master leaves, ops in the plan's precision
                     outs = self.runner.forward([by_name[t] for t in self.sub.inputs], keep)
                     loss = self._loss(outs, target) if self.stage == last else None
                 if loss is not None:
@@ -371,20 +370,16 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
-        cfg, plan = self.cfg, self.plan
+        config, plan = self.config, self.plan
         self._setup()
-        b, gb, data_seed = plan.micro_batch, plan.global_batch, int(cfg["data_seed"])
+        b, gb, data_seed = plan.micro_batch, plan.global_batch, config.data_seed
 
         def fetch(step: int, i: int) -> tuple[tuple[Any, ...], torch.Tensor]:
             return make_samples(self.spec, self.sample_base + step * gb + i * b, b, data_seed)
 
         actions = composed_schedule(plan, plan.schedule).of(self.stage)
-        steps = int(cfg["steps"])
-        schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
-            if cfg.get("lr_schedule") else None
+        steps, schedule, ck = config.steps, config.lr_schedule, config.checkpoint
         start = self._maybe_resume()
-        ck = cfg.get("checkpoint") or {}
-        every = int(ck.get("every") or 0)
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin = common_origin(self.rec, self.comm)
@@ -393,7 +388,7 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         for step in range(start, steps):
             self.hb.progress("train", step)
             self.rec.step = step
-            if cfg.get("step_barrier", True):
+            if config.step_barrier:
                 self.comm.barrier("step barrier")
             t0 = self.rec.begin_step(step)
             if self.stepper.scaler is not None:
@@ -411,21 +406,21 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
             t1 = self.rec.end_step()
             bounds.append((step, t0, t1))
             losses.append(float(loss))
-            if every and (step + 1) % every == 0:
-                self._save_checkpoint(step + 1, Path(ck["dir"]))
+            if ck is not None and ck.every and (step + 1) % ck.every == 0:
+                self._save_checkpoint(step + 1, Path(ck.dir))
         self._finish(losses, bounds, origin, start)
 
     def _finish(self, losses: list[float], bounds: list[tuple[int, float, float]], origin: Any, start: int) -> None:
-        cfg = self.cfg
+        return_params = self.config.records.return_params
         self.hb.progress("gather")
         params = None
-        if cfg.get("return_params"):
+        if return_params:
             params = whole_parameters(self.runner, lambda x, sizes, d: self.group.all_gather_uneven(
                 x, sizes, d, "gather parameters", "comm_spmd"))
         leaves = self.leaves
         mine = {
-            "rank": self.rank, "pp": self.stage, "dp": self.local, "tp": 0, "device": self.info["device"],
-            "host": self.info["host"], "node": self.info["node"], "kind": self.info.get("kind"),
+            "rank": self.rank, "pp": self.stage, "dp": self.local, "tp": 0, "device": self.info.device,
+            "host": self.info.host, "node": self.info.node, "kind": self.info.kind,
             "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
             "layers": list(self.plan.stages[self.stage].layers), "params": sum(p.numel() for p in leaves),
             "param_bytes": sum(p.numel() * p.element_size() for p in leaves),
@@ -439,6 +434,6 @@ class ComposeWorker(ProgramCheckpoints, RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            write_result(self.run_dir, self.plan, gathered, start, int(cfg["steps"]), cfg)
+            write_result(self.run_dir, self.plan, gathered, start, self.config.steps, return_params)
         self.comm.barrier("final barrier")
         self.comm.close()

@@ -3,8 +3,9 @@
 `plait.runtime.agent`).
 
 It sets the process up (torchrun's OMP_NUM_THREADS, the plan rank of this process, the rank's CPU
-cgroups, its heartbeat and status files, SIGTERM), reads the rank's typed config
-(`rank_config.RankConfig`) and hands the plan to the engine that runs its form (`engine_of`):
+cgroups, its heartbeat and status files, SIGTERM), reads the run's typed config
+(`worker_config.read_worker_config`; each engine's `rank_config.RankConfig`) and hands the plan to
+the engine that runs its form (`engine_of`):
 
 * a composed plan (pipeline stages that run SPMD programs) -- `compose_worker.ComposeWorker`;
 * an op-level SPMD program (`Plan.spmd`) -- `spmd_worker.SpmdWorker`;
@@ -12,9 +13,10 @@ cgroups, its heartbeat and status files, SIGTERM), reads the rank's typed config
   `torch_worker.TorchWorker` (DDP, FSDP2);
 * any other plan (3D grid, stage graph) -- the pipeline worker, `worker.Worker`.
 
-What the engines share lives in modules of their own (`rank_config`: what each reads first from
-the run's config; `results`: what each writes the same way -- comm records, the common clock,
-`result.json`): no engine imports another, and this module is the only one that imports them.
+What the engines share lives in modules of their own (`worker_config`: the run's typed config;
+`rank_config`: what each reads first from it; `results`: what each writes the same way -- comm
+records, the common clock, `result.json`): no engine imports another, and this module is the only
+one that imports them.
 
 How a rank ended goes to `RUN_DIR/status/rankN.json` (ok, error with traceback and whether a peer
 failed, or terminated by torchrun), and, when forked from the agent, to `RUN_DIR/exit/rankN.json`
@@ -29,6 +31,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +42,9 @@ from plait.ir.plan import Plan
 from plait.runtime.comm import Comm
 from plait.runtime.layout import engine_for
 from plait.runtime.partition import RuntimeSetupError
-from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat
 from plait.runtime.worker import Worker
+from plait.runtime.worker_config import WorkerConfig, read_worker_config
 
 
 def _is_peer_error(exc: BaseException) -> bool:
@@ -53,14 +56,14 @@ def _is_peer_error(exc: BaseException) -> bool:
                                    "broken pipe", "nccl", "peer"))
 
 
-def _plan_rank(cfg: dict[str, Any]) -> int:
-    if cfg.get("multinode"):  # c10d rendezvous on real hosts: mapped after it (plait.runtime.multinode)
+def _plan_rank(config: WorkerConfig) -> int:
+    if config.multinode is not None:  # c10d rendezvous on real hosts: mapped after it (plait.runtime.multinode)
         from plait.runtime.multinode import rank_after_rendezvous
 
-        return rank_after_rendezvous(cfg)
+        return rank_after_rendezvous(config)
     agent = int(os.environ.get("GROUP_RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    return int(cfg["agents"][agent]["ranks"][local])
+    return config.agents[agent].ranks[local]
 
 
 def _write_status(path: Path, data: dict[str, Any]) -> None:
@@ -69,35 +72,35 @@ def _write_status(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def engine_of(plan: Plan, cfg: dict[str, Any] | None = None) -> str:
-    """Which engine runs `plan` under the run config `cfg`: "compose" (a stage runs an SPMD
+def engine_of(plan: Plan, config: WorkerConfig | Mapping[str, Any] | None = None) -> str:
+    """Which engine runs `plan` under the run's `config`: "compose" (a stage runs an SPMD
     program), "spmd" (the plan is one SPMD program), "torch" (data parallelism or ZeRO on torch's
     modules) or "pipeline" (a 3D grid or a stage graph) -- `layout.engine_for`'s verdict, the same
     one `api.run` checked before starting any process."""
-    verdict = engine_for(plan, cfg)
+    verdict = engine_for(plan, config)
     if verdict.engine is None:
         raise RuntimeSetupError(verdict.reason)
     return verdict.engine
 
 
-def make_worker(cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> Any:
-    """The engine that runs this rank's plan, built on the rank's config."""
-    engine = engine_of(RankConfig(cfg, rank, heartbeat).plan, cfg)
+def make_worker(config: WorkerConfig, rank: int, heartbeat: Heartbeat) -> Any:
+    """The engine that runs this rank's plan, built on the run's config."""
+    engine = engine_of(config.plan, config)
     if engine == "compose":  # pipeline stages running SPMD programs
         # imported here: the SPMD engines' imports (the program planner and its costs) would add
         # about half a second to the start of every pipeline rank
         from plait.runtime.compose_worker import ComposeWorker
 
-        return ComposeWorker(cfg, rank, heartbeat)
+        return ComposeWorker(config, rank, heartbeat)
     if engine == "spmd":  # an op-level SPMD program
         from plait.runtime.spmd_worker import SpmdWorker
 
-        return SpmdWorker(cfg, rank, heartbeat)
+        return SpmdWorker(config, rank, heartbeat)
     if engine == "torch":  # data parallelism and ZeRO on torch's DDP and FSDP2
         from plait.runtime.torch_worker import TorchWorker
 
-        return TorchWorker(cfg, rank, heartbeat)
-    return Worker(cfg, rank, heartbeat)
+        return TorchWorker(config, rank, heartbeat)
+    return Worker(config, rank, heartbeat)
 
 
 def fit_threads_to_cpus() -> int:
@@ -113,18 +116,18 @@ def fit_threads_to_cpus() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = json.loads(Path(argv[0]).read_text())
+    config = read_worker_config(argv[0])
     # torchrun sets OMP_NUM_THREADS for its workers; a worker forked from the agent imported torch
     # before that, so apply it explicitly (oversubscribed OpenMP spin-waits are very slow).
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    rank = _plan_rank(cfg)
+    rank = _plan_rank(config)
     # A fixed CPU share per rank when the launcher's caller made cgroups for it (plait.runtime.cpu_share).
     from plait.runtime.cpu_share import join_from_env
 
     join_from_env(rank)
     fit_threads_to_cpus()
-    run_dir = Path(cfg["run_dir"])
+    run_dir = Path(config.run_dir)
     status = run_dir / "status" / f"rank{rank}.json"
     hb = Heartbeat(run_dir / "hb" / f"rank{rank}.json", rank)
 
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    worker = make_worker(cfg, rank, hb)
+    worker = make_worker(config, rank, hb)
     try:
         worker.run()
     except BaseException as exc:  # report, then exit non-zero so torchrun stops the job
@@ -163,9 +166,9 @@ def entrypoint(config_path: str) -> int:
     peer that lost its connection), so the worker runs in a forked child of this process,
     which records how it ended (exit code or signal) in `RUN_DIR/exit/rankN.json` and then
     ends the same way."""
-    cfg = json.loads(Path(config_path).read_text())
-    rank = _plan_rank(cfg)
-    exit_dir = Path(cfg["run_dir"]) / "exit"
+    config = read_worker_config(config_path)
+    rank = _plan_rank(config)
+    exit_dir = Path(config.run_dir) / "exit"
     exit_dir.mkdir(exist_ok=True)
     pid = os.fork()
     if pid == 0:  # the worker; never returns into torch's multiprocessing wrapper

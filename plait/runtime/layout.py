@@ -28,9 +28,9 @@ exactly what it refuses, with its reason.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -45,6 +45,9 @@ from plait.runtime.partition import (
     stage_micro_batches,
 )
 from plait.schedule import Action, Node, PipelineGraph, Schedule, ScheduleError, build
+
+if TYPE_CHECKING:
+    from plait.runtime.worker_config import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -273,14 +276,32 @@ class EngineVerdict:
         return self.engine is not None
 
 
-def engine_for(plan: PlanSource, run: dict[str, Any] | None = None) -> EngineVerdict:
+@dataclass(frozen=True)
+class _RunAsks:
+    """What a run config says that picks the engine."""
+
+    engine: str = "auto"  # LaunchConfig.engine
+    dtype: str | None = None  # the training dtype; None: the plan's
+    checkpoints: bool = False
+
+    @classmethod
+    def of(cls, run: WorkerConfig | Mapping[str, Any] | None) -> _RunAsks:
+        if run is None:
+            return cls()
+        if isinstance(run, Mapping):  # the same keys, by hand (tests, bench/gpu_check.py)
+            return cls(run.get("engine") or "auto", run.get("dtype"), bool(run.get("checkpoint")))
+        return cls(run.engine, run.dtype, run.checkpoint is not None)
+
+
+def engine_for(plan: PlanSource, run: WorkerConfig | Mapping[str, Any] | None = None) -> EngineVerdict:
     """The engine that runs `plan` (by its form: composed stages, one SPMD program, or a 3D grid /
     stage graph), or why none can, naming the field. The one place that decides both: the worker
     entry builds this engine, and `api.run` refuses a plan without one before any process starts.
 
     A plan torch's modules run (`torch_runs`) goes to the torch engine, else to plait's own; `run`
-    is the run's worker config (`api.run` writes it), whose training dtype and checkpoints count too
-    (without it: the plan's dtype, no checkpoints)."""
+    is the run's worker config (`api.run` writes it; or a dict of its `engine`, `dtype` and
+    `checkpoint`), whose engine, training dtype and checkpoints count too (without it: the plan's
+    dtype, no checkpoints)."""
     plan = Plan.load(plan)
     if any(spec.spmd is not None for spec in plan.stages):
         ok, why = _supports_composed(plan)
@@ -289,33 +310,33 @@ def engine_for(plan: PlanSource, run: dict[str, Any] | None = None) -> EngineVer
     ok, why = _supports_pipeline(plan)
     if not ok:
         return EngineVerdict(None, why, why)
-    not_torch = torch_runs(plan, run or {})
+    not_torch = torch_runs(plan, _RunAsks.of(run))
     return EngineVerdict("torch" if not not_torch else engine, "", not_torch)
 
 
-def torch_runs(plan: Plan, run: dict[str, Any]) -> str:
-    """"" when the torch engine (`plait.runtime.torch_worker`: DDP, FSDP2) runs `plan` under the run
-    config `run`, else why not (the plan then runs on plait's own engine)."""
-    if run.get("engine") == "plait":
+def torch_runs(plan: Plan, run: _RunAsks) -> str:
+    """"" when the torch engine (`plait.runtime.torch_worker`: DDP, FSDP2) runs `plan` under what
+    the run asks, else why not (the plan then runs on plait's own engine)."""
+    if run.engine == "plait":
         return "the run asks for plait's own engine (engine=plait)"
     if plan.spmd is not None or plan.stages:
         return "an SPMD program or a stage graph runs on plait's own engines"
     if plan.pp != 1:
         return f"pipeline parallelism (pp={plan.pp}) runs on plait's own executors"
     if plan.tp != 1:
-        if run.get("engine") != "torch":
+        if run.engine != "torch":
             return (f"tensor parallelism (tp={plan.tp}) on DTensor does not record its collectives yet; "
                     "it runs there when the run asks for engine=torch")
         if plan.dp != 1 or plan.zero or plan.sequence_parallel or plan.tp_ratios:
             return "tensor parallelism on DTensor runs with dp=1, zero=0, no sequence parallelism, even shards"
     if plan.zero in (1, 2):
         return f"zero={plan.zero}: FSDP2's collectives are not yet recorded; ZeRO-1/2 run on plait's own"
-    dtype = run.get("dtype") or plan.dtype
+    dtype = run.dtype or plan.dtype
     if dtype not in ("fp32", "tf32") and plan.tp != 1:
         return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
-    if run.get("checkpoint"):
+    if run.checkpoints:
         return "checkpoints of DDP / FSDP2 state are not yet written by the torch engine"
     return ""
 

@@ -27,7 +27,7 @@ import json
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ from plait.errors import PlaitError
 
 if TYPE_CHECKING:
     from plait.cluster.spec import Cluster
+    from plait.runtime.worker_config import WorkerConfig
 
 RANK_ENV = "PLAIT_PLAN_RANK"  # set once the mapping is known (the forked worker inherits it)
 HOSTS_ERROR = "hosts_error.json"  # run-dir file: the mapping/check verdict, read by the launcher
@@ -68,6 +69,24 @@ class Rendezvous:
             raise PlaitError("--node-name: must not be empty")
         if self.nproc is not None and self.nproc < 1:
             raise PlaitError(f"--nproc-per-node: must be >= 1, got {self.nproc}")
+
+
+@dataclass(frozen=True)
+class HostNode:
+    """A node of the cluster file that holds plan ranks, as the hosts that join are checked against it."""
+
+    name: str
+    """Its name in the cluster file."""
+    ranks: tuple[int, ...]
+    """Its plan ranks, by local GPU index."""
+    local: tuple[int, ...]
+    """The local GPU index of each of `ranks`."""
+    gpus: int
+    """GPUs the cluster file gives it."""
+    kinds: tuple[str, ...]
+    """The GPU kind of each of its GPUs."""
+    memory: tuple[int, ...]
+    """The memory (bytes) of each of its GPUs."""
 
 
 # ---------------------------------------------------------------------------------- Slurm
@@ -110,10 +129,10 @@ def from_slurm(env: Mapping[str, str], port: int | None = None) -> Rendezvous | 
 
 
 # ---------------------------------------------------------------------------------- cluster side
-def cluster_nodes(cluster: Cluster | None, layout: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def cluster_nodes(cluster: Cluster | None, layout: list[dict[str, Any]]) -> list[HostNode]:
     """The cluster file's nodes that hold plan ranks, in file order: name, plan ranks (by local
     device), local device index per rank, and what the file says of the node's GPUs."""
-    out: list[dict[str, Any]] = []
+    out: list[HostNode] = []
     if cluster is None:
         raise PlaitError("--nnodes: a multi-node run needs --cluster (the file names the nodes and their GPUs)")
     devices = cluster.devices
@@ -121,43 +140,43 @@ def cluster_nodes(cluster: Cluster | None, layout: list[dict[str, Any]]) -> list
         mine = sorted((devices[i["device"]].local, i["rank"]) for i in layout if i["node"] == n)
         if not mine:
             continue
-        out.append({"name": node.name, "ranks": [r for _, r in mine], "local": [loc for loc, _ in mine],
-                    "gpus": len(node.gpus), "kinds": list(node.gpus),
-                    "memory": [cluster.kinds[k].memory_bytes for k in node.gpus]})
+        out.append(HostNode(name=node.name, ranks=tuple(r for _, r in mine), local=tuple(loc for loc, _ in mine),
+                            gpus=len(node.gpus), kinds=tuple(node.gpus),
+                            memory=tuple(cluster.kinds[k].memory_bytes for k in node.gpus)))
     return out
 
 
-def local_workers(nodes: list[dict[str, Any]], rdzv: Rendezvous) -> tuple[int, dict[str, Any] | None]:
+def local_workers(nodes: list[HostNode], rdzv: Rendezvous) -> tuple[int, HostNode | None]:
     """Before the rendezvous: how many workers this node starts, and its cluster node when named."""
     if len(nodes) != rdzv.nnodes:
-        names = ", ".join(str(n["name"]) for n in nodes)
+        names = ", ".join(n.name for n in nodes)
         raise PlaitError(f"--nnodes: the plan runs on {len(nodes)} node(s) of the cluster file ({names}), "
                          f"got --nnodes {rdzv.nnodes}")
-    named = next((n for n in nodes if n["name"] == rdzv.node_name), None)
+    named = next((n for n in nodes if n.name == rdzv.node_name), None)
     if named is not None:
-        if rdzv.nproc is not None and rdzv.nproc != len(named["ranks"]):
+        if rdzv.nproc is not None and rdzv.nproc != len(named.ranks):
             raise HostMismatch(f"host {rdzv.node_name}: GPU count: --nproc-per-node {rdzv.nproc}, but the cluster "
-                               f"file's node '{rdzv.node_name}' runs {len(named['ranks'])} plan ranks")
-        return len(named["ranks"]), named
+                               f"file's node '{rdzv.node_name}' runs {len(named.ranks)} plan ranks")
+        return len(named.ranks), named
     if rdzv.nproc is not None:
         return rdzv.nproc, None
-    counts = {len(n["ranks"]) for n in nodes}
+    counts = {len(n.ranks) for n in nodes}
     if len(counts) == 1:
         return counts.pop(), None
-    names = ", ".join(f"{n['name']} ({len(n['ranks'])} ranks)" for n in nodes)
+    names = ", ".join(f"{n.name} ({len(n.ranks)} ranks)" for n in nodes)
     raise PlaitError(f"--node-name: '{rdzv.node_name}' is not a node of the cluster file ({names}) and its nodes "
                      f"run different numbers of ranks; give --node-name NAME (or --nproc-per-node K)")
 
 
 # ---------------------------------------------------------------------------------- host side
-SHARED_FIELDS = ("model", "plan", "steps", "seed", "data_seed", "optimizer", "dtype", "checkpoint", "inject")
-
-
-def run_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The settings every node must agree on (each node builds its config from its own command line)."""
-    ck = cfg.get("checkpoint") or {}
-    return {k: cfg.get(k) for k in SHARED_FIELDS if k != "checkpoint"} | \
-        {"checkpoint": {k: ck.get(k) for k in ("every", "resume")}}
+def run_fields(config: WorkerConfig) -> dict[str, Any]:
+    """The settings every node must agree on (each node builds its config from its own command
+    line), as JSON values: published with the node's facts and compared field by field."""
+    ck = config.checkpoint
+    return {"model": config.model, "plan": config.plan.to_dict(), "steps": config.steps, "seed": config.seed,
+            "data_seed": config.data_seed, "optimizer": config.optimizer, "dtype": config.dtype,
+            "inject": config.faults.inject.to_list() or None,
+            "checkpoint": {"every": ck.every if ck else None, "resume": ck.resume if ck else None}}
 
 
 def host_facts(node_name: str, workers: int, backend: str, cuda: bool, run: dict[str, Any] | None = None
@@ -174,14 +193,14 @@ def host_facts(node_name: str, workers: int, backend: str, cuda: bool, run: dict
     return facts
 
 
-def assign_nodes(nodes: list[dict[str, Any]], joined: list[dict[str, Any]]) -> list[int]:
+def assign_nodes(nodes: Sequence[HostNode], joined: list[dict[str, Any]]) -> list[int]:
     """Cluster node index per joined host (in rendezvous order): by node name where the cluster
     file names the host, the remaining hosts in rendezvous order onto the remaining nodes."""
     if len(joined) != len(nodes):
-        names = ", ".join(str(n["name"]) for n in nodes)
+        names = ", ".join(n.name for n in nodes)
         raise HostMismatch(f"{len(joined)} hosts joined ({', '.join(h['name'] for h in joined)}) but the plan runs on "
                            f"{len(nodes)} node(s) of the cluster file ({names})")
-    index = {n["name"]: i for i, n in enumerate(nodes)}
+    index = {n.name: i for i, n in enumerate(nodes)}
     out: list[int | None] = [None] * len(joined)
     taken: dict[int, str] = {}
     for g, host in enumerate(joined):
@@ -206,7 +225,7 @@ def _kind_matches(kind: str, device_name: str) -> bool:
     return core in tokens or core in {a + b for a, b in zip(tokens, tokens[1:])}
 
 
-def check_hosts(nodes: list[dict[str, Any]], joined: list[dict[str, Any]], assignment: list[int],
+def check_hosts(nodes: Sequence[HostNode], joined: list[dict[str, Any]], assignment: list[int],
                 emulated: bool) -> None:
     """Raise HostMismatch naming the first host and field that differ from the cluster file.
 
@@ -227,21 +246,21 @@ def check_hosts(nodes: list[dict[str, Any]], joined: list[dict[str, Any]], assig
         raise HostMismatch(f"backend: the hosts chose different backends ({which}); give --device on every node")
     for host, i in zip(joined, assignment):
         node = nodes[i]
-        who = f"host {host['hostname']} (node name '{host['name']}', cluster node '{node['name']}')"
-        if host["workers"] != len(node["ranks"]):
-            raise HostMismatch(f"{who}: GPU count: the cluster file puts {len(node['ranks'])} plan rank(s) on this "
+        who = f"host {host['hostname']} (node name '{host['name']}', cluster node '{node.name}')"
+        if host["workers"] != len(node.ranks):
+            raise HostMismatch(f"{who}: GPU count: the cluster file puts {len(node.ranks)} plan rank(s) on this "
                                f"node, the host started {host['workers']} worker(s)")
         cuda = host.get("cuda")
-        if emulated or cuda is None or node["gpus"] is None:
+        if emulated or cuda is None:
             continue
-        if cuda["count"] != node["gpus"]:
-            raise HostMismatch(f"{who}: GPU count: the cluster file says {node['gpus']}, the host has {cuda['count']}")
-        for local in node["local"]:
-            kind, name = node["kinds"][local], cuda["names"][local]
+        if cuda["count"] != node.gpus:
+            raise HostMismatch(f"{who}: GPU count: the cluster file says {node.gpus}, the host has {cuda['count']}")
+        for local in node.local:
+            kind, name = node.kinds[local], cuda["names"][local]
             if not _kind_matches(kind, name):
                 raise HostMismatch(f"{who}: GPU kind: the cluster file says '{kind}' for GPU {local}, "
                                    f"the host has '{name}'")
-            want, have = node["memory"][local], cuda["memory"][local]
+            want, have = node.memory[local], cuda["memory"][local]
             if abs(have - want) > MEMORY_TOLERANCE * want:
                 raise HostMismatch(f"{who}: memory: the cluster file says {want / 2**30:.1f} GiB for GPU {local} "
                                    f"('{kind}'), the host has {have / 2**30:.1f} GiB")
@@ -266,33 +285,34 @@ def exchange(store: Any, prefix: str, group_rank: int, group_world: int, mine: d
     return [json.loads(store.get(k)) for k in keys]
 
 
-def rank_after_rendezvous(cfg: dict[str, Any]) -> int:
+def rank_after_rendezvous(config: WorkerConfig) -> int:
     """In a torchrun worker of a multi-node run: this worker's plan rank (see the module doc).
     The verdict of a failed check is written to RUN_DIR/hosts_error.json before raising."""
     if os.environ.get(RANK_ENV):
         return int(os.environ[RANK_ENV])
-    mn = cfg["multinode"]
-    run_dir = Path(cfg["run_dir"])
+    mn = config.multinode
+    assert mn is not None, "a multi-node run's config has its node's share"
+    run_dir = Path(config.run_dir)
     local, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     group, group_world = int(os.environ["GROUP_RANK"]), int(os.environ["GROUP_WORLD_SIZE"])
     prefix = f"plait/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     try:
-        mine = host_facts(mn["node_name"], local_world, cfg["backend"], cfg["device"] == "cuda",
-                          run_fields(cfg)) if local == 0 else None
-        joined = exchange(_store(float(mn["timeout"])), prefix + "/node", group, group_world, mine)
-        nodes = mn["nodes"]
+        mine = host_facts(mn.node_name, local_world, config.backend, config.cuda,
+                          run_fields(config)) if local == 0 else None
+        joined = exchange(_store(mn.timeout), prefix + "/node", group, group_world, mine)
+        nodes = mn.nodes
         assignment = assign_nodes(nodes, joined)
-        check_hosts(nodes, joined, assignment, bool(mn["emulated"]))
+        check_hosts(nodes, joined, assignment, mn.emulated)
     except HostMismatch as exc:
         _write_json(run_dir / HOSTS_ERROR, {"error": str(exc)})
         raise
     node = nodes[assignment[group]]
-    rank = int(node["ranks"][local])
+    rank = node.ranks[local]
     if local == 0:
-        _write_json(run_dir / NODE_FILE, {"host": joined[group]["hostname"], "node_name": mn["node_name"],
-                                          "cluster_node": node["name"], "ranks": node["ranks"],
+        _write_json(run_dir / NODE_FILE, {"host": joined[group]["hostname"], "node_name": mn.node_name,
+                                          "cluster_node": node.name, "ranks": list(node.ranks),
                                           "hosts": [{"hostname": h["hostname"], "name": h["name"],
-                                                     "cluster_node": nodes[i]["name"], "ranks": nodes[i]["ranks"]}
+                                                     "cluster_node": nodes[i].name, "ranks": list(nodes[i].ranks)}
                                                     for h, i in zip(joined, assignment)]})
     os.environ[RANK_ENV] = str(rank)
     return rank

@@ -68,10 +68,11 @@ def _fill_aliases(params: dict[str, torch.Tensor], aliases: dict[str, str]) -> N
 
 
 def write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: int, steps: int,
-                 cfg: dict[str, Any]) -> None:
+                 return_params: bool) -> None:
     """Rank 0, once every rank's record is gathered (`ranks`, by rank): `result.json` (losses of
-    the loss-holding rank, iteration times over all ranks, amp, per-rank records) and, when the run
-    asks, `params.pt` (the full parameters, tensor-parallel shards assembled)."""
+    the loss-holding rank, iteration times over all ranks, amp, per-rank records) and, with
+    `return_params` (`RecordSettings.return_params`), `params.pt` (the full parameters,
+    tensor-parallel shards assembled)."""
     layout = pipeline_layout(plan)
     last = _rank(plan, layout, layout.sink[0], 0)
     losses = ranks[last]["losses"] or []
@@ -82,7 +83,7 @@ def write_result(run_dir: Path, plan: Plan, ranks: list[dict[str, Any]], start: 
         t1 = max(r["step_bounds"][i][2] for r in ranks)
         iteration_times.append(t1 - t0)
     params = None
-    if cfg.get("return_params"):
+    if return_params:
         params = {}
         for p in range(layout.num_stages):
             base = ranks[_rank(plan, layout, p, 0)]

@@ -35,6 +35,7 @@ from plait.runtime.amp import SCALE_ENV, DynamicLossScaler
 from plait.runtime.clip import GradClipper
 from plait.runtime.sharded_state import RankLayout, Segment
 from plait.runtime.tensor_parallel import ShardInfo
+from plait.runtime.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
     from plait.ir.plan import Plan
@@ -130,9 +131,9 @@ class ProgramCheckpoints:
     its `layout` (`checkpoint_layout`) with the step and the samples seen. Written under any plan and
     read under any: DCP reshards the logical parameters and optimizer state. The programs' random
     ops draw from (seed, step, op, rank) streams (`spmd_program._op_seed`), so nothing else needs
-    restoring. The worker provides `cfg`, `plan`, `rank`, `world`, `comm`, `hb`, `rec` and `layout`."""
+    restoring. The worker provides `config`, `plan`, `rank`, `world`, `comm`, `hb`, `rec` and `layout`."""
 
-    cfg: dict[str, Any]
+    config: WorkerConfig
     plan: Plan
     rank: int
     world: int
@@ -146,9 +147,9 @@ class ProgramCheckpoints:
     def loss_scaling(self, group: Any) -> DynamicLossScaler | None:
         """fp16's dynamic loss scaler, its found-inf flag agreed over `group` (every rank of the
         job); None for other dtypes (bf16 has fp32's exponent range)."""
-        if self.cfg["dtype"] != "fp16":
+        if self.config.dtype != "fp16":
             return None
-        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV) or self.cfg.get("loss_scale"))
+        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV))
         self.scaler.group = group
         self.scales: list[float] = []
         return self.scaler
@@ -161,24 +162,18 @@ class ProgramCheckpoints:
                 "final_scale": self.scaler.scale}
 
     def _meta(self) -> dict[str, Any]:
-        cfg = self.cfg
-        return {"model": cfg["model"], "plan": str(self.plan), "world_size": self.world,
-                "optimizer": cfg["optimizer"], "seed": cfg["seed"], "data_seed": cfg["data_seed"]}
+        config = self.config
+        return {"model": config.model, "plan": str(self.plan), "world_size": self.world,
+                "optimizer": config.optimizer, "seed": config.seed, "data_seed": config.data_seed}
 
     def _maybe_resume(self) -> int:
         """Load the launcher's chosen checkpoint (`resume_from`); returns the step to start at and
         sets `sample_base` so the sample stream continues after the checkpoint's last sample."""
-        ck = self.cfg.get("checkpoint") or {}
-        if not ck.get("resume"):
-            return 0
-        found = ck.get("resume_from")
-        if found is None and "resume_from" not in ck:  # another launcher: rank 0 chooses
-            choice = ckpt.choose_resume(Path(ck["dir"]), self._meta())[0] if self.rank == 0 else None
-            found = ckpt.broadcast_from_zero(str(choice) if choice is not None else None, self.comm)
-        if not found:
+        ck = self.config.checkpoint
+        if ck is None or not ck.resume or not ck.resume_from:  # the launcher chose it (None: none to resume)
             return 0
         self.hb.progress("resume")
-        train, _ = ckpt.load_into(Path(found), self.layout, self.rank)
+        train, _ = ckpt.load_into(Path(ck.resume_from), self.layout, self.rank)
         if self.scaler is not None and train.get("amp"):
             self.scaler.load_state_dict(json.loads(train["amp"]))
         step = int(train["step"])
@@ -190,13 +185,14 @@ class ProgramCheckpoints:
         """Collective: every rank's chunks of the logical parameters and optimizer state, with the
         step and the samples seen, as one DCP checkpoint."""
         self.hb.progress("checkpoint")
-        plan, cfg = self.plan, self.cfg
+        plan, ck = self.plan, self.config.checkpoint
+        assert ck is not None  # the run saves checkpoints
         train = {"step": step, "samples_seen": self.sample_base + step * plan.global_batch,
                  "plan": str(plan), "world_size": self.world, "format_version": ckpt.FORMAT_VERSION,
-                 "lr_schedule": json.dumps(cfg.get("lr_schedule")),
+                 "lr_schedule": self.config.schedule_record(),
                  "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None}
         state = ckpt.rank_snapshot(self.layout, train, self.rank, {"rng": ckpt.rng_state()})
         with self.rec.waiting("checkpoint"):
             ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm,
-                      keep=cfg["checkpoint"].get("keep"))
+                      keep=ck.keep)
         self.hb.progress("train")

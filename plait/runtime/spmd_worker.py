@@ -13,7 +13,7 @@ With `clip_grad` the optimizer step clips the global gradient norm over every ra
 checkpoints (`checkpoint.every`, `resume_from`) hold the logical parameters and optimizer state
 (`plait.runtime.spmd_state`): a resume may run the program at other ratios, or another plan.
 
-Before training, ranks may time gloo's all-gather at a few sizes (`cfg["spmd_calibrate"]`): the
+Before training, ranks may time gloo's all-gather at a few sizes (`records.spmd_calibrate`): the
 alpha-beta figures of this machine's links that `plait plan --family spmd --run` predicts with;
 with them, every rank times the whole (unsharded) program side by side with the others, before
 and after the measured steps (`whole_program_seconds`): each rank's own compute speed, taken by
@@ -42,7 +42,7 @@ from plait.graph.aten_stage import batch_loss_output
 from plait.graph.sharding import strategies as op_strategies
 from plait.ir.aten_graph import AtenGraph
 from plait.runtime.amp import autocast_for, reduce_dtype
-from plait.runtime.comm import FAULTS_ENV, Comm, CommLog, NullGroup, parse_link_faults
+from plait.runtime.comm import Comm, CommLog, NullGroup
 from plait.runtime.data_parallel import make_optimizer
 from plait.runtime.lr import LRSchedule
 from plait.runtime.partition import build_seeded, load_model_spec, make_samples
@@ -167,29 +167,26 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
     """One rank of a whole-model SPMD program (module docstring)."""
 
     def run(self) -> None:
-        cfg = self.cfg
+        config = self.config
         group = self._init_comm()
         state = self._build(group)
         stepper = self._make_stepper(state, group)
         start = self._maybe_resume()
-        ck = cfg.get("checkpoint") or {}
-        every = int(ck.get("every") or 0)
-        schedule = LRSchedule.from_dict(cfg["lr_schedule"], float(cfg["optimizer"].get("lr", 1e-3))) \
-            if cfg.get("lr_schedule") else None
+        ck = config.checkpoint
         calibration = self._calibrate(group, state.timed) if state.timed is not None else None
 
-        steps = int(cfg["steps"])
+        steps = config.steps
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin = common_origin(self.rec, self.comm)
         losses: list[torch.Tensor] = []
         bounds: list[tuple[int, float, float]] = []
         for step in range(start, steps):
-            loss, t0, t1 = self._train_step(state, stepper, group, step, steps, schedule)
+            loss, t0, t1 = self._train_step(state, stepper, group, step, steps, config.lr_schedule)
             bounds.append((step, t0, t1))
             losses.append(loss.detach().clone())
-            if every and (step + 1) % every == 0:
-                self._save_checkpoint(step + 1, Path(ck["dir"]))
+            if ck is not None and ck.every and (step + 1) % ck.every == 0:
+                self._save_checkpoint(step + 1, Path(ck.dir))
 
         if state.timed is not None and calibration is not None:  # the same timings after the steps
             calibration["program_s_after"] = self._time_whole(state.timed)
@@ -197,49 +194,47 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
 
     def _init_comm(self) -> Any:
         """The rank's recorder and communication facade; returns the world group."""
-        cfg = self.cfg
-        self.rec = Recorder(self.info["device"], 0, self.rank, cuda=False,
-                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb)
+        config = self.config
+        self.rec = Recorder(self.info.device, 0, self.rank, cuda=False, slowdown=self.info.slowdown, heartbeat=self.hb)
         self.hb.progress("init")
         log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
-            if cfg.get("comm_records", True) else None
-        faults = parse_link_faults(os.environ.get(FAULTS_ENV) or cfg.get("comm_faults"))
-        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults)
-        return self.comm.init_process_group(cfg["backend"], timeout_s=float(cfg["collective_timeout"]))
+            if config.records.comm_records else None
+        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=config.faults.link_faults())
+        return self.comm.init_process_group(config.backend, timeout_s=config.collective_timeout)
 
     def _build(self, group: Any) -> _RankState:
         """The seeded model captured and compiled into the plan's program; this rank's shards of it loaded."""
-        cfg, plan = self.cfg, self.plan
+        config, plan = self.config, self.plan
         self.hb.progress("build")
-        spec = load_model_spec(cfg["model"])
-        seed = int(cfg["seed"])
+        spec = load_model_spec(config.model)
+        seed = config.seed
         model = build_seeded(spec, seed)
         batch = plan.global_batch
-        data_seed = int(cfg["data_seed"])
+        data_seed = config.data_seed
         fetch = self._data(spec, batch, data_seed)
         graph = capture_on_meta(spec, batch)  # as the planner captured it (the meta device)
         program = self._compile(graph)
         spans = Spans(self.rec)
         runner = RankProgram(program, self.rank, group, spans, seed=seed)
-        runner.grad_dtype = reduce_dtype(plan, cfg["dtype"])  # parameter gradients reduced in the plan's dtype
+        runner.grad_dtype = reduce_dtype(plan, config.dtype)  # parameter gradients reduced in the plan's dtype
         # an output left in batch shards is not gathered: each rank's loss on its rows (as the
         # composed worker's last stage; the search and the simulator price no gather for it)
         batch_loss = batch_loss_output(graph, program.strategies) if len(graph.outputs) == 1 else None
         keep = frozenset([batch_loss]) if batch_loss else frozenset()
         leaves = runner.load(model)
         aliases, buffers = aliases_of(model), persistent_buffers(model)
-        timing = copy.deepcopy(model) if cfg.get("spmd_calibrate") else None  # the whole program's, side by side
+        timing = copy.deepcopy(model) if config.records.spmd_calibrate else None  # the whole program's, side by side
         del model
-        timed = (lambda: _in_precision(cfg["dtype"], lambda: {
+        timed = (lambda: _in_precision(config.dtype, lambda: {
             **program_timings(timing, spec, graph, batch, lambda k: make_samples(spec, 0, k, data_seed),
-                              cfg["optimizer"]),
+                              config.optimizer),
             **own_program_seconds(program, self.rank, copy.deepcopy(timing), fetch(0)[0], keep)})
                  ) if timing is not None else None
         return _RankState(spec, batch, graph, runner, spans, fetch, batch_loss, keep, leaves, aliases, buffers, timed)
 
     def _compile(self, graph: AtenGraph) -> CompiledProgram:
         """The plan's program checked against `graph`, its ratios rounded to shard sizes."""
-        names = [f"gpu {r['device']} ({r.get('kind') or 'cpu'}, rank {r['rank']})" for r in self.cfg["ranks"]]
+        names = [f"gpu {r.device} ({r.kind or 'cpu'}, rank {r.rank})" for r in self.config.ranks]
         spmd = self.plan.spmd
         assert spmd is not None  # entry: only a plan with a program reaches this worker
         return compile_program(graph, spmd.strategies, spmd.ratio_array(), self.world, devices=names,
@@ -248,11 +243,11 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
     def _make_stepper(self, state: _RankState, group: Any) -> SpmdStep:
         """The optimizer step over this rank's shards (clipped and loss-scaled when the run asks), and
         the checkpoint layout that saves and resumes them."""
-        cfg = self.cfg
-        opt = make_optimizer(state.leaves, cfg["optimizer"])
+        config = self.config
+        opt = make_optimizer(state.leaves, config.optimizer)
         stepper = SpmdStep(state.leaves, opt)
-        if cfg.get("clip_grad"):
-            stepper.clip = make_clipper(state.runner, self.world, float(cfg["clip_grad"]), group)
+        if config.clip_grad:
+            stepper.clip = make_clipper(state.runner, self.world, config.clip_grad, group)
         stepper.scaler = self.loss_scaling(group)
         self.layout = checkpoint_layout(state.runner, stepper, state.aliases, state.buffers, self.rank)
         return stepper
@@ -260,16 +255,16 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
     def _train_step(self, state: _RankState, stepper: SpmdStep, group: Any, step: int, steps: int,
                     schedule: LRSchedule | None) -> tuple[torch.Tensor, float, float]:
         """One step over the whole global batch (forward, loss, backward, optimizer): its loss and bounds."""
-        cfg, runner, spans = self.cfg, state.runner, state.spans
+        config, runner, spans = self.config, state.runner, state.spans
         self.hb.progress("train", step)
         inputs, target = state.fetch(step)
         self.rec.step = step
-        if cfg.get("step_barrier", True):
+        if config.step_barrier:
             self.comm.barrier("step barrier")
         t0 = self.rec.begin_step(step)
         runner.step = step
         spans.begin("forward")
-        with autocast_for(cfg["dtype"]):  # fp32 master leaves, ops in the plan's precision
+        with autocast_for(config.dtype):  # fp32 master leaves, ops in the plan's precision
             outs = runner.forward(inputs, state.keep)
             if state.batch_loss:  # this rank's rows, weighted by their share of the batch; never gathered
                 first, rows = runner.rows(state.batch_loss, 0)
@@ -303,13 +298,13 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
         self.hb.progress("gather")
         runner, leaves = state.runner, state.leaves
         params = None
-        if self.cfg.get("return_params"):
+        if self.config.records.return_params:
             params = whole_parameters(runner, lambda x, sizes, d: group.all_gather_uneven(
                 x, sizes, d, "gather parameters", "comm_spmd"))
         peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         mine = {
-            "rank": self.rank, "pp": 0, "dp": 0, "tp": 0, "device": self.info["device"], "host": self.info["host"],
-            "node": self.info["node"], "kind": self.info.get("kind"), "slowdown": self.rec.slowdown,
+            "rank": self.rank, "pp": 0, "dp": 0, "tp": 0, "device": self.info.device, "host": self.info.host,
+            "node": self.info.node, "kind": self.info.kind, "slowdown": self.rec.slowdown,
             "pid": os.getpid(), "hostname": socket.gethostname(), "layers": state.graph.layers,
             "params": sum(p.numel() for p in leaves), "param_bytes": sum(p.numel() * p.element_size() for p in leaves),
             "peak_memory_bytes": peak, "memory_kind": "max_rss", "samples_per_step": state.batch,
@@ -321,19 +316,19 @@ class SpmdWorker(ProgramCheckpoints, RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            write_result(self.run_dir, self.plan, gathered, start, steps, self.cfg)
+            write_result(self.run_dir, self.plan, gathered, start, steps, self.config.records.return_params)
         self.comm.barrier("final barrier")
         self.comm.close()
 
     def _data(self, spec: Any, batch: int, data_seed: int) -> Any:
         """step -> (inputs, target) of the whole global batch: the model's samples, or the user's data."""
-        data_cfg = self.cfg.get("data")
+        data = self.config.data
         # `sample_base`: a resume continues with the sample after the checkpoint's last
-        if not data_cfg:
+        if data is None:
             return lambda step: make_samples(spec, self.sample_base + step * batch, batch, data_seed)
         from plait.runtime import data as user_data
 
-        dataset, collate = user_data.load_data(data_cfg["spec"])
+        dataset, collate = user_data.load_data(data.spec)
         order = user_data.SampleOrder(len(dataset), data_seed)
 
         def fetch(step: int) -> Any:

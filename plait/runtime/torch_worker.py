@@ -45,7 +45,6 @@ import socket
 import time
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,17 +54,14 @@ from torch import nn
 from plait.ir.opgraph import TP_ALONE_ROLES
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
 from plait.runtime.comm import (
-    FAULTS_ENV,
     PROBE_BEFORE,
     PROBE_REPEAT,
     Comm,
     CommLog,
     Group,
-    parse_link_faults,
 )
 from plait.runtime.data_parallel import make_optimizer
-from plait.runtime.inject import PROCESS_FAULTS, Injection, fire, poison
-from plait.runtime.lr import LRSchedule
+from plait.runtime.inject import PROCESS_FAULTS, fire, poison
 from plait.runtime.parallelize import apply_ac, apply_ddp, apply_fsdp, apply_tp, build_mesh
 from plait.runtime.partition import (
     MicroBatch,
@@ -80,6 +76,7 @@ from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
+from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import event_key
 
 
@@ -101,36 +98,36 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TorchWorker(RankConfig):
-    def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
-        super().__init__(cfg, rank, heartbeat)
+    def __init__(self, config: WorkerConfig, rank: int, heartbeat: Heartbeat) -> None:
+        super().__init__(config, rank, heartbeat)
         self.t = rank % self.plan.tp  # pp = 1: Megatron's order, tensor rank fastest
         self.d = rank // self.plan.tp
-        self.injection = Injection.from_list(cfg.get("inject"))
-        self.cuda = cfg["device"] == "cuda"
+        self.injection = config.faults.inject
+        self.cuda = config.cuda
         self.fsdp = self.plan.zero >= 1
 
     # ------------------------------------------------------------------ setup
     def _init_dist(self) -> None:
         self.hb.progress("init")
         if self.cuda:
-            torch.cuda.set_device(int(self.info.get("local_device", self.rank)) % torch.cuda.device_count())
+            torch.cuda.set_device(self.gpu % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        config = self.config
         log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
-            if self.cfg.get("comm_records", True) else None
-        faults = parse_link_faults(os.environ.get(FAULTS_ENV) or self.cfg.get("comm_faults"))
-        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults, injection=self.injection,
-                         probe_bytes=int(self.cfg.get("probe_bytes", 1 << 18)))
-        self.comm.init_process_group(self.cfg["backend"], timeout_s=float(self.cfg["collective_timeout"]))
+            if config.records.comm_records else None
+        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=config.faults.link_faults(),
+                         injection=self.injection, probe_bytes=config.records.probe_bytes)
+        self.comm.init_process_group(config.backend, timeout_s=config.collective_timeout)
         self.mesh = build_mesh(self.plan, self.comm, self.device.type)
         self.dp_group: Group = self.comm.group("dp")
 
     def _build(self) -> None:
         self.hb.progress("build")
-        cfg, plan = self.cfg, self.plan
-        self.spec = load_model_spec(cfg["model"])
-        seed = int(cfg["seed"])
+        config, plan = self.config, self.plan
+        self.spec = load_model_spec(config.model)
+        seed = config.seed
         model = build_seeded(self.spec, seed)
         self.layers = [name for name, _ in layer_modules(model)]
         self.param_count = sum(prm.numel() for prm in model.parameters() if prm.requires_grad)
@@ -140,7 +137,7 @@ class TorchWorker(RankConfig):
             alone = {getattr(m, "plait_tp", None) for _, layer in tp_layers for m in layer.modules()} \
                 & set(TP_ALONE_ROLES)
             if alone:
-                raise RuntimeSetupError(f"model {cfg['model']}: its plan cuts {sorted(alone)} modules, which the torch "
+                raise RuntimeSetupError(f"model {config.model}: its plan cuts {sorted(alone)} modules, which the torch "
                                         "engine's DTensor tensor parallelism does not; run it without engine=torch")
             apply_tp(model, self.mesh, tp_layers)
             # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm)
@@ -151,11 +148,11 @@ class TorchWorker(RankConfig):
         self.model = model  # the unwrapped module: its parameters (DTensors under FSDP2) by their own names
         if self.fsdp:
             self.runner: nn.Module = apply_fsdp(model, self.mesh, plan, fsdp_units(model), self.dp_group,
-                                                dtype=cfg["dtype"])
+                                                dtype=config.dtype)
         elif plan.tp > 1:
             self.runner = model
         else:
-            self.runner = apply_ddp(model, self.mesh, plan, self.dp_group, dtype=cfg["dtype"])
+            self.runner = apply_ddp(model, self.mesh, plan, self.dp_group, dtype=config.dtype)
         self.params = [prm for prm in model.parameters() if prm.requires_grad]
         stream_seed = seed + 1 + self.d  # dropout streams: one per replica, as the pipeline engine's
         torch.manual_seed(stream_seed)
@@ -165,7 +162,7 @@ class TorchWorker(RankConfig):
     # ------------------------------------------------------------------ run
     def run(self) -> None:
         self._prepare()
-        steps = int(self.cfg["steps"])
+        steps = self.config.steps
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin_info = common_origin(self.rec, self.comm)
@@ -175,32 +172,31 @@ class TorchWorker(RankConfig):
             t0, t1, loss_sum = self._train_step(step)
             bounds.append((step, t0, t1))
             losses.append(loss_sum)
-            if self.cfg.get("step_records"):
+            if self.config.records.step_records:
                 self._record_step(step, t0, t1, loss_sum)
         self.rec.step = None
         self._finish(losses, bounds, steps, origin_info)
 
     def _prepare(self) -> None:
         """The recorder, the process groups, the wrapped model, its optimizer and loss scaler."""
-        cfg = self.cfg
+        config = self.config
         slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
-        self.rec = Recorder(self.info["device"], 0, self.rank, cuda=self.cuda,
-                            slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb,
+        self.rec = Recorder(self.info.device, 0, self.rank, cuda=self.cuda, slowdown=self.info.slowdown,
+                            heartbeat=self.hb,
                             inject_factor=partial(self.injection.compute_factor, self.rank) if slow else None,
-                            compute_floor_s=float(cfg.get("compute_sleep") or 0.0))
+                            compute_floor_s=config.faults.compute_sleep)
         self._init_dist()
         self._build()
-        if self.cuda and cfg["dtype"] == "tf32":
+        if self.cuda and config.dtype == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         # The optimizer steps on each parameter's local tensor (a DTensor's shard: a view of its
         # storage): the update is elementwise, so it is the same, without DTensor's dispatch on every
         # op of every parameter (bench/torch_engine.py: that made the optimizer ~10x slower on CPU).
         self.locals = [_local(prm).detach() for prm in self.params]
-        self.optimizer = make_optimizer(self.locals, cfg["optimizer"])
+        self.optimizer = make_optimizer(self.locals, config.optimizer)
         # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
-        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV) or cfg.get("loss_scale")) \
-            if cfg["dtype"] == "fp16" else None
+        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV)) if config.dtype == "fp16" else None
         self.scales: list[float] = []
         if self.scaler is not None:  # every rank of the job skips or steps together
             self.scaler.group = self.comm.world_group
@@ -208,8 +204,8 @@ class TorchWorker(RankConfig):
     def _train_step(self, step: int) -> tuple[float, float, torch.Tensor]:
         """One step: faults due now, barriers and link probes around the timed span, the replica's
         micro-batches, the optimizer step. Returns the span's (start, end) and the loss summed."""
-        cfg = self.cfg
-        probe_every = int(cfg.get("probe_every") or 0)
+        config = self.config
+        probe_every = config.records.probe_every
         self.hb.progress("train", step)
         mbs = replica_micro_batches(self.plan, step, self.d)
         data = self._step_data(mbs)
@@ -217,9 +213,9 @@ class TorchWorker(RankConfig):
         fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
         if fault is not None:
             fire(fault)
-        if cfg.get("comm_records") == "alternate":  # bench/recorder_overhead.py (as the pipeline engine)
+        if config.records.comm_records == "alternate":  # bench/recorder_overhead.py (as the pipeline engine)
             self.comm.recording = (step // 2 + step) % 2 == 0
-        if cfg.get("step_barrier", True):
+        if config.step_barrier:
             self.comm.barrier("step barrier")
         if probe_every and step % probe_every == 0:
             self.comm.probe_links(PROBE_BEFORE)
@@ -247,8 +243,8 @@ class TorchWorker(RankConfig):
         if self.scaler is not None:
             self.scaler.update(step)
         self._set_lr(step)
-        if self.cfg.get("clip_grad") and not skip:
-            torch.nn.utils.clip_grad_norm_(self.params, float(self.cfg["clip_grad"]))
+        if self.config.clip_grad and not skip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad)
         with self.rec.compute("optimizer", "optimizer"):
             for prm, loc in zip(self.params, self.locals, strict=True):
                 loc.grad = _local(prm.grad) if prm.grad is not None else None
@@ -274,7 +270,7 @@ class TorchWorker(RankConfig):
                 inputs, target = data[mb.index]
             else:  # a ghost: the replica's first sample again, adding nothing to the gradients
                 mb, weight = MicroBatch(i, mbs[0].first, 1), 0.0
-                inputs, target = make_samples(self.spec, mbs[0].first, 1, int(self.cfg["data_seed"]), self.device)
+                inputs, target = make_samples(self.spec, mbs[0].first, 1, self.config.data_seed, self.device)
             # DDP holds its all-reduce back to the last micro-batch; FSDP2 reduce-scatters every
             # micro-batch's gradients into the shards, so that no rank holds whole gradients between
             # them (ZeRO-3's memory, as the memory model counts it).
@@ -294,35 +290,34 @@ class TorchWorker(RankConfig):
         return loss_sum
 
     def _autocast(self) -> Any:
-        return autocast_for(self.cfg["dtype"], self.device.type)
+        return autocast_for(self.config.dtype, self.device.type)
 
     def _local_grads(self) -> list[torch.Tensor | None]:
         """This rank's gradients (the local shards of FSDP2's DTensors), for the inf fault."""
         return [g.to_local() if g is not None and hasattr(g, "to_local") else g for g in (p.grad for p in self.params)]
 
     def _set_lr(self, step: int) -> None:
-        sched = self.cfg.get("lr_schedule")
-        if not sched:
+        sched = self.config.lr_schedule
+        if sched is None:
             return
-        lr = LRSchedule.from_dict(sched, float(self.cfg["optimizer"].get("lr", 1e-3))).at(step, int(self.cfg["steps"]))
+        lr = sched.at(step, self.config.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
         """The replica's samples of one step: synthetic by global index, or the user data's stream
         in the pipeline engine's order (`plait.runtime.data`)."""
-        seed = int(self.cfg["data_seed"])
-        if not self.cfg.get("data"):
+        seed, data = self.config.data_seed, self.config.data
+        if data is None:
             return {mb.index: make_samples(self.spec, mb.first, mb.size, seed, self.device) for mb in mbs}
         if getattr(self, "_data_iter", None) is None:
             from plait.runtime import data as user_data
 
-            dataset, collate = user_data.load_data(self.cfg["data"]["spec"])
+            dataset, collate = user_data.load_data(data.spec)
             order = user_data.SampleOrder(len(dataset), seed)
-            ranges = [(mb.first, mb.size) for step in range(int(self.cfg["steps"]))
+            ranges = [(mb.first, mb.size) for step in range(self.config.steps)
                       for mb in replica_micro_batches(self.plan, step, self.d)]
-            self._data_iter = user_data.batches(dataset, collate, order, ranges,
-                                                int(self.cfg["data"].get("workers", 1)))
+            self._data_iter = user_data.batches(dataset, collate, order, ranges, data.workers)
         out = {}
         for mb in mbs:
             with self.hb.pause():  # a wait for the loader is not the step's work (plait.runtime.recorder)
@@ -335,7 +330,7 @@ class TorchWorker(RankConfig):
         """`RUN_DIR/steps/rankN.jsonl` as the pipeline engine writes it."""
         rec = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time(),
                "main_cpu": time.thread_time(), "dp": self.d, "loss_share": float(loss_sum)}
-        with open(Path(self.cfg["run_dir"]) / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
+        with open(self.run_dir / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
             fh.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ results
@@ -348,7 +343,7 @@ class TorchWorker(RankConfig):
         local = [_local(prm) for prm in self.params]
         param_bytes = sum(t.numel() * t.element_size() for t in local)  # held between steps (FSDP2, TP: shards)
         params = None
-        if self.cfg.get("return_params"):
+        if self.config.records.return_params:
             full = {n: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().cpu().clone()
                     for n, prm in self.model.named_parameters()}  # FSDP2: gathered, collective
             params = full if self.d == 0 else None
@@ -362,8 +357,8 @@ class TorchWorker(RankConfig):
         else:
             peak, mem_kind = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "max_rss"
         mine = {
-            "rank": self.rank, "pp": 0, "dp": self.d, "tp": self.t, "device": self.info["device"],
-            "host": self.info["host"], "node": self.info["node"], "kind": self.info.get("kind"),
+            "rank": self.rank, "pp": 0, "dp": self.d, "tp": self.t, "device": self.info.device,
+            "host": self.info.host, "node": self.info.node, "kind": self.info.kind,
             "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
             "layers": self.layers, "params": self.param_count, "param_bytes": param_bytes,
             "peak_memory_bytes": peak, "memory_kind": mem_kind,
@@ -376,6 +371,6 @@ class TorchWorker(RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            write_result(self.run_dir, self.plan, gathered, 0, steps, self.cfg)
+            write_result(self.run_dir, self.plan, gathered, 0, steps, self.config.records.return_params)
         self.comm.barrier("final barrier")
         self.comm.close()

@@ -59,13 +59,11 @@ from plait.runtime.amp import (
 )
 from plait.runtime.clip import GradClipper
 from plait.runtime.comm import (
-    FAULTS_ENV,
     PROBE_BEFORE,
     PROBE_REPEAT,
     Comm,
     CommLog,
     Group,
-    parse_link_faults,
 )
 from plait.runtime.data_parallel import (
     DataParallelStep,
@@ -76,7 +74,7 @@ from plait.runtime.data_parallel import (
     sync_tied_grads,
 )
 from plait.runtime.executor import PipelineExecutor
-from plait.runtime.inject import PROCESS_FAULTS, Injection, fire, poison
+from plait.runtime.inject import PROCESS_FAULTS, fire, poison
 from plait.runtime.layout import (
     PipelineLayout,
     merge_modules,
@@ -89,7 +87,6 @@ from plait.runtime.layout import (
     step_schedule,
     with_node_edges,
 )
-from plait.runtime.lr import LRSchedule
 from plait.runtime.parallelize import apply_ac
 from plait.runtime.partition import (
     MicroBatch,
@@ -113,13 +110,14 @@ from plait.runtime.tensor_parallel import (
     is_tensor_parallel_layer,
     sequence_parallel_params,
 )
+from plait.runtime.worker_config import WorkerConfig
 from plait.runtime.zero3 import Zero3Step
 
 
 # ---------------------------------------------------------------------------------- worker
 class Worker(RankConfig):
-    def __init__(self, cfg: dict[str, Any], rank: int, heartbeat: Heartbeat) -> None:
-        super().__init__(cfg, rank, heartbeat)  # plan, world, info, run_dir
+    def __init__(self, config: WorkerConfig, rank: int, heartbeat: Heartbeat) -> None:
+        super().__init__(config, rank, heartbeat)  # plan, world, info, run_dir
         plan = self.plan
         self.layout = pipeline_layout(plan)
         if self.layout.graph_plan:  # (stage, replica), each stage its own data-parallel degree
@@ -131,8 +129,8 @@ class Worker(RankConfig):
             self.d = (rank // plan.tp) % plan.dp
             self.p = rank // (plan.tp * plan.dp)
             self.dp_size = plan.dp
-        self.injection = Injection.from_list(cfg.get("inject"))
-        self.cuda = cfg["device"] == "cuda"
+        self.injection = config.faults.inject
+        self.cuda = config.cuda
 
     # ------------------------------------------------------------------ setup
     def _init_dist(self) -> None:
@@ -141,18 +139,18 @@ class Worker(RankConfig):
             # Every agent of a run lives on this machine (emulated nodes share it), so the plan rank,
             # not torchrun's per-agent LOCAL_RANK, picks a distinct GPU (NCCL needs one GPU per rank).
             # On real multi-node hosts the cluster file's local GPU index of the rank (`local_device`).
-            torch.cuda.set_device(int(self.info.get("local_device", self.rank)) % torch.cuda.device_count())
+            torch.cuda.set_device(self.gpu % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
         # Every call of this rank goes through one facade: Timeline spans, the streamed records file
         # (RUN_DIR/comm/rankN.jsonl) and the link faults of tests.
+        config = self.config
         log = CommLog(comm_records_path(self.run_dir, self.rank), self.rank, self.world) \
-            if self.cfg.get("comm_records", True) else None
-        faults = parse_link_faults(os.environ.get(FAULTS_ENV) or self.cfg.get("comm_faults"))
-        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=faults, injection=self.injection,
-                         probe_bytes=int(self.cfg.get("probe_bytes", 1 << 18)))
-        self.comm.init_process_group(self.cfg["backend"], timeout_s=float(self.cfg["collective_timeout"]))
+            if config.records.comm_records else None
+        self.comm = Comm(self.rank, self.world, rec=self.rec, log=log, faults=config.faults.link_faults(),
+                         injection=self.injection, probe_bytes=config.records.probe_bytes)
+        self.comm.init_process_group(config.backend, timeout_s=config.collective_timeout)
         plan = self.plan
         if self.layout.graph_plan:
             # A stage graph's stages have their own data-parallel degrees: explicit groups, one per
@@ -167,9 +165,9 @@ class Worker(RankConfig):
 
     def _build(self) -> None:
         self.hb.progress("build")
-        cfg, plan = self.cfg, self.plan
-        self.spec = load_model_spec(cfg["model"])
-        seed = int(cfg["seed"])
+        plan = self.plan
+        self.spec = load_model_spec(self.config.model)
+        seed = self.config.seed
         model = build_seeded(self.spec, seed)
         # Which layers are tensor parallel, in execution order over the whole model: a sequence-parallel
         # region spans consecutive ones, across pipeline cuts too.
@@ -246,26 +244,24 @@ class Worker(RankConfig):
         apply_ac(layers.values(), self.plan.recompute)  # the policy both engines share
 
     def _autocast(self) -> Any:
-        if self.cfg["dtype"] not in LOW_PRECISION:
+        if self.config.dtype not in LOW_PRECISION:
             return torch.autocast(self.device.type, enabled=False)
-        return autocast_for(self.cfg["dtype"], self.device.type)
+        return autocast_for(self.config.dtype, self.device.type)
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
-        cfg, plan = self.cfg, self.plan
+        config, plan = self.config, self.plan
         # The recorder exists before the model so that tensor-parallel collectives can report to it.
         self.rec = self._make_recorder()
         self._init_dist()
         self._build()
-        if self.cuda and cfg["dtype"] == "tf32":
+        if self.cuda and config.dtype == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         low = self._make_optimizer()
         runner = self._make_executor()
         start = self._maybe_resume()
-        steps = int(cfg["steps"])
-        ck = cfg.get("checkpoint") or {}
-        every = int(ck.get("every") or 0)
+        steps, ck = config.steps, config.checkpoint
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin_info = common_origin(self.rec, self.comm)
@@ -279,35 +275,33 @@ class Worker(RankConfig):
             t0, t1 = self._train_step(runner, step, schedule, low)
             step_bounds.append((step, t0, t1))
             losses.append(runner.loss_sum.detach().clone())
-            if self.cfg.get("step_records"):
+            if config.records.step_records:
                 self._record_step(step, t0, t1,
                                   runner.loss_sum if self.p == self.layout.sink[0] and self.t == 0 else None)
-            if every and (step + 1) % every == 0:
-                self._save_checkpoint(step + 1, Path(ck["dir"]))
+            if ck is not None and ck.every and (step + 1) % ck.every == 0:
+                self._save_checkpoint(step + 1, Path(ck.dir))
         self.rec.step = None  # the calls of the end (results, barriers) belong to no step
         self._finish(losses, step_bounds, start, steps, origin_info)
 
     def _make_recorder(self) -> Recorder:
         """The rank's span recorder (a `slow` fault injected into it stretches its compute)."""
         slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
-        return Recorder(self.info["device"], self.p, self.rank, cuda=self.cuda,
-                        slowdown=float(self.info.get("slowdown", 1.0)), heartbeat=self.hb,
+        return Recorder(self.info.device, self.p, self.rank, cuda=self.cuda, slowdown=self.info.slowdown,
+                        heartbeat=self.hb,
                         inject_factor=partial(self.injection.compute_factor, self.rank) if slow else None,
-                        compute_floor_s=float(self.cfg.get("compute_sleep") or 0.0))
+                        compute_floor_s=self.config.faults.compute_sleep)
 
     def _make_optimizer(self) -> torch.dtype | None:
         """The loss scaler and the data-parallel optimizer step (plain, ZeRO-1/2 or ZeRO-3, clipped
         when the run asks); returns the plan's gradient-reduction dtype (None: fp32)."""
-        cfg, plan = self.cfg, self.plan
-        opt_cfg = cfg["optimizer"]
-        make_opt = partial(make_optimizer, cfg=opt_cfg)
+        config, plan = self.config, self.plan
+        make_opt = partial(make_optimizer, cfg=config.optimizer)
         # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
-        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV) or cfg.get("loss_scale")) \
-            if cfg["dtype"] == "fp16" else None
+        self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV)) if config.dtype == "fp16" else None
         if self.scaler is not None:  # every rank of the job skips or steps together
             self.scaler.group = self.comm.world_group
         self.zero3: Zero3Step | None = None
-        low = reduce_dtype(plan, cfg["dtype"])  # the plan's gradient-reduction dtype (Plan.grad_dtype)
+        low = reduce_dtype(plan, config.dtype)  # the plan's gradient-reduction dtype (Plan.grad_dtype)
         if plan.zero >= 3 and self.dp_size > 1:
             # Parameters sharded too (api refuses pp > 1 with zero=3): per-layer gather / reduce-scatter.
             self.zero3 = Zero3Step(self.stage_module, layer_modules(self.stage_module), make_opt, self.dp_group,
@@ -320,8 +314,8 @@ class Worker(RankConfig):
         else:
             self.opt = DataParallelStep(self.params, make_opt, self.dp_group, self.dp_size, self.rec,
                                         bucket_bytes=plan.grad_bucket_bytes, scaler=self.scaler, reduce_dtype=low)
-        if cfg.get("clip_grad"):
-            self.opt.clip = GradClipper(float(cfg["clip_grad"]), self._copy_weights(), group=self.comm.world_group)
+        if config.clip_grad:
+            self.opt.clip = GradClipper(config.clip_grad, self._copy_weights(), group=self.comm.world_group)
         return low
 
     def _make_executor(self) -> PipelineExecutor:
@@ -375,17 +369,17 @@ class Worker(RankConfig):
     def _before_step(self, step: int) -> bool:
         """What precedes the step's measured time: injected faults, the records' on/off switch, the
         step barrier and the link probe; returns whether the links were probed this step."""
-        cfg = self.cfg
+        config = self.config
         fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
         if fault is not None:
             fire(fault)
-        if cfg.get("comm_records") == "alternate":
+        if config.records.comm_records == "alternate":
             # bench/recorder_overhead.py: records on and off in adjacent steps, the order alternating
             # pair by pair (on/off, off/on, ...) so a drifting machine biases neither side.
             self.comm.recording = (step // 2 + step) % 2 == 0
-        if cfg.get("step_barrier", True):
+        if config.step_barrier:
             self.comm.barrier("step barrier")
-        probe_every = int(cfg.get("probe_every") or 0)
+        probe_every = config.records.probe_every
         if probe_every and step % probe_every == 0:
             # Each rank pair's link, timed (the doctor's matrix) while no rank computes, then a
             # barrier: the ranks' different probe end times do not enter the measured iteration.
@@ -419,7 +413,7 @@ class Worker(RankConfig):
                                "main_cpu": time.thread_time()}
         if loss_sum is not None:
             rec.update(dp=self.d, loss_share=float(loss_sum))
-        with open(Path(self.cfg["run_dir"]) / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
+        with open(self.run_dir / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
             fh.write(json.dumps(rec) + "\n")
 
     def _copy_weights(self) -> dict[int, float]:
@@ -444,10 +438,10 @@ class Worker(RankConfig):
 
     def _set_lr(self, step: int) -> None:
         """The schedule's learning rate for this step's update (`plait.runtime.lr`, Megatron's flags)."""
-        sched = self.cfg.get("lr_schedule")
-        if not sched:
+        sched = self.config.lr_schedule
+        if sched is None:
             return
-        lr = LRSchedule.from_dict(sched, float(self.cfg["optimizer"].get("lr", 1e-3))).at(step, int(self.cfg["steps"]))
+        lr = sched.at(step, self.config.steps)
         for group in self.opt.optimizer.param_groups:
             group["lr"] = lr
 
@@ -464,10 +458,10 @@ class Worker(RankConfig):
         """Samples of the micro-batches of the chunks that read model inputs or compute the loss:
         stream positions shifted by `sample_base` (a resume continues with the sample after the
         checkpoint's last, whatever the plans' global batches)."""
-        seed = int(self.cfg["data_seed"])
+        seed = self.config.data_seed
         base = getattr(self, "sample_base", 0)
         needed = self._needed(chunk_mbs)
-        if not self.cfg.get("data"):
+        if self.config.data is None:
             return {(c, mb.index): make_samples(self.spec, base + mb.first, mb.size, seed, self.device)
                     for c, mb in needed}
         if getattr(self, "_data_iter", None) is None:
@@ -485,49 +479,37 @@ class Worker(RankConfig):
         order `_step_data` asks for them, its workers fetching ahead (`plait.runtime.data`)."""
         from plait.runtime import data as user_data
 
-        data_cfg = self.cfg["data"]
-        dataset, collate = user_data.load_data(data_cfg["spec"])
+        data = self.config.data
+        assert data is not None  # `_step_data` opens it for the user's data only
+        dataset, collate = user_data.load_data(data.spec)
         order = user_data.SampleOrder(len(dataset), seed)
         start = getattr(self, "start_step", 0)
         lay = self.layout
         ranges = []
-        for step in range(start, int(self.cfg["steps"])):
+        for step in range(start, self.config.steps):
             node_mbs = node_micro_batches(self.plan, lay, step, self.d)
             chunk_mbs = {c: node_mbs[lay.node_of(self.p, c)] for c in self.chunks}
             ranges += [(base + mb.first, mb.size) for _, mb in self._needed(chunk_mbs)]
-        return user_data.batches(dataset, collate, order, ranges, int(data_cfg.get("workers", 1)))
+        return user_data.batches(dataset, collate, order, ranges, data.workers)
 
     def _meta(self) -> dict[str, Any]:
-        return {"model": self.cfg["model"], "plan": str(self.plan), "world_size": self.world,
-                "optimizer": self.cfg["optimizer"], "seed": self.cfg["seed"], "data_seed": self.cfg["data_seed"]}
+        config = self.config
+        return {"model": config.model, "plan": str(self.plan), "world_size": self.world,
+                "optimizer": config.optimizer, "seed": config.seed, "data_seed": config.data_seed}
 
     def _ckpt_layout(self) -> RankLayout:
         return RankLayout(self.stage_module, self.opt, self.shard_infos, self.t, self.param_aliases,
                           self.from_earlier_stage)
-
-    def _resume_path(self, ck: dict[str, Any]) -> Path | None:
-        """The checkpoint the launcher chose (`resume_from`); a config without one (another launcher)
-        has rank 0 choose and tell the others."""
-        if "resume_from" in ck:
-            return Path(ck["resume_from"]) if ck["resume_from"] else None
-        choice = None
-        if self.rank == 0:
-            found, _ = ckpt.choose_resume(Path(ck["dir"]), self._meta())
-            choice = str(found) if found is not None else None
-        choice = ckpt.broadcast_from_zero(choice, self.comm)
-        return Path(choice) if choice else None
 
     def _maybe_resume(self) -> int:
         """Load the chosen checkpoint, written under this plan or any other: parameters and optimizer
         state resharded by DCP; the step and loss scale; RNG streams when the rank layout is the same
         (else fresh streams from seed, step and rank coordinates: `checkpoint.reseed_streams`)."""
         self.start_step, self.sample_base = 0, 0
-        ck = self.cfg.get("checkpoint") or {}
-        if not ck.get("resume"):
+        ck = self.config.checkpoint
+        if ck is None or not ck.resume or not ck.resume_from:  # the launcher chose it (None: none to resume)
             return 0
-        path = self._resume_path(ck)
-        if path is None:
-            return 0
+        path = Path(ck.resume_from)
         self.hb.progress("resume")
         train, rank_state = ckpt.load_into(path, self._ckpt_layout(), self.rank)
         if isinstance(self.opt, Zero1Step):
@@ -543,7 +525,7 @@ class Worker(RankConfig):
             if self.sp_rng is not None and rank_state.get("sp_rng") is not None:
                 self.sp_rng.load_state_dict(rank_state["sp_rng"])
         else:
-            s = ckpt.reseed_streams(int(self.cfg["seed"]), step, (self.p, self.d, self.t))
+            s = ckpt.reseed_streams(self.config.seed, step, (self.p, self.d, self.t))
             if self.sp_rng is not None:
                 self.sp_rng.load_state_dict(_RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
         return step
@@ -552,12 +534,14 @@ class Worker(RankConfig):
         """Collective: this rank's slices of every parameter and optimizer state, named as in the
         single-process model, plus step, loss scaler and RNG states, as one DCP checkpoint."""
         self.hb.progress("checkpoint")
+        ck = self.config.checkpoint
+        assert ck is not None  # the run saves checkpoints
         samples_seen = getattr(self, "sample_base", 0) + step * self.plan.global_batch
         train = {"step": step, "samples_seen": samples_seen, "plan": str(self.plan), "world_size": self.world,
                  "format_version": ckpt.FORMAT_VERSION,
                  "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None,
                  "tied": {a: c for a, c in self.param_aliases.items() if a != c},
-                 "lr_schedule": json.dumps(self.cfg.get("lr_schedule"))}
+                 "lr_schedule": self.config.schedule_record()}
         mine = {"rng": ckpt.rng_state(), "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None,
                 "coords": [self.p, self.d, self.t]}
         state = ckpt.rank_snapshot(self._ckpt_layout(), train, self.rank, mine)
@@ -567,7 +551,7 @@ class Worker(RankConfig):
             hook = partial(fire, fault)
         with self.rec.waiting("checkpoint"):
             ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm,
-                      keep=self.cfg["checkpoint"].get("keep"), before_publish=hook)
+                      keep=ck.keep, before_publish=hook)
         self.hb.progress("train")
 
     # ------------------------------------------------------------------ results
@@ -588,9 +572,10 @@ class Worker(RankConfig):
         param_bytes = self.zero3.resident_param_bytes() if self.zero3 is not None else \
             sum(prm.numel() * prm.element_size() for prm in self.params)
         params = None
-        if self.zero3 is not None and self.cfg.get("return_params"):
+        return_params = self.config.records.return_params
+        if self.zero3 is not None and return_params:
             self.zero3.gather_all()  # collective over the replicas
-        if self.cfg.get("return_params") and self.d == 0:
+        if return_params and self.d == 0:
             # every name this stage reads a tensor under (T5's decoder embedding is its LM head too)
             params = {n: prm.detach().cpu().clone()
                       for n, prm in self.stage_module.named_parameters(remove_duplicate=False)}
@@ -601,8 +586,8 @@ class Worker(RankConfig):
             peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
             mem_kind = "max_rss"
         mine = {
-            "rank": self.rank, "pp": self.p, "dp": self.d, "tp": self.t, "device": self.info["device"],
-            "host": self.info["host"], "node": self.info["node"], "kind": self.info.get("kind"),
+            "rank": self.rank, "pp": self.p, "dp": self.d, "tp": self.t, "device": self.info.device,
+            "host": self.info.host, "node": self.info.node, "kind": self.info.kind,
             "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
             "layers": self.stage_layers, "params": self.param_count, "param_bytes": param_bytes,
             "peak_memory_bytes": peak,
@@ -619,7 +604,7 @@ class Worker(RankConfig):
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            write_result(self.run_dir, plan, gathered, start, steps, self.cfg)
+            write_result(self.run_dir, plan, gathered, start, steps, return_params)
         self.comm.barrier("final barrier")
         self.comm.close()
 
