@@ -1,6 +1,6 @@
 """The workers' typed config (`plait.runtime.worker_config`, issue 31 item 2): written then read back
-it is the same object; a file of another format_version, or with a missing or an unknown key, is
-refused with a message naming the file and the key."""
+it is the same object; the flat form of older plaits is migrated; a file of another format_version,
+or with a missing or an unknown key, is refused with a message naming the file and the key."""
 
 from __future__ import annotations
 
@@ -88,7 +88,6 @@ def test_another_format_version_is_refused_naming_the_file_and_the_versions(tmp_
 
 
 @pytest.mark.parametrize("drop, key", [
-    (lambda d: d.pop("format_version"), "format_version"),
     (lambda d: d.pop("steps"), "steps"),
     (lambda d: d["records"].pop("probe_bytes"), "records.probe_bytes"),
     (lambda d: d["ranks"][2].pop("host"), "ranks[2].host"),
@@ -130,3 +129,29 @@ def test_load_run_refuses_a_config_of_another_plait_naming_the_file(tmp_path: Pa
     path = _write(tmp_path, {**_config(tmp_path).to_dict(), "format_version": 99})
     with pytest.raises(RunFailure, match=re.escape(f"{path}: worker config format_version 99")):
         load_run(tmp_path)
+
+
+def _flat(config: WorkerConfig) -> dict:
+    """`config` as the plaits before worker format_version 1 wrote it: every setting a top-level key."""
+    data = config.to_dict()
+    data.pop("format_version")
+    records, faults = data.pop("records"), data.pop("faults")
+    return {**data, **records, **faults, "inject": faults["inject"] or None, "comm_faults": faults["comm_faults"] or None}
+
+
+def test_the_flat_form_of_older_plaits_is_migrated(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    assert read_worker_config(_write(tmp_path, _flat(config))) == config
+    # a file of before 2026-11-25: 'fault' (now faults.inject), no engine, step_records, probes, data...
+    bare = replace(config, lr_schedule=None, data=None, multinode=None, checkpoint=None, clip_grad=None,
+                   engine="auto", faults=FaultSettings(Injection(), (), 0.0),
+                   records=RecordSettings(True, False, 0, 1 << 18, False, False))
+    old = _flat(bare)
+    for key in ("engine", "step_records", "probe_every", "probe_bytes", "spmd_calibrate", "multinode",
+                "compute_sleep", "data", "inject"):
+        old.pop(key)
+    old["fault"] = None
+    assert read_worker_config(_write(tmp_path, old)) == bare
+    old["faults"] = None  # neither form has it
+    with pytest.raises(WorkerConfigError, match=re.escape("no 'format_version', and key 'faults' is not one")):
+        read_worker_config(_write(tmp_path, old))

@@ -4,8 +4,10 @@ faults, the multi-node share).
 
 The launcher writes it to `RUN_DIR/config.json` (`write_worker_config`); each rank reads it back
 (`read_worker_config`, `plait.runtime.entry`), and so does the launcher when it assembles the
-result. Written and read by the same plait: a file of another `format_version` is refused (no
-migration), and an unknown or a missing key is an error naming the file and the key.
+result; `plait report` and the doctor read it from old run folders too. The flat form every
+plait wrote before format_version 1 (no `format_version`; each setting a top-level key) is migrated
+(`_from_flat`); a file of another `format_version` is refused, and an unknown or a missing key is
+an error naming the file and the key.
 """
 
 from __future__ import annotations
@@ -262,20 +264,46 @@ def _encode(value: Any) -> Any:
 
 
 def _versioned(data: Any, source: str) -> dict[str, Any]:
-    """`data` when it is an object of this plait's worker config format, checked before its keys
-    (another version has other keys)."""
+    """`data` in this plait's worker config format, checked before its keys (another version has
+    other keys); the flat form of the plaits before format_version 1 migrated."""
     if not isinstance(data, dict):
         raise WorkerConfigError(f"{source}: a worker config must be a JSON object, got {type(data).__name__}")
     current = FORMAT_VERSIONS[FORMAT]
     if "format_version" not in data:
-        raise WorkerConfigError(f"{source}: missing key 'format_version' (this plait reads worker config "
-                                f"format_version {current})")
+        return _from_flat(data, source)
     found = data["format_version"]
     if found != current or isinstance(found, bool):
         raise WorkerConfigError(f"{source}: worker config format_version {found!r}, but this plait reads "
                                 f"format_version {current} only; the file was written by another plait "
                                 "(run it again with this one)")
     return data
+
+
+# The flat form (plait before worker format_version 1, up to 2026-12-07): the same settings as
+# top-level keys, grouped here as format 1 groups them. Keys were added over the releases: an older
+# file lacks some, and each then gets the value that meant "off" (or the default) when it was added.
+_FLAT_RECORDS = {"comm_records": True, "step_records": False, "probe_every": 0, "probe_bytes": 1 << 18,
+                 "return_params": False, "spmd_calibrate": False}
+_FLAT_FAULTS = {"inject": None, "comm_faults": None, "compute_sleep": 0.0}
+_FLAT_LATER = {"data": None, "lr_schedule": None, "clip_grad": None, "engine": "auto", "step_barrier": True,
+               "multinode": None, "checkpoint": None}
+_FLAT_RENAMED = {"fault": "inject"}  # its name before the run's settings became dataclasses (2026-11-25)
+
+
+def _from_flat(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The format-1 object of a flat config (`data` has no `format_version`)."""
+    flat = {_FLAT_RENAMED.get(k, k): v for k, v in data.items()}
+    top = {f.name for f in fields(WorkerConfig)} - {"records", "faults", "format_version"}
+    unknown = [k for k in flat if k not in top | set(_FLAT_RECORDS) | set(_FLAT_FAULTS)]
+    if unknown:
+        raise WorkerConfigError(f"{source}: no 'format_version', and key '{unknown[0]}' is not one of the "
+                                "worker config's flat form (before format_version 1) either")
+    out: dict[str, Any] = {**_FLAT_LATER, **{k: v for k, v in flat.items() if k in top}}
+    out["records"] = {k: flat.get(k, d) for k, d in _FLAT_RECORDS.items()}
+    faults = {k: flat.get(k, d) for k, d in _FLAT_FAULTS.items()}
+    out["faults"] = {**faults, "inject": faults["inject"] or [], "comm_faults": faults["comm_faults"] or []}
+    out["format_version"] = FORMAT_VERSIONS[FORMAT]
+    return out
 
 
 def _keys(cls: type, data: Any, source: str, where: str) -> dict[str, Any]:
