@@ -63,19 +63,20 @@ def run_case(model: str, cluster: str, global_batch: int, *, three_d: bool = Tru
     from plait.planners.graph_search import search_graph
     from plait.planners.graphpipe import replica_counts
     from plait.planners.seq_baselines import pipedream, piper
-    from plait.search import auto_dtype, load_graph
+    from plait.search import GraphOptions, SearchOptions, auto_dtype, load_graph
     from plait.sim.api import PlanSimulator
 
     cl = load_cluster(cluster)
     dtype = auto_dtype(cl)
     _, graph = load_graph(model, dtype)
-    ev = PlanSimulator(cl).evaluate
+    sim = PlanSimulator(cl)
+    ev = sim.evaluate
     B = global_batch
     row: dict[str, Any] = {"model": model, "cluster": cl.name, "gpus": cl.num_devices, "global_batch": B}
 
     cpu = time.process_time()
-    res = search_graph(graph, cl, global_batch=B, evaluate=ev, dtype=dtype,
-                       max_dp=1 if pure_pipeline else None)
+    res = search_graph(graph, cl, SearchOptions(global_batch=B, dtype=dtype), sim,
+                       GraphOptions(max_dp=1 if pure_pipeline else None))
     row["graph_search_cpu_s"] = time.process_time() - cpu
     row["graph_s"] = res.best.time_s / B
     row["graph_depth"] = res.extra["pipeline_depth"]

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from plait.ir.plan import Plan
 
 if TYPE_CHECKING:  # the types only: each function imports what it runs on use
+    from collections.abc import Sequence
+
     from torch import nn
 
     from plait.cluster.spec import Cluster, ClusterSource
@@ -55,20 +57,32 @@ def simulate(model: ModelSource, cluster: ClusterSource | ClusterView, plan: Pla
 
 
 def plan(model: ModelSource | None = None, cluster: ClusterSource | None = None, *, simulate: bool = True,
-         compute: Any = None, **kwargs: Any) -> PlanResult:
+         compute: Any = None, global_batch: int | None = None, top: int = 5,
+         families: str | Sequence[str] | None = "3d", family: str | None = None, graph_chains: str = "always",
+         **options: Any) -> PlanResult:
     """The fastest plans of `model` on `cluster` (`plait plan`; default: `DEFAULT_MODEL` on
-    `DEFAULT_CLUSTER`): the search driver over the planner families
-    (`plait.search.search_plans`, which takes the other keyword arguments: `global_batch`,
-    `top`, `families`, ...), every family's finalists timed by the one simulator built here for
-    the cluster (`simulate=False`: ranked by each family's analytic model alone). A PlanResult."""
+    `DEFAULT_CLUSTER`): the search driver (`plait.search.search_plans`) over the planner `families`
+    ("3d", "all", a list; `family=` one name), every family's finalists timed by the one simulator
+    built here for the cluster (`simulate=False`: ranked by each family's analytic model alone).
+
+    `options` by name, built here into the typed options the driver hands the families
+    (`plait.search.options_from_keywords`): the fields of `SearchOptions` (dtype, jobs, supports,
+    progress, on_progress) and of the searched families' own (`ThreeDOptions`: finalists, space,
+    placement, seed, ...; `GraphOptions`: runnable, max_dp, ...; `SpmdOptions`, `ComposeOptions`;
+    `plait.planners.options`), each to every searched family that has it; a name none has is
+    refused, naming it. A PlanResult."""
     from plait.cluster import load_cluster as _load
     from plait.planners.types import DEFAULT_CLUSTER
-    from plait.search import search_plans
+    from plait.search import options_from_keywords, search_plans
     from plait.sim.api import PlanSimulator
 
+    names = family if family is not None else families
+    common, own = options_from_keywords(names, {"global_batch": global_batch, "top": top, "compute": compute,
+                                                **options})
     cluster_obj = _load(DEFAULT_CLUSTER if cluster is None else cluster)
     simulator = PlanSimulator(cluster_obj, compute) if simulate else None
-    return search_plans(model, cluster_obj, simulator=simulator, compute=compute, **kwargs)
+    return search_plans(model, cluster_obj, simulator=simulator, common=common, families=names, options=own,
+                        graph_chains=graph_chains)
 
 
 def run(model: str | ModelSpec, cluster: ClusterSource | None, plan: PlanSource, steps: int = 3,

@@ -321,6 +321,7 @@ def test_graph_family_on_a_chain_model_is_no_slower_than_pipedream_or_3d():
     model the graph family's best, ranked by the simulator, matches the best sequential plan."""
     from plait.api import plan
     from plait.planners.graph_search import search_graph
+    from plait.search import GraphOptions, SearchOptions
     from plait.sim.api import PlanSimulator
 
     g = _graph([("l0", "l1"), ("l1", "l2"), ("l2", "l3"), ("l3", "l4"), ("l4", "l5")],
@@ -329,8 +330,9 @@ def test_graph_family_on_a_chain_model_is_no_slower_than_pipedream_or_3d():
         layer.param_count, layer.param_bytes = 100_000_000, 4e8
         g.ops[layer.ops[0]].param_bytes = 4e8
     cl = load_cluster(CLUSTER4)
-    ev = PlanSimulator(cl).evaluate
-    res = search_graph(g, cl, global_batch=64, evaluate=ev, dtype="bf16")
+    sim = PlanSimulator(cl)
+    ev = sim.evaluate
+    res = search_graph(g, cl, SearchOptions(global_batch=64, dtype="bf16"), sim, GraphOptions())
     assert any("no branches" in n for n in res.extra["notes"])
     best = res.best.plan
     edges = best.stage_graph_edges()

@@ -427,17 +427,19 @@ def test_the_spmd_family_plans_moe_routing_and_names_a_missing_rule(name, dtype)
     the SPMD family plans both MoE models; an op without a rule is named alone, not the table."""
     from plait.cluster import load_cluster
     from plait.graph.sharding import RULES
+    from plait.search import SearchOptions, SpmdOptions
     from plait.search.spmd_family import search_spmd
 
     cluster = load_cluster("emulated-mixed:gpus_per_node=1")
-    res = search_spmd(f"{HF}:{name}", cluster, global_batch=8, top=1, simulator=None, supports=None, dtype=dtype)
+    common = SearchOptions(global_batch=8, top=1, dtype=dtype)
+    res = search_spmd(f"{HF}:{name}", cluster, common, None, SpmdOptions())
     assert res.best is not None and res.best.plan.spmd is not None and res.best.plan.dtype == dtype
     if name != "mixtral":
         return
     saved = RULES.pop("histc")
     try:
         with pytest.raises(Exception, match=r"no sharding rule for 'histc'") as info:
-            search_spmd(f"{HF}:{name}", cluster, global_batch=8, top=1, simulator=None, supports=None, dtype=dtype)
+            search_spmd(f"{HF}:{name}", cluster, common, None, SpmdOptions())
         assert "sort," not in str(info.value) and "topk" not in str(info.value)  # not the whole table
     finally:
         RULES["histc"] = saved
@@ -449,10 +451,11 @@ def test_an_moe_spmd_program_runs_the_planners_graph_equal_to_one_process():
     device: transformers picks its GPU routing there -- integer histc, its grouped_mm fallback --
     and the workers capture the same graph, so every planned op exists), equal to one process."""
     from plait.cluster import load_cluster
+    from plait.search import SearchOptions, SpmdOptions
     from plait.search.spmd_family import search_spmd
 
-    res = search_spmd(f"{HF}:mixtral", load_cluster("emulated-mixed:gpus_per_node=1"), global_batch=4, top=1,
-                      simulator=None, supports=None, dtype="fp32")
+    res = search_spmd(f"{HF}:mixtral", load_cluster("emulated-mixed:gpus_per_node=1"),
+                      SearchOptions(global_batch=4, top=1, dtype="fp32"), None, SpmdOptions())
     plan = res.best.plan
     assert any(s.splits_work for s in plan.spmd.strategies.values())  # some op is sharded
     _equal_to_one_process(f"{HF}:mixtral", plan)

@@ -13,6 +13,7 @@ import torch
 from plait.planners.graph_search import search_graph
 from plait.runtime import supports
 from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+from plait.search import GraphOptions, SearchOptions
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # about 30 s each on 2 shared cores
 
@@ -27,8 +28,9 @@ MODELS = {
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_partitioner_plan_runs_equal_to_one_process(name: str) -> None:
     model = MODELS[name]
-    res = search_graph(model, "a100-80g:nodes=1,gpus_per_node=4", global_batch=8, max_dp=1, dtype="fp32",
-                       supports=supports)
+    res = search_graph(model, "a100-80g:nodes=1,gpus_per_node=4",
+                       SearchOptions(global_batch=8, dtype="fp32", supports=supports), None,
+                       GraphOptions(runnable=True, max_dp=1))
     # The best stage DAG among the partitioner's plans (a fan-in: a real one). For a model this small
     # one GPU may beat any pipeline, each pipeline message costing its host time (the analytic score
     # and the simulator agree on DLRM here), so the DAG need not be the best plan.
@@ -53,8 +55,9 @@ def test_partitioner_plan_with_data_parallel_stages_runs_equal_to_one_process() 
     # branch and the head on 3 at 22, 21, 21, run per input: its branch before the first stage's output
     # arrives) runs with its micro-batches dealt to the replicas, clipping on.
     model = "mmt:branches=2,layers=2,hidden=256,heads=4,seq=64,in_dim=8,dropout=0,attn_dropout=0"
-    res = search_graph(model, "a100-80gb:nodes=1,gpus_per_node=5", global_batch=64, dtype="fp32",
-                       supports=supports, candidates=12, top=12)
+    res = search_graph(model, "a100-80gb:nodes=1,gpus_per_node=5",
+                       SearchOptions(global_batch=64, top=12, dtype="fp32", supports=supports), None,
+                       GraphOptions(runnable=True, candidates=12))
     mixed = [c.plan for c in res.top if c.plan.stage_edges and len({s.dp for s in c.plan.stages}) > 1]
     assert mixed, [str(c.plan) for c in res.top]
     plan = mixed[0]

@@ -1,21 +1,31 @@
 """The search driver over several planner families (plait.search.driver)."""
 
+from dataclasses import dataclass
+
 import pytest
 
 from plait.api import plan
 from plait.ir.plan import Plan
 from plait.planners.types import Candidate, PlanResult, SearchError
-from plait.search import FAMILIES, register_family
+from plait.search import (
+    FAMILIES,
+    GraphOptions,
+    NoOptions,
+    SearchOptions,
+    ThreeDOptions,
+    register_family,
+    search_plans,
+)
 
 MODEL = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128"
 CLUSTER = "a100-80gb:nodes=1,gpus_per_node=4"
 
 
 def _fixed(seconds: float, fail: str | None = None):
-    def search(model, cluster, *, global_batch, top, simulator, supports, compute, **_):
+    def search(model, cluster, common, simulator, options):
         if fail:
             raise SearchError(fail)
-        p = Plan(dp=cluster.num_devices, global_batch=global_batch or 8)
+        p = Plan(dp=cluster.num_devices, global_batch=common.global_batch or 8)
         return PlanResult(model="m", cluster=cluster.name, global_batch=p.global_batch,
                           world_size=cluster.num_devices, top=[Candidate(plan=p, analytic_s=seconds)],
                           enumerated=1, search_time_s=0.01)
@@ -31,8 +41,8 @@ def families():
 
 
 def test_merges_families_by_time_and_keeps_each_result(families):
-    register_family("fast", _fixed(1e-9))
-    register_family("never", _fixed(1.0, fail="no branches in this model"))
+    register_family("fast", _fixed(1e-9), NoOptions)
+    register_family("never", _fixed(1.0, fail="no branches in this model"), NoOptions)
     res = plan(MODEL, CLUSTER, global_batch=8, simulate=False, families="3d,fast,never", finalists=2)
     assert res.best.family == "fast"  # faster than any 3D plan of the model
     assert {c.family for c in res.top} == {"fast", "3d"}
@@ -45,7 +55,7 @@ def test_merges_families_by_time_and_keeps_each_result(families):
 
 
 def test_single_family_is_its_own_result_and_errors_are_clear(families):
-    register_family("never", _fixed(1.0, fail="no branches in this model"))
+    register_family("never", _fixed(1.0, fail="no branches in this model"), NoOptions)
     with pytest.raises(SearchError, match="no branches"):
         plan(MODEL, CLUSTER, global_batch=8, simulate=False, families="never")
     with pytest.raises(SearchError, match="unknown"):
@@ -54,6 +64,80 @@ def test_single_family_is_its_own_result_and_errors_are_clear(families):
         plan(MODEL, CLUSTER, global_batch=8, simulate=False, families="never", finalists=3)
     res = plan(MODEL, CLUSTER, global_batch=8, simulate=False, families="3d", finalists=2)
     assert res.families == {} and res.best.family == "3d"
+
+
+@dataclass(frozen=True)
+class _KnobOptions:
+    knob: int = 0
+    """A field of this family's options only."""
+
+
+@dataclass(frozen=True)
+class _DialOptions:
+    dial: str = "low"
+    """A field of the other family's options only."""
+
+
+def _recording(seen: dict, name: str):
+    """A family that records what the driver hands it and proposes one data-parallel plan."""
+    def search(model, cluster, common, simulator, options):
+        seen[name] = (model, common, simulator, options)
+        p = Plan(dp=cluster.num_devices, global_batch=common.global_batch)
+        return PlanResult(model="m", cluster=cluster.name, global_batch=p.global_batch,
+                          world_size=cluster.num_devices, top=[Candidate(plan=p, analytic_s=1.0)])
+    return search
+
+
+def test_the_driver_hands_each_family_its_own_typed_options(families):
+    from plait.cluster import load_cluster
+    from plait.runtime import supports
+
+    seen: dict = {}
+    register_family("knob", _recording(seen, "knob"), _KnobOptions)
+    register_family("dial", _recording(seen, "dial"), _DialOptions)
+    plan(MODEL, CLUSTER, global_batch=8, top=3, simulate=False, families="knob,dial", knob=7, dtype="fp32")
+    model, common, simulator, knob = seen["knob"]
+    assert knob == _KnobOptions(knob=7) and seen["dial"][3] == _DialOptions()  # built, else its defaults
+    assert model == MODEL and simulator is None
+    assert isinstance(common, SearchOptions) and (common.global_batch, common.top, common.dtype) == (8, 3, "fp32")
+    assert common.supports is supports and callable(common.on_progress)  # filled in by the driver
+    # search_plans takes the dataclasses themselves; each goes to the family registered with its type
+    search_plans(None, load_cluster(CLUSTER), simulator=None, common=SearchOptions(global_batch=4),
+                 families=["dial", "knob"], options=[_DialOptions(dial="high"), _KnobOptions(knob=1)])
+    assert seen["dial"][3] == _DialOptions(dial="high") and seen["knob"][3] == _KnobOptions(knob=1)
+    assert seen["knob"][0] is not None and seen["knob"][1].global_batch == 4  # the default model, resolved
+
+
+def test_bad_options_are_refused_naming_them(families):
+    from plait.cluster import load_cluster
+
+    register_family("never", _fixed(1.0, fail="no branches in this model"), NoOptions)
+    with pytest.raises(SearchError, match=r"option\(s\) \['finalistz'\] are not taken by the families \['3d', 'graph'\]"):
+        plan(MODEL, CLUSTER, global_batch=8, simulate=False, families="3d,graph", finalistz=2)
+    with pytest.raises(SearchError, match="option finalists must be a whole number >= 1 or None, got 0"):
+        plan(MODEL, CLUSTER, global_batch=8, simulate=False, finalists=0)
+    with pytest.raises(SearchError, match="option top must be a whole number >= 1, got 0"):
+        SearchOptions(top=0)
+    with pytest.raises(SearchError, match="option dtype must be one of"):
+        SearchOptions(dtype="fp8")
+    with pytest.raises(SearchError, match="option candidates"):
+        GraphOptions(candidates=0)
+    cluster = load_cluster(CLUSTER)
+    with pytest.raises(SearchError, match=r"GraphOptions are the options of \['graph'\], not of the families "
+                                          r"searched \['3d', 'never'\]"):
+        search_plans(MODEL, cluster, simulator=None, families="3d,never", options=[GraphOptions()])
+    with pytest.raises(SearchError, match="two ThreeDOptions"):
+        search_plans(MODEL, cluster, simulator=None, options=[ThreeDOptions(), ThreeDOptions(seed=1)])
+
+    @dataclass(frozen=True)
+    class Required:
+        width: int  # no default: the driver could not build it for a caller who gives none
+
+    with pytest.raises(SearchError, match="options 'Required' must build with no arguments"):
+        register_family("broken", _fixed(1.0), Required)
+    with pytest.raises(SearchError, match="options 'dict' must be a dataclass"):
+        register_family("broken", _fixed(1.0), dict)
+    assert "broken" not in FAMILIES
 
 
 # two servers that each mix 2 A100s and 2 T4s, joined by 10 Gb/s Ethernet (bench/data/

@@ -9,7 +9,7 @@ import pytest
 from plait.api import plan
 from plait.ir.plan import Plan
 from plait.planners.types import Candidate, PlanResult
-from plait.search import FAMILIES, register_family
+from plait.search import FAMILIES, NoOptions, register_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -42,12 +42,12 @@ def test_fast_and_baseline_searches_agree_exactly():
 
 
 def test_progress_names_each_family_and_phase(families):
-    def quiet(model, cluster, *, global_batch, top, simulator, supports, compute, **_):
-        p = Plan(dp=cluster.num_devices, global_batch=global_batch)
-        return PlanResult(model="m", cluster=cluster.name, global_batch=global_batch,
+    def quiet(model, cluster, common, simulator, options):
+        p = Plan(dp=cluster.num_devices, global_batch=common.global_batch)
+        return PlanResult(model="m", cluster=cluster.name, global_batch=common.global_batch,
                           world_size=cluster.num_devices, top=[Candidate(plan=p, analytic_s=1.0)])
 
-    register_family("quiet", quiet)  # reports no phases of its own
+    register_family("quiet", quiet, NoOptions)  # reports no phases of its own
     seen: list[tuple[str, int, int]] = []
     plan(MODEL, "a100-80gb:nodes=1,gpus_per_node=4", global_batch=8, simulate=False, families="3d,quiet",
          finalists=2, progress=True, on_progress=lambda *a: seen.append(a))

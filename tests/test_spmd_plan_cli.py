@@ -302,6 +302,7 @@ def test_the_spmd_family_captures_and_prices_at_the_plans_dtype(tmp_path) -> Non
     from plait.cost.program import Problem
     from plait.cost.spmd import Devices
     from plait.graph.zoo import load_model
+    from plait.search import SearchOptions, SpmdOptions
     from plait.search.spmd_family import search_spmd
     from plait.spmd.program_plan import capture_graph
     from plait.spmd.ratios import synthesize
@@ -311,7 +312,7 @@ def test_the_spmd_family_captures_and_prices_at_the_plans_dtype(tmp_path) -> Non
                     "{kind: t4, count: 1}]\n    intra: {type: nvlink, bandwidth: 150 GB/s}\n")
     cluster = load_cluster(str(path))
     model = "vgg19:width=16,fc=1024,image=32,pool=1,classes=10,dropout=0"
-    res = search_spmd(model, cluster, global_batch=32, top=1, simulator=None, supports=None, dtype="fp16")
+    res = search_spmd(model, cluster, SearchOptions(global_batch=32, top=1, dtype="fp16"), None, SpmdOptions())
     plan = res.top[0].plan
     assert plan.dtype == "fp16" and plan.spmd.collectives
     spec = load_model(model)

@@ -18,7 +18,7 @@ from plait.search import FAMILIES, register_family, resolve_families
 from plait.sim.api import PlanSimulator
 
 sys.path.insert(0, str(Path(__file__).parent))
-from toy_family import TOY_OPTIONS, search_toy  # noqa: E402
+from toy_family import ToyOptions, search_toy  # noqa: E402
 
 MODEL = "gpt:layers=2,hidden=64,heads=2,seq=16,vocab=128"
 CLUSTER = "a100-80gb:nodes=1,gpus_per_node=4"
@@ -29,7 +29,7 @@ PLAIT = Path(__file__).resolve().parents[1] / "plait"
 def toy():
     """The toy family registered for one test; FAMILIES as it was afterwards."""
     saved = dict(FAMILIES)
-    register_family("toy", search_toy, TOY_OPTIONS)  # the one line a new family adds
+    register_family("toy", search_toy, ToyOptions)  # the one line a new family adds
     yield
     FAMILIES.clear()
     FAMILIES.update(saved)
@@ -79,6 +79,21 @@ def test_the_toy_family_alone_prunes_by_the_memory_estimator(toy):
     big = "gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=50257"
     with pytest.raises(SearchError, match=r"toy: no data-parallel degree of gpt fits .*\(out of memory on a100-80gb"):
         plan(big, CLUSTER, global_batch=4, families="toy", simulate=False)
+
+
+def test_the_toy_family_takes_its_own_options(toy):
+    """`plait.plan`'s keyword `max_dp` is a field of ToyOptions only: the driver builds it and hands it
+    to the toy family (dp = 1, 2 instead of 1, 2, 4); `search_plans` takes the dataclass itself."""
+    from plait.cluster import load_cluster
+    from plait.search import SearchOptions, search_plans
+
+    res = plan(MODEL, CLUSTER, global_batch=8, families="toy", simulate=False, max_dp=2)
+    assert sorted(c.plan.dp for c in res.top) == [1, 2] and res.enumerated == 2
+    typed = search_plans(MODEL, load_cluster(CLUSTER), simulator=None, common=SearchOptions(global_batch=8),
+                         families="toy", options=[ToyOptions(max_dp=2)])
+    assert [str(c.plan) for c in typed.top] == [str(c.plan) for c in res.top]
+    with pytest.raises(SearchError, match=r"option\(s\) \['max_dp'\] are not taken by the families \['3d'\]"):
+        plan(MODEL, CLUSTER, global_batch=8, families="3d", simulate=False, max_dp=2)
 
 
 def test_plait_plan_family_toy_on_the_command_line(toy, tmp_path, capsys):

@@ -9,21 +9,25 @@ returns a `PlanResult` whose candidates say family "toy".
 Adding it to plait is this module and one call -- nothing in plait/ names it:
 
     from plait.search import register_family
-    register_family("toy", search_toy, TOY_OPTIONS)
+    register_family("toy", search_toy, ToyOptions)
 
 after which `plait.plan(..., families="toy")` (or "all", or "3d,toy") and
-`plait plan --family toy` search it (tests/test_toy_family.py).
+`plait plan --family toy` search it (tests/test_toy_family.py). The driver hands `search_toy` what
+every family is asked (`SearchOptions`: global batch, top, dtype, the runtime's `supports`, ...),
+the one simulator, and its own `ToyOptions` (`plait.plan(..., families="toy", max_dp=2)` builds it).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from plait.cluster.spec import Cluster
 from plait.cost.memory import estimate_memory
 from plait.ir.plan import Plan
+from plait.planners.options import SearchOptions
 from plait.planners.types import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
@@ -36,26 +40,32 @@ from plait.planners.types import (
     memory_headroom,
 )
 
-# Keyword options of `plait.search.search_plans` this family takes besides the common ones.
-TOY_OPTIONS = ("dtype",)
+
+@dataclass(frozen=True)
+class ToyOptions:
+    """The toy family's own options, beside what every family is asked (`SearchOptions`)."""
+
+    max_dp: int | None = None
+    """The largest data-parallel degree proposed; None: the cluster's size."""
 
 
-def search_toy(model: Any, cluster: Cluster, *, global_batch: int | None, top: int,
-               simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
-               compute: Any = None, dtype: str | None = None) -> PlanResult:
+def search_toy(model: Any, cluster: Cluster, common: SearchOptions, simulator: Simulator | None,
+               options: ToyOptions) -> PlanResult:
     """The fastest pure data-parallel plans of `model` on `cluster` (module docstring); the
     `FamilySearch` signature of `plait.search.driver`. Raises SearchError when none fits."""
     t0 = time.perf_counter()
-    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
-    dtype = dtype or auto_dtype(cluster)
+    gb = DEFAULT_GLOBAL_BATCH if common.global_batch is None else int(common.global_batch)
+    dtype = common.dtype or auto_dtype(cluster)
     spec, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype)
+    supports, top = common.supports, common.top
+    max_dp = cluster.num_devices if options.max_dp is None else min(options.max_dp, cluster.num_devices)
 
     kept: list[Candidate] = []
     enumerated = 0
     reasons: dict[str, int] = {}
     examples: dict[str, str] = {}
     dp = 1
-    while dp <= cluster.num_devices:
+    while dp <= max_dp:
         if gb % dp == 0:
             enumerated += 1
             plan = Plan(dp=dp, micro_batch=gb // dp, global_batch=gb, dtype=dtype)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -35,8 +36,14 @@ from plait.search import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
     FAMILIES,
+    ComposeOptions,
+    GraphOptions,
     PlanResult,
+    SearchOptions,
     SearchSpace,
+    SpmdOptions,
+    ThreeDOptions,
+    resolve_families,
 )
 
 GiB = 2**30
@@ -100,13 +107,15 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def search(model: str, cluster: Cluster, **kwargs: Any) -> PlanResult:
+def search(model: str, cluster: Cluster, common: SearchOptions, families: str,
+           options: list[object]) -> PlanResult:
     """`plait.search.search_plans` with every family's finalists timed by the one simulator of
     `cluster` (`plait.sim.api.PlanSimulator`), as `plait.api.plan` runs it."""
     from plait.search import search_plans
     from plait.sim.api import PlanSimulator
 
-    return search_plans(model, cluster, simulator=PlanSimulator(cluster), **kwargs)
+    return search_plans(model, cluster, simulator=PlanSimulator(cluster), common=common, families=families,
+                        options=options)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,11 +129,9 @@ def run(args: argparse.Namespace) -> int:
     jobs, fabric_cluster = _check_args(args)
     if args.family == "graph":
         return _run_graph(args)
-    families, options, space = _search_kwargs(args, space, jobs)
+    families, common, options, space = _search_options(args, space, jobs)
     cluster = load_cluster(args.cluster)  # resolved here, once: the search and the export read it
-    # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
-    result = search(args.model, cluster, global_batch=args.global_batch,
-                    top=args.top if args.json else args.top * FOLD_EXTRA, **options, **families)
+    result = search(args.model, cluster, common, families, options)
     best = result.best
     traffic = traffic_plan(args.model, fabric_cluster, best.plan, settings=bool(args.out)) \
         if fabric_cluster is not None else None
@@ -177,31 +184,28 @@ def _check_args(args: argparse.Namespace) -> tuple[int | None, Cluster | None]:
     return jobs, fabric_cluster
 
 
-def _search_kwargs(args: argparse.Namespace, space: SearchSpace | None,
-                   jobs: int | None) -> tuple[dict[str, Any], dict[str, Any], SearchSpace | None]:
-    """The search's family selection and options for these arguments, and the 3D space it
-    searches (None: unrestricted)."""
+def _search_options(args: argparse.Namespace, space: SearchSpace | None,
+                    jobs: int | None) -> tuple[str, SearchOptions, list[object], SearchSpace | None]:
+    """The families searched for these arguments, what every family is asked, the options of each
+    family searched that has flags here, and the 3D space searched (None: unrestricted)."""
     # `all`: graph pipelines and SPMD programs compete with the 3D plans; with --run (or a plan to
     # export or place on fabric paths) only what the runtime runs and the frameworks express.
-    families: dict[str, Any] = {"families": "all", "runnable": True} if args.family == "all" \
-        else {"families": args.family}
-    if args.family == "all" and (args.export or args.traffic_plan or space is not None):
-        families = {"families": "3d"}
-    if args.export and families["families"] == "3d":  # frameworks split the global batch evenly
-        import dataclasses
-
+    families = args.family
+    if families == "all" and (args.export or args.traffic_plan or space is not None):
+        families = "3d"
+    if args.export and families == "3d":  # frameworks split the global batch evenly
         space = dataclasses.replace(space or SearchSpace(), uneven_dp=False)
-    if space is not None:  # graph pipelines and SPMD programs have no dp x tp x pp grid to restrict
-        families["space"] = space
-    options = {"finalists": None if args.finalists == 0 else args.finalists, "seed": args.seed,
-               "placement": not args.no_placement, "progress": not args.no_progress and not args.json,
-               "memory_kwargs": memory_kwargs_of(args), "jobs": jobs, "dtype": args.dtype}
-    if families["families"] not in ("all", "3d"):  # any other registered family: the options it takes
-        taken = FAMILIES[args.family][1]
-        options = {k: v for k, v in options.items() if k in taken or k in ("progress", "jobs")}  # + the driver's
-        if "runnable" in taken:
-            families["runnable"] = args.run
-    return families, options, space
+    # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
+    common = SearchOptions(global_batch=args.global_batch, top=args.top if args.json else args.top * FOLD_EXTRA,
+                           dtype=args.dtype, jobs=jobs, progress=not args.no_progress and not args.json)
+    runnable = args.family == "all" or args.run
+    memory = memory_kwargs_of(args)
+    flagged = [ThreeDOptions(finalists=None if args.finalists == 0 else args.finalists, space=space,
+                             placement=not args.no_placement, seed=args.seed, memory_kwargs=memory),
+               GraphOptions(runnable=runnable, memory_kwargs=memory), SpmdOptions(runnable=runnable),
+               ComposeOptions(runnable=runnable)]
+    searched = {FAMILIES[name].options for name in resolve_families(families)}
+    return families, common, [o for o in flagged if type(o) in searched], space
 
 
 def _export(args: argparse.Namespace, best_plan: Plan, cluster: Cluster) -> str:
@@ -282,8 +286,9 @@ def _run_graph(args: argparse.Namespace) -> int:
 
     if args.export:
         raise PlaitError("--export: graph plans (a DAG of stages) have no Megatron/DeepSpeed equivalent")
-    result = search(args.model, load_cluster(args.cluster), global_batch=args.global_batch, top=args.top,
-                    family="graph", runnable=args.run, memory_kwargs=memory_kwargs_of(args), dtype=args.dtype)
+    common = SearchOptions(global_batch=args.global_batch, top=args.top, dtype=args.dtype)
+    own = GraphOptions(runnable=args.run, memory_kwargs=memory_kwargs_of(args))
+    result = search(args.model, load_cluster(args.cluster), common, "graph", [own])
     if args.out:
         from plait.search.summary import search_path, write_summary
 

@@ -35,6 +35,7 @@ from plait.planners.types import (
     Candidate,
     Evaluate,
     PlanResult,
+    Simulator,
     auto_dtype,
     load_graph,
     memory_headroom,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from plait.cluster.spec import Cluster, ClusterSource
     from plait.graph.resolve import ModelSource
     from plait.ir.opgraph import OpGraph
+    from plait.planners.options import GraphOptions, SearchOptions
 
 # ZeRO stages the runtime runs (`plait.runtime.layout.supports`): 3 shards parameters per layer and
 # runs with one stage only; 1 and 2 shard the optimizer state (and gradients) over a stage's replicas
@@ -99,37 +101,30 @@ class _Admission:
                          headroom_by_kind=memory_headroom(list(mem.peak_bytes), self.cluster.devices, plan))
 
 
-def search_graph(model: ModelSource | None = None, cluster: ClusterSource | None = None, *,
-                 global_batch: int | None = None, top: int = 5,
-                 evaluate: Evaluate | None = None, supports: Callable[[Plan], tuple[bool, str]] | None = None,
-                 max_dp: int | None = None, candidates: int = 6, compute: Any = None,
-                 memory_kwargs: dict[str, Any] | None = None, dtype: str | None = None,
-                 fast: bool = True, option_top: int = 2) -> PlanResult:
+def search_graph(model: ModelSource | None, cluster: ClusterSource | None, common: SearchOptions,
+                 simulator: Simulator | None, options: GraphOptions) -> PlanResult:
     """Graph-pipeline plans of `model` on `cluster`, fastest first (module docstring).
 
-    `max_dp`: most data-parallel replicas per stage (1: pure pipelines; None: any).
-    `candidates`: stage lists of the partitioner that are turned into plans and ranked.
-    `fast=False`: the partitioner's cost tables built whole, as before they were built lazily
-    (the same plans; bench/plan_search_time.py measures the difference).
-    `option_top`: the best simulated stage graphs also tried at each ZeRO stage (`option_variants`;
-    0: none; only with `evaluate`, as the analytic score does not tell ZeRO stages apart)."""
+    `common`: what every family is asked (`plait.planners.options.SearchOptions`); its `supports`
+    filters the plans only with `options.runnable`. `options`: the family's own (`GraphOptions`:
+    max_dp, candidates, option_top, ...). `simulator.evaluate` ranks the plans (None: the
+    partitioner's analytic score); the best `options.option_top` are also tried at each ZeRO stage
+    (`option_variants`), only when simulated, as the analytic score does not tell ZeRO stages apart."""
     from plait.cluster import load_cluster
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
 
     t0 = time.perf_counter()
-    if top < 1:
-        raise GraphPlanError(f"plan: top must be >= 1, got {top}")
+    evaluate = simulator.evaluate if simulator is not None else None
+    supports = common.supports if options.runnable else None
     cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
-    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
-    if gb < 1:
-        raise GraphPlanError(f"plan: global batch must be >= 1, got {gb}")
-    dtype = dtype or auto_dtype(cluster_obj)
+    gb = DEFAULT_GLOBAL_BATCH if common.global_batch is None else int(common.global_batch)
+    dtype = common.dtype or auto_dtype(cluster_obj)
     _, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype)
-    mem_kw = dict(memory_kwargs or {})
-    compute = (compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled
-    cost = StageCost(graph, cluster_obj, gb, dtype=dtype, compute=compute, max_dp=max_dp,
-                     overhead_bytes=mem_kw.get("overhead_bytes"), lazy=fast)
-    part = partition(cost, candidates=candidates)
+    mem_kw = dict(options.memory_kwargs or {})
+    compute = (common.compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled
+    cost = StageCost(graph, cluster_obj, gb, dtype=dtype, compute=compute, max_dp=options.max_dp,
+                     overhead_bytes=mem_kw.get("overhead_bytes"), lazy=options.fast)
+    part = partition(cost, candidates=options.candidates)
     checks = _Admission(graph, cluster_obj, mem_kw, supports)
     kept = _admitted_partitions(part, cost, checks, whole_too=evaluate is not None)
     if not kept:
@@ -138,11 +133,11 @@ def search_graph(model: ModelSource | None = None, cluster: ClusterSource | None
                              f"survives ({why})")
     variants = 0
     if evaluate is not None:
-        variants = _simulate_with_options(kept, graph, evaluate, checks, option_top)
+        variants = _simulate_with_options(kept, graph, evaluate, checks, options.option_top)
     kept.sort(key=lambda c: c.time_s)
     extra = _graph_facts(cost, part, kept[0], variants)
     reasons = checks.reasons
-    return PlanResult(graph.model, cluster_obj.name, gb, len(cluster_obj.devices), kept[:top],
+    return PlanResult(graph.model, cluster_obj.name, gb, len(cluster_obj.devices), kept[:common.top],
                       enumerated=len(part.stages), pruned=sum(reasons.values()), pruned_reasons=reasons,
                       pruned_examples=checks.examples, memory_checked=len(part.stages),
                       ranked_analytic=len(part.stages), simulated=len(kept) if evaluate is not None else 0,

@@ -48,12 +48,12 @@ from plait.planners.types import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
-    PLAN_DTYPES,
     Candidate,
     Evaluate,
     GiB,
     PlanResult,
     SearchError,
+    Simulator,
     auto_dtype,
     load_graph,
     memory_headroom,
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from plait.cost.traffic import IterationTraffic, Message
     from plait.graph.resolve import ModelSource
     from plait.ir.opgraph import OpGraph
+    from plait.planners.options import SearchOptions, ThreeDOptions
 
 
 # ============================================================================ search space
@@ -569,62 +570,46 @@ class AnalyticModel:
 # ============================================================================ the search
 
 
-# 19 parameters (over pyproject.toml's 14): the family's options, to become one typed dataclass
-# (issue 31's open part); the driver and `plait plan` pass them by keyword.
-def search_3d(model: ModelSource | None = None, cluster: ClusterSource | None = None, *,  # noqa: PLR0913
-         global_batch: int | None = None, top: int = 5,
-         finalists: int | None = 12, space: SearchSpace | None = None, placement: bool = True,
-         evaluate: Evaluate | None = None, supports: Callable[[Plan], tuple[bool, str]] | None = None,
-         seed: int = 0, progress: bool = False,
-         placement_iterations: int | None = None, memory_kwargs: dict[str, Any] | None = None,
-         layer_time: hetero.LayerTimeFn | None = None, compute: Any = None,
-         on_progress: Callable[[str, int, int], None] | None = None, fast: bool = True,
-         jobs: int | None = None, dtype: str | None = None) -> PlanResult:
-    """Search for the fastest 3D plan that fits (module docstring); returns the top `top`.
+def search_3d(model: ModelSource | None, cluster: ClusterSource | None, common: SearchOptions,
+              simulator: Simulator | None, options: ThreeDOptions) -> PlanResult:
+    """Search for the fastest 3D plan that fits (module docstring); returns the top `common.top`.
 
-    `dtype`: the plans' training dtype (fp32, tf32, bf16, fp16; overrides `space.dtype`); None:
-    `auto_dtype` (bf16, or fp16 where a GPU kind has no bf16 unit).
-
-    `finalists`: how many of the analytically best candidates get placed and simulated
-    (None: all of them -- exhaustive). `evaluate(graph, plan) -> dict` ranks the placed
-    finalists (the search driver, `plait.search`, hands in the simulator; the keys read are
-    ``iteration_time_s``, ``tflops_per_gpu``, ``throughput_samples_per_s``); without it the
-    analytic model ranks alone. `supports(plan) -> (ok, reason)` drops what the runtime would
-    refuse (counted among the pruned, with its reason).
-    `memory_kwargs` go to `estimate_memory` (e.g. ``overhead_bytes=0``); `compute` is the
-    `plait.cost.compute.ComputeModel` of both rankers (default: the A100-fitted one).
-    `fast=False` turns off the analytic model's reuse of stage graphs and messages across
-    candidates (the same numbers, slower: the baseline of bench/plan_search_time.py).
-    `jobs`: worker processes for the memory check and the finalists' simulations
-    (`plait.workers`; the same result as 1); None: this machine's CPUs on clusters of at least
-    PARALLEL_MIN_DEVICES GPUs, else 1."""
+    `common` holds what every family is asked (`plait.planners.options.SearchOptions`: the global
+    batch, the dtype -- it overrides `options.space.dtype` -- the compute model of both rankers, the
+    runtime's `supports`, the worker processes of the memory check and the finalists' simulations,
+    the progress), `options` the family's own (`ThreeDOptions`: finalists, space, placement, ...).
+    `simulator.evaluate(graph, plan) -> dict` times the placed finalists (the search driver,
+    `plait.search`, hands it in; the keys read are ``iteration_time_s``, ``tflops_per_gpu``,
+    ``throughput_samples_per_s``); None: the analytic model ranks alone."""
     t_start = time.perf_counter()
-    cluster_obj, gb, space, dtype = _search_inputs(cluster, global_batch, top, finalists, space, dtype)
+    evaluate = simulator.evaluate if simulator is not None else None
+    finalists, space = options.finalists, options.space
+    cluster_obj, gb, space, dtype = _search_inputs(cluster, common.global_batch, space, common.dtype)
     spec, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype)
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
 
-    compute = (compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled
-    analytic = AnalyticModel(graph, cluster_obj, layer_time, compute, fast=fast)
+    compute = (common.compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled
+    analytic = AnalyticModel(graph, cluster_obj, options.layer_time, compute, fast=options.fast)
 
-    bar = Progress(progress, on_progress)
+    bar = Progress(common.progress, common.on_progress)
     groups = list(enumerate_groups(graph, cluster_obj, gb, space))
     total = sum(len(g.plans) for g in groups)
     if total == 0:
         raise SearchError(f"plan: no dp x tp x pp configuration of {cluster_obj.num_devices} GPUs gives every "
                           f"data-parallel replica a sample of global batch {gb} for model {graph.model}")
-    mem = _MemoryFilter(graph, cluster_obj, dict(memory_kwargs or {}))
-    jobs = _search_jobs(jobs, cluster_obj)
+    mem = _MemoryFilter(graph, cluster_obj, dict(options.memory_kwargs or {}))
+    jobs = _search_jobs(common.jobs, cluster_obj)
     kept = _surviving_candidates(groups, total, graph, cluster_obj, mem, analytic,
-                                 space.hetero if space is not None else True, supports, bar, jobs)
+                                 space.hetero if space is not None else True, common.supports, bar, jobs)
 
     # ---- analytic first pass, then place and simulate the finalists
-    _first_pass(kept, analytic, cluster_obj, finalists if fast else None, bar,
-                placement, seed, placement_iterations, fast, jobs)
+    _first_pass(kept, analytic, cluster_obj, finalists if options.fast else None, bar,
+                options.placement, options.seed, options.placement_iterations, options.fast, jobs)
     kept.sort(key=lambda c: (c.analytic_s, str(c.plan)))
     chosen = kept if finalists is None else kept[:finalists]
     ahead = _place_and_rank(chosen, graph, analytic, mem, evaluate, gb, bar, jobs, groups)
     chosen.sort(key=_final_order)
-    best = chosen[:top]
+    best = chosen[:common.top]
     _default_order_baseline(best, groups, graph, evaluate, mem, ahead)
 
     return PlanResult(model=getattr(spec, "spec", None) or graph.model, cluster=cluster_obj.name,
@@ -636,23 +621,15 @@ def search_3d(model: ModelSource | None = None, cluster: ClusterSource | None = 
                       ranker="simulator" if evaluate is not None else "analytic")
 
 
-def _search_inputs(cluster: ClusterSource | None, global_batch: int | None, top: int, finalists: int | None,
-                   space: SearchSpace | None, dtype: str | None) -> tuple[Cluster, int, SearchSpace | None, str]:
-    """`search_3d`'s arguments checked and resolved: (the cluster, the global batch, the space with
-    `dtype` set in it, the plans' dtype)."""
+def _search_inputs(cluster: ClusterSource | None, global_batch: int | None, space: SearchSpace | None,
+                   dtype: str | None) -> tuple[Cluster, int, SearchSpace | None, str]:
+    """`search_3d`'s inputs resolved (the options checked their own values when built): (the cluster,
+    the global batch, the space with `dtype` set in it, the plans' dtype)."""
     from plait.cluster import load_cluster
 
-    if top < 1:
-        raise SearchError(f"plan: top must be >= 1, got {top}")
-    if finalists is not None and finalists < 1:
-        raise SearchError(f"plan: finalists must be >= 1 or None, got {finalists}")
     cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
     gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
-    if gb < 1:
-        raise SearchError(f"plan: global batch must be >= 1, got {gb}")
     if dtype is not None:
-        if dtype not in PLAN_DTYPES:
-            raise SearchError(f"plan: dtype must be one of {list(PLAN_DTYPES)}, got {dtype!r}")
         space = dataclasses.replace(space or SearchSpace(), dtype=dtype)
     dtype = (space.dtype if space is not None and space.dtype else None) or auto_dtype(cluster_obj)
     return cluster_obj, gb, space, dtype

@@ -45,6 +45,7 @@ from plait.doctor.live import DoctorConfig, Persistence
 from plait.ir.diagnosis import REPORT_ONLY, Diagnosis, Finding
 from plait.ir.formats import stamp
 from plait.ir.plan import Plan, PlanSource
+from plait.planners.options import ThreeDOptions
 from plait.recover.detect import Detect, actionable, call_detect, default_detect, launcher_diagnosis
 from plait.recover.isolate import Isolation, RecoveryError, nodes_to_isolate, remaining_cluster
 from plait.runtime import checkpoint as ckpt
@@ -84,8 +85,9 @@ class RecoveryConfig:
     its name were written to RUN_DIR/rejoin then)."""
     top: int = 1
     """Plans the search driver returns (the fastest is used)."""
-    search: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of `plait.search.search_plans` (finalists, placement, ...)."""
+    search: ThreeDOptions = field(default_factory=ThreeDOptions)
+    """The 3D family's options of each re-plan (`plait.planners.options.ThreeDOptions`: finalists,
+    placement, ...); without a `space`, the old plan's dtype is kept."""
     persist: int | None = None
     """K: a live finding is acted on (or, for a slow rank, reported) only once K consecutive live
     diagnoses (`detect_every` apart) have named it (same class, same ranks) -- the doctor's live
@@ -309,14 +311,14 @@ def replan(model: ModelSource, cluster: Cluster, old: Plan, config: RecoveryConf
     """The fastest plan of `model` on `cluster` with `old`'s global batch and dtype, and its
     predicted iteration time."""
     from plait.planners.threed import SearchSpace
-    from plait.search import SearchError, search_plans
+    from plait.search import SearchError, SearchOptions, search_plans
     from plait.sim.api import PlanSimulator
 
-    kwargs = dict(config.search)
-    kwargs.setdefault("space", SearchSpace(dtype=old.dtype))
+    own = config.search if config.search.space is not None else \
+        dataclasses.replace(config.search, space=SearchSpace(dtype=old.dtype))
     try:
-        found = search_plans(model, cluster, simulator=PlanSimulator(cluster), global_batch=old.global_batch,
-                             top=config.top, **kwargs)
+        found = search_plans(model, cluster, simulator=PlanSimulator(cluster),
+                             common=SearchOptions(global_batch=old.global_batch, top=config.top), options=[own])
     except SearchError as exc:
         raise RecoveryError(f"re-planning for cluster '{cluster.name}' failed: {exc}") from None
     if not found.top:

@@ -10,12 +10,23 @@ The driver sits above the planners; the simulator is built above the driver and 
 driver hands every family the one `Simulator` it is handed, so all are ranked on one scale,
 and nothing in this package imports `plait.sim`. Families register in
 `plait.search.driver.FAMILIES` ("3d": the Pipette-style configurator, `plait.planners.threed`);
-`families="all"` searches them all and merges their finalists into one ranking.
+`families="all"` searches them all and merges their finalists into one ranking. Every family is
+handed the one `SearchOptions` and its own typed options (`ThreeDOptions`, `GraphOptions`,
+`SpmdOptions`, `ComposeOptions`: `plait.planners.options`); `plait.plan` builds them from its
+keyword arguments (`options_from_keywords`).
 With no arguments it plans `DEFAULT_MODEL` on `DEFAULT_CLUSTER` at `DEFAULT_GLOBAL_BATCH`.
 """
 
 from __future__ import annotations
 
+from plait.planners.options import (
+    ComposeOptions,
+    GraphOptions,
+    NoOptions,
+    SearchOptions,
+    SpmdOptions,
+    ThreeDOptions,
+)
 from plait.planners.threed import AnalyticModel, SearchSpace, enumerate_groups
 from plait.planners.types import (
     DEFAULT_CLUSTER,
@@ -29,6 +40,9 @@ from plait.planners.types import (
 )
 from plait.search.driver import (
     FAMILIES,
+    Family,
+    FamilySearch,
+    options_from_keywords,
     register_family,
     resolve_families,
     search_plans,
@@ -37,5 +51,6 @@ from plait.search.driver import (
 __all__ = [
     "DEFAULT_CLUSTER", "DEFAULT_GLOBAL_BATCH", "DEFAULT_MODEL", "AnalyticModel", "Candidate", "PlanResult",
     "SearchError", "SearchSpace", "auto_dtype", "enumerate_groups", "load_graph", "search_plans",
-    "FAMILIES", "register_family", "resolve_families",
+    "FAMILIES", "Family", "FamilySearch", "register_family", "resolve_families", "options_from_keywords",
+    "SearchOptions", "ThreeDOptions", "GraphOptions", "SpmdOptions", "ComposeOptions", "NoOptions",
 ]

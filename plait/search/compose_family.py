@@ -51,7 +51,6 @@ from plait.cost.program import ProgramStage
 from plait.errors import PlaitError
 from plait.ir.plan import Plan, StageSpec
 from plait.planners.types import (
-    MAX_PROGRAM_DEVICES,
     Candidate,
     PlanResult,
     SearchError,
@@ -63,6 +62,7 @@ from plait.workers import map_parallel
 if TYPE_CHECKING:
     from plait.cost.compute import ComputeModel
     from plait.graph.resolve import ModelSource
+    from plait.planners.options import ComposeOptions, SearchOptions
 
 _CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
 # (estimate, index, groups, micro-batch, split): a composed option, ranked by `pipeline_estimate`
@@ -310,16 +310,13 @@ def micro_batches_to_try(global_batch: int, pp: int, sizes: int = 3) -> list[int
     return sorted(fits, reverse=True)[:sizes]
 
 
-def search_compose(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
-                   simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
-                   compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
-                   max_devices: int = MAX_PROGRAM_DEVICES, max_stages: int = 4, candidates: int = 6,
-                   runnable: bool = False, jobs: int | None = None) -> PlanResult:
+def search_compose(model: ModelSource | None, cluster: Cluster, common: SearchOptions, simulator: Simulator | None,
+                   options: ComposeOptions) -> PlanResult:
     """The best composed plans of `model` on `cluster` (module docstring) as a `PlanResult`: the
-    `candidates` (grouping, micro-batch) options with the least `pipeline_estimate` are
-    synthesized and simulated, on `jobs` worker processes (None: this machine's CPUs)."""
+    `options.candidates` (grouping, micro-batch) options with the least `pipeline_estimate` are
+    synthesized and simulated, on `common.jobs` worker processes (None: this machine's CPUs)."""
     t0 = time.perf_counter()
-    n = cluster.num_devices
+    n, max_devices, candidates, jobs = cluster.num_devices, options.max_devices, options.candidates, common.jobs
     if n > max_devices:  # said before the imports below (a third of a second) are paid
         raise SearchError(f"compose: {n} devices; the composed family synthesizes stage programs on clusters of "
                           f"up to {max_devices} GPUs (max_devices)")
@@ -329,32 +326,32 @@ def search_compose(model: ModelSource | None, cluster: Cluster, *, global_batch:
 
     if not isinstance(model, str | None):
         raise SearchError("compose: the family captures a zoo spec or file.py:factory, not a prepared graph")
-    groupings = node_groups(cluster, max_stages)
+    groupings = node_groups(cluster, options.max_stages)
     if not groupings:
         raise SearchError(f"compose: cluster {cluster.name!r} is one node of one GPU kind; a composed pipeline "
                           "needs two nodes (or two GPU kinds in a node) to put its stages on")
-    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
-    dtype = dtype or auto_dtype(cluster)
+    gb = DEFAULT_GLOBAL_BATCH if common.global_batch is None else int(common.global_batch)
+    dtype = common.dtype or auto_dtype(cluster)
     spec = load_model(DEFAULT_MODEL if model is None else model)
     _, opgraph = load_graph(spec.spec, dtype)
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
 
     # the layer split's pre-screen prices with the cluster's profile where it has the entry
-    compute = (compute or DEFAULT_COMPUTE).with_profile(cluster, opgraph, dtype)
+    compute = (common.compute or DEFAULT_COMPUTE).with_profile(cluster, opgraph, dtype)
     view = simulator.view if simulator is not None else ClusterView.from_cluster(cluster)
     reasons: dict[str, int] = {}
-    options, enumerated = _estimated_options(opgraph, groupings, cluster, gb, dtype, compute, view, reasons)
-    chosen = options[:candidates]
-    if len(options) > len(chosen):
-        reasons[f"not among the {candidates} best by the pipeline estimate"] = len(options) - len(chosen)
-    captures = _captures(spec, chosen, dtype, runnable)
-    found = _synthesized(spec, opgraph, captures, cluster, chosen, gb, dtype, max_states, jobs, reasons)
+    ranked, enumerated = _estimated_options(opgraph, groupings, cluster, gb, dtype, compute, view, reasons)
+    chosen = ranked[:candidates]
+    if len(ranked) > len(chosen):
+        reasons[f"not among the {candidates} best by the pipeline estimate"] = len(ranked) - len(chosen)
+    captures = _captures(spec, chosen, dtype, options.runnable)
+    found = _synthesized(spec, opgraph, captures, cluster, chosen, gb, dtype, options.max_states, jobs, reasons)
     if not found:
         raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
     found = [v for c in found for v in schedule_variants(c, cluster, reasons)]
-    cands = map_parallel(lambda c: _candidate(c, cluster, simulator, supports, opgraph), found, jobs)
+    cands = map_parallel(lambda c: _candidate(c, cluster, simulator, common.supports, opgraph), found, jobs)
     cands.sort(key=lambda c: c.time_s)
-    return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=cands[:top],
+    return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=cands[:common.top],
                       enumerated=enumerated, pruned=sum(reasons.values()), pruned_reasons=reasons,
                       memory_checked=len(found), ranked_analytic=len(found),
                       simulated=len(found) if simulator is not None else 0, search_time_s=time.perf_counter() - t0,

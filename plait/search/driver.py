@@ -1,26 +1,36 @@
 """The search driver: runs every planner family and ranks their finalists with one simulator.
 
-Each family is a function with the signature of `FamilySearch`: it enumerates its own plans,
-prunes them by the one memory estimator, ranks them analytically and has its finalists timed
-by the `Simulator` it is handed -- the same for every family, built by the layer above the
-search (`plait.api.plan`, `plait plan`, the recovery loop: this package never imports
-`plait.sim`) -- and returns a
-`PlanResult` whose candidates carry their `family`. The driver merges the families' finalists
-into one ranking by simulated iteration time (so a 3D plan, a graph pipeline and an SPMD
-program compete on one scale) and keeps each family's own result for the table "best per
-family". A family that proposes nothing for this model and cluster (a graph pipeline of a
-chain, say) says why instead of failing the search.
+Each family is a function with the signature of `FamilySearch`, registered with the dataclass of
+its own options (`register_family`): it enumerates its own plans, prunes them by the one memory
+estimator, ranks them analytically and has its finalists timed by the `Simulator` it is handed
+-- the same for every family, built by the layer above the search (`plait.api.plan`, `plait plan`,
+the recovery loop: this package never imports `plait.sim`) -- and returns a `PlanResult` whose
+candidates carry their `family`. Every family is handed the one `SearchOptions` (global batch,
+top, dtype, ...) and its own options object (`plait.planners.options`: `ThreeDOptions`,
+`GraphOptions`, ...), so a value is followed by its type from the caller into the planner. The
+driver merges the families' finalists into one ranking by simulated iteration time (so a 3D plan,
+a graph pipeline and an SPMD program compete on one scale) and keeps each family's own result for
+the table "best per family". A family that proposes nothing for this model and cluster (a graph
+pipeline of a chain, say) says why instead of failing the search.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from plait.cluster.spec import Cluster
 from plait.errors import PlaitError
-from plait.ir.plan import Plan
+from plait.planners.options import (
+    ComposeOptions,
+    GraphOptions,
+    SearchOptions,
+    SpmdOptions,
+    ThreeDOptions,
+)
 from plait.planners.threed import Progress, search_3d
 from plait.planners.types import (
     DEFAULT_MODEL,
@@ -36,20 +46,34 @@ from plait.workers import paused_gc
 if TYPE_CHECKING:
     from plait.graph.resolve import ModelSource
 
-# One planner family: `(model, cluster, *, global_batch, top, simulator, supports, compute,
-# **options) -> PlanResult` (raises a PlaitError when it has nothing to propose); each takes its own
-# keyword options (the names registered with it), so the type checker sees only the result.
-FamilySearch = Callable[..., PlanResult]
+OptionsT = TypeVar("OptionsT")  # a family's options dataclass
+OptionsT_contra = TypeVar("OptionsT_contra", contravariant=True)
 
 
-# name -> (search function, the keyword options it takes besides the common ones). Families
-# register themselves here (`register_family`); the order is the order of the table.
-FAMILIES: dict[str, tuple[FamilySearch, frozenset[str]]] = {}
+class FamilySearch(Protocol[OptionsT_contra]):
+    """One planner family: `search(model, cluster, common, simulator, options) -> PlanResult`, with
+    `model` resolved (never None), `cluster` loaded, `common` the `SearchOptions` every family is
+    handed (its `supports` and `on_progress` filled in by the driver), `simulator` the one
+    simulator (None: rank analytically) and `options` an instance of the dataclass the family was
+    registered with. It raises a PlaitError when it has nothing to propose."""
 
-_3D_OPTIONS = frozenset({"finalists", "space", "placement", "seed", "progress", "placement_iterations",
-                         "memory_kwargs", "layer_time", "on_progress", "fast", "jobs", "dtype"})
-# Options of the driver itself, handed to every family that takes them.
-_DRIVER_OPTIONS = frozenset({"progress", "on_progress", "jobs", "graph_chains"})
+    def __call__(self, model: ModelSource, cluster: Cluster, common: SearchOptions, simulator: Simulator | None,
+                 options: OptionsT_contra, /) -> PlanResult: ...
+
+
+@dataclass(frozen=True)
+class Family:
+    """A registered planner family: its search and the dataclass of its own options (every field
+    with a default: the driver builds it when the caller gives none)."""
+
+    search: FamilySearch[Any]
+    options: type
+
+
+# name -> the family. Families register themselves here (`register_family`); the order is the order
+# of the table.
+FAMILIES: dict[str, Family] = {}
+
 # When the driver asks the graph family for a chain model beside the 3D family (`plan(graph_chains=)`):
 #   "always"       (default, issue 36) on every cluster: its stages may use a subset of the GPUs
 #                  and each has its own dp and micro-batch, which the 3D family's grid over all GPUs
@@ -65,60 +89,54 @@ GRAPH_CHAINS = ("always", "mixed-kinds", "never")
 GRAPH_CHAINS_MAX_DEVICES = MAX_PROGRAM_DEVICES
 
 
-def register_family(name: str, search: FamilySearch, options: Iterable[str] = ()) -> None:
-    """Add (or replace) a planner family; `options` are the keyword arguments of `plan()` it takes."""
-    FAMILIES[name] = (search, frozenset(options))
+def register_family(name: str, search: FamilySearch[OptionsT], options: type[OptionsT]) -> None:
+    """Add (or replace) a planner family: `search` is handed an `options` instance (the caller's, or
+    `options()` when it gives none; `plait.planners.options.NoOptions` for a family that takes
+    nothing beyond `SearchOptions`)."""
+    what = f"register_family {name!r}: its options {getattr(options, '__name__', options)!r}"
+    if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise SearchError(f"{what} must be a dataclass (plait.plan hands it keywords by field name)")
+    try:
+        options()
+    except TypeError as exc:
+        raise SearchError(f"{what} must build with no arguments (a default for every field): {exc}") from None
+    FAMILIES[name] = Family(search, options)
 
 
-def _search_3d(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
-               simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
-               compute: Any, **options: Any) -> PlanResult:
-    """The 3D family (`plait.planners.threed.search_3d`), its finalists timed by `simulator.evaluate`."""
-    return search_3d(model, cluster, global_batch=global_batch, top=top,
-                     evaluate=simulator.evaluate if simulator is not None else None, supports=supports,
-                     compute=compute, **options)
-
-
-register_family("3d", _search_3d, _3D_OPTIONS)
-
-
-def _search_graph(model: ModelSource, cluster: Cluster, *, global_batch: int | None, top: int,
-                  simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
-                  compute: Any, runnable: bool = False, chains: bool = True,
-                  chains_max_devices: int | None = None, **options: Any) -> PlanResult:
-    """The graph-pipeline family (`plait.planners.graph_search.search_graph`). The runtime runs its
-    plans, data-parallel stages of any degree included; with `runnable=True` (`plait plan --run`)
+def _search_graph(model: ModelSource, cluster: Cluster, common: SearchOptions, simulator: Simulator | None,
+                  options: GraphOptions) -> PlanResult:
+    """The graph-pipeline family (`plait.planners.graph_search.search_graph`), which first declines a
+    chain model where `options.chains` or `options.chains_max_devices` say so. The runtime runs its
+    plans, data-parallel stages of any degree included; with `options.runnable` (`plait plan --run`)
     the runtime's `supports` filter drops any it would refuse."""
     from plait.planners.graph_search import search_graph
     from plait.planners.types import load_graph
 
-    too_many = chains_max_devices is not None and cluster.num_devices > chains_max_devices
-    if not chains or too_many:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
-        graph = load_graph(model, options.get("dtype") or "bf16")[1]
+    limit = options.chains_max_devices
+    too_many = limit is not None and cluster.num_devices > limit
+    if not options.chains or too_many:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
+        graph = load_graph(model, common.dtype or "bf16")[1]
         outs: dict[str, int] = {}
         ins: dict[str, int] = {}
         for a, b in graph.layer_edges:
             outs[a] = outs.get(a, 0) + 1
             ins[b] = ins.get(b, 0) + 1
         if max([*outs.values(), *ins.values(), 1]) < 2:
-            if not chains:
+            if not options.chains:
                 raise SearchError(f"graph: {graph.model} has no branches (its layer DAG is a chain); the 3D "
                                   "family plans chains")
             raise SearchError(f"graph: {graph.model} is a chain on {cluster.num_devices} GPUs; beside the 3D "
-                              f"family the graph family plans chains on clusters of up to {chains_max_devices} "
+                              f"family the graph family plans chains on clusters of up to {limit} "
                               "GPUs (its stage search grows with the GPUs; the 3D grid covers this scale)")
-    return search_graph(model, cluster, global_batch=global_batch, top=top,
-                        evaluate=simulator.evaluate if simulator is not None else None,
-                        supports=supports if runnable else None, compute=compute, **options)
+    return search_graph(model, cluster, common, simulator, options)
 
 
-register_family("graph", _search_graph, ("runnable", "chains", "chains_max_devices", "max_dp", "candidates",
-                                         "memory_kwargs", "dtype", "fast"))
-register_family("spmd", search_spmd, ("dtype", "max_states", "max_devices", "runnable"))
+register_family("3d", search_3d, ThreeDOptions)
+register_family("graph", _search_graph, GraphOptions)
+register_family("spmd", search_spmd, SpmdOptions)
 # SPMD programs inside the stages of a pipeline (plait.search.compose_family), run by
 # plait.runtime.compose_worker; a candidate the runtime refuses carries its reason (`Candidate.unsupported`)
-register_family("compose", search_compose, ("dtype", "max_states", "max_devices", "max_stages", "candidates",
-                                             "runnable", "jobs"))
+register_family("compose", search_compose, ComposeOptions)
 
 
 def resolve_families(families: str | Sequence[str] | None) -> list[str]:
@@ -133,39 +151,67 @@ def resolve_families(families: str | Sequence[str] | None) -> list[str]:
     return names
 
 
+def options_from_keywords(families: str | Sequence[str] | None,
+                          keywords: Mapping[str, Any]) -> tuple[SearchOptions, list[object]]:
+    """Keyword arguments by name (`plait.plan`'s) as typed options, built in this one place: a field
+    of `SearchOptions` goes there, any other to the options of every searched family whose dataclass
+    has a field of that name (`memory_kwargs` to the 3D and the graph family, say). A name that
+    neither has is refused, naming it and the families."""
+    names = resolve_families(families)
+    common = _field_names(SearchOptions)
+    own: dict[type, dict[str, Any]] = {FAMILIES[n].options: {} for n in names}
+    unknown = []
+    for key, value in keywords.items():
+        takers = [kind for kind in own if key in _field_names(kind)]
+        if key not in common and not takers:
+            unknown.append(key)
+        for kind in takers:
+            own[kind][key] = value
+    if unknown:
+        known = common.union(*(_field_names(kind) for kind in own))
+        raise SearchError(f"plan: option(s) {unknown} are not taken by the families {names}; they take "
+                          f"{', '.join(sorted(known))}")
+    return (SearchOptions(**{k: v for k, v in keywords.items() if k in common}),
+            [kind(**values) for kind, values in own.items() if values])
+
+
+def _field_names(kind: type) -> set[str]:
+    """The fields of an options dataclass."""
+    return {f.name for f in dataclasses.fields(kind)}
+
+
 def search_plans(model: ModelSource | None, cluster: Cluster, *, simulator: Simulator | None,
-                 global_batch: int | None = None, top: int = 5, compute: Any = None,
-                 families: str | Sequence[str] | None = "3d", family: str | None = None,
-                 **kwargs: Any) -> PlanResult:
-    """The fastest plans of `model` on `cluster` for `global_batch` over the planner `families`
-    ("all", a name or a list; see FAMILIES), ranked by `simulator` (the layer above builds it for
-    `cluster`: `plait.sim.api.PlanSimulator`; None: by each family's analytic model alone). Other keyword arguments go to the families that take them
-    (e.g. finalists, space, placement, seed, progress for "3d"). `graph_chains` says when the
-    graph family is asked for a chain model beside the 3D family (GRAPH_CHAINS: "always", the
-    default; "mixed-kinds" and "never", the earlier policies, kept so a bench can run them beside
-    today's in one process).
+                 common: SearchOptions | None = None, families: str | Sequence[str] | None = "3d",
+                 options: Iterable[object] = (), graph_chains: str = "always") -> PlanResult:
+    """The fastest plans of `model` on `cluster` over the planner `families` ("all", a name or a list;
+    see FAMILIES), ranked by `simulator` (the layer above builds it for `cluster`:
+    `plait.sim.api.PlanSimulator`; None: by each family's analytic model alone). `common` is what
+    every family is asked (`SearchOptions`: global batch, top, dtype, ...; its `supports` defaults
+    to the runtime's, so no family offers a plan `plait run` refuses); `options` the families' own,
+    one object per family type (`ThreeDOptions(finalists=4)`, `GraphOptions(runnable=True)`, ...),
+    each handed to the family registered with its type (a family without one gets its defaults).
+    `graph_chains` says when the graph family is asked for a chain model beside the 3D family
+    (GRAPH_CHAINS: "always", the default; "mixed-kinds" and "never", the earlier policies, kept so a
+    bench can run them beside today's in one process).
 
     One family: its own result. Several: one result whose `top` merges every family's
     finalists by iteration time and whose `families` holds each family's result (or why it
-    proposed nothing); a search where no family proposes anything raises the first reason.
-    `family=` is the same as `families=` with one name."""
+    proposed nothing); a search where no family proposes anything raises the first reason."""
     from plait.runtime import supports
 
     t0 = time.perf_counter()
     model = DEFAULT_MODEL if model is None else model  # resolved here once, for every family
-    names = resolve_families(family if family is not None else families)
-    if kwargs.get("graph_chains", "always") not in GRAPH_CHAINS:
-        raise SearchError(f"plan: graph_chains={kwargs['graph_chains']!r}; use one of {list(GRAPH_CHAINS)}")
-    kwargs.setdefault("supports", supports)  # never offer a plan the runtime would refuse
-    common = {"global_batch": global_batch, "top": top, "simulator": simulator, "compute": compute,
-              "supports": kwargs.pop("supports")}
-    unknown = [k for k in kwargs if k not in _DRIVER_OPTIONS and not any(k in FAMILIES[n][1] for n in names)]
-    if unknown:
-        raise SearchError(f"plan: option(s) {unknown} are not taken by the families {names}")
-    show, callback = bool(kwargs.pop("progress", False)), kwargs.pop("on_progress", None)
-    chains = kwargs.pop("graph_chains", "always")
+    names = resolve_families(families)
+    if graph_chains not in GRAPH_CHAINS:
+        raise SearchError(f"plan: graph_chains={graph_chains!r}; use one of {list(GRAPH_CHAINS)}")
+    common = common or SearchOptions()
+    if common.supports is None:  # never offer a plan the runtime would refuse
+        common = dataclasses.replace(common, supports=supports)
+    own = _family_options(names, options)
+    if "graph" in names and "3d" in names and len(names) > 1:
+        own["graph"] = _graph_beside_3d(own["graph"], cluster, graph_chains)
     with paused_gc():
-        results = _search_families(names, model, cluster, common, kwargs, show, callback, chains)
+        results = _search_families(names, model, cluster, simulator, common, own)
     if len(names) == 1:
         return results[names[0]]  # type: ignore[return-value]
     found = [r for r in results.values() if isinstance(r, PlanResult)]
@@ -175,7 +221,7 @@ def search_plans(model: ModelSource | None, cluster: Cluster, *, simulator: Simu
     merged = sorted((c for r in found for c in r.top), key=lambda c: (c.time_s, c.family, str(c.plan)))
     first = found[0]
     return PlanResult(model=first.model, cluster=first.cluster, global_batch=first.global_batch,
-                      world_size=first.world_size, top=merged[:top],
+                      world_size=first.world_size, top=merged[:common.top],
                       enumerated=sum(r.enumerated for r in found), pruned=sum(r.pruned for r in found),
                       pruned_reasons=_summed(r.pruned_reasons for r in found),
                       pruned_examples={k: v for r in found for k, v in r.pruned_examples.items()},
@@ -185,33 +231,48 @@ def search_plans(model: ModelSource | None, cluster: Cluster, *, simulator: Simu
                       ranker=first.ranker, families=results, family="+".join(names))
 
 
+def _family_options(names: list[str], options: Iterable[object]) -> dict[str, Any]:
+    """Each searched family's options: the given object of the type it registered, else its
+    defaults. An object of a type no searched family takes, or two of one type, is refused."""
+    given: dict[type, object] = {}
+    for obj in options:
+        kind = type(obj)
+        if kind in given:
+            raise SearchError(f"plan: two {kind.__name__} objects given; give each family's options once")
+        if not any(FAMILIES[n].options is kind for n in names):
+            takers = [n for n, f in FAMILIES.items() if f.options is kind] or "no registered family"
+            raise SearchError(f"plan: {kind.__name__} are the options of {takers}, not of the families "
+                              f"searched {names}")
+        given[kind] = obj
+    own = {n: given.get(FAMILIES[n].options) for n in names}
+    return {n: FAMILIES[n].options() if obj is None else obj for n, obj in own.items()}
+
+
+def _graph_beside_3d(options: GraphOptions, cluster: Cluster, graph_chains: str) -> GraphOptions:
+    """The graph family's options beside the 3D family: chains asked for as `graph_chains` says (an
+    earlier policy is run beside today's by bench/unified.py), up to GRAPH_CHAINS_MAX_DEVICES GPUs
+    unless the caller set a limit."""
+    ask = graph_chains == "always" or (graph_chains == "mixed-kinds" and not _one_kind(cluster))
+    limit = GRAPH_CHAINS_MAX_DEVICES if options.chains_max_devices is None else options.chains_max_devices
+    return dataclasses.replace(options, chains=options.chains and ask, chains_max_devices=limit)
+
+
 def _one_kind(cluster: Cluster) -> bool:
     """Whether every GPU of `cluster` is of one kind."""
     return len({k for node in cluster.nodes for k in node.gpus}) <= 1
 
 
-def _search_families(names: list[str], model: ModelSource | None, cluster_obj: Cluster, common: dict[str, Any],
-                     kwargs: dict[str, Any], show: bool, callback: Any,
-                     graph_chains: str = "always") -> dict[str, PlanResult | str]:
+def _search_families(names: list[str], model: ModelSource, cluster: Cluster, simulator: Simulator | None,
+                     common: SearchOptions, own: dict[str, Any]) -> dict[str, PlanResult | str]:
     """Each family's result, or why it proposed nothing (raised when it is the only family)."""
-    ask_chains = graph_chains == "always" or (graph_chains == "mixed-kinds" and not _one_kind(cluster_obj))
     results: dict[str, PlanResult | str] = {}
     for name in names:
-        search, options = FAMILIES[name]
-        own = {k: v for k, v in kwargs.items() if k in options}
-        if name == "graph" and len(names) > 1 and "3d" in names:
-            if not ask_chains:  # an earlier policy (GRAPH_CHAINS), run beside today's by bench/unified.py
-                own.setdefault("chains", False)
-            own.setdefault("chains_max_devices", GRAPH_CHAINS_MAX_DEVICES)
-        phased = "on_progress" in options  # the family reports its phases; the driver draws them
-        bar = _FamilyProgress(name, show, callback, prefix=len(names) > 1)
-        if phased:
-            own["on_progress"] = bar.report
-            if "progress" in options:
-                own["progress"] = False
-        bar.begin(phased)
+        # the family reports its phases to the driver's bar, which draws them and calls the caller's callback
+        bar = _FamilyProgress(name, common.progress, common.on_progress, prefix=len(names) > 1)
+        asked = dataclasses.replace(common, progress=False, on_progress=bar.report)
+        bar.begin()
         try:
-            res = search(model, cluster_obj, **common, **own)
+            res = FAMILIES[name].search(model, cluster, asked, simulator, own[name])
         except PlaitError as exc:
             if len(names) == 1:
                 raise
@@ -221,8 +282,8 @@ def _search_families(names: list[str], model: ModelSource | None, cluster_obj: C
             bar.end()
         for c in res.top:
             c.family = name
-            if common["supports"] is not None and not c.unsupported:  # marked, whichever family
-                ok, why = common["supports"](c.plan)
+            if common.supports is not None and not c.unsupported:  # marked, whichever family
+                ok, why = common.supports(c.plan)
                 c.unsupported = "" if ok else why
         results[name] = res
     return results
@@ -232,7 +293,7 @@ class _FamilyProgress:
     """The progress of one family's search: a bar labelled with the family and its phase
     (checking memory, ranking analytically, placing + simulating) and the caller's callback,
     called as ``on_progress(f"{family} {phase}", done, total)``; a family that reports no
-    phases shows one "search" phase from start to end. The family itself is reported as
+    phases shows one "search" phase from start to end (the bar shows it until a first phase). The family itself is reported as
     phase ``family`` (0 of 1 when it starts, 1 of 1 when it ends), so a caller can time it."""
 
     def __init__(self, family: str, show: bool, callback: Callable[[str, int, int], None] | None,
@@ -242,11 +303,10 @@ class _FamilyProgress:
         self.phase: str | None = None
         self.reported = False
 
-    def begin(self, phased: bool) -> None:
+    def begin(self) -> None:
         if self.callback is not None:
             self.callback(self.family, 0, 1)
-        if not phased:
-            self.bar.start("search", 1)
+        self.bar.start("search", 1)  # until the family reports a phase of its own
 
     def report(self, phase: str, done: int, total: int) -> None:
         self.reported = True

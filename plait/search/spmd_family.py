@@ -21,13 +21,10 @@ simulator keeping whichever runs faster and fits.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from plait.cluster.spec import Cluster
-from plait.ir.plan import Plan
 from plait.planners.types import (
-    MAX_PROGRAM_DEVICES,
     Candidate,
     PlanResult,
     SearchError,
@@ -37,6 +34,7 @@ from plait.planners.types import (
 
 if TYPE_CHECKING:
     from plait.graph.resolve import ModelSource
+    from plait.planners.options import SearchOptions, SpmdOptions
 
 OVERLAP_WEIGHTS = (1.0, 0.0)  # gradient collectives counted in full / as hidden; the simulator picks
 
@@ -72,15 +70,13 @@ def synthesize_program(problem: Any, simulator: Simulator | None, *, batch: int,
     return syn, (best if syn.fits else None), form
 
 
-def search_spmd(model: ModelSource | None, cluster: Cluster, *, global_batch: int | None, top: int,
-                simulator: Simulator | None, supports: Callable[[Plan], tuple[bool, str]] | None,
-                compute: Any = None, dtype: str | None = None, max_states: int = 20_000,
-                max_devices: int = MAX_PROGRAM_DEVICES, runnable: bool = False) -> PlanResult:
+def search_spmd(model: ModelSource | None, cluster: Cluster, common: SearchOptions, simulator: Simulator | None,
+                options: SpmdOptions) -> PlanResult:
     """The synthesized SPMD program of `model` on `cluster` as a one-candidate `PlanResult`.
 
-    `dtype`: the program's compute dtype (default: the cluster's, as the 3D family picks it; the
-    runtime runs every dtype, so `runnable=True` keeps it). Without a `simulator` the synthesis's own
-    cost ranks."""
+    `common.dtype`: the program's compute dtype (default: the cluster's, as the 3D family picks it;
+    the runtime runs every dtype, so `options.runnable` keeps it). Without a `simulator` the
+    synthesis's own cost ranks."""
     from plait.cost.program import Problem
     from plait.cost.spmd import Devices
     from plait.graph.aten_stage import free_outputs
@@ -94,16 +90,16 @@ def search_spmd(model: ModelSource | None, cluster: Cluster, *, global_batch: in
     )
 
     t0 = time.perf_counter()
-    n = cluster.num_devices
+    n, max_devices, runnable = cluster.num_devices, options.max_devices, options.runnable
     if n > max_devices:
         raise SearchError(f"spmd: one flat program over {n} devices is not searched (max_devices="
                           f"{max_devices}); the SPMD family plans clusters of up to {max_devices} GPUs")
     if not isinstance(model, str | None):
         raise SearchError("spmd: the family captures a zoo spec or file.py:factory, not a prepared graph")
-    gb = DEFAULT_GLOBAL_BATCH if global_batch is None else int(global_batch)
+    gb = DEFAULT_GLOBAL_BATCH if common.global_batch is None else int(common.global_batch)
     if gb < n:
         raise SearchError(f"spmd: global batch {gb} is smaller than the {n} devices a program shards it over")
-    dtype = dtype or auto_dtype(cluster)
+    dtype = common.dtype or auto_dtype(cluster)
     spec = load_model(DEFAULT_MODEL if model is None else model)
     graph = capture_graph(spec, gb, dtype)  # at the program's dtype: its messages are priced at it
     if runnable and (why := dtype_changes_graph(spec, gb, dtype, graph)):
@@ -112,14 +108,14 @@ def search_spmd(model: ModelSource | None, cluster: Cluster, *, global_batch: in
 
     problem = Problem.build(graph, Devices.from_cluster(cluster, dtype), outputs_free=free_outputs(graph, loss=True),
                             profile=cluster_model_profile(cluster, spec, dtype))  # measured op times where it has them
-    syn, _, _ = synthesize_program(problem, simulator, batch=gb, dtype=dtype, max_states=max_states)
+    syn, _, _ = synthesize_program(problem, simulator, batch=gb, dtype=dtype, max_states=options.max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios
     plan = program_plan(syn.program.strategies, ratios, gb, model=spec.spec, predicted_s=syn.cost, dtype=dtype,
                         collectives=plan_collectives(syn.program.comms, problem.devices, ratios),
                         homes=syn.program.homes)
     reasons: dict[str, int] = {}
-    if supports is not None and runnable:
-        ok, why = supports(plan)
+    if common.supports is not None and runnable:
+        ok, why = common.supports(plan)
         if not ok:
             raise SearchError(f"spmd: the runtime cannot run the synthesized program ({why})")
     cand = Candidate(plan=plan, analytic_s=float(syn.cost), family="spmd")
@@ -140,7 +136,7 @@ def search_spmd(model: ModelSource | None, cluster: Cluster, *, global_batch: in
         for d, peak in zip(cluster.devices, cand.peak_bytes):  # a program uses every device
             free[d.kind.name] = min(free.get(d.kind.name, d.kind.memory_bytes), d.kind.memory_bytes - peak)
         cand.headroom_by_kind = free
-    return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=[cand][:top],
+    return PlanResult(model=spec.spec, cluster=cluster.name, global_batch=gb, world_size=n, top=[cand][:common.top],
                       enumerated=1, pruned=0, pruned_reasons=reasons, memory_checked=1, ranked_analytic=1,
                       simulated=1 if simulator is not None else 0, search_time_s=time.perf_counter() - t0,
                       ranker="simulator" if simulator is not None else "analytic", family="spmd",
