@@ -132,8 +132,9 @@ class Profilers:
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # a loaded machine: kill it, and reap it, so none is left
                 proc.kill()
+                proc.wait()
 
 
 # ---------------------------------------------------------------- fits and derived clusters
