@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plait.cluster.spec import Cluster
+from plait.cost.devices import DeviceModel
 from plait.cost.memory import composed_in_flight, composed_peak_memory
 from plait.cost.program import ProgramStage
 from plait.errors import PlaitError
@@ -62,6 +63,7 @@ from plait.workers import map_parallel
 if TYPE_CHECKING:
     from plait.cost.compute import ComputeModel
     from plait.graph.resolve import ModelSource
+    from plait.net.view import ClusterView
     from plait.planners.options import ComposeOptions, SearchOptions
 
 _CAPTURES: dict[tuple[str, int, str], Any] = {}  # (model spec, micro-batch, dtype) -> AtenGraph
@@ -241,11 +243,13 @@ def _group_layer_times(graph: Any, groups: list[list[int]], cluster: Cluster, mi
 
 def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, groups: list[list[int]],
                       split: list[int], micro_batch: int, global_batch: int, dtype: str,
-                      max_states: int, cache: dict | None = None) -> ComposedCandidate:
+                      max_states: int, cache: dict | None = None,
+                      devices: DeviceModel | None = None) -> ComposedCandidate:
     """The composed plan of one device grouping and layer split: each stage's program synthesized
     on its sub-graph and devices (`cache`: programs already synthesized for the same devices,
     layers and micro-batch, e.g. by another order of the same groups); raises a PlaitError when a
-    stage has no program that fits."""
+    stage has no program that fits. `devices`: the search's one device model of `cluster` (the
+    simulator's view); None: built here."""
     from plait.cost.memory import memory_model
     from plait.cost.program import ProgramStage, stage_problem
     from plait.cost.spmd import Devices
@@ -255,6 +259,7 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     from plait.spmd.program_plan import program_plan
     from plait.spmd.ratios import synthesize as synth
 
+    devices = devices if devices is not None else DeviceModel.of_cluster(cluster)
     # each stage's ops read the cluster's measured layer times where it has them (`measured_work`)
     profile = profile_for(cluster.model_profiles, opgraph, dtype) if cluster.model_profiles else None
     names = [layer.name for layer in opgraph.layers]
@@ -269,7 +274,7 @@ def synthesize_stages(spec: Any, opgraph: Any, aten: Any, cluster: Cluster, grou
     for s, (ids, lays) in enumerate(zip(groups, layers)):
         key = (tuple(ids), tuple(lays), micro_batch)
         if cache is None or key not in cache:
-            problem = stage_problem(aten, lays, Devices.from_cluster(cluster, dtype, ids), m, s == pp - 1,
+            problem = stage_problem(aten, lays, Devices.of(devices, dtype, ids), m, s == pp - 1,
                                     f"{aten.model} stage {s}", profile=profile)
             hit = (problem, synth(problem, dtype=dtype, max_states=max_states))
             if cache is not None:
@@ -345,7 +350,8 @@ def search_compose(model: ModelSource | None, cluster: Cluster, common: SearchOp
     if len(ranked) > len(chosen):
         reasons[f"not among the {candidates} best by the pipeline estimate"] = len(ranked) - len(chosen)
     captures = _captures(spec, chosen, dtype, options.runnable)
-    found = _synthesized(spec, opgraph, captures, cluster, chosen, gb, dtype, options.max_states, jobs, reasons)
+    found = _synthesized(spec, opgraph, captures, cluster, view, chosen, gb, dtype, options.max_states, jobs,
+                         reasons)
     if not found:
         raise SearchError(f"compose: no composed plan for {spec.spec} on {cluster.name}: {reasons}")
     found = [v for c in found for v in schedule_variants(c, cluster, reasons)]
@@ -406,8 +412,8 @@ def _captures(spec: Any, chosen: list[_Option], dtype: str, runnable: bool) -> d
     return captures
 
 
-def _synthesized(spec: Any, opgraph: Any, captures: dict[int, Any], cluster: Cluster, chosen: list[_Option],
-                 gb: int, dtype: str, max_states: int, jobs: int | None,
+def _synthesized(spec: Any, opgraph: Any, captures: dict[int, Any], cluster: Cluster, view: ClusterView,
+                 chosen: list[_Option], gb: int, dtype: str, max_states: int, jobs: int | None,
                  reasons: dict[str, int]) -> list[ComposedCandidate]:
     """The chosen options' composed plans, in option order; an option with a stage that does not
     fit is tallied in `reasons`."""
@@ -417,7 +423,7 @@ def _synthesized(spec: Any, opgraph: Any, captures: dict[int, Any], cluster: Clu
         _, _, groups, b, split = option
         try:
             return synthesize_stages(spec, opgraph, captures[b], cluster, groups, split, b, gb, dtype, max_states,
-                                     cache)
+                                     cache, devices=view)
         except PlaitError as exc:  # as text: the reason is tallied in the parent, in option order
             return str(exc)
 

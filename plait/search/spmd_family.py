@@ -77,6 +77,7 @@ def search_spmd(model: ModelSource | None, cluster: Cluster, common: SearchOptio
     `common.dtype`: the program's compute dtype (default: the cluster's, as the 3D family picks it;
     the runtime runs every dtype, so `options.runnable` keeps it). Without a `simulator` the
     synthesis's own cost ranks."""
+    from plait.cost.devices import DeviceModel
     from plait.cost.program import Problem
     from plait.cost.spmd import Devices
     from plait.graph.aten_stage import free_outputs
@@ -106,7 +107,9 @@ def search_spmd(model: ModelSource | None, cluster: Cluster, common: SearchOptio
         raise SearchError(f"spmd: {why}")
     from plait.cost.spmd import cluster_model_profile
 
-    problem = Problem.build(graph, Devices.from_cluster(cluster, dtype), outputs_free=free_outputs(graph, loss=True),
+    # the simulator's view is the search's one device model of the cluster (built once above it)
+    devices = simulator.view if simulator is not None else DeviceModel.of_cluster(cluster)
+    problem = Problem.build(graph, Devices.of(devices, dtype), outputs_free=free_outputs(graph, loss=True),
                             profile=cluster_model_profile(cluster, spec, dtype))  # measured op times where it has them
     syn, _, _ = synthesize_program(problem, simulator, batch=gb, dtype=dtype, max_states=options.max_states)
     ratios = syn.segment_ratios if syn.segment_ratios is not None else syn.ratios

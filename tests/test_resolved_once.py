@@ -1,0 +1,39 @@
+"""Following the cluster from `plait plan` to the simulator (issue 31): the preset is built once,
+its topology matrices computed once and one device model made, which every family (3D, graph,
+SPMD, composed) and the simulator read."""
+
+from __future__ import annotations
+
+import collections
+import json
+from typing import Any
+
+import pytest
+
+import plait.cluster as plait_cluster
+import plait.cluster.topology as topology
+from plait.cli import main
+from plait.cost.devices import DeviceModel
+
+
+def test_plait_plan_resolves_the_cluster_once_for_every_family(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    counts: collections.Counter[str] = collections.Counter()
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(plait_cluster, "build_preset", counted("preset", plait_cluster.build_preset))
+    monkeypatch.setattr(topology, "_node_level", counted("matrices", topology._node_level))
+    monkeypatch.setattr(DeviceModel, "facts_of", staticmethod(counted("device model", DeviceModel.facts_of)))
+    # one process (--jobs 1): the composed family's stage programs are synthesized here, where counted
+    main(["plan", "--model", "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=256", "--cluster",
+          "mixed-a100-v100:a100_nodes=1,v100_nodes=1", "--family", "all", "--jobs", "1", "--json"])
+    families = json.loads(capsys.readouterr().out)["families"]
+    # every family proposed and simulated plans on it
+    assert set(families) == {"3d", "graph", "spmd", "compose"}
+    assert all(f["best_time_s"] > 0 and f["simulated"] >= 1 for f in families.values())
+    assert counts == {"preset": 1, "matrices": 1, "device model": 1}
