@@ -296,7 +296,7 @@ class TorchWorker(RankConfig):
         """The recorder, the process groups, the wrapped model, its optimizer and loss scaler."""
         config = self.config
         slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
-        self.rec = Recorder(self.info.device, 0, self.rank, cuda=self.cuda, slowdown=self.info.slowdown,
+        self.rec = Recorder(self.info.device, self.p, self.rank, cuda=self.cuda, slowdown=self.info.slowdown,
                             heartbeat=self.hb,
                             inject_factor=partial(self.injection.compute_factor, self.rank) if slow else None,
                             compute_floor_s=config.faults.compute_sleep)
