@@ -1,8 +1,12 @@
 """The torch engine (issue 29): one rank of a data-parallel or ZeRO plan (pp = tp = 1) run on
 torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
 plan's named DeviceMesh; and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
-plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers). `plait.runtime.layout.engine_for` says which plans it runs; the others
-stay on plait's own executors (`plait.runtime.worker`).
+plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers), and
+a chain pipeline plan on `torch.distributed.pipelining` (`parallelize.apply_pp`, `_build_pipeline`:
+the rank's stages of the plan's layer split, DDP over each stage's replicas, torch's schedule for the
+plan's, the tied embedding's gradients summed across stages, clipping global over the job).
+`plait.runtime.layout.engine_for` says which plans it runs; the others stay on plait's own
+executors (`plait.runtime.worker`).
 
 The path of one step, as the pipeline engine's, so both give the same losses, records and results:
 
