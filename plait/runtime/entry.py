@@ -9,8 +9,8 @@ the engine that runs its form (`engine_of`):
 
 * a composed plan (pipeline stages that run SPMD programs) -- `compose_worker.ComposeWorker`;
 * an op-level SPMD program (`Plan.spmd`) -- `spmd_worker.SpmdWorker`;
-* a data-parallel or ZeRO plan that torch's modules run (`layout.torch_runs`) --
-  `torch_worker.TorchWorker` (DDP, FSDP2);
+* a plan that torch's modules run (`layout.torch_runs`) -- `torch_worker.TorchWorker` (DDP,
+  FSDP2; asked for, DTensor and torch.distributed.pipelining);
 * any other plan (3D grid, stage graph) -- the pipeline worker, `worker.Worker`.
 
 What the engines share lives in modules of their own (`worker_config`: the run's typed config;

@@ -259,7 +259,8 @@ ENGINES: dict[str, str] = {
     "compose": "plait.runtime.compose_worker (pipeline stages that each run an SPMD program)",
     "spmd": "plait.runtime.spmd_worker (one op-level SPMD program)",
     "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
-    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2)",
+    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2; asked for, "
+             "tensor parallelism on DTensor and chain pipelines on torch.distributed.pipelining)",
 }
 
 
@@ -315,14 +316,14 @@ def engine_for(plan: PlanSource, run: WorkerConfig | Mapping[str, Any] | None = 
 
 
 def torch_runs(plan: Plan, run: _RunAsks) -> str:
-    """"" when the torch engine (`plait.runtime.torch_worker`: DDP, FSDP2) runs `plan` under what
-    the run asks, else why not (the plan then runs on plait's own engine)."""
+    """"" when the torch engine (`plait.runtime.torch_worker`: DDP, FSDP2, DTensor, pipelining) runs
+    `plan` under what the run asks, else why not (the plan then runs on plait's own engine)."""
     if run.engine == "plait":
         return "the run asks for plait's own engine (engine=plait)"
     if plan.spmd is not None or plan.stages:
         return "an SPMD program or a stage graph runs on plait's own engines"
-    if plan.pp != 1:
-        return f"pipeline parallelism (pp={plan.pp}) runs on plait's own executors"
+    if plan.pp != 1 and (why := _torch_pipeline_runs(plan, run)):
+        return why
     if plan.tp != 1:
         if run.engine != "torch":
             return (f"tensor parallelism (tp={plan.tp}) on DTensor does not record its collectives yet; "
@@ -338,6 +339,29 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     if run.checkpoints:
         return "checkpoints of DDP / FSDP2 state are not yet written by the torch engine"
+    return ""
+
+
+def _torch_pipeline_runs(plan: Plan, run: _RunAsks) -> str:
+    """"" when torch's pipelining (`parallelize.apply_pp`) runs the chain pipeline `plan`, else why not."""
+    if run.engine != "torch":
+        # torch's schedules call batch_isend_irecv themselves, past the communication facade
+        return (f"pipeline parallelism (pp={plan.pp}) on torch's pipelining does not record its sends and "
+                "receives yet; it runs there when the run asks for engine=torch")
+    if plan.tp != 1 or plan.zero:
+        return f"torch's pipelining runs with tp=1 and zero=0 here, the plan has tp={plan.tp}, zero={plan.zero}"
+    dtype = run.dtype or plan.dtype
+    if dtype not in ("fp32", "tf32"):
+        return f"dtype {dtype}: mixed precision on torch's pipelining is not yet compared with one process"
+    for d, n in enumerate(plan.samples_per_replica()):
+        sizes = {mb.size for mb in replica_micro_batches(plan, 0, d)}
+        if len(sizes) > 1:
+            # torch's PipelineStage receives into buffers shaped by the first micro-batch
+            return (f"replica {d} runs micro-batches of sizes {sorted(sizes)}: torch's pipeline stages take "
+                    "micro-batches of one size")
+        m = -(-n // plan.micro_batch) if n else 0
+        if plan.schedule != "gpipe" and plan.virtual_stages == 1 and 0 < m < plan.pp:
+            return f"replica {d} runs {m} micro-batches, fewer than pp={plan.pp}: torch's Schedule1F1B needs pp"
     return ""
 
 

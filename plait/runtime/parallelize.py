@@ -8,6 +8,10 @@
   ZeRO-3 (torchtitan's mapping: ZeRO-1/2 keep them gathered until backward; FSDP2 always shards
   gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
   `grad_reduce_dtype`;
+* `apply_pp`: pipeline stages on `torch.distributed.pipelining` over "pp" -- each of the rank's
+  model pieces (the plan's layer split, `layout.split_model`) a `PipelineStage`, run by torch's
+  schedule for the plan's: gpipe `ScheduleGPipe`, 1f1b `Schedule1F1B`, interleaved (virtual
+  stages) `ScheduleInterleaved1F1B`;
 * `replica_loss_weight`: uneven data-parallel shares. DDP and FSDP2 average gradients over the
   replicas, so replica d scales its mean loss by n_d * dp / B (n_d its samples, B the global batch):
   the average of the scaled gradients is the gradient of the global batch's mean loss, as one
@@ -17,9 +21,9 @@ The torch engine (`plait.runtime.torch_worker`) composes them for the plans
 `plait.runtime.layout.torch_runs` names; the other plans run on plait's own executors.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,10 @@ from torch.nn.parallel import DistributedDataParallel
 from plait.ir.plan import Plan
 from plait.runtime.amp import reduce_dtype
 from plait.runtime.comm import Comm, DeviceMesh, Group, RecordedAllGather, RecordedReduceScatter
+
+if TYPE_CHECKING:  # torch's pipelining takes ~0.6 s to import: `apply_pp` imports it where it runs
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 MESH_DIMS = ("pp", "dp", "tp")
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -150,3 +158,31 @@ def apply_ac(layers: Iterable[nn.Module], recompute: str) -> list[nn.Module]:
     for m in targets:
         m.forward = partial(torch.utils.checkpoint.checkpoint, m.forward, use_reentrant=False)
     return targets
+
+
+def apply_pp(modules: dict[int, nn.Module], mesh: DeviceMesh, plan: Plan, device: torch.device,
+             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], micro_batches: int,
+             stage_type: "Callable[..., PipelineStage] | None" = None) -> "_PipelineSchedule":
+    """The rank's pipeline on torch's pipelining over the mesh's "pp" dim: `modules` are its model
+    pieces by global stage index (Megatron's interleaved layout, as torch's: stage k on pipeline
+    rank k % pp), each wrapped in `stage_type` (`PipelineStage` or a subclass), driven by torch's
+    schedule for `plan.schedule` over `micro_batches` micro-batches per step.
+
+    `loss_fn` is the loss of one micro-batch as the caller wants it back-propagated (weighted by
+    its share of the global batch): torch does not rescale the gradients (`scale_grads=False`), so
+    they are the gradients of the global batch's mean loss, as one process computes them."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    stage_type = stage_type or PipelineStage
+    num_stages = plan.pp * plan.virtual_stages
+    group = mesh["pp"].get_group()
+    stages = [stage_type(m, index, num_stages, device, group=group) for index, m in sorted(modules.items())]
+    if plan.virtual_stages > 1:  # several stages per rank: torch's runtime over its action lists
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
+    single = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B  # interleaved with v = 1 is 1F1B
+    return single(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)

@@ -1,8 +1,12 @@
 """The torch engine (issue 29): one rank of a data-parallel or ZeRO plan (pp = tp = 1) run on
 torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
 plan's named DeviceMesh; and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
-plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers). `plait.runtime.layout.engine_for` says which plans it runs; the others
-stay on plait's own executors (`plait.runtime.worker`).
+plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers), and
+a chain pipeline plan on `torch.distributed.pipelining` (`parallelize.apply_pp`, `_build_pipeline`:
+the rank's stages of the plan's layer split, DDP over each stage's replicas, torch's schedule for the
+plan's, the tied embedding's gradients summed across stages, clipping global over the job).
+`plait.runtime.layout.engine_for` says which plans it runs; the others stay on plait's own
+executors (`plait.runtime.worker`).
 
 The path of one step, as the pipeline engine's, so both give the same losses, records and results:
 
@@ -37,15 +41,17 @@ together (the pipeline engine's scaler: the same schedule, the same `result.json
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
 import resource
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,6 +59,7 @@ from torch import nn
 
 from plait.ir.opgraph import TP_ALONE_ROLES
 from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
+from plait.runtime.clip import GradClipper
 from plait.runtime.comm import (
     PROBE_BEFORE,
     PROBE_REPEAT,
@@ -60,12 +67,21 @@ from plait.runtime.comm import (
     CommLog,
     Group,
 )
-from plait.runtime.data_parallel import make_optimizer
+from plait.runtime.data_parallel import make_optimizer, sync_tied_grads
 from plait.runtime.inject import PROCESS_FAULTS, fire, poison
-from plait.runtime.parallelize import apply_ac, apply_ddp, apply_fsdp, apply_tp, build_mesh
+from plait.runtime.layout import merge_modules, pipeline_layout, split_model
+from plait.runtime.parallelize import (
+    apply_ac,
+    apply_ddp,
+    apply_fsdp,
+    apply_pp,
+    apply_tp,
+    build_mesh,
+)
 from plait.runtime.partition import (
     MicroBatch,
     RuntimeSetupError,
+    Stage,
     build_seeded,
     layer_modules,
     load_model_spec,
@@ -75,9 +91,13 @@ from plait.runtime.partition import (
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
+from plait.runtime.sharded_state import aliases_of
 from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
 from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import event_key
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -100,8 +120,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class TorchWorker(RankConfig):
     def __init__(self, config: WorkerConfig, rank: int, heartbeat: Heartbeat) -> None:
         super().__init__(config, rank, heartbeat)
-        self.t = rank % self.plan.tp  # pp = 1: Megatron's order, tensor rank fastest
-        self.d = rank // self.plan.tp
+        plan = self.plan  # Megatron's order: tensor rank fastest, then data, then pipeline
+        self.t = rank % plan.tp
+        self.d = (rank // plan.tp) % plan.dp
+        self.p = rank // (plan.tp * plan.dp)
+        self.pipelined = plan.pp > 1
         self.injection = config.faults.inject
         self.cuda = config.cuda
         self.fsdp = self.plan.zero >= 1
@@ -132,6 +155,12 @@ class TorchWorker(RankConfig):
         self.layers = [name for name, _ in layer_modules(model)]
         self.param_count = sum(prm.numel() for prm in model.parameters() if prm.requires_grad)
         self.head_local: list[nn.Parameter] = []
+        self.tied: list[tuple[list[nn.Parameter], Group]] = []
+        self.clipper: GradClipper | None = None
+        if self.pipelined:
+            self._build_pipeline(model)
+            self._seed_streams(seed)
+            return
         if plan.tp > 1:  # DTensor shards of the transformer layers' linears (dp = 1: `layout.torch_runs`)
             tp_layers = [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)]
             alone = {getattr(m, "plait_tp", None) for _, layer in tp_layers for m in layer.modules()} \
@@ -154,10 +183,100 @@ class TorchWorker(RankConfig):
         else:
             self.runner = apply_ddp(model, self.mesh, plan, self.dp_group, dtype=config.dtype)
         self.params = [prm for prm in model.parameters() if prm.requires_grad]
-        stream_seed = seed + 1 + self.d  # dropout streams: one per replica, as the pipeline engine's
+        self._seed_streams(seed)
+
+    def _seed_streams(self, seed: int) -> None:
+        """Dropout streams as the pipeline engine's: one per (pipeline rank, replica)."""
+        stream_seed = seed + 1 + 1000 * self.p + self.d
         torch.manual_seed(stream_seed)
         random.seed(stream_seed)
         np.random.seed(stream_seed % (2**32))
+
+    def _build_pipeline(self, model: nn.Module) -> None:
+        """This rank's pieces of a chain pipeline plan (the plan's layer split, `layout.split_model`),
+        each a torch `PipelineStage` (under DDP over its replicas when dp > 1: torch's stage holds the
+        all-reduce back to the last micro-batch) run by torch's schedule for the plan's
+        (`parallelize.apply_pp`); groups that sum tied parameters' gradients across the pipeline ranks
+        that hold them (the pipeline engine's, Megatron's embedding group)."""
+        plan, config = self.plan, self.config
+        lay = pipeline_layout(plan)
+        stages = split_model(model, plan, lay, self.spec)
+        mine = {lay.node_of(self.p, c): stages[lay.node_of(self.p, c)] for c in range(lay.chunks)}
+        for node, st in mine.items():
+            if node > 0 and st.data_inputs:  # torch's stages after the first get their predecessor's values only
+                raise RuntimeSetupError(f"model {config.model}: pipeline stage {node} reads the model's inputs "
+                                        f"{st.data_inputs} itself, which torch's pipelining does not pass it; "
+                                        "run it without engine=torch")
+        self.stage_nodes = mine
+        self.first, self.last = 0 in mine, lay.num_nodes - 1 in mine
+        self.layers = [name for st in mine.values() for name in st.layers]
+        self.aliases = aliases_of(model)
+        self._tie_stages(stages, lay.num_stages)
+        apply_ac([m for st in mine.values() for _, m in layer_modules(st.module)], plan.recompute)
+        modules: dict[int, nn.Module] = {}
+        for node, st in mine.items():
+            st.module.to(self.device)
+            # torch's stages exchange values and gradients through buffers laid out as the first
+            # ones they see (`empty_strided`: a seq-first view's strides), which gloo refuses
+            if node < lay.num_nodes - 1:
+                st.module.register_forward_hook(_contiguous_outputs)
+            if node > 0:
+                st.module.register_forward_pre_hook(_contiguous_input_grads)
+            modules[node] = apply_ddp(st.module, self.mesh, plan, self.dp_group, dtype=config.dtype) \
+                if plan.dp > 1 else st.module
+        self.model = merge_modules([st.module for st in mine.values()])  # parameters under their own names
+        self.params = list(dict.fromkeys(prm for prm in self.model.parameters() if prm.requires_grad))
+        self.param_count = sum(prm.numel() for prm in self.params)
+        mbs = replica_micro_batches(plan, 0, self.d)
+        self.mb_size = mbs[0].size  # every micro-batch of the replica is this size (`layout.torch_runs`)
+        self.mb_weight = self.mb_size * plan.dp / plan.global_batch
+        self.schedule = apply_pp(modules, self.mesh, plan, self.device, self._pipeline_loss, len(mbs),
+                                 stage_type=partial(_spanned_stage_type(), span=self._stage_span))
+        if config.clip_grad:  # the global norm over every rank, each tied copy and replica counted once
+            weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) for prm in self.params}
+            self.clipper = GradClipper(config.clip_grad, weights, group=self.comm.world_group)
+
+    def _tie_stages(self, stages: list[Stage], pipeline_ranks: int) -> None:
+        """Per set of pipeline ranks holding one parameter (a tied embedding and LM head), a group
+        over them per replica; the gradients of this rank's such parameters are summed in it."""
+        plan = self.plan
+        owners: dict[int, list[int]] = {}
+        for st in stages:
+            for prm in st.module.parameters():
+                holders = owners.setdefault(id(prm), [])
+                if st.index % pipeline_ranks not in holders:
+                    holders.append(st.index % pipeline_ranks)
+        self.copies = {k: len(v) for k, v in owners.items()}
+        mine = list(dict.fromkeys(prm for st in self.stage_nodes.values() for prm in st.module.parameters()))
+        for owner_set in sorted({tuple(sorted(v)) for v in owners.values() if len(v) > 1}):
+            sets = [[plan.rank(s, d, 0) for s in owner_set] for d in range(plan.dp)]
+            group = self.comm.new_groups("tied s" + "-".join(map(str, owner_set)), sets)
+            if group is not None:
+                self.tied.append(([prm for prm in mine if tuple(sorted(owners[id(prm)])) == owner_set], group))
+
+    def _pipeline_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The loss torch's schedule back-propagates for one micro-batch: its mean loss weighted by its
+        share (n_j * dp / B: DDP averages over the replicas) and, under fp16, the loss scale."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        with self._autocast():
+            loss: torch.Tensor = self.spec.loss(output, target)
+        return loss * (self.mb_weight * scale)
+
+    @contextlib.contextmanager
+    def _stage_span(self, op: str, stage_index: int, micro_batch: int) -> Iterator[None]:
+        """A stage's forward ("fwd") or backward ("bwd") of one micro-batch: a compute span named as
+        the pipeline engine names it; the forward, and torch's shape inference ("infer"), under the
+        run's autocast."""
+        if op == "infer":  # torch's shape inference: under the forward's autocast, not a span
+            with self._autocast():
+                yield
+            return
+        p, c = stage_index % self.plan.pp, stage_index // self.plan.pp
+        category = "forward" if op == "fwd" else "backward"
+        with self.rec.compute(event_key(op, p, c, micro_batch), category, micro_batch=micro_batch, chunk=c,
+                              samples=self.mb_size):
+            with self._autocast() if op == "fwd" else contextlib.nullcontext():
+                yield
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
@@ -181,7 +300,7 @@ class TorchWorker(RankConfig):
         """The recorder, the process groups, the wrapped model, its optimizer and loss scaler."""
         config = self.config
         slow = any(f.kind == "slow" and f.rank == self.rank for f in self.injection.faults)
-        self.rec = Recorder(self.info.device, 0, self.rank, cuda=self.cuda, slowdown=self.info.slowdown,
+        self.rec = Recorder(self.info.device, self.p, self.rank, cuda=self.cuda, slowdown=self.info.slowdown,
                             heartbeat=self.hb,
                             inject_factor=partial(self.injection.compute_factor, self.rank) if slow else None,
                             compute_floor_s=config.faults.compute_sleep)
@@ -208,7 +327,8 @@ class TorchWorker(RankConfig):
         probe_every = config.records.probe_every
         self.hb.progress("train", step)
         mbs = replica_micro_batches(self.plan, step, self.d)
-        data = self._step_data(mbs)
+        # a pipeline's inputs are read by its first stage, its targets by its last
+        data = self._step_data(mbs) if not self.pipelined or self.first or self.last else {}
         self.rec.step = step
         fault = self.injection.at(self.rank, step, "step", PROCESS_FAULTS)
         if fault is not None:
@@ -223,7 +343,9 @@ class TorchWorker(RankConfig):
         t0 = self.rec.begin_step(step)
         if self.scaler is not None:
             self.scales.append(self.scaler.scale)
-        loss_sum = self._accumulate(step, mbs, data)
+        loss_sum = self._pipeline_accumulate(mbs, data) if self.pipelined else self._accumulate(step, mbs, data)
+        if self.tied:  # a tied embedding and LM head: the stages' gradients summed (after DDP's mean)
+            sync_tied_grads(self.tied)
         for prm in self.head_local:  # each rank's gradient is its heads' part: summed
             if prm.grad is not None:
                 self.comm.group("tp").all_reduce(prm.grad, "allreduce tp head-local grads", "comm_tp")
@@ -243,7 +365,9 @@ class TorchWorker(RankConfig):
         if self.scaler is not None:
             self.scaler.update(step)
         self._set_lr(step)
-        if self.config.clip_grad and not skip:
+        if self.clipper is not None and not skip:  # a pipeline: each rank holds some of the parameters
+            self.clipper.clip_params(self.params, self.plan.dp)
+        elif self.config.clip_grad and not skip:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad)
         with self.rec.compute("optimizer", "optimizer"):
             for prm, loc in zip(self.params, self.locals, strict=True):
@@ -288,6 +412,27 @@ class TorchWorker(RankConfig):
                     (loss * (weight * scale)).backward()
             loss_sum += loss.detach().float() * (weight / plan.dp)
         return loss_sum
+
+    def _pipeline_accumulate(self, mbs: list[MicroBatch], data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]
+                             ) -> torch.Tensor:
+        """One step of torch's pipeline schedule over the replica's micro-batches (gradients
+        accumulated, DDP's all-reduce in the last backward): the first stage is given the replica's
+        inputs, the last its targets, concatenated; torch cuts them into the same micro-batches again
+        (all of one size). Returns the replica's share of the global batch's loss (on the last stage)."""
+        args: tuple[Any, ...] = ()
+        target = None
+        if self.first:
+            first = self.stage_nodes[0]
+            args = tuple(_cat_samples([_stage_args(first, data[mb.index][0])[k] for mb in mbs])
+                         for k in range(len(_stage_args(first, data[mbs[0].index][0]))))
+        if self.last:
+            target = _cat_samples([data[mb.index][1] for mb in mbs])
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses \
+            else torch.zeros((), device=self.device)
+        return total / (scale * self.plan.dp)
 
     def _autocast(self) -> Any:
         return autocast_for(self.config.dtype, self.device.type)
@@ -340,6 +485,8 @@ class TorchWorker(RankConfig):
         loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
         if self.plan.dp > 1 and loss_vec.numel():
             self.dp_group.all_reduce(loss_vec, "allreduce dp losses", "comm_dp", span=False)
+        # a pipeline's last stage alone computes the loss (`results.write_result` reads it there)
+        losses_out = loss_vec.cpu().tolist() if not self.pipelined or self.last else None
         local = [_local(prm) for prm in self.params]
         param_bytes = sum(t.numel() * t.element_size() for t in local)  # held between steps (FSDP2, TP: shards)
         params = None
@@ -357,14 +504,16 @@ class TorchWorker(RankConfig):
         else:
             peak, mem_kind = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "max_rss"
         mine = {
-            "rank": self.rank, "pp": 0, "dp": self.d, "tp": self.t, "device": self.info.device,
+            "rank": self.rank, "pp": self.p, "dp": self.d, "tp": self.t, "device": self.info.device,
             "host": self.info.host, "node": self.info.node, "kind": self.info.kind,
             "slowdown": self.rec.slowdown, "pid": os.getpid(), "hostname": socket.gethostname(),
             "layers": self.layers, "params": self.param_count, "param_bytes": param_bytes,
             "peak_memory_bytes": peak, "memory_kind": mem_kind,
             "samples_per_step": self.plan.samples_per_replica()[self.d],
             "events": [asdict(e) for e in self.rec.events], "step_bounds": bounds,
-            "losses": loss_vec.cpu().tolist(), "params_state": params if self.t == 0 else None, "shard_infos": {}, "clock": origin,
+            "losses": losses_out,
+            "params_state": params if self.t == 0 else None, "shard_infos": {}, "clock": origin,
+            "param_aliases": getattr(self, "aliases", None) if params is not None else None,
             "amp": {"scales": self.scales, "skipped": list(self.scaler.skipped), "final_scale": self.scaler.scale}
             if self.scaler is not None else None, "engine": "torch",
         }
@@ -374,3 +523,78 @@ class TorchWorker(RankConfig):
             write_result(self.run_dir, self.plan, gathered, 0, steps, self.config.records.return_params)
         self.comm.barrier("final barrier")
         self.comm.close()
+
+
+def _stage_args(stage: Stage, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The model inputs a pipeline stage reads, in its argument order (a *args placeholder takes the rest)."""
+    if stage.data_inputs is None:
+        return tuple(inputs)
+    if stage.varargs:
+        return tuple(inputs[k] for k in stage.data_inputs[:-1]) + tuple(inputs[stage.data_inputs[-1]:])
+    return tuple(inputs[k] for k in stage.data_inputs)
+
+
+def _contiguous_outputs(module: nn.Module, args: Any, outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A stage's outputs, contiguous (see `_build_pipeline`)."""
+    return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in outputs)
+
+
+def _contiguous_input_grads(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A stage's received values passed through `_ContiguousGrad`: the gradients it sends back are
+    contiguous (see `_build_pipeline`)."""
+    return tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _cat_samples(values: list[Any]) -> Any:
+    """Micro-batches' values joined along the batch dim (`partition.make_samples` puts it first);
+    constants once."""
+    if isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
+        return torch.cat(values, dim=0)
+    return values[0]
+
+
+@functools.cache
+def _spanned_stage_type() -> Callable[..., PipelineStage]:
+    """`PipelineStage` whose forward and backward of each micro-batch run inside a span (`span`:
+    (op, stage index, micro-batch) -> context manager), built on first use: torch's pipelining takes
+    ~0.6 s to import."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.nn.parallel import DistributedDataParallel
+
+    class SpannedStage(PipelineStage):
+        def __init__(self, *args: Any, span: Callable[[str, int, int], Any], **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._span = span
+
+        def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...],
+                              kwargs: dict[str, Any] | None = None, save_forward_output: bool = True) -> Any:
+            with self._span("fwd", self.stage_index, fwd_chunk_id):
+                return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+        def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
+            # torch's shape inference on the first step runs the module outside the schedule: as the
+            # forward runs (the run's autocast: its outputs' dtypes), and outside DDP's reduction (a
+            # forward that syncs with no backward after it breaks DDP's first-step bucket rebuild)
+            sync = module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+            with sync, self._span("infer", self.stage_index, 0):
+                return super()._compute_outputs(*args, module=module, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                               last_backward: bool = False) -> None:
+            with self._span("bwd", self.stage_index, bwd_chunk_id):
+                super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    return SpannedStage
+

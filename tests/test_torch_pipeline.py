@@ -1,0 +1,143 @@
+"""Chain pipeline plans on torch.distributed.pipelining (issue 29, `parallelize.apply_pp`): asked
+for (engine=torch), uneven layer splits run on torch's PipelineStage and its schedules and train
+equal to one process (losses and parameters after 3 steps, the tolerances of
+tests/test_runtime_forms.py; with SGD and clipping, those of tests/test_runtime_pipeline_graph.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from plait.ir.plan import Plan
+from plait.runtime import engine_for
+from plait.runtime.api import (
+    LaunchConfig,
+    RecordsConfig,
+    RunResult,
+    TrainingConfig,
+    reference_run,
+    run,
+)
+from plait.runtime.layout import pipeline_layout, step_schedule
+from plait.runtime.partition import replica_micro_batches
+
+pytestmark = pytest.mark.distributed
+
+TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+STEPS = 3
+FP32 = "global_batch=8,dtype=fp32"
+TORCH = {"engine": "torch"}
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return reference_run(TINY, "dp=1,micro_batch=8," + FP32, STEPS)
+
+
+def _run(plan: str, training: TrainingConfig = TrainingConfig()) -> RunResult:
+    return run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=120, engine="torch"),
+               records=RecordsConfig(return_params=True))
+
+
+def _check_equal(result: RunResult, reference: tuple[list[float], dict[str, torch.Tensor]],
+                 rel: float = 1e-5, atol: float = 2e-6) -> None:
+    ref_losses, ref_params = reference
+    assert result.engine == "torch"
+    assert result.steps == list(range(STEPS))
+    assert result.losses == pytest.approx(ref_losses, rel=rel, abs=1e-6)
+    assert result.params is not None
+    # every parameter, the LM head tied to embed.tok (its stages' gradients summed) under both names
+    assert set(result.params) == set(ref_params)
+    for name, value in result.params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=rel, atol=atol, msg=name)
+
+
+def _compute_order(result: RunResult, stage: int, step: int) -> list[str]:
+    return [e.name for e in sorted(result.timeline.events, key=lambda e: e.start)
+            if e.stage == stage and e.args.get("step") == step and e.category in ("forward", "backward")]
+
+
+def _plait_order(plan: str, stage: int) -> list[str]:
+    """The compute actions of plait's own schedule for `stage` (what `plait.runtime.worker` runs)."""
+    p = Plan.parse(plan)
+    layout = pipeline_layout(p)
+    mbs = {n: replica_micro_batches(p, 0, 0) for n in range(layout.num_nodes)}
+    return [a.key for a in step_schedule(p, layout, mbs, p.schedule).of(stage) if a.is_compute]
+
+
+def test_engine_for_names_torch_when_asked_and_the_reason_otherwise() -> None:
+    plan = "pp=2,micro_batch=2,layer_split=2:4,schedule=1f1b," + FP32
+    assert engine_for(plan, TORCH).engine == "torch"
+    verdict = engine_for(plan)
+    assert verdict.engine == "pipeline"
+    assert "does not record its sends and receives" in verdict.not_torch and "engine=torch" in verdict.not_torch
+    shares = "dp=2,pp=2,micro_batch=2,schedule=gpipe,dtype=fp32,global_batch=8,dp_shares="
+    assert engine_for(shares + "0.75:0.25", TORCH).engine == "torch"  # 6 and 2 samples: micro-batches of 2
+    # what torch's pipelining does not run, each with its reason, goes to plait's own engine
+    for other, why in [
+        (shares + "0.625:0.375", "replica 0 runs micro-batches of sizes [1, 2]"),  # 5 samples: 2, 2, 1
+        ("pp=4,micro_batch=4,global_batch=8,dtype=fp32,schedule=1f1b", "fewer than pp=4"),
+        ("pp=2,micro_batch=2,global_batch=8,dtype=bf16", "dtype bf16"),
+        ("pp=2,tp=2,micro_batch=2,global_batch=8,dtype=fp32", "tp=1 and zero=0"),
+        ("pp=2,dp=2,zero=1,micro_batch=2,global_batch=8,dtype=fp32", "tp=1 and zero=0"),
+    ]:
+        verdict = engine_for(other, TORCH)
+        assert verdict.engine == "pipeline" and why in verdict.not_torch, (other, verdict)
+    assert "checkpoints" in engine_for(plan, {**TORCH, "checkpoint": True}).not_torch
+
+
+def test_two_stage_uneven_split_gpipe_equals_one_process(reference) -> None:
+    plan = "pp=2,micro_batch=2,layer_split=2:4,schedule=gpipe," + FP32
+    result = _run(plan)
+    _check_equal(result, reference)
+    assert [r.layers for r in result.ranks] == [["embed", "layers.0"], ["layers.1", "layers.2", "layers.3", "head"]]
+    # torch's GPipe: every forward, then the backwards in micro-batch order (plait's own runs them
+    # latest first: the same arithmetic, another order)
+    assert _compute_order(result, 0, 1) == [f"fwd s0 c0 mb{i}" for i in range(4)] + \
+        [f"bwd s0 c0 mb{i}" for i in range(4)]
+
+
+def test_three_stage_uneven_split_1f1b_clipped_with_lr_schedule_equals_one_process() -> None:
+    plan = "pp=3,micro_batch=2,layer_split=1:3:2,schedule=1f1b," + FP32
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=0.05, lr_warmup_iters=1,
+                              lr_decay_style="linear")
+    ref_losses, ref_params = reference_run(TINY, plan, STEPS, training=training)
+    unclipped = reference_run(TINY, plan, STEPS, training=dataclasses.replace(training, clip_grad=None))[1]
+    assert all(not torch.allclose(ref_params[n], unclipped[n], rtol=0, atol=1e-5) for n in ref_params)  # clipping bit
+    result = _run(plan, training)
+    _check_equal(result, (ref_losses, ref_params), rel=0, atol=1e-6)
+    assert [r.layers for r in result.ranks] == [["embed"], ["layers.0", "layers.1", "layers.2"],
+                                                ["layers.3", "head"]]
+    # torch's 1F1B runs the compute order of plait's PipeDream-Flush on every stage
+    for stage in range(3):
+        assert _compute_order(result, stage, 1) == _plait_order(plan, stage)
+
+
+@pytest.mark.slow
+def test_data_parallel_pipeline_uneven_shares_on_ddp_equals_one_process(reference) -> None:
+    plan = "dp=2,pp=2,micro_batch=2,dp_shares=0.75:0.25,schedule=gpipe,grad_bucket_mb=0.01," + FP32
+    result = _run(plan)
+    _check_equal(result, reference)
+    assert [(r.pp, r.dp, r.samples_per_step) for r in result.ranks] == [(0, 0, 6), (0, 1, 2), (1, 0, 6), (1, 1, 2)]
+    # DDP all-reduces each stage's gradients over its replicas once a step, through the facade
+    assert {e.name.split(" bucket")[0] for e in result.timeline.events if e.category == "comm_dp"} >= \
+        {"allreduce dp", "allreduce tied"}
+
+
+@pytest.mark.slow
+def test_interleaved_two_chunks_per_rank_equals_one_process(reference) -> None:
+    plan = "pp=2,virtual_stages=2,micro_batch=1,layer_split=1:2:1:2,schedule=interleaved," + FP32
+    result = _run(plan)
+    _check_equal(result, reference)
+    # nodes 0 and 2 on rank 0, 1 and 3 on rank 1 (Megatron's and torch's interleaved layout)
+    assert [r.layers for r in result.ranks] == [["embed", "layers.2"], ["layers.0", "layers.1", "layers.3", "head"]]
+    assert {e.chunk for e in result.timeline.events if e.category == "forward"} == {0, 1}
+
+
+@pytest.mark.slow
+def test_four_stage_1f1b_equals_one_process(reference) -> None:
+    result = _run("pp=4,micro_batch=2,layer_split=1:2:2:1,schedule=1f1b," + FP32)
+    _check_equal(result, reference)
+    assert [len(r.layers) for r in result.ranks] == [1, 2, 2, 1]
