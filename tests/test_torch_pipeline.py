@@ -6,6 +6,8 @@ tests/test_runtime_forms.py; with SGD and clipping, those of tests/test_runtime_
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from plait.runtime.api import (
     RecordsConfig,
     RunResult,
     TrainingConfig,
+    read_step_records,
     reference_run,
     run,
 )
@@ -36,9 +39,10 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference_run(TINY, "dp=1,micro_batch=8," + FP32, STEPS)
 
 
-def _run(plan: str, training: TrainingConfig = TrainingConfig()) -> RunResult:
+def _run(plan: str, training: TrainingConfig = TrainingConfig(), run_dir: Path | None = None) -> RunResult:
+    """A run on the torch engine; with `run_dir`, kept there with its step records."""
     return run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=120, engine="torch"),
-               records=RecordsConfig(return_params=True))
+               records=RecordsConfig(return_params=True, step_records=run_dir is not None, run_dir=run_dir))
 
 
 def _check_equal(result: RunResult, reference: tuple[list[float], dict[str, torch.Tensor]],
@@ -99,15 +103,21 @@ def test_two_stage_uneven_split_gpipe_equals_one_process(reference) -> None:
         [f"bwd s0 c0 mb{i}" for i in range(4)]
 
 
-def test_three_stage_uneven_split_1f1b_clipped_with_lr_schedule_equals_one_process() -> None:
+def test_three_stage_uneven_split_1f1b_clipped_with_lr_schedule_equals_one_process(tmp_path: Path) -> None:
     plan = "pp=3,micro_batch=2,layer_split=1:3:2,schedule=1f1b," + FP32
     training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=0.05, lr_warmup_iters=1,
                               lr_decay_style="linear")
     ref_losses, ref_params = reference_run(TINY, plan, STEPS, training=training)
     unclipped = reference_run(TINY, plan, STEPS, training=dataclasses.replace(training, clip_grad=None))[1]
     assert all(not torch.allclose(ref_params[n], unclipped[n], rtol=0, atol=1e-5) for n in ref_params)  # clipping bit
-    result = _run(plan, training)
+    result = _run(plan, training, run_dir=tmp_path / "run")
     _check_equal(result, (ref_losses, ref_params), rel=0, atol=1e-6)
+    # the streamed step records hold one loss share, on the last stage, whose sum is the step's loss
+    steps = tmp_path / "run" / "steps"
+    assert read_step_records(tmp_path / "run", 3).losses == pytest.approx(dict(enumerate(result.losses)), abs=1e-7)
+    last = [json.loads(line) for line in (steps / "rank2.jsonl").read_text().splitlines()]
+    assert len(last) == STEPS and all("loss_share" in r for r in last)
+    assert not any("loss_share" in (steps / f"rank{r}.jsonl").read_text() for r in (0, 1))
     assert [r.layers for r in result.ranks] == [["embed"], ["layers.0", "layers.1", "layers.2"],
                                                 ["layers.3", "head"]]
     # torch's 1F1B runs the compute order of plait's PipeDream-Flush on every stage

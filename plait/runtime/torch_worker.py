@@ -472,9 +472,12 @@ class TorchWorker(RankConfig):
         return out
 
     def _record_step(self, step: int, t0: float, t1: float, loss_sum: torch.Tensor) -> None:
-        """`RUN_DIR/steps/rankN.jsonl` as the pipeline engine writes it."""
-        rec = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time(),
-               "main_cpu": time.thread_time(), "dp": self.d, "loss_share": float(loss_sum)}
+        """`RUN_DIR/steps/rankN.jsonl` as the pipeline engine writes it: the replica's loss share
+        only on the rank that holds the loss (a pipeline's last stage), so each replica has one."""
+        rec: dict[str, Any] = {"step": step, "t0": t0, "t1": t1, "wall": time.time(), "cpu": time.process_time(),
+                               "main_cpu": time.thread_time()}
+        if not self.pipelined or self.last:
+            rec.update(dp=self.d, loss_share=float(loss_sum))
         with open(self.run_dir / "steps" / f"rank{self.rank}.jsonl", "a") as fh:
             fh.write(json.dumps(rec) + "\n")
 
