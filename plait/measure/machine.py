@@ -8,13 +8,15 @@ Pipette's profiler) -- measured layer times and measured links, simulated plan:
 1. **links**: `plait profile` measures the emulated cluster inside its network namespaces
    (per-pair bandwidth/latency, collective sweeps, each kind's emulated slowdown) into a
    measured cluster YAML;
-2. **gloo's own cost**: persistent profiler processes, one per rank, each in its rank's
+2. **gloo's own cost**: persistent profiler processes, one per rank of the plan (not per device
+   of the cluster: a plan on fewer ranks shares this machine's CPUs with no other), each in its rank's
    cpu cgroup (`plait.runtime.cpu_share`: pinned to a CPU, high `cpu.shares`), time gloo
    all-reduces and pipeline exchanges made as training makes them (after a compute segment)
    and fit ``t = a + S/B`` to both (`CommFit`): the exchange's ``a`` and the all-reduce's
    ``B`` become the intra-node link, what an all-reduce costs beyond its ring latencies
    becomes the simulator's per-call `host_comm_s`; the runtime's gradient flatten/copy-back
-   around the data-parallel all-reduce is timed too (`step_host_s`);
+   around the data-parallel all-reduce is timed too (`step_host_s`); a plan of one rank calls
+   no collective and gets no gloo cost;
 3. **layers**: per plan, the same profilers time every layer's forward and backward at the
    plan's micro-batch size and tensor-parallel slicing (`plait.measure.layer_profile`), side
    by side as the ranks compute side by side;
@@ -30,7 +32,8 @@ faults that are expensive in a VM and hit pipeline stages (which keep activation
 far more than a layer timed alone (measured 8.4 vs 6.4 ms per layer; equal with it).
 
 Accuracy on this 2-vCPU machine: `bench/sim_vs_real.py`. The prediction is meaningful with
-at most one rank per CPU; with more, ranks time-share CPUs (`LocalMachine.notes` says so).
+at most one rank of the plan per CPU; with more, ranks time-share CPUs (`LocalMachine.notes`
+says so).
 """
 
 from __future__ import annotations
