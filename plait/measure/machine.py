@@ -486,8 +486,8 @@ class LocalMachine:
         self.comm = fit_gloo(self.profilers.gloo(self.workdir / "gloo.store", [4**k * 1024 for k in range(8)]),
                              world) if world > 1 else None
         self._say_calibration()
-        out = self.workdir / f"sim{world}.yaml"
-        self.sim_cluster = load_cluster(str(sim_cluster_yaml(self._measured, self.comm, out)))
+        # sim.yaml: the simulated cluster of the ranks calibrated now (bench/sim_vs_real.py reads it)
+        self.sim_cluster = load_cluster(str(sim_cluster_yaml(self._measured, self.comm, self.workdir / "sim.yaml")))
         emu = self.sim_cluster.emulation
         self.slowdown = dict(emu.slowdown) if emu is not None and emu.slowdown else {}
 
@@ -550,7 +550,7 @@ class LocalMachine:
         self._require()
         p = self._fp32(plan)
         per_rank = profiles or self.layer_profiles(p)
-        self._for_ranks_of(p)  # given profiles: the links, gloo and flatten of its ranks all the same
+        self._for_ranks_of(p)  # profiles given: gloo's fit and the flatten must still be of its ranks
         prof = mean_profile(per_rank)
         # The optimizer figure needs whole parameters: under tensor parallelism profile tp=1 too.
         base = prof if p.tp == 1 else mean_profile(self.profilers.layers(self.model, p.micro_batch, 1, 3))
