@@ -61,11 +61,13 @@ PREDICT_GOAL = 0.10
 def machine_prediction(cluster_yaml: Path, model: str, plan: str, rerun_steps: int, rounds: int) -> dict[str, Any]:
     """LocalMachine on one phase's cluster: the prediction for this machine, and (rounds > 0) pinned
     re-runs of the plan, each with the layer profiles bracketing it (the median round is kept)."""
+    from plait.ir.plan import Plan
     from plait.measure.machine import LocalMachine
 
     out: dict[str, Any] = {}
     t0 = time.time()
-    with LocalMachine(str(cluster_yaml), model) as m:
+    # calibrated for the plan's ranks: the plan re-planned on the nodes left may leave GPUs idle
+    with LocalMachine(str(cluster_yaml), model, ranks=Plan.load(plan).world_size) as m:
         out["calibration_s"] = time.time() - t0
         out["predicted_s"] = m.predict(plan).iteration_s
         out["notes"] = list(m.notes)

@@ -87,19 +87,28 @@ def test_per_device_cluster_scales_each_device_by_kind_and_measured_speed():
     assert sim.kinds["v100-32gb@dev1"].memory_bytes == cl.kinds["v100-32gb"].memory_bytes
 
 
-def test_a_plan_on_fewer_ranks_than_the_cluster_is_scaled_by_its_own_ranks():
-    """issue 29: a 2-stage graph plan on emulated-mixed's 4 GPUs; the profilers run one per device
-    (4 profiles), the plan's ranks are 2 (on devices 2 and 0) -- `plait plan --run` failed with
-    "rank 2: the plan's stages hold 2 ranks"."""
+def _two_stages_on_devices_2_and_0() -> Plan:
     from plait.ir.plan import StageSpec
 
+    return Plan(pp=2, micro_batch=1, global_batch=2, stage_edges=[(0, 1)],
+                stages=[StageSpec("s0", ["a"], [2]), StageSpec("s1", ["b"], [0])])
+
+
+def test_a_plan_on_fewer_ranks_than_the_cluster_is_scaled_by_its_own_ranks():
+    """issue 29: a 2-stage graph plan on emulated-mixed's 4 GPUs runs 2 ranks (on devices 2 and 0),
+    profiled by 2 profilers; the devices it leaves idle keep speed 1."""
     cl = load_cluster("emulated-mixed:namespaces=false")
     assert cl.num_devices == 4
-    plan = Plan(pp=2, micro_batch=1, global_batch=2, stage_edges=[(0, 1)],
-                stages=[StageSpec("s0", ["a"], [2]), StageSpec("s1", ["b"], [0])])
-    per_rank = [_profile(3.0), _profile(1.0), _profile(50.0), _profile(50.0)]  # ranks 2, 3: not the plan's
-    sim, scale, speed = per_device_cluster(cl, plan, per_rank, {})
+    sim, scale, speed = per_device_cluster(cl, _two_stages_on_devices_2_and_0(), [_profile(3.0), _profile(1.0)], {})
     assert speed == pytest.approx([0.5, 1.0, 1.5, 1.0])  # rank 0 -> device 2, rank 1 -> device 0
+
+
+def test_profiles_of_other_ranks_than_the_plans_are_refused():
+    """Profiles taken by one profiler per cluster device (4) for a plan of 2 ranks were what made
+    `plait plan --run` fail with "rank 2: the plan's stages hold 2 ranks" (issue 29)."""
+    cl = load_cluster("emulated-mixed:namespaces=false")
+    with pytest.raises(MachineError, match="4 layer profiles for a plan of 2 ranks"):
+        per_device_cluster(cl, _two_stages_on_devices_2_and_0(), [_profile(1.0)] * 4, {})
 
 
 def test_sim_cluster_gives_intra_node_pairs_gloos_measured_cost(tmp_path):
@@ -186,3 +195,57 @@ def test_profilers_answer_side_by_side_and_name_a_failing_rank():
     finally:
         profs.close()
     assert all(p.poll() is not None for p in profs.procs)
+
+
+def _fake_cluster_profile(monkeypatch, gloo_worlds: list[int]) -> None:
+    """LocalMachine without `plait profile` (the cluster's own links written as 'measured') and
+    with a canned gloo sweep (the world it was asked for noted): what is left is the ranks' part
+    of the calibration, profilers included."""
+    from types import SimpleNamespace
+
+    import plait.measure.cluster_profile as cluster_profile
+    from plait.cluster.loader import dump_cluster
+
+    def profile(cluster, *, out, **kw):
+        out.write_text(dump_cluster(load_cluster(cluster)))
+        return SimpleNamespace(p2p={}, slowdowns=[], to_json=lambda: "{}"), {}
+
+    def gloo(self, store, sizes, iters=80):
+        gloo_worlds.append(len(self.procs))
+        rows = [[float(s), 1e-3 + s / 1e9] for s in sizes]
+        return {"all_reduce": rows, "exchange": rows}
+
+    monkeypatch.setattr(cluster_profile, "profile", profile)
+    monkeypatch.setattr(Profilers, "gloo", gloo)
+
+
+# ~15 s on 2 shared cores (3 profiler processes start, torch imported in each)
+def test_a_one_rank_plan_on_four_gpus_is_profiled_and_predicted_on_one_rank(monkeypatch, tmp_path):
+    """issue 29: `make demo`'s one-rank graph plan (dp=1 mb=16 on one GPU) was predicted on
+    emulated-mixed's 4 GPUs from 4 profilers side by side on this machine's CPUs (+100 %: 274 ms
+    predicted, 137 ms measured). A machine calibrated for other ranks calibrates again for the
+    plan's: one profiler, no gloo fit (one rank calls no collective), no time-sharing note."""
+    from plait.ir.plan import StageSpec
+
+    worlds: list[int] = []
+    _fake_cluster_profile(monkeypatch, worlds)
+    model = "gpt:layers=1,hidden=32,heads=2,seq=8,vocab=64"
+    one = Plan(micro_batch=2, global_batch=2, dtype="fp32",
+               stages=[StageSpec("stage0", ["embed", "layers.0", "head"], [0])])
+    with LocalMachine("emulated-mixed:namespaces=false", model, ranks=2, workdir=tmp_path, cgroups=False,
+                      repeats=2) as m:
+        assert m.world == 2 and len(m.profilers.procs) == 2 and worlds == [2]
+        profiles = m.layer_profiles(one)
+        assert len(profiles) == 1 and len(m.profilers.procs) == 1   # the plan's one rank, profiled alone
+        pred = m.predict(one, profiles)
+        assert m.world == 1 and m.comm is None and worlds == [2]    # no gloo sweep for one rank
+        assert not any("time-share" in n for n in m.notes)
+        assert pred.iteration_s > 0 and pred.device_speed == [1.0, 1.0, 1.0, 1.0]
+        assert pred.compute.host_comm_s == 0.0 and pred.compute.p2p_host_s == 0.0
+
+
+@pytest.mark.parametrize("ranks", [0, 5])
+def test_ranks_beyond_the_clusters_devices_are_refused(ranks):
+    with pytest.raises(MachineError, match=r"ranks: a plan on emulated-mixed runs 1 to 4 ranks, got"):
+        LocalMachine("emulated-mixed:namespaces=false", "gpt:layers=1,hidden=32,heads=2,seq=8,vocab=64",
+                     ranks=ranks)

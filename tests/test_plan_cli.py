@@ -105,3 +105,37 @@ def test_slurm_export_writes_the_sbatch_script_beside_the_plan(tmp_path, capsys)
     assert main(["plan", "--model", MODEL, "--cluster", HOMO, "--global-batch", "8", "--top", "1",
                  "--export", "slurm", "--no-progress"]) == 2  # the script needs the plan file
     assert "--out PLAN.json" in capsys.readouterr().err
+
+
+# ~60 s on 2 shared cores (profiles emulated-mixed's 4 devices, calibrates 2 ranks, runs 2 steps)
+@pytest.mark.slow
+def test_run_of_a_graph_plan_on_fewer_ranks_than_the_cluster_calibrates_on_its_ranks(monkeypatch, capsys):
+    """issue 29 item 5: a 2-stage graph plan on 2 of emulated-mixed's 4 GPUs trained under
+    `plait run --plan` but `plait plan --run` failed calibrating this machine ("rank 2: the plan's
+    stages hold 2 ranks"): the machine was calibrated one profiler per cluster device. The graph
+    search's pick is replaced by that plan (on this tiny model the family picks one stage)."""
+    import dataclasses
+
+    import plait.commands.plan_cmd as plan_cmd
+    from plait.ir.plan import StageSpec
+
+    two = Plan(pp=2, micro_batch=2, global_batch=4, stage_edges=[(0, 1)], dtype="fp32",
+               stages=[StageSpec("s0", ["embed", "layers.0"], [2]), StageSpec("s1", ["layers.1", "head"], [0])])
+    search = plan_cmd.search
+
+    def two_stages_first(*args, **kwargs):
+        result = search(*args, **kwargs)
+        result.top.insert(0, dataclasses.replace(result.top[0], plan=two))
+        return result
+
+    monkeypatch.setattr(plan_cmd, "search", two_stages_first)
+    rc = main(["plan", "--family", "graph", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false",
+               "--global-batch", "4", "--top", "1", "--run", "--steps", "2", "--json"])
+    assert rc == 0
+    run = json.loads(capsys.readouterr().out)["run"]
+    assert run["plan"] == str(two) and len(run["losses"]) == 2 and all(x == x for x in run["losses"])
+    machine = run["machine"]
+    assert machine["predicted_iteration_s"] > 0 and machine["measured_iteration_s"] > 0
+    speed = machine["device_speed"]  # the plan's devices (2 and 0) measured, the idle ones left at 1
+    assert len(speed) == 4 and speed[1] == speed[3] == 1.0
+    assert not any("time-share" in n for n in machine["notes"])  # 2 ranks on 2 CPUs, not 4

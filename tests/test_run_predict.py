@@ -40,12 +40,12 @@ def test_predict_refuses_what_it_cannot_predict(argv, needle, capsys):
     assert needle in err and err.count("\n") == 1
 
 
-# ~40 s (calibrates 4 ranks, then a 2-rank run)
+# ~40 s (profiles 4 devices' links, calibrates the plan's 2 ranks, then a 2-rank run)
 @pytest.mark.slow
 def test_predict_calibrates_on_the_plans_ranks_when_the_cluster_has_more(tmp_path, capsys):
     """issue 29: a 2-stage graph plan on emulated-mixed's 4 GPUs ran under `plait run --plan` but its
-    calibration failed ("rank 2: the plan's stages hold 2 ranks"): the machine is profiled one rank per
-    device, the prediction takes the plan's own ranks."""
+    calibration failed ("rank 2: the plan's stages hold 2 ranks"): the machine was profiled one rank per
+    device; it is calibrated for the plan's own ranks."""
     from plait.ir.plan import Plan, StageSpec
 
     plan = Plan(pp=2, micro_batch=2, global_batch=4, stage_edges=[(0, 1)], dtype="fp32",
@@ -60,3 +60,4 @@ def test_predict_calibrates_on_the_plans_ranks_when_the_cluster_has_more(tmp_pat
     assert m["predicted_iteration_s"] > 0 and m["measured_iteration_s"] > 0
     speed = m["device_speed"]  # the plan's devices measured, the idle ones left at 1
     assert len(speed) == 4 and speed[1] == speed[3] == 1.0 and speed[0] > 0 and speed[2] > 0
+    assert not any("time-share" in n for n in m["notes"])  # calibrated for 2 ranks on 2 CPUs, not 4

@@ -401,8 +401,10 @@ def _run(args: argparse.Namespace, result: Any) -> dict[str, Any]:
         if not args.json:
             print("plait run on this machine: calibrating (emulated links, gloo, layer times)...", file=sys.stderr)
         # slower kinds are slowed by the plan's dtype ratio (the GPUs it was planned for), while
-        # the CPU ranks compute fp32
-        with LocalMachine(args.cluster, args.model, emulate_dtype=cand.plan.dtype, say=say) as machine:
+        # the CPU ranks compute fp32; calibrated for the plan's ranks, which may be fewer than the
+        # cluster's devices (a graph plan's stages may leave GPUs idle)
+        with LocalMachine(args.cluster, args.model, ranks=cand.plan.world_size, emulate_dtype=cand.plan.dtype,
+                          say=say) as machine:
             mr = machine.measure_and_predict(cand.plan, steps=args.steps)
         res = mr.run
         out["machine"] = {**mr.summary(), "notes": machine.notes, "dtype": "fp32",

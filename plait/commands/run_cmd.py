@@ -352,10 +352,10 @@ def _run_predicted(args: argparse.Namespace, configs: dict[str, Any]) -> tuple[A
         raise PlaitError("--predict: predicts CPU ranks in fp32 (no --dtype other than fp32, no --device cuda, "
                          "no --nprocs-per-node)")
     say = (lambda text: None) if args.json else (lambda text: print(f"  {text}", file=sys.stderr))
-    from plait.ir.plan import Plan
-
-    # slower kinds are slowed by the plan's dtype ratio; the CPU ranks compute fp32
-    with LocalMachine(args.cluster, args.model, emulate_dtype=Plan.load(args.plan).dtype, say=say) as m:
+    plan = Plan.load(args.plan)
+    # slower kinds are slowed by the plan's dtype ratio; the CPU ranks compute fp32. Calibrated for
+    # the plan's ranks: a plan on fewer ranks than the cluster's devices shares the CPUs with no other.
+    with LocalMachine(args.cluster, args.model, ranks=plan.world_size, emulate_dtype=plan.dtype, say=say) as m:
         mr = m.measure_and_predict(args.plan, steps=args.steps, **configs)
         notes = list(m.notes)
     if args.run_dir and mr.run.run_dir:  # beside the measured run: `plait report RUN_DIR` shows both

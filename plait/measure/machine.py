@@ -8,13 +8,15 @@ Pipette's profiler) -- measured layer times and measured links, simulated plan:
 1. **links**: `plait profile` measures the emulated cluster inside its network namespaces
    (per-pair bandwidth/latency, collective sweeps, each kind's emulated slowdown) into a
    measured cluster YAML;
-2. **gloo's own cost**: persistent profiler processes, one per rank, each in its rank's
+2. **gloo's own cost**: persistent profiler processes, one per rank of the plan (not per device
+   of the cluster: a plan on fewer ranks shares this machine's CPUs with no other), each in its rank's
    cpu cgroup (`plait.runtime.cpu_share`: pinned to a CPU, high `cpu.shares`), time gloo
    all-reduces and pipeline exchanges made as training makes them (after a compute segment)
    and fit ``t = a + S/B`` to both (`CommFit`): the exchange's ``a`` and the all-reduce's
    ``B`` become the intra-node link, what an all-reduce costs beyond its ring latencies
    becomes the simulator's per-call `host_comm_s`; the runtime's gradient flatten/copy-back
-   around the data-parallel all-reduce is timed too (`step_host_s`);
+   around the data-parallel all-reduce is timed too (`step_host_s`); a plan of one rank calls
+   no collective and gets no gloo cost;
 3. **layers**: per plan, the same profilers time every layer's forward and backward at the
    plan's micro-batch size and tensor-parallel slicing (`plait.measure.layer_profile`), side
    by side as the ranks compute side by side;
@@ -30,7 +32,8 @@ faults that are expensive in a VM and hit pipeline stages (which keep activation
 far more than a layer timed alone (measured 8.4 vs 6.4 ms per layer; equal with it).
 
 Accuracy on this 2-vCPU machine: `bench/sim_vs_real.py`. The prediction is meaningful with
-at most one rank per CPU; with more, ranks time-share CPUs (`LocalMachine.notes` says so).
+at most one rank of the plan per CPU; with more, ranks time-share CPUs (`LocalMachine.notes`
+says so).
 """
 
 from __future__ import annotations
@@ -211,7 +214,7 @@ def fit_gloo(sweep: dict[str, list[list[float]]], world: int = 2) -> CommFit:
     return CommFit(a, bp, A, ba, max(r1, r2), world)
 
 
-def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
+def sim_cluster_yaml(measured: Path, fit: CommFit | None, out: Path) -> Path:
     """The measured cluster with the pairs inside a node (loopback here) at gloo's measured cost:
     latency = `CommFit.link_latency` (the exchange's fixed cost, or less where gloo's all-reduce
     costs less than its ring of exchanges; a pipeline exchange pays the rest as `p2p_host_s`,
@@ -224,16 +227,23 @@ def sim_cluster_yaml(measured: Path, fit: CommFit, out: Path) -> Path:
     Collectives of many calls per step -- ZeRO-3's per-layer gathers -- pay it in every ring
     step. The profile's busbw tables are dropped: they were measured in a tight loop, and this
     calibration (calls after a compute segment, as training makes them) replaces them -- one
-    source for collective times, never both."""
+    source for collective times, never both.
+
+    `fit` None (a plan of one rank: no gloo call to fit) keeps the links as profiled; the plan
+    sends nothing over them."""
     import yaml
 
     from plait.cluster.units import parse_duration
 
+    data = yaml.safe_load(measured.read_text())
+    data.pop("collectives", None)
+    if fit is None:
+        out.write_text(yaml.safe_dump(data, sort_keys=False))
+        return out
+
     def floor(latency: Any) -> str:
         return f"{max(parse_duration(latency), fit.link_latency) * 1e6:.6g} us"
 
-    data = yaml.safe_load(measured.read_text())
-    data.pop("collectives", None)
     nodes = data.get("nodes", [])
     node_of = [i for i, n in enumerate(nodes) for _ in range(int(n["gpus"]["count"]) if isinstance(n["gpus"], dict)
                                                             else len(n["gpus"]))]
@@ -262,13 +272,13 @@ def per_device_cluster(cluster: Cluster, plan: Plan, per_rank: list[Any], slowdo
     relative to the mean profile is ``total_d / mean total``; its layer-time scale is that
     times its kind's emulated slowdown.
 
-    `per_rank`: rank r's profile at r. The profilers run one per cluster device, so a plan on fewer
-    devices (a 2-stage graph plan on 4 GPUs) gets more: only its own ranks' count (the others
-    keep speed 1: the plan puts no work on them)."""
-    mine = per_rank[:plan.world_size]
-    mean_total = statistics.fmean(total(p) for p in mine)
+    `per_rank`: rank r's profile at r, one per rank of the plan. A plan on fewer devices than the
+    cluster (a 2-stage graph plan on 4 GPUs) leaves the others at speed 1: it puts no work on them."""
+    if len(per_rank) != plan.world_size:
+        raise MachineError(f"{len(per_rank)} layer profiles for a plan of {plan.world_size} ranks ({plan})")
+    mean_total = statistics.fmean(total(p) for p in per_rank)
     speed = [1.0] * cluster.num_devices
-    for r, prof in enumerate(mine):
+    for r, prof in enumerate(per_rank):
         speed[plan.device_of(r)] = total(prof) / mean_total
     kinds = dict(cluster.kinds)
     scale: dict[str, float] = {}
@@ -285,7 +295,8 @@ def per_device_cluster(cluster: Cluster, plan: Plan, per_rank: list[Any], slowdo
     return dataclasses.replace(cluster, kinds=kinds, nodes=nodes), scale, speed
 
 
-def compute_model(fit: CommFit, prof: Any, cluster: Cluster, plan: Plan, flatten_s_per_byte: float) -> ComputeModel:
+def compute_model(fit: CommFit | None, prof: Any, cluster: Cluster, plan: Plan, flatten_s_per_byte: float
+                  ) -> ComputeModel:
     """The simulator's host/optimizer constants for gloo on CPU ranks with measured layer times:
     `host_comm_s` = gloo's per-call cost; gloo's reduce-scatter is an all-reduce of the whole
     input (`ProcessGroupGloo::reduce_scatter_tensor`: clone, all-reduce, copy this rank's slice;
@@ -293,14 +304,16 @@ def compute_model(fit: CommFit, prof: Any, cluster: Cluster, plan: Plan, flatten
     parameters (as bytes per parameter at the fastest kind's measured memory bandwidth); under
     data parallelism `step_host_s` = the runtime's gradient flatten + copy-back for one stage's
     gradients (a pipeline stage holds about 1/pp of them, a tensor rank 1/tp); the embedding and
-    LM head replicated on every tensor rank, as the runtime runs them (`vocab_parallel=False`)."""
+    LM head replicated on every tensor rank, as the runtime runs them (`vocab_parallel=False`).
+    `fit` None: one rank, no gloo call."""
     from plait.cost.compute import ComputeModel
 
     fastest = max(cluster.kinds.values(), key=lambda k: k.flops("fp32"))
     params = sum(prof.params.values())
     opt_bytes = prof.optimizer_total_s * fastest.memory_bandwidth / params if params else 0.0
     step = flatten_s_per_byte * 4 * params / (plan.tp * plan.pp) if plan.dp > 1 else 0.0
-    return ComputeModel(host_comm_s=fit.per_call, p2p_host_s=fit.p2p_extra, step_host_s=step, loss_host_s=0.0,
+    return ComputeModel(host_comm_s=fit.per_call if fit is not None else 0.0,
+                        p2p_host_s=fit.p2p_extra if fit is not None else 0.0, step_host_s=step, loss_host_s=0.0,
                         batch_host_s=0.0, optimizer_bytes_per_param=opt_bytes, memory_efficiency=1.0,
                         host_fwd_s=0.0, host_bwd_s=0.0, kernel_gpu_s=0.0, reduce_scatter_algorithm="allreduce",
                         vocab_parallel=False)
@@ -353,9 +366,17 @@ class LocalMachine:
     """This machine running an emulated cluster: calibrated on entry, then predicts and measures
     plans (a context manager; profilers, cgroups and namespaces are gone on exit).
 
-        with LocalMachine("emulated-mixed:gpus_per_node=1", "gpt:layers=4,hidden=128") as m:
+        with LocalMachine("emulated-mixed:gpus_per_node=1", "gpt:layers=4,hidden=128", ranks=2) as m:
             r = m.measure_and_predict("pp=2,micro_batch=4,global_batch=16", steps=6)
             print(r.predicted_s, r.measured_s, r.error)
+
+    Calibration has two parts. The cluster's links and each kind's emulated slowdown are profiled
+    once, over all its devices. The rest is for the ranks a plan runs, which share this machine's
+    CPUs as its run does: one profiler process per rank in that rank's CPU share, gloo's fit over
+    those ranks and the gradient flatten. `ranks` is how many ranks that is at entry (default: one
+    per cluster device; give the plan's `world_size`); a plan of another rank count calibrates
+    that part again for its own ranks before it is profiled, so a plan on fewer ranks than the
+    cluster has devices (a one-rank plan on 4 GPUs) is never profiled beside ranks it does not run.
 
     `pin` puts rank r on CPU r mod CPUs with `cpu.shares` `shares` (root and cgroup v1 only;
     otherwise the ranks run unpinned and `notes` says why); `keep_freed_memory` sets
@@ -366,7 +387,8 @@ class LocalMachine:
     `max_size` the largest collective the cluster profile times; `say` receives progress lines.
     """
 
-    def __init__(self, cluster: ClusterSource, model: str, *, workdir: str | Path | None = None, repeats: int = 12,
+    def __init__(self, cluster: ClusterSource, model: str, *, ranks: int | None = None,
+                 workdir: str | Path | None = None, repeats: int = 12,
                  max_size: int = 16 * MiB, pin: bool = True, shares: int = SHARES, cgroups: bool = True,
                  keep_freed_memory: bool = True, emulate_dtype: str = "fp32",
                  say: Callable[[str], None] | None = None) -> None:
@@ -378,7 +400,8 @@ class LocalMachine:
             raise MachineError(f"cluster {self.cluster.name}: predicting this machine needs an emulated cluster "
                                "(an 'emulation:' section); a real cluster is predicted by `plait simulate`")
         self.model = model
-        self.world = self.cluster.num_devices
+        self.world = self.cluster.num_devices if ranks is None else ranks  # the ranks calibrated
+        self._check_ranks(self.world)
         self.repeats, self.max_size, self.pin, self.shares = repeats, max_size, pin, shares
         self.cgroups, self.keep_freed_memory = cgroups, keep_freed_memory
         if emulate_dtype not in ("fp32", "tf32", "bf16", "fp16"):
@@ -391,61 +414,98 @@ class LocalMachine:
         self.notes: list[str] = []
         self._graphs: dict[int, Any] = {}
         self._stack: ExitStack | None = None
-        cpus = os.cpu_count() or 1
-        if self.world > cpus:
-            self.notes.append(f"{self.world} ranks on {cpus} CPUs: ranks time-share CPUs, which the prediction "
-                              "models only as slower layers (profiled side by side); expect a larger error")
+        self._ranks_stack: ExitStack | None = None  # what the ranks' calibration started
+
+    def _check_ranks(self, ranks: int) -> None:
+        if not 1 <= ranks <= self.cluster.num_devices:
+            raise MachineError(f"ranks: a plan on {self.cluster.name} runs 1 to {self.cluster.num_devices} ranks, "
+                               f"got {ranks}")
 
     # ---- calibration
     def __enter__(self) -> LocalMachine:
-        from plait.cluster import load_cluster
-        from plait.measure.cluster_profile import profile
-        from plait.runtime.cpu_share import ProcessCgroup, RankCgroups, pinned
-
         self._stack = ExitStack()
         try:
-            t0 = time.perf_counter()
-            raw = self.workdir / "measured.yaml"
-            # The cluster profile's ranks are children of this process: they share one cgroup
-            # holding what the ranks will hold together.
-            group = ProcessCgroup(shares=self.shares * self.world) if self.cgroups else None
-            with group if group is not None else ExitStack():
-                res, _ = profile(self.cluster_arg, max_size=self.max_size, p2p_bytes=2 * MiB,
-                                 matmul_sizes=[128, 256, 512], dtypes=["fp32"], slowdown_dtype=self.emulate_dtype,
-                                 min_time=0.05, out=raw)
-            self.profile_result = res
-            (self.workdir / "profile.json").write_text(res.to_json())
-            pairs = list(res.p2p.values())
-            if pairs:
-                self.say(f"profiled {self.cluster.name} in {time.perf_counter() - t0:.0f} s: p2p "
-                         f"{statistics.fmean(v['bandwidth'] for v in pairs) / 1e6:.0f} MB/s, latency "
-                         f"{statistics.fmean(v['latency'] for v in pairs) * 1e6:.0f} us; slowdowns "
-                         f"{', '.join(f'{s:.2f}' for s in res.slowdowns)}")
-            self.groups = None
-            if self.cgroups:
-                self.groups = self._stack.enter_context(RankCgroups(
-                    self.world, shares=self.shares, cpuset=pinned(self.world) if self.pin else None))
-                if not self.groups.active:
-                    self.notes.append(f"ranks not pinned: {self.groups.reason}")
-            self.env = {**(self.groups.env() if self.groups is not None else {}),
-                        **(MALLOC_ENV if self.keep_freed_memory else {})}
-            self.profilers = Profilers(self.world, self.env)
-            self._stack.callback(self.profilers.close)
-            self.flatten_s_per_byte = self.profilers.flatten(self.model)
-            self.comm = fit_gloo(self.profilers.gloo(self.workdir / "gloo.store", [4**k * 1024 for k in range(8)]),
-                                 self.world)
-            f = self.comm
-            self.say(f"gloo as the ranks run it: exchange {f.exchange_fixed * 1e6:.0f} us + S / "
-                     f"{f.exchange_bandwidth / 1e6:.0f} MB/s, all-reduce {f.allreduce_fixed * 1e6:.0f} us + S / "
-                     f"{f.allreduce_bandwidth / 1e6:.0f} MB/s -> {f.per_call * 1e6:.0f} us per collective call; "
-                     f"gradient flatten + copy-back {self.flatten_s_per_byte * 1e9:.2f} ns/B")
-            self.sim_cluster = load_cluster(str(sim_cluster_yaml(raw, f, self.workdir / "sim.yaml")))
-            emu = self.sim_cluster.emulation
-            self.slowdown = dict(emu.slowdown) if emu is not None and emu.slowdown else {}
+            self._profile_cluster()
+            self._stack.callback(self._close_ranks)
+            self._calibrate_ranks(self.world)
         except BaseException:
             self._stack.close()
             raise
         return self
+
+    def _profile_cluster(self) -> None:
+        """`plait profile` of the emulated cluster, all its devices: links and kinds' slowdowns."""
+        from plait.measure.cluster_profile import profile
+        from plait.runtime.cpu_share import ProcessCgroup
+
+        t0 = time.perf_counter()
+        self._measured = self.workdir / "measured.yaml"
+        # The cluster profile's ranks are children of this process: they share one cgroup
+        # holding what the devices' ranks would hold together.
+        devices = self.cluster.num_devices
+        group = ProcessCgroup(shares=self.shares * devices) if self.cgroups else None
+        with group if group is not None else ExitStack():
+            res, _ = profile(self.cluster_arg, max_size=self.max_size, p2p_bytes=2 * MiB,
+                             matmul_sizes=[128, 256, 512], dtypes=["fp32"], slowdown_dtype=self.emulate_dtype,
+                             min_time=0.05, out=self._measured)
+        self.profile_result = res
+        (self.workdir / "profile.json").write_text(res.to_json())
+        pairs = list(res.p2p.values())
+        if pairs:
+            self.say(f"profiled {self.cluster.name} in {time.perf_counter() - t0:.0f} s: p2p "
+                     f"{statistics.fmean(v['bandwidth'] for v in pairs) / 1e6:.0f} MB/s, latency "
+                     f"{statistics.fmean(v['latency'] for v in pairs) * 1e6:.0f} us; slowdowns "
+                     f"{', '.join(f'{s:.2f}' for s in res.slowdowns)}")
+
+    def _calibrate_ranks(self, world: int) -> None:
+        """What depends on how many ranks share this machine's CPUs, for `world` ranks: their CPU
+        shares (rank r pinned to CPU r mod CPUs), one profiler per rank, the gradient flatten and
+        gloo's fit over them (none for one rank: it calls no collective), and the simulated cluster
+        with that fit. Replaces an earlier calibration for another count."""
+        from plait.cluster import load_cluster
+        from plait.runtime.cpu_share import RankCgroups, pinned
+
+        self._close_ranks()
+        self.world = world
+        self.notes = []
+        cpus = os.cpu_count() or 1
+        if world > cpus:
+            self.notes.append(f"{world} ranks on {cpus} CPUs: ranks time-share CPUs, which the prediction "
+                              "models only as slower layers (profiled side by side); expect a larger error")
+        stack = self._ranks_stack = ExitStack()
+        self.groups = None
+        if self.cgroups:
+            self.groups = stack.enter_context(RankCgroups(world, shares=self.shares,
+                                                          cpuset=pinned(world) if self.pin else None))
+            if not self.groups.active:
+                self.notes.append(f"ranks not pinned: {self.groups.reason}")
+        self.env = {**(self.groups.env() if self.groups is not None else {}),
+                    **(MALLOC_ENV if self.keep_freed_memory else {})}
+        self.profilers = Profilers(world, self.env)
+        stack.callback(self.profilers.close)
+        self.flatten_s_per_byte = self.profilers.flatten(self.model)
+        self.comm = fit_gloo(self.profilers.gloo(self.workdir / "gloo.store", [4**k * 1024 for k in range(8)]),
+                             world) if world > 1 else None
+        self._say_calibration()
+        # sim.yaml: the simulated cluster of the ranks calibrated now (bench/sim_vs_real.py reads it)
+        self.sim_cluster = load_cluster(str(sim_cluster_yaml(self._measured, self.comm, self.workdir / "sim.yaml")))
+        emu = self.sim_cluster.emulation
+        self.slowdown = dict(emu.slowdown) if emu is not None and emu.slowdown else {}
+
+    def _say_calibration(self) -> None:
+        f, flatten = self.comm, f"gradient flatten + copy-back {self.flatten_s_per_byte * 1e9:.2f} ns/B"
+        if f is None:
+            self.say(f"one rank: no gloo call to calibrate; {flatten}")
+            return
+        self.say(f"gloo as the {self.world} ranks run it: exchange {f.exchange_fixed * 1e6:.0f} us + S / "
+                 f"{f.exchange_bandwidth / 1e6:.0f} MB/s, all-reduce {f.allreduce_fixed * 1e6:.0f} us + S / "
+                 f"{f.allreduce_bandwidth / 1e6:.0f} MB/s -> {f.per_call * 1e6:.0f} us per collective call; "
+                 f"{flatten}")
+
+    def _close_ranks(self) -> None:
+        if self._ranks_stack is not None:
+            self._ranks_stack.close()
+            self._ranks_stack = None
 
     def __exit__(self, *exc: Any) -> None:
         if self._stack is not None:
@@ -466,13 +526,21 @@ class LocalMachine:
         p = Plan.load(plan)
         return p if p.dtype == "fp32" else dataclasses.replace(p, dtype="fp32")
 
+    def _for_ranks_of(self, plan: Plan) -> None:
+        """Calibrate for `plan`'s ranks when the machine is calibrated for another count: its layers
+        are then profiled side by side by as many profilers as it runs ranks, not by the cluster's."""
+        if plan.world_size != self.world:
+            self._check_ranks(plan.world_size)
+            self.say(f"calibrating for the plan's {plan.world_size} ranks (was {self.world})")
+            self._calibrate_ranks(plan.world_size)
+
     def layer_profiles(self, plan: PlanSource, repeats: int | None = None) -> list[Any]:
         """Per rank of `plan` (rank r's at r), the layer profile at its micro-batch and tensor-parallel
-        slicing: profiler r runs in rank r's CPU share, and a plan on fewer ranks than the cluster
-        has devices is profiled and predicted on its own ranks only."""
+        slicing: profiler r runs in rank r's CPU share, beside the plan's other ranks' profilers only."""
         self._require()
         p = self._fp32(plan)
-        return self.profilers.layers(self.model, p.micro_batch, p.tp, repeats or self.repeats)[:p.world_size]
+        self._for_ranks_of(p)
+        return self.profilers.layers(self.model, p.micro_batch, p.tp, repeats or self.repeats)
 
     def predict(self, plan: PlanSource, profiles: list[Any] | None = None) -> MachinePrediction:
         """Simulate `plan` (in fp32, as CPU ranks run it) from per-rank layer profiles (taken now
@@ -483,9 +551,10 @@ class LocalMachine:
         self._require()
         p = self._fp32(plan)
         per_rank = profiles or self.layer_profiles(p)
+        self._for_ranks_of(p)  # profiles given: gloo's fit and the flatten must still be of its ranks
         prof = mean_profile(per_rank)
         # The optimizer figure needs whole parameters: under tensor parallelism profile tp=1 too.
-        base = prof if p.tp == 1 else mean_profile(self.profilers.layers(self.model, p.micro_batch, 1, 3)[:p.world_size])
+        base = prof if p.tp == 1 else mean_profile(self.profilers.layers(self.model, p.micro_batch, 1, 3))
         cl, scale, speed = per_device_cluster(self.sim_cluster, p, per_rank, self.slowdown)
         if p.micro_batch not in self._graphs:
             self._graphs[p.micro_batch] = resolve_model(self.model, p)
@@ -499,11 +568,13 @@ class LocalMachine:
     def run(self, plan: PlanSource, steps: int = 8, *, training: Any = None, launch: Any = None, **configs: Any) -> Any:
         """`plait.runtime.api.run` of `plan` in fp32 with the ranks placed as the profilers: `training`
         with dtype fp32, `launch` with this machine's emulated dtype and worker env added; the other
-        configs (`checkpoint`, `records`, `faults`) as given."""
+        configs (`checkpoint`, `records`, `faults`) as given. Its ranks run in the CPU shares their
+        profilers ran in (calibrated for its rank count)."""
         from plait.runtime.api import run
         from plait.runtime.config import LaunchConfig, TrainingConfig
 
         self._require()
+        self._for_ranks_of(self._fp32(plan))
         training = dataclasses.replace(training or TrainingConfig(), dtype="fp32")
         launch = launch or LaunchConfig()
         launch = dataclasses.replace(launch, emulate_dtype=self.emulate_dtype, env={**self.env, **(launch.env or {})})
