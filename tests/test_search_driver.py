@@ -98,7 +98,7 @@ def test_the_driver_hands_each_family_its_own_typed_options(families):
     plan(MODEL, CLUSTER, global_batch=8, top=3, simulate=False, families="knob,dial", knob=7, dtype="fp32")
     model, common, simulator, knob = seen["knob"]
     assert knob == _KnobOptions(knob=7) and seen["dial"][3] == _DialOptions()  # built, else its defaults
-    assert model == MODEL and simulator is None
+    assert model.spec == MODEL and simulator is None  # the spec string resolved once, into its ModelSpec
     assert isinstance(common, SearchOptions) and (common.global_batch, common.top, common.dtype) == (8, 3, "fp32")
     assert common.supports is supports and callable(common.on_progress)  # filled in by the driver
     # search_plans takes the dataclasses themselves; each goes to the family registered with its type

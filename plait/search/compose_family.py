@@ -325,12 +325,13 @@ def search_compose(model: ModelSource | None, cluster: Cluster, common: SearchOp
     if n > max_devices:  # said before the imports below (a third of a second) are paid
         raise SearchError(f"compose: {n} devices; the composed family synthesizes stage programs on clusters of "
                           f"up to {max_devices} GPUs (max_devices)")
-    from plait.graph.zoo import load_model
+    from plait.graph.zoo import ModelSpec, load_model
     from plait.net.view import ClusterView
     from plait.planners.types import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, load_graph
 
-    if not isinstance(model, str | None):
-        raise SearchError("compose: the family captures a zoo spec or file.py:factory, not a prepared graph")
+    if not (model is None or isinstance(model, str) or (isinstance(model, ModelSpec) and model.spec)):
+        raise SearchError("compose: the family captures a zoo spec or file.py:factory (the ModelSpec of one), "
+                          "not a prepared graph")
     groupings = node_groups(cluster, options.max_stages)
     if not groupings:
         raise SearchError(f"compose: cluster {cluster.name!r} is one node of one GPU kind; a composed pipeline "
@@ -338,7 +339,7 @@ def search_compose(model: ModelSource | None, cluster: Cluster, common: SearchOp
     gb = DEFAULT_GLOBAL_BATCH if common.global_batch is None else int(common.global_batch)
     dtype = common.dtype or auto_dtype(cluster)
     spec = load_model(DEFAULT_MODEL if model is None else model)
-    _, opgraph = load_graph(spec.spec, dtype)
+    _, opgraph = load_graph(spec, dtype)
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
 
     # the layer split's pre-screen prices with the cluster's profile where it has the entry

@@ -52,7 +52,8 @@ OptionsT_contra = TypeVar("OptionsT_contra", contravariant=True)
 
 class FamilySearch(Protocol[OptionsT_contra]):
     """One planner family: `search(model, cluster, common, simulator, options) -> PlanResult`, with
-    `model` resolved (never None), `cluster` loaded, `common` the `SearchOptions` every family is
+    `model` resolved (a spec string parsed into its ModelSpec, once for every family; never None),
+    `cluster` loaded, `common` the `SearchOptions` every family is
     handed (its `supports` and `on_progress` filled in by the driver), `simulator` the one
     simulator (None: rank analytically) and `options` an instance of the dataclass the family was
     registered with. It raises a PlaitError when it has nothing to propose."""
@@ -197,10 +198,14 @@ def search_plans(model: ModelSource | None, cluster: Cluster, *, simulator: Simu
     One family: its own result. Several: one result whose `top` merges every family's
     finalists by iteration time and whose `families` holds each family's result (or why it
     proposed nothing); a search where no family proposes anything raises the first reason."""
+    from plait.graph.zoo import load_model
     from plait.runtime import supports
 
     t0 = time.perf_counter()
-    model = DEFAULT_MODEL if model is None else model  # resolved here once, for every family
+    # The model is resolved here once, for every family: a spec string (zoo or file.py:factory) into
+    # its ModelSpec; each family's OpGraph of it comes from `load_graph`'s one cache (per dtype).
+    model = load_model(DEFAULT_MODEL if model is None else model) if model is None or isinstance(model, str) \
+        else model
     names = resolve_families(families)
     if graph_chains not in GRAPH_CHAINS:
         raise SearchError(f"plan: graph_chains={graph_chains!r}; use one of {list(GRAPH_CHAINS)}")

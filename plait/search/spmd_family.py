@@ -95,8 +95,11 @@ def search_spmd(model: ModelSource | None, cluster: Cluster, common: SearchOptio
     if n > max_devices:
         raise SearchError(f"spmd: one flat program over {n} devices is not searched (max_devices="
                           f"{max_devices}); the SPMD family plans clusters of up to {max_devices} GPUs")
-    if not isinstance(model, str | None):
-        raise SearchError("spmd: the family captures a zoo spec or file.py:factory, not a prepared graph")
+    from plait.graph.zoo import ModelSpec
+
+    if not (model is None or isinstance(model, str) or (isinstance(model, ModelSpec) and model.spec)):
+        raise SearchError("spmd: the family captures a zoo spec or file.py:factory (the ModelSpec of one), "
+                          "not a prepared graph")
     gb = DEFAULT_GLOBAL_BATCH if common.global_batch is None else int(common.global_batch)
     if gb < n:
         raise SearchError(f"spmd: global batch {gb} is smaller than the {n} devices a program shards it over")
