@@ -202,6 +202,22 @@ def test_more_ranks_than_cpus_warns_before_starting(monkeypatch, capsys) -> None
     assert "warning: the plan has 64 ranks and this machine 2 CPUs" in err
 
 
+def test_run_flags_ask_for_an_engine_and_a_bad_one_is_refused(capsys) -> None:
+    import argparse
+
+    from plait.commands import run_cmd
+
+    parser = argparse.ArgumentParser()
+    run_cmd.add_parser(parser.add_subparsers())
+    for argv, engine in ((["--plan", "pp=2,global_batch=4", "--engine", "torch"], "torch"), (["--plan", "dp=1"], "auto")):
+        args = parser.parse_args(["run", "--model", TINY, *argv])
+        run_cmd._check_args(args)  # fills what the flags leave to it, as `plait run` does
+        assert run_cmd._configs(args, None)["launch"].engine == engine
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--model", TINY, "--plan", "dp=1", "--engine", "megatron"])
+    assert "invalid choice: 'megatron'" in capsys.readouterr().err
+
+
 def test_checkpoint_dir_alone_checkpoints_the_last_step_and_temp_folders_go(tmp_path, monkeypatch, capsys) -> None:
     """One real (1-rank, 2-step) run: the stated default is printed and honoured, and the run's
     temporary folder is removed at the end."""

@@ -75,6 +75,10 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
 def _add_training_setup_args(p: argparse.ArgumentParser) -> None:
     """Device, dtype, optimizer, training options, seeds and the dataset."""
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--engine", choices=("auto", "plait", "torch"), default="auto",
+                   help="auto: the engine plait.runtime.engine_for names; plait: plait's own executors; "
+                        "torch: torch's modules also where their records are not complete yet (DTensor "
+                        "tensor parallelism, chain pipelines on torch.distributed.pipelining)")
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
                    help="override the plan's training dtype (fp32 is fastest on CPU)")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
@@ -179,7 +183,8 @@ def _configs(args: argparse.Namespace, rendezvous: Any) -> dict[str, Any]:
         # --recover: the recovery loop sets the checkpoints (_run_recovering)
         "checkpoint": None if args.recover else CheckpointConfig(
             dir=args.checkpoint_dir, every=args.checkpoint_every, resume=args.resume, keep=args.keep_checkpoints),
-        "launch": LaunchConfig(timeout=args.timeout, device=args.device, emulate=not args.no_emulate,
+        "launch": LaunchConfig(timeout=args.timeout, device=args.device, engine=args.engine,
+                               emulate=not args.no_emulate,
                                nprocs_per_node=None if rendezvous or args.recover else args.nprocs_per_node,
                                rendezvous=rendezvous),
         "records": RecordsConfig(run_dir=None if args.recover else args.run_dir, trace=args.trace,
