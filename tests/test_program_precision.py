@@ -213,3 +213,38 @@ def test_gradients_cross_the_wire_in_the_plans_grad_reduce_dtype(tmp_path, famil
     assert all(any(g in k[0] for g in grads) for k in halved), halved  # only the gradients' collectives
     assert all(2 * sent["bf16"][k] == sent["fp32"][k] for k in halved), [
         (k, sent["bf16"][k], sent["fp32"][k]) for k in halved]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_chain_pipeline_on_torch_pipelining_trains_in_low_precision_as_one_process(tmp_path, monkeypatch,
+                                                                                   dtype: str) -> None:
+    # issue 29: torch's pipeline stages in plait's 1F1B order under autocast (the stages' boundary
+    # values cross in the compute dtype), DDP over each stage's replicas, fp16 with plait's loss
+    # scaler agreed over the job; every message in the comm records
+    from plait.ir.comm import read_comm_records
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+    plan = f"dp=2,pp=2,micro_batch=2,layer_split=2:4,schedule=1f1b,global_batch=8,dtype={dtype}"
+    assert engine_for(plan).engine == "torch"
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
+    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
+                 records=RecordsConfig(run_dir=tmp_path / "run"))
+    low, _ = reference_run(tiny, plan, STEPS, training=training)
+    fp32, _ = reference_run(tiny, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
+    assert result.engine == "torch"
+    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    assert abs(result.losses[0] - low[0]) < abs(result.losses[0] - fp32[0]), (result.losses, low, fp32)
+    # each micro-batch's activations crossed through the facade (the residual stream autocast leaves
+    # in fp32: micro-batch 2 x seq 8 x hidden 16 x 4 bytes, as on plait's own engine)
+    sends = [r for r in read_comm_records(tmp_path / "run" / "comm" / "rank0.jsonl").records
+             if r.op == "send" and r.key != "probe" and r.step == 1]
+    assert [r.key for r in sends] == ["send_fwd s0 c0 mb0", "send_fwd s0 c0 mb1"]
+    assert all(r.bytes == 2 * 8 * 16 * 4 for r in sends)
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []

@@ -95,6 +95,8 @@ def test_loads_at_pp2_and_continues_like_one_process(saved: Path, reference: lis
     plan = "pp=2,micro_batch=2," + FP32
     resumed = run(TINY, None, plan, steps=STEPS, checkpoint=CheckpointConfig(dir=root, every=1, resume=True),
                   launch=LaunchConfig(timeout=120))
+    # written by plait's own engine (tp, ZeRO-1), read and written again by the torch engine's pipeline
+    assert resumed.engine == "torch"
     assert resumed.steps == [2, 3] and resumed.resumed_from == 2
     for got, (want, _, _) in zip(resumed.losses, reference[2:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
@@ -123,3 +125,30 @@ def test_loads_at_dp3_uneven_zero3_and_converts_to_a_plain_state_dict(saved: Pat
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     assert missing == ["head.lm.weight"] and unexpected == []  # tied to embed.tok.weight, stored once
     assert model.head.lm.weight is model.embed.tok.weight
+
+
+def test_torch_engine_resumes_bit_for_bit_and_its_checkpoint_loads_on_plaits_engine(reference: list[Any],
+                                                                                    tmp_path: Path) -> None:
+    """DDP with uneven shares on the torch engine: a checkpoint at step 2 holds the single-process
+    state; resumed under the same plan it continues exactly as the uninterrupted run; resumed
+    under another plan on plait's own engine (tp=2, ZeRO-1) it continues like one process."""
+    plan = "dp=2,dp_shares=0.75:0.25,micro_batch=2," + FP32
+    whole = run(TINY, None, plan, steps=STEPS, launch=LaunchConfig(timeout=120))
+    root = tmp_path / "ck"
+    first = run(TINY, None, plan, steps=2, checkpoint=CheckpointConfig(dir=root, every=2),
+                launch=LaunchConfig(timeout=120))
+    assert first.engine == "torch" and first.losses == whole.losses[:2]
+    state = ckpt.load_consolidated(ckpt.step_dir(root, 2))
+    _assert_state(state, reference[1][1], reference[1][2])
+    assert state["train"]["tied"] == {"head.lm.weight": "embed.tok.weight"}
+    again = tmp_path / "again"
+    shutil.copytree(root, again)
+    resumed = run(TINY, None, plan, steps=STEPS, checkpoint=CheckpointConfig(dir=root, every=2, resume=True),
+                  launch=LaunchConfig(timeout=120))
+    assert resumed.engine == "torch" and resumed.steps == [2, 3] and resumed.resumed_from == 2
+    assert resumed.losses == whole.losses[2:]  # the same plan: bit for bit
+    other = run(TINY, None, "tp=2,zero=1,dp=2,micro_batch=2," + FP32, steps=STEPS,
+                checkpoint=CheckpointConfig(dir=again, every=2, resume=True), launch=LaunchConfig(timeout=120))
+    assert other.engine == "pipeline" and other.steps == [2, 3]
+    for got, (want, _, _) in zip(other.losses, reference[2:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)

@@ -45,7 +45,8 @@ def _spmd() -> Plan:
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "pipeline"),  # ZeRO-1
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
-    (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "pipeline"),
+    (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
+    (Plan(dp=2, pp=2, micro_batch=2, global_batch=10, dp_shares=[0.5, 0.5]), "pipeline"),  # micro-batches 2, 2, 1
     (_graph(), "pipeline"),  # a stage graph (fan-in)
     (_spmd(), "spmd"),
     (_composed(), "compose"),
@@ -95,7 +96,7 @@ def test_run_refuses_before_any_process_starts(tmp_path):
     ({}, "torch", ""),
     ({"dtype": "fp32", "checkpoint": None}, "torch", ""),
     ({"dtype": "fp16"}, "torch", ""),  # mixed precision on DDP (autocast, loss scaling) too
-    ({"dtype": "fp32", "checkpoint": {"dir": "ck", "every": 1}}, "pipeline", "checkpoints"),
+    ({"dtype": "fp32", "checkpoint": {"dir": "ck", "every": 1}}, "torch", ""),  # DDP's in the one DCP format
     ({"engine": "plait"}, "pipeline", "engine=plait"),  # LaunchConfig(engine="plait")
 ])
 def test_the_run_config_can_keep_a_plan_on_plaits_engine(run, engine, why):
@@ -104,6 +105,12 @@ def test_the_run_config_can_keep_a_plan_on_plaits_engine(run, engine, why):
     verdict = engine_for(plan, run)
     assert verdict.engine == engine and why in verdict.not_torch and verdict.ok
     assert engine_of(plan, run) == engine
+
+
+def test_fsdp2_checkpoints_stay_on_plaits_engine():
+    plan = Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32")
+    verdict = engine_for(plan, {"checkpoint": {"dir": "ck", "every": 1}})
+    assert verdict.engine == "pipeline" and "checkpoints of FSDP2" in verdict.not_torch
 
 
 def test_a_replica_without_samples_stays_on_plaits_engine():

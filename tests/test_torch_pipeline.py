@@ -1,5 +1,6 @@
-"""Chain pipeline plans on torch.distributed.pipelining (issue 29, `parallelize.apply_pp`): asked
-for (engine=torch), uneven layer splits run on torch's PipelineStage and its schedules and train
+"""Chain pipeline plans on torch.distributed.pipelining (issue 29, `parallelize.apply_pp`): by
+default, uneven layer splits run on torch's PipelineStage in the order of plait's schedules
+(`torch_schedule.ActionSchedule`, every message through the communication facade) and train
 equal to one process (losses and parameters after 3 steps, the tolerances of
 tests/test_runtime_forms.py; with SGD and clipping, those of tests/test_runtime_pipeline_graph.py)."""
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plait.ir.comm import CommRecord, read_run_comm_records
 from plait.ir.plan import Plan
 from plait.runtime import engine_for
 from plait.runtime.api import (
@@ -74,22 +76,23 @@ def _plait_order(plan: str, stage: int) -> list[str]:
 def test_engine_for_names_torch_when_asked_and_the_reason_otherwise() -> None:
     plan = "pp=2,micro_batch=2,layer_split=2:4,schedule=1f1b," + FP32
     assert engine_for(plan, TORCH).engine == "torch"
-    verdict = engine_for(plan)
-    assert verdict.engine == "pipeline"
-    assert "does not record its sends and receives" in verdict.not_torch and "engine=torch" in verdict.not_torch
+    assert engine_for(plan).engine == "torch"  # the default: every message is recorded (ActionSchedule)
+    verdict = engine_for(plan, {"engine": "plait"})
+    assert verdict.engine == "pipeline" and "engine=plait" in verdict.not_torch
+    # 1F1B with fewer micro-batches than stages: plait's schedule runs it (torch's Schedule1F1B does not)
+    assert engine_for("pp=4,micro_batch=4,global_batch=8,dtype=fp32,schedule=1f1b").engine == "torch"
+    assert engine_for("pp=2,micro_batch=2,global_batch=8,dtype=bf16").engine == "torch"
     shares = "dp=2,pp=2,micro_batch=2,schedule=gpipe,dtype=fp32,global_batch=8,dp_shares="
     assert engine_for(shares + "0.75:0.25", TORCH).engine == "torch"  # 6 and 2 samples: micro-batches of 2
     # what torch's pipelining does not run, each with its reason, goes to plait's own engine
     for other, why in [
         (shares + "0.625:0.375", "replica 0 runs micro-batches of sizes [1, 2]"),  # 5 samples: 2, 2, 1
-        ("pp=4,micro_batch=4,global_batch=8,dtype=fp32,schedule=1f1b", "fewer than pp=4"),
-        ("pp=2,micro_batch=2,global_batch=8,dtype=bf16", "dtype bf16"),
         ("pp=2,tp=2,micro_batch=2,global_batch=8,dtype=fp32", "tp=1 and zero=0"),
         ("pp=2,dp=2,zero=1,micro_batch=2,global_batch=8,dtype=fp32", "tp=1 and zero=0"),
     ]:
         verdict = engine_for(other, TORCH)
         assert verdict.engine == "pipeline" and why in verdict.not_torch, (other, verdict)
-    assert "checkpoints" in engine_for(plan, {**TORCH, "checkpoint": True}).not_torch
+    assert engine_for(plan, {"checkpoint": True}).engine == "torch"  # checkpoints in the one DCP format
 
 
 def test_two_stage_uneven_split_gpipe_equals_one_process(reference) -> None:
@@ -97,10 +100,12 @@ def test_two_stage_uneven_split_gpipe_equals_one_process(reference) -> None:
     result = _run(plan)
     _check_equal(result, reference)
     assert [r.layers for r in result.ranks] == [["embed", "layers.0"], ["layers.1", "layers.2", "layers.3", "head"]]
-    # torch's GPipe: every forward, then the backwards in micro-batch order (plait's own runs them
-    # latest first: the same arithmetic, another order)
+    # plait's GPipe (`plait.schedule`, what the simulator prices): every forward, then the backwards
+    # latest first (torch's own ScheduleGPipe runs them in micro-batch order)
+    for stage in range(2):
+        assert _compute_order(result, stage, 1) == _plait_order(plan, stage)
     assert _compute_order(result, 0, 1) == [f"fwd s0 c0 mb{i}" for i in range(4)] + \
-        [f"bwd s0 c0 mb{i}" for i in range(4)]
+        [f"bwd s0 c0 mb{i}" for i in reversed(range(4))]
 
 
 def test_three_stage_uneven_split_1f1b_clipped_with_lr_schedule_equals_one_process(tmp_path: Path) -> None:
@@ -120,9 +125,31 @@ def test_three_stage_uneven_split_1f1b_clipped_with_lr_schedule_equals_one_proce
     assert not any("loss_share" in (steps / f"rank{r}.jsonl").read_text() for r in (0, 1))
     assert [r.layers for r in result.ranks] == [["embed"], ["layers.0", "layers.1", "layers.2"],
                                                 ["layers.3", "head"]]
-    # torch's 1F1B runs the compute order of plait's PipeDream-Flush on every stage
+    # plait's PipeDream-Flush order on every stage
     for stage in range(3):
         assert _compute_order(result, stage, 1) == _plait_order(plan, stage)
+    _check_p2p_records(tmp_path / "run", plan)
+
+
+def _check_p2p_records(run_dir: Path, plan: str) -> None:
+    """Every message of the schedule went through the communication facade: each send and receive
+    action of plait's list is a record in comm/rankN.jsonl, every step, with its action's key, and
+    each send's record pairs with its peer's receive (same link, same sequence number, same bytes)."""
+    p = Plan.parse(plan)
+    layout = pipeline_layout(p)
+    mbs = {n: replica_micro_batches(p, 0, 0) for n in range(layout.num_nodes)}
+    sched = step_schedule(p, layout, mbs, p.schedule)
+    sends: dict[tuple[str, int], CommRecord] = {}
+    recvs: dict[tuple[str, int], CommRecord] = {}
+    for rank, records in read_run_comm_records(run_dir / "comm").items():
+        p2p = [r for r in records.records if r.op in ("send", "recv") and r.key != "probe"]
+        for step in range(STEPS):
+            keys = sorted(str(r.key) for r in p2p if r.step == step)
+            assert keys == sorted(a.key for a in sched.of(rank) if not a.is_compute), (rank, step)
+        for r in p2p:
+            (sends if r.op == "send" else recvs)[(r.group, r.seq)] = r
+    assert sends and sends.keys() == recvs.keys()
+    assert all(sends[k].bytes == recvs[k].bytes > 0 for k in sends)
 
 
 @pytest.mark.slow
@@ -144,6 +171,8 @@ def test_interleaved_two_chunks_per_rank_equals_one_process(reference) -> None:
     # nodes 0 and 2 on rank 0, 1 and 3 on rank 1 (Megatron's and torch's interleaved layout)
     assert [r.layers for r in result.ranks] == [["embed", "layers.2"], ["layers.0", "layers.1", "layers.3", "head"]]
     assert {e.chunk for e in result.timeline.events if e.category == "forward"} == {0, 1}
+    for stage in range(2):  # Megatron's interleaved order, as plait's schedule has it
+        assert _compute_order(result, stage, 1) == _plait_order(plan, stage)
 
 
 @pytest.mark.slow
@@ -151,3 +180,13 @@ def test_four_stage_1f1b_equals_one_process(reference) -> None:
     result = _run("pp=4,micro_batch=2,layer_split=1:2:2:1,schedule=1f1b," + FP32)
     _check_equal(result, reference)
     assert [len(r.layers) for r in result.ranks] == [1, 2, 2, 1]
+
+
+@pytest.mark.slow
+def test_1f1b_with_fewer_micro_batches_than_stages_equals_one_process(reference) -> None:
+    # 2 micro-batches over 4 stages: torch's Schedule1F1B refuses it, plait's 1F1B shortens the warm-up
+    plan = "pp=4,micro_batch=4,layer_split=1:2:2:1,schedule=1f1b," + FP32
+    result = _run(plan)
+    _check_equal(result, reference)
+    for stage in range(4):
+        assert _compute_order(result, stage, 1) == _plait_order(plan, stage)

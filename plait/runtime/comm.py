@@ -197,6 +197,12 @@ class P2P:
     peer: int
     key: str | None = None
 
+    @classmethod
+    def of_torch(cls, op: dist.P2POp, key: str | None = None) -> P2P:
+        """A torch `P2POp` (what torch's pipeline stages hand their schedule: an isend or irecv of
+        a tensor to a global rank) as one tensor of a facade batch."""
+        return cls("send" if op.op is dist.isend else "recv", op.tensor, op.peer, key)
+
 
 class Group:
     """This rank's view of one named process group of a `Comm`: its collectives."""

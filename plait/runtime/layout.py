@@ -337,31 +337,21 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
-    if run.checkpoints:
-        return "checkpoints of DDP / FSDP2 state are not yet written by the torch engine"
+    if run.checkpoints and (plan.zero or plan.tp != 1):
+        return "checkpoints of FSDP2 and DTensor state are not yet written by the torch engine (DDP's and pipelines' are)"
     return ""
 
 
 def _torch_pipeline_runs(plan: Plan, run: _RunAsks) -> str:
     """"" when torch's pipelining (`parallelize.apply_pp`) runs the chain pipeline `plan`, else why not."""
-    if run.engine != "torch":
-        # torch's schedules call batch_isend_irecv themselves, past the communication facade
-        return (f"pipeline parallelism (pp={plan.pp}) on torch's pipelining does not record its sends and "
-                "receives yet; it runs there when the run asks for engine=torch")
     if plan.tp != 1 or plan.zero:
         return f"torch's pipelining runs with tp=1 and zero=0 here, the plan has tp={plan.tp}, zero={plan.zero}"
-    dtype = run.dtype or plan.dtype
-    if dtype not in ("fp32", "tf32"):
-        return f"dtype {dtype}: mixed precision on torch's pipelining is not yet compared with one process"
-    for d, n in enumerate(plan.samples_per_replica()):
+    for d in range(plan.dp):
         sizes = {mb.size for mb in replica_micro_batches(plan, 0, d)}
         if len(sizes) > 1:
             # torch's PipelineStage receives into buffers shaped by the first micro-batch
             return (f"replica {d} runs micro-batches of sizes {sorted(sizes)}: torch's pipeline stages take "
                     "micro-batches of one size")
-        m = -(-n // plan.micro_batch) if n else 0
-        if plan.schedule != "gpipe" and plan.virtual_stages == 1 and 0 < m < plan.pp:
-            return f"replica {d} runs {m} micro-batches, fewer than pp={plan.pp}: torch's Schedule1F1B needs pp"
     return ""
 
 

@@ -9,9 +9,9 @@
   gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
   `grad_reduce_dtype`;
 * `apply_pp`: pipeline stages on `torch.distributed.pipelining` over "pp" -- each of the rank's
-  model pieces (the plan's layer split, `layout.split_model`) a `PipelineStage`, run by torch's
-  schedule for the plan's: gpipe `ScheduleGPipe`, 1f1b `Schedule1F1B`, interleaved (virtual
-  stages) `ScheduleInterleaved1F1B`;
+  model pieces (the plan's layer split, `layout.split_model`) a `PipelineStage`, run in the order
+  of plait's schedule for the plan's (gpipe, 1f1b, interleaved: `plait.schedule`'s action lists)
+  with every message through the communication facade (`torch_schedule.ActionSchedule`);
 * `replica_loss_weight`: uneven data-parallel shares. DDP and FSDP2 average gradients over the
   replicas, so replica d scales its mean loss by n_d * dp / B (n_d its samples, B the global batch):
   the average of the scaled gradients is the gradient of the global batch's mean loss, as one
@@ -44,7 +44,7 @@ from plait.runtime.comm import Comm, DeviceMesh, Group, RecordedAllGather, Recor
 
 if TYPE_CHECKING:  # torch's pipelining takes ~0.6 s to import: `apply_pp` imports it where it runs
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 MESH_DIMS = ("pp", "dp", "tp")
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -161,28 +161,28 @@ def apply_ac(layers: Iterable[nn.Module], recompute: str) -> list[nn.Module]:
 
 
 def apply_pp(modules: dict[int, nn.Module], mesh: DeviceMesh, plan: Plan, device: torch.device,
-             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], micro_batches: int,
-             stage_type: "Callable[..., PipelineStage] | None" = None) -> "_PipelineSchedule":
+             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], micro_batches: int, comm: Comm,
+             stage_type: "Callable[..., PipelineStage] | None" = None) -> "PipelineScheduleMulti":
     """The rank's pipeline on torch's pipelining over the mesh's "pp" dim: `modules` are its model
     pieces by global stage index (Megatron's interleaved layout, as torch's: stage k on pipeline
-    rank k % pp), each wrapped in `stage_type` (`PipelineStage` or a subclass), driven by torch's
-    schedule for `plan.schedule` over `micro_batches` micro-batches per step.
+    rank k % pp), each wrapped in `stage_type` (`PipelineStage` or a subclass), run over
+    `micro_batches` micro-batches per step in the order of plait's schedule for `plan.schedule`
+    (`torch_schedule.ActionSchedule`: the caller sets each step's action list), every message
+    through the communication facade `comm`.
 
     `loss_fn` is the loss of one micro-batch as the caller wants it back-propagated (weighted by
     its share of the global batch): torch does not rescale the gradients (`scale_grads=False`), so
     they are the gradients of the global batch's mean loss, as one process computes them."""
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+    from torch.distributed.pipelining import PipelineStage
+
+    from plait.runtime.torch_schedule import action_schedule_type
 
     stage_type = stage_type or PipelineStage
     num_stages = plan.pp * plan.virtual_stages
     group = mesh["pp"].get_group()
     stages = [stage_type(m, index, num_stages, device, group=group) for index, m in sorted(modules.items())]
-    if plan.virtual_stages > 1:  # several stages per rank: torch's runtime over its action lists
-        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
-    single = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B  # interleaved with v = 1 is 1F1B
-    return single(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
+    pp = plan.pp
+    # Megatron's blocking p2p for 1F1B and GPipe, as plait's executor and the simulator
+    blocking = plan.schedule in ("1f1b", "gpipe") and plan.virtual_stages == 1
+    return action_schedule_type()(stages, micro_batches, loss_fn=loss_fn, comm=comm,
+                                  stage_of=lambda p, c: c * pp + p, blocking=blocking)

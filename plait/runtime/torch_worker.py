@@ -51,14 +51,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plait.ir.opgraph import TP_ALONE_ROLES
-from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for
+from plait.runtime import checkpoint as ckpt
+from plait.runtime.amp import SCALE_ENV, DynamicLossScaler, autocast_for, reduce_dtype
 from plait.runtime.clip import GradClipper
 from plait.runtime.comm import (
     PROBE_BEFORE,
@@ -69,7 +72,14 @@ from plait.runtime.comm import (
 )
 from plait.runtime.data_parallel import make_optimizer, sync_tied_grads
 from plait.runtime.inject import PROCESS_FAULTS, fire, poison
-from plait.runtime.layout import merge_modules, pipeline_layout, split_model
+from plait.runtime.layout import (
+    merge_modules,
+    node_micro_batches,
+    pipeline_layout,
+    rank_actions,
+    split_model,
+    step_schedule,
+)
 from plait.runtime.parallelize import (
     apply_ac,
     apply_ddp,
@@ -91,7 +101,7 @@ from plait.runtime.partition import (
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
-from plait.runtime.sharded_state import aliases_of
+from plait.runtime.sharded_state import RankLayout, Segment, aliases_of
 from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
 from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import event_key
@@ -115,6 +125,47 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor (a DTensor's local shard)."""
     return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+
+
+class _TensorOutputs(nn.Module):
+    """A module whose output is returned as a tuple of its tensors (torch's pipeline stages carry
+    tensors only: `validate_and_normalize_to_tuple`), flattened with torch's pytree; `restore`
+    rebuilds the last forward's output (its non-tensor leaves kept here) for the loss, on the same
+    rank, right after that forward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.inner = module
+        self._layout: tuple[Any, list[Any]] | None = None
+
+    def forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        leaves, spec = tree_flatten(self.inner(*args))
+        self._layout = (spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves])
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+    def restore(self, flat: Any) -> Any:
+        assert self._layout is not None, "restore follows a forward"
+        spec, leaves = self._layout
+        tensors = iter(flat if isinstance(flat, tuple) else (flat,))
+        return tree_unflatten([next(tensors) if x is _TENSOR else x for x in leaves], spec)
+
+
+_TENSOR = object()  # a tensor's place among a flattened output's leaves
+
+
+class _WholeParams:
+    """Where the torch engine keeps parameters and optimizer state, as `sharded_state.RankLayout`
+    reads them: each parameter whole; the optimizer steps on `locals` (views of the parameters'
+    storage: `TorchWorker._prepare`), so its state is keyed by them."""
+
+    def __init__(self, params: list[nn.Parameter], locals_: list[torch.Tensor], optimizer: Any) -> None:
+        self.params, self.locals, self.optimizer = params, locals_, optimizer
+
+    def param_segments(self) -> list[Segment]:
+        return [Segment(p, [p], 0) for p in self.params]
+
+    def optimizer_segments(self) -> list[Segment]:
+        return [Segment(loc, [p], 0) for p, loc in zip(self.params, self.locals, strict=True)]
 
 
 class TorchWorker(RankConfig):
@@ -152,11 +203,13 @@ class TorchWorker(RankConfig):
         self.spec = load_model_spec(config.model)
         seed = config.seed
         model = build_seeded(self.spec, seed)
+        self.aliases = aliases_of(model)  # the whole model's: a tied tensor's names across every stage
         self.layers = [name for name, _ in layer_modules(model)]
         self.param_count = sum(prm.numel() for prm in model.parameters() if prm.requires_grad)
         self.head_local: list[nn.Parameter] = []
         self.tied: list[tuple[list[nn.Parameter], Group]] = []
         self.clipper: GradClipper | None = None
+        self.from_earlier_stage: set[str] = set()  # tied parameters a pipeline's earlier stage writes
         if self.pipelined:
             self._build_pipeline(model)
             self._seed_streams(seed)
@@ -210,7 +263,6 @@ class TorchWorker(RankConfig):
         self.stage_nodes = mine
         self.first, self.last = 0 in mine, lay.num_nodes - 1 in mine
         self.layers = [name for st in mine.values() for name in st.layers]
-        self.aliases = aliases_of(model)
         self._tie_stages(stages, lay.num_stages)
         apply_ac([m for st in mine.values() for _, m in layer_modules(st.module)], plan.recompute)
         modules: dict[int, nn.Module] = {}
@@ -222,15 +274,22 @@ class TorchWorker(RankConfig):
                 st.module.register_forward_hook(_contiguous_outputs)
             if node > 0:
                 st.module.register_forward_pre_hook(_contiguous_input_grads)
-            modules[node] = apply_ddp(st.module, self.mesh, plan, self.dp_group, dtype=config.dtype) \
-                if plan.dp > 1 else st.module
+            # the last stage's output (a dict of an HF model, say) as the tuple of tensors torch's
+            # stages carry, rebuilt for the loss (`_pipeline_loss`); inside DDP, whose no_sync torch's
+            # stage finds on the module it holds
+            module: nn.Module = st.module if node < lay.num_nodes - 1 else _TensorOutputs(st.module)
+            if node == lay.num_nodes - 1:
+                self.outputs = module
+            modules[node] = apply_ddp(module, self.mesh, plan, self.dp_group, dtype=config.dtype) \
+                if plan.dp > 1 else module
         self.model = merge_modules([st.module for st in mine.values()])  # parameters under their own names
         self.params = list(dict.fromkeys(prm for prm in self.model.parameters() if prm.requires_grad))
         self.param_count = sum(prm.numel() for prm in self.params)
         mbs = replica_micro_batches(plan, 0, self.d)
         self.mb_size = mbs[0].size  # every micro-batch of the replica is this size (`layout.torch_runs`)
         self.mb_weight = self.mb_size * plan.dp / plan.global_batch
-        self.schedule = apply_pp(modules, self.mesh, plan, self.device, self._pipeline_loss, len(mbs),
+        self.lay = lay
+        self.schedule = apply_pp(modules, self.mesh, plan, self.device, self._pipeline_loss, len(mbs), self.comm,
                                  stage_type=partial(_spanned_stage_type(), span=self._stage_span))
         if config.clip_grad:  # the global norm over every rank, each tied copy and replica counted once
             weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) for prm in self.params}
@@ -247,6 +306,8 @@ class TorchWorker(RankConfig):
                 if st.index % pipeline_ranks not in holders:
                     holders.append(st.index % pipeline_ranks)
         self.copies = {k: len(v) for k, v in owners.items()}
+        self.from_earlier_stage = {n for st in self.stage_nodes.values() for n, prm in st.module.named_parameters()
+                                   if min(owners[id(prm)]) < self.p}
         mine = list(dict.fromkeys(prm for st in self.stage_nodes.values() for prm in st.module.parameters()))
         for owner_set in sorted({tuple(sorted(v)) for v in owners.values() if len(v) > 1}):
             sets = [[plan.rank(s, d, 0) for s in owner_set] for d in range(plan.dp)]
@@ -259,7 +320,7 @@ class TorchWorker(RankConfig):
         share (n_j * dp / B: DDP averages over the replicas) and, under fp16, the loss scale."""
         scale = self.scaler.scale if self.scaler is not None else 1.0
         with self._autocast():
-            loss: torch.Tensor = self.spec.loss(output, target)
+            loss: torch.Tensor = self.spec.loss(self.outputs.restore(output), target)
         return loss * (self.mb_weight * scale)
 
     @contextlib.contextmanager
@@ -281,20 +342,23 @@ class TorchWorker(RankConfig):
     # ------------------------------------------------------------------ run
     def run(self) -> None:
         self._prepare()
-        steps = self.config.steps
+        start = self._maybe_resume()
+        steps, ck = self.config.steps, self.config.checkpoint
         self.comm.barrier("startup barrier")
         self.rec.set_origin()
         origin_info = common_origin(self.rec, self.comm)
         losses: list[torch.Tensor] = []
         bounds: list[tuple[int, float, float]] = []
-        for step in range(steps):
+        for step in range(start, steps):
             t0, t1, loss_sum = self._train_step(step)
             bounds.append((step, t0, t1))
             losses.append(loss_sum)
             if self.config.records.step_records:
                 self._record_step(step, t0, t1, loss_sum)
+            if ck is not None and ck.every and (step + 1) % ck.every == 0:
+                self._save_checkpoint(step + 1, Path(ck.dir))
         self.rec.step = None
-        self._finish(losses, bounds, steps, origin_info)
+        self._finish(losses, bounds, start, steps, origin_info)
 
     def _prepare(self) -> None:
         """The recorder, the process groups, the wrapped model, its optimizer and loss scaler."""
@@ -343,9 +407,9 @@ class TorchWorker(RankConfig):
         t0 = self.rec.begin_step(step)
         if self.scaler is not None:
             self.scales.append(self.scaler.scale)
-        loss_sum = self._pipeline_accumulate(mbs, data) if self.pipelined else self._accumulate(step, mbs, data)
+        loss_sum = self._pipeline_accumulate(step, mbs, data) if self.pipelined else self._accumulate(step, mbs, data)
         if self.tied:  # a tied embedding and LM head: the stages' gradients summed (after DDP's mean)
-            sync_tied_grads(self.tied)
+            sync_tied_grads(self.tied, reduce_dtype(self.plan, self.config.dtype))
         for prm in self.head_local:  # each rank's gradient is its heads' part: summed
             if prm.grad is not None:
                 self.comm.group("tp").all_reduce(prm.grad, "allreduce tp head-local grads", "comm_tp")
@@ -413,12 +477,16 @@ class TorchWorker(RankConfig):
             loss_sum += loss.detach().float() * (weight / plan.dp)
         return loss_sum
 
-    def _pipeline_accumulate(self, mbs: list[MicroBatch], data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]
-                             ) -> torch.Tensor:
-        """One step of torch's pipeline schedule over the replica's micro-batches (gradients
-        accumulated, DDP's all-reduce in the last backward): the first stage is given the replica's
-        inputs, the last its targets, concatenated; torch cuts them into the same micro-batches again
-        (all of one size). Returns the replica's share of the global batch's loss (on the last stage)."""
+    def _pipeline_accumulate(self, step: int, mbs: list[MicroBatch],
+                             data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]) -> torch.Tensor:
+        """One step of the pipeline over the replica's micro-batches in the order of plait's schedule
+        (`torch_schedule.ActionSchedule`; gradients accumulated, DDP's all-reduce in each stage's last
+        backward): the first stage is given the replica's inputs, the last its targets, concatenated;
+        torch cuts them into the same micro-batches again (all of one size). Returns the replica's
+        share of the global batch's loss (on the last stage)."""
+        plan, lay = self.plan, self.lay
+        node_mbs = node_micro_batches(plan, lay, step, self.d)
+        self.schedule.set_actions(rank_actions(step_schedule(plan, lay, node_mbs, plan.schedule), lay, self.p, self.d))
         args: tuple[Any, ...] = ()
         target = None
         if self.first:
@@ -452,15 +520,15 @@ class TorchWorker(RankConfig):
     def _step_data(self, mbs: list[MicroBatch]) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
         """The replica's samples of one step: synthetic by global index, or the user data's stream
         in the pipeline engine's order (`plait.runtime.data`)."""
-        seed, data = self.config.data_seed, self.config.data
+        seed, data, base = self.config.data_seed, self.config.data, self.sample_base
         if data is None:
-            return {mb.index: make_samples(self.spec, mb.first, mb.size, seed, self.device) for mb in mbs}
+            return {mb.index: make_samples(self.spec, base + mb.first, mb.size, seed, self.device) for mb in mbs}
         if getattr(self, "_data_iter", None) is None:
             from plait.runtime import data as user_data
 
             dataset, collate = user_data.load_data(data.spec)
             order = user_data.SampleOrder(len(dataset), seed)
-            ranges = [(mb.first, mb.size) for step in range(self.config.steps)
+            ranges = [(base + mb.first, mb.size) for step in range(self.start_step, self.config.steps)
                       for mb in replica_micro_batches(self.plan, step, self.d)]
             self._data_iter = user_data.batches(dataset, collate, order, ranges, data.workers)
         out = {}
@@ -482,7 +550,68 @@ class TorchWorker(RankConfig):
             fh.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ results
-    def _finish(self, losses: list[torch.Tensor], bounds: list[tuple[int, float, float]], steps: int,
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_layout(self) -> RankLayout:
+        """This rank's parameters and optimizer state as the one checkpoint code names them
+        (`plait.runtime.checkpoint`: the single-process model's names, so a checkpoint written here
+        loads under any plan and engine, and one written by plait's own engine loads here). Each
+        parameter is whole on the ranks holding it (DDP's replicas, a pipeline's stage); a tied one
+        is written by its first stage only."""
+        return RankLayout(self.model, _WholeParams(self.params, self.locals, self.optimizer), {}, 0,
+                          self.aliases, self.from_earlier_stage)
+
+    def _meta(self) -> dict[str, Any]:
+        config = self.config
+        return {"model": config.model, "plan": str(self.plan), "world_size": self.world,
+                "optimizer": config.optimizer, "seed": config.seed, "data_seed": config.data_seed}
+
+    def _maybe_resume(self) -> int:
+        """Load the launcher's chosen checkpoint (written under this plan or any other, by either
+        engine): parameters and optimizer state resharded by DCP, the step, the samples seen, the
+        loss scale; the RNG streams under the same plan and world (else fresh ones from the seed, the
+        step and the rank's coordinates, `checkpoint.reseed_streams`), as plait's own engine does."""
+        self.start_step, self.sample_base = 0, 0
+        ck = self.config.checkpoint
+        if ck is None or not ck.resume or not ck.resume_from:  # the launcher chose it (None: none to resume)
+            return 0
+        self.hb.progress("resume")
+        train, rank_state = ckpt.load_into(Path(ck.resume_from), self._ckpt_layout(), self.rank)
+        step = int(train["step"])
+        self.start_step = step
+        self.sample_base = int(train.get("samples_seen", step * self.plan.global_batch)) - step * self.plan.global_batch
+        if self.scaler is not None and train.get("amp"):
+            self.scaler.load_state_dict(json.loads(train["amp"]))
+        if rank_state is not None and train.get("plan") == str(self.plan) and train.get("world_size") == self.world:
+            ckpt.set_rng_state(rank_state["rng"])
+        else:
+            ckpt.reseed_streams(self.config.seed, step, (self.p, self.d, self.t))
+        return step
+
+    def _save_checkpoint(self, step: int, root: Path) -> None:
+        """Collective: this rank's parameters and optimizer state under the single-process model's
+        names, with the step, samples seen, loss scaler and RNG states, as one DCP checkpoint
+        (`plait.runtime.checkpoint`, the format plait's own engine writes)."""
+        self.hb.progress("checkpoint")
+        ck = self.config.checkpoint
+        assert ck is not None  # the run saves checkpoints
+        aliases = self.aliases
+        train = {"step": step, "samples_seen": self.sample_base + step * self.plan.global_batch,
+                 "plan": str(self.plan), "world_size": self.world, "format_version": ckpt.FORMAT_VERSION,
+                 "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None,
+                 "tied": {a: c for a, c in aliases.items() if a != c},
+                 "lr_schedule": self.config.schedule_record()}
+        mine = {"rng": ckpt.rng_state(), "sp_rng": None, "coords": [self.p, self.d, self.t]}
+        state = ckpt.rank_snapshot(self._ckpt_layout(), train, self.rank, mine)
+        hook = None
+        fault = self.injection.at(self.rank, step - 1, "checkpoint", PROCESS_FAULTS)
+        if fault is not None:
+            hook = partial(fire, fault)
+        with self.rec.waiting("checkpoint"):
+            ckpt.save(root, step, state, self._meta(), self.rank, self.world, self.comm, keep=ck.keep,
+                      before_publish=hook)
+        self.hb.progress("train")
+
+    def _finish(self, losses: list[torch.Tensor], bounds: list[tuple[int, float, float]], start: int, steps: int,
                 origin: dict[str, Any]) -> None:
         self.hb.progress("gather")
         loss_vec = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
@@ -517,13 +646,14 @@ class TorchWorker(RankConfig):
             "losses": losses_out,
             "params_state": params if self.t == 0 else None, "shard_infos": {}, "clock": origin,
             "param_aliases": getattr(self, "aliases", None) if params is not None else None,
-            "amp": {"scales": self.scales, "skipped": list(self.scaler.skipped), "final_scale": self.scaler.scale}
+            "amp": {"scales": self.scales, "skipped": [k for k in self.scaler.skipped if k >= start],
+                    "final_scale": self.scaler.scale}
             if self.scaler is not None else None, "engine": "torch",
         }
         gathered = self.comm.gather_object(mine, dst=0, name="gather results")
         if self.rank == 0:
             assert gathered is not None
-            write_result(self.run_dir, self.plan, gathered, 0, steps, self.config.records.return_params)
+            write_result(self.run_dir, self.plan, gathered, start, steps, self.config.records.return_params)
         self.comm.barrier("final barrier")
         self.comm.close()
 
