@@ -4,7 +4,8 @@
     python bench/torch_overhead.py --pairs 3      # a shorter look (fewer pairs than the protocol asks)
     python bench/torch_overhead.py --json         # one JSON object: {"rows": [...], "summary": {...}}
 
-For each plan (dp=2 on DDP; dp=2 ZeRO-3 on FSDP2; gloo on CPU, two micro-batches per replica) the
+For each plan (dp=2 on DDP; dp=2 ZeRO-3 on FSDP2, two micro-batches per replica; pp=2 on torch's
+pipelining, 1F1B over four; gloo on CPU) the
 bench runs **interleaved pairs**: `plait.runtime.api.run` with `LaunchConfig(engine="torch")`, records
 and heartbeats on as by default (plus the per-step CPU records it is measured by), and the plain
 script `bench/plain_torch_train.py` under torchrun (DDP or `fully_shard`, AdamW, nothing of plait's
@@ -43,6 +44,9 @@ MICRO, GLOBAL = 4, 16
 PLANS = {  # plait plan -> the plain script's flags
     f"dp=2,micro_batch={MICRO},global_batch={GLOBAL},dtype=fp32": ["--mode", "ddp"],
     f"dp=2,zero=3,micro_batch={MICRO},global_batch={GLOBAL},dtype=fp32": ["--mode", "fsdp2", "--zero", "3"],
+    # embed + 2 layers | 2 layers + head, 1F1B over 4 micro-batches: torch's pipelining on both sides
+    f"pp=2,micro_batch={MICRO},global_batch={GLOBAL},layer_split=3:3,schedule=1f1b,dtype=fp32":
+        ["--mode", "pp", "--split", "2"],
 }
 SCRIPT = Path(__file__).resolve().parent / "plain_torch_train.py"
 
@@ -58,7 +62,7 @@ def plain_run(flags: list[str], steps: int, warmup: int, model: str) -> dict[str
         ranks = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted(Path(tmp).glob("rank*.jsonl"))]
     steps_s = [max(r[s]["t1"] for r in ranks) - min(r[s]["t0"] for r in ranks) for s in range(steps)]
     return {"step_s": statistics.median(steps_s[warmup:]), **cpu_per_step(ranks, warmup),
-            "loss0": statistics.mean(r[0]["loss"] for r in ranks), "engine": "plain torch"}
+            "loss0": statistics.mean(r[0]["loss"] for r in ranks if r[0]["loss"] is not None), "engine": "plain torch"}
 
 
 def compare(plan: str, flags: list[str], pairs: int, steps: int, warmup: int, model: str) -> dict[str, Any]:
