@@ -46,7 +46,7 @@ def _spmd() -> Plan:
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
-    (Plan(dp=2, pp=2, micro_batch=2, global_batch=10, dp_shares=[0.5, 0.5]), "pipeline"),  # micro-batches 2, 2, 1
+    (Plan(dp=2, pp=2, micro_batch=2, global_batch=10, dp_shares=[0.5, 0.5]), "torch"),  # micro-batches 2, 2, 1
     (_graph(), "pipeline"),  # a stage graph (fan-in)
     (_spmd(), "spmd"),
     (_composed(), "compose"),

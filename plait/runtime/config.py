@@ -143,7 +143,7 @@ class LaunchConfig:
     """auto (the engine `plait.runtime.engine_for` names: torch's modules where they run the plan
     with their records), plait (plait's own executors, e.g. to compare the two:
     bench/torch_engine.py) or torch (torch's modules also where their records are not complete yet:
-    tensor parallelism on DTensor, chain pipelines on torch.distributed.pipelining). `plait run --engine`."""
+    tensor parallelism on DTensor). `plait run --engine`."""
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:  # also rejects NaN

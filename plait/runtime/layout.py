@@ -216,7 +216,16 @@ def split_model(model: nn.Module, plan: Plan, layout: PipelineLayout, spec: Any 
         return split_into_graph(model, node_layers, layout.edges, probe)
     if layout.num_nodes == 1:
         return split_into_stages(model, [0])
-    return split_into_stages(model, plan.layers_per_stage)
+    probe = None
+    if spec is not None and mixed_micro_batches(plan):  # the boundary values' batch dims (torch's buffers)
+        probe = [make_samples(spec, 0, n, 0)[0] for n in (1, 2)]
+    return split_into_stages(model, plan.layers_per_stage, probe)
+
+
+def mixed_micro_batches(plan: Plan) -> bool:
+    """Whether a chain's replica runs micro-batches of more than one size (uneven shares that the
+    micro-batch does not divide)."""
+    return any(len({mb.size for mb in replica_micro_batches(plan, 0, d)}) > 1 for d in range(plan.dp))
 
 
 def with_node_edges(layout: PipelineLayout, stages: list[Stage]) -> PipelineLayout:
@@ -346,12 +355,6 @@ def _torch_pipeline_runs(plan: Plan, run: _RunAsks) -> str:
     """"" when torch's pipelining (`parallelize.apply_pp`) runs the chain pipeline `plan`, else why not."""
     if plan.tp != 1 or plan.zero:
         return f"torch's pipelining runs with tp=1 and zero=0 here, the plan has tp={plan.tp}, zero={plan.zero}"
-    for d in range(plan.dp):
-        sizes = {mb.size for mb in replica_micro_batches(plan, 0, d)}
-        if len(sizes) > 1:
-            # torch's PipelineStage receives into buffers shaped by the first micro-batch
-            return (f"replica {d} runs micro-batches of sizes {sorted(sizes)}: torch's pipeline stages take "
-                    "micro-batches of one size")
     return ""
 
 

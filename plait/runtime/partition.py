@@ -193,9 +193,13 @@ class Stage:
 
 
 def split_into_stages(model: nn.Module,
-                      counts: Sequence[int] | Callable[[int, list[str]], list[int]]) -> list[Stage]:
+                      counts: Sequence[int] | Callable[[int, list[str]], list[int]],
+                      probe: Sequence[tuple[Any, ...]] | None = None) -> list[Stage]:
     """Cut `model` into a linear pipeline of stages holding counts[i] consecutive layers each
     (in execution order); values used further down are relayed through the stages between.
+    `probe`: the model's inputs at two batch sizes, to find each boundary value's batch dimension
+    (`Stage.batch_dims`: where micro-batches of several sizes cross, torch's stages size their
+    receive buffers by it).
 
     `counts` may be a function of the number of layers the forward runs and their styles
     (e.g. `plan.layers_per_stage`, which applies Megatron's split to transformers). A single
@@ -221,7 +225,8 @@ def split_into_stages(model: nn.Module,
         for name in order[i:i + c]:
             layer_node[name] = s
         i += c
-    return _split(model, graph, order, layer_node, len(counts), [(k, k + 1) for k in range(len(counts) - 1)])
+    dims = _batch_dims(model, graph, probe) if probe else {}
+    return _split(model, graph, order, layer_node, len(counts), [(k, k + 1) for k in range(len(counts) - 1)], dims)
 
 
 def split_into_graph(model: nn.Module, node_layers: Sequence[Sequence[str]],

@@ -19,6 +19,12 @@ torch's one-time setup on the first step (its warm-up vote and shape inference b
 neighbouring stages) still uses torch's own p2p: it carries metadata once, before any
 micro-batch, and is not a step's traffic.
 
+Micro-batches of several sizes (a replica's uneven share that the micro-batch does not divide):
+torch's stages size every receive buffer by the first micro-batch; `set_actions` takes the step's
+sizes and each received value's batch dimension (`partition.Stage.batch_dims`), and the buffers
+of a micro-batch of another size are re-made to it; `step` cuts the inputs and targets by the
+sizes (torch's own cuts them evenly).
+
 torch's pipelining takes ~0.6 s to import: `action_schedule_type` builds the class on first use.
 """
 
@@ -28,6 +34,8 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from plait.runtime.comm import P2P, Comm
 from plait.schedule import Action
@@ -56,17 +64,33 @@ def action_schedule_type() -> type[PipelineScheduleMulti]:
             self.stage_of = stage_of
             self.blocking = blocking
             self.actions: tuple[Action, ...] = ()
+            self.sizes: list[int] = []
+            self.batch_dims: dict[int, tuple[list[int], list[int]]] = {}
 
-        def set_actions(self, actions: Sequence[Action]) -> None:
-            computes = [a for a in actions if a.is_compute]
-            for op in ("fwd", "bwd"):
-                for index in {self.stage_of(a.stage, a.chunk) for a in computes}:
-                    mbs = sorted(a.micro_batch for a in computes if a.op == op
-                                 and self.stage_of(a.stage, a.chunk) == index)
-                    if mbs != list(range(self._n_microbatches)):
-                        raise ValueError(f"stage {index}: the action list runs {op} of micro-batches {mbs}, "
-                                         f"the schedule has {self._n_microbatches}")
+        def set_actions(self, actions: Sequence[Action], sizes: Sequence[int] = (),
+                        batch_dims: dict[int, tuple[list[int], list[int]]] | None = None) -> None:
+            """This step's action list; `sizes`, each micro-batch's samples, and `batch_dims`, per
+            stage index the batch dimension of each value it receives and of each it sends (whose
+            gradients come back), where the sizes differ (module docstring)."""
+            _check_actions(actions, self._n_microbatches, self.stage_of)
             self.actions = tuple(actions)
+            self.sizes = list(sizes)
+            self.batch_dims = batch_dims or {}
+
+        def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
+                 return_outputs: bool = True, **kwargs: Any) -> Any:
+            if len(set(self.sizes)) <= 1:
+                return super().step(*args, target=target, losses=losses, return_outputs=return_outputs, **kwargs)
+            # as PipelineScheduleMulti.step, the batch cut into micro-batches of `sizes` along dim 0
+            for stage in self._stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            pieces = list(zip([sum(self.sizes[:i]) for i in range(len(self.sizes))], self.sizes, strict=True))
+            arg_mbs = [tuple(_cut(a, lo, n) for a in args) for lo, n in pieces]
+            kwarg_mbs = [{k: _cut(v, lo, n) for k, v in kwargs.items()} for lo, n in pieces]
+            targets = None if target is None else [_cut(target, lo, n) for lo, n in pieces]
+            self._step_microbatches(arg_mbs, kwarg_mbs, targets, losses, return_outputs)
+            return None
 
         def _step_microbatches(self, arg_mbs: list[Any] | None = None, kwarg_mbs: list[Any] | None = None,
                                target_mbs: list[Any] | None = None, losses: list[Any] | None = None,
@@ -74,6 +98,9 @@ def action_schedule_type() -> type[PipelineScheduleMulti]:
             arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
             self._initialize_stages(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
                                     loss_kwargs)
+            if len(set(self.sizes)) > 1:
+                for st in self._stages:
+                    _fit_buffers(st, self.sizes, self.batch_dims.get(st.stage_index, ([], [])))
             stages = {st.stage_index: st for st in self._stages}
             backwards: Counter[int] = Counter()
             pending: list[Any] = []
@@ -123,3 +150,42 @@ def action_schedule_type() -> type[PipelineScheduleMulti]:
                                  sent=sum(o.tensor.numel() * o.tensor.element_size() for o in sends))
 
     return ActionSchedule
+
+
+def _check_actions(actions: Sequence[Action], micro_batches: int, stage_of: Callable[[int, int], int]) -> None:
+    """Every stage of the list runs the forward and the backward of each micro-batch once."""
+    computes = [a for a in actions if a.is_compute]
+    for op in ("fwd", "bwd"):
+        for index in {stage_of(a.stage, a.chunk) for a in computes}:
+            mbs = sorted(a.micro_batch for a in computes if a.op == op and stage_of(a.stage, a.chunk) == index)
+            if mbs != list(range(micro_batches)):
+                raise ValueError(f"stage {index}: the action list runs {op} of micro-batches {mbs}, "
+                                 f"the schedule has {micro_batches}")
+
+
+def _cut(value: Any, lo: int, n: int) -> Any:
+    """Samples [lo, lo + n) of a batch value (dim 0, `partition.make_samples`); constants whole."""
+    return value.narrow(0, lo, n) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+
+
+def _fit_buffers(stage: Any, sizes: list[int], dims: tuple[list[int], list[int]]) -> None:
+    """A stage's receive buffers of each micro-batch sized to it along each value's batch dimension
+    (`dims`: of the values it receives, of those it sends -- their gradients come back); torch made
+    them all for the first micro-batch's size."""
+    dims_in, dims_out = dims
+    for i, n in enumerate(sizes):
+        received = [x for x in stage.args_recv_info[i] if not x.is_root_arg]
+        for info, d in zip(received, dims_in, strict=True):
+            _fit(info, d, n)
+        if stage.has_backward and not stage.is_last:
+            for info, d in zip(stage.grad_recv_info[i], dims_out, strict=True):
+                _fit(info, d, n)
+
+
+def _fit(info: Any, dim: int, size: int) -> None:
+    """A receive buffer (`_RecvInfo.buffer`) re-made with `size` along `dim` where it differs."""
+    buf = info.buffer
+    if buf is not None and buf.shape[dim] != size:
+        shape = list(buf.shape)
+        shape[dim] = size
+        info.buffer = torch.empty(shape, dtype=buf.dtype, device=buf.device)

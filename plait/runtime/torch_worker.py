@@ -1,10 +1,12 @@
 """The torch engine (issue 29): one rank of a data-parallel or ZeRO plan (pp = tp = 1) run on
 torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
-plan's named DeviceMesh; and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
-plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers), and
-a chain pipeline plan on `torch.distributed.pipelining` (`parallelize.apply_pp`, `_build_pipeline`:
-the rank's stages of the plan's layer split, DDP over each stage's replicas, torch's schedule for the
-plan's, the tied embedding's gradients summed across stages, clipping global over the job).
+plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
+(`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
+each stage's replicas, plait's schedule order with every message through the communication facade
+(`torch_schedule.ActionSchedule`), the tied embedding's gradients summed across stages, clipping
+global over the job); and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
+plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers).
+DDP and pipeline ranks write and resume checkpoints in the one DCP format (`_save_checkpoint`).
 `plait.runtime.layout.engine_for` says which plans it runs; the others stay on plait's own
 executors (`plait.runtime.worker`).
 
@@ -286,8 +288,13 @@ class TorchWorker(RankConfig):
         self.params = list(dict.fromkeys(prm for prm in self.model.parameters() if prm.requires_grad))
         self.param_count = sum(prm.numel() for prm in self.params)
         mbs = replica_micro_batches(plan, 0, self.d)
-        self.mb_size = mbs[0].size  # every micro-batch of the replica is this size (`layout.torch_runs`)
-        self.mb_weight = self.mb_size * plan.dp / plan.global_batch
+        self.mb_sizes = [mb.size for mb in mbs]
+        # where the sizes differ, torch's receive buffers are sized per micro-batch along each value's
+        # batch dimension (`torch_schedule.ActionSchedule.set_actions`)
+        self.batch_dims = {node: ([st.batch_dims.get(n, 0) for n in st.input_names] if node > 0 else [],
+                                  [st.batch_dims.get(n, 0) for n in st.output_names] if node < lay.num_nodes - 1
+                                  else [])
+                           for node, st in mine.items()}
         self.lay = lay
         self.schedule = apply_pp(modules, self.mesh, plan, self.device, self._pipeline_loss, len(mbs), self.comm,
                                  stage_type=partial(_spanned_stage_type(), span=self._stage_span))
@@ -317,11 +324,12 @@ class TorchWorker(RankConfig):
 
     def _pipeline_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The loss torch's schedule back-propagates for one micro-batch: its mean loss weighted by its
-        share (n_j * dp / B: DDP averages over the replicas) and, under fp16, the loss scale."""
+        share (n_j * dp / B, n_j its samples -- the target's first dim, `partition.make_samples` --:
+        DDP averages over the replicas) and, under fp16, the loss scale."""
         scale = self.scaler.scale if self.scaler is not None else 1.0
         with self._autocast():
             loss: torch.Tensor = self.spec.loss(self.outputs.restore(output), target)
-        return loss * (self.mb_weight * scale)
+        return loss * (len(target) * self.plan.dp / self.plan.global_batch * scale)
 
     @contextlib.contextmanager
     def _stage_span(self, op: str, stage_index: int, micro_batch: int) -> Iterator[None]:
@@ -335,7 +343,7 @@ class TorchWorker(RankConfig):
         p, c = stage_index % self.plan.pp, stage_index // self.plan.pp
         category = "forward" if op == "fwd" else "backward"
         with self.rec.compute(event_key(op, p, c, micro_batch), category, micro_batch=micro_batch, chunk=c,
-                              samples=self.mb_size):
+                              samples=self.mb_sizes[micro_batch]):
             with self._autocast() if op == "fwd" else contextlib.nullcontext():
                 yield
 
@@ -482,11 +490,12 @@ class TorchWorker(RankConfig):
         """One step of the pipeline over the replica's micro-batches in the order of plait's schedule
         (`torch_schedule.ActionSchedule`; gradients accumulated, DDP's all-reduce in each stage's last
         backward): the first stage is given the replica's inputs, the last its targets, concatenated;
-        torch cuts them into the same micro-batches again (all of one size). Returns the replica's
+        the schedule cuts them into the same micro-batches again. Returns the replica's
         share of the global batch's loss (on the last stage)."""
         plan, lay = self.plan, self.lay
         node_mbs = node_micro_batches(plan, lay, step, self.d)
-        self.schedule.set_actions(rank_actions(step_schedule(plan, lay, node_mbs, plan.schedule), lay, self.p, self.d))
+        self.schedule.set_actions(rank_actions(step_schedule(plan, lay, node_mbs, plan.schedule), lay, self.p, self.d),
+                                  [mb.size for mb in mbs], self.batch_dims)
         args: tuple[Any, ...] = ()
         target = None
         if self.first:
