@@ -40,9 +40,9 @@ def _spmd() -> Plan:
     (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # FSDP2 MixedPrecisionPolicy
     (Plan(dp=2, zero=3, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "torch"),  # its reduce_dtype
     (Plan(dp=2, micro_batch=2, global_batch=8, grad_reduce_dtype="bf16"), "torch"),  # DDP: a compressing hook
-    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, grad_reduce_dtype="fp16"), "pipeline"),  # cast, reduce
+    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, grad_reduce_dtype="fp16"), "torch"),  # its reduce_dtype
     (Plan.from_dict({**_spmd().to_dict(), "grad_reduce_dtype": "bf16"}), "spmd"),  # its parameter gradients
-    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "pipeline"),  # ZeRO-1
+    (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-1 on FSDP2
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining

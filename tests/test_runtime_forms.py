@@ -90,7 +90,8 @@ def test_data_parallel_zero1(reference, tmp_path) -> None:
     _check_equal(result, reference)
     _check_timeline(result, tmp_path)
     cats = {e.category for e in result.timeline.events}
-    assert {"comm_dp", "comm_zero"} <= cats  # reduce-scatter of gradients, all-gather of parameters
+    # FSDP2 (the torch engine): its all-gathers of parameters and reduce-scatters of gradients
+    assert result.engine == "torch" and "comm_zero" in cats
     assert [r.samples_per_step for r in result.ranks] == [4, 4]
 
 

@@ -106,6 +106,30 @@ def test_zero3_on_fsdp2_equals_one_process(shares, reference, tmp_path) -> None:
     assert all(0.4 * full < r["param_bytes"] < 0.6 * full for r in ranks)
 
 
+@pytest.mark.parametrize("zero, shares", [(1, "dp_shares=0.75:0.25,"), pytest.param(2, "", marks=pytest.mark.slow)])
+def test_zero12_on_fsdp2_equals_one_process(zero, shares, reference, tmp_path) -> None:
+    """ZeRO-1/2 on FSDP2 (parameters kept gathered from the first forward to the last backward of a
+    step, gradients accumulated whole and reduce-scattered once, in the last micro-batch's backward;
+    optimizer state sharded): each unit gathers and reduce-scatters once a step on every replica,
+    whatever its micro-batch count (no ghost micro-batches), as plait's own ZeRO-1/2 step reduces once."""
+    result = _run(f"dp=2,micro_batch=2,zero={zero},{shares}" + FP32, tmp_path)
+    _check_equal(result, reference)
+    counts = [[4, 4], [6, 2]][bool(shares)]
+    units = 4 + 1
+    for rank in (0, 1):
+        for step in range(STEPS):
+            gathers = [r for r in _calls(result, rank, "all_gather") if r.step == step]
+            scatters = [r for r in _calls(result, rank, "reduce_scatter") if r.step == step]
+            assert len(gathers) == len(scatters) == units
+            spans = _spans(result, rank, step)
+            assert spans["forward"] == spans["backward"] == counts[rank] // 2 and spans["ghost"] == 0
+    # between steps each rank holds about half the parameters (FSDP2 reshards after the last backward)
+    full = sum(v.numel() * 4 for n, v in reference[1].items() if n != "head.lm.weight")
+    assert result.run_dir is not None
+    ranks = json.loads(Path(result.run_dir, "result.json").read_text())["ranks"]
+    assert all(0.4 * full < r["param_bytes"] < 0.6 * full for r in ranks)
+
+
 def test_tensor_parallel_on_dtensor_equals_one_process(reference, tmp_path) -> None:
     """Asked for (engine=torch: DTensor's collectives are not recorded yet, so not the default), a
     tp=2 plan runs with torch's ColwiseParallel / RowwiseParallel on the transformer layers."""

@@ -339,8 +339,6 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
                     "it runs there when the run asks for engine=torch")
         if plan.dp != 1 or plan.zero or plan.sequence_parallel or plan.tp_ratios:
             return "tensor parallelism on DTensor runs with dp=1, zero=0, no sequence parallelism, even shards"
-    if plan.zero in (1, 2):
-        return f"zero={plan.zero}: FSDP2's collectives are not yet recorded; ZeRO-1/2 run on plait's own"
     dtype = run.dtype or plan.dtype
     if dtype not in ("fp32", "tf32") and plan.tp != 1:
         return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"

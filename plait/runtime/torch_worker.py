@@ -1,4 +1,4 @@
-"""The torch engine (issue 29): one rank of a data-parallel or ZeRO plan (pp = tp = 1) run on
+"""The torch engine (issue 29): one rank of a data-parallel or ZeRO-1/2/3 plan (pp = tp = 1) run on
 torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
 plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 (`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
@@ -452,10 +452,15 @@ class TorchWorker(RankConfig):
     def _accumulate(self, step: int, mbs: list[MicroBatch],
                     data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]) -> torch.Tensor:
         """Forward and backward of each of the replica's micro-batches, gradients reduced in the
-        last one's backward; under FSDP2, ghost micro-batches up to the most any replica runs."""
+        last one's backward; under FSDP2 at ZeRO-3, ghost micro-batches up to the most any replica
+        runs (each micro-batch gathers and reduce-scatters); at ZeRO-1/2 the parameters stay gathered
+        from the first forward to the last backward and the gradients accumulate whole, reduce-scattered
+        once in the last backward (plait's own ZeRO-1/2 step reduces once a step too), so every
+        replica joins the same collectives whatever its micro-batch count."""
         plan = self.plan
         rounds = len(mbs)
-        if self.fsdp:
+        zero3 = self.fsdp and plan.zero >= 3
+        if zero3:
             rounds = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
         loss_sum = torch.zeros((), device=self.device)
         scale = self.scaler.scale if self.scaler is not None else 1.0  # fp16: the loss scaled, the gradients with it
@@ -467,11 +472,15 @@ class TorchWorker(RankConfig):
             else:  # a ghost: the replica's first sample again, adding nothing to the gradients
                 mb, weight = MicroBatch(i, mbs[0].first, 1), 0.0
                 inputs, target = make_samples(self.spec, mbs[0].first, 1, self.config.data_seed, self.device)
-            # DDP holds its all-reduce back to the last micro-batch; FSDP2 reduce-scatters every
-            # micro-batch's gradients into the shards, so that no rank holds whole gradients between
-            # them (ZeRO-3's memory, as the memory model counts it).
+            # DDP holds its all-reduce back to the last micro-batch; FSDP2 at ZeRO-3 reduce-scatters
+            # every micro-batch's gradients into the shards, so that no rank holds whole gradients
+            # between them (ZeRO-3's memory, as the memory model counts it); at ZeRO-1/2 it syncs (and
+            # reshards) in the last backward only
             sync: Any = contextlib.nullcontext() if last or self.fsdp or plan.tp > 1 \
                 else self.runner.no_sync()  # type: ignore[operator]
+            if self.fsdp and not zero3:
+                self.runner.set_requires_gradient_sync(last)  # type: ignore[operator]
+                self.runner.set_reshard_after_backward(last)  # type: ignore[operator]
             # a ghost's spans are "ghost" ones: calibration and the doctor count real micro-batches only
             fwd, bwd = ("forward", "backward") if weight else ("ghost", "ghost")
             with sync:
