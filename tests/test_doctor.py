@@ -723,3 +723,15 @@ def test_latency_spikes_on_every_pair_are_no_slow_link(tmp_path: Path) -> None:
     assert (f.kind, f.ranks, f.step) == ("slow_link", (1, 3), 11) and len(f.evidence["slow_steps"]) == 9
     quiet = diagnose_records(read_run(write_run(tmp_path / "quiet", steps=20, link=(1, 3, 11, 1.6)))).findings[0]
     assert f.detected_s - f.first_seen_s <= quiet.detected_s - quiet.first_seen_s + 0.2
+
+
+def test_a_node_uplink_far_slower_than_contention_is_named_while_its_host_is_busy(tmp_path: Path) -> None:
+    # Issue 32 (CI under load): node n1's uplink 0.5 -> 30 ms from step 4 while other processes took
+    # a core from step 2. The contended steps' probes are kept only where far slower than contention
+    # makes them -- here every slow one, so the steps left were all slow, and a level taken from
+    # them hid the fault (healthy). The level is the pair's whole history, contended steps included.
+    nodes = ["n0", "n0", "n1", "n1"]
+    d = diagnose(write_run(tmp_path, world=4, steps=10, nodes=nodes, version=3, uplink=("n1", 4, 60.0),
+                           foreign=(2, 1.0)))
+    assert {f.ranks for f in d.findings} == {(0, 2), (0, 3), (1, 2), (1, 3)}, kinds(d)
+    assert {f.evidence["node_uplink"] for f in d.findings} == {"n0<->n1"} and {f.step for f in d.findings} == {4}

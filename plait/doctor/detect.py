@@ -766,7 +766,7 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
                             ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
                             transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
     out = _on_uplink(run, out)
-    out += uplinks(run, th, series, times, rise, {f.ranks for f in out})
+    out += uplinks(run, th, series, times, rise, {f.ranks for f in out}, set_level)
     return sorted(out, key=lambda f: -f.evidence["ratio"])
 
 
@@ -794,17 +794,22 @@ def _on_uplink(run: RunRecords, found: list[Finding]) -> list[Finding]:
 
 def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[int, float]],
             times: dict[tuple[int, int], dict[int, tuple[float, float, float]]],
-            rise: dict[tuple[int, int], dict[int, float]], named: set[tuple[int, ...]]) -> list[Finding]:
+            rise: dict[tuple[int, int], dict[int, float]], named: set[tuple[int, ...]],
+            levels: dict[tuple[int, int], float] | None = None) -> list[Finding]:
     """A node's uplink slowed: every pair crossing that node's boundary slow against *its own*
     history (absolute evidence: peers of its kind slowed too, so the relative test cannot see it),
     while the same-node pairs did not slow (CPU contention slows those too: `rise` also discounts
     the compute the pair's ranks lost). Named as one slow_link per crossing pair, each with
-    `evidence["node_uplink"]` (the node, or the two nodes' link when the cluster has two)."""
+    `evidence["node_uplink"]` (the node, or the two nodes' link when the cluster has two).
+
+    `levels`: a pair's level where `slow_links` set it from every probe, contended steps included:
+    the steps a contended stretch leaves in `series` may all be slow ones (a fault from step 3 under
+    contention at steps 0-5 left steps 3-7, and a level of those hid the fault)."""
     node = {r: run.node_of(r) for r in run.ranks}
     nodes = sorted({n for n in node.values() if n is not None}, key=str)
     if len(nodes) < 2:
         return []
-    level = {p: _steady(ser) for p, ser in series.items()}
+    level = {p: (levels or {}).get(p) or _steady(ser) for p, ser in series.items()}
     intra = [p for p in series if node[p[0]] == node[p[1]] and level[p]]
     out: list[Finding] = []
     seen: set[frozenset[tuple[int, int]]] = set()
