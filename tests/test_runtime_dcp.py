@@ -152,3 +152,38 @@ def test_torch_engine_resumes_bit_for_bit_and_its_checkpoint_loads_on_plaits_eng
     assert other.engine == "pipeline" and other.steps == [2, 3]
     for got, (want, _, _) in zip(other.losses, reference[2:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
+
+
+def _save_resume_and_move(tmp_path: Path, reference: list[Any], plan: str, launch: LaunchConfig, other: str) -> None:
+    """`plan` on the torch engine: its checkpoint at step 2 holds the single-process state, resumes
+    bit for bit under `plan`, and under `other` continues like one process."""
+    whole = run(TINY, None, plan, steps=STEPS, launch=launch)
+    root, again = tmp_path / "ck", tmp_path / "again"
+    first = run(TINY, None, plan, steps=2, checkpoint=CheckpointConfig(dir=root, every=2), launch=launch)
+    assert first.engine == "torch" and first.losses == whole.losses[:2]
+    _assert_state(ckpt.load_consolidated(ckpt.step_dir(root, 2)), reference[1][1], reference[1][2])
+    shutil.copytree(root, again)
+    resumed = run(TINY, None, plan, steps=STEPS, checkpoint=CheckpointConfig(dir=root, every=2, resume=True),
+                  launch=launch)
+    assert resumed.steps == [2, 3] and resumed.losses == whole.losses[2:]  # the same plan: bit for bit
+    moved = run(TINY, None, other, steps=STEPS, checkpoint=CheckpointConfig(dir=again, every=2, resume=True),
+                launch=LaunchConfig(timeout=120))
+    assert moved.engine == "torch" and moved.steps == [2, 3]
+    for got, (want, _, _) in zip(moved.losses, reference[2:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+
+
+def test_fsdp2_checkpoint_holds_the_whole_state_and_resumes_under_ddp(reference: list[Any], tmp_path: Path) -> None:
+    """ZeRO-3 on FSDP2 with uneven shares (a parameter's dim-0 pieces 3:2 and so on): each rank
+    writes its shard at its place in the whole tensor (`sharded_state.dtensor_cuts`)."""
+    _save_resume_and_move(tmp_path, reference, "dp=2,zero=3,dp_shares=0.75:0.25,micro_batch=2," + FP32,
+                          LaunchConfig(timeout=120), "dp=2,micro_batch=2," + FP32)
+
+
+@pytest.mark.slow
+def test_dtensor_checkpoint_holds_the_whole_state_and_resumes_under_fsdp2(reference: list[Any],
+                                                                          tmp_path: Path) -> None:
+    """tp=2 on DTensor (colwise Shard(0), rowwise Shard(1), replicated biases written once), into
+    ZeRO-3 on three ranks with uneven shares (FSDP2 loading its shards from DTensor's)."""
+    _save_resume_and_move(tmp_path, reference, "tp=2,micro_batch=4," + FP32, LaunchConfig(timeout=120, engine="torch"),
+                          "dp=3,zero=3,dp_shares=0.5:0.25:0.25,micro_batch=1," + FP32)

@@ -107,10 +107,10 @@ def test_the_run_config_can_keep_a_plan_on_plaits_engine(run, engine, why):
     assert engine_of(plan, run) == engine
 
 
-def test_fsdp2_checkpoints_stay_on_plaits_engine():
-    plan = Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32")
-    verdict = engine_for(plan, {"checkpoint": {"dir": "ck", "every": 1}})
-    assert verdict.engine == "pipeline" and "checkpoints of FSDP2" in verdict.not_torch
+def test_fsdp2_and_dtensor_checkpoints_run_on_torch_modules():
+    ck = {"checkpoint": {"dir": "ck", "every": 1}}
+    assert engine_for(Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32"), ck).engine == "torch"
+    assert engine_for(Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {**ck, "engine": "torch"}).engine == "torch"
 
 
 def test_a_replica_without_samples_stays_on_plaits_engine():

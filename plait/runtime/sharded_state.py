@@ -13,6 +13,8 @@ runtime forms to rectangles of the *global* tensor:
   rank d holds elements [d*shard, (d+1)*shard) of the concatenation of several flattened
   parameters. A range of a row-major tensor is a union of at most 2*(ndim-1)+1 rectangles
   (`flat_range_boxes`: a partial first row, whole rows, a partial last row, recursively);
+* the torch engine's DTensor parameters (FSDP2's `Shard(0)` over dp, DTensor's colwise / rowwise
+  over tp): one cut along one dim in torch.chunk's pieces, a `ShardInfo` of one block (`dtensor_cuts`);
 * a tensor replicated over dp, tp or pipeline stages (tied embeddings) is written once: identical
   chunks are de-duplicated by DCP's planner, and chunks that would only *overlap* (a tied or
   tensor-replicated parameter cut differently in two ranks' flat buffers) are written by the
@@ -196,14 +198,21 @@ class RankLayout:
     optimizer state."""
 
     def __init__(self, module: nn.Module, opt: Any, shard_infos: dict[str, ShardInfo], tp_rank: int,
-                 aliases: dict[str, str], from_earlier_stage: set[str]) -> None:
+                 aliases: dict[str, str], from_earlier_stage: set[str],
+                 cut_ranks: dict[str, int] | None = None) -> None:
+        """`cut_ranks`: for a parameter cut along a mesh dim other than plait's tensor ranks (a
+        DTensor's shard: FSDP2's over dp, DTensor's over tp), this rank's coordinate on that dim
+        (`shard_infos` then gives the cut; the parameter's local tensor is its `to_local()`)."""
         self.module = module
         self.opt = opt
         self.layouts: dict[int, ParamLayout] = {}
+        cut_ranks = cut_ranks or {}
         for name, prm in module.named_parameters():
             info = shard_infos.get(name)
             writer = (info is not None or tp_rank == 0) and name not in from_earlier_stage
-            self.layouts[id(prm)] = param_layout(aliases.get(name, name), prm, info, tp_rank, writer)
+            local = prm.to_local() if hasattr(prm, "to_local") else prm
+            self.layouts[id(prm)] = param_layout(aliases.get(name, name), local, info, cut_ranks.get(name, tp_rank),
+                                                 writer)
         self.param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
 
     def members(self, params: list[nn.Parameter]) -> list[ParamLayout]:
@@ -280,6 +289,40 @@ class RankLayout:
                     if names is not None and copies:
                         scalars.append((st, n, copies))
         return out, scalars
+
+
+def dtensor_cuts(module: nn.Module) -> tuple[dict[str, ShardInfo], dict[str, int]]:
+    """The cut of every DTensor parameter of `module` as the checkpoint code takes a tensor-parallel
+    one: (name -> `ShardInfo`, name -> this rank's coordinate on the cut's mesh dim). FSDP2's
+    parameters (`Shard(0)` over dp) and DTensor tensor parallelism's (`Shard(0)` colwise, `Shard(1)`
+    rowwise over tp) are one cut along one dim in torch.chunk's pieces (ceil-sized, the last ones
+    smaller or empty), the other mesh dims replicated. A parameter sharded over several mesh dims
+    at once (FSDP2 over a tensor-parallel DTensor) is refused, naming it."""
+    infos: dict[str, ShardInfo] = {}
+    coords: dict[str, int] = {}
+    for name, prm in module.named_parameters():
+        placements = getattr(prm, "placements", None)
+        if placements is None:
+            continue
+        cuts = [(i, pl) for i, pl in enumerate(placements) if pl.is_shard()]
+        if not cuts and all(pl.is_replicate() for pl in placements):
+            continue  # whole on every rank (RowwiseParallel's bias): written by tensor rank 0
+        if len(cuts) != 1 or any(not (pl.is_shard() or pl.is_replicate()) for pl in placements):
+            raise ValueError(f"parameter {name}: placements {tuple(placements)} -- a checkpoint takes a "
+                             "DTensor cut along one mesh dim, the others replicated")
+        mesh_dim, pl = cuts[0]
+        mesh = prm.device_mesh
+        world, dim = mesh.size(mesh_dim), pl.dim
+        size = prm.shape[dim]
+        piece = -(-size // world)
+        sizes = tuple(max(0, min(piece, size - t * piece)) for t in range(world))
+        coord = mesh.get_local_rank(mesh_dim)
+        local = prm.to_local()
+        if local.shape[dim] != sizes[coord]:
+            raise ValueError(f"parameter {name}: local size {local.shape[dim]} along dim {dim}, expected "
+                             f"{sizes[coord]} (torch.chunk's piece {coord} of {size} in {world})")
+        infos[name], coords[name] = ShardInfo(dim=dim, chunks=1, sizes=sizes), coord
+    return infos, coords
 
 
 def aliases_of(model: nn.Module) -> dict[str, str]:

@@ -6,7 +6,8 @@ each stage's replicas, plait's schedule order with every message through the com
 (`torch_schedule.ActionSchedule`), the tied embedding's gradients summed across stages, clipping
 global over the job); and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
 plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers).
-DDP and pipeline ranks write and resume checkpoints in the one DCP format (`_save_checkpoint`).
+Every rank writes and resumes checkpoints in the one DCP format (`_save_checkpoint`): whole
+parameters, or a DTensor's shard (FSDP2's, DTensor's) at its place in the whole tensor.
 `plait.runtime.layout.engine_for` says which plans it runs; the others stay on plait's own
 executors (`plait.runtime.worker`).
 
@@ -103,7 +104,7 @@ from plait.runtime.partition import (
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
-from plait.runtime.sharded_state import RankLayout, Segment, aliases_of
+from plait.runtime.sharded_state import RankLayout, Segment, aliases_of, dtensor_cuts
 from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
 from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import event_key
@@ -164,7 +165,7 @@ class _WholeParams:
         self.params, self.locals, self.optimizer = params, locals_, optimizer
 
     def param_segments(self) -> list[Segment]:
-        return [Segment(p, [p], 0) for p in self.params]
+        return [Segment(_local(p), [p], 0) for p in self.params]  # a DTensor's local shard (`dtensor_cuts`)
 
     def optimizer_segments(self) -> list[Segment]:
         return [Segment(loc, [p], 0) for p, loc in zip(self.params, self.locals, strict=True)]
@@ -574,9 +575,13 @@ class TorchWorker(RankConfig):
         (`plait.runtime.checkpoint`: the single-process model's names, so a checkpoint written here
         loads under any plan and engine, and one written by plait's own engine loads here). Each
         parameter is whole on the ranks holding it (DDP's replicas, a pipeline's stage); a tied one
-        is written by its first stage only."""
-        return RankLayout(self.model, _WholeParams(self.params, self.locals, self.optimizer), {}, 0,
-                          self.aliases, self.from_earlier_stage)
+        is written by its first stage only; a DTensor parameter (FSDP2's shard over dp, DTensor's over
+        tp) writes its local shard at its place in the whole tensor (`sharded_state.dtensor_cuts`).
+        Parameters replicated over tp (layer norms beside DTensor's linears) are written by tensor
+        rank 0."""
+        cuts, coords = dtensor_cuts(self.model)
+        return RankLayout(self.model, _WholeParams(self.params, self.locals, self.optimizer), cuts, self.t,
+                          self.aliases, self.from_earlier_stage, coords)
 
     def _meta(self) -> dict[str, Any]:
         config = self.config
