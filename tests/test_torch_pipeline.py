@@ -2,7 +2,8 @@
 default, uneven layer splits run on torch's PipelineStage in the order of plait's schedules
 (`torch_schedule.ActionSchedule`, every message through the communication facade) and train
 equal to one process (losses and parameters after 3 steps, the tolerances of
-tests/test_runtime_forms.py; with SGD and clipping, those of tests/test_runtime_pipeline_graph.py)."""
+tests/test_runtime_forms.py; with SGD and clipping, those of tests/test_runtime_pipeline_graph.py),
+under DDP or, at ZeRO-1/2/3, FSDP2 over each stage's replicas."""
 
 from __future__ import annotations
 

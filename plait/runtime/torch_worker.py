@@ -2,11 +2,26 @@
 torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
 plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 (`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
-each stage's replicas, plait's schedule order with every message through the communication facade
-(`torch_schedule.ActionSchedule`), the tied embedding's gradients summed across stages, clipping
-global over the job); and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
-plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers).
-DDP and pipeline ranks write and resume checkpoints in the one DCP format (`_save_checkpoint`).
+each stage's replicas or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
+message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
+gradients summed across stages, clipping global over the job); and, asked for
+(`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel plan on DTensor (`parallelize.apply_tp`:
+colwise / rowwise linears in the transformer layers). DDP and zero=0 pipeline ranks write and
+resume checkpoints in the one DCP format (`_save_checkpoint`); FSDP2's state not yet
+(`layout.torch_runs` sends such runs elsewhere).
+
+ZeRO with pipelines (as torchtitan runs FSDP with PP): each stage's module is sharded over the
+stage's replicas (the mesh's "dp" dim), a unit per transformer layer that shares no parameter with
+another layer (`fsdp_units` of the whole model) and the stage's root for the rest (the embedding,
+or the LM head tied to it: its gradient shards summed across the stages, `_sync_tied_shards`). The
+stages' backwards run FSDP2's own hooks (`_spanned_stage_type`, not torch's stage, which defers
+FSDP2's reduction to a REDUCE_GRAD action its PipelineScheduleMulti does not run): ZeRO-3 gathers
+a unit in every micro-batch's forward and backward and reduce-scatters every micro-batch (so the
+replicas must run as many micro-batches: `layout._torch_pipeline_runs`); ZeRO-1/2 keep the
+parameters gathered and the gradients whole from the step's first forward to the stage's last
+backward, which reduce-scatters once -- the same collectives on every replica whatever its
+micro-batch count. torch's shape inference on the first step runs each stage's forward (the last
+stage's backward too) once more: its gathers are in step 0's records.
 `plait.runtime.layout.engine_for` says which plans it runs; the others stay on plait's own
 executors (`plait.runtime.worker`).
 
@@ -530,8 +545,9 @@ class TorchWorker(RankConfig):
     def _pipeline_accumulate(self, step: int, mbs: list[MicroBatch],
                              data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]) -> torch.Tensor:
         """One step of the pipeline over the replica's micro-batches in the order of plait's schedule
-        (`torch_schedule.ActionSchedule`; gradients accumulated, DDP's all-reduce in each stage's last
-        backward): the first stage is given the replica's inputs, the last its targets, concatenated;
+        (`torch_schedule.ActionSchedule`; gradients accumulated, DDP's all-reduce or FSDP2's ZeRO-1/2
+        reduce-scatter in each stage's last backward, ZeRO-3's in every backward): the first stage is
+        given the replica's inputs, the last its targets, concatenated;
         the schedule cuts them into the same micro-batches again. Returns the replica's
         share of the global batch's loss (on the last stage)."""
         plan, lay = self.plan, self.lay
