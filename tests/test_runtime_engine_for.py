@@ -47,6 +47,10 @@ def _spmd() -> Plan:
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
     (Plan(dp=2, pp=2, micro_batch=2, global_batch=10, dp_shares=[0.5, 0.5]), "torch"),  # micro-batches 2, 2, 1
+    (Plan(dp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "torch"),  # FSDP2 per stage
+    (Plan(dp=2, pp=2, zero=2, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),
+    (Plan(dp=2, pp=2, zero=3, micro_batch=1, global_batch=8), "torch"),  # ZeRO-3 with pipelines: torch's only
+    (Plan(pp=2, zero=3, micro_batch=1, global_batch=8), "torch"),  # dp=1: nothing to shard
     (_graph(), "pipeline"),  # a stage graph (fan-in)
     (_spmd(), "spmd"),
     (_composed(), "compose"),
@@ -63,7 +67,11 @@ def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
 
 
 @pytest.mark.parametrize("plan, field", [
-    (Plan(dp=2, pp=2, zero=3, micro_batch=1, global_batch=8), "'zero'"),
+    # ZeRO-3 pipelines run on the torch engine only, which needs the replicas' micro-batch counts equal
+    (Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "'dp_shares'"),
+    (Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "'zero'"),
+    (Plan(dp=2, pp=2, tp=2, zero=3, micro_batch=2, global_batch=8), "'zero'"),  # torch's pipelining: tp=1
+    (_graph(zero=3), "'zero'"),  # a stage graph's ZeRO-3: neither engine
     (Plan(pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"), "'schedule'"),
     (_graph(schedule="interleaved"), "'schedule'"),
     (Plan.from_dict({**_graph().to_dict(), "stage_edges": [[0, 2]]}), "'stage_edges'"),  # two sinks
@@ -85,11 +93,42 @@ def test_run_refuses_before_any_process_starts(tmp_path):
     from plait.runtime.api import run
     from plait.runtime.config import RecordsConfig
 
-    plan = Plan(dp=2, pp=2, zero=3, micro_batch=1, global_batch=8)
-    with pytest.raises(RuntimeSetupError, match="plan field 'zero'"):
+    plan = Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25])
+    with pytest.raises(RuntimeSetupError, match="plan field 'dp_shares'"):
         run("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8", None, plan, steps=1,
             records=RecordsConfig(run_dir=tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # refused before the run folder, config or any worker
+
+
+@pytest.mark.parametrize("run, why", [
+    ({"engine": "plait"}, "engine=plait"),
+    ({"checkpoint": {"dir": "ck", "every": 1}}, "checkpoints of FSDP2"),
+])
+def test_zero3_pipelines_run_on_the_torch_engine_only(run, why):
+    """issue 29: FSDP2 shards a ZeRO-3 pipeline's stages (torch's engine); plait's own engine never
+    gets one -- what keeps it off the torch engine refuses it, with both reasons."""
+    plan = Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32")
+    assert engine_for(plan).engine == "torch" and supports(plan) == (True, "")
+    verdict = engine_for(plan, run)
+    assert verdict.engine is None and "plan field 'zero'" in verdict.reason and why in verdict.reason
+    with pytest.raises(RuntimeSetupError, match="runs on the torch engine only"):
+        engine_of(plan, run)
+    # ZeRO-1/2 pipelines go to plait's own engine then, which runs them
+    for zero in (1, 2):
+        low = Plan(dp=2, pp=2, zero=zero, micro_batch=2, global_batch=8, dtype="fp32")
+        assert engine_for(low).engine == "torch"
+        assert engine_for(low, run).engine == "pipeline" and why in engine_for(low, run).not_torch
+
+
+def test_run_asking_plaits_engine_for_a_zero3_pipeline_is_refused_before_any_process_starts(tmp_path):
+    from plait.runtime.api import LaunchConfig, run
+    from plait.runtime.config import RecordsConfig
+
+    plan = Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32")
+    with pytest.raises(RuntimeSetupError, match="plan field 'zero'.*engine=plait"):
+        run("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8", None, plan, steps=1,
+            launch=LaunchConfig(engine="plait"), records=RecordsConfig(run_dir=tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("run, engine, why", [

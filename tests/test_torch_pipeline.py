@@ -2,18 +2,20 @@
 default, uneven layer splits run on torch's PipelineStage in the order of plait's schedules
 (`torch_schedule.ActionSchedule`, every message through the communication facade) and train
 equal to one process (losses and parameters after 3 steps, the tolerances of
-tests/test_runtime_forms.py; with SGD and clipping, those of tests/test_runtime_pipeline_graph.py)."""
+tests/test_runtime_forms.py; with SGD and clipping, those of tests/test_runtime_pipeline_graph.py),
+under DDP or, at ZeRO-1/2/3, FSDP2 over each stage's replicas."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from plait.ir.comm import CommRecord, read_run_comm_records
+from plait.ir.comm import CommRecord, read_comm_records, read_run_comm_records
 from plait.ir.plan import Plan
 from plait.runtime import engine_for
 from plait.runtime.api import (
@@ -86,13 +88,20 @@ def test_engine_for_names_torch_when_asked_and_the_reason_otherwise() -> None:
     assert engine_for(shares + "0.75:0.25", TORCH).engine == "torch"  # 6 and 2 samples: micro-batches of 2
     # what torch's pipelining does not run, each with its reason, goes to plait's own engine
     assert engine_for(shares + "0.625:0.375").engine == "torch"  # 5 samples: micro-batches of 2, 2 and 1
-    for other, why in [
-        ("pp=2,tp=2,micro_batch=2,global_batch=8,dtype=fp32", "tp=1 and zero=0"),
-        ("pp=2,dp=2,zero=1,micro_batch=2,global_batch=8,dtype=fp32", "tp=1 and zero=0"),
-    ]:
-        verdict = engine_for(other, TORCH)
-        assert verdict.engine == "pipeline" and why in verdict.not_torch, (other, verdict)
+    verdict = engine_for("pp=2,tp=2,micro_batch=2,global_batch=8,dtype=fp32", TORCH)
+    assert verdict.engine == "pipeline" and "tp=1 here" in verdict.not_torch, verdict
     assert engine_for(plan, {"checkpoint": True}).engine == "torch"  # checkpoints in the one DCP format
+    # ZeRO-1/2/3 shard each stage over its replicas with FSDP2; ZeRO-1/2 whatever the shares (one
+    # gather and reduce-scatter a step), ZeRO-3 (collectives every micro-batch) with as many
+    # micro-batches on every replica -- plait's own engine runs no ZeRO-3 pipeline, so it is refused
+    for zero in (1, 2, 3):
+        assert engine_for(f"{shares}0.5:0.5,zero={zero}").engine == "torch"
+    assert engine_for(f"{shares}0.75:0.25,zero=2").engine == "torch"
+    verdict = engine_for(f"{shares}0.75:0.25,zero=3")
+    assert verdict.engine is None and "plan field 'dp_shares'" in verdict.reason and "[3, 1]" in verdict.reason
+    # checkpoints of FSDP2 state are not written by the torch engine yet: ZeRO-1/2 on plait's own
+    assert engine_for(f"{shares}0.5:0.5,zero=1", {"checkpoint": True}).engine == "pipeline"
+    assert engine_for(f"{shares}0.5:0.5,zero=3", {"checkpoint": True}).engine is None
 
 
 def test_two_stage_uneven_split_gpipe_equals_one_process(reference) -> None:
@@ -202,3 +211,92 @@ def test_uneven_shares_with_micro_batches_of_two_sizes_equal_one_process(referen
     sends = [(r.key, r.bytes) for r in read_run_comm_records(tmp_path / "run" / "comm")[0].records
              if r.op == "send" and r.key != "probe" and r.step == 1]
     assert sends == [(f"send_fwd s0 c0 mb{i}", n * 8 * 16 * 4) for i, n in enumerate((2, 2, 1))]
+
+
+def _zero_calls(run_dir: Path, rank: int, step: int, op: str) -> Counter[str]:
+    """FSDP2's collectives of one rank and step, by unit (`parallelize.apply_fsdp`'s names)."""
+    records = read_comm_records(run_dir / "comm" / f"rank{rank}.jsonl").records
+    return Counter(str(r.key).split(" zero ", 1)[1] for r in records if r.op == op and r.step == step)
+
+
+@pytest.mark.parametrize("zero, plan", [
+    # uneven shares (5 and 3 samples: micro-batches 2, 2, 1 and 2, 1) and an uneven layer split
+    (1, "dp=2,pp=2,micro_batch=2,layer_split=2:4,dp_shares=0.625:0.375,schedule=1f1b,"),
+    (2, "dp=2,pp=2,micro_batch=2,layer_split=3:3,schedule=gpipe,"),
+    (3, "dp=2,pp=2,micro_batch=2,layer_split=2:4,schedule=1f1b,"),
+])
+def test_zero_on_fsdp2_pipeline_equals_one_process(zero, plan, reference, tmp_path: Path) -> None:
+    """ZeRO-1/2/3 with pipelines (issue 29): each stage's module sharded by FSDP2 over the stage's
+    replicas, a unit per transformer layer and the stage's root (the embedding, the LM head tied to it:
+    its gradient summed across the stages on the shards); every gather and reduce-scatter through the
+    facade (comm_zero spans). ZeRO-1/2: a unit gathers once a step (kept to the stage's last backward)
+    and reduce-scatters once, in the last backward, whatever the replica's micro-batch count; ZeRO-3
+    gathers in every micro-batch's forward and backward and reduce-scatters every micro-batch."""
+    plan += f"zero={zero}," + FP32
+    assert engine_for(plan).engine == "torch"
+    result = _run(plan, run_dir=tmp_path / "run")
+    _check_equal(result, reference)
+    shares = [5, 3] if zero == 1 else [4, 4]
+    assert [(r.pp, r.dp, r.samples_per_step) for r in result.ranks] == \
+        [(p, d, shares[d]) for p in range(2) for d in range(2)]
+    split = [2, 4] if zero != 2 else [3, 3]
+    names = ["embed", *(f"layers.{i}" for i in range(4)), "head"]
+    full = json.loads((tmp_path / "run" / "result.json").read_text())["ranks"]
+    for r in result.ranks:
+        stage_layers = names[sum(split[:r.pp]):sum(split[:r.pp + 1])]
+        assert r.layers == stage_layers
+        units = {n for n in stage_layers if n.startswith("layers.")} | {f"stage{r.pp}"}
+        m = len(replica_micro_batches(Plan.parse(plan), 0, r.dp))
+        gathers, scatters = (1, 1) if zero < 3 else (2 * m, m)
+        # the first step also runs torch's shape inference (each stage's forward once more): from step 1
+        for step in (1, 2):
+            assert _zero_calls(tmp_path / "run", r.rank, step, "all_gather") == dict.fromkeys(units, gathers)
+            assert _zero_calls(tmp_path / "run", r.rank, step, "reduce_scatter") == dict.fromkeys(units, scatters)
+            spans = Counter(e.category for e in result.timeline.events
+                            if e.args.get("rank") == r.rank and e.args.get("step") == step)
+            assert spans["comm_zero"] == len(units) * (gathers + scatters)
+            assert spans["forward"] == spans["backward"] == m and spans["ghost"] == 0
+        # each replica holds about half of its stage's parameters between steps
+        assert 0.4 * 4 * r.params < full[r.rank]["param_bytes"] < 0.6 * 4 * r.params
+
+
+def test_zero3_pipeline_three_stages_clipped_and_interleaved_equal_one_process(tmp_path: Path) -> None:
+    # clipping over FSDP2's shards (each tied copy counted once) with an lr schedule, at SGD's tolerance
+    plan = "dp=2,pp=3,micro_batch=2,layer_split=1:3:2,schedule=1f1b,zero=3," + FP32
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=0.05, lr_warmup_iters=1,
+                              lr_decay_style="linear")
+    _check_equal(_run(plan, training), reference_run(TINY, plan, STEPS, training=training), rel=0, atol=1e-6)
+    # two stages per rank, each its own FSDP2 root
+    plan = "dp=2,pp=2,virtual_stages=2,micro_batch=1,layer_split=1:2:1:2,schedule=interleaved,zero=3," + FP32
+    _check_equal(_run(plan), reference_run(TINY, "dp=1,micro_batch=8," + FP32, STEPS))
+
+
+TOL = {"bf16": 3 * 2.0 ** -8, "fp16": 3 * 2.0 ** -11}  # as tests/test_program_precision.py
+
+
+@pytest.mark.parametrize("dtype, zero", [("bf16", 3), ("fp16", 1)])
+def test_zero_pipeline_trains_in_low_precision_as_one_process(dtype, zero, tmp_path: Path, monkeypatch) -> None:
+    # FSDP2's MixedPrecisionPolicy on each stage (parameters gathered in the run's dtype, gradients
+    # reduce-scattered in the plan's reduce dtype: fp32 for bf16, fp16 for fp16), fp16 with plait's loss
+    # scaler agreed over the job; against the single-process reference in the same precision
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    plan = f"dp=2,pp=2,micro_batch=2,layer_split=2:4,schedule=1f1b,zero={zero},global_batch=8,dtype={dtype}"
+    assert engine_for(plan).engine == "torch"
+    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
+    result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
+                 records=RecordsConfig(run_dir=tmp_path / "run"))
+    low, params = reference_run(TINY, plan, STEPS, training=training)
+    assert result.engine == "torch"
+    assert all(abs(g - w) <= TOL[dtype] * abs(w) for g, w in zip(result.losses, low, strict=True)), (result.losses, low)
+    # stage 0's units (the embedding, layers.0) gathered at 2 bytes an element, reduced at 4 (bf16) or 2 (fp16)
+    numel = sum(v.numel() for n, v in params.items() if n.startswith(("embed.", "layers.0.")))
+    records = read_comm_records(tmp_path / "run" / "comm" / "rank0.jsonl").records
+    gathers, scatters = (2 * 2, 2) if zero == 3 else (1, 1)  # ZeRO-3: each of 2 micro-batches' forward and backward
+    assert sum(r.bytes for r in records if r.op == "all_gather" and r.step == 1) == gathers * numel * 2
+    assert sum(r.bytes for r in records if r.op == "reduce_scatter" and r.step == 1) == \
+        scatters * numel * (4 if dtype == "bf16" else 2)
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []

@@ -44,7 +44,7 @@ from plait.runtime.config import (
     TrainingConfig,
 )
 from plait.runtime.launch import AgentSpec, Launcher, RunFailure
-from plait.runtime.layout import engine_for, supports
+from plait.runtime.layout import engine_for
 from plait.runtime.metrics import write_tensorboard
 from plait.runtime.multinode import Rendezvous, cluster_nodes, local_workers
 from plait.runtime.partition import (
@@ -202,11 +202,13 @@ def rank_layout(cluster: Cluster | None, plan: Plan, dtype: str | None = None) -
     return out
 
 
-def _check_plan(plan: Plan) -> None:
-    """Refuse what the runtime cannot run: exactly `plait.runtime.supports`' verdict and reason."""
-    ok, reason = supports(plan)
-    if not ok:
-        raise RuntimeSetupError(reason)
+def _check_plan(plan: Plan, asks: dict[str, Any] | None = None) -> None:
+    """Refuse what the runtime cannot run: exactly `plait.runtime.supports`' verdict and reason,
+    or, given what the run asks (`asks`: its engine, dtype and checkpoints), `engine_for`'s -- the
+    workers' own verdict (a ZeRO-3 pipeline that asks for engine=plait, say)."""
+    verdict = engine_for(plan, asks)  # without `asks`: `supports(plan)`
+    if not verdict.ok:
+        raise RuntimeSetupError(verdict.reason)
 
 
 def _check_resumable(root: Path) -> None:
@@ -285,7 +287,7 @@ def run(model: str | ModelSpec, cluster: ClusterSource | None = None, plan: Plan
     `watch()` is called about every half second while the workers run; a message it returns stops
     every rank and raises RunFailure (kind "stopped"): how the recovery driver (`plait.recover`)
     stops a live job it has diagnosed."""
-    plan_obj, spec_string = _check_inputs(model, plan, steps, training, checkpoint, faults)
+    plan_obj, spec_string = _check_inputs(model, plan, steps, training, checkpoint, faults, launch)
     prep = _resolve(plan_obj, spec_string, cluster, training, checkpoint, launch, records)
     # An injected node uplink becomes the link faults of the rank pairs crossing that node.
     faults = dataclasses.replace(faults, inject=faults.injection().on_nodes([int(i["node"]) for i in prep.layout]))
@@ -323,10 +325,12 @@ class _Prepared:
 
 
 def _check_inputs(model: str | ModelSpec, plan: PlanSource, steps: int, training: TrainingConfig,
-                  checkpoint: CheckpointConfig, faults: FaultsConfig) -> tuple[Plan, str]:
+                  checkpoint: CheckpointConfig, faults: FaultsConfig,
+                  launch: LaunchConfig | None = None) -> tuple[Plan, str]:
     """Phase 1: what the configs cannot check alone (the plan, the model, the resume directory)."""
     plan_obj = Plan.load(plan)
-    _check_plan(plan_obj)
+    _check_plan(plan_obj, None if launch is None else
+                {"engine": launch.engine, "dtype": training.dtype, "checkpoint": checkpoint.dir is not None})
     faults.check_world(plan_obj.world_size)
     if steps < 1:
         raise RuntimeSetupError(f"steps must be >= 1, got {steps}")

@@ -268,8 +268,9 @@ ENGINES: dict[str, str] = {
     "compose": "plait.runtime.compose_worker (pipeline stages that each run an SPMD program)",
     "spmd": "plait.runtime.spmd_worker (one op-level SPMD program)",
     "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
-    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2; asked for, "
-             "tensor parallelism on DTensor and chain pipelines on torch.distributed.pipelining)",
+    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, chain pipelines "
+             "on torch.distributed.pipelining with DDP or FSDP2 over each stage's replicas; asked for, "
+             "tensor parallelism on DTensor)",
 }
 
 
@@ -321,7 +322,20 @@ def engine_for(plan: PlanSource, run: WorkerConfig | Mapping[str, Any] | None = 
     if not ok:
         return EngineVerdict(None, why, why)
     not_torch = torch_runs(plan, _RunAsks.of(run))
+    if not_torch and (why := _torch_only(plan)):  # plait's own engine does not run it either
+        return EngineVerdict(None, f"{why}; the torch engine does not run it here: {not_torch}", not_torch)
     return EngineVerdict("torch" if not not_torch else engine, "", not_torch)
+
+
+def _torch_only(plan: Plan) -> str:
+    """Why plait's own engine (`plait.runtime.worker`) does not run a plan that the torch engine
+    runs when `torch_runs` lets it; "" when plait's own engine runs it."""
+    if plan.zero >= 3 and plan.pp > 1 and not plan.stages:
+        # As DeepSpeed: plait's own executors gather no parameters per layer and micro-batch inside a
+        # pipeline schedule; torch's FSDP2 does (`torch_worker._build_pipeline`).
+        return (f"plan field 'zero': zero={plan.zero} (parameters sharded) with pp={plan.pp} runs on the torch "
+                "engine only (FSDP2 on torch's pipelining), not on plait's own")
+    return ""
 
 
 def torch_runs(plan: Plan, run: _RunAsks) -> str:
@@ -350,9 +364,21 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
 
 
 def _torch_pipeline_runs(plan: Plan, run: _RunAsks) -> str:
-    """"" when torch's pipelining (`parallelize.apply_pp`) runs the chain pipeline `plan`, else why not."""
-    if plan.tp != 1 or plan.zero:
-        return f"torch's pipelining runs with tp=1 and zero=0 here, the plan has tp={plan.tp}, zero={plan.zero}"
+    """"" when torch's pipelining (`parallelize.apply_pp`) runs the chain pipeline `plan`, else why not.
+
+    ZeRO-1/2/3 shard each stage over its replicas with FSDP2 (`torch_worker._build_pipeline`): at
+    ZeRO-1/2 each unit gathers and reduce-scatters once a step, whatever a replica's micro-batch
+    count; at ZeRO-3 every micro-batch gathers and reduce-scatters, so the replicas of a stage must
+    run as many micro-batches as each other (plait's own engine, which the non-pipeline torch path
+    follows, would run ghost micro-batches: not on a pipeline's schedule yet)."""
+    if plan.tp != 1:
+        return f"torch's pipelining runs with tp=1 here, the plan has tp={plan.tp}"
+    if plan.zero >= 3 and plan.dp > 1:
+        counts = [len(replica_micro_batches(plan, 0, d)) for d in range(plan.dp)]
+        if len(set(counts)) > 1:
+            return (f"plan field 'dp_shares': with zero={plan.zero} every replica of a pipeline stage joins FSDP2's "
+                    f"gathers and reduce-scatters of each micro-batch, and the replicas run {counts} micro-batches "
+                    "(give them shares of equally many micro-batches)")
     return ""
 
 
@@ -391,10 +417,11 @@ def _supports_pipeline(plan: Plan) -> tuple[bool, str]:
         if len(sinks) != 1:
             return False, (f"plan field 'stage_edges': the runtime needs one sink stage (it computes the loss), "
                            f"the graph has {len(sinks)}")
-    if plan.zero >= 3 and (plan.pp > 1 or plan.stages):
-        # As DeepSpeed: per-layer parameter gathers per micro-batch do not mix with pipeline schedules.
-        return False, (f"plan field 'zero': zero={plan.zero} (parameters sharded) runs with pp=1 only, "
-                       f"the plan has pp={plan.pp}; use zero=1 or zero=2 with pipeline parallelism")
+    if plan.zero >= 3 and plan.stages:
+        # As DeepSpeed: plait's own executors gather no parameters per layer and micro-batch inside a
+        # pipeline schedule; a chain pipeline's ZeRO-3 runs on the torch engine (`_torch_only`).
+        return False, (f"plan field 'zero': zero={plan.zero} (parameters sharded) runs with a stage graph's "
+                       "stages on no engine; use zero=1 or zero=2 with a stage graph, or a chain pipeline (pp)")
     if plan.schedule == "interleaved" and plan.virtual_stages > 1:
         for d, n in enumerate(plan.samples_per_replica()):
             m = -(-n // plan.micro_batch) if n else 0

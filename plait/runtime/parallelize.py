@@ -7,7 +7,7 @@
 * `apply_fsdp`: FSDP2 `fully_shard` for ZeRO-1/2/3 -- parameters resharded after forward only at
   ZeRO-3 (torchtitan's mapping: ZeRO-1/2 keep them gathered until backward; FSDP2 always shards
   gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
-  `grad_reduce_dtype`;
+  `grad_reduce_dtype`; also each pipeline stage's module over that stage's replicas;
 * `apply_pp`: pipeline stages on `torch.distributed.pipelining` over "pp" -- each of the rank's
   model pieces (the plan's layer split, `layout.split_model`) a `PipelineStage`, run in the order
   of plait's schedule for the plan's (gpipe, 1f1b, interleaved: `plait.schedule`'s action lists)
@@ -104,19 +104,22 @@ def mixed_precision(plan: Plan, dtype: str | None = None) -> MixedPrecisionPolic
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module],
-               group: "Group | None" = None, dtype: str | None = None) -> nn.Module:
+               group: "Group | None" = None, dtype: str | None = None, root: str = "root",
+               names: dict[int, str] | None = None) -> nn.Module:
     """FSDP2 over the "dp" dim: each block a unit of its own (its parameters gathered and its
     gradients reduce-scattered together), then the root for what the blocks leave. With `group`
     (the facade's "dp" group) every unit's all-gathers and reduce-scatters go through it
-    (`comm.RecordedAllGather`, `comm.RecordedReduceScatter`: recorded, slowed by link faults)."""
+    (`comm.RecordedAllGather`, `comm.RecordedReduceScatter`: recorded, slowed by link faults; a
+    block by its name in `model` or `names` (id of the block -> name), the root as `root`). A pipeline stage's module is sharded over
+    its stage's replicas the same way (the mesh's "dp" dim holds the ranks of this rank's stage)."""
     kwargs = {"mesh": mesh["dp"], "reshard_after_forward": plan.zero >= 3, "mp_policy": mixed_precision(plan, dtype)}
-    names = {id(m): n for n, m in model.named_modules()}
+    names = names or {id(m): n for n, m in model.named_modules()}
     units = []
     for block in blocks:
         fully_shard(block, **kwargs)
         units.append((names[id(block)], block))
     fully_shard(model, **kwargs)
-    units.append(("root", model))
+    units.append((root, model))
     if group is not None:
         for name, unit in units:
             unit.set_custom_all_gather(RecordedAllGather(group, name))  # type: ignore[operator]

@@ -118,7 +118,8 @@ def action_schedule_type() -> type[PipelineScheduleMulti]:
                     else:
                         backwards[stage.stage_index] += 1
                         last = backwards[stage.stage_index] == self._n_microbatches
-                        # DDP under the stage reduces its gradients in the stage's last backward
+                        # DDP under the stage (FSDP2 at ZeRO-1/2: torch_worker's stage) reduces its gradients in
+                        # the stage's last backward
                         stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), full_backward=True,
                                                  last_backward=last)
                     k += 1

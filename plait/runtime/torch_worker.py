@@ -2,12 +2,26 @@
 torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
 plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 (`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
-each stage's replicas, plait's schedule order with every message through the communication facade
-(`torch_schedule.ActionSchedule`), the tied embedding's gradients summed across stages, clipping
-global over the job); and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
-plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers).
-Every rank writes and resumes checkpoints in the one DCP format (`_save_checkpoint`): whole
-parameters, or a DTensor's shard (FSDP2's, DTensor's) at its place in the whole tensor.
+each stage's replicas or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
+message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
+gradients summed across stages, clipping global over the job); and, asked for
+(`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel plan on DTensor (`parallelize.apply_tp`:
+colwise / rowwise linears in the transformer layers). Every rank writes and resumes checkpoints in
+the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's)
+at its place in the whole tensor.
+
+ZeRO with pipelines (as torchtitan runs FSDP with PP): each stage's module is sharded over the
+stage's replicas (the mesh's "dp" dim), a unit per transformer layer that shares no parameter with
+another layer (`fsdp_units` of the whole model) and the stage's root for the rest (the embedding,
+or the LM head tied to it: its gradient shards summed across the stages, `_sync_tied_shards`). The
+stages' backwards run FSDP2's own hooks (`_spanned_stage_type`, not torch's stage, which defers
+FSDP2's reduction to a REDUCE_GRAD action its PipelineScheduleMulti does not run): ZeRO-3 gathers
+a unit in every micro-batch's forward and backward and reduce-scatters every micro-batch (so the
+replicas must run as many micro-batches: `layout._torch_pipeline_runs`); ZeRO-1/2 keep the
+parameters gathered and the gradients whole from the step's first forward to the stage's last
+backward, which reduce-scatters once -- the same collectives on every replica whatever its
+micro-batch count. torch's shape inference on the first step runs each stage's forward (the last
+stage's backward too) once more: its gathers are in step 0's records.
 `plait.runtime.layout.engine_for` says which plans it runs; the others stay on plait's own
 executors (`plait.runtime.worker`).
 
@@ -181,7 +195,8 @@ class TorchWorker(RankConfig):
         self.pipelined = plan.pp > 1
         self.injection = config.faults.inject
         self.cuda = config.cuda
-        self.fsdp = self.plan.zero >= 1
+        # ZeRO on FSDP2; a pipeline's stages are sharded over their replicas (none with dp = 1)
+        self.fsdp = plan.zero >= 1 and (plan.dp > 1 or not self.pipelined)
 
     # ------------------------------------------------------------------ setup
     def _init_dist(self) -> None:
@@ -250,12 +265,17 @@ class TorchWorker(RankConfig):
 
     def _build_pipeline(self, model: nn.Module) -> None:
         """This rank's pieces of a chain pipeline plan (the plan's layer split, `layout.split_model`),
-        each a torch `PipelineStage` (under DDP over its replicas when dp > 1: torch's stage holds the
-        all-reduce back to the last micro-batch) run by torch's schedule for the plan's
-        (`parallelize.apply_pp`); groups that sum tied parameters' gradients across the pipeline ranks
-        that hold them (the pipeline engine's, Megatron's embedding group)."""
+        each a torch `PipelineStage` run by torch's schedule for the plan's (`parallelize.apply_pp`),
+        over its replicas when dp > 1 under DDP (torch's stage holds the all-reduce back to the last
+        micro-batch) or, at ZeRO-1/2/3, sharded by FSDP2 (`parallelize.apply_fsdp` over the stage's
+        replicas: a unit per transformer layer of the stage that shares no parameter with another
+        layer -- `fsdp_units` of the whole model -- and the stage's root for the rest, a tied
+        embedding or LM head included; the stage's backwards as `_spanned_stage_type` says); groups
+        that sum tied parameters' gradients across the pipeline ranks that hold them (the pipeline
+        engine's, Megatron's embedding group)."""
         plan, config = self.plan, self.config
         lay = pipeline_layout(plan)
+        units = {id(m) for m in fsdp_units(model)} if self.fsdp else set()
         stages = split_model(model, plan, lay, self.spec)
         mine = {lay.node_of(self.p, c): stages[lay.node_of(self.p, c)] for c in range(lay.chunks)}
         for node, st in mine.items():
@@ -268,6 +288,11 @@ class TorchWorker(RankConfig):
         self.layers = [name for st in mine.values() for name in st.layers]
         self._tie_stages(stages, lay.num_stages)
         apply_ac([m for st in mine.values() for _, m in layer_modules(st.module)], plan.recompute)
+        before = {node: dict(st.module.named_parameters()) for node, st in mine.items()}
+        if self.fsdp and len({id(prm) for ps in before.values() for prm in ps.values()}) < \
+                sum(len(ps) for ps in before.values()):
+            raise RuntimeSetupError(f"model {config.model}: two of pipeline rank {self.p}'s stages share a parameter, "
+                                    "which FSDP2 shards in one unit only; run it with zero=0")
         modules: dict[int, nn.Module] = {}
         for node, st in mine.items():
             st.module.to(self.device)
@@ -279,12 +304,23 @@ class TorchWorker(RankConfig):
                 st.module.register_forward_pre_hook(_contiguous_input_grads)
             # the last stage's output (a dict of an HF model, say) as the tuple of tensors torch's
             # stages carry, rebuilt for the loss (`_pipeline_loss`); inside DDP, whose no_sync torch's
-            # stage finds on the module it holds
+            # stage finds on the module it holds (and inside FSDP2's root)
             module: nn.Module = st.module if node < lay.num_nodes - 1 else _TensorOutputs(st.module)
             if node == lay.num_nodes - 1:
                 self.outputs = module
-            modules[node] = apply_ddp(module, self.mesh, plan, self.dp_group, dtype=config.dtype) \
-                if plan.dp > 1 else module
+            if self.fsdp:
+                blocks = [m for m in st.module.modules() if id(m) in units]
+                modules[node] = apply_fsdp(module, self.mesh, plan, blocks, self.dp_group, dtype=config.dtype,
+                                           root=f"stage{node}", names={id(m): n for n, m in st.module.named_modules()})
+            else:
+                modules[node] = apply_ddp(module, self.mesh, plan, self.dp_group, dtype=config.dtype) \
+                    if plan.dp > 1 else module
+        # FSDP2 put sharded parameters (DTensors) in the stages' modules: the tied groups and copy
+        # counts follow them
+        new = {id(prm): dict(st.module.named_parameters())[name]
+               for node, st in mine.items() for name, prm in before[node].items()}
+        self.tied = [([new[id(prm)] for prm in prms], group) for prms, group in self.tied]
+        self.copies = {id(new[k]): n for k, n in self.copies.items() if k in new}
         self.model = merge_modules([st.module for st in mine.values()])  # parameters under their own names
         self.params = list(dict.fromkeys(prm for prm in self.model.parameters() if prm.requires_grad))
         self.param_count = sum(prm.numel() for prm in self.params)
@@ -298,7 +334,8 @@ class TorchWorker(RankConfig):
                            for node, st in mine.items()}
         self.lay = lay
         self.schedule = apply_pp(modules, self.mesh, plan, self.device, self._pipeline_loss, len(mbs), self.comm,
-                                 stage_type=partial(_spanned_stage_type(), span=self._stage_span))
+                                 stage_type=partial(_spanned_stage_type(), span=self._stage_span,
+                                                    sync_every_backward=plan.zero >= 3))
         if config.clip_grad:  # the global norm over every rank, each tied copy and replica counted once
             weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) for prm in self.params}
             self.clipper = GradClipper(config.clip_grad, weights, group=self.comm.world_group)
@@ -387,6 +424,9 @@ class TorchWorker(RankConfig):
         # op of every parameter (bench/torch_engine.py: that made the optimizer ~10x slower on CPU).
         self.locals = [_local(prm).detach() for prm in self.params]
         self.optimizer = make_optimizer(self.locals, config.optimizer)
+        if self.clipper is not None and self.fsdp:  # it clips the shards (`_optimizer_step`)
+            self.clipper.weights = {id(loc): self.clipper.weight(prm) for prm, loc in zip(self.params, self.locals,
+                                                                                         strict=True)}
         # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
         self.scaler = DynamicLossScaler.from_string(os.environ.get(SCALE_ENV)) if config.dtype == "fp16" else None
         self.scales: list[float] = []
@@ -418,7 +458,10 @@ class TorchWorker(RankConfig):
             self.scales.append(self.scaler.scale)
         loss_sum = self._pipeline_accumulate(step, mbs, data) if self.pipelined else self._accumulate(step, mbs, data)
         if self.tied:  # a tied embedding and LM head: the stages' gradients summed (after DDP's mean)
-            sync_tied_grads(self.tied, reduce_dtype(self.plan, self.config.dtype))
+            if self.fsdp:  # FSDP2's shards: replica d of each stage holds the same rows (Shard(0) over dp)
+                _sync_tied_shards(self.tied, reduce_dtype(self.plan, self.config.dtype))
+            else:
+                sync_tied_grads(self.tied, reduce_dtype(self.plan, self.config.dtype))
         for prm in self.head_local:  # each rank's gradient is its heads' part: summed
             if prm.grad is not None:
                 self.comm.group("tp").all_reduce(prm.grad, "allreduce tp head-local grads", "comm_tp")
@@ -438,7 +481,11 @@ class TorchWorker(RankConfig):
         if self.scaler is not None:
             self.scaler.update(step)
         self._set_lr(step)
-        if self.clipper is not None and not skip:  # a pipeline: each rank holds some of the parameters
+        if self.clipper is not None and not skip and self.fsdp:  # a pipeline's FSDP2 shards: disjoint
+            for prm, loc in zip(self.params, self.locals, strict=True):
+                loc.grad = _local(prm.grad) if prm.grad is not None else None
+            self.clipper.clip_params(self.locals, 1)
+        elif self.clipper is not None and not skip:  # a pipeline: each rank holds some of the parameters
             self.clipper.clip_params(self.params, self.plan.dp)
         elif self.config.clip_grad and not skip:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad)
@@ -498,8 +545,9 @@ class TorchWorker(RankConfig):
     def _pipeline_accumulate(self, step: int, mbs: list[MicroBatch],
                              data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]) -> torch.Tensor:
         """One step of the pipeline over the replica's micro-batches in the order of plait's schedule
-        (`torch_schedule.ActionSchedule`; gradients accumulated, DDP's all-reduce in each stage's last
-        backward): the first stage is given the replica's inputs, the last its targets, concatenated;
+        (`torch_schedule.ActionSchedule`; gradients accumulated, DDP's all-reduce or FSDP2's ZeRO-1/2
+        reduce-scatter in each stage's last backward, ZeRO-3's in every backward): the first stage is
+        given the replica's inputs, the last its targets, concatenated;
         the schedule cuts them into the same micro-batches again. Returns the replica's
         share of the global batch's loss (on the last stage)."""
         plan, lay = self.plan, self.lay
@@ -681,6 +729,23 @@ class TorchWorker(RankConfig):
         self.comm.close()
 
 
+def _sync_tied_shards(tied: list[tuple[list[nn.Parameter], Group]], dtype: torch.dtype | None) -> None:
+    """`data_parallel.sync_tied_grads` on FSDP2's gradient shards: replica d of every stage that holds
+    a tied tensor holds the same rows of it (FSDP2 shards dim 0 over the stage's replicas, as many on
+    each stage), so summing the local shards over the tied group sums the stages' gradients."""
+    for params, group in tied:
+        for prm in params:
+            if prm.grad is None:
+                prm.grad = torch.zeros_like(prm)
+        grads = [_local(prm.grad) for prm in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        group.all_reduce(flat, "allreduce tied", "comm_dp", dtype=dtype)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def _stage_args(stage: Stage, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     """The model inputs a pipeline stage reads, in its argument order (a *args placeholder takes the rest)."""
     if stage.data_inputs is None:
@@ -726,13 +791,17 @@ def _spanned_stage_type() -> Callable[..., PipelineStage]:
     """`PipelineStage` whose forward and backward of each micro-batch run inside a span (`span`:
     (op, stage index, micro-batch) -> context manager), built on first use: torch's pipelining takes
     ~0.6 s to import."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import stage_backward
     from torch.nn.parallel import DistributedDataParallel
 
     class SpannedStage(PipelineStage):
-        def __init__(self, *args: Any, span: Callable[[str, int, int], Any], **kwargs: Any) -> None:
+        def __init__(self, *args: Any, span: Callable[[str, int, int], Any], sync_every_backward: bool = False,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._span = span
+            self._sync_every_backward = sync_every_backward
 
         def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...],
                               kwargs: dict[str, Any] | None = None, save_forward_output: bool = True) -> Any:
@@ -751,6 +820,26 @@ def _spanned_stage_type() -> Callable[..., PipelineStage]:
                                last_backward: bool = False) -> None:
             with self._span("bwd", self.stage_index, bwd_chunk_id):
                 super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict[str, Any],
+                                       last_backward: bool = False) -> Any:
+            # torch's stage runs an FSDP2 module's backwards without reduction or resharding and
+            # leaves both to a REDUCE_GRAD action (`perform_reduce_grad`) that its
+            # PipelineScheduleMulti does not run. Here FSDP2's own hooks do them, as in the
+            # non-pipeline engine (`TorchWorker._accumulate`): at ZeRO-3 every backward reduce-scatters
+            # its gradients and reshards (a layer's gathered parameters live for one micro-batch);
+            # at ZeRO-1/2 the gradients accumulate whole and the parameters stay gathered until the
+            # stage's last backward (`last_backward`, from `torch_schedule.ActionSchedule`), which
+            # reduce-scatters once and reshards, so every replica joins the same collectives.
+            if not isinstance(self.submod, FSDPModule):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            if backward_type != "full":
+                raise RuntimeSetupError(f"FSDP2 pipeline stages run full backwards only, not {backward_type!r}")
+            sync = self._sync_every_backward or last_backward
+            self.submod.set_requires_gradient_sync(sync)
+            self.submod.set_reshard_after_backward(sync)
+            return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                  bwd_kwargs["input_values"]), None
 
     return SpannedStage
 
