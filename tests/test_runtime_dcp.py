@@ -180,6 +180,14 @@ def test_fsdp2_checkpoint_holds_the_whole_state_and_resumes_under_ddp(reference:
                           LaunchConfig(timeout=120), "dp=2,micro_batch=2," + FP32)
 
 
+def test_fsdp2_pipeline_checkpoint_holds_the_whole_state_and_resumes_without_pipeline(reference: list[Any],
+                                                                                     tmp_path: Path) -> None:
+    """ZeRO-3 on a 2-stage pipeline (FSDP2 over each stage's 2 replicas, the tied embedding in both
+    stages' roots: written by the first stage), into ZeRO-3 without pipeline."""
+    _save_resume_and_move(tmp_path, reference, "pp=2,dp=2,zero=3,micro_batch=1," + FP32, LaunchConfig(timeout=120),
+                          "dp=2,zero=3,micro_batch=2," + FP32)
+
+
 @pytest.mark.slow
 def test_dtensor_checkpoint_holds_the_whole_state_and_resumes_under_fsdp2(reference: list[Any],
                                                                           tmp_path: Path) -> None:

@@ -102,7 +102,6 @@ def test_run_refuses_before_any_process_starts(tmp_path):
 
 @pytest.mark.parametrize("run, why", [
     ({"engine": "plait"}, "engine=plait"),
-    ({"checkpoint": {"dir": "ck", "every": 1}}, "checkpoints of FSDP2"),
 ])
 def test_zero3_pipelines_run_on_the_torch_engine_only(run, why):
     """issue 29: FSDP2 shards a ZeRO-3 pipeline's stages (torch's engine); plait's own engine never
@@ -149,6 +148,8 @@ def test_the_run_config_can_keep_a_plan_on_plaits_engine(run, engine, why):
 def test_fsdp2_and_dtensor_checkpoints_run_on_torch_modules():
     ck = {"checkpoint": {"dir": "ck", "every": 1}}
     assert engine_for(Plan(dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32"), ck).engine == "torch"
+    for zero in (1, 3):  # a pipeline's FSDP2 shards too
+        assert engine_for(Plan(dp=2, pp=2, zero=zero, micro_batch=2, global_batch=8, dtype="fp32"), ck).engine == "torch"
     assert engine_for(Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {**ck, "engine": "torch"}).engine == "torch"
 
 

@@ -358,8 +358,6 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
-    if run.checkpoints and plan.zero and plan.pp != 1:
-        return "checkpoints of a pipeline's FSDP2 state are not yet written by the torch engine"
     return ""
 
 
