@@ -268,8 +268,8 @@ ENGINES: dict[str, str] = {
     "compose": "plait.runtime.compose_worker (pipeline stages that each run an SPMD program)",
     "spmd": "plait.runtime.spmd_worker (one op-level SPMD program)",
     "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
-    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2; asked for, "
-             "tensor parallelism on DTensor and chain pipelines on torch.distributed.pipelining)",
+    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, tensor "
+             "parallelism on DTensor, chain pipelines on torch.distributed.pipelining)",
 }
 
 
@@ -333,12 +333,8 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return "an SPMD program or a stage graph runs on plait's own engines"
     if plan.pp != 1 and (why := _torch_pipeline_runs(plan, run)):
         return why
-    if plan.tp != 1:
-        if run.engine != "torch":
-            return (f"tensor parallelism (tp={plan.tp}) on DTensor does not record its collectives yet; "
-                    "it runs there when the run asks for engine=torch")
-        if plan.dp != 1 or plan.zero or plan.sequence_parallel or plan.tp_ratios:
-            return "tensor parallelism on DTensor runs with dp=1, zero=0, no sequence parallelism, even shards"
+    if plan.tp != 1 and (why := _torch_tensor_parallel_runs(plan)):
+        return why
     dtype = run.dtype or plan.dtype
     if dtype not in ("fp32", "tf32") and plan.tp != 1:
         return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
@@ -346,6 +342,18 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     if run.checkpoints and (plan.zero or plan.tp != 1):
         return "checkpoints of FSDP2 and DTensor state are not yet written by the torch engine (DDP's and pipelines' are)"
+    return ""
+
+
+def _torch_tensor_parallel_runs(plan: Plan) -> str:
+    """"" when DTensor's tensor parallelism (`parallelize.apply_tp`, its collectives recorded through
+    `recorded_pg`) runs the tp > 1 plan `plan`, else why not."""
+    if plan.tp_ratios and len(set(plan.tp_ratios)) > 1:
+        return (f"uneven tensor shards (tp_ratios={plan.tp_ratios}) run on plait's own engine: DTensor shards "
+                "every dimension evenly")
+    if plan.dp != 1 or plan.zero or plan.sequence_parallel:
+        return (f"tensor parallelism on DTensor runs with dp=1, zero=0 and no sequence parallelism here, the plan "
+                f"has dp={plan.dp}, zero={plan.zero}, sequence_parallel={plan.sequence_parallel}")
     return ""
 
 

@@ -4,8 +4,10 @@ plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 (`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
 each stage's replicas, plait's schedule order with every message through the communication facade
 (`torch_schedule.ActionSchedule`), the tied embedding's gradients summed across stages, clipping
-global over the job); and, asked for (`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel
-plan on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers).
+global over the job); and a tensor-parallel plan (dp = 1, zero = 0, no sequence parallelism, even
+shards, fp32) on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in the transformer
+layers), every collective DTensor issues recorded through the facade: the mesh's "tp" dim is a
+`recorded_pg.RecordedProcessGroup`.
 DDP and pipeline ranks write and resume checkpoints in the one DCP format (`_save_checkpoint`).
 `plait.runtime.layout.engine_for` says which plans it runs; the others stay on plait's own
 executors (`plait.runtime.worker`).
@@ -222,7 +224,8 @@ class TorchWorker(RankConfig):
                 & set(TP_ALONE_ROLES)
             if alone:
                 raise RuntimeSetupError(f"model {config.model}: its plan cuts {sorted(alone)} modules, which the torch "
-                                        "engine's DTensor tensor parallelism does not; run it without engine=torch")
+                                        "engine's DTensor tensor parallelism does not; run it with engine=plait "
+                                        "(plait's own engine cuts them)")
             apply_tp(model, self.mesh, tp_layers)
             # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm)
             self.head_local = [prm for _, layer in tp_layers for prm in head_local_params(layer, {})]
@@ -233,7 +236,7 @@ class TorchWorker(RankConfig):
         if self.fsdp:
             self.runner: nn.Module = apply_fsdp(model, self.mesh, plan, fsdp_units(model), self.dp_group,
                                                 dtype=config.dtype)
-        elif plan.tp > 1:
+        elif plan.tp > 1 and plan.dp == 1:
             self.runner = model
         else:
             self.runner = apply_ddp(model, self.mesh, plan, self.dp_group, dtype=config.dtype)
