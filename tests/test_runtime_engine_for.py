@@ -133,6 +133,11 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline", "tp=2"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"checkpoint": {"dir": "ck", "every": 1}},
      "pipeline", "checkpoints of FSDP2 and DTensor"),
+    # the run's model counts too: its cut must be DTensor's (here: whole heads on each rank)
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=1,hidden=16,heads=4,seq=4,vocab=8"},
+     "torch", ""),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=1,hidden=12,heads=3,seq=4,vocab=8"},
+     "pipeline", "3 heads, not divisible by tp=2"),
 ])
 def test_tensor_parallelism_runs_on_dtensor_by_default(plan, run, engine, why):
     verdict = engine_for(plan, run)

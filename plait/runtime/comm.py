@@ -630,9 +630,10 @@ class Comm:
                                       key=key or f"{op} {group.name}", name=name, step=step, injected_s=injected))
 
     def _call_async(self, group: Group, op: str, nbytes: int, name: str, category: str,
-                    start: Callable[[], Any], key: str | None = None) -> torch.futures.Future[Any]:
+                    start: Callable[[], Any], key: str | None = None, span: bool = True
+                    ) -> torch.futures.Future[Any]:
         """`_call` for a call that returns a work: link faults delay its start and stretch it
-        before its future completes; its record and span are written at completion."""
+        before its future completes; its record and span (unless not `span`) are written at completion."""
         seq = self._next_seq(group.name)
         t_enq = time.perf_counter()
         step = self.rec.step if self.rec is not None else None
@@ -664,7 +665,7 @@ class Comm:
                 self.log.write(CommRecord(rank=self.rank, group=group.name, op=op, bytes=nbytes, seq=seq,
                                           t_enqueue=t_enq, t_start=t_start, t_end=t_end, key=key, name=name,
                                           step=step, injected_s=extra))
-            if self.rec is not None:
+            if self.rec is not None and span:
                 self.rec.comm_span(name, category, t_start, t_end, bytes=nbytes)
             return value
 

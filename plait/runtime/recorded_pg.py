@@ -15,7 +15,8 @@ does) registered as the c10d backend `BACKEND` (`dist.Backend.register_backend`)
   value is used);
 * goes through `Comm._call_async` on the facade group of the same name: one `CommRecord` per call
   in comm/rankN.jsonl, with `t_end` at the work's completion (not the call's return), its span on
-  the rank's timeline, link faults' delay before it starts and their stretch before its future
+  the rank's timeline (a call outside a step -- the parameters gathered for the results -- has
+  none, as the facade's barriers outside the measured iteration), link faults' delay before it starts and their stretch before its future
   completes, the injected skip / mismatch faults -- as every call of the runtime.
 
 A record's `name` says the op, the group and the phase: "allreduce tp fwd" (a forward's, or a
@@ -89,7 +90,10 @@ class RecordedProcessGroup(dist.ProcessGroup):
     def _record(self, op: str, nbytes: int, start: Callable[[], Any]) -> Any:
         g = self._group
         phase = "bwd" if torch._C._current_autograd_node() is not None else "fwd"
-        fut = g.comm._call_async(g, op, nbytes, f"{op.replace('_', '')} {g.name} {phase}", self._category, start)
+        # outside a step (the parameters gathered for the results) recorded, not on the timeline
+        rec = g.comm.rec
+        fut = g.comm._call_async(g, op, nbytes, f"{op.replace('_', '')} {g.name} {phase}", self._category, start,
+                                 span=rec is not None and rec.step is not None)
         return _create_work_from_future(fut)
 
     # ------------------------------------------------------------------ collectives
