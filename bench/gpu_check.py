@@ -136,7 +136,7 @@ def engine_cases(model: str, cluster, gpus: int, global_batch: int, dtype: str) 
     return [("DDP", grid("dp=2,micro_batch=2"), "auto", dtype),
             ("FSDP2 (ZeRO-3)", grid("dp=2,zero=3,micro_batch=2"), "auto", dtype),
             ("DTensor TP (fp32)", dataclasses.replace(grid("tp=2,micro_batch=2"), dtype="fp32"), "torch", "fp32"),
-            ("plait TP", grid("tp=2,micro_batch=2"), "auto", dtype),
+            ("plait TP", grid("tp=2,micro_batch=2"), "plait", dtype),
             ("plait PP 1F1B", grid("pp=2,micro_batch=2,schedule=1f1b"), "auto", dtype),
             ("stage graph", graph, "auto", dtype),
             ("SPMD program", family("spmd"), "auto", dtype),

@@ -90,8 +90,10 @@ def test_data_parallel_records(dp_run: RunResult) -> None:
 
 
 def test_tensor_parallel_records(tmp_path: Path) -> None:
-    result = run(TINY, None, "tp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=1, launch=LaunchConfig(timeout=120),
-                 records=RecordsConfig(run_dir=tmp_path))
+    # plait's own tensor-parallel engine (Megatron's f and g by name); DTensor's records on the torch
+    # engine: tests/test_torch_engine.py
+    result = run(TINY, None, "tp=2,micro_batch=2,global_batch=4,dtype=fp32", steps=1,
+                 launch=LaunchConfig(timeout=120, engine="plait"), records=RecordsConfig(run_dir=tmp_path))
     files = _files(result)
     activation = 2 * SEQ * HIDDEN * 4  # one micro-batch's [s, b, h] fp32 activations
     for f in files.values():

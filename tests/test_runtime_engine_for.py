@@ -43,6 +43,7 @@ def _spmd() -> Plan:
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, grad_reduce_dtype="fp16"), "torch"),  # its reduce_dtype
     (Plan.from_dict({**_spmd().to_dict(), "grad_reduce_dtype": "bf16"}), "spmd"),  # its parameter gradients
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-1 on FSDP2
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # tensor parallel on DTensor
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
@@ -159,15 +160,26 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     assert engine_for(plan).engine == "pipeline" and "no samples" in engine_for(plan).not_torch
 
 
-@pytest.mark.parametrize("plan, run, engine", [
-    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "pipeline"),  # DTensor records: not yet
-    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch"),
-    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "pipeline"),  # not compared yet
-    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline"),
-    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {"engine": "torch"},
-     "pipeline"),
-    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline"),
+@pytest.mark.parametrize("plan, run, engine, why", [
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "torch", ""),  # DTensor, its calls recorded
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="tf32"), {}, "torch", ""),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "plait"}, "pipeline", "engine=plait"),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", tp_ratios=[0.75, 0.25]), {}, "pipeline",
+     "DTensor shards every dimension evenly"),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "pipeline", "dtype bf16"),
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "pipeline", "dp=2"),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
+     "sequence_parallel=True"),
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline", "tp=2"),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"checkpoint": {"dir": "ck", "every": 1}},
+     "pipeline", "checkpoints of FSDP2 and DTensor"),
+    # the run's model counts too: its cut must be DTensor's (here: whole heads on each rank)
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=1,hidden=16,heads=4,seq=4,vocab=8"},
+     "torch", ""),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=1,hidden=12,heads=3,seq=4,vocab=8"},
+     "pipeline", "3 heads, not divisible by tp=2"),
 ])
-def test_tensor_parallelism_runs_on_dtensor_when_asked(plan, run, engine):
+def test_tensor_parallelism_runs_on_dtensor_by_default(plan, run, engine, why):
     verdict = engine_for(plan, run)
-    assert verdict.engine == engine and (verdict.not_torch == "") == (engine == "torch")
+    assert verdict.engine == engine and (verdict.not_torch == "") == (engine == "torch") and why in verdict.not_torch
+    assert engine_of(plan, run) == engine

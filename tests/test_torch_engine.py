@@ -14,7 +14,14 @@ import torch
 
 from plait.ir.comm import read_comm_records
 from plait.runtime import engine_for
-from plait.runtime.api import LaunchConfig, RecordsConfig, RunResult, reference_run, run
+from plait.runtime.api import (
+    FaultsConfig,
+    LaunchConfig,
+    RecordsConfig,
+    RunResult,
+    reference_run,
+    run,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -50,6 +57,11 @@ def _calls(result: RunResult, rank: int, op: str) -> list:
     assert result.run_dir is not None
     records = read_comm_records(f"{result.run_dir}/comm/rank{rank}.jsonl").records
     return [r for r in records if r.op == op and r.step is not None]
+
+
+def _calls_any(result: RunResult, rank: int) -> list:
+    assert result.run_dir is not None
+    return [r for r in read_comm_records(f"{result.run_dir}/comm/rank{rank}.jsonl").records if r.step is not None]
 
 
 def _spans(result: RunResult, rank: int, step: int) -> Counter:
@@ -131,12 +143,12 @@ def test_zero12_on_fsdp2_equals_one_process(zero, shares, reference, tmp_path) -
 
 
 def test_tensor_parallel_on_dtensor_equals_one_process(reference, tmp_path) -> None:
-    """Asked for (engine=torch: DTensor's collectives are not recorded yet, so not the default), a
-    tp=2 plan runs with torch's ColwiseParallel / RowwiseParallel on the transformer layers."""
+    """By default a tp=2 plan runs with torch's ColwiseParallel / RowwiseParallel on the transformer
+    layers, every collective DTensor issues recorded through the facade (`recorded_pg`): one record
+    per call, with t_end at its completion, and its span."""
     plan = "tp=2,micro_batch=4," + FP32
-    assert engine_for(plan).engine == "pipeline" and "engine=torch" in engine_for(plan).not_torch
-    result = run(TINY, None, plan, steps=STEPS, launch=LaunchConfig(timeout=120, engine="torch"),
-                 records=RecordsConfig(return_params=True, run_dir=tmp_path / "run"))
+    assert engine_for(plan).engine == "torch" and engine_for(plan).not_torch == ""
+    result = _run(plan, tmp_path)
     _check_equal(result, reference)
     assert [(r.dp, r.tp) for r in result.ranks] == [(0, 0), (0, 1)]
     # each tensor rank holds half of every transformer linear's weight, the rest (embedding, norms) whole
@@ -144,3 +156,35 @@ def test_tensor_parallel_on_dtensor_equals_one_process(reference, tmp_path) -> N
     linears = sum(v.numel() for n, v in reference[1].items() if n.startswith("layers.") and ".ln" not in n
                   and not (n.endswith(".bias") and ("proj" in n or "fc2" in n)))
     assert result.ranks[0].params == result.ranks[1].params == full - linears // 2
+    # Megatron's count: per layer and micro-batch (2 a step) the row-parallel attention projection and
+    # fc2 all-reduce their outputs in forward, the column-parallel QKV and fc1 their inputs' gradients
+    # in backward; each a [4, 8, 16] fp32 activation. Nothing else crosses the tp group in a step.
+    for rank in (0, 1):
+        for step in range(STEPS):
+            calls = [r for r in _calls(result, rank, "all_reduce") if r.step == step]
+            assert all(r.group == "tp" and r.key == "all_reduce tp" and r.bytes == 4 * 8 * 16 * 4 for r in calls)
+            assert Counter(r.name for r in calls) == {"allreduce tp fwd": 2 * 4 * 2, "allreduce tp bwd": 2 * 4 * 2}
+            others = {(r.op, r.group) for r in _calls_any(result, rank) if r.step == step and r.key != "probe"}
+            assert others == {("all_reduce", "tp"), ("barrier", "world")}
+            assert all(r.t_enqueue <= r.t_start <= r.t_end and r.injected_s == 0 for r in calls)
+            assert _spans(result, rank, step)["comm_tp"] == len(calls)
+
+
+def test_a_slow_link_slows_dtensor_collectives_and_the_doctor_names_it(tmp_path) -> None:
+    """A link fault between the two tensor ranks (from step 3) delays every DTensor collective of
+    the tp group (recorded: injected_s, and t_end - t_enqueue holds it); the doctor reads the run and
+    names the link and its onset, nothing else."""
+    from plait.doctor import diagnose
+
+    result = run(TINY, None, "tp=2,micro_batch=4," + FP32, steps=6, launch=LaunchConfig(timeout=120),
+                 records=RecordsConfig(run_dir=tmp_path / "run", probe_every=1),
+                 faults=FaultsConfig(inject="link:ranks=0-1,delay=30ms,from=3"))
+    assert result.engine == "torch"
+    for rank in (0, 1):
+        calls = [r for r in _calls(result, rank, "all_reduce") if r.group == "tp"]
+        assert len(calls) == 6 * 32
+        for r in calls:
+            assert (r.injected_s >= 0.02 and r.t_end - r.t_enqueue >= 0.02) if r.step >= 3 else r.injected_s == 0
+    assert result.run_dir is not None
+    d = diagnose(Path(result.run_dir))
+    assert [(f.kind, f.ranks, f.step) for f in d.findings] == [("slow_link", (0, 1), 3)], d.findings

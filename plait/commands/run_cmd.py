@@ -76,9 +76,9 @@ def _add_training_setup_args(p: argparse.ArgumentParser) -> None:
     """Device, dtype, optimizer, training options, seeds and the dataset."""
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--engine", choices=("auto", "plait", "torch"), default="auto",
-                   help="auto: the engine plait.runtime.engine_for names; plait: plait's own executors; "
-                        "torch: torch's modules also where their records are not complete yet (DTensor "
-                        "tensor parallelism)")
+                   help="auto: the engine plait.runtime.engine_for names (torch's modules where they run the "
+                        "plan); plait: plait's own executors; torch: as auto (every plan torch's modules "
+                        "run, they run by default)")
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
                    help="override the plan's training dtype (fp32 is fastest on CPU)")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")

@@ -440,16 +440,31 @@ class Comm:
     def backend(self) -> str:
         return str(dist.get_backend()) if dist.is_initialized() else "none"
 
-    def build_mesh(self, device_type: str, dims: dict[str, int]) -> None:
+    def build_mesh(self, device_type: str, dims: dict[str, int], recorded: tuple[str, ...] = ()) -> None:
         """Named groups from one DeviceMesh over the grid `dims` (outermost first, e.g.
-        {"pp": 2, "dp": 2, "tp": 2}: rank = (p * dp + d) * tp + t)."""
+        {"pp": 2, "dp": 2, "tp": 2}: rank = (p * dp + d) * tp + t). In the mesh that torch's modules
+        get (`self.mesh`), the dims named in `recorded` (of size > 1) are process groups that record
+        every call made on them through this facade (`recorded_pg.RecordedProcessGroup`: DTensor's
+        functional collectives); the facade's own groups of those dims keep the plain groups."""
         from torch.distributed.device_mesh import init_device_mesh
 
         names = tuple(dims)
-        self.mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=names)
         for name in names:
-            ranks = [int(r) for r in self.mesh[name].mesh.reshape(-1).tolist()]
-            self._register(name, ranks, self.mesh.get_group(name))
+            ranks = [int(r) for r in mesh[name].mesh.reshape(-1).tolist()]
+            self._register(name, ranks, mesh.get_group(name))
+        if any(dims[name] > 1 for name in recorded):
+            from plait.runtime.recorded_pg import recorded_group
+
+            groups = []
+            for i, name in enumerate(names):
+                pg = mesh.get_group(name)
+                if name in recorded and dims[name] > 1:
+                    sets = mesh.mesh.movedim(i, -1).reshape(-1, dims[name]).tolist()
+                    pg = recorded_group(self.group(name), pg, sets, f"comm_{name}")
+                groups.append(pg)
+            mesh = DeviceMesh.from_group(groups, device_type, mesh=mesh.mesh, mesh_dim_names=names)
+        self.mesh = mesh
 
     def new_groups(self, name: str, rank_sets: list[list[int]]) -> Group | None:
         """Explicit groups for sets of ranks off the grid; every rank calls it with the same sets in
@@ -615,9 +630,10 @@ class Comm:
                                       key=key or f"{op} {group.name}", name=name, step=step, injected_s=injected))
 
     def _call_async(self, group: Group, op: str, nbytes: int, name: str, category: str,
-                    start: Callable[[], Any], key: str | None = None) -> torch.futures.Future[Any]:
+                    start: Callable[[], Any], key: str | None = None, span: bool = True
+                    ) -> torch.futures.Future[Any]:
         """`_call` for a call that returns a work: link faults delay its start and stretch it
-        before its future completes; its record and span are written at completion."""
+        before its future completes; its record and span (unless not `span`) are written at completion."""
         seq = self._next_seq(group.name)
         t_enq = time.perf_counter()
         step = self.rec.step if self.rec is not None else None
@@ -649,7 +665,7 @@ class Comm:
                 self.log.write(CommRecord(rank=self.rank, group=group.name, op=op, bytes=nbytes, seq=seq,
                                           t_enqueue=t_enq, t_start=t_start, t_end=t_end, key=key, name=name,
                                           step=step, injected_s=extra))
-            if self.rec is not None:
+            if self.rec is not None and span:
                 self.rec.comm_span(name, category, t_start, t_end, bytes=nbytes)
             return value
 

@@ -142,8 +142,8 @@ class LaunchConfig:
     engine: str = "auto"
     """auto (the engine `plait.runtime.engine_for` names: torch's modules where they run the plan
     with their records), plait (plait's own executors, e.g. to compare the two:
-    bench/torch_engine.py) or torch (torch's modules also where their records are not complete yet:
-    tensor parallelism on DTensor). `plait run --engine`."""
+    bench/torch_engine.py) or torch (as auto: since DTensor's collectives are recorded, every plan
+    torch's modules run, they run by default). `plait run --engine`."""
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:  # also rejects NaN

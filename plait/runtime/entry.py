@@ -10,7 +10,7 @@ the engine that runs its form (`engine_of`):
 * a composed plan (pipeline stages that run SPMD programs) -- `compose_worker.ComposeWorker`;
 * an op-level SPMD program (`Plan.spmd`) -- `spmd_worker.SpmdWorker`;
 * a plan that torch's modules run (`layout.torch_runs`) -- `torch_worker.TorchWorker` (DDP,
-  FSDP2, torch.distributed.pipelining; asked for, DTensor);
+  FSDP2, DTensor, torch.distributed.pipelining);
 * any other plan (3D grid, stage graph) -- the pipeline worker, `worker.Worker`.
 
 What the engines share lives in modules of their own (`worker_config`: the run's typed config;

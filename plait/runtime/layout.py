@@ -28,6 +28,7 @@ exactly what it refuses, with its reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,8 @@ from plait.ir.plan import Plan, PlanSource
 from plait.runtime.partition import (
     MicroBatch,
     Stage,
+    layer_modules,
+    load_model_spec,
     make_samples,
     replica_micro_batches,
     split_into_graph,
@@ -268,9 +271,9 @@ ENGINES: dict[str, str] = {
     "compose": "plait.runtime.compose_worker (pipeline stages that each run an SPMD program)",
     "spmd": "plait.runtime.spmd_worker (one op-level SPMD program)",
     "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
-    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, chain pipelines "
-             "on torch.distributed.pipelining with DDP or FSDP2 over each stage's replicas; asked for, "
-             "tensor parallelism on DTensor)",
+    "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, tensor "
+             "parallelism on DTensor, chain pipelines on torch.distributed.pipelining with DDP or FSDP2 "
+             "over each stage's replicas)",
 }
 
 
@@ -294,14 +297,15 @@ class _RunAsks:
     engine: str = "auto"  # LaunchConfig.engine
     dtype: str | None = None  # the training dtype; None: the plan's
     checkpoints: bool = False
+    model: str | None = None  # the model spec string; None: not known (its cut is not checked)
 
     @classmethod
     def of(cls, run: WorkerConfig | Mapping[str, Any] | None) -> _RunAsks:
         if run is None:
             return cls()
         if isinstance(run, Mapping):  # the same keys, by hand (tests, bench/gpu_check.py)
-            return cls(run.get("engine") or "auto", run.get("dtype"), bool(run.get("checkpoint")))
-        return cls(run.engine, run.dtype, run.checkpoint is not None)
+            return cls(run.get("engine") or "auto", run.get("dtype"), bool(run.get("checkpoint")), run.get("model"))
+        return cls(run.engine, run.dtype, run.checkpoint is not None, run.model)
 
 
 def engine_for(plan: PlanSource, run: WorkerConfig | Mapping[str, Any] | None = None) -> EngineVerdict:
@@ -347,17 +351,77 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return "an SPMD program or a stage graph runs on plait's own engines"
     if plan.pp != 1 and (why := _torch_pipeline_runs(plan, run)):
         return why
-    if plan.tp != 1:
-        if run.engine != "torch":
-            return (f"tensor parallelism (tp={plan.tp}) on DTensor does not record its collectives yet; "
-                    "it runs there when the run asks for engine=torch")
-        if plan.dp != 1 or plan.zero or plan.sequence_parallel or plan.tp_ratios:
-            return "tensor parallelism on DTensor runs with dp=1, zero=0, no sequence parallelism, even shards"
+    if plan.tp != 1 and (why := _torch_tensor_parallel_runs(plan) or (run.model and _dtensor_cut(run.model, plan.tp))):
+        return why
     dtype = run.dtype or plan.dtype
     if dtype not in ("fp32", "tf32") and plan.tp != 1:
         return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
+    return ""
+
+
+def _torch_tensor_parallel_runs(plan: Plan) -> str:
+    """"" when DTensor's tensor parallelism (`parallelize.apply_tp`, its collectives recorded through
+    `recorded_pg`) runs the tp > 1 plan `plan`, else why not."""
+    if plan.tp_ratios and len(set(plan.tp_ratios)) > 1:
+        return (f"uneven tensor shards (tp_ratios={plan.tp_ratios}) run on plait's own engine: DTensor shards "
+                "every dimension evenly")
+    if plan.dp != 1 or plan.zero or plan.sequence_parallel:
+        return (f"tensor parallelism on DTensor runs with dp=1, zero=0 and no sequence parallelism here, the plan "
+                f"has dp={plan.dp}, zero={plan.zero}, sequence_parallel={plan.sequence_parallel}")
+    return ""
+
+
+@functools.lru_cache(maxsize=16)
+def _dtensor_cut(model: str, tp: int) -> str:
+    """"" when DTensor's colwise / rowwise styles (`parallelize.apply_tp`) cut `model`'s transformer
+    layers as plait's own engine does at `tp`, else why not. They shard `nn.Linear` weights evenly and
+    change nothing else, so a layer must hold no other cut module with parameters of its own (experts,
+    Conv1D, a relative-position bias cut by heads), and no head count or head width stored as an
+    attribute (plait's engine sets those to this rank's, `tensor_parallel._localize_heads`; DTensor
+    would leave a module reshaping by the whole model's heads)."""
+    import torch
+
+    from plait.runtime.tensor_parallel import (
+        HEAD_ATTRS,
+        KV_HEAD_ATTRS,
+        WIDTH_ATTRS,
+        is_tensor_parallel_layer,
+    )
+
+    try:
+        spec = load_model_spec(model)
+        try:
+            built = spec.build(device="meta", dtype=torch.float32, seed=0)
+        except TypeError:
+            built = spec.build(device="meta", dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 -- any failure: plait's own engine runs it (and says what is wrong)
+        return f"model {model}: its tensor-parallel cut was not read on the meta device ({type(exc).__name__})"
+    for name, layer in layer_modules(built):
+        if not is_tensor_parallel_layer(layer):
+            continue
+        for sub, m in layer.named_modules():
+            where = ".".join(x for x in (name, sub) if x)
+            kind = getattr(m, "plait_tp", None)
+            if kind in ("column", "row") and not isinstance(m, nn.Linear):
+                return (f"model {model}: {where} ({type(m).__name__}, cut {kind}) is not an nn.Linear, which "
+                        "DTensor's colwise / rowwise styles cut; plait's own engine runs it")
+            if kind not in (None, "column", "row") and any(True for _ in m.parameters(recurse=False)):
+                return (f"model {model}: {where} (cut {kind!r}) holds parameters DTensor's colwise / rowwise "
+                        "styles do not cut; plait's own engine runs it")
+            attrs = [a for a in (*HEAD_ATTRS, *KV_HEAD_ATTRS, *WIDTH_ATTRS) if isinstance(getattr(m, a, None), int)]
+            if attrs:
+                return (f"model {model}: {where} keeps its head count or width as attributes ({', '.join(attrs)}), "
+                        "which plait's own engine sets to each rank's heads and DTensor does not; it runs there")
+            head_dim = getattr(m, "head_dim", None)
+            if kind == "sharded" and isinstance(head_dim, int) and head_dim > 0:
+                parent = sub.rsplit(".", 1)[0] if "." in sub else ""
+                rows = [r for n, r in layer.named_modules() if getattr(r, "plait_tp", None) == "row"
+                        and (n.rsplit(".", 1)[0] if "." in n else "") == parent and isinstance(r, nn.Linear)]
+                if rows and (rows[0].in_features // head_dim) % tp:
+                    return (f"model {model}: {where} has {rows[0].in_features // head_dim} heads, not divisible by "
+                            f"tp={tp} (DTensor would cut a head)")
     return ""
 
 

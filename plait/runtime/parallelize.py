@@ -52,8 +52,9 @@ _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
 
 def build_mesh(plan: Plan, comm: Comm, device_type: str = "cpu") -> DeviceMesh:
     """The plan's 3D grid as a named DeviceMesh, built by the communication facade (`Comm.build_mesh`:
-    its dims are the named, recorded groups "pp", "dp", "tp")."""
-    comm.build_mesh(device_type, dict(zip(MESH_DIMS, (plan.pp, plan.dp, plan.tp), strict=True)))
+    its dims are the named, recorded groups "pp", "dp", "tp"); its "tp" dim records every call DTensor
+    makes on it (`recorded_pg.RecordedProcessGroup`)."""
+    comm.build_mesh(device_type, dict(zip(MESH_DIMS, (plan.pp, plan.dp, plan.tp), strict=True)), recorded=("tp",))
     return comm.mesh
 
 
@@ -141,7 +142,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, layers: Iterable[tuple[str, nn.
             kind = getattr(m, "plait_tp", None)
             if isinstance(m, nn.Linear) and kind in ("column", "row"):
                 styles[f"{name}.{sub}"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
-    parallelize_module(model, mesh["tp"], styles)
+    # every rank built the same seeded model: each takes its own shard, no scatter from rank 0
+    parallelize_module(model, mesh["tp"], styles, src_data_rank=None)
     return sorted(styles)
 
 

@@ -4,9 +4,10 @@ plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 (`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
 each stage's replicas or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
-gradients summed across stages, clipping global over the job); and, asked for
-(`LaunchConfig(engine="torch")`, dp = 1), a tensor-parallel plan on DTensor (`parallelize.apply_tp`:
-colwise / rowwise linears in the transformer layers). Every rank writes and resumes checkpoints in
+gradients summed across stages, clipping global over the job); and a tensor-parallel plan (dp = 1,
+zero = 0, no sequence parallelism, even shards, fp32) on DTensor (`parallelize.apply_tp`: colwise /
+rowwise linears in the transformer layers), every collective DTensor issues recorded through the
+facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. Every rank writes and resumes checkpoints in
 the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's)
 at its place in the whole tensor.
 
@@ -238,7 +239,8 @@ class TorchWorker(RankConfig):
                 & set(TP_ALONE_ROLES)
             if alone:
                 raise RuntimeSetupError(f"model {config.model}: its plan cuts {sorted(alone)} modules, which the torch "
-                                        "engine's DTensor tensor parallelism does not; run it without engine=torch")
+                                        "engine's DTensor tensor parallelism does not; run it with engine=plait "
+                                        "(plait's own engine cuts them)")
             apply_tp(model, self.mesh, tp_layers)
             # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm)
             self.head_local = [prm for _, layer in tp_layers for prm in head_local_params(layer, {})]
@@ -249,7 +251,7 @@ class TorchWorker(RankConfig):
         if self.fsdp:
             self.runner: nn.Module = apply_fsdp(model, self.mesh, plan, fsdp_units(model), self.dp_group,
                                                 dtype=config.dtype)
-        elif plan.tp > 1:
+        elif plan.tp > 1 and plan.dp == 1:
             self.runner = model
         else:
             self.runner = apply_ddp(model, self.mesh, plan, self.dp_group, dtype=config.dtype)
