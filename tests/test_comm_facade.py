@@ -45,7 +45,10 @@ def test_the_scan_finds_direct_calls() -> None:
 
 
 def test_every_runtime_call_goes_through_the_facade() -> None:
-    offenders = {p.name: direct_calls(p.read_text()) for p in sorted(RUNTIME.glob("*.py")) if p.name != "comm.py"}
+    # recorded_pg is the facade's c10d backend: the groups DTensor's collectives reach (through torch)
+    # are made there, by Comm.build_mesh only
+    offenders = {p.name: direct_calls(p.read_text()) for p in sorted(RUNTIME.glob("*.py"))
+                 if p.name not in ("comm.py", "recorded_pg.py")}
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"torch.distributed called outside plait/runtime/comm.py: {offenders}"
     assert direct_calls((RUNTIME / "comm.py").read_text())  # the facade itself does call it

@@ -172,7 +172,7 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
      "sequence_parallel=True"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline", "tp=2"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"checkpoint": {"dir": "ck", "every": 1}},
-     "pipeline", "checkpoints of FSDP2 and DTensor"),
+     "torch", ""),  # DTensor's shards in the one DCP format
     # the run's model counts too: its cut must be DTensor's (here: whole heads on each rank)
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=1,hidden=16,heads=4,seq=4,vocab=8"},
      "torch", ""),

@@ -99,9 +99,9 @@ def test_engine_for_names_torch_when_asked_and_the_reason_otherwise() -> None:
     assert engine_for(f"{shares}0.75:0.25,zero=2").engine == "torch"
     verdict = engine_for(f"{shares}0.75:0.25,zero=3")
     assert verdict.engine is None and "plan field 'dp_shares'" in verdict.reason and "[3, 1]" in verdict.reason
-    # checkpoints of FSDP2 state are not written by the torch engine yet: ZeRO-1/2 on plait's own
-    assert engine_for(f"{shares}0.5:0.5,zero=1", {"checkpoint": True}).engine == "pipeline"
-    assert engine_for(f"{shares}0.5:0.5,zero=3", {"checkpoint": True}).engine is None
+    # a pipeline's FSDP2 shards are checkpointed by the torch engine (tests/test_runtime_dcp.py)
+    assert engine_for(f"{shares}0.5:0.5,zero=1", {"checkpoint": True}).engine == "torch"
+    assert engine_for(f"{shares}0.5:0.5,zero=3", {"checkpoint": True}).engine == "torch"
 
 
 def test_two_stage_uneven_split_gpipe_equals_one_process(reference) -> None:
