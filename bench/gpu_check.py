@@ -22,9 +22,10 @@ measured GEMM throughput beside `plait.cost.compute.gemm_time` for transformer-l
 Then every engine path (issue 30 item 4; `--no-engines` leaves it out): each form of plan on the
 engine `plait.runtime.engine_for` gives it -- one GPU: a one-rank plan on torch's DDP, on FSDP2
 and on plait's own executor, and a one-device SPMD program; several GPUs: DDP, FSDP2 (ZeRO-3),
-DTensor tensor parallelism (`engine=torch`, fp32), plait's tensor and pipeline parallelism, a stage
-graph, an SPMD program and a composed plan (the SPMD and composed families' own picks for the
-machine) -- with the engine that ran it, its CUDA peak beside the simulator's memory for the
+DTensor tensor parallelism (fp32), a chain pipeline on torch's pipelining, plait's own tensor and
+pipeline parallelism (`engine=plait`), a stage graph, an SPMD program and a composed plan (the SPMD
+and composed families' own picks for the machine), and with 4 GPUs or more ZeRO-3 with pipelines
+(FSDP2 over each stage's replicas) -- with the engine that ran it, its CUDA peak beside the simulator's memory for the
 busiest GPU (`simulate(...).memory_peak_bytes`, the one memory model of every form) and its step
 beside the simulator's. `engine_cases` builds them; `tests/test_gpu_check.py` holds them to every
 engine without a GPU.
@@ -133,14 +134,19 @@ def engine_cases(model: str, cluster, gpus: int, global_batch: int, dtype: str) 
 
     kind = cluster.devices[0].kind.name
     composed = family("compose", load_cluster(f"{kind}:nodes=2,gpus_per_node={gpus // 2}"))
-    return [("DDP", grid("dp=2,micro_batch=2"), "auto", dtype),
-            ("FSDP2 (ZeRO-3)", grid("dp=2,zero=3,micro_batch=2"), "auto", dtype),
-            ("DTensor TP (fp32)", dataclasses.replace(grid("tp=2,micro_batch=2"), dtype="fp32"), "torch", "fp32"),
-            ("plait TP", grid("tp=2,micro_batch=2"), "plait", dtype),
-            ("plait PP 1F1B", grid("pp=2,micro_batch=2,schedule=1f1b"), "auto", dtype),
-            ("stage graph", graph, "auto", dtype),
-            ("SPMD program", family("spmd"), "auto", dtype),
-            ("composed", composed, "auto", dtype)]
+    cases = [("DDP", grid("dp=2,micro_batch=2"), "auto", dtype),
+             ("FSDP2 (ZeRO-3)", grid("dp=2,zero=3,micro_batch=2"), "auto", dtype),
+             ("DTensor TP (fp32)", dataclasses.replace(grid("tp=2,micro_batch=2"), dtype="fp32"), "auto", "fp32"),
+             ("plait TP", grid("tp=2,micro_batch=2"), "plait", dtype),
+             ("pipelining 1F1B", grid("pp=2,micro_batch=2,schedule=1f1b"), "auto", dtype),
+             ("plait PP 1F1B", grid("pp=2,micro_batch=2,schedule=1f1b"), "plait", dtype),
+             ("stage graph", graph, "auto", dtype),
+             ("SPMD program", family("spmd"), "auto", dtype),
+             ("composed", composed, "auto", dtype)]
+    if gpus >= 4:  # ZeRO-3 with pipelines: FSDP2 over each stage's replicas on torch's pipelining
+        cases.append(("FSDP2 + pipelining (ZeRO-3, pp=2)", grid("pp=2,dp=2,zero=3,micro_batch=2,schedule=1f1b"),
+                      "auto", dtype))
+    return cases
 
 
 def _engine_row(model: str, label: str, plan, cluster, steps: int, engine: str, dtype: str,

@@ -19,6 +19,7 @@ TINY = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
 
 
 @pytest.mark.parametrize("gpus, engines", [
+    (4, {"torch", "pipeline", "spmd", "compose"}),
     (2, {"torch", "pipeline", "spmd", "compose"}),
     (1, {"torch", "pipeline", "spmd"}),
 ])
@@ -38,5 +39,7 @@ def test_engine_cases_reach_every_engine_and_are_priced(gpus: int, engines: set[
         sim = simulate(TINY, cluster, plan)
         assert sim.iteration_time_s > 0 and sim.memory_peak_bytes and max(sim.memory_peak_bytes) > 0, label
     assert named == engines and engines <= set(ENGINES)
-    if gpus > 1:  # torch's modules: DDP, FSDP2 and DTensor (asked for by engine=torch) all appear
-        assert {e for _, _, e, _ in cases} == {"auto", "torch"}
+    if gpus > 1:  # torch's modules by default; plait's own TP and PP executors asked for by engine=plait
+        assert {e for _, _, e, _ in cases} == {"auto", "plait"}
+        torch_forms = {label for label, plan, e, d in cases if engine_for(plan, {"engine": e, "dtype": d}).engine == "torch"}
+        assert {"DDP", "FSDP2 (ZeRO-3)", "DTensor TP (fp32)", "pipelining 1F1B"} <= torch_forms
