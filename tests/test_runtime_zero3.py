@@ -100,8 +100,10 @@ def _model_elements_by_file(path: Path) -> dict[str, int]:
 def test_zero3_uneven_shares_checkpoint_and_bit_exact_resume(reference, tmp_path: Path) -> None:
     plan = "dp=2,micro_batch=2,zero=3,dp_shares=0.75:0.25," + FP32
     root = tmp_path / "ck"
+    # plait's own ZeRO-3 (the torch engine's FSDP2 checkpoints: tests/test_runtime_dcp.py)
+    launch = LaunchConfig(timeout=120, engine="plait")
     straight = run(TINY, None, plan, steps=STEPS, checkpoint=CheckpointConfig(dir=root, every=1, keep=None),
-                   launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
+                   launch=launch, records=RecordsConfig(return_params=True))
     _check_equal(straight, reference)
     assert [r.samples_per_step for r in straight.ranks] == [6, 2]
     # Rank 1 runs 1 micro-batch, rank 0 three: rank 1 joins the other two rounds' collectives (ghosts).
@@ -120,8 +122,8 @@ def test_zero3_uneven_shares_checkpoint_and_bit_exact_resume(reference, tmp_path
     shutil.copytree(root, copy)
     shutil.rmtree(ckpt.step_dir(copy, 3))
     resumed = run(TINY, None, plan, steps=STEPS, checkpoint=CheckpointConfig(dir=copy, resume=True),
-                  launch=LaunchConfig(timeout=120), records=RecordsConfig(return_params=True))
-    assert resumed.steps == [2] and resumed.resumed_from == 2
+                  launch=launch, records=RecordsConfig(return_params=True))
+    assert straight.engine == resumed.engine == "pipeline" and resumed.steps == [2] and resumed.resumed_from == 2
     assert resumed.losses == straight.losses[2:]  # bit for bit
     assert resumed.params is not None and straight.params is not None
     for name, value in straight.params.items():
