@@ -150,7 +150,7 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iter
     DDP for DTensor models): every parameter whole on each replica (a DTensor-TP one keeps its tp
     cut: (Replicate() over dp, Shard(d) over tp)), each block a unit whose gradients are all-reduced
     (the mean over the replicas, in the plan's gradient-reduction dtype) as its backward ends, then
-    the root for the rest. The all-reduces are torch's `dist.all_reduce` on the mesh's "dp" group,
+    the root for the rest. The all-reduces are torch's own calls on the mesh's "dp" group,
     recorded there (`build_mesh`: a `recorded_pg.RecordedProcessGroup`, one record per unit). As
     FSDP2's, `set_requires_gradient_sync(False)` accumulates micro-batches' gradients locally."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
