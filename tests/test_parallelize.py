@@ -149,3 +149,64 @@ def test_activation_checkpointing_reruns_what_the_plan_names_with_equal_gradient
     for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
     assert [n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()]
+
+
+def _box_rank_main(rank: int, port: int, plan: Plan, out) -> None:
+    try:
+        from plait.runtime.comm import Comm
+        from plait.runtime.parallelize import apply_fsdp, apply_tp, build_mesh
+        from plait.runtime.sharded_state import dtensor_cuts
+
+        torch.set_num_threads(1)
+        comm = Comm(rank, plan.dp * plan.tp)
+        comm.init_process_group("gloo", timeout_s=60, init_method=f"tcp://127.0.0.1:{port}")
+        mesh = build_mesh(plan, comm)
+        torch.manual_seed(0)  # the column linear's 10 outputs: 5 per tensor rank, cut 3 and 2 over dp
+        block = nn.Sequential(nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 16))
+        block[0].plait_tp, block[2].plait_tp = "column", "row"
+        model = nn.Sequential(block, nn.LayerNorm(16))
+        apply_tp(model, mesh, [("0", block)])
+        apply_fsdp(model, mesh, plan, [block])
+        boxes: dict = {}
+        infos, _ = dtensor_cuts(model, boxes)
+        out.put((rank, {n: (boxes.get(n), str(tuple(p.placements)), p.to_local().detach().numpy().copy(),
+                            n in infos) for n, p in model.named_parameters()}))
+        comm.close()
+        Comm.destroy()
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_fsdp2_over_dtensor_tp_shards_are_boxes_of_the_whole_tensor():
+    """FSDP2 over DTensor TP (dp=2 x tp=2, issue 29): a TP-cut parameter becomes a 2D DTensor, which
+    `sharded_state.dtensor_cuts` takes as one box per rank (its local tensor's global offsets); the
+    four ranks' boxes tile the whole tensor, each holding the single-process values there, uneven
+    cuts included; a parameter cut over one mesh dim keeps its one-dim cut (no box)."""
+    plan = Plan(dp=2, tp=2, zero=1, micro_batch=1, global_batch=2, dtype="fp32")
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_box_rank_main, args=(r, port, plan, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=30)
+    for _, r in results:
+        assert isinstance(r, dict), r
+    torch.manual_seed(0)
+    whole = dict(nn.Sequential(nn.Sequential(nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 16)),
+                               nn.LayerNorm(16)).named_parameters())
+    assert "_StridedShard" in results[0][1]["0.0.weight"][1]  # FSDP2's dim-0 cut over the colwise one
+    for name, want in whole.items():
+        if name.startswith("1.") or name == "0.2.bias":  # LayerNorm, rowwise bias: FSDP2's one-dim cut
+            assert all(r[name][0] is None and r[name][3] for _, r in results)
+            continue
+        covered = torch.zeros(want.shape, dtype=torch.int32)
+        for _, r in results:
+            box, _, local, _ = r[name]
+            assert box is not None and box[1] == tuple(want.shape), name
+            region = tuple(slice(o, o + s) for o, s in zip(box[0], local.shape, strict=True))
+            torch.testing.assert_close(torch.from_numpy(local), want.detach()[region], rtol=0, atol=0, msg=name)
+            covered[region] += 1
+        assert covered.unique().tolist() == [1], name  # cut over dp and tp: each element on one rank

@@ -148,7 +148,8 @@ def test_torch_engine_resumes_bit_for_bit_and_its_checkpoint_loads_on_plaits_eng
     assert resumed.engine == "torch" and resumed.steps == [2, 3] and resumed.resumed_from == 2
     assert resumed.losses == whole.losses[2:]  # the same plan: bit for bit
     other = run(TINY, None, "tp=2,zero=1,dp=2,micro_batch=2," + FP32, steps=STEPS,
-                checkpoint=CheckpointConfig(dir=again, every=2, resume=True), launch=LaunchConfig(timeout=120))
+                checkpoint=CheckpointConfig(dir=again, every=2, resume=True),
+                launch=LaunchConfig(timeout=120, engine="plait"))
     assert other.engine == "pipeline" and other.steps == [2, 3]
     for got, (want, _, _) in zip(other.losses, reference[2:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
@@ -186,6 +187,17 @@ def test_fsdp2_pipeline_checkpoint_holds_the_whole_state_and_resumes_without_pip
     stages' roots: written by the first stage), into ZeRO-3 without pipeline."""
     _save_resume_and_move(tmp_path, reference, "pp=2,dp=2,zero=3,micro_batch=1," + FP32, LaunchConfig(timeout=120),
                           "dp=2,zero=3,micro_batch=2," + FP32)
+
+
+@pytest.mark.slow  # ~70 s on 2 cores: four runs of 4, 4, 4 and 2 ranks
+def test_fsdp2_over_dtensor_checkpoint_holds_the_whole_state_and_resumes_under_ddp(reference: list[Any],
+                                                                                  tmp_path: Path) -> None:
+    """dp=2 x tp=2 at ZeRO-1 with uneven shares (issue 29): FSDP2 over DTensor's tensor parallelism
+    makes 2D parameters -- (`_StridedShard(0)` over dp, Shard(0) over tp) for the colwise linears,
+    (Shard(0), Shard(1)) for the rowwise ones, (Shard(0), Replicate()) for their biases -- each
+    written as one box at its place in the whole tensor (`sharded_state.dtensor_cuts`' boxes)."""
+    _save_resume_and_move(tmp_path, reference, "dp=2,tp=2,zero=1,dp_shares=0.75:0.25,micro_batch=2," + FP32,
+                          LaunchConfig(timeout=120), "dp=2,micro_batch=2," + FP32)
 
 
 @pytest.mark.slow

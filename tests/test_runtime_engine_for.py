@@ -44,6 +44,7 @@ def _spmd() -> Plan:
     (Plan.from_dict({**_spmd().to_dict(), "grad_reduce_dtype": "bf16"}), "spmd"),  # its parameter gradients
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-1 on FSDP2
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # tensor parallel on DTensor
+    (Plan(dp=2, tp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # FSDP2 over DTensor's TP
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
@@ -167,7 +168,19 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", tp_ratios=[0.75, 0.25]), {}, "pipeline",
      "DTensor shards every dimension evenly"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "pipeline", "dtype bf16"),
-    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "pipeline", "dp=2"),
+    # dp x tp (issue 29): torch's FSDP2-based replicate at ZeRO-0, FSDP2 over the DTensor-TP model at ZeRO-1/2/3,
+    # uneven shares (ZeRO-3's ghost micro-batches) and checkpoints (2D shards as boxes) included
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "torch", ""),
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", dp_shares=[0.75, 0.25]),
+     {"checkpoint": {"dir": "ck", "every": 1}}, "torch", ""),
+    (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", dp_shares=[0.75, 0.25]),
+     {"checkpoint": {"dir": "ck", "every": 1}}, "torch", ""),
+    (Plan(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32", dp_shares=[0.75, 0.25]), {}, "torch", ""),
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),
+    (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
+     "'sequence_parallel'"),
+    (Plan(tp=2, dp=2, micro_batch=1, global_batch=2, dtype="fp32", dp_shares=[1.0, 0.0]), {}, "pipeline",
+     "no samples"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
      "sequence_parallel=True"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline", "tp=2"),

@@ -5,6 +5,7 @@ collective of torch's modules in the rank's comm records and timeline."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -19,6 +20,7 @@ from plait.runtime.api import (
     LaunchConfig,
     RecordsConfig,
     RunResult,
+    TrainingConfig,
     reference_run,
     run,
 )
@@ -168,6 +170,76 @@ def test_tensor_parallel_on_dtensor_equals_one_process(reference, tmp_path) -> N
             assert others == {("all_reduce", "tp"), ("barrier", "world")}
             assert all(r.t_enqueue <= r.t_start <= r.t_end and r.injected_s == 0 for r in calls)
             assert _spans(result, rank, step)["comm_tp"] == len(calls)
+
+
+def _tp_local_numel(params: dict[str, torch.Tensor]) -> int:
+    """Elements a tensor rank of tp=2 holds: the transformer linears' weights and column biases halved."""
+    full = sum(v.numel() for n, v in params.items() if n != "head.lm.weight")
+    linears = sum(v.numel() for n, v in params.items() if n.startswith("layers.") and ".ln" not in n
+                  and not (n.endswith(".bias") and ("proj" in n or "fc2" in n)))
+    return full - linears // 2
+
+
+def _check_dp_tp_calls(result: RunResult, rank: int, step: int, micro_batches: int) -> list:
+    """A dp=2 x tp=2 rank's step: DTensor's tp all-reduces as the tp=2 test counts them, per micro-batch
+    of its replica; returns its records on the dp group."""
+    calls = [r for r in _calls_any(result, rank) if r.step == step and r.key != "probe"]
+    tp = [r for r in calls if r.group == "tp"]
+    assert all(r.op == "all_reduce" and r.bytes == 2 * 8 * 16 * 4 for r in tp)  # a [2, 8, 16] activation
+    assert Counter(r.name for r in tp) == {"allreduce tp fwd": 2 * 4 * micro_batches,
+                                           "allreduce tp bwd": 2 * 4 * micro_batches}
+    assert _spans(result, rank, step)["comm_tp"] == len(tp)
+    return [r for r in calls if r.group == "dp"]
+
+
+def test_dp_x_tp_zero0_on_replicate_clipped_equals_one_process(tmp_path) -> None:
+    """dp=2 x tp=2 at ZeRO-0 with uneven shares (6 and 2 samples) and global-norm clipping (issue 29):
+    DTensor's TP inside each replica, torch's FSDP2-based `replicate` across them (DDP fails on DTensor
+    parameters). Each unit (4 blocks, the root) all-reduces its whole local gradients once a step, in
+    the last micro-batch's backward, on the mesh's recorded "dp" group; the clipping norm is one
+    all-reduce over the world (tp-replicated parameters and replicas counted once)."""
+    plan = "dp=2,tp=2,micro_batch=2,dp_shares=0.75:0.25," + FP32
+    assert engine_for(plan).engine == "torch"
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=0.05)
+    reference = reference_run(TINY, plan, STEPS, training=training)
+    unclipped = reference_run(TINY, plan, STEPS, training=dataclasses.replace(training, clip_grad=None))[1]
+    assert all(not torch.allclose(reference[1][n], unclipped[n], rtol=0, atol=1e-5) for n in unclipped)
+    result = run(TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=120),
+                 records=RecordsConfig(return_params=True, run_dir=tmp_path / "run"))
+    _check_equal(result, reference)
+    assert [(r.dp, r.tp, r.samples_per_step) for r in result.ranks] == [(0, 0, 6), (0, 1, 6), (1, 0, 2), (1, 1, 2)]
+    local = _tp_local_numel(reference[1])
+    assert all(r.params == local for r in result.ranks)
+    for rank in range(4):
+        for step in range(STEPS):
+            dp = _check_dp_tp_calls(result, rank, step, [3, 1][rank // 2])
+            assert len(dp) == 4 + 1 and all(r.op == "all_reduce" and r.name == "allreduce dp bwd" for r in dp)
+            assert sum(r.bytes for r in dp) == 4 * local  # every local fp32 gradient once
+            norm = [r for r in _calls(result, rank, "all_reduce") if r.step == step and r.group == "world"]
+            assert [r.name for r in norm] == ["allreduce grad-norm"]
+            assert _spans(result, rank, step)["comm_dp"] == len(dp) + 1
+
+
+def test_dp_x_tp_zero1_on_fsdp2_over_dtensor_equals_one_process(reference, tmp_path) -> None:
+    """dp=2 x tp=2 at ZeRO-1 with uneven shares (issue 29): FSDP2 over the DTensor-TP model (2D
+    parameters, torchtitan's FSDP + TP); each unit gathers and reduce-scatters its tp shard once a step
+    on every replica whatever its micro-batch count, through the facade's dp group."""
+    result = _run("dp=2,tp=2,zero=1,micro_batch=2,dp_shares=0.75:0.25," + FP32, tmp_path)
+    _check_equal(result, reference)
+    assert [(r.dp, r.tp, r.samples_per_step) for r in result.ranks] == [(0, 0, 6), (0, 1, 6), (1, 0, 2), (1, 1, 2)]
+    local = _tp_local_numel(reference[1])
+    units = ["layers.0", "layers.1", "layers.2", "layers.3", "root"]
+    for rank in range(4):
+        for step in range(STEPS):
+            dp = _check_dp_tp_calls(result, rank, step, [3, 1][rank // 2])
+            assert sorted(r.key for r in dp) == sorted([f"all_gather zero {u}" for u in units] +
+                                                       [f"reduce_scatter zero {u}" for u in units])
+            assert sum(r.bytes for r in dp if r.op == "reduce_scatter") == 4 * local
+            assert _spans(result, rank, step)["comm_zero"] == len(dp)
+    # between steps each rank holds half its tensor rank's parameters
+    assert result.run_dir is not None
+    ranks = json.loads(Path(result.run_dir, "result.json").read_text())["ranks"]
+    assert all(r["param_bytes"] == 4 * local // 2 for r in ranks)
 
 
 def test_a_slow_link_slows_dtensor_collectives_and_the_doctor_names_it(tmp_path) -> None:

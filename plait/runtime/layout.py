@@ -272,8 +272,9 @@ ENGINES: dict[str, str] = {
     "spmd": "plait.runtime.spmd_worker (one op-level SPMD program)",
     "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
     "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, tensor "
-             "parallelism on DTensor, chain pipelines on torch.distributed.pipelining with DDP or FSDP2 "
-             "over each stage's replicas)",
+             "parallelism on DTensor, alone or under data parallelism -- FSDP2 at ZeRO-1/2/3, torch's "
+             "FSDP2-based replicate at ZeRO-0 --, chain pipelines on torch.distributed.pipelining with DDP or "
+             "FSDP2 over each stage's replicas)",
 }
 
 
@@ -367,9 +368,11 @@ def _torch_tensor_parallel_runs(plan: Plan) -> str:
     if plan.tp_ratios and len(set(plan.tp_ratios)) > 1:
         return (f"uneven tensor shards (tp_ratios={plan.tp_ratios}) run on plait's own engine: DTensor shards "
                 "every dimension evenly")
-    if plan.dp != 1 or plan.zero or plan.sequence_parallel:
-        return (f"tensor parallelism on DTensor runs with dp=1, zero=0 and no sequence parallelism here, the plan "
-                f"has dp={plan.dp}, zero={plan.zero}, sequence_parallel={plan.sequence_parallel}")
+    if plan.sequence_parallel:
+        return (f"plan field 'sequence_parallel': tensor parallelism on DTensor runs without sequence parallelism "
+                f"here, the plan has sequence_parallel={plan.sequence_parallel}")
+    # dp > 1 (no pipeline): FSDP2 over the DTensor-TP model at ZeRO-1/2/3 (2D parameters), torch's
+    # FSDP2-based `replicate` at ZeRO-0 (DDP fails on DTensor parameters): `torch_worker._build`
     return ""
 
 

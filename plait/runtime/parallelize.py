@@ -7,7 +7,14 @@
 * `apply_fsdp`: FSDP2 `fully_shard` for ZeRO-1/2/3 -- parameters resharded after forward only at
   ZeRO-3 (torchtitan's mapping: ZeRO-1/2 keep them gathered until backward; FSDP2 always shards
   gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
-  `grad_reduce_dtype`; also each pipeline stage's module over that stage's replicas;
+  `grad_reduce_dtype`; also each pipeline stage's module over that stage's replicas; applied on
+  top of `apply_tp` (torchtitan's FSDP + TP) a DTensor-TP parameter becomes a 2D DTensor
+  ((Shard(0) or `_StridedShard(0)`) over "dp", its TP cut over "tp");
+* `apply_replicate`: plain data parallelism (ZeRO-0) over DTensor-TP parameters, where DDP fails
+  (torch 2.13: "aten.cat.default: got mixed torch.Tensor and DTensor" in its bucket rebuild): torch's
+  FSDP2-based `replicate` (`torch.distributed._composable.replicate_with_fsdp`), whose units
+  all-reduce their whole gradients over "dp" as DDP's buckets do -- on the mesh's recorded "dp" dim
+  (`build_mesh`), so each unit's all-reduce is a record;
 * `apply_pp`: pipeline stages on `torch.distributed.pipelining` over "pp" -- each of the rank's
   model pieces (the plan's layer split, `layout.split_model`) a `PipelineStage`, run in the order
   of plait's schedule for the plan's (gpipe, 1f1b, interleaved: `plait.schedule`'s action lists)
@@ -53,9 +60,18 @@ _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
 def build_mesh(plan: Plan, comm: Comm, device_type: str = "cpu") -> DeviceMesh:
     """The plan's 3D grid as a named DeviceMesh, built by the communication facade (`Comm.build_mesh`:
     its dims are the named, recorded groups "pp", "dp", "tp"); its "tp" dim records every call DTensor
-    makes on it (`recorded_pg.RecordedProcessGroup`)."""
-    comm.build_mesh(device_type, dict(zip(MESH_DIMS, (plan.pp, plan.dp, plan.tp), strict=True)), recorded=("tp",))
+    makes on it (`recorded_pg.RecordedProcessGroup`), and so does its "dp" dim where `replicate` reduces
+    the gradients (`replicates`: its all-reduces are torch's own calls on the mesh's group; FSDP2's
+    and DDP's go through the facade's hooks on the plain group instead)."""
+    recorded = ("tp", "dp") if replicates(plan) else ("tp",)
+    comm.build_mesh(device_type, dict(zip(MESH_DIMS, (plan.pp, plan.dp, plan.tp), strict=True)), recorded=recorded)
     return comm.mesh
+
+
+def replicates(plan: Plan) -> bool:
+    """Whether the torch engine's data parallelism of `plan` is `apply_replicate` (ZeRO-0 over
+    DTensor-TP parameters, no pipeline) rather than DDP or FSDP2."""
+    return plan.pp == 1 and plan.dp > 1 and plan.tp > 1 and plan.zero == 0
 
 
 def replica_loss_weight(plan: Plan, replica: int) -> float:
@@ -125,6 +141,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[
         for name, unit in units:
             unit.set_custom_all_gather(RecordedAllGather(group, name))  # type: ignore[operator]
             unit.set_custom_reduce_scatter(RecordedReduceScatter(group, name))  # type: ignore[operator]
+    return model
+
+
+def apply_replicate(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iterable[nn.Module],
+                    dtype: str | None = None) -> nn.Module:
+    """Plain data parallelism over the "dp" dim with torch's FSDP2-based `replicate` (torchtitan's
+    DDP for DTensor models): every parameter whole on each replica (a DTensor-TP one keeps its tp
+    cut: (Replicate() over dp, Shard(d) over tp)), each block a unit whose gradients are all-reduced
+    (the mean over the replicas, in the plan's gradient-reduction dtype) as its backward ends, then
+    the root for the rest. The all-reduces are torch's own calls on the mesh's "dp" group,
+    recorded there (`build_mesh`: a `recorded_pg.RecordedProcessGroup`, one record per unit). As
+    FSDP2's, `set_requires_gradient_sync(False)` accumulates micro-batches' gradients locally."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    kwargs = {"mesh": mesh["dp"], "mp_policy": mixed_precision(plan, dtype)}
+    for block in blocks:
+        replicate(block, **kwargs)
+    replicate(model, **kwargs)
     return model
 
 

@@ -1,5 +1,6 @@
 """A process group that records every call torch's modules make on it (issue 29): the DeviceMesh
-group that DTensor's tensor parallelism (`parallelize.apply_tp`) issues its collectives on.
+group that DTensor's tensor parallelism (`parallelize.apply_tp`) issues its collectives on, and the
+"dp" group on which torch's FSDP2-based `replicate` all-reduces gradients (`parallelize.apply_replicate`).
 
 DTensor's styles (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`) redistribute through
 torch's functional collectives, which find their process group by name in c10d's registry and call
@@ -20,8 +21,8 @@ does) registered as the c10d backend `BACKEND` (`dist.Backend.register_backend`)
   completes, the injected skip / mismatch faults -- as every call of the runtime.
 
 A record's `name` says the op, the group and the phase: "allreduce tp fwd" (a forward's, or a
-recomputed forward's inside backward: "bwd") -- the phase from autograd's current node, DTensor
-does not say which module issued the call. `bytes` follows the facade's rule (the tensor of an
+recomputed forward's inside backward: "bwd"; "allreduce dp bwd", a `replicate` unit's gradients) --
+the phase from autograd's current graph task, DTensor does not say which module issued the call. `bytes` follows the facade's rule (the tensor of an
 all-reduce or broadcast, the gathered buffer of an all-gather, the input of a reduce-scatter or
 all-to-all). The facade's own group of the dim keeps the plain process group, so a call the
 runtime makes itself (`Group.all_reduce`) is recorded once, in the same sequence as DTensor's.
@@ -89,7 +90,9 @@ class RecordedProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ the one call path
     def _record(self, op: str, nbytes: int, start: Callable[[], Any]) -> Any:
         g = self._group
-        phase = "bwd" if torch._C._current_autograd_node() is not None else "fwd"
+        # inside a backward: an autograd node's, or a callback the engine runs at its end (FSDP2's
+        # root unit reduces its gradients there) -- both within the backward's graph task
+        phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
         # outside a step (the parameters gathered for the results) recorded, not on the timeline
         rec = g.comm.rec
         fut = g.comm._call_async(g, op, nbytes, f"{op.replace('_', '')} {g.name} {phase}", self._category, start,

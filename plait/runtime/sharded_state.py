@@ -15,6 +15,9 @@ runtime forms to rectangles of the *global* tensor:
   (`flat_range_boxes`: a partial first row, whole rows, a partial last row, recursively);
 * the torch engine's DTensor parameters (FSDP2's `Shard(0)` over dp, DTensor's colwise / rowwise
   over tp): one cut along one dim in torch.chunk's pieces, a `ShardInfo` of one block (`dtensor_cuts`);
+  one cut over two mesh dims at once (FSDP2 over a DTensor-TP parameter: (Shard(0) or
+  `_StridedShard(0)`) over dp, the TP cut over tp) is one box at a global offset, as DTensor
+  computes it (`compute_local_shape_and_global_offset`; `ParamLayout.offset`);
 * a tensor replicated over dp, tp or pipeline stages (tied embeddings) is written once: identical
   chunks are de-duplicated by DCP's planner, and chunks that would only *overlap* (a tied or
   tensor-replicated parameter cut differently in two ranks' flat buffers) are written by the
@@ -125,6 +128,7 @@ class ParamLayout:
     info: ShardInfo | None
     tp_rank: int
     writer: bool
+    offset: tuple[int, ...] | None = None  # a box's place in the global tensor (then `info` is None)
 
     @property
     def numel(self) -> int:
@@ -132,7 +136,10 @@ class ParamLayout:
 
     def to_global(self, offsets: tuple[int, ...], chunk: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         """A local rectangle (at `offsets`, data `chunk`) as rectangles of the global tensor: split
-        along the tensor-parallel dim where the rank's fused blocks end (`ShardInfo.ranges`)."""
+        along the tensor-parallel dim where the rank's fused blocks end (`ShardInfo.ranges`); a box
+        shifted to its place (`offset`)."""
+        if self.offset is not None:
+            return [(tuple(o + g for o, g in zip(offsets, self.offset, strict=True)), chunk)]
         if self.info is None:
             return [(offsets, chunk)]
         d = self.info.dim
@@ -199,18 +206,25 @@ class RankLayout:
 
     def __init__(self, module: nn.Module, opt: Any, shard_infos: dict[str, ShardInfo], tp_rank: int,
                  aliases: dict[str, str], from_earlier_stage: set[str],
-                 cut_ranks: dict[str, int] | None = None) -> None:
+                 cut_ranks: dict[str, int] | None = None, boxes: dict[str, Box] | None = None) -> None:
         """`cut_ranks`: for a parameter cut along a mesh dim other than plait's tensor ranks (a
         DTensor's shard: FSDP2's over dp, DTensor's over tp), this rank's coordinate on that dim
-        (`shard_infos` then gives the cut; the parameter's local tensor is its `to_local()`)."""
+        (`shard_infos` then gives the cut; the parameter's local tensor is its `to_local()`).
+        `boxes`: for a parameter cut over several mesh dims (`dtensor_cuts`), (its local tensor's
+        global offsets, the global shape); every rank writes its box (copies are identical chunks)."""
         self.module = module
         self.opt = opt
         self.layouts: dict[int, ParamLayout] = {}
-        cut_ranks = cut_ranks or {}
+        cut_ranks, boxes = cut_ranks or {}, boxes or {}
         for name, prm in module.named_parameters():
+            local = prm.to_local() if hasattr(prm, "to_local") else prm
+            if name in boxes:
+                offset, shape = boxes[name]
+                self.layouts[id(prm)] = ParamLayout(aliases.get(name, name), tuple(local.shape), shape, None, tp_rank,
+                                                    name not in from_earlier_stage, offset)
+                continue
             info = shard_infos.get(name)
             writer = (info is not None or tp_rank == 0) and name not in from_earlier_stage
-            local = prm.to_local() if hasattr(prm, "to_local") else prm
             self.layouts[id(prm)] = param_layout(aliases.get(name, name), local, info, cut_ranks.get(name, tp_rank),
                                                  writer)
         self.param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
@@ -291,13 +305,17 @@ class RankLayout:
         return out, scalars
 
 
-def dtensor_cuts(module: nn.Module) -> tuple[dict[str, ShardInfo], dict[str, int]]:
+def dtensor_cuts(module: nn.Module, boxes: dict[str, Box] | None = None
+                 ) -> tuple[dict[str, ShardInfo], dict[str, int]]:
     """The cut of every DTensor parameter of `module` as the checkpoint code takes a tensor-parallel
     one: (name -> `ShardInfo`, name -> this rank's coordinate on the cut's mesh dim). FSDP2's
     parameters (`Shard(0)` over dp) and DTensor tensor parallelism's (`Shard(0)` colwise, `Shard(1)`
     rowwise over tp) are one cut along one dim in torch.chunk's pieces (ceil-sized, the last ones
     smaller or empty), the other mesh dims replicated. A parameter sharded over several mesh dims
-    at once (FSDP2 over a tensor-parallel DTensor) is refused, naming it."""
+    at once (FSDP2 over a tensor-parallel DTensor: (Shard(0) or `_StridedShard(0)`) over dp, its
+    TP cut over tp) goes into `boxes` (name -> (offsets, global shape) of this rank's local tensor,
+    DTensor's `compute_local_shape_and_global_offset`, checked against the local shape); without
+    `boxes` it is refused, naming it."""
     infos: dict[str, ShardInfo] = {}
     coords: dict[str, int] = {}
     for name, prm in module.named_parameters():
@@ -308,8 +326,11 @@ def dtensor_cuts(module: nn.Module) -> tuple[dict[str, ShardInfo], dict[str, int
         if not cuts and all(pl.is_replicate() for pl in placements):
             continue  # whole on every rank (RowwiseParallel's bias): written by tensor rank 0
         if len(cuts) != 1 or any(not (pl.is_shard() or pl.is_replicate()) for pl in placements):
-            raise ValueError(f"parameter {name}: placements {tuple(placements)} -- a checkpoint takes a "
-                             "DTensor cut along one mesh dim, the others replicated")
+            if boxes is None or any(pl.is_partial() for pl in placements):
+                raise ValueError(f"parameter {name}: placements {tuple(placements)} -- a checkpoint takes a "
+                                 "DTensor cut along one mesh dim, the others replicated")
+            boxes[name] = _dtensor_box(name, prm)
+            continue
         mesh_dim, pl = cuts[0]
         mesh = prm.device_mesh
         world, dim = mesh.size(mesh_dim), pl.dim
@@ -323,6 +344,18 @@ def dtensor_cuts(module: nn.Module) -> tuple[dict[str, ShardInfo], dict[str, int
                              f"{sizes[coord]} (torch.chunk's piece {coord} of {size} in {world})")
         infos[name], coords[name] = ShardInfo(dim=dim, chunks=1, sizes=sizes), coord
     return infos, coords
+
+
+def _dtensor_box(name: str, prm: Any) -> Box:
+    """(global offsets, global shape) of a DTensor parameter's local tensor, one box (module docstring)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(prm.shape, prm.device_mesh, prm.placements)
+    local = prm.to_local()
+    if tuple(shape) != tuple(local.shape):
+        raise ValueError(f"parameter {name}: local shape {tuple(local.shape)} under {tuple(prm.placements)}, "
+                         f"DTensor computes {tuple(shape)} -- not one box of the whole tensor")
+    return tuple(int(o) for o in offset), tuple(prm.shape)
 
 
 def aliases_of(model: nn.Module) -> dict[str, str]:

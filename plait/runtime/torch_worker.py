@@ -4,12 +4,18 @@ plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 (`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
 each stage's replicas or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
-gradients summed across stages, clipping global over the job); and a tensor-parallel plan (dp = 1,
-zero = 0, no sequence parallelism, even shards, fp32) on DTensor (`parallelize.apply_tp`: colwise /
+gradients summed across stages, clipping global over the job); and a tensor-parallel plan (pp = 1,
+no sequence parallelism, even shards, fp32) on DTensor (`parallelize.apply_tp`: colwise /
 rowwise linears in the transformer layers), every collective DTensor issues recorded through the
-facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. Every rank writes and resumes checkpoints in
-the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's)
-at its place in the whole tensor.
+facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. With dp > 1 the replicas of
+the DTensor-TP model are composed as torchtitan does: at ZeRO-1/2/3 FSDP2 over the mesh's "dp" dim
+(`parallelize.apply_fsdp` on the TP model: 2D parameters, ZeRO's semantics and ghost micro-batches
+as below); at ZeRO-0 torch's FSDP2-based `replicate` (`parallelize.apply_replicate`: DDP fails on
+DTensor parameters), each unit all-reducing its gradients in the last micro-batch's backward on the
+mesh's "dp" dim, itself a `RecordedProcessGroup` then; clipping over DTensor parameters takes the
+global norm of the local shards, each element weighted by 1 / its copies (`_copies`). Every rank writes and resumes checkpoints in
+the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's,
+FSDP2's over DTensor's: one box over both mesh dims) at its place in the whole tensor.
 
 ZeRO with pipelines (as torchtitan runs FSDP with PP): each stage's module is sharded over the
 stage's replicas (the mesh's "dp" dim), a unit per transformer layer that shares no parameter with
@@ -103,8 +109,10 @@ from plait.runtime.parallelize import (
     apply_ddp,
     apply_fsdp,
     apply_pp,
+    apply_replicate,
     apply_tp,
     build_mesh,
+    replicates,
 )
 from plait.runtime.partition import (
     MicroBatch,
@@ -119,7 +127,7 @@ from plait.runtime.partition import (
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
-from plait.runtime.sharded_state import RankLayout, Segment, aliases_of, dtensor_cuts
+from plait.runtime.sharded_state import Box, RankLayout, Segment, aliases_of, dtensor_cuts
 from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
 from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import event_key
@@ -138,6 +146,22 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
         for prm in m.parameters():
             owners[id(prm)] = owners.get(id(prm), 0) + 1
     return [m for m in layers if all(owners[id(prm)] == 1 for prm in m.parameters())]
+
+
+def _copies(prm: torch.Tensor, world: int) -> int:
+    """How many ranks of a `world`-rank job without pipeline hold each element of `prm`: a plain
+    tensor is whole on every rank; a DTensor's shards are disjoint along its Shard (and FSDP2's
+    `_StridedShard`) mesh dims and copied along the others, the mesh's replicated dims and the
+    ranks off its mesh (a parameter on the "dp" dim only is copied over tp)."""
+    placements = getattr(prm, "placements", None)
+    if placements is None:
+        return world
+    mesh = prm.device_mesh  # type: ignore[attr-defined]
+    shards = 1
+    for i, pl in enumerate(placements):
+        if not pl.is_replicate():  # Shard, or FSDP2's _StridedShard over a TP cut (not `is_shard()` in torch)
+            shards *= mesh.size(i)
+    return world // shards
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -198,6 +222,7 @@ class TorchWorker(RankConfig):
         self.cuda = config.cuda
         # ZeRO on FSDP2; a pipeline's stages are sharded over their replicas (none with dp = 1)
         self.fsdp = plan.zero >= 1 and (plan.dp > 1 or not self.pipelined)
+        self.replicated = False  # ZeRO-0 over DTensor-TP parameters on torch's replicate (`_build`)
 
     # ------------------------------------------------------------------ setup
     def _init_dist(self) -> None:
@@ -233,7 +258,8 @@ class TorchWorker(RankConfig):
             self._build_pipeline(model)
             self._seed_streams(seed)
             return
-        if plan.tp > 1:  # DTensor shards of the transformer layers' linears (dp = 1: `layout.torch_runs`)
+        head_local: list[str] = []
+        if plan.tp > 1:  # DTensor shards of the transformer layers' linears (under dp: FSDP2 or replicate, below)
             tp_layers = [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)]
             alone = {getattr(m, "plait_tp", None) for _, layer in tp_layers for m in layer.modules()} \
                 & set(TP_ALONE_ROLES)
@@ -242,20 +268,35 @@ class TorchWorker(RankConfig):
                                         "engine's DTensor tensor parallelism does not; run it with engine=plait "
                                         "(plait's own engine cuts them)")
             apply_tp(model, self.mesh, tp_layers)
-            # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm)
-            self.head_local = [prm for _, layer in tp_layers for prm in head_local_params(layer, {})]
+            # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm): by
+            # name, FSDP2 and replicate put new parameters in their place
+            names = {id(prm): n for n, prm in model.named_parameters()}
+            head_local = [names[id(prm)] for _, layer in tp_layers for prm in head_local_params(layer, {})]
             self.param_count = sum(_local(prm).numel() for prm in model.parameters() if prm.requires_grad)
         apply_ac([m for _, m in layer_modules(model)], plan.recompute)
         model.to(self.device)
         self.model = model  # the unwrapped module: its parameters (DTensors under FSDP2) by their own names
+        # data parallelism over DTensor-TP parameters (torchtitan's composition): FSDP2 at ZeRO-1/2/3,
+        # 2D DTensors ((_Strided)Shard(0) over dp, the TP cut over tp); torch's FSDP2-based replicate at
+        # ZeRO-0 -- DDP fails on DTensor parameters (its bucket rebuild cats DTensors with tensors)
+        self.replicated = replicates(plan)
         if self.fsdp:
             self.runner: nn.Module = apply_fsdp(model, self.mesh, plan, fsdp_units(model), self.dp_group,
                                                 dtype=config.dtype)
+        elif self.replicated:
+            self.runner = apply_replicate(model, self.mesh, plan, fsdp_units(model), dtype=config.dtype)
         elif plan.tp > 1 and plan.dp == 1:
             self.runner = model
         else:
             self.runner = apply_ddp(model, self.mesh, plan, self.dp_group, dtype=config.dtype)
         self.params = [prm for prm in model.parameters() if prm.requires_grad]
+        by_name = dict(model.named_parameters())
+        self.head_local = [by_name[n] for n in head_local]
+        if config.clip_grad and any(hasattr(prm, "placements") for prm in self.params):
+            # DTensor parameters (FSDP2's, DTensor-TP's): the global norm over their local shards, each
+            # element weighted by 1 / its copies (`_copies`), one all-reduce through the facade
+            self.clipper = GradClipper(config.clip_grad, {id(prm): 1.0 / _copies(prm, self.world)
+                                                          for prm in self.params}, group=self.comm.world_group)
         self._seed_streams(seed)
 
     def _seed_streams(self, seed: int) -> None:
@@ -426,7 +467,9 @@ class TorchWorker(RankConfig):
         # op of every parameter (bench/torch_engine.py: that made the optimizer ~10x slower on CPU).
         self.locals = [_local(prm).detach() for prm in self.params]
         self.optimizer = make_optimizer(self.locals, config.optimizer)
-        if self.clipper is not None and self.fsdp:  # it clips the shards (`_optimizer_step`)
+        # it clips the local tensors (`_optimizer_step`): FSDP2's shards, DTensor's (`_build`)
+        self.clip_locals = self.clipper is not None and (self.fsdp or not self.pipelined)
+        if self.clip_locals:
             self.clipper.weights = {id(loc): self.clipper.weight(prm) for prm, loc in zip(self.params, self.locals,
                                                                                          strict=True)}
         # Only fp16 needs loss scaling: bf16 has the exponent range of fp32.
@@ -466,7 +509,7 @@ class TorchWorker(RankConfig):
                 sync_tied_grads(self.tied, reduce_dtype(self.plan, self.config.dtype))
         for prm in self.head_local:  # each rank's gradient is its heads' part: summed
             if prm.grad is not None:
-                self.comm.group("tp").all_reduce(prm.grad, "allreduce tp head-local grads", "comm_tp")
+                self.comm.group("tp").all_reduce(_local(prm.grad), "allreduce tp head-local grads", "comm_tp")
         if self.injection.at(self.rank, step, "step", ("inf",)) is not None:
             poison(self._local_grads())
         self._optimizer_step(step)
@@ -483,7 +526,7 @@ class TorchWorker(RankConfig):
         if self.scaler is not None:
             self.scaler.update(step)
         self._set_lr(step)
-        if self.clipper is not None and not skip and self.fsdp:  # a pipeline's FSDP2 shards: disjoint
+        if self.clipper is not None and not skip and self.clip_locals:  # shards; copies weighted by the clipper
             for prm, loc in zip(self.params, self.locals, strict=True):
                 loc.grad = _local(prm.grad) if prm.grad is not None else None
             self.clipper.clip_params(self.locals, 1)
@@ -528,6 +571,8 @@ class TorchWorker(RankConfig):
             # reshards) in the last backward only
             sync: Any = contextlib.nullcontext() if last or self.fsdp or plan.tp > 1 \
                 else self.runner.no_sync()  # type: ignore[operator]
+            if self.replicated:  # replicate all-reduces in the last backward only (DDP's no_sync)
+                self.runner.set_requires_gradient_sync(last)  # type: ignore[operator]
             if self.fsdp and not zero3:
                 self.runner.set_requires_gradient_sync(last)  # type: ignore[operator]
                 self.runner.set_reshard_after_backward(last)  # type: ignore[operator]
@@ -626,12 +671,14 @@ class TorchWorker(RankConfig):
         loads under any plan and engine, and one written by plait's own engine loads here). Each
         parameter is whole on the ranks holding it (DDP's replicas, a pipeline's stage); a tied one
         is written by its first stage only; a DTensor parameter (FSDP2's shard over dp, DTensor's over
-        tp) writes its local shard at its place in the whole tensor (`sharded_state.dtensor_cuts`).
+        tp, FSDP2's over DTensor's: a box over both) writes its local shard at its place in the whole
+        tensor (`sharded_state.dtensor_cuts`).
         Parameters replicated over tp (layer norms beside DTensor's linears) are written by tensor
         rank 0."""
-        cuts, coords = dtensor_cuts(self.model)
+        boxes: dict[str, Box] = {}  # FSDP2 over a DTensor-TP parameter: a box over both mesh dims
+        cuts, coords = dtensor_cuts(self.model, boxes)
         return RankLayout(self.model, _WholeParams(self.params, self.locals, self.optimizer), cuts, self.t,
-                          self.aliases, self.from_earlier_stage, coords)
+                          self.aliases, self.from_earlier_stage, coords, boxes)
 
     def _meta(self) -> dict[str, Any]:
         config = self.config
