@@ -273,7 +273,7 @@ ENGINES: dict[str, str] = {
     "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
     "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, tensor "
              "parallelism on DTensor, chain pipelines on torch.distributed.pipelining with DDP or FSDP2 "
-             "over each stage's replicas)",
+             "over each stage's replicas, or DTensor inside each stage of one replica)",
 }
 
 

@@ -7,7 +7,12 @@ message through the communication facade (`torch_schedule.ActionSchedule`), the 
 gradients summed across stages, clipping global over the job); and a tensor-parallel plan (dp = 1,
 zero = 0, no sequence parallelism, even shards, fp32) on DTensor (`parallelize.apply_tp`: colwise /
 rowwise linears in the transformer layers), every collective DTensor issues recorded through the
-facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. Every rank writes and resumes checkpoints in
+facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. A chain pipeline with tp > 1
+(dp = 1, zero = 0: `layout._torch_pipeline_runs`) cuts each stage's transformer layers the same way,
+as torchtitan composes PP and TP: the values between stages are plain tensors replicated over tp, so
+tensor rank t of a stage exchanges with tensor rank t of its neighbours (torch's stage resolves its
+peers in the mesh's "pp" group), the tied embedding is summed per tensor rank, and clipping counts a
+tp shard once and a parameter replicated over tp (norms, row-parallel biases, the embedding) 1/tp. Every rank writes and resumes checkpoints in
 the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's)
 at its place in the whole tensor.
 
@@ -292,9 +297,10 @@ class TorchWorker(RankConfig):
         micro-batch) or, at ZeRO-1/2/3, sharded by FSDP2 (`parallelize.apply_fsdp` over the stage's
         replicas: a unit per transformer layer of the stage that shares no parameter with another
         layer -- `fsdp_units` of the whole model -- and the stage's root for the rest, a tied
-        embedding or LM head included; the stage's backwards as `_spanned_stage_type` says); groups
-        that sum tied parameters' gradients across the pipeline ranks that hold them (the pipeline
-        engine's, Megatron's embedding group)."""
+        embedding or LM head included; the stage's backwards as `_spanned_stage_type` says); at
+        tp > 1 (dp = 1) each stage's transformer layers cut by DTensor (`parallelize.apply_tp`); groups
+        that sum tied parameters' gradients across the pipeline ranks that hold them, one per replica
+        and tensor rank (the pipeline engine's, Megatron's embedding group)."""
         plan, config = self.plan, self.config
         lay = pipeline_layout(plan)
         units = {id(m) for m in fsdp_units(model)} if self.fsdp else set()
