@@ -207,3 +207,13 @@ def test_dtensor_checkpoint_holds_the_whole_state_and_resumes_under_fsdp2(refere
     ZeRO-3 on three ranks with uneven shares (FSDP2 loading its shards from DTensor's)."""
     _save_resume_and_move(tmp_path, reference, "tp=2,micro_batch=4," + FP32, LaunchConfig(timeout=120, engine="torch"),
                           "dp=3,zero=3,dp_shares=0.5:0.25:0.25,micro_batch=1," + FP32)
+
+
+@pytest.mark.slow
+def test_dtensor_pipeline_checkpoint_holds_the_whole_state_and_resumes_without_pipeline(reference: list[Any],
+                                                                                      tmp_path: Path) -> None:
+    """pp=2 x tp=2 on torch's pipelining with DTensor inside each stage: each stage's tensor ranks write
+    their shards at their places (`dtensor_cuts`), the tied embedding by the first stage's tensor rank 0;
+    into DDP without pipeline or tensor parallelism."""
+    _save_resume_and_move(tmp_path, reference, "pp=2,tp=2,micro_batch=2," + FP32,
+                          LaunchConfig(timeout=120, engine="torch"), "dp=2,micro_batch=2," + FP32)

@@ -47,6 +47,9 @@ def _spmd() -> Plan:
     (Plan(dp=2, tp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # FSDP2 over DTensor's TP
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # DTensor inside pipeline stages
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "pipeline"),  # bf16 with DTensor: not yet compared
+    (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, dtype="fp32"), "pipeline"),  # DDP over DTensor stages
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
     (Plan(dp=2, pp=2, micro_batch=2, global_batch=10, dp_shares=[0.5, 0.5]), "torch"),  # micro-batches 2, 2, 1
     (Plan(dp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "torch"),  # FSDP2 per stage
@@ -72,7 +75,7 @@ def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
     # ZeRO-3 pipelines run on the torch engine only, which needs the replicas' micro-batch counts equal
     (Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "'dp_shares'"),
     (Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "'zero'"),
-    (Plan(dp=2, pp=2, tp=2, zero=3, micro_batch=2, global_batch=8), "'zero'"),  # torch's pipelining: tp=1
+    (Plan(dp=2, pp=2, tp=2, zero=3, micro_batch=2, global_batch=8), "'zero'"),  # pipelining: tp with dp=1 only
     (_graph(zero=3), "'zero'"),  # a stage graph's ZeRO-3: neither engine
     (Plan(pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"), "'schedule'"),
     (_graph(schedule="interleaved"), "'schedule'"),
@@ -183,7 +186,13 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
      "no samples"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
      "sequence_parallel=True"),
-    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline", "tp=2"),
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch", ""),  # per stage
+    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline",
+     "plan fields 'dp', 'zero'"),  # DDP takes no DTensor parameters
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
+     "sequence_parallel=True"),
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=2,hidden=12,heads=3,seq=4,vocab=8"},
+     "pipeline", "3 heads, not divisible by tp=2"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"checkpoint": {"dir": "ck", "every": 1}},
      "torch", ""),  # DTensor's shards in the one DCP format
     # the run's model counts too: its cut must be DTensor's (here: whole heads on each rank)

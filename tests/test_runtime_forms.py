@@ -209,8 +209,12 @@ def test_data_and_pipeline_parallel_zero1(reference, tmp_path) -> None:
     assert [(r.pp, r.dp) for r in result.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_tensor_and_pipeline_parallel(reference, tmp_path) -> None:
-    result = _run("tp=2,pp=2,micro_batch=2,schedule=gpipe," + FP32)
+@pytest.mark.parametrize("engine", ["torch", "plait"])  # DTensor inside torch's pipeline stages by default (issue 29)
+def test_tensor_and_pipeline_parallel(engine, reference, tmp_path) -> None:
+    result = run(TINY, None, "tp=2,pp=2,micro_batch=2,schedule=gpipe," + FP32, steps=STEPS,
+                 launch=LaunchConfig(timeout=120, engine="auto" if engine == "torch" else engine),
+                 records=RecordsConfig(return_params=True))
+    assert result.engine == ("torch" if engine == "torch" else "pipeline")
     _check_equal(result, reference)
     _check_timeline(result, tmp_path)
     assert {e.category for e in result.timeline.events} >= {"comm_tp", "comm_pp"}

@@ -62,9 +62,11 @@ def _check_equal(result: RunResult, reference: tuple[list[float], dict[str, torc
         torch.testing.assert_close(value, ref_params[name], rtol=rel, atol=atol, msg=name)
 
 
-def _compute_order(result: RunResult, stage: int, step: int) -> list[str]:
+def _compute_order(result: RunResult, stage: int, step: int, rank: int | None = None) -> list[str]:
+    """A stage's compute spans of one step, in time order (with `rank`: that rank's only)."""
     return [e.name for e in sorted(result.timeline.events, key=lambda e: e.start)
-            if e.stage == stage and e.args.get("step") == step and e.category in ("forward", "backward")]
+            if e.stage == stage and e.args.get("step") == step and e.category in ("forward", "backward")
+            and rank in (None, e.args.get("rank"))]
 
 
 def _plait_order(plan: str, stage: int) -> list[str]:
@@ -88,8 +90,10 @@ def test_engine_for_names_torch_when_asked_and_the_reason_otherwise() -> None:
     assert engine_for(shares + "0.75:0.25", TORCH).engine == "torch"  # 6 and 2 samples: micro-batches of 2
     # what torch's pipelining does not run, each with its reason, goes to plait's own engine
     assert engine_for(shares + "0.625:0.375").engine == "torch"  # 5 samples: micro-batches of 2, 2 and 1
-    verdict = engine_for("pp=2,tp=2,micro_batch=2,global_batch=8,dtype=fp32", TORCH)
-    assert verdict.engine == "pipeline" and "tp=1 here" in verdict.not_torch, verdict
+    # tensor parallelism on DTensor inside each stage, over one replica (DDP takes no DTensor parameters)
+    assert engine_for("pp=2,tp=2,micro_batch=2,global_batch=8,dtype=fp32", TORCH).engine == "torch"
+    verdict = engine_for("pp=2,tp=2,dp=2,micro_batch=2,global_batch=8,dtype=fp32", TORCH)
+    assert verdict.engine == "pipeline" and "plan fields 'dp', 'zero'" in verdict.not_torch, verdict
     assert engine_for(plan, {"checkpoint": True}).engine == "torch"  # checkpoints in the one DCP format
     # ZeRO-1/2/3 shard each stage over its replicas with FSDP2; ZeRO-1/2 whatever the shares (one
     # gather and reduce-scatter a step), ZeRO-3 (collectives every micro-batch) with as many
@@ -143,7 +147,9 @@ def test_three_stage_uneven_split_1f1b_clipped_with_lr_schedule_equals_one_proce
 def _check_p2p_records(run_dir: Path, plan: str) -> None:
     """Every message of the schedule went through the communication facade: each send and receive
     action of plait's list is a record in comm/rankN.jsonl, every step, with its action's key, and
-    each send's record pairs with its peer's receive (same link, same sequence number, same bytes)."""
+    each send's record pairs with its peer's receive (same link, same sequence number, same bytes);
+    with tensor parallelism (dp = 1) tensor rank t of a stage exchanges with tensor rank t of its
+    neighbours only (rank = stage * tp + t)."""
     p = Plan.parse(plan)
     layout = pipeline_layout(p)
     mbs = {n: replica_micro_batches(p, 0, 0) for n in range(layout.num_nodes)}
@@ -154,7 +160,8 @@ def _check_p2p_records(run_dir: Path, plan: str) -> None:
         p2p = [r for r in records.records if r.op in ("send", "recv") and r.key != "probe"]
         for step in range(STEPS):
             keys = sorted(str(r.key) for r in p2p if r.step == step)
-            assert keys == sorted(a.key for a in sched.of(rank) if not a.is_compute), (rank, step)
+            assert keys == sorted(a.key for a in sched.of(rank // p.tp) if not a.is_compute), (rank, step)
+        assert all(r.peer is not None and r.peer % p.tp == rank % p.tp for r in p2p)
         for r in p2p:
             (sends if r.op == "send" else recvs)[(r.group, r.seq)] = r
     assert sends and sends.keys() == recvs.keys()
@@ -199,6 +206,61 @@ def test_1f1b_with_fewer_micro_batches_than_stages_equals_one_process(reference)
     _check_equal(result, reference)
     for stage in range(4):
         assert _compute_order(result, stage, 1) == _plait_order(plan, stage)
+
+
+def test_pipeline_with_dtensor_tensor_parallelism_equals_one_process(reference, tmp_path: Path) -> None:
+    """pp=2 x tp=2 (4 ranks: rank = stage * tp + t) with an uneven layer split: each stage's transformer
+    layers cut by DTensor (`parallelize.apply_tp` over the mesh's recorded "tp" dim), the values between
+    stages plain tensors replicated over tp, so tensor rank t of stage 0 exchanges with tensor rank t of
+    stage 1 only; the tied embedding / LM head (replicated over tp) summed across the stages per tensor
+    rank. Every DTensor all-reduce and every p2p message of plait's 1F1B is in the comm records."""
+    plan = "pp=2,tp=2,micro_batch=2,layer_split=2:4,schedule=1f1b," + FP32
+    assert engine_for(plan).engine == "torch" and engine_for(plan).not_torch == ""
+    result = _run(plan, run_dir=tmp_path / "run")
+    _check_equal(result, reference)
+    split = [["embed", "layers.0"], ["layers.1", "layers.2", "layers.3", "head"]]
+    assert [(r.pp, r.tp, r.layers) for r in result.ranks] == [(p, t, split[p]) for p in range(2) for t in range(2)]
+    # each tensor rank holds half of its stage's transformer linears' weights (the biases of the
+    # row-parallel ones whole), the rest of the stage whole
+    ref = reference[1]
+    for r in result.ranks:
+        mine = [n for n in ref if ".".join(n.split(".")[:2 if n.startswith("layers.") else 1]) in r.layers]
+        halves = [n for n in mine if n.startswith("layers.") and ".ln" not in n
+                  and not (n.endswith(".bias") and ("proj" in n or "fc2" in n))]
+        assert r.params == sum(ref[n].numel() for n in mine) - sum(ref[n].numel() for n in halves) // 2
+    for rank in range(4):
+        p, t = divmod(rank, 2)
+        assert _compute_order(result, p, 1, rank) == _plait_order(plan, p)
+        records = read_comm_records(tmp_path / "run" / "comm" / f"rank{rank}.jsonl")
+        assert records.groups["tp"] == [2 * p, 2 * p + 1] and records.groups["tied s0-1"] == [t, 2 + t]
+        # Megatron's count per transformer layer of the stage and micro-batch (4 a step): the row-parallel
+        # attention projection and fc2 all-reduce their [2, 8, 16] fp32 outputs in forward, the column-
+        # parallel QKV and fc1 their inputs' gradients in backward (step 0 also runs torch's shape
+        # inference: a forward more)
+        layers = len([n for n in split[p] if n.startswith("layers.")])
+        for step in (1, 2):
+            calls = [r for r in records.records if r.step == step and r.op == "all_reduce" and r.group == "tp"]
+            assert Counter(r.name for r in calls) == {"allreduce tp fwd": 2 * layers * 4,
+                                                      "allreduce tp bwd": 2 * layers * 4}
+            assert all(r.bytes == 2 * 8 * 16 * 4 for r in calls)
+            tied = [r for r in records.records if r.step == step and r.group == "tied s0-1"]
+            assert [(r.op, r.bytes) for r in tied] == [("all_reduce", 32 * 16 * 4)]
+    _check_p2p_records(tmp_path / "run", plan)
+
+
+@pytest.mark.parametrize("plan", [
+    "pp=2,tp=2,micro_batch=2,layer_split=3:3,schedule=gpipe,",
+    pytest.param("pp=2,tp=2,virtual_stages=2,micro_batch=2,layer_split=1:2:1:2,schedule=interleaved,",
+                 marks=pytest.mark.slow),
+])
+def test_pipeline_with_dtensor_tensor_parallelism_clipped_equals_one_process(plan) -> None:
+    """Clipping global over the job with tp inside the stages: the tp-sharded parameters' local norms
+    summed over the tensor ranks, the parameters replicated over tp (norms, row-parallel biases, the
+    embedding and the LM head tied to it) counted once -- with SGD and an lr schedule, at SGD's tolerance."""
+    plan += FP32
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=0.05, lr_warmup_iters=1,
+                              lr_decay_style="linear")
+    _check_equal(_run(plan, training), reference_run(TINY, plan, STEPS, training=training), rel=0, atol=1e-6)
 
 
 def test_uneven_shares_with_micro_batches_of_two_sizes_equal_one_process(reference, tmp_path: Path) -> None:

@@ -274,7 +274,7 @@ ENGINES: dict[str, str] = {
     "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, tensor "
              "parallelism on DTensor, alone or under data parallelism -- FSDP2 at ZeRO-1/2/3, torch's "
              "FSDP2-based replicate at ZeRO-0 --, chain pipelines on torch.distributed.pipelining with DDP or "
-             "FSDP2 over each stage's replicas)",
+             "FSDP2 over each stage's replicas, or DTensor inside each stage of one replica)",
 }
 
 
@@ -436,8 +436,11 @@ def _torch_pipeline_runs(plan: Plan, run: _RunAsks) -> str:
     count; at ZeRO-3 every micro-batch gathers and reduce-scatters, so the replicas of a stage must
     run as many micro-batches as each other (plait's own engine, which the non-pipeline torch path
     follows, would run ghost micro-batches: not on a pipeline's schedule yet)."""
-    if plan.tp != 1:
-        return f"torch's pipelining runs with tp=1 here, the plan has tp={plan.tp}"
+    if plan.tp != 1 and (plan.dp != 1 or plan.zero):
+        # DTensor inside each stage (`torch_worker._build_pipeline`) over one replica only: DDP does not
+        # take DTensor parameters, and FSDP2 over a stage's DTensor shards is not composed here
+        return (f"plan fields 'dp', 'zero': torch's pipelining runs tensor parallelism (tp={plan.tp}) with dp=1 and "
+                f"zero=0 here, the plan has dp={plan.dp}, zero={plan.zero} (DDP takes no DTensor parameters)")
     if plan.zero >= 3 and plan.dp > 1:
         counts = [len(replica_micro_batches(plan, 0, d)) for d in range(plan.dp)]
         if len(set(counts)) > 1:

@@ -13,7 +13,12 @@ the DTensor-TP model are composed as torchtitan does: at ZeRO-1/2/3 FSDP2 over t
 as below); at ZeRO-0 torch's FSDP2-based `replicate` (`parallelize.apply_replicate`: DDP fails on
 DTensor parameters), each unit all-reducing its gradients in the last micro-batch's backward on the
 mesh's "dp" dim, itself a `RecordedProcessGroup` then; clipping over DTensor parameters takes the
-global norm of the local shards, each element weighted by 1 / its copies (`_copies`). Every rank writes and resumes checkpoints in
+global norm of the local shards, each element weighted by 1 / its copies (`_copies`). A chain pipeline with tp > 1
+(dp = 1, zero = 0: `layout._torch_pipeline_runs`) cuts each stage's transformer layers the same way,
+as torchtitan composes PP and TP: the values between stages are plain tensors replicated over tp, so
+tensor rank t of a stage exchanges with tensor rank t of its neighbours (torch's stage resolves its
+peers in the mesh's "pp" group), the tied embedding is summed per tensor rank, and clipping counts a
+tp shard once and a parameter replicated over tp (norms, row-parallel biases, the embedding) 1/tp. Every rank writes and resumes checkpoints in
 the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's,
 FSDP2's over DTensor's: one box over both mesh dims) at its place in the whole tensor.
 
@@ -164,6 +169,26 @@ def _copies(prm: torch.Tensor, world: int) -> int:
     return world // shards
 
 
+def _dtensor_layers(module: nn.Module, model: str) -> list[tuple[str, nn.Module]]:
+    """The transformer layers of `module` that DTensor's tensor parallelism cuts (`parallelize.apply_tp`);
+    refuses a model whose plan cuts modules alone (experts, ...), which only plait's own engine cuts."""
+    tp_layers = [(n, m) for n, m in layer_modules(module) if is_tensor_parallel_layer(m)]
+    alone = {getattr(m, "plait_tp", None) for _, layer in tp_layers for m in layer.modules()} & set(TP_ALONE_ROLES)
+    if alone:
+        raise RuntimeSetupError(f"model {model}: its plan cuts {sorted(alone)} modules, which the torch engine's "
+                                "DTensor tensor parallelism does not; run it with engine=plait (plait's own engine "
+                                "cuts them)")
+    return tp_layers
+
+
+def _tp_sharded(prm: torch.Tensor) -> bool:
+    """Whether `prm` is sharded by DTensor's tensor parallelism: a DTensor with a Shard placement on
+    the mesh's "tp" dim (not a row-parallel bias, Replicate there; FSDP2's shards are over "dp")."""
+    mesh = getattr(prm, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return "tp" in names and prm.placements[names.index("tp")].is_shard()  # type: ignore[attr-defined]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor (a DTensor's local shard)."""
     return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
@@ -260,13 +285,7 @@ class TorchWorker(RankConfig):
             return
         head_local: list[str] = []
         if plan.tp > 1:  # DTensor shards of the transformer layers' linears (under dp: FSDP2 or replicate, below)
-            tp_layers = [(n, m) for n, m in layer_modules(model) if is_tensor_parallel_layer(m)]
-            alone = {getattr(m, "plait_tp", None) for _, layer in tp_layers for m in layer.modules()} \
-                & set(TP_ALONE_ROLES)
-            if alone:
-                raise RuntimeSetupError(f"model {config.model}: its plan cuts {sorted(alone)} modules, which the torch "
-                                        "engine's DTensor tensor parallelism does not; run it with engine=plait "
-                                        "(plait's own engine cuts them)")
+            tp_layers = _dtensor_layers(model, config.model)
             apply_tp(model, self.mesh, tp_layers)
             # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm): by
             # name, FSDP2 and replicate put new parameters in their place
@@ -313,9 +332,10 @@ class TorchWorker(RankConfig):
         micro-batch) or, at ZeRO-1/2/3, sharded by FSDP2 (`parallelize.apply_fsdp` over the stage's
         replicas: a unit per transformer layer of the stage that shares no parameter with another
         layer -- `fsdp_units` of the whole model -- and the stage's root for the rest, a tied
-        embedding or LM head included; the stage's backwards as `_spanned_stage_type` says); groups
-        that sum tied parameters' gradients across the pipeline ranks that hold them (the pipeline
-        engine's, Megatron's embedding group)."""
+        embedding or LM head included; the stage's backwards as `_spanned_stage_type` says); at
+        tp > 1 (dp = 1) each stage's transformer layers cut by DTensor (`parallelize.apply_tp`); groups
+        that sum tied parameters' gradients across the pipeline ranks that hold them, one per replica
+        and tensor rank (the pipeline engine's, Megatron's embedding group)."""
         plan, config = self.plan, self.config
         lay = pipeline_layout(plan)
         units = {id(m) for m in fsdp_units(model)} if self.fsdp else set()
@@ -330,8 +350,16 @@ class TorchWorker(RankConfig):
         self.first, self.last = 0 in mine, lay.num_nodes - 1 in mine
         self.layers = [name for st in mine.values() for name in st.layers]
         self._tie_stages(stages, lay.num_stages)
-        apply_ac([m for st in mine.values() for _, m in layer_modules(st.module)], plan.recompute)
         before = {node: dict(st.module.named_parameters()) for node, st in mine.items()}
+        if plan.tp > 1:  # DTensor inside each stage (dp = 1: `layout._torch_pipeline_runs`), as torchtitan's PP x TP
+            for st in mine.values():
+                tp_layers = _dtensor_layers(st.module, config.model)
+                apply_tp(st.module, self.mesh, tp_layers)
+                self.head_local += [prm for _, layer in tp_layers for prm in head_local_params(layer, {})]
+        apply_ac([m for st in mine.values() for _, m in layer_modules(st.module)], plan.recompute)
+        # the rank's pieces before data parallelism shards them (tensor parallelism's shards counted)
+        self.param_count = sum(_local(prm).numel() for prm in dict.fromkeys(
+            prm for st in mine.values() for prm in st.module.parameters() if prm.requires_grad))
         if self.fsdp and len({id(prm) for ps in before.values() for prm in ps.values()}) < \
                 sum(len(ps) for ps in before.values()):
             raise RuntimeSetupError(f"model {config.model}: two of pipeline rank {self.p}'s stages share a parameter, "
@@ -358,15 +386,14 @@ class TorchWorker(RankConfig):
             else:
                 modules[node] = apply_ddp(module, self.mesh, plan, self.dp_group, dtype=config.dtype) \
                     if plan.dp > 1 else module
-        # FSDP2 put sharded parameters (DTensors) in the stages' modules: the tied groups and copy
-        # counts follow them
+        # FSDP2 and DTensor put sharded parameters (DTensors) in the stages' modules: the tied groups
+        # and copy counts follow them
         new = {id(prm): dict(st.module.named_parameters())[name]
                for node, st in mine.items() for name, prm in before[node].items()}
         self.tied = [([new[id(prm)] for prm in prms], group) for prms, group in self.tied]
         self.copies = {id(new[k]): n for k, n in self.copies.items() if k in new}
         self.model = merge_modules([st.module for st in mine.values()])  # parameters under their own names
         self.params = list(dict.fromkeys(prm for prm in self.model.parameters() if prm.requires_grad))
-        self.param_count = sum(prm.numel() for prm in self.params)
         mbs = replica_micro_batches(plan, 0, self.d)
         self.mb_sizes = [mb.size for mb in mbs]
         # where the sizes differ, torch's receive buffers are sized per micro-batch along each value's
@@ -379,8 +406,10 @@ class TorchWorker(RankConfig):
         self.schedule = apply_pp(modules, self.mesh, plan, self.device, self._pipeline_loss, len(mbs), self.comm,
                                  stage_type=partial(_spanned_stage_type(), span=self._stage_span,
                                                     sync_every_backward=plan.zero >= 3))
-        if config.clip_grad:  # the global norm over every rank, each tied copy and replica counted once
-            weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) for prm in self.params}
+        if config.clip_grad:  # the global norm over every rank, each tied copy and replica counted once,
+            # a parameter replicated over tp (not a DTensor: norms, embedding, head) once over the tensor ranks
+            weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) / (1 if _tp_sharded(prm) else plan.tp)
+                       for prm in self.params}
             self.clipper = GradClipper(config.clip_grad, weights, group=self.comm.world_group)
 
     def _tie_stages(self, stages: list[Stage], pipeline_ranks: int) -> None:
@@ -398,7 +427,8 @@ class TorchWorker(RankConfig):
                                    if min(owners[id(prm)]) < self.p}
         mine = list(dict.fromkeys(prm for st in self.stage_nodes.values() for prm in st.module.parameters()))
         for owner_set in sorted({tuple(sorted(v)) for v in owners.values() if len(v) > 1}):
-            sets = [[plan.rank(s, d, 0) for s in owner_set] for d in range(plan.dp)]
+            # one group per (replica, tensor rank): tied tensors are replicated over tp (Megatron's embedding group)
+            sets = [[plan.rank(s, d, t) for s in owner_set] for d in range(plan.dp) for t in range(plan.tp)]
             group = self.comm.new_groups("tied s" + "-".join(map(str, owner_set)), sets)
             if group is not None:
                 self.tied.append(([prm for prm in mine if tuple(sorted(owners[id(prm)])) == owner_set], group))
@@ -467,8 +497,9 @@ class TorchWorker(RankConfig):
         # op of every parameter (bench/torch_engine.py: that made the optimizer ~10x slower on CPU).
         self.locals = [_local(prm).detach() for prm in self.params]
         self.optimizer = make_optimizer(self.locals, config.optimizer)
-        # it clips the local tensors (`_optimizer_step`): FSDP2's shards, DTensor's (`_build`)
-        self.clip_locals = self.clipper is not None and (self.fsdp or not self.pipelined)
+        # it clips the local tensors (`_optimizer_step`): FSDP2's shards, DTensor's (`_build`), a
+        # pipeline stage's DTensor ones
+        self.clip_locals = self.clipper is not None and (self.fsdp or not self.pipelined or self.plan.tp > 1)
         if self.clip_locals:
             self.clipper.weights = {id(loc): self.clipper.weight(prm) for prm, loc in zip(self.params, self.locals,
                                                                                          strict=True)}
@@ -529,7 +560,7 @@ class TorchWorker(RankConfig):
         if self.clipper is not None and not skip and self.clip_locals:  # shards; copies weighted by the clipper
             for prm, loc in zip(self.params, self.locals, strict=True):
                 loc.grad = _local(prm.grad) if prm.grad is not None else None
-            self.clipper.clip_params(self.locals, 1)
+            self.clipper.clip_params(self.locals, 1 if self.fsdp else self.plan.dp)
         elif self.clipper is not None and not skip:  # a pipeline: each rank holds some of the parameters
             self.clipper.clip_params(self.params, self.plan.dp)
         elif self.config.clip_grad and not skip:
