@@ -560,7 +560,9 @@ class TorchWorker(RankConfig):
         if self.clipper is not None and not skip and self.clip_locals:  # shards; copies weighted by the clipper
             for prm, loc in zip(self.params, self.locals, strict=True):
                 loc.grad = _local(prm.grad) if prm.grad is not None else None
-            self.clipper.clip_params(self.locals, 1 if self.fsdp else self.plan.dp)
+            # a pipeline stage's weights count tied copies, not replicas (`_build_pipeline`); FSDP2's
+            # shards and `_copies` (no pipeline) count every copy
+            self.clipper.clip_params(self.locals, 1 if self.fsdp or not self.pipelined else self.plan.dp)
         elif self.clipper is not None and not skip:  # a pipeline: each rank holds some of the parameters
             self.clipper.clip_params(self.params, self.plan.dp)
         elif self.config.clip_grad and not skip:
