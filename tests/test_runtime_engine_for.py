@@ -44,6 +44,7 @@ def _spmd() -> Plan:
     (Plan.from_dict({**_spmd().to_dict(), "grad_reduce_dtype": "bf16"}), "spmd"),  # its parameter gradients
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-1 on FSDP2
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # tensor parallel on DTensor
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # DTensor under autocast, loss scaling
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
@@ -166,7 +167,9 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "plait"}, "pipeline", "engine=plait"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", tp_ratios=[0.75, 0.25]), {}, "pipeline",
      "DTensor shards every dimension evenly"),
-    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "pipeline", "dtype bf16"),
+    # issue 29: mixed precision on DTensor (fp32 masters, autocast, fp16's loss scaler agreed over the job)
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "torch", ""),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"dtype": "fp16"}, "torch", ""),
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "pipeline", "dp=2"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
      "sequence_parallel=True"),

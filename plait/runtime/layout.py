@@ -353,9 +353,6 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return why
     if plan.tp != 1 and (why := _torch_tensor_parallel_runs(plan) or (run.model and _dtensor_cut(run.model, plan.tp))):
         return why
-    dtype = run.dtype or plan.dtype
-    if dtype not in ("fp32", "tf32") and plan.tp != 1:
-        return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     return ""

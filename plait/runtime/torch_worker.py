@@ -5,7 +5,7 @@ plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 each stage's replicas or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
 gradients summed across stages, clipping global over the job); and a tensor-parallel plan (dp = 1,
-zero = 0, no sequence parallelism, even shards, fp32) on DTensor (`parallelize.apply_tp`: colwise /
+zero = 0, no sequence parallelism, even shards, any dtype) on DTensor (`parallelize.apply_tp`: colwise /
 rowwise linears in the transformer layers), every collective DTensor issues recorded through the
 facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. Every rank writes and resumes checkpoints in
 the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's)
@@ -53,7 +53,9 @@ under `amp.autocast_for` (torch's autocast lists, as every engine and the refere
 gathers its parameters in the run's dtype and reduce-scatters gradients in the plan's
 `grad_reduce_dtype` (`parallelize.mixed_precision`). fp16 scales the loss with plait's
 `amp.DynamicLossScaler`, its found-inf flag agreed over every rank, so all ranks skip or step
-together (the pipeline engine's scaler: the same schedule, the same `result.json` fields).
+together (the pipeline engine's scaler: the same schedule, the same `result.json` fields). Under
+DTensor's tensor parallelism the same: its collectives run in the dtype autocast gives the values
+they carry (the row linears' outputs in the low dtype; the layer norms' outputs and gradients fp32).
 """
 
 from __future__ import annotations
