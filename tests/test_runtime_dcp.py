@@ -195,3 +195,11 @@ def test_dtensor_checkpoint_holds_the_whole_state_and_resumes_under_fsdp2(refere
     ZeRO-3 on three ranks with uneven shares (FSDP2 loading its shards from DTensor's)."""
     _save_resume_and_move(tmp_path, reference, "tp=2,micro_batch=4," + FP32, LaunchConfig(timeout=120, engine="torch"),
                           "dp=3,zero=3,dp_shares=0.5:0.25:0.25,micro_batch=1," + FP32)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_dtensor_checkpoint_resumes_under_ddp(reference: list[Any], tmp_path: Path) -> None:
+    """tp=2 with sequence parallelism on DTensor (issue 29: `SequenceParallel` layer norms, replicated
+    DTensors whose gradients are summed over tp, written once), into DDP."""
+    _save_resume_and_move(tmp_path, reference, "tp=2,sequence_parallel=true,micro_batch=4," + FP32,
+                          LaunchConfig(timeout=120), "dp=2,micro_batch=2," + FP32)

@@ -44,8 +44,9 @@ def _spmd() -> Plan:
     (Plan.from_dict({**_spmd().to_dict(), "grad_reduce_dtype": "bf16"}), "spmd"),  # its parameter gradients
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-1 on FSDP2
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # tensor parallel on DTensor
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # tensor + sequence, bf16
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # DTensor under autocast, loss scaling
-    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence + data
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
     (Plan(dp=2, pp=2, micro_batch=2, global_batch=10, dp_shares=[0.5, 0.5]), "torch"),  # micro-batches 2, 2, 1
@@ -171,8 +172,17 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "torch", ""),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"dtype": "fp16"}, "torch", ""),
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "pipeline", "dp=2"),
-    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
-     "sequence_parallel=True"),
+    # sequence parallelism in torch's styles (SequenceParallel norms, all-gather / reduce-scatter)
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "llama:layers=1,hidden=16,heads=4,"
+     "kv_heads=2,seq=8,vocab=8"}, "torch", ""),  # GQA: q and kv read one gathered input
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "bert:layers=1,hidden=16,heads=4,"
+     "seq=8,vocab=8"}, "torch", ""),  # post-LN
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline", "dp=2"),
+    # a cut torch's styles do not express: MoE experts (whole) between the regions, not a layer norm
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "bert_moe"}, "pipeline",
+     "plan field 'sequence_parallel'"),
+    (Plan(tp=2, micro_batch=2, global_batch=8), {"model": "bert_moe"}, "torch", ""),  # without it: DTensor's
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline", "tp=2"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"checkpoint": {"dir": "ck", "every": 1}},
      "torch", ""),  # DTensor's shards in the one DCP format

@@ -5,9 +5,13 @@ plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 each stage's replicas or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
 gradients summed across stages, clipping global over the job); and a tensor-parallel plan (dp = 1,
-zero = 0, no sequence parallelism, even shards, any dtype) on DTensor (`parallelize.apply_tp`: colwise /
-rowwise linears in the transformer layers), every collective DTensor issues recorded through the
-facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. Every rank writes and resumes checkpoints in
+zero = 0, even shards, any dtype) on DTensor (`parallelize.apply_tp`: colwise / rowwise linears in
+the transformer layers; with `sequence_parallel` Megatron's sequence parallelism in torch's styles --
+`SequenceParallel` layer norms, whose `Partial` gradients are summed over tp once a step
+(`_sum_partial_grads`), an all-gather before each column region and a reduce-scatter after each row
+linear, the sequence cut where a run of layers begins and gathered where it ends, the layers'
+dropout from a stream per tensor rank as on plait's own engine), every collective DTensor issues
+recorded through the facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. Every rank writes and resumes checkpoints in
 the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's)
 at its place in the whole tensor.
 
@@ -107,6 +111,7 @@ from plait.runtime.parallelize import (
     apply_pp,
     apply_tp,
     build_mesh,
+    seq_dim_of,
 )
 from plait.runtime.partition import (
     MicroBatch,
@@ -123,6 +128,7 @@ from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.sharded_state import RankLayout, Segment, aliases_of, dtensor_cuts
 from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
+from plait.runtime.worker import _RngStream  # plait's own engine's per-rank dropout stream
 from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import event_key
 
@@ -231,6 +237,8 @@ class TorchWorker(RankConfig):
         self.tied: list[tuple[list[nn.Parameter], Group]] = []
         self.clipper: GradClipper | None = None
         self.from_earlier_stage: set[str] = set()  # tied parameters a pipeline's earlier stage writes
+        self.sp = False  # sequence parallelism (DTensor's, `parallelize.apply_tp`)
+        self.sp_rng: _RngStream | None = None
         if self.pipelined:
             self._build_pipeline(model)
             self._seed_streams(seed)
@@ -243,7 +251,11 @@ class TorchWorker(RankConfig):
                 raise RuntimeSetupError(f"model {config.model}: its plan cuts {sorted(alone)} modules, which the torch "
                                         "engine's DTensor tensor parallelism does not; run it with engine=plait "
                                         "(plait's own engine cuts them)")
-            apply_tp(model, self.mesh, tp_layers)
+            self.sp = bool(plan.sequence_parallel)
+            apply_tp(model, self.mesh, tp_layers, sequence_parallel=self.sp,
+                     order=[n for n, _ in layer_modules(model)])
+            if self.sp:  # DTensor shards the sequence evenly (plait's own engine refuses the same)
+                self._check_sequence(tp_layers)
             # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm)
             self.head_local = [prm for _, layer in tp_layers for prm in head_local_params(layer, {})]
             self.param_count = sum(_local(prm).numel() for prm in model.parameters() if prm.requires_grad)
@@ -259,6 +271,30 @@ class TorchWorker(RankConfig):
             self.runner = apply_ddp(model, self.mesh, plan, self.dp_group, dtype=config.dtype)
         self.params = [prm for prm in model.parameters() if prm.requires_grad]
         self._seed_streams(seed)
+        if self.sp:
+            # Sequence-parallel layers hold different tokens on each tensor rank: their dropout draws
+            # from a stream of their own per rank, seeded as the pipeline engine's (Megatron forks its
+            # model-parallel RNG around such blocks); the replicated embedding and head keep the shared one.
+            self.sp_rng = _RngStream(seed + 1 + 1000 * self.p + self.d + 7919 * (self.t + 1), self.cuda)
+            for _, layer in tp_layers:
+                layer.register_forward_pre_hook(self.sp_rng.enter)
+                layer.register_forward_hook(self.sp_rng.leave)
+
+    def _check_sequence(self, layers: list[tuple[str, nn.Module]]) -> None:
+        """Sequence parallelism cuts the sequence into tp equal parts (DTensor's `Shard` of the
+        layers' inputs, as plait's own engine's split): each layer refuses an input whose sequence
+        length tp does not divide, with plait's own engine's message, before DTensor cuts it."""
+        dim, tp = seq_dim_of(layers), self.plan.tp
+
+        def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if x is not None and x.shape[dim] % tp:
+                raise RuntimeSetupError(f"plan field 'sequence_parallel': the sequence length {x.shape[dim]} does not "
+                                        f"divide by tp={tp} (sequence parallelism cuts the sequence into tp equal "
+                                        "parts)")
+
+        for _, layer in layers[:1]:  # before DTensor's hooks
+            layer.register_forward_pre_hook(check, prepend=True)
 
     def _seed_streams(self, seed: int) -> None:
         """Dropout streams as the pipeline engine's: one per (pipeline rank, replica)."""
@@ -466,6 +502,8 @@ class TorchWorker(RankConfig):
                 _sync_tied_shards(self.tied, reduce_dtype(self.plan, self.config.dtype))
             else:
                 sync_tied_grads(self.tied, reduce_dtype(self.plan, self.config.dtype))
+        if self.sp:  # SequenceParallel's norms: each rank's gradient is its tokens' part (Partial), summed
+            self._sum_partial_grads()
         for prm in self.head_local:  # each rank's gradient is its heads' part: summed
             if prm.grad is not None:
                 self.comm.group("tp").all_reduce(prm.grad, "allreduce tp head-local grads", "comm_tp")
@@ -476,6 +514,27 @@ class TorchWorker(RankConfig):
         if probe_every and step % probe_every == 0:
             self.comm.probe_links(PROBE_REPEAT - PROBE_BEFORE)
         return t0, t1, loss_sum
+
+    def _sum_partial_grads(self) -> None:
+        """The gradients DTensor leaves `Partial` over "tp" (the parameters `SequenceParallel` replicates:
+        layer norms that saw this rank's part of the sequence) summed in one all-reduce through the
+        facade (as plait's own engine's "allreduce tp sp-grads", Megatron's
+        `allreduce_sequence_parallel_grads`) and made `Replicate`, as their parameters."""
+        from torch.distributed.tensor import DTensor
+
+        parts = [prm for prm in self.params if isinstance(prm.grad, DTensor)
+                 and any(pl.is_partial() for pl in prm.grad.placements)]
+        if not parts:
+            return
+        grads = [prm.grad.to_local() for prm in parts]  # type: ignore[union-attr]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.group("tp").all_reduce(flat, "allreduce tp sp-grads", "comm_tp")
+        offset = 0
+        for prm, g in zip(parts, grads, strict=True):
+            summed = flat[offset:offset + g.numel()].view_as(g)
+            prm.grad = DTensor.from_local(summed, prm.device_mesh, prm.placements,  # type: ignore[attr-defined]
+                                          run_check=False)
+            offset += g.numel()
 
     def _optimizer_step(self, step: int) -> None:
         """Unscale (fp16), set the learning rate, clip, and step on the local tensors."""
@@ -658,8 +717,12 @@ class TorchWorker(RankConfig):
             self.scaler.load_state_dict(json.loads(train["amp"]))
         if rank_state is not None and train.get("plan") == str(self.plan) and train.get("world_size") == self.world:
             ckpt.set_rng_state(rank_state["rng"])
+            if self.sp_rng is not None and rank_state.get("sp_rng") is not None:
+                self.sp_rng.load_state_dict(rank_state["sp_rng"])
         else:
-            ckpt.reseed_streams(self.config.seed, step, (self.p, self.d, self.t))
+            s = ckpt.reseed_streams(self.config.seed, step, (self.p, self.d, self.t))
+            if self.sp_rng is not None:  # as plait's own engine reseeds it
+                self.sp_rng.load_state_dict(_RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
         return step
 
     def _save_checkpoint(self, step: int, root: Path) -> None:
@@ -675,7 +738,8 @@ class TorchWorker(RankConfig):
                  "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None,
                  "tied": {a: c for a, c in aliases.items() if a != c},
                  "lr_schedule": self.config.schedule_record()}
-        mine = {"rng": ckpt.rng_state(), "sp_rng": None, "coords": [self.p, self.d, self.t]}
+        mine = {"rng": ckpt.rng_state(), "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None,
+                "coords": [self.p, self.d, self.t]}
         state = ckpt.rank_snapshot(self._ckpt_layout(), train, self.rank, mine)
         hook = None
         fault = self.injection.at(self.rank, step - 1, "checkpoint", PROCESS_FAULTS)
