@@ -282,7 +282,7 @@ class TorchWorker(RankConfig):
 
     def _check_sequence(self, layers: list[tuple[str, nn.Module]]) -> None:
         """Sequence parallelism cuts the sequence into tp equal parts (DTensor's `Shard` of the
-        layers' inputs, as plait's own engine's split): each layer refuses an input whose sequence
+        layers' inputs, as plait's own engine's split): the first layer refuses an input whose sequence
         length tp does not divide, with plait's own engine's message, before DTensor cuts it."""
         dim, tp = seq_dim_of(layers), self.plan.tp
 
