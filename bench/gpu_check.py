@@ -106,8 +106,6 @@ ENGINE_MODEL = "gpt:layers=4,hidden=512,heads=8,seq=256,vocab=8192"
 def engine_cases(model: str, cluster, gpus: int, global_batch: int, dtype: str) -> list[tuple]:
     """(label, plan, the run's `LaunchConfig.engine`, the run's dtype) for every engine path `gpus`
     GPUs allow (module doc): the same model on each form, so their rows compare."""
-    import dataclasses
-
     from plait.api import plan as search
     from plait.graph.resolve import resolve_model
     from plait.ir.plan import Plan, StageSpec
@@ -136,7 +134,7 @@ def engine_cases(model: str, cluster, gpus: int, global_batch: int, dtype: str) 
     composed = family("compose", load_cluster(f"{kind}:nodes=2,gpus_per_node={gpus // 2}"))
     cases = [("DDP", grid("dp=2,micro_batch=2"), "auto", dtype),
              ("FSDP2 (ZeRO-3)", grid("dp=2,zero=3,micro_batch=2"), "auto", dtype),
-             ("DTensor TP (fp32)", dataclasses.replace(grid("tp=2,micro_batch=2"), dtype="fp32"), "auto", "fp32"),
+             ("DTensor TP", grid("tp=2,micro_batch=2"), "auto", dtype),
              ("plait TP", grid("tp=2,micro_batch=2"), "plait", dtype),
              ("pipelining 1F1B", grid("pp=2,micro_batch=2,schedule=1f1b"), "auto", dtype),
              ("plait PP 1F1B", grid("pp=2,micro_batch=2,schedule=1f1b"), "plait", dtype),

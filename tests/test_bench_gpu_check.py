@@ -42,4 +42,4 @@ def test_engine_cases_reach_every_engine_and_are_priced(gpus: int, engines: set[
     if gpus > 1:  # torch's modules by default; plait's own TP and PP executors asked for by engine=plait
         assert {e for _, _, e, _ in cases} == {"auto", "plait"}
         torch_forms = {label for label, plan, e, d in cases if engine_for(plan, {"engine": e, "dtype": d}).engine == "torch"}
-        assert {"DDP", "FSDP2 (ZeRO-3)", "DTensor TP (fp32)", "pipelining 1F1B"} <= torch_forms
+        assert {"DDP", "FSDP2 (ZeRO-3)", "DTensor TP", "pipelining 1F1B"} <= torch_forms

@@ -248,3 +248,51 @@ def test_chain_pipeline_on_torch_pipelining_trains_in_low_precision_as_one_proce
         assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
     else:
         assert result.loss_scales == []
+
+
+
+@pytest.mark.parametrize("dtype, sp", [("bf16", False), ("fp16", False),
+                                       pytest.param("bf16", True, marks=pytest.mark.slow)])  # suite time
+def test_tensor_parallel_plan_on_dtensor_trains_in_low_precision_as_one_process(tmp_path, monkeypatch, dtype: str,
+                                                                                sp: bool) -> None:
+    # issue 29: DTensor's colwise / rowwise linears (and sequence parallelism's styles) under autocast,
+    # fp32 master parameters and optimizer state, fp16 with plait's loss scaler agreed over the job
+    from collections import Counter
+
+    from plait.ir.comm import read_comm_records
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+    plan = f"tp=2,micro_batch=4,global_batch=8,dtype={dtype},sequence_parallel={str(sp).lower()}"
+    assert engine_for(plan).engine == "torch"
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
+    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
+                 records=RecordsConfig(run_dir=tmp_path / "run"))
+    low, _ = reference_run(tiny, plan, STEPS, training=training)
+    assert result.engine == "torch"
+    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    if dtype == "bf16":  # the first forward nearer the bf16 reference than fp32 compute (fp16's are too near)
+        fp32, _ = reference_run(tiny, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
+        assert abs(result.losses[0] - low[0]) < abs(result.losses[0] - fp32[0]), (result.losses, low, fp32)
+    # Each step's tp calls (4 layers x 2 micro-batches of [s=8, b=4, h=16]): what the row linears
+    # reduce (their outputs) crosses in the low dtype, 2 bytes an element; what the column linears'
+    # inputs carry in forward and backward (the layer norms' outputs and their gradients, which
+    # autocast keeps in fp32) 4 bytes -- as on plait's own engine.
+    half, full, n = 4 * 8 * 16 * 2, 4 * 8 * 16 * 4, 4 * 2 * 2
+    if sp:  # all-gather before the regions, reduce-scatter after the rows; the region left / entered
+        want = {("all_gather", "allgather tp fwd", full): n + 2, ("reduce_scatter", "reducescatter tp fwd", half): n,
+                ("all_gather", "allgather tp bwd", half): n, ("reduce_scatter", "reducescatter tp bwd", full): n,
+                ("all_gather", "allgather tp bwd", full): 2, ("all_reduce", "allreduce tp sp-grads", 4 * 4 * 16 * 4): 1}
+    else:
+        want = {("all_reduce", "allreduce tp fwd", half): n, ("all_reduce", "allreduce tp bwd", full): n}
+    for rank in (0, 1):
+        calls = [r for r in read_comm_records(tmp_path / "run" / "comm" / f"rank{rank}.jsonl").records
+                 if r.step == 1 and r.group == "tp"]
+        assert Counter((r.op, r.name, r.bytes) for r in calls) == want
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []

@@ -217,3 +217,10 @@ def test_dtensor_pipeline_checkpoint_holds_the_whole_state_and_resumes_without_p
     into DDP without pipeline or tensor parallelism."""
     _save_resume_and_move(tmp_path, reference, "pp=2,tp=2,micro_batch=2," + FP32,
                           LaunchConfig(timeout=120, engine="torch"), "dp=2,micro_batch=2," + FP32)
+
+
+def test_sequence_parallel_dtensor_checkpoint_resumes_under_ddp(reference: list[Any], tmp_path: Path) -> None:
+    """tp=2 with sequence parallelism on DTensor (issue 29: `SequenceParallel` layer norms, replicated
+    DTensors whose gradients are summed over tp, written once), into DDP."""
+    _save_resume_and_move(tmp_path, reference, "tp=2,sequence_parallel=true,micro_batch=4," + FP32,
+                          LaunchConfig(timeout=120), "dp=2,micro_batch=2," + FP32)

@@ -45,7 +45,9 @@ def _spmd() -> Plan:
     (Plan(dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # ZeRO-1 on FSDP2
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # tensor parallel on DTensor
     (Plan(dp=2, tp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # FSDP2 over DTensor's TP
-    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # tensor + sequence, bf16
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # DTensor under autocast, loss scaling
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence + data
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # DTensor inside pipeline stages
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "pipeline"),  # bf16 with DTensor: not yet compared
@@ -170,7 +172,6 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "plait"}, "pipeline", "engine=plait"),
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", tp_ratios=[0.75, 0.25]), {}, "pipeline",
      "DTensor shards every dimension evenly"),
-    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "pipeline", "dtype bf16"),
     # dp x tp (issue 29): torch's FSDP2-based replicate at ZeRO-0, FSDP2 over the DTensor-TP model at ZeRO-1/2/3,
     # uneven shares (ZeRO-3's ghost micro-batches) and checkpoints (2D shards as boxes) included
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "torch", ""),
@@ -184,15 +185,28 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
      "'sequence_parallel'"),
     (Plan(tp=2, dp=2, micro_batch=1, global_batch=2, dtype="fp32", dp_shares=[1.0, 0.0]), {}, "pipeline",
      "no samples"),
-    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
-     "sequence_parallel=True"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch", ""),  # per stage
     (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline",
      "plan fields 'dp', 'zero'"),  # DDP takes no DTensor parameters
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
-     "sequence_parallel=True"),
+     "plan field 'sequence_parallel'"),
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),  # compared at pp=1
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=2,hidden=12,heads=3,seq=4,vocab=8"},
      "pipeline", "3 heads, not divisible by tp=2"),
+    # issue 29: mixed precision on DTensor (fp32 masters, autocast, fp16's loss scaler agreed over the job)
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="bf16"), {"engine": "torch"}, "torch", ""),
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"dtype": "fp16"}, "torch", ""),
+    # sequence parallelism in torch's styles (SequenceParallel norms, all-gather / reduce-scatter)
+    (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "llama:layers=1,hidden=16,heads=4,"
+     "kv_heads=2,seq=8,vocab=8"}, "torch", ""),  # GQA: q and kv read one gathered input
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "bert:layers=1,hidden=16,heads=4,"
+     "seq=8,vocab=8"}, "torch", ""),  # post-LN
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline", "dp=2"),
+    # a cut torch's styles do not express: MoE experts (whole) between the regions, not a layer norm
+    (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "bert_moe"}, "pipeline",
+     "plan field 'sequence_parallel'"),
+    (Plan(tp=2, micro_batch=2, global_batch=8), {"model": "bert_moe"}, "torch", ""),  # without it: DTensor's
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"checkpoint": {"dir": "ck", "every": 1}},
      "torch", ""),  # DTensor's shards in the one DCP format
     # the run's model counts too: its cut must be DTensor's (here: whole heads on each rank)

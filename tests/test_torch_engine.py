@@ -242,6 +242,39 @@ def test_dp_x_tp_zero1_on_fsdp2_over_dtensor_equals_one_process(reference, tmp_p
     assert all(r["param_bytes"] == 4 * local // 2 for r in ranks)
 
 
+def test_sequence_parallelism_on_dtensor_equals_one_process(reference, tmp_path) -> None:
+    """sequence_parallel=true runs on torch's styles (`SequenceParallel` layer norms, an all-gather
+    before each column region, `RowwiseParallel(output_layouts=Shard(0))`: the zoo's [s, b, h]) and
+    trains as one process; every all-reduce of a layer becomes an all-gather or a reduce-scatter."""
+    plan = "tp=2,sequence_parallel=true,micro_batch=4," + FP32
+    assert engine_for(plan).engine == "torch" and engine_for(plan).not_torch == ""
+    result = _run(plan, tmp_path)
+    _check_equal(result, reference)
+    full = [4 * 8 * 16 * 4]  # a micro-batch's whole [s=8, b=4, h=16] fp32 activation (gathered / scattered)
+    norms = 4 * 4 * 16 * 4  # 4 layers x (ln1, ln2) x (weight, bias) x h, fp32
+    # Megatron's count per layer and micro-batch (4 layers, 2 micro-batches a step): forward all-gathers
+    # the attention's and the MLP's input and reduce-scatters attn.proj's and fc2's output, backward
+    # the reverse; the region is entered once a micro-batch (its backward all-gathers the input's
+    # gradient) and left once (its forward all-gathers the last layer's output); the layer norms'
+    # gradients are summed once a step (the row biases' come out whole: DTensor computes them from the
+    # all-gathered output gradient; plait's own engine adds them on the shard and sums them too).
+    # No other all-reduce, and nothing else crosses the tp group.
+    per = 4 * 2 * 2
+    want = {("all_gather", "allgather tp fwd"): per + 2, ("reduce_scatter", "reducescatter tp fwd"): per,
+            ("reduce_scatter", "reducescatter tp bwd"): per, ("all_gather", "allgather tp bwd"): per + 2,
+            ("all_reduce", "allreduce tp sp-grads"): 1}
+    for rank in (0, 1):
+        for step in range(STEPS):
+            calls = [r for r in _calls_any(result, rank) if r.step == step and r.group == "tp"]
+            assert Counter((r.op, r.name) for r in calls) == want
+            assert {r.bytes for r in calls if r.op != "all_reduce"} == set(full)
+            assert [r.bytes for r in calls if r.op == "all_reduce"] == [norms]
+            others = {(r.op, r.group) for r in _calls_any(result, rank) if r.step == step and r.key != "probe"
+                      and r.group != "tp"}
+            assert others == {("barrier", "world")}
+            assert _spans(result, rank, step)["comm_tp"] == len(calls)
+
+
 def test_a_slow_link_slows_dtensor_collectives_and_the_doctor_names_it(tmp_path) -> None:
     """A link fault between the two tensor ranks (from step 3) delays every DTensor collective of
     the tp group (recorded: injected_s, and t_end - t_enqueue holds it); the doctor reads the run and

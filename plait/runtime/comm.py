@@ -70,6 +70,23 @@ FAULTS_ENV = "PLAIT_COMM_FAULTS"  # JSON: {"slow_link": [a, b], "delay_s": x, "f
 
 # torch 2.x names of the single-tensor gather / scatter (older releases: *_single).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _future_of(work: Any) -> torch.futures.Future[Any]:
+    """A started call's future. gloo's reduce-scatter works have none (torch 2.13's CPU build:
+    "Work::getFuture not implemented", from `_reduce_scatter_base` and `reduce_scatter_tensor_coalesced`
+    alike; its all-reduces and all-gathers have one): such a work is waited on here and its future
+    is a completed one, so DTensor's reduce-scatters on gloo (sequence parallelism) complete, and are
+    recorded, before the call returns."""
+    try:
+        return work.get_future()  # type: ignore[no-any-return]
+    except RuntimeError as exc:
+        if "getFuture not implemented" not in str(exc):
+            raise
+    work.wait()
+    done: torch.futures.Future[Any] = torch.futures.Future()
+    done.set_result(None)
+    return done
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -655,7 +672,7 @@ class Comm:
                                      key=key, step=step))
         faults = self._faults_on([group.members])
         t_start, injected = self._delay(faults)
-        fut = start().get_future()
+        fut = _future_of(start())
 
         def done(f: torch.futures.Future[Any]) -> Any:
             value = f.value()  # a failed call raises here, unrecorded (as in `_call`)

@@ -272,7 +272,7 @@ ENGINES: dict[str, str] = {
     "spmd": "plait.runtime.spmd_worker (one op-level SPMD program)",
     "pipeline": "plait.runtime.worker (a 3D grid or a stage graph: plait's own executors)",
     "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, tensor "
-             "parallelism on DTensor, alone or under data parallelism -- FSDP2 at ZeRO-1/2/3, torch's "
+             "and sequence parallelism on DTensor, alone or under data parallelism -- FSDP2 at ZeRO-1/2/3, torch's "
              "FSDP2-based replicate at ZeRO-0 --, chain pipelines on torch.distributed.pipelining with DDP or "
              "FSDP2 over each stage's replicas, or DTensor inside each stage of one replica)",
 }
@@ -352,11 +352,13 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return "an SPMD program or a stage graph runs on plait's own engines"
     if plan.pp != 1 and (why := _torch_pipeline_runs(plan, run)):
         return why
-    if plan.tp != 1 and (why := _torch_tensor_parallel_runs(plan) or (run.model and _dtensor_cut(run.model, plan.tp))):
+    if plan.tp != 1 and (why := _torch_tensor_parallel_runs(plan) or (
+            run.model and _dtensor_cut(run.model, plan.tp, plan.sequence_parallel))):
         return why
     dtype = run.dtype or plan.dtype
-    if dtype not in ("fp32", "tf32") and plan.tp != 1:
-        return f"dtype {dtype}: mixed precision with DTensor tensor parallelism is not yet compared with one process"
+    if plan.tp != 1 and dtype not in ("fp32", "tf32") and (plan.dp != 1 or plan.zero or plan.pp != 1):
+        return (f"dtype {dtype}: DTensor tensor parallelism in low precision is compared with one process at dp=1, "
+                f"zero=0, pp=1 only; the plan has dp={plan.dp}, zero={plan.zero}, pp={plan.pp}")
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     return ""
@@ -368,22 +370,23 @@ def _torch_tensor_parallel_runs(plan: Plan) -> str:
     if plan.tp_ratios and len(set(plan.tp_ratios)) > 1:
         return (f"uneven tensor shards (tp_ratios={plan.tp_ratios}) run on plait's own engine: DTensor shards "
                 "every dimension evenly")
-    if plan.sequence_parallel:
-        return (f"plan field 'sequence_parallel': tensor parallelism on DTensor runs without sequence parallelism "
-                f"here, the plan has sequence_parallel={plan.sequence_parallel}")
+    if plan.sequence_parallel and (plan.dp != 1 or plan.zero or plan.pp != 1):
+        return (f"plan field 'sequence_parallel': sequence parallelism on DTensor runs with dp=1, zero=0 and pp=1 "
+                f"here, the plan has dp={plan.dp}, zero={plan.zero}, pp={plan.pp}")
     # dp > 1 (no pipeline): FSDP2 over the DTensor-TP model at ZeRO-1/2/3 (2D parameters), torch's
     # FSDP2-based `replicate` at ZeRO-0 (DDP fails on DTensor parameters): `torch_worker._build`
     return ""
 
 
 @functools.lru_cache(maxsize=16)
-def _dtensor_cut(model: str, tp: int) -> str:
+def _dtensor_cut(model: str, tp: int, sequence_parallel: bool = False) -> str:
     """"" when DTensor's colwise / rowwise styles (`parallelize.apply_tp`) cut `model`'s transformer
     layers as plait's own engine does at `tp`, else why not. They shard `nn.Linear` weights evenly and
     change nothing else, so a layer must hold no other cut module with parameters of its own (experts,
     Conv1D, a relative-position bias cut by heads), and no head count or head width stored as an
     attribute (plait's engine sets those to this rank's, `tensor_parallel._localize_heads`; DTensor
-    would leave a module reshaping by the whole model's heads)."""
+    would leave a module reshaping by the whole model's heads). With `sequence_parallel` the layer's
+    cut must also be one torch's styles express (`_sequence_parallel_cut`)."""
     import torch
 
     from plait.runtime.tensor_parallel import (
@@ -425,6 +428,44 @@ def _dtensor_cut(model: str, tp: int) -> str:
                 if rows and (rows[0].in_features // head_dim) % tp:
                     return (f"model {model}: {where} has {rows[0].in_features // head_dim} heads, not divisible by "
                             f"tp={tp} (DTensor would cut a head)")
+        if sequence_parallel and (why := _sequence_parallel_cut(layer)):
+            return f"model {model}: {name}: {why}"
+    return ""
+
+
+def _sequence_parallel_cut(layer: nn.Module) -> str:
+    """"" when torch's styles run Megatron's sequence parallelism on the tensor-parallel `layer` as
+    `parallelize.apply_tp` places them, else why not (the plan field named: plait's own engine runs
+    it). Each column linear reads its input inside a submodule of the layer called with that one
+    input (`PrepareModuleInput` all-gathers it: the zoo's `attn`, `mlp`); every row linear is inside
+    such a region (its output reduce-scattered back to the sequence shard); every other module with
+    parameters outside the regions is a layer norm (`SequenceParallel` runs nn.LayerNorm / nn.RMSNorm
+    on the shard); the layer and the regions take one positional input (the hidden states)."""
+    import inspect
+
+    from plait.runtime.parallelize import sequence_parallel_norms, sequence_parallel_regions
+
+    regions = sequence_parallel_regions(layer)
+    why = "plan field 'sequence_parallel': DTensor's sequence parallelism"
+    if "" in regions:
+        return f"{why} all-gathers a column linear's input in a submodule of the layer; one is the layer's own"
+    inside = tuple(f"{r}." for r in regions)
+    for sub, m in layer.named_modules():
+        if getattr(m, "plait_tp", None) == "row" and not sub.startswith(inside):
+            return f"{why} reduce-scatters row linears inside the column linears' regions ({regions}); {sub} is not"
+    for sub in sequence_parallel_norms(layer, regions):
+        m = layer.get_submodule(sub)
+        if not isinstance(m, nn.LayerNorm | nn.RMSNorm):
+            return (f"{why} runs layer norms on a sequence shard between the regions {regions}; {sub} "
+                    f"({type(m).__name__}) holds parameters there")
+    for sub in ["", *regions]:
+        m = layer.get_submodule(sub) if sub else layer
+        params = [p for p in inspect.signature(m.forward).parameters.values()
+                  if p.default is inspect.Parameter.empty
+                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        if len(params) != 1 or params[0].kind is inspect.Parameter.VAR_POSITIONAL:
+            return (f"{why} cuts one input along the sequence; {sub or 'the layer'} "
+                    f"({type(m).__name__}.forward) takes {[p.name for p in params]}")
     return ""
 
 

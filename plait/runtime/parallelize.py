@@ -3,7 +3,9 @@
 (dims "pp", "dp", "tp", Megatron's rank order: tensor fastest, then data, then pipeline).
 
 * `apply_ddp`: DDP over the mesh's "dp" dim, buckets of the plan's `grad_bucket_mb`;
-* `apply_tp`: DTensor tensor parallelism (`parallelize_module`, colwise / rowwise) over "tp";
+* `apply_tp`: DTensor tensor parallelism (`parallelize_module`, colwise / rowwise) over "tp", with
+  Megatron's sequence parallelism in torch's styles (`SequenceParallel` norms, `PrepareModuleInput`
+  all-gathers before the column linears, `RowwiseParallel(output_layouts=Shard)` reduce-scatters);
 * `apply_fsdp`: FSDP2 `fully_shard` for ZeRO-1/2/3 -- parameters resharded after forward only at
   ZeRO-3 (torchtitan's mapping: ZeRO-1/2 keep them gathered until backward; FSDP2 always shards
   gradients and optimizer states), `MixedPrecisionPolicy` from the plan's `dtype` and
@@ -28,7 +30,7 @@ The torch engine (`plait.runtime.torch_worker`) composes them for the plans
 `plait.runtime.layout.torch_runs` names; the other plans run on plait's own executors.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +39,14 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 from torch.nn.parallel import DistributedDataParallel
@@ -162,23 +168,93 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iter
     return model
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, layers: Iterable[tuple[str, nn.Module]]) -> list[str]:
+def seq_dim_of(layers: Iterable[tuple[str, nn.Module]]) -> int:
+    """The sequence dimension of the activations between `layers` (the zoo's and Megatron's
+    [s, b, h]: 0; a layer may name another with `plait_seq_dim`, as plait's own engine reads it)."""
+    return next((int(getattr(m, "plait_seq_dim", 0)) for _, m in layers), 0)
+
+
+def sequence_parallel_regions(layer: nn.Module) -> list[str]:
+    """The submodules of a tensor-parallel layer that its column-parallel linears read their input
+    in (each column linear's parent: the zoo's `attn`, `mlp`), by name in `layer`, outermost first.
+    Sequence parallelism all-gathers each one's input along the sequence (`apply_tp`)."""
+    regions: list[str] = []
+    for sub, m in layer.named_modules():
+        if isinstance(m, nn.Linear) and getattr(m, "plait_tp", None) == "column":
+            parent = sub.rsplit(".", 1)[0] if "." in sub else ""
+            if parent not in regions:
+                regions.append(parent)
+    return regions
+
+
+def sequence_parallel_norms(layer: nn.Module, regions: Iterable[str]) -> list[str]:
+    """The modules of a tensor-parallel layer outside its `regions` that hold parameters (its layer
+    norms: `SequenceParallel` runs them on this rank's part of the sequence), by name in `layer`."""
+    inside = tuple(f"{r}." for r in regions)
+    return [sub for sub, m in layer.named_modules()
+            if sub and not sub.startswith(inside) and sub not in regions
+            and any(True for _ in m.parameters(recurse=False))]
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, layers: Iterable[tuple[str, nn.Module]],
+             sequence_parallel: bool = False, order: Sequence[str] | None = None) -> list[str]:
     """Tensor parallelism with DTensor over the "tp" dim, Megatron's layout in torch's styles: in each
     of `layers` (qualified name, module: the transformer layers, `tensor_parallel.is_tensor_parallel_layer`)
     the linears the model marks `plait_tp="column"` are `ColwiseParallel` (output features sharded;
     a QKV projection's features are ordered by head, so each rank holds whole heads) and those marked
     "row" `RowwiseParallel` (input features sharded, outputs all-reduced). Local outputs
     (`use_local_output`), so the layer's own code between them (head reshapes, activations) runs on
-    this rank's shard unchanged. Returns the parallelised linears' names."""
+    this rank's shard unchanged. Returns the parallelised linears' names.
+
+    `sequence_parallel` (Megatron's, Korthikanti et al. 2022; torchtitan's styles): between the
+    tensor-parallel regions each rank holds its part of the sequence (dim `seq_dim_of(layers)`): the
+    layer norms are `SequenceParallel` (parameters replicated, run on the shard: their gradients come
+    out `Partial`, the caller sums them over "tp"), each region a column linear reads its input in
+    (`sequence_parallel_regions`: attention, MLP) all-gathers it (`PrepareModuleInput`, Shard ->
+    Replicate; backward reduce-scatter), the row linears reduce-scatter their outputs
+    (`RowwiseParallel(output_layouts=Shard)`; backward all-gather), so the residual stream between
+    them is this rank's sequence shard. A run of consecutive tensor-parallel layers in `order` (the
+    model's layers in execution order; default: `layers` are one run) is one region, as on plait's own
+    engine: its first layer takes its part of the replicated input (no communication; backward
+    all-gathers), its last all-gathers its output for what follows replicated (the embedding and the
+    LM head stay whole on every rank; backward keeps this rank's part)."""
+    layers = list(layers)
+    seq = Shard(seq_dim_of(layers))
     styles: dict[str, ParallelStyle] = {}
     for name, layer in layers:
         for sub, m in layer.named_modules():
             kind = getattr(m, "plait_tp", None)
-            if isinstance(m, nn.Linear) and kind in ("column", "row"):
-                styles[f"{name}.{sub}"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
+            if isinstance(m, nn.Linear) and kind == "column":
+                styles[f"{name}.{sub}"] = ColwiseParallel()
+            elif isinstance(m, nn.Linear) and kind == "row":
+                styles[f"{name}.{sub}"] = RowwiseParallel(output_layouts=seq) if sequence_parallel \
+                    else RowwiseParallel()
+    linears = sorted(styles)
+    names = [n for n, _ in layers]
+    order = list(order) if order is not None else names
+    if sequence_parallel:
+        for name, layer in layers:
+            regions = sequence_parallel_regions(layer)
+            for region in regions:
+                styles[f"{name}.{region}"] = PrepareModuleInput(input_layouts=(seq,),
+                                                                desired_input_layouts=(Replicate(),))
+            for norm in sequence_parallel_norms(layer, regions):
+                # local outputs: the residual stream stays plain tensors (a post-LN layer adds its
+                # norm's output to a region's)
+                styles[f"{name}.{norm}"] = SequenceParallel(sequence_dim=seq.dim, use_local_output=True)
     # every rank built the same seeded model: each takes its own shard, no scatter from rank 0
     parallelize_module(model, mesh["tp"], styles, src_data_rank=None)
-    return sorted(styles)
+    if sequence_parallel:  # the regions' boundaries
+        tp_names = set(names)
+        for name, layer in layers:
+            k = order.index(name)
+            if not (k > 0 and order[k - 1] in tp_names):  # enter: this rank's part of the sequence
+                parallelize_module(layer, mesh["tp"], PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True))
+            if not (k + 1 < len(order) and order[k + 1] in tp_names):  # leave: the whole sequence
+                parallelize_module(layer, mesh["tp"], PrepareModuleOutput(
+                    output_layouts=(seq,), desired_output_layouts=(Replicate(),), use_local_output=True))
+    return linears
 
 
 def apply_ac(layers: Iterable[nn.Module], recompute: str) -> list[nn.Module]:

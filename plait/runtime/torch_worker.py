@@ -4,9 +4,14 @@ plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 (`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
 each stage's replicas or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
-gradients summed across stages, clipping global over the job); and a tensor-parallel plan (pp = 1,
-no sequence parallelism, even shards, fp32) on DTensor (`parallelize.apply_tp`: colwise /
-rowwise linears in the transformer layers), every collective DTensor issues recorded through the
+gradients summed across stages, clipping global over the job); and a tensor-parallel plan (even
+shards; any dtype at dp = 1, zero = 0, pp = 1, else fp32 / tf32) on DTensor (`parallelize.apply_tp`:
+colwise / rowwise linears in the transformer layers; at dp = 1, zero = 0, pp = 1 with
+`sequence_parallel` Megatron's sequence parallelism in torch's styles -- `SequenceParallel` layer
+norms, whose `Partial` gradients are summed over tp once a step (`_sum_partial_grads`), an
+all-gather before each column region and a reduce-scatter after each row linear, the sequence cut
+where a run of layers begins and gathered where it ends, the layers' dropout from a stream per
+tensor rank as on plait's own engine), every collective DTensor issues recorded through the
 facade: the mesh's "tp" dim is a `recorded_pg.RecordedProcessGroup`. With dp > 1 the replicas of
 the DTensor-TP model are composed as torchtitan does: at ZeRO-1/2/3 FSDP2 over the mesh's "dp" dim
 (`parallelize.apply_fsdp` on the TP model: 2D parameters, ZeRO's semantics and ghost micro-batches
@@ -64,7 +69,9 @@ under `amp.autocast_for` (torch's autocast lists, as every engine and the refere
 gathers its parameters in the run's dtype and reduce-scatters gradients in the plan's
 `grad_reduce_dtype` (`parallelize.mixed_precision`). fp16 scales the loss with plait's
 `amp.DynamicLossScaler`, its found-inf flag agreed over every rank, so all ranks skip or step
-together (the pipeline engine's scaler: the same schedule, the same `result.json` fields).
+together (the pipeline engine's scaler: the same schedule, the same `result.json` fields). Under
+DTensor's tensor parallelism the same: its collectives run in the dtype autocast gives the values
+they carry (the row linears' outputs in the low dtype; the layer norms' outputs and gradients fp32).
 """
 
 from __future__ import annotations
@@ -118,6 +125,7 @@ from plait.runtime.parallelize import (
     apply_tp,
     build_mesh,
     replicates,
+    seq_dim_of,
 )
 from plait.runtime.partition import (
     MicroBatch,
@@ -134,6 +142,7 @@ from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
 from plait.runtime.sharded_state import Box, RankLayout, Segment, aliases_of, dtensor_cuts
 from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
+from plait.runtime.worker import _RngStream  # plait's own engine's per-rank dropout stream
 from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import event_key
 
@@ -279,6 +288,8 @@ class TorchWorker(RankConfig):
         self.tied: list[tuple[list[nn.Parameter], Group]] = []
         self.clipper: GradClipper | None = None
         self.from_earlier_stage: set[str] = set()  # tied parameters a pipeline's earlier stage writes
+        self.sp = False  # sequence parallelism (DTensor's, `parallelize.apply_tp`)
+        self.sp_rng: _RngStream | None = None
         if self.pipelined:
             self._build_pipeline(model)
             self._seed_streams(seed)
@@ -286,7 +297,11 @@ class TorchWorker(RankConfig):
         head_local: list[str] = []
         if plan.tp > 1:  # DTensor shards of the transformer layers' linears (under dp: FSDP2 or replicate, below)
             tp_layers = _dtensor_layers(model, config.model)
-            apply_tp(model, self.mesh, tp_layers)
+            self.sp = bool(plan.sequence_parallel)
+            apply_tp(model, self.mesh, tp_layers, sequence_parallel=self.sp,
+                     order=[n for n, _ in layer_modules(model)])
+            if self.sp:  # DTensor shards the sequence evenly (plait's own engine refuses the same)
+                self._check_sequence(tp_layers)
             # whole parameters inside a cut attention see this rank's heads only (Qwen3's q_norm): by
             # name, FSDP2 and replicate put new parameters in their place
             names = {id(prm): n for n, prm in model.named_parameters()}
@@ -317,6 +332,30 @@ class TorchWorker(RankConfig):
             self.clipper = GradClipper(config.clip_grad, {id(prm): 1.0 / _copies(prm, self.world)
                                                           for prm in self.params}, group=self.comm.world_group)
         self._seed_streams(seed)
+        if self.sp:
+            # Sequence-parallel layers hold different tokens on each tensor rank: their dropout draws
+            # from a stream of their own per rank, seeded as the pipeline engine's (Megatron forks its
+            # model-parallel RNG around such blocks); the replicated embedding and head keep the shared one.
+            self.sp_rng = _RngStream(seed + 1 + 1000 * self.p + self.d + 7919 * (self.t + 1), self.cuda)
+            for _, layer in tp_layers:
+                layer.register_forward_pre_hook(self.sp_rng.enter)
+                layer.register_forward_hook(self.sp_rng.leave)
+
+    def _check_sequence(self, layers: list[tuple[str, nn.Module]]) -> None:
+        """Sequence parallelism cuts the sequence into tp equal parts (DTensor's `Shard` of the
+        layers' inputs, as plait's own engine's split): the first layer refuses an input whose sequence
+        length tp does not divide, with plait's own engine's message, before DTensor cuts it."""
+        dim, tp = seq_dim_of(layers), self.plan.tp
+
+        def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if x is not None and x.shape[dim] % tp:
+                raise RuntimeSetupError(f"plan field 'sequence_parallel': the sequence length {x.shape[dim]} does not "
+                                        f"divide by tp={tp} (sequence parallelism cuts the sequence into tp equal "
+                                        "parts)")
+
+        for _, layer in layers[:1]:  # before DTensor's hooks
+            layer.register_forward_pre_hook(check, prepend=True)
 
     def _seed_streams(self, seed: int) -> None:
         """Dropout streams as the pipeline engine's: one per (pipeline rank, replica)."""
@@ -538,6 +577,8 @@ class TorchWorker(RankConfig):
                 _sync_tied_shards(self.tied, reduce_dtype(self.plan, self.config.dtype))
             else:
                 sync_tied_grads(self.tied, reduce_dtype(self.plan, self.config.dtype))
+        if self.sp:  # SequenceParallel's norms: each rank's gradient is its tokens' part (Partial), summed
+            self._sum_partial_grads()
         for prm in self.head_local:  # each rank's gradient is its heads' part: summed
             if prm.grad is not None:
                 self.comm.group("tp").all_reduce(_local(prm.grad), "allreduce tp head-local grads", "comm_tp")
@@ -548,6 +589,27 @@ class TorchWorker(RankConfig):
         if probe_every and step % probe_every == 0:
             self.comm.probe_links(PROBE_REPEAT - PROBE_BEFORE)
         return t0, t1, loss_sum
+
+    def _sum_partial_grads(self) -> None:
+        """The gradients DTensor leaves `Partial` over "tp" (the parameters `SequenceParallel` replicates:
+        layer norms that saw this rank's part of the sequence) summed in one all-reduce through the
+        facade (as plait's own engine's "allreduce tp sp-grads", Megatron's
+        `allreduce_sequence_parallel_grads`) and made `Replicate`, as their parameters."""
+        from torch.distributed.tensor import DTensor
+
+        parts = [prm for prm in self.params if isinstance(prm.grad, DTensor)
+                 and any(pl.is_partial() for pl in prm.grad.placements)]
+        if not parts:
+            return
+        grads = [prm.grad.to_local() for prm in parts]  # type: ignore[union-attr]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.group("tp").all_reduce(flat, "allreduce tp sp-grads", "comm_tp")
+        offset = 0
+        for prm, g in zip(parts, grads, strict=True):
+            summed = flat[offset:offset + g.numel()].view_as(g)
+            prm.grad = DTensor.from_local(summed, prm.device_mesh, prm.placements,  # type: ignore[attr-defined]
+                                          run_check=False)
+            offset += g.numel()
 
     def _optimizer_step(self, step: int) -> None:
         """Unscale (fp16), set the learning rate, clip, and step on the local tensors."""
@@ -736,8 +798,12 @@ class TorchWorker(RankConfig):
             self.scaler.load_state_dict(json.loads(train["amp"]))
         if rank_state is not None and train.get("plan") == str(self.plan) and train.get("world_size") == self.world:
             ckpt.set_rng_state(rank_state["rng"])
+            if self.sp_rng is not None and rank_state.get("sp_rng") is not None:
+                self.sp_rng.load_state_dict(rank_state["sp_rng"])
         else:
-            ckpt.reseed_streams(self.config.seed, step, (self.p, self.d, self.t))
+            s = ckpt.reseed_streams(self.config.seed, step, (self.p, self.d, self.t))
+            if self.sp_rng is not None:  # as plait's own engine reseeds it
+                self.sp_rng.load_state_dict(_RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
         return step
 
     def _save_checkpoint(self, step: int, root: Path) -> None:
@@ -753,7 +819,8 @@ class TorchWorker(RankConfig):
                  "amp": json.dumps(self.scaler.state_dict()) if self.scaler is not None else None,
                  "tied": {a: c for a, c in aliases.items() if a != c},
                  "lr_schedule": self.config.schedule_record()}
-        mine = {"rng": ckpt.rng_state(), "sp_rng": None, "coords": [self.p, self.d, self.t]}
+        mine = {"rng": ckpt.rng_state(), "sp_rng": self.sp_rng.state_dict() if self.sp_rng is not None else None,
+                "coords": [self.p, self.d, self.t]}
         state = ckpt.rank_snapshot(self._ckpt_layout(), train, self.rank, mine)
         hook = None
         fault = self.injection.at(self.rank, step - 1, "checkpoint", PROCESS_FAULTS)
