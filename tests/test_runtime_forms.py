@@ -80,8 +80,8 @@ def _check_timeline(result: RunResult, tmp_path) -> None:
     assert sum(ev["ph"] == "X" for ev in trace) == len(tl.events)
 
 
-def _run(plan: str) -> RunResult:
-    return run(TINY, None, plan, steps=STEPS, launch=LaunchConfig(timeout=120),
+def _run(plan: str, engine: str = "auto") -> RunResult:
+    return run(TINY, None, plan, steps=STEPS, launch=LaunchConfig(timeout=120, engine=engine),
                records=RecordsConfig(return_params=True))
 
 
@@ -119,7 +119,9 @@ def _sp_comm(result: RunResult, rank: int, step: int) -> Counter:
 
 
 def test_sequence_parallel_selective_recompute(reference, tmp_path) -> None:
-    result = _run("tp=2,sequence_parallel=true,micro_batch=4,recompute=selective," + FP32)
+    # plait's own Megatron-style SP (DTensor's by default: tests/test_torch_engine.py counts its calls)
+    result = _run("tp=2,sequence_parallel=true,micro_batch=4,recompute=selective," + FP32, engine="plait")
+    assert result.engine == "pipeline"
     _check_equal(result, reference)
     _check_timeline(result, tmp_path)
     assert not any("sequence_parallel" in n for n in result.notes)
