@@ -417,10 +417,11 @@ class TorchWorker(RankConfig):
         self.schedule = apply_pp(modules, self.mesh, plan, self.device, self._pipeline_loss, len(mbs), self.comm,
                                  stage_type=partial(_spanned_stage_type(), span=self._stage_span,
                                                     sync_every_backward=plan.zero >= 3))
-        if config.clip_grad:  # the global norm over every rank, each tied copy and replica counted once,
-            # a parameter replicated over tp (not tp-sharded: norms, embedding, head) once over the tensor ranks;
-            # replicate's whole copies once over the replicas (`_optimizer_step`), FSDP2's shards are disjoint
-            weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) / (1 if _tp_sharded(prm) else plan.tp)
+        if config.clip_grad:  # the global norm over every rank, each element once: each tied copy,
+            # a parameter replicated over tp (not tp-sharded: norms, embedding, head) once over the tensor
+            # ranks, DDP's and replicate's whole copies once over the replicas (FSDP2's shards are disjoint)
+            replicas = 1 if self.fsdp else plan.dp
+            weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) / (1 if _tp_sharded(prm) else plan.tp) / replicas
                        for prm in self.params}
             self.clipper = GradClipper(config.clip_grad, weights, group=self.comm.world_group)
 
@@ -573,9 +574,10 @@ class TorchWorker(RankConfig):
         if self.clipper is not None and not skip and self.clip_locals:  # shards; copies weighted by the clipper
             for prm, loc in zip(self.params, self.locals, strict=True):
                 loc.grad = _local(prm.grad) if prm.grad is not None else None
-            self.clipper.clip_params(self.locals, 1 if self.fsdp else self.plan.dp)
+            # the weights count every copy (`_copies`; a pipeline's in `_build_pipeline`): replicas=1
+            self.clipper.clip_params(self.locals, 1)
         elif self.clipper is not None and not skip:  # a pipeline: each rank holds some of the parameters
-            self.clipper.clip_params(self.params, self.plan.dp)
+            self.clipper.clip_params(self.params, 1)
         elif self.config.clip_grad and not skip:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad)
         with self.rec.compute("optimizer", "optimizer"):
