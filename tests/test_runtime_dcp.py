@@ -209,6 +209,18 @@ def test_dtensor_checkpoint_holds_the_whole_state_and_resumes_under_fsdp2(refere
                           "dp=3,zero=3,dp_shares=0.5:0.25:0.25,micro_batch=1," + FP32)
 
 
+@pytest.mark.slow  # ~25 s each on 2 cores: three runs of 8 ranks and one of 2
+@pytest.mark.parametrize("zero", [0, 1])
+def test_3d_pipeline_checkpoint_holds_the_whole_state_and_resumes_without_pipeline(zero: int, reference: list[Any],
+                                                                                   tmp_path: Path) -> None:
+    """pp=2 x dp=2 x tp=2 (issue 29, the full 3D composition) with uneven shares: DTensor TP inside each
+    stage under torch's replicate (ZeRO-0: each stage's replica 0 writes its tensor ranks' shards) or
+    FSDP2 (ZeRO-1: 2D shards, one box over both mesh dims each) over the stage's replicas; into DDP
+    without pipeline or tensor parallelism."""
+    _save_resume_and_move(tmp_path, reference, f"pp=2,dp=2,tp=2,zero={zero},dp_shares=0.75:0.25,micro_batch=2,"
+                          + FP32, LaunchConfig(timeout=180), "dp=2,micro_batch=2," + FP32)
+
+
 @pytest.mark.slow
 def test_dtensor_pipeline_checkpoint_holds_the_whole_state_and_resumes_without_pipeline(reference: list[Any],
                                                                                       tmp_path: Path) -> None:

@@ -51,7 +51,10 @@ def _spmd() -> Plan:
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # DTensor inside pipeline stages
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "pipeline"),  # bf16 with DTensor: not yet compared
-    (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, dtype="fp32"), "pipeline"),  # DDP over DTensor stages
+    (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, dtype="fp32"), "torch"),  # replicate over DTensor stages
+    (Plan(dp=2, tp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", dp_shares=[0.75, 0.25]),
+     "torch"),  # FSDP2 over each stage's DTensor-TP modules
+    (Plan(dp=2, tp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # as many micro-batches
     (Plan(pp=2, micro_batch=1, global_batch=8, schedule="interleaved", virtual_stages=2), "torch"),  # pipelining
     (Plan(dp=2, pp=2, micro_batch=2, global_batch=10, dp_shares=[0.5, 0.5]), "torch"),  # micro-batches 2, 2, 1
     (Plan(dp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "torch"),  # FSDP2 per stage
@@ -77,7 +80,11 @@ def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
     # ZeRO-3 pipelines run on the torch engine only, which needs the replicas' micro-batch counts equal
     (Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "'dp_shares'"),
     (Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "'zero'"),
-    (Plan(dp=2, pp=2, tp=2, zero=3, micro_batch=2, global_batch=8), "'zero'"),  # pipelining: tp with dp=1 only
+    # bf16 with DTensor is not compared with one process yet, and plait's own engine runs no ZeRO-3 pipeline
+    (Plan(dp=2, pp=2, tp=2, zero=3, micro_batch=2, global_batch=8), "'zero'"),
+    # 3D at ZeRO-3 with 3 and 1 micro-batches on the replicas: FSDP2 gathers every micro-batch
+    (Plan(dp=2, pp=2, tp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32", dp_shares=[0.75, 0.25]),
+     "'dp_shares'"),
     (_graph(zero=3), "'zero'"),  # a stage graph's ZeRO-3: neither engine
     (Plan(pp=2, micro_batch=2, global_batch=8, schedule="eager_1f1b"), "'schedule'"),
     (_graph(schedule="interleaved"), "'schedule'"),
@@ -186,8 +193,11 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, dp=2, micro_batch=1, global_batch=2, dtype="fp32", dp_shares=[1.0, 0.0]), {}, "pipeline",
      "no samples"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch", ""),  # per stage
-    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "pipeline",
-     "plan fields 'dp', 'zero'"),  # DDP takes no DTensor parameters
+    # the full 3D composition: torch's replicate (ZeRO-0; DDP takes no DTensor parameters) or FSDP2 over
+    # each stage's DTensor-TP modules
+    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch", ""),
+    (Plan(tp=2, pp=2, dp=2, zero=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "torch", ""),
+    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
      "plan field 'sequence_parallel'"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),  # compared at pp=1

@@ -90,10 +90,13 @@ def test_engine_for_names_torch_when_asked_and_the_reason_otherwise() -> None:
     assert engine_for(shares + "0.75:0.25", TORCH).engine == "torch"  # 6 and 2 samples: micro-batches of 2
     # what torch's pipelining does not run, each with its reason, goes to plait's own engine
     assert engine_for(shares + "0.625:0.375").engine == "torch"  # 5 samples: micro-batches of 2, 2 and 1
-    # tensor parallelism on DTensor inside each stage, over one replica (DDP takes no DTensor parameters)
+    # tensor parallelism on DTensor inside each stage, over one replica or under data parallelism over
+    # each stage's replicas (torch's replicate at ZeRO-0, FSDP2 at ZeRO-1/2/3)
     assert engine_for("pp=2,tp=2,micro_batch=2,global_batch=8,dtype=fp32", TORCH).engine == "torch"
-    verdict = engine_for("pp=2,tp=2,dp=2,micro_batch=2,global_batch=8,dtype=fp32", TORCH)
-    assert verdict.engine == "pipeline" and "plan fields 'dp', 'zero'" in verdict.not_torch, verdict
+    for zero in (0, 1, 2, 3):
+        assert engine_for(f"pp=2,tp=2,dp=2,micro_batch=2,global_batch=8,dtype=fp32,zero={zero}").engine == "torch"
+    verdict = engine_for("pp=2,tp=2,dp=2,micro_batch=2,global_batch=8,dtype=fp32,zero=3,dp_shares=0.75:0.25")
+    assert verdict.engine is None and "plan field 'dp_shares'" in verdict.reason and "[3, 1]" in verdict.reason
     assert engine_for(plan, {"checkpoint": True}).engine == "torch"  # checkpoints in the one DCP format
     # ZeRO-1/2/3 shard each stage over its replicas with FSDP2; ZeRO-1/2 whatever the shares (one
     # gather and reduce-scatter a step), ZeRO-3 (collectives every micro-batch) with as many
@@ -148,20 +151,23 @@ def _check_p2p_records(run_dir: Path, plan: str) -> None:
     """Every message of the schedule went through the communication facade: each send and receive
     action of plait's list is a record in comm/rankN.jsonl, every step, with its action's key, and
     each send's record pairs with its peer's receive (same link, same sequence number, same bytes);
-    with tensor parallelism (dp = 1) tensor rank t of a stage exchanges with tensor rank t of its
-    neighbours only (rank = stage * tp + t)."""
+    replica d's tensor rank t of a stage exchanges with replica d's tensor rank t of its neighbours
+    only (rank = (stage * dp + d) * tp + t), the actions of its replica's schedule (its share's
+    micro-batches)."""
     p = Plan.parse(plan)
     layout = pipeline_layout(p)
-    mbs = {n: replica_micro_batches(p, 0, 0) for n in range(layout.num_nodes)}
-    sched = step_schedule(p, layout, mbs, p.schedule)
+    scheds = [step_schedule(p, layout, {n: replica_micro_batches(p, 0, d) for n in range(layout.num_nodes)},
+                            p.schedule) for d in range(p.dp)]
     sends: dict[tuple[str, int], CommRecord] = {}
     recvs: dict[tuple[str, int], CommRecord] = {}
     for rank, records in read_run_comm_records(run_dir / "comm").items():
         p2p = [r for r in records.records if r.op in ("send", "recv") and r.key != "probe"]
+        replica, stage = (rank // p.tp) % p.dp, rank // (p.tp * p.dp)
         for step in range(STEPS):
             keys = sorted(str(r.key) for r in p2p if r.step == step)
-            assert keys == sorted(a.key for a in sched.of(rank // p.tp) if not a.is_compute), (rank, step)
-        assert all(r.peer is not None and r.peer % p.tp == rank % p.tp for r in p2p)
+            assert keys == sorted(a.key for a in scheds[replica].of(stage) if not a.is_compute), (rank, step)
+        assert all(r.peer is not None and r.peer % p.tp == rank % p.tp and (r.peer // p.tp) % p.dp == replica
+                   and r.peer // (p.tp * p.dp) != stage for r in p2p)
         for r in p2p:
             (sends if r.op == "send" else recvs)[(r.group, r.seq)] = r
     assert sends and sends.keys() == recvs.keys()
@@ -362,3 +368,57 @@ def test_zero_pipeline_trains_in_low_precision_as_one_process(dtype, zero, tmp_p
         assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
     else:
         assert result.loss_scales == []
+
+
+@pytest.mark.parametrize("zero, plan", [
+    # 6 and 2 samples (3 and 1 micro-batches of 2) under torch's replicate
+    (0, "pp=2,dp=2,tp=2,micro_batch=2,layer_split=2:4,dp_shares=0.75:0.25,schedule=1f1b,"),
+    pytest.param(1, "pp=2,dp=2,tp=2,micro_batch=2,layer_split=2:4,schedule=gpipe,", marks=pytest.mark.slow),
+    pytest.param(3, "pp=2,dp=2,tp=2,micro_batch=2,layer_split=2:4,schedule=1f1b,", marks=pytest.mark.slow),
+])
+def test_3d_pipeline_dp_tp_clipped_equals_one_process(zero, plan, tmp_path: Path) -> None:
+    """The full 3D composition (issue 29), pp=2 x dp=2 x tp=2 on 8 ranks (rank = (stage * dp + d) * tp + t):
+    DTensor TP inside each stage, then data parallelism over the stage's replicas -- torch's FSDP2-based
+    replicate at ZeRO-0 (DDP takes no DTensor parameters: each unit all-reduces its whole local gradients
+    over the mesh's recorded "dp" dim in the stage's last backward), FSDP2 at ZeRO-1 (each unit gathered
+    and reduce-scattered once a step) and ZeRO-3 (gathered in every micro-batch's forward and backward,
+    reduce-scattered every micro-batch); the tied embedding / LM head summed per (replica, tensor rank);
+    global-norm clipping counting each element once over the job. With SGD and an lr schedule, at SGD's
+    tolerance; every p2p action, tp all-reduce and dp gradient collective in the records."""
+    plan += f"zero={zero}," + FP32
+    assert engine_for(plan).engine == "torch"
+    training = TrainingConfig(optimizer={"name": "sgd"}, lr=0.5, clip_grad=0.05, lr_warmup_iters=1,
+                              lr_decay_style="linear")
+    result = _run(plan, training, run_dir=tmp_path / "run")
+    _check_equal(result, reference_run(TINY, plan, STEPS, training=training), rel=0, atol=1e-6)
+    p = Plan.parse(plan)
+    shares = p.samples_per_replica()
+    split = [["embed", "layers.0"], ["layers.1", "layers.2", "layers.3", "head"]]
+    assert [(r.pp, r.dp, r.tp, r.samples_per_step, r.layers) for r in result.ranks] == \
+        [(s, d, t, shares[d], split[s]) for s in range(2) for d in range(2) for t in range(2)]
+    for r in result.ranks:
+        records = read_comm_records(tmp_path / "run" / "comm" / f"rank{r.rank}.jsonl")
+        stage_ranks = [4 * r.pp + 2 * d + t for d in range(2) for t in range(2)]
+        assert records.groups["tp"] == [x for x in stage_ranks if x // 2 == r.rank // 2]
+        assert records.groups["dp"] == [x for x in stage_ranks if x % 2 == r.tp]
+        assert records.groups["tied s0-1"] == [2 * r.dp + r.tp, 4 + 2 * r.dp + r.tp]
+        layers = len([n for n in split[r.pp] if n.startswith("layers.")])
+        units = {f"layers.{i}" for i in range(4) if f"layers.{i}" in split[r.pp]} | {f"stage{r.pp}"}
+        m = len(replica_micro_batches(p, 0, r.dp))
+        for step in (1, 2):  # step 0 also runs torch's shape inference
+            calls = [x for x in records.records if x.step == step and x.op == "all_reduce" and x.group == "tp"]
+            assert Counter(x.name for x in calls) == {"allreduce tp fwd": 2 * layers * m,
+                                                      "allreduce tp bwd": 2 * layers * m}
+            assert all(x.bytes == 2 * 8 * 16 * 4 for x in calls)
+            tied = [x for x in records.records if x.step == step and x.group == "tied s0-1"]
+            # the embedding's gradient, whole under replicate, FSDP2's half-shard (its rows over dp) at ZeRO-1
+            assert [(x.op, x.bytes) for x in tied] == [("all_reduce", 32 * 16 * 4 // (2 if zero else 1))]
+            if zero == 0:  # replicate: one all-reduce per unit of the stage's whole local (tp-cut) gradients
+                dp = [x for x in records.records if x.step == step and x.group == "dp" and x.op == "all_reduce"]
+                assert len(dp) == len(units) and {x.name for x in dp} == {"allreduce dp bwd"}
+                assert sum(x.bytes for x in dp) == 4 * r.params
+            else:
+                gathers, scatters = (1, 1) if zero < 3 else (2 * m, m)
+                assert _zero_calls(tmp_path / "run", r.rank, step, "all_gather") == dict.fromkeys(units, gathers)
+                assert _zero_calls(tmp_path / "run", r.rank, step, "reduce_scatter") == dict.fromkeys(units, scatters)
+    _check_p2p_records(tmp_path / "run", plan)

@@ -274,7 +274,8 @@ ENGINES: dict[str, str] = {
     "torch": "plait.runtime.torch_worker (data parallelism and ZeRO on torch's DDP and FSDP2, tensor "
              "and sequence parallelism on DTensor, alone or under data parallelism -- FSDP2 at ZeRO-1/2/3, torch's "
              "FSDP2-based replicate at ZeRO-0 --, chain pipelines on torch.distributed.pipelining with DDP or "
-             "FSDP2 over each stage's replicas, or DTensor inside each stage of one replica)",
+             "FSDP2 over each stage's replicas, DTensor inside each stage -- under FSDP2 or replicate over its "
+             "replicas with dp > 1)",
 }
 
 
@@ -476,12 +477,11 @@ def _torch_pipeline_runs(plan: Plan, run: _RunAsks) -> str:
     ZeRO-1/2 each unit gathers and reduce-scatters once a step, whatever a replica's micro-batch
     count; at ZeRO-3 every micro-batch gathers and reduce-scatters, so the replicas of a stage must
     run as many micro-batches as each other (plait's own engine, which the non-pipeline torch path
-    follows, would run ghost micro-batches: not on a pipeline's schedule yet)."""
-    if plan.tp != 1 and (plan.dp != 1 or plan.zero):
-        # DTensor inside each stage (`torch_worker._build_pipeline`) over one replica only: DDP does not
-        # take DTensor parameters, and FSDP2 over a stage's DTensor shards is not composed here
-        return (f"plan fields 'dp', 'zero': torch's pipelining runs tensor parallelism (tp={plan.tp}) with dp=1 and "
-                f"zero=0 here, the plan has dp={plan.dp}, zero={plan.zero} (DDP takes no DTensor parameters)")
+    follows, would run ghost micro-batches: not on a pipeline's schedule yet).
+
+    tp > 1 runs DTensor inside each stage, with dp > 1 under FSDP2 (ZeRO-1/2/3, the rules above) or
+    torch's FSDP2-based replicate (ZeRO-0: DDP takes no DTensor parameters) over each stage's replicas:
+    the full 3D composition (`torch_worker._build_pipeline`)."""
     if plan.zero >= 3 and plan.dp > 1:
         counts = [len(replica_micro_batches(plan, 0, d)) for d in range(plan.dp)]
         if len(set(counts)) > 1:

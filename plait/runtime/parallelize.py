@@ -76,8 +76,9 @@ def build_mesh(plan: Plan, comm: Comm, device_type: str = "cpu") -> DeviceMesh:
 
 def replicates(plan: Plan) -> bool:
     """Whether the torch engine's data parallelism of `plan` is `apply_replicate` (ZeRO-0 over
-    DTensor-TP parameters, no pipeline) rather than DDP or FSDP2."""
-    return plan.pp == 1 and plan.dp > 1 and plan.tp > 1 and plan.zero == 0
+    DTensor-TP parameters: the whole model's, or each pipeline stage's over its replicas) rather
+    than DDP or FSDP2."""
+    return plan.dp > 1 and plan.tp > 1 and plan.zero == 0
 
 
 def replica_loss_weight(plan: Plan, replica: int) -> float:
@@ -158,7 +159,8 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, plan: Plan, blocks: Iter
     (the mean over the replicas, in the plan's gradient-reduction dtype) as its backward ends, then
     the root for the rest. The all-reduces are torch's own calls on the mesh's "dp" group,
     recorded there (`build_mesh`: a `recorded_pg.RecordedProcessGroup`, one record per unit). As
-    FSDP2's, `set_requires_gradient_sync(False)` accumulates micro-batches' gradients locally."""
+    FSDP2's, `set_requires_gradient_sync(False)` accumulates micro-batches' gradients locally. A pipeline
+    stage's DTensor-TP module is replicated over its stage's replicas the same way (`torch_worker._build_pipeline`)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     kwargs = {"mesh": mesh["dp"], "mp_policy": mixed_precision(plan, dtype)}

@@ -2,7 +2,7 @@
 torch's own modules -- DDP, or FSDP2 `fully_shard` for ZeRO -- composed by `parallelize` over the
 plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 (`parallelize.apply_pp`, `_build_pipeline`: the rank's stages of the plan's layer split, DDP over
-each stage's replicas or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
+each stage's replicas (torch's `replicate` at tp > 1) or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
 gradients summed across stages, clipping global over the job); and a tensor-parallel plan (even
 shards; any dtype at dp = 1, zero = 0, pp = 1, else fp32 / tf32) on DTensor (`parallelize.apply_tp`:
@@ -19,11 +19,14 @@ as below); at ZeRO-0 torch's FSDP2-based `replicate` (`parallelize.apply_replica
 DTensor parameters), each unit all-reducing its gradients in the last micro-batch's backward on the
 mesh's "dp" dim, itself a `RecordedProcessGroup` then; clipping over DTensor parameters takes the
 global norm of the local shards, each element weighted by 1 / its copies (`_copies`). A chain pipeline with tp > 1
-(dp = 1, zero = 0: `layout._torch_pipeline_runs`) cuts each stage's transformer layers the same way,
-as torchtitan composes PP and TP: the values between stages are plain tensors replicated over tp, so
-tensor rank t of a stage exchanges with tensor rank t of its neighbours (torch's stage resolves its
-peers in the mesh's "pp" group), the tied embedding is summed per tensor rank, and clipping counts a
-tp shard once and a parameter replicated over tp (norms, row-parallel biases, the embedding) 1/tp. Every rank writes and resumes checkpoints in
+cuts each stage's transformer layers the same way, as torchtitan composes PP and TP: the values
+between stages are plain tensors replicated over tp, so tensor rank t of a stage exchanges with
+tensor rank t of its neighbours in the same replica (torch's stage resolves its peers in the mesh's
+"pp" group), the tied embedding is summed per (replica, tensor rank), and clipping counts a tp shard
+once and a parameter replicated over tp (norms, row-parallel biases, the embedding) 1/tp. With
+dp > 1 too (the full 3D composition) each stage's DTensor-TP modules are data-parallel over the
+stage's replicas as at pp = 1: FSDP2 at ZeRO-1/2/3 (below: 2D parameters), torch's `replicate` at
+ZeRO-0 (each unit all-reducing in the stage's last backward on the recorded "dp" dim). Every rank writes and resumes checkpoints in
 the one DCP format (`_save_checkpoint`): whole parameters, or a DTensor's shard (FSDP2's, DTensor's,
 FSDP2's over DTensor's: one box over both mesh dims) at its place in the whole tensor.
 
@@ -256,7 +259,7 @@ class TorchWorker(RankConfig):
         self.cuda = config.cuda
         # ZeRO on FSDP2; a pipeline's stages are sharded over their replicas (none with dp = 1)
         self.fsdp = plan.zero >= 1 and (plan.dp > 1 or not self.pipelined)
-        self.replicated = False  # ZeRO-0 over DTensor-TP parameters on torch's replicate (`_build`)
+        self.replicated = False  # ZeRO-0 over DTensor-TP parameters on torch's replicate (`_build`, `_build_pipeline`)
 
     # ------------------------------------------------------------------ setup
     def _init_dist(self) -> None:
@@ -372,12 +375,17 @@ class TorchWorker(RankConfig):
         replicas: a unit per transformer layer of the stage that shares no parameter with another
         layer -- `fsdp_units` of the whole model -- and the stage's root for the rest, a tied
         embedding or LM head included; the stage's backwards as `_spanned_stage_type` says); at
-        tp > 1 (dp = 1) each stage's transformer layers cut by DTensor (`parallelize.apply_tp`); groups
+        tp > 1 each stage's transformer layers cut by DTensor (`parallelize.apply_tp`) first, then with
+        dp > 1 FSDP2 (ZeRO-1/2/3) or, at ZeRO-0, torch's `replicate` (`parallelize.apply_replicate`,
+        its units as FSDP2's: DDP takes no DTensor parameters) over the stage's replicas; groups
         that sum tied parameters' gradients across the pipeline ranks that hold them, one per replica
         and tensor rank (the pipeline engine's, Megatron's embedding group)."""
         plan, config = self.plan, self.config
         lay = pipeline_layout(plan)
-        units = {id(m) for m in fsdp_units(model)} if self.fsdp else set()
+        # ZeRO-0 over DTensor-TP stages: torch's FSDP2-based replicate over each stage's replicas (DDP
+        # takes no DTensor parameters), its units as FSDP2's
+        self.replicated = replicates(plan)
+        units = {id(m) for m in fsdp_units(model)} if self.fsdp or self.replicated else set()
         stages = split_model(model, plan, lay, self.spec)
         mine = {lay.node_of(self.p, c): stages[lay.node_of(self.p, c)] for c in range(lay.chunks)}
         for node, st in mine.items():
@@ -390,7 +398,7 @@ class TorchWorker(RankConfig):
         self.layers = [name for st in mine.values() for name in st.layers]
         self._tie_stages(stages, lay.num_stages)
         before = {node: dict(st.module.named_parameters()) for node, st in mine.items()}
-        if plan.tp > 1:  # DTensor inside each stage (dp = 1: `layout._torch_pipeline_runs`), as torchtitan's PP x TP
+        if plan.tp > 1:  # DTensor inside each stage, as torchtitan's PP x TP (x FSDP2 / replicate over dp, below)
             for st in mine.values():
                 tp_layers = _dtensor_layers(st.module, config.model)
                 apply_tp(st.module, self.mesh, tp_layers)
@@ -399,10 +407,11 @@ class TorchWorker(RankConfig):
         # the rank's pieces before data parallelism shards them (tensor parallelism's shards counted)
         self.param_count = sum(_local(prm).numel() for prm in dict.fromkeys(
             prm for st in mine.values() for prm in st.module.parameters() if prm.requires_grad))
-        if self.fsdp and len({id(prm) for ps in before.values() for prm in ps.values()}) < \
+        if (self.fsdp or self.replicated) and len({id(prm) for ps in before.values() for prm in ps.values()}) < \
                 sum(len(ps) for ps in before.values()):
             raise RuntimeSetupError(f"model {config.model}: two of pipeline rank {self.p}'s stages share a parameter, "
-                                    "which FSDP2 shards in one unit only; run it with zero=0")
+                                    "which FSDP2 (and replicate) put in one unit only; run it with zero=0"
+                                    + (" and tp=1" if self.replicated else ""))
         modules: dict[int, nn.Module] = {}
         for node, st in mine.items():
             st.module.to(self.device)
@@ -418,14 +427,16 @@ class TorchWorker(RankConfig):
             module: nn.Module = st.module if node < lay.num_nodes - 1 else _TensorOutputs(st.module)
             if node == lay.num_nodes - 1:
                 self.outputs = module
+            blocks = [m for m in st.module.modules() if id(m) in units]
             if self.fsdp:
-                blocks = [m for m in st.module.modules() if id(m) in units]
                 modules[node] = apply_fsdp(module, self.mesh, plan, blocks, self.dp_group, dtype=config.dtype,
                                            root=f"stage{node}", names={id(m): n for n, m in st.module.named_modules()})
+            elif self.replicated:  # each unit all-reduces over the stage's replicas in the stage's last backward
+                modules[node] = apply_replicate(module, self.mesh, plan, blocks, dtype=config.dtype)
             else:
                 modules[node] = apply_ddp(module, self.mesh, plan, self.dp_group, dtype=config.dtype) \
                     if plan.dp > 1 else module
-        # FSDP2 and DTensor put sharded parameters (DTensors) in the stages' modules: the tied groups
+        # FSDP2, replicate and DTensor put DTensor parameters in the stages' modules: the tied groups
         # and copy counts follow them
         new = {id(prm): dict(st.module.named_parameters())[name]
                for node, st in mine.items() for name, prm in before[node].items()}
@@ -445,9 +456,11 @@ class TorchWorker(RankConfig):
         self.schedule = apply_pp(modules, self.mesh, plan, self.device, self._pipeline_loss, len(mbs), self.comm,
                                  stage_type=partial(_spanned_stage_type(), span=self._stage_span,
                                                     sync_every_backward=plan.zero >= 3))
-        if config.clip_grad:  # the global norm over every rank, each tied copy and replica counted once,
-            # a parameter replicated over tp (not a DTensor: norms, embedding, head) once over the tensor ranks
-            weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) / (1 if _tp_sharded(prm) else plan.tp)
+        if config.clip_grad:  # the global norm over every rank, each element once: each tied copy,
+            # a parameter replicated over tp (not tp-sharded: norms, embedding, head) once over the tensor
+            # ranks, DDP's and replicate's whole copies once over the replicas (FSDP2's shards are disjoint)
+            replicas = 1 if self.fsdp else plan.dp
+            weights = {id(prm): 1.0 / self.copies.get(id(prm), 1) / (1 if _tp_sharded(prm) else plan.tp) / replicas
                        for prm in self.params}
             self.clipper = GradClipper(config.clip_grad, weights, group=self.comm.world_group)
 
@@ -573,7 +586,8 @@ class TorchWorker(RankConfig):
             self.scales.append(self.scaler.scale)
         loss_sum = self._pipeline_accumulate(step, mbs, data) if self.pipelined else self._accumulate(step, mbs, data)
         if self.tied:  # a tied embedding and LM head: the stages' gradients summed (after DDP's mean)
-            if self.fsdp:  # FSDP2's shards: replica d of each stage holds the same rows (Shard(0) over dp)
+            if self.fsdp or self.replicated:  # DTensors: FSDP2's shards -- replica d of each stage holds the
+                # same rows (Shard(0) over dp) --, or replicate's whole local tensors
                 _sync_tied_shards(self.tied, reduce_dtype(self.plan, self.config.dtype))
             else:
                 sync_tied_grads(self.tied, reduce_dtype(self.plan, self.config.dtype))
@@ -622,11 +636,10 @@ class TorchWorker(RankConfig):
         if self.clipper is not None and not skip and self.clip_locals:  # shards; copies weighted by the clipper
             for prm, loc in zip(self.params, self.locals, strict=True):
                 loc.grad = _local(prm.grad) if prm.grad is not None else None
-            # a pipeline stage's weights count tied copies, not replicas (`_build_pipeline`); FSDP2's
-            # shards and `_copies` (no pipeline) count every copy
-            self.clipper.clip_params(self.locals, 1 if self.fsdp or not self.pipelined else self.plan.dp)
+            # the weights count every copy (`_copies`; a pipeline's in `_build_pipeline`): replicas=1
+            self.clipper.clip_params(self.locals, 1)
         elif self.clipper is not None and not skip:  # a pipeline: each rank holds some of the parameters
-            self.clipper.clip_params(self.params, self.plan.dp)
+            self.clipper.clip_params(self.params, 1)
         elif self.config.clip_grad and not skip:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad)
         with self.rec.compute("optimizer", "optimizer"):
@@ -879,9 +892,10 @@ class TorchWorker(RankConfig):
 
 
 def _sync_tied_shards(tied: list[tuple[list[nn.Parameter], Group]], dtype: torch.dtype | None) -> None:
-    """`data_parallel.sync_tied_grads` on FSDP2's gradient shards: replica d of every stage that holds
-    a tied tensor holds the same rows of it (FSDP2 shards dim 0 over the stage's replicas, as many on
-    each stage), so summing the local shards over the tied group sums the stages' gradients."""
+    """`data_parallel.sync_tied_grads` on DTensor gradients' local tensors: FSDP2's shards -- replica d
+    of every stage that holds a tied tensor holds the same rows of it (FSDP2 shards dim 0 over the
+    stage's replicas, as many on each stage), so summing the local shards over the tied group sums
+    the stages' gradients -- or torch's `replicate`'s whole ones (Replicate over dp)."""
     for params, group in tied:
         for prm in params:
             if prm.grad is None:
