@@ -29,6 +29,7 @@ from plait.runtime.partition import (
     replica_micro_batches,
     split_into_stages,
 )
+from plait.runtime.rng_stream import RngStream
 from plait.runtime.tensor_parallel import (
     ShardInfo,
     TPContext,
@@ -38,7 +39,6 @@ from plait.runtime.tensor_parallel import (
     sequence_parallel_params,
     split_sizes,
 )
-from plait.runtime.worker import _RngStream
 
 TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
 
@@ -298,7 +298,7 @@ def test_private_rng_stream_leaves_the_outer_stream_alone() -> None:
     torch.manual_seed(5)
     expected_outer = torch.rand(4)
     torch.manual_seed(5)
-    inner = _RngStream(99, cuda=False)
+    inner = RngStream(99, cuda=False)
     torch.manual_seed(99)
     expected_inner = torch.rand(4)
     torch.manual_seed(5)
@@ -311,7 +311,7 @@ def test_private_rng_stream_leaves_the_outer_stream_alone() -> None:
     assert torch.equal(torch.cat(got_inner), expected_inner)
     torch.manual_seed(5)
     assert torch.equal(torch.cat(got_outer), expected_outer)
-    copy = _RngStream(0, cuda=False)
+    copy = RngStream(0, cuda=False)
     copy.load_state_dict(inner.state_dict())
     copy.enter()
     a = torch.rand(3)

@@ -143,9 +143,9 @@ from plait.runtime.partition import (
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
+from plait.runtime.rng_stream import RngStream
 from plait.runtime.sharded_state import Box, RankLayout, Segment, aliases_of, dtensor_cuts
 from plait.runtime.tensor_parallel import head_local_params, is_tensor_parallel_layer
-from plait.runtime.worker import _RngStream  # plait's own engine's per-rank dropout stream
 from plait.runtime.worker_config import WorkerConfig
 from plait.schedule import event_key
 
@@ -292,7 +292,7 @@ class TorchWorker(RankConfig):
         self.clipper: GradClipper | None = None
         self.from_earlier_stage: set[str] = set()  # tied parameters a pipeline's earlier stage writes
         self.sp = False  # sequence parallelism (DTensor's, `parallelize.apply_tp`)
-        self.sp_rng: _RngStream | None = None
+        self.sp_rng: RngStream | None = None
         if self.pipelined:
             self._build_pipeline(model)
             self._seed_streams(seed)
@@ -339,7 +339,7 @@ class TorchWorker(RankConfig):
             # Sequence-parallel layers hold different tokens on each tensor rank: their dropout draws
             # from a stream of their own per rank, seeded as the pipeline engine's (Megatron forks its
             # model-parallel RNG around such blocks); the replicated embedding and head keep the shared one.
-            self.sp_rng = _RngStream(seed + 1 + 1000 * self.p + self.d + 7919 * (self.t + 1), self.cuda)
+            self.sp_rng = RngStream(seed + 1 + 1000 * self.p + self.d + 7919 * (self.t + 1), self.cuda)
             for _, layer in tp_layers:
                 layer.register_forward_pre_hook(self.sp_rng.enter)
                 layer.register_forward_hook(self.sp_rng.leave)
@@ -816,7 +816,7 @@ class TorchWorker(RankConfig):
         else:
             s = ckpt.reseed_streams(self.config.seed, step, (self.p, self.d, self.t))
             if self.sp_rng is not None:  # as plait's own engine reseeds it
-                self.sp_rng.load_state_dict(_RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
+                self.sp_rng.load_state_dict(RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
         return step
 
     def _save_checkpoint(self, step: int, root: Path) -> None:

@@ -100,6 +100,7 @@ from plait.runtime.partition import (
 from plait.runtime.rank_config import RankConfig
 from plait.runtime.recorder import Heartbeat, Recorder
 from plait.runtime.results import comm_records_path, common_origin, write_result
+from plait.runtime.rng_stream import RngStream
 from plait.runtime.sharded_state import RankLayout, aliases_of
 from plait.runtime.tensor_parallel import (
     ShardInfo,
@@ -233,9 +234,9 @@ class Worker(RankConfig):
         np.random.seed(stream_seed % (2**32))
         # Sequence-parallel layers hold different tokens on each tensor rank: their dropout draws from
         # a stream of their own per rank (Megatron forks its model-parallel RNG around such blocks).
-        self.sp_rng: _RngStream | None = None
+        self.sp_rng: RngStream | None = None
         if self.sp:
-            self.sp_rng = _RngStream(stream_seed + 7919 * (self.t + 1), self.cuda)
+            self.sp_rng = RngStream(stream_seed + 7919 * (self.t + 1), self.cuda)
             for layer in tp_layers.values():
                 layer.register_forward_pre_hook(self.sp_rng.enter)
                 layer.register_forward_hook(self.sp_rng.leave)
@@ -527,7 +528,7 @@ class Worker(RankConfig):
         else:
             s = ckpt.reseed_streams(self.config.seed, step, (self.p, self.d, self.t))
             if self.sp_rng is not None:
-                self.sp_rng.load_state_dict(_RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
+                self.sp_rng.load_state_dict(RngStream(s + 7919 * (self.t + 1), self.cuda).state_dict())
         return step
 
     def _save_checkpoint(self, step: int, root: Path) -> None:
@@ -619,39 +620,3 @@ def _tied_rank_sets(plan: Plan, layout: PipelineLayout, owner_set: tuple[int, ..
         return [[layout.rank_of(s, r) for s in owner_set for r in range(layout.replicas(s))]]
     return [[plan.rank(s, d, t) for s in owner_set] for d in range(plan.dp) for t in range(plan.tp)]
 
-
-class _RngStream:
-    """A private RNG state swapped in around a module's forward (hooks) and out after it."""
-
-    def __init__(self, seed: int, cuda: bool) -> None:
-        self.cuda = cuda
-        saved = self._get()
-        torch.manual_seed(seed)
-        self.state = self._get()
-        self._set(saved)
-        self._outer: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-    def _get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.get_rng_state(), torch.cuda.get_rng_state() if self.cuda else None
-
-    def _set(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1])
-
-    def enter(self, *_: Any) -> None:
-        self._outer = self._get()
-        self._set(self.state)
-
-    def leave(self, *_: Any) -> None:
-        assert self._outer is not None
-        self.state = self._get()
-        self._set(self._outer)
-        self._outer = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"cpu": self.state[0], "cuda": self.state[1]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        cuda = state.get("cuda")
-        self.state = (state["cpu"].cpu(), cuda.cpu() if cuda is not None and self.cuda else None)
