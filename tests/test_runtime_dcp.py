@@ -181,6 +181,7 @@ def test_fsdp2_checkpoint_holds_the_whole_state_and_resumes_under_ddp(reference:
                           LaunchConfig(timeout=120), "dp=2,micro_batch=2," + FP32)
 
 
+@pytest.mark.slow  # suite time: the FSDP2 checkpoint test stays in make test
 def test_fsdp2_pipeline_checkpoint_holds_the_whole_state_and_resumes_without_pipeline(reference: list[Any],
                                                                                      tmp_path: Path) -> None:
     """ZeRO-3 on a 2-stage pipeline (FSDP2 over each stage's 2 replicas, the tied embedding in both
@@ -231,6 +232,7 @@ def test_dtensor_pipeline_checkpoint_holds_the_whole_state_and_resumes_without_p
                           LaunchConfig(timeout=120, engine="torch"), "dp=2,micro_batch=2," + FP32)
 
 
+@pytest.mark.slow  # suite time: the FSDP2 checkpoint test stays in make test
 def test_sequence_parallel_dtensor_checkpoint_resumes_under_ddp(reference: list[Any], tmp_path: Path) -> None:
     """tp=2 with sequence parallelism on DTensor (issue 29: `SequenceParallel` layer norms, replicated
     DTensors whose gradients are summed over tp, written once), into DDP."""

@@ -328,6 +328,7 @@ def test_zero_on_fsdp2_pipeline_equals_one_process(zero, plan, reference, tmp_pa
         assert 0.4 * 4 * r.params < full[r.rank]["param_bytes"] < 0.6 * 4 * r.params
 
 
+@pytest.mark.slow  # suite time: ZeRO-3 pipelines stay in make test (test_zero_on_fsdp2_pipeline...[3])
 def test_zero3_pipeline_three_stages_clipped_and_interleaved_equal_one_process(tmp_path: Path) -> None:
     # clipping over FSDP2's shards (each tied copy counted once) with an lr schedule, at SGD's tolerance
     plan = "dp=2,pp=3,micro_batch=2,layer_split=1:3:2,schedule=1f1b,zero=3," + FP32
