@@ -66,11 +66,12 @@ def _rank_main(rank: int, port: int, plan: Plan, how: str, out, log_dir) -> None
         out.put((rank, traceback.format_exc()))
 
 
-def _run(plan: Plan, how: str, log_dir=None) -> list[dict]:
+def _spawn(target, ranks: int, *args) -> list[dict]:
+    """`target(rank, port, *args, out)` in `ranks` forked processes; each rank's dict, in rank order."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, plan, how, out, log_dir)) for r in range(plan.dp)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(ranks)]
     for p in procs:
         p.start()
     results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
@@ -79,6 +80,10 @@ def _run(plan: Plan, how: str, log_dir=None) -> list[dict]:
     for _, r in results:
         assert isinstance(r, dict), r
     return [r for _, r in results]
+
+
+def _run(plan: Plan, how: str, log_dir=None) -> list[dict]:
+    return _spawn(lambda r, port, out: _rank_main(r, port, plan, how, out, log_dir), plan.dp)
 
 
 @pytest.mark.parametrize("how, zero", [("ddp", 0), ("ddp_recorded", 0), ("fsdp", 2), ("fsdp", 3)])
@@ -183,17 +188,7 @@ def test_fsdp2_over_dtensor_tp_shards_are_boxes_of_the_whole_tensor():
     four ranks' boxes tile the whole tensor, each holding the single-process values there, uneven
     cuts included; a parameter cut over one mesh dim keeps its one-dim cut (no box)."""
     plan = Plan(dp=2, tp=2, zero=1, micro_batch=1, global_batch=2, dtype="fp32")
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_box_rank_main, args=(r, port, plan, out)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
-    for p in procs:
-        p.join(timeout=30)
-    for _, r in results:
-        assert isinstance(r, dict), r
+    results = list(enumerate(_spawn(lambda r, port, out: _box_rank_main(r, port, plan, out), 4)))
     torch.manual_seed(0)
     whole = dict(nn.Sequential(nn.Sequential(nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 16)),
                                nn.LayerNorm(16)).named_parameters())

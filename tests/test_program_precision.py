@@ -11,6 +11,7 @@ reference sits farther away than that, so the runs did compute in low precision.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from test_spmd_checkpoint import NAME
@@ -20,6 +21,27 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 3
 TOL = {"bf16": 3 * 2.0 ** -8, "fp16": 3 * 2.0 ** -11}
+
+
+TORCH_TINY = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
+
+
+def _torch_low_precision_run(tmp_path, monkeypatch, plan: str, dtype: str) -> tuple[Any, Any, Any]:
+    """`plan` on torch's modules in `dtype` (fp16's loss scaler on a fixed schedule, the reference's
+    too), held to the same-precision single-process reference: (result, reference, training)."""
+    from plait.runtime import engine_for
+    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+
+    assert engine_for(plan).engine == "torch"
+    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
+    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
+    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
+    result = run(TORCH_TINY, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
+                 records=RecordsConfig(run_dir=tmp_path / "run"))
+    reference = reference_run(TORCH_TINY, plan, STEPS, training=training)
+    assert result.engine == "torch"
+    assert _close(result.losses, reference[0], TOL[dtype]), (result.losses, reference[0])
+    return result, reference, training
 
 
 def _spmd_plan(tmp_path, dtype: str) -> tuple[str, str]:
@@ -117,21 +139,11 @@ def test_data_parallel_plan_on_torch_modules_trains_in_low_precision_as_one_proc
     # issue 29: DDP under autocast, or FSDP2 with MixedPrecisionPolicy (parameters gathered in the
     # plan's dtype, gradients reduce-scattered in fp32), fp16 with plait's loss scaler.
     from plait.ir.comm import read_comm_records
-    from plait.runtime import engine_for
-    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+    from plait.runtime.api import reference_run
 
-    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
     plan = f"dp=2,micro_batch=2,zero={zero},global_batch=8,dtype={dtype}"
-    assert engine_for(plan).engine == "torch"
-    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
-    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
-    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
-    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
-                 records=RecordsConfig(run_dir=tmp_path / "run"))
-    low, params = reference_run(tiny, plan, STEPS, training=training)
-    fp32, _ = reference_run(tiny, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
-    assert result.engine == "torch"
-    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    result, (low, params), training = _torch_low_precision_run(tmp_path, monkeypatch, plan, dtype)
+    fp32, _ = reference_run(TORCH_TINY, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
     if zero:  # each step gathers every parameter in forward and backward of 2 micro-batches, at 2 bytes each
         numel = sum(v.numel() for n, v in params.items() if n != "head.lm.weight")  # tied to embed.tok
         gathers = [r for r in read_comm_records(tmp_path / "run" / "comm" / "rank0.jsonl").records
@@ -222,21 +234,11 @@ def test_chain_pipeline_on_torch_pipelining_trains_in_low_precision_as_one_proce
     # values cross in the compute dtype), DDP over each stage's replicas, fp16 with plait's loss
     # scaler agreed over the job; every message in the comm records
     from plait.ir.comm import read_comm_records
-    from plait.runtime import engine_for
-    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+    from plait.runtime.api import reference_run
 
-    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
     plan = f"dp=2,pp=2,micro_batch=2,layer_split=2:4,schedule=1f1b,global_batch=8,dtype={dtype}"
-    assert engine_for(plan).engine == "torch"
-    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
-    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
-    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
-    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
-                 records=RecordsConfig(run_dir=tmp_path / "run"))
-    low, _ = reference_run(tiny, plan, STEPS, training=training)
-    fp32, _ = reference_run(tiny, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
-    assert result.engine == "torch"
-    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    result, (low, _), training = _torch_low_precision_run(tmp_path, monkeypatch, plan, dtype)
+    fp32, _ = reference_run(TORCH_TINY, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
     assert abs(result.losses[0] - low[0]) < abs(result.losses[0] - fp32[0]), (result.losses, low, fp32)
     # each micro-batch's activations crossed through the facade (the residual stream autocast leaves
     # in fp32: micro-batch 2 x seq 8 x hidden 16 x 4 bytes, as on plait's own engine)
@@ -260,22 +262,12 @@ def test_tensor_parallel_plan_on_dtensor_trains_in_low_precision_as_one_process(
     from collections import Counter
 
     from plait.ir.comm import read_comm_records
-    from plait.runtime import engine_for
-    from plait.runtime.api import LaunchConfig, RecordsConfig, TrainingConfig, reference_run, run
+    from plait.runtime.api import reference_run
 
-    tiny = "gpt:layers=4,hidden=16,heads=4,seq=8,vocab=32,dropout=0,attn_dropout=0"
     plan = f"tp=2,micro_batch=4,global_batch=8,dtype={dtype},sequence_parallel={str(sp).lower()}"
-    assert engine_for(plan).engine == "torch"
-    scale = {"PLAIT_LOSS_SCALE": "init=1024,growth_interval=2"}
-    monkeypatch.setenv("PLAIT_LOSS_SCALE", scale["PLAIT_LOSS_SCALE"])  # the reference's scaler
-    training = TrainingConfig(dtype=dtype, optimizer="adam", lr=1e-2)
-    result = run(tiny, None, plan, steps=STEPS, training=training, launch=LaunchConfig(timeout=180, env=scale),
-                 records=RecordsConfig(run_dir=tmp_path / "run"))
-    low, _ = reference_run(tiny, plan, STEPS, training=training)
-    assert result.engine == "torch"
-    assert _close(result.losses, low, TOL[dtype]), (result.losses, low)
+    result, (low, _), training = _torch_low_precision_run(tmp_path, monkeypatch, plan, dtype)
     if dtype == "bf16":  # the first forward nearer the bf16 reference than fp32 compute (fp16's are too near)
-        fp32, _ = reference_run(tiny, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
+        fp32, _ = reference_run(TORCH_TINY, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
         assert abs(result.losses[0] - low[0]) < abs(result.losses[0] - fp32[0]), (result.losses, low, fp32)
     # Each step's tp calls (4 layers x 2 micro-batches of [s=8, b=4, h=16]): what the row linears
     # reduce (their outputs) crosses in the low dtype, 2 bytes an element; what the column linears'
