@@ -288,3 +288,48 @@ def test_tensor_parallel_plan_on_dtensor_trains_in_low_precision_as_one_process(
         assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
     else:
         assert result.loss_scales == []
+
+
+@pytest.mark.parametrize("dtype, zero", [("bf16", 1), pytest.param("bf16", 0, marks=pytest.mark.slow),  # suite time
+                                         pytest.param("fp16", 1, marks=pytest.mark.slow), ("fp16", 0)])
+def test_dp_x_tp_on_dtensor_trains_in_low_precision_as_one_process(tmp_path, monkeypatch, dtype: str,
+                                                                   zero: int) -> None:
+    # issue 29: dp=2 x tp=2, DTensor's colwise / rowwise linears under autocast in each replica; at
+    # ZeRO-1 FSDP2 over the DTensor-TP model with its MixedPrecisionPolicy (each tp shard gathered in
+    # the low dtype), at ZeRO-0 torch's `replicate`; the gradients reduced over dp in the plan's
+    # reduction dtype (fp32 for bf16, fp16 for fp16: `amp.reduce_dtype`), fp16's loss scaler agreed
+    # over the job
+    from collections import Counter
+
+    from test_torch_engine import _tp_local_numel
+
+    from plait.ir.comm import read_comm_records
+    from plait.runtime.api import reference_run
+
+    plan = f"dp=2,tp=2,zero={zero},micro_batch=2,global_batch=8,dtype={dtype}"
+    result, (low, params), training = _torch_low_precision_run(tmp_path, monkeypatch, plan, dtype)
+    if dtype == "bf16":  # the first forward nearer the bf16 reference than fp32 compute
+        fp32, _ = reference_run(TORCH_TINY, plan, STEPS, training=dataclasses.replace(training, dtype="fp32"))
+        assert abs(result.losses[0] - low[0]) < abs(result.losses[0] - fp32[0]), (result.losses, low, fp32)
+    local, grad = _tp_local_numel(params), {"bf16": 4, "fp16": 2}[dtype]
+    # the tp calls of the tp=2 count per micro-batch ([s=8, b=2, h=16]; 4 layers x 2 micro-batches a
+    # replica), each in the low dtype: the row linears' outputs, and (unlike dp=1's fp32) the column
+    # linears' input gradients -- FSDP2's and `replicate`'s MixedPrecisionPolicy casts each unit's
+    # inputs to the low dtype (`cast_forward_inputs`), so what the column linears take in is low too
+    half, n = 2 * 8 * 16 * 2, 4 * 2 * 2
+    for rank in range(4):
+        calls = [r for r in read_comm_records(tmp_path / "run" / "comm" / f"rank{rank}.jsonl").records
+                 if r.step == 1 and r.key != "probe"]
+        assert Counter((r.op, r.name, r.bytes) for r in calls if r.group == "tp") == {
+            ("all_reduce", "allreduce tp fwd", half): n, ("all_reduce", "allreduce tp bwd", half): n}
+        dp = [r for r in calls if r.group == "dp"]
+        if zero:  # each unit's tp shard gathered once a step in the low dtype, its gradients scattered once
+            assert {r.op for r in dp} == {"all_gather", "reduce_scatter"}
+            assert sum(r.bytes for r in dp if r.op == "all_gather") == 2 * local
+            assert sum(r.bytes for r in dp if r.op == "reduce_scatter") == grad * local
+        else:  # each unit all-reduces its local gradients once a step
+            assert {r.op for r in dp} == {"all_reduce"} and sum(r.bytes for r in dp) == grad * local
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []
