@@ -50,7 +50,7 @@ def _spmd() -> Plan:
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence + data
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # DTensor inside pipeline stages
-    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "pipeline"),  # bf16 with DTensor: not yet compared
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "torch"),  # bf16: DTensor under autocast in the stages
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, dtype="fp32"), "torch"),  # replicate over DTensor stages
     (Plan(dp=2, tp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", dp_shares=[0.75, 0.25]),
      "torch"),  # FSDP2 over each stage's DTensor-TP modules
@@ -203,7 +203,8 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
      "plan field 'sequence_parallel'"),
-    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),  # compared at pp=1
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),  # pp x tp under autocast
+    (Plan(tp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp16"), {}, "pipeline", "dtype fp16"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=2,hidden=12,heads=3,seq=4,vocab=8"},
      "pipeline", "3 heads, not divisible by tp=2"),
     # issue 29: mixed precision on DTensor (fp32 masters, autocast, fp16's loss scaler agreed over the job)

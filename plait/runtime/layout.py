@@ -357,9 +357,10 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
             run.model and _dtensor_cut(run.model, plan.tp, plan.sequence_parallel))):
         return why
     dtype = run.dtype or plan.dtype
-    if plan.tp != 1 and dtype not in ("fp32", "tf32") and plan.pp != 1:
+    if plan.tp != 1 and dtype not in ("fp32", "tf32") and plan.pp != 1 and (plan.dp != 1 or plan.zero):
         return (f"dtype {dtype}: DTensor tensor parallelism in low precision is compared with one process at pp=1 "
-                f"only (dp x tp at any ZeRO); the plan has pp={plan.pp}")
+                f"(dp x tp at any ZeRO) or at dp=1, zero=0 (pp x tp) only; the plan has dp={plan.dp}, "
+                f"zero={plan.zero}, pp={plan.pp}")
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     return ""
