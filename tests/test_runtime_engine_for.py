@@ -47,7 +47,7 @@ def _spmd() -> Plan:
     (Plan(dp=2, tp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # FSDP2 over DTensor's TP
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # tensor + sequence, bf16
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # DTensor under autocast, loss scaling
-    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # tensor + sequence + data
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # tensor + sequence + data
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # DTensor inside pipeline stages
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "torch"),  # bf16: DTensor under autocast in the stages
@@ -191,8 +191,7 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),
     (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp16"), {}, "torch", ""),
     (Plan(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="bf16", dp_shares=[0.75, 0.25]), {}, "torch", ""),
-    (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
-     "'sequence_parallel'"),
+    (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
     (Plan(tp=2, dp=2, micro_batch=1, global_batch=2, dtype="fp32", dp_shares=[1.0, 0.0]), {}, "pipeline",
      "no samples"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch", ""),  # per stage
@@ -216,7 +215,9 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
      "kv_heads=2,seq=8,vocab=8"}, "torch", ""),  # GQA: q and kv read one gathered input
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "bert:layers=1,hidden=16,heads=4,"
      "seq=8,vocab=8"}, "torch", ""),  # post-LN
-    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline", "dp=2"),
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),  # dp x tp
+    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
+     "pp=2"),
     # a cut torch's styles do not express: MoE experts (whole) between the regions, not a layer norm
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "bert_moe"}, "pipeline",
      "plan field 'sequence_parallel'"),

@@ -275,6 +275,36 @@ def test_sequence_parallelism_on_dtensor_equals_one_process(reference, tmp_path)
             assert _spans(result, rank, step)["comm_tp"] == len(calls)
 
 
+@pytest.mark.parametrize("zero", [1, pytest.param(0, marks=pytest.mark.slow)])  # suite time
+def test_sequence_parallelism_under_dp_x_tp_equals_one_process(reference, tmp_path, zero: int) -> None:
+    """sequence_parallel=true at dp=2 x tp=2 with uneven shares (6 and 2 samples; issue 29): FSDP2
+    (ZeRO-1) or torch's `replicate` (ZeRO-0) over the sequence-parallel DTensor model. The tp calls
+    are the dp=1 count per micro-batch of the replica; the layer norms' `Partial` gradients are summed
+    over tp by FSDP2's / replicate's own reduction, one all-reduce per norm parameter a step (4 layers
+    x 2 norms x weight and bias, 16 floats each), so none is left for `_sum_partial_grads`."""
+    plan = f"dp=2,tp=2,zero={zero},sequence_parallel=true,micro_batch=2,dp_shares=0.75:0.25," + FP32
+    assert engine_for(plan).engine == "torch" and engine_for(plan).not_torch == ""
+    result = _run(plan, tmp_path)
+    _check_equal(result, reference)
+    local = _tp_local_numel(reference[1])
+    full = 2 * 8 * 16 * 4  # a micro-batch's whole [s=8, b=2, h=16] fp32 activation
+    for rank in range(4):
+        mbs = [3, 1][rank // 2]
+        per = 4 * 2 * mbs
+        want = {("all_gather", "allgather tp fwd", full): per + mbs, ("reduce_scatter", "reducescatter tp fwd", full): per,
+                ("reduce_scatter", "reducescatter tp bwd", full): per, ("all_gather", "allgather tp bwd", full): per + mbs,
+                ("all_reduce", "allreduce tp bwd", 16 * 4): 16}
+        for step in range(STEPS):
+            calls = [r for r in _calls_any(result, rank) if r.step == step and r.key != "probe"]
+            assert Counter((r.op, r.name, r.bytes) for r in calls if r.group == "tp") == want
+            dp = [r for r in calls if r.group == "dp"]
+            if zero:
+                assert {r.op for r in dp} == {"all_gather", "reduce_scatter"}
+                assert sum(r.bytes for r in dp if r.op == "reduce_scatter") == 4 * local
+            else:
+                assert {r.op for r in dp} == {"all_reduce"} and sum(r.bytes for r in dp) == 4 * local
+
+
 def test_a_slow_link_slows_dtensor_collectives_and_the_doctor_names_it(tmp_path) -> None:
     """A link fault between the two tensor ranks (from step 3) delays every DTensor collective of
     the tp group (recorded: injected_s, and t_end - t_enqueue holds it); the doctor reads the run and
