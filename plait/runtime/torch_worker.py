@@ -5,10 +5,11 @@ plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 each stage's replicas (torch's `replicate` at tp > 1) or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
 gradients summed across stages, clipping global over the job); and a tensor-parallel plan (even
-shards; any dtype at dp = 1, zero = 0, pp = 1, else fp32 / tf32) on DTensor (`parallelize.apply_tp`:
-colwise / rowwise linears in the transformer layers; at dp = 1, zero = 0, pp = 1 with
+shards; any dtype except in the 3D grid (pp > 1 beside dp > 1 or ZeRO: fp32 / tf32)) on DTensor (`parallelize.apply_tp`:
+colwise / rowwise linears in the transformer layers; at pp = 1 with
 `sequence_parallel` Megatron's sequence parallelism in torch's styles -- `SequenceParallel` layer
-norms, whose `Partial` gradients are summed over tp once a step (`_sum_partial_grads`), an
+norms, whose `Partial` gradients are summed over tp once a step (`_sum_partial_grads`; with dp > 1
+FSDP2's / replicate's own reduction sums them), an
 all-gather before each column region and a reduce-scatter after each row linear, the sequence cut
 where a run of layers begins and gathered where it ends, the layers' dropout from a stream per
 tensor rank as on plait's own engine), every collective DTensor issues recorded through the
@@ -74,7 +75,9 @@ gathers its parameters in the run's dtype and reduce-scatters gradients in the p
 `amp.DynamicLossScaler`, its found-inf flag agreed over every rank, so all ranks skip or step
 together (the pipeline engine's scaler: the same schedule, the same `result.json` fields). Under
 DTensor's tensor parallelism the same: its collectives run in the dtype autocast gives the values
-they carry (the row linears' outputs in the low dtype; the layer norms' outputs and gradients fp32).
+they carry (the row linears' outputs in the low dtype; the layer norms' outputs and gradients fp32;
+with dp > 1 FSDP2's / replicate's MixedPrecisionPolicy casts each unit's inputs to the low dtype, so
+the column linears' input gradients cross tp in it too).
 """
 
 from __future__ import annotations
