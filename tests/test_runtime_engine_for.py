@@ -47,7 +47,8 @@ def _spmd() -> Plan:
     (Plan(dp=2, tp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # FSDP2 over DTensor's TP
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # tensor + sequence, bf16
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # DTensor under autocast, loss scaling
-    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # tensor + sequence + data
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), "torch"),  # + data
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # bf16 SP + data: untested
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # DTensor inside pipeline stages
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "torch"),  # bf16: DTensor under autocast in the stages
@@ -190,7 +191,10 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     # dp x tp in low precision (issue 29): FSDP2's / replicate's MixedPrecisionPolicy over DTensor under autocast
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),
     (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp16"), {}, "torch", ""),
-    (Plan(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="bf16", dp_shares=[0.75, 0.25]), {}, "torch", ""),
+    (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="bf16", dp_shares=[0.75, 0.25]), {}, "torch", ""),
+    # low precision with ZeRO-2/3 over DTensor is not yet compared with one process in a test
+    (Plan(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="bf16", dp_shares=[0.75, 0.25]), {}, "pipeline",
+     "dtype bf16"),
     (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
     (Plan(tp=2, dp=2, micro_batch=1, global_batch=2, dtype="fp32", dp_shares=[1.0, 0.0]), {}, "pipeline",
      "no samples"),

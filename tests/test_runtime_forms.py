@@ -211,8 +211,8 @@ def test_data_and_pipeline_parallel_zero1(reference, tmp_path) -> None:
     assert [(r.pp, r.dp) for r in result.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-@pytest.mark.parametrize("engine", ["torch", pytest.param("plait", marks=pytest.mark.slow)])  # DTensor in
-# torch's pipeline stages by default (issue 29); plait's own pp x tp (engine=plait) among the slow tests
+@pytest.mark.slow  # suite time: pp x tp on torch's modules stays in make test (tests/test_torch_pipeline.py)
+@pytest.mark.parametrize("engine", ["torch", "plait"])  # DTensor in torch's pipeline stages by default (issue 29)
 def test_tensor_and_pipeline_parallel(engine, reference, tmp_path) -> None:
     result = run(TINY, None, "tp=2,pp=2,micro_batch=2,schedule=gpipe," + FP32, steps=STEPS,
                  launch=LaunchConfig(timeout=120, engine="auto" if engine == "torch" else engine),

@@ -220,6 +220,7 @@ def test_dp_x_tp_zero0_on_replicate_clipped_equals_one_process(tmp_path) -> None
             assert _spans(result, rank, step)["comm_dp"] == len(dp) + 1
 
 
+@pytest.mark.slow  # suite time: FSDP2 over DTensor at ZeRO-1 stays in make test under SP and in bf16
 def test_dp_x_tp_zero1_on_fsdp2_over_dtensor_equals_one_process(reference, tmp_path) -> None:
     """dp=2 x tp=2 at ZeRO-1 with uneven shares (issue 29): FSDP2 over the DTensor-TP model (2D
     parameters, torchtitan's FSDP + TP); each unit gathers and reduce-scatters its tp shard once a step

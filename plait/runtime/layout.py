@@ -357,10 +357,13 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
             run.model and _dtensor_cut(run.model, plan.tp, plan.sequence_parallel))):
         return why
     dtype = run.dtype or plan.dtype
-    if plan.tp != 1 and dtype not in ("fp32", "tf32") and plan.pp != 1 and (plan.dp != 1 or plan.zero):
+    if plan.tp != 1 and dtype not in ("fp32", "tf32") and (
+            (plan.pp != 1 and (plan.dp != 1 or plan.zero)) or plan.zero >= 2
+            or (plan.sequence_parallel and plan.dp != 1)):
+        # what tests compare with one process: dp x tp at ZeRO-0/1, pp x tp at dp=1, SP at dp=1
         return (f"dtype {dtype}: DTensor tensor parallelism in low precision is compared with one process at pp=1 "
-                f"(dp x tp at any ZeRO) or at dp=1, zero=0 (pp x tp) only; the plan has dp={plan.dp}, "
-                f"zero={plan.zero}, pp={plan.pp}")
+                f"with ZeRO-0/1 (sequence parallelism at dp=1) or at dp=1, zero=0 (pp x tp) only; the plan has "
+                f"dp={plan.dp}, zero={plan.zero}, pp={plan.pp}, sequence_parallel={plan.sequence_parallel}")
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     return ""
@@ -372,9 +375,9 @@ def _torch_tensor_parallel_runs(plan: Plan) -> str:
     if plan.tp_ratios and len(set(plan.tp_ratios)) > 1:
         return (f"uneven tensor shards (tp_ratios={plan.tp_ratios}) run on plait's own engine: DTensor shards "
                 "every dimension evenly")
-    if plan.sequence_parallel and plan.pp != 1:
-        return (f"plan field 'sequence_parallel': sequence parallelism on DTensor runs with pp=1 here (dp x tp at "
-                f"any ZeRO), the plan has pp={plan.pp}")
+    if plan.sequence_parallel and (plan.pp != 1 or plan.zero >= 2):
+        return (f"plan field 'sequence_parallel': sequence parallelism on DTensor runs with pp=1 and ZeRO-0/1 here "
+                f"(compared with one process there), the plan has pp={plan.pp}, zero={plan.zero}")
     # dp > 1 (no pipeline): FSDP2 over the DTensor-TP model at ZeRO-1/2/3 (2D parameters), torch's
     # FSDP2-based `replicate` at ZeRO-0 (DDP fails on DTensor parameters): `torch_worker._build`
     return ""
