@@ -233,6 +233,7 @@ def test_composed_plan_checkpoints_and_resumes_under_itself_and_another_plan(tmp
     assert other.steps == [2, 3] and other.losses == pytest.approx(ref[2:], rel=0, abs=1e-5)
 
 
+@pytest.mark.slow  # suite time: the composed checkpoint stays in make test (test_composed_plan_checkpoints_and_resumes_under_itself...)
 def test_composed_plan_resumes_another_plans_checkpoint(tmp_path) -> None:
     """The other way round: a 3D pipeline's checkpoint after step 2 resumes into the composed plan,
     and that one's checkpoint after step 3 into the composed plan at other ratios (each stage's

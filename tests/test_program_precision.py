@@ -290,7 +290,8 @@ def test_tensor_parallel_plan_on_dtensor_trains_in_low_precision_as_one_process(
         assert result.loss_scales == []
 
 
-@pytest.mark.parametrize("dtype, zero", [("bf16", 1), pytest.param("bf16", 0, marks=pytest.mark.slow),  # suite time
+@pytest.mark.parametrize("dtype, zero", [pytest.param("bf16", 1, marks=pytest.mark.slow),  # suite time
+                                         pytest.param("bf16", 0, marks=pytest.mark.slow),
                                          pytest.param("fp16", 1, marks=pytest.mark.slow),
                                          pytest.param("fp16", 0, marks=pytest.mark.slow)])
 def test_dp_x_tp_on_dtensor_trains_in_low_precision_as_one_process(tmp_path, monkeypatch, dtype: str,

@@ -127,6 +127,7 @@ def test_loads_at_dp3_uneven_zero3_and_converts_to_a_plain_state_dict(saved: Pat
     assert model.head.lm.weight is model.embed.tok.weight
 
 
+@pytest.mark.slow  # suite time: the torch engine's checkpoints stay in make test through FSDP2's (DTensor shards)
 def test_torch_engine_resumes_bit_for_bit_and_its_checkpoint_loads_on_plaits_engine(reference: list[Any],
                                                                                     tmp_path: Path) -> None:
     """DDP with uneven shares on the torch engine: a checkpoint at step 2 holds the single-process

@@ -214,6 +214,7 @@ def test_1f1b_with_fewer_micro_batches_than_stages_equals_one_process(reference)
         assert _compute_order(result, stage, 1) == _plait_order(plan, stage)
 
 
+@pytest.mark.slow  # suite time: pp x tp stays in make test inside the 3D test (test_3d_pipeline_dp_tp_clipped...)
 def test_pipeline_with_dtensor_tensor_parallelism_equals_one_process(reference, tmp_path: Path) -> None:
     """pp=2 x tp=2 (4 ranks: rank = stage * tp + t) with an uneven layer split: each stage's transformer
     layers cut by DTensor (`parallelize.apply_tp` over the mesh's recorded "tp" dim), the values between
@@ -255,7 +256,7 @@ def test_pipeline_with_dtensor_tensor_parallelism_equals_one_process(reference, 
 
 
 @pytest.mark.parametrize("plan", [
-    "pp=2,tp=2,micro_batch=2,layer_split=3:3,schedule=gpipe,",
+    pytest.param("pp=2,tp=2,micro_batch=2,layer_split=3:3,schedule=gpipe,", marks=pytest.mark.slow),  # suite time
     pytest.param("pp=2,tp=2,virtual_stages=2,micro_batch=2,layer_split=1:2:1:2,schedule=interleaved,",
                  marks=pytest.mark.slow),
 ])
@@ -290,7 +291,7 @@ def _zero_calls(run_dir: Path, rank: int, step: int, op: str) -> Counter[str]:
 @pytest.mark.parametrize("zero, plan", [
     # uneven shares (5 and 3 samples: micro-batches 2, 2, 1 and 2, 1) and an uneven layer split
     (1, "dp=2,pp=2,micro_batch=2,layer_split=2:4,dp_shares=0.625:0.375,schedule=1f1b,"),
-    (2, "dp=2,pp=2,micro_batch=2,layer_split=3:3,schedule=gpipe,"),
+    pytest.param(2, "dp=2,pp=2,micro_batch=2,layer_split=3:3,schedule=gpipe,", marks=pytest.mark.slow),  # suite time
     (3, "dp=2,pp=2,micro_batch=2,layer_split=2:4,schedule=1f1b,"),
 ])
 def test_zero_on_fsdp2_pipeline_equals_one_process(zero, plan, reference, tmp_path: Path) -> None:
