@@ -1,13 +1,16 @@
-"""bench/validate.py (issue 37): source loading, the node layout, the fit hook, and the transcribed figures."""
+"""bench/validate.py and bench/source_fit.py (issue 37): source loading, the node layout, the fit per GPU kind
+and engine, and the transcribed figures."""
 
 import csv
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import source_fit as sf  # noqa: E402
 import validate  # noqa: E402
 
 from plait.cost.compute import DEFAULT_MODEL  # noqa: E402
@@ -39,19 +42,53 @@ def test_template_cluster_fills_nodes_and_takes_the_sources_nic_count():
     assert {n.nics for n in validate.template_cluster("v100-16gb", 8, 8).nodes} == {4}  # DGX-1 template
 
 
-def test_fit_hook_is_used_per_gpu_kind_and_engine(tmp_path):
+def test_a_fit_prices_each_cell_with_its_own_factors(tmp_path):
+    """`predict` takes a row's constants from the fit's factors of its GPU kind, GEMM unit and engine
+    family: a slower compute factor for another kind or unit changes nothing."""
     rows = validate.load_csv(write(tmp_path / "s.csv", [ROW]))
+    for r in rows:
+        r["family"] = sf.engine_family(r["engine"])
     src = validate.Source("s", "eager-fsdp", rows, validate.csv_simulator())
-    shipped = validate.predict(src, rows, [])[0]
-    slow = DEFAULT_MODEL.replace(gemm_efficiency=DEFAULT_MODEL.gemm_efficiency / 2)
-    validate.FITTERS[("a100-80gb", "eager-fsdp")] = lambda train, model: slow
-    try:
-        assert validate.predict(src, rows, [])[0] > shipped
-        validate.FITTERS.pop(("a100-80gb", "eager-fsdp"))
-        validate.FITTERS[("a100-80gb", "megatron")] = lambda train, model: slow  # another engine: not used
-        assert validate.predict(src, rows, [])[0] == shipped
-    finally:
-        validate.FITTERS.clear()
+    shipped = validate.predict(src, rows, None)[0]
+    assert validate.predict(src, rows, sf.Fit())[0] == shipped  # no factor: the shipped constants
+    half = float(np.log(0.5))
+    assert validate.predict(src, rows, sf.Fit(log={"compute:a100-80gb:tc": half}))[0] > shipped
+    assert validate.predict(src, rows, sf.Fit(log={"host:eager": float(np.log(3))}))[0] > shipped
+    for other in ("compute:a100-80gb:fp32", "compute:v100-16gb:tc", "host:fused", "memory:h100-80gb"):
+        assert validate.predict(src, rows, sf.Fit(log={other: half}))[0] == shipped
+
+
+def test_the_fit_recovers_known_factors_and_keeps_uninformed_ones():
+    """Hand-made sources whose time is compute / gemm_efficiency + kernels x host_fwd_s: the
+    Gauss-Newton fit finds the factors they were made with (compute x0.6 on one kind, host x2 on the
+    eager engine) and leaves a factor no row informs at 1."""
+    truth = {("k1", "eager"): (0.6, 2.0), ("k2", "eager"): (1.0, 2.0), ("k1", "fused"): (0.6, 1.0)}
+
+    def simulate(rows, model):
+        return np.array([r["flops"] / model.gemm_efficiency + r["kernels"] * model.host_fwd_s for r in rows])
+
+    rows = []
+    for (kind, family), (c, h) in truth.items():
+        for flops, kernels in ((1.0, 1000), (0.5, 4000), (2.0, 500), (0.2, 6000)):
+            rows.append(dict(gpu=kind, dtype="bf16", family=family, flops=flops, kernels=kernels,
+                             measured_s=flops / (DEFAULT_MODEL.gemm_efficiency * c) + kernels * DEFAULT_MODEL.host_fwd_s * h))
+    fit = sf.fit_factors([(simulate, rows)])
+    factor = {k: np.exp(v) for k, v in fit.log.items()}
+    assert factor["compute:k1:tc"] == pytest.approx(0.6, rel=0.02)
+    assert factor["compute:k2:tc"] == pytest.approx(1.0, rel=0.02)
+    assert factor["host:eager"] == pytest.approx(2.0, rel=0.02)
+    assert "host:fused" not in factor  # the fused engine's host times are the reference fit's (held at 1)
+    assert factor["memory:k1"] == pytest.approx(1.0, abs=1e-6)  # no row has memory time
+    # the cell the shipped constants were fitted on is held at 1: its factors are never fitted
+    ref = dict(sf.REFERENCE, flops=1.0, kernels=1000, measured_s=2.0)
+    assert not {sf.group_key(g, ref) for g in sf.GROUPS} & set(sf.fit_factors([(simulate, [ref])]).log)
+    assert sf.engine_family("megatron") == "fused" and sf.engine_family("eager-fsdp") == "eager"
+
+
+def test_a_fraction_of_peak_never_exceeds_one():
+    fit = sf.Fit(log={"compute:k:tc": 5.0, "memory:k": 5.0})
+    m = fit.model(dict(gpu="k", dtype="fp16", family="eager"))
+    assert m.gemm_efficiency == 1.0 and m.memory_efficiency == 1.0
 
 
 def test_megatron_times_are_the_papers_flops_at_the_published_mfu():

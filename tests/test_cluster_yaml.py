@@ -263,12 +263,14 @@ def test_custom_kind_needs_links() -> None:
 
 
 def test_tensor_sustained_scales_tensor_dtypes_and_round_trips() -> None:
-    """An H100 sustains 0.853 of its datasheet tensor rate (measured); fp32 CUDA cores are not
-    scaled; a kind 'like' it inherits the fraction, a file may set it, and it is written back."""
+    """An H100 sustains 0.853 of its datasheet tensor rate on GEMMs (measured), x 0.936 fitted on
+    llm-foundry's H100 runs (bench/validate.py); fp32 CUDA cores are not scaled; a kind 'like' it
+    inherits the fraction, a file may set it, and it is written back."""
     from plait.cluster.loader import dump_cluster
 
     h100 = GPU_KINDS["h100-80gb"]
-    assert h100.flops("bf16") == pytest.approx(989.4e12 * 0.853)
+    assert h100.tensor_sustained == pytest.approx(0.853 * 0.936)
+    assert h100.flops("bf16") == pytest.approx(989.4e12 * h100.tensor_sustained)
     assert h100.flops("fp32") == 67e12
     assert GPU_KINDS["a100-80gb"].flops("bf16") == 312e12
     c = parse_yaml_text("gpu_kinds: {mine: {like: h100}, cool: {like: h100, tensor_sustained: 0.95}}\n"
@@ -276,9 +278,41 @@ def test_tensor_sustained_scales_tensor_dtypes_and_round_trips() -> None:
     assert c.kinds["mine"].flops("bf16") == h100.flops("bf16")
     assert c.kinds["cool"].flops("fp16") == pytest.approx(989.4e12 * 0.95)
     again = parse_yaml_text(dump_cluster(c))
-    assert again.kinds["cool"].tensor_sustained == 0.95 and again.kinds["mine"].tensor_sustained == 0.853
+    assert again.kinds["cool"].tensor_sustained == 0.95 and again.kinds["mine"].tensor_sustained == h100.tensor_sustained
     with pytest.raises(ClusterError, match=r"gpu_kinds\.g\.tensor_sustained"):
         parse_yaml_text("gpu_kinds: {g: {like: a100, tensor_sustained: 1.5}}\nnodes: [{gpus: [g]}]")
+
+
+def test_memory_sustained_scales_streaming_bandwidth_and_round_trips() -> None:
+    """A kind's streaming bandwidth is its datasheet figure x `memory_sustained` (1 for the A100 the
+    constants were fitted on); a file may set it, a catalog kind's own figure is inherited by a kind
+    'like' it, it is written back, and a figure past the datasheet is refused naming the field."""
+    from plait.cluster.loader import dump_cluster
+
+    a100 = GPU_KINDS["a100-80gb"]
+    assert a100.memory_sustained == 1.0 and a100.streaming_bandwidth == a100.memory_bandwidth
+    c = parse_yaml_text("gpu_kinds: {slowmem: {like: a100, memory_sustained: 0.8}, same: {like: v100}}\n"
+                        "nodes: [{gpus: {kind: slowmem, count: 1}}, {gpus: {kind: same, count: 1}}]")
+    assert c.kinds["slowmem"].streaming_bandwidth == pytest.approx(0.8 * a100.memory_bandwidth)
+    assert c.kinds["same"].memory_sustained == GPU_KINDS["v100-16gb"].memory_sustained
+    again = parse_yaml_text(dump_cluster(c))
+    assert again.kinds["slowmem"].memory_sustained == 0.8
+    with pytest.raises(ClusterError, match=r"gpu_kinds\.g\.memory_sustained"):
+        parse_yaml_text("gpu_kinds: {g: {like: a100, memory_sustained: 1.5}}\nnodes: [{gpus: [g]}]")
+
+
+def test_fitted_factors_apply_on_the_kinds_figures_and_come_off_again() -> None:
+    """The catalog's per-kind factors (fitted by bench/validate.py) multiply the kind's own figures;
+    `unfitted` gives back the figures before the fit, where the bench fits from."""
+    from plait.cluster.catalog import FITTED, unfitted
+
+    assert set(FITTED) <= set(GPU_KINDS) and "a100-80gb" not in FITTED  # the reference the model was fitted on
+    for name, (tensor, memory) in FITTED.items():
+        kind, before = GPU_KINDS[name], unfitted(GPU_KINDS[name])
+        assert kind.tensor_sustained == pytest.approx(before.tensor_sustained * tensor)
+        assert kind.streaming_bandwidth == pytest.approx(before.memory_bandwidth * before.memory_sustained * memory)
+    assert unfitted(GPU_KINDS["h100-80gb"]).tensor_sustained == pytest.approx(0.853)
+    assert unfitted(GPU_KINDS["v100-16gb"]).flops("fp16") == pytest.approx(125e12)
 
 
 def test_like_kind_inherits_template_and_figures() -> None:

@@ -187,7 +187,9 @@ def _join(path: str, key: str | int) -> str:
 
 # --- GPU kinds -------------------------------------------------------------------------
 
-_KIND_KEYS = ("like", "flops", "memory", "memory_bandwidth", "tensor_sustained")
+# Streaming kernels never beat the datasheet: the A100 fit reaches 0.899 of it (ComputeModel.memory_efficiency).
+MEMORY_SUSTAINED_MAX = 1.11
+_KIND_KEYS = ("like", "flops", "memory", "memory_bandwidth", "tensor_sustained", "memory_sustained")
 
 
 def _parse_kinds(ctx: _Ctx, raw: Any) -> dict[str, GPUKind]:
@@ -240,10 +242,17 @@ def _parse_kinds(ctx: _Ctx, raw: Any) -> dict[str, GPUKind]:
             sustained = ctx.number(spec["tensor_sustained"], _join(path, "tensor_sustained"))
             if sustained > 1.0:
                 ctx.fail(_join(path, "tensor_sustained"), f"a fraction of the datasheet peak, at most 1, got {sustained!r}")
+        mem_sustained = base.memory_sustained if base else 1.0
+        if "memory_sustained" in spec:
+            mem_sustained = ctx.number(spec["memory_sustained"], _join(path, "memory_sustained"))
+            if not 0 < mem_sustained <= MEMORY_SUSTAINED_MAX:
+                ctx.fail(_join(path, "memory_sustained"), "relative to the A100 fit's fraction of the datasheet "
+                         f"bandwidth (0.899), in (0, {MEMORY_SUSTAINED_MAX}], got {mem_sustained!r}")
         if key in kinds:
             ctx.fail(path, f"kind {key!r} is defined twice")
         kinds[key] = GPUKind(name=key, peak_flops={d: flops[d] for d in DTYPES if d in flops},
-                             memory_bytes=memory, memory_bandwidth=mem_bw, tensor_sustained=sustained)
+                             memory_bytes=memory, memory_bandwidth=mem_bw, tensor_sustained=sustained,
+                             memory_sustained=mem_sustained)
     return kinds
 
 
@@ -903,6 +912,7 @@ def cluster_to_dict(cluster: Cluster, human: bool = True) -> dict[str, Any]:
             "memory": size(kind.memory_bytes),
             "memory_bandwidth": bw(kind.memory_bandwidth),
             **({"tensor_sustained": kind.tensor_sustained} if kind.tensor_sustained != 1.0 else {}),
+            **({"memory_sustained": kind.memory_sustained} if kind.memory_sustained != 1.0 else {}),
         }
         for name, kind in cluster.kinds.items()
     }

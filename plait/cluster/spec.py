@@ -34,6 +34,16 @@ class GPUKind:
     # power limit holds the clock below the datasheet's under long GEMMs sustain less: measured
     # 0.85 on an H100 SXM (bench/gpu_check.py --gemm). fp32 (CUDA cores) is not scaled.
     tensor_sustained: float = 1.0
+    # Bandwidth streaming kernels sustain, as a fraction of the datasheet's, relative to the A100s
+    # that `ComputeModel.memory_efficiency` was fitted on (1.0); fitted per kind on public
+    # measurements of that kind (bench/validate.py, the catalog says which).
+    memory_sustained: float = 1.0
+
+    @property
+    def streaming_bandwidth(self) -> float:
+        """Memory bytes/s streaming kernels reach before `ComputeModel.memory_efficiency`:
+        datasheet x `memory_sustained`."""
+        return self.memory_bandwidth * self.memory_sustained
 
     def flops(self, dtype: str) -> float:
         """Dense FLOP/s for `dtype` as sustained (datasheet peak x `tensor_sustained` for the

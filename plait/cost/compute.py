@@ -159,7 +159,7 @@ def gemm_time(m: float, n: float, k: float, kind: GPUKind, dtype: str = "bf16",
     wave_util = tiles / (waves * sms)
     t_compute = 2.0 * m * n * k * batch / (peak * model.gemm_efficiency * wave_util)
     t_compute *= alignment_penalty(m, n, k, size, model)
-    t_memory = (m * k + k * n + m * n) * batch * size / (kind.memory_bandwidth * model.memory_efficiency)
+    t_memory = (m * k + k * n + m * n) * batch * size / (kind.streaming_bandwidth * model.memory_efficiency)
     return max(t_compute, t_memory) + model.kernel_gpu_s
 
 
@@ -185,7 +185,7 @@ def memory_time(nbytes: float, kind: GPUKind, model: ComputeModel = DEFAULT_MODE
     """GPU time of a memory-bound kernel moving `nbytes` (roofline: bytes / bandwidth)."""
     if nbytes <= 0:
         return 0.0
-    return nbytes / (kind.memory_bandwidth * model.memory_efficiency) + model.kernel_gpu_s
+    return nbytes / (kind.streaming_bandwidth * model.memory_efficiency) + model.kernel_gpu_s
 
 
 def flops_time(flops: float, kind: GPUKind, dtype: str, model: ComputeModel = DEFAULT_MODEL,
@@ -204,7 +204,7 @@ def op_time(flops: float, nbytes: float, kind: GPUKind, dtype: str, model: Compu
     if flops <= 0 and nbytes <= 0:
         return 0.0
     t_compute = flops / (kind.flops(dtype) * model.gemm_efficiency) if flops > 0 else 0.0
-    return max(t_compute, nbytes / (kind.memory_bandwidth * model.memory_efficiency))
+    return max(t_compute, nbytes / (kind.streaming_bandwidth * model.memory_efficiency))
 
 
 # ---------------------------------------------------------------- fused attention
@@ -276,7 +276,7 @@ def flash_attention_time(b: float, heads: float, sq: int, sk: int, d: int, causa
     a = dtype_bytes(dtype)
     tensors = 8 if backward else 4  # q k v o (+ do dq dk dv)
     nbytes = tensors * a * b * heads * sq * d + 4 * b * heads * sq
-    t_memory = nbytes / (kind.memory_bandwidth * model.memory_efficiency)
+    t_memory = nbytes / (kind.streaming_bandwidth * model.memory_efficiency)
     causal_flops = 4.0 * b * heads * sq * sk * d * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
     return max(t_compute, t_memory) + model.kernel_gpu_s, causal_flops
 
@@ -831,7 +831,7 @@ def _price_generic_op(op: Op, graph: OpGraph, role: str | None, frac: float, b: 
         bwd_ops.append(("flops", (op.bwd_flops * b * frac, flash_peak_fraction(kind, True) / _sustained(kind, dtype))))
         return
     nbytes = _op_bytes(op, graph) * b * frac
-    if op.fwd_flops > 0 and op.fwd_flops * b > nbytes * kind.flops(dtype) / kind.memory_bandwidth:
+    if op.fwd_flops > 0 and op.fwd_flops * b > nbytes * kind.flops(dtype) / kind.streaming_bandwidth:
         f.compute(op.fwd_flops * b * frac)
     else:
         f.mem(nbytes)
@@ -1056,4 +1056,4 @@ def optimizer_time(params: float, kind: GPUKind, model: ComputeModel = DEFAULT_M
     """Mixed-precision Adam step over `params` parameters: memory-bound multi-tensor kernels."""
     if params <= 0:
         return 0.0
-    return params * model.optimizer_bytes_per_param / (kind.memory_bandwidth * model.memory_efficiency)
+    return params * model.optimizer_bytes_per_param / (kind.streaming_bandwidth * model.memory_efficiency)

@@ -101,7 +101,7 @@ class Devices:
         return cls(
             names=tuple(f"gpu {i} ({k.name}, node {int(model.node_of[i])})" for i, k in zip(ids, picked)),
             flops=np.array([k.flops(dtype) * eff for k in picked]),
-            mem_bw=np.array([k.memory_bandwidth * DEFAULT_MODEL.memory_efficiency for k in picked]),
+            mem_bw=np.array([k.streaming_bandwidth * DEFAULT_MODEL.memory_efficiency for k in picked]),
             memory=np.array([float(k.memory_bytes) for k in picked]),
             links=model.group(ids),
             kinds=tuple(picked),
