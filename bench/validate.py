@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             group = k.split(":")[0]
             const = {"compute": f"gemm_efficiency {min(1.0, DEFAULT_MODEL.gemm_efficiency * np.exp(v)):.3f}",
                      "memory": f"memory_efficiency {min(1.0, DEFAULT_MODEL.memory_efficiency * np.exp(v)):.3f}",
-                     "host": f"host_fwd_s {DEFAULT_MODEL.host_fwd_s * np.exp(v) * 1e6:.1f} us"}[group]
+                     "host": f"host_fwd_s {DEFAULT_MODEL.host_fwd_s * np.exp(v) * 1e6:.1f} us",
+                     "traffic": f"memory_efficiency x {np.exp(v):.3f} (bytes moved x {np.exp(-v):.2f})"}[group]
             f.add_row(k, f"{np.exp(v):.3f}", const)
         console.print(f)
     if fixed:
