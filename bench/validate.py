@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if fixed:
         f = Table(title=f"fitted factors (even rows of every source; {fixed.simulations} simulations, "
                         f"{fit_s:.0f} s with the LOSO fits)")
-        for c in ("factor", "x shipped", "constant"):
+        for c in ("factor", "x the kind's figure before the fit", "as the constant it scales"):
             f.add_column(c)
         for k, v in sorted(fixed.log.items()):
             group = k.split(":")[0]
