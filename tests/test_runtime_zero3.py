@@ -96,6 +96,7 @@ def _model_elements_by_file(path: Path) -> dict[str, int]:
     return held
 
 
+@pytest.mark.slow  # suite time (2026-12-07): plait's own ZeRO-3; FSDP2's checkpoint tests stay in make test
 @pytest.mark.distributed
 def test_zero3_uneven_shares_checkpoint_and_bit_exact_resume(reference, tmp_path: Path) -> None:
     plan = "dp=2,micro_batch=2,zero=3,dp_shares=0.75:0.25," + FP32

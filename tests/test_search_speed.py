@@ -31,6 +31,7 @@ def _rows(res: PlanResult) -> list[tuple]:
     return [(c.family, str(c.plan), c.analytic_s, c.iteration_time_s) for c in res.top]
 
 
+@pytest.mark.slow  # suite time (2026-12-07): tests/test_search_exact.py pins the same search's picks in make test
 def test_fast_and_baseline_searches_agree_exactly():
     kw = dict(global_batch=16, top=6, finalists=4, families="all")
     fast = plan(MODEL, MIXED, fast=True, **kw)
