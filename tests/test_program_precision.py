@@ -292,12 +292,16 @@ def test_tensor_parallel_plan_on_dtensor_trains_in_low_precision_as_one_process(
 
 @pytest.mark.parametrize("dtype, zero", [pytest.param("bf16", 1, marks=pytest.mark.slow),  # suite time
                                          pytest.param("bf16", 0, marks=pytest.mark.slow),
+                                         pytest.param("bf16", 2, marks=pytest.mark.slow),
+                                         pytest.param("bf16", 3, marks=pytest.mark.slow),
+                                         pytest.param("fp16", 2, marks=pytest.mark.slow),
+                                         pytest.param("fp16", 3, marks=pytest.mark.slow),
                                          pytest.param("fp16", 1, marks=pytest.mark.slow),
                                          pytest.param("fp16", 0, marks=pytest.mark.slow)])
 def test_dp_x_tp_on_dtensor_trains_in_low_precision_as_one_process(tmp_path, monkeypatch, dtype: str,
                                                                    zero: int) -> None:
     # issue 29: dp=2 x tp=2, DTensor's colwise / rowwise linears under autocast in each replica; at
-    # ZeRO-1 FSDP2 over the DTensor-TP model with its MixedPrecisionPolicy (each tp shard gathered in
+    # ZeRO-1/2/3 FSDP2 over the DTensor-TP model with its MixedPrecisionPolicy (each tp shard gathered in
     # the low dtype), at ZeRO-0 torch's `replicate`; the gradients reduced over dp in the plan's
     # reduction dtype (fp32 for bf16, fp16 for fp16: `amp.reduce_dtype`), fp16's loss scaler agreed
     # over the job
@@ -325,10 +329,14 @@ def test_dp_x_tp_on_dtensor_trains_in_low_precision_as_one_process(tmp_path, mon
         assert Counter((r.op, r.name, r.bytes) for r in calls if r.group == "tp") == {
             ("all_reduce", "allreduce tp fwd", half): n, ("all_reduce", "allreduce tp bwd", half): n}
         dp = [r for r in calls if r.group == "dp"]
-        if zero:  # each unit's tp shard gathered once a step in the low dtype, its gradients scattered once
+        if zero:  # each unit's tp shard gathered in the low dtype, its gradients reduce-scattered: once a
+            # step at ZeRO-1/2; at ZeRO-3 gathered for each micro-batch's forward and backward (resharded
+            # after each) and scattered every micro-batch (no rank holds whole gradients between them)
+            mbs = 8 // (2 * 2)  # global batch / (dp x micro-batch)
+            gathers, scatters = (2 * mbs, mbs) if zero == 3 else (1, 1)
             assert {r.op for r in dp} == {"all_gather", "reduce_scatter"}
-            assert sum(r.bytes for r in dp if r.op == "all_gather") == 2 * local
-            assert sum(r.bytes for r in dp if r.op == "reduce_scatter") == grad * local
+            assert sum(r.bytes for r in dp if r.op == "all_gather") == gathers * 2 * local
+            assert sum(r.bytes for r in dp if r.op == "reduce_scatter") == scatters * grad * local
         else:  # each unit all-reduces its local gradients once a step
             assert {r.op for r in dp} == {"all_reduce"} and sum(r.bytes for r in dp) == grad * local
     if dtype == "fp16":
