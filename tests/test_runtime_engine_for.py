@@ -196,6 +196,7 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="bf16", dp_shares=[0.75, 0.25]), {}, "torch", ""),
     (Plan(tp=2, pp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),
     (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
+    (Plan(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
     (Plan(tp=2, dp=2, micro_batch=1, global_batch=2, dtype="fp32", dp_shares=[1.0, 0.0]), {}, "pipeline",
      "no samples"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch", ""),  # per stage

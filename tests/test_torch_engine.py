@@ -276,32 +276,38 @@ def test_sequence_parallelism_on_dtensor_equals_one_process(reference, tmp_path)
             assert _spans(result, rank, step)["comm_tp"] == len(calls)
 
 
-@pytest.mark.parametrize("zero", [1, pytest.param(0, marks=pytest.mark.slow)])  # suite time
+@pytest.mark.parametrize("zero", [1, pytest.param(0, marks=pytest.mark.slow),  # suite time
+                                  pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_sequence_parallelism_under_dp_x_tp_equals_one_process(reference, tmp_path, zero: int) -> None:
     """sequence_parallel=true at dp=2 x tp=2 with uneven shares (6 and 2 samples; issue 29): FSDP2
-    (ZeRO-1) or torch's `replicate` (ZeRO-0) over the sequence-parallel DTensor model. The tp calls
+    (ZeRO-1/2/3) or torch's `replicate` (ZeRO-0) over the sequence-parallel DTensor model. The tp calls
     are the dp=1 count per micro-batch of the replica; the layer norms' `Partial` gradients are summed
     over tp by FSDP2's / replicate's own reduction, one all-reduce per norm parameter a step (4 layers
-    x 2 norms x weight and bias, 16 floats each), so none is left for `_sum_partial_grads`."""
+    x 2 norms x weight and bias, 16 floats each; at ZeRO-3 per micro-batch, ghosts included), so none
+    is left for `_sum_partial_grads`."""
     plan = f"dp=2,tp=2,zero={zero},sequence_parallel=true,micro_batch=2,dp_shares=0.75:0.25," + FP32
     assert engine_for(plan).engine == "torch" and engine_for(plan).not_torch == ""
     result = _run(plan, tmp_path)
     _check_equal(result, reference)
     local = _tp_local_numel(reference[1])
-    full = 2 * 8 * 16 * 4  # a micro-batch's whole [s=8, b=2, h=16] fp32 activation
     for rank in range(4):
-        mbs = [3, 1][rank // 2]
-        per = 4 * 2 * mbs
-        want = {("all_gather", "allgather tp fwd", full): per + mbs, ("reduce_scatter", "reducescatter tp fwd", full): per,
-                ("reduce_scatter", "reducescatter tp bwd", full): per, ("all_gather", "allgather tp bwd", full): per + mbs,
-                ("all_reduce", "allreduce tp bwd", 16 * 4): 16}
+        # the micro-batches the replica runs: its own (3 or 1, of 2 samples); at ZeRO-3 ghosts of one
+        # sample up to the most any replica runs (FSDP2 gathers and reduce-scatters per micro-batch)
+        sizes = [2] * [3, 1][rank // 2] + ([1] * (3 - [3, 1][rank // 2]) if zero == 3 else [])
+        want: Counter = Counter()
+        for size in sizes:  # per micro-batch: 4 layers x 2 regions, one more gather at the head
+            act = size * 8 * 16 * 4  # its whole [s=8, b, h=16] fp32 activation
+            want.update({("all_gather", "allgather tp fwd", act): 9, ("reduce_scatter", "reducescatter tp fwd", act): 8,
+                         ("reduce_scatter", "reducescatter tp bwd", act): 8, ("all_gather", "allgather tp bwd", act): 9})
+        reductions = len(sizes) if zero == 3 else 1  # FSDP2 / replicate reduce once a step, ZeRO-3 per micro-batch
+        want[("all_reduce", "allreduce tp bwd", 16 * 4)] = 16 * reductions
         for step in range(STEPS):
             calls = [r for r in _calls_any(result, rank) if r.step == step and r.key != "probe"]
             assert Counter((r.op, r.name, r.bytes) for r in calls if r.group == "tp") == want
             dp = [r for r in calls if r.group == "dp"]
             if zero:
                 assert {r.op for r in dp} == {"all_gather", "reduce_scatter"}
-                assert sum(r.bytes for r in dp if r.op == "reduce_scatter") == 4 * local
+                assert sum(r.bytes for r in dp if r.op == "reduce_scatter") == 4 * local * reductions
             else:
                 assert {r.op for r in dp} == {"all_reduce"} and sum(r.bytes for r in dp) == 4 * local
 

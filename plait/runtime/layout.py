@@ -375,9 +375,9 @@ def _torch_tensor_parallel_runs(plan: Plan) -> str:
     if plan.tp_ratios and len(set(plan.tp_ratios)) > 1:
         return (f"uneven tensor shards (tp_ratios={plan.tp_ratios}) run on plait's own engine: DTensor shards "
                 "every dimension evenly")
-    if plan.sequence_parallel and (plan.pp != 1 or plan.zero >= 2):
-        return (f"plan field 'sequence_parallel': sequence parallelism on DTensor runs with pp=1 and ZeRO-0/1 here "
-                f"(compared with one process there), the plan has pp={plan.pp}, zero={plan.zero}")
+    if plan.sequence_parallel and plan.pp != 1:
+        return (f"plan field 'sequence_parallel': sequence parallelism on DTensor runs with pp=1 here "
+                f"(compared with one process there), the plan has pp={plan.pp}")
     # dp > 1 (no pipeline): FSDP2 over the DTensor-TP model at ZeRO-1/2/3 (2D parameters), torch's
     # FSDP2-based `replicate` at ZeRO-0 (DDP fails on DTensor parameters): `torch_worker._build`
     return ""

@@ -7,7 +7,7 @@ message through the communication facade (`torch_schedule.ActionSchedule`), the 
 gradients summed across stages, clipping global over the job); and a tensor-parallel plan (even
 shards; bf16 / fp16 where tests compare it with one process -- ZeRO-0/1/2/3 without pipeline, dp = 1
 and zero = 0 with one, SP at dp = 1 -- else fp32 / tf32: `layout.torch_runs`) on DTensor
-(`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers; at pp = 1 and ZeRO-0/1 with
+(`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers; at pp = 1 (any ZeRO level) with
 `sequence_parallel` Megatron's sequence parallelism in torch's styles -- `SequenceParallel` layer
 norms, whose `Partial` gradients are summed over tp once a step (`_sum_partial_grads`; with dp > 1
 FSDP2's / replicate's own reduction sums them), an
