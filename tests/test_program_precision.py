@@ -378,3 +378,51 @@ def test_pp_x_tp_on_dtensor_trains_in_low_precision_as_one_process(tmp_path, mon
         assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
     else:
         assert result.loss_scales == []
+
+
+@pytest.mark.slow  # suite time: 8 ranks; pp x tp and dp x tp in low precision have their own tests
+@pytest.mark.parametrize("dtype, plan", [
+    # 6 and 2 samples (3 and 1 micro-batches of 2) under torch's replicate, bf16
+    ("bf16", "pp=2,dp=2,tp=2,zero=0,micro_batch=2,layer_split=2:4,dp_shares=0.75:0.25,schedule=1f1b"),
+    # FSDP2 over each stage's DTensor modules, fp16 with its loss scaler agreed over the 8 ranks
+    ("fp16", "pp=2,dp=2,tp=2,zero=1,micro_batch=2,layer_split=2:4,schedule=1f1b"),
+    # ZeRO-2 (gathered once a step) and ZeRO-3 (gathered per micro-batch) over the stages' replicas
+    ("bf16", "pp=2,dp=2,tp=2,zero=2,micro_batch=2,layer_split=2:4,schedule=1f1b"),
+    ("bf16", "pp=2,dp=2,tp=2,zero=3,micro_batch=2,layer_split=2:4,schedule=1f1b"),
+])
+def test_3d_grid_on_torch_trains_in_low_precision_as_one_process(tmp_path, monkeypatch, dtype: str, plan: str) -> None:
+    # issue 29: the full composition -- DTensor's colwise / rowwise linears in each stage under
+    # autocast, torch's pipelining between stages, replicate (ZeRO-0) or FSDP2 (ZeRO-1) over each
+    # stage's replicas with their MixedPrecisionPolicy -- against the same-precision one-process run
+    from plait.ir.comm import read_comm_records
+
+    plan = f"{plan},global_batch=8,dtype={dtype}"
+    result, _, _ = _torch_low_precision_run(tmp_path, monkeypatch, plan, dtype)
+    for rank in range(8):  # every rank's tensor-parallel calls and its stage's replica reduction ran
+        groups = {r.group for r in read_comm_records(tmp_path / "run" / "comm" / f"rank{rank}.jsonl").records
+                  if r.step == 1 and r.key != "probe"}
+        assert {"tp", "dp"} <= groups, (rank, groups)
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []
+
+
+@pytest.mark.slow  # suite time: SP in low precision at dp=1 and SP beside dp x tp in fp32 have their own tests
+@pytest.mark.parametrize("dtype, zero", [("bf16", 0), ("fp16", 1), ("bf16", 3)])
+def test_sequence_parallelism_beside_dp_on_dtensor_trains_in_low_precision_as_one_process(
+        tmp_path, monkeypatch, dtype: str, zero: int) -> None:
+    # issue 29: dp=2 x tp=2 with sequence parallelism in torch's styles under autocast, replicate
+    # (ZeRO-0) or FSDP2 (ZeRO-1/3) with their MixedPrecisionPolicy over the replicas, uneven shares
+    from plait.ir.comm import read_comm_records
+
+    plan = f"dp=2,tp=2,zero={zero},sequence_parallel=true,micro_batch=2,dp_shares=0.75:0.25,global_batch=8,dtype={dtype}"
+    result, _, _ = _torch_low_precision_run(tmp_path, monkeypatch, plan, dtype)
+    for rank in range(4):  # sequence parallelism's collectives (not the plain tp all-reduces) ran
+        ops = {r.op for r in read_comm_records(tmp_path / "run" / "comm" / f"rank{rank}.jsonl").records
+               if r.step == 1 and r.group == "tp"}
+        assert {"all_gather", "reduce_scatter"} <= ops, (rank, ops)
+    if dtype == "fp16":
+        assert result.loss_scales == [1024.0, 1024.0, 2048.0] and result.skipped_steps == []
+    else:
+        assert result.loss_scales == []

@@ -48,8 +48,9 @@ def _spmd() -> Plan:
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # tensor + sequence, bf16
     (Plan(tp=2, micro_batch=2, global_batch=8, dtype="fp16"), "torch"),  # DTensor under autocast, loss scaling
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), "torch"),  # + data
-    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # bf16 SP + data: untested
-    (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "pipeline"),  # 3D grid
+    (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # bf16 SP + data
+    (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "torch"),  # the 3D grid in bf16
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # SP beside a pipeline
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # DTensor inside pipeline stages
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "torch"),  # bf16: DTensor under autocast in the stages
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, dtype="fp32"), "torch"),  # replicate over DTensor stages
@@ -81,8 +82,6 @@ def test_every_plan_family_is_named_its_engine(plan, engine, tmp_path):
     # ZeRO-3 pipelines run on the torch engine only, which needs the replicas' micro-batch counts equal
     (Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "'dp_shares'"),
     (Plan(dp=2, pp=2, zero=3, micro_batch=2, global_batch=8, dp_shares=[0.75, 0.25]), "'zero'"),
-    # bf16 with DTensor is not compared with one process yet, and plait's own engine runs no ZeRO-3 pipeline
-    (Plan(dp=2, pp=2, tp=2, zero=3, micro_batch=2, global_batch=8), "'zero'"),
     # 3D at ZeRO-3 with 3 and 1 micro-batches on the replicas: FSDP2 gathers every micro-batch
     (Plan(dp=2, pp=2, tp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32", dp_shares=[0.75, 0.25]),
      "'dp_shares'"),
@@ -192,9 +191,9 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),
     (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp16"), {}, "torch", ""),
     (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="bf16", dp_shares=[0.75, 0.25]), {}, "torch", ""),
-    # ... and at ZeRO-2/3 (tests/test_program_precision.py); in the 3D grid it is not yet compared with one process
+    # ... at ZeRO-2/3 and in the 3D grid (tests/test_program_precision.py)
     (Plan(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="bf16", dp_shares=[0.75, 0.25]), {}, "torch", ""),
-    (Plan(tp=2, pp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),
+    (Plan(tp=2, pp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),
     (Plan(tp=2, dp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
     (Plan(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
     (Plan(tp=2, dp=2, micro_batch=1, global_batch=2, dtype="fp32", dp_shares=[1.0, 0.0]), {}, "pipeline",
@@ -204,11 +203,11 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     # each stage's DTensor-TP modules
     (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch", ""),
     (Plan(tp=2, pp=2, dp=2, zero=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "torch", ""),
-    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "pipeline", "dtype bf16"),
+    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
      "plan field 'sequence_parallel'"),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),  # pp x tp under autocast
-    (Plan(tp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp16"), {}, "pipeline", "dtype fp16"),
+    (Plan(tp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp16"), {}, "torch", ""),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=2,hidden=12,heads=3,seq=4,vocab=8"},
      "pipeline", "3 heads, not divisible by tp=2"),
     # issue 29: mixed precision on DTensor (fp32 masters, autocast, fp16's loss scaler agreed over the job)

@@ -356,14 +356,6 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
     if plan.tp != 1 and (why := _torch_tensor_parallel_runs(plan) or (
             run.model and _dtensor_cut(run.model, plan.tp, plan.sequence_parallel))):
         return why
-    dtype = run.dtype or plan.dtype
-    if plan.tp != 1 and dtype not in ("fp32", "tf32") and (
-            (plan.pp != 1 and (plan.dp != 1 or plan.zero))
-            or (plan.sequence_parallel and plan.dp != 1)):
-        # what tests compare with one process: dp x tp at ZeRO-0 to 3, pp x tp at dp=1, SP at dp=1
-        return (f"dtype {dtype}: DTensor tensor parallelism in low precision is compared with one process at pp=1 "
-                f"(sequence parallelism at dp=1) or at dp=1, zero=0 (pp x tp) only; the plan has "
-                f"dp={plan.dp}, zero={plan.zero}, pp={plan.pp}, sequence_parallel={plan.sequence_parallel}")
     if any(n == 0 for n in plan.samples_per_replica()):
         return "a replica with no samples cannot join DDP's or FSDP2's collectives"
     return ""

@@ -5,8 +5,7 @@ plan's named DeviceMesh; a chain pipeline plan on `torch.distributed.pipelining`
 each stage's replicas (torch's `replicate` at tp > 1) or, at ZeRO-1/2/3, FSDP2 over them (below), plait's schedule order with every
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
 gradients summed across stages, clipping global over the job); and a tensor-parallel plan (even
-shards; bf16 / fp16 where tests compare it with one process -- ZeRO-0/1/2/3 without pipeline, dp = 1
-and zero = 0 with one, SP at dp = 1 -- else fp32 / tf32: `layout.torch_runs`) on DTensor
+shards; fp32 / tf32 or bf16 / fp16 in every composition: `layout.torch_runs`) on DTensor
 (`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers; at pp = 1 (any ZeRO level) with
 `sequence_parallel` Megatron's sequence parallelism in torch's styles -- `SequenceParallel` layer
 norms, whose `Partial` gradients are summed over tp once a step (`_sum_partial_grads`; with dp > 1
