@@ -177,3 +177,21 @@ def test_equal_shaped_blocks_share_a_cost_key_unless_one_carries_glue() -> None:
     first, second, third = block("l0", 40, 2e6), block("l1", 31, 1.5e6), block("l2", 31, 1.5e6)
     assert layer_cost_key(second, model, ["a100-80gb"], 1) == layer_cost_key(third, model, ["a100-80gb"], 1)
     assert layer_cost_key(first, model, ["a100-80gb"], 1) != layer_cost_key(second, model, ["a100-80gb"], 1)
+
+
+def test_memory_bound_kernels_read_the_kinds_sustained_bandwidth():
+    """Hand computation: a streaming kernel of 1 GB on a kind sustaining half its datasheet bandwidth
+    (`GPUKind.memory_sustained`, fitted per kind by bench/validate.py) takes 1e9 / (B x 0.5 x
+    memory_efficiency) + the per-kernel time; the compute-bound GEMM does not change."""
+    import dataclasses
+
+    from plait.cluster.catalog import GPU_KINDS
+    from plait.cost.compute import DEFAULT_MODEL, gemm_time, memory_time
+
+    a100 = GPU_KINDS["a100-80gb"]
+    half = dataclasses.replace(a100, memory_sustained=0.5)
+    eff, gap = DEFAULT_MODEL.memory_efficiency, DEFAULT_MODEL.kernel_gpu_s
+    assert memory_time(1e9, half) == pytest.approx(1e9 / (2039e9 * 0.5 * eff) + gap)
+    assert memory_time(1e9, a100) == pytest.approx(1e9 / (2039e9 * eff) + gap)
+    assert gemm_time(8192, 8192, 8192, half, "bf16") == gemm_time(8192, 8192, 8192, a100, "bf16")
+    assert gemm_time(1, 8192, 8192, half, "bf16") > gemm_time(1, 8192, 8192, a100, "bf16")  # a GEMV streams
