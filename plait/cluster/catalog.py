@@ -74,14 +74,14 @@ FITTED: dict[str, tuple[float, float]] = {
 def _fitted(kind: GPUKind) -> GPUKind:
     tensor, memory = FITTED.get(kind.name, (1.0, 1.0))
     return replace(kind, tensor_sustained=kind.tensor_sustained * tensor,
-                               memory_sustained=kind.memory_sustained * memory)
+                   memory_sustained=kind.memory_sustained * memory)
 
 
 def unfitted(kind: GPUKind) -> GPUKind:
     """`kind` without the factors `FITTED` gives it (a catalog kind's figures before the fit)."""
     tensor, memory = FITTED.get(kind.name, (1.0, 1.0))
     return replace(kind, tensor_sustained=kind.tensor_sustained / tensor,
-                               memory_sustained=kind.memory_sustained / memory)
+                   memory_sustained=kind.memory_sustained / memory)
 
 
 GPU_KINDS: dict[str, GPUKind] = {
