@@ -1,7 +1,7 @@
 """One constant set per GPU kind and engine, fitted on many public sources at once (issue 37, item 3).
 
 The shipped analytic model (`plait.cost.compute.DEFAULT_MODEL`) was fitted on one A100 Megatron set.
-This fit scales three of its groups of constants, each by one factor, shared where the physics is:
+This fit scales four groups of its constants, each by one factor, shared where the physics is:
 
 - ``compute:<kind>:<unit>`` -- the GEMM main loop's achieved fraction of the kind's peak
   (``gemm_efficiency``) on tensor cores (``tc``: fp16, bf16, tf32) or CUDA cores (``fp32``): a
@@ -10,18 +10,23 @@ This fit scales three of its groups of constants, each by one factor, shared whe
   collective, per pipeline message, per micro-batch loss and batch, per step): a property of the
   engine (Megatron's fused kernels vs eager PyTorch);
 - ``memory:<kind>`` -- the achieved fraction of HBM/GDDR bandwidth of streaming kernels
-  (``memory_efficiency``): a property of the kind's memory system.
+  (``memory_efficiency``): a property of the kind's memory system;
+- ``traffic:<engine>`` -- the bytes an engine's memory-bound ops move beside the fused kernels'
+  (at most 1: an eager engine's unfused norms, activations and residuals move more).
 
-So a row of GPU kind K, unit U, run by engine E is priced with (compute:K:U, host:E, memory:K) --
+So a row of GPU kind K, unit U, run by engine E is priced with (compute:K:U, host:E, memory:K,
+traffic:E) --
 its `cell` -- and a source left out of the fit still gets the factors the other sources pin down
 (its engine's host factor from other kinds, its kind's factors from other engines): the
 leave-one-source-out check measures what transfers.
 
 The fit minimises the squared log ratios predicted / measured, each source weighted 1/sqrt(rows) so
 one large table does not outvote the others, plus a weak ridge on each log factor (a prior of
-sd 30: it keeps the normal equations solvable; a factor no row informs stays 1, any row outweighs it). Gauss-Newton: each iteration simulates the training rows once at
-the current factors and once per factor group with that group's factors raised 5 % (every row
-depends on exactly one factor of each group, so three perturbed runs give every row's Jacobian),
+sd 30: it keeps the normal equations solvable; a factor no row informs stays 1, any row outweighs
+it). The cell the shipped constants were fitted on (`REFERENCE`) keeps its factors at 1. Gauss-Newton:
+each iteration simulates the training rows once at the current factors and once per factor group
+with that group's factors raised 5 % (every row depends on exactly one factor of each group, so
+four perturbed runs give every row's Jacobian),
 then takes a damped step within the bounds (a fraction of peak at most 1). The rows' engines map
 to an engine family by `engine_family`: "megatron" is the fused family; every other engine named
 in the sources (FSDP, DDP, DeepSpeed, Lightning, HF Trainer) is eager PyTorch.
@@ -84,8 +89,8 @@ def upper(group: str, base: ComputeModel) -> float:
 
 @dataclass
 class Fit:
-    """Log factors per key (``compute:<kind>``, ``host:<family>``, ``memory:<family>``); a key
-    absent is a factor of 1 (the shipped constant)."""
+    """Log factors per key (``compute:<kind>:<unit>``, ``memory:<kind>``, ``host:<family>``,
+    ``traffic:<family>``); a key absent is a factor of 1 (the shipped constant)."""
 
     log: dict[str, float] = field(default_factory=dict)
     base: ComputeModel = DEFAULT_MODEL
@@ -104,18 +109,21 @@ class Fit:
                          **{h: getattr(b, h) * f["host"] for h in HOST_FIELDS})
 
 
-# A training set: (simulate, rows, weight per row) per source; simulate(rows, model) -> seconds.
+# simulate(rows, model) -> predicted seconds; a training set is (simulate, rows) per source.
 Simulate = Callable[[list[dict], ComputeModel], np.ndarray]
 
 
+def predict(fit: Fit, simulate: Simulate, rows: list[dict], bump: str | None = None) -> np.ndarray:
+    """Predicted seconds of `rows`, each cell simulated with the fit's constants for it."""
+    pred = np.empty(len(rows))
+    for c in sorted({cell(r) for r in rows}):
+        idx = [i for i, r in enumerate(rows) if cell(r) == c]
+        pred[idx] = simulate([rows[i] for i in idx], fit.model(rows[idx[0]], bump))
+    return pred
+
+
 def _predict(fit: Fit, train: list[tuple[Simulate, list[dict]]], bump: str | None = None) -> np.ndarray:
-    out = []
-    for simulate, rows in train:
-        pred = np.empty(len(rows))
-        for c in sorted({cell(r) for r in rows}):
-            idx = [i for i, r in enumerate(rows) if cell(r) == c]
-            pred[idx] = simulate([rows[i] for i in idx], fit.model(rows[idx[0]], bump))
-        out.append(pred)
+    out = [predict(fit, simulate, rows, bump) for simulate, rows in train]
     return np.concatenate(out) if out else np.empty(0)
 
 

@@ -30,16 +30,15 @@ Each row is simulated with plait's current analytic model (`plait.cost.compute.D
 GPU kind from `plait.cluster.catalog` and that kind's node template (DGX-like: NVLink, InfiniBand).
 
 Split (fixed, written here, not chosen by results): within each source rows are numbered in file
-order; **even rows fit, odd rows are held out**. Leave-one-source-out (LOSO): each source is
-predicted with the constants fitted on every *other* source's rows of the same (GPU kind, engine)
-(`FITTERS`). No fitter is registered yet, so every fit returns the shipped model and LOSO equals the
-plain error; a fitter is a function ``(rows, simulate) -> ComputeModel`` registered per
-(GPU kind, engine).
+order; **even rows fit, odd rows are held out**. The fit (`bench/source_fit.py`) is one constant
+set per GPU kind and engine family over every source's even rows at once, from the catalog's kinds
+without their fitted factors (`catalog.unfitted`); the shipped columns use the catalog as it is.
+Leave-one-source-out (LOSO): each source predicted with the fit over every *other* source's even rows.
 
 Memory: each source's reported peak (allocated / reserved / nvidia-smi, ``memory_kind``) against
 `plait.cost.memory.estimate_memory`; sources without a memory column show "-".
 
-Usage: ``python bench/validate.py [--json] [--max-gpus N] [--sources a,b] [--by FIELD]``.
+Usage: ``python bench/validate.py [--json] [--max-gpus N] [--sources a,b] [--by FIELD] [--no-fit] [--jobs N]``.
 """
 
 from __future__ import annotations
@@ -249,11 +248,7 @@ def predict(src: Source, rows: list[dict], fit: sf.Fit | None) -> np.ndarray:
     on the unfitted kinds, or the shipped model and catalog (`fit` None)."""
     if fit is None:
         return src.simulate(rows, DEFAULT_MODEL)
-    out = np.empty(len(rows))
-    for c in sorted({sf.cell(r) for r in rows}):
-        idx = [i for i, r in enumerate(rows) if sf.cell(r) == c]
-        out[idx] = src.simulate_for_fit([rows[i] for i in idx], fit.model(rows[idx[0]]))
-    return out
+    return sf.predict(fit, src.simulate_for_fit, rows)
 
 
 def even(s: Source) -> list[dict]:

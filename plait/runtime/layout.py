@@ -297,7 +297,6 @@ class _RunAsks:
     """What a run config says that picks the engine."""
 
     engine: str = "auto"  # LaunchConfig.engine
-    dtype: str | None = None  # the training dtype; None: the plan's
     checkpoints: bool = False
     model: str | None = None  # the model spec string; None: not known (its cut is not checked)
 
@@ -306,8 +305,8 @@ class _RunAsks:
         if run is None:
             return cls()
         if isinstance(run, Mapping):  # the same keys, by hand (tests, bench/gpu_check.py)
-            return cls(run.get("engine") or "auto", run.get("dtype"), bool(run.get("checkpoint")), run.get("model"))
-        return cls(run.engine, run.dtype, run.checkpoint is not None, run.model)
+            return cls(run.get("engine") or "auto", bool(run.get("checkpoint")), run.get("model"))
+        return cls(run.engine, run.checkpoint is not None, run.model)
 
 
 def engine_for(plan: PlanSource, run: WorkerConfig | Mapping[str, Any] | None = None) -> EngineVerdict:
