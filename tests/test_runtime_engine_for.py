@@ -50,7 +50,7 @@ def _spmd() -> Plan:
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), "torch"),  # + data
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # bf16 SP + data
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8), "torch"),  # the 3D grid in bf16
-    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "pipeline"),  # SP beside a pipeline
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, sequence_parallel=True), "torch"),  # SP inside the stages
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), "torch"),  # DTensor inside pipeline stages
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8), "torch"),  # bf16: DTensor under autocast in the stages
     (Plan(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, dtype="fp32"), "torch"),  # replicate over DTensor stages
@@ -204,8 +204,7 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"engine": "torch"}, "torch", ""),
     (Plan(tp=2, pp=2, dp=2, zero=2, micro_batch=2, global_batch=8, dtype="fp32"), {}, "torch", ""),
     (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),
-    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
-     "plan field 'sequence_parallel'"),
+    (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="bf16"), {}, "torch", ""),  # pp x tp under autocast
     (Plan(tp=2, pp=2, zero=1, micro_batch=2, global_batch=8, dtype="fp16"), {}, "torch", ""),
     (Plan(tp=2, pp=2, micro_batch=2, global_batch=8, dtype="fp32"), {"model": "gpt:layers=2,hidden=12,heads=3,seq=4,vocab=8"},
@@ -220,8 +219,8 @@ def test_a_replica_without_samples_stays_on_plaits_engine():
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "bert:layers=1,hidden=16,heads=4,"
      "seq=8,vocab=8"}, "torch", ""),  # post-LN
     (Plan(tp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch", ""),  # dp x tp
-    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "pipeline",
-     "pp=2"),
+    (Plan(tp=2, pp=2, dp=2, micro_batch=2, global_batch=8, dtype="fp32", sequence_parallel=True), {}, "torch",
+     ""),  # the 3D grid with SP inside the stages
     # a cut torch's styles do not express: MoE experts (whole) between the regions, not a layer norm
     (Plan(tp=2, micro_batch=2, global_batch=8, sequence_parallel=True), {"model": "bert_moe"}, "pipeline",
      "plan field 'sequence_parallel'"),

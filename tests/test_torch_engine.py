@@ -243,6 +243,7 @@ def test_dp_x_tp_zero1_on_fsdp2_over_dtensor_equals_one_process(reference, tmp_p
     assert all(r["param_bytes"] == 4 * local // 2 for r in ranks)
 
 
+@pytest.mark.slow  # suite time: SP at pp=1 stays in make test beside dp (ZeRO-1), and inside pipeline stages
 def test_sequence_parallelism_on_dtensor_equals_one_process(reference, tmp_path) -> None:
     """sequence_parallel=true runs on torch's styles (`SequenceParallel` layer norms, an all-gather
     before each column region, `RowwiseParallel(output_layouts=Shard(0))`: the zoo's [s, b, h]) and
@@ -310,6 +311,65 @@ def test_sequence_parallelism_under_dp_x_tp_equals_one_process(reference, tmp_pa
                 assert sum(r.bytes for r in dp if r.op == "reduce_scatter") == 4 * local * reductions
             else:
                 assert {r.op for r in dp} == {"all_reduce"} and sum(r.bytes for r in dp) == 4 * local
+
+
+def test_sequence_parallelism_inside_pipeline_stages_equals_one_process(reference, tmp_path) -> None:
+    """sequence_parallel=true at pp=2 x tp=2 (1F1B, embedding + 1 layer | 3 layers + head): torch's
+    styles inside each torch pipeline stage, one region across the pipeline's cut (plait's own engine's
+    and Megatron's layout): the boundary values are each tensor rank's part of the sequence, sent to
+    tensor rank t of the next stage, and trains as one process. Counted by hand per micro-batch (4 a
+    step) and stage: each layer's two regions all-gather their input and reduce-scatter their output
+    forward, the reverse backward; the first stage enters the region (backward all-gathers the input's
+    gradient), the last leaves it (forward all-gathers the last layer's output); no stage boundary
+    gathers; each stage's layer norms' `Partial` gradients summed once a step."""
+    plan = "pp=2,tp=2,sequence_parallel=true,micro_batch=2,layer_split=2:4,schedule=1f1b," + FP32
+    assert engine_for(plan).engine == "torch" and engine_for(plan).not_torch == ""
+    result = _run(plan, tmp_path)
+    _check_equal(result, reference)
+    act = 2 * 8 * 16 * 4  # a micro-batch's whole [s=8, b=2, h=16] fp32 activation
+    for rank, layers in ((0, 1), (1, 1), (2, 3), (3, 3)):  # rank = stage * tp + t
+        first = rank < 2
+        want = {("all_gather", "allgather tp fwd", act): 4 * (2 * layers + (not first)),
+                ("reduce_scatter", "reducescatter tp fwd", act): 4 * 2 * layers,
+                ("reduce_scatter", "reducescatter tp bwd", act): 4 * 2 * layers,
+                ("all_gather", "allgather tp bwd", act): 4 * (2 * layers + first),
+                ("all_reduce", "allreduce tp sp-grads", layers * 4 * 16 * 4): 1}
+        for step in range(STEPS):
+            calls = [r for r in _calls_any(result, rank) if r.step == step and r.key != "probe"]
+            tp = Counter((r.op, r.name, r.bytes) for r in calls if r.group == "tp")
+            if step == 0:  # torch's one-time setup: one more forward of each stage (its output
+                # shapes), one more backward of the last stage's layers (no gradient kept: all equal)
+                tp.subtract({("all_gather", "allgather tp fwd", act): 2 * layers + (not first),
+                             ("reduce_scatter", "reducescatter tp fwd", act): 2 * layers,
+                             ("all_gather", "allgather tp bwd", act): 0 if first else 2 * layers,
+                             ("reduce_scatter", "reducescatter tp bwd", act): 0 if first else 2 * layers})
+            assert tp == want
+            p2p = [r for r in calls if r.op in ("send", "recv")]
+            assert len(p2p) == 8 and {r.bytes for r in p2p} == {act // 2}  # this rank's half of the sequence
+            assert {r.group for r in p2p} == ({f"p2p {rank}->{rank + 2}", f"p2p {rank + 2}->{rank}"} if first
+                                              else {f"p2p {rank - 2}->{rank}", f"p2p {rank}->{rank - 2}"})
+
+
+@pytest.mark.slow  # suite time: 8 ranks; SP inside pipeline stages at dp=1 stays in make test
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_sequence_parallelism_in_the_3d_grid_equals_one_process(reference, tmp_path, zero: int) -> None:
+    """dp=2 x pp=2 x tp=2 with sequence parallelism inside the stages: torch's replicate (ZeRO-0, uneven
+    shares 6:2) or FSDP2 (ZeRO-1 uneven, ZeRO-3 even: its pipelines run equally many micro-batches per
+    replica) over each stage's sequence-parallel DTensor modules, trains as one process; each rank
+    sends its half of the sequence and its tensor group gathers and scatters, never all-reduces a
+    layer's activations."""
+    shares = "dp_shares=0.75:0.25," if zero < 3 else ""
+    plan = (f"dp=2,pp=2,tp=2,zero={zero},sequence_parallel=true,micro_batch=2,layer_split=2:4,schedule=1f1b,"
+            f"{shares}" + FP32)
+    assert engine_for(plan).engine == "torch" and engine_for(plan).not_torch == ""
+    result = _run(plan, tmp_path)
+    _check_equal(result, reference)
+    act = 2 * 8 * 16 * 4  # a micro-batch's whole [s=8, b=2, h=16] fp32 activation
+    for rank in range(8):
+        calls = [r for r in _calls_any(result, rank) if r.step == 1 and r.key != "probe"]
+        tp = {(r.op, r.bytes) for r in calls if r.group == "tp" and r.name != "allreduce tp bwd"}
+        assert tp == {("all_gather", act), ("reduce_scatter", act)}, (rank, tp)
+        assert {r.bytes for r in calls if r.op in ("send", "recv")} == {act // 2}
 
 
 def test_a_slow_link_slows_dtensor_collectives_and_the_doctor_names_it(tmp_path) -> None:

@@ -366,11 +366,6 @@ def _torch_tensor_parallel_runs(plan: Plan) -> str:
     if plan.tp_ratios and len(set(plan.tp_ratios)) > 1:
         return (f"uneven tensor shards (tp_ratios={plan.tp_ratios}) run on plait's own engine: DTensor shards "
                 "every dimension evenly")
-    if plan.sequence_parallel and plan.pp != 1:
-        # the pipeline builder applies no SP styles inside the stages: lifted, the plan would run
-        # without the SP it names (found 2026-12-07: plain tp all-reduces in its records)
-        return (f"plan field 'sequence_parallel': sequence parallelism on DTensor runs with pp=1 here "
-                f"(torch's pipeline stages are built without its styles), the plan has pp={plan.pp}")
     # dp > 1 (no pipeline): FSDP2 over the DTensor-TP model at ZeRO-1/2/3 (2D parameters), torch's
     # FSDP2-based `replicate` at ZeRO-0 (DDP fails on DTensor parameters): `torch_worker._build`
     return ""

@@ -199,7 +199,8 @@ def sequence_parallel_norms(layer: nn.Module, regions: Iterable[str]) -> list[st
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, layers: Iterable[tuple[str, nn.Module]],
-             sequence_parallel: bool = False, order: Sequence[str] | None = None) -> list[str]:
+             sequence_parallel: bool = False, order: Sequence[str] | None = None,
+             region_layers: Iterable[str] | None = None) -> list[str]:
     """Tensor parallelism with DTensor over the "tp" dim, Megatron's layout in torch's styles: in each
     of `layers` (qualified name, module: the transformer layers, `tensor_parallel.is_tensor_parallel_layer`)
     the linears the model marks `plait_tp="column"` are `ColwiseParallel` (output features sharded;
@@ -219,7 +220,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, layers: Iterable[tuple[str, nn.
     model's layers in execution order; default: `layers` are one run) is one region, as on plait's own
     engine: its first layer takes its part of the replicated input (no communication; backward
     all-gathers), its last all-gathers its output for what follows replicated (the embedding and the
-    LM head stay whole on every rank; backward keeps this rank's part)."""
+    LM head stay whole on every rank; backward keeps this rank's part). `region_layers`: the
+    tensor-parallel layers of the whole model (default: `layers`) -- a pipeline stage's `layers` are
+    its own, and a region runs on across the pipeline's cuts, so a stage's boundary values are this
+    rank's part of the sequence (as on plait's own engine and in Megatron)."""
     layers = list(layers)
     seq = Shard(seq_dim_of(layers))
     styles: dict[str, ParallelStyle] = {}
@@ -247,7 +251,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, layers: Iterable[tuple[str, nn.
     # every rank built the same seeded model: each takes its own shard, no scatter from rank 0
     parallelize_module(model, mesh["tp"], styles, src_data_rank=None)
     if sequence_parallel:  # the regions' boundaries
-        tp_names = set(names)
+        tp_names = set(region_layers) if region_layers is not None else set(names)
         for name, layer in layers:
             k = order.index(name)
             if not (k > 0 and order[k - 1] in tp_names):  # enter: this rank's part of the sequence

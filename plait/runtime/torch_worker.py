@@ -6,7 +6,7 @@ each stage's replicas (torch's `replicate` at tp > 1) or, at ZeRO-1/2/3, FSDP2 o
 message through the communication facade (`torch_schedule.ActionSchedule`), the tied embedding's
 gradients summed across stages, clipping global over the job); and a tensor-parallel plan (even
 shards; fp32 / tf32 or bf16 / fp16 in every composition: `layout.torch_runs`) on DTensor
-(`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers; at pp = 1 (any ZeRO level) with
+(`parallelize.apply_tp`: colwise / rowwise linears in the transformer layers; in every composition with
 `sequence_parallel` Megatron's sequence parallelism in torch's styles -- `SequenceParallel` layer
 norms, whose `Partial` gradients are summed over tp once a step (`_sum_partial_grads`; with dp > 1
 FSDP2's / replicate's own reduction sums them), an
@@ -21,7 +21,9 @@ DTensor parameters), each unit all-reducing its gradients in the last micro-batc
 mesh's "dp" dim, itself a `RecordedProcessGroup` then; clipping over DTensor parameters takes the
 global norm of the local shards, each element weighted by 1 / its copies (`_copies`). A chain pipeline with tp > 1
 cuts each stage's transformer layers the same way, as torchtitan composes PP and TP: the values
-between stages are plain tensors replicated over tp, so tensor rank t of a stage exchanges with
+between stages are plain tensors replicated over tp (with sequence parallelism this tensor rank's
+part of the sequence: a region runs on across the cut, as on plait's own engine and in Megatron),
+so tensor rank t of a stage exchanges with
 tensor rank t of its neighbours in the same replica (torch's stage resolves its peers in the mesh's
 "pp" group), the tied embedding is summed per (replica, tensor rank), and clipping counts a tp shard
 once and a parameter replicated over tp (norms, row-parallel biases, the embedding) 1/tp. With
@@ -295,15 +297,19 @@ class TorchWorker(RankConfig):
         self.clipper: GradClipper | None = None
         self.from_earlier_stage: set[str] = set()  # tied parameters a pipeline's earlier stage writes
         self.sp = False  # sequence parallelism (DTensor's, `parallelize.apply_tp`)
+        self.sp_layers: list[tuple[str, nn.Module]] = []  # this rank's sequence-parallel layers
         self.sp_rng: RngStream | None = None
         if self.pipelined:
             self._build_pipeline(model)
             self._seed_streams(seed)
+            if self.sp:
+                self._sp_dropout_streams(seed)
             return
         head_local: list[str] = []
         if plan.tp > 1:  # DTensor shards of the transformer layers' linears (under dp: FSDP2 or replicate, below)
             tp_layers = _dtensor_layers(model, config.model)
             self.sp = bool(plan.sequence_parallel)
+            self.sp_layers = tp_layers if self.sp else []
             apply_tp(model, self.mesh, tp_layers, sequence_parallel=self.sp,
                      order=[n for n, _ in layer_modules(model)])
             if self.sp:  # DTensor shards the sequence evenly (plait's own engine refuses the same)
@@ -339,13 +345,16 @@ class TorchWorker(RankConfig):
                                                           for prm in self.params}, group=self.comm.world_group)
         self._seed_streams(seed)
         if self.sp:
-            # Sequence-parallel layers hold different tokens on each tensor rank: their dropout draws
-            # from a stream of their own per rank, seeded as the pipeline engine's (Megatron forks its
-            # model-parallel RNG around such blocks); the replicated embedding and head keep the shared one.
-            self.sp_rng = RngStream(seed + 1 + 1000 * self.p + self.d + 7919 * (self.t + 1), self.cuda)
-            for _, layer in tp_layers:
-                layer.register_forward_pre_hook(self.sp_rng.enter)
-                layer.register_forward_hook(self.sp_rng.leave)
+            self._sp_dropout_streams(seed)
+
+    def _sp_dropout_streams(self, seed: int) -> None:
+        """Sequence-parallel layers hold different tokens on each tensor rank: their dropout draws
+        from a stream of their own per rank, seeded as the pipeline engine's (Megatron forks its
+        model-parallel RNG around such blocks); the replicated embedding and head keep the shared one."""
+        self.sp_rng = RngStream(seed + 1 + 1000 * self.p + self.d + 7919 * (self.t + 1), self.cuda)
+        for _, layer in self.sp_layers:
+            layer.register_forward_pre_hook(self.sp_rng.enter)
+            layer.register_forward_hook(self.sp_rng.leave)
 
     def _check_sequence(self, layers: list[tuple[str, nn.Module]]) -> None:
         """Sequence parallelism cuts the sequence into tp equal parts (DTensor's `Shard` of the
@@ -385,6 +394,10 @@ class TorchWorker(RankConfig):
         and tensor rank (the pipeline engine's, Megatron's embedding group)."""
         plan, config = self.plan, self.config
         lay = pipeline_layout(plan)
+        # the whole model's layers in execution order and its tensor-parallel ones, before the split:
+        # a sequence-parallel region runs on across the pipeline's cuts
+        order = [name for name, _ in layer_modules(model)]
+        model_tp = [name for name, _ in _dtensor_layers(model, config.model)] if plan.tp > 1 else []
         # ZeRO-0 over DTensor-TP stages: torch's FSDP2-based replicate over each stage's replicas (DDP
         # takes no DTensor parameters), its units as FSDP2's
         self.replicated = replicates(plan)
@@ -402,9 +415,18 @@ class TorchWorker(RankConfig):
         self._tie_stages(stages, lay.num_stages)
         before = {node: dict(st.module.named_parameters()) for node, st in mine.items()}
         if plan.tp > 1:  # DTensor inside each stage, as torchtitan's PP x TP (x FSDP2 / replicate over dp, below)
+            # with sequence parallelism a stage's boundary values are this tensor rank's part of the
+            # sequence, sent to tensor rank t of the next stage (plait's own engine's and Megatron's
+            # layout; `apply_tp`'s `region_layers`); its layer norms' gradients come out `Partial`
+            self.sp = bool(plan.sequence_parallel)
             for st in mine.values():
                 tp_layers = _dtensor_layers(st.module, config.model)
-                apply_tp(st.module, self.mesh, tp_layers)
+                apply_tp(st.module, self.mesh, tp_layers, sequence_parallel=self.sp, order=order,
+                         region_layers=model_tp)
+                if self.sp:
+                    self.sp_layers += tp_layers
+                    if tp_layers and tp_layers[0][0] == model_tp[0]:  # where the sequence is cut
+                        self._check_sequence(tp_layers)
                 self.head_local += [prm for _, layer in tp_layers for prm in head_local_params(layer, {})]
         apply_ac([m for st in mine.values() for _, m in layer_modules(st.module)], plan.recompute)
         # the rank's pieces before data parallelism shards them (tensor parallelism's shards counted)
