@@ -353,14 +353,13 @@ def test_sequence_parallelism_inside_pipeline_stages_equals_one_process(referenc
 @pytest.mark.slow  # suite time: 8 ranks; SP inside pipeline stages at dp=1 stays in make test
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_sequence_parallelism_in_the_3d_grid_equals_one_process(reference, tmp_path, zero: int) -> None:
-    """dp=2 x pp=2 x tp=2 with sequence parallelism inside the stages: torch's replicate (ZeRO-0, uneven
-    shares 6:2) or FSDP2 (ZeRO-1 uneven, ZeRO-3 even: its pipelines run equally many micro-batches per
-    replica) over each stage's sequence-parallel DTensor modules, trains as one process; each rank
-    sends its half of the sequence and its tensor group gathers and scatters, never all-reduces a
-    layer's activations."""
-    shares = "dp_shares=0.75:0.25," if zero < 3 else ""
+    """dp=2 x pp=2 x tp=2 with sequence parallelism inside the stages, uneven shares (6 and 2 samples):
+    torch's replicate (ZeRO-0) or FSDP2 (ZeRO-1; ZeRO-3, the lighter replica's pipeline running ghost
+    micro-batches) over each stage's sequence-parallel DTensor modules, trains as one process; each
+    rank sends its half of the sequence and its tensor group gathers and scatters, never all-reduces
+    a layer's activations."""
     plan = (f"dp=2,pp=2,tp=2,zero={zero},sequence_parallel=true,micro_batch=2,layer_split=2:4,schedule=1f1b,"
-            f"{shares}" + FP32)
+            "dp_shares=0.75:0.25," + FP32)
     assert engine_for(plan).engine == "torch" and engine_for(plan).not_torch == ""
     result = _run(plan, tmp_path)
     _check_equal(result, reference)
@@ -368,8 +367,10 @@ def test_sequence_parallelism_in_the_3d_grid_equals_one_process(reference, tmp_p
     for rank in range(8):
         calls = [r for r in _calls_any(result, rank) if r.step == 1 and r.key != "probe"]
         tp = {(r.op, r.bytes) for r in calls if r.group == "tp" and r.name != "allreduce tp bwd"}
-        assert tp == {("all_gather", act), ("reduce_scatter", act)}, (rank, tp)
-        assert {r.bytes for r in calls if r.op in ("send", "recv")} == {act // 2}
+        assert {("all_gather", act), ("reduce_scatter", act)} <= tp <= {
+            ("all_gather", act), ("reduce_scatter", act), ("all_gather", act // 2), ("reduce_scatter", act // 2)}
+        # a ghost's half sequence is one sample's
+        assert {r.bytes for r in calls if r.op in ("send", "recv")} <= {act // 2, act // 4}
 
 
 def test_a_slow_link_slows_dtensor_collectives_and_the_doctor_names_it(tmp_path) -> None:

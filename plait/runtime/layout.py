@@ -226,9 +226,13 @@ def split_model(model: nn.Module, plan: Plan, layout: PipelineLayout, spec: Any 
 
 
 def mixed_micro_batches(plan: Plan) -> bool:
-    """Whether a chain's replica runs micro-batches of more than one size (uneven shares that the
-    micro-batch does not divide)."""
-    return any(len({mb.size for mb in replica_micro_batches(plan, 0, d)}) > 1 for d in range(plan.dp))
+    """Whether a chain's replica runs micro-batches of more than one size: uneven shares that the
+    micro-batch does not divide, or at ZeRO-3 a replica's ghost micro-batches of one sample up to the
+    most another replica runs (`torch_worker._with_ghosts`)."""
+    replicas = [replica_micro_batches(plan, 0, d) for d in range(plan.dp)]
+    if plan.zero >= 3 and len({len(mbs) for mbs in replicas}) > 1:
+        return True
+    return any(len({mb.size for mb in mbs}) > 1 for mbs in replicas)
 
 
 def with_node_edges(layout: PipelineLayout, stages: list[Stage]) -> PipelineLayout:
@@ -350,8 +354,12 @@ def torch_runs(plan: Plan, run: _RunAsks) -> str:
         return "the run asks for plait's own engine (engine=plait)"
     if plan.spmd is not None or plan.stages:
         return "an SPMD program or a stage graph runs on plait's own engines"
-    if plan.pp != 1 and (why := _torch_pipeline_runs(plan, run)):
-        return why
+    # every chain pipeline runs on torch's pipelining (`parallelize.apply_pp`): at ZeRO-1/2 FSDP2's units
+    # over each stage's replicas gather and reduce-scatter once a step whatever a replica's micro-batch
+    # count; at ZeRO-3 every micro-batch does, so a replica with fewer runs ghost ones (one sample, loss
+    # weight 0) through its pipeline up to the most any replica runs (`torch_worker._with_ghosts`, as
+    # the non-pipeline path and plait's own ZeRO-3); tp > 1 runs DTensor inside each stage, with dp > 1
+    # under FSDP2 or, at ZeRO-0, torch's replicate (DDP takes no DTensor parameters): the 3D grid
     if plan.tp != 1 and (why := _torch_tensor_parallel_runs(plan) or (
             run.model and _dtensor_cut(run.model, plan.tp, plan.sequence_parallel))):
         return why
@@ -459,27 +467,6 @@ def _sequence_parallel_cut(layer: nn.Module) -> str:
         if len(params) != 1 or params[0].kind is inspect.Parameter.VAR_POSITIONAL:
             return (f"{why} cuts one input along the sequence; {sub or 'the layer'} "
                     f"({type(m).__name__}.forward) takes {[p.name for p in params]}")
-    return ""
-
-
-def _torch_pipeline_runs(plan: Plan, run: _RunAsks) -> str:
-    """"" when torch's pipelining (`parallelize.apply_pp`) runs the chain pipeline `plan`, else why not.
-
-    ZeRO-1/2/3 shard each stage over its replicas with FSDP2 (`torch_worker._build_pipeline`): at
-    ZeRO-1/2 each unit gathers and reduce-scatters once a step, whatever a replica's micro-batch
-    count; at ZeRO-3 every micro-batch gathers and reduce-scatters, so the replicas of a stage must
-    run as many micro-batches as each other (plait's own engine, which the non-pipeline torch path
-    follows, would run ghost micro-batches: not on a pipeline's schedule yet).
-
-    tp > 1 runs DTensor inside each stage, with dp > 1 under FSDP2 (ZeRO-1/2/3, the rules above) or
-    torch's FSDP2-based replicate (ZeRO-0: DDP takes no DTensor parameters) over each stage's replicas:
-    the full 3D composition (`torch_worker._build_pipeline`)."""
-    if plan.zero >= 3 and plan.dp > 1:
-        counts = [len(replica_micro_batches(plan, 0, d)) for d in range(plan.dp)]
-        if len(set(counts)) > 1:
-            return (f"plan field 'dp_shares': with zero={plan.zero} every replica of a pipeline stage joins FSDP2's "
-                    f"gathers and reduce-scatters of each micro-batch, and the replicas run {counts} micro-batches "
-                    "(give them shares of equally many micro-batches)")
     return ""
 
 

@@ -64,6 +64,7 @@ def action_schedule_type() -> type[PipelineScheduleMulti]:
             self.stage_of = stage_of
             self.blocking = blocking
             self.actions: tuple[Action, ...] = ()
+            self.micro_batch = 0  # the micro-batch whose forward runs now (a loss function may read it)
             self.sizes: list[int] = []
             self.batch_dims: dict[int, tuple[list[int], list[int]]] = {}
 
@@ -112,6 +113,7 @@ def action_schedule_type() -> type[PipelineScheduleMulti]:
                     stage = stages[self.stage_of(a.stage, a.chunk)]
                     mb = a.micro_batch
                     if a.op == "fwd":
+                        self.micro_batch = mb
                         out = stage.forward_one_chunk(mb, arg_mbs[mb], kwarg_mbs[mb],
                                                       save_forward_output=return_outputs)
                         self._maybe_compute_loss(stage, out, target_mbs, mb, loss_kwargs)

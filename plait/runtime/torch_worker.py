@@ -39,8 +39,9 @@ another layer (`fsdp_units` of the whole model) and the stage's root for the res
 or the LM head tied to it: its gradient shards summed across the stages, `_sync_tied_shards`). The
 stages' backwards run FSDP2's own hooks (`_spanned_stage_type`, not torch's stage, which defers
 FSDP2's reduction to a REDUCE_GRAD action its PipelineScheduleMulti does not run): ZeRO-3 gathers
-a unit in every micro-batch's forward and backward and reduce-scatters every micro-batch (so the
-replicas must run as many micro-batches: `layout._torch_pipeline_runs`); ZeRO-1/2 keep the
+a unit in every micro-batch's forward and backward and reduce-scatters every micro-batch (so a
+replica with fewer micro-batches runs ghosts -- one sample, loss weight 0, "ghost" spans -- through its
+pipeline up to the most another runs: `_with_ghosts`); ZeRO-1/2 keep the
 parameters gathered and the gradients whole from the step's first forward to the stage's last
 backward, which reduce-scatters once -- the same collectives on every replica whatever its
 micro-batch count. torch's shape inference on the first step runs each stage's forward (the last
@@ -469,8 +470,9 @@ class TorchWorker(RankConfig):
         self.copies = {id(new[k]): n for k, n in self.copies.items() if k in new}
         self.model = merge_modules([st.module for st in mine.values()])  # parameters under their own names
         self.params = list(dict.fromkeys(prm for prm in self.model.parameters() if prm.requires_grad))
-        mbs = replica_micro_batches(plan, 0, self.d)
+        mbs = self._with_ghosts(0, replica_micro_batches(plan, 0, self.d))
         self.mb_sizes = [mb.size for mb in mbs]
+        self.real_mbs = len(replica_micro_batches(plan, 0, self.d))
         # where the sizes differ, torch's receive buffers are sized per micro-batch along each value's
         # batch dimension (`torch_schedule.ActionSchedule.set_actions`)
         self.batch_dims = {node: ([st.batch_dims.get(n, 0) for n in st.input_names] if node > 0 else [],
@@ -517,7 +519,19 @@ class TorchWorker(RankConfig):
         scale = self.scaler.scale if self.scaler is not None else 1.0
         with self._autocast():
             loss: torch.Tensor = self.spec.loss(self.outputs.restore(output), target)
+        if self.schedule.micro_batch >= self.real_mbs:  # a ghost (`_with_ghosts`): adds nothing
+            return loss * 0.0
         return loss * (len(target) * self.plan.dp / self.plan.global_batch * scale)
+
+    def _with_ghosts(self, step: int, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """The replica's micro-batches of `step`, and under FSDP2 at ZeRO-3 *ghosts* (one sample, the
+        replica's first again, loss weight 0) up to the most any replica runs: each micro-batch of a
+        stage gathers and reduce-scatters over the stage's replicas, so every replica joins as many
+        (the non-pipeline path's and plait's own ZeRO-3's rule)."""
+        if not (self.fsdp and self.plan.zero >= 3):
+            return mbs
+        most = max(len(replica_micro_batches(self.plan, step, d)) for d in range(self.plan.dp))
+        return mbs + [MicroBatch(i, mbs[0].first, 1) for i in range(len(mbs), most)]
 
     @contextlib.contextmanager
     def _stage_span(self, op: str, stage_index: int, micro_batch: int) -> Iterator[None]:
@@ -530,6 +544,8 @@ class TorchWorker(RankConfig):
             return
         p, c = stage_index % self.plan.pp, stage_index // self.plan.pp
         category = "forward" if op == "fwd" else "backward"
+        if micro_batch >= self.real_mbs:  # a ghost's spans: calibration and the doctor count real ones only
+            op, category = f"ghost {op}", "ghost"
         with self.rec.compute(event_key(op, p, c, micro_batch), category, micro_batch=micro_batch, chunk=c,
                               samples=self.mb_sizes[micro_batch]):
             with self._autocast() if op == "fwd" else contextlib.nullcontext():
@@ -731,9 +747,17 @@ class TorchWorker(RankConfig):
         the schedule cuts them into the same micro-batches again. Returns the replica's
         share of the global batch's loss (on the last stage)."""
         plan, lay = self.plan, self.lay
-        node_mbs = node_micro_batches(plan, lay, step, self.d)
+        real = len(mbs)
+        mbs = self._with_ghosts(step, mbs)
+        if real != self.real_mbs or len(mbs) != len(self.mb_sizes):
+            raise RuntimeSetupError(f"step {step}: replica {self.d} runs {real} micro-batches ({len(mbs)} with "
+                                    f"ghosts), its pipeline was built for {self.real_mbs} ({len(self.mb_sizes)})")
+        node_mbs = {n: mbs for n in node_micro_batches(plan, lay, step, self.d)}  # a chain: every node the same
         self.schedule.set_actions(rank_actions(step_schedule(plan, lay, node_mbs, plan.schedule), lay, self.p, self.d),
                                   [mb.size for mb in mbs], self.batch_dims)
+        if len(mbs) > real:  # the ghosts' samples: the replica's first one again, made here
+            data = {**data, **{mb.index: make_samples(self.spec, mbs[0].first, 1, self.config.data_seed,
+                                                      self.device) for mb in mbs[real:]}}
         args: tuple[Any, ...] = ()
         target = None
         if self.first:
