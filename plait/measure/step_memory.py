@@ -29,6 +29,7 @@ def measure_step_peak(
     micro_batches: int = 1,
     checkpoint: list[Any] | None = None,
     warmup_steps: int = 1,
+    autocast: str | None = None,
 ) -> MeasuredPeak:
     """Peak bytes of one steady-state training step of `module` on its (CPU) device:
     `micro_batches` forward/loss/backward passes on equal slices of the batch (gradient
@@ -36,6 +37,10 @@ def measure_step_peak(
 
     `checkpoint` lists submodules whose forward runs under
     ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (full recompute).
+
+    `autocast` ("bf16" or "fp16"): each forward and loss under ``torch.autocast`` in that dtype
+    with fp32 parameters, gradients and optimizer state -- how plait's engines run a bf16 / fp16
+    plan (`plait.runtime.amp.autocast_for`); backward outside it, as torch's recipe has it.
 
     Uses ``torch.distributed._tools.mem_tracker.MemTracker``, a TorchDispatchMode that
     follows every storage an op creates and frees (weak references), so the peak is
@@ -51,14 +56,15 @@ def measure_step_peak(
     # whole batch's storage. Inside, each micro-batch is copied in when its turn comes,
     # as a data loader hands it over, so only the micro-batch in use is resident.
     pieces = _micro_batches(inputs, target, micro_batches)
+    low = _autocast_dtype(autocast)
     with _recomputed(checkpoint or []):
         module.train()
         for _ in range(warmup_steps):
-            _train_step(module, loss_fn, opt, pieces)
+            _train_step(module, loss_fn, opt, pieces, low=low)
         tracker = MemTracker()
         tracker.track_external(module, opt)
         with tracker:
-            _train_step(module, loss_fn, opt, pieces, tracker)
+            _train_step(module, loss_fn, opt, pieces, tracker, low=low)
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
     cats = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
     return MeasuredPeak(peak_bytes=int(snap["Total"]), by_category=cats)
@@ -102,8 +108,24 @@ def _load(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) else x
 
 
-def _train_step(module: Any, loss_fn: Any, opt: Any, pieces: list[tuple[tuple, Any]], tracker: Any = None) -> None:
-    """One training step: forward/loss/backward of each micro-batch, the optimizer step, zero_grad."""
+def _autocast_dtype(autocast: str | None) -> Any:
+    """The torch dtype `measure_step_peak(autocast=...)` names, None for none."""
+    import torch
+
+    dtypes = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if autocast not in dtypes:
+        raise MemoryEstimateError(f"autocast: unknown {autocast!r}; use bf16, fp16 or None")
+    return dtypes[autocast]
+
+
+def _train_step(module: Any, loss_fn: Any, opt: Any, pieces: list[tuple[tuple, Any]], tracker: Any = None,
+                low: Any = None) -> None:
+    """One training step: forward/loss/backward of each micro-batch (forward and loss autocast to
+    `low` if given), the optimizer step, zero_grad."""
+    from contextlib import nullcontext
+
+    import torch
+
     micro_batches = len(pieces)
     # The usual loop: `out` and `loss` stay referenced until reassigned, so the outputs
     # of the last micro-batch are alive through the optimizer step.
@@ -112,8 +134,9 @@ def _train_step(module: Any, loss_fn: Any, opt: Any, pieces: list[tuple[tuple, A
             tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
         x = tuple(_load(t) for t in pieces[i][0])
         y = _load(pieces[i][1])
-        out = module(*x)
-        loss = loss_fn(out, y) / micro_batches
+        with torch.autocast(_device_of(module), dtype=low) if low is not None else nullcontext():
+            out = module(*x)
+            loss = loss_fn(out, y) / micro_batches
         loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -139,3 +162,8 @@ def _recomputed(subs: list[Any]) -> Iterator[None]:
                 del sub.forward
             else:
                 sub.forward = fwd
+
+
+def _device_of(module: Any) -> str:
+    """The device type of `module`'s parameters (cpu when it has none)."""
+    return next((p.device.type for p in module.parameters()), "cpu")
