@@ -540,3 +540,23 @@ def test_megatron_gpts_within_5_percent_of_megatrons_own_accounting(model: str) 
     b = est.breakdown(0)
     assert b.weights + b.grads + b.optimizer == pytest.approx(w_meg, rel=0.03)  # 18 bytes per parameter
     assert est.peak_bytes[0] == pytest.approx(w_meg + a_meg, rel=0.05)
+
+
+def test_measured_step_under_autocast_keeps_fp32_states_and_lower_precision_activations():
+    """measure_step_peak(autocast="bf16") runs the step as plait's engines run a bf16 plan: the
+    parameters and Adam's state stay fp32 (the same bytes as the fp32 step), the activations shrink
+    (matmul outputs in bf16) but not to half (layer norms, softmax and the loss run in fp32)."""
+    torch = pytest.importorskip("torch")
+    zoo = pytest.importorskip("plait.graph.zoo")
+    from plait.measure.step_memory import measure_step_peak
+
+    spec = zoo.load_model("gpt:layers=2,hidden=64,heads=4,seq=64,vocab=500,dropout=0,attn_dropout=0")
+    torch.manual_seed(0)
+    inputs, target = spec.sample_batch(4)
+    runs = {low: measure_step_peak(spec.build("cpu"), inputs, target, spec.loss, optimizer="adam-loop",
+                                   autocast=low).by_category for low in (None, "bf16")}
+    fp32, bf16 = runs[None], runs["bf16"]
+    assert bf16["Parameter"] == fp32["Parameter"] and bf16["Optstate"] == fp32["Optstate"]
+    assert 0.5 * fp32["Activation"] < bf16["Activation"] < 0.9 * fp32["Activation"]
+    with pytest.raises(Exception, match="autocast: unknown 'fp8'"):
+        measure_step_peak(spec.build("cpu"), inputs, target, spec.loss, autocast="fp8")
