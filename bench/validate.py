@@ -216,12 +216,17 @@ def csv_simulator(fitted: bool = True) -> Callable[[list[dict], ComputeModel], n
 
     def simulate(sel: list[dict], model: ComputeModel) -> np.ndarray:
         out = np.empty(len(sel))
-        opts = SimOptions(granularity="stage", compute=model, cost_cache={})
+        cache: dict = {}
+        # Megatron-LM sources ran its legacy scatter-gather of pipeline tensors (1/tp per tensor rank
+        # without sequence parallelism); the eager engines send whole values, as plait's do
+        opts = {fused: SimOptions(granularity="stage", compute=model, cost_cache=cache, pp_scatter_gather=fused)
+                for fused in (False, True)}
         for j, r in enumerate(sel):
             vk = (r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"], r.get("intra"), r.get("intra_gbs"))
             if vk not in views:
                 views[vk] = ClusterView.from_cluster(row_cluster(r, fitted))
-            out[j] = run_engine(lower(row_graph(r), row_plan(r), views[vk], opts).graph).makespan
+            out[j] = run_engine(lower(row_graph(r), row_plan(r), views[vk], opts[r["family"] == "fused"]).graph
+                                ).makespan
         return out
 
     return simulate

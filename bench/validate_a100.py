@@ -362,7 +362,8 @@ class Evaluator:
         if view is None:
             view = self.views[key] = make_view(latency, bandwidth, measured)
         cache: dict = {}
-        opts = SimOptions(granularity="stage", compute=model, cost_cache=cache)
+        # vTrain's Megatron-LM runs: its legacy scatter-gather of pipeline tensors (1/tp per tensor rank)
+        opts = SimOptions(granularity="stage", compute=model, cost_cache=cache, pp_scatter_gather=True)
         out = np.empty(len(idx))
         for j, i in enumerate(idx):
             lw = lower(self.graph(self.rows[i]), self.plans[i], view, opts)

@@ -31,12 +31,18 @@ def test_pipeline_activation_is_b_s_h_in_bf16_per_micro_batch(gpt):
     assert [m.nbytes for m in act] == [b * S * H * 2] and [m.nbytes for m in grad] == [b * S * H * 2]
     assert act[0].count == 3 and act[0].groups == ((0, 1),) and grad[0].groups == ((1, 0),)
     assert t.totals()["pp"] == 2 * 3 * b * S * H * 2
-    # fp32 compute doubles it; tp=2 halves what each tensor rank sends (Megatron scatter-gather)
+    # fp32 compute doubles it; at tp=2 each tensor rank sends the whole replicated value to its peer,
+    # as plait's engines (torch's pipelining over DTensor stages, plait's executor) and torchtitan do;
+    # half of it under sequence parallelism (its part of the sequence) or legacy Megatron's scatter-gather
     t32 = traffic.iteration_traffic(gpt, Plan(pp=2, micro_batch=b, global_batch=b, dtype="fp32"))
     assert _one(t32, "pp", "send act")[0].nbytes == b * S * H * 4
-    ttp = traffic.iteration_traffic(gpt, Plan(pp=2, tp=2, micro_batch=b, global_batch=b))
-    m = _one(ttp, "pp", "send act")[0]
-    assert m.nbytes == b * S * H and m.groups == ((0, 2), (1, 3))
+    tp2 = Plan(pp=2, tp=2, micro_batch=b, global_batch=b)
+    m = _one(traffic.iteration_traffic(gpt, tp2), "pp", "send act")[0]
+    assert m.nbytes == b * S * H * 2 and m.groups == ((0, 2), (1, 3))
+    sp = _one(traffic.iteration_traffic(gpt, Plan(pp=2, tp=2, micro_batch=b, global_batch=b, sequence_parallel=True)),
+              "pp", "send act")[0]
+    legacy = _one(traffic.iteration_traffic(gpt, tp2, scatter_gather=True), "pp", "send act")[0]
+    assert sp.nbytes == legacy.nbytes == b * S * H
 
 
 def test_ring_all_reduce_of_fp32_gradients(gpt):

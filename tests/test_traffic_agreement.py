@@ -89,3 +89,22 @@ def test_stage_dag_with_different_micro_batches_agrees():
     for symmetry in (True, False):
         lw = lower(g, plan, view, SimOptions(granularity="layer", symmetry=symmetry))
         assert traffic.task_class_bytes(lw.graph.args) == expected
+
+
+def test_pipeline_messages_whole_on_plaits_engines_split_under_sp_or_megatrons_scatter_gather(cluster):
+    """pp=2 x tp=2: the simulator sends what the planner counts -- each tensor rank's whole replicated
+    boundary value by default (plait's engines), 1/tp of it with sequence parallelism or with legacy
+    Megatron-LM's scatter-gather (`SimOptions.pp_scatter_gather`, `iteration_traffic(scatter_gather=)`)."""
+    c, view = cluster
+    graph = inspect_model(MODELS["gpt"], 2)
+    plan = Plan(pp=2, tp=2, micro_batch=2, global_batch=8)
+    sp = Plan(pp=2, tp=2, micro_batch=2, global_batch=8, sequence_parallel=True)
+
+    def sim(p: Plan, scatter_gather: bool = False) -> int:
+        lw = lower(graph, p, view, SimOptions(granularity="layer", pp_scatter_gather=scatter_gather))
+        return traffic.task_class_bytes(lw.graph.args)["pp"]
+
+    whole = sim(plan)
+    assert whole == traffic.iteration_traffic(graph, plan).totals()["pp"] > 0
+    assert sim(plan, True) == traffic.iteration_traffic(graph, plan, scatter_gather=True).totals()["pp"] == whole // 2
+    assert sim(sp) == traffic.iteration_traffic(graph, sp).totals()["pp"] == whole // 2

@@ -93,7 +93,7 @@ import numpy as np
 
 from plait.cluster.spec import Cluster
 from plait.cost.program import Problem, Program, Segments, segments, stored_placements
-from plait.cost.traffic import pp_message_bytes
+from plait.cost.traffic import pp_message_bytes, pp_split
 from plait.errors import PlaitError
 from plait.ir.opgraph import TP_CUT_ROLES, OpGraph
 from plait.ir.plan import Plan, default_grad_dtype
@@ -877,8 +877,9 @@ def _step_temporaries(step_kind: str, t: _StageTerms, dp: int, zero: int) -> flo
 def _comm_buffers(t: _StageTerms, ctx: _RowContext, *, b: int, dp: int, p2p: float, tp: int,
                   grads_full: float) -> float:
     """Communication buffers: pipeline messages, a gradient bucket, ZeRO-3's gathered parameters."""
-    # one micro-batch in each direction across stage boundaries, as each tensor rank sends it
-    comm = float(pp_message_bytes(p2p, b, ctx.act_scale, tp))
+    # one micro-batch in each direction across stage boundaries, as each tensor rank of plait's
+    # engines sends it (1/tp under sequence parallelism, else whole)
+    comm = float(pp_message_bytes(p2p, b, ctx.act_scale, tp, pp_split(ctx.plan)))
     if dp > 1:
         comm += min(float(ctx.dp_bucket), grads_full)
         if ctx.plan.zero >= 3:  # all-gathered full parameters of the running and the prefetched layer

@@ -13,9 +13,12 @@ all-reduce, the full output of an all-gather / full input of a reduce-scatter):
   overlapping pair of micro-batches: ``bytes_per_sample * samples * a / a_capture / t``
   per tensor rank, where ``bytes_per_sample`` is what crosses the cut in the stage graph
   (`plait.ir.stage_graph`), ``a`` the plan's activation element size and ``t`` the
-  producer's tensor-parallel degree: each tensor rank sends 1/t (Megatron-LM's
-  scatter-gather of pipeline tensors, ``--scatter-gather-tensors-in-pipeline``, on by
-  default; with sequence parallelism the tensor is 1/t per rank anyway).
+  producer's tensor-parallel degree where each tensor rank sends 1/t: with sequence
+  parallelism (the boundary value is this rank's part of the sequence) or, in legacy
+  Megatron-LM, its scatter-gather of pipeline tensors (``--scatter-gather-tensors-in-pipeline``:
+  `scatter_gather`; the all-gather after the receive is not priced). Without either
+  (``t = 1`` above) each tensor rank sends the whole replicated value to its peer: plait's
+  engines (torch's pipelining over DTensor stages and plait's own executor) and torchtitan.
 * **dp** -- gradients of a replica's parameters (per tensor rank) in the plan's
   gradient-reduction dtype (`Plan.grad_dtype`): all-reduce, or reduce-scatter under
   ZeRO-1/2 (Rajbhandari et al. 2020), once per iteration; none under ZeRO-3.
@@ -115,9 +118,16 @@ def composed_boundaries(plan: Plan, graph: OpGraph, aten: Any) -> tuple[dict[tup
     return per_sample, tied
 
 
-def pp_message_bytes(bytes_per_sample: float, samples: int, scale: float, tp: int) -> int:
-    """Bytes one tensor rank sends over a stage edge for `samples` samples (module docstring)."""
-    return whole_bytes(bytes_per_sample * samples * scale / max(1, tp))
+def pp_message_bytes(bytes_per_sample: float, samples: int, scale: float, tp: int, split: bool) -> int:
+    """Bytes one tensor rank sends over a stage edge for `samples` samples: 1/tp of the value when
+    `split` (sequence parallelism, or legacy Megatron's scatter-gather), else all of it (module
+    docstring)."""
+    return whole_bytes(bytes_per_sample * samples * scale / (max(1, tp) if split else 1))
+
+
+def pp_split(plan: Plan, scatter_gather: bool = False) -> bool:
+    """Whether each tensor rank sends 1/tp of a pipeline boundary value (`pp_message_bytes`)."""
+    return bool(plan.sequence_parallel) or scatter_gather
 
 
 def grad_elem_bytes(plan: Plan) -> int:
@@ -335,8 +345,12 @@ def layer_cost_fn(graph: OpGraph, plan: Plan, kind: GPUKind | None = None,
 
 
 def iteration_traffic(graph: OpGraph, plan: Plan, sg: StageGraph | None = None, *,
-                      cost: LayerCostFn | None = None, memo: dict | None = None) -> IterationTraffic:
+                      cost: LayerCostFn | None = None, memo: dict | None = None,
+                      scatter_gather: bool = False) -> IterationTraffic:
     """Every message of one iteration of `plan` on `graph` (module docstring).
+
+    `scatter_gather`: pipeline values cross as legacy Megatron-LM sends them (1/tp per tensor rank
+    without sequence parallelism; `pp_message_bytes`), not as plait's engines do (whole).
 
     `memo`: a dict kept by a caller that asks about many plans (the planner's analytic model):
     the pipeline and tied-embedding messages of a stage graph (they depend on it and the dtype
@@ -355,12 +369,13 @@ def iteration_traffic(graph: OpGraph, plan: Plan, sg: StageGraph | None = None, 
         _tp_messages(acc, sg, st, by_name, cost, plan, memo)
         _dp_messages(acc, st, replica_grad_params(layers, costs), plan)
         _zero_messages(acc, sg, st, by_name, cost, mb0, share0, plan, graph.tied)
-    key = ("pp", id(sg), plan.dtype, plan.grad_dtype)
+    split = pp_split(plan, scatter_gather)
+    key = ("pp", id(sg), plan.dtype, plan.grad_dtype, split)
     calls = None if memo is None else memo.get(key)
     if calls is None or calls[0] is not sg:  # (the stage graph is held so its id stays unique)
         rec = _Recorder()
         for e in sg.edges:
-            _pp_messages(rec, sg, e, activation_scale(graph, plan))
+            _pp_messages(rec, sg, e, activation_scale(graph, plan), split)
         _tied_messages(rec, sg, graph, by_name, plan)
         calls = (sg, rec.log)
         if memo is not None:
@@ -450,7 +465,7 @@ def _zero_messages(acc: _Acc, sg: StageGraph, st: Stage, by_name: dict, cost: La
                 st.index)
 
 
-def _pp_messages(acc: _Acc, sg: StageGraph, e: Edge, scale: float) -> None:
+def _pp_messages(acc: _Acc, sg: StageGraph, e: Edge, scale: float, split: bool) -> None:
     """Activations forward and gradients backward over edge `e`, per overlapping micro-batch pair."""
     src, dst = sg.stage_of_chunk(e.src), sg.stage_of_chunk(e.dst)
     aligned = (src.micro_batch == dst.micro_batch and len(src.replicas) == len(dst.replicas)
@@ -462,7 +477,7 @@ def _pp_messages(acc: _Acc, sg: StageGraph, e: Edge, scale: float) -> None:
             if not pairs:
                 continue  # two chunks of one device group: no transfer
             for size, units in src.replicas[reps[0]].size_counts().items():
-                _pp_add(acc, e, src, dst, reps[0], reps[0], pairs, e.bytes_per_sample, size, scale, units)
+                _pp_add(acc, e, src, dst, reps[0], reps[0], pairs, e.bytes_per_sample, size, scale, units, split)
         return
     for q in dst.replicas:
         for p in src.replicas:
@@ -473,17 +488,17 @@ def _pp_messages(acc: _Acc, sg: StageGraph, e: Edge, scale: float) -> None:
                     lo, hi = max(qm.first, pm.first), min(qm.first + qm.size, pm.first + pm.size)
                     if hi > lo:
                         _pp_add(acc, e, src, dst, p.index, q.index, _rank_pairs(p.devices, q.devices),
-                                e.bytes_per_sample, hi - lo, scale, 1)
+                                e.bytes_per_sample, hi - lo, scale, 1, split)
 
 
 def _rank_pairs(src: list[int], dst: list[int]) -> list[tuple[int, int]]:
-    """Tensor rank t of the producer sends its 1/t to rank t (mod the consumer's tp) of the consumer."""
+    """Tensor rank t of the producer sends to rank t (mod the consumer's tp) of the consumer."""
     return [(a, dst[t % len(dst)]) for t, a in enumerate(src)]
 
 
 def _pp_add(acc: _Acc, e: Edge, src: Stage, dst: Stage, p: int, q: int, pairs: list[tuple[int, int]],
-            per_sample: float, samples: int, scale: float, count: int) -> None:
-    nbytes = pp_message_bytes(per_sample, samples, scale, len(src.replicas[p].devices))
+            per_sample: float, samples: int, scale: float, count: int, split: bool) -> None:
+    nbytes = pp_message_bytes(per_sample, samples, scale, len(src.replicas[p].devices), split)
     acc.add(f"send act c{e.src}->c{e.dst}", "pp", "send_recv", nbytes, pairs, count, src.index, p)
     acc.add(f"send grad c{e.dst}->c{e.src}", "pp", "send_recv", nbytes, [(b, a) for a, b in pairs], count,
             dst.index, q)

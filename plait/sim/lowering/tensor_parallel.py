@@ -114,6 +114,10 @@ class SimOptions:
     # to the device the times were measured on). None: the times are the fastest kind's in the
     # cluster and a kind takes peak_flops(fastest) / peak_flops(kind) longer at the plan's dtype.
     layer_time_scale: dict[str, float] | None = None
+    # Legacy Megatron-LM's --scatter-gather-tensors-in-pipeline: without sequence parallelism each
+    # tensor rank sends 1/tp of a pipeline boundary value (`traffic.pp_message_bytes`). False: the
+    # whole value, as plait's engines (torch's pipelining over DTensor stages, plait's executor) send it.
+    pp_scatter_gather: bool = False
 
 
 @dataclass
@@ -879,7 +883,8 @@ class _Lowerer(PipelineDriver):
     def message_bytes(self, edge: tuple[int, int], samples: int, src: Worker) -> float:
         """What crosses chunk `edge` for `samples` samples: the stage graph's boundary tensors
         (`plait.ir.stage_graph`) in the plan's dtype, one tensor rank's share."""
-        return traffic.pp_message_bytes(self.edge_bytes[edge], samples, self.act_scale, len(src.devices))
+        return traffic.pp_message_bytes(self.edge_bytes[edge], samples, self.act_scale, len(src.devices),
+                                        traffic.pp_split(self.plan, self.opt.pp_scatter_gather))
 
     def send(self, src: Worker, dst: Worker, c_src: int, c_dst: int, u_src: int, u_dst: int, nbytes: float,
              deps: list[int], forward: bool) -> int:
