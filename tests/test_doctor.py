@@ -735,3 +735,40 @@ def test_a_node_uplink_far_slower_than_contention_is_named_while_its_host_is_bus
                            foreign=(2, 1.0)))
     assert {f.ranks for f in d.findings} == {(0, 2), (0, 3), (1, 2), (1, 3)}, kinds(d)
     assert {f.evidence["node_uplink"] for f in d.findings} == {"n0<->n1"} and {f.step for f in d.findings} == {4}
+
+
+def test_deaths_a_mismatch_causes_are_its_consequences_not_faults(tmp_path: Path) -> None:
+    """gloo answers a call of another size by aborting the rank that receives it (SIGABRT) and its
+    peers then fail on the closed connections: the mismatch is the fault, those deaths are named in
+    its evidence, not reported as dead ranks; a rank killed from outside (SIGKILL) stays one. Beside
+    a damaged records file, where the mismatched call may be in the lost lines, a library's abort is
+    a low-confidence warning, not a finding (issue 32's suite on torch's engine)."""
+    import time
+
+    now = time.time()  # the runs start 30 s ago; every death 1 s in, past the mismatch at step 6
+
+    def ended(root: Path, how: dict[int, str]) -> Path:
+        for sub in ("exit", "status"):
+            (root / sub).mkdir(exist_ok=True)
+        for r, sig in how.items():
+            error = sig.startswith("RuntimeError")
+            (root / "exit" / f"rank{r}.json").write_text(json.dumps(
+                {"pid": 100 + r, "exitcode": 1 if error else -6, "time": now - 29, "signal": None if error else sig}))
+            (root / "status" / f"rank{r}.json").write_text(json.dumps(
+                {"state": "error" if error else "killed", "time": now - 29, "error": sig if error else None}))
+        return root
+
+    root = ended(write_run(tmp_path / "mm", mismatch=(1, 6), wall=now - 30.0),
+                 {1: "SIGABRT", 0: "RuntimeError: unexpected", 2: "SIGKILL"})
+    d = diagnose(root)
+    assert ("mismatch", (1,)) in kinds(d) and ("dead_rank", (2,)) in kinds(d), d.findings
+    assert not {("dead_rank", (0,)), ("dead_rank", (1,))} & set(kinds(d)), d.findings
+    assert next(f for f in d.findings if f.kind == "mismatch").evidence["caused_deaths"] == [0, 1]
+    # without the mismatch in the records (a cut file), the abort is not called a fault of its own
+    root = ended(write_run(tmp_path / "cut", steps=10, wall=now - 30.0), {1: "SIGABRT", 2: "SIGKILL"})
+    path = root / "comm" / "rank3.jsonl"
+    path.write_text(path.read_text() + '{"type": "call", "rank": 3, "gro')
+    d = diagnose(root)
+    assert ("dead_rank", (1,)) not in kinds(d) and ("dead_rank", (2,)) in kinds(d), d.findings
+    assert any(w.startswith("low confidence, not reported: dead_rank of ranks [1] (ended: SIGABRT)")
+               for w in d.warnings), d.warnings

@@ -53,7 +53,7 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
     found: list[Finding] = []
     found += mismatches(run)
     found += calls_not_joined(run)
-    found += dead_ranks(run, th, live)
+    found = _with_deaths(found, dead_ranks(run, th, live))
     if not found:  # a stall after a mismatch, a skipped call or a dead rank is their consequence
         found += hangs(run, th, live)
     if not found:  # a stall the run went on after (a rank stopped, then resumed)
@@ -76,10 +76,22 @@ def diagnose_records(run: RunRecords, *, live: bool = False, thresholds: Thresho
 _RECORDS_ONLY = ("comm_hang", "mismatch", "noncomm_hang", "slow_rank", "slow_link")
 
 
+
+def _library_ending(ended: object) -> bool:
+    """Whether a dead rank's ending (`dead_rank` evidence "ended": its signal, its own error, or
+    "process gone" when only a vanished pid says so) is one a collective library gives a process on
+    a call it cannot complete: an abort (gloo's failed enforce is SIGABRT) or an error raised in the
+    rank -- not a signal from outside (SIGKILL, SIGTERM, ...) nor an unknown end."""
+    text = str(ended or "")
+    return text == "SIGABRT" or not (text.startswith("SIG") or text in ("", "process gone"))
+
+
 def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], list[str]]:
     """Lower the confidence of what rests on a damaged records file (cut or unreadable lines):
     a finding naming that rank (or naming none, every member waiting) that rests on its records
-    becomes a warning that says so, not a finding; a dead rank keeps `evidence["confidence"] =
+    becomes a warning that says so, not a finding; so does a rank the collective library ended
+    (an abort or an error, not a signal from outside) beside any damaged file, as the lost lines may
+    hold the mismatched call it answered; a rank killed from outside keeps `evidence["confidence"] =
     "low"` and the file's damage."""
     damaged = {r: rr.damaged for r, rr in run.ranks.items() if rr.damaged}
     if not damaged:
@@ -87,6 +99,13 @@ def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], l
     kept, lowered = [], []
     for f in found:
         on = [r for r in (f.ranks or tuple(damaged)) if r in damaged]
+        if f.kind == "dead_rank" and _library_ending(f.evidence.get("ended")):
+            # a process the collective library ended (an abort, an error) may answer a mismatched
+            # call the damaged lines held (`_with_deaths`): not reported as a fault of its own
+            lowered.append(f"low confidence, not reported: dead_rank of ranks {list(f.ranks)} (ended: "
+                           f"{f.evidence.get('ended')}) may follow a call lost with the damaged records of "
+                           f"rank(s) {sorted(damaged)}: " + "; ".join(damaged[r][0] for r in sorted(damaged)))
+            continue
         if not on:
             kept.append(f)
         elif f.kind in _RECORDS_ONLY:
@@ -97,6 +116,26 @@ def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], l
             kept.append(replace(f, evidence={**f.evidence, "confidence": "low",
                                              "damaged": {str(r): damaged[r] for r in on}}))
     return kept, lowered
+
+
+
+def _with_deaths(found: list[Finding], deaths: list[Finding]) -> list[Finding]:
+    """`found` and the dead ranks a mismatched call among them does not explain. A collective
+    library answers a call whose members disagree on its size by ending processes: gloo aborts the
+    rank that receives the wrong size (SIGABRT: "Received data size doesn't match expected size")
+    and its peers then fail on the closed connections -- deaths at or after the mismatch are its
+    consequences, not faults (seen on the doctor's injection suite once torch's modules ran the
+    plans, issue 32). A rank killed from outside (SIGKILL, SIGTERM, ...) stays a dead rank of its
+    own. The first mismatch names the deaths it explains (`evidence["caused_deaths"]`)."""
+    mismatched = [f for f in found if f.kind == "mismatch"]
+    if not mismatched:
+        return found + deaths
+    first = min(mismatched, key=lambda f: f.first_seen_s)
+    caused = [d for d in deaths if d.first_seen_s >= first.first_seen_s and _library_ending(d.evidence.get("ended"))]
+    if caused:
+        found = [replace(f, evidence={**f.evidence, "caused_deaths": sorted(r for d in caused for r in d.ranks)})
+                 if f is first else f for f in found]
+    return found + [d for d in deaths if d not in caused]
 
 
 def _explained(f: Finding, onset: float | None) -> Finding:
