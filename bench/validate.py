@@ -225,8 +225,8 @@ def csv_simulator(fitted: bool = True) -> Callable[[list[dict], ComputeModel], n
             vk = (r["gpu"], r["gpus"], r["gpus_per_node"], r["nics"], r.get("intra"), r.get("intra_gbs"))
             if vk not in views:
                 views[vk] = ClusterView.from_cluster(row_cluster(r, fitted))
-            out[j] = run_engine(lower(row_graph(r), row_plan(r), views[vk], opts[r["family"] == "fused"]).graph
-                                ).makespan
+            family = r.get("family") or sf.engine_family(str(r.get("engine") or ""))
+            out[j] = run_engine(lower(row_graph(r), row_plan(r), views[vk], opts[family == "fused"]).graph).makespan
         return out
 
     return simulate
