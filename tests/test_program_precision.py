@@ -80,7 +80,8 @@ def test_spmd_plan_trains_in_low_precision_as_one_process(tmp_path, monkeypatch,
         assert result.loss_scales == []
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+# suite time: fp16 in the slow set (its loss scaler stays in make test with the other families' fp16 cases)
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
 def test_composed_plan_trains_in_low_precision_as_one_process(monkeypatch, dtype: str) -> None:
     from test_compose_run import TINY, _composed_plan
 

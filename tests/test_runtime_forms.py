@@ -138,8 +138,9 @@ def test_sequence_parallel_selective_recompute(reference, tmp_path) -> None:
             assert _sp_comm(result, rank, step) == expected
 
 
+@pytest.mark.slow  # suite time: torch's modules run it by default (tests/test_torch_engine.py, make test)
 def test_sequence_parallel_with_pipeline(reference, tmp_path) -> None:
-    # plait's own engine (torch's modules run it by default: tests/test_torch_engine.py)
+    # plait's own engine (engine=plait)
     result = _run("tp=2,pp=2,sequence_parallel=true,micro_batch=2,schedule=1f1b," + FP32, engine="plait")
     _check_equal(result, reference)
     _check_timeline(result, tmp_path)
