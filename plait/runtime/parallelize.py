@@ -91,8 +91,11 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: Plan, group: "Group | No
               dtype: str | None = None) -> DistributedDataParallel:
     """DDP over the "dp" dim with the plan's gradient bucket size; with `group` (the facade's "dp"
     group) its buckets are all-reduced through it (`recorded_allreduce_hook`), in the plan's
-    gradient-reduction dtype for the run's compute dtype `dtype` (`amp.reduce_dtype`)."""
-    ddp = DistributedDataParallel(model, process_group=mesh["dp"].get_group(), bucket_cap_mb=plan.grad_bucket_mb)
+    gradient-reduction dtype for the run's compute dtype `dtype` (`amp.reduce_dtype`). The gradients
+    are views into the buckets (`gradient_as_bucket_view`): one copy of them, not DDP's default two,
+    as the memory model counts them (`plait.cost.memory`: one in-flight bucket beside the gradients)."""
+    ddp = DistributedDataParallel(model, process_group=mesh["dp"].get_group(), bucket_cap_mb=plan.grad_bucket_mb,
+                                  gradient_as_bucket_view=True)
     if group is not None:
         ddp.register_comm_hook((group, reduce_dtype(plan, dtype)), recorded_allreduce_hook)
     return ddp
