@@ -470,9 +470,9 @@ class TorchWorker(RankConfig):
         self.copies = {id(new[k]): n for k, n in self.copies.items() if k in new}
         self.model = merge_modules([st.module for st in mine.values()])  # parameters under their own names
         self.params = list(dict.fromkeys(prm for prm in self.model.parameters() if prm.requires_grad))
+        self.real_mbs = len(replica_micro_batches(plan, 0, self.d))
         mbs = self._with_ghosts(0, replica_micro_batches(plan, 0, self.d))
         self.mb_sizes = [mb.size for mb in mbs]
-        self.real_mbs = len(replica_micro_batches(plan, 0, self.d))
         # where the sizes differ, torch's receive buffers are sized per micro-batch along each value's
         # batch dimension (`torch_schedule.ActionSchedule.set_actions`)
         self.batch_dims = {node: ([st.batch_dims.get(n, 0) for n in st.input_names] if node > 0 else [],
@@ -532,6 +532,16 @@ class TorchWorker(RankConfig):
             return mbs
         most = max(len(replica_micro_batches(self.plan, step, d)) for d in range(self.plan.dp))
         return mbs + [MicroBatch(i, mbs[0].first, 1) for i in range(len(mbs), most)]
+
+    def _with_ghost_samples(self, mbs: list[MicroBatch], real: int,
+                            data: dict[int, tuple[tuple[Any, ...], torch.Tensor]]
+                            ) -> dict[int, tuple[tuple[Any, ...], torch.Tensor]]:
+        """`data` and the samples of the ghosts among `mbs` (those after the first `real`): the
+        replica's first sample again, made here (`_with_ghosts`)."""
+        if len(mbs) == real:
+            return data
+        return {**data, **{mb.index: make_samples(self.spec, mb.first, 1, self.config.data_seed, self.device)
+                           for mb in mbs[real:]}}
 
     @contextlib.contextmanager
     def _stage_span(self, op: str, stage_index: int, micro_batch: int) -> Iterator[None]:
@@ -700,20 +710,17 @@ class TorchWorker(RankConfig):
         once in the last backward (plait's own ZeRO-1/2 step reduces once a step too), so every
         replica joins the same collectives whatever its micro-batch count."""
         plan = self.plan
+        real = len(mbs)
+        mbs = self._with_ghosts(step, mbs)
+        data = self._with_ghost_samples(mbs, real, data)
         rounds = len(mbs)
         zero3 = self.fsdp and plan.zero >= 3
-        if zero3:
-            rounds = max(len(replica_micro_batches(plan, step, d)) for d in range(plan.dp))
         loss_sum = torch.zeros((), device=self.device)
         scale = self.scaler.scale if self.scaler is not None else 1.0  # fp16: the loss scaled, the gradients with it
-        for i in range(rounds):
+        for i, mb in enumerate(mbs):
             last = i == rounds - 1
-            if i < len(mbs):
-                mb, weight = mbs[i], mbs[i].size * plan.dp / plan.global_batch
-                inputs, target = data[mb.index]
-            else:  # a ghost: the replica's first sample again, adding nothing to the gradients
-                mb, weight = MicroBatch(i, mbs[0].first, 1), 0.0
-                inputs, target = make_samples(self.spec, mbs[0].first, 1, self.config.data_seed, self.device)
+            weight = mb.size * plan.dp / plan.global_batch if i < real else 0.0  # a ghost adds nothing
+            inputs, target = data[mb.index]
             # DDP holds its all-reduce back to the last micro-batch; FSDP2 at ZeRO-3 reduce-scatters
             # every micro-batch's gradients into the shards, so that no rank holds whole gradients
             # between them (ZeRO-3's memory, as the memory model counts it); at ZeRO-1/2 it syncs (and
@@ -755,9 +762,7 @@ class TorchWorker(RankConfig):
         node_mbs = {n: mbs for n in node_micro_batches(plan, lay, step, self.d)}  # a chain: every node the same
         self.schedule.set_actions(rank_actions(step_schedule(plan, lay, node_mbs, plan.schedule), lay, self.p, self.d),
                                   [mb.size for mb in mbs], self.batch_dims)
-        if len(mbs) > real:  # the ghosts' samples: the replica's first one again, made here
-            data = {**data, **{mb.index: make_samples(self.spec, mbs[0].first, 1, self.config.data_seed,
-                                                      self.device) for mb in mbs[real:]}}
+        data = self._with_ghost_samples(mbs, real, data)
         args: tuple[Any, ...] = ()
         target = None
         if self.first:
