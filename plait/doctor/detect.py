@@ -64,6 +64,11 @@ class Thresholds:
     """Slow probes needed before a link is named."""
     link_min_hit_fraction: float = 0.75
     """The same for a link's probes."""
+    lone_link_min_hits: int = 4
+    """A lone pair (2 ranks: no peers' rate of noise) is named only after this many slow probes in
+    an unbroken run: a slow link stays slow, while a loaded machine's latency spikes break off (a
+    clean 2-rank run under a busy CI machine read slow at steps 4, 6 and 7 of 8: three of the four
+    probes from the first, the peers' test's fraction, and a slow link was named)."""
     stall_steps: float = 4.0
     """No call ended for this many median step times: the job is stalled (a hang)."""
     stall_floor_s: float = 1.0
@@ -468,7 +473,8 @@ def _in_pauses(pauses: list[tuple[str, Any, float, float | None]], a: float, b: 
 def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], ratio: float, floor: float,
            min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None,
            periodic: bool = True, alpha: float | None = None,
-           levels: dict[Any, float | None] | None = None) -> dict[Any, tuple[list[int], float, int]]:
+           levels: dict[Any, float | None] | None = None,
+           lone_run: int | None = None) -> dict[Any, tuple[list[int], float, int]]:
     """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
 
     A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
@@ -483,7 +489,8 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
     below `alpha` / the number of items judged (Bonferroni: every pair is tested; a 4-rank run
     has 6); None: not tested. Returns item -> (slow steps, reference, how many of the slow steps
     it took to name it). `levels`: item -> its steady level where the series holds steps that
-    must not set it (`slow_links`' contended steps)."""
+    must not set it (`slow_links`' contended steps). `lone_run`: an item without peers is named only
+    for an unbroken run of this many slow steps (of its series' steps), from the run's first."""
     own = {k: (levels or {}).get(k) or _steady(dict(ser)) for k, ser in series.items()}
     found = {k: _hits(k, series, peers, own, ratio, floor, scale) for k in series}
     out = {}
@@ -494,6 +501,11 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
         ps = [p for p in peers.get(k, []) if own.get(p)]
         peer_level = statistics.median(own[p] for p in ps) if ps else None  # type: ignore[type-var]
         ref = peer_level if peer_level is not None and own[k] >= ratio * peer_level else own[k]  # type: ignore[operator]
+        if lone_run is not None and not ps:
+            run = _unbroken_run(sorted(ser), set(hits), lone_run)
+            if run:
+                out[k] = (run, ref, lone_run)  # type: ignore[assignment]
+            continue
         # A leading hit further from the next than the hits are from each other is noise before
         # the onset (a fault that began stays periodic: every step, or every k-th).
         while len(hits) > min_hits and hits[1] - hits[0] > statistics.median(
@@ -518,6 +530,20 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
                     continue  # as many slow probes as its peers' noise makes likely among this many items
             out[k] = (on, ref, named)  # type: ignore[assignment]
     return out
+
+
+def _unbroken_run(steps: list[int], slow: set[int], length: int) -> list[int]:
+    """The first run of at least `length` consecutive `steps` that are all in `slow`, to its end
+    ([] if none)."""
+    run: list[int] = []
+    for s in steps:
+        if s in slow:
+            run.append(s)
+        elif len(run) >= length:
+            break
+        else:
+            run = []
+    return run if len(run) >= length else []
 
 
 def _hits(k: Any, series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], own: dict[Any, float | None],
@@ -757,7 +783,7 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
     # machine's latency spikes, scattered over a long run, fall on some grid by chance).
     flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
                      th.link_min_hit_fraction, scale=rise, periodic=False, alpha=th.link_noise_alpha,
-                     levels=set_level)
+                     levels=set_level, lone_run=th.lone_link_min_hits)
     out = []
     for p, (hits, ref, named) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
