@@ -379,13 +379,14 @@ def test_a_slow_link_slows_dtensor_collectives_and_the_doctor_names_it(tmp_path)
     names the link and its onset, nothing else."""
     from plait.doctor import diagnose
 
-    result = run(TINY, None, "tp=2,micro_batch=4," + FP32, steps=6, launch=LaunchConfig(timeout=120),
+    # 7 steps: a lone pair is named after 4 slow probes in a row (doctor.Thresholds.lone_link_min_hits)
+    result = run(TINY, None, "tp=2,micro_batch=4," + FP32, steps=7, launch=LaunchConfig(timeout=120),
                  records=RecordsConfig(run_dir=tmp_path / "run", probe_every=1),
                  faults=FaultsConfig(inject="link:ranks=0-1,delay=30ms,from=3"))
     assert result.engine == "torch"
     for rank in (0, 1):
         calls = [r for r in _calls(result, rank, "all_reduce") if r.group == "tp"]
-        assert len(calls) == 6 * 32
+        assert len(calls) == 7 * 32
         for r in calls:
             assert (r.injected_s >= 0.02 and r.t_end - r.t_enqueue >= 0.02) if r.step >= 3 else r.injected_s == 0
     assert result.run_dir is not None
