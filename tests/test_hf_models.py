@@ -265,6 +265,7 @@ def test_attention_attributes_take_the_local_head_count_once():
     assert (attn.num_heads, attn.split_size) == (2, 32) and attn.c_attn.weight.shape == (64, 96)
 
 
+@pytest.mark.slow  # suite time: a fresh process importing transformers (9 s) for a check of log noise
 def test_pre_launch_check_is_quiet():
     """The pre-launch check of an fp32 Mixtral (whose `_grouped_mm` has no fp32 meta kernel) printed
     the fake mode's traceback at ERROR level, 22 lines, before every run; it is quiet now, and the

@@ -92,7 +92,8 @@ def test_ddp_equals_one_process(shares, reference, tmp_path) -> None:
     assert len([r for r in _calls(result, 0, "all_reduce") if r.step == 1 and "bucket" in r.name]) > 1
 
 
-@pytest.mark.parametrize("shares", ["", "dp_shares=0.75:0.25,"])
+# suite time: the even case to the slow set (the uneven one runs every path it does)
+@pytest.mark.parametrize("shares", [pytest.param("", marks=pytest.mark.slow), "dp_shares=0.75:0.25,"])
 def test_zero3_on_fsdp2_equals_one_process(shares, reference, tmp_path) -> None:
     result = _run(f"dp=2,micro_batch=2,zero=3,{shares}" + FP32, tmp_path)
     _check_equal(result, reference)
