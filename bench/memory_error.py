@@ -330,7 +330,9 @@ def table_e(console: Console, quick: bool) -> list[float]:
         measured = measure_step_peak(module, inputs, target, spec.loss, optimizer="adam-loop", micro_batches=m,
                                      checkpoint=checkpointed_modules(module, recompute), autocast="bf16")
         meta_inputs, _ = spec.sample_batch(batch // m, device="meta")
-        g = capture(spec.build("meta"), meta_inputs, name=spec.name, config=spec.config)
+        # captured as the CPU step runs: under CPU autocast's op lists (a GPU plan: CUDA's)
+        g = capture(spec.build("meta"), meta_inputs, name=spec.name, config=spec.config, autocast="bf16",
+                    autocast_rules="cpu")
         plan = Plan(dtype="bf16", micro_batch=batch // m, global_batch=batch, recompute=recompute)
         est = estimate_memory(g, plan, cluster, optimizer="adam-loop", overhead_bytes=0)
         got = est.peak_bytes[0]

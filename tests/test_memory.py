@@ -542,21 +542,62 @@ def test_megatron_gpts_within_5_percent_of_megatrons_own_accounting(model: str) 
     assert est.peak_bytes[0] == pytest.approx(w_meg + a_meg, rel=0.05)
 
 
-def test_measured_step_under_autocast_keeps_fp32_states_and_lower_precision_activations():
-    """measure_step_peak(autocast="bf16") runs the step as plait's engines run a bf16 plan: the
-    parameters and Adam's state stay fp32 (the same bytes as the fp32 step), the activations shrink
-    (matmul outputs in bf16) but not to half (layer norms, softmax and the loss run in fp32)."""
+@pytest.mark.parametrize("micro_batches, recompute", [(2, "none"), (1, "full")])
+def test_autocast_step_is_estimated_as_measured(micro_batches: int, recompute: str) -> None:
+    """A bf16 plan as plait's engines run it (`measure_step_peak(autocast="bf16")`: forward and loss
+    under autocast, fp32 parameters, gradients and Adam state) against `estimate_memory` of the model
+    captured under the same (CPU) autocast: fp32 states (4 + 4 + 8 bytes, the fp32 step's), the
+    activations in the dtypes autocast gave them, one set of bf16 parameter copies per micro-batch
+    in flight (under full recompute, rebuilt for one layer at a time)."""
     torch = pytest.importorskip("torch")
     zoo = pytest.importorskip("plait.graph.zoo")
+    capture_mod = pytest.importorskip("plait.graph.capture")
     from plait.measure.step_memory import measure_step_peak
 
     spec = zoo.load_model("gpt:layers=2,hidden=64,heads=4,seq=64,vocab=500,dropout=0,attn_dropout=0")
     torch.manual_seed(0)
-    inputs, target = spec.sample_batch(4)
-    runs = {low: measure_step_peak(spec.build("cpu"), inputs, target, spec.loss, optimizer="adam-loop",
-                                   autocast=low).by_category for low in (None, "bf16")}
-    fp32, bf16 = runs[None], runs["bf16"]
+    batch = 4
+    inputs, target = spec.sample_batch(batch)
+    module = spec.build("cpu")
+    ckpt = [module.get_submodule(p) for p, (_, style) in capture_mod.layer_assignment(module).items()
+            if p and style not in ("embedding", "head")] if recompute == "full" else None
+    runs = {low: measure_step_peak(module if low else spec.build("cpu"), inputs, target, spec.loss,
+                                   optimizer="adam-loop", micro_batches=micro_batches, checkpoint=ckpt if low else None,
+                                   autocast=low) for low in (None, "bf16")}
+    fp32, bf16 = runs[None].by_category, runs["bf16"].by_category
     assert bf16["Parameter"] == fp32["Parameter"] and bf16["Optstate"] == fp32["Optstate"]
-    assert 0.5 * fp32["Activation"] < bf16["Activation"] < 0.9 * fp32["Activation"]
+    mb = batch // micro_batches
+    g = capture_mod.capture(spec.build("meta"), spec.sample_batch(mb, device="meta")[0], name=spec.name,
+                            config=spec.config, autocast="bf16", autocast_rules="cpu")
+    plan = Plan(dtype="bf16", micro_batch=mb, global_batch=batch, recompute=recompute)
+    est = estimate_memory(g, plan, cluster(), optimizer="adam-loop", overhead_bytes=0)
+    assert est.peak_bytes[0] == pytest.approx(runs["bf16"].peak_bytes, rel=0.02)
+    b = est.breakdown(0)
+    # 4 + 8 bytes per parameter (Adam's step counters aside)
+    assert b.weights + b.optimizer == pytest.approx(bf16["Parameter"] + bf16["Optstate"], abs=1024)
+    with pytest.raises(MemoryEstimateError, match="captured under bf16 autocast"):
+        estimate_memory(g, Plan(dtype="fp32", micro_batch=mb, global_batch=batch), cluster())
     with pytest.raises(Exception, match="autocast: unknown 'fp8'"):
         measure_step_peak(spec.build("cpu"), inputs, target, spec.loss, autocast="fp8")
+
+
+def test_capture_under_cuda_autocast_keeps_fp32_where_cuda_does():
+    """Hand count of a GPT block under autocast: CUDA runs softmax in fp32 (its fp32 list), CPU in the
+    input's bf16. On CUDA the unfused attention saves the fp32 probabilities (softmax's output, 4
+    bytes x a s^2 per sample) and their bf16 copy (the next bmm's autocast cast, 2 bytes), on CPU
+    one bf16 tensor both share (2 bytes): 4 bytes x a s^2 per sample apart. Each linear's bf16 weight
+    copy is saved once per forward, not per sample (2 bytes x 12h^2 for the four linears; their
+    biases' copies are not saved: a linear's backward needs no bias)."""
+    capture_mod = pytest.importorskip("plait.graph.capture")
+    zoo = pytest.importorskip("plait.graph.zoo")
+    s, h, a = 32, 64, 4
+    spec = zoo.load_model(f"gpt:layers=2,hidden={h},heads={a},seq={s},vocab=100,dropout=0,attn_dropout=0")
+    inputs = spec.sample_batch(2, device="meta")[0]
+    got = {rules: capture_mod.capture(spec.build("meta"), inputs, name=spec.name, autocast="bf16",
+                                      autocast_rules=rules) for rules in ("cuda", "cpu")}
+    cuda, cpu = (got[r].layer("layers.0") for r in ("cuda", "cpu"))
+    assert cuda.saved_bytes - cpu.saved_bytes == pytest.approx(4 * a * s * s)
+    assert cuda.saved_cast_bytes == cpu.saved_cast_bytes == 2 * 12 * h * h
+    assert got["cuda"].autocast == "bf16" and got["cuda"].autocast_rules == "cuda"
+    with pytest.raises(capture_mod.CaptureError, match="autocast must be one of"):
+        capture_mod.capture(spec.build("meta"), inputs, name=spec.name, autocast="fp8")

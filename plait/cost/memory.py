@@ -6,7 +6,10 @@ only on the model is reduced once per `OpGraph` to numpy arrays over layers
 
 What lives on a device at its peak (all bytes):
 
-* **Model states** (Rajbhandari et al. 2020, "ZeRO", §3.1 and Fig. 1). With Ψ
+* **Model states** (Rajbhandari et al. 2020, "ZeRO", §3.1 and Fig. 1) -- ``precision="megatron"``;
+  under ``"amp"`` (torch's autocast over fp32 parameters, plait's engines) 4 + 4 + 8 bytes with
+  Adam, FSDP2's gathered low-precision parameters beside them, and autocast's bf16 parameter
+  copies counted per micro-batch among the activations (`state_bytes_per_param`). With Ψ
   parameters on the device and N data-parallel replicas, mixed precision
   (bf16/fp16) Adam keeps 2Ψ weights + 2Ψ gradients + 12Ψ optimizer state (fp32
   master weights, m, v) = 16Ψ; fp32 training keeps 4Ψ + 4Ψ + 8Ψ. ZeRO-1
@@ -40,7 +43,9 @@ What lives on a device at its peak (all bytes):
   logits, s·b·vocab) converted to fp32 for the loss. PyTorch's eager
   ``cross_entropy`` holds four such tensors at the start of backward -- the logits
   the caller keeps, the saved log-softmax output, and the gradients of both -- as
-  measured with ``MemTracker`` (bench/memory_error.py); the training loop then keeps
+  measured with ``MemTracker`` (bench/memory_error.py); the caller's logits are in the
+  model's output dtype (a bf16 step under autocast: 3.5 fp32 copies, measured the same
+  way, table (e)); the training loop then keeps
   the outputs (one copy) through the rest of backward and the optimizer step.
   Megatron's fused vocab-parallel cross entropy (``loss="fused"``) keeps one fp32
   copy at the loss and frees the logits afterwards.
@@ -110,8 +115,9 @@ from plait.schedule.builders import eager_warmup
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 FRAMEWORK_OVERHEAD_BYTES = 1 * GiB
 DP_BUCKET_BYTES = 25 * MiB
-# loss implementation -> (fp32 copies of the model outputs at the loss, copies of the outputs
-# (plan dtype) the training loop holds through backward and the step)
+# loss implementation -> (copies of the model outputs at the loss, of which the first is the caller's
+# in the outputs' dtype and the rest fp32; copies of the outputs (their dtype) the training loop
+# holds through backward and the step)
 LOSS_MODELS = {"eager": (4.0, 1.0), "fused": (1.0, 0.0)}
 
 _DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -129,6 +135,9 @@ _OPTIMIZERS: dict[str, tuple[int, int, str]] = {
     "sgd-momentum": (4, 8, "fused"),
 }
 OPTIMIZERS = tuple(_OPTIMIZERS)
+# How a bf16 / fp16 plan keeps its states (`state_bytes_per_param`): Megatron-LM's low-precision
+# weights with fp32 masters, or torch's autocast over fp32 parameters (plait's engines)
+PRECISIONS = ("megatron", "amp")
 
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "logits", "comm_buffers", "other")
 _W, _G, _O, _A, _L, _C, _X = range(len(CATEGORIES))
@@ -272,20 +281,28 @@ class MemoryEstimate:
         return f"MemoryEstimate({self.model} on {self.cluster}: max peak {self.max_peak_bytes / GiB:.2f} GiB, {status})"
 
 
-def state_bytes_per_param(dtype: str, optimizer: str = "adam", grad_dtype: str | None = None
-                          ) -> tuple[int, int, int]:
+def state_bytes_per_param(dtype: str, optimizer: str = "adam", grad_dtype: str | None = None,
+                          precision: str = "megatron") -> tuple[int, int, int]:
     """(weight, gradient, optimizer-state) bytes per parameter (Rajbhandari et al. 2020, §3.1).
 
-    Mixed precision (bf16/fp16) keeps 2-byte weights and the fp32 master copy in the optimizer
-    state (Adam: 4 + 4 + 4 = 12 bytes); fp32 keeps 4-byte weights and Adam's 8. Gradients are
-    held in `grad_dtype`, default Megatron-LM's for the compute dtype (`default_grad_dtype`:
-    fp32 main grads for bf16, so 2 + 4 + 12 = 18 bytes with Adam)."""
+    `precision` "megatron": mixed precision (bf16/fp16) keeps 2-byte weights and the fp32 master
+    copy in the optimizer state (Adam: 4 + 4 + 4 = 12 bytes); fp32 keeps 4-byte weights and Adam's 8.
+    Gradients are held in `grad_dtype`, default Megatron-LM's for the compute dtype
+    (`default_grad_dtype`: fp32 main grads for bf16, so 2 + 4 + 12 = 18 bytes with Adam).
+    `precision` "amp": torch's autocast recipe, as plait's engines run a bf16 / fp16 plan -- the
+    parameters stay fp32 (they are the masters), so are their gradients (the plan's
+    `grad_reduce_dtype` is the wire's), and the optimizer keeps fp32 state only: 4 + 4 + 8 with
+    Adam; the low-precision copies live among the activations (`OpGraph.autocast`)."""
+    if precision not in PRECISIONS:
+        raise MemoryEstimateError(f"precision: unknown {precision!r}; use one of {PRECISIONS}")
     if optimizer not in _OPTIMIZERS:
         raise MemoryEstimateError(f"optimizer: unknown {optimizer!r}; use one of {OPTIMIZERS}")
     if dtype not in _DTYPE_BYTES:
         raise MemoryEstimateError(f"dtype: unknown {dtype!r}; use one of {tuple(_DTYPE_BYTES)}")
     mixed = dtype in ("bf16", "fp16")
     opt_fp32, opt_mixed, _ = _OPTIMIZERS[optimizer]
+    if precision == "amp":
+        return 4, 4, opt_fp32
     g_b = _DTYPE_BYTES[grad_dtype or default_grad_dtype(dtype)]
     return (2, g_b, opt_mixed) if mixed else (4, g_b, opt_fp32)
 
@@ -341,6 +358,8 @@ class _LayerArrays:
     tied: list[tuple[int, int, float, bool]]  # (owner layer, user layer, parameters, tp-sharded)
     act_dtype_bytes: int
     n_layers: int
+    cast: np.ndarray  # autocast's parameter copies a layer saves, per micro-batch (not per sample)
+    autocast: str  # the graph's `OpGraph.autocast` ("" : activations in one dtype)
     terms: dict = field(default_factory=dict)  # _stage_terms cache
 
 
@@ -502,6 +521,8 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
         tied=tied,
         act_dtype_bytes=graph.activation_dtype_bytes or 2,
         n_layers=n,
+        cast=arr("saved_cast_bytes"),
+        autocast=graph.autocast,
     )
 
 
@@ -556,6 +577,7 @@ def estimate_memory(
     dp_bucket_bytes: int | None = None,
     loss: str = "eager",
     persistent_grads: bool | None = None,
+    precision: str | None = None,
 ) -> MemoryEstimate:
     """Per-device peak bytes of one training iteration of `graph` under `plan` on `cluster`.
 
@@ -564,13 +586,16 @@ def estimate_memory(
     `loss`: "eager" (PyTorch cross_entropy on the outputs) or "fused" (Megatron's).
     `persistent_grads`: force gradients to live all iteration (True) or only from their
     backward to the step (False); default decides from the plan (see module docstring).
+    `precision`: how a bf16 / fp16 plan keeps its states (`PRECISIONS`, `state_bytes_per_param`);
+    default "amp" for a graph captured under autocast (`OpGraph.autocast`), else "megatron".
     """
     dp_bucket_bytes = _checked_bucket_bytes(plan, optimizer, loss, dp_bucket_bytes, overhead_bytes)
     la = _layer_arrays(graph)
+    precision = _checked_precision(la, plan, precision)
     kinds, nodes, caps = _cluster_devices(cluster)
     n_dev = len(kinds)
     overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
-    ctx = _row_context(la, plan, optimizer, loss, dp_bucket_bytes)
+    ctx = _row_context(la, plan, optimizer, loss, dp_bucket_bytes, precision)
     stages = _plan_stages(la, plan, graph)
     _check_stage_devices(stages, n_dev, cluster)
     matrix, step_phase, used = _device_matrix(la, graph, stages, ctx, n_dev, persistent_grads)
@@ -602,6 +627,21 @@ def _checked_bucket_bytes(plan: Plan, optimizer: str, loss: str, dp_bucket_bytes
     if dp_bucket_bytes < 0 or (overhead_bytes is not None and overhead_bytes < 0):
         raise MemoryEstimateError("estimate_memory: dp_bucket_bytes and overhead_bytes must be >= 0")
     return dp_bucket_bytes
+
+
+def _checked_precision(la: _LayerArrays, plan: Plan, precision: str | None) -> str:
+    """`estimate_memory`'s precision, checked against the graph: a graph captured under autocast
+    holds its activations in the dtypes of that autocast, which only a plan in that dtype runs."""
+    if precision is None:
+        precision = "amp" if la.autocast else "megatron"
+    if precision not in PRECISIONS:
+        raise MemoryEstimateError(f"precision: unknown {precision!r}; use one of {PRECISIONS}")
+    if la.autocast and (plan.dtype != la.autocast or precision != "amp"):
+        raise MemoryEstimateError(
+            f"plan field 'dtype': the graph was captured under {la.autocast} autocast (its activations in "
+            f"autocast's dtypes); a plan in {plan.dtype} with precision {precision!r} needs a graph captured "
+            "for it")
+    return precision
 
 
 def _check_stage_devices(stages: list[_Stage], n_dev: int, cluster: Cluster) -> None:
@@ -637,7 +677,7 @@ def _device_matrix(la: _LayerArrays, graph: OpGraph, stages: list[_Stage], ctx: 
         m, ratios, uniq, picks = shape
         persistent = persistent_grads
         if persistent is None:
-            persistent = plan.dtype in ("bf16", "fp16") or m > 1 or st.dp > 1 or plan.zero > 0
+            persistent = _persistent_grads(ctx, m, st.dp)
         tied_extra = _tied_copies(la, ids, ratios, ascending=not plan.stages)
         for k, (b_k, r_k) in enumerate(uniq):
             row = _device_row(
@@ -686,8 +726,8 @@ def stage_peak_bytes(graph: OpGraph, layers: list[str], plan: Plan, *, micro_bat
         raise MemoryEstimateError(f"stage_peak_bytes: {exc.args[0]!r} is not a layer of {graph.model!r}") from None
     if not len(ids):
         raise MemoryEstimateError("stage_peak_bytes: a stage needs at least one layer")
-    ctx = _row_context(la, plan, optimizer, loss, DP_BUCKET_BYTES)
-    persistent = plan.dtype in ("bf16", "fp16") or in_flight > 1 or dp > 1 or plan.zero > 0
+    ctx = _row_context(la, plan, optimizer, loss, DP_BUCKET_BYTES, _checked_precision(la, plan, None))
+    persistent = _persistent_grads(ctx, in_flight, dp)
     row = _device_row(la, ids, ctx, r=1.0, b=int(micro_batch), n_flight=float(in_flight), dp=dp,
                       persistent=persistent, p2p=p2p_bytes_per_sample, tp=1, tied_extra=np.zeros(len(ids)))
     overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
@@ -729,13 +769,18 @@ class _StageTerms:
     i_max: int  # argmax of cum + extra
     out_sum: float  # model outputs made on this stage
     loss_saved: float  # bytes a captured loss saved on this stage
+    # autocast's parameter copies, per micro-batch (zeros where none are made, `_RowContext.casts`)
+    cast_cum: np.ndarray  # kept by layers 0..i (saved for their backward)
+    cast_extra: np.ndarray  # layer i's, rebuilt by full recompute for its backward
+    cast_all: float  # every layer's (under full recompute only the layer being rebuilt keeps them: a
+    # checkpointed forward's copies were freed, not held by autocast's cache -- measured, table (e))
 
 
 def _stage_terms(la: _LayerArrays, ids: np.ndarray, *, r: float, sp: float, act_scale: float,
-                 recompute: str, tied_extra: np.ndarray) -> _StageTerms:
+                 recompute: str, tied_extra: np.ndarray, casts: bool = False) -> _StageTerms:
     contiguous = len(ids) and int(ids[-1]) - int(ids[0]) + 1 == len(ids)
     key = ((int(ids[0]), len(ids)) if contiguous else ids.tobytes(), r, sp, act_scale, recompute,
-           float(tied_extra.sum()))
+           float(tied_extra.sum()), casts)
     hit = la.terms.get(key)
     if hit is not None:
         return hit
@@ -745,6 +790,9 @@ def _stage_terms(la: _LayerArrays, ids: np.ndarray, *, r: float, sp: float, act_
                             a_kept=a_kept, work=work)
     cum = np.cumsum(a_kept)
     extra = inner - a_kept
+    # a layer's copies are of its own parameters: split by the tensor share where they are
+    cast = la.cast[ids] * np.where(la.count_tp[ids] > 0, r, 1.0) if casts else np.zeros(len(ids))
+    ckpt = la.recomputable[ids] if recompute == "full" else np.zeros(len(ids), dtype=bool)
     terms = _StageTerms(
         psi_layers=psi_layers,
         psi=float(psi_layers.sum()),
@@ -756,6 +804,9 @@ def _stage_terms(la: _LayerArrays, ids: np.ndarray, *, r: float, sp: float, act_
         i_max=int(np.argmax(cum + extra)),
         out_sum=float((la.out[ids] * np.where(la.head_tp[ids], r, 1.0) * la.sink[ids]).sum()),
         loss_saved=float(la.loss_saved[ids].sum()),
+        cast_cum=np.cumsum(np.where(ckpt, 0.0, cast)),
+        cast_extra=np.where(ckpt, cast, 0.0),
+        cast_all=float(cast.sum()),
     )
     if len(la.terms) > 8192:  # bounded (a few MB): planners sweep many splits
         la.terms.clear()
@@ -777,20 +828,33 @@ class _RowContext:
     loss_copies: float  # fp32 copies of the model outputs at the loss (LOSS_MODELS)
     held_copies: float  # copies of the outputs the training loop holds through backward and the step
     dp_bucket: int  # data-parallel gradient bucket bytes
+    precision: str = "megatron"  # `PRECISIONS`
+    casts: bool = False  # autocast's parameter copies are made (and saved) per micro-batch
+    low_b: int = 0  # bytes per parameter of the whole low-precision parameters FSDP2 holds fwd -> bwd
+    gather_b: int = 0  # bytes per parameter of ZeRO-3's gathered parameters (the running, the prefetched)
 
 
-def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_bucket: int) -> _RowContext:
+def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_bucket: int,
+                 precision: str = "megatron") -> _RowContext:
     """The row context of `plan` trained with `optimizer` and `loss`."""
     loss_copies, held_copies = LOSS_MODELS[loss]
     # gradients live in the dtype they are reduced in (Plan.grad_dtype, the one truth the traffic
     # module sends): Megatron's bf16 keeps fp32 main grads -- 2 + 4 + 12 = 18 bytes per parameter
     # with Adam (Korthikanti et al. 2022 count the same) -- fp16 keeps fp16 grads unless told
-    w_b, g_b, k_b = state_bytes_per_param(plan.dtype, optimizer, plan.grad_dtype)
+    w_b, g_b, k_b = state_bytes_per_param(plan.dtype, optimizer, plan.grad_dtype, precision)
+    low = _DTYPE_BYTES[plan.dtype] if plan.dtype in ("bf16", "fp16") and precision == "amp" else 0
+    # Under autocast, data parallelism over FSDP2 (ZeRO >= 1, and torch's `replicate` for dp x tp)
+    # gathers the parameters in the low dtype (its MixedPrecisionPolicy): autocast then casts
+    # nothing, and the gathered low-precision parameters are what is held -- whole from forward to
+    # backward at ZeRO-1/2 and under `replicate`, the running and the prefetched unit at ZeRO-3.
+    fsdp = plan.zero >= 1 or (plan.dp > 1 and plan.tp > 1)
     return _RowContext(
         plan=plan, w_b=w_b, g_b=g_b, k_b=k_b, step_kind=_OPTIMIZERS[optimizer][2],
-        act_scale=_DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes,
+        act_scale=1.0 if la.autocast else _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes,
         loss_scale=4.0 / la.act_dtype_bytes,  # the loss runs in fp32
         loss_copies=loss_copies, held_copies=held_copies, dp_bucket=dp_bucket,
+        precision=precision, casts=bool(low) and not fsdp,
+        low_b=low if fsdp and plan.zero < 3 else 0, gather_b=low or w_b,
     )
 
 
@@ -813,31 +877,38 @@ def _device_row(
     plan, w_b, g_b, k_b, act_scale = ctx.plan, ctx.w_b, ctx.g_b, ctx.k_b, ctx.act_scale
     zero = plan.zero
     sp = r if plan.sequence_parallel else 1.0  # share of the replicated activations this rank keeps
-    t = _stage_terms(la, ids, r=r, sp=sp, act_scale=act_scale, recompute=plan.recompute, tied_extra=tied_extra)
+    t = _stage_terms(la, ids, r=r, sp=sp, act_scale=act_scale, recompute=plan.recompute, tied_extra=tied_extra,
+                     casts=ctx.casts)
 
     # ---- model states (Rajbhandari et al. §3.1), Ψ = parameters on this tensor rank
     weights = w_b * t.psi / (dp if zero >= 3 else 1)
+    low = ctx.low_b * t.psi  # FSDP2's gathered low-precision parameters, held from forward to backward
     grads_full = g_b * t.psi / (dp if zero >= 2 else 1)
     opt = k_b * t.psi / (dp if zero >= 1 else 1)
 
     # ---- activations (one micro-batch: b * per-sample), loss working set, held outputs
-    a_mb = b * t.a_sum
+    a_mb = b * t.a_sum + float(t.cast_cum[-1])  # autocast's copies: one set per micro-batch
     # at the loss: `loss_copies` fp32 copies of the outputs (what a captured loss saved is
     # already counted among the activations); afterwards the loop still holds the outputs
-    loss_ws = b * max(0.0, ctx.loss_copies * ctx.loss_scale * t.out_sum - act_scale * t.loss_saved)
+    # eager: the caller's outputs in their own dtype, the loss's copies and gradients in fp32
+    caller = act_scale * t.out_sum if ctx.held_copies else 0.0
+    fp32 = (ctx.loss_copies - (1.0 if ctx.held_copies else 0.0)) * ctx.loss_scale * t.out_sum
+    loss_ws = b * max(0.0, caller + fp32 - act_scale * t.loss_saved)
     held = b * ctx.held_copies * act_scale * t.out_sum
     others = max(n_flight - 1.0, 0.0) * a_mb  # earlier micro-batches still waiting for backward
 
     # ---- peak during backward of layer i: all gradients (persistent) or those of layers i..end
     i_max, g_now = _backward_peak_layer(t, b=b, persistent=persistent, grads_full=grads_full, g_b=g_b,
                                         dp=dp, zero=zero)
-    at_layer = others + b * float(t.cum[i_max] + t.extra[i_max]) + g_now + held
+    kept_i = b * float(t.cum[i_max]) + float(t.cast_cum[i_max])
+    extra_i = b * max(0.0, float(t.extra[i_max])) + float(t.cast_extra[i_max])
+    at_layer = others + kept_i + extra_i + g_now + held
     at_loss = others + a_mb + loss_ws + (grads_full if persistent else 0.0)
     if loss_ws > 0 and at_loss >= at_layer:
         act, logits, tmp, g_now = others + a_mb, loss_ws, 0.0, (grads_full if persistent else 0.0)
     else:
-        act, logits, tmp = others + b * float(t.cum[i_max]), held, b * max(0.0, float(t.extra[i_max]))
-    backward_total = act + logits + tmp + g_now
+        act, logits, tmp = others + kept_i, held, extra_i
+    backward_total = act + logits + tmp + g_now + low
 
     # ---- optimizer step: all gradients plus the step's temporaries
     step_tmp = _step_temporaries(ctx.step_kind, t, dp, zero)
@@ -850,18 +921,31 @@ def _device_row(
     if step_total > backward_total:
         row[_G], row[_L], row[_X], row[-1] = grads_full, held, step_tmp, 1.0
     else:
+        row[_W] += low
         row[_G], row[_A], row[_L], row[_X] = g_now, act, logits, tmp
     return row
+
+
+def _persistent_grads(ctx: _RowContext, micro_batches: float, dp: int) -> bool:
+    """Whether every gradient lives all iteration (see the module docstring): Megatron's mixed
+    precision keeps its main-grad buffer, accumulation and data parallelism their buffers; autocast
+    over fp32 parameters with one micro-batch and no replicas frees and makes them as fp32 does."""
+    plan = ctx.plan
+    mixed = plan.dtype in ("bf16", "fp16") and ctx.precision == "megatron"
+    return mixed or micro_batches > 1 or dp > 1 or plan.zero > 0
 
 
 def _backward_peak_layer(t: _StageTerms, *, b: int, persistent: bool, grads_full: float, g_b: int, dp: int,
                          zero: int) -> tuple[int, float]:
     """(the layer whose backward peaks, the gradient bytes alive then): all of them when gradients
     persist, else those of that layer and the layers after it."""
+    casts = t.cast_all > 0  # a per-micro-batch term beside the per-sample ones: the layer depends on b
     if persistent:
-        return t.i_max, grads_full
+        if not casts:
+            return t.i_max, grads_full
+        return int(np.argmax(b * (t.cum + t.extra) + t.cast_cum + t.cast_extra)), grads_full
     g_at = np.cumsum((g_b * t.psi_layers)[::-1])[::-1] / (dp if zero >= 2 else 1)
-    i_max = int(np.argmax(b * (t.cum + t.extra) + g_at))
+    i_max = int(np.argmax(b * (t.cum + t.extra) + t.cast_cum + t.cast_extra + g_at))
     return i_max, float(g_at[i_max])
 
 
@@ -883,7 +967,7 @@ def _comm_buffers(t: _StageTerms, ctx: _RowContext, *, b: int, dp: int, p2p: flo
     if dp > 1:
         comm += min(float(ctx.dp_bucket), grads_full)
         if ctx.plan.zero >= 3:  # all-gathered full parameters of the running and the prefetched layer
-            comm += ctx.w_b * t.psi_top2
+            comm += ctx.gather_b * t.psi_top2
     return comm
 
 

@@ -161,7 +161,7 @@ class _Rec:
 
     __slots__ = (
         "target", "module", "layer", "frame_sel", "tp", "role", "fwd_flops", "bwd_flops",
-        "param_bytes", "param_count", "saved", "saved_tp", "saved_sel", "out_bytes",
+        "param_bytes", "param_count", "saved", "saved_tp", "saved_sel", "saved_cast", "out_bytes",
         "ins", "act", "weights",
     )  # fmt: skip
 
@@ -179,6 +179,7 @@ class _Rec:
         self.saved = 0.0
         self.saved_tp = 0.0
         self.saved_sel = 0.0
+        self.saved_cast = 0.0  # autocast's low-precision parameter copies saved (per forward, not per sample)
         self.out_bytes = 0
         # (producer rec index, storage id, tensor bytes) of each activation input
         self.ins: list[tuple[int, int, int]] = []
@@ -209,6 +210,10 @@ class _State:
     last_seq: int = 0
     # saved storage id -> [saver node seq, bytes, selective frame of first saver, all savers in it]
     saved: dict[int, list[int]] = field(default_factory=dict)
+    # storages autocast made by casting a parameter (its low-precision copy, one per forward)
+    casts: set[int] = field(default_factory=set)
+    # saved cast storage id -> [saver node seq, bytes]
+    saved_casts: dict[int, list[int]] = field(default_factory=dict)
     sel_inputs: dict[int, list[tuple[int, int]]] = field(
         default_factory=dict
     )  # frame -> (sid, bytes)
@@ -229,6 +234,65 @@ class _State:
 
 
 # ---------------------------------------------------------------------------- modes
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocast_low() -> torch.dtype | None:
+    """The low dtype of the autocast a capture runs under (CPU autocast on fake CPU tensors), or None."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+@contextlib.contextmanager
+def _autocast(low: str | None, rules: str) -> Iterator[None]:
+    """The forward and the loss as torch's autocast runs them in `low`: CPU autocast over the fake CPU
+    tensors the capture runs on (CUDA autocast cannot dispatch in a CPU build: a device guard for
+    CUDA aborts the process), and for `rules` "cuda" the ops CUDA's autocast runs in fp32 and CPU's
+    does not (`_CudaFp32Ops`)."""
+    if low is None:
+        yield
+        return
+    with torch.autocast("cpu", dtype=_LOW[low]), (_CudaFp32Ops() if rules == "cuda" else contextlib.nullcontext()):
+        yield
+
+
+def _fp32_funcs() -> frozenset[Any]:
+    """The functions CUDA autocast runs in fp32 (torch's "autocast op reference", CUDA ops that can
+    autocast to float32), as Python sees them; CPU autocast leaves norms, softmax and the
+    elementwise ones among them in their input's dtype. `F.rms_norm` decomposes into two of them
+    (pow, rsqrt), so its output is fp32 on CUDA too."""
+    T = torch.Tensor
+    names = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log1p", "log2", "pow",
+             "prod", "reciprocal", "rsqrt", "sinh", "tan", "sum", "cumsum", "cumprod", "norm", "renorm",
+             "softmax", "log_softmax", "cdist", "dist", "logsumexp")
+    funcs: set[Any] = {getattr(torch, n) for n in names if hasattr(torch, n)}
+    funcs |= {getattr(T, n) for n in names if hasattr(T, n)}
+    funcs |= {T.__pow__, T.__rpow__, T.__rtruediv__, getattr(T, "__rdiv__", T.__rtruediv__)}
+    funcs |= {getattr(F, n) for n in (
+        "layer_norm", "group_norm", "rms_norm", "softmax", "softmin", "log_softmax", "softplus", "normalize",
+        "cosine_similarity", "pdist", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+        "huber_loss", "kl_div", "binary_cross_entropy_with_logits", "poisson_nll_loss", "hinge_embedding_loss",
+        "margin_ranking_loss", "multilabel_margin_loss", "multi_margin_loss", "soft_margin_loss",
+        "triplet_margin_loss", "cosine_embedding_loss") if hasattr(F, n)}
+    return frozenset(funcs)
+
+
+class _CudaFp32Ops(TorchFunctionMode):
+    """CUDA autocast's fp32 list over CPU autocast: a listed function's low-precision floating
+    arguments are cast to fp32 before it runs (as CUDA's autocast casts them), so its output and
+    what it saves are fp32. A call with an explicit ``dtype=`` is left alone (autocast does too)."""
+
+    _funcs = _fp32_funcs()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._funcs and kwargs.get("dtype") is None and _autocast_low() is not None:
+            def up(x: Any) -> Any:
+                return x.float() if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16) else x
+
+            args, kwargs = tree_map(up, (args, kwargs))
+        return func(*args, **kwargs)
+
+
 class _CudaKernels(TorchFunctionMode):
     """Run dropout and attention through the fused kernels CUDA training uses.
 
@@ -262,6 +326,10 @@ class _CudaKernels(TorchFunctionMode):
     @staticmethod
     def _fused_attention(a: dict[str, Any]) -> torch.Tensor | None:
         q, k, v = a["query"], a["key"], a["value"]
+        low = _autocast_low()
+        if low is not None and all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v)):
+            # scaled_dot_product_attention is on autocast's lower-precision list: its inputs cast
+            q, k, v = (t.to(low) for t in (q, k, v))
         if (
             a.get("attn_mask") is not None
             or not all(isinstance(t, torch.Tensor) for t in (q, k, v))
@@ -302,8 +370,10 @@ class _CudaKernels(TorchFunctionMode):
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, state: _State, flops: dict[Any, Callable[..., int]], fake_mode: FakeTensorMode):
+    def __init__(self, state: _State, flops: dict[Any, Callable[..., int]], fake_mode: FakeTensorMode,
+                 device: torch.device | None = None):
         super().__init__()
+        self.device = device  # the fake tensors' device (None: meta)
         self.s = state
         self.flops = flops
         self.fake_mode = fake_mode
@@ -317,7 +387,7 @@ class _Recorder(TorchDispatchMode):
         if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
             hit = self._fakes.get(id(t))
             if hit is None or hit[0] is not t:
-                hit = self._fakes[id(t)] = (t, self.fake_mode.from_tensor(_meta(t)))
+                hit = self._fakes[id(t)] = (t, _fake(self.fake_mode, _meta(t), self.device))
                 # A new storage (kept alive by the memo): a constant, whatever a freed storage
                 # at the same address was.
                 self.s.storages[_sid(hit[1])] = [-1, -1, 0]
@@ -418,10 +488,13 @@ class _Recorder(TorchDispatchMode):
                 rec.ins.append((st[1], sid, nb))
         rec.act = act
         rec.weights = weights
+        cast = packet is torch.ops.aten._to_copy and len(in_sids) == 1 and next(iter(in_sids)) in s.params
         for t in fresh:
             sid = _sid(t)
             storages[sid] = [idx, idx, act]
             rec.out_bytes += t.untyped_storage().nbytes()
+            if cast:
+                s.casts.add(sid)
         if mutable:  # in-place: this op is now the last writer of its outputs' storage
             for t in outs:
                 st = storages.get(_sid(t))
@@ -587,6 +660,8 @@ def capture(
     batch: int | None = None,
     cuda_kernels: bool = True,
     replicate: bool = True,
+    autocast: str | None = None,
+    autocast_rules: str = "cuda",
 ) -> OpGraph:
     """Run one training step of `module` on the meta device and describe it as an OpGraph.
 
@@ -605,7 +680,19 @@ def capture(
     layers only; the second, once checked op-for-op against the first, stands for the
     rest. A 96-layer GPT then traces 2 blocks, not 96. If the check fails the model is
     traced in full.
+    `autocast` ("bf16" / "fp16"): the step as torch's autocast runs it over the module's own
+    (fp32) parameters -- the forward and the loss autocast, backward outside, as torch's recipe and
+    plait's engines run it -- so each activation is in the dtype autocast gives it, and the
+    low-precision parameter copies autocast makes and autograd saves are counted apart
+    (`Layer.saved_cast_bytes`: one set per forward, not per sample). `autocast_rules`: whose op
+    lists, "cuda" (the GPU a plan trains on; emulated over CPU autocast, `_CudaFp32Ops`) or "cpu"
+    (CPU autocast as it is: what a CPU measurement runs).
     """
+    if autocast is not None and autocast not in _LOW:
+        raise CaptureError(f"capture: autocast must be one of {sorted(_LOW)} or None, got {autocast!r}")
+    if autocast_rules not in ("cuda", "cpu"):
+        raise CaptureError(f"capture: autocast_rules must be 'cuda' or 'cpu', got {autocast_rules!r}")
+    amp = (autocast, autocast_rules)
     if not isinstance(sample_inputs, tuple):
         sample_inputs = (sample_inputs,)
     inputs = _to_meta_inputs(sample_inputs)
@@ -628,14 +715,14 @@ def capture(
     while runs:
         try:
             with _truncated(runs):
-                state, out_leaves = _trace(module, heads, inputs, name, loss_fn, cuda_kernels)
+                state, out_leaves = _trace(module, heads, inputs, name, loss_fn, cuda_kernels, amp)
         except CaptureError:
             # A container whose layers run side by side (parallel branches, e.g. DLRM's
             # embedding bags) is no chain: dropping its copies changes shapes downstream.
             # Replication is only a shortcut, so trace the whole model instead.
             break
         try:
-            return _build_graph(state, name, batch, out_leaves, module, heads, config, runs)
+            return _build_graph(state, name, batch, out_leaves, module, heads, config, runs, amp)
         except _NotReplicable as exc:
             # Often the first layer of a run differs (its input needs no gradient, so its
             # backward is shorter): retry the run without it, or trace it in full.
@@ -643,8 +730,8 @@ def capture(
             runs = [r for r in runs if r is not bad]
             if len(bad.keys) > 3:
                 runs.append(_Run(bad.container, bad.keys[1:], bad.paths[1:]))
-    state, out_leaves = _trace(module, heads, inputs, name, loss_fn, cuda_kernels)
-    return _build_graph(state, name, batch, out_leaves, module, heads, config, [])
+    state, out_leaves = _trace(module, heads, inputs, name, loss_fn, cuda_kernels, amp)
+    return _build_graph(state, name, batch, out_leaves, module, heads, config, [], amp)
 
 
 def _trace(
@@ -654,8 +741,11 @@ def _trace(
     name: str,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     cuda_kernels: bool,
+    amp: tuple[str | None, str] = (None, "cuda"),
 ) -> tuple[_State, list[torch.Tensor]]:
-    """One forward, loss and backward on meta under the recorder; returns the raw records."""
+    """One forward, loss and backward on meta under the recorder; returns the raw records. Under
+    autocast (`amp`: the low dtype and the rules) the fake tensors stand on the CPU device, whose
+    autocast dispatches on them (fake meta tensors have no autocast key)."""
     state = _State(infos=_module_infos(module, heads))
     # Fake tensors (torch's tracing tensors, as torch.compile and export see them) stand for
     # the parameters, buffers and inputs: library code takes its tracing-friendly path on them
@@ -663,15 +753,16 @@ def _trace(
     # would be read. The module runs through `torch.func.functional_call` with them, so it is
     # neither moved nor copied; tied names share one stand-in.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    substitutes = _fake_weights(module, fake_mode, state)
-    inputs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
+    device = torch.device("cpu") if amp[0] is not None else None
+    substitutes = _fake_weights(module, fake_mode, state, device)
+    inputs = tree_map(lambda x: _fake(fake_mode, x, device) if isinstance(x, torch.Tensor) else x, inputs)
     for leaf in tree_flatten(inputs)[0]:
         if isinstance(leaf, torch.Tensor):
             state.storages[_sid(leaf)] = [-1, -1, 1]
 
     flops = dict(flop_registry)
     flops[torch.ops.aten._grouped_mm] = _grouped_mm_flops
-    recorder = _Recorder(state, flops, fake_mode)
+    recorder = _Recorder(state, flops, fake_mode, device)
     pre_hook, post_hook = _module_hooks(state)
     pack = _pack_hook(state)
 
@@ -685,7 +776,7 @@ def _trace(
             state.phase = _FORWARD
             with fake_mode, quiet_fake_mode(), recorder, \
                     _CudaKernels() if cuda_kernels else contextlib.nullcontext():
-                output = _forward_backward(module, substitutes, inputs, name, loss_fn, state)
+                output = _forward_backward(module, substitutes, inputs, name, loss_fn, state, amp)
     finally:
         state.phase = _OFF
         state.frames.clear()
@@ -698,7 +789,16 @@ def _trace(
     return state, out_leaves
 
 
-def _fake_weights(module: nn.Module, fake_mode: FakeTensorMode, state: _State) -> dict[str, torch.Tensor]:
+def _fake(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A fake stand-in of `t` (shapes only), on `device` where given (else on meta)."""
+    if device is None:
+        return fake_mode.from_tensor(t)
+    fake = fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, _meta(t), device)
+    return fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake
+
+
+def _fake_weights(module: nn.Module, fake_mode: FakeTensorMode, state: _State,
+                  device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Fake stand-ins for the module's parameters and buffers, by name (tied names share one),
     entered in `state.params` and `state.buffers`."""
     named_params = list(module.named_parameters(remove_duplicate=False))
@@ -708,14 +808,14 @@ def _fake_weights(module: nn.Module, fake_mode: FakeTensorMode, state: _State) -
     made: dict[int, torch.Tensor] = {}
     for pname, p in named_params:
         if id(p) not in made:
-            made[id(p)] = fake_mode.from_tensor(_meta(p)).requires_grad_(p.requires_grad)
+            made[id(p)] = _fake(fake_mode, _meta(p), device).requires_grad_(p.requires_grad)
             owner_path[id(made[id(p)])] = pname.rpartition(".")[0]
         substitutes[pname] = made[id(p)]
     params_by_id = {id(m): m for m in made.values()}
     buf_made: dict[int, torch.Tensor] = {}
     for bname, b in named_buffers:
         if id(b) not in buf_made:
-            buf_made[id(b)] = fake_mode.from_tensor(_meta(b))
+            buf_made[id(b)] = _fake(fake_mode, _meta(b), device)
         substitutes[bname] = buf_made[id(b)]
     buffers = list(buf_made.values())
     for p in params_by_id.values():
@@ -763,6 +863,9 @@ def _pack_hook(state: _State) -> Callable[[torch.Tensor], torch.Tensor]:
         sid = _sid(t)
         if sid in state.params or sid in state.buffers:
             return t  # weights are counted as parameters, not activations
+        if sid in state.casts:  # a parameter's autocast copy: one per forward, whatever the batch
+            state.saved_casts.setdefault(sid, [_peek_seq() - 1, t.untyped_storage().nbytes()])
+            return t
         f = state.frame()
         sel = f.sel if f else -1
         entry = state.saved.get(sid)
@@ -782,13 +885,15 @@ def _forward_backward(
     name: str,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     state: _State,
+    amp: tuple[str | None, str] = (None, "cuda"),
 ) -> Any:
-    """The forward, the loss and the backward, under the modes and hooks in place; returns the
-    model's output."""
+    """The forward, the loss and the backward, under the modes and hooks in place (the forward and
+    the loss under `amp`'s autocast); returns the model's output."""
     try:
-        output = torch.func.functional_call(module, substitutes, inputs)
-        state.frames.clear()
-        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+        with _autocast(*amp):
+            output = torch.func.functional_call(module, substitutes, inputs)
+            state.frames.clear()
+            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
     except CaptureError:
         raise
     except Exception as exc:
@@ -990,7 +1095,7 @@ def _expand_runs(state: _State, runs: list[_Run], out_recs: list[int]) -> dict[s
                     src.target, path + src.module[len(template) :], path, src.frame_sel, src.tp
                 )
                 for f in ("fwd_flops", "bwd_flops", "param_bytes", "param_count", "saved",
-                          "saved_tp", "saved_sel", "out_bytes", "act", "role"):  # fmt: skip
+                          "saved_tp", "saved_sel", "saved_cast", "out_bytes", "act", "role"):  # fmt: skip
                     setattr(c, f, getattr(src, f))
                 c.ins = [
                     (
@@ -1036,6 +1141,12 @@ def _attribute_saved(state: _State) -> None:
         # both makes and alone keeps.
         if producer is not None and sel >= 0 and producer.frame_sel == sel and same_frame:
             rec.saved_sel += nbytes
+    for seq, nbytes in state.saved_casts.values():
+        idx = state.seq2rec.get(seq)
+        if idx is None or idx < 0:
+            i = bisect.bisect_right(keys, seq) - 1
+            idx = max(state.seq2rec[keys[i]] if i >= 0 else len(recs) - 1, 0)
+        recs[idx].saved_cast += nbytes
     # ...and must keep the core's inputs instead, where nothing else keeps them.
     kept: set[int] = set()
     for frame, ins in state.sel_inputs.items():
@@ -1107,6 +1218,7 @@ def _build_graph(
     heads: dict[str, tuple[str, str]],
     config: dict[str, Any] | None,
     runs: list[_Run],
+    amp: tuple[str | None, str] = (None, "cuda"),
 ) -> OpGraph:
     """The per-sample OpGraph of a trace's records, each replicated run expanded to its full length."""
     recs = state.recs
@@ -1139,6 +1251,8 @@ def _build_graph(
     _check_one_way(name, flows.edges, position)
     param_dtype = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
     act_dtype = next((t.element_size() for t in out_leaves if t.is_floating_point()), param_dtype)
+    if amp[0] is not None:  # the bytes are as autocast left them: scaled by 1 for a plan in its dtype
+        act_dtype = _LOW[amp[0]].itemsize
     return OpGraph(
         model=name,
         ops=ops,
@@ -1146,6 +1260,8 @@ def _build_graph(
         layer_edges=sorted(flows.edges, key=lambda e: (position[e[0]], position[e[1]])),
         param_dtype_bytes=param_dtype,
         activation_dtype_bytes=act_dtype,
+        autocast=amp[0] or "",
+        autocast_rules=amp[1] if amp[0] else "",
         capture_batch=batch,
         config=_graph_config(state, config, unused_paths, replicated, b),
         tied=tied_parameters_between_layers(module, heads, order),
@@ -1263,6 +1379,7 @@ def _wire_ops(
             saved_bytes=r.saved / b,
             saved_tp_bytes=r.saved_tp / b,
             saved_selective_bytes=r.saved_sel / b,
+            saved_cast_bytes=r.saved_cast,
             output_bytes=r.out_bytes / b,
             inputs=list(dict.fromkeys(producers)),
             tp_role=r.role,
@@ -1279,6 +1396,7 @@ def _add_rec_costs(layer: Layer, r: _Rec, b: float) -> None:
     layer.saved_bytes += r.saved / b
     layer.saved_tp_bytes += r.saved_tp / b
     layer.saved_selective_bytes += r.saved_sel / b
+    layer.saved_cast_bytes += r.saved_cast
 
 
 def _add_boundary_bytes(layers: dict[str, Layer], flows: _Flows, b: float) -> None:

@@ -22,7 +22,7 @@ from plait.errors import PlaitError
 FORMAT_VERSIONS: dict[str, int] = {
     "plan": 2,        # plan JSON (plait plan --out, plait simulate/run --plan FILE); 2: typed stage programs
     "cluster": 1,     # cluster YAML (plait profile --out, examples/clusters/)
-    "opgraph": 1,     # OpGraph JSON (plait inspect --json)
+    "opgraph": 2,     # OpGraph JSON (plait inspect --json); 2: captures under autocast (per-op dtypes, parameter copies)
     "atengraph": 1,   # AtenGraph JSON (the op-level capture, plait.graph.aten_capture)
     "timeline": 1,    # Timeline JSON (simulated or measured events)
     "run": 1,         # a run folder's result.json

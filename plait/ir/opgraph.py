@@ -23,7 +23,7 @@ from typing import Any
 
 import networkx as nx
 
-from plait.ir.formats import check_version, stamp
+from plait.ir.formats import MIGRATIONS, check_version, stamp
 
 
 @dataclass
@@ -38,6 +38,9 @@ class Op:
     saved_bytes: float = 0.0
     saved_tp_bytes: float = 0.0
     saved_selective_bytes: float = 0.0
+    # bytes of autocast's low-precision parameter copies this op saved: one per forward (micro-batch),
+    # not per sample (a capture under autocast, `OpGraph.autocast`)
+    saved_cast_bytes: float = 0.0
     output_bytes: float = 0.0
     inputs: list[str] = field(default_factory=list)  # names of producer ops
     # Megatron role of the module that ran it, from the model's markers (`plait_tp`, or its own
@@ -71,6 +74,7 @@ class Layer:
     saved_bytes: float = 0.0
     saved_tp_bytes: float = 0.0
     saved_selective_bytes: float = 0.0
+    saved_cast_bytes: float = 0.0  # autocast's parameter copies saved, per micro-batch (`Op.saved_cast_bytes`)
     input_bytes: float = 0.0  # bytes of the activations entering the layer (kept by full recompute)
     output_bytes: float = 0.0  # bytes of the activations leaving the layer (pipeline messages)
     tp_style: str = "none"
@@ -103,6 +107,11 @@ class OpGraph:
     layer_edges: list[tuple[str, str]] = field(default_factory=list)
     param_dtype_bytes: int = 4
     activation_dtype_bytes: int = 2
+    # "" when every activation is in one dtype (`activation_dtype_bytes`); "bf16" / "fp16" when the
+    # model was captured as torch's autocast runs it -- fp32 parameters, each op in the dtype autocast
+    # gives it -- and the bytes are as they are (`autocast_rules`: whose op lists, "cuda" or "cpu")
+    autocast: str = ""
+    autocast_rules: str = ""
     capture_batch: int = 1
     # Architecture facts a consumer may use (hidden, heads, seq, vocab, ffn, layers, ...).
     config: dict[str, Any] = field(default_factory=dict)
@@ -176,3 +185,12 @@ class OpGraph:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def _opgraph_v1_to_v2(d: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 had no autocast captures: every activation in one dtype, no parameter copies saved
+    (the new fields' defaults say exactly that)."""
+    return dict(d)
+
+
+MIGRATIONS[("opgraph", 1)] = _opgraph_v1_to_v2
