@@ -22,9 +22,10 @@ overhead off (no CUDA context on a CPU). "adam-loop" is PyTorch's default Adam o
 
 (e) runs the same step of a bf16 plan as plait's engines run it (forward and loss under
 autocast, fp32 parameters, gradients and Adam state) and compares it with `estimate_memory` for
-the bf16 plan, whose mixed-precision accounting is Megatron's (bf16 weights, fp32 main grads, fp32
-master weights in the optimizer state, activations in bf16): the gap between the model and the
-engine plait runs (issue 37), not a target yet.
+the bf16 plan on the model captured under the same autocast (CPU autocast's op lists), which the
+estimator accounts as "amp" (fp32 states 4 + 4 + 8, activations in autocast's dtypes, one set of
+bf16 parameter copies per micro-batch in flight). With Megatron's accounting (bf16 weights, fp32
+main grads and masters, activations in bf16) the same cases were +9..+18 % over and -2.3 % under.
 
 (c) times the estimator on a planner-style sweep (GPT-3 175B, 1024 GPUs): cold, with
 every cache cleared before each plan (the baseline), and warm, as a planner calls it.
@@ -311,11 +312,10 @@ AMP_MODELS = [  # (zoo spec, batch, micro-batches, recompute): table (e)
 def table_e(console: Console, quick: bool) -> list[float]:
     """A bf16 plan as plait's engines run it -- forward and loss under autocast, fp32 parameters,
     gradients and Adam state (`plait.runtime.amp.autocast_for`) -- measured by MemTracker on the CPU,
-    against `estimate_memory` for the same plan (dtype=bf16). Not a target: it shows how far the
-    model's mixed-precision accounting (Megatron's: bf16 weights, fp32 main grads, fp32 master
-    weights in the optimizer state; activations in bf16) is from the engine plait runs."""
+    against `estimate_memory` for the same plan (dtype=bf16) on the model captured under the same
+    autocast ("amp" accounting). Target: within 5 %."""
     table = Table(title="(e) peak of a real bf16-autocast CPU training step (fp32 masters, Adam): MemTracker vs "
-                        "estimate_memory(dtype=bf16)")
+                        "estimate_memory(dtype=bf16) on the autocast capture (precision amp)")
     for col in ("model", "batch", "M", "recompute", "measured", "estimated", "error",
                 "states meas / est MiB", "rest meas / est MiB"):
         table.add_column(col, justify="left" if col == "model" else "right", overflow="fold",
@@ -346,8 +346,7 @@ def table_e(console: Console, quick: bool) -> list[float]:
                       f"{err * 100:+.1f}%", f"{states_meas / MiB:.1f} / {states_est / MiB:.1f}",
                       f"{(measured.peak_bytes - states_meas) / MiB:.1f} / {(got - states_est) / MiB:.1f}")
     console.print(table)
-    console.print(f"(e) {len(errors)} cases: error from {min(errors) * 100:+.1f}% to {max(errors) * 100:+.1f}% "
-                  "(not a target; see the table's title)\n")
+    console.print(f"(e) {len(errors)} cases: error from {min(errors) * 100:+.1f}% to {max(errors) * 100:+.1f}%\n")
     return errors
 
 
@@ -367,8 +366,8 @@ def main() -> int:
     if args.only in (None, "d"):
         ok &= max(table_d(console, args.quick)) <= 0.05
     if args.only in (None, "e"):
-        table_e(console, args.quick)
-    console.print("targets (a) <= 5%, (b) <= 10%, (d) <= 5%:", "[green]met[/green]" if ok else "[red]missed[/red]")
+        ok &= max(abs(e) for e in table_e(console, args.quick)) <= 0.05
+    console.print("targets (a) <= 5%, (b) <= 10%, (d) <= 5%, (e) <= 5%:", "[green]met[/green]" if ok else "[red]missed[/red]")
     return 0 if ok else 1
 
 
