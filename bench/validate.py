@@ -36,7 +36,11 @@ without their fitted factors (`catalog.unfitted`); the shipped columns use the c
 Leave-one-source-out (LOSO): each source predicted with the fit over every *other* source's even rows.
 
 Memory: each source's reported peak (allocated / reserved / nvidia-smi, ``memory_kind``) against
-`plait.cost.memory.estimate_memory`; sources without a memory column show "-".
+`plait.cost.memory.estimate_memory` as the row's engine keeps the step (`ENGINE_MEMORY`: torch's
+autocast for Lightning's DDP AMP and the HF Trainer's fp16 -- the model captured under CUDA's
+autocast lists, fp32 states -- with DDP's default gradient buckets beside the gradients for
+Lightning; DeepSpeed's fp16 with its loss in fp16; Megatron's accounting for Megatron); sources
+without a memory column show "-".
 
 Usage: ``python bench/validate.py [--json] [--max-gpus N] [--sources a,b] [--by FIELD] [--no-fit] [--jobs N]``.
 """
@@ -68,7 +72,9 @@ from plait.cluster.catalog import GPU_KINDS, NODE_TEMPLATES, unfitted  # noqa: E
 from plait.cluster.spec import Cluster, Link, NodeSpec  # noqa: E402
 from plait.cost.compute import DEFAULT_MODEL, ComputeModel  # noqa: E402
 from plait.cost.memory import estimate_memory  # noqa: E402
+from plait.graph.capture import capture  # noqa: E402
 from plait.graph.gpt_closed_form import gpt_opgraph  # noqa: E402
+from plait.graph.zoo import load_model  # noqa: E402
 from plait.ir.plan import Plan  # noqa: E402
 from plait.net.view import ClusterView  # noqa: E402
 from plait.sim.engine import simulate as run_engine  # noqa: E402
@@ -200,13 +206,51 @@ def row_cluster(r: dict, fitted: bool = True) -> Cluster:
                             fitted)
 
 
+# How each source's engine keeps a low-precision step in memory (time is simulated alike):
+# engine -> (autocast over fp32 parameters, loss, DDP's buckets hold a second copy of the gradients).
+# Megatron: low-precision weights with fp32 masters and its fused loss; PyTorch Lightning's DDP with
+# native AMP: torch.autocast, PyTorch's loss in fp32, DDP's default buckets (Lightning keeps
+# `gradient_as_bucket_view=False`, torch's default: the buckets are a copy of the gradients);
+# the Hugging Face Trainer's fp16: torch.autocast on one GPU (no DDP); DeepSpeed's fp16: the whole
+# model in fp16 with fp32 masters in its optimizer state, the loss in fp16 (no autocast).
+ENGINE_MEMORY: dict[str, tuple[bool, str, bool]] = {
+    "megatron": (False, "fused", False),
+    "ddp-amp": (True, "eager", True),
+    "hf-trainer": (True, "eager", False),
+    "deepspeed-zero3": (False, "eager-low", False),
+}
+_MEMORY_GRAPHS: dict[tuple, object] = {}
+
+
+def memory_graph(r: dict):
+    """The row's graph for its memory: under an autocast engine in fp16 / bf16, the model captured as
+    CUDA's autocast runs it (a zoo GPT, or BERT with its classifier where the row has `head_out`);
+    else the closed-form graph the simulator prices (`row_graph`)."""
+    amp = ENGINE_MEMORY.get(r["engine"], (False, "eager", False))[0] and r["dtype"] in ("fp16", "bf16")
+    if not amp:
+        return row_graph(r), None
+    shape = f"layers={r['layers']},hidden={r['hidden']},heads={r['heads']},seq={r['seq']},vocab={r['vocab']},ffn={r['ffn']}"
+    text = f"bert:{shape},classes={r['head_out']}" if r.get("head_out") else f"gpt:{shape}"
+    key = (text, r["micro_batch"], r["dtype"])
+    if key not in _MEMORY_GRAPHS:
+        spec = load_model(text)
+        inputs, target = spec.sample_batch(r["micro_batch"], device="meta")
+        _MEMORY_GRAPHS[key] = capture(spec.build("meta"), inputs, name=spec.name, config=spec.config,
+                                      loss_fn=lambda out: spec.loss(out, target), autocast=r["dtype"],
+                                      autocast_rules="cuda")
+    return _MEMORY_GRAPHS[key], "amp"
+
+
 def predict_memory_gib(r: dict) -> float:
-    """plait's peak bytes of the most loaded GPU (`estimate_memory`, PyTorch's eager loss), in GiB."""
+    """plait's peak bytes of the most loaded GPU (`estimate_memory`, as the row's engine keeps the
+    step: `ENGINE_MEMORY`), in GiB."""
     # torch.cuda.max_memory_allocated counts the caching allocator's live blocks only: no CUDA context,
     # kernels or NCCL buffers (plait's per-GPU framework overhead); nvidia-smi / reserved include them
     overhead = 0 if "allocated" in (r.get("memory_kind") or "") else None
-    est = estimate_memory(row_graph(r), row_plan(r), row_cluster(r), optimizer=r.get("optimizer") or "adam",
-                          loss="fused" if r["engine"] == "megatron" else "eager", overhead_bytes=overhead)
+    _, loss, bucket_copy = ENGINE_MEMORY.get(r["engine"], (False, "eager", False))
+    graph, precision = memory_graph(r)
+    est = estimate_memory(graph, row_plan(r), row_cluster(r), optimizer=r.get("optimizer") or "adam", loss=loss,
+                          overhead_bytes=overhead, precision=precision, dp_bucket_bytes=2**62 if bucket_copy else None)
     return float(max(est.peak_bytes)) / 2**30
 
 

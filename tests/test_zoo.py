@@ -170,6 +170,26 @@ def test_build_dtype_and_tied_weights():
     assert tied_parameters(load_model(TINY["bert"]).build("meta")) == [["embed.tok.weight", "head.decoder.weight"]]
 
 
+def test_bert_sequence_classifier_counts_as_huggingface_and_trains():
+    """`classes=2`: BertForSequenceClassification's head (pooler on [CLS], classifier): bert-base
+    has 109,483,778 parameters there; one label per sample, and the loss falls."""
+    assert load_model("bert:classes=2").param_count_formula() == 109_483_778
+    spec = load_model(TINY["bert"] + ",classes=3")
+    model = spec.build(seed=0)
+    assert count_params(model) == spec.param_count_formula()
+    (ids, types), target = spec.sample_batch(8, seed=1)
+    assert target.shape == (8,) and int(target.max()) < 3
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = spec.loss(model(ids, types), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
 def test_bert_masks_some_positions_only():
     spec = load_model(TINY["bert"])
     (ids, types), target = spec.sample_batch(4)

@@ -48,7 +48,8 @@ What lives on a device at its peak (all bytes):
   way, table (e)); the training loop then keeps
   the outputs (one copy) through the rest of backward and the optimizer step.
   Megatron's fused vocab-parallel cross entropy (``loss="fused"``) keeps one fp32
-  copy at the loss and frees the logits afterwards.
+  copy at the loss and frees the logits afterwards; ``loss="eager-low"`` is the eager loss in the
+  outputs' dtype (a whole-model fp16 engine without autocast: DeepSpeed's fp16).
 * **Backward of a layer**: walking its ops in reverse, at op k the saved tensors of
   ops 0..k are still alive (under full recompute all of them rebuilt; under
   selective recompute the attention core's once backward reaches it) plus the
@@ -117,8 +118,9 @@ FRAMEWORK_OVERHEAD_BYTES = 1 * GiB
 DP_BUCKET_BYTES = 25 * MiB
 # loss implementation -> (copies of the model outputs at the loss, of which the first is the caller's
 # in the outputs' dtype and the rest fp32; copies of the outputs (their dtype) the training loop
-# holds through backward and the step)
-LOSS_MODELS = {"eager": (4.0, 1.0), "fused": (1.0, 0.0)}
+# holds through backward and the step). "eager-low": the same eager loss in the outputs' dtype,
+# as a whole-model fp16 / bf16 engine without autocast computes it (DeepSpeed's fp16).
+LOSS_MODELS = {"eager": (4.0, 1.0), "eager-low": (4.0, 1.0), "fused": (1.0, 0.0)}
 
 _DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
@@ -583,7 +585,8 @@ def estimate_memory(
 
     `optimizer`: one of OPTIMIZERS (see the module docstring for the step's working set).
     `overhead_bytes`: per-GPU framework constant (default FRAMEWORK_OVERHEAD_BYTES; 0 for CPU).
-    `loss`: "eager" (PyTorch cross_entropy on the outputs) or "fused" (Megatron's).
+    `loss`: "eager" (PyTorch cross_entropy on the outputs, in fp32), "eager-low" (the same in the
+    outputs' dtype: a whole-model fp16 engine) or "fused" (Megatron's).
     `persistent_grads`: force gradients to live all iteration (True) or only from their
     backward to the step (False); default decides from the plan (see module docstring).
     `precision`: how a bf16 / fp16 plan keeps its states (`PRECISIONS`, `state_bytes_per_param`);
@@ -851,7 +854,9 @@ def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_buc
     return _RowContext(
         plan=plan, w_b=w_b, g_b=g_b, k_b=k_b, step_kind=_OPTIMIZERS[optimizer][2],
         act_scale=1.0 if la.autocast else _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes,
-        loss_scale=4.0 / la.act_dtype_bytes,  # the loss runs in fp32
+        # the loss runs in fp32 (in the outputs' dtype for "eager-low")
+        loss_scale=(1.0 if la.autocast else _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes) if loss == "eager-low"
+        else 4.0 / la.act_dtype_bytes,
         loss_copies=loss_copies, held_copies=held_copies, dp_bucket=dp_bucket,
         precision=precision, casts=bool(low) and not fsdp,
         low_b=low if fsdp and plan.zero < 3 else 0, gather_b=low or w_b,

@@ -4,6 +4,9 @@ Layers: ``embed`` (word + position + token-type embeddings, LayerNorm, dropout; 
 ``layers.i`` (transformer, post-LN: ``ln1(x + attn(x))``, ``ln2(. + mlp(.))``, bidirectional),
 ``head`` (MLM transform ``dense -> GELU -> LayerNorm`` and a decoder tied to the word embeddings,
 with its own bias). No next-sentence head. Inputs: token ids and token types ``[b, s]``.
+With ``classes=N`` the head is instead a sequence classifier, as HuggingFace's
+BertForSequenceClassification: the pooler (``dense -> tanh`` on the first token), dropout and a
+linear to N logits, trained by cross-entropy on one label per sample.
 
 Parameters: ``12Lh^2 + 13Lh + (V + s + types)h + 2h`` (embeddings + their LN) ``+ h^2 + 3h + V``
 (MLM head) -- 109,514,298 for bert-base, as HuggingFace's BertForMaskedLM.
@@ -67,6 +70,21 @@ class MLMHead(nn.Module):
         return self.decoder(x)  # [b, s, V]
 
 
+class ClassifierHead(nn.Module):
+    """``head.{pooler, drop, classifier}``: the [CLS] token pooled (dense, tanh), then the class logits."""
+
+    plait_layer = "head"
+
+    def __init__(self, hidden: int, classes: int, dropout: float) -> None:
+        super().__init__()
+        self.pooler = nn.Linear(hidden, hidden)
+        self.drop = Dropout(dropout)
+        self.classifier = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.drop(torch.tanh(self.pooler(x[0]))))  # x: [s, b, h] -> [b, classes]
+
+
 class Bert(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
@@ -86,8 +104,12 @@ class Bert(nn.Module):
             )
             for _ in range(cfg["layers"])
         )
-        self.head = MLMHead(h, cfg["vocab"], cfg["eps"])
-        self.head.decoder.weight = self.embed.tok.weight
+        self.head: nn.Module
+        if cfg["classes"]:
+            self.head = ClassifierHead(h, cfg["classes"], cfg["dropout"])
+        else:
+            self.head = MLMHead(h, cfg["vocab"], cfg["eps"])
+            self.head.decoder.weight = self.embed.tok.weight
 
     def forward(self, ids: Tensor, types: Tensor) -> Tensor:
         x = self.embed(ids, types)
@@ -99,6 +121,17 @@ class Bert(nn.Module):
 def mlm_loss(logits: Tensor, target: Tensor) -> Tensor:
     """Cross-entropy over the masked positions only (mean over them)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE)
+
+
+def class_batch(vocab: int, seq: int, classes: int) -> Any:
+    """Random sentence pairs, one class label per sample."""
+
+    def make(batch: int, gen: torch.Generator, dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        types = (torch.arange(seq) >= seq // 2).long().expand(batch, seq).contiguous()
+        return (ids, types), torch.randint(0, classes, (batch,), generator=gen)
+
+    return make
 
 
 def mlm_batch(vocab: int, seq: int, mask_prob: float) -> Any:
@@ -135,6 +168,7 @@ PARAMS = {
     "sdpa": Param(bool, False, "use F.scaled_dot_product_attention"),
     "eps": Param(float, 1e-12, "LayerNorm epsilon"),
     "init_std": Param(float, 0.02, "weight init std"),
+    "classes": Param(int, 0, "a sequence classifier of this many classes instead of the MLM head (0: MLM)"),
 }
 
 SIZES = {
@@ -147,6 +181,8 @@ def bert_param_count(cfg: dict[str, Any]) -> int:
     h, v = cfg["hidden"], cfg["vocab"]
     embed = (v + cfg["seq"] + cfg["type_vocab"]) * h + 2 * h
     head = h * h + h + 2 * h + v  # dense, LN, decoder bias (decoder weight tied)
+    if cfg.get("classes"):  # pooler, classifier
+        head = h * h + h + (h + 1) * cfg["classes"]
     return cfg["layers"] * transformer_block_params(h, cfg["ffn"]) + embed + head
 
 
@@ -158,6 +194,8 @@ def bert_config(cfg: dict[str, Any], family: str, extra: tuple[str, ...] = ()) -
     check_transformer(cfg, ("layers", "hidden", "heads", "seq", "vocab", "type_vocab", *extra))
     if not 0.0 < cfg["mask_prob"] <= 1.0:
         raise ModelSpecError(f"mask_prob must be in (0, 1], got {cfg['mask_prob']}")
+    if cfg.get("classes", 0) < 0:
+        raise ModelSpecError(f"classes must be >= 0, got {cfg['classes']}")
     cfg.update(family=family, causal=False, kv_heads=cfg["heads"], head_dim=cfg["hidden"] // cfg["heads"], tie=True,
                **architecture("layernorm", "gelu", "learned", "post", bias=True))
     return cfg
@@ -169,11 +207,13 @@ def make_bert(cfg: dict[str, Any]) -> ModelSpec:
         name="bert",
         config=cfg,
         construct=lambda: Bert(cfg),
-        make_batch=mlm_batch(cfg["vocab"], cfg["seq"], cfg["mask_prob"]),
-        loss_fn=mlm_loss,
+        make_batch=class_batch(cfg["vocab"], cfg["seq"], cfg["classes"]) if cfg["classes"]
+        else mlm_batch(cfg["vocab"], cfg["seq"], cfg["mask_prob"]),
+        loss_fn=F.cross_entropy if cfg["classes"] else mlm_loss,
         init=lambda m: init_transformer(m, cfg["init_std"], cfg["layers"]),
         param_formula=lambda: bert_param_count(cfg),
-        description="BERT encoder, post-LN, masked-LM head tied to the word embeddings",
+        description="BERT encoder, post-LN, " + (f"a {cfg['classes']}-class sequence classifier" if cfg["classes"]
+                                                  else "masked-LM head tied to the word embeddings"),
     )
 
 
