@@ -599,5 +599,10 @@ def test_capture_under_cuda_autocast_keeps_fp32_where_cuda_does():
     assert cuda.saved_bytes - cpu.saved_bytes == pytest.approx(4 * a * s * s)
     assert cuda.saved_cast_bytes == cpu.saved_cast_bytes == 2 * 12 * h * h
     assert got["cuda"].autocast == "bf16" and got["cuda"].autocast_rules == "cuda"
+    # each parameter is used by the op that computes with its copy, as in the fp32 capture (the
+    # compute model reads a matmul's shape, tensor parallelism its split, off that op)
+    fp32 = capture_mod.capture(spec.build("meta"), inputs, name=spec.name)
+    assert {n: o.param_bytes for n, o in got["cuda"].ops.items() if o.param_bytes} == \
+        {n: o.param_bytes for n, o in fp32.ops.items() if o.param_bytes}
     with pytest.raises(capture_mod.CaptureError, match="autocast must be one of"):
         capture_mod.capture(spec.build("meta"), inputs, name=spec.name, autocast="fp8")

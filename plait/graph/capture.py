@@ -210,8 +210,9 @@ class _State:
     last_seq: int = 0
     # saved storage id -> [saver node seq, bytes, selective frame of first saver, all savers in it]
     saved: dict[int, list[int]] = field(default_factory=dict)
-    # storages autocast made by casting a parameter (its low-precision copy, one per forward)
-    casts: set[int] = field(default_factory=set)
+    # storages autocast made by casting a parameter (its low-precision copy, one per forward) -> the
+    # parameter's storage: the op computing with the copy is the one that uses the parameter
+    casts: dict[int, int] = field(default_factory=dict)
     # saved cast storage id -> [saver node seq, bytes]
     saved_casts: dict[int, list[int]] = field(default_factory=dict)
     sel_inputs: dict[int, list[tuple[int, int]]] = field(
@@ -440,17 +441,21 @@ class _Recorder(TorchDispatchMode):
         in_sids: dict[int, int] = {}  # sid -> tensor bytes (max over views)
         act = weights = False
         new_params: list[int] = []
-        for t in _tensors(args, kwargs):
+        tensors = list(_tensors(args, kwargs))
+        # autocast's cast of a parameter: the op that computes with the copy uses the parameter
+        cast = packet is torch.ops.aten._to_copy and len({_sid(t) for t in tensors}) == 1 and _sid(tensors[0]) in s.params
+        for t in tensors:
             sid = _sid(t)
             nb = t.numel() * t.element_size()
             if nb > in_sids.get(sid, -1):
                 in_sids[sid] = nb
-            if sid in s.params and sid not in s.used_params:
-                new_params.append(sid)
+            param = s.casts.get(sid, sid)
+            if param in s.params and param not in s.used_params and not cast and param not in new_params:
+                new_params.append(param)
             st = storages.get(sid)
             if (st is not None and st[2]) or sid in s.params:
                 act = True  # a trainable value: its gradient flows back through every reader
-            weights = weights or sid in s.params
+            weights = weights or param in s.params
         outs = [t for t in _tensors(out if isinstance(out, (tuple, list)) else (out,))]
         mutable = func._schema.is_mutable
         fresh = [t for t in outs if _sid(t) not in in_sids]
@@ -484,17 +489,16 @@ class _Recorder(TorchDispatchMode):
             rec.param_count += numel
         for sid, nb in in_sids.items():
             st = storages.get(sid)
-            if st is not None and st[2]:
+            if st is not None and st[2] and sid not in s.casts:  # a parameter's copy is no activation input
                 rec.ins.append((st[1], sid, nb))
         rec.act = act
         rec.weights = weights
-        cast = packet is torch.ops.aten._to_copy and len(in_sids) == 1 and next(iter(in_sids)) in s.params
         for t in fresh:
             sid = _sid(t)
             storages[sid] = [idx, idx, act]
             rec.out_bytes += t.untyped_storage().nbytes()
             if cast:
-                s.casts.add(sid)
+                s.casts[sid] = _sid(tensors[0])
         if mutable:  # in-place: this op is now the last writer of its outputs' storage
             for t in outs:
                 st = storages.get(_sid(t))
