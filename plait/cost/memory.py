@@ -8,7 +8,8 @@ What lives on a device at its peak (all bytes):
 
 * **Model states** (Rajbhandari et al. 2020, "ZeRO", §3.1 and Fig. 1) -- ``precision="megatron"``;
   under ``"amp"`` (torch's autocast over fp32 parameters, plait's engines) 4 + 4 + 8 bytes with
-  Adam, FSDP2's gathered low-precision parameters beside them, and autocast's bf16 parameter
+  Adam, FSDP2's gathered low-precision parameters beside them (its gradients sharded from ZeRO-1
+  on: it reduce-scatters every one), and autocast's bf16 parameter
   copies counted per micro-batch among the activations (`state_bytes_per_param`). With Ψ
   parameters on the device and N data-parallel replicas, mixed precision
   (bf16/fp16) Adam keeps 2Ψ weights + 2Ψ gradients + 12Ψ optimizer state (fp32
@@ -888,7 +889,9 @@ def _device_row(
     # ---- model states (Rajbhandari et al. §3.1), Ψ = parameters on this tensor rank
     weights = w_b * t.psi / (dp if zero >= 3 else 1)
     low = ctx.low_b * t.psi  # FSDP2's gathered low-precision parameters, held from forward to backward
-    grads_full = g_b * t.psi / (dp if zero >= 2 else 1)
+    # FSDP2 (plait's engines at ZeRO >= 1, "amp") reduce-scatters every gradient: ZeRO-1's are sharded too
+    zg = 2 if ctx.precision == "amp" and zero == 1 else zero
+    grads_full = g_b * t.psi / (dp if zg >= 2 else 1)
     opt = k_b * t.psi / (dp if zero >= 1 else 1)
 
     # ---- activations (one micro-batch: b * per-sample), loss working set, held outputs
@@ -904,7 +907,7 @@ def _device_row(
 
     # ---- peak during backward of layer i: all gradients (persistent) or those of layers i..end
     i_max, g_now = _backward_peak_layer(t, b=b, persistent=persistent, grads_full=grads_full, g_b=g_b,
-                                        dp=dp, zero=zero)
+                                        dp=dp, zero=zg)
     kept_i = b * float(t.cum[i_max]) + float(t.cast_cum[i_max])
     extra_i = b * max(0.0, float(t.extra[i_max])) + float(t.cast_extra[i_max])
     at_layer = others + kept_i + extra_i + g_now + held
