@@ -606,3 +606,27 @@ def test_capture_under_cuda_autocast_keeps_fp32_where_cuda_does():
         {n: o.param_bytes for n, o in fp32.ops.items() if o.param_bytes}
     with pytest.raises(capture_mod.CaptureError, match="autocast must be one of"):
         capture_mod.capture(spec.build("meta"), inputs, name=spec.name, autocast="fp8")
+
+
+def test_fsdp2_replica_in_bf16_is_estimated_as_measured():
+    """ZeRO-1 on plait's torch engine (FSDP2, bf16 MixedPrecisionPolicy, two gloo processes,
+    `plait.measure.replica_memory`) against `estimate_memory` on the model captured as FSDP2 runs it
+    (bf16 parameters): fp32 parameters and Adam state sharded, the whole bf16 gather held through
+    forward and backward, no DDP bucket. A plan whose replicas keep fp32 parameters (zero=0: DDP) is
+    refused on that graph."""
+    capture_mod = pytest.importorskip("plait.graph.capture")
+    zoo = pytest.importorskip("plait.graph.zoo")
+    from plait.measure.replica_memory import measure_data_parallel_peak
+
+    text, plan = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=500,dropout=0,attn_dropout=0", \
+        "dp=2,zero=1,micro_batch=2,global_batch=4,dtype=bf16"
+    measured = measure_data_parallel_peak(text, plan)
+    assert measured.by_category["Unsharded Param"] == measured.by_category["Sharded Param"]  # 2 B vs 4 B / 2
+    spec = zoo.load_model(text)
+    g = capture_mod.capture(spec.build("meta"), spec.sample_batch(2, device="meta")[0], name=spec.name,
+                            autocast="bf16", autocast_rules="cpu", autocast_params="low")
+    two = cluster(gpus=2)
+    est = estimate_memory(g, Plan.parse(plan), two, optimizer="adam-loop", overhead_bytes=0)
+    assert est.peak_bytes[0] == pytest.approx(measured.peak_bytes, rel=0.01)
+    with pytest.raises(MemoryEstimateError, match="keep fp32 parameters"):
+        estimate_memory(g, Plan.parse("dp=2,micro_batch=2,global_batch=4,dtype=bf16"), two)

@@ -69,7 +69,8 @@ What lives on a device at its peak (all bytes):
   state partition (``_foreach_sqrt(exp_avg_sq)``); ``adam-loop`` (PyTorch's
   default on CPU) makes two temporaries the size of the largest parameter tensor.
   The step runs after backward, so the peak is the larger of the two phases.
-* **Communication buffers**: one in-flight data-parallel gradient bucket
+* **Communication buffers** (under ``"amp"``: DDP reduces its bucket views in place, FSDP2 has
+  no bucket and gathers a ZeRO-3 layer only while it runs): one in-flight data-parallel gradient bucket
   (the plan's ``grad_bucket_mb``, 25 MiB by default as DDP's ``bucket_cap_mb``; 0 for
   Megatron's contiguous buffer reduced in place), with gradients as bucket views, the ZeRO-3 parameter all-gather buffer (the two
   largest layers: the one running and the one prefetched), and pipeline send/recv
@@ -363,6 +364,7 @@ class _LayerArrays:
     n_layers: int
     cast: np.ndarray  # autocast's parameter copies a layer saves, per micro-batch (not per sample)
     autocast: str  # the graph's `OpGraph.autocast` ("" : activations in one dtype)
+    autocast_params: str  # the graph's `OpGraph.autocast_params`
     terms: dict = field(default_factory=dict)  # _stage_terms cache
 
 
@@ -526,6 +528,7 @@ def _build_arrays(graph: OpGraph) -> _LayerArrays:
         n_layers=n,
         cast=arr("saved_cast_bytes"),
         autocast=graph.autocast,
+        autocast_params=graph.autocast_params,
     )
 
 
@@ -645,7 +648,18 @@ def _checked_precision(la: _LayerArrays, plan: Plan, precision: str | None) -> s
             f"plan field 'dtype': the graph was captured under {la.autocast} autocast (its activations in "
             f"autocast's dtypes); a plan in {plan.dtype} with precision {precision!r} needs a graph captured "
             "for it")
+    if la.autocast_params == "low" and not _fsdp_form(plan):
+        raise MemoryEstimateError(
+            f"plan field 'zero': the graph was captured with its parameters in {la.autocast}, as FSDP2 gathers "
+            f"them; a plan whose replicas keep fp32 parameters for autocast to cast (zero=0: DDP or one "
+            "process) needs the graph captured with fp32 parameters (capture(autocast_params='fp32'))")
     return precision
+
+
+def _fsdp_form(plan: Plan) -> bool:
+    """Whether plait's engines run `plan`'s data parallelism on FSDP2 (ZeRO >= 1, or torch's FSDP2-based
+    `replicate` for dp x tp), which gathers the parameters in the plan's dtype."""
+    return plan.zero >= 1 or (plan.dp > 1 and plan.tp > 1)
 
 
 def _check_stage_devices(stages: list[_Stage], n_dev: int, cluster: Cluster) -> None:
@@ -836,6 +850,7 @@ class _RowContext:
     casts: bool = False  # autocast's parameter copies are made (and saved) per micro-batch
     low_b: int = 0  # bytes per parameter of the whole low-precision parameters FSDP2 holds fwd -> bwd
     gather_b: int = 0  # bytes per parameter of ZeRO-3's gathered parameters (the running, the prefetched)
+    fsdp: bool = False  # data parallelism over FSDP2 ("amp" at ZeRO >= 1, or dp x tp): no DDP bucket
 
 
 def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_bucket: int,
@@ -851,7 +866,7 @@ def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_buc
     # gathers the parameters in the low dtype (its MixedPrecisionPolicy): autocast then casts
     # nothing, and the gathered low-precision parameters are what is held -- whole from forward to
     # backward at ZeRO-1/2 and under `replicate`, the running and the prefetched unit at ZeRO-3.
-    fsdp = plan.zero >= 1 or (plan.dp > 1 and plan.tp > 1)
+    fsdp = _fsdp_form(plan)
     return _RowContext(
         plan=plan, w_b=w_b, g_b=g_b, k_b=k_b, step_kind=_OPTIMIZERS[optimizer][2],
         act_scale=1.0 if la.autocast else _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes,
@@ -860,7 +875,7 @@ def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_buc
         else 4.0 / la.act_dtype_bytes,
         loss_copies=loss_copies, held_copies=held_copies, dp_bucket=dp_bucket,
         precision=precision, casts=bool(low) and not fsdp,
-        low_b=low if fsdp and plan.zero < 3 else 0, gather_b=low or w_b,
+        low_b=low if fsdp and plan.zero < 3 else 0, gather_b=low or w_b, fsdp=fsdp and precision == "amp",
     )
 
 
@@ -887,7 +902,8 @@ def _device_row(
                      casts=ctx.casts)
 
     # ---- model states (Rajbhandari et al. §3.1), Ψ = parameters on this tensor rank
-    weights = w_b * t.psi / (dp if zero >= 3 else 1)
+    # FSDP2 shards the (fp32) parameters at every ZeRO level; ZeRO-1/2 keep its low-precision gather
+    weights = w_b * t.psi / (dp if zero >= 3 or (ctx.fsdp and zero >= 1) else 1)
     low = ctx.low_b * t.psi  # FSDP2's gathered low-precision parameters, held from forward to backward
     # FSDP2 (plait's engines at ZeRO >= 1, "amp") reduce-scatters every gradient: ZeRO-1's are sharded too
     zg = 2 if ctx.precision == "amp" and zero == 1 else zero
@@ -910,13 +926,16 @@ def _device_row(
                                         dp=dp, zero=zg)
     kept_i = b * float(t.cum[i_max]) + float(t.cast_cum[i_max])
     extra_i = b * max(0.0, float(t.extra[i_max])) + float(t.cast_extra[i_max])
-    at_layer = others + kept_i + extra_i + g_now + held
+    # FSDP2 at ZeRO-3 gathers a layer's parameters while it runs (and prefetches the next): there at
+    # a layer's backward, resharded at the loss
+    gather = ctx.gather_b * t.psi_top2 if ctx.fsdp and dp > 1 and zero >= 3 else 0.0
+    at_layer = others + kept_i + extra_i + g_now + held + gather
     at_loss = others + a_mb + loss_ws + (grads_full if persistent else 0.0)
     if loss_ws > 0 and at_loss >= at_layer:
-        act, logits, tmp, g_now = others + a_mb, loss_ws, 0.0, (grads_full if persistent else 0.0)
+        act, logits, tmp, g_now, gather = others + a_mb, loss_ws, 0.0, (grads_full if persistent else 0.0), 0.0
     else:
         act, logits, tmp = others + kept_i, held, extra_i
-    backward_total = act + logits + tmp + g_now + low
+    backward_total = act + logits + tmp + g_now + low + gather
 
     # ---- optimizer step: all gradients plus the step's temporaries
     step_tmp = _step_temporaries(ctx.step_kind, t, dp, zero)
@@ -930,6 +949,7 @@ def _device_row(
         row[_G], row[_L], row[_X], row[-1] = grads_full, held, step_tmp, 1.0
     else:
         row[_W] += low
+        row[_C] += gather
         row[_G], row[_A], row[_L], row[_X] = g_now, act, logits, tmp
     return row
 
@@ -940,6 +960,8 @@ def _persistent_grads(ctx: _RowContext, micro_batches: float, dp: int) -> bool:
     over fp32 parameters with one micro-batch and no replicas frees and makes them as fp32 does."""
     plan = ctx.plan
     mixed = plan.dtype in ("bf16", "fp16") and ctx.precision == "megatron"
+    if ctx.fsdp:  # FSDP2 makes each gradient shard at its unit's reduce-scatter (none at the start)
+        return mixed or micro_batches > 1
     return mixed or micro_batches > 1 or dp > 1 or plan.zero > 0
 
 
@@ -973,9 +995,15 @@ def _comm_buffers(t: _StageTerms, ctx: _RowContext, *, b: int, dp: int, p2p: flo
     # engines sends it (1/tp under sequence parallelism, else whole)
     comm = float(pp_message_bytes(p2p, b, ctx.act_scale, tp, pp_split(ctx.plan)))
     if dp > 1:
-        comm += min(float(ctx.dp_bucket), grads_full)
-        if ctx.plan.zero >= 3:  # all-gathered full parameters of the running and the prefetched layer
-            comm += ctx.gather_b * t.psi_top2
+        if not ctx.fsdp:  # DDP's in-flight bucket (FSDP2 reduce-scatters unit by unit instead)
+            bucket = min(float(ctx.dp_bucket), grads_full)
+            if ctx.precision == "amp":  # the gradients are views into DDP's buckets, reduced in place,
+                # unless the wire's dtype differs: then one bucket cast to it (`recorded_allreduce_hook`)
+                wire = _DTYPE_BYTES[ctx.plan.grad_dtype]
+                bucket = bucket * wire / ctx.g_b if wire != ctx.g_b else 0.0
+            comm += bucket
+        if ctx.plan.zero >= 3 and not ctx.fsdp:  # the running and the prefetched layer's gathered parameters
+            comm += ctx.gather_b * t.psi_top2  # (FSDP2's: `_device_row`, only while a layer runs)
     return comm
 
 

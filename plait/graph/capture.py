@@ -666,6 +666,7 @@ def capture(
     replicate: bool = True,
     autocast: str | None = None,
     autocast_rules: str = "cuda",
+    autocast_params: str = "fp32",
 ) -> OpGraph:
     """Run one training step of `module` on the meta device and describe it as an OpGraph.
 
@@ -690,13 +691,18 @@ def capture(
     low-precision parameter copies autocast makes and autograd saves are counted apart
     (`Layer.saved_cast_bytes`: one set per forward, not per sample). `autocast_rules`: whose op
     lists, "cuda" (the GPU a plan trains on; emulated over CPU autocast, `_CudaFp32Ops`) or "cpu"
-    (CPU autocast as it is: what a CPU measurement runs).
+    (CPU autocast as it is: what a CPU measurement runs). `autocast_params`: "fp32" (DDP, one
+    process: autocast casts them, and its copies are saved) or "low" (FSDP2's MixedPrecisionPolicy
+    gathers them in the low dtype and casts the floating inputs: nothing left for autocast to cast;
+    the embeddings' outputs, and so the residual stream, are low-precision too).
     """
     if autocast is not None and autocast not in _LOW:
         raise CaptureError(f"capture: autocast must be one of {sorted(_LOW)} or None, got {autocast!r}")
     if autocast_rules not in ("cuda", "cpu"):
         raise CaptureError(f"capture: autocast_rules must be 'cuda' or 'cpu', got {autocast_rules!r}")
-    amp = (autocast, autocast_rules)
+    if autocast_params not in ("fp32", "low"):
+        raise CaptureError(f"capture: autocast_params must be 'fp32' or 'low', got {autocast_params!r}")
+    amp = (autocast, autocast_rules, autocast_params)
     if not isinstance(sample_inputs, tuple):
         sample_inputs = (sample_inputs,)
     inputs = _to_meta_inputs(sample_inputs)
@@ -745,7 +751,7 @@ def _trace(
     name: str,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     cuda_kernels: bool,
-    amp: tuple[str | None, str] = (None, "cuda"),
+    amp: tuple[str | None, str, str] = (None, "cuda", "fp32"),
 ) -> tuple[_State, list[torch.Tensor]]:
     """One forward, loss and backward on meta under the recorder; returns the raw records. Under
     autocast (`amp`: the low dtype and the rules) the fake tensors stand on the CPU device, whose
@@ -758,8 +764,17 @@ def _trace(
     # neither moved nor copied; tied names share one stand-in.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = torch.device("cpu") if amp[0] is not None else None
-    substitutes = _fake_weights(module, fake_mode, state, device)
-    inputs = tree_map(lambda x: _fake(fake_mode, x, device) if isinstance(x, torch.Tensor) else x, inputs)
+    low = _LOW[amp[0]] if amp[0] is not None and amp[2] == "low" else None  # FSDP2's gathered dtype
+    substitutes = _fake_weights(module, fake_mode, state, device, low)
+
+    def fake_input(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if low is not None and x.is_floating_point():  # FSDP2 casts the floating forward inputs
+            x = _meta(x).to(low).requires_grad_(x.requires_grad)
+        return _fake(fake_mode, x, device)
+
+    inputs = tree_map(fake_input, inputs)
     for leaf in tree_flatten(inputs)[0]:
         if isinstance(leaf, torch.Tensor):
             state.storages[_sid(leaf)] = [-1, -1, 1]
@@ -802,9 +817,9 @@ def _fake(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | Non
 
 
 def _fake_weights(module: nn.Module, fake_mode: FakeTensorMode, state: _State,
-                  device: torch.device | None = None) -> dict[str, torch.Tensor]:
+                  device: torch.device | None = None, low: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Fake stand-ins for the module's parameters and buffers, by name (tied names share one),
-    entered in `state.params` and `state.buffers`."""
+    entered in `state.params` and `state.buffers`; floating parameters in `low` where given."""
     named_params = list(module.named_parameters(remove_duplicate=False))
     named_buffers = list(module.named_buffers(remove_duplicate=False))
     substitutes: dict[str, torch.Tensor] = {}
@@ -812,7 +827,8 @@ def _fake_weights(module: nn.Module, fake_mode: FakeTensorMode, state: _State,
     made: dict[int, torch.Tensor] = {}
     for pname, p in named_params:
         if id(p) not in made:
-            made[id(p)] = _fake(fake_mode, _meta(p), device).requires_grad_(p.requires_grad)
+            meta = _meta(p).to(low) if low is not None and p.is_floating_point() else _meta(p)
+            made[id(p)] = _fake(fake_mode, meta, device).requires_grad_(p.requires_grad)
             owner_path[id(made[id(p)])] = pname.rpartition(".")[0]
         substitutes[pname] = made[id(p)]
     params_by_id = {id(m): m for m in made.values()}
@@ -889,12 +905,12 @@ def _forward_backward(
     name: str,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     state: _State,
-    amp: tuple[str | None, str] = (None, "cuda"),
+    amp: tuple[str | None, str, str] = (None, "cuda", "fp32"),
 ) -> Any:
     """The forward, the loss and the backward, under the modes and hooks in place (the forward and
     the loss under `amp`'s autocast); returns the model's output."""
     try:
-        with _autocast(*amp):
+        with _autocast(amp[0], amp[1]):
             output = torch.func.functional_call(module, substitutes, inputs)
             state.frames.clear()
             loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
@@ -1222,7 +1238,7 @@ def _build_graph(
     heads: dict[str, tuple[str, str]],
     config: dict[str, Any] | None,
     runs: list[_Run],
-    amp: tuple[str | None, str] = (None, "cuda"),
+    amp: tuple[str | None, str, str] = (None, "cuda", "fp32"),
 ) -> OpGraph:
     """The per-sample OpGraph of a trace's records, each replicated run expanded to its full length."""
     recs = state.recs
@@ -1254,6 +1270,8 @@ def _build_graph(
     position = {n: i for i, n in enumerate(order)}
     _check_one_way(name, flows.edges, position)
     param_dtype = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
+    if amp[0] is not None and amp[2] == "low":
+        param_dtype = _LOW[amp[0]].itemsize
     act_dtype = next((t.element_size() for t in out_leaves if t.is_floating_point()), param_dtype)
     if amp[0] is not None:  # the bytes are as autocast left them: scaled by 1 for a plan in its dtype
         act_dtype = _LOW[amp[0]].itemsize
@@ -1266,6 +1284,7 @@ def _build_graph(
         activation_dtype_bytes=act_dtype,
         autocast=amp[0] or "",
         autocast_rules=amp[1] if amp[0] else "",
+        autocast_params=amp[2] if amp[0] else "",
         capture_batch=batch,
         config=_graph_config(state, config, unused_paths, replicated, b),
         tied=tied_parameters_between_layers(module, heads, order),

@@ -112,6 +112,9 @@ class OpGraph:
     # gives it -- and the bytes are as they are (`autocast_rules`: whose op lists, "cuda" or "cpu")
     autocast: str = ""
     autocast_rules: str = ""
+    # "fp32": the parameters fp32, cast by autocast (DDP, one process); "low": in the low dtype, as
+    # FSDP2's MixedPrecisionPolicy gathers them (nothing for autocast to cast)
+    autocast_params: str = ""
     capture_batch: int = 1
     # Architecture facts a consumer may use (hidden, heads, seq, vocab, ffn, layers, ...).
     config: dict[str, Any] = field(default_factory=dict)
