@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import multiprocessing
 import sys
@@ -249,8 +250,11 @@ def predict_memory_gib(r: dict) -> float:
     overhead = 0 if "allocated" in (r.get("memory_kind") or "") else None
     _, loss, bucket_copy = ENGINE_MEMORY.get(r["engine"], (False, "eager", False))
     graph, precision = memory_graph(r)
-    est = estimate_memory(graph, row_plan(r), row_cluster(r), optimizer=r.get("optimizer") or "adam", loss=loss,
-                          overhead_bytes=overhead, precision=precision, dp_bucket_bytes=2**62 if bucket_copy else None)
+    plan = row_plan(r)
+    if precision == "amp":  # torch's DDP reduces the fp32 gradients as they are (no compression hook)
+        plan = dataclasses.replace(plan, grad_reduce_dtype="fp32")
+    est = estimate_memory(graph, plan, row_cluster(r), optimizer=r.get("optimizer") or "adam", loss=loss,
+                          overhead_bytes=overhead, precision=precision, grad_bucket_view=not bucket_copy)
     return float(max(est.peak_bytes)) / 2**30
 
 

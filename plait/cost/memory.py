@@ -94,7 +94,7 @@ schedule keeps in flight, read off the schedule's action lists by `plait.schedul
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -584,6 +584,7 @@ def estimate_memory(
     loss: str = "eager",
     persistent_grads: bool | None = None,
     precision: str | None = None,
+    grad_bucket_view: bool = True,
 ) -> MemoryEstimate:
     """Per-device peak bytes of one training iteration of `graph` under `plan` on `cluster`.
 
@@ -595,6 +596,8 @@ def estimate_memory(
     backward to the step (False); default decides from the plan (see module docstring).
     `precision`: how a bf16 / fp16 plan keeps its states (`PRECISIONS`, `state_bytes_per_param`);
     default "amp" for a graph captured under autocast (`OpGraph.autocast`), else "megatron".
+    `grad_bucket_view`: under "amp", DDP's gradients are views into its buckets (plait's engines);
+    False: torch's default, the buckets a second copy of every gradient (PyTorch Lightning's DDP).
     """
     dp_bucket_bytes = _checked_bucket_bytes(plan, optimizer, loss, dp_bucket_bytes, overhead_bytes)
     la = _layer_arrays(graph)
@@ -603,6 +606,8 @@ def estimate_memory(
     n_dev = len(kinds)
     overhead = FRAMEWORK_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes
     ctx = _row_context(la, plan, optimizer, loss, dp_bucket_bytes, precision)
+    if not grad_bucket_view:
+        ctx = replace(ctx, bucket_copy=True)
     stages = _plan_stages(la, plan, graph)
     _check_stage_devices(stages, n_dev, cluster)
     matrix, step_phase, used = _device_matrix(la, graph, stages, ctx, n_dev, persistent_grads)
@@ -851,6 +856,7 @@ class _RowContext:
     low_b: int = 0  # bytes per parameter of the whole low-precision parameters FSDP2 holds fwd -> bwd
     gather_b: int = 0  # bytes per parameter of ZeRO-3's gathered parameters (the running, the prefetched)
     fsdp: bool = False  # data parallelism over FSDP2 ("amp" at ZeRO >= 1, or dp x tp): no DDP bucket
+    bucket_copy: bool = False  # DDP's buckets hold a copy of every gradient (not views: torch's default)
 
 
 def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_bucket: int,
@@ -1001,6 +1007,8 @@ def _comm_buffers(t: _StageTerms, ctx: _RowContext, *, b: int, dp: int, p2p: flo
                 # unless the wire's dtype differs: then one bucket cast to it (`recorded_allreduce_hook`)
                 wire = _DTYPE_BYTES[ctx.plan.grad_dtype]
                 bucket = bucket * wire / ctx.g_b if wire != ctx.g_b else 0.0
+            if ctx.bucket_copy:  # every bucket allocated beside the gradients
+                bucket = grads_full
             comm += bucket
         if ctx.plan.zero >= 3 and not ctx.fsdp:  # the running and the prefetched layer's gathered parameters
             comm += ctx.gather_b * t.psi_top2  # (FSDP2's: `_device_row`, only while a layer runs)
