@@ -170,6 +170,22 @@ def test_lone_pair_slowed_while_its_host_is_busy_is_not_judged(tmp_path: Path, c
         assert kinds(d) == [("slow_link", (0, 1))] and not d.warnings
 
 
+@pytest.mark.parametrize("link", [True, False])
+def test_contended_steps_are_judged_where_the_peers_probes_did_not_slow(tmp_path: Path, link: bool) -> None:
+    # Issue 32: 4 ranks, another job's processes take +1 core of the host from step 4 (the injection
+    # suite runs two jobs at once). Link 0-1 3x slower from step 4 while its five peers' probes stay
+    # flat: contention did not reach the probes, so those steps are judged and the link named (two
+    # 2.5-3.5x links went unnamed). Every probe 3x slower with the ranks' compute (a busy machine):
+    # the peers slowed too -- not judged, healthy.
+    kw = dict(link=(0, 1, 4, 3.0)) if link else dict(busy=(4, 3.0))
+    d = diagnose(write_run(tmp_path, world=4, steps=12, version=3, foreign=(4, 1.0), **kw))
+    assert any("CPU contention on host" in w for w in d.warnings), d
+    if link:
+        assert kinds(d) == [("slow_link", (0, 1))] and d.findings[0].step == 4, d.findings
+    else:
+        assert d.healthy, d.findings
+
+
 def test_link_far_slower_than_contention_makes_it_is_named_while_its_host_is_busy(tmp_path: Path) -> None:
     # A 30 ms link delay under a bursty busy loop: its steps were contended, dropped, and the link
     # went unnamed (2 of 8 runs). 4 ms -> 240 ms is beyond what contention adds

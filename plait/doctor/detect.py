@@ -474,7 +474,8 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
            min_hits: int, fraction: float, scale: dict[Any, dict[int, float]] | None = None,
            periodic: bool = True, alpha: float | None = None,
            levels: dict[Any, float | None] | None = None,
-           lone_run: int | None = None) -> dict[Any, tuple[list[int], float, int]]:
+           lone_run: int | None = None,
+           reference: dict[Any, dict[int, float]] | None = None) -> dict[Any, tuple[list[int], float, int]]:
     """Who is slow: item -> (its slow steps, its reference), for items with enough slow steps.
 
     A step is slow when the item exceeds `ratio` x its own steady level *and* `ratio` x the
@@ -490,9 +491,11 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
     has 6); None: not tested. Returns item -> (slow steps, reference, how many of the slow steps
     it took to name it). `levels`: item -> its steady level where the series holds steps that
     must not set it (`slow_links`' contended steps). `lone_run`: an item without peers is named only
-    for an unbroken run of this many slow steps (of its series' steps), from the run's first."""
+    for an unbroken run of this many slow steps (of its series' steps), from the run's first.
+    `reference`: item -> step -> value its peers are compared with where their series lack the
+    step (`slow_links`' contended steps: upper bounds of the link's time)."""
     own = {k: (levels or {}).get(k) or _steady(dict(ser)) for k, ser in series.items()}
-    found = {k: _hits(k, series, peers, own, ratio, floor, scale) for k in series}
+    found = {k: _hits(k, series, peers, own, ratio, floor, scale, reference) for k in series}
     out = {}
     for k, ser in series.items():
         hits = found[k]
@@ -547,7 +550,8 @@ def _unbroken_run(steps: list[int], slow: set[int], length: int) -> list[int]:
 
 
 def _hits(k: Any, series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], own: dict[Any, float | None],
-          ratio: float, floor: float, scale: dict[Any, dict[int, float]] | None) -> list[int] | None:
+          ratio: float, floor: float, scale: dict[Any, dict[int, float]] | None,
+          reference: dict[Any, dict[int, float]] | None = None) -> list[int] | None:
     """The steps at which item `k` is slow (`_flags`' test), None when it has no level."""
     ser = series[k]
     if own[k] is None or own[k] <= 0:  # type: ignore[operator]
@@ -561,7 +565,8 @@ def _hits(k: Any, series: dict[Any, dict[int, float]], peers: dict[Any, list[Any
         margin = max(floor, 3.0 * statistics.median(abs(v - mid) for v in ser.values()))
     hits = []
     for s, v in sorted(ser.items()):
-        now = [series[p][s] for p in ps if s in series[p]]
+        ref = reference or {}
+        now = [series[p][s] if s in series[p] else ref[p][s] for p in ps if s in series[p] or s in ref.get(p, {})]
         if ps and not now:
             continue
         peer_now = statistics.median(now) if now else None
@@ -759,31 +764,46 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
     # unless slower than contention makes them (`contention_probe_s`): those are judged.
     busy = {h: set(steps) for h, steps in host_contention(run, th).items()}
     contended = {r: busy.get(_host_of(run, r), set()) for r in run.ranks}
-    series, set_level = {}, {}
-    for p, ser in times.items():
-        both = {s: max(v[0], floor) for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)}
-        busy_steps = contended.get(p[0], set()) | contended.get(p[1], set())
-        series[p] = {s: v for s, v in both.items() if s not in busy_steps}
-        # Contention only slows a probe: a contended step is an upper bound on the link's time, so
-        # it may set the level (a fault from step 3 with step 2 contended left one clean step
-        # before it, and the level came from the slow steps after).
-        level = _steady(both)
-        if level and busy_steps:
-            bar = th.slow_link_ratio * level + th.contention_probe_s
-            kept = {s: v for s, v in both.items() if s in busy_steps and v >= bar}
-            series[p] = dict(sorted({**series[p], **kept}.items()))
-            set_level[p] = level  # the kept steps are judged against it, not a level they raised
-    series = {p: ser for p, ser in series.items() if ser}
 
     def kind(p: tuple[int, int]) -> bool:  # same node or not: intra-node links are faster by design
         return run.node_of(p[0]) == run.node_of(p[1])
+    # every probe (contended steps included) and its pair's level: contention only slows a probe, so
+    # a contended step is an upper bound on the link's time -- it may set the level (a fault from
+    # step 3 with step 2 contended left one clean step before it, and the level came from the slow
+    # steps after) and stand as a peer's reference
+    alls = {p: {s: max(v[0], floor) for s, v in ser.items() if s > min(ser) and (before is None or v[2] <= before)}
+            for p, ser in times.items()}
+    level_all = {p: _steady(both) for p, both in alls.items()}
+
+    def untouched(s: int, refs: list[tuple[int, int]]) -> bool:
+        """Contention at step s did not slow the probes of `refs` (their median ratio to their
+        levels stays under `slow_link_ratio`): at s it slowed no probe, so s is judged."""
+        ratios = [alls[q][s] / level_all[q] for q in refs if s in alls[q] and level_all[q]]  # type: ignore[operator]
+        return bool(ratios) and statistics.median(ratios) < th.slow_link_ratio
+
+    series, set_level, busy_of = {}, {}, {}
+    for p, both in alls.items():
+        busy_steps = contended.get(p[0], set()) | contended.get(p[1], set())
+        busy_of[p] = busy_steps
+        series[p] = {s: v for s, v in both.items() if s not in busy_steps}
+        level = level_all[p]
+        if level and busy_steps:
+            # judged at a contended step: where its peers' probes did not slow (the contention did
+            # not reach the probes: a 2.5x link beside another job's processes went unnamed, its
+            # peers' probes flat), or where it is slower than contention makes a probe
+            refs = [q for q in alls if q != p and kind(q) == kind(p)]
+            bar = th.slow_link_ratio * level + th.contention_probe_s
+            kept = {s: v for s, v in both.items() if s in busy_steps and (v >= bar or untouched(s, refs))}
+            series[p] = dict(sorted({**series[p], **kept}.items()))
+            set_level[p] = level  # the kept steps are judged against it, not a level they raised
+    series = {p: ser for p, ser in series.items() if ser}
     peers = {p: [q for q in series if q != p and kind(q) == kind(p)] for p in series}
     rise = compute_rise(run, list(series), th, work_before)
     # A slow link stays slow: its probes from the first slow one on (not every k-th: a shared
     # machine's latency spikes, scattered over a long run, fall on some grid by chance).
     flagged = _flags(series, peers, th.slow_link_ratio, th.link_min_excess_s, th.link_min_hits,
                      th.link_min_hit_fraction, scale=rise, periodic=False, alpha=th.link_noise_alpha,
-                     levels=set_level, lone_run=th.lone_link_min_hits)
+                     levels=set_level, lone_run=th.lone_link_min_hits, reference=alls)
     out = []
     for p, (hits, ref, named) in flagged.items():
         ratios = [series[p][s] / ref for s in hits]
@@ -792,7 +812,8 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
                             ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
                             transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
     out = _on_uplink(run, out)
-    out += uplinks(run, th, series, times, rise, {f.ranks for f in out}, set_level)
+    out += uplinks(run, th, series, times, rise, {f.ranks for f in out}, set_level,
+                   contended=(alls, busy_of, untouched))
     return sorted(out, key=lambda f: -f.evidence["ratio"])
 
 
@@ -821,7 +842,9 @@ def _on_uplink(run: RunRecords, found: list[Finding]) -> list[Finding]:
 def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[int, float]],
             times: dict[tuple[int, int], dict[int, tuple[float, float, float]]],
             rise: dict[tuple[int, int], dict[int, float]], named: set[tuple[int, ...]],
-            levels: dict[tuple[int, int], float] | None = None) -> list[Finding]:
+            levels: dict[tuple[int, int], float] | None = None,
+            contended: tuple[dict[tuple[int, int], dict[int, float]], dict[tuple[int, int], set[int]], Any] | None = None
+            ) -> list[Finding]:
     """A node's uplink slowed: every pair crossing that node's boundary slow against *its own*
     history (absolute evidence: peers of its kind slowed too, so the relative test cannot see it),
     while the same-node pairs did not slow (CPU contention slows those too: `rise` also discounts
@@ -830,7 +853,11 @@ def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[
 
     `levels`: a pair's level where `slow_links` set it from every probe, contended steps included:
     the steps a contended stretch leaves in `series` may all be slow ones (a fault from step 3 under
-    contention at steps 0-5 left steps 3-7, and a level of those hid the fault)."""
+    contention at steps 0-5 left steps 3-7, and a level of those hid the fault).
+    `contended`: (every pair's probes, contended steps included; each pair's contended steps; the
+    test that contention at a step slowed none of some pairs' probes): a node's contended step is
+    judged where the pairs not crossing its boundary did not slow (two 2.2x uplinks beside another
+    job's processes went unnamed, their other pairs' probes flat)."""
     node = {r: run.node_of(r) for r in run.ranks}
     nodes = sorted({n for n in node.values() if n is not None}, key=str)
     if len(nodes) < 2:
@@ -844,6 +871,16 @@ def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[
         if not group or frozenset(group) in seen or any(p in named for p in group):
             continue
         seen.add(frozenset(group))
+        gs = {p: series[p] for p in group}
+        if contended is not None:
+            alls, busy_of, untouched = contended
+            others = [q for q in alls if q not in group]
+            for p in group:
+                back = {s: alls[p][s] for s in busy_of.get(p, ()) if s in alls[p] and s not in gs[p]
+                        and untouched(s, others)}
+                if back:
+                    gs[p] = dict(sorted({**gs[p], **back}.items()))
+        series = {**series, **gs}
         steps = sorted(set.intersection(*(set(series[p]) for p in group)))
         hits = []
         for s in steps:
