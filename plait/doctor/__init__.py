@@ -80,10 +80,12 @@ _RECORDS_ONLY = ("comm_hang", "mismatch", "noncomm_hang", "slow_rank", "slow_lin
 def _library_ending(ended: object) -> bool:
     """Whether a dead rank's ending (`dead_rank` evidence "ended": its signal, its own error, or
     "process gone" when only a vanished pid says so) is one a collective library gives a process on
-    a call it cannot complete: an abort (gloo's failed enforce is SIGABRT) or an error raised in the
-    rank -- not a signal from outside (SIGKILL, SIGTERM, ...) nor an unknown end."""
+    a call it cannot complete: an abort (gloo's failed enforce is SIGABRT), a memory fault of its own
+    (SIGSEGV, SIGBUS: a message of another size copied into a buffer -- a DTensor rank of the injection
+    suite ended so after a peer's mismatched call) or an error raised in the rank -- not a signal from
+    outside (SIGKILL, SIGTERM, ...) nor an unknown end."""
     text = str(ended or "")
-    return text == "SIGABRT" or not (text.startswith("SIG") or text in ("", "process gone"))
+    return text in ("SIGABRT", "SIGSEGV", "SIGBUS") or not (text.startswith("SIG") or text in ("", "process gone"))
 
 
 def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], list[str]]:
