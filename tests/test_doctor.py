@@ -170,6 +170,21 @@ def test_lone_pair_slowed_while_its_host_is_busy_is_not_judged(tmp_path: Path, c
         assert kinds(d) == [("slow_link", (0, 1))] and not d.warnings
 
 
+def test_a_link_slow_from_the_start_with_a_dip_is_named() -> None:
+    # Issue 32 (seed 9400's slow_link-07, its probes in ms): a link 2.1x its peers from step 0 read
+    # 6.6 and 8.6 at steps 7 and 8; its own level (the fastest two consecutive) came from those, the
+    # 9.7 and 8.6 probes stood under 1.35x of it, 8 of 11 probes were slow (< 75 %) and it went
+    # unnamed. Its median against its peers' medians says slow from the start: judged against them.
+    from plait.doctor.detect import _flags
+
+    slow = [11.9, 12.7, 12.8, 9.7, 12.7, 12.7, 6.6, 8.6, 12.7, 12.7, 12.8]
+    series = {"a": dict(enumerate(slow, 1))}
+    series |= {p: {s: 6.0 + 0.1 * (s % 3) for s in range(1, 12)} for p in "bcdef"}
+    peers = {p: [q for q in series if q != p] for p in series}
+    flagged = _flags(series, peers, 1.35, 0.002 * 1e3, 3, 0.75, periodic=False, alpha=1e-3)
+    assert list(flagged) == ["a"] and flagged["a"][0][0] == 1, flagged
+
+
 @pytest.mark.parametrize("link", [True, False])
 def test_contended_steps_are_judged_where_the_peers_probes_did_not_slow(tmp_path: Path, link: bool) -> None:
     # Issue 32: 4 ranks, another job's processes take +1 core of the host from step 4 (the injection

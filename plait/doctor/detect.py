@@ -518,7 +518,7 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
             continue
         ps = [p for p in peers.get(k, []) if own.get(p)]
         peer_level = statistics.median(own[p] for p in ps) if ps else None  # type: ignore[type-var]
-        ref = peer_level if peer_level is not None and own[k] >= ratio * peer_level else own[k]  # type: ignore[operator]
+        ref = peer_level if _always_slow(k, series, ps, own[k], peer_level, ratio) else own[k]  # type: ignore[arg-type]
         if lone_run is not None and not ps:
             run = _unbroken_run(sorted(ser), set(hits), lone_run)
             if run:
@@ -550,6 +550,20 @@ def _flags(series: dict[Any, dict[int, float]], peers: dict[Any, list[Any]], rat
     return out
 
 
+def _always_slow(k: Any, series: dict[Any, dict[int, float]], ps: list[Any], own: float, peer_level: float | None,
+                 ratio: float) -> bool:
+    """An item slow against its peers from its first step on: its own level `ratio` x its peers', or
+    its median `ratio` x the median of its peers' medians (a link 2x its peers from step 0 read fast
+    at two consecutive probes, its own level came from those two and it went unnamed; medians against
+    medians, as a median stands above a level of the two fastest steps)."""
+    if peer_level is None:
+        return False
+    if own >= ratio * peer_level:
+        return True
+    peer_median = statistics.median(statistics.median(series[q].values()) for q in ps)
+    return statistics.median(series[k].values()) >= ratio * peer_median
+
+
 def _unbroken_run(steps: list[int], slow: set[int], length: int) -> list[int]:
     """The first run of at least `length` consecutive `steps` that are all in `slow`, to its end
     ([] if none)."""
@@ -573,7 +587,7 @@ def _hits(k: Any, series: dict[Any, dict[int, float]], peers: dict[Any, list[Any
         return None
     ps = [p for p in peers.get(k, []) if own.get(p)]
     peer_level = statistics.median(own[p] for p in ps) if ps else None  # type: ignore[type-var]
-    always_slow = peer_level is not None and own[k] >= ratio * peer_level  # type: ignore[operator]
+    always_slow = _always_slow(k, series, ps, own[k], peer_level, ratio)  # type: ignore[arg-type]
     margin = floor
     if not ps:  # its own history alone: a step must also stand out of the series' own scatter
         mid = statistics.median(ser.values())
