@@ -430,6 +430,12 @@ def test_a_node_uplink_slowed_is_found_against_the_links_own_history(tmp_path: P
     d = diagnose(write_run(tmp_path / "two", world=4, steps=10, nodes=nodes[:4], uplink=("n1", 4, 2.0)))
     assert {f.ranks for f in d.findings} == {(0, 2), (0, 3), (1, 2), (1, 3)}
     assert {f.evidence["node_uplink"] for f in d.findings} == {"n0<->n1"}
+    # ... also where one crossing pair is slower still (3.2x: slower than its peers on its own), which
+    # named that pair alone and left the node unnamed (a 2.75x uplink of the injection suite)
+    d = diagnose(write_run(tmp_path / "uneven", world=4, steps=10, nodes=nodes[:4], uplink=("n1", 4, 2.0),
+                           link=(1, 3, 4, 1.6)))
+    assert {f.ranks for f in d.findings} == {(0, 2), (0, 3), (1, 2), (1, 3)}, d.findings
+    assert {f.evidence.get("node_uplink") for f in d.findings} == {"n0<->n1"}
     # the same cluster busy (contention slows every pair and every rank's compute): no finding
     assert diagnose(write_run(tmp_path / "busy", world=6, steps=10, nodes=nodes, busy=(4, 3.0))).healthy
     # one rank per node (4 nodes): the 3 pairs crossing n2 are slow against their peers (the 3

@@ -841,8 +841,12 @@ def slow_links(run: RunRecords, th: Thresholds, before: float | None = None,
                             ratio=round(statistics.median(ratios), 3), reference_s=round(ref, 6),
                             transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
     out = _on_uplink(run, out)
-    out += uplinks(run, th, series, times, rise, {f.ranks for f in out}, set_level,
-                   contended=(alls, busy_of, untouched))
+    ups = uplinks(run, th, series, times, rise, {f.ranks for f in out if "node_uplink" in f.evidence}, set_level,
+                  contended=(alls, busy_of, untouched))
+    # a node's uplink stands for the pairs crossing it: a crossing pair also slower than its peers
+    # is one of them (a 2.75x uplink was named as one such pair, and the node went unnamed)
+    covered = {f.ranks for f in ups}
+    out = [f for f in out if f.ranks not in covered] + ups
     return sorted(out, key=lambda f: -f.evidence["ratio"])
 
 
