@@ -873,12 +873,12 @@ def _row_context(la: _LayerArrays, plan: Plan, optimizer: str, loss: str, dp_buc
     # nothing, and the gathered low-precision parameters are what is held -- whole from forward to
     # backward at ZeRO-1/2 and under `replicate`, the running and the prefetched unit at ZeRO-3.
     fsdp = _fsdp_form(plan)
+    act_scale = 1.0 if la.autocast else _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes
     return _RowContext(
         plan=plan, w_b=w_b, g_b=g_b, k_b=k_b, step_kind=_OPTIMIZERS[optimizer][2],
-        act_scale=1.0 if la.autocast else _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes,
+        act_scale=act_scale,
         # the loss runs in fp32 (in the outputs' dtype for "eager-low")
-        loss_scale=(1.0 if la.autocast else _DTYPE_BYTES[plan.dtype] / la.act_dtype_bytes) if loss == "eager-low"
-        else 4.0 / la.act_dtype_bytes,
+        loss_scale=act_scale if loss == "eager-low" else 4.0 / la.act_dtype_bytes,
         loss_copies=loss_copies, held_copies=held_copies, dp_bucket=dp_bucket,
         precision=precision, casts=bool(low) and not fsdp,
         low_b=low if fsdp and plan.zero < 3 else 0, gather_b=low or w_b, fsdp=fsdp and precision == "amp",

@@ -913,16 +913,16 @@ def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[
                         and untouched(s, others)}
                 if back:
                     gs[p] = dict(sorted({**gs[p], **back}.items()))
-        series = {**series, **gs}
-        steps = sorted(set.intersection(*(set(series[p]) for p in group)))
+        view = {**series, **gs}  # this node's own: other nodes judge their steps afresh
+        steps = sorted(set.intersection(*(set(view[p]) for p in group)))
         hits = []
         for s in steps:
-            ratios = [series[p][s] / (level[p] * rise.get(p, {}).get(s, 1.0)) for p in group]  # type: ignore[operator]
-            excess = statistics.median(series[p][s] - level[p] for p in group)  # type: ignore[operator]
+            ratios = [view[p][s] / (level[p] * rise.get(p, {}).get(s, 1.0)) for p in group]  # type: ignore[operator]
+            excess = statistics.median(view[p][s] - level[p] for p in group)  # type: ignore[operator]
             # How much the same-node pairs rose (contention), counted only where the rise is an
             # effect (>= link_min_excess_s): a 0.5 -> 1 ms jitter is a 2x ratio of noise.
-            ref = statistics.median([series[q][s] / level[q] if series[q][s] - level[q] >= th.link_min_excess_s  # type: ignore[operator]
-                                     else 1.0 for q in intra if s in series[q]] or [1.0])
+            ref = statistics.median([view[q][s] / level[q] if view[q][s] - level[q] >= th.link_min_excess_s  # type: ignore[operator]
+                                     else 1.0 for q in intra if s in view[q]] or [1.0])
             bar = th.slow_link_ratio * ref
             # Most crossing pairs slow, not every one: on a shared machine one pair's probe of a
             # step can be fast by chance (>= 3 of 4, 2 of 2, ...).
@@ -937,10 +937,10 @@ def uplinks(run: RunRecords, th: Thresholds, series: dict[tuple[int, int], dict[
             continue
         where = _node_name(run, x) if len(nodes) > 2 else f"{_node_name(run, nodes[0])}<->{_node_name(run, nodes[1])}"
         for p in group:
-            ratio = statistics.median(series[p][s] / level[p] for s in on)  # type: ignore[operator]
+            ratio = statistics.median(view[p][s] / level[p] for s in on)  # type: ignore[operator]
             out.append(_finding("slow_link", p, times[p][on[0]][1], times[p][on[th.link_min_hits - 1]][2], run,
                                 step=on[0], collective="link probe", slow_steps=on, ratio=round(ratio, 3),
                                 reference_s=round(level[p], 6), reference="its own history",  # type: ignore[arg-type]
                                 node_uplink=where,
-                                transfer_s={str(s): round(v, 6) for s, v in sorted(series[p].items())}))
+                                transfer_s={str(s): round(v, 6) for s, v in sorted(view[p].items())}))
     return out

@@ -47,10 +47,9 @@ def _spawn(model: str, plan: str, optimizer: str) -> tuple[int, dict[str, int]]:
     from plait.ir.plan import Plan
     from plait.net.ports import free_port
 
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_replica, args=(Plan.parse(plan).dp, model, plan, optimizer, free_port(), out),
-                       nprocs=Plan.parse(plan).dp, start_method="spawn")
+    dp = Plan.parse(plan).dp
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_replica, args=(dp, model, plan, optimizer, free_port(), out), nprocs=dp, start_method="spawn")
     return out.get()
 
 
