@@ -470,13 +470,8 @@ class _Recorder(TorchDispatchMode):
                     s.seq2rec[n] = owner if owner >= 0 else len(s.recs) - 1
             return
         f = s.frame()
-        if f is None:
-            info = None
-            rec = _Rec(str(func), "", None, -1, False)
-        else:
-            info = f.info
-            rec = _Rec(str(func), info.path, info.layer, f.sel, info.tp)
-            rec.role = info.role
+        rec = self._new_rec(func, f, tensors[0] if packet is torch.ops.aten._to_copy and not cast
+                            and len(tensors) == 1 else None)
         idx = len(s.recs)
         s.recs.append(rec)
         if f is not None and f.sel >= 0 and f.sel not in s.sel_first_rec:
@@ -508,6 +503,20 @@ class _Recorder(TorchDispatchMode):
         if first_seq >= 0:
             for n in range(first_seq, seq):
                 s.seq2rec[n] = idx
+
+    def _new_rec(self, func, f, cast_of: torch.Tensor | None) -> _Rec:
+        """The record of a forward op run in frame `f` (None: outside every module). `cast_of`:
+        the activation an autocast copy was made of -- the copy keeps its source's layout (a column
+        linear's input copy is whole on every tensor rank, not this rank's slice)."""
+        if f is None:
+            return _Rec(str(func), "", None, -1, False)
+        info = f.info
+        rec = _Rec(str(func), info.path, info.layer, f.sel, info.tp)
+        rec.role = info.role
+        st = self.s.storages.get(_sid(cast_of)) if cast_of is not None else None
+        if st is not None and st[0] >= 0:
+            rec.tp = self.s.recs[st[0]].tp
+        return rec
 
     def _count(self, packet, args, kwargs, out) -> float:
         fn = self.flops.get(packet)
