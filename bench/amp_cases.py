@@ -96,7 +96,8 @@ def score_case(name: str, trials: list[dict[str, Any]], search: bool = True, com
         if plan is None:
             skipped += 1
             continue
-        res = simulate(MODEL, cluster, plan, **({"compute": compute} if compute is not None else {}))
+        # AMP ran DeepSpeed + Megatron-LM in fp16: the model in fp16, fp32 master weights
+        res = simulate(MODEL, cluster, plan, precision="megatron", **({"compute": compute} if compute is not None else {}))
         rows.append({**t, "plait_s": res.iteration_time_s, "fits": bool(res.fits_memory), "plan": str(plan)})
     ran = [r for r in rows if r["measured_s"] is not None]
     failed = [r for r in rows if r["measured_s"] is None]
@@ -131,7 +132,7 @@ def _search(cluster: str, rows: list[dict[str, Any]], best: float) -> dict[str, 
     from plait.workers import cpu_seconds  # the search's worker processes included
 
     c0 = cpu_seconds()
-    res = plan(MODEL, cluster, global_batch=GLOBAL_BATCH, top=5, progress=False)
+    res = plan(MODEL, cluster, global_batch=GLOBAL_BATCH, top=5, progress=False, precision="megatron")
     cpu = cpu_seconds() - c0
     p = res.best.plan
     same = [r for r in rows if r["measured_s"] is not None and (r["dp"], r["tp"], r["pp"], r["micro_batch"])

@@ -84,7 +84,7 @@ def _one_row(model: str, label: str, plan, cluster, steps: int, dtype: str) -> d
     from plait.runtime.api import LaunchConfig, TrainingConfig, run
     from plait.sim.api import simulate
 
-    graph = resolve_model(model, plan)
+    graph = resolve_model(model, plan, precision="amp")  # plait's engines: fp32 parameters under autocast
     est = estimate_memory(graph, plan, cluster, overhead_bytes=0)
     predicted = simulate(graph, cluster, plan, memory=False).iteration_time_s
     result = run(model, cluster, plan, steps=steps, training=TrainingConfig(dtype=dtype),

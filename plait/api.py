@@ -66,8 +66,8 @@ def plan(model: ModelSource | None = None, cluster: ClusterSource | None = None,
     built here for the cluster (`simulate=False`: ranked by each family's analytic model alone).
 
     `options` by name, built here into the typed options the driver hands the families
-    (`plait.search.options_from_keywords`): the fields of `SearchOptions` (dtype, jobs, supports,
-    progress, on_progress) and of the searched families' own (`ThreeDOptions`: finalists, space,
+    (`plait.search.options_from_keywords`): the fields of `SearchOptions` (dtype, precision, jobs,
+    supports, progress, on_progress) and of the searched families' own (`ThreeDOptions`: finalists, space,
     placement, seed, ...; `GraphOptions`: runnable, max_dp, ...; `SpmdOptions`, `ComposeOptions`;
     `plait.planners.options`), each to every searched family that has it; a name none has is
     refused, naming it. A PlanResult."""

@@ -56,3 +56,31 @@ def test_compose_family_plans_the_dtype_asked(capsys, dtype: str) -> None:
     res = _plan(capsys, "--family", "compose", "--model", BERT, "--cluster", MIXED, "--global-batch", "8",
                 "--dtype", dtype)
     assert all(c["plan"]["dtype"] == dtype for c in res["top"])
+
+
+def test_16bit_plans_are_checked_as_the_engine_keeps_them(capsys) -> None:
+    """`--precision amp` (the default) checks a 16-bit plan's memory as plait's engines train it
+    (fp32 parameters, ops under autocast: the model captured so), `megatron` as Megatron-LM and
+    DeepSpeed keep it; each is the simulator's figure for that plan at that precision."""
+    from plait.sim.api import simulate
+
+    args = ("--family", "3d", "--model", GPT, "--cluster", V100, "--global-batch", "4",
+            "--space", "dp=2 tp=1 pp=1 mb=2 zero=0 recompute=none")
+    amp = _plan(capsys, *args)["top"][0]
+    meg = _plan(capsys, *args, "--precision", "megatron")["top"][0]
+    assert amp["plan_str"] == meg["plan_str"] and "dtype=fp16" in amp["plan_str"]
+    for row, precision in ((amp, "amp"), (meg, "megatron")):
+        assert row["memory_peak_bytes"] == simulate(GPT, V100, row["plan_str"], precision=precision).memory_peak_bytes
+    assert amp["memory_peak_bytes"] != meg["memory_peak_bytes"]
+
+
+def test_precision_follows_the_export() -> None:
+    """Without `--precision`: Megatron-LM's and DeepSpeed's exports keep the model in the plan's
+    dtype; plait's engines and torchtitan's FSDP2 train under autocast."""
+    from argparse import Namespace
+
+    from plait.commands.training_args import precision_of
+
+    assert [precision_of(Namespace(precision=None, export=e)) for e in (None, "megatron", "deepspeed", "torchtitan")] \
+        == ["amp", "megatron", "megatron", "amp"]
+    assert precision_of(Namespace(precision="amp", export="megatron")) == "amp"

@@ -63,8 +63,13 @@ def test_model_forms() -> None:
 
     view = ClusterView.from_cluster(load_cluster("a100-80g:nodes=1"))
     a = simulate(graph, view, PLAN)
-    b = simulate(SPEC, "a100-80g:nodes=1", PLAN, analytic=True, memory=False)
+    b = simulate(SPEC, "a100-80g:nodes=1", PLAN, analytic=True, memory=False, precision="megatron")
     assert a.iteration_time_s == pytest.approx(b.iteration_time_s)
+    # the default: as plait's engines train a bf16 plan, the model under autocast
+    amp = simulate(gpt_opgraph(SPEC, "fp32", autocast="bf16"), view, PLAN)
+    c = simulate(SPEC, "a100-80g:nodes=1", PLAN, analytic=True)
+    assert c.iteration_time_s == pytest.approx(amp.iteration_time_s)
+    assert c.memory_peak_bytes == amp.memory_peak_bytes != a.memory_peak_bytes  # dp x tp: FSDP2's shards
     with pytest.raises(PlaitError, match="unknown option"):
         simulate(graph, view, PLAN, granularty="layer")
 
@@ -72,7 +77,7 @@ def test_model_forms() -> None:
 def test_cli_json_trace_and_gantt(tmp_path, capsys, monkeypatch) -> None:
     import plait.sim.api as api
 
-    monkeypatch.setattr(api, "resolve_model", lambda model, plan, inputs=None, analytic=None:
+    monkeypatch.setattr(api, "resolve_model", lambda model, plan, inputs=None, analytic=None, precision="amp":
                         __import__("plait.graph.gpt_closed_form", fromlist=["x"]).gpt_opgraph(model, plan.dtype))
     trace, gantt = tmp_path / "t.json", tmp_path / "g.png"
     code = main(["simulate", "--model", SPEC, "--cluster", "a100-80g:nodes=1", "--plan", PLAN, "--json",

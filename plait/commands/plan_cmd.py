@@ -27,6 +27,7 @@ from plait.commands.training_args import (
     add_memory_args,
     add_training_args,
     memory_kwargs_of,
+    precision_of,
     training_of,
 )
 from plait.ir.plan import Plan
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)  # resolved here, once: the search and the export read it
     result = search(args.model, cluster, common, families, options)
     best = result.best
-    traffic = traffic_plan(args.model, fabric_cluster, best.plan, settings=bool(args.out)) \
+    traffic = traffic_plan(args.model, fabric_cluster, best.plan, settings=bool(args.out), precision=precision_of(args)) \
         if fabric_cluster is not None else None
     best_plan = traffic.plan if traffic is not None else best.plan  # with its flows' paths
     exported = _export(args, best_plan, cluster) if args.export else None
@@ -197,7 +198,8 @@ def _search_options(args: argparse.Namespace, space: SearchSpace | None,
         space = dataclasses.replace(space or SearchSpace(), uneven_dp=False)
     # The table folds near-duplicates (fold_plans), so it asks for more plans than rows it shows.
     common = SearchOptions(global_batch=args.global_batch, top=args.top if args.json else args.top * FOLD_EXTRA,
-                           dtype=args.dtype, jobs=jobs, progress=not args.no_progress and not args.json)
+                           dtype=args.dtype, jobs=jobs, progress=not args.no_progress and not args.json,
+                           precision=precision_of(args))
     runnable = args.family == "all" or args.run
     memory = memory_kwargs_of(args)
     flagged = [ThreeDOptions(finalists=None if args.finalists == 0 else args.finalists, space=space,
@@ -286,7 +288,8 @@ def _run_graph(args: argparse.Namespace) -> int:
 
     if args.export:
         raise PlaitError("--export: graph plans (a DAG of stages) have no Megatron/DeepSpeed equivalent")
-    common = SearchOptions(global_batch=args.global_batch, top=args.top, dtype=args.dtype)
+    common = SearchOptions(global_batch=args.global_batch, top=args.top, dtype=args.dtype,
+                           precision=precision_of(args))
     own = GraphOptions(runnable=args.run, memory_kwargs=memory_kwargs_of(args))
     result = search(args.model, load_cluster(args.cluster), common, "graph", [own])
     if args.out:

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from plait.commands.training_args import add_memory_args, memory_kwargs_of
+from plait.commands.training_args import add_memory_args, memory_kwargs_of, precision_of
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     res = simulate(args.model, args.cluster, args.plan, granularity=args.granularity,
                    symmetry=not args.no_symmetry,
                    overlap_grad_reduce=args.overlap_grad_reduce,
-                   analytic=False if args.capture else None, memory_options=memory_kwargs_of(args))
+                   analytic=False if args.capture else None, memory_options=memory_kwargs_of(args),
+                   precision=precision_of(args))
     written = []
     if args.trace:
         res.save_chrome_trace(args.trace)

@@ -68,15 +68,17 @@ def _keys(plan: Plan) -> list[tuple[tuple[int, int, int], int]]:
     return list(count.items())
 
 
-def traffic_plan(model: ModelSource, cluster: Cluster, plan: Plan, settings: bool = False) -> TrafficOutcome:
+def traffic_plan(model: ModelSource, cluster: Cluster, plan: Plan, settings: bool = False,
+                 precision: str = "amp") -> TrafficOutcome:
     """Plan `plan`'s flows on `cluster`'s fabric and simulate the iteration both ways (`settings`:
-    with the deployment settings, `plait.net.deploy`)."""
+    with the deployment settings, `plait.net.deploy`); the model resolved at `precision`, as the
+    search and `plait simulate` resolve it."""
     from plait.graph.resolve import resolve_model
     from plait.net.api import plan_traffic
     from plait.net.view import ClusterView
     from plait.sim.api import simulate
 
-    graph = resolve_model(model, plan)
+    graph = resolve_model(model, plan, precision=precision)
     planned, report = plan_traffic(plan, cluster, graph, settings=settings)
     view = ClusterView.from_cluster(cluster)
     ecmp = simulate(graph, view, dataclasses.replace(plan, flow_paths=None),

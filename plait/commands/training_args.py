@@ -35,7 +35,20 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                                         "default), PyTorch's foreach or per-tensor Adam, SGD")
     p.add_argument("--loss", choices=("eager", "fused"), default="eager",
                    help="cross-entropy as PyTorch computes it (eager, default) or Megatron's fused loss")
+    p.add_argument("--precision", choices=("amp", "megatron"), default=None,
+                   help="how a bf16 / fp16 plan trains: amp, as plait's engines do (fp32 parameters, ops "
+                        "under autocast: the model captured so, its memory checked so; default) or megatron "
+                        "(the model in that dtype with fp32 main parameters: Megatron-LM, DeepSpeed; the "
+                        "default with --export megatron / deepspeed)")
 
 
 def memory_kwargs_of(args: argparse.Namespace) -> dict[str, Any]:
     return {"optimizer": args.optimizer, "loss": args.loss}
+
+
+def precision_of(args: argparse.Namespace) -> str:
+    """`--precision`, else the engine the plan is for: Megatron-LM's and DeepSpeed's exports keep
+    the model in the plan's dtype; plait's engines (and torchtitan's FSDP2) train under autocast."""
+    if args.precision:
+        return args.precision
+    return "megatron" if getattr(args, "export", None) in ("megatron", "deepspeed") else "amp"

@@ -65,8 +65,12 @@ def inspect_model(
     sample_inputs: Any = None,
     loss_fn: Any = None,
     name: str | None = None,
+    autocast: str | None = None,
 ) -> OpGraph:
     """Capture a model on the meta device and return its per-sample OpGraph.
+
+    `autocast` ("bf16" / "fp16"): the model in fp32 (`dtype` is ignored), its step under autocast
+    to that dtype with CUDA's op lists -- how plait's engines train a 16-bit plan.
 
     `spec_or_module` is a zoo spec string (`gpt:layers=24,hidden=1024`), a
     `path/to/file.py:factory` string, a `ModelSpec`, or an `nn.Module` (then
@@ -75,7 +79,7 @@ def inspect_model(
     """
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise InspectError(f"batch: must be a positive integer, got {batch!r}")
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = torch.float32 if autocast else parse_dtype(dtype)
     capture_batch = max(batch, MIN_CAPTURE_BATCH)
     if isinstance(spec_or_module, nn.Module):
         if sample_inputs is None:
@@ -88,6 +92,7 @@ def inspect_model(
             sample_inputs,
             name=name or type(module).__name__,
             loss_fn=loss_fn,
+            autocast=autocast,
         )
     spec = spec_or_module
     if isinstance(spec, str):
@@ -119,6 +124,7 @@ def inspect_model(
         config=config,
         loss_fn=loss_fn or spec_loss,
         batch=capture_batch,
+        autocast=autocast,
     )
 
 

@@ -35,9 +35,18 @@ class ModelResolveError(PlaitError, ValueError):
     """A model argument that names no model plait can build (the message says which and why)."""
 
 
-def resolve_model(model: ModelSource, plan: Plan, inputs: Any = None, analytic: bool | None = None) -> OpGraph:
+def resolve_model(model: ModelSource, plan: Plan, inputs: Any = None, analytic: bool | None = None,
+                  precision: str = "megatron") -> OpGraph:
     """OpGraph of `model` at `plan`'s micro-batch and dtype. GPT zoo specs use the closed-form
-    graph when `analytic` is True, or when it is None and the capture would be slow."""
+    graph when `analytic` is True, or when it is None and the capture would be slow.
+
+    `precision` (`plait.cost.memory.PRECISIONS`) says how a bf16 / fp16 plan trains: "megatron",
+    the model in that dtype (Megatron-LM, DeepSpeed); "amp", fp32 parameters under autocast to it
+    (plait's engines, torch's AMP) -- the graph is captured so (`OpGraph.autocast`), and its memory
+    estimate and costs follow. An OpGraph (object or file) is returned as it is."""
+    if precision not in ("megatron", "amp"):
+        raise ModelResolveError(f"precision: 'megatron' or 'amp', got {precision!r}")
+    autocast = plan.dtype if precision == "amp" and plan.dtype in ("bf16", "fp16") else None
     if isinstance(model, OpGraph):
         return model
     if isinstance(model, (str, Path)):
@@ -55,7 +64,7 @@ def resolve_model(model: ModelSource, plan: Plan, inputs: Any = None, analytic: 
 
             cfg = gpt_config(text)
             if analytic or cfg.get("layers", 0) > CLOSED_FORM_MIN_LAYERS:
-                return gpt_opgraph(cfg, dtype=plan.dtype)
+                return gpt_opgraph(cfg, dtype=plan.dtype, autocast=autocast)
     from plait.graph.inspect import inspect_model
 
     dtype = "fp32" if plan.dtype == "tf32" else plan.dtype
@@ -64,5 +73,5 @@ def resolve_model(model: ModelSource, plan: Plan, inputs: Any = None, analytic: 
     if isinstance(model, nn.Module):
         if inputs is None:
             raise ModelResolveError("model: an nn.Module needs inputs=(sample forward arguments)")
-        return inspect_model(model, batch=plan.micro_batch, dtype=dtype, sample_inputs=inputs)
-    return inspect_model(model, batch=plan.micro_batch, dtype=dtype)
+        return inspect_model(model, batch=plan.micro_batch, dtype=dtype, sample_inputs=inputs, autocast=autocast)
+    return inspect_model(model, batch=plan.micro_batch, dtype=dtype, autocast=autocast)

@@ -119,7 +119,7 @@ def search_graph(model: ModelSource | None, cluster: ClusterSource | None, commo
     cluster_obj = load_cluster(DEFAULT_CLUSTER if cluster is None else cluster)
     gb = DEFAULT_GLOBAL_BATCH if common.global_batch is None else int(common.global_batch)
     dtype = common.dtype or auto_dtype(cluster_obj)
-    _, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype)
+    _, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype, common.precision)
     mem_kw = dict(options.memory_kwargs or {})
     compute = (common.compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled
     cost = StageCost(graph, cluster_obj, gb, dtype=dtype, compute=compute, max_dp=options.max_dp,

@@ -56,6 +56,12 @@ class SearchOptions:
     dtype: str | None = None
     """The plans' training dtype (fp32, tf32, bf16, fp16); None: each family's default (bf16, or
     fp16 where a GPU kind has no bf16 unit: `auto_dtype`)."""
+    precision: str = "amp"
+    """How a bf16 / fp16 plan keeps its states and activations (`plait.cost.memory.PRECISIONS`):
+    "amp", as plait's engines train it (fp32 parameters, ops under autocast: the model is captured
+    so and its memory checked so); "megatron", the model in that dtype with fp32 main parameters
+    (Megatron-LM, DeepSpeed: for a plan exported to them). The SPMD and composed families check
+    memory as "megatron" whatever this says (their own accounting; not yet autocast's)."""
     jobs: int | None = None
     """Worker processes of the families that fan out (the 3D family's memory check and simulations,
     the composed family's syntheses; `plait.workers`); the same plans whatever the number. None:
@@ -78,6 +84,8 @@ class SearchOptions:
         _at_least("top", self.top, 1, none_ok=False)
         if self.dtype is not None and self.dtype not in PLAN_DTYPES:
             raise SearchError(f"plan: option dtype must be one of {list(PLAN_DTYPES)}, got {self.dtype!r}")
+        if self.precision not in ("amp", "megatron"):
+            raise SearchError(f"plan: option precision must be 'amp' or 'megatron', got {self.precision!r}")
         if self.jobs is not None:
             from plait.workers import check_jobs
 

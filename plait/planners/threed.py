@@ -585,7 +585,7 @@ def search_3d(model: ModelSource | None, cluster: ClusterSource | None, common: 
     evaluate = simulator.evaluate if simulator is not None else None
     finalists, space = options.finalists, options.space
     cluster_obj, gb, space, dtype = _search_inputs(cluster, common.global_batch, space, common.dtype)
-    spec, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype)
+    spec, graph = load_graph(DEFAULT_MODEL if model is None else model, dtype, common.precision)
     from plait.cost.compute import DEFAULT_MODEL as DEFAULT_COMPUTE
 
     compute = (common.compute or DEFAULT_COMPUTE).with_profile(cluster_obj, graph, dtype)  # measured where profiled

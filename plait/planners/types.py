@@ -188,14 +188,15 @@ class PlanResult:
                 "pruned_memory": self.pruned, "simulated": self.simulated}
 
 
-_GRAPHS: dict[tuple[str, str], tuple[Any, OpGraph]] = {}
+_GRAPHS: dict[tuple[str, str, str], tuple[Any, OpGraph]] = {}
 
 
-def load_graph(model: ModelSource, dtype: str = "bf16") -> tuple[Any, OpGraph]:
+def load_graph(model: ModelSource, dtype: str = "bf16", precision: str = "megatron") -> tuple[Any, OpGraph]:
     """(ModelSpec or None, OpGraph) of a zoo spec string, a ModelSpec, or an OpGraph.
 
     The graph is the one the simulator uses (`plait.graph.resolve.resolve_model`: a capture
-    on the meta device; the closed-form GPT graph for deep zoo GPTs), cached per spec and dtype."""
+    on the meta device; the closed-form GPT graph for deep zoo GPTs; under autocast for a 16-bit
+    `dtype` at `precision` "amp"), cached per spec, dtype and precision."""
     from plait.ir.opgraph import OpGraph
 
     if isinstance(model, OpGraph):
@@ -204,10 +205,10 @@ def load_graph(model: ModelSource, dtype: str = "bf16") -> tuple[Any, OpGraph]:
     from plait.graph.zoo import load_model
 
     spec = load_model(model) if isinstance(model, str) else model
-    key = (getattr(spec, "spec", "") or getattr(spec, "name", ""), dtype)
+    key = (getattr(spec, "spec", "") or getattr(spec, "name", ""), dtype, precision)
     if key[0] and key in _GRAPHS:
         return _GRAPHS[key]
-    graph = resolve_model(getattr(spec, "spec", None) or spec, Plan(dtype=dtype))
+    graph = resolve_model(getattr(spec, "spec", None) or spec, Plan(dtype=dtype), precision=precision)
     if key[0]:
         _GRAPHS[key] = (spec, graph)
     return spec, graph

@@ -303,7 +303,7 @@ def predict_step(model: ModelSource, cluster: Cluster, plan: Plan) -> float:
     from plait.search import load_graph
     from plait.sim.api import PlanSimulator
 
-    _, graph = load_graph(model, plan.dtype)
+    _, graph = load_graph(model, plan.dtype, "amp")  # as plait's engines train it
     return float(PlanSimulator(cluster).evaluate(graph, plan)["iteration_time_s"])
 
 

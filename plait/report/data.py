@@ -252,7 +252,7 @@ def _assemble(source: str, kind: str, model: str, cluster: Cluster, plan: Plan,
     notes = list(notes or [])
     if plan.spmd is not None:  # an op-level program: simulated on the model's aten ops, not its layers
         return _assemble_spmd(source, kind, model, cluster, plan, notes)
-    graph = resolve_model(model, plan)
+    graph = resolve_model(model, plan, precision="amp")  # as plait's engines trained it
     sim = simulate(graph, cluster, plan)
     params = None
     try:

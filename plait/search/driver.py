@@ -116,7 +116,7 @@ def _search_graph(model: ModelSource, cluster: Cluster, common: SearchOptions, s
     limit = options.chains_max_devices
     too_many = limit is not None and cluster.num_devices > limit
     if not options.chains or too_many:  # beside the 3D family, a chain's "graph pipeline" is a 3D plan again
-        graph = load_graph(model, common.dtype or "bf16")[1]
+        graph = load_graph(model, common.dtype or "bf16", common.precision)[1]
         outs: dict[str, int] = {}
         ins: dict[str, int] = {}
         for a, b in graph.layer_edges:

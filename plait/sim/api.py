@@ -159,18 +159,21 @@ def resolve_cluster(cluster: ClusterSource | ClusterView) -> ClusterView:
 def simulate(model: ModelSource, cluster: ClusterSource | ClusterView, plan: PlanSource | dict[str, Any], *,
              inputs: Any = None, options: SimOptions | None = None,
              analytic: bool | None = None, memory: bool = True, memory_options: dict[str, Any] | None = None,
-             **option_overrides: Any) -> SimResult:
+             precision: str = "amp", **option_overrides: Any) -> SimResult:
     """Predict one training iteration (see module docstring). Keyword overrides go to `SimOptions`
     (``granularity=``, ``symmetry=``, ``overlap_grad_reduce=``, ``compute=``, ...); `memory_options`
     to `plait.cost.memory.estimate_memory` (``optimizer=``, ``loss=``). The gradient bucket is the
-    plan's `grad_bucket_mb`: the runtime's, the simulator's and the memory estimate's."""
+    plan's `grad_bucket_mb`: the runtime's, the simulator's and the memory estimate's. `precision`:
+    how a bf16 / fp16 plan trains (`plait.graph.resolve.resolve_model`): "amp" as plait's engines
+    do (fp32 parameters under autocast), "megatron" as Megatron-LM and DeepSpeed do; a model given
+    as an OpGraph is taken as it was captured."""
     plan_obj = resolve_plan(plan)
     view = resolve_cluster(cluster)
     if any(st.spmd is not None for st in plan_obj.stages):  # a composed plan: SPMD programs in the stages
         return simulate_composed_plan(model, view, plan_obj, memory_options=memory_options)
     if plan_obj.spmd is not None:  # an op-level SPMD program: one stage (plait.sim.lowering.pipeline)
         return simulate_spmd_plan(model, view, plan_obj, memory_options=memory_options)
-    graph = resolve_model(model, plan_obj, inputs, analytic)
+    graph = resolve_model(model, plan_obj, inputs, analytic, precision)
     check_plan_for_model(plan_obj, graph.config, graph.model)  # as strict as `plait run`
     if plan_obj.tp > 1 and not any(layer.tp_style == "transformer" for layer in graph.layers):
         # the 3D planner's rule (`plait.planners.threed`): it offers no tp > 1 for such a model
