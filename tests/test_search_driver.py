@@ -145,6 +145,8 @@ def test_bad_options_are_refused_naming_them(families):
 # pipeline stages (the tied embedding) on different servers, which placement then avoids
 SLOW_MIXED = """
 name: a100t4x2-slow-test
+# the T4 at its datasheet rate, as the scenario was built (the catalog's T4 is power-capped since)
+gpu_kinds: {t4: {like: t4, tensor_sustained: 1.0}}
 nodes:
   - name: m0
     gpus: [{kind: a100-40gb, count: 2}, {kind: t4, count: 2}]
