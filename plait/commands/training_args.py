@@ -29,13 +29,13 @@ def training_of(args: argparse.Namespace) -> Any:
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     """The memory model's framework choices (`plait.cost.memory.estimate_memory`)."""
-    from plait.cost.memory import OPTIMIZERS
+    from plait.cost.memory import OPTIMIZERS, PRECISIONS
 
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer kind of the memory estimate: fused Adam (Megatron/Apex, "
                                         "default), PyTorch's foreach or per-tensor Adam, SGD")
     p.add_argument("--loss", choices=("eager", "fused"), default="eager",
                    help="cross-entropy as PyTorch computes it (eager, default) or Megatron's fused loss")
-    p.add_argument("--precision", choices=("amp", "megatron"), default=None,
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="how a bf16 / fp16 plan trains: amp, as plait's engines do (fp32 parameters, ops "
                         "under autocast: the model captured so, its memory checked so; default) or megatron "
                         "(the model in that dtype with fp32 main parameters: Megatron-LM, DeepSpeed; the "

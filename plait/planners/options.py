@@ -84,8 +84,10 @@ class SearchOptions:
         _at_least("top", self.top, 1, none_ok=False)
         if self.dtype is not None and self.dtype not in PLAN_DTYPES:
             raise SearchError(f"plan: option dtype must be one of {list(PLAN_DTYPES)}, got {self.dtype!r}")
-        if self.precision not in ("amp", "megatron"):
-            raise SearchError(f"plan: option precision must be 'amp' or 'megatron', got {self.precision!r}")
+        from plait.cost.memory import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise SearchError(f"plan: option precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if self.jobs is not None:
             from plait.workers import check_jobs
 
