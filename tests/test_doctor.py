@@ -809,6 +809,58 @@ def test_a_node_uplink_far_slower_than_contention_is_named_while_its_host_is_bus
     assert {f.evidence["node_uplink"] for f in d.findings} == {"n0<->n1"} and {f.step for f in d.findings} == {4}
 
 
+def test_ranks_killed_in_the_launchers_stop_are_the_stop_not_deaths(tmp_path: Path) -> None:
+    """A hang found, the launcher records its stop (`stopped.json`) and kills every rank: on a loaded
+    machine torch's agents cannot end them gracefully, so each exit record says SIGKILL. Those are the
+    stop, not four dead ranks (issue 32, seed 9600: every tensor-parallel hang was also read as four
+    deaths). A rank killed before the stop record stays a dead rank; a live read before the stop
+    was written sees none of it."""
+    import time
+
+    from plait.doctor.folder import as_of
+
+    now = time.time()
+
+    def killed(root: Path, at: dict[int, float], stop_at: float | None) -> Path:
+        (root / "exit").mkdir(exist_ok=True)
+        for r, t in at.items():
+            (root / "exit" / f"rank{r}.json").write_text(json.dumps(
+                {"pid": 100 + r, "exitcode": -9, "time": now - 30 + t, "signal": "SIGKILL"}))
+        if stop_at is not None:
+            (root / "stopped.json").write_text(json.dumps({"time": now - 30 + stop_at, "kind": "hang",
+                                                                 "reason": "rank 3 hung"}))
+        return root
+
+    # the skip at step 5 stalls the run from 0.77 s; the launcher's timeout (here shorter than the
+    # doctor's own stall limit of 1 s, as 6 s was beside 4 loaded steps of 2.2 s) stops it at 1.2 s
+    kills = {r: 1.25 + 0.01 * r for r in range(4)}
+    root = killed(write_run(tmp_path / "stopped", skip=(3, 5), wall=now - 30.0), kills, stop_at=1.2)
+    d = diagnose(root)
+    assert kinds(d) == [("comm_hang", (3,))], d.findings
+    stop = read_run(root).stopped
+    assert stop is not None and stop.t == pytest.approx(1.2, abs=1e-3) and (stop.kind, stop.reason) == ("hang", "rank 3 hung")
+    assert as_of(read_run(root), 1.1).stopped is None
+    # without the record, the same kills read as deaths (the folders of plait before this rule)
+    root = killed(write_run(tmp_path / "unrecorded", skip=(3, 5), wall=now - 30.0), kills, stop_at=None)
+    assert {f.ranks for f in diagnose(root).findings if f.kind == "dead_rank"} == {(0,), (1,), (2,), (3,)}
+    # a rank killed before the stop (a fault of its own) stays a dead rank
+    root = killed(write_run(tmp_path / "before", skip=(3, 5), wall=now - 30.0), {**kills, 2: 1.1}, stop_at=1.2)
+    found = set(kinds(diagnose(root)))
+    assert ("dead_rank", (2,)) in found and not {("dead_rank", (0,)), ("dead_rank", (1,)), ("dead_rank", (3,))} & found
+    # A rank stopped outside any call (a noncomm hang) from 0.77 s, with steps as long beside the
+    # launcher's timeout as the loaded suite's (a limit of 20 steps, 2.6 s, here): the stop at 2.0 s
+    # came first, and the stall it recorded lasted to it -- the stopped rank is named. A stop the
+    # watcher asked for ("stopped") is no hang verdict: nothing is named from it alone.
+    long_steps = Thresholds(stall_steps=20)
+
+    def stopped_rank(name: str, kind: str) -> Diagnosis:
+        root = killed(write_run(tmp_path / name, stop=(2, 5), wall=now - 30.0), {r: 2.05 for r in range(4)}, None)
+        (root / "stopped.json").write_text(json.dumps({"time": now - 30 + 2.0, "kind": kind, "reason": "r"}))
+        return diagnose(root, thresholds=long_steps)
+    assert kinds(stopped_rank("hang", "hang")) == [("noncomm_hang", (2,))]
+    assert kinds(stopped_rank("watch", "stopped")) == []
+
+
 def test_deaths_a_mismatch_causes_are_its_consequences_not_faults(tmp_path: Path) -> None:
     """gloo answers a call of another size by aborting the rank that receives it (SIGABRT) and its
     peers then fail on the closed connections: the mismatch is the fault, those deaths are named in

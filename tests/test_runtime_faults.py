@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from plait.cli import main as cli_main
+from plait.doctor import diagnose
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.api import (
     CheckpointConfig,
@@ -120,6 +121,13 @@ def test_hang_stops_within_timeout_naming_the_rank(tmp_path: Path, capsys: pytes
     # The hung rank's last progress is when the fault fired; the run stopped within the timeout
     # (plus the launcher's 0.1 s poll and the kill).
     assert timeout <= stopped - hb["progress"] < timeout + 5.0
+    # The launcher recorded its stop before killing the ranks, so the doctor reads their SIGKILLs as
+    # the stop and names the hung rank, not dead ones (issue 32).
+    record = json.loads((tmp_path / "stopped.json").read_text())
+    assert record["reason"] in err[0]
+    exits = [json.loads(p.read_text()) for p in (tmp_path / "exit").glob("rank*.json")]
+    assert exits and all(e["time"] >= record["time"] for e in exits)
+    assert [(f.kind, f.ranks) for f in diagnose(tmp_path).findings] == [("noncomm_hang", (1,))]
 
 
 def _emulated(tmp_path: Path, namespaces: bool) -> object:

@@ -249,13 +249,18 @@ def mismatches(run: RunRecords) -> list[Finding]:
 
 # ---------------------------------------------------------------------------------- death, hangs
 def _death(run: RunRecords, r: int, live: bool) -> float | None:
-    """When rank `r`'s process ended of its own fault (signal other than SIGTERM, or its own error)."""
+    """When rank `r`'s process ended of its own fault (signal other than SIGTERM, or its own error);
+    a signal from outside after the launcher recorded its stop of the job (`RunRecords.stopped`) is
+    that stop."""
     rr = run.ranks[r]
     status = rr.status or {}
     if status.get("state") == "terminated" or status.get("peer_error"):
         return None
     ex = rr.exit or {}
     t = ex.get("time")
+    if run.stopped is not None and ex.get("signal") in ("SIGKILL", "SIGTERM") and isinstance(t, int | float) \
+            and t - run.t0_wall >= run.stopped.t:
+        return None  # killed in the launcher's stop of the whole job (its hang or watch verdict)
     own_error = status.get("state") == "error"
     if ex and (ex.get("signal") not in (None, "SIGTERM") or (ex.get("exitcode") or 0) > 0 and own_error):
         return t - run.t0_wall if isinstance(t, int | float) and run.wall_clock else \
@@ -301,19 +306,28 @@ def _paused(run: RunRecords, a: float, b: float) -> float:
 
 def stall(run: RunRecords, th: Thresholds) -> tuple[float, float] | None:
     """(last progress, stall threshold) when the job stalled: no progress (`_progress_end`) for
-    the threshold while some rank had not finished; None otherwise."""
+    the threshold while some rank had not finished; None otherwise. The threshold is the doctor's
+    own (`stall_steps` steps), or the silence up to the launcher's recorded stop for a hang when that
+    came first (`RunRecords.stopped`)."""
     if all(rr.done for rr in run.ranks.values()) and len(run.ranks) >= run.world:
         return None
     if any((rr.heartbeat or {}).get("phase") in _LONG_PHASES for rr in run.ranks.values() if not rr.done):
         return None  # a rank is starting up or writing a checkpoint: silence there is not a step's
     if any(e is None for rr in run.ranks.values() if not rr.done for *_, e in rr.pauses):
         return None  # a marked pause still going (the runtime's own marker, plait.runtime.recorder)
-    steps = {c.step for rr in run.ranks.values() for c in rr.records if c.step is not None}
-    if not any(s + 1 in steps for s in steps):
-        return None  # no step completed yet (the first one warms up): no step length to judge silence by
     end = _progress_end(run)
-    limit = max(th.stall_floor_s, th.stall_steps * step_time(run))
-    return (end, limit) if run.t_obs - end >= limit else None
+    # The launcher found no progress for its timeout (the user's) and stopped the job: the stall
+    # lasted to the stop, and its cause is what the records hold -- also where that came before the
+    # doctor's own limit (steps of 2.2 s on a loaded machine made it 8.8 s, beside a 6 s timeout)
+    # or before a step had completed to measure one by.
+    by_launcher = run.stopped.t - end if run.stopped is not None and run.stopped.kind == "hang" \
+        and run.stopped.t >= end + th.stall_floor_s else None
+    steps = {c.step for rr in run.ranks.values() for c in rr.records if c.step is not None}
+    if not any(s + 1 in steps for s in steps):  # no step completed yet (the first one warms up)
+        limit = by_launcher  # no step length to judge silence by: only the launcher's verdict
+    else:
+        limit = min(max(th.stall_floor_s, th.stall_steps * step_time(run)), by_launcher or float("inf"))
+    return (end, limit) if limit is not None and run.t_obs - end >= limit else None
 
 
 def _longest_silence(run: RunRecords, start: int) -> float | None:

@@ -8,6 +8,8 @@ What is read (all optional but `comm/`; the record format is in docs/doctor.md):
   modification time is when it was last written (a stopped rank stops writing it);
 * `exit/rankN.json` and `status/rankN.json` -- how the rank's process ended, if it did;
 * `config.json` -- the run's plan and rank layout (host, node, pipeline/data/tensor coordinates);
+* `stopped.json` -- the launcher's record that it stopped every rank (`plait.ir.comm.STOP_RECORD`:
+  a hang it found, or its watcher's verdict), written before its first kill;
 * `pause/rankN.jsonl` -- the runtime's pause markers (`plait.runtime.recorder.Heartbeat`: a
   checkpoint write, a restart's checkpoint load, an evaluation, a wait for the data loader),
   begin and end in Unix time: a wait they cover is a pause on purpose, not a stall nor work.
@@ -24,9 +26,16 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from plait.ir.comm import CommEnter, CommRecord, CommRecordError, HostSample, read_comm_records
+from plait.ir.comm import (
+    STOP_RECORD,
+    CommEnter,
+    CommRecord,
+    CommRecordError,
+    HostSample,
+    read_comm_records,
+)
 from plait.ir.diagnosis import DiagnosisError
 
 
@@ -56,6 +65,14 @@ class RankRun:
         return (self.status or {}).get("state") == "ok" or (self.heartbeat or {}).get("phase") == "done"
 
 
+class Stop(NamedTuple):
+    """The launcher's stop of the whole job (`plait.ir.comm.STOP_RECORD`)."""
+
+    t: float  # run clock
+    kind: str  # "hang": no progress for the launcher's timeout; "stopped": its watcher asked
+    reason: str
+
+
 @dataclass
 class RunRecords:
     run_dir: str
@@ -66,6 +83,8 @@ class RunRecords:
     warnings: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     wall_clock: bool = False  # record times were mapped to Unix time (heartbeat and exit times compare)
+    stopped: Stop | None = None
+    """When and why the launcher stopped every rank (`STOP_RECORD`), if it did."""
 
     def node_of(self, rank: int) -> Any:
         return self.ranks[rank].info.get("node", self.ranks[rank].info.get("host")) if rank in self.ranks else None
@@ -158,10 +177,16 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
                     t_obs = max(t_obs, t - t0)
             if rr.hb_written is not None:
                 t_obs = max(t_obs, rr.hb_written)
+    wall_clock = any(v != 0.0 for v in offsets.values())
+    stop = _read_json(root / STOP_RECORD, warnings)
+    stopped = Stop(float(stop["time"]) - t0, str(stop.get("kind", "stopped")), str(stop.get("reason", ""))) \
+        if wall_clock and stop is not None and isinstance(stop.get("time"), int | float) else None
+    if stopped is not None:
+        t_obs = max(t_obs, stopped.t)
     if live:
         t_obs = max(t_obs, time.time() - t0)
     return RunRecords(run_dir=str(root), world=world, ranks=ranks, t0_wall=t0, t_obs=t_obs,
-                      warnings=warnings, config=config, wall_clock=any(v != 0.0 for v in offsets.values()))
+                      warnings=warnings, config=config, wall_clock=wall_clock, stopped=stopped)
 
 
 PAUSES_KIND = "plait.pauses"  # plait.runtime.recorder writes them; the doctor reads the file alone
@@ -241,7 +266,7 @@ def as_of(run: RunRecords, t: float) -> RunRecords:
                            pauses=[(w, s, b, e if e is not None and e <= t else None) for w, s, b, e in rr.pauses
                                    if b <= t],
                            exit=by_t(rr.exit), status=by_t(rr.status))
-    return replace(run, ranks=ranks, t_obs=t)
+    return replace(run, ranks=ranks, t_obs=t, stopped=run.stopped if run.stopped and run.stopped.t <= t else None)
 
 
 def pid_alive(pid: Any) -> bool:

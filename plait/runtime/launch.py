@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.ir.comm import STOP_RECORD
 from plait.net.ports import free_port
 from plait.runtime.multinode import HOSTS_ERROR, NODE_FILE, HostMismatch, Rendezvous
 
@@ -175,13 +176,13 @@ class Launcher:
                 hung = self._find_hang(started)
                 if hung is not None:
                     hung.detected_at = time.time()
-                    self.stop()
+                    self.stop(str(hung), hung.kind)
                     raise hung
                 if self.watch is not None and time.time() - watched >= self.watch_every:
                     watched = time.time()
                     reason = self.watch()
                     if reason:
-                        self.stop()
+                        self.stop(reason, "stopped")
                         stopped = RunFailure(f"{reason}; stopped all ranks", kind="stopped",
                                              run_dir=str(self.run_dir))
                         stopped.detected_at = watched
@@ -220,8 +221,13 @@ class Launcher:
             time.sleep(self.poll)
         self.stop()
 
-    def stop(self) -> None:
-        """Kill every worker (its own process group) and every agent of this run."""
+    def stop(self, reason: str = "", kind: str = "stopped") -> None:
+        """Kill every worker (its own process group) and every agent of this run. With a `reason`
+        (a hang found: `kind` "hang"; the watcher's verdict: "stopped") the stop is recorded first
+        (`STOP_RECORD`), so the doctor reads the workers' SIGKILLs that follow as the job's stop, not
+        as deaths, and a hang as lasting up to the stop."""
+        if reason:
+            _write_stop(self.run_dir, reason, kind)
         for info in self._heartbeats().values():
             pid = info.get("pid")
             if pid:
@@ -498,6 +504,16 @@ def _alive(pid: Any) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _write_stop(run_dir: Path, reason: str, kind: str) -> None:
+    """The stop record (`STOP_RECORD`), written whole (a temporary file renamed) before any kill."""
+    tmp = run_dir / (STOP_RECORD + ".tmp")
+    try:
+        tmp.write_text(json.dumps({"time": time.time(), "kind": kind, "reason": reason}))
+        os.replace(tmp, run_dir / STOP_RECORD)
+    except OSError:  # a folder gone or read-only: the stop itself must still happen
+        pass
 
 
 def _kill(pid: int, sig: int) -> None:
