@@ -286,6 +286,7 @@ nodes:
 """
 
 
+@pytest.mark.slow  # suite time (2026-12-08): the other composed-search tests here stay
 def test_composed_pipeline_beats_every_single_family_across_a_slow_link():
     from plait.api import plan
     from plait.cluster import parse_yaml_text

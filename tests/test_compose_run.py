@@ -210,6 +210,7 @@ def test_eager_1f1b_composed_plan_equals_one_process() -> None:
         torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # suite time (2026-12-08): test_composed_plan_runs_equal_to_one_process keeps the run, tests/test_runtime_dcp.py the resume
 def test_composed_plan_checkpoints_and_resumes_under_itself(tmp_path) -> None:
     """A composed run saved after step 2 of 4 resumes under the same plan, equal to the
     uninterrupted run (under a 3D plan: test_composed_checkpoint_resumes_under_a_3d_plan)."""

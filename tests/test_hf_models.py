@@ -115,6 +115,7 @@ def test_llama_without_a_wrapper_trains_equal_to_one_process(plan):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # suite time (2026-12-08): the zoo GPT's tied head across pipeline stages stays (tests/test_runtime_forms.py)
 def test_t5_pipeline_with_its_shared_embedding_trains_equal_to_one_process():
     """T5's embedding is one tensor under four names (`shared`, both stacks' `embed_tokens`, the LM
     head): pp=2 holds it on both stages and sums its gradients across them, and the returned
@@ -325,6 +326,7 @@ def test_base_model_tp_plan_marks_the_blocks():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # suite time (2026-12-08): test_tp2_from_plaits_plan_trains_equal_to_one_process keeps a Hugging Face model on tp=2
 def test_llama_tp2_from_its_own_plan_trains_equal_to_one_process():
     """tp=2 of LlamaForCausalLM, cut where its config's plan says: equal to one process, and each
     rank holds half of every block's linear weights (the embedding, norms and LM head whole)."""
@@ -449,6 +451,7 @@ def test_the_spmd_family_plans_moe_routing_and_names_a_missing_rule(name, dtype)
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # suite time (2026-12-08): tests/test_program_precision.py's SPMD runs stay
 def test_an_moe_spmd_program_runs_the_planners_graph_equal_to_one_process():
     """The SPMD family's program of Mixtral runs on the graph the planner captured (the meta
     device: transformers picks its GPU routing there -- integer histc, its grouped_mm fallback --

@@ -67,6 +67,7 @@ def test_bad_arguments_give_one_line_errors(argv, needle, capsys):
     assert err.startswith("plait plan: error:") and needle in err and err.count("\n") == 1
 
 
+@pytest.mark.slow  # suite time (2026-12-08): test_run_without_machine_prediction and tests/test_machine.py keep the run and the prediction
 def test_run_trains_the_chosen_plan_and_prints_predicted_vs_measured(capsys):
     # one rank per node: the machine prediction calibrates this machine first (LocalMachine)
     rc = main(["plan", "--family", "3d", "--model", MODEL, "--cluster", "emulated-mixed:namespaces=false,gpus_per_node=1",

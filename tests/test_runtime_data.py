@@ -108,6 +108,7 @@ TRAIN = dict(lr=2e-3, min_lr=2e-4, lr_warmup_iters=1, lr_decay_style="cosine", l
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # suite time (2026-12-08): tests/test_torch_pipeline.py's uneven shares stay
 def test_uneven_dp_sees_one_process_samples_and_resumes_under_another_plan(data_spec: str, tmp_path: Path) -> None:
     train = TrainingConfig(data=data_spec, **TRAIN)
     ref, _ = reference_run(TINY, "dp=1,micro_batch=8,global_batch=8", 4, training=train)

@@ -175,6 +175,7 @@ def _save_resume_and_move(tmp_path: Path, reference: list[Any], plan: str, launc
         assert abs(got - want) <= 1e-5 * abs(want)
 
 
+@pytest.mark.slow  # suite time (2026-12-08): test_loads_at_dp3_uneven_zero3_and_converts_to_a_plain_state_dict keeps FSDP2's checkpoint
 def test_fsdp2_checkpoint_holds_the_whole_state_and_resumes_under_ddp(reference: list[Any], tmp_path: Path) -> None:
     """ZeRO-3 on FSDP2 with uneven shares (a parameter's dim-0 pieces 3:2 and so on): each rank
     writes its shard at its place in the whole tensor (`sharded_state.dtensor_cuts`)."""

@@ -154,6 +154,7 @@ def test_sequence_parallel_with_pipeline(reference, tmp_path) -> None:
     assert sends and all(e.args["sent"] == (8 // 2) * 2 * 16 * 4 for e in sends)  # [s/tp, b, h] fp32
 
 
+@pytest.mark.slow  # suite time (2026-12-08): test_sequence_parallel_selective_recompute keeps sequence parallelism
 def test_sequence_parallel_dropout_resume_is_bit_exact(tmp_path) -> None:
     """With dropout, sequence-parallel layers draw from a per-tensor-rank stream (each rank holds other
     tokens); that stream is checkpointed, so a resumed run continues bit for bit."""

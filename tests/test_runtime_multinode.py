@@ -69,6 +69,7 @@ def _node_args(cluster: str, plan: str, endpoint: str, run_id: str, run_dir: Pat
             "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--run-dir", str(run_dir), *extra]
 
 
+@pytest.mark.slow  # suite time (2026-12-08): the other multi-node runs here stay
 def test_two_hosts_2_and_1_workers_matched_by_node_name_train_like_one_process(cluster: str, tmp_path: Path) -> None:
     plan = "pp=3,micro_batch=2,global_batch=8,dtype=fp32"
     endpoint = f"127.0.0.1:{free_port()}"

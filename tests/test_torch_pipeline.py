@@ -291,7 +291,8 @@ def _zero_calls(run_dir: Path, rank: int, step: int, op: str) -> Counter[str]:
     (1, "dp=2,pp=2,micro_batch=2,layer_split=2:4,dp_shares=0.625:0.375,schedule=1f1b,"),
     pytest.param(2, "dp=2,pp=2,micro_batch=2,layer_split=3:3,schedule=gpipe,", marks=pytest.mark.slow),  # suite time
     # 6 and 2 samples: 3 micro-batches and 1, the lighter replica's pipeline runs 2 ghosts of one sample
-    (3, "dp=2,pp=2,micro_batch=2,layer_split=2:4,dp_shares=0.75:0.25,schedule=1f1b,"),
+    pytest.param(3, "dp=2,pp=2,micro_batch=2,layer_split=2:4,dp_shares=0.75:0.25,schedule=1f1b,",
+                 marks=pytest.mark.slow),  # suite time (2026-12-08): ZeRO-3 with PP stays in the bf16 case below
 ])
 def test_zero_on_fsdp2_pipeline_equals_one_process(zero, plan, reference, tmp_path: Path) -> None:
     """ZeRO-1/2/3 with pipelines (issue 29): each stage's module sharded by FSDP2 over the stage's
@@ -346,7 +347,7 @@ def test_zero3_pipeline_three_stages_clipped_and_interleaved_equal_one_process(t
 TOL = {"bf16": 3 * 2.0 ** -8, "fp16": 3 * 2.0 ** -11}  # as tests/test_program_precision.py
 
 
-@pytest.mark.parametrize("dtype, zero", [("bf16", 3), ("fp16", 1)])
+@pytest.mark.parametrize("dtype, zero", [("bf16", 3), pytest.param("fp16", 1, marks=pytest.mark.slow)])  # suite time
 def test_zero_pipeline_trains_in_low_precision_as_one_process(dtype, zero, tmp_path: Path, monkeypatch) -> None:
     # FSDP2's MixedPrecisionPolicy on each stage (parameters gathered in the run's dtype, gradients
     # reduce-scattered in the plan's reduce dtype: fp32 for bf16, fp16 for fp16), fp16 with plait's loss
