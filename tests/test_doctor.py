@@ -861,6 +861,35 @@ def test_ranks_killed_in_the_launchers_stop_are_the_stop_not_deaths(tmp_path: Pa
     assert kinds(stopped_rank("watch", "stopped")) == []
 
 
+def test_a_hang_named_beside_a_file_cut_before_the_stall_is_low_confidence(tmp_path: Path) -> None:
+    """Who holds a stalled call is read off every member's enter lines. Rank 0's file cut long
+    before the stall (issue 32, seed 9700: its own skip was in the lost part, and a peer was named)
+    leaves the hang of rank 2 resting on lines that are gone: a low-confidence warning, not a
+    finding. A last line cut as a rank was killed leaves its entry into the stall readable: the hang
+    is still named."""
+    import time
+
+    now = time.time()
+
+    def stalled(name: str) -> Path:  # rank 2 stops at step 5 (0.77 s); the launcher stops the job at 2 s
+        root = write_run(tmp_path / name, stop=(2, 5), wall=now - 30.0)
+        (root / "stopped.json").write_text(json.dumps({"time": now - 28.0, "kind": "hang", "reason": "r"}))
+        return root
+
+    def cut(name: str, keep: float) -> Diagnosis:
+        root = stalled(name)
+        path = root / "comm" / "rank0.jsonl"
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(lines[: int(len(lines) * keep)]) + '{"type": "call", "rank": 0, "gro')
+        return diagnose(root)
+
+    assert kinds(diagnose(stalled("whole"))) == [("noncomm_hang", (2,))]
+    early = cut("early", 0.4)
+    assert kinds(early) == [] and any(w.startswith("low confidence, not reported: noncomm_hang of ranks [2]")
+                                      for w in early.warnings), (early.findings, early.warnings)
+    assert kinds(cut("last_line", 1.0)) == [("noncomm_hang", (2,))]
+
+
 def test_deaths_a_mismatch_causes_are_its_consequences_not_faults(tmp_path: Path) -> None:
     """gloo answers a call of another size by aborting the rank that receives it (SIGABRT) and its
     peers then fail on the closed connections: the mismatch is the fault, those deaths are named in

@@ -90,8 +90,9 @@ def _library_ending(ended: object) -> bool:
 
 def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], list[str]]:
     """Lower the confidence of what rests on a damaged records file (cut or unreadable lines):
-    a finding naming that rank (or naming none, every member waiting) that rests on its records
-    becomes a warning that says so, not a finding; so does a rank the collective library ended
+    a finding naming that rank (or naming none, every member waiting), or a hang beside it whose
+    stall began after that rank's readable lines end, that rests on its records becomes a warning
+    that says so, not a finding; so does a rank the collective library ended
     (an abort or an error, not a signal from outside) beside any damaged file, as the lost lines may
     hold the mismatched call it answered; a rank killed from outside keeps `evidence["confidence"] =
     "low"` and the file's damage."""
@@ -101,6 +102,14 @@ def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], l
     kept, lowered = [], []
     for f in found:
         on = [r for r in (f.ranks or tuple(damaged)) if r in damaged]
+        if not on and f.kind in ("comm_hang", "noncomm_hang"):
+            # who holds a stalled call is read off every member's enter lines: a culprit named beside
+            # a damaged member (of the stalled call, or waiting) whose readable lines end before the stall rests on that member's lost
+            # lines too (issue 32, seed 9700: rank 0's file cut at 70 % hid its skip, and rank 1 was
+            # named); a last line cut as a rank was killed leaves its entry to the stall readable
+            seen = {int(r) for r in (*f.evidence.get("members", []), *f.evidence.get("waited_s", {}),
+                                     *f.evidence.get("entered", []))}
+            on = sorted(r for r in seen if r in damaged and _last_seen(run, r) < f.first_seen_s)
         if f.kind == "dead_rank" and _library_ending(f.evidence.get("ended")):
             # a process the collective library ended (an abort, an error) may answer a mismatched
             # call the damaged lines held (`_with_deaths`): not reported as a fault of its own
@@ -119,6 +128,12 @@ def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], l
                                              "damaged": {str(r): damaged[r] for r in on}}))
     return kept, lowered
 
+
+
+def _last_seen(run: RunRecords, r: int) -> float:
+    """The last time rank `r`'s readable records show (a call's end or an enter line)."""
+    rr = run.ranks[r]
+    return max([c.t_end for c in rr.records] + [e.t for e in rr.enters], default=0.0)
 
 
 def _with_deaths(found: list[Finding], deaths: list[Finding]) -> list[Finding]:

@@ -438,6 +438,7 @@ def hangs(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
     waited = {r: round(run.t_obs - min(e.t for e in es), 3) for r, es in pend.items() if es}
     if not missing:
         return [_finding("comm_hang", (), e0.t, detected, run, step=e0.step, collective=coll, waited_s=waited,
+                         members=sorted(members),
                          reason="every member entered the call and none finished it (a link or NIC)")]
     out = []
     for m in missing:
@@ -447,12 +448,13 @@ def hangs(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
             why = "its heartbeat stopped (process stopped)" if m in stopped else \
                 f"it is outside any call ({(run.ranks[m].heartbeat or {}).get('phase', 'unknown phase')})"
             out.append(_finding("noncomm_hang", (m,), end, detected, run, step=e0.step, collective=coll,
-                                waited_s=waited, reason=f"rank {m} never entered {coll}: {why}"))
+                                waited_s=waited, members=sorted(members), reason=f"rank {m} never entered {coll}: {why}"))
         else:
             inside = f"{where[0].op} {where[0].group} seq {where[0].seq}" if where else \
                 f"'{(run.ranks[m].heartbeat or {}).get('waiting')}'"
             out.append(_finding("comm_hang", (m,), end, detected, run, step=e0.step, collective=coll,
-                                waited_s=waited, reason=f"rank {m} never entered {coll}; it waits in {inside}"))
+                                waited_s=waited, members=sorted(members),
+                                reason=f"rank {m} never entered {coll}; it waits in {inside}"))
     return out
 
 
