@@ -840,6 +840,10 @@ def test_ranks_killed_in_the_launchers_stop_are_the_stop_not_deaths(tmp_path: Pa
     stop = read_run(root).stopped
     assert stop is not None and stop.t == pytest.approx(1.2, abs=1e-3) and (stop.kind, stop.reason) == ("hang", "rank 3 hung")
     assert as_of(read_run(root), 1.1).stopped is None
+    # a record of a newer format is not read, and says so
+    (root / "stopped.json").write_text(json.dumps({"format_version": 2, "time": now - 30 + 1.2, "kind": "hang"}))
+    newer = read_run(root)
+    assert newer.stopped is None and any("format_version 2 is newer" in w for w in newer.warnings)
     # without the record, the same kills read as deaths (the folders of plait before this rule)
     root = killed(write_run(tmp_path / "unrecorded", skip=(3, 5), wall=now - 30.0), kills, stop_at=None)
     assert {f.ranks for f in diagnose(root).findings if f.kind == "dead_rank"} == {(0,), (1,), (2,), (3,)}

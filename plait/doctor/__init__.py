@@ -104,9 +104,10 @@ def _confidence(run: RunRecords, found: list[Finding]) -> tuple[list[Finding], l
         on = [r for r in (f.ranks or tuple(damaged)) if r in damaged]
         if not on and f.kind in ("comm_hang", "noncomm_hang"):
             # who holds a stalled call is read off every member's enter lines: a culprit named beside
-            # a damaged member (of the stalled call, or waiting) whose readable lines end before the stall rests on that member's lost
-            # lines too (issue 32, seed 9700: rank 0's file cut at 70 % hid its skip, and rank 1 was
-            # named); a last line cut as a rank was killed leaves its entry to the stall readable
+            # a damaged member (of the stalled call, or waiting) whose readable lines end before the
+            # stall rests on that member's lost lines too (issue 32, seed 9700: rank 0's file cut at
+            # 70 % hid its skip, and rank 1 was named); a last line cut as a rank was killed leaves
+            # its entry into the stall readable
             seen = {int(r) for r in (*f.evidence.get("members", []), *f.evidence.get("waited_s", {}),
                                      *f.evidence.get("entered", []))}
             on = sorted(r for r in seen if r in damaged and _last_seen(run, r) < f.first_seen_s)

@@ -448,7 +448,8 @@ def hangs(run: RunRecords, th: Thresholds, live: bool = False) -> list[Finding]:
             why = "its heartbeat stopped (process stopped)" if m in stopped else \
                 f"it is outside any call ({(run.ranks[m].heartbeat or {}).get('phase', 'unknown phase')})"
             out.append(_finding("noncomm_hang", (m,), end, detected, run, step=e0.step, collective=coll,
-                                waited_s=waited, members=sorted(members), reason=f"rank {m} never entered {coll}: {why}"))
+                                waited_s=waited, members=sorted(members),
+                                reason=f"rank {m} never entered {coll}: {why}"))
         else:
             inside = f"{where[0].op} {where[0].group} seq {where[0].seq}" if where else \
                 f"'{(run.ranks[m].heartbeat or {}).get('waiting')}'"

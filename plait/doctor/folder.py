@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from plait.ir.comm import (
     STOP_RECORD,
+    STOP_RECORD_VERSION,
     CommEnter,
     CommRecord,
     CommRecordError,
@@ -178,15 +179,25 @@ def read_run(run_dir: str | Path, *, live: bool = False) -> RunRecords:
             if rr.hb_written is not None:
                 t_obs = max(t_obs, rr.hb_written)
     wall_clock = any(v != 0.0 for v in offsets.values())
-    stop = _read_json(root / STOP_RECORD, warnings)
-    stopped = Stop(float(stop["time"]) - t0, str(stop.get("kind", "stopped")), str(stop.get("reason", ""))) \
-        if wall_clock and stop is not None and isinstance(stop.get("time"), int | float) else None
+    stopped = _read_stop(root, t0, warnings) if wall_clock else None
     if stopped is not None:
         t_obs = max(t_obs, stopped.t)
     if live:
         t_obs = max(t_obs, time.time() - t0)
     return RunRecords(run_dir=str(root), world=world, ranks=ranks, t0_wall=t0, t_obs=t_obs,
                       warnings=warnings, config=config, wall_clock=wall_clock, stopped=stopped)
+
+
+def _read_stop(root: Path, t0: float, warnings: list[str]) -> Stop | None:
+    """The launcher's stop record on the run clock (None without one, or of a newer format)."""
+    stop = _read_json(root / STOP_RECORD, warnings)
+    if stop is None or not isinstance(stop.get("time"), int | float):
+        return None
+    if int(stop.get("format_version", 1) or 1) > STOP_RECORD_VERSION:
+        warnings.append(f"{root / STOP_RECORD}: format_version {stop.get('format_version')} is newer than "
+                        f"this plait reads ({STOP_RECORD_VERSION}); ignored")
+        return None
+    return Stop(float(stop["time"]) - t0, str(stop.get("kind", "stopped")), str(stop.get("reason", "")))
 
 
 PAUSES_KIND = "plait.pauses"  # plait.runtime.recorder writes them; the doctor reads the file alone

@@ -41,11 +41,12 @@ FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)  # 1: no enter lines (plait before the doctor); 2: no host lines; read as they are
 FILE_KIND = "plait.comm_records"
 STOP_RECORD = "stopped.json"
-"""The launcher's record, in the run folder, that it stopped every rank: ``{"time": unix seconds,
-"kind": "hang" | "stopped", "reason": text}`` -- "hang": no progress for its timeout (the user's
-`--timeout`); "stopped": its watcher asked (`plait run --recover`'s doctor) -- written *before* the
-first kill. A rank that ends at or after it by a signal from outside (SIGKILL, SIGTERM) was stopped
-with the job, not dead of a fault of its own."""
+"""The launcher's record, in the run folder, that it stopped every rank: ``{"format_version": 1,
+"time": unix seconds, "kind": "hang" | "stopped", "reason": text}`` -- "hang": no progress for its
+timeout (the user's `--timeout`); "stopped": its watcher asked (`plait run --recover`'s doctor) --
+written *before* the first kill. A rank that ends at or after it by a signal from outside (SIGKILL,
+SIGTERM) was stopped with the job, not dead of a fault of its own."""
+STOP_RECORD_VERSION = 1  # a newer one is not read (the doctor warns and reads the kills as before)
 
 
 class CommRecordError(PlaitError):

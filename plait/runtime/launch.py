@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
-from plait.ir.comm import STOP_RECORD
+from plait.ir.comm import STOP_RECORD, STOP_RECORD_VERSION
 from plait.net.ports import free_port
 from plait.runtime.multinode import HOSTS_ERROR, NODE_FILE, HostMismatch, Rendezvous
 
@@ -510,7 +510,8 @@ def _write_stop(run_dir: Path, reason: str, kind: str) -> None:
     """The stop record (`STOP_RECORD`), written whole (a temporary file renamed) before any kill."""
     tmp = run_dir / (STOP_RECORD + ".tmp")
     try:
-        tmp.write_text(json.dumps({"time": time.time(), "kind": kind, "reason": reason}))
+        tmp.write_text(json.dumps({"format_version": STOP_RECORD_VERSION, "time": time.time(), "kind": kind,
+                                   "reason": reason}))
         os.replace(tmp, run_dir / STOP_RECORD)
     except OSError:  # a folder gone or read-only: the stop itself must still happen
         pass
