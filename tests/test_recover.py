@@ -314,6 +314,9 @@ def test_live_doctor_diagnosis_drives_recovery_onto_fewer_ranks(tmp_path: Path) 
     assert found["kind"] == "noncomm_hang" and "source" not in found["evidence"]  # the doctor's, with its evidence
     assert "rank 1 never entered" in found["evidence"]["reason"] and found["step"] == 3
     assert p0.isolation["nodes"] == ["v100-node"]
+    # the launcher recorded the watcher's stop before killing the phase's ranks (issue 32)
+    stop = json.loads((Path(p0.run_dir) / "stopped.json").read_text())
+    assert stop["kind"] == "stopped" and "noncomm_hang" in stop["reason"]
     assert p1.nodes == ["a100-node"] and p1.world_size == 1 and p1.start_step == 2 and p1.ended == "finished"
     (t,) = res.transitions
     assert t.resumed_from == 2 and 0 < t.detect_to_train_s < 60
