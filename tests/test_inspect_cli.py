@@ -40,6 +40,25 @@ def test_table_lists_layers_and_totals(capsys):
     assert "is a chain" in out
 
 
+def test_precision_amp_shows_the_model_as_plaits_engines_train_it(capsys):
+    """`--precision amp`: fp32 parameters, the step under CUDA's autocast lists (the graph `plait
+    plan` prices by default): the same parameters, the casts as ops of their own; megatron (the
+    default) is the whole model in the dtype, as before."""
+    _, out, _ = _run(["inspect", SPEC, "--json", "--dtype", "bf16"], capsys)
+    _, out_amp, _ = _run(["inspect", SPEC, "--json", "--dtype", "bf16", "--precision", "amp"], capsys)
+    low, amp = json.loads(out), json.loads(out_amp)
+    assert (low["autocast"], amp["autocast"]) == (None, "bf16")
+    assert amp["totals"]["params"] == low["totals"]["params"]
+    assert amp["totals"]["ops"] > low["totals"]["ops"]  # every autocast cast is an op
+    from plait.graph.resolve import resolve_model
+    from plait.ir.plan import Plan
+
+    graph = resolve_model(SPEC, Plan(dtype="bf16"), analytic=False, precision="amp")
+    assert amp["totals"]["ops"] == len(graph.ops)  # the graph `plait plan` prices
+    code, out_t, _ = _run(["inspect", SPEC, "--dtype", "bf16", "--precision", "amp"], capsys)
+    assert code == 0 and "under autocast (amp)" in out_t
+
+
 def test_json_has_layers_totals_and_scales_with_batch(capsys):
     code, out, _ = _run(["inspect", SPEC, "--json", "--batch", "1"], capsys)
     assert code == 0

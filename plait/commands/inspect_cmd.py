@@ -3,6 +3,7 @@
     plait inspect                                        # the zoo's default GPT (345M shape)
     plait inspect gpt:size=175b --batch 1 --dtype fp16
     plait inspect path/to/model.py:factory --json
+    plait inspect gpt --dtype bf16 --precision amp       # as plait's engines train it (autocast)
 
 The model is captured on the meta device (no real memory), so any size works.
 """
@@ -34,6 +35,10 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     p.add_argument("--dtype", default="bf16", help="fp32, fp16 or bf16 (default bf16)")
+    p.add_argument("--precision", choices=("megatron", "amp"), default="megatron",
+                   help="how a bf16 / fp16 model is shown: megatron, the whole model in that dtype (default; "
+                        "Megatron-LM, DeepSpeed) or amp, fp32 parameters with the ops under CUDA's autocast "
+                        "lists (plait's engines: what `plait plan` and `plait simulate` price by default)")
     p.add_argument("--json", action="store_true", help="print the same figures as JSON")
     p.set_defaults(func=run)
 
@@ -50,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 1:
         raise InspectError(f"--batch: must be >= 1, got {args.batch}")
     dtype = dtype_label(args.dtype)
-    graph = inspect_model(args.model, batch=args.batch, dtype=args.dtype)
+    autocast = dtype if args.precision == "amp" and dtype in ("bf16", "fp16") else None
+    graph = inspect_model(args.model, batch=args.batch, dtype=args.dtype, autocast=autocast)
     summary = summarize(graph, args.batch)
     summary["dtype"] = dtype
     if args.json:
@@ -61,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
         console = Console(width=140)
-    console.print(render_table(summary, dtype))
+    console.print(render_table(summary, f"{dtype} under autocast (amp)" if autocast else dtype))
     tot = summary["totals"]
     console.print(
         f"{len(summary['layers'])} layers, {tot['ops']} ops; layer graph "

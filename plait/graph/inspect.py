@@ -168,6 +168,7 @@ def summarize(graph: OpGraph, batch: int = 1) -> dict[str, Any]:
         "param_dtype_bytes": graph.param_dtype_bytes,
         "activation_dtype_bytes": graph.activation_dtype_bytes,
         "capture_batch": graph.capture_batch,
+        "autocast": graph.autocast or None,  # the step captured under autocast to this dtype (None: as it is)
         "config": graph.config,
         "layers": layers,
         "layer_edges": [list(e) for e in graph.layer_edges],
