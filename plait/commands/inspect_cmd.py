@@ -35,7 +35,9 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     p.add_argument("--dtype", default="bf16", help="fp32, fp16 or bf16 (default bf16)")
-    p.add_argument("--precision", choices=("megatron", "amp"), default="megatron",
+    from plait.cost.memory import PRECISIONS
+
+    p.add_argument("--precision", choices=PRECISIONS, default="megatron",
                    help="how a bf16 / fp16 model is shown: megatron, the whole model in that dtype (default; "
                         "Megatron-LM, DeepSpeed) or amp, fp32 parameters with the ops under CUDA's autocast "
                         "lists (plait's engines: what `plait plan` and `plait simulate` price by default)")
@@ -51,11 +53,12 @@ def run(args: argparse.Namespace) -> int:
         render_table,
         summarize,
     )
+    from plait.graph.resolve import autocast_of
 
     if args.batch < 1:
         raise InspectError(f"--batch: must be >= 1, got {args.batch}")
     dtype = dtype_label(args.dtype)
-    autocast = dtype if args.precision == "amp" and dtype in ("bf16", "fp16") else None
+    autocast = autocast_of(dtype, args.precision)
     graph = inspect_model(args.model, batch=args.batch, dtype=args.dtype, autocast=autocast)
     summary = summarize(graph, args.batch)
     summary["dtype"] = dtype

@@ -35,6 +35,14 @@ class ModelResolveError(PlaitError, ValueError):
     """A model argument that names no model plait can build (the message says which and why)."""
 
 
+def autocast_of(dtype: str, precision: str) -> str | None:
+    """The autocast dtype a `dtype` model is captured under at `precision`: a 16-bit dtype under
+    "amp" (plait's engines), none under "megatron" (the model in that dtype) or in fp32 / tf32."""
+    if precision not in ("megatron", "amp"):
+        raise ModelResolveError(f"precision: 'megatron' or 'amp', got {precision!r}")
+    return dtype if precision == "amp" and dtype in ("bf16", "fp16") else None
+
+
 def resolve_model(model: ModelSource, plan: Plan, inputs: Any = None, analytic: bool | None = None,
                   precision: str = "megatron") -> OpGraph:
     """OpGraph of `model` at `plan`'s micro-batch and dtype. GPT zoo specs use the closed-form
@@ -44,9 +52,7 @@ def resolve_model(model: ModelSource, plan: Plan, inputs: Any = None, analytic: 
     the model in that dtype (Megatron-LM, DeepSpeed); "amp", fp32 parameters under autocast to it
     (plait's engines, torch's AMP) -- the graph is captured so (`OpGraph.autocast`), and its memory
     estimate and costs follow. An OpGraph (object or file) is returned as it is."""
-    if precision not in ("megatron", "amp"):
-        raise ModelResolveError(f"precision: 'megatron' or 'amp', got {precision!r}")
-    autocast = plan.dtype if precision == "amp" and plan.dtype in ("bf16", "fp16") else None
+    autocast = autocast_of(plan.dtype, precision)
     if isinstance(model, OpGraph):
         return model
     if isinstance(model, (str, Path)):

@@ -43,7 +43,7 @@ from typing import Any
 from plait.errors import PlaitError
 from plait.ir.comm import STOP_RECORD, STOP_RECORD_VERSION
 from plait.net.ports import free_port
-from plait.runtime.multinode import HOSTS_ERROR, NODE_FILE, HostMismatch, Rendezvous
+from plait.runtime.multinode import HOSTS_ERROR, NODE_FILE, HostMismatch, Rendezvous, write_json
 
 # Phases before training (imports, rendezvous, model build) and checkpoint writes may legitimately
 # take longer than one step: they get the startup allowance instead of `timeout`.
@@ -507,12 +507,10 @@ def _alive(pid: Any) -> bool:
 
 
 def _write_stop(run_dir: Path, reason: str, kind: str) -> None:
-    """The stop record (`STOP_RECORD`), written whole (a temporary file renamed) before any kill."""
-    tmp = run_dir / (STOP_RECORD + ".tmp")
+    """The stop record (`STOP_RECORD`), written whole before any kill."""
     try:
-        tmp.write_text(json.dumps({"format_version": STOP_RECORD_VERSION, "time": time.time(), "kind": kind,
-                                   "reason": reason}))
-        os.replace(tmp, run_dir / STOP_RECORD)
+        write_json(run_dir / STOP_RECORD, {"format_version": STOP_RECORD_VERSION, "time": time.time(),
+                                           "kind": kind, "reason": reason})
     except OSError:  # a folder gone or read-only: the stop itself must still happen
         pass
 

@@ -304,12 +304,12 @@ def rank_after_rendezvous(config: WorkerConfig) -> int:
         assignment = assign_nodes(nodes, joined)
         check_hosts(nodes, joined, assignment, mn.emulated)
     except HostMismatch as exc:
-        _write_json(run_dir / HOSTS_ERROR, {"error": str(exc)})
+        write_json(run_dir / HOSTS_ERROR, {"error": str(exc)})
         raise
     node = nodes[assignment[group]]
     rank = node.ranks[local]
     if local == 0:
-        _write_json(run_dir / NODE_FILE, {"host": joined[group]["hostname"], "node_name": mn.node_name,
+        write_json(run_dir / NODE_FILE, {"host": joined[group]["hostname"], "node_name": mn.node_name,
                                           "cluster_node": node.name, "ranks": list(node.ranks),
                                           "hosts": [{"hostname": h["hostname"], "name": h["name"],
                                                      "cluster_node": nodes[i].name, "ranks": list(nodes[i].ranks)}
@@ -318,7 +318,8 @@ def rank_after_rendezvous(config: WorkerConfig) -> int:
     return rank
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """`data` to `path` whole: written beside it, then renamed over it (a reader never sees half)."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
